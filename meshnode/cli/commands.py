@@ -1,0 +1,3 @@
+"""Imports every command module so that each registers its commands on ``app``."""
+
+from meshnode.cli import generate  # noqa: F401

