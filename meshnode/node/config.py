@@ -1,0 +1,285 @@
+"""The node's configuration: one frozen, strict object built in layers.
+
+Layers, later wins: built-in defaults → TOML file (``--config``) → ``MESHNODE_*`` environment
+variables → command-line flags the user actually passed (``None`` means "not passed", the
+hypercorn sentinel idea). Unknown keys and wrong types are errors, never ignored: a typo in
+a config file should stop the node, not silently run it with a default.
+
+Every setting is declared once in ``SETTINGS`` (TOML section and key, environment variable,
+parser). To add one: add a field to :class:`NodeConfig` and a row to ``SETTINGS``.
+
+Errors: :class:`ConfigError` (a ``ValueError``) names the offending source and key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+Device = Literal["cpu", "cuda"]
+
+DEFAULT_LISTEN_PORT = 7470
+DEFAULT_API_PORT = 8470
+
+
+class ConfigError(ValueError):
+    """An unknown key, a value of the wrong type, or an inconsistent combination."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Address:
+    """A TCP endpoint; port 0 asks the OS for a free port (tests)."""
+
+    host: str
+    port: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port out of range: {self.port}")
+
+    @classmethod
+    def parse(cls, text: str) -> Address:
+        """Parse ``HOST:PORT`` or ``[V6]:PORT``; raises :class:`ConfigError`."""
+        m = re.fullmatch(r"\[([^\]]+)\]:(\d+)|([^:\[\]]+):(\d+)", text.strip())
+        if m is None:
+            raise ConfigError(f"expected HOST:PORT, got {text!r}")
+        host = m.group(1) or m.group(3)
+        return cls(host, int(m.group(2) or m.group(4)))
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatTimeouts:
+    """How often peers ping each other and how long silence may last.
+
+    A peer is *suspect* after ``suspect_after_s`` without any frame from it and *dead*
+    after ``dead_after_s``. The defaults tolerate two lost heartbeats on a busy LAN.
+    """
+
+    interval_s: float = 1.0
+    suspect_after_s: float = 3.0
+    dead_after_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.interval_s < self.suspect_after_s < self.dead_after_s:
+            raise ConfigError(
+                "heartbeat timeouts need 0 < interval_s < suspect_after_s < dead_after_s, got "
+                f"{self.interval_s}, {self.suspect_after_s}, {self.dead_after_s}"
+            )
+
+
+def default_state_dir() -> Path:
+    """``$XDG_STATE_HOME/meshnode``, falling back to ``~/.local/state/meshnode``."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "meshnode"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """Everything ``meshnode join`` needs; see ``deploy/meshnode.example.toml``."""
+
+    token: str | None = field(default=None, repr=False)  # secret: never logged
+    token_file: Path | None = None
+    state_dir: Path = field(default_factory=default_state_dir)
+    listen: Address = Address("0.0.0.0", DEFAULT_LISTEN_PORT)
+    api: Address = Address("127.0.0.1", DEFAULT_API_PORT)
+    interface: str | None = None
+    mdns: bool = True
+    peers: tuple[Address, ...] = ()
+    max_memory_bytes: int | None = None
+    device: Device = "cpu"
+    heartbeat: HeartbeatTimeouts = HeartbeatTimeouts()
+    log_level: str = "INFO"
+
+    def resolve_token(self) -> str:
+        """The join token from ``token`` or ``token_file``; raises :class:`ConfigError`."""
+        if self.token:
+            return self.token
+        if self.token_file is not None:
+            try:
+                return self.token_file.read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"cannot read token file {self.token_file}: {exc}") from exc
+        raise ConfigError("no join token: pass --token, --token-file or set MESHNODE_TOKEN")
+
+
+# ---- parsers: each takes a TOML value or an environment string -------------------------
+
+
+def _str(v: object) -> str:
+    if not isinstance(v, str):
+        raise ConfigError(f"expected a string, got {v!r}")
+    return v
+
+
+def _path(v: object) -> Path:
+    return Path(_str(v)).expanduser()
+
+
+def _address(v: object) -> Address:
+    return Address.parse(_str(v))
+
+
+def _bool(v: object) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
+        return v.lower() in {"1", "true", "yes", "on"}
+    raise ConfigError(f"expected a boolean, got {v!r}")
+
+
+def _float(v: object) -> float:
+    if isinstance(v, bool):
+        raise ConfigError(f"expected a number, got {v!r}")
+    if isinstance(v, int | float):
+        return float(v)
+    try:
+        return float(_str(v))
+    except ValueError as exc:
+        raise ConfigError(f"expected a number, got {v!r}") from exc
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_UNITS |= {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(v: object) -> int:
+    """Bytes as an integer or a string such as ``8GiB``, ``512M``, ``1000000``."""
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+        return v
+    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]i?)?b?\s*", _str(v).lower())
+    if m is None:
+        raise ConfigError(f"expected a byte count such as 8GiB, got {v!r}")
+    return int(m.group(1)) * _UNITS[m.group(2) or ""]
+
+
+def _peers(v: object) -> tuple[Address, ...]:
+    if isinstance(v, str):  # environment: comma-separated
+        return tuple(Address.parse(p) for p in v.split(",") if p.strip())
+    if isinstance(v, list | tuple):
+        return tuple(_address(p) for p in v)
+    raise ConfigError(f"expected a list of HOST:PORT, got {v!r}")
+
+
+def _device(v: object) -> Device:
+    s = _str(v)
+    if s == "cpu":
+        return "cpu"
+    if s == "cuda":
+        return "cuda"
+    raise ConfigError(f"device must be cpu or cuda, got {s!r}")
+
+
+def _log_level(v: object) -> str:
+    s = _str(v).upper()
+    if s not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+        raise ConfigError(f"log level must be DEBUG, INFO, WARNING or ERROR, got {s!r}")
+    return s
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One configurable value: where it lives in TOML and the environment, how to parse it.
+
+    ``name`` is the :class:`NodeConfig` field, or ``heartbeat.<field>`` for the nested
+    :class:`HeartbeatTimeouts`.
+    """
+
+    name: str
+    section: str
+    key: str
+    env: str
+    parse: Callable[[object], Any]
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("token", "mesh", "token", "MESHNODE_TOKEN", _str),
+    Setting("token_file", "mesh", "token_file", "MESHNODE_TOKEN_FILE", _path),
+    Setting("state_dir", "node", "state_dir", "MESHNODE_STATE_DIR", _path),
+    Setting("listen", "node", "listen", "MESHNODE_LISTEN", _address),
+    Setting("api", "node", "api", "MESHNODE_API", _address),
+    Setting("max_memory_bytes", "node", "max_memory", "MESHNODE_MAX_MEMORY", parse_bytes),
+    Setting("device", "node", "device", "MESHNODE_DEVICE", _device),
+    Setting("log_level", "node", "log_level", "MESHNODE_LOG_LEVEL", _log_level),
+    Setting("interface", "discovery", "interface", "MESHNODE_INTERFACE", _str),
+    Setting("mdns", "discovery", "mdns", "MESHNODE_MDNS", _bool),
+    Setting("peers", "discovery", "peers", "MESHNODE_PEERS", _peers),
+    Setting("heartbeat.interval_s", "heartbeat", "interval_s", "MESHNODE_HEARTBEAT_S", _float),
+    Setting(
+        "heartbeat.suspect_after_s", "heartbeat", "suspect_after_s", "MESHNODE_SUSPECT_S", _float
+    ),
+    Setting("heartbeat.dead_after_s", "heartbeat", "dead_after_s", "MESHNODE_DEAD_S", _float),
+)
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def _from_toml(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Flatten a TOML document into ``{setting name: parsed value}``, rejecting unknowns."""
+    known = {(s.section, s.key): s for s in SETTINGS}
+    out: dict[str, Any] = {}
+    for section, table in doc.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: top-level key {section!r} must be a [table]")
+        for key, raw in table.items():
+            setting = known.get((section, key))
+            if setting is None:
+                raise ConfigError(f"{source}: unknown setting [{section}] {key}")
+            out[setting.name] = _parse(setting, raw, f"{source}: [{section}] {key}")
+    return out
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    return {s.name: _parse(s, env[s.env], s.env) for s in SETTINGS if s.env in env}
+
+
+def _parse(setting: Setting, raw: object, where: str) -> Any:
+    try:
+        return setting.parse(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+def _build(values: Mapping[str, Any]) -> NodeConfig:
+    heartbeat = {k.split(".", 1)[1]: v for k, v in values.items() if k.startswith("heartbeat.")}
+    flat = {k: v for k, v in values.items() if not k.startswith("heartbeat.")}
+    config = NodeConfig(**flat)
+    if heartbeat:
+        config = replace(config, heartbeat=replace(config.heartbeat, **heartbeat))
+    return config
+
+
+def load_config(
+    *,
+    config_file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> NodeConfig:
+    """Build the config: defaults → ``config_file`` → ``env`` → ``flags`` (non-None only).
+
+    ``flags`` maps setting names (``"listen"``, ``"heartbeat.interval_s"``, …) to values
+    already of the field's type, or to ``None`` for a flag that was not passed.
+    ``env`` defaults to ``os.environ``, read here rather than at import time.
+    Raises :class:`ConfigError`.
+    """
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            doc = tomllib.loads(config_file.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc
+        values |= _from_toml(doc, str(config_file))
+    values |= _from_env(os.environ if env is None else env)
+    for name, value in (flags or {}).items():
+        if name not in _BY_NAME:
+            raise ConfigError(f"unknown setting {name!r}")
+        if value is not None:
+            values[name] = value
+    return _build(values)
+

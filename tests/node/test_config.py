@@ -1,0 +1,122 @@
+"""Config layering (defaults → file → env → flags) and strictness."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshnode.node.config import (
+    Address,
+    ConfigError,
+    HeartbeatTimeouts,
+    NodeConfig,
+    load_config,
+    parse_bytes,
+)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "meshnode.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_need_nothing() -> None:
+    config = load_config(env={})
+    assert config == NodeConfig(state_dir=config.state_dir)
+    assert config.listen == Address("0.0.0.0", 7470)
+    assert config.mdns
+
+
+def test_layers_apply_in_order(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+        [node]
+        listen = "127.0.0.1:1000"
+        api = "127.0.0.1:2000"
+        max_memory = "1GiB"
+        [discovery]
+        peers = ["10.0.0.2:7470", "[::1]:7471"]
+        [heartbeat]
+        interval_s = 0.5
+        """,
+    )
+    env = {"MESHNODE_API": "127.0.0.1:3000", "MESHNODE_LISTEN": "127.0.0.1:4000"}
+    config = load_config(
+        config_file=path, env=env, flags={"listen": Address("127.0.0.1", 5000), "api": None}
+    )
+    assert config.listen == Address("127.0.0.1", 5000)  # flag beats env beats file
+    assert config.api == Address("127.0.0.1", 3000)  # env beats file; unpassed flag ignored
+    assert config.max_memory_bytes == 1 << 30
+    assert config.peers == (Address("10.0.0.2", 7470), Address("::1", 7471))
+    assert config.heartbeat == HeartbeatTimeouts(0.5, 3.0, 10.0)
+
+
+def test_env_values_are_parsed() -> None:
+    env = {
+        "MESHNODE_MDNS": "off",
+        "MESHNODE_PEERS": "a:1,b:2",
+        "MESHNODE_HEARTBEAT_S": "0.2",
+        "MESHNODE_SUSPECT_S": "0.6",
+        "MESHNODE_DEAD_S": "1.5",
+        "MESHNODE_DEVICE": "cuda",
+    }
+    config = load_config(env=env)
+    assert not config.mdns
+    assert config.peers == (Address("a", 1), Address("b", 2))
+    assert config.heartbeat == HeartbeatTimeouts(0.2, 0.6, 1.5)
+    assert config.device == "cuda"
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[node]\nlisten_port = 1\n", r"unknown setting \[node\] listen_port"),
+        ("[nodes]\nlisten = 'a:1'\n", r"unknown setting \[nodes\] listen"),
+        ("listen = 'a:1'\n", "must be a"),
+        ("[node]\nlisten = 7470\n", "expected a string"),
+        ("[node]\nlisten = 'nohost'\n", "HOST:PORT"),
+        ("[node]\ndevice = 'tpu'\n", "cpu or cuda"),
+        ("[discovery]\nmdns = 'maybe'\n", "boolean"),
+        ("[heartbeat]\ninterval_s = 5.0\n", "interval_s < suspect_after_s"),
+        ("[node\n", "cannot read config file"),
+    ],
+)
+def test_bad_files_are_rejected(tmp_path: Path, text: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(config_file=write(tmp_path, text), env={})
+
+
+def test_bad_env_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match="MESHNODE_MAX_MEMORY"):
+        load_config(env={"MESHNODE_MAX_MEMORY": "lots"})
+
+
+def test_unknown_flags_are_rejected() -> None:
+    with pytest.raises(ConfigError, match="unknown setting"):
+        load_config(env={}, flags={"colour": "blue"})
+
+
+def test_config_is_frozen_and_hides_the_token() -> None:
+    config = load_config(env={"MESHNODE_TOKEN": "mesh1-secret"})
+    assert "secret" not in repr(config)
+    with pytest.raises(AttributeError):
+        config.token = "x"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("8GiB", 8 << 30), ("512M", 512_000_000), ("100", 100), (7, 7)]
+)
+def test_byte_counts(text: str | int, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+def test_token_file_is_read_when_no_token(tmp_path: Path) -> None:
+    (tmp_path / "t").write_text("mesh1-abc\n")
+    assert load_config(env={"MESHNODE_TOKEN_FILE": str(tmp_path / "t")}).resolve_token() == (
+        "mesh1-abc"
+    )
+    with pytest.raises(ConfigError, match="no join token"):
+        load_config(env={}).resolve_token()
