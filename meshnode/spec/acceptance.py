@@ -1,0 +1,93 @@
+"""Acceptance rules: which drafts the target keeps and which token it adds.
+
+Both functions are pure: inputs are the target's probability rows for the k + 1 verified
+positions (``[k + 1, V]``, already processed with the request's sampling parameters by
+``meshnode.engine.sampling.logits_to_probs``; row ``i`` is the distribution of the token
+after ``last, d_1 … d_i``), the k drafts and, when sampling, the drafts' own probabilities.
+Each returns ``(accepted, tokens)``: ``tokens`` is ``drafts[:accepted]`` followed by one
+token chosen by the target, so one verify pass always commits ``accepted + 1`` tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+Rows = npt.NDArray[np.floating]
+
+
+def _check(target: Rows, drafts: Sequence[int]) -> None:
+    if target.ndim != 2 or target.shape[0] != len(drafts) + 1:
+        raise ValueError(
+            f"target rows {target.shape} do not match {len(drafts)} drafts (need k + 1 rows)"
+        )
+
+
+def accept_greedy(target: Rows, drafts: Sequence[int]) -> tuple[int, list[int]]:
+    """Greedy verification, exact with respect to plain greedy decoding.
+
+    Rule: accept the longest prefix of drafts with ``d_i == argmax(target[i])``; the next
+    token is ``argmax(target[j])`` at the first mismatch ``j`` — or, when every draft
+    matched, the bonus ``argmax(target[k])``. ``argmax`` takes the lowest id on ties, as
+    plain greedy decoding does.
+    """
+    _check(target, drafts)
+    best = np.argmax(target, axis=-1)
+    accepted = 0
+    while accepted < len(drafts) and int(best[accepted]) == drafts[accepted]:
+        accepted += 1
+    return accepted, [*drafts[:accepted], int(best[accepted])]
+
+
+def sample_row(row: Rows, rng: np.random.Generator) -> int:
+    """One draw from a non-negative row (normalised here) by inverse CDF."""
+    cdf = np.cumsum(row, dtype=np.float64)
+    total = cdf[-1]
+    if not total > 0:
+        raise ValueError("cannot sample from a distribution with no mass")
+    index = int(np.searchsorted(cdf, rng.random() * total, side="right"))
+    # rng.random() < 1, but float rounding could still land on the right edge.
+    return min(index, len(row) - 1)
+
+
+def accept_sampling(
+    target: Rows,
+    drafts: Sequence[int],
+    draft_probs: Rows | None,
+    rng: np.random.Generator,
+) -> tuple[int, list[int]]:
+    """Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    Rule: for ``i = 0 … k-1`` with ``p = target[i]`` and ``q = draft_probs[i]`` (one-hot
+    on ``d_i`` when ``draft_probs`` is ``None``, as for n-gram drafts), accept ``d_i``
+    with probability ``min(1, p(d_i) / q(d_i))``. At the first rejection, sample the next
+    token from ``normalize(max(p - q, 0))`` and stop. When all k are accepted, sample a
+    bonus token from ``target[k]``. The committed tokens are then distributed exactly as
+    if sampled from the target one at a time.
+    """
+    _check(target, drafts)
+    if draft_probs is not None and draft_probs.shape[0] != len(drafts):
+        raise ValueError(f"draft probs {draft_probs.shape} do not match {len(drafts)} drafts")
+    for i, token in enumerate(drafts):
+        p = target[i]
+        q_token = 1.0 if draft_probs is None else float(draft_probs[i, token])
+        if q_token > 0 and rng.random() * q_token < float(p[token]):
+            continue
+        return i, [*drafts[:i], sample_row(_residual(p, token, draft_probs, i), rng)]
+    return len(drafts), [*drafts, sample_row(target[-1], rng)]
+
+
+def _residual(p: Rows, token: int, draft_probs: Rows | None, i: int) -> Rows:
+    """``max(p - q, 0)`` for row ``i``; falls back to ``p`` if that has no mass.
+
+    The fallback only triggers when ``p == q`` up to rounding, where a rejection has
+    probability ~0 and any draw from ``p`` is correct.
+    """
+    if draft_probs is None:
+        residual = p.astype(np.float64, copy=True)
+        residual[token] = 0.0
+    else:
+        residual = np.maximum(p.astype(np.float64) - draft_probs[i], 0.0)
+    return residual if residual.sum() > 0 else p
