@@ -270,7 +270,7 @@ def _entry_strategy(entry: Mapping[str, Any]) -> Strategy:
 
 def _entry_draft_ref(entry: Mapping[str, Any]) -> str | None:
     params = _entry_params(entry)
-    for key in ("model", "draft_model", "package"):
+    for key in ("draft", "model", "draft_model"):
         if isinstance(params.get(key), str):
             return cast(str, params[key])
     return None
