@@ -1,0 +1,165 @@
+"""The pipeline abstraction: one pass of one sequence through every stage of the model.
+
+The generation loop on stage 0 sees the model as a :class:`Pipeline`: it sends a
+:class:`StepFrame` (new tokens of one sequence at ``start_pos``) and gets back a
+:class:`StepResult` (the tokens the last stage committed). Whether the layers run in this
+process (:class:`LocalPipeline`) or across the mesh (the remote pipeline, which forwards
+the same records as ``ActivationFrame``/``Prediction`` wire messages) is invisible to it.
+
+Theory of operation, per sequence (DESIGN §2):
+
+- ``PREFILL`` frames carry prompt chunks; only the ``final`` chunk asks for a token.
+- ``DECODE`` frames carry the one token committed last; the result is the next token.
+- ``VERIFY`` frames carry ``[last, d1 … dk]``; the last stage applies the acceptance rule
+  and returns ``accepted`` drafts followed by its own next token.
+- Every stage truncates the sequence's KV cache to ``start_pos`` before computing, so a
+  rejected draft needs no message: the next frame simply starts earlier.
+- ``release(request_id)`` frees the sequence on every stage.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NewType, Protocol
+
+import trio
+
+if TYPE_CHECKING:
+    from meshnode.engine.sampling import SamplingParams
+    from meshnode.node.stage import StageRunner
+
+RequestId = NewType("RequestId", str)
+
+
+class FrameKind(enum.StrEnum):
+    """What a frame asks of the last stage."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    VERIFY = "verify"
+
+
+@dataclass(frozen=True, slots=True)
+class StepFrame:
+    """New tokens of one sequence, and what to do with them (see the module docstring).
+
+    ``tokens`` always travels, on every stage: the first stage embeds them and the last
+    stage keeps the sequence's token history (for penalties) from them. ``hidden`` is the
+    activation ``[len(tokens), hidden_size]`` entering a non-first stage. ``draft_probs``
+    (``[k, vocab]``) is the draft distribution of ``tokens[1:]`` for a verify frame, or
+    ``None`` for a deterministic (one-hot) draft. ``top_logprobs`` asks the last stage for
+    the chosen tokens' log-probabilities and that many alternatives (``None``: none).
+    """
+
+    request_id: RequestId
+    kind: FrameKind
+    start_pos: int
+    tokens: tuple[int, ...]
+    sampling: SamplingParams
+    final: bool = True
+    draft_probs: Any = None
+    hidden: Any = None
+    top_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.start_pos < 0:
+            raise ValueError(f"start_pos must be >= 0, got {self.start_pos}")
+        if not self.tokens:
+            raise ValueError("a frame carries at least one token")
+        if self.kind is FrameKind.DECODE and len(self.tokens) != 1:
+            raise ValueError(f"a decode frame carries one token, got {len(self.tokens)}")
+        if self.kind is FrameKind.VERIFY and len(self.tokens) < 2:
+            raise ValueError("a verify frame carries the last token and at least one draft")
+        if self.kind is not FrameKind.PREFILL and not self.final:
+            raise ValueError(f"only prefill frames may be non-final, not {self.kind}")
+
+    @property
+    def drafts(self) -> tuple[int, ...]:
+        """The draft tokens of a verify frame (empty otherwise)."""
+        return self.tokens[1:] if self.kind is FrameKind.VERIFY else ()
+
+    @property
+    def end_pos(self) -> int:
+        """The cache length after this frame: ``start_pos + len(tokens)``."""
+        return self.start_pos + len(self.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The log-probability of a chosen token and the top alternatives at its position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What the last stage returns for one frame (``Prediction`` on the wire).
+
+    ``tokens`` is ``accepted`` drafts followed by the target's own next token, empty for a
+    non-final prefill chunk. ``logprobs`` parallels ``tokens`` when asked for.
+    ``compute_s`` is the compute time summed over the stages, so that the driver can tell
+    compute from wire time.
+    """
+
+    request_id: RequestId
+    accepted: int = 0
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    compute_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class PipelineError(Exception):
+    """A pipeline pass failed (a stage died, a sequence limit was hit, ...)."""
+
+
+class Pipeline(Protocol):
+    """The whole model, as the generation loop sees it. Implementations are async-safe:
+    any number of tasks may call ``run`` for different sequences at once."""
+
+    @property
+    def context_size(self) -> int:
+        """Positions each sequence may use (prompt and completion together)."""
+        ...
+
+    async def run(self, frame: StepFrame) -> StepResult:
+        """One pass of ``frame`` through every stage. Raises :class:`PipelineError`."""
+        ...
+
+    async def release(self, request_id: RequestId) -> None:
+        """Free the sequence's KV on every stage. Idempotent; never raises for unknown ids."""
+        ...
+
+
+class LocalPipeline:
+    """Every layer in this process: one :class:`StageRunner` holding the whole model.
+
+    Compute runs in a worker thread so that the event loop keeps serving HTTP while a
+    forward pass runs; a lock serializes the passes because the runner (and the BLAS
+    threads under it) is shared by all sequences. Sequences interleave frame by frame, so
+    eight concurrent requests share the machine fairly instead of queueing whole replies.
+    """
+
+    def __init__(self, runner: StageRunner):
+        self.runner = runner
+        # trio.Lock is fair (FIFO): a long prefill chunk cannot starve a decode step.
+        self._lock = trio.Lock()
+
+    @property
+    def context_size(self) -> int:
+        return self.runner.context_size
+
+    async def run(self, frame: StepFrame) -> StepResult:
+        async with self._lock:
+            result = await trio.to_thread.run_sync(self.runner.process, frame)
+        if not isinstance(result, StepResult):
+            raise PipelineError("the local stage is not the last stage: it returned hidden")
+        return result
+
+    async def release(self, request_id: RequestId) -> None:
+        # Under the lock, so a release never races the worker thread's use of the cache.
+        async with self._lock:
+            self.runner.release(request_id)

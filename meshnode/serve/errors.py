@@ -1,0 +1,158 @@
+"""OpenAI-shaped errors for the HTTP API.
+
+Every error the API returns has the body OpenAI's own API uses, which the official clients
+parse into typed exceptions::
+
+    {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
+
+Exception tree (raise these from handlers and the service; the handlers installed by
+:func:`install_error_handlers` map them, and FastAPI's validation errors, to responses):
+
+- :class:`APIError` — base; carries the HTTP status, error type, param and code.
+  - :class:`BadRequestError` (400) — a body that parses but asks for something we refuse
+    (``n`` > 1, tools, a prompt batch).
+  - :class:`ModelNotFoundError` (404) — ``model`` names no model this node serves.
+  - :class:`ContextLengthError` (413) — the prompt alone does not fit the context.
+  - :class:`ServiceUnavailableError` (503 + ``Retry-After``) — the mesh is (re)loading, or
+    the admission queue is full.
+
+A bad body never becomes a 500: request validation errors are 400, and anything the
+handlers did not expect is logged and answered with a 500 in the same shape, since that is
+our bug, not the client's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+#: Seconds a client is told to wait while the mesh (re)loads. Loading a stage of a small
+#: model takes a few seconds; clients that honour ``Retry-After`` then retry promptly.
+DEFAULT_RETRY_AFTER_S = 5
+
+
+class APIError(Exception):
+    """An error the API reports to the client with an OpenAI-shaped body."""
+
+    status_code = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def headers(self) -> dict[str, str]:
+        """Extra response headers (none by default)."""
+        return {}
+
+
+class BadRequestError(APIError):
+    """The request is well formed but asks for something this server refuses (400)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ModelNotFoundError(APIError):
+    """The ``model`` field names a model this node does not serve (404)."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, model: str):
+        super().__init__(
+            f"The model '{model}' does not exist or is not served here.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+class ContextLengthError(APIError):
+    """The prompt alone needs more positions than the context holds (413)."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+
+    def __init__(self, prompt_tokens: int, context_size: int):
+        super().__init__(
+            f"This model's maximum context length is {context_size} tokens, but the prompt "
+            f"has {prompt_tokens} tokens (at least one position must remain for the reply).",
+            param="messages",
+            code="context_length_exceeded",
+        )
+
+
+class ServiceUnavailableError(APIError):
+    """The mesh is loading or the server is saturated; retry later (503)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: int = DEFAULT_RETRY_AFTER_S):
+        super().__init__(message, code="service_unavailable")
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+def error_body(
+    message: str, error_type: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """The JSON body OpenAI uses for errors."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    """The response for an :class:`APIError`."""
+    body = error_body(exc.message, exc.error_type, param=exc.param, code=exc.code)
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers())
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable line from pydantic's error list, and the offending parameter."""
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request body.", None
+    first = errors[0]
+    # loc is ("body", "messages", 0, "content"); the first key after "body" is the param.
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = loc[0] if loc else None
+    where = ".".join(loc) if loc else "body"
+    return f"{where}: {first.get('msg', 'invalid value')}", param
+
+
+async def _on_api_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return error_response(exc)
+
+
+async def _on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    message, param = _validation_message(exc)
+    body = error_body(message, "invalid_request_error", param=param, code="invalid_request")
+    return JSONResponse(body, status_code=400)
+
+
+async def _on_http_error(_request: Request, exc: Exception) -> JSONResponse:
+    # Starlette raises these for unknown routes (404) and wrong methods (405).
+    assert isinstance(exc, StarletteHTTPException)
+    error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    body = error_body(str(exc.detail), error_type, code=None)
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error the API returns OpenAI-shaped (see the module docstring)."""
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)

@@ -1,0 +1,355 @@
+"""The generation loop of one request: a pure state machine and an async driver.
+
+:class:`GenerationState` decides, token by token, what the client sees: it commits
+tokens, detokenizes them incrementally, holds back text that might be the start of a stop
+string, and finishes on EOS (``stop``), a stop string (``stop``) or the token budget
+(``length``). It does no I/O, so its rules are tested directly.
+
+:func:`generate` drives it over a :class:`~meshnode.node.pipeline.Pipeline`, as a ladder:
+prefill the prompt in chunks, then either decode one token or, when a proposer offers
+drafts, verify ``[last, d1 … dk]`` in one pass and commit what was accepted. Each pass
+yields a :class:`Delta` for the client. Leaving the loop for any reason (finish, error,
+client gone, cancellation) releases the sequence on every stage.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import trio
+
+from meshnode.node.pipeline import (
+    FrameKind,
+    Pipeline,
+    RequestId,
+    StepFrame,
+    StepResult,
+    TokenLogprob,
+)
+from meshnode.spec.telemetry import SpecStats
+from meshnode.spec.window import WindowPolicy, next_window
+
+if TYPE_CHECKING:
+    from meshnode.engine.sampling import SamplingParams
+    from meshnode.spec.proposer import Proposer
+
+#: Prompt tokens per prefill frame. Small enough that a long prompt yields the pipeline
+#: to other sequences every few hundred milliseconds on a CPU and that a chunk's
+#: activations (256 x hidden x 2 bytes, ~2 MiB at hidden 4096) stay far below the wire
+#: protocol's frame limit; large enough that per-frame overhead stays negligible.
+DEFAULT_PREFILL_CHUNK_TOKENS = 256
+
+
+class FinishReason(enum.StrEnum):
+    """Why a completion ended, as OpenAI names it."""
+
+    STOP = "stop"
+    LENGTH = "length"
+
+
+class Detokenizer(Protocol):
+    """Turns token ids into text incrementally, never splitting a UTF-8 character."""
+
+    def add(self, token: int) -> str:
+        """The text that ``token`` completes (possibly empty)."""
+        ...
+
+    def flush(self) -> str:
+        """Whatever is still held back (an unfinished character decodes lossily)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """What one request asks of the generation loop (after validation and clamping)."""
+
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    eos_token_ids: frozenset[int] = frozenset()
+    top_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What one step adds to the reply: text, the tokens behind it, and maybe the end."""
+
+    text: str
+    tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class GenerationState:
+    """Committed tokens and emitted text of one completion (pure; see module docstring)."""
+
+    params: GenerationParams
+    detokenizer: Detokenizer
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    _pending: str = ""
+
+    @property
+    def finished(self) -> bool:
+        """Whether the completion has ended (further commits are an error)."""
+        return self.finish_reason is not None
+
+    def commit(
+        self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None
+    ) -> Delta:
+        """Commit the tokens of one step, in order, until one of them finishes the reply.
+
+        Tokens after the finishing one are dropped (a verify pass can overshoot a stop
+        string or the budget). Returns the text the client may see now.
+        """
+        if self.finished:
+            raise RuntimeError("commit after the completion finished")
+        text: list[str] = []
+        kept: list[int] = []
+        for token in tokens:
+            kept.append(token)
+            text.append(self._commit_one(token))
+            if self.finished:
+                break
+        kept_logprobs = tuple(logprobs[: len(kept)]) if logprobs else ()
+        return Delta("".join(text), tuple(kept), kept_logprobs, self.finish_reason)
+
+    def _commit_one(self, token: int) -> str:
+        self.tokens.append(token)
+        if token in self.params.eos_token_ids:
+            # EOS counts as a completion token (it was generated) but is never shown.
+            return self._finish(FinishReason.STOP, self._pending + self.detokenizer.flush())
+        self._pending += self.detokenizer.add(token)
+        cut = find_stop(self._pending, self.params.stop)
+        if cut is not None:
+            return self._finish(FinishReason.STOP, self._pending[:cut])
+        if len(self.tokens) >= self.params.max_new_tokens:
+            return self._finish(FinishReason.LENGTH, self._pending + self.detokenizer.flush())
+        keep = held_back(self._pending, self.params.stop)
+        ready, self._pending = self._pending[: len(self._pending) - keep], self._pending[
+            len(self._pending) - keep :
+        ]
+        return ready
+
+    def _finish(self, reason: FinishReason, text: str) -> str:
+        self.finish_reason = reason
+        self._pending = ""
+        return text
+
+
+def find_stop(text: str, stops: Sequence[str]) -> int | None:
+    """The index where the earliest stop string starts in ``text``, or ``None``."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters of ``text`` could be the start of a stop string.
+
+    Those must not be shown yet: the next token may complete the stop string, and stop
+    strings are never part of the reply.
+    """
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+def prefill_chunks(prompt: Sequence[int], chunk_tokens: int) -> list[tuple[int, list[int]]]:
+    """``(start_pos, tokens)`` chunks covering the prompt, in order."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk size must be >= 1, got {chunk_tokens}")
+    return [
+        (start, list(prompt[start : start + chunk_tokens]))
+        for start in range(0, len(prompt), chunk_tokens)
+    ]
+
+
+# ---------------------------------------------------------------------------------------
+# The async driver
+
+
+#: Called after each pipeline pass with (wall seconds of the pass, compute seconds in it).
+PassObserver = Callable[[float, float], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """How a request speculates: a fresh proposer per request and a window policy."""
+
+    make_proposer: Callable[[], Proposer]
+    window: WindowPolicy = field(default_factory=WindowPolicy)
+
+
+@dataclass(slots=True)
+class GenerationTimings:
+    """Wall-clock marks of one request, from the trio clock (seconds)."""
+
+    started: float = 0.0
+    first_token: float | None = None
+    finished: float | None = None
+    compute_s: float = 0.0
+    passes: int = 0
+    pass_s: float = 0.0
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token."""
+        return None if self.first_token is None else self.first_token - self.started
+
+    def tpot_s(self, completion_tokens: int) -> float | None:
+        """Mean time per completion token after the first (``None`` if undefined)."""
+        if self.first_token is None or self.finished is None or completion_tokens < 2:
+            return None
+        return (self.finished - self.first_token) / (completion_tokens - 1)
+
+
+@dataclass(slots=True)
+class GenerationRun:
+    """The state of one request's driver, readable while it runs and after."""
+
+    request_id: RequestId
+    prompt: list[int]
+    params: GenerationParams
+    state: GenerationState
+    spec: SpecStats = field(default_factory=SpecStats)
+    timings: GenerationTimings = field(default_factory=GenerationTimings)
+    on_pass: PassObserver | None = None
+
+    @property
+    def history(self) -> list[int]:
+        """Prompt followed by the committed tokens."""
+        return self.prompt + self.state.tokens
+
+
+async def generate(
+    pipeline: Pipeline,
+    run: GenerationRun,
+    *,
+    speculation: Speculation | None = None,
+    chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+    on_pass: PassObserver | None = None,
+) -> AsyncGenerator[Delta, None]:
+    """Drive ``run`` to completion over ``pipeline``, yielding one :class:`Delta` per pass.
+
+    The prompt must fit the context with room for one token (the caller checks).
+    ``on_pass(pass_s, compute_s)`` is called after every pipeline pass (for metrics).
+    Raises :class:`~meshnode.node.pipeline.PipelineError` if a pass fails. The sequence
+    is released on every stage however the loop ends.
+    """
+    run.timings.started = trio.current_time()
+    run.on_pass = on_pass
+    try:
+        delta = await _prefill(pipeline, run, chunk_tokens)
+        yield delta
+        proposer = speculation.make_proposer() if speculation else None
+        window = speculation.window.initial_window if speculation else 0
+        while not run.state.finished:
+            delta, window = await _decode_step(pipeline, run, proposer, speculation, window)
+            yield delta
+        run.timings.finished = trio.current_time()
+    finally:
+        with trio.CancelScope(shield=True):
+            await pipeline.release(run.request_id)
+
+
+async def _pass(
+    pipeline: Pipeline, run: GenerationRun, frame: StepFrame
+) -> tuple[StepResult, Delta | None]:
+    """Run one frame; commit its tokens if it returns any."""
+    began = trio.current_time()
+    result = await pipeline.run(frame)
+    elapsed = trio.current_time() - began
+    run.timings.passes += 1
+    run.timings.pass_s += elapsed
+    run.timings.compute_s += result.compute_s
+    if run.on_pass is not None:
+        run.on_pass(elapsed, result.compute_s)
+    if not result.tokens:
+        return result, None
+    delta = run.state.commit(result.tokens, result.logprobs)
+    if run.timings.first_token is None:
+        run.timings.first_token = trio.current_time()
+    return result, delta
+
+
+async def _prefill(pipeline: Pipeline, run: GenerationRun, chunk_tokens: int) -> Delta:
+    chunks = prefill_chunks(run.prompt, chunk_tokens)
+    delta = None
+    for i, (start, tokens) in enumerate(chunks):
+        final = i == len(chunks) - 1
+        frame = _frame(run, FrameKind.PREFILL, start, tokens, final=final)
+        _, delta = await _pass(pipeline, run, frame)
+    if delta is None:
+        raise RuntimeError("the final prefill pass returned no token")
+    return delta
+
+
+async def _decode_step(
+    pipeline: Pipeline,
+    run: GenerationRun,
+    proposer: Proposer | None,
+    speculation: Speculation | None,
+    window: int,
+) -> tuple[Delta, int]:
+    """One plain decode step, or one verify pass when the proposer offers drafts."""
+    history = run.history
+    last_pos = len(history) - 1  # the last committed token is not in the cache yet
+    room = min(
+        pipeline.context_size - last_pos - 1,  # positions left after `last`
+        run.params.max_new_tokens - len(run.state.tokens) - 1,  # tokens left after one
+    )
+    drafts: tuple[int, ...] = ()
+    draft_probs = None
+    if proposer is not None and room > 0:
+        proposal = proposer.propose(history, min(window, room))
+        drafts, draft_probs = proposal.tokens[: min(window, room)], proposal.probs
+    began = trio.current_time()
+    if drafts:
+        if draft_probs is not None:
+            draft_probs = draft_probs[: len(drafts)]
+        frame = _frame(run, FrameKind.VERIFY, last_pos, [history[-1], *drafts], probs=draft_probs)
+    else:
+        frame = _frame(run, FrameKind.DECODE, last_pos, [history[-1]])
+    result, delta = await _pass(pipeline, run, frame)
+    if delta is None:
+        raise RuntimeError(f"a {frame.kind} pass returned no token")
+    accepted = min(result.accepted, len(drafts))
+    seconds = trio.current_time() - began
+    run.spec.record(len(drafts), accepted, seconds)
+    if proposer is not None and speculation is not None:
+        proposer.on_result(len(drafts), accepted, seconds=seconds)
+        window = next_window(speculation.window, window, len(drafts), accepted)
+    return delta, window
+
+
+def _frame(
+    run: GenerationRun,
+    kind: FrameKind,
+    start_pos: int,
+    tokens: Sequence[int],
+    *,
+    final: bool = True,
+    probs: object = None,
+) -> StepFrame:
+    return StepFrame(
+        request_id=run.request_id,
+        kind=kind,
+        start_pos=start_pos,
+        tokens=tuple(tokens),
+        sampling=run.params.sampling,
+        final=final,
+        draft_probs=probs,
+        top_logprobs=run.params.top_logprobs,
+    )

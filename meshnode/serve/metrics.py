@@ -1,0 +1,162 @@
+"""Prometheus metrics for the serving node, in the text exposition format (version 0.0.4).
+
+A few counters and histograms do not justify a dependency on ``prometheus_client``: the
+format is a handful of lines per metric. Every metric is owned by one :class:`ServeMetrics`
+object per service; the event loop is the only writer (the compute thread reports its
+timings through the pipeline's return values), so no locking is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+#: Latency buckets in seconds, from a fast local decode step (~ms) to a slow cold prefill.
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def _format_labels(labels: Labels, extra: Labels = ()) -> str:
+    pairs = labels + extra
+    if not pairs:
+        return ""
+    body = ",".join(f'{k}="{_escape(v)}"' for k, v in pairs)
+    return "{" + body + "}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _format_value(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value)) if not float(value).is_integer() else str(int(value))
+
+
+@dataclass
+class Counter:
+    """A monotonically increasing value per label set."""
+
+    name: str
+    help: str
+    values: dict[Labels, float] = field(default_factory=dict)
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        """Add ``amount`` (>= 0) to the series with these labels."""
+        key = tuple(sorted(labels.items()))
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    def get(self, **labels: str) -> float:
+        """The current value of one series (0 if never incremented)."""
+        return self.values.get(tuple(sorted(labels.items())), 0.0)
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} counter"
+        if not self.values:
+            yield f"{self.name} 0"
+        for labels, value in sorted(self.values.items()):
+            yield f"{self.name}{_format_labels(labels)} {_format_value(value)}"
+
+
+@dataclass
+class Gauge:
+    """A value that goes up and down (no labels)."""
+
+    name: str
+    help: str
+    value: float = 0.0
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} gauge"
+        yield f"{self.name} {_format_value(self.value)}"
+
+
+@dataclass
+class Histogram:
+    """Cumulative buckets, sum and count of observed values (no labels)."""
+
+    name: str
+    help: str
+    buckets: Sequence[float] = LATENCY_BUCKETS_S
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        """Record one observation."""
+        self.total += value
+        self.count += 1
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} histogram"
+        for bound, n in zip(self.buckets, self.counts, strict=True):
+            yield f'{self.name}_bucket{{le="{_format_value(bound)}"}} {n}'
+        yield f'{self.name}_bucket{{le="+Inf"}} {self.count}'
+        yield f"{self.name}_sum {_format_value(self.total)}"
+        yield f"{self.name}_count {self.count}"
+
+
+class ServeMetrics:
+    """Every metric the serving node exports under ``/metrics``."""
+
+    def __init__(self) -> None:
+        self.requests = Counter(
+            "meshnode_requests_total", "Finished API requests by endpoint and outcome."
+        )
+        self.prompt_tokens = Counter("meshnode_prompt_tokens_total", "Prompt tokens prefilled.")
+        self.generation_tokens = Counter(
+            "meshnode_generation_tokens_total", "Completion tokens generated."
+        )
+        self.in_flight = Gauge("meshnode_requests_in_flight", "Requests being generated now.")
+        self.ttft = Histogram(
+            "meshnode_time_to_first_token_seconds", "From admission to the first token."
+        )
+        self.tpot = Histogram(
+            "meshnode_time_per_output_token_seconds",
+            "Mean time per completion token after the first, per request.",
+        )
+        self.stage_compute = Histogram(
+            "meshnode_stage_compute_seconds", "Compute time of one pipeline pass, all stages."
+        )
+        self.wire = Histogram(
+            "meshnode_wire_seconds", "Time of one pipeline pass not spent computing."
+        )
+        self.spec_proposed = Counter(
+            "meshnode_spec_proposed_tokens_total", "Draft tokens sent for verification."
+        )
+        self.spec_accepted = Counter(
+            "meshnode_spec_accepted_tokens_total", "Draft tokens the target accepted."
+        )
+        self.spec_windows = Counter("meshnode_spec_windows_total", "Verify passes run.")
+
+    def _all(self) -> list[Counter | Gauge | Histogram]:
+        return [
+            self.requests, self.prompt_tokens, self.generation_tokens, self.in_flight,
+            self.ttft, self.tpot, self.stage_compute, self.wire,
+            self.spec_proposed, self.spec_accepted, self.spec_windows,
+        ]
+
+    def render(self) -> str:
+        """The whole exposition text, newline-terminated."""
+        lines: list[str] = []
+        for metric in self._all():
+            lines.extend(metric.render())
+        return "\n".join(lines) + "\n"
+
+
+#: The content type Prometheus scrapers expect for the text format.
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -1,0 +1,338 @@
+"""OpenAI-compatible routes: thin adapters from the OpenAI schema to :class:`ServeService`.
+
+``openai_router(service)`` serves ``GET /v1/models``, ``POST /v1/chat/completions``,
+``POST /v1/completions`` (streaming as server-sent events ending in ``data: [DONE]``, or
+one JSON body), ``GET /metrics`` and ``GET /health``. ``mount_openai(app, service)`` adds
+them and the OpenAI-shaped error handlers to the node's app (``meshnode.serve.app``).
+
+A failure after a stream has started cannot change the status code any more; it is sent
+as one ``data: {"error": {...}}`` event before ``[DONE]``, which the official clients
+raise as an ``APIError``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel
+
+from meshnode.node.pipeline import PipelineError, TokenLogprob
+from meshnode.serve import schemas as s
+from meshnode.serve.errors import (
+    APIError,
+    ServiceUnavailableError,
+    error_body,
+    install_error_handlers,
+)
+from meshnode.serve.generation import Delta, GenerationRun
+from meshnode.serve.metrics import PROMETHEUS_CONTENT_TYPE
+from meshnode.serve.service import SamplingRequest, ServeService
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def mount_openai(app: FastAPI, service: ServeService) -> None:
+    """Add the OpenAI routes, ``/metrics``, ``/health`` and the error handlers to ``app``."""
+    app.include_router(openai_router(service))
+    install_error_handlers(app)
+
+
+def openai_router(service: ServeService) -> APIRouter:
+    """The routes of the OpenAI-compatible API over ``service``."""
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def list_models() -> s.ModelList:
+        card = s.ModelCard(
+            id=service.model_id, created=service.created, context_length=service.context_size
+        )
+        return s.ModelList(data=[card])
+
+    @router.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: s.ChatCompletionRequest) -> Any:
+        body.check_supported()
+        service.require_model(body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        run = service.start(service.chat_prompt(messages), _chat_sampling(body))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            chunks = _chat_chunks(service, run, include_usage)
+            return _sse_response(service, "chat", chunks)
+        deltas = await _complete(service, "chat", run)
+        return _chat_body(service, run, deltas)
+
+    @router.post("/v1/completions", response_model=None)
+    async def completions(body: s.CompletionRequest) -> Any:
+        body.check_supported()
+        service.require_model(body.model)
+        run = service.start(service.text_prompt(body.single_prompt()), _text_sampling(body))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            chunks = _text_chunks(service, run, include_usage)
+            return _sse_response(service, "completions", chunks)
+        deltas = await _complete(service, "completions", run)
+        return _text_body(service, run, deltas)
+
+    @router.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(service.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        if not service.ready:
+            exc = ServiceUnavailableError("The mesh is loading the model.")
+            return JSONResponse({"status": "loading"}, status_code=503, headers=exc.headers())
+        return JSONResponse({"status": "ok", "model": service.model_id})
+
+    return router
+
+
+# -- request translation ------------------------------------------------------------------
+
+
+def _common_sampling(body: s.ChatCompletionRequest | s.CompletionRequest) -> dict[str, Any]:
+    return {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "seed": body.seed,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "stop": tuple(body.stop_list()),
+    }
+
+
+def _chat_sampling(body: s.ChatCompletionRequest) -> SamplingRequest:
+    return SamplingRequest(
+        max_tokens=body.token_limit(), top_logprobs=body.logprob_count(), **_common_sampling(body)
+    )
+
+
+def _text_sampling(body: s.CompletionRequest) -> SamplingRequest:
+    return SamplingRequest(
+        max_tokens=body.max_tokens, top_logprobs=body.logprobs, **_common_sampling(body)
+    )
+
+
+# -- running ------------------------------------------------------------------------------
+
+
+async def _complete(service: ServeService, endpoint: str, run: GenerationRun) -> list[Delta]:
+    outcome = "error"
+    try:
+        deltas = await service.complete(run)
+        outcome = "ok"
+        return deltas
+    except PipelineError as exc:
+        log.warning("request %s failed: %s", run.request_id, exc)
+        raise ServiceUnavailableError(f"The mesh failed during generation: {exc}") from exc
+    finally:
+        service.metrics.requests.inc(endpoint=endpoint, outcome=outcome)
+
+
+def _sse_response(
+    service: ServeService, endpoint: str, chunks: AsyncGenerator[BaseModel, None]
+) -> StreamingResponse:
+    return StreamingResponse(
+        _sse(service, endpoint, chunks), media_type="text/event-stream", headers=SSE_HEADERS
+    )
+
+
+async def _sse(
+    service: ServeService, endpoint: str, chunks: AsyncGenerator[BaseModel, None]
+) -> AsyncGenerator[bytes, None]:
+    """Server-sent events: one ``data:`` line per chunk, then ``data: [DONE]``."""
+    outcome = "cancelled"
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield _event(chunk.model_dump(mode="json"))
+        outcome = "ok"
+    except (PipelineError, APIError) as exc:
+        outcome = "error"
+        log.warning("stream failed: %s", exc)
+        yield _event(_stream_error(exc))
+    finally:
+        service.metrics.requests.inc(endpoint=endpoint, outcome=outcome)
+    yield b"data: [DONE]\n\n"
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _stream_error(exc: Exception) -> dict[str, Any]:
+    if isinstance(exc, APIError):
+        return error_body(exc.message, exc.error_type, param=exc.param, code=exc.code)
+    return error_body(str(exc), "server_error", code="pipeline_failed")
+
+
+def _usage(run: GenerationRun) -> s.Usage:
+    prompt, completion = len(run.prompt), len(run.state.tokens)
+    return s.Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def _telemetry(run: GenerationRun) -> dict[str, Any]:
+    timings = run.timings
+    return {
+        "speculation": run.spec.as_dict(),
+        "timings": {
+            "time_to_first_token_s": timings.ttft_s,
+            "time_per_output_token_s": timings.tpot_s(len(run.state.tokens)),
+            "passes": timings.passes,
+            "pass_s": timings.pass_s,
+            "compute_s": timings.compute_s,
+        },
+    }
+
+
+def _completion_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+# -- chat ---------------------------------------------------------------------------------
+
+
+def _chat_logprobs(service: ServeService, items: tuple[TokenLogprob, ...]) -> s.ChoiceLogprobs:
+    def entry(token: int, logprob: float) -> s.TopLogprob:
+        text = service.codec.token_text(token)
+        return s.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    content = [
+        s.TokenLogprob(
+            **entry(item.token, item.logprob).model_dump(),
+            top_logprobs=[entry(t, lp) for t, lp in item.top],
+        )
+        for item in items
+    ]
+    return s.ChoiceLogprobs(content=content)
+
+
+def _chat_body(service: ServeService, run: GenerationRun, deltas: list[Delta]) -> s.ChatCompletion:
+    logprobs = None
+    if run.params.top_logprobs is not None:
+        items = tuple(item for d in deltas for item in d.logprobs)
+        logprobs = _chat_logprobs(service, items)
+    choice = s.ChatChoice(
+        message=s.AssistantMessage(content="".join(d.text for d in deltas)),
+        logprobs=logprobs,
+        finish_reason=run.state.finish_reason,
+    )
+    return s.ChatCompletion(
+        id=_completion_id("chatcmpl"),
+        created=service.now(),
+        model=service.model_id,
+        choices=[choice],
+        usage=_usage(run),
+        meshnode=_telemetry(run),
+    )
+
+
+async def _chat_chunks(
+    service: ServeService, run: GenerationRun, include_usage: bool
+) -> AsyncGenerator[BaseModel, None]:
+    ident, created = _completion_id("chatcmpl"), service.now()
+
+    def chunk(choices: list[s.ChatChunkChoice], **extra: Any) -> s.ChatCompletionChunk:
+        return s.ChatCompletionChunk(
+            id=ident, created=created, model=service.model_id, choices=choices, **extra
+        )
+
+    # OpenAI opens every chat stream with the role and empty content.
+    yield chunk([s.ChatChunkChoice(delta=s.ChatDelta(role="assistant", content=""))])
+    async with aclosing(service.stream(run)) as deltas:
+        async for delta in deltas:
+            if not delta.text and delta.finish_reason is None and not delta.logprobs:
+                continue
+            logprobs = _chat_logprobs(service, delta.logprobs) if delta.logprobs else None
+            choice = s.ChatChunkChoice(
+                delta=s.ChatDelta(content=delta.text),
+                logprobs=logprobs,
+                finish_reason=delta.finish_reason,
+            )
+            final = delta.finish_reason is not None
+            yield chunk([choice], meshnode=_telemetry(run) if final else None)
+    if include_usage:
+        yield chunk([], usage=_usage(run))
+
+
+# -- completions --------------------------------------------------------------------------
+
+
+def _text_logprobs(
+    service: ServeService, items: tuple[TokenLogprob, ...], offset: int
+) -> s.CompletionLogprobs:
+    tokens = [service.codec.token_text(item.token) for item in items]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    tops = [{service.codec.token_text(t): lp for t, lp in item.top} for item in items]
+    return s.CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[item.logprob for item in items],
+        top_logprobs=tops,
+        text_offset=offsets,
+    )
+
+
+def _text_body(service: ServeService, run: GenerationRun, deltas: list[Delta]) -> s.Completion:
+    logprobs = None
+    if run.params.top_logprobs is not None:
+        items = tuple(item for d in deltas for item in d.logprobs)
+        logprobs = _text_logprobs(service, items, 0)
+    choice = s.CompletionChoice(
+        text="".join(d.text for d in deltas),
+        logprobs=logprobs,
+        finish_reason=run.state.finish_reason,
+    )
+    return s.Completion(
+        id=_completion_id("cmpl"),
+        created=service.now(),
+        model=service.model_id,
+        choices=[choice],
+        usage=_usage(run),
+        meshnode=_telemetry(run),
+    )
+
+
+async def _text_chunks(
+    service: ServeService, run: GenerationRun, include_usage: bool
+) -> AsyncGenerator[BaseModel, None]:
+    ident, created = _completion_id("cmpl"), service.now()
+    make: Callable[..., s.Completion] = s.Completion
+    offset = 0
+    async with aclosing(service.stream(run)) as deltas:
+        async for delta in deltas:
+            if not delta.text and delta.finish_reason is None and not delta.logprobs:
+                continue
+            logprobs = None
+            if delta.logprobs:
+                logprobs = _text_logprobs(service, delta.logprobs, offset)
+            offset += len(delta.text)
+            choice = s.CompletionChoice(
+                text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason
+            )
+            final = delta.finish_reason is not None
+            yield make(
+                id=ident,
+                created=created,
+                model=service.model_id,
+                choices=[choice],
+                meshnode=_telemetry(run) if final else None,
+            )
+    if include_usage:
+        yield make(id=ident, created=created, model=service.model_id, choices=[], usage=_usage(run))

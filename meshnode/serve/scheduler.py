@@ -1,0 +1,90 @@
+"""Admission of requests: how many generate at once, and how many may wait.
+
+Every admitted request gets its own sequence (and so its own KV cache on every stage);
+the pipeline interleaves their passes frame by frame. Requests beyond ``max_in_flight``
+wait in FIFO order; beyond ``max_waiting`` they are refused with a 503 so that a burst
+turns into quick retries instead of an unbounded queue of stalled connections.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+
+from meshnode.node.pipeline import RequestId
+from meshnode.serve.errors import ServiceUnavailableError
+
+#: Sequences generating at once. Each holds a KV cache on every stage, so this bounds
+#: memory; stages must allow at least this many live sequences (StageRunner's limit).
+DEFAULT_MAX_IN_FLIGHT = 8
+#: Requests waiting for a slot before new ones get 503. Eight slots turn over within
+#: seconds on a small model; a deeper queue would only hold clients past their timeouts.
+DEFAULT_MAX_WAITING = 64
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    """Admission limits (counts of requests)."""
+
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    max_waiting: int = DEFAULT_MAX_WAITING
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1 or self.max_waiting < 0:
+            raise ValueError(f"invalid scheduler limits: {self}")
+
+
+class Scheduler:
+    """Admits requests into at most ``max_in_flight`` concurrent generations."""
+
+    def __init__(self, limits: SchedulerLimits | None = None):
+        self.limits = limits or SchedulerLimits()
+        self._slots = trio.Semaphore(self.limits.max_in_flight)
+        self._waiting = 0
+        self._ids = itertools.count()
+        # A per-process prefix keeps request ids unique across restarts of the host, so a
+        # stage never mistakes a new request for an old sequence it still holds.
+        self._prefix = secrets.token_hex(4)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet finished."""
+        return self.limits.max_in_flight - self._slots.value
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot."""
+        return self._waiting
+
+    def check_capacity(self) -> None:
+        """Raise ServiceUnavailableError (503) if a new request could not even queue."""
+        if self._slots.value == 0 and self._waiting >= self.limits.max_waiting:
+            raise ServiceUnavailableError(
+                "Too many requests are waiting; retry shortly.", retry_after_s=1
+            )
+
+    def new_request_id(self) -> RequestId:
+        """A request id unique within this process and, with high probability, across."""
+        return RequestId(f"req-{self._prefix}-{next(self._ids)}")
+
+    @asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        """Hold one generation slot for the body of the ``async with``.
+
+        Raises ServiceUnavailableError if the waiting queue is full.
+        """
+        self.check_capacity()
+        self._waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+        try:
+            yield
+        finally:
+            self._slots.release()

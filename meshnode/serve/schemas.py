@@ -1,0 +1,294 @@
+"""Request and response models of the OpenAI-compatible API.
+
+Requests are strict: unknown fields and wrong types are a 400, so a typo in a parameter
+name never silently changes nothing. Fields that OpenAI defines but this server does not
+implement are accepted only at the value that means "off" (``n=1``, no tools); anything
+else is refused by :meth:`ChatCompletionRequest.check_supported` with a message naming the
+parameter. Responses are plain pydantic models dumped to JSON; the ``meshnode`` field is
+our extension (speculation telemetry), which the official clients keep as an extra.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from meshnode.serve.errors import BadRequestError
+
+#: OpenAI caps ``stop`` at four sequences; each one is scanned at every committed token.
+MAX_STOP_SEQUENCES = 4
+#: OpenAI's limit for ``top_logprobs`` on chat completions.
+MAX_TOP_LOGPROBS = 20
+#: OpenAI's limit for ``logprobs`` on (legacy) completions.
+MAX_COMPLETION_LOGPROBS = 5
+
+Temperature = Annotated[StrictFloat, Field(ge=0.0, le=2.0)]
+Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
+Probability = Annotated[StrictFloat, Field(gt=0.0, le=1.0)]
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+
+
+class _Strict(BaseModel):
+    # Unknown keys are an error. Scalars use the Strict* types instead of strict=True on
+    # the model, because strict mode would also refuse plain dicts for nested models.
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined, as OpenAI does)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class _SamplingFields(_Strict):
+    """Parameters shared by both endpoints."""
+
+    model: StrictStr
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature = 1.0
+    top_p: Probability = 1.0
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions that llama.cpp and vLLM accept under these names.
+    top_k: Annotated[StrictInt, Field(ge=0)] = 0
+    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0)] = 1.0
+
+    def stop_list(self) -> list[str]:
+        """``stop`` as a list without empty strings; raises BadRequestError if too many."""
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise BadRequestError(
+                f"At most {MAX_STOP_SEQUENCES} stop sequences are allowed.", param="stop"
+            )
+        return [s for s in stops if s]
+
+    def _check_common(self) -> None:
+        if self.n != 1:
+            raise BadRequestError("Only n=1 is supported.", param="n", code="unsupported")
+        if self.stream_options is not None and not self.stream:
+            raise BadRequestError(
+                "stream_options is only allowed when stream is true.", param="stream_options"
+            )
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def check_supported(self) -> None:
+        """Raise BadRequestError for parameters this server does not implement."""
+        self._check_common()
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise BadRequestError(
+                "Tool calling is not supported yet.", param="tools", code="unsupported"
+            )
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise BadRequestError(
+                "Only response_format type 'text' is supported.",
+                param="response_format",
+                code="unsupported",
+            )
+        if self.logit_bias:
+            raise BadRequestError(
+                "logit_bias is not supported.", param="logit_bias", code="unsupported"
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequestError(
+                "top_logprobs requires logprobs to be true.", param="top_logprobs"
+            )
+
+    def token_limit(self) -> int | None:
+        """The completion-token cap: ``max_completion_tokens`` wins over ``max_tokens``."""
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """None for no logprobs, else how many alternatives to report per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+#: A prompt for /v1/completions: text, token ids, or a one-element batch of either.
+CompletionPrompt = str | list[StrictInt] | list[str] | list[list[StrictInt]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: CompletionPrompt
+    max_tokens: PositiveInt | None = 16  # OpenAI's default for this endpoint
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    echo: StrictBool = False
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def check_supported(self) -> None:
+        """Raise BadRequestError for parameters this server does not implement."""
+        self._check_common()
+        if self.echo:
+            raise BadRequestError("echo is not supported.", param="echo", code="unsupported")
+        if self.suffix:
+            raise BadRequestError("suffix is not supported.", param="suffix", code="unsupported")
+        if self.best_of not in (None, 1):
+            raise BadRequestError(
+                "Only best_of=1 is supported.", param="best_of", code="unsupported"
+            )
+        if self.logit_bias:
+            raise BadRequestError(
+                "logit_bias is not supported.", param="logit_bias", code="unsupported"
+            )
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt, as text or token ids; raises BadRequestError for a batch."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if not prompt:
+            raise BadRequestError("prompt must not be empty.", param="prompt")
+        if all(isinstance(item, int) for item in prompt):
+            return [int(item) for item in prompt]  # type: ignore[arg-type]
+        if len(prompt) != 1:
+            raise BadRequestError(
+                "Only one prompt per request is supported.", param="prompt", code="unsupported"
+            )
+        only = prompt[0]
+        return only if isinstance(only, str) else [int(t) for t in only]  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------------------------
+# Responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: StrictStr
+    choices: list[ChatChoice]
+    usage: Usage
+    meshnode: dict[str, Any] | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: StrictStr
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    meshnode: dict[str, Any] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: StrictStr
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    meshnode: dict[str, Any] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "meshnode"
+    context_length: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

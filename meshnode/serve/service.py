@@ -1,0 +1,241 @@
+"""The serving service: one model, its tokenizer, its pipeline, admission and metrics.
+
+Route handlers (``openai_api``) translate the OpenAI schema into calls on
+:class:`ServeService` in a few lines; everything that decides something about a request
+(prompt building, limits, clamping, sampling parameters) lives here, below HTTP.
+
+The pipeline is swappable: the coordinator sets it when the mesh is ready and clears it
+while the mesh (re)loads, during which requests get 503 with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Protocol
+
+from meshnode.engine.sampling import SamplingParams
+from meshnode.node.pipeline import Pipeline, PipelineError
+from meshnode.serve.errors import (
+    BadRequestError,
+    ContextLengthError,
+    ModelNotFoundError,
+    ServiceUnavailableError,
+)
+from meshnode.serve.generation import (
+    DEFAULT_PREFILL_CHUNK_TOKENS,
+    Delta,
+    Detokenizer,
+    GenerationParams,
+    GenerationRun,
+    GenerationState,
+    Speculation,
+    generate,
+)
+from meshnode.serve.metrics import ServeMetrics
+from meshnode.serve.scheduler import Scheduler, SchedulerLimits
+
+
+class TextCodec(Protocol):
+    """What the service needs from a tokenizer and chat template."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the model accepts."""
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, special tokens parsed."""
+        ...
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+        """The prompt text for a chat, ending with the assistant's turn opened."""
+        ...
+
+    def token_text(self, token: int) -> str:
+        """The text of one token on its own (for logprobs)."""
+        ...
+
+    def detokenizer(self) -> Detokenizer:
+        """A fresh incremental detokenizer for one completion."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRequest:
+    """The sampling and stopping fields of a request, endpoint-independent."""
+
+    max_tokens: int | None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    top_logprobs: int | None = None
+
+
+class ServeService:
+    """One served model: validation, admission, generation and metrics around a pipeline."""
+
+    def __init__(
+        self,
+        *,
+        model_id: str,
+        codec: TextCodec,
+        context_size: int,
+        eos_token_ids: frozenset[int],
+        pipeline: Pipeline | None = None,
+        aliases: Sequence[str] = (),
+        limits: SchedulerLimits | None = None,
+        speculation: Speculation | None = None,
+        chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.model_id = model_id
+        self.aliases = frozenset(aliases) | {model_id}
+        self.codec = codec
+        self.context_size = context_size
+        self.eos_token_ids = eos_token_ids
+        self.pipeline = pipeline
+        self.scheduler = Scheduler(limits)
+        self.metrics = ServeMetrics()
+        self.speculation = speculation
+        self.chunk_tokens = chunk_tokens
+        self.created = int(clock())
+        self._clock = clock
+
+    # -- state ----------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Whether a pipeline is loaded and requests are served."""
+        return self.pipeline is not None
+
+    def set_pipeline(self, pipeline: Pipeline | None) -> None:
+        """Serve on ``pipeline`` from now on; ``None`` means the mesh is (re)loading."""
+        self.pipeline = pipeline
+
+    def now(self) -> int:
+        """Unix seconds, for the ``created`` fields of responses."""
+        return int(self._clock())
+
+    # -- request checks -------------------------------------------------------------
+
+    def require_model(self, model: str) -> None:
+        """Raise ModelNotFoundError unless ``model`` names the served model."""
+        if model not in self.aliases:
+            raise ModelNotFoundError(model)
+
+    def _require_pipeline(self) -> Pipeline:
+        if self.pipeline is None:
+            raise ServiceUnavailableError("The mesh is loading the model; retry shortly.")
+        return self.pipeline
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of a chat rendered with the model's template."""
+        return self.codec.encode(self.codec.render_chat(messages))
+
+    def text_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a completion prompt given as text or ids (checked against the vocab)."""
+        if isinstance(prompt, str):
+            ids = self.codec.encode(prompt)
+        else:
+            bad = [t for t in prompt if not 0 <= t < self.codec.vocab_size]
+            if bad:
+                last = self.codec.vocab_size - 1
+                raise BadRequestError(
+                    f"Token id {bad[0]} is outside the vocabulary (0..{last}).", param="prompt"
+                )
+            ids = list(prompt)
+        if not ids:
+            raise BadRequestError("The prompt is empty.", param="prompt")
+        return ids
+
+    def start(self, prompt: list[int], request: SamplingRequest) -> GenerationRun:
+        """A run for ``prompt``, with the budget clamped to the context.
+
+        Raises ServiceUnavailableError (loading or saturated) and ContextLengthError.
+        """
+        self._require_pipeline()
+        self.scheduler.check_capacity()
+        room = self.context_size - len(prompt)
+        if room < 1:
+            raise ContextLengthError(len(prompt), self.context_size)
+        params = GenerationParams(
+            max_new_tokens=min(request.max_tokens or room, room),
+            sampling=_sampling_params(request),
+            stop=request.stop,
+            eos_token_ids=self.eos_token_ids,
+            top_logprobs=request.top_logprobs,
+        )
+        state = GenerationState(params, self.codec.detokenizer())
+        return GenerationRun(self.scheduler.new_request_id(), prompt, params, state)
+
+    # -- generation -----------------------------------------------------------------
+
+    async def stream(self, run: GenerationRun) -> AsyncGenerator[Delta, None]:
+        """Admit ``run`` and yield its deltas; metrics are recorded as it goes.
+
+        Raises ServiceUnavailableError when the queue is full or the mesh is loading, and
+        PipelineError when a pass fails mid-generation.
+        """
+        async with self.scheduler.admit():
+            pipeline = self._require_pipeline()
+            self.metrics.in_flight.value += 1
+            self.metrics.prompt_tokens.inc(len(run.prompt))
+            try:
+                deltas = generate(
+                    pipeline,
+                    run,
+                    speculation=self.speculation,
+                    chunk_tokens=self.chunk_tokens,
+                    on_pass=self._observe_pass,
+                )
+                async with aclosing(deltas):
+                    async for delta in deltas:
+                        yield delta
+            finally:
+                self.metrics.in_flight.value -= 1
+                self._observe_run(run)
+
+    async def complete(self, run: GenerationRun) -> list[Delta]:
+        """Run to the end and return every delta (for non-streaming responses)."""
+        async with aclosing(self.stream(run)) as deltas:
+            return [delta async for delta in deltas]
+
+    def _observe_pass(self, pass_s: float, compute_s: float) -> None:
+        self.metrics.stage_compute.observe(compute_s)
+        self.metrics.wire.observe(max(0.0, pass_s - compute_s))
+
+    def _observe_run(self, run: GenerationRun) -> None:
+        produced = len(run.state.tokens)
+        self.metrics.generation_tokens.inc(produced)
+        if (ttft := run.timings.ttft_s) is not None:
+            self.metrics.ttft.observe(ttft)
+        if (tpot := run.timings.tpot_s(produced)) is not None:
+            self.metrics.tpot.observe(tpot)
+        self.metrics.spec_windows.inc(run.spec.windows)
+        self.metrics.spec_proposed.inc(run.spec.proposed)
+        self.metrics.spec_accepted.inc(run.spec.accepted)
+
+
+def _sampling_params(request: SamplingRequest) -> SamplingParams:
+    return SamplingParams(
+        temperature=request.temperature,
+        top_k=request.top_k,
+        top_p=request.top_p,
+        min_p=request.min_p,
+        seed=request.seed,
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+    )
+
+
+__all__ = ["PipelineError", "SamplingRequest", "ServeService", "TextCodec"]
