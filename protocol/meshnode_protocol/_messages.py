@@ -1,0 +1,488 @@
+"""Every message of the protocol, as frozen, slotted, typed records.
+
+Field declaration order is wire order (the header map lists fields in this order) and the
+table in ``protocol/README.md`` mirrors these classes. Rules:
+
+- construction validates every field (``TypeError`` for a wrong type, ``ValueError`` for a
+  bad value) and the cross-field rules in ``_validate``;
+- fields may be added in later versions (with a default, so an older peer may omit them);
+  a field's meaning never changes; unknown fields from a newer peer are ignored;
+- control and data messages carry ``run_id`` and ``term`` (the coordinator's fencing token,
+  DESIGN §3); membership messages (``Hello``, ``Heartbeat``, ``Goodbye``) do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Final
+
+from meshnode_protocol._fields import check_fields
+from meshnode_protocol._tensor import DTYPE_SIZES, Tensor
+
+PROTOCOL_VERSION: Final = 1
+"""Wire version: bumped only for incompatible changes; additions go through ``features``."""
+
+DEFAULT_FEATURES: Final[tuple[str, ...]] = ("bf16", "draft-distribution")
+"""Optional capabilities this implementation offers in ``Hello.features``:
+
+- ``bf16``: accepts bf16 tensors (activations with ``wire_dtype="bf16"``);
+- ``draft-distribution``: accepts ``ActivationFrame.draft_probs`` as a ``[k, vocab]`` tensor
+  (full draft distributions) rather than only a list of the drafted tokens' probabilities.
+"""
+
+ACTIVATION_KINDS: Final = ("prefill", "decode", "verify")
+
+Range = tuple[int, int]
+"""A half-open layer range ``[start, end)``."""
+
+
+class Record:
+    """Base of every wire record: validates fields after the dataclass ``__init__``."""
+
+    __slots__ = ()
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        self._validate()
+
+    def _validate(self) -> None:
+        """Cross-field rules; raise ``ValueError``. Runs on construction and on decode."""
+
+
+class Message(Record):
+    """Base of every message; ``TYPE`` is the integer type tag in the frame header."""
+
+    __slots__ = ()
+    TYPE: ClassVar[int]
+
+
+def _non_negative(record: Record, *names: str) -> None:
+    for name in names:
+        value = getattr(record, name)
+        if value is not None and value < 0:
+            raise ValueError(f"{type(record).__name__}.{name} must be >= 0, not {value}")
+
+
+def _check_range(name: str, value: Range | None) -> None:
+    if value is not None and not 0 <= value[0] <= value[1]:
+        raise ValueError(f"{name} must be a range 0 <= start <= end, not {value}")
+
+
+# -- records nested in messages ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerInfo(Record):
+    """A peer as other nodes see it: identity, mesh address ``host:port``, resources."""
+
+    node_id: str
+    address: str
+    device_kind: str = ""
+    usable_memory: int = 0
+
+    def _validate(self) -> None:
+        _non_negative(self, "usable_memory")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sampling(Record):
+    """A request's sampling parameters (OpenAI semantics; 0 disables top_k, 1.0 top_p)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def _validate(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, not {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], not {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, not {self.repetition_penalty}")
+        _non_negative(self, "top_k")
+
+
+# -- membership ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello(Message):
+    """First message in each direction: who we are and what we speak."""
+
+    TYPE: ClassVar[int] = 1
+    protocol_version: int = PROTOCOL_VERSION
+    features: tuple[str, ...] = DEFAULT_FEATURES
+    node_id: str
+    mesh_id_hash: str
+    listen_address: str
+    device_kind: str
+    usable_memory: int
+    known_peers: tuple[PeerInfo, ...] = ()
+    api_address: str = ""
+
+    def _validate(self) -> None:
+        _non_negative(self, "protocol_version", "usable_memory")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Goodbye(Message):
+    """Clean shutdown: the sender closes after this; peers drop it at once (not 'dead')."""
+
+    TYPE: ClassVar[int] = 2
+    node_id: str
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat(Message):
+    """Liveness and round-trip time.
+
+    ``sent_ns`` is the sender's monotonic clock. A heartbeat with ``echo_nonce`` unset is
+    answered by one that copies its ``nonce``/``sent_ns`` into ``echo_nonce``/``echo_sent_ns``;
+    the original sender's RTT is then ``now - echo_sent_ns`` on its own clock (no clock sync).
+    Answers are never answered.
+    """
+
+    TYPE: ClassVar[int] = 3
+    node_id: str
+    nonce: int
+    sent_ns: int
+    echo_nonce: int | None = None
+    echo_sent_ns: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Error(Message):
+    """A refusal (``code`` is an ``ErrorCode``); ``fatal`` means the sender closes next."""
+
+    TYPE: ClassVar[int] = 4
+    code: int
+    message: str
+    fatal: bool = False
+    run_id: str = ""
+    term: int = 0
+    request_id: str = ""
+
+    def _validate(self) -> None:
+        _non_negative(self, "code", "term")
+
+
+# -- control plane ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Claim(Message):
+    """Coordinator → node: reserve yourself for run ``run_id`` at ``term``."""
+
+    TYPE: ClassVar[int] = 10
+    run_id: str
+    term: int
+    coordinator_id: str
+    package_ref: str = ""
+
+    def _validate(self) -> None:
+        _non_negative(self, "term")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimAccepted(Message):
+    """Node → coordinator: claimed; these are the resources it offers the run."""
+
+    TYPE: ClassVar[int] = 11
+    run_id: str
+    term: int
+    node_id: str
+    device_kind: str = ""
+    usable_memory: int = 0
+
+    def _validate(self) -> None:
+        _non_negative(self, "term", "usable_memory")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimRejected(Message):
+    """Node → coordinator: not claimed (e.g. held by a newer term); ``held_by_*`` say by whom."""
+
+    TYPE: ClassVar[int] = 12
+    run_id: str
+    term: int
+    node_id: str
+    reason: str
+    held_by_run: str = ""
+    held_by_term: int = 0
+
+    def _validate(self) -> None:
+        _non_negative(self, "term", "held_by_term")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prepare(Message):
+    """Coordinator → node: materialize this part of a package in the background."""
+
+    TYPE: ClassVar[int] = 13
+    run_id: str
+    term: int
+    package_ref: str
+    manifest_sha256: str
+    layer_range: Range
+    has_embed: bool
+    has_head: bool
+
+    def _validate(self) -> None:
+        _non_negative(self, "term")
+        _check_range("layer_range", self.layer_range)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrepareAccepted(Message):
+    """Node → coordinator: preparing; progress is visible through ``Inventory``."""
+
+    TYPE: ClassVar[int] = 14
+    run_id: str
+    term: int
+    node_id: str
+
+    def _validate(self) -> None:
+        _non_negative(self, "term")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Inventory(Message):
+    """Coordinator → node: report what you hold of this package."""
+
+    TYPE: ClassVar[int] = 15
+    run_id: str
+    term: int
+    package_ref: str
+    manifest_sha256: str = ""
+
+    def _validate(self) -> None:
+        _non_negative(self, "term")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InventoryReport(Message):
+    """Node → coordinator: layer ranges ready / missing / being prepared, and byte progress."""
+
+    TYPE: ClassVar[int] = 16
+    run_id: str
+    term: int
+    node_id: str
+    package_ref: str
+    ready: tuple[Range, ...] = ()
+    missing: tuple[Range, ...] = ()
+    preparing: tuple[Range, ...] = ()
+    embed_ready: bool = False
+    head_ready: bool = False
+    bytes_done: int = 0
+    bytes_total: int = 0
+    error: str = ""
+
+    def _validate(self) -> None:
+        _non_negative(self, "term", "bytes_done", "bytes_total")
+        for name in ("ready", "missing", "preparing"):
+            for r in getattr(self, name):
+                _check_range(name, r)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Load(Message):
+    """Coordinator → node: load a stage (sent downstream-first; answered by ``Ready``).
+
+    ``upstream`` is the stage that sends us activations (``None`` on stage 0);
+    ``downstream`` is where our output goes: the next stage, or, on the last stage, the
+    host (stage 0), which receives ``Prediction`` frames directly.
+    """
+
+    TYPE: ClassVar[int] = 17
+    run_id: str
+    term: int
+    package_ref: str
+    manifest_sha256: str
+    layer_range: Range
+    has_embed: bool
+    has_head: bool
+    upstream: PeerInfo | None = None
+    downstream: PeerInfo | None = None
+    wire_dtype: str = "f16"
+    context_size: int
+    batch_sizes: tuple[int, ...] = (1,)
+    kv_dtype: str = "f16"
+
+    def _validate(self) -> None:
+        _non_negative(self, "term", "context_size")
+        _check_range("layer_range", self.layer_range)
+        if self.wire_dtype not in DTYPE_SIZES:
+            raise ValueError(f"wire_dtype must be one of {sorted(DTYPE_SIZES)}")
+        if any(b <= 0 for b in self.batch_sizes):
+            raise ValueError("batch_sizes must be positive")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ready(Message):
+    """Node → coordinator: the stage is loaded and accepts activations at ``endpoint``."""
+
+    TYPE: ClassVar[int] = 18
+    run_id: str
+    term: int
+    node_id: str
+    endpoint: str
+    layer_range: Range
+
+    def _validate(self) -> None:
+        _non_negative(self, "term")
+        _check_range("layer_range", self.layer_range)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stop(Message):
+    """Coordinator → node: drop everything of this run (stage, caches, claim)."""
+
+    TYPE: ClassVar[int] = 19
+    run_id: str
+    term: int
+    reason: str = ""
+
+    def _validate(self) -> None:
+        _non_negative(self, "term")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Status(Message):
+    """Node → anyone: its current state (idle, claimed, preparing, loading, ready, stopping)."""
+
+    TYPE: ClassVar[int] = 20
+    node_id: str
+    state: str
+    run_id: str = ""
+    term: int = 0
+    layer_range: Range | None = None
+    detail: str = ""
+
+    def _validate(self) -> None:
+        _non_negative(self, "term")
+        _check_range("layer_range", self.layer_range)
+
+
+# -- data plane ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ActivationFrame(Message):
+    """One pipeline pass of one request, from stage to stage.
+
+    The frame's rows are ``tokens`` followed by ``draft_tokens``, at positions
+    ``start_pos, start_pos + 1, …``; each stage first truncates the request's KV cache to
+    ``start_pos`` (rollback needs no message). ``payload`` is the hidden state
+    ``[rows, hidden]`` (``None`` only when the frame enters the first stage, which embeds
+    ``tokens``). The last stage computes logits for the last ``out_rows`` rows and, when
+    ``final``, answers the host with a ``Prediction`` (``final`` is false on all but the last
+    chunk of a chunked prefill). ``sampling`` may be omitted after a request's first frame.
+    ``draft_probs`` are the proposer's probabilities: one per draft token, or (feature
+    ``draft-distribution``) a ``[k, vocab]`` tensor of full distributions.
+    """
+
+    TYPE: ClassVar[int] = 30
+    request_id: str
+    run_id: str
+    term: int
+    kind: str
+    start_pos: int
+    tokens: tuple[int, ...]
+    payload: Tensor | None = None
+    sampling: Sampling | None = None
+    draft_tokens: tuple[int, ...] = ()
+    draft_probs: Tensor | tuple[float, ...] | None = None
+    out_rows: int = 1
+    final: bool = True
+    logprobs: bool = False
+
+    def _validate(self) -> None:
+        _non_negative(self, "term", "start_pos", "out_rows")
+        if self.kind not in ACTIVATION_KINDS:
+            raise ValueError(f"kind must be one of {ACTIVATION_KINDS}, not {self.kind!r}")
+        rows = len(self.tokens) + len(self.draft_tokens)
+        if self.draft_tokens and self.kind != "verify":
+            raise ValueError("draft_tokens are only sent with kind='verify'")
+        if self.payload is not None and self.payload.shape[:1] != (rows,):
+            raise ValueError(f"payload has shape {self.payload.shape}, expected {rows} rows")
+        if self.out_rows > rows:
+            raise ValueError(f"out_rows={self.out_rows} exceeds the frame's {rows} rows")
+        self._validate_draft_probs()
+
+    def _validate_draft_probs(self) -> None:
+        probs = self.draft_probs
+        if probs is None:
+            return
+        k = len(self.draft_tokens)
+        if isinstance(probs, Tensor):
+            if len(probs.shape) != 2:
+                raise ValueError("draft_probs as a tensor must be [k, vocab]")
+            count = probs.shape[0]
+        else:
+            count = len(probs)
+        if count != k:
+            raise ValueError(f"draft_probs has {count} rows for {k} draft tokens")
+
+    @property
+    def rows(self) -> int:
+        """Number of positions in this frame: ``len(tokens) + len(draft_tokens)``."""
+        return len(self.tokens) + len(self.draft_tokens)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prediction(Message):
+    """Last stage → host: ``accepted`` draft tokens were accepted, then one new token.
+
+    ``tokens`` are what the host appends, starting at position ``start_pos``: the accepted
+    drafts followed by the token sampled from the target (so ``accepted < len(tokens)``).
+    ``logprobs``, when asked for, holds one log-probability per token.
+    """
+
+    TYPE: ClassVar[int] = 31
+    request_id: str
+    run_id: str
+    term: int
+    start_pos: int
+    accepted: int
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+
+    def _validate(self) -> None:
+        _non_negative(self, "term", "start_pos", "accepted")
+        if not self.accepted < len(self.tokens):
+            raise ValueError(f"accepted={self.accepted} needs more than that many tokens")
+        if self.logprobs is not None and len(self.logprobs) != len(self.tokens):
+            raise ValueError("logprobs must hold one value per token")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Release(Message):
+    """Host → every stage: the request ended; free its KV cache."""
+
+    TYPE: ClassVar[int] = 32
+    request_id: str
+    run_id: str
+    term: int
+
+    def _validate(self) -> None:
+        _non_negative(self, "term")
+
+
+MESSAGE_TYPES: Final[dict[int, type[Message]]] = {
+    cls.TYPE: cls
+    for cls in (
+        Hello, Goodbye, Heartbeat, Error,
+        Claim, ClaimAccepted, ClaimRejected, Prepare, PrepareAccepted, Inventory,
+        InventoryReport, Load, Ready, Stop, Status,
+        ActivationFrame, Prediction, Release,
+    )
+}  # fmt: skip
+"""Type tag → message class; a tag not in this table is ``UNKNOWN_MESSAGE_TYPE``."""
