@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from meshnode.spec.ngram import NgramParams, NgramProposer
-from meshnode.spec.proposer import EMPTY_PROPOSAL, Proposal
+from meshnode.spec.proposer import EMPTY_PROPOSAL, Proposal, common_prefix
 
 AutoState = Literal["cold", "on", "cooldown"]
 
@@ -146,7 +146,7 @@ class AutoNgramProposer:
         pending = self._pending
         if pending is not None:
             arrived = history[pending.start : pending.start + len(pending.tokens)]
-            matched = _common_prefix(pending.tokens, arrived)
+            matched = common_prefix(pending.tokens, arrived)
             if matched == len(arrived) < len(pending.tokens):
                 return  # still consistent, wait for more committed tokens
             self._pending = None
@@ -195,12 +195,3 @@ class AutoNgramProposer:
             self._windows = 0
             self._accept_rate = None
             self._verify_cost = None
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -61,3 +61,13 @@ class Proposer(Protocol):
         ``proposed == 0`` reports a plain decode step.
         """
         ...
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest shared prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
