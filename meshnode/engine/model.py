@@ -1,0 +1,188 @@
+"""The Llama-family decoder as a pipeline stage: layers ``[start, end)`` of one model.
+
+A stage embeds token ids when it is the first stage and applies the final norm and the
+output head when it is the last. One ``forward`` handles prefill (many new tokens), decode
+(one) and verify (k + 1) alike: new tokens attend causally to the cache and to each other.
+
+Shapes: S new tokens, T cached + new positions, E hidden size, H query heads, Hkv key/value
+heads, G = H / Hkv, D head dim, V vocabulary, r rows whose output is wanted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from meshnode_packaging.sources import ModelSource
+
+from meshnode.engine.backend import Backend, cpu_backend
+from meshnode.engine.config import ModelConfig
+from meshnode.engine.kv_cache import KVCache
+from meshnode.engine.weights import LayerWeights, StageWeights, load_stage_weights
+
+__all__ = ["Stage"]
+
+
+class Stage:
+    """Layers ``[start, end)`` of a model, with the embedding and/or head if asked for."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        source_or_weights: ModelSource | StageWeights,
+        start: int,
+        end: int,
+        *,
+        embed: bool,
+        head: bool,
+        backend: Backend | None = None,
+    ) -> None:
+        if not 0 <= start <= end <= config.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) outside 0..{config.num_layers}")
+        self.config = config
+        self.start, self.end = start, end
+        self.embed, self.head = embed, head
+        self.backend = backend or cpu_backend()
+        self.xp = self.backend.xp
+        if isinstance(source_or_weights, StageWeights):
+            self.weights = source_or_weights
+        else:
+            self.weights = load_stage_weights(
+                source_or_weights,
+                config,
+                start,
+                end,
+                embed=embed,
+                head=head,
+                backend=self.backend,
+            )
+        inv_freq = np.asarray(config.rope_inv_freq(), dtype=np.float32)
+        self._inv_freq = self.backend.asarray(inv_freq)  # [D/2]
+        self._scale = float(1.0 / np.sqrt(config.head_dim))
+
+    def new_cache(self, max_tokens: int) -> KVCache:
+        """An empty KV cache for one sequence of up to ``max_tokens`` positions."""
+        c = self.config
+        return KVCache(self.xp, self.end - self.start, c.num_kv_heads, c.head_dim, max_tokens)
+
+    def forward(
+        self, inputs: Any, start_pos: int, cache: KVCache, *, out_rows: int | None = None
+    ) -> Any:
+        """Run the stage on S new positions starting at ``start_pos``.
+
+        ``inputs`` are token ids ``[S]`` on the first stage, hidden states ``[S, E]``
+        otherwise. The cache is first truncated to ``start_pos`` (rollback needs no
+        message). Returns hidden states ``[S, E]``, or on the head stage the logits
+        ``[r, V]`` of the last ``r = out_rows`` rows (all rows when None): the other rows
+        only write their K/V in the last layer and skip the rest of it and the head.
+        Raises ``ValueError`` if ``start_pos`` is past the cache's end or the cache is full.
+        """
+        cache.truncate(start_pos)
+        x = self._embed(inputs) if self.embed else self.xp.asarray(inputs, self.xp.float32)
+        n = x.shape[0]
+        rows = n if out_rows is None or not self.head else min(out_rows, n)
+        cos, sin = self._rope(start_pos, n)
+        last = len(self.weights.layers) - 1
+        for i, layer in enumerate(self.weights.layers):
+            keep = rows if i == last else n
+            x = self._block(layer, x, start_pos, cache, i, cos, sin, keep)
+        if len(self.weights.layers) == 0:
+            x = x[n - rows :]
+        cache.length = start_pos + n
+        return self._head(x) if self.head else x
+
+    # -- pieces ------------------------------------------------------------------------
+
+    def _block(
+        self,
+        w: LayerWeights,
+        x: Any,
+        pos: int,
+        cache: KVCache,
+        layer: int,
+        cos: Any,
+        sin: Any,
+        rows: int,
+    ) -> Any:
+        """One decoder block; only the last ``rows`` rows go past attention."""
+        h = self._attention(w, self._rms_norm(x, w.attn_norm), pos, cache, layer, cos, sin, rows)
+        x = x[x.shape[0] - rows :] + h  # [r, E]
+        return x + self._mlp(w, self._rms_norm(x, w.ffn_norm))
+
+    def _attention(
+        self,
+        w: LayerWeights,
+        x: Any,
+        pos: int,
+        cache: KVCache,
+        layer: int,
+        cos: Any,
+        sin: Any,
+        rows: int,
+    ) -> Any:
+        c, xp = self.config, self.xp
+        n = x.shape[0]
+        qkv = x @ w.wqkv  # [S, (H + 2 Hkv) D]
+        if w.bqkv is not None:
+            qkv = qkv + w.bqkv
+        q = qkv[n - rows :, : c.q_size].reshape(rows, c.num_heads, c.head_dim)
+        k = qkv[:, c.q_size : c.q_size + c.kv_size].reshape(n, c.num_kv_heads, c.head_dim)
+        v = qkv[:, c.q_size + c.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
+        q = _rotate(xp, q.transpose(1, 0, 2), cos[n - rows :], sin[n - rows :])  # [H, r, D]
+        k = _rotate(xp, k.transpose(1, 0, 2), cos, sin)  # [Hkv, S, D]
+        keys, values = cache.write(layer, pos, k, v.transpose(1, 0, 2))  # [Hkv, T, D]
+        t = keys.shape[1]
+        q = q.reshape(c.num_kv_heads, c.group_size * rows, c.head_dim)  # [Hkv, G r, D]
+        scores = (q @ keys.transpose(0, 2, 1)) * self._scale  # [Hkv, G r, T]
+        scores = scores.reshape(c.num_kv_heads, c.group_size, rows, t)  # [Hkv, G, r, T]
+        # Causal mask: query row i sits at position t - rows + i and sees keys 0..that.
+        q_pos = xp.arange(t - rows, t)[:, None]
+        scores = xp.where(xp.arange(t)[None, :] <= q_pos, scores, -xp.inf)
+        probs = _softmax(xp, scores).reshape(c.num_kv_heads, c.group_size * rows, t)
+        out = (probs @ values).reshape(c.num_heads, rows, c.head_dim)  # [H, r, D]
+        return out.transpose(1, 0, 2).reshape(rows, c.q_size) @ w.wo  # [r, E]
+
+    def _mlp(self, w: LayerWeights, x: Any) -> Any:
+        gate_up = x @ w.w_gate_up  # [r, 2 I]
+        gate, up = (
+            gate_up[:, : self.config.intermediate_size],
+            gate_up[:, self.config.intermediate_size :],
+        )
+        return (gate / (1.0 + self.xp.exp(-gate)) * up) @ w.w_down  # SwiGLU, [r, E]
+
+    def _rms_norm(self, x: Any, weight: Any) -> Any:
+        xp = self.xp
+        var = xp.mean(x * x, axis=-1, keepdims=True)
+        return weight * (x / xp.sqrt(var + xp.float32(self.config.rms_norm_eps)))
+
+    def _rope(self, start: int, n: int) -> tuple[Any, Any]:
+        """cos and sin ``[S, D]`` for positions ``start .. start + n - 1``."""
+        xp = self.xp
+        pos = xp.arange(start, start + n, dtype=xp.float32)
+        freqs = pos[:, None] * self._inv_freq[None, :]  # [S, D/2]
+        emb = xp.concatenate([freqs, freqs], axis=-1)  # [S, D]
+        return xp.cos(emb), xp.sin(emb)
+
+    def _embed(self, ids: Any) -> Any:
+        assert self.weights.embed_t is not None
+        idx = self.xp.asarray(ids, dtype=self.xp.int64)
+        return self.weights.embed_t[:, idx].T  # [S, E]
+
+    def _head(self, x: Any) -> Any:
+        w = self.weights
+        assert w.norm is not None
+        h = self._rms_norm(x, w.norm)
+        table = w.head_t if w.head_t is not None else w.embed_t
+        return h @ table  # [r, V]
+
+
+def _rotate(xp: Any, x: Any, cos: Any, sin: Any) -> Any:
+    """RoPE, "rotate half" layout: pairs are (i, i + D/2). ``x`` is ``[heads, S, D]``."""
+    half = x.shape[-1] // 2
+    rotated = xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def _softmax(xp: Any, x: Any) -> Any:
+    e = xp.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
