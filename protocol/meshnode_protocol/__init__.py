@@ -19,7 +19,7 @@ from meshnode_protocol._errors import (
     ProtocolError,
     RemoteProtocolError,
 )
-from meshnode_protocol._framing import MAX_FRAME_BYTES, MAX_HEADER_BYTES, decode_frame
+from meshnode_protocol._framing import MAX_FRAME_BYTES, MAX_HEADER_BYTES, decode_frame, encode_frame
 from meshnode_protocol._messages import (
     ACTIVATION_KINDS,
     DEFAULT_FEATURES,
@@ -95,4 +95,5 @@ __all__ = [
     "Stop",
     "Tensor",
     "decode_frame",
+    "encode_frame",
 ]

@@ -76,6 +76,18 @@ def _reject_tag(*_: object) -> Any:
 _NO_TAGS: Final = dict.fromkeys(range(65536), _reject_tag)
 
 
+def encode_frame(msg: Message, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """One complete frame for ``msg`` (length prefix included), outside any connection.
+
+    ``Connection.send`` adds the state machine on top; this is for tests, vectors and tools.
+    Raises ``LocalProtocolError`` past ``max_frame_bytes``.
+    """
+    tensors: list[Tensor] = []
+    header = encode_header(msg, tensors)
+    length = frame_length(header, tensors, max_frame_bytes)
+    return b"".join([LENGTH.pack(length), header, *(t.data for t in tensors)])
+
+
 def decode_frame(frame: memoryview, max_header_bytes: int = MAX_HEADER_BYTES) -> Message:
     """Decode one frame (without its length prefix); tensors view ``frame`` without copying.
 

@@ -1,0 +1,292 @@
+"""Golden frames: one example per message, written to ``protocol/vectors/<name>.json``.
+
+Each vector file holds the message type, its fields in JSON form and the exact frame bytes
+in hex. Tensors appear as ``{"dtype", "shape", "data_hex"}``; tuples as arrays; nested
+records as objects. The tests read the files and check them both ways (decode(bytes) ==
+message and encode(message) == bytes) without regenerating them. Regenerate only for a
+deliberate wire change::
+
+    python -m meshnode_protocol.vectors protocol/vectors
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+from typing import Any, Final
+
+from meshnode_protocol._fields import (
+    Kind,
+    _Optional,
+    _Pair,
+    _Record,
+    _Tensor,
+    _Tuple,
+    _Union,
+    compile_fields,
+)
+from meshnode_protocol._framing import encode_frame
+from meshnode_protocol._messages import (
+    MESSAGE_TYPES,
+    ActivationFrame,
+    Claim,
+    ClaimAccepted,
+    ClaimRejected,
+    Error,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Inventory,
+    InventoryReport,
+    Load,
+    Message,
+    PeerInfo,
+    Prediction,
+    Prepare,
+    PrepareAccepted,
+    Ready,
+    Release,
+    Sampling,
+    Status,
+    Stop,
+)
+from meshnode_protocol._tensor import Tensor
+
+_RUN_ID: Final = "run-7f3a"
+_TERM: Final = 3
+_HOST: Final = PeerInfo(
+    node_id="node-a", address="10.0.0.1:7420", device_kind="cuda", usable_memory=8 << 30
+)
+_TAIL: Final = PeerInfo(node_id="node-c", address="10.0.0.3:7420", device_kind="cpu")
+
+
+def _f16(*values: float) -> bytes:
+    return struct.pack(f"<{len(values)}e", *values)
+
+
+def _f32(*values: float) -> bytes:
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+EXAMPLES: Final[dict[str, Message]] = {
+    "hello": Hello(
+        node_id="node-a",
+        mesh_id_hash="5d41402abc4b2a76",
+        listen_address="10.0.0.1:7420",
+        device_kind="cuda",
+        usable_memory=8 << 30,
+        known_peers=(_TAIL,),
+        api_address="127.0.0.1:7421",
+    ),
+    "goodbye": Goodbye(node_id="node-b", reason="SIGTERM"),
+    "heartbeat": Heartbeat(node_id="node-a", nonce=17, sent_ns=1_000_000_123),
+    "heartbeat_echo": Heartbeat(
+        node_id="node-b", nonce=4, sent_ns=77, echo_nonce=17, echo_sent_ns=1_000_000_123
+    ),
+    "error": Error(code=100, message="term 2 is older than 3", run_id="run-7f3a", term=2),
+    "error_fatal": Error(code=1, message="bad CBOR header", fatal=True),
+    "claim": Claim(
+        run_id=_RUN_ID, term=_TERM, coordinator_id="node-a", package_ref="hf://org/smollm2@main"
+    ),
+    "claim_accepted": ClaimAccepted(
+        run_id=_RUN_ID, term=_TERM, node_id="node-b", device_kind="cpu", usable_memory=4 << 30
+    ),
+    "claim_rejected": ClaimRejected(
+        run_id=_RUN_ID,
+        term=_TERM,
+        node_id="node-b",
+        reason="claimed by a newer term",
+        held_by_run="run-80",
+        held_by_term=4,
+    ),
+    "prepare": Prepare(
+        run_id=_RUN_ID,
+        term=_TERM,
+        package_ref="hf://org/smollm2@main",
+        manifest_sha256="ab" * 32,
+        layer_range=(10, 20),
+        has_embed=False,
+        has_head=False,
+    ),
+    "prepare_accepted": PrepareAccepted(run_id=_RUN_ID, term=_TERM, node_id="node-b"),
+    "inventory": Inventory(
+        run_id=_RUN_ID, term=_TERM, package_ref="hf://org/smollm2@main", manifest_sha256="ab" * 32
+    ),
+    "inventory_report": InventoryReport(
+        run_id=_RUN_ID,
+        term=_TERM,
+        node_id="node-b",
+        package_ref="hf://org/smollm2@main",
+        ready=((10, 14),),
+        missing=((16, 20),),
+        preparing=((14, 16),),
+        bytes_done=1_500_000,
+        bytes_total=3_000_000,
+    ),
+    "load": Load(
+        run_id=_RUN_ID,
+        term=_TERM,
+        package_ref="hf://org/smollm2@main",
+        manifest_sha256="ab" * 32,
+        layer_range=(20, 30),
+        has_embed=False,
+        has_head=True,
+        upstream=PeerInfo(node_id="node-b", address="10.0.0.2:7420"),
+        downstream=_HOST,
+        wire_dtype="f16",
+        context_size=8192,
+        batch_sizes=(1, 4),
+        kv_dtype="f16",
+    ),
+    "ready": Ready(
+        run_id=_RUN_ID, term=_TERM, node_id="node-c", endpoint="10.0.0.3:7420", layer_range=(20, 30)
+    ),
+    "stop": Stop(run_id=_RUN_ID, term=_TERM, reason="node-b failed Load"),
+    "status": Status(
+        node_id="node-b", state="ready", run_id=_RUN_ID, term=_TERM, layer_range=(10, 20)
+    ),
+    "activation_prefill": ActivationFrame(
+        request_id="req-1",
+        run_id=_RUN_ID,
+        term=_TERM,
+        kind="prefill",
+        start_pos=0,
+        tokens=(1, 2, 3),
+        payload=Tensor("f16", (3, 2), _f16(0.5, -1.0, 2.0, 0.25, 0.0, 1.5)),
+        sampling=Sampling(temperature=0.7, top_k=40, top_p=0.9, seed=1234),
+        out_rows=1,
+        final=True,
+    ),
+    "activation_verify": ActivationFrame(
+        request_id="req-1",
+        run_id=_RUN_ID,
+        term=_TERM,
+        kind="verify",
+        start_pos=3,
+        tokens=(7,),
+        draft_tokens=(8, 9),
+        draft_probs=(1.0, 0.5),
+        payload=Tensor("f32", (3, 1), _f32(1.0, 2.0, 3.0)),
+        out_rows=3,
+    ),
+    "activation_verify_dist": ActivationFrame(
+        request_id="req-2",
+        run_id=_RUN_ID,
+        term=_TERM,
+        kind="verify",
+        start_pos=5,
+        tokens=(7,),
+        draft_tokens=(8,),
+        draft_probs=Tensor("f32", (1, 4), _f32(0.1, 0.2, 0.3, 0.4)),
+        payload=Tensor("bf16", (2, 2), bytes.fromhex("803f0040404080bf")),
+        out_rows=2,
+    ),
+    "prediction": Prediction(
+        request_id="req-1",
+        run_id=_RUN_ID,
+        term=_TERM,
+        start_pos=4,
+        accepted=2,
+        tokens=(8, 9, 11),
+        logprobs=None,
+    ),
+    "prediction_logprobs": Prediction(
+        request_id="req-1",
+        run_id=_RUN_ID,
+        term=_TERM,
+        start_pos=3,
+        accepted=0,
+        tokens=(5,),
+        logprobs=(-0.25,),
+    ),
+    "release": Release(request_id="req-1", run_id=_RUN_ID, term=_TERM),
+}
+
+
+# -- JSON form -------------------------------------------------------------------------------
+
+
+def to_json(value: Any) -> Any:
+    """A message, record or field value in the vectors' JSON form."""
+    if isinstance(value, Tensor):
+        return {
+            "dtype": value.dtype,
+            "shape": list(value.shape),
+            "data_hex": bytes(value.data).hex(),
+        }
+    if isinstance(value, tuple):
+        return [to_json(v) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return {f.name: to_json(getattr(value, f.name)) for f in compile_fields(type(value))}
+    return value
+
+
+def from_json(cls: type[Message], fields: dict[str, Any]) -> Message:
+    """The message of type ``cls`` whose JSON form is ``fields`` (inverse of ``to_json``)."""
+    return _record_from_json(cls, fields)  # type: ignore[no-any-return]
+
+
+def _record_from_json(cls: type, fields: dict[str, Any]) -> Any:
+    kwargs = {f.name: _value_from_json(f.kind, fields[f.name]) for f in compile_fields(cls)}
+    return cls(**kwargs)
+
+
+def _value_from_json(kind: Kind, value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(kind, _Optional):
+        return _value_from_json(kind.inner, value)
+    if isinstance(kind, _Union):
+        tensor = isinstance(value, dict)
+        option = next(o for o in kind.options if isinstance(o, _Tensor) == tensor)
+        return _value_from_json(option, value)
+    if isinstance(kind, _Tensor):
+        return Tensor(value["dtype"], tuple(value["shape"]), bytes.fromhex(value["data_hex"]))
+    if isinstance(kind, _Record):
+        return _record_from_json(kind.cls, value)
+    if isinstance(kind, _Tuple):
+        return tuple(_value_from_json(kind.item, v) for v in value)
+    if isinstance(kind, _Pair):
+        return tuple(value)
+    return value
+
+
+def vector_document(msg: Message) -> dict[str, Any]:
+    """The JSON document stored for one golden frame."""
+    return {
+        "message": type(msg).__name__,
+        "type": msg.TYPE,
+        "fields": to_json(msg),
+        "frame_hex": encode_frame(msg).hex(),
+    }
+
+
+def message_class(name: str) -> type[Message]:
+    """The message class called ``name``."""
+    return next(cls for cls in MESSAGE_TYPES.values() if cls.__name__ == name)
+
+
+def write_vectors(folder: Path) -> list[Path]:
+    """Write every example as ``<name>.json`` into ``folder``; returns the paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, msg in EXAMPLES.items():
+        path = folder / f"{name}.json"
+        path.write_text(json.dumps(vector_document(msg), indent=2) + "\n")
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m meshnode_protocol.vectors [FOLDER]``."""
+    args = sys.argv[1:] if argv is None else argv
+    folder = Path(args[0] if args else "protocol/vectors")
+    for path in write_vectors(folder):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
