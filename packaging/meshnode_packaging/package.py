@@ -28,15 +28,24 @@ class PackageSource:
         self.chat_template: str | None = manifest.chat_template
         self._file_of = {name: e["file"] for e in manifest.parts() for name in e["tensors"]}
         self._open: dict[str, TensorFile] = {}
+        self._tokenizer_json: str | None = None
 
     @property
     def tokenizer_json(self) -> str:
         """The ``tokenizer.json`` document (only materialized with the embedding stage)."""
-        rel = str(self.manifest.data["tokenizer"]["file"])
-        path = self.folder / rel
-        if not path.is_file():
-            raise MissingPart(f"{rel} is not materialized in {self.folder}")
-        return path.read_text(encoding="utf-8")
+        if self._tokenizer_json is None:
+            rel = str(self.manifest.data["tokenizer"]["file"])
+            path = self.folder / rel
+            if not path.is_file():
+                raise MissingPart(f"{rel} is not materialized in {self.folder}")
+            self._tokenizer_json = path.read_text(encoding="utf-8")
+        return self._tokenizer_json
+
+    @tokenizer_json.setter
+    def tokenizer_json(self, value: str) -> None:
+        # ModelSource declares a plain attribute; a setter keeps this class assignable to it
+        # while a stage without the tokenizer file still opens (and fails only if it asks).
+        self._tokenizer_json = value
 
     def has_file(self, rel: str) -> bool:
         """Whether ``rel`` (a path relative to the package root) is present in the folder."""
