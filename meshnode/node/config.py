@@ -282,4 +282,3 @@ def load_config(
         if value is not None:
             values[name] = value
     return _build(values)
-

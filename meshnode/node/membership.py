@@ -5,8 +5,9 @@ Theory of operation. Each peer is *alive*, *suspect* or *dead*. Any frame from a
 passing is itself an event (:class:`Tick`): silence longer than ``suspect_after_s`` makes
 a peer suspect, longer than ``dead_after_s`` dead. A lost connection makes it suspect at
 once (a SIGKILLed process closes its sockets, but so does a flaky link that will come back);
-a goodbye makes it dead at once. Dead peers are forgotten after ``FORGET_AFTER_DEAD`` times
-the dead timeout, so ``meshnode status`` still shows who left recently.
+a goodbye drops it from the table at once (it left; it did not fail). Dead peers are
+forgotten after ``FORGET_AFTER_DEAD`` times the dead timeout, so ``meshnode status`` still
+shows who failed recently.
 
 Times are seconds on the trio clock (``trio.current_time()``), passed in by the caller, so
 tests drive this with plain numbers and the daemon with a mock clock if it likes.
@@ -51,7 +52,6 @@ class Peer:
     last_seen_s: float
     since_s: float  # when it entered ``state``
     rtt_s: float | None = None
-    left: bool = False  # said goodbye
 
 
 # ---- events -------------------------------------------------------------------------------
@@ -148,7 +148,8 @@ def apply(table: PeerTable, event: Event) -> PeerTable:
             return table.with_peer(_to(peer, PeerState.SUSPECT, event.now_s))
         return table
     if isinstance(event, PeerLeft):
-        return table.with_peer(replace(_to(peer, PeerState.DEAD, event.now_s), left=True))
+        rest = {k: v for k, v in table.peers.items() if k != event.node_id}
+        return replace(table, peers=MappingProxyType(rest))
     raise AssertionError(f"unhandled event {event!r}")
 
 
@@ -164,7 +165,6 @@ def _to(peer: Peer, state: PeerState, now_s: float, *, last_seen_s: float | None
         state=state,
         since_s=peer.since_s if peer.state is state else now_s,
         last_seen_s=peer.last_seen_s if last_seen_s is None else last_seen_s,
-        left=peer.left and state is PeerState.DEAD,
     )
 
 
@@ -186,11 +186,19 @@ def _tick(table: PeerTable, now_s: float) -> PeerTable:
     return replace(table, peers=MappingProxyType(kept))
 
 
-def changes(old: PeerTable, new: PeerTable) -> list[tuple[NodeId, PeerState | None, PeerState]]:
-    """``(node_id, old state or None, new state)`` for every peer whose state changed."""
-    out = []
-    for node_id, peer in sorted(new.peers.items()):
-        before = old.peers.get(node_id)
-        if before is None or before.state is not peer.state:
-            out.append((node_id, None if before is None else before.state, peer.state))
+Change = tuple[NodeId, PeerState | None, PeerState | None]
+
+
+def changes(old: PeerTable, new: PeerTable) -> list[Change]:
+    """``(node_id, old state, new state)`` for every peer whose state changed.
+
+    ``None`` as the old state means the peer is new; as the new state, that it was dropped.
+    """
+    out: list[Change] = []
+    for node_id in sorted(old.peers.keys() | new.peers.keys()):
+        before, after = old.peers.get(node_id), new.peers.get(node_id)
+        b = None if before is None else before.state
+        a = None if after is None else after.state
+        if a is not b:
+            out.append((node_id, b, a))
     return out

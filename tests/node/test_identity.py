@@ -68,9 +68,7 @@ def test_token_file_is_private(tmp_path: Path) -> None:
 async def _handshake(server: NodeIdentity, client: NodeIdentity) -> tuple[object, object]:
     """Run one mutual-TLS handshake on loopback; return (server result, client result)."""
     results: dict[str, object] = {}
-    listeners = await trio.open_ssl_over_tcp_listeners(
-        0, server.server_context(), host="127.0.0.1"
-    )
+    listeners = await trio.open_ssl_over_tcp_listeners(0, server.server_context(), host="127.0.0.1")
     port = listeners[0].transport_listener.socket.getsockname()[1]  # type: ignore[attr-defined]
 
     async def accept_one() -> None:

@@ -76,22 +76,24 @@ def test_lost_connection_is_suspect_at_once_and_dead_after_the_timeout() -> None
     assert state_at(table, 10.0) is PeerState.DEAD
 
 
-def test_goodbye_is_dead_at_once() -> None:
-    table = apply(joined(), PeerLeft(A, 1.0))
-    assert table.peers[A].state is PeerState.DEAD
-    assert table.peers[A].left
+def test_goodbye_drops_the_peer_at_once() -> None:
+    table = joined()
+    left = apply(table, PeerLeft(A, 1.0))
+    assert A not in left.peers
+    assert changes(table, left) == [(A, PeerState.ALIVE, None)]
 
 
 def test_dead_peers_are_forgotten_later() -> None:
-    table = apply(joined(), PeerLeft(A, 1.0))
-    assert A in apply(table, Tick(1.0 + FORGET_AFTER_DEAD * 10.0 - 0.1)).peers
-    assert A not in apply(table, Tick(1.0 + FORGET_AFTER_DEAD * 10.0)).peers
+    table = apply(joined(), Tick(10.0))
+    assert table.peers[A].state is PeerState.DEAD
+    assert A in apply(table, Tick(10.0 + FORGET_AFTER_DEAD * 10.0 - 0.1)).peers
+    assert A not in apply(table, Tick(10.0 + FORGET_AFTER_DEAD * 10.0)).peers
 
 
 def test_a_new_hello_brings_a_dead_peer_back() -> None:
-    table = apply(apply(joined(), PeerLeft(A, 1.0)), PeerHello(A, "x:1", "cuda", 5, 2.0))
+    table = apply(apply(joined(), Tick(10.0)), PeerHello(A, "x:1", "cuda", 5, 11.0))
     peer = table.peers[A]
-    assert (peer.state, peer.left, peer.device) == (PeerState.ALIVE, False, "cuda")
+    assert (peer.state, peer.device, peer.since_s) == (PeerState.ALIVE, "cuda", 11.0)
 
 
 def test_events_for_unknown_peers_are_errors() -> None:

@@ -1,0 +1,186 @@
+"""``meshnode init``, ``meshnode join`` and ``meshnode status``: create, run and inspect a mesh."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+
+from meshnode.cli import app
+from meshnode.net.identity import JoinToken, write_token_file
+from meshnode.node.config import Address, ConfigError, Device, load_config, parse_bytes
+
+# `status` gives up on a silent daemon quickly: it is a local, interactive command.
+STATUS_TIMEOUT_S = 3.0
+
+
+@app.command()
+def init(
+    name: Annotated[str | None, typer.Option(help="Mesh name (default: this host's name).")] = None,
+    token_file: Annotated[
+        Path | None, typer.Option(help="Also write the token to this file, mode 0600.")
+    ] = None,
+) -> None:
+    """Create a new mesh and print its join token (the last line of the output)."""
+    token = JoinToken.generate(name or socket.gethostname().split(".")[0])
+    if token_file is not None:
+        write_token_file(token_file, token)
+        typer.echo(f"wrote the join token to {token_file} (mode 0600)")
+    typer.echo(f"created mesh {token.name!r} (mesh id {token.mesh_id})")
+    typer.echo("join it on each machine: meshnode join --token-file FILE  (or --token TOKEN)")
+    typer.echo(str(token))
+
+
+def _address(text: str | None) -> Address | None:
+    return None if text is None else Address.parse(text)
+
+
+@app.command()
+def join(
+    token: Annotated[
+        str | None, typer.Option(help="Join token (or use --token-file / MESHNODE_TOKEN).")
+    ] = None,
+    token_file: Annotated[Path | None, typer.Option(help="File holding the join token.")] = None,
+    listen: Annotated[
+        str | None, typer.Option(help="Mesh listen address HOST:PORT (default 0.0.0.0:7470).")
+    ] = None,
+    api: Annotated[
+        str | None, typer.Option(help="HTTP API address HOST:PORT (default 127.0.0.1:8470).")
+    ] = None,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="Identity, config and caches of this node.")
+    ] = None,
+    interface: Annotated[
+        str | None, typer.Option(help="Limit mDNS to the interface with this address.")
+    ] = None,
+    peer: Annotated[
+        list[str] | None, typer.Option(help="Static peer HOST:PORT (repeatable).")
+    ] = None,
+    no_mdns: Annotated[bool, typer.Option("--no-mdns", help="Disable mDNS discovery.")] = False,
+    max_memory: Annotated[
+        str | None, typer.Option(help="Cap on memory offered to the mesh (e.g. 8GiB).")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda.")] = None,
+    config: Annotated[Path | None, typer.Option(help="TOML config file.")] = None,
+    heartbeat_interval: Annotated[
+        float | None, typer.Option(help="Seconds between heartbeats.")
+    ] = None,
+    suspect_after: Annotated[
+        float | None, typer.Option(help="Seconds of silence before a peer is suspect.")
+    ] = None,
+    dead_after: Annotated[
+        float | None, typer.Option(help="Seconds of silence before a peer is dead.")
+    ] = None,
+    log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = None,
+) -> None:
+    """Run this node in the mesh until interrupted (SIGINT or SIGTERM say goodbye)."""
+    from meshnode.node import daemon
+
+    try:
+        flags: dict[str, Any] = {
+            "token": token,
+            "token_file": token_file,
+            "listen": _address(listen),
+            "api": _address(api),
+            "state_dir": state_dir,
+            "interface": interface,
+            "peers": tuple(Address.parse(p) for p in peer) if peer else None,
+            "mdns": False if no_mdns else None,
+            "max_memory_bytes": None if max_memory is None else parse_bytes(max_memory),
+            "device": _device(device),
+            "log_level": log_level,
+            "heartbeat.interval_s": heartbeat_interval,
+            "heartbeat.suspect_after_s": suspect_after,
+            "heartbeat.dead_after_s": dead_after,
+        }
+        node_config = load_config(config_file=config, flags=flags)
+        code = daemon.run(node_config)
+    except ConfigError as exc:
+        typer.echo(f"meshnode join: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    raise typer.Exit(code)
+
+
+def _device(text: str | None) -> Device | None:
+    if text is None:
+        return None
+    if text == "cpu":
+        return "cpu"
+    if text == "cuda":
+        return "cuda"
+    raise ConfigError(f"--device must be cpu or cuda, got {text!r}")
+
+
+@app.command()
+def status(
+    api: Annotated[str | None, typer.Option(help="The daemon's API address HOST:PORT.")] = None,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="Find the daemon through its state dir.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Show this node, its mesh and its peers; exit 1 when no daemon answers."""
+    from meshnode.node.daemon import read_node_file
+
+    try:
+        address = _address(api)
+        if address is None:
+            config = load_config(flags={"state_dir": state_dir})
+            running = read_node_file(config.state_dir)
+            address = running.api if running is not None else config.api
+    except ConfigError as exc:
+        typer.echo(f"meshnode status: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    url = f"http://{address}/v1/mesh/status"
+    try:
+        response = httpx.get(url, timeout=STATUS_TIMEOUT_S)
+        response.raise_for_status()
+        body: dict[str, Any] = response.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        typer.echo(f"meshnode status: no meshnode daemon answers at {url} ({exc})", err=True)
+        raise typer.Exit(1) from exc
+    if as_json:
+        json.dump(body, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        typer.echo(format_status(body))
+
+
+def _memory(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def format_status(body: dict[str, Any]) -> str:
+    """The human-readable form of a ``/v1/mesh/status`` body."""
+    node = body["node"]
+    lines = [
+        f"node     {node['node_id']}  ({node['device']}, {_memory(node['usable_memory'])} usable)",
+        f"mesh     {node['mesh_name']}  (id {node['mesh_id']})",
+        f"listen   {node['listen']}   api {node['api']}",
+        "",
+    ]
+    header = ("NODE ID", "ADDRESS", "DEVICE", "MEMORY", "STATE", "RTT", "LAST SEEN")
+    rows = [header]
+    for p in body["peers"]:
+        rtt = "-" if p.get("rtt_ms") is None else f"{p['rtt_ms']:.1f} ms"
+        rows.append(
+            (
+                p["node_id"],
+                p["address"],
+                p["device"],
+                _memory(p["usable_memory"]),
+                p["state"],
+                rtt,
+                f"{p['last_seen_s_ago']:.1f} s ago",
+            )
+        )
+    if len(rows) == 1:
+        return "\n".join([*lines, "no peers yet"])
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines).rstrip()

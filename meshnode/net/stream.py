@@ -1,0 +1,109 @@
+"""A framed, authenticated peer stream: trio bytes in and out of a sans-IO ``Connection``.
+
+:class:`PeerStream` owns one ``trio`` stream (a ``trio.SSLStream`` over TCP in the daemon)
+and one ``meshnode_protocol.Connection``. ``receive()`` feeds bytes to the codec until it
+yields a message; ``send()`` encodes and writes under a FIFO lock so that concurrent senders
+(heartbeats, replies) never interleave frames.
+
+When the peer breaks the protocol (``RemoteProtocolError``), the stream answers with the
+matching ``Error`` frame, closes, and re-raises: that one connection ends, the node goes on.
+The codec bounds every frame (``MAX_FRAME_BYTES``), so a peer cannot make us buffer more
+than one frame plus one read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import ssl
+from typing import Final
+
+import trio
+from meshnode_protocol import (
+    CONNECTION_CLOSED,
+    NEED_DATA,
+    Connection,
+    Error,
+    Goodbye,
+    Message,
+    RemoteProtocolError,
+)
+
+log = logging.getLogger(__name__)
+
+# One read; small enough to bound memory per connection, large enough that a hidden-state
+# activation frame (a few KiB per token) arrives in a handful of reads.
+RECEIVE_CHUNK_BYTES = 64 * 1024
+# Writing the Error frame to a peer that stopped reading must not hang the session.
+ERROR_SEND_TIMEOUT_S = 2.0
+
+# What a broken or vanished transport raises; callers treat all of them as "connection lost".
+TRANSPORT_ERRORS: Final = (
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    ssl.SSLError,
+    OSError,
+)
+
+
+class PeerStream:
+    """Messages over a byte stream; not safe to ``receive()`` from two tasks at once."""
+
+    def __init__(self, stream: trio.abc.Stream, connection: Connection) -> None:
+        self._stream = stream
+        self._conn = connection
+        self._send_lock = trio.StrictFIFOLock()
+        self._finished = False  # we sent Goodbye or a fatal Error: nothing may follow
+
+    @property
+    def stream(self) -> trio.abc.Stream:
+        """The underlying stream (for ``getpeercert`` and friends)."""
+        return self._stream
+
+    async def send(self, message: Message) -> None:
+        """Encode and write one message.
+
+        Raises ``trio.ClosedResourceError`` once a ``Goodbye`` or fatal ``Error`` went out
+        (a heartbeat racing a shutdown is a closed connection, not a bug), and transport
+        errors if the stream broke.
+        """
+        async with self._send_lock:
+            if self._finished:
+                raise trio.ClosedResourceError("this side already said goodbye")
+            self._finished = isinstance(message, Goodbye) or (
+                isinstance(message, Error) and message.fatal
+            )
+            await self._stream.send_all(self._conn.send(message))
+
+    async def receive(self) -> Message | None:
+        """The next message, or ``None`` at a clean end of stream.
+
+        Raises ``RemoteProtocolError`` after answering it with an ``Error`` frame and
+        closing the stream; transport errors propagate unchanged.
+        """
+        while True:
+            try:
+                message = self._conn.next_message()
+            except RemoteProtocolError as exc:
+                await self._fail(exc)
+                raise
+            if message is CONNECTION_CLOSED:
+                return None
+            if message is not NEED_DATA:
+                return message
+            self._conn.receive_data(await self._stream.receive_some(RECEIVE_CHUNK_BYTES))
+
+    async def _fail(self, exc: RemoteProtocolError) -> None:
+        log.info("peer broke the protocol (%s): answering Error and closing", exc)
+        with trio.move_on_after(ERROR_SEND_TIMEOUT_S):
+            # The peer may already be gone; closing is all that is left then.
+            with contextlib.suppress(*TRANSPORT_ERRORS):
+                await self.send(exc.to_error())
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the stream (sends TLS close_notify when possible); never raises."""
+        with trio.move_on_after(ERROR_SEND_TIMEOUT_S) as scope:
+            scope.shield = True
+            with contextlib.suppress(*TRANSPORT_ERRORS):
+                await self._stream.aclose()
