@@ -175,7 +175,9 @@ class Connection:
         """Encode ``msg`` as one frame and return its bytes.
 
         Raises ``LocalProtocolError`` when the state machine forbids ``msg`` now or the
-        frame would exceed ``max_frame_bytes``; our side is then in ``ERROR``.
+        frame would exceed ``max_frame_bytes``; our side is then in ``ERROR``. (After the
+        peer's error only a fatal ``Error`` may be sent; trying anything else raises too,
+        but leaves our side as it was.)
         """
         header, tensors, length = self._encode(msg)
         return b"".join([LENGTH.pack(length), header, *(t.data for t in tensors)])
@@ -201,10 +203,10 @@ class Connection:
         return memoryview(buf)[:end]
 
     def _encode(self, msg: Message) -> tuple[bytes, list[Tensor], int]:
+        if not isinstance(msg, Message):
+            raise LocalProtocolError(f"not a message: {type(msg).__name__}")
+        self._check_send_allowed(msg)
         try:
-            if not isinstance(msg, Message):
-                raise LocalProtocolError(f"not a message: {type(msg).__name__}")
-            self._check_send_allowed(msg)
             tensors: list[Tensor] = []
             header = encode_header(msg, tensors)
             length = frame_length(header, tensors, self.max_frame_bytes)

@@ -90,8 +90,11 @@ class _Int(Kind):
     name = "int"
 
     def check(self, value: Any) -> Any:
-        if type(value) is not int:  # bool is an int subclass; it is not an int here
-            raise TypeError(f"expected int, got {type(value).__name__}")
+        if type(value) is not int:
+            # bool is an int subclass but not an int here; IntEnums (ErrorCode) become ints.
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"expected int, got {type(value).__name__}")
+            value = int(value)
         if not INT_MIN <= value <= INT_MAX:
             raise ValueError(f"int {value} does not fit a CBOR integer")
         return value
