@@ -1,1 +1,126 @@
-"""``meshnode generate``: one reply from a local model, streamed to stdout."""
+"""``meshnode generate``: one reply from a local model, streamed to stdout.
+
+The command builds a :class:`GenerateConfig` from its flags and calls :func:`run`.
+Bad input (unknown model, missing file, unsupported model, unavailable device) is
+reported as one line on stderr with exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Annotated, TextIO, cast
+
+import typer
+
+from meshnode.cli import app
+from meshnode.engine.backend import BackendError, Device, select_backend
+from meshnode.engine.generate import GenerationResult, TextDelta, generate
+from meshnode.engine.loader import LoadedModel, ModelLoadError, load_model
+from meshnode.engine.sampling import SamplingParams
+from meshnode.engine.tokenizer import TemplateError
+
+__all__ = ["EXIT_BAD_INPUT", "GenerateConfig", "run"]
+
+EXIT_BAD_INPUT = 2
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Everything one ``meshnode generate`` run needs."""
+
+    prompt: str
+    model: str | None = None
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    raw: bool = False
+    json: bool = False
+    device: Device = "auto"
+
+
+class _BadInput(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def prompt_ids(model: LoadedModel, prompt: str, raw: bool) -> list[int]:
+    """Token ids for ``prompt``: chat-templated as one user turn unless ``raw``."""
+    if raw or model.chat_template is None:
+        return model.tokenizer.encode(prompt)
+    text = model.chat_template.render([{"role": "user", "content": prompt}])
+    return model.tokenizer.encode(text)
+
+
+def complete(model: LoadedModel, config: GenerateConfig, out: TextIO | None) -> GenerationResult:
+    """Generate the reply, streaming text to ``out`` when given; return the result."""
+    ids = prompt_ids(model, config.prompt, config.raw)
+    events = generate(
+        model.stage,
+        model.tokenizer,
+        ids,
+        config.sampling,
+        max_tokens=config.max_tokens,
+        eos_ids=model.config.eos_token_ids,
+    )
+    for event in events:
+        if isinstance(event, TextDelta):
+            if out is not None and event.text:
+                out.write(event.text)
+                out.flush()
+        else:
+            return event
+    raise AssertionError("generate() ended without a result")
+
+
+def run(config: GenerateConfig) -> int:
+    """Run one generation; return the process exit status."""
+    try:
+        backend = select_backend(config.device)
+        model = load_model(config.model, backend)
+        result = complete(model, config, sys.stdout)
+    except (BackendError, ModelLoadError, TemplateError, ValueError, _BadInput) as exc:
+        print(f"meshnode generate: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    sys.stdout.write("\n")
+    if config.json:
+        sys.stdout.write(json.dumps(result.as_dict()) + "\n")
+    return 0
+
+
+@app.command("generate")
+def generate_command(
+    prompt: Annotated[str, typer.Argument(help="The user message (or raw text with --raw).")],
+    model: Annotated[
+        str | None,
+        typer.Option(help="Model alias (smollm2-135m), GGUF file or checkpoint folder."),
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Most tokens to generate.")] = 256,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
+    top_k: Annotated[int, typer.Option(min=0, help="0 keeps every token.")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
+    raw: Annotated[bool, typer.Option(help="Feed PROMPT as is, without chat template.")] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print a JSON summary as the last line.")
+    ] = False,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+) -> None:
+    """Generate a reply from a local model and stream it to stdout."""
+    if device not in ("auto", "cpu", "cuda"):
+        typer.echo(f"meshnode generate: error: unknown device {device!r}", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT)
+    try:
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    except ValueError as exc:
+        typer.echo(f"meshnode generate: error: {exc}", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    config = GenerateConfig(
+        prompt=prompt,
+        model=model,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        raw=raw,
+        json=json_output,
+        device=cast(Device, device),  # checked above
+    )
+    raise typer.Exit(run(config))

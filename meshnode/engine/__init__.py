@@ -2,4 +2,27 @@
 
 No sockets, no async. The array backend (NumPy or CuPy) is chosen once in
 ``meshnode.engine.backend``; code above the engine never imports numpy/cupy for math.
+
+Layering inside the package: ``config`` and ``backend`` at the bottom; ``weights`` and
+``kv_cache`` on them; ``model`` (the stage forward) on those; ``sampling`` and
+``tokenizer`` stand alone; ``generate`` and ``loader`` (single-node use) on top.
 """
+
+from meshnode.engine.backend import Backend, BackendError, select_backend
+from meshnode.engine.config import ConfigError, ModelConfig
+from meshnode.engine.kv_cache import KVCache
+from meshnode.engine.model import Stage
+from meshnode.engine.sampling import Sampler, SamplingParams, logits_to_probs
+
+__all__ = [
+    "Backend",
+    "BackendError",
+    "ConfigError",
+    "KVCache",
+    "ModelConfig",
+    "Sampler",
+    "SamplingParams",
+    "Stage",
+    "logits_to_probs",
+    "select_backend",
+]

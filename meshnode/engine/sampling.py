@@ -1,0 +1,130 @@
+"""Turning logits into the next token: penalties, temperature, truncation, seeded draws.
+
+The order follows vLLM's sampler: penalties on the raw logits, then temperature, then
+top-k, top-p and min-p truncation on the resulting distribution. Temperature 0 is greedy.
+All of it runs on the host in float64 (one ``[V]`` row per step is cheap to copy).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Sampler", "SamplingParams", "logits_to_probs"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. Neutral values switch a knob off.
+
+    ``temperature`` 0 means greedy; ``top_k`` 0 keeps every token; ``top_p`` 1 and
+    ``min_p`` 0 keep every token; ``repetition_penalty`` 1 and the OpenAI-style
+    ``presence_penalty``/``frequency_penalty`` 0 leave the logits alone.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the pick is the argmax."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+def apply_penalties(
+    logits: np.ndarray, params: SamplingParams, history: Sequence[int]
+) -> np.ndarray:
+    """Logits with the penalties for tokens in ``history`` applied (a new array).
+
+    Repetition penalty as in CTRL / transformers: positive logits are divided by it,
+    negative ones multiplied. Presence and frequency penalties as in OpenAI's API:
+    ``logit - presence * [count > 0] - frequency * count``.
+    """
+    out = np.array(logits, dtype=np.float64)
+    if not history:
+        return out
+    counts = Counter(history)
+    ids = np.fromiter(counts, dtype=np.int64)
+    if params.repetition_penalty != 1.0:
+        seen = out[ids]
+        rp = params.repetition_penalty
+        out[ids] = np.where(seen > 0, seen / rp, seen * rp)
+    if params.presence_penalty or params.frequency_penalty:
+        n = np.fromiter(counts.values(), dtype=np.float64)
+        out[ids] -= params.presence_penalty + params.frequency_penalty * n
+    return out
+
+
+def _truncate(probs: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Zero every token that top-k, top-p or min-p excludes (ties at a cut are kept)."""
+    keep = np.ones(probs.shape, dtype=bool)
+    if 0 < params.top_k < probs.size:
+        kth = np.partition(probs, -params.top_k)[-params.top_k]
+        keep &= probs >= kth
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cum = np.cumsum(probs[order])
+        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass
+        # before it is still short of top_p.
+        in_nucleus = np.empty_like(keep)
+        in_nucleus[order] = (cum - probs[order]) < params.top_p
+        keep &= in_nucleus
+    if params.min_p > 0:
+        keep &= probs >= params.min_p * probs.max()
+    return np.where(keep, probs, 0.0)
+
+
+def logits_to_probs(logits: Any, params: SamplingParams, history: Sequence[int] = ()) -> np.ndarray:
+    """The distribution ``[V]`` (float64, sums to 1) the next token is drawn from."""
+    x = apply_penalties(np.asarray(logits), params, history)
+    if params.greedy:
+        probs = np.zeros_like(x)
+        probs[int(np.argmax(x))] = 1.0
+        return probs
+    x = x / params.temperature
+    probs = np.exp(x - x.max())
+    probs = _truncate(probs / probs.sum(), params)
+    out: np.ndarray = probs / probs.sum()
+    return out
+
+
+class Sampler:
+    """Draws tokens for one sequence; seeded samplers reproduce their draws exactly."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self._rng = np.random.default_rng(params.seed)
+
+    def sample(self, logits: Any, history: Sequence[int] = ()) -> int:
+        """The next token id for ``logits`` ``[V]``, given the tokens in ``history``."""
+        if self.params.greedy:
+            return int(np.argmax(apply_penalties(np.asarray(logits), self.params, history)))
+        return self.draw(logits_to_probs(logits, self.params, history))
+
+    def draw(self, probs: np.ndarray) -> int:
+        """A token drawn from ``probs`` by inverse CDF; zero-probability ids never come out."""
+        cdf = np.cumsum(probs)
+        u = self._rng.random() * cdf[-1]
+        return int(np.searchsorted(cdf, u, side="right"))

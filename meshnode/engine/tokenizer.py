@@ -1,0 +1,116 @@
+"""Text <-> token ids (Hugging Face ``tokenizers``), streaming detokenization, chat templates."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+__all__ = ["ChatTemplate", "IncrementalDetokenizer", "TemplateError", "Tokenizer"]
+
+
+class Tokenizer:
+    """A ``tokenizer.json`` tokenizer; special tokens in text are parsed by default."""
+
+    def __init__(self, tokenizer_json: str) -> None:
+        self._tok = HFTokenizer.from_str(tokenizer_json)
+        self.special_ids = frozenset(
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``; no BOS/EOS added. With ``parse_special`` False, text
+        such as ``<|im_end|>`` is encoded as plain characters."""
+        self._tok.encode_special_tokens = not parse_special
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        """The text of ``ids``."""
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special))
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a vocabulary entry, or None."""
+        found = self._tok.token_to_id(token)
+        return None if found is None else int(found)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of ids into a stream of text without splitting a UTF-8 character.
+
+    Byte-level BPE tokens can end inside a multi-byte character; the decoder then yields
+    U+FFFD. Text is held back until the pending ids decode cleanly (the scheme of Hugging
+    Face text-generation-inference: decode from a ``prefix`` offset a few tokens back so
+    that merges with the previous token see their context).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text that is now complete (maybe empty)."""
+        self._ids.append(token_id)
+        before = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        now = self._tok.decode(self._ids[self._prefix :], self._skip)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return now[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (a trailing incomplete character decodes as U+FFFD)."""
+        before = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        now = self._tok.decode(self._ids[self._prefix :], self._skip)
+        self._prefix = self._read = len(self._ids)
+        return now[len(before) :]
+
+
+class TemplateError(ValueError):
+    """The chat template failed to render (or raised on purpose via raise_exception)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+class ChatTemplate:
+    """A model's jinja2 chat template rendered in a sandbox, as transformers does.
+
+    The sandbox (``ImmutableSandboxedEnvironment``) keeps a template shipped with a model
+    from touching Python internals or mutating its inputs.
+    """
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = _raise_exception
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise TemplateError(f"chat template: {exc}") from exc
+        self._special = dict(special_tokens or {})
+
+    def render(
+        self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text for ``messages`` (dicts with ``role`` and ``content``)."""
+        try:
+            return self._template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **self._special,
+            )
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"chat template: {exc}") from exc
