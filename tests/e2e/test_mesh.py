@@ -1,0 +1,356 @@
+"""Real `meshnode join` processes on loopback: discovery, membership, refusal, bad peers.
+
+Every wait is a bounded poll; every child process is killed in fixture teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from meshnode_protocol import (
+    CONNECTION_CLOSED,
+    NEED_DATA,
+    Connection,
+    Error,
+    ErrorCode,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Message,
+)
+
+from meshnode.net.identity import JoinToken, NodeIdentity
+from meshnode.node.daemon import read_node_file
+
+# Short timeouts so the whole membership story plays out in seconds.
+HEARTBEAT_ENV = {
+    "MESHNODE_HEARTBEAT_S": "0.2",
+    "MESHNODE_SUSPECT_S": "1.5",
+    "MESHNODE_DEAD_S": "3.0",
+}
+DEAD_AFTER_S = 3.0
+START_TIMEOUT_S = 30.0  # process start on a loaded 2-core box: imports dominate
+SEE_EACH_OTHER_S = 10.0  # the issue's bound
+JOIN_CODE = "from meshnode.cli import main; main()"
+
+
+@dataclass
+class Node:
+    name: str
+    state_dir: Path
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def api(self) -> str:
+        running = read_node_file(self.state_dir)
+        assert running is not None, f"{self.name} has no node.json"
+        return f"http://{running.api}"
+
+    @property
+    def listen(self) -> str:
+        running = read_node_file(self.state_dir)
+        assert running is not None
+        return str(running.listen)
+
+    def status(self) -> dict[str, Any]:
+        body: dict[str, Any] = httpx.get(f"{self.api}/v1/mesh/status", timeout=3.0).json()
+        return body
+
+    def node_id(self) -> str:
+        return str(self.status()["node"]["node_id"])
+
+    def peer_states(self) -> dict[str, str]:
+        return {p["node_id"]: p["state"] for p in self.status()["peers"]}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+Spawn = Callable[..., Node]
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", JOIN_CODE, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Poll ``predicate`` until true; seconds it took. Fails the test after ``timeout_s``."""
+    start = time.monotonic()
+    while True:
+        try:
+            if predicate():
+                return time.monotonic() - start
+        except (httpx.HTTPError, AssertionError, KeyError):
+            pass
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "mesh.token"
+    result = cli("init", "--name", "e2e", "--token-file", str(path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == path.read_text().strip()
+    assert (path.stat().st_mode & 0o777) == 0o600
+    return path
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Spawn]:
+    """Start `meshnode join` processes; all are killed at teardown."""
+    nodes: list[Node] = []
+
+    def start(name: str, token_file: Path, *extra: str, mdns: bool = True) -> Node:
+        state_dir = tmp_path / name
+        state_dir.mkdir()
+        log_path = tmp_path / f"{name}.log"
+        args = [
+            "join",
+            "--token-file", str(token_file),
+            "--listen", "127.0.0.1:0",
+            "--api", "127.0.0.1:0",
+            "--state-dir", str(state_dir),
+            *(["--interface", "127.0.0.1"] if mdns else ["--no-mdns"]),
+            *extra,
+        ]  # fmt: skip
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-c", JOIN_CODE, *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **HEARTBEAT_ENV},
+            )
+        node = Node(name, state_dir, process, log_path)
+        nodes.append(node)
+        return node
+
+    yield start
+    for node in nodes:
+        if node.process.poll() is None:
+            node.process.kill()
+        node.process.wait(timeout=10)
+
+
+def wait_started(*nodes: Node) -> None:
+    for node in nodes:
+        wait_for(
+            lambda n=node: n.process.poll() is None and bool(n.status()),  # type: ignore[misc]
+            START_TIMEOUT_S,
+            f"{node.name} to serve its API\n{node.log()}",
+        )
+
+
+def other_token(tmp_path: Path) -> Path:
+    path = tmp_path / "other.token"
+    path.write_text(str(JoinToken.generate("e2e")) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("mode", ["mdns", "static"])
+def test_three_nodes_form_a_mesh_and_notice_departures(
+    mode: str, spawn: Spawn, token_file: Path, tmp_path: Path
+) -> None:
+    mdns = mode == "mdns"
+    a = spawn("a", token_file, mdns=mdns)
+    wait_started(a)
+    static_a = [] if mdns else ["--peer", a.listen]
+    b = spawn("b", token_file, *static_a, mdns=mdns)
+    wait_started(b)
+    c = spawn("c", token_file, *static_a, *([] if mdns else ["--peer", b.listen]), mdns=mdns)
+    # The impostor dials `a` directly too, so that its attempts are seen to be refused.
+    evil = spawn("evil", other_token(tmp_path), "--peer", a.listen, mdns=mdns)
+    wait_started(c, evil)
+    good = [a, b, c]
+    ids = {n.name: n.node_id() for n in good}
+    evil_id = evil.node_id()
+
+    def full_mesh() -> bool:
+        return all(
+            n.peer_states() == {ids[m.name]: "alive" for m in good if m is not n} for n in good
+        )
+
+    took = wait_for(full_mesh, SEE_EACH_OTHER_S, "three nodes to see each other")
+    assert took < SEE_EACH_OTHER_S
+
+    # The same view through the CLI.
+    result = cli("status", "--state-dir", str(a.state_dir), "--json")
+    assert result.returncode == 0, result.stderr
+    body = json.loads(result.stdout)
+    assert body["node"]["node_id"] == ids["a"]
+    assert {p["node_id"] for p in body["peers"]} == {ids["b"], ids["c"]}
+    assert {p["state"] for p in body["peers"]} == {"alive"}
+
+    # The impostor was refused in the TLS handshake and is listed nowhere.
+    wait_for(lambda: a.status()["node"]["refused_handshakes"] > 0, 10, "a refused handshake")
+    assert all(evil_id not in n.peer_states() for n in good)
+    assert evil.peer_states() == {}
+    assert "TLS handshake failed" in a.log()
+
+    # SIGKILL: no goodbye; peers notice within the dead timeout.
+    c.process.kill()
+    killed_at = time.monotonic()
+    wait_for(
+        lambda: (
+            a.peer_states().get(ids["c"]) in {"dead", None}
+            and b.peer_states().get(ids["c"]) in {"dead", None}
+        ),
+        DEAD_AFTER_S + 3.0,
+        "c to be declared dead",
+    )
+    assert time.monotonic() - killed_at < DEAD_AFTER_S + 3.0
+
+    # SIGINT: goodbye; `a` drops `b` at once, well before the suspect timeout.
+    b.process.send_signal(signal.SIGINT)
+    took = wait_for(lambda: ids["b"] not in a.peer_states(), 5.0, "a to drop b")
+    assert took < 1.5
+    assert b.process.wait(timeout=10) == 0
+    assert f"peer {ids['b']} left the mesh" in a.log()
+    assert not (b.state_dir / "node.json").exists()
+
+
+def test_status_without_a_daemon_exits_1(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = cli("status", "--api", f"127.0.0.1:{port}")
+    assert result.returncode == 1
+    assert "no meshnode daemon answers" in result.stderr
+    result = cli("status", "--state-dir", str(tmp_path), "--api", f"127.0.0.1:{port}", "--json")
+    assert result.returncode == 1
+
+
+def test_join_without_a_token_is_a_clear_error(tmp_path: Path) -> None:
+    env = {k: "" for k in ("MESHNODE_TOKEN", "MESHNODE_TOKEN_FILE") if k in os.environ}
+    result = cli("join", "--state-dir", str(tmp_path), "--no-mdns", env=env)
+    assert result.returncode == 2
+    assert "no join token" in result.stderr
+
+
+# ---- bad peers over real sockets -----------------------------------------------------------
+
+
+def _hello(identity: NodeIdentity) -> Hello:
+    return Hello(
+        node_id=identity.node_id,
+        mesh_id_hash=identity.mesh_id,
+        listen_address="127.0.0.1:1",
+        device_kind="cpu",
+        usable_memory=0,
+    )
+
+
+def _encoded_hello(identity: NodeIdentity) -> bytes:
+    return Connection().send(_hello(identity))
+
+
+def _encoded_hello_goodbye(identity: NodeIdentity) -> bytes:
+    conn = Connection()
+    return conn.send(_hello(identity)) + conn.send(Goodbye(node_id=identity.node_id))
+
+
+def _encoded_heartbeat(identity: NodeIdentity) -> bytes:
+    """A Heartbeat frame alone: valid, but out of order as a connection's first frame."""
+    conn = Connection()
+    conn.send(_hello(identity))  # the codec only lets a Heartbeat follow a Hello
+    return conn.send(Heartbeat(node_id=identity.node_id, nonce=1, sent_ns=0))
+
+
+async def _exchange(identity: NodeIdentity, address: str, payload: bytes) -> list[Message]:
+    """Open an authenticated connection, send raw ``payload``, return all messages until EOF."""
+    host, port = address.rsplit(":", 1)
+    messages: list[Message] = []
+    conn = Connection()
+    with trio.fail_after(10):
+        stream = await trio.open_ssl_over_tcp_stream(
+            host, int(port), ssl_context=identity.client_context()
+        )
+        await stream.do_handshake()
+        await stream.send_all(payload)
+        while True:
+            try:
+                data = await stream.receive_some(65536)
+            except trio.BrokenResourceError:
+                data = b""
+            conn.receive_data(data)
+            while (msg := conn.next_message()) is not NEED_DATA:
+                if msg is CONNECTION_CLOSED:
+                    await stream.aclose()
+                    return messages
+                messages.append(msg)
+
+
+@pytest.fixture
+def lone_node(spawn: Spawn, token_file: Path) -> Node:
+    node = spawn("lone", token_file, mdns=False)
+    wait_started(node)
+    return node
+
+
+def test_raw_garbage_without_tls_fails_the_handshake(lone_node: Node) -> None:
+    host, port = lone_node.listen.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"\x16\x03\x01garbage, not a TLS ClientHello" * 4)
+        sock.settimeout(5)
+        received = b""
+        try:
+            while chunk := sock.recv(4096):
+                received += chunk
+        except ConnectionResetError:
+            pass
+    assert b"meshnode" not in received  # nothing but (at most) a TLS alert came back
+    wait_for(lambda: lone_node.status()["node"]["refused_handshakes"] == 1, 5, "refusal count")
+
+
+@pytest.mark.parametrize(
+    ("name", "payload", "code"),
+    [
+        ("garbage", lambda ident: b"\x00\x00\x00\x08notcbor!", ErrorCode.MALFORMED_FRAME),
+        ("oversize", lambda ident: b"\xff\xff\xff\xff" + b"x" * 64, ErrorCode.FRAME_TOO_LARGE),
+        ("before-hello", _encoded_heartbeat, ErrorCode.OUT_OF_ORDER),
+        ("second-hello", lambda i: _encoded_hello(i) * 2, ErrorCode.OUT_OF_ORDER),
+    ],
+)
+def test_bad_frames_get_an_error_and_close(
+    lone_node: Node,
+    token_file: Path,
+    tmp_path: Path,
+    name: str,
+    payload: Callable[[NodeIdentity], bytes],
+    code: ErrorCode,
+) -> None:
+    token = JoinToken.parse(token_file.read_text())
+    identity = NodeIdentity.provision(token, tmp_path / f"client-{name}")
+    messages = trio.run(_exchange, identity, lone_node.listen, payload(identity))
+    assert isinstance(messages[0], Hello)  # the node introduces itself first
+    errors = [m for m in messages if isinstance(m, Error)]
+    assert len(errors) == 1
+    assert errors[0].code == code
+    assert errors[0].fatal
+    # The node keeps serving: its API answers and a well-behaved peer gets a Hello.
+    assert lone_node.status()["node"]["protocol_errors"] >= 1
+    polite = trio.run(_exchange, identity, lone_node.listen, _encoded_hello_goodbye(identity))
+    assert isinstance(polite[0], Hello)
+    assert not any(isinstance(m, Error) for m in polite)
