@@ -120,3 +120,10 @@ def test_token_file_is_read_when_no_token(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="no join token"):
         load_config(env={}).resolve_token()
+
+
+def test_the_example_config_loads() -> None:
+    example = Path(__file__).resolve().parents[2] / "deploy" / "meshnode.example.toml"
+    config = load_config(config_file=example, env={})
+    assert config.token_file == Path("/etc/meshnode/token")
+    assert config.heartbeat == HeartbeatTimeouts()
