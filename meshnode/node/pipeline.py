@@ -150,7 +150,7 @@ class LocalPipeline:
 
     @property
     def context_size(self) -> int:
-        return self.runner.context_size
+        return int(self.runner.context_size)
 
     async def run(self, frame: StepFrame) -> StepResult:
         async with self._lock:

@@ -53,7 +53,7 @@ class FinishReason(enum.StrEnum):
 class Detokenizer(Protocol):
     """Turns token ids into text incrementally, never splitting a UTF-8 character."""
 
-    def add(self, token: int) -> str:
+    def push(self, token: int) -> str:
         """The text that ``token`` completes (possibly empty)."""
         ...
 
@@ -127,7 +127,7 @@ class GenerationState:
         if token in self.params.eos_token_ids:
             # EOS counts as a completion token (it was generated) but is never shown.
             return self._finish(FinishReason.STOP, self._pending + self.detokenizer.flush())
-        self._pending += self.detokenizer.add(token)
+        self._pending += self.detokenizer.push(token)
         cut = find_stop(self._pending, self.params.stop)
         if cut is not None:
             return self._finish(FinishReason.STOP, self._pending[:cut])

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from meshnode.node.pipeline import PipelineError, TokenLogprob
 from meshnode.serve import schemas as s
@@ -141,10 +142,25 @@ async def _complete(service: ServeService, endpoint: str, run: GenerationRun) ->
         service.metrics.requests.inc(endpoint=endpoint, outcome=outcome)
 
 
+class _ClosingStreamingResponse(StreamingResponse):
+    """A streaming response that closes its body generator when the response ends.
+
+    Starlette stops iterating when the client disconnects but leaves the generator to the
+    garbage collector; closing it here runs the generation's cleanup (the ``Release`` of
+    the sequence on every stage) at once, in this task.
+    """
+
+    body_iterator: AsyncGenerator[bytes, None]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with aclosing(self.body_iterator):
+            await super().__call__(scope, receive, send)
+
+
 def _sse_response(
     service: ServeService, endpoint: str, chunks: AsyncGenerator[BaseModel, None]
 ) -> StreamingResponse:
-    return StreamingResponse(
+    return _ClosingStreamingResponse(
         _sse(service, endpoint, chunks), media_type="text/event-stream", headers=SSE_HEADERS
     )
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from meshnode.engine.sampling import SamplingParams
 from meshnode.node.pipeline import TokenLogprob
 from meshnode.serve.generation import (
     FinishReason,
@@ -28,7 +29,7 @@ class TableDetokenizer:
 
     held: list[str] = field(default_factory=list)
 
-    def add(self, token: int) -> str:
+    def push(self, token: int) -> str:
         if token == 9:
             self.held.append("?")
             return ""
@@ -44,7 +45,7 @@ class TableDetokenizer:
 
 def state(max_new: int = 100, stop: tuple[str, ...] = ()) -> GenerationState:
     params = GenerationParams(
-        max_new_tokens=max_new, sampling=None, stop=stop, eos_token_ids=frozenset({EOS})
+        max_new_tokens=max_new, sampling=SamplingParams(), stop=stop, eos_token_ids=frozenset({EOS})
     )
     return GenerationState(params, TableDetokenizer())
 

@@ -1,0 +1,224 @@
+"""The stage host: one engine ``Stage`` (a layer range) and the sequences passing through it.
+
+:class:`StageRunner` is the same object on every node of a pipeline; it does no I/O. For
+each frame it finds (or creates) the sequence's KV cache, runs the stage's layers from
+``start_pos`` (the engine truncates the cache there first, which is how a rejected draft
+is rolled back) and returns either the hidden states for the next stage or, on the last
+stage, a :class:`~meshnode.node.pipeline.StepResult` with the chosen tokens.
+
+The last stage decides tokens itself (DESIGN §2): it keeps each sequence's token history
+(from the frames' ``tokens``, truncated with ``start_pos``) for the penalties, samples
+with a per-sequence seeded generator, and for a verify frame applies the acceptance rule
+of ``meshnode.spec.acceptance`` to the ``k + 1`` rows it computed.
+
+Calls are not thread-safe: the owner serializes ``process`` and ``release`` (the local
+pipeline holds a lock around both).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from meshnode.engine.model import Stage
+from meshnode.engine.sampling import Sampler, SamplingParams, logits_to_probs
+from meshnode.node.pipeline import (
+    FrameKind,
+    PipelineError,
+    RequestId,
+    StepFrame,
+    StepResult,
+    TokenLogprob,
+)
+from meshnode.spec.acceptance import accept_greedy, accept_sampling
+
+#: Live sequences per stage. Each holds a preallocated KV cache of ``context_size``
+#: positions (SmolLM2-135M: ~46 KiB per position, so 8 x 2048 positions is ~750 MiB),
+#: which is why the bound exists; the scheduler admits no more than this at once.
+DEFAULT_MAX_SEQUENCES = 8
+
+FloatRows = npt.NDArray[np.float64]
+
+
+class StageError(PipelineError):
+    """A frame this stage cannot process (a gap in positions, the sequence limit, ...)."""
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """Per-sequence state on this stage."""
+
+    cache: Any
+    sampling: SamplingParams
+    sampler: Sampler | None = None
+    rng: np.random.Generator | None = None
+    history: list[int] = field(default_factory=list)
+
+
+class StageRunner:
+    """Runs frames of many sequences through one stage; see the module docstring."""
+
+    def __init__(
+        self,
+        stage: Stage,
+        *,
+        context_size: int,
+        max_sequences: int = DEFAULT_MAX_SEQUENCES,
+    ):
+        if context_size < 2 or max_sequences < 1:
+            raise ValueError(f"bad limits: context {context_size}, sequences {max_sequences}")
+        self.stage = stage
+        self.first = stage.embed
+        self.last = stage.head
+        self.context_size = context_size
+        self.max_sequences = max_sequences
+        self._sequences: dict[RequestId, _Sequence] = {}
+        # Released caches are kept for the next sequence: allocating a context-sized cache
+        # per request would churn hundreds of MiB per second under load.
+        self._free_caches: list[Any] = []
+
+    @property
+    def live_sequences(self) -> int:
+        """Sequences holding a KV cache on this stage."""
+        return len(self._sequences)
+
+    def process(self, frame: StepFrame) -> Any:
+        """Run ``frame``; hidden states for the next stage, or a StepResult on the last.
+
+        Raises StageError for frames that do not fit this sequence or the limits.
+        """
+        began = time.perf_counter()
+        seq = self._sequence(frame)
+        self._check_positions(frame, seq)
+        out = self._forward(frame, seq)
+        if not self.last:
+            return out
+        result = self._decide(frame, seq, out)
+        elapsed = time.perf_counter() - began
+        return StepResult(
+            request_id=frame.request_id,
+            accepted=result[0],
+            tokens=tuple(result[1]),
+            logprobs=result[2],
+            compute_s=elapsed,
+        )
+
+    def release(self, request_id: RequestId) -> bool:
+        """Free the sequence's cache; False if it was not live (release is idempotent)."""
+        seq = self._sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.cache.truncate(0)
+        self._free_caches.append(seq.cache)
+        return True
+
+    # -- sequences --------------------------------------------------------------------
+
+    def _sequence(self, frame: StepFrame) -> _Sequence:
+        seq = self._sequences.get(frame.request_id)
+        if seq is not None:
+            return seq
+        if frame.start_pos != 0:
+            raise StageError(
+                f"sequence {frame.request_id} is unknown here and the frame starts at "
+                f"{frame.start_pos}, not 0 (released, or this stage restarted)"
+            )
+        if len(self._sequences) >= self.max_sequences:
+            raise StageError(f"this stage already holds {self.max_sequences} sequences")
+        cache = self._free_caches.pop() if self._free_caches else self.stage.new_cache(
+            self.context_size
+        )
+        seq = _Sequence(cache=cache, sampling=frame.sampling)
+        if self.last:
+            seq.sampler = Sampler(frame.sampling)
+            seq.rng = np.random.default_rng(frame.sampling.seed)
+        self._sequences[frame.request_id] = seq
+        return seq
+
+    def _check_positions(self, frame: StepFrame, seq: _Sequence) -> None:
+        if frame.start_pos > seq.cache.length:
+            raise StageError(
+                f"frame of {frame.request_id} starts at {frame.start_pos} but only "
+                f"{seq.cache.length} positions are cached"
+            )
+        if frame.end_pos > self.context_size:
+            raise StageError(
+                f"frame of {frame.request_id} ends at {frame.end_pos}, beyond the context "
+                f"of {self.context_size}"
+            )
+
+    # -- compute ------------------------------------------------------------------------
+
+    def _forward(self, frame: StepFrame, seq: _Sequence) -> Any:
+        if self.first:
+            inputs: Any = np.asarray(frame.tokens, dtype=np.int64)
+        elif frame.hidden is None:
+            raise StageError(f"frame of {frame.request_id} carries no hidden states")
+        else:
+            inputs = frame.hidden
+        if self.last:
+            seq.history[frame.start_pos :] = frame.tokens
+        # Only the rows whose logits are used go through the head (engine out_rows).
+        return self.stage.forward(inputs, frame.start_pos, seq.cache, out_rows=_out_rows(frame))
+
+    def _decide(
+        self, frame: StepFrame, seq: _Sequence, logits: Any
+    ) -> tuple[int, list[int], tuple[TokenLogprob, ...] | None]:
+        if not frame.final:
+            return 0, [], None
+        rows = np.asarray(self.stage.backend.to_numpy(logits), dtype=np.float64)
+        if frame.kind is FrameKind.VERIFY:
+            accepted, tokens = self._verify(frame, seq, rows)
+        else:
+            assert seq.sampler is not None
+            accepted, tokens = 0, [seq.sampler.sample(rows[-1], seq.history)]
+        logprobs = None
+        if frame.top_logprobs is not None:
+            logprobs = tuple(
+                _logprob(rows[i], token, frame.top_logprobs) for i, token in enumerate(tokens)
+            )
+        return accepted, tokens, logprobs
+
+    def _verify(
+        self, frame: StepFrame, seq: _Sequence, rows: FloatRows
+    ) -> tuple[int, list[int]]:
+        drafts = list(frame.drafts)
+        # Row i scores the token after last, d1 … di; its penalty history ends at di.
+        base = frame.start_pos + 1
+        target = np.stack(
+            [
+                logits_to_probs(rows[i], seq.sampling, seq.history[: base + i])
+                for i in range(len(drafts) + 1)
+            ]
+        )
+        if seq.sampling.temperature == 0:
+            return accept_greedy(target, drafts)
+        assert seq.rng is not None
+        probs = frame.draft_probs
+        if probs is not None:
+            probs = np.asarray(self.stage.backend.to_numpy(probs), dtype=np.float64)
+        return accept_sampling(target, drafts, probs, seq.rng)
+
+
+def _out_rows(frame: StepFrame) -> int:
+    """Logit rows the last stage needs: k + 1 to verify k drafts, else one."""
+    return len(frame.tokens) if frame.kind is FrameKind.VERIFY else 1
+
+
+def _logprob(row: FloatRows, token: int, top: int) -> TokenLogprob:
+    """The model's log-probability of ``token`` and its ``top`` best alternatives.
+
+    From the raw logits (before temperature and penalties), as OpenAI reports them.
+    """
+    shifted = row - row.max()
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    best: list[tuple[int, float]] = []
+    if top > 0:
+        ids = np.argpartition(-logprobs, top - 1)[:top]
+        ids = ids[np.argsort(-logprobs[ids], kind="stable")]
+        best = [(int(i), float(logprobs[i])) for i in ids]
+    return TokenLogprob(token=token, logprob=float(logprobs[token]), top=tuple(best))

@@ -1,0 +1,95 @@
+"""Single-node serving: the whole model in this process, behind the OpenAI API.
+
+``meshnode join --model REF`` calls :func:`build_single_node_service` when the mesh is one
+node (and tests call it directly); the multi-node coordinator builds the same
+:class:`~meshnode.serve.service.ServeService` with a remote pipeline instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from meshnode.engine.backend import Backend, cpu_backend
+from meshnode.engine.loader import DEFAULT_MODEL, load_model
+from meshnode.engine.tokenizer import ChatTemplate, IncrementalDetokenizer, Tokenizer
+from meshnode.node.pipeline import LocalPipeline
+from meshnode.node.stage import StageRunner
+from meshnode.serve.generation import DEFAULT_PREFILL_CHUNK_TOKENS, Detokenizer, Speculation
+from meshnode.serve.scheduler import DEFAULT_MAX_IN_FLIGHT, SchedulerLimits
+from meshnode.serve.service import ServeService
+
+#: Context when the caller does not choose one: the model's own limit, capped because
+#: every live sequence preallocates a KV cache of this many positions on every stage.
+DEFAULT_MAX_CONTEXT = 2048
+
+
+class EngineCodec:
+    """The engine's tokenizer and chat template, as the service's ``TextCodec``."""
+
+    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate | None, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.template = template
+        self._vocab_size = vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, parse_special=True)
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+        if self.template is None:
+            # A model without a template still chats: plain role-prefixed turns.
+            turns = [f"{m['role']}: {m['content']}\n" for m in messages]
+            return "".join(turns) + "assistant:"
+        return self.template.render(messages, add_generation_prompt=True)
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def detokenizer(self) -> Detokenizer:
+        # Special tokens are control marks, not reply text (vLLM and llama.cpp skip them too).
+        return IncrementalDetokenizer(self.tokenizer, skip_special=True)
+
+
+def model_id_for(model_ref: str) -> str:
+    """The id a model is served under: the alias, or the file or folder name."""
+    path = Path(model_ref)
+    return path.stem if path.suffix == ".gguf" else path.name or model_ref
+
+
+def build_single_node_service(
+    model_ref: str | None = None,
+    *,
+    model_id: str | None = None,
+    context_size: int | None = None,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    speculation: Speculation | None = None,
+    chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+    backend: Backend | None = None,
+) -> ServeService:
+    """A ready service running every layer of ``model_ref`` in this process.
+
+    ``model_ref`` is anything ``meshnode.engine.loader.resolve_source`` accepts (None: the
+    default model). ``context_size`` defaults to the model's limit capped at
+    ``DEFAULT_MAX_CONTEXT``. Raises ``ModelLoadError`` for a bad reference or model.
+    """
+    ref = model_ref or DEFAULT_MODEL
+    model = load_model(ref, backend or cpu_backend())
+    config = model.config
+    context = context_size or min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+    runner = StageRunner(model.stage, context_size=context, max_sequences=max_in_flight)
+    served_id = model_id or model_id_for(ref)
+    return ServeService(
+        model_id=served_id,
+        aliases=[ref],
+        codec=EngineCodec(model.tokenizer, model.chat_template, config.vocab_size),
+        context_size=context,
+        eos_token_ids=frozenset(config.eos_token_ids),
+        pipeline=LocalPipeline(runner),
+        limits=SchedulerLimits(max_in_flight=max_in_flight),
+        speculation=speculation,
+        chunk_tokens=chunk_tokens,
+    )

@@ -1,0 +1,370 @@
+"""The OpenAI API on a real hypercorn server, driven by the official ``openai`` client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import trio
+from meshnode_packaging.sources import open_source
+
+from meshnode.engine.config import ModelConfig
+from meshnode.engine.model import Stage
+from meshnode.node.pipeline import LocalPipeline, Pipeline, RequestId, StepFrame, StepResult
+from meshnode.serve.service import ServeService
+from meshnode.serve.single import EngineCodec
+from tests.serve.conftest import TINY_CONTEXT, TINY_MODEL_ID, ServerThread, wait_until
+
+MODEL = TINY_MODEL_ID
+#: Client-side bound on every request in these tests (seconds).
+REQUEST_TIMEOUT_S = 30.0
+
+PROMPTS = [
+    "Hello there",
+    "The quick brown fox",
+    "def main():",
+    "Once upon a time",
+    "1, 2, 3,",
+    "Paris is",
+    "<|im_start|>user\nHi<|im_end|>\n",
+    "Zebra crossing",
+]
+
+
+def engine_greedy(model_dir: Path, prompt: list[int], max_new: int) -> list[int]:
+    """Plain greedy decoding with the engine alone (no serving code), stopping at EOS."""
+    source = open_source(model_dir)
+    config = ModelConfig.from_hf(source.config)
+    stage = Stage(config, source, 0, config.num_layers, embed=True, head=True)
+    cache = stage.new_cache(TINY_CONTEXT)
+    logits = stage.forward(np.asarray(prompt), 0, cache, out_rows=1)
+    out: list[int] = []
+    while len(out) < max_new:
+        token = int(np.argmax(stage.backend.to_numpy(logits)[-1]))
+        out.append(token)
+        if token in config.eos_token_ids:
+            break
+        logits = stage.forward(np.asarray([token]), len(prompt) + len(out) - 1, cache, out_rows=1)
+    return out
+
+
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S
+    )
+
+
+def tokens_text(service: ServeService, tokens: list[int]) -> str:
+    """The reply text for ``tokens``: EOS and other special tokens are not shown."""
+    assert isinstance(service.codec, EngineCodec)
+    return service.codec.tokenizer.decode(tokens, skip_special=True)
+
+
+def test_models_lists_the_served_model(server: ServerThread) -> None:
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_with_token_ids_matches_the_engine(
+    server: ServerThread, tiny_model_dir: Path
+) -> None:
+    prompt = [504, 3575, 282, 4649]
+    expected = engine_greedy(tiny_model_dir, prompt, 20)
+    reply = client(server).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=20, temperature=0
+    )
+    service = server.service
+    assert reply.choices[0].text == tokens_text(service, expected)
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert reply.usage.completion_tokens == len(expected)
+    assert reply.choices[0].finish_reason == ("stop" if len(expected) < 20 else "length")
+
+
+def test_chat_streaming_equals_non_streaming(server: ServerThread) -> None:
+    c = client(server)
+    messages: list[Any] = [{"role": "user", "content": "Say something."}]
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason
+    assert chunks[0].choices[0].delta.role == "assistant"
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert whole.usage is not None
+    assert usage.model_dump() == whole.usage.model_dump()
+    assert whole.model_extra is not None
+    assert whole.model_extra["meshnode"]["speculation"]["windows"] == 0
+
+
+def test_eight_concurrent_streams_each_get_the_engine_output(
+    server: ServerThread, tiny_model_dir: Path
+) -> None:
+    service = server.service
+    prompts = [service.codec.encode(p) for p in PROMPTS]
+    expected = [tokens_text(service, engine_greedy(tiny_model_dir, p, 32)) for p in prompts]
+    c = client(server)
+
+    def stream(prompt: list[int]) -> str:
+        chunks = c.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=32, temperature=0, stream=True
+        )
+        return "".join(ch.choices[0].text for ch in chunks if ch.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(stream, prompts, timeout=REQUEST_TIMEOUT_S))
+    assert got == expected
+    assert service.pipeline is not None
+    assert wait_until(lambda: server_live(service) == 0)
+
+
+def server_live(service: ServeService) -> int:
+    assert isinstance(service.pipeline, LocalPipeline)
+    return service.pipeline.runner.live_sequences
+
+
+def test_stop_string_cuts_the_text(server: ServerThread) -> None:
+    c = client(server)
+    full = c.completions.create(model=MODEL, prompt="Hello", max_tokens=24, temperature=0)
+    text = full.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), "the tiny model's output is too short to pick a stop string"
+    cut = c.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=24, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_reproduces(server: ServerThread) -> None:
+    c = client(server)
+
+    def sample(seed: int) -> str | None:
+        reply = c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Tell me a story."}],
+            max_tokens=16,
+            temperature=1.0,
+            top_p=0.9,
+            seed=seed,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+        )
+        return reply.choices[0].message.content
+
+    assert sample(11) == sample(11)
+
+
+def test_logprobs_at_temperature_zero_rank_the_chosen_token_first(server: ServerThread) -> None:
+    reply = client(server).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None
+    assert reply.usage is not None
+    assert len(content) == reply.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 3
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)
+        assert item.logprob <= 0
+
+
+def test_speculative_greedy_equals_plain_greedy(
+    tiny_model_dir: Path, server: ServerThread
+) -> None:
+    from meshnode.serve.generation import Speculation
+    from meshnode.serve.single import build_single_node_service
+    from meshnode.spec.ngram import NgramProposer
+    from meshnode.spec.window import WindowPolicy
+
+    spec_service = build_single_node_service(
+        str(tiny_model_dir),
+        model_id=MODEL,
+        context_size=TINY_CONTEXT,
+        speculation=Speculation(NgramProposer, WindowPolicy("adaptive", 3, 1, 6)),
+    )
+    spec_server = ServerThread(spec_service)
+    spec_server.start()
+    try:
+        # A repetitive prompt, so the n-gram proposer finds drafts to verify.
+        prompt = "a b c d a b c d a b c d a b c d a b"
+        plain = client(server).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=40, temperature=0
+        )
+        spec = client(spec_server).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=40, temperature=0
+        )
+    finally:
+        spec_server.stop()
+    assert spec.choices[0].text == plain.choices[0].text
+    assert spec.model_extra is not None
+    stats = spec.model_extra["meshnode"]["speculation"]
+    assert stats["windows"] > 0
+
+
+# -- errors -------------------------------------------------------------------------------
+
+
+def post(server: ServerThread, path: str, body: Any) -> httpx.Response:
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
+        return http.post(server.base_url + path, json=body)
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str)
+    assert error["message"]
+    return dict(error)
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL}, "messages"),
+        ({**CHAT, "messages": []}, "messages"),
+        ({**CHAT, "temperature": "hot"}, "temperature"),
+        ({**CHAT, "temperature": 3.5}, "temperature"),
+        ({**CHAT, "max_tokens": 0}, "max_tokens"),
+        ({**CHAT, "n": 2}, "n"),
+        ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({**CHAT, "frobnicate": True}, "frobnicate"),
+        ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
+def test_bad_chat_bodies_get_400(server: ServerThread, body: Any, param: str) -> None:
+    error = assert_openai_error(post(server, "/v1/chat/completions", body), 400)
+    assert error["param"] == param
+
+
+def test_non_json_body_gets_400(server: ServerThread) -> None:
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
+        response = http.post(
+            server.base_url + "/v1/chat/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        )
+    assert_openai_error(response, 400)
+
+
+def test_bad_completion_prompts_get_400(server: ServerThread) -> None:
+    for prompt in (["a", "b"], [10**9], [], [[1], [2]]):
+        body = {"model": MODEL, "prompt": prompt}
+        assert_openai_error(post(server, "/v1/completions", body), 400)
+
+
+def test_unknown_model_gets_404(server: ServerThread) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client(server).chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert info.value.code == "model_not_found"
+
+
+def test_oversize_prompt_gets_413(server: ServerThread) -> None:
+    body = {"model": MODEL, "prompt": [42] * TINY_CONTEXT}
+    error = assert_openai_error(post(server, "/v1/completions", body), 413)
+    assert error["code"] == "context_length_exceeded"
+
+
+def test_loading_mesh_gets_503_with_retry_after(server: ServerThread) -> None:
+    pipeline = server.service.pipeline
+    server.service.set_pipeline(None)
+    try:
+        response = post(server, "/v1/chat/completions", CHAT)
+        assert_openai_error(response, 503)
+        assert int(response.headers["retry-after"]) > 0
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
+            assert http.get(server.base_url + "/health").status_code == 503
+    finally:
+        server.service.set_pipeline(pipeline)
+
+
+# -- lifecycle, metrics -------------------------------------------------------------------
+
+
+class PacedPipeline:
+    """The real pipeline, each pass held back by ``delay_s``: the tiny model would
+    otherwise finish its whole budget before the server notices a disconnect."""
+
+    def __init__(self, inner: Pipeline, delay_s: float):
+        self.inner, self.delay_s = inner, delay_s
+
+    @property
+    def context_size(self) -> int:
+        return self.inner.context_size
+
+    async def run(self, frame: StepFrame) -> StepResult:
+        await trio.sleep(self.delay_s)
+        return await self.inner.run(frame)
+
+    async def release(self, request_id: RequestId) -> None:
+        await self.inner.release(request_id)
+
+
+def test_client_disconnect_frees_the_sequence(server: ServerThread) -> None:
+    service = server.service
+    local = service.pipeline
+    assert isinstance(local, LocalPipeline)
+    service.set_pipeline(PacedPipeline(local, delay_s=0.02))
+    budget = TINY_CONTEXT - 8
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": budget, "stream": True,
+            "temperature": 0}
+    with (
+        httpx.Client(timeout=REQUEST_TIMEOUT_S) as http,
+        http.stream("POST", server.base_url + "/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert first.startswith("data: {")
+        assert local.runner.live_sequences == 1
+    assert wait_until(lambda: local.runner.live_sequences == 0)
+    assert wait_until(lambda: service.scheduler.in_flight == 0)
+    # Generation stopped with the client, long before the budget (~5 s of passes).
+    assert service.metrics.generation_tokens.get() < budget / 2
+    outcomes = service.metrics.requests.values
+    assert outcomes == {(("endpoint", "completions"), ("outcome", "cancelled")): 1.0}
+
+
+def test_metrics_and_health(server: ServerThread) -> None:
+    c = client(server)
+    c.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
+        health = http.get(server.base_url + "/health")
+        metrics = http.get(server.base_url + "/metrics")
+    assert health.status_code == 200
+    assert health.json()["status"] == "ok"
+    assert metrics.status_code == 200
+    assert metrics.headers["content-type"].startswith("text/plain")
+    text = metrics.text
+    assert 'meshnode_requests_total{endpoint="completions",outcome="ok"} 1' in text
+    assert "meshnode_generation_tokens_total 4" in text
+    assert "meshnode_time_to_first_token_seconds_count 1" in text
+    assert "meshnode_stage_compute_seconds_count" in text
+    assert "meshnode_wire_seconds_bucket" in text
