@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from meshnode_protocol import (
     CONNECTION_CLOSED,
+    MESSAGE_TYPES,
     NEED_DATA,
     Connection,
     Message,
