@@ -476,6 +476,8 @@ class Node:
 
     async def _receive_loop(self, session: Session) -> None:
         while (message := await session.peer.receive()) is not None:
+            if self.sessions.get(session.node_id) is not session:
+                return  # replaced by a duplicate; buffered frames may arrive before the cancel
             now = trio.current_time()
             if isinstance(message, Goodbye):
                 session.left = True
