@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import cbor2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,6 +15,7 @@ from meshnode_protocol import (
     Role,
     encode_frame,
 )
+from meshnode_protocol._fields import compile_fields
 from meshnode_protocol.vectors import EXAMPLES
 
 from .helpers import HELLO_A
@@ -93,7 +92,7 @@ any_cbor = st.recursive(
 )  # fmt: skip
 
 
-FIELD_NAMES = sorted({f.name for cls in MESSAGE_TYPES.values() for f in dataclasses.fields(cls)})
+FIELD_NAMES = sorted({f.name for cls in MESSAGE_TYPES.values() for f in compile_fields(cls)})
 field_maps = st.dictionaries(st.sampled_from(FIELD_NAMES) | st.text(max_size=6), any_cbor)
 
 
