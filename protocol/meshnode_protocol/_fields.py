@@ -130,6 +130,9 @@ class _Tuple(Kind):
     def decode(self, wire: Any, payload: Payload) -> Any:
         if type(wire) is not list:
             raise WireError(f"expected array for {self.name}, got {type(wire).__name__}")
+        exact = WIRE_EXACT.get(self.item)
+        if exact is not None and all(type(v) is exact for v in wire):
+            return tuple(wire)  # the hot path: token ids
         decode = self.item.decode
         return tuple([decode(v, payload) for v in wire])
 
@@ -269,6 +272,11 @@ _SCALARS: Final[dict[Any, Kind]] = {
 }
 
 
+# Kinds whose decoded CBOR value is already valid when its type is exactly this one (a CBOR
+# integer always fits 64 bits, so ints need no range check on the way in).
+WIRE_EXACT: Final[dict[Kind, type]] = {_SCALARS[str]: str, _SCALARS[bool]: bool, _INT: int}
+
+
 def kind_of(tp: Any) -> Kind:
     """The ``Kind`` for one annotation (resolved, not a string)."""
     if tp in _SCALARS:
@@ -353,8 +361,12 @@ def decode_fields(cls: Any, wire: dict[Any, Any], payload: Payload) -> Any:
     obj: Any = object.__new__(cls)
     for field in compile_fields(cls):
         if field.name in wire:
+            value = wire[field.name]
+            if type(value) is WIRE_EXACT.get(field.kind):
+                object.__setattr__(obj, field.name, value)
+                continue
             try:
-                value = field.kind.decode(wire[field.name], payload)
+                value = field.kind.decode(value, payload)
             except WireError as exc:
                 raise WireError(f"{cls.__name__}.{field.name}: {exc}") from None
         elif field.required:
