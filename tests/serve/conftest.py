@@ -57,7 +57,8 @@ def _tiny_weights(config: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     q = config["num_attention_heads"] * config["head_dim"]
 
     def w(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+        scaled: np.ndarray = rng.standard_normal(shape) / np.sqrt(shape[-1])
+        return scaled.astype(np.float32)
 
     tensors = {
         "model.embed_tokens.weight": w(vocab, hidden),

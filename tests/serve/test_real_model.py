@@ -1,0 +1,77 @@
+"""The real SmolLM2-135M behind the API reproduces the golden greedy outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from meshnode.serve.single import build_single_node_service
+from tests.serve.conftest import ServerThread
+
+pytestmark = pytest.mark.real_model
+
+MODEL = "smollm2-135m"
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+#: Golden continuations are at most 48 tokens (see ../shared/golden/README.md).
+GOLDEN_MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def real_server(smollm2_gguf: Path) -> Iterator[ServerThread]:
+    service = build_single_node_service(str(smollm2_gguf), model_id=MODEL, context_size=512)
+    thread = ServerThread(service)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        thread.stop()
+
+
+def golden_prompt(golden: dict[str, Any], prompt_id: str) -> dict[str, Any]:
+    prompts = golden["prompts"]
+    found: dict[str, Any] = next(p for p in prompts if p["id"] == prompt_id)
+    return found
+
+
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def test_chat_at_temperature_zero_matches_golden(
+    real_server: ServerThread, golden: dict[str, Any]
+) -> None:
+    case = golden_prompt(golden, "chat_capital")
+    reply = client(real_server).chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "What is the capital of France?"},
+        ],
+        temperature=0,
+        max_tokens=GOLDEN_MAX_TOKENS,
+    )
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == len(case["prompt_ids"])  # template + tokenizer
+    assert reply.choices[0].message.content == case["gen_text_skip_special"]
+    assert reply.usage.completion_tokens == len(case["gen_ids"])
+    assert reply.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("prompt_id", ["chat_python_reverse", "raw_fib"])
+def test_token_id_prompts_stream_the_golden_text(
+    real_server: ServerThread, golden: dict[str, Any], prompt_id: str
+) -> None:
+    case = golden_prompt(golden, prompt_id)
+    chunks = client(real_server).completions.create(
+        model=MODEL,
+        prompt=case["prompt_ids"],
+        temperature=0,
+        max_tokens=GOLDEN_MAX_TOKENS,
+        stream=True,
+    )
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == case["gen_text_skip_special"]
