@@ -74,7 +74,6 @@ class FetchLimits:
     # Transport failures per file before TransferError; each retry resumes by Range.
     max_attempts: int = 4
     retry_backoff_s: float = 0.2
-    chunk_bytes: int = 1 << 20
     timeout_s: float = 60.0
     # How long to wait for another process that is fetching the same file.
     lock_timeout_s: float = 3600.0
@@ -382,7 +381,10 @@ class Materializer:
     ) -> str:
         try:
             with tmp.open("ab" if have else "wb") as f:
-                for chunk in r.iter_raw(self.limits.chunk_bytes):
+                # Unsized: write what the socket gave at once, so that bytes received before
+                # a connection drops are on disk for the Range resume (a sized iterator
+                # would hold up to a chunk in memory and lose it with the exception).
+                for chunk in r.iter_raw():
                     if have + len(chunk) > w.size:
                         return ""  # longer than the manifest says: wrong file, never a match
                     f.write(chunk)

@@ -140,7 +140,9 @@ class LocalHub:
     def __init__(self, host: str = "127.0.0.1") -> None:
         self._server = _Server((host, 0), _Handler)
         self._server.state = _State()
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
 
     @property
     def endpoint(self) -> str:
