@@ -143,12 +143,13 @@ class Stage:
         return out.transpose(1, 0, 2).reshape(rows, c.q_size) @ w.wo  # [r, E]
 
     def _mlp(self, w: LayerWeights, x: Any) -> Any:
+        i = self.config.intermediate_size
         gate_up = x @ w.w_gate_up  # [r, 2 I]
-        gate, up = (
-            gate_up[:, : self.config.intermediate_size],
-            gate_up[:, self.config.intermediate_size :],
-        )
-        return (gate / (1.0 + self.xp.exp(-gate)) * up) @ w.w_down  # SwiGLU, [r, E]
+        gate, up = gate_up[:, :i], gate_up[:, i:]
+        # SiLU as torch computes it, x / (1 + e^-x); the clamp only keeps e^-x finite
+        # (silu(-80) is -1e-33 either way).
+        silu = gate / (1.0 + self.xp.exp(-self.xp.maximum(gate, -80.0)))
+        return (silu * up) @ w.w_down  # SwiGLU, [r, E]
 
     def _rms_norm(self, x: Any, weight: Any) -> Any:
         xp = self.xp

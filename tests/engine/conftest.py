@@ -1,0 +1,32 @@
+"""Engine fixtures: the real model loaded once per session, tiny random models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from meshnode.engine.backend import cpu_backend
+from meshnode.engine.loader import LoadedModel, load_model
+from tests.conftest import smollm2_gguf_path
+from tests.engine.tiny import write_tiny_model
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """SmolLM2-135M-Instruct on the CPU backend, loaded once for the whole session."""
+    return load_model(str(smollm2_gguf_path()), cpu_backend())
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Factory: the tiny model's GGUF for a quant type (its HF twin is ``path.parent/'hf'``)."""
+    made: dict[str, Path] = {}
+
+    def make(qtype: str) -> Path:
+        if qtype not in made:
+            made[qtype] = write_tiny_model(tmp_path_factory.mktemp(f"tiny-{qtype}"), qtype)
+        return made[qtype]
+
+    return make
