@@ -2,3 +2,4 @@
 
 from meshnode.cli import generate  # noqa: F401
 from meshnode.cli import mesh  # noqa: F401
+from meshnode.cli import package  # noqa: F401
