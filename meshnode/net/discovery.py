@@ -19,14 +19,14 @@ import logging
 import socket
 from dataclasses import dataclass
 
+import ifaddr  # zeroconf's own dependency for interface enumeration
 import trio
-from zeroconf import (  # type: ignore[attr-defined]  # get_all_addresses: not in __all__
+from zeroconf import (
     InterfaceChoice,
     ServiceBrowser,
     ServiceInfo,
     ServiceStateChange,
     Zeroconf,
-    get_all_addresses,
 )
 
 log = logging.getLogger(__name__)
@@ -84,12 +84,20 @@ def _instance_name(node_id: str) -> str:
 
 
 def advertised_addresses(listen_host: str, interface: str | None) -> list[str]:
-    """The addresses to put in our A records: the interface, the listen host, or all."""
-    if interface is not None:
-        return [interface]
+    """The addresses for our A records: the listen host if it is one address, else the
+    ``--interface`` address, else every non-loopback address (loopback if there is none).
+    """
     if listen_host not in {"0.0.0.0", "", "::"}:
         return [listen_host]
-    return [a for a in get_all_addresses() if not ipaddress.ip_address(a).is_loopback]
+    if interface is not None:
+        return [interface]
+    found = [
+        ip.ip
+        for adapter in ifaddr.get_adapters()
+        for ip in adapter.ips
+        if ip.is_IPv4 and isinstance(ip.ip, str) and not ipaddress.ip_address(ip.ip).is_loopback
+    ]
+    return found or ["127.0.0.1"]
 
 
 def _parse_info(info: ServiceInfo, mesh_id: str) -> Discovered | None:

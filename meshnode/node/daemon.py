@@ -217,10 +217,7 @@ class Node:
                     nursery.start_soon(send, session)
 
     def _advertised_host(self) -> str:
-        if self.config.listen.host not in _WILDCARDS:
-            return self.config.listen.host
-        hosts = advertised_addresses(self.config.listen.host, self.config.interface)
-        return hosts[0] if hosts else "127.0.0.1"
+        return advertised_addresses(self.config.listen.host, self.config.interface)[0]
 
     # -- membership -----------------------------------------------------------------------
 
@@ -254,8 +251,6 @@ class Node:
             port=port,
         )
         addresses = advertised_addresses(self.config.listen.host, self.config.interface)
-        if self.config.listen.host not in _WILDCARDS:
-            addresses = [self.config.listen.host]
         send, receive = trio.open_memory_channel[DiscoveryEvent](DISCOVERY_QUEUE)
         await nursery.start(run_discovery, advert, addresses, self.config.interface, send)
         nursery.start_soon(self._consume_discovery, receive)
