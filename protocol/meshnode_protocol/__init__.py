@@ -45,6 +45,7 @@ from meshnode_protocol._messages import (
     Record,
     Release,
     Sampling,
+    TopLogprobs,
     Status,
     Stop,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "RemoteProtocolError",
     "Role",
     "Sampling",
+    "TopLogprobs",
     "Signal",
     "State",
     "Status",

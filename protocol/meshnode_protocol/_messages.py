@@ -375,6 +375,18 @@ class Status(Message):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TopLogprobs(Record):
+    """The most likely alternatives at one position: parallel token ids and log-probs."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+    def _validate(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError("token_ids and logprobs must have the same length")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ActivationFrame(Message):
     """One pipeline pass of one request, from stage to stage.
 
@@ -403,9 +415,10 @@ class ActivationFrame(Message):
     out_rows: int = 1
     final: bool = True
     logprobs: bool = False
+    top_logprobs: int = 0
 
     def _validate(self) -> None:
-        _non_negative(self, "term", "start_pos", "out_rows")
+        _non_negative(self, "term", "start_pos", "out_rows", "top_logprobs")
         if self.kind not in ACTIVATION_KINDS:
             raise ValueError(f"kind must be one of {ACTIVATION_KINDS}, not {self.kind!r}")
         rows = len(self.tokens) + len(self.draft_tokens)
@@ -443,7 +456,10 @@ class Prediction(Message):
 
     ``tokens`` are what the host appends, starting at position ``start_pos``: the accepted
     drafts followed by the token sampled from the target (so ``accepted < len(tokens)``).
-    ``logprobs``, when asked for, holds one log-probability per token.
+    ``logprobs``, when asked for, holds one log-probability per token, and
+    ``top_logprobs`` (when the frame asked for ``top_logprobs > 0``) the alternatives at each
+    token's position. ``compute_us`` is the compute time summed over the stages, so the host
+    can tell compute from wire time.
     """
 
     TYPE: ClassVar[int] = 31
@@ -454,13 +470,17 @@ class Prediction(Message):
     accepted: int
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[TopLogprobs, ...] = ()
+    compute_us: int = 0
 
     def _validate(self) -> None:
-        _non_negative(self, "term", "start_pos", "accepted")
+        _non_negative(self, "term", "start_pos", "accepted", "compute_us")
         if not self.accepted < len(self.tokens):
             raise ValueError(f"accepted={self.accepted} needs more than that many tokens")
         if self.logprobs is not None and len(self.logprobs) != len(self.tokens):
             raise ValueError("logprobs must hold one value per token")
+        if self.top_logprobs and len(self.top_logprobs) != len(self.tokens):
+            raise ValueError("top_logprobs must hold one entry per token")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
