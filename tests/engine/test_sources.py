@@ -19,7 +19,7 @@ from meshnode_packaging.sources import (
 from tokenizers import Tokenizer
 
 from meshnode.engine.backend import cpu_backend
-from meshnode.engine.loader import load_model
+from meshnode.engine.loader import LoadedModel, load_model
 from tests.engine.tiny import CONFIG, hf_tokenizer_json, llama_permute, random_blocks, vocabulary
 
 QTYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"]
@@ -104,10 +104,11 @@ def test_gguf_tokenizer_splits_digits_like_the_original(tiny_gguf: Callable[[str
 
 
 @pytest.mark.real_model
-def test_smollm2_tokenizer_splits_digits_after_whitespace() -> None:
-    tok = Tokenizer.from_str(open_source(default_model_path("smollm2-135m")).tokenizer_json)
+def test_smollm2_tokenizer_splits_digits_after_whitespace(smollm2: LoadedModel) -> None:
     # The golden README's example: the original tokenizer gives [1116, 33], not 198 198 33.
-    assert tok.encode("\n\n1", add_special_tokens=False).ids == [1116, 33]
+    assert smollm2.tokenizer.encode("\n\n1") == [1116, 33]
+    assert smollm2.tokenizer.encode("<|im_end|>") == [2]
+    assert smollm2.tokenizer.encode("<|im_end|>", parse_special=False) != [2]
 
 
 def test_unsupported_architecture_is_a_source_error(tmp_path: Path) -> None:
