@@ -352,15 +352,20 @@ class Node:
         if cert_id is None:
             return False
         peer = PeerStream(stream, Connection(Role.LISTENER if target is None else Role.DIALER))
+        dialer = target is not None
         try:
+            # The dialer speaks first; the listener answers once it has admitted the
+            # dialer, so that of two nodes joining through it at once the later one
+            # learns of the earlier from the peer list in its Hello.
             with trio.fail_after(HANDSHAKE_TIMEOUT_S):
-                await peer.send(self._hello())
+                if dialer:
+                    await peer.send(self._hello())
                 hello = await peer.receive()
             session = self._admit(peer, hello, cert_id, stream, target)
             if session is None:
                 return hello is not None
             with session.scope:
-                await self._serve_session(session)
+                await self._serve_session(session, send_hello=not dialer)
             return True
         except RemoteProtocolError as exc:
             self.protocol_errors += 1
@@ -442,10 +447,13 @@ class Node:
             address = Address(seen, address.port)
         return address
 
-    async def _serve_session(self, session: Session) -> None:
+    async def _serve_session(self, session: Session, *, send_hello: bool) -> None:
         # The nursery wraps whatever ends the session in an ExceptionGroup; both kinds
         # end only this session.
         try:
+            if send_hello:
+                with trio.fail_after(HANDSHAKE_TIMEOUT_S):
+                    await session.peer.send(self._hello())
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._send_heartbeats, session)
                 await self._receive_loop(session)
@@ -453,7 +461,7 @@ class Node:
         except* RemoteProtocolError as group:
             self.protocol_errors += 1
             log.warning("closed the session with %s: %s", session.node_id, group.exceptions[0])
-        except* TRANSPORT_ERRORS as group:
+        except* (trio.TooSlowError, *TRANSPORT_ERRORS) as group:
             log.debug("session with %s broke: %r", session.node_id, group.exceptions[0])
         finally:
             if self.sessions.get(session.node_id) is session:

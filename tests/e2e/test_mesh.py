@@ -185,7 +185,8 @@ def test_three_nodes_form_a_mesh_and_notice_departures(
     static_a = [] if mdns else ["--peer", a.listen]
     b = spawn("b", token_file, *static_a, mdns=mdns)
     wait_started(b)
-    c = spawn("c", token_file, *static_a, *([] if mdns else ["--peer", b.listen]), mdns=mdns)
+    # Statically, `c` knows only `a`: it learns of `b` from the peer list in a's Hello.
+    c = spawn("c", token_file, *static_a, mdns=mdns)
     # The impostor dials `a` directly too, so that its attempts are seen to be refused.
     evil = spawn("evil", other_token(tmp_path), "--peer", a.listen, mdns=mdns)
     wait_started(c, evil)
@@ -351,11 +352,15 @@ def test_bad_frames_get_an_error_and_close(
     token = JoinToken.parse(token_file.read_text())
     identity = NodeIdentity.provision(token, tmp_path / f"client-{name}")
     messages = trio.run(_exchange, identity, lone_node.listen, payload(identity))
-    assert isinstance(messages[0], Hello)  # the node introduces itself first
+    # The listener answers the dialer's Hello; a bad first frame gets only the Error.
+    # After a good Hello, the node's own Hello comes first.
     errors = [m for m in messages if isinstance(m, Error)]
+    assert messages[-1:] == errors
     assert len(errors) == 1
     assert errors[0].code == code
     assert errors[0].fatal
+    before = [type(m) for m in messages[:-1] if not isinstance(m, Heartbeat)]
+    assert before == ([Hello] if name == "second-hello" else [])
     # The node keeps serving: its API answers and a well-behaved peer gets a Hello.
     assert lone_node.status()["node"]["protocol_errors"] >= 1
     polite = trio.run(_exchange, identity, lone_node.listen, _encoded_hello_goodbye(identity))
