@@ -4,7 +4,9 @@ Theory of operation. One trio nursery owns everything. The listener accepts TLS
 connections; the dialer connects to *targets* (static ``--peer`` addresses, mDNS adverts,
 addresses learned from peers' ``Hello``), retrying with capped backoff. Either way a
 connection becomes a *session*: TLS handshake (mutual, mesh CA; failures are counted as
-refused), then ``Hello`` both ways, then a heartbeat sender and a receive loop until EOF,
+refused), then ``Hello`` both ways (the dialer's first; the listener answers once it has
+admitted the dialer, so its peer list is current), then a heartbeat sender and a receive
+loop until EOF,
 goodbye, a protocol error or a timeout. Between two nodes one session survives: the one
 dialed by the smaller node id, so simultaneous dials from both sides settle the same way on
 both sides.
