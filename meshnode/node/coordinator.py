@@ -1,0 +1,465 @@
+"""The coordinator: the host's loop that places the model on the mesh and keeps it placed.
+
+Theory of operation (DESIGN §5). The host (the node started with ``--model``) opens the
+model's stage-0 part to learn its config, then loops:
+
+1. **plan** the live nodes (:func:`meshnode.node.planner.plan`); with no fit, wait for the
+   membership to change and try again;
+2. **bring up** a run with a new ``term``: ``Claim`` every other planned node, ``Prepare``
+   each (they materialize their part in the background, the host its own), poll
+   ``Inventory`` until every part is ready, ``Load`` downstream-first, wait for ``Ready``;
+3. **serve**: hand a :class:`~meshnode.node.remote.RemotePipeline` to the API;
+4. **watch**: when a stage's node is lost, fail the in-flight requests, ``Stop`` the others
+   and go back to 1 without it.
+
+A failed step ``Stop``s every node claimed for the run and replans without the failed node
+(it is excluded until the membership changes again). Every message carries the run id and
+term, so a late reply of an abandoned run is recognised and dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import trio
+from meshnode_packaging.manifest import Part
+from meshnode_packaging.refs import open_ref
+from meshnode_packaging.sources import ModelSource
+from meshnode_protocol import (
+    Claim,
+    ClaimAccepted,
+    ClaimRejected,
+    Error,
+    Inventory,
+    InventoryReport,
+    Load,
+    Message,
+    PeerInfo,
+    Prediction,
+    Prepare,
+    PrepareAccepted,
+    Ready,
+    Stop,
+)
+
+from meshnode.engine.backend import Backend
+from meshnode.engine.config import ModelConfig
+from meshnode.engine.model import Stage
+from meshnode.errors import PlanError, RunError
+from meshnode.node.planner import ModelFootprint, NodeCapacity, Plan, StagePlan, plan
+from meshnode.node.remote import RemotePipeline
+from meshnode.node.stage import StageRunner
+from meshnode.node.worker import MAX_SEQUENCES_PER_STAGE
+
+log = logging.getLogger("meshnode.coordinator")
+
+# A reply to Claim/Prepare/Load is a few ms on a LAN; a node silent this long is unhealthy.
+REPLY_TIMEOUT_S = 10.0
+# Loading builds the engine stage (dequantizing weights): seconds per GiB on a CPU.
+LOAD_TIMEOUT_S = 300.0
+# Materializing downloads the part; big models on slow links take long, but not forever.
+PREPARE_TIMEOUT_S = 3600.0
+INVENTORY_POLL_S = 0.25
+# Replies waiting for the coordinator; it asks one thing of a node at a time.
+REPLY_QUEUE = 16
+
+
+class MeshView(Protocol):
+    """What the coordinator needs of the running node (the daemon implements it)."""
+
+    node_id: str
+
+    def live_nodes(self) -> list[NodeCapacity]:
+        """This node and every alive, connected peer."""
+        ...
+
+    def peer_info(self, node_id: str) -> PeerInfo:
+        """Address and capacity of a node (this one included), for ``Load``."""
+        ...
+
+    async def send(self, node_id: str, message: Message) -> None:
+        """Send to a peer over its session; raises if there is none."""
+        ...
+
+    async def wait_changed(self) -> None:
+        """Return after the next membership change."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorSettings:
+    model_ref: str
+    context_size: int | None = None
+    split: int | None = None
+    wire_dtype: str = "f16"
+    cache_dir: Path | None = None
+
+
+def model_footprint(config: ModelConfig, bytes_per_param: int = 4) -> ModelFootprint:
+    """Bytes the planner must reserve per layer, for the embedding, the head and the KV.
+
+    Weights are held as float32 on the CPU backend (``bytes_per_param`` 4). Every live
+    sequence preallocates KV for the whole context, so KV scales with the sequence limit.
+    """
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    layer_params = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    embed = config.vocab_size * h
+    head = h + (0 if config.tie_word_embeddings else config.vocab_size * h)
+    kv_bytes = 2 * kv * 4 * MAX_SEQUENCES_PER_STAGE  # float32 K and V
+    return ModelFootprint(
+        layer_bytes=(layer_params * bytes_per_param,) * config.num_layers,
+        embed_bytes=embed * bytes_per_param,
+        head_bytes=head * bytes_per_param,
+        kv_bytes_per_token_per_layer=kv_bytes,
+        tied_head=config.tie_word_embeddings,
+    )
+
+
+M = TypeVar("M", bound=Message)
+
+
+class Coordinator:
+    """Places the model and keeps it placed; see the module docstring."""
+
+    def __init__(
+        self,
+        mesh: MeshView,
+        settings: CoordinatorSettings,
+        *,
+        source: ModelSource,
+        backend: Backend,
+        on_pipeline: Callable[[RemotePipeline | None], None],
+    ) -> None:
+        self.mesh = mesh
+        self.settings = settings
+        self.config = ModelConfig.from_hf(source.config)
+        self.context_size = settings.context_size or min(
+            self.config.max_position_embeddings, 2048
+        )
+        self.footprint = model_footprint(self.config)
+        self._backend = backend
+        self._on_pipeline = on_pipeline
+        self._term = 0
+        self._run_id = ""
+        self._state = "planning"
+        self._error = ""
+        self._plan: Plan | None = None
+        self._progress: dict[str, tuple[int, int]] = {}
+        self._stage_state: dict[str, str] = {}
+        self._pipeline: RemotePipeline | None = None
+        self._replies: dict[str, trio.MemorySendChannel[Message]] = {}
+        self._excluded: set[str] = set()
+        self._first_plan = True
+
+    # -- status -----------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        stages = []
+        for stage in self._plan.stages if self._plan else ():
+            done, total = self._progress.get(stage.node_id, (0, 0))
+            stages.append(
+                {
+                    "node_id": stage.node_id,
+                    "layers": [stage.start, stage.end],
+                    "embed": stage.embed,
+                    "head": stage.head,
+                    "state": self._stage_state.get(stage.node_id, "planned"),
+                    "bytes_done": done,
+                    "bytes_total": total,
+                    "memory_bytes": stage.memory_bytes,
+                }
+            )
+        return {
+            "model": self.settings.model_ref,
+            "run_id": self._run_id,
+            "term": self._term,
+            "state": self._state,
+            "error": self._error,
+            "context_size": self.context_size,
+            "wire_dtype": self.settings.wire_dtype,
+            "stages": stages,
+        }
+
+    # -- messages from peers ------------------------------------------------------------
+
+    def handle(self, peer: str, message: Message) -> bool:
+        """Route a reply of our run; False if the message is not the coordinator's."""
+        if isinstance(message, Prediction | Error) and message.request_id:
+            if self._pipeline is not None and message.run_id == self._run_id:
+                if isinstance(message, Prediction):
+                    self._pipeline.on_prediction(message)
+                else:
+                    self._pipeline.on_error(message)
+            return True
+        replies = (ClaimAccepted, ClaimRejected, PrepareAccepted, InventoryReport, Ready, Error)
+        if not isinstance(message, replies):
+            return False
+        if getattr(message, "run_id", "") != self._run_id:
+            return True  # a late reply of an abandoned run
+        channel = self._replies.get(peer)
+        if channel is not None:
+            with contextlib.suppress(trio.WouldBlock):
+                channel.send_nowait(message)
+        return True
+
+    def peer_lost(self, peer: str) -> None:
+        if self._pipeline is not None and peer in self._pipeline.stage_nodes:
+            self._pipeline.fail(f"stage node {peer} was lost; the mesh is replanning")
+
+    # -- the loop -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Plan, bring up, serve, watch; forever (cancel to stop)."""
+        while True:
+            placed = await self._plan_when_possible()
+            self._term += 1
+            self._run_id = f"run-{secrets.token_hex(4)}"
+            self._plan = placed
+            self._stage_state = {s.node_id: "claiming" for s in placed.stages}
+            self._progress = {}
+            log.info("run %s term %d: %s", self._run_id, self._term, _describe(placed))
+            try:
+                pipeline = await self._bring_up(placed)
+            except RunError as exc:
+                self._error = str(exc)
+                self._state = "failed"
+                log.warning("run %s failed: %s", self._run_id, exc)
+                await self._stop_all(placed, str(exc))
+                continue
+            self._pipeline = pipeline
+            self._state = "ready"
+            self._error = ""
+            self._on_pipeline(pipeline)
+            lost = await self._watch(placed)
+            self._on_pipeline(None)
+            pipeline.fail(f"stage node {lost} was lost; the mesh is replanning")
+            self._pipeline = None
+            self._state = "replanning"
+            await self._stop_all(placed, f"stage node {lost} lost")
+
+    async def _plan_when_possible(self) -> Plan:
+        self._state = "planning"
+        while True:
+            nodes = [n for n in self.mesh.live_nodes() if n.node_id not in self._excluded]
+            split = self.settings.split
+            if split is not None and not self._first_plan and len(nodes) < split:
+                split = None  # after a loss, serve on what is left rather than not at all
+            try:
+                result = plan(
+                    self.footprint,
+                    nodes,
+                    host_id=self.mesh.node_id,
+                    context_tokens=self.context_size,
+                    split=split,
+                )
+                self._first_plan = False
+                return result
+            except PlanError as exc:
+                if str(exc) != self._error:
+                    log.info("waiting for nodes: %s", exc)
+                self._error = str(exc)
+            await self.mesh.wait_changed()
+            self._excluded.clear()  # the membership changed: give failed nodes another go
+
+    async def _watch(self, placed: Plan) -> str:
+        while True:
+            live = {n.node_id for n in self.mesh.live_nodes()}
+            for stage in placed.stages:
+                if stage.node_id not in live:
+                    return stage.node_id
+            await self.mesh.wait_changed()
+
+    # -- bring-up -----------------------------------------------------------------------
+
+    async def _bring_up(self, placed: Plan) -> RemotePipeline:
+        local, remote = placed.stages[0], placed.stages[1:]
+        self._replies = {}
+        receivers = {}
+        for stage in remote:
+            send, receive = trio.open_memory_channel[Message](REPLY_QUEUE)
+            self._replies[stage.node_id] = send
+            receivers[stage.node_id] = receive
+        for stage in remote:
+            await self._request(stage.node_id, receivers, self._claim(), ClaimAccepted)
+            self._stage_state[stage.node_id] = "claimed"
+        runner_box: list[StageRunner] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._prepare_local, local, runner_box)
+            for stage in remote:
+                nursery.start_soon(self._prepare_remote, stage, receivers)
+        for index in range(len(remote) - 1, -1, -1):  # downstream-first
+            stage = remote[index]
+            upstream = placed.stages[index]
+            downstream = placed.stages[index + 2] if index + 2 < len(placed.stages) else None
+            self._stage_state[stage.node_id] = "loading"
+            await self._request(
+                stage.node_id,
+                receivers,
+                self._load(stage, upstream.node_id, downstream),
+                Ready,
+                timeout_s=LOAD_TIMEOUT_S,
+            )
+            self._stage_state[stage.node_id] = "ready"
+        self._stage_state[local.node_id] = "ready"
+        return RemotePipeline(
+            runner_box[0],
+            run_id=self._run_id,
+            term=self._term,
+            stage_nodes=placed.node_ids,
+            send=self.mesh.send,
+            wire_dtype=self.settings.wire_dtype,
+        )
+
+    def _claim(self) -> Claim:
+        return Claim(
+            run_id=self._run_id,
+            term=self._term,
+            coordinator_id=self.mesh.node_id,
+            package_ref=self.settings.model_ref,
+        )
+
+    def _load(self, stage: StagePlan, upstream: str, downstream: StagePlan | None) -> Load:
+        return Load(
+            run_id=self._run_id,
+            term=self._term,
+            package_ref=self.settings.model_ref,
+            manifest_sha256="",
+            layer_range=(stage.start, stage.end),
+            has_embed=stage.embed,
+            has_head=stage.head,
+            upstream=self.mesh.peer_info(upstream),
+            # The last stage's downstream is the host: its Predictions come straight back.
+            downstream=self.mesh.peer_info(
+                downstream.node_id if downstream else self.mesh.node_id
+            ),
+            wire_dtype=self.settings.wire_dtype,
+            context_size=self.context_size,
+            batch_sizes=(1,),
+            kv_dtype="f32",
+        )
+
+    async def _prepare_local(self, stage: StagePlan, box: list[StageRunner]) -> None:
+        self._stage_state[stage.node_id] = "preparing"
+        part = Part(stage.start, stage.end, embed=True, head=stage.head)
+
+        def progress(done: int, total: int) -> None:
+            self._progress[stage.node_id] = (done, total)
+
+        def build() -> StageRunner:
+            source = open_ref(
+                self.settings.model_ref, part, cache_dir=self.settings.cache_dir, progress=progress
+            )
+            engine_stage = Stage(
+                self.config,
+                source,
+                stage.start,
+                stage.end,
+                embed=True,
+                head=stage.head,
+                backend=self._backend,
+            )
+            return StageRunner(
+                engine_stage,
+                context_size=self.context_size,
+                max_sequences=MAX_SEQUENCES_PER_STAGE,
+            )
+
+        try:
+            box.append(await trio.to_thread.run_sync(build))
+        except Exception as exc:
+            raise RunError(f"loading stage 0 on this node failed: {exc}") from exc
+        self._stage_state[stage.node_id] = "loaded"
+
+    async def _prepare_remote(
+        self, stage: StagePlan, receivers: dict[str, trio.MemoryReceiveChannel[Message]]
+    ) -> None:
+        node = stage.node_id
+        prepare = Prepare(
+            run_id=self._run_id,
+            term=self._term,
+            package_ref=self.settings.model_ref,
+            manifest_sha256="",
+            layer_range=(stage.start, stage.end),
+            has_embed=stage.embed,
+            has_head=stage.head,
+        )
+        await self._request(node, receivers, prepare, PrepareAccepted)
+        self._stage_state[node] = "preparing"
+        inventory = Inventory(
+            run_id=self._run_id, term=self._term, package_ref=self.settings.model_ref
+        )
+        with trio.move_on_after(PREPARE_TIMEOUT_S):
+            while True:
+                report = await self._request(node, receivers, inventory, InventoryReport)
+                self._progress[node] = (report.bytes_done, report.bytes_total)
+                if report.error:
+                    self._excluded.add(node)
+                    raise RunError(f"node {node} could not prepare its layers: {report.error}")
+                if report.ready:
+                    self._stage_state[node] = "prepared"
+                    return
+                await trio.sleep(INVENTORY_POLL_S)
+        self._excluded.add(node)
+        raise RunError(f"node {node} did not prepare its layers in {PREPARE_TIMEOUT_S:.0f} s")
+
+    async def _request(
+        self,
+        node: str,
+        receivers: dict[str, trio.MemoryReceiveChannel[Message]],
+        message: Message,
+        expected: type[M],
+        *,
+        timeout_s: float = REPLY_TIMEOUT_S,
+    ) -> M:
+        """Send ``message`` to ``node`` and return its reply of type ``expected``.
+
+        Raises RunError (and excludes the node from the next plan) on a refusal, an
+        ``Error``, a lost session or a timeout.
+        """
+        what = type(message).__name__
+        try:
+            await self.mesh.send(node, message)
+            with trio.fail_after(timeout_s):
+                while True:
+                    reply = await receivers[node].receive()
+                    if isinstance(reply, expected):
+                        return reply
+                    if isinstance(reply, ClaimRejected | Error):
+                        reason = reply.reason if isinstance(reply, ClaimRejected) else reply.message
+                        raise RunError(f"node {node} refused {what}: {reason}")
+        except trio.TooSlowError:
+            failure = f"node {node} did not answer {what} within {timeout_s:.0f} s"
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, KeyError):
+            failure = f"node {node} is unreachable"
+        except RunError:
+            self._excluded.add(node)
+            raise
+        self._excluded.add(node)
+        raise RunError(failure)
+
+    async def _stop_all(self, placed: Plan, reason: str) -> None:
+        stop = Stop(run_id=self._run_id, term=self._term, reason=reason)
+        for stage in placed.stages[1:]:
+            with contextlib.suppress(
+                trio.BrokenResourceError, trio.ClosedResourceError, OSError, KeyError
+            ):
+                await self.mesh.send(stage.node_id, stop)
+        self._replies = {}
+
+
+def _describe(placed: Plan) -> str:
+    return ", ".join(f"{s.node_id}[{s.start}:{s.end})" for s in placed.stages)
+
+
+async def open_stage0_source(model_ref: str, cache_dir: Path | None) -> ModelSource:
+    """The model's config and tokenizer side (its manifest and embedding), off the loop."""
+    return await trio.to_thread.run_sync(
+        lambda: open_ref(model_ref, Part(0, 0, embed=True), cache_dir=cache_dir)
+    )
+

@@ -1,0 +1,123 @@
+"""The remote pipeline: stage 0 in this process, the other stages across the mesh.
+
+``run(frame)`` computes stage 0 locally, sends the hidden states downstream as an
+``ActivationFrame`` and waits for the last stage's ``Prediction``, which comes straight back
+to this node (DESIGN §2). A sequence has at most one frame in flight, so waiters are keyed
+by request id. Non-final prefill chunks are sent without waiting: the session's FIFO order
+and each stage's in-order processing keep them ahead of the final chunk, and an error in one
+is reported with the request id and fails the waiter of the final chunk.
+
+When a stage is lost the coordinator calls :meth:`RemotePipeline.fail` and every waiter
+wakes with a :class:`~meshnode.node.pipeline.PipelineError`: streams end with an error
+event instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import trio
+from meshnode_protocol import Error, Message, Prediction, Release
+
+from meshnode.node.pipeline import PipelineError, RequestId, StepFrame, StepResult
+from meshnode.node.stage import StageRunner
+from meshnode.node.wire import frame_to_wire, result_from_wire
+
+SendFn = Callable[[str, Message], Awaitable[None]]
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    done: trio.Event = field(default_factory=trio.Event)
+    result: StepResult | None = None
+    error: str = ""
+
+
+class RemotePipeline:
+    """A :class:`~meshnode.node.pipeline.Pipeline` over the stages of one run."""
+
+    def __init__(
+        self,
+        runner: StageRunner,
+        *,
+        run_id: str,
+        term: int,
+        stage_nodes: Sequence[str],
+        send: SendFn,
+        wire_dtype: str,
+    ) -> None:
+        self.runner = runner
+        self.run_id = run_id
+        self.term = term
+        self.stage_nodes = tuple(stage_nodes)
+        self.wire_dtype = wire_dtype
+        self._send = send
+        self._lock = trio.Lock()
+        self._waiters: dict[RequestId, _Waiter] = {}
+        self._failure = ""
+
+    @property
+    def context_size(self) -> int:
+        return int(self.runner.context_size)
+
+    async def run(self, frame: StepFrame) -> StepResult:
+        if self._failure:
+            raise PipelineError(self._failure)
+        async with self._lock:
+            out = await trio.to_thread.run_sync(self.runner.process, frame)
+        if isinstance(out, StepResult):
+            return out  # a one-stage run
+        message = frame_to_wire(
+            frame, out, run_id=self.run_id, term=self.term, wire_dtype=self.wire_dtype
+        )
+        if not frame.final:
+            await self._forward(message)
+            return StepResult(request_id=frame.request_id)
+        waiter = self._waiters[frame.request_id] = _Waiter()
+        try:
+            await self._forward(message)
+            await waiter.done.wait()
+        finally:
+            self._waiters.pop(frame.request_id, None)
+        if waiter.result is None:
+            raise PipelineError(waiter.error)
+        return waiter.result
+
+    async def _forward(self, message: Message) -> None:
+        try:
+            await self._send(self.stage_nodes[1], message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, KeyError) as exc:
+            raise PipelineError(f"stage 1 ({self.stage_nodes[1]}) is unreachable") from exc
+
+    async def release(self, request_id: RequestId) -> None:
+        async with self._lock:
+            self.runner.release(request_id)
+        message = Release(request_id=str(request_id), run_id=self.run_id, term=self.term)
+        for node in self.stage_nodes[1:]:
+            # A stage that is gone has freed everything already.
+            with contextlib.suppress(
+                trio.BrokenResourceError, trio.ClosedResourceError, OSError, KeyError
+            ):
+                await self._send(node, message)
+
+    def on_prediction(self, message: Prediction) -> None:
+        waiter = self._waiters.get(RequestId(message.request_id))
+        if waiter is not None and not waiter.done.is_set():
+            waiter.result = result_from_wire(message)
+            waiter.done.set()
+
+    def on_error(self, message: Error) -> None:
+        waiter = self._waiters.get(RequestId(message.request_id))
+        if waiter is not None and not waiter.done.is_set():
+            waiter.error = f"a stage failed: {message.message}"
+            waiter.done.set()
+
+    def fail(self, reason: str) -> None:
+        """Wake every waiter with ``reason``; later calls to ``run`` fail at once."""
+        self._failure = reason
+        for waiter in self._waiters.values():
+            if not waiter.done.is_set():
+                waiter.error = reason
+                waiter.done.set()

@@ -1,0 +1,384 @@
+"""The worker side of a run: what every node does when a coordinator claims it.
+
+Theory of operation. A node is claimed by at most one run at a time. The coordinator (on the
+host) sends, over the node's mesh session:
+
+    Claim ──► ClaimAccepted | ClaimRejected
+    Prepare ──► PrepareAccepted        (materializing starts in the background)
+    Inventory ──► InventoryReport      (polled: progress in bytes, ready or error)
+    Load ──► Ready | Error             (build the engine stage from the prepared part)
+    ActivationFrame ──► ActivationFrame to the downstream stage, or Prediction to the host
+    Release                            (free one sequence's KV)
+    Stop                               (drop the run and its memory)
+
+Fencing (DESIGN §3): every message names ``run_id`` and ``term``. A message of another run or
+an older term than the claim is answered with an ``Error`` (``STALE_TERM``/``UNKNOWN_RUN``),
+never dropped silently. A newer term of the same coordinator supersedes the claim (the
+host replanned). When the claiming coordinator's session is lost the claim is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+from meshnode_packaging.manifest import Part
+from meshnode_packaging.refs import open_ref
+from meshnode_packaging.sources import ModelSource
+from meshnode_protocol import (
+    ActivationFrame,
+    Claim,
+    ClaimAccepted,
+    ClaimRejected,
+    Error,
+    ErrorCode,
+    Inventory,
+    InventoryReport,
+    Load,
+    Message,
+    Prepare,
+    PrepareAccepted,
+    Ready,
+    Release,
+    Stop,
+)
+
+from meshnode.engine.backend import Backend
+from meshnode.engine.config import ModelConfig
+from meshnode.engine.model import Stage
+from meshnode.node.pipeline import PipelineError, RequestId, StepResult
+from meshnode.node.stage import StageRunner
+from meshnode.node.wire import frame_from_wire, frame_to_wire, result_to_wire
+
+log = logging.getLogger("meshnode.worker")
+
+SendFn = Callable[[str, Message], Awaitable[None]]
+
+#: Sequences a stage holds at once; the host's scheduler admits no more than this.
+MAX_SEQUENCES_PER_STAGE = 8
+
+
+@dataclass(slots=True)
+class Preparation:
+    """A part being materialized in the background, and how far it got."""
+
+    package_ref: str
+    part: Part
+    bytes_done: int = 0
+    bytes_total: int = 0
+    source: ModelSource | None = None
+    error: str = ""
+    done: trio.Event = field(default_factory=trio.Event)
+
+    def progress(self, done: int, total: int) -> None:
+        # Called from the fetching thread; two int stores are atomic under the GIL.
+        self.bytes_done, self.bytes_total = done, total
+
+
+@dataclass(slots=True)
+class WorkerRun:
+    """This node's part in one run."""
+
+    run_id: str
+    term: int
+    coordinator: str
+    preparation: Preparation | None = None
+    runner: StageRunner | None = None
+    downstream: str | None = None
+    wire_dtype: str = "f16"
+    state: str = "claimed"
+    lock: trio.Lock = field(default_factory=trio.Lock)
+
+
+def _range(part: Part) -> tuple[int, int]:
+    return (part.start, part.end)
+
+
+class Worker:
+    """Serves the claim/prepare/load/activation messages of runs (module docstring)."""
+
+    def __init__(
+        self,
+        node_id: str,
+        send: SendFn,
+        *,
+        backend: Backend,
+        cache_dir: Path | None,
+        nursery: trio.Nursery,
+    ) -> None:
+        self.node_id = node_id
+        self._send = send
+        self._backend = backend
+        self._cache_dir = cache_dir
+        self._nursery = nursery
+        self.run: WorkerRun | None = None
+
+    # -- status -----------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any] | None:
+        run = self.run
+        if run is None:
+            return None
+        prep = run.preparation
+        body: dict[str, Any] = {
+            "run_id": run.run_id,
+            "term": run.term,
+            "coordinator": run.coordinator,
+            "state": run.state,
+        }
+        if prep is not None:
+            body["layers"] = list(_range(prep.part))
+            body["bytes_done"] = prep.bytes_done
+            body["bytes_total"] = prep.bytes_total
+            body["error"] = prep.error
+        if run.runner is not None:
+            body["live_sequences"] = run.runner.live_sequences
+        return body
+
+    # -- dispatch -----------------------------------------------------------------------
+
+    async def handle(self, peer: str, message: Message) -> bool:
+        """Handle ``message`` from ``peer``; False if it is not a worker message."""
+        if isinstance(message, Claim):
+            await self._claim(peer, message)
+        elif isinstance(message, Prepare | Inventory | Load | Stop | ActivationFrame | Release):
+            run = await self._fenced(peer, message)
+            if run is None:
+                return True
+            if isinstance(message, Prepare):
+                await self._prepare(peer, run, message)
+            elif isinstance(message, Inventory):
+                await self._send(peer, self._report(run))
+            elif isinstance(message, Load):
+                await self._load(peer, run, message)
+            elif isinstance(message, Stop):
+                self._stop(f"stopped by {peer}: {message.reason}")
+            elif isinstance(message, ActivationFrame):
+                await self._activation(peer, run, message)
+            else:
+                async with run.lock:
+                    if run.runner is not None:
+                        run.runner.release(RequestId(message.request_id))
+        else:
+            return False
+        return True
+
+    def peer_lost(self, peer: str) -> None:
+        """The session with ``peer`` ended: a coordinator gone takes its claim with it."""
+        if self.run is not None and self.run.coordinator == peer:
+            self._stop(f"coordinator {peer} lost")
+
+    # -- control ------------------------------------------------------------------------
+
+    async def _claim(self, peer: str, claim: Claim) -> None:
+        run = self.run
+        superseded = run is None or (run.coordinator == peer and claim.term >= run.term)
+        if not superseded and run is not None:
+            await self._send(
+                peer,
+                ClaimRejected(
+                    run_id=claim.run_id,
+                    term=claim.term,
+                    node_id=self.node_id,
+                    reason=f"claimed by run {run.run_id} of {run.coordinator}",
+                    held_by_run=run.run_id,
+                    held_by_term=run.term,
+                ),
+            )
+            return
+        if run is not None and run.run_id != claim.run_id:
+            self._stop(f"superseded by run {claim.run_id}")
+        if self.run is not None and self.run.run_id == claim.run_id:
+            self.run.term = claim.term
+        else:
+            self.run = WorkerRun(claim.run_id, claim.term, peer)
+        await self._send(
+            peer,
+            ClaimAccepted(run_id=claim.run_id, term=claim.term, node_id=self.node_id),
+        )
+
+    async def _fenced(self, peer: str, message: Any) -> WorkerRun | None:
+        """The claimed run ``message`` belongs to, or None after answering an Error."""
+        run = self.run
+        if run is not None and run.run_id == message.run_id and run.term == message.term:
+            return run
+        stale = run is not None and run.run_id == message.run_id and message.term < run.term
+        code = ErrorCode.STALE_TERM if stale else ErrorCode.UNKNOWN_RUN
+        held = "none" if run is None else f"{run.run_id}@{run.term}"
+        await self._send(
+            peer,
+            Error(
+                code=code,
+                message=f"{type(message).__name__} for {message.run_id}@{message.term}; "
+                f"this node holds {held}",
+                run_id=message.run_id,
+                term=message.term,
+                request_id=getattr(message, "request_id", ""),
+            ),
+        )
+        return None
+
+    async def _prepare(self, peer: str, run: WorkerRun, prepare: Prepare) -> None:
+        start, end = prepare.layer_range
+        part = Part(start, end, embed=prepare.has_embed, head=prepare.has_head)
+        prep = run.preparation
+        if prep is None or prep.part != part or prep.package_ref != prepare.package_ref:
+            prep = Preparation(prepare.package_ref, part)
+            run.preparation = prep
+            run.state = "preparing"
+            self._nursery.start_soon(self._materialize, run, prep)
+        await self._send(
+            peer, PrepareAccepted(run_id=run.run_id, term=run.term, node_id=self.node_id)
+        )
+
+    async def _materialize(self, run: WorkerRun, prep: Preparation) -> None:
+        try:
+            prep.source = await trio.to_thread.run_sync(
+                lambda: open_ref(
+                    prep.package_ref, prep.part, cache_dir=self._cache_dir, progress=prep.progress
+                )
+            )
+            if prep.bytes_total == 0:  # a local source: nothing was transferred
+                prep.bytes_done = prep.bytes_total = 1
+            if run.state == "preparing":
+                run.state = "prepared"
+        except Exception as exc:  # any failure is reported, never raised
+            prep.error = f"{type(exc).__name__}: {exc}"
+            run.state = "failed"
+            log.warning("preparing %s failed: %s", prep.package_ref, prep.error)
+        finally:
+            prep.done.set()
+
+    def _report(self, run: WorkerRun) -> InventoryReport:
+        prep = run.preparation
+        if prep is None:
+            return InventoryReport(
+                run_id=run.run_id, term=run.term, node_id=self.node_id, package_ref=""
+            )
+        ready = prep.source is not None
+        span = (_range(prep.part),)
+        return InventoryReport(
+            run_id=run.run_id,
+            term=run.term,
+            node_id=self.node_id,
+            package_ref=prep.package_ref,
+            ready=span if ready else (),
+            preparing=() if ready or prep.error else span,
+            missing=span if prep.error else (),
+            embed_ready=ready and prep.part.embed,
+            head_ready=ready and prep.part.head,
+            bytes_done=prep.bytes_done,
+            bytes_total=prep.bytes_total,
+            error=prep.error,
+        )
+
+    async def _load(self, peer: str, run: WorkerRun, load: Load) -> None:
+        prep = run.preparation
+        if prep is None or prep.source is None:
+            reason = "nothing prepared" if prep is None else prep.error or "still preparing"
+            await self._load_failed(peer, run, reason)
+            return
+        source = prep.source
+        start, end = load.layer_range
+        try:
+            runner = await trio.to_thread.run_sync(
+                lambda: self._build_runner(source, start, end, load)
+            )
+        except Exception as exc:  # reported to the coordinator
+            await self._load_failed(peer, run, f"{type(exc).__name__}: {exc}")
+            return
+        run.runner = runner
+        run.downstream = None if load.downstream is None else load.downstream.node_id
+        run.wire_dtype = load.wire_dtype
+        run.state = "ready"
+        await self._send(
+            peer,
+            Ready(
+                run_id=run.run_id,
+                term=run.term,
+                node_id=self.node_id,
+                endpoint=self.node_id,
+                layer_range=(start, end),
+            ),
+        )
+
+    def _build_runner(self, source: ModelSource, start: int, end: int, load: Load) -> StageRunner:
+        config = ModelConfig.from_hf(source.config)
+        stage = Stage(
+            config,
+            source,
+            start,
+            end,
+            embed=load.has_embed,
+            head=load.has_head,
+            backend=self._backend,
+        )
+        return StageRunner(
+            stage, context_size=load.context_size, max_sequences=MAX_SEQUENCES_PER_STAGE
+        )
+
+    async def _load_failed(self, peer: str, run: WorkerRun, reason: str) -> None:
+        run.state = "failed"
+        await self._send(
+            peer,
+            Error(
+                code=ErrorCode.LOAD_FAILED,
+                message=reason,
+                run_id=run.run_id,
+                term=run.term,
+            ),
+        )
+
+    def _stop(self, reason: str) -> None:
+        if self.run is not None:
+            log.info("run %s stopped: %s", self.run.run_id, reason)
+        self.run = None  # the runner, its caches and the mapped weights go with it
+
+    # -- data plane ---------------------------------------------------------------------
+
+    async def _activation(self, peer: str, run: WorkerRun, message: ActivationFrame) -> None:
+        runner = run.runner
+        if runner is None:
+            await self._send(
+                peer,
+                Error(
+                    code=ErrorCode.NOT_READY,
+                    message="this stage is not loaded",
+                    run_id=run.run_id,
+                    term=run.term,
+                    request_id=message.request_id,
+                ),
+            )
+            return
+        frame = frame_from_wire(message)
+        try:
+            async with run.lock:
+                out = await trio.to_thread.run_sync(runner.process, frame)
+        except (PipelineError, ValueError) as exc:
+            await self._send(
+                run.coordinator,
+                Error(
+                    code=ErrorCode.BAD_ACTIVATION,
+                    message=str(exc),
+                    run_id=run.run_id,
+                    term=run.term,
+                    request_id=message.request_id,
+                ),
+            )
+            return
+        if isinstance(out, StepResult):
+            if not out.tokens:
+                return  # a non-final prefill chunk: the host does not wait for it
+            prediction = result_to_wire(
+                out, run_id=run.run_id, term=run.term, start_pos=frame.start_pos
+            )
+            await self._send(run.coordinator, prediction)
+        elif run.downstream is not None:
+            forward = frame_to_wire(
+                frame, out, run_id=run.run_id, term=run.term, wire_dtype=run.wire_dtype
+            )
+            await self._send(run.downstream, forward)
