@@ -14,8 +14,8 @@ class MeshnodeError(Exception):
     """Base of every error meshnode raises on purpose."""
 
 
-class ConfigError(MeshnodeError):
-    """Configuration, flags or a model reference are invalid."""
+class ConfigError(MeshnodeError, ValueError):
+    """An unknown key, a value of the wrong type, or an inconsistent combination."""
 
 
 class PlanError(MeshnodeError):

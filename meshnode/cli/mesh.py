@@ -77,9 +77,31 @@ def join(
         float | None, typer.Option(help="Seconds of silence before a peer is dead.")
     ] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="Serve this model (alias, .gguf, folder, hf://org/repo[@rev], https:// URL): "
+            "this node becomes the host, holds stage 0 and serves the OpenAI API on --api."
+        ),
+    ] = None,
+    split: Annotated[
+        int | None, typer.Option(help="Exactly this many stages, when that many nodes are up.")
+    ] = None,
+    context: Annotated[
+        int | None, typer.Option(help="Context size in tokens (default: model's, max 2048).")
+    ] = None,
+    wire_dtype: Annotated[
+        str | None, typer.Option(help="Activation dtype between stages: f16 (default) or f32.")
+    ] = None,
+    prefill_chunk: Annotated[
+        int | None, typer.Option(help="Prompt tokens per prefill pass (default 256).")
+    ] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Where layer packages are materialized.")
+    ] = None,
 ) -> None:
     """Run this node in the mesh until interrupted (SIGINT or SIGTERM say goodbye)."""
-    from meshnode.node import daemon
+    from meshnode.serve import host
 
     try:
         flags: dict[str, Any] = {
@@ -97,9 +119,15 @@ def join(
             "heartbeat.interval_s": heartbeat_interval,
             "heartbeat.suspect_after_s": suspect_after,
             "heartbeat.dead_after_s": dead_after,
+            "model": model,
+            "split": split,
+            "context_size": context,
+            "wire_dtype": wire_dtype,
+            "prefill_chunk_tokens": prefill_chunk,
+            "cache_dir": cache_dir,
         }
         node_config = load_config(config_file=config, flags=flags)
-        code = daemon.run(node_config)
+        code = host.run(node_config)
     except ConfigError as exc:
         typer.echo(f"meshnode join: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -21,38 +21,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from meshnode.errors import ConfigError
+from meshnode.net.address import Address
+
+__all__ = ["Address", "ConfigError", "HeartbeatTimeouts", "NodeConfig", "load_config"]
+
 Device = Literal["cpu", "cuda"]
 
 DEFAULT_LISTEN_PORT = 7470
 DEFAULT_API_PORT = 8470
-
-
-class ConfigError(ValueError):
-    """An unknown key, a value of the wrong type, or an inconsistent combination."""
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class Address:
-    """A TCP endpoint; port 0 asks the OS for a free port (tests)."""
-
-    host: str
-    port: int
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port out of range: {self.port}")
-
-    @classmethod
-    def parse(cls, text: str) -> Address:
-        """Parse ``HOST:PORT`` or ``[V6]:PORT``; raises :class:`ConfigError`."""
-        m = re.fullmatch(r"\[([^\]]+)\]:(\d+)|([^:\[\]]+):(\d+)", text.strip())
-        if m is None:
-            raise ConfigError(f"expected HOST:PORT, got {text!r}")
-        host = m.group(1) or m.group(3)
-        return cls(host, int(m.group(2) or m.group(4)))
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +74,13 @@ class NodeConfig:
     device: Device = "cpu"
     heartbeat: HeartbeatTimeouts = HeartbeatTimeouts()
     log_level: str = "INFO"
+    cache_dir: Path | None = None
+    # The host role (stage 0 and the API): the model to serve and how to place it.
+    model: str | None = None
+    split: int | None = None
+    context_size: int | None = None
+    wire_dtype: str = "f16"
+    prefill_chunk_tokens: int = 256
 
     def resolve_token(self) -> str:
         """The join token from ``token`` or ``token_file``; raises :class:`ConfigError`."""
@@ -184,6 +168,25 @@ def _log_level(v: object) -> str:
     return s
 
 
+def _positive_int(v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int | str):
+        raise ConfigError(f"expected a positive integer, got {v!r}")
+    try:
+        n = int(v)
+    except ValueError as exc:
+        raise ConfigError(f"expected a positive integer, got {v!r}") from exc
+    if n < 1:
+        raise ConfigError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _wire_dtype(v: object) -> str:
+    s = _str(v).lower()
+    if s not in {"f16", "f32"}:
+        raise ConfigError(f"wire dtype must be f16 or f32, got {s!r}")
+    return s
+
+
 @dataclass(frozen=True, slots=True)
 class Setting:
     """One configurable value: where it lives in TOML and the environment, how to parse it.
@@ -208,6 +211,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_memory_bytes", "node", "max_memory", "MESHNODE_MAX_MEMORY", parse_bytes),
     Setting("device", "node", "device", "MESHNODE_DEVICE", _device),
     Setting("log_level", "node", "log_level", "MESHNODE_LOG_LEVEL", _log_level),
+    Setting("cache_dir", "node", "cache_dir", "MESHNODE_CACHE_DIR", _path),
+    Setting("model", "model", "ref", "MESHNODE_MODEL", _str),
+    Setting("split", "model", "split", "MESHNODE_SPLIT", _positive_int),
+    Setting("context_size", "model", "context_size", "MESHNODE_CONTEXT", _positive_int),
+    Setting("wire_dtype", "model", "wire_dtype", "MESHNODE_WIRE_DTYPE", _wire_dtype),
+    Setting(
+        "prefill_chunk_tokens", "model", "prefill_chunk_tokens", "MESHNODE_PREFILL_CHUNK",
+        _positive_int,
+    ),
     Setting("interface", "discovery", "interface", "MESHNODE_INTERFACE", _str),
     Setting("mdns", "discovery", "mdns", "MESHNODE_MDNS", _bool),
     Setting("peers", "discovery", "peers", "MESHNODE_PEERS", _peers),

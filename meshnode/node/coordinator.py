@@ -73,7 +73,10 @@ REPLY_QUEUE = 16
 class MeshView(Protocol):
     """What the coordinator needs of the running node (the daemon implements it)."""
 
-    node_id: str
+    @property
+    def node_id(self) -> str:
+        """This node's id."""
+        ...
 
     def live_nodes(self) -> list[NodeCapacity]:
         """This node and every alive, connected peer."""

@@ -25,9 +25,10 @@ import json
 import logging
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 import trio
@@ -45,6 +46,7 @@ from meshnode_protocol import (
     Role,
 )
 
+from meshnode.engine.backend import select_backend
 from meshnode.net.discovery import (
     Advert,
     Discovered,
@@ -53,6 +55,7 @@ from meshnode.net.discovery import (
     advertised_addresses,
     run_discovery,
 )
+from meshnode.net.http import serve_api
 from meshnode.net.identity import JoinToken, NodeId, NodeIdentity, TokenError, peer_node_id
 from meshnode.net.stream import TRANSPORT_ERRORS, PeerStream
 from meshnode.node.config import Address, ConfigError, NodeConfig
@@ -69,7 +72,8 @@ from meshnode.node.membership import (
     apply,
     changes,
 )
-from meshnode.serve.app import create_app, serve_api
+from meshnode.node.planner import NodeCapacity
+from meshnode.node.worker import Worker
 
 log = logging.getLogger("meshnode.node")
 
@@ -156,11 +160,51 @@ def usable_memory(config: NodeConfig) -> int:
     return available if cap is None else min(cap, available)
 
 
+class HostRole(Protocol):
+    """What the node holding stage 0 adds to a plain node (``meshnode join --model``).
+
+    The daemon stays below the serving layer: the host role (built by
+    :mod:`meshnode.serve.host`) is handed in, and the daemon only routes to it.
+    """
+
+    def handle(self, peer: str, message: Message) -> bool:
+        """Take a message of the host's runs; False if it is not one."""
+        ...
+
+    def peer_lost(self, peer: str) -> None:
+        """The session with ``peer`` ended."""
+        ...
+
+    def status(self) -> dict[str, Any]:
+        """The ``host`` part of the status body."""
+        ...
+
+    async def run(self, node: Node) -> None:
+        """Run until cancelled; ``node`` is the mesh view (``MeshView``)."""
+        ...
+
+
+AppFactory = Callable[["Node"], Any]
+"""Builds the node's ASGI app (``meshnode.serve.app``) once the node exists."""
+
+
 class Node:
     """The daemon's state and tasks; start with ``await nursery.start(node.run)``."""
 
-    def __init__(self, config: NodeConfig, token: JoinToken, identity: NodeIdentity) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        token: JoinToken,
+        identity: NodeIdentity,
+        *,
+        app_factory: AppFactory,
+        host: HostRole | None = None,
+    ) -> None:
         self.config = config
+        self.host = host
+        self.worker: Worker | None = None
+        self._app_factory = app_factory
+        self._changed = trio.Event()
         self.token = token
         self.identity = identity
         self.node_id = identity.node_id
@@ -191,10 +235,16 @@ class Node:
             listeners = await trio.open_tcp_listeners(listen.port, host=listen.host or None)
             port = listeners[0].socket.getsockname()[1]
             self.listen = Address(self._advertised_host(), port)
+            self.worker = Worker(
+                self.node_id,
+                self.send,
+                backend=select_backend(self.config.device),
+                cache_dir=self.config.cache_dir,
+                nursery=nursery,
+            )
             nursery.start_soon(trio.serve_listeners, self._handle_inbound, listeners)
             log.info("node %s of mesh %r on %s", self.node_id, self.token.name, self.listen)
-            app = create_app(self.status)
-            self.api = await nursery.start(serve_api, app, self.config.api)
+            self.api = await nursery.start(serve_api, self._app_factory(self), self.config.api)
             nursery.start_soon(self._membership_clock)
             nursery.start_soon(self._dialer, nursery)
             if self.config.mdns:
@@ -202,6 +252,8 @@ class Node:
             write_node_file(
                 self.config.state_dir, RunningNode(self.node_id, os.getpid(), self.listen, self.api)
             )
+            if self.host is not None:
+                nursery.start_soon(self.host.run, self)
             task_status.started()
 
     async def say_goodbye(self) -> None:
@@ -225,7 +277,11 @@ class Node:
 
     def _apply(self, event: Event) -> None:
         old, self.table = self.table, apply(self.table, event)
-        for node_id, before, after in changes(old, self.table):
+        found = changes(old, self.table)
+        if found:
+            self._changed.set()
+            self._changed = trio.Event()
+        for node_id, before, after in found:
             if after is None:
                 log.info("peer %s left the mesh", node_id)
             elif before is None:
@@ -468,6 +524,7 @@ class Node:
         finally:
             if self.sessions.get(session.node_id) is session:
                 del self.sessions[session.node_id]
+                self._session_lost(session.node_id)
                 lost = not (session.left or self._stopping)
                 if lost and session.node_id in self.table.peers:
                     self._apply(ConnectionLost(session.node_id, trio.current_time()))
@@ -507,20 +564,72 @@ class Node:
                     echo_sent_ns=message.sent_ns,
                 )
             )
-        elif isinstance(message, Error):
-            log.warning(
-                "peer %s reported error %d: %s", session.node_id, message.code, message.message
+            return
+        peer = session.node_id
+        if self.host is not None and self.host.handle(peer, message):
+            return
+        if self.worker is not None and await self.worker.handle(peer, message):
+            return
+        if isinstance(message, Error):
+            # An answer to nothing we run (a late reply, a refusal of an old run): log it;
+            # answering an Error with an Error could ping-pong forever.
+            log.warning("peer %s reported error %d: %s", peer, message.code, message.message)
+            return
+        await session.peer.send(
+            Error(
+                code=ErrorCode.UNKNOWN_RUN,
+                message=f"{type(message).__name__}: no run on node {self.node_id}",
+                run_id=str(getattr(message, "run_id", "")),
+                term=int(getattr(message, "term", 0)),
             )
-        else:
-            # Runs (Claim, Load, activations …) are the coordinator's; none exists yet.
-            await session.peer.send(
-                Error(
-                    code=ErrorCode.UNKNOWN_RUN,
-                    message=f"{type(message).__name__}: no run on node {self.node_id}",
-                    run_id=str(getattr(message, "run_id", "")),
-                    term=int(getattr(message, "term", 0)),
-                )
+        )
+
+    def _session_lost(self, node_id: NodeId) -> None:
+        if self.worker is not None:
+            self.worker.peer_lost(node_id)
+        if self.host is not None:
+            self.host.peer_lost(node_id)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # -- the mesh as the coordinator sees it (``meshnode.node.coordinator.MeshView``) -------
+
+    def live_nodes(self) -> list[NodeCapacity]:
+        """This node and every alive peer we hold a session with."""
+        nodes = [NodeCapacity(self.node_id, self.usable_memory, self.config.device, 0.0)]
+        for node_id, peer in sorted(self.table.peers.items()):
+            if peer.state is PeerState.ALIVE and node_id in self.sessions:
+                rtt = peer.rtt_s or 0.0
+                nodes.append(NodeCapacity(node_id, peer.usable_memory, peer.device, rtt))
+        return nodes
+
+    def peer_info(self, node_id: str) -> PeerInfo:
+        """Address and capacity of ``node_id`` (this node included)."""
+        if node_id == self.node_id:
+            return PeerInfo(
+                node_id=self.node_id,
+                address=str(self.listen),
+                device_kind=self.config.device,
+                usable_memory=self.usable_memory,
             )
+        peer = self.table.peers[NodeId(node_id)]
+        return PeerInfo(
+            node_id=node_id,
+            address=peer.address,
+            device_kind=peer.device,
+            usable_memory=peer.usable_memory,
+        )
+
+    async def send(self, node_id: str, message: Message) -> None:
+        """Send ``message`` over the session with ``node_id``.
+
+        Raises ``KeyError`` when there is no session, transport errors when it broke.
+        """
+        await self.sessions[NodeId(node_id)].peer.send(message)
+
+    async def wait_changed(self) -> None:
+        """Return after the next membership change (a peer joined, changed state or left)."""
+        await self._changed.wait()
 
     # -- status ---------------------------------------------------------------------------
 
@@ -553,15 +662,28 @@ class Node:
             "refused_handshakes": self.refused_handshakes,
             "protocol_errors": self.protocol_errors,
         }
-        return {"node": node, "peers": peers}
+        body: dict[str, Any] = {"node": node, "peers": peers}
+        if self.worker is not None and (run := self.worker.status()) is not None:
+            body["run"] = run
+        if self.host is not None:
+            body["host"] = self.host.status()
+            body["stages"] = body["host"].get("stages", [])
+        return body
 
 
 # ---- entry point -------------------------------------------------------------------------
 
 
-async def serve_until_signalled(node: Node) -> None:
-    """Run ``node`` until SIGINT or SIGTERM, then say goodbye and stop."""
+NodeBuilder = Callable[[NodeConfig, JoinToken, NodeIdentity], Awaitable[Node]]
+"""Builds the node to run (the serving layer adds its API and, with ``--model``, the host)."""
+
+
+async def serve_until_signalled(
+    build: NodeBuilder, config: NodeConfig, token: JoinToken, identity: NodeIdentity
+) -> None:
+    """Build the node, run it until SIGINT or SIGTERM, then say goodbye and stop."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        node = await build(config, token, identity)
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
             async for signum in signals:
@@ -575,7 +697,7 @@ async def serve_until_signalled(node: Node) -> None:
             nursery.cancel_scope.cancel()
 
 
-def run(config: NodeConfig) -> int:
+def run(config: NodeConfig, build: NodeBuilder) -> int:
     """``meshnode join``: provision identity, run the node until interrupted; exit status."""
     logging.basicConfig(
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -587,7 +709,7 @@ def run(config: NodeConfig) -> int:
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     identity = NodeIdentity.provision(token, config.state_dir)
     try:
-        trio.run(serve_until_signalled, Node(config, token, identity))
+        trio.run(serve_until_signalled, build, config, token, identity)
     finally:
         running = read_node_file(config.state_dir)
         if running is not None and running.pid == os.getpid():

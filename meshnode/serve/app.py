@@ -6,18 +6,14 @@ the factory only takes callables that read the daemon's state, never the daemon 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
-import trio
 from fastapi import FastAPI
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve
 
-from meshnode.node.config import Address
+from meshnode.net.http import serve_api
 
-log = logging.getLogger(__name__)
+__all__ = ["StatusSource", "create_app", "serve_api"]
 
 StatusSource = Callable[[], dict[str, Any]]
 
@@ -31,32 +27,3 @@ def create_app(mesh_status: StatusSource) -> FastAPI:
         return mesh_status()
 
     return app
-
-
-def _hypercorn_config(address: Address) -> HypercornConfig:
-    config = HypercornConfig()
-    config.bind = [str(address)]
-    config.accesslog = None
-    # Through our logging setup, not a second handler of hypercorn's own.
-    config.errorlog = logging.getLogger("hypercorn.error")
-    # Shutdown must not wait long for idle keep-alive clients: the daemon is exiting.
-    config.graceful_timeout = 1.0
-    return config
-
-
-async def serve_api(
-    app: FastAPI,
-    address: Address,
-    *,
-    task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve ``app`` on ``address`` until cancelled; ``started()`` gets the bound address.
-
-    With port 0 the OS picks a port; the started value says which.
-    """
-
-    async with trio.open_nursery() as nursery:
-        binds: list[str] = await nursery.start(serve, app, _hypercorn_config(address))
-        bound = Address.parse(binds[0].split("://", 1)[1])
-        log.info("api: listening on http://%s", bound)
-        task_status.started(bound)
