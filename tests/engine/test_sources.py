@@ -20,7 +20,14 @@ from tokenizers import Tokenizer
 
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.loader import LoadedModel, load_model
-from tests.engine.tiny import CONFIG, hf_tokenizer_json, llama_permute, random_blocks, vocabulary
+from tests.engine.tiny import (
+    CONFIG,
+    hf_tokenizer_json,
+    llama_permute,
+    random_blocks,
+    vocabulary,
+    write_tiny_model,
+)
 
 QTYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"]
 
@@ -72,6 +79,18 @@ def test_gguf_and_hf_folder_give_identical_logits(
     la = a.stage.forward(np.array(ids), 0, a.stage.new_cache(32))
     lb = b.stage.forward(np.array(ids), 0, b.stage.new_cache(32))
     assert la.shape == (len(ids), len(vocabulary()))
+    np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen2_gguf_with_qkv_bias_matches_hf_folder(tmp_path: Path) -> None:
+    path = write_tiny_model(tmp_path, "Q8_0", arch="qwen2")
+    a = load_model(str(path), cpu_backend())
+    b = load_model(str(path.parent / "hf"), cpu_backend())
+    assert a.config.attention_bias
+    assert a.config.model_type == "qwen2"
+    ids = [1, 60, 70, 80, 90]
+    la = a.stage.forward(np.array(ids), 0, a.stage.new_cache(8))
+    lb = b.stage.forward(np.array(ids), 0, b.stage.new_cache(8))
     np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
 
 

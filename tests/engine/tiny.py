@@ -123,21 +123,26 @@ def _decode(data: np.ndarray, qtype: str) -> np.ndarray:
 
 
 def write_tiny_model(folder: Path, qtype: str, *, seed: int = 0, arch: str = "llama") -> Path:
-    """Write ``folder/tiny.gguf`` and the HF folder ``folder/hf``; return the GGUF path."""
+    """Write ``folder/tiny.gguf`` and the HF folder ``folder/hf``; return the GGUF path.
+
+    ``arch`` "qwen2" adds Q/K/V biases and, as llama.cpp does for Qwen2, stores Q/K rows
+    unpermuted.
+    """
     rng = np.random.default_rng(seed)
-    c = CONFIG
+    c = dict(CONFIG, model_type=arch, attention_bias=arch == "qwen2")
     layers = c["num_hidden_layers"]
     hf: dict[str, np.ndarray] = {}
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "tiny.gguf"
     w = gguf.GGUFWriter(path, arch)
-    _gguf_metadata(w, arch)
+    _gguf_metadata(w)
     for hf_name, g_name, shape in _weight_names(layers):
         data = random_blocks(rng, shape, "Q8_0" if "embed" in hf_name else qtype)
         dtype = "Q8_0" if "embed" in hf_name else qtype
         hf[hf_name] = _decode(data, dtype).reshape(shape)
         heads = {"attn_q": c["num_attention_heads"], "attn_k": c["num_key_value_heads"]}
         n_head = next((h for k, h in heads.items() if k in g_name), None)
+        n_head = n_head if arch == "llama" else None
         stored = data if n_head is None else llama_permute(data, n_head)
         raw_dtype = None if dtype in ("F32", "F16") else gguf.GGMLQuantizationType[dtype]
         w.add_tensor(g_name, np.ascontiguousarray(stored), raw_dtype=raw_dtype)
@@ -147,6 +152,16 @@ def write_tiny_model(folder: Path, qtype: str, *, seed: int = 0, arch: str = "ll
             (f"model.layers.{n}.input_layernorm.weight", f"blk.{n}.attn_norm.weight"),
             (f"model.layers.{n}.post_attention_layernorm.weight", f"blk.{n}.ffn_norm.weight"),
         ]
+    if c["attention_bias"]:
+        for n in range(layers):
+            for x, size in (
+                ("q", c["num_attention_heads"]),
+                ("k", c["num_key_value_heads"]),
+                ("v", c["num_key_value_heads"]),
+            ):
+                bias = (0.1 * rng.standard_normal(size * c["head_dim"])).astype(np.float32)
+                hf[f"model.layers.{n}.self_attn.{x}_proj.bias"] = bias
+                w.add_tensor(f"blk.{n}.attn_{x}.bias", bias)
     for hf_name, g_name in norms:
         norm = (1.0 + 0.1 * rng.standard_normal(c["hidden_size"])).astype(np.float32)
         hf[hf_name] = norm
@@ -155,11 +170,11 @@ def write_tiny_model(folder: Path, qtype: str, *, seed: int = 0, arch: str = "ll
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    _write_hf_folder(folder / "hf", hf)
+    _write_hf_folder(folder / "hf", hf, c)
     return path
 
 
-def _gguf_metadata(w: gguf.GGUFWriter, arch: str) -> None:
+def _gguf_metadata(w: gguf.GGUFWriter) -> None:
     c = CONFIG
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(c["max_position_embeddings"])
@@ -179,12 +194,11 @@ def _gguf_metadata(w: gguf.GGUFWriter, arch: str) -> None:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(CHAT_TEMPLATE)
-    del arch
 
 
-def _write_hf_folder(folder: Path, tensors: dict[str, np.ndarray]) -> None:
+def _write_hf_folder(folder: Path, tensors: dict[str, np.ndarray], c: dict[str, Any]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    config = dict(CONFIG, vocab_size=len(vocabulary()))
+    config = dict(c, vocab_size=len(vocabulary()))
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "tokenizer.json").write_text(hf_tokenizer_json())
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))

@@ -1,0 +1,88 @@
+"""ModelConfig from Hugging Face config dicts, RoPE scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from meshnode.engine.config import ConfigError, ModelConfig
+
+LLAMA31: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "max_position_embeddings": 131072,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}
+
+
+def test_derived_sizes() -> None:
+    c = ModelConfig.from_hf(LLAMA31)
+    assert (c.head_dim, c.q_size, c.kv_size, c.group_size) == (128, 4096, 1024, 4)
+    assert c.eos_token_ids == (128001, 128008, 128009)
+    assert c.rope_type == "llama3"
+
+
+def test_llama3_rope_keeps_high_and_scales_low_frequencies() -> None:
+    scaled = ModelConfig.from_hf(LLAMA31).rope_inv_freq()
+    plain = ModelConfig.from_hf(dict(LLAMA31, rope_scaling=None)).rope_inv_freq()
+    assert len(scaled) == 64
+    for s, p in zip(scaled, plain, strict=True):
+        wavelen = 2 * math.pi / p
+        if wavelen < 8192 / 4:
+            assert s == p
+        elif wavelen > 8192 / 1:
+            assert s == pytest.approx(p / 8)
+        else:
+            assert p / 8 < s < p
+
+
+def test_linear_rope_divides_by_the_factor() -> None:
+    linear = {"rope_type": "linear", "factor": 4.0}
+    scaled = ModelConfig.from_hf(dict(LLAMA31, rope_scaling=linear)).rope_inv_freq()
+    plain = ModelConfig.from_hf(dict(LLAMA31, rope_scaling=None)).rope_inv_freq()
+    assert scaled == pytest.approx([p / 4 for p in plain])
+
+
+def test_transformers5_rope_parameters_block() -> None:
+    cfg = dict(
+        LLAMA31, rope_scaling=None, rope_parameters={"rope_theta": 1e4, "rope_type": "default"}
+    )
+    del cfg["rope_theta"]
+    c = ModelConfig.from_hf(cfg)
+    assert c.rope_theta == 1e4
+    assert c.rope_type == "default"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "gpt2"}, "unsupported model type"),
+        ({"num_key_value_heads": 5}, "multiple of"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "unsupported rope"),
+        ({"hidden_size": "wide"}, "invalid model config"),
+    ],
+)
+def test_bad_configs(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf(dict(LLAMA31, **change))
+    missing = dict(LLAMA31)
+    del missing["vocab_size"]
+    with pytest.raises(ConfigError, match="lacks 'vocab_size'"):
+        ModelConfig.from_hf(missing)
