@@ -25,6 +25,10 @@ def _ids(value: Any) -> tuple[int, ...]:
     return (int(value),)
 
 
+def _factors(value: Any) -> tuple[float, ...] | None:
+    return None if value is None else tuple(float(v) for v in value)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Sizes and constants of a Llama-family decoder; derived sizes are set in __post_init__."""
@@ -45,6 +49,8 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # llama.cpp's per-pair RoPE divisors (GGUF ``rope_freqs.weight``), applied after scaling
+    rope_freq_factors: tuple[float, ...] | None = None
     # derived
     q_size: int = field(init=False)
     kv_size: int = field(init=False)
@@ -60,6 +66,8 @@ class ModelConfig:
         rope_type = self.rope_type
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(f"unsupported rope scaling {rope_type!r}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ConfigError("rope_freq_factors must have head_dim / 2 entries")
         object.__setattr__(self, "q_size", self.num_heads * self.head_dim)
         object.__setattr__(self, "kv_size", self.num_kv_heads * self.head_dim)
         object.__setattr__(self, "group_size", self.num_heads // self.num_kv_heads)
@@ -99,6 +107,7 @@ class ModelConfig:
                 ),
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_ids=_ids(config.get("eos_token_id")),
+                rope_freq_factors=_factors(config.get("rope_freq_factors")),
             )
         except KeyError as exc:
             raise ConfigError(f"model config lacks {exc.args[0]!r}") from None
@@ -117,9 +126,11 @@ class ModelConfig:
         inv = [1.0 / self.rope_theta ** (i / dim) for i in range(0, dim, 2)]
         scaling = self.rope_scaling or {}
         if self.rope_type == "linear":
-            return [f / float(scaling["factor"]) for f in inv]
-        if self.rope_type == "llama3":
-            return _llama3_inv_freq(inv, scaling)
+            inv = [f / float(scaling["factor"]) for f in inv]
+        elif self.rope_type == "llama3":
+            inv = _llama3_inv_freq(inv, scaling)
+        if self.rope_freq_factors:
+            inv = [f / d for f, d in zip(inv, self.rope_freq_factors, strict=True)]
         return inv
 
 

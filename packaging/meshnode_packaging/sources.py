@@ -138,6 +138,9 @@ GGUF_TO_CANONICAL: dict[str, str] = {
     "blk.{i}.ffn_down.weight": "layers.{i}.mlp.down_proj.weight",
 }
 
+# Not a weight: llama.cpp's per-frequency RoPE divisors, surfaced as config["rope_freq_factors"].
+ROPE_FREQS = "rope_freqs.weight"
+
 # Hugging Face checkpoints prefix the decoder's tensors with this; lm_head has no prefix.
 HF_PREFIX = "model."
 
@@ -247,6 +250,13 @@ class GGUFSource:
             if canonical is not None:
                 self._tensors[canonical] = t
         self.config = gguf_config(self._reader, set(self._tensors))
+        freqs = next((t for t in self._reader.tensors if t.name == ROPE_FREQS), None)
+        if freqs is not None:
+            # llama.cpp stores Llama 3.1-style RoPE scaling as per-pair divisors of the
+            # frequency (convert_hf_to_gguf computes them from rope_scaling); HF config
+            # has no key for them, so they travel under this one extra key.
+            factors = np.asarray(freqs.data, dtype=np.float32).ravel()
+            self.config["rope_freq_factors"] = [float(f) for f in factors]
         arch = str(_field(self._reader, "general.architecture"))
         self._permuted = _GGUF_ARCHITECTURES[arch][1]
         try:

@@ -86,3 +86,14 @@ def test_bad_configs(change: dict[str, Any], message: str) -> None:
     del missing["vocab_size"]
     with pytest.raises(ConfigError, match="lacks 'vocab_size'"):
         ModelConfig.from_hf(missing)
+
+
+def test_gguf_rope_freq_factors_match_llama3_scaling() -> None:
+    """llama.cpp's rope_freqs divisors reproduce transformers' llama3 frequencies."""
+    plain = ModelConfig.from_hf(dict(LLAMA31, rope_scaling=None)).rope_inv_freq()
+    scaled = ModelConfig.from_hf(LLAMA31).rope_inv_freq()
+    factors = [p / s for p, s in zip(plain, scaled, strict=True)]
+    gguf_style = ModelConfig.from_hf(dict(LLAMA31, rope_scaling=None, rope_freq_factors=factors))
+    assert gguf_style.rope_inv_freq() == pytest.approx(scaled, rel=1e-12)
+    with pytest.raises(ConfigError, match="head_dim / 2"):
+        ModelConfig.from_hf(dict(LLAMA31, rope_freq_factors=[1.0]))
