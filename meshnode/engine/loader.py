@@ -1,23 +1,17 @@
-"""Resolving a model reference and loading everything a single node needs to generate.
+"""Loading everything a single node needs to generate from one model reference.
 
-This is the one place where ``--model`` references resolve: an alias from
-``meshnode_packaging.sources.DEFAULT_MODELS``, a layer-package folder (it holds
-``model-package.json``), a Hugging Face checkpoint folder, or a ``.gguf`` file.
+References resolve in one place, ``meshnode_packaging.refs`` (an alias of
+``sources.DEFAULT_MODELS``, a ``.gguf`` file, a Hugging Face checkpoint folder, a layer
+package folder, ``hf://org/repo`` or an https URL); this module only maps its errors.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from pathlib import Path
 
-from meshnode_packaging.sources import (
-    DEFAULT_MODELS,
-    ModelSource,
-    SourceError,
-    default_model_path,
-    open_source,
-)
+from meshnode_packaging.errors import PackageError
+from meshnode_packaging.refs import open_ref
+from meshnode_packaging.sources import ModelSource, SourceError
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ConfigError, ModelConfig
@@ -27,40 +21,25 @@ from meshnode.engine.tokenizer import ChatTemplate, TemplateError, Tokenizer
 __all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "load_model", "resolve_source"]
 
 DEFAULT_MODEL = "smollm2-135m"
-PACKAGE_MANIFEST = "model-package.json"
 
 
 class ModelLoadError(Exception):
     """The model reference cannot be resolved or the model cannot be loaded."""
 
 
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
 def resolve_source(ref: str | None) -> ModelSource:
-    """The :class:`ModelSource` behind ``ref`` (None means the default model).
+    """The whole-model :class:`ModelSource` behind ``ref`` (None: the default model).
 
     Raises :class:`ModelLoadError` with a one-line reason.
     """
-    ref = ref or DEFAULT_MODEL
     try:
-        if ref in DEFAULT_MODELS:
-            return open_source(default_model_path(ref))
-        path = Path(ref).expanduser()
-        if (path / PACKAGE_MANIFEST).is_file():
-            return _open_package(path)
-        if not path.exists() and "/" not in ref and not ref.endswith(".gguf"):
-            known = ", ".join(sorted(DEFAULT_MODELS))
-            raise ModelLoadError(f"unknown model {ref!r}: not an alias ({known}) nor a path")
-        return open_source(path)
-    except SourceError as exc:
-        raise ModelLoadError(str(exc)) from exc
-
-
-def _open_package(folder: Path) -> ModelSource:
-    try:
-        package = importlib.import_module("meshnode_packaging.package")
-    except ImportError as exc:
-        raise ModelLoadError(f"{folder}: layer packages are not supported yet") from exc
-    source: ModelSource = package.open_package(folder)
-    return source
+        return open_ref(ref or DEFAULT_MODEL)
+    except (PackageError, SourceError) as exc:
+        raise ModelLoadError(_one_line(exc)) from exc
 
 
 @dataclass(frozen=True)
@@ -86,8 +65,8 @@ def load_model(ref: str | None, backend: Backend) -> LoadedModel:
         if source.chat_template:
             template = ChatTemplate(source.chat_template, _special_tokens(tokenizer, config))
         stage = Stage(config, source, 0, config.num_layers, embed=True, head=True, backend=backend)
-    except (ConfigError, TemplateError, SourceError) as exc:
-        raise ModelLoadError(str(exc)) from exc
+    except (ConfigError, TemplateError, SourceError, PackageError) as exc:
+        raise ModelLoadError(_one_line(exc)) from exc
     except KeyError as exc:
         raise ModelLoadError(f"model lacks tensor {exc.args[0]!r}") from exc
     return LoadedModel(config, stage, tokenizer, template)

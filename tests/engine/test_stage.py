@@ -96,3 +96,21 @@ def test_real_model_verify_parity_and_split(smollm2: LoadedModel) -> None:
         steps.append(stage.forward(np.array([t]), len(ids) - 8 + i, cache)[0])
     np.testing.assert_allclose(window, np.stack(steps), rtol=1e-4, atol=2e-4)
     assert list(window.argmax(-1)) == [int(s.argmax()) for s in steps]
+
+
+def test_stages_load_from_a_layer_package(
+    tiny_gguf: Callable[[str], Path], tiny: tuple[ModelConfig, Stage], tmp_path: Path
+) -> None:
+    from meshnode_packaging.package import open_package
+    from meshnode_packaging.writer import write_package
+
+    config, whole = tiny
+    write_package(tiny_gguf("Q8_0"), tmp_path / "pkg")
+    package = open_package(tmp_path / "pkg")
+    k = config.num_layers // 2
+    first = Stage(config, package, 0, k, embed=True, head=False)
+    second = Stage(config, package, k, config.num_layers, embed=False, head=True)
+    hidden = first.forward(np.array(IDS), 0, first.new_cache(32))
+    logits = second.forward(hidden, 0, second.new_cache(32))
+    full = whole.forward(np.array(IDS), 0, whole.new_cache(32))
+    np.testing.assert_allclose(logits, full, rtol=1e-5, atol=1e-5)
