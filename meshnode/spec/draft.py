@@ -137,9 +137,10 @@ class StageProposer:
 # -- building the drafting stages ---------------------------------------------------------
 
 # Share of the target's layers a layer-skip draft runs when no setting says otherwise.
-# Early layers plus the final norm and head make a weak but free draft; half the layers
-# keeps acceptance useful while a draft step costs half a target step.
-DEFAULT_LAYER_SKIP_FRACTION = 0.5
+# SmolLM2-135M was not trained to exit early: on the golden prompts (greedy, window 2-4)
+# the first 15 of 30 layers get 3 % of drafts accepted, 20 get 5 %, 24 get 32 % and 27
+# get 42 %. Only the deep end drafts usefully, so the default keeps nine tenths.
+DEFAULT_LAYER_SKIP_FRACTION = 0.9
 
 
 def vocab_info(name: str, source: ModelSource) -> VocabInfo:
