@@ -216,6 +216,7 @@ class Node:
         }
         self.refused_handshakes = 0
         self.protocol_errors = 0
+        self.internal_errors = 0
         self.listen: Address | None = None
         self.api: Address | None = None
         self._started_s = 0.0
@@ -238,6 +239,7 @@ class Node:
             self.worker = Worker(
                 self.node_id,
                 self.send,
+                connect=self.connect,
                 backend=select_backend(self.config.device),
                 cache_dir=self.config.cache_dir,
                 nursery=nursery,
@@ -521,6 +523,15 @@ class Node:
             log.warning("closed the session with %s: %s", session.node_id, group.exceptions[0])
         except* (trio.TooSlowError, *TRANSPORT_ERRORS) as group:
             log.debug("session with %s broke: %r", session.node_id, group.exceptions[0])
+        except* Exception as group:
+            # Our own bug while handling this peer's message: it ends this session, not the
+            # daemon, which keeps serving everyone else. Cancellation is not an Exception.
+            self.internal_errors += 1
+            log.error(
+                "closed the session with %s after an internal error",
+                session.node_id,
+                exc_info=group.exceptions[0],
+            )
         finally:
             if self.sessions.get(session.node_id) is session:
                 del self.sessions[session.node_id]
@@ -627,6 +638,25 @@ class Node:
         """
         await self.sessions[NodeId(node_id)].peer.send(message)
 
+    async def connect(self, info: PeerInfo, timeout_s: float = DIAL_TIMEOUT_S) -> None:
+        """Make sure a session with ``info.node_id`` exists, dialing its address if needed.
+
+        Stages dial their downstream neighbour this way at ``Load``: peers learn each other
+        from Hello peer lists, which two nodes that joined at the same moment may have missed.
+        Raises ``trio.TooSlowError`` when no session comes up within ``timeout_s``.
+        """
+        node_id = NodeId(info.node_id)
+        with trio.fail_after(timeout_s):
+            while node_id not in self.sessions:
+                with contextlib.suppress(ConfigError):
+                    self._learn(Address.parse(info.address), node_id)
+                target = next((t for t in self.targets.values() if t.node_id == node_id), None)
+                if target is not None and not target.in_flight:
+                    target.next_attempt_s = 0.0
+                    self._wake_dialer.set()
+                with trio.move_on_after(0.1):
+                    await self.wait_changed()
+
     async def wait_changed(self) -> None:
         """Return after the next membership change (a peer joined, changed state or left)."""
         await self._changed.wait()
@@ -661,6 +691,7 @@ class Node:
             "uptime_s": round(now - self._started_s, 3),
             "refused_handshakes": self.refused_handshakes,
             "protocol_errors": self.protocol_errors,
+            "internal_errors": self.internal_errors,
         }
         body: dict[str, Any] = {"node": node, "peers": peers}
         if self.worker is not None and (run := self.worker.status()) is not None:

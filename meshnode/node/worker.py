@@ -19,6 +19,7 @@ host replanned). When the claiming coordinator's session is lost the claim is dr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from meshnode_protocol import (
     InventoryReport,
     Load,
     Message,
+    PeerInfo,
     Prepare,
     PrepareAccepted,
     Ready,
@@ -57,6 +59,9 @@ from meshnode.node.wire import frame_from_wire, frame_to_wire, result_to_wire
 log = logging.getLogger("meshnode.worker")
 
 SendFn = Callable[[str, Message], Awaitable[None]]
+ConnectFn = Callable[[PeerInfo], Awaitable[None]]
+# What a failed send to another node raises: no session (KeyError) or a broken one.
+SEND_ERRORS = (KeyError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 #: Sequences a stage holds at once; the host's scheduler admits no more than this.
 MAX_SEQUENCES_PER_STAGE = 8
@@ -106,12 +111,14 @@ class Worker:
         node_id: str,
         send: SendFn,
         *,
+        connect: ConnectFn,
         backend: Backend,
         cache_dir: Path | None,
         nursery: trio.Nursery,
     ) -> None:
         self.node_id = node_id
         self._send = send
+        self._connect = connect
         self._backend = backend
         self._cache_dir = cache_dir
         self._nursery = nursery
@@ -291,6 +298,14 @@ class Worker:
         except Exception as exc:  # reported to the coordinator
             await self._load_failed(peer, run, f"{type(exc).__name__}: {exc}")
             return
+        if load.downstream is not None:
+            try:
+                await self._connect(load.downstream)
+            except trio.TooSlowError:
+                await self._load_failed(
+                    peer, run, f"cannot reach downstream node {load.downstream.node_id}"
+                )
+                return
         run.runner = runner
         run.downstream = None if load.downstream is None else load.downstream.node_id
         run.wire_dtype = load.wire_dtype
@@ -373,12 +388,30 @@ class Worker:
         if isinstance(out, StepResult):
             if not out.tokens:
                 return  # a non-final prefill chunk: the host does not wait for it
-            prediction = result_to_wire(
+            target = run.coordinator
+            outgoing: Message = result_to_wire(
                 out, run_id=run.run_id, term=run.term, start_pos=frame.start_pos
             )
-            await self._send(run.coordinator, prediction)
         elif run.downstream is not None:
-            forward = frame_to_wire(
+            target = run.downstream
+            outgoing = frame_to_wire(
                 frame, out, run_id=run.run_id, term=run.term, wire_dtype=run.wire_dtype
             )
-            await self._send(run.downstream, forward)
+        else:
+            return
+        try:
+            await self._send(target, outgoing)
+        except SEND_ERRORS:
+            # The next node is gone: the host learns it from membership and replans; tell it
+            # now so the request fails at once (best effort: the host may be gone too).
+            with contextlib.suppress(*SEND_ERRORS):
+                await self._send(
+                    run.coordinator,
+                    Error(
+                        code=ErrorCode.NOT_READY,
+                        message=f"stage after {self.node_id} ({target}) is unreachable",
+                        run_id=run.run_id,
+                        term=run.term,
+                        request_id=message.request_id,
+                    ),
+                )
