@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +29,7 @@ from threadpoolctl import threadpool_limits
 
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.loader import load_model
-from meshnode.engine.model import Stage
+from meshnode.engine.model import GEMV_MAX_ROWS, Stage
 from meshnode.engine.weights import StageWeights
 
 PROMPT = (
@@ -108,73 +111,131 @@ def weight_bytes_per_token(weights: StageWeights) -> int:
     return layers + int(weights.norm.nbytes) + int(head.nbytes)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="model reference (default alias)")
-    parser.add_argument("--decode-steps", type=int, default=48)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    args = parser.parse_args()
+KS = [2, 4, 8, 16]
 
-    model = load_model(args.model, cpu_backend())
-    stage = model.stage
-    weights = stage.weights
-    ids = model.tokenizer.encode(PROMPT * 12)[:400]
-    context = ids[:128]
-    print(
-        f"model: {args.model or 'smollm2-135m'}; float32 weights in memory: "
-        f"{weights.nbytes() / 2**20:.0f} MiB"
-    )
 
-    per_token = weight_bytes_per_token(weights)
+def decode_section(stage: Stage, context: list[int], threads: list[int], steps: int) -> None:
+    """Decode tokens/s and the fraction of the copy-bandwidth roofline it reaches."""
+    per_token = weight_bytes_per_token(stage.weights)
     print("\n## decode (one token per forward, 128-token context)\n")
     print("| threads | tokens/s | weight GB/s | copy GB/s | fraction of roofline |")
     print("|---:|---:|---:|---:|---:|")
-    for threads in args.threads:
-        with threadpool_limits(threads):
+    for n in threads:
+        with threadpool_limits(n):
             bw = memory_bandwidth()
-            rates = [decode_rate(stage, context, args.decode_steps) for _ in range(2)]
-            rate = max(rates)
+            rate = max(decode_rate(stage, context, steps) for _ in range(2))
         print(
-            f"| {threads} | {rate:.1f} | {per_token * rate / 1e9:.1f} | {bw / 1e9:.1f} "
+            f"| {n} | {rate:.1f} | {per_token * rate / 1e9:.1f} | {bw / 1e9:.1f} "
             f"| {per_token * rate / bw:.0%} |"
         )
 
+
+def prefill_section(stage: Stage, ids: list[int], threads: list[int]) -> None:
+    """Prefill tokens/s with all rows' logits and with ``out_rows=1``."""
     print(f"\n## prefill ({len(ids)}-token prompt)\n")
     print("| threads | out_rows | ms | tokens/s | saving of out_rows=1 |")
     print("|---:|---|---:|---:|---:|")
-    for threads in args.threads:
-        with threadpool_limits(threads):
+    for n in threads:
+        with threadpool_limits(n):
             times: dict[int | None, float] = {None: float("inf"), 1: float("inf")}
             for rows in (None, 1, None, 1):  # interleaved, best of each
                 times[rows] = min(times[rows], prefill_time(stage, ids, rows, 1))
         for rows in (None, 1):
             saving = 1 - times[1] / times[None] if rows == 1 else 0.0
             print(
-                f"| {threads} | {rows or 'all'} | {times[rows] * 1e3:.0f} "
+                f"| {n} | {rows or 'all'} | {times[rows] * 1e3:.0f} "
                 f"| {len(ids) / times[rows]:.0f} | {saving:.1%} |"
             )
 
-    ks = [2, 4, 8, 16]
-    print("\n## k-token forward cost relative to one token (128-token context, all k logits)\n")
-    print("| layout | threads | 1-token ms | " + " | ".join(f"k={k}" for k in ks) + " |")
-    print("|---|---:|---:|" + "---:|" * len(ks))
-    layouts = {"in_out": stage}
-    layouts["out_in"] = Stage(
-        model.config,
-        _relayout(weights, "out_in"),
-        0,
-        model.config.num_layers,
+
+def k_rows(stage: Stage, context: list[int], threads: list[int], reps: int) -> list[str]:
+    """Table rows (kernels, layout, threads, 1-token ms, k ratios) for this process's BLAS.
+
+    Variants: weights ``[in, out]`` (the engine's layout) with the engine's row-by-row
+    sgemv for up to ``GEMV_MAX_ROWS`` rows, the same with sgemm for every k, and weights
+    ``[out, in]`` with sgemm for every k.
+    """
+    out_in = Stage(
+        stage.config,
+        _relayout(stage.weights, "out_in"),
+        stage.start,
+        stage.end,
         embed=True,
         head=True,
     )
-    for threads in args.threads:
-        with threadpool_limits(threads):
-            for name, s in layouts.items():
-                runs = [k_costs(s, context, ks, args.reps) for _ in range(2)]
-                cost = {k: min(r[k] for r in runs) for k in [1, *ks]}
-                ratios = " | ".join(f"{cost[k] / cost[1]:.2f}x" for k in ks)
-                print(f"| {name} | {threads} | {cost[1] * 1e3:.1f} | {ratios} |")
+    variants = [
+        (f"[in,out], gemv up to {GEMV_MAX_ROWS} rows", stage, GEMV_MAX_ROWS),
+        ("[in,out], gemm", stage, 1),
+        ("[out,in], gemm", out_in, 1),
+    ]
+    coretype = os.environ.get("OPENBLAS_CORETYPE", "auto")
+    rows = []
+    for n in threads:
+        with threadpool_limits(n):
+            runs: dict[str, list[dict[int, float]]] = {name: [] for name, _, _ in variants}
+            for _ in range(2):  # interleave the variants so load drifts hit all alike
+                for name, s, gemv_rows in variants:
+                    s.gemv_max_rows = gemv_rows
+                    runs[name].append(k_costs(s, context, KS, reps))
+            for name, _, _ in variants:
+                cost = {k: min(r[k] for r in runs[name]) for k in [1, *KS]}
+                ratios = " | ".join(f"{cost[k] / cost[1]:.2f}x" for k in KS)
+                rows.append(f"| {coretype} | {name} | {n} | {cost[1] * 1e3:.1f} | {ratios} |")
+    stage.gemv_max_rows = GEMV_MAX_ROWS
+    return rows
+
+
+def k_section(args: argparse.Namespace, stage: Stage, context: list[int]) -> None:
+    """k-token forward cost; each OpenBLAS core type runs in a child process (the kernel
+    set is chosen when the library loads), alternating so load drifts hit all alike."""
+    print("\n## k-token forward cost relative to one token (128-token context, all k logits)\n")
+    print(
+        "| OpenBLAS kernels | layout | threads | 1-token ms | "
+        + " | ".join(f"k={k}" for k in KS)
+        + " |"
+    )
+    print("|---|---|---:|---:|" + "---:|" * len(KS))
+    if not args.coretypes:
+        print("\n".join(k_rows(stage, context, args.threads, args.reps)))
+        return
+    child = [sys.executable, __file__, "--k-only", "--reps", str(args.reps), "--threads"]
+    child += [str(n) for n in args.threads]
+    if args.model:
+        child += ["--model", args.model]
+    for coretype in args.coretypes:
+        env = dict(os.environ, OPENBLAS_CORETYPE=coretype)
+        done = subprocess.run(child, env=env, capture_output=True, text=True, check=True)
+        print(done.stdout.strip())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model reference (default alias)")
+    parser.add_argument("--decode-steps", type=int, default=48)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--coretypes",
+        nargs="*",
+        default=[],
+        help="also measure k-token costs with these OPENBLAS_CORETYPE kernel sets "
+        "(e.g. SkylakeX Haswell Zen), each in a child process",
+    )
+    parser.add_argument("--k-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    model = load_model(args.model, cpu_backend())
+    stage = model.stage
+    ids = model.tokenizer.encode(PROMPT * 12)[:400]
+    context = ids[:128]
+    if args.k_only:
+        print("\n".join(k_rows(stage, context, args.threads, args.reps)))
+        return
+    mib = stage.weights.nbytes() / 2**20
+    print(f"model: {args.model or 'smollm2-135m'}; float32 weights in memory: {mib:.0f} MiB")
+    decode_section(stage, context, args.threads, args.decode_steps)
+    prefill_section(stage, ids, args.threads)
+    k_section(args, stage, context)
 
 
 if __name__ == "__main__":

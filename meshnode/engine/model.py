@@ -20,7 +20,13 @@ from meshnode.engine.config import ModelConfig
 from meshnode.engine.kv_cache import KVCache
 from meshnode.engine.weights import LayerWeights, StageWeights, load_stage_weights
 
-__all__ = ["Stage"]
+__all__ = ["GEMV_MAX_ROWS", "Stage"]
+
+# On CPU a one-row product is an sgemv that streams W at memory bandwidth, but OpenBLAS's
+# sgemm with 2-4 rows costs about 3x that, while a second sgemv right after the first finds
+# W in the L3 cache and costs about 0.5x more (benchmarks/engine.py, "k-token forward").
+# So products of up to this many rows run row by row; verify windows of 1-2 drafts gain most.
+GEMV_MAX_ROWS = 3
 
 
 class Stage:
@@ -44,6 +50,7 @@ class Stage:
         self.embed, self.head = embed, head
         self.backend = backend or cpu_backend()
         self.xp = self.backend.xp
+        self.gemv_max_rows = GEMV_MAX_ROWS if self.backend.name == "cpu" else 1
         if isinstance(source_or_weights, StageWeights):
             self.weights = source_or_weights
         else:
@@ -122,7 +129,7 @@ class Stage:
     ) -> Any:
         c, xp = self.config, self.xp
         n = x.shape[0]
-        qkv = x @ w.wqkv  # [S, (H + 2 Hkv) D]
+        qkv = self._linear(x, w.wqkv)  # [S, (H + 2 Hkv) D]
         if w.bqkv is not None:
             qkv = qkv + w.bqkv
         q = qkv[n - rows :, : c.q_size].reshape(rows, c.num_heads, c.head_dim)
@@ -140,16 +147,23 @@ class Stage:
         scores = xp.where(xp.arange(t)[None, :] <= q_pos, scores, -xp.inf)
         probs = _softmax(xp, scores).reshape(c.num_kv_heads, c.group_size * rows, t)
         out = (probs @ values).reshape(c.num_heads, rows, c.head_dim)  # [H, r, D]
-        return out.transpose(1, 0, 2).reshape(rows, c.q_size) @ w.wo  # [r, E]
+        return self._linear(out.transpose(1, 0, 2).reshape(rows, c.q_size), w.wo)  # [r, E]
 
     def _mlp(self, w: LayerWeights, x: Any) -> Any:
         i = self.config.intermediate_size
-        gate_up = x @ w.w_gate_up  # [r, 2 I]
+        gate_up = self._linear(x, w.w_gate_up)  # [r, 2 I]
         gate, up = gate_up[:, :i], gate_up[:, i:]
         # SiLU as torch computes it, x / (1 + e^-x); the clamp only keeps e^-x finite
         # (silu(-80) is -1e-33 either way).
         silu = gate / (1.0 + self.xp.exp(-self.xp.maximum(gate, -80.0)))
-        return (silu * up) @ w.w_down  # SwiGLU, [r, E]
+        return self._linear(silu * up, w.w_down)  # SwiGLU, [r, E]
+
+    def _linear(self, x: Any, w: Any) -> Any:
+        """``x @ w`` for ``x`` ``[r, in]``, ``w`` ``[in, out]``; few rows go one by one."""
+        n = x.shape[0]
+        if 1 < n <= self.gemv_max_rows:
+            return self.xp.stack([x[i] @ w for i in range(n)])
+        return x @ w
 
     def _rms_norm(self, x: Any, weight: Any) -> Any:
         xp = self.xp
@@ -174,7 +188,7 @@ class Stage:
         assert w.norm is not None
         h = self._rms_norm(x, w.norm)
         table = w.head_t if w.head_t is not None else w.embed_t
-        return h @ table  # [r, V]
+        return self._linear(h, table)  # [r, V]
 
 
 def _rotate(xp: Any, x: Any, cos: Any, sin: Any) -> Any:

@@ -35,9 +35,10 @@ def test_split_parity(tiny_gguf: Callable[[str], Path], tiny: tuple[ModelConfig,
         np.testing.assert_allclose(logits, full, rtol=1e-5, atol=1e-5)
 
 
-def test_verify_parity_k_tokens_equal_k_steps(tiny: tuple[ModelConfig, Stage]) -> None:
+@pytest.mark.parametrize("k", [2, 3, 4, 8])  # row-by-row sgemv up to 3 rows, sgemm above
+def test_verify_parity_k_tokens_equal_k_steps(tiny: tuple[ModelConfig, Stage], k: int) -> None:
     _, stage = tiny
-    prefix, window = IDS[:6], IDS[6:]
+    prefix, window = IDS[:6], IDS[6 : 6 + k]
     batched_cache = stage.new_cache(32)
     stage.forward(np.array(prefix), 0, batched_cache)
     batched = stage.forward(np.array(window), len(prefix), batched_cache)
