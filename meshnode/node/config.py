@@ -30,6 +30,7 @@ Device = Literal["cpu", "cuda"]
 
 DEFAULT_LISTEN_PORT = 7470
 DEFAULT_API_PORT = 8470
+OWN_TOKEN_FILE = "mesh-token"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,16 +83,28 @@ class NodeConfig:
     wire_dtype: str = "f16"
     prefill_chunk_tokens: int = 256
 
-    def resolve_token(self) -> str:
-        """The join token from ``token`` or ``token_file``; raises :class:`ConfigError`."""
+    @property
+    def own_token_file(self) -> Path:
+        """Where a node that was given no token keeps the token of the mesh it created."""
+        return self.state_dir / OWN_TOKEN_FILE
+
+    def resolve_token(self) -> str | None:
+        """The join token from ``token``, ``token_file`` or the state dir's own token file.
+
+        None when there is none at all (the daemon then creates a new mesh). Raises
+        :class:`ConfigError` when a named token file cannot be read.
+        """
         if self.token:
             return self.token
-        if self.token_file is not None:
-            try:
-                return self.token_file.read_text().strip()
-            except OSError as exc:
-                raise ConfigError(f"cannot read token file {self.token_file}: {exc}") from exc
-        raise ConfigError("no join token: pass --token, --token-file or set MESHNODE_TOKEN")
+        path = self.token_file
+        if path is None and self.own_token_file.is_file():
+            path = self.own_token_file
+        if path is None:
+            return None
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read token file {path}: {exc}") from exc
 
 
 # ---- parsers: each takes a TOML value or an environment string -------------------------

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +57,14 @@ from meshnode.net.discovery import (
     run_discovery,
 )
 from meshnode.net.http import serve_api
-from meshnode.net.identity import JoinToken, NodeId, NodeIdentity, TokenError, peer_node_id
+from meshnode.net.identity import (
+    JoinToken,
+    NodeId,
+    NodeIdentity,
+    TokenError,
+    peer_node_id,
+    write_token_file,
+)
 from meshnode.net.stream import TRANSPORT_ERRORS, PeerStream
 from meshnode.node.config import Address, ConfigError, NodeConfig
 from meshnode.node.membership import (
@@ -728,16 +736,32 @@ async def serve_until_signalled(
             nursery.cancel_scope.cancel()
 
 
+def _token(config: NodeConfig) -> JoinToken:
+    """The mesh token; a node given none creates a new mesh and keeps its token 0600."""
+    text = config.resolve_token()
+    if text is None:
+        token = JoinToken.generate(socket.gethostname())
+        write_token_file(config.own_token_file, token)
+        log.warning(
+            "no join token given: created mesh %r; other machines join it with "
+            "`meshnode join --token-file FILE` where FILE holds the contents of %s",
+            token.name,
+            config.own_token_file,
+        )
+        return token
+    try:
+        return JoinToken.parse(text)
+    except TokenError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def run(config: NodeConfig, build: NodeBuilder) -> int:
     """``meshnode join``: provision identity, run the node until interrupted; exit status."""
     logging.basicConfig(
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    try:
-        token = JoinToken.parse(config.resolve_token())
-    except TokenError as exc:
-        raise ConfigError(str(exc)) from exc
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    token = _token(config)
     identity = NodeIdentity.provision(token, config.state_dir)
     try:
         trio.run(serve_until_signalled, build, config, token, identity)

@@ -251,10 +251,41 @@ def test_status_without_a_daemon_exits_1(tmp_path: Path) -> None:
     assert result.returncode == 1
 
 
-def test_join_without_a_token_is_a_clear_error(tmp_path: Path) -> None:
-    result = cli("join", "--state-dir", str(tmp_path), "--no-mdns")
-    assert result.returncode == 2
-    assert "no join token" in result.stderr
+def test_join_without_a_token_creates_a_mesh(tmp_path: Path) -> None:
+    # A first node needs no token: it creates a mesh and keeps the token 0600 for others.
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            JOIN_CODE,
+            "join",
+            "--state-dir",
+            str(tmp_path),
+            "--no-mdns",
+            "--listen",
+            "127.0.0.1:0",
+            "--api",
+            "127.0.0.1:0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=hermetic_env(),
+    )
+    try:
+        token_file = tmp_path / "mesh-token"
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "node.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "node.json").exists()
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        assert token_file.read_text().startswith("mesh1-")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0
+    assert "created mesh" in output
+    assert token_file.read_text() not in output  # the secret is never logged
 
 
 # ---- bad peers over real sockets -----------------------------------------------------------

@@ -118,8 +118,14 @@ def test_token_file_is_read_when_no_token(tmp_path: Path) -> None:
     assert load_config(env={"MESHNODE_TOKEN_FILE": str(tmp_path / "t")}).resolve_token() == (
         "mesh1-abc"
     )
-    with pytest.raises(ConfigError, match="no join token"):
-        load_config(env={}).resolve_token()
+    # No token anywhere: the daemon will create a mesh; its token then lives in the state dir.
+    config = load_config(env={"MESHNODE_STATE_DIR": str(tmp_path / "state")})
+    assert config.resolve_token() is None
+    config.own_token_file.parent.mkdir()
+    config.own_token_file.write_text("mesh1-own\n")
+    assert config.resolve_token() == "mesh1-own"
+    with pytest.raises(ConfigError, match="cannot read token file"):
+        load_config(env={"MESHNODE_TOKEN_FILE": str(tmp_path / "missing")}).resolve_token()
 
 
 def test_the_example_config_loads() -> None:
