@@ -92,3 +92,17 @@ def test_cuda_requested_without_a_device_exits_2() -> None:
     result = runner.invoke(app, ["generate", "--device", "cuda", "hello"])
     assert result.exit_code == 2
     assert "no CUDA device" in result.output
+
+
+@pytest.mark.real_model
+def test_console_script_default_model_chat_reply() -> None:
+    """The README's main command: chat template, default model, greedy, streamed + JSON."""
+    done = _script(
+        "--json", "--max-tokens", "16", "--device", "cpu", "What is the capital of France?"
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["text"] == "The capital of France is Paris."
+    assert summary["finish_reason"] == "stop"
+    assert lines[0] == summary["text"]  # streamed before the summary
