@@ -19,6 +19,7 @@ from meshnode.engine.sampling import Sampler, SamplingParams
 from meshnode.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = [
+    "PREFILL_CHUNK",
     "FinishReason",
     "GenerationResult",
     "TextDelta",
@@ -92,9 +93,19 @@ class GenerationResult:
         }
 
 
-def prefill(stage: Stage, cache: KVCache, prompt_ids: Sequence[int]) -> np.ndarray:
-    """Run the prompt from position 0; return the next-token logits ``[V]``."""
-    logits = stage.forward(np.asarray(prompt_ids, dtype=np.int64), 0, cache, out_rows=1)
+# Prompt tokens per forward during prefill (llama.cpp's default batch is also 512): the
+# attention scores of one chunk are [H, chunk, T] floats, so an 8k-token prompt in one
+# forward would need 2+ GB for them; in chunks of 512 it needs 1/16 of that.
+PREFILL_CHUNK = 512
+
+
+def prefill(
+    stage: Stage, cache: KVCache, prompt_ids: Sequence[int], chunk: int = PREFILL_CHUNK
+) -> np.ndarray:
+    """Run the prompt from position 0 in chunks; return the next-token logits ``[V]``."""
+    ids = np.asarray(prompt_ids, dtype=np.int64)
+    for start in range(0, len(ids), chunk):
+        logits = stage.forward(ids[start : start + chunk], start, cache, out_rows=1)
     return stage.backend.to_numpy(logits[-1])
 
 

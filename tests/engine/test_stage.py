@@ -10,6 +10,7 @@ import pytest
 from meshnode_packaging.sources import open_source
 
 from meshnode.engine import ModelConfig, Stage
+from meshnode.engine.generate import prefill
 from meshnode.engine.loader import LoadedModel
 
 IDS = [1, 60, 61, 62, 259, 70, 19, 20, 223, 89, 90, 91, 92, 260]
@@ -73,6 +74,15 @@ def test_truncate_then_redo_reproduces(tiny: tuple[ModelConfig, Stage]) -> None:
     assert cache.length == len(IDS) + 3
     redo = stage.forward(np.array(IDS[8:]), 8, cache)  # forward truncates to start_pos
     np.testing.assert_allclose(redo, first[8:], rtol=1e-5, atol=1e-5)
+    assert cache.length == len(IDS)
+
+
+def test_chunked_prefill_matches_one_forward(tiny: tuple[ModelConfig, Stage]) -> None:
+    _, stage = tiny
+    whole = prefill(stage, stage.new_cache(32), IDS)
+    cache = stage.new_cache(32)
+    chunked = prefill(stage, cache, IDS, chunk=5)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
     assert cache.length == len(IDS)
 
 
