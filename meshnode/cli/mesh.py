@@ -13,7 +13,15 @@ import typer
 
 from meshnode.cli import app
 from meshnode.net.identity import JoinToken, write_token_file
-from meshnode.node.config import Address, ConfigError, Device, load_config, parse_bytes
+from meshnode.node.config import (
+    Address,
+    ConfigError,
+    Device,
+    SpeculativeFlags,
+    config_file_for,
+    load_config,
+    parse_bytes,
+)
 
 # `status` gives up on a silent daemon quickly: it is a local, interactive command.
 STATUS_TIMEOUT_S = 3.0
@@ -99,10 +107,45 @@ def join(
     cache_dir: Annotated[
         Path | None, typer.Option(help="Where layer packages are materialized.")
     ] = None,
+    speculative: Annotated[
+        str | None,
+        typer.Option(
+            help="Speculative decoding: off, auto (default), ngram, draft or layer-skip. "
+            "Overrides [models.\"<id>\".speculative], [defaults.speculative] and the package."
+        ),
+    ] = None,
+    draft_model: Annotated[
+        str | None, typer.Option(help="Draft model for --speculative draft (any model ref).")
+    ] = None,
+    no_draft: Annotated[
+        bool,
+        typer.Option("--no-draft", help="Never load a draft model, even one the package names."),
+    ] = False,
+    window_policy: Annotated[
+        str | None, typer.Option(help="Speculation window: fixed or adaptive.")
+    ] = None,
+    initial_window: Annotated[
+        int | None, typer.Option(help="Drafts per verify pass to start with.")
+    ] = None,
+    min_window: Annotated[int | None, typer.Option(help="Smallest adaptive window.")] = None,
+    max_window: Annotated[int | None, typer.Option(help="Largest adaptive window.")] = None,
+    layer_skip_layers: Annotated[
+        int | None, typer.Option(help="Layers a layer-skip draft runs (default: 9/10 of them).")
+    ] = None,
 ) -> None:
     """Run this node in the mesh until interrupted (SIGINT or SIGTERM say goodbye)."""
     from meshnode.serve import host
 
+    spec_flags = SpeculativeFlags(
+        strategy=speculative,
+        draft_model=draft_model,
+        no_draft=no_draft,
+        window_policy=window_policy,
+        initial_window=initial_window,
+        min_window=min_window,
+        max_window=max_window,
+        layer_skip_layers=layer_skip_layers,
+    )
     try:
         flags: dict[str, Any] = {
             "token": token,
@@ -125,8 +168,10 @@ def join(
             "wire_dtype": wire_dtype,
             "prefill_chunk_tokens": prefill_chunk,
             "cache_dir": cache_dir,
+            "speculative": spec_flags,
         }
-        node_config = load_config(config_file=config, flags=flags)
+        config_file = config_file_for(config, state_dir)
+        node_config = load_config(config_file=config_file, flags=flags)
         code = host.run(node_config)
     except ConfigError as exc:
         typer.echo(f"meshnode join: {exc}", err=True)
@@ -183,6 +228,24 @@ def _memory(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.1f} GiB"
 
 
+def _host_lines(host: dict[str, Any] | None) -> list[str]:
+    """The served model and its speculative decoding (host nodes only)."""
+    if not host:
+        return []
+    lines = [f"serving  {host.get('model_id', host.get('model'))}  ({host.get('state')})"]
+    spec = host.get("speculation")
+    if spec:
+        acceptance = spec.get("acceptance", {})
+        rate = acceptance.get("accept_rate")
+        shown = "-" if rate is None else f"{rate:.0%}"
+        lines.append(
+            f"speculate {spec['strategy']}  (accepted {acceptance.get('accepted', 0)}/"
+            f"{acceptance.get('proposed', 0)} drafts, {shown})"
+        )
+        lines += [f"warning  {w}" for w in spec.get("warnings", [])]
+    return lines
+
+
 def format_status(body: dict[str, Any]) -> str:
     """The human-readable form of a ``/v1/mesh/status`` body."""
     node = body["node"]
@@ -190,6 +253,7 @@ def format_status(body: dict[str, Any]) -> str:
         f"node     {node['node_id']}  ({node['device']}, {_memory(node['usable_memory'])} usable)",
         f"mesh     {node['mesh_name']}  (id {node['mesh_id']})",
         f"listen   {node['listen']}   api {node['api']}",
+        *_host_lines(body.get("host")),
         "",
     ]
     header = ("NODE ID", "ADDRESS", "DEVICE", "MEMORY", "STATE", "RTT", "LAST SEEN")

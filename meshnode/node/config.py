@@ -8,6 +8,16 @@ a config file should stop the node, not silently run it with a default.
 Every setting is declared once in ``SETTINGS`` (TOML section and key, environment variable,
 parser). To add one: add a field to :class:`NodeConfig` and a row to ``SETTINGS``.
 
+Speculative decoding is configured per model, so its TOML tables are nested rather than
+flat settings: ``[defaults.speculative]`` and ``[models."<model id>".speculative]`` are
+checked key by key (``meshnode.spec.settings.check_table``) and kept as the document
+``resolve_speculative`` reads; the ``--speculative …`` flags travel as one
+:class:`~meshnode.spec.settings.SpeculativeFlags`. Both are resolved against the package's
+block only when the model is opened (``meshnode.serve.speculation``).
+
+When no ``--config`` is given, ``<state dir>/config.toml`` is read if it exists
+(:func:`config_file_for`).
+
 Errors: :class:`ConfigError` (a ``ValueError``) names the offending source and key.
 """
 
@@ -23,13 +33,24 @@ from typing import Any, Literal
 
 from meshnode.errors import ConfigError
 from meshnode.net.address import Address
+from meshnode.spec.settings import SpeculativeConfigError, SpeculativeFlags, check_table
 
-__all__ = ["Address", "ConfigError", "HeartbeatTimeouts", "NodeConfig", "load_config"]
+__all__ = [
+    "Address",
+    "ConfigError",
+    "HeartbeatTimeouts",
+    "NodeConfig",
+    "SpeculativeFlags",
+    "config_file_for",
+    "load_config",
+]
 
 Device = Literal["cpu", "cuda"]
 
 DEFAULT_LISTEN_PORT = 7470
 DEFAULT_API_PORT = 8470
+#: The config file read from the state dir when ``--config`` is not given.
+DEFAULT_CONFIG_NAME = "config.toml"
 OWN_TOKEN_FILE = "mesh-token"
 
 
@@ -82,6 +103,10 @@ class NodeConfig:
     context_size: int | None = None
     wire_dtype: str = "f16"
     prefill_chunk_tokens: int = 256
+    # Speculative decoding: the flags actually passed, and the TOML document holding the
+    # checked ``defaults.speculative`` / ``models."<id>".speculative`` tables.
+    speculative: SpeculativeFlags = field(default_factory=SpeculativeFlags)
+    speculative_tables: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def own_token_file(self) -> Path:
@@ -249,7 +274,12 @@ def _from_toml(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
     """Flatten a TOML document into ``{setting name: parsed value}``, rejecting unknowns."""
     known = {(s.section, s.key): s for s in SETTINGS}
     out: dict[str, Any] = {}
+    speculative = _speculative_tables(doc, source)
+    if speculative:
+        out["speculative_tables"] = speculative
     for section, table in doc.items():
+        if section in _SPECULATIVE_SECTIONS:
+            continue
         if not isinstance(table, dict):
             raise ConfigError(f"{source}: top-level key {section!r} must be a [table]")
         for key, raw in table.items():
@@ -258,6 +288,52 @@ def _from_toml(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
                 raise ConfigError(f"{source}: unknown setting [{section}] {key}")
             out[setting.name] = _parse(setting, raw, f"{source}: [{section}] {key}")
     return out
+
+
+# Top-level TOML tables that hold per-model speculative settings, not flat settings.
+_SPECULATIVE_SECTIONS = ("defaults", "models")
+
+
+def _speculative_tables(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The checked ``[defaults.speculative]`` and ``[models."<id>".speculative]`` tables."""
+    out: dict[str, Any] = {}
+    defaults = doc.get("defaults")
+    if defaults is not None:
+        out["defaults"] = {"speculative": _speculative_table(defaults, "defaults", source)}
+    models = doc.get("models")
+    if models is not None:
+        if not isinstance(models, dict):
+            raise ConfigError(f"{source}: [models] must be a table of model ids")
+        out["models"] = {
+            model_id: {"speculative": _speculative_table(table, f'models."{model_id}"', source)}
+            for model_id, table in models.items()
+        }
+    return out
+
+
+def _speculative_table(table: object, where: str, source: str) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{source}: [{where}] must be a table")
+    unknown = sorted(set(table) - {"speculative"})
+    if unknown:
+        raise ConfigError(f"{source}: unknown setting [{where}] {unknown[0]}")
+    inner = table.get("speculative", {})
+    if not isinstance(inner, dict):
+        raise ConfigError(f"{source}: [{where}.speculative] must be a table")
+    try:
+        return check_table(inner, f"{source}: [{where}.speculative]")
+    except SpeculativeConfigError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def _check_flags(flags: SpeculativeFlags) -> SpeculativeFlags:
+    try:
+        check_table(flags.table(), "command line")
+    except SpeculativeConfigError as exc:
+        raise ConfigError(str(exc)) from exc
+    if flags.no_draft and flags.strategy == "draft":
+        raise ConfigError("--speculative draft contradicts --no-draft")
+    return flags
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
@@ -289,7 +365,8 @@ def load_config(
     """Build the config: defaults → ``config_file`` → ``env`` → ``flags`` (non-None only).
 
     ``flags`` maps setting names (``"listen"``, ``"heartbeat.interval_s"``, …) to values
-    already of the field's type, or to ``None`` for a flag that was not passed.
+    already of the field's type, or to ``None`` for a flag that was not passed; the
+    speculative flags travel as one ``"speculative"``: :class:`SpeculativeFlags`.
     ``env`` defaults to ``os.environ``, read here rather than at import time.
     Raises :class:`ConfigError`.
     """
@@ -302,8 +379,27 @@ def load_config(
         values |= _from_toml(doc, str(config_file))
     values |= _from_env(os.environ if env is None else env)
     for name, value in (flags or {}).items():
-        if name not in _BY_NAME:
+        if name == "speculative" and value is not None:
+            values[name] = _check_flags(value)
+        elif name not in _BY_NAME:
             raise ConfigError(f"unknown setting {name!r}")
-        if value is not None:
+        elif value is not None:
             values[name] = value
     return _build(values)
+
+
+def config_file_for(
+    explicit: Path | None, state_dir: Path | None, env: Mapping[str, str] | None = None
+) -> Path | None:
+    """The config file to read: ``explicit``, else ``<state dir>/config.toml`` if it exists.
+
+    The state dir is the flag's, else ``MESHNODE_STATE_DIR``, else the default one (the
+    file cannot choose the directory it is found in).
+    """
+    if explicit is not None:
+        return explicit
+    env = os.environ if env is None else env
+    if state_dir is None:
+        state_dir = _path(env["MESHNODE_STATE_DIR"]) if "MESHNODE_STATE_DIR" in env else None
+    candidate = (state_dir or default_state_dir()) / DEFAULT_CONFIG_NAME
+    return candidate if candidate.is_file() else None

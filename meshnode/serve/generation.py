@@ -184,12 +184,24 @@ def prefill_chunks(prompt: Sequence[int], chunk_tokens: int) -> list[tuple[int, 
 PassObserver = Callable[[float, float], None]
 
 
+#: Builds one request's proposer from its sampling parameters and the context size (which
+#: bounds a draft model's KV cache); ``None`` means this request does not speculate.
+ProposerFactory = Callable[["SamplingParams", int], "Proposer | None"]
+
+
 @dataclass(frozen=True, slots=True)
 class Speculation:
-    """How a request speculates: a fresh proposer per request and a window policy."""
+    """How a request speculates: a fresh proposer per request and a window policy.
 
-    make_proposer: Callable[[], Proposer]
+    ``strategy`` names it in telemetry. ``threaded`` runs ``propose`` in a worker thread:
+    a model-based proposer computes forward passes, which must not block the event loop
+    (an n-gram lookup is cheaper than the thread hop).
+    """
+
+    make_proposer: ProposerFactory
     window: WindowPolicy = field(default_factory=WindowPolicy)
+    strategy: str = "custom"
+    threaded: bool = False
 
 
 @dataclass(slots=True)
@@ -226,6 +238,7 @@ class GenerationRun:
     spec: SpecStats = field(default_factory=SpecStats)
     timings: GenerationTimings = field(default_factory=GenerationTimings)
     on_pass: PassObserver | None = None
+    strategy: str = "off"
 
     @property
     def history(self) -> list[int]:
@@ -253,7 +266,11 @@ async def generate(
     try:
         delta = await _prefill(pipeline, run, chunk_tokens)
         yield delta
-        proposer = speculation.make_proposer() if speculation else None
+        proposer = None
+        if speculation is not None:
+            proposer = speculation.make_proposer(run.params.sampling, pipeline.context_size)
+        if proposer is not None and speculation is not None:
+            run.strategy = speculation.strategy
         window = speculation.window.initial_window if speculation else 0
         while not run.state.finished:
             delta, window = await _decode_step(pipeline, run, proposer, speculation, window)
@@ -313,8 +330,12 @@ async def _decode_step(
     drafts: tuple[int, ...] = ()
     draft_probs = None
     if proposer is not None and room > 0:
-        proposal = proposer.propose(history, min(window, room))
-        drafts, draft_probs = proposal.tokens[: min(window, room)], proposal.probs
+        limit = min(window, room)
+        if speculation is not None and speculation.threaded:
+            proposal = await trio.to_thread.run_sync(proposer.propose, history, limit)
+        else:
+            proposal = proposer.propose(history, limit)
+        drafts, draft_probs = proposal.tokens[:limit], proposal.probs
     began = trio.current_time()
     if drafts:
         if draft_probs is not None:

@@ -5,11 +5,17 @@ Every node runs the mesh daemon (:mod:`meshnode.node.daemon`) and serves
 runs the coordinator that places the model on the mesh, and serves the OpenAI API, which
 answers 503 with ``Retry-After`` until every stage is ready (and again while the mesh
 replans after losing a stage).
+
+Speculative decoding runs on the host (DESIGN §7): its settings are resolved and a draft
+model is loaded before the node starts (:mod:`meshnode.serve.speculation`); a layer-skip
+drafter is built from the stage-0 layers of every pipeline the coordinator hands over,
+because each plan may give stage 0 a different range.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -20,8 +26,9 @@ from meshnode_packaging.refs import open_ref
 from meshnode_packaging.sources import ModelSource, SourceError
 from meshnode_protocol import Message
 
-from meshnode.engine.backend import select_backend
+from meshnode.engine.backend import Backend, select_backend
 from meshnode.engine.config import ModelConfig
+from meshnode.engine.model import Stage
 from meshnode.engine.tokenizer import ChatTemplate, Tokenizer
 from meshnode.errors import ConfigError
 from meshnode.net.identity import JoinToken, NodeIdentity
@@ -36,6 +43,7 @@ from meshnode.serve.openai_api import mount_openai
 from meshnode.serve.scheduler import SchedulerLimits
 from meshnode.serve.service import ServeService
 from meshnode.serve.single import EngineCodec, model_id_for
+from meshnode.serve.speculation import SpeculationHost, speculation_host
 
 log = logging.getLogger("meshnode.host")
 
@@ -43,7 +51,13 @@ log = logging.getLogger("meshnode.host")
 class MeshHost:
     """The host role of :class:`~meshnode.node.daemon.Node`: coordinator plus API service."""
 
-    def __init__(self, config: NodeConfig, source: ModelSource, service: ServeService) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        source: ModelSource,
+        service: ServeService,
+        backend: Backend,
+    ) -> None:
         assert config.model is not None  # only built for --model
         self.settings = CoordinatorSettings(
             model_ref=config.model,
@@ -54,8 +68,11 @@ class MeshHost:
         )
         self.source = source
         self.service = service
-        self.device = config.device
+        self.backend = backend
         self.coordinator: Coordinator | None = None
+        self._nursery: trio.Nursery | None = None
+        self._pipelines = 0  # pipelines handed over so far: a stale drafter build is dropped
+        self._draft_lock = trio.Lock()
 
     def handle(self, peer: str, message: Message) -> bool:
         return self.coordinator is not None and self.coordinator.handle(peer, message)
@@ -70,6 +87,7 @@ class MeshHost:
             body = self.coordinator.status()
         body["model_id"] = self.service.model_id
         body["requests_in_flight"] = self.service.scheduler.in_flight
+        body["speculation"] = self.service.speculation_status()
         return body
 
     async def run(self, node: Node) -> None:
@@ -77,17 +95,40 @@ class MeshHost:
             node,
             self.settings,
             source=self.source,
-            backend=select_backend(self.device),
+            backend=self.backend,
             on_pipeline=self._serve_on,
         )
-        await self.coordinator.run()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await self.coordinator.run()
 
     def _serve_on(self, pipeline: RemotePipeline | None) -> None:
         if pipeline is None:
             log.warning("the mesh lost a stage: API answers 503 until it is placed again")
         else:
             log.info("serving %s on %d stage(s)", self.service.model_id, len(pipeline.stage_nodes))
+        self._pipelines += 1
+        spec = self.service.spec_host
+        if spec is not None and spec.settings.strategy == "layer-skip":
+            # The old drafter shares the old stage 0's weights: drop it now; requests
+            # decode plainly until the new one is built.
+            spec.attach_stage0(None, lambda: self.source)
+            if pipeline is not None and self._nursery is not None:
+                self._nursery.start_soon(self._build_drafter, spec, pipeline.runner.stage)
         self.service.set_pipeline(pipeline)
+
+    async def _build_drafter(self, spec: SpeculationHost, stage: Stage) -> None:
+        """Build the layer-skip drafter over ``stage`` unless a newer pipeline came first."""
+        wanted = self._pipelines
+        async with self._draft_lock:
+            if wanted != self._pipelines:
+                return
+            await trio.to_thread.run_sync(spec.attach_stage0, stage, self._head_source(stage))
+
+    def _head_source(self, stage: Stage) -> Callable[[], ModelSource]:
+        """Opens the final norm (and untied head) for a stage 0 that does not hold them."""
+        part = Part(0, stage.end, embed=True, head=True)
+        return lambda: open_ref(self.settings.model_ref, part, cache_dir=self.settings.cache_dir)
 
 
 def open_stage0(config: NodeConfig) -> ModelSource:
@@ -102,7 +143,28 @@ def open_stage0(config: NodeConfig) -> ModelSource:
         raise ConfigError(f"--model {config.model}: {exc}") from exc
 
 
-def host_service(config: NodeConfig, source: ModelSource) -> ServeService:
+def host_speculation(
+    config: NodeConfig, source: ModelSource, backend: Backend
+) -> SpeculationHost:
+    """The host's speculative settings resolved, its draft model loaded (blocking).
+
+    Raises ConfigError for an invalid setting; an unusable draft falls back with a warning.
+    """
+    assert config.model is not None
+    return speculation_host(
+        config.speculative,
+        config.speculative_tables,
+        model_id=model_id_for(config.model),
+        model_ref=config.model,
+        source=source,
+        backend=backend,
+        cache_dir=config.cache_dir,
+    )
+
+
+def host_service(
+    config: NodeConfig, source: ModelSource, spec: SpeculationHost | None = None
+) -> ServeService:
     """The API service of the host, with no pipeline yet (503 until the mesh is ready)."""
     assert config.model is not None
     model = ModelConfig.from_hf(source.config)
@@ -123,6 +185,7 @@ def host_service(config: NodeConfig, source: ModelSource) -> ServeService:
         context_size=context,
         eos_token_ids=frozenset(model.eos_token_ids),
         limits=SchedulerLimits(max_in_flight=MAX_SEQUENCES_PER_STAGE),
+        spec_host=spec,
         chunk_tokens=config.prefill_chunk_tokens,
     )
 
@@ -133,8 +196,10 @@ async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentit
     service: ServeService | None = None
     if config.model is not None:
         source = await trio.to_thread.run_sync(open_stage0, config)
-        service = host_service(config, source)
-        host = MeshHost(config, source, service)
+        backend = select_backend(config.device)
+        spec = await trio.to_thread.run_sync(host_speculation, config, source, backend)
+        service = host_service(config, source, spec)
+        host = MeshHost(config, source, service, backend)
 
     def app_factory(node: Node) -> FastAPI:
         app = create_app(node.status)

@@ -12,6 +12,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from meshnode.spec.telemetry import SpecStats
+
 #: Latency buckets in seconds, from a fast local decode step (~ms) to a slow cold prefill.
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -142,12 +144,46 @@ class ServeMetrics:
             "meshnode_spec_accepted_tokens_total", "Draft tokens the target accepted."
         )
         self.spec_windows = Counter("meshnode_spec_windows_total", "Verify passes run.")
+        self.spec_verify_seconds = Counter(
+            "meshnode_spec_verify_seconds_total", "Wall time of verify passes."
+        )
+        self.spec_plain_steps = Counter(
+            "meshnode_spec_plain_steps_total", "Decode passes that carried no drafts."
+        )
+        self.spec_requests = Counter(
+            "meshnode_spec_requests_total", "Finished generations by speculative strategy."
+        )
+        self.spec_accept_rate = Gauge(
+            "meshnode_spec_accept_rate", "Accepted over proposed drafts, all requests so far."
+        )
+        self.spec_tokens_per_verify = Gauge(
+            "meshnode_spec_tokens_per_verify",
+            "Tokens committed per verify pass (accepted drafts + 1), all requests so far.",
+        )
+        self.spec_cost_per_token = Gauge(
+            "meshnode_spec_cost_per_accepted_token_seconds",
+            "Verify seconds per token committed by verify passes, all requests so far.",
+        )
+
+    def observe_speculation(self, strategy: str, run: SpecStats, total: SpecStats) -> None:
+        """Add one finished request's counters; ``total`` (all requests) sets the rates."""
+        self.spec_requests.inc(strategy=strategy)
+        self.spec_windows.inc(run.windows)
+        self.spec_proposed.inc(run.proposed)
+        self.spec_accepted.inc(run.accepted)
+        self.spec_verify_seconds.inc(run.verify_seconds)
+        self.spec_plain_steps.inc(run.plain_steps)
+        self.spec_accept_rate.value = total.accept_rate or 0.0
+        self.spec_tokens_per_verify.value = total.tokens_per_verify or 0.0
+        self.spec_cost_per_token.value = total.cost_per_accepted_token or 0.0
 
     def _all(self) -> list[Counter | Gauge | Histogram]:
         return [
             self.requests, self.prompt_tokens, self.generation_tokens, self.in_flight,
             self.ttft, self.tpot, self.stage_compute, self.wire,
             self.spec_proposed, self.spec_accepted, self.spec_windows,
+            self.spec_verify_seconds, self.spec_plain_steps, self.spec_requests,
+            self.spec_accept_rate, self.spec_tokens_per_verify, self.spec_cost_per_token,
         ]
 
     def render(self) -> str:

@@ -204,7 +204,7 @@ def _usage(run: GenerationRun) -> s.Usage:
 def _telemetry(run: GenerationRun) -> dict[str, Any]:
     timings = run.timings
     return {
-        "speculation": run.spec.as_dict(),
+        "speculation": {"strategy": run.strategy, **run.spec.as_dict()},
         "timings": {
             "time_to_first_token_s": timings.ttft_s,
             "time_per_output_token_s": timings.tpot_s(len(run.state.tokens)),

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from meshnode.engine.sampling import SamplingParams
 from meshnode.node.pipeline import Pipeline, PipelineError
@@ -36,6 +36,8 @@ from meshnode.serve.generation import (
 )
 from meshnode.serve.metrics import ServeMetrics
 from meshnode.serve.scheduler import Scheduler, SchedulerLimits
+from meshnode.serve.speculation import SpeculationHost
+from meshnode.spec.telemetry import SpecStats
 
 
 class TextCodec(Protocol):
@@ -94,9 +96,12 @@ class ServeService:
         aliases: Sequence[str] = (),
         limits: SchedulerLimits | None = None,
         speculation: Speculation | None = None,
+        spec_host: SpeculationHost | None = None,
         chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         clock: Callable[[], float] = time.time,
     ):
+        """``spec_host`` (the node's live strategy, rebuilt on replans) wins over a fixed
+        ``speculation``; with neither, requests decode one token per pass."""
         self.model_id = model_id
         self.aliases = frozenset(aliases) | {model_id}
         self.codec = codec
@@ -105,7 +110,9 @@ class ServeService:
         self.pipeline = pipeline
         self.scheduler = Scheduler(limits)
         self.metrics = ServeMetrics()
-        self.speculation = speculation
+        self._speculation = speculation
+        self.spec_host = spec_host
+        self.spec_total = SpecStats()  # every finished request's counters, summed
         self.chunk_tokens = chunk_tokens
         self.created = int(clock())
         self._clock = clock
@@ -120,6 +127,32 @@ class ServeService:
     def set_pipeline(self, pipeline: Pipeline | None) -> None:
         """Serve on ``pipeline`` from now on; ``None`` means the mesh is (re)loading."""
         self.pipeline = pipeline
+
+    @property
+    def speculation(self) -> Speculation | None:
+        """How a request admitted now speculates (``None``: it does not)."""
+        if self.spec_host is not None:
+            return self.spec_host.speculation()
+        return self._speculation
+
+    def speculation_status(self) -> dict[str, Any]:
+        """Live strategy, acceptance so far and warnings, for ``meshnode status``."""
+        if self.spec_host is not None:
+            return self.spec_host.status(self.spec_total)
+        live = self._speculation
+        total = self.spec_total
+        return {
+            "strategy": "off" if live is None else live.strategy,
+            "acceptance": {
+                "windows": total.windows,
+                "proposed": total.proposed,
+                "accepted": total.accepted,
+                "accept_rate": total.accept_rate,
+                "tokens_per_verify": total.tokens_per_verify,
+                "cost_per_accepted_token_s": total.cost_per_accepted_token,
+            },
+            "warnings": [],
+        }
 
     def now(self) -> int:
         """Unix seconds, for the ``created`` fields of responses."""
@@ -220,9 +253,8 @@ class ServeService:
             self.metrics.ttft.observe(ttft)
         if (tpot := run.timings.tpot_s(produced)) is not None:
             self.metrics.tpot.observe(tpot)
-        self.metrics.spec_windows.inc(run.spec.windows)
-        self.metrics.spec_proposed.inc(run.spec.proposed)
-        self.metrics.spec_accepted.inc(run.spec.accepted)
+        self.spec_total = self.spec_total.merge(run.spec)
+        self.metrics.observe_speculation(run.strategy, run.spec, self.spec_total)
 
 
 def _sampling_params(request: SamplingRequest) -> SamplingParams:

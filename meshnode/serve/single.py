@@ -7,17 +7,20 @@ node (and tests call it directly); the multi-node coordinator builds the same
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from meshnode.engine.backend import Backend, cpu_backend
-from meshnode.engine.loader import DEFAULT_MODEL, load_model
+from meshnode.engine.loader import DEFAULT_MODEL, load_model, resolve_source
 from meshnode.engine.tokenizer import ChatTemplate, IncrementalDetokenizer, Tokenizer
 from meshnode.node.pipeline import LocalPipeline
 from meshnode.node.stage import StageRunner
 from meshnode.serve.generation import DEFAULT_PREFILL_CHUNK_TOKENS, Detokenizer, Speculation
 from meshnode.serve.scheduler import DEFAULT_MAX_IN_FLIGHT, SchedulerLimits
 from meshnode.serve.service import ServeService
+from meshnode.serve.speculation import SpeculationHost, speculation_host
+from meshnode.spec.settings import SpeculativeFlags
 
 #: Context when the caller does not choose one: the model's own limit, capped because
 #: every live sequence preallocates a KV cache of this many positions on every stage.
@@ -67,6 +70,9 @@ def build_single_node_service(
     context_size: int | None = None,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     speculation: Speculation | None = None,
+    speculative: SpeculativeFlags | None = None,
+    speculative_tables: Mapping[str, Any] | None = None,
+    draft_memory_bytes: int | None = None,
     chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
     backend: Backend | None = None,
 ) -> ServeService:
@@ -74,14 +80,32 @@ def build_single_node_service(
 
     ``model_ref`` is anything ``meshnode.engine.loader.resolve_source`` accepts (None: the
     default model). ``context_size`` defaults to the model's limit capped at
-    ``DEFAULT_MAX_CONTEXT``. Raises ``ModelLoadError`` for a bad reference or model.
+    ``DEFAULT_MAX_CONTEXT``. Speculation is either fixed (``speculation``) or resolved
+    like ``meshnode join`` does when ``speculative`` flags or config ``speculative_tables``
+    are given (package block included; ``draft_memory_bytes`` overrides the memory a
+    draft model may find available). Raises ``ModelLoadError`` for a bad reference or
+    model, ``ConfigError`` for a bad speculative setting.
     """
     ref = model_ref or DEFAULT_MODEL
-    model = load_model(ref, backend or cpu_backend())
+    backend = backend or cpu_backend()
+    model = load_model(ref, backend)
     config = model.config
     context = context_size or min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
     runner = StageRunner(model.stage, context_size=context, max_sequences=max_in_flight)
     served_id = model_id or model_id_for(ref)
+    spec_host: SpeculationHost | None = None
+    if speculative is not None or speculative_tables is not None:
+        source = resolve_source(ref)
+        spec_host = speculation_host(
+            speculative or SpeculativeFlags(),
+            speculative_tables or {},
+            model_id=served_id,
+            model_ref=ref,
+            source=source,
+            backend=backend,
+            available_bytes=draft_memory_bytes,
+        )
+        spec_host.attach_stage0(model.stage, lambda: source)
     return ServeService(
         model_id=served_id,
         aliases=[ref],
@@ -91,5 +115,6 @@ def build_single_node_service(
         pipeline=LocalPipeline(runner),
         limits=SchedulerLimits(max_in_flight=max_in_flight),
         speculation=speculation,
+        spec_host=spec_host,
         chunk_tokens=chunk_tokens,
     )

@@ -161,7 +161,7 @@ def resolve_speculative(
     warnings: list[str] = []
     model_source = f'config [models."{model_id}".speculative]'
     tables = [
-        (SOURCE_CLI, _check_table(flags.table(), "CLI flags")),
+        (SOURCE_CLI, check_table(flags.table(), "CLI flags")),
         (model_source, _config_table(config, ("models", model_id, "speculative"), model_source)),
         (SOURCE_DEFAULTS, _config_table(config, ("defaults", "speculative"), SOURCE_DEFAULTS)),
     ]
@@ -206,10 +206,10 @@ def _config_table(config: Mapping[str, Any], path: tuple[str, ...], where: str) 
             return {}
     if not isinstance(node, Mapping):
         raise SpeculativeConfigError(f"{where}: expected a table, got {type(node).__name__}")
-    return _check_table(node, where)
+    return check_table(node, where)
 
 
-def _check_table(table: Mapping[str, Any], where: str) -> dict[str, Any]:
+def check_table(table: Mapping[str, Any], where: str) -> dict[str, Any]:
     for key, value in table.items():
         expected = TABLE_KEYS.get(key)
         if expected is None:

@@ -201,7 +201,11 @@ def test_speculative_greedy_equals_plain_greedy(
         str(tiny_model_dir),
         model_id=MODEL,
         context_size=TINY_CONTEXT,
-        speculation=Speculation(NgramProposer, WindowPolicy("adaptive", 3, 1, 6)),
+        speculation=Speculation(
+            lambda _params, _capacity: NgramProposer(),
+            WindowPolicy("adaptive", 3, 1, 6),
+            strategy="ngram",
+        ),
     )
     spec_server = ServerThread(spec_service)
     spec_server.start()
@@ -220,6 +224,7 @@ def test_speculative_greedy_equals_plain_greedy(
     assert spec.model_extra is not None
     stats = spec.model_extra["meshnode"]["speculation"]
     assert stats["windows"] > 0
+    assert stats["strategy"] == "ngram"
 
 
 # -- errors -------------------------------------------------------------------------------
