@@ -45,9 +45,9 @@ from meshnode_protocol._messages import (
     Record,
     Release,
     Sampling,
-    TopLogprobs,
     Status,
     Stop,
+    TopLogprobs,
 )
 from meshnode_protocol._state import Role, State
 from meshnode_protocol._tensor import DTYPE_SIZES, Tensor
@@ -90,12 +90,12 @@ __all__ = [
     "RemoteProtocolError",
     "Role",
     "Sampling",
-    "TopLogprobs",
     "Signal",
     "State",
     "Status",
     "Stop",
     "Tensor",
+    "TopLogprobs",
     "decode_frame",
     "encode_frame",
 ]
