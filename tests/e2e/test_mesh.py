@@ -6,18 +6,14 @@ Every wait is a bounded poll; every child process is killed in fixture teardown.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 import trio
 from meshnode_protocol import (
@@ -33,85 +29,20 @@ from meshnode_protocol import (
 )
 
 from meshnode.net.identity import JoinToken, NodeIdentity
-from meshnode.node.daemon import read_node_file
+from tests.e2e.cluster import (
+    DEAD_AFTER_S,
+    JOIN_CODE,
+    Cluster,
+    Node,
+    cli,
+    hermetic_env,
+    wait_for,
+    wait_started,
+)
 
-# Short timeouts so the whole membership story plays out in seconds.
-HEARTBEAT_ENV = {
-    "MESHNODE_HEARTBEAT_S": "0.2",
-    "MESHNODE_SUSPECT_S": "1.5",
-    "MESHNODE_DEAD_S": "3.0",
-}
-DEAD_AFTER_S = 3.0
-START_TIMEOUT_S = 30.0  # process start on a loaded 2-core box: imports dominate
 SEE_EACH_OTHER_S = 10.0  # the issue's bound
-JOIN_CODE = "from meshnode.cli import main; main()"
-
-
-def hermetic_env(**extra: str) -> dict[str, str]:
-    """The test's environment without any MESHNODE_* settings of the person running it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHNODE_")}
-    return {**env, **extra}
-
-
-@dataclass
-class Node:
-    name: str
-    state_dir: Path
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def api(self) -> str:
-        running = read_node_file(self.state_dir)
-        assert running is not None, f"{self.name} has no node.json"
-        return f"http://{running.api}"
-
-    @property
-    def listen(self) -> str:
-        running = read_node_file(self.state_dir)
-        assert running is not None
-        return str(running.listen)
-
-    def status(self) -> dict[str, Any]:
-        body: dict[str, Any] = httpx.get(f"{self.api}/v1/mesh/status", timeout=3.0).json()
-        return body
-
-    def node_id(self) -> str:
-        return str(self.status()["node"]["node_id"])
-
-    def peer_states(self) -> dict[str, str]:
-        return {p["node_id"]: p["state"] for p in self.status()["peers"]}
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
 
 Spawn = Callable[..., Node]
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", JOIN_CODE, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=hermetic_env(),
-        check=False,
-    )
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Poll ``predicate`` until true; seconds it took. Fails the test after ``timeout_s``."""
-    start = time.monotonic()
-    while True:
-        try:
-            if predicate():
-                return time.monotonic() - start
-        except (httpx.HTTPError, AssertionError, KeyError):
-            pass
-        if time.monotonic() - start > timeout_s:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -125,48 +56,15 @@ def token_file(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Spawn]:
-    """Start `meshnode join` processes; all are killed at teardown."""
-    nodes: list[Node] = []
-
-    def start(name: str, token_file: Path, *extra: str, mdns: bool = True) -> Node:
-        state_dir = tmp_path / name
-        state_dir.mkdir()
-        log_path = tmp_path / f"{name}.log"
-        args = [
-            "join",
-            "--token-file", str(token_file),
-            "--listen", "127.0.0.1:0",
-            "--api", "127.0.0.1:0",
-            "--state-dir", str(state_dir),
-            *(["--interface", "127.0.0.1"] if mdns else ["--no-mdns"]),
-            *extra,
-        ]  # fmt: skip
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-c", JOIN_CODE, *args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=hermetic_env(**HEARTBEAT_ENV),
-            )
-        node = Node(name, state_dir, process, log_path)
-        nodes.append(node)
-        return node
-
-    yield start
-    for node in nodes:
-        if node.process.poll() is None:
-            node.process.kill()
-        node.process.wait(timeout=10)
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """`meshnode join` processes under ``tmp_path``; all are killed at teardown."""
+    with Cluster(tmp_path) as started:
+        yield started
 
 
-def wait_started(*nodes: Node) -> None:
-    for node in nodes:
-        wait_for(
-            lambda n=node: n.process.poll() is None and bool(n.status()),  # type: ignore[misc]
-            START_TIMEOUT_S,
-            f"{node.name} to serve its API\n{node.log()}",
-        )
+@pytest.fixture
+def spawn(cluster: Cluster) -> Spawn:
+    return cluster.spawn
 
 
 def other_token(tmp_path: Path) -> Path:

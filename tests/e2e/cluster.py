@@ -1,0 +1,220 @@
+"""Real `meshnode join` processes on loopback, for end-to-end tests and benchmarks.
+
+A :class:`Cluster` starts children with port 0 for both the mesh and the API, finds their
+addresses in ``<state-dir>/node.json``, and kills every child it started when closed (use it
+as a context manager or from a fixture's teardown). Every wait is a bounded poll
+(:func:`wait_for`): a test that waits on a cluster fails with the children's logs instead of
+hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from meshnode.node.daemon import read_node_file
+
+# Short timeouts so that membership changes play out in seconds, not minutes.
+HEARTBEAT_ENV = {
+    "MESHNODE_HEARTBEAT_S": "0.2",
+    "MESHNODE_SUSPECT_S": "1.5",
+    "MESHNODE_DEAD_S": "3.0",
+}
+DEAD_AFTER_S = 3.0
+START_TIMEOUT_S = 30.0  # process start on a loaded 2-core box: imports dominate
+JOIN_CODE = "from meshnode.cli import main; main()"
+# One BLAS thread per child: three stages on two cores oversubscribe otherwise, and a
+# pipeline's stages run one after another per sequence anyway.
+SINGLE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+class WaitTimeout(AssertionError):
+    """A bounded wait ran out; the message says what was awaited."""
+
+
+def hermetic_env(**extra: str) -> dict[str, str]:
+    """The environment without any MESHNODE_* settings of the person running the tests."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHNODE_")}
+    return {**env, **extra}
+
+
+def cli(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """Run one ``meshnode`` command to completion (stdout and stderr as text)."""
+    return subprocess.run(
+        [sys.executable, "-c", JOIN_CODE, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=hermetic_env(),
+        check=False,
+    )
+
+
+def init_token(path: Path, name: str = "e2e") -> Path:
+    """``meshnode init`` writing a new mesh's join token to ``path``; returns ``path``."""
+    result = cli("init", "--name", name, "--token-file", str(path))
+    if result.returncode != 0:
+        raise RuntimeError(f"meshnode init failed: {result.stderr}")
+    return path
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Poll ``predicate`` until it is true; the seconds it took.
+
+    A predicate that raises an HTTP error, AssertionError or KeyError counts as false (the
+    node may not serve yet). Raises :class:`WaitTimeout` after ``timeout_s``.
+    """
+    start = time.monotonic()
+    while True:
+        try:
+            if predicate():
+                return time.monotonic() - start
+        except (httpx.HTTPError, AssertionError, KeyError):
+            pass
+        if time.monotonic() - start > timeout_s:
+            raise WaitTimeout(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def wait_started(*nodes: Node, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Wait until each node serves its status API (its log is in the failure message)."""
+    for node in nodes:
+        wait_for(
+            lambda n=node: n.alive() and bool(n.status()),  # type: ignore[misc]
+            timeout_s,
+            f"{node.name} to serve its API\n{node.log()}",
+        )
+
+
+@dataclass
+class Node:
+    """One child ``meshnode join`` process."""
+
+    name: str
+    state_dir: Path
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def api(self) -> str:
+        """Base URL of the node's HTTP API (from its node.json)."""
+        running = read_node_file(self.state_dir)
+        assert running is not None, f"{self.name} has no node.json"
+        return f"http://{running.api}"
+
+    @property
+    def listen(self) -> str:
+        """The node's mesh address HOST:PORT."""
+        running = read_node_file(self.state_dir)
+        assert running is not None, f"{self.name} has no node.json"
+        return str(running.listen)
+
+    def status(self) -> dict[str, Any]:
+        """``GET /v1/mesh/status``."""
+        body: dict[str, Any] = httpx.get(f"{self.api}/v1/mesh/status", timeout=3.0).json()
+        return body
+
+    def node_id(self) -> str:
+        return str(self.status()["node"]["node_id"])
+
+    def peer_states(self) -> dict[str, str]:
+        return {p["node_id"]: p["state"] for p in self.status()["peers"]}
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@dataclass
+class Cluster:
+    """Children started under ``root``; :meth:`close` kills every one still running."""
+
+    root: Path
+    env: dict[str, str] = field(default_factory=lambda: dict(HEARTBEAT_ENV))
+    nodes: list[Node] = field(default_factory=list)
+
+    def spawn(self, name: str, token_file: Path, *extra: str, mdns: bool = True) -> Node:
+        """Start ``meshnode join`` as ``name`` (state in ``root/name``) with port 0 everywhere.
+
+        With ``mdns`` discovery runs on the loopback interface only; without it the node
+        finds peers through ``--peer`` flags in ``extra``.
+        """
+        state_dir = self.root / name
+        state_dir.mkdir(parents=True)
+        log_path = self.root / f"{name}.log"
+        args = [
+            "join",
+            "--token-file", str(token_file),
+            "--listen", "127.0.0.1:0",
+            "--api", "127.0.0.1:0",
+            "--state-dir", str(state_dir),
+            *(["--interface", "127.0.0.1"] if mdns else ["--no-mdns"]),
+            *extra,
+        ]  # fmt: skip
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-c", JOIN_CODE, *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=hermetic_env(**self.env),
+            )
+        node = Node(name, state_dir, process, log_path)
+        self.nodes.append(node)
+        return node
+
+    def wait_started(self, *nodes: Node, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Wait until each node (default: all) serves its status API."""
+        wait_started(*(nodes or self.nodes), timeout_s=timeout_s)
+
+    def logs(self) -> str:
+        """Every child's log, for a failure message."""
+        return "\n".join(f"---- {n.name} ----\n{n.log()}" for n in self.nodes)
+
+    def close(self) -> None:
+        """Kill every child still running and reap them all."""
+        for node in self.nodes:
+            if node.alive():
+                node.process.kill()
+        for node in self.nodes:
+            node.process.wait(timeout=10)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def host_state(host: Node) -> dict[str, Any]:
+    """The ``host`` block of the host's status (coordinator state and stages)."""
+    block: dict[str, Any] = host.status()["host"]
+    return block
+
+
+def wait_serving(host: Node, stages: int, timeout_s: float) -> dict[str, Any]:
+    """Wait until the host serves on ``stages`` ready stages; its host status block."""
+    found: dict[str, Any] = {}
+
+    def serving() -> bool:
+        found.update(host_state(host))
+        states = [s["state"] for s in found.get("stages", [])]
+        return found.get("state") == "serving" and states == ["ready"] * stages
+
+    wait_for(serving, timeout_s, f"{host.name} to serve on {stages} stages")
+    return found
