@@ -117,6 +117,13 @@ class ServerThread:
         if self._error is not None:
             raise RuntimeError("the API server failed to start") from self._error
 
+    def __enter__(self) -> ServerThread:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self._token is not None and self._scope is not None:
             trio.from_thread.run_sync(self._scope.cancel, trio_token=self._token)
