@@ -126,12 +126,12 @@ def load_draft(
         source = open_ref(ref, cache_dir=cache_dir)
         config = ModelConfig.from_hf(source.config)
     except (PackageError, SourceError, OSError, ValueError, KeyError) as exc:
-        raise DraftUnavailableError(f"cannot open {ref}: {_one_line(exc)}") from exc
+        raise DraftUnavailableError(f"cannot open it: {_one_line(exc)}") from exc
     need = _weight_bytes(config)
     have = psutil.virtual_memory().available if available_bytes is None else available_bytes
     if need > have * DRAFT_MEMORY_SHARE:
         raise DraftUnavailableError(
-            f"not enough memory for {ref}: needs {need / 2**20:.0f} MiB, "
+            f"not enough memory: it needs {need / 2**20:.0f} MiB, "
             f"{have / 2**20:.0f} MiB available"
         )
     try:
@@ -139,7 +139,7 @@ def load_draft(
     except DraftIncompatibleError as exc:
         raise DraftUnavailableError(str(exc)) from exc
     except (PackageError, SourceError, OSError, ValueError, KeyError) as exc:
-        raise DraftUnavailableError(f"cannot load {ref}: {_one_line(exc)}") from exc
+        raise DraftUnavailableError(f"cannot load it: {_one_line(exc)}") from exc
 
 
 def _weight_bytes(config: ModelConfig) -> int:
