@@ -3,7 +3,9 @@
 :class:`PeerStream` owns one ``trio`` stream (a ``trio.SSLStream`` over TCP in the daemon)
 and one ``meshnode_protocol.Connection``. ``receive()`` feeds bytes to the codec until it
 yields a message; ``send()`` encodes and writes under a FIFO lock so that concurrent senders
-(heartbeats, replies) never interleave frames.
+(heartbeats, replies) never interleave frames. Frames are encoded into one buffer per
+stream, reused by every send (the lock serializes them, so one suffices): the decode loop's
+activation frames cost no per-token frame allocation (``Connection.send_into``).
 
 When the peer breaks the protocol (``RemoteProtocolError``), the stream answers with the
 matching ``Error`` frame, closes, and re-raises: that one connection ends, the node goes on.
@@ -34,6 +36,9 @@ log = logging.getLogger(__name__)
 # One read; small enough to bound memory per connection, large enough that a hidden-state
 # activation frame (a few KiB per token) arrives in a handful of reads.
 RECEIVE_CHUNK_BYTES = 64 * 1024
+# The send buffer keeps its size up to this (a 256-token f32 prefill chunk of a 4096-wide
+# model is 4 MiB); a larger frame is encoded into a buffer of its own and dropped after.
+SEND_BUFFER_KEEP_BYTES = 4 * 1024 * 1024
 # Writing the Error frame to a peer that stopped reading must not hang the session.
 ERROR_SEND_TIMEOUT_S = 2.0
 
@@ -53,6 +58,7 @@ class PeerStream:
         self._stream = stream
         self._conn = connection
         self._send_lock = trio.StrictFIFOLock()
+        self._send_buffer = bytearray()  # reused by every send, under _send_lock
         self._finished = False  # we sent Goodbye or a fatal Error: nothing may follow
 
     @property
@@ -73,7 +79,15 @@ class PeerStream:
             self._finished = isinstance(message, Goodbye) or (
                 isinstance(message, Error) and message.fatal
             )
-            await self._stream.send_all(self._conn.send(message))
+            frame = self._conn.send_into(message, self._send_buffer)
+            try:
+                # send_all returns once the bytes are handed over (an SSLStream has
+                # encrypted them into its own buffer), so the buffer is free again after.
+                await self._stream.send_all(frame)
+            finally:
+                frame.release()  # a live view would stop the buffer from growing
+                if len(self._send_buffer) > SEND_BUFFER_KEEP_BYTES:
+                    self._send_buffer = bytearray()
 
     async def receive(self) -> Message | None:
         """The next message, or ``None`` at a clean end of stream.

@@ -23,7 +23,7 @@ from meshnode_protocol import Error, Message, Prediction, Release
 
 from meshnode.node.pipeline import PipelineError, RequestId, StepFrame, StepResult
 from meshnode.node.stage import StageRunner
-from meshnode.node.wire import frame_to_wire, result_from_wire
+from meshnode.node.wire import WireSequences, frame_to_wire, result_from_wire
 
 SendFn = Callable[[str, Message], Awaitable[None]]
 
@@ -56,6 +56,8 @@ class RemotePipeline:
         self._send = send
         self._lock = trio.Lock()
         self._waiters: dict[RequestId, _Waiter] = {}
+        # Per-sequence outgoing activation buffers, reused by every decode step.
+        self._wire = WireSequences(runner.max_sequences)
         self._failure = ""
 
     @property
@@ -70,7 +72,12 @@ class RemotePipeline:
         if isinstance(out, StepResult):
             return out  # a one-stage run
         message = frame_to_wire(
-            frame, out, run_id=self.run_id, term=self.term, wire_dtype=self.wire_dtype
+            frame,
+            out,
+            run_id=self.run_id,
+            term=self.term,
+            wire_dtype=self.wire_dtype,
+            sequences=self._wire,
         )
         if not frame.final:
             await self._forward(message)
@@ -94,6 +101,7 @@ class RemotePipeline:
     async def release(self, request_id: RequestId) -> None:
         async with self._lock:
             self.runner.release(request_id)
+        self._wire.release(request_id)
         message = Release(request_id=str(request_id), run_id=self.run_id, term=self.term)
         for node in self.stage_nodes[1:]:
             # A stage that is gone has freed everything already.

@@ -3,10 +3,21 @@
 ``StepFrame`` ⇄ ``ActivationFrame`` and ``StepResult`` ⇄ ``Prediction``. Activations travel
 as raw tensors in the frame's payload, in the run's wire dtype (f16 by default: half the
 bytes of f32 for a rounding of about 1e-3 relative, see ``benchmarks/split.py``).
+
+Two things keep a decode frame small and allocation-free:
+
+- ``sampling`` travels only on a sequence's first frame (``start_pos == 0``: the frame that
+  creates the sequence on every stage, see ``StageRunner``), which the protocol allows; the
+  receiving side remembers it per sequence (:class:`WireSequences`) instead of defaulting.
+- Activations are staged through per-sequence arrays that are reused frame after frame
+  (:class:`WireSequences`): the outgoing wire-dtype copy and the incoming float32 copy are
+  written in place, so a decode step allocates no activation-sized arrays here.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
@@ -56,20 +67,130 @@ def tensor_from_array(array: Any, dtype: str) -> Tensor:
 
 def array_from_tensor(tensor: Tensor) -> np.ndarray[Any, Any]:
     """A float32 array of the tensor's values (the engine computes in float32)."""
+    return _wire_view(tensor).astype(np.float32)
+
+
+def _wire_view(tensor: Tensor) -> np.ndarray[Any, Any]:
     if tensor.dtype not in WIRE_DTYPES:
         raise ValueError(f"activation dtype {tensor.dtype!r} is not supported by this node")
-    raw = np.frombuffer(tensor.data, dtype=WIRE_DTYPES[tensor.dtype])
-    return raw.reshape(tensor.shape).astype(np.float32)
+    return np.frombuffer(tensor.data, dtype=WIRE_DTYPES[tensor.dtype]).reshape(tensor.shape)
+
+
+def _rows_of(buffer: np.ndarray[Any, Any] | None, rows: int, width: int, dtype: Any) -> Any:
+    """``buffer`` if it has at least ``rows`` rows of ``width`` and ``dtype``, else a new one."""
+    if buffer is None or buffer.shape[0] < rows or buffer.shape[1:] != (width,):
+        return np.empty((rows, width), dtype=dtype)
+    if buffer.dtype != dtype:
+        return np.empty((max(rows, buffer.shape[0]), width), dtype=dtype)
+    return buffer
+
+
+@dataclass(slots=True)
+class _WireSequence:
+    sampling: SamplingParams | None = None
+    outgoing: np.ndarray[Any, Any] | None = None  # [rows, hidden] in the wire dtype
+    incoming: np.ndarray[Any, Any] | None = None  # [rows, hidden] float32
+
+
+class WireSequences:
+    """What one stage's wire layer remembers per sequence: its sampling and its buffers.
+
+    Buffers grow to the largest frame a sequence sent (a prefill chunk) and are then
+    reused, so the decode loop writes each activation into the same memory every step.
+    A frame's tensor views the buffer: it must be encoded (``Connection.send`` copies it
+    into the frame) before the sequence's next frame is staged, which holds because a
+    sequence has at most one frame in flight per stage. At most ``max_sequences`` are kept;
+    a sequence never released (its ``Release`` lost with a broken session) is evicted
+    oldest-first rather than held forever.
+    """
+
+    def __init__(self, max_sequences: int) -> None:
+        if max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
+        self.max_sequences = max_sequences
+        self._sequences: OrderedDict[RequestId, _WireSequence] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    def release(self, request_id: RequestId) -> None:
+        """Forget the sequence (idempotent)."""
+        self._sequences.pop(request_id, None)
+
+    def _get(self, request_id: RequestId) -> _WireSequence:
+        seq = self._sequences.get(request_id)
+        if seq is None:
+            seq = self._sequences[request_id] = _WireSequence()
+            while len(self._sequences) > self.max_sequences:
+                self._sequences.popitem(last=False)
+        return seq
+
+    def tensor_from_array(self, request_id: RequestId, array: Any, dtype: str) -> Tensor:
+        """``array`` ``[rows, hidden]`` as a wire tensor of ``dtype``, staged in place."""
+        host = np.asarray(array)
+        if host.ndim != 2:
+            return tensor_from_array(host, dtype)
+        seq = self._get(request_id)
+        rows, width = host.shape
+        seq.outgoing = _rows_of(seq.outgoing, rows, width, WIRE_DTYPES[dtype])
+        staged = seq.outgoing[:rows]
+        np.copyto(staged, host, casting="same_kind")
+        return Tensor(dtype=dtype, shape=(rows, width), data=staged.data)
+
+    def array_from_tensor(self, request_id: RequestId, tensor: Tensor) -> np.ndarray[Any, Any]:
+        """The tensor's values as float32, written into the sequence's reused array."""
+        raw = _wire_view(tensor)
+        if raw.ndim != 2:
+            return raw.astype(np.float32)
+        seq = self._get(request_id)
+        rows, width = raw.shape
+        seq.incoming = _rows_of(seq.incoming, rows, width, np.float32)
+        hidden: np.ndarray[Any, Any] = seq.incoming[:rows]
+        np.copyto(hidden, raw)
+        return hidden
+
+    def sampling_of(self, message: ActivationFrame) -> SamplingParams:
+        """The sequence's sampling: the frame's own, else the one its first frame carried.
+
+        Raises ValueError for a frame without sampling of a sequence not seen here (its
+        first frame went elsewhere, or this stage restarted): no default is invented.
+        """
+        request_id = RequestId(message.request_id)
+        if message.sampling is not None:
+            params = sampling_from_wire(message.sampling)
+            self._get(request_id).sampling = params
+            return params
+        seq = self._sequences.get(request_id)
+        if seq is None or seq.sampling is None:
+            raise ValueError(
+                f"frame of {message.request_id} at {message.start_pos} carries no sampling "
+                "and its sequence is unknown on this stage"
+            )
+        return seq.sampling
 
 
 def frame_to_wire(
-    frame: StepFrame, hidden: Any, *, run_id: str, term: int, wire_dtype: str
+    frame: StepFrame,
+    hidden: Any,
+    *,
+    run_id: str,
+    term: int,
+    wire_dtype: str,
+    sequences: WireSequences | None = None,
 ) -> ActivationFrame:
-    """The frame as sent downstream, carrying ``hidden`` (this stage's output) as payload."""
+    """The frame as sent downstream, carrying ``hidden`` (this stage's output) as payload.
+
+    With ``sequences`` the payload is staged in the sequence's reused buffer. Sampling
+    travels only on the frame at ``start_pos == 0``, which creates the sequence downstream.
+    """
     draft_probs = None
     if frame.draft_probs is not None:
         # Draft distributions stay float32: the acceptance rule divides by them.
         draft_probs = tensor_from_array(frame.draft_probs, "f32")
+    if sequences is None:
+        payload = tensor_from_array(hidden, wire_dtype)
+    else:
+        payload = sequences.tensor_from_array(frame.request_id, hidden, wire_dtype)
     return ActivationFrame(
         request_id=str(frame.request_id),
         run_id=run_id,
@@ -78,8 +199,8 @@ def frame_to_wire(
         start_pos=frame.start_pos,
         # On the wire a verify frame's rows are ``tokens`` then ``draft_tokens``.
         tokens=frame.tokens[:1] if frame.kind is FrameKind.VERIFY else frame.tokens,
-        payload=tensor_from_array(hidden, wire_dtype),
-        sampling=sampling_to_wire(frame.sampling),
+        payload=payload,
+        sampling=sampling_to_wire(frame.sampling) if frame.start_pos == 0 else None,
         draft_tokens=frame.drafts,
         draft_probs=draft_probs,
         out_rows=len(frame.tokens) if frame.kind is FrameKind.VERIFY else 1,
@@ -89,20 +210,29 @@ def frame_to_wire(
     )
 
 
-def frame_from_wire(message: ActivationFrame) -> StepFrame:
-    """The pipeline frame an ``ActivationFrame`` describes (hidden as float32)."""
+def frame_from_wire(message: ActivationFrame, sequences: WireSequences) -> StepFrame:
+    """The pipeline frame an ``ActivationFrame`` describes (hidden as float32).
+
+    ``sequences`` supplies the sampling of frames that omit it and the reused input array.
+    Raises ValueError for a frame this node cannot interpret (see
+    :meth:`WireSequences.sampling_of`, unsupported dtypes).
+    """
+    request_id = RequestId(message.request_id)
     draft_probs = None
     if isinstance(message.draft_probs, Tensor):
         draft_probs = array_from_tensor(message.draft_probs)
+    hidden = None
+    if message.payload is not None:
+        hidden = sequences.array_from_tensor(request_id, message.payload)
     return StepFrame(
-        request_id=RequestId(message.request_id),
+        request_id=request_id,
         kind=FrameKind(message.kind),
         start_pos=message.start_pos,
         tokens=message.tokens + message.draft_tokens,
-        sampling=sampling_from_wire(message.sampling),
+        sampling=sequences.sampling_of(message),
         final=message.final,
         draft_probs=draft_probs,
-        hidden=None if message.payload is None else array_from_tensor(message.payload),
+        hidden=hidden,
         top_logprobs=message.top_logprobs if message.logprobs else None,
     )
 

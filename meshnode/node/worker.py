@@ -54,7 +54,7 @@ from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.node.pipeline import PipelineError, RequestId, StepResult
 from meshnode.node.stage import StageRunner
-from meshnode.node.wire import frame_from_wire, frame_to_wire, result_to_wire
+from meshnode.node.wire import WireSequences, frame_from_wire, frame_to_wire, result_to_wire
 
 log = logging.getLogger("meshnode.worker")
 
@@ -96,6 +96,8 @@ class WorkerRun:
     downstream: str | None = None
     wire_dtype: str = "f16"
     state: str = "claimed"
+    # Sampling and reused activation buffers of the sequences passing through this stage.
+    wire: WireSequences = field(default_factory=lambda: WireSequences(MAX_SEQUENCES_PER_STAGE))
     lock: trio.Lock = field(default_factory=trio.Lock)
 
 
@@ -170,6 +172,7 @@ class Worker:
                 async with run.lock:
                     if run.runner is not None:
                         run.runner.release(RequestId(message.request_id))
+                    run.wire.release(RequestId(message.request_id))
         else:
             return False
         return True
@@ -369,9 +372,10 @@ class Worker:
                 ),
             )
             return
-        frame = frame_from_wire(message)
         try:
             async with run.lock:
+                # Under the lock: the sequence's input buffer is reused frame after frame.
+                frame = frame_from_wire(message, run.wire)
                 out = await trio.to_thread.run_sync(runner.process, frame)
         except (PipelineError, ValueError) as exc:
             await self._send(
@@ -395,7 +399,12 @@ class Worker:
         elif run.downstream is not None:
             target = run.downstream
             outgoing = frame_to_wire(
-                frame, out, run_id=run.run_id, term=run.term, wire_dtype=run.wire_dtype
+                frame,
+                out,
+                run_id=run.run_id,
+                term=run.term,
+                wire_dtype=run.wire_dtype,
+                sequences=run.wire,
             )
         else:
             return
