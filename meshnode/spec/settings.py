@@ -263,7 +263,8 @@ def _entry_params(entry: Mapping[str, Any]) -> dict[str, Any]:
 
 def _entry_strategy(entry: Mapping[str, Any]) -> Strategy:
     strategy = PACKAGE_TYPES[entry["type"]]
-    if strategy == "ngram" and _entry_params(entry).get("auto") is True:
+    # ``auto=1`` is how ``meshnode package write --strategy NAME:type=ngram,auto=1`` spells it.
+    if strategy == "ngram" and _entry_params(entry).get("auto") in (True, 1, "true"):
         return "auto"
     return strategy
 

@@ -23,6 +23,7 @@ from meshnode.serve.service import ServeService
 from meshnode.serve.single import build_single_node_service
 from meshnode.serve.speculation import resolve_for_model
 from meshnode.spec.settings import SpeculativeFlags
+from tests.e2e.cluster import cli
 from tests.serve.conftest import (
     TINY_CONFIG,
     TINY_CONTEXT,
@@ -187,6 +188,25 @@ def test_default_config_file_is_found_in_the_state_dir(tmp_path: Path) -> None:
     )
     explicit = tmp_path / "other.toml"
     assert config_file_for(explicit, tmp_path, env={}) == explicit
+
+
+@pytest.mark.parametrize(
+    ("args", "config", "problem"),
+    [
+        (["--speculative", "fast"], None, "strategy must be one of"),
+        (["--speculative", "draft", "--no-draft"], None, "contradicts --no-draft"),
+        (["--min-window", "0"], None, "min_window must be >= 1"),
+        ([], "[defaults.speculative]\nwindow = 3\n", "unknown key 'window'"),  # state dir
+    ],
+)
+def test_join_refuses_bad_speculative_settings(
+    tmp_path: Path, args: list[str], config: str | None, problem: str
+) -> None:
+    if config is not None:
+        (tmp_path / "config.toml").write_text(config)
+    result = cli("join", "--state-dir", str(tmp_path), "--no-mdns", *args, timeout_s=30)
+    assert result.returncode == 2, result.stderr
+    assert problem in result.stderr
 
 
 # -- drafts: loaded, disabled, unavailable --------------------------------------------------
