@@ -7,6 +7,10 @@ by request id. Non-final prefill chunks are sent without waiting: the session's 
 and each stage's in-order processing keep them ahead of the final chunk, and an error in one
 is reported with the request id and fails the waiter of the final chunk.
 
+On the wire a sequence is named by a short id of this run (``r0``, ``r1``, …) rather than
+the API's request id: every decode frame and every Prediction carries it, and ~30 bytes of
+id would be a fifth of a decode frame's overhead (issue 5 budgets 128 bytes).
+
 When a stage is lost the coordinator calls :meth:`RemotePipeline.fail` and every waiter
 wakes with a :class:`~meshnode.node.pipeline.PipelineError`: streams end with an error
 event instead of hanging.
@@ -15,6 +19,9 @@ event instead of hanging.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -55,7 +62,9 @@ class RemotePipeline:
         self.wire_dtype = wire_dtype
         self._send = send
         self._lock = trio.Lock()
-        self._waiters: dict[RequestId, _Waiter] = {}
+        self._waiters: dict[RequestId, _Waiter] = {}  # by wire id
+        self._wire_ids: dict[RequestId, RequestId] = {}  # request id -> wire id
+        self._next_wire_id = itertools.count()
         # Per-sequence outgoing activation buffers, reused by every decode step.
         self._wire = WireSequences(runner.max_sequences)
         self._failure = ""
@@ -68,11 +77,14 @@ class RemotePipeline:
         if self._failure:
             raise PipelineError(self._failure)
         async with self._lock:
+            began = time.perf_counter()
             out = await trio.to_thread.run_sync(self.runner.process, frame)
+            local_s = time.perf_counter() - began
         if isinstance(out, StepResult):
             return out  # a one-stage run
+        wire_id = self._wire_id(frame.request_id)
         message = frame_to_wire(
-            frame,
+            dataclasses.replace(frame, request_id=wire_id),
             out,
             run_id=self.run_id,
             term=self.term,
@@ -82,15 +94,24 @@ class RemotePipeline:
         if not frame.final:
             await self._forward(message)
             return StepResult(request_id=frame.request_id)
-        waiter = self._waiters[frame.request_id] = _Waiter()
+        waiter = self._waiters[wire_id] = _Waiter()
         try:
             await self._forward(message)
             await waiter.done.wait()
         finally:
-            self._waiters.pop(frame.request_id, None)
+            self._waiters.pop(wire_id, None)
         if waiter.result is None:
             raise PipelineError(waiter.error)
-        return waiter.result
+        # The last stage reports its own compute; stage 0's is added here (a middle stage's
+        # is not carried on the wire, so it shows up as wire time in the host's metrics).
+        compute_s = waiter.result.compute_s + local_s
+        return dataclasses.replace(waiter.result, request_id=frame.request_id, compute_s=compute_s)
+
+    def _wire_id(self, request_id: RequestId) -> RequestId:
+        wire_id = self._wire_ids.get(request_id)
+        if wire_id is None:
+            wire_id = self._wire_ids[request_id] = RequestId(f"r{next(self._next_wire_id)}")
+        return wire_id
 
     async def _forward(self, message: Message) -> None:
         try:
@@ -101,8 +122,11 @@ class RemotePipeline:
     async def release(self, request_id: RequestId) -> None:
         async with self._lock:
             self.runner.release(request_id)
-        self._wire.release(request_id)
-        message = Release(request_id=str(request_id), run_id=self.run_id, term=self.term)
+        wire_id = self._wire_ids.pop(request_id, None)
+        if wire_id is None:
+            return  # never crossed the wire: no other stage holds it
+        self._wire.release(wire_id)
+        message = Release(request_id=str(wire_id), run_id=self.run_id, term=self.term)
         for node in self.stage_nodes[1:]:
             # A stage that is gone has freed everything already.
             with contextlib.suppress(
