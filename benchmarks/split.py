@@ -192,7 +192,7 @@ def decode_frame_bytes(wire_dtype: str) -> tuple[int, int, int]:
     listener.next_message()
     dialer.receive_data(listener.send(hello))
     dialer.next_message()
-    request = RequestId("cmpl-0123456789abcdef01234567")  # the API's id length
+    request = RequestId("r12")  # RemotePipeline's per-run wire id of a sequence
     frame = StepFrame(request, FrameKind.DECODE, 300, (12345,), SamplingParams(temperature=0))
     hidden = np.zeros((1, HIDDEN), np.float32)
     message = frame_to_wire(frame, hidden, run_id="run-0123abcd", term=1,
