@@ -345,11 +345,27 @@ def check_fields(obj: object) -> None:
 
 
 def encode_fields(obj: object, tensors: list[Tensor], into: dict[Any, Any]) -> dict[Any, Any]:
-    """Add ``obj``'s fields to the map ``into`` (string keys, declaration order)."""
+    """Add ``obj``'s fields to the map ``into`` (string keys, declaration order).
+
+    A field holding its default value is left out: the receiver fills in defaults, and a
+    decode frame then carries only what changes per token (protocol/README.md §3).
+    """
     for field in compile_fields(type(obj)):
         value = getattr(obj, field.name)
+        if _is_default(field, value):
+            continue
         into[field.name] = value if field.kind.identity else field.kind.encode(value, tensors)
     return into
+
+
+def _is_default(field: Field, value: Any) -> bool:
+    default = field.default
+    if default is _MISSING:
+        return False  # required, or a factory default (never cheaper to compare)
+    if value is default:
+        return True
+    # Same type and equal: 1 is not omitted for a float default of 1.0, nor True for 1.
+    return type(value) is type(default) and not isinstance(value, Tensor) and value == default
 
 
 def decode_fields(cls: Any, wire: dict[Any, Any], payload: Payload) -> Any:
