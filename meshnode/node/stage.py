@@ -96,7 +96,8 @@ class StageRunner:
         self._check_positions(frame, seq)
         out = self._forward(frame, seq)
         if not self.last:
-            return out
+            # Host memory at the stage boundary: the only device-to-host copy of a stage.
+            return self.stage.backend.to_numpy(out)
         result = self._decide(frame, seq, out)
         elapsed = time.perf_counter() - began
         return StepResult(
