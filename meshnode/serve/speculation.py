@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -113,7 +114,7 @@ def load_draft(
     target_name: str,
     backend: Backend,
     *,
-    cache_dir: Any = None,
+    cache_dir: Path | None = None,
     available_bytes: int | None = None,
 ) -> Stage:
     """Open and load draft model ``ref`` (whole, on this node) for ``target``.
@@ -283,7 +284,7 @@ def speculation_host(
     model_ref: str | None,
     source: ModelSource,
     backend: Backend,
-    cache_dir: Any = None,
+    cache_dir: Path | None = None,
     available_bytes: int | None = None,
 ) -> SpeculationHost:
     """Resolve the served model's settings and load its draft model if they name one.
