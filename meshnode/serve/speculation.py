@@ -206,7 +206,12 @@ class SpeculationHost:
             self._fall_back(f"layer-skip unavailable: {_one_line(exc)}")
             return
         self.layer_skip = {"layers": count, "of": stage.config.num_layers, "stage0": stage.end}
-        log.info("layer-skip drafts with the first %d of %d layers", count, stage.end)
+        log.info(
+            "layer-skip drafts with the first %d of %d layers (stage 0 holds %d)",
+            count,
+            stage.config.num_layers,
+            stage.end,
+        )
 
     def _layer_skip_count(self, stage: Stage) -> int:
         wanted = layer_skip_layers(stage.config, self.settings.layer_skip_layers)
