@@ -232,7 +232,12 @@ def _host_lines(host: dict[str, Any] | None) -> list[str]:
     """The served model and its speculative decoding (host nodes only)."""
     if not host:
         return []
-    lines = [f"serving  {host.get('model_id', host.get('model'))}  ({host.get('state')})"]
+    lines = [
+        f"serving  {host.get('model_id', host.get('model'))}  ({host.get('state')}, "
+        f"{host.get('requests_in_flight', 0)} requests in flight)"
+    ]
+    if host.get("error"):
+        lines.append(f"waiting  {host['error']}")
     spec = host.get("speculation")
     if spec:
         acceptance = spec.get("acceptance", {})
@@ -246,6 +251,38 @@ def _host_lines(host: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def _progress(done: int, total: int) -> str:
+    if total <= 1:  # a local source: nothing to transfer
+        return "local" if total else "-"
+    return f"{done / 2**20:.1f}/{total / 2**20:.1f} MiB"
+
+
+def _stage_rows(host: dict[str, Any] | None) -> list[tuple[str, ...]]:
+    """The plan: one row per stage, in pipeline order."""
+    stages = (host or {}).get("stages") or []
+    rows: list[tuple[str, ...]] = [("STAGE", "NODE ID", "LAYERS", "STATE", "PREPARED")]
+    for index, stage in enumerate(stages):
+        start, end = stage["layers"]
+        extras = [name for name in ("embed", "head") if stage.get(name)]
+        layers = f"{start}-{end}" + (f" +{'+'.join(extras)}" if extras else "")
+        prepared = _progress(stage.get("bytes_done", 0), stage.get("bytes_total", 0))
+        rows.append((str(index), stage["node_id"], layers, stage["state"], prepared))
+    return rows if len(rows) > 1 else []
+
+
+def _run_line(run: dict[str, Any] | None) -> list[str]:
+    """This node's own stage when another node's run claimed it."""
+    if not run or "layers" not in run:
+        return []
+    start, end = run["layers"]
+    return [f"stage    layers {start}-{end} for {run['coordinator']}  ({run['state']})"]
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
 def format_status(body: dict[str, Any]) -> str:
     """The human-readable form of a ``/v1/mesh/status`` body."""
     node = body["node"]
@@ -254,10 +291,14 @@ def format_status(body: dict[str, Any]) -> str:
         f"mesh     {node['mesh_name']}  (id {node['mesh_id']})",
         f"listen   {node['listen']}   api {node['api']}",
         *_host_lines(body.get("host")),
+        *_run_line(body.get("run")),
         "",
     ]
+    stages = _stage_rows(body.get("host"))
+    if stages:
+        lines += [*_table(stages), ""]
     header = ("NODE ID", "ADDRESS", "DEVICE", "MEMORY", "STATE", "RTT", "LAST SEEN")
-    rows = [header]
+    rows: list[tuple[str, ...]] = [header]
     for p in body["peers"]:
         rtt = "-" if p.get("rtt_ms") is None else f"{p['rtt_ms']:.1f} ms"
         rows.append(
@@ -273,6 +314,4 @@ def format_status(body: dict[str, Any]) -> str:
         )
     if len(rows) == 1:
         return "\n".join([*lines, "no peers yet"])
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines).rstrip()
+    return "\n".join([*lines, *_table(rows)]).rstrip()

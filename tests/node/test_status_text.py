@@ -1,0 +1,69 @@
+"""`meshnode status` text: this node, the plan with each stage's state, the peers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshnode.cli.mesh import format_status
+
+NODE = {
+    "node_id": "aaaa",
+    "device": "cpu",
+    "usable_memory": 8 << 30,
+    "mesh_name": "home",
+    "mesh_id": "m1",
+    "listen": "10.0.0.1:7470",
+    "api": "127.0.0.1:8470",
+}
+PEER = {
+    "node_id": "bbbb",
+    "address": "10.0.0.2:7470",
+    "device": "cpu",
+    "usable_memory": 4 << 30,
+    "state": "alive",
+    "rtt_ms": 1.25,
+    "last_seen_s_ago": 0.3,
+}
+
+
+def host_body(state: str) -> dict[str, Any]:
+    return {
+        "node": NODE,
+        "peers": [PEER],
+        "host": {
+            "model": "smollm2-135m",
+            "model_id": "smollm2-135m",
+            "state": state,
+            "error": "",
+            "requests_in_flight": 3,
+            "stages": [
+                {"node_id": "aaaa", "layers": [0, 12], "embed": True, "head": False,
+                 "state": "ready", "bytes_done": 1, "bytes_total": 1},
+                {"node_id": "bbbb", "layers": [12, 30], "embed": False, "head": True,
+                 "state": "preparing", "bytes_done": 5 << 20, "bytes_total": 10 << 20},
+            ],
+        },
+    }  # fmt: skip
+
+
+def test_host_status_shows_model_plan_progress_and_requests() -> None:
+    text = format_status(host_body("preparing"))
+    assert "serving  smollm2-135m  (preparing, 3 requests in flight)" in text
+    lines = text.splitlines()
+    stage_rows = [line.split() for line in lines if line.startswith(("0 ", "1 "))]
+    assert stage_rows == [
+        ["0", "aaaa", "0-12", "+embed", "ready", "local"],
+        ["1", "bbbb", "12-30", "+head", "preparing", "5.0/10.0", "MiB"],
+    ]
+    assert any(line.startswith("bbbb") and "alive" in line for line in lines)
+
+
+def test_worker_status_shows_its_own_stage() -> None:
+    body = {
+        "node": NODE,
+        "peers": [],
+        "run": {"coordinator": "cccc", "state": "ready", "layers": [12, 30], "run_id": "r"},
+    }
+    text = format_status(body)
+    assert "stage    layers 12-30 for cccc  (ready)" in text
+    assert text.endswith("no peers yet")
