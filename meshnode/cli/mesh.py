@@ -111,7 +111,8 @@ def join(
         str | None,
         typer.Option(
             help="Speculative decoding: off, auto (default), ngram, draft or layer-skip. "
-            "Overrides [models.\"<id>\".speculative], [defaults.speculative] and the package."
+            "Overrides the config tables models.<id>.speculative and "
+            "defaults.speculative, and the package."
         ),
     ] = None,
     draft_model: Annotated[

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,16 @@ def test_the_example_config_loads() -> None:
     config = load_config(config_file=example, env={})
     assert config.token_file == Path("/etc/meshnode/token")
     assert config.heartbeat == HeartbeatTimeouts()
+
+
+def test_the_example_configs_optional_tables_load(tmp_path: Path) -> None:
+    # The host-only tables are commented out in the example; uncommented they must load.
+    example = Path(__file__).resolve().parents[2] / "deploy" / "meshnode.example.toml"
+    keys = "ref|split|context_size|wire_dtype|strategy|window_policy|initial_window|max_window"
+    text = re.sub(rf"(?m)^# (\[|(?:{keys}|min_window) )", r"\1", example.read_text())
+    (tmp_path / "host.toml").write_text(text)
+    config = load_config(config_file=tmp_path / "host.toml", env={})
+    assert (config.model, config.split, config.context_size) == ("smollm2-135m", 3, 2048)
+    tables = config.speculative_tables
+    assert tables["defaults"]["speculative"]["strategy"] == "auto"
+    assert tables["models"]["smollm2-135m"]["speculative"]["strategy"] == "ngram"
