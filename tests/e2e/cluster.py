@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Any
 
 import httpx
+import pytest
 
 from meshnode.node.daemon import read_node_file
 
@@ -201,20 +202,30 @@ class Cluster:
         self.close()
 
 
-def host_state(host: Node) -> dict[str, Any]:
-    """The ``host`` block of the host's status (coordinator state and stages)."""
-    block: dict[str, Any] = host.status()["host"]
-    return block
+def ready_stages(host: Node) -> int:
+    """Stages of the host's plan that are ready (0 until the whole run is ready)."""
+    block: dict[str, Any] = host.status().get("host", {})
+    if block.get("state") != "ready":
+        return 0
+    return sum(stage["state"] == "ready" for stage in block.get("stages", []))
 
 
-def wait_serving(host: Node, stages: int, timeout_s: float) -> dict[str, Any]:
-    """Wait until the host serves on ``stages`` ready stages; its host status block."""
-    found: dict[str, Any] = {}
+def start_split_mesh(
+    cluster: Cluster, token_file: Path, *host_args: str, workers: int, ready_timeout_s: float
+) -> Node:
+    """Start ``workers`` workers, then the host (``host_args`` carry ``--model`` and friends)
+    peered to them without mDNS, and wait until every stage of ``--split`` is ready.
 
-    def serving() -> bool:
-        found.update(host_state(host))
-        states = [s["state"] for s in found.get("stages", [])]
-        return found.get("state") == "serving" and states == ["ready"] * stages
-
-    wait_for(serving, timeout_s, f"{host.name} to serve on {stages} stages")
-    return found
+    Fails the test with every child's log when the mesh does not come up in time.
+    """
+    nodes = [cluster.spawn(f"w{i}", token_file, mdns=False) for i in range(workers)]
+    cluster.wait_started(*nodes)
+    peers = [arg for node in nodes for arg in ("--peer", node.listen)]
+    host = cluster.spawn("host", token_file, *peers, *host_args, mdns=False)
+    cluster.wait_started(host)
+    stages = workers + 1
+    try:
+        wait_for(lambda: ready_stages(host) == stages, ready_timeout_s, f"{stages} ready stages")
+    except AssertionError as exc:
+        pytest.fail(f"{exc}\n{cluster.logs()}")
+    return host

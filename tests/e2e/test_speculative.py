@@ -23,6 +23,8 @@ from tests.e2e.cluster import (
     Node,
     cli,
     init_token,
+    ready_stages,
+    start_split_mesh,
     wait_for,
 )
 
@@ -38,13 +40,6 @@ GOLDEN_PROMPTS = ("rep_code", "chat_capital")
 STRATEGIES = [("ngram", "fixed"), ("layer-skip", "adaptive"), ("auto", "adaptive")]
 
 
-def _ready_stages(host: Node) -> int:
-    block = host.status()["host"]
-    if block["state"] != "ready":
-        return 0
-    return sum(stage["state"] == "ready" for stage in block["stages"])
-
-
 @pytest.fixture(scope="module", params=STRATEGIES, ids=[f"{s}-{p}" for s, p in STRATEGIES])
 def mesh(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -54,13 +49,9 @@ def mesh(
     root = tmp_path_factory.mktemp(f"spec-{strategy}")
     token = init_token(root / "mesh.token")
     with Cluster(root, env={**HEARTBEAT_ENV, **SINGLE_THREAD_ENV}) as cluster:
-        workers = [cluster.spawn(name, token, mdns=False) for name in ("b", "c")]
-        cluster.wait_started(*workers)
-        peers = [arg for w in workers for arg in ("--peer", w.listen)]
-        host = cluster.spawn(
-            "a",
+        host = start_split_mesh(
+            cluster,
             token,
-            *peers,
             "--model", MODEL,
             "--split", "3",
             "--context", str(CONTEXT),
@@ -68,13 +59,9 @@ def mesh(
             "--speculative", strategy,
             "--window-policy", policy,
             "--initial-window", "3",
-            mdns=False,
+            workers=2,
+            ready_timeout_s=READY_TIMEOUT_S,
         )  # fmt: skip
-        cluster.wait_started(host)
-        try:
-            wait_for(lambda: _ready_stages(host) == 3, READY_TIMEOUT_S, "three ready stages")
-        except AssertionError as exc:
-            pytest.fail(f"{exc}\n{cluster.logs()}")
         yield host, strategy
 
 
@@ -132,7 +119,7 @@ def test_unresolvable_draft_is_served_without(tmp_path: Path, golden: dict[str, 
         )  # fmt: skip
         cluster.wait_started(host)
         try:
-            wait_for(lambda: _ready_stages(host) == 1, READY_TIMEOUT_S, "one ready stage")
+            wait_for(lambda: ready_stages(host) == 1, READY_TIMEOUT_S, "one ready stage")
         except AssertionError as exc:
             pytest.fail(f"{exc}\n{cluster.logs()}")
         case = _case(golden, "chat_capital")

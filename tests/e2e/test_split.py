@@ -26,6 +26,7 @@ from tests.e2e.cluster import (
     Node,
     cli,
     init_token,
+    start_split_mesh,
     wait_for,
 )
 
@@ -47,32 +48,17 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, No
     # One BLAS thread per child: three processes on two cores were measured slower with
     # the default thread count (oversubscription), and stages run in turn anyway.
     with Cluster(root, env={**HEARTBEAT_ENV, **SINGLE_THREAD_ENV}) as cluster:
-        workers = [cluster.spawn(name, token, mdns=False) for name in ("b", "c")]
-        cluster.wait_started(*workers)
-        peers = [arg for w in workers for arg in ("--peer", w.listen)]
-        host = cluster.spawn(
-            "a",
+        host = start_split_mesh(
+            cluster,
             token,
-            *peers,
             "--model", MODEL,
             "--split", "3",
             "--context", str(CONTEXT),
             "--wire-dtype", "f32",
-            mdns=False,
+            workers=2,
+            ready_timeout_s=READY_TIMEOUT_S,
         )  # fmt: skip
-        cluster.wait_started(host)
-        try:
-            wait_for(lambda: _ready_stages(host) == 3, READY_TIMEOUT_S, "three ready stages")
-        except AssertionError as exc:
-            pytest.fail(f"{exc}\n{cluster.logs()}")
         yield cluster, host
-
-
-def _ready_stages(host: Node) -> int:
-    block = host.status()["host"]
-    if block["state"] != "ready":
-        return 0
-    return sum(stage["state"] == "ready" for stage in block["stages"])
 
 
 def _client(host: Node) -> openai.OpenAI:
