@@ -152,6 +152,7 @@ class Coordinator:
         self._run_id = ""
         self._state = "planning"
         self._error = ""
+        self._last_failure = ""  # kept after recovery: why the plan is not the first one
         self._plan: Plan | None = None
         self._progress: dict[str, tuple[int, int]] = {}
         self._stage_state: dict[str, str] = {}
@@ -184,6 +185,7 @@ class Coordinator:
             "term": self._term,
             "state": self._state,
             "error": self._error,
+            "last_failure": self._last_failure,
             "context_size": self.context_size,
             "wire_dtype": self.settings.wire_dtype,
             "stages": stages,
@@ -212,8 +214,12 @@ class Coordinator:
         return True
 
     def peer_lost(self, peer: str) -> None:
+        """The session with ``peer`` ended: fail what waits on it now, not at a timeout."""
         if self._pipeline is not None and peer in self._pipeline.stage_nodes:
             self._pipeline.fail(f"stage node {peer} was lost; the mesh is replanning")
+        replies = self._replies.pop(peer, None)
+        if replies is not None:
+            replies.close()  # a bring-up waiting for this node's reply fails at once
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -230,7 +236,7 @@ class Coordinator:
             try:
                 pipeline = await self._bring_up(placed)
             except RunError as exc:
-                self._error = str(exc)
+                self._error = self._last_failure = str(exc)
                 self._state = "failed"
                 log.warning("run %s failed: %s", self._run_id, exc)
                 await self._stop_all(placed, str(exc))
@@ -240,6 +246,7 @@ class Coordinator:
             self._error = ""
             self._on_pipeline(pipeline)
             lost = await self._watch(placed)
+            self._last_failure = f"stage node {lost} was lost"
             self._on_pipeline(None)
             pipeline.fail(f"stage node {lost} was lost; the mesh is replanning")
             self._pipeline = None
@@ -292,10 +299,20 @@ class Coordinator:
             await self._request(stage.node_id, receivers, self._claim(), ClaimAccepted)
             self._stage_state[stage.node_id] = "claimed"
         runner_box: list[StageRunner] = []
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._prepare_local, local, runner_box)
-            for stage in remote:
-                nursery.start_soon(self._prepare_remote, stage, receivers)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._prepare_local, local, runner_box)
+                for stage in remote:
+                    nursery.start_soon(self._prepare_remote, stage, receivers)
+        except BaseExceptionGroup as group:
+            # The nursery groups the failures of parallel preparations; a run that failed
+            # to prepare is one RunError for the loop (anything else, cancellation
+            # included, propagates unchanged).
+            failed, rest = group.split(RunError)
+            if failed is None or rest is not None:
+                raise
+            reasons = "; ".join(str(exc) for exc in _leaves(failed))
+            raise RunError(reasons) from group
         for index in range(len(remote) - 1, -1, -1):  # downstream-first
             stage = remote[index]
             upstream = placed.stages[index]
@@ -440,6 +457,8 @@ class Coordinator:
             failure = f"node {node} did not answer {what} within {timeout_s:.0f} s"
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, KeyError):
             failure = f"node {node} is unreachable"
+        except trio.EndOfChannel:
+            failure = f"node {node} was lost while the run was brought up"
         except RunError:
             self._excluded.add(node)
             raise
@@ -454,6 +473,13 @@ class Coordinator:
             ):
                 await self.mesh.send(stage.node_id, stop)
         self._replies = {}
+
+
+def _leaves(group: BaseExceptionGroup[RunError]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
 
 
 def _describe(placed: Plan) -> str:
