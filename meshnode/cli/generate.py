@@ -15,7 +15,7 @@ from typing import Annotated, TextIO, cast
 import typer
 
 from meshnode.cli import app
-from meshnode.engine.backend import BackendError, Device, select_backend
+from meshnode.engine.backend import BackendError, Device, limit_cpu_threads, select_backend
 from meshnode.engine.generate import GenerationResult, TextDelta, generate
 from meshnode.engine.loader import LoadedModel, ModelLoadError, load_model
 from meshnode.engine.sampling import SamplingParams
@@ -37,6 +37,7 @@ class GenerateConfig:
     raw: bool = False
     json: bool = False
     device: Device = "auto"
+    threads: int | None = None
 
 
 class _BadInput(Exception):
@@ -75,12 +76,14 @@ def complete(model: LoadedModel, config: GenerateConfig, out: TextIO | None) -> 
 def run(config: GenerateConfig) -> int:
     """Run one generation; return the process exit status."""
     try:
+        limit = limit_cpu_threads(config.threads)  # held until generation ends
         backend = select_backend(config.device)
         model = load_model(config.model, backend)
         result = complete(model, config, sys.stdout)
     except (BackendError, ModelLoadError, TemplateError, ValueError, _BadInput) as exc:
         print(f"meshnode generate: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    del limit
     sys.stdout.write("\n")
     if config.json:
         sys.stdout.write(json.dumps(result.as_dict()) + "\n")
@@ -104,6 +107,9 @@ def generate_command(
         bool, typer.Option("--json", help="Print a JSON summary as the last line.")
     ] = False,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    threads: Annotated[
+        int | None, typer.Option(min=1, help="BLAS threads on CPU (default: one per core).")
+    ] = None,
 ) -> None:
     """Generate a reply from a local model and stream it to stdout."""
     if device not in ("auto", "cpu", "cuda"):
@@ -122,5 +128,6 @@ def generate_command(
         raw=raw,
         json=json_output,
         device=cast(Device, device),  # checked above
+        threads=threads,
     )
     raise typer.Exit(run(config))

@@ -107,6 +107,10 @@ def join(
     cache_dir: Annotated[
         Path | None, typer.Option(help="Where layer packages are materialized.")
     ] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(help="BLAS threads on CPU (default: one per core; 1 when nodes share cores)."),
+    ] = None,
     speculative: Annotated[
         str | None,
         typer.Option(
@@ -169,6 +173,7 @@ def join(
             "wire_dtype": wire_dtype,
             "prefill_chunk_tokens": prefill_chunk,
             "cache_dir": cache_dir,
+            "threads": threads,
             "speculative": spec_flags,
         }
         config_file = config_file_for(config, state_dir)

@@ -67,3 +67,22 @@ def select_backend(device: Device = "auto") -> Backend:
     if device == "cuda":
         raise BackendError("--device cuda: no CUDA device usable through CuPy")
     return cpu_backend()
+
+
+def limit_cpu_threads(threads: int | None) -> object | None:
+    """Cap the BLAS threads of this process at ``threads`` (None: the library's default).
+
+    OpenBLAS threads spin while they wait: with more threads than free cores (several
+    nodes on one machine, or any other busy process) decode gets about ten times slower,
+    where one thread per node keeps its speed (see benchmarks/engine.py). Returns the
+    threadpoolctl handle, which keeps the limit for as long as it is referenced.
+    """
+    if threads is None:
+        return None
+    if threads < 1:
+        raise BackendError(f"threads must be at least 1, got {threads}")
+    from threadpoolctl import threadpool_limits
+
+    handle: object = threadpool_limits(limits=threads, user_api="blas")
+    return handle
+

@@ -97,6 +97,7 @@ class NodeConfig:
     heartbeat: HeartbeatTimeouts = HeartbeatTimeouts()
     log_level: str = "INFO"
     cache_dir: Path | None = None
+    threads: int | None = None  # BLAS threads of this node (None: one per core)
     # The host role (stage 0 and the API): the model to serve and how to place it.
     model: str | None = None
     split: int | None = None
@@ -250,6 +251,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("device", "node", "device", "MESHNODE_DEVICE", _device),
     Setting("log_level", "node", "log_level", "MESHNODE_LOG_LEVEL", _log_level),
     Setting("cache_dir", "node", "cache_dir", "MESHNODE_CACHE_DIR", _path),
+    Setting("threads", "node", "threads", "MESHNODE_THREADS", _positive_int),
     Setting("model", "model", "ref", "MESHNODE_MODEL", _str),
     Setting("split", "model", "split", "MESHNODE_SPLIT", _positive_int),
     Setting("context_size", "model", "context_size", "MESHNODE_CONTEXT", _positive_int),

@@ -47,7 +47,7 @@ from meshnode_protocol import (
     Role,
 )
 
-from meshnode.engine.backend import select_backend
+from meshnode.engine.backend import limit_cpu_threads, select_backend
 from meshnode.net.discovery import (
     Advert,
     Discovered,
@@ -762,6 +762,7 @@ def run(config: NodeConfig, build: NodeBuilder) -> int:
     )
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = _token(config)
+    limit = limit_cpu_threads(config.threads)  # held while the node runs
     identity = NodeIdentity.provision(token, config.state_dir)
     try:
         trio.run(serve_until_signalled, build, config, token, identity)
@@ -769,5 +770,6 @@ def run(config: NodeConfig, build: NodeBuilder) -> int:
         running = read_node_file(config.state_dir)
         if running is not None and running.pid == os.getpid():
             (config.state_dir / NODE_FILE).unlink(missing_ok=True)
+    del limit
     log.info("node %s stopped", identity.node_id)
     return 0
