@@ -57,6 +57,9 @@ class _Sequence:
     sampler: Sampler | None = None
     rng: np.random.Generator | None = None
     history: list[int] = field(default_factory=list)
+    # Where the prompt ends in ``history``: penalties count generated tokens only, as the
+    # engine's ``generate`` does (and vLLM for presence/frequency).
+    prompt_len: int = 0
 
 
 class StageRunner:
@@ -163,6 +166,8 @@ class StageRunner:
             inputs = frame.hidden
         if self.last:
             seq.history[frame.start_pos :] = frame.tokens
+            if frame.kind is FrameKind.PREFILL and frame.final:
+                seq.prompt_len = frame.end_pos
         # Only the rows whose logits are used go through the head (engine out_rows).
         return self.stage.forward(inputs, frame.start_pos, seq.cache, out_rows=_out_rows(frame))
 
@@ -176,7 +181,8 @@ class StageRunner:
             accepted, tokens = self._verify(frame, seq, rows)
         else:
             assert seq.sampler is not None
-            accepted, tokens = 0, [seq.sampler.sample(rows[-1], seq.history)]
+            generated = seq.history[seq.prompt_len :]
+            accepted, tokens = 0, [seq.sampler.sample(rows[-1], generated)]
         logprobs = None
         if frame.top_logprobs is not None:
             logprobs = tuple(
@@ -192,7 +198,7 @@ class StageRunner:
         base = frame.start_pos + 1
         target = np.stack(
             [
-                logits_to_probs(rows[i], seq.sampling, seq.history[: base + i])
+                logits_to_probs(rows[i], seq.sampling, seq.history[seq.prompt_len : base + i])
                 for i in range(len(drafts) + 1)
             ]
         )

@@ -373,3 +373,43 @@ def test_metrics_and_health(server: ServerThread) -> None:
     assert "meshnode_time_to_first_token_seconds_count 1" in text
     assert "meshnode_stage_compute_seconds_count" in text
     assert "meshnode_wire_seconds_bucket" in text
+
+
+@pytest.mark.parametrize(("presence", "frequency"), [(0.0, 2.0), (2.0, 0.0), (1.0, 1.0)])
+def test_penalties_match_the_engines_generate(
+    server: ServerThread, tiny_model_dir: Path, presence: float, frequency: float
+) -> None:
+    # Penalties count the generated tokens only, in the API exactly as in `meshnode generate`.
+    from meshnode.engine.generate import GenerationResult, generate
+    from meshnode.engine.sampling import SamplingParams
+    from meshnode.engine.tokenizer import Tokenizer
+
+    # The tiny model's greedy reply to `start` repeats its 9th token next: ending the prompt
+    # there puts the next token in the prompt, so a penalty over the prompt too (not the
+    # generated tokens only) changes the reply from its first token.
+    start = [504, 3575, 282, 4649]
+    prompt = start + engine_greedy(tiny_model_dir, start, 9)
+    source = open_source(tiny_model_dir)
+    config = ModelConfig.from_hf(source.config)
+    stage = Stage(config, source, 0, config.num_layers, embed=True, head=True)
+    params = SamplingParams(
+        temperature=0.0, presence_penalty=presence, frequency_penalty=frequency
+    )
+    events = generate(
+        stage,
+        Tokenizer(source.tokenizer_json),
+        prompt,
+        params,
+        max_tokens=24,
+        eos_ids=config.eos_token_ids,
+    )
+    result = next(e for e in events if isinstance(e, GenerationResult))
+    reply = client(server).completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+    )
+    assert reply.choices[0].text == tokens_text(server.service, result.token_ids)
