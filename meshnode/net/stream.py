@@ -49,6 +49,9 @@ TRANSPORT_ERRORS: Final = (
     ssl.SSLError,
     OSError,
 )
+# What sending to a peer *by node id* raises: no session with it (KeyError, the daemon's
+# ``Node.send``) or a transport that broke. Callers treat both as "that node is gone".
+SEND_ERRORS: Final = (KeyError, *TRANSPORT_ERRORS)
 
 
 class PeerStream:

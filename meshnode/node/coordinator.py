@@ -52,6 +52,7 @@ from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.errors import PlanError, RunError
+from meshnode.net.stream import SEND_ERRORS
 from meshnode.node.planner import ModelFootprint, NodeCapacity, Plan, StagePlan, plan
 from meshnode.node.remote import RemotePipeline
 from meshnode.node.stage import StageRunner
@@ -455,7 +456,7 @@ class Coordinator:
                         raise RunError(f"node {node} refused {what}: {reason}")
         except trio.TooSlowError:
             failure = f"node {node} did not answer {what} within {timeout_s:.0f} s"
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, KeyError):
+        except SEND_ERRORS:
             failure = f"node {node} is unreachable"
         except trio.EndOfChannel:
             failure = f"node {node} was lost while the run was brought up"
@@ -468,9 +469,7 @@ class Coordinator:
     async def _stop_all(self, placed: Plan, reason: str) -> None:
         stop = Stop(run_id=self._run_id, term=self._term, reason=reason)
         for stage in placed.stages[1:]:
-            with contextlib.suppress(
-                trio.BrokenResourceError, trio.ClosedResourceError, OSError, KeyError
-            ):
+            with contextlib.suppress(*SEND_ERRORS):
                 await self.mesh.send(stage.node_id, stop)
         self._replies = {}
 

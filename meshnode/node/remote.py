@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import trio
 from meshnode_protocol import Error, Message, Prediction, Release
 
+from meshnode.net.stream import SEND_ERRORS
 from meshnode.node.pipeline import PipelineError, RequestId, StepFrame, StepResult
 from meshnode.node.stage import StageRunner
 from meshnode.node.wire import WireSequences, frame_to_wire, result_from_wire
@@ -116,7 +117,7 @@ class RemotePipeline:
     async def _forward(self, message: Message) -> None:
         try:
             await self._send(self.stage_nodes[1], message)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, KeyError) as exc:
+        except SEND_ERRORS as exc:
             raise PipelineError(f"stage 1 ({self.stage_nodes[1]}) is unreachable") from exc
 
     async def release(self, request_id: RequestId) -> None:
@@ -129,9 +130,7 @@ class RemotePipeline:
         message = Release(request_id=str(wire_id), run_id=self.run_id, term=self.term)
         for node in self.stage_nodes[1:]:
             # A stage that is gone has freed everything already.
-            with contextlib.suppress(
-                trio.BrokenResourceError, trio.ClosedResourceError, OSError, KeyError
-            ):
+            with contextlib.suppress(*SEND_ERRORS):
                 await self._send(node, message)
 
     def on_prediction(self, message: Prediction) -> None:

@@ -52,6 +52,7 @@ from meshnode_protocol import (
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
+from meshnode.net.stream import SEND_ERRORS
 from meshnode.node.pipeline import PipelineError, RequestId, StepResult
 from meshnode.node.stage import StageRunner
 from meshnode.node.wire import WireSequences, frame_from_wire, frame_to_wire, result_to_wire
@@ -60,8 +61,6 @@ log = logging.getLogger("meshnode.worker")
 
 SendFn = Callable[[str, Message], Awaitable[None]]
 ConnectFn = Callable[[PeerInfo], Awaitable[None]]
-# What a failed send to another node raises: no session (KeyError) or a broken one.
-SEND_ERRORS = (KeyError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 #: Sequences a stage holds at once; the host's scheduler admits no more than this.
 MAX_SEQUENCES_PER_STAGE = 8
