@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 from meshnode_packaging.manifest import Part
-from meshnode_packaging.refs import open_ref
+from meshnode_packaging.refs import RemotePackage, open_ref, resolve
 from meshnode_packaging.sources import ModelSource
 from meshnode_protocol import (
     Claim,
@@ -142,6 +142,7 @@ class Coordinator:
     ) -> None:
         self.mesh = mesh
         self.settings = settings
+        self.source = source
         self.config = ModelConfig.from_hf(source.config)
         self.context_size = settings.context_size or min(
             self.config.max_position_embeddings, 2048
@@ -373,9 +374,7 @@ class Coordinator:
             self._progress[stage.node_id] = (done, total)
 
         def build() -> StageRunner:
-            source = open_ref(
-                self.settings.model_ref, part, cache_dir=self.settings.cache_dir, progress=progress
-            )
+            source = self._open_part(part, progress)
             engine_stage = Stage(
                 self.config,
                 source,
@@ -396,6 +395,18 @@ class Coordinator:
         except Exception as exc:
             raise RunError(f"loading stage 0 on this node failed: {exc}") from exc
         self._stage_state[stage.node_id] = "loaded"
+
+    def _open_part(self, part: Part, progress: Callable[[int, int], None]) -> ModelSource:
+        """The host's part of the model (call off the event loop).
+
+        A local model (alias, file, folder) is opened whole and memory-mapped, so the source
+        the host already holds serves every plan; only a remote package has parts to fetch.
+        """
+        if not isinstance(resolve(self.settings.model_ref), RemotePackage):
+            return self.source
+        return open_ref(
+            self.settings.model_ref, part, cache_dir=self.settings.cache_dir, progress=progress
+        )
 
     async def _prepare_remote(
         self, stage: StagePlan, receivers: dict[str, trio.MemoryReceiveChannel[Message]]
