@@ -62,7 +62,15 @@ def mesh(
             workers=2,
             ready_timeout_s=READY_TIMEOUT_S,
         )  # fmt: skip
+        if strategy == "layer-skip":
+            # The host builds the drafter over its stage 0 after it starts serving; requests
+            # decode plainly until then (meshnode/serve/host.py), so wait for it.
+            wait_for(lambda: _layer_skip_built(host), READY_TIMEOUT_S, "the layer-skip drafter")
         yield host, strategy
+
+
+def _layer_skip_built(host: Node) -> bool:
+    return bool(host.status()["host"]["speculation"]["layer_skip"])
 
 
 def _client(host: Node) -> openai.OpenAI:
