@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from meshnode_packaging.sources import ModelSource
 
+from meshnode.engine import ops
 from meshnode.engine.backend import Backend, cpu_backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.kv_cache import KVCache
@@ -135,28 +136,16 @@ class Stage:
         q = qkv[n - rows :, : c.q_size].reshape(rows, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].reshape(n, c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
-        q = _rotate(xp, q.transpose(1, 0, 2), cos[n - rows :], sin[n - rows :])  # [H, r, D]
-        k = _rotate(xp, k.transpose(1, 0, 2), cos, sin)  # [Hkv, S, D]
+        q = q.transpose(1, 0, 2)  # [H, r, D]
+        q = ops.rotate_half(xp, q, cos[n - rows :], sin[n - rows :])
+        k = ops.rotate_half(xp, k.transpose(1, 0, 2), cos, sin)  # [Hkv, S, D]
         keys, values = cache.write(layer, pos, k, v.transpose(1, 0, 2))  # [Hkv, T, D]
-        t = keys.shape[1]
-        q = q.reshape(c.num_kv_heads, c.group_size * rows, c.head_dim)  # [Hkv, G r, D]
-        scores = (q @ keys.transpose(0, 2, 1)) * self._scale  # [Hkv, G r, T]
-        scores = scores.reshape(c.num_kv_heads, c.group_size, rows, t)  # [Hkv, G, r, T]
-        # Causal mask: query row i sits at position t - rows + i and sees keys 0..that.
-        q_pos = xp.arange(t - rows, t)[:, None]
-        scores = xp.where(xp.arange(t)[None, :] <= q_pos, scores, -xp.inf)
-        probs = _softmax(xp, scores).reshape(c.num_kv_heads, c.group_size * rows, t)
-        out = (probs @ values).reshape(c.num_heads, rows, c.head_dim)  # [H, r, D]
+        out = ops.attention(xp, q, keys, values, self._scale)  # [H, r, D]
         return self._linear(out.transpose(1, 0, 2).reshape(rows, c.q_size), w.wo)  # [r, E]
 
     def _mlp(self, w: LayerWeights, x: Any) -> Any:
-        i = self.config.intermediate_size
         gate_up = self._linear(x, w.w_gate_up)  # [r, 2 I]
-        gate, up = gate_up[:, :i], gate_up[:, i:]
-        # SiLU as torch computes it, x / (1 + e^-x); the clamp only keeps e^-x finite
-        # (silu(-80) is -1e-33 either way).
-        silu = gate / (1.0 + self.xp.exp(-self.xp.maximum(gate, -80.0)))
-        return self._linear(silu * up, w.w_down)  # SwiGLU, [r, E]
+        return self._linear(ops.silu_mul(self.xp, gate_up), w.w_down)  # SwiGLU, [r, E]
 
     def _linear(self, x: Any, w: Any) -> Any:
         """``x @ w`` for ``x`` ``[r, in]``, ``w`` ``[in, out]``; few rows go one by one."""
@@ -166,17 +155,11 @@ class Stage:
         return x @ w
 
     def _rms_norm(self, x: Any, weight: Any) -> Any:
-        xp = self.xp
-        var = xp.mean(x * x, axis=-1, keepdims=True)
-        return weight * (x / xp.sqrt(var + xp.float32(self.config.rms_norm_eps)))
+        return ops.rms_norm(self.xp, x, weight, self.config.rms_norm_eps)
 
     def _rope(self, start: int, n: int) -> tuple[Any, Any]:
         """cos and sin ``[S, D]`` for positions ``start .. start + n - 1``."""
-        xp = self.xp
-        pos = xp.arange(start, start + n, dtype=xp.float32)
-        freqs = pos[:, None] * self._inv_freq[None, :]  # [S, D/2]
-        emb = xp.concatenate([freqs, freqs], axis=-1)  # [S, D]
-        return xp.cos(emb), xp.sin(emb)
+        return ops.rope_cos_sin(self.xp, self._inv_freq, start, n)
 
     def _embed(self, ids: Any) -> Any:
         assert self.weights.embed_t is not None
@@ -189,15 +172,3 @@ class Stage:
         h = self._rms_norm(x, w.norm)
         table = w.head_t if w.head_t is not None else w.embed_t
         return self._linear(h, table)  # [r, V]
-
-
-def _rotate(xp: Any, x: Any, cos: Any, sin: Any) -> Any:
-    """RoPE, "rotate half" layout: pairs are (i, i + D/2). ``x`` is ``[heads, S, D]``."""
-    half = x.shape[-1] // 2
-    rotated = xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
-
-
-def _softmax(xp: Any, x: Any) -> Any:
-    e = xp.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)

@@ -1,0 +1,92 @@
+"""The decoder's array operations, written once through ``xp`` (NumPy or CuPy).
+
+These are the engine's CPU math (``model.Stage`` calls them) and, at the same time, the
+references the CUDA kernels in :mod:`meshnode.engine.cuda` are tested against: a kernel
+is correct when it matches the function of the same name here within the tolerance its
+test states. Keep them the plain expressions they are: the NumPy path's golden parity is
+exact, so changing an expression here changes every logit.
+
+Shapes: S rows, E hidden size, H query heads, Hkv key/value heads, G = H / Hkv, D head
+dim, T positions in the cache (cached + new), I intermediate size, r query rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "add_rms_norm",
+    "attention",
+    "rms_norm",
+    "rope_cos_sin",
+    "rotate_half",
+    "silu_mul",
+    "softmax",
+]
+
+# SiLU's e^-x is evaluated at max(x, -80) so it stays finite in float32 (silu(-80) is
+# -1e-33 either way); the CUDA kernel applies the same clamp.
+SILU_CLAMP = -80.0
+
+
+def rms_norm(xp: Any, x: Any, weight: Any, eps: float) -> Any:
+    """RMSNorm over the last axis: ``weight * x / sqrt(mean(x^2) + eps)``."""
+    var = xp.mean(x * x, axis=-1, keepdims=True)
+    return weight * (x / xp.sqrt(var + xp.float32(eps)))
+
+
+def add_rms_norm(xp: Any, x: Any, h: Any, weight: Any, eps: float) -> tuple[Any, Any]:
+    """The residual add and the next norm: ``(x + h, rms_norm(x + h))``."""
+    x = x + h
+    return x, rms_norm(xp, x, weight, eps)
+
+
+def rope_cos_sin(xp: Any, inv_freq: Any, start: int, n: int) -> tuple[Any, Any]:
+    """cos and sin ``[S, D]`` for positions ``start .. start + n - 1`` (``inv_freq`` ``[D/2]``)."""
+    pos = xp.arange(start, start + n, dtype=xp.float32)
+    freqs = pos[:, None] * inv_freq[None, :]  # [S, D/2]
+    emb = xp.concatenate([freqs, freqs], axis=-1)  # [S, D]
+    return xp.cos(emb), xp.sin(emb)
+
+
+def rotate_half(xp: Any, x: Any, cos: Any, sin: Any) -> Any:
+    """RoPE, "rotate half" layout: pairs are (i, i + D/2). ``x`` is ``[heads, S, D]``."""
+    half = x.shape[-1] // 2
+    rotated = xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def silu_mul(xp: Any, gate_up: Any) -> Any:
+    """SwiGLU's activation: ``silu(gate) * up`` for the fused ``[r, 2 I]`` input -> ``[r, I]``.
+
+    SiLU as torch computes it, ``x / (1 + e^-x)``.
+    """
+    i = gate_up.shape[-1] // 2
+    gate, up = gate_up[:, :i], gate_up[:, i:]
+    silu = gate / (1.0 + xp.exp(-xp.maximum(gate, SILU_CLAMP)))
+    return silu * up
+
+
+def softmax(xp: Any, x: Any) -> Any:
+    """Softmax over the last axis (``-inf`` entries get probability 0)."""
+    e = xp.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def attention(xp: Any, q: Any, keys: Any, values: Any, scale: float) -> Any:
+    """Causal grouped-query attention of the newest ``r`` positions over ``T`` cached ones.
+
+    ``q`` is ``[H, r, D]`` (RoPE applied), ``keys``/``values`` are ``[Hkv, T, D]`` (the
+    cache up to and including the new positions). Query row i sits at position
+    ``T - r + i`` and sees keys ``0 ..`` that position. Returns ``[H, r, D]``.
+    """
+    heads, rows, dim = q.shape
+    kv_heads, t = keys.shape[0], keys.shape[1]
+    group = heads // kv_heads
+    q = q.reshape(kv_heads, group * rows, dim)  # [Hkv, G r, D]
+    scores = (q @ keys.transpose(0, 2, 1)) * scale  # [Hkv, G r, T]
+    scores = scores.reshape(kv_heads, group, rows, t)  # [Hkv, G, r, T]
+    q_pos = xp.arange(t - rows, t)[:, None]
+    scores = xp.where(xp.arange(t)[None, :] <= q_pos, scores, -xp.inf)
+    probs = softmax(xp, scores).reshape(kv_heads, group * rows, t)
+    return (probs @ values).reshape(heads, rows, dim)  # [H, r, D]
