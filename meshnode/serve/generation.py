@@ -30,7 +30,7 @@ from meshnode.node.pipeline import (
     TokenLogprob,
 )
 from meshnode.spec.telemetry import SpecStats
-from meshnode.spec.window import WindowPolicy, next_window
+from meshnode.spec.window import StepCosts, Window, WindowPolicy
 
 if TYPE_CHECKING:
     from meshnode.engine.sampling import SamplingParams
@@ -134,9 +134,10 @@ class GenerationState:
         if len(self.tokens) >= self.params.max_new_tokens:
             return self._finish(FinishReason.LENGTH, self._pending + self.detokenizer.flush())
         keep = held_back(self._pending, self.params.stop)
-        ready, self._pending = self._pending[: len(self._pending) - keep], self._pending[
-            len(self._pending) - keep :
-        ]
+        ready, self._pending = (
+            self._pending[: len(self._pending) - keep],
+            self._pending[len(self._pending) - keep :],
+        )
         return ready
 
     def _finish(self, reason: FinishReason, text: str) -> str:
@@ -195,13 +196,16 @@ class Speculation:
 
     ``strategy`` names it in telemetry. ``threaded`` runs ``propose`` in a worker thread:
     a model-based proposer computes forward passes, which must not block the event loop
-    (an n-gram lookup is cheaper than the thread hop).
+    (an n-gram lookup is cheaper than the thread hop). ``costs`` are the node's measured
+    step costs, shared by its requests, from which adaptive windows are sized
+    (:mod:`meshnode.spec.window`).
     """
 
     make_proposer: ProposerFactory
     window: WindowPolicy = field(default_factory=WindowPolicy)
     strategy: str = "custom"
     threaded: bool = False
+    costs: StepCosts = field(default_factory=StepCosts)
 
 
 @dataclass(slots=True)
@@ -271,9 +275,9 @@ async def generate(
             proposer = speculation.make_proposer(run.params.sampling, pipeline.context_size)
         if proposer is not None and speculation is not None:
             run.strategy = speculation.strategy
-        window = speculation.window.initial_window if speculation else 0
+        window = Window(speculation.window, speculation.costs) if speculation else None
         while not run.state.finished:
-            delta, window = await _decode_step(pipeline, run, proposer, speculation, window)
+            delta = await _decode_step(pipeline, run, proposer, speculation, window)
             yield delta
         run.timings.finished = trio.current_time()
     finally:
@@ -318,8 +322,8 @@ async def _decode_step(
     run: GenerationRun,
     proposer: Proposer | None,
     speculation: Speculation | None,
-    window: int,
-) -> tuple[Delta, int]:
+    window: Window | None,
+) -> Delta:
     """One plain decode step, or one verify pass when the proposer offers drafts."""
     history = run.history
     last_pos = len(history) - 1  # the last committed token is not in the cache yet
@@ -329,14 +333,14 @@ async def _decode_step(
     )
     drafts: tuple[int, ...] = ()
     draft_probs = None
-    if proposer is not None and room > 0:
-        limit = min(window, room)
+    began = trio.current_time()  # a step's cost includes proposing
+    if proposer is not None and window is not None and room > 0:
+        limit = min(window.size, room)
         if speculation is not None and speculation.threaded:
             proposal = await trio.to_thread.run_sync(proposer.propose, history, limit)
         else:
             proposal = proposer.propose(history, limit)
         drafts, draft_probs = proposal.tokens[:limit], proposal.probs
-    began = trio.current_time()
     if drafts:
         if draft_probs is not None:
             draft_probs = draft_probs[: len(drafts)]
@@ -349,10 +353,10 @@ async def _decode_step(
     accepted = min(result.accepted, len(drafts))
     seconds = trio.current_time() - began
     run.spec.record(len(drafts), accepted, seconds)
-    if proposer is not None and speculation is not None:
+    if proposer is not None and window is not None:
         proposer.on_result(len(drafts), accepted, seconds=seconds)
-        window = next_window(speculation.window, window, len(drafts), accepted)
-    return delta, window
+        window.update(len(drafts), accepted, seconds)
+    return delta
 
 
 def _frame(

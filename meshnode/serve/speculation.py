@@ -56,6 +56,7 @@ from meshnode.spec.settings import (
     resolve_speculative,
 )
 from meshnode.spec.telemetry import SpecStats
+from meshnode.spec.window import StepCosts
 
 log = logging.getLogger("meshnode.speculation")
 
@@ -132,8 +133,7 @@ def load_draft(
     have = psutil.virtual_memory().available if available_bytes is None else available_bytes
     if need > have * DRAFT_MEMORY_SHARE:
         raise DraftUnavailableError(
-            f"not enough memory: it needs {need / 2**20:.0f} MiB, "
-            f"{have / 2**20:.0f} MiB available"
+            f"not enough memory: it needs {need / 2**20:.0f} MiB, {have / 2**20:.0f} MiB available"
         )
     try:
         return draft_model_stage(vocab_info(target_name, target), ref, source, backend)
@@ -170,6 +170,9 @@ class SpeculationHost:
         self._resolve_again = resolve_again
         self.draft_stage: Stage | None = None
         self.layer_skip: dict[str, Any] | None = None
+        # What a step costs by window size, shared by all requests; measured afresh for
+        # every pipeline (other stages, other machines, other costs).
+        self.costs = StepCosts()
         self.warnings: list[str] = list(settings.warnings)
         for warning in settings.warnings:
             log.warning("speculative decoding: %s", warning)
@@ -191,8 +194,9 @@ class SpeculationHost:
 
         ``head_source`` opens a source holding the final norm (and an untied head) for a
         stage 0 that does not hold them; it is called only then. ``None`` drops the
-        drafter (the mesh is replanning).
+        drafter (the mesh is replanning). The step costs measured so far are dropped.
         """
+        self.costs = StepCosts()
         if self.settings.strategy != "layer-skip":
             return
         self.draft_stage, self.layer_skip = None, None
@@ -255,7 +259,9 @@ class SpeculationHost:
         def make(params: SamplingParams, capacity: int) -> Proposer | None:
             return build_proposer(settings, params, capacity=capacity, draft_stage=stage)
 
-        return Speculation(make, settings.window, strategy=strategy, threaded=stage is not None)
+        return Speculation(
+            make, settings.window, strategy=strategy, threaded=stage is not None, costs=self.costs
+        )
 
     # -- status ---------------------------------------------------------------------------
 

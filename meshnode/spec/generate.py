@@ -26,7 +26,7 @@ from meshnode.spec.acceptance import accept_greedy, accept_sampling
 from meshnode.spec.proposer import Proposal, Proposer
 from meshnode.spec.scorer import forward_rows
 from meshnode.spec.telemetry import SpecStats
-from meshnode.spec.window import WindowPolicy, next_window
+from meshnode.spec.window import StepCosts, Window, WindowPolicy
 
 
 @dataclass(slots=True)
@@ -39,7 +39,7 @@ class SpecRun:
     history: list[int]
     prompt_len: int
     rng: np.random.Generator
-    window: int
+    window: Window
     capacity: int
     stats: SpecStats = field(default_factory=SpecStats)
 
@@ -91,8 +91,9 @@ def prefill(
     capacity: int,
     window: WindowPolicy,
     rng: np.random.Generator | None = None,
+    costs: StepCosts | None = None,
 ) -> SpecRun:
-    """Run the prompt and commit its first token."""
+    """Run the prompt and commit its first token (``costs``: shared step costs, if any)."""
     if not prompt:
         raise ValueError("the prompt is empty")
     cache: KVCache = stage.new_cache(capacity)
@@ -104,7 +105,7 @@ def prefill(
         history=list(prompt),
         prompt_len=len(prompt),
         rng=rng if rng is not None else np.random.default_rng(params.seed),
-        window=window.initial_window,
+        window=Window(window, costs),
         capacity=capacity,
     )
     rows = target_probs(logits, params, run.generated, ())
@@ -116,7 +117,6 @@ def prefill(
 def verify_step(
     run: SpecRun,
     proposer: Proposer,
-    policy: WindowPolicy,
     max_tokens: int,
     clock: Callable[[], float] = time.perf_counter,
 ) -> list[int]:
@@ -125,11 +125,11 @@ def verify_step(
     ``max_tokens`` bounds the tokens this step may commit (drafts + 1).
     """
     history = run.history
-    room = min(run.window, max_tokens - 1, run.cache_room())
+    began = clock()  # a step's cost includes proposing: a draft model's steps are not free
+    room = min(run.window.size, max_tokens - 1, run.cache_room())
     proposal = proposer.propose(history, room) if room > 0 else Proposal(())
     proposal = _clip(proposal, room)
     start = len(history) - 1  # the last committed token's K/V is not in the cache yet
-    began = clock()
     logits = forward_rows(
         run.stage, [history[-1], *proposal.tokens], start, run.cache, rows=len(proposal) + 1
     )
@@ -142,7 +142,7 @@ def verify_step(
     history += tokens
     run.stats.record(len(proposal), accepted, seconds)
     proposer.on_result(len(proposal), accepted, seconds=seconds)
-    run.window = next_window(policy, run.window, len(proposal), accepted)
+    run.window.update(len(proposal), accepted, seconds)
     return tokens
 
 
@@ -157,6 +157,7 @@ def speculative_generate(
     eos_ids: Sequence[int] = (),
     rng: np.random.Generator | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    costs: StepCosts | None = None,
 ) -> SpecRun:
     """Generate up to ``max_new_tokens`` after ``prompt``, stopping after an EOS id.
 
@@ -164,11 +165,11 @@ def speculative_generate(
     speculation counters). The cache is sized for the prompt, the budget and one window.
     """
     capacity = len(prompt) + max_new_tokens + window.max_window + 1
-    run = prefill(stage, prompt, params, capacity=capacity, window=window, rng=rng)
+    run = prefill(stage, prompt, params, capacity=capacity, window=window, rng=rng, costs=costs)
     stop = set(eos_ids)
     tokens = run.generated
     while not stop.intersection(tokens) and len(run.generated) < max_new_tokens:
-        tokens = verify_step(run, proposer, window, max_new_tokens - len(run.generated), clock)
+        tokens = verify_step(run, proposer, max_new_tokens - len(run.generated), clock)
     _trim_after_stop(run, stop)
     return run
 

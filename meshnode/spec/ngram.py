@@ -24,7 +24,7 @@ class NgramParams:
 
     min_n: int = 2
     max_n: int = 4
-    max_proposal: int = 8
+    max_proposal: int = 16
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:

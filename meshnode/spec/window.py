@@ -1,25 +1,48 @@
 """Window policy: how many drafts to verify in the next pass.
 
 A fixed policy always asks for ``initial_window`` drafts. An adaptive one starts there and
-moves within ``[min_window, max_window]``: additive increase after a fully accepted window
-(the verifier could have taken more), multiplicative decrease after an early rejection
-(most of the pass was wasted). The update is a pure function of the policy, the current
-window and the step's outcome.
+then picks, within ``[min_window, max_window]``, the window that commits the most tokens per
+second of step time:
+
+    window = argmax over k of  expected_tokens(k, rate) / cost(k)
+
+``rate`` is the request's per-draft acceptance rate, decayed so the last few drafts count
+most; ``expected_tokens(k, rate) = 1 + rate + … + rate^k`` is what a k-draft pass commits when
+each draft survives with probability ``rate`` (Leviathan et al. 2023, §3.3). ``cost(k)`` is
+the measured wall time of a step with k drafts (proposing included), kept in
+:class:`StepCosts`, which the requests of one node share: what a pass costs is a property of
+the mesh, not of the request.
+
+Why not the halve-on-rejection rule TCP uses: a rejected draft costs little here. Verify
+cost is far from linear in k (on a CPU an 8-row forward costs about as much as a 4-row one,
+on a GPU or across a network the pass costs nearly the same for any small k), so the right
+window depends on the cost curve, which is measured, not assumed. The rule still moves the
+way one expects: full acceptance raises ``rate`` and never shrinks the window, a rejection
+lowers it and never grows the window (for a fixed cost table, the argmax is monotone in
+``rate``).
+
+A size not measured yet is interpolated between measured ones, and past the largest measured
+size costs are assumed flat: the policy tries a larger window when the acceptance rate says
+it could pay, measures it, and keeps it only if it does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 WindowKind = Literal["fixed", "adaptive"]
 
-# Growth per fully accepted window. Additive so that one lucky run does not jump to the
-# maximum: each extra draft must earn its place.
-GROW_STEP = 1
-# A rejection within the first half of the proposal counts as "early": more than half the
-# verify rows were dead. The window is then halved (AIMD, as TCP does with its window).
-EARLY_REJECT_FRACTION = 0.5
+# Weight of the past in the acceptance estimate, per draft verified: about the last seven
+# drafts count. Copying output (code edits) runs in stretches, so old drafts mislead, and
+# a rejection must weigh against a long accepted window's recent drafts, not all of them.
+RATE_DECAY = 0.85
+# Prior pseudo-counts: a fresh request starts at rate 0.5, as if one of two drafts matched,
+# and one window moves it substantially.
+PRIOR_ACCEPTED = 1.0
+PRIOR_TRIED = 2.0
+# Weight of the newest sample in a step-cost average.
+COST_ALPHA = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +52,7 @@ class WindowPolicy:
     kind: WindowKind = "adaptive"
     initial_window: int = 4
     min_window: int = 1
-    max_window: int = 8
+    max_window: int = 16
 
     def __post_init__(self) -> None:
         if self.kind not in ("fixed", "adaptive"):
@@ -41,19 +64,92 @@ class WindowPolicy:
             )
 
 
-def next_window(policy: WindowPolicy, window: int, proposed: int, accepted: int) -> int:
-    """The window after a verify pass that accepted ``accepted`` of ``proposed`` drafts.
+def expected_tokens(drafts: int, rate: float) -> float:
+    """Tokens one pass with ``drafts`` drafts commits: ``1 + rate + … + rate^drafts``."""
+    return sum(rate**i for i in range(drafts + 1))
 
-    Fixed: unchanged. Adaptive: ``+GROW_STEP`` when a full window was proposed and all of
-    it accepted; halved when the first rejection came in the first
-    ``EARLY_REJECT_FRACTION`` of the proposal; otherwise unchanged. A step with no
-    proposal (plain decode) says nothing about the window.
+
+@dataclass(slots=True)
+class StepCosts:
+    """Seconds of a step by its number of drafts, exponentially averaged.
+
+    Shared by the requests of one node (and reset when its pipeline changes): the cost of a
+    k-draft pass depends on the machines and the mesh, which every request sees alike.
     """
-    if policy.kind == "fixed" or proposed == 0:
-        return window
-    if accepted >= proposed:
-        grown = window + GROW_STEP if proposed >= window else window
-        return min(policy.max_window, grown)
-    if accepted < proposed * EARLY_REJECT_FRACTION:
-        return max(policy.min_window, window // 2)
-    return window
+
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def record(self, drafts: int, seconds: float) -> None:
+        """Add one measured step of ``drafts`` drafts."""
+        old = self.seconds.get(drafts)
+        self.seconds[drafts] = seconds if old is None else old + COST_ALPHA * (seconds - old)
+
+    def estimate(self, drafts: int) -> float | None:
+        """Cost of a ``drafts``-draft step; ``None`` before anything was measured.
+
+        A size not measured yet is interpolated linearly between its measured neighbours;
+        past the largest measured size costs are assumed flat (the optimistic guess that
+        makes the policy try a larger window), below the smallest one likewise.
+        """
+        if drafts in self.seconds:
+            return self.seconds[drafts]
+        below = [k for k in self.seconds if 0 < k < drafts]
+        above = [k for k in self.seconds if k > drafts]
+        if below and above:
+            lo, hi = max(below), min(above)
+            share = (drafts - lo) / (hi - lo)
+            return self.seconds[lo] + share * (self.seconds[hi] - self.seconds[lo])
+        if below:
+            return self.seconds[max(below)]
+        return self.seconds[min(above)] if above else None
+
+
+class Window:
+    """One request's window: its size now, updated after every step."""
+
+    def __init__(self, policy: WindowPolicy, costs: StepCosts | None = None) -> None:
+        self.policy = policy
+        self.costs = costs if costs is not None else StepCosts()
+        self.size = policy.initial_window
+        self._accepted = PRIOR_ACCEPTED
+        self._tried = PRIOR_TRIED
+
+    @property
+    def accept_rate(self) -> float:
+        """Decayed per-draft acceptance estimate."""
+        return self._accepted / self._tried
+
+    def update(self, proposed: int, accepted: int, seconds: float | None = None) -> None:
+        """Account for a step that verified ``proposed`` drafts and kept ``accepted``.
+
+        ``seconds`` is the step's wall time (proposing and verifying). A plain step
+        (``proposed == 0``) says nothing about acceptance or the window.
+        """
+        if proposed == 0:
+            return
+        if seconds is not None:
+            self.costs.record(proposed, seconds)
+        if self.policy.kind == "fixed":
+            return
+        # A pass tries drafts in order until the first rejection: accepted successes, then
+        # one failure unless every draft survived.
+        outcomes = [1.0] * accepted + ([0.0] if accepted < proposed else [])
+        for outcome in outcomes:
+            self._accepted = RATE_DECAY * self._accepted + outcome
+            self._tried = RATE_DECAY * self._tried + 1.0
+        self.size = best_window(self.policy, self.costs, self.accept_rate)
+
+
+def best_window(policy: WindowPolicy, costs: StepCosts, rate: float) -> int:
+    """The window in ``[min_window, max_window]`` with the most tokens per second.
+
+    Before any cost is known every size is taken to cost the same. Ties go to the smaller
+    window.
+    """
+    best, best_value = policy.min_window, -1.0
+    for k in range(policy.min_window, policy.max_window + 1):
+        cost = costs.estimate(k) or 1.0  # nothing measured (or a clock that stands still)
+        value = expected_tokens(k, rate) / cost
+        if value > best_value * (1 + 1e-9):
+            best, best_value = k, value
+    return best

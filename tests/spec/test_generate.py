@@ -101,7 +101,7 @@ def test_cache_rolls_back_to_the_committed_tokens(kind: str, target: Stage, draf
     while len(run.generated) < MAX_NEW:
         proposed_before = run.stats.proposed
         accepted_before = run.stats.accepted
-        verify_step(run, proposer, policy, MAX_NEW - len(run.generated))
+        verify_step(run, proposer, MAX_NEW - len(run.generated))
         proposed = run.stats.proposed - proposed_before
         rejections += run.stats.accepted - accepted_before < proposed
         # Every committed token but the last (the next pass's input) has its K/V cached.

@@ -258,7 +258,7 @@ def test_cli_draft_with_no_draft_is_an_error() -> None:
         ({"max_window": True}, "max_window must be int"),
         ({"min_window": 0}, "min_window must be >= 1"),
         ({"window_policy": "sliding"}, "fixed or adaptive"),
-        ({"min_window": 9}, "min_window 9 .* exceeds max_window 8"),
+        ({"min_window": 17}, "min_window 17 .* exceeds max_window 16"),
         ({"ngram_min": 5}, "n-gram sizes"),
     ],
 )

@@ -1,46 +1,122 @@
-"""Window policy: fixed stays put, adaptive grows on full acceptance and halves early."""
+"""Window policy: fixed stays put; adaptive maximises tokens per second of measured cost."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from meshnode.spec.window import WindowPolicy, next_window
+from meshnode.spec.window import (
+    StepCosts,
+    Window,
+    WindowPolicy,
+    best_window,
+    expected_tokens,
+)
 
-ADAPTIVE = WindowPolicy("adaptive", initial_window=4, min_window=2, max_window=6)
+ADAPTIVE = WindowPolicy("adaptive", initial_window=4, min_window=1, max_window=16)
+
+# Step seconds by draft count as measured on the development CPU (benchmarks/engine.py,
+# "k-token forward"): a GEMM of 5-9 rows costs about what one of 3-4 does.
+CPU = {1: 1.2, 2: 1.44, 3: 1.9, 4: 1.97, 8: 1.75, 16: 2.24}
+# A linear cost: each draft costs a tenth of the verify pass (a draft model).
+LINEAR = {k: 1.0 + 0.1 * k for k in range(1, 17)}
+
+
+def costs_of(table: dict[int, float]) -> StepCosts:
+    costs = StepCosts()
+    for drafts, seconds in table.items():
+        costs.record(drafts, seconds)
+    return costs
+
+
+def test_expected_tokens_is_the_geometric_sum() -> None:
+    assert expected_tokens(0, 0.7) == 1.0
+    assert expected_tokens(3, 0.5) == pytest.approx(1.875)
+    assert expected_tokens(8, 1.0) == 9.0
+
+
+def test_cost_estimates_interpolate_and_stay_flat_past_the_largest() -> None:
+    costs = costs_of({2: 1.0, 6: 3.0})
+    assert costs.estimate(2) == 1.0
+    assert costs.estimate(4) == pytest.approx(2.0)  # between measured sizes: linear
+    assert costs.estimate(10) == 3.0  # past the largest: optimistic, flat
+    assert costs.estimate(1) == 1.0  # below the smallest: flat
+    assert StepCosts().estimate(3) is None
+
+
+def test_costs_are_averaged() -> None:
+    costs = StepCosts()
+    costs.record(4, 1.0)
+    costs.record(4, 2.0)
+    assert 1.0 < (costs.estimate(4) or 0) < 2.0
 
 
 @pytest.mark.parametrize(
-    ("window", "proposed", "accepted", "expected"),
+    ("table", "rate", "expected"),
     [
-        (4, 4, 4, 5),  # full window accepted: grow by one
-        (6, 6, 6, 6),  # … but never past max_window
-        (4, 2, 2, 4),  # a short proposal fully accepted says nothing about the window
-        (4, 4, 1, 2),  # rejected in the first half: halve
-        (2, 2, 0, 2),  # … but never under min_window
-        (6, 6, 2, 3),
-        (4, 4, 2, 4),  # rejected at the half: keep
-        (4, 4, 3, 4),
-        (4, 0, 0, 4),  # a plain step: keep
+        (CPU, 0.7, 8),  # the flat part of the curve: take the big window that costs less
+        (CPU, 0.9, 13),  # between measured sizes the cost is interpolated
+        (CPU, 0.3, 1),  # few drafts survive: one row more is all that pays
+        (LINEAR, 0.9, 10),
+        (LINEAR, 0.2, 1),
+        ({}, 0.5, 16),  # nothing measured: every size costs the same, so the largest
+        ({}, 0.0, 1),  # nothing survives: ties go to the smallest
     ],
 )
-def test_adaptive_updates(window: int, proposed: int, accepted: int, expected: int) -> None:
-    assert next_window(ADAPTIVE, window, proposed, accepted) == expected
+def test_best_window(table: dict[int, float], rate: float, expected: int) -> None:
+    assert best_window(ADAPTIVE, costs_of(table), rate) == expected
 
 
-def test_adaptive_walks_within_bounds() -> None:
-    window = ADAPTIVE.initial_window
-    seen = set()
-    for accepted_all in [True] * 5 + [False] * 5 + [True] * 2:
-        window = next_window(ADAPTIVE, window, window, window if accepted_all else 0)
-        seen.add(window)
-    assert seen == {2, 3, 4, 5, 6}
-    assert window == 4
+@given(
+    rates=st.tuples(st.floats(0, 1), st.floats(0, 1)),
+    table=st.dictionaries(st.integers(1, 16), st.floats(0.1, 10), min_size=1),
+)
+def test_a_higher_accept_rate_never_shrinks_the_window(
+    rates: tuple[float, float], table: dict[int, float]
+) -> None:
+    low, high = sorted(rates)
+    costs = costs_of(table)
+    assert best_window(ADAPTIVE, costs, low) <= best_window(ADAPTIVE, costs, high)
 
 
-@pytest.mark.parametrize(("proposed", "accepted"), [(4, 4), (4, 0), (3, 1), (0, 0)])
-def test_fixed_never_moves(proposed: int, accepted: int) -> None:
-    policy = WindowPolicy("fixed", initial_window=4, min_window=1, max_window=8)
-    assert next_window(policy, 4, proposed, accepted) == 4
+def test_full_acceptance_grows_and_rejection_shrinks() -> None:
+    costs = costs_of(LINEAR)
+    window = Window(ADAPTIVE, costs)
+    sizes = []
+    for accepted_all in [True] * 6 + [False] * 6:
+        size = window.size
+        window.update(size, size if accepted_all else 0)
+        sizes.append(window.size)
+    assert sizes[:6] == sorted(sizes[:6])
+    assert sizes[5] > ADAPTIVE.initial_window
+    assert sizes[6:] == sorted(sizes[6:], reverse=True)
+    assert sizes[-1] < ADAPTIVE.initial_window
+    assert all(ADAPTIVE.min_window <= s <= ADAPTIVE.max_window for s in sizes)
+
+
+def test_adaptive_window_tries_a_larger_size_and_keeps_it_only_if_it_pays() -> None:
+    """Costs are learnt from the steps: a size that turns out dear is given up."""
+    true_cost = {k: 1.0 if k <= 4 else 5.0 for k in range(1, 17)}
+    window = Window(ADAPTIVE)
+    tried = set()
+    for _ in range(12):
+        size = window.size
+        tried.add(size)
+        window.update(size, size, seconds=true_cost[size])  # every draft accepted
+    assert max(tried) > 4  # it explored beyond the initial window …
+    assert window.size == 4  # … and came back to the best one
+
+
+def test_plain_steps_and_fixed_policies_leave_the_window_alone() -> None:
+    fixed = Window(WindowPolicy("fixed", initial_window=4, min_window=1, max_window=8))
+    for proposed, accepted in [(4, 4), (4, 0), (3, 1)]:
+        fixed.update(proposed, accepted, seconds=1.0)
+        assert fixed.size == 4
+    adaptive = Window(ADAPTIVE)
+    adaptive.update(0, 0, seconds=1.0)
+    assert adaptive.size == ADAPTIVE.initial_window
+    assert adaptive.costs.seconds == {}
 
 
 @pytest.mark.parametrize(
