@@ -109,6 +109,8 @@ class MeshHost:
             log.info("serving %s on %d stage(s)", self.service.model_id, len(pipeline.stage_nodes))
         self._pipelines += 1
         spec = self.service.spec_host
+        if spec is not None:
+            spec.forget_costs()
         if spec is not None and spec.settings.strategy == "layer-skip":
             # The old drafter shares the old stage 0's weights: drop it now; requests
             # decode plainly until the new one is built.

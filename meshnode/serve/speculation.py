@@ -194,9 +194,8 @@ class SpeculationHost:
 
         ``head_source`` opens a source holding the final norm (and an untied head) for a
         stage 0 that does not hold them; it is called only then. ``None`` drops the
-        drafter (the mesh is replanning). The step costs measured so far are dropped.
+        drafter (the mesh is replanning).
         """
-        self.costs = StepCosts()
         if self.settings.strategy != "layer-skip":
             return
         self.draft_stage, self.layer_skip = None, None
@@ -216,6 +215,10 @@ class SpeculationHost:
             stage.config.num_layers,
             stage.end,
         )
+
+    def forget_costs(self) -> None:
+        """Drop the measured step costs: a new pipeline has its own."""
+        self.costs = StepCosts()
 
     def _layer_skip_count(self, stage: Stage) -> int:
         wanted = layer_skip_layers(stage.config, self.settings.layer_skip_layers)
@@ -283,6 +286,8 @@ class SpeculationHost:
                 "tokens_per_verify": stats.tokens_per_verify,
                 "cost_per_accepted_token_s": stats.cost_per_accepted_token,
             },
+            # Measured seconds of a step by its number of drafts (adaptive windows).
+            "step_costs_s": {str(k): v for k, v in sorted(self.costs.seconds.items())},
             "warnings": list(self.warnings),
         }
 
