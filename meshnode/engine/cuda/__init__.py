@@ -1,0 +1,19 @@
+"""The CUDA path of a stage: CuPy arrays, the engine's own kernels, CUDA graphs.
+
+Layering, bottom up:
+
+- ``formats``: how a weight matrix is laid out on the device (float32, float16, raw
+  bfloat16, raw GGML Q8_0 / Q4_K blocks) and the NumPy reference of its block math.
+  NumPy only: imported and tested on every machine.
+- ``kernels``: the CUDA C source of every kernel and each kernel's launch geometry.
+  Plain text and Python: imported and compile-checked without a GPU.
+- ``device``: the kernels compiled through CuPy and called with arrays (imports CuPy).
+- ``weights``: a stage's weights uploaded in their device format.
+- ``stage``: the forward of a stage on the device, with fixed buffers per decode/verify
+  size and the CUDA graph that replays it.
+
+Every kernel has a NumPy reference (:mod:`meshnode.engine.ops` or ``formats``); the tests
+in ``tests/engine/test_gpu*.py`` compare them on a device, ``test_ops_emulated.py`` on the
+CPU by compiling the same source with a C++ compiler and running each thread block on
+threads.
+"""

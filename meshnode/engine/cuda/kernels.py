@@ -1,0 +1,412 @@
+"""CUDA C source of the stage kernels and the launch geometry of each.
+
+One thread block per row (norms, softmax, embedding), per output feature (matmul) or per
+(head, query row) (attention); reductions go through shared memory; every sum is float32.
+The source keeps to plain C++ with no headers and no warp intrinsics so that the same text
+compiles with NVRTC (through CuPy) and with a host C++ compiler for the CPU emulation in
+``tests/engine/test_ops_emulated.py``; half-precision conversions are the one device-only
+part (PTX ``cvt``), with host twins in the emulation.
+
+Positions and the KV cache are read from a device "step" array, ``int64[4]``:
+``[first position, cache capacity T, K base address, V base address]``. So a captured
+CUDA graph replays for any position and any sequence's cache: only the step array and
+the inputs are rewritten before a replay.
+
+Weights of a matmul decode in units of 32 values (``UNIT``): a Q8_0 block, one eighth of
+a Q4_K super-block, or 32 consecutive floats. ``F::unit(row, u, w)`` writes the 32 floats
+of unit ``u`` of a row; the matmul, the embedding gather and the dequantize kernel all
+use it, so each format's block math is written once (and mirrored in NumPy by
+:func:`meshnode.engine.cuda.formats.decode_units`).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BLOCK",
+    "GEMV_BLOCK",
+    "MAX_HEAD_DIM",
+    "MAX_ROWS",
+    "SOURCE",
+    "UNIT",
+    "flat_grid",
+    "template_names",
+]
+
+BLOCK = 256  # threads of the row/head kernels (a power of two: tree reductions)
+GEMV_BLOCK = 64  # threads per output feature: a 2048-wide row is 64 units of 32
+MAX_ROWS = 16  # rows one matmul-vector call takes: decode (1) and verify windows (<= 16)
+MAX_HEAD_DIM = 256  # the attention kernel keeps one query head in shared memory
+UNIT = 32  # values per decode unit (see the module docstring)
+
+FORMATS = ("FmtF32", "FmtF16", "FmtBF16", "FmtQ8_0", "FmtQ4_K")
+KV_TYPES = ("float", "u16")  # the KV cache in float32, or float16 bits
+
+SOURCE = r"""
+#define MN_BLOCK 256
+#define MN_MAX_ROWS 16
+#define MN_MAX_HEAD_DIM 256
+#define MN_UNIT 32
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float bits_to_f32(u32 b) { return __uint_as_float(b); }
+#endif
+
+__device__ __forceinline__ float neg_inf() { return bits_to_f32(0xff800000u); }
+__device__ __forceinline__ float f16_at(const u8* p) {  // GGML blocks: no alignment
+    return f16_to_f32((u16)(p[0] | (p[1] << 8)));
+}
+
+// ---- weight formats: the 32 floats of unit u of one row ----------------------------
+
+struct FmtF32 {
+    static __device__ i64 row_bytes(int in) { return 4LL * in; }
+    static __device__ void unit(const u8* row, int u, float* w) {
+        const float* p = (const float*)row + (i64)u * MN_UNIT;
+        for (int j = 0; j < MN_UNIT; ++j) w[j] = p[j];
+    }
+};
+
+struct FmtF16 {
+    static __device__ i64 row_bytes(int in) { return 2LL * in; }
+    static __device__ void unit(const u8* row, int u, float* w) {
+        const u16* p = (const u16*)row + (i64)u * MN_UNIT;
+        for (int j = 0; j < MN_UNIT; ++j) w[j] = f16_to_f32(p[j]);
+    }
+};
+
+// bfloat16 is the top half of a float32; CuPy has no bfloat16 dtype, so the device keeps
+// the raw 16-bit patterns in a uint16 array.
+struct FmtBF16 {
+    static __device__ i64 row_bytes(int in) { return 2LL * in; }
+    static __device__ void unit(const u8* row, int u, float* w) {
+        const u16* p = (const u16*)row + (i64)u * MN_UNIT;
+        for (int j = 0; j < MN_UNIT; ++j) w[j] = bits_to_f32((u32)p[j] << 16);
+    }
+};
+
+// GGML block_q8_0: d (f16), qs[32] (int8); value = d * q.
+struct FmtQ8_0 {
+    static __device__ i64 row_bytes(int in) { return (i64)(in / 32) * 34; }
+    static __device__ void unit(const u8* row, int u, float* w) {
+        const u8* b = row + (i64)u * 34;
+        const float d = f16_at(b);
+        const signed char* q = (const signed char*)(b + 2);
+        for (int j = 0; j < MN_UNIT; ++j) w[j] = d * (float)q[j];
+    }
+};
+
+// GGML block_q4_K, 256 values: d, dmin (f16), scales[12] (eight 6-bit scales and mins),
+// qs[128]. Unit j of a super-block is its j-th run of 32: scale/min as ggml's
+// get_scale_min_k4(j), values in the low (j even) or high (j odd) nibbles of
+// qs[32 * (j / 2) ..]; value = d * sc * q - dmin * m (dequantize_row_q4_K).
+struct FmtQ4_K {
+    static __device__ i64 row_bytes(int in) { return (i64)(in / 256) * 144; }
+    static __device__ void unit(const u8* row, int u, float* w) {
+        const u8* b = row + (i64)(u / 8) * 144;
+        const int j = u % 8;
+        const u8* s = b + 4;
+        int sc, m;
+        if (j < 4) {
+            sc = s[j] & 63;
+            m = s[j + 4] & 63;
+        } else {
+            sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+            m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        }
+        const float dl = f16_at(b) * (float)sc;
+        const float ml = f16_at(b + 2) * (float)m;
+        const u8* q = b + 16 + (j / 2) * 32;
+        const int shift = (j % 2) * 4;
+        for (int l = 0; l < MN_UNIT; ++l) w[l] = dl * (float)((q[l] >> shift) & 0xF) - ml;
+    }
+};
+
+// ---- KV cache element access: float32, or float16 bits ------------------------------
+
+__device__ __forceinline__ float kv_load(const float* p, i64 i) { return p[i]; }
+__device__ __forceinline__ float kv_load(const u16* p, i64 i) { return f16_to_f32(p[i]); }
+__device__ __forceinline__ void kv_store(float* p, i64 i, float v) { p[i] = v; }
+__device__ __forceinline__ void kv_store(u16* p, i64 i, float v) { p[i] = f32_to_f16(v); }
+
+__device__ __forceinline__ void out_store(float* p, i64 i, float v) { p[i] = v; }
+__device__ __forceinline__ void out_store(u16* p, i64 i, float v) { p[i] = f32_to_f16(v); }
+
+// ---- block reductions (blockDim.x a power of two; red[] holds blockDim.x floats) ----
+
+__device__ float block_sum(float v, float* red) {
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
+        __syncthreads();
+    }
+    const float total = red[0];
+    __syncthreads();  // red is free again for the caller's next reduction
+    return total;
+}
+
+__device__ float block_max(float v, float* red) {
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + s]);
+        __syncthreads();
+    }
+    const float top = red[0];
+    __syncthreads();
+    return top;
+}
+
+// ---- kernels ----------------------------------------------------------------------
+
+// y[r] = w * x[r] / sqrt(mean(x[r]^2) + eps). Grid: rows; block: MN_BLOCK.
+extern "C" __global__ void rms_norm(
+    const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+    int n, float eps) {
+    __shared__ float red[MN_BLOCK];
+    const float* xr = x + (i64)blockIdx.x * n;
+    float* yr = y + (i64)blockIdx.x * n;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+    const float s = sqrtf(block_sum(ss, red) / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w[i] * (xr[i] / s);
+}
+
+// The residual add and the next norm: x[r] += h[r]; y[r] = rms_norm(x[r]). Grid: rows.
+extern "C" __global__ void add_rms_norm(
+    float* __restrict__ x, const float* __restrict__ h, const float* __restrict__ w,
+    float* __restrict__ y, int n, float eps) {
+    __shared__ float red[MN_BLOCK];
+    float* xr = x + (i64)blockIdx.x * n;
+    const float* hr = h + (i64)blockIdx.x * n;
+    float* yr = y + (i64)blockIdx.x * n;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = xr[i] + hr[i];
+        xr[i] = v;
+        ss += v * v;
+    }
+    const float s = sqrtf(block_sum(ss, red) / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w[i] * (xr[i] / s);
+}
+
+// Row softmax of x [rows, n] in place. Grid: rows; block: MN_BLOCK.
+extern "C" __global__ void softmax(float* __restrict__ x, int n) {
+    __shared__ float red[MN_BLOCK];
+    float* xr = x + (i64)blockIdx.x * n;
+    float m = neg_inf();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, xr[i]);
+    m = block_max(m, red);
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float e = expf(xr[i] - m);
+        xr[i] = e;
+        sum += e;
+    }
+    sum = block_sum(sum, red);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) xr[i] = xr[i] / sum;
+}
+
+// out[r, i] = silu(gate[r, i]) * up[r, i] for gate_up [rows, 2 I]; grid-stride, flat.
+extern "C" __global__ void silu_mul(
+    const float* __restrict__ gate_up, float* __restrict__ out, int rows, int inter) {
+    const i64 total = (i64)rows * inter;
+    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < total;
+         k += (i64)gridDim.x * blockDim.x) {
+        const i64 r = k / inter, i = k % inter;
+        const float g = gate_up[r * 2 * inter + i];
+        const float u = gate_up[r * 2 * inter + inter + i];
+        out[k] = g / (1.0f + expf(-fmaxf(g, -80.0f))) * u;
+    }
+}
+
+// RoPE (rotate-half pairs i, i + D/2) on the Q and K heads of qkv [n, (H + 2 Hkv) D] at
+// positions step[0] + row; Q is rotated in place, K is rotated into the cache and V copied
+// there: cache [L, Hkv, T, D], layer `layer`, positions step[0] .. step[0] + n - 1.
+template <typename KV>
+__global__ void rope_store(
+    float* __restrict__ qkv, const float* __restrict__ inv_freq, const i64* __restrict__ step,
+    int layer, int n, int heads, int kv_heads, int dim) {
+    const i64 pos0 = step[0], cap = step[1];
+    KV* kc = (KV*)step[2] + (i64)layer * kv_heads * cap * dim;
+    KV* vc = (KV*)step[3] + (i64)layer * kv_heads * cap * dim;
+    const int half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+    const i64 pairs = (i64)n * (heads + kv_heads) * half;
+    const i64 copies = (i64)n * kv_heads * dim;
+    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < pairs + copies;
+         k += (i64)gridDim.x * blockDim.x) {
+        if (k < pairs) {
+            const i64 row = k / ((heads + kv_heads) * half);
+            const int head = (int)(k / half % (heads + kv_heads)), i = (int)(k % half);
+            float* base = qkv + row * width + (i64)head * dim;
+            const float f = (float)(pos0 + row) * inv_freq[i];
+            const float c = cosf(f), s = sinf(f);
+            const float a = base[i], b = base[i + half];
+            const float ra = a * c + (-b) * s, rb = b * c + a * s;
+            if (head < heads) {
+                base[i] = ra;
+                base[i + half] = rb;
+            } else {
+                const i64 at = ((i64)(head - heads) * cap + pos0 + row) * dim;
+                kv_store(kc, at + i, ra);
+                kv_store(kc, at + i + half, rb);
+            }
+        } else {
+            const i64 c = k - pairs;
+            const i64 row = c / (kv_heads * dim);
+            const int kh = (int)(c / dim % kv_heads), d = (int)(c % dim);
+            const float v = qkv[row * width + (i64)(heads + kv_heads) * dim + (i64)kh * dim + d];
+            kv_store(vc, ((i64)kh * cap + pos0 + row) * dim + d, v);
+        }
+    }
+}
+
+// Causal grouped-query attention of the last `rows` of n new positions, reading the cache
+// in place (after rope_store wrote this step's K/V). Grid: (H, rows); block: MN_BLOCK.
+// Query row i is at position p = step[0] + n - rows + i and sees keys 0 .. p. One pass
+// over the keys in chunks of blockDim with a running max and sum (online softmax), so no
+// scratch memory is needed for any context length. out: [rows, H D].
+template <typename KV>
+__global__ void attention(
+    const float* __restrict__ qkv, float* __restrict__ out, const i64* __restrict__ step,
+    int layer, int n, int rows, int heads, int kv_heads, int dim, float scale) {
+    __shared__ float q[MN_MAX_HEAD_DIM];
+    __shared__ float p[MN_BLOCK];
+    __shared__ float red[MN_BLOCK];
+    const int h = blockIdx.x, i = blockIdx.y, tid = threadIdx.x;
+    const i64 cap = step[1];
+    const int qrow = n - rows + i;
+    const i64 len = step[0] + qrow + 1;
+    const i64 kv_off = ((i64)layer * kv_heads + h / (heads / kv_heads)) * cap * dim;
+    const KV* kc = (const KV*)step[2] + kv_off;
+    const KV* vc = (const KV*)step[3] + kv_off;
+    const int width = (heads + 2 * kv_heads) * dim;
+    for (int d = tid; d < dim; d += blockDim.x) q[d] = qkv[(i64)qrow * width + (i64)h * dim + d];
+    __syncthreads();
+    // Output: thread (d, part) sums the keys t = part (mod parts) of each chunk for dim d.
+    const int parts = blockDim.x / dim, d = tid % dim, part = tid / dim;
+    float m = neg_inf(), l = 0.0f, acc = 0.0f;
+    for (i64 c0 = 0; c0 < len; c0 += blockDim.x) {
+        const i64 t = c0 + tid;
+        float s = neg_inf();
+        if (t < len) {
+            float dot = 0.0f;
+            for (int e = 0; e < dim; ++e) dot += q[e] * kv_load(kc, t * dim + e);
+            s = dot * scale;
+        }
+        const float new_m = fmaxf(m, block_max(s, red));
+        const float pt = t < len ? expf(s - new_m) : 0.0f;
+        p[tid] = pt;
+        const float corr = expf(m - new_m);  // 0 on the first chunk (m = -inf)
+        l = l * corr + block_sum(pt, red);  // block_sum's barriers also publish p[]
+        acc *= corr;
+        const i64 chunk = len - c0 < (i64)blockDim.x ? len - c0 : (i64)blockDim.x;
+        if (part < parts) {
+            for (i64 j = part; j < chunk; j += parts) acc += p[j] * kv_load(vc, (c0 + j) * dim + d);
+        }
+        m = new_m;
+        __syncthreads();  // p[] is rewritten by the next chunk
+    }
+    red[tid] = acc;
+    __syncthreads();
+    if (part == 0) {
+        float total = 0.0f;
+        for (int k = 0; k < parts; ++k) total += red[k * dim + d];
+        out[((i64)i * heads + h) * dim + d] = total / l;
+    }
+}
+
+// y[r, o] = sum_k x[r, k] W[o, k] for rows <= MN_MAX_ROWS (decode and verify): W [out, in]
+// in format F, one block per output feature o; each unit of W is decoded once and used
+// for every row. Grid: out; block: GEMV_BLOCK.
+template <typename F>
+__global__ void gemv(
+    const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,
+    int rows, int in, int out) {
+    __shared__ float red[MN_BLOCK];
+    const i64 o = blockIdx.x;
+    const u8* row = w + o * F::row_bytes(in);
+    float acc[MN_MAX_ROWS];
+    for (int r = 0; r < MN_MAX_ROWS; ++r) acc[r] = 0.0f;
+    for (int u = threadIdx.x; u < in / MN_UNIT; u += blockDim.x) {
+        float wu[MN_UNIT];
+        F::unit(row, u, wu);
+#pragma unroll
+        for (int r = 0; r < MN_MAX_ROWS; ++r) {
+            if (r < rows) {
+                const float* xr = x + (i64)r * in + (i64)u * MN_UNIT;
+                float s = 0.0f;
+                for (int j = 0; j < MN_UNIT; ++j) s += wu[j] * xr[j];
+                acc[r] += s;
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < MN_MAX_ROWS; ++r) {
+        if (r < rows) {  // the same for every thread of the block: the barriers are safe
+            const float total = block_sum(acc[r], red);
+            if (threadIdx.x == 0) y[(i64)r * out + o] = total;
+        }
+    }
+}
+
+// x[r] = row ids[r] of the table [V, E] in format F, as float32. Grid: rows; block: MN_BLOCK.
+template <typename F>
+__global__ void embed(
+    const u8* __restrict__ table, const int* __restrict__ ids, float* __restrict__ x, int dim) {
+    const u8* row = table + (i64)ids[blockIdx.x] * F::row_bytes(dim);
+    float* xr = x + (i64)blockIdx.x * dim;
+    for (int u = threadIdx.x; u < dim / MN_UNIT; u += blockDim.x) {
+        float wu[MN_UNIT];
+        F::unit(row, u, wu);
+        for (int j = 0; j < MN_UNIT; ++j) xr[u * MN_UNIT + j] = wu[j];
+    }
+}
+
+// out [out, in] = W decoded, as float32 or float16 bits (prefill: one layer's weight is
+// expanded just before its matmul). Grid-stride over all units.
+template <typename F, typename O>
+__global__ void dequantize(const u8* __restrict__ w, O* __restrict__ dst, int in, int out) {
+    const int per_row = in / MN_UNIT;
+    const i64 total = (i64)out * per_row;
+    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < total;
+         k += (i64)gridDim.x * blockDim.x) {
+        const i64 o = k / per_row;
+        const int u = (int)(k % per_row);
+        float wu[MN_UNIT];
+        F::unit(w + o * F::row_bytes(in), u, wu);
+        for (int j = 0; j < MN_UNIT; ++j) out_store(dst, o * in + (i64)u * MN_UNIT + j, wu[j]);
+    }
+}
+"""
+
+
+PLAIN_KERNELS = ("rms_norm", "add_rms_norm", "softmax", "silu_mul")
+
+
+def template_names() -> list[str]:
+    """Every template instance the module compiles (CuPy ``name_expressions``)."""
+    names = [f"rope_store<{t}>" for t in KV_TYPES] + [f"attention<{t}>" for t in KV_TYPES]
+    names += [f"gemv<{f}>" for f in FORMATS] + [f"embed<{f}>" for f in FORMATS]
+    names += [f"dequantize<{f}, {o}>" for f in FORMATS for o in ("float", "u16")]
+    return names
+
+
+def flat_grid(total: int, block: int = BLOCK, max_blocks: int = 65535) -> int:
+    """Blocks for a grid-stride kernel over ``total`` items (at least one)."""
+    return max(1, min(max_blocks, -(-total // block)))
