@@ -1,7 +1,7 @@
 """Speculative decoding benchmark (issue 6): strategies × prompt sets × single node / two stages.
 
 Run: ``.venv/bin/python benchmarks/speculative.py [--configs single two] [--runs 3]
-[--max-tokens 40]``
+[--max-tokens 128] [--sweep-layers 15 20 24 27]``
 
 For every configuration (``single``: one ``meshnode join --model`` process; ``two``: a
 host and a worker process on loopback with ``--split 2``) one mesh per strategy (baseline =
@@ -15,7 +15,12 @@ the ratio of tokens/s to the same configuration's baseline. Every greedy reply i
 against the baseline's: speculation must not change a token.
 
 Sets: ``chat`` — short open questions (drafts rarely match); ``code`` — code-editing
-requests whose answer copies most of the prompt (n-gram lookups shine).
+requests whose answer copies most of the prompt (n-gram lookups shine). Replies run to
+their end of turn or ``--max-tokens``.
+
+A last table sweeps the layer count of the layer-skip drafter in this process (single node,
+``meshnode.spec.generate``, adaptive window): tokens/s, accept rate and ratio to plain
+decoding per set, from which ``DEFAULT_LAYER_SKIP_FRACTION`` is chosen.
 """
 
 from __future__ import annotations
@@ -86,7 +91,7 @@ STRATEGIES: dict[str, list[str]] = {
     ],
     "layer-skip adaptive": [
         "--speculative", "layer-skip", "--window-policy", "adaptive",
-        "--initial-window", "3", "--min-window", "1", "--max-window", "6",
+        "--initial-window", "3", "--min-window", "1", "--max-window", "8",
     ],
 }  # fmt: skip
 
@@ -212,13 +217,87 @@ def table(results: dict[tuple[str, str], dict[str, SetRun]], configs: list[str])
     return "\n".join(lines)
 
 
+def sweep_layer_skip(layer_counts: list[int], runs: int, max_tokens: int) -> str:
+    """Layer-skip drafting with each layer count against plain decoding, in this process."""
+    from meshnode.engine.backend import cpu_backend
+    from meshnode.engine.loader import load_model
+    from meshnode.engine.sampling import SamplingParams
+    from meshnode.spec.draft import StageProposer, layer_skip_stage
+    from meshnode.spec.generate import speculative_generate
+    from meshnode.spec.proposer import EMPTY_PROPOSAL, Proposal
+    from meshnode.spec.window import StepCosts, WindowPolicy
+
+    class Plain:
+        def propose(self, history: Any, max_tokens: int) -> Proposal:
+            return EMPTY_PROPOSAL
+
+        def on_result(self, proposed: int, accepted: int, *, seconds: float | None = None) -> None:
+            return None
+
+    model = load_model(MODEL, cpu_backend())
+    assert model.chat_template is not None
+    greedy = SamplingParams(temperature=0.0)
+    window = WindowPolicy("adaptive", initial_window=3, min_window=1, max_window=8)
+    prompts = {
+        name: [
+            model.tokenizer.encode(
+                model.chat_template.render(
+                    [{"role": "system", "content": SYSTEM}, {"role": "user", "content": p}]
+                )
+            )
+            for p in texts
+        ]
+        for name, texts in SETS.items()
+    }
+    drafters = {0: None, **{n: layer_skip_stage(model.stage, n) for n in layer_counts}}
+    lines = [
+        "| layer-skip layers | set | tokens/s | accept rate | × plain |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for name, encoded in prompts.items():
+        rates: dict[int, tuple[float, float]] = {}
+        plain_replies: list[list[int]] = []
+        for layers, drafter in drafters.items():
+            costs = StepCosts()
+            samples = []
+            for _ in range(runs):
+                tokens = proposed = accepted = 0
+                began = time.perf_counter()
+                for ids in encoded:
+                    proposer = Plain() if drafter is None else StageProposer(drafter, greedy, 2048)
+                    run = speculative_generate(
+                        model.stage, ids, greedy, proposer, max_new_tokens=max_tokens,
+                        window=window, eos_ids=model.config.eos_token_ids, costs=costs,
+                    )  # fmt: skip
+                    if drafter is None:
+                        plain_replies.append(run.generated)
+                    elif run.generated != plain_replies[encoded.index(ids)]:
+                        raise SystemExit(f"GREEDY MISMATCH: layer-skip {layers} on {name}")
+                    tokens += len(run.generated)
+                    proposed += run.stats.proposed
+                    accepted += run.stats.accepted
+                samples.append((tokens / (time.perf_counter() - began), proposed, accepted))
+            samples.sort()
+            speed, proposed, accepted = samples[len(samples) // 2]
+            rates[layers] = (speed, accepted / proposed if proposed else 0.0)
+        for layers, (speed, rate) in rates.items():
+            label = "plain" if layers == 0 else str(layers)
+            ratio = speed / rates[0][0]
+            lines.append(f"| {label} | {name} | {speed:.1f} | {rate:.0%} | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--configs", nargs="+", choices=["single", "two"], default=["single", "two"]
+        "--configs", nargs="*", choices=["single", "two"], default=["single", "two"]
     )
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--sweep-layers", nargs="*", type=int, default=[15, 20, 24, 27],
+        help="layer counts for the in-process layer-skip sweep (none: skip it)",
+    )  # fmt: skip
     args = parser.parse_args()
     results: dict[tuple[str, str], dict[str, SetRun]] = {}
     began = time.perf_counter()
@@ -226,6 +305,17 @@ def main() -> None:
         for strategy, sets in measure(config, args.runs, args.max_tokens).items():
             results[(config, strategy)] = sets
         print(table(results, [config]), file=sys.stderr, flush=True)
+    if args.configs:
+        report_meshes(results, args, time.perf_counter() - began)
+    if args.sweep_layers:
+        print("\nlayer-skip sweep (single node, in process, adaptive window 1..8):")
+        print(sweep_layer_skip(args.sweep_layers, args.runs, args.max_tokens))
+
+
+def report_meshes(
+    results: dict[tuple[str, str], dict[str, SetRun]], args: argparse.Namespace, wall_s: float
+) -> None:
+    """Print the meshes' table; exit 1 if any greedy reply differs from its baseline."""
     mismatches = [
         f"{config}/{strategy}/{name}"
         for (config, strategy), sets in results.items()
@@ -236,7 +326,7 @@ def main() -> None:
     print(
         f"\nmodel {MODEL}, greedy, {args.max_tokens} tokens max per reply, median of "
         f"{args.runs} runs; two stages: 1 BLAS thread per process; "
-        f"total {time.perf_counter() - began:.0f} s"
+        f"total {wall_s:.0f} s"
     )
     if mismatches:
         print(f"GREEDY MISMATCH vs baseline: {', '.join(mismatches)}")

@@ -87,13 +87,16 @@ class StepCosts:
     def estimate(self, drafts: int) -> float | None:
         """Cost of a ``drafts``-draft step; ``None`` before anything was measured.
 
-        A size not measured yet is interpolated linearly between its measured neighbours;
-        past the largest measured size costs are assumed flat (the optimistic guess that
-        makes the policy try a larger window), below the smallest one likewise.
+        A size not measured yet is interpolated linearly between its measured neighbours
+        (plain steps count as size 0). Past the largest measured size costs are assumed
+        flat, below the smallest one proportional to the rows (``drafts + 1``): both are
+        optimistic guesses, which make the policy try such a size once and measure it.
         """
         if drafts in self.seconds:
             return self.seconds[drafts]
-        below = [k for k in self.seconds if 0 < k < drafts]
+        if not self.seconds:
+            return None
+        below = [k for k in self.seconds if k < drafts]
         above = [k for k in self.seconds if k > drafts]
         if below and above:
             lo, hi = max(below), min(above)
@@ -101,7 +104,8 @@ class StepCosts:
             return self.seconds[lo] + share * (self.seconds[hi] - self.seconds[lo])
         if below:
             return self.seconds[max(below)]
-        return self.seconds[min(above)] if above else None
+        hi = min(above)
+        return self.seconds[hi] * (drafts + 1) / (hi + 1)
 
 
 class Window:
@@ -111,6 +115,7 @@ class Window:
         self.policy = policy
         self.costs = costs if costs is not None else StepCosts()
         self.size = policy.initial_window
+        self._passes = 0
         self._accepted = PRIOR_ACCEPTED
         self._tried = PRIOR_TRIED
 
@@ -123,11 +128,16 @@ class Window:
         """Account for a step that verified ``proposed`` drafts and kept ``accepted``.
 
         ``seconds`` is the step's wall time (proposing and verifying). A plain step
-        (``proposed == 0``) says nothing about acceptance or the window.
+        (``proposed == 0``) only adds its cost, as size 0. The request's
+        first pass is not counted as a cost: it also pays one-time work (a draft model
+        catching up over the whole prompt), which would make its size look dear for good.
         """
         if proposed == 0:
+            if seconds is not None:
+                self.costs.record(0, seconds)
             return
-        if seconds is not None:
+        self._passes += 1
+        if seconds is not None and self._passes > 1:
             self.costs.record(proposed, seconds)
         if self.policy.kind == "fixed":
             return
@@ -137,18 +147,20 @@ class Window:
         for outcome in outcomes:
             self._accepted = RATE_DECAY * self._accepted + outcome
             self._tried = RATE_DECAY * self._tried + 1.0
-        self.size = best_window(self.policy, self.costs, self.accept_rate)
+        self.size = best_window(self.policy, self.costs, self.accept_rate, self.size)
 
 
-def best_window(policy: WindowPolicy, costs: StepCosts, rate: float) -> int:
+def best_window(policy: WindowPolicy, costs: StepCosts, rate: float, current: int) -> int:
     """The window in ``[min_window, max_window]`` with the most tokens per second.
 
-    Before any cost is known every size is taken to cost the same. Ties go to the smaller
-    window.
+    With no cost measured yet there is nothing to weigh: ``current`` stays. Ties go to the
+    smaller window.
     """
+    if not costs.seconds:
+        return current
     best, best_value = policy.min_window, -1.0
     for k in range(policy.min_window, policy.max_window + 1):
-        cost = costs.estimate(k) or 1.0  # nothing measured (or a clock that stands still)
+        cost = costs.estimate(k) or 1.0  # a clock that stands still measures 0
         value = expected_tokens(k, rate) / cost
         if value > best_value * (1 + 1e-9):
             best, best_value = k, value

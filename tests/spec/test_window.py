@@ -37,11 +37,13 @@ def test_expected_tokens_is_the_geometric_sum() -> None:
 
 
 def test_cost_estimates_interpolate_and_stay_flat_past_the_largest() -> None:
-    costs = costs_of({2: 1.0, 6: 3.0})
-    assert costs.estimate(2) == 1.0
-    assert costs.estimate(4) == pytest.approx(2.0)  # between measured sizes: linear
+    costs = costs_of({2: 1.5, 6: 3.0})
+    assert costs.estimate(2) == 1.5
+    assert costs.estimate(4) == pytest.approx(2.25)  # between measured sizes: linear
     assert costs.estimate(10) == 3.0  # past the largest: optimistic, flat
-    assert costs.estimate(1) == 1.0  # below the smallest: flat
+    assert costs.estimate(1) == pytest.approx(1.0)  # below the smallest: by rows, 2 of 3
+    costs.record(0, 0.9)  # a plain step
+    assert costs.estimate(1) == pytest.approx(1.2)
     assert StepCosts().estimate(3) is None
 
 
@@ -60,12 +62,13 @@ def test_costs_are_averaged() -> None:
         (CPU, 0.3, 1),  # few drafts survive: one row more is all that pays
         (LINEAR, 0.9, 10),
         (LINEAR, 0.2, 1),
-        ({}, 0.5, 16),  # nothing measured: every size costs the same, so the largest
-        ({}, 0.0, 1),  # nothing survives: ties go to the smallest
+        ({}, 0.9, 4),  # nothing measured: nothing to weigh, the window stays
+        ({3: 1.0}, 0.9, 16),  # one size measured: larger ones may cost the same, try one
+        ({k: 1.0 for k in range(1, 17)}, 0.0, 1),  # nothing survives: ties go to the smallest
     ],
 )
 def test_best_window(table: dict[int, float], rate: float, expected: int) -> None:
-    assert best_window(ADAPTIVE, costs_of(table), rate) == expected
+    assert best_window(ADAPTIVE, costs_of(table), rate, current=4) == expected
 
 
 @given(
@@ -77,7 +80,7 @@ def test_a_higher_accept_rate_never_shrinks_the_window(
 ) -> None:
     low, high = sorted(rates)
     costs = costs_of(table)
-    assert best_window(ADAPTIVE, costs, low) <= best_window(ADAPTIVE, costs, high)
+    assert best_window(ADAPTIVE, costs, low, 4) <= best_window(ADAPTIVE, costs, high, 4)
 
 
 def test_full_acceptance_grows_and_rejection_shrinks() -> None:
@@ -97,8 +100,10 @@ def test_full_acceptance_grows_and_rejection_shrinks() -> None:
 
 def test_adaptive_window_tries_a_larger_size_and_keeps_it_only_if_it_pays() -> None:
     """Costs are learnt from the steps: a size that turns out dear is given up."""
-    true_cost = {k: 1.0 if k <= 4 else 5.0 for k in range(1, 17)}
+    true_cost = {k: 1.0 + 0.01 * k if k <= 4 else 5.0 for k in range(1, 17)}
     window = Window(ADAPTIVE)
+    window.update(4, 4, seconds=100.0)  # the first pass pays one-time work: not a cost
+    assert window.costs.seconds == {}
     tried = set()
     for _ in range(12):
         size = window.size
@@ -116,7 +121,7 @@ def test_plain_steps_and_fixed_policies_leave_the_window_alone() -> None:
     adaptive = Window(ADAPTIVE)
     adaptive.update(0, 0, seconds=1.0)
     assert adaptive.size == ADAPTIVE.initial_window
-    assert adaptive.costs.seconds == {}
+    assert adaptive.costs.seconds == {0: 1.0}  # a plain step's cost is size 0's
 
 
 @pytest.mark.parametrize(
