@@ -1,20 +1,34 @@
 """The array backend, chosen once: NumPy (float32) on CPU, CuPy on a CUDA device.
 
-Everything in the engine does math through ``backend.xp`` so the same code runs on both.
+Everything in the engine does math through ``backend.xp`` so the same code runs on both;
+on CUDA a stage runs the engine's own kernels (``meshnode.engine.cuda``) with weights in
+``weights_dtype``. CuPy is imported only when a CUDA backend is asked for.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 
-__all__ = ["Backend", "BackendError", "Device", "cpu_backend", "select_backend"]
+__all__ = [
+    "Backend",
+    "BackendError",
+    "Device",
+    "WeightsDtype",
+    "cpu_backend",
+    "cuda_free_memory",
+    "select_backend",
+]
 
 Device = Literal["auto", "cpu", "cuda"]
+# Weights on the device: ``auto`` is bfloat16 where the model's config says it was trained
+# in bfloat16, else float16; float32 is the golden-parity mode. The CPU is float32 only.
+WeightsDtype = Literal["auto", "float32", "float16", "bfloat16"]
+WEIGHTS_DTYPES: tuple[str, ...] = get_args(WeightsDtype)
 
 
 class BackendError(RuntimeError):
@@ -27,6 +41,10 @@ class Backend:
 
     name: Literal["cpu", "cuda"]
     xp: ModuleType
+    weights_dtype: WeightsDtype = "float32"
+    cuda_graphs: bool = True  # capture and replay decode/verify steps (CUDA only)
+    # CUDA: the page-locked buffer device-to-host copies go through (device.PinnedStaging).
+    staging: Any = field(default=None, compare=False, repr=False)
 
     def asarray(self, a: np.ndarray) -> Any:
         """``a`` on this backend's device, float32."""
@@ -35,8 +53,27 @@ class Backend:
     def to_numpy(self, a: Any) -> np.ndarray:
         """``a`` copied to the host as a NumPy array."""
         if self.name == "cuda":
+            if self.staging is not None:
+                host: np.ndarray = self.staging.to_host(a)
+                return host
             return np.asarray(a.get())
         return np.asarray(a)
+
+    def describe(self) -> str:
+        """One line naming the backend and device, e.g. for ``meshnode join``'s log."""
+        if self.name == "cpu":
+            return "cpu (NumPy, float32)"
+        rt = self.xp.cuda.runtime
+        device = int(rt.getDevice())
+        name = rt.getDeviceProperties(device)["name"]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        version = int(rt.runtimeGetVersion())
+        cuda = f"CUDA {version // 1000}.{version % 1000 // 10}"
+        return f"cuda:{device} {name} (CuPy {self.xp.__version__}, {cuda}, {self.weights_dtype})"
+
+    def free_memory(self) -> int | None:
+        """Device memory free for weights and KV now, in bytes; None on the CPU backend."""
+        return cuda_free_memory(self.xp) if self.name == "cuda" else None
 
 
 def cpu_backend() -> Backend:
@@ -54,18 +91,41 @@ def _cupy() -> ModuleType | None:
     return cupy
 
 
-def select_backend(device: Device = "auto") -> Backend:
+def cuda_free_memory(cupy: ModuleType | None = None) -> int | None:
+    """Free memory of the current CUDA device plus what CuPy's pool holds unused, in bytes.
+
+    None when there is no CUDA device usable through CuPy.
+    """
+    cupy = cupy or _cupy()
+    if cupy is None:
+        return None
+    free, _total = cupy.cuda.runtime.memGetInfo()
+    return int(free) + int(cupy.get_default_memory_pool().free_bytes())
+
+
+def select_backend(
+    device: Device = "auto", weights_dtype: str = "auto", *, cuda_graphs: bool = True
+) -> Backend:
     """The backend for ``device``: ``auto`` prefers CUDA when CuPy sees a device.
 
-    Raises :class:`BackendError` when ``cuda`` is asked for and unavailable.
+    ``weights_dtype`` is one of :data:`WeightsDtype`. Raises :class:`BackendError` when
+    ``cuda`` is asked for and unavailable, or a dtype other than float32 is asked of the
+    CPU backend.
     """
-    if device == "cpu":
-        return cpu_backend()
-    cupy = _cupy()
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise BackendError(f"weights dtype must be one of {', '.join(WEIGHTS_DTYPES)}")
+    cupy = None if device == "cpu" else _cupy()
     if cupy is not None:
-        return Backend("cuda", cupy)
+        from meshnode.engine.cuda.device import PinnedStaging
+
+        dtype: Any = weights_dtype
+        return Backend("cuda", cupy, dtype, cuda_graphs, PinnedStaging(cupy))
     if device == "cuda":
         raise BackendError("--device cuda: no CUDA device usable through CuPy")
+    if weights_dtype not in ("auto", "float32"):
+        raise BackendError(
+            f"weights dtype {weights_dtype}: the CPU backend computes in float32 only"
+        )
     return cpu_backend()
 
 
@@ -85,4 +145,3 @@ def limit_cpu_threads(threads: int | None) -> object | None:
 
     handle: object = threadpool_limits(limits=threads, user_api="blas")
     return handle
-

@@ -11,14 +11,26 @@ class KVCache:
     """Keys and values of one sequence for the layers of one stage.
 
     Arrays are ``[L, Hkv, T, D]`` with ``T = max_tokens`` allocated up front, so decode
-    never reallocates. Only the first :attr:`length` positions are valid; truncating is
-    O(1) (speculative decoding rolls back rejected drafts this way).
+    never reallocates and a sequence that starts cannot run out of memory halfway. Only
+    the first :attr:`length` positions are valid; truncating is O(1) (speculative
+    decoding rolls back rejected drafts this way). ``dtype`` is float32 on the CPU; the
+    CUDA stage may keep float16 bit patterns (``uint16``) and writes them itself.
     """
 
-    def __init__(self, xp: Any, layers: int, kv_heads: int, head_dim: int, max_tokens: int):
+    def __init__(
+        self,
+        xp: Any,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        max_tokens: int,
+        *,
+        dtype: Any = None,
+    ):
+        dtype = xp.float32 if dtype is None else dtype
         self.max_tokens = max_tokens
-        self.k = xp.zeros((layers, kv_heads, max_tokens, head_dim), dtype=xp.float32)
-        self.v = xp.zeros((layers, kv_heads, max_tokens, head_dim), dtype=xp.float32)
+        self.k = xp.zeros((layers, kv_heads, max_tokens, head_dim), dtype=dtype)
+        self.v = xp.zeros((layers, kv_heads, max_tokens, head_dim), dtype=dtype)
         self.length = 0
 
     def truncate(self, n: int) -> None:

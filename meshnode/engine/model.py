@@ -3,6 +3,8 @@
 A stage embeds token ids when it is the first stage and applies the final norm and the
 output head when it is the last. One ``forward`` handles prefill (many new tokens), decode
 (one) and verify (k + 1) alike: new tokens attend causally to the cache and to each other.
+On a CUDA backend the stage hands its forward to ``meshnode.engine.cuda.stage`` (the same
+math as the functions of ``meshnode.engine.ops`` this file calls, as fused kernels).
 
 Shapes: S new tokens, T cached + new positions, E hidden size, H query heads, Hkv key/value
 heads, G = H / Hkv, D head dim, V vocabulary, r rows whose output is wanted.
@@ -10,7 +12,7 @@ heads, G = H / Hkv, D head dim, V vocabulary, r rows whose output is wanted.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from meshnode_packaging.sources import ModelSource
@@ -20,6 +22,9 @@ from meshnode.engine.backend import Backend, cpu_backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.kv_cache import KVCache
 from meshnode.engine.weights import LayerWeights, StageWeights, load_stage_weights
+
+if TYPE_CHECKING:
+    from meshnode.engine.cuda.stage import CudaStage
 
 __all__ = ["GEMV_MAX_ROWS", "Stage"]
 
@@ -67,9 +72,18 @@ class Stage:
         inv_freq = np.asarray(config.rope_inv_freq(), dtype=np.float32)
         self._inv_freq = self.backend.asarray(inv_freq)  # [D/2]
         self._scale = float(1.0 / np.sqrt(config.head_dim))
+        self._cuda: CudaStage | None = None
+        if self.backend.name == "cuda":  # the engine's kernels, fixed buffers, CUDA graphs
+            from meshnode.engine.cuda.stage import CudaStage
+
+            self._cuda = CudaStage(
+                config, self.weights, embed=embed, head=head, backend=self.backend
+            )
 
     def new_cache(self, max_tokens: int) -> KVCache:
         """An empty KV cache for one sequence of up to ``max_tokens`` positions."""
+        if self._cuda is not None:
+            return self._cuda.new_cache(max_tokens)
         c = self.config
         return KVCache(self.xp, self.end - self.start, c.num_kv_heads, c.head_dim, max_tokens)
 
@@ -85,6 +99,8 @@ class Stage:
         only write their K/V in the last layer and skip the rest of it and the head.
         Raises ``ValueError`` if ``start_pos`` is past the cache's end or the cache is full.
         """
+        if self._cuda is not None:
+            return self._cuda.forward(inputs, start_pos, cache, out_rows)
         cache.truncate(start_pos)
         x = self._embed(inputs) if self.embed else self.xp.asarray(inputs, self.xp.float32)
         n = x.shape[0]

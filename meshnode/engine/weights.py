@@ -6,6 +6,10 @@ this makes the one-row decode product a streaming ``gemv`` that runs at memory b
 and Q/K/V and gate/up are fused into one matrix each so a block makes four matmul calls.
 The token embedding is kept once, as ``[hidden, vocab]``: the head is ``x @ embed_t`` and
 the embedding lookup is a column gather, so a tied model holds a single copy.
+
+On a CUDA backend the same dataclasses hold device matrices in the GGML ``[out, in]``
+layout instead (``meshnode.engine.cuda.weights``; ``embed_t``/``head_t`` are then
+``[vocab, hidden]`` rows).
 """
 
 from __future__ import annotations
@@ -109,6 +113,12 @@ def load_stage_weights(
 
     Raises ``KeyError`` naming a missing tensor.
     """
+    if backend.name == "cuda":
+        from meshnode.engine.cuda.weights import load_cuda_stage_weights
+
+        return load_cuda_stage_weights(
+            source, config, start, end, embed=embed, head=head, backend=backend
+        )
     layers = [_layer(source, config, i, backend) for i in range(start, end)]
     tied = config.tie_word_embeddings or "lm_head.weight" not in source.tensor_names()
     embed_t = None
