@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Installs meshnode and its two sibling distributions into ./.venv (created if missing).
 # Usage: scripts/install.sh [EXTRA[,EXTRA...]]   e.g. scripts/install.sh test
+# (plus cuda12 or cuda13 on a machine with an NVIDIA driver: scripts/cuda_extra.sh)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
-extras="${1:-}"
+# With an NVIDIA driver and MESHNODE_EXTRAS unset, the matching CUDA extra is added.
+. "$root/scripts/cuda_extra.sh"
+extras="$(meshnode_extras "${1:-}")"
 python="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv

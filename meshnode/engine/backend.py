@@ -8,6 +8,7 @@ on CUDA a stage runs the engine's own kernels (``meshnode.engine.cuda``) with we
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal, get_args
@@ -23,6 +24,8 @@ __all__ = [
     "cuda_free_memory",
     "select_backend",
 ]
+
+log = logging.getLogger(__name__)
 
 Device = Literal["auto", "cpu", "cuda"]
 # Weights on the device: ``auto`` is bfloat16 where the model's config says it was trained
@@ -119,14 +122,26 @@ def select_backend(
         from meshnode.engine.cuda.device import PinnedStaging
 
         dtype: Any = weights_dtype
-        return Backend("cuda", cupy, dtype, cuda_graphs, PinnedStaging(cupy))
+        return _announce(Backend("cuda", cupy, dtype, cuda_graphs, PinnedStaging(cupy)))
     if device == "cuda":
         raise BackendError("--device cuda: no CUDA device usable through CuPy")
     if weights_dtype not in ("auto", "float32"):
         raise BackendError(
             f"weights dtype {weights_dtype}: the CPU backend computes in float32 only"
         )
-    return cpu_backend()
+    return _announce(cpu_backend())
+
+
+_announced: set[str] = set()
+
+
+def _announce(backend: Backend) -> Backend:
+    """Log the backend and device the first time this process selects it (``join``'s log)."""
+    line = backend.describe()
+    if line not in _announced:
+        _announced.add(line)
+        log.info("compute backend: %s", line)
+    return backend
 
 
 def limit_cpu_threads(threads: int | None) -> object | None:

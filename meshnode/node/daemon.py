@@ -47,7 +47,7 @@ from meshnode_protocol import (
     Role,
 )
 
-from meshnode.engine.backend import limit_cpu_threads, select_backend
+from meshnode.engine.backend import cuda_free_memory, limit_cpu_threads, select_backend
 from meshnode.net.discovery import (
     Advert,
     Discovered,
@@ -162,8 +162,14 @@ class Session:
 
 
 def usable_memory(config: NodeConfig) -> int:
-    """Memory offered to the mesh: what is available now, capped by ``--max-memory``."""
-    available = int(psutil.virtual_memory().available)
+    """Memory offered to the mesh: what is available now, capped by ``--max-memory``.
+
+    A ``--device cuda`` node holds its layers and KV caches in device memory, so it offers
+    the device's free memory (host RAM if no CUDA device is usable after all).
+    """
+    available = cuda_free_memory() if config.device == "cuda" else None
+    if available is None:
+        available = int(psutil.virtual_memory().available)
     cap = config.max_memory_bytes
     return available if cap is None else min(cap, available)
 

@@ -148,3 +148,20 @@ def test_backend_reports_device_and_memory() -> None:
     assert free is not None
     assert free > 0
     assert cpu_backend().free_memory() is None
+
+
+def test_cuda_node_offers_device_memory_and_kv_is_allocated_up_front(
+    tiny_gguf: Callable[[str], Path],
+) -> None:
+    from meshnode.node.config import NodeConfig
+    from meshnode.node.daemon import usable_memory
+
+    free = cuda_backend().free_memory()
+    assert free is not None
+    assert abs(usable_memory(NodeConfig(device="cuda")) - free) < free // 10
+    _, gpu = _stages(open_source(tiny_gguf("Q8_0")), "float16")
+    c = gpu.config
+    cache = gpu.new_cache(4096)
+    # float16 K and V for every position of every layer, before any token is written.
+    assert cache.nbytes() == 2 * c.num_layers * c.num_kv_heads * 4096 * c.head_dim * 2
+    assert cache.k.dtype == gpu.backend.xp.uint16
