@@ -80,6 +80,11 @@ class Stage:
                 config, self.weights, embed=embed, head=head, backend=self.backend
             )
 
+    @property
+    def cuda(self) -> CudaStage | None:
+        """The device side of this stage on a CUDA backend (None on the CPU)."""
+        return self._cuda
+
     def new_cache(self, max_tokens: int) -> KVCache:
         """An empty KV cache for one sequence of up to ``max_tokens`` positions."""
         if self._cuda is not None:

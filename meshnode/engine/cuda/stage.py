@@ -113,6 +113,27 @@ class CudaStage:
         cache.length = start_pos + n
         return out
 
+    def replay_seconds(self, rows: int, repeats: int) -> float | None:
+        """Device seconds of one replay of the graph for ``rows`` new rows (all output).
+
+        Timed with CUDA events over ``repeats`` back-to-back replays, so it is the device's
+        share of a step without the host's. None when no such graph was captured (graphs
+        off, or no forward of that shape yet). For benchmarks: the replays rewrite the
+        K/V of the last step's positions with the same values.
+        """
+        graph = self._graphs.get((rows, rows))
+        if graph is None:
+            return None
+        cp = self.cp
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        with self._lock:
+            start.record(self.stream)
+            for _ in range(repeats):
+                graph[0].launch(self.stream)
+            end.record(self.stream)
+            end.synchronize()
+        return float(cp.cuda.get_elapsed_time(start, end)) / 1e3 / repeats
+
     # -- decode and verify: fixed buffers, graphs -----------------------------------------
 
     def _small(self, inputs: Any, pos: int, cache: KVCache, n: int, rows: int) -> Any:
