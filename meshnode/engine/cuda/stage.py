@@ -11,7 +11,8 @@ sequence's cache are read from the device ``step`` array (see ``kernels``). The 
 forward of a (rows, output rows) shape runs eagerly; then the same launches are captured
 as a CUDA graph, which every later forward of that shape replays after copying its
 inputs and step in. If capture fails the stage logs it once and stays eager. Prefill
-(more rows) runs eagerly with fresh buffers and matmuls on weights expanded per layer.
+(more rows) runs eagerly with fresh buffers and float32 matmuls on weights expanded per
+layer.
 """
 
 from __future__ import annotations
@@ -256,13 +257,13 @@ class CudaStage:
         return logits
 
     def _linear(self, x: Any, w: DeviceMatrix, y: Any) -> None:
-        """``y = x @ W.T``: the decoding matvec for few rows, a cuBLAS matmul for many."""
+        """``y = x @ W.T``: the decoding matvec for few rows, a cuBLAS matmul for many.
+
+        Prefill multiplies in float32 with the weight expanded for this one call: float16
+        inputs or outputs overflow (65504) on hidden states that real models do reach.
+        """
         if x.shape[0] <= MAX_ROWS:
             self.k.gemv(w, x, y)
             return
-        cp = self.cp
-        if w.fmt in ("f32", "f16"):
-            dense = w.data
-        else:  # bfloat16 widens to float32 (CuPy has no bfloat16 matmul); blocks to float16
-            dense = self.k.dequantize(w, cp.float32 if w.fmt == "bf16" else cp.float16)
-        y[...] = cp.matmul(x.astype(dense.dtype, copy=False), dense.T)
+        dense = w.data if w.fmt == "f32" else self.k.dequantize(w, self.cp.float32)
+        self.cp.matmul(x, dense.T, out=y)

@@ -1,0 +1,248 @@
+"""The CUDA stage's orchestration, run without a GPU.
+
+``meshnode.engine.cuda.stage.CudaStage`` is driven with host arrays standing in for CuPy
+arrays and with each kernel replaced by its NumPy reference (the kernels themselves are
+checked against the same references in ``test_ops_emulated.py``). This checks what lies
+between the kernels: weight formats chosen at load, the fixed buffers and their slices,
+the residual add fused into the next norm, ``out_rows``, the step array (positions and
+the cache read through its addresses), the float16 KV cache, the prefill matmul path and
+the fallback when graph capture fails. What it cannot check is CuPy itself: streams,
+graphs, pinned memory (``tests/engine/test_gpu_stage.py`` does, on a device).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from meshnode_packaging.sources import open_source
+
+from meshnode.engine import ModelConfig, Stage, ops
+from meshnode.engine.backend import Backend
+from meshnode.engine.cuda import formats
+from meshnode.engine.cuda import stage as cuda_stage
+from meshnode.engine.cuda.device import DeviceMatrix
+
+IDS = [1, 60, 61, 62, 259, 70, 19, 20, 223, 89, 90, 91, 92, 260]
+
+
+class HostArray(np.ndarray):
+    """A NumPy array with the three CuPy array methods the stage uses."""
+
+    def set(self, host: np.ndarray, stream: Any = None) -> None:
+        self[...] = host
+
+    def get(self) -> np.ndarray:
+        return np.array(self)
+
+    @property
+    def data(self) -> Any:
+        return SimpleNamespace(ptr=self.ctypes.data)
+
+
+def _host(fn: Callable[..., np.ndarray]) -> Callable[..., HostArray]:
+    def make(*args: Any, **kwargs: Any) -> HostArray:
+        return np.asarray(fn(*args, **kwargs)).view(HostArray)
+
+    return make
+
+
+class Stream:
+    """Runs everything at once; refuses capture (so the stage must fall back)."""
+
+    def __init__(self, non_blocking: bool = False) -> None:
+        pass
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def begin_capture(self) -> None:
+        raise RuntimeError("no graph capture on the host")
+
+
+FAKE_CP = SimpleNamespace(
+    asarray=_host(np.asarray),
+    zeros=_host(np.zeros),
+    empty=_host(np.empty),
+    add=np.add,
+    matmul=np.matmul,
+    float32=np.float32,
+    float16=np.float16,
+    int32=np.int32,
+    int64=np.int64,
+    uint16=np.uint16,
+    cuda=SimpleNamespace(Stream=Stream),
+)
+
+
+def _decoded(w: DeviceMatrix) -> np.ndarray:
+    raw = np.asarray(w.data).view(np.uint8).reshape(w.out_features, -1)
+    return formats.decode_units(raw, w.fmt, w.in_features)
+
+
+class ReferenceKernels:
+    """``device.Kernels`` with each kernel computed by its NumPy reference."""
+
+    def warm_up(self) -> None:
+        return None
+
+    def rms_norm(self, x: Any, w: Any, y: Any, eps: float) -> None:
+        y[...] = ops.rms_norm(np, x, w, eps)
+
+    def add_rms_norm(self, x: Any, h: Any, w: Any, y: Any, eps: float) -> None:
+        x[...], y[...] = ops.add_rms_norm(np, x, h, w, eps)
+
+    def silu_mul(self, gate_up: Any, out: Any) -> None:
+        out[...] = ops.silu_mul(np, gate_up)
+
+    @staticmethod
+    def _cache(address: int, layer: int, shape: tuple[int, int, int], kv: str) -> np.ndarray:
+        """Layer ``layer`` of the cache at ``address``, as the kernels address it."""
+        dtype = np.dtype(np.float32 if kv == "float" else np.float16)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        buf = (ctypes.c_uint8 * nbytes).from_address(address + layer * nbytes)
+        return np.ctypeslib.as_array(buf).view(dtype).reshape(shape)
+
+    def rope_store(
+        self, qkv: Any, inv: Any, step: Any, layer: int, heads: int, kv_heads: int, kv: str
+    ) -> None:
+        n = qkv.shape[0]
+        dim = qkv.shape[1] // (heads + 2 * kv_heads)
+        pos0, cap, k_at, v_at = (int(v) for v in step)
+        cos, sin = ops.rope_cos_sin(np, inv, pos0, n)
+        q = qkv[:, : heads * dim].reshape(n, heads, dim).transpose(1, 0, 2)
+        qkv[:, : heads * dim] = ops.rotate_half(np, q, cos, sin).transpose(1, 0, 2).reshape(n, -1)
+        k = qkv[:, heads * dim : (heads + kv_heads) * dim].reshape(n, kv_heads, dim)
+        v = qkv[:, (heads + kv_heads) * dim :].reshape(n, kv_heads, dim)
+        shape = (kv_heads, cap, dim)
+        k_cache, v_cache = self._cache(k_at, layer, shape, kv), self._cache(v_at, layer, shape, kv)
+        k_cache[:, pos0 : pos0 + n] = ops.rotate_half(np, k.transpose(1, 0, 2), cos, sin)
+        v_cache[:, pos0 : pos0 + n] = v.transpose(1, 0, 2)
+
+    def attention(
+        self,
+        qkv: Any,
+        out: Any,
+        step: Any,
+        layer: int,
+        heads: int,
+        kv_heads: int,
+        scale: float,
+        kv: str,
+    ) -> None:
+        n, rows = qkv.shape[0], out.shape[0]
+        dim = qkv.shape[1] // (heads + 2 * kv_heads)
+        pos0, cap, k_at, v_at = (int(v) for v in step)
+        shape = (kv_heads, cap, dim)
+        keys = self._cache(k_at, layer, shape, kv)[:, : pos0 + n].astype(np.float32)
+        values = self._cache(v_at, layer, shape, kv)[:, : pos0 + n].astype(np.float32)
+        q = np.ascontiguousarray(qkv[n - rows :, : heads * dim].reshape(rows, heads, dim))
+        att = ops.attention(np, q.transpose(1, 0, 2), keys, values, scale)
+        out[...] = att.transpose(1, 0, 2).reshape(rows, -1)
+
+    def gemv(self, w: DeviceMatrix, x: Any, y: Any) -> None:
+        y[...] = x @ _decoded(w).T
+
+    def embed(self, table: DeviceMatrix, ids: Any, x: Any) -> None:
+        x[...] = _decoded(table)[np.asarray(ids)]
+
+    def dequantize(self, w: DeviceMatrix, dtype: Any) -> Any:
+        return _decoded(w).astype(dtype).view(HostArray)
+
+
+@pytest.fixture(autouse=True)
+def _reference_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cuda_stage, "kernels_for", lambda cp: ReferenceKernels())
+    monkeypatch.setitem(sys.modules, "cupyx", SimpleNamespace(empty_pinned=_host(np.empty)))
+
+
+def _stages(
+    tiny_gguf: Callable[[str], Path], qtype: str, dtype: str, *, split: int | None = None
+) -> tuple[Stage, list[Stage]]:
+    """The NumPy stage and the host-run CUDA stage(s) (two when ``split``)."""
+    source = open_source(tiny_gguf(qtype))
+    c = ModelConfig.from_hf(source.config)
+    backend = Backend("cuda", FAKE_CP, dtype, cuda_graphs=True)  # type: ignore[arg-type]
+    cpu = Stage(c, source, 0, c.num_layers, embed=True, head=True)
+    if split is None:
+        return cpu, [Stage(c, source, 0, c.num_layers, embed=True, head=True, backend=backend)]
+    first = Stage(c, source, 0, split, embed=True, head=False, backend=backend)
+    return cpu, [
+        first,
+        Stage(c, source, split, c.num_layers, embed=False, head=True, backend=backend),
+    ]
+
+
+def _spread_error(got: Any, want: np.ndarray) -> float:
+    return float(np.abs(np.asarray(got) - want).max() / want.std())
+
+
+@pytest.mark.parametrize(
+    ("qtype", "dtype", "fmt", "limit"),
+    [
+        ("Q8_0", "float32", "f32", 1e-5),
+        ("Q8_0", "float16", "q8_0", 2e-2),
+        ("Q4_K", "bfloat16", "q4_k", 2e-2),
+        # bfloat16 keeps 8 of float16's 11 significant bits: ~2^-9 per weight, not 2^-12.
+        ("F16", "bfloat16", "bf16", 8e-2),
+    ],
+)
+def test_prefill_decode_verify_and_long_prefill_match_numpy(
+    tiny_gguf: Callable[[str], Path],
+    caplog: pytest.LogCaptureFixture,
+    qtype: str,
+    dtype: str,
+    fmt: str,
+    limit: float,
+) -> None:
+    cpu, (gpu,) = _stages(tiny_gguf, qtype, dtype)
+    assert gpu.weights.layers[0].wqkv.fmt == fmt
+    ids = [*IDS, 77, 78, 79, 80, 81]
+    want = cpu.forward(np.array(ids), 0, cpu.new_cache(64))
+    cache = gpu.new_cache(64)
+    assert cache.k.dtype == (np.float32 if dtype == "float32" else np.uint16)
+    with caplog.at_level(logging.WARNING, logger=cuda_stage.__name__):
+        got = [gpu.forward(np.array(IDS), 0, cache, out_rows=2)]  # 14 rows, last 2 out
+        got += [gpu.forward(np.array([t]), len(IDS) + i, cache) for i, t in enumerate(ids[14:17])]
+        got.append(gpu.forward(np.array(ids[17:]), 17, cache))  # a verify window of 2
+    assert [r.message for r in caplog.records] == [
+        "CUDA graph capture failed, decoding without graphs: no graph capture on the host"
+    ]
+    assert _spread_error(np.concatenate(got), want[12:]) < limit
+    assert cache.length == len(ids)
+    long_ids = np.array((ids * 3)[:40])  # more rows than the matvec takes: the matmul path
+    want_long = cpu.forward(long_ids, 0, cpu.new_cache(64))
+    assert _spread_error(gpu.forward(long_ids, 0, cache), want_long) < limit
+
+
+def test_rollback_and_full_cache(tiny_gguf: Callable[[str], Path]) -> None:
+    _, (gpu,) = _stages(tiny_gguf, "Q8_0", "float32")
+    cache = gpu.new_cache(20)
+    full = np.asarray(gpu.forward(np.array(IDS), 0, cache))
+    gpu.forward(np.array([5, 6, 7]), len(IDS), cache)  # a draft that gets rejected
+    redo = gpu.forward(np.array(IDS[10:]), 10, cache)
+    np.testing.assert_allclose(redo, full[10:], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="KV cache full: 24 > 20 tokens"):
+        gpu.forward(np.arange(10), 14, cache)
+
+
+def test_split_stages_pass_hidden_states(tiny_gguf: Callable[[str], Path]) -> None:
+    cpu, (first, second) = _stages(tiny_gguf, "Q8_0", "float16", split=1)
+    want = cpu.forward(np.array(IDS), 0, cpu.new_cache(32))
+    hidden = first.backend.to_numpy(first.forward(np.array(IDS), 0, first.new_cache(32)))
+    assert hidden.shape == (len(IDS), cpu.config.hidden_size)
+    got = second.forward(hidden, 0, second.new_cache(32))
+    assert _spread_error(got, want) < 2e-2
