@@ -37,6 +37,7 @@ class GenerateConfig:
     raw: bool = False
     json: bool = False
     device: Device = "auto"
+    dtype: str = "auto"  # weights on a CUDA device; select_backend checks it
     threads: int | None = None
 
 
@@ -77,7 +78,7 @@ def run(config: GenerateConfig) -> int:
     """Run one generation; return the process exit status."""
     try:
         limit = limit_cpu_threads(config.threads)  # held until generation ends
-        backend = select_backend(config.device)
+        backend = select_backend(config.device, config.dtype)
         model = load_model(config.model, backend)
         result = complete(model, config, sys.stdout)
     except (BackendError, ModelLoadError, TemplateError, ValueError, _BadInput) as exc:
@@ -107,6 +108,9 @@ def generate_command(
         bool, typer.Option("--json", help="Print a JSON summary as the last line.")
     ] = False,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    dtype: Annotated[
+        str, typer.Option(help="Weights on a CUDA device: auto, float16, bfloat16 or float32.")
+    ] = "auto",
     threads: Annotated[
         int | None, typer.Option(min=1, help="BLAS threads on CPU (default: one per core).")
     ] = None,
@@ -128,6 +132,7 @@ def generate_command(
         raw=raw,
         json=json_output,
         device=cast(Device, device),  # checked above
+        dtype=dtype,
         threads=threads,
     )
     raise typer.Exit(run(config))

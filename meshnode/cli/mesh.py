@@ -21,6 +21,7 @@ from meshnode.node.config import (
     config_file_for,
     load_config,
     parse_bytes,
+    parse_weights_dtype,
 )
 
 # `status` gives up on a silent daemon quickly: it is a local, interactive command.
@@ -74,6 +75,10 @@ def join(
         str | None, typer.Option(help="Cap on memory offered to the mesh (e.g. 8GiB).")
     ] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda.")] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="Weights on a CUDA device: auto, float16, bfloat16 or float32."),
+    ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML config file.")] = None,
     heartbeat_interval: Annotated[
         float | None, typer.Option(help="Seconds between heartbeats.")
@@ -163,6 +168,7 @@ def join(
             "mdns": False if no_mdns else None,
             "max_memory_bytes": None if max_memory is None else parse_bytes(max_memory),
             "device": _device(device),
+            "weights_dtype": None if dtype is None else parse_weights_dtype(dtype),
             "log_level": log_level,
             "heartbeat.interval_s": heartbeat_interval,
             "heartbeat.suspect_after_s": suspect_after,

@@ -29,8 +29,9 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
+from meshnode.engine.backend import WEIGHTS_DTYPES, WeightsDtype
 from meshnode.errors import ConfigError
 from meshnode.net.address import Address
 from meshnode.spec.settings import SpeculativeConfigError, SpeculativeFlags, check_table
@@ -94,6 +95,9 @@ class NodeConfig:
     peers: tuple[Address, ...] = ()
     max_memory_bytes: int | None = None
     device: Device = "cpu"
+    # Weights on a CUDA device: auto (bfloat16 for a model trained in it, else float16),
+    # float16, bfloat16, or float32 (the golden-parity mode). The CPU computes in float32.
+    weights_dtype: WeightsDtype = "auto"
     heartbeat: HeartbeatTimeouts = HeartbeatTimeouts()
     log_level: str = "INFO"
     cache_dir: Path | None = None
@@ -191,6 +195,14 @@ def _peers(v: object) -> tuple[Address, ...]:
     raise ConfigError(f"expected a list of HOST:PORT, got {v!r}")
 
 
+def parse_weights_dtype(v: object) -> WeightsDtype:
+    """A weights dtype name; raises ``ConfigError`` naming the choices."""
+    s = _str(v)
+    if s in WEIGHTS_DTYPES:
+        return cast(WeightsDtype, s)
+    raise ConfigError(f"dtype must be one of {', '.join(WEIGHTS_DTYPES)}, got {s!r}")
+
+
 def _device(v: object) -> Device:
     s = _str(v)
     if s == "cpu":
@@ -249,6 +261,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("api", "node", "api", "MESHNODE_API", _address),
     Setting("max_memory_bytes", "node", "max_memory", "MESHNODE_MAX_MEMORY", parse_bytes),
     Setting("device", "node", "device", "MESHNODE_DEVICE", _device),
+    Setting("weights_dtype", "node", "dtype", "MESHNODE_DTYPE", parse_weights_dtype),
     Setting("log_level", "node", "log_level", "MESHNODE_LOG_LEVEL", _log_level),
     Setting("cache_dir", "node", "cache_dir", "MESHNODE_CACHE_DIR", _path),
     Setting("threads", "node", "threads", "MESHNODE_THREADS", _positive_int),

@@ -254,7 +254,7 @@ class Node:
                 self.node_id,
                 self.send,
                 connect=self.connect,
-                backend=select_backend(self.config.device),
+                backend=select_backend(self.config.device, self.config.weights_dtype),
                 cache_dir=self.config.cache_dir,
                 nursery=nursery,
             )

@@ -26,7 +26,7 @@ from meshnode_packaging.refs import open_ref
 from meshnode_packaging.sources import ModelSource, SourceError
 from meshnode_protocol import Message
 
-from meshnode.engine.backend import Backend, select_backend
+from meshnode.engine.backend import Backend, BackendError, select_backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.engine.tokenizer import ChatTemplate, Tokenizer
@@ -198,7 +198,7 @@ async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentit
     service: ServeService | None = None
     if config.model is not None:
         source = await trio.to_thread.run_sync(open_stage0, config)
-        backend = select_backend(config.device)
+        backend = select_backend(config.device, config.weights_dtype)
         spec = await trio.to_thread.run_sync(host_speculation, config, source, backend)
         service = host_service(config, source, spec)
         host = MeshHost(config, source, service, backend)
@@ -213,5 +213,13 @@ async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentit
 
 
 def run(config: NodeConfig) -> int:
-    """Run ``meshnode join`` with ``config`` until interrupted; the exit status."""
+    """Run ``meshnode join`` with ``config`` until interrupted; the exit status.
+
+    Raises ``ConfigError`` before anything starts when the device or weights dtype cannot
+    be had here (``--device cuda`` without one, ``--dtype float16`` on a CPU).
+    """
+    try:
+        select_backend(config.device, config.weights_dtype)
+    except BackendError as exc:
+        raise ConfigError(str(exc)) from exc
     return daemon.run(config, build_node)

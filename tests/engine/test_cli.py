@@ -60,6 +60,8 @@ def test_console_script_unknown_alias() -> None:
     [
         (["--model", "/nonexistent/model.gguf"], "'/nonexistent/model.gguf' is not a model"),
         (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--device", "cpu", "--dtype", "float16"], "the CPU backend computes in float32 only"),
+        (["--device", "cpu", "--dtype", "int3"], "weights dtype must be one of"),
         (["--top-p", "0"], "top_p must be in (0, 1]"),
     ],
 )
