@@ -43,6 +43,9 @@ PRIOR_ACCEPTED = 1.0
 PRIOR_TRIED = 2.0
 # Weight of the newest sample in a step-cost average.
 COST_ALPHA = 0.25
+# Steps (of any size, on the node) after which a size's measured cost counts as unknown.
+# A few hundred milliseconds to seconds of decoding: re-measuring a size costs one pass.
+STALE_AFTER_STEPS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,15 +77,26 @@ class StepCosts:
     """Seconds of a step by its number of drafts, exponentially averaged.
 
     Shared by the requests of one node (and reset when its pipeline changes): the cost of a
-    k-draft pass depends on the machines and the mesh, which every request sees alike.
+    k-draft pass depends on the machines and the mesh, which every request sees alike. A
+    size not measured in the last ``STALE_AFTER_STEPS`` steps is treated as unmeasured, so
+    one slow step (another process took the core) cannot rule a size out for good: the
+    policy re-measures it when its estimate from fresher sizes says it may pay.
     """
 
     seconds: dict[int, float] = field(default_factory=dict)
+    measured_at: dict[int, int] = field(default_factory=dict)
+    steps: int = 0
 
     def record(self, drafts: int, seconds: float) -> None:
         """Add one measured step of ``drafts`` drafts."""
-        old = self.seconds.get(drafts)
+        self.steps += 1
+        old = self.seconds.get(drafts) if self._fresh(drafts) else None
         self.seconds[drafts] = seconds if old is None else old + COST_ALPHA * (seconds - old)
+        self.measured_at[drafts] = self.steps
+
+    def _fresh(self, drafts: int) -> bool:
+        at = self.measured_at.get(drafts)
+        return at is not None and self.steps - at <= STALE_AFTER_STEPS
 
     def estimate(self, drafts: int) -> float | None:
         """Cost of a ``drafts``-draft step; ``None`` before anything was measured.
@@ -92,20 +106,21 @@ class StepCosts:
         flat, below the smallest one proportional to the rows (``drafts + 1``): both are
         optimistic guesses, which make the policy try such a size once and measure it.
         """
-        if drafts in self.seconds:
-            return self.seconds[drafts]
-        if not self.seconds:
+        fresh = {k: v for k, v in self.seconds.items() if self._fresh(k)}
+        if drafts in fresh:
+            return fresh[drafts]
+        if not fresh:
             return None
-        below = [k for k in self.seconds if k < drafts]
-        above = [k for k in self.seconds if k > drafts]
+        below = [k for k in fresh if k < drafts]
+        above = [k for k in fresh if k > drafts]
         if below and above:
             lo, hi = max(below), min(above)
             share = (drafts - lo) / (hi - lo)
-            return self.seconds[lo] + share * (self.seconds[hi] - self.seconds[lo])
+            return fresh[lo] + share * (fresh[hi] - fresh[lo])
         if below:
-            return self.seconds[max(below)]
+            return fresh[max(below)]
         hi = min(above)
-        return self.seconds[hi] * (drafts + 1) / (hi + 1)
+        return fresh[hi] * (drafts + 1) / (hi + 1)
 
 
 class Window:

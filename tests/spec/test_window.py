@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshnode.spec.window import (
+    STALE_AFTER_STEPS,
     StepCosts,
     Window,
     WindowPolicy,
@@ -131,3 +132,19 @@ def test_plain_steps_and_fixed_policies_leave_the_window_alone() -> None:
 def test_invalid_policies_are_refused(kind: str, initial: int, low: int, high: int) -> None:
     with pytest.raises(ValueError, match="window"):
         WindowPolicy(kind, initial, low, high)  # type: ignore[arg-type]
+
+
+def test_one_slow_step_does_not_rule_a_size_out_for_good() -> None:
+    """A size measured once during a spike is tried again once its cost has gone stale."""
+    window = Window(ADAPTIVE)
+    window.update(4, 4, seconds=1.0)  # first pass: not counted
+    window.update(4, 4, seconds=1.0)
+    assert window.size == 16  # larger may cost the same: try it
+    window.update(16, 16, seconds=50.0)  # … during a spike: 16 looks dear
+    sizes = []
+    for _ in range(STALE_AFTER_STEPS + 2):
+        size = window.size
+        sizes.append(size)
+        window.update(size, size, seconds=1.0)  # in truth every size costs the same
+    assert sizes[0] < 16
+    assert sizes[-1] == 16
