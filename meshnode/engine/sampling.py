@@ -52,6 +52,15 @@ class SamplingParams:
         """True when the pick is the argmax."""
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        """True when a penalty changes the logits (``apply_penalties`` is not a copy)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
 
 def apply_penalties(
     logits: np.ndarray, params: SamplingParams, history: Sequence[int]

@@ -34,7 +34,7 @@ from meshnode.node.pipeline import (
     StepResult,
     TokenLogprob,
 )
-from meshnode.spec.acceptance import accept_greedy, accept_sampling
+from meshnode.spec.acceptance import accept_greedy, accept_sampling, greedy_targets
 
 #: Live sequences per stage. Each holds a preallocated KV cache of ``context_size``
 #: positions (SmolLM2-135M: ~46 KiB per position, so 8 x 2048 positions is ~750 MiB),
@@ -196,14 +196,16 @@ class StageRunner:
         drafts = list(frame.drafts)
         # Row i scores the token after last, d1 … di; its penalty history ends at di.
         base = frame.start_pos + 1
+        generated = seq.history[seq.prompt_len :]
+        if seq.sampling.temperature == 0:
+            target = greedy_targets(rows, seq.sampling, generated, base - seq.prompt_len)
+            return accept_greedy(target, drafts)
         target = np.stack(
             [
-                logits_to_probs(rows[i], seq.sampling, seq.history[seq.prompt_len : base + i])
+                logits_to_probs(rows[i], seq.sampling, generated[: base - seq.prompt_len + i])
                 for i in range(len(drafts) + 1)
             ]
         )
-        if seq.sampling.temperature == 0:
-            return accept_greedy(target, drafts)
         assert seq.rng is not None
         probs = frame.draft_probs
         if probs is not None:

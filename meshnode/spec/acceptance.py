@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from meshnode.engine.sampling import SamplingParams, apply_penalties
+
 Rows = npt.NDArray[np.floating]
 
 
@@ -39,6 +41,23 @@ def accept_greedy(target: Rows, drafts: Sequence[int]) -> tuple[int, list[int]]:
     while accepted < len(drafts) and int(best[accepted]) == drafts[accepted]:
         accepted += 1
     return accepted, [*drafts[:accepted], int(best[accepted])]
+
+
+def greedy_targets(
+    logits: Rows, params: SamplingParams, generated: Sequence[int], first: int
+) -> Rows:
+    """Rows whose argmax is the greedy token at each verified position, for ``accept_greedy``.
+
+    Row ``i`` must see the penalties a plain greedy step there would: those of
+    ``generated[: first + i]`` (the generated tokens, then the drafts before it). Without
+    penalties the logits themselves serve: a one-hot row per position (what
+    ``logits_to_probs`` builds) has the same argmax, and skipping it saves a float64 copy of
+    the whole vocabulary per row.
+    """
+    if not params.penalized:
+        return logits
+    rows = [apply_penalties(logits[i], params, generated[: first + i]) for i in range(len(logits))]
+    return np.stack(rows)
 
 
 def sample_row(row: Rows, rng: np.random.Generator) -> int:

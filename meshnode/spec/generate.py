@@ -22,7 +22,7 @@ import numpy.typing as npt
 from meshnode.engine.kv_cache import KVCache
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams, logits_to_probs
-from meshnode.spec.acceptance import accept_greedy, accept_sampling
+from meshnode.spec.acceptance import accept_greedy, accept_sampling, greedy_targets
 from meshnode.spec.proposer import Proposal, Proposer
 from meshnode.spec.scorer import forward_rows
 from meshnode.spec.telemetry import SpecStats
@@ -75,12 +75,16 @@ def target_probs(
 
 
 def choose(
-    rows: npt.NDArray[np.float64], proposal: Proposal, greedy: bool, rng: np.random.Generator
+    run: SpecRun, logits: npt.NDArray[np.float32], proposal: Proposal
 ) -> tuple[int, list[int]]:
-    """Apply the acceptance rule for the request's mode."""
-    if greedy:
-        return accept_greedy(rows, proposal.tokens)
-    return accept_sampling(rows, proposal.tokens, proposal.probs, rng)
+    """Apply the acceptance rule for the request's mode to the verify pass's logits."""
+    params, drafts = run.params, proposal.tokens
+    if params.greedy:
+        generated = [*run.generated, *drafts]
+        target = greedy_targets(logits, params, generated, len(run.generated))
+        return accept_greedy(target, drafts)
+    rows = target_probs(logits, params, run.generated, drafts)
+    return accept_sampling(rows, drafts, proposal.probs, run.rng)
 
 
 def prefill(
@@ -108,8 +112,7 @@ def prefill(
         window=Window(window, costs),
         capacity=capacity,
     )
-    rows = target_probs(logits, params, run.generated, ())
-    _, tokens = choose(rows, Proposal(()), params.greedy, run.rng)
+    _, tokens = choose(run, logits, Proposal(()))
     run.history += tokens
     return run
 
@@ -133,8 +136,7 @@ def verify_step(
     logits = forward_rows(
         run.stage, [history[-1], *proposal.tokens], start, run.cache, rows=len(proposal) + 1
     )
-    rows = target_probs(logits, run.params, run.generated, proposal.tokens)
-    accepted, tokens = choose(rows, proposal, run.params.greedy, run.rng)
+    accepted, tokens = choose(run, logits, proposal)
     seconds = clock() - began
     # Rejected drafts' K/V stay in the cache until the next forward overwrites them;
     # cutting here keeps cache length == committed K/V-bearing tokens at every boundary.

@@ -6,7 +6,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from meshnode.spec.acceptance import accept_greedy, accept_sampling, sample_row
+from meshnode.engine.sampling import Sampler, SamplingParams
+from meshnode.spec.acceptance import accept_greedy, accept_sampling, greedy_targets, sample_row
 from tests.spec.chisq import assert_fits, chi_square, critical_value
 
 F64 = npt.NDArray[np.float64]
@@ -126,3 +127,24 @@ def test_chi_square_detects_a_wrong_law() -> None:
     draft = MarkovModel(rng, vocab, concentration=0.8)
     counts = np.bincount([sample_row(draft.table[0], rng) for _ in range(trials)], minlength=5)
     assert chi_square(counts, target.table[0]) > critical_value(vocab - 1)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.2),
+    ],
+)
+def test_greedy_targets_pick_what_a_plain_greedy_step_would(params: SamplingParams) -> None:
+    """Row i's argmax is the plain greedy token after the generated tokens and drafts < i."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((4, 50)).astype(np.float32)
+    generated = [7, 7, 3, 12, 5, 9]  # 3 generated tokens, then 3 drafts
+    target = greedy_targets(logits, params, generated, first=3)
+    sampler = Sampler(params)
+    for i in range(4):
+        assert int(np.argmax(target[i])) == sampler.sample(logits[i], generated[: 3 + i])
+    if not params.penalized:
+        assert target is logits  # no float64 copy of the vocabulary per row
