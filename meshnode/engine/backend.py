@@ -7,6 +7,7 @@ on CUDA a stage runs the engine's own kernels (``meshnode.engine.cuda``) with we
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from dataclasses import dataclass, field
@@ -106,6 +107,7 @@ def cuda_free_memory(cupy: ModuleType | None = None) -> int | None:
     return int(free) + int(cupy.get_default_memory_pool().free_bytes())
 
 
+@functools.cache
 def select_backend(
     device: Device = "auto", weights_dtype: str = "auto", *, cuda_graphs: bool = True
 ) -> Backend:
@@ -113,7 +115,9 @@ def select_backend(
 
     ``weights_dtype`` is one of :data:`WeightsDtype`. Raises :class:`BackendError` when
     ``cuda`` is asked for and unavailable, or a dtype other than float32 is asked of the
-    CPU backend.
+    CPU backend. Chosen once per process and arguments (``join`` asks for it to refuse an
+    unusable device up front, then the host and the worker ask again): the device is
+    probed and the choice logged once, and every caller shares one pinned staging buffer.
     """
     if weights_dtype not in WEIGHTS_DTYPES:
         raise BackendError(f"weights dtype must be one of {', '.join(WEIGHTS_DTYPES)}")
@@ -132,15 +136,9 @@ def select_backend(
     return _announce(cpu_backend())
 
 
-_announced: set[str] = set()
-
-
 def _announce(backend: Backend) -> Backend:
-    """Log the backend and device the first time this process selects it (``join``'s log)."""
-    line = backend.describe()
-    if line not in _announced:
-        _announced.add(line)
-        log.info("compute backend: %s", line)
+    """Log the backend and device (``join``'s log); ``select_backend`` runs once per choice."""
+    log.info("compute backend: %s", backend.describe())
     return backend
 
 
