@@ -263,7 +263,7 @@ def sweep_layer_skip(layer_counts: list[int], runs: int, max_tokens: int) -> str
             for _ in range(runs):
                 tokens = proposed = accepted = 0
                 began = time.perf_counter()
-                for ids in encoded:
+                for j, ids in enumerate(encoded):
                     proposer = Plain() if drafter is None else StageProposer(drafter, greedy, 2048)
                     run = speculative_generate(
                         model.stage, ids, greedy, proposer, max_new_tokens=max_tokens,
@@ -271,7 +271,7 @@ def sweep_layer_skip(layer_counts: list[int], runs: int, max_tokens: int) -> str
                     )  # fmt: skip
                     if drafter is None:
                         plain_replies.append(run.generated)
-                    elif run.generated != plain_replies[encoded.index(ids)]:
+                    elif run.generated != plain_replies[j]:
                         raise SystemExit(f"GREEDY MISMATCH: layer-skip {layers} on {name}")
                     tokens += len(run.generated)
                     proposed += run.stats.proposed

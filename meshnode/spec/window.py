@@ -98,6 +98,10 @@ class StepCosts:
         at = self.measured_at.get(drafts)
         return at is not None and self.steps - at <= STALE_AFTER_STEPS
 
+    def fresh(self) -> dict[int, float]:
+        """The costs measured in the last ``STALE_AFTER_STEPS`` steps, by draft count."""
+        return {k: v for k, v in self.seconds.items() if self._fresh(k)}
+
     def estimate(self, drafts: int) -> float | None:
         """Cost of a ``drafts``-draft step; ``None`` before anything was measured.
 
@@ -106,21 +110,24 @@ class StepCosts:
         flat, below the smallest one proportional to the rows (``drafts + 1``): both are
         optimistic guesses, which make the policy try such a size once and measure it.
         """
-        fresh = {k: v for k, v in self.seconds.items() if self._fresh(k)}
-        if drafts in fresh:
-            return fresh[drafts]
-        if not fresh:
-            return None
-        below = [k for k in fresh if k < drafts]
-        above = [k for k in fresh if k > drafts]
-        if below and above:
-            lo, hi = max(below), min(above)
-            share = (drafts - lo) / (hi - lo)
-            return fresh[lo] + share * (fresh[hi] - fresh[lo])
-        if below:
-            return fresh[max(below)]
-        hi = min(above)
-        return fresh[hi] * (drafts + 1) / (hi + 1)
+        return _estimate(self.fresh(), drafts)
+
+
+def _estimate(fresh: dict[int, float], drafts: int) -> float | None:
+    if drafts in fresh:
+        return fresh[drafts]
+    if not fresh:
+        return None
+    below = [k for k in fresh if k < drafts]
+    above = [k for k in fresh if k > drafts]
+    if below and above:
+        lo, hi = max(below), min(above)
+        share = (drafts - lo) / (hi - lo)
+        return fresh[lo] + share * (fresh[hi] - fresh[lo])
+    if below:
+        return fresh[max(below)]
+    hi = min(above)
+    return fresh[hi] * (drafts + 1) / (hi + 1)
 
 
 class Window:
@@ -173,9 +180,10 @@ def best_window(policy: WindowPolicy, costs: StepCosts, rate: float, current: in
     """
     if not costs.seconds:
         return current
+    fresh = costs.fresh()  # once per step, not once per candidate size
     best, best_value = policy.min_window, -1.0
     for k in range(policy.min_window, policy.max_window + 1):
-        cost = costs.estimate(k) or 1.0  # a clock that stands still measures 0
+        cost = _estimate(fresh, k) or 1.0  # a clock that stands still measures 0
         value = expected_tokens(k, rate) / cost
         if value > best_value * (1 + 1e-9):
             best, best_value = k, value
