@@ -19,7 +19,7 @@ requests whose answer copies most of the prompt (n-gram lookups shine). Replies 
 their end of turn or ``--max-tokens``.
 
 A last table sweeps the layer count of the layer-skip drafter in this process (single node,
-``meshnode.spec.generate``, adaptive window): tokens/s, accept rate and ratio to plain
+``meshnode.speculative.generate``, adaptive window): tokens/s, accept rate and ratio to plain
 decoding per set, from which ``DEFAULT_LAYER_SKIP_FRACTION`` is chosen.
 """
 
@@ -222,10 +222,10 @@ def sweep_layer_skip(layer_counts: list[int], runs: int, max_tokens: int) -> str
     from meshnode.engine.backend import cpu_backend
     from meshnode.engine.loader import load_model
     from meshnode.engine.sampling import SamplingParams
-    from meshnode.spec.draft import StageProposer, layer_skip_stage
-    from meshnode.spec.generate import speculative_generate
-    from meshnode.spec.proposer import EMPTY_PROPOSAL, Proposal
-    from meshnode.spec.window import StepCosts, WindowPolicy
+    from meshnode.speculative.draft import StageProposer, layer_skip_stage
+    from meshnode.speculative.generate import speculative_generate
+    from meshnode.speculative.proposer import EMPTY_PROPOSAL, Proposal
+    from meshnode.speculative.window import StepCosts, WindowPolicy
 
     class Plain:
         def propose(self, history: Any, max_tokens: int) -> Proposal:

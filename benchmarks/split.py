@@ -59,7 +59,7 @@ CONTEXT = 512
 MAX_TOKENS = 48
 READY_TIMEOUT_S = 180.0
 REQUEST_TIMEOUT_S = 120.0
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "smollm2-135m-greedy.json"
+GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "golden" / "smollm2-135m-greedy.json"
 
 
 @dataclass

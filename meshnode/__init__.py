@@ -4,7 +4,7 @@ Packages by role; dependencies point one way, lower never imports higher:
 
 - ``meshnode.engine``: array math only (config, weights, KV cache, layer-range forward,
   sampling, tokenizer). NumPy on CPU, CuPy on CUDA, chosen in one place.
-- ``meshnode.spec``: speculative decoding as pure logic (proposers, windows, acceptance).
+- ``meshnode.speculative``: speculative decoding as pure logic (proposers, windows, acceptance).
 - ``meshnode.net``: transport (TLS streams, framing around ``meshnode_protocol``, discovery).
 - ``meshnode.node``: the daemon's state (membership, planner, coordinator, stage host).
 - ``meshnode.serve``: the stage-0 front end (OpenAI API, scheduler, generation loop).

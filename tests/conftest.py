@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-GOLDEN_DIR = REPO_ROOT.parent / "shared" / "golden"
+#: The suite's own copy of the reference outputs (see tests/golden/README.md).
+GOLDEN_DIR = REPO_ROOT / "tests" / "golden"
 
 
 def smollm2_gguf_path() -> Path:
@@ -29,7 +30,7 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def golden() -> dict[str, Any]:
-    """The reference greedy outputs in ``../shared/golden/`` (see its README)."""
+    """The reference greedy outputs in ``tests/golden/`` (see its README)."""
     path = GOLDEN_DIR / "smollm2-135m-greedy.json"
     if not path.exists():
         pytest.fail(f"golden reference missing at {path}")

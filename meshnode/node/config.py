@@ -10,9 +10,9 @@ parser). To add one: add a field to :class:`NodeConfig` and a row to ``SETTINGS`
 
 Speculative decoding is configured per model, so its TOML tables are nested rather than
 flat settings: ``[defaults.speculative]`` and ``[models."<model id>".speculative]`` are
-checked key by key (``meshnode.spec.settings.check_table``) and kept as the document
+checked key by key (``meshnode.speculative.settings.check_table``) and kept as the document
 ``resolve_speculative`` reads; the ``--speculative …`` flags travel as one
-:class:`~meshnode.spec.settings.SpeculativeFlags`. Both are resolved against the package's
+:class:`~meshnode.speculative.settings.SpeculativeFlags`. Both are resolved against the package's
 block only when the model is opened (``meshnode.serve.speculation``).
 
 When no ``--config`` is given, ``<state dir>/config.toml`` is read if it exists
@@ -34,7 +34,7 @@ from typing import Any, Literal, cast
 from meshnode.engine.backend import WEIGHTS_DTYPES, WeightsDtype
 from meshnode.errors import ConfigError
 from meshnode.net.address import Address
-from meshnode.spec.settings import SpeculativeConfigError, SpeculativeFlags, check_table
+from meshnode.speculative.settings import SpeculativeConfigError, SpeculativeFlags, check_table
 
 __all__ = [
     "Address",

@@ -9,7 +9,7 @@ stage, a :class:`~meshnode.node.pipeline.StepResult` with the chosen tokens.
 The last stage decides tokens itself (DESIGN §2): it keeps each sequence's token history
 (from the frames' ``tokens``, truncated with ``start_pos``) for the penalties, samples
 with a per-sequence seeded generator, and for a verify frame applies the acceptance rule
-of ``meshnode.spec.acceptance`` to the ``k + 1`` rows it computed.
+of ``meshnode.speculative.acceptance`` to the ``k + 1`` rows it computed.
 
 Calls are not thread-safe: the owner serializes ``process`` and ``release`` (the local
 pipeline holds a lock around both).
@@ -34,7 +34,7 @@ from meshnode.node.pipeline import (
     StepResult,
     TokenLogprob,
 )
-from meshnode.spec.acceptance import accept_greedy, accept_sampling, greedy_targets
+from meshnode.speculative.acceptance import accept_greedy, accept_sampling, greedy_targets
 
 #: Live sequences per stage. Each holds a preallocated KV cache of ``context_size``
 #: positions (SmolLM2-135M: ~46 KiB per position, so 8 x 2048 positions is ~750 MiB),

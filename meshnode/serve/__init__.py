@@ -1,4 +1,4 @@
 """The stage-0 front end: OpenAI-compatible API, scheduler, generation loop.
 
-Imports ``meshnode.node`` and ``meshnode.spec``.
+Imports ``meshnode.node`` and ``meshnode.speculative``.
 """

@@ -29,12 +29,12 @@ from meshnode.node.pipeline import (
     StepResult,
     TokenLogprob,
 )
-from meshnode.spec.telemetry import SpecStats
-from meshnode.spec.window import StepCosts, Window, WindowPolicy
+from meshnode.speculative.telemetry import SpecStats
+from meshnode.speculative.window import StepCosts, Window, WindowPolicy
 
 if TYPE_CHECKING:
     from meshnode.engine.sampling import SamplingParams
-    from meshnode.spec.proposer import Proposer
+    from meshnode.speculative.proposer import Proposer
 
 #: Prompt tokens per prefill frame. Small enough that a long prompt yields the pipeline
 #: to other sequences every few hundred milliseconds on a CPU and that a chunk's
@@ -198,7 +198,7 @@ class Speculation:
     a model-based proposer computes forward passes, which must not block the event loop
     (an n-gram lookup is cheaper than the thread hop). ``costs`` are the node's measured
     step costs, shared by its requests, from which adaptive windows are sized
-    (:mod:`meshnode.spec.window`).
+    (:mod:`meshnode.speculative.window`).
     """
 
     make_proposer: ProposerFactory

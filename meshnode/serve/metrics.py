@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from meshnode.spec.telemetry import SpecStats
+from meshnode.speculative.telemetry import SpecStats
 
 #: Latency buckets in seconds, from a fast local decode step (~ms) to a slow cold prefill.
 LATENCY_BUCKETS_S: tuple[float, ...] = (

@@ -37,7 +37,7 @@ from meshnode.serve.generation import (
 from meshnode.serve.metrics import ServeMetrics
 from meshnode.serve.scheduler import Scheduler, SchedulerLimits
 from meshnode.serve.speculation import SpeculationHost
-from meshnode.spec.telemetry import SpecStats
+from meshnode.speculative.telemetry import SpecStats
 
 
 class TextCodec(Protocol):

@@ -20,7 +20,7 @@ from meshnode.serve.generation import DEFAULT_PREFILL_CHUNK_TOKENS, Detokenizer,
 from meshnode.serve.scheduler import DEFAULT_MAX_IN_FLIGHT, SchedulerLimits
 from meshnode.serve.service import ServeService
 from meshnode.serve.speculation import SpeculationHost, speculation_host
-from meshnode.spec.settings import SpeculativeFlags
+from meshnode.speculative.settings import SpeculativeFlags
 
 #: Context when the caller does not choose one: the model's own limit, capped because
 #: every live sequence preallocates a KV cache of this many positions on every stage.

@@ -39,29 +39,29 @@ from meshnode.engine.sampling import SamplingParams
 from meshnode.errors import ConfigError
 from meshnode.node.coordinator import model_footprint
 from meshnode.serve.generation import Speculation
-from meshnode.spec.draft import (
+from meshnode.speculative.draft import (
     DraftIncompatibleError,
     draft_model_stage,
     layer_skip_layers,
     layer_skip_stage,
     vocab_info,
 )
-from meshnode.spec.factory import build_proposer
-from meshnode.spec.proposer import Proposer
-from meshnode.spec.settings import (
+from meshnode.speculative.factory import build_proposer
+from meshnode.speculative.proposer import Proposer
+from meshnode.speculative.settings import (
     SpeculativeConfigError,
     SpeculativeFlags,
     SpeculativeSettings,
     Strategy,
     resolve_speculative,
 )
-from meshnode.spec.telemetry import SpecStats
-from meshnode.spec.window import StepCosts
+from meshnode.speculative.telemetry import SpecStats
+from meshnode.speculative.window import StepCosts
 
 log = logging.getLogger("meshnode.speculation")
 
 # The strategy a node falls back to when a layer-skip drafter cannot be built: auto costs
-# nothing until the request shows that n-gram lookups pay (meshnode.spec.auto).
+# nothing until the request shows that n-gram lookups pay (meshnode.speculative.auto).
 LAYER_SKIP_FALLBACK: Strategy = "auto"
 # Memory a draft model may take, as a share of what the OS reports available: the rest is
 # headroom for KV caches and the stage itself growing under load.

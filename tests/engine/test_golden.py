@@ -1,4 +1,4 @@
-"""Golden parity with an independent implementation (../shared/golden/, see its README)."""
+"""Golden parity with an independent implementation (tests/golden/, see its README)."""
 
 from __future__ import annotations
 

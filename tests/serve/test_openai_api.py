@@ -194,8 +194,8 @@ def test_speculative_greedy_equals_plain_greedy(
 ) -> None:
     from meshnode.serve.generation import Speculation
     from meshnode.serve.single import build_single_node_service
-    from meshnode.spec.ngram import NgramProposer
-    from meshnode.spec.window import WindowPolicy
+    from meshnode.speculative.ngram import NgramProposer
+    from meshnode.speculative.window import WindowPolicy
 
     spec_service = build_single_node_service(
         str(tiny_model_dir),

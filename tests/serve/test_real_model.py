@@ -16,7 +16,7 @@ pytestmark = pytest.mark.real_model
 
 MODEL = "smollm2-135m"
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-#: Golden continuations are at most 48 tokens (see ../shared/golden/README.md).
+#: Golden continuations are at most 48 tokens (see tests/golden/README.md).
 GOLDEN_MAX_TOKENS = 48
 
 

@@ -29,10 +29,10 @@ from meshnode.serve.generation import (
     Speculation,
     generate,
 )
-from meshnode.spec.draft import StageProposer, layer_skip_stage
-from meshnode.spec.proposer import Proposer
-from meshnode.spec.window import WindowPolicy
-from tests.spec.tinymodel import TinySource, tiny_config
+from meshnode.speculative.draft import StageProposer, layer_skip_stage
+from meshnode.speculative.proposer import Proposer
+from meshnode.speculative.window import WindowPolicy
+from tests.speculative.tinymodel import TinySource, tiny_config
 
 CONTEXT = 128
 RANGES = ((0, 2), (2, 3), (3, 4))  # three stages of a 4-layer model

@@ -2,7 +2,7 @@
 
 Precedence (CLI > ``[models."<id>"]`` > ``[defaults]`` > package > built-in) is checked
 here through the real config loader and a real layer package; the pure resolution table
-lives in tests/spec/test_settings.py.
+lives in tests/speculative/test_settings.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from meshnode.node.config import config_file_for, load_config
 from meshnode.serve.service import ServeService
 from meshnode.serve.single import build_single_node_service
 from meshnode.serve.speculation import resolve_for_model
-from meshnode.spec.settings import SpeculativeFlags
+from meshnode.speculative.settings import SpeculativeFlags
 from tests.e2e.cluster import cli
 from tests.serve.conftest import (
     TINY_CONFIG,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from meshnode.spec import auto
-from meshnode.spec.auto import AutoNgramProposer
-from meshnode.spec.ngram import NgramParams
+from meshnode.speculative import auto
+from meshnode.speculative.auto import AutoNgramProposer
+from meshnode.speculative.ngram import NgramParams
 
 PARAMS = NgramParams(min_n=2, max_n=3, max_proposal=4)
 

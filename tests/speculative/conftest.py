@@ -9,7 +9,7 @@ from meshnode.engine.config import ModelConfig
 from meshnode.engine.loader import LoadedModel, load_model
 from meshnode.engine.model import Stage
 from tests.conftest import smollm2_gguf_path
-from tests.spec.tinymodel import TinySource, tiny_config
+from tests.speculative.tinymodel import TinySource, tiny_config
 
 VOCAB = 48
 TARGET_LAYERS = 4

@@ -7,7 +7,7 @@ there first; after acceptance the cache is cut to the committed tokens so that i
 always equals ``len(history) - 1`` (the last committed token is the next step's input).
 
 Greedy runs are token-for-token identical to plain greedy decoding; sampled runs follow
-the target's distribution (``meshnode.spec.acceptance``).
+the target's distribution (``meshnode.speculative.acceptance``).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import numpy.typing as npt
 from meshnode.engine.kv_cache import KVCache
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams, logits_to_probs
-from meshnode.spec.acceptance import accept_greedy, accept_sampling, greedy_targets
-from meshnode.spec.proposer import Proposal, Proposer
-from meshnode.spec.scorer import forward_rows
-from meshnode.spec.telemetry import SpecStats
-from meshnode.spec.window import StepCosts, Window, WindowPolicy
+from meshnode.speculative.acceptance import accept_greedy, accept_sampling, greedy_targets
+from meshnode.speculative.proposer import Proposal, Proposer
+from meshnode.speculative.scorer import forward_rows
+from meshnode.speculative.telemetry import SpecStats
+from meshnode.speculative.window import StepCosts, Window, WindowPolicy
 
 
 @dataclass(slots=True)

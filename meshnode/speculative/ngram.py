@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshnode.spec.proposer import EMPTY_PROPOSAL, Proposal
+from meshnode.speculative.proposer import EMPTY_PROPOSAL, Proposal
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshnode.spec.ngram import NgramIndex, NgramParams, NgramProposer
+from meshnode.speculative.ngram import NgramIndex, NgramParams, NgramProposer
 
 
 def brute_force(history: list[int], min_n: int, max_n: int, count: int) -> list[int]:

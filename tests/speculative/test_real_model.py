@@ -9,14 +9,14 @@ import pytest
 from meshnode.engine.loader import LoadedModel
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
-from meshnode.spec.auto import AutoNgramProposer
-from meshnode.spec.draft import StageProposer, layer_skip_stage
-from meshnode.spec.generate import speculative_generate
-from meshnode.spec.ngram import NgramProposer
-from meshnode.spec.proposer import Proposer
-from meshnode.spec.window import WindowPolicy
-from tests.spec.conftest import tiny_stage
-from tests.spec.tinymodel import TinySource, tiny_config
+from meshnode.speculative.auto import AutoNgramProposer
+from meshnode.speculative.draft import StageProposer, layer_skip_stage
+from meshnode.speculative.generate import speculative_generate
+from meshnode.speculative.ngram import NgramProposer
+from meshnode.speculative.proposer import Proposer
+from meshnode.speculative.window import WindowPolicy
+from tests.speculative.conftest import tiny_stage
+from tests.speculative.tinymodel import TinySource, tiny_config
 
 pytestmark = pytest.mark.real_model
 

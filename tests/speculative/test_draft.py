@@ -11,7 +11,7 @@ from meshnode.engine.backend import cpu_backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
-from meshnode.spec.draft import (
+from meshnode.speculative.draft import (
     DraftIncompatibleError,
     StageProposer,
     VocabInfo,
@@ -20,7 +20,7 @@ from meshnode.spec.draft import (
     layer_skip_layers,
     vocab_info,
 )
-from tests.spec.tinymodel import TinySource, tiny_config
+from tests.speculative.tinymodel import TinySource, tiny_config
 
 
 def tokenizer_json(vocab: dict[str, int]) -> str:

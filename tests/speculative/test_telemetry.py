@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from meshnode.spec.telemetry import SpecStats, summarize
+from meshnode.speculative.telemetry import SpecStats, summarize
 
 
 def test_record_and_rates() -> None:

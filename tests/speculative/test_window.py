@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshnode.spec.window import (
+from meshnode.speculative.window import (
     STALE_AFTER_STEPS,
     StepCosts,
     Window,

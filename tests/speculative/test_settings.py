@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from meshnode.spec.settings import (
+from meshnode.speculative.settings import (
     SOURCE_BUILTIN,
     SOURCE_CLI,
     SOURCE_DEFAULTS,

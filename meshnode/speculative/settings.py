@@ -29,8 +29,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-from meshnode.spec.ngram import NgramParams
-from meshnode.spec.window import WindowKind, WindowPolicy
+from meshnode.speculative.ngram import NgramParams
+from meshnode.speculative.window import WindowKind, WindowPolicy
 
 Strategy = Literal["off", "auto", "ngram", "draft", "layer-skip"]
 STRATEGIES: tuple[Strategy, ...] = ("off", "auto", "ngram", "draft", "layer-skip")
@@ -58,7 +58,7 @@ TABLE_KEYS: dict[str, type] = {
 }
 
 # The built-in default: auto n-gram costs nothing until the request shows that it pays,
-# with an adaptive window of 1..16 starting at 4 drafts (meshnode.spec.window sizes it by
+# with an adaptive window of 1..16 starting at 4 drafts (meshnode.speculative.window sizes it by
 # measured step costs; on a CPU, a GPU or across a network a 16-draft pass costs well under
 # twice a 4-draft one, and copying output accepts long runs).
 BUILTIN: dict[str, Any] = {

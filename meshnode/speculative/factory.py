@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
-from meshnode.spec.auto import AutoNgramProposer
-from meshnode.spec.draft import StageProposer
-from meshnode.spec.ngram import NgramProposer
-from meshnode.spec.proposer import Proposer
-from meshnode.spec.settings import SpeculativeSettings
+from meshnode.speculative.auto import AutoNgramProposer
+from meshnode.speculative.draft import StageProposer
+from meshnode.speculative.ngram import NgramProposer
+from meshnode.speculative.proposer import Proposer
+from meshnode.speculative.settings import SpeculativeSettings
 
 
 def build_proposer(

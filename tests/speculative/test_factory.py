@@ -6,11 +6,11 @@ import pytest
 
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
-from meshnode.spec.auto import AutoNgramProposer
-from meshnode.spec.draft import StageProposer
-from meshnode.spec.factory import build_proposer
-from meshnode.spec.ngram import NgramProposer
-from meshnode.spec.settings import SpeculativeFlags, resolve_speculative
+from meshnode.speculative.auto import AutoNgramProposer
+from meshnode.speculative.draft import StageProposer
+from meshnode.speculative.factory import build_proposer
+from meshnode.speculative.ngram import NgramProposer
+from meshnode.speculative.settings import SpeculativeFlags, resolve_speculative
 
 
 @pytest.mark.parametrize(

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from meshnode.spec.ngram import NgramParams, NgramProposer
-from meshnode.spec.proposer import EMPTY_PROPOSAL, Proposal, common_prefix
+from meshnode.speculative.ngram import NgramParams, NgramProposer
+from meshnode.speculative.proposer import EMPTY_PROPOSAL, Proposal, common_prefix
 
 AutoState = Literal["cold", "on", "cooldown"]
 

@@ -11,17 +11,17 @@ import pytest
 from meshnode.engine.generate import decode_one, prefill
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import Sampler, SamplingParams, logits_to_probs
-from meshnode.spec.auto import AutoNgramProposer
-from meshnode.spec.draft import StageProposer, layer_skip_stage
-from meshnode.spec.generate import prefill as spec_prefill
-from meshnode.spec.generate import speculative_generate, verify_step
-from meshnode.spec.ngram import NgramParams, NgramProposer
-from meshnode.spec.proposer import Proposer
-from meshnode.spec.telemetry import SpecStats, summarize
-from meshnode.spec.window import WindowPolicy
-from tests.spec.chisq import assert_fits
-from tests.spec.conftest import tiny_stage
-from tests.spec.tinymodel import TinySource, tiny_config
+from meshnode.speculative.auto import AutoNgramProposer
+from meshnode.speculative.draft import StageProposer, layer_skip_stage
+from meshnode.speculative.generate import prefill as spec_prefill
+from meshnode.speculative.generate import speculative_generate, verify_step
+from meshnode.speculative.ngram import NgramParams, NgramProposer
+from meshnode.speculative.proposer import Proposer
+from meshnode.speculative.telemetry import SpecStats, summarize
+from meshnode.speculative.window import WindowPolicy
+from tests.speculative.chisq import assert_fits
+from tests.speculative.conftest import tiny_stage
+from tests.speculative.tinymodel import TinySource, tiny_config
 
 GREEDY = SamplingParams()
 PROMPTS = [
