@@ -126,7 +126,7 @@ async def decode(pipeline: RemotePipeline) -> list[int]:
     return tokens
 
 
-def test_a_failed_prepare_replans_without_the_node(
+async def test_a_failed_prepare_replans_without_the_node(
     tmp_path: Path, hub_ref: tuple[str, Path]
 ) -> None:
     ref, package = hub_ref
@@ -146,27 +146,23 @@ def test_a_failed_prepare_replans_without_the_node(
             served.append(pipeline)
             serving.set()
 
-    async def main() -> list[int]:
-        async with trio.open_nursery() as nursery:
-            add_worker(mesh, "broken", tmp_path / "not-a-dir" / "cache", nursery)
-            add_worker(mesh, "good", tmp_path / "good-cache", nursery)
-            coordinator = Coordinator(
-                mesh,
-                CoordinatorSettings(model_ref=ref, context_size=CONTEXT, split=3),
-                source=open_ref(package),
-                backend=cpu_backend(),
-                on_pipeline=on_pipeline,
-            )
-            mesh.coordinator = coordinator
-            nursery.start_soon(coordinator.run)
-            with trio.fail_after(BRING_UP_TIMEOUT_S):
-                await serving.wait()
-            assert "node broken could not prepare" in coordinator.status()["last_failure"]
-            tokens = await decode(served[0])
-            nursery.cancel_scope.cancel()
-            return tokens
-
-    tokens = trio.run(main)
+    async with trio.open_nursery() as nursery:
+        add_worker(mesh, "broken", tmp_path / "not-a-dir" / "cache", nursery)
+        add_worker(mesh, "good", tmp_path / "good-cache", nursery)
+        coordinator = Coordinator(
+            mesh,
+            CoordinatorSettings(model_ref=ref, context_size=CONTEXT, split=3),
+            source=open_ref(package),
+            backend=cpu_backend(),
+            on_pipeline=on_pipeline,
+        )
+        mesh.coordinator = coordinator
+        nursery.start_soon(coordinator.run)
+        with trio.fail_after(BRING_UP_TIMEOUT_S):
+            await serving.wait()
+        assert "node broken could not prepare" in coordinator.status()["last_failure"]
+        tokens = await decode(served[0])
+        nursery.cancel_scope.cancel()
     # The first run (three stages) failed on "broken"; the replan ran without it.
     assert served[0].stage_nodes == (HOST, "good")
     assert mesh.workers["broken"].run is None  # stopped with the failed run

@@ -98,26 +98,23 @@ async def _handshake(server: NodeIdentity, client: NodeIdentity) -> tuple[object
     return results["server"], results["client"]
 
 
-def _run_handshake(server: NodeIdentity, client: NodeIdentity) -> tuple[object, object]:
-    async def bounded() -> tuple[object, object]:
-        with trio.fail_after(10):
-            return await _handshake(server, client)
-
-    return trio.run(bounded)
+async def _run_handshake(server: NodeIdentity, client: NodeIdentity) -> tuple[object, object]:
+    with trio.fail_after(10):
+        return await _handshake(server, client)
 
 
-def test_same_token_nodes_authenticate_each_other(tmp_path: Path) -> None:
+async def test_same_token_nodes_authenticate_each_other(tmp_path: Path) -> None:
     token = JoinToken.generate("m")
     a = NodeIdentity.provision(token, tmp_path / "a")
     b = NodeIdentity.provision(token, tmp_path / "b")
-    server, client = _run_handshake(a, b)
+    server, client = await _run_handshake(a, b)
     assert server == b.node_id
     assert client == (a.node_id, b"ok")
 
 
-def test_foreign_token_is_refused_in_the_handshake(tmp_path: Path) -> None:
+async def test_foreign_token_is_refused_in_the_handshake(tmp_path: Path) -> None:
     good = NodeIdentity.provision(JoinToken.generate("m"), tmp_path / "good")
     evil = NodeIdentity.provision(JoinToken.generate("m"), tmp_path / "evil")
-    server, client = _run_handshake(good, evil)
+    server, client = await _run_handshake(good, evil)
     assert isinstance(server, trio.BrokenResourceError | ssl.SSLError)
     assert isinstance(client, trio.BrokenResourceError | ssl.SSLError)

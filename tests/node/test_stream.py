@@ -37,48 +37,39 @@ def pair() -> tuple[PeerStream, PeerStream]:
     )
 
 
-def test_messages_round_trip_and_eof_is_none() -> None:
-    async def main() -> None:
-        a, b = pair()
-        with trio.fail_after(5):
-            await a.send(hello("a"))
-            await a.send(Heartbeat(node_id="a", nonce=7, sent_ns=1))
-            assert await b.receive() == hello("a")
-            assert await b.receive() == Heartbeat(node_id="a", nonce=7, sent_ns=1)
-            await a.aclose()
-            assert await b.receive() is None
-
-    trio.run(main)
+async def test_messages_round_trip_and_eof_is_none() -> None:
+    a, b = pair()
+    with trio.fail_after(5):
+        await a.send(hello("a"))
+        await a.send(Heartbeat(node_id="a", nonce=7, sent_ns=1))
+        assert await b.receive() == hello("a")
+        assert await b.receive() == Heartbeat(node_id="a", nonce=7, sent_ns=1)
+        await a.aclose()
+        assert await b.receive() is None
 
 
-def test_bad_input_is_answered_with_an_error_and_closes() -> None:
-    async def main() -> None:
-        left, right = trio.testing.memory_stream_pair()
-        b = PeerStream(right, Connection(Role.LISTENER))
-        observer = Connection(Role.DIALER)
-        with trio.fail_after(5):
-            await left.send_all(b"\x00\x00\x00\x04junk")
-            with pytest.raises(RemoteProtocolError):
-                await b.receive()
-            observer.receive_data(await left.receive_some())
-            reply = observer.next_message()
-            assert isinstance(reply, Error)
-            assert reply.code == ErrorCode.MALFORMED_FRAME
-            assert reply.fatal
-            assert await left.receive_some() == b""  # closed after the Error
-
-    trio.run(main)
+async def test_bad_input_is_answered_with_an_error_and_closes() -> None:
+    left, right = trio.testing.memory_stream_pair()
+    b = PeerStream(right, Connection(Role.LISTENER))
+    observer = Connection(Role.DIALER)
+    with trio.fail_after(5):
+        await left.send_all(b"\x00\x00\x00\x04junk")
+        with pytest.raises(RemoteProtocolError):
+            await b.receive()
+        observer.receive_data(await left.receive_some())
+        reply = observer.next_message()
+        assert isinstance(reply, Error)
+        assert reply.code == ErrorCode.MALFORMED_FRAME
+        assert reply.fatal
+        assert await left.receive_some() == b""  # closed after the Error
 
 
-def test_nothing_is_sent_after_goodbye() -> None:
-    async def main() -> None:
-        a, b = pair()
-        with trio.fail_after(5):
-            await a.send(hello("a"))
-            await a.send(Goodbye(node_id="a"))
-            with pytest.raises(trio.ClosedResourceError):
-                await a.send(Heartbeat(node_id="a", nonce=1, sent_ns=1))
-            assert isinstance(await b.receive(), Hello)
-            assert isinstance(await b.receive(), Goodbye)
-
-    trio.run(main)
+async def test_nothing_is_sent_after_goodbye() -> None:
+    a, b = pair()
+    with trio.fail_after(5):
+        await a.send(hello("a"))
+        await a.send(Goodbye(node_id="a"))
+        with pytest.raises(trio.ClosedResourceError):
+            await a.send(Heartbeat(node_id="a", nonce=1, sent_ns=1))
+        assert isinstance(await b.receive(), Hello)
+        assert isinstance(await b.receive(), Goodbye)

@@ -189,30 +189,28 @@ def test_results_round_trip_with_logprobs() -> None:
     assert result_from_wire(message) == result
 
 
-def test_peer_stream_encodes_every_frame_into_one_buffer() -> None:
-    async def main() -> None:
-        left, right = trio.testing.memory_stream_pair()
-        a = PeerStream(left, Connection(Role.DIALER))
-        b = PeerStream(right, Connection(Role.LISTENER))
-        sender = WireSequences(1)
-        with trio.fail_after(5):
-            await a.send(_hello())
-            await b.receive()
-            await b.send(_hello())
-            await a.receive()
-            buffers = set()
-            for step in range(4):
-                frame = _frame(FrameKind.DECODE, 1 + step, (step,))
-                hidden = _hidden(1, seed=step)
-                await a.send(frame_to_wire(frame, hidden, **RUN, wire_dtype="f32",
-                                           sequences=sender))  # fmt: skip
-                buffers.add(id(a._send_buffer))
-                got = await b.receive()
-                assert isinstance(got, ActivationFrame)
-                assert got.payload is not None
-                np.testing.assert_array_equal(
-                    np.frombuffer(got.payload.data, dtype=np.float32), hidden[0]
-                )
-            assert len(buffers) == 1
+async def test_peer_stream_encodes_every_frame_into_one_buffer() -> None:
+    left, right = trio.testing.memory_stream_pair()
+    a = PeerStream(left, Connection(Role.DIALER))
+    b = PeerStream(right, Connection(Role.LISTENER))
+    sender = WireSequences(1)
+    with trio.fail_after(5):
+        await a.send(_hello())
+        await b.receive()
+        await b.send(_hello())
+        await a.receive()
+        buffers = set()
+        for step in range(4):
+            frame = _frame(FrameKind.DECODE, 1 + step, (step,))
+            hidden = _hidden(1, seed=step)
+            await a.send(frame_to_wire(frame, hidden, **RUN, wire_dtype="f32",
+                                       sequences=sender))  # fmt: skip
+            buffers.add(id(a._send_buffer))
+            got = await b.receive()
+            assert isinstance(got, ActivationFrame)
+            assert got.payload is not None
+            np.testing.assert_array_equal(
+                np.frombuffer(got.payload.data, dtype=np.float32), hidden[0]
+            )
+        assert len(buffers) == 1
 
-    trio.run(main)

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import trio
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.kv_cache import KVCache
@@ -137,12 +136,12 @@ def layer_skip(stage0: Stage, source: TinySource) -> Speculation:
     return Speculation(make, WindowPolicy("fixed", 4, 1, 4), strategy="layer-skip")
 
 
-def test_every_stage_rolls_back_to_the_committed_length(source: TinySource) -> None:
+async def test_every_stage_rolls_back_to_the_committed_length(source: TinySource) -> None:
     plain_chain, plain_stages = recording_chain(source)
-    plain = trio.run(drive, plain_chain, None)
+    plain = await drive(plain_chain, None)
     chain, stages = recording_chain(source)
     stage0 = stages[0].inner
-    spec = trio.run(drive, chain, layer_skip(stage0, source))
+    spec = await drive(chain, layer_skip(stage0, source))
     assert spec == plain  # greedy: identical tokens
 
     # Walk the passes, tracking the committed length as the host does.

@@ -7,7 +7,12 @@ import numpy.typing as npt
 import pytest
 
 from meshnode.engine.sampling import Sampler, SamplingParams
-from meshnode.speculative.acceptance import accept_greedy, accept_sampling, greedy_targets, sample_row
+from meshnode.speculative.acceptance import (
+    accept_greedy,
+    accept_sampling,
+    greedy_targets,
+    sample_row,
+)
 from tests.speculative.chisq import assert_fits, chi_square, critical_value
 
 F64 = npt.NDArray[np.float64]
