@@ -144,7 +144,7 @@ def join(
     ] = None,
 ) -> None:
     """Run this node in the mesh until interrupted (SIGINT or SIGTERM say goodbye)."""
-    from meshnode.serve import host
+    from meshnode.cli import join
 
     spec_flags = SpeculativeFlags(
         strategy=speculative,
@@ -184,7 +184,7 @@ def join(
         }
         config_file = config_file_for(config, state_dir)
         node_config = load_config(config_file=config_file, flags=flags)
-        code = host.run(node_config)
+        code = join.run(node_config)
     except ConfigError as exc:
         typer.echo(f"meshnode join: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -41,7 +41,6 @@ from meshnode_protocol import (
     Load,
     Message,
     PeerInfo,
-    Prediction,
     Prepare,
     PrepareAccepted,
     Ready,
@@ -54,9 +53,8 @@ from meshnode.engine.model import Stage
 from meshnode.errors import PlanError, RunError
 from meshnode.net.stream import SEND_ERRORS
 from meshnode.node.planner import ModelFootprint, NodeCapacity, Plan, StagePlan, plan
-from meshnode.node.remote import RemotePipeline
-from meshnode.node.stage import StageRunner
-from meshnode.node.worker import MAX_SEQUENCES_PER_STAGE
+from meshnode.node.remote import RemotePipeline, is_data_reply
+from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, StageRunner, default_context
 
 log = logging.getLogger("meshnode.coordinator")
 
@@ -144,9 +142,7 @@ class Coordinator:
         self.settings = settings
         self.source = source
         self.config = ModelConfig.from_hf(source.config)
-        self.context_size = settings.context_size or min(
-            self.config.max_position_embeddings, 2048
-        )
+        self.context_size = settings.context_size or default_context(self.config)
         self.footprint = model_footprint(self.config)
         self._backend = backend
         self._on_pipeline = on_pipeline
@@ -195,15 +191,16 @@ class Coordinator:
 
     # -- messages from peers ------------------------------------------------------------
 
+    @property
+    def pipeline(self) -> RemotePipeline | None:
+        """The live pipeline; data replies (:func:`~meshnode.node.remote.is_data_reply`)
+        go to it straight from the session, not through :meth:`handle`."""
+        return self._pipeline
+
     def handle(self, peer: str, message: Message) -> bool:
-        """Route a reply of our run; False if the message is not the coordinator's."""
-        if isinstance(message, Prediction | Error) and message.request_id:
-            if self._pipeline is not None and message.run_id == self._run_id:
-                if isinstance(message, Prediction):
-                    self._pipeline.on_prediction(message)
-                else:
-                    self._pipeline.on_error(message)
-            return True
+        """Route a control reply of our run; False if the message is not the coordinator's."""
+        if is_data_reply(message):
+            return False
         replies = (ClaimAccepted, ClaimRejected, PrepareAccepted, InventoryReport, Ready, Error)
         if not isinstance(message, replies):
             return False

@@ -29,7 +29,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import psutil
 import trio
@@ -67,6 +67,7 @@ from meshnode.net.identity import (
 )
 from meshnode.net.stream import TRANSPORT_ERRORS, PeerStream
 from meshnode.node.config import Address, ConfigError, NodeConfig
+from meshnode.node.host import MeshHost
 from meshnode.node.membership import (
     ConnectionLost,
     Event,
@@ -81,6 +82,7 @@ from meshnode.node.membership import (
     changes,
 )
 from meshnode.node.planner import NodeCapacity
+from meshnode.node.remote import is_data_reply
 from meshnode.node.worker import Worker
 
 log = logging.getLogger("meshnode.node")
@@ -174,30 +176,6 @@ def usable_memory(config: NodeConfig) -> int:
     return available if cap is None else min(cap, available)
 
 
-class HostRole(Protocol):
-    """What the node holding stage 0 adds to a plain node (``meshnode join --model``).
-
-    The daemon stays below the serving layer: the host role (built by
-    :mod:`meshnode.serve.host`) is handed in, and the daemon only routes to it.
-    """
-
-    def handle(self, peer: str, message: Message) -> bool:
-        """Take a message of the host's runs; False if it is not one."""
-        ...
-
-    def peer_lost(self, peer: str) -> None:
-        """The session with ``peer`` ended."""
-        ...
-
-    def status(self) -> dict[str, Any]:
-        """The ``host`` part of the status body."""
-        ...
-
-    async def run(self, node: Node) -> None:
-        """Run until cancelled; ``node`` is the mesh view (``MeshView``)."""
-        ...
-
-
 AppFactory = Callable[["Node"], Any]
 """Builds the node's ASGI app (``meshnode.serve.app``) once the node exists."""
 
@@ -212,7 +190,7 @@ class Node:
         identity: NodeIdentity,
         *,
         app_factory: AppFactory,
-        host: HostRole | None = None,
+        host: MeshHost | None = None,
     ) -> None:
         self.config = config
         self.host = host
@@ -591,6 +569,11 @@ class Node:
             )
             return
         peer = session.node_id
+        if self.host is not None and is_data_reply(message):
+            # A returned token (or a stage's failure of one frame): straight to the pipeline.
+            if (pipeline := self.host.pipeline) is not None:
+                pipeline.deliver(message)
+            return
         if self.host is not None and self.host.handle(peer, message):
             return
         if self.worker is not None and await self.worker.handle(peer, message):

@@ -24,6 +24,7 @@ import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import trio
 from meshnode_protocol import Error, Message, Prediction, Release
@@ -34,6 +35,12 @@ from meshnode.node.stage import StageRunner
 from meshnode.node.wire import WireSequences, frame_to_wire, result_from_wire
 
 SendFn = Callable[[str, Message], Awaitable[None]]
+
+
+def is_data_reply(message: Message) -> TypeGuard[Prediction | Error]:
+    """Whether ``message`` answers a frame (a ``Prediction``, or an ``Error`` naming a
+    request): the session hands those straight to :meth:`RemotePipeline.deliver`."""
+    return isinstance(message, Prediction | Error) and bool(message.request_id)
 
 
 @dataclass(eq=False, slots=True)
@@ -133,17 +140,18 @@ class RemotePipeline:
             with contextlib.suppress(*SEND_ERRORS):
                 await self._send(node, message)
 
-    def on_prediction(self, message: Prediction) -> None:
+    def deliver(self, message: Prediction | Error) -> None:
+        """Wake the waiter of a data reply; a reply of another run (late) is dropped."""
+        if message.run_id != self.run_id:
+            return
         waiter = self._waiters.get(RequestId(message.request_id))
-        if waiter is not None and not waiter.done.is_set():
+        if waiter is None or waiter.done.is_set():
+            return
+        if isinstance(message, Prediction):
             waiter.result = result_from_wire(message)
-            waiter.done.set()
-
-    def on_error(self, message: Error) -> None:
-        waiter = self._waiters.get(RequestId(message.request_id))
-        if waiter is not None and not waiter.done.is_set():
+        else:
             waiter.error = f"a stage failed: {message.message}"
-            waiter.done.set()
+        waiter.done.set()
 
     def fail(self, reason: str) -> None:
         """Wake every waiter with ``reason``; later calls to ``run`` fail at once."""

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import Sampler, SamplingParams, logits_to_probs
 from meshnode.node.pipeline import (
@@ -38,8 +39,18 @@ from meshnode.speculative.acceptance import accept_greedy, accept_sampling, gree
 
 #: Live sequences per stage. Each holds a preallocated KV cache of ``context_size``
 #: positions (SmolLM2-135M: ~46 KiB per position, so 8 x 2048 positions is ~750 MiB),
-#: which is why the bound exists; the scheduler admits no more than this at once.
-DEFAULT_MAX_SEQUENCES = 8
+#: which is why the bound exists; the host's scheduler admits no more than this at once,
+#: the planner reserves KV for this many, and every stage of a run allows this many.
+MAX_SEQUENCES_PER_STAGE = 8
+#: Context when nobody chooses one: the model's own limit, capped because every live
+#: sequence preallocates a KV cache of this many positions on every stage (see above).
+DEFAULT_MAX_CONTEXT = 2048
+
+
+def default_context(config: ModelConfig) -> int:
+    """The context a model is served with when none is asked for."""
+    return min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+
 
 FloatRows = npt.NDArray[np.float64]
 
@@ -70,7 +81,7 @@ class StageRunner:
         stage: Stage,
         *,
         context_size: int,
-        max_sequences: int = DEFAULT_MAX_SEQUENCES,
+        max_sequences: int = MAX_SEQUENCES_PER_STAGE,
     ):
         if context_size < 2 or max_sequences < 1:
             raise ValueError(f"bad limits: context {context_size}, sequences {max_sequences}")

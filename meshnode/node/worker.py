@@ -54,16 +54,13 @@ from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.net.stream import SEND_ERRORS
 from meshnode.node.pipeline import PipelineError, RequestId, StepResult
-from meshnode.node.stage import StageRunner
+from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, StageRunner
 from meshnode.node.wire import WireSequences, frame_from_wire, frame_to_wire, result_to_wire
 
 log = logging.getLogger("meshnode.worker")
 
 SendFn = Callable[[str, Message], Awaitable[None]]
 ConnectFn = Callable[[PeerInfo], Awaitable[None]]
-
-#: Sequences a stage holds at once; the host's scheduler admits no more than this.
-MAX_SEQUENCES_PER_STAGE = 8
 
 
 @dataclass(slots=True)

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import trio
 
 from meshnode.node.pipeline import RequestId
+from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE
 from meshnode.serve.errors import ServiceUnavailableError
 
 #: Sequences generating at once. Each holds a KV cache on every stage, so this bounds
-#: memory; stages must allow at least this many live sequences (StageRunner's limit).
-DEFAULT_MAX_IN_FLIGHT = 8
+#: memory; stages allow exactly this many live sequences.
+DEFAULT_MAX_IN_FLIGHT = MAX_SEQUENCES_PER_STAGE
 #: Requests waiting for a slot before new ones get 503. Eight slots turn over within
 #: seconds on a small model; a deeper queue would only hold clients past their timeouts.
 DEFAULT_MAX_WAITING = 64

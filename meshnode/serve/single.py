@@ -15,16 +15,12 @@ from meshnode.engine.backend import Backend, cpu_backend
 from meshnode.engine.loader import DEFAULT_MODEL, load_model, resolve_source
 from meshnode.engine.tokenizer import ChatTemplate, IncrementalDetokenizer, Tokenizer
 from meshnode.node.pipeline import LocalPipeline
-from meshnode.node.stage import StageRunner
+from meshnode.node.stage import StageRunner, default_context
 from meshnode.serve.generation import DEFAULT_PREFILL_CHUNK_TOKENS, Detokenizer, Speculation
 from meshnode.serve.scheduler import DEFAULT_MAX_IN_FLIGHT, SchedulerLimits
 from meshnode.serve.service import ServeService
 from meshnode.serve.speculation import SpeculationHost, speculation_host
 from meshnode.speculative.settings import SpeculativeFlags
-
-#: Context when the caller does not choose one: the model's own limit, capped because
-#: every live sequence preallocates a KV cache of this many positions on every stage.
-DEFAULT_MAX_CONTEXT = 2048
 
 
 class EngineCodec:
@@ -80,17 +76,18 @@ def build_single_node_service(
 
     ``model_ref`` is anything ``meshnode.engine.loader.resolve_source`` accepts (None: the
     default model). ``context_size`` defaults to the model's limit capped at
-    ``DEFAULT_MAX_CONTEXT``. Speculation is either fixed (``speculation``) or resolved
-    like ``meshnode join`` does when ``speculative`` flags or config ``speculative_tables``
-    are given (package block included; ``draft_memory_bytes`` overrides the memory a
-    draft model may find available). Raises ``ModelLoadError`` for a bad reference or
-    model, ``ConfigError`` for a bad speculative setting.
+    ``meshnode.node.stage.DEFAULT_MAX_CONTEXT``. Speculation is either fixed
+    (``speculation``) or resolved like ``meshnode join`` does when ``speculative`` flags
+    or config ``speculative_tables`` are given (package block included;
+    ``draft_memory_bytes`` overrides the memory a draft model may find available).
+    Raises ``ModelLoadError`` for a bad reference or model, ``ConfigError`` for a bad
+    speculative setting.
     """
     ref = model_ref or DEFAULT_MODEL
     backend = backend or cpu_backend()
     model = load_model(ref, backend)
     config = model.config
-    context = context_size or min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+    context = context_size or default_context(config)
     runner = StageRunner(model.stage, context_size=context, max_sequences=max_in_flight)
     served_id = model_id or model_id_for(ref)
     spec_host: SpeculationHost | None = None

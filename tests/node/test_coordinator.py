@@ -26,7 +26,7 @@ from meshnode.engine.sampling import SamplingParams
 from meshnode.node.coordinator import Coordinator, CoordinatorSettings, model_footprint
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame
 from meshnode.node.planner import NodeCapacity
-from meshnode.node.remote import RemotePipeline
+from meshnode.node.remote import RemotePipeline, is_data_reply
 from meshnode.node.worker import Worker
 from tests.engine.tiny import write_tiny_model
 
@@ -64,7 +64,12 @@ class InMemoryMesh:
 
     async def deliver(self, sender: str, receiver: str, message: Message) -> None:
         if receiver == HOST:
+            # As the daemon's sessions do: data replies straight to the live pipeline.
             assert self.coordinator is not None
+            if is_data_reply(message):
+                if (pipeline := self.coordinator.pipeline) is not None:
+                    pipeline.deliver(message)
+                return
             assert self.coordinator.handle(sender, message), message
         else:
             assert await self.workers[receiver].handle(sender, message), message

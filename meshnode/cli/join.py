@@ -1,0 +1,88 @@
+"""``meshnode join``'s composition root: the daemon, its HTTP API and, with ``--model``,
+the host role and the OpenAI API it serves.
+
+Every node runs the mesh daemon (:mod:`meshnode.node.daemon`) and serves
+``GET /v1/mesh/status``. The node started with ``--model`` is the *host*
+(:class:`~meshnode.node.host.MeshHost`): it holds stage 0, runs the coordinator that places
+the model on the mesh, and hands each pipeline to the API
+(:class:`~meshnode.serve.frontend.HostFrontend`), which answers 503 with ``Retry-After``
+until every stage is ready (and again while the mesh replans after losing a stage).
+
+Speculative decoding runs on the host (DESIGN §7): its settings are resolved and a draft
+model is loaded before the node starts (:mod:`meshnode.serve.speculation`).
+"""
+
+from __future__ import annotations
+
+import trio
+from fastapi import FastAPI
+from meshnode_packaging.errors import PackageError
+from meshnode_packaging.manifest import Part
+from meshnode_packaging.refs import open_ref
+from meshnode_packaging.sources import ModelSource, SourceError
+
+from meshnode.engine.backend import BackendError, select_backend
+from meshnode.errors import ConfigError
+from meshnode.net.identity import JoinToken, NodeIdentity
+from meshnode.node import daemon
+from meshnode.node.config import NodeConfig
+from meshnode.node.coordinator import CoordinatorSettings
+from meshnode.node.daemon import Node
+from meshnode.node.host import MeshHost
+from meshnode.serve.app import create_app
+from meshnode.serve.frontend import HostFrontend, host_service, host_speculation
+from meshnode.serve.openai_api import mount_openai
+from meshnode.serve.service import ServeService
+
+
+def open_stage0(config: NodeConfig) -> ModelSource:
+    """The model's config, tokenizer and template (the manifest and embedding part).
+
+    Raises ConfigError with a one-line reason for a bad ``--model``.
+    """
+    assert config.model is not None
+    try:
+        return open_ref(config.model, Part(0, 0, embed=True), cache_dir=config.cache_dir)
+    except (PackageError, SourceError, OSError, ValueError) as exc:
+        raise ConfigError(f"--model {config.model}: {exc}") from exc
+
+
+async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentity) -> Node:
+    """The node ``meshnode join`` runs: a plain mesh node, or the host with ``--model``."""
+    host: MeshHost | None = None
+    service: ServeService | None = None
+    if config.model is not None:
+        source = await trio.to_thread.run_sync(open_stage0, config)
+        backend = select_backend(config.device, config.weights_dtype)
+        spec = await trio.to_thread.run_sync(host_speculation, config, source, backend)
+        service = host_service(config, source, spec)
+        settings = CoordinatorSettings(
+            model_ref=config.model,
+            context_size=service.context_size,
+            split=config.split,
+            wire_dtype=config.wire_dtype,
+            cache_dir=config.cache_dir,
+        )
+        frontend = HostFrontend(service, config.model, config.cache_dir)
+        host = MeshHost(settings, source, frontend, backend)
+
+    def app_factory(node: Node) -> FastAPI:
+        app = create_app(node.status)
+        if service is not None:
+            mount_openai(app, service)
+        return app
+
+    return Node(config, token, identity, app_factory=app_factory, host=host)
+
+
+def run(config: NodeConfig) -> int:
+    """Run ``meshnode join`` with ``config`` until interrupted; the exit status.
+
+    Raises ``ConfigError`` before anything starts when the device or weights dtype cannot
+    be had here (``--device cuda`` without one, ``--dtype float16`` on a CPU).
+    """
+    try:
+        select_backend(config.device, config.weights_dtype)
+    except BackendError as exc:
+        raise ConfigError(str(exc)) from exc
+    return daemon.run(config, build_node)

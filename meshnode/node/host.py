@@ -1,0 +1,102 @@
+"""The host role: the node started with ``--model`` places the model and serves it.
+
+The host runs the :class:`~meshnode.node.coordinator.Coordinator` (plan, bring up, watch,
+replan) and hands every pipeline it brings up to a :class:`Frontend`, the serving layer
+above (``meshnode.serve``'s OpenAI API), which answers 503 until it holds one. The daemon
+only sees :class:`MeshHost`: it routes the coordinator's control replies here and the data
+replies (``Prediction``/``Error`` with a request id) straight to :attr:`MeshHost.pipeline`.
+
+The frontend is handed in (``meshnode.cli.join`` composes both), so this package never
+imports the serving layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import trio
+from meshnode_packaging.sources import ModelSource
+from meshnode_protocol import Message
+
+from meshnode.engine.backend import Backend
+from meshnode.node.coordinator import Coordinator, CoordinatorSettings, MeshView
+from meshnode.node.remote import RemotePipeline
+
+log = logging.getLogger("meshnode.host")
+
+
+class Frontend(Protocol):
+    """What serves the pipelines the host brings up (the API service, for ``join``)."""
+
+    def serve_on(self, pipeline: RemotePipeline | None) -> None:
+        """Serve on ``pipeline`` from now on; ``None`` while the mesh (re)places the model."""
+        ...
+
+    def status(self) -> dict[str, Any]:
+        """The serving fields of the ``host`` part of the status body."""
+        ...
+
+    async def run(self) -> None:
+        """Background work of the frontend (building drafters), until cancelled."""
+        ...
+
+
+class MeshHost:
+    """The host role of a node: coordinator plus the frontend it serves through."""
+
+    def __init__(
+        self,
+        settings: CoordinatorSettings,
+        source: ModelSource,
+        frontend: Frontend,
+        backend: Backend,
+    ) -> None:
+        self.settings = settings
+        self.source = source
+        self.frontend = frontend
+        self.backend = backend
+        self.coordinator: Coordinator | None = None
+
+    @property
+    def pipeline(self) -> RemotePipeline | None:
+        """The pipeline requests run on now (``None`` while the mesh is not placed)."""
+        return None if self.coordinator is None else self.coordinator.pipeline
+
+    def handle(self, peer: str, message: Message) -> bool:
+        """Take a control reply of the host's runs; False if it is not one."""
+        return self.coordinator is not None and self.coordinator.handle(peer, message)
+
+    def peer_lost(self, peer: str) -> None:
+        """The session with ``peer`` ended."""
+        if self.coordinator is not None:
+            self.coordinator.peer_lost(peer)
+
+    def status(self) -> dict[str, Any]:
+        """The ``host`` part of the status body: the run and its stages, then serving."""
+        body: dict[str, Any] = {"model": self.settings.model_ref, "state": "starting"}
+        if self.coordinator is not None:
+            body = self.coordinator.status()
+        body.update(self.frontend.status())
+        return body
+
+    async def run(self, mesh: MeshView) -> None:
+        """Place the model on ``mesh`` and keep it placed, until cancelled."""
+        self.coordinator = Coordinator(
+            mesh,
+            self.settings,
+            source=self.source,
+            backend=self.backend,
+            on_pipeline=self._serve_on,
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.frontend.run)
+            await self.coordinator.run()
+
+    def _serve_on(self, pipeline: RemotePipeline | None) -> None:
+        if pipeline is None:
+            log.warning("the mesh lost a stage: API answers 503 until it is placed again")
+        else:
+            stages = len(pipeline.stage_nodes)
+            log.info("serving %s on %d stage(s)", self.settings.model_ref, stages)
+        self.frontend.serve_on(pipeline)
