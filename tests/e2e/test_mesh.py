@@ -270,7 +270,7 @@ def test_raw_garbage_without_tls_fails_the_handshake(lone_node: Node) -> None:
         ("second-hello", lambda i: _encoded_hello(i) * 2, ErrorCode.OUT_OF_ORDER),
     ],
 )
-def test_bad_frames_get_an_error_and_close(
+async def test_bad_frames_get_an_error_and_close(
     lone_node: Node,
     token_file: Path,
     tmp_path: Path,
@@ -278,9 +278,9 @@ def test_bad_frames_get_an_error_and_close(
     payload: Callable[[NodeIdentity], bytes],
     code: ErrorCode,
 ) -> None:
-    token = JoinToken.parse(token_file.read_text())
+    token = JoinToken.parse(await trio.Path(token_file).read_text())
     identity = NodeIdentity.provision(token, tmp_path / f"client-{name}")
-    messages = trio.run(_exchange, identity, lone_node.listen, payload(identity))
+    messages = await _exchange(identity, lone_node.listen, payload(identity))
     # The listener answers the dialer's Hello; a bad first frame gets only the Error.
     # After a good Hello, the node's own Hello comes first.
     errors = [m for m in messages if isinstance(m, Error)]
@@ -292,6 +292,6 @@ def test_bad_frames_get_an_error_and_close(
     assert before == ([Hello] if name == "second-hello" else [])
     # The node keeps serving: its API answers and a well-behaved peer gets a Hello.
     assert lone_node.status()["node"]["protocol_errors"] >= 1
-    polite = trio.run(_exchange, identity, lone_node.listen, _encoded_hello_goodbye(identity))
+    polite = await _exchange(identity, lone_node.listen, _encoded_hello_goodbye(identity))
     assert isinstance(polite[0], Hello)
     assert not any(isinstance(m, Error) for m in polite)

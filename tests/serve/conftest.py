@@ -1,5 +1,8 @@
 """Fixtures for the serving tests: a tiny random model and a real hypercorn server.
 
+The server runs in the test's own trio loop (pytest-trio's ``nursery`` fixture), so the
+tests drive it with the async ``openai`` and ``httpx`` clients.
+
 The tiny model is a Llama-family checkpoint folder with random weights but the real
 SmolLM2 tokenizer and chat template, so prompts, templates and detokenization are real
 while a forward pass costs well under a millisecond.
@@ -8,8 +11,8 @@ while a forward pass costs well under a millisecond.
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,57 +96,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-class ServerThread:
-    """The node's real app (``meshnode.serve.app``) on hypercorn, in a trio thread."""
+@dataclass(frozen=True)
+class Server:
+    """The node's real app (``meshnode.serve.app``) served by hypercorn on loopback."""
 
-    def __init__(self, service: ServeService):
-        self.service = service
-        self.address: Address | None = None
-        self._ready = threading.Event()
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._scope: trio.CancelScope | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="serve-test", daemon=True)
+    service: ServeService
+    address: Address
 
     @property
     def base_url(self) -> str:
-        assert self.address is not None
         return f"http://{self.address}"
 
-    def start(self) -> None:
-        self._thread.start()
-        if not self._ready.wait(SERVER_START_TIMEOUT_S):
-            raise TimeoutError("the API server did not start")
-        if self._error is not None:
-            raise RuntimeError("the API server failed to start") from self._error
 
-    def __enter__(self) -> ServerThread:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        if self._token is not None and self._scope is not None:
-            trio.from_thread.run_sync(self._scope.cancel, trio_token=self._token)
-        self._thread.join(SERVER_START_TIMEOUT_S)
-
-    def _run(self) -> None:
-        try:
-            trio.run(self._main)
-        except BaseException as exc:  # reported to the test thread by start()
-            self._error = exc
-            self._ready.set()
-
-    async def _main(self) -> None:
-        app = create_app(lambda: {"node": {"node_id": "test"}})
-        mount_openai(app, self.service)
-        self._token = trio.lowlevel.current_trio_token()
-        async with trio.open_nursery() as nursery:
-            self._scope = nursery.cancel_scope
-            self.address = await nursery.start(serve_api, app, Address("127.0.0.1", 0))
-            self._ready.set()
+async def start_server(nursery: trio.Nursery, service: ServeService) -> Server:
+    """Serve ``service`` in ``nursery`` on a free loopback port; returns once it listens."""
+    app = create_app(lambda: {"node": {"node_id": "test"}})
+    mount_openai(app, service)
+    with trio.fail_after(SERVER_START_TIMEOUT_S):
+        address = await nursery.start(serve_api, app, Address("127.0.0.1", 0))
+    return Server(service, address)
 
 
 @pytest.fixture
@@ -155,21 +126,15 @@ def serve_service(tiny_model_dir: Path) -> ServeService:
 
 
 @pytest.fixture
-def server(serve_service: ServeService) -> Iterator[ServerThread]:
-    """A running API server on loopback over ``serve_service``."""
-    thread = ServerThread(serve_service)
-    thread.start()
-    try:
-        yield thread
-    finally:
-        thread.stop()
+async def server(nursery: trio.Nursery, serve_service: ServeService) -> Server:
+    """A running API server on loopback over ``serve_service``, stopped with the test."""
+    return await start_server(nursery, serve_service)
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     """Poll ``predicate`` every 20 ms for at most ``timeout_s``; its last value."""
-    deadline = threading.Event()
     for _ in range(int(timeout_s / 0.02)):
         if predicate():
             return True
-        deadline.wait(0.02)
+        await trio.sleep(0.02)
     return predicate()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import concurrent.futures
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +12,15 @@ import openai
 import pytest
 import trio
 from meshnode_packaging.sources import open_source
+from openai.types import Completion
+from openai.types.chat import ChatCompletionChunk
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.node.pipeline import LocalPipeline, Pipeline, RequestId, StepFrame, StepResult
 from meshnode.serve.service import ServeService
 from meshnode.serve.single import EngineCodec
-from tests.serve.conftest import TINY_CONTEXT, TINY_MODEL_ID, ServerThread, wait_until
+from tests.serve.conftest import TINY_CONTEXT, TINY_MODEL_ID, Server, start_server, wait_until
 
 MODEL = TINY_MODEL_ID
 #: Client-side bound on every request in these tests (seconds).
@@ -53,10 +55,41 @@ def engine_greedy(model_dir: Path, prompt: list[int], max_new: int) -> list[int]
     return out
 
 
-def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(
+def client(server: Server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
         base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S
     )
+
+
+async def stream_chat(server: Server, **request: Any) -> list[ChatCompletionChunk]:
+    """The chunks of one streamed chat completion, read by the official sync client in a
+    worker thread: openai's async stream stops reading at ``[DONE]`` without closing its
+    async generators, which trio reports as a ResourceWarning (an error in this suite)."""
+
+    def read() -> list[ChatCompletionChunk]:
+        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused",
+                           max_retries=0, timeout=REQUEST_TIMEOUT_S) as c:  # fmt: skip
+            return list(c.chat.completions.create(stream=True, **request))
+
+    return await trio.to_thread.run_sync(read)
+
+
+async def stream_completion(server: Server, **request: Any) -> list[Completion]:
+    """The chunks of one streamed completion (see ``stream_chat``)."""
+
+    def read() -> list[Completion]:
+        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused",
+                           max_retries=0, timeout=REQUEST_TIMEOUT_S) as c:  # fmt: skip
+            return list(c.completions.create(stream=True, **request))
+
+    return await trio.to_thread.run_sync(read)
+
+
+@pytest.fixture
+async def api(server: Server) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The official async client, pointed at ``server`` and closed after the test."""
+    async with client(server) as c:
+        yield c
 
 
 def tokens_text(service: ServeService, tokens: list[int]) -> str:
@@ -65,19 +98,17 @@ def tokens_text(service: ServeService, tokens: list[int]) -> str:
     return service.codec.tokenizer.decode(tokens, skip_special=True)
 
 
-def test_models_lists_the_served_model(server: ServerThread) -> None:
-    models = client(server).models.list()
+async def test_models_lists_the_served_model(server: Server, api: openai.AsyncOpenAI) -> None:
+    models = await api.models.list()
     assert [m.id for m in models.data] == [MODEL]
 
 
-def test_completion_with_token_ids_matches_the_engine(
-    server: ServerThread, tiny_model_dir: Path
+async def test_completion_with_token_ids_matches_the_engine(
+    server: Server, api: openai.AsyncOpenAI, tiny_model_dir: Path
 ) -> None:
     prompt = [504, 3575, 282, 4649]
     expected = engine_greedy(tiny_model_dir, prompt, 20)
-    reply = client(server).completions.create(
-        model=MODEL, prompt=prompt, max_tokens=20, temperature=0
-    )
+    reply = await api.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
     service = server.service
     assert reply.choices[0].text == tokens_text(service, expected)
     assert reply.usage is not None
@@ -86,19 +117,20 @@ def test_completion_with_token_ids_matches_the_engine(
     assert reply.choices[0].finish_reason == ("stop" if len(expected) < 20 else "length")
 
 
-def test_chat_streaming_equals_non_streaming(server: ServerThread) -> None:
-    c = client(server)
+async def test_chat_streaming_equals_non_streaming(server: Server, api: openai.AsyncOpenAI) -> None:
+    c = api
     messages: list[Any] = [{"role": "user", "content": "Say something."}]
-    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
-    stream = c.chat.completions.create(
+    whole = await c.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0
+    )
+    chunks = await stream_chat(
+        server,
         model=MODEL,
         messages=messages,
         max_tokens=24,
         temperature=0,
-        stream=True,
         stream_options={"include_usage": True},
     )
-    chunks = list(stream)
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == whole.choices[0].message.content
     finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
@@ -112,25 +144,27 @@ def test_chat_streaming_equals_non_streaming(server: ServerThread) -> None:
     assert whole.model_extra["meshnode"]["speculation"]["windows"] == 0
 
 
-def test_eight_concurrent_streams_each_get_the_engine_output(
-    server: ServerThread, tiny_model_dir: Path
+async def test_eight_concurrent_streams_each_get_the_engine_output(
+    server: Server, api: openai.AsyncOpenAI, tiny_model_dir: Path
 ) -> None:
     service = server.service
     prompts = [service.codec.encode(p) for p in PROMPTS]
     expected = [tokens_text(service, engine_greedy(tiny_model_dir, p, 32)) for p in prompts]
-    c = client(server)
+    got = [""] * len(prompts)
 
-    def stream(prompt: list[int]) -> str:
-        chunks = c.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=32, temperature=0, stream=True
+    async def stream(index: int) -> None:
+        chunks = await stream_completion(
+            server, model=MODEL, prompt=prompts[index], max_tokens=32, temperature=0
         )
-        return "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        got[index] = "".join(ch.choices[0].text for ch in chunks if ch.choices)
 
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        got = list(pool.map(stream, prompts, timeout=REQUEST_TIMEOUT_S))
+    with trio.fail_after(REQUEST_TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            for index in range(len(prompts)):
+                nursery.start_soon(stream, index)
     assert got == expected
     assert service.pipeline is not None
-    assert wait_until(lambda: server_live(service) == 0)
+    assert await wait_until(lambda: server_live(service) == 0)
 
 
 def server_live(service: ServeService) -> int:
@@ -138,24 +172,24 @@ def server_live(service: ServeService) -> int:
     return service.pipeline.runner.live_sequences
 
 
-def test_stop_string_cuts_the_text(server: ServerThread) -> None:
-    c = client(server)
-    full = c.completions.create(model=MODEL, prompt="Hello", max_tokens=24, temperature=0)
+async def test_stop_string_cuts_the_text(server: Server, api: openai.AsyncOpenAI) -> None:
+    c = api
+    full = await c.completions.create(model=MODEL, prompt="Hello", max_tokens=24, temperature=0)
     text = full.choices[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), "the tiny model's output is too short to pick a stop string"
-    cut = c.completions.create(
+    cut = await c.completions.create(
         model=MODEL, prompt="Hello", max_tokens=24, temperature=0, stop=[stop]
     )
     assert cut.choices[0].text == text[: text.find(stop)]
     assert cut.choices[0].finish_reason == "stop"
 
 
-def test_seeded_sampling_reproduces(server: ServerThread) -> None:
-    c = client(server)
+async def test_seeded_sampling_reproduces(server: Server, api: openai.AsyncOpenAI) -> None:
+    c = api
 
-    def sample(seed: int) -> str | None:
-        reply = c.chat.completions.create(
+    async def sample(seed: int) -> str | None:
+        reply = await c.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "Tell me a story."}],
             max_tokens=16,
@@ -167,11 +201,13 @@ def test_seeded_sampling_reproduces(server: ServerThread) -> None:
         )
         return reply.choices[0].message.content
 
-    assert sample(11) == sample(11)
+    assert await sample(11) == await sample(11)
 
 
-def test_logprobs_at_temperature_zero_rank_the_chosen_token_first(server: ServerThread) -> None:
-    reply = client(server).chat.completions.create(
+async def test_logprobs_at_temperature_zero_rank_the_chosen_token_first(
+    server: Server, api: openai.AsyncOpenAI
+) -> None:
+    reply = await api.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Hi"}],
         max_tokens=5,
@@ -189,8 +225,8 @@ def test_logprobs_at_temperature_zero_rank_the_chosen_token_first(server: Server
         assert item.logprob <= 0
 
 
-def test_speculative_greedy_equals_plain_greedy(
-    tiny_model_dir: Path, server: ServerThread
+async def test_speculative_greedy_equals_plain_greedy(
+    tiny_model_dir: Path, server: Server, api: openai.AsyncOpenAI, nursery: trio.Nursery
 ) -> None:
     from meshnode.serve.generation import Speculation
     from meshnode.serve.single import build_single_node_service
@@ -207,19 +243,14 @@ def test_speculative_greedy_equals_plain_greedy(
             strategy="ngram",
         ),
     )
-    spec_server = ServerThread(spec_service)
-    spec_server.start()
-    try:
-        # A repetitive prompt, so the n-gram proposer finds drafts to verify.
-        prompt = "a b c d a b c d a b c d a b c d a b"
-        plain = client(server).completions.create(
+    spec_server = await start_server(nursery, spec_service)
+    # A repetitive prompt, so the n-gram proposer finds drafts to verify.
+    prompt = "a b c d a b c d a b c d a b c d a b"
+    plain = await api.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+    async with client(spec_server) as spec_api:
+        spec = await spec_api.completions.create(
             model=MODEL, prompt=prompt, max_tokens=40, temperature=0
         )
-        spec = client(spec_server).completions.create(
-            model=MODEL, prompt=prompt, max_tokens=40, temperature=0
-        )
-    finally:
-        spec_server.stop()
     assert spec.choices[0].text == plain.choices[0].text
     assert spec.model_extra is not None
     stats = spec.model_extra["meshnode"]["speculation"]
@@ -230,9 +261,9 @@ def test_speculative_greedy_equals_plain_greedy(
 # -- errors -------------------------------------------------------------------------------
 
 
-def post(server: ServerThread, path: str, body: Any) -> httpx.Response:
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
-        return http.post(server.base_url + path, json=body)
+async def post(server: Server, path: str, body: Any) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
+        return await http.post(server.base_url + path, json=body)
 
 
 def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
@@ -262,14 +293,14 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
-def test_bad_chat_bodies_get_400(server: ServerThread, body: Any, param: str) -> None:
-    error = assert_openai_error(post(server, "/v1/chat/completions", body), 400)
+async def test_bad_chat_bodies_get_400(server: Server, body: Any, param: str) -> None:
+    error = assert_openai_error(await post(server, "/v1/chat/completions", body), 400)
     assert error["param"] == param
 
 
-def test_non_json_body_gets_400(server: ServerThread) -> None:
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
-        response = http.post(
+async def test_non_json_body_gets_400(server: Server) -> None:
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
+        response = await http.post(
             server.base_url + "/v1/chat/completions",
             content=b"{not json",
             headers={"content-type": "application/json"},
@@ -277,35 +308,35 @@ def test_non_json_body_gets_400(server: ServerThread) -> None:
     assert_openai_error(response, 400)
 
 
-def test_bad_completion_prompts_get_400(server: ServerThread) -> None:
+async def test_bad_completion_prompts_get_400(server: Server) -> None:
     for prompt in (["a", "b"], [10**9], [], [[1], [2]]):
         body = {"model": MODEL, "prompt": prompt}
-        assert_openai_error(post(server, "/v1/completions", body), 400)
+        assert_openai_error(await post(server, "/v1/completions", body), 400)
 
 
-def test_unknown_model_gets_404(server: ServerThread) -> None:
+async def test_unknown_model_gets_404(server: Server, api: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
-        client(server).chat.completions.create(
+        await api.chat.completions.create(
             model="no-such-model", messages=[{"role": "user", "content": "hi"}]
         )
     assert info.value.code == "model_not_found"
 
 
-def test_oversize_prompt_gets_413(server: ServerThread) -> None:
+async def test_oversize_prompt_gets_413(server: Server) -> None:
     body = {"model": MODEL, "prompt": [42] * TINY_CONTEXT}
-    error = assert_openai_error(post(server, "/v1/completions", body), 413)
+    error = assert_openai_error(await post(server, "/v1/completions", body), 413)
     assert error["code"] == "context_length_exceeded"
 
 
-def test_loading_mesh_gets_503_with_retry_after(server: ServerThread) -> None:
+async def test_loading_mesh_gets_503_with_retry_after(server: Server) -> None:
     pipeline = server.service.pipeline
     server.service.set_pipeline(None)
     try:
-        response = post(server, "/v1/chat/completions", CHAT)
+        response = await post(server, "/v1/chat/completions", CHAT)
         assert_openai_error(response, 503)
         assert int(response.headers["retry-after"]) > 0
-        with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
-            assert http.get(server.base_url + "/health").status_code == 503
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
+            assert (await http.get(server.base_url + "/health")).status_code == 503
     finally:
         server.service.set_pipeline(pipeline)
 
@@ -332,37 +363,48 @@ class PacedPipeline:
         await self.inner.release(request_id)
 
 
-def test_client_disconnect_frees_the_sequence(server: ServerThread) -> None:
+async def test_client_disconnect_frees_the_sequence(server: Server) -> None:
     service = server.service
     local = service.pipeline
     assert isinstance(local, LocalPipeline)
     service.set_pipeline(PacedPipeline(local, delay_s=0.02))
     budget = TINY_CONTEXT - 8
-    body = {"model": MODEL, "prompt": "Once", "max_tokens": budget, "stream": True,
-            "temperature": 0}
-    with (
-        httpx.Client(timeout=REQUEST_TIMEOUT_S) as http,
-        http.stream("POST", server.base_url + "/v1/completions", json=body) as response,
-    ):
-        assert response.status_code == 200
-        lines = response.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
-        assert first.startswith("data: {")
-        assert local.runner.live_sequences == 1
-    assert wait_until(lambda: local.runner.live_sequences == 0)
-    assert wait_until(lambda: service.scheduler.in_flight == 0)
+    body = {
+        "model": MODEL,
+        "prompt": "Once",
+        "max_tokens": budget,
+        "stream": True,
+        "temperature": 0,
+    }
+
+    def read_first_event_then_disconnect() -> tuple[str, int]:
+        # The sync client in a worker thread: breaking out of httpx's async line iterator
+        # leaves its inner async generators to the garbage collector (a ResourceWarning).
+        with (
+            httpx.Client(timeout=REQUEST_TIMEOUT_S) as http,
+            http.stream("POST", server.base_url + "/v1/completions", json=body) as response,
+        ):
+            assert response.status_code == 200
+            first = next(line for line in response.iter_lines() if line.startswith("data: "))
+            return first, local.runner.live_sequences
+
+    first, live = await trio.to_thread.run_sync(read_first_event_then_disconnect)
+    assert first.startswith("data: {")
+    assert live == 1
+    assert await wait_until(lambda: local.runner.live_sequences == 0)
+    assert await wait_until(lambda: service.scheduler.in_flight == 0)
     # Generation stopped with the client, long before the budget (~5 s of passes).
     assert service.metrics.generation_tokens.get() < budget / 2
     outcomes = service.metrics.requests.values
     assert outcomes == {(("endpoint", "completions"), ("outcome", "cancelled")): 1.0}
 
 
-def test_metrics_and_health(server: ServerThread) -> None:
-    c = client(server)
-    c.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
-        health = http.get(server.base_url + "/health")
-        metrics = http.get(server.base_url + "/metrics")
+async def test_metrics_and_health(server: Server, api: openai.AsyncOpenAI) -> None:
+    c = api
+    await c.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
+        health = await http.get(server.base_url + "/health")
+        metrics = await http.get(server.base_url + "/metrics")
     assert health.status_code == 200
     assert health.json()["status"] == "ok"
     assert metrics.status_code == 200
@@ -376,8 +418,8 @@ def test_metrics_and_health(server: ServerThread) -> None:
 
 
 @pytest.mark.parametrize(("presence", "frequency"), [(0.0, 2.0), (2.0, 0.0), (1.0, 1.0)])
-def test_penalties_match_the_engines_generate(
-    server: ServerThread, tiny_model_dir: Path, presence: float, frequency: float
+async def test_penalties_match_the_engines_generate(
+    server: Server, api: openai.AsyncOpenAI, tiny_model_dir: Path, presence: float, frequency: float
 ) -> None:
     # Penalties count the generated tokens only, in the API exactly as in `meshnode generate`.
     from meshnode.engine.generate import GenerationResult, generate
@@ -392,9 +434,7 @@ def test_penalties_match_the_engines_generate(
     source = open_source(tiny_model_dir)
     config = ModelConfig.from_hf(source.config)
     stage = Stage(config, source, 0, config.num_layers, embed=True, head=True)
-    params = SamplingParams(
-        temperature=0.0, presence_penalty=presence, frequency_penalty=frequency
-    )
+    params = SamplingParams(temperature=0.0, presence_penalty=presence, frequency_penalty=frequency)
     events = generate(
         stage,
         Tokenizer(source.tokenizer_json),
@@ -404,7 +444,7 @@ def test_penalties_match_the_engines_generate(
         eos_ids=config.eos_token_ids,
     )
     result = next(e for e in events if isinstance(e, GenerationResult))
-    reply = client(server).completions.create(
+    reply = await api.completions.create(
         model=MODEL,
         prompt=prompt,
         max_tokens=24,

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+import trio
 from meshnode_packaging.package import open_package
 from meshnode_packaging.writer import write_package
 from safetensors.numpy import save_file
@@ -28,8 +29,9 @@ from tests.serve.conftest import (
     TINY_CONFIG,
     TINY_CONTEXT,
     TINY_MODEL_ID,
-    ServerThread,
+    Server,
     _tiny_weights,
+    start_server,
 )
 
 REQUEST_TIMEOUT_S = 60.0
@@ -241,7 +243,7 @@ def test_package_draft_is_loaded_and_no_draft_really_disables_it(tiny_package: P
 
 
 @pytest.mark.parametrize("case", ["missing", "vocab", "memory"])
-def test_unusable_draft_serves_without_it_and_says_why(
+async def test_unusable_draft_serves_without_it_and_says_why(
     tiny_model_dir: Path, other_vocab_model: Path, tmp_path: Path, case: str
 ) -> None:
     ref = {
@@ -263,8 +265,10 @@ def test_unusable_draft_serves_without_it_and_says_why(
     expected = {"missing": "cannot open", "vocab": "vocabulary", "memory": "not enough memory"}
     assert expected[case] in warning
     assert ref in warning
-    with ServerThread(service) as server:
-        reply = complete(server, "Hello there", max_tokens=5)
+    async with trio.open_nursery() as nursery:
+        server = await start_server(nursery, service)
+        reply = await complete(server, "Hello there", max_tokens=5)
+        nursery.cancel_scope.cancel()
     assert reply["usage"]["completion_tokens"] == 5
 
 
@@ -284,33 +288,49 @@ def test_layer_skip_that_cannot_be_built_falls_back(tiny_model_dir: Path) -> Non
 # -- greedy parity through the API ----------------------------------------------------------
 
 
-def complete(server: ServerThread, prompt: str, max_tokens: int) -> dict[str, Any]:
+async def complete(server: Server, prompt: str, max_tokens: int) -> dict[str, Any]:
     body = {
         "model": TINY_MODEL_ID,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
     }
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
-        response = http.post(server.base_url + "/v1/completions", json=body)
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
+        response = await http.post(server.base_url + "/v1/completions", json=body)
     assert response.status_code == 200, response.text
     reply: dict[str, Any] = response.json()
     return reply
 
 
 @pytest.fixture(scope="module")
-def plain_replies(tiny_model_dir: Path) -> list[str]:
-    service = build_single_node_service(
-        str(tiny_model_dir), model_id=TINY_MODEL_ID, context_size=TINY_CONTEXT
-    )
-    with ServerThread(service) as server:
-        return [complete(server, p, 40)["choices"][0]["text"] for p in PROMPTS]
+def plain_cache() -> dict[str, list[str]]:
+    """Where ``plain_replies`` keeps its answer for the module's later tests."""
+    return {}
+
+
+@pytest.fixture
+async def plain_replies(
+    nursery: trio.Nursery, tiny_model_dir: Path, plain_cache: dict[str, list[str]]
+) -> list[str]:
+    """The replies of a service without speculation, asked once per module."""
+    if "replies" not in plain_cache:
+        service = build_single_node_service(
+            str(tiny_model_dir), model_id=TINY_MODEL_ID, context_size=TINY_CONTEXT
+        )
+        server = await start_server(nursery, service)
+        replies = [await complete(server, p, 40) for p in PROMPTS]
+        plain_cache["replies"] = [r["choices"][0]["text"] for r in replies]
+    return plain_cache["replies"]
 
 
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 @pytest.mark.parametrize("strategy", ["ngram", "auto", "layer-skip"])
-def test_greedy_parity_through_the_api(
-    tiny_model_dir: Path, plain_replies: list[str], strategy: str, policy: str
+async def test_greedy_parity_through_the_api(
+    nursery: trio.Nursery,
+    tiny_model_dir: Path,
+    plain_replies: list[str],
+    strategy: str,
+    policy: str,
 ) -> None:
     flags = SpeculativeFlags(
         strategy=strategy, window_policy=policy, initial_window=3, layer_skip_layers=1
@@ -319,9 +339,10 @@ def test_greedy_parity_through_the_api(
         str(tiny_model_dir), model_id=TINY_MODEL_ID, context_size=TINY_CONTEXT, speculative=flags
     )
     assert service.speculation_status()["strategy"] == strategy
-    with ServerThread(service) as server:
-        replies = [complete(server, p, 40) for p in PROMPTS]
-        metrics = httpx.get(server.base_url + "/metrics", timeout=REQUEST_TIMEOUT_S).text
+    server = await start_server(nursery, service)
+    replies = [await complete(server, p, 40) for p in PROMPTS]
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
+        metrics = (await http.get(server.base_url + "/metrics")).text
     assert [r["choices"][0]["text"] for r in replies] == plain_replies
     stats = replies[0]["meshnode"]["speculation"]
     assert stats["strategy"] == strategy
@@ -338,7 +359,9 @@ def test_greedy_parity_through_the_api(
     assert acceptance["proposed"] == total.proposed
 
 
-def test_streaming_final_chunk_carries_speculation(tiny_model_dir: Path) -> None:
+async def test_streaming_final_chunk_carries_speculation(
+    nursery: trio.Nursery, tiny_model_dir: Path
+) -> None:
     service = build_single_node_service(
         str(tiny_model_dir),
         model_id=TINY_MODEL_ID,
@@ -353,12 +376,14 @@ def test_streaming_final_chunk_carries_speculation(tiny_model_dir: Path) -> None
         "stream": True,
     }
     url = "/v1/completions"
-    with (
-        ServerThread(service) as server,
-        httpx.Client(timeout=REQUEST_TIMEOUT_S) as http,
+    server = await start_server(nursery, service)
+    async with (
+        httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http,
         http.stream("POST", server.base_url + url, json=body) as response,
     ):
-        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        # Read to the end of the stream, so no iterator is left half-consumed.
+        text = (await response.aread()).decode()
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
     chunks = [json.loads(e) for e in events if e != "[DONE]"]
     finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     [final] = finals
