@@ -19,7 +19,13 @@ from meshnode_protocol._errors import (
     ProtocolError,
     RemoteProtocolError,
 )
-from meshnode_protocol._framing import MAX_FRAME_BYTES, MAX_HEADER_BYTES, decode_frame, encode_frame
+from meshnode_protocol._framing import (
+    MAX_FRAME_BYTES,
+    MAX_HEADER_BYTES,
+    MAX_PRE_HELLO_FRAME_BYTES,
+    decode_frame,
+    encode_frame,
+)
 from meshnode_protocol._messages import (
     ACTIVATION_KINDS,
     DEFAULT_FEATURES,
@@ -59,6 +65,7 @@ __all__ = [
     "DTYPE_SIZES",
     "MAX_FRAME_BYTES",
     "MAX_HEADER_BYTES",
+    "MAX_PRE_HELLO_FRAME_BYTES",
     "MESSAGE_TYPES",
     "NEED_DATA",
     "PROTOCOL_VERSION",

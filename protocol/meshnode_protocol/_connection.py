@@ -22,6 +22,7 @@ from meshnode_protocol._framing import (
     LENGTH,
     MAX_FRAME_BYTES,
     MAX_HEADER_BYTES,
+    MAX_PRE_HELLO_FRAME_BYTES,
     ReceiveBuffer,
     decode_frame,
     encode_header,
@@ -54,7 +55,8 @@ class Connection:
 
     ``our_role`` labels our side in error messages (the state machine is symmetric).
     ``max_frame_bytes`` bounds every frame in both directions; ``max_header_bytes`` bounds
-    the CBOR header of received frames.
+    the CBOR header of received frames; ``max_pre_hello_frame_bytes`` bounds the frames
+    received before the peer's ``Hello`` (header-only messages).
     """
 
     def __init__(
@@ -63,11 +65,13 @@ class Connection:
         *,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         max_header_bytes: int = MAX_HEADER_BYTES,
+        max_pre_hello_frame_bytes: int = MAX_PRE_HELLO_FRAME_BYTES,
     ) -> None:
         self.our_role = our_role
         self.their_role = our_role.peer
         self.max_frame_bytes = max_frame_bytes
         self.max_header_bytes = max_header_bytes
+        self.max_pre_hello_frame_bytes = max_pre_hello_frame_bytes
         self.our_hello: Hello | None = None
         self.their_hello: Hello | None = None
         self._state = ConnectionState()
@@ -146,14 +150,22 @@ class Connection:
         length = self._buffer.peek_length()
         if length is None:
             return None
-        if length > self.max_frame_bytes:
+        limit, name = self._frame_limit()
+        if length > limit:
             raise RemoteProtocolError(
-                f"frame of {length} bytes exceeds max_frame_bytes={self.max_frame_bytes}",
-                ErrorCode.FRAME_TOO_LARGE,
+                f"frame of {length} bytes exceeds {name}={limit}", ErrorCode.FRAME_TOO_LARGE
             )
         if len(self._buffer) < LENGTH.size + length:
             return None
         return self._buffer.take(LENGTH.size + length)[LENGTH.size :]
+
+    def _frame_limit(self) -> tuple[int, str]:
+        # Until the peer's Hello only header-only frames are legal (MAX_PRE_HELLO_FRAME_BYTES).
+        if self.their_state is State.SEND_HELLO:
+            return min(self.max_frame_bytes, self.max_pre_hello_frame_bytes), (
+                "max_pre_hello_frame_bytes"
+            )
+        return self.max_frame_bytes, "max_frame_bytes"
 
     def _process_theirs(self, msg: Message) -> None:
         try:

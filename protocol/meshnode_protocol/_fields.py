@@ -2,7 +2,8 @@
 
 Every message and record is a frozen dataclass whose annotations use only these forms::
 
-    str  int  float  bool  bytes  Tensor  <Record>  tuple[X, ...]  tuple[int, int]  X | None
+    str  int  UInt  float  bool  bytes  Tensor  <Record>  tuple[X, ...]  tuple[int, int]
+    X | None
     Tensor | tuple[float, ...] | None                          (a union of the above)
 
 ``compile_fields(cls)`` turns each annotation into a ``Kind`` with three operations:
@@ -19,14 +20,28 @@ import math
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 from meshnode_protocol._tensor import DTYPE_SIZES, MAX_TENSOR_DIMS, Tensor
 
-# CBOR integers are 64-bit (major types 0 and 1); anything wider would need a bignum tag,
-# which this protocol does not use.
-INT_MIN: Final = -(2**64)
-INT_MAX: Final = 2**64 - 1
+# CBOR can carry integers in [-2**64, 2**64 - 1] (major types 0 and 1), but no common
+# language has that type, so every integer field is one of two 64-bit types that every
+# implementation has natively (protocol/README.md §3): ``int`` is signed (i64), ``UInt``
+# unsigned (u64). Anything wider would need a bignum tag, which this protocol does not use.
+INT_MIN: Final = -(2**63)
+INT_MAX: Final = 2**63 - 1
+UINT_MAX: Final = 2**64 - 1
+
+
+class _Unsigned:
+    """Marker in ``Annotated[int, ...]`` for an unsigned 64-bit field."""
+
+    def __repr__(self) -> str:
+        return "unsigned"
+
+
+UInt = Annotated[int, _Unsigned()]
+"""An unsigned 64-bit integer field (``0 <= value <= 2**64 - 1``); a plain ``int`` to mypy."""
 
 _MISSING: Final = dataclasses.MISSING
 
@@ -86,8 +101,12 @@ class _Scalar(Kind):
 
 
 class _Int(Kind):
+    """A 64-bit integer, signed (``int``) or unsigned (``UInt``)."""
+
     identity = True
-    name = "int"
+
+    def __init__(self, name: str, lo: int, hi: int) -> None:
+        self.name, self.lo, self.hi = name, lo, hi
 
     def check(self, value: Any) -> Any:
         if type(value) is not int:
@@ -95,9 +114,15 @@ class _Int(Kind):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"expected int, got {type(value).__name__}")
             value = int(value)
-        if not INT_MIN <= value <= INT_MAX:
-            raise ValueError(f"int {value} does not fit a CBOR integer")
+        if not self.lo <= value <= self.hi:
+            raise ValueError(f"{value} is outside {self.name}'s range [{self.lo}, {self.hi}]")
         return value
+
+    def all_fit(self, values: list[Any]) -> bool:
+        """Whether every item of a decoded array is an int in range (the token-id fast path)."""
+        if not all(type(v) is int for v in values):
+            return False
+        return not values or (self.lo <= min(values) and max(values) <= self.hi)
 
 
 class _Float(Kind):
@@ -130,9 +155,12 @@ class _Tuple(Kind):
     def decode(self, wire: Any, payload: Payload) -> Any:
         if type(wire) is not list:
             raise WireError(f"expected array for {self.name}, got {type(wire).__name__}")
-        exact = WIRE_EXACT.get(self.item)
-        if exact is not None and all(type(v) is exact for v in wire):
+        item = self.item
+        if isinstance(item, _Int) and item.all_fit(wire):
             return tuple(wire)  # the hot path: token ids
+        exact = WIRE_EXACT.get(item)
+        if exact is not None and all(type(v) is exact for v in wire):
+            return tuple(wire)
         decode = self.item.decode
         return tuple([decode(v, payload) for v in wire])
 
@@ -145,7 +173,7 @@ class _Pair(Kind):
     def check(self, value: Any) -> Any:
         if not isinstance(value, tuple) or len(value) != 2:
             raise TypeError(f"expected a pair of ints, got {value!r}")
-        return (_INT.check(value[0]), _INT.check(value[1]))
+        return (_UINT.check(value[0]), _UINT.check(value[1]))
 
     def encode(self, value: Any, tensors: list[Tensor]) -> Any:
         return list(value)
@@ -232,7 +260,7 @@ class _Tensor(Kind):
             raise WireError(f"unknown tensor dtype {dtype!r}")
         if type(shape) is not list or len(shape) > MAX_TENSOR_DIMS:
             raise WireError(f"bad tensor shape {shape!r}")
-        if not all(type(d) is int and 0 <= d <= INT_MAX for d in shape):
+        if not _UINT.all_fit(shape):
             raise WireError(f"bad tensor shape {shape!r}")
         if type(nbytes) is not int or nbytes != math.prod(shape) * DTYPE_SIZES[dtype]:
             raise WireError(f"tensor nbytes {nbytes!r} disagrees with {dtype}{shape}")
@@ -260,7 +288,8 @@ class _Record(Kind):
         return decode_fields(self.cls, wire, payload)
 
 
-_INT: Final = _Int()
+_INT: Final = _Int("int", INT_MIN, INT_MAX)
+_UINT: Final = _Int("uint", 0, UINT_MAX)
 _TENSOR: Final = _Tensor()
 _SCALARS: Final[dict[Any, Kind]] = {
     str: _Scalar(str),
@@ -272,9 +301,9 @@ _SCALARS: Final[dict[Any, Kind]] = {
 }
 
 
-# Kinds whose decoded CBOR value is already valid when its type is exactly this one (a CBOR
-# integer always fits 64 bits, so ints need no range check on the way in).
-WIRE_EXACT: Final[dict[Kind, type]] = {_SCALARS[str]: str, _SCALARS[bool]: bool, _INT: int}
+# Kinds whose decoded CBOR value is already valid when its type is exactly this one. Ints
+# are not among them: a CBOR integer may lie outside the field's 64-bit range.
+WIRE_EXACT: Final[dict[Kind, type]] = {_SCALARS[str]: str, _SCALARS[bool]: bool}
 
 
 def kind_of(tp: Any) -> Kind:
@@ -282,6 +311,8 @@ def kind_of(tp: Any) -> Kind:
     if tp in _SCALARS:
         return _SCALARS[tp]
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Annotated and args[0] is int and isinstance(args[1], _Unsigned):
+        return _UINT
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
             return _Tuple(kind_of(args[0]))
@@ -322,7 +353,7 @@ def compile_fields(cls: type) -> tuple[Field, ...]:
     """The compiled fields of a dataclass, in declaration (= wire) order (cached per class)."""
     fields = _COMPILED.get(cls)
     if fields is None:
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls, include_extras=True)
         fields = tuple(
             Field(f.name, kind_of(hints[f.name]), f.default, f.default_factory)
             for f in dataclasses.fields(cls)

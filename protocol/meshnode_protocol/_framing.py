@@ -40,7 +40,22 @@ from its raw payload. The largest legitimate header is a ``Hello`` listing known
 """
 
 MAX_HEADER_DEPTH: Final = 6
-"""CBOR nesting allowed in a header (the deepest is message → peers → peer → field)."""
+"""Containers (arrays and maps) that may enclose any item of a header, the header map included.
+
+The deepest legitimate item is a log-probability in ``Prediction.top_logprobs``: header map
+→ ``top_logprobs`` array → ``TopLogprobs`` map → ``logprobs`` array → float, 4 enclosing
+containers. 6 leaves room for one more level of records in a later version while keeping
+a hostile header from recursing the decoder. (cbor2's ``max_depth`` counts the same way.)
+"""
+
+MAX_PRE_HELLO_FRAME_BYTES: Final = MAX_HEADER_BYTES
+"""Largest frame accepted from a peer before its ``Hello``: 64 KiB, not ``MAX_FRAME_BYTES``.
+
+The only messages legal before ``Hello`` are ``Hello`` and a fatal ``Error``, neither of
+which carries a tensor, so such a frame is all header. Any TLS-authenticated member could
+otherwise make every node it dials buffer a 64 MiB frame per connection before saying who
+it is.
+"""
 
 LENGTH: Final = struct.Struct(">I")
 KEY_TYPE: Final = 0
@@ -135,7 +150,10 @@ def _decode_header(frame: memoryview, max_header_bytes: int) -> tuple[dict[Any, 
 
 def _message_class(header: dict[Any, Any]) -> type[Message]:
     tag, version = header.get(KEY_TYPE), header.get(KEY_VERSION)
-    if type(tag) is not int or type(version) is not int:
+    # `true`, `0.0` or `1.0` as keys compare equal to the integers 0 and 1 in Python; the
+    # spec makes the keys integers, so an impostor key is malformed, not a type or version.
+    wrong_keys = [k for k in header if type(k) is not int and type(k) is not str and k in (0, 1)]
+    if wrong_keys or type(tag) is not int or type(version) is not int:
         raise RemoteProtocolError(
             "frame header lacks an integer type (key 0) and version (key 1)",
             ErrorCode.MALFORMED_FRAME,

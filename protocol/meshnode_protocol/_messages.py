@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
-from meshnode_protocol._fields import check_fields
+from meshnode_protocol._fields import UInt, check_fields
 from meshnode_protocol._tensor import DTYPE_SIZES, Tensor
 
 PROTOCOL_VERSION: Final = 1
@@ -56,13 +56,6 @@ class Message(Record):
     TYPE: ClassVar[int]
 
 
-def _non_negative(record: Record, *names: str) -> None:
-    for name in names:
-        value = getattr(record, name)
-        if value is not None and value < 0:
-            raise ValueError(f"{type(record).__name__}.{name} must be >= 0, not {value}")
-
-
 def _check_range(name: str, value: Range | None) -> None:
     if value is not None and not 0 <= value[0] <= value[1]:
         raise ValueError(f"{name} must be a range 0 <= start <= end, not {value}")
@@ -78,10 +71,7 @@ class PeerInfo(Record):
     node_id: str
     address: str
     device_kind: str = ""
-    usable_memory: int = 0
-
-    def _validate(self) -> None:
-        _non_negative(self, "usable_memory")
+    usable_memory: UInt = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,7 +79,7 @@ class Sampling(Record):
     """A request's sampling parameters (OpenAI semantics; 0 disables top_k, 1.0 top_p)."""
 
     temperature: float = 1.0
-    top_k: int = 0
+    top_k: UInt = 0
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
@@ -106,7 +96,6 @@ class Sampling(Record):
             raise ValueError(f"min_p must be in [0, 1], not {self.min_p}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, not {self.repetition_penalty}")
-        _non_negative(self, "top_k")
 
 
 # -- membership ------------------------------------------------------------------------------
@@ -117,18 +106,15 @@ class Hello(Message):
     """First message in each direction: who we are and what we speak."""
 
     TYPE: ClassVar[int] = 1
-    protocol_version: int = PROTOCOL_VERSION
+    protocol_version: UInt = PROTOCOL_VERSION
     features: tuple[str, ...] = DEFAULT_FEATURES
     node_id: str
     mesh_id_hash: str
     listen_address: str
     device_kind: str
-    usable_memory: int
+    usable_memory: UInt
     known_peers: tuple[PeerInfo, ...] = ()
     api_address: str = ""
-
-    def _validate(self) -> None:
-        _non_negative(self, "protocol_version", "usable_memory")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,15 +149,12 @@ class Error(Message):
     """A refusal (``code`` is an ``ErrorCode``); ``fatal`` means the sender closes next."""
 
     TYPE: ClassVar[int] = 4
-    code: int
+    code: UInt
     message: str
     fatal: bool = False
     run_id: str = ""
-    term: int = 0
+    term: UInt = 0
     request_id: str = ""
-
-    def _validate(self) -> None:
-        _non_negative(self, "code", "term")
 
 
 # -- control plane ---------------------------------------------------------------------------
@@ -183,12 +166,9 @@ class Claim(Message):
 
     TYPE: ClassVar[int] = 10
     run_id: str
-    term: int
+    term: UInt
     coordinator_id: str
     package_ref: str = ""
-
-    def _validate(self) -> None:
-        _non_negative(self, "term")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -197,13 +177,10 @@ class ClaimAccepted(Message):
 
     TYPE: ClassVar[int] = 11
     run_id: str
-    term: int
+    term: UInt
     node_id: str
     device_kind: str = ""
-    usable_memory: int = 0
-
-    def _validate(self) -> None:
-        _non_negative(self, "term", "usable_memory")
+    usable_memory: UInt = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -212,14 +189,11 @@ class ClaimRejected(Message):
 
     TYPE: ClassVar[int] = 12
     run_id: str
-    term: int
+    term: UInt
     node_id: str
     reason: str
     held_by_run: str = ""
-    held_by_term: int = 0
-
-    def _validate(self) -> None:
-        _non_negative(self, "term", "held_by_term")
+    held_by_term: UInt = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -228,7 +202,7 @@ class Prepare(Message):
 
     TYPE: ClassVar[int] = 13
     run_id: str
-    term: int
+    term: UInt
     package_ref: str
     manifest_sha256: str
     layer_range: Range
@@ -236,7 +210,6 @@ class Prepare(Message):
     has_head: bool
 
     def _validate(self) -> None:
-        _non_negative(self, "term")
         _check_range("layer_range", self.layer_range)
 
 
@@ -246,11 +219,8 @@ class PrepareAccepted(Message):
 
     TYPE: ClassVar[int] = 14
     run_id: str
-    term: int
+    term: UInt
     node_id: str
-
-    def _validate(self) -> None:
-        _non_negative(self, "term")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -259,12 +229,9 @@ class Inventory(Message):
 
     TYPE: ClassVar[int] = 15
     run_id: str
-    term: int
+    term: UInt
     package_ref: str
     manifest_sha256: str = ""
-
-    def _validate(self) -> None:
-        _non_negative(self, "term")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -273,7 +240,7 @@ class InventoryReport(Message):
 
     TYPE: ClassVar[int] = 16
     run_id: str
-    term: int
+    term: UInt
     node_id: str
     package_ref: str
     ready: tuple[Range, ...] = ()
@@ -281,12 +248,11 @@ class InventoryReport(Message):
     preparing: tuple[Range, ...] = ()
     embed_ready: bool = False
     head_ready: bool = False
-    bytes_done: int = 0
-    bytes_total: int = 0
+    bytes_done: UInt = 0
+    bytes_total: UInt = 0
     error: str = ""
 
     def _validate(self) -> None:
-        _non_negative(self, "term", "bytes_done", "bytes_total")
         for name in ("ready", "missing", "preparing"):
             for r in getattr(self, name):
                 _check_range(name, r)
@@ -303,7 +269,7 @@ class Load(Message):
 
     TYPE: ClassVar[int] = 17
     run_id: str
-    term: int
+    term: UInt
     package_ref: str
     manifest_sha256: str
     layer_range: Range
@@ -312,12 +278,11 @@ class Load(Message):
     upstream: PeerInfo | None = None
     downstream: PeerInfo | None = None
     wire_dtype: str = "f16"
-    context_size: int
-    batch_sizes: tuple[int, ...] = (1,)
+    context_size: UInt
+    batch_sizes: tuple[UInt, ...] = (1,)
     kv_dtype: str = "f16"
 
     def _validate(self) -> None:
-        _non_negative(self, "term", "context_size")
         _check_range("layer_range", self.layer_range)
         if self.wire_dtype not in DTYPE_SIZES:
             raise ValueError(f"wire_dtype must be one of {sorted(DTYPE_SIZES)}")
@@ -331,13 +296,12 @@ class Ready(Message):
 
     TYPE: ClassVar[int] = 18
     run_id: str
-    term: int
+    term: UInt
     node_id: str
     endpoint: str
     layer_range: Range
 
     def _validate(self) -> None:
-        _non_negative(self, "term")
         _check_range("layer_range", self.layer_range)
 
 
@@ -347,11 +311,8 @@ class Stop(Message):
 
     TYPE: ClassVar[int] = 19
     run_id: str
-    term: int
+    term: UInt
     reason: str = ""
-
-    def _validate(self) -> None:
-        _non_negative(self, "term")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -362,12 +323,11 @@ class Status(Message):
     node_id: str
     state: str
     run_id: str = ""
-    term: int = 0
+    term: UInt = 0
     layer_range: Range | None = None
     detail: str = ""
 
     def _validate(self) -> None:
-        _non_negative(self, "term")
         _check_range("layer_range", self.layer_range)
 
 
@@ -378,7 +338,7 @@ class Status(Message):
 class TopLogprobs(Record):
     """The most likely alternatives at one position: parallel token ids and log-probs."""
 
-    token_ids: tuple[int, ...]
+    token_ids: tuple[UInt, ...]
     logprobs: tuple[float, ...]
 
     def _validate(self) -> None:
@@ -404,21 +364,20 @@ class ActivationFrame(Message):
     TYPE: ClassVar[int] = 30
     request_id: str
     run_id: str
-    term: int
+    term: UInt
     kind: str
-    start_pos: int
-    tokens: tuple[int, ...]
+    start_pos: UInt
+    tokens: tuple[UInt, ...]
     payload: Tensor | None = None
     sampling: Sampling | None = None
-    draft_tokens: tuple[int, ...] = ()
+    draft_tokens: tuple[UInt, ...] = ()
     draft_probs: Tensor | tuple[float, ...] | None = None
-    out_rows: int = 1
+    out_rows: UInt = 1
     final: bool = True
     logprobs: bool = False
-    top_logprobs: int = 0
+    top_logprobs: UInt = 0
 
     def _validate(self) -> None:
-        _non_negative(self, "term", "start_pos", "out_rows", "top_logprobs")
         if self.kind not in ACTIVATION_KINDS:
             raise ValueError(f"kind must be one of {ACTIVATION_KINDS}, not {self.kind!r}")
         rows = len(self.tokens) + len(self.draft_tokens)
@@ -465,16 +424,15 @@ class Prediction(Message):
     TYPE: ClassVar[int] = 31
     request_id: str
     run_id: str
-    term: int
-    start_pos: int
-    accepted: int
-    tokens: tuple[int, ...]
+    term: UInt
+    start_pos: UInt
+    accepted: UInt
+    tokens: tuple[UInt, ...]
     logprobs: tuple[float, ...] | None = None
     top_logprobs: tuple[TopLogprobs, ...] = ()
-    compute_us: int = 0
+    compute_us: UInt = 0
 
     def _validate(self) -> None:
-        _non_negative(self, "term", "start_pos", "accepted", "compute_us")
         if not self.accepted < len(self.tokens):
             raise ValueError(f"accepted={self.accepted} needs more than that many tokens")
         if self.logprobs is not None and len(self.logprobs) != len(self.tokens):
@@ -490,10 +448,7 @@ class Release(Message):
     TYPE: ClassVar[int] = 32
     request_id: str
     run_id: str
-    term: int
-
-    def _validate(self) -> None:
-        _non_negative(self, "term")
+    term: UInt
 
 
 MESSAGE_TYPES: Final[dict[int, type[Message]]] = {

@@ -1,4 +1,7 @@
-"""Golden frames: one example per message, written to ``protocol/vectors/<name>.json``.
+"""Golden frames: examples of every message, written to ``protocol/vectors/<name>.json``.
+
+(Lenient encodings and malformed streams, in ``lenient/`` and ``malformed/`` beside them,
+come from :mod:`meshnode_protocol.edge_vectors`.)
 
 Each vector file holds the message type, its fields in JSON form and the exact frame bytes
 in hex. Tensors appear as ``{"dtype", "shape", "data_hex"}``; tuples as arrays; nested
@@ -51,6 +54,7 @@ from meshnode_protocol._messages import (
     Sampling,
     Status,
     Stop,
+    TopLogprobs,
 )
 from meshnode_protocol._tensor import Tensor
 
@@ -201,7 +205,48 @@ EXAMPLES: Final[dict[str, Message]] = {
         tokens=(5,),
         logprobs=(-0.25,),
     ),
+    "prediction_top_logprobs": Prediction(
+        request_id="req-1",
+        run_id=_RUN_ID,
+        term=_TERM,
+        start_pos=6,
+        accepted=1,
+        tokens=(8, 11),
+        logprobs=(-0.5, -1.25),
+        top_logprobs=(
+            TopLogprobs(token_ids=(8, 3), logprobs=(-0.5, -1.5)),
+            TopLogprobs(token_ids=(11, 12, 2), logprobs=(-1.25, -1.5, -2.0)),
+        ),
+        compute_us=1500,
+    ),
+    "hello_features": Hello(
+        features=("bf16", "x-not-yet-defined"),
+        node_id="node-b",
+        mesh_id_hash="5d41402abc4b2a76",
+        listen_address="[fd00::2]:7420",
+        device_kind="cpu",
+        usable_memory=0,
+    ),
+    "activation_verify_f16_dist": ActivationFrame(
+        request_id="req-3",
+        run_id=_RUN_ID,
+        term=_TERM,
+        kind="verify",
+        start_pos=12,
+        tokens=(7,),
+        draft_tokens=(8, 9),
+        draft_probs=Tensor("f16", (2, 3), _f16(0.25, 0.5, 0.25, 0.0, 1.0, 0.0)),
+        payload=Tensor("f16", (3, 1), _f16(1.0, -2.0, 0.5)),
+        sampling=Sampling(temperature=0.8, min_p=0.05, repetition_penalty=1.1),
+        out_rows=3,
+        logprobs=True,
+        top_logprobs=2,
+    ),
+    "heartbeat_extremes": Heartbeat(
+        node_id="node-a", nonce=-(2**63), sent_ns=2**63 - 1, echo_nonce=0, echo_sent_ns=-1
+    ),
     "release": Release(request_id="req-1", run_id=_RUN_ID, term=_TERM),
+    "release_max_term": Release(request_id="req-1", run_id=_RUN_ID, term=2**64 - 1),
 }
 
 
@@ -268,13 +313,28 @@ def message_class(name: str) -> type[Message]:
     return next(cls for cls in MESSAGE_TYPES.values() if cls.__name__ == name)
 
 
+def all_documents() -> dict[str, dict[str, Any]]:
+    """Every vector file's relative path → its JSON document (canonical, lenient, malformed)."""
+    from meshnode_protocol.edge_vectors import (
+        LENIENT,
+        MALFORMED,
+        lenient_document,
+        malformed_document,
+    )
+
+    docs = {f"{name}.json": vector_document(msg) for name, msg in EXAMPLES.items()}
+    docs |= {f"lenient/{name}.json": lenient_document(v) for name, v in LENIENT.items()}
+    docs |= {f"malformed/{name}.json": malformed_document(v) for name, v in MALFORMED.items()}
+    return docs
+
+
 def write_vectors(folder: Path) -> list[Path]:
-    """Write every example as ``<name>.json`` into ``folder``; returns the paths."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write every vector into ``folder`` (lenient/ and malformed/ below it); the paths."""
     paths = []
-    for name, msg in EXAMPLES.items():
-        path = folder / f"{name}.json"
-        path.write_text(json.dumps(vector_document(msg), indent=2) + "\n")
+    for relative, doc in all_documents().items():
+        path = folder / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=2) + "\n")
         paths.append(path)
     return paths
 

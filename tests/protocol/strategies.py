@@ -44,8 +44,8 @@ def for_kind(kind: Kind) -> st.SearchStrategy[Any]:
     """A strategy producing valid values of one field kind."""
     if isinstance(kind, _Scalar):
         return {"str": texts, "bool": st.booleans(), "bytes": st.binary(max_size=8)}[kind.name]
-    if isinstance(kind, _Int):
-        return ints
+    if isinstance(kind, _Int):  # the full range of the field's type, int64 or uint64
+        return st.integers(min_value=kind.lo, max_value=kind.hi)
     if isinstance(kind, _Float):
         return floats
     if isinstance(kind, _Tuple):

@@ -10,6 +10,7 @@ import pytest
 from meshnode_protocol import (
     CONNECTION_CLOSED,
     MAX_FRAME_BYTES,
+    MAX_PRE_HELLO_FRAME_BYTES,
     NEED_DATA,
     ActivationFrame,
     Connection,
@@ -115,6 +116,21 @@ def test_oversize_frame_is_refused_before_its_body_arrives() -> None:
     with pytest.raises(RemoteProtocolError) as info:
         conn.next_message()
     assert info.value.code is ErrorCode.FRAME_TOO_LARGE
+
+
+def test_before_hello_only_a_header_sized_frame_is_buffered() -> None:
+    """Issue 15 item 12: a member cannot make us buffer 64 MiB before it says Hello."""
+    big = (MAX_PRE_HELLO_FRAME_BYTES + 1).to_bytes(4, "big")
+    before = Connection(Role.LISTENER)
+    before.receive_data(big)
+    with pytest.raises(RemoteProtocolError) as info:
+        before.next_message()
+    assert info.value.code is ErrorCode.FRAME_TOO_LARGE
+    assert "max_pre_hello_frame_bytes" in str(info.value)
+    after = Connection(Role.LISTENER)
+    receive_all(after, HELLO_FRAME)
+    after.receive_data(big)
+    assert after.next_message() is NEED_DATA  # the full limit applies once Hello arrived
 
 
 def test_oversize_header_is_refused() -> None:

@@ -8,24 +8,37 @@ from typing import Any
 
 import pytest
 from meshnode_protocol import (
+    CONNECTION_CLOSED,
+    DEFAULT_FEATURES,
     MESSAGE_TYPES,
     NEED_DATA,
+    ActivationFrame,
     Connection,
     ErrorCode,
     Hello,
     Message,
+    Prediction,
     RemoteProtocolError,
     Role,
     State,
+    Tensor,
     decode_frame,
     encode_frame,
 )
-from meshnode_protocol.vectors import EXAMPLES, from_json, message_class, vector_document
+from meshnode_protocol.vectors import (
+    EXAMPLES,
+    all_documents,
+    from_json,
+    message_class,
+    vector_document,
+)
 
 from .helpers import HELLO_A, receive_all
 
 VECTORS = Path(__file__).resolve().parents[2] / "protocol" / "vectors"
 VECTOR_FILES = sorted(VECTORS.glob("*.json"))
+LENIENT_FILES = sorted((VECTORS / "lenient").glob("*.json"))
+MALFORMED_FILES = sorted((VECTORS / "malformed").glob("*.json"))
 
 
 def _load(path: Path) -> tuple[Message, bytes, dict[str, Any]]:
@@ -88,3 +101,73 @@ def test_vector_with_trailing_data(path: Path) -> None:
         assert info.value.code is ErrorCode.OUT_OF_ORDER
     else:
         assert conn.next_message() == follow
+
+
+def test_vector_files_are_what_the_generator_writes() -> None:
+    """No file is stale, missing or left over (lenient/ and malformed/ included)."""
+    on_disk = {
+        str(p.relative_to(VECTORS)): json.loads(p.read_text()) for p in VECTORS.rglob("*.json")
+    }
+    assert on_disk == all_documents()
+
+
+def test_vectors_cover_the_shapes_a_second_implementation_must_get_right() -> None:
+    """Shapes the first 23 vectors missed: each is in a canonical vector (issue 15)."""
+    msgs = list(EXAMPLES.values())
+    assert any(isinstance(m, Prediction) and m.top_logprobs for m in msgs)
+    assert any(isinstance(m, Hello) and m.features != DEFAULT_FEATURES for m in msgs)
+    assert any(
+        isinstance(m, ActivationFrame)
+        and isinstance(m.draft_probs, Tensor)
+        and m.draft_probs.dtype == "f16"
+        for m in msgs
+    )
+    lenient = {json.loads(p.read_text())["frame_hex"] for p in LENIENT_FILES}
+    assert len(lenient) == len(LENIENT_FILES) >= 7
+
+
+@pytest.mark.parametrize("path", LENIENT_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("chunk", [None, 1], ids=["whole", "byte-by-byte"])
+def test_lenient_vector_decodes_and_reencodes_canonically(path: Path, chunk: int | None) -> None:
+    doc = json.loads(path.read_text())
+    msg = from_json(message_class(doc["message"]), doc["fields"])
+    frame, canonical = bytes.fromhex(doc["frame_hex"]), bytes.fromhex(doc["canonical_hex"])
+    assert frame != canonical
+    assert decode_frame(memoryview(frame)[4:]) == msg
+    conn, prefix = _receiver_for(msg)
+    assert receive_all(conn, prefix + frame, chunk=chunk)[-1] == msg
+    assert encode_frame(msg) == canonical
+    assert decode_frame(memoryview(canonical)[4:]) == msg
+
+
+def _feed_until_error(
+    conn: Connection, stream: bytes, chunk: int | None, eof: bool
+) -> tuple[list[Message], RemoteProtocolError | None]:
+    """Feed ``stream`` (then EOF if ``eof``); the messages decoded and the error, if any."""
+    received: list[Message] = []
+    step = chunk or len(stream)
+    try:
+        for start in range(0, len(stream), step):
+            conn.receive_data(stream[start : start + step])
+            while (msg := conn.next_message()) is not NEED_DATA:
+                assert isinstance(msg, Message)
+                received.append(msg)
+        if eof:
+            conn.receive_data(b"")
+            assert conn.next_message() is CONNECTION_CLOSED
+    except RemoteProtocolError as exc:
+        return received, exc
+    return received, None
+
+
+@pytest.mark.parametrize("path", MALFORMED_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("chunk", [None, 1], ids=["whole", "byte-by-byte"])
+def test_malformed_vector_fails_with_its_code(path: Path, chunk: int | None) -> None:
+    doc = json.loads(path.read_text())
+    conn = Connection(Role.LISTENER)
+    received, error = _feed_until_error(conn, bytes.fromhex(doc["stream_hex"]), chunk, doc["eof"])
+    assert error is not None, "the stream was accepted"
+    assert len(received) == doc["messages_before"]
+    assert error.code is ErrorCode[doc["error"]]
+    assert error.code == doc["code"]
+    assert conn.their_state is State.ERROR
