@@ -16,12 +16,9 @@ from meshnode.net.identity import JoinToken, write_token_file
 from meshnode.node.config import (
     Address,
     ConfigError,
-    Device,
     SpeculativeFlags,
     config_file_for,
     load_config,
-    parse_bytes,
-    parse_weights_dtype,
 )
 
 # `status` gives up on a silent daemon quickly: it is a local, interactive command.
@@ -160,15 +157,15 @@ def join(
         flags: dict[str, Any] = {
             "token": token,
             "token_file": token_file,
-            "listen": _address(listen),
-            "api": _address(api),
+            "listen": listen,
+            "api": api,
             "state_dir": state_dir,
             "interface": interface,
-            "peers": tuple(Address.parse(p) for p in peer) if peer else None,
+            "peers": peer or None,
             "mdns": False if no_mdns else None,
-            "max_memory_bytes": None if max_memory is None else parse_bytes(max_memory),
-            "device": _device(device),
-            "weights_dtype": None if dtype is None else parse_weights_dtype(dtype),
+            "max_memory_bytes": max_memory,
+            "device": device,
+            "weights_dtype": dtype,
             "log_level": log_level,
             "heartbeat.interval_s": heartbeat_interval,
             "heartbeat.suspect_after_s": suspect_after,
@@ -189,16 +186,6 @@ def join(
         typer.echo(f"meshnode join: {exc}", err=True)
         raise typer.Exit(2) from exc
     raise typer.Exit(code)
-
-
-def _device(text: str | None) -> Device | None:
-    if text is None:
-        return None
-    if text == "cpu":
-        return "cpu"
-    if text == "cuda":
-        return "cuda"
-    raise ConfigError(f"--device must be cpu or cuda, got {text!r}")
 
 
 @app.command()

@@ -147,11 +147,11 @@ def _str(v: object) -> str:
 
 
 def _path(v: object) -> Path:
-    return Path(_str(v)).expanduser()
+    return (v if isinstance(v, Path) else Path(_str(v))).expanduser()
 
 
 def _address(v: object) -> Address:
-    return Address.parse(_str(v))
+    return v if isinstance(v, Address) else Address.parse(_str(v))
 
 
 def _bool(v: object) -> bool:
@@ -231,6 +231,20 @@ def _positive_int(v: object) -> int:
     return n
 
 
+def _nonempty(v: object) -> str:
+    s = _str(v)
+    if not s.strip():
+        raise ConfigError("expected a non-empty string")
+    return s
+
+
+def _positive_float(v: object) -> float:
+    f = _float(v)
+    if not 0 < f < float("inf"):
+        raise ConfigError(f"expected a positive number, got {v!r}")
+    return f
+
+
 def _wire_dtype(v: object) -> str:
     s = _str(v).lower()
     if s not in {"f16", "f32"}:
@@ -243,7 +257,8 @@ class Setting:
     """One configurable value: where it lives in TOML and the environment, how to parse it.
 
     ``name`` is the :class:`NodeConfig` field, or ``heartbeat.<field>`` for the nested
-    :class:`HeartbeatTimeouts`.
+    :class:`HeartbeatTimeouts`; ``flag`` is its command-line option (``--{flag}``), named
+    in errors about a flag's value. Every layer goes through the same ``parse``.
     """
 
     name: str
@@ -251,36 +266,54 @@ class Setting:
     key: str
     env: str
     parse: Callable[[object], Any]
+    flag: str = ""
+
+    @property
+    def option(self) -> str:
+        """The command-line option, e.g. ``--max-memory``."""
+        return "--" + (self.flag or self.key.replace("_", "-"))
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("token", "mesh", "token", "MESHNODE_TOKEN", _str),
+    Setting("token", "mesh", "token", "MESHNODE_TOKEN", _nonempty),
     Setting("token_file", "mesh", "token_file", "MESHNODE_TOKEN_FILE", _path),
     Setting("state_dir", "node", "state_dir", "MESHNODE_STATE_DIR", _path),
     Setting("listen", "node", "listen", "MESHNODE_LISTEN", _address),
     Setting("api", "node", "api", "MESHNODE_API", _address),
     Setting("max_memory_bytes", "node", "max_memory", "MESHNODE_MAX_MEMORY", parse_bytes),
     Setting("device", "node", "device", "MESHNODE_DEVICE", _device),
-    Setting("weights_dtype", "node", "dtype", "MESHNODE_DTYPE", parse_weights_dtype),
+    Setting(
+        "weights_dtype", "node", "dtype", "MESHNODE_DTYPE", parse_weights_dtype, flag="dtype"
+    ),
     Setting("log_level", "node", "log_level", "MESHNODE_LOG_LEVEL", _log_level),
     Setting("cache_dir", "node", "cache_dir", "MESHNODE_CACHE_DIR", _path),
     Setting("threads", "node", "threads", "MESHNODE_THREADS", _positive_int),
-    Setting("model", "model", "ref", "MESHNODE_MODEL", _str),
+    Setting("model", "model", "ref", "MESHNODE_MODEL", _nonempty, flag="model"),
     Setting("split", "model", "split", "MESHNODE_SPLIT", _positive_int),
-    Setting("context_size", "model", "context_size", "MESHNODE_CONTEXT", _positive_int),
+    Setting(
+        "context_size", "model", "context_size", "MESHNODE_CONTEXT", _positive_int,
+        flag="context",
+    ),
     Setting("wire_dtype", "model", "wire_dtype", "MESHNODE_WIRE_DTYPE", _wire_dtype),
     Setting(
         "prefill_chunk_tokens", "model", "prefill_chunk_tokens", "MESHNODE_PREFILL_CHUNK",
-        _positive_int,
+        _positive_int, flag="prefill-chunk",
     ),
-    Setting("interface", "discovery", "interface", "MESHNODE_INTERFACE", _str),
-    Setting("mdns", "discovery", "mdns", "MESHNODE_MDNS", _bool),
-    Setting("peers", "discovery", "peers", "MESHNODE_PEERS", _peers),
-    Setting("heartbeat.interval_s", "heartbeat", "interval_s", "MESHNODE_HEARTBEAT_S", _float),
+    Setting("interface", "discovery", "interface", "MESHNODE_INTERFACE", _nonempty),
+    Setting("mdns", "discovery", "mdns", "MESHNODE_MDNS", _bool, flag="no-mdns"),
+    Setting("peers", "discovery", "peers", "MESHNODE_PEERS", _peers, flag="peer"),
     Setting(
-        "heartbeat.suspect_after_s", "heartbeat", "suspect_after_s", "MESHNODE_SUSPECT_S", _float
+        "heartbeat.interval_s", "heartbeat", "interval_s", "MESHNODE_HEARTBEAT_S",
+        _positive_float, flag="heartbeat-interval",
     ),
-    Setting("heartbeat.dead_after_s", "heartbeat", "dead_after_s", "MESHNODE_DEAD_S", _float),
+    Setting(
+        "heartbeat.suspect_after_s", "heartbeat", "suspect_after_s", "MESHNODE_SUSPECT_S",
+        _positive_float, flag="suspect-after",
+    ),
+    Setting(
+        "heartbeat.dead_after_s", "heartbeat", "dead_after_s", "MESHNODE_DEAD_S",
+        _positive_float, flag="dead-after",
+    ),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -379,8 +412,10 @@ def load_config(
 ) -> NodeConfig:
     """Build the config: defaults → ``config_file`` → ``env`` → ``flags`` (non-None only).
 
-    ``flags`` maps setting names (``"listen"``, ``"heartbeat.interval_s"``, …) to values
-    already of the field's type, or to ``None`` for a flag that was not passed; the
+    ``flags`` maps setting names (``"listen"``, ``"heartbeat.interval_s"``, …) to the
+    values given on the command line (text, numbers, or values already of the field's
+    type), or to ``None`` for a flag that was not passed. Flags go through the same parsers
+    as the file and the environment, so ``--split 0`` fails as ``split = 0`` does; the
     speculative flags travel as one ``"speculative"``: :class:`SpeculativeFlags`.
     ``env`` defaults to ``os.environ``, read here rather than at import time.
     Raises :class:`ConfigError`.
@@ -399,7 +434,8 @@ def load_config(
         elif name not in _BY_NAME:
             raise ConfigError(f"unknown setting {name!r}")
         elif value is not None:
-            values[name] = value
+            setting = _BY_NAME[name]
+            values[name] = _parse(setting, value, setting.option)
     return _build(values)
 
 

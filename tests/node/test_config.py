@@ -150,3 +150,35 @@ def test_the_example_configs_optional_tables_load(tmp_path: Path) -> None:
     tables = config.speculative_tables
     assert tables["defaults"]["speculative"]["strategy"] == "auto"
     assert tables["models"]["smollm2-135m"]["speculative"]["strategy"] == "ngram"
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        ({"split": 0}, "--split: expected a positive integer, got 0"),
+        ({"threads": 0}, "--threads: expected a positive integer, got 0"),
+        ({"context_size": 0}, "--context: expected a positive integer, got 0"),
+        ({"wire_dtype": "bf16"}, "--wire-dtype: wire dtype must be f16 or f32, got 'bf16'"),
+        ({"log_level": "verbose"}, "--log-level: log level must be DEBUG, INFO, WARNING or ERROR"),
+        ({"listen": "nowhere"}, "--listen: expected HOST:PORT, got 'nowhere'"),
+        ({"max_memory_bytes": "lots"}, "--max-memory: expected a byte count"),
+        ({"heartbeat.interval_s": -1.0}, "--heartbeat-interval: expected a positive number"),
+        ({"model": " "}, "--model: expected a non-empty string"),
+        ({"weights_dtype": "int3"}, "--dtype: dtype must be one of"),
+    ],
+)
+def test_flags_get_the_checks_the_file_gets(flags: dict[str, object], problem: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        load_config(env={}, flags=flags)
+
+
+def test_flag_text_is_parsed_like_the_file() -> None:
+    config = load_config(
+        env={},
+        flags={"listen": "127.0.0.1:5000", "peers": ["127.0.0.1:1", "[::1]:2"], "threads": 2,
+               "max_memory_bytes": "1GiB", "device": "cpu"},
+    )  # fmt: skip
+    assert config.listen == Address("127.0.0.1", 5000)
+    assert config.peers == (Address("127.0.0.1", 1), Address("::1", 2))
+    assert config.threads == 2
+    assert config.max_memory_bytes == 1 << 30

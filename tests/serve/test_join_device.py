@@ -27,3 +27,22 @@ def test_join_refuses_what_this_machine_cannot_do(
     assert result.returncode == 2, result.stderr
     assert problem in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["--split", "0"], "--split: expected a positive integer, got 0"),
+        (["--wire-dtype", "bf16"], "--wire-dtype: wire dtype must be f16 or f32"),
+        (["--threads", "0"], "--threads: expected a positive integer, got 0"),
+        (["--log-level", "verbose"], "--log-level: log level must be"),
+        (["--context", "0"], "--context: expected a positive integer, got 0"),
+    ],
+)
+def test_join_refuses_bad_flag_values_in_one_line(
+    tmp_path: Path, args: list[str], problem: str
+) -> None:
+    result = cli("join", "--state-dir", str(tmp_path), "--no-mdns", *args, timeout_s=30)
+    assert result.returncode == 2, result.stderr
+    assert problem in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
