@@ -18,6 +18,7 @@ from meshnode.node.config import (
     ConfigError,
     SpeculativeFlags,
     config_file_for,
+    env_help,
     load_config,
 )
 
@@ -49,69 +50,119 @@ def _address(text: str | None) -> Address | None:
 @app.command()
 def join(
     token: Annotated[
-        str | None, typer.Option(help="Join token (or use --token-file / MESHNODE_TOKEN).")
+        str | None,
+        typer.Option(help=env_help("token", "Join token (or use --token-file / MESHNODE_TOKEN).")),
     ] = None,
-    token_file: Annotated[Path | None, typer.Option(help="File holding the join token.")] = None,
+    token_file: Annotated[
+        Path | None, typer.Option(help=env_help("token_file", "File holding the join token."))
+    ] = None,
     listen: Annotated[
-        str | None, typer.Option(help="Mesh listen address HOST:PORT (default 0.0.0.0:7470).")
+        str | None,
+        typer.Option(
+            help=env_help("listen", "Mesh listen address HOST:PORT (default 0.0.0.0:7470).")
+        ),
     ] = None,
     api: Annotated[
-        str | None, typer.Option(help="HTTP API address HOST:PORT (default 127.0.0.1:8470).")
+        str | None,
+        typer.Option(help=env_help("api", "HTTP API address HOST:PORT (default 127.0.0.1:8470).")),
     ] = None,
     state_dir: Annotated[
-        Path | None, typer.Option(help="Identity, config and caches of this node.")
+        Path | None,
+        typer.Option(help=env_help("state_dir", "Identity, config and caches of this node.")),
     ] = None,
     interface: Annotated[
-        str | None, typer.Option(help="Limit mDNS to the interface with this address.")
+        str | None,
+        typer.Option(help=env_help("interface", "Limit mDNS to the interface with this address.")),
     ] = None,
     peer: Annotated[
-        list[str] | None, typer.Option(help="Static peer HOST:PORT (repeatable).")
+        list[str] | None,
+        typer.Option(help=env_help("peers", "Static peer HOST:PORT (repeatable).")),
     ] = None,
-    no_mdns: Annotated[bool, typer.Option("--no-mdns", help="Disable mDNS discovery.")] = False,
+    no_mdns: Annotated[
+        bool, typer.Option("--no-mdns", help=env_help("mdns", "Disable mDNS discovery."))
+    ] = False,
     max_memory: Annotated[
-        str | None, typer.Option(help="Cap on memory offered to the mesh (e.g. 8GiB).")
+        str | None,
+        typer.Option(
+            help=env_help("max_memory_bytes", "Cap on memory offered to the mesh (e.g. 8GiB).")
+        ),
     ] = None,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda.")] = None,
+    device: Annotated[str | None, typer.Option(help=env_help("device", "cpu or cuda."))] = None,
     dtype: Annotated[
         str | None,
-        typer.Option(help="Weights on a CUDA device: auto, float16, bfloat16 or float32."),
+        typer.Option(
+            help=env_help(
+                "weights_dtype", "Weights on a CUDA device: auto, float16, bfloat16 or float32."
+            )
+        ),
     ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML config file.")] = None,
     heartbeat_interval: Annotated[
-        float | None, typer.Option(help="Seconds between heartbeats.")
+        float | None,
+        typer.Option(help=env_help("heartbeat.interval_s", "Seconds between heartbeats.")),
     ] = None,
     suspect_after: Annotated[
-        float | None, typer.Option(help="Seconds of silence before a peer is suspect.")
+        float | None,
+        typer.Option(
+            help=env_help(
+                "heartbeat.suspect_after_s", "Seconds of silence before a peer is suspect."
+            )
+        ),
     ] = None,
     dead_after: Annotated[
-        float | None, typer.Option(help="Seconds of silence before a peer is dead.")
+        float | None,
+        typer.Option(
+            help=env_help("heartbeat.dead_after_s", "Seconds of silence before a peer is dead.")
+        ),
     ] = None,
-    log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = None,
+    log_level: Annotated[
+        str | None, typer.Option(help=env_help("log_level", "DEBUG, INFO, WARNING or ERROR."))
+    ] = None,
     model: Annotated[
         str | None,
         typer.Option(
-            help="Serve this model (alias, .gguf, folder, hf://org/repo[@rev], https:// URL): "
-            "this node becomes the host, holds stage 0 and serves the OpenAI API on --api."
+            help=env_help(
+                "model",
+                "Serve this model (alias, .gguf, folder, hf://org/repo[@rev], https:// URL): "
+                "this node becomes the host, holds stage 0 and serves the OpenAI API on --api.",
+            )
         ),
     ] = None,
     split: Annotated[
-        int | None, typer.Option(help="Exactly this many stages, when that many nodes are up.")
+        int | None,
+        typer.Option(
+            help=env_help("split", "Exactly this many stages, when that many nodes are up.")
+        ),
     ] = None,
     context: Annotated[
-        int | None, typer.Option(help="Context size in tokens (default: model's, max 2048).")
+        int | None,
+        typer.Option(
+            help=env_help("context_size", "Context size in tokens (default: model's, max 2048).")
+        ),
     ] = None,
     wire_dtype: Annotated[
-        str | None, typer.Option(help="Activation dtype between stages: f16 (default) or f32.")
+        str | None,
+        typer.Option(
+            help=env_help("wire_dtype", "Activation dtype between stages: f16 (default) or f32.")
+        ),
     ] = None,
     prefill_chunk: Annotated[
-        int | None, typer.Option(help="Prompt tokens per prefill pass (default 256).")
+        int | None,
+        typer.Option(
+            help=env_help("prefill_chunk_tokens", "Prompt tokens per prefill pass (default 256).")
+        ),
     ] = None,
     cache_dir: Annotated[
-        Path | None, typer.Option(help="Where layer packages are materialized.")
+        Path | None,
+        typer.Option(help=env_help("cache_dir", "Where layer packages are materialized.")),
     ] = None,
     threads: Annotated[
         int | None,
-        typer.Option(help="BLAS threads on CPU (default: one per core; 1 when nodes share cores)."),
+        typer.Option(
+            help=env_help(
+                "threads", "BLAS threads on CPU (default: one per core; 1 when nodes share cores)."
+            )
+        ),
     ] = None,
     speculative: Annotated[
         str | None,

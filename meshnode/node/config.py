@@ -318,6 +318,11 @@ SETTINGS: tuple[Setting, ...] = (
 _BY_NAME = {s.name: s for s in SETTINGS}
 
 
+def env_help(name: str, text: str) -> str:
+    """``text`` with the setting's environment variable, for a command-line help line."""
+    return f"{text} [env: {_BY_NAME[name].env}]"
+
+
 def _from_toml(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
     """Flatten a TOML document into ``{setting name: parsed value}``, rejecting unknowns."""
     known = {(s.section, s.key): s for s in SETTINGS}

@@ -84,8 +84,9 @@ class FetchLimits:
 
 
 def default_cache_dir() -> Path:
-    """``$MESHNODE_CACHE``, else ``$XDG_CACHE_HOME/meshnode/hub`` (``~/.cache/meshnode/hub``)."""
-    if env := os.environ.get("MESHNODE_CACHE"):
+    """``$MESHNODE_CACHE_DIR`` (the variable behind ``join --cache-dir``), else
+    ``$XDG_CACHE_HOME/meshnode/hub`` (``~/.cache/meshnode/hub``)."""
+    if env := os.environ.get("MESHNODE_CACHE_DIR"):
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "meshnode" / "hub"

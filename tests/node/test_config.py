@@ -182,3 +182,11 @@ def test_flag_text_is_parsed_like_the_file() -> None:
     assert config.peers == (Address("127.0.0.1", 1), Address("::1", 2))
     assert config.threads == 2
     assert config.max_memory_bytes == 1 << 30
+
+
+def test_one_variable_names_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshnode_packaging.fetch import default_cache_dir
+
+    monkeypatch.setenv("MESHNODE_CACHE_DIR", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"
+    assert load_config(env={"MESHNODE_CACHE_DIR": str(tmp_path / "c")}).cache_dir == tmp_path / "c"
