@@ -288,6 +288,8 @@ def _host_lines(host: dict[str, Any] | None) -> list[str]:
     ]
     if host.get("error"):
         lines.append(f"waiting  {host['error']}")
+    if host.get("last_failure") and host.get("last_failure") != host.get("error"):
+        lines.append(f"failed   {host['last_failure']}")
     spec = host.get("speculation")
     if spec:
         acceptance = spec.get("acceptance", {})
@@ -307,14 +309,20 @@ def _progress(done: int, total: int) -> str:
     return f"{done / 2**20:.1f}/{total / 2**20:.1f} MiB"
 
 
+def _layers(layers: list[int]) -> str:
+    """Layers ``[start, end)`` as the inclusive ``start-last``, so that neighbouring stages
+    do not read as overlapping (``0-11``, ``12-29``, not ``0-12``, ``12-30``)."""
+    start, end = layers
+    return "none" if end <= start else f"{start}-{end - 1}"
+
+
 def _stage_rows(host: dict[str, Any] | None) -> list[tuple[str, ...]]:
     """The plan: one row per stage, in pipeline order."""
     stages = (host or {}).get("stages") or []
     rows: list[tuple[str, ...]] = [("STAGE", "NODE ID", "LAYERS", "STATE", "PREPARED")]
     for index, stage in enumerate(stages):
-        start, end = stage["layers"]
         extras = [name for name in ("embed", "head") if stage.get(name)]
-        layers = f"{start}-{end}" + (f" +{'+'.join(extras)}" if extras else "")
+        layers = _layers(stage["layers"]) + (f" +{'+'.join(extras)}" if extras else "")
         prepared = _progress(stage.get("bytes_done", 0), stage.get("bytes_total", 0))
         rows.append((str(index), stage["node_id"], layers, stage["state"], prepared))
     return rows if len(rows) > 1 else []
@@ -324,8 +332,8 @@ def _run_line(run: dict[str, Any] | None) -> list[str]:
     """This node's own stage when another node's run claimed it."""
     if not run or "layers" not in run:
         return []
-    start, end = run["layers"]
-    return [f"stage    layers {start}-{end} for {run['coordinator']}  ({run['state']})"]
+    layers = _layers(run["layers"])
+    return [f"stage    layers {layers} for {run['coordinator']}  ({run['state']})"]
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:

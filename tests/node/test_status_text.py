@@ -52,8 +52,8 @@ def test_host_status_shows_model_plan_progress_and_requests() -> None:
     lines = text.splitlines()
     stage_rows = [line.split() for line in lines if line.startswith(("0 ", "1 "))]
     assert stage_rows == [
-        ["0", "aaaa", "0-12", "+embed", "ready", "local"],
-        ["1", "bbbb", "12-30", "+head", "preparing", "5.0/10.0", "MiB"],
+        ["0", "aaaa", "0-11", "+embed", "ready", "local"],
+        ["1", "bbbb", "12-29", "+head", "preparing", "5.0/10.0", "MiB"],
     ]
     assert any(line.startswith("bbbb") and "alive" in line for line in lines)
 
@@ -65,5 +65,13 @@ def test_worker_status_shows_its_own_stage() -> None:
         "run": {"coordinator": "cccc", "state": "ready", "layers": [12, 30], "run_id": "r"},
     }
     text = format_status(body)
-    assert "stage    layers 12-30 for cccc  (ready)" in text
+    assert "stage    layers 12-29 for cccc  (ready)" in text
     assert text.endswith("no peers yet")
+
+
+def test_host_status_says_why_the_plan_changed() -> None:
+    body = host_body("ready")
+    body["host"]["last_failure"] = "stage node cccc was lost"
+    assert "failed   stage node cccc was lost" in format_status(body)
+    body["host"]["last_failure"] = ""
+    assert "failed" not in format_status(body)
