@@ -36,3 +36,13 @@ def golden() -> dict[str, Any]:
         pytest.fail(f"golden reference missing at {path}")
     data: dict[str, Any] = json.loads(path.read_text())
     return data
+
+
+@pytest.fixture(autouse=True)
+def _hub_env_isolated(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No test reads or writes the user's Hugging Face cache, token or endpoint."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path_factory.mktemp("hf_home")))
+    for var in ("HF_HUB_CACHE", "HF_TOKEN", "HF_ENDPOINT", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)

@@ -90,3 +90,7 @@ class DiskFull(FetchError):
 
 class OfflineMissing(FetchError):
     """``HF_HUB_OFFLINE`` is set and a needed file is not in the cache."""
+
+
+class Cancelled(FetchError):
+    """The fetch was cancelled: ``Stop``, or another file of the same fetch failed."""

@@ -47,6 +47,7 @@ import filelock
 import httpx
 
 from meshnode_packaging.errors import (
+    Cancelled,
     ChecksumMismatch,
     DiskFull,
     FetchError,
@@ -148,9 +149,21 @@ def _link(link: Path, blob: Path) -> None:
 class Materializer:
     """Fetches parts of remote packages into ``cache_dir`` (see the module docstring)."""
 
-    def __init__(self, cache_dir: Path | None = None, *, limits: FetchLimits | None = None) -> None:
+    def __init__(
+        self,
+        cache_dir: Path | None = None,
+        *,
+        limits: FetchLimits | None = None,
+        cancel: threading.Event | None = None,
+    ) -> None:
         self.cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
         self.limits = limits or FetchLimits()
+        self._cancel = cancel
+        # Set when one file of the fetch failed: the other downloads stop at their next read.
+        self._failed = threading.Event()
+
+    def _cancelled(self) -> bool:
+        return self._failed.is_set() or (self._cancel is not None and self._cancel.is_set())
 
     def snapshot_dir(self, ref: RemotePackage) -> Path:
         """The folder where ``ref``'s files appear: a (partial) package folder."""
@@ -205,16 +218,18 @@ class Materializer:
         offline: bool,
         prog: _Progress,
     ) -> None:
+        self._failed.clear()
         with ThreadPoolExecutor(max_workers=self.limits.max_parallel_files) as pool:
             futures = [pool.submit(self._ensure, client, ref, w, offline, prog) for w in wants]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            wait(futures, return_when=FIRST_EXCEPTION)
+            self._failed.set()  # downloads in flight stop at their next read
             for f in futures:
-                f.cancel()  # stop what has not started once one file failed
-            for f in done:
-                f.result()  # re-raise the first failure in this thread
-            for f in futures:
-                if not f.cancelled():
-                    f.result()
+                f.cancel()  # and what has not started never starts
+            wait(futures)
+        errors = [f.exception() for f in futures if not f.cancelled() and f.exception()]
+        first = next((e for e in errors if not isinstance(e, Cancelled)), None)
+        if first is not None or errors:
+            raise first or errors[0]  # type: ignore[misc]
 
     # -- manifest ------------------------------------------------------------------------
 
@@ -300,6 +315,8 @@ class Materializer:
     def _ensure(
         self, client: httpx.Client, ref: RemotePackage, w: _Want, offline: bool, prog: _Progress
     ) -> None:
+        if self._cancelled():
+            raise Cancelled(f"{w.rel}: fetch cancelled")
         blob = self._blob(ref, w.sha256)
         lock = filelock.FileLock(f"{blob}.lock", timeout=self.limits.lock_timeout_s)
         try:
@@ -386,6 +403,8 @@ class Materializer:
                 # a connection drops are on disk for the Range resume (a sized iterator
                 # would hold up to a chunk in memory and lose it with the exception).
                 for chunk in r.iter_raw():
+                    if self._cancelled():
+                        raise Cancelled(f"{w.rel}: fetch cancelled")
                     if have + len(chunk) > w.size:
                         return ""  # longer than the manifest says: wrong file, never a match
                     f.write(chunk)

@@ -1,23 +1,31 @@
 """Model references: what ``--model`` accepts, resolved to something we can open.
 
-=========================================  =============================================
-``smollm2-135m``                           an alias of ``sources.DEFAULT_MODELS``
-``/path/model.gguf``                       a GGUF file (opened with ``sources.open_source``)
-``/path/checkpoint/``                      a Hugging Face checkpoint folder (``config.json``)
-``/path/package/``                         a layer package folder (``model-package.json``)
-``hf://org/repo`` / ``hf://org/repo@rev``  a layer package in a Hugging Face model repo
-``https://host/base``                      a layer package served under a base URL
-=========================================  =============================================
+==========================================  =============================================
+``smollm2-135m``                            an alias of ``sources.DEFAULT_MODELS``
+``/path/model.gguf``                        a GGUF file (opened with ``sources.open_source``)
+``/path/checkpoint/``                       a Hugging Face checkpoint folder (``config.json``)
+``/path/package/``                          a layer package folder (``model-package.json``)
+``hf://org/repo[@rev]``                     a hub repo: a layer package, its one GGUF model,
+                                            or a safetensors checkpoint
+``hf://org/repo[@rev]:Q4_K_M``              the GGUF of that quantization in a hub repo
+``hf://org/repo[@rev]/path/file.gguf``      that GGUF (all shards if it is split)
+``https://host/base``                       a layer package served under a base URL
+==========================================  =============================================
 
-A remote package is opened part by part: :func:`open_ref` with a
-:class:`~meshnode_packaging.manifest.Part` materializes only that stage's files (see
-:mod:`meshnode_packaging.fetch`) and opens the cached snapshot.
+Revisions are branch, tag or commit names (no ``/``, no ``..``); file paths are relative
+plain names. A remote model is opened part by part: :func:`open_ref` with a
+:class:`~meshnode_packaging.manifest.Part` fetches only that stage's files (a package, see
+:mod:`meshnode_packaging.fetch`) or byte ranges (a GGUF or safetensors repo, see
+:mod:`meshnode_packaging.remote`). ``pin`` is what the host resolved the reference to (a hub
+commit sha, or a URL package's manifest sha256): every stage reads exactly that.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +43,10 @@ from meshnode_packaging.sources import (
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_REVISION = "main"
-_HF_REF = re.compile(r"^hf://(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
+_HF_REF = re.compile(
+    r"^hf://(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[^/:]+))?"
+    r"(?:/(?P<file>.+)|:(?P<quant>[A-Za-z0-9_]+))?$"
+)
 
 
 @dataclass(frozen=True)
@@ -54,11 +65,16 @@ class LocalPackage:
 
 @dataclass(frozen=True)
 class RemotePackage:
-    """A layer package behind HTTP: a Hugging Face repo (``repo``) or a base URL (``url``)."""
+    """A model behind HTTP: a hub repo (``repo``, any kind) or a package's base URL (``url``).
+
+    ``file`` and ``quant`` choose a GGUF in a hub repo (see the module docstring).
+    """
 
     repo: str | None
     revision: str = DEFAULT_REVISION
     url: str | None = None
+    file: str | None = None
+    quant: str | None = None
 
     def file_url(self, rel: str, endpoint: str | None = None) -> str:
         """URL of file ``rel``; ``endpoint`` defaults to ``HF_ENDPOINT`` read now."""
@@ -84,9 +100,11 @@ def resolve(ref: str | Path) -> ModelRef:
     """What ``ref`` names; raise :class:`RefError` when it names nothing we can open."""
     text = str(ref)
     if m := _HF_REF.match(text):
-        return RemotePackage(repo=m["repo"], revision=m["rev"] or DEFAULT_REVISION)
+        return _hub_ref(m)
     if text.startswith("hf://"):
-        raise RefError(f"{text!r}: expected hf://org/repo or hf://org/repo@revision")
+        raise RefError(
+            f"{text!r}: expected hf://org/repo[@revision] with an optional /file.gguf or :QUANT"
+        )
     if text.startswith(("https://", "http://")):
         return RemotePackage(repo=None, url=text.rstrip("/"))
     if text in DEFAULT_MODELS:
@@ -106,21 +124,61 @@ def resolve(ref: str | Path) -> ModelRef:
     )
 
 
+def _hub_ref(m: re.Match[str]) -> RemotePackage:
+    from meshnode_packaging.hub import check_repo_path, check_revision
+
+    repo = m["repo"]
+    if any(p in (".", "..") for p in repo.split("/")):
+        raise RefError(f"repository {repo!r}: expected org/name")
+    revision = check_revision(m["rev"]) if m["rev"] is not None else DEFAULT_REVISION
+    file = check_repo_path(m["file"]) if m["file"] is not None else None
+    return RemotePackage(repo=repo, revision=revision, file=file, quant=m["quant"])
+
+
+def is_url(ref: str | Path | ModelRef) -> bool:
+    """Whether ``ref`` names a package behind a URL other than the hub's (an http(s) URL)."""
+    return str(ref).startswith(("https://", "http://"))
+
+
+def pin_ref(ref: str | ModelRef, *, cache_dir: Path | None = None) -> str:
+    """What ``ref`` names now, for every stage to read exactly that (the host calls this).
+
+    A hub repo: its revision's commit sha. A URL package: its manifest's sha256. Local
+    models: ``""`` (nothing to pin). Raises the ``FetchError`` tree.
+    """
+    target = ref if isinstance(ref, LocalSource | LocalPackage | RemotePackage) else resolve(ref)
+    if not isinstance(target, RemotePackage):
+        return ""
+    if target.repo is not None:
+        from meshnode_packaging.hub import resolve_commit
+
+        return resolve_commit(target.repo, target.revision)
+    from meshnode_packaging.fetch import Materializer
+
+    folder = Materializer(cache_dir).fetch(target, Part(0, 0))
+    return hashlib.sha256((folder / MANIFEST_NAME).read_bytes()).hexdigest()
+
+
 def open_ref(
     ref: str | Path | ModelRef,
     part: Part | None = None,
     *,
     cache_dir: Path | None = None,
     progress: Callable[[int, int], None] | None = None,
+    pin: str = "",
+    cancel: threading.Event | None = None,
 ) -> ModelSource:
     """Open ``ref`` as a ``ModelSource``, materializing ``part`` first if it is remote.
 
     ``part=None`` means the whole model. Local sources and packages are opened in place (a
-    local package is memory-mapped, so a stage still reads only its own tensors). Raises
-    :class:`RefError`, or a :class:`~meshnode_packaging.errors.FetchError` from the fetch.
+    local package is memory-mapped, so a stage still reads only its own tensors). ``pin``
+    (from :func:`pin_ref`) fixes what a remote reference reads; setting ``cancel`` stops a
+    fetch within about a second. Raises :class:`RefError`, or a
+    :class:`~meshnode_packaging.errors.FetchError` from the fetch.
     """
-    from meshnode_packaging.fetch import Materializer
+    from meshnode_packaging.fetch import Materializer, default_cache_dir
     from meshnode_packaging.package import open_package
+    from meshnode_packaging.remote import open_hub
 
     target = ref if isinstance(ref, LocalSource | LocalPackage | RemotePackage) else resolve(ref)
     if isinstance(target, LocalPackage):
@@ -130,5 +188,10 @@ def open_ref(
             return open_source(target.path)
         except SourceError as exc:
             raise RefError(str(exc)) from exc
-    folder = Materializer(cache_dir).fetch(target, part, progress=progress)
+    if target.repo is not None:
+        cache = cache_dir if cache_dir is not None else default_cache_dir()
+        return open_hub(target, part, cache_dir=cache, pin=pin, progress=progress, cancel=cancel)
+    folder = Materializer(cache_dir, cancel=cancel).fetch(
+        target, part, progress=progress, manifest_sha256=pin or None
+    )
     return open_package(folder)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -36,11 +37,17 @@ def _add(w: gguf.GGUFWriter, name: str, x: np.ndarray, qtype: Q) -> None:
         w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
 
 
-def write_tiny_gguf(path: Path, *, layers: int = 30, tied: bool = True, seed: int = 0) -> Path:
-    """A random Llama with ``layers`` blocks: Q4_1 matrices, Q8_0 embedding, F32 norms."""
+def write_tiny_gguf(
+    path: Path, *, layers: int = 30, tied: bool = True, seed: int = 0, split_max_tensors: int = 0
+) -> Path:
+    """A random Llama with ``layers`` blocks: Q4_1 matrices, Q8_0 embedding, F32 norms.
+
+    With ``split_max_tensors``, written as split files ``<stem>-0000k-of-0000N.gguf`` beside
+    ``path`` (llama.cpp's gguf-split layout).
+    """
     rng = np.random.default_rng(seed)
     tokens = _byte_tokens()
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), "llama", split_max_tensors=split_max_tensors)
     w.add_block_count(layers)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FFN)
@@ -82,3 +89,34 @@ def write_tiny_gguf(path: Path, *, layers: int = 30, tied: bool = True, seed: in
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_tiny_hf_repo(folder: Path, gguf_path: Path, *, shards: int = 3) -> Path:
+    """The model of ``gguf_path`` as a Hugging Face safetensors repo, float32, sharded.
+
+    ``config.json``, ``tokenizer.json`` and ``model-0000k-of-0000N.safetensors`` with
+    ``model.safetensors.index.json`` (one shard: ``model.safetensors``, no index).
+    """
+    from meshnode_packaging.sources import GGUFSource, dequantize
+    from safetensors.numpy import save_file
+
+    src = GGUFSource(gguf_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {**src.config, "torch_dtype": "float32"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer.json").write_text(src.tokenizer_json)
+    names = src.tensor_names()
+    groups = [names[i::shards] for i in range(shards)]
+    weight_map = {}
+    for k, group in enumerate(groups, 1):
+        file = "model.safetensors" if shards == 1 else f"model-{k:05d}-of-{shards:05d}.safetensors"
+        tensors = {}
+        for name in group:
+            hf = name if name == "lm_head.weight" else "model." + name
+            tensors[hf] = dequantize(src.tensor(name))
+            weight_map[hf] = file
+        save_file(tensors, folder / file)
+    if shards > 1:
+        index = {"metadata": {}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder

@@ -1,0 +1,210 @@
+"""Ordinary hub repos (GGUF, safetensors) opened per stage from byte ranges on a loopback hub."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from meshnode_packaging.errors import MissingPart, NotFound, RefError
+from meshnode_packaging.manifest import Part
+from meshnode_packaging.refs import RemotePackage, open_ref, pin_ref, resolve
+from meshnode_packaging.sources import GGUFSource, HFFolderSource, ModelSource
+from meshnode_packaging.testing import LocalHub, Request
+
+from meshnode.engine.config import ModelConfig
+from meshnode.engine.model import Stage
+from tests.packaging.tinymodel import write_tiny_gguf, write_tiny_hf_repo
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The issue's bound: a stage of layers [10, 20) of a 30-layer model moves at most this share.
+MAX_STAGE_SHARE = 0.40
+
+
+@pytest.fixture(scope="session")
+def smol_repo(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Path:
+    """A hub repo holding the real SmolLM2 GGUF (30 layers), nothing else."""
+    folder = tmp_path_factory.mktemp("smol_repo")
+    shutil.copyfile(smollm2_gguf, folder / GGUF_NAME)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def st_repo(tmp_path_factory: pytest.TempPathFactory, tiny_gguf_untied: Path) -> Path:
+    """A 30-layer Llama as a sharded float32 safetensors repo with its own head."""
+    return write_tiny_hf_repo(tmp_path_factory.mktemp("st") / "repo", tiny_gguf_untied)
+
+
+@pytest.fixture
+def lhub(monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalHub]:
+    with LocalHub() as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.endpoint)
+        yield h
+
+
+def _weight_gets(hub: LocalHub, suffix: str) -> list[Request]:
+    return [r for r in hub.requests if r.method == "GET" and r.path.endswith(suffix)]
+
+
+def _forward_equal(config: ModelConfig, part: ModelSource, whole: ModelSource) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, config.hidden_size)).astype(np.float32)
+    outs = []
+    for src in (part, whole):
+        stage = Stage(config, src, 10, 20, embed=False, head=False)
+        outs.append(stage.forward(x, 0, stage.new_cache(16)))
+    assert np.array_equal(outs[0], outs[1])
+
+
+def test_gguf_stage_fetches_only_its_ranges(
+    lhub: LocalHub, smol_repo: Path, tmp_path: Path
+) -> None:
+    lhub.add_repo("org/smol", smol_repo)
+    src = open_ref("hf://org/smol", Part(10, 20), cache_dir=tmp_path)
+    gets = _weight_gets(lhub, ".gguf")
+    size = (smol_repo / GGUF_NAME).stat().st_size
+    moved = sum(r.bytes_sent for r in gets)
+    print(f"GGUF stage [10,20): {moved} of {size} bytes ({moved / size:.1%}), {len(gets)} GETs")
+    assert moved <= MAX_STAGE_SHARE * size
+    assert all(r.status == 206 for r in gets)
+    names = set(src.tensor_names())
+    assert "layers.10.self_attn.q_proj.weight" in names
+    assert "layers.9.self_attn.q_proj.weight" not in names
+    assert "embed_tokens.weight" not in names
+    with pytest.raises(MissingPart):
+        src.tensor("layers.20.mlp.up_proj.weight")
+    whole = GGUFSource(smol_repo / GGUF_NAME)
+    _forward_equal(ModelConfig.from_hf(whole.config), src, whole)
+    # A second open of the same stage is served from the cache: only the API is asked.
+    lhub.clear_requests()
+    open_ref("hf://org/smol", Part(12, 18), cache_dir=tmp_path)
+    assert _weight_gets(lhub, ".gguf") == []
+
+
+def test_safetensors_stage_fetches_only_its_ranges(
+    lhub: LocalHub, st_repo: Path, tmp_path: Path
+) -> None:
+    lhub.add_repo("org/st", st_repo)
+    src = open_ref("hf://org/st", Part(10, 20), cache_dir=tmp_path)
+    gets = _weight_gets(lhub, ".safetensors")
+    size = sum(f.stat().st_size for f in st_repo.glob("*.safetensors"))
+    moved = sum(r.bytes_sent for r in gets)
+    print(
+        f"safetensors stage [10,20): {moved} of {size} bytes ({moved / size:.1%}), {len(gets)} GETs"
+    )
+    assert moved <= MAX_STAGE_SHARE * size
+    whole = HFFolderSource(st_repo)
+    _forward_equal(ModelConfig.from_hf(whole.config), src, whole)
+
+
+def test_first_and_last_stages_fetch_embedding_and_head(
+    lhub: LocalHub, st_repo: Path, tmp_path: Path
+) -> None:
+    lhub.add_repo("org/st", st_repo)
+    first = open_ref("hf://org/st", Part(0, 1, embed=True), cache_dir=tmp_path)
+    assert {"embed_tokens.weight", "layers.0.mlp.up_proj.weight"} <= set(first.tensor_names())
+    assert "lm_head.weight" not in first.tensor_names()
+    last = open_ref("hf://org/st", Part(29, 30, head=True), cache_dir=tmp_path)
+    assert {"norm.weight", "lm_head.weight"} <= set(last.tensor_names())
+    assert "embed_tokens.weight" not in last.tensor_names()  # untied: not needed
+
+
+def test_tied_head_fetches_the_embedding(lhub: LocalHub, tiny_gguf: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copyfile(tiny_gguf, repo / "tiny.Q4_1.gguf")
+    lhub.add_repo("org/tied", repo)
+    last = open_ref("hf://org/tied", Part(29, 30, head=True), cache_dir=tmp_path / "c")
+    assert {"norm.weight", "embed_tokens.weight"} <= set(last.tensor_names())
+
+
+def test_split_gguf_opens_every_shard(lhub: LocalHub, tiny_gguf: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    write_tiny_gguf(repo / "tiny.gguf", tied=True, split_max_tensors=100)
+    shards = sorted(p.name for p in repo.iterdir())
+    assert shards == [f"tiny-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
+    lhub.add_repo("org/split", repo)
+    src = open_ref(f"hf://org/split/{shards[0]}", None, cache_dir=tmp_path / "c")
+    whole = GGUFSource(tiny_gguf)
+    assert set(src.tensor_names()) == set(whole.tensor_names())
+    for name in ("embed_tokens.weight", "layers.29.mlp.down_proj.weight", "norm.weight"):
+        assert np.array_equal(src.tensor(name).data, whole.tensor(name).data)
+    assert src.config["tie_word_embeddings"] is True
+
+
+def test_quantization_and_file_choose_the_gguf(
+    lhub: LocalHub, tiny_gguf: Path, tiny_gguf_untied: Path, tmp_path: Path
+) -> None:
+    repo = tmp_path / "repo"
+    (repo / "sub").mkdir(parents=True)
+    shutil.copyfile(tiny_gguf, repo / "m-Q4_1.gguf")
+    shutil.copyfile(tiny_gguf_untied, repo / "sub" / "m.Q8_0.gguf")
+    lhub.add_repo("org/two", repo)
+    cache = tmp_path / "c"
+    with pytest.raises(RefError, match="several GGUF files"):
+        open_ref("hf://org/two", Part(0, 1), cache_dir=cache)
+    with pytest.raises(RefError, match="no GGUF file for quantization Q5_K_M"):
+        open_ref("hf://org/two:Q5_K_M", Part(0, 1), cache_dir=cache)
+    tied = open_ref("hf://org/two:q4_1", Part(29, 30, head=True), cache_dir=cache)
+    assert "lm_head.weight" not in tied.tensor_names()
+    untied = open_ref("hf://org/two/sub/m.Q8_0.gguf", Part(29, 30, head=True), cache_dir=cache)
+    assert "lm_head.weight" in untied.tensor_names()
+
+
+@pytest.mark.parametrize(
+    "ref",
+    [
+        "hf://org/repo@../../..",
+        "hf://org/repo@..",
+        "hf://org/repo/../x.gguf",
+        "hf://org/repo//x.gguf",
+        "hf://org/../x",
+        "hf://org/repo@a b",
+    ],
+)
+def test_refs_that_could_escape_are_refused(ref: str) -> None:
+    with pytest.raises(RefError):
+        resolve(ref)
+
+
+def test_ref_grammar() -> None:
+    assert resolve("hf://org/repo@v1.0:Q4_K_M") == RemotePackage("org/repo", "v1.0", quant="Q4_K_M")
+    assert resolve("hf://org/repo/dir/m.gguf") == RemotePackage("org/repo", file="dir/m.gguf")
+
+
+def test_the_host_pin_holds_when_the_branch_moves(
+    lhub: LocalHub, st_repo: Path, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    old = lhub.add_repo("org/m", st_repo)
+    assert pin_ref("hf://org/m") == old
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    shutil.copyfile(tiny_gguf, moved / "x.gguf")
+    lhub.add_repo("org/m", moved, commit="1" * 40)  # main now points at another commit
+    assert pin_ref("hf://org/m") == "1" * 40
+    src = open_ref("hf://org/m", Part(0, 1, embed=True), cache_dir=tmp_path / "c", pin=old)
+    assert src.config["torch_dtype"] == "float32"  # still the safetensors repo of the pin
+    with pytest.raises(NotFound):
+        open_ref("hf://org/m", Part(0, 1), cache_dir=tmp_path / "c", pin="2" * 40)
+    with pytest.raises(RefError):
+        open_ref("hf://org/m", Part(0, 1), cache_dir=tmp_path / "c", pin="../main")
+
+
+def test_offline_uses_cached_ranges_only(
+    lhub: LocalHub, st_repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshnode_packaging.errors import OfflineMissing
+
+    commit = lhub.add_repo("org/st", st_repo)
+    open_ref("hf://org/st", Part(10, 20), cache_dir=tmp_path)
+    lhub.clear_requests()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    src = open_ref("hf://org/st", Part(12, 15), cache_dir=tmp_path, pin=commit)
+    assert "layers.14.mlp.up_proj.weight" in src.tensor_names()
+    assert open_ref("hf://org/st", Part(12, 15), cache_dir=tmp_path).config  # refs/ cached
+    with pytest.raises(OfflineMissing):
+        open_ref("hf://org/st", Part(25, 26), cache_dir=tmp_path, pin=commit)
+    assert lhub.requests == []
