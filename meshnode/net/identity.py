@@ -14,7 +14,13 @@ Node identity is an EC P-256 key generated once and persisted 0600 in the state 
 node id is a hash of its public key, so it stays stable across restarts and a certificate
 cannot claim another node's id without that node's key.
 
-Errors: :class:`TokenError` for a malformed token (user input).
+Binding the id to the key is checked on every handshake (:func:`certified_node_id`): the
+mesh CA key is derivable by every member, so a CA signature proves membership only, and a
+member could sign a certificate with any CN. TLS proves the peer holds the certificate's
+private key; requiring CN = ``node_id_of(that key)`` makes the CN unforgeable.
+
+Errors: :class:`TokenError` for a malformed token (user input), :class:`PeerIdentityError`
+for a peer certificate whose CN is not its own key's id.
 """
 
 from __future__ import annotations
@@ -55,6 +61,10 @@ MESH_CA_FILE = "mesh-ca.crt"
 
 class TokenError(ValueError):
     """A join token that is not of the form ``mesh1-<base32>`` or decodes badly."""
+
+
+class PeerIdentityError(ValueError):
+    """A verified peer certificate that does not prove its node id (refuse the peer)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,3 +292,26 @@ def peer_node_id(cert: dict[str, object] | None) -> NodeId | None:
             if key == "commonName":
                 return NodeId(str(value))
     return None
+
+
+def certified_node_id(der: bytes | None) -> NodeId:
+    """The node id a peer's verified certificate (DER, ``getpeercert(True)``) proves.
+
+    The subject CN must equal :func:`node_id_of` the certificate's own public key; a
+    certificate carrying another node's id, signed with the token-derived mesh CA by any
+    member, is refused. Call after the TLS handshake verified the chain. Raises
+    :class:`PeerIdentityError`.
+    """
+    if not der:
+        raise PeerIdentityError("peer sent no certificate")
+    cert = x509.load_der_x509_certificate(der)
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    key = cert.public_key()
+    if len(names) != 1 or not isinstance(key, ec.EllipticCurvePublicKey):
+        raise PeerIdentityError("peer certificate needs one CN and an EC public key")
+    claimed, actual = names[0].value, node_id_of(key)
+    if claimed != actual:
+        raise PeerIdentityError(
+            f"peer certificate claims node id {claimed!r} but its key's id is {actual}"
+        )
+    return actual

@@ -61,8 +61,9 @@ from meshnode.net.identity import (
     JoinToken,
     NodeId,
     NodeIdentity,
+    PeerIdentityError,
     TokenError,
-    peer_node_id,
+    certified_node_id,
     write_token_file,
 )
 from meshnode.net.stream import TRANSPORT_ERRORS, PeerStream
@@ -388,13 +389,13 @@ class Node:
         try:
             with trio.fail_after(HANDSHAKE_TIMEOUT_S):
                 await stream.do_handshake()
-        except (trio.TooSlowError, *TRANSPORT_ERRORS) as exc:
+            return certified_node_id(stream.getpeercert(binary_form=True))
+        except (trio.TooSlowError, PeerIdentityError, *TRANSPORT_ERRORS) as exc:
             self.refused_handshakes += 1
             log.warning("refused a connection: TLS handshake failed (%r)", exc)
             with contextlib.suppress(*TRANSPORT_ERRORS):
                 await trio.aclose_forcefully(stream)
             return None
-        return peer_node_id(stream.getpeercert())
 
     async def _run_session(
         self, stream: trio.SSLStream[trio.SocketStream], target: DialTarget | None

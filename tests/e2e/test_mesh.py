@@ -5,9 +5,11 @@ Every wait is a bounded poll; every child process is killed in fixture teardown.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -39,6 +41,7 @@ from tests.e2e.cluster import (
     wait_for,
     wait_started,
 )
+from tests.node.forgery import forged_identity
 
 SEE_EACH_OTHER_S = 10.0  # the issue's bound
 
@@ -295,3 +298,48 @@ async def test_bad_frames_get_an_error_and_close(
     polite = await _exchange(identity, lone_node.listen, _encoded_hello_goodbye(identity))
     assert isinstance(polite[0], Hello)
     assert not any(isinstance(m, Error) for m in polite)
+
+
+async def _refused_exchange(identity: NodeIdentity, address: str) -> list[Message]:
+    """``_exchange`` with a Hello, where a reset counts as the connection closing."""
+    try:
+        return await _exchange(identity, address, _encoded_hello(identity))
+    except trio.BrokenResourceError:
+        return []
+
+
+async def _first_bytes_from_dialer(listener: trio.SSLListener[trio.SocketStream]) -> bytes:
+    """Accept one dial, complete TLS (the forged chain is valid) and read until EOF."""
+    stream = await listener.accept()
+    await stream.do_handshake()
+    received = b""
+    with contextlib.suppress(trio.BrokenResourceError, ssl.SSLError):
+        while chunk := await stream.receive_some():
+            received += chunk
+    await trio.aclose_forcefully(stream)
+    return received
+
+
+async def test_a_forged_node_id_is_refused_both_ways(
+    lone_node: Node, spawn: Spawn, token_file: Path, tmp_path: Path
+) -> None:
+    """Issue 15 item 2: any member can sign a certificate with the token's CA, but one whose
+    CN is another node's id is refused after TLS, counted, and never becomes a session."""
+    token = JoinToken.parse(await trio.Path(token_file).read_text())
+    victim = NodeIdentity.provision(token, tmp_path / "victim")
+    forged = forged_identity(token, tmp_path / "forger", victim=victim.node_id)
+    # The forger dials the node: no Hello comes back, and the node lists no peer.
+    with trio.fail_after(10):
+        assert await _refused_exchange(forged, lone_node.listen) == []
+    wait_for(lambda: lone_node.status()["node"]["refused_handshakes"] == 1, 5, "refusal count")
+    assert lone_node.peer_states() == {}
+    assert "claims node id" in lone_node.log()
+    # The node dials the forger (a static peer): it says nothing, not even its Hello.
+    listeners = await trio.open_ssl_over_tcp_listeners(0, forged.server_context(), host="127.0.0.1")
+    port = listeners[0].transport_listener.socket.getsockname()[1]  # type: ignore[attr-defined]
+    dialer = spawn("dialer", token_file, "--peer", f"127.0.0.1:{port}", mdns=False)
+    with trio.fail_after(30):
+        assert await _first_bytes_from_dialer(listeners[0]) == b""
+    await listeners[0].aclose()
+    wait_for(lambda: dialer.status()["node"]["refused_handshakes"] >= 1, 10, "dialer refusal")
+    assert dialer.peer_states() == {}

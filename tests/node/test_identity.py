@@ -8,17 +8,21 @@ from pathlib import Path
 
 import pytest
 import trio
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from meshnode.net.identity import (
     JoinToken,
     NodeIdentity,
+    PeerIdentityError,
     TokenError,
+    certified_node_id,
     load_or_create_node_key,
     mesh_ca_certificate,
     node_id_of,
-    peer_node_id,
     write_token_file,
 )
+from tests.node.forgery import forged_identity
 
 
 def test_token_round_trips_through_its_text_form() -> None:
@@ -75,9 +79,9 @@ async def _handshake(server: NodeIdentity, client: NodeIdentity) -> tuple[object
         stream = await listeners[0].accept()
         try:
             await stream.do_handshake()
-            results["server"] = peer_node_id(stream.getpeercert())
+            results["server"] = certified_node_id(stream.getpeercert(binary_form=True))
             await stream.send_all(b"ok")
-        except (trio.BrokenResourceError, ssl.SSLError) as exc:
+        except (trio.BrokenResourceError, ssl.SSLError, PeerIdentityError) as exc:
             results["server"] = exc
         finally:
             await stream.aclose()
@@ -89,8 +93,9 @@ async def _handshake(server: NodeIdentity, client: NodeIdentity) -> tuple[object
         )
         try:
             await stream.do_handshake()
-            results["client"] = (peer_node_id(stream.getpeercert()), await stream.receive_some())
-        except (trio.BrokenResourceError, ssl.SSLError) as exc:
+            der = stream.getpeercert(binary_form=True)
+            results["client"] = (certified_node_id(der), await stream.receive_some())
+        except (trio.BrokenResourceError, ssl.SSLError, PeerIdentityError) as exc:
             results["client"] = exc
         finally:
             await stream.aclose()
@@ -118,3 +123,32 @@ async def test_foreign_token_is_refused_in_the_handshake(tmp_path: Path) -> None
     server, client = await _run_handshake(good, evil)
     assert isinstance(server, trio.BrokenResourceError | ssl.SSLError)
     assert isinstance(client, trio.BrokenResourceError | ssl.SSLError)
+
+
+def test_a_certificate_proves_only_its_own_keys_id(tmp_path: Path) -> None:
+    """Issue 15 item 2: the CN must be node_id_of(the certificate's key)."""
+    token = JoinToken.generate("m")
+    honest = NodeIdentity.provision(token, tmp_path / "honest")
+    assert certified_node_id(_der(honest)) == honest.node_id
+    forged = forged_identity(token, tmp_path / "forger", victim=honest.node_id)
+    with pytest.raises(PeerIdentityError, match="claims node id"):
+        certified_node_id(_der(forged))
+    with pytest.raises(PeerIdentityError, match="no certificate"):
+        certified_node_id(None)
+
+
+async def test_forged_node_id_passes_tls_but_is_refused_on_both_sides(tmp_path: Path) -> None:
+    """The mesh CA signs anything a member asks: only the key binding catches a forgery."""
+    token = JoinToken.generate("m")
+    honest = NodeIdentity.provision(token, tmp_path / "honest")
+    victim = NodeIdentity.provision(token, tmp_path / "victim")
+    forged = forged_identity(token, tmp_path / "forger", victim=victim.node_id)
+    server, _ = await _run_handshake(honest, forged)  # the forger dials
+    assert isinstance(server, PeerIdentityError)
+    _, client = await _run_handshake(forged, honest)  # the forger listens
+    assert isinstance(client, PeerIdentityError)
+
+
+def _der(identity: NodeIdentity) -> bytes:
+    pem = identity.cert_path.read_bytes()
+    return x509.load_pem_x509_certificate(pem).public_bytes(serialization.Encoding.DER)
