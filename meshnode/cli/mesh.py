@@ -32,11 +32,22 @@ def init(
     token_file: Annotated[
         Path | None, typer.Option(help="Also write the token to this file, mode 0600.")
     ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Overwrite an existing --token-file (its mesh becomes unjoinable)."
+        ),
+    ] = False,
 ) -> None:
     """Create a new mesh and print its join token (the last line of the output)."""
     token = JoinToken.generate(name or socket.gethostname().split(".")[0])
     if token_file is not None:
-        write_token_file(token_file, token)
+        try:
+            write_token_file(token_file, token, overwrite=force)
+        except (ConfigError, OSError) as exc:
+            hint = "; pass --force to replace it" if token_file.exists() and not force else ""
+            typer.echo(f"meshnode init: {exc}{hint}", err=True)
+            raise typer.Exit(2) from exc
         typer.echo(f"wrote the join token to {token_file} (mode 0600)")
     typer.echo(f"created mesh {token.name!r} (mesh id {token.mesh_id})")
     typer.echo("join it on each machine: meshnode join --token-file FILE  (or --token TOKEN)")

@@ -26,9 +26,9 @@ for a peer certificate whose CN is not its own key's id.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import hashlib
-import os
 import secrets
 import ssl
 from dataclasses import dataclass, field
@@ -40,6 +40,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from meshnode.net.secret_files import SecretFileError, check_private, write_private
 
 NodeId = NewType("NodeId", str)
 
@@ -172,36 +174,35 @@ def node_id_of(public_key: ec.EllipticCurvePublicKey) -> NodeId:
 
 
 def load_or_create_node_key(state_dir: Path) -> ec.EllipticCurvePrivateKey:
-    """Load ``<state_dir>/node.key``, creating it (mode 0600) on first use."""
+    """Load ``<state_dir>/node.key``, creating it (mode 0600) on first use.
+
+    An existing key readable by others is tightened to 0600 (with a warning), or refused
+    if it is not ours: raises :class:`~meshnode.net.secret_files.SecretFileError`.
+    """
     path = state_dir / NODE_KEY_FILE
-    if path.exists():
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-        if not isinstance(key, ec.EllipticCurvePrivateKey):
-            raise ValueError(f"{path} does not hold an EC private key")
-        return key
-    key = ec.generate_private_key(ec.SECP256R1())
-    pem = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-    _write_private(path, pem)
-    return key
+    if not path.exists():
+        key = ec.generate_private_key(ec.SECP256R1())
+        pem = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        with contextlib.suppress(SecretFileError):  # a concurrent start made one first
+            write_private(path, pem, overwrite=False)
+    check_private(path, fix=True)
+    loaded = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    if not isinstance(loaded, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{path} does not hold an EC private key")
+    return loaded
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` with mode 0600 from the first byte (no chmod race)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+def write_token_file(path: Path, token: JoinToken, *, overwrite: bool = False) -> None:
+    """Store a join token in ``path`` (mode 0600, durable).
 
-
-def write_token_file(path: Path, token: JoinToken) -> None:
-    """Store a join token in ``path`` with mode 0600."""
-    _write_private(path, (str(token) + "\n").encode())
+    A mesh's token is its only secret: an existing file is kept unless ``overwrite``
+    (raises :class:`~meshnode.net.secret_files.SecretFileError`).
+    """
+    write_private(path, (str(token) + "\n").encode(), overwrite=overwrite)
 
 
 def sign_node_certificate(

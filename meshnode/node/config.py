@@ -34,6 +34,7 @@ from typing import Any, Literal, cast
 from meshnode.engine.backend import WEIGHTS_DTYPES, WeightsDtype
 from meshnode.errors import ConfigError
 from meshnode.net.address import Address
+from meshnode.net.secret_files import check_private, warn_if_exposed
 from meshnode.speculative.settings import SpeculativeConfigError, SpeculativeFlags, check_table
 
 __all__ = [
@@ -132,6 +133,10 @@ class NodeConfig:
         if path is None:
             return None
         try:
+            if path == self.own_token_file:
+                check_private(path, fix=True)  # ours: tightened, or refused if not ours
+            else:
+                warn_if_exposed(path)  # the user's (maybe a read-only mount): warned
             return path.read_text().strip()
         except OSError as exc:
             raise ConfigError(f"cannot read token file {path}: {exc}") from exc
