@@ -14,6 +14,7 @@ the token, see :mod:`meshnode.net.identity`), node id, device kind, usable memor
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import logging
 import socket
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import ifaddr  # zeroconf's own dependency for interface enumeration
 import trio
+from zeroconf import Error as ZeroconfError
 from zeroconf import (
     InterfaceChoice,
     ServiceBrowser,
@@ -34,6 +36,9 @@ log = logging.getLogger(__name__)
 SERVICE_TYPE = "_meshnode._tcp.local."
 # How long the browser thread waits for a record's SRV/TXT/A answers.
 RESOLVE_TIMEOUT_MS = 3000
+# Instance names remembered (to map a removal back to its node id). A LAN of meshnode
+# nodes has tens; spoofed adverts beyond this are still reported, but not remembered.
+MAX_ADVERTS = 256
 # Unregistering sends goodbye packets; never let a dead network stall shutdown longer.
 SHUTDOWN_TIMEOUT_S = 5.0
 
@@ -132,6 +137,8 @@ class _Bridge:
         self._mesh_id = mesh_id
         self._send = send
         self._token = token
+        # Instance name → node id from its TXT record (a renamed record is not its id).
+        self._ids: dict[str, str] = {}
 
     def on_change(
         self,
@@ -140,15 +147,17 @@ class _Bridge:
         name: str,
         state_change: ServiceStateChange,
     ) -> None:
-        node_id = name.removesuffix("." + service_type)
-        if node_id == self._own_id:
-            return
         event: DiscoveryEvent | None
         if state_change is ServiceStateChange.Removed:
-            event = Vanished(node_id)
+            node_id = self._ids.pop(name, None)
+            event = None if node_id is None else Vanished(node_id)
         else:
             info = zeroconf.get_service_info(service_type, name, timeout=RESOLVE_TIMEOUT_MS)
             event = None if info is None else _parse_info(info, self._mesh_id)
+            if event is not None and event.node_id == self._own_id:
+                event = None  # our own record (or one claiming our id)
+            if event is not None and (name in self._ids or len(self._ids) < MAX_ADVERTS):
+                self._ids[name] = event.node_id
         if event is not None:
             self._post(event)
 
@@ -188,23 +197,50 @@ async def run_discovery(
     )
     bridge = _Bridge(advert.node_id, advert.mesh_id, send, trio.lowlevel.current_trio_token())
     browser: ServiceBrowser | None = None
+    registered: ServiceInfo | None = None
     try:
-        await trio.to_thread.run_sync(zc.register_service, info)
+        registered = await _register(zc, info)
         browser = ServiceBrowser(zc, SERVICE_TYPE, handlers=[bridge.on_change])
         task_status.started()
         await trio.sleep_forever()
     finally:
         with trio.move_on_after(SHUTDOWN_TIMEOUT_S) as scope:
             scope.shield = True
-            await trio.to_thread.run_sync(_shutdown, zc, info, browser, abandon_on_cancel=True)
+            await trio.to_thread.run_sync(
+                _shutdown, zc, registered, browser, abandon_on_cancel=True
+            )
+
+
+async def _register(zc: Zeroconf, info: ServiceInfo) -> ServiceInfo | None:
+    """Advertise ``info``, renamed if another host holds its name; ``None`` if impossible.
+
+    Anyone on the LAN can answer for our instance name (a stale record of ours, another
+    node, or a spoofer): zeroconf's probe then raises ``NonUniqueNameException``, which
+    used to stop the node from starting. A renamed record still carries our id in its TXT
+    record; if even that fails, the node runs without advertising (peers still find it
+    through ``--peer`` and the peer lists of ``Hello``), browsing as before.
+    """
+    wanted = info.name
+    register = functools.partial(zc.register_service, info, allow_name_change=True)
+    try:
+        await trio.to_thread.run_sync(register)
+    except (ZeroconfError, OSError) as exc:
+        log.warning("mDNS: cannot advertise %s (%r); peers must use --peer", wanted, exc)
+        return None
+    if info.name != wanted:
+        log.warning(
+            "mDNS: another host answers for %s; advertising as %s instead", wanted, info.name
+        )
+    return info
 
 
 def _family(address: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in address else socket.AF_INET
 
 
-def _shutdown(zc: Zeroconf, info: ServiceInfo, browser: ServiceBrowser | None) -> None:
+def _shutdown(zc: Zeroconf, info: ServiceInfo | None, browser: ServiceBrowser | None) -> None:
     if browser is not None:
         browser.cancel()
-    zc.unregister_service(info)
+    if info is not None:
+        zc.unregister_service(info)
     zc.close()

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 
-from zeroconf import ServiceInfo
+import pytest
+import trio
+from zeroconf import ServiceInfo, Zeroconf
 
 from meshnode.net.discovery import (
     SERVICE_TYPE,
     Advert,
     Discovered,
+    DiscoveryEvent,
     _parse_info,
     advertised_addresses,
+    run_discovery,
 )
 
 ADVERT = Advert(
@@ -49,3 +54,35 @@ def test_advertised_addresses_prefer_the_listen_host_then_the_interface() -> Non
     assert advertised_addresses("10.1.2.3", "127.0.0.1") == ["10.1.2.3"]
     assert advertised_addresses("0.0.0.0", "127.0.0.1") == ["127.0.0.1"]
     assert advertised_addresses("0.0.0.0", None)  # some address, never empty
+
+
+async def test_a_name_conflict_renames_our_record_instead_of_stopping_the_node(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 15 item 6: another host answering for our instance name (here a spoofer on
+    loopback) used to raise NonUniqueNameException out of the daemon's start."""
+    advert = Advert(
+        node_id="conflicted", mesh_id="abc", protocol_version=1, device="cpu",
+        usable_memory=1, port=7471,
+    )  # fmt: skip
+    spoofer = await trio.to_thread.run_sync(lambda: Zeroconf(interfaces=["127.0.0.1"]))
+    squatter = ServiceInfo(
+        SERVICE_TYPE,
+        f"conflicted.{SERVICE_TYPE}",
+        addresses=[socket.inet_aton("127.0.0.1")],
+        port=9,
+        properties={"v": "1", "mesh": "other", "id": "squatter"},
+        server="squatter.local.",
+    )
+    await trio.to_thread.run_sync(spoofer.register_service, squatter)
+    send, receive = trio.open_memory_channel[DiscoveryEvent](8)
+    try:
+        with caplog.at_level(logging.WARNING), trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(run_discovery, advert, ["127.0.0.1"], "127.0.0.1", send)
+                nursery.cancel_scope.cancel()
+    finally:
+        await trio.to_thread.run_sync(spoofer.close)
+        receive.close()
+    assert f"another host answers for conflicted.{SERVICE_TYPE}" in caplog.text
+    assert f"advertising as conflicted-2.{SERVICE_TYPE}" in caplog.text
