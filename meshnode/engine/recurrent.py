@@ -1,0 +1,157 @@
+"""Per-sequence state of a hybrid stage: KV for its attention layers, recurrent state for its
+Gated DeltaNet layers, and the snapshot ring that rolls the recurrent state back.
+
+A KV cache rolls back by forgetting positions; a recurrent state cannot, since every row
+folds into it. So while a pass runs, each DeltaNet layer keeps a copy of its state after
+each of the pass's rows in a ring of ``slots`` entries, indexed by position. A frame whose
+``start_pos`` lies inside the ring (speculative decoding rejected drafts of the last
+window) restores the state after position ``start_pos - 1`` by one copy. Further back,
+the ring no longer holds it: the stage cannot rebuild it from its own inputs, so
+:meth:`HybridCache.rollback` raises :class:`RollbackError` and the host replays the
+request (prompt plus committed tokens) from position 0, which always works.
+
+Every array is preallocated: a sequence's recurrent state and ring are a fixed size
+whatever its length (the planner counts them per sequence, not per token).
+
+Shapes: L DeltaNet layers of the stage, K conv kernel, C conv channels, Hv value heads,
+Dk/Dv key/value head dims, R ring slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from meshnode.engine.kv_cache import KVCache
+
+__all__ = ["DEFAULT_RING_SLOTS", "HybridCache", "RecurrentShape", "RollbackError"]
+
+#: Ring slots when nobody chooses: a verify pass of the default largest window (16 drafts,
+#: ``speculative.window.WindowPolicy.max_window``) plus its last token is 17 rows, and
+#: every one of them is a place the next frame may roll back to.
+DEFAULT_RING_SLOTS = 17
+
+
+class RollbackError(ValueError):
+    """``start_pos`` is further back than the snapshot ring reaches (replay from 0)."""
+
+
+@dataclass(frozen=True)
+class RecurrentShape:
+    """Sizes of one DeltaNet layer's state: the conv window and the delta-rule matrix."""
+
+    conv_taps: int  # K - 1 rows of conv input kept
+    conv_channels: int  # C
+    value_heads: int  # Hv
+    key_dim: int  # Dk
+    value_dim: int  # Dv
+
+    def nbytes(self) -> int:
+        """float32 bytes of one layer's state (one ring slot holds one per layer)."""
+        conv = self.conv_taps * self.conv_channels
+        return 4 * (conv + self.value_heads * self.key_dim * self.value_dim)
+
+
+class HybridCache:
+    """KV of ``attn_layers`` attention layers plus the recurrent state of ``linear_layers``.
+
+    :attr:`length` is the number of positions folded into the state; :meth:`rollback`
+    moves it back (KV by truncation, recurrent state from the ring).
+    """
+
+    def __init__(
+        self,
+        xp: Any,
+        kv: KVCache,
+        linear_layers: int,
+        shape: RecurrentShape,
+        ring_slots: int = DEFAULT_RING_SLOTS,
+    ) -> None:
+        if ring_slots < 1:
+            raise ValueError(f"the snapshot ring needs at least one slot, got {ring_slots}")
+        self.xp = xp
+        self.kv = kv
+        self.shape = shape
+        self.ring_slots = ring_slots
+        s, n = shape, linear_layers
+        self.conv = xp.zeros((n, s.conv_taps, s.conv_channels), xp.float32)  # [L, K-1, C]
+        self.state = xp.zeros((n, s.value_heads, s.key_dim, s.value_dim), xp.float32)
+        # ring[p % R] holds the state after position p, for p in [ring_start, length)
+        self.ring_conv = xp.zeros((ring_slots, *self.conv.shape), xp.float32)  # [R, L, K-1, C]
+        self.ring_state = xp.zeros((ring_slots, *self.state.shape), xp.float32)
+        self.ring_start = 0
+        self._length = 0
+        self.restores = 0  # rollbacks served from the ring (telemetry)
+
+    @property
+    def length(self) -> int:
+        """Positions whose K/V and recurrent contribution the cache holds."""
+        return self._length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self._length = n
+        self.kv.length = n
+
+    @property
+    def max_tokens(self) -> int:
+        """Positions the KV part was allocated for."""
+        return self.kv.max_tokens
+
+    def rollback(self, n: int) -> None:
+        """Make the cache hold positions ``0 .. n - 1`` only.
+
+        Raises :class:`RollbackError` when ``n`` is behind what the ring holds, and
+        ``ValueError`` when ``n`` is past :attr:`length`.
+        """
+        if not 0 <= n <= self._length:
+            raise ValueError(f"cannot roll a cache of {self._length} positions back to {n}")
+        if n == self._length:
+            return
+        if n == 0:
+            self.conv[...] = 0.0
+            self.state[...] = 0.0
+            self.ring_start = 0
+        elif n - 1 >= self.ring_start and n - 1 >= self._length - self.ring_slots:
+            slot = (n - 1) % self.ring_slots
+            self.conv[...] = self.ring_conv[slot]
+            self.state[...] = self.ring_state[slot]
+            self.restores += 1
+        else:
+            raise RollbackError(
+                f"cannot roll back to position {n}: the snapshot ring holds the states "
+                f"after positions {self._oldest()} .. {self._length - 1} only "
+                f"({self.ring_slots} slots); replay the sequence from position 0"
+            )
+        self.length = n
+
+    def truncate(self, n: int) -> None:
+        """Alias of :meth:`rollback` (the interface ``KVCache`` offers callers)."""
+        self.rollback(n)
+
+    def keep(self, layer: int, pos: int, conv: Any, state: Any) -> None:
+        """Store layer ``layer``'s conv window and state after position ``pos`` in the ring."""
+        slot = pos % self.ring_slots
+        self.ring_conv[slot, layer] = conv
+        self.ring_state[slot, layer] = state
+
+    def advance(self, start: int, rows: int) -> None:
+        """Record a pass of ``rows`` rows from ``start``: the ring now ends at its last row."""
+        end = start + rows
+        self.ring_start = max(self.ring_start, end - self.ring_slots)
+        self.length = end
+
+    def ring_nbytes(self) -> int:
+        """Bytes of the snapshot ring."""
+        return int(self.ring_conv.nbytes + self.ring_state.nbytes)
+
+    def recurrent_nbytes(self) -> int:
+        """Bytes of the live recurrent state (without the ring)."""
+        return int(self.conv.nbytes + self.state.nbytes)
+
+    def nbytes(self) -> int:
+        """Bytes allocated for this sequence: KV, recurrent state and ring."""
+        return self.kv.nbytes() + self.recurrent_nbytes() + self.ring_nbytes()
+
+    def _oldest(self) -> int:
+        return max(self.ring_start, self._length - self.ring_slots)
