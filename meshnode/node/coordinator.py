@@ -15,6 +15,10 @@ model's stage-0 part to learn its config, then loops:
 A failed step ``Stop``s every node claimed for the run and replans without the failed node
 (it is excluded until the membership changes again). Every message carries the run id and
 term, so a late reply of an abandoned run is recognised and dropped.
+
+Terms survive restarts (:func:`next_term`): a worker keeps the newest term of a claim and
+refuses an older one, so a restarted host whose terms began again at 1 was
+``ClaimRejected`` by every worker still holding its previous process's term.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +131,19 @@ def model_footprint(config: ModelConfig, bytes_per_param: int = 4) -> ModelFootp
 M = TypeVar("M", bound=Message)
 
 
+def next_term(previous: int, wall_clock_ns: int) -> int:
+    """The term of the next run: above ``previous`` and at least the wall clock in µs.
+
+    Epoch-prefixed rather than persisted: microseconds since 1970 grow across restarts (a
+    host restarts far less often than once per microsecond), so a restarted coordinator's
+    first term is above every term of its previous process, with no state file. Only a
+    wall clock set back by more than the downtime could repeat a term; the worker then
+    refuses the claim until its old claim is dropped, as before. About 2**51 today: a
+    uint64 on the wire and exact in JSON (below 2**53) for centuries.
+    """
+    return max(previous + 1, wall_clock_ns // 1000)
+
+
 class Coordinator:
     """Places the model and keeps it placed; see the module docstring."""
 
@@ -226,7 +244,8 @@ class Coordinator:
         """Plan, bring up, serve, watch; forever (cancel to stop)."""
         while True:
             placed = await self._plan_when_possible()
-            self._term += 1
+            # The wall clock, not trio's: the term must compare across processes.
+            self._term = next_term(self._term, time.time_ns())
             self._run_id = f"run-{secrets.token_hex(4)}"
             self._plan = placed
             self._stage_state = {s.node_id: "claiming" for s in placed.stages}
