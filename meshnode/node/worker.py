@@ -15,6 +15,11 @@ Fencing (DESIGN §3): every message names ``run_id`` and ``term``. A message of 
 an older term than the claim is answered with an ``Error`` (``STALE_TERM``/``UNKNOWN_RUN``),
 never dropped silently. A newer term of the same coordinator supersedes the claim (the
 host replanned). When the claiming coordinator's session is lost the claim is dropped.
+
+Senders (issue 15 item 4): every member can reach every node, so the run id and term are
+not enough. A claimed run's control messages are accepted only from the node that claimed
+it, and activations only from the stage's upstream (named in ``Load``); anyone else gets
+``UNKNOWN_RUN`` with nothing about the run this node holds (no run id, no term, no owner).
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ class WorkerRun:
     coordinator: str
     preparation: Preparation | None = None
     runner: StageRunner | None = None
+    upstream: str | None = None  # who sends us activations (None: the coordinator itself)
     downstream: str | None = None
     wire_dtype: str = "f16"
     state: str = "claimed"
@@ -99,6 +105,14 @@ class WorkerRun:
 
 def _range(part: Part) -> tuple[int, int]:
     return (part.start, part.end)
+
+
+def may_send(run: WorkerRun, peer: str, message: Message) -> bool:
+    """Whether ``peer`` may send ``message`` to ``run``: activations come from the stage's
+    upstream (the coordinator when it has none), everything else from the coordinator."""
+    if isinstance(message, ActivationFrame):
+        return peer == (run.upstream or run.coordinator)
+    return peer == run.coordinator
 
 
 class Worker:
@@ -184,17 +198,7 @@ class Worker:
         run = self.run
         superseded = run is None or (run.coordinator == peer and claim.term >= run.term)
         if not superseded and run is not None:
-            await self._send(
-                peer,
-                ClaimRejected(
-                    run_id=claim.run_id,
-                    term=claim.term,
-                    node_id=self.node_id,
-                    reason=f"claimed by run {run.run_id} of {run.coordinator}",
-                    held_by_run=run.run_id,
-                    held_by_term=run.term,
-                ),
-            )
+            await self._send(peer, self._rejection(run, peer, claim))
             return
         if run is not None and run.run_id != claim.run_id:
             self._stop(f"superseded by run {claim.run_id}")
@@ -207,20 +211,40 @@ class Worker:
             ClaimAccepted(run_id=claim.run_id, term=claim.term, node_id=self.node_id),
         )
 
+    def _rejection(self, run: WorkerRun, peer: str, claim: Claim) -> ClaimRejected:
+        # The run's own coordinator (claiming with an older term) learns which run holds
+        # us; another coordinator learns only that this node is taken.
+        own = peer == run.coordinator
+        return ClaimRejected(
+            run_id=claim.run_id,
+            term=claim.term,
+            node_id=self.node_id,
+            reason=f"held by run {run.run_id}@{run.term}" if own else "claimed by another node",
+            held_by_run=run.run_id if own else "",
+            held_by_term=run.term if own else 0,
+        )
+
     async def _fenced(self, peer: str, message: Any) -> WorkerRun | None:
-        """The claimed run ``message`` belongs to, or None after answering an Error."""
+        """The claimed run ``message`` belongs to, or None after answering an Error.
+
+        Only the run's own sender (:func:`may_send`) learns what this node holds.
+        """
         run = self.run
-        if run is not None and run.run_id == message.run_id and run.term == message.term:
+        name = type(message).__name__
+        if run is None or not may_send(run, peer, message):
+            code, text = ErrorCode.UNKNOWN_RUN, f"{name}: no run of yours on this node"
+        elif run.run_id == message.run_id and run.term == message.term:
             return run
-        stale = run is not None and run.run_id == message.run_id and message.term < run.term
-        code = ErrorCode.STALE_TERM if stale else ErrorCode.UNKNOWN_RUN
-        held = "none" if run is None else f"{run.run_id}@{run.term}"
+        else:
+            stale = run.run_id == message.run_id and message.term < run.term
+            code = ErrorCode.STALE_TERM if stale else ErrorCode.UNKNOWN_RUN
+            text = f"{name} for {message.run_id}@{message.term}; this node holds "
+            text += f"{run.run_id}@{run.term}"
         await self._send(
             peer,
             Error(
                 code=code,
-                message=f"{type(message).__name__} for {message.run_id}@{message.term}; "
-                f"this node holds {held}",
+                message=text,
                 run_id=message.run_id,
                 term=message.term,
                 request_id=getattr(message, "request_id", ""),
@@ -306,6 +330,7 @@ class Worker:
                 )
                 return
         run.runner = runner
+        run.upstream = None if load.upstream is None else load.upstream.node_id
         run.downstream = None if load.downstream is None else load.downstream.node_id
         run.wire_dtype = load.wire_dtype
         run.state = "ready"
