@@ -573,7 +573,7 @@ class Node:
         if self.host is not None and is_data_reply(message):
             # A returned token (or a stage's failure of one frame): straight to the pipeline.
             if (pipeline := self.host.pipeline) is not None:
-                pipeline.deliver(message)
+                pipeline.deliver(peer, message)
             return
         if self.host is not None and self.host.handle(peer, message):
             return

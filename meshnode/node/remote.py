@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from meshnode.net.stream import SEND_ERRORS
 from meshnode.node.pipeline import PipelineError, RequestId, StepFrame, StepResult
 from meshnode.node.stage import StageRunner
 from meshnode.node.wire import WireSequences, frame_to_wire, result_from_wire
+
+log = logging.getLogger(__name__)
 
 SendFn = Callable[[str, Message], Awaitable[None]]
 
@@ -140,9 +143,12 @@ class RemotePipeline:
             with contextlib.suppress(*SEND_ERRORS):
                 await self._send(node, message)
 
-    def deliver(self, message: Prediction | Error) -> None:
-        """Wake the waiter of a data reply; a reply of another run (late) is dropped."""
-        if message.run_id != self.run_id:
+    def deliver(self, peer: str, message: Prediction | Error) -> None:
+        """Wake the waiter of a data reply from ``peer``; anything else is dropped: a reply
+        of another run (late), a ``Prediction`` not from the last stage, an ``Error`` not
+        from a stage of this pipeline (wire ids are guessable; the sender is not)."""
+        if message.run_id != self.run_id or not self.may_reply(peer, message):
+            log.debug("dropped %s from %s", type(message).__name__, peer)
             return
         waiter = self._waiters.get(RequestId(message.request_id))
         if waiter is None or waiter.done.is_set():
@@ -152,6 +158,12 @@ class RemotePipeline:
         else:
             waiter.error = f"a stage failed: {message.message}"
         waiter.done.set()
+
+    def may_reply(self, peer: str, message: Prediction | Error) -> bool:
+        """Predictions come from the last stage; a frame's failure from any remote stage."""
+        if isinstance(message, Prediction):
+            return peer == self.stage_nodes[-1]
+        return peer in self.stage_nodes[1:]
 
     def fail(self, reason: str) -> None:
         """Wake every waiter with ``reason``; later calls to ``run`` fail at once."""

@@ -68,7 +68,7 @@ class InMemoryMesh:
             assert self.coordinator is not None
             if is_data_reply(message):
                 if (pipeline := self.coordinator.pipeline) is not None:
-                    pipeline.deliver(message)
+                    pipeline.deliver(sender, message)
                 return
             assert self.coordinator.handle(sender, message), message
         else:

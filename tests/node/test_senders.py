@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from meshnode_protocol import (
     ActivationFrame,
     Claim,
@@ -18,13 +19,21 @@ from meshnode_protocol import (
     Inventory,
     Message,
     PeerInfo,
+    Prediction,
     Prepare,
     Release,
     Stop,
 )
 
 from meshnode.engine.backend import cpu_backend
+from meshnode.engine.config import ModelConfig
+from meshnode.engine.model import Stage
+from meshnode.engine.sampling import SamplingParams
+from meshnode.node.pipeline import FrameKind, RequestId, StepFrame, StepResult
+from meshnode.node.remote import RemotePipeline
+from meshnode.node.stage import StageRunner
 from meshnode.node.worker import Worker, WorkerRun, may_send
+from tests.speculative.tinymodel import TinySource, tiny_config
 
 HOST, MALLORY, UPSTREAM = "host", "mallory", "stage-1"
 RUN, TERM = "run-secret", 7
@@ -121,3 +130,49 @@ def test_activations_come_only_from_the_upstream_stage() -> None:
     assert not may_send(run, MALLORY, frame)
     assert may_send(run, HOST, CONTROL[0])
     assert not may_send(run, UPSTREAM, CONTROL[0])
+
+
+async def test_the_host_takes_predictions_only_from_the_last_stage() -> None:
+    """Wire ids are guessable (r0, r1, …): what makes a Prediction genuine is its sender."""
+    source = TinySource(tiny_config(48, 4), seed=0, logit_scale=8.0)
+    config = ModelConfig.from_hf(source.config)
+    stage0 = Stage(config, source, 0, 2, embed=True, head=False)
+    sent: list[tuple[str, Message]] = []
+    forwarded = trio.Event()
+
+    async def send(peer: str, message: Message) -> None:
+        sent.append((peer, message))
+        forwarded.set()
+
+    pipeline = RemotePipeline(
+        StageRunner(stage0, context_size=32, max_sequences=1),
+        run_id=RUN, term=TERM, stage_nodes=(HOST, "s1", "s2"), send=send, wire_dtype="f32",
+    )  # fmt: skip
+    frame = StepFrame(
+        request_id=RequestId("req"), kind=FrameKind.PREFILL, start_pos=0, tokens=(1, 2),
+        sampling=SamplingParams(temperature=0.0),
+    )  # fmt: skip
+    results: list[StepResult] = []
+
+    async def step() -> None:
+        results.append(await pipeline.run(frame))
+
+    def reply(tokens: tuple[int, ...]) -> Prediction:
+        wire = sent[-1][1]
+        assert isinstance(wire, ActivationFrame)
+        return Prediction(
+            request_id=wire.request_id, run_id=RUN, term=TERM, start_pos=2, accepted=0,
+            tokens=tokens,
+        )  # fmt: skip
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(step)
+            await forwarded.wait()
+            pipeline.deliver(MALLORY, reply((666,)))  # a member guessing the wire id
+            pipeline.deliver("s1", reply((667,)))  # a middle stage cannot answer either
+            pipeline.deliver("s1", Error(code=1, message="x", run_id="other", request_id="r0"))
+            await trio.testing.wait_all_tasks_blocked()
+            assert not results  # still waiting for the genuine reply
+            pipeline.deliver("s2", reply((42,)))
+    assert [r.tokens for r in results] == [(42,)]
