@@ -14,11 +14,13 @@ model is loaded before the node starts (:mod:`meshnode.serve.speculation`).
 
 from __future__ import annotations
 
+import logging
+
 import trio
 from fastapi import FastAPI
 from meshnode_packaging.errors import PackageError
 from meshnode_packaging.manifest import Part
-from meshnode_packaging.refs import open_ref
+from meshnode_packaging.refs import open_ref, pin_ref
 from meshnode_packaging.sources import ModelSource, SourceError
 
 from meshnode.engine.backend import BackendError, select_backend
@@ -34,17 +36,26 @@ from meshnode.serve.frontend import HostFrontend, host_service, host_speculation
 from meshnode.serve.openai_api import mount_openai
 from meshnode.serve.service import ServeService
 
+log = logging.getLogger("meshnode.join")
 
-def open_stage0(config: NodeConfig) -> ModelSource:
-    """The model's config, tokenizer and template (the manifest and embedding part).
+
+def open_stage0(config: NodeConfig) -> tuple[ModelSource, str]:
+    """The model's config, tokenizer and template (the manifest and embedding part), and the
+    pin every stage will read (``refs.pin_ref``: resolved once, here).
 
     Raises ConfigError with a one-line reason for a bad ``--model``.
     """
     assert config.model is not None
     try:
-        return open_ref(config.model, Part(0, 0, embed=True), cache_dir=config.cache_dir)
+        pin = pin_ref(config.model, cache_dir=config.cache_dir)
+        source = open_ref(
+            config.model, Part(0, 0, embed=True), cache_dir=config.cache_dir, pin=pin
+        )
     except (PackageError, SourceError, OSError, ValueError) as exc:
         raise ConfigError(f"--model {config.model}: {exc}") from exc
+    if pin:
+        log.info("--model %s pinned at %s", config.model, pin)
+    return source, pin
 
 
 async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentity) -> Node:
@@ -52,7 +63,7 @@ async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentit
     host: MeshHost | None = None
     service: ServeService | None = None
     if config.model is not None:
-        source = await trio.to_thread.run_sync(open_stage0, config)
+        source, pin = await trio.to_thread.run_sync(open_stage0, config)
         backend = select_backend(config.device, config.weights_dtype)
         spec = await trio.to_thread.run_sync(host_speculation, config, source, backend)
         service = host_service(config, source, spec)
@@ -62,6 +73,7 @@ async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentit
             split=config.split,
             wire_dtype=config.wire_dtype,
             cache_dir=config.cache_dir,
+            pin=pin,
         )
         frontend = HostFrontend(service, config.model, config.cache_dir)
         host = MeshHost(settings, source, frontend, backend)

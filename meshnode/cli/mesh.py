@@ -89,6 +89,17 @@ def join(
         list[str] | None,
         typer.Option(help=env_help("peers", "Static peer HOST:PORT (repeatable).")),
     ] = None,
+    allow_url_models: Annotated[
+        bool,
+        typer.Option(
+            "--allow-url-models",
+            help=env_help(
+                "allow_url_models",
+                "Let other nodes ask this one to fetch a model from an http(s) URL "
+                "(hf:// always works).",
+            ),
+        ),
+    ] = False,
     no_mdns: Annotated[
         bool, typer.Option("--no-mdns", help=env_help("mdns", "Disable mDNS discovery."))
     ] = False,
@@ -225,6 +236,7 @@ def join(
             "interface": interface,
             "peers": peer or None,
             "mdns": False if no_mdns else None,
+            "allow_url_models": True if allow_url_models else None,
             "max_memory_bytes": max_memory,
             "device": device,
             "weights_dtype": dtype,

@@ -18,8 +18,9 @@ import typer
 from meshnode_packaging.errors import InvalidPackage, PackageError
 from meshnode_packaging.fetch import Materializer
 from meshnode_packaging.manifest import Part
-from meshnode_packaging.refs import LocalPackage, LocalSource, RemotePackage, resolve
-from meshnode_packaging.sources import SourceError
+from meshnode_packaging.refs import LocalPackage, LocalSource, RemotePackage, open_ref, resolve
+from meshnode_packaging.remote import RangedSource
+from meshnode_packaging.sources import ModelSource, SourceError
 from meshnode_packaging.validate import validate_package
 from meshnode_packaging.writer import speculative_block, write_package
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
@@ -78,11 +79,7 @@ def _bar(label: str, *, bytes_: bool) -> Iterator[Callable[[int, int], None]]:
 
 def run_write(config: WriteConfig) -> Path:
     """Write the package; return its folder."""
-    target = resolve(config.source)
-    if not isinstance(target, LocalSource):
-        raise PackageError(
-            f"{config.source!r} is a package already; write needs a GGUF or checkpoint"
-        )
+    source, repo, commit = _write_source(config.source)
     speculative = None
     if config.speculative_default is not None or config.strategies:
         if config.speculative_default is None:
@@ -90,14 +87,30 @@ def run_write(config: WriteConfig) -> Path:
         speculative = speculative_block(config.speculative_default, list(config.strategies))
     with _bar("writing", bytes_=False) as progress:
         write_package(
-            target.path,
+            source,
             config.out,
             dtype=config.dtype,
             speculative=speculative,
             model_id=config.model_id,
+            source_repo=repo,
+            source_revision=commit,
             progress=progress,
         )
     return config.out
+
+
+def _write_source(ref: str) -> tuple[Path | ModelSource, str | None, str | None]:
+    """What ``package write`` reads: a local GGUF or checkpoint, or a hub GGUF or
+    safetensors repo (fetched whole, by ranges); with the repo and commit it came from."""
+    target = resolve(ref)
+    if isinstance(target, LocalSource):
+        return target.path, None, None
+    if isinstance(target, RemotePackage) and target.repo is not None:
+        with _bar("fetching", bytes_=True) as progress:
+            source = open_ref(target, None, progress=progress)
+        if isinstance(source, RangedSource):
+            return source, target.repo, source.commit
+    raise PackageError(f"{ref!r} is a package already; write needs a GGUF or checkpoint")
 
 
 def run_fetch(config: FetchConfig) -> Path:
@@ -125,7 +138,13 @@ def run_validate(ref: str) -> list[str]:
 
 @package_app.command("write")
 def write_cmd(
-    source: Annotated[str, typer.Argument(help="GGUF file, checkpoint folder or model alias")],
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="GGUF file, checkpoint folder, model alias, or hf://org/repo[@rev][:QUANT] "
+            "(a GGUF or safetensors repo)"
+        ),
+    ],
     out: Annotated[Path, typer.Option("--out", help="package folder to write")],
     dtype: Annotated[str | None, typer.Option(help="convert weights: f16, bf16 or f32")] = None,
     speculative_default: Annotated[

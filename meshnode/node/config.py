@@ -102,6 +102,9 @@ class NodeConfig:
     heartbeat: HeartbeatTimeouts = HeartbeatTimeouts()
     log_level: str = "INFO"
     cache_dir: Path | None = None
+    # Whether another node's Prepare may name an http(s) URL (hub refs always work): a URL
+    # lets a member make this node fetch from hosts that only it can reach.
+    allow_url_models: bool = False
     threads: int | None = None  # BLAS threads of this node (None: one per core)
     # The host role (stage 0 and the API): the model to serve and how to place it.
     model: str | None = None
@@ -292,6 +295,9 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("log_level", "node", "log_level", "MESHNODE_LOG_LEVEL", _log_level),
     Setting("cache_dir", "node", "cache_dir", "MESHNODE_CACHE_DIR", _path),
+    Setting(
+        "allow_url_models", "node", "allow_url_models", "MESHNODE_ALLOW_URL_MODELS", _bool
+    ),
     Setting("threads", "node", "threads", "MESHNODE_THREADS", _positive_int),
     Setting("model", "model", "ref", "MESHNODE_MODEL", _nonempty, flag="model"),
     Setting("split", "model", "split", "MESHNODE_SPLIT", _positive_int),

@@ -34,7 +34,7 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 from meshnode_packaging.manifest import Part
-from meshnode_packaging.refs import RemotePackage, open_ref, resolve
+from meshnode_packaging.refs import RemotePackage, is_url, open_ref, resolve
 from meshnode_packaging.sources import ModelSource
 from meshnode_protocol import (
     Claim,
@@ -58,6 +58,7 @@ from meshnode.engine.model import Stage
 from meshnode.errors import PlanError, RunError
 from meshnode.net.stream import SEND_ERRORS
 from meshnode.node.planner import ModelFootprint, NodeCapacity, Plan, StagePlan, plan
+from meshnode.node.progress import DownloadProgress
 from meshnode.node.remote import RemotePipeline, is_data_reply
 from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, StageRunner, default_context
 
@@ -106,6 +107,9 @@ class CoordinatorSettings:
     split: int | None = None
     wire_dtype: str = "f16"
     cache_dir: Path | None = None
+    # What the host resolved ``model_ref`` to (``refs.pin_ref``): a hub commit or a URL
+    # package's manifest sha256, sent in every Prepare so that no stage reads another one.
+    pin: str = ""
 
 
 def model_footprint(config: ModelConfig, bytes_per_param: int = 4) -> ModelFootprint:
@@ -171,6 +175,7 @@ class Coordinator:
         self._last_failure = ""  # kept after recovery: why the plan is not the first one
         self._plan: Plan | None = None
         self._progress: dict[str, tuple[int, int]] = {}
+        self._download_log: dict[str, DownloadProgress] = {}
         self._stage_state: dict[str, str] = {}
         self._pipeline: RemotePipeline | None = None
         self._replies: dict[str, trio.MemorySendChannel[Message]] = {}
@@ -387,7 +392,7 @@ class Coordinator:
         part = Part(stage.start, stage.end, embed=True, head=stage.head)
 
         def progress(done: int, total: int) -> None:
-            self._progress[stage.node_id] = (done, total)
+            self._record_progress(stage.node_id, done, total, time.monotonic())
 
         def build() -> StageRunner:
             source = self._open_part(part, progress)
@@ -421,8 +426,19 @@ class Coordinator:
         if not isinstance(resolve(self.settings.model_ref), RemotePackage):
             return self.source
         return open_ref(
-            self.settings.model_ref, part, cache_dir=self.settings.cache_dir, progress=progress
+            self.settings.model_ref,
+            part,
+            cache_dir=self.settings.cache_dir,
+            progress=progress,
+            pin=self.settings.pin,
         )
+
+    def _record_progress(self, node: str, done: int, total: int, now_s: float) -> None:
+        """Keep a stage's download progress for status, and log it now and then."""
+        self._progress[node] = (done, total)
+        tracker = self._download_log.setdefault(node, DownloadProgress(f"stage on {node}"))
+        if line := tracker.update(done, total, now_s):
+            log.info("%s", line)
 
     async def _prepare_remote(
         self, stage: StagePlan, receivers: dict[str, trio.MemoryReceiveChannel[Message]]
@@ -432,10 +448,11 @@ class Coordinator:
             run_id=self._run_id,
             term=self._term,
             package_ref=self.settings.model_ref,
-            manifest_sha256="",
+            manifest_sha256=self.settings.pin if is_url(self.settings.model_ref) else "",
             layer_range=(stage.start, stage.end),
             has_embed=stage.embed,
             has_head=stage.head,
+            commit="" if is_url(self.settings.model_ref) else self.settings.pin,
         )
         await self._request(node, receivers, prepare, PrepareAccepted)
         self._stage_state[node] = "preparing"
@@ -445,7 +462,9 @@ class Coordinator:
         with trio.move_on_after(PREPARE_TIMEOUT_S):
             while True:
                 report = await self._request(node, receivers, inventory, InventoryReport)
-                self._progress[node] = (report.bytes_done, report.bytes_total)
+                self._record_progress(
+                    node, report.bytes_done, report.bytes_total, trio.current_time()
+                )
                 if report.error:
                     self._excluded.add(node)
                     raise RunError(f"node {node} could not prepare its layers: {report.error}")

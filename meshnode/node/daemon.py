@@ -236,6 +236,7 @@ class Node:
                 backend=select_backend(self.config.device, self.config.weights_dtype),
                 cache_dir=self.config.cache_dir,
                 nursery=nursery,
+                accept_url_refs=self.config.allow_url_models,
             )
             nursery.start_soon(trio.serve_listeners, self._handle_inbound, listeners)
             log.info("node %s of mesh %r on %s", self.node_id, self.token.name, self.listen)

@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import trio
+from meshnode_packaging.errors import FetchError, RefError
+from meshnode_packaging.hub import COMMIT
 from meshnode_packaging.manifest import Part
-from meshnode_packaging.refs import open_ref
+from meshnode_packaging.refs import is_url, open_ref
 from meshnode_packaging.sources import ModelSource
 from meshnode_protocol import (
     ActivationFrame,
@@ -74,11 +77,14 @@ class Preparation:
 
     package_ref: str
     part: Part
+    pin: str = ""  # the host's pin: a hub commit or a URL package's manifest sha256
     bytes_done: int = 0
     bytes_total: int = 0
     source: ModelSource | None = None
     error: str = ""
     done: trio.Event = field(default_factory=trio.Event)
+    # Set by Stop (or a newer Prepare): the fetching thread gives up within about a second.
+    cancel: threading.Event = field(default_factory=threading.Event)
 
     def progress(self, done: int, total: int) -> None:
         # Called from the fetching thread; two int stores are atomic under the GIL.
@@ -115,6 +121,23 @@ def may_send(run: WorkerRun, peer: str, message: Message) -> bool:
     return peer == run.coordinator
 
 
+# A failure reason travels to another node; a longer one is cut.
+MAX_REASON_CHARS = 300
+
+
+def failure_reason(exc: Exception, package_ref: str) -> str:
+    """What a failed preparation tells the node that asked: our own words only.
+
+    Fetch and reference errors are written by us (a status and a short reason, never a remote
+    body). Anything else about a URL reference may quote what the URL served (a manifest's
+    fields), which would make this node a read channel into hosts only it can reach: only
+    the error's type is told then.
+    """
+    if isinstance(exc, FetchError | RefError) or not is_url(package_ref):
+        return f"{type(exc).__name__}: {exc}"[:MAX_REASON_CHARS]
+    return f"{type(exc).__name__} (details in this node's log)"
+
+
 class Worker:
     """Serves the claim/prepare/load/activation messages of runs (module docstring)."""
 
@@ -127,6 +150,7 @@ class Worker:
         backend: Backend,
         cache_dir: Path | None,
         nursery: trio.Nursery,
+        accept_url_refs: bool = False,
     ) -> None:
         self.node_id = node_id
         self._send = send
@@ -134,6 +158,9 @@ class Worker:
         self._backend = backend
         self._cache_dir = cache_dir
         self._nursery = nursery
+        # Whether a Prepare from another node may name an http(s) URL: off by default, since
+        # it would let any member make this node fetch from hosts only it can reach.
+        self._accept_url_refs = accept_url_refs
         self.run: WorkerRun | None = None
 
     # -- status -----------------------------------------------------------------------
@@ -253,11 +280,27 @@ class Worker:
         return None
 
     async def _prepare(self, peer: str, run: WorkerRun, prepare: Prepare) -> None:
+        refusal = self._refusal(prepare)
+        if refusal:
+            await self._send(
+                peer,
+                Error(
+                    code=ErrorCode.PREPARE_FAILED,
+                    message=refusal,
+                    run_id=run.run_id,
+                    term=run.term,
+                ),
+            )
+            return
         start, end = prepare.layer_range
         part = Part(start, end, embed=prepare.has_embed, head=prepare.has_head)
+        pin = prepare.commit or prepare.manifest_sha256
         prep = run.preparation
-        if prep is None or prep.part != part or prep.package_ref != prepare.package_ref:
-            prep = Preparation(prepare.package_ref, part)
+        wanted = (part, prepare.package_ref, pin)
+        if prep is None or (prep.part, prep.package_ref, prep.pin) != wanted:
+            if prep is not None:
+                prep.cancel.set()
+            prep = Preparation(prepare.package_ref, part, pin)
             run.preparation = prep
             run.state = "preparing"
             self._nursery.start_soon(self._materialize, run, prep)
@@ -265,11 +308,24 @@ class Worker:
             peer, PrepareAccepted(run_id=run.run_id, term=run.term, node_id=self.node_id)
         )
 
+    def _refusal(self, prepare: Prepare) -> str:
+        """Why this node will not prepare ``prepare`` (empty: it will)."""
+        if is_url(prepare.package_ref) and not self._accept_url_refs:
+            return "this node fetches models from the hub only (allow_url_models is off)"
+        if prepare.commit and not COMMIT.match(prepare.commit):
+            return "commit must be 40 lowercase hex digits"
+        return ""
+
     async def _materialize(self, run: WorkerRun, prep: Preparation) -> None:
         try:
             prep.source = await trio.to_thread.run_sync(
                 lambda: open_ref(
-                    prep.package_ref, prep.part, cache_dir=self._cache_dir, progress=prep.progress
+                    prep.package_ref,
+                    prep.part,
+                    cache_dir=self._cache_dir,
+                    progress=prep.progress,
+                    pin=prep.pin,
+                    cancel=prep.cancel,
                 )
             )
             if prep.bytes_total == 0:  # a local source: nothing was transferred
@@ -277,9 +333,9 @@ class Worker:
             if run.state == "preparing":
                 run.state = "prepared"
         except Exception as exc:  # any failure is reported, never raised
-            prep.error = f"{type(exc).__name__}: {exc}"
+            prep.error = failure_reason(exc, prep.package_ref)
             run.state = "failed"
-            log.warning("preparing %s failed: %s", prep.package_ref, prep.error)
+            log.warning("preparing %s failed: %s: %s", prep.package_ref, type(exc).__name__, exc)
         finally:
             prep.done.set()
 
@@ -375,6 +431,8 @@ class Worker:
     def _stop(self, reason: str) -> None:
         if self.run is not None:
             log.info("run %s stopped: %s", self.run.run_id, reason)
+            if self.run.preparation is not None:
+                self.run.preparation.cancel.set()  # a running fetch stops within a second
         self.run = None  # the runner, its caches and the mapped weights go with it
 
     # -- data plane ---------------------------------------------------------------------

@@ -35,7 +35,7 @@ _API = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/?]
 # Files this large (or with these suffixes) are LFS files on the hub: sha256 etag, size header.
 _LFS_MIN_BYTES = 10 << 20
 _LFS_SUFFIXES = (".gguf", ".safetensors", ".bin")
-_SLOW_CHUNK_BYTES = 4096
+_SLOW_WRITES_PER_S = 20
 _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
 _CHUNK_BYTES = 1 << 20
 
@@ -173,7 +173,8 @@ class _Handler(BaseHTTPRequestHandler):
         die_after = None if fault is None else fault.die_after_bytes
         rate = None if fault is None else fault.bytes_per_s
         limit = end - start if die_after is None else min(end - start, die_after)
-        step = _CHUNK_BYTES if rate is None else _SLOW_CHUNK_BYTES
+        # A slow body still arrives in small pieces often, as packets over a slow link do.
+        step = _CHUNK_BYTES if rate is None else max(1, rate // _SLOW_WRITES_PER_S)
         sent = 0
         with file.open("rb") as f:
             f.seek(start)

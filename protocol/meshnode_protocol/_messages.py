@@ -208,6 +208,10 @@ class Prepare(Message):
     layer_range: Range
     has_embed: bool
     has_head: bool
+    # The hub commit (40 lowercase hex digits) the host resolved ``package_ref``'s revision
+    # to; every stage reads exactly that commit. Empty: the reference has no revision. Its
+    # form is the application's to check (a stage refuses a malformed one), not the codec's.
+    commit: str = ""
 
     def _validate(self) -> None:
         _check_range("layer_range", self.layer_range)

@@ -114,6 +114,16 @@ EXAMPLES: Final[dict[str, Message]] = {
         has_embed=False,
         has_head=False,
     ),
+    "prepare_pinned": Prepare(
+        run_id=_RUN_ID,
+        term=_TERM,
+        package_ref="hf://org/smollm2:Q4_K_M",
+        manifest_sha256="",
+        layer_range=(0, 10),
+        has_embed=True,
+        has_head=False,
+        commit="0123456789abcdef0123456789abcdef01234567",
+    ),
     "prepare_accepted": PrepareAccepted(run_id=_RUN_ID, term=_TERM, node_id="node-b"),
     "inventory": Inventory(
         run_id=_RUN_ID, term=_TERM, package_ref="hf://org/smollm2@main", manifest_sha256="ab" * 32

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,8 @@ from tests.packaging.conftest import REPO
 REF = RemotePackage(repo=REPO)
 FAST = FetchLimits(retry_backoff_s=0.01, timeout_s=10)
 LAYER = "layers/00012.safetensors"
+# The bound for a failed file to stop the other downloads of the fetch.
+CANCEL_WITHIN_S = 1.0
 
 
 def _fetch(cache: Path, part: Part | None, **kw: object) -> Path:
@@ -247,3 +250,15 @@ def test_open_ref_materializes_a_stage(hub: LocalHub, tmp_path: Path) -> None:
     assert isinstance(url_ref, RemotePackage)
     src = open_ref(url_ref, Part(7, 8), cache_dir=tmp_path)
     assert src.tensor("layers.7.mlp.up_proj.weight").shape == (128, 64)
+
+
+def test_a_failed_file_cancels_the_other_downloads(hub: LocalHub, tmp_path: Path) -> None:
+    # Three files served slowly enough to take minutes, and one the hub refuses.
+    slow = [f"layers/{i:05d}.safetensors" for i in (10, 11, 12)]
+    for path in slow:
+        hub.inject(path, Fault(bytes_per_s=2_000))
+    hub.inject("layers/00013.safetensors", Fault(status=403))
+    started = time.monotonic()
+    with pytest.raises(Unauthorized):
+        _fetch(tmp_path, Part(10, 14))
+    assert time.monotonic() - started < CANCEL_WITHIN_S + 1.0  # manifest and the 403 included

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from meshnode_packaging.errors import MissingPart, NotFound, RefError
+from meshnode_packaging.errors import Cancelled, MissingPart, NotFound, RefError, Unauthorized
+from meshnode_packaging.hub import token_for
 from meshnode_packaging.manifest import Part
+from meshnode_packaging.ranged import RangeLimits
 from meshnode_packaging.refs import RemotePackage, open_ref, pin_ref, resolve
+from meshnode_packaging.remote import open_hub
 from meshnode_packaging.sources import GGUFSource, HFFolderSource, ModelSource
-from meshnode_packaging.testing import LocalHub, Request
+from meshnode_packaging.testing import Fault, LocalHub, Request
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
@@ -21,6 +27,12 @@ from tests.packaging.tinymodel import write_tiny_gguf, write_tiny_hf_repo
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The bound: a stage of layers [10, 20) of a 30-layer model moves at most this share.
 MAX_STAGE_SHARE = 0.40
+# Served this slowly, the tiny GGUF would take a minute: a fetch that ends sooner was cancelled.
+SLOW_BYTES_PER_S = 10_000
+# The bound for a failure (or a cancel) to stop the other downloads.
+CANCEL_WITHIN_S = 1.0
+# Pieces small enough that the tiny GGUF's fetch is many requests at once.
+SMALL = RangeLimits(max_piece_bytes=32 << 10, merge_gap_bytes=0, retry_backoff_s=0.01)
 
 
 @pytest.fixture(scope="session")
@@ -208,3 +220,64 @@ def test_offline_uses_cached_ranges_only(
     with pytest.raises(OfflineMissing):
         open_ref("hf://org/st", Part(25, 26), cache_dir=tmp_path, pin=commit)
     assert lhub.requests == []
+
+
+def test_token_never_goes_to_plain_http_or_other_hosts(
+    lhub: LocalHub, st_repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    lhub.add_repo("org/st", st_repo)
+    open_ref("hf://org/st", Part(0, 2, embed=True), cache_dir=tmp_path)
+    assert lhub.requests  # API, small files and ranges were all asked for...
+    assert {r.authorization for r in lhub.requests} == {None}  # ...without the token
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example")
+    assert token_for("https://hub.example/org/m/resolve/main/x.gguf") == "hf_secret"
+    assert token_for("https://cdn.example/x.gguf") is None
+    assert token_for("https://hub.example:8443/x") is None
+    assert token_for("http://hub.example/x") is None
+
+
+def test_a_failed_range_cancels_the_others_within_a_second(
+    lhub: LocalHub, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copyfile(tiny_gguf, repo / "t.gguf")
+    lhub.add_repo("org/t", repo)
+    # The header comes quickly; then three slow pieces and one the hub refuses.
+    lhub.inject("t.gguf", Fault(), *[Fault(bytes_per_s=SLOW_BYTES_PER_S)] * 3, Fault(status=403))
+    ref = resolve("hf://org/t")
+    assert isinstance(ref, RemotePackage)
+    started = time.monotonic()
+    with pytest.raises(Unauthorized):
+        open_hub(ref, Part(0, 30, embed=True, head=True), cache_dir=tmp_path / "c", limits=SMALL)
+    assert time.monotonic() - started < CANCEL_WITHIN_S + 1.0  # header and 403 included
+
+
+def test_cancel_event_stops_a_fetch(lhub: LocalHub, tiny_gguf: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copyfile(tiny_gguf, repo / "t.gguf")
+    lhub.add_repo("org/t", repo)
+    lhub.inject("t.gguf", *[Fault(bytes_per_s=SLOW_BYTES_PER_S)] * 8)
+    ref = resolve("hf://org/t")
+    assert isinstance(ref, RemotePackage)
+    cancel = threading.Event()
+    threading.Timer(0.5, cancel.set).start()
+    started = time.monotonic()
+    with pytest.raises(Cancelled):
+        open_hub(ref, Part(0, 30), cache_dir=tmp_path / "c", limits=SMALL, cancel=cancel)
+    assert time.monotonic() - started < 0.5 + CANCEL_WITHIN_S
+
+
+def test_package_write_reads_a_hub_repo(lhub: LocalHub, st_repo: Path, tmp_path: Path) -> None:
+    from meshnode_packaging.validate import validate_package
+
+    from meshnode.cli.package import WriteConfig, run_write
+
+    commit = lhub.add_repo("org/st", st_repo)
+    out = run_write(WriteConfig(source="hf://org/st", out=tmp_path / "pkg"))
+    assert validate_package(out) == []
+    manifest = json.loads((out / "model-package.json").read_text())
+    assert manifest["model"]["source"]["repo"] == "org/st"
+    assert manifest["model"]["source"]["revision"] == commit

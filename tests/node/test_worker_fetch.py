@@ -1,0 +1,190 @@
+"""The worker's materialization: pins, URL refs from other nodes, Stop, safe error reasons."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+from meshnode_packaging.manifest import MANIFEST_NAME
+from meshnode_packaging.testing import Fault, LocalHub
+from meshnode_protocol import (
+    Claim,
+    Error,
+    ErrorCode,
+    Inventory,
+    InventoryReport,
+    Message,
+    PeerInfo,
+    Prepare,
+    Stop,
+)
+
+from meshnode.engine.backend import cpu_backend
+from meshnode.node.progress import DownloadProgress
+from meshnode.node.worker import Worker
+from tests.packaging.tinymodel import write_tiny_gguf
+
+HOST = "host"
+RUN = "run-1"
+# Served this slowly, the tiny GGUF would take minutes: a fetch that ends sooner was cancelled.
+SLOW_BYTES_PER_S = 20_000
+# The issue's bound: Stop cancels a running materialization within this.
+CANCEL_WITHIN_S = 1.0
+SERVER_NOTICES_S = 5.0
+POLL_S = 0.05
+
+
+class Harness:
+    """One worker, and what it sent back."""
+
+    def __init__(self, worker: Worker, sent: list[Message]) -> None:
+        self.worker, self.sent = worker, sent
+
+    async def ask(self, message: Message) -> Message:
+        before = len(self.sent)
+        await self.worker.handle(HOST, message)
+        return self.sent[before]
+
+    async def report(self) -> InventoryReport:
+        reply = await self.ask(Inventory(run_id=RUN, term=1, package_ref=""))
+        assert isinstance(reply, InventoryReport)
+        return reply
+
+    async def until_settled(self) -> InventoryReport:
+        with trio.fail_after(60):
+            while True:
+                report = await self.report()
+                if report.ready or report.error:
+                    return report
+                await trio.sleep(0.05)
+
+
+def _prepare(ref: str, *, commit: str = "", start: int = 0, end: int = 2) -> Prepare:
+    return Prepare(
+        run_id=RUN,
+        term=1,
+        package_ref=ref,
+        manifest_sha256="",
+        layer_range=(start, end),
+        has_embed=start == 0,
+        has_head=False,
+        commit=commit,
+    )
+
+
+async def _harness(nursery: trio.Nursery, cache: Path, *, accept_url_refs: bool = False) -> Harness:
+    sent: list[Message] = []
+
+    async def send(peer: str, message: Message) -> None:
+        sent.append(message)
+
+    async def connect(info: PeerInfo) -> None:
+        pass
+
+    worker = Worker(
+        "worker",
+        send,
+        connect=connect,
+        backend=cpu_backend(),
+        cache_dir=cache,
+        nursery=nursery,
+        accept_url_refs=accept_url_refs,
+    )
+    h = Harness(worker, sent)
+    await h.ask(Claim(run_id=RUN, term=1, coordinator_id=HOST, package_ref=""))
+    return h
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    write_tiny_gguf(folder / "tiny.Q4_1.gguf")
+    return folder
+
+
+@pytest.fixture
+async def lhub(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[LocalHub]:
+    with LocalHub() as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.endpoint)
+        yield h
+
+
+async def test_stage_reads_the_pinned_commit(
+    lhub: LocalHub, repo: Path, tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    pinned = lhub.add_repo("org/m", repo)
+    empty = tmp_path / "moved"
+    empty.mkdir()
+    lhub.add_repo("org/m", empty)  # main moved on to a commit with no model in it
+    h = await _harness(nursery, tmp_path / "cache")
+    await h.ask(_prepare("hf://org/m", commit=pinned))
+    report = await h.until_settled()
+    assert report.error == ""
+    assert report.ready == ((0, 2),)
+
+
+async def test_bad_commit_and_url_refs_are_refused(
+    lhub: LocalHub, tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    h = await _harness(nursery, tmp_path / "cache")
+    reply = await h.ask(_prepare("hf://org/m", commit="../../etc"))
+    assert isinstance(reply, Error)
+    assert reply.code == ErrorCode.PREPARE_FAILED
+    reply = await h.ask(_prepare(f"{lhub.endpoint}/org/m/resolve/main"))
+    assert isinstance(reply, Error)
+    assert "allow_url_models" in reply.message
+    assert lhub.requests == []  # nothing was fetched for either
+
+
+async def test_url_errors_never_echo_what_the_url_served(
+    lhub: LocalHub, tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    secret = tmp_path / "internal"
+    secret.mkdir()
+    (secret / MANIFEST_NAME).write_text('{"format": {"name": "SECRET-42", "version": 1}}')
+    lhub.add_repo("internal/svc", secret)
+    h = await _harness(nursery, tmp_path / "cache", accept_url_refs=True)
+    await h.ask(_prepare(f"{lhub.endpoint}/internal/svc/resolve/main"))
+    report = await h.until_settled()
+    assert report.error.startswith("InvalidPackage")
+    assert "SECRET" not in report.error
+
+
+async def test_stop_cancels_a_running_materialization(
+    lhub: LocalHub, repo: Path, tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    lhub.add_repo("org/m", repo)
+    lhub.inject("tiny.Q4_1.gguf", *[Fault(bytes_per_s=SLOW_BYTES_PER_S)] * 8)
+    h = await _harness(nursery, tmp_path / "cache")
+    await h.ask(_prepare("hf://org/m", start=0, end=30))
+    await trio.sleep(0.5)  # the slow transfer is under way (the hub records it when it ends)
+    assert not any(r.path == "tiny.Q4_1.gguf" for r in lhub.requests)
+    prep = h.worker.run.preparation if h.worker.run else None
+    assert prep is not None
+    await h.worker.handle(HOST, Stop(run_id=RUN, term=1, reason="test"))
+    with trio.fail_after(CANCEL_WITHIN_S):
+        await prep.done.wait()
+    assert prep.error.startswith("Cancelled")
+    # The connection is closed, not left streaming for the half minute the file would take
+    # (the server sees it at one of its next writes, into a socket buffer first).
+    for _ in range(int(SERVER_NOTICES_S / POLL_S)):
+        if any(r.path == "tiny.Q4_1.gguf" for r in lhub.requests):
+            break
+        await trio.sleep(POLL_S)
+    assert any(r.path == "tiny.Q4_1.gguf" for r in lhub.requests)
+
+
+def test_download_progress_lines() -> None:
+    p = DownloadProgress("stage on b")
+    assert p.update(0, 0, 0.0) is None  # nothing known yet
+    assert p.update(0, 100_000_000, 10.0) == "stage on b: 0.0 of 100.0 MB (0 %), rate unknown yet"
+    assert p.update(10_000_000, 100_000_000, 12.0) is None  # within LOG_EVERY_S
+    line = p.update(50_000_000, 100_000_000, 20.0)
+    assert line == "stage on b: 50.0 of 100.0 MB (50 %), 5.0 MB/s, ETA 10 s"
+    assert p.update(100_000_000, 100_000_000, 21.0) == (
+        "stage on b: 100.0 of 100.0 MB (100 %), done in 11.0 s"
+    )
+    assert p.update(100_000_000, 100_000_000, 40.0) is None  # said once
