@@ -20,7 +20,7 @@ import trio
 from fastapi import FastAPI
 from meshnode_packaging.errors import PackageError
 from meshnode_packaging.manifest import Part
-from meshnode_packaging.refs import open_ref, pin_ref
+from meshnode_packaging.refs import open_ref, pin_ref, pinned_ref
 from meshnode_packaging.sources import ModelSource, SourceError
 
 from meshnode.engine.backend import BackendError, select_backend
@@ -75,7 +75,8 @@ async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentit
             cache_dir=config.cache_dir,
             pin=pin,
         )
-        frontend = HostFrontend(service, config.model, config.cache_dir)
+        # The layer-skip drafter opens the host's layers again: at the same commit.
+        frontend = HostFrontend(service, pinned_ref(config.model, pin), config.cache_dir)
         host = MeshHost(settings, source, frontend, backend)
 
     def app_factory(node: Node) -> FastAPI:

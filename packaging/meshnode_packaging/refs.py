@@ -159,6 +159,15 @@ def pin_ref(ref: str | ModelRef, *, cache_dir: Path | None = None) -> str:
     return hashlib.sha256((folder / MANIFEST_NAME).read_bytes()).hexdigest()
 
 
+def pinned_ref(ref: str, pin: str) -> str:
+    """``ref`` with its hub revision replaced by the commit ``pin`` (other refs unchanged)."""
+    target = resolve(ref)
+    if not pin or not isinstance(target, RemotePackage) or target.repo is None:
+        return ref
+    tail = f"/{target.file}" if target.file else f":{target.quant}" if target.quant else ""
+    return f"hf://{target.repo}@{pin}{tail}"
+
+
 def open_ref(
     ref: str | Path | ModelRef,
     part: Part | None = None,

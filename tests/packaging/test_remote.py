@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from meshnode_packaging.errors import Cancelled, MissingPart, NotFound, RefError, Unauthorized
-from meshnode_packaging.hub import token_for
+from meshnode_packaging.hub import listing, token_for
 from meshnode_packaging.manifest import Part
 from meshnode_packaging.ranged import RangeLimits
-from meshnode_packaging.refs import RemotePackage, open_ref, pin_ref, resolve
+from meshnode_packaging.refs import RemotePackage, open_ref, pin_ref, pinned_ref, resolve
 from meshnode_packaging.remote import open_hub
 from meshnode_packaging.sources import GGUFSource, HFFolderSource, ModelSource
 from meshnode_packaging.testing import Fault, LocalHub, Request
@@ -281,3 +281,31 @@ def test_package_write_reads_a_hub_repo(lhub: LocalHub, st_repo: Path, tmp_path:
     manifest = json.loads((out / "model-package.json").read_text())
     assert manifest["model"]["source"]["repo"] == "org/st"
     assert manifest["model"]["source"]["revision"] == commit
+
+
+def test_pinned_ref_keeps_the_choice_of_file() -> None:
+    sha = "a" * 40
+    assert pinned_ref("hf://org/m@main:Q4_K_M", sha) == f"hf://org/m@{sha}:Q4_K_M"
+    assert pinned_ref("hf://org/m/d/x.gguf", sha) == f"hf://org/m@{sha}/d/x.gguf"
+    assert pinned_ref("hf://org/m", "") == "hf://org/m"
+    assert pinned_ref("smollm2-135m", sha) == "smollm2-135m"
+
+
+def test_a_whole_weight_file_is_checked_against_the_hub_sha256(
+    lhub: LocalHub, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    from meshnode_packaging.errors import ChecksumMismatch
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copyfile(tiny_gguf, repo / "t.gguf")
+    commit = lhub.add_repo("org/t", repo)
+    cache = tmp_path / "c"
+    listing("org/t", commit, cache)  # the hub's sha256 of the file as it was
+    data = bytearray((repo / "t.gguf").read_bytes())
+    data[-1] ^= 1  # the server now serves bytes that disagree with the listed sha256
+    (repo / "t.gguf").write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatch, match="sha256"):
+        open_ref("hf://org/t", None, cache_dir=cache, pin=commit)
+    ranges = next(cache.rglob("t.gguf.ranges.json"))
+    assert json.loads(ranges.read_text())["done"] == []  # nothing of it is trusted any more
