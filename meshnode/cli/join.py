@@ -26,7 +26,7 @@ from meshnode_packaging.sources import ModelSource, SourceError
 from meshnode.engine.backend import BackendError, select_backend
 from meshnode.errors import ConfigError
 from meshnode.net.identity import JoinToken, NodeIdentity
-from meshnode.node import daemon
+from meshnode.node import process
 from meshnode.node.config import NodeConfig
 from meshnode.node.coordinator import CoordinatorSettings
 from meshnode.node.daemon import Node
@@ -98,4 +98,4 @@ def run(config: NodeConfig) -> int:
         select_backend(config.device, config.weights_dtype)
     except BackendError as exc:
         raise ConfigError(str(exc)) from exc
-    return daemon.run(config, build_node)
+    return process.run(config, build_node)

@@ -271,7 +271,7 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Show this node, its mesh and its peers; exit 1 when no daemon answers."""
-    from meshnode.node.daemon import read_node_file
+    from meshnode.node.process import read_node_file
 
     try:
         address = _address(api)

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from meshnode.node.daemon import read_node_file
+from meshnode.node.process import read_node_file
 
 # Short timeouts so that membership changes play out in seconds, not minutes.
 HEARTBEAT_ENV = {

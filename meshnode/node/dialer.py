@@ -1,0 +1,170 @@
+"""The dialer: which addresses are worth dialing, and redialing them with capped backoff.
+
+Targets come from static ``--peer`` addresses, mDNS adverts and the peer lists of
+``Hello``. The dialer connects to every target whose node it holds no session with and hands
+the TLS stream to the sessions (:meth:`meshnode.node.sessions.Sessions.run_session`). A
+failed dial backs off, doubling from the heartbeat interval up to ``MAX_DIAL_BACKOFF_S``;
+learned targets that keep failing are dropped, static ones never are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+from meshnode_protocol import PROTOCOL_VERSION, PeerInfo
+
+from meshnode.net.discovery import Discovered, DiscoveryEvent, Vanished
+from meshnode.net.identity import NodeId
+from meshnode.net.stream import TRANSPORT_ERRORS
+from meshnode.node.config import Address, ConfigError
+
+log = logging.getLogger("meshnode.node")
+
+DIAL_TIMEOUT_S = 5.0
+# Redial backoff doubles from the heartbeat interval up to this cap.
+MAX_DIAL_BACKOFF_S = 5.0
+# Learned (non-static) targets that keep failing are dropped; static ones never are.
+MAX_LEARNED_FAILURES = 5
+# How often ``connect`` looks again while it waits for a session to come up.
+CONNECT_POLL_S = 0.1
+
+
+@dataclass(eq=False)
+class DialTarget:
+    """An address worth dialing, and what we learned from dialing it."""
+
+    address: Address
+    static: bool
+    node_id: NodeId | None = None
+    failures: int = 0
+    next_attempt_s: float = 0.0
+    in_flight: bool = False
+
+
+RunSession = Callable[[trio.SSLStream[trio.SocketStream], DialTarget], Awaitable[bool]]
+"""Runs a session over a dialed stream; True if it got past Hello."""
+
+
+class Dialer:
+    """The dial targets of one node and the task that dials them (module docstring)."""
+
+    def __init__(
+        self,
+        node_id: NodeId,
+        static: tuple[Address, ...],
+        *,
+        interval_s: float,
+        client_context: ssl.SSLContext,
+        run_session: RunSession,
+        connected: Callable[[NodeId], bool],
+    ) -> None:
+        self.node_id = node_id
+        self.targets: dict[Address, DialTarget] = {a: DialTarget(a, static=True) for a in static}
+        self.listen: Address | None = None  # our own address, never dialed
+        self._interval_s = interval_s
+        self._client_ctx = client_context
+        self._run_session = run_session
+        self._connected = connected
+        self._wake = trio.Event()
+
+    # -- targets --------------------------------------------------------------------------
+
+    def learn(self, address: Address, node_id: NodeId | None) -> None:
+        """Add ``address`` as a target (or name its node); our own address is ignored."""
+        if node_id == self.node_id or address == self.listen:
+            return
+        target = self.targets.get(address)
+        if target is None:
+            self.targets[address] = DialTarget(address, static=False, node_id=node_id)
+            self._wake.set()
+        elif target.node_id is None:
+            target.node_id = node_id
+
+    def learn_text(self, address: str, node_id: NodeId) -> None:
+        """:meth:`learn` an address a peer told us; an unparsable one is ignored."""
+        with contextlib.suppress(ConfigError):
+            self.learn(Address.parse(address), node_id)
+
+    def forget(self, node_id: NodeId) -> None:
+        """Drop the learned targets of a node that left (unless a dial is under way)."""
+        for address, target in list(self.targets.items()):
+            if target.node_id == node_id and not target.static and not target.in_flight:
+                del self.targets[address]
+
+    async def consume_discovery(self, receive: trio.MemoryReceiveChannel[DiscoveryEvent]) -> None:
+        """Learn from mDNS adverts and forget vanished nodes, until the channel closes."""
+        async for event in receive:
+            if isinstance(event, Discovered):
+                if event.protocol_version != PROTOCOL_VERSION:
+                    log.warning("ignoring %s: protocol %d", event.node_id, event.protocol_version)
+                    continue
+                self.learn(Address(event.host, event.port), NodeId(event.node_id))
+            elif isinstance(event, Vanished):
+                self.forget(NodeId(event.node_id))
+
+    async def connect(
+        self, info: PeerInfo, timeout_s: float, changed: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Dial ``info`` now unless connected, until connected; ``changed`` waits for news.
+
+        Raises ``trio.TooSlowError`` when no session comes up within ``timeout_s``.
+        """
+        node_id = NodeId(info.node_id)
+        with trio.fail_after(timeout_s):
+            while not self._connected(node_id):
+                self.learn_text(info.address, node_id)
+                target = next((t for t in self.targets.values() if t.node_id == node_id), None)
+                if target is not None and not target.in_flight:
+                    target.next_attempt_s = 0.0
+                    self._wake.set()
+                with trio.move_on_after(CONNECT_POLL_S):
+                    await changed()
+
+    # -- dialing --------------------------------------------------------------------------
+
+    async def run(self, nursery: trio.Nursery) -> None:
+        """Dial every due target (in ``nursery``), every interval or when woken."""
+        while True:
+            now = trio.current_time()
+            for target in list(self.targets.values()):
+                if self._should_dial(target, now):
+                    target.in_flight = True
+                    nursery.start_soon(self._dial, target)
+            self._wake = trio.Event()
+            with trio.move_on_after(self._interval_s):
+                await self._wake.wait()
+
+    def _should_dial(self, target: DialTarget, now: float) -> bool:
+        if target.in_flight or now < target.next_attempt_s:
+            return False
+        if target.node_id is not None and (
+            target.node_id == self.node_id or self._connected(target.node_id)
+        ):
+            return False
+        return target.address != self.listen
+
+    async def _dial(self, target: DialTarget) -> None:
+        address = target.address
+        ok = False
+        try:
+            with trio.fail_after(DIAL_TIMEOUT_S):
+                tcp = await trio.open_tcp_stream(address.host, address.port)
+            stream = trio.SSLStream(tcp, self._client_ctx)
+            ok = await self._run_session(stream, target)
+        except (trio.TooSlowError, *TRANSPORT_ERRORS) as exc:
+            log.debug("dial %s failed: %r", address, exc)
+        finally:
+            target.in_flight = False
+            self._after_dial(target, ok)
+
+    def _after_dial(self, target: DialTarget, ok: bool) -> None:
+        target.failures = 0 if ok else target.failures + 1
+        backoff = min(MAX_DIAL_BACKOFF_S, self._interval_s * 2 ** min(target.failures, 10))
+        target.next_attempt_s = trio.current_time() + backoff
+        if not target.static and target.failures >= MAX_LEARNED_FAILURES:
+            self.targets.pop(target.address, None)
