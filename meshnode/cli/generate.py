@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, TextIO, cast
 
 import typer
@@ -18,7 +18,7 @@ from meshnode.cli import app
 from meshnode.engine.backend import BackendError, Device, limit_cpu_threads, select_backend
 from meshnode.engine.generate import GenerationResult, TextDelta, generate
 from meshnode.engine.loader import LoadedModel, ModelLoadError, load_model
-from meshnode.engine.sampling import SamplingParams
+from meshnode.engine.sampling import GREEDY, SamplingParams
 from meshnode.engine.tokenizer import TemplateError
 
 __all__ = ["EXIT_BAD_INPUT", "GenerateConfig", "run"]
@@ -33,7 +33,7 @@ class GenerateConfig:
     prompt: str
     model: str | None = None
     max_tokens: int = 256
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingParams = GREEDY
     raw: bool = False
     json: bool = False
     device: Device = "auto"

@@ -3,30 +3,38 @@
 The order follows vLLM's sampler: penalties on the raw logits, then temperature, then
 top-k, top-p and min-p truncation on the resulting distribution. Temperature 0 is greedy.
 All of it runs on the host in float64 (one ``[V]`` row per step is cheap to copy).
+
+:class:`SamplingParams` is the one record of a request's sampling settings: the API builds
+it from the request body (its fields and defaults are generated from this record), the
+wire carries it as ``meshnode_protocol.Sampling`` (converted field by field, generically),
+and the last stage samples with it. Its defaults are OpenAI's (temperature 1), which are
+also what the wire schema means by an omitted field; :data:`GREEDY` is temperature 0.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Sampler", "SamplingParams", "logits_to_probs"]
+__all__ = ["GREEDY", "Sampler", "SamplingParams", "logits_to_probs"]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. Neutral values switch a knob off.
 
-    ``temperature`` 0 means greedy; ``top_k`` 0 keeps every token; ``top_p`` 1 and
-    ``min_p`` 0 keep every token; ``repetition_penalty`` 1 and the OpenAI-style
-    ``presence_penalty``/``frequency_penalty`` 0 leave the logits alone.
+    ``temperature`` 0 means greedy (1, the default, samples from the model's distribution
+    as is); ``top_k`` 0 keeps every token; ``top_p`` 1 and ``min_p`` 0 keep every token;
+    ``repetition_penalty`` 1 and the OpenAI-style ``presence_penalty``/``frequency_penalty``
+    0 leave the logits alone. Integers given for float fields are stored as floats.
+    Raises ValueError for a value outside a knob's range.
     """
 
-    temperature: float = 0.0
+    temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
@@ -36,6 +44,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if spec.type == "float" and isinstance(value, int):
+                object.__setattr__(self, spec.name, float(value))
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if self.top_k < 0:
@@ -60,6 +72,10 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+#: Always the most likely token (after penalties): what ``meshnode generate`` does by default.
+GREEDY = SamplingParams(temperature=0.0)
 
 
 def apply_penalties(

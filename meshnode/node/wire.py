@@ -17,7 +17,7 @@ Two things keep a decode frame small and allocation-free:
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Final
 
 import numpy as np
@@ -32,30 +32,17 @@ lacks; it is accepted on the wire by the codec but not offered by this implement
 
 
 def sampling_to_wire(params: SamplingParams) -> Sampling:
-    return Sampling(
-        temperature=float(params.temperature),
-        top_k=int(params.top_k),
-        top_p=float(params.top_p),
-        min_p=float(params.min_p),
-        seed=params.seed,
-        repetition_penalty=float(params.repetition_penalty),
-        presence_penalty=float(params.presence_penalty),
-        frequency_penalty=float(params.frequency_penalty),
-    )
+    """The wire record of ``params``: the same fields, copied by name."""
+    return Sampling(**{spec.name: getattr(params, spec.name) for spec in fields(Sampling)})
 
 
-def sampling_from_wire(sampling: Sampling | None) -> SamplingParams:
-    if sampling is None:
-        return SamplingParams(temperature=0.0)
+def sampling_from_wire(sampling: Sampling) -> SamplingParams:
+    """The sampling record a wire ``Sampling`` carries (the inverse of :func:`sampling_to_wire`).
+
+    Raises ValueError for a value outside a knob's range.
+    """
     return SamplingParams(
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        min_p=sampling.min_p,
-        seed=sampling.seed,
-        repetition_penalty=sampling.repetition_penalty,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
+        **{spec.name: getattr(sampling, spec.name) for spec in fields(SamplingParams)}
     )
 
 

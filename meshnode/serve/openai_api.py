@@ -34,7 +34,7 @@ from meshnode.serve.errors import (
 )
 from meshnode.serve.generation import Delta, GenerationRun
 from meshnode.serve.metrics import PROMETHEUS_CONTENT_TYPE
-from meshnode.serve.service import SamplingRequest, ServeService
+from meshnode.serve.service import GenerationRequest, ServeService
 
 log = logging.getLogger(__name__)
 
@@ -100,29 +100,15 @@ def openai_router(service: ServeService) -> APIRouter:
 # -- request translation ------------------------------------------------------------------
 
 
-def _common_sampling(body: s.ChatCompletionRequest | s.CompletionRequest) -> dict[str, Any]:
-    return {
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": body.top_k,
-        "min_p": body.min_p,
-        "seed": body.seed,
-        "presence_penalty": body.presence_penalty,
-        "frequency_penalty": body.frequency_penalty,
-        "repetition_penalty": body.repetition_penalty,
-        "stop": tuple(body.stop_list()),
-    }
-
-
-def _chat_sampling(body: s.ChatCompletionRequest) -> SamplingRequest:
-    return SamplingRequest(
-        max_tokens=body.token_limit(), top_logprobs=body.logprob_count(), **_common_sampling(body)
+def _chat_sampling(body: s.ChatCompletionRequest) -> GenerationRequest:
+    return GenerationRequest(
+        body.sampling(), body.token_limit(), tuple(body.stop_list()), body.logprob_count()
     )
 
 
-def _text_sampling(body: s.CompletionRequest) -> SamplingRequest:
-    return SamplingRequest(
-        max_tokens=body.max_tokens, top_logprobs=body.logprobs, **_common_sampling(body)
+def _text_sampling(body: s.CompletionRequest) -> GenerationRequest:
+    return GenerationRequest(
+        body.sampling(), body.max_tokens, tuple(body.stop_list()), body.logprobs
     )
 
 

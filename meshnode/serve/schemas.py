@@ -10,10 +10,22 @@ our extension (speculation telemetry), which the official clients keep as an ext
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import dataclasses
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from annotated_types import BaseMetadata, Ge, Gt, Le
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    create_model,
+)
 
+from meshnode.engine.sampling import SamplingParams
 from meshnode.serve.errors import BadRequestError
 
 #: OpenAI caps ``stop`` at four sequences; each one is scanned at every committed token.
@@ -23,9 +35,6 @@ MAX_TOP_LOGPROBS = 20
 #: OpenAI's limit for ``logprobs`` on (legacy) completions.
 MAX_COMPLETION_LOGPROBS = 5
 
-Temperature = Annotated[StrictFloat, Field(ge=0.0, le=2.0)]
-Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
-Probability = Annotated[StrictFloat, Field(gt=0.0, le=1.0)]
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 
 
@@ -33,6 +42,46 @@ class _Strict(BaseModel):
     # Unknown keys are an error. Scalars use the Strict* types instead of strict=True on
     # the model, because strict mode would also refuse plain dicts for nested models.
     model_config = ConfigDict(extra="forbid")
+
+
+# -- the sampling fields, generated from the one sampling record -----------------------------
+
+#: The API type of each type a field of :class:`SamplingParams` has.
+_API_TYPES: dict[str, Any] = {
+    "float": StrictFloat,
+    "int": StrictInt,
+    "int | None": StrictInt | None,
+}
+#: The ranges the API checks with a 400 before the record would raise: the record's own
+#: (a top_p of 0 keeps nothing, a temperature or top_k below 0 means nothing), and OpenAI's
+#: documented limits for its own knobs (temperature up to 2, penalties within ±2).
+_API_RANGES: dict[str, tuple[BaseMetadata, ...]] = {
+    "temperature": (Ge(0.0), Le(2.0)),
+    "top_p": (Gt(0.0), Le(1.0)),
+    "top_k": (Ge(0),),
+    "min_p": (Ge(0.0), Le(1.0)),
+    "repetition_penalty": (Gt(0.0),),
+    "presence_penalty": (Ge(-2.0), Le(2.0)),
+    "frequency_penalty": (Ge(-2.0), Le(2.0)),
+}
+#: Names of the sampling fields every completion endpoint accepts.
+SAMPLING_FIELDS = frozenset(spec.name for spec in dataclasses.fields(SamplingParams))
+
+
+def _sampling_field(spec: dataclasses.Field[Any]) -> tuple[Any, Any]:
+    kind = _API_TYPES[str(spec.type)]
+    ranges = _API_RANGES.get(spec.name, ())
+    return (Annotated[(kind, *ranges)] if ranges else kind), spec.default
+
+
+if TYPE_CHECKING:
+    _SamplingKnobs = _Strict  # the fields below are generated, so unknown to mypy
+else:
+    _SamplingKnobs = create_model(
+        "_SamplingKnobs",
+        __base__=_Strict,
+        **{spec.name: _sampling_field(spec) for spec in dataclasses.fields(SamplingParams)},
+    )
 
 
 class StreamOptions(_Strict):
@@ -58,25 +107,22 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class _SamplingFields(_Strict):
-    """Parameters shared by both endpoints."""
+class _SamplingFields(_SamplingKnobs):
+    """Parameters shared by both endpoints: the sampling record's fields (OpenAI's, plus
+    ``top_k``, ``min_p`` and ``repetition_penalty`` as llama.cpp and vLLM accept them)
+    and these."""
 
     model: StrictStr
     max_tokens: PositiveInt | None = None
-    temperature: Temperature = 1.0
-    top_p: Probability = 1.0
-    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Extensions that llama.cpp and vLLM accept under these names.
-    top_k: Annotated[StrictInt, Field(ge=0)] = 0
-    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0)] = 1.0
+
+    def sampling(self) -> SamplingParams:
+        """The request's sampling record (the one place a request becomes one)."""
+        return SamplingParams(**self.model_dump(include=set(SAMPLING_FIELDS)))
 
     def stop_list(self) -> list[str]:
         """``stop`` as a list without empty strings; raises BadRequestError if too many."""

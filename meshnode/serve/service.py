@@ -66,18 +66,12 @@ class TextCodec(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingRequest:
-    """The sampling and stopping fields of a request, endpoint-independent."""
+class GenerationRequest:
+    """What a request asks of generation, endpoint-independent: its sampling record, its
+    token budget (``None``: what the context leaves), stop strings and logprobs."""
 
-    max_tokens: int | None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    sampling: SamplingParams
+    max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     top_logprobs: int | None = None
 
@@ -190,7 +184,7 @@ class ServeService:
             raise BadRequestError("The prompt is empty.", param="prompt")
         return ids
 
-    def start(self, prompt: list[int], request: SamplingRequest) -> GenerationRun:
+    def start(self, prompt: list[int], request: GenerationRequest) -> GenerationRun:
         """A run for ``prompt``, with the budget clamped to the context.
 
         Raises ServiceUnavailableError (loading or saturated) and ContextLengthError.
@@ -202,7 +196,7 @@ class ServeService:
             raise ContextLengthError(len(prompt), self.context_size)
         params = GenerationParams(
             max_new_tokens=min(request.max_tokens or room, room),
-            sampling=_sampling_params(request),
+            sampling=request.sampling,
             stop=request.stop,
             eos_token_ids=self.eos_token_ids,
             top_logprobs=request.top_logprobs,
@@ -257,17 +251,5 @@ class ServeService:
         self.metrics.observe_speculation(run.strategy, run.spec, self.spec_total)
 
 
-def _sampling_params(request: SamplingRequest) -> SamplingParams:
-    return SamplingParams(
-        temperature=request.temperature,
-        top_k=request.top_k,
-        top_p=request.top_p,
-        min_p=request.min_p,
-        seed=request.seed,
-        repetition_penalty=request.repetition_penalty,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-    )
 
-
-__all__ = ["PipelineError", "SamplingRequest", "ServeService", "TextCodec"]
+__all__ = ["GenerationRequest", "PipelineError", "ServeService", "TextCodec"]

@@ -66,7 +66,10 @@ def test_truncation_never_emits_an_excluded_token(
     if top_k:
         allowed &= {int(i) for i in order[:top_k]}
     cum = np.cumsum(base[order])
-    allowed &= {int(i) for i, c, p in zip(order, cum, base[order], strict=True) if c - p < top_p}
+    if top_p < 1.0:  # top_p 1 keeps every token, even where the cumulative sum rounds to 1
+        allowed &= {
+            int(i) for i, c, p in zip(order, cum, base[order], strict=True) if c - p < top_p
+        }
     allowed &= {i for i in range(V) if base[i] >= min_p * base.max()}
     assert {int(i) for i in np.flatnonzero(probs)} == allowed
     assert set(_draws(params, 50)) <= allowed
@@ -74,12 +77,13 @@ def test_truncation_never_emits_an_excluded_token(
 
 def test_penalties() -> None:
     logits = np.array([2.0, -2.0, 1.0, 0.5])
-    rep = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), [0, 1])
+    rep = apply_penalties(logits, SamplingParams(temperature=0.0, repetition_penalty=2.0), [0, 1])
     np.testing.assert_allclose(rep, [1.0, -4.0, 1.0, 0.5])
-    pf = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    pf = SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25)
     np.testing.assert_allclose(apply_penalties(logits, pf, [2, 2, 3]), [2.0, -2.0, 0.0, -0.25])
     # A penalty changes the greedy pick away from a repeated token.
-    assert Sampler(SamplingParams(repetition_penalty=10.0)).sample(logits, [0]) == 2
+    repeat = SamplingParams(temperature=0.0, repetition_penalty=10.0)
+    assert Sampler(repeat).sample(logits, [0]) == 2
 
 
 def test_invalid_params_are_rejected() -> None:
@@ -111,13 +115,13 @@ def test_generate_seeded_reproduces_and_streams_the_whole_text(tiny: LoadedModel
 
 
 def test_generate_stops_on_eos_and_on_stop_strings(tiny: LoadedModel) -> None:
-    _, greedy = _run(tiny, params=SamplingParams(), max_tokens=10)
+    _, greedy = _run(tiny, params=SamplingParams(temperature=0.0), max_tokens=10)
     first = greedy.token_ids[0]
-    _, eos = _run(tiny, params=SamplingParams(), max_tokens=10, eos_ids=[first])
+    _, eos = _run(tiny, params=SamplingParams(temperature=0.0), max_tokens=10, eos_ids=[first])
     assert eos.token_ids == []
     assert eos.finish_reason == "stop"
     stop = greedy.text[2:4]
-    deltas, cut = _run(tiny, params=SamplingParams(), max_tokens=10, stop=[stop])
+    deltas, cut = _run(tiny, params=SamplingParams(temperature=0.0), max_tokens=10, stop=[stop])
     assert cut.finish_reason == "stop"
     assert cut.text == greedy.text[: greedy.text.find(stop)]
     assert "".join(d.text for d in deltas) == cut.text

@@ -45,7 +45,10 @@ class TableDetokenizer:
 
 def state(max_new: int = 100, stop: tuple[str, ...] = ()) -> GenerationState:
     params = GenerationParams(
-        max_new_tokens=max_new, sampling=SamplingParams(), stop=stop, eos_token_ids=frozenset({EOS})
+        max_new_tokens=max_new,
+        sampling=SamplingParams(temperature=0.0),
+        stop=stop,
+        eos_token_ids=frozenset({EOS}),
     )
     return GenerationState(params, TableDetokenizer())
 

@@ -137,9 +137,9 @@ def test_chi_square_detects_a_wrong_law() -> None:
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(),
-        SamplingParams(repetition_penalty=1.3),
-        SamplingParams(presence_penalty=0.5, frequency_penalty=0.2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.2),
     ],
 )
 def test_greedy_targets_pick_what_a_plain_greedy_step_would(params: SamplingParams) -> None:

@@ -76,6 +76,6 @@ def test_sampled_drafts_carry_their_distribution(draft: Stage) -> None:
 
 
 def test_proposal_respects_capacity(draft: Stage) -> None:
-    proposer = StageProposer(draft, SamplingParams(), capacity=8)
+    proposer = StageProposer(draft, SamplingParams(temperature=0.0), capacity=8)
     assert len(proposer.propose([1, 2, 3, 4, 5], 6).tokens) == 3
     assert proposer.propose([1, 2, 3, 4, 5, 6, 7, 8], 2).tokens == ()

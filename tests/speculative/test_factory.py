@@ -25,19 +25,20 @@ from meshnode.speculative.settings import SpeculativeFlags, resolve_speculative
 def test_each_strategy_builds_its_proposer(strategy: str, kind: type, draft: Stage) -> None:
     flags = SpeculativeFlags(strategy=strategy, draft_model="d", ngram_max=5)
     settings = resolve_speculative(flags, {}, "m", None)
-    proposer = build_proposer(settings, SamplingParams(), capacity=64, draft_stage=draft)
+    greedy = SamplingParams(temperature=0.0)
+    proposer = build_proposer(settings, greedy, capacity=64, draft_stage=draft)
     assert isinstance(proposer, kind)
     if isinstance(proposer, NgramProposer):
         assert proposer.params.max_n == 5
     # Fresh state per request.
     assert (
-        build_proposer(settings, SamplingParams(), capacity=64, draft_stage=draft) is not proposer
+        build_proposer(settings, greedy, capacity=64, draft_stage=draft) is not proposer
     )
 
 
 def test_off_builds_nothing_and_drafts_need_a_stage() -> None:
     off = resolve_speculative(SpeculativeFlags(strategy="off"), {}, "m", None)
-    assert build_proposer(off, SamplingParams(), capacity=64) is None
+    assert build_proposer(off, SamplingParams(temperature=0.0), capacity=64) is None
     skip = resolve_speculative(SpeculativeFlags(strategy="layer-skip"), {}, "m", None)
     with pytest.raises(ValueError, match="needs a loaded draft stage"):
-        build_proposer(skip, SamplingParams(), capacity=64)
+        build_proposer(skip, SamplingParams(temperature=0.0), capacity=64)

@@ -23,7 +23,7 @@ from tests.speculative.chisq import assert_fits
 from tests.speculative.conftest import tiny_stage
 from tests.speculative.tinymodel import TinySource, tiny_config
 
-GREEDY = SamplingParams()
+GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [
     [5, 9, 13, 7, 5, 9],
     [3, 30, 17, 30, 4, 12, 40, 41, 42, 3, 30, 17],
@@ -81,7 +81,9 @@ def test_greedy_parity(kind: str, window: str, target: Stage, draft: Stage) -> N
 
 def test_greedy_parity_with_penalties(target: Stage, draft: Stage) -> None:
     """Each verify row is penalised with its own context, as a plain step would be."""
-    params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2)
+    params = SamplingParams(
+        temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2
+    )
     for prompt in PROMPTS:
         expected = plain_generate(target, prompt, params, MAX_NEW, Sampler(params))
         for proposer in (NgramProposer(), StageProposer(draft, params, capacity=128)):

@@ -20,7 +20,7 @@ from tests.speculative.tinymodel import TinySource, tiny_config
 
 pytestmark = pytest.mark.real_model
 
-GREEDY = SamplingParams()
+GREEDY = SamplingParams(temperature=0.0)
 ADAPTIVE = WindowPolicy("adaptive", initial_window=3, min_window=1, max_window=6)
 FIXED = WindowPolicy("fixed", initial_window=4, min_window=1, max_window=4)
 
