@@ -101,7 +101,8 @@ class StepResult:
     ``tokens`` is ``accepted`` drafts followed by the target's own next token, empty for a
     non-final prefill chunk. ``logprobs`` parallels ``tokens`` when asked for.
     ``compute_s`` is the compute time summed over the stages, so that the driver can tell
-    compute from wire time.
+    compute from wire time; ``stage_compute_s`` splits it by stage, in order (empty where a
+    pipeline does not measure its stages one by one).
     """
 
     request_id: RequestId
@@ -109,6 +110,7 @@ class StepResult:
     tokens: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] | None = None
     compute_s: float = 0.0
+    stage_compute_s: tuple[float, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -113,10 +113,15 @@ class RemotePipeline:
             self._waiters.pop(wire_id, None)
         if waiter.result is None:
             raise PipelineError(waiter.error)
-        # The last stage reports its own compute; stage 0's is added here (a middle stage's
-        # is not carried on the wire, so it shows up as wire time in the host's metrics).
-        compute_s = waiter.result.compute_s + local_s
-        return dataclasses.replace(waiter.result, request_id=frame.request_id, compute_s=compute_s)
+        # The other stages report their compute (the last its own, the middle ones through
+        # the frame); stage 0's is measured here.
+        stages = (local_s, *waiter.result.stage_compute_s)
+        return dataclasses.replace(
+            waiter.result,
+            request_id=frame.request_id,
+            compute_s=sum(stages),
+            stage_compute_s=stages,
+        )
 
     def _wire_id(self, request_id: RequestId) -> RequestId:
         wire_id = self._wire_ids.get(request_id)

@@ -120,6 +120,7 @@ class StageRunner:
             tokens=tuple(result[1]),
             logprobs=result[2],
             compute_s=elapsed,
+            stage_compute_s=(elapsed,),
         )
 
     def release(self, request_id: RequestId) -> bool:

@@ -164,11 +164,13 @@ def frame_to_wire(
     term: int,
     wire_dtype: str,
     sequences: WireSequences | None = None,
+    stage_compute_us: tuple[int, ...] = (),
 ) -> ActivationFrame:
     """The frame as sent downstream, carrying ``hidden`` (this stage's output) as payload.
 
     With ``sequences`` the payload is staged in the sequence's reused buffer. Sampling
     travels only on the frame at ``start_pos == 0``, which creates the sequence downstream.
+    ``stage_compute_us`` are the compute times of the stages after the first so far.
     """
     draft_probs = None
     if frame.draft_probs is not None:
@@ -194,6 +196,7 @@ def frame_to_wire(
         final=frame.final,
         logprobs=frame.top_logprobs is not None,
         top_logprobs=frame.top_logprobs or 0,
+        stage_compute_us=stage_compute_us,
     )
 
 
@@ -224,7 +227,15 @@ def frame_from_wire(message: ActivationFrame, sequences: WireSequences) -> StepF
     )
 
 
-def result_to_wire(result: StepResult, *, run_id: str, term: int, start_pos: int) -> Prediction:
+def result_to_wire(
+    result: StepResult,
+    *,
+    run_id: str,
+    term: int,
+    start_pos: int,
+    stage_compute_us: tuple[int, ...] = (),
+) -> Prediction:
+    """The last stage's answer; ``stage_compute_us`` are the middle stages' compute times."""
     logprobs = None
     top: tuple[TopLogprobs, ...] = ()
     if result.logprobs is not None:
@@ -246,10 +257,12 @@ def result_to_wire(result: StepResult, *, run_id: str, term: int, start_pos: int
         logprobs=logprobs,
         top_logprobs=top,
         compute_us=int(result.compute_s * 1e6),
+        stage_compute_us=stage_compute_us,
     )
 
 
 def result_from_wire(message: Prediction) -> StepResult:
+    """The last stage's answer; ``stage_compute_s`` lists every stage after the first."""
     logprobs = None
     if message.logprobs is not None:
         tops = [tuple(zip(t.token_ids, t.logprobs, strict=True)) for t in message.top_logprobs]
@@ -265,4 +278,5 @@ def result_from_wire(message: Prediction) -> StepResult:
         tokens=message.tokens,
         logprobs=logprobs,
         compute_s=message.compute_us / 1e6,
+        stage_compute_s=tuple(us / 1e6 for us in (*message.stage_compute_us, message.compute_us)),
     )

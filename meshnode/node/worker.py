@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -455,7 +456,9 @@ class Worker:
             async with run.lock:
                 # Under the lock: the sequence's input buffer is reused frame after frame.
                 frame = frame_from_wire(message, run.wire)
+                began = time.perf_counter()
                 out = await trio.to_thread.run_sync(runner.process, frame)
+                compute_us = int((time.perf_counter() - began) * 1e6)
         except (PipelineError, ValueError) as exc:
             await self._send(
                 run.coordinator,
@@ -473,7 +476,11 @@ class Worker:
                 return  # a non-final prefill chunk: the host does not wait for it
             target = run.coordinator
             outgoing: Message = result_to_wire(
-                out, run_id=run.run_id, term=run.term, start_pos=frame.start_pos
+                out,
+                run_id=run.run_id,
+                term=run.term,
+                start_pos=frame.start_pos,
+                stage_compute_us=message.stage_compute_us,
             )
         elif run.downstream is not None:
             target = run.downstream
@@ -484,6 +491,7 @@ class Worker:
                 term=run.term,
                 wire_dtype=run.wire_dtype,
                 sequences=run.wire,
+                stage_compute_us=(*message.stage_compute_us, compute_us),
             )
         else:
             return

@@ -363,6 +363,9 @@ class ActivationFrame(Message):
     chunk of a chunked prefill). ``sampling`` may be omitted after a request's first frame.
     ``draft_probs`` are the proposer's probabilities: one per draft token, or (feature
     ``draft-distribution``) a ``[k, vocab]`` tensor of full distributions.
+    ``stage_compute_us`` is the compute time of each stage after the first that the frame
+    has passed through, in order (each middle stage appends its own), so that the host can
+    tell each stage's compute from wire time; empty on the frame stage 0 sends.
     """
 
     TYPE: ClassVar[int] = 30
@@ -380,6 +383,7 @@ class ActivationFrame(Message):
     final: bool = True
     logprobs: bool = False
     top_logprobs: UInt = 0
+    stage_compute_us: tuple[UInt, ...] = ()
 
     def _validate(self) -> None:
         if self.kind not in ACTIVATION_KINDS:
@@ -421,8 +425,9 @@ class Prediction(Message):
     drafts followed by the token sampled from the target (so ``accepted < len(tokens)``).
     ``logprobs``, when asked for, holds one log-probability per token, and
     ``top_logprobs`` (when the frame asked for ``top_logprobs > 0``) the alternatives at each
-    token's position. ``compute_us`` is the compute time summed over the stages, so the host
-    can tell compute from wire time.
+    token's position. ``compute_us`` is the last stage's compute time and
+    ``stage_compute_us`` that of each stage between the first and the last, in order (copied
+    from the frame), so the host can tell each stage's compute from wire time.
     """
 
     TYPE: ClassVar[int] = 31
@@ -435,6 +440,7 @@ class Prediction(Message):
     logprobs: tuple[float, ...] | None = None
     top_logprobs: tuple[TopLogprobs, ...] = ()
     compute_us: UInt = 0
+    stage_compute_us: tuple[UInt, ...] = ()
 
     def _validate(self) -> None:
         if not self.accepted < len(self.tokens):

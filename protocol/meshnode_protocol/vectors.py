@@ -197,6 +197,17 @@ EXAMPLES: Final[dict[str, Message]] = {
         payload=Tensor("bf16", (2, 2), bytes.fromhex("803f0040404080bf")),
         out_rows=2,
     ),
+    # A decode frame leaving stage 1 of three, carrying that stage's compute time.
+    "activation_decode_timed": ActivationFrame(
+        request_id="r0",
+        run_id=_RUN_ID,
+        term=_TERM,
+        kind="decode",
+        start_pos=9,
+        tokens=(42,),
+        payload=Tensor("f16", (1, 2), _f16(0.5, -1.0)),
+        stage_compute_us=(2100,),
+    ),
     "prediction": Prediction(
         request_id="req-1",
         run_id=_RUN_ID,
@@ -254,6 +265,17 @@ EXAMPLES: Final[dict[str, Message]] = {
     ),
     "heartbeat_extremes": Heartbeat(
         node_id="node-a", nonce=-(2**63), sent_ns=2**63 - 1, echo_nonce=0, echo_sent_ns=-1
+    ),
+    # The last of three stages: its own compute, and stage 1's copied from the frame.
+    "prediction_timed": Prediction(
+        request_id="r0",
+        run_id=_RUN_ID,
+        term=_TERM,
+        start_pos=9,
+        accepted=0,
+        tokens=(17,),
+        compute_us=1800,
+        stage_compute_us=(2100,),
     ),
     "release": Release(request_id="req-1", run_id=_RUN_ID, term=_TERM),
     "release_max_term": Release(request_id="req-1", run_id=_RUN_ID, term=2**64 - 1),

@@ -172,3 +172,46 @@ async def test_a_failed_prepare_replans_without_the_node(
     assert served[0].stage_nodes == (HOST, "good")
     assert mesh.workers["broken"].run is None  # stopped with the failed run
     assert tokens == greedy_reference(package)
+
+
+async def test_every_stage_reports_its_compute_time(
+    tmp_path: Path, hub_ref: tuple[str, Path]
+) -> None:
+    # Three stages: the middle one's compute reaches the host through the frame, so the
+    # console can show compute per stage and the wire time as what is left of a pass.
+    ref, package = hub_ref
+    mesh = InMemoryMesh(host_memory=1 << 34)
+    served: list[RemotePipeline] = []
+    serving = trio.Event()
+
+    def on_pipeline(pipeline: RemotePipeline | None) -> None:
+        if pipeline is not None:
+            served.append(pipeline)
+            serving.set()
+
+    async with trio.open_nursery() as nursery:
+        add_worker(mesh, "a", tmp_path / "a-cache", nursery)
+        add_worker(mesh, "b", tmp_path / "b-cache", nursery)
+        coordinator = Coordinator(
+            mesh,
+            CoordinatorSettings(model_ref=ref, context_size=CONTEXT, split=3),
+            source=open_ref(package),
+            backend=cpu_backend(),
+            on_pipeline=on_pipeline,
+        )
+        mesh.coordinator = coordinator
+        nursery.start_soon(coordinator.run)
+        with trio.fail_after(BRING_UP_TIMEOUT_S):
+            await serving.wait()
+        pipeline = served[0]
+        request = RequestId("req-1")
+        result = await pipeline.run(StepFrame(request, FrameKind.PREFILL, 0, PROMPT, GREEDY))
+        frame = StepFrame(request, FrameKind.DECODE, len(PROMPT), result.tokens, GREEDY)
+        decoded = await pipeline.run(frame)
+        await pipeline.release(request)
+        nursery.cancel_scope.cancel()
+    assert pipeline.stage_nodes == (HOST, "a", "b")
+    for step in (result, decoded):
+        assert len(step.stage_compute_s) == 3
+        assert all(seconds > 0 for seconds in step.stage_compute_s)
+        assert step.compute_s == pytest.approx(sum(step.stage_compute_s))

@@ -184,9 +184,21 @@ def test_results_round_trip_with_logprobs() -> None:
             TokenLogprob(6, -0.5, ((6, -0.5), (1, -1.5))),
         ),
         compute_s=0.012,
+        stage_compute_s=(0.012,),
     )
     message = result_to_wire(result, **RUN, start_pos=10)
     assert result_from_wire(message) == result
+
+
+def test_middle_stages_compute_travels_to_the_host() -> None:
+    # Stage 1 of three appends its compute to the frame; the last stage copies the list
+    # into its Prediction, after which come its own figures (stage 0 is the host's own).
+    frame = StepFrame(REQUEST, FrameKind.DECODE, 4, (7,), SamplingParams())
+    sent = frame_to_wire(frame, _hidden(1), **RUN, wire_dtype="f16", stage_compute_us=(3000,))
+    assert sent.stage_compute_us == (3000,)
+    result = StepResult(request_id=REQUEST, tokens=(8,), compute_s=0.012)
+    answer = result_to_wire(result, **RUN, start_pos=4, stage_compute_us=sent.stage_compute_us)
+    assert result_from_wire(answer).stage_compute_s == (0.003, 0.012)
 
 
 async def test_peer_stream_encodes_every_frame_into_one_buffer() -> None:
