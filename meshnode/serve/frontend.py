@@ -61,10 +61,11 @@ class HostFrontend:
         self.service.set_pipeline(pipeline)
 
     def status(self) -> dict[str, Any]:
-        """Model id, requests in flight and speculation, for the ``host`` status part."""
+        """Model id, requests in flight and waiting, and speculation, for the ``host`` part."""
         return {
             "model_id": self.service.model_id,
             "requests_in_flight": self.service.scheduler.in_flight,
+            "requests_waiting": self.service.scheduler.waiting,
             "speculation": self.service.speculation_status(),
         }
 

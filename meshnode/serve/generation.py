@@ -181,8 +181,9 @@ def prefill_chunks(prompt: Sequence[int], chunk_tokens: int) -> list[tuple[int, 
 # The async driver
 
 
-#: Called after each pipeline pass with (wall seconds of the pass, compute seconds in it).
-PassObserver = Callable[[float, float], None]
+#: Called after each pipeline pass with its wall seconds and its result (which carries the
+#: compute seconds, in all and by stage).
+PassObserver = Callable[[float, StepResult], None]
 
 
 #: Builds one request's proposer from its sampling parameters and the context size (which
@@ -261,7 +262,7 @@ async def generate(
     """Drive ``run`` to completion over ``pipeline``, yielding one :class:`Delta` per pass.
 
     The prompt must fit the context with room for one token (the caller checks).
-    ``on_pass(pass_s, compute_s)`` is called after every pipeline pass (for metrics).
+    ``on_pass(pass_s, result)`` is called after every pipeline pass (for metrics).
     Raises :class:`~meshnode.node.pipeline.PipelineError` if a pass fails. The sequence
     is released on every stage however the loop ends.
     """
@@ -296,7 +297,7 @@ async def _pass(
     run.timings.pass_s += elapsed
     run.timings.compute_s += result.compute_s
     if run.on_pass is not None:
-        run.on_pass(elapsed, result.compute_s)
+        run.on_pass(elapsed, result)
     if not result.tokens:
         return result, None
     delta = run.state.commit(result.tokens, result.logprobs)

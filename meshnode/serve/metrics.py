@@ -9,7 +9,7 @@ timings through the pipeline's return values), so no locking is needed.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from meshnode.speculative.telemetry import SpecStats
@@ -68,13 +68,16 @@ class Counter:
 
 @dataclass
 class Gauge:
-    """A value that goes up and down (no labels)."""
+    """A value that goes up and down (no labels); with ``read``, read when rendered."""
 
     name: str
     help: str
     value: float = 0.0
+    read: Callable[[], float] | None = None
 
     def render(self) -> Iterable[str]:
+        if self.read is not None:
+            self.value = self.read()
         yield f"# HELP {self.name} {self.help}"
         yield f"# TYPE {self.name} gauge"
         yield f"{self.name} {_format_value(self.value)}"
@@ -113,19 +116,28 @@ class Histogram:
 
 
 class ServeMetrics:
-    """Every metric the serving node exports under ``/metrics``."""
+    """Every metric the serving node exports under ``/metrics``.
 
-    def __init__(self) -> None:
+    ``waiting`` reads how many requests wait for a generation slot (the scheduler's count).
+    """
+
+    def __init__(self, waiting: Callable[[], int] = lambda: 0) -> None:
         self.requests = Counter(
             "meshnode_requests_total", "Finished API requests by endpoint and outcome."
         )
         self.prompt_tokens = Counter("meshnode_prompt_tokens_total", "Prompt tokens prefilled.")
         self.generation_tokens = Counter(
-            "meshnode_generation_tokens_total", "Completion tokens generated."
+            "meshnode_generation_tokens_total", "Completion tokens, counted as they come."
         )
         self.in_flight = Gauge("meshnode_requests_in_flight", "Requests being generated now.")
+        self.waiting = Gauge(
+            "meshnode_requests_waiting",
+            "Requests waiting for a generation slot.",
+            read=lambda: float(waiting()),
+        )
         self.ttft = Histogram(
-            "meshnode_time_to_first_token_seconds", "From admission to the first token."
+            "meshnode_time_to_first_token_seconds",
+            "From admission to the first token (observed when the first token comes).",
         )
         self.tpot = Histogram(
             "meshnode_time_per_output_token_seconds",
@@ -136,6 +148,10 @@ class ServeMetrics:
         )
         self.wire = Histogram(
             "meshnode_wire_seconds", "Time of one pipeline pass not spent computing."
+        )
+        self.stage_seconds = Counter(
+            "meshnode_stage_seconds_total",
+            "Compute seconds of each pipeline stage (by index, 0 on this node), all passes.",
         )
         self.spec_proposed = Counter(
             "meshnode_spec_proposed_tokens_total", "Draft tokens sent for verification."
@@ -180,7 +196,7 @@ class ServeMetrics:
     def _all(self) -> list[Counter | Gauge | Histogram]:
         return [
             self.requests, self.prompt_tokens, self.generation_tokens, self.in_flight,
-            self.ttft, self.tpot, self.stage_compute, self.wire,
+            self.waiting, self.ttft, self.tpot, self.stage_compute, self.wire, self.stage_seconds,
             self.spec_proposed, self.spec_accepted, self.spec_windows,
             self.spec_verify_seconds, self.spec_plain_steps, self.spec_requests,
             self.spec_accept_rate, self.spec_tokens_per_verify, self.spec_cost_per_token,

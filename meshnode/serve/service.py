@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from meshnode.engine.sampling import SamplingParams
-from meshnode.node.pipeline import Pipeline, PipelineError
+from meshnode.node.pipeline import Pipeline, PipelineError, StepResult
 from meshnode.serve.errors import (
     BadRequestError,
     ContextLengthError,
@@ -103,7 +103,7 @@ class ServeService:
         self.eos_token_ids = eos_token_ids
         self.pipeline = pipeline
         self.scheduler = Scheduler(limits)
-        self.metrics = ServeMetrics()
+        self.metrics = ServeMetrics(waiting=lambda: self.scheduler.waiting)
         self._speculation = speculation
         self.spec_host = spec_host
         self.spec_total = SpecStats()  # every finished request's counters, summed
@@ -216,6 +216,7 @@ class ServeService:
             pipeline = self._require_pipeline()
             self.metrics.in_flight.value += 1
             self.metrics.prompt_tokens.inc(len(run.prompt))
+            counted = 0  # tokens of this run already in the metrics: they count as they come
             try:
                 deltas = generate(
                     pipeline,
@@ -226,9 +227,11 @@ class ServeService:
                 )
                 async with aclosing(deltas):
                     async for delta in deltas:
+                        counted = self._observe_progress(run, counted)
                         yield delta
             finally:
                 self.metrics.in_flight.value -= 1
+                self._observe_progress(run, counted)
                 self._observe_run(run)
 
     async def complete(self, run: GenerationRun) -> list[Delta]:
@@ -236,15 +239,23 @@ class ServeService:
         async with aclosing(self.stream(run)) as deltas:
             return [delta async for delta in deltas]
 
-    def _observe_pass(self, pass_s: float, compute_s: float) -> None:
-        self.metrics.stage_compute.observe(compute_s)
-        self.metrics.wire.observe(max(0.0, pass_s - compute_s))
+    def _observe_pass(self, pass_s: float, result: StepResult) -> None:
+        self.metrics.stage_compute.observe(result.compute_s)
+        self.metrics.wire.observe(max(0.0, pass_s - result.compute_s))
+        for stage, seconds in enumerate(result.stage_compute_s or (result.compute_s,)):
+            self.metrics.stage_seconds.inc(seconds, stage=str(stage))
+
+    def _observe_progress(self, run: GenerationRun, counted: int) -> int:
+        """Count the run's new tokens, and its first-token time once it has one (live
+        figures for the console); returns the tokens counted so far."""
+        produced = len(run.state.tokens)
+        self.metrics.generation_tokens.inc(produced - counted)
+        if counted == 0 and produced > 0 and (ttft := run.timings.ttft_s) is not None:
+            self.metrics.ttft.observe(ttft)
+        return produced
 
     def _observe_run(self, run: GenerationRun) -> None:
         produced = len(run.state.tokens)
-        self.metrics.generation_tokens.inc(produced)
-        if (ttft := run.timings.ttft_s) is not None:
-            self.metrics.ttft.observe(ttft)
         if (tpot := run.timings.tpot_s(produced)) is not None:
             self.metrics.tpot.observe(tpot)
         self.spec_total = self.spec_total.merge(run.spec)
