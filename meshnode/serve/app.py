@@ -1,7 +1,8 @@
 """The node's HTTP API: an app factory and a hypercorn (trio worker) runner.
 
-Today the app serves ``GET /v1/mesh/status``; the OpenAI routes join the same app later, so
-the factory only takes callables that read the daemon's state, never the daemon itself.
+Every node's app serves ``GET /v1/mesh/status`` and the web console (``GET /``,
+:mod:`meshnode.serve.console`); the host adds the OpenAI routes. The factory only takes
+callables that read the daemon's state, never the daemon itself.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from meshnode.net.http import serve_api
+from meshnode.serve.console import mount_console
 
 __all__ = ["StatusSource", "create_app", "serve_api"]
 
@@ -26,4 +28,5 @@ def create_app(mesh_status: StatusSource) -> FastAPI:
     async def get_mesh_status() -> dict[str, Any]:
         return mesh_status()
 
+    mount_console(app)
     return app

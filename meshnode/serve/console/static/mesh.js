@@ -1,0 +1,193 @@
+// The mesh view: the nodes as a picture, each node's facts, the plan as a bar of layers
+// coloured by stage, preparation progress, and the run's story (state, last failure).
+
+import { stageColor } from "./charts.js";
+import { fill, fmtBytes, fmtDuration, h, s } from "./ui.js";
+
+const BOX = { w: 188, h: 58 };
+const ROW_H = 74; // vertical room per peer in the picture
+
+/** Everything the view needs, derived from one `/v1/mesh/status` body. */
+export function meshModel(status) {
+  const host = status.host || null;
+  const stages = host ? host.stages : [];
+  const stageOf = new Map(stages.map((st, i) => [st.node_id, i]));
+  const hostId = host ? status.node.node_id : status.run?.coordinator || null;
+  const self = {
+    node_id: status.node.node_id, address: status.node.listen, device: status.node.device,
+    usable_memory: status.node.usable_memory, state: "this node", rtt_ms: null, self: true,
+  };
+  const nodes = [self, ...status.peers];
+  const role = (id) => {
+    const parts = [];
+    if (id === hostId) parts.push("host");
+    if (stageOf.has(id)) parts.push(`stage ${stageOf.get(id)}`);
+    else if (!host && id === self.node_id && status.run) parts.push("stage");
+    return parts.join(" · ") || "idle";
+  };
+  return { host, stages, stageOf, hostId, nodes, role };
+}
+
+export function renderMesh(status) {
+  const model = meshModel(status);
+  fill("mesh-graph", graph(model));
+  fill("mesh-nodes", nodeTable(model));
+  fill("mesh-plan", planSection(status, model));
+  fill("mesh-story", story(status, model));
+}
+
+// -- the picture ------------------------------------------------------------------------
+
+function graph(model) {
+  const [self, ...peers] = model.nodes;
+  const height = Math.max(ROW_H, peers.length * ROW_H) + 16;
+  // Drawn at the container's own width, so that text keeps its size on any screen.
+  const width = Math.max(480, document.getElementById("mesh-graph").clientWidth || 640);
+  const selfPos = { x: 24, y: height / 2 - BOX.h / 2 };
+  const peerPos = peers.map((_, i) => ({ x: width - BOX.w - 24, y: 8 + i * ROW_H + (ROW_H - BOX.h) / 2 }));
+  const svg = s("svg", { viewBox: `0 0 ${width} ${height}`, width, height, role: "img",
+    "aria-label": "nodes of the mesh and their links" });
+  peers.forEach((peer, i) => svg.append(link(selfPos, peerPos[i], peer)));
+  svg.append(nodeBox(self, selfPos, model));
+  peers.forEach((peer, i) => svg.append(nodeBox(peer, peerPos[i], model)));
+  if (!peers.length) {
+    svg.append(s("text", { x: width / 2 + 60, y: height / 2, class: "muted",
+      "text-anchor": "middle", text: "no peers yet: start `meshnode join` on another machine" }));
+  }
+  return svg;
+}
+
+function link(a, b, peer) {
+  const x1 = a.x + BOX.w;
+  const y1 = a.y + BOX.h / 2;
+  const x2 = b.x;
+  const y2 = b.y + BOX.h / 2;
+  const label = peer.rtt_ms === null ? "rtt –" : `${peer.rtt_ms.toFixed(2)} ms`;
+  const cls = `link state-${peer.state}${peer.connected ? "" : " disconnected"}`;
+  const mx = (x1 + x2) / 2;
+  const my = (y1 + y2) / 2;
+  return s("g", { class: cls },
+    s("line", { x1, y1, x2, y2 }),
+    s("rect", { x: mx - 34, y: my - 10, width: 68, height: 20, rx: 10, class: "link-label-bg" }),
+    s("text", { x: mx, y: my + 4, "text-anchor": "middle", class: "link-label", text: label }));
+}
+
+function nodeBox(node, pos, model) {
+  const stage = model.stageOf.get(node.node_id);
+  const accent = stage === undefined ? "var(--border)" : stageColor(stage);
+  const facts = `${node.device} · ${fmtBytes(node.usable_memory)}`;
+  return s("g", { class: `node state-${node.state.replace(" ", "-")}`,
+    transform: `translate(${pos.x},${pos.y})`, "data-node-id": node.node_id },
+    s("title", { text: `${node.node_id} at ${node.address}` }),
+    s("rect", { width: BOX.w, height: BOX.h, rx: 8, class: "node-box" }),
+    s("rect", { width: 6, height: BOX.h, rx: 3, fill: accent }),
+    s("circle", { cx: BOX.w - 12, cy: 12, r: 4.5, class: "state-dot" }),
+    s("text", { x: 16, y: 20, class: "node-id", text: node.node_id }),
+    s("text", { x: 16, y: 36, class: "node-role", text: model.role(node.node_id) }),
+    s("text", { x: 16, y: 50, class: "node-facts", text: facts }));
+}
+
+// -- the table of nodes -------------------------------------------------------------------
+
+function nodeTable(model) {
+  const rows = model.nodes.map((node) => h("tr", { "data-node-id": node.node_id },
+    h("td", { class: "mono" }, node.node_id),
+    h("td", {}, model.role(node.node_id)),
+    h("td", { class: "mono" }, node.address),
+    h("td", {}, node.device),
+    h("td", { class: "num" }, fmtBytes(node.usable_memory)),
+    h("td", {}, h("span", { class: `pill state-${node.state.replace(" ", "-")}` }, node.state)),
+    h("td", { class: "num" }, node.rtt_ms === null ? "–" : `${node.rtt_ms.toFixed(2)} ms`)));
+  return h("table", { class: "grid" },
+    h("thead", {}, h("tr", {}, ...["node", "role", "address", "device", "memory offered",
+      "state", "rtt"].map((t) => h("th", {}, t)))),
+    h("tbody", {}, rows));
+}
+
+// -- the plan -----------------------------------------------------------------------------
+
+function planSection(status, model) {
+  if (!model.host) return workerPlan(status);
+  const stages = model.stages;
+  if (!stages.length) {
+    return h("p", { class: "muted" }, `No plan yet (${model.host.state}). ${model.host.error || ""}`);
+  }
+  const layers = stages[stages.length - 1].layers[1];
+  const bar = h("div", { class: "planbar", id: "plan-bar", "data-layers": layers },
+    stages.map((st, i) => h("div", {
+      class: "segment", "data-stage": i, "data-node-id": st.node_id,
+      "data-layers": `${st.layers[0]}-${st.layers[1]}`,
+      style: `flex-grow:${Math.max(st.layers[1] - st.layers[0], 0.5)};background:${stageColor(i)}`,
+      title: `stage ${i}: layers ${st.layers[0]}–${st.layers[1] - 1} on ${st.node_id}`,
+    }, `${st.layers[0]}–${st.layers[1] - 1}`)));
+  const legend = h("table", { class: "grid stages" },
+    h("thead", {}, h("tr", {}, ...["stage", "node", "layers", "parts", "memory", "state",
+      "preparation"].map((t) => h("th", {}, t)))),
+    h("tbody", {}, stages.map((st, i) => stageRow(st, i))));
+  const title = `${model.host.model_id} · ${layers} layers on ${stages.length} stage${stages.length > 1 ? "s" : ""}`;
+  return [h("div", { class: "plan-title" }, title), bar, legend];
+}
+
+function stageRow(st, i) {
+  const parts = [st.embed && "embed", st.head && "head"].filter(Boolean).join(" + ") || "–";
+  const count = st.layers[1] - st.layers[0];
+  return h("tr", { "data-stage": i },
+    h("td", {}, h("span", { class: "swatch", style: `background:${stageColor(i)}` }), ` ${i}`),
+    h("td", { class: "mono" }, st.node_id),
+    h("td", {}, `${st.layers[0]}–${st.layers[1] - 1} (${count})`),
+    h("td", {}, parts),
+    h("td", { class: "num" }, fmtBytes(st.memory_bytes)),
+    h("td", {}, h("span", { class: `pill state-${st.state}` }, st.state)),
+    h("td", {}, progress(st.bytes_done, st.bytes_total)));
+}
+
+function progress(done, total) {
+  if (!total) return h("span", { class: "muted" }, "–");
+  // A stage that reads local files reports a token total of one byte: nothing to fetch.
+  if (total <= 1 && done >= total) return h("span", { class: "muted" }, "local files");
+  const ratio = Math.min(1, done / total);
+  return h("div", { class: "progress", title: `${fmtBytes(done)} of ${fmtBytes(total)}` },
+    h("div", { class: "progress-fill", style: `width:${(ratio * 100).toFixed(1)}%` }),
+    h("span", {}, `${(ratio * 100).toFixed(0)}% of ${fmtBytes(total)}`));
+}
+
+function workerPlan(status) {
+  const run = status.run;
+  if (!run) return h("p", { class: "muted" }, "This node holds no stage: no host has claimed it.");
+  const layers = run.layers ? `layers ${run.layers[0]}–${run.layers[run.layers.length - 1]}` : "its layers";
+  return [
+    h("p", {}, `This node runs ${layers} for host `, h("span", { class: "mono" }, run.coordinator),
+      ` (${run.run_id}, term ${run.term}): `, h("span", { class: `pill state-${run.state}` }, run.state)),
+    run.bytes_total ? progress(run.bytes_done, run.bytes_total) : null,
+    run.error ? h("p", { class: "error" }, run.error) : null,
+    h("p", { class: "muted" }, "The whole plan is shown by the host's console."),
+  ];
+}
+
+// -- the run's story ------------------------------------------------------------------------
+
+function story(status, model) {
+  const items = [h("li", {}, `Node up ${fmtDuration(status.node.uptime_s)}, mesh “${status.node.mesh_name}”, `
+    + `${status.peers.filter((p) => p.state === "alive").length} peer(s) alive.`)];
+  const host = model.host;
+  if (host) {
+    items.push(h("li", {}, `Run ${host.run_id || "–"} (term ${host.term}) is `,
+      h("span", { class: `pill state-${host.state}` }, host.state), "."));
+    if (host.error) items.push(h("li", { class: "error" }, `Now: ${host.error}`));
+    if (host.last_failure) {
+      const replanned = host.term > 1 ? ` The mesh replanned; this is plan ${host.term}.` : "";
+      items.push(h("li", { class: "warn", id: "last-failure" }, `Last failure: ${host.last_failure}.${replanned}`));
+    } else {
+      items.push(h("li", { class: "muted" }, "No failure since the node started."));
+    }
+    for (const warning of host.speculation?.warnings || []) {
+      items.push(h("li", { class: "warn" }, `Speculation: ${warning}`));
+    }
+  }
+  const errors = status.node.protocol_errors + status.node.internal_errors;
+  if (errors || status.node.refused_handshakes) {
+    items.push(h("li", { class: "warn" }, `${status.node.refused_handshakes} refused handshake(s), `
+      + `${status.node.protocol_errors} protocol error(s), ${status.node.internal_errors} internal error(s).`));
+  }
+  return h("ul", { class: "story" }, items);
+}
