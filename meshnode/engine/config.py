@@ -6,10 +6,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshnode.engine.hybrid_config import HYBRID_MODEL_TYPES, HybridConfig, HybridConfigError
+
 __all__ = ["ConfigError", "ModelConfig"]
 
 # model_type values that are the Llama-family decoder meshnode implements.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+# qwen3_5_text is the hybrid (Gated DeltaNet) decoder of ``meshnode.engine.hybrid``.
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3_5_text"})
 SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
 
 
@@ -51,6 +54,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # llama.cpp's per-pair RoPE divisors (GGUF ``rope_freqs.weight``), applied after scaling
     rope_freq_factors: tuple[float, ...] | None = None
+    # The Gated DeltaNet sizes and layer kinds of a hybrid model (None: a plain decoder)
+    hybrid: HybridConfig | None = None
     # derived
     q_size: int = field(init=False)
     kv_size: int = field(init=False)
@@ -108,7 +113,10 @@ class ModelConfig:
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_ids=_ids(config.get("eos_token_id")),
                 rope_freq_factors=_factors(config.get("rope_freq_factors")),
+                hybrid=_hybrid(config),
             )
+        except HybridConfigError as exc:
+            raise ConfigError(str(exc)) from exc
         except KeyError as exc:
             raise ConfigError(f"model config lacks {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
@@ -132,6 +140,12 @@ class ModelConfig:
         if self.rope_freq_factors:
             inv = [f / d for f, d in zip(inv, self.rope_freq_factors, strict=True)]
         return inv
+
+
+def _hybrid(config: dict[str, Any]) -> HybridConfig | None:
+    if config.get("model_type") in HYBRID_MODEL_TYPES:
+        return HybridConfig.from_hf(config)
+    return None
 
 
 def _llama3_inv_freq(inv: list[float], scaling: dict[str, Any]) -> list[float]:

@@ -16,6 +16,7 @@ DeltaNet key/value heads, Dk/Dv their dims, H/Hkv attention heads, D their dim.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,33 +35,23 @@ from meshnode.engine.hybrid_weights import (
 )
 from meshnode.engine.kv_cache import KVCache
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, HybridCache
+from meshnode.engine.weights import StageWeights
 
 __all__ = ["HybridStage", "HybridWeights", "load_hybrid_weights"]
 
 Linear = Callable[[Any, Any], Any]
 
 
-class HybridWeights:
-    """Layers ``[start, end)`` plus the embedding and/or the final norm and head."""
+@dataclass(frozen=True)
+class HybridWeights(StageWeights):
+    """Layers ``[start, end)`` of a hybrid model in :attr:`blocks` (``layers``, the Llama
+    blocks, stays empty), plus the embedding and/or the final norm (1 + weight) and head."""
 
-    def __init__(
-        self,
-        layers: list[HybridLayerWeights],
-        embed_t: Any | None,
-        norm: Any | None,
-        head_t: Any | None,
-    ) -> None:
-        self.layers = layers
-        self.embed_t = embed_t  # [E, V]
-        self.norm = norm  # [E] (1 + weight)
-        self.head_t = head_t  # [E, V]
+    blocks: list[HybridLayerWeights] = field(default_factory=list)
 
     def nbytes(self) -> int:
         """Bytes of all weights in this stage."""
-        extra = (self.embed_t, self.norm, self.head_t)
-        return sum(layer.nbytes() for layer in self.layers) + sum(
-            int(a.nbytes) for a in extra if a is not None
-        )
+        return super().nbytes() + sum(block.nbytes() for block in self.blocks)
 
 
 def load_hybrid_weights(
@@ -85,7 +76,7 @@ def load_hybrid_weights(
     if head and not tied:
         head_t = backend.asarray(linear_t(source, "lm_head.weight"))
     norm = backend.asarray(offset_norm(source, "norm.weight")) if head else None
-    return HybridWeights(layers, embed_t, norm, head_t)
+    return HybridWeights(start, end, [], embed_t, norm, head_t, blocks=layers)
 
 
 class HybridStage:
@@ -123,9 +114,15 @@ class HybridStage:
     def new_cache(self, max_tokens: int) -> HybridCache:
         """An empty cache for one sequence of up to ``max_tokens`` positions."""
         c = self.config
-        kv = KVCache(self.xp, self.attention_layers, c.num_kv_heads, c.head_dim, max_tokens)
         return HybridCache(
-            self.xp, kv, self.linear_layers, c.recurrent_shape(), ring_slots=self.ring_slots
+            self.xp,
+            self.attention_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            max_tokens,
+            linear_layers=self.linear_layers,
+            shape=c.recurrent_shape(),
+            ring_slots=self.ring_slots,
         )
 
     def forward(
@@ -142,11 +139,11 @@ class HybridStage:
         n = x.shape[0]
         rows = n if out_rows is None or not self.head else min(out_rows, n)
         cos, sin = ops.rope_cos_sin(xp, self._inv_freq, start_pos, n)  # [S, R]
-        last = len(self.weights.layers) - 1
-        for i, layer in enumerate(self.weights.layers):
+        last = len(self.weights.blocks) - 1
+        for i, layer in enumerate(self.weights.blocks):
             keep = rows if i == last else n
             x = self._block(layer, self._slot[i], x, start_pos, cache, (cos, sin), keep)
-        if not self.weights.layers:
+        if not self.weights.blocks:
             x = x[n - rows :]
         cache.advance(start_pos, n)
         return self.logits(x) if self.head else x
@@ -170,7 +167,7 @@ class HybridStage:
             h = self._deltanet(w.linear, h, slot, pos, cache, rows)
         else:
             assert w.attention is not None
-            h = self.attention(w.attention, h, pos, cache.kv, slot, rope, rows)
+            h = self.attention(w.attention, h, pos, cache, slot, rope, rows)
         x = x[n - rows :] + h  # [r, E]
         return x + self.mlp(w, self._norm(x, w.ffn_norm))
 

@@ -91,6 +91,18 @@ class HybridConfig:
         layers = sum(self.is_linear(i) for i in range(start, end))
         return layers * self.recurrent_shape().nbytes() * (1 + ring_slots)
 
+    def layer_params(self, layer: int) -> int:
+        """Weights (parameters) of layer ``layer``: its token mixer, MLP and two norms."""
+        e = self.hidden_size
+        common = 3 * e * self.intermediate_size + 2 * e
+        if self.is_linear(layer):
+            c, heads = self.conv_channels, self.linear_value_heads
+            mixer = e * c + 2 * e * self.value_size + 2 * e * heads + c * self.conv_kernel
+            return common + mixer + 2 * heads + self.linear_value_dim
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        return common + e * (2 * q + 2 * kv) + q * e + 2 * self.head_dim
+
     def rope_inv_freq(self) -> list[float]:
         """RoPE inverse frequencies of the rotary dims (transformers' default rope over
         ``head_dim * partial_rotary_factor`` dims)."""

@@ -19,8 +19,11 @@ from meshnode_packaging.sources import ModelSource
 
 from meshnode.engine import ops
 from meshnode.engine.backend import Backend, cpu_backend
-from meshnode.engine.config import ModelConfig
+from meshnode.engine.config import ConfigError, ModelConfig
+from meshnode.engine.hybrid import HybridStage, load_hybrid_weights
+from meshnode.engine.hybrid_config import HybridConfig
 from meshnode.engine.kv_cache import KVCache
+from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, HybridCache
 from meshnode.engine.weights import LayerWeights, StageWeights, load_stage_weights
 
 if TYPE_CHECKING:
@@ -48,6 +51,7 @@ class Stage:
         embed: bool,
         head: bool,
         backend: Backend | None = None,
+        ring_slots: int = DEFAULT_RING_SLOTS,
     ) -> None:
         if not 0 <= start <= end <= config.num_layers:
             raise ValueError(f"layer range [{start}, {end}) outside 0..{config.num_layers}")
@@ -57,6 +61,11 @@ class Stage:
         self.backend = backend or cpu_backend()
         self.xp = self.backend.xp
         self.gemv_max_rows = GEMV_MAX_ROWS if self.backend.name == "cpu" else 1
+        self._cuda: CudaStage | None = None
+        self.hybrid: HybridStage | None = None
+        if config.hybrid is not None:  # Gated DeltaNet + gated attention layers
+            self._init_hybrid(config.hybrid, source_or_weights, ring_slots)
+            return
         if isinstance(source_or_weights, StageWeights):
             self.weights = source_or_weights
         else:
@@ -72,7 +81,6 @@ class Stage:
         inv_freq = np.asarray(config.rope_inv_freq(), dtype=np.float32)
         self._inv_freq = self.backend.asarray(inv_freq)  # [D/2]
         self._scale = float(1.0 / np.sqrt(config.head_dim))
-        self._cuda: CudaStage | None = None
         if self.backend.name == "cuda":  # the engine's kernels, fixed buffers, CUDA graphs
             from meshnode.engine.cuda.stage import CudaStage
 
@@ -80,13 +88,52 @@ class Stage:
                 config, self.weights, embed=embed, head=head, backend=self.backend
             )
 
+    def _init_hybrid(
+        self, hybrid_config: HybridConfig, source: ModelSource | StageWeights, ring_slots: int
+    ) -> None:
+        """Hand this stage to ``hybrid.HybridStage`` (NumPy only, weights from a source)."""
+        if self.backend.name != "cpu":
+            raise ConfigError(
+                f"the CUDA stage does not run {self.config.model_type} (hybrid) models yet; "
+                "use --device cpu"
+            )
+        if isinstance(source, StageWeights):
+            raise ConfigError("a hybrid stage loads its weights from the model source")
+        weights = load_hybrid_weights(
+            source,
+            hybrid_config,
+            self.start,
+            self.end,
+            embed=self.embed,
+            head=self.head,
+            backend=self.backend,
+        )
+        self.weights = weights
+        self.hybrid = HybridStage(
+            hybrid_config,
+            weights,
+            self.start,
+            self.end,
+            embed=self.embed,
+            head=self.head,
+            backend=self.backend,
+            linear=self._linear,
+            ring_slots=ring_slots,
+        )
+
     @property
     def cuda(self) -> CudaStage | None:
         """The device side of this stage on a CUDA backend (None on the CPU)."""
         return self._cuda
 
     def new_cache(self, max_tokens: int) -> KVCache:
-        """An empty KV cache for one sequence of up to ``max_tokens`` positions."""
+        """An empty KV cache for one sequence of up to ``max_tokens`` positions.
+
+        A hybrid stage's cache (``recurrent.HybridCache``) also holds the recurrent state
+        and its snapshot ring; it offers the same ``length``/``truncate``/``nbytes``.
+        """
+        if self.hybrid is not None:
+            return self.hybrid.new_cache(max_tokens)
         if self._cuda is not None:
             return self._cuda.new_cache(max_tokens)
         c = self.config
@@ -106,6 +153,9 @@ class Stage:
         """
         if self._cuda is not None:
             return self._cuda.forward(inputs, start_pos, cache, out_rows)
+        if self.hybrid is not None:
+            assert isinstance(cache, HybridCache), "a hybrid stage runs on its own new_cache"
+            return self.hybrid.forward(inputs, start_pos, cache, out_rows=out_rows)
         cache.truncate(start_pos)
         x = self._embed(inputs) if self.embed else self.xp.asarray(inputs, self.xp.float32)
         n = x.shape[0]

@@ -52,25 +52,30 @@ class RecurrentShape:
         return 4 * (conv + self.value_heads * self.key_dim * self.value_dim)
 
 
-class HybridCache:
-    """KV of ``attn_layers`` attention layers plus the recurrent state of ``linear_layers``.
+class HybridCache(KVCache):
+    """A :class:`KVCache` for the stage's attention layers plus the recurrent state of its
+    ``linear_layers`` DeltaNet layers.
 
-    :attr:`length` is the number of positions folded into the state; :meth:`rollback`
-    moves it back (KV by truncation, recurrent state from the ring).
+    :attr:`length` is the number of positions folded into both; :meth:`rollback` (and
+    ``truncate``, the name callers of a KV cache use) moves it back: KV by truncation, the
+    recurrent state from the ring.
     """
 
     def __init__(
         self,
         xp: Any,
-        kv: KVCache,
+        attention_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        max_tokens: int,
+        *,
         linear_layers: int,
         shape: RecurrentShape,
         ring_slots: int = DEFAULT_RING_SLOTS,
     ) -> None:
         if ring_slots < 1:
             raise ValueError(f"the snapshot ring needs at least one slot, got {ring_slots}")
-        self.xp = xp
-        self.kv = kv
+        super().__init__(xp, attention_layers, kv_heads, head_dim, max_tokens)
         self.shape = shape
         self.ring_slots = ring_slots
         s, n = shape, linear_layers
@@ -80,23 +85,7 @@ class HybridCache:
         self.ring_conv = xp.zeros((ring_slots, *self.conv.shape), xp.float32)  # [R, L, K-1, C]
         self.ring_state = xp.zeros((ring_slots, *self.state.shape), xp.float32)
         self.ring_start = 0
-        self._length = 0
         self.restores = 0  # rollbacks served from the ring (telemetry)
-
-    @property
-    def length(self) -> int:
-        """Positions whose K/V and recurrent contribution the cache holds."""
-        return self._length
-
-    @length.setter
-    def length(self, n: int) -> None:
-        self._length = n
-        self.kv.length = n
-
-    @property
-    def max_tokens(self) -> int:
-        """Positions the KV part was allocated for."""
-        return self.kv.max_tokens
 
     def rollback(self, n: int) -> None:
         """Make the cache hold positions ``0 .. n - 1`` only.
@@ -104,15 +93,15 @@ class HybridCache:
         Raises :class:`RollbackError` when ``n`` is behind what the ring holds, and
         ``ValueError`` when ``n`` is past :attr:`length`.
         """
-        if not 0 <= n <= self._length:
-            raise ValueError(f"cannot roll a cache of {self._length} positions back to {n}")
-        if n == self._length:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot roll a cache of {self.length} positions back to {n}")
+        if n == self.length:
             return
         if n == 0:
             self.conv[...] = 0.0
             self.state[...] = 0.0
             self.ring_start = 0
-        elif n - 1 >= self.ring_start and n - 1 >= self._length - self.ring_slots:
+        elif n - 1 >= self.ring_start and n - 1 >= self.length - self.ring_slots:
             slot = (n - 1) % self.ring_slots
             self.conv[...] = self.ring_conv[slot]
             self.state[...] = self.ring_state[slot]
@@ -120,13 +109,13 @@ class HybridCache:
         else:
             raise RollbackError(
                 f"cannot roll back to position {n}: the snapshot ring holds the states "
-                f"after positions {self._oldest()} .. {self._length - 1} only "
+                f"after positions {self._oldest()} .. {self.length - 1} only "
                 f"({self.ring_slots} slots); replay the sequence from position 0"
             )
         self.length = n
 
     def truncate(self, n: int) -> None:
-        """Alias of :meth:`rollback` (the interface ``KVCache`` offers callers)."""
+        """:meth:`rollback`: what truncating means for a cache with recurrent state."""
         self.rollback(n)
 
     def keep(self, layer: int, pos: int, conv: Any, state: Any) -> None:
@@ -151,7 +140,7 @@ class HybridCache:
 
     def nbytes(self) -> int:
         """Bytes allocated for this sequence: KV, recurrent state and ring."""
-        return self.kv.nbytes() + self.recurrent_nbytes() + self.ring_nbytes()
+        return super().nbytes() + self.recurrent_nbytes() + self.ring_nbytes()
 
     def _oldest(self) -> int:
-        return max(self.ring_start, self._length - self.ring_slots)
+        return max(self.ring_start, self.length - self.ring_slots)

@@ -54,7 +54,9 @@ from meshnode_protocol import (
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
+from meshnode.engine.hybrid_config import HybridConfig
 from meshnode.engine.model import Stage
+from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
 from meshnode.errors import PlanError, RunError
 from meshnode.net.stream import SEND_ERRORS
 from meshnode.node.planner import ModelFootprint, NodeCapacity, Plan, StagePlan, plan
@@ -118,6 +120,8 @@ def model_footprint(config: ModelConfig, bytes_per_param: int = 4) -> ModelFootp
     Weights are held as float32 on the CPU backend (``bytes_per_param`` 4). Every live
     sequence preallocates KV for the whole context, so KV scales with the sequence limit.
     """
+    if config.hybrid is not None:
+        return _hybrid_footprint(config, config.hybrid, bytes_per_param)
     h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
     layer_params = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
     embed = config.vocab_size * h
@@ -129,6 +133,27 @@ def model_footprint(config: ModelConfig, bytes_per_param: int = 4) -> ModelFootp
         head_bytes=head * bytes_per_param,
         kv_bytes_per_token_per_layer=kv_bytes,
         tied_head=config.tie_word_embeddings,
+    )
+
+
+def _hybrid_footprint(
+    config: ModelConfig, hybrid: HybridConfig, bytes_per_param: int
+) -> ModelFootprint:
+    """A hybrid model's footprint: KV on the attention layers only; on each DeltaNet layer
+    the recurrent state and snapshot ring of every live sequence, whatever the context."""
+    layers = range(hybrid.num_layers)
+    per_sequence = hybrid.recurrent_shape().nbytes() * (1 + DEFAULT_RING_SLOTS)
+    h, vocab = hybrid.hidden_size, hybrid.vocab_size
+    return ModelFootprint(
+        layer_bytes=tuple(hybrid.layer_params(i) * bytes_per_param for i in layers),
+        embed_bytes=vocab * h * bytes_per_param,
+        head_bytes=(h + (0 if hybrid.tie_word_embeddings else vocab * h)) * bytes_per_param,
+        kv_bytes_per_token_per_layer=2 * config.kv_size * 4 * MAX_SEQUENCES_PER_STAGE,
+        tied_head=hybrid.tie_word_embeddings,
+        kv_layers=tuple(not hybrid.is_linear(i) for i in layers),
+        fixed_layer_bytes=tuple(
+            per_sequence * MAX_SEQUENCES_PER_STAGE if hybrid.is_linear(i) else 0 for i in layers
+        ),
     )
 
 
@@ -378,9 +403,7 @@ class Coordinator:
             has_head=stage.head,
             upstream=self.mesh.peer_info(upstream),
             # The last stage's downstream is the host: its Predictions come straight back.
-            downstream=self.mesh.peer_info(
-                downstream.node_id if downstream else self.mesh.node_id
-            ),
+            downstream=self.mesh.peer_info(downstream.node_id if downstream else self.mesh.node_id),
             wire_dtype=self.settings.wire_dtype,
             context_size=self.context_size,
             batch_sizes=(1,),
@@ -536,4 +559,3 @@ async def open_stage0_source(model_ref: str, cache_dir: Path | None) -> ModelSou
     return await trio.to_thread.run_sync(
         lambda: open_ref(model_ref, Part(0, 0, embed=True), cache_dir=cache_dir)
     )
-

@@ -5,7 +5,10 @@ the first stage) and the head (needed by the last; when the head is tied to the 
 last stage holds the embedding too). A stage running layers ``[start, end)`` needs
 
     sum(layer_bytes[start:end]) + (end - start) * kv_bytes_per_token_per_layer * context
-    + embed_bytes (first stage) + head_bytes (last stage)
+    + sum(fixed_layer_bytes[start:end]) + embed_bytes (first stage) + head_bytes (last stage)
+
+where a hybrid model's recurrent (Gated DeltaNet) layers hold no KV (``kv_layers`` says
+which do) but a fixed state per sequence, the same for any context: ``fixed_layer_bytes``.
 
 bytes of memory. The planner picks the *fewest* stages that fit, stage 0 always on the host
 (it serves the API and runs speculation). Among the other nodes it prefers more memory, then
@@ -38,6 +41,11 @@ class ModelFootprint:
     head_bytes: int
     kv_bytes_per_token_per_layer: int
     tied_head: bool = False
+    # Hybrid models: whether each layer holds a KV cache (empty: every layer does), and the
+    # bytes each layer holds whatever the context (recurrent state and snapshot ring of
+    # every live sequence; empty: none).
+    kv_layers: tuple[bool, ...] = ()
+    fixed_layer_bytes: tuple[int, ...] = ()
 
     @property
     def n_layers(self) -> int:
@@ -122,8 +130,9 @@ def _candidate_order(nodes: Sequence[NodeCapacity], host_id: str) -> list[NodeCa
 def _stage_bytes(model: ModelFootprint, start: int, end: int, context_tokens: int) -> int:
     last = end == model.n_layers
     first = start == 0
-    total = sum(model.layer_bytes[start:end])
-    total += (end - start) * model.kv_bytes_per_token_per_layer * context_tokens
+    total = sum(model.layer_bytes[start:end]) + sum(model.fixed_layer_bytes[start:end])
+    kv_layers = sum(model.kv_layers[start:end]) if model.kv_layers else end - start
+    total += kv_layers * model.kv_bytes_per_token_per_layer * context_tokens
     if first or (last and model.tied_head):
         total += model.embed_bytes
     if last:

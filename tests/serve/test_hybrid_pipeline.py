@@ -1,0 +1,121 @@
+"""The tiny Qwen3.5 hybrid over a two-stage pipeline (boundary inside a run of DeltaNet
+layers): real :class:`StageRunner` objects chained in this process, driven by the real
+generation loop, give the reference's greedy tokens with and without speculation."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from meshnode.engine.config import ModelConfig
+from meshnode.engine.model import Stage
+from meshnode.engine.recurrent import HybridCache
+from meshnode.engine.sampling import SamplingParams
+from meshnode.node.pipeline import RequestId, StepFrame, StepResult
+from meshnode.node.stage import StageRunner
+from meshnode.serve.generation import (
+    GenerationParams,
+    GenerationRun,
+    GenerationState,
+    Speculation,
+    generate,
+)
+from meshnode.speculative.ngram import NgramParams, NgramProposer
+from meshnode.speculative.proposer import Proposer
+from meshnode.speculative.window import WindowPolicy
+from tests.engine.hybrid_model import HybridFolder, hybrid_golden
+from tests.speculative.test_hybrid import PartlyRightProposer
+
+CONTEXT = 400
+RANGES = ((0, 2), (2, 8))  # layers 0-2 are DeltaNet: the boundary splits that run
+PROMPTS = hybrid_golden()["prompts"]
+
+
+class SilentDetokenizer:
+    def push(self, token: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+class Chain:
+    """Every stage in this process, hidden states handed from one runner to the next."""
+
+    def __init__(self, runners: list[StageRunner]) -> None:
+        self.runners = runners
+
+    @property
+    def context_size(self) -> int:
+        return CONTEXT
+
+    async def run(self, frame: StepFrame) -> StepResult:
+        out: Any = frame
+        for runner in self.runners:
+            out = runner.process(frame if out is frame else replace(frame, hidden=out))
+        assert isinstance(out, StepResult)
+        return out
+
+    async def release(self, request_id: RequestId) -> None:
+        for runner in self.runners:
+            runner.release(request_id)
+
+
+@pytest.fixture(scope="module")
+def chain() -> Chain:
+    source = HybridFolder()
+    config = ModelConfig.from_hf(source.config)
+    runners = [
+        StageRunner(
+            Stage(config, source, a, b, embed=a == 0, head=b == 8),
+            context_size=CONTEXT,
+            max_sequences=1,
+        )
+        for a, b in RANGES
+    ]
+    return Chain(runners)
+
+
+async def _generate(chain: Chain, prompt: dict[str, Any], spec: Speculation | None) -> list[int]:
+    params = GenerationParams(max_new_tokens=32, sampling=SamplingParams(temperature=0.0))
+    state = GenerationState(params, SilentDetokenizer())
+    run = GenerationRun(RequestId(prompt["id"]), list(prompt["prompt_ids"]), params, state)
+    async for _ in generate(chain, run, speculation=spec, chunk_tokens=128):
+        pass
+    return run.state.tokens
+
+
+async def test_two_stages_match_the_reference(chain: Chain) -> None:
+    for prompt in PROMPTS:
+        assert await _generate(chain, prompt, None) == prompt["gen_ids"], prompt["id"]
+
+
+@pytest.mark.parametrize("window", [1, 4, 16])
+async def test_two_stages_with_partly_rejected_windows(chain: Chain, window: int) -> None:
+    for prompt in PROMPTS[1:]:
+        proposer = PartlyRightProposer(prompt["prompt_ids"], prompt["gen_ids"])
+
+        def make(params: SamplingParams, capacity: int, p: Proposer = proposer) -> Proposer:
+            return p
+
+        spec = Speculation(make, WindowPolicy("fixed", window, 1, window), strategy="test")
+        restores = [_restores(r) for r in chain.runners]
+        assert await _generate(chain, prompt, spec) == prompt["gen_ids"], prompt["id"]
+        assert all(_restores(r) > before for r, before in zip(chain.runners, restores, strict=True))
+
+
+async def test_two_stages_with_ngram(chain: Chain) -> None:
+    def make(params: SamplingParams, capacity: int) -> Proposer:
+        return NgramProposer(NgramParams(1, 3))
+
+    spec = Speculation(make, WindowPolicy("fixed", 4, 1, 4), strategy="ngram")
+    for prompt in PROMPTS[1:3]:
+        assert await _generate(chain, prompt, spec) == prompt["gen_ids"], prompt["id"]
+
+
+def _restores(runner: StageRunner) -> int:
+    """Ring restores over the caches this runner holds or kept for reuse."""
+    caches = [*runner._free_caches, *(s.cache for s in runner._sequences.values())]
+    return sum(c.restores for c in caches if isinstance(c, HybridCache))
