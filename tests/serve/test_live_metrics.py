@@ -11,14 +11,15 @@ import pytest
 import trio
 import trio.testing
 
-from meshnode.serve.service import SamplingRequest, ServeService
+from meshnode.engine.sampling import GREEDY
+from meshnode.serve.service import GenerationRequest, ServeService
 
 
 async def test_metrics_count_tokens_and_first_token_as_they_come(
     serve_service: ServeService,
 ) -> None:
     service = serve_service
-    request = SamplingRequest(max_tokens=12, temperature=0)
+    request = GenerationRequest(GREEDY, max_tokens=12)
     run = service.start(service.text_prompt("Once upon a time"), request)
     seen_mid_stream = []
     async for _delta in service.stream(run):
