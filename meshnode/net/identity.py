@@ -282,19 +282,6 @@ class NodeIdentity:
         return self._context(ssl.Purpose.SERVER_AUTH)
 
 
-def peer_node_id(cert: dict[str, object] | None) -> NodeId | None:
-    """The node id (subject CN) of a verified peer certificate from ``getpeercert()``."""
-    if not cert:
-        return None
-    subject = cert.get("subject", ())
-    assert isinstance(subject, tuple)
-    for rdn in subject:
-        for key, value in rdn:
-            if key == "commonName":
-                return NodeId(str(value))
-    return None
-
-
 def certified_node_id(der: bytes | None) -> NodeId:
     """The node id a peer's verified certificate (DER, ``getpeercert(True)``) proves.
 
