@@ -20,6 +20,7 @@ from meshnode_protocol import PROTOCOL_VERSION, PeerInfo
 
 from meshnode.net.discovery import Discovered, DiscoveryEvent, Vanished
 from meshnode.net.identity import NodeId
+from meshnode.net.limits import DEFAULT_LIMITS, MeshLimits, RateLimitedLog
 from meshnode.net.stream import TRANSPORT_ERRORS
 from meshnode.node.config import Address, ConfigError
 
@@ -62,8 +63,10 @@ class Dialer:
         client_context: ssl.SSLContext,
         run_session: RunSession,
         connected: Callable[[NodeId], bool],
+        limits: MeshLimits = DEFAULT_LIMITS,
     ) -> None:
         self.node_id = node_id
+        self.limits = limits
         self.targets: dict[Address, DialTarget] = {a: DialTarget(a, static=True) for a in static}
         self.listen: Address | None = None  # our own address, never dialed
         self._interval_s = interval_s
@@ -71,6 +74,7 @@ class Dialer:
         self._run_session = run_session
         self._connected = connected
         self._wake = trio.Event()
+        self._refusals = RateLimitedLog(log)
 
     # -- targets --------------------------------------------------------------------------
 
@@ -80,6 +84,14 @@ class Dialer:
             return
         target = self.targets.get(address)
         if target is None:
+            learned = sum(not t.static for t in self.targets.values())
+            if learned >= self.limits.max_learned_targets:
+                self._refusals.warning(
+                    "targets", trio.current_time(),
+                    "not dialing %s: %d learned addresses already (max_learned_targets)",
+                    address, learned,
+                )  # fmt: skip
+                return
             self.targets[address] = DialTarget(address, static=False, node_id=node_id)
             self._wake.set()
         elif target.node_id is None:
@@ -128,16 +140,33 @@ class Dialer:
     # -- dialing --------------------------------------------------------------------------
 
     async def run(self, nursery: trio.Nursery) -> None:
-        """Dial every due target (in ``nursery``), every interval or when woken."""
+        """Dial every due target (in ``nursery``), every interval or when woken.
+
+        At most ``max_concurrent_dials`` dials are connecting at once (static targets
+        first, then those that failed least), so a flood of spoofed adverts delays
+        nothing for long and costs a bounded number of sockets.
+        """
         while True:
             now = trio.current_time()
-            for target in list(self.targets.values()):
+            connecting = self.connecting()
+            for target in sorted(self.targets.values(), key=lambda t: (not t.static, t.failures)):
+                if connecting >= self.limits.max_concurrent_dials:
+                    break
                 if self._should_dial(target, now):
                     target.in_flight = True
+                    connecting += 1
                     nursery.start_soon(self._dial, target)
             self._wake = trio.Event()
             with trio.move_on_after(self._interval_s):
                 await self._wake.wait()
+
+    def connecting(self) -> int:
+        """Dials under way that have not become a session (a dial's task serves the session
+        it opens, so ``in_flight`` alone would count live sessions too)."""
+        return sum(
+            t.in_flight and not (t.node_id is not None and self._connected(t.node_id))
+            for t in self.targets.values()
+        )
 
     def _should_dial(self, target: DialTarget, now: float) -> bool:
         if target.in_flight or now < target.next_attempt_s:
@@ -161,6 +190,7 @@ class Dialer:
         finally:
             target.in_flight = False
             self._after_dial(target, ok)
+            self._wake.set()  # a dial slot is free
 
     def _after_dial(self, target: DialTarget, ok: bool) -> None:
         target.failures = 0 if ok else target.failures + 1

@@ -35,6 +35,7 @@ from meshnode_protocol import (
 )
 
 from meshnode.net.identity import NodeId, PeerIdentityError, certified_node_id
+from meshnode.net.limits import DEFAULT_LIMITS, MeshLimits, RateLimitedLog
 from meshnode.net.stream import TRANSPORT_ERRORS, PeerStream
 from meshnode.node.config import Address
 from meshnode.node.dialer import DialTarget
@@ -109,8 +110,10 @@ class Sessions:
         *,
         interval_s: float,
         server_context: ssl.SSLContext,
+        limits: MeshLimits = DEFAULT_LIMITS,
     ) -> None:
         self.node_id = node_id
+        self.limits = limits
         self.mesh_id = mesh_id
         self.owner = owner
         self.live: dict[NodeId, Session] = {}
@@ -121,6 +124,9 @@ class Sessions:
         self._interval_s = interval_s
         self._server_ctx = server_context
         self._nonces = itertools.count(1)
+        # Accepted connections still in TLS or before their Hello (bounded by limits).
+        self._pending: set[trio.SSLStream[trio.SocketStream]] = set()
+        self._refusals = RateLimitedLog(log)
 
     def __contains__(self, node_id: object) -> bool:
         return node_id in self.live
@@ -157,10 +163,27 @@ class Sessions:
     # -- connections --------------------------------------------------------------------
 
     async def handle_inbound(self, tcp: trio.SocketStream) -> None:
-        """Serve an accepted connection (``trio.serve_listeners`` handler)."""
+        """Serve an accepted connection (``trio.serve_listeners`` handler).
+
+        While ``max_pending_handshakes`` others are still before their ``Hello``, the new
+        one is closed at once and counted as refused: idle connections cannot pile up.
+        """
+        if len(self._pending) >= self.limits.max_pending_handshakes:
+            self._refuse("busy", "%d others still in their handshake", len(self._pending))
+            with contextlib.suppress(*TRANSPORT_ERRORS):
+                await trio.aclose_forcefully(tcp)
+            return
         stream = trio.SSLStream(tcp, self._server_ctx, server_side=True)
-        with contextlib.suppress(trio.TooSlowError, *TRANSPORT_ERRORS):
-            await self.run_session(stream, None)
+        self._pending.add(stream)
+        try:
+            with contextlib.suppress(trio.TooSlowError, *TRANSPORT_ERRORS):
+                await self.run_session(stream, None)
+        finally:
+            self._pending.discard(stream)
+
+    def _refuse(self, kind: str, reason: str, *args: object) -> None:
+        self.refused_handshakes += 1
+        self._refusals.warning(kind, trio.current_time(), "refused a connection: " + reason, *args)
 
     async def run_session(
         self, stream: trio.SSLStream[trio.SocketStream], target: DialTarget | None
@@ -182,6 +205,7 @@ class Sessions:
                 if dialer:
                     await peer.send(self.owner.hello())
                 hello = await peer.receive()
+            self._pending.discard(stream)  # past its Hello: no longer a pending handshake
             session = self._admit(peer, hello, cert_id, stream, target)
             if session is None:
                 return hello is not None
@@ -202,8 +226,7 @@ class Sessions:
                 await stream.do_handshake()
             return certified_node_id(stream.getpeercert(binary_form=True))
         except (trio.TooSlowError, PeerIdentityError, *TRANSPORT_ERRORS) as exc:
-            self.refused_handshakes += 1
-            log.warning("refused a connection: TLS handshake failed (%r)", exc)
+            self._refuse("tls", "TLS handshake failed (%r)", exc)
             with contextlib.suppress(*TRANSPORT_ERRORS):
                 await trio.aclose_forcefully(stream)
             return None

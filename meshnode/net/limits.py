@@ -1,0 +1,65 @@
+"""Bounds on what the network can make a node hold or do, and rate-limited refusal logs.
+
+mDNS adverts are unauthenticated: anyone on the LAN can advertise any number of records
+for our mesh id (it is public), and each one used to become a dial target, dialed for ever
+with backoff. Anyone can also open TCP connections to the mesh port, and each one used to
+get a TLS handshake task. These limits cap both; what is refused is counted and logged at
+most once per interval, so a flood cannot fill the disk with log lines either.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Final
+
+
+@dataclass(frozen=True, slots=True)
+class MeshLimits:
+    """How much of each resource the network may claim (defaults: far above a real LAN).
+
+    ``max_learned_targets``: addresses learned from mDNS and peer lists, kept for dialing.
+    A home or lab mesh has tens of nodes; a spoofed-advert flood stops here (static
+    ``--peer`` addresses never count).
+    ``max_concurrent_dials``: dials (TCP connect + TLS + Hello) under way at once.
+    ``max_pending_handshakes``: inbound connections still in TLS or before ``Hello``;
+    beyond it a new connection is closed at once and counted in ``refused_handshakes``.
+    """
+
+    max_learned_targets: int = 256
+    max_concurrent_dials: int = 16
+    max_pending_handshakes: int = 32
+
+
+DEFAULT_LIMITS: Final = MeshLimits()
+
+# One refusal line per kind per this many seconds; the next line says how many were held back.
+REFUSAL_LOG_INTERVAL_S: Final = 10.0
+
+
+@dataclass
+class RateLimitedLog:
+    """Logs at most one warning per ``key`` per ``interval_s`` (times from the caller's clock).
+
+    Suppressed warnings are counted and the count is appended to the next one logged, so the
+    log still says how often it happened.
+    """
+
+    logger: logging.Logger
+    interval_s: float = REFUSAL_LOG_INTERVAL_S
+    _next_s: dict[str, float] = field(default_factory=dict)
+    _held: dict[str, int] = field(default_factory=dict)
+
+    def warning(self, key: str, now_s: float, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` unless ``key`` was logged less than ``interval_s`` ago.
+
+        Returns whether it was logged.
+        """
+        if now_s < self._next_s.get(key, float("-inf")):
+            self._held[key] = self._held.get(key, 0) + 1
+            return False
+        held = self._held.pop(key, 0)
+        suffix = f" ({held} more like this in the last {self.interval_s:g} s)" if held else ""
+        self.logger.warning(msg + suffix, *args)
+        self._next_s[key] = now_s + self.interval_s
+        return True
