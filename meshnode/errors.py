@@ -1,12 +1,39 @@
-"""meshnode's exception tree (errors the daemon raises on purpose).
+"""meshnode's exception tree: every error meshnode raises on purpose derives from
+:class:`MeshnodeError`, and is defined beside the code that raises it::
 
     MeshnodeError
-    ├── ConfigError      bad configuration or flags (the CLI prints it and exits 2)
-    ├── PlanError        the model cannot be placed on the live nodes
-    └── RunError         a stage failed during Claim/Prepare/Load or while serving
+    ├── ConfigError               bad configuration or flags (the CLI prints it, exit 2)
+    │   ├── TokenError                a malformed join token (net.identity)
+    │   ├── SecretFileError           a token or key file that is unsafe to use (net.secret_files)
+    │   └── SpeculativeConfigError    a bad speculative setting (speculative.settings)
+    ├── ModelError                a model cannot be opened, understood or loaded
+    │   ├── ModelConfigError          config.json of an unsupported model (engine.config)
+    │   ├── HybridConfigError         … of a hybrid model (engine.hybrid_config)
+    │   ├── TemplateError             a chat template that fails to render (engine.tokenizer)
+    │   ├── ModelLoadError            a reference or its files cannot be read (engine.loader)
+    │   ├── DraftIncompatibleError    a draft model unfit for the target (speculative.draft)
+    │   └── DraftUnavailableError     a draft model that cannot be used here (serve.speculation)
+    ├── BackendError              the device or weights dtype cannot be had (engine.backend)
+    ├── RollbackError             a sequence asked to roll back past its snapshots
+    │                             (engine.recurrent)
+    ├── PeerIdentityError         a certificate not bound to its node id (net.identity)
+    ├── MembershipError           an event the peer table cannot apply: a bug (node.membership)
+    ├── PlanError                 the model cannot be placed on the live nodes
+    ├── RunError                  a stage failed during Claim/Prepare/Load or while serving
+    ├── PipelineError             a pass through the pipeline failed (node.pipeline)
+    │   └── StageError                a frame one stage cannot process (node.stage)
+    └── APIError                  answered as an OpenAI error body (serve.errors)
+        ├── BadRequestError, ModelNotFoundError, ContextLengthError
+        └── ServiceUnavailableError
 
-Codec errors live in ``meshnode_protocol`` (``RemoteProtocolError``/``LocalProtocolError``)
-and package errors in ``meshnode_packaging``; they are mapped at the boundary that catches them.
+Errors that were ``ValueError``/``RuntimeError`` before this tree keep that base too, so an
+``except ValueError`` written earlier still catches them.
+
+Foreign exceptions are mapped once, at the boundary that meets them, with ``raise … from
+exc``: ``meshnode_packaging``'s ``PackageError``/``SourceError`` (and the ``OSError``,
+``ValueError`` and ``KeyError`` of reading a model) become :class:`ModelLoadError` in
+:func:`meshnode.engine.loader.open_model`; codec errors stay ``meshnode_protocol``'s
+(``RemoteProtocolError``/``LocalProtocolError``) and close one connection.
 """
 
 
@@ -16,6 +43,10 @@ class MeshnodeError(Exception):
 
 class ConfigError(MeshnodeError, ValueError):
     """An unknown key, a value of the wrong type, or an inconsistent combination."""
+
+
+class ModelError(MeshnodeError, ValueError):
+    """A model cannot be opened, understood or loaded; the message says why in one line."""
 
 
 class PlanError(MeshnodeError):

@@ -18,13 +18,13 @@ import logging
 
 import trio
 from fastapi import FastAPI
-from meshnode_packaging.errors import PackageError
 from meshnode_packaging.manifest import Part
 from meshnode_packaging.refs import open_ref, pin_ref, pinned_ref
-from meshnode_packaging.sources import ModelSource, SourceError
+from meshnode_packaging.sources import ModelSource
 
 from meshnode.engine.backend import BackendError, select_backend
-from meshnode.errors import ConfigError
+from meshnode.engine.loader import reading_model
+from meshnode.errors import ConfigError, ModelError
 from meshnode.net.identity import JoinToken, NodeIdentity
 from meshnode.node import process
 from meshnode.node.config import NodeConfig
@@ -47,11 +47,12 @@ def open_stage0(config: NodeConfig) -> tuple[ModelSource, str]:
     """
     assert config.model is not None
     try:
-        pin = pin_ref(config.model, cache_dir=config.cache_dir)
-        source = open_ref(
-            config.model, Part(0, 0, embed=True), cache_dir=config.cache_dir, pin=pin
-        )
-    except (PackageError, SourceError, OSError, ValueError) as exc:
+        with reading_model():
+            pin = pin_ref(config.model, cache_dir=config.cache_dir)
+            source = open_ref(
+                config.model, Part(0, 0, embed=True), cache_dir=config.cache_dir, pin=pin
+            )
+    except ModelError as exc:
         raise ConfigError(f"--model {config.model}: {exc}") from exc
     if pin:
         log.info("--model %s pinned at %s", config.model, pin)

@@ -9,7 +9,7 @@ Layering inside the package: ``config`` and ``backend`` at the bottom; ``weights
 """
 
 from meshnode.engine.backend import Backend, BackendError, select_backend
-from meshnode.engine.config import ConfigError, ModelConfig
+from meshnode.engine.config import ModelConfig, ModelConfigError
 from meshnode.engine.kv_cache import KVCache
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import Sampler, SamplingParams, logits_to_probs
@@ -17,9 +17,9 @@ from meshnode.engine.sampling import Sampler, SamplingParams, logits_to_probs
 __all__ = [
     "Backend",
     "BackendError",
-    "ConfigError",
     "KVCache",
     "ModelConfig",
+    "ModelConfigError",
     "Sampler",
     "SamplingParams",
     "Stage",

@@ -16,6 +16,8 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
+from meshnode.errors import MeshnodeError
+
 __all__ = [
     "Backend",
     "BackendError",
@@ -35,7 +37,7 @@ WeightsDtype = Literal["auto", "float32", "float16", "bfloat16"]
 WEIGHTS_DTYPES: tuple[str, ...] = get_args(WeightsDtype)
 
 
-class BackendError(RuntimeError):
+class BackendError(MeshnodeError, RuntimeError):
     """The requested device is not available."""
 
 

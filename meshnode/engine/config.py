@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshnode.engine.hybrid_config import HYBRID_MODEL_TYPES, HybridConfig, HybridConfigError
+from meshnode.errors import ModelError
 
-__all__ = ["ConfigError", "ModelConfig"]
+__all__ = ["ModelConfig", "ModelConfigError"]
 
 # model_type values that are the Llama-family decoder meshnode implements.
 # qwen3_5_text is the hybrid (Gated DeltaNet) decoder of ``meshnode.engine.hybrid``.
@@ -16,7 +17,7 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3_5_text"})
 SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
 
 
-class ConfigError(ValueError):
+class ModelConfigError(ModelError):
     """The model configuration is incomplete or describes an unsupported model."""
 
 
@@ -63,16 +64,16 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"unsupported model type {self.model_type!r}")
+            raise ModelConfigError(f"unsupported model type {self.model_type!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+            raise ModelConfigError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.head_dim % 2:
-            raise ConfigError("head_dim must be even for RoPE")
+            raise ModelConfigError("head_dim must be even for RoPE")
         rope_type = self.rope_type
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError(f"unsupported rope scaling {rope_type!r}")
+            raise ModelConfigError(f"unsupported rope scaling {rope_type!r}")
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
-            raise ConfigError("rope_freq_factors must have head_dim / 2 entries")
+            raise ModelConfigError("rope_freq_factors must have head_dim / 2 entries")
         object.__setattr__(self, "q_size", self.num_heads * self.head_dim)
         object.__setattr__(self, "kv_size", self.num_kv_heads * self.head_dim)
         object.__setattr__(self, "group_size", self.num_heads // self.num_kv_heads)
@@ -86,7 +87,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face ``config.json`` dict; raises :class:`ConfigError`."""
+        """Build from a Hugging Face ``config.json`` dict; raises :class:`ModelConfigError`."""
         try:
             heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
@@ -116,13 +117,13 @@ class ModelConfig:
                 hybrid=_hybrid(config),
             )
         except HybridConfigError as exc:
-            raise ConfigError(str(exc)) from exc
+            raise ModelConfigError(str(exc)) from exc
         except KeyError as exc:
-            raise ConfigError(f"model config lacks {exc.args[0]!r}") from None
+            raise ModelConfigError(f"model config lacks {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
-            if isinstance(exc, ConfigError):
+            if isinstance(exc, ModelConfigError):
                 raise
-            raise ConfigError(f"invalid model config: {exc}") from exc
+            raise ModelConfigError(f"invalid model config: {exc}") from exc
 
     def rope_inv_freq(self) -> list[float]:
         """RoPE inverse frequencies per rotary pair, with the model's scaling applied.

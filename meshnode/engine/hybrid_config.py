@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshnode.engine.recurrent import RecurrentShape
+from meshnode.errors import ModelError
 
 __all__ = ["HYBRID_MODEL_TYPES", "LINEAR_ATTENTION", "HybridConfig", "HybridConfigError"]
 
@@ -21,7 +22,7 @@ LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 
 
-class HybridConfigError(ValueError):
+class HybridConfigError(ModelError):
     """The configuration is not a hybrid model meshnode implements."""
 
 

@@ -7,6 +7,8 @@ package folder, ``hf://org/repo`` or an https URL); this module only maps its er
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from meshnode_packaging.errors import PackageError
@@ -14,21 +16,48 @@ from meshnode_packaging.refs import open_ref
 from meshnode_packaging.sources import ModelSource, SourceError
 
 from meshnode.engine.backend import Backend
-from meshnode.engine.config import ConfigError, ModelConfig
+from meshnode.engine.config import ModelConfig, ModelConfigError
 from meshnode.engine.model import Stage
 from meshnode.engine.tokenizer import ChatTemplate, TemplateError, Tokenizer
+from meshnode.errors import ModelError
 
-__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "load_model", "resolve_source"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "LoadedModel",
+    "ModelLoadError",
+    "load_model",
+    "reading_model",
+    "resolve_source",
+]
 
 DEFAULT_MODEL = "smollm2-135m"
 
 
-class ModelLoadError(Exception):
+class ModelLoadError(ModelError):
     """The model reference cannot be resolved or the model cannot be loaded."""
 
 
-def _one_line(exc: Exception) -> str:
+def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
+
+
+@contextlib.contextmanager
+def reading_model() -> Iterator[None]:
+    """Map what reading a model raises to :class:`ModelLoadError`, with a one-line reason.
+
+    This is the boundary where ``meshnode_packaging``'s ``PackageError``/``SourceError``,
+    and the ``OSError``, ``ValueError`` and ``KeyError`` (a missing tensor) of files that
+    are not what they claim, enter meshnode's tree; a :class:`~meshnode.errors.ModelError`
+    passes through unchanged.
+    """
+    try:
+        yield
+    except ModelError:
+        raise
+    except (PackageError, SourceError, OSError, ValueError) as exc:
+        raise ModelLoadError(_one_line(exc)) from exc
+    except KeyError as exc:
+        raise ModelLoadError(f"model lacks tensor {exc.args[0]!r}") from exc
 
 
 def resolve_source(ref: str | None) -> ModelSource:
@@ -36,10 +65,8 @@ def resolve_source(ref: str | None) -> ModelSource:
 
     Raises :class:`ModelLoadError` with a one-line reason.
     """
-    try:
+    with reading_model():
         return open_ref(ref or DEFAULT_MODEL)
-    except (PackageError, SourceError) as exc:
-        raise ModelLoadError(_one_line(exc)) from exc
 
 
 @dataclass(frozen=True)
@@ -59,16 +86,17 @@ def load_model(ref: str | None, backend: Backend) -> LoadedModel:
     """
     source = resolve_source(ref)
     try:
-        config = ModelConfig.from_hf(source.config)
-        tokenizer = Tokenizer(source.tokenizer_json)
-        template = None
-        if source.chat_template:
-            template = ChatTemplate(source.chat_template, _special_tokens(tokenizer, config))
-        stage = Stage(config, source, 0, config.num_layers, embed=True, head=True, backend=backend)
-    except (ConfigError, TemplateError, SourceError, PackageError) as exc:
+        with reading_model():
+            config = ModelConfig.from_hf(source.config)
+            tokenizer = Tokenizer(source.tokenizer_json)
+            template = None
+            if source.chat_template:
+                template = ChatTemplate(source.chat_template, _special_tokens(tokenizer, config))
+            stage = Stage(
+                config, source, 0, config.num_layers, embed=True, head=True, backend=backend
+            )
+    except (ModelConfigError, TemplateError) as exc:
         raise ModelLoadError(_one_line(exc)) from exc
-    except KeyError as exc:
-        raise ModelLoadError(f"model lacks tensor {exc.args[0]!r}") from exc
     return LoadedModel(config, stage, tokenizer, template)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshnode.engine.kv_cache import KVCache
+from meshnode.errors import MeshnodeError
 
 __all__ = ["DEFAULT_RING_SLOTS", "HybridCache", "RecurrentShape", "RollbackError"]
 
@@ -32,7 +33,7 @@ __all__ = ["DEFAULT_RING_SLOTS", "HybridCache", "RecurrentShape", "RollbackError
 DEFAULT_RING_SLOTS = 17
 
 
-class RollbackError(ValueError):
+class RollbackError(MeshnodeError, ValueError):
     """``start_pos`` is further back than the snapshot ring reaches (replay from 0)."""
 
 

@@ -9,6 +9,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from meshnode.errors import ModelError
+
 __all__ = ["ChatTemplate", "IncrementalDetokenizer", "TemplateError", "Tokenizer"]
 
 
@@ -76,7 +78,7 @@ class IncrementalDetokenizer:
         return now[len(before) :]
 
 
-class TemplateError(ValueError):
+class TemplateError(ModelError):
     """The chat template failed to render (or raised on purpose via raise_exception)."""
 
 

@@ -41,6 +41,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from meshnode.errors import ConfigError, MeshnodeError
 from meshnode.net.secret_files import SecretFileError, check_private, write_private
 
 NodeId = NewType("NodeId", str)
@@ -61,11 +62,11 @@ NODE_CERT_FILE = "node.crt"
 MESH_CA_FILE = "mesh-ca.crt"
 
 
-class TokenError(ValueError):
+class TokenError(ConfigError):
     """A join token that is not of the form ``mesh1-<base32>`` or decodes badly."""
 
 
-class PeerIdentityError(ValueError):
+class PeerIdentityError(MeshnodeError, ValueError):
     """A verified peer certificate that does not prove its node id (refuse the peer)."""
 
 

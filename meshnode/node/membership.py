@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
+from meshnode.errors import MeshnodeError
 from meshnode.net.identity import NodeId
 from meshnode.node.config import HeartbeatTimeouts
 
@@ -30,7 +31,7 @@ from meshnode.node.config import HeartbeatTimeouts
 FORGET_AFTER_DEAD = 3.0
 
 
-class MembershipError(RuntimeError):
+class MembershipError(MeshnodeError, RuntimeError):
     """An event that the peer table cannot apply in its current state."""
 
 

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, NewType, Protocol
 
 import trio
 
+from meshnode.errors import MeshnodeError
+
 if TYPE_CHECKING:
     from meshnode.engine.sampling import SamplingParams
     from meshnode.node.stage import StageRunner
@@ -114,7 +116,7 @@ class StepResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class PipelineError(Exception):
+class PipelineError(MeshnodeError):
     """A pipeline pass failed (a stage died, a sequence limit was hit, ...)."""
 
 
@@ -156,10 +158,7 @@ class LocalPipeline:
 
     async def run(self, frame: StepFrame) -> StepResult:
         async with self._lock:
-            result = await trio.to_thread.run_sync(self.runner.process, frame)
-        if not isinstance(result, StepResult):
-            raise PipelineError("the local stage is not the last stage: it returned hidden")
-        return result
+            return await trio.to_thread.run_sync(self.runner.result, frame)
 
     async def release(self, request_id: RequestId) -> None:
         # Under the lock, so a release never races the worker thread's use of the cache.

@@ -50,7 +50,7 @@ def is_data_reply(message: Message) -> TypeGuard[Prediction | Error]:
 class _Waiter:
     done: trio.Event = field(default_factory=trio.Event)
     result: StepResult | None = None
-    error: str = ""
+    error: PipelineError | None = None  # why the frame failed, raised in the waiting task
 
 
 class RemotePipeline:
@@ -78,21 +78,22 @@ class RemotePipeline:
         self._next_wire_id = itertools.count()
         # Per-sequence outgoing activation buffers, reused by every decode step.
         self._wire = WireSequences(runner.max_sequences)
-        self._failure = ""
+        self._failure: PipelineError | None = None  # set once: every later run fails
 
     @property
     def context_size(self) -> int:
         return int(self.runner.context_size)
 
     async def run(self, frame: StepFrame) -> StepResult:
-        if self._failure:
-            raise PipelineError(self._failure)
+        if self._failure is not None:
+            raise PipelineError(str(self._failure))
+        if self.runner.last:  # a one-stage run
+            async with self._lock:
+                return await trio.to_thread.run_sync(self.runner.result, frame)
         async with self._lock:
             began = time.perf_counter()
-            out = await trio.to_thread.run_sync(self.runner.process, frame)
+            out = await trio.to_thread.run_sync(self.runner.activations, frame)
             local_s = time.perf_counter() - began
-        if isinstance(out, StepResult):
-            return out  # a one-stage run
         wire_id = self._wire_id(frame.request_id)
         message = frame_to_wire(
             dataclasses.replace(frame, request_id=wire_id),
@@ -112,7 +113,7 @@ class RemotePipeline:
         finally:
             self._waiters.pop(wire_id, None)
         if waiter.result is None:
-            raise PipelineError(waiter.error)
+            raise waiter.error or PipelineError("the frame's waiter woke without a result")
         # The other stages report their compute (the last its own, the middle ones through
         # the frame); stage 0's is measured here.
         stages = (local_s, *waiter.result.stage_compute_s)
@@ -161,7 +162,7 @@ class RemotePipeline:
         if isinstance(message, Prediction):
             waiter.result = result_from_wire(message)
         else:
-            waiter.error = f"a stage failed: {message.message}"
+            waiter.error = PipelineError(f"a stage failed: {message.message}")
         waiter.done.set()
 
     def may_reply(self, peer: str, message: Prediction | Error) -> bool:
@@ -172,8 +173,8 @@ class RemotePipeline:
 
     def fail(self, reason: str) -> None:
         """Wake every waiter with ``reason``; later calls to ``run`` fail at once."""
-        self._failure = reason
+        self._failure = PipelineError(reason)
         for waiter in self._waiters.values():
             if not waiter.done.is_set():
-                waiter.error = reason
+                waiter.error = PipelineError(reason)
                 waiter.done.set()

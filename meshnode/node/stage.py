@@ -100,18 +100,35 @@ class StageRunner:
         """Sequences holding a KV cache on this stage."""
         return len(self._sequences)
 
-    def process(self, frame: StepFrame) -> Any:
-        """Run ``frame``; hidden states for the next stage, or a StepResult on the last.
+    def activations(self, frame: StepFrame) -> npt.NDArray[np.float32]:
+        """Run ``frame`` through a stage that is not the last: the hidden states
+        ``[len(tokens), hidden]`` for the next stage, in host memory.
 
-        Raises StageError for frames that do not fit this sequence or the limits.
+        Raises StageError on the last stage, and for frames that do not fit this sequence
+        or the limits.
         """
+        if self.last:
+            raise StageError("the last stage returns tokens, not activations")
+        seq = self._sequence(frame)
+        self._check_positions(frame, seq)
+        out = self._forward(frame, seq)
+        # Host memory at the stage boundary: the only device-to-host copy of a stage.
+        hidden: npt.NDArray[np.float32] = self.stage.backend.to_numpy(out)
+        return hidden
+
+    def result(self, frame: StepFrame) -> StepResult:
+        """Run ``frame`` through the last stage: the tokens it commits (none for a
+        non-final prefill chunk).
+
+        Raises StageError on a stage that is not the last, and for frames that do not fit
+        this sequence or the limits.
+        """
+        if not self.last:
+            raise StageError("only the last stage decides tokens")
         began = time.perf_counter()
         seq = self._sequence(frame)
         self._check_positions(frame, seq)
         out = self._forward(frame, seq)
-        if not self.last:
-            # Host memory at the stage boundary: the only device-to-host copy of a stage.
-            return self.stage.backend.to_numpy(out)
         result = self._decide(frame, seq, out)
         elapsed = time.perf_counter() - began
         return StepResult(

@@ -25,6 +25,7 @@ it, and activations only from the stage's upstream (named in ``Load``); anyone e
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import threading
 import time
@@ -92,6 +93,16 @@ class Preparation:
         self.bytes_done, self.bytes_total = done, total
 
 
+class RunState(enum.StrEnum):
+    """Where this node's part in a run stands (``meshnode status`` shows the value)."""
+
+    CLAIMED = "claimed"
+    PREPARING = "preparing"
+    PREPARED = "prepared"
+    READY = "ready"
+    FAILED = "failed"
+
+
 @dataclass(slots=True)
 class WorkerRun:
     """This node's part in one run."""
@@ -104,7 +115,7 @@ class WorkerRun:
     upstream: str | None = None  # who sends us activations (None: the coordinator itself)
     downstream: str | None = None
     wire_dtype: str = "f16"
-    state: str = "claimed"
+    state: RunState = RunState.CLAIMED
     # Sampling and reused activation buffers of the sequences passing through this stage.
     wire: WireSequences = field(default_factory=lambda: WireSequences(MAX_SEQUENCES_PER_STAGE))
     lock: trio.Lock = field(default_factory=trio.Lock)
@@ -175,7 +186,7 @@ class Worker:
             "run_id": run.run_id,
             "term": run.term,
             "coordinator": run.coordinator,
-            "state": run.state,
+            "state": str(run.state),
         }
         if prep is not None:
             body["layers"] = list(_range(prep.part))
@@ -303,7 +314,7 @@ class Worker:
                 prep.cancel.set()
             prep = Preparation(prepare.package_ref, part, pin)
             run.preparation = prep
-            run.state = "preparing"
+            run.state = RunState.PREPARING
             self._nursery.start_soon(self._materialize, run, prep)
         await self._send(
             peer, PrepareAccepted(run_id=run.run_id, term=run.term, node_id=self.node_id)
@@ -331,11 +342,11 @@ class Worker:
             )
             if prep.bytes_total == 0:  # a local source: nothing was transferred
                 prep.bytes_done = prep.bytes_total = 1
-            if run.state == "preparing":
-                run.state = "prepared"
+            if run.state is RunState.PREPARING:
+                run.state = RunState.PREPARED
         except Exception as exc:  # any failure is reported, never raised
             prep.error = failure_reason(exc, prep.package_ref)
-            run.state = "failed"
+            run.state = RunState.FAILED
             log.warning("preparing %s failed: %s: %s", prep.package_ref, type(exc).__name__, exc)
         finally:
             prep.done.set()
@@ -390,7 +401,7 @@ class Worker:
         run.upstream = None if load.upstream is None else load.upstream.node_id
         run.downstream = None if load.downstream is None else load.downstream.node_id
         run.wire_dtype = load.wire_dtype
-        run.state = "ready"
+        run.state = RunState.READY
         await self._send(
             peer,
             Ready(
@@ -418,7 +429,7 @@ class Worker:
         )
 
     async def _load_failed(self, peer: str, run: WorkerRun, reason: str) -> None:
-        run.state = "failed"
+        run.state = RunState.FAILED
         await self._send(
             peer,
             Error(
@@ -452,12 +463,16 @@ class Worker:
                 ),
             )
             return
+        result: StepResult | None = None
         try:
             async with run.lock:
                 # Under the lock: the sequence's input buffer is reused frame after frame.
                 frame = frame_from_wire(message, run.wire)
                 began = time.perf_counter()
-                out = await trio.to_thread.run_sync(runner.process, frame)
+                if runner.last:
+                    result = await trio.to_thread.run_sync(runner.result, frame)
+                else:
+                    hidden = await trio.to_thread.run_sync(runner.activations, frame)
                 compute_us = int((time.perf_counter() - began) * 1e6)
         except (PipelineError, ValueError) as exc:
             await self._send(
@@ -471,12 +486,12 @@ class Worker:
                 ),
             )
             return
-        if isinstance(out, StepResult):
-            if not out.tokens:
+        if result is not None:
+            if not result.tokens:
                 return  # a non-final prefill chunk: the host does not wait for it
             target = run.coordinator
             outgoing: Message = result_to_wire(
-                out,
+                result,
                 run_id=run.run_id,
                 term=run.term,
                 start_pos=frame.start_pos,
@@ -486,7 +501,7 @@ class Worker:
             target = run.downstream
             outgoing = frame_to_wire(
                 frame,
-                out,
+                hidden,
                 run_id=run.run_id,
                 term=run.term,
                 wire_dtype=run.wire_dtype,

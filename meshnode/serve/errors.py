@@ -31,6 +31,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from meshnode.errors import MeshnodeError
+
 log = logging.getLogger(__name__)
 
 #: Seconds a client is told to wait while the mesh (re)loads. Loading a stage of a small
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RETRY_AFTER_S = 5
 
 
-class APIError(Exception):
+class APIError(MeshnodeError):
     """An error the API reports to the client with an OpenAI-shaped body."""
 
     status_code = 500

@@ -27,16 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from meshnode_packaging.errors import PackageError
 from meshnode_packaging.package import PackageSource
 from meshnode_packaging.refs import open_ref
-from meshnode_packaging.sources import ModelSource, SourceError
+from meshnode_packaging.sources import ModelSource
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
+from meshnode.engine.loader import reading_model
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
-from meshnode.errors import ConfigError
+from meshnode.errors import ModelError
 from meshnode.node.coordinator import model_footprint
 from meshnode.serve.generation import Speculation
 from meshnode.speculative.draft import (
@@ -49,7 +49,6 @@ from meshnode.speculative.draft import (
 from meshnode.speculative.factory import build_proposer
 from meshnode.speculative.proposer import Proposer
 from meshnode.speculative.settings import (
-    SpeculativeConfigError,
     SpeculativeFlags,
     SpeculativeSettings,
     Strategy,
@@ -68,7 +67,7 @@ LAYER_SKIP_FALLBACK: Strategy = "auto"
 DRAFT_MEMORY_SHARE = 0.8
 
 
-class DraftUnavailableError(Exception):
+class DraftUnavailableError(ModelError):
     """The draft model cannot be used here; the message is the reason ``status`` shows."""
 
 
@@ -96,17 +95,17 @@ def resolve_for_model(
     source: ModelSource,
     draft_unavailable: str | None = None,
 ) -> SpeculativeSettings:
-    """Resolve the settings of the served model; raises ``ConfigError`` for a bad value."""
-    try:
-        return resolve_speculative(
-            flags,
-            tables,
-            config_model_key(tables, model_id, model_ref),
-            package_block(source),
-            draft_unavailable=draft_unavailable,
-        )
-    except SpeculativeConfigError as exc:
-        raise ConfigError(str(exc)) from exc
+    """Resolve the settings of the served model.
+
+    Raises ``SpeculativeConfigError`` (a ``ConfigError``) for a bad value.
+    """
+    return resolve_speculative(
+        flags,
+        tables,
+        config_model_key(tables, model_id, model_ref),
+        package_block(source),
+        draft_unavailable=draft_unavailable,
+    )
 
 
 def load_draft(
@@ -125,9 +124,10 @@ def load_draft(
     vocabulary differs, or the weights would not fit.
     """
     try:
-        source = open_ref(ref, cache_dir=cache_dir)
-        config = ModelConfig.from_hf(source.config)
-    except (PackageError, SourceError, OSError, ValueError, KeyError) as exc:
+        with reading_model():
+            source = open_ref(ref, cache_dir=cache_dir)
+            config = ModelConfig.from_hf(source.config)
+    except ModelError as exc:
         raise DraftUnavailableError(f"cannot open it: {_one_line(exc)}") from exc
     need = _weight_bytes(config)
     have = psutil.virtual_memory().available if available_bytes is None else available_bytes
@@ -136,10 +136,11 @@ def load_draft(
             f"not enough memory: it needs {need / 2**20:.0f} MiB, {have / 2**20:.0f} MiB available"
         )
     try:
-        return draft_model_stage(vocab_info(target_name, target), ref, source, backend)
+        with reading_model():
+            return draft_model_stage(vocab_info(target_name, target), ref, source, backend)
     except DraftIncompatibleError as exc:
         raise DraftUnavailableError(str(exc)) from exc
-    except (PackageError, SourceError, OSError, ValueError, KeyError) as exc:
+    except ModelError as exc:
         raise DraftUnavailableError(f"cannot load it: {_one_line(exc)}") from exc
 
 
@@ -202,10 +203,11 @@ class SpeculationHost:
         if stage is None:
             return
         try:
-            count = self._layer_skip_count(stage)
-            source = None if stage.head else head_source()
-            self.draft_stage = layer_skip_stage(stage, count, source)
-        except (ValueError, PackageError, SourceError, OSError, KeyError) as exc:
+            with reading_model():
+                count = self._layer_skip_count(stage)
+                source = None if stage.head else head_source()
+                self.draft_stage = layer_skip_stage(stage, count, source)
+        except ModelError as exc:
             self._fall_back(f"layer-skip unavailable: {_one_line(exc)}")
             return
         self.layer_skip = {"layers": count, "of": stage.config.num_layers, "stage0": stage.end}

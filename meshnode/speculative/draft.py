@@ -27,12 +27,13 @@ from meshnode.engine.kv_cache import KVCache
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams, logits_to_probs
 from meshnode.engine.weights import StageWeights, load_stage_weights
+from meshnode.errors import ModelError
 from meshnode.speculative.acceptance import sample_row
 from meshnode.speculative.proposer import EMPTY_PROPOSAL, Proposal, common_prefix
 from meshnode.speculative.scorer import forward_rows
 
 
-class DraftIncompatibleError(ValueError):
+class DraftIncompatibleError(ModelError):
     """The draft model cannot propose for the target (the message names both models)."""
 
 

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from meshnode.errors import ConfigError
 from meshnode.speculative.ngram import NgramParams
 from meshnode.speculative.window import WindowKind, WindowPolicy
 
@@ -77,7 +78,7 @@ SOURCE_DEFAULTS = "config [defaults.speculative]"
 SOURCE_BUILTIN = "built-in default"
 
 
-class SpeculativeConfigError(ValueError):
+class SpeculativeConfigError(ConfigError):
     """A speculative setting from the CLI or the TOML config is invalid; names its source."""
 
 

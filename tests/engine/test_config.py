@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from meshnode.engine.config import ConfigError, ModelConfig
+from meshnode.engine.config import ModelConfig, ModelConfigError
 
 LLAMA31: dict[str, Any] = {
     "model_type": "llama",
@@ -80,11 +80,11 @@ def test_transformers5_rope_parameters_block() -> None:
     ],
 )
 def test_bad_configs(change: dict[str, Any], message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ModelConfigError, match=message):
         ModelConfig.from_hf(dict(LLAMA31, **change))
     missing = dict(LLAMA31)
     del missing["vocab_size"]
-    with pytest.raises(ConfigError, match="lacks 'vocab_size'"):
+    with pytest.raises(ModelConfigError, match="lacks 'vocab_size'"):
         ModelConfig.from_hf(missing)
 
 
@@ -95,5 +95,5 @@ def test_gguf_rope_freq_factors_match_llama3_scaling() -> None:
     factors = [p / s for p, s in zip(plain, scaled, strict=True)]
     gguf_style = ModelConfig.from_hf(dict(LLAMA31, rope_scaling=None, rope_freq_factors=factors))
     assert gguf_style.rope_inv_freq() == pytest.approx(scaled, rel=1e-12)
-    with pytest.raises(ConfigError, match="head_dim / 2"):
+    with pytest.raises(ModelConfigError, match="head_dim / 2"):
         ModelConfig.from_hf(dict(LLAMA31, rope_freq_factors=[1.0]))

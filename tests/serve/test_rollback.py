@@ -86,10 +86,10 @@ class ChainPipeline:
         return CONTEXT
 
     async def run(self, frame: StepFrame) -> StepResult:
-        out: Any = frame
-        for runner in self.runners:
-            current = frame if out is frame else replace(frame, hidden=out)
-            out = runner.process(current)
+        current = frame
+        for runner in self.runners[:-1]:
+            current = replace(frame, hidden=runner.activations(current))
+        out = self.runners[-1].result(current)
         assert isinstance(out, StepResult)
         self.results.append((frame, out))
         return out
