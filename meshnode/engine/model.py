@@ -19,7 +19,7 @@ from meshnode_packaging.sources import ModelSource
 
 from meshnode.engine import ops
 from meshnode.engine.backend import Backend, cpu_backend
-from meshnode.engine.config import ConfigError, ModelConfig
+from meshnode.engine.config import ModelConfig, ModelConfigError
 from meshnode.engine.hybrid import HybridStage, load_hybrid_weights
 from meshnode.engine.hybrid_config import HybridConfig
 from meshnode.engine.kv_cache import KVCache
@@ -93,12 +93,12 @@ class Stage:
     ) -> None:
         """Hand this stage to ``hybrid.HybridStage`` (NumPy only, weights from a source)."""
         if self.backend.name != "cpu":
-            raise ConfigError(
+            raise ModelConfigError(
                 f"the CUDA stage does not run {self.config.model_type} (hybrid) models yet; "
                 "use --device cpu"
             )
         if isinstance(source, StageWeights):
-            raise ConfigError("a hybrid stage loads its weights from the model source")
+            raise ModelConfigError("a hybrid stage loads its weights from the model source")
         weights = load_hybrid_weights(
             source,
             hybrid_config,

@@ -52,9 +52,10 @@ class Chain:
         return CONTEXT
 
     async def run(self, frame: StepFrame) -> StepResult:
-        out: Any = frame
-        for runner in self.runners:
-            out = runner.process(frame if out is frame else replace(frame, hidden=out))
+        current = frame
+        for runner in self.runners[:-1]:
+            current = replace(frame, hidden=runner.activations(current))
+        out = self.runners[-1].result(current)
         assert isinstance(out, StepResult)
         return out
 
