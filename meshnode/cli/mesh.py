@@ -189,7 +189,7 @@ def join(
     speculative: Annotated[
         str | None,
         typer.Option(
-            help="Speculative decoding: off, auto (default), ngram, draft or layer-skip. "
+            help="Speculative decoding: off, auto (default), ngram, draft, layer-skip or mtp. "
             "Overrides the config tables models.<id>.speculative and "
             "defaults.speculative, and the package."
         ),

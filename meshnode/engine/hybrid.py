@@ -108,7 +108,11 @@ class HybridStage:
         self.linear_layers = sum(kinds)
         self.attention_layers = len(kinds) - self.linear_layers
         inv_freq = np.asarray(config.rope_inv_freq(), dtype=np.float32)
-        self._inv_freq = backend.asarray(inv_freq)  # [R/2]
+        self.rope_inv_freq = backend.asarray(inv_freq)  # [R/2] (the MTP layer's too)
+        # Head stage with an MTP module: the final-normed hidden rows of the last pass, all
+        # of them when ``keep_hidden`` is set (the MTP layer reads every committed row).
+        self.keep_hidden = False
+        self.last_hidden: Any = None  # [S, E]
         self._scale = float(1.0 / np.sqrt(config.head_dim))
 
     def new_cache(self, max_tokens: int) -> HybridCache:
@@ -138,7 +142,10 @@ class HybridStage:
         x = self.embed_rows(inputs) if self.embed else xp.asarray(inputs, xp.float32)
         n = x.shape[0]
         rows = n if out_rows is None or not self.head else min(out_rows, n)
-        cos, sin = ops.rope_cos_sin(xp, self._inv_freq, start_pos, n)  # [S, R]
+        wanted = rows
+        if self.keep_hidden and self.head:
+            rows = n
+        cos, sin = ops.rope_cos_sin(xp, self.rope_inv_freq, start_pos, n)  # [S, R]
         last = len(self.weights.blocks) - 1
         for i, layer in enumerate(self.weights.blocks):
             keep = rows if i == last else n
@@ -146,7 +153,10 @@ class HybridStage:
         if not self.weights.blocks:
             x = x[n - rows :]
         cache.advance(start_pos, n)
-        return self.logits(x) if self.head else x
+        if not self.head:
+            return x
+        self.last_hidden = self.final_norm(x)  # [r, E]
+        return self._project(self.last_hidden[rows - wanted :])
 
     # -- pieces ------------------------------------------------------------------------
 
@@ -245,9 +255,11 @@ class HybridStage:
 
     def logits(self, x: Any) -> Any:
         """Final norm and output head: ``[r, E]`` -> ``[r, V]``."""
+        return self._project(self.final_norm(x))
+
+    def _project(self, normed: Any) -> Any:
         w = self.weights
-        table = w.head_t if w.head_t is not None else w.embed_t
-        return self.linear(self.final_norm(x), table)
+        return self.linear(normed, w.head_t if w.head_t is not None else w.embed_t)
 
     def _norm(self, x: Any, weight: Any) -> Any:
         return ops.rms_norm(self.xp, x, weight, self.config.rms_norm_eps)

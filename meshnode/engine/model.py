@@ -23,6 +23,7 @@ from meshnode.engine.config import ModelConfig, ModelConfigError
 from meshnode.engine.hybrid import HybridStage, load_hybrid_weights
 from meshnode.engine.hybrid_config import HybridConfig
 from meshnode.engine.kv_cache import KVCache
+from meshnode.engine.mtp import MtpHead, has_mtp, load_mtp_weights
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, HybridCache
 from meshnode.engine.weights import LayerWeights, StageWeights, load_stage_weights
 
@@ -52,6 +53,7 @@ class Stage:
         head: bool,
         backend: Backend | None = None,
         ring_slots: int = DEFAULT_RING_SLOTS,
+        mtp: bool = True,
     ) -> None:
         if not 0 <= start <= end <= config.num_layers:
             raise ValueError(f"layer range [{start}, {end}) outside 0..{config.num_layers}")
@@ -63,8 +65,9 @@ class Stage:
         self.gemv_max_rows = GEMV_MAX_ROWS if self.backend.name == "cpu" else 1
         self._cuda: CudaStage | None = None
         self.hybrid: HybridStage | None = None
+        self.mtp: MtpHead | None = None  # the model's MTP drafter (hybrid head stage)
         if config.hybrid is not None:  # Gated DeltaNet + gated attention layers
-            self._init_hybrid(config.hybrid, source_or_weights, ring_slots)
+            self._init_hybrid(config.hybrid, source_or_weights, ring_slots, mtp)
             return
         if isinstance(source_or_weights, StageWeights):
             self.weights = source_or_weights
@@ -89,7 +92,11 @@ class Stage:
             )
 
     def _init_hybrid(
-        self, hybrid_config: HybridConfig, source: ModelSource | StageWeights, ring_slots: int
+        self,
+        hybrid_config: HybridConfig,
+        source: ModelSource | StageWeights,
+        ring_slots: int,
+        mtp: bool,
     ) -> None:
         """Hand this stage to ``hybrid.HybridStage`` (NumPy only, weights from a source)."""
         if self.backend.name != "cpu":
@@ -120,6 +127,8 @@ class Stage:
             linear=self._linear,
             ring_slots=ring_slots,
         )
+        if mtp and self.head and has_mtp(source):
+            self.mtp = MtpHead(self.hybrid, load_mtp_weights(source, self.backend))
 
     @property
     def cuda(self) -> CudaStage | None:

@@ -63,6 +63,9 @@ class StepFrame:
     draft_probs: Any = None
     hidden: Any = None
     top_logprobs: int | None = None
+    # Drafts wanted from the last stage's MTP module for the tokens after this frame's
+    # (0: none); they come back in ``StepResult.drafts`` (``--speculative mtp``).
+    mtp_drafts: int = 0
 
     def __post_init__(self) -> None:
         if self.start_pos < 0:
@@ -113,6 +116,9 @@ class StepResult:
     logprobs: tuple[TokenLogprob, ...] | None = None
     compute_s: float = 0.0
     stage_compute_s: tuple[float, ...] = ()
+    # The MTP module's drafts of the tokens after ``tokens`` (when the frame asked for them),
+    # to be verified in the next window.
+    drafts: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
 

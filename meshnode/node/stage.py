@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
+from meshnode.engine.mtp import MtpCache
 from meshnode.engine.sampling import Sampler, SamplingParams, logits_to_probs
 from meshnode.node.pipeline import (
     FrameKind,
@@ -71,6 +72,7 @@ class _Sequence:
     # Where the prompt ends in ``history``: penalties count generated tokens only, as the
     # engine's ``generate`` does (and vLLM for presence/frequency).
     prompt_len: int = 0
+    mtp: MtpCache | None = None  # the MTP drafter's KV (last stage, frames asking drafts)
 
 
 class StageRunner:
@@ -130,6 +132,7 @@ class StageRunner:
         self._check_positions(frame, seq)
         out = self._forward(frame, seq)
         result = self._decide(frame, seq, out)
+        drafts = self._mtp_drafts(frame, seq, result[0], result[1])
         elapsed = time.perf_counter() - began
         return StepResult(
             request_id=frame.request_id,
@@ -138,6 +141,7 @@ class StageRunner:
             logprobs=result[2],
             compute_s=elapsed,
             stage_compute_s=(elapsed,),
+            drafts=drafts,
         )
 
     def release(self, request_id: RequestId) -> bool:
@@ -197,6 +201,8 @@ class StageRunner:
             seq.history[frame.start_pos :] = frame.tokens
             if frame.kind is FrameKind.PREFILL and frame.final:
                 seq.prompt_len = frame.end_pos
+        if self.stage.hybrid is not None:  # the MTP drafter reads every row's hidden state
+            self.stage.hybrid.keep_hidden = self.stage.mtp is not None and frame.mtp_drafts > 0
         # Only the rows whose logits are used go through the head (engine out_rows).
         return self.stage.forward(inputs, frame.start_pos, seq.cache, out_rows=_out_rows(frame))
 
@@ -240,6 +246,25 @@ class StageRunner:
         if probs is not None:
             probs = np.asarray(self.stage.backend.to_numpy(probs), dtype=np.float64)
         return accept_sampling(target, drafts, probs, seq.rng)
+
+
+    def _mtp_drafts(
+        self, frame: StepFrame, seq: _Sequence, accepted: int, tokens: list[int]
+    ) -> tuple[int, ...]:
+        """Drafts of the model's MTP module for the tokens after ``tokens`` (DESIGN §7):
+        the committed rows of this frame feed its layer, then it chains greedy drafts."""
+        mtp, hybrid = self.stage.mtp, self.stage.hybrid
+        if mtp is None or hybrid is None or frame.mtp_drafts == 0:
+            return ()
+        if seq.mtp is None:
+            seq.mtp = mtp.new_cache(self.context_size)
+        rows = accepted + 1 if frame.kind is FrameKind.VERIFY else len(frame.tokens)
+        following = tokens[-1] if tokens else None  # the token after the last committed row
+        hidden = hybrid.last_hidden[:rows]
+        out = mtp.absorb(seq.mtp, frame.start_pos, hidden, list(frame.tokens[:rows]), following)
+        if out is None or following is None:
+            return ()
+        return tuple(mtp.draft(seq.mtp, out, frame.mtp_drafts))
 
 
 def _out_rows(frame: StepFrame) -> int:

@@ -197,6 +197,7 @@ def frame_to_wire(
         logprobs=frame.top_logprobs is not None,
         top_logprobs=frame.top_logprobs or 0,
         stage_compute_us=stage_compute_us,
+        mtp_drafts=frame.mtp_drafts,
     )
 
 
@@ -224,6 +225,7 @@ def frame_from_wire(message: ActivationFrame, sequences: WireSequences) -> StepF
         draft_probs=draft_probs,
         hidden=hidden,
         top_logprobs=message.top_logprobs if message.logprobs else None,
+        mtp_drafts=message.mtp_drafts,
     )
 
 
@@ -258,6 +260,7 @@ def result_to_wire(
         top_logprobs=top,
         compute_us=int(result.compute_s * 1e6),
         stage_compute_us=stage_compute_us,
+        drafts=result.drafts,
     )
 
 
@@ -279,4 +282,5 @@ def result_from_wire(message: Prediction) -> StepResult:
         logprobs=logprobs,
         compute_s=message.compute_us / 1e6,
         stage_compute_s=tuple(us / 1e6 for us in (*message.stage_compute_us, message.compute_us)),
+        drafts=message.drafts,
     )

@@ -29,6 +29,7 @@ from meshnode.node.pipeline import (
     StepResult,
     TokenLogprob,
 )
+from meshnode.speculative.mtp import MtpProposer
 from meshnode.speculative.telemetry import SpecStats
 from meshnode.speculative.window import StepCosts, Window, WindowPolicy
 
@@ -244,6 +245,10 @@ class GenerationRun:
     timings: GenerationTimings = field(default_factory=GenerationTimings)
     on_pass: PassObserver | None = None
     strategy: str = "off"
+    # MTP: drafts each frame asks of the last stage, and the latest ones it sent back with
+    # the history length they follow (handed to the MtpProposer before it proposes).
+    mtp_drafts: int = 0
+    offered: tuple[int, tuple[int, ...]] = (0, ())
 
     @property
     def history(self) -> list[int]:
@@ -268,6 +273,8 @@ async def generate(
     """
     run.timings.started = trio.current_time()
     run.on_pass = on_pass
+    if speculation is not None and speculation.strategy == "mtp":
+        run.mtp_drafts = speculation.window.max_window
     try:
         delta = await _prefill(pipeline, run, chunk_tokens)
         yield delta
@@ -301,6 +308,7 @@ async def _pass(
     if not result.tokens:
         return result, None
     delta = run.state.commit(result.tokens, result.logprobs)
+    run.offered = (len(run.history), result.drafts)
     if run.timings.first_token is None:
         run.timings.first_token = trio.current_time()
     return result, delta
@@ -337,6 +345,8 @@ async def _decode_step(
     began = trio.current_time()  # a step's cost includes proposing
     if proposer is not None and window is not None and room > 0:
         limit = min(window.size, room)
+        if isinstance(proposer, MtpProposer):  # drafts the last stage sent with the prediction
+            proposer.offer(*run.offered)
         if speculation is not None and speculation.threaded:
             proposal = await trio.to_thread.run_sync(proposer.propose, history, limit)
         else:
@@ -378,4 +388,5 @@ def _frame(
         final=final,
         draft_probs=probs,
         top_logprobs=run.params.top_logprobs,
+        mtp_drafts=run.mtp_drafts,
     )

@@ -10,6 +10,7 @@ from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
 from meshnode.speculative.auto import AutoNgramProposer
 from meshnode.speculative.draft import StageProposer
+from meshnode.speculative.mtp import MtpProposer
 from meshnode.speculative.ngram import NgramProposer
 from meshnode.speculative.proposer import Proposer
 from meshnode.speculative.settings import SpeculativeSettings
@@ -35,6 +36,8 @@ def build_proposer(
         return AutoNgramProposer(settings.ngram)
     if strategy == "ngram":
         return NgramProposer(settings.ngram)
+    if strategy == "mtp":  # drafts come from the last stage with each prediction
+        return MtpProposer()
     if draft_stage is None:
         raise ValueError(f"strategy {strategy} needs a loaded draft stage")
     return StageProposer(draft_stage, params, capacity)

@@ -33,8 +33,8 @@ from meshnode.errors import ConfigError
 from meshnode.speculative.ngram import NgramParams
 from meshnode.speculative.window import WindowKind, WindowPolicy
 
-Strategy = Literal["off", "auto", "ngram", "draft", "layer-skip"]
-STRATEGIES: tuple[Strategy, ...] = ("off", "auto", "ngram", "draft", "layer-skip")
+Strategy = Literal["off", "auto", "ngram", "draft", "layer-skip", "mtp"]
+STRATEGIES: tuple[Strategy, ...] = ("off", "auto", "ngram", "draft", "layer-skip", "mtp")
 
 # Package strategy ``type`` → the strategy it provides. An ngram entry with ``auto: true``
 # asks for the auto mode.
@@ -42,6 +42,7 @@ PACKAGE_TYPES: dict[str, Strategy] = {
     "ngram": "ngram",
     "draft-model": "draft",
     "layer-skip": "layer-skip",
+    "mtp": "mtp",  # the model's multi-token-prediction module (hybrid Qwen3.5 checkpoints)
 }
 
 # Keys of a TOML ``speculative`` table, with the type each must have.

@@ -384,6 +384,7 @@ class ActivationFrame(Message):
     logprobs: bool = False
     top_logprobs: UInt = 0
     stage_compute_us: tuple[UInt, ...] = ()
+    mtp_drafts: UInt = 0
 
     def _validate(self) -> None:
         if self.kind not in ACTIVATION_KINDS:
@@ -428,6 +429,8 @@ class Prediction(Message):
     token's position. ``compute_us`` is the last stage's compute time and
     ``stage_compute_us`` that of each stage between the first and the last, in order (copied
     from the frame), so the host can tell each stage's compute from wire time.
+    ``drafts`` are the MTP module's guesses of the tokens after ``tokens`` (when the frame
+    asked for ``mtp_drafts``), for the host to verify in its next frame.
     """
 
     TYPE: ClassVar[int] = 31
@@ -441,6 +444,7 @@ class Prediction(Message):
     top_logprobs: tuple[TopLogprobs, ...] = ()
     compute_us: UInt = 0
     stage_compute_us: tuple[UInt, ...] = ()
+    drafts: tuple[UInt, ...] = ()
 
     def _validate(self) -> None:
         if not self.accepted < len(self.tokens):

@@ -208,6 +208,17 @@ EXAMPLES: Final[dict[str, Message]] = {
         payload=Tensor("f16", (1, 2), _f16(0.5, -1.0)),
         stage_compute_us=(2100,),
     ),
+    # A decode frame asking the last stage for four MTP drafts.
+    "activation_decode_mtp": ActivationFrame(
+        request_id="r0",
+        run_id=_RUN_ID,
+        term=_TERM,
+        kind="decode",
+        start_pos=9,
+        tokens=(42,),
+        payload=Tensor("f16", (1, 2), _f16(0.5, -1.0)),
+        mtp_drafts=4,
+    ),
     "prediction": Prediction(
         request_id="req-1",
         run_id=_RUN_ID,
@@ -276,6 +287,16 @@ EXAMPLES: Final[dict[str, Message]] = {
         tokens=(17,),
         compute_us=1800,
         stage_compute_us=(2100,),
+    ),
+    # --speculative mtp: the last stage's MTP module drafted two tokens after the new one.
+    "prediction_mtp_drafts": Prediction(
+        request_id="r0",
+        run_id=_RUN_ID,
+        term=_TERM,
+        start_pos=9,
+        accepted=1,
+        tokens=(17, 23),
+        drafts=(5, 301),
     ),
     "release": Release(request_id="req-1", run_id=_RUN_ID, term=_TERM),
     "release_max_term": Release(request_id="req-1", run_id=_RUN_ID, term=2**64 - 1),

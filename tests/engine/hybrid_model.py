@@ -34,6 +34,10 @@ class HybridFolder:
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
+    def array(self, name: str) -> np.ndarray:
+        """The tensor ``name`` as stored (float32)."""
+        return self._tensors[name]
+
     def tensor(self, name: str) -> RawTensor:
         a = self._tensors[name]
         return RawTensor(name, "F32", a.shape, a.view(np.uint8).reshape(-1))

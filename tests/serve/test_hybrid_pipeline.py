@@ -22,6 +22,7 @@ from meshnode.serve.generation import (
     Speculation,
     generate,
 )
+from meshnode.speculative.mtp import MtpProposer
 from meshnode.speculative.ngram import NgramParams, NgramProposer
 from meshnode.speculative.proposer import Proposer
 from meshnode.speculative.window import WindowPolicy
@@ -120,3 +121,24 @@ def _restores(runner: StageRunner) -> int:
     """Ring restores over the caches this runner holds or kept for reuse."""
     caches = [*runner._free_caches, *(s.cache for s in runner._sequences.values())]
     return sum(c.restores for c in caches if isinstance(c, HybridCache))
+
+
+@pytest.mark.parametrize("window", [1, 4, 16])
+async def test_two_stages_with_mtp_drafts(chain: Chain, window: int) -> None:
+    """The last stage's MTP module drafts; its (random) drafts never change the output."""
+
+    def make(params: SamplingParams, capacity: int) -> Proposer:
+        return MtpProposer()
+
+    spec = Speculation(make, WindowPolicy("fixed", window, 1, window), strategy="mtp")
+    last = chain.runners[-1].stage
+    assert last.mtp is not None
+    for prompt in PROMPTS:
+        params = GenerationParams(max_new_tokens=32, sampling=SamplingParams(temperature=0.0))
+        state = GenerationState(params, SilentDetokenizer())
+        run = GenerationRun(RequestId(prompt["id"]), list(prompt["prompt_ids"]), params, state)
+        async for _ in generate(chain, run, speculation=spec, chunk_tokens=128):
+            pass
+        assert run.state.tokens == prompt["gen_ids"], prompt["id"]
+        assert run.spec.windows > 0  # every pass after the first verified MTP drafts
+        assert run.spec.proposed >= run.spec.windows
