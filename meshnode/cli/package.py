@@ -18,6 +18,7 @@ import typer
 from meshnode_packaging.errors import InvalidPackage, PackageError
 from meshnode_packaging.fetch import Materializer
 from meshnode_packaging.manifest import Part
+from meshnode_packaging.package import PackageSource
 from meshnode_packaging.refs import LocalPackage, LocalSource, RemotePackage, open_ref, resolve
 from meshnode_packaging.remote import RangedSource
 from meshnode_packaging.sources import ModelSource, SourceError
@@ -121,7 +122,12 @@ def run_fetch(config: FetchConfig) -> Path:
     if not isinstance(target, RemotePackage):
         raise PackageError(f"{config.ref!r} is not a package (hf://, https:// or a folder)")
     with _bar("fetching", bytes_=True) as progress:
-        return Materializer(config.cache_dir).fetch(target, config.part, progress=progress)
+        if target.repo is None:
+            return Materializer(config.cache_dir).fetch(target, config.part, progress=progress)
+        # A hub repo of any kind: a package's files, or a GGUF/safetensors repo's ranges.
+        source = open_ref(target, config.part, cache_dir=config.cache_dir, progress=progress)
+    assert isinstance(source, PackageSource | RangedSource)  # open_ref's hub sources
+    return source.folder
 
 
 def run_validate(ref: str) -> list[str]:

@@ -182,10 +182,11 @@ def wanted(canonical: str | None, raw: str, part: Part | None, tied: bool) -> bo
 class RangedSource:
     """A ``ModelSource`` over files of which only some tensors' bytes are present."""
 
-    def __init__(self, inner: ModelSource, present: set[str], commit: str) -> None:
+    def __init__(self, inner: ModelSource, present: set[str], commit: str, folder: Path) -> None:
         self._inner = inner
         self._present = present
         self.commit = commit
+        self.folder = folder  # where the partial files and the small files' links are
         self.config: dict[str, Any] = inner.config
         self.tokenizer_json: str = inner.tokenizer_json
         self.chat_template: str | None = inner.chat_template
@@ -256,7 +257,8 @@ class HubModel:
         self._fetch(files, list(want.values()), progress)
         self._verify_whole(files)
         present = {c for c, s in want.items() if self._file(files, s.file).has(s.bytes)}
-        return RangedSource(self._inner(files, extras), present, self.listing.commit)
+        inner = self._inner(files, extras)
+        return RangedSource(inner, present, self.listing.commit, self.root)
 
     # -- files ------------------------------------------------------------------------
 

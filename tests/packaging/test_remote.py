@@ -309,3 +309,35 @@ def test_a_whole_weight_file_is_checked_against_the_hub_sha256(
         open_ref("hf://org/t", None, cache_dir=cache, pin=commit)
     ranges = next(cache.rglob("t.gguf.ranges.json"))
     assert json.loads(ranges.read_text())["done"] == []  # nothing of it is trusted any more
+
+
+def test_a_dropped_range_resumes_from_the_byte_it_reached(
+    lhub: LocalHub, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copyfile(tiny_gguf, repo / "t.gguf")
+    lhub.add_repo("org/t", repo)
+    lhub.inject("t.gguf", Fault(die_after_bytes=100_000))
+    src = open_ref("hf://org/t", Part(0, 30, embed=True, head=True), cache_dir=tmp_path / "c")
+    gets = _weight_gets(lhub, ".gguf")
+    assert [(r.range_start, r.bytes_sent) for r in gets][:2] == [
+        (0, 100_000),  # the connection died here...
+        (100_000, tiny_gguf.stat().st_size - 100_000),  # ...and the piece went on from it
+    ]
+    whole = GGUFSource(tiny_gguf)
+    name = "layers.29.mlp.down_proj.weight"
+    assert np.array_equal(src.tensor(name).data, whole.tensor(name).data)
+
+
+def test_package_fetch_brings_a_gguf_stage(lhub: LocalHub, tiny_gguf: Path, tmp_path: Path) -> None:
+    from meshnode.cli.package import FetchConfig, run_fetch
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copyfile(tiny_gguf, repo / "t.gguf")
+    commit = lhub.add_repo("org/t", repo)
+    folder = run_fetch(FetchConfig("hf://org/t", Part(3, 4), tmp_path / "c"))
+    assert folder.name == commit
+    assert (folder / "t.gguf").stat().st_size == tiny_gguf.stat().st_size
+    assert (folder / "t.gguf.ranges.json").is_file()
