@@ -56,6 +56,7 @@ from meshnode_packaging.errors import (
     TransferError,
     Unauthorized,
 )
+from meshnode_packaging.hub import token_for
 from meshnode_packaging.manifest import MANIFEST_NAME, Manifest, Part
 from meshnode_packaging.refs import RemotePackage
 from meshnode_packaging.validate import manifest_problems, sha256_file
@@ -135,6 +136,13 @@ def _check_status(r: httpx.Response, url: str) -> None:
         raise FetchError(f"HTTP {code}", url=url)
 
 
+def _auth(url: str) -> dict[str, str]:
+    """The hub token for ``url``: only the hub's own host over https gets it (``hub.token_for``);
+    httpx drops it again on a redirect to another host."""
+    token = token_for(url)
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def _link(link: Path, blob: Path) -> None:
     """Point ``link`` at ``blob`` atomically (a relative symlink, as the HF cache does)."""
     link.parent.mkdir(parents=True, exist_ok=True)
@@ -200,8 +208,6 @@ class Materializer:
 
     def _client(self) -> httpx.Client:
         headers = {"User-Agent": "meshnode-packaging", "Accept-Encoding": "identity"}
-        if token := os.environ.get("HF_TOKEN"):
-            headers["Authorization"] = f"Bearer {token}"  # httpx drops it on cross-host redirects
         n = self.limits.max_parallel_files
         return httpx.Client(
             headers=headers,
@@ -271,7 +277,7 @@ class Materializer:
         raise ChecksumMismatch("manifest does not match the pinned sha256", url=url)
 
     def _get_small(self, client: httpx.Client, url: str) -> bytes:
-        with client.stream("GET", url) as r:
+        with client.stream("GET", url, headers=_auth(url)) as r:
             _check_status(r, url)
             body = bytearray()
             for chunk in r.iter_raw():
@@ -384,7 +390,7 @@ class Materializer:
         if have == w.size:
             return h.hexdigest()
         headers = {"Range": f"bytes={have}-"} if have else {}
-        with client.stream("GET", url, headers=headers) as r:
+        with client.stream("GET", url, headers={**headers, **_auth(url)}) as r:
             if r.status_code == 416:
                 tmp.unlink()  # our partial file disagrees with the server's: start over
                 raise _Retry("HTTP 416 on resume")

@@ -156,12 +156,16 @@ def test_404_and_401(hub: LocalHub, tmp_path: Path) -> None:
         _fetch(tmp_path, Part(12, 13))
 
 
-def test_token_is_sent_when_set(
+def test_token_never_goes_to_a_plain_http_host(
     hub: LocalHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HF_TOKEN", "hf_test")  # read at call time, not import time
     _fetch(tmp_path, Part(3, 4))
-    assert {r.authorization for r in hub.requests} == {"Bearer hf_test"}
+    url_ref = resolve(f"{hub.endpoint}/org/tiny/resolve/main")
+    assert isinstance(url_ref, RemotePackage)
+    Materializer(tmp_path / "u", limits=FAST).fetch(url_ref, Part(5, 6))
+    assert len(hub.requests) == 4
+    assert {r.authorization for r in hub.requests} == {None}
 
 
 def test_offline_uses_the_cache_or_says_what_is_missing(
