@@ -22,7 +22,9 @@ out like the Hugging Face hub cache::
     <cache>/models--org--repo/snapshots/<revision>/<path>     relative symlinks to blobs
 
 ``HF_ENDPOINT``, ``HF_TOKEN`` and ``HF_HUB_OFFLINE`` are read when :meth:`Materializer.fetch`
-is called, never at import. Errors are the :class:`~meshnode_packaging.errors.FetchError`
+is called, never at import; the token goes only to the hub's own host over https
+(:func:`meshnode_packaging.hub.token_for`). A failed file, or the caller's ``cancel`` event,
+stops the other downloads at their next read. Errors are the :class:`~meshnode_packaging.errors.FetchError`
 tree: :class:`NotFound` (404), :class:`Unauthorized` (401/403), :class:`ChecksumMismatch`,
 :class:`TransferError` (connection failures after every retry), :class:`DiskFull` and
 :class:`OfflineMissing`.
