@@ -24,10 +24,11 @@ out like the Hugging Face hub cache::
 ``HF_ENDPOINT``, ``HF_TOKEN`` and ``HF_HUB_OFFLINE`` are read when :meth:`Materializer.fetch`
 is called, never at import; the token goes only to the hub's own host over https
 (:func:`meshnode_packaging.hub.token_for`). A failed file, or the caller's ``cancel`` event,
-stops the other downloads at their next read. Errors are the :class:`~meshnode_packaging.errors.FetchError`
-tree: :class:`NotFound` (404), :class:`Unauthorized` (401/403), :class:`ChecksumMismatch`,
-:class:`TransferError` (connection failures after every retry), :class:`DiskFull` and
-:class:`OfflineMissing`.
+stops the other downloads at their next read. Errors are the
+:class:`~meshnode_packaging.errors.FetchError` tree: :class:`NotFound` (404),
+:class:`Unauthorized` (401/403), :class:`ChecksumMismatch`, :class:`TransferError`
+(connection failures after every retry), :class:`DiskFull`, :class:`OfflineMissing` and
+:class:`Cancelled`.
 """
 
 from __future__ import annotations
