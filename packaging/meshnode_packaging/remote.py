@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import re
@@ -251,13 +252,13 @@ class HubModel:
         extras = {rel: self._small(rel) for rel in self.selection.extras}
         weights = self.selection.weights or self._index_files(extras)
         files = [self._header(rel) for rel in weights]
-        spans = self._spans(files, extras)
+        spans = self._spans(files)
         tied = self._tied(spans, extras)
         want = {c: s for c, s in spans.items() if wanted(c, s.name, part, tied)}
         self._fetch(files, list(want.values()), progress)
         self._verify_whole(files)
         present = {c for c, s in want.items() if self._file(files, s.file).has(s.bytes)}
-        inner = self._inner(files, extras)
+        inner = self._inner(files)
         return RangedSource(inner, present, self.listing.commit, self.root)
 
     # -- files ------------------------------------------------------------------------
@@ -274,8 +275,6 @@ class HubModel:
         return path
 
     def _index_files(self, extras: dict[str, Path]) -> tuple[str, ...]:
-        import json
-
         try:
             weight_map = json.loads(extras[INDEX_NAME].read_text(encoding="utf-8"))["weight_map"]
             names = sorted({hub.check_repo_path(str(v)) for v in weight_map.values()})
@@ -320,7 +319,7 @@ class HubModel:
     def _file(files: list[_Weights], rel: str) -> PartialFile:
         return next(w.file for w in files if w.rel == rel)
 
-    def _spans(self, files: list[_Weights], extras: dict[str, Path]) -> dict[str, TensorSpan]:
+    def _spans(self, files: list[_Weights]) -> dict[str, TensorSpan]:
         spans: dict[str, TensorSpan] = {}
         for w in files:
             for s in w.layout.tensors:
@@ -338,8 +337,6 @@ class HubModel:
             return True
         if "config.json" not in extras:
             return False
-        import json
-
         config = json.loads(extras["config.json"].read_text(encoding="utf-8"))
         return bool(config.get("tie_word_embeddings", False))
 
@@ -375,7 +372,7 @@ class HubModel:
                 raise ChecksumMismatch(f"{w.rel}: sha256 differs from the hub's")
             w.file.mark_verified(sha)
 
-    def _inner(self, files: list[_Weights], extras: dict[str, Path]) -> ModelSource:
+    def _inner(self, files: list[_Weights]) -> ModelSource:
         if self.selection.kind == "safetensors":
             return HFFolderSource(self.root)
         paths = [w.file.path for w in files]
