@@ -223,6 +223,10 @@ class Coordinator:
                     "bytes_done": done,
                     "bytes_total": total,
                     "memory_bytes": stage.memory_bytes,
+                    # recurrent state + snapshot ring reserved for every live sequence
+                    "recurrent_bytes": sum(
+                        self.footprint.fixed_layer_bytes[stage.start : stage.end]
+                    ),
                 }
             )
         return {

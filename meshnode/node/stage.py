@@ -27,6 +27,7 @@ import numpy.typing as npt
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.engine.mtp import MtpCache
+from meshnode.engine.recurrent import HybridCache
 from meshnode.engine.sampling import Sampler, SamplingParams, logits_to_probs
 from meshnode.node.pipeline import (
     FrameKind,
@@ -143,6 +144,19 @@ class StageRunner:
             stage_compute_s=(elapsed,),
             drafts=drafts,
         )
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held by this stage's sequence caches (live and kept for reuse); for a
+        hybrid model also the recurrent state, the snapshot ring and the ring's restores."""
+        caches = [*self._free_caches, *(s.cache for s in self._sequences.values())]
+        out = {"cache_bytes": sum(int(c.nbytes()) for c in caches)}
+        hybrid = [c for c in caches if isinstance(c, HybridCache)]
+        if hybrid:
+            out["recurrent_state_bytes"] = sum(c.recurrent_nbytes() for c in hybrid)
+            out["snapshot_ring_bytes"] = sum(c.ring_nbytes() for c in hybrid)
+            out["snapshot_ring_slots"] = hybrid[0].ring_slots
+            out["ring_restores"] = sum(c.restores for c in hybrid)
+        return out
 
     def release(self, request_id: RequestId) -> bool:
         """Free the sequence's cache; False if it was not live (release is idempotent)."""

@@ -195,6 +195,7 @@ class Worker:
             body["error"] = prep.error
         if run.runner is not None:
             body["live_sequences"] = run.runner.live_sequences
+            body["memory"] = run.runner.memory()
         return body
 
     # -- dispatch -----------------------------------------------------------------------

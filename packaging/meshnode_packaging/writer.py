@@ -139,6 +139,26 @@ def _kv_bytes(config: dict[str, Any]) -> dict[str, int]:
     return {"f32": 4 * elements, "f16": 2 * elements, "bf16": 2 * elements}
 
 
+def recurrent_layer(config: dict[str, Any], layer: int) -> dict[str, Any]:
+    """Extra keys of a hybrid model's Gated DeltaNet layer entry (nothing for others).
+
+    Such a layer keeps no KV cache (``kv_cache: false``) but a fixed state per sequence:
+    ``recurrent_state_bytes`` float32 bytes (the conv window, ``K - 1`` rows of the
+    ``2 Hk Dk + Hv Dv`` conv channels, plus the ``Hv`` delta-rule matrices ``Dk x Dv``),
+    whatever the sequence's length. Runtimes may keep snapshots of it (meshnode: a ring).
+    """
+    nested = config.get("text_config")
+    text: dict[str, Any] = nested if isinstance(nested, dict) else config
+    types = text.get("layer_types") or []
+    if layer >= len(types) or types[layer] != "linear_attention":
+        return {}
+    kh, vh = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
+    kd, vd = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+    taps = int(text.get("linear_conv_kernel_dim", 4)) - 1
+    conv = taps * (2 * kh * kd + vh * vd)
+    return {"kv_cache": False, "recurrent_state_bytes": 4 * (conv + vh * kd * vd)}
+
+
 def _token_ids(config: dict[str, Any]) -> dict[str, Any]:
     eos = config.get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
@@ -230,7 +250,7 @@ def write_package(
     pw = _PartWriter(source, folder, dtype, total, progress)
     embed_entry = pw.write(EMBED_FILE, embed)
     layer_entries = [
-        {**pw.write(layer_file(i), group), "start": i, "end": i + 1}
+        {**pw.write(layer_file(i), group), "start": i, "end": i + 1, **recurrent_layer(config, i)}
         for i, group in enumerate(layers)
     ]
     head_entry = {**pw.write(HEAD_FILE, head), "tied_to_embed": "lm_head.weight" not in head}

@@ -11,7 +11,6 @@ import pytest
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
-from meshnode.engine.recurrent import HybridCache
 from meshnode.engine.sampling import SamplingParams
 from meshnode.node.pipeline import RequestId, StepFrame, StepResult
 from meshnode.node.stage import StageRunner
@@ -118,9 +117,16 @@ async def test_two_stages_with_ngram(chain: Chain) -> None:
 
 
 def _restores(runner: StageRunner) -> int:
-    """Ring restores over the caches this runner holds or kept for reuse."""
-    caches = [*runner._free_caches, *(s.cache for s in runner._sequences.values())]
-    return sum(c.restores for c in caches if isinstance(c, HybridCache))
+    """Rollbacks served by the snapshot ring on this stage so far (its status figure)."""
+    return runner.memory()["ring_restores"]
+
+
+def test_stage_memory_reports_the_ring(chain: Chain) -> None:
+    for runner in chain.runners:
+        memory = runner.memory()
+        assert memory["snapshot_ring_slots"] == 17
+        assert memory["snapshot_ring_bytes"] > memory["recurrent_state_bytes"] > 0
+        assert memory["cache_bytes"] >= memory["snapshot_ring_bytes"]
 
 
 @pytest.mark.parametrize("window", [1, 4, 16])
