@@ -10,7 +10,13 @@ model's stage-0 part to learn its config, then loops:
    ``Inventory`` until every part is ready, ``Load`` downstream-first, wait for ``Ready``;
 3. **serve**: hand a :class:`~meshnode.node.remote.RemotePipeline` to the API;
 4. **watch**: when a stage's node is lost, fail the in-flight requests, ``Stop`` the others
-   and go back to 1 without it.
+   and go back to 1 without it;
+5. **grow back**: when the nodes ``--split`` asks for (or that the planner would choose)
+   are live again after a loss (:func:`~meshnode.node.planner.should_regrow`), stop
+   admitting requests (the API answers 503 while the mesh is re-placed), let the requests
+   in flight finish on the old pipeline, and go back to 1. A drain that does not finish
+   within ``REGROW_DRAIN_TIMEOUT_S`` is abandoned: serving resumes on the old pipeline and
+   the next membership change tries again. No request in flight is failed by a regrow.
 
 A failed step ``Stop``s every node claimed for the run and replans without the failed node
 (it is excluded until the membership changes again). Every message carries the run id and
@@ -59,7 +65,14 @@ from meshnode.engine.model import Stage
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
 from meshnode.errors import PlanError, RunError
 from meshnode.net.stream import SEND_ERRORS
-from meshnode.node.planner import ModelFootprint, NodeCapacity, Plan, StagePlan, plan
+from meshnode.node.planner import (
+    ModelFootprint,
+    NodeCapacity,
+    Plan,
+    StagePlan,
+    plan,
+    should_regrow,
+)
 from meshnode.node.progress import DownloadProgress
 from meshnode.node.remote import RemotePipeline, is_data_reply
 from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, StageRunner, default_context
@@ -73,6 +86,9 @@ LOAD_TIMEOUT_S = 300.0
 # Materializing downloads the part; big models on slow links take long, but not forever.
 PREPARE_TIMEOUT_S = 3600.0
 INVENTORY_POLL_S = 0.25
+# Longest wait for the requests in flight before a regrow: a request is bounded by its
+# context, and a few minutes covers the default context decoded on a slow CPU mesh.
+REGROW_DRAIN_TIMEOUT_S = 300.0
 # Replies waiting for the coordinator; it asks one thing of a node at a time.
 REPLY_QUEUE = 16
 
@@ -206,6 +222,7 @@ class Coordinator:
         self._replies: dict[str, trio.MemorySendChannel[Message]] = {}
         self._excluded: set[str] = set()
         self._first_plan = True
+        self._recovering = False  # the plan was made after a loss: it may grow back
 
     # -- status -----------------------------------------------------------------------
 
@@ -290,20 +307,44 @@ class Coordinator:
             except RunError as exc:
                 self._error = self._last_failure = str(exc)
                 self._state = "failed"
+                self._recovering = True
                 log.warning("run %s failed: %s", self._run_id, exc)
                 await self._stop_all(placed, str(exc))
                 continue
             self._pipeline = pipeline
-            self._state = "ready"
             self._error = ""
-            self._on_pipeline(pipeline)
-            lost = await self._watch(placed)
-            self._last_failure = f"stage node {lost} was lost"
-            self._on_pipeline(None)
-            pipeline.fail(f"stage node {lost} was lost; the mesh is replanning")
+            lost = await self._serve(placed, pipeline)
+            if lost is None:  # drained: the API answers 503 already
+                reason = "the planned nodes are back: the plan grows back"
+                self._recovering = False
+            else:
+                self._on_pipeline(None)
+                reason = f"stage node {lost} was lost"
+                self._last_failure = reason
+                self._recovering = True
+                pipeline.fail(f"{reason}; the mesh is replanning")
             self._pipeline = None
             self._state = "replanning"
-            await self._stop_all(placed, f"stage node {lost} lost")
+            await self._stop_all(placed, reason)
+
+    async def _serve(self, placed: Plan, pipeline: RemotePipeline) -> str | None:
+        """Serve on ``pipeline`` until a stage node is lost (its id) or the plan should grow
+        back and the requests in flight have finished (``None``)."""
+        regrow_now = True
+        while True:
+            self._state = "ready"
+            self._on_pipeline(pipeline)
+            lost = await self._watch(placed, regrow_now=regrow_now)
+            if lost is not None:
+                return lost
+            self._state = "draining"
+            self._on_pipeline(None)  # new requests get 503 until the new plan is ready
+            log.info("the planned nodes are back: draining %s to re-place", self._run_id)
+            with trio.move_on_after(REGROW_DRAIN_TIMEOUT_S):
+                await pipeline.wait_idle()
+                return None
+            log.warning("requests in flight after %.0f s: regrow put off", REGROW_DRAIN_TIMEOUT_S)
+            regrow_now = False  # until the membership changes again
 
     async def _plan_when_possible(self) -> Plan:
         self._state = "planning"
@@ -329,13 +370,35 @@ class Coordinator:
             await self.mesh.wait_changed()
             self._excluded.clear()  # the membership changed: give failed nodes another go
 
-    async def _watch(self, placed: Plan) -> str:
+    async def _watch(self, placed: Plan, *, regrow_now: bool = True) -> str | None:
+        """The id of the first stage node that is lost, or ``None`` once the plan should
+        grow back (:func:`~meshnode.node.planner.should_regrow`); with ``regrow_now``
+        false, growing back waits for the next membership change."""
         while True:
-            live = {n.node_id for n in self.mesh.live_nodes()}
+            live = self.mesh.live_nodes()
+            live_ids = {n.node_id for n in live}
             for stage in placed.stages:
-                if stage.node_id not in live:
+                if stage.node_id not in live_ids:
                     return stage.node_id
+            if regrow_now and self._wants_regrow(placed, live):
+                return None
             await self.mesh.wait_changed()
+            regrow_now = True
+            self._excluded.clear()  # the membership changed: give failed nodes another go
+
+    def _wants_regrow(self, placed: Plan, live: list[NodeCapacity]) -> bool:
+        nodes = [n for n in live if n.node_id not in self._excluded]
+        try:
+            wanted: Plan | None = plan(
+                self.footprint,
+                nodes,
+                host_id=self.mesh.node_id,
+                context_tokens=self.context_size,
+                split=self.settings.split,
+            )
+        except PlanError:
+            wanted = None
+        return should_regrow(placed, wanted, split=self.settings.split, degraded=self._recovering)
 
     # -- bring-up -----------------------------------------------------------------------
 

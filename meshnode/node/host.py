@@ -95,7 +95,7 @@ class MeshHost:
 
     def _serve_on(self, pipeline: RemotePipeline | None) -> None:
         if pipeline is None:
-            log.warning("the mesh lost a stage: API answers 503 until it is placed again")
+            log.warning("the mesh is re-placing the model: API answers 503 until it is ready")
         else:
             stages = len(pipeline.stage_nodes)
             log.info("serving %s on %d stage(s)", self.settings.model_ref, stages)

@@ -208,3 +208,24 @@ def _shortfall_message(
 
 def _mib(n_bytes: int) -> int:
     return -(-n_bytes // (1 << 20))
+
+
+def should_regrow(current: Plan, wanted: Plan | None, *, split: int | None, degraded: bool) -> bool:
+    """Whether to move a serving run from ``current`` onto ``wanted``.
+
+    ``wanted`` is the plan the planner makes now over the live nodes with ``--split`` as
+    asked (``None`` when it cannot). After a loss the host serves on what is left (fewer
+    stages than ``--split``, or nodes the planner liked less); when the nodes it wanted
+    are back, the plan grows back to them. Rules:
+
+    - nothing to move to (``wanted`` is ``None`` or places the same nodes): stay;
+    - ``--split N``: move only from a plan of another size onto one of exactly ``N``
+      stages, never between two ``N``-stage plans (their order can differ by RTT noise);
+    - no ``--split``: move only while ``degraded`` (the current plan was made after a
+      loss), so a healthy mesh is not re-placed every time some node joins.
+    """
+    if wanted is None or wanted.node_ids == current.node_ids:
+        return False
+    if split is not None:
+        return len(current.stages) != split and len(wanted.stages) == split
+    return degraded

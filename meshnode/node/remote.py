@@ -79,6 +79,7 @@ class RemotePipeline:
         # Per-sequence outgoing activation buffers, reused by every decode step.
         self._wire = WireSequences(runner.max_sequences)
         self._failure: PipelineError | None = None  # set once: every later run fails
+        self._released = trio.Event()  # set by every release; wait_idle re-checks
 
     @property
     def context_size(self) -> int:
@@ -136,9 +137,16 @@ class RemotePipeline:
         except SEND_ERRORS as exc:
             raise PipelineError(f"stage 1 ({self.stage_nodes[1]}) is unreachable") from exc
 
+    async def wait_idle(self) -> None:
+        """Return once no request holds a sequence of this pipeline (all were released)."""
+        while self.runner.live_sequences:
+            self._released = trio.Event()
+            await self._released.wait()
+
     async def release(self, request_id: RequestId) -> None:
         async with self._lock:
             self.runner.release(request_id)
+        self._released.set()
         wire_id = self._wire_ids.pop(request_id, None)
         if wire_id is None:
             return  # never crossed the wire: no other stage holds it

@@ -20,6 +20,20 @@ Senders (issue 15 item 4): every member can reach every node, so the run id and 
 not enough. A claimed run's control messages are accepted only from the node that claimed
 it, and activations only from the stage's upstream (named in ``Load``); anyone else gets
 ``UNKNOWN_RUN`` with nothing about the run this node holds (no run id, no term, no owner).
+
+Compute runs off the session loop. A loaded run owns one *inbox* task: the session's receive
+loop only queues ``ActivationFrame``/``Release`` messages (in arrival order, so a sequence's
+chunks and its release keep their order) and goes back to reading, and the inbox task runs
+each forward in a worker thread and sends its output on. A long prefill pass therefore no
+longer stops this node from reading heartbeats, ``Hello`` or other peers' messages, and its
+upstream is not declared dead while it computes. ``Load`` (seconds of building the stage)
+runs in its own task for the same reason.
+
+Errors about a run go to its coordinator: a frame this node cannot process (not loaded, bad
+activation, next stage unreachable) is reported to the run's coordinator with the request
+id, and an ``Error`` about a request of our run that comes back from our downstream stage
+(it holds another run, or none) is passed on to the coordinator, which fails that request
+instead of waiting for a ``Prediction`` that will never come.
 """
 
 from __future__ import annotations
@@ -69,7 +83,14 @@ from meshnode.node.wire import WireSequences, frame_from_wire, frame_to_wire, re
 
 log = logging.getLogger("meshnode.worker")
 
+# Data messages waiting for this stage's compute. A sequence has at most one final frame in
+# flight, plus the non-final chunks of a prefill sent ahead of it (a few per long prompt), so
+# 64 holds every sequence of a full stage; beyond it the session's receive loop waits for a
+# slot, which pushes back on the upstream stage.
+INBOX_FRAMES = 64
+
 SendFn = Callable[[str, Message], Awaitable[None]]
+DataMessage = ActivationFrame | Release
 ConnectFn = Callable[[PeerInfo], Awaitable[None]]
 
 
@@ -118,7 +139,9 @@ class WorkerRun:
     state: RunState = RunState.CLAIMED
     # Sampling and reused activation buffers of the sequences passing through this stage.
     wire: WireSequences = field(default_factory=lambda: WireSequences(MAX_SEQUENCES_PER_STAGE))
-    lock: trio.Lock = field(default_factory=trio.Lock)
+    # The loaded run's data messages, served in order by its inbox task (module docstring).
+    inbox: trio.MemorySendChannel[DataMessage] | None = None
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
 
 def _range(part: Part) -> tuple[int, int]:
@@ -213,19 +236,36 @@ class Worker:
             elif isinstance(message, Inventory):
                 await self._send(peer, self._report(run))
             elif isinstance(message, Load):
-                await self._load(peer, run, message)
+                # Building the stage takes seconds: off the session loop, like compute.
+                self._nursery.start_soon(self._load_in_background, peer, run, message)
             elif isinstance(message, Stop):
                 self._stop(f"stopped by {peer}: {message.reason}")
-            elif isinstance(message, ActivationFrame):
-                await self._activation(peer, run, message)
             else:
-                async with run.lock:
-                    if run.runner is not None:
-                        run.runner.release(RequestId(message.request_id))
-                    run.wire.release(RequestId(message.request_id))
+                await self._queue(run, message)
+        elif isinstance(message, Error) and self._is_downstream_error(peer, message):
+            await self._to_coordinator(message)
         else:
             return False
         return True
+
+    def _is_downstream_error(self, peer: str, error: Error) -> bool:
+        """Whether ``error`` is our downstream stage's answer to a frame of our run."""
+        run = self.run
+        return (
+            run is not None
+            and bool(error.request_id)
+            and error.run_id == run.run_id
+            and run.downstream is not None
+            and peer == run.downstream
+        )
+
+    async def _to_coordinator(self, error: Error) -> None:
+        run = self.run
+        if run is None:
+            return
+        # Best effort: without a session to the coordinator the run is over anyway.
+        with contextlib.suppress(*SEND_ERRORS):
+            await self._send(run.coordinator, error)
 
     def peer_lost(self, peer: str) -> None:
         """The session with ``peer`` ended: a coordinator gone takes its claim with it."""
@@ -375,6 +415,13 @@ class Worker:
             error=prep.error,
         )
 
+    async def _load_in_background(self, peer: str, run: WorkerRun, load: Load) -> None:
+        try:
+            await self._load(peer, run, load)
+        except SEND_ERRORS as exc:
+            # The coordinator is gone: its claim goes with it (peer_lost), nothing to tell.
+            log.info("run %s: could not answer Load: %r", run.run_id, exc)
+
     async def _load(self, peer: str, run: WorkerRun, load: Load) -> None:
         prep = run.preparation
         if prep is None or prep.source is None:
@@ -403,6 +450,10 @@ class Worker:
         run.downstream = None if load.downstream is None else load.downstream.node_id
         run.wire_dtype = load.wire_dtype
         run.state = RunState.READY
+        if run.inbox is None:
+            send, receive = trio.open_memory_channel[DataMessage](INBOX_FRAMES)
+            run.inbox = send
+            self._nursery.start_soon(self._serve_inbox, run, receive)
         await self._send(
             peer,
             Ready(
@@ -446,46 +497,57 @@ class Worker:
             log.info("run %s stopped: %s", self.run.run_id, reason)
             if self.run.preparation is not None:
                 self.run.preparation.cancel.set()  # a running fetch stops within a second
+            self.run.scope.cancel()  # its inbox task, and a forward it awaits, end with it
         self.run = None  # the runner, its caches and the mapped weights go with it
 
     # -- data plane ---------------------------------------------------------------------
 
-    async def _activation(self, peer: str, run: WorkerRun, message: ActivationFrame) -> None:
+    async def _queue(self, run: WorkerRun, message: DataMessage) -> None:
+        """Hand a data message to the run's inbox task; the receive loop goes on reading."""
+        if run.inbox is None:
+            if isinstance(message, ActivationFrame):
+                error = _error(run, ErrorCode.NOT_READY, "this stage is not loaded", message)
+                await self._to_coordinator(error)
+            return  # a Release before Load: nothing of that sequence is held here
+        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+            await run.inbox.send(message)
+
+    async def _serve_inbox(
+        self, run: WorkerRun, receive: trio.MemoryReceiveChannel[DataMessage]
+    ) -> None:
+        """Run the data messages of ``run`` one after another until the run is stopped."""
+        with run.scope, receive:
+            async for message in receive:
+                try:
+                    await self._serve_one(run, message)
+                except Exception:
+                    # Our own bug on one frame: it fails that frame, not the node (the
+                    # session loop used to contain it the same way). Not cancellation.
+                    log.exception("run %s: a data message failed", run.run_id)
+
+    async def _serve_one(self, run: WorkerRun, message: DataMessage) -> None:
+        if isinstance(message, ActivationFrame):
+            await self._activation(run, message)
+        elif run.runner is not None:
+            run.runner.release(RequestId(message.request_id))
+            run.wire.release(RequestId(message.request_id))
+
+    async def _activation(self, run: WorkerRun, message: ActivationFrame) -> None:
         runner = run.runner
-        if runner is None:
-            await self._send(
-                peer,
-                Error(
-                    code=ErrorCode.NOT_READY,
-                    message="this stage is not loaded",
-                    run_id=run.run_id,
-                    term=run.term,
-                    request_id=message.request_id,
-                ),
-            )
-            return
+        assert runner is not None  # the inbox task starts only once the runner is loaded
         result: StepResult | None = None
         try:
-            async with run.lock:
-                # Under the lock: the sequence's input buffer is reused frame after frame.
-                frame = frame_from_wire(message, run.wire)
-                began = time.perf_counter()
-                if runner.last:
-                    result = await trio.to_thread.run_sync(runner.result, frame)
-                else:
-                    hidden = await trio.to_thread.run_sync(runner.activations, frame)
-                compute_us = int((time.perf_counter() - began) * 1e6)
+            # One inbox task per run: the sequence's input buffer, reused frame after
+            # frame, is never written while a forward reads it.
+            frame = frame_from_wire(message, run.wire)
+            began = time.perf_counter()
+            if runner.last:
+                result = await trio.to_thread.run_sync(runner.result, frame)
+            else:
+                hidden = await trio.to_thread.run_sync(runner.activations, frame)
+            compute_us = int((time.perf_counter() - began) * 1e6)
         except (PipelineError, ValueError) as exc:
-            await self._send(
-                run.coordinator,
-                Error(
-                    code=ErrorCode.BAD_ACTIVATION,
-                    message=str(exc),
-                    run_id=run.run_id,
-                    term=run.term,
-                    request_id=message.request_id,
-                ),
-            )
+            await self._to_coordinator(_error(run, ErrorCode.BAD_ACTIVATION, str(exc), message))
             return
         if result is not None:
             if not result.tokens:
@@ -516,14 +578,12 @@ class Worker:
         except SEND_ERRORS:
             # The next node is gone: the host learns it from membership and replans; tell it
             # now so the request fails at once (best effort: the host may be gone too).
-            with contextlib.suppress(*SEND_ERRORS):
-                await self._send(
-                    run.coordinator,
-                    Error(
-                        code=ErrorCode.NOT_READY,
-                        message=f"stage after {self.node_id} ({target}) is unreachable",
-                        run_id=run.run_id,
-                        term=run.term,
-                        request_id=message.request_id,
-                    ),
-                )
+            reason = f"stage after {self.node_id} ({target}) is unreachable"
+            await self._to_coordinator(_error(run, ErrorCode.NOT_READY, reason, message))
+
+
+def _error(run: WorkerRun, code: ErrorCode, reason: str, frame: ActivationFrame) -> Error:
+    """The ``Error`` that fails ``frame``'s request at the coordinator."""
+    return Error(
+        code=code, message=reason, run_id=run.run_id, term=run.term, request_id=frame.request_id
+    )

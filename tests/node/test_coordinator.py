@@ -1,134 +1,32 @@
-"""The coordinator with real workers in this process, joined by an in-memory mesh.
-
-The workers are the real :class:`~meshnode.node.worker.Worker` and fetch their layers of a
-tiny model from a loopback hub, as nodes on other machines would. Only the transport is
-replaced: the mesh delivers each message by calling the receiver directly (the network is
-not the point here; tests/e2e covers it with real processes).
-"""
+"""The coordinator with real workers in this process, joined by an in-memory mesh
+(:mod:`tests.node.inmemory`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 import trio
 from meshnode_packaging.refs import open_ref
-from meshnode_packaging.testing import LocalHub
-from meshnode_packaging.writer import write_package
-from meshnode_protocol import Message, PeerInfo
 
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.config import ModelConfig
-from meshnode.engine.model import Stage
-from meshnode.engine.sampling import SamplingParams
 from meshnode.node.coordinator import Coordinator, CoordinatorSettings, model_footprint
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame
-from meshnode.node.planner import NodeCapacity
-from meshnode.node.remote import RemotePipeline, is_data_reply
-from meshnode.node.worker import Worker
-from tests.engine.tiny import write_tiny_model
-
-HOST = "host"
-REF = "hf://test/tiny"
-CONTEXT = 64
-GREEDY = SamplingParams(temperature=0.0)
-PROMPT = (1, 5, 9, 14, 3)
-STEPS = 6
-BRING_UP_TIMEOUT_S = 60.0
-
-
-class InMemoryMesh:
-    """The host's ``MeshView`` over workers that live in this process."""
-
-    def __init__(self, host_memory: int) -> None:
-        self.host_memory = host_memory
-        self.workers: dict[str, Worker] = {}
-        self.coordinator: Coordinator | None = None
-        self._changed = trio.Event()
-
-    @property
-    def node_id(self) -> str:
-        return HOST
-
-    def live_nodes(self) -> list[NodeCapacity]:
-        workers = [NodeCapacity(node_id, 1 << 34) for node_id in sorted(self.workers)]
-        return [NodeCapacity(HOST, self.host_memory), *workers]
-
-    def peer_info(self, node_id: str) -> PeerInfo:
-        return PeerInfo(node_id=node_id, address=f"{node_id}.invalid:7470")
-
-    async def send(self, node_id: str, message: Message) -> None:
-        await self.deliver(HOST, node_id, message)
-
-    async def deliver(self, sender: str, receiver: str, message: Message) -> None:
-        if receiver == HOST:
-            # As the daemon's sessions do: data replies straight to the live pipeline.
-            assert self.coordinator is not None
-            if is_data_reply(message):
-                if (pipeline := self.coordinator.pipeline) is not None:
-                    pipeline.deliver(sender, message)
-                return
-            assert self.coordinator.handle(sender, message), message
-        else:
-            assert await self.workers[receiver].handle(sender, message), message
-
-    async def wait_changed(self) -> None:
-        await self._changed.wait()
-
-
-def add_worker(
-    mesh: InMemoryMesh, node_id: str, cache_dir: Path, nursery: trio.Nursery
-) -> None:
-    async def send(peer: str, message: Message) -> None:
-        await mesh.deliver(node_id, peer, message)
-
-    async def connect(info: PeerInfo) -> None:
-        assert info.node_id == HOST or info.node_id in mesh.workers
-
-    mesh.workers[node_id] = Worker(
-        node_id, send, connect=connect, backend=cpu_backend(), cache_dir=cache_dir, nursery=nursery
-    )
-
-
-@pytest.fixture
-def hub_ref(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Path]]:
-    """The tiny model as a layer package on a loopback hub; (ref, package folder)."""
-    gguf_path = write_tiny_model(tmp_path / "model", "Q8_0")
-    package = tmp_path / "package"
-    write_package(gguf_path, package)
-    with LocalHub() as hub:
-        hub.add_repo("test/tiny", package)
-        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-        yield REF, package
-
-
-def greedy_reference(package: Path) -> list[int]:
-    """Tokens a single whole-model stage decodes greedily from ``PROMPT``."""
-    source = open_ref(package)
-    config = ModelConfig.from_hf(source.config)
-    stage = Stage(config, source, 0, config.num_layers, embed=True, head=True)
-    cache = stage.new_cache(CONTEXT)
-    logits = stage.forward(np.asarray(PROMPT), 0, cache, out_rows=1)
-    tokens = [int(np.argmax(logits[-1]))]
-    for _ in range(STEPS - 1):
-        logits = stage.forward(np.asarray(tokens[-1:]), cache.length, cache, out_rows=1)
-        tokens.append(int(np.argmax(logits[-1])))
-    return tokens
-
-
-async def decode(pipeline: RemotePipeline) -> list[int]:
-    request = RequestId("req-1")
-    result = await pipeline.run(StepFrame(request, FrameKind.PREFILL, 0, PROMPT, GREEDY))
-    tokens = list(result.tokens)
-    while len(tokens) < STEPS:
-        position = len(PROMPT) + len(tokens) - 1
-        frame = StepFrame(request, FrameKind.DECODE, position, (tokens[-1],), GREEDY)
-        tokens += (await pipeline.run(frame)).tokens
-    await pipeline.release(request)
-    return tokens
+from meshnode.node.remote import RemotePipeline
+from tests.node.inmemory import (
+    BRING_UP_TIMEOUT_S,
+    CONTEXT,
+    GREEDY,
+    HOST,
+    PROMPT,
+    InMemoryMesh,
+    add_worker,
+    decode,
+    finish,
+    greedy_reference,
+    prefill,
+)
 
 
 async def test_a_failed_prepare_replans_without_the_node(
@@ -172,6 +70,62 @@ async def test_a_failed_prepare_replans_without_the_node(
     assert served[0].stage_nodes == (HOST, "good")
     assert mesh.workers["broken"].run is None  # stopped with the failed run
     assert tokens == greedy_reference(package)
+
+
+async def test_the_plan_grows_back_between_requests(
+    tmp_path: Path, hub_ref: tuple[str, Path]
+) -> None:
+    """``--split 2``: a lost worker shrinks the plan to one stage; when the worker is back,
+    a request in flight finishes on the old pipeline first (new ones would get 503 while
+    draining), then the plan grows back to two stages."""
+    ref, package = hub_ref
+    reference = greedy_reference(package)
+    mesh = InMemoryMesh(host_memory=1 << 34)  # the host alone fits the model
+    send, pipelines = trio.open_memory_channel[RemotePipeline | None](16)
+
+    async def next_pipeline() -> RemotePipeline | None:
+        with trio.fail_after(BRING_UP_TIMEOUT_S):
+            return await pipelines.receive()
+
+    async with trio.open_nursery() as nursery:
+        add_worker(mesh, "w", tmp_path / "cache", nursery)
+        coordinator = Coordinator(
+            mesh,
+            CoordinatorSettings(model_ref=ref, context_size=CONTEXT, split=2),
+            source=open_ref(package),
+            backend=cpu_backend(),
+            on_pipeline=send.send_nowait,
+        )
+        mesh.coordinator = coordinator
+        nursery.start_soon(coordinator.run)
+        first = await next_pipeline()
+        assert first is not None
+        assert first.stage_nodes == (HOST, "w")
+        # The worker is lost: the host serves alone.
+        del mesh.workers["w"]
+        coordinator.peer_lost("w")
+        mesh.changed()
+        assert await next_pipeline() is None
+        alone = await next_pipeline()
+        assert alone is not None
+        assert alone.stage_nodes == (HOST,)
+        request = RequestId("in-flight")
+        tokens = await prefill(alone, request)
+        # The worker is back while a request is in flight: the host drains, it does not fail it.
+        add_worker(mesh, "w", tmp_path / "cache", nursery)
+        mesh.changed()
+        assert await next_pipeline() is None
+        assert coordinator.status()["state"] == "draining"
+        with trio.move_on_after(0.5):
+            await pipelines.receive()
+            raise AssertionError("re-placed while a request was in flight")
+        assert await finish(alone, request, tokens) == reference
+        grown = await next_pipeline()
+        assert grown is not None
+        assert grown.stage_nodes == (HOST, "w")
+        assert coordinator.status()["state"] == "ready"
+        assert await decode(grown) == reference
+        nursery.cancel_scope.cancel()
 
 
 async def test_every_stage_reports_its_compute_time(

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from meshnode.errors import PlanError
-from meshnode.node.planner import ModelFootprint, NodeCapacity, plan
+from meshnode.node.planner import (
+    ModelFootprint,
+    NodeCapacity,
+    Plan,
+    StagePlan,
+    plan,
+    should_regrow,
+)
 
 MIB = 1 << 20
 # 30 layers of 4 MiB, 1 KiB of KV per token per layer, a 10 MiB embedding and a 1 MiB head.
@@ -109,3 +116,39 @@ def test_split_larger_than_the_mesh_is_refused() -> None:
 def test_host_must_be_alive() -> None:
     with pytest.raises(PlanError, match="host"):
         plan(MODEL, nodes(("a", 1000)), host_id="h", context_tokens=CONTEXT)
+
+
+def placed(*node_ids: str) -> Plan:
+    """A plan over ``node_ids`` (layer ranges do not matter to ``should_regrow``)."""
+    stages = tuple(
+        StagePlan(node_id, i, i + 1, embed=i == 0, head=i == len(node_ids) - 1, memory_bytes=0)
+        for i, node_id in enumerate(node_ids)
+    )
+    return Plan(stages=stages, context_tokens=CONTEXT)
+
+
+@pytest.mark.parametrize(
+    ("current", "wanted", "split", "degraded", "expected"),
+    [
+        # --split 2 shrank to the host alone after a loss; the worker is back: grow back.
+        (placed("h"), placed("h", "a"), 2, True, True),
+        # ... and the same when the one-stage plan was not marked degraded.
+        (placed("h"), placed("h", "a"), 2, False, True),
+        # The split's nodes are not all back yet: nothing to move to.
+        (placed("h"), None, 2, True, False),
+        # Already at the asked split, the planner now prefers other nodes (RTT noise): stay.
+        (placed("h", "a"), placed("h", "b"), 2, True, False),
+        # --split 3 degraded to 2 stages, 3 live again: grow back.
+        (placed("h", "a"), placed("h", "a", "b"), 3, True, True),
+        # No split, after a loss: the planner's choice is live again, move to it.
+        (placed("h", "b"), placed("h", "a"), None, True, True),
+        # No split, a healthy plan: a node joining does not re-place the model.
+        (placed("h", "b"), placed("h", "a"), None, False, False),
+        # The same nodes: nothing to do, degraded or not.
+        (placed("h", "a"), placed("h", "a"), None, True, False),
+    ],
+)
+def test_should_regrow(
+    current: Plan, wanted: Plan | None, split: int | None, degraded: bool, expected: bool
+) -> None:
+    assert should_regrow(current, wanted, split=split, degraded=degraded) is expected

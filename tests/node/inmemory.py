@@ -1,0 +1,127 @@
+"""A coordinator and real workers in this process, joined by an in-memory mesh.
+
+The workers are the real :class:`~meshnode.node.worker.Worker` and fetch their layers of a
+tiny model from a loopback hub (the ``hub_ref`` fixture in ``conftest.py``), as nodes on
+other machines would. Only the transport is replaced: the mesh delivers each message by
+calling the receiver directly (the network is not the point here; tests/e2e and tests/lab
+cover it with real processes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import trio
+from meshnode_packaging.refs import open_ref
+from meshnode_protocol import Message, PeerInfo
+
+from meshnode.engine.backend import cpu_backend
+from meshnode.engine.config import ModelConfig
+from meshnode.engine.model import Stage
+from meshnode.engine.sampling import SamplingParams
+from meshnode.node.coordinator import Coordinator
+from meshnode.node.pipeline import FrameKind, RequestId, StepFrame
+from meshnode.node.planner import NodeCapacity
+from meshnode.node.remote import RemotePipeline, is_data_reply
+from meshnode.node.worker import Worker
+
+HOST = "host"
+REF = "hf://test/tiny"
+CONTEXT = 64
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = (1, 5, 9, 14, 3)
+STEPS = 6
+BRING_UP_TIMEOUT_S = 60.0
+
+
+class InMemoryMesh:
+    """The host's ``MeshView`` over workers that live in this process."""
+
+    def __init__(self, host_memory: int) -> None:
+        self.host_memory = host_memory
+        self.workers: dict[str, Worker] = {}
+        self.coordinator: Coordinator | None = None
+        self._changed = trio.Event()
+
+    @property
+    def node_id(self) -> str:
+        return HOST
+
+    def live_nodes(self) -> list[NodeCapacity]:
+        workers = [NodeCapacity(node_id, 1 << 34) for node_id in sorted(self.workers)]
+        return [NodeCapacity(HOST, self.host_memory), *workers]
+
+    def peer_info(self, node_id: str) -> PeerInfo:
+        return PeerInfo(node_id=node_id, address=f"{node_id}.invalid:7470")
+
+    async def send(self, node_id: str, message: Message) -> None:
+        await self.deliver(HOST, node_id, message)
+
+    async def deliver(self, sender: str, receiver: str, message: Message) -> None:
+        if receiver == HOST:
+            # As the daemon's sessions do: data replies straight to the live pipeline.
+            assert self.coordinator is not None
+            if is_data_reply(message):
+                if (pipeline := self.coordinator.pipeline) is not None:
+                    pipeline.deliver(sender, message)
+                return
+            assert self.coordinator.handle(sender, message), message
+        else:
+            assert await self.workers[receiver].handle(sender, message), message
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+
+    def changed(self) -> None:
+        """Wake the coordinator: the membership changed (a worker joined or was lost)."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+
+def add_worker(mesh: InMemoryMesh, node_id: str, cache_dir: Path, nursery: trio.Nursery) -> None:
+    async def send(peer: str, message: Message) -> None:
+        await mesh.deliver(node_id, peer, message)
+
+    async def connect(info: PeerInfo) -> None:
+        assert info.node_id == HOST or info.node_id in mesh.workers
+
+    mesh.workers[node_id] = Worker(
+        node_id, send, connect=connect, backend=cpu_backend(), cache_dir=cache_dir, nursery=nursery
+    )
+
+
+def greedy_reference(package: Path) -> list[int]:
+    """Tokens a single whole-model stage decodes greedily from ``PROMPT``."""
+    source = open_ref(package)
+    config = ModelConfig.from_hf(source.config)
+    stage = Stage(config, source, 0, config.num_layers, embed=True, head=True)
+    cache = stage.new_cache(CONTEXT)
+    logits = stage.forward(np.asarray(PROMPT), 0, cache, out_rows=1)
+    tokens = [int(np.argmax(logits[-1]))]
+    for _ in range(STEPS - 1):
+        logits = stage.forward(np.asarray(tokens[-1:]), cache.length, cache, out_rows=1)
+        tokens.append(int(np.argmax(logits[-1])))
+    return tokens
+
+
+async def prefill(pipeline: RemotePipeline, request: RequestId) -> list[int]:
+    """Prefill ``PROMPT`` as ``request``; the first token."""
+    result = await pipeline.run(StepFrame(request, FrameKind.PREFILL, 0, PROMPT, GREEDY))
+    return list(result.tokens)
+
+
+async def finish(pipeline: RemotePipeline, request: RequestId, tokens: list[int]) -> list[int]:
+    """Decode ``request`` greedily up to ``STEPS`` tokens, then release it."""
+    while len(tokens) < STEPS:
+        position = len(PROMPT) + len(tokens) - 1
+        frame = StepFrame(request, FrameKind.DECODE, position, (tokens[-1],), GREEDY)
+        tokens += (await pipeline.run(frame)).tokens
+    await pipeline.release(request)
+    return tokens
+
+
+async def decode(pipeline: RemotePipeline, request: str = "req-1") -> list[int]:
+    """``STEPS`` greedy tokens after ``PROMPT``, on ``pipeline``."""
+    tokens = await prefill(pipeline, RequestId(request))
+    return await finish(pipeline, RequestId(request), tokens)
