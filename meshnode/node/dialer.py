@@ -29,7 +29,9 @@ log = logging.getLogger("meshnode.node")
 DIAL_TIMEOUT_S = 5.0
 # Redial backoff doubles from the heartbeat interval up to this cap.
 MAX_DIAL_BACKOFF_S = 5.0
-# Learned (non-static) targets that keep failing are dropped; static ones never are.
+# Learned (non-static) targets that keep failing are dropped; static ones never are, nor
+# are mDNS-advertised ones while the advert lasts (a partition longer than these failures
+# would otherwise lose the peer for good: mDNS announces a known record only once).
 MAX_LEARNED_FAILURES = 5
 # How often ``connect`` looks again while it waits for a session to come up.
 CONNECT_POLL_S = 0.1
@@ -42,6 +44,7 @@ class DialTarget:
     address: Address
     static: bool
     node_id: NodeId | None = None
+    advertised: bool = False  # found by mDNS: kept until the advert vanishes
     failures: int = 0
     next_attempt_s: float = 0.0
     in_flight: bool = False
@@ -115,7 +118,10 @@ class Dialer:
                 if event.protocol_version != PROTOCOL_VERSION:
                     log.warning("ignoring %s: protocol %d", event.node_id, event.protocol_version)
                     continue
-                self.learn(Address(event.host, event.port), NodeId(event.node_id))
+                address = Address(event.host, event.port)
+                self.learn(address, NodeId(event.node_id))
+                if (target := self.targets.get(address)) is not None:
+                    target.advertised = True
             elif isinstance(event, Vanished):
                 self.forget(NodeId(event.node_id))
 
@@ -196,5 +202,5 @@ class Dialer:
         target.failures = 0 if ok else target.failures + 1
         backoff = min(MAX_DIAL_BACKOFF_S, self._interval_s * 2 ** min(target.failures, 10))
         target.next_attempt_s = trio.current_time() + backoff
-        if not target.static and target.failures >= MAX_LEARNED_FAILURES:
+        if not (target.static or target.advertised) and target.failures >= MAX_LEARNED_FAILURES:
             self.targets.pop(target.address, None)
