@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -86,6 +86,11 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> floa
         time.sleep(0.1)
 
 
+def loopback_get(url: str, timeout: float) -> httpx.Response:
+    """``GET url`` from this process (the nodes' APIs are on its loopback)."""
+    return httpx.get(url, timeout=timeout)
+
+
 def wait_started(*nodes: Node, timeout_s: float = START_TIMEOUT_S) -> None:
     """Wait until each node serves its status API (its log is in the failure message)."""
     for node in nodes:
@@ -104,6 +109,9 @@ class Node:
     state_dir: Path
     process: subprocess.Popen[bytes]
     log_path: Path
+    # How the test process reaches the node's API (another network namespace's loopback
+    # for the lab's nodes, see tests/lab/netlab.py).
+    get: Callable[[str, float], httpx.Response] = loopback_get
 
     @property
     def api(self) -> str:
@@ -121,7 +129,7 @@ class Node:
 
     def status(self) -> dict[str, Any]:
         """``GET /v1/mesh/status``."""
-        body: dict[str, Any] = httpx.get(f"{self.api}/v1/mesh/status", timeout=3.0).json()
+        body: dict[str, Any] = self.get(f"{self.api}/v1/mesh/status", 3.0).json()
         return body
 
     def node_id(self) -> str:
@@ -145,32 +153,46 @@ class Cluster:
     env: dict[str, str] = field(default_factory=lambda: dict(HEARTBEAT_ENV))
     nodes: list[Node] = field(default_factory=list)
 
-    def spawn(self, name: str, token_file: Path, *extra: str, mdns: bool = True) -> Node:
-        """Start ``meshnode join`` as ``name`` (state in ``root/name``) with port 0 everywhere.
+    def spawn(
+        self,
+        name: str,
+        token_file: Path,
+        *extra: str,
+        mdns: bool = True,
+        listen: str = "127.0.0.1:0",
+        interface: str | None = "127.0.0.1",
+        prefix: Sequence[str] = (),
+        get: Callable[[str, float], httpx.Response] = loopback_get,
+    ) -> Node:
+        """Start ``meshnode join`` as ``name`` (state in ``root/name``), by default with port
+        0 everywhere on loopback.
 
-        With ``mdns`` discovery runs on the loopback interface only; without it the node
-        finds peers through ``--peer`` flags in ``extra``.
+        With ``mdns`` discovery runs on ``interface`` only (every interface for ``None``);
+        without it the node finds peers through ``--peer`` flags in ``extra``. ``prefix``
+        wraps the command (``ip netns exec NS`` for the lab) and ``get`` reaches its API.
+        Spawning a name again reuses its state dir (the same identity) and appends to its log.
         """
         state_dir = self.root / name
-        state_dir.mkdir(parents=True)
+        state_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.root / f"{name}.log"
+        pin = ["--interface", interface] if interface is not None else []
         args = [
             "join",
             "--token-file", str(token_file),
-            "--listen", "127.0.0.1:0",
+            "--listen", listen,
             "--api", "127.0.0.1:0",
             "--state-dir", str(state_dir),
-            *(["--interface", "127.0.0.1"] if mdns else ["--no-mdns"]),
+            *(pin if mdns else ["--no-mdns"]),
             *extra,
         ]  # fmt: skip
-        with log_path.open("wb") as log:
+        with log_path.open("ab") as log:
             process = subprocess.Popen(
-                [sys.executable, "-c", JOIN_CODE, *args],
+                [*prefix, sys.executable, "-c", JOIN_CODE, *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=hermetic_env(**self.env),
             )
-        node = Node(name, state_dir, process, log_path)
+        node = Node(name, state_dir, process, log_path, get)
         self.nodes.append(node)
         return node
 
