@@ -117,6 +117,8 @@ class PartialFile:
         self._sidecar = path.with_name(path.name + ".ranges.json")
         self._lock = threading.Lock()
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_symlink():  # was a link to a whole file elsewhere: never write through it
+            path.unlink()
         self.verified: str | None = None  # the sha256 the whole file was checked against
         self.done = self._load()
         if not path.is_file() or path.stat().st_size != size:
@@ -180,6 +182,43 @@ class PartialFile:
         with self.path.open("rb") as f:
             f.seek(r.start)
             return f.read(r.size)
+
+
+class WholeFile(PartialFile):
+    """A file already whole on disk (another tool put it in the shared hub cache): every
+    range is present. Its hash check is remembered in ``marker`` beside our partial files,
+    keyed by the file's size and modification time; the file itself is never written."""
+
+    def __init__(self, path: Path, size: int, marker: Path) -> None:
+        self.path, self.size = path, size
+        self._sidecar = marker
+        self._lock = threading.Lock()
+        self.done = [ByteRange(0, size)]
+        self.verified = None
+        try:
+            data = json.loads(marker.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return
+        if data.get("stamp") == self._stamp():
+            self.verified = data.get("verified")
+
+    def _stamp(self) -> list[int]:
+        st = self.path.stat()
+        return [st.st_size, st.st_mtime_ns]
+
+    def _save(self) -> None:
+        self._sidecar.parent.mkdir(parents=True, exist_ok=True)
+        body = {"stamp": self._stamp(), "verified": self.verified}
+        self._sidecar.write_text(json.dumps(body), encoding="utf-8")
+
+    def mark_done(self, r: ByteRange) -> None:
+        raise AssertionError("a whole file is never fetched into")
+
+    def forget(self) -> None:
+        """Forget the hash check (the file is someone else's: it is left in place)."""
+        with self._lock:
+            self.verified = None
+            self._save()
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from meshnode_packaging.ranged import (
     RangeFetcher,
     RangeJob,
     RangeLimits,
+    WholeFile,
     pieces,
 )
 from meshnode_packaging.remote_headers import (
@@ -219,7 +220,7 @@ class ShardedGGUFSource(GGUFSource):
 @dataclass
 class _Weights:
     rel: str
-    file: PartialFile
+    file: PartialFile  # or a WholeFile found in the shared hub cache
     layout: FileLayout
 
 
@@ -287,7 +288,7 @@ class HubModel:
 
     def _header(self, rel: str) -> _Weights:
         entry = self.listing.files[rel]
-        pf = PartialFile(self.root / rel, entry.size)
+        pf = self._cached_whole(rel, entry) or PartialFile(self.root / rel, entry.size)
         gguf_file = self.selection.kind == "gguf"
         parse = gguf_layout if gguf_file else safetensors_layout
         n = min(entry.size, FIRST_GGUF_BYTES if gguf_file else FIRST_SAFETENSORS_BYTES)
@@ -302,6 +303,25 @@ class HubModel:
             # safetensors says how long its header is; a GGUF header is grown until it parses
             need = n * 4 if gguf_file else 8 + int.from_bytes(buf[:8], "little")
             n = min(entry.size, MAX_HEADER_BYTES, need)
+
+    def _cached_whole(self, rel: str, entry: hub.RepoFile) -> WholeFile | None:
+        """``rel`` whole in the shared hub cache at this commit (``hf download`` put it
+        there), linked into our folder so that the readers find it; else None."""
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(
+            self.repo, rel, cache_dir=hub.hub_cache_dir(), revision=self.listing.commit
+        )
+        if not isinstance(found, str) or Path(found).stat().st_size != entry.size:
+            return None
+        target = Path(found).resolve()
+        link = self.root / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not (link.is_symlink() and link.resolve() == target):
+            link.unlink(missing_ok=True)
+            link.with_name(link.name + ".ranges.json").unlink(missing_ok=True)
+            link.symlink_to(target)
+        return WholeFile(target, entry.size, self.root / f"{rel}.whole.json")
 
     def _fetch_into(self, pf: PartialFile, rel: str, ranges: list[ByteRange]) -> None:
         missing = pf.missing(ranges)

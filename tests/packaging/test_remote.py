@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import threading
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from meshnode_packaging.errors import Cancelled, MissingPart, NotFound, RefError, Unauthorized
-from meshnode_packaging.hub import listing, token_for
+from meshnode_packaging.hub import hub_cache_dir, listing, token_for
 from meshnode_packaging.manifest import Part
 from meshnode_packaging.ranged import RangeLimits
 from meshnode_packaging.refs import RemotePackage, open_ref, pin_ref, pinned_ref, resolve
@@ -341,3 +342,32 @@ def test_package_fetch_brings_a_gguf_stage(lhub: LocalHub, tiny_gguf: Path, tmp_
     assert folder.name == commit
     assert (folder / "t.gguf").stat().st_size == tiny_gguf.stat().st_size
     assert (folder / "t.gguf.ranges.json").is_file()
+
+
+def test_a_file_already_whole_in_the_hub_cache_is_not_fetched(
+    lhub: LocalHub, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    from huggingface_hub import hf_hub_download
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copyfile(tiny_gguf, repo / "t.gguf")
+    commit = lhub.add_repo("org/t", repo)
+    # Another Hugging Face tool downloaded the whole file into the shared cache.
+    hf_hub_download(
+        "org/t",
+        "t.gguf",
+        revision=commit,
+        endpoint=lhub.endpoint,
+        token=False,
+        cache_dir=hub_cache_dir(),  # huggingface_hub's own default is fixed at its import
+    )
+    lhub.clear_requests()
+    src = open_ref("hf://org/t", Part(10, 20), cache_dir=tmp_path / "c", pin=commit)
+    assert _weight_gets(lhub, ".gguf") == []
+    whole = GGUFSource(tiny_gguf)
+    name = "layers.15.self_attn.k_proj.weight"
+    assert np.array_equal(src.tensor(name).data, whole.tensor(name).data)
+    # It was hashed once against the hub's sha256, and is not hashed again.
+    marker = json.loads(next((tmp_path / "c").rglob("t.gguf.whole.json")).read_text())
+    assert marker["verified"] == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
