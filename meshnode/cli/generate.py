@@ -16,10 +16,10 @@ import typer
 
 from meshnode.cli import app
 from meshnode.engine.backend import BackendError, Device, limit_cpu_threads, select_backend
-from meshnode.engine.generate import GenerationResult, TextDelta, generate
 from meshnode.engine.loader import LoadedModel, ModelLoadError, load_model
 from meshnode.engine.sampling import GREEDY, SamplingParams
 from meshnode.engine.tokenizer import TemplateError
+from meshnode.serve.local import GenerationResult, generate_local
 
 __all__ = ["EXIT_BAD_INPUT", "GenerateConfig", "run"]
 
@@ -54,24 +54,24 @@ def prompt_ids(model: LoadedModel, prompt: str, raw: bool) -> list[int]:
 
 
 def complete(model: LoadedModel, config: GenerateConfig, out: TextIO | None) -> GenerationResult:
-    """Generate the reply, streaming text to ``out`` when given; return the result."""
+    """Generate the reply through the API's generation loop, over a local pipeline
+    (:func:`meshnode.serve.local.generate_local`), streaming text to ``out`` when given."""
     ids = prompt_ids(model, config.prompt, config.raw)
-    events = generate(
+
+    def write(text: str) -> None:
+        if out is not None:
+            out.write(text)
+            out.flush()
+
+    return generate_local(
         model.stage,
         model.tokenizer,
         ids,
         config.sampling,
         max_tokens=config.max_tokens,
         eos_ids=model.config.eos_token_ids,
+        on_text=write,
     )
-    for event in events:
-        if isinstance(event, TextDelta):
-            if out is not None and event.text:
-                out.write(event.text)
-                out.flush()
-        else:
-            return event
-    raise AssertionError("generate() ended without a result")
 
 
 def run(config: GenerateConfig) -> int:

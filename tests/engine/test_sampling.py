@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshnode.engine.backend import cpu_backend
-from meshnode.engine.generate import GenerationResult, TextDelta, generate
 from meshnode.engine.loader import LoadedModel, load_model
 from meshnode.engine.sampling import Sampler, SamplingParams, apply_penalties, logits_to_probs
 from meshnode.engine.tokenizer import ChatTemplate, IncrementalDetokenizer, TemplateError
+from meshnode.serve.local import GenerationResult, generate_local
 
 V = 50
 LOGITS = np.random.default_rng(3).standard_normal(V).astype(np.float32) * 3
@@ -97,11 +98,13 @@ def tiny(tiny_gguf: Callable[[str], Path]) -> LoadedModel:
     return load_model(str(tiny_gguf("Q8_0")), cpu_backend())
 
 
-def _run(model: LoadedModel, **kw: object) -> tuple[list[TextDelta], GenerationResult]:
-    events = list(generate(model.stage, model.tokenizer, [1, 70, 71], **kw))  # type: ignore[arg-type]
-    result = events[-1]
-    assert isinstance(result, GenerationResult)
-    return [e for e in events[:-1] if isinstance(e, TextDelta)], result
+def _run(model: LoadedModel, **kw: Any) -> tuple[list[str], GenerationResult]:
+    """The text pieces streamed and the result of ``meshnode generate``'s loop."""
+    pieces: list[str] = []
+    result = generate_local(
+        model.stage, model.tokenizer, [1, 70, 71], on_text=pieces.append, **kw
+    )
+    return pieces, result
 
 
 def test_generate_seeded_reproduces_and_streams_the_whole_text(tiny: LoadedModel) -> None:
@@ -111,7 +114,7 @@ def test_generate_seeded_reproduces_and_streams_the_whole_text(tiny: LoadedModel
     assert a.token_ids == b.token_ids
     assert len(a.token_ids) == 12
     assert a.finish_reason == "length"
-    assert "".join(d.text for d in deltas) == a.text == tiny.tokenizer.decode(a.token_ids)
+    assert "".join(deltas) == a.text == tiny.tokenizer.decode(a.token_ids)
 
 
 def test_generate_stops_on_eos_and_on_stop_strings(tiny: LoadedModel) -> None:
@@ -124,7 +127,7 @@ def test_generate_stops_on_eos_and_on_stop_strings(tiny: LoadedModel) -> None:
     deltas, cut = _run(tiny, params=SamplingParams(temperature=0.0), max_tokens=10, stop=[stop])
     assert cut.finish_reason == "stop"
     assert cut.text == greedy.text[: greedy.text.find(stop)]
-    assert "".join(d.text for d in deltas) == cut.text
+    assert "".join(deltas) == cut.text
 
 
 @pytest.mark.real_model

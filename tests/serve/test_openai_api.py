@@ -421,10 +421,10 @@ async def test_metrics_and_health(server: Server, api: openai.AsyncOpenAI) -> No
 async def test_penalties_match_the_engines_generate(
     server: Server, api: openai.AsyncOpenAI, tiny_model_dir: Path, presence: float, frequency: float
 ) -> None:
-    # Penalties count the generated tokens only, in the API exactly as in `meshnode generate`.
-    from meshnode.engine.generate import GenerationResult, generate
-    from meshnode.engine.sampling import SamplingParams
-    from meshnode.engine.tokenizer import Tokenizer
+    # Penalties count the generated tokens only, in the API exactly as in the engine's
+    # own ladder (prefill, decode one, the engine's sampler over the generated tokens).
+    from meshnode.engine.generate import decode_one, prefill
+    from meshnode.engine.sampling import Sampler, SamplingParams
 
     # The tiny model's greedy reply to `start` repeats its 9th token next: ending the prompt
     # there puts the next token in the prompt, so a penalty over the prompt too (not the
@@ -435,15 +435,14 @@ async def test_penalties_match_the_engines_generate(
     config = ModelConfig.from_hf(source.config)
     stage = Stage(config, source, 0, config.num_layers, embed=True, head=True)
     params = SamplingParams(temperature=0.0, presence_penalty=presence, frequency_penalty=frequency)
-    events = generate(
-        stage,
-        Tokenizer(source.tokenizer_json),
-        prompt,
-        params,
-        max_tokens=24,
-        eos_ids=config.eos_token_ids,
-    )
-    result = next(e for e in events if isinstance(e, GenerationResult))
+    sampler, cache = Sampler(params), stage.new_cache(len(prompt) + 24)
+    logits = prefill(stage, cache, prompt)
+    token_ids: list[int] = []
+    while (token := sampler.sample(logits, token_ids)) not in config.eos_token_ids:
+        token_ids.append(token)
+        if len(token_ids) == 24:
+            break
+        logits = decode_one(stage, cache, token, len(prompt) + len(token_ids) - 1)
     reply = await api.completions.create(
         model=MODEL,
         prompt=prompt,
@@ -452,4 +451,4 @@ async def test_penalties_match_the_engines_generate(
         presence_penalty=presence,
         frequency_penalty=frequency,
     )
-    assert reply.choices[0].text == tokens_text(server.service, result.token_ids)
+    assert reply.choices[0].text == tokens_text(server.service, token_ids)

@@ -1,0 +1,162 @@
+"""One reply from a whole model in this process, through the API's generation loop.
+
+``meshnode generate`` and the tests of the engine's sampling drive
+:func:`~meshnode.serve.generation.generate` here, over a
+:class:`~meshnode.node.pipeline.LocalPipeline` holding every layer: the same loop, stop
+strings, EOS and budget rules, and last-stage sampling as a request to the API, so a fix
+lands once. Only the shape of the result differs: token ids without the final EOS, the
+reply's text and wall-clock timings, as ``meshnode generate --json`` prints them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from meshnode.engine.generate import PREFILL_CHUNK
+from meshnode.engine.model import Stage
+from meshnode.engine.sampling import SamplingParams
+from meshnode.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from meshnode.node.pipeline import LocalPipeline, RequestId
+from meshnode.node.stage import StageRunner
+from meshnode.serve.generation import (
+    FinishReason,
+    GenerationParams,
+    GenerationRun,
+    GenerationState,
+    generate,
+)
+
+__all__ = ["GenerationResult", "Timings", "generate_local"]
+
+#: The one sequence of a local run.
+LOCAL_REQUEST = RequestId("local")
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Wall-clock costs of one generation."""
+
+    prefill_ms: float
+    decode_ms: float
+    prompt_tokens: int
+    generated_tokens: int
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens processed per second."""
+        return self.prompt_tokens / max(self.prefill_ms, 1e-9) * 1e3
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens generated per second after the first one (which prefill produced)."""
+        return max(self.generated_tokens - 1, 0) / max(self.decode_ms, 1e-9) * 1e3
+
+    def as_dict(self) -> dict[str, float]:
+        """JSON-ready form."""
+        return {
+            "prefill_ms": round(self.prefill_ms, 3),
+            "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
+            "decode_ms": round(self.decode_ms, 3),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+        }
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """Everything about a finished generation (``token_ids`` without a final EOS)."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    timings: Timings = field(repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form (the ``--json`` line of ``meshnode generate``)."""
+        return {
+            "prompt_token_ids": self.prompt_token_ids,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": str(self.finish_reason),
+            "timings": self.timings.as_dict(),
+        }
+
+
+def generate_local(
+    stage: Stage,
+    tokenizer: Tokenizer,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    max_tokens: int,
+    eos_ids: Sequence[int] = (),
+    stop: Sequence[str] = (),
+    on_text: Callable[[str], None] | None = None,
+    chunk_tokens: int = PREFILL_CHUNK,
+) -> GenerationResult:
+    """Generate up to ``max_tokens`` tokens after ``prompt_ids`` with ``stage`` (every
+    layer, embedding and head), calling ``on_text`` with each piece of reply text.
+
+    Stops on an id in ``eos_ids`` (not in ``token_ids``) or when the text contains a
+    string of ``stop`` (the text is cut before it). Blocking: it runs its own trio loop.
+    Raises ``ValueError`` for an empty prompt or one that fills the model's context.
+    """
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+    limit = stage.config.max_position_embeddings
+    if len(prompt_ids) >= limit:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the {limit} context")
+    budget = min(max_tokens, limit - len(prompt_ids))
+    runner = StageRunner(stage, context_size=len(prompt_ids) + budget, max_sequences=1)
+    generation = GenerationParams(
+        max_new_tokens=budget,
+        sampling=params,
+        stop=tuple(s for s in stop if s),
+        eos_token_ids=frozenset(eos_ids),
+    )
+    state = GenerationState(generation, IncrementalDetokenizer(tokenizer))
+    run = GenerationRun(LOCAL_REQUEST, list(prompt_ids), generation, state)
+    text = trio.run(_drive, LocalPipeline(runner), run, on_text, chunk_tokens)
+    return _result(run, text)
+
+
+async def _drive(
+    pipeline: LocalPipeline,
+    run: GenerationRun,
+    on_text: Callable[[str], None] | None,
+    chunk_tokens: int,
+) -> str:
+    pieces: list[str] = []
+    async with aclosing(generate(pipeline, run, chunk_tokens=chunk_tokens)) as deltas:
+        async for delta in deltas:
+            pieces.append(delta.text)
+            if on_text is not None and delta.text:
+                on_text(delta.text)
+    return "".join(pieces)
+
+
+def _result(run: GenerationRun, text: str) -> GenerationResult:
+    tokens = list(run.state.tokens)
+    if tokens and tokens[-1] in run.params.eos_token_ids:
+        tokens.pop()  # EOS ended the reply; it is not part of it
+    timings = run.timings
+    first = timings.first_token if timings.first_token is not None else timings.started
+    finished = timings.finished if timings.finished is not None else first
+    assert run.state.finish_reason is not None  # the loop runs until the reply finishes
+    return GenerationResult(
+        prompt_token_ids=list(run.prompt),
+        token_ids=tokens,
+        text=text,
+        finish_reason=run.state.finish_reason,
+        timings=Timings(
+            prefill_ms=(first - timings.started) * 1e3,
+            decode_ms=(finished - first) * 1e3,
+            prompt_tokens=len(run.prompt),
+            generated_tokens=len(tokens),
+        ),
+    )
