@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GREEDY", "Sampler", "SamplingParams", "logits_to_probs"]
+__all__ = ["GREEDY", "Sampler", "SamplingParams", "logits_to_probs", "token_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -153,3 +153,21 @@ class Sampler:
         cdf = np.cumsum(probs)
         u = self._rng.random() * cdf[-1]
         return int(np.searchsorted(cdf, u, side="right"))
+
+
+def token_logprobs(
+    logits: Any, token: int, top: int
+) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The model's log-probability of ``token`` and its ``top`` best (id, log-probability).
+
+    From the raw logits ``[V]`` (before temperature and penalties), as OpenAI reports them.
+    """
+    row = np.asarray(logits, dtype=np.float64)
+    shifted = row - row.max()
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    best: list[tuple[int, float]] = []
+    if top > 0:
+        ids = np.argpartition(-logprobs, top - 1)[:top]
+        ids = ids[np.argsort(-logprobs[ids], kind="stable")]
+        best = [(int(i), float(logprobs[i])) for i in ids]
+    return float(logprobs[token]), tuple(best)

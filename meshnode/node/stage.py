@@ -28,7 +28,7 @@ from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.engine.mtp import MtpCache
 from meshnode.engine.recurrent import HybridCache
-from meshnode.engine.sampling import Sampler, SamplingParams, logits_to_probs
+from meshnode.engine.sampling import Sampler, SamplingParams, token_logprobs
 from meshnode.node.pipeline import (
     FrameKind,
     PipelineError,
@@ -37,7 +37,7 @@ from meshnode.node.pipeline import (
     StepResult,
     TokenLogprob,
 )
-from meshnode.speculative.acceptance import accept_greedy, accept_sampling, greedy_targets
+from meshnode.speculative.acceptance import verify
 
 #: Live sequences per stage. Each holds a preallocated KV cache of ``context_size``
 #: positions (SmolLM2-135M: ~46 KiB per position, so 8 x 2048 positions is ~750 MiB),
@@ -53,8 +53,6 @@ def default_context(config: ModelConfig) -> int:
     """The context a model is served with when none is asked for."""
     return min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
 
-
-FloatRows = npt.NDArray[np.float64]
 
 
 class StageError(PipelineError):
@@ -225,42 +223,28 @@ class StageRunner:
     ) -> tuple[int, list[int], tuple[TokenLogprob, ...] | None]:
         if not frame.final:
             return 0, [], None
-        rows = np.asarray(self.stage.backend.to_numpy(logits), dtype=np.float64)
+        rows = self.stage.backend.to_numpy(logits)
+        generated = seq.history[seq.prompt_len :]
         if frame.kind is FrameKind.VERIFY:
-            accepted, tokens = self._verify(frame, seq, rows)
+            assert seq.rng is not None
+            probs = frame.draft_probs
+            if probs is not None:
+                probs = self.stage.backend.to_numpy(probs)
+            # Row i scores the token after last, d1 … di; d1 sits at start_pos + 1.
+            first = frame.start_pos + 1 - seq.prompt_len
+            accepted, tokens = verify(
+                rows, frame.drafts, seq.sampling, generated, first, probs, seq.rng
+            )
         else:
             assert seq.sampler is not None
-            generated = seq.history[seq.prompt_len :]
             accepted, tokens = 0, [seq.sampler.sample(rows[-1], generated)]
         logprobs = None
-        if frame.top_logprobs is not None:
+        if (top := frame.top_logprobs) is not None:
             logprobs = tuple(
-                _logprob(rows[i], token, frame.top_logprobs) for i, token in enumerate(tokens)
+                TokenLogprob(token, *token_logprobs(rows[i], token, top))
+                for i, token in enumerate(tokens)
             )
         return accepted, tokens, logprobs
-
-    def _verify(
-        self, frame: StepFrame, seq: _Sequence, rows: FloatRows
-    ) -> tuple[int, list[int]]:
-        drafts = list(frame.drafts)
-        # Row i scores the token after last, d1 … di; its penalty history ends at di.
-        base = frame.start_pos + 1
-        generated = seq.history[seq.prompt_len :]
-        if seq.sampling.temperature == 0:
-            target = greedy_targets(rows, seq.sampling, generated, base - seq.prompt_len)
-            return accept_greedy(target, drafts)
-        target = np.stack(
-            [
-                logits_to_probs(rows[i], seq.sampling, generated[: base - seq.prompt_len + i])
-                for i in range(len(drafts) + 1)
-            ]
-        )
-        assert seq.rng is not None
-        probs = frame.draft_probs
-        if probs is not None:
-            probs = np.asarray(self.stage.backend.to_numpy(probs), dtype=np.float64)
-        return accept_sampling(target, drafts, probs, seq.rng)
-
 
     def _mtp_drafts(
         self, frame: StepFrame, seq: _Sequence, accepted: int, tokens: list[int]
@@ -284,18 +268,3 @@ class StageRunner:
 def _out_rows(frame: StepFrame) -> int:
     """Logit rows the last stage needs: k + 1 to verify k drafts, else one."""
     return len(frame.tokens) if frame.kind is FrameKind.VERIFY else 1
-
-
-def _logprob(row: FloatRows, token: int, top: int) -> TokenLogprob:
-    """The model's log-probability of ``token`` and its ``top`` best alternatives.
-
-    From the raw logits (before temperature and penalties), as OpenAI reports them.
-    """
-    shifted = row - row.max()
-    logprobs = shifted - np.log(np.exp(shifted).sum())
-    best: list[tuple[int, float]] = []
-    if top > 0:
-        ids = np.argpartition(-logprobs, top - 1)[:top]
-        ids = ids[np.argsort(-logprobs[ids], kind="stable")]
-        best = [(int(i), float(logprobs[i])) for i in ids]
-    return TokenLogprob(token=token, logprob=float(logprobs[token]), top=tuple(best))

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from meshnode.engine.sampling import SamplingParams, apply_penalties
+from meshnode.engine.sampling import SamplingParams, apply_penalties, logits_to_probs
 
 Rows = npt.NDArray[np.floating]
 
@@ -110,3 +110,32 @@ def _residual(p: Rows, token: int, draft_probs: Rows | None, i: int) -> Rows:
     else:
         residual = np.maximum(p.astype(np.float64) - draft_probs[i], 0.0)
     return residual if residual.sum() > 0 else p
+
+
+def verify(
+    logits: Rows,
+    drafts: Sequence[int],
+    params: SamplingParams,
+    generated: Sequence[int],
+    first: int,
+    draft_probs: Rows | None,
+    rng: np.random.Generator,
+) -> tuple[int, list[int]]:
+    """The acceptance rule for the request's mode, over the ``k + 1`` rows of a verify pass.
+
+    ``generated`` holds the generated tokens with the drafts from index ``first`` on: row
+    ``i`` sees the penalties of ``generated[: first + i]``, exactly as a plain step at its
+    position would. Greedy requests accept the drafts that equal the argmax
+    (:func:`accept_greedy`); sampled ones follow :func:`accept_sampling`, with
+    ``draft_probs`` ``[k, V]`` (``None``: deterministic drafts). Returns (accepted drafts,
+    committed tokens). The last stage of a pipeline and the single-node driver both call
+    this.
+    """
+    rows = np.asarray(logits, dtype=np.float64)
+    if params.greedy:
+        return accept_greedy(greedy_targets(rows, params, generated, first), drafts)
+    target = np.stack(
+        [logits_to_probs(rows[i], params, generated[: first + i]) for i in range(len(drafts) + 1)]
+    )
+    probs = None if draft_probs is None else np.asarray(draft_probs, dtype=np.float64)
+    return accept_sampling(target, drafts, probs, rng)

@@ -21,8 +21,8 @@ import numpy.typing as npt
 
 from meshnode.engine.kv_cache import KVCache
 from meshnode.engine.model import Stage
-from meshnode.engine.sampling import SamplingParams, logits_to_probs
-from meshnode.speculative.acceptance import accept_greedy, accept_sampling, greedy_targets
+from meshnode.engine.sampling import SamplingParams
+from meshnode.speculative.acceptance import verify
 from meshnode.speculative.proposer import Proposal, Proposer
 from meshnode.speculative.scorer import forward_rows
 from meshnode.speculative.telemetry import SpecStats
@@ -53,38 +53,15 @@ class SpecRun:
         return self.history[self.prompt_len :]
 
 
-def target_probs(
-    logits: npt.NDArray[np.float32],
-    params: SamplingParams,
-    context: Sequence[int],
-    drafts: Sequence[int],
-) -> npt.NDArray[np.float64]:
-    """Processed target rows ``[k + 1, V]``; row ``i`` sees ``context + drafts[:i]``.
-
-    ``context`` is what penalties count: the generated tokens, as in the engine's plain
-    ``generate``. Every row gets its own context, exactly as a plain decode step at that
-    position would.
-    """
-    context = list(context)
-    rows = []
-    for i in range(len(drafts) + 1):
-        rows.append(logits_to_probs(logits[i], params, context))
-        if i < len(drafts):
-            context.append(drafts[i])
-    return np.stack(rows)
-
-
 def choose(
     run: SpecRun, logits: npt.NDArray[np.float32], proposal: Proposal
 ) -> tuple[int, list[int]]:
-    """Apply the acceptance rule for the request's mode to the verify pass's logits."""
-    params, drafts = run.params, proposal.tokens
-    if params.greedy:
-        generated = [*run.generated, *drafts]
-        target = greedy_targets(logits, params, generated, len(run.generated))
-        return accept_greedy(target, drafts)
-    rows = target_probs(logits, params, run.generated, drafts)
-    return accept_sampling(rows, drafts, proposal.probs, run.rng)
+    """Apply the acceptance rule for the request's mode to the verify pass's logits (the
+    same rule, :func:`~meshnode.speculative.acceptance.verify`, as a pipeline's last stage)."""
+    generated = [*run.generated, *proposal.tokens]
+    return verify(
+        logits, proposal.tokens, run.params, generated, len(run.generated), proposal.probs, run.rng
+    )
 
 
 def prefill(
