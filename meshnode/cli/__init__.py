@@ -1,6 +1,8 @@
 """The ``meshnode`` command line: each command builds a config and calls one ``run``.
 
-Each command group lives in its own module and registers itself on ``app``.
+Each command group lives in its own module and registers itself on ``app``. The top of the
+layering: it imports every package, and ``meshnode.cli.join`` composes ``join`` (the
+daemon, the host role and the API served through it).
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ No sockets, no async. The array backend (NumPy or CuPy) is chosen once in
 
 Layering inside the package: ``config`` and ``backend`` at the bottom; ``weights`` and
 ``kv_cache`` on them; ``model`` (the stage forward) on those; ``sampling`` and
-``tokenizer`` stand alone; ``generate`` and ``loader`` (single-node use) on top.
+``tokenizer`` stand alone; ``generate`` (the prefill and decode rungs) and ``loader``
+(single-node use) on top.
+
+Imports ``meshnode.errors`` and ``meshnode_packaging`` (model sources) only.
 """
 
 from meshnode.engine.backend import Backend, BackendError, select_backend

@@ -1,4 +1,5 @@
 """Transport: mutual-TLS streams, the framing loop around the sans-IO codec, discovery.
 
-Imports ``meshnode_protocol`` only (plus trio, ssl, cryptography, zeroconf).
+Imports ``meshnode_protocol`` and ``meshnode.errors`` only (plus trio, ssl, cryptography,
+zeroconf).
 """

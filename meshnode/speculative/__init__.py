@@ -1,6 +1,7 @@
 """Speculative decoding as pure logic: proposers, window policy, acceptance, telemetry.
 
-Imports ``meshnode.engine`` only; does no I/O and reads no clock except in the
+Imports ``meshnode.engine``, ``meshnode.errors`` and ``meshnode_packaging`` (a draft
+model's source) only; does no I/O and reads no clock except in the
 single-node driver (``generate``), which takes the clock as a parameter. Split as in
 vLLM's ``spec_decode``:
 
