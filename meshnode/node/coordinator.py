@@ -29,68 +29,50 @@ refuses an older one, so a restarted host whose terms began again at 1 was
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import trio
 from meshnode_packaging.manifest import Part
-from meshnode_packaging.refs import RemotePackage, is_url, open_ref, resolve
+from meshnode_packaging.refs import open_ref
 from meshnode_packaging.sources import ModelSource
 from meshnode_protocol import (
-    Claim,
     ClaimAccepted,
     ClaimRejected,
     Error,
-    Inventory,
     InventoryReport,
-    Load,
     Message,
     PeerInfo,
-    Prepare,
     PrepareAccepted,
     Ready,
-    Stop,
 )
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.hybrid_config import HybridConfig
-from meshnode.engine.model import Stage
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
 from meshnode.errors import PlanError, RunError
-from meshnode.net.stream import SEND_ERRORS
+from meshnode.node.bringup import BringUp
 from meshnode.node.planner import (
     ModelFootprint,
     NodeCapacity,
     Plan,
-    StagePlan,
     plan,
     should_regrow,
 )
-from meshnode.node.progress import DownloadProgress
 from meshnode.node.remote import RemotePipeline, is_data_reply
-from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, StageRunner, default_context
+from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, default_context
 
 log = logging.getLogger("meshnode.coordinator")
 
-# A reply to Claim/Prepare/Load is a few ms on a LAN; a node silent this long is unhealthy.
-REPLY_TIMEOUT_S = 10.0
-# Loading builds the engine stage (dequantizing weights): seconds per GiB on a CPU.
-LOAD_TIMEOUT_S = 300.0
-# Materializing downloads the part; big models on slow links take long, but not forever.
-PREPARE_TIMEOUT_S = 3600.0
-INVENTORY_POLL_S = 0.25
 # Longest wait for the requests in flight before a regrow: a request is bounded by its
 # context, and a few minutes covers the default context decoded on a slow CPU mesh.
 REGROW_DRAIN_TIMEOUT_S = 300.0
-# Replies waiting for the coordinator; it asks one thing of a node at a time.
-REPLY_QUEUE = 16
 
 
 class MeshView(Protocol):
@@ -173,9 +155,6 @@ def _hybrid_footprint(
     )
 
 
-M = TypeVar("M", bound=Message)
-
-
 def next_term(previous: int, wall_clock_ns: int) -> int:
     """The term of the next run: above ``previous`` and at least the wall clock in µs.
 
@@ -215,11 +194,8 @@ class Coordinator:
         self._error = ""
         self._last_failure = ""  # kept after recovery: why the plan is not the first one
         self._plan: Plan | None = None
-        self._progress: dict[str, tuple[int, int]] = {}
-        self._download_log: dict[str, DownloadProgress] = {}
-        self._stage_state: dict[str, str] = {}
+        self._run: BringUp | None = None  # the latest run (its stages' states, progress)
         self._pipeline: RemotePipeline | None = None
-        self._replies: dict[str, trio.MemorySendChannel[Message]] = {}
         self._excluded: set[str] = set()
         self._first_plan = True
         self._recovering = False  # the plan was made after a loss: it may grow back
@@ -229,14 +205,17 @@ class Coordinator:
     def status(self) -> dict[str, Any]:
         stages = []
         for stage in self._plan.stages if self._plan else ():
-            done, total = self._progress.get(stage.node_id, (0, 0))
+            progress = self._run.progress if self._run else {}
+            done, total = progress.get(stage.node_id, (0, 0))
             stages.append(
                 {
                     "node_id": stage.node_id,
                     "layers": [stage.start, stage.end],
                     "embed": stage.embed,
                     "head": stage.head,
-                    "state": self._stage_state.get(stage.node_id, "planned"),
+                    "state": self._run.stage_state.get(stage.node_id, "planned")
+                    if self._run
+                    else "planned",
                     "bytes_done": done,
                     "bytes_total": total,
                     "memory_bytes": stage.memory_bytes,
@@ -275,19 +254,16 @@ class Coordinator:
             return False
         if getattr(message, "run_id", "") != self._run_id:
             return True  # a late reply of an abandoned run
-        channel = self._replies.get(peer)
-        if channel is not None:
-            with contextlib.suppress(trio.WouldBlock):
-                channel.send_nowait(message)
+        if self._run is not None:
+            self._run.deliver(peer, message)
         return True
 
     def peer_lost(self, peer: str) -> None:
         """The session with ``peer`` ended: fail what waits on it now, not at a timeout."""
         if self._pipeline is not None and peer in self._pipeline.stage_nodes:
             self._pipeline.fail(f"stage node {peer} was lost; the mesh is replanning")
-        replies = self._replies.pop(peer, None)
-        if replies is not None:
-            replies.close()  # a bring-up waiting for this node's reply fails at once
+        if self._run is not None:
+            self._run.lost(peer)  # a bring-up waiting for this node's reply fails at once
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -299,17 +275,27 @@ class Coordinator:
             self._term = next_term(self._term, time.time_ns())
             self._run_id = f"run-{secrets.token_hex(4)}"
             self._plan = placed
-            self._stage_state = {s.node_id: "claiming" for s in placed.stages}
-            self._progress = {}
+            self._run = run = BringUp(
+                self.mesh,
+                self.settings,
+                placed,
+                run_id=self._run_id,
+                term=self._term,
+                config=self.config,
+                source=self.source,
+                backend=self._backend,
+                context_size=self.context_size,
+                excluded=self._excluded,
+            )
             log.info("run %s term %d: %s", self._run_id, self._term, _describe(placed))
             try:
-                pipeline = await self._bring_up(placed)
+                pipeline = await run.run(placed)
             except RunError as exc:
                 self._error = self._last_failure = str(exc)
                 self._state = "failed"
                 self._recovering = True
                 log.warning("run %s failed: %s", self._run_id, exc)
-                await self._stop_all(placed, str(exc))
+                await run.stop_all(placed, str(exc))
                 continue
             self._pipeline = pipeline
             self._error = ""
@@ -325,7 +311,7 @@ class Coordinator:
                 pipeline.fail(f"{reason}; the mesh is replanning")
             self._pipeline = None
             self._state = "replanning"
-            await self._stop_all(placed, reason)
+            await run.stop_all(placed, reason)
 
     async def _serve(self, placed: Plan, pipeline: RemotePipeline) -> str | None:
         """Serve on ``pipeline`` until a stage node is lost (its id) or the plan should grow
@@ -401,220 +387,6 @@ class Coordinator:
         return should_regrow(placed, wanted, split=self.settings.split, degraded=self._recovering)
 
     # -- bring-up -----------------------------------------------------------------------
-
-    async def _bring_up(self, placed: Plan) -> RemotePipeline:
-        local, remote = placed.stages[0], placed.stages[1:]
-        self._replies = {}
-        receivers = {}
-        for stage in remote:
-            send, receive = trio.open_memory_channel[Message](REPLY_QUEUE)
-            self._replies[stage.node_id] = send
-            receivers[stage.node_id] = receive
-        for stage in remote:
-            await self._request(stage.node_id, receivers, self._claim(), ClaimAccepted)
-            self._stage_state[stage.node_id] = "claimed"
-        runner_box: list[StageRunner] = []
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._prepare_local, local, runner_box)
-                for stage in remote:
-                    nursery.start_soon(self._prepare_remote, stage, receivers)
-        except BaseExceptionGroup as group:
-            # The nursery groups the failures of parallel preparations; a run that failed
-            # to prepare is one RunError for the loop (anything else, cancellation
-            # included, propagates unchanged).
-            failed, rest = group.split(RunError)
-            if failed is None or rest is not None:
-                raise
-            reasons = "; ".join(str(exc) for exc in _leaves(failed))
-            raise RunError(reasons) from group
-        for index in range(len(remote) - 1, -1, -1):  # downstream-first
-            stage = remote[index]
-            upstream = placed.stages[index]
-            downstream = placed.stages[index + 2] if index + 2 < len(placed.stages) else None
-            self._stage_state[stage.node_id] = "loading"
-            await self._request(
-                stage.node_id,
-                receivers,
-                self._load(stage, upstream.node_id, downstream),
-                Ready,
-                timeout_s=LOAD_TIMEOUT_S,
-            )
-            self._stage_state[stage.node_id] = "ready"
-        self._stage_state[local.node_id] = "ready"
-        return RemotePipeline(
-            runner_box[0],
-            run_id=self._run_id,
-            term=self._term,
-            stage_nodes=placed.node_ids,
-            send=self.mesh.send,
-            wire_dtype=self.settings.wire_dtype,
-        )
-
-    def _claim(self) -> Claim:
-        return Claim(
-            run_id=self._run_id,
-            term=self._term,
-            coordinator_id=self.mesh.node_id,
-            package_ref=self.settings.model_ref,
-        )
-
-    def _load(self, stage: StagePlan, upstream: str, downstream: StagePlan | None) -> Load:
-        return Load(
-            run_id=self._run_id,
-            term=self._term,
-            package_ref=self.settings.model_ref,
-            manifest_sha256="",
-            layer_range=(stage.start, stage.end),
-            has_embed=stage.embed,
-            has_head=stage.head,
-            upstream=self.mesh.peer_info(upstream),
-            # The last stage's downstream is the host: its Predictions come straight back.
-            downstream=self.mesh.peer_info(downstream.node_id if downstream else self.mesh.node_id),
-            wire_dtype=self.settings.wire_dtype,
-            context_size=self.context_size,
-            batch_sizes=(1,),
-            kv_dtype="f32",
-        )
-
-    async def _prepare_local(self, stage: StagePlan, box: list[StageRunner]) -> None:
-        self._stage_state[stage.node_id] = "preparing"
-        part = Part(stage.start, stage.end, embed=True, head=stage.head)
-
-        def progress(done: int, total: int) -> None:
-            self._record_progress(stage.node_id, done, total, time.monotonic())
-
-        def build() -> StageRunner:
-            source = self._open_part(part, progress)
-            engine_stage = Stage(
-                self.config,
-                source,
-                stage.start,
-                stage.end,
-                embed=True,
-                head=stage.head,
-                backend=self._backend,
-            )
-            return StageRunner(
-                engine_stage,
-                context_size=self.context_size,
-                max_sequences=MAX_SEQUENCES_PER_STAGE,
-            )
-
-        try:
-            box.append(await trio.to_thread.run_sync(build))
-        except Exception as exc:
-            raise RunError(f"loading stage 0 on this node failed: {exc}") from exc
-        self._stage_state[stage.node_id] = "loaded"
-
-    def _open_part(self, part: Part, progress: Callable[[int, int], None]) -> ModelSource:
-        """The host's part of the model (call off the event loop).
-
-        A local model (alias, file, folder) is opened whole and memory-mapped, so the source
-        the host already holds serves every plan; only a remote package has parts to fetch.
-        """
-        if not isinstance(resolve(self.settings.model_ref), RemotePackage):
-            return self.source
-        return open_ref(
-            self.settings.model_ref,
-            part,
-            cache_dir=self.settings.cache_dir,
-            progress=progress,
-            pin=self.settings.pin,
-        )
-
-    def _record_progress(self, node: str, done: int, total: int, now_s: float) -> None:
-        """Keep a stage's download progress for status, and log it now and then."""
-        self._progress[node] = (done, total)
-        tracker = self._download_log.setdefault(node, DownloadProgress(f"stage on {node}"))
-        if line := tracker.update(done, total, now_s):
-            log.info("%s", line)
-
-    async def _prepare_remote(
-        self, stage: StagePlan, receivers: dict[str, trio.MemoryReceiveChannel[Message]]
-    ) -> None:
-        node = stage.node_id
-        prepare = Prepare(
-            run_id=self._run_id,
-            term=self._term,
-            package_ref=self.settings.model_ref,
-            manifest_sha256=self.settings.pin if is_url(self.settings.model_ref) else "",
-            layer_range=(stage.start, stage.end),
-            has_embed=stage.embed,
-            has_head=stage.head,
-            commit="" if is_url(self.settings.model_ref) else self.settings.pin,
-        )
-        await self._request(node, receivers, prepare, PrepareAccepted)
-        self._stage_state[node] = "preparing"
-        inventory = Inventory(
-            run_id=self._run_id, term=self._term, package_ref=self.settings.model_ref
-        )
-        with trio.move_on_after(PREPARE_TIMEOUT_S):
-            while True:
-                report = await self._request(node, receivers, inventory, InventoryReport)
-                self._record_progress(
-                    node, report.bytes_done, report.bytes_total, trio.current_time()
-                )
-                if report.error:
-                    self._excluded.add(node)
-                    raise RunError(f"node {node} could not prepare its layers: {report.error}")
-                if report.ready:
-                    self._stage_state[node] = "prepared"
-                    return
-                await trio.sleep(INVENTORY_POLL_S)
-        self._excluded.add(node)
-        raise RunError(f"node {node} did not prepare its layers in {PREPARE_TIMEOUT_S:.0f} s")
-
-    async def _request(
-        self,
-        node: str,
-        receivers: dict[str, trio.MemoryReceiveChannel[Message]],
-        message: Message,
-        expected: type[M],
-        *,
-        timeout_s: float = REPLY_TIMEOUT_S,
-    ) -> M:
-        """Send ``message`` to ``node`` and return its reply of type ``expected``.
-
-        Raises RunError (and excludes the node from the next plan) on a refusal, an
-        ``Error``, a lost session or a timeout.
-        """
-        what = type(message).__name__
-        try:
-            await self.mesh.send(node, message)
-            with trio.fail_after(timeout_s):
-                while True:
-                    reply = await receivers[node].receive()
-                    if isinstance(reply, expected):
-                        return reply
-                    if isinstance(reply, ClaimRejected | Error):
-                        reason = reply.reason if isinstance(reply, ClaimRejected) else reply.message
-                        raise RunError(f"node {node} refused {what}: {reason}")
-        except trio.TooSlowError:
-            failure = f"node {node} did not answer {what} within {timeout_s:.0f} s"
-        except SEND_ERRORS:
-            failure = f"node {node} is unreachable"
-        except trio.EndOfChannel:
-            failure = f"node {node} was lost while the run was brought up"
-        except RunError:
-            self._excluded.add(node)
-            raise
-        self._excluded.add(node)
-        raise RunError(failure)
-
-    async def _stop_all(self, placed: Plan, reason: str) -> None:
-        stop = Stop(run_id=self._run_id, term=self._term, reason=reason)
-        for stage in placed.stages[1:]:
-            with contextlib.suppress(*SEND_ERRORS):
-                await self.mesh.send(stage.node_id, stop)
-        self._replies = {}
-
-
-def _leaves(group: BaseExceptionGroup[RunError]) -> list[BaseException]:
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return out
 
 
 def _describe(placed: Plan) -> str:

@@ -1,0 +1,330 @@
+"""Bringing up one run: the conversation of the host with every stage of a plan.
+
+``Claim`` every remote node of the plan (fenced by run id and term) → ``Prepare`` each (they
+materialize their part in the background while the host builds its own stage 0; progress
+from ``Inventory`` polls) → ``Load`` downstream-first → ``Ready``; the result is the run's
+:class:`~meshnode.node.remote.RemotePipeline`. Any failure is one :class:`RunError` naming
+the node, which is excluded from the next plan. The coordinator
+(:mod:`meshnode.node.coordinator`) owns the loop around it and routes the replies here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import trio
+from meshnode_packaging.manifest import Part
+from meshnode_packaging.refs import RemotePackage, is_url, open_ref, resolve
+from meshnode_packaging.sources import ModelSource
+from meshnode_protocol import (
+    Claim,
+    ClaimAccepted,
+    ClaimRejected,
+    Error,
+    Inventory,
+    InventoryReport,
+    Load,
+    Message,
+    Prepare,
+    PrepareAccepted,
+    Ready,
+    Stop,
+)
+
+from meshnode.engine.backend import Backend
+from meshnode.engine.config import ModelConfig
+from meshnode.engine.model import Stage
+from meshnode.errors import RunError
+from meshnode.net.stream import SEND_ERRORS
+from meshnode.node.planner import Plan, StagePlan
+from meshnode.node.progress import DownloadProgress
+from meshnode.node.remote import RemotePipeline
+from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, StageRunner
+
+if TYPE_CHECKING:
+    from meshnode.node.coordinator import CoordinatorSettings, MeshView
+
+log = logging.getLogger("meshnode.coordinator")
+
+# A reply to Claim/Prepare/Load is a few ms on a LAN; a node silent this long is unhealthy.
+REPLY_TIMEOUT_S = 10.0
+# Loading builds the engine stage (dequantizing weights): seconds per GiB on a CPU.
+LOAD_TIMEOUT_S = 300.0
+# Materializing downloads the part; big models on slow links take long, but not forever.
+PREPARE_TIMEOUT_S = 3600.0
+INVENTORY_POLL_S = 0.25
+# Replies waiting for the coordinator; it asks one thing of a node at a time.
+REPLY_QUEUE = 16
+
+M = TypeVar("M", bound=Message)
+
+
+class BringUp:
+    """One run (``run_id``, ``term``) brought up on a plan; see the module docstring.
+
+    ``stage_state`` and ``progress`` (bytes done and total, by node) are what status shows.
+    A node that fails is added to ``excluded``, the coordinator's set.
+    """
+
+    def __init__(
+        self,
+        mesh: MeshView,
+        settings: CoordinatorSettings,
+        placed: Plan,
+        *,
+        run_id: str,
+        term: int,
+        config: ModelConfig,
+        source: ModelSource,
+        backend: Backend,
+        context_size: int,
+        excluded: set[str],
+    ) -> None:
+        self.mesh = mesh
+        self.settings = settings
+        self.run_id = run_id
+        self.term = term
+        self.config = config
+        self.source = source
+        self.context_size = context_size
+        self.stage_state: dict[str, str] = {s.node_id: "claiming" for s in placed.stages}
+        self.progress: dict[str, tuple[int, int]] = {}
+        self._backend = backend
+        self._excluded = excluded
+        self._download_log: dict[str, DownloadProgress] = {}
+        self._replies: dict[str, trio.MemorySendChannel[Message]] = {}
+
+    def deliver(self, peer: str, message: Message) -> None:
+        """A reply of this run from ``peer``, for the request waiting on it."""
+        channel = self._replies.get(peer)
+        if channel is not None:
+            with contextlib.suppress(trio.WouldBlock):
+                channel.send_nowait(message)
+
+    def lost(self, peer: str) -> None:
+        """The session with ``peer`` ended: a request waiting on it fails at once."""
+        replies = self._replies.pop(peer, None)
+        if replies is not None:
+            replies.close()
+
+    async def run(self, placed: Plan) -> RemotePipeline:
+        """Claim, prepare, load and ready every stage of ``placed``; its pipeline.
+
+        Raises RunError naming the node and step that failed.
+        """
+        local, remote = placed.stages[0], placed.stages[1:]
+        receivers = {}
+        for stage in remote:
+            send, receive = trio.open_memory_channel[Message](REPLY_QUEUE)
+            self._replies[stage.node_id] = send
+            receivers[stage.node_id] = receive
+        for stage in remote:
+            await self._request(stage.node_id, receivers, self._claim(), ClaimAccepted)
+            self.stage_state[stage.node_id] = "claimed"
+        runner_box: list[StageRunner] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._prepare_local, local, runner_box)
+                for stage in remote:
+                    nursery.start_soon(self._prepare_remote, stage, receivers)
+        except BaseExceptionGroup as group:
+            # The nursery groups the failures of parallel preparations; a run that failed
+            # to prepare is one RunError for the loop (anything else, cancellation
+            # included, propagates unchanged).
+            failed, rest = group.split(RunError)
+            if failed is None or rest is not None:
+                raise
+            reasons = "; ".join(str(exc) for exc in _leaves(failed))
+            raise RunError(reasons) from group
+        for index in range(len(remote) - 1, -1, -1):  # downstream-first
+            stage = remote[index]
+            upstream = placed.stages[index]
+            downstream = placed.stages[index + 2] if index + 2 < len(placed.stages) else None
+            self.stage_state[stage.node_id] = "loading"
+            await self._request(
+                stage.node_id,
+                receivers,
+                self._load(stage, upstream.node_id, downstream),
+                Ready,
+                timeout_s=LOAD_TIMEOUT_S,
+            )
+            self.stage_state[stage.node_id] = "ready"
+        self.stage_state[local.node_id] = "ready"
+        return RemotePipeline(
+            runner_box[0],
+            run_id=self.run_id,
+            term=self.term,
+            stage_nodes=placed.node_ids,
+            send=self.mesh.send,
+            wire_dtype=self.settings.wire_dtype,
+        )
+
+    def _claim(self) -> Claim:
+        return Claim(
+            run_id=self.run_id,
+            term=self.term,
+            coordinator_id=self.mesh.node_id,
+            package_ref=self.settings.model_ref,
+        )
+
+    def _load(self, stage: StagePlan, upstream: str, downstream: StagePlan | None) -> Load:
+        return Load(
+            run_id=self.run_id,
+            term=self.term,
+            package_ref=self.settings.model_ref,
+            manifest_sha256="",
+            layer_range=(stage.start, stage.end),
+            has_embed=stage.embed,
+            has_head=stage.head,
+            upstream=self.mesh.peer_info(upstream),
+            # The last stage's downstream is the host: its Predictions come straight back.
+            downstream=self.mesh.peer_info(downstream.node_id if downstream else self.mesh.node_id),
+            wire_dtype=self.settings.wire_dtype,
+            context_size=self.context_size,
+            batch_sizes=(1,),
+            kv_dtype="f32",
+        )
+
+    async def _prepare_local(self, stage: StagePlan, box: list[StageRunner]) -> None:
+        self.stage_state[stage.node_id] = "preparing"
+        part = Part(stage.start, stage.end, embed=True, head=stage.head)
+
+        def progress(done: int, total: int) -> None:
+            self._record_progress(stage.node_id, done, total, time.monotonic())
+
+        def build() -> StageRunner:
+            source = self._open_part(part, progress)
+            engine_stage = Stage(
+                self.config,
+                source,
+                stage.start,
+                stage.end,
+                embed=True,
+                head=stage.head,
+                backend=self._backend,
+            )
+            return StageRunner(
+                engine_stage,
+                context_size=self.context_size,
+                max_sequences=MAX_SEQUENCES_PER_STAGE,
+            )
+
+        try:
+            box.append(await trio.to_thread.run_sync(build))
+        except Exception as exc:
+            raise RunError(f"loading stage 0 on this node failed: {exc}") from exc
+        self.stage_state[stage.node_id] = "loaded"
+
+    def _open_part(self, part: Part, progress: Callable[[int, int], None]) -> ModelSource:
+        """The host's part of the model (call off the event loop).
+
+        A local model (alias, file, folder) is opened whole and memory-mapped, so the source
+        the host already holds serves every plan; only a remote package has parts to fetch.
+        """
+        if not isinstance(resolve(self.settings.model_ref), RemotePackage):
+            return self.source
+        return open_ref(
+            self.settings.model_ref,
+            part,
+            cache_dir=self.settings.cache_dir,
+            progress=progress,
+            pin=self.settings.pin,
+        )
+
+    def _record_progress(self, node: str, done: int, total: int, now_s: float) -> None:
+        """Keep a stage's download progress for status, and log it now and then."""
+        self.progress[node] = (done, total)
+        tracker = self._download_log.setdefault(node, DownloadProgress(f"stage on {node}"))
+        if line := tracker.update(done, total, now_s):
+            log.info("%s", line)
+
+    async def _prepare_remote(
+        self, stage: StagePlan, receivers: dict[str, trio.MemoryReceiveChannel[Message]]
+    ) -> None:
+        node = stage.node_id
+        prepare = Prepare(
+            run_id=self.run_id,
+            term=self.term,
+            package_ref=self.settings.model_ref,
+            manifest_sha256=self.settings.pin if is_url(self.settings.model_ref) else "",
+            layer_range=(stage.start, stage.end),
+            has_embed=stage.embed,
+            has_head=stage.head,
+            commit="" if is_url(self.settings.model_ref) else self.settings.pin,
+        )
+        await self._request(node, receivers, prepare, PrepareAccepted)
+        self.stage_state[node] = "preparing"
+        inventory = Inventory(
+            run_id=self.run_id, term=self.term, package_ref=self.settings.model_ref
+        )
+        with trio.move_on_after(PREPARE_TIMEOUT_S):
+            while True:
+                report = await self._request(node, receivers, inventory, InventoryReport)
+                self._record_progress(
+                    node, report.bytes_done, report.bytes_total, trio.current_time()
+                )
+                if report.error:
+                    self._excluded.add(node)
+                    raise RunError(f"node {node} could not prepare its layers: {report.error}")
+                if report.ready:
+                    self.stage_state[node] = "prepared"
+                    return
+                await trio.sleep(INVENTORY_POLL_S)
+        self._excluded.add(node)
+        raise RunError(f"node {node} did not prepare its layers in {PREPARE_TIMEOUT_S:.0f} s")
+
+    async def _request(
+        self,
+        node: str,
+        receivers: dict[str, trio.MemoryReceiveChannel[Message]],
+        message: Message,
+        expected: type[M],
+        *,
+        timeout_s: float = REPLY_TIMEOUT_S,
+    ) -> M:
+        """Send ``message`` to ``node`` and return its reply of type ``expected``.
+
+        Raises RunError (and excludes the node from the next plan) on a refusal, an
+        ``Error``, a lost session or a timeout.
+        """
+        what = type(message).__name__
+        try:
+            await self.mesh.send(node, message)
+            with trio.fail_after(timeout_s):
+                while True:
+                    reply = await receivers[node].receive()
+                    if isinstance(reply, expected):
+                        return reply
+                    if isinstance(reply, ClaimRejected | Error):
+                        reason = reply.reason if isinstance(reply, ClaimRejected) else reply.message
+                        raise RunError(f"node {node} refused {what}: {reason}")
+        except trio.TooSlowError:
+            failure = f"node {node} did not answer {what} within {timeout_s:.0f} s"
+        except SEND_ERRORS:
+            failure = f"node {node} is unreachable"
+        except trio.EndOfChannel:
+            failure = f"node {node} was lost while the run was brought up"
+        except RunError:
+            self._excluded.add(node)
+            raise
+        self._excluded.add(node)
+        raise RunError(failure)
+
+    async def stop_all(self, placed: Plan, reason: str) -> None:
+        """Stop every remote stage of ``placed`` (best effort: a lost node has stopped)."""
+        stop = Stop(run_id=self.run_id, term=self.term, reason=reason)
+        for stage in placed.stages[1:]:
+            with contextlib.suppress(*SEND_ERRORS):
+                await self.mesh.send(stage.node_id, stop)
+        self._replies.clear()
+
+
+def _leaves(group: BaseExceptionGroup[RunError]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
