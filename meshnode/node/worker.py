@@ -42,7 +42,6 @@ import contextlib
 import enum
 import logging
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,9 +76,9 @@ from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.net.stream import SEND_ERRORS
-from meshnode.node.pipeline import PipelineError, RequestId, StepResult
+from meshnode.node.relay import DataMessage, Relay, frame_error
 from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, StageRunner
-from meshnode.node.wire import WireSequences, frame_from_wire, frame_to_wire, result_to_wire
+from meshnode.node.wire import WireSequences
 
 log = logging.getLogger("meshnode.worker")
 
@@ -90,7 +89,6 @@ log = logging.getLogger("meshnode.worker")
 INBOX_FRAMES = 64
 
 SendFn = Callable[[str, Message], Awaitable[None]]
-DataMessage = ActivationFrame | Release
 ConnectFn = Callable[[PeerInfo], Awaitable[None]]
 
 
@@ -193,6 +191,7 @@ class Worker:
         self._backend = backend
         self._cache_dir = cache_dir
         self._nursery = nursery
+        self._relay = Relay(node_id, send)  # the data plane of the loaded run
         # Whether a Prepare from another node may name an http(s) URL: off by default, since
         # it would let any member make this node fetch from hosts only it can reach.
         self._accept_url_refs = accept_url_refs
@@ -453,7 +452,7 @@ class Worker:
         if run.inbox is None:
             send, receive = trio.open_memory_channel[DataMessage](INBOX_FRAMES)
             run.inbox = send
-            self._nursery.start_soon(self._serve_inbox, run, receive)
+            self._nursery.start_soon(self._relay.serve_inbox, run, receive)
         await self._send(
             peer,
             Ready(
@@ -506,84 +505,8 @@ class Worker:
         """Hand a data message to the run's inbox task; the receive loop goes on reading."""
         if run.inbox is None:
             if isinstance(message, ActivationFrame):
-                error = _error(run, ErrorCode.NOT_READY, "this stage is not loaded", message)
+                error = frame_error(run, ErrorCode.NOT_READY, "this stage is not loaded", message)
                 await self._to_coordinator(error)
             return  # a Release before Load: nothing of that sequence is held here
         with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
             await run.inbox.send(message)
-
-    async def _serve_inbox(
-        self, run: WorkerRun, receive: trio.MemoryReceiveChannel[DataMessage]
-    ) -> None:
-        """Run the data messages of ``run`` one after another until the run is stopped."""
-        with run.scope, receive:
-            async for message in receive:
-                try:
-                    await self._serve_one(run, message)
-                except Exception:
-                    # Our own bug on one frame: it fails that frame, not the node (the
-                    # session loop used to contain it the same way). Not cancellation.
-                    log.exception("run %s: a data message failed", run.run_id)
-
-    async def _serve_one(self, run: WorkerRun, message: DataMessage) -> None:
-        if isinstance(message, ActivationFrame):
-            await self._activation(run, message)
-        elif run.runner is not None:
-            run.runner.release(RequestId(message.request_id))
-            run.wire.release(RequestId(message.request_id))
-
-    async def _activation(self, run: WorkerRun, message: ActivationFrame) -> None:
-        runner = run.runner
-        assert runner is not None  # the inbox task starts only once the runner is loaded
-        result: StepResult | None = None
-        try:
-            # One inbox task per run: the sequence's input buffer, reused frame after
-            # frame, is never written while a forward reads it.
-            frame = frame_from_wire(message, run.wire)
-            began = time.perf_counter()
-            if runner.last:
-                result = await trio.to_thread.run_sync(runner.result, frame)
-            else:
-                hidden = await trio.to_thread.run_sync(runner.activations, frame)
-            compute_us = int((time.perf_counter() - began) * 1e6)
-        except (PipelineError, ValueError) as exc:
-            await self._to_coordinator(_error(run, ErrorCode.BAD_ACTIVATION, str(exc), message))
-            return
-        if result is not None:
-            if not result.tokens:
-                return  # a non-final prefill chunk: the host does not wait for it
-            target = run.coordinator
-            outgoing: Message = result_to_wire(
-                result,
-                run_id=run.run_id,
-                term=run.term,
-                start_pos=frame.start_pos,
-                stage_compute_us=message.stage_compute_us,
-            )
-        elif run.downstream is not None:
-            target = run.downstream
-            outgoing = frame_to_wire(
-                frame,
-                hidden,
-                run_id=run.run_id,
-                term=run.term,
-                wire_dtype=run.wire_dtype,
-                sequences=run.wire,
-                stage_compute_us=(*message.stage_compute_us, compute_us),
-            )
-        else:
-            return
-        try:
-            await self._send(target, outgoing)
-        except SEND_ERRORS:
-            # The next node is gone: the host learns it from membership and replans; tell it
-            # now so the request fails at once (best effort: the host may be gone too).
-            reason = f"stage after {self.node_id} ({target}) is unreachable"
-            await self._to_coordinator(_error(run, ErrorCode.NOT_READY, reason, message))
-
-
-def _error(run: WorkerRun, code: ErrorCode, reason: str, frame: ActivationFrame) -> Error:
-    """The ``Error`` that fails ``frame``'s request at the coordinator."""
-    return Error(
-        code=code, message=reason, run_id=run.run_id, term=run.term, request_id=frame.request_id
-    )
