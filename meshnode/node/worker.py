@@ -233,7 +233,7 @@ class Worker:
             if isinstance(message, Prepare):
                 await self._prepare(peer, run, message)
             elif isinstance(message, Inventory):
-                await self._send(peer, self._report(run))
+                await self._send(peer, inventory_report(self.node_id, run))
             elif isinstance(message, Load):
                 # Building the stage takes seconds: off the session loop, like compute.
                 self._nursery.start_soon(self._load_in_background, peer, run, message)
@@ -277,7 +277,7 @@ class Worker:
         run = self.run
         superseded = run is None or (run.coordinator == peer and claim.term >= run.term)
         if not superseded and run is not None:
-            await self._send(peer, self._rejection(run, peer, claim))
+            await self._send(peer, claim_rejection(self.node_id, run, peer, claim))
             return
         if run is not None and run.run_id != claim.run_id:
             self._stop(f"superseded by run {claim.run_id}")
@@ -288,19 +288,6 @@ class Worker:
         await self._send(
             peer,
             ClaimAccepted(run_id=claim.run_id, term=claim.term, node_id=self.node_id),
-        )
-
-    def _rejection(self, run: WorkerRun, peer: str, claim: Claim) -> ClaimRejected:
-        # The run's own coordinator (claiming with an older term) learns which run holds
-        # us; another coordinator learns only that this node is taken.
-        own = peer == run.coordinator
-        return ClaimRejected(
-            run_id=claim.run_id,
-            term=claim.term,
-            node_id=self.node_id,
-            reason=f"held by run {run.run_id}@{run.term}" if own else "claimed by another node",
-            held_by_run=run.run_id if own else "",
-            held_by_term=run.term if own else 0,
         )
 
     async def _fenced(self, peer: str, message: Any) -> WorkerRun | None:
@@ -391,29 +378,6 @@ class Worker:
         finally:
             prep.done.set()
 
-    def _report(self, run: WorkerRun) -> InventoryReport:
-        prep = run.preparation
-        if prep is None:
-            return InventoryReport(
-                run_id=run.run_id, term=run.term, node_id=self.node_id, package_ref=""
-            )
-        ready = prep.source is not None
-        span = (_range(prep.part),)
-        return InventoryReport(
-            run_id=run.run_id,
-            term=run.term,
-            node_id=self.node_id,
-            package_ref=prep.package_ref,
-            ready=span if ready else (),
-            preparing=() if ready or prep.error else span,
-            missing=span if prep.error else (),
-            embed_ready=ready and prep.part.embed,
-            head_ready=ready and prep.part.head,
-            bytes_done=prep.bytes_done,
-            bytes_total=prep.bytes_total,
-            error=prep.error,
-        )
-
     async def _load_in_background(self, peer: str, run: WorkerRun, load: Load) -> None:
         try:
             await self._load(peer, run, load)
@@ -431,7 +395,7 @@ class Worker:
         start, end = load.layer_range
         try:
             runner = await trio.to_thread.run_sync(
-                lambda: self._build_runner(source, start, end, load)
+                lambda: build_runner(self._backend, source, start, end, load)
             )
         except Exception as exc:  # reported to the coordinator
             await self._load_failed(peer, run, f"{type(exc).__name__}: {exc}")
@@ -462,21 +426,6 @@ class Worker:
                 endpoint=self.node_id,
                 layer_range=(start, end),
             ),
-        )
-
-    def _build_runner(self, source: ModelSource, start: int, end: int, load: Load) -> StageRunner:
-        config = ModelConfig.from_hf(source.config)
-        stage = Stage(
-            config,
-            source,
-            start,
-            end,
-            embed=load.has_embed,
-            head=load.has_head,
-            backend=self._backend,
-        )
-        return StageRunner(
-            stage, context_size=load.context_size, max_sequences=MAX_SEQUENCES_PER_STAGE
         )
 
     async def _load_failed(self, peer: str, run: WorkerRun, reason: str) -> None:
@@ -510,3 +459,62 @@ class Worker:
             return  # a Release before Load: nothing of that sequence is held here
         with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
             await run.inbox.send(message)
+
+
+def claim_rejection(node_id: str, run: WorkerRun, peer: str, claim: Claim) -> ClaimRejected:
+    """The refusal of ``claim`` while this node is held by ``run``."""
+    # The run's own coordinator (claiming with an older term) learns which run holds
+    # us; another coordinator learns only that this node is taken.
+    own = peer == run.coordinator
+    return ClaimRejected(
+        run_id=claim.run_id,
+        term=claim.term,
+        node_id=node_id,
+        reason=f"held by run {run.run_id}@{run.term}" if own else "claimed by another node",
+        held_by_run=run.run_id if own else "",
+        held_by_term=run.term if own else 0,
+    )
+
+
+def inventory_report(node_id: str, run: WorkerRun) -> InventoryReport:
+    """What this node holds of ``run``'s part: ready, preparing or missing, and progress."""
+    prep = run.preparation
+    if prep is None:
+        return InventoryReport(
+            run_id=run.run_id, term=run.term, node_id=node_id, package_ref=""
+        )
+    ready = prep.source is not None
+    span = (_range(prep.part),)
+    return InventoryReport(
+        run_id=run.run_id,
+        term=run.term,
+        node_id=node_id,
+        package_ref=prep.package_ref,
+        ready=span if ready else (),
+        preparing=() if ready or prep.error else span,
+        missing=span if prep.error else (),
+        embed_ready=ready and prep.part.embed,
+        head_ready=ready and prep.part.head,
+        bytes_done=prep.bytes_done,
+        bytes_total=prep.bytes_total,
+        error=prep.error,
+    )
+
+
+def build_runner(
+    backend: Backend, source: ModelSource, start: int, end: int, load: Load
+) -> StageRunner:
+    """The stage runner ``load`` asks for, over ``source`` (blocking: call off the loop)."""
+    config = ModelConfig.from_hf(source.config)
+    stage = Stage(
+        config,
+        source,
+        start,
+        end,
+        embed=load.has_embed,
+        head=load.has_head,
+        backend=backend,
+    )
+    return StageRunner(
+        stage, context_size=load.context_size, max_sequences=MAX_SEQUENCES_PER_STAGE
+    )
