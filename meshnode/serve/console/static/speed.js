@@ -157,9 +157,10 @@ function renderLegends(history, stages, status) {
   const spec = status.host?.speculation;
   const strategy = spec ? `strategy ${spec.strategy}` : "";
   const total = spec?.acceptance;
-  fill("legend-accept", h("span", { class: "muted" }, total
+  const drafted = total && total.proposed > 0;
+  fill("legend-accept", h("span", { class: "muted" }, drafted
     ? `${strategy}; all requests: ${fmtPct(total.accept_rate)} of ${total.proposed} drafts`
-    : strategy));
-  fill("legend-tpv", h("span", { class: "muted" }, total
+    : `${strategy}; no drafts yet`));
+  fill("legend-tpv", h("span", { class: "muted" }, drafted
     ? `all requests: ${fmtNum(total.tokens_per_verify, 2)} over ${total.windows} verify passes` : ""));
 }
