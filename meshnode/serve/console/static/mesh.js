@@ -171,12 +171,13 @@ function story(status, model) {
     + `${status.peers.filter((p) => p.state === "alive").length} peer(s) alive.`)];
   const host = model.host;
   if (host) {
-    items.push(h("li", {}, `Run ${host.run_id || "–"} (term ${host.term}) is `,
+    // Terms only grow (they start from the wall clock), so they order runs but count nothing.
+    items.push(h("li", { title: `term ${host.term}` }, `Run ${host.run_id || "–"} is `,
       h("span", { class: `pill state-${host.state}` }, host.state), "."));
     if (host.error) items.push(h("li", { class: "error" }, `Now: ${host.error}`));
     if (host.last_failure) {
-      const replanned = host.term > 1 ? ` The mesh replanned; this is plan ${host.term}.` : "";
-      items.push(h("li", { class: "warn", id: "last-failure" }, `Last failure: ${host.last_failure}.${replanned}`));
+      const now = host.state === "ready" ? ` The mesh replanned: ${host.run_id} serves now.` : "";
+      items.push(h("li", { class: "warn", id: "last-failure" }, `Last failure: ${host.last_failure}.${now}`));
     } else {
       items.push(h("li", { class: "muted" }, "No failure since the node started."));
     }
