@@ -30,8 +30,10 @@ class SamplingParams:
     ``temperature`` 0 means greedy (1, the default, samples from the model's distribution
     as is); ``top_k`` 0 keeps every token; ``top_p`` 1 and ``min_p`` 0 keep every token;
     ``repetition_penalty`` 1 and the OpenAI-style ``presence_penalty``/``frequency_penalty``
-    0 leave the logits alone. Integers given for float fields are stored as floats.
-    Raises ValueError for a value outside a knob's range.
+    0 leave the logits alone. Integers given for float fields are stored as floats, and a
+    ``seed`` is folded into ``[0, 2**64)`` (clients of llama.cpp send -1; every generator
+    and the wire take unsigned 64-bit seeds). Raises ValueError for a value outside a
+    knob's range.
     """
 
     temperature: float = 1.0
@@ -48,6 +50,8 @@ class SamplingParams:
             value = getattr(self, spec.name)
             if spec.type == "float" and isinstance(value, int):
                 object.__setattr__(self, spec.name, float(value))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", self.seed % 2**64)
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if self.top_k < 0:

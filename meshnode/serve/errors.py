@@ -12,7 +12,8 @@ Exception tree (raise these from handlers and the service; the handlers installe
   - :class:`BadRequestError` (400) — a body that parses but asks for something we refuse
     (``n`` > 1, tools, a prompt batch).
   - :class:`ModelNotFoundError` (404) — ``model`` names no model this node serves.
-  - :class:`ContextLengthError` (413) — the prompt alone does not fit the context.
+  - :class:`ContextLengthError` (400, ``context_length_exceeded``, as OpenAI answers) —
+    the prompt alone does not fit the context.
   - :class:`ServiceUnavailableError` (503 + ``Retry-After``) — the mesh is (re)loading, or
     the admission queue is full.
 
@@ -79,9 +80,10 @@ class ModelNotFoundError(APIError):
 
 
 class ContextLengthError(APIError):
-    """The prompt alone needs more positions than the context holds (413)."""
+    """The prompt alone needs more positions than the context holds (400, as OpenAI's own
+    API answers it, so the official clients raise ``BadRequestError`` with this code)."""
 
-    status_code = 413
+    status_code = 400
     error_type = "invalid_request_error"
 
     def __init__(self, prompt_tokens: int, context_size: int):

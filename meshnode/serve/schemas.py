@@ -1,20 +1,26 @@
 """Request and response models of the OpenAI-compatible API.
 
-Requests are strict: unknown fields and wrong types are a 400, so a typo in a parameter
-name never silently changes nothing. Fields that OpenAI defines but this server does not
-implement are accepted only at the value that means "off" (``n=1``, no tools); anything
-else is refused by :meth:`ChatCompletionRequest.check_supported` with a message naming the
-parameter. Responses are plain pydantic models dumped to JSON; the ``meshnode`` field is
-our extension (speculation telemetry), which the official clients keep as an extra.
+Requests are lenient about what they do not know and strict about what they do: unknown
+fields are ignored (SDK wrappers and agent frameworks routinely send ``store``,
+``metadata`` and the like, which llama-server, vLLM and Ollama accept too; each ignored
+name is logged once at debug level), while a known field with a wrong type or value is a
+400 naming it. Fields that OpenAI defines but this server does not implement are accepted
+only at the value that means "off" (``n=1``, no tools); anything else is refused by
+:meth:`ChatCompletionRequest.check_supported` with a message naming the parameter. Text
+that is not valid Unicode (a lone surrogate, which JSON can carry) is a 400 too.
+Responses are plain pydantic models dumped to JSON; the ``meshnode`` field is our
+extension (speculation telemetry), which the official clients keep as an extra.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from annotated_types import BaseMetadata, Ge, Gt, Le
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -23,6 +29,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     create_model,
+    model_validator,
 )
 
 from meshnode.engine.sampling import SamplingParams
@@ -35,13 +42,43 @@ MAX_TOP_LOGPROBS = 20
 #: OpenAI's limit for ``logprobs`` on (legacy) completions.
 MAX_COMPLETION_LOGPROBS = 5
 
+log = logging.getLogger(__name__)
+
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 
 
+def _unicode(text: str) -> str:
+    # JSON may carry a lone surrogate ("\ud800"); no tokenizer can encode it.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError("text is not valid Unicode (a lone surrogate)") from exc
+    return text
+
+
+#: Text from the client: any string that is valid Unicode.
+Text = Annotated[StrictStr, AfterValidator(_unicode)]
+
+#: Unknown field names already logged, so a client that always sends one logs it once.
+_IGNORED_LOGGED: set[str] = set()
+#: Bound on that set: a client inventing names cannot grow it without limit.
+MAX_IGNORED_NAMES_LOGGED = 256
+
+
 class _Strict(BaseModel):
-    # Unknown keys are an error. Scalars use the Strict* types instead of strict=True on
-    # the model, because strict mode would also refuse plain dicts for nested models.
-    model_config = ConfigDict(extra="forbid")
+    # Unknown keys are ignored (see the module docstring); scalars use the Strict* types
+    # instead of strict=True on the model, which would also refuse dicts for nested models.
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in data.keys() - cls.model_fields.keys():
+                if name not in _IGNORED_LOGGED and len(_IGNORED_LOGGED) < MAX_IGNORED_NAMES_LOGGED:
+                    _IGNORED_LOGGED.add(name)
+                    log.debug("ignoring unknown request field %r (%s)", name, cls.__name__)
+        return data
 
 
 # -- the sampling fields, generated from the one sampling record -----------------------------
@@ -63,6 +100,9 @@ _API_RANGES: dict[str, tuple[BaseMetadata, ...]] = {
     "repetition_penalty": (Gt(0.0),),
     "presence_penalty": (Ge(-2.0), Le(2.0)),
     "frequency_penalty": (Ge(-2.0), Le(2.0)),
+    # Any 64-bit seed, signed or not (llama.cpp's clients send -1); the sampler folds it
+    # into its generator's range, and a larger integer is a 400 rather than an overflow.
+    "seed": (Ge(-(2**63)), Le(2**64 - 1)),
 }
 #: Names of the sampling fields every completion endpoint accepts.
 SAMPLING_FIELDS = frozenset(spec.name for spec in dataclasses.fields(SamplingParams))
@@ -90,13 +130,29 @@ class StreamOptions(_Strict):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
+
+
+class ToolCallFunction(_Strict):
+    name: Text
+    arguments: Text
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made, as clients send the history back."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    refusal: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined, as OpenAI does)."""
@@ -114,7 +170,7 @@ class _SamplingFields(_SamplingKnobs):
 
     model: StrictStr
     max_tokens: PositiveInt | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -187,7 +243,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 #: A prompt for /v1/completions: text, token ids, or a one-element batch of either.
-CompletionPrompt = str | list[StrictInt] | list[str] | list[list[StrictInt]]
+CompletionPrompt = Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
 
 
 class CompletionRequest(_SamplingFields):

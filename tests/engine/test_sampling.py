@@ -148,3 +148,12 @@ def test_chat_template_is_sandboxed() -> None:
     raising = ChatTemplate("{{ raise_exception('no system role') }}")
     with pytest.raises(TemplateError, match="no system role"):
         raising.render([])
+
+
+def test_any_integer_seed_is_folded_into_the_generators_range() -> None:
+    assert SamplingParams(seed=-1).seed == 2**64 - 1
+    assert SamplingParams(seed=5).seed == 5
+    a = Sampler(SamplingParams(temperature=1.0, seed=-1))
+    b = Sampler(SamplingParams(temperature=1.0, seed=2**64 - 1))
+    logits = np.linspace(-1.0, 1.0, 32, dtype=np.float32)
+    assert [a.sample(logits, []) for _ in range(8)] == [b.sample(logits, []) for _ in range(8)]

@@ -288,7 +288,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         ({**CHAT, "max_tokens": 0}, "max_tokens"),
         ({**CHAT, "n": 2}, "n"),
         ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({**CHAT, "frobnicate": True}, "frobnicate"),
+        ({**CHAT, "seed": 2**64}, "seed"),
         ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
     ],
@@ -322,10 +322,56 @@ async def test_unknown_model_gets_404(server: Server, api: openai.AsyncOpenAI) -
     assert info.value.code == "model_not_found"
 
 
-async def test_oversize_prompt_gets_413(server: Server) -> None:
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        # A lone surrogate is valid JSON (an escape) but not Unicode: no tokenizer takes it.
+        (b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+        (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "stop": "\\udfff"}',
+         "stop"),
+    ],
+)
+async def test_text_that_is_not_unicode_gets_400(server: Server, raw: bytes, param: str) -> None:
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
+        response = await http.post(
+            server.base_url + "/v1/chat/completions",
+            content=raw % MODEL.encode(),
+            headers={"content-type": "application/json"},
+        )
+    assert assert_openai_error(response, 400)["param"] == param
+
+
+async def test_oversize_prompt_gets_400_context_length_exceeded(
+    server: Server, api: openai.AsyncOpenAI
+) -> None:
     body = {"model": MODEL, "prompt": [42] * TINY_CONTEXT}
-    error = assert_openai_error(await post(server, "/v1/completions", body), 413)
+    error = assert_openai_error(await post(server, "/v1/completions", body), 400)
     assert error["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as info:  # what the official client raises
+        await api.completions.create(model=MODEL, prompt=[42] * TINY_CONTEXT)
+    assert info.value.code == "context_length_exceeded"
+
+
+async def test_unknown_fields_are_ignored_and_history_is_accepted(
+    server: Server, api: openai.AsyncOpenAI
+) -> None:
+    history: list[Any] = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": "What is 2+2?", "name": "ann"},
+        {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4"},
+    ]  # fmt: skip
+    reply = await api.chat.completions.create(
+        model=MODEL,
+        messages=history,
+        max_tokens=4,
+        temperature=0,
+        seed=-1,
+        extra_body={"store": False, "metadata": {"team": "x"}, "frobnicate": True},
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
 
 
 async def test_loading_mesh_gets_503_with_retry_after(server: Server) -> None:
