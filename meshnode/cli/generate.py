@@ -48,9 +48,9 @@ class _BadInput(Exception):
 def prompt_ids(model: LoadedModel, prompt: str, raw: bool) -> list[int]:
     """Token ids for ``prompt``: chat-templated as one user turn unless ``raw``."""
     if raw or model.chat_template is None:
-        return model.tokenizer.encode(prompt)
+        return model.tokenizer.encode_prompt(prompt)
     text = model.chat_template.render([{"role": "user", "content": prompt}])
-    return model.tokenizer.encode(text)
+    return model.tokenizer.encode_prompt(text)
 
 
 def complete(model: LoadedModel, config: GenerateConfig, out: TextIO | None) -> GenerationResult:

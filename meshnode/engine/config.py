@@ -1,20 +1,71 @@
-"""Model configuration: the Hugging Face ``config.json`` keys the decoder needs, checked."""
+"""Model configuration: the Hugging Face ``config.json`` keys the decoder needs, checked.
+
+Every model family meshnode runs is one row of :data:`ARCHITECTURES`: what its decoder
+block does beyond the Llama baseline (QK-norm, norms after attention and MLP, the gated
+MLP's activation, scaled embeddings, Gemma's ``1 + weight`` RMSNorm). A new family that
+only recombines these pieces is one new row; the stage reads the row, never the name.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from meshnode.engine.hybrid_config import HYBRID_MODEL_TYPES, HybridConfig, HybridConfigError
 from meshnode.errors import ModelError
 
-__all__ = ["ModelConfig", "ModelConfigError"]
+__all__ = ["ARCHITECTURES", "Architecture", "ModelConfig", "ModelConfigError"]
 
-# model_type values that are the Llama-family decoder meshnode implements.
-# qwen3_5_text is the hybrid (Gated DeltaNet) decoder of ``meshnode.engine.hybrid``.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3_5_text"})
 SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+
+Activation = Literal["silu", "gelu_tanh"]
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = frozenset({FULL_ATTENTION, SLIDING_ATTENTION})
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What one family's decoder does beyond Llama's (RMSNorm, RoPE, GQA, SwiGLU)."""
+
+    # Canonical (Hugging Face) name of the norm before the MLP.
+    ffn_norm: str = "post_attention_layernorm"
+    qk_norm: bool = False  # RMSNorm over each head's q and k, before RoPE
+    sandwich_norms: bool = False  # RMSNorm on the attention and MLP outputs too
+    activation: Activation = "silu"  # of the gated MLP: SwiGLU or GeGLU (tanh GELU)
+    scaled_embeddings: bool = False  # embeddings times sqrt(hidden_size)
+    # RMSNorm multiplies by (norm_offset + weight): Gemma's checkpoints store weight - 1.
+    norm_offset: float = 0.0
+    attention_bias: bool = False  # QKV bias when config.json does not say
+    tied_embeddings: bool = False  # tie_word_embeddings when config.json does not say
+    cuda: bool = True  # the CUDA stage implements it
+
+
+_GEMMA3 = Architecture(
+    ffn_norm="pre_feedforward_layernorm",
+    qk_norm=True,
+    sandwich_norms=True,
+    activation="gelu_tanh",
+    scaled_embeddings=True,
+    norm_offset=1.0,
+    tied_embeddings=True,
+    cuda=False,
+)
+
+#: model_type -> architecture. Gemma 3's multimodal config ("gemma3") nests the text
+#: model's keys under "text_config"; :meth:`ModelConfig.from_hf` reads them from there.
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture(),
+    "mistral": Architecture(),
+    "qwen2": Architecture(attention_bias=True),
+    "qwen3": Architecture(qk_norm=True, cuda=False),
+    "gemma3_text": _GEMMA3,
+    "gemma3": _GEMMA3,
+    # Gated DeltaNet + gated attention: its own stage (meshnode.engine.hybrid), CPU only
+    "qwen3_5_text": Architecture(cuda=False),
+}
+SUPPORTED_MODEL_TYPES = frozenset(ARCHITECTURES)
 
 
 class ModelConfigError(ModelError):
@@ -35,7 +86,7 @@ def _factors(value: Any) -> tuple[float, ...] | None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Sizes and constants of a Llama-family decoder; derived sizes are set in __post_init__."""
+    """Sizes and constants of a decoder; derived sizes are set in __post_init__."""
 
     model_type: str
     hidden_size: int
@@ -55,6 +106,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # llama.cpp's per-pair RoPE divisors (GGUF ``rope_freqs.weight``), applied after scaling
     rope_freq_factors: tuple[float, ...] | None = None
+    # "full_attention" or "sliding_attention" per layer (empty: every layer full)
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    # RoPE base of the sliding layers, unscaled (Gemma 3); None: the same RoPE as the others
+    rope_local_theta: float | None = None
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim
+    query_pre_attn_scalar: float | None = None
     # The Gated DeltaNet sizes and layer kinds of a hybrid model (None: a plain decoder)
     hybrid: HybridConfig | None = None
     # derived
@@ -64,7 +122,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelConfigError(f"unsupported model type {self.model_type!r}")
+            known = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+            raise ModelConfigError(
+                f"unsupported model type {self.model_type!r} (supported: {known})"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.head_dim % 2:
@@ -74,9 +135,28 @@ class ModelConfig:
             raise ModelConfigError(f"unsupported rope scaling {rope_type!r}")
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ModelConfigError("rope_freq_factors must have head_dim / 2 entries")
+        self._check_layer_types()
         object.__setattr__(self, "q_size", self.num_heads * self.head_dim)
         object.__setattr__(self, "kv_size", self.num_kv_heads * self.head_dim)
         object.__setattr__(self, "group_size", self.num_heads // self.num_kv_heads)
+
+    def _check_layer_types(self) -> None:
+        if not self.layer_types:
+            return
+        if len(self.layer_types) != self.num_layers:
+            raise ModelConfigError(
+                f"layer_types has {len(self.layer_types)} entries, not num_layers"
+            )
+        unknown = sorted(set(self.layer_types) - LAYER_TYPES)
+        if unknown:
+            raise ModelConfigError(f"unsupported layer type {unknown[0]!r}")
+        if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+            raise ModelConfigError("sliding_attention layers need a sliding_window")
+
+    @property
+    def arch(self) -> Architecture:
+        """The row of :data:`ARCHITECTURES` for this model type."""
+        return ARCHITECTURES[self.model_type]
 
     @property
     def rope_type(self) -> str:
@@ -85,37 +165,22 @@ class ModelConfig:
             return "default"
         return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
 
+    @property
+    def attention_scale(self) -> float:
+        """The factor of the attention scores: ``1 / sqrt(query_pre_attn_scalar or head_dim)``."""
+        return float(1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim))
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (model numbering), None for full attention."""
+        if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict; raises :class:`ModelConfigError`."""
         try:
-            heads = int(config["num_attention_heads"])
-            hidden = int(config["hidden_size"])
-            # transformers 5 nests rope settings under "rope_parameters"/"rope".
-            rope = config.get("rope_parameters") or config.get("rope") or {}
-            scaling = config.get("rope_scaling") or (rope if rope.get("rope_type") else None)
-            return cls(
-                model_type=str(config.get("model_type", "llama")),
-                hidden_size=hidden,
-                num_layers=int(config["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
-                intermediate_size=int(config["intermediate_size"]),
-                vocab_size=int(config["vocab_size"]),
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
-                rope_scaling=dict(scaling) if scaling else None,
-                max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                attention_bias=bool(
-                    config.get("attention_bias", config.get("model_type") == "qwen2")
-                ),
-                bos_token_id=config.get("bos_token_id"),
-                eos_token_ids=_ids(config.get("eos_token_id")),
-                rope_freq_factors=_factors(config.get("rope_freq_factors")),
-                hybrid=_hybrid(config),
-            )
+            return cls(**_hf_fields(config))
         except HybridConfigError as exc:
             raise ModelConfigError(str(exc)) from exc
         except KeyError as exc:
@@ -125,13 +190,17 @@ class ModelConfig:
                 raise
             raise ModelConfigError(f"invalid model config: {exc}") from exc
 
-    def rope_inv_freq(self) -> list[float]:
+    def rope_inv_freq(self, layer: int | None = None) -> list[float]:
         """RoPE inverse frequencies per rotary pair, with the model's scaling applied.
 
         Follows transformers' ``modeling_rope_utils`` (``_compute_default_rope_parameters``,
         ``_compute_linear_scaling_rope_parameters``, ``_compute_llama3_parameters``).
+        A sliding layer of a model with a local RoPE base (Gemma 3) gets the unscaled
+        frequencies of that base instead.
         """
         dim = self.head_dim
+        if layer is not None and self.window(layer) and self.rope_local_theta is not None:
+            return [1.0 / self.rope_local_theta ** (i / dim) for i in range(0, dim, 2)]
         inv = [1.0 / self.rope_theta ** (i / dim) for i in range(0, dim, 2)]
         scaling = self.rope_scaling or {}
         if self.rope_type == "linear":
@@ -143,10 +212,90 @@ class ModelConfig:
         return inv
 
 
-def _hybrid(config: dict[str, Any]) -> HybridConfig | None:
-    if config.get("model_type") in HYBRID_MODEL_TYPES:
-        return HybridConfig.from_hf(config)
-    return None
+def _hf_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields of a ``config.json``; raises KeyError, ValueError."""
+    model_type = str(config.get("model_type", "llama"))
+    if isinstance(config.get("text_config"), dict):  # a multimodal wrapper: its text model
+        config = {"model_type": model_type, **config["text_config"]}
+    arch = ARCHITECTURES.get(model_type, Architecture())
+    _refuse_unsupported(config, arch)
+    heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    layers = int(config["num_hidden_layers"])
+    rope, local_rope = _rope_blocks(config)
+    scaling = config.get("rope_scaling") or (rope if rope.get("rope_type") else None)
+    local_theta = local_rope.get("rope_theta", config.get("rope_local_base_freq"))
+    scalar = config.get("query_pre_attn_scalar")
+    hybrid = model_type in HYBRID_MODEL_TYPES
+    return {
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "num_layers": layers,
+        "num_heads": heads,
+        "num_kv_heads": int(config.get("num_key_value_heads") or heads),
+        "head_dim": int(config.get("head_dim") or hidden // heads),
+        "intermediate_size": int(config["intermediate_size"]),
+        "vocab_size": int(config["vocab_size"]),
+        "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        "rope_scaling": dict(scaling) if scaling else None,
+        "max_position_embeddings": int(config.get("max_position_embeddings", 2048)),
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", arch.tied_embeddings)),
+        "attention_bias": bool(config.get("attention_bias", arch.attention_bias)),
+        "bos_token_id": config.get("bos_token_id"),
+        "eos_token_ids": _ids(config.get("eos_token_id")),
+        "rope_freq_factors": _factors(config.get("rope_freq_factors")),
+        # a hybrid model's layer kinds live in its HybridConfig
+        "layer_types": () if hybrid else _layer_types(config, model_type, layers),
+        "sliding_window": _int_or_none(config.get("sliding_window")),
+        "rope_local_theta": None if local_theta is None else float(local_theta),
+        "query_pre_attn_scalar": None if scalar is None else float(scalar),
+        "hybrid": HybridConfig.from_hf(config) if hybrid else None,
+    }
+
+
+# config.json activation names -> the gated MLP activation they mean.
+_ACTIVATIONS: dict[str, Activation] = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+}
+
+
+def _refuse_unsupported(config: dict[str, Any], arch: Architecture) -> None:
+    """Features that change the math and that the stage does not implement."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(key) is not None:
+            raise ModelConfigError(f"{key} is not supported")
+    act = config.get("hidden_activation") or config.get("hidden_act") or arch.activation
+    if _ACTIVATIONS.get(str(act), act) != arch.activation:
+        raise ModelConfigError(f"unsupported activation {act!r} for this model type")
+
+
+def _rope_blocks(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """RoPE settings of the full and of the sliding layers (transformers 5 nests them under
+    ``rope_parameters``, per layer type where the two differ)."""
+    rope = config.get("rope_parameters") or config.get("rope") or {}
+    if FULL_ATTENTION in rope or SLIDING_ATTENTION in rope:
+        return dict(rope.get(FULL_ATTENTION) or {}), dict(rope.get(SLIDING_ATTENTION) or {})
+    return dict(rope), {}
+
+
+def _layer_types(config: dict[str, Any], model_type: str, layers: int) -> tuple[str, ...]:
+    if config.get("layer_types"):
+        return tuple(str(t) for t in config["layer_types"])
+    pattern = config.get("sliding_window_pattern")
+    if pattern:  # transformers' older form: every pattern-th layer is global
+        return tuple(
+            SLIDING_ATTENTION if (i + 1) % int(pattern) else FULL_ATTENTION for i in range(layers)
+        )
+    if model_type == "mistral" and config.get("sliding_window"):
+        return (SLIDING_ATTENTION,) * layers  # Mistral 7B v0.1 slides on every layer
+    return ()
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _llama3_inv_freq(inv: list[float], scaling: dict[str, Any]) -> list[float]:

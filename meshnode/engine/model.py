@@ -1,7 +1,10 @@
-"""The Llama-family decoder as a pipeline stage: layers ``[start, end)`` of one model.
+"""The decoder as a pipeline stage: layers ``[start, end)`` of one model.
 
-A stage embeds token ids when it is the first stage and applies the final norm and the
-output head when it is the last. One ``forward`` handles prefill (many new tokens), decode
+One block serves every family in ``config.ARCHITECTURES``: Llama's pre-norm block, plus
+what the model's row switches on (QK-norm, norms on the attention and MLP outputs,
+GeGLU, scaled embeddings, sliding-window layers with their own RoPE base). A stage embeds
+token ids when it is the first stage and applies the final norm and the output head when
+it is the last. One ``forward`` handles prefill (many new tokens), decode
 (one) and verify (k + 1) alike: new tokens attend causally to the cache and to each other.
 On a CUDA backend the stage hands its forward to ``meshnode.engine.cuda.stage`` (the same
 math as the functions of ``meshnode.engine.ops`` this file calls, as fused kernels).
@@ -81,11 +84,23 @@ class Stage:
                 head=head,
                 backend=self.backend,
             )
-        inv_freq = np.asarray(config.rope_inv_freq(), dtype=np.float32)
-        self._inv_freq = self.backend.asarray(inv_freq)  # [D/2]
-        self._scale = float(1.0 / np.sqrt(config.head_dim))
+        # RoPE frequencies [D/2] of each distinct kind of layer (Gemma 3: local and global),
+        # and which kind each layer of the stage is.
+        kinds = [tuple(config.rope_inv_freq(i)) for i in range(start, end)]
+        distinct = list(dict.fromkeys(kinds))
+        self._freqs = [self.backend.asarray(np.asarray(f, dtype=np.float32)) for f in distinct]
+        self._rope_kind = [distinct.index(k) for k in kinds]
+        self._windows = [config.window(i) for i in range(start, end)]
+        self._scale = config.attention_scale
+        # Gemma scales embeddings by sqrt(hidden) rounded to the activations' dtype first.
+        self._embed_scale = np.float32(np.sqrt(config.hidden_size))
         if self.backend.name == "cuda":  # the engine's kernels, fixed buffers, CUDA graphs
             from meshnode.engine.cuda.stage import CudaStage
+
+            if not config.arch.cuda:
+                raise ModelConfigError(
+                    f"the CUDA stage does not run {config.model_type} models yet (use --device cpu)"
+                )
 
             self._cuda = CudaStage(
                 config, self.weights, embed=embed, head=head, backend=self.backend
@@ -169,11 +184,12 @@ class Stage:
         x = self._embed(inputs) if self.embed else self.xp.asarray(inputs, self.xp.float32)
         n = x.shape[0]
         rows = n if out_rows is None or not self.head else min(out_rows, n)
-        cos, sin = self._rope(start_pos, n)
+        ropes = [self._rope(f, start_pos, n) for f in self._freqs]  # [S, D] cos, sin
         last = len(self.weights.layers) - 1
         for i, layer in enumerate(self.weights.layers):
             keep = rows if i == last else n
-            x = self._block(layer, x, start_pos, cache, i, cos, sin, keep)
+            rope = ropes[self._rope_kind[i]]
+            x = self._block(layer, x, start_pos, cache, i, rope, keep)
         if len(self.weights.layers) == 0:
             x = x[n - rows :]
         cache.length = start_pos + n
@@ -188,14 +204,13 @@ class Stage:
         pos: int,
         cache: KVCache,
         layer: int,
-        cos: Any,
-        sin: Any,
+        rope: tuple[Any, Any],
         rows: int,
     ) -> Any:
         """One decoder block; only the last ``rows`` rows go past attention."""
-        h = self._attention(w, self._rms_norm(x, w.attn_norm), pos, cache, layer, cos, sin, rows)
-        x = x[x.shape[0] - rows :] + h  # [r, E]
-        return x + self._mlp(w, self._rms_norm(x, w.ffn_norm))
+        h = self._attention(w, self._rms_norm(x, w.attn_norm), pos, cache, layer, rope, rows)
+        x = x[x.shape[0] - rows :] + self._maybe_norm(h, w.post_attn_norm)  # [r, E]
+        return x + self._maybe_norm(self._mlp(w, self._rms_norm(x, w.ffn_norm)), w.post_ffn_norm)
 
     def _attention(
         self,
@@ -204,11 +219,11 @@ class Stage:
         pos: int,
         cache: KVCache,
         layer: int,
-        cos: Any,
-        sin: Any,
+        rope: tuple[Any, Any],
         rows: int,
     ) -> Any:
         c, xp = self.config, self.xp
+        cos, sin = rope  # [S, D]
         n = x.shape[0]
         qkv = self._linear(x, w.wqkv)  # [S, (H + 2 Hkv) D]
         if w.bqkv is not None:
@@ -216,15 +231,19 @@ class Stage:
         q = qkv[n - rows :, : c.q_size].reshape(rows, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].reshape(n, c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
-        q = q.transpose(1, 0, 2)  # [H, r, D]
+        q = self._maybe_norm(q, w.q_norm).transpose(1, 0, 2)  # QK-norm per head; [H, r, D]
+        k = self._maybe_norm(k, w.k_norm).transpose(1, 0, 2)  # [Hkv, S, D]
         q = ops.rotate_half(xp, q, cos[n - rows :], sin[n - rows :])
-        k = ops.rotate_half(xp, k.transpose(1, 0, 2), cos, sin)  # [Hkv, S, D]
+        k = ops.rotate_half(xp, k, cos, sin)
         keys, values = cache.write(layer, pos, k, v.transpose(1, 0, 2))  # [Hkv, T, D]
-        out = ops.attention(xp, q, keys, values, self._scale)  # [H, r, D]
+        window = self._windows[layer]
+        out = ops.attention(xp, q, keys, values, self._scale, window)  # [H, r, D]
         return self._linear(out.transpose(1, 0, 2).reshape(rows, c.q_size), w.wo)  # [r, E]
 
     def _mlp(self, w: LayerWeights, x: Any) -> Any:
         gate_up = self._linear(x, w.w_gate_up)  # [r, 2 I]
+        if self.config.arch.activation == "gelu_tanh":
+            return self._linear(ops.gelu_tanh_mul(self.xp, gate_up), w.w_down)  # GeGLU, [r, E]
         return self._linear(ops.silu_mul(self.xp, gate_up), w.w_down)  # SwiGLU, [r, E]
 
     def _linear(self, x: Any, w: Any) -> Any:
@@ -237,11 +256,18 @@ class Stage:
     def _rms_norm(self, x: Any, weight: Any) -> Any:
         return ops.rms_norm(self.xp, x, weight, self.config.rms_norm_eps)
 
-    def _rope(self, start: int, n: int) -> tuple[Any, Any]:
+    def _maybe_norm(self, x: Any, weight: Any | None) -> Any:
+        return x if weight is None else self._rms_norm(x, weight)
+
+    def _rope(self, inv_freq: Any, start: int, n: int) -> tuple[Any, Any]:
         """cos and sin ``[S, D]`` for positions ``start .. start + n - 1``."""
-        return ops.rope_cos_sin(self.xp, self._inv_freq, start, n)
+        return ops.rope_cos_sin(self.xp, inv_freq, start, n)
 
     def _embed(self, ids: Any) -> Any:
+        x = self._lookup(ids)  # [S, E]
+        return x * self._embed_scale if self.config.arch.scaled_embeddings else x
+
+    def _lookup(self, ids: Any) -> Any:
         assert self.weights.embed_t is not None
         idx = self.xp.asarray(ids, dtype=self.xp.int64)
         return self.weights.embed_t[:, idx].T  # [S, E]

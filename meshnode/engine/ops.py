@@ -17,6 +17,7 @@ from typing import Any
 __all__ = [
     "add_rms_norm",
     "attention",
+    "gelu_tanh_mul",
     "rms_norm",
     "rope_cos_sin",
     "rotate_half",
@@ -67,26 +68,52 @@ def silu_mul(xp: Any, gate_up: Any) -> Any:
     return silu * up
 
 
+# sqrt(2 / pi), the constant of GELU's tanh approximation (torch's approximate="tanh").
+GELU_TANH_C = 0.7978845608028654
+
+
+def gelu_tanh_mul(xp: Any, gate_up: Any) -> Any:
+    """GeGLU's activation (Gemma): ``gelu_tanh(gate) * up`` for ``[r, 2 I]`` -> ``[r, I]``.
+
+    ``gelu_tanh(x) = x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3)))``, as torch's
+    ``gelu(approximate="tanh")`` (transformers' ``gelu_pytorch_tanh``).
+    """
+    i = gate_up.shape[-1] // 2
+    gate, up = gate_up[:, :i], gate_up[:, i:]
+    inner = xp.float32(GELU_TANH_C) * (gate + xp.float32(0.044715) * (gate * gate * gate))
+    return xp.float32(0.5) * gate * (xp.float32(1.0) + xp.tanh(inner)) * up
+
+
 def softmax(xp: Any, x: Any) -> Any:
     """Softmax over the last axis (``-inf`` entries get probability 0)."""
     e = xp.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def attention(xp: Any, q: Any, keys: Any, values: Any, scale: float) -> Any:
+def attention(
+    xp: Any, q: Any, keys: Any, values: Any, scale: float, window: int | None = None
+) -> Any:
     """Causal grouped-query attention of the newest ``r`` positions over ``T`` cached ones.
 
     ``q`` is ``[H, r, D]`` (RoPE applied), ``keys``/``values`` are ``[Hkv, T, D]`` (the
     cache up to and including the new positions). Query row i sits at position
-    ``T - r + i`` and sees keys ``0 ..`` that position. Returns ``[H, r, D]``.
+    ``p = T - r + i`` and sees keys ``0 .. p``; with a sliding ``window`` only the last
+    ``window`` of them, ``p - window < key <= p`` (transformers' sliding-window mask,
+    llama.cpp's ``n_swa``). Keys no row can see are not read. Returns ``[H, r, D]``.
     """
     heads, rows, dim = q.shape
     kv_heads, t = keys.shape[0], keys.shape[1]
+    lo = 0 if window is None else max(0, t - rows - window + 1)
+    keys, values = keys[:, lo:], values[:, lo:]  # [Hkv, T', D]: what some row may see
     group = heads // kv_heads
     q = q.reshape(kv_heads, group * rows, dim)  # [Hkv, G r, D]
-    scores = (q @ keys.transpose(0, 2, 1)) * scale  # [Hkv, G r, T]
-    scores = scores.reshape(kv_heads, group, rows, t)  # [Hkv, G, r, T]
+    scores = (q @ keys.transpose(0, 2, 1)) * scale  # [Hkv, G r, T']
+    scores = scores.reshape(kv_heads, group, rows, t - lo)  # [Hkv, G, r, T']
     q_pos = xp.arange(t - rows, t)[:, None]
-    scores = xp.where(xp.arange(t)[None, :] <= q_pos, scores, -xp.inf)
-    probs = softmax(xp, scores).reshape(kv_heads, group * rows, t)
+    k_pos = xp.arange(lo, t)[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible = visible & (k_pos > q_pos - window)
+    scores = xp.where(visible, scores, -xp.inf)
+    probs = softmax(xp, scores).reshape(kv_heads, group * rows, t - lo)
     return (probs @ values).reshape(heads, rows, dim)  # [H, r, D]

@@ -22,6 +22,18 @@ class Tokenizer:
         self.special_ids = frozenset(
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         )
+        self.prefix_ids = self._prefix_ids()
+
+    def _prefix_ids(self) -> tuple[int, ...]:
+        """The ids the tokenizer's post-processor puts before a text (BOS, where the model's
+        tokenizer says to add one: ``add_bos_token``)."""
+        self._tok.encode_special_tokens = True
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        marked = self._tok.encode("a", add_special_tokens=True).ids
+        for n in range(len(marked) - len(plain) + 1):
+            if marked[n : n + len(plain)] == plain:
+                return tuple(marked[:n])
+        return ()
 
     @property
     def vocab_size(self) -> int:
@@ -33,6 +45,16 @@ class Tokenizer:
         such as ``<|im_end|>`` is encoded as plain characters."""
         self._tok.encode_special_tokens = not parse_special
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a whole prompt: special tokens parsed, and the ids the model expects
+        first (:attr:`prefix_ids`, its BOS) added once: a chat template that wrote the BOS
+        itself does not get a second one (llama.cpp's server drops the duplicate too)."""
+        ids = self.encode(text)
+        prefix = list(self.prefix_ids)
+        if prefix and ids[: len(prefix)] != prefix:
+            ids = prefix + ids
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         """The text of ``ids``."""

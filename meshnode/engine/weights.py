@@ -23,7 +23,7 @@ from meshnode_packaging.sources import ModelSource, dequantize
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 
-__all__ = ["LayerWeights", "StageWeights", "load_stage_weights"]
+__all__ = ["LayerWeights", "StageWeights", "load_stage_weights", "norm_weight"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,10 @@ class LayerWeights:
     ffn_norm: Any  # [E]
     w_gate_up: Any  # [E, 2 I]
     w_down: Any  # [I, E]
+    q_norm: Any | None = None  # [D], QK-norm (Qwen 3, Gemma 3)
+    k_norm: Any | None = None  # [D]
+    post_attn_norm: Any | None = None  # [E], on the attention output (Gemma 3)
+    post_ffn_norm: Any | None = None  # [E], on the MLP output (Gemma 3)
 
     def nbytes(self) -> int:
         """Bytes of weight this block reads per forward."""
@@ -48,6 +52,10 @@ class LayerWeights:
             self.ffn_norm,
             self.w_gate_up,
             self.w_down,
+            self.q_norm,
+            self.k_norm,
+            self.post_attn_norm,
+            self.post_ffn_norm,
         )
         return sum(int(a.nbytes) for a in arrays if a is not None)
 
@@ -75,6 +83,14 @@ def _get(source: ModelSource, name: str) -> np.ndarray:
     return dequantize(source.tensor(name))
 
 
+def norm_weight(source: ModelSource, config: ModelConfig, name: str) -> np.ndarray:
+    """An RMSNorm weight as the stage multiplies by it: ``norm_offset + weight`` (Gemma's
+    checkpoints store ``weight - 1``; the sum is float32, as transformers computes it)."""
+    w = _get(source, name)
+    offset = config.arch.norm_offset
+    return w + np.float32(offset) if offset else w
+
+
 def _linear_t(source: ModelSource, *names: str) -> np.ndarray:
     """Weights ``[out, in]`` concatenated along ``out`` and transposed to ``[in, out]``."""
     return np.ascontiguousarray(np.concatenate([_get(source, n) for n in names], axis=0).T)
@@ -86,16 +102,25 @@ def _layer(source: ModelSource, config: ModelConfig, i: int, be: Backend) -> Lay
     bias = None
     if config.attention_bias:
         bias = be.asarray(np.concatenate([_get(source, n + ".bias") for n in qkv]))
+    arch = config.arch
+
+    def norm(name: str, present: bool = True) -> Any:
+        return be.asarray(norm_weight(source, config, p + name + ".weight")) if present else None
+
     return LayerWeights(
-        attn_norm=be.asarray(_get(source, p + "input_layernorm.weight")),
+        attn_norm=norm("input_layernorm"),
         wqkv=be.asarray(_linear_t(source, *(n + ".weight" for n in qkv))),
         bqkv=bias,
         wo=be.asarray(_linear_t(source, p + "self_attn.o_proj.weight")),
-        ffn_norm=be.asarray(_get(source, p + "post_attention_layernorm.weight")),
+        ffn_norm=norm(arch.ffn_norm),
         w_gate_up=be.asarray(
             _linear_t(source, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
         ),
         w_down=be.asarray(_linear_t(source, p + "mlp.down_proj.weight")),
+        q_norm=norm("self_attn.q_norm", arch.qk_norm),
+        k_norm=norm("self_attn.k_norm", arch.qk_norm),
+        post_attn_norm=norm("post_attention_layernorm", arch.sandwich_norms),
+        post_ffn_norm=norm("post_feedforward_layernorm", arch.sandwich_norms),
     )
 
 
@@ -127,5 +152,5 @@ def load_stage_weights(
     head_t = None
     if head and not tied:
         head_t = backend.asarray(_linear_t(source, "lm_head.weight"))
-    norm = backend.asarray(_get(source, "norm.weight")) if head else None
+    norm = backend.asarray(norm_weight(source, config, "norm.weight")) if head else None
     return StageWeights(start, end, layers, embed_t, norm, head_t)

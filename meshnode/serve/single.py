@@ -36,7 +36,7 @@ class EngineCodec:
         return self._vocab_size
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, parse_special=True)
+        return self.tokenizer.encode_prompt(text)
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
         if self.template is None:

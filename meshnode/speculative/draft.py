@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from meshnode_packaging.sources import ModelSource, dequantize
+from meshnode_packaging.sources import ModelSource
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.kv_cache import KVCache
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams, logits_to_probs
-from meshnode.engine.weights import StageWeights, load_stage_weights
+from meshnode.engine.weights import StageWeights, load_stage_weights, norm_weight
 from meshnode.errors import ModelError
 from meshnode.speculative.acceptance import sample_row
 from meshnode.speculative.proposer import EMPTY_PROPOSAL, Proposal, common_prefix
@@ -193,7 +193,7 @@ def layer_skip_stage(target: Stage, layers: int, source: ModelSource | None = No
             raise ValueError("stage 0 has no head: layer-skip needs the model source")
         tied = target.config.tie_word_embeddings or "lm_head.weight" not in source.tensor_names()
         if tied:
-            norm = target.backend.asarray(dequantize(source.tensor("norm.weight")))
+            norm = target.backend.asarray(norm_weight(source, target.config, "norm.weight"))
         else:
             head = load_stage_weights(
                 source,

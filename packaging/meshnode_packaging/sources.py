@@ -136,7 +136,19 @@ GGUF_TO_CANONICAL: dict[str, str] = {
     "blk.{i}.ffn_gate.weight": "layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "layers.{i}.mlp.down_proj.weight",
+    "blk.{i}.attn_q_norm.weight": "layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "layers.{i}.self_attn.k_norm.weight",
 }
+
+# Where an architecture's Hugging Face names differ from Llama's (gguf-py's
+# tensor_mapping.py): Gemma's "post_attention_layernorm" is the norm on the attention
+# output, and its pre-MLP norm is "pre_feedforward_layernorm".
+_GEMMA_NORMS = {
+    "blk.{i}.ffn_norm.weight": "layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.post_attention_norm.weight": "layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "layers.{i}.post_feedforward_layernorm.weight",
+}
+GGUF_ARCH_NAMES: dict[str, dict[str, str]] = {"gemma3": _GEMMA_NORMS}
 
 # Not a weight: llama.cpp's per-frequency RoPE divisors, surfaced as config["rope_freq_factors"].
 ROPE_FREQS = "rope_freqs.weight"
@@ -145,30 +157,58 @@ ROPE_FREQS = "rope_freqs.weight"
 HF_PREFIX = "model."
 
 
-def gguf_to_canonical(name: str) -> str | None:
-    """The canonical name of GGUF tensor ``name``, or None for tensors meshnode ignores."""
+def gguf_to_canonical(name: str, arch: str = "llama") -> str | None:
+    """The canonical name of GGUF tensor ``name`` in a model of GGUF architecture ``arch``,
+    or None for tensors meshnode ignores."""
+    table = {**GGUF_TO_CANONICAL, **GGUF_ARCH_NAMES.get(arch, {})}
     if name.startswith("blk."):
         _, layer, rest = name.split(".", 2)
-        canonical = GGUF_TO_CANONICAL.get("blk.{i}." + rest)
+        canonical = table.get("blk.{i}." + rest)
         return None if canonical is None else canonical.replace("{i}", layer)
-    return GGUF_TO_CANONICAL.get(name)
+    return table.get(name)
+
+
+# Prefixes of the text decoder in multimodal checkpoints (Gemma 3 4B+, transformers 4 and 5).
+_HF_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
 
 
 def hf_to_canonical(name: str) -> str:
     """The canonical name of Hugging Face tensor ``name``."""
+    for prefix in _HF_TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return name.removeprefix(prefix)
+    if name == "language_model.lm_head.weight":
+        return "lm_head.weight"
     return name.removeprefix(HF_PREFIX)
 
 
 # ---------------------------------------------------------------------------------------
 # GGUF
 
-# GGUF architectures whose decoder is the Llama family meshnode implements, and whether
-# llama.cpp's converter permuted their Q/K rows (it does for "llama", not for "qwen2",
-# which llama.cpp runs with NeoX-style RoPE that matches Hugging Face's layout).
-_GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
-    "llama": ("llama", True),
-    "mistral": ("mistral", True),
-    "qwen2": ("qwen2", False),
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How one GGUF ``general.architecture`` maps back to Hugging Face conventions."""
+
+    model_type: str  # config.json's model_type
+    hf_class: str  # config.json's architectures[0]
+    # llama.cpp's converter permutes Q/K rows for its interleaved RoPE for "llama" models;
+    # the others run NeoX-style RoPE, which is Hugging Face's layout already.
+    permuted_qk: bool = False
+    # The converter adds this to every RMSNorm weight (Gemma: llama.cpp multiplies by the
+    # weight, transformers by 1 + weight); it is taken off again here, as transformers'
+    # GGUF loader does, so the tensors handed out follow the checkpoint's convention.
+    norm_shift: float = 0.0
+    hidden_act: str = "silu"
+
+
+GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", permuted_qk=True),
+    "mistral": GGUFArchitecture("mistral", "MistralForCausalLM", permuted_qk=True),
+    "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": GGUFArchitecture(
+        "gemma3_text", "Gemma3ForCausalLM", norm_shift=1.0, hidden_act="gelu_pytorch_tanh"
+    ),
 }
 
 
@@ -192,9 +232,10 @@ def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
 def gguf_config(reader: gguf.GGUFReader, tensor_names: set[str]) -> dict[str, Any]:
     """Map GGUF metadata to Hugging Face ``config.json`` keys."""
     arch = str(_field(reader, "general.architecture", ""))
-    if arch not in _GGUF_ARCHITECTURES:
-        raise SourceError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2)")
-    model_type = _GGUF_ARCHITECTURES[arch][0]
+    if arch not in GGUF_ARCHITECTURES:
+        known = ", ".join(GGUF_ARCHITECTURES)
+        raise SourceError(f"unsupported GGUF architecture {arch!r} (supported: {known})")
+    info = GGUF_ARCHITECTURES[arch]
 
     def meta(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
@@ -204,8 +245,8 @@ def gguf_config(reader: gguf.GGUFReader, tensor_names: set[str]) -> dict[str, An
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = meta("vocab_size", None if tokens is None else len(tokens.data))
     config: dict[str, Any] = {
-        "model_type": model_type,
-        "architectures": [f"{model_type.capitalize()}ForCausalLM"],
+        "model_type": info.model_type,
+        "architectures": [info.hf_class],
         "hidden_size": hidden,
         "num_hidden_layers": int(meta("block_count")),
         "num_attention_heads": heads,
@@ -219,11 +260,39 @@ def gguf_config(reader: gguf.GGUFReader, tensor_names: set[str]) -> dict[str, An
         "max_position_embeddings": int(meta("context_length", 2048)),
         "tie_word_embeddings": "lm_head.weight" not in tensor_names,
         "attention_bias": "layers.0.self_attn.q_proj.bias" in tensor_names,
-        "hidden_act": "silu",
+        "hidden_act": info.hidden_act,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
+    if arch == "gemma3":
+        config.update(_gemma3_config(meta, config))
     return config
+
+
+# llama.cpp's Gemma 3 constants where the GGUF has no key (llama-model.cpp, LLM_ARCH_GEMMA3):
+# every 6th layer is global, the local layers' RoPE base is 10,000, and only the 27B
+# model (62 layers) scales queries by hidden / heads rather than by the head dim.
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_27B_LAYERS = 62
+
+
+def _gemma3_config(meta: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
+    layers = int(config["num_hidden_layers"])
+    pattern = meta("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
+    if isinstance(pattern, list):  # one is-sliding flag per layer
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    scalar = config["head_dim"]
+    if layers == GEMMA3_27B_LAYERS:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    return {
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "sliding_window": int(meta("attention.sliding_window")),
+        "rope_local_base_freq": float(meta("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
+        "query_pre_attn_scalar": scalar,
+    }
 
 
 def _gguf_rope_scaling(meta: Callable[..., Any]) -> dict[str, Any] | None:
@@ -244,9 +313,10 @@ class GGUFSource:
         except (OSError, ValueError) as exc:
             raise SourceError(f"{path}: not a readable GGUF file ({exc})") from exc
         self.path = path
+        arch = str(_field(self._reader, "general.architecture", ""))
         self._tensors: dict[str, gguf.ReaderTensor] = {}
         for t in self._reader.tensors:
-            canonical = gguf_to_canonical(t.name)
+            canonical = gguf_to_canonical(t.name, arch)
             if canonical is not None:
                 self._tensors[canonical] = t
         self.config = gguf_config(self._reader, set(self._tensors))
@@ -257,8 +327,7 @@ class GGUFSource:
             # has no key for them, so they travel under this one extra key.
             factors = np.asarray(freqs.data, dtype=np.float32).ravel()
             self.config["rope_freq_factors"] = [float(f) for f in factors]
-        arch = str(_field(self._reader, "general.architecture"))
-        self._permuted = _GGUF_ARCHITECTURES[arch][1]
+        self._arch = GGUF_ARCHITECTURES[arch]
         try:
             self.tokenizer_json = gguf_tokenizer_json(self._reader)
         except UnsupportedTokenizerError as exc:
@@ -271,17 +340,22 @@ class GGUFSource:
         return list(self._tensors)
 
     def tensor(self, name: str) -> RawTensor:
-        """The tensor ``name`` as stored, with Q/K rows in Hugging Face order."""
+        """The tensor ``name`` as stored, with Q/K rows in Hugging Face order (and norm
+        weights in the checkpoint's convention, see :attr:`GGUFArchitecture.norm_shift`)."""
         t = self._tensors[name]
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         data = t.data
         n_head = self._permuted_heads(name)
         if n_head is not None:
             data = unpermute_rows(data.reshape(shape[0], -1), n_head)
-        return RawTensor(name, t.tensor_type.name, shape, data.view(np.uint8).reshape(-1))
+        raw = RawTensor(name, t.tensor_type.name, shape, data.view(np.uint8).reshape(-1))
+        if self._arch.norm_shift and name.endswith("norm.weight"):
+            shifted = dequantize(raw) - np.float32(self._arch.norm_shift)
+            raw = RawTensor(name, "F32", shape, shifted.astype("<f4").view(np.uint8).reshape(-1))
+        return raw
 
     def _permuted_heads(self, name: str) -> int | None:
-        if not self._permuted:
+        if not self._arch.permuted_qk:
             return None
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             return int(self.config["num_attention_heads"])

@@ -1,10 +1,23 @@
-"""Build a Hugging Face ``tokenizer.json`` from a GGUF file's vocabulary and merges.
+"""Build a Hugging Face ``tokenizer.json`` from a GGUF file's vocabulary.
 
-Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) are supported. The
-pre-tokenizer follows ``tokenizer.ggml.pre``, the name llama.cpp gives to each model
-family's splitting rules (llama.cpp ``llama-vocab.cpp``): ``smollm`` splits every digit on
-its own before the GPT-2 byte-level regex, exactly as the original SmolLM2
-``tokenizer.json`` does (``Digits(individual_digits=True)`` then ``ByteLevel``).
+Two kinds of GGUF vocabulary (``tokenizer.ggml.model``), as llama.cpp reads them
+(``llama-vocab.cpp``):
+
+- ``gpt2``: byte-level BPE with merges. The pre-tokenizer follows ``tokenizer.ggml.pre``,
+  the name llama.cpp gives to each model family's splitting rules: ``smollm`` splits every
+  digit on its own before the GPT-2 byte-level regex, exactly as the original SmolLM2
+  ``tokenizer.json`` does (``Digits(individual_digits=True)`` then ``ByteLevel``).
+- ``llama``: SentencePiece (Llama 2, Mistral, Gemma). llama.cpp's SPM tokenizer escapes
+  spaces as ``▁``, prefixes a ``▁`` to each run of text that starts the input or follows
+  a special token (when ``add_space_prefix``), then repeatedly merges the adjacent pair
+  whose concatenation is the highest-scoring vocabulary entry; a character outside the
+  vocabulary becomes its UTF-8 byte tokens ``<0xXX>``. That is a BPE whose merge ranks are
+  the scores: the merges are listed here from the vocabulary, best score first.
+
+Control tokens become special added tokens (parsed only when asked); user-defined ones
+(Gemma's runs of spaces and newlines) are always matched whole, before the rest, as
+llama.cpp does. ``add_bos_token``/``add_eos_token`` become the post-processor, so that
+``encode(text, add_special_tokens=True)`` adds them as the model expects.
 """
 
 from __future__ import annotations
@@ -66,8 +79,13 @@ PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
 }
 
 # gguf token types (llama.cpp llama_token_type): which become "added tokens".
+_UNKNOWN = 2
 _CONTROL = 3
 _USER_DEFINED = 4
+_BYTE = 6
+
+# SentencePiece's escaped space.
+SPM_SPACE = "\u2581"
 
 
 def _array(reader: gguf.GGUFReader, key: str) -> list[Any]:
@@ -81,23 +99,29 @@ def _array(reader: gguf.GGUFReader, key: str) -> list[Any]:
 def gguf_tokenizer_json(reader: gguf.GGUFReader) -> str:
     """The ``tokenizer.json`` document equivalent to the GGUF's tokenizer metadata.
 
-    Raises :class:`UnsupportedTokenizerError` for SentencePiece (``llama``) vocabularies and
-    for pre-tokenizers not in :data:`PRE_TOKENIZERS`.
+    Raises :class:`UnsupportedTokenizerError` for a tokenizer model other than ``gpt2`` and
+    ``llama`` and for pre-tokenizers not in :data:`PRE_TOKENIZERS`.
     """
     kind = reader.fields.get("tokenizer.ggml.model")
     model = None if kind is None else kind.contents()
-    if model != "gpt2":
-        raise UnsupportedTokenizerError(
-            f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')"
-        )
-    pre_field = reader.fields.get("tokenizer.ggml.pre")
-    pre = "default" if pre_field is None else str(pre_field.contents())
-    if pre not in PRE_TOKENIZERS:
-        raise UnsupportedTokenizerError(f"GGUF pre-tokenizer {pre!r} is not supported")
     tokens = [str(t) for t in _array(reader, "tokenizer.ggml.tokens")]
     types = [int(t) for t in _array(reader, "tokenizer.ggml.token_type")] or [1] * len(tokens)
-    merges = [str(m) for m in _array(reader, "tokenizer.ggml.merges")]
-    added = [
+    if model == "gpt2":
+        doc = _bpe_document(reader, tokens, types)
+    elif model == "llama":
+        doc = _spm_document(reader, tokens, types)
+    else:
+        raise UnsupportedTokenizerError(
+            f"GGUF tokenizer model {model!r} is not supported "
+            "(byte-level BPE 'gpt2' and SentencePiece 'llama' are)"
+        )
+    doc["added_tokens"] = _added_tokens(tokens, types)
+    doc["post_processor"] = _post_processor(reader, tokens)
+    return json.dumps(doc, ensure_ascii=False)
+
+
+def _added_tokens(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
+    return [
         {
             "id": i,
             "content": tok,
@@ -105,31 +129,123 @@ def gguf_tokenizer_json(reader: gguf.GGUFReader) -> str:
             "lstrip": False,
             "rstrip": False,
             "normalized": False,
-            "special": ty == _CONTROL,
+            "special": ty != _USER_DEFINED,
         }
         for i, (tok, ty) in enumerate(zip(tokens, types, strict=True))
-        if ty in (_CONTROL, _USER_DEFINED)
+        if ty in (_UNKNOWN, _CONTROL, _USER_DEFINED)
     ]
-    doc = {
+
+
+def _bpe_document(reader: gguf.GGUFReader, tokens: list[str], types: list[int]) -> dict[str, Any]:
+    pre_field = reader.fields.get("tokenizer.ggml.pre")
+    pre = "default" if pre_field is None else str(pre_field.contents())
+    if pre not in PRE_TOKENIZERS:
+        raise UnsupportedTokenizerError(f"GGUF pre-tokenizer {pre!r} is not supported")
+    merges = [str(m) for m in _array(reader, "tokenizer.ggml.merges")]
+    return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": added,
         "normalizer": None,
         "pre_tokenizer": PRE_TOKENIZERS[pre],
-        "post_processor": None,
         "decoder": {**_BYTE_LEVEL, "use_regex": True},
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": {tok: i for i, tok in enumerate(tokens)},
-            "merges": merges,
-        },
+        "model": _bpe_model(tokens, merges, unk=None, byte_fallback=False),
     }
-    return json.dumps(doc, ensure_ascii=False)
+
+
+def _bpe_model(
+    tokens: list[str], merges: list[Any], *, unk: str | None, byte_fallback: bool
+) -> dict[str, Any]:
+    return {
+        "type": "BPE",
+        "dropout": None,
+        "unk_token": unk,
+        "continuing_subword_prefix": None,
+        "end_of_word_suffix": None,
+        "fuse_unk": unk is not None,
+        "byte_fallback": byte_fallback,
+        "ignore_merges": False,
+        "vocab": {tok: i for i, tok in enumerate(tokens)},
+        "merges": merges,
+    }
+
+
+def _spm_document(reader: gguf.GGUFReader, tokens: list[str], types: list[int]) -> dict[str, Any]:
+    scores = [float(s) for s in _array(reader, "tokenizer.ggml.scores")] or [0.0] * len(tokens)
+    # llama.cpp prefixes a space unless the GGUF says not to (Gemma does).
+    prefix = bool(_scalar(reader, "tokenizer.ggml.add_space_prefix", True))
+    unk_id = _scalar(reader, "tokenizer.ggml.unknown_token_id", None)
+    normalizers: list[dict[str, Any]] = [{"type": "Prepend", "prepend": SPM_SPACE}] * prefix
+    normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": SPM_SPACE})
+    decoders: list[dict[str, Any]] = [
+        {"type": "Replace", "pattern": {"String": SPM_SPACE}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]
+    if prefix:  # the space the encoder prefixed is not text
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "pre_tokenizer": None,
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": _bpe_model(
+            tokens,
+            spm_merges(tokens, types, scores),
+            unk=None if unk_id is None else tokens[int(unk_id)],
+            byte_fallback=True,
+        ),
+    }
+
+
+def spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list[list[str]]:
+    """BPE merges that replay llama.cpp's SentencePiece merging, best first.
+
+    llama.cpp merges the adjacent pair whose concatenation is in the vocabulary with the
+    highest score (any token but the byte tokens): every split of a token into two
+    vocabulary entries is a merge, ranked by that token's score (ties: lower id first).
+    """
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    order = sorted(
+        (i for i, ty in enumerate(types) if ty != _BYTE and len(tokens[i]) > 1),
+        key=lambda i: (-scores[i], i),
+    )
+    merges = []  # [left, right] pairs: SentencePiece tokens may hold spaces
+    for i in order:
+        tok = tokens[i]
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in vocab and right in vocab:
+                merges.append([left, right])
+    return merges
+
+
+def _post_processor(reader: gguf.GGUFReader, tokens: list[str]) -> dict[str, Any] | None:
+    """``TemplateProcessing`` adding BOS/EOS where the GGUF says the model expects them."""
+    start: list[dict[str, Any]] = []
+    end: list[dict[str, Any]] = []
+    specials: dict[str, dict[str, Any]] = {}
+    for flag, key, where in (("add_bos_token", "bos", start), ("add_eos_token", "eos", end)):
+        token_id = _scalar(reader, f"tokenizer.ggml.{key}_token_id", None)
+        if not _scalar(reader, f"tokenizer.ggml.{flag}", False) or token_id is None:
+            continue
+        token = tokens[int(token_id)]
+        where.append({"SpecialToken": {"id": token, "type_id": 0}})
+        specials[token] = {"id": token, "ids": [int(token_id)], "tokens": [token]}
+    if not specials:
+        return None
+    seq_a = [{"Sequence": {"id": "A", "type_id": 0}}]
+    seq_b = [{"Sequence": {"id": "B", "type_id": 1}}]
+    return {
+        "type": "TemplateProcessing",
+        "single": start + seq_a + end,
+        "pair": start + seq_a + end + start + seq_b + end,
+        "special_tokens": specials,
+    }
+
+
+def _scalar(reader: gguf.GGUFReader, key: str, default: Any) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
