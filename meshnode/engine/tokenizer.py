@@ -11,45 +11,73 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from meshnode.errors import ModelError
 
-__all__ = ["ChatTemplate", "IncrementalDetokenizer", "TemplateError", "Tokenizer"]
+__all__ = [
+    "ChatTemplate",
+    "IncrementalDetokenizer",
+    "NoTokenizerError",
+    "TemplateError",
+    "Tokenizer",
+]
+
+
+class NoTokenizerError(ModelError):
+    """The model has no tokenizer: it takes token ids and gives token ids, no text."""
 
 
 class Tokenizer:
-    """A ``tokenizer.json`` tokenizer; special tokens in text are parsed by default."""
+    """A ``tokenizer.json`` tokenizer; special tokens in text are parsed by default.
 
-    def __init__(self, tokenizer_json: str) -> None:
-        self._tok = HFTokenizer.from_str(tokenizer_json)
-        self.special_ids = frozenset(
-            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
-        )
-        self.prefix_ids = self._prefix_ids()
+    Built from None, it stands for a model without a tokenizer (a checkpoint folder with
+    no ``tokenizer.json``): :meth:`encode` raises :class:`NoTokenizerError` and ids
+    decode to no text, so such a model is served and checked on token ids alone.
+    """
 
-    def _prefix_ids(self) -> tuple[int, ...]:
+    def __init__(self, tokenizer_json: str | None) -> None:
+        self._tok = None if tokenizer_json is None else HFTokenizer.from_str(tokenizer_json)
+        decoder = {} if self._tok is None else self._tok.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in decoder.items() if t.special)
+        self.prefix_ids = () if self._tok is None else self._prefix_ids(self._tok)
+
+    @property
+    def has_text(self) -> bool:
+        """Whether text can be encoded (False: token ids only)."""
+        return self._tok is not None
+
+    @staticmethod
+    def _prefix_ids(tok: HFTokenizer) -> tuple[int, ...]:
         """The ids the tokenizer's post-processor puts before a text (BOS, where the model's
         tokenizer says to add one: ``add_bos_token``)."""
-        self._tok.encode_special_tokens = True
-        plain = self._tok.encode("a", add_special_tokens=False).ids
-        marked = self._tok.encode("a", add_special_tokens=True).ids
+        tok.encode_special_tokens = True
+        plain = tok.encode("a", add_special_tokens=False).ids
+        marked = tok.encode("a", add_special_tokens=True).ids
         for n in range(len(marked) - len(plain) + 1):
             if marked[n : n + len(plain)] == plain:
                 return tuple(marked[:n])
         return ()
 
+    def _text(self) -> HFTokenizer:
+        if self._tok is None:
+            raise NoTokenizerError("the model has no tokenizer: give the prompt as token ids")
+        return self._tok
+
     @property
     def vocab_size(self) -> int:
-        """Number of ids, added tokens included."""
-        return int(self._tok.get_vocab_size(with_added_tokens=True))
+        """Number of ids, added tokens included (0 without a tokenizer)."""
+        return 0 if self._tok is None else int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, parse_special: bool = True) -> list[int]:
         """Token ids of ``text``; no BOS/EOS added. With ``parse_special`` False, text
-        such as ``<|im_end|>`` is encoded as plain characters."""
-        self._tok.encode_special_tokens = not parse_special
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        such as ``<|im_end|>`` is encoded as plain characters. Raises
+        :class:`NoTokenizerError` for a model without a tokenizer."""
+        tok = self._text()
+        tok.encode_special_tokens = not parse_special
+        return list(tok.encode(text, add_special_tokens=False).ids)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a whole prompt: special tokens parsed, and the ids the model expects
         first (:attr:`prefix_ids`, its BOS) added once: a chat template that wrote the BOS
-        itself does not get a second one (llama.cpp's server drops the duplicate too)."""
+        itself does not get a second one (llama.cpp's server drops the duplicate too).
+        Raises :class:`NoTokenizerError` for a model without a tokenizer."""
         ids = self.encode(text)
         prefix = list(self.prefix_ids)
         if prefix and ids[: len(prefix)] != prefix:
@@ -57,12 +85,14 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        """The text of ``ids``."""
+        """The text of ``ids`` (empty without a tokenizer)."""
+        if self._tok is None:
+            return ""
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special))
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a vocabulary entry, or None."""
-        found = self._tok.token_to_id(token)
+        found = None if self._tok is None else self._tok.token_to_id(token)
         return None if found is None else int(found)
 
 

@@ -78,10 +78,10 @@ def openai_router(service: ServeService) -> APIRouter:
         run = service.start(service.text_prompt(body.single_prompt()), _text_sampling(body))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = _text_chunks(service, run, include_usage)
+            chunks = _text_chunks(service, run, include_usage, body.return_token_ids)
             return _sse_response(service, "completions", chunks)
         deltas = await _complete(service, "completions", run)
-        return _text_body(service, run, deltas)
+        return _text_body(service, run, deltas, body.return_token_ids)
 
     @router.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -291,7 +291,9 @@ def _text_logprobs(
     )
 
 
-def _text_body(service: ServeService, run: GenerationRun, deltas: list[Delta]) -> s.Completion:
+def _text_body(
+    service: ServeService, run: GenerationRun, deltas: list[Delta], token_ids: bool
+) -> s.Completion:
     logprobs = None
     if run.params.top_logprobs is not None:
         items = tuple(item for d in deltas for item in d.logprobs)
@@ -300,6 +302,8 @@ def _text_body(service: ServeService, run: GenerationRun, deltas: list[Delta]) -
         text="".join(d.text for d in deltas),
         logprobs=logprobs,
         finish_reason=run.state.finish_reason,
+        prompt_token_ids=list(run.prompt) if token_ids else None,
+        token_ids=[t for d in deltas for t in d.tokens] if token_ids else None,
     )
     return s.Completion(
         id=_completion_id("cmpl"),
@@ -312,22 +316,29 @@ def _text_body(service: ServeService, run: GenerationRun, deltas: list[Delta]) -
 
 
 async def _text_chunks(
-    service: ServeService, run: GenerationRun, include_usage: bool
+    service: ServeService, run: GenerationRun, include_usage: bool, token_ids: bool
 ) -> AsyncGenerator[BaseModel, None]:
     ident, created = _completion_id("cmpl"), service.now()
     make: Callable[..., s.Completion] = s.Completion
     offset = 0
+    prompt_ids: list[int] | None = list(run.prompt) if token_ids else None
     async with aclosing(service.stream(run)) as deltas:
         async for delta in deltas:
-            if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            carries_ids = token_ids and bool(delta.tokens)
+            if not (delta.text or delta.finish_reason or delta.logprobs or carries_ids):
                 continue
             logprobs = None
             if delta.logprobs:
                 logprobs = _text_logprobs(service, delta.logprobs, offset)
             offset += len(delta.text)
             choice = s.CompletionChoice(
-                text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason
+                text=delta.text,
+                logprobs=logprobs,
+                finish_reason=delta.finish_reason,
+                prompt_token_ids=prompt_ids,
+                token_ids=list(delta.tokens) if token_ids else None,
             )
+            prompt_ids = None  # the first chunk carries them
             final = delta.finish_reason is not None
             yield make(
                 id=ident,

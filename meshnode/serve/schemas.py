@@ -254,6 +254,8 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: StrictInt | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's extension: the response carries the prompt's and the reply's token ids.
+    return_token_ids: StrictBool = False
 
     def check_supported(self) -> None:
         """Raise BadRequestError for parameters this server does not implement."""
@@ -371,6 +373,10 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    # With return_token_ids (vLLM's names): the prompt's ids (first chunk when streaming)
+    # and the ids of this choice's text (of this chunk when streaming).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class Completion(BaseModel):

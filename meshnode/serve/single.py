@@ -13,9 +13,15 @@ from typing import Any
 
 from meshnode.engine.backend import Backend, cpu_backend
 from meshnode.engine.loader import DEFAULT_MODEL, load_model, resolve_source
-from meshnode.engine.tokenizer import ChatTemplate, IncrementalDetokenizer, Tokenizer
+from meshnode.engine.tokenizer import (
+    ChatTemplate,
+    IncrementalDetokenizer,
+    NoTokenizerError,
+    Tokenizer,
+)
 from meshnode.node.pipeline import LocalPipeline
 from meshnode.node.stage import StageRunner, default_context
+from meshnode.serve.errors import BadRequestError
 from meshnode.serve.generation import DEFAULT_PREFILL_CHUNK_TOKENS, Detokenizer, Speculation
 from meshnode.serve.scheduler import DEFAULT_MAX_IN_FLIGHT, SchedulerLimits
 from meshnode.serve.service import ServeService
@@ -36,7 +42,14 @@ class EngineCodec:
         return self._vocab_size
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode_prompt(text)
+        try:
+            return self.tokenizer.encode_prompt(text)
+        except NoTokenizerError:
+            raise BadRequestError(
+                "This model has no tokenizer: send /v1/completions a prompt of token ids "
+                "(prompt: [int]).",
+                param="prompt",
+            ) from None
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
         if self.template is None:

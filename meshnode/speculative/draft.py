@@ -148,7 +148,7 @@ def vocab_info(name: str, source: ModelSource) -> VocabInfo:
     """The vocabulary facts of ``source`` (token map read from its tokenizer.json)."""
     token_to_id: dict[str, int] | None = None
     try:
-        document = json.loads(source.tokenizer_json)
+        document = json.loads(source.tokenizer_json or "")
         token_to_id = dict(document["model"]["vocab"])
         token_to_id.update({t["content"]: t["id"] for t in document.get("added_tokens", [])})
     except (ValueError, KeyError, TypeError):

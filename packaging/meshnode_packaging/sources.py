@@ -69,8 +69,12 @@ class ModelSource(Protocol):
     """Anything that yields a model's config, tokenizer, chat template and tensors."""
 
     config: dict[str, Any]
-    tokenizer_json: str
     chat_template: str | None
+
+    @property
+    def tokenizer_json(self) -> str | None:
+        """The ``tokenizer.json`` document; None when the model has none (token ids only)."""
+        ...
 
     def tensor_names(self) -> list[str]:
         """Canonical names of every tensor in the source."""
@@ -184,6 +188,7 @@ def hf_to_canonical(name: str) -> str:
 
 # ---------------------------------------------------------------------------------------
 # GGUF
+
 
 @dataclass(frozen=True)
 class GGUFArchitecture:
@@ -405,9 +410,11 @@ class HFFolderSource:
         self.path = folder
         self.config = _read_json(folder / "config.json")
         tokenizer = folder / "tokenizer.json"
-        if not tokenizer.is_file():
-            raise SourceError(f"{folder}: no tokenizer.json")
-        self.tokenizer_json = tokenizer.read_text(encoding="utf-8")
+        # A checkpoint without tokenizer.json (a test model, a research export) still runs
+        # on token ids; whoever needs text refuses it then.
+        self.tokenizer_json: str | None = None
+        if tokenizer.is_file():
+            self.tokenizer_json = tokenizer.read_text(encoding="utf-8")
         self.chat_template = _hf_chat_template(folder)
         files = sorted(folder.glob("*.safetensors"))
         if not files:

@@ -235,12 +235,16 @@ def write_package(
     """Write the package of ``src`` (a path for ``open_source``, or a source) into ``out``.
 
     Returns the manifest written to ``out/model-package.json``. Raises ``ValueError`` for a
-    source with tensors that fit no part, :class:`InvalidPackage` if the result would not
-    validate (e.g. a malformed ``speculative`` block).
+    source with tensors that fit no part or without a tokenizer (a package always carries
+    one), :class:`InvalidPackage` if the result would not validate (e.g. a malformed
+    ``speculative`` block).
     """
     src_path = None if not isinstance(src, str | Path) else Path(src)
     source = open_source(src_path) if src_path is not None else src
     assert not isinstance(source, str | Path)
+    tokenizer_json = source.tokenizer_json
+    if tokenizer_json is None:
+        raise ValueError("the model has no tokenizer.json: a layer package needs one")
     config = dict(source.config)
     names = source.tensor_names()
     embed, layers, head = group_tensors(names, int(config["num_hidden_layers"]))
@@ -254,7 +258,7 @@ def write_package(
         for i, group in enumerate(layers)
     ]
     head_entry = {**pw.write(HEAD_FILE, head), "tied_to_embed": "lm_head.weight" not in head}
-    pw.write_text(TOKENIZER_FILE, source.tokenizer_json)
+    pw.write_text(TOKENIZER_FILE, tokenizer_json)
     default_id = src_path.stem if src_path is not None else config.get("model_type", "model")
     data: dict[str, Any] = {
         "format": {"name": FORMAT_NAME, "version": FORMAT_VERSION},

@@ -112,7 +112,7 @@ def test_gguf_config_maps_to_hf_keys(tiny_gguf: Callable[[str], Path]) -> None:
 
 
 def test_gguf_tokenizer_splits_digits_like_the_original(tiny_gguf: Callable[[str], Path]) -> None:
-    built = Tokenizer.from_str(open_source(tiny_gguf("Q8_0")).tokenizer_json)
+    built = Tokenizer.from_str(open_source(tiny_gguf("Q8_0")).tokenizer_json or "")
     reference = Tokenizer.from_str(hf_tokenizer_json())
     vocab = vocabulary()
     for text in ["x 12 the", "<|im_end|>\n\n12", "héllo 1234"]:

@@ -122,20 +122,46 @@ def _decode(data: np.ndarray, qtype: str) -> np.ndarray:
     return np.asarray(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype]))
 
 
+# Tiny Gemma 3: layers 0 and 2 slide over 4 positions, layer 1 is global; the two kinds
+# have different RoPE bases, as in the real model (10,000 local, 1,000,000 global).
+GEMMA3_WINDOW = 4
+GEMMA3_PATTERN = 2
+GEMMA3_CONFIG: dict[str, Any] = {
+    "model_type": "gemma3_text",
+    "architectures": ["Gemma3ForCausalLM"],
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "sliding_window": GEMMA3_WINDOW,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "query_pre_attn_scalar": 64,
+}
+
+
+def arch_config(arch: str) -> dict[str, Any]:
+    """The HF config of the tiny model of GGUF architecture ``arch``."""
+    c = dict(CONFIG, model_type=arch, attention_bias=arch == "qwen2")
+    if arch == "gemma3":
+        c.update(GEMMA3_CONFIG)
+        del c["hidden_act"]
+    return c
+
+
 def write_tiny_model(folder: Path, qtype: str, *, seed: int = 0, arch: str = "llama") -> Path:
     """Write ``folder/tiny.gguf`` and the HF folder ``folder/hf``; return the GGUF path.
 
     ``arch`` "qwen2" adds Q/K/V biases and, as llama.cpp does for Qwen2, stores Q/K rows
-    unpermuted.
+    unpermuted; "qwen3" adds QK-norm; "gemma3" adds QK-norm and the norms after attention
+    and MLP, stored in the GGUF plus one as llama.cpp's converter does.
     """
     rng = np.random.default_rng(seed)
-    c = dict(CONFIG, model_type=arch, attention_bias=arch == "qwen2")
+    c = arch_config(arch)
     layers = c["num_hidden_layers"]
     hf: dict[str, np.ndarray] = {}
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "tiny.gguf"
     w = gguf.GGUFWriter(path, arch)
-    _gguf_metadata(w)
+    _gguf_metadata(w, arch)
     for hf_name, g_name, shape in _weight_names(layers):
         data = random_blocks(rng, shape, "Q8_0" if "embed" in hf_name else qtype)
         dtype = "Q8_0" if "embed" in hf_name else qtype
@@ -146,12 +172,9 @@ def write_tiny_model(folder: Path, qtype: str, *, seed: int = 0, arch: str = "ll
         stored = data if n_head is None else llama_permute(data, n_head)
         raw_dtype = None if dtype in ("F32", "F16") else gguf.GGMLQuantizationType[dtype]
         w.add_tensor(g_name, np.ascontiguousarray(stored), raw_dtype=raw_dtype)
-    norms = [("model.norm.weight", "output_norm.weight")]
+    norms = [("model.norm.weight", "output_norm.weight", c["hidden_size"])]
     for n in range(layers):
-        norms += [
-            (f"model.layers.{n}.input_layernorm.weight", f"blk.{n}.attn_norm.weight"),
-            (f"model.layers.{n}.post_attention_layernorm.weight", f"blk.{n}.ffn_norm.weight"),
-        ]
+        norms += _layer_norms(n, arch, c["hidden_size"], c["head_dim"])
     if c["attention_bias"]:
         for n in range(layers):
             for x, size in (
@@ -162,10 +185,13 @@ def write_tiny_model(folder: Path, qtype: str, *, seed: int = 0, arch: str = "ll
                 bias = (0.1 * rng.standard_normal(size * c["head_dim"])).astype(np.float32)
                 hf[f"model.layers.{n}.self_attn.{x}_proj.bias"] = bias
                 w.add_tensor(f"blk.{n}.attn_{x}.bias", bias)
-    for hf_name, g_name in norms:
-        norm = (1.0 + 0.1 * rng.standard_normal(c["hidden_size"])).astype(np.float32)
+    shift = np.float32(1.0 if arch == "gemma3" else 0.0)
+    for hf_name, g_name, size in norms:
+        norm = (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
+        if shift:  # Gemma checkpoints hold weight - 1; pick values exact both ways
+            norm = (norm + shift) - shift
         hf[hf_name] = norm
-        w.add_tensor(g_name, norm)
+        w.add_tensor(g_name, norm + shift)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -174,8 +200,29 @@ def write_tiny_model(folder: Path, qtype: str, *, seed: int = 0, arch: str = "ll
     return path
 
 
-def _gguf_metadata(w: gguf.GGUFWriter) -> None:
-    c = CONFIG
+def _layer_norms(n: int, arch: str, hidden: int, head_dim: int) -> list[tuple[str, str, int]]:
+    """(hf name, gguf name, size) of layer ``n``'s norm weights."""
+    hp, gp = f"model.layers.{n}.", f"blk.{n}."
+    ffn = "pre_feedforward_layernorm" if arch == "gemma3" else "post_attention_layernorm"
+    out = [
+        (hp + "input_layernorm.weight", gp + "attn_norm.weight", hidden),
+        (hp + ffn + ".weight", gp + "ffn_norm.weight", hidden),
+    ]
+    if arch in ("qwen3", "gemma3"):
+        out += [
+            (hp + "self_attn.q_norm.weight", gp + "attn_q_norm.weight", head_dim),
+            (hp + "self_attn.k_norm.weight", gp + "attn_k_norm.weight", head_dim),
+        ]
+    if arch == "gemma3":
+        out += [
+            (hp + "post_attention_layernorm.weight", gp + "post_attention_norm.weight", hidden),
+            (hp + "post_feedforward_layernorm.weight", gp + "post_ffw_norm.weight", hidden),
+        ]
+    return out
+
+
+def _gguf_metadata(w: gguf.GGUFWriter, arch: str) -> None:
+    c = arch_config(arch)
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
@@ -185,6 +232,9 @@ def _gguf_metadata(w: gguf.GGUFWriter) -> None:
     w.add_key_length(c["head_dim"])
     w.add_rope_freq_base(c["rope_theta"])
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    if arch == "gemma3":
+        w.add_sliding_window(GEMMA3_WINDOW)
+        w.add_uint32(f"{arch}.attention.sliding_window_pattern", GEMMA3_PATTERN)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     vocab = vocabulary()

@@ -89,6 +89,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-serve-model")
     real = open_source(smollm2_gguf_path())
     (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
+    assert real.tokenizer_json is not None
     (folder / "tokenizer.json").write_text(real.tokenizer_json)
     assert real.chat_template is not None
     (folder / "chat_template.jinja").write_text(real.chat_template)
