@@ -64,6 +64,10 @@ class Stage:
         self.start, self.end = start, end
         self.embed, self.head = embed, head
         self.backend = backend or cpu_backend()
+        if self.backend.name == "cuda" and not config.arch.cuda:
+            raise ModelConfigError(
+                f"the CUDA stage does not run {config.model_type} models yet (use --device cpu)"
+            )
         self.xp = self.backend.xp
         self.gemv_max_rows = GEMV_MAX_ROWS if self.backend.name == "cpu" else 1
         self._cuda: CudaStage | None = None
@@ -96,11 +100,6 @@ class Stage:
         self._embed_scale = np.float32(np.sqrt(config.hidden_size))
         if self.backend.name == "cuda":  # the engine's kernels, fixed buffers, CUDA graphs
             from meshnode.engine.cuda.stage import CudaStage
-
-            if not config.arch.cuda:
-                raise ModelConfigError(
-                    f"the CUDA stage does not run {config.model_type} models yet (use --device cpu)"
-                )
 
             self._cuda = CudaStage(
                 config, self.weights, embed=embed, head=head, backend=self.backend

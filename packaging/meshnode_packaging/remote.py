@@ -190,7 +190,7 @@ class RangedSource:
         self.commit = commit
         self.folder = folder  # where the partial files and the small files' links are
         self.config: dict[str, Any] = inner.config
-        self.tokenizer_json: str = inner.tokenizer_json
+        self.tokenizer_json: str | None = inner.tokenizer_json
         self.chat_template: str | None = inner.chat_template
 
     def tensor_names(self) -> list[str]:
@@ -212,7 +212,7 @@ class ShardedGGUFSource(GGUFSource):
         self._readers = [gguf.GGUFReader(p) for p in paths[1:]]  # kept: tensors view them
         for reader in self._readers:
             for t in reader.tensors:
-                if (canonical := gguf_to_canonical(t.name)) is not None:
+                if (canonical := gguf_to_canonical(t.name, self.architecture)) is not None:
                     self._tensors[canonical] = t
         self.config.update(gguf_config(self._reader, set(self._tensors)))
 

@@ -153,6 +153,9 @@ _GEMMA_NORMS = {
     "blk.{i}.post_ffw_norm.weight": "layers.{i}.post_feedforward_layernorm.weight",
 }
 GGUF_ARCH_NAMES: dict[str, dict[str, str]] = {"gemma3": _GEMMA_NORMS}
+# Without a known architecture every name any architecture uses maps somewhere (Llama's
+# meaning first), so that a reader that only needs the layer of a tensor finds it.
+_ANY_ARCH = {k: v for t in GGUF_ARCH_NAMES.values() for k, v in t.items()} | GGUF_TO_CANONICAL
 
 # Not a weight: llama.cpp's per-frequency RoPE divisors, surfaced as config["rope_freq_factors"].
 ROPE_FREQS = "rope_freqs.weight"
@@ -161,10 +164,11 @@ ROPE_FREQS = "rope_freqs.weight"
 HF_PREFIX = "model."
 
 
-def gguf_to_canonical(name: str, arch: str = "llama") -> str | None:
+def gguf_to_canonical(name: str, arch: str | None = None) -> str | None:
     """The canonical name of GGUF tensor ``name`` in a model of GGUF architecture ``arch``,
-    or None for tensors meshnode ignores."""
-    table = {**GGUF_TO_CANONICAL, **GGUF_ARCH_NAMES.get(arch, {})}
+    or None for tensors meshnode ignores. Without ``arch`` the layer is right but a norm's
+    role may not be: pass it where the name is used to load weights."""
+    table = _ANY_ARCH if arch is None else GGUF_TO_CANONICAL | GGUF_ARCH_NAMES.get(arch, {})
     if name.startswith("blk."):
         _, layer, rest = name.split(".", 2)
         canonical = table.get("blk.{i}." + rest)
@@ -332,6 +336,7 @@ class GGUFSource:
             # has no key for them, so they travel under this one extra key.
             factors = np.asarray(freqs.data, dtype=np.float32).ravel()
             self.config["rope_freq_factors"] = [float(f) for f in factors]
+        self.architecture = arch  # general.architecture
         self._arch = GGUF_ARCHITECTURES[arch]
         try:
             self.tokenizer_json = gguf_tokenizer_json(self._reader)
