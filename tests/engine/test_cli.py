@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from meshnode.cli import app
 from meshnode.cli import commands as _commands  # registers the commands on app
 from meshnode.engine.backend import select_backend
+from tests.conftest import GOLDEN_DIR
 
 MESHNODE = Path(sys.executable).parent / "meshnode"
 runner = CliRunner()
@@ -108,3 +109,35 @@ def test_console_script_default_model_chat_reply() -> None:
     assert summary["text"] == "The capital of France is Paris."
     assert summary["finish_reason"] == "stop"
     assert lines[0] == summary["text"]  # streamed before the summary
+
+
+def test_prompt_ids_in_token_ids_out_on_a_model_without_tokenizer() -> None:
+    """The tiny Qwen 3 reference has no tokenizer: ids in, the reference's ids out."""
+    folder = GOLDEN_DIR / "tiny" / "qwen3-tiny"
+    golden = json.loads((folder / "golden.json").read_text())["prompts"][0]
+    ids = ",".join(str(t) for t in golden["prompt_ids"])
+    args = ["--model", str(folder), "--prompt-ids", ids, "--json", "--max-tokens", "8"]
+    done = _script(*args, "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["prompt_token_ids"] == golden["prompt_ids"]
+    assert summary["token_ids"] == golden["gen_ids"][:8]
+    text = runner.invoke(app, ["generate", "--model", str(folder), "--device", "cpu", "hi"])
+    assert text.exit_code == 2
+    assert "no tokenizer" in text.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt-ids", "1,x,3"], "'x' is not a token id"),
+        (["--prompt-ids", "1,2", "hello"], "give PROMPT or --prompt-ids"),
+        ([], "give PROMPT or --prompt-ids"),
+        (["--prompt-ids", "5,512"], "token id 512 is outside the vocabulary (0..511)"),
+    ],
+)
+def test_bad_prompt_ids_exit_2(args: list[str], message: str) -> None:
+    folder = str(GOLDEN_DIR / "tiny" / "qwen3-tiny")
+    result = runner.invoke(app, ["generate", "--model", folder, "--device", "cpu", *args])
+    assert result.exit_code == 2
+    assert message in result.output
