@@ -9,7 +9,9 @@ only recombines these pieces is one new row; the stage reads the row, never the 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 from meshnode.engine.hybrid_config import HYBRID_MODEL_TYPES, HybridConfig, HybridConfigError
@@ -40,7 +42,34 @@ class Architecture:
     attention_bias: bool = False  # QKV bias when config.json does not say
     tied_embeddings: bool = False  # tie_word_embeddings when config.json does not say
     cuda: bool = True  # the CUDA stage implements it
+    # config.json keys transformers fills in when a checkpoint leaves them out (saved
+    # configs hold only what differs from the config class's defaults).
+    defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
+
+# transformers' Gemma3TextConfig defaults: Gemma 3 4B+ checkpoints nest a text_config
+# that states only what differs from them.
+_GEMMA3_DEFAULTS = MappingProxyType(
+    {
+        "vocab_size": 262_208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    }
+)
 
 _GEMMA3 = Architecture(
     ffn_norm="pre_feedforward_layernorm",
@@ -51,6 +80,7 @@ _GEMMA3 = Architecture(
     norm_offset=1.0,
     tied_embeddings=True,
     cuda=False,
+    defaults=_GEMMA3_DEFAULTS,
 )
 
 #: model_type -> architecture. Gemma 3's multimodal config ("gemma3") nests the text
@@ -218,6 +248,7 @@ def _hf_fields(config: dict[str, Any]) -> dict[str, Any]:
     if isinstance(config.get("text_config"), dict):  # a multimodal wrapper: its text model
         config = {"model_type": model_type, **config["text_config"]}
     arch = ARCHITECTURES.get(model_type, Architecture())
+    config = {**arch.defaults, **config}
     _refuse_unsupported(config, arch)
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])

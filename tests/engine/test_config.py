@@ -97,3 +97,63 @@ def test_gguf_rope_freq_factors_match_llama3_scaling() -> None:
     assert gguf_style.rope_inv_freq() == pytest.approx(scaled, rel=1e-12)
     with pytest.raises(ModelConfigError, match="head_dim / 2"):
         ModelConfig.from_hf(dict(LLAMA31, rope_freq_factors=[1.0]))
+
+
+def test_gemma3_multimodal_config_fills_transformers_defaults() -> None:
+    """Gemma 3 4B's config.json: a text_config stating only what differs from the defaults."""
+    c = ModelConfig.from_hf(
+        {
+            "model_type": "gemma3",
+            "text_config": {
+                "hidden_size": 2560,
+                "intermediate_size": 10240,
+                "model_type": "gemma3_text",
+                "num_hidden_layers": 34,
+                "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                "sliding_window": 1024,
+            },
+        }
+    )
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (8, 4, 256, 262_208)
+    assert [c.window(i) for i in range(6)] == [1024] * 5 + [None]
+    assert c.tie_word_embeddings
+    assert c.attention_scale == 256**-0.5
+    # linear scaling on the global layers only; local layers keep base 10,000 unscaled
+    assert c.rope_inv_freq(5)[1] == pytest.approx(1e6 ** (-2 / 256) / 8)
+    assert c.rope_inv_freq(0)[1] == pytest.approx(1e4 ** (-2 / 256))
+
+
+def test_transformers5_gemma3_rope_parameters_per_layer_type() -> None:
+    c = ModelConfig.from_hf(
+        {
+            "model_type": "gemma3_text",
+            "hidden_size": 640,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "vocab_size": 262144,
+            "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+            "sliding_window": 512,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        }
+    )
+    assert (c.rope_theta, c.rope_local_theta, c.rope_type) == (1e6, 1e4, "default")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"hidden_activation": "relu"}, "unsupported activation"),
+        ({"layer_types": ["linear_attention"] * 26}, "unsupported layer type"),
+    ],
+)
+def test_gemma3_features_not_implemented_are_refused(
+    change: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf({"model_type": "gemma3_text", **change})
