@@ -20,7 +20,7 @@ from meshnode_packaging.sources import open_source
 from meshnode.cli.generate import GenerateConfig, complete
 from meshnode.engine import ModelConfig, Stage, ops
 from meshnode.engine.backend import Backend, cpu_backend
-from meshnode.engine.config import ConfigError
+from meshnode.engine.config import ModelConfigError
 from meshnode.engine.generate import prefill
 from meshnode.engine.loader import load_model
 from meshnode.engine.sampling import SamplingParams
@@ -135,7 +135,7 @@ def test_cuda_stage_refuses_what_it_does_not_run(
     source = open_source(tiny_arch(arch))
     config = ModelConfig.from_hf(source.config)
     device = Backend("cuda", np)  # refused before anything touches a device
-    with pytest.raises(ConfigError, match=f"CUDA stage does not run {config.model_type}"):
+    with pytest.raises(ModelConfigError, match=f"CUDA stage does not run {config.model_type}"):
         Stage(config, source, 0, 1, embed=True, head=False, backend=device)
 
 

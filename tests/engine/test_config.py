@@ -155,5 +155,5 @@ def test_transformers5_gemma3_rope_parameters_per_layer_type() -> None:
 def test_gemma3_features_not_implemented_are_refused(
     change: dict[str, Any], message: str
 ) -> None:
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ModelConfigError, match=message):
         ModelConfig.from_hf({"model_type": "gemma3_text", **change})
