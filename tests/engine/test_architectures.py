@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from meshnode_packaging.refs import open_ref
 from meshnode_packaging.sources import open_source
+from meshnode_packaging.writer import write_package
 
 from meshnode.cli.generate import GenerateConfig, complete
 from meshnode.engine import ModelConfig, Stage, ops
@@ -45,7 +47,7 @@ def tiny_arch(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
 
 
 def _stage(path: Path) -> Stage:
-    source = open_source(path)
+    source = open_ref(str(path))
     config = ModelConfig.from_hf(source.config)
     return Stage(config, source, 0, config.num_layers, embed=True, head=True)
 
@@ -61,6 +63,18 @@ def test_gguf_and_checkpoint_give_the_same_logits(
     a = from_gguf.forward(np.array(IDS), 0, from_gguf.new_cache(32))
     b = from_hf.forward(np.array(IDS), 0, from_hf.new_cache(32))
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_gemma3_layer_package_gives_the_gguf_logits(
+    tiny_arch: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """``meshnode package write`` keeps the norms in the checkpoint's convention."""
+    gguf_path = tiny_arch("gemma3")
+    write_package(gguf_path, tmp_path / "pkg")
+    packaged, direct = _stage(tmp_path / "pkg"), _stage(gguf_path)
+    a = packaged.forward(np.array(IDS), 0, packaged.new_cache(32))
+    b = direct.forward(np.array(IDS), 0, direct.new_cache(32))
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_gemma3_config_from_gguf(tiny_arch: Callable[[str], Path]) -> None:
