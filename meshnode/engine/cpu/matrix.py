@@ -1,0 +1,168 @@
+"""A weight matrix held in its GGUF blocks, multiplied by the compiled kernels.
+
+``x @ m`` for a :class:`BlockMatrix` ``m`` (logically ``[in, out]``, like the float32
+matrices the CPU stage used before) computes the product without ever holding the float32
+matrix: up to :data:`MAX_KERNEL_ROWS` activation rows go through one kernel pass over the
+blocks (decode, verify windows), more rows (prefill) decode the matrix into a per-thread
+float32 scratch buffer and use BLAS, where the decode is a small part of the work.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+from meshnode_packaging.sources import RawTensor
+
+from meshnode.engine.cpu.formats import Format, format_of, row_bytes
+
+__all__ = ["MAX_KERNEL_ROWS", "BlockMatrix", "set_kernel_threads", "supported"]
+
+# Above this many rows a product decodes the matrix once and hands it to BLAS: sgemm's
+# register blocking beats decoding each row once per product when the rows are many, and
+# the kernel's per-row dot products are built for the few rows of decode and verify
+# (benchmarks/engine.py, "k-row forward cost").
+MAX_KERNEL_ROWS = 16
+
+_threads: int | None = None  # the --threads cap, applied in whichever thread computes
+_scratch = threading.local()  # float32 buffer for the BLAS path, one per computing thread
+
+
+def set_kernel_threads(threads: int | None) -> None:
+    """Cap the kernels' threads at ``threads`` (None: numba's default, one per core)."""
+    global _threads
+    _threads = threads
+
+
+def numba_cache_dir() -> Path:
+    """Where compiled kernels are cached: ``$NUMBA_CACHE_DIR``, else meshnode's cache folder
+    (``$XDG_CACHE_HOME/meshnode/numba``, ``~/.cache/meshnode/numba``)."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return Path(os.environ["NUMBA_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "meshnode" / "numba"
+
+
+@cache
+def kernels() -> ModuleType:
+    """The kernels module, imported (and numba configured) on first use."""
+    # numba reads NUMBA_CACHE_DIR when it is imported; its own default is __pycache__
+    # beside the sources, which a system-wide install cannot write.
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(numba_cache_dir()))
+    from meshnode.engine.cpu import kernels as module
+
+    return module
+
+
+def _threads_here() -> None:
+    # numba's thread count is per calling thread, and stages compute in worker threads
+    if _threads is not None:
+        import numba
+
+        n = min(_threads, numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+        if numba.get_num_threads() != n:
+            numba.set_num_threads(n)
+
+
+def supported(t: RawTensor) -> bool:
+    """Whether ``t`` is a matrix the kernels can multiply in its stored format."""
+    fmt = format_of(t.dtype)
+    return fmt is not None and len(t.shape) == 2 and t.shape[1] % fmt.block_size == 0
+
+
+@dataclass(frozen=True)
+class _Part:
+    fmt: Format
+    raw: np.ndarray  # [out_i, row bytes] uint8, usually a view of the memory-mapped file
+
+
+_EMPTY = np.zeros((0, 0), np.uint8)
+
+
+class BlockMatrix:
+    """Tensors ``[out_i, in]`` stacked along ``out``, kept in their GGUF formats.
+
+    Used as the ``[in, out]`` right-hand side of ``x @ m``; ``rows(ids)`` decodes rows
+    (the embedding lookup). At most three parts (Q/K/V).
+    """
+
+    # NumPy then leaves ``ndarray @ BlockMatrix`` to ``__rmatmul__``
+    __array_ufunc__ = None
+
+    def __init__(self, tensors: Sequence[RawTensor]) -> None:
+        if not 1 <= len(tensors) <= 3:
+            raise ValueError(f"a block matrix has 1 to 3 parts, got {len(tensors)}")
+        n_in = tensors[0].shape[1]
+        parts = []
+        for t in tensors:
+            fmt = format_of(t.dtype)
+            if fmt is None or not supported(t) or t.shape[1] != n_in:
+                raise ValueError(f"tensor {t.name}: {t.dtype} {t.shape} is not a block matrix")
+            raw = np.asarray(t.data).reshape(t.shape[0], row_bytes(fmt, n_in))
+            parts.append(_Part(fmt, raw))
+        self.parts = tuple(parts)
+        self.n_in = n_in
+        self.n_out = sum(p.raw.shape[0] for p in parts)
+        self.shape = (n_in, self.n_out)  # as the [in, out] float32 matrix it stands for
+        self.nbytes = sum(int(p.raw.nbytes) for p in parts)
+        self._fmts = np.array([p.fmt.kernel_id for p in parts] + [0] * (3 - len(parts)))
+        self._raws = [p.raw for p in parts] + [_EMPTY] * (3 - len(parts))
+
+    def __repr__(self) -> str:
+        kinds = "+".join(p.fmt.name for p in self.parts)
+        return f"BlockMatrix({kinds}, in={self.n_in}, out={self.n_out})"
+
+    def __rmatmul__(self, x: Any) -> np.ndarray:
+        """``x @ self`` for ``x`` ``[r, in]`` or ``[in]``: ``[r, out]`` or ``[out]``."""
+        x = np.asarray(x, dtype=np.float32)
+        if x.ndim == 1:
+            one: np.ndarray = self._product(x[None, :])[0]
+            return one
+        return self._product(x)
+
+    def _product(self, x: np.ndarray) -> np.ndarray:
+        if x.shape[1] != self.n_in:
+            raise ValueError(f"x has {x.shape[1]} columns, the matrix {self.n_in} rows")
+        if x.shape[0] > MAX_KERNEL_ROWS:
+            dense: np.ndarray = x @ self.dense().T
+            return dense
+        out = np.empty((x.shape[0], self.n_out), np.float32)
+        _threads_here()
+        kernels().matmul_parts(self._fmts, *self._raws, np.ascontiguousarray(x), out)
+        return out
+
+    def dense(self) -> np.ndarray:
+        """The matrix decoded as float32 ``[out, in]`` into this thread's scratch buffer
+        (valid until the next call in this thread)."""
+        size = self.n_out * self.n_in
+        buf = getattr(_scratch, "buf", None)
+        if buf is None or buf.size < size:
+            buf = _scratch.buf = np.empty(size, np.float32)
+        out = buf[:size].reshape(self.n_out, self.n_in)
+        _threads_here()
+        start = 0
+        for p in self.parts:
+            rows = p.raw.shape[0]
+            kernels().decode_matrix(p.fmt.kernel_id, p.raw, out[start : start + rows])
+            start += rows
+        return out
+
+    def rows(self, ids: Any) -> np.ndarray:
+        """Rows ``ids`` of the matrix (``[out, in]`` view) as float32 ``[len(ids), in]``."""
+        if len(self.parts) != 1:
+            raise ValueError("row lookup is for single-part matrices (the embedding)")
+        idx = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.n_out):
+            raise IndexError(f"row index outside 0..{self.n_out - 1}")
+        out = np.empty((idx.size, self.n_in), np.float32)
+        _threads_here()
+        p = self.parts[0]
+        kernels().gather_rows(p.fmt.kernel_id, p.raw, idx, out)
+        return out

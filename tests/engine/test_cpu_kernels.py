@@ -1,0 +1,125 @@
+"""The CPU block kernels against ``dequantize`` (gguf's decoders), format by format.
+
+Decoding must be bit-identical to ``dequantize``; products must equal "dequantize, then
+multiply in float32" up to summation order, for the kernel's 1..16 rows and for the
+decode-then-BLAS path above that.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from meshnode_packaging.sources import RawTensor, dequantize
+
+from meshnode.engine.cpu import MAX_KERNEL_ROWS, BlockMatrix
+from meshnode.engine.cpu.formats import FORMATS
+
+N_IN = 512  # two K-quant blocks per row, sixteen of the 32-value formats
+
+# Byte offsets of the float16 scales in one block, per format that has them: random
+# blocks get finite scales there (random bytes would make some of them inf or NaN).
+_F16_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}  # fmt: skip
+
+
+def random_tensor(dtype: str, n_out: int, rng: np.random.Generator, name: str = "w") -> RawTensor:
+    """A ``[n_out, N_IN]`` tensor of ``dtype``: every bit pattern of the quants is reachable."""
+    values = rng.standard_normal((n_out, N_IN)).astype(np.float32)
+    if dtype == "F32":
+        data = values.view(np.uint8)
+    elif dtype == "F16":
+        data = values.astype(np.float16).view(np.uint8)
+    elif dtype == "BF16":
+        data = (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    else:
+        fmt = FORMATS[dtype]
+        shape = (n_out * N_IN // fmt.block_size, fmt.type_size)
+        blocks = rng.integers(0, 256, shape, dtype=np.uint8)
+        for off in _F16_FIELDS[dtype]:
+            scale = rng.uniform(-0.05, 0.05, len(blocks)).astype(np.float16)
+            blocks[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
+        data = blocks
+    return RawTensor(name, dtype, (n_out, N_IN), np.ascontiguousarray(data).reshape(-1))
+
+
+@pytest.fixture(scope="module")
+def rng() -> np.random.Generator:
+    return np.random.default_rng(7)
+
+
+@pytest.mark.parametrize("dtype", list(FORMATS))
+def test_decoding_is_bit_identical_to_dequantize(dtype: str, rng: np.random.Generator) -> None:
+    t = random_tensor(dtype, 24, rng)
+    m = BlockMatrix([t])
+    want = dequantize(t)
+    np.testing.assert_array_equal(m.dense(), want)
+    ids = [0, 23, 5, 5]
+    np.testing.assert_array_equal(m.rows(ids), want[ids])
+
+
+@pytest.mark.parametrize("dtype", list(FORMATS))
+@pytest.mark.parametrize("k", [1, 3, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1])
+def test_products_equal_dequantize_then_multiply(
+    dtype: str, k: int, rng: np.random.Generator
+) -> None:
+    t = random_tensor(dtype, 70, rng)  # 70 rows: two work items, the second partial
+    x = rng.standard_normal((k, N_IN)).astype(np.float32)
+    want = x.astype(np.float64) @ dequantize(t).T.astype(np.float64)
+    got = x @ BlockMatrix([t])
+    assert got.shape == (k, 70)
+    assert got.dtype == np.float32
+    # float32 sums of 512 products, in another order: a few ulp of the terms' magnitude
+    scale = np.abs(x).astype(np.float64) @ np.abs(dequantize(t)).T.astype(np.float64)
+    assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-30)
+
+
+def test_gguf_quantized_weights_multiply_like_their_float32(rng: np.random.Generator) -> None:
+    """Blocks written by gguf's own quantizer (the Q4_K_M mix's Q8_0 and Q5_0 among them)."""
+    values = rng.standard_normal((48, N_IN)).astype(np.float32)
+    x = rng.standard_normal((2, N_IN)).astype(np.float32)
+    for dtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        qtype = gguf.GGMLQuantizationType[dtype]
+        blocks = gguf.quants.quantize(values, qtype)
+        t = RawTensor("w", dtype, values.shape, blocks.reshape(-1))
+        ref = dequantize(t)
+        np.testing.assert_allclose(x @ BlockMatrix([t]), x @ ref.T, rtol=1e-4, atol=1e-4)
+
+
+def test_parts_of_different_formats_stack_along_out(rng: np.random.Generator) -> None:
+    """A fused Q/K/V whose parts are stored in different formats (as in Q4_K_M files)."""
+    parts = [random_tensor("Q4_K", 16, rng), random_tensor("Q6_K", 8, rng)]
+    parts.append(random_tensor("Q8_0", 8, rng))
+    m = BlockMatrix(parts)
+    assert m.shape == (N_IN, 32)
+    assert m.nbytes == sum(p.data.nbytes for p in parts)
+    ref = np.concatenate([dequantize(p) for p in parts])
+    for k in (1, MAX_KERNEL_ROWS + 4):
+        x = rng.standard_normal((k, N_IN)).astype(np.float32)
+        np.testing.assert_allclose(x @ m, x @ ref.T, rtol=1e-4, atol=1e-4)
+    one = rng.standard_normal(N_IN).astype(np.float32)
+    np.testing.assert_allclose(one @ m, one @ ref.T, rtol=1e-4, atol=1e-4)
+
+
+def test_the_matrix_is_the_files_bytes_not_a_copy(rng: np.random.Generator) -> None:
+    t = random_tensor("Q4_1", 8, rng)
+    m = BlockMatrix([t])
+    assert np.shares_memory(m.parts[0].raw, t.data)
+
+
+def test_bad_input_is_refused(rng: np.random.Generator) -> None:
+    q = random_tensor("Q8_0", 4, rng)
+    with pytest.raises(ValueError, match="1 to 3 parts"):
+        BlockMatrix([q] * 4)
+    odd = RawTensor("odd", "Q8_0", (1, 48), np.zeros(51, np.uint8))
+    with pytest.raises(ValueError, match="not a block matrix"):
+        BlockMatrix([odd])
+    with pytest.raises(ValueError, match="not a block matrix"):
+        BlockMatrix([RawTensor("iq", "IQ2_XS", (1, 256), np.zeros(74, np.uint8))])
+    m = BlockMatrix([q])
+    with pytest.raises(IndexError, match="outside"):
+        m.rows([4])
+    with pytest.raises(ValueError, match="columns"):
+        np.zeros((1, 8), np.float32) @ m
