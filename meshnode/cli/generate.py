@@ -134,7 +134,11 @@ def generate_command(
     ] = False,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     dtype: Annotated[
-        str, typer.Option(help="Weights on a CUDA device: auto, float16, bfloat16 or float32.")
+        str,
+        typer.Option(
+            help="Weights: auto, float16, bfloat16 or float32 on CUDA; float32 or native "
+            "(GGUF blocks kept as stored) on the CPU."
+        ),
     ] = "auto",
     threads: Annotated[
         int | None, typer.Option(min=1, help="BLAS threads on CPU (default: one per core).")

@@ -114,7 +114,9 @@ def join(
         str | None,
         typer.Option(
             help=env_help(
-                "weights_dtype", "Weights on a CUDA device: auto, float16, bfloat16 or float32."
+                "weights_dtype",
+                "Weights: auto, float16, bfloat16 or float32 on CUDA; float32 or native "
+                "(GGUF blocks kept as stored) on the CPU.",
             )
         ),
     ] = None,

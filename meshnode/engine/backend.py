@@ -32,8 +32,12 @@ log = logging.getLogger(__name__)
 
 Device = Literal["auto", "cpu", "cuda"]
 # Weights on the device: ``auto`` is bfloat16 where the model's config says it was trained
-# in bfloat16, else float16; float32 is the golden-parity mode. The CPU is float32 only.
-WeightsDtype = Literal["auto", "float32", "float16", "bfloat16"]
+# in bfloat16, else float16; float32 is the golden-parity mode. On the CPU, ``auto`` and
+# ``float32`` dequantize at load (NumPy/BLAS) and ``native`` keeps the file's GGUF blocks
+# in memory, multiplied by compiled kernels (meshnode.engine.cpu): about a quarter of the
+# memory, not yet the speed (README, "Performance"). The CPU computes in float32 either
+# way. On CUDA, ``native`` is ``auto``.
+WeightsDtype = Literal["auto", "float32", "float16", "bfloat16", "native"]
 WEIGHTS_DTYPES: tuple[str, ...] = get_args(WeightsDtype)
 
 
@@ -65,9 +69,16 @@ class Backend:
             return np.asarray(a.get())
         return np.asarray(a)
 
+    @property
+    def cpu_blocks(self) -> bool:
+        """Whether a CPU stage keeps weights in their GGUF blocks (else float32)."""
+        return self.name == "cpu" and self.weights_dtype == "native"
+
     def describe(self) -> str:
         """One line naming the backend and device, e.g. for ``meshnode join``'s log."""
         if self.name == "cpu":
+            if self.cpu_blocks:
+                return "cpu (NumPy + numba kernels over GGUF blocks, float32)"
             return "cpu (NumPy, float32)"
         rt = self.xp.cuda.runtime
         device = int(rt.getDevice())
@@ -82,9 +93,9 @@ class Backend:
         return cuda_free_memory(self.xp) if self.name == "cuda" else None
 
 
-def cpu_backend() -> Backend:
-    """The NumPy backend."""
-    return Backend("cpu", np)
+def cpu_backend(weights_dtype: WeightsDtype = "float32") -> Backend:
+    """The NumPy backend: weights as ``float32`` or in their GGUF blocks (``native``)."""
+    return Backend("cpu", np, weights_dtype)
 
 
 def _cupy() -> ModuleType | None:
@@ -116,8 +127,8 @@ def select_backend(
     """The backend for ``device``: ``auto`` prefers CUDA when CuPy sees a device.
 
     ``weights_dtype`` is one of :data:`WeightsDtype`. Raises :class:`BackendError` when
-    ``cuda`` is asked for and unavailable, or a dtype other than float32 is asked of the
-    CPU backend. Chosen once per process and arguments (``join`` asks for it to refuse an
+    ``cuda`` is asked for and unavailable, or float16/bfloat16 is asked of the CPU
+    backend. Chosen once per process and arguments (``join`` asks for it to refuse an
     unusable device up front, then the host and the worker ask again): the device is
     probed and the choice logged once, and every caller shares one pinned staging buffer.
     """
@@ -131,11 +142,12 @@ def select_backend(
         return _announce(Backend("cuda", cupy, dtype, cuda_graphs, PinnedStaging(cupy)))
     if device == "cuda":
         raise BackendError("--device cuda: no CUDA device usable through CuPy")
-    if weights_dtype not in ("auto", "float32"):
+    if weights_dtype not in ("auto", "float32", "native"):
         raise BackendError(
-            f"weights dtype {weights_dtype}: the CPU backend computes in float32 only"
+            f"weights dtype {weights_dtype}: the CPU backend computes in float32 only "
+            "(weights: float32, or native to keep the GGUF blocks)"
         )
-    return _announce(cpu_backend())
+    return _announce(cpu_backend("native" if weights_dtype == "native" else "float32"))
 
 
 def _announce(backend: Backend) -> Backend:
@@ -145,7 +157,7 @@ def _announce(backend: Backend) -> Backend:
 
 
 def limit_cpu_threads(threads: int | None) -> object | None:
-    """Cap the BLAS threads of this process at ``threads`` (None: the library's default).
+    """Cap the BLAS and kernel threads of this process at ``threads`` (None: defaults).
 
     OpenBLAS threads spin while they wait: with more threads than free cores (several
     nodes on one machine, or any other busy process) decode gets about ten times slower,
@@ -158,5 +170,8 @@ def limit_cpu_threads(threads: int | None) -> object | None:
         raise BackendError(f"threads must be at least 1, got {threads}")
     from threadpoolctl import threadpool_limits
 
+    from meshnode.engine.cpu import set_kernel_threads
+
+    set_kernel_threads(threads)
     handle: object = threadpool_limits(limits=threads, user_api="blas")
     return handle

@@ -23,6 +23,7 @@ from meshnode_packaging.sources import ModelSource
 from meshnode.engine import ops
 from meshnode.engine.backend import Backend, cpu_backend
 from meshnode.engine.config import ModelConfig, ModelConfigError
+from meshnode.engine.cpu import BlockMatrix
 from meshnode.engine.hybrid import HybridStage, load_hybrid_weights
 from meshnode.engine.hybrid_config import HybridConfig
 from meshnode.engine.kv_cache import KVCache
@@ -69,7 +70,9 @@ class Stage:
                 f"the CUDA stage does not run {config.model_type} models yet (use --device cpu)"
             )
         self.xp = self.backend.xp
-        self.gemv_max_rows = GEMV_MAX_ROWS if self.backend.name == "cpu" else 1
+        # block kernels multiply every row in one pass over the weights: never row by row
+        dense_cpu = self.backend.name == "cpu" and not self.backend.cpu_blocks
+        self.gemv_max_rows = GEMV_MAX_ROWS if dense_cpu else 1
         self._cuda: CudaStage | None = None
         self.hybrid: HybridStage | None = None
         self.mtp: MtpHead | None = None  # the model's MTP drafter (hybrid head stage)
@@ -269,7 +272,10 @@ class Stage:
     def _lookup(self, ids: Any) -> Any:
         assert self.weights.embed_t is not None
         idx = self.xp.asarray(ids, dtype=self.xp.int64)
-        return self.weights.embed_t[:, idx].T  # [S, E]
+        table = self.weights.embed_t
+        if isinstance(table, BlockMatrix):  # GGUF blocks: decode the rows asked for
+            return table.rows(idx)  # [S, E]
+        return table[:, idx].T  # [S, E]
 
     def _head(self, x: Any) -> Any:
         w = self.weights

@@ -1,11 +1,17 @@
-"""Stage weights: dequantized, remapped from canonical names, laid out for the matmuls.
+"""Stage weights: remapped from canonical names, laid out for the matmuls.
 
-Layout (chosen by ``benchmarks/engine.py``): every linear weight is stored transposed,
-``[in_features, out_features]`` C-contiguous, so a projection is ``x @ w``. On OpenBLAS
-this makes the one-row decode product a streaming ``gemv`` that runs at memory bandwidth,
-and Q/K/V and gate/up are fused into one matrix each so a block makes four matmul calls.
-The token embedding is kept once, as ``[hidden, vocab]``: the head is ``x @ embed_t`` and
-the embedding lookup is a column gather, so a tied model holds a single copy.
+Every linear weight is the right-hand side of ``x @ w`` (logically ``[in_features,
+out_features]``); Q/K/V and gate/up are fused into one matrix each so a block makes four
+products. How a CPU stage holds them depends on ``backend.weights_dtype``:
+
+- ``auto``/``float32`` (default): dequantized at load and stored transposed, ``[in, out]``
+  C-contiguous (on OpenBLAS the one-row product is then a streaming ``gemv``);
+- ``native``: in the file's own GGUF block formats, as
+  :class:`~meshnode.engine.cpu.BlockMatrix` views of the memory-mapped file, multiplied by
+  compiled kernels; a stage holds about its tensors' bytes in the file.
+
+The token embedding is kept once: the head is ``x @ embed_t`` and the lookup a row
+gather, so a tied model holds a single copy.
 
 On a CUDA backend the same dataclasses hold device matrices in the GGML ``[out, in]``
 layout instead (``meshnode.engine.cuda.weights``; ``embed_t``/``head_t`` are then
@@ -18,12 +24,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from meshnode_packaging.sources import ModelSource, dequantize
+from meshnode_packaging.sources import ModelSource, RawTensor, dequantize
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
+from meshnode.engine.cpu import BlockMatrix, supported
 
-__all__ = ["LayerWeights", "StageWeights", "load_stage_weights", "norm_weight"]
+__all__ = [
+    "HeldBytes",
+    "LayerWeights",
+    "StageWeights",
+    "held_bytes",
+    "load_stage_weights",
+    "norm_weight",
+]
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,15 @@ def _linear_t(source: ModelSource, *names: str) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([_get(source, n) for n in names], axis=0).T)
 
 
+def _linear(source: ModelSource, be: Backend, *names: str) -> Any:
+    """Weights ``[out_i, in]`` stacked along ``out``, as the ``[in, out]`` of ``x @ w``:
+    kept in their blocks where the backend and the kernels allow, else float32."""
+    tensors = [source.tensor(n) for n in names]
+    if be.cpu_blocks and all(supported(t) for t in tensors):
+        return BlockMatrix(tensors)
+    return be.asarray(_linear_t(source, *names))
+
+
 def _layer(source: ModelSource, config: ModelConfig, i: int, be: Backend) -> LayerWeights:
     p = f"layers.{i}."
     qkv = [f"{p}self_attn.{x}_proj" for x in "qkv"]
@@ -109,14 +132,12 @@ def _layer(source: ModelSource, config: ModelConfig, i: int, be: Backend) -> Lay
 
     return LayerWeights(
         attn_norm=norm("input_layernorm"),
-        wqkv=be.asarray(_linear_t(source, *(n + ".weight" for n in qkv))),
+        wqkv=_linear(source, be, *(n + ".weight" for n in qkv)),
         bqkv=bias,
-        wo=be.asarray(_linear_t(source, p + "self_attn.o_proj.weight")),
+        wo=_linear(source, be, p + "self_attn.o_proj.weight"),
         ffn_norm=norm(arch.ffn_norm),
-        w_gate_up=be.asarray(
-            _linear_t(source, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-        ),
-        w_down=be.asarray(_linear_t(source, p + "mlp.down_proj.weight")),
+        w_gate_up=_linear(source, be, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+        w_down=_linear(source, be, p + "mlp.down_proj.weight"),
         q_norm=norm("self_attn.q_norm", arch.qk_norm),
         k_norm=norm("self_attn.k_norm", arch.qk_norm),
         post_attn_norm=norm("post_attention_layernorm", arch.sandwich_norms),
@@ -134,7 +155,7 @@ def load_stage_weights(
     head: bool,
     backend: Backend,
 ) -> StageWeights:
-    """Dequantize and lay out the tensors stage ``[start, end)`` needs from ``source``.
+    """Lay out the tensors stage ``[start, end)`` needs from ``source`` (module docstring).
 
     Raises ``KeyError`` naming a missing tensor.
     """
@@ -148,9 +169,51 @@ def load_stage_weights(
     tied = config.tie_word_embeddings or "lm_head.weight" not in source.tensor_names()
     embed_t = None
     if embed or (head and tied):
-        embed_t = backend.asarray(_linear_t(source, "embed_tokens.weight"))
+        embed_t = _linear(source, backend, "embed_tokens.weight")
     head_t = None
     if head and not tied:
-        head_t = backend.asarray(_linear_t(source, "lm_head.weight"))
+        head_t = _linear(source, backend, "lm_head.weight")
     norm = backend.asarray(norm_weight(source, config, "norm.weight")) if head else None
     return StageWeights(start, end, layers, embed_t, norm, head_t)
+
+
+@dataclass(frozen=True)
+class HeldBytes:
+    """Bytes a CPU stage holds for each layer, the embedding and the head (final norm plus
+    an untied output matrix), as :func:`load_stage_weights` would lay them out."""
+
+    layers: tuple[int, ...]
+    embed: int
+    head: int
+
+
+def _held(t: RawTensor, blocks: bool) -> int:
+    if blocks and supported(t):
+        return int(t.data.nbytes)  # the file's bytes, memory-mapped
+    return 4 * int(np.prod(t.shape))  # dequantized to float32
+
+
+def held_bytes(source: ModelSource, config: ModelConfig, backend: Backend) -> HeldBytes | None:
+    """What a stage on ``backend`` holds of ``source``, from the tensors' stored sizes.
+
+    None on a CUDA backend, for hybrid models (their own footprint), or when the source
+    lacks a layer's tensors (a stage-0 source
+    fetched by byte ranges holds only its own part): the caller then estimates.
+    """
+    if backend.name != "cpu" or config.hybrid is not None:
+        return None
+    names = source.tensor_names()
+    blocks = backend.cpu_blocks
+    per_layer = [0] * config.num_layers
+    for name in names:
+        if name.startswith("layers."):
+            i = int(name.split(".")[1])
+            if i < config.num_layers:
+                per_layer[i] += _held(source.tensor(name), blocks)
+    if "embed_tokens.weight" not in names or not all(per_layer):
+        return None
+    embed = _held(source.tensor("embed_tokens.weight"), blocks)
+    head = 4 * config.hidden_size
+    if "lm_head.weight" in names and not config.tie_word_embeddings:
+        head += _held(source.tensor("lm_head.weight"), blocks)
+    return HeldBytes(tuple(per_layer), embed, head)

@@ -56,6 +56,7 @@ from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.hybrid_config import HybridConfig
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
+from meshnode.engine.weights import HeldBytes, held_bytes
 from meshnode.errors import PlanError, RunError
 from meshnode.node.bringup import BringUp
 from meshnode.node.planner import (
@@ -112,11 +113,16 @@ class CoordinatorSettings:
     pin: str = ""
 
 
-def model_footprint(config: ModelConfig, bytes_per_param: int = 4) -> ModelFootprint:
+def model_footprint(
+    config: ModelConfig, bytes_per_param: int = 4, held: HeldBytes | None = None
+) -> ModelFootprint:
     """Bytes the planner must reserve per layer, for the embedding, the head and the KV.
 
-    Weights are held as float32 on the CPU backend (``bytes_per_param`` 4). Every live
-    sequence preallocates KV for the whole context, so KV scales with the sequence limit.
+    Weights: ``held`` when known (a CPU stage keeps the file's GGUF blocks, so a layer
+    costs its tensors' bytes in the file; :func:`~meshnode.engine.weights.held_bytes`),
+    else every parameter at ``bytes_per_param`` (4: float32, the most any backend holds).
+    Every live sequence preallocates KV for the whole context, so KV scales with the
+    sequence limit.
     """
     if config.hybrid is not None:
         return _hybrid_footprint(config, config.hybrid, bytes_per_param)
@@ -125,10 +131,16 @@ def model_footprint(config: ModelConfig, bytes_per_param: int = 4) -> ModelFootp
     embed = config.vocab_size * h
     head = h + (0 if config.tie_word_embeddings else config.vocab_size * h)
     kv_bytes = 2 * kv * 4 * MAX_SEQUENCES_PER_STAGE  # float32 K and V
+    if held is None:
+        held = HeldBytes(
+            (layer_params * bytes_per_param,) * config.num_layers,
+            embed * bytes_per_param,
+            head * bytes_per_param,
+        )
     return ModelFootprint(
-        layer_bytes=(layer_params * bytes_per_param,) * config.num_layers,
-        embed_bytes=embed * bytes_per_param,
-        head_bytes=head * bytes_per_param,
+        layer_bytes=held.layers,
+        embed_bytes=held.embed,
+        head_bytes=held.head,
         kv_bytes_per_token_per_layer=kv_bytes,
         tied_head=config.tie_word_embeddings,
     )
@@ -185,7 +197,7 @@ class Coordinator:
         self.source = source
         self.config = ModelConfig.from_hf(source.config)
         self.context_size = settings.context_size or default_context(self.config)
-        self.footprint = model_footprint(self.config)
+        self.footprint = model_footprint(self.config, held=held_bytes(source, self.config, backend))
         self._backend = backend
         self._on_pipeline = on_pipeline
         self._term = 0

@@ -11,6 +11,7 @@ import pytest
 from meshnode_packaging.sources import open_source
 
 from meshnode.engine import ModelConfig, Stage, ops
+from meshnode.engine.backend import cpu_backend
 
 RNG = np.random.default_rng(7)
 
@@ -79,10 +80,11 @@ def test_attention_matches_a_loop_over_heads_and_rows(
 
 
 def test_stage_forward_is_the_references_composed(tiny_gguf: Callable[[str], Path]) -> None:
-    """The references are the engine's own expressions: rebuilt from them, bit for bit."""
+    """The references are the engine's own expressions: rebuilt from them, bit for bit
+    (with float32 weights, the matrices the references multiply)."""
     source = open_source(tiny_gguf("Q8_0"))
     c = ModelConfig.from_hf(source.config)
-    stage = Stage(c, source, 0, c.num_layers, embed=True, head=True)
+    stage = Stage(c, source, 0, c.num_layers, embed=True, head=True, backend=cpu_backend("float32"))
     ids = np.array([1, 60, 61, 62, 259, 70])
     got = stage.forward(ids, 0, stage.new_cache(16))
 

@@ -10,6 +10,8 @@ import pytest
 from meshnode_packaging.sources import open_source
 
 from meshnode.engine import ModelConfig, Stage
+from meshnode.engine.backend import cpu_backend
+from meshnode.engine.cpu import BlockMatrix
 from meshnode.engine.generate import prefill
 from meshnode.engine.loader import LoadedModel
 
@@ -125,3 +127,28 @@ def test_stages_load_from_a_layer_package(
     logits = second.forward(hidden, 0, second.new_cache(32))
     full = whole.forward(np.array(IDS), 0, whole.new_cache(32))
     np.testing.assert_allclose(logits, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q4_1", "F16"])
+def test_block_weights_compute_what_float32_weights_do(
+    tiny_gguf: Callable[[str], Path], qtype: str
+) -> None:
+    """A stage holding GGUF blocks (``--dtype native``) against the same stage with the
+    weights dequantized to float32: same logits up to summation order, for prefill (the
+    decode-then-BLAS path), decode and verify rows (the kernels), and far fewer bytes."""
+    source = open_source(tiny_gguf(qtype))
+    c = ModelConfig.from_hf(source.config)
+    stages = [
+        Stage(c, source, 0, c.num_layers, embed=True, head=True, backend=cpu_backend(dtype))
+        for dtype in ("native", "float32")
+    ]
+    blocks, dense = stages
+    assert isinstance(blocks.weights.layers[0].wqkv, BlockMatrix)
+    assert blocks.weights.nbytes() < dense.weights.nbytes() / 2
+    ids = np.array([1, 60, 61, 62, 259, *range(70, 89)])  # 24 tokens
+    caches = [s.new_cache(64) for s in stages]
+    for start, stop in ((0, 19), (19, 20), (20, 24)):  # prefill 19 rows, decode, verify 4
+        got = blocks.forward(ids[start:stop], start, caches[0])
+        want = dense.forward(ids[start:stop], start, caches[1])
+        assert got.shape == (stop - start, c.vocab_size)
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
