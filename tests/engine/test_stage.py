@@ -14,6 +14,8 @@ from meshnode.engine.backend import cpu_backend
 from meshnode.engine.cpu import BlockMatrix
 from meshnode.engine.generate import prefill
 from meshnode.engine.loader import LoadedModel
+from meshnode.engine.weights import held_bytes
+from meshnode.node.coordinator import model_footprint
 
 IDS = [1, 60, 61, 62, 259, 70, 19, 20, 223, 89, 90, 91, 92, 260]
 
@@ -152,3 +154,19 @@ def test_block_weights_compute_what_float32_weights_do(
         want = dense.forward(ids[start:stop], start, caches[1])
         assert got.shape == (stop - start, c.vocab_size)
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("dtype", ["native", "float32"])
+def test_held_bytes_are_what_a_stage_holds(tiny_gguf: Callable[[str], Path], dtype: str) -> None:
+    """The planner's per-layer bytes (``held_bytes``) against the loaded stage's arrays."""
+    source = open_source(tiny_gguf("Q4_K"))
+    c = ModelConfig.from_hf(source.config)
+    backend = cpu_backend(dtype)  # type: ignore[arg-type]
+    stage = Stage(c, source, 0, c.num_layers, embed=True, head=True, backend=backend)
+    held = held_bytes(source, c, backend)
+    assert held is not None
+    assert list(held.layers) == [layer.nbytes() for layer in stage.weights.layers]
+    assert stage.weights.embed_t is not None
+    assert held.embed == stage.weights.embed_t.nbytes
+    footprint = model_footprint(c, held=held)
+    assert footprint.layer_bytes == held.layers
