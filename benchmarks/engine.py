@@ -110,7 +110,7 @@ class LlamaCppRunner:
     def __init__(self, model: str, threads: int) -> None:
         import llama_cpp
 
-        self.llm = llama_cpp.Llama(
+        self.llm: Any = llama_cpp.Llama(
             model_path=model, n_ctx=1024, n_threads=threads, n_batch=512, verbose=False
         )
 
