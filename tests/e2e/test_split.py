@@ -152,7 +152,7 @@ def _error_of(response: httpx.Response) -> dict[str, Any]:
         ({"model": MODEL, "prompt": [1, 2], "n": 2}, 400),
         ({"model": MODEL}, 400),
         ({"model": "no-such-model", "prompt": [1, 2]}, 404),
-        ({"model": MODEL, "prompt": [1] * (CONTEXT + 1), "max_tokens": 1}, 413),
+        ({"model": MODEL, "prompt": [1] * (CONTEXT + 1), "max_tokens": 1}, 400),
     ],
     ids=["negative-max-tokens", "n-above-1", "no-prompt", "unknown-model", "oversize-prompt"],
 )
