@@ -82,7 +82,7 @@ class Sampling(Record):
     top_k: UInt = 0
     top_p: float = 1.0
     min_p: float = 0.0
-    seed: int | None = None
+    seed: UInt | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
