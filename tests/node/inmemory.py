@@ -20,7 +20,7 @@ from meshnode.engine.backend import cpu_backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
-from meshnode.node.coordinator import Coordinator
+from meshnode.node.coordinator import Coordinator, CoordinatorSettings
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame
 from meshnode.node.planner import NodeCapacity
 from meshnode.node.remote import RemotePipeline, is_data_reply
@@ -125,3 +125,29 @@ async def decode(pipeline: RemotePipeline, request: str = "req-1") -> list[int]:
     """``STEPS`` greedy tokens after ``PROMPT``, on ``pipeline``."""
     tokens = await prefill(pipeline, RequestId(request))
     return await finish(pipeline, RequestId(request), tokens)
+
+
+async def serve(
+    mesh: InMemoryMesh, ref: str, package: Path, split: int, nursery: trio.Nursery
+) -> RemotePipeline:
+    """Start a coordinator on ``mesh`` and return its first pipeline."""
+    pipelines: list[RemotePipeline] = []
+    ready = trio.Event()
+
+    def on_pipeline(pipeline: RemotePipeline | None) -> None:
+        if pipeline is not None:
+            pipelines.append(pipeline)
+            ready.set()
+
+    coordinator = Coordinator(
+        mesh,
+        CoordinatorSettings(model_ref=ref, context_size=CONTEXT, split=split),
+        source=open_ref(package),
+        backend=cpu_backend(),
+        on_pipeline=on_pipeline,
+    )
+    mesh.coordinator = coordinator
+    nursery.start_soon(coordinator.run)
+    with trio.fail_after(BRING_UP_TIMEOUT_S):
+        await ready.wait()
+    return pipelines[0]

@@ -26,6 +26,7 @@ from tests.node.inmemory import (
     finish,
     greedy_reference,
     prefill,
+    serve,
 )
 
 
@@ -135,29 +136,10 @@ async def test_every_stage_reports_its_compute_time(
     # console can show compute per stage and the wire time as what is left of a pass.
     ref, package = hub_ref
     mesh = InMemoryMesh(host_memory=1 << 34)
-    served: list[RemotePipeline] = []
-    serving = trio.Event()
-
-    def on_pipeline(pipeline: RemotePipeline | None) -> None:
-        if pipeline is not None:
-            served.append(pipeline)
-            serving.set()
-
     async with trio.open_nursery() as nursery:
         add_worker(mesh, "a", tmp_path / "a-cache", nursery)
         add_worker(mesh, "b", tmp_path / "b-cache", nursery)
-        coordinator = Coordinator(
-            mesh,
-            CoordinatorSettings(model_ref=ref, context_size=CONTEXT, split=3),
-            source=open_ref(package),
-            backend=cpu_backend(),
-            on_pipeline=on_pipeline,
-        )
-        mesh.coordinator = coordinator
-        nursery.start_soon(coordinator.run)
-        with trio.fail_after(BRING_UP_TIMEOUT_S):
-            await serving.wait()
-        pipeline = served[0]
+        pipeline = await serve(mesh, ref, package, 3, nursery)
         request = RequestId("req-1")
         result = await pipeline.run(StepFrame(request, FrameKind.PREFILL, 0, PROMPT, GREEDY))
         frame = StepFrame(request, FrameKind.DECODE, len(PROMPT), result.tokens, GREEDY)

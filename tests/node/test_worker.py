@@ -13,53 +13,23 @@ from typing import Any
 
 import pytest
 import trio
-from meshnode_packaging.refs import open_ref
 from meshnode_protocol import ActivationFrame, Message
 
-from meshnode.engine.backend import cpu_backend
-from meshnode.node.coordinator import Coordinator, CoordinatorSettings
 from meshnode.node.pipeline import PipelineError, StepFrame
-from meshnode.node.remote import RemotePipeline
 from tests.node.inmemory import (
     BRING_UP_TIMEOUT_S,
-    CONTEXT,
     HOST,
     InMemoryMesh,
     add_worker,
     decode,
     greedy_reference,
+    serve,
 )
 
 # Long enough for any pass of the tiny model; a gate that never opens fails the test here.
 GATE_TIMEOUT_S = 30.0
 # A frame handed to a worker must come back to the session loop at once, not after compute.
 HANDLE_TIMEOUT_S = 5.0
-
-
-async def serve(
-    mesh: InMemoryMesh, ref: str, package: Path, split: int, nursery: trio.Nursery
-) -> RemotePipeline:
-    """Start a coordinator on ``mesh`` and return its first pipeline."""
-    pipelines: list[RemotePipeline] = []
-    ready = trio.Event()
-
-    def on_pipeline(pipeline: RemotePipeline | None) -> None:
-        if pipeline is not None:
-            pipelines.append(pipeline)
-            ready.set()
-
-    coordinator = Coordinator(
-        mesh,
-        CoordinatorSettings(model_ref=ref, context_size=CONTEXT, split=split),
-        source=open_ref(package),
-        backend=cpu_backend(),
-        on_pipeline=on_pipeline,
-    )
-    mesh.coordinator = coordinator
-    nursery.start_soon(coordinator.run)
-    with trio.fail_after(BRING_UP_TIMEOUT_S):
-        await ready.wait()
-    return pipelines[0]
 
 
 class Gate:
