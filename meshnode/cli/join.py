@@ -24,6 +24,7 @@ from meshnode_packaging.sources import ModelSource
 
 from meshnode.engine.backend import BackendError, select_backend
 from meshnode.engine.loader import reading_model
+from meshnode.engine.recurrent import ring_slots_for
 from meshnode.errors import ConfigError, ModelError
 from meshnode.net.identity import JoinToken, NodeIdentity
 from meshnode.node import process
@@ -75,6 +76,7 @@ async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentit
             wire_dtype=config.wire_dtype,
             cache_dir=config.cache_dir,
             pin=pin,
+            ring_slots=ring_slots_for(spec.largest_verify_drafts()),
         )
         # The layer-skip drafter opens the host's layers again: at the same commit.
         frontend = HostFrontend(service, pinned_ref(config.model, pin), config.cache_dir)

@@ -7,8 +7,12 @@ each of the pass's rows in a ring of ``slots`` entries, indexed by position. A f
 ``start_pos`` lies inside the ring (speculative decoding rejected drafts of the last
 window) restores the state after position ``start_pos - 1`` by one copy. Further back,
 the ring no longer holds it: the stage cannot rebuild it from its own inputs, so
-:meth:`HybridCache.rollback` raises :class:`RollbackError` and the host replays the
-request (prompt plus committed tokens) from position 0, which always works.
+:meth:`HybridCache.rollback` raises :class:`RollbackError` and the host prefills the
+sequence again (prompt plus committed tokens) from position 0, which always works
+(``meshnode.serve.generation``).
+
+The host sizes the ring to its largest verify pass (:func:`ring_slots_for`, sent in
+``Load.ring_slots``), so speculative decoding never rolls back further than the ring.
 
 Every array is preallocated: a sequence's recurrent state and ring are a fixed size
 whatever its length (the planner counts them per sequence, not per token).
@@ -25,12 +29,31 @@ from typing import Any
 from meshnode.engine.kv_cache import KVCache
 from meshnode.errors import MeshnodeError
 
-__all__ = ["DEFAULT_RING_SLOTS", "HybridCache", "RecurrentShape", "RollbackError"]
+__all__ = [
+    "DEFAULT_RING_SLOTS",
+    "MAX_RING_SLOTS",
+    "HybridCache",
+    "RecurrentShape",
+    "RollbackError",
+    "ring_slots_for",
+]
 
 #: Ring slots when nobody chooses: a verify pass of the default largest window (16 drafts,
 #: ``speculative.window.WindowPolicy.max_window``) plus its last token is 17 rows, and
 #: every one of them is a place the next frame may roll back to.
 DEFAULT_RING_SLOTS = 17
+#: The most slots a stage keeps, whatever a host asks: each slot is a whole recurrent state
+#: of every DeltaNet layer, per sequence, and verify passes of 64 drafts are far past where
+#: adaptive windows stop growing. A host with a larger window re-prefills on a deep rollback.
+MAX_RING_SLOTS = 65
+
+
+def ring_slots_for(max_window: int) -> int:
+    """Snapshots a sequence needs when verify passes carry up to ``max_window`` drafts
+    (0: no speculation): one per row of the largest pass, capped at :data:`MAX_RING_SLOTS`."""
+    if max_window < 0:
+        raise ValueError(f"max_window must be >= 0, got {max_window}")
+    return min(max_window + 1, MAX_RING_SLOTS)
 
 
 class RollbackError(MeshnodeError, ValueError):

@@ -187,6 +187,7 @@ class BringUp:
             context_size=self.context_size,
             batch_sizes=(1,),
             kv_dtype="f32",
+            ring_slots=self.settings.ring_slots,
         )
 
     async def _prepare_local(self, stage: StagePlan, box: list[StageRunner]) -> None:
@@ -206,6 +207,7 @@ class BringUp:
                 embed=True,
                 head=stage.head,
                 backend=self._backend,
+                ring_slots=self.settings.ring_slots,
             )
             return StageRunner(
                 engine_stage,

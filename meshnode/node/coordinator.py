@@ -111,10 +111,16 @@ class CoordinatorSettings:
     # What the host resolved ``model_ref`` to (``refs.pin_ref``): a hub commit or a URL
     # package's manifest sha256, sent in every Prepare so that no stage reads another one.
     pin: str = ""
+    # Per-sequence recurrent-state snapshots each hybrid stage keeps (``Load.ring_slots``):
+    # the host's largest verify pass (``engine.recurrent.ring_slots_for``).
+    ring_slots: int = DEFAULT_RING_SLOTS
 
 
 def model_footprint(
-    config: ModelConfig, bytes_per_param: int = 4, held: HeldBytes | None = None
+    config: ModelConfig,
+    bytes_per_param: int = 4,
+    held: HeldBytes | None = None,
+    ring_slots: int = DEFAULT_RING_SLOTS,
 ) -> ModelFootprint:
     """Bytes the planner must reserve per layer, for the embedding, the head and the KV.
 
@@ -125,7 +131,7 @@ def model_footprint(
     sequence limit.
     """
     if config.hybrid is not None:
-        return _hybrid_footprint(config, config.hybrid, bytes_per_param)
+        return _hybrid_footprint(config, config.hybrid, bytes_per_param, ring_slots)
     h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
     layer_params = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
     embed = config.vocab_size * h
@@ -147,12 +153,12 @@ def model_footprint(
 
 
 def _hybrid_footprint(
-    config: ModelConfig, hybrid: HybridConfig, bytes_per_param: int
+    config: ModelConfig, hybrid: HybridConfig, bytes_per_param: int, ring_slots: int
 ) -> ModelFootprint:
     """A hybrid model's footprint: KV on the attention layers only; on each DeltaNet layer
     the recurrent state and snapshot ring of every live sequence, whatever the context."""
     layers = range(hybrid.num_layers)
-    per_sequence = hybrid.recurrent_shape().nbytes() * (1 + DEFAULT_RING_SLOTS)
+    per_sequence = hybrid.recurrent_shape().nbytes() * (1 + ring_slots)
     h, vocab = hybrid.hidden_size, hybrid.vocab_size
     return ModelFootprint(
         layer_bytes=tuple(hybrid.layer_params(i) * bytes_per_param for i in layers),
@@ -197,7 +203,11 @@ class Coordinator:
         self.source = source
         self.config = ModelConfig.from_hf(source.config)
         self.context_size = settings.context_size or default_context(self.config)
-        self.footprint = model_footprint(self.config, held=held_bytes(source, self.config, backend))
+        self.footprint = model_footprint(
+            self.config,
+            held=held_bytes(source, self.config, backend),
+            ring_slots=settings.ring_slots,
+        )
         self._backend = backend
         self._on_pipeline = on_pipeline
         self._term = 0

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import trio
 from meshnode_protocol import ActivationFrame, Error, ErrorCode, Message, Release
 
+from meshnode.engine.recurrent import RollbackError
 from meshnode.net.stream import SEND_ERRORS
 from meshnode.node.pipeline import PipelineError, RequestId, StepResult
 from meshnode.node.wire import frame_from_wire, frame_to_wire, result_to_wire
@@ -79,7 +80,12 @@ class Relay:
                 hidden = await trio.to_thread.run_sync(runner.activations, frame)
             compute_us = int((time.perf_counter() - began) * 1e6)
         except (PipelineError, ValueError) as exc:
-            failed = frame_error(run, ErrorCode.BAD_ACTIVATION, str(exc), message)
+            code = (
+                ErrorCode.ROLLBACK_TOO_DEEP
+                if isinstance(exc, RollbackError)
+                else ErrorCode.BAD_ACTIVATION
+            )
+            failed = frame_error(run, code, str(exc), message)
             await self._to_coordinator(run, failed)
             return
         if result is not None:

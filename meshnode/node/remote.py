@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import TypeGuard
 
 import trio
-from meshnode_protocol import Error, Message, Prediction, Release
+from meshnode_protocol import Error, ErrorCode, Message, Prediction, Release
 
+from meshnode.engine.recurrent import RollbackError
 from meshnode.net.stream import SEND_ERRORS
 from meshnode.node.pipeline import PipelineError, RequestId, StepFrame, StepResult
 from meshnode.node.stage import StageRunner
@@ -50,7 +51,7 @@ def is_data_reply(message: Message) -> TypeGuard[Prediction | Error]:
 class _Waiter:
     done: trio.Event = field(default_factory=trio.Event)
     result: StepResult | None = None
-    error: PipelineError | None = None  # why the frame failed, raised in the waiting task
+    error: PipelineError | RollbackError | None = None  # why the frame failed, raised by the waiter
 
 
 class RemotePipeline:
@@ -169,6 +170,8 @@ class RemotePipeline:
             return
         if isinstance(message, Prediction):
             waiter.result = result_from_wire(message)
+        elif message.code == ErrorCode.ROLLBACK_TOO_DEEP:  # the generation loop refolds
+            waiter.error = RollbackError(message.message)
         else:
             waiter.error = PipelineError(f"a stage failed: {message.message}")
         waiter.done.set()

@@ -75,6 +75,8 @@ from meshnode_protocol import (
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
+from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, MAX_RING_SLOTS
+from meshnode.errors import RunError
 from meshnode.net.stream import SEND_ERRORS
 from meshnode.node.relay import DataMessage, Relay, frame_error
 from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, StageRunner
@@ -480,9 +482,7 @@ def inventory_report(node_id: str, run: WorkerRun) -> InventoryReport:
     """What this node holds of ``run``'s part: ready, preparing or missing, and progress."""
     prep = run.preparation
     if prep is None:
-        return InventoryReport(
-            run_id=run.run_id, term=run.term, node_id=node_id, package_ref=""
-        )
+        return InventoryReport(run_id=run.run_id, term=run.term, node_id=node_id, package_ref="")
     ready = prep.source is not None
     span = (_range(prep.part),)
     return InventoryReport(
@@ -504,7 +504,16 @@ def inventory_report(node_id: str, run: WorkerRun) -> InventoryReport:
 def build_runner(
     backend: Backend, source: ModelSource, start: int, end: int, load: Load
 ) -> StageRunner:
-    """The stage runner ``load`` asks for, over ``source`` (blocking: call off the loop)."""
+    """The stage runner ``load`` asks for, over ``source`` (blocking: call off the loop).
+
+    Raises ``RunError`` for a snapshot ring larger than a stage keeps (a peer may
+    ask for anything; each slot costs a recurrent state per layer and sequence).
+    """
+    if load.ring_slots > MAX_RING_SLOTS:
+        raise RunError(
+            f"Load asks for {load.ring_slots} snapshot-ring slots; a stage keeps at most "
+            f"{MAX_RING_SLOTS}"
+        )
     config = ModelConfig.from_hf(source.config)
     stage = Stage(
         config,
@@ -514,7 +523,6 @@ def build_runner(
         embed=load.has_embed,
         head=load.has_head,
         backend=backend,
+        ring_slots=load.ring_slots or DEFAULT_RING_SLOTS,
     )
-    return StageRunner(
-        stage, context_size=load.context_size, max_sequences=MAX_SEQUENCES_PER_STAGE
-    )
+    return StageRunner(stage, context_size=load.context_size, max_sequences=MAX_SEQUENCES_PER_STAGE)

@@ -10,6 +10,11 @@ prefill the prompt in chunks, then either decode one token or, when a proposer o
 drafts, verify ``[last, d1 … dk]`` in one pass and commit what was accepted. Each pass
 yields a :class:`Delta` for the client. Leaving the loop for any reason (finish, error,
 client gone, cancellation) releases the sequence on every stage.
+
+A hybrid stage rolls its recurrent state back only as far as its snapshot ring reaches
+(:mod:`meshnode.engine.recurrent`); a frame that starts further back fails there with
+``RollbackError``, and the loop folds the history before it into every stage again from
+position 0 (non-final prefill chunks) and sends the frame once more.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
+from meshnode.engine.recurrent import RollbackError
 from meshnode.node.pipeline import (
     FrameKind,
     Pipeline,
@@ -249,6 +255,8 @@ class GenerationRun:
     # the history length they follow (handed to the MtpProposer before it proposes).
     mtp_drafts: int = 0
     offered: tuple[int, tuple[int, ...]] = (0, ())
+    chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
+    refolds: int = 0  # frames that started behind a snapshot ring: history prefilled again
 
     @property
     def history(self) -> list[int]:
@@ -273,6 +281,7 @@ async def generate(
     """
     run.timings.started = trio.current_time()
     run.on_pass = on_pass
+    run.chunk_tokens = chunk_tokens
     if speculation is not None and speculation.strategy == "mtp":
         run.mtp_drafts = speculation.window.max_window
     try:
@@ -298,7 +307,11 @@ async def _pass(
 ) -> tuple[StepResult, Delta | None]:
     """Run one frame; commit its tokens if it returns any."""
     began = trio.current_time()
-    result = await pipeline.run(frame)
+    try:
+        result = await pipeline.run(frame)
+    except RollbackError:
+        await _refold(pipeline, run, frame.start_pos)
+        result = await pipeline.run(frame)  # a second failure is a real one
     elapsed = trio.current_time() - began
     run.timings.passes += 1
     run.timings.pass_s += elapsed
@@ -312,6 +325,14 @@ async def _pass(
     if run.timings.first_token is None:
         run.timings.first_token = trio.current_time()
     return result, delta
+
+
+async def _refold(pipeline: Pipeline, run: GenerationRun, end: int) -> None:
+    """Prefill ``history[:end]`` again from position 0 on every stage, asking no token: a
+    stage's recurrent state could not be rolled back to ``end`` from its snapshot ring."""
+    run.refolds += 1
+    for start, tokens in prefill_chunks(run.history[:end], run.chunk_tokens):
+        await pipeline.run(_frame(run, FrameKind.PREFILL, start, tokens, final=False))
 
 
 async def _prefill(pipeline: Pipeline, run: GenerationRun, chunk_tokens: int) -> Delta:

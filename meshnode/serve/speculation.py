@@ -254,6 +254,11 @@ class SpeculationHost:
             return "off"
         return self.settings.strategy
 
+    def largest_verify_drafts(self) -> int:
+        """Drafts in the largest verify pass a request may send (0: no speculation); what
+        hybrid stages size their snapshot rings by (``engine.recurrent.ring_slots_for``)."""
+        return 0 if self.settings.strategy == "off" else self.settings.window.max_window
+
     def speculation(self) -> Speculation | None:
         """The :class:`~meshnode.serve.generation.Speculation` for new requests, or ``None``."""
         strategy = self.strategy

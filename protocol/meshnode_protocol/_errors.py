@@ -52,6 +52,7 @@ class ErrorCode(enum.IntEnum):
     NOT_READY = 201
     CAPACITY = 202
     BAD_ACTIVATION = 203
+    ROLLBACK_TOO_DEEP = 204
 
     @property
     def closes_connection(self) -> bool:

@@ -268,7 +268,9 @@ class Load(Message):
 
     ``upstream`` is the stage that sends us activations (``None`` on stage 0);
     ``downstream`` is where our output goes: the next stage, or, on the last stage, the
-    host (stage 0), which receives ``Prediction`` frames directly.
+    host (stage 0), which receives ``Prediction`` frames directly. ``ring_slots`` is how
+    many per-row recurrent-state snapshots a hybrid stage keeps per sequence (the largest
+    verify pass the host will send: its largest window plus one); 0 leaves it to the stage.
     """
 
     TYPE: ClassVar[int] = 17
@@ -285,6 +287,7 @@ class Load(Message):
     context_size: UInt
     batch_sizes: tuple[UInt, ...] = (1,)
     kv_dtype: str = "f16"
+    ring_slots: UInt = 0
 
     def _validate(self) -> None:
         _check_range("layer_range", self.layer_range)

@@ -154,6 +154,20 @@ EXAMPLES: Final[dict[str, Message]] = {
         batch_sizes=(1, 4),
         kv_dtype="f16",
     ),
+    # A Load for a hybrid stage of a host whose largest speculative window is 8 drafts.
+    "load_ring": Load(
+        run_id=_RUN_ID,
+        term=_TERM,
+        package_ref="hf://org/qwen35@main",
+        manifest_sha256="",
+        layer_range=(4, 8),
+        has_embed=False,
+        has_head=True,
+        upstream=PeerInfo(node_id="node-b", address="10.0.0.2:7420"),
+        downstream=_HOST,
+        context_size=4096,
+        ring_slots=9,
+    ),
     "ready": Ready(
         run_id=_RUN_ID, term=_TERM, node_id="node-c", endpoint="10.0.0.3:7420", layer_range=(20, 30)
     ),

@@ -1,10 +1,11 @@
 """`meshnode join --model DIR` serves the tiny Qwen3.5 hybrid folder, split over two
 processes, with ``--speculative ngram`` and ``--speculative mtp``: greedy completions of
-the reference's token-id prompts equal its continuations token for token.
+the reference's token-id prompts (``return_token_ids``) equal its continuations token for
+token, and the worker's snapshot ring is sized to the host's largest window.
 
 The folder is the reference's copy plus a ``tokenizer.json`` that spells token i as
 ``<i>`` (the reference has none; its prompts are token ids), so the completion text gives
-the token ids back.
+the token ids back too.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tests.engine.hybrid_model import HYBRID_DIR, hybrid_golden
 
 READY_TIMEOUT_S = 150.0  # two processes start on a shared 2-core box
 STRATEGIES = ("ngram", "mtp")
+MAX_WINDOW = 4  # so every stage keeps MAX_WINDOW + 1 snapshots, not the default 17
 
 
 def _folder(root: Path) -> Path:
@@ -46,7 +48,7 @@ def _folder(root: Path) -> Path:
 @pytest.fixture(scope="module", params=STRATEGIES)
 def mesh(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Node, str]]:
+) -> Iterator[tuple[Node, Node, str]]:
     root = tmp_path_factory.mktemp(f"hybrid-{request.param}")
     token = init_token(root / "mesh.token")
     with Cluster(root, env={**HEARTBEAT_ENV, **SINGLE_THREAD_ENV}) as cluster:
@@ -59,15 +61,16 @@ def mesh(
             "--wire-dtype", "f32",
             "--speculative", request.param,
             "--window-policy", "fixed",
-            "--initial-window", "4",
+            "--initial-window", str(MAX_WINDOW),
+            "--max-window", str(MAX_WINDOW),
             workers=1,
             ready_timeout_s=READY_TIMEOUT_S,
         )  # fmt: skip
-        yield host, request.param
+        yield host, cluster.nodes[0], request.param
 
 
-def test_split_hybrid_matches_the_reference(mesh: tuple[Node, str]) -> None:
-    host, strategy = mesh
+def test_split_hybrid_matches_the_reference(mesh: tuple[Node, Node, str]) -> None:
+    host, worker, strategy = mesh
     with openai.OpenAI(
         base_url=host.api + "/v1", api_key="x", max_retries=0, timeout=120
     ) as client:
@@ -79,9 +82,12 @@ def test_split_hybrid_matches_the_reference(mesh: tuple[Node, str]) -> None:
                 prompt=prompt["prompt_ids"],
                 temperature=0,
                 max_tokens=len(prompt["gen_ids"]),
+                extra_body={"return_token_ids": True},
             )
-            ids = [int(i) for i in re.findall(r"<(\d+)>", reply.choices[0].text)]
-            assert ids == prompt["gen_ids"], prompt["id"]
+            choice = reply.choices[0]
+            assert (choice.model_extra or {})["token_ids"] == prompt["gen_ids"], prompt["id"]
+            text_ids = [int(i) for i in re.findall(r"<(\d+)>", choice.text)]
+            assert text_ids == prompt["gen_ids"], prompt["id"]
             extra = reply.model_extra or {}
             proposed += extra["meshnode"]["speculation"]["proposed"]
         if strategy == "mtp":
@@ -89,3 +95,5 @@ def test_split_hybrid_matches_the_reference(mesh: tuple[Node, str]) -> None:
     stages = host.status()["host"]["stages"]
     assert len(stages) == 2
     assert any(stage["recurrent_bytes"] > 0 for stage in stages)
+    memory = worker.status()["run"]["memory"]
+    assert memory["snapshot_ring_slots"] == MAX_WINDOW + 1

@@ -13,7 +13,13 @@ import pytest
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.hybrid import HybridStage, load_hybrid_weights
 from meshnode.engine.hybrid_config import HybridConfig, HybridConfigError
-from meshnode.engine.recurrent import HybridCache, RollbackError
+from meshnode.engine.recurrent import (
+    DEFAULT_RING_SLOTS,
+    MAX_RING_SLOTS,
+    HybridCache,
+    RollbackError,
+    ring_slots_for,
+)
 from tests.engine.hybrid_model import HybridFolder, hybrid_golden
 
 GOLDEN = hybrid_golden()
@@ -161,3 +167,12 @@ def test_moe_and_unknown_layer_types_are_refused(folder: HybridFolder) -> None:
     types = ["mamba", *folder.config["layer_types"][1:]]
     with pytest.raises(HybridConfigError, match="layer type"):
         HybridConfig.from_hf({**folder.config, "layer_types": types})
+
+
+def test_ring_slots_follow_the_largest_window() -> None:
+    assert ring_slots_for(0) == 1  # no speculation: decode frames never roll back
+    assert ring_slots_for(4) == 5
+    assert ring_slots_for(16) == DEFAULT_RING_SLOTS
+    assert ring_slots_for(10_000) == MAX_RING_SLOTS  # deeper rollbacks prefill again
+    with pytest.raises(ValueError, match="max_window must be >= 0"):
+        ring_slots_for(-1)

@@ -28,8 +28,9 @@ from meshnode_protocol import (
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
+from meshnode.engine.recurrent import RollbackError
 from meshnode.engine.sampling import SamplingParams
-from meshnode.node.pipeline import FrameKind, RequestId, StepFrame, StepResult
+from meshnode.node.pipeline import FrameKind, PipelineError, RequestId, StepFrame, StepResult
 from meshnode.node.remote import RemotePipeline
 from meshnode.node.stage import StageRunner
 from meshnode.node.worker import Worker, WorkerRun, may_send
@@ -176,3 +177,46 @@ async def test_the_host_takes_predictions_only_from_the_last_stage() -> None:
             assert not results  # still waiting for the genuine reply
             pipeline.deliver("s2", reply((42,)))
     assert [r.tokens for r in results] == [(42,)]
+
+
+async def test_a_rollback_refusal_from_a_stage_raises_rollback_error() -> None:
+    """``ROLLBACK_TOO_DEEP`` from a stage of the run reaches the generation loop as
+    ``RollbackError`` (which prefills the history again), not as a failed pipeline."""
+    source = TinySource(tiny_config(48, 4), seed=0, logit_scale=8.0)
+    stage0 = Stage(ModelConfig.from_hf(source.config), source, 0, 2, embed=True, head=False)
+    outbox = Outbox()
+    forwarded = trio.Event()
+
+    async def send(peer: str, message: Message) -> None:
+        await outbox.send(peer, message)
+        forwarded.set()
+
+    pipeline = RemotePipeline(
+        StageRunner(stage0, context_size=32, max_sequences=1),
+        run_id=RUN, term=TERM, stage_nodes=(HOST, "s1"), send=send, wire_dtype="f32",
+    )  # fmt: skip
+    frame = StepFrame(
+        request_id=RequestId("req"), kind=FrameKind.PREFILL, start_pos=0, tokens=(1, 2),
+        sampling=SamplingParams(temperature=0.0),
+    )  # fmt: skip
+    failures: list[BaseException] = []
+
+    async def step() -> None:
+        try:
+            await pipeline.run(frame)
+        except (RollbackError, PipelineError) as exc:
+            failures.append(exc)
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(step)
+            await forwarded.wait()
+            wire = outbox.last("s1")
+            assert isinstance(wire, ActivationFrame)
+            refusal = Error(
+                code=ErrorCode.ROLLBACK_TOO_DEEP, message="behind the ring", run_id=RUN,
+                term=TERM, request_id=wire.request_id,
+            )  # fmt: skip
+            pipeline.deliver("s1", refusal)
+    assert len(failures) == 1
+    assert type(failures[0]) is RollbackError

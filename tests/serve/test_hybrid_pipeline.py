@@ -148,3 +148,41 @@ async def test_two_stages_with_mtp_drafts(chain: Chain, window: int) -> None:
         assert run.state.tokens == prompt["gen_ids"], prompt["id"]
         assert run.spec.windows > 0  # every pass after the first verified MTP drafts
         assert run.spec.proposed >= run.spec.windows
+
+
+@pytest.mark.parametrize("window", [4, 8])
+async def test_rollbacks_behind_a_short_ring_prefill_again(window: int) -> None:
+    """Rings of 2 slots cannot restore most rejected windows of 4 or 8 drafts: each stage
+    refuses the frame (``RollbackError``), the loop prefills the history again from 0 and
+    resends it, and the output is still the reference's."""
+    source = HybridFolder()
+    config = ModelConfig.from_hf(source.config)
+    short = Chain(
+        [
+            StageRunner(
+                Stage(config, source, a, b, embed=a == 0, head=b == 8, ring_slots=2),
+                context_size=CONTEXT,
+                max_sequences=1,
+            )
+            for a, b in RANGES
+        ]
+    )
+    prompt = PROMPTS[1]
+    proposer = PartlyRightProposer(prompt["prompt_ids"], prompt["gen_ids"])
+
+    def make(params: SamplingParams, capacity: int) -> Proposer:
+        return proposer
+
+    spec = Speculation(make, WindowPolicy("fixed", window, 1, window), strategy="test")
+    params = GenerationParams(max_new_tokens=32, sampling=SamplingParams(temperature=0.0))
+    run = GenerationRun(
+        RequestId(prompt["id"]),
+        list(prompt["prompt_ids"]),
+        params,
+        GenerationState(params, SilentDetokenizer()),
+    )
+    async for _ in generate(short, run, speculation=spec, chunk_tokens=16):
+        pass
+    assert run.state.tokens == prompt["gen_ids"]
+    assert run.refolds > 0
+    assert all(r.memory()["snapshot_ring_slots"] == 2 for r in short.runners)
