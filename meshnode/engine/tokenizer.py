@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jinja2
+from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -138,6 +140,20 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' ``tojson``: keys in their given order and no HTML escaping (jinja's own
+    # sorts keys and escapes ``<``), which is what templates that print tools expect.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
 class ChatTemplate:
     """A model's jinja2 chat template rendered in a sandbox, as transformers does.
 
@@ -150,21 +166,33 @@ class ChatTemplate:
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         env.globals["raise_exception"] = _raise_exception
+        env.filters["tojson"] = _tojson
         try:
             self._template = env.from_string(source)
+            variables = meta.find_undeclared_variables(env.parse(source))
         except jinja2.TemplateSyntaxError as exc:
             raise TemplateError(f"chat template: {exc}") from exc
         self._special = dict(special_tokens or {})
+        self.source = source
+        #: Whether the template reads ``tools`` (renders a tool list); if not, tools given
+        #: to :meth:`render` would be dropped silently, so callers use a fallback prompt.
+        self.reads_tools = "tools" in variables
 
     def render(
-        self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Iterable[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text for ``messages`` (dicts with ``role`` and ``content``)."""
+        """The prompt text for ``messages`` (dicts with ``role`` and ``content``), with
+        ``tools`` (OpenAI's tool list) for a template that reads them."""
+        extra = {} if tools is None else {"tools": tools}
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 **self._special,
+                **extra,
             )
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template: {exc}") from exc

@@ -35,6 +35,8 @@ from meshnode.serve.errors import (
 from meshnode.serve.generation import Delta, GenerationRun
 from meshnode.serve.metrics import PROMETHEUS_CONTENT_TYPE
 from meshnode.serve.service import GenerationRequest, ServeService
+from meshnode.serve.toolreply import ReplyShaper
+from meshnode.serve.tools import tool_plan
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +64,18 @@ def openai_router(service: ServeService) -> APIRouter:
     async def chat_completions(body: s.ChatCompletionRequest) -> Any:
         body.check_supported()
         service.require_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        run = service.start(service.chat_prompt(messages), _chat_sampling(body))
+        tools = tool_plan(
+            body.tools, body.tool_choice, service.codec.tool_format, body.parallel_tool_calls
+        )
+        messages = [m.as_dict() for m in body.messages]
+        run = service.start(service.chat_prompt(messages, tools.shown), _chat_sampling(body))
+        shaper = ReplyShaper(tools.parser())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = _chat_chunks(service, run, include_usage)
+            chunks = _chat_chunks(service, run, include_usage, shaper)
             return _sse_response(service, "chat", chunks)
         deltas = await _complete(service, "chat", run)
-        return _chat_body(service, run, deltas)
+        return _chat_body(service, run, deltas, shaper)
 
     @router.post("/v1/completions", response_model=None)
     async def completions(body: s.CompletionRequest) -> Any:
@@ -223,16 +229,15 @@ def _chat_logprobs(service: ServeService, items: tuple[TokenLogprob, ...]) -> s.
     return s.ChoiceLogprobs(content=content)
 
 
-def _chat_body(service: ServeService, run: GenerationRun, deltas: list[Delta]) -> s.ChatCompletion:
+def _chat_body(
+    service: ServeService, run: GenerationRun, deltas: list[Delta], shaper: ReplyShaper
+) -> s.ChatCompletion:
     logprobs = None
     if run.params.top_logprobs is not None:
         items = tuple(item for d in deltas for item in d.logprobs)
         logprobs = _chat_logprobs(service, items)
-    choice = s.ChatChoice(
-        message=s.AssistantMessage(content="".join(d.text for d in deltas)),
-        logprobs=logprobs,
-        finish_reason=run.state.finish_reason,
-    )
+    message, finish_reason = shaper.message([d.text for d in deltas], run.state.finish_reason)
+    choice = s.ChatChoice(message=message, logprobs=logprobs, finish_reason=finish_reason)
     return s.ChatCompletion(
         id=_completion_id("chatcmpl"),
         created=service.now(),
@@ -244,7 +249,7 @@ def _chat_body(service: ServeService, run: GenerationRun, deltas: list[Delta]) -
 
 
 async def _chat_chunks(
-    service: ServeService, run: GenerationRun, include_usage: bool
+    service: ServeService, run: GenerationRun, include_usage: bool, shaper: ReplyShaper
 ) -> AsyncGenerator[BaseModel, None]:
     ident, created = _completion_id("chatcmpl"), service.now()
 
@@ -257,13 +262,12 @@ async def _chat_chunks(
     yield chunk([s.ChatChunkChoice(delta=s.ChatDelta(role="assistant", content=""))])
     async with aclosing(service.stream(run)) as deltas:
         async for delta in deltas:
-            if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            piece, finish_reason = shaper.push(delta.text, delta.finish_reason)
+            if piece is None and finish_reason is None and not delta.logprobs:
                 continue
             logprobs = _chat_logprobs(service, delta.logprobs) if delta.logprobs else None
             choice = s.ChatChunkChoice(
-                delta=s.ChatDelta(content=delta.text),
-                logprobs=logprobs,
-                finish_reason=delta.finish_reason,
+                delta=piece or s.ChatDelta(), logprobs=logprobs, finish_reason=finish_reason
             )
             final = delta.finish_reason is not None
             yield chunk([choice], meshnode=_telemetry(run) if final else None)

@@ -5,11 +5,13 @@ fields are ignored (SDK wrappers and agent frameworks routinely send ``store``,
 ``metadata`` and the like, which llama-server, vLLM and Ollama accept too; each ignored
 name is logged once at debug level), while a known field with a wrong type or value is a
 400 naming it. Fields that OpenAI defines but this server does not implement are accepted
-only at the value that means "off" (``n=1``, no tools); anything else is refused by
+only at the value that means "off" (``n=1``, no ``logit_bias``); anything else is refused by
 :meth:`ChatCompletionRequest.check_supported` with a message naming the parameter. Text
 that is not valid Unicode (a lone surrogate, which JSON can carry) is a 400 too.
 Responses are plain pydantic models dumped to JSON; the ``meshnode`` field is our
 extension (speculation telemetry), which the official clients keep as an extra.
+``tools``, ``tool_choice`` and ``response_format`` arrive as plain objects and are checked
+where they are compiled (:mod:`meshnode.serve.tools`, :mod:`meshnode.serve.structured`).
 """
 
 from __future__ import annotations
@@ -162,6 +164,17 @@ class ChatMessage(_Strict):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def as_dict(self) -> dict[str, Any]:
+        """The message as :func:`meshnode.serve.tools.render_chat` takes it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
 
 class _SamplingFields(_SamplingKnobs):
     """Parameters shared by both endpoints: the sampling record's fields (OpenAI's, plus
@@ -214,16 +227,8 @@ class ChatCompletionRequest(_SamplingFields):
     def check_supported(self) -> None:
         """Raise BadRequestError for parameters this server does not implement."""
         self._check_common()
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise BadRequestError(
-                "Tool calling is not supported yet.", param="tools", code="unsupported"
-            )
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise BadRequestError(
-                "Only response_format type 'text' is supported.",
-                param="response_format",
-                code="unsupported",
-            )
+        # tools, tool_choice and response_format are checked where they are compiled
+        # (meshnode.serve.tools and meshnode.serve.structured).
         if self.logit_bias:
             raise BadRequestError(
                 "logit_bias is not supported.", param="logit_bias", code="unsupported"
@@ -317,9 +322,21 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -339,9 +356,24 @@ class ChatCompletion(BaseModel):
     meshnode: dict[str, Any] | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed tool call: id, type and name come with its first piece."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -11,7 +11,7 @@ while the mesh (re)loads, during which requests get 503 with ``Retry-After``.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -37,6 +37,8 @@ from meshnode.serve.generation import (
 from meshnode.serve.metrics import ServeMetrics
 from meshnode.serve.scheduler import Scheduler, SchedulerLimits
 from meshnode.serve.speculation import SpeculationHost
+from meshnode.serve.toolparse import ToolFormat
+from meshnode.serve.tools import ToolSpec
 from meshnode.speculative.telemetry import SpecStats
 
 
@@ -52,8 +54,16 @@ class TextCodec(Protocol):
         """Token ids of ``text``, special tokens parsed."""
         ...
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
-        """The prompt text for a chat, ending with the assistant's turn opened."""
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[ToolSpec] = ()
+    ) -> str:
+        """The prompt text for a chat (messages as :func:`meshnode.serve.tools.render_chat`
+        takes them), ending with the assistant's turn opened."""
+        ...
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this model writes tool calls (from its chat template)."""
         ...
 
     def token_text(self, token: int) -> str:
@@ -164,9 +174,11 @@ class ServeService:
             raise ServiceUnavailableError("The mesh is loading the model; retry shortly.")
         return self.pipeline
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Token ids of a chat rendered with the model's template."""
-        return self.codec.encode(self.codec.render_chat(messages))
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[ToolSpec] = ()
+    ) -> list[int]:
+        """Token ids of a chat rendered with the model's template (and ``tools``)."""
+        return self.codec.encode(self.codec.render_chat(messages, tools))
 
     def text_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a completion prompt given as text or ids (checked against the vocab)."""

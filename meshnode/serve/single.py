@@ -26,6 +26,8 @@ from meshnode.serve.generation import DEFAULT_PREFILL_CHUNK_TOKENS, Detokenizer,
 from meshnode.serve.scheduler import DEFAULT_MAX_IN_FLIGHT, SchedulerLimits
 from meshnode.serve.service import ServeService
 from meshnode.serve.speculation import SpeculationHost, speculation_host
+from meshnode.serve.toolparse import ToolFormat
+from meshnode.serve.tools import ToolSpec, render_chat, tool_format
 from meshnode.speculative.settings import SpeculativeFlags
 
 
@@ -51,12 +53,16 @@ class EngineCodec:
                 param="prompt",
             ) from None
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[ToolSpec] = ()
+    ) -> str:
+        return render_chat(self.template, messages, tools)
+
+    @property
+    def tool_format(self) -> ToolFormat:
         if self.template is None:
-            # A model without a template still chats: plain role-prefixed turns.
-            turns = [f"{m['role']}: {m['content']}\n" for m in messages]
-            return "".join(turns) + "assistant:"
-        return self.template.render(messages, add_generation_prompt=True)
+            return tool_format(None, reads_tools=False)
+        return tool_format(self.template.source, self.template.reads_tools)
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
