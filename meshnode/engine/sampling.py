@@ -4,6 +4,12 @@ The order follows vLLM's sampler: penalties on the raw logits, then temperature,
 top-k, top-p and min-p truncation on the resulting distribution. Temperature 0 is greedy.
 All of it runs on the host in float64 (one ``[V]`` row per step is cheap to copy).
 
+Randomness is counter-based (:class:`CounterRandom`): the uniform that picks the token at
+sequence position ``p`` is a pure function of (seed, ``p``), not the next output of a
+generator whose state lives in one process. Whichever node runs the last stage, and
+however often a request is replayed after a stage failure, a seeded request draws the
+same numbers at the same positions and so samples the same tokens.
+
 :class:`SamplingParams` is the one record of a request's sampling settings: the API builds
 it from the request body (its fields and defaults are generated from this record), the
 wire carries it as ``meshnode_protocol.Sampling`` (converted field by field, generically),
@@ -13,6 +19,8 @@ also what the wire schema means by an omitted field; :data:`GREEDY` is temperatu
 
 from __future__ import annotations
 
+import enum
+import secrets
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -20,7 +28,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GREEDY", "Sampler", "SamplingParams", "logits_to_probs", "token_logprobs"]
+__all__ = [
+    "GREEDY",
+    "CounterRandom",
+    "Draw",
+    "Sampler",
+    "SamplingParams",
+    "inverse_cdf",
+    "logits_to_probs",
+    "random_seed",
+    "token_logprobs",
+]
 
 
 @dataclass(frozen=True)
@@ -139,24 +157,72 @@ def logits_to_probs(logits: Any, params: SamplingParams, history: Sequence[int] 
     return out
 
 
+def random_seed() -> int:
+    """A fresh seed for a request that gave none (chosen once, so a replay repeats it)."""
+    return secrets.randbits(64)
+
+
+class Draw(enum.IntEnum):
+    """Which decision a uniform is for: independent draws at the same position."""
+
+    TOKEN = 0  # the inverse-CDF pick of the token at a position (plain or after a rejection)
+    ACCEPT = 1  # the acceptance test of a draft drawn from a distribution (draft model)
+    DRAFT = 2  # a draft model's own sampled guess at a position
+
+
+@dataclass(frozen=True, slots=True)
+class CounterRandom:
+    """Uniforms in ``[0, 1)`` keyed on (seed, position, draw): a counter-based generator.
+
+    Philox4x64 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011) is a
+    keyed bijection of its counter, so the draw at one counter needs no state from earlier
+    draws: the key is the request's seed and the counter (position, draw). Numpy's
+    ``Philox`` implements it; building one per draw costs tens of microseconds, nothing
+    next to the forward pass that precedes every draw.
+    """
+
+    seed: int
+
+    def uniform(self, position: int, draw: Draw = Draw.TOKEN) -> float:
+        """The uniform of ``draw`` at sequence ``position``, in ``[0, 1)``."""
+        bits = np.random.Philox(key=self.seed, counter=(position, int(draw), 0, 0))
+        # The top 53 bits of one 64-bit output: every double in [0, 1) of that spacing.
+        return (int(bits.random_raw()) >> 11) * 2.0**-53
+
+
+def inverse_cdf(row: Any, u: float) -> int:
+    """The token that uniform ``u`` picks from non-negative weights ``row`` (normalised
+    here); zero-weight ids never come out. Raises ValueError for a row with no mass."""
+    cdf = np.cumsum(row, dtype=np.float64)
+    total = cdf[-1]
+    if not total > 0:
+        raise ValueError("cannot sample from a distribution with no mass")
+    index = int(np.searchsorted(cdf, u * total, side="right"))
+    # u < 1, but float rounding could still land on the right edge.
+    return min(index, len(cdf) - 1)
+
+
 class Sampler:
-    """Draws tokens for one sequence; seeded samplers reproduce their draws exactly."""
+    """Draws tokens for one sequence from a :class:`CounterRandom` keyed on its seed (a
+    random one, chosen here, when the parameters carry none)."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        self._rng = np.random.default_rng(params.seed)
+        self.random = CounterRandom(random_seed() if params.seed is None else params.seed)
+        self._next_position = 0
 
-    def sample(self, logits: Any, history: Sequence[int] = ()) -> int:
-        """The next token id for ``logits`` ``[V]``, given the tokens in ``history``."""
+    def sample(
+        self, logits: Any, history: Sequence[int] = (), position: int | None = None
+    ) -> int:
+        """The token id at sequence ``position`` for ``logits`` ``[V]``, given the tokens in
+        ``history`` (penalties). Without ``position``, the one after the last draw's (0
+        first): positions count draws, so a loop that draws once per token may omit it."""
+        position = self._next_position if position is None else position
+        self._next_position = position + 1
         if self.params.greedy:
             return int(np.argmax(apply_penalties(np.asarray(logits), self.params, history)))
-        return self.draw(logits_to_probs(logits, self.params, history))
-
-    def draw(self, probs: np.ndarray) -> int:
-        """A token drawn from ``probs`` by inverse CDF; zero-probability ids never come out."""
-        cdf = np.cumsum(probs)
-        u = self._rng.random() * cdf[-1]
-        return int(np.searchsorted(cdf, u, side="right"))
+        probs = logits_to_probs(logits, self.params, history)
+        return inverse_cdf(probs, self.random.uniform(position))
 
 
 def token_logprobs(

@@ -8,8 +8,10 @@ stage, a :class:`~meshnode.node.pipeline.StepResult` with the chosen tokens.
 
 The last stage decides tokens itself (DESIGN §2): it keeps each sequence's token history
 (from the frames' ``tokens``, truncated with ``start_pos``) for the penalties, samples
-with a per-sequence seeded generator, and for a verify frame applies the acceptance rule
-of ``meshnode.speculative.acceptance`` to the ``k + 1`` rows it computed.
+with the sequence's counter-based generator at each token's position (keyed on the
+request's seed, so no state of it lives only here: a replay on another last stage draws
+the same), and for a verify frame applies the acceptance rule of
+``meshnode.speculative.acceptance`` to the ``k + 1`` rows it computed.
 
 Calls are not thread-safe: the owner serializes ``process`` and ``release`` (the local
 pipeline holds a lock around both).
@@ -66,7 +68,6 @@ class _Sequence:
     cache: Any
     sampling: SamplingParams
     sampler: Sampler | None = None
-    rng: np.random.Generator | None = None
     history: list[int] = field(default_factory=list)
     # Where the prompt ends in ``history``: penalties count generated tokens only, as the
     # engine's ``generate`` does (and vLLM for presence/frequency).
@@ -184,7 +185,6 @@ class StageRunner:
         seq = _Sequence(cache=cache, sampling=frame.sampling)
         if self.last:
             seq.sampler = Sampler(frame.sampling)
-            seq.rng = np.random.default_rng(frame.sampling.seed)
         self._sequences[frame.request_id] = seq
         return seq
 
@@ -225,19 +225,20 @@ class StageRunner:
             return 0, [], None
         rows = self.stage.backend.to_numpy(logits)
         generated = seq.history[seq.prompt_len :]
+        assert seq.sampler is not None
         if frame.kind is FrameKind.VERIFY:
-            assert seq.rng is not None
             probs = frame.draft_probs
             if probs is not None:
                 probs = self.stage.backend.to_numpy(probs)
             # Row i scores the token after last, d1 … di; d1 sits at start_pos + 1.
             first = frame.start_pos + 1 - seq.prompt_len
+            random, position = seq.sampler.random, frame.start_pos + 1
             accepted, tokens = verify(
-                rows, frame.drafts, seq.sampling, generated, first, probs, seq.rng
+                rows, frame.drafts, seq.sampling, generated, first, probs, random, position
             )
         else:
-            assert seq.sampler is not None
-            accepted, tokens = 0, [seq.sampler.sample(rows[-1], generated)]
+            # The token after the frame's rows sits at position end_pos.
+            accepted, tokens = 0, [seq.sampler.sample(rows[-1], generated, frame.end_pos)]
         logprobs = None
         if (top := frame.top_logprobs) is not None:
             logprobs = tuple(

@@ -19,6 +19,7 @@ position 0 (non-final prefill chunks) and sends the frame once more.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from meshnode.engine.recurrent import RollbackError
+from meshnode.engine.sampling import random_seed
 from meshnode.node.pipeline import (
     FrameKind,
     Pipeline,
@@ -282,6 +284,7 @@ async def generate(
     run.timings.started = trio.current_time()
     run.on_pass = on_pass
     run.chunk_tokens = chunk_tokens
+    run.params = _seeded(run.params)
     if speculation is not None and speculation.strategy == "mtp":
         run.mtp_drafts = speculation.window.max_window
     try:
@@ -300,6 +303,16 @@ async def generate(
     finally:
         with trio.CancelScope(shield=True):
             await pipeline.release(run.request_id)
+
+
+def _seeded(params: GenerationParams) -> GenerationParams:
+    """``params`` with a seed: one chosen here, once, when the request gave none, so the
+    last stage's counter-based draws are the same wherever (and however often) the
+    request runs."""
+    if params.sampling.seed is not None:
+        return params
+    sampling = dataclasses.replace(params.sampling, seed=random_seed())
+    return dataclasses.replace(params, sampling=sampling)
 
 
 async def _pass(

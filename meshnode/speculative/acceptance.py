@@ -6,6 +6,12 @@ positions (``[k + 1, V]``, already processed with the request's sampling paramet
 after ``last, d_1 … d_i``), the k drafts and, when sampling, the drafts' own probabilities.
 Each returns ``(accepted, tokens)``: ``tokens`` is ``drafts[:accepted]`` followed by one
 token chosen by the target, so one verify pass always commits ``accepted + 1`` tokens.
+
+Sampled verification draws from the request's counter-based generator
+(:class:`~meshnode.engine.sampling.CounterRandom`) at each row's sequence position, with
+the same draw as plain sampling there: for deterministic drafts (n-gram, MTP, greedy
+draft models) the committed tokens are exactly those plain sampling would have drawn, so
+a seeded request gives the same text with speculation on or off, and after a replay.
 """
 
 from __future__ import annotations
@@ -15,7 +21,14 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from meshnode.engine.sampling import SamplingParams, apply_penalties, logits_to_probs
+from meshnode.engine.sampling import (
+    CounterRandom,
+    Draw,
+    SamplingParams,
+    apply_penalties,
+    inverse_cdf,
+    logits_to_probs,
+)
 
 Rows = npt.NDArray[np.floating]
 
@@ -60,22 +73,17 @@ def greedy_targets(
     return np.stack(rows)
 
 
-def sample_row(row: Rows, rng: np.random.Generator) -> int:
-    """One draw from a non-negative row (normalised here) by inverse CDF."""
-    cdf = np.cumsum(row, dtype=np.float64)
-    total = cdf[-1]
-    if not total > 0:
-        raise ValueError("cannot sample from a distribution with no mass")
-    index = int(np.searchsorted(cdf, rng.random() * total, side="right"))
-    # rng.random() < 1, but float rounding could still land on the right edge.
-    return min(index, len(row) - 1)
+def sample_row(row: Rows, u: float) -> int:
+    """The token uniform ``u`` picks from a non-negative row (normalised here)."""
+    return inverse_cdf(row, u)
 
 
 def accept_sampling(
     target: Rows,
     drafts: Sequence[int],
     draft_probs: Rows | None,
-    rng: np.random.Generator,
+    random: CounterRandom,
+    position: int,
 ) -> tuple[int, list[int]]:
     """Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
 
@@ -85,30 +93,39 @@ def accept_sampling(
     token from ``normalize(max(p - q, 0))`` and stop. When all k are accepted, sample a
     bonus token from ``target[k]``. The committed tokens are then distributed exactly as
     if sampled from the target one at a time.
+
+    Row ``i`` decides sequence position ``position + i``. For a one-hot ``q`` the rule is
+    drawn as plain sampling draws: ``t = inverse_cdf(p, u)`` with that position's token
+    uniform, accept iff ``t == d_i``, else commit ``t``. That accepts with probability
+    ``p(d_i)`` and, on rejection, ``t`` follows ``p`` without ``d_i``, which is the
+    normalised residual: the same law, and the same token as without speculation.
     """
     _check(target, drafts)
     if draft_probs is not None and draft_probs.shape[0] != len(drafts):
         raise ValueError(f"draft probs {draft_probs.shape} do not match {len(drafts)} drafts")
     for i, token in enumerate(drafts):
-        p = target[i]
-        q_token = 1.0 if draft_probs is None else float(draft_probs[i, token])
-        if q_token > 0 and rng.random() * q_token < float(p[token]):
+        p, here = target[i], position + i
+        if draft_probs is None:
+            pick = sample_row(p, random.uniform(here))
+            if pick == token:
+                continue
+            return i, [*drafts[:i], pick]
+        q_token = float(draft_probs[i, token])
+        if q_token > 0 and random.uniform(here, Draw.ACCEPT) * q_token < float(p[token]):
             continue
-        return i, [*drafts[:i], sample_row(_residual(p, token, draft_probs, i), rng)]
-    return len(drafts), [*drafts, sample_row(target[-1], rng)]
+        residual = _residual(p, token, draft_probs, i)
+        return i, [*drafts[:i], sample_row(residual, random.uniform(here))]
+    bonus = sample_row(target[-1], random.uniform(position + len(drafts)))
+    return len(drafts), [*drafts, bonus]
 
 
-def _residual(p: Rows, token: int, draft_probs: Rows | None, i: int) -> Rows:
+def _residual(p: Rows, token: int, draft_probs: Rows, i: int) -> Rows:
     """``max(p - q, 0)`` for row ``i``; falls back to ``p`` if that has no mass.
 
     The fallback only triggers when ``p == q`` up to rounding, where a rejection has
     probability ~0 and any draw from ``p`` is correct.
     """
-    if draft_probs is None:
-        residual = p.astype(np.float64, copy=True)
-        residual[token] = 0.0
-    else:
-        residual = np.maximum(p.astype(np.float64) - draft_probs[i], 0.0)
+    residual = np.maximum(p.astype(np.float64) - draft_probs[i], 0.0)
     return residual if residual.sum() > 0 else p
 
 
@@ -119,7 +136,8 @@ def verify(
     generated: Sequence[int],
     first: int,
     draft_probs: Rows | None,
-    rng: np.random.Generator,
+    random: CounterRandom,
+    position: int,
 ) -> tuple[int, list[int]]:
     """The acceptance rule for the request's mode, over the ``k + 1`` rows of a verify pass.
 
@@ -127,9 +145,10 @@ def verify(
     ``i`` sees the penalties of ``generated[: first + i]``, exactly as a plain step at its
     position would. Greedy requests accept the drafts that equal the argmax
     (:func:`accept_greedy`); sampled ones follow :func:`accept_sampling`, with
-    ``draft_probs`` ``[k, V]`` (``None``: deterministic drafts). Returns (accepted drafts,
-    committed tokens). The last stage of a pipeline and the single-node driver both call
-    this.
+    ``draft_probs`` ``[k, V]`` (``None``: deterministic drafts), drawing from ``random``
+    with row 0 at sequence ``position`` (that of the first draft). Returns (accepted
+    drafts, committed tokens). The last stage of a pipeline and the single-node driver
+    both call this.
     """
     rows = np.asarray(logits, dtype=np.float64)
     if params.greedy:
@@ -138,4 +157,4 @@ def verify(
         [logits_to_probs(rows[i], params, generated[: first + i]) for i in range(len(drafts) + 1)]
     )
     probs = None if draft_probs is None else np.asarray(draft_probs, dtype=np.float64)
-    return accept_sampling(target, drafts, probs, rng)
+    return accept_sampling(target, drafts, probs, random, position)

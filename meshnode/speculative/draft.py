@@ -25,7 +25,13 @@ from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.kv_cache import KVCache
 from meshnode.engine.model import Stage
-from meshnode.engine.sampling import SamplingParams, logits_to_probs
+from meshnode.engine.sampling import (
+    CounterRandom,
+    Draw,
+    SamplingParams,
+    logits_to_probs,
+    random_seed,
+)
 from meshnode.engine.weights import StageWeights, load_stage_weights, norm_weight
 from meshnode.errors import ModelError
 from meshnode.speculative.acceptance import sample_row
@@ -76,14 +82,17 @@ class StageProposer:
         stage: Stage,
         params: SamplingParams,
         capacity: int,
-        rng: np.random.Generator | None = None,
+        random: CounterRandom | None = None,
     ) -> None:
         self.stage = stage
         self.params = params
         self.capacity = capacity
         self.cache: KVCache = stage.new_cache(capacity)
         self.cached: list[int] = []  # the tokens whose K/V the cache holds, in order
-        self.rng = rng if rng is not None else np.random.default_rng(params.seed)
+        # Sampled drafts draw from the request's seed (their own draw at each position), so
+        # a replayed request is offered the same drafts.
+        seed = random_seed() if params.seed is None else params.seed
+        self.random = random if random is not None else CounterRandom(seed)
 
     @property
     def greedy(self) -> bool:
@@ -101,7 +110,7 @@ class StageProposer:
         rows: list[np.ndarray] = []
         while True:
             probs = logits_to_probs(logits, self.params, context)
-            token = int(np.argmax(probs)) if self.greedy else sample_row(probs, self.rng)
+            token = int(np.argmax(probs)) if self.greedy else self._draw(probs, len(context))
             drafts.append(token)
             rows.append(probs)
             context.append(token)
@@ -109,6 +118,9 @@ class StageProposer:
                 break
             logits = self._step(token)
         return Proposal(tuple(drafts), None if self.greedy else np.stack(rows))
+
+    def _draw(self, probs: np.ndarray, position: int) -> int:
+        return sample_row(probs, self.random.uniform(position, Draw.DRAFT))
 
     def on_result(self, proposed: int, accepted: int, *, seconds: float | None = None) -> None:
         """Rollback happens lazily at the next ``propose`` (it sees the committed history)."""

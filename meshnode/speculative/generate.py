@@ -21,7 +21,7 @@ import numpy.typing as npt
 
 from meshnode.engine.kv_cache import KVCache
 from meshnode.engine.model import Stage
-from meshnode.engine.sampling import SamplingParams
+from meshnode.engine.sampling import CounterRandom, SamplingParams, random_seed
 from meshnode.speculative.acceptance import verify
 from meshnode.speculative.proposer import Proposal, Proposer
 from meshnode.speculative.scorer import forward_rows
@@ -38,7 +38,7 @@ class SpecRun:
     cache: KVCache
     history: list[int]
     prompt_len: int
-    rng: np.random.Generator
+    random: CounterRandom
     window: Window
     capacity: int
     stats: SpecStats = field(default_factory=SpecStats)
@@ -57,10 +57,12 @@ def choose(
     run: SpecRun, logits: npt.NDArray[np.float32], proposal: Proposal
 ) -> tuple[int, list[int]]:
     """Apply the acceptance rule for the request's mode to the verify pass's logits (the
-    same rule, :func:`~meshnode.speculative.acceptance.verify`, as a pipeline's last stage)."""
+    same rule, :func:`~meshnode.speculative.acceptance.verify`, as a pipeline's last stage).
+    The first row decides the token at position ``len(history)``."""
     generated = [*run.generated, *proposal.tokens]
+    first, position = len(run.generated), len(run.history)
     return verify(
-        logits, proposal.tokens, run.params, generated, len(run.generated), proposal.probs, run.rng
+        logits, proposal.tokens, run.params, generated, first, proposal.probs, run.random, position
     )
 
 
@@ -71,10 +73,10 @@ def prefill(
     *,
     capacity: int,
     window: WindowPolicy,
-    rng: np.random.Generator | None = None,
     costs: StepCosts | None = None,
 ) -> SpecRun:
-    """Run the prompt and commit its first token (``costs``: shared step costs, if any)."""
+    """Run the prompt and commit its first token (``costs``: shared step costs, if any).
+    Draws come from ``params.seed`` (a random seed when it is ``None``)."""
     if not prompt:
         raise ValueError("the prompt is empty")
     cache: KVCache = stage.new_cache(capacity)
@@ -85,7 +87,7 @@ def prefill(
         cache=cache,
         history=list(prompt),
         prompt_len=len(prompt),
-        rng=rng if rng is not None else np.random.default_rng(params.seed),
+        random=CounterRandom(random_seed() if params.seed is None else params.seed),
         window=Window(window, costs),
         capacity=capacity,
     )
@@ -134,7 +136,6 @@ def speculative_generate(
     max_new_tokens: int,
     window: WindowPolicy,
     eos_ids: Sequence[int] = (),
-    rng: np.random.Generator | None = None,
     clock: Callable[[], float] = time.perf_counter,
     costs: StepCosts | None = None,
 ) -> SpecRun:
@@ -144,7 +145,7 @@ def speculative_generate(
     speculation counters). The cache is sized for the prompt, the budget and one window.
     """
     capacity = len(prompt) + max_new_tokens + window.max_window + 1
-    run = prefill(stage, prompt, params, capacity=capacity, window=window, rng=rng, costs=costs)
+    run = prefill(stage, prompt, params, capacity=capacity, window=window, costs=costs)
     stop = set(eos_ids)
     tokens = run.generated
     while not stop.intersection(tokens) and len(run.generated) < max_new_tokens:

@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.loader import LoadedModel, load_model
-from meshnode.engine.sampling import Sampler, SamplingParams, apply_penalties, logits_to_probs
+from meshnode.engine.sampling import (
+    CounterRandom,
+    Draw,
+    Sampler,
+    SamplingParams,
+    apply_penalties,
+    logits_to_probs,
+)
 from meshnode.engine.tokenizer import ChatTemplate, IncrementalDetokenizer, TemplateError
 from meshnode.serve.local import GenerationResult, generate_local
 
@@ -37,6 +44,30 @@ def test_seeded_runs_reproduce_and_seeds_differ() -> None:
     params = SamplingParams(temperature=1.0, seed=42)
     assert _draws(params) == _draws(params)
     assert _draws(params) != _draws(SamplingParams(temperature=1.0, seed=43))
+
+
+def test_a_draw_depends_on_the_seed_and_position_only() -> None:
+    """Counter-based: the token at a position is the same whatever was drawn before, so a
+    sampler built elsewhere (another last stage, after a replay) continues the sequence."""
+    params = SamplingParams(temperature=1.0, seed=42)
+    forward = [Sampler(params).sample(LOGITS, (), p) for p in range(40)]
+    one = Sampler(params)
+    assert [one.sample(LOGITS, (), p) for p in range(40)] == forward
+    backward = Sampler(params)
+    assert [backward.sample(LOGITS, (), p) for p in reversed(range(40))][::-1] == forward
+    later = Sampler(params)  # joins at position 25
+    assert [later.sample(LOGITS, (), p) for p in range(25, 40)] == forward[25:]
+    random = CounterRandom(42)
+    assert len({random.uniform(p) for p in range(40)}) == 40  # each position its own number
+    assert len(set(forward)) > 1
+    assert len({random.uniform(3, draw) for draw in Draw}) == len(Draw)
+    assert random.uniform(3) != CounterRandom(43).uniform(3)
+
+
+def test_an_unseeded_sampler_picks_its_own_seed() -> None:
+    params = SamplingParams(temperature=1.0)
+    assert Sampler(params).random.seed != Sampler(params).random.seed
+    assert _draws(params) != _draws(params)
 
 
 def test_temperature_sharpens_the_distribution() -> None:

@@ -10,7 +10,7 @@ import pytest
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
-from meshnode.engine.sampling import SamplingParams
+from meshnode.engine.sampling import CounterRandom, SamplingParams
 from meshnode.speculative.draft import (
     DraftIncompatibleError,
     StageProposer,
@@ -64,7 +64,7 @@ def test_layer_skip_depth() -> None:
 
 def test_sampled_drafts_carry_their_distribution(draft: Stage) -> None:
     params = SamplingParams(temperature=0.8, top_k=5)
-    proposer = StageProposer(draft, params, capacity=64, rng=np.random.default_rng(0))
+    proposer = StageProposer(draft, params, capacity=64, random=CounterRandom(0))
     proposal = proposer.propose([1, 2, 3], 4)
     assert len(proposal.tokens) == 4
     assert proposal.probs is not None

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import numpy.typing as npt
@@ -40,12 +41,13 @@ MAX_NEW = 40
 def plain_generate(
     stage: Stage, prompt: Sequence[int], params: SamplingParams, n: int, sampler: Sampler
 ) -> list[int]:
-    """Reference: one token per forward, the engine's sampler (penalty context: output)."""
+    """Reference: one token per forward, the engine's sampler (penalty context: output;
+    each token drawn at its sequence position)."""
     cache = stage.new_cache(len(prompt) + n)
     logits = prefill(stage, cache, prompt)
     out: list[int] = []
     while True:
-        out.append(sampler.sample(logits, out))
+        out.append(sampler.sample(logits, out, len(prompt) + len(out)))
         if len(out) == n:
             return out
         logits = decode_one(stage, cache, out[-1], len(prompt) + len(out) - 1)
@@ -91,6 +93,30 @@ def test_greedy_parity_with_penalties(target: Stage, draft: Stage) -> None:
                 target, prompt, params, proposer, max_new_tokens=MAX_NEW, window=WINDOWS["fixed"]
             )
             assert run.generated == expected
+
+
+@pytest.mark.parametrize("kind", ["ngram", "auto", "mtp-like"])
+def test_seeded_sampling_is_the_same_with_speculation_on_or_off(kind: str, target: Stage) -> None:
+    """Deterministic drafts are verified with the draw plain sampling makes at each
+    position: a seeded request commits the same tokens with or without speculation."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+    proposers: dict[str, Proposer] = {
+        "ngram": NgramProposer(NgramParams(min_n=1, max_n=3, max_proposal=8)),
+        "auto": AutoNgramProposer(NgramParams(min_n=1, max_n=3, max_proposal=8)),
+        # Greedy drafts from a smaller model: deterministic guesses, as MTP's are.
+        "mtp-like": StageProposer(layer_skip_stage(target, 2), GREEDY, capacity=128),
+    }
+    stats: list[SpecStats] = []
+    for prompt in PROMPTS:
+        expected = plain_generate(target, prompt, params, MAX_NEW, Sampler(params))
+        run = speculative_generate(
+            target, prompt, params, proposers[kind], max_new_tokens=MAX_NEW,
+            window=WINDOWS["fixed"],
+        )  # fmt: skip
+        assert run.generated == expected, f"prompt {prompt}"
+        stats.append(run.stats)
+    total = summarize(stats)
+    assert 0 < total.accepted < total.proposed, total.as_dict()
 
 
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
@@ -203,17 +229,19 @@ def test_sampling_follows_the_target_law(kind: str, sample_models: tuple[Stage, 
     rng = np.random.default_rng(2024)
     counts = np.zeros((2, SAMPLE_VOCAB), dtype=np.int64)
     plain = np.zeros((2, SAMPLE_VOCAB), dtype=np.int64)
-    make: Callable[[], Proposer] = (
-        (lambda: StageProposer(draft, SAMPLED, capacity=16, rng=rng))
-        if kind == "draft"
-        else (lambda: NgramProposer(NgramParams(min_n=1, max_n=2)))
-    )
-    sampler = Sampler(SamplingParams(temperature=1.0, seed=99))
+
+    def make(params: SamplingParams) -> Proposer:
+        if kind == "draft":
+            return StageProposer(draft, params, capacity=16)
+        return NgramProposer(NgramParams(min_n=1, max_n=2))
+
     for _ in range(trials):
+        # Counter-based draws repeat at the same positions: each trial has its own seeds.
+        params, other = (replace(SAMPLED, seed=int(rng.integers(2**63))) for _ in range(2))
         run = speculative_generate(
-            target, prompt, SAMPLED, make(), max_new_tokens=3, window=WINDOWS["fixed"], rng=rng
+            target, prompt, params, make(params), max_new_tokens=3, window=WINDOWS["fixed"]
         )
-        reference = plain_generate(target, prompt, SAMPLED, 3, sampler)
+        reference = plain_generate(target, prompt, other, 3, Sampler(other))
         for depth in (1, 2):
             counts[depth - 1, run.generated[depth]] += 1
             plain[depth - 1, reference[depth]] += 1
