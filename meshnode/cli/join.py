@@ -15,6 +15,7 @@ model is loaded before the node starts (:mod:`meshnode.serve.speculation`).
 from __future__ import annotations
 
 import logging
+import os
 
 import trio
 from fastapi import FastAPI
@@ -33,6 +34,7 @@ from meshnode.node.coordinator import CoordinatorSettings
 from meshnode.node.daemon import Node
 from meshnode.node.host import MeshHost
 from meshnode.serve.app import create_app
+from meshnode.serve.availability import unavailable_message
 from meshnode.serve.frontend import HostFrontend, host_service, host_speculation
 from meshnode.serve.openai_api import mount_openai
 from meshnode.serve.service import ServeService
@@ -82,8 +84,11 @@ async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentit
         frontend = HostFrontend(service, pinned_ref(config.model, pin), config.cache_dir)
         host = MeshHost(settings, source, frontend, backend)
 
+    if service is not None and host is not None:
+        service.unavailable_reason = lambda: unavailable_message(host.status())
+
     def app_factory(node: Node) -> FastAPI:
-        app = create_app(node.status)
+        app = create_app(node.status, cors_origins=config.cors_origins)
         if service is not None:
             mount_openai(app, service)
         return app
@@ -97,8 +102,11 @@ def run(config: NodeConfig) -> int:
     Raises ``ConfigError`` before anything starts when the device or weights dtype cannot
     be had here (``--device cuda`` without one, ``--dtype float16`` on a CPU).
     """
+    process.configure_logging(config)
     try:
-        select_backend(config.device, config.weights_dtype)
+        backend = select_backend(config.device, config.weights_dtype)
     except BackendError as exc:
         raise ConfigError(str(exc)) from exc
+    threads = config.threads or f"{os.cpu_count()} (one per core)"
+    log.info("compute backend: %s; CPU threads: %s", backend.describe(), threads)
     return process.run(config, build_node)

@@ -100,6 +100,16 @@ def join(
             ),
         ),
     ] = False,
+    cors_origin: Annotated[
+        list[str] | None,
+        typer.Option(
+            help=env_help(
+                "cors_origins",
+                "Let web pages of this origin (https://host[:port], or *) call the HTTP API "
+                "from a browser (repeatable; default: none).",
+            )
+        ),
+    ] = None,
     no_mdns: Annotated[
         bool, typer.Option("--no-mdns", help=env_help("mdns", "Disable mDNS discovery."))
     ] = False,
@@ -239,6 +249,7 @@ def join(
             "peers": peer or None,
             "mdns": False if no_mdns else None,
             "allow_url_models": True if allow_url_models else None,
+            "cors_origins": cors_origin or None,
             "max_memory_bytes": max_memory,
             "device": device,
             "weights_dtype": dtype,

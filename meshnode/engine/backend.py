@@ -151,8 +151,9 @@ def select_backend(
 
 
 def _announce(backend: Backend) -> Backend:
-    """Log the backend and device (``join``'s log); ``select_backend`` runs once per choice."""
-    log.info("compute backend: %s", backend.describe())
+    """Log the backend and device once per choice (``join`` logs its own line at INFO,
+    with the thread count, once its logging is set up)."""
+    log.debug("compute backend: %s", backend.describe())
     return backend
 
 

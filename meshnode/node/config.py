@@ -106,6 +106,9 @@ class NodeConfig:
     # lets a member make this node fetch from hosts that only it can reach.
     allow_url_models: bool = False
     threads: int | None = None  # BLAS threads of this node (None: one per core)
+    # Browser origins allowed to call the HTTP API (CORS); none by default, so a web page
+    # of another site cannot read this node's API through a visitor's browser.
+    cors_origins: tuple[str, ...] = ()
     # The host role (stage 0 and the API): the model to serve and how to place it.
     model: str | None = None
     split: int | None = None
@@ -260,6 +263,24 @@ def _wire_dtype(v: object) -> str:
     return s
 
 
+def _origin(v: object) -> str:
+    s = _str(v).strip().rstrip("/")
+    if s == "*":
+        return s
+    m = re.fullmatch(r"(https?)://([^/?#\s]+)", s)
+    if m is None:
+        raise ConfigError(f"expected an origin such as https://app.example:8080 or *, got {v!r}")
+    return s
+
+
+def _origins(v: object) -> tuple[str, ...]:
+    if isinstance(v, str):  # environment: comma-separated
+        return tuple(_origin(o) for o in v.split(",") if o.strip())
+    if isinstance(v, list | tuple):
+        return tuple(_origin(o) for o in v)
+    raise ConfigError(f"expected a list of origins, got {v!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class Setting:
     """One configurable value: where it lives in TOML and the environment, how to parse it.
@@ -299,6 +320,10 @@ SETTINGS: tuple[Setting, ...] = (
         "allow_url_models", "node", "allow_url_models", "MESHNODE_ALLOW_URL_MODELS", _bool
     ),
     Setting("threads", "node", "threads", "MESHNODE_THREADS", _positive_int),
+    Setting(
+        "cors_origins", "node", "cors_origins", "MESHNODE_CORS_ORIGINS", _origins,
+        flag="cors-origin",
+    ),
     Setting("model", "model", "ref", "MESHNODE_MODEL", _nonempty, flag="model"),
     Setting("split", "model", "split", "MESHNODE_SPLIT", _positive_int),
     Setting(

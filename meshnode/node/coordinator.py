@@ -310,6 +310,7 @@ class Coordinator:
                 excluded=self._excluded,
             )
             log.info("run %s term %d: %s", self._run_id, self._term, _describe(placed))
+            self._state = "loading"  # Claim, Prepare, Load: the stages say how far
             try:
                 pipeline = await run.run(placed)
             except RunError as exc:

@@ -17,7 +17,8 @@ node file) is :mod:`meshnode.node.process`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psutil
@@ -25,6 +26,7 @@ import trio
 from meshnode_protocol import PROTOCOL_VERSION, Hello, Message, PeerInfo
 
 from meshnode.engine.backend import cuda_free_memory, select_backend
+from meshnode.errors import ConfigError
 from meshnode.net.discovery import Advert, DiscoveryEvent, advertised_addresses, run_discovery
 from meshnode.net.http import serve_api
 from meshnode.net.identity import JoinToken, NodeId, NodeIdentity
@@ -62,6 +64,16 @@ def usable_memory(config: NodeConfig) -> int:
         available = int(psutil.virtual_memory().available)
     cap = config.max_memory_bytes
     return available if cap is None else min(cap, available)
+
+
+@contextmanager
+def _naming_flag(flag: str, address: Address) -> Iterator[None]:
+    """Turn a failed bind into a one-line :class:`ConfigError` naming the flag and address."""
+    try:
+        yield
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(f"{flag} {address}: cannot listen there: {reason}") from exc
 
 
 AppFactory = Callable[["Node"], Any]
@@ -119,7 +131,8 @@ class Node:
         self._started_s = trio.current_time()
         async with trio.open_nursery() as nursery:
             listen = self.config.listen
-            listeners = await trio.open_tcp_listeners(listen.port, host=listen.host or None)
+            with _naming_flag("--listen", listen):
+                listeners = await trio.open_tcp_listeners(listen.port, host=listen.host or None)
             port = listeners[0].socket.getsockname()[1]
             self.listen = self.dialer.listen = Address(self._advertised_host(), port)
             self.worker = Worker(
@@ -133,7 +146,8 @@ class Node:
             )
             nursery.start_soon(trio.serve_listeners, self.sessions.handle_inbound, listeners)
             log.info("node %s of mesh %r on %s", self.node_id, self.token.name, self.listen)
-            self.api = await nursery.start(serve_api, self._app_factory(self), self.config.api)
+            with _naming_flag("--api", self.config.api):
+                self.api = await nursery.start(serve_api, self._app_factory(self), self.config.api)
             nursery.start_soon(self._membership_clock)
             nursery.start_soon(self.dialer.run, nursery)
             if self.config.mdns:

@@ -92,6 +92,16 @@ async def serve_until_signalled(
             nursery.cancel_scope.cancel()
 
 
+def _first(group: BaseExceptionGroup[BaseException], kind: type[ConfigError]) -> ConfigError | None:
+    """The first ``kind`` exception anywhere in ``group``, or None."""
+    for exc in group.exceptions:
+        if isinstance(exc, kind):
+            return exc
+        if isinstance(exc, BaseExceptionGroup) and (found := _first(exc, kind)) is not None:
+            return found
+    return None
+
+
 def _token(config: NodeConfig) -> JoinToken:
     """The mesh token; a node given none creates a new mesh and keeps its token 0600."""
     text = config.resolve_token()
@@ -111,17 +121,32 @@ def _token(config: NodeConfig) -> JoinToken:
         raise ConfigError(str(exc)) from exc
 
 
-def run(config: NodeConfig, build: NodeBuilder) -> int:
-    """``meshnode join``: provision identity, run the node until interrupted; exit status."""
+def configure_logging(config: NodeConfig) -> None:
+    """The daemon's log format and level (before anything worth logging happens)."""
     logging.basicConfig(
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+
+
+def run(config: NodeConfig, build: NodeBuilder) -> int:
+    """``meshnode join``: provision identity, run the node until interrupted; exit status.
+
+    Raises ConfigError (one line, for the CLI's exit 2) when the node cannot start as
+    configured, e.g. ``--api`` or ``--listen`` on an address in use.
+    """
+    configure_logging(config)
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = _token(config)
     limit = limit_cpu_threads(config.threads)  # held while the node runs
     identity = NodeIdentity.provision(token, config.state_dir)
     try:
         trio.run(serve_until_signalled, build, config, token, identity)
+    except BaseExceptionGroup as group:
+        # A start-up ConfigError raised inside the node's nurseries arrives wrapped.
+        found = _first(group, ConfigError)
+        if found is None:
+            raise
+        raise found from None
     finally:
         running = read_node_file(config.state_dir)
         if running is not None and running.pid == os.getpid():

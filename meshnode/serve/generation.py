@@ -104,6 +104,8 @@ class GenerationState:
     detokenizer: Detokenizer
     tokens: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    #: The stop string that ended the reply (None: EOS, the budget, or not finished).
+    stop_string: str | None = None
     _pending: str = ""
 
     @property
@@ -139,6 +141,7 @@ class GenerationState:
         self._pending += self.detokenizer.push(token)
         cut = find_stop(self._pending, self.params.stop)
         if cut is not None:
+            self.stop_string = first_stop(self._pending, self.params.stop)
             return self._finish(FinishReason.STOP, self._pending[:cut])
         if len(self.tokens) >= self.params.max_new_tokens:
             return self._finish(FinishReason.LENGTH, self._pending + self.detokenizer.flush())
@@ -159,6 +162,12 @@ def find_stop(text: str, stops: Sequence[str]) -> int | None:
     """The index where the earliest stop string starts in ``text``, or ``None``."""
     found = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(found) if found else None
+
+
+def first_stop(text: str, stops: Sequence[str]) -> str | None:
+    """The stop string found earliest in ``text`` (the first listed on a tie), or ``None``."""
+    found = [(i, n, s) for n, s in enumerate(stops) if (i := text.find(s)) >= 0]
+    return min(found)[2] if found else None
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:

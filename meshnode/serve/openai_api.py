@@ -1,9 +1,12 @@
 """OpenAI-compatible routes: thin adapters from the OpenAI schema to :class:`ServeService`.
 
-``openai_router(service)`` serves ``GET /v1/models``, ``POST /v1/chat/completions``,
+``openai_router(service)`` serves ``GET /v1/models`` (and ``/v1/models/{id}``),
+``POST /v1/chat/completions``,
 ``POST /v1/completions`` (streaming as server-sent events ending in ``data: [DONE]``, or
 one JSON body), ``GET /metrics`` and ``GET /health``. ``mount_openai(app, service)`` adds
-them and the OpenAI-shaped error handlers to the node's app (``meshnode.serve.app``).
+them, ``/tokenize`` and ``/detokenize`` (:mod:`meshnode.serve.tokens_api`), the Anthropic
+Messages API (:mod:`meshnode.serve.anthropic_api`) and the
+OpenAI-shaped error handlers to the node's app (``meshnode.serve.app``).
 
 A failure after a stream has started cannot change the status code any more; it is sent
 as one ``data: {"error": {...}}`` event before ``[DONE]``, which the official clients
@@ -22,10 +25,10 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
 
 from meshnode.node.pipeline import PipelineError, TokenLogprob
 from meshnode.serve import schemas as s
+from meshnode.serve.anthropic_api import anthropic_router
 from meshnode.serve.errors import (
     APIError,
     ServiceUnavailableError,
@@ -35,17 +38,18 @@ from meshnode.serve.errors import (
 from meshnode.serve.generation import Delta, GenerationRun
 from meshnode.serve.metrics import PROMETHEUS_CONTENT_TYPE
 from meshnode.serve.service import GenerationRequest, ServeService
+from meshnode.serve.sse import SSE_HEADERS, ClosingStreamingResponse
+from meshnode.serve.tokens_api import tokens_router
 from meshnode.serve.toolreply import ReplyShaper
 from meshnode.serve.tools import tool_plan
 
 log = logging.getLogger(__name__)
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
 def mount_openai(app: FastAPI, service: ServeService) -> None:
     """Add the OpenAI routes, ``/metrics``, ``/health`` and the error handlers to ``app``."""
     app.include_router(openai_router(service))
+    app.include_router(tokens_router(service))
+    app.include_router(anthropic_router(service))
     install_error_handlers(app)
 
 
@@ -53,12 +57,19 @@ def openai_router(service: ServeService) -> APIRouter:
     """The routes of the OpenAI-compatible API over ``service``."""
     router = APIRouter()
 
-    @router.get("/v1/models")
-    async def list_models() -> s.ModelList:
-        card = s.ModelCard(
+    def model_card() -> s.ModelCard:
+        return s.ModelCard(
             id=service.model_id, created=service.created, context_length=service.context_size
         )
-        return s.ModelList(data=[card])
+
+    @router.get("/v1/models")
+    async def list_models() -> s.ModelList:
+        return s.ModelList(data=[model_card()])
+
+    @router.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> s.ModelCard:
+        service.require_model(model)
+        return model_card()
 
     @router.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: s.ChatCompletionRequest) -> Any:
@@ -96,8 +107,9 @@ def openai_router(service: ServeService) -> APIRouter:
     @router.get("/health")
     async def health() -> JSONResponse:
         if not service.ready:
-            exc = ServiceUnavailableError("The mesh is loading the model.")
-            return JSONResponse({"status": "loading"}, status_code=503, headers=exc.headers())
+            exc = ServiceUnavailableError(service.unavailable_reason())
+            body = {"status": "loading", "message": exc.message}
+            return JSONResponse(body, status_code=503, headers=exc.headers())
         return JSONResponse({"status": "ok", "model": service.model_id})
 
     return router
@@ -134,25 +146,10 @@ async def _complete(service: ServeService, endpoint: str, run: GenerationRun) ->
         service.metrics.requests.inc(endpoint=endpoint, outcome=outcome)
 
 
-class _ClosingStreamingResponse(StreamingResponse):
-    """A streaming response that closes its body generator when the response ends.
-
-    Starlette stops iterating when the client disconnects but leaves the generator to the
-    garbage collector; closing it here runs the generation's cleanup (the ``Release`` of
-    the sequence on every stage) at once, in this task.
-    """
-
-    body_iterator: AsyncGenerator[bytes, None]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with aclosing(self.body_iterator):
-            await super().__call__(scope, receive, send)
-
-
 def _sse_response(
     service: ServeService, endpoint: str, chunks: AsyncGenerator[BaseModel, None]
 ) -> StreamingResponse:
-    return _ClosingStreamingResponse(
+    return ClosingStreamingResponse(
         _sse(service, endpoint, chunks), media_type="text/event-stream", headers=SSE_HEADERS
     )
 

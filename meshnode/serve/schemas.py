@@ -83,6 +83,10 @@ class _Strict(BaseModel):
         return data
 
 
+#: The base of every request model: unknown fields ignored (and logged once), known ones strict.
+RequestModel = _Strict
+
+
 # -- the sampling fields, generated from the one sampling record -----------------------------
 
 #: The API type of each type a field of :class:`SamplingParams` has.

@@ -41,6 +41,9 @@ from meshnode.serve.toolparse import ToolFormat
 from meshnode.serve.tools import ToolSpec
 from meshnode.speculative.telemetry import SpecStats
 
+#: The 503 message of a service told nothing more about why it has no pipeline.
+LOADING_MESSAGE = "The mesh is loading the model; retry shortly."
+
 
 class TextCodec(Protocol):
     """What the service needs from a tokenizer and chat template."""
@@ -50,8 +53,13 @@ class TextCodec(Protocol):
         """Number of token ids the model accepts."""
         ...
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, special tokens parsed."""
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        """Token ids of ``text``, special tokens parsed; with ``add_special`` the ids the
+        model expects first (its BOS) are added unless the text starts with them."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``, special tokens included."""
         ...
 
     def render_chat(
@@ -102,10 +110,13 @@ class ServeService:
         speculation: Speculation | None = None,
         spec_host: SpeculationHost | None = None,
         chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        generation_defaults: Mapping[str, Any] | None = None,
         clock: Callable[[], float] = time.time,
     ):
         """``spec_host`` (the node's live strategy, rebuilt on replans) wins over a fixed
-        ``speculation``; with neither, requests decode one token per pass."""
+        ``speculation``; with neither, requests decode one token per pass.
+        ``generation_defaults`` are the model's sampling settings (fields of
+        :class:`SamplingParams`) for requests that omit them."""
         self.model_id = model_id
         self.aliases = frozenset(aliases) | {model_id}
         self.codec = codec
@@ -118,8 +129,12 @@ class ServeService:
         self.spec_host = spec_host
         self.spec_total = SpecStats()  # every finished request's counters, summed
         self.chunk_tokens = chunk_tokens
+        self.generation_defaults: Mapping[str, Any] = dict(generation_defaults or {})
         self.created = int(clock())
         self._clock = clock
+        #: Why no pipeline serves now: the 503 message (the host sets one that reads the
+        #: coordinator's state; :func:`meshnode.serve.availability.unavailable_message`).
+        self.unavailable_reason: Callable[[], str] = lambda: LOADING_MESSAGE
 
     # -- state ----------------------------------------------------------------------
 
@@ -171,26 +186,43 @@ class ServeService:
 
     def _require_pipeline(self) -> Pipeline:
         if self.pipeline is None:
-            raise ServiceUnavailableError("The mesh is loading the model; retry shortly.")
+            raise ServiceUnavailableError(self.unavailable_reason())
         return self.pipeline
 
     def chat_prompt(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[ToolSpec] = ()
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[ToolSpec] = (),
+        *,
+        continue_with: str = "",
     ) -> list[int]:
-        """Token ids of a chat rendered with the model's template (and ``tools``)."""
-        return self.codec.encode(self.codec.render_chat(messages, tools))
+        """Token ids of a chat rendered with the model's template (and ``tools``);
+        ``continue_with`` starts the assistant's reply (a prefill the model continues)."""
+        return self.codec.encode(self.codec.render_chat(messages, tools) + continue_with)
+
+    def sampling(self, given: Mapping[str, Any]) -> SamplingParams:
+        """The sampling record of a request that gave the fields ``given``.
+
+        Precedence, per field: the request's value, else the model's generation defaults
+        (:attr:`generation_defaults`), else :class:`SamplingParams`' own (OpenAI's).
+        """
+        return SamplingParams(**{**self.generation_defaults, **given})
+
+    def check_token_ids(self, ids: Sequence[int], *, param: str) -> None:
+        """Raise BadRequestError (naming ``param``) for an id outside the vocabulary."""
+        bad = [t for t in ids if not 0 <= t < self.codec.vocab_size]
+        if bad:
+            last = self.codec.vocab_size - 1
+            raise BadRequestError(
+                f"Token id {bad[0]} is outside the vocabulary (0..{last}).", param=param
+            )
 
     def text_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a completion prompt given as text or ids (checked against the vocab)."""
         if isinstance(prompt, str):
             ids = self.codec.encode(prompt)
         else:
-            bad = [t for t in prompt if not 0 <= t < self.codec.vocab_size]
-            if bad:
-                last = self.codec.vocab_size - 1
-                raise BadRequestError(
-                    f"Token id {bad[0]} is outside the vocabulary (0..{last}).", param="prompt"
-                )
+            self.check_token_ids(prompt, param="prompt")
             ids = list(prompt)
         if not ids:
             raise BadRequestError("The prompt is empty.", param="prompt")

@@ -43,15 +43,20 @@ class EngineCodec:
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
         try:
-            return self.tokenizer.encode_prompt(text)
+            if add_special:
+                return self.tokenizer.encode_prompt(text)
+            return self.tokenizer.encode(text)
         except NoTokenizerError:
             raise BadRequestError(
                 "This model has no tokenizer: send /v1/completions a prompt of token ids "
                 "(prompt: [int]).",
                 param="prompt",
             ) from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
 
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[ToolSpec] = ()

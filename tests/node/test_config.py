@@ -190,3 +190,20 @@ def test_one_variable_names_the_cache(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("MESHNODE_CACHE_DIR", str(tmp_path / "c"))
     assert default_cache_dir() == tmp_path / "c"
     assert load_config(env={"MESHNODE_CACHE_DIR": str(tmp_path / "c")}).cache_dir == tmp_path / "c"
+
+
+def test_cors_origins_from_every_layer(tmp_path: Path) -> None:
+    path = write(tmp_path, '[node]\ncors_origins = ["https://a.example", "http://b.local:3000/"]\n')
+    assert load_config(config_file=path, env={}).cors_origins == (
+        "https://a.example",
+        "http://b.local:3000",
+    )
+    env = {"MESHNODE_CORS_ORIGINS": "https://c.example, *"}
+    assert load_config(env=env).cors_origins == ("https://c.example", "*")
+    flags = {"cors_origins": ["https://d.example"]}
+    assert load_config(config_file=path, env=env, flags=flags).cors_origins == (
+        "https://d.example",
+    )
+    assert load_config(env={}).cors_origins == ()
+    with pytest.raises(ConfigError, match=re.escape("--cors-origin: expected an origin")):
+        load_config(env={}, flags={"cors_origins": ["https://a.example/path"]})

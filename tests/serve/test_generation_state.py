@@ -13,6 +13,7 @@ from meshnode.serve.generation import (
     GenerationParams,
     GenerationState,
     find_stop,
+    first_stop,
     held_back,
     prefill_chunks,
 )
@@ -141,8 +142,25 @@ def test_find_stop_picks_the_earliest() -> None:
     assert find_stop("one", ["x"]) is None
 
 
+def test_first_stop_names_the_earliest_and_the_first_listed_on_a_tie() -> None:
+    assert first_stop("one two three", ["three", "two"]) == "two"
+    assert first_stop("one two", ["tw", "two"]) == "tw"
+    assert first_stop("one two", ["two", "tw"]) == "two"
+    assert first_stop("one", ["x"]) is None
+
+
 def test_prefill_chunks_cover_the_prompt_in_order() -> None:
     assert prefill_chunks([1, 2, 3, 4, 5], 2) == [(0, [1, 2]), (2, [3, 4]), (4, [5])]
     assert prefill_chunks([1], 256) == [(0, [1])]
     with pytest.raises(ValueError, match="chunk size"):
         prefill_chunks([1], 0)
+
+
+def test_the_state_records_which_stop_string_ended_the_reply() -> None:
+    stopped = state(stop=("END", "wor"))
+    stopped.commit([1, 2, 3])
+    assert stopped.stop_string == "wor"
+    by_eos = state(stop=("END",))
+    by_eos.commit([1, EOS])
+    assert by_eos.finish_reason == "stop"
+    assert by_eos.stop_string is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,21 @@ def test_join_refuses_bad_flag_values_in_one_line(
     assert result.returncode == 2, result.stderr
     assert problem in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--api", "--listen"])
+def test_join_on_an_address_in_use_says_which_flag_in_one_line(tmp_path: Path, flag: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        free = {"--api": "127.0.0.1:0", "--listen": "127.0.0.1:0"}
+        addresses = [arg for f, a in free.items() for arg in (f, address if f == flag else a)]
+        result = cli("join", "--state-dir", str(tmp_path), "--no-mdns", *addresses, timeout_s=60)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"meshnode join: {flag} {address}: cannot listen there"), last
+    assert "Traceback" not in result.stderr
+    assert "ExceptionGroup" not in result.stderr
+    # The compute backend is logged before the node starts (logging is set up first).
+    assert "compute backend: cpu (NumPy, float32); CPU threads:" in result.stderr

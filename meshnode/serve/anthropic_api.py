@@ -1,0 +1,248 @@
+"""The Anthropic Messages API over the same service: ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens``, so tools built on the Anthropic SDK can use a mesh.
+
+A thin adapter, as the OpenAI routes are: the system prompt becomes the chat's system
+turn, the messages its turns, and the chat template renders them; a final assistant
+message is a prefill that the reply continues (as Anthropic's API does). ``max_tokens`` is
+required; ``stop_sequences``, ``temperature``, ``top_p`` and ``top_k`` map to the same
+sampling record, and settings the request omits come from the model's defaults
+(:meth:`ServeService.sampling`).
+
+The reply's ``stop_reason`` is ``end_turn`` (the model ended), ``stop_sequence`` (with
+``stop_sequence`` naming it), ``max_tokens``, or ``model_context_window_exceeded`` when
+the context ran out before ``max_tokens``.
+
+Streaming follows Anthropic's event sequence, each as ``event: NAME`` plus ``data: {...}``:
+``message_start``, ``content_block_start``, ``ping``, ``content_block_delta`` (text
+deltas)…, ``content_block_stop``, ``message_delta`` (stop reason and output tokens),
+``message_stop``. A failure after the stream started is one ``error`` event.
+
+Errors have Anthropic's body, ``{"type": "error", "error": {"type", "message"}}``, with
+its type names per status (``invalid_request_error``, ``not_found_error``,
+``overloaded_error``…). The body is parsed here rather than by FastAPI so that a bad body
+gets that shape too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from meshnode.node.pipeline import PipelineError
+from meshnode.serve import anthropic_schemas as a
+from meshnode.serve.errors import APIError, BadRequestError, ServiceUnavailableError
+from meshnode.serve.generation import FinishReason, GenerationRun
+from meshnode.serve.service import GenerationRequest, ServeService
+from meshnode.serve.sse import SSE_HEADERS, ClosingStreamingResponse
+
+__all__ = ["anthropic_error_body", "anthropic_router"]
+
+log = logging.getLogger(__name__)
+
+ENDPOINT = "messages"
+
+#: Anthropic's error type for each HTTP status the API answers with.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body for a response of ``status``."""
+    kind = ERROR_TYPES.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _error_response(exc: APIError) -> JSONResponse:
+    body = anthropic_error_body(exc.status_code, exc.message)
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers())
+
+
+def anthropic_router(service: ServeService) -> APIRouter:
+    """The routes of the module docstring over ``service``."""
+    router = APIRouter()
+
+    @router.post("/v1/messages", response_model=None)
+    async def messages(request: Request) -> Response:
+        try:
+            body = await _parse(request, a.MessagesRequest)
+            body.check_supported()
+            service.require_model(body.model)
+            prompt = _prompt(service, body.system, body.messages)
+            run = service.start(prompt, _generation(service, body))
+            if body.stream:
+                return ClosingStreamingResponse(
+                    _events(service, run, body.max_tokens),
+                    media_type="text/event-stream",
+                    headers=SSE_HEADERS,
+                )
+            return JSONResponse((await _reply(service, run, body.max_tokens)).model_dump())
+        except APIError as exc:
+            return _error_response(exc)
+
+    @router.post("/v1/messages/count_tokens", response_model=None)
+    async def count_tokens(request: Request) -> Response:
+        try:
+            body = await _parse(request, a.CountTokensRequest)
+            if body.tools:
+                raise BadRequestError(
+                    "Tools are not supported on /v1/messages yet.", param="tools"
+                )
+            service.require_model(body.model)
+            ids = _prompt(service, body.system, body.messages)
+            return JSONResponse({"input_tokens": len(ids)})
+        except APIError as exc:
+            return _error_response(exc)
+
+    return router
+
+
+# -- request translation ------------------------------------------------------------------
+
+
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+async def _parse(request: Request, model: type[_Body]) -> _Body:
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise BadRequestError(_validation_message(exc)) from exc
+
+
+def _validation_message(exc: ValidationError) -> str:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request body."
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return "The request body is not valid JSON."
+    where = ".".join(str(part) for part in first.get("loc", ())) or "body"
+    return f"{where}: {first.get('msg', 'invalid value')}"
+
+
+def _prompt(
+    service: ServeService, system: a.Content | None, messages: list[a.InputMessage]
+) -> list[int]:
+    turns = [
+        {"role": m.role, "content": a.content_text(m.content, f"messages.{i}.content")}
+        for i, m in enumerate(messages)
+    ]
+    if system is not None:
+        turns.insert(0, {"role": "system", "content": a.content_text(system, "system")})
+    prefill = ""
+    if turns[-1]["role"] == "assistant":
+        # A final assistant turn is a prefill: the reply continues it.
+        prefill = turns.pop()["content"]
+    if not any(turn["role"] != "system" for turn in turns):
+        raise BadRequestError(
+            "messages: a user message must come before the assistant's prefill.",
+            param="messages",
+        )
+    return service.chat_prompt(turns, continue_with=prefill)
+
+
+def _generation(service: ServeService, body: a.MessagesRequest) -> GenerationRequest:
+    sampling = service.sampling(body.sampling_fields())
+    return GenerationRequest(sampling, body.max_tokens, body.stops())
+
+
+# -- replies --------------------------------------------------------------------------------
+
+
+def _stop_reason(run: GenerationRun, max_tokens: int) -> a.StopReason | None:
+    state = run.state
+    if state.finish_reason is None:
+        return None
+    if state.finish_reason is FinishReason.LENGTH:
+        cut_by_context = run.params.max_new_tokens < max_tokens
+        return "model_context_window_exceeded" if cut_by_context else "max_tokens"
+    return "stop_sequence" if state.stop_string is not None else "end_turn"
+
+
+def _usage(run: GenerationRun) -> a.Usage:
+    return a.Usage(input_tokens=len(run.prompt), output_tokens=len(run.state.tokens))
+
+
+def _message_id() -> str:
+    return f"msg_{secrets.token_hex(12)}"
+
+
+async def _reply(service: ServeService, run: GenerationRun, max_tokens: int) -> a.Message:
+    outcome = "error"
+    try:
+        deltas = await service.complete(run)
+        outcome = "ok"
+    except PipelineError as exc:
+        log.warning("request %s failed: %s", run.request_id, exc)
+        raise ServiceUnavailableError(f"The mesh failed during generation: {exc}") from exc
+    finally:
+        service.metrics.requests.inc(endpoint=ENDPOINT, outcome=outcome)
+    return a.Message(
+        id=_message_id(),
+        model=service.model_id,
+        content=[a.TextBlock(text="".join(d.text for d in deltas))],
+        stop_reason=_stop_reason(run, max_tokens),
+        stop_sequence=run.state.stop_string,
+        usage=_usage(run),
+    )
+
+
+def _event(name: str, payload: dict[str, Any]) -> bytes:
+    data = json.dumps({"type": name, **payload}, separators=(",", ":"))
+    return f"event: {name}\ndata: {data}\n\n".encode()
+
+
+async def _events(
+    service: ServeService, run: GenerationRun, max_tokens: int
+) -> AsyncGenerator[bytes, None]:
+    """Anthropic's stream of one reply (see the module docstring)."""
+    start = a.Message(
+        id=_message_id(),
+        model=service.model_id,
+        content=[],
+        stop_reason=None,
+        stop_sequence=None,
+        usage=a.Usage(input_tokens=len(run.prompt), output_tokens=0),
+    )
+    yield _event("message_start", {"message": start.model_dump(exclude_none=False)})
+    block = {"type": "text", "text": ""}
+    yield _event("content_block_start", {"index": 0, "content_block": block})
+    yield _event("ping", {})
+    outcome = "cancelled"
+    try:
+        async with aclosing(service.stream(run)) as deltas:
+            async for delta in deltas:
+                if delta.text:
+                    text = {"type": "text_delta", "text": delta.text}
+                    yield _event("content_block_delta", {"index": 0, "delta": text})
+        outcome = "ok"
+    except (PipelineError, APIError) as exc:
+        outcome = "error"
+        log.warning("stream failed: %s", exc)
+        status = exc.status_code if isinstance(exc, APIError) else 503
+        message = exc.message if isinstance(exc, APIError) else str(exc)
+        yield _event("error", {"error": anthropic_error_body(status, message)["error"]})
+        return
+    finally:
+        service.metrics.requests.inc(endpoint=ENDPOINT, outcome=outcome)
+    yield _event("content_block_stop", {"index": 0})
+    stop = {"stop_reason": _stop_reason(run, max_tokens), "stop_sequence": run.state.stop_string}
+    usage = {"output_tokens": len(run.state.tokens)}
+    yield _event("message_delta", {"delta": stop, "usage": usage})
+    yield _event("message_stop", {})
