@@ -15,6 +15,8 @@ heads, G = H / Hkv, D head dim, V vocabulary, r rows whose output is wanted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,7 +36,7 @@ from meshnode.engine.weights import LayerWeights, StageWeights, load_stage_weigh
 if TYPE_CHECKING:
     from meshnode.engine.cuda.stage import CudaStage
 
-__all__ = ["GEMV_MAX_ROWS", "Stage"]
+__all__ = ["GEMV_MAX_ROWS", "BatchRow", "Stage"]
 
 # On CPU a one-row product is an sgemv that streams W at memory bandwidth, but OpenBLAS's
 # sgemm with 2-4 rows costs about 3x that, while a second sgemv right after the first finds
@@ -182,54 +184,75 @@ class Stage:
         if self.hybrid is not None:
             assert isinstance(cache, HybridCache), "a hybrid stage runs on its own new_cache"
             return self.hybrid.forward(inputs, start_pos, cache, out_rows=out_rows)
-        cache.truncate(start_pos)
-        x = self._embed(inputs) if self.embed else self.xp.asarray(inputs, self.xp.float32)
-        n = x.shape[0]
-        rows = n if out_rows is None or not self.head else min(out_rows, n)
-        ropes = [self._rope(f, start_pos, n) for f in self._freqs]  # [S, D] cos, sin
+        return self.forward_batch([BatchRow(inputs, start_pos, cache, out_rows)])[0]
+
+    def forward_batch(self, items: Sequence[BatchRow]) -> list[Any]:
+        """Run several sequences' new positions as one forward; one output per item, as
+        :meth:`forward` returns it.
+
+        Every product with a weight matrix runs once over the rows of all items (one read
+        of the weights for the whole batch); attention, RoPE and the KV cache stay per
+        sequence. Items must name distinct caches. The CUDA and hybrid stages do not batch
+        yet: they run the items one by one. Raises ``ValueError`` as :meth:`forward` does.
+        """
+        if self._cuda is not None or self.hybrid is not None:
+            return [
+                self.forward(i.inputs, i.start_pos, i.cache, out_rows=i.out_rows) for i in items
+            ]
+        segs = [self._segment(item) for item in items]
+        x = _concat(self.xp, [self._inputs(item) for item in items])  # [N, E]
         last = len(self.weights.layers) - 1
         for i, layer in enumerate(self.weights.layers):
-            keep = rows if i == last else n
-            rope = ropes[self._rope_kind[i]]
-            x = self._block(layer, x, start_pos, cache, i, rope, keep)
+            x = self._block(layer, x, segs, i, i == last)
         if len(self.weights.layers) == 0:
-            x = x[n - rows :]
-        cache.length = start_pos + n
-        return self._head(x) if self.head else x
+            x = x[_kept_rows(self.xp, segs)]
+        for item, seg in zip(items, segs, strict=True):
+            item.cache.length = seg.start_pos + seg.n
+        out = self._head(x) if self.head else x
+        return _split(out, [seg.rows for seg in segs])
+
+    def _segment(self, item: BatchRow) -> _Segment:
+        item.cache.truncate(item.start_pos)
+        n = len(item.inputs)
+        out_rows = item.out_rows
+        rows = n if out_rows is None or not self.head else min(out_rows, n)
+        ropes = [self._rope(f, item.start_pos, n) for f in self._freqs]  # [S, D] cos, sin
+        return _Segment(item.start_pos, n, rows, item.cache, ropes)
+
+    def _inputs(self, item: BatchRow) -> Any:
+        if self.embed:
+            return self._embed(item.inputs)  # [S, E]
+        return self.xp.asarray(item.inputs, self.xp.float32)  # [S, E]
 
     # -- pieces ------------------------------------------------------------------------
 
-    def _block(
-        self,
-        w: LayerWeights,
-        x: Any,
-        pos: int,
-        cache: KVCache,
-        layer: int,
-        rope: tuple[Any, Any],
-        rows: int,
-    ) -> Any:
-        """One decoder block; only the last ``rows`` rows go past attention."""
-        h = self._attention(w, self._rms_norm(x, w.attn_norm), pos, cache, layer, rope, rows)
-        x = x[x.shape[0] - rows :] + self._maybe_norm(h, w.post_attn_norm)  # [r, E]
+    def _block(self, w: LayerWeights, x: Any, segs: list[_Segment], layer: int, last: bool) -> Any:
+        """One decoder block over the rows of every segment; in the last layer only each
+        segment's last ``rows`` rows go past attention."""
+        h = self._attention(w, self._rms_norm(x, w.attn_norm), segs, layer, last)
+        if last:
+            x = x[_kept_rows(self.xp, segs)]
+        x = x + self._maybe_norm(h, w.post_attn_norm)  # [R, E]
         return x + self._maybe_norm(self._mlp(w, self._rms_norm(x, w.ffn_norm)), w.post_ffn_norm)
 
     def _attention(
-        self,
-        w: LayerWeights,
-        x: Any,
-        pos: int,
-        cache: KVCache,
-        layer: int,
-        rope: tuple[Any, Any],
-        rows: int,
+        self, w: LayerWeights, x: Any, segs: list[_Segment], layer: int, last: bool
     ) -> Any:
-        c, xp = self.config, self.xp
-        cos, sin = rope  # [S, D]
-        n = x.shape[0]
-        qkv = self._linear(x, w.wqkv)  # [S, (H + 2 Hkv) D]
+        qkv = self._linear(x, w.wqkv)  # [N, (H + 2 Hkv) D]: all sequences' rows at once
         if w.bqkv is not None:
             qkv = qkv + w.bqkv
+        outs, offset = [], 0
+        for seg in segs:
+            rows = seg.rows if last else seg.n
+            outs.append(self._attend(w, qkv[offset : offset + seg.n], seg, layer, rows))
+            offset += seg.n
+        return self._linear(_concat(self.xp, outs), w.wo)  # [R, E]
+
+    def _attend(self, w: LayerWeights, qkv: Any, seg: _Segment, layer: int, rows: int) -> Any:
+        """One sequence's attention: ``qkv`` ``[S, (H + 2 Hkv) D]`` -> ``[r, H D]``."""
+        c, xp = self.config, self.xp
+        cos, sin = seg.ropes[self._rope_kind[layer]]  # [S, D]
+        n = seg.n
         q = qkv[n - rows :, : c.q_size].reshape(rows, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].reshape(n, c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
@@ -237,10 +260,9 @@ class Stage:
         k = self._maybe_norm(k, w.k_norm).transpose(1, 0, 2)  # [Hkv, S, D]
         q = ops.rotate_half(xp, q, cos[n - rows :], sin[n - rows :])
         k = ops.rotate_half(xp, k, cos, sin)
-        keys, values = cache.write(layer, pos, k, v.transpose(1, 0, 2))  # [Hkv, T, D]
-        window = self._windows[layer]
-        out = ops.attention(xp, q, keys, values, self._scale, window)  # [H, r, D]
-        return self._linear(out.transpose(1, 0, 2).reshape(rows, c.q_size), w.wo)  # [r, E]
+        keys, values = seg.cache.write(layer, seg.start_pos, k, v.transpose(1, 0, 2))  # [Hkv, T, D]
+        out = ops.attention(xp, q, keys, values, self._scale, self._windows[layer])  # [H, r, D]
+        return out.transpose(1, 0, 2).reshape(rows, c.q_size)  # [r, H D]
 
     def _mlp(self, w: LayerWeights, x: Any) -> Any:
         gate_up = self._linear(x, w.w_gate_up)  # [r, 2 I]
@@ -283,3 +305,46 @@ class Stage:
         h = self._rms_norm(x, w.norm)
         table = w.head_t if w.head_t is not None else w.embed_t
         return self._linear(h, table)  # [r, V]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRow:
+    """One sequence's part of a batched forward (the arguments of ``Stage.forward``)."""
+
+    inputs: Any  # token ids [S] (first stage) or hidden states [S, E]
+    start_pos: int
+    cache: Any
+    out_rows: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """Where one sequence sits in a batch: S new rows from ``start_pos``, r kept."""
+
+    start_pos: int
+    n: int
+    rows: int
+    cache: Any
+    ropes: list[tuple[Any, Any]]
+
+
+def _concat(xp: Any, parts: list[Any]) -> Any:
+    return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=0)
+
+
+def _kept_rows(xp: Any, segs: list[_Segment]) -> Any:
+    """Indices of each segment's last ``rows`` rows in the stacked ``[N, E]`` activations."""
+    ends = np.cumsum([seg.n for seg in segs])
+    if len(segs) == 1:
+        return slice(segs[0].n - segs[0].rows, segs[0].n)
+    return xp.asarray(
+        np.concatenate([np.arange(e - s.rows, e) for e, s in zip(ends, segs, strict=True)])
+    )
+
+
+def _split(out: Any, rows: list[int]) -> list[Any]:
+    """The stacked output cut back into one array per segment."""
+    if len(rows) == 1:
+        return [out]
+    bounds = np.cumsum(rows)[:-1]
+    return [out[a:b] for a, b in zip([0, *bounds], [*bounds, sum(rows)], strict=True)]

@@ -29,6 +29,7 @@ from meshnode.errors import MeshnodeError
 
 if TYPE_CHECKING:
     from meshnode.engine.sampling import SamplingParams
+    from meshnode.node.batcher import Batcher, BatchLimits, Slot
     from meshnode.node.stage import StageRunner
 
 RequestId = NewType("RequestId", str)
@@ -147,26 +148,52 @@ class Pipeline(Protocol):
 class LocalPipeline:
     """Every layer in this process: one :class:`StageRunner` holding the whole model.
 
-    Compute runs in a worker thread so that the event loop keeps serving HTTP while a
-    forward pass runs; a lock serializes the passes because the runner (and the BLAS
-    threads under it) is shared by all sequences. Sequences interleave frame by frame, so
-    eight concurrent requests share the machine fairly instead of queueing whole replies.
+    Concurrent ``run`` calls are batched (:mod:`meshnode.node.batcher`): each step runs the
+    ready frames of all sequences as one forward in a worker thread, so the event loop
+    keeps serving HTTP meanwhile. Steps and releases never overlap, because the runner
+    (and the BLAS threads under it) is shared by all sequences.
     """
 
-    def __init__(self, runner: StageRunner):
+    def __init__(self, runner: StageRunner, limits: BatchLimits | None = None):
+        # Imported here: the batcher is built on this module's records.
+        from meshnode.node.batcher import Batcher, BatchLimits
+
         self.runner = runner
-        # trio.Lock is fair (FIFO): a long prefill chunk cannot starve a decode step.
-        self._lock = trio.Lock()
+        limits = limits or BatchLimits(max_frames=runner.max_sequences)
+        self.batcher: Batcher[StepResult] = Batcher(
+            self._step, limits, live=lambda: runner.live_sequences
+        )
 
     @property
     def context_size(self) -> int:
         return int(self.runner.context_size)
 
     async def run(self, frame: StepFrame) -> StepResult:
-        async with self._lock:
-            return await trio.to_thread.run_sync(self.runner.result, frame)
+        return await self.batcher.submit(frame)
 
     async def release(self, request_id: RequestId) -> None:
-        # Under the lock, so a release never races the worker thread's use of the cache.
-        async with self._lock:
+        # Between steps, so a release never races the worker thread's use of the cache.
+        async with self.batcher.exclusive():
             self.runner.release(request_id)
+
+    async def _step(self, slots: list[Slot[StepResult]]) -> None:
+        await trio.to_thread.run_sync(run_results, self.runner, slots)
+
+
+def run_results(runner: StageRunner, slots: list[Slot[StepResult]]) -> None:
+    """One step on the last stage (in a worker thread): each slot's result, or its error
+    when its frame does not fit (that frame alone fails)."""
+    admitted = [slot for slot in slots if _admit(runner, slot)]
+    if admitted:
+        results = runner.results_batch([slot.frame for slot in admitted])
+        for slot, result in zip(admitted, results, strict=True):
+            slot.output = result
+
+
+def _admit(runner: StageRunner, slot: Slot[Any]) -> bool:
+    try:
+        runner.admit(slot.frame)
+    except PipelineError as exc:
+        slot.error = exc
+        return False
+    return True

@@ -20,6 +20,7 @@ pipeline holds a lock around both).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from meshnode.engine.config import ModelConfig
-from meshnode.engine.model import Stage
+from meshnode.engine.model import BatchRow, Stage
 from meshnode.engine.mtp import MtpCache
 from meshnode.engine.recurrent import HybridCache
 from meshnode.engine.sampling import Sampler, SamplingParams, token_logprobs
@@ -54,7 +55,6 @@ DEFAULT_MAX_CONTEXT = 2048
 def default_context(config: ModelConfig) -> int:
     """The context a model is served with when none is asked for."""
     return min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
-
 
 
 class StageError(PipelineError):
@@ -109,14 +109,21 @@ class StageRunner:
         Raises StageError on the last stage, and for frames that do not fit this sequence
         or the limits.
         """
+        return self.activations_batch([frame])[0]
+
+    def activations_batch(self, frames: Sequence[StepFrame]) -> list[npt.NDArray[np.float32]]:
+        """Run several sequences' frames as one forward (one read of the weights); the
+        hidden states of each, in order, as :meth:`activations` returns them.
+
+        Raises StageError on the last stage, for two frames of one sequence, and for any
+        frame that does not fit (check each with :meth:`admit` first to fail only it).
+        """
         if self.last:
             raise StageError("the last stage returns tokens, not activations")
-        seq = self._sequence(frame)
-        self._check_positions(frame, seq)
-        out = self._forward(frame, seq)
+        seqs = self._admit_all(frames)
+        outs = self._forward(frames, seqs)
         # Host memory at the stage boundary: the only device-to-host copy of a stage.
-        hidden: npt.NDArray[np.float32] = self.stage.backend.to_numpy(out)
-        return hidden
+        return [self.stage.backend.to_numpy(out) for out in outs]
 
     def result(self, frame: StepFrame) -> StepResult:
         """Run ``frame`` through the last stage: the tokens it commits (none for a
@@ -125,24 +132,39 @@ class StageRunner:
         Raises StageError on a stage that is not the last, and for frames that do not fit
         this sequence or the limits.
         """
+        return self.results_batch([frame])[0]
+
+    def results_batch(self, frames: Sequence[StepFrame]) -> list[StepResult]:
+        """Run several sequences' frames through the last stage as one forward; each
+        frame's :class:`StepResult`, in order. Each sequence samples with its own state,
+        so its tokens are those it would get alone. ``compute_s`` of each is the batch's.
+
+        Raises StageError on a stage that is not the last, for two frames of one sequence,
+        and for any frame that does not fit (check each with :meth:`admit` first).
+        """
         if not self.last:
             raise StageError("only the last stage decides tokens")
+        if self.stage.mtp is not None:  # the MTP drafter reads the forward's hidden rows
+            return [self._result_alone(frame) for frame in frames]
         began = time.perf_counter()
-        seq = self._sequence(frame)
-        self._check_positions(frame, seq)
-        out = self._forward(frame, seq)
-        result = self._decide(frame, seq, out)
-        drafts = self._mtp_drafts(frame, seq, result[0], result[1])
+        seqs = self._admit_all(frames)
+        outs = self._forward(frames, seqs)
+        decided = [self._decide(f, s, o) for f, s, o in zip(frames, seqs, outs, strict=True)]
         elapsed = time.perf_counter() - began
-        return StepResult(
-            request_id=frame.request_id,
-            accepted=result[0],
-            tokens=tuple(result[1]),
-            logprobs=result[2],
-            compute_s=elapsed,
-            stage_compute_s=(elapsed,),
-            drafts=drafts,
-        )
+        return [_result(frame, d, elapsed) for frame, d in zip(frames, decided, strict=True)]
+
+    def _result_alone(self, frame: StepFrame) -> StepResult:
+        began = time.perf_counter()
+        (seq,) = self._admit_all([frame])
+        (out,) = self._forward([frame], [seq])
+        decided = self._decide(frame, seq, out)
+        drafts = self._mtp_drafts(frame, seq, decided[0], decided[1])
+        return _result(frame, decided, time.perf_counter() - began, drafts)
+
+    def admit(self, frame: StepFrame) -> None:
+        """Check that ``frame`` fits its sequence and the limits, creating the sequence
+        for a frame at position 0. Raises StageError naming what does not fit."""
+        self._check_positions(frame, self._sequence(frame))
 
     def memory(self) -> dict[str, int]:
         """Bytes held by this stage's sequence caches (live and kept for reuse); for a
@@ -179,8 +201,10 @@ class StageRunner:
             )
         if len(self._sequences) >= self.max_sequences:
             raise StageError(f"this stage already holds {self.max_sequences} sequences")
-        cache = self._free_caches.pop() if self._free_caches else self.stage.new_cache(
-            self.context_size
+        cache = (
+            self._free_caches.pop()
+            if self._free_caches
+            else self.stage.new_cache(self.context_size)
         )
         seq = _Sequence(cache=cache, sampling=frame.sampling)
         if self.last:
@@ -202,7 +226,18 @@ class StageRunner:
 
     # -- compute ------------------------------------------------------------------------
 
-    def _forward(self, frame: StepFrame, seq: _Sequence) -> Any:
+    def _admit_all(self, frames: Sequence[StepFrame]) -> list[_Sequence]:
+        if len({f.request_id for f in frames}) != len(frames):
+            raise StageError("a batch carries at most one frame of each sequence")
+        for frame in frames:
+            self.admit(frame)
+        return [self._sequences[f.request_id] for f in frames]
+
+    def _forward(self, frames: Sequence[StepFrame], seqs: Sequence[_Sequence]) -> list[Any]:
+        items = [self._row(f, s) for f, s in zip(frames, seqs, strict=True)]
+        return self.stage.forward_batch(items)
+
+    def _row(self, frame: StepFrame, seq: _Sequence) -> BatchRow:
         if self.first:
             inputs: Any = np.asarray(frame.tokens, dtype=np.int64)
         elif frame.hidden is None:
@@ -216,7 +251,7 @@ class StageRunner:
         if self.stage.hybrid is not None:  # the MTP drafter reads every row's hidden state
             self.stage.hybrid.keep_hidden = self.stage.mtp is not None and frame.mtp_drafts > 0
         # Only the rows whose logits are used go through the head (engine out_rows).
-        return self.stage.forward(inputs, frame.start_pos, seq.cache, out_rows=_out_rows(frame))
+        return BatchRow(inputs, frame.start_pos, seq.cache, _out_rows(frame))
 
     def _decide(
         self, frame: StepFrame, seq: _Sequence, logits: Any
@@ -264,6 +299,24 @@ class StageRunner:
         if out is None or following is None:
             return ()
         return tuple(mtp.draft(seq.mtp, out, frame.mtp_drafts))
+
+
+def _result(
+    frame: StepFrame,
+    decided: tuple[int, list[int], tuple[TokenLogprob, ...] | None],
+    elapsed: float,
+    drafts: tuple[int, ...] = (),
+) -> StepResult:
+    accepted, tokens, logprobs = decided
+    return StepResult(
+        request_id=frame.request_id,
+        accepted=accepted,
+        tokens=tuple(tokens),
+        logprobs=logprobs,
+        compute_s=elapsed,
+        stage_compute_s=(elapsed,),
+        drafts=drafts,
+    )
 
 
 def _out_rows(frame: StepFrame) -> int:

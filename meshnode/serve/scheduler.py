@@ -1,7 +1,8 @@
 """Admission of requests: how many generate at once, and how many may wait.
 
 Every admitted request gets its own sequence (and so its own KV cache on every stage);
-the pipeline interleaves their passes frame by frame. Requests beyond ``max_in_flight``
+the pipeline batches the ready passes of all of them into one forward per step
+(:mod:`meshnode.node.batcher`). Requests beyond ``max_in_flight``
 wait in FIFO order; beyond ``max_waiting`` they are refused with a 503 so that a burst
 turns into quick retries instead of an unbounded queue of stalled connections.
 """

@@ -17,7 +17,7 @@ import pytest
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.kv_cache import KVCache
-from meshnode.engine.model import Stage
+from meshnode.engine.model import BatchRow, Stage
 from meshnode.engine.sampling import SamplingParams
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame, StepResult
 from meshnode.node.stage import StageRunner
@@ -72,6 +72,9 @@ class RecordingStage:
         self.records.append(ForwardRecord(start_pos, len(inputs), before, cache.length))
         self.cache = cache
         return out
+
+    def forward_batch(self, items: list[BatchRow]) -> list[Any]:
+        return [self.forward(i.inputs, i.start_pos, i.cache, out_rows=i.out_rows) for i in items]
 
 
 @dataclass

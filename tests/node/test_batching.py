@@ -1,0 +1,260 @@
+"""Continuous batching over a local pipeline: concurrent requests share each forward and
+every stream's tokens are exactly those it gets alone.
+
+The model is real (a tiny random Llama, in memory, with a wide logit spread so that a
+batched product's float32 rounding never decides a greedy tie); the runner is the real
+:class:`StageRunner`, which the tests subclass only to record what each step carried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import trio
+
+from meshnode.engine.config import ModelConfig
+from meshnode.engine.model import Stage
+from meshnode.engine.sampling import SamplingParams
+from meshnode.node.batcher import BatchLimits, plan_batch
+from meshnode.node.pipeline import FrameKind, LocalPipeline, RequestId, StepFrame, StepResult
+from meshnode.node.stage import StageRunner
+from meshnode.serve.generation import (
+    GenerationParams,
+    GenerationRun,
+    GenerationState,
+    Speculation,
+    generate,
+)
+from meshnode.speculative.ngram import NgramProposer
+from meshnode.speculative.proposer import Proposer
+from meshnode.speculative.window import WindowPolicy
+from tests.speculative.tinymodel import TinySource, tiny_config
+
+CONTEXT = 160
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [
+    [5, 9, 11, 5, 9, 11, 5, 9, 3, 7],
+    [4, 4, 8],
+    [12, 30, 7, 22, 19, 3, 40, 41, 2, 6, 17],
+    [33],
+    [6, 7, 8, 6, 7, 8, 6],
+    [20, 21],
+]
+
+
+class SilentDetokenizer:
+    def push(self, token: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+class RecordingRunner(StageRunner):
+    """The real runner, remembering the frames of every batched forward."""
+
+    def __init__(self, stage: Stage) -> None:
+        super().__init__(stage, context_size=CONTEXT, max_sequences=8)
+        self.steps: list[list[StepFrame]] = []
+
+    def results_batch(self, frames: Sequence[StepFrame]) -> list[StepResult]:
+        self.steps.append(list(frames))
+        return super().results_batch(frames)
+
+
+@pytest.fixture(scope="module")
+def stage() -> Stage:
+    source = TinySource(tiny_config(48, 3), seed=0, logit_scale=8.0)
+    config = ModelConfig.from_hf(source.config)
+    return Stage(config, source, 0, config.num_layers, embed=True, head=True)
+
+
+def _run(request: str, prompt: list[int], tokens: int, sampling: SamplingParams) -> GenerationRun:
+    params = GenerationParams(max_new_tokens=tokens, sampling=sampling)
+    state = GenerationState(params, SilentDetokenizer())
+    return GenerationRun(RequestId(request), list(prompt), params, state)
+
+
+async def _drive(
+    pipeline: LocalPipeline,
+    run: GenerationRun,
+    *,
+    speculation: Speculation | None = None,
+    chunk_tokens: int = 256,
+    started: trio.Event | None = None,
+) -> list[int]:
+    async for _ in generate(pipeline, run, speculation=speculation, chunk_tokens=chunk_tokens):
+        if started is not None:
+            started.set()
+    return run.state.tokens
+
+
+async def _solo(
+    stage: Stage, prompt: list[int], tokens: int, sampling: SamplingParams
+) -> list[int]:
+    pipeline = LocalPipeline(StageRunner(stage, context_size=CONTEXT))
+    return await _drive(pipeline, _run("solo", prompt, tokens, sampling))
+
+
+async def _together(
+    pipeline: LocalPipeline, runs: list[GenerationRun], speculation: Speculation | None = None
+) -> list[list[int]]:
+    outputs: list[list[int]] = [[] for _ in runs]
+
+    async def one(i: int) -> None:
+        outputs[i] = await _drive(pipeline, runs[i], speculation=speculation)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(runs)):
+            nursery.start_soon(one, i)
+    return outputs
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [GREEDY, SamplingParams(temperature=0.9, top_k=20, seed=1234)],
+    ids=["greedy", "seeded"],
+)
+async def test_concurrent_streams_equal_their_solo_runs(
+    stage: Stage, sampling: SamplingParams
+) -> None:
+    solo = [await _solo(stage, p, 24, sampling) for p in PROMPTS]
+    runner = RecordingRunner(stage)
+    pipeline = LocalPipeline(runner)
+    runs = [_run(f"r{i}", p, 24, sampling) for i, p in enumerate(PROMPTS)]
+    assert await _together(pipeline, runs) == solo
+    # They shared forwards: every decode step carried all six sequences.
+    decode_steps = [s for s in runner.steps if all(f.kind is FrameKind.DECODE for f in s)]
+    assert decode_steps
+    assert max(len(s) for s in decode_steps) == len(PROMPTS)
+    assert len(runner.steps) < sum(r.timings.passes for r in runs) / 4
+    assert runner.live_sequences == 0
+
+
+async def test_requests_join_and_leave_mid_batch(stage: Stage) -> None:
+    """Short and long requests, some starting while others decode: each leaves when it
+    is done, the newcomers join the running batch, and all equal their solo runs."""
+    lengths = [6, 30, 12, 30]
+    solo = [await _solo(stage, p, n, GREEDY) for p, n in zip(PROMPTS[:4], lengths, strict=True)]
+    runner = RecordingRunner(stage)
+    pipeline = LocalPipeline(runner)
+    outputs: list[list[int]] = [[] for _ in lengths]
+
+    async def one(i: int, after: trio.Event | None, started: trio.Event) -> None:
+        if after is not None:
+            await after.wait()
+        run = _run(f"r{i}", PROMPTS[i], lengths[i], GREEDY)
+        outputs[i] = await _drive(pipeline, run, started=started)
+
+    events = [trio.Event() for _ in lengths]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, 0, None, events[0])
+        nursery.start_soon(one, 1, None, events[1])
+        nursery.start_soon(one, 2, events[1], events[2])  # joins once r1 decodes
+        nursery.start_soon(one, 3, events[2], events[3])
+    assert outputs == solo
+    sizes = [len(s) for s in runner.steps]
+    assert max(sizes) >= 3  # the newcomers decoded next to r1 (and r0 or r2)
+    # r0 left after 6 tokens while r1 went on: later steps ran without it.
+    last_r0 = max(i for i, s in enumerate(runner.steps) if any(f.request_id == "r0" for f in s))
+    assert any(len(s) > 1 for s in runner.steps[last_r0 + 1 :])
+    # r3 joined a running batch: its prefill shared a step with others' decode rows.
+    joined = [s for s in runner.steps if any(f.request_id == "r3" and f.start_pos == 0 for f in s)]
+    assert len(joined[0]) > 1
+
+
+async def test_long_prefill_does_not_stall_decoders(stage: Stage) -> None:
+    """A 96-token prompt read in 12 chunks of 8 (the step budget) while three requests
+    decode: every step of its prefill also carries each decoder's row, so each decoder
+    gains a token per chunk instead of waiting for the whole prompt."""
+    chunk = 8
+    long_prompt = [(7 * i) % 45 + 3 for i in range(96)]
+    runner = RecordingRunner(stage)
+    pipeline = LocalPipeline(runner, BatchLimits(max_frames=8, prefill_tokens=chunk))
+    decoding = [trio.Event() for _ in range(3)]
+    outputs: dict[str, list[int]] = {}
+
+    async def decoder(i: int) -> None:
+        run = _run(f"d{i}", PROMPTS[i], 40, GREEDY)
+        outputs[f"d{i}"] = await _drive(pipeline, run, started=decoding[i])
+
+    async def reader() -> None:
+        for event in decoding:  # once all three decode
+            await event.wait()
+        run = _run("long", long_prompt, 4, GREEDY)
+        outputs["long"] = await _drive(pipeline, run, chunk_tokens=chunk)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(3):
+            nursery.start_soon(decoder, i)
+        nursery.start_soon(reader)
+    prefill = [
+        s
+        for s in runner.steps
+        if any(f.request_id == "long" and f.kind is FrameKind.PREFILL for f in s)
+    ]
+    assert len(prefill) == len(long_prompt) // chunk  # one chunk per step, never two
+    for step in prefill:
+        assert {str(f.request_id) for f in step} == {"d0", "d1", "d2", "long"}
+        assert sum(len(f.tokens) for f in step if f.kind is FrameKind.PREFILL) == chunk
+    assert outputs["long"] == await _solo(stage, long_prompt, 4, GREEDY)
+    assert outputs["d0"] == await _solo(stage, PROMPTS[0], 40, GREEDY)
+
+
+def _ngram(params: SamplingParams, capacity: int) -> Proposer:
+    return NgramProposer()
+
+
+async def test_batched_verify_windows_equal_plain_decoding(stage: Stage) -> None:
+    """With n-gram speculation on, verify frames of several sequences share forwards
+    (next to decode rows), and greedy output is still each request's solo plain output."""
+    prompts = [PROMPTS[0], PROMPTS[4], [9, 10, 9, 10, 9, 10, 9], PROMPTS[2]]
+    solo = [await _solo(stage, p, 30, GREEDY) for p in prompts]
+    runner = RecordingRunner(stage)
+    pipeline = LocalPipeline(runner)
+    speculation = Speculation(_ngram, WindowPolicy("fixed", 3, 1, 3), strategy="ngram")
+    runs = [_run(f"r{i}", p, 30, GREEDY) for i, p in enumerate(prompts)]
+    assert await _together(pipeline, runs, speculation) == solo
+    mixed = [s for s in runner.steps if sum(f.kind is FrameKind.VERIFY for f in s) >= 2]
+    assert mixed, "no step carried two verify windows"
+    assert sum(r.spec.accepted for r in runs) > 0
+
+
+def _frame(request: str, kind: FrameKind, tokens: int) -> StepFrame:
+    final = kind is not FrameKind.PREFILL
+    return StepFrame(RequestId(request), kind, 0, tuple(range(1, tokens + 1)), GREEDY, final=final)
+
+
+D, V, P = FrameKind.DECODE, FrameKind.VERIFY, FrameKind.PREFILL
+
+
+@pytest.mark.parametrize(
+    ("pending", "limits", "live", "chosen"),
+    [
+        # decode and verify rows all go; prefill chunks share the token budget in order
+        (
+            [("a", D, 1), ("b", P, 8), ("c", V, 4), ("d", P, 8)],
+            BatchLimits(prefill_tokens=8),
+            4,
+            [0, 1, 2],
+        ),
+        # the oldest prefill chunk always goes, even over the budget
+        ([("b", P, 20), ("a", D, 1)], BatchLimits(prefill_tokens=8), 2, [0, 1]),
+        # a later chunk that fits the rest of the budget still goes
+        ([("b", P, 6), ("c", P, 4), ("d", P, 2)], BatchLimits(prefill_tokens=8), 3, [0, 2]),
+        # one frame per sequence and step
+        ([("a", P, 2), ("a", P, 2), ("b", D, 1)], BatchLimits(), 2, [0, 2]),
+        # batching off: one frame per step, oldest first
+        ([("b", P, 8), ("a", D, 1)], BatchLimits(enabled=False), 2, [0]),
+        # three stages: about a third of the live sequences per micro-batch
+        ([(f"s{i}", D, 1) for i in range(8)], BatchLimits(micro_batches=3), 8, [0, 1, 2]),
+        ([("a", D, 1)], BatchLimits(micro_batches=3), 1, [0]),
+        ([(f"s{i}", D, 1) for i in range(10)], BatchLimits(max_frames=4), 10, [0, 1, 2, 3]),
+    ],
+)
+def test_plan_batch(
+    pending: list[tuple[str, FrameKind, int]], limits: BatchLimits, live: int, chosen: list[int]
+) -> None:
+    frames = [_frame(*p) for p in pending]
+    assert plan_batch(frames, limits, live) == chosen
