@@ -27,6 +27,7 @@ from meshnode.engine.backend import BackendError, select_backend
 from meshnode.engine.loader import reading_model
 from meshnode.engine.recurrent import ring_slots_for
 from meshnode.errors import ConfigError, ModelError
+from meshnode.net.http_guard import ApiAccess, BodyLimits, check_api_exposure
 from meshnode.net.identity import JoinToken, NodeIdentity
 from meshnode.node import process
 from meshnode.node.config import NodeConfig
@@ -86,9 +87,13 @@ async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentit
 
     if service is not None and host is not None:
         service.unavailable_reason = lambda: unavailable_message(host.status())
+    access = ApiAccess.for_bind(config.api, config.api_key)
+    limits = BodyLimits(max_bytes=config.api_max_body_bytes)
 
     def app_factory(node: Node) -> FastAPI:
-        app = create_app(node.status, cors_origins=config.cors_origins)
+        app = create_app(
+            node.status, access=access, limits=limits, cors_origins=config.cors_origins
+        )
         if service is not None:
             mount_openai(app, service)
         return app
@@ -100,9 +105,11 @@ def run(config: NodeConfig) -> int:
     """Run ``meshnode join`` with ``config`` until interrupted; the exit status.
 
     Raises ``ConfigError`` before anything starts when the device or weights dtype cannot
-    be had here (``--device cuda`` without one, ``--dtype float16`` on a CPU).
+    be had here (``--device cuda`` without one, ``--dtype float16`` on a CPU), and when the
+    API would be reachable from other machines without a key.
     """
     process.configure_logging(config)
+    check_api_exposure(config.api, config.api_key, config.allow_open_api)
     try:
         backend = select_backend(config.device, config.weights_dtype)
     except BackendError as exc:

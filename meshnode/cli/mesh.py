@@ -77,6 +77,31 @@ def join(
         str | None,
         typer.Option(help=env_help("api", "HTTP API address HOST:PORT (default 127.0.0.1:8470).")),
     ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            help=env_help(
+                "api_key",
+                "Require 'Authorization: Bearer KEY' on the HTTP API (needed to bind it to a "
+                "non-loopback address).",
+            )
+        ),
+    ] = None,
+    allow_open_api: Annotated[
+        bool,
+        typer.Option(
+            "--allow-open-api",
+            help=env_help(
+                "allow_open_api", "Serve the API on a non-loopback address without a key."
+            ),
+        ),
+    ] = False,
+    api_max_body: Annotated[
+        str | None,
+        typer.Option(
+            help=env_help("api_max_body_bytes", "Largest HTTP request body (default 2MiB).")
+        ),
+    ] = None,
     state_dir: Annotated[
         Path | None,
         typer.Option(help=env_help("state_dir", "Identity, config and caches of this node.")),
@@ -244,6 +269,9 @@ def join(
             "token_file": token_file,
             "listen": listen,
             "api": api,
+            "api_key": api_key,
+            "allow_open_api": True if allow_open_api else None,
+            "api_max_body_bytes": api_max_body,
             "state_dir": state_dir,
             "interface": interface,
             "peers": peer or None,
@@ -281,23 +309,35 @@ def status(
     state_dir: Annotated[
         Path | None, typer.Option(help="Find the daemon through its state dir.")
     ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(help=env_help("api_key", "The daemon's API key (default: its config's).")),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Show this node, its mesh and its peers; exit 1 when no daemon answers."""
     from meshnode.node.process import read_node_file
 
     try:
+        # The daemon's config file too: its API key may be there.
+        config = load_config(
+            config_file=config_file_for(None, state_dir),
+            flags={"state_dir": state_dir, "api_key": api_key},
+        )
         address = _address(api)
         if address is None:
-            config = load_config(flags={"state_dir": state_dir})
             running = read_node_file(config.state_dir)
             address = running.api if running is not None else config.api
     except ConfigError as exc:
         typer.echo(f"meshnode status: {exc}", err=True)
         raise typer.Exit(2) from exc
     url = f"http://{address}/v1/mesh/status"
+    headers = {} if config.api_key is None else {"Authorization": f"Bearer {config.api_key}"}
     try:
-        response = httpx.get(url, timeout=STATUS_TIMEOUT_S)
+        response = httpx.get(url, headers=headers, timeout=STATUS_TIMEOUT_S)
+        if response.status_code == 401:
+            typer.echo(f"meshnode status: {url} wants the API key (--api-key)", err=True)
+            raise typer.Exit(1)
         response.raise_for_status()
         body: dict[str, Any] = response.json()
     except (httpx.HTTPError, ValueError) as exc:

@@ -34,6 +34,7 @@ from typing import Any, Literal, cast
 from meshnode.engine.backend import WEIGHTS_DTYPES, WeightsDtype
 from meshnode.errors import ConfigError
 from meshnode.net.address import Address
+from meshnode.net.http_guard import DEFAULT_MAX_BODY_BYTES
 from meshnode.net.secret_files import check_private, warn_if_exposed
 from meshnode.speculative.settings import SpeculativeConfigError, SpeculativeFlags, check_table
 
@@ -91,6 +92,11 @@ class NodeConfig:
     state_dir: Path = field(default_factory=default_state_dir)
     listen: Address = Address("0.0.0.0", DEFAULT_LISTEN_PORT)
     api: Address = Address("127.0.0.1", DEFAULT_API_PORT)
+    # The HTTP API's bearer key (None: no key; then only a loopback bind is allowed unless
+    # ``allow_open_api``), and its request body cap (meshnode.net.http_guard).
+    api_key: str | None = field(default=None, repr=False)  # secret: never logged
+    allow_open_api: bool = False
+    api_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     interface: str | None = None
     mdns: bool = True
     peers: tuple[Address, ...] = ()
@@ -256,6 +262,21 @@ def _positive_float(v: object) -> float:
     return f
 
 
+def _api_key(v: object) -> str:
+    # It travels in an HTTP header: visible ASCII only, so it can be typed and sent intact.
+    s = _str(v)
+    if not s or not all("!" <= c <= "~" for c in s):
+        raise ConfigError("an API key must be non-empty printable ASCII without spaces")
+    return s
+
+
+def _body_bytes(v: object) -> int:
+    n = parse_bytes(v)
+    if n < 1:
+        raise ConfigError(f"expected a positive byte count, got {v!r}")
+    return n
+
+
 def _wire_dtype(v: object) -> str:
     s = _str(v).lower()
     if s not in {"f16", "f32"}:
@@ -309,6 +330,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("state_dir", "node", "state_dir", "MESHNODE_STATE_DIR", _path),
     Setting("listen", "node", "listen", "MESHNODE_LISTEN", _address),
     Setting("api", "node", "api", "MESHNODE_API", _address),
+    Setting("api_key", "node", "api_key", "MESHNODE_API_KEY", _api_key),
+    Setting("allow_open_api", "node", "allow_open_api", "MESHNODE_ALLOW_OPEN_API", _bool),
+    Setting(
+        "api_max_body_bytes", "node", "api_max_body", "MESHNODE_API_MAX_BODY", _body_bytes,
+        flag="api-max-body",
+    ),
     Setting("max_memory_bytes", "node", "max_memory", "MESHNODE_MAX_MEMORY", parse_bytes),
     Setting("device", "node", "device", "MESHNODE_DEVICE", _device),
     Setting(

@@ -3,6 +3,9 @@
 Every node's app serves ``GET /v1/mesh/status`` and the web console (``GET /``,
 :mod:`meshnode.serve.console`); the host adds the OpenAI routes. The factory only takes
 callables that read the daemon's state, never the daemon itself.
+
+The whole app sits behind :class:`~meshnode.net.http_guard.ApiGuard` (Host check, API key,
+body limits): a route mounted on it later, by any module, is guarded without doing anything.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from meshnode.net.http import serve_api
+from meshnode.net.http_guard import ApiAccess, ApiGuard, BodyLimits
 from meshnode.serve.console import mount_console
 
 __all__ = ["StatusSource", "create_app", "serve_api"]
@@ -25,14 +29,25 @@ StatusSource = Callable[[], dict[str, Any]]
 CORS_MAX_AGE_S = 600
 
 
-def create_app(mesh_status: StatusSource, *, cors_origins: Sequence[str] = ()) -> FastAPI:
+def create_app(
+    mesh_status: StatusSource,
+    *,
+    access: ApiAccess | None = None,
+    limits: BodyLimits | None = None,
+    cors_origins: Sequence[str] = (),
+) -> FastAPI:
     """The API app; ``mesh_status()`` returns the JSON body of ``GET /v1/mesh/status``.
 
-    ``cors_origins`` (``--cors-origin``) are the browser origins allowed to call it; with
-    none, no CORS header is sent and browsers keep other sites' pages out.
+    ``access`` defaults to a loopback bind without a key, ``limits`` to the default body
+    limits (:mod:`meshnode.net.http_guard`). ``cors_origins`` (``--cors-origin``) are the
+    browser origins allowed to call it; with none, no CORS header is sent and browsers keep
+    other sites' pages out.
     """
     app = FastAPI(title="meshnode", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(ApiGuard, access=access or ApiAccess(), limits=limits or BodyLimits())
     if cors_origins:
+        # Added after the guard, so outside it: refusals carry the CORS headers too, and a
+        # page on an allowed origin can read why it was refused.
         _allow_origins(app, cors_origins)
 
     @app.get("/v1/mesh/status")

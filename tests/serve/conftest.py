@@ -22,6 +22,7 @@ import trio
 from meshnode_packaging.sources import open_source
 from safetensors.numpy import save_file
 
+from meshnode.net.http_guard import ApiAccess, BodyLimits
 from meshnode.node.config import Address
 from meshnode.serve.app import create_app, serve_api
 from meshnode.serve.openai_api import mount_openai
@@ -109,9 +110,17 @@ class Server:
         return f"http://{self.address}"
 
 
-async def start_server(nursery: trio.Nursery, service: ServeService) -> Server:
-    """Serve ``service`` in ``nursery`` on a free loopback port; returns once it listens."""
-    app = create_app(lambda: {"node": {"node_id": "test"}})
+async def start_server(
+    nursery: trio.Nursery,
+    service: ServeService,
+    *,
+    access: ApiAccess | None = None,
+    limits: BodyLimits | None = None,
+) -> Server:
+    """Serve ``service`` in ``nursery`` on a free loopback port; returns once it listens.
+
+    ``access`` and ``limits`` default to those of a loopback bind without a key."""
+    app = create_app(lambda: {"node": {"node_id": "test"}}, access=access, limits=limits)
     mount_openai(app, service)
     with trio.fail_after(SERVER_START_TIMEOUT_S):
         address = await nursery.start(serve_api, app, Address("127.0.0.1", 0))

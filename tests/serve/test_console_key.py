@@ -1,9 +1,9 @@
 """The console's API key flow, in headless Chromium (issue 20).
 
-The API's own key check is not built yet (issue 15); until then a loopback app refuses
-every data route without ``Authorization: Bearer <key>``, as the API will, and serves the
-page and its assets without one. The page must ask for the key on the 401, send it, and
-show the node. Skipped where Chromium is not installed.
+The app has an API key (``meshnode.net.http_guard``): every data route refuses a request
+without ``Authorization: Bearer <key>``, while the page and its assets load without one.
+The page must ask for the key on the 401, send it, and show the node. Skipped where
+Chromium is not installed.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import trio
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse
 
+from meshnode.net.http_guard import ApiAccess
 from meshnode.node.config import Address
 from meshnode.serve.app import create_app, serve_api
 from tests.e2e.browser import Browser, find_chromium
@@ -52,17 +52,13 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def _keyed_app() -> Any:
-    app = create_app(lambda: STATUS)
+    app = create_app(lambda: STATUS, access=ApiAccess(KEY))
     seen: list[str] = []
 
-    @app.middleware("http")
-    async def require_key(request: Request, call_next: Handler) -> Response:
-        if not request.url.path.startswith(("/v1/", "/metrics")):
-            return await call_next(request)  # the page and its assets hold no data
-        seen.append(request.headers.get("authorization", ""))
-        if request.headers.get("authorization") != f"Bearer {KEY}":
-            body = {"error": {"message": "Invalid API key.", "type": "invalid_request_error"}}
-            return JSONResponse(body, status_code=401)
+    @app.middleware("http")  # outside the guard: sees every request, refused ones too
+    async def record_key(request: Request, call_next: Handler) -> Response:
+        if request.url.path.startswith(("/v1/", "/metrics")):
+            seen.append(request.headers.get("authorization", ""))
         return await call_next(request)
 
     app.state.seen = seen
@@ -95,7 +91,7 @@ async def test_the_page_asks_for_the_key_and_sends_it_as_bearer(tmp_path: Path) 
         address: Address = await nursery.start(serve_api, app, Address("127.0.0.1", 0))
         reason, shown = await trio.to_thread.run_sync(_drive, f"http://{address}/", tmp_path)
         nursery.cancel_scope.cancel()
-    assert "Invalid API key." in reason
+    assert "Missing API key" in reason
     assert NODE_ID in shown
     assert app.state.seen[0] == ""  # the first poll had no key
     assert app.state.seen[-1] == f"Bearer {KEY}"
