@@ -22,10 +22,29 @@ from meshnode.net.address import Address
 
 log = logging.getLogger(__name__)
 
+#: Seconds a connection may sit idle between requests, and the time a new connection has to
+#: send its request headers (hypercorn's keep-alive timer runs until the headers are in, so
+#: this also ends a slow-loris header trickle). Longer than the 5 s after which httpx (and
+#: so the openai client) drops an idle pooled connection: the client closes first, so it
+#: never reuses a connection the server is closing under it.
+HTTP_KEEP_ALIVE_S = 10.0
+#: Seconds a connection may go without a byte from the client. A client reading a streamed
+#: reply sends nothing, so this must outlast the longest generation anyone waits for; it
+#: frees connections of clients that vanished without a FIN or stopped reading (hypercorn
+#: waits on the write until then). Body uploads have their own, shorter deadline
+#: (``http_guard.BodyLimits.timeout_s``).
+HTTP_READ_TIMEOUT_S = 30 * 60
+#: Bytes of request line and headers hypercorn buffers before answering 431; an OpenAI
+#: request's headers are well under 2 KiB (hypercorn's own default).
+HTTP_MAX_HEADER_BYTES = 16 * 1024
+
 
 def _hypercorn_config(address: Address) -> HypercornConfig:
     config = HypercornConfig()
     config.bind = [str(address)]
+    config.keep_alive_timeout = HTTP_KEEP_ALIVE_S
+    config.read_timeout = HTTP_READ_TIMEOUT_S
+    config.h11_max_incomplete_size = HTTP_MAX_HEADER_BYTES
     config.accesslog = None
     # Through our logging setup, not a second handler of hypercorn's own.
     config.errorlog = logging.getLogger("hypercorn.error")

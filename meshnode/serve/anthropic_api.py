@@ -82,11 +82,13 @@ def anthropic_router(service: ServeService) -> APIRouter:
             body = await _parse(request, a.MessagesRequest)
             body.check_supported()
             service.require_model(body.model)
-            prompt = _prompt(service, body.system, body.messages)
-            run = service.start(prompt, _generation(service, body))
+            run = await service.start(
+                lambda: _prompt(service, body.system, body.messages), _generation(service, body)
+            )
             if body.stream:
                 return ClosingStreamingResponse(
                     _events(service, run, body.max_tokens),
+                    on_close=lambda: service.finish(run),
                     media_type="text/event-stream",
                     headers=SSE_HEADERS,
                 )
@@ -103,7 +105,7 @@ def anthropic_router(service: ServeService) -> APIRouter:
                     "Tools are not supported on /v1/messages yet.", param="tools"
                 )
             service.require_model(body.model)
-            ids = _prompt(service, body.system, body.messages)
+            ids = await service.tokenize(lambda: _prompt(service, body.system, body.messages))
             return JSONResponse({"input_tokens": len(ids)})
         except APIError as exc:
             return _error_response(exc)

@@ -79,12 +79,14 @@ def openai_router(service: ServeService) -> APIRouter:
             body.tools, body.tool_choice, service.codec.tool_format, body.parallel_tool_calls
         )
         messages = [m.as_dict() for m in body.messages]
-        run = service.start(service.chat_prompt(messages, tools.shown), _chat_sampling(body))
+        run = await service.start(
+            lambda: service.chat_prompt(messages, tools.shown), _chat_sampling(body)
+        )
         shaper = ReplyShaper(tools.parser())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = _chat_chunks(service, run, include_usage, shaper)
-            return _sse_response(service, "chat", chunks)
+            return _sse_response(service, "chat", run, chunks)
         deltas = await _complete(service, "chat", run)
         return _chat_body(service, run, deltas, shaper)
 
@@ -92,11 +94,12 @@ def openai_router(service: ServeService) -> APIRouter:
     async def completions(body: s.CompletionRequest) -> Any:
         body.check_supported()
         service.require_model(body.model)
-        run = service.start(service.text_prompt(body.single_prompt()), _text_sampling(body))
+        prompt = body.single_prompt()
+        run = await service.start(lambda: service.text_prompt(prompt), _text_sampling(body))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = _text_chunks(service, run, include_usage, body.return_token_ids)
-            return _sse_response(service, "completions", chunks)
+            return _sse_response(service, "completions", run, chunks)
         deltas = await _complete(service, "completions", run)
         return _text_body(service, run, deltas, body.return_token_ids)
 
@@ -147,10 +150,16 @@ async def _complete(service: ServeService, endpoint: str, run: GenerationRun) ->
 
 
 def _sse_response(
-    service: ServeService, endpoint: str, chunks: AsyncGenerator[BaseModel, None]
+    service: ServeService,
+    endpoint: str,
+    run: GenerationRun,
+    chunks: AsyncGenerator[BaseModel, None],
 ) -> StreamingResponse:
     return ClosingStreamingResponse(
-        _sse(service, endpoint, chunks), media_type="text/event-stream", headers=SSE_HEADERS
+        _sse(service, endpoint, chunks),
+        on_close=lambda: service.finish(run),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
     )
 
 

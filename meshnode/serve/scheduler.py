@@ -5,6 +5,11 @@ the pipeline batches the ready passes of all of them into one forward per step
 (:mod:`meshnode.node.batcher`). Requests beyond ``max_in_flight``
 wait in FIFO order; beyond ``max_waiting`` they are refused with a 503 so that a burst
 turns into quick retries instead of an unbounded queue of stalled connections.
+
+A request takes a :class:`Ticket` as soon as it arrives (:meth:`Scheduler.enter`, which
+refuses at once when the queue is full) and holds it from the queue through its slot until
+it ends. Its prompt is rendered and tokenized only once the ticket holds a slot, so a
+flood of large prompts waits (or is refused) before it costs any work.
 """
 
 from __future__ import annotations
@@ -70,6 +75,13 @@ class Scheduler:
                 "Too many requests are waiting; retry shortly.", retry_after_s=1
             )
 
+    def enter(self) -> Ticket:
+        """A place in the queue for a new request (waiting; :meth:`Ticket.acquire` waits
+        for its slot). Raises ServiceUnavailableError (503) if the queue is full."""
+        self.check_capacity()
+        self._waiting += 1
+        return Ticket(self)
+
     def new_request_id(self) -> RequestId:
         """A request id unique within this process and, with high probability, across."""
         return RequestId(f"req-{self._prefix}-{next(self._ids)}")
@@ -80,13 +92,38 @@ class Scheduler:
 
         Raises ServiceUnavailableError if the waiting queue is full.
         """
-        self.check_capacity()
-        self._waiting += 1
+        ticket = self.enter()
         try:
-            await self._slots.acquire()
-        finally:
-            self._waiting -= 1
-        try:
+            await ticket.acquire()
             yield
         finally:
-            self._slots.release()
+            ticket.release()
+
+
+class Ticket:
+    """One request's place: waiting for a slot, then holding it, until :meth:`release`."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self._state = "waiting"  # -> "holding" -> "released"; or "waiting" -> "released"
+
+    @property
+    def holding(self) -> bool:
+        """Whether the ticket holds a generation slot."""
+        return self._state == "holding"
+
+    async def acquire(self) -> None:
+        """Wait (FIFO) for a generation slot."""
+        if self._state != "waiting":
+            raise RuntimeError(f"a {self._state} ticket cannot acquire a slot")
+        await self._scheduler._slots.acquire()
+        self._scheduler._waiting -= 1
+        self._state = "holding"
+
+    def release(self) -> None:
+        """Give the slot (or the place in the queue) back; idempotent."""
+        if self._state == "holding":
+            self._scheduler._slots.release()
+        elif self._state == "waiting":
+            self._scheduler._waiting -= 1
+        self._state = "released"

@@ -4,6 +4,13 @@ Route handlers (``openai_api``) translate the OpenAI schema into calls on
 :class:`ServeService` in a few lines; everything that decides something about a request
 (prompt building, limits, clamping, sampling parameters) lives here, below HTTP.
 
+A request's life: :meth:`ServeService.start` takes its place in the scheduler's queue,
+waits for a slot, and only then renders and tokenizes its prompt, in a worker thread (a
+multi-megabyte prompt takes seconds to tokenize: on the event loop it would stall every
+connection and the mesh's heartbeats); :meth:`ServeService.stream` (or ``complete``) runs
+it and frees the slot at its end; :meth:`ServeService.finish` frees it for a run that is
+never streamed (a response that failed to start).
+
 The pipeline is swappable: the coordinator sets it when the mesh is ready and clears it
 while the mesh (re)loads, during which requests get 503 with ``Retry-After``.
 """
@@ -14,10 +21,12 @@ import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+import trio
 
 from meshnode.engine.sampling import SamplingParams
-from meshnode.node.pipeline import Pipeline, PipelineError, StepResult
+from meshnode.node.pipeline import Pipeline, PipelineError, RequestId, StepResult
 from meshnode.serve.errors import (
     BadRequestError,
     ContextLengthError,
@@ -35,7 +44,7 @@ from meshnode.serve.generation import (
     generate,
 )
 from meshnode.serve.metrics import ServeMetrics
-from meshnode.serve.scheduler import Scheduler, SchedulerLimits
+from meshnode.serve.scheduler import Scheduler, SchedulerLimits, Ticket
 from meshnode.serve.speculation import SpeculationHost
 from meshnode.serve.toolparse import ToolFormat
 from meshnode.serve.tools import ToolSpec
@@ -81,6 +90,16 @@ class TextCodec(Protocol):
     def detokenizer(self) -> Detokenizer:
         """A fresh incremental detokenizer for one completion."""
         ...
+
+
+T = TypeVar("T")
+
+#: Builds a request's prompt ids; called once the request holds a slot, in a worker thread.
+PromptSource = Callable[[], list[int]]
+#: Prompts rendered and tokenized at once, in worker threads. A 2 MiB prompt is seconds of
+#: one core's work (tokenizers releases the GIL): more at once than a small host has cores
+#: would only slow each of them down.
+MAX_TOKENIZING = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +154,8 @@ class ServeService:
         #: Why no pipeline serves now: the 503 message (the host sets one that reads the
         #: coordinator's state; :func:`meshnode.serve.availability.unavailable_message`).
         self.unavailable_reason: Callable[[], str] = lambda: LOADING_MESSAGE
+        self._tickets: dict[RequestId, Ticket] = {}  # of runs started and not yet finished
+        self._tokenizing = trio.CapacityLimiter(MAX_TOKENIZING)
 
     # -- state ----------------------------------------------------------------------
 
@@ -228,13 +249,45 @@ class ServeService:
             raise BadRequestError("The prompt is empty.", param="prompt")
         return ids
 
-    def start(self, prompt: list[int], request: GenerationRequest) -> GenerationRun:
-        """A run for ``prompt``, with the budget clamped to the context.
+    async def start(self, prompt: PromptSource, request: GenerationRequest) -> GenerationRun:
+        """Admit a request, then build its prompt and its run (see the module docstring).
 
-        Raises ServiceUnavailableError (loading or saturated) and ContextLengthError.
+        ``prompt`` runs in a worker thread once the request holds a slot; what it raises
+        (BadRequestError, a template error) is raised here. The run holds its slot until
+        :meth:`stream` ends or :meth:`finish` is called. Raises ServiceUnavailableError
+        (loading or saturated) and ContextLengthError.
         """
         self._require_pipeline()
-        self.scheduler.check_capacity()
+        ticket = self.scheduler.enter()
+        try:
+            await ticket.acquire()
+            ids = await self.tokenize(prompt)
+            run = self._new_run(ids, request)
+        except BaseException:
+            ticket.release()
+            raise
+        self._tickets[run.request_id] = ticket
+        return run
+
+    async def tokenize(self, work: Callable[[], T]) -> T:
+        """``work()`` (rendering, tokenizing or detokenizing a request's text) in a worker
+        thread, at most :data:`MAX_TOKENIZING` at once: never on the event loop, where a
+        large prompt would stall every connection and the mesh's heartbeats."""
+        return await trio.to_thread.run_sync(work, limiter=self._tokenizing)
+
+    def finish(self, run: GenerationRun) -> None:
+        """Free the slot of ``run``; idempotent (:meth:`stream` calls it at its end)."""
+        ticket = self._tickets.pop(run.request_id, None)
+        if ticket is not None:
+            ticket.release()
+
+    @property
+    def open_runs(self) -> int:
+        """Runs started and not yet finished (each holds a slot)."""
+        return len(self._tickets)
+
+    def _new_run(self, prompt: list[int], request: GenerationRequest) -> GenerationRun:
+        """A run for ``prompt``, with the budget clamped to the context."""
         room = self.context_size - len(prompt)
         if room < 1:
             raise ContextLengthError(len(prompt), self.context_size)
@@ -251,12 +304,13 @@ class ServeService:
     # -- generation -----------------------------------------------------------------
 
     async def stream(self, run: GenerationRun) -> AsyncGenerator[Delta, None]:
-        """Admit ``run`` and yield its deltas; metrics are recorded as it goes.
+        """Run ``run`` (started by :meth:`start`) and yield its deltas; metrics are recorded
+        as it goes and the run's slot is freed at the end.
 
-        Raises ServiceUnavailableError when the queue is full or the mesh is loading, and
-        PipelineError when a pass fails mid-generation.
+        Raises ServiceUnavailableError when the mesh is loading, and PipelineError when a
+        pass fails mid-generation.
         """
-        async with self.scheduler.admit():
+        try:
             pipeline = self._require_pipeline()
             self.metrics.in_flight.value += 1
             self.metrics.prompt_tokens.inc(len(run.prompt))
@@ -277,6 +331,8 @@ class ServeService:
                 self.metrics.in_flight.value -= 1
                 self._observe_progress(run, counted)
                 self._observe_run(run)
+        finally:
+            self.finish(run)
 
     async def complete(self, run: GenerationRun) -> list[Delta]:
         """Run to the end and return every delta (for non-streaming responses)."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from typing import Any
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -20,11 +21,27 @@ class ClosingStreamingResponse(StreamingResponse):
 
     Starlette stops iterating when the client disconnects but leaves the generator to the
     garbage collector; closing it here runs the generation's cleanup (the ``Release`` of
-    the sequence on every stage) at once, in this task.
+    the sequence on every stage) at once, in this task. ``on_close`` runs last, whether or
+    not the body was ever iterated (``ServeService.finish`` of the run: its slot is freed
+    even when the client left before the first byte).
     """
 
     body_iterator: AsyncGenerator[bytes, None]
 
+    def __init__(
+        self,
+        content: AsyncGenerator[bytes, None],
+        *,
+        on_close: Callable[[], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with aclosing(self.body_iterator):
-            await super().__call__(scope, receive, send)
+        try:
+            async with aclosing(self.body_iterator):
+                await super().__call__(scope, receive, send)
+        finally:
+            if self._on_close is not None:
+                self._on_close()

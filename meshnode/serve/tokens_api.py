@@ -86,10 +86,7 @@ def tokens_router(service: ServeService) -> APIRouter:
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         if body.model is not None:
             service.require_model(body.model)
-        ids = _tokenize(service, body)
-        strs = None
-        if body.return_token_strs or body.with_pieces:
-            strs = [service.codec.token_text(t) for t in ids]
+        ids, strs = await service.tokenize(lambda: _tokenize_with_strs(service, body))
         return TokenizeResponse(
             count=len(ids), max_model_len=service.context_size, tokens=ids, token_strs=strs
         )
@@ -99,10 +96,20 @@ def tokens_router(service: ServeService) -> APIRouter:
         if body.model is not None:
             service.require_model(body.model)
         service.check_token_ids(body.tokens, param="tokens")
-        text = service.codec.decode(body.tokens)
+        text = await service.tokenize(lambda: service.codec.decode(body.tokens))
         return DetokenizeResponse(prompt=text, content=text)
 
     return router
+
+
+def _tokenize_with_strs(
+    service: ServeService, body: TokenizeRequest
+) -> tuple[list[int], list[str] | None]:
+    ids = _tokenize(service, body)
+    strs = None
+    if body.return_token_strs or body.with_pieces:
+        strs = [service.codec.token_text(t) for t in ids]
+    return ids, strs
 
 
 def _tokenize(service: ServeService, body: TokenizeRequest) -> list[int]:

@@ -20,7 +20,7 @@ async def test_metrics_count_tokens_and_first_token_as_they_come(
 ) -> None:
     service = serve_service
     request = GenerationRequest(GREEDY, max_tokens=12)
-    run = service.start(service.text_prompt("Once upon a time"), request)
+    run = await service.start(lambda: service.text_prompt("Once upon a time"), request)
     seen_mid_stream = []
     async for _delta in service.stream(run):
         produced = len(run.state.tokens)
