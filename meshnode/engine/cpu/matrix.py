@@ -61,14 +61,16 @@ def kernels() -> ModuleType:
     return module
 
 
-def _threads_here() -> None:
+def _threads_here() -> int:
+    """Apply the ``--threads`` cap in this thread; the number of kernel threads here."""
+    import numba
+
     # numba's thread count is per calling thread, and stages compute in worker threads
     if _threads is not None:
-        import numba
-
         n = min(_threads, numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
         if numba.get_num_threads() != n:
             numba.set_num_threads(n)
+    return int(numba.get_num_threads())
 
 
 def supported(t: RawTensor) -> bool:
@@ -112,7 +114,9 @@ class BlockMatrix:
         self.n_out = sum(p.raw.shape[0] for p in parts)
         self.shape = (n_in, self.n_out)  # as the [in, out] float32 matrix it stands for
         self.nbytes = sum(int(p.raw.nbytes) for p in parts)
-        self._fmts = np.array([p.fmt.kernel_id for p in parts] + [0] * (3 - len(parts)))
+        # unused parts: no rows, in the first part's format (one compiled kernel per mix)
+        ids = [p.fmt.kernel_id for p in parts]
+        self._fmts = tuple(ids + [ids[0]] * (3 - len(parts)))
         self._raws = [p.raw for p in parts] + [_EMPTY] * (3 - len(parts))
 
     def __repr__(self) -> str:
@@ -134,8 +138,8 @@ class BlockMatrix:
             dense: np.ndarray = x @ self.dense().T
             return dense
         out = np.empty((x.shape[0], self.n_out), np.float32)
-        _threads_here()
-        kernels().matmul_parts(self._fmts, *self._raws, np.ascontiguousarray(x), out)
+        product = kernels().product_kernel(*self._fmts, _threads_here() > 1)
+        product(*self._raws, np.ascontiguousarray(x).reshape(-1), out)
         return out
 
     def dense(self) -> np.ndarray:
@@ -150,7 +154,8 @@ class BlockMatrix:
         start = 0
         for p in self.parts:
             rows = p.raw.shape[0]
-            kernels().decode_matrix(p.fmt.kernel_id, p.raw, out[start : start + rows])
+            every = np.arange(rows, dtype=np.int64)
+            kernels().decode_kernel(p.fmt.kernel_id)(p.raw, every, out[start : start + rows])
             start += rows
         return out
 
@@ -164,5 +169,5 @@ class BlockMatrix:
         out = np.empty((idx.size, self.n_in), np.float32)
         _threads_here()
         p = self.parts[0]
-        kernels().gather_rows(p.fmt.kernel_id, p.raw, idx, out)
+        kernels().decode_kernel(p.fmt.kernel_id)(p.raw, idx, out)
         return out

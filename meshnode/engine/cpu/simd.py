@@ -1,0 +1,328 @@
+"""Eight-lane vectors for the numba kernels, written as LLVM vector IR.
+
+LLVM's loop vectorizer leaves the block decoders scalar (the loads are bytes at computed
+offsets, the loops are short, and numba's arrays carry no aliasing facts), so the kernels
+say what they mean: ``F32x8`` and ``I32x8`` are numba types whose values are LLVM
+``<8 x float>`` and ``<8 x i32>`` registers, and each function here is one or a few vector
+instructions. LLVM lowers them for the machine it compiles on (one AVX2 register, two SSE
+or NEON registers), so nothing here is x86-specific.
+
+Loads take an array and an element offset (bytes for ``uint8`` rows) and do no bounds
+checks, like numba's own indexing; the callers keep offsets inside their blocks.
+``vfma`` is ``llvm.fmuladd``: fused where the CPU has FMA, else a multiply and an add.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic as _numba_intrinsic
+from numba.extending import models, register_model
+
+__all__ = [
+    "F32x8",
+    "I32x8",
+    "bits8",
+    "iand",
+    "ior",
+    "ishl",
+    "ishr",
+    "isub",
+    "ixor",
+    "load_bf16",
+    "load_f16",
+    "load_f32",
+    "load_i8",
+    "load_u8",
+    "tofloat",
+    "vadd",
+    "vfma",
+    "vload",
+    "vmul",
+    "vneg",
+    "vsplat",
+    "vstore",
+    "vsum",
+    "vzero",
+]
+
+LANES = 8
+
+
+def intrinsic(typer: Any) -> Any:
+    """numba's ``intrinsic``, typed ``Any`` so that jitted callers type-check (mypy sees
+    the typer's signature, with its ``typingctx``, not the call's)."""
+    return _numba_intrinsic(typer)
+
+
+_F = ir.FloatType()
+_I32 = ir.IntType(32)
+_VF = ir.VectorType(_F, LANES)
+_VI = ir.VectorType(_I32, LANES)
+
+
+class F32x8Type(types.Type):
+    """Eight float32 lanes, one SIMD register (or two) in compiled code."""
+
+    def __init__(self) -> None:
+        super().__init__(name="F32x8")
+
+
+class I32x8Type(types.Type):
+    """Eight int32 lanes."""
+
+    def __init__(self) -> None:
+        super().__init__(name="I32x8")
+
+
+F32x8 = F32x8Type()
+I32x8 = I32x8Type()
+
+
+@register_model(F32x8Type)
+class _F32x8Model(models.PrimitiveModel):
+    def __init__(self, dmm: Any, fe_type: Any) -> None:
+        super().__init__(dmm, fe_type, _VF)  # type: ignore[no-untyped-call]
+
+
+@register_model(I32x8Type)
+class _I32x8Model(models.PrimitiveModel):
+    def __init__(self, dmm: Any, fe_type: Any) -> None:
+        super().__init__(dmm, fe_type, _VI)  # type: ignore[no-untyped-call]
+
+
+# -- helpers for the code generators -----------------------------------------------------
+
+
+def _pointer(context: Any, builder: Any, aryty: Any, ary: Any, index: Any, elem: Any) -> Any:
+    """Pointer to element ``index`` of ``ary`` cast to ``elem*``."""
+    data = context.make_array(aryty)(context, builder, ary).data
+    return builder.bitcast(builder.gep(data, [index]), elem.as_pointer())
+
+
+def _splat(builder: Any, value: Any, vty: Any) -> Any:
+    undef = ir.Constant(vty, ir.Undefined)
+    one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, undef, ir.Constant(_VI, [0] * LANES))
+
+
+def _i32(context: Any, builder: Any, value: Any, ty: Any) -> Any:
+    return context.cast(builder, value, ty, types.int32)
+
+
+def _is_array(ty: Any, dtype: Any) -> bool:
+    # the loads and stores index the data pointer directly: C-contiguous arrays only
+    return isinstance(ty, types.Array) and ty.dtype == dtype and ty.layout == "C"
+
+
+# -- float lanes -------------------------------------------------------------------------
+
+
+@intrinsic
+def vzero(typingctx: Any) -> Any:
+    """All lanes 0.0."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return ir.Constant(_VF, [0.0] * LANES)
+
+    return F32x8(), codegen
+
+
+@intrinsic
+def vsplat(typingctx: Any, x: Any) -> Any:
+    """All lanes ``x`` (a float32)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        value = context.cast(builder, args[0], sig.args[0], types.float32)
+        return _splat(builder, value, _VF)
+
+    return F32x8(x), codegen
+
+
+@intrinsic
+def vload(typingctx: Any, ary: Any, i: Any) -> Any:
+    """``ary[i : i + 8]`` of a float32 array."""
+    if not _is_array(ary, types.float32):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ptr = _pointer(context, builder, sig.args[0], args[0], args[1], _VF)
+        return builder.load(ptr, align=4)
+
+    return F32x8(ary, i), codegen
+
+
+@intrinsic
+def vstore(typingctx: Any, ary: Any, i: Any, v: Any) -> Any:
+    """``ary[i : i + 8] = v`` for a float32 array."""
+    if not _is_array(ary, types.float32):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ptr = _pointer(context, builder, sig.args[0], args[0], args[1], _VF)
+        builder.store(args[2], ptr, align=4)
+        return context.get_dummy_value()
+
+    return types.none(ary, i, v), codegen
+
+
+def _float_binary(op: str, doc: str) -> Any:
+    def typer(typingctx: Any, a: Any, b: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return getattr(builder, op)(args[0], args[1])
+
+        return F32x8(a, b), codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+vadd = _float_binary("fadd", "``a + b`` lane by lane.")
+vmul = _float_binary("fmul", "``a * b`` lane by lane.")
+
+
+@intrinsic
+def vneg(typingctx: Any, a: Any) -> Any:
+    """``-a`` lane by lane (exact)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.fneg(args[0])
+
+    return F32x8(a), codegen
+
+
+@intrinsic
+def vfma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
+    """``a * b + c`` lane by lane, one rounding where the CPU fuses it (``llvm.fmuladd``)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        fnty = ir.FunctionType(_VF, [_VF, _VF, _VF])
+        fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            builder.module, fnty, "llvm.fmuladd.v8f32"
+        )
+        return builder.call(fn, list(args))
+
+    return F32x8(a, b, c), codegen
+
+
+@intrinsic
+def vsum(typingctx: Any, v: Any) -> Any:
+    """The sum of the eight lanes (as a tree: halves, then quarters), a float32."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        v = args[0]
+        width = LANES
+        while width > 1:
+            width //= 2
+            half = ir.VectorType(_I32, width)
+            undef = ir.Constant(v.type, ir.Undefined)
+            lo = builder.shuffle_vector(v, undef, ir.Constant(half, list(range(width))))
+            hi = builder.shuffle_vector(v, undef, ir.Constant(half, list(range(width, 2 * width))))
+            v = builder.fadd(lo, hi)
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return types.float32(v), codegen
+
+
+# -- loads from rows of bytes ------------------------------------------------------------
+
+
+def _byte_load(elem: Any, convert: str, out: Any, doc: str) -> Any:
+    """An intrinsic loading eight ``elem`` at a byte offset of a ``uint8`` row."""
+    vty = ir.VectorType(elem, LANES)
+
+    def typer(typingctx: Any, row: Any, off: Any) -> Any:
+        if not _is_array(row, types.uint8):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            ptr = builder.bitcast(builder.gep(data, [args[1]]), vty.as_pointer())
+            v = builder.load(ptr, align=1)
+            if convert == "zext":
+                return builder.zext(v, _VI)
+            if convert == "sext":
+                return builder.sext(v, _VI)
+            if convert == "half":
+                return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), LANES)), _VF)
+            if convert == "bf16":  # bfloat16 is the top half of a float32
+                sixteen = _splat(builder, ir.Constant(_I32, 16), _VI)
+                wide = builder.shl(builder.zext(v, _VI), sixteen)
+                return builder.bitcast(wide, _VF)
+            return v  # float32 as stored
+
+        return out(row, off), codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+load_u8 = _byte_load(ir.IntType(8), "zext", I32x8, "Eight bytes at ``off``, zero-extended.")
+load_i8 = _byte_load(ir.IntType(8), "sext", I32x8, "Eight int8 at ``off``, sign-extended.")
+load_f16 = _byte_load(ir.IntType(16), "half", F32x8, "Eight float16 at ``off``, as float32.")
+load_bf16 = _byte_load(ir.IntType(16), "bf16", F32x8, "Eight bfloat16 at ``off``, as float32.")
+load_f32 = _byte_load(_F, "none", F32x8, "Eight float32 at byte ``off``.")
+
+
+# -- integer lanes -----------------------------------------------------------------------
+
+
+def _int_immediate(op: str, doc: str) -> Any:
+    """An intrinsic ``op(v, n)`` with ``n`` a scalar applied to every lane."""
+
+    def typer(typingctx: Any, v: Any, n: Any) -> Any:
+        if not isinstance(n, types.Integer):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            scalar = _i32(context, builder, args[1], sig.args[1])
+            return getattr(builder, op)(args[0], _splat(builder, scalar, _VI))
+
+        return I32x8(v, n), codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+iand = _int_immediate("and_", "``v & n`` lane by lane.")
+ixor = _int_immediate("xor", "``v ^ n`` lane by lane.")
+ishr = _int_immediate("lshr", "``v >> n`` (logical) lane by lane.")
+ishl = _int_immediate("shl", "``v << n`` lane by lane.")
+isub = _int_immediate("sub", "``v - n`` lane by lane.")
+
+
+@intrinsic
+def ior(typingctx: Any, a: Any, b: Any) -> Any:
+    """``a | b`` lane by lane."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.or_(args[0], args[1])
+
+    return I32x8(a, b), codegen
+
+
+@intrinsic
+def bits8(typingctx: Any, word: Any, start: Any) -> Any:
+    """Lane ``i`` is bit ``start + i`` of ``word`` (a 32-bit mask, Q5_0/Q5_1's ``qh``)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        w = _splat(builder, _i32(context, builder, args[0], sig.args[0]), _VI)
+        first = _splat(builder, _i32(context, builder, args[1], sig.args[1]), _VI)
+        shifts = builder.add(first, ir.Constant(_VI, list(range(LANES))))
+        one = ir.Constant(_VI, [1] * LANES)
+        return builder.and_(builder.lshr(w, shifts), one)
+
+    return I32x8(word, start), codegen
+
+
+@intrinsic
+def tofloat(typingctx: Any, v: Any) -> Any:
+    """Signed int32 lanes to float32 (exact below 2**24)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.sitofp(args[0], _VF)
+
+    return F32x8(v), codegen
