@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshnode_packaging.errors import PackageError
 from meshnode_packaging.refs import open_ref
-from meshnode_packaging.sources import ModelSource, SourceError
+from meshnode_packaging.sources import ModelSource, SourceError, sampling_defaults
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig, ModelConfigError
@@ -77,6 +77,8 @@ class LoadedModel:
     stage: Stage
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None
+    # The model's own sampling defaults (GGUF general.sampling.*, generation_config.json).
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 def load_model(ref: str | None, backend: Backend) -> LoadedModel:
@@ -97,7 +99,7 @@ def load_model(ref: str | None, backend: Backend) -> LoadedModel:
             )
     except (ModelConfigError, TemplateError) as exc:
         raise ModelLoadError(_one_line(exc)) from exc
-    return LoadedModel(config, stage, tokenizer, template)
+    return LoadedModel(config, stage, tokenizer, template, sampling_defaults(source))
 
 
 def _special_tokens(tokenizer: Tokenizer, config: ModelConfig) -> dict[str, str]:

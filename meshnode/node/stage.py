@@ -179,6 +179,18 @@ class StageRunner:
             out["ring_restores"] = sum(c.restores for c in hybrid)
         return out
 
+    def kv_usage(self) -> dict[str, int]:
+        """How full this stage's KV caches are: live sequences of at most
+        ``max_sequences``, and positions held of ``max_sequences x context_size``."""
+        # One C-level copy: the compute thread may add a sequence while the loop reads.
+        live = list(self._sequences.values())
+        return {
+            "sequences": len(live),
+            "max_sequences": self.max_sequences,
+            "used_tokens": sum(int(s.cache.length) for s in live),
+            "capacity_tokens": self.max_sequences * self.context_size,
+        }
+
     def release(self, request_id: RequestId) -> bool:
         """Free the sequence's cache; False if it was not live (release is idempotent)."""
         seq = self._sequences.pop(request_id, None)

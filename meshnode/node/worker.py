@@ -220,6 +220,7 @@ class Worker:
         if run.runner is not None:
             body["live_sequences"] = run.runner.live_sequences
             body["memory"] = run.runner.memory()
+            body["kv"] = run.runner.kv_usage()
         return body
 
     # -- dispatch -----------------------------------------------------------------------

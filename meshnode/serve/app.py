@@ -1,8 +1,9 @@
 """The node's HTTP API: an app factory and a hypercorn (trio worker) runner.
 
-Every node's app serves ``GET /v1/mesh/status`` and the web console (``GET /``,
-:mod:`meshnode.serve.console`); the host adds the OpenAI routes. The factory only takes
-callables that read the daemon's state, never the daemon itself.
+Every node's app serves ``GET /v1/mesh/status``, ``GET /metrics``
+(:mod:`meshnode.serve.node_metrics`) and the web console (``GET /``,
+:mod:`meshnode.serve.console`); the host adds the OpenAI routes and its serving metrics.
+The factory only takes callables that read the daemon's state, never the daemon itself.
 
 The whole app sits behind :class:`~meshnode.net.http_guard.ApiGuard` (Host check, API key,
 body limits): a route mounted on it later, by any module, is guarded without doing anything.
@@ -15,12 +16,15 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import PlainTextResponse
 
 from meshnode.net.http import serve_api
 from meshnode.net.http_guard import ApiAccess, ApiGuard, BodyLimits
 from meshnode.serve.console import mount_console
+from meshnode.serve.metrics import PROMETHEUS_CONTENT_TYPE
+from meshnode.serve.node_metrics import RequestTimer, request_histogram, status_metrics
 
-__all__ = ["StatusSource", "create_app", "serve_api"]
+__all__ = ["StatusSource", "add_metrics", "create_app", "serve_api"]
 
 StatusSource = Callable[[], dict[str, Any]]
 
@@ -55,7 +59,29 @@ def create_app(
         return mesh_status()
 
     mount_console(app)
+    _serve_metrics(app, mesh_status)
     return app
+
+
+def add_metrics(app: FastAPI, render: Callable[[], str]) -> None:
+    """Append ``render()``'s exposition text (newline-terminated) to ``GET /metrics``."""
+    app.state.metrics_sources.append(render)
+
+
+def _serve_metrics(app: FastAPI, mesh_status: StatusSource) -> None:
+    # Every node: its status as metrics and its HTTP request latencies; the host adds the
+    # serving metrics (add_metrics). The timer is the outermost layer so far: it times
+    # what the routes and CORS cost, to the last byte of a streamed reply.
+    timings = request_histogram()
+    app.add_middleware(RequestTimer, histogram=timings)
+    app.state.metrics_sources = []
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        lines = [*status_metrics(mesh_status()), *timings.render()]
+        text = "\n".join(lines) + "\n"
+        text += "".join(render() for render in app.state.metrics_sources)
+        return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
 
 
 def _allow_origins(app: FastAPI, origins: Sequence[str]) -> None:

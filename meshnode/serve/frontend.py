@@ -18,7 +18,7 @@ from typing import Any
 import trio
 from meshnode_packaging.manifest import Part
 from meshnode_packaging.refs import open_ref
-from meshnode_packaging.sources import ModelSource
+from meshnode_packaging.sources import ModelSource, sampling_defaults
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
@@ -62,12 +62,16 @@ class HostFrontend:
 
     def status(self) -> dict[str, Any]:
         """Model id, requests in flight and waiting, and speculation, for the ``host`` part."""
-        return {
+        body = {
             "model_id": self.service.model_id,
             "requests_in_flight": self.service.scheduler.in_flight,
             "requests_waiting": self.service.scheduler.waiting,
             "speculation": self.service.speculation_status(),
         }
+        pipeline = self.service.pipeline
+        if isinstance(pipeline, RemotePipeline):  # stage 0, run by the host itself
+            body["kv"] = pipeline.runner.kv_usage()
+        return body
 
     async def run(self) -> None:
         """Build the layer-skip drafter of each new pipeline's stage 0, until cancelled."""
@@ -137,4 +141,5 @@ def host_service(
         limits=SchedulerLimits(max_in_flight=MAX_SEQUENCES_PER_STAGE),
         spec_host=spec,
         chunk_tokens=config.prefill_chunk_tokens,
+        generation_defaults=sampling_defaults(source),
     )

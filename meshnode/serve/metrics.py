@@ -18,6 +18,11 @@ from meshnode.speculative.telemetry import SpecStats
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )
+#: Whole-request buckets in seconds: a short reply on a GPU (~0.1 s) to a long CPU reply
+#: across a mesh (minutes; the README's example once ran 48 s before it had a token cap).
+REQUEST_BUCKETS_S: tuple[float, ...] = (
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -84,35 +89,68 @@ class Gauge:
 
 
 @dataclass
+class _Buckets:
+    """One series of a histogram: cumulative bucket counts, sum and count."""
+
+    counts: list[int]
+    total: float = 0.0
+    count: int = 0
+
+
+@dataclass
 class Histogram:
-    """Cumulative buckets, sum and count of observed values (no labels)."""
+    """Cumulative buckets, sum and count of observed values, per label set."""
 
     name: str
     help: str
     buckets: Sequence[float] = LATENCY_BUCKETS_S
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    count: int = 0
+    series: dict[Labels, _Buckets] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.buckets)
-
-    def observe(self, value: float) -> None:
-        """Record one observation."""
-        self.total += value
-        self.count += 1
+    def observe(self, value: float, **labels: str) -> None:
+        """Record one observation in the series with these labels."""
+        key = tuple(sorted(labels.items()))
+        if key not in self.series:
+            self.series[key] = _Buckets([0] * len(self.buckets))
+        series = self.series[key]
+        series.total += value
+        series.count += 1
         for i, bound in enumerate(self.buckets):
             if value <= bound:
-                self.counts[i] += 1
+                series.counts[i] += 1
+
+    @property
+    def count(self) -> int:
+        """Observations in all series."""
+        return sum(s.count for s in self.series.values())
+
+    @property
+    def total(self) -> float:
+        """Sum of the observations in all series."""
+        return sum(s.total for s in self.series.values())
 
     def render(self) -> Iterable[str]:
         yield f"# HELP {self.name} {self.help}"
         yield f"# TYPE {self.name} histogram"
-        for bound, n in zip(self.buckets, self.counts, strict=True):
-            yield f'{self.name}_bucket{{le="{_format_value(bound)}"}} {n}'
-        yield f'{self.name}_bucket{{le="+Inf"}} {self.count}'
-        yield f"{self.name}_sum {_format_value(self.total)}"
-        yield f"{self.name}_count {self.count}"
+        # An unlabelled histogram shows its empty series, as prometheus_client does.
+        series = self.series or {(): _Buckets([0] * len(self.buckets))}
+        for labels, s in sorted(series.items()):
+            for bound, n in zip(self.buckets, s.counts, strict=True):
+                le = (("le", _format_value(bound)),)
+                yield f"{self.name}_bucket{_format_labels(labels, le)} {n}"
+            yield f"{self.name}_bucket{_format_labels(labels, (('le', '+Inf'),))} {s.count}"
+            yield f"{self.name}_sum{_format_labels(labels)} {_format_value(s.total)}"
+            yield f"{self.name}_count{_format_labels(labels)} {s.count}"
+
+
+Sample = tuple[Labels, float]
+
+
+def family(name: str, kind: str, help: str, samples: Iterable[Sample]) -> Iterable[str]:
+    """The lines of one metric family of ``kind`` (gauge, counter) with these samples."""
+    yield f"# HELP {name} {help}"
+    yield f"# TYPE {name} {kind}"
+    for labels, value in samples:
+        yield f"{name}{_format_labels(labels)} {_format_value(value)}"
 
 
 class ServeMetrics:

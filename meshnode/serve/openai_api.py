@@ -1,11 +1,11 @@
 """OpenAI-compatible routes: thin adapters from the OpenAI schema to :class:`ServeService`.
 
 ``openai_router(service)`` serves ``GET /v1/models`` (and ``/v1/models/{id}``),
-``POST /v1/chat/completions``,
-``POST /v1/completions`` (streaming as server-sent events ending in ``data: [DONE]``, or
-one JSON body), ``GET /metrics`` and ``GET /health``. ``mount_openai(app, service)`` adds
-them, ``/tokenize`` and ``/detokenize`` (:mod:`meshnode.serve.tokens_api`), the Anthropic
-Messages API (:mod:`meshnode.serve.anthropic_api`) and the
+``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as server-sent events
+ending in ``data: [DONE]``, or one JSON body) and ``GET /health``.
+``mount_openai(app, service)`` adds them, ``/tokenize`` and ``/detokenize``
+(:mod:`meshnode.serve.tokens_api`), the Anthropic Messages API
+(:mod:`meshnode.serve.anthropic_api`), the serving metrics (to ``GET /metrics``) and the
 OpenAI-shaped error handlers to the node's app (``meshnode.serve.app``).
 
 A failure after a stream has started cannot change the status code any more; it is sent
@@ -23,12 +23,13 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from meshnode.node.pipeline import PipelineError, TokenLogprob
 from meshnode.serve import schemas as s
 from meshnode.serve.anthropic_api import anthropic_router
+from meshnode.serve.app import add_metrics
 from meshnode.serve.errors import (
     APIError,
     ServiceUnavailableError,
@@ -36,7 +37,6 @@ from meshnode.serve.errors import (
     install_error_handlers,
 )
 from meshnode.serve.generation import Delta, GenerationRun
-from meshnode.serve.metrics import PROMETHEUS_CONTENT_TYPE
 from meshnode.serve.service import GenerationRequest, ServeService
 from meshnode.serve.sse import SSE_HEADERS, ClosingStreamingResponse
 from meshnode.serve.tokens_api import tokens_router
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 def mount_openai(app: FastAPI, service: ServeService) -> None:
     """Add the OpenAI routes, ``/metrics``, ``/health`` and the error handlers to ``app``."""
     app.include_router(openai_router(service))
+    add_metrics(app, service.metrics.render)
     app.include_router(tokens_router(service))
     app.include_router(anthropic_router(service))
     install_error_handlers(app)
@@ -80,7 +81,7 @@ def openai_router(service: ServeService) -> APIRouter:
         )
         messages = [m.as_dict() for m in body.messages]
         run = await service.start(
-            lambda: service.chat_prompt(messages, tools.shown), _chat_sampling(body)
+            lambda: service.chat_prompt(messages, tools.shown), _chat_sampling(service, body)
         )
         shaper = ReplyShaper(tools.parser())
         if body.stream:
@@ -95,17 +96,14 @@ def openai_router(service: ServeService) -> APIRouter:
         body.check_supported()
         service.require_model(body.model)
         prompt = body.single_prompt()
-        run = await service.start(lambda: service.text_prompt(prompt), _text_sampling(body))
+        sampling = _text_sampling(service, body)
+        run = await service.start(lambda: service.text_prompt(prompt), sampling)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = _text_chunks(service, run, include_usage, body.return_token_ids)
             return _sse_response(service, "completions", run, chunks)
         deltas = await _complete(service, "completions", run)
         return _text_body(service, run, deltas, body.return_token_ids)
-
-    @router.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(service.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @router.get("/health")
     async def health() -> JSONResponse:
@@ -121,16 +119,16 @@ def openai_router(service: ServeService) -> APIRouter:
 # -- request translation ------------------------------------------------------------------
 
 
-def _chat_sampling(body: s.ChatCompletionRequest) -> GenerationRequest:
+def _chat_sampling(service: ServeService, body: s.ChatCompletionRequest) -> GenerationRequest:
+    sampling = service.sampling(body.sampling_fields())
     return GenerationRequest(
-        body.sampling(), body.token_limit(), tuple(body.stop_list()), body.logprob_count()
+        sampling, body.token_limit(), tuple(body.stop_list()), body.logprob_count()
     )
 
 
-def _text_sampling(body: s.CompletionRequest) -> GenerationRequest:
-    return GenerationRequest(
-        body.sampling(), body.max_tokens, tuple(body.stop_list()), body.logprobs
-    )
+def _text_sampling(service: ServeService, body: s.CompletionRequest) -> GenerationRequest:
+    sampling = service.sampling(body.sampling_fields())
+    return GenerationRequest(sampling, body.max_tokens, tuple(body.stop_list()), body.logprobs)
 
 
 # -- running ------------------------------------------------------------------------------

@@ -194,8 +194,14 @@ class _SamplingFields(_SamplingKnobs):
     user: str | None = None
 
     def sampling(self) -> SamplingParams:
-        """The request's sampling record (the one place a request becomes one)."""
+        """The request's sampling record, OpenAI's defaults for what it omits."""
         return SamplingParams(**self.model_dump(include=set(SAMPLING_FIELDS)))
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The sampling fields the request gave (``null`` counts as omitted), for
+        :meth:`meshnode.serve.service.ServeService.sampling` to fill in the rest."""
+        given = self.model_dump(include=set(SAMPLING_FIELDS), exclude_unset=True)
+        return {name: value for name, value in given.items() if value is not None}
 
     def stop_list(self) -> list[str]:
         """``stop`` as a list without empty strings; raises BadRequestError if too many."""

@@ -17,6 +17,8 @@ while the mesh (re)loads, during which requests get 503 with ``Retry-After``.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
@@ -49,6 +51,8 @@ from meshnode.serve.speculation import SpeculationHost
 from meshnode.serve.toolparse import ToolFormat
 from meshnode.serve.tools import ToolSpec
 from meshnode.speculative.telemetry import SpecStats
+
+log = logging.getLogger(__name__)
 
 #: The 503 message of a service told nothing more about why it has no pipeline.
 LOADING_MESSAGE = "The mesh is loading the model; retry shortly."
@@ -113,6 +117,26 @@ class GenerationRequest:
     top_logprobs: int | None = None
 
 
+def checked_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's sampling defaults that are valid settings, each checked alone; one the
+    sampling record refuses is dropped with a warning (a model file's odd value must not
+    turn every request that omits the field into a 500)."""
+    names = {spec.name: spec.type for spec in dataclasses.fields(SamplingParams)}
+    kept: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name not in names or name == "seed":
+            continue
+        if names[name] == "int" and isinstance(value, float) and value.is_integer():
+            value = int(value)  # a JSON 40.0 for top_k
+        try:
+            SamplingParams(**{name: value})
+        except (TypeError, ValueError) as exc:
+            log.warning("ignoring the model's default %s=%r: %s", name, value, exc)
+            continue
+        kept[name] = value
+    return kept
+
+
 class ServeService:
     """One served model: validation, admission, generation and metrics around a pipeline."""
 
@@ -148,7 +172,7 @@ class ServeService:
         self.spec_host = spec_host
         self.spec_total = SpecStats()  # every finished request's counters, summed
         self.chunk_tokens = chunk_tokens
-        self.generation_defaults: Mapping[str, Any] = dict(generation_defaults or {})
+        self.generation_defaults = checked_defaults(generation_defaults or {})
         self.created = int(clock())
         self._clock = clock
         #: Why no pipeline serves now: the 503 message (the host sets one that reads the

@@ -138,4 +138,5 @@ def build_single_node_service(
         speculation=speculation,
         spec_host=spec_host,
         chunk_tokens=chunk_tokens,
+        generation_defaults=model.sampling_defaults,
     )

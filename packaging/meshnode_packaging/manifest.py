@@ -134,6 +134,12 @@ class Manifest:
         block = self.data.get("generation", {}).get("speculative_decoding")
         return block if isinstance(block, dict) else None
 
+    @property
+    def sampling(self) -> dict[str, float | int]:
+        """``generation.sampling``: the model's own sampling defaults (may be empty)."""
+        block = self.data.get("generation", {}).get("sampling")
+        return dict(block) if isinstance(block, dict) else {}
+
     def parts(self) -> list[dict[str, Any]]:
         """Every tensor-holding entry: embed, the layers in order, head."""
         return [self.data["embed"], *self.layers, self.data["head"]]

@@ -26,6 +26,7 @@ class PackageSource:
         self.manifest = manifest
         self.config: dict[str, Any] = manifest.config
         self.chat_template: str | None = manifest.chat_template
+        self.sampling_defaults = manifest.sampling
         self._file_of = {name: e["file"] for e in manifest.parts() for name in e["tensors"]}
         self._open: dict[str, TensorFile] = {}
         self._tokenizer_json: str | None = None

@@ -68,6 +68,7 @@ from meshnode_packaging.sources import (
     gguf_config,
     gguf_to_canonical,
     hf_to_canonical,
+    sampling_defaults,
 )
 
 if TYPE_CHECKING:
@@ -192,6 +193,7 @@ class RangedSource:
         self.config: dict[str, Any] = inner.config
         self.tokenizer_json: str | None = inner.tokenizer_json
         self.chat_template: str | None = inner.chat_template
+        self.sampling_defaults = sampling_defaults(inner)
 
     def tensor_names(self) -> list[str]:
         """Canonical names of the tensors whose bytes were fetched."""

@@ -313,6 +313,40 @@ def _gguf_rope_scaling(meta: Callable[..., Any]) -> dict[str, Any] | None:
     return {"rope_type": "linear", "factor": float(meta("rope.scaling.factor", 1.0))}
 
 
+# ---------------------------------------------------------------------------------------
+# the model's own sampling defaults
+
+#: Sampling settings a model may ship, under the names API requests use for them.
+SAMPLING_NAMES = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+#: llama.cpp's GGUF keys for them (``general.sampling.*``, written by convert_hf_to_gguf
+#: from generation_config.json).
+GGUF_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def sampling_defaults(source: object) -> dict[str, float | int]:
+    """The sampling settings ``source`` ships (its ``sampling_defaults``: GGUF
+    ``general.sampling.*``, a checkpoint's ``generation_config.json``, a package's
+    ``generation.sampling``); empty for a source that carries none."""
+    found = getattr(source, "sampling_defaults", None)
+    return dict(found) if isinstance(found, dict) else {}
+
+
+def _numbers(values: dict[str, Any]) -> dict[str, float | int]:
+    """The entries of ``values`` named in :data:`SAMPLING_NAMES` whose value is a number
+    (a JSON ``null`` or a string is not a setting)."""
+    return {
+        name: values[name]
+        for name in SAMPLING_NAMES
+        if isinstance(values.get(name), int | float) and not isinstance(values[name], bool)
+    }
+
+
 class GGUFSource:
     """A GGUF file, memory-mapped; tensors are handed out under canonical names."""
 
@@ -344,6 +378,8 @@ class GGUFSource:
             raise SourceError(f"{path}: {exc}") from exc
         template = _field(self._reader, "tokenizer.chat_template")
         self.chat_template: str | None = None if template is None else str(template)
+        sampling = {name: _field(self._reader, key) for key, name in GGUF_SAMPLING_KEYS.items()}
+        self.sampling_defaults = _numbers(sampling)
 
     def tensor_names(self) -> list[str]:
         """Canonical names of every tensor meshnode uses from this file."""
@@ -421,6 +457,8 @@ class HFFolderSource:
         if tokenizer.is_file():
             self.tokenizer_json = tokenizer.read_text(encoding="utf-8")
         self.chat_template = _hf_chat_template(folder)
+        generation = folder / "generation_config.json"
+        self.sampling_defaults = _numbers(_read_json(generation)) if generation.is_file() else {}
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise SourceError(f"{folder}: no *.safetensors weights")

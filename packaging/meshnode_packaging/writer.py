@@ -31,7 +31,13 @@ from meshnode_packaging.manifest import (
     Manifest,
     layer_file,
 )
-from meshnode_packaging.sources import ModelSource, RawTensor, dequantize, open_source
+from meshnode_packaging.sources import (
+    ModelSource,
+    RawTensor,
+    dequantize,
+    open_source,
+    sampling_defaults,
+)
 from meshnode_packaging.tensorfile import FileDigest, write_tensor_file
 from meshnode_packaging.validate import manifest_problems, sha256_file
 
@@ -276,8 +282,13 @@ def write_package(
         "tokenizer": {"file": TOKENIZER_FILE, **_token_ids(config)},
         "chat_template": source.chat_template,
     }
+    generation: dict[str, Any] = {}
     if speculative is not None:
-        data["generation"] = {"speculative_decoding": speculative}
+        generation["speculative_decoding"] = speculative
+    if sampling := sampling_defaults(source):
+        generation["sampling"] = sampling
+    if generation:
+        data["generation"] = generation
     manifest = Manifest(data)
     problems = manifest_problems(manifest)
     if problems:

@@ -18,7 +18,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE
 from tests.e2e.cluster import (
     HEARTBEAT_ENV,
     SINGLE_THREAD_ENV,
@@ -98,6 +100,30 @@ def test_status_json_lists_three_stages(mesh: tuple[Cluster, Node]) -> None:
     assert bounds[-1][1] == 30
     assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     assert all(start < end for start, end in bounds)
+
+
+def test_every_node_exports_its_peers_stages_and_kv_as_metrics(
+    mesh: tuple[Cluster, Node],
+) -> None:
+    cluster, host = mesh
+    ids = {node.node_id() for node in cluster.nodes}
+    for node in cluster.nodes:
+        text = node.get(f"{node.api}/metrics", 10.0).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        peer_up = {s.labels["peer"]: s.value for s in families["meshnode_peer_up"].samples}
+        assert peer_up == {other: 1.0 for other in ids - {node.node_id()}}, node.name
+        ready = families["meshnode_stage_ready"].samples
+        capacity = families["meshnode_kv_cache_capacity_tokens"].samples
+        kv = {s.labels["role"]: s.value for s in capacity}
+        if node is host:
+            assert {s.labels["node_id"] for s in ready} == ids
+            assert kv == {"host": MAX_SEQUENCES_PER_STAGE * CONTEXT}
+            assert "meshnode_requests" in families  # the serving metrics ride along
+        else:
+            assert [s.labels["node_id"] for s in ready] == [node.node_id()]
+            assert kv == {"worker": MAX_SEQUENCES_PER_STAGE * CONTEXT}
+            assert "meshnode_requests" not in families
+        assert {s.value for s in ready} == {1.0}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

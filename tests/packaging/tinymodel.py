@@ -38,12 +38,19 @@ def _add(w: gguf.GGUFWriter, name: str, x: np.ndarray, qtype: Q) -> None:
 
 
 def write_tiny_gguf(
-    path: Path, *, layers: int = 30, tied: bool = True, seed: int = 0, split_max_tensors: int = 0
+    path: Path,
+    *,
+    layers: int = 30,
+    tied: bool = True,
+    seed: int = 0,
+    split_max_tensors: int = 0,
+    sampling: dict[str, float | int] | None = None,
 ) -> Path:
     """A random Llama with ``layers`` blocks: Q4_1 matrices, Q8_0 embedding, F32 norms.
 
     With ``split_max_tensors``, written as split files ``<stem>-0000k-of-0000N.gguf`` beside
-    ``path`` (llama.cpp's gguf-split layout).
+    ``path`` (llama.cpp's gguf-split layout). ``sampling`` maps ``general.sampling.*`` keys
+    (``temp``, ``top_k``…) to values (integers as int32, as llama.cpp writes top_k).
     """
     rng = np.random.default_rng(seed)
     tokens = _byte_tokens()
@@ -64,6 +71,11 @@ def write_tiny_gguf(
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (sampling or {}).items():
+        if isinstance(value, int):
+            w.add_int32(f"general.sampling.{key}", value)
+        else:
+            w.add_float32(f"general.sampling.{key}", value)
 
     def mat(rows: int, cols: int) -> np.ndarray:
         return rng.standard_normal((rows, cols), dtype=np.float32) * 0.1
