@@ -169,12 +169,27 @@ class RemotePipeline:
         if waiter is None or waiter.done.is_set():
             return
         if isinstance(message, Prediction):
-            waiter.result = result_from_wire(message)
+            try:
+                waiter.result = self._checked(result_from_wire(message))
+            except (PipelineError, ValueError) as exc:  # ValueError: lists of unequal length
+                waiter.error = PipelineError(f"the last stage sent a bad Prediction: {exc}")
         elif message.code == ErrorCode.ROLLBACK_TOO_DEEP:  # the generation loop refolds
             waiter.error = RollbackError(message.message)
         else:
             waiter.error = PipelineError(f"a stage failed: {message.message}")
         waiter.done.set()
+
+    def _checked(self, result: StepResult) -> StepResult:
+        """``result`` if its ids fit the model: they come from another node, and each becomes
+        the next frame's input here (and a draft model's, and the detokenizer's)."""
+        vocab = self.runner.stage.config.vocab_size
+        ids = (*result.tokens, *result.drafts)
+        for lp in result.logprobs or ():
+            ids += (lp.token, *(token for token, _ in lp.top))
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise PipelineError(f"token id {bad} is outside 0..{vocab - 1}")
+        return result
 
     def may_reply(self, peer: str, message: Prediction | Error) -> bool:
         """Predictions come from the last stage; a frame's failure from any remote stage."""

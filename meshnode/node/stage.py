@@ -162,8 +162,9 @@ class StageRunner:
         return _result(frame, decided, time.perf_counter() - began, drafts)
 
     def admit(self, frame: StepFrame) -> None:
-        """Check that ``frame`` fits its sequence and the limits, creating the sequence
-        for a frame at position 0. Raises StageError naming what does not fit."""
+        """Check that ``frame`` fits the model, its sequence and the limits, creating the
+        sequence for a frame at position 0. Raises StageError naming what does not fit."""
+        self._check_frame(frame)
         self._check_positions(frame, self._sequence(frame))
 
     def memory(self) -> dict[str, int]:
@@ -223,6 +224,32 @@ class StageRunner:
             seq.sampler = Sampler(frame.sampling)
         self._sequences[frame.request_id] = seq
         return seq
+
+    def _check_frame(self, frame: StepFrame) -> None:
+        """Refuse a frame whose ids or shapes do not fit this model: frames come from other
+        nodes, and an id past the vocabulary would index past the embedding or the logits."""
+        vocab = self.stage.config.vocab_size
+        bad = next((t for t in frame.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise StageError(
+                f"frame of {frame.request_id}: token id {bad} is outside 0..{vocab - 1}"
+            )
+        top = frame.top_logprobs
+        if top is not None and not 0 <= top <= vocab:
+            raise StageError(f"frame of {frame.request_id}: top_logprobs {top} > {vocab} tokens")
+        probs = frame.draft_probs
+        if probs is not None and tuple(probs.shape) != (len(frame.tokens) - 1, vocab):
+            raise StageError(
+                f"frame of {frame.request_id}: draft_probs of shape {tuple(probs.shape)}, "
+                f"not {(len(frame.tokens) - 1, vocab)}"
+            )
+        hidden = frame.hidden
+        width = self.stage.config.hidden_size
+        if hidden is not None and tuple(hidden.shape) != (len(frame.tokens), width):
+            raise StageError(
+                f"frame of {frame.request_id}: activations of shape {tuple(hidden.shape)}, "
+                f"not {(len(frame.tokens), width)}"
+            )
 
     def _check_positions(self, frame: StepFrame, seq: _Sequence) -> None:
         if frame.start_pos > seq.cache.length:
