@@ -33,8 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import gguf
-
 from meshnode_packaging import hub
 from meshnode_packaging.errors import (
     ChecksumMismatch,
@@ -68,6 +66,7 @@ from meshnode_packaging.sources import (
     gguf_config,
     gguf_to_canonical,
     hf_to_canonical,
+    open_gguf,
     sampling_defaults,
 )
 
@@ -211,7 +210,7 @@ class ShardedGGUFSource(GGUFSource):
 
     def __init__(self, paths: list[Path]) -> None:
         super().__init__(paths[0])
-        self._readers = [gguf.GGUFReader(p) for p in paths[1:]]  # kept: tensors view them
+        self._readers = [open_gguf(p) for p in paths[1:]]  # kept: tensors view them
         for reader in self._readers:
             for t in reader.tensors:
                 if (canonical := gguf_to_canonical(t.name, self.architecture)) is not None:

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import gguf
 import numpy as np
 
+from meshnode_packaging.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
 from meshnode_packaging.sources_tokenizer import UnsupportedTokenizerError, gguf_tokenizer_json
 
 __all__ = [
@@ -221,9 +222,8 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
 }
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.get(key, default)
 
 
 def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -238,7 +238,7 @@ def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
     return np.ascontiguousarray(heads.swapaxes(1, 2)).reshape(rows.shape)
 
 
-def gguf_config(reader: gguf.GGUFReader, tensor_names: set[str]) -> dict[str, Any]:
+def gguf_config(reader: GGUFFile, tensor_names: set[str]) -> dict[str, Any]:
     """Map GGUF metadata to Hugging Face ``config.json`` keys."""
     arch = str(_field(reader, "general.architecture", ""))
     if arch not in GGUF_ARCHITECTURES:
@@ -251,8 +251,8 @@ def gguf_config(reader: gguf.GGUFReader, tensor_names: set[str]) -> dict[str, An
 
     heads = int(meta("attention.head_count"))
     hidden = int(meta("embedding_length"))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = meta("vocab_size", None if tokens is None else len(tokens.data))
+    tokens = reader.get("tokenizer.ggml.tokens")
+    vocab = meta("vocab_size", None if tokens is None else len(tokens))
     config: dict[str, Any] = {
         "model_type": info.model_type,
         "architectures": [info.hf_class],
@@ -347,17 +347,22 @@ def _numbers(values: dict[str, Any]) -> dict[str, float | int]:
     }
 
 
+def open_gguf(path: Path) -> GGUFFile:
+    """``path`` parsed as GGUF; raises :class:`SourceError` if it is not one."""
+    try:
+        return GGUFFile(path)
+    except GGUFFormatError as exc:
+        raise SourceError(str(exc)) from exc
+
+
 class GGUFSource:
     """A GGUF file, memory-mapped; tensors are handed out under canonical names."""
 
     def __init__(self, path: Path) -> None:
-        try:
-            self._reader = gguf.GGUFReader(path)
-        except (OSError, ValueError) as exc:
-            raise SourceError(f"{path}: not a readable GGUF file ({exc})") from exc
+        self._reader = open_gguf(path)
         self.path = path
         arch = str(_field(self._reader, "general.architecture", ""))
-        self._tensors: dict[str, gguf.ReaderTensor] = {}
+        self._tensors: dict[str, GGUFTensor] = {}
         for t in self._reader.tensors:
             canonical = gguf_to_canonical(t.name, arch)
             if canonical is not None:
@@ -368,7 +373,9 @@ class GGUFSource:
             # llama.cpp stores Llama 3.1-style RoPE scaling as per-pair divisors of the
             # frequency (convert_hf_to_gguf computes them from rope_scaling); HF config
             # has no key for them, so they travel under this one extra key.
-            factors = np.asarray(freqs.data, dtype=np.float32).ravel()
+            if freqs.tensor_type.name != "F32":
+                raise SourceError(f"{path}: {ROPE_FREQS} is {freqs.tensor_type.name}, not F32")
+            factors = freqs.data.view("<f4")
             self.config["rope_freq_factors"] = [float(f) for f in factors]
         self.architecture = arch  # general.architecture
         self._arch = GGUF_ARCHITECTURES[arch]
@@ -389,7 +396,7 @@ class GGUFSource:
         """The tensor ``name`` as stored, with Q/K rows in Hugging Face order (and norm
         weights in the checkpoint's convention, see :attr:`GGUFArchitecture.norm_shift`)."""
         t = self._tensors[name]
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = tuple(reversed(t.shape))
         data = t.data
         n_head = self._permuted_heads(name)
         if n_head is not None:

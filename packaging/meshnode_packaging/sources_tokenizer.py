@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import gguf
+from meshnode_packaging.gguf_file import GGUFFile
 
 __all__ = ["UnsupportedTokenizerError", "gguf_tokenizer_json"]
 
@@ -88,22 +88,20 @@ _BYTE = 6
 SPM_SPACE = "\u2581"
 
 
-def _array(reader: gguf.GGUFReader, key: str) -> list[Any]:
-    field = reader.fields.get(key)
-    if field is None:
+def _array(reader: GGUFFile, key: str) -> list[Any]:
+    values = reader.get(key)
+    if values is None:
         return []
-    values = field.contents()
     return list(values) if isinstance(values, list) else [values]
 
 
-def gguf_tokenizer_json(reader: gguf.GGUFReader) -> str:
+def gguf_tokenizer_json(reader: GGUFFile) -> str:
     """The ``tokenizer.json`` document equivalent to the GGUF's tokenizer metadata.
 
     Raises :class:`UnsupportedTokenizerError` for a tokenizer model other than ``gpt2`` and
     ``llama`` and for pre-tokenizers not in :data:`PRE_TOKENIZERS`.
     """
-    kind = reader.fields.get("tokenizer.ggml.model")
-    model = None if kind is None else kind.contents()
+    model = reader.get("tokenizer.ggml.model")
     tokens = [str(t) for t in _array(reader, "tokenizer.ggml.tokens")]
     types = [int(t) for t in _array(reader, "tokenizer.ggml.token_type")] or [1] * len(tokens)
     if model == "gpt2":
@@ -136,9 +134,8 @@ def _added_tokens(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
     ]
 
 
-def _bpe_document(reader: gguf.GGUFReader, tokens: list[str], types: list[int]) -> dict[str, Any]:
-    pre_field = reader.fields.get("tokenizer.ggml.pre")
-    pre = "default" if pre_field is None else str(pre_field.contents())
+def _bpe_document(reader: GGUFFile, tokens: list[str], types: list[int]) -> dict[str, Any]:
+    pre = str(reader.get("tokenizer.ggml.pre", "default"))
     if pre not in PRE_TOKENIZERS:
         raise UnsupportedTokenizerError(f"GGUF pre-tokenizer {pre!r} is not supported")
     merges = [str(m) for m in _array(reader, "tokenizer.ggml.merges")]
@@ -170,7 +167,7 @@ def _bpe_model(
     }
 
 
-def _spm_document(reader: gguf.GGUFReader, tokens: list[str], types: list[int]) -> dict[str, Any]:
+def _spm_document(reader: GGUFFile, tokens: list[str], types: list[int]) -> dict[str, Any]:
     scores = [float(s) for s in _array(reader, "tokenizer.ggml.scores")] or [0.0] * len(tokens)
     # llama.cpp prefixes a space unless the GGUF says not to (Gemma does).
     prefix = bool(_scalar(reader, "tokenizer.ggml.add_space_prefix", True))
@@ -222,7 +219,7 @@ def spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list
     return merges
 
 
-def _post_processor(reader: gguf.GGUFReader, tokens: list[str]) -> dict[str, Any] | None:
+def _post_processor(reader: GGUFFile, tokens: list[str]) -> dict[str, Any] | None:
     """``TemplateProcessing`` adding BOS/EOS where the GGUF says the model expects them."""
     start: list[dict[str, Any]] = []
     end: list[dict[str, Any]] = []
@@ -246,6 +243,5 @@ def _post_processor(reader: gguf.GGUFReader, tokens: list[str]) -> dict[str, Any
     }
 
 
-def _scalar(reader: gguf.GGUFReader, key: str, default: Any) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _scalar(reader: GGUFFile, key: str, default: Any) -> Any:
+    return reader.get(key, default)
