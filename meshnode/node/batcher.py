@@ -28,6 +28,7 @@ from typing import Generic, TypeVar
 
 import trio
 
+from meshnode.errors import MeshnodeError
 from meshnode.node.pipeline import FrameKind, PipelineError, StepFrame
 
 T = TypeVar("T")
@@ -107,7 +108,7 @@ class Slot(Generic[T]):
 
     frame: StepFrame
     output: T | None = None
-    error: PipelineError | None = None
+    error: MeshnodeError | None = None  # raised in the task that submitted the frame
     done: bool = False
 
 
@@ -138,7 +139,8 @@ class Batcher(Generic[T]):
         self.steps = 0  # steps run so far (tests and telemetry)
 
     async def submit(self, frame: StepFrame) -> T:
-        """Run ``frame`` in a step; its output. Raises the PipelineError the step set."""
+        """Run ``frame`` in a step; its output. Raises the error the step set for it
+        (a PipelineError, or the engine's RollbackError)."""
         slot: Slot[T] = Slot(frame)
         self._pending.append(slot)
         try:

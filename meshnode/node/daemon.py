@@ -23,7 +23,14 @@ from typing import Any
 
 import psutil
 import trio
-from meshnode_protocol import PROTOCOL_VERSION, Hello, Message, PeerInfo
+from meshnode_protocol import (
+    BATCH_FEATURE,
+    DEFAULT_FEATURES,
+    PROTOCOL_VERSION,
+    Hello,
+    Message,
+    PeerInfo,
+)
 
 from meshnode.engine.backend import cuda_free_memory, select_backend
 from meshnode.errors import ConfigError
@@ -218,6 +225,7 @@ class Node:
             for p in self.table.alive()
         )
         return Hello(
+            features=(*DEFAULT_FEATURES, BATCH_FEATURE),  # this node takes batched steps
             node_id=self.node_id,
             mesh_id_hash=self.identity.mesh_id,
             listen_address=str(self.listen),

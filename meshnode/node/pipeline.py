@@ -177,23 +177,6 @@ class LocalPipeline:
             self.runner.release(request_id)
 
     async def _step(self, slots: list[Slot[StepResult]]) -> None:
-        await trio.to_thread.run_sync(run_results, self.runner, slots)
+        from meshnode.node.stage import step_results
 
-
-def run_results(runner: StageRunner, slots: list[Slot[StepResult]]) -> None:
-    """One step on the last stage (in a worker thread): each slot's result, or its error
-    when its frame does not fit (that frame alone fails)."""
-    admitted = [slot for slot in slots if _admit(runner, slot)]
-    if admitted:
-        results = runner.results_batch([slot.frame for slot in admitted])
-        for slot, result in zip(admitted, results, strict=True):
-            slot.output = result
-
-
-def _admit(runner: StageRunner, slot: Slot[Any]) -> bool:
-    try:
-        runner.admit(slot.frame)
-    except PipelineError as exc:
-        slot.error = exc
-        return False
-    return True
+        await trio.to_thread.run_sync(step_results, self.runner, slots)

@@ -3,9 +3,11 @@
 A loaded run owns one *inbox* task (:meth:`Relay.serve_inbox`) that takes its data messages
 in arrival order: an ``ActivationFrame`` runs through the stage in a worker thread and goes
 on to the downstream stage, or, from the last stage, as a ``Prediction`` straight back to the
-host (DESIGN §2); a ``Release`` frees its sequence. A frame that fails becomes an ``Error``
-naming its request, sent to the run's coordinator. The control plane (claim, prepare,
-load, stop) is :mod:`meshnode.node.worker`.
+host (DESIGN §2); an ``ActivationBatch`` (one step of several requests) runs as one
+multi-row forward and goes on as one ``ActivationBatch`` or ``PredictionBatch``; a
+``Release`` frees its sequence. A frame that fails becomes an ``Error`` naming its request,
+sent to the run's coordinator; the other frames of its step go on. The control plane
+(claim, prepare, load, stop) is :mod:`meshnode.node.worker`.
 """
 
 from __future__ import annotations
@@ -14,14 +16,25 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
-from meshnode_protocol import ActivationFrame, Error, ErrorCode, Message, Release
+from meshnode_protocol import (
+    ActivationBatch,
+    ActivationFrame,
+    Error,
+    ErrorCode,
+    Message,
+    Prediction,
+    PredictionBatch,
+    Release,
+)
 
 from meshnode.engine.recurrent import RollbackError
 from meshnode.net.stream import SEND_ERRORS
-from meshnode.node.pipeline import PipelineError, RequestId, StepResult
+from meshnode.node.batcher import Slot
+from meshnode.node.pipeline import RequestId, StepResult
+from meshnode.node.stage import step_activations, step_results
 from meshnode.node.wire import frame_from_wire, frame_to_wire, result_to_wire
 
 if TYPE_CHECKING:
@@ -30,7 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("meshnode.worker")
 
 SendFn = Callable[[str, Message], Awaitable[None]]
-DataMessage = ActivationFrame | Release
+DataMessage = ActivationFrame | ActivationBatch | Release
 
 
 class Relay:
@@ -60,65 +73,99 @@ class Relay:
 
     async def _serve_one(self, run: WorkerRun, message: DataMessage) -> None:
         if isinstance(message, ActivationFrame):
-            await self._activation(run, message)
+            await self._step(run, (message,), batched=False)
+        elif isinstance(message, ActivationBatch):
+            await self._step(run, message.frames, batched=True)
         elif run.runner is not None:
             run.runner.release(RequestId(message.request_id))
             run.wire.release(RequestId(message.request_id))
 
-    async def _activation(self, run: WorkerRun, message: ActivationFrame) -> None:
+    async def _step(
+        self, run: WorkerRun, messages: tuple[ActivationFrame, ...], *, batched: bool
+    ) -> None:
+        """Run a step's frames as one forward and send on what comes out: as one message
+        again (a batch stays a batch), each frame's failure to the coordinator."""
         runner = run.runner
         assert runner is not None  # the inbox task starts only once the runner is loaded
-        result: StepResult | None = None
-        try:
-            # One inbox task per run: the sequence's input buffer, reused frame after
-            # frame, is never written while a forward reads it.
-            frame = frame_from_wire(message, run.wire)
-            began = time.perf_counter()
-            if runner.last:
-                result = await trio.to_thread.run_sync(runner.result, frame)
-            else:
-                hidden = await trio.to_thread.run_sync(runner.activations, frame)
-            compute_us = int((time.perf_counter() - began) * 1e6)
-        except (PipelineError, ValueError) as exc:
-            code = (
-                ErrorCode.ROLLBACK_TOO_DEEP
-                if isinstance(exc, RollbackError)
-                else ErrorCode.BAD_ACTIVATION
-            )
-            failed = frame_error(run, code, str(exc), message)
-            await self._to_coordinator(run, failed)
-            return
-        if result is not None:
-            if not result.tokens:
-                return  # a non-final prefill chunk: the host does not wait for it
-            target = run.coordinator
-            outgoing: Message = result_to_wire(
-                result,
-                run_id=run.run_id,
-                term=run.term,
-                start_pos=frame.start_pos,
-                stage_compute_us=message.stage_compute_us,
-            )
-        elif run.downstream is not None:
-            target = run.downstream
-            outgoing = frame_to_wire(
-                frame,
-                hidden,
-                run_id=run.run_id,
-                term=run.term,
-                wire_dtype=run.wire_dtype,
-                sequences=run.wire,
-                stage_compute_us=(*message.stage_compute_us, compute_us),
-            )
+        slots: list[tuple[ActivationFrame, Slot[Any]]] = []  # outputs: StepResult or hidden
+        for message in messages:
+            try:
+                # One inbox task per run: the sequence's input buffer, reused frame after
+                # frame, is never written while a forward reads it.
+                slots.append((message, Slot(frame_from_wire(message, run.wire))))
+            except ValueError as exc:
+                await self._fail(run, message, exc)
+        began = time.perf_counter()
+        step = [slot for _, slot in slots]
+        if runner.last:
+            await trio.to_thread.run_sync(step_results, runner, step)
         else:
-            return
+            await trio.to_thread.run_sync(step_activations, runner, step)
+        compute_us = int((time.perf_counter() - began) * 1e6)
+        outgoing: list[Any] = []
+        for message, slot in slots:
+            if slot.error is not None:
+                await self._fail(run, message, slot.error)
+            elif runner.last:
+                if slot.output and slot.output.tokens:  # none after a non-final prefill chunk
+                    outgoing.append(_prediction(run, slot, message))
+            elif run.downstream is not None:
+                outgoing.append(_onward(run, slot, message, compute_us))
+        if outgoing:
+            await self._send_on(run, outgoing, batched, messages)
+
+    async def _send_on(
+        self,
+        run: WorkerRun,
+        outgoing: list[Any],
+        batched: bool,
+        messages: tuple[ActivationFrame, ...],
+    ) -> None:
+        target = run.coordinator if run.downstream is None else run.downstream
+        message: Message = outgoing[0]
+        if batched and isinstance(outgoing[0], Prediction):
+            message = PredictionBatch(run_id=run.run_id, term=run.term, predictions=tuple(outgoing))
+        elif batched:
+            message = ActivationBatch(run_id=run.run_id, term=run.term, frames=tuple(outgoing))
         try:
-            await self._send(target, outgoing)
+            await self._send(target, message)
         except SEND_ERRORS:
             # The next node is gone: the host learns it from membership and replans; tell it
-            # now so the request fails at once (best effort: the host may be gone too).
+            # now so the requests fail at once (best effort: the host may be gone too).
             reason = f"stage after {self.node_id} ({target}) is unreachable"
-            await self._to_coordinator(run, frame_error(run, ErrorCode.NOT_READY, reason, message))
+            for frame in messages:
+                failed = frame_error(run, ErrorCode.NOT_READY, reason, frame)
+                await self._to_coordinator(run, failed)
+
+    async def _fail(self, run: WorkerRun, message: ActivationFrame, exc: Exception) -> None:
+        rollback = isinstance(exc, RollbackError)
+        code = ErrorCode.ROLLBACK_TOO_DEEP if rollback else ErrorCode.BAD_ACTIVATION
+        await self._to_coordinator(run, frame_error(run, code, str(exc), message))
+
+
+def _prediction(run: WorkerRun, slot: Slot[StepResult], message: ActivationFrame) -> Prediction:
+    assert slot.output is not None
+    return result_to_wire(
+        slot.output,
+        run_id=run.run_id,
+        term=run.term,
+        start_pos=slot.frame.start_pos,
+        stage_compute_us=message.stage_compute_us,
+    )
+
+
+def _onward(
+    run: WorkerRun, slot: Slot[Any], message: ActivationFrame, compute_us: int
+) -> ActivationFrame:
+    return frame_to_wire(
+        slot.frame,
+        slot.output,
+        run_id=run.run_id,
+        term=run.term,
+        wire_dtype=run.wire_dtype,
+        sequences=run.wire,
+        stage_compute_us=(*message.stage_compute_us, compute_us),
+    )
 
 
 def frame_error(run: WorkerRun, code: ErrorCode, reason: str, frame: ActivationFrame) -> Error:

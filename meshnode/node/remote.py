@@ -25,15 +25,26 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import trio
-from meshnode_protocol import Error, ErrorCode, Message, Prediction, Release
+from meshnode_protocol import (
+    ActivationBatch,
+    ActivationFrame,
+    Error,
+    ErrorCode,
+    Message,
+    Prediction,
+    PredictionBatch,
+    Release,
+)
 
 from meshnode.engine.recurrent import RollbackError
+from meshnode.errors import MeshnodeError
 from meshnode.net.stream import SEND_ERRORS
+from meshnode.node.batcher import Batcher, BatchLimits, Slot
 from meshnode.node.pipeline import PipelineError, RequestId, StepFrame, StepResult
-from meshnode.node.stage import StageRunner
+from meshnode.node.stage import StageRunner, step_activations, step_results
 from meshnode.node.wire import WireSequences, frame_to_wire, result_from_wire
 
 log = logging.getLogger(__name__)
@@ -41,9 +52,15 @@ log = logging.getLogger(__name__)
 SendFn = Callable[[str, Message], Awaitable[None]]
 
 
-def is_data_reply(message: Message) -> TypeGuard[Prediction | Error]:
-    """Whether ``message`` answers a frame (a ``Prediction``, or an ``Error`` naming a
-    request): the session hands those straight to :meth:`RemotePipeline.deliver`."""
+DataReply = Prediction | PredictionBatch | Error
+
+
+def is_data_reply(message: Message) -> TypeGuard[DataReply]:
+    """Whether ``message`` answers frames (a ``Prediction`` or ``PredictionBatch``, or an
+    ``Error`` naming a request): the session hands those straight to
+    :meth:`RemotePipeline.deliver`."""
+    if isinstance(message, PredictionBatch):
+        return True
     return isinstance(message, Prediction | Error) and bool(message.request_id)
 
 
@@ -51,7 +68,14 @@ def is_data_reply(message: Message) -> TypeGuard[Prediction | Error]:
 class _Waiter:
     done: trio.Event = field(default_factory=trio.Event)
     result: StepResult | None = None
-    error: PipelineError | RollbackError | None = None  # why the frame failed, raised by the waiter
+    # Why the frame failed (a PipelineError, or the engine's RollbackError), raised by the waiter.
+    error: MeshnodeError | None = None
+    wire_id: RequestId | None = None  # set while it waits for the last stage
+    local_s: float | None = None  # stage 0's compute, when the other stages follow
+
+    def finish(self, result: StepResult) -> None:
+        self.result = result
+        self.done.set()
 
 
 class RemotePipeline:
@@ -66,6 +90,7 @@ class RemotePipeline:
         stage_nodes: Sequence[str],
         send: SendFn,
         wire_dtype: str,
+        batch_limits: BatchLimits | None = None,
     ) -> None:
         self.runner = runner
         self.run_id = run_id
@@ -73,7 +98,13 @@ class RemotePipeline:
         self.stage_nodes = tuple(stage_nodes)
         self.wire_dtype = wire_dtype
         self._send = send
-        self._lock = trio.Lock()
+        # With n stages, n micro-batches in flight keep every stage busy (batcher docstring).
+        limits = batch_limits or BatchLimits(
+            max_frames=runner.max_sequences, micro_batches=len(self.stage_nodes)
+        )
+        self.batcher: Batcher[_Waiter] = Batcher(
+            self._step, limits, live=lambda: runner.live_sequences
+        )
         self._waiters: dict[RequestId, _Waiter] = {}  # by wire id
         self._wire_ids: dict[RequestId, RequestId] = {}  # request id -> wire id
         self._next_wire_id = itertools.count()
@@ -89,42 +120,90 @@ class RemotePipeline:
     async def run(self, frame: StepFrame) -> StepResult:
         if self._failure is not None:
             raise PipelineError(str(self._failure))
-        if self.runner.last:  # a one-stage run
-            async with self._lock:
-                return await trio.to_thread.run_sync(self.runner.result, frame)
-        async with self._lock:
-            began = time.perf_counter()
-            out = await trio.to_thread.run_sync(self.runner.activations, frame)
-            local_s = time.perf_counter() - began
-        wire_id = self._wire_id(frame.request_id)
-        message = frame_to_wire(
-            dataclasses.replace(frame, request_id=wire_id),
-            out,
-            run_id=self.run_id,
-            term=self.term,
-            wire_dtype=self.wire_dtype,
-            sequences=self._wire,
-        )
-        if not frame.final:
-            await self._forward(message)
-            return StepResult(request_id=frame.request_id)
-        waiter = self._waiters[wire_id] = _Waiter()
+        waiter = await self.batcher.submit(frame)
         try:
-            await self._forward(message)
             await waiter.done.wait()
         finally:
-            self._waiters.pop(wire_id, None)
+            if waiter.wire_id is not None:
+                self._waiters.pop(waiter.wire_id, None)
         if waiter.result is None:
             raise waiter.error or PipelineError("the frame's waiter woke without a result")
+        if waiter.local_s is None:  # a one-stage run: the result is all there is
+            return waiter.result
         # The other stages report their compute (the last its own, the middle ones through
         # the frame); stage 0's is measured here.
-        stages = (local_s, *waiter.result.stage_compute_s)
+        stages = (waiter.local_s, *waiter.result.stage_compute_s)
         return dataclasses.replace(
             waiter.result,
             request_id=frame.request_id,
             compute_s=sum(stages),
             stage_compute_s=stages,
         )
+
+    async def _step(self, slots: list[Slot[_Waiter]]) -> None:
+        """One batched step of stage 0; the frames go on downstream as one message."""
+        if self._failure is not None:
+            for slot in slots:
+                slot.error = PipelineError(str(self._failure))
+            return
+        inner: list[Slot[Any]] = [Slot(slot.frame) for slot in slots]
+        if self.runner.last:  # a one-stage run
+            await trio.to_thread.run_sync(step_results, self.runner, inner)
+            for slot, done in zip(slots, inner, strict=True):
+                slot.error = done.error
+                if done.output is not None:
+                    slot.output = _Waiter()
+                    slot.output.finish(done.output)
+            return
+        began = time.perf_counter()
+        await trio.to_thread.run_sync(step_activations, self.runner, inner)
+        local_s = time.perf_counter() - began
+        messages = []
+        for slot, done in zip(slots, inner, strict=True):
+            slot.error = done.error
+            if done.output is not None:
+                slot.output, message = self._outgoing(slot.frame, done.output, local_s)
+                messages.append(message)
+        if messages:
+            await self._forward_step(slots, messages)
+
+    def _outgoing(
+        self, frame: StepFrame, hidden: Any, local_s: float
+    ) -> tuple[_Waiter, ActivationFrame]:
+        wire_id = self._wire_id(frame.request_id)
+        message = frame_to_wire(
+            dataclasses.replace(frame, request_id=wire_id),
+            hidden,
+            run_id=self.run_id,
+            term=self.term,
+            wire_dtype=self.wire_dtype,
+            sequences=self._wire,
+        )
+        waiter = _Waiter(local_s=local_s)
+        if frame.final:
+            waiter.wire_id = wire_id
+            self._waiters[wire_id] = waiter
+        else:
+            # A non-final prefill chunk is not waited for: the session's FIFO order and each
+            # stage's in-order processing keep it ahead of the final chunk.
+            waiter.local_s = None
+            waiter.finish(StepResult(request_id=frame.request_id))
+        return waiter, message
+
+    async def _forward_step(
+        self, slots: list[Slot[_Waiter]], messages: list[ActivationFrame]
+    ) -> None:
+        """Send a step downstream: one frame as itself, several as one ``ActivationBatch``."""
+        outgoing: Message = messages[0]
+        if len(messages) > 1:
+            outgoing = ActivationBatch(run_id=self.run_id, term=self.term, frames=tuple(messages))
+        try:
+            await self._forward(outgoing)
+        except PipelineError as exc:
+            for slot in slots:
+                if slot.output is not None and not slot.output.done.is_set():
+                    slot.output.error = exc
+                    slot.output.done.set()
 
     def _wire_id(self, request_id: RequestId) -> RequestId:
         wire_id = self._wire_ids.get(request_id)
@@ -145,12 +224,14 @@ class RemotePipeline:
             await self._released.wait()
 
     async def release(self, request_id: RequestId) -> None:
-        async with self._lock:
+        # Between steps, so a release never races the worker thread's use of the cache.
+        async with self.batcher.exclusive():
             self.runner.release(request_id)
         self._released.set()
         wire_id = self._wire_ids.pop(request_id, None)
         if wire_id is None:
             return  # never crossed the wire: no other stage holds it
+        self._waiters.pop(wire_id, None)
         self._wire.release(wire_id)
         message = Release(request_id=str(wire_id), run_id=self.run_id, term=self.term)
         for node in self.stage_nodes[1:]:
@@ -158,13 +239,20 @@ class RemotePipeline:
             with contextlib.suppress(*SEND_ERRORS):
                 await self._send(node, message)
 
-    def deliver(self, peer: str, message: Prediction | Error) -> None:
-        """Wake the waiter of a data reply from ``peer``; anything else is dropped: a reply
-        of another run (late), a ``Prediction`` not from the last stage, an ``Error`` not
+    def deliver(self, peer: str, message: DataReply) -> None:
+        """Wake the waiters of a data reply from ``peer``; anything else is dropped: a reply
+        of another run (late), a prediction not from the last stage, an ``Error`` not
         from a stage of this pipeline (wire ids are guessable; the sender is not)."""
         if message.run_id != self.run_id or not self.may_reply(peer, message):
             log.debug("dropped %s from %s", type(message).__name__, peer)
             return
+        if isinstance(message, PredictionBatch):
+            for prediction in message.predictions:
+                self._wake(prediction)
+        else:
+            self._wake(message)
+
+    def _wake(self, message: Prediction | Error) -> None:
         waiter = self._waiters.get(RequestId(message.request_id))
         if waiter is None or waiter.done.is_set():
             return
@@ -191,9 +279,9 @@ class RemotePipeline:
             raise PipelineError(f"token id {bad} is outside 0..{vocab - 1}")
         return result
 
-    def may_reply(self, peer: str, message: Prediction | Error) -> bool:
+    def may_reply(self, peer: str, message: DataReply) -> bool:
         """Predictions come from the last stage; a frame's failure from any remote stage."""
-        if isinstance(message, Prediction):
+        if isinstance(message, Prediction | PredictionBatch):
             return peer == self.stage_nodes[-1]
         return peer in self.stage_nodes[1:]
 

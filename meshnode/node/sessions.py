@@ -46,6 +46,7 @@ from meshnode.node.membership import (
     PeerLeft,
     RttMeasured,
 )
+from meshnode.node.wire import for_peer
 
 log = logging.getLogger("meshnode.node")
 
@@ -64,6 +65,7 @@ class Session:
     dialer_id: NodeId  # who dialed: decides which of two duplicate sessions survives
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     left: bool = False
+    features: frozenset[str] = frozenset()  # what the peer's Hello says it accepts
 
 
 class SessionOwner(Protocol):
@@ -139,7 +141,9 @@ class Sessions:
 
         Raises ``KeyError`` when there is no session, transport errors when it broke.
         """
-        await self.live[NodeId(node_id)].peer.send(message)
+        session = self.live[NodeId(node_id)]
+        for part in for_peer(message, session.features):
+            await session.peer.send(part)
 
     def close(self, node_id: NodeId) -> None:
         """End the session with ``node_id`` (the membership declared it dead)."""
@@ -252,7 +256,8 @@ class Sessions:
             target.node_id = node_id
         if node_id == self.node_id:
             return None  # we dialed ourselves (our own advert or a peer list naming us)
-        session = Session(node_id, peer, self.node_id if target is not None else node_id)
+        dialer = self.node_id if target is not None else node_id
+        session = Session(node_id, peer, dialer, features=frozenset(hello.features))
         if not self._replaces(session):
             return None
         self.live[node_id] = session

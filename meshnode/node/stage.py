@@ -20,9 +20,9 @@ pipeline holds a lock around both).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -30,8 +30,9 @@ import numpy.typing as npt
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import BatchRow, Stage
 from meshnode.engine.mtp import MtpCache
-from meshnode.engine.recurrent import HybridCache
+from meshnode.engine.recurrent import HybridCache, RollbackError
 from meshnode.engine.sampling import Sampler, SamplingParams, token_logprobs
+from meshnode.node.batcher import Slot
 from meshnode.node.pipeline import (
     FrameKind,
     PipelineError,
@@ -41,6 +42,8 @@ from meshnode.node.pipeline import (
     TokenLogprob,
 )
 from meshnode.speculative.acceptance import verify
+
+T = TypeVar("T")
 
 #: Live sequences per stage. Each holds a preallocated KV cache of ``context_size``
 #: positions (SmolLM2-135M: ~46 KiB per position, so 8 x 2048 positions is ~750 MiB),
@@ -96,6 +99,12 @@ class StageRunner:
         # Released caches are kept for the next sequence: allocating a context-sized cache
         # per request would churn hundreds of MiB per second under load.
         self._free_caches: list[Any] = []
+
+    @property
+    def batches(self) -> bool:
+        """Whether a list of frames runs as one forward here (the CUDA and hybrid stages
+        run them one by one)."""
+        return self.stage.hybrid is None and self.stage.cuda is None
 
     @property
     def live_sequences(self) -> int:
@@ -166,6 +175,8 @@ class StageRunner:
         sequence for a frame at position 0. Raises StageError naming what does not fit."""
         self._check_frame(frame)
         self._check_positions(frame, self._sequence(frame))
+        if not self.first and frame.hidden is None:
+            raise StageError(f"frame of {frame.request_id} carries no hidden states")
 
     def memory(self) -> dict[str, int]:
         """Bytes held by this stage's sequence caches (live and kept for reuse); for a
@@ -277,12 +288,7 @@ class StageRunner:
         return self.stage.forward_batch(items)
 
     def _row(self, frame: StepFrame, seq: _Sequence) -> BatchRow:
-        if self.first:
-            inputs: Any = np.asarray(frame.tokens, dtype=np.int64)
-        elif frame.hidden is None:
-            raise StageError(f"frame of {frame.request_id} carries no hidden states")
-        else:
-            inputs = frame.hidden
+        inputs: Any = np.asarray(frame.tokens, dtype=np.int64) if self.first else frame.hidden
         if self.last:
             seq.history[frame.start_pos :] = frame.tokens
             if frame.kind is FrameKind.PREFILL and frame.final:
@@ -356,6 +362,53 @@ def _result(
         stage_compute_s=(elapsed,),
         drafts=drafts,
     )
+
+
+def step_results(runner: StageRunner, slots: list[Slot[StepResult]]) -> None:
+    """One batched step on the last stage (in a worker thread): each slot's result, or its
+    error when its frame does not fit or fails (that frame alone fails where it can)."""
+    _step(runner, slots, runner.results_batch)
+
+
+def step_activations(runner: StageRunner, slots: list[Slot[npt.NDArray[np.float32]]]) -> None:
+    """One batched step on a stage that is not the last: each slot's hidden states for the
+    next stage, or its error (as :func:`step_results`)."""
+    _step(runner, slots, runner.activations_batch)
+
+
+def _step(
+    runner: StageRunner,
+    slots: list[Slot[T]],
+    compute: Callable[[Sequence[StepFrame]], list[T]],
+) -> None:
+    admitted = [slot for slot in slots if _admit(runner, slot)]
+    # A stage that cannot batch yet runs the frames one by one, so that an error (a hybrid
+    # sequence rolled back past its snapshot ring) fails only its own frame.
+    groups = [admitted] if runner.batches else [[slot] for slot in admitted]
+    for group in groups:
+        if not group:
+            continue
+        try:
+            outputs = compute([slot.frame for slot in group])
+        except RollbackError as exc:
+            for slot in group:
+                slot.error = exc
+            continue
+        except ValueError as exc:  # what the engine says of input that does not fit
+            for slot in group:
+                slot.error = StageError(str(exc))
+            continue
+        for slot, output in zip(group, outputs, strict=True):
+            slot.output = output
+
+
+def _admit(runner: StageRunner, slot: Slot[Any]) -> bool:
+    try:
+        runner.admit(slot.frame)
+    except StageError as exc:
+        slot.error = exc
+        return False
+    return True
 
 
 def _out_rows(frame: StepFrame) -> int:

@@ -1,8 +1,10 @@
 """Translation between the pipeline's records and their wire messages, in one place.
 
-``StepFrame`` ⇄ ``ActivationFrame`` and ``StepResult`` ⇄ ``Prediction``. Activations travel
-as raw tensors in the frame's payload, in the run's wire dtype (f16 by default: half the
-bytes of f32 for a rounding of about 1e-3 relative, see ``benchmarks/split.py``).
+``StepFrame`` ⇄ ``ActivationFrame`` and ``StepResult`` ⇄ ``Prediction`` (several of them
+travel as one ``ActivationBatch``/``PredictionBatch`` to peers that accept it:
+:func:`for_peer`). Activations travel as raw tensors in the frame's payload, in the run's
+wire dtype (f16 by default: half the bytes of f32 for a rounding of about 1e-3 relative,
+see ``benchmarks/split.py``).
 
 Two things keep a decode frame small and allocation-free:
 
@@ -21,7 +23,17 @@ from dataclasses import dataclass, fields
 from typing import Any, Final
 
 import numpy as np
-from meshnode_protocol import ActivationFrame, Prediction, Sampling, Tensor, TopLogprobs
+from meshnode_protocol import (
+    BATCH_FEATURE,
+    ActivationBatch,
+    ActivationFrame,
+    Message,
+    Prediction,
+    PredictionBatch,
+    Sampling,
+    Tensor,
+    TopLogprobs,
+)
 
 from meshnode.engine.sampling import SamplingParams
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame, StepResult, TokenLogprob
@@ -284,3 +296,17 @@ def result_from_wire(message: Prediction) -> StepResult:
         stage_compute_s=tuple(us / 1e6 for us in (*message.stage_compute_us, message.compute_us)),
         drafts=message.drafts,
     )
+
+
+def for_peer(message: Message, features: frozenset[str]) -> tuple[Message, ...]:
+    """``message`` as a peer with these Hello ``features`` may receive it: a batch goes as
+    one message to a peer that accepts batches, else as its frames (or predictions) one
+    by one, which mean the same (protocol/README.md: a new message type is only sent once
+    its feature is negotiated)."""
+    if BATCH_FEATURE in features:
+        return (message,)
+    if isinstance(message, ActivationBatch):
+        return message.frames
+    if isinstance(message, PredictionBatch):
+        return message.predictions
+    return (message,)

@@ -54,6 +54,7 @@ from meshnode_packaging.manifest import Part
 from meshnode_packaging.refs import is_url, open_ref
 from meshnode_packaging.sources import ModelSource
 from meshnode_protocol import (
+    ActivationBatch,
     ActivationFrame,
     Claim,
     ClaimAccepted,
@@ -151,7 +152,7 @@ def _range(part: Part) -> tuple[int, int]:
 def may_send(run: WorkerRun, peer: str, message: Message) -> bool:
     """Whether ``peer`` may send ``message`` to ``run``: activations come from the stage's
     upstream (the coordinator when it has none), everything else from the coordinator."""
-    if isinstance(message, ActivationFrame):
+    if isinstance(message, ActivationFrame | ActivationBatch):
         return peer == (run.upstream or run.coordinator)
     return peer == run.coordinator
 
@@ -229,7 +230,9 @@ class Worker:
         """Handle ``message`` from ``peer``; False if it is not a worker message."""
         if isinstance(message, Claim):
             await self._claim(peer, message)
-        elif isinstance(message, Prepare | Inventory | Load | Stop | ActivationFrame | Release):
+        elif isinstance(
+            message, Prepare | Inventory | Load | Stop | ActivationFrame | ActivationBatch | Release
+        ):
             run = await self._fenced(peer, message)
             if run is None:
                 return True
@@ -456,9 +459,11 @@ class Worker:
     async def _queue(self, run: WorkerRun, message: DataMessage) -> None:
         """Hand a data message to the run's inbox task; the receive loop goes on reading."""
         if run.inbox is None:
-            if isinstance(message, ActivationFrame):
-                error = frame_error(run, ErrorCode.NOT_READY, "this stage is not loaded", message)
-                await self._to_coordinator(error)
+            frames = message.frames if isinstance(message, ActivationBatch) else (message,)
+            for frame in frames:
+                if isinstance(frame, ActivationFrame):
+                    reason = "this stage is not loaded"
+                    await self._to_coordinator(frame_error(run, ErrorCode.NOT_READY, reason, frame))
             return  # a Release before Load: nothing of that sequence is held here
         with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
             await run.inbox.send(message)

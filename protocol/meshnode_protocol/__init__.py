@@ -28,9 +28,11 @@ from meshnode_protocol._framing import (
 )
 from meshnode_protocol._messages import (
     ACTIVATION_KINDS,
+    BATCH_FEATURE,
     DEFAULT_FEATURES,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
+    ActivationBatch,
     ActivationFrame,
     Claim,
     ClaimAccepted,
@@ -45,6 +47,7 @@ from meshnode_protocol._messages import (
     Message,
     PeerInfo,
     Prediction,
+    PredictionBatch,
     Prepare,
     PrepareAccepted,
     Ready,
@@ -60,6 +63,7 @@ from meshnode_protocol._tensor import DTYPE_SIZES, Tensor
 
 __all__ = [
     "ACTIVATION_KINDS",
+    "BATCH_FEATURE",
     "CONNECTION_CLOSED",
     "DEFAULT_FEATURES",
     "DTYPE_SIZES",
@@ -69,6 +73,7 @@ __all__ = [
     "MESSAGE_TYPES",
     "NEED_DATA",
     "PROTOCOL_VERSION",
+    "ActivationBatch",
     "ActivationFrame",
     "Claim",
     "ClaimAccepted",
@@ -88,6 +93,7 @@ __all__ = [
     "NeedData",
     "PeerInfo",
     "Prediction",
+    "PredictionBatch",
     "Prepare",
     "PrepareAccepted",
     "ProtocolError",

@@ -28,7 +28,13 @@ DEFAULT_FEATURES: Final[tuple[str, ...]] = ("bf16", "draft-distribution")
 - ``bf16``: accepts bf16 tensors (activations with ``wire_dtype="bf16"``);
 - ``draft-distribution``: accepts ``ActivationFrame.draft_probs`` as a ``[k, vocab]`` tensor
   (full draft distributions) rather than only a list of the drafted tokens' probabilities.
+
+(``activation-batch``, :data:`BATCH_FEATURE`, is defined too; it is not in this default so
+that the default ``Hello`` keeps its golden bytes.)
 """
+
+BATCH_FEATURE: Final = "activation-batch"
+"""The feature of a node that accepts ``ActivationBatch`` and ``PredictionBatch``."""
 
 ACTIVATION_KINDS: Final = ("prefill", "decode", "verify")
 
@@ -468,13 +474,65 @@ class Release(Message):
     term: UInt
 
 
+#: Frames (or predictions) in one batch message. A step carries at most one frame per
+#: sequence and a stage holds a few dozen sequences at most; the bound keeps a hostile
+#: header from making the receiver build an unbounded list of records.
+MAX_BATCH_FRAMES: Final = 256
+
+
+def _check_batch(
+    name: str, items: tuple[ActivationFrame, ...] | tuple[Prediction, ...], run_id: str, term: int
+) -> None:
+    if not 1 <= len(items) <= MAX_BATCH_FRAMES:
+        raise ValueError(f"a batch carries 1 to {MAX_BATCH_FRAMES} {name}, not {len(items)}")
+    if any(item.run_id != run_id or item.term != term for item in items):
+        raise ValueError(f"every one of a batch's {name} names the batch's run and term")
+    if len({item.request_id for item in items}) != len(items):
+        raise ValueError(f"a batch carries at most one of its {name} per request")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ActivationBatch(Message):
+    """One pipeline step of several requests, from stage to stage as one message
+    (feature ``activation-batch``).
+
+    Each of ``frames`` means exactly what it means alone, and the receiving stage runs them
+    as one multi-row forward; their payloads follow one another in the frame's raw payload,
+    in order. At most one frame per request, all of this ``run_id`` and ``term``. The next
+    stage receives the step as a batch again; the last stage answers with one
+    ``PredictionBatch`` for the frames that want a token.
+    """
+
+    TYPE: ClassVar[int] = 33
+    run_id: str
+    term: UInt
+    frames: tuple[ActivationFrame, ...]
+
+    def _validate(self) -> None:
+        _check_batch("frames", self.frames, self.run_id, self.term)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PredictionBatch(Message):
+    """Last stage → host: the ``Prediction`` of each final frame of one ``ActivationBatch``
+    (feature ``activation-batch``), each meaning what it means alone."""
+
+    TYPE: ClassVar[int] = 34
+    run_id: str
+    term: UInt
+    predictions: tuple[Prediction, ...]
+
+    def _validate(self) -> None:
+        _check_batch("predictions", self.predictions, self.run_id, self.term)
+
+
 MESSAGE_TYPES: Final[dict[int, type[Message]]] = {
     cls.TYPE: cls
     for cls in (
         Hello, Goodbye, Heartbeat, Error,
         Claim, ClaimAccepted, ClaimRejected, Prepare, PrepareAccepted, Inventory,
         InventoryReport, Load, Ready, Stop, Status,
-        ActivationFrame, Prediction, Release,
+        ActivationFrame, Prediction, Release, ActivationBatch, PredictionBatch,
     )
 }  # fmt: skip
 """Type tag → message class; a tag not in this table is ``UNKNOWN_MESSAGE_TYPE``."""

@@ -33,6 +33,7 @@ from meshnode_protocol._fields import (
 from meshnode_protocol._framing import encode_frame
 from meshnode_protocol._messages import (
     MESSAGE_TYPES,
+    ActivationBatch,
     ActivationFrame,
     Claim,
     ClaimAccepted,
@@ -47,6 +48,7 @@ from meshnode_protocol._messages import (
     Message,
     PeerInfo,
     Prediction,
+    PredictionBatch,
     Prepare,
     PrepareAccepted,
     Ready,
@@ -314,6 +316,67 @@ EXAMPLES: Final[dict[str, Message]] = {
     ),
     "release": Release(request_id="req-1", run_id=_RUN_ID, term=_TERM),
     "release_max_term": Release(request_id="req-1", run_id=_RUN_ID, term=2**64 - 1),
+    # One step of three requests leaving stage 1: a decode row, a verify window of two drafts
+    # and a new request's prefill (with its sampling), each with its own payload, in order.
+    "activation_batch": ActivationBatch(
+        run_id=_RUN_ID,
+        term=_TERM,
+        frames=(
+            ActivationFrame(
+                request_id="r0",
+                run_id=_RUN_ID,
+                term=_TERM,
+                kind="decode",
+                start_pos=9,
+                tokens=(42,),
+                payload=Tensor("f16", (1, 2), _f16(0.5, -1.0)),
+                stage_compute_us=(2100,),
+            ),
+            ActivationFrame(
+                request_id="r1",
+                run_id=_RUN_ID,
+                term=_TERM,
+                kind="verify",
+                start_pos=20,
+                tokens=(7,),
+                draft_tokens=(8, 9),
+                payload=Tensor("f16", (3, 2), _f16(1.0, 2.0, 3.0, 0.25, 0.0, 1.5)),
+                out_rows=3,
+                stage_compute_us=(2100,),
+            ),
+            ActivationFrame(
+                request_id="r2",
+                run_id=_RUN_ID,
+                term=_TERM,
+                kind="prefill",
+                start_pos=0,
+                tokens=(1, 2),
+                payload=Tensor("f16", (2, 2), _f16(0.0, 1.0, -2.0, 0.5)),
+                sampling=Sampling(temperature=0.0),
+                final=False,
+                stage_compute_us=(2100,),
+            ),
+        ),
+    ),
+    # The last stage's answer to such a step: r2's prefill chunk was not final.
+    "prediction_batch": PredictionBatch(
+        run_id=_RUN_ID,
+        term=_TERM,
+        predictions=(
+            Prediction(
+                request_id="r0", run_id=_RUN_ID, term=_TERM, start_pos=9, accepted=0, tokens=(17,)
+            ),
+            Prediction(
+                request_id="r1",
+                run_id=_RUN_ID,
+                term=_TERM,
+                start_pos=20,
+                accepted=1,
+                tokens=(8, 30),
+                compute_us=1800,
+            ),
+        ),
+    ),
 }
 
 

@@ -9,13 +9,23 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from meshnode_protocol import ActivationFrame, Connection, Hello, Role
+from meshnode_protocol import (
+    BATCH_FEATURE,
+    ActivationBatch,
+    ActivationFrame,
+    Connection,
+    Hello,
+    Prediction,
+    PredictionBatch,
+    Role,
+)
 
 from meshnode.engine.sampling import SamplingParams
 from meshnode.net.stream import PeerStream
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame, StepResult, TokenLogprob
 from meshnode.node.wire import (
     WireSequences,
+    for_peer,
     frame_from_wire,
     frame_to_wire,
     result_from_wire,
@@ -226,3 +236,21 @@ async def test_peer_stream_encodes_every_frame_into_one_buffer() -> None:
             )
         assert len(buffers) == 1
 
+
+def test_a_batch_goes_whole_only_to_peers_that_accept_batches() -> None:
+    frames = tuple(
+        ActivationFrame(
+            request_id=f"r{i}", run_id="run", term=1, kind="decode", start_pos=3, tokens=(i,)
+        )
+        for i in range(3)
+    )
+    batch = ActivationBatch(run_id="run", term=1, frames=frames)
+    assert for_peer(batch, frozenset({BATCH_FEATURE, "bf16"})) == (batch,)
+    assert for_peer(batch, frozenset({"bf16"})) == frames  # an older peer gets the frames
+    predictions = tuple(
+        Prediction(request_id=f"r{i}", run_id="run", term=1, start_pos=4, accepted=0, tokens=(i,))
+        for i in range(2)
+    )
+    answer = PredictionBatch(run_id="run", term=1, predictions=predictions)
+    assert for_peer(answer, frozenset()) == predictions
+    assert for_peer(frames[0], frozenset()) == (frames[0],)

@@ -7,7 +7,7 @@ Real workers and coordinator in this process over the in-memory mesh of
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +35,15 @@ HANDLE_TIMEOUT_S = 5.0
 class Gate:
     """Holds a stage's forward (in its worker thread) until opened."""
 
-    def __init__(self, process: Callable[[StepFrame], Any]) -> None:
+    def __init__(self, process: Callable[[Sequence[StepFrame]], Any]) -> None:
         self._process = process
         self.entered = threading.Event()
         self.opened = threading.Event()
 
-    def process(self, frame: StepFrame) -> Any:
+    def process(self, frames: Sequence[StepFrame]) -> Any:
         self.entered.set()
         self.opened.wait(GATE_TIMEOUT_S)
-        return self._process(frame)
+        return self._process(frames)
 
 
 async def test_a_long_pass_leaves_the_session_loop_free(
@@ -69,8 +69,8 @@ async def test_a_long_pass_leaves_the_session_loop_free(
         assert run is not None
         assert run.runner is not None
         assert run.runner.last  # two stages: the worker's pass is the last one
-        held = Gate(run.runner.result)
-        run.runner.result = held.process  # type: ignore[method-assign]
+        held = Gate(run.runner.results_batch)
+        run.runner.results_batch = held.process  # type: ignore[method-assign]
         decoded: list[int] = []
         done = trio.Event()
 

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from hypothesis import strategies as st
-from meshnode_protocol import MESSAGE_TYPES, ActivationFrame, Load, Message, Prediction, Tensor
+from meshnode_protocol import (
+    MESSAGE_TYPES,
+    ActivationBatch,
+    ActivationFrame,
+    Load,
+    Message,
+    Prediction,
+    PredictionBatch,
+    Tensor,
+)
 from meshnode_protocol._fields import (
     Kind,
     _Float,
@@ -116,9 +126,26 @@ def predictions(draw: st.DrawFn) -> Prediction:
     )
 
 
+@st.composite
+def batches(draw: st.DrawFn, cls: type[Message]) -> Message:
+    """An ActivationBatch or PredictionBatch: 1-3 valid items, one run and term, distinct
+    request ids."""
+    run_id, term = draw(texts), draw(ints)
+    single = activation_frames() if cls is ActivationBatch else predictions()
+    items = draw(st.lists(single, min_size=1, max_size=3))
+    items = [
+        replace(item, request_id=f"r{i}", run_id=run_id, term=term) for i, item in enumerate(items)
+    ]
+    if cls is ActivationBatch:
+        return ActivationBatch(run_id=run_id, term=term, frames=tuple(items))
+    return PredictionBatch(run_id=run_id, term=term, predictions=tuple(items))
+
+
 SPECIAL: dict[type[Message], st.SearchStrategy[Any]] = {
     ActivationFrame: activation_frames(),
     Prediction: predictions(),
+    ActivationBatch: batches(ActivationBatch),
+    PredictionBatch: batches(PredictionBatch),
     Load: records(
         Load,
         wire_dtype=st.sampled_from(sorted(DTYPE_SIZES)),

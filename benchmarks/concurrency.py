@@ -1,0 +1,293 @@
+"""Concurrency benchmark (issue 16): many streams at once, with continuous batching on and off.
+
+Run: ``.venv/bin/python benchmarks/concurrency.py`` (about 4 minutes on 2 busy cores;
+``--streams 1 2 4 8 16 --max-tokens 64 --topologies one three``)
+
+SmolLM2-135M (float32 on the CPU, temperature 0, speculation off) serves ``S`` concurrent
+streams of ``--max-tokens`` tokens each, for every ``S`` in ``--streams``, through the
+real generation loop and scheduler (8 sequences generate at once; the rest wait for a
+slot, as they do behind the HTTP API). Each configuration runs twice, side by side:
+batching on (the default) and off (one frame per step, the behaviour before batching).
+
+Topologies: ``one`` is the whole model in this process (``LocalPipeline``); ``three`` is
+three stages of a real in-process mesh (coordinator, workers and the wire codec; messages
+cross as encoded bytes over in-memory streams), the pipeline ``meshnode join --split 3``
+runs, minus the TLS and sockets.
+
+Printed per configuration: aggregate tokens/s (all tokens / wall time of the whole run),
+p50/p99 time to first token and time per output token over the streams, and ratios:
+batched over unbatched, and aggregate tokens/s over one stream's. The last line measures a
+new request's time to first token while 8 other streams decode, over its idle value (goal
+≤ 2), and 8 streams' aggregate over one stream's (goal ≥ 4, one node).
+
+The machine is shared: ``uptime`` is printed first and last; compare ratios, not times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+from meshnode_packaging.sources import ModelSource
+from meshnode_protocol import BATCH_FEATURE, Message, decode_frame, encode_frame
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from meshnode.engine.backend import cpu_backend, limit_cpu_threads
+from meshnode.engine.config import ModelConfig
+from meshnode.engine.loader import LoadedModel, load_model, resolve_source
+from meshnode.engine.model import Stage
+from meshnode.engine.sampling import SamplingParams
+from meshnode.node.batcher import BatchLimits
+from meshnode.node.pipeline import LocalPipeline, Pipeline, RequestId
+from meshnode.node.relay import DataMessage, Relay
+from meshnode.node.remote import RemotePipeline, is_data_reply
+from meshnode.node.stage import StageRunner
+from meshnode.node.wire import WireSequences, for_peer
+from meshnode.node.worker import WorkerRun
+from meshnode.serve.generation import GenerationParams, GenerationRun, GenerationState, generate
+from meshnode.serve.scheduler import Scheduler, SchedulerLimits
+from tests.conftest import smollm2_gguf_path
+
+CONTEXT = 512
+#: Sequences each stage (and the scheduler) allows here: all 16 streams of the largest run
+#: generate at once (the serving default is 8; beyond it requests wait for a slot).
+MAX_SEQUENCES = 16
+GREEDY = SamplingParams(temperature=0.0)
+# Prompts of different lengths, so that prefills and decodes of different sequences mix.
+PROMPT_TEXTS = [
+    "The history of the printing press begins",
+    "Write a short poem about the sea and the wind, in the style of a sailor's song",
+    "List three facts about the planet Mars:",
+    "def fibonacci(n):",
+]
+
+
+class Silent:
+    def push(self, token: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+@dataclass
+class Stream:
+    ttft_s: float
+    tpot_s: float
+    tokens: int
+
+
+@dataclass
+class Measure:
+    streams: list[Stream]
+    wall_s: float
+
+    @property
+    def tok_s(self) -> float:
+        return sum(s.tokens for s in self.streams) / self.wall_s
+
+    def pct(self, attr: str, q: float) -> float:
+        values: list[float] = sorted(getattr(s, attr) for s in self.streams)
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def one_stream(
+    pipeline: Pipeline, scheduler: Scheduler, prompt: list[int], tokens: int
+) -> Stream:
+    params = GenerationParams(max_new_tokens=tokens, sampling=GREEDY)
+    run = GenerationRun(
+        scheduler.new_request_id(), prompt, params, GenerationState(params, Silent())
+    )
+    began = trio.current_time()
+    async with scheduler.admit():
+        async for _ in generate(pipeline, run):
+            pass
+    first = run.timings.first_token or began
+    end = run.timings.finished or first
+    return Stream(first - began, (end - first) / max(1, tokens - 1), len(run.state.tokens))
+
+
+async def measure(
+    pipeline: Pipeline, prompts: list[list[int]], streams: int, tokens: int
+) -> Measure:
+    scheduler = Scheduler(SchedulerLimits(max_in_flight=MAX_SEQUENCES))
+    out: list[Stream] = []
+
+    async def go(i: int) -> None:
+        out.append(await one_stream(pipeline, scheduler, prompts[i % len(prompts)], tokens))
+
+    began = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i in range(streams):
+            nursery.start_soon(go, i)
+    return Measure(out, time.perf_counter() - began)
+
+
+async def ttft_under_load(
+    pipeline: Pipeline, prompts: list[list[int]], tokens: int
+) -> tuple[float, float]:
+    """A new request's time to first token: idle, and while 8 others decode."""
+    scheduler = Scheduler(SchedulerLimits(max_in_flight=MAX_SEQUENCES))
+    idle = (await one_stream(pipeline, scheduler, prompts[1], 2)).ttft_s
+    loaded = 0.0
+    busy = trio.Event()
+
+    async def background(i: int) -> None:
+        params = GenerationParams(max_new_tokens=tokens * 4, sampling=GREEDY)
+        run = GenerationRun(
+            RequestId(f"bg{i}"),
+            prompts[i % len(prompts)],
+            params,
+            GenerationState(params, Silent()),
+        )
+        async for _ in generate(pipeline, run):
+            if len(run.state.tokens) >= 4:
+                busy.set()
+            if loaded:
+                return
+
+    async with trio.open_nursery() as nursery:
+        for i in range(8):
+            nursery.start_soon(background, i)
+        await busy.wait()
+        await trio.sleep(0.2)
+        loaded = (await one_stream(pipeline, scheduler, prompts[1], 2)).ttft_s
+    return idle, loaded
+
+
+Factory = Callable[[BatchLimits], Awaitable[Pipeline]]
+
+#: Layers of each of the three stages (SmolLM2-135M has 30).
+SPLIT = ((0, 10), (10, 20), (20, 30))
+
+
+async def three_stages(source: ModelSource, limits: BatchLimits, nursery: trio.Nursery) -> Pipeline:
+    """Stage 0 here (a ``RemotePipeline``) and two relays (the workers' data plane), every
+    message encoded and decoded by the wire codec on its way, each stage computing in its
+    own worker thread as a node does."""
+    config = ModelConfig.from_hf(source.config)
+    stages = [
+        Stage(config, source, a, b, embed=a == 0, head=b == config.num_layers) for a, b in SPLIT
+    ]
+    runners = [
+        StageRunner(stage, context_size=CONTEXT, max_sequences=MAX_SEQUENCES) for stage in stages
+    ]
+    nodes = ("host", "a", "b")
+    inboxes: dict[str, trio.MemorySendChannel[DataMessage]] = {}
+    pipeline: RemotePipeline | None = None
+
+    async def send(sender: str, receiver: str, message: Message) -> None:
+        for part in for_peer(message, frozenset({BATCH_FEATURE})):
+            decoded = decode_frame(memoryview(encode_frame(part))[4:])
+            if receiver == "host":
+                if pipeline is None or not is_data_reply(decoded):
+                    raise AssertionError(f"unexpected {decoded!r} for the host")
+                pipeline.deliver(sender, decoded)
+            else:
+                await inboxes[receiver].send(decoded)  # type: ignore[arg-type]
+
+    for i, node in enumerate(nodes[1:], start=1):
+        downstream = nodes[i + 1] if i + 1 < len(nodes) else None
+        run = WorkerRun("bench", 1, "host", runner=runners[i], upstream=nodes[i - 1])
+        run.downstream, run.wire = downstream, WireSequences(MAX_SEQUENCES)
+        inbox, receive = trio.open_memory_channel[DataMessage](64)
+        inboxes[node] = inbox
+        relay = Relay(node, functools.partial(send, node))
+        nursery.start_soon(relay.serve_inbox, run, receive)
+    pipeline = RemotePipeline(
+        runners[0],
+        run_id="bench",
+        term=1,
+        stage_nodes=nodes,
+        send=functools.partial(send, "host"),
+        wire_dtype="f16",
+        batch_limits=dataclasses.replace(limits, micro_batches=len(nodes)),
+    )
+    return pipeline
+
+
+def _cell(m: Measure) -> str:
+    ttft = f"TTFT p50 {m.pct('ttft_s', 0.5) * 1e3:5.0f} p99 {m.pct('ttft_s', 0.99) * 1e3:5.0f}"
+    tpot = f"TPOT p50 {m.pct('tpot_s', 0.5) * 1e3:4.0f} p99 {m.pct('tpot_s', 0.99) * 1e3:4.0f}"
+    return f"{m.tok_s:6.1f} tok/s {ttft} {tpot} ms"
+
+
+def report(name: str, n: int, on: Measure, off: Measure, base: tuple[float, float]) -> None:
+    ratios = f"on/off {on.tok_s / off.tok_s:4.2f}"
+    ratios += f" | vs 1 stream: on {on.tok_s / base[0]:4.2f} off {off.tok_s / base[1]:4.2f}"
+    print(f"{name:5} {n:2} | on {_cell(on)} | off {_cell(off)} | {ratios}", flush=True)
+
+
+async def bench(
+    name: str, make: Factory, prompts: list[list[int]], args: argparse.Namespace
+) -> None:
+    on = await make(BatchLimits(max_frames=MAX_SEQUENCES))
+    off = await make(BatchLimits(enabled=False))
+    await measure(on, prompts, 2, 4)  # warm-up: first-call costs out of the figures
+    await measure(off, prompts, 2, 4)
+    base: tuple[float, float] | None = None
+    for n in args.streams:
+        batched = await measure(on, prompts, n, args.max_tokens)
+        plain = await measure(off, prompts, n, args.max_tokens)
+        base = base or (batched.tok_s, plain.tok_s)
+        report(name, n, batched, plain, base)
+    for label, pipeline in (("on", on), ("off", off)):
+        idle, loaded = await ttft_under_load(pipeline, prompts, args.max_tokens)
+        print(
+            f"{name:5} new request's TTFT, batching {label}: idle {idle * 1e3:.0f} ms, "
+            f"with 8 streams decoding {loaded * 1e3:.0f} ms, ratio {loaded / idle:.2f}",
+            flush=True,
+        )
+
+
+async def run_all(args: argparse.Namespace, model: LoadedModel, source: ModelSource) -> None:
+    prompts = [model.tokenizer.encode_prompt(t) for t in PROMPT_TEXTS]
+    async with trio.open_nursery() as nursery:
+
+        async def local(limits: BatchLimits) -> Pipeline:
+            runner = StageRunner(model.stage, context_size=CONTEXT, max_sequences=MAX_SEQUENCES)
+            return LocalPipeline(runner, limits)
+
+        async def three(limits: BatchLimits) -> Pipeline:
+            return await three_stages(source, limits, nursery)
+
+        if "one" in args.topologies:
+            await bench("one", local, prompts, args)
+        if "three" in args.topologies:
+            await bench("three", three, prompts, args)
+        nursery.cancel_scope.cancel()
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="BLAS threads (README)")
+    topologies = ["one", "three"]
+    parser.add_argument("--topologies", nargs="+", default=topologies, choices=topologies)
+    args = parser.parse_args()
+    print("uptime:", uptime(), flush=True)
+    limit = limit_cpu_threads(args.threads)  # the limit lasts while the handle is referenced
+    source = resolve_source(str(smollm2_gguf_path()))
+    model = load_model(str(smollm2_gguf_path()), cpu_backend())
+    trio.run(run_all, args, model, source)
+    print("uptime:", uptime(), "threads handle:", type(limit).__name__)
+
+
+if __name__ == "__main__":
+    main()
