@@ -126,26 +126,32 @@ def predictions(draw: st.DrawFn) -> Prediction:
     )
 
 
-@st.composite
-def batches(draw: st.DrawFn, cls: type[Message]) -> Message:
-    """An ActivationBatch or PredictionBatch: 1-3 valid items, one run and term, distinct
-    request ids."""
-    run_id, term = draw(texts), draw(ints)
-    single = activation_frames() if cls is ActivationBatch else predictions()
-    items = draw(st.lists(single, min_size=1, max_size=3))
-    items = [
+def _renamed(items: list[Any], run_id: str, term: int) -> tuple[Any, ...]:
+    """The items with distinct request ids and the batch's run and term."""
+    return tuple(
         replace(item, request_id=f"r{i}", run_id=run_id, term=term) for i, item in enumerate(items)
-    ]
-    if cls is ActivationBatch:
-        return ActivationBatch(run_id=run_id, term=term, frames=tuple(items))
-    return PredictionBatch(run_id=run_id, term=term, predictions=tuple(items))
+    )
+
+
+@st.composite
+def activation_batches(draw: st.DrawFn) -> ActivationBatch:
+    run_id, term = draw(texts), draw(ints)
+    frames = draw(st.lists(activation_frames(), min_size=1, max_size=3))
+    return ActivationBatch(run_id=run_id, term=term, frames=_renamed(frames, run_id, term))
+
+
+@st.composite
+def prediction_batches(draw: st.DrawFn) -> PredictionBatch:
+    run_id, term = draw(texts), draw(ints)
+    items = draw(st.lists(predictions(), min_size=1, max_size=3))
+    return PredictionBatch(run_id=run_id, term=term, predictions=_renamed(items, run_id, term))
 
 
 SPECIAL: dict[type[Message], st.SearchStrategy[Any]] = {
     ActivationFrame: activation_frames(),
     Prediction: predictions(),
-    ActivationBatch: batches(ActivationBatch),
-    PredictionBatch: batches(PredictionBatch),
+    ActivationBatch: activation_batches(),
+    PredictionBatch: prediction_batches(),
     Load: records(
         Load,
         wire_dtype=st.sampled_from(sorted(DTYPE_SIZES)),
