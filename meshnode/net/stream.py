@@ -29,6 +29,7 @@ from meshnode_protocol import (
     Goodbye,
     Message,
     RemoteProtocolError,
+    State,
 )
 
 log = logging.getLogger(__name__)
@@ -72,13 +73,16 @@ class PeerStream:
     async def send(self, message: Message) -> None:
         """Encode and write one message.
 
-        Raises ``trio.ClosedResourceError`` once a ``Goodbye`` or fatal ``Error`` went out
-        (a heartbeat racing a shutdown is a closed connection, not a bug), and transport
-        errors if the stream broke.
+        Raises ``trio.ClosedResourceError`` once a ``Goodbye`` or fatal ``Error`` went out,
+        or once the peer broke the protocol (only our ``Error`` may follow then): a
+        heartbeat racing a shutdown is a closed connection, not a bug. Transport errors
+        propagate if the stream broke.
         """
         async with self._send_lock:
             if self._finished:
                 raise trio.ClosedResourceError("this side already said goodbye")
+            if self._conn.their_state is State.ERROR and not isinstance(message, Error):
+                raise trio.ClosedResourceError("the peer broke the protocol: closing")
             self._finished = isinstance(message, Goodbye) or (
                 isinstance(message, Error) and message.fatal
             )
