@@ -15,11 +15,18 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
-from meshnode_packaging.errors import InvalidPackage, PackageError
+from meshnode_packaging.errors import DamagedPackage, InvalidPackage, PackageError
 from meshnode_packaging.fetch import Materializer
 from meshnode_packaging.manifest import Part
 from meshnode_packaging.package import PackageSource
-from meshnode_packaging.refs import LocalPackage, LocalSource, RemotePackage, open_ref, resolve
+from meshnode_packaging.refs import (
+    LocalPackage,
+    LocalSource,
+    RemotePackage,
+    check_local_package,
+    open_ref,
+    resolve,
+)
 from meshnode_packaging.remote import RangedSource
 from meshnode_packaging.sources import ModelSource, SourceError
 from meshnode_packaging.validate import validate_package
@@ -118,7 +125,10 @@ def run_fetch(config: FetchConfig) -> Path:
     """Materialize the part; return the (partial) package folder."""
     target = resolve(config.ref)
     if isinstance(target, LocalPackage):
-        return target.path  # already here, every file
+        # Already here: nothing to fetch, but the part's files must be what the manifest
+        # says (a local folder cannot be repaired; remote files are fetched again).
+        check_local_package(target.path, config.part)
+        return target.path
     if not isinstance(target, RemotePackage):
         raise PackageError(f"{config.ref!r} is not a package (hf://, https:// or a folder)")
     with _bar("fetching", bytes_=True) as progress:
@@ -206,6 +216,8 @@ def fetch_cmd(
     try:
         part = Part.parse_range(layers, embed=embed, head=head)
         folder = run_fetch(FetchConfig(ref, part, cache_dir))
+    except DamagedPackage as exc:
+        raise _fail([*(str(p) for p in exc.problems), exc.advice]) from exc
     except InvalidPackage as exc:
         raise _fail([str(p) for p in exc.problems]) from exc
     except (PackageError, SourceError, ValueError) as exc:

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 from meshnode_packaging.manifest import Part
-from meshnode_packaging.refs import RemotePackage, is_url, open_ref, resolve
+from meshnode_packaging.refs import (
+    LocalPackage,
+    RemotePackage,
+    check_local_package,
+    is_url,
+    open_ref,
+    resolve,
+)
 from meshnode_packaging.sources import ModelSource
 from meshnode_protocol import (
     Claim,
@@ -225,9 +232,15 @@ class BringUp:
         """The host's part of the model (call off the event loop).
 
         A local model (alias, file, folder) is opened whole and memory-mapped, so the source
-        the host already holds serves every plan; only a remote package has parts to fetch.
+        the host already holds serves every plan (a local package's part is checked first);
+        only a remote package has parts to fetch.
         """
-        if not isinstance(resolve(self.settings.model_ref), RemotePackage):
+        target = resolve(self.settings.model_ref)
+        if isinstance(target, LocalPackage):
+            # Opened at start for its embedding only: the files of this part are checked
+            # now, so a damaged layer file fails the bring-up instead of serving garbage.
+            check_local_package(target.path, part)
+        if not isinstance(target, RemotePackage):
             return self.source
         return open_ref(
             self.settings.model_ref,

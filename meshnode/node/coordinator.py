@@ -74,6 +74,19 @@ log = logging.getLogger("meshnode.coordinator")
 # Longest wait for the requests in flight before a regrow: a request is bounded by its
 # context, and a few minutes covers the default context decoded on a slow CPU mesh.
 REGROW_DRAIN_TIMEOUT_S = 300.0
+# A failed bring-up is retried after RETRY_BACKOFF_FIRST_S, doubling with each failure in
+# a row up to RETRY_BACKOFF_MAX_S. A stage that keeps failing (a damaged file, a device
+# that refuses) replanned at once, 46 times in 12 s, flooding the log and the workers;
+# a passing glitch (a node that restarted) still costs under a second.
+RETRY_BACKOFF_FIRST_S = 0.5
+RETRY_BACKOFF_MAX_S = 30.0
+
+
+def retry_delay(failures: int) -> float:
+    """Seconds to wait after the ``failures``-th failed bring-up in a row (0 for none)."""
+    if failures < 1:
+        return 0.0
+    return float(min(RETRY_BACKOFF_FIRST_S * 2.0 ** (failures - 1), RETRY_BACKOFF_MAX_S))
 
 
 class MeshView(Protocol):
@@ -221,6 +234,8 @@ class Coordinator:
         self._excluded: set[str] = set()
         self._first_plan = True
         self._recovering = False  # the plan was made after a loss: it may grow back
+        self._failures = 0  # bring-ups failed in a row (the retry backs off)
+        self._retry_at: float | None = None  # trio time of the next try, while backing off
 
     # -- status -----------------------------------------------------------------------
 
@@ -253,6 +268,9 @@ class Coordinator:
             "term": self._term,
             "state": self._state,
             "error": self._error,
+            "retry_in_s": None
+            if self._retry_at is None
+            else round(max(0.0, self._retry_at - trio.current_time()), 1),
             "last_failure": self._last_failure,
             "context_size": self.context_size,
             "wire_dtype": self.settings.wire_dtype,
@@ -319,7 +337,10 @@ class Coordinator:
                 self._recovering = True
                 log.warning("run %s failed: %s", self._run_id, exc)
                 await run.stop_all(placed, str(exc))
+                await self._back_off()
+                self._error = ""  # the next plan's own trouble, if any (last_failure keeps it)
                 continue
+            self._failures = 0
             self._pipeline = pipeline
             self._error = ""
             lost = await self._serve(placed, pipeline)
@@ -335,6 +356,16 @@ class Coordinator:
             self._pipeline = None
             self._state = "replanning"
             await run.stop_all(placed, reason)
+
+    async def _back_off(self) -> None:
+        self._failures += 1
+        delay = retry_delay(self._failures)
+        log.info("retrying in %.1f s (failure %d in a row)", delay, self._failures)
+        self._retry_at = trio.current_time() + delay
+        try:
+            await trio.sleep(delay)
+        finally:
+            self._retry_at = None
 
     async def _serve(self, placed: Plan, pipeline: RemotePipeline) -> str | None:
         """Serve on ``pipeline`` until a stage node is lost (its id) or the plan should grow

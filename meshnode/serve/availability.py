@@ -25,7 +25,9 @@ def unavailable_message(host: Mapping[str, Any]) -> str:
     if state == "loading":
         return f"The mesh is loading the model ({_stage_progress(host)}); retry shortly."
     if state == "failed":
-        return f"Bringing up the model failed ({error}); the mesh is replanning."
+        retry = host.get("retry_in_s")
+        when = "replanning" if retry is None else f"trying again in {retry:g} s"
+        return f"Bringing up the model failed ({error}); the mesh is {when}."
     if state == "replanning":
         failure = str(host.get("last_failure") or "a stage failed")
         return f"The mesh is replanning ({failure}); retry shortly."

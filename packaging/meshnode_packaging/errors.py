@@ -4,6 +4,7 @@
 
     PackageError                  anything this distribution raises on purpose
     ├── InvalidPackage            a package folder or manifest is malformed (``problems`` lists why)
+    │   └── DamagedPackage            a local package folder whose files do not match its manifest
     ├── MissingPart               a tensor or file that this partial package has not materialized
     ├── RefError                  a model reference that names nothing we can open
     └── FetchError                the materializer could not bring a file into the cache
@@ -21,6 +22,7 @@ Foreign exceptions (``httpx``, ``OSError``) are mapped to this tree once, where 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class PackageError(Exception):
@@ -47,6 +49,24 @@ class InvalidPackage(PackageError):
         self.problems = problems
         lines = "\n".join(f"  {p}" for p in problems)
         super().__init__(f"invalid package ({len(problems)} problem(s)):\n{lines}")
+
+
+class DamagedPackage(InvalidPackage):
+    """A local package folder whose files are missing or differ from its manifest.
+
+    Its message is one line: the folder, the first problem and how many more, and what to
+    do (nothing can fetch a local folder again). ``problems`` lists them all.
+    """
+
+    def __init__(self, folder: Path, problems: list[Problem]) -> None:
+        super().__init__(problems)
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        #: What to do about it: a local folder has no origin to fetch its files from again.
+        self.advice = (
+            f"{folder} is a local folder, so nothing can fetch it again: copy it again or "
+            "rebuild it with `meshnode package write`"
+        )
+        self.args = (f"package folder {folder} is damaged: {problems[0]}{more}; {self.advice}",)
 
 
 class MissingPart(PackageError, KeyError):

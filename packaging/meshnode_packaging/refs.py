@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from meshnode_packaging.errors import RefError
+from meshnode_packaging.errors import DamagedPackage, RefError
 from meshnode_packaging.manifest import MANIFEST_NAME, Part
 from meshnode_packaging.sources import (
     DEFAULT_MODELS,
@@ -40,6 +40,7 @@ from meshnode_packaging.sources import (
     default_model_path,
     open_source,
 )
+from meshnode_packaging.validate import validate_package
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_REVISION = "main"
@@ -168,6 +169,16 @@ def pinned_ref(ref: str, pin: str) -> str:
     return f"hf://{target.repo}@{pin}{tail}"
 
 
+def check_local_package(folder: Path, part: Part | None = None) -> None:
+    """Check the files ``part`` needs (``None``: all) of the package in ``folder`` against
+    its manifest: presence, size and sha256, as a cache hit is checked, so a damaged local
+    package is refused when it is opened rather than served. Raises :class:`DamagedPackage`.
+    """
+    problems = validate_package(folder, part=part)
+    if problems:
+        raise DamagedPackage(folder, problems)
+
+
 def open_ref(
     ref: str | Path | ModelRef,
     part: Part | None = None,
@@ -180,9 +191,10 @@ def open_ref(
     """Open ``ref`` as a ``ModelSource``, materializing ``part`` first if it is remote.
 
     ``part=None`` means the whole model. Local sources and packages are opened in place (a
-    local package is memory-mapped, so a stage still reads only its own tensors). ``pin``
+    local package is memory-mapped, so a stage still reads only its own tensors); the files
+    a local package's ``part`` needs are checked first (:func:`check_local_package`). ``pin``
     (from :func:`pin_ref`) fixes what a remote reference reads; setting ``cancel`` stops a
-    fetch within about a second. Raises :class:`RefError`, or a
+    fetch within about a second. Raises :class:`RefError`, :class:`DamagedPackage`, or a
     :class:`~meshnode_packaging.errors.FetchError` from the fetch.
     """
     from meshnode_packaging.fetch import Materializer, default_cache_dir
@@ -191,6 +203,7 @@ def open_ref(
 
     target = ref if isinstance(ref, LocalSource | LocalPackage | RemotePackage) else resolve(ref)
     if isinstance(target, LocalPackage):
+        check_local_package(target.path, part)
         return open_package(target.path)
     if isinstance(target, LocalSource):
         try:

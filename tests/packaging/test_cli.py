@@ -73,3 +73,23 @@ def test_fetch_prints_the_stage_folder(hub: LocalHub, tmp_path: Path) -> None:
     )
     assert result.exit_code == 2
     assert "404" in result.output
+
+
+def test_fetch_of_a_local_folder_checks_the_parts_files(tiny_package: Path) -> None:
+    args = ["package", "fetch", str(tiny_package), "--layers", "3:5"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == str(tiny_package)
+    (tiny_package / "layers/00004.safetensors").unlink()
+    layer = tiny_package / "layers/00003.safetensors"
+    data = bytearray(layer.read_bytes())
+    data[-1] ^= 0xFF  # same size, other bytes
+    layer.write_bytes(bytes(data))
+    (tiny_package / "layers/00009.safetensors").unlink()  # outside the part: not looked at
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert lines[0].startswith("error: layers/00003.safetensors: sha256: is ")
+    assert lines[1] == "error: layers/00004.safetensors: missing"
+    assert "is a local folder, so nothing can fetch it again" in lines[2]
+    assert len(lines) == 3

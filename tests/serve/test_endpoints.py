@@ -175,6 +175,8 @@ STAGES = [
         ({"state": "loading", "stages": []}, "no stage placed yet"),
         ({"state": "failed", "error": "node b refused the claim"},
          "Bringing up the model failed (node b refused the claim)"),
+        ({"state": "failed", "error": "x", "retry_in_s": 4.0},
+         "failed (x); the mesh is trying again in 4 s"),
         ({"state": "replanning", "last_failure": "stage node b was lost"},
          "replanning (stage node b was lost)"),
         ({"state": "draining"}, "re-placing the model on the nodes that came back"),

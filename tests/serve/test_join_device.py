@@ -6,6 +6,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from meshnode_packaging.writer import write_package
 
 from meshnode.engine.backend import select_backend
 from tests.e2e.cluster import cli
@@ -65,3 +66,21 @@ def test_join_on_an_address_in_use_says_which_flag_in_one_line(tmp_path: Path, f
     assert "ExceptionGroup" not in result.stderr
     # The compute backend is logged before the node starts (logging is set up first).
     assert "compute backend: cpu (NumPy, float32); CPU threads:" in result.stderr
+
+
+def test_join_refuses_a_damaged_local_package_in_one_line(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    package = tmp_path / "package"
+    write_package(tiny_model_dir, package)
+    embed = package / "embed.safetensors"
+    data = bytearray(embed.read_bytes())
+    data[-1] ^= 0xFF
+    embed.write_bytes(bytes(data))
+    args = ["--state-dir", str(tmp_path / "state"), "--no-mdns", "--api", "127.0.0.1:0"]
+    result = cli("join", *args, "--listen", "127.0.0.1:0", "--model", str(package), timeout_s=60)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"meshnode join: --model {package}: package folder"), last
+    assert "embed.safetensors: sha256" in last
+    assert "Traceback" not in result.stderr
