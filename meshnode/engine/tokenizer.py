@@ -102,6 +102,10 @@ class Tokenizer:
             return ""
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special))
 
+    def to_json(self) -> str | None:
+        """The ``tokenizer.json`` document (None without a tokenizer)."""
+        return None if self._tok is None else str(self._tok.to_str())
+
     def token_to_id(self, token: str) -> int | None:
         """The id of a vocabulary entry, or None."""
         found = None if self._tok is None else self._tok.token_to_id(token)

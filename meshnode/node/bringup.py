@@ -44,6 +44,7 @@ from meshnode_protocol import (
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
+from meshnode.engine.constraint import Grammars
 from meshnode.engine.model import Stage
 from meshnode.errors import RunError
 from meshnode.net.stream import SEND_ERRORS
@@ -206,6 +207,7 @@ class BringUp:
 
         def build() -> StageRunner:
             source = self._open_part(part, progress)
+            vocab, eos = self.config.vocab_size, self.config.eos_token_ids
             engine_stage = Stage(
                 self.config,
                 source,
@@ -220,6 +222,7 @@ class BringUp:
                 engine_stage,
                 context_size=self.context_size,
                 max_sequences=MAX_SEQUENCES_PER_STAGE,
+                grammars=Grammars(lambda: source.tokenizer_json, vocab, eos),
             )
 
         try:

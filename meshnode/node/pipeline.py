@@ -67,6 +67,12 @@ class StepFrame:
     # Drafts wanted from the last stage's MTP module for the tokens after this frame's
     # (0: none); they come back in ``StepResult.drafts`` (``--speculative mtp``).
     mtp_drafts: int = 0
+    # The grammar (llguidance's serialized form) the last stage enforces on the tokens it
+    # chooses for this sequence (None: unconstrained). Read when the sequence is created,
+    # so only the frame at start_pos 0 needs it (the wire carries it there only), with
+    # the position of the first token it constrains (the prompt's length).
+    grammar: str | None = None
+    grammar_start: int = 0
 
     def __post_init__(self) -> None:
         if self.start_pos < 0:

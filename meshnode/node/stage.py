@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from meshnode.engine.config import ModelConfig
+from meshnode.engine.constraint import Constraint, GrammarError, Grammars
 from meshnode.engine.model import BatchRow, Stage
 from meshnode.engine.mtp import MtpCache
 from meshnode.engine.recurrent import HybridCache, RollbackError
@@ -76,6 +77,7 @@ class _Sequence:
     # engine's ``generate`` does (and vLLM for presence/frequency).
     prompt_len: int = 0
     mtp: MtpCache | None = None  # the MTP drafter's KV (last stage, frames asking drafts)
+    constraint: Constraint | None = None  # the grammar's state (last stage, constrained)
 
 
 class StageRunner:
@@ -87,7 +89,10 @@ class StageRunner:
         *,
         context_size: int,
         max_sequences: int = MAX_SEQUENCES_PER_STAGE,
+        grammars: Grammars | None = None,
     ):
+        """``grammars`` builds the constraints of sequences that carry a grammar (last
+        stage; without it such a sequence is refused)."""
         if context_size < 2 or max_sequences < 1:
             raise ValueError(f"bad limits: context {context_size}, sequences {max_sequences}")
         self.stage = stage
@@ -96,6 +101,7 @@ class StageRunner:
         self.context_size = context_size
         self.max_sequences = max_sequences
         self._sequences: dict[RequestId, _Sequence] = {}
+        self._grammars = grammars
         # Released caches are kept for the next sequence: allocating a context-sized cache
         # per request would churn hundreds of MiB per second under load.
         self._free_caches: list[Any] = []
@@ -233,6 +239,8 @@ class StageRunner:
         seq = _Sequence(cache=cache, sampling=frame.sampling)
         if self.last:
             seq.sampler = Sampler(frame.sampling)
+            if frame.grammar is not None:
+                seq.constraint = self._constraint(frame)
         self._sequences[frame.request_id] = seq
         return seq
 
@@ -261,6 +269,15 @@ class StageRunner:
                 f"frame of {frame.request_id}: activations of shape {tuple(hidden.shape)}, "
                 f"not {(len(frame.tokens), width)}"
             )
+
+    def _constraint(self, frame: StepFrame) -> Constraint:
+        assert frame.grammar is not None
+        if self._grammars is None:
+            raise StageError("this stage cannot enforce grammars (no tokenizer given)")
+        try:
+            return self._grammars.constraint(frame.grammar, frame.grammar_start)
+        except GrammarError as exc:
+            raise StageError(f"sequence {frame.request_id}: {exc}") from exc
 
     def _check_positions(self, frame: StepFrame, seq: _Sequence) -> None:
         if frame.start_pos > seq.cache.length:
@@ -303,9 +320,11 @@ class StageRunner:
     ) -> tuple[int, list[int], tuple[TokenLogprob, ...] | None]:
         if not frame.final:
             return 0, [], None
-        rows = self.stage.backend.to_numpy(logits)
+        rows = raw = self.stage.backend.to_numpy(logits)
         generated = seq.history[seq.prompt_len :]
         assert seq.sampler is not None
+        if seq.constraint is not None:
+            rows = _constrained(frame, seq, rows)
         if frame.kind is FrameKind.VERIFY:
             probs = frame.draft_probs
             if probs is not None:
@@ -321,8 +340,10 @@ class StageRunner:
             accepted, tokens = 0, [seq.sampler.sample(rows[-1], generated, frame.end_pos)]
         logprobs = None
         if (top := frame.top_logprobs) is not None:
+            # The model's own log-probabilities (as vLLM reports them by default), not the
+            # grammar's: a masked row would report -inf, which JSON cannot carry.
             logprobs = tuple(
-                TokenLogprob(token, *token_logprobs(rows[i], token, top))
+                TokenLogprob(token, *token_logprobs(raw[i], token, top))
                 for i, token in enumerate(tokens)
             )
         return accepted, tokens, logprobs
@@ -409,6 +430,20 @@ def _admit(runner: StageRunner, slot: Slot[Any]) -> bool:
         slot.error = exc
         return False
     return True
+
+
+def _constrained(frame: StepFrame, seq: _Sequence, rows: Any) -> Any:
+    """The logits rows with the sequence's grammar applied (:mod:`meshnode.engine.constraint`):
+    the constraint is synced to the committed tokens (those before the frame's drafts), then
+    masks row ``i`` after drafts ``d_1 … d_i``."""
+    constraint = seq.constraint
+    assert constraint is not None
+    committed = seq.history[constraint.start : frame.end_pos - len(frame.drafts)]
+    try:
+        constraint.sync(committed)
+        return constraint.mask(rows, frame.drafts)
+    except GrammarError as exc:
+        raise StageError(f"sequence {frame.request_id}: {exc}") from exc
 
 
 def _out_rows(frame: StepFrame) -> int:

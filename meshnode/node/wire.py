@@ -188,6 +188,7 @@ def frame_to_wire(
     if frame.draft_probs is not None:
         # Draft distributions stay float32: the acceptance rule divides by them.
         draft_probs = tensor_from_array(frame.draft_probs, "f32")
+    first = frame.start_pos == 0
     if sequences is None:
         payload = tensor_from_array(hidden, wire_dtype)
     else:
@@ -210,6 +211,9 @@ def frame_to_wire(
         top_logprobs=frame.top_logprobs or 0,
         stage_compute_us=stage_compute_us,
         mtp_drafts=frame.mtp_drafts,
+        # Like sampling, the grammar travels once: the last stage keeps it per sequence.
+        grammar=frame.grammar if first else None,
+        grammar_start=frame.grammar_start if first and frame.grammar is not None else 0,
     )
 
 
@@ -238,6 +242,8 @@ def frame_from_wire(message: ActivationFrame, sequences: WireSequences) -> StepF
         hidden=hidden,
         top_logprobs=message.top_logprobs if message.logprobs else None,
         mtp_drafts=message.mtp_drafts,
+        grammar=message.grammar,
+        grammar_start=message.grammar_start,
     )
 
 

@@ -75,6 +75,7 @@ from meshnode_protocol import (
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
+from meshnode.engine.constraint import Grammars
 from meshnode.engine.model import Stage
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, MAX_RING_SLOTS
 from meshnode.errors import RunError
@@ -531,4 +532,11 @@ def build_runner(
         backend=backend,
         ring_slots=load.ring_slots or DEFAULT_RING_SLOTS,
     )
-    return StageRunner(stage, context_size=load.context_size, max_sequences=MAX_SEQUENCES_PER_STAGE)
+    # Only a last stage enforces grammars; it reads the tokenizer at its first one.
+    grammars = Grammars(lambda: source.tokenizer_json, config.vocab_size, config.eos_token_ids)
+    return StageRunner(
+        stage,
+        context_size=load.context_size,
+        max_sequences=MAX_SEQUENCES_PER_STAGE,
+        grammars=grammars if load.has_head else None,
+    )

@@ -80,6 +80,9 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     eos_token_ids: frozenset[int] = frozenset()
     top_logprobs: int | None = None
+    # The grammar the reply must follow (llguidance's serialized form; None: free text),
+    # enforced by the last stage (meshnode.serve.structured, meshnode.engine.constraint).
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -432,4 +435,6 @@ def _frame(
         draft_probs=probs,
         top_logprobs=run.params.top_logprobs,
         mtp_drafts=run.mtp_drafts,
+        grammar=run.params.grammar,
+        grammar_start=len(run.prompt),
     )

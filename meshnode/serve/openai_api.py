@@ -39,6 +39,7 @@ from meshnode.serve.errors import (
 from meshnode.serve.generation import Delta, GenerationRun
 from meshnode.serve.service import GenerationRequest, ServeService
 from meshnode.serve.sse import SSE_HEADERS, ClosingStreamingResponse
+from meshnode.serve.structured import request_grammar
 from meshnode.serve.tokens_api import tokens_router
 from meshnode.serve.toolreply import ReplyShaper
 from meshnode.serve.tools import tool_plan
@@ -79,10 +80,14 @@ def openai_router(service: ServeService) -> APIRouter:
         tools = tool_plan(
             body.tools, body.tool_choice, service.codec.tool_format, body.parallel_tool_calls
         )
-        messages = [m.as_dict() for m in body.messages]
-        run = await service.start(
-            lambda: service.chat_prompt(messages, tools.shown), _chat_sampling(service, body)
+        # Compiling a schema can take a while (llguidance checks the whole grammar): off
+        # the event loop, like tokenizing.
+        grammar = await service.tokenize(
+            lambda: request_grammar(body.response_format, tools, service.codec.special_token_id)
         )
+        messages = [m.as_dict() for m in body.messages]
+        sampling = _chat_sampling(service, body, grammar)
+        run = await service.start(lambda: service.chat_prompt(messages, tools.shown), sampling)
         shaper = ReplyShaper(tools.parser())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -119,10 +124,16 @@ def openai_router(service: ServeService) -> APIRouter:
 # -- request translation ------------------------------------------------------------------
 
 
-def _chat_sampling(service: ServeService, body: s.ChatCompletionRequest) -> GenerationRequest:
+def _chat_sampling(
+    service: ServeService, body: s.ChatCompletionRequest, grammar: str | None
+) -> GenerationRequest:
     sampling = service.sampling(body.sampling_fields())
     return GenerationRequest(
-        sampling, body.token_limit(), tuple(body.stop_list()), body.logprob_count()
+        sampling,
+        body.token_limit(),
+        tuple(body.stop_list()),
+        body.logprob_count(),
+        grammar=grammar,
     )
 
 

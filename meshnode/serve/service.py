@@ -87,6 +87,10 @@ class TextCodec(Protocol):
         """How this model writes tool calls (from its chat template)."""
         ...
 
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special token written ``text``, or None if there is none."""
+        ...
+
     def token_text(self, token: int) -> str:
         """The text of one token on its own (for logprobs)."""
         ...
@@ -115,6 +119,7 @@ class GenerationRequest:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     top_logprobs: int | None = None
+    grammar: str | None = None  # what the reply must follow (meshnode.serve.structured)
 
 
 def checked_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -321,6 +326,7 @@ class ServeService:
             stop=request.stop,
             eos_token_ids=self.eos_token_ids,
             top_logprobs=request.top_logprobs,
+            grammar=request.grammar,
         )
         state = GenerationState(params, self.codec.detokenizer())
         return GenerationRun(self.scheduler.new_request_id(), prompt, params, state)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from meshnode.engine.backend import Backend, cpu_backend
+from meshnode.engine.constraint import Grammars
 from meshnode.engine.loader import DEFAULT_MODEL, load_model, resolve_source
 from meshnode.engine.tokenizer import (
     ChatTemplate,
@@ -63,6 +64,10 @@ class EngineCodec:
     ) -> str:
         return render_chat(self.template, messages, tools)
 
+    def special_token_id(self, text: str) -> int | None:
+        token = self.tokenizer.token_to_id(text)
+        return token if token in self.tokenizer.special_ids else None
+
     @property
     def tool_format(self) -> ToolFormat:
         if self.template is None:
@@ -112,7 +117,10 @@ def build_single_node_service(
     model = load_model(ref, backend)
     config = model.config
     context = context_size or default_context(config)
-    runner = StageRunner(model.stage, context_size=context, max_sequences=max_in_flight)
+    grammars = Grammars(model.tokenizer.to_json, config.vocab_size, config.eos_token_ids)
+    runner = StageRunner(
+        model.stage, context_size=context, max_sequences=max_in_flight, grammars=grammars
+    )
     served_id = model_id or model_id_for(ref)
     spec_host: SpeculationHost | None = None
     if speculative is not None or speculative_tables is not None:

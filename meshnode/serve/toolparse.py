@@ -10,6 +10,10 @@ Which format a model writes is a property of its chat template (see
   several calls separated by ``;``, optionally after ``<|python_tag|>``.
 - ``mistral``: ``[TOOL_CALLS][{"name": …, "arguments": {…}}, …]``.
 
+The markers ``<|python_tag|>`` and ``[TOOL_CALLS]`` are special tokens, which the
+detokenizer drops, so for those two formats a reply that *starts* with ``{`` or ``[`` is
+read as calls too (as vLLM's parsers do).
+
 Theory of operation. :class:`ToolCallStream` takes the reply's text piece by piece. Before
 the format's start marker it is plain content, except a tail that could be the start of the
 marker, which is held back (as stop strings are). After the marker, the text is the *call
@@ -40,14 +44,16 @@ class ToolFormat(enum.StrEnum):
     MISTRAL = "mistral"
 
 
-#: The text that opens the call region, per format. Llama 3's JSON calls have no marker of
-#: their own when the template omits ``<|python_tag|>``: a reply that *starts* with ``{``
-#: opens the region too (what vLLM's llama3_json parser does).
+#: The text that opens the call region, per format. See also :data:`BARE_OPENERS`.
 START_MARKERS: dict[ToolFormat, str] = {
     ToolFormat.HERMES: "<tool_call>",
     ToolFormat.LLAMA3_JSON: "<|python_tag|>",
     ToolFormat.MISTRAL: "[TOOL_CALLS]",
 }
+#: What a reply that *is* calls starts with, where the format's marker is a special token
+#: that the detokenizer drops (Llama 3's ``<|python_tag|>``, Mistral's ``[TOOL_CALLS]``) or
+#: that the template leaves out: the region then opens at the reply's first character.
+BARE_OPENERS: dict[ToolFormat, str] = {ToolFormat.LLAMA3_JSON: "{", ToolFormat.MISTRAL: "["}
 #: The key that holds a call's arguments in each format.
 ARGUMENT_KEYS: dict[ToolFormat, str] = {
     ToolFormat.HERMES: "arguments",
@@ -167,7 +173,7 @@ class ToolCallStream:
         keep = _held_back(self._pending, marker)
         text = self._pending[: len(self._pending) - keep]
         keep += len(text) - len(text.rstrip())
-        if self.format is ToolFormat.LLAMA3_JSON and not self._content_seen:
+        if self.format in BARE_OPENERS and not self._content_seen:
             if not self._pending.strip():
                 return ToolDelta()  # leading whitespace: the reply may still open with "{"
             self._content_seen = True
@@ -176,10 +182,11 @@ class ToolCallStream:
         return ToolDelta(content=content)
 
     def _opens_with_json(self) -> bool:
+        opener = BARE_OPENERS.get(self.format)
         return (
-            self.format is ToolFormat.LLAMA3_JSON
+            opener is not None
             and not self._content_seen
-            and self._pending.lstrip().startswith("{")
+            and self._pending.lstrip().startswith(opener)
         )
 
     # -- the call region ------------------------------------------------------------------

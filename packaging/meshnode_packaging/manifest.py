@@ -44,7 +44,8 @@ class Part:
     """What one pipeline stage runs: layers ``[start, end)``, plus embedding and/or head.
 
     The files it needs are :meth:`Manifest.files_for`; the tokenizer comes with the embedding,
-    because the stage that embeds is the one that serves the API and tokenizes.
+    because the stage that embeds is the one that serves the API and tokenizes, and with the
+    head, because the last stage compiles grammars against it (constrained decoding).
     """
 
     start: int
@@ -169,4 +170,6 @@ class Manifest:
         ]
         if part.head:
             paths.append(self.data["head"]["file"])
+            # A few MiB at most; the last stage reads it only for a constrained request.
+            paths.append(self.data["tokenizer"]["file"])
         return list(dict.fromkeys(paths))  # a file shared by two parts is fetched once

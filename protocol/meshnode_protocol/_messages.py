@@ -375,6 +375,9 @@ class ActivationFrame(Message):
     ``stage_compute_us`` is the compute time of each stage after the first that the frame
     has passed through, in order (each middle stage appends its own), so that the host can
     tell each stage's compute from wire time; empty on the frame stage 0 sends.
+    ``grammar`` (llguidance's serialized grammar, sent on the frame at ``start_pos`` 0 only)
+    constrains the tokens the last stage chooses for this request from position
+    ``grammar_start`` (the prompt's length) on.
     """
 
     TYPE: ClassVar[int] = 30
@@ -394,6 +397,8 @@ class ActivationFrame(Message):
     top_logprobs: UInt = 0
     stage_compute_us: tuple[UInt, ...] = ()
     mtp_drafts: UInt = 0
+    grammar: str | None = None
+    grammar_start: UInt = 0
 
     def _validate(self) -> None:
         if self.kind not in ACTIVATION_KINDS:

@@ -189,6 +189,20 @@ EXAMPLES: Final[dict[str, Message]] = {
         out_rows=1,
         final=True,
     ),
+    # A constrained request's first frame: the grammar (a JSON schema compiled by
+    # llguidance) travels once, with the position its first constrained token will take.
+    "activation_prefill_grammar": ActivationFrame(
+        request_id="req-2",
+        run_id=_RUN_ID,
+        term=_TERM,
+        kind="prefill",
+        start_pos=0,
+        tokens=(1, 2, 3),
+        payload=Tensor("f16", (3, 2), _f16(0.5, -1.0, 2.0, 0.25, 0.0, 1.5)),
+        sampling=Sampling(temperature=0.0),
+        grammar='{"grammars":[{"json_schema":{"type":"object"}}]}',
+        grammar_start=3,
+    ),
     "activation_verify": ActivationFrame(
         request_id="req-1",
         run_id=_RUN_ID,

@@ -76,6 +76,7 @@ def test_first_and_last_stage_parts(hub: LocalHub, tmp_path: Path) -> None:
         "embed.safetensors",
         "layers/00029.safetensors",
         "head.safetensors",
+        "tokenizer.json",  # for grammars (constrained decoding)
     }
 
 

@@ -80,7 +80,11 @@ def test_untied_head_holds_lm_head(tiny_gguf_untied: Path, tmp_path: Path) -> No
     m = write_package(tiny_gguf_untied, tmp_path / "p")
     assert not m.head_tied
     assert m.data["head"]["tensors"] == ["norm.weight", "lm_head.weight"]
-    assert m.files_for(Part(29, 30, head=True)) == ["layers/00029.safetensors", "head.safetensors"]
+    assert m.files_for(Part(29, 30, head=True)) == [
+        "layers/00029.safetensors",
+        "head.safetensors",
+        "tokenizer.json",  # the last stage compiles grammars against it
+    ]
 
 
 def test_files_for_tied_head_fetches_embed(tiny_package_ro: Path) -> None:
@@ -95,6 +99,7 @@ def test_files_for_tied_head_fetches_embed(tiny_package_ro: Path) -> None:
         "embed.safetensors",
         "layers/00029.safetensors",
         "head.safetensors",
+        "tokenizer.json",
     ]
     assert m.files_for(Part(10, 12)) == ["layers/00010.safetensors", "layers/00011.safetensors"]
     with pytest.raises(ValueError, match="exceeds"):
