@@ -39,7 +39,8 @@ from meshnode.engine.generate import decode_one, prefill
 from meshnode.engine.model import Stage
 from meshnode.engine.recurrent import HybridCache
 from meshnode.engine.sampling import GREEDY
-from meshnode.speculative.generate import speculative_generate
+from meshnode.serve.generation import Speculation
+from meshnode.serve.local import generate_tokens
 from meshnode.speculative.ngram import NgramParams, NgramProposer
 from meshnode.speculative.window import WindowPolicy
 
@@ -251,16 +252,20 @@ def ngram_speedup(stage: Stage, repeats: int, max_tokens: int) -> None:
         def spec(prompt: list[int] = prompt, out: list[Any] = runs) -> None:
             proposer = NgramProposer(NgramParams(1, 4))
             out.append(
-                speculative_generate(
-                    stage, prompt, GREEDY, proposer, max_new_tokens=max_tokens, window=policy
+                generate_tokens(
+                    stage,
+                    prompt,
+                    GREEDY,
+                    max_new_tokens=max_tokens,
+                    speculation=Speculation.of(proposer, policy),
                 )
             )
 
         t_plain = _median_s(plain, repeats)
         t_spec = _median_s(spec, repeats)
-        if runs[-1].generated != plain_ids:
+        if runs[-1].state.tokens != plain_ids:
             raise SystemExit(f"{name}: speculation changed the greedy output")
-        stats = runs[-1].stats
+        stats = runs[-1].spec
         rate = stats.accepted / stats.proposed if stats.proposed else 0.0
         n = len(plain_ids)
         print(

@@ -19,8 +19,9 @@ requests whose answer copies most of the prompt (n-gram lookups shine). Replies 
 their end of turn or ``--max-tokens``.
 
 A last table sweeps the layer count of the layer-skip drafter in this process (single node,
-``meshnode.speculative.generate``, adaptive window): tokens/s, accept rate and ratio to plain
-decoding per set, from which ``DEFAULT_LAYER_SKIP_FRACTION`` is chosen.
+the API's generation loop through ``meshnode.serve.local.generate_tokens``, adaptive
+window): tokens/s, accept rate and ratio to plain decoding per set, from which
+``DEFAULT_LAYER_SKIP_FRACTION`` is chosen.
 """
 
 from __future__ import annotations
@@ -222,8 +223,9 @@ def sweep_layer_skip(layer_counts: list[int], runs: int, max_tokens: int) -> str
     from meshnode.engine.backend import cpu_backend
     from meshnode.engine.loader import load_model
     from meshnode.engine.sampling import SamplingParams
+    from meshnode.serve.generation import Speculation
+    from meshnode.serve.local import generate_tokens
     from meshnode.speculative.draft import StageProposer, layer_skip_stage
-    from meshnode.speculative.generate import speculative_generate
     from meshnode.speculative.proposer import EMPTY_PROPOSAL, Proposal
     from meshnode.speculative.window import StepCosts, WindowPolicy
 
@@ -265,17 +267,18 @@ def sweep_layer_skip(layer_counts: list[int], runs: int, max_tokens: int) -> str
                 began = time.perf_counter()
                 for j, ids in enumerate(encoded):
                     proposer = Plain() if drafter is None else StageProposer(drafter, greedy, 2048)
-                    run = speculative_generate(
-                        model.stage, ids, greedy, proposer, max_new_tokens=max_tokens,
-                        window=window, eos_ids=model.config.eos_token_ids, costs=costs,
+                    run = generate_tokens(
+                        model.stage, ids, greedy, max_new_tokens=max_tokens,
+                        speculation=Speculation.of(proposer, window, costs=costs),
+                        eos_ids=model.config.eos_token_ids,
                     )  # fmt: skip
                     if drafter is None:
-                        plain_replies.append(run.generated)
-                    elif run.generated != plain_replies[j]:
+                        plain_replies.append(run.state.tokens)
+                    elif run.state.tokens != plain_replies[j]:
                         raise SystemExit(f"GREEDY MISMATCH: layer-skip {layers} on {name}")
-                    tokens += len(run.generated)
-                    proposed += run.stats.proposed
-                    accepted += run.stats.accepted
+                    tokens += len(run.state.tokens)
+                    proposed += run.spec.proposed
+                    accepted += run.spec.accepted
                 samples.append((tokens / (time.perf_counter() - began), proposed, accepted))
             samples.sort()
             speed, proposed, accepted = samples[len(samples) // 2]

@@ -229,6 +229,22 @@ class Speculation:
     threaded: bool = False
     costs: StepCosts = field(default_factory=StepCosts)
 
+    @classmethod
+    def of(
+        cls,
+        proposer: Proposer,
+        window: WindowPolicy,
+        *,
+        strategy: str = "custom",
+        costs: StepCosts | None = None,
+    ) -> Speculation:
+        """Speculation with this one ``proposer``: for a single request (tests, benchmarks)."""
+
+        def make(params: SamplingParams, capacity: int) -> Proposer:
+            return proposer
+
+        return cls(make, window, strategy=strategy, costs=StepCosts() if costs is None else costs)
+
 
 @dataclass(slots=True)
 class GenerationTimings:

@@ -1,11 +1,14 @@
 """One reply from a whole model in this process, through the API's generation loop.
 
-``meshnode generate`` and the tests of the engine's sampling drive
+``meshnode generate``, the benchmarks and the tests of sampling and speculation drive
 :func:`~meshnode.serve.generation.generate` here, over a
 :class:`~meshnode.node.pipeline.LocalPipeline` holding every layer: the same loop, stop
-strings, EOS and budget rules, and last-stage sampling as a request to the API, so a fix
-lands once. Only the shape of the result differs: token ids without the final EOS, the
-reply's text and wall-clock timings, as ``meshnode generate --json`` prints them.
+strings, EOS and budget rules, speculative windows, and last-stage sampling as a request
+to the API, so a fix lands once. Only the shape of the result differs:
+:func:`generate_local` gives token ids without the final EOS, the reply's text and
+wall-clock timings, as ``meshnode generate --json`` prints them; :func:`generate_tokens`
+(token ids in, no tokenizer) gives the finished
+:class:`~meshnode.serve.generation.GenerationRun` with its speculation counters.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ from meshnode.serve.generation import (
     GenerationParams,
     GenerationRun,
     GenerationState,
+    Speculation,
     generate,
 )
 
-__all__ = ["GenerationResult", "Timings", "generate_local"]
+__all__ = ["GenerationResult", "Timings", "generate_local", "generate_tokens"]
 
 #: The one sequence of a local run.
 LOCAL_REQUEST = RequestId("local")
@@ -125,14 +129,56 @@ def generate_local(
     return _result(run, text)
 
 
+class _NoText:
+    """The detokenizer of a token-ids-only run: no text."""
+
+    def push(self, token: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+def generate_tokens(
+    model: Stage | StageRunner,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    max_new_tokens: int,
+    speculation: Speculation | None = None,
+    eos_ids: Sequence[int] = (),
+    chunk_tokens: int = PREFILL_CHUNK,
+) -> GenerationRun:
+    """Up to ``max_new_tokens`` token ids after ``prompt_ids`` from ``model`` (a stage with
+    every layer, embedding and head, or a runner over one), the API's way, speculating
+    with ``speculation`` if given. Returns the finished run: ``run.state.tokens`` (a final
+    EOS included) and ``run.spec``. Blocking: it runs its own trio loop.
+    """
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+    if isinstance(model, Stage):
+        context = len(prompt_ids) + max_new_tokens
+        model = StageRunner(model, context_size=context, max_sequences=1)
+    generation = GenerationParams(
+        max_new_tokens=max_new_tokens, sampling=params, eos_token_ids=frozenset(eos_ids)
+    )
+    run = GenerationRun(
+        LOCAL_REQUEST, list(prompt_ids), generation, GenerationState(generation, _NoText())
+    )
+    trio.run(_drive, LocalPipeline(model), run, None, chunk_tokens, speculation)
+    return run
+
+
 async def _drive(
     pipeline: LocalPipeline,
     run: GenerationRun,
     on_text: Callable[[str], None] | None,
     chunk_tokens: int,
+    speculation: Speculation | None = None,
 ) -> str:
     pieces: list[str] = []
-    async with aclosing(generate(pipeline, run, chunk_tokens=chunk_tokens)) as deltas:
+    loop = generate(pipeline, run, speculation=speculation, chunk_tokens=chunk_tokens)
+    async with aclosing(loop) as deltas:
         async for delta in deltas:
             pieces.append(delta.text)
             if on_text is not None and delta.text:

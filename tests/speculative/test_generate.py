@@ -12,12 +12,12 @@ import pytest
 from meshnode.engine.generate import decode_one, prefill
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import Sampler, SamplingParams, logits_to_probs
+from meshnode.serve.generation import GenerationRun, Speculation
+from meshnode.serve.local import generate_tokens
 from meshnode.speculative.auto import AutoNgramProposer
 from meshnode.speculative.draft import StageProposer, layer_skip_stage
-from meshnode.speculative.generate import prefill as spec_prefill
-from meshnode.speculative.generate import speculative_generate, verify_step
 from meshnode.speculative.ngram import NgramParams, NgramProposer
-from meshnode.speculative.proposer import Proposer
+from meshnode.speculative.proposer import Proposal, Proposer
 from meshnode.speculative.telemetry import SpecStats, summarize
 from meshnode.speculative.window import WindowPolicy
 from tests.speculative.chisq import assert_fits
@@ -53,6 +53,27 @@ def plain_generate(
         logits = decode_one(stage, cache, out[-1], len(prompt) + len(out) - 1)
 
 
+def speculative_generate(
+    stage: Stage,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    proposer: Proposer,
+    *,
+    max_new_tokens: int,
+    window: WindowPolicy,
+    eos_ids: Sequence[int] = (),
+) -> GenerationRun:
+    """The API's generation loop over a local pipeline, speculating with ``proposer``."""
+    return generate_tokens(
+        stage,
+        prompt,
+        params,
+        max_new_tokens=max_new_tokens,
+        speculation=Speculation.of(proposer, window),
+        eos_ids=eos_ids,
+    )
+
+
 def make_proposer(kind: str, target: Stage, draft: Stage, params: SamplingParams) -> Proposer:
     if kind == "ngram":
         return NgramProposer(NgramParams(min_n=1, max_n=3, max_proposal=8))
@@ -74,8 +95,8 @@ def test_greedy_parity(kind: str, window: str, target: Stage, draft: Stage) -> N
         run = speculative_generate(
             target, prompt, GREEDY, proposer, max_new_tokens=MAX_NEW, window=WINDOWS[window]
         )
-        assert run.generated == expected, f"prompt {prompt}"
-        stats.append(run.stats)
+        assert run.state.tokens == expected, f"prompt {prompt}"
+        stats.append(run.spec)
     total = summarize(stats)
     # The comparison means something only if drafts were both accepted and rejected.
     assert 0 < total.accepted < total.proposed, total.as_dict()
@@ -92,7 +113,7 @@ def test_greedy_parity_with_penalties(target: Stage, draft: Stage) -> None:
             run = speculative_generate(
                 target, prompt, params, proposer, max_new_tokens=MAX_NEW, window=WINDOWS["fixed"]
             )
-            assert run.generated == expected
+            assert run.state.tokens == expected
 
 
 @pytest.mark.parametrize("kind", ["ngram", "auto", "mtp-like"])
@@ -113,33 +134,43 @@ def test_seeded_sampling_is_the_same_with_speculation_on_or_off(kind: str, targe
             target, prompt, params, proposers[kind], max_new_tokens=MAX_NEW,
             window=WINDOWS["fixed"],
         )  # fmt: skip
-        assert run.generated == expected, f"prompt {prompt}"
-        stats.append(run.stats)
+        assert run.state.tokens == expected, f"prompt {prompt}"
+        stats.append(run.spec)
     total = summarize(stats)
     assert 0 < total.accepted < total.proposed, total.as_dict()
 
 
+class Watching:
+    """A proposer that checks, before each proposal, that a draft model's cache follows
+    the committed tokens (it rolls back lazily, on its next catch-up)."""
+
+    def __init__(self, inner: Proposer) -> None:
+        self.inner = inner
+        self.rejections = 0
+
+    def propose(self, history: Sequence[int], max_tokens: int) -> Proposal:
+        if isinstance(self.inner, StageProposer):
+            self.inner.sync(history)
+            assert self.inner.cached == list(history)
+            assert self.inner.cache.length == len(history)
+        return self.inner.propose(history, max_tokens)
+
+    def on_result(self, proposed: int, accepted: int, *, seconds: float | None = None) -> None:
+        self.rejections += accepted < proposed
+        self.inner.on_result(proposed, accepted, seconds=seconds)
+
+
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
-def test_cache_rolls_back_to_the_committed_tokens(kind: str, target: Stage, draft: Stage) -> None:
-    """After every pass, rejected or not, the caches hold exactly the committed tokens."""
-    policy = WINDOWS["fixed"]
-    proposer = make_proposer(kind, target, draft, GREEDY)
-    run = spec_prefill(target, PROMPTS[1], GREEDY, capacity=128, window=policy)
-    rejections = 0
-    while len(run.generated) < MAX_NEW:
-        proposed_before = run.stats.proposed
-        accepted_before = run.stats.accepted
-        verify_step(run, proposer, MAX_NEW - len(run.generated))
-        proposed = run.stats.proposed - proposed_before
-        rejections += run.stats.accepted - accepted_before < proposed
-        # Every committed token but the last (the next pass's input) has its K/V cached.
-        assert run.cache.length == len(run.history) - 1
-        if isinstance(proposer, StageProposer):
-            # The draft's cache rolls back lazily, on its next catch-up.
-            proposer.sync(run.history)
-            assert proposer.cached == run.history
-            assert proposer.cache.length == len(run.history)
-    assert rejections > 0
+def test_rejected_windows_roll_back(kind: str, target: Stage, draft: Stage) -> None:
+    """Windows rejected part-way leave no trace: the target's output is the plain greedy
+    one, and the draft's cache holds exactly the committed tokens before each proposal."""
+    expected = plain_generate(target, PROMPTS[1], GREEDY, MAX_NEW, Sampler(GREEDY))
+    proposer = Watching(make_proposer(kind, target, draft, GREEDY))
+    run = speculative_generate(
+        target, PROMPTS[1], GREEDY, proposer, max_new_tokens=MAX_NEW, window=WINDOWS["fixed"]
+    )
+    assert run.state.tokens == expected
+    assert proposer.rejections > 0
 
 
 def test_eos_stops_and_trims(target: Stage) -> None:
@@ -155,7 +186,7 @@ def test_eos_stops_and_trims(target: Stage) -> None:
         window=WINDOWS["fixed"],
         eos_ids=[eos],
     )
-    assert run.generated == expected[:stop_at]
+    assert run.state.tokens == expected[:stop_at]
 
 
 def test_budget_is_never_exceeded(target: Stage) -> None:
@@ -168,7 +199,7 @@ def test_budget_is_never_exceeded(target: Stage) -> None:
             max_new_tokens=budget,
             window=WINDOWS["fixed"],
         )
-        assert len(run.generated) == budget
+        assert len(run.state.tokens) == budget
 
 
 def test_layer_skip_on_a_headless_stage_zero_matches(target_source: TinySource) -> None:
@@ -243,7 +274,7 @@ def test_sampling_follows_the_target_law(kind: str, sample_models: tuple[Stage, 
         )
         reference = plain_generate(target, prompt, other, 3, Sampler(other))
         for depth in (1, 2):
-            counts[depth - 1, run.generated[depth]] += 1
+            counts[depth - 1, run.state.tokens[depth]] += 1
             plain[depth - 1, reference[depth]] += 1
     for depth in (1, 2):
         law = exact_law(target, prompt, depth)

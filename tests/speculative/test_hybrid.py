@@ -12,9 +12,10 @@ import pytest
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
-from meshnode.engine.recurrent import HybridCache
 from meshnode.engine.sampling import SamplingParams
-from meshnode.speculative.generate import speculative_generate
+from meshnode.node.stage import StageRunner
+from meshnode.serve.generation import GenerationRun, Speculation
+from meshnode.serve.local import generate_tokens
 from meshnode.speculative.ngram import NgramParams, NgramProposer
 from meshnode.speculative.proposer import Proposal
 from meshnode.speculative.window import WindowPolicy
@@ -49,26 +50,34 @@ def stage() -> Stage:
     return Stage(ModelConfig.from_hf(source.config), source, 0, 8, embed=True, head=True)
 
 
-def _run(stage: Stage, prompt: dict[str, Any], proposer: Any, window: int) -> Any:
+def _run(
+    stage: Stage, prompt: dict[str, Any], proposer: Any, window: int
+) -> tuple[GenerationRun, StageRunner]:
+    """The API's generation loop over one local stage; the run and the stage's runner."""
     policy = WindowPolicy("fixed", window, 1, window)
-    return speculative_generate(
-        stage, prompt["prompt_ids"], GREEDY, proposer, max_new_tokens=32, window=policy
+    runner = StageRunner(stage, context_size=len(prompt["prompt_ids"]) + 32, max_sequences=1)
+    run = generate_tokens(
+        runner,
+        prompt["prompt_ids"],
+        GREEDY,
+        max_new_tokens=32,
+        speculation=Speculation.of(proposer, policy),
     )
+    return run, runner
 
 
 @pytest.mark.parametrize("window", [1, 4, 16])
 def test_partly_rejected_windows_keep_greedy_output(stage: Stage, window: int) -> None:
     for prompt in PROMPTS:
         proposer = PartlyRightProposer(prompt["prompt_ids"], prompt["gen_ids"])
-        run = _run(stage, prompt, proposer, window)
-        assert run.generated == prompt["gen_ids"], prompt["id"]
-        assert 0 < run.stats.accepted < run.stats.proposed
-        assert isinstance(run.cache, HybridCache)
-        assert run.cache.restores > 0  # rejected rows were rolled back from the ring
+        run, runner = _run(stage, prompt, proposer, window)
+        assert run.state.tokens == prompt["gen_ids"], prompt["id"]
+        assert 0 < run.spec.accepted < run.spec.proposed
+        assert runner.memory()["ring_restores"] > 0  # rejected rows rolled back from the ring
 
 
 @pytest.mark.parametrize("window", [1, 4, 16])
 def test_ngram_speculation_keeps_greedy_output(stage: Stage, window: int) -> None:
     for prompt in PROMPTS[1:3]:  # the repetitive and the mixed prompt: n-gram proposes
-        run = _run(stage, prompt, NgramProposer(NgramParams(1, 3)), window)
-        assert run.generated == prompt["gen_ids"], prompt["id"]
+        run, _ = _run(stage, prompt, NgramProposer(NgramParams(1, 3)), window)
+        assert run.state.tokens == prompt["gen_ids"], prompt["id"]

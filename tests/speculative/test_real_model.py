@@ -9,9 +9,10 @@ import pytest
 from meshnode.engine.loader import LoadedModel
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
+from meshnode.serve.generation import Speculation
+from meshnode.serve.local import generate_tokens
 from meshnode.speculative.auto import AutoNgramProposer
 from meshnode.speculative.draft import StageProposer, layer_skip_stage
-from meshnode.speculative.generate import speculative_generate
 from meshnode.speculative.ngram import NgramProposer
 from meshnode.speculative.proposer import Proposer
 from meshnode.speculative.window import WindowPolicy
@@ -33,16 +34,15 @@ def golden_prompt(golden: dict[str, Any], index: int) -> tuple[list[int], list[i
 def run(
     model: LoadedModel, proposer: Proposer, prompt: list[int], n: int, window: WindowPolicy
 ) -> list[int]:
-    result = speculative_generate(
+    result = generate_tokens(
         model.stage,
         prompt,
         GREEDY,
-        proposer,
         max_new_tokens=n,
-        window=window,
+        speculation=Speculation.of(proposer, window),
         eos_ids=model.config.eos_token_ids,
     )
-    return result.generated
+    return result.state.tokens
 
 
 @pytest.mark.parametrize("index", [0, 3, 5])
