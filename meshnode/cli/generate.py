@@ -19,6 +19,7 @@ from meshnode.engine.backend import BackendError, Device, limit_cpu_threads, sel
 from meshnode.engine.loader import LoadedModel, ModelLoadError, load_model
 from meshnode.engine.sampling import GREEDY, SamplingParams
 from meshnode.engine.tokenizer import TemplateError
+from meshnode.errors import ConfigError
 from meshnode.serve.local import GenerationResult, generate_local
 
 __all__ = ["EXIT_BAD_INPUT", "GenerateConfig", "run"]
@@ -40,10 +41,6 @@ class GenerateConfig:
     dtype: str = "auto"  # weights on a CUDA device; select_backend checks it
     threads: int | None = None
     prompt_ids: tuple[int, ...] | None = None  # token ids in, as given (no template, no BOS)
-
-
-class _BadInput(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
 
 
 def prompt_ids(model: LoadedModel, prompt: str, raw: bool) -> list[int]:
@@ -72,7 +69,7 @@ def _config_ids(model: LoadedModel, config: GenerateConfig) -> list[int]:
     vocab = model.config.vocab_size
     bad = [t for t in config.prompt_ids if not 0 <= t < vocab]
     if bad:
-        raise _BadInput(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     return list(config.prompt_ids)
 
 
@@ -104,7 +101,7 @@ def run(config: GenerateConfig) -> int:
         backend = select_backend(config.device, config.dtype)
         model = load_model(config.model, backend)
         result = complete(model, config, sys.stdout)
-    except (BackendError, ModelLoadError, TemplateError, ValueError, _BadInput) as exc:
+    except (BackendError, ConfigError, ModelLoadError, TemplateError, ValueError) as exc:
         print(f"meshnode generate: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     del limit
@@ -136,8 +133,8 @@ def generate_command(
     dtype: Annotated[
         str,
         typer.Option(
-            help="Weights: auto, float16, bfloat16 or float32 on CUDA; float32 or native "
-            "(GGUF blocks kept as stored) on the CPU."
+            help="Weights: auto, float16, bfloat16 or float32 on CUDA; native (auto: GGUF "
+            "blocks kept as stored) or float32 (dequantized, for parity checks) on the CPU."
         ),
     ] = "auto",
     threads: Annotated[

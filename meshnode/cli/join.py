@@ -34,6 +34,7 @@ from meshnode.node.config import NodeConfig
 from meshnode.node.coordinator import CoordinatorSettings
 from meshnode.node.daemon import Node
 from meshnode.node.host import MeshHost
+from meshnode.node.remote import PassDeadline
 from meshnode.serve.app import create_app
 from meshnode.serve.availability import unavailable_message
 from meshnode.serve.frontend import HostFrontend, host_service, host_speculation
@@ -80,6 +81,7 @@ async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentit
             cache_dir=config.cache_dir,
             pin=pin,
             ring_slots=ring_slots_for(spec.largest_verify_drafts()),
+            pass_deadline=PassDeadline(config.pass_deadline_s, config.pass_deadline_per_token_s),
         )
         # The layer-skip drafter opens the host's layers again: at the same commit.
         frontend = HostFrontend(service, pinned_ref(config.model, pin), config.cache_dir)

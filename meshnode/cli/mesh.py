@@ -21,6 +21,7 @@ from meshnode.node.config import (
     env_help,
     load_config,
 )
+from meshnode.node.stage import DEFAULT_MAX_CONTEXT
 
 # `status` gives up on a silent daemon quickly: it is a local, interactive command.
 STATUS_TIMEOUT_S = 3.0
@@ -125,6 +126,16 @@ def join(
             ),
         ),
     ] = False,
+    local_model: Annotated[
+        list[str] | None,
+        typer.Option(
+            help=env_help(
+                "local_models",
+                "A model path on this machine that other nodes may ask this one to open "
+                "(repeatable; others are refused).",
+            ),
+        ),
+    ] = None,
     cors_origin: Annotated[
         list[str] | None,
         typer.Option(
@@ -136,7 +147,12 @@ def join(
         ),
     ] = None,
     no_mdns: Annotated[
-        bool, typer.Option("--no-mdns", help=env_help("mdns", "Disable mDNS discovery."))
+        bool,
+        typer.Option(
+            # The variable is the setting's (on/off), so its value to disable is said here.
+            "--no-mdns",
+            help=env_help("mdns", "Disable mDNS discovery (as MESHNODE_MDNS=0 does)."),
+        ),
     ] = False,
     max_memory: Annotated[
         str | None,
@@ -150,8 +166,8 @@ def join(
         typer.Option(
             help=env_help(
                 "weights_dtype",
-                "Weights: auto, float16, bfloat16 or float32 on CUDA; float32 or native "
-                "(GGUF blocks kept as stored) on the CPU.",
+                "Weights: auto, float16, bfloat16 or float32 on CUDA; native (auto: GGUF "
+                "blocks kept as stored) or float32 (dequantized, for parity checks) on the CPU.",
             )
         ),
     ] = None,
@@ -196,7 +212,10 @@ def join(
     context: Annotated[
         int | None,
         typer.Option(
-            help=env_help("context_size", "Context size in tokens (default: model's, max 2048).")
+            help=env_help(
+                "context_size",
+                f"Context size in tokens (default: model's, max {DEFAULT_MAX_CONTEXT}).",
+            )
         ),
     ] = None,
     wire_dtype: Annotated[
@@ -209,6 +228,25 @@ def join(
         int | None,
         typer.Option(
             help=env_help("prefill_chunk_tokens", "Prompt tokens per prefill pass (default 256).")
+        ),
+    ] = None,
+    pass_deadline: Annotated[
+        float | None,
+        typer.Option(
+            help=env_help(
+                "pass_deadline_s",
+                "Seconds a pass across the stages may take, plus --pass-deadline-per-token "
+                "per token in flight, before its stage counts as failed (default 60).",
+            )
+        ),
+    ] = None,
+    pass_deadline_per_token: Annotated[
+        float | None,
+        typer.Option(
+            help=env_help(
+                "pass_deadline_per_token_s",
+                "Seconds added to --pass-deadline per token in flight (default 0.25).",
+            )
         ),
     ] = None,
     cache_dir: Annotated[
@@ -277,6 +315,7 @@ def join(
             "peers": peer or None,
             "mdns": False if no_mdns else None,
             "allow_url_models": True if allow_url_models else None,
+            "local_models": local_model or None,
             "cors_origins": cors_origin or None,
             "max_memory_bytes": max_memory,
             "device": device,
@@ -290,6 +329,8 @@ def join(
             "context_size": context,
             "wire_dtype": wire_dtype,
             "prefill_chunk_tokens": prefill_chunk,
+            "pass_deadline_s": pass_deadline,
+            "pass_deadline_per_token_s": pass_deadline_per_token,
             "cache_dir": cache_dir,
             "threads": threads,
             "speculative": spec_flags,
@@ -365,7 +406,9 @@ def _host_lines(host: dict[str, Any] | None) -> list[str]:
     if host.get("error"):
         lines.append(f"waiting  {host['error']}")
     if host.get("last_failure") and host.get("last_failure") != host.get("error"):
-        lines.append(f"failed   {host['last_failure']}")
+        # The failure that made the last replan, not a present one: "failed" beside a
+        # ready run read as if serving had stopped.
+        lines.append(f"last failure  {host['last_failure']}")
     spec = host.get("speculation")
     if spec:
         acceptance = spec.get("acceptance", {})

@@ -3,12 +3,17 @@
 No sockets, no async. The array backend (NumPy or CuPy) is chosen once in
 ``meshnode.engine.backend``; code above the engine never imports numpy/cupy for math.
 
-Layering inside the package: ``config`` and ``backend`` at the bottom; ``weights`` and
-``kv_cache`` on them; ``model`` (the stage forward) on those; ``sampling`` and
-``tokenizer`` stand alone; ``generate`` (the prefill and decode rungs) and ``loader``
-(single-node use) on top.
+Layering inside the package: ``config``, ``kv_cache``, ``cpu`` (block kernels) at the
+bottom; ``weights`` (the CPU layout and its loader) on them; ``cuda`` (the device formats,
+kernels, weights and forward) on ``weights``; ``backend`` (the :class:`Backend` strategies,
+``CpuBackend`` and ``CudaBackend``, which own weight loading and the device side of the
+forward) on both; ``model`` (the stage forward, and the hybrid and MTP stages beside it)
+on ``backend``; ``sampling`` and ``tokenizer`` stand alone; ``generate`` (the prefill and
+decode rungs) and ``loader`` (single-node use) on top.
 
-Imports ``meshnode.errors`` and ``meshnode_packaging`` (model sources) only.
+Imports ``meshnode.errors`` and ``meshnode_packaging`` (model sources) only, plus NumPy,
+numba (the CPU block kernels) and, on a CUDA backend, CuPy. ``tests/test_structure.py``
+checks every package's imports against DESIGN §1's layering.
 """
 
 from meshnode.engine.backend import Backend, BackendError, select_backend

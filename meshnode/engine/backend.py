@@ -1,8 +1,12 @@
 """The array backend, chosen once: NumPy (float32) on CPU, CuPy on a CUDA device.
 
-Everything in the engine does math through ``backend.xp`` so the same code runs on both;
-on CUDA a stage runs the engine's own kernels (``meshnode.engine.cuda``) with weights in
-``weights_dtype``. CuPy is imported only when a CUDA backend is asked for.
+A :class:`Backend` is a strategy object: :class:`CpuBackend` and :class:`CudaBackend` each
+own their weight layout and loading (``meshnode.engine.weights``,
+``meshnode.engine.cuda.weights``), the device side of the forward (the NumPy forward of
+``meshnode.engine.model`` or ``meshnode.engine.cuda.stage``), their matrix product and the
+copy back to the host; the stage asks its backend and never tests which one it has.
+Everything in the engine does math through ``backend.xp`` so the same code runs on both.
+CuPy is imported only when a CUDA backend is asked for.
 """
 
 from __future__ import annotations
@@ -10,17 +14,28 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
+from meshnode_packaging.sources import ModelSource
 
+from meshnode.engine.config import ModelConfig, ModelConfigError
+from meshnode.engine.cpu import BlockMatrix, set_kernel_threads
+from meshnode.engine.cuda.device import PinnedStaging
+from meshnode.engine.cuda.stage import CudaStage
+from meshnode.engine.cuda.weights import device_dtype, load_cuda_stage_weights
+from meshnode.engine.weights import HeldBytes, StageWeights, held_bytes, load_stage_weights
 from meshnode.errors import MeshnodeError
 
 __all__ = [
+    "GEMV_MAX_ROWS",
     "Backend",
     "BackendError",
+    "CpuBackend",
+    "CudaBackend",
     "Device",
     "WeightsDtype",
     "cpu_backend",
@@ -33,10 +48,10 @@ log = logging.getLogger(__name__)
 Device = Literal["auto", "cpu", "cuda"]
 # Weights on the device: ``auto`` is bfloat16 where the model's config says it was trained
 # in bfloat16, else float16; float32 is the golden-parity mode. On the CPU, ``auto`` and
-# ``float32`` dequantize at load (NumPy/BLAS) and ``native`` keeps the file's GGUF blocks
-# in memory, multiplied by compiled kernels (meshnode.engine.cpu): about a quarter of the
-# memory, not yet the speed (README, "Performance"). The CPU computes in float32 either
-# way. On CUDA, ``native`` is ``auto``.
+# ``native`` keep the file's GGUF blocks in memory, multiplied by compiled kernels
+# (meshnode.engine.cpu): about a quarter of the memory of float32 and faster (README,
+# "Performance"); ``float32`` dequantizes at load (NumPy/BLAS), for parity debugging. The
+# CPU computes in float32 either way. On CUDA, ``native`` is ``auto``.
 WeightsDtype = Literal["auto", "float32", "float16", "bfloat16", "native"]
 WEIGHTS_DTYPES: tuple[str, ...] = get_args(WeightsDtype)
 
@@ -45,41 +60,163 @@ class BackendError(MeshnodeError, RuntimeError):
     """The requested device is not available."""
 
 
-@dataclass(frozen=True)
-class Backend:
-    """An array module plus the conversions to and from host NumPy arrays."""
+# On CPU a one-row product is an sgemv that streams W at memory bandwidth, but OpenBLAS's
+# sgemm with 2-4 rows costs about 3x that, while a second sgemv right after the first finds
+# W in the L3 cache and costs about 0.5x more (benchmarks/engine.py, "k-token forward").
+# So products of up to this many rows run row by row; verify windows of 1-2 drafts gain most.
+GEMV_MAX_ROWS = 3
 
-    name: Literal["cpu", "cuda"]
+
+class Backend(ABC):
+    """Where a stage computes: its array module, how its weights are laid out and loaded,
+    and the parts of the forward that differ by device (:class:`CpuBackend`,
+    :class:`CudaBackend`)."""
+
+    name: ClassVar[Literal["cpu", "cuda"]]
     xp: ModuleType
-    weights_dtype: WeightsDtype = "float32"
-    cuda_graphs: bool = True  # capture and replay decode/verify steps (CUDA only)
-    # CUDA: the page-locked buffer device-to-host copies go through (device.PinnedStaging).
-    staging: Any = field(default=None, compare=False, repr=False)
+    weights_dtype: WeightsDtype
 
     def asarray(self, a: np.ndarray) -> Any:
         """``a`` on this backend's device, float32."""
         return self.xp.asarray(a, dtype=self.xp.float32)
 
+    @abstractmethod
     def to_numpy(self, a: Any) -> np.ndarray:
         """``a`` copied to the host as a NumPy array."""
-        if self.name == "cuda":
-            if self.staging is not None:
-                host: np.ndarray = self.staging.to_host(a)
-                return host
-            return np.asarray(a.get())
-        return np.asarray(a)
 
     @property
     def cpu_blocks(self) -> bool:
         """Whether a CPU stage keeps weights in their GGUF blocks (else float32)."""
-        return self.name == "cpu" and self.weights_dtype == "native"
+        return False
 
+    @abstractmethod
     def describe(self) -> str:
         """One line naming the backend and device, e.g. for ``meshnode join``'s log."""
-        if self.name == "cpu":
-            if self.cpu_blocks:
-                return "cpu (NumPy + numba kernels over GGUF blocks, float32)"
-            return "cpu (NumPy, float32)"
+
+    def free_memory(self) -> int | None:
+        """Device memory free for weights and KV now, in bytes; None on the CPU backend."""
+        return None
+
+    @abstractmethod
+    def check_model(self, config: ModelConfig) -> None:
+        """Raise :class:`ModelConfigError` if a stage of ``config``'s model cannot run here."""
+
+    @abstractmethod
+    def load_weights(
+        self,
+        source: ModelSource,
+        config: ModelConfig,
+        start: int,
+        end: int,
+        *,
+        embed: bool,
+        head: bool,
+    ) -> StageWeights:
+        """The weights stage ``[start, end)`` needs from ``source``, laid out for this
+        backend's forward. Raises ``KeyError`` naming a missing tensor."""
+
+    def held_bytes(self, source: ModelSource, config: ModelConfig) -> HeldBytes | None:
+        """What a stage here holds of ``source``, from the tensors' stored sizes; None
+        when the caller must estimate (see :func:`meshnode.engine.weights.held_bytes`)."""
+        return None
+
+    def device_stage(
+        self, config: ModelConfig, weights: StageWeights, *, embed: bool, head: bool
+    ) -> CudaStage | None:
+        """The device side a stage hands its forward to (None: the NumPy forward runs)."""
+        return None
+
+    def linear(self, x: Any, w: Any) -> Any:
+        """``x @ w`` for ``x`` ``[r, in]``, ``w`` ``[in, out]`` as :meth:`load_weights`
+        lays it out."""
+        return x @ w
+
+    def embed_rows(self, table: Any, ids: Any) -> Any:
+        """The embedding rows ``[S, E]`` of token ``ids`` from ``table`` (``embed_t``,
+        ``[E, V]`` as :meth:`load_weights` lays it out)."""
+        return table[:, ids].T
+
+
+@dataclass(frozen=True)
+class CpuBackend(Backend):
+    """NumPy, float32 math; weights as float32 or in their GGUF blocks (``native``)."""
+
+    name: ClassVar[Literal["cpu", "cuda"]] = "cpu"
+    weights_dtype: WeightsDtype = "float32"
+    xp: ModuleType = field(default=np, init=False, repr=False, compare=False)
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        """``a`` as a NumPy array (no copy)."""
+        return np.asarray(a)
+
+    @property
+    def cpu_blocks(self) -> bool:
+        """Whether weights stay in their GGUF blocks (``native``), else float32."""
+        return self.weights_dtype == "native"
+
+    def describe(self) -> str:
+        """One line naming the backend, e.g. for ``meshnode join``'s log."""
+        if self.cpu_blocks:
+            return "cpu (NumPy + numba kernels over GGUF blocks, float32)"
+        return "cpu (NumPy, float32)"
+
+    def check_model(self, config: ModelConfig) -> None:
+        """Every family in ``config.ARCHITECTURES`` runs on the CPU: refuses nothing."""
+
+    def load_weights(
+        self,
+        source: ModelSource,
+        config: ModelConfig,
+        start: int,
+        end: int,
+        *,
+        embed: bool,
+        head: bool,
+    ) -> StageWeights:
+        """Dequantized ``[in, out]`` float32 matrices, or block matrices (``native``)."""
+        return load_stage_weights(
+            source, config, start, end, embed=embed, head=head, blocks=self.cpu_blocks
+        )
+
+    def held_bytes(self, source: ModelSource, config: ModelConfig) -> HeldBytes | None:
+        """As :func:`meshnode.engine.weights.held_bytes` lays out this backend's weights."""
+        return held_bytes(source, config, blocks=self.cpu_blocks)
+
+    def embed_rows(self, table: Any, ids: Any) -> Any:
+        """The rows of ``ids``; a table in GGUF blocks decodes only those rows."""
+        if isinstance(table, BlockMatrix):
+            return table.rows(ids)
+        return table[:, ids].T
+
+    def linear(self, x: Any, w: Any) -> Any:
+        """``x @ w``; over dense weights a few rows go one by one (:data:`GEMV_MAX_ROWS`),
+        block kernels take every row in one pass over the weights."""
+        n = x.shape[0]
+        if not self.cpu_blocks and 1 < n <= GEMV_MAX_ROWS:
+            return np.stack([x[i] @ w for i in range(n)])
+        return x @ w
+
+
+@dataclass(frozen=True)
+class CudaBackend(Backend):
+    """CuPy on a CUDA device: weights in their device formats (``meshnode.engine.cuda``),
+    the forward in the engine's kernels with CUDA graphs."""
+
+    name: ClassVar[Literal["cpu", "cuda"]] = "cuda"
+    xp: ModuleType
+    weights_dtype: WeightsDtype = "float32"
+    cuda_graphs: bool = True  # capture and replay decode/verify steps
+    # The page-locked buffer device-to-host copies go through.
+    staging: PinnedStaging | None = field(default=None, compare=False, repr=False)
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        """``a`` copied to the host (through the pinned staging buffer when there is one)."""
+        if self.staging is not None:
+            return self.staging.to_host(a)
+        return np.asarray(a.get())
+
+    def describe(self) -> str:
+        """The device, its name, CuPy's and CUDA's versions and the weights dtype."""
         rt = self.xp.cuda.runtime
         device = int(rt.getDevice())
         name = rt.getDeviceProperties(device)["name"]
@@ -89,13 +226,53 @@ class Backend:
         return f"cuda:{device} {name} (CuPy {self.xp.__version__}, {cuda}, {self.weights_dtype})"
 
     def free_memory(self) -> int | None:
-        """Device memory free for weights and KV now, in bytes; None on the CPU backend."""
-        return cuda_free_memory(self.xp) if self.name == "cuda" else None
+        """Free memory of the current device plus CuPy's unused pool, in bytes."""
+        return cuda_free_memory(self.xp)
+
+    def check_model(self, config: ModelConfig) -> None:
+        """Refuse the families the CUDA stage does not implement (hybrid ones included)."""
+        if not config.arch.cuda:
+            raise ModelConfigError(
+                f"the CUDA stage does not run {config.model_type} models yet (use --device cpu)"
+            )
+        if config.hybrid is not None:
+            raise ModelConfigError(
+                f"the CUDA stage does not run {config.model_type} (hybrid) models yet; "
+                "use --device cpu"
+            )
+
+    def load_weights(
+        self,
+        source: ModelSource,
+        config: ModelConfig,
+        start: int,
+        end: int,
+        *,
+        embed: bool,
+        head: bool,
+    ) -> StageWeights:
+        """Device matrices ``[out, in]`` (``embed_t``/``head_t`` hold ``[V, E]`` rows).
+
+        Raises ``KeyError`` naming a missing tensor, ``ValueError`` for a width the
+        kernels cannot decode (not a multiple of 32).
+        """
+        dtype = device_dtype(self.weights_dtype, source)
+        return load_cuda_stage_weights(
+            source, config, start, end, embed=embed, head=head, cp=self.xp, dtype=dtype
+        )
+
+    def device_stage(
+        self, config: ModelConfig, weights: StageWeights, *, embed: bool, head: bool
+    ) -> CudaStage:
+        """The engine's kernels, fixed buffers and CUDA graphs over ``weights``."""
+        return CudaStage(
+            config, weights, embed=embed, head=head, cp=self.xp, cuda_graphs=self.cuda_graphs
+        )
 
 
-def cpu_backend(weights_dtype: WeightsDtype = "float32") -> Backend:
+def cpu_backend(weights_dtype: WeightsDtype = "float32") -> CpuBackend:
     """The NumPy backend: weights as ``float32`` or in their GGUF blocks (``native``)."""
-    return Backend("cpu", np, weights_dtype)
+    return CpuBackend(weights_dtype)
 
 
 def _cupy() -> ModuleType | None:
@@ -136,10 +313,8 @@ def select_backend(
         raise BackendError(f"weights dtype must be one of {', '.join(WEIGHTS_DTYPES)}")
     cupy = None if device == "cpu" else _cupy()
     if cupy is not None:
-        from meshnode.engine.cuda.device import PinnedStaging
-
         dtype: Any = weights_dtype
-        return _announce(Backend("cuda", cupy, dtype, cuda_graphs, PinnedStaging(cupy)))
+        return _announce(CudaBackend(cupy, dtype, cuda_graphs, PinnedStaging(cupy)))
     if device == "cuda":
         raise BackendError("--device cuda: no CUDA device usable through CuPy")
     if weights_dtype not in ("auto", "float32", "native"):
@@ -147,7 +322,7 @@ def select_backend(
             f"weights dtype {weights_dtype}: the CPU backend computes in float32 only "
             "(weights: float32, or native to keep the GGUF blocks)"
         )
-    return _announce(cpu_backend("native" if weights_dtype == "native" else "float32"))
+    return _announce(cpu_backend("float32" if weights_dtype == "float32" else "native"))
 
 
 def _announce(backend: Backend) -> Backend:
@@ -170,8 +345,6 @@ def limit_cpu_threads(threads: int | None) -> object | None:
     if threads < 1:
         raise BackendError(f"threads must be at least 1, got {threads}")
     from threadpoolctl import threadpool_limits
-
-    from meshnode.engine.cpu import set_kernel_threads
 
     set_kernel_threads(threads)
     handle: object = threadpool_limits(limits=threads, user_api="blas")

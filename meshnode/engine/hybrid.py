@@ -15,9 +15,9 @@ DeltaNet key/value heads, Dk/Dv their dims, H/Hkv attention heads, D their dim.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from meshnode_packaging.sources import ModelSource
@@ -137,57 +137,94 @@ class HybridStage:
         Raises ``RollbackError`` when ``start_pos`` is behind the snapshot ring and
         ``ValueError`` when it is past the cache's end or the cache is full.
         """
-        cache.rollback(start_pos)
+        return self.forward_batch([_Item(inputs, start_pos, cache, out_rows)])[0]
+
+    def forward_batch(self, items: Sequence[Row]) -> list[Any]:
+        """Run several sequences' new positions as one forward; see
+        ``model.Stage.forward_batch``. The projections and the MLP run once over the rows of
+        every item; the convolution, the delta rule and attention run per sequence.
+
+        With :attr:`keep_hidden` (the MTP drafter), :attr:`last_hidden` holds every row of
+        the pass; it is meant for a batch of one. Raises as :meth:`forward` does.
+        """
         xp = self.xp
-        x = self.embed_rows(inputs) if self.embed else xp.asarray(inputs, xp.float32)
-        n = x.shape[0]
-        rows = n if out_rows is None or not self.head else min(out_rows, n)
-        wanted = rows
-        if self.keep_hidden and self.head:
-            rows = n
-        cos, sin = ops.rope_cos_sin(xp, self.rope_inv_freq, start_pos, n)  # [S, R]
+        for item in items:
+            item.cache.rollback(item.start_pos)
+        segs = [self._segment(item) for item in items]
+        x = _concat(xp, [self._inputs(item) for item in items])  # [N, E]
         last = len(self.weights.blocks) - 1
         for i, layer in enumerate(self.weights.blocks):
-            keep = rows if i == last else n
-            x = self._block(layer, self._slot[i], x, start_pos, cache, (cos, sin), keep)
+            x = self._block(layer, self._slot[i], x, segs, i == last)
         if not self.weights.blocks:
-            x = x[n - rows :]
-        cache.advance(start_pos, n)
+            x = _concat(xp, [part[seg.n - seg.rows :] for part, seg in _parts(x, segs)])
+        for seg in segs:
+            seg.cache.advance(seg.start_pos, seg.n)
         if not self.head:
-            return x
-        self.last_hidden = self.final_norm(x)  # [r, E]
-        return self._project(self.last_hidden[rows - wanted :])
+            return _split(x, [seg.rows for seg in segs])
+        self.last_hidden = self.final_norm(x)  # [R, E]
+        hidden = _parts(self.last_hidden, segs, kept=True)
+        wanted = [part[seg.rows - seg.wanted :] for part, seg in hidden]
+        return _split(self._project(_concat(xp, wanted)), [seg.wanted for seg in segs])
+
+    def _segment(self, item: Row) -> _Seg:
+        n = len(item.inputs)
+        wanted = n if item.out_rows is None or not self.head else min(item.out_rows, n)
+        rows = n if self.keep_hidden and self.head else wanted
+        rope = ops.rope_cos_sin(self.xp, self.rope_inv_freq, item.start_pos, n)  # [S, R]
+        return _Seg(item.start_pos, n, rows, wanted, item.cache, rope)
+
+    def _inputs(self, item: Row) -> Any:
+        if self.embed:
+            return self.embed_rows(item.inputs)
+        return self.xp.asarray(item.inputs, self.xp.float32)
 
     # -- pieces ------------------------------------------------------------------------
 
-    def _block(
-        self,
-        w: HybridLayerWeights,
-        slot: int,
-        x: Any,
-        pos: int,
-        cache: HybridCache,
-        rope: tuple[Any, Any],
-        rows: int,
-    ) -> Any:
-        """One decoder layer; only the last ``rows`` rows go past the token mixer."""
-        n = x.shape[0]
+    def _block(self, w: HybridLayerWeights, slot: int, x: Any, segs: list[_Seg], last: bool) -> Any:
+        """One decoder layer over every segment's rows; in the last layer only each
+        segment's last ``rows`` rows go past the token mixer."""
         h = self._norm(x, w.attn_norm)
         if w.linear is not None:
-            h = self._deltanet(w.linear, h, slot, pos, cache, rows)
+            h = self._deltanet(w.linear, h, slot, segs, last)
         else:
             assert w.attention is not None
-            h = self.attention(w.attention, h, pos, cache, slot, rope, rows)
-        x = x[n - rows :] + h  # [r, E]
+            qkv = self.linear(h, w.attention.wqkv)  # [N, 2 H D + 2 Hkv D]: all rows at once
+            att = w.attention
+            outs = [
+                self._attend(att, part, seg.start_pos, seg.cache, slot, seg.rope, _kept(seg, last))
+                for part, seg in _parts(qkv, segs)
+            ]
+            h = self.linear(_concat(self.xp, outs), w.attention.wo)  # [R, E]
+        if last:
+            x = _concat(self.xp, [p[seg.n - seg.rows :] for p, seg in _parts(x, segs)])
+        x = x + h  # [R, E]
         return x + self.mlp(w, self._norm(x, w.ffn_norm))
 
-    def _deltanet(
-        self, w: DeltaNetWeights, x: Any, slot: int, pos: int, cache: HybridCache, rows: int
-    ) -> Any:
+    def _deltanet(self, w: DeltaNetWeights, x: Any, slot: int, segs: list[_Seg], last: bool) -> Any:
         c, xp = self.config, self.xp
-        n = x.shape[0]
-        qkv = self.linear(x, w.in_qkv)  # [S, C]
-        ba = self.linear(x, w.in_ba)  # [S, 2 Hv]
+        qkv = self.linear(x, w.in_qkv)  # [N, C]
+        ba = self.linear(x, w.in_ba)  # [N, 2 Hv]
+        outs, kept_x = [], []
+        for (qkv_seg, seg), (ba_seg, _), (x_seg, _) in zip(
+            _parts(qkv, segs), _parts(ba, segs), _parts(x, segs), strict=True
+        ):
+            rows = _kept(seg, last)
+            out = self._recur(w, qkv_seg, ba_seg, slot, seg.start_pos, seg.cache)
+            outs.append(out[seg.n - rows :])
+            kept_x.append(x_seg[seg.n - rows :])
+        out, x = _concat(xp, outs), _concat(xp, kept_x)  # [R, Hv, Dv], [R, E]
+        r, heads = out.shape[0], c.linear_value_heads
+        z = self.linear(x, w.in_z).reshape(r, heads, c.linear_value_dim)
+        o = deltanet.gated_rms_norm(xp, out, z, w.norm, c.rms_norm_eps)
+        return self.linear(o.reshape(r, c.value_size), w.out)  # [R, E]
+
+    def _recur(
+        self, w: DeltaNetWeights, qkv: Any, ba: Any, slot: int, pos: int, cache: HybridCache
+    ) -> Any:
+        """One sequence's convolution and delta rule over its S rows ``[S, C]``: the outputs
+        ``[S, Hv, Dv]``; the layer's state, conv window and ring snapshots move on."""
+        c, xp = self.config, self.xp
+        n = qkv.shape[0]
         window = xp.concatenate([cache.conv[slot], qkv], axis=0)  # [K-1+S, C]
         mixed = deltanet.causal_conv(xp, window, w.conv)  # [S, C]
         q = mixed[:, : c.key_size].reshape(n, c.linear_key_heads, c.linear_key_dim)
@@ -205,9 +242,7 @@ class HybridStage:
             cache.keep(slot, pos + t, window[t + 1 : t + 1 + taps], snapshot)
         cache.conv[slot] = window[n:]
         cache.state[slot] = state
-        z = self.linear(x[n - rows :], w.in_z).reshape(rows, heads, c.linear_value_dim)
-        o = deltanet.gated_rms_norm(xp, out[n - rows :], z, w.norm, c.rms_norm_eps)
-        return self.linear(o.reshape(rows, c.value_size), w.out)  # [r, E]
+        return out
 
     def attention(
         self,
@@ -220,10 +255,25 @@ class HybridStage:
         rows: int,
     ) -> Any:
         """Gated attention of the last ``rows`` of ``x`` ``[S, E]``; writes K/V of all S."""
+        out = self._attend(w, self.linear(x, w.wqkv), pos, kv, layer, rope, rows)
+        return self.linear(out, w.wo)  # [r, E]
+
+    def _attend(
+        self,
+        w: GatedAttentionWeights,
+        qkv: Any,
+        pos: int,
+        kv: KVCache,
+        layer: int,
+        rope: tuple[Any, Any],
+        rows: int,
+    ) -> Any:
+        """One sequence's gated attention from its projections ``qkv`` ``[S, 2 H D +
+        2 Hkv D]``: the gated outputs of its last ``rows`` rows ``[r, H D]`` (before ``wo``);
+        writes K/V of all S."""
         c, xp = self.config, self.xp
-        n, d, heads = x.shape[0], c.head_dim, c.num_heads
+        n, d, heads = qkv.shape[0], c.head_dim, c.num_heads
         cos, sin = rope
-        qkv = self.linear(x, w.wqkv)  # [S, 2 H D + 2 Hkv D]
         qg = qkv[n - rows :, : 2 * heads * d].reshape(rows, heads, 2 * d)  # [r, H, 2 D]
         gate = qg[:, :, d:].reshape(rows, heads * d)
         q = self._norm(qg[:, :, :d], w.q_norm).transpose(1, 0, 2)  # [H, r, D]
@@ -234,8 +284,7 @@ class HybridStage:
         k = deltanet.partial_rotate_half(xp, k, cos, sin)
         keys, values = kv.write(layer, pos, k, v)  # [Hkv, T, D]
         out = ops.attention(xp, q, keys, values, self._scale)  # [H, r, D]
-        out = out.transpose(1, 0, 2).reshape(rows, heads * d) * deltanet.sigmoid(xp, gate)
-        return self.linear(out, w.wo)  # [r, E]
+        return out.transpose(1, 0, 2).reshape(rows, heads * d) * deltanet.sigmoid(xp, gate)
 
     def mlp(self, w: HybridLayerWeights, x: Any) -> Any:
         """SwiGLU of ``x`` ``[r, E]``."""
@@ -263,3 +312,64 @@ class HybridStage:
 
     def _norm(self, x: Any, weight: Any) -> Any:
         return ops.rms_norm(self.xp, x, weight, self.config.rms_norm_eps)
+
+
+class Row(Protocol):
+    """One sequence's part of a batched forward (``model.BatchRow`` is one)."""
+
+    @property
+    def inputs(self) -> Any: ...  # token ids [S] (first stage) or hidden states [S, E]
+    @property
+    def start_pos(self) -> int: ...
+    @property
+    def cache(self) -> Any: ...
+    @property
+    def out_rows(self) -> int | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    inputs: Any
+    start_pos: int
+    cache: HybridCache
+    out_rows: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Seg:
+    """Where one sequence sits in a batch: S new rows from ``start_pos``; ``rows`` of them go
+    past the last layer's mixer, ``wanted`` of those through the head."""
+
+    start_pos: int
+    n: int
+    rows: int
+    wanted: int
+    cache: HybridCache
+    rope: tuple[Any, Any]  # cos, sin [S, R]
+
+
+def _kept(seg: _Seg, last: bool) -> int:
+    """Rows of ``seg`` that go past the token mixer: all but in the last layer."""
+    return seg.rows if last else seg.n
+
+
+def _parts(x: Any, segs: list[_Seg], *, kept: bool = False) -> list[tuple[Any, _Seg]]:
+    """``x``'s rows cut per segment (``n`` rows each, or ``rows`` with ``kept``)."""
+    out, offset = [], 0
+    for seg in segs:
+        size = seg.rows if kept else seg.n
+        out.append((x[offset : offset + size], seg))
+        offset += size
+    return out
+
+
+def _concat(xp: Any, parts: list[Any]) -> Any:
+    return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=0)
+
+
+def _split(x: Any, sizes: list[int]) -> list[Any]:
+    out, offset = [], 0
+    for size in sizes:
+        out.append(x[offset : offset + size])
+        offset += size
+    return out

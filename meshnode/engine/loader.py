@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from meshnode_packaging.errors import PackageError
+from meshnode_packaging.manifest import Part
 from meshnode_packaging.refs import open_ref
 from meshnode_packaging.sources import ModelSource, SourceError, sampling_defaults
 
@@ -25,7 +27,10 @@ __all__ = [
     "DEFAULT_MODEL",
     "LoadedModel",
     "ModelLoadError",
+    "ModelSource",
+    "generation_defaults",
     "load_model",
+    "open_stage_source",
     "reading_model",
     "resolve_source",
 ]
@@ -60,13 +65,31 @@ def reading_model() -> Iterator[None]:
         raise ModelLoadError(f"model lacks tensor {exc.args[0]!r}") from exc
 
 
-def resolve_source(ref: str | None) -> ModelSource:
-    """The whole-model :class:`ModelSource` behind ``ref`` (None: the default model).
+def resolve_source(ref: str | None, *, cache_dir: Path | None = None) -> ModelSource:
+    """The whole-model :class:`ModelSource` behind ``ref`` (None: the default model),
+    fetched into ``cache_dir`` (None: the default cache) when it is remote.
 
     Raises :class:`ModelLoadError` with a one-line reason.
     """
     with reading_model():
-        return open_ref(ref or DEFAULT_MODEL)
+        return open_ref(ref or DEFAULT_MODEL, cache_dir=cache_dir)
+
+
+def open_stage_source(
+    ref: str, start: int, end: int, *, embed: bool, head: bool, cache_dir: Path | None = None
+) -> ModelSource:
+    """What a stage over layers ``[start, end)`` (with the embedding and/or the head) reads
+    of ``ref``, fetched first when it is remote.
+
+    Raises what ``meshnode_packaging`` raises (map it with :func:`reading_model`).
+    """
+    return open_ref(ref, Part(start, end, embed=embed, head=head), cache_dir=cache_dir)
+
+
+def generation_defaults(source: ModelSource) -> dict[str, float | int]:
+    """The sampling settings the model ships (GGUF ``general.sampling.*``, a checkpoint's
+    ``generation_config.json``, a package's ``generation.sampling``); often empty."""
+    return sampling_defaults(source)
 
 
 @dataclass(frozen=True)
@@ -99,7 +122,7 @@ def load_model(ref: str | None, backend: Backend) -> LoadedModel:
             )
     except (ModelConfigError, TemplateError) as exc:
         raise ModelLoadError(_one_line(exc)) from exc
-    return LoadedModel(config, stage, tokenizer, template, sampling_defaults(source))
+    return LoadedModel(config, stage, tokenizer, template, generation_defaults(source))
 
 
 def _special_tokens(tokenizer: Tokenizer, config: ModelConfig) -> dict[str, str]:

@@ -6,8 +6,10 @@ GeGLU, scaled embeddings, sliding-window layers with their own RoPE base). A sta
 token ids when it is the first stage and applies the final norm and the output head when
 it is the last. One ``forward`` handles prefill (many new tokens), decode
 (one) and verify (k + 1) alike: new tokens attend causally to the cache and to each other.
-On a CUDA backend the stage hands its forward to ``meshnode.engine.cuda.stage`` (the same
-math as the functions of ``meshnode.engine.ops`` this file calls, as fused kernels).
+The backend (``meshnode.engine.backend``) loads the weights and does the matrix products;
+on a CUDA backend it gives the stage a device side that takes the whole forward
+(``meshnode.engine.cuda.stage``: the same math as the functions of ``meshnode.engine.ops``
+this file calls, as fused kernels).
 
 Shapes: S new tokens, T cached + new positions, E hidden size, H query heads, Hkv key/value
 heads, G = H / Hkv, D head dim, V vocabulary, r rows whose output is wanted.
@@ -17,32 +19,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from meshnode_packaging.sources import ModelSource
 
 from meshnode.engine import ops
 from meshnode.engine.backend import Backend, cpu_backend
 from meshnode.engine.config import ModelConfig, ModelConfigError
-from meshnode.engine.cpu import BlockMatrix
+from meshnode.engine.cuda.stage import CudaStage
 from meshnode.engine.hybrid import HybridStage, load_hybrid_weights
 from meshnode.engine.hybrid_config import HybridConfig
 from meshnode.engine.kv_cache import KVCache
 from meshnode.engine.mtp import MtpHead, has_mtp, load_mtp_weights
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, HybridCache
-from meshnode.engine.weights import LayerWeights, StageWeights, load_stage_weights
+from meshnode.engine.weights import LayerWeights, StageWeights
 
-if TYPE_CHECKING:
-    from meshnode.engine.cuda.stage import CudaStage
+__all__ = ["BatchRow", "HostArray", "Stage", "token_ids"]
 
-__all__ = ["GEMV_MAX_ROWS", "BatchRow", "Stage"]
+#: Hidden states ``[S, E]`` or logits ``[r, V]`` copied to the host (``Backend.to_numpy``),
+#: as a stage hands them to the next stage or to the sampler.
+HostArray = npt.NDArray[np.float32]
 
-# On CPU a one-row product is an sgemv that streams W at memory bandwidth, but OpenBLAS's
-# sgemm with 2-4 rows costs about 3x that, while a second sgemv right after the first finds
-# W in the L3 cache and costs about 0.5x more (benchmarks/engine.py, "k-token forward").
-# So products of up to this many rows run row by row; verify windows of 1-2 drafts gain most.
-GEMV_MAX_ROWS = 3
+
+def token_ids(tokens: Sequence[int]) -> npt.NDArray[np.int64]:
+    """Token ids as a first stage's ``inputs`` ``[S]``."""
+    return np.asarray(tokens, dtype=np.int64)
 
 
 class Stage:
@@ -67,14 +70,8 @@ class Stage:
         self.start, self.end = start, end
         self.embed, self.head = embed, head
         self.backend = backend or cpu_backend()
-        if self.backend.name == "cuda" and not config.arch.cuda:
-            raise ModelConfigError(
-                f"the CUDA stage does not run {config.model_type} models yet (use --device cpu)"
-            )
+        self.backend.check_model(config)
         self.xp = self.backend.xp
-        # block kernels multiply every row in one pass over the weights: never row by row
-        dense_cpu = self.backend.name == "cpu" and not self.backend.cpu_blocks
-        self.gemv_max_rows = GEMV_MAX_ROWS if dense_cpu else 1
         self._cuda: CudaStage | None = None
         self.hybrid: HybridStage | None = None
         self.mtp: MtpHead | None = None  # the model's MTP drafter (hybrid head stage)
@@ -84,14 +81,8 @@ class Stage:
         if isinstance(source_or_weights, StageWeights):
             self.weights = source_or_weights
         else:
-            self.weights = load_stage_weights(
-                source_or_weights,
-                config,
-                start,
-                end,
-                embed=embed,
-                head=head,
-                backend=self.backend,
+            self.weights = self.backend.load_weights(
+                source_or_weights, config, start, end, embed=embed, head=head
             )
         # RoPE frequencies [D/2] of each distinct kind of layer (Gemma 3: local and global),
         # and which kind each layer of the stage is.
@@ -103,12 +94,8 @@ class Stage:
         self._scale = config.attention_scale
         # Gemma scales embeddings by sqrt(hidden) rounded to the activations' dtype first.
         self._embed_scale = np.float32(np.sqrt(config.hidden_size))
-        if self.backend.name == "cuda":  # the engine's kernels, fixed buffers, CUDA graphs
-            from meshnode.engine.cuda.stage import CudaStage
-
-            self._cuda = CudaStage(
-                config, self.weights, embed=embed, head=head, backend=self.backend
-            )
+        # CUDA: the engine's kernels, fixed buffers, CUDA graphs take the forward
+        self._cuda = self.backend.device_stage(config, self.weights, embed=embed, head=head)
 
     def _init_hybrid(
         self,
@@ -117,12 +104,8 @@ class Stage:
         ring_slots: int,
         mtp: bool,
     ) -> None:
-        """Hand this stage to ``hybrid.HybridStage`` (NumPy only, weights from a source)."""
-        if self.backend.name != "cpu":
-            raise ModelConfigError(
-                f"the CUDA stage does not run {self.config.model_type} (hybrid) models yet; "
-                "use --device cpu"
-            )
+        """Hand this stage to ``hybrid.HybridStage`` (NumPy only, weights from a source;
+        ``Backend.check_model`` refused it on any other backend)."""
         if isinstance(source, StageWeights):
             raise ModelConfigError("a hybrid stage loads its weights from the model source")
         weights = load_hybrid_weights(
@@ -143,7 +126,7 @@ class Stage:
             embed=self.embed,
             head=self.head,
             backend=self.backend,
-            linear=self._linear,
+            linear=self.backend.linear,
             ring_slots=ring_slots,
         )
         if mtp and self.head and has_mtp(source):
@@ -192,10 +175,14 @@ class Stage:
 
         Every product with a weight matrix runs once over the rows of all items (one read
         of the weights for the whole batch); attention, RoPE and the KV cache stay per
-        sequence. Items must name distinct caches. The CUDA and hybrid stages do not batch
-        yet: they run the items one by one. Raises ``ValueError`` as :meth:`forward` does.
+        sequence (for a hybrid model, the recurrence too: ``HybridStage.forward_batch``).
+        Items must name distinct caches. The CUDA stage does not batch yet: it runs the items
+        one by one. Raises ``ValueError`` as :meth:`forward` does.
         """
-        if self._cuda is not None or self.hybrid is not None:
+        if self.hybrid is not None:
+            assert all(isinstance(i.cache, HybridCache) for i in items), "hybrid caches only"
+            return self.hybrid.forward_batch(items)
+        if self._cuda is not None:
             return [
                 self.forward(i.inputs, i.start_pos, i.cache, out_rows=i.out_rows) for i in items
             ]
@@ -271,11 +258,8 @@ class Stage:
         return self._linear(ops.silu_mul(self.xp, gate_up), w.w_down)  # SwiGLU, [r, E]
 
     def _linear(self, x: Any, w: Any) -> Any:
-        """``x @ w`` for ``x`` ``[r, in]``, ``w`` ``[in, out]``; few rows go one by one."""
-        n = x.shape[0]
-        if 1 < n <= self.gemv_max_rows:
-            return self.xp.stack([x[i] @ w for i in range(n)])
-        return x @ w
+        """``x @ w`` for ``x`` ``[r, in]``, ``w`` ``[in, out]``, as the backend multiplies."""
+        return self.backend.linear(x, w)
 
     def _rms_norm(self, x: Any, weight: Any) -> Any:
         return ops.rms_norm(self.xp, x, weight, self.config.rms_norm_eps)
@@ -294,10 +278,7 @@ class Stage:
     def _lookup(self, ids: Any) -> Any:
         assert self.weights.embed_t is not None
         idx = self.xp.asarray(ids, dtype=self.xp.int64)
-        table = self.weights.embed_t
-        if isinstance(table, BlockMatrix):  # GGUF blocks: decode the rows asked for
-            return table.rows(idx)  # [S, E]
-        return table[:, idx].T  # [S, E]
+        return self.backend.embed_rows(self.weights.embed_t, idx)  # [S, E]
 
     def _head(self, x: Any) -> Any:
         w = self.weights

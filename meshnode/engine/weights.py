@@ -2,7 +2,8 @@
 
 Every linear weight is the right-hand side of ``x @ w`` (logically ``[in_features,
 out_features]``); Q/K/V and gate/up are fused into one matrix each so a block makes four
-products. How a CPU stage holds them depends on ``backend.weights_dtype``:
+products. This is the CPU backend's loader (``CpuBackend.load_weights``); how it holds
+them depends on ``blocks`` (the backend's ``weights_dtype``):
 
 - ``auto``/``float32`` (default): dequantized at load and stored transposed, ``[in, out]``
   C-contiguous (on OpenBLAS the one-row product is then a streaming ``gemv``);
@@ -14,8 +15,8 @@ The token embedding is kept once: the head is ``x @ embed_t`` and the lookup a r
 gather, so a tied model holds a single copy.
 
 On a CUDA backend the same dataclasses hold device matrices in the GGML ``[out, in]``
-layout instead (``meshnode.engine.cuda.weights``; ``embed_t``/``head_t`` are then
-``[vocab, hidden]`` rows).
+layout instead (``meshnode.engine.cuda.weights``, which imports them from here;
+``embed_t``/``head_t`` are then ``[vocab, hidden]`` rows).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from typing import Any
 import numpy as np
 from meshnode_packaging.sources import ModelSource, RawTensor, dequantize
 
-from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.cpu import BlockMatrix, supported
 
@@ -110,34 +110,41 @@ def _linear_t(source: ModelSource, *names: str) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([_get(source, n) for n in names], axis=0).T)
 
 
-def _linear(source: ModelSource, be: Backend, *names: str) -> Any:
+def _f32(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a, dtype=np.float32)
+
+
+def _linear(source: ModelSource, blocks: bool, *names: str) -> Any:
     """Weights ``[out_i, in]`` stacked along ``out``, as the ``[in, out]`` of ``x @ w``:
-    kept in their blocks where the backend and the kernels allow, else float32."""
+    kept in their blocks where asked for and the kernels allow, else float32."""
     tensors = [source.tensor(n) for n in names]
-    if be.cpu_blocks and all(supported(t) for t in tensors):
+    if blocks and all(supported(t) for t in tensors):
         return BlockMatrix(tensors)
-    return be.asarray(_linear_t(source, *names))
+    return _f32(_linear_t(source, *names))
 
 
-def _layer(source: ModelSource, config: ModelConfig, i: int, be: Backend) -> LayerWeights:
+def _layer(source: ModelSource, config: ModelConfig, i: int, blocks: bool) -> LayerWeights:
     p = f"layers.{i}."
     qkv = [f"{p}self_attn.{x}_proj" for x in "qkv"]
     bias = None
     if config.attention_bias:
-        bias = be.asarray(np.concatenate([_get(source, n + ".bias") for n in qkv]))
+        bias = _f32(np.concatenate([_get(source, n + ".bias") for n in qkv]))
     arch = config.arch
 
     def norm(name: str, present: bool = True) -> Any:
-        return be.asarray(norm_weight(source, config, p + name + ".weight")) if present else None
+        return _f32(norm_weight(source, config, p + name + ".weight")) if present else None
+
+    def linear(*names: str) -> Any:
+        return _linear(source, blocks, *names)
 
     return LayerWeights(
         attn_norm=norm("input_layernorm"),
-        wqkv=_linear(source, be, *(n + ".weight" for n in qkv)),
+        wqkv=linear(*(n + ".weight" for n in qkv)),
         bqkv=bias,
-        wo=_linear(source, be, p + "self_attn.o_proj.weight"),
+        wo=linear(p + "self_attn.o_proj.weight"),
         ffn_norm=norm(arch.ffn_norm),
-        w_gate_up=_linear(source, be, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-        w_down=_linear(source, be, p + "mlp.down_proj.weight"),
+        w_gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+        w_down=linear(p + "mlp.down_proj.weight"),
         q_norm=norm("self_attn.q_norm", arch.qk_norm),
         k_norm=norm("self_attn.k_norm", arch.qk_norm),
         post_attn_norm=norm("post_attention_layernorm", arch.sandwich_norms),
@@ -153,27 +160,22 @@ def load_stage_weights(
     *,
     embed: bool,
     head: bool,
-    backend: Backend,
+    blocks: bool = False,
 ) -> StageWeights:
-    """Lay out the tensors stage ``[start, end)`` needs from ``source`` (module docstring).
+    """Lay out the tensors stage ``[start, end)`` needs from ``source`` for the CPU, in
+    GGUF blocks where ``blocks`` (module docstring).
 
     Raises ``KeyError`` naming a missing tensor.
     """
-    if backend.name == "cuda":
-        from meshnode.engine.cuda.weights import load_cuda_stage_weights
-
-        return load_cuda_stage_weights(
-            source, config, start, end, embed=embed, head=head, backend=backend
-        )
-    layers = [_layer(source, config, i, backend) for i in range(start, end)]
+    layers = [_layer(source, config, i, blocks) for i in range(start, end)]
     tied = config.tie_word_embeddings or "lm_head.weight" not in source.tensor_names()
     embed_t = None
     if embed or (head and tied):
-        embed_t = _linear(source, backend, "embed_tokens.weight")
+        embed_t = _linear(source, blocks, "embed_tokens.weight")
     head_t = None
     if head and not tied:
-        head_t = _linear(source, backend, "lm_head.weight")
-    norm = backend.asarray(norm_weight(source, config, "norm.weight")) if head else None
+        head_t = _linear(source, blocks, "lm_head.weight")
+    norm = _f32(norm_weight(source, config, "norm.weight")) if head else None
     return StageWeights(start, end, layers, embed_t, norm, head_t)
 
 
@@ -193,17 +195,17 @@ def _held(t: RawTensor, blocks: bool) -> int:
     return 4 * int(np.prod(t.shape))  # dequantized to float32
 
 
-def held_bytes(source: ModelSource, config: ModelConfig, backend: Backend) -> HeldBytes | None:
-    """What a stage on ``backend`` holds of ``source``, from the tensors' stored sizes.
+def held_bytes(source: ModelSource, config: ModelConfig, *, blocks: bool) -> HeldBytes | None:
+    """What a CPU stage holds of ``source`` (in GGUF blocks where ``blocks``), from the
+    tensors' stored sizes; ``Backend.held_bytes`` asks it.
 
-    None on a CUDA backend, for hybrid models (their own footprint), or when the source
-    lacks a layer's tensors (a stage-0 source
-    fetched by byte ranges holds only its own part): the caller then estimates.
+    None for hybrid models (their own footprint), or when the source lacks a layer's
+    tensors (a stage-0 source fetched by byte ranges holds only its own part): the caller
+    then estimates.
     """
-    if backend.name != "cpu" or config.hybrid is not None:
+    if config.hybrid is not None:
         return None
     names = source.tensor_names()
-    blocks = backend.cpu_blocks
     per_layer = [0] * config.num_layers
     for name in names:
         if name.startswith("layers."):

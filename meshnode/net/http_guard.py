@@ -332,8 +332,14 @@ async def _respond(send: Send, refusal: _Refusal) -> None:
         (b"content-length", str(len(body)).encode()),
         *refusal.headers,
     ]
-    await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    try:
+        await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+    except trio.BusyResourceError:
+        # The client closed after reading the head: hypercorn's reader then sends EOF on the
+        # stream outside its send lock, racing our body (found by the soak). Nobody is left
+        # to answer; without this, each such refusal logged an ASGI traceback at ERROR.
+        return
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -81,11 +81,13 @@ class PeerStream:
         async with self._send_lock:
             if self._finished:
                 raise trio.ClosedResourceError("this side already said goodbye")
-            if self._conn.their_state is State.ERROR and not isinstance(message, Error):
+            fatal = isinstance(message, Error) and message.fatal
+            if self._conn.their_state is State.ERROR and not fatal:
+                # Only our fatal Error may follow (the codec's rule): a reply of a task that
+                # outlived the session (a Load failing in the background) is a closed
+                # connection too, not a LocalProtocolError that would end the node.
                 raise trio.ClosedResourceError("the peer broke the protocol: closing")
-            self._finished = isinstance(message, Goodbye) or (
-                isinstance(message, Error) and message.fatal
-            )
+            self._finished = isinstance(message, Goodbye) or fatal
             frame = self._conn.send_into(message, self._send_buffer)
             try:
                 # send_all returns once the bytes are handed over (an SSLStream has

@@ -30,12 +30,13 @@ import trio
 
 from meshnode.errors import MeshnodeError
 from meshnode.node.pipeline import FrameKind, PipelineError, StepFrame
+from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE
 
 T = TypeVar("T")
 
-#: Frames per step. Stage 0 admits no more sequences than this (the scheduler's slots,
-#: each stage's live sequences), and each has at most one frame ready at a time.
-DEFAULT_MAX_FRAMES = 8
+#: Frames per step: every live sequence's. Stage 0 admits no more sequences than a stage
+#: holds (the scheduler's slots), and each has at most one frame ready at a time.
+DEFAULT_MAX_FRAMES = MAX_SEQUENCES_PER_STAGE
 #: Prompt tokens per step (all prefill chunks of the step together; the oldest chunk always
 #: goes, so prefill always advances). One default prefill chunk: a step with a chunk and
 #: eight decode rows costs about what the chunk alone costs, so decoders see at most one

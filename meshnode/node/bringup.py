@@ -6,11 +6,16 @@ from ``Inventory`` polls) → ``Load`` downstream-first → ``Ready``; the resul
 :class:`~meshnode.node.remote.RemotePipeline`. Any failure is one :class:`RunError` naming
 the node, which is excluded from the next plan. The coordinator
 (:mod:`meshnode.node.coordinator`) owns the loop around it and routes the replies here.
+
+While the run serves, :meth:`BringUp.probe` asks its stages, over the same reply
+channels, how long their pass in progress has run (``Inventory`` → ``InventoryReport``
+``busy_ms``): the coordinator's evidence when a pass misses its deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import Callable
@@ -67,8 +72,24 @@ PREPARE_TIMEOUT_S = 3600.0
 INVENTORY_POLL_S = 0.25
 # Replies waiting for the coordinator; it asks one thing of a node at a time.
 REPLY_QUEUE = 16
+# A probe's answer comes from the stage's session loop, which compute never blocks: a few
+# ms on a LAN. A stage silent this long is unwell whatever it computes.
+PROBE_TIMEOUT_S = 5.0
 
 M = TypeVar("M", bound=Message)
+
+
+class StageState(enum.StrEnum):
+    """How far one stage of a bring-up got (``meshnode status`` shows the value)."""
+
+    PLANNED = "planned"  # placed; the bring-up has not reached it yet
+    CLAIMING = "claiming"
+    CLAIMED = "claimed"
+    PREPARING = "preparing"  # fetching its layers
+    PREPARED = "prepared"
+    LOADING = "loading"
+    LOADED = "loaded"
+    READY = "ready"
 
 
 class BringUp:
@@ -99,12 +120,13 @@ class BringUp:
         self.config = config
         self.source = source
         self.context_size = context_size
-        self.stage_state: dict[str, str] = {s.node_id: "claiming" for s in placed.stages}
+        self.stage_state = {s.node_id: StageState.CLAIMING for s in placed.stages}
         self.progress: dict[str, tuple[int, int]] = {}
         self._backend = backend
         self._excluded = excluded
         self._download_log: dict[str, DownloadProgress] = {}
         self._replies: dict[str, trio.MemorySendChannel[Message]] = {}
+        self._receivers: dict[str, trio.MemoryReceiveChannel[Message]] = {}
 
     def deliver(self, peer: str, message: Message) -> None:
         """A reply of this run from ``peer``, for the request waiting on it."""
@@ -125,14 +147,14 @@ class BringUp:
         Raises RunError naming the node and step that failed.
         """
         local, remote = placed.stages[0], placed.stages[1:]
-        receivers = {}
+        receivers = self._receivers
         for stage in remote:
             send, receive = trio.open_memory_channel[Message](REPLY_QUEUE)
             self._replies[stage.node_id] = send
             receivers[stage.node_id] = receive
         for stage in remote:
             await self._request(stage.node_id, receivers, self._claim(), ClaimAccepted)
-            self.stage_state[stage.node_id] = "claimed"
+            self.stage_state[stage.node_id] = StageState.CLAIMED
         runner_box: list[StageRunner] = []
         try:
             async with trio.open_nursery() as nursery:
@@ -152,7 +174,7 @@ class BringUp:
             stage = remote[index]
             upstream = placed.stages[index]
             downstream = placed.stages[index + 2] if index + 2 < len(placed.stages) else None
-            self.stage_state[stage.node_id] = "loading"
+            self.stage_state[stage.node_id] = StageState.LOADING
             await self._request(
                 stage.node_id,
                 receivers,
@@ -160,8 +182,8 @@ class BringUp:
                 Ready,
                 timeout_s=LOAD_TIMEOUT_S,
             )
-            self.stage_state[stage.node_id] = "ready"
-        self.stage_state[local.node_id] = "ready"
+            self.stage_state[stage.node_id] = StageState.READY
+        self.stage_state[local.node_id] = StageState.READY
         return RemotePipeline(
             runner_box[0],
             run_id=self.run_id,
@@ -169,7 +191,23 @@ class BringUp:
             stage_nodes=placed.node_ids,
             send=self.mesh.send,
             wire_dtype=self.settings.wire_dtype,
+            deadline=self.settings.pass_deadline,
         )
+
+    async def probe(self, placed: Plan) -> dict[str, int | None]:
+        """Ask every remote stage of ``placed`` how long its pass in progress has run:
+        milliseconds by node (0: idle), ``None`` for a stage that did not answer within
+        ``PROBE_TIMEOUT_S`` or no longer holds this run."""
+        inventory = Inventory(
+            run_id=self.run_id, term=self.term, package_ref=self.settings.model_ref
+        )
+        answers: dict[str, int | None] = {}
+        async with trio.open_nursery() as nursery:
+            for stage in placed.stages[1:]:
+                node = stage.node_id
+                receive = self._receivers.get(node)
+                nursery.start_soon(_probe, self.mesh, node, receive, inventory, answers)
+        return answers
 
     def _claim(self) -> Claim:
         return Claim(
@@ -199,7 +237,7 @@ class BringUp:
         )
 
     async def _prepare_local(self, stage: StagePlan, box: list[StageRunner]) -> None:
-        self.stage_state[stage.node_id] = "preparing"
+        self.stage_state[stage.node_id] = StageState.PREPARING
         part = Part(stage.start, stage.end, embed=True, head=stage.head)
 
         def progress(done: int, total: int) -> None:
@@ -229,7 +267,7 @@ class BringUp:
             box.append(await trio.to_thread.run_sync(build))
         except Exception as exc:
             raise RunError(f"loading stage 0 on this node failed: {exc}") from exc
-        self.stage_state[stage.node_id] = "loaded"
+        self.stage_state[stage.node_id] = StageState.LOADED
 
     def _open_part(self, part: Part, progress: Callable[[int, int], None]) -> ModelSource:
         """The host's part of the model (call off the event loop).
@@ -275,7 +313,7 @@ class BringUp:
             commit="" if is_url(self.settings.model_ref) else self.settings.pin,
         )
         await self._request(node, receivers, prepare, PrepareAccepted)
-        self.stage_state[node] = "preparing"
+        self.stage_state[node] = StageState.PREPARING
         inventory = Inventory(
             run_id=self.run_id, term=self.term, package_ref=self.settings.model_ref
         )
@@ -289,7 +327,7 @@ class BringUp:
                     self._excluded.add(node)
                     raise RunError(f"node {node} could not prepare its layers: {report.error}")
                 if report.ready:
-                    self.stage_state[node] = "prepared"
+                    self.stage_state[node] = StageState.PREPARED
                     return
                 await trio.sleep(INVENTORY_POLL_S)
         self._excluded.add(node)
@@ -339,6 +377,34 @@ class BringUp:
             with contextlib.suppress(*SEND_ERRORS):
                 await self.mesh.send(stage.node_id, stop)
         self._replies.clear()
+
+
+async def _probe(
+    mesh: MeshView,
+    node: str,
+    receive: trio.MemoryReceiveChannel[Message] | None,
+    inventory: Inventory,
+    answers: dict[str, int | None],
+) -> None:
+    """One stage's answer to the probe (:meth:`BringUp.probe`) into ``answers``."""
+    answers[node] = None
+    if receive is None:
+        return
+    with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+        while True:  # replies that came late to the bring-up say nothing now
+            receive.receive_nowait()
+    with (
+        trio.move_on_after(PROBE_TIMEOUT_S),
+        contextlib.suppress(*SEND_ERRORS, trio.EndOfChannel, trio.ClosedResourceError),
+    ):
+        await mesh.send(node, inventory)
+        while True:
+            reply = await receive.receive()
+            if isinstance(reply, InventoryReport):
+                answers[node] = reply.busy_ms
+                return
+            if isinstance(reply, Error):
+                return  # fenced: the node no longer holds this run
 
 
 def _leaves(group: BaseExceptionGroup[RunError]) -> list[BaseException]:

@@ -103,7 +103,8 @@ class NodeConfig:
     max_memory_bytes: int | None = None
     device: Device = "cpu"
     # Weights on a CUDA device: auto (bfloat16 for a model trained in it, else float16),
-    # float16, bfloat16, or float32 (the golden-parity mode). The CPU computes in float32.
+    # float16, bfloat16, or float32 (the golden-parity mode). On the CPU: auto/native (the
+    # GGUF blocks as stored) or float32 (dequantized at load). The CPU computes in float32.
     weights_dtype: WeightsDtype = "auto"
     heartbeat: HeartbeatTimeouts = HeartbeatTimeouts()
     log_level: str = "INFO"
@@ -111,6 +112,9 @@ class NodeConfig:
     # Whether another node's Prepare may name an http(s) URL (hub refs always work): a URL
     # lets a member make this node fetch from hosts that only it can reach.
     allow_url_models: bool = False
+    # Paths on this machine that another node's Prepare may name (besides ``model``): any
+    # other path is refused, or a member could open this machine's files as a model.
+    local_models: tuple[Path, ...] = ()
     threads: int | None = None  # BLAS threads of this node (None: one per core)
     # Browser origins allowed to call the HTTP API (CORS); none by default, so a web page
     # of another site cannot read this node's API through a visitor's browser.
@@ -121,6 +125,10 @@ class NodeConfig:
     context_size: int | None = None
     wire_dtype: str = "f16"
     prefill_chunk_tokens: int = 256
+    # A pass that does not come back within base + per_token x tokens in flight is a stage
+    # failure (meshnode.node.remote.PassDeadline, where the defaults are explained).
+    pass_deadline_s: float = 60.0
+    pass_deadline_per_token_s: float = 0.25
     # Speculative decoding: the flags actually passed, and the TOML document holding the
     # checked ``defaults.speculative`` / ``models."<id>".speculative`` tables.
     speculative: SpeculativeFlags = field(default_factory=SpeculativeFlags)
@@ -165,6 +173,14 @@ def _str(v: object) -> str:
 
 def _path(v: object) -> Path:
     return (v if isinstance(v, Path) else Path(_str(v))).expanduser()
+
+
+def _paths(v: object) -> tuple[Path, ...]:
+    if isinstance(v, str):  # environment: separated as in PATH
+        return tuple(_path(p) for p in v.split(os.pathsep) if p.strip())
+    if isinstance(v, list | tuple):
+        return tuple(_path(p) for p in v)
+    raise ConfigError(f"expected a list of paths, got {v!r}")
 
 
 def _address(v: object) -> Address:
@@ -262,6 +278,13 @@ def _positive_float(v: object) -> float:
     return f
 
 
+def _non_negative_float(v: object) -> float:
+    f = _float(v)
+    if not 0 <= f < float("inf"):
+        raise ConfigError(f"expected a number >= 0, got {v!r}")
+    return f
+
+
 def _api_key(v: object) -> str:
     # It travels in an HTTP header: visible ASCII only, so it can be typed and sent intact.
     s = _str(v)
@@ -346,6 +369,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "allow_url_models", "node", "allow_url_models", "MESHNODE_ALLOW_URL_MODELS", _bool
     ),
+    Setting(
+        "local_models", "node", "local_models", "MESHNODE_LOCAL_MODELS", _paths,
+        flag="local-model",
+    ),
     Setting("threads", "node", "threads", "MESHNODE_THREADS", _positive_int),
     Setting(
         "cors_origins", "node", "cors_origins", "MESHNODE_CORS_ORIGINS", _origins,
@@ -361,6 +388,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "prefill_chunk_tokens", "model", "prefill_chunk_tokens", "MESHNODE_PREFILL_CHUNK",
         _positive_int, flag="prefill-chunk",
+    ),
+    Setting(
+        "pass_deadline_s", "model", "pass_deadline_s", "MESHNODE_PASS_DEADLINE",
+        _positive_float, flag="pass-deadline",
+    ),
+    Setting(
+        "pass_deadline_per_token_s", "model", "pass_deadline_per_token_s",
+        "MESHNODE_PASS_DEADLINE_PER_TOKEN", _non_negative_float,
+        flag="pass-deadline-per-token",
     ),
     Setting("interface", "discovery", "interface", "MESHNODE_INTERFACE", _nonempty),
     Setting("mdns", "discovery", "mdns", "MESHNODE_MDNS", _bool, flag="no-mdns"),

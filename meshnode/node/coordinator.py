@@ -9,8 +9,10 @@ model's stage-0 part to learn its config, then loops:
    each (they materialize their part in the background, the host its own), poll
    ``Inventory`` until every part is ready, ``Load`` downstream-first, wait for ``Ready``;
 3. **serve**: hand a :class:`~meshnode.node.remote.RemotePipeline` to the API;
-4. **watch**: when a stage's node is lost, fail the in-flight requests, ``Stop`` the others
-   and go back to 1 without it;
+4. **watch**: when a stage's node is lost (the membership says so, or the pipeline failed:
+   a dropped connection, a refusal, a missed pass deadline), fail the pipeline, ``Stop`` the
+   others and go back to 1 without it. The requests in flight wait for the next pipeline
+   and replay there (:mod:`meshnode.serve.generation`): they outlive the loss;
 5. **grow back**: when the nodes ``--split`` asks for (or that the planner would choose)
    are live again after a loss (:func:`~meshnode.node.planner.should_regrow`), stop
    admitting requests (the API answers 503 while the mesh is re-placed), let the requests
@@ -22,6 +24,25 @@ A failed step ``Stop``s every node claimed for the run and replans without the f
 (it is excluded until the membership changes again). Every message carries the run id and
 term, so a late reply of an abandoned run is recognised and dropped.
 
+**Blame.** A pipeline that failed on its own (not through the membership) names the lost
+node when it knows it (its send to stage 1 failed). When it does not (a pass missed its
+deadline; a stage said it no longer holds the run), the coordinator probes every remote
+stage of the run (:meth:`~meshnode.node.bringup.BringUp.probe`) and :func:`blame` picks:
+
+1. the first stage, in pipeline order, that did not answer within ``PROBE_TIMEOUT_S`` or
+   no longer holds the run;
+2. else the stage whose compute pass in progress is the oldest, if it has run for at least
+   half the deadline's base (a stage that hangs in a forward while its heartbeats flow);
+3. else nobody: the pass was lost without a trace, and the plan is made again as it was.
+
+A node blamed this way is alive to the membership, so it is kept out of plans for
+``BLAME_COOL_OFF_S`` (whatever the membership does meanwhile) instead of until the next
+membership change: a node that hangs on every pass costs one replay per cool-off, not
+every request its three replays. When the cool-off ends, the plan may grow back to it.
+A node named by the failure itself is excluded until the membership changes, like a node
+that failed a bring-up. Stage 0 is not probed: it is this node, which no plan can leave out
+(a hung forward here holds its requests until it returns).
+
 Terms survive restarts (:func:`next_term`): a worker keeps the newest term of a claim and
 refuses an older one, so a restarted host whose terms began again at 1 was
 ``ClaimRejected`` by every worker still holding its previous process's term.
@@ -29,11 +50,13 @@ refuses an older one, so a restarted host whose terms began again at 1 was
 
 from __future__ import annotations
 
+import enum
 import logging
+import math
 import secrets
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -54,20 +77,17 @@ from meshnode_protocol import (
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
-from meshnode.engine.hybrid_config import HybridConfig
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
-from meshnode.engine.weights import HeldBytes, held_bytes
 from meshnode.errors import PlanError, RunError
-from meshnode.node.bringup import BringUp
+from meshnode.node.bringup import BringUp, StageState
+from meshnode.node.footprint import model_footprint, served_context
 from meshnode.node.planner import (
-    ModelFootprint,
     NodeCapacity,
     Plan,
     plan,
     should_regrow,
 )
-from meshnode.node.remote import RemotePipeline, is_data_reply
-from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, default_context
+from meshnode.node.remote import PassDeadline, RemotePipeline, is_data_reply
 
 log = logging.getLogger("meshnode.coordinator")
 
@@ -80,6 +100,10 @@ REGROW_DRAIN_TIMEOUT_S = 300.0
 # a passing glitch (a node that restarted) still costs under a second.
 RETRY_BACKOFF_FIRST_S = 0.5
 RETRY_BACKOFF_MAX_S = 30.0
+# How long a node blamed for a lost pass stays out of the plans (module docstring, Blame).
+# Five minutes: a node that hangs on every pass then costs one replay per five minutes,
+# while one that hung once (a stalled disk, a swapped-out process) is used again soon.
+BLAME_COOL_OFF_S = 300.0
 
 
 def retry_delay(failures: int) -> float:
@@ -87,6 +111,17 @@ def retry_delay(failures: int) -> float:
     if failures < 1:
         return 0.0
     return float(min(RETRY_BACKOFF_FIRST_S * 2.0 ** (failures - 1), RETRY_BACKOFF_MAX_S))
+
+
+class MeshState(enum.StrEnum):
+    """Where the host's mesh stands (``meshnode status`` and the 503s show the value)."""
+
+    PLANNING = "planning"
+    LOADING = "loading"  # Claim, Prepare, Load: each stage's StageState says how far
+    FAILED = "failed"  # the bring-up failed; the next try backs off
+    REPLANNING = "replanning"  # a stage was lost
+    READY = "ready"
+    DRAINING = "draining"  # the plan grows back once the requests in flight are done
 
 
 class MeshView(Protocol):
@@ -109,8 +144,9 @@ class MeshView(Protocol):
         """Send to a peer over its session; raises if there is none."""
         ...
 
-    async def wait_changed(self) -> None:
-        """Return after the next membership change."""
+    def membership_event(self) -> trio.Event:
+        """The event the next membership change sets. Take it before reading
+        :meth:`live_nodes` and wait on it after: a change in between is not missed."""
         ...
 
 
@@ -127,63 +163,32 @@ class CoordinatorSettings:
     # Per-sequence recurrent-state snapshots each hybrid stage keeps (``Load.ring_slots``):
     # the host's largest verify pass (``engine.recurrent.ring_slots_for``).
     ring_slots: int = DEFAULT_RING_SLOTS
+    # When a pass across the stages counts as lost (``--pass-deadline``).
+    pass_deadline: PassDeadline = field(default_factory=PassDeadline)
 
 
-def model_footprint(
-    config: ModelConfig,
-    bytes_per_param: int = 4,
-    held: HeldBytes | None = None,
-    ring_slots: int = DEFAULT_RING_SLOTS,
-) -> ModelFootprint:
-    """Bytes the planner must reserve per layer, for the embedding, the head and the KV.
+def blame(
+    stages: Sequence[str], answers: Mapping[str, int | None], *, min_busy_ms: int
+) -> str | None:
+    """The stage to blame for a pass that did not come back (module docstring, Blame).
 
-    Weights: ``held`` when known (a CPU stage keeps the file's GGUF blocks, so a layer
-    costs its tensors' bytes in the file; :func:`~meshnode.engine.weights.held_bytes`),
-    else every parameter at ``bytes_per_param`` (4: float32, the most any backend holds).
-    Every live sequence preallocates KV for the whole context, so KV scales with the
-    sequence limit.
+    ``stages`` are the run's remote stages in pipeline order; ``answers`` what each said to
+    the probe (the age of its pass in progress in ms, ``None``: silent or refusing).
     """
-    if config.hybrid is not None:
-        return _hybrid_footprint(config, config.hybrid, bytes_per_param, ring_slots)
-    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
-    layer_params = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
-    embed = config.vocab_size * h
-    head = h + (0 if config.tie_word_embeddings else config.vocab_size * h)
-    kv_bytes = 2 * kv * 4 * MAX_SEQUENCES_PER_STAGE  # float32 K and V
-    if held is None:
-        held = HeldBytes(
-            (layer_params * bytes_per_param,) * config.num_layers,
-            embed * bytes_per_param,
-            head * bytes_per_param,
-        )
-    return ModelFootprint(
-        layer_bytes=held.layers,
-        embed_bytes=held.embed,
-        head_bytes=held.head,
-        kv_bytes_per_token_per_layer=kv_bytes,
-        tied_head=config.tie_word_embeddings,
-    )
+    for node in stages:
+        if answers.get(node) is None:
+            return node
+    busy = [(answers[node] or 0, node) for node in stages]
+    oldest_ms, node = max(busy, default=(0, ""))
+    return node if oldest_ms >= min_busy_ms else None
 
 
-def _hybrid_footprint(
-    config: ModelConfig, hybrid: HybridConfig, bytes_per_param: int, ring_slots: int
-) -> ModelFootprint:
-    """A hybrid model's footprint: KV on the attention layers only; on each DeltaNet layer
-    the recurrent state and snapshot ring of every live sequence, whatever the context."""
-    layers = range(hybrid.num_layers)
-    per_sequence = hybrid.recurrent_shape().nbytes() * (1 + ring_slots)
-    h, vocab = hybrid.hidden_size, hybrid.vocab_size
-    return ModelFootprint(
-        layer_bytes=tuple(hybrid.layer_params(i) * bytes_per_param for i in layers),
-        embed_bytes=vocab * h * bytes_per_param,
-        head_bytes=(h + (0 if hybrid.tie_word_embeddings else vocab * h)) * bytes_per_param,
-        kv_bytes_per_token_per_layer=2 * config.kv_size * 4 * MAX_SEQUENCES_PER_STAGE,
-        tied_head=hybrid.tie_word_embeddings,
-        kv_layers=tuple(not hybrid.is_linear(i) for i in layers),
-        fixed_layer_bytes=tuple(
-            per_sequence * MAX_SEQUENCES_PER_STAGE if hybrid.is_linear(i) else 0 for i in layers
-        ),
-    )
+@dataclass(frozen=True, slots=True)
+class Loss:
+    """Why a pipeline ended: the node lost (``None``: not known) and the reason."""
+
+    node: str | None
+    reason: str
 
 
 def next_term(previous: int, wall_clock_ns: int) -> int:
@@ -215,23 +220,24 @@ class Coordinator:
         self.settings = settings
         self.source = source
         self.config = ModelConfig.from_hf(source.config)
-        self.context_size = settings.context_size or default_context(self.config)
+        self.context_size = served_context(self.config, settings.context_size)
         self.footprint = model_footprint(
             self.config,
-            held=held_bytes(source, self.config, backend),
+            held=backend.held_bytes(source, self.config),
             ring_slots=settings.ring_slots,
         )
         self._backend = backend
         self._on_pipeline = on_pipeline
         self._term = 0
         self._run_id = ""
-        self._state = "planning"
+        self._state = MeshState.PLANNING
         self._error = ""
         self._last_failure = ""  # kept after recovery: why the plan is not the first one
         self._plan: Plan | None = None
         self._run: BringUp | None = None  # the latest run (its stages' states, progress)
         self._pipeline: RemotePipeline | None = None
         self._excluded: set[str] = set()
+        self._cooling: dict[str, float] = {}  # node -> trio time its cool-off ends (Blame)
         self._first_plan = True
         self._recovering = False  # the plan was made after a loss: it may grow back
         self._failures = 0  # bring-ups failed in a row (the retry backs off)
@@ -250,9 +256,9 @@ class Coordinator:
                     "layers": [stage.start, stage.end],
                     "embed": stage.embed,
                     "head": stage.head,
-                    "state": self._run.stage_state.get(stage.node_id, "planned")
+                    "state": self._run.stage_state.get(stage.node_id, StageState.PLANNED)
                     if self._run
-                    else "planned",
+                    else StageState.PLANNED,
                     "bytes_done": done,
                     "bytes_total": total,
                     "memory_bytes": stage.memory_bytes,
@@ -275,6 +281,10 @@ class Coordinator:
             "context_size": self.context_size,
             "wire_dtype": self.settings.wire_dtype,
             "stages": stages,
+            "cooling_off": {
+                node: round(until - trio.current_time(), 1)
+                for node, until in sorted(self._cooling.items())
+            },
         }
 
     # -- messages from peers ------------------------------------------------------------
@@ -301,7 +311,7 @@ class Coordinator:
     def peer_lost(self, peer: str) -> None:
         """The session with ``peer`` ended: fail what waits on it now, not at a timeout."""
         if self._pipeline is not None and peer in self._pipeline.stage_nodes:
-            self._pipeline.fail(f"stage node {peer} was lost; the mesh is replanning")
+            self._pipeline.fail(f"stage node {peer} was lost; the mesh is replanning", node=peer)
         if self._run is not None:
             self._run.lost(peer)  # a bring-up waiting for this node's reply fails at once
 
@@ -328,12 +338,12 @@ class Coordinator:
                 excluded=self._excluded,
             )
             log.info("run %s term %d: %s", self._run_id, self._term, _describe(placed))
-            self._state = "loading"  # Claim, Prepare, Load: the stages say how far
+            self._state = MeshState.LOADING  # Claim, Prepare, Load: the stages say how far
             try:
                 pipeline = await run.run(placed)
             except RunError as exc:
                 self._error = self._last_failure = str(exc)
-                self._state = "failed"
+                self._state = MeshState.FAILED
                 self._recovering = True
                 log.warning("run %s failed: %s", self._run_id, exc)
                 await run.stop_all(placed, str(exc))
@@ -343,18 +353,18 @@ class Coordinator:
             self._failures = 0
             self._pipeline = pipeline
             self._error = ""
-            lost = await self._serve(placed, pipeline)
-            if lost is None:  # drained: the API answers 503 already
+            loss = await self._serve(placed, pipeline, run)
+            if loss is None:  # drained: the API answers 503 already
                 reason = "the planned nodes are back: the plan grows back"
                 self._recovering = False
             else:
                 self._on_pipeline(None)
-                reason = f"stage node {lost} was lost"
+                reason = loss.reason
                 self._last_failure = reason
                 self._recovering = True
-                pipeline.fail(f"{reason}; the mesh is replanning")
+                pipeline.fail(f"{reason}; the mesh is replanning", node=loss.node)
             self._pipeline = None
-            self._state = "replanning"
+            self._state = MeshState.REPLANNING
             await run.stop_all(placed, reason)
 
     async def _back_off(self) -> None:
@@ -367,17 +377,19 @@ class Coordinator:
         finally:
             self._retry_at = None
 
-    async def _serve(self, placed: Plan, pipeline: RemotePipeline) -> str | None:
-        """Serve on ``pipeline`` until a stage node is lost (its id) or the plan should grow
+    async def _serve(self, placed: Plan, pipeline: RemotePipeline, run: BringUp) -> Loss | None:
+        """Serve on ``pipeline`` until a stage is lost (the loss) or the plan should grow
         back and the requests in flight have finished (``None``)."""
         regrow_now = True
         while True:
-            self._state = "ready"
+            self._state = MeshState.READY
             self._on_pipeline(pipeline)
-            lost = await self._watch(placed, regrow_now=regrow_now)
-            if lost is not None:
-                return lost
-            self._state = "draining"
+            loss = await self._watch(placed, pipeline, regrow_now=regrow_now)
+            if loss is not None:
+                if loss.node is None:
+                    loss = await self._blame(placed, pipeline, run)
+                return loss
+            self._state = MeshState.DRAINING
             self._on_pipeline(None)  # new requests get 503 until the new plan is ready
             log.info("the planned nodes are back: draining %s to re-place", self._run_id)
             with trio.move_on_after(REGROW_DRAIN_TIMEOUT_S):
@@ -386,10 +398,56 @@ class Coordinator:
             log.warning("requests in flight after %.0f s: regrow put off", REGROW_DRAIN_TIMEOUT_S)
             regrow_now = False  # until the membership changes again
 
+    async def _blame(self, placed: Plan, pipeline: RemotePipeline, run: BringUp) -> Loss:
+        """The loss of a pipeline that failed without naming its node: probe the stages and
+        cool the blamed one off (module docstring, Blame)."""
+        reason = str(pipeline.failure)
+        answers = await run.probe(placed)
+        min_busy_ms = int(pipeline.deadline.base_s * 1000 / 2)
+        node = blame(placed.node_ids[1:], answers, min_busy_ms=min_busy_ms)
+        log.warning("run %s: %s; probe: %s; blamed: %s", self._run_id, reason, answers, node)
+        if node is None:
+            return Loss(None, f"{reason} (no stage to blame)")
+        self._cooling[node] = trio.current_time() + BLAME_COOL_OFF_S
+        return Loss(node, f"{reason}: blamed on stage node {node}")
+
+    def _cooled_off(self) -> set[str]:
+        """Nodes still cooling off; forgets those whose cool-off ended."""
+        now = trio.current_time()
+        self._cooling = {n: t for n, t in self._cooling.items() if t > now}
+        return set(self._cooling)
+
+    async def _wait_changed(self, pipeline: RemotePipeline | None = None) -> bool:
+        """Wait for a membership change (True), or for ``pipeline`` to fail or a cool-off
+        to end (False)."""
+        changed = False
+        # Taken before the first checkpoint: a join while the tasks below start still
+        # sets this event (waiting on whatever event is current then would miss it).
+        membership_changed = self.mesh.membership_event()
+        until = min(self._cooling.values(), default=math.inf)
+        with trio.move_on_at(until):
+            async with trio.open_nursery() as nursery:
+
+                async def membership() -> None:
+                    nonlocal changed
+                    await membership_changed.wait()
+                    changed = True
+                    nursery.cancel_scope.cancel()
+
+                async def failure(failed: trio.Event) -> None:
+                    await failed.wait()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(membership)
+                if pipeline is not None:
+                    nursery.start_soon(failure, pipeline.failed)
+        return changed
+
     async def _plan_when_possible(self) -> Plan:
-        self._state = "planning"
+        self._state = MeshState.PLANNING
         while True:
-            nodes = [n for n in self.mesh.live_nodes() if n.node_id not in self._excluded]
+            kept_out = self._excluded | self._cooled_off()
+            nodes = [n for n in self.mesh.live_nodes() if n.node_id not in kept_out]
             split = self.settings.split
             if split is not None and not self._first_plan and len(nodes) < split:
                 split = None  # after a loss, serve on what is left rather than not at all
@@ -407,27 +465,36 @@ class Coordinator:
                 if str(exc) != self._error:
                     log.info("waiting for nodes: %s", exc)
                 self._error = str(exc)
-            await self.mesh.wait_changed()
-            self._excluded.clear()  # the membership changed: give failed nodes another go
+            if await self._wait_changed():
+                self._excluded.clear()  # the membership changed: give failed nodes another go
 
-    async def _watch(self, placed: Plan, *, regrow_now: bool = True) -> str | None:
-        """The id of the first stage node that is lost, or ``None`` once the plan should
-        grow back (:func:`~meshnode.node.planner.should_regrow`); with ``regrow_now``
-        false, growing back waits for the next membership change."""
+    async def _watch(
+        self, placed: Plan, pipeline: RemotePipeline, *, regrow_now: bool = True
+    ) -> Loss | None:
+        """The first loss of a stage (``node`` None when the pipeline failed without
+        naming it), or ``None`` once the plan should grow back
+        (:func:`~meshnode.node.planner.should_regrow`); with ``regrow_now`` false, growing
+        back waits for the next membership change or the end of a cool-off."""
         while True:
             live = self.mesh.live_nodes()
             live_ids = {n.node_id for n in live}
             for stage in placed.stages:
                 if stage.node_id not in live_ids:
-                    return stage.node_id
+                    return Loss(stage.node_id, f"stage node {stage.node_id} was lost")
+            if (failure := pipeline.failure) is not None:
+                if failure.node is not None:
+                    self._excluded.add(failure.node)  # until the membership changes
+                return Loss(failure.node, str(failure))
             if regrow_now and self._wants_regrow(placed, live):
                 return None
-            await self.mesh.wait_changed()
+            changed = await self._wait_changed(pipeline)
             regrow_now = True
-            self._excluded.clear()  # the membership changed: give failed nodes another go
+            if changed:
+                self._excluded.clear()  # the membership changed: give failed nodes another go
 
     def _wants_regrow(self, placed: Plan, live: list[NodeCapacity]) -> bool:
-        nodes = [n for n in live if n.node_id not in self._excluded]
+        kept_out = self._excluded | self._cooled_off()
+        nodes = [n for n in live if n.node_id not in kept_out]
         try:
             wanted: Plan | None = plan(
                 self.footprint,

@@ -49,6 +49,7 @@ from meshnode.node.membership import (
     apply,
     changes,
 )
+from meshnode.node.peer_models import PeerModels
 from meshnode.node.planner import NodeCapacity
 from meshnode.node.remote import is_data_reply
 from meshnode.node.sessions import Sessions
@@ -149,7 +150,8 @@ class Node:
                 backend=select_backend(self.config.device, self.config.weights_dtype),
                 cache_dir=self.config.cache_dir,
                 nursery=nursery,
-                accept_url_refs=self.config.allow_url_models,
+                peer_models=PeerModels.of_config(self.config),
+                memory_bytes=self.usable_memory,
             )
             nursery.start_soon(trio.serve_listeners, self.sessions.handle_inbound, listeners)
             log.info("node %s of mesh %r on %s", self.node_id, self.token.name, self.listen)
@@ -315,6 +317,10 @@ class Node:
     async def wait_changed(self) -> None:
         """Return after the next membership change (a peer joined, changed state or left)."""
         await self._changed.wait()
+
+    def membership_event(self) -> trio.Event:
+        """The event the next membership change sets (see ``MeshView.membership_event``)."""
+        return self._changed
 
     # -- status ---------------------------------------------------------------------------
 

@@ -3,8 +3,10 @@
 The generation loop on stage 0 sees the model as a :class:`Pipeline`: it sends a
 :class:`StepFrame` (new tokens of one sequence at ``start_pos``) and gets back a
 :class:`StepResult` (the tokens the last stage committed). Whether the layers run in this
-process (:class:`LocalPipeline`) or across the mesh (the remote pipeline, which forwards
-the same records as ``ActivationFrame``/``Prediction`` wire messages) is invisible to it.
+process (``node.local.LocalPipeline``) or across the mesh (``node.remote.RemotePipeline``,
+which forwards the same records as ``ActivationFrame``/``Prediction`` wire messages) is
+invisible to it. This module is the bottom of ``meshnode.node``: records and the protocol,
+built on nothing else of the package.
 
 Theory of operation, per sequence (DESIGN §2):
 
@@ -23,14 +25,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NewType, Protocol
 
-import trio
-
 from meshnode.errors import MeshnodeError
 
 if TYPE_CHECKING:
     from meshnode.engine.sampling import SamplingParams
-    from meshnode.node.batcher import Batcher, BatchLimits, Slot
-    from meshnode.node.stage import StageRunner
 
 RequestId = NewType("RequestId", str)
 
@@ -133,6 +131,20 @@ class PipelineError(MeshnodeError):
     """A pipeline pass failed (a stage died, a sequence limit was hit, ...)."""
 
 
+class StageLostError(PipelineError):
+    """A stage of the pipeline was lost (its connection dropped, its heartbeats stopped, a
+    pass missed its deadline, or it no longer holds the run): every pass in flight fails,
+    and so does every later one. The pipeline is dead, not the request: the generation
+    loop replays the request on the pipeline the coordinator brings up next.
+
+    ``node`` is the stage's node when it is known (``None``: the coordinator finds out).
+    """
+
+    def __init__(self, reason: str, *, node: str | None = None) -> None:
+        super().__init__(reason)
+        self.node = node
+
+
 class Pipeline(Protocol):
     """The whole model, as the generation loop sees it. Implementations are async-safe:
     any number of tasks may call ``run`` for different sequences at once."""
@@ -149,40 +161,3 @@ class Pipeline(Protocol):
     async def release(self, request_id: RequestId) -> None:
         """Free the sequence's KV on every stage. Idempotent; never raises for unknown ids."""
         ...
-
-
-class LocalPipeline:
-    """Every layer in this process: one :class:`StageRunner` holding the whole model.
-
-    Concurrent ``run`` calls are batched (:mod:`meshnode.node.batcher`): each step runs the
-    ready frames of all sequences as one forward in a worker thread, so the event loop
-    keeps serving HTTP meanwhile. Steps and releases never overlap, because the runner
-    (and the BLAS threads under it) is shared by all sequences.
-    """
-
-    def __init__(self, runner: StageRunner, limits: BatchLimits | None = None):
-        # Imported here: the batcher is built on this module's records.
-        from meshnode.node.batcher import Batcher, BatchLimits
-
-        self.runner = runner
-        limits = limits or BatchLimits(max_frames=runner.max_sequences)
-        self.batcher: Batcher[StepResult] = Batcher(
-            self._step, limits, live=lambda: runner.live_sequences
-        )
-
-    @property
-    def context_size(self) -> int:
-        return int(self.runner.context_size)
-
-    async def run(self, frame: StepFrame) -> StepResult:
-        return await self.batcher.submit(frame)
-
-    async def release(self, request_id: RequestId) -> None:
-        # Between steps, so a release never races the worker thread's use of the cache.
-        async with self.batcher.exclusive():
-            self.runner.release(request_id)
-
-    async def _step(self, slots: list[Slot[StepResult]]) -> None:
-        from meshnode.node.stage import step_results
-
-        await trio.to_thread.run_sync(step_results, self.runner, slots)

@@ -51,6 +51,11 @@ class ModelFootprint:
     def n_layers(self) -> int:
         return len(self.layer_bytes)
 
+    def kv_bytes(self, start: int, end: int, context_tokens: int) -> int:
+        """KV bytes of layers ``[start, end)`` for ``context_tokens`` (every live sequence)."""
+        kv_layers = sum(self.kv_layers[start:end]) if self.kv_layers else end - start
+        return kv_layers * self.kv_bytes_per_token_per_layer * context_tokens
+
 
 @dataclass(frozen=True, slots=True)
 class NodeCapacity:
@@ -131,8 +136,7 @@ def _stage_bytes(model: ModelFootprint, start: int, end: int, context_tokens: in
     last = end == model.n_layers
     first = start == 0
     total = sum(model.layer_bytes[start:end]) + sum(model.fixed_layer_bytes[start:end])
-    kv_layers = sum(model.kv_layers[start:end]) if model.kv_layers else end - start
-    total += kv_layers * model.kv_bytes_per_token_per_layer * context_tokens
+    total += model.kv_bytes(start, end, context_tokens)
     if first or (last and model.tied_head):
         total += model.embed_bytes
     if last:

@@ -66,10 +66,18 @@ class Relay:
             async for message in receive:
                 try:
                     await self._serve_one(run, message)
-                except Exception:
-                    # Our own bug on one frame: it fails that frame, not the node (the
+                except Exception as exc:
+                    # Our own bug on one message: it fails its frames, not the node (the
                     # session loop used to contain it the same way). Not cancellation.
+                    # The coordinator hears of each frame: its request must not wait for
+                    # a prediction that will never come.
                     log.exception("run %s: a data message failed", run.run_id)
+                    frames = message.frames if isinstance(message, ActivationBatch) else ()
+                    for frame in frames or (message,):
+                        if isinstance(frame, ActivationFrame):
+                            reason = f"internal error on {self.node_id}: {type(exc).__name__}"
+                            error = frame_error(run, ErrorCode.INTERNAL, reason, frame)
+                            await self._to_coordinator(run, error)
 
     async def _serve_one(self, run: WorkerRun, message: DataMessage) -> None:
         if isinstance(message, ActivationFrame):
@@ -97,10 +105,14 @@ class Relay:
                 await self._fail(run, message, exc)
         began = time.perf_counter()
         step = [slot for _, slot in slots]
-        if runner.last:
-            await trio.to_thread.run_sync(step_results, runner, step)
-        else:
-            await trio.to_thread.run_sync(step_activations, runner, step)
+        run.busy_since = trio.current_time()
+        try:
+            if runner.last:
+                await trio.to_thread.run_sync(step_results, runner, step)
+            else:
+                await trio.to_thread.run_sync(step_activations, runner, step)
+        finally:
+            run.busy_since = None
         compute_us = int((time.perf_counter() - began) * 1e6)
         outgoing: list[Any] = []
         for message, slot in slots:

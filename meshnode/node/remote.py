@@ -11,9 +11,23 @@ On the wire a sequence is named by a short id of this run (``r0``, ``r1``, …) 
 the API's request id: every decode frame and every Prediction carries it, and ~30 bytes of
 id would be a fifth of a decode frame's overhead (issue 5 budgets 128 bytes).
 
-When a stage is lost the coordinator calls :meth:`RemotePipeline.fail` and every waiter
-wakes with a :class:`~meshnode.node.pipeline.PipelineError`: streams end with an error
-event instead of hanging.
+When a stage is lost the pipeline is dead: every waiter wakes with a
+:class:`~meshnode.node.pipeline.StageLostError`, every later ``run`` raises it at once, and
+:attr:`RemotePipeline.failed` tells the coordinator, which replans while the generation
+loops wait to replay their requests on the next pipeline. A stage is lost when
+
+- its session ends or its heartbeats stop (the coordinator calls :meth:`RemotePipeline.fail`
+  naming the node);
+- a stage refuses a frame because it no longer holds the run (``UNKNOWN_RUN``,
+  ``STALE_TERM``, ``NOT_READY``: a restarted node, a lost claim, an unreachable next stage);
+- a pass misses its **deadline** (:class:`PassDeadline`): a step sent downstream whose
+  predictions have not come back within ``base_s + per_token_s x tokens in flight``. The
+  tokens in flight are those sent and not yet answered, this step's included, because
+  every stage works through them in order. A stage that hangs while its heartbeats still
+  flow can therefore hold no request forever.
+
+Where the pipeline cannot name the node (a deadline, a refusal relayed by a middle stage),
+the coordinator finds it out (:mod:`meshnode.node.coordinator`, "Blame").
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +58,13 @@ from meshnode.engine.recurrent import RollbackError
 from meshnode.errors import MeshnodeError
 from meshnode.net.stream import SEND_ERRORS
 from meshnode.node.batcher import Batcher, BatchLimits, Slot
-from meshnode.node.pipeline import PipelineError, RequestId, StepFrame, StepResult
+from meshnode.node.pipeline import (
+    PipelineError,
+    RequestId,
+    StageLostError,
+    StepFrame,
+    StepResult,
+)
 from meshnode.node.stage import StageRunner, step_activations, step_results
 from meshnode.node.wire import WireSequences, frame_to_wire, result_from_wire
 
@@ -53,6 +74,33 @@ SendFn = Callable[[str, Message], Awaitable[None]]
 
 
 DataReply = Prediction | PredictionBatch | Error
+
+#: What a stage answers when it no longer holds the run a frame names (or cannot pass it
+#: on): not this request's fault, but the pipeline's end.
+RUN_LOST_CODES = frozenset({ErrorCode.UNKNOWN_RUN, ErrorCode.STALE_TERM, ErrorCode.NOT_READY})
+
+
+@dataclass(frozen=True, slots=True)
+class PassDeadline:
+    """How long a step sent downstream may take to come back before it counts as a stage
+    failure: ``base_s + per_token_s * tokens_in_flight`` seconds.
+
+    The base covers a pass of a few tokens on a cold stage (its first pass compiles the
+    native kernels: seconds, up to a minute on a slow CPU) with a wide margin; 0.25 s per
+    token is 4 tokens/s, slower than a CPU stage that serves at all reads a prompt. A
+    deadline is a backstop for a stage that hangs, not a latency target.
+    """
+
+    base_s: float = 60.0
+    per_token_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not (self.base_s > 0 and self.per_token_s >= 0):
+            raise ValueError(f"invalid pass deadline: {self}")
+
+    def seconds(self, tokens_in_flight: int) -> float:
+        """The deadline of a step sent while ``tokens_in_flight`` tokens are unanswered."""
+        return self.base_s + self.per_token_s * tokens_in_flight
 
 
 def is_data_reply(message: Message) -> TypeGuard[DataReply]:
@@ -72,6 +120,9 @@ class _Waiter:
     error: MeshnodeError | None = None
     wire_id: RequestId | None = None  # set while it waits for the last stage
     local_s: float | None = None  # stage 0's compute, when the other stages follow
+    # When the pass counts as lost (trio clock), and the deadline's length for the message.
+    deadline_at: float = math.inf
+    deadline_s: float = math.inf
 
     def finish(self, result: StepResult) -> None:
         self.result = result
@@ -91,6 +142,7 @@ class RemotePipeline:
         send: SendFn,
         wire_dtype: str,
         batch_limits: BatchLimits | None = None,
+        deadline: PassDeadline | None = None,
     ) -> None:
         self.runner = runner
         self.run_id = run_id
@@ -110,19 +162,29 @@ class RemotePipeline:
         self._next_wire_id = itertools.count()
         # Per-sequence outgoing activation buffers, reused by every decode step.
         self._wire = WireSequences(runner.max_sequences)
-        self._failure: PipelineError | None = None  # set once: every later run fails
+        self.deadline = deadline or PassDeadline()
+        # Set once, by the first failure: every later run fails with it (module docstring).
+        self.failure: StageLostError | None = None
+        self.failed = trio.Event()  # set with ``failure``: the coordinator watches it
         self._released = trio.Event()  # set by every release; wait_idle re-checks
+        # Tokens sent and not yet answered, by wire id (a sequence's prefill chunks add up
+        # until its final chunk's prediction): what a new step waits behind.
+        self._unanswered: dict[RequestId, int] = {}
+        self._sending: trio.CancelScope | None = None  # the step being sent, if any
 
     @property
     def context_size(self) -> int:
         return int(self.runner.context_size)
 
     async def run(self, frame: StepFrame) -> StepResult:
-        if self._failure is not None:
-            raise PipelineError(str(self._failure))
+        if self.failure is not None:
+            raise self._lost()
         waiter = await self.batcher.submit(frame)
         try:
-            await waiter.done.wait()
+            with trio.move_on_at(waiter.deadline_at):
+                await waiter.done.wait()
+            if not waiter.done.is_set():
+                self.fail(f"a pass did not come back within {waiter.deadline_s:.0f} s")
         finally:
             if waiter.wire_id is not None:
                 self._waiters.pop(waiter.wire_id, None)
@@ -142,9 +204,9 @@ class RemotePipeline:
 
     async def _step(self, slots: list[Slot[_Waiter]]) -> None:
         """One batched step of stage 0; the frames go on downstream as one message."""
-        if self._failure is not None:
+        if self.failure is not None:
             for slot in slots:
-                slot.error = PipelineError(str(self._failure))
+                slot.error = self._lost()
             return
         inner: list[Slot[Any]] = [Slot(slot.frame) for slot in slots]
         if self.runner.last:  # a one-stage run
@@ -165,7 +227,17 @@ class RemotePipeline:
                 slot.output, message = self._outgoing(slot.frame, done.output, local_s)
                 messages.append(message)
         if messages:
-            await self._forward_step(slots, messages)
+            await self._forward_step(slots, messages, self._set_deadline(slots))
+
+    def _set_deadline(self, slots: list[Slot[_Waiter]]) -> float:
+        """Give the step's waiters their deadline, from now and behind every token in
+        flight; when it falls (trio clock)."""
+        seconds = self.deadline.seconds(sum(self._unanswered.values()))
+        at = trio.current_time() + seconds
+        for slot in slots:
+            if slot.output is not None and slot.output.wire_id is not None:
+                slot.output.deadline_at, slot.output.deadline_s = at, seconds
+        return at
 
     def _outgoing(
         self, frame: StepFrame, hidden: Any, local_s: float
@@ -180,6 +252,7 @@ class RemotePipeline:
             sequences=self._wire,
         )
         waiter = _Waiter(local_s=local_s)
+        self._unanswered[wire_id] = self._unanswered.get(wire_id, 0) + len(frame.tokens)
         if frame.final:
             waiter.wire_id = wire_id
             self._waiters[wire_id] = waiter
@@ -191,19 +264,26 @@ class RemotePipeline:
         return waiter, message
 
     async def _forward_step(
-        self, slots: list[Slot[_Waiter]], messages: list[ActivationFrame]
+        self, slots: list[Slot[_Waiter]], messages: list[ActivationFrame], deadline_at: float
     ) -> None:
         """Send a step downstream: one frame as itself, several as one ``ActivationBatch``."""
         outgoing: Message = messages[0]
         if len(messages) > 1:
             outgoing = ActivationBatch(run_id=self.run_id, term=self.term, frames=tuple(messages))
-        try:
-            await self._forward(outgoing)
-        except PipelineError as exc:
-            for slot in slots:
-                if slot.output is not None and not slot.output.done.is_set():
-                    slot.output.error = exc
-                    slot.output.done.set()
+        # A stage that takes nothing more (its inbox full, the next one hung) must not hold
+        # this step, and every request behind it, past the deadline; nor past a failure.
+        with trio.move_on_at(deadline_at) as sending:
+            self._sending = sending
+            try:
+                await self._forward(outgoing)
+            except PipelineError as exc:
+                for slot in slots:
+                    if slot.output is not None and not slot.output.done.is_set():
+                        slot.output.error = exc
+                        slot.output.done.set()
+        self._sending = None
+        if sending.cancelled_caught and self.failure is None:
+            self.fail("a pass could not be sent to stage 1 before its deadline")
 
     def _wire_id(self, request_id: RequestId) -> RequestId:
         wire_id = self._wire_ids.get(request_id)
@@ -212,10 +292,13 @@ class RemotePipeline:
         return wire_id
 
     async def _forward(self, message: Message) -> None:
+        node = self.stage_nodes[1]
         try:
-            await self._send(self.stage_nodes[1], message)
+            await self._send(node, message)
         except SEND_ERRORS as exc:
-            raise PipelineError(f"stage 1 ({self.stage_nodes[1]}) is unreachable") from exc
+            reason = f"stage node {node} is unreachable"
+            self.fail(reason, node=node)
+            raise self._lost() from exc
 
     async def wait_idle(self) -> None:
         """Return once no request holds a sequence of this pipeline (all were released)."""
@@ -232,6 +315,7 @@ class RemotePipeline:
         if wire_id is None:
             return  # never crossed the wire: no other stage holds it
         self._waiters.pop(wire_id, None)
+        self._unanswered.pop(wire_id, None)
         self._wire.release(wire_id)
         message = Release(request_id=str(wire_id), run_id=self.run_id, term=self.term)
         for node in self.stage_nodes[1:]:
@@ -253,8 +337,13 @@ class RemotePipeline:
             self._wake(message)
 
     def _wake(self, message: Prediction | Error) -> None:
-        waiter = self._waiters.get(RequestId(message.request_id))
+        wire_id = RequestId(message.request_id)
+        waiter = self._waiters.get(wire_id)
         if waiter is None or waiter.done.is_set():
+            return
+        self._unanswered.pop(wire_id, None)
+        if isinstance(message, Error) and message.code in RUN_LOST_CODES:
+            self.fail(f"a stage no longer runs this pipeline: {message.message}")
             return
         if isinstance(message, Prediction):
             try:
@@ -285,10 +374,23 @@ class RemotePipeline:
             return peer == self.stage_nodes[-1]
         return peer in self.stage_nodes[1:]
 
-    def fail(self, reason: str) -> None:
-        """Wake every waiter with ``reason``; later calls to ``run`` fail at once."""
-        self._failure = PipelineError(reason)
+    def fail(self, reason: str, *, node: str | None = None) -> None:
+        """The pipeline is dead: wake every waiter with a StageLostError (``reason``, the
+        first one given, and ``node`` when known); later calls to ``run`` fail at once."""
+        if self.failure is None:
+            log.warning("run %s: %s", self.run_id, reason)
+            self.failure = StageLostError(reason, node=node)
+            self.failed.set()
+        elif self.failure.node is None:
+            self.failure.node = node
+        if self._sending is not None:
+            self._sending.cancel()
         for waiter in self._waiters.values():
             if not waiter.done.is_set():
-                waiter.error = PipelineError(reason)
+                waiter.error = self._lost()
                 waiter.done.set()
+
+    def _lost(self) -> StageLostError:
+        """A fresh error for one waiter (each raise gets its own traceback)."""
+        assert self.failure is not None
+        return StageLostError(str(self.failure), node=self.failure.node)

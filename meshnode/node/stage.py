@@ -22,18 +22,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-import numpy as np
-import numpy.typing as npt
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.constraint import Constraint, GrammarError, Grammars
-from meshnode.engine.model import BatchRow, Stage
+from meshnode.engine.model import BatchRow, HostArray, Stage, token_ids
 from meshnode.engine.mtp import MtpCache
 from meshnode.engine.recurrent import HybridCache, RollbackError
-from meshnode.engine.sampling import Sampler, SamplingParams, token_logprobs
-from meshnode.node.batcher import Slot
+from meshnode.engine.sampling import Sampler, SamplingParams
 from meshnode.node.pipeline import (
     FrameKind,
     PipelineError,
@@ -42,7 +38,10 @@ from meshnode.node.pipeline import (
     StepResult,
     TokenLogprob,
 )
-from meshnode.speculative.acceptance import verify
+from meshnode.speculative.decide import Decision, decide
+
+if TYPE_CHECKING:  # the batcher imports this module's limits
+    from meshnode.node.batcher import Slot
 
 T = TypeVar("T")
 
@@ -108,16 +107,16 @@ class StageRunner:
 
     @property
     def batches(self) -> bool:
-        """Whether a list of frames runs as one forward here (the CUDA and hybrid stages
-        run them one by one)."""
-        return self.stage.hybrid is None and self.stage.cuda is None
+        """Whether a list of frames runs as one forward here (the CUDA stage runs them one
+        by one)."""
+        return self.stage.cuda is None
 
     @property
     def live_sequences(self) -> int:
         """Sequences holding a KV cache on this stage."""
         return len(self._sequences)
 
-    def activations(self, frame: StepFrame) -> npt.NDArray[np.float32]:
+    def activations(self, frame: StepFrame) -> HostArray:
         """Run ``frame`` through a stage that is not the last: the hidden states
         ``[len(tokens), hidden]`` for the next stage, in host memory.
 
@@ -126,7 +125,7 @@ class StageRunner:
         """
         return self.activations_batch([frame])[0]
 
-    def activations_batch(self, frames: Sequence[StepFrame]) -> list[npt.NDArray[np.float32]]:
+    def activations_batch(self, frames: Sequence[StepFrame]) -> list[HostArray]:
         """Run several sequences' frames as one forward (one read of the weights); the
         hidden states of each, in order, as :meth:`activations` returns them.
 
@@ -159,7 +158,7 @@ class StageRunner:
         """
         if not self.last:
             raise StageError("only the last stage decides tokens")
-        if self.stage.mtp is not None:  # the MTP drafter reads the forward's hidden rows
+        if any(f.mtp_drafts for f in frames):  # the MTP drafter reads the forward's hidden rows
             return [self._result_alone(frame) for frame in frames]
         began = time.perf_counter()
         seqs = self._admit_all(frames)
@@ -173,7 +172,7 @@ class StageRunner:
         (seq,) = self._admit_all([frame])
         (out,) = self._forward([frame], [seq])
         decided = self._decide(frame, seq, out)
-        drafts = self._mtp_drafts(frame, seq, decided[0], decided[1])
+        drafts = self._mtp_drafts(frame, seq, decided.accepted, decided.tokens)
         return _result(frame, decided, time.perf_counter() - began, drafts)
 
     def admit(self, frame: StepFrame) -> None:
@@ -305,7 +304,7 @@ class StageRunner:
         return self.stage.forward_batch(items)
 
     def _row(self, frame: StepFrame, seq: _Sequence) -> BatchRow:
-        inputs: Any = np.asarray(frame.tokens, dtype=np.int64) if self.first else frame.hidden
+        inputs: Any = token_ids(frame.tokens) if self.first else frame.hidden
         if self.last:
             seq.history[frame.start_pos :] = frame.tokens
             if frame.kind is FrameKind.PREFILL and frame.final:
@@ -315,41 +314,31 @@ class StageRunner:
         # Only the rows whose logits are used go through the head (engine out_rows).
         return BatchRow(inputs, frame.start_pos, seq.cache, _out_rows(frame))
 
-    def _decide(
-        self, frame: StepFrame, seq: _Sequence, logits: Any
-    ) -> tuple[int, list[int], tuple[TokenLogprob, ...] | None]:
+    def _decide(self, frame: StepFrame, seq: _Sequence, logits: Any) -> Decision:
+        """The tokens a frame commits (none for a non-final prefill chunk), decided by
+        :func:`meshnode.speculative.decide.decide` over the host copy of its rows."""
         if not frame.final:
-            return 0, [], None
-        rows = raw = self.stage.backend.to_numpy(logits)
-        generated = seq.history[seq.prompt_len :]
+            return Decision()
         assert seq.sampler is not None
-        if seq.constraint is not None:
-            rows = _constrained(frame, seq, rows)
-        if frame.kind is FrameKind.VERIFY:
-            probs = frame.draft_probs
-            if probs is not None:
-                probs = self.stage.backend.to_numpy(probs)
-            # Row i scores the token after last, d1 … di; d1 sits at start_pos + 1.
-            first = frame.start_pos + 1 - seq.prompt_len
-            random, position = seq.sampler.random, frame.start_pos + 1
-            accepted, tokens = verify(
-                rows, frame.drafts, seq.sampling, generated, first, probs, random, position
-            )
-        else:
-            # The token after the frame's rows sits at position end_pos.
-            accepted, tokens = 0, [seq.sampler.sample(rows[-1], generated, frame.end_pos)]
-        logprobs = None
-        if (top := frame.top_logprobs) is not None:
-            # The model's own log-probabilities (as vLLM reports them by default), not the
-            # grammar's: a masked row would report -inf, which JSON cannot carry.
-            logprobs = tuple(
-                TokenLogprob(token, *token_logprobs(raw[i], token, top))
-                for i, token in enumerate(tokens)
-            )
-        return accepted, tokens, logprobs
+        to_host = self.stage.backend.to_numpy
+        raw = to_host(logits)
+        rows = raw if seq.constraint is None else _constrained(frame, seq, raw)
+        verifying = frame.kind is FrameKind.VERIFY
+        probs = frame.draft_probs
+        return decide(
+            rows,
+            seq.sampler,
+            seq.history[seq.prompt_len :],
+            end_pos=frame.end_pos,
+            prompt_len=seq.prompt_len,
+            drafts=frame.drafts if verifying else None,
+            draft_probs=to_host(probs) if verifying and probs is not None else None,
+            raw=raw,
+            top=frame.top_logprobs,
+        )
 
     def _mtp_drafts(
-        self, frame: StepFrame, seq: _Sequence, accepted: int, tokens: list[int]
+        self, frame: StepFrame, seq: _Sequence, accepted: int, tokens: Sequence[int]
     ) -> tuple[int, ...]:
         """Drafts of the model's MTP module for the tokens after ``tokens`` (DESIGN §7):
         the committed rows of this frame feed its layer, then it chains greedy drafts."""
@@ -368,16 +357,18 @@ class StageRunner:
 
 
 def _result(
-    frame: StepFrame,
-    decided: tuple[int, list[int], tuple[TokenLogprob, ...] | None],
-    elapsed: float,
-    drafts: tuple[int, ...] = (),
+    frame: StepFrame, decided: Decision, elapsed: float, drafts: tuple[int, ...] = ()
 ) -> StepResult:
-    accepted, tokens, logprobs = decided
+    logprobs = None
+    if decided.logprobs is not None:
+        logprobs = tuple(
+            TokenLogprob(token, logprob, top)
+            for token, (logprob, top) in zip(decided.tokens, decided.logprobs, strict=True)
+        )
     return StepResult(
         request_id=frame.request_id,
-        accepted=accepted,
-        tokens=tuple(tokens),
+        accepted=decided.accepted,
+        tokens=decided.tokens,
         logprobs=logprobs,
         compute_s=elapsed,
         stage_compute_s=(elapsed,),
@@ -391,7 +382,7 @@ def step_results(runner: StageRunner, slots: list[Slot[StepResult]]) -> None:
     _step(runner, slots, runner.results_batch)
 
 
-def step_activations(runner: StageRunner, slots: list[Slot[npt.NDArray[np.float32]]]) -> None:
+def step_activations(runner: StageRunner, slots: list[Slot[HostArray]]) -> None:
     """One batched step on a stage that is not the last: each slot's hidden states for the
     next stage, or its error (as :func:`step_results`)."""
     _step(runner, slots, runner.activations_batch)
@@ -403,21 +394,25 @@ def _step(
     compute: Callable[[Sequence[StepFrame]], list[T]],
 ) -> None:
     admitted = [slot for slot in slots if _admit(runner, slot)]
-    # A stage that cannot batch yet runs the frames one by one, so that an error (a hybrid
-    # sequence rolled back past its snapshot ring) fails only its own frame.
     groups = [admitted] if runner.batches else [[slot] for slot in admitted]
-    for group in groups:
+    while groups:
+        group = groups.pop()
         if not group:
             continue
         try:
             outputs = compute([slot.frame for slot in group])
-        except RollbackError as exc:
-            for slot in group:
-                slot.error = exc
-            continue
-        except ValueError as exc:  # what the engine says of input that does not fit
-            for slot in group:
-                slot.error = StageError(str(exc))
+        except (RollbackError, StageError, ValueError) as exc:
+            if len(group) > 1:
+                # Which frame failed is not known (a hybrid sequence rolled back past its
+                # snapshot ring, a grammar that forbids every token): each runs alone, so
+                # that only its own frame fails. A forward starts by truncating its
+                # caches to the frame's start, so running a frame again is safe.
+                groups.extend([slot] for slot in group)
+                continue
+            (slot,) = group
+            slot.error = (
+                exc if isinstance(exc, RollbackError | StageError) else StageError(str(exc))
+            )
             continue
         for slot, output in zip(group, outputs, strict=True):
             slot.output = output

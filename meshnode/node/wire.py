@@ -12,17 +12,17 @@ Two things keep a decode frame small and allocation-free:
   creates the sequence on every stage, see ``StageRunner``), which the protocol allows; the
   receiving side remembers it per sequence (:class:`WireSequences`) instead of defaulting.
 - Activations are staged through per-sequence arrays that are reused frame after frame
-  (:class:`WireSequences`): the outgoing wire-dtype copy and the incoming float32 copy are
-  written in place, so a decode step allocates no activation-sized arrays here.
+  (:class:`WireSequences`, each sequence's ``meshnode.engine.activations.Staging``): the
+  outgoing wire-dtype copy and the incoming float32 copy are written in place, so a decode
+  step allocates no activation-sized arrays here.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, fields
-from typing import Any, Final
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-import numpy as np
 from meshnode_protocol import (
     BATCH_FEATURE,
     ActivationBatch,
@@ -35,12 +35,10 @@ from meshnode_protocol import (
     TopLogprobs,
 )
 
+from meshnode.engine.activations import Staging, from_wire, to_wire
+from meshnode.engine.model import HostArray
 from meshnode.engine.sampling import SamplingParams
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame, StepResult, TokenLogprob
-
-WIRE_DTYPES: Final = {"f32": np.float32, "f16": np.float16}
-"""Activation dtypes this node sends and accepts (bf16 needs a bit-level conversion NumPy
-lacks; it is accepted on the wire by the codec but not offered by this implementation)."""
 
 
 def sampling_to_wire(params: SamplingParams) -> Sampling:
@@ -60,35 +58,19 @@ def sampling_from_wire(sampling: Sampling) -> SamplingParams:
 
 def tensor_from_array(array: Any, dtype: str) -> Tensor:
     """``array`` (host memory, any float dtype) as a wire tensor of ``dtype``."""
-    host = np.ascontiguousarray(array, dtype=WIRE_DTYPES[dtype])
+    host = to_wire(array, dtype)
     return Tensor(dtype=dtype, shape=tuple(int(d) for d in host.shape), data=host.data)
 
 
-def array_from_tensor(tensor: Tensor) -> np.ndarray[Any, Any]:
+def array_from_tensor(tensor: Tensor) -> HostArray:
     """A float32 array of the tensor's values (the engine computes in float32)."""
-    return _wire_view(tensor).astype(np.float32)
-
-
-def _wire_view(tensor: Tensor) -> np.ndarray[Any, Any]:
-    if tensor.dtype not in WIRE_DTYPES:
-        raise ValueError(f"activation dtype {tensor.dtype!r} is not supported by this node")
-    return np.frombuffer(tensor.data, dtype=WIRE_DTYPES[tensor.dtype]).reshape(tensor.shape)
-
-
-def _rows_of(buffer: np.ndarray[Any, Any] | None, rows: int, width: int, dtype: Any) -> Any:
-    """``buffer`` if it has at least ``rows`` rows of ``width`` and ``dtype``, else a new one."""
-    if buffer is None or buffer.shape[0] < rows or buffer.shape[1:] != (width,):
-        return np.empty((rows, width), dtype=dtype)
-    if buffer.dtype != dtype:
-        return np.empty((max(rows, buffer.shape[0]), width), dtype=dtype)
-    return buffer
+    return from_wire(tensor.data, tensor.dtype, tensor.shape)
 
 
 @dataclass(slots=True)
 class _WireSequence:
     sampling: SamplingParams | None = None
-    outgoing: np.ndarray[Any, Any] | None = None  # [rows, hidden] in the wire dtype
-    incoming: np.ndarray[Any, Any] | None = None  # [rows, hidden] float32
+    staging: Staging = field(default_factory=Staging)  # its activation buffers
 
 
 class WireSequences:
@@ -126,27 +108,12 @@ class WireSequences:
 
     def tensor_from_array(self, request_id: RequestId, array: Any, dtype: str) -> Tensor:
         """``array`` ``[rows, hidden]`` as a wire tensor of ``dtype``, staged in place."""
-        host = np.asarray(array)
-        if host.ndim != 2:
-            return tensor_from_array(host, dtype)
-        seq = self._get(request_id)
-        rows, width = host.shape
-        seq.outgoing = _rows_of(seq.outgoing, rows, width, WIRE_DTYPES[dtype])
-        staged = seq.outgoing[:rows]
-        np.copyto(staged, host, casting="same_kind")
-        return Tensor(dtype=dtype, shape=(rows, width), data=staged.data)
+        staged = self._get(request_id).staging.to_wire(array, dtype)
+        return Tensor(dtype=dtype, shape=tuple(int(d) for d in staged.shape), data=staged.data)
 
-    def array_from_tensor(self, request_id: RequestId, tensor: Tensor) -> np.ndarray[Any, Any]:
+    def array_from_tensor(self, request_id: RequestId, tensor: Tensor) -> HostArray:
         """The tensor's values as float32, written into the sequence's reused array."""
-        raw = _wire_view(tensor)
-        if raw.ndim != 2:
-            return raw.astype(np.float32)
-        seq = self._get(request_id)
-        rows, width = raw.shape
-        seq.incoming = _rows_of(seq.incoming, rows, width, np.float32)
-        hidden: np.ndarray[Any, Any] = seq.incoming[:rows]
-        np.copyto(hidden, raw)
-        return hidden
+        return self._get(request_id).staging.from_wire(tensor.data, tensor.dtype, tensor.shape)
 
     def sampling_of(self, message: ActivationFrame) -> SamplingParams:
         """The sequence's sampling: the frame's own, else the one its first frame carried.

@@ -21,6 +21,10 @@ not enough. A claimed run's control messages are accepted only from the node tha
 it, and activations only from the stage's upstream (named in ``Load``); anyone else gets
 ``UNKNOWN_RUN`` with nothing about the run this node holds (no run id, no term, no owner).
 
+What a ``Prepare`` may name is this node's setting (:mod:`meshnode.node.peer_models`): hub
+refs and bundled aliases, URLs only with ``allow_url_models``, and no path on this machine
+but those its own config names; anything else is refused before it is touched.
+
 Compute runs off the session loop. A loaded run owns one *inbox* task: the session's receive
 loop only queues ``ActivationFrame``/``Release`` messages (in arrival order, so a sequence's
 chunks and its release keep their order) and goes back to reading, and the inbox task runs
@@ -80,6 +84,8 @@ from meshnode.engine.model import Stage
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, MAX_RING_SLOTS
 from meshnode.errors import RunError
 from meshnode.net.stream import SEND_ERRORS
+from meshnode.node.footprint import check_load
+from meshnode.node.peer_models import PeerModels
 from meshnode.node.relay import DataMessage, Relay, frame_error
 from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, StageRunner
 from meshnode.node.wire import WireSequences
@@ -106,7 +112,7 @@ class Preparation:
     bytes_done: int = 0
     bytes_total: int = 0
     source: ModelSource | None = None
-    error: str = ""
+    failure: Exception | None = None  # why materializing failed (kept for the log)
     done: trio.Event = field(default_factory=trio.Event)
     # Set by Stop (or a newer Prepare): the fetching thread gives up within about a second.
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -114,6 +120,11 @@ class Preparation:
     def progress(self, done: int, total: int) -> None:
         # Called from the fetching thread; two int stores are atomic under the GIL.
         self.bytes_done, self.bytes_total = done, total
+
+    @property
+    def error(self) -> str:
+        """What the failure tells other nodes (:func:`failure_reason`); empty if none."""
+        return "" if self.failure is None else failure_reason(self.failure, self.package_ref)
 
 
 class RunState(enum.StrEnum):
@@ -144,6 +155,9 @@ class WorkerRun:
     # The loaded run's data messages, served in order by its inbox task (module docstring).
     inbox: trio.MemorySendChannel[DataMessage] | None = None
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    # When the compute pass in progress began (trio clock; None: idle), for the
+    # coordinator's probe after a missed pass deadline (InventoryReport.busy_ms).
+    busy_since: float | None = None
 
 
 def _range(part: Part) -> tuple[int, int]:
@@ -187,7 +201,8 @@ class Worker:
         backend: Backend,
         cache_dir: Path | None,
         nursery: trio.Nursery,
-        accept_url_refs: bool = False,
+        peer_models: PeerModels | None = None,
+        memory_bytes: int | None = None,
     ) -> None:
         self.node_id = node_id
         self._send = send
@@ -196,9 +211,10 @@ class Worker:
         self._cache_dir = cache_dir
         self._nursery = nursery
         self._relay = Relay(node_id, send)  # the data plane of the loaded run
-        # Whether a Prepare from another node may name an http(s) URL: off by default, since
-        # it would let any member make this node fetch from hosts only it can reach.
-        self._accept_url_refs = accept_url_refs
+        # What another node's Prepare may name (hub refs and aliases; URLs and local paths
+        # only as this node's config says): see meshnode.node.peer_models.
+        self._peer_models = peer_models or PeerModels()
+        self._memory_bytes = memory_bytes  # what this node offers: bounds a Load's KV
         self.run: WorkerRun | None = None
 
     # -- status -----------------------------------------------------------------------
@@ -313,16 +329,18 @@ class Worker:
             code = ErrorCode.STALE_TERM if stale else ErrorCode.UNKNOWN_RUN
             text = f"{name} for {message.run_id}@{message.term}; this node holds "
             text += f"{run.run_id}@{run.term}"
-        await self._send(
-            peer,
-            Error(
+        # A refused step is refused frame by frame: each Error names its request, so the
+        # stages upstream pass it on to the coordinator like any failure of a frame.
+        frames = message.frames if isinstance(message, ActivationBatch) else (message,)
+        for frame in frames:
+            error = Error(
                 code=code,
                 message=text,
                 run_id=message.run_id,
                 term=message.term,
-                request_id=getattr(message, "request_id", ""),
-            ),
-        )
+                request_id=getattr(frame, "request_id", ""),
+            )
+            await self._send(peer, error)
         return None
 
     async def _prepare(self, peer: str, run: WorkerRun, prepare: Prepare) -> None:
@@ -356,8 +374,8 @@ class Worker:
 
     def _refusal(self, prepare: Prepare) -> str:
         """Why this node will not prepare ``prepare`` (empty: it will)."""
-        if is_url(prepare.package_ref) and not self._accept_url_refs:
-            return "this node fetches models from the hub only (allow_url_models is off)"
+        if refusal := self._peer_models.refusal(prepare.package_ref):
+            return refusal
         if prepare.commit and not COMMIT.match(prepare.commit):
             return "commit must be 40 lowercase hex digits"
         return ""
@@ -379,7 +397,7 @@ class Worker:
             if run.state is RunState.PREPARING:
                 run.state = RunState.PREPARED
         except Exception as exc:  # any failure is reported, never raised
-            prep.error = failure_reason(exc, prep.package_ref)
+            prep.failure = exc
             run.state = RunState.FAILED
             log.warning("preparing %s failed: %s: %s", prep.package_ref, type(exc).__name__, exc)
         finally:
@@ -402,7 +420,7 @@ class Worker:
         start, end = load.layer_range
         try:
             runner = await trio.to_thread.run_sync(
-                lambda: build_runner(self._backend, source, start, end, load)
+                lambda: build_runner(self._backend, source, start, end, load, self._memory_bytes)
             )
         except Exception as exc:  # reported to the coordinator
             await self._load_failed(peer, run, f"{type(exc).__name__}: {exc}")
@@ -505,16 +523,30 @@ def inventory_report(node_id: str, run: WorkerRun) -> InventoryReport:
         bytes_done=prep.bytes_done,
         bytes_total=prep.bytes_total,
         error=prep.error,
+        busy_ms=busy_ms(run),
     )
 
 
+def busy_ms(run: WorkerRun) -> int:
+    """Milliseconds the run's compute pass in progress has taken so far (0: idle)."""
+    if run.busy_since is None:
+        return 0
+    return max(0, int((trio.current_time() - run.busy_since) * 1000))
+
+
 def build_runner(
-    backend: Backend, source: ModelSource, start: int, end: int, load: Load
+    backend: Backend,
+    source: ModelSource,
+    start: int,
+    end: int,
+    load: Load,
+    memory_bytes: int | None = None,
 ) -> StageRunner:
     """The stage runner ``load`` asks for, over ``source`` (blocking: call off the loop).
 
-    Raises ``RunError`` for a snapshot ring larger than a stage keeps (a peer may
-    ask for anything; each slot costs a recurrent state per layer and sequence).
+    Raises ``RunError`` for a snapshot ring larger than a stage keeps, and for a context the
+    model cannot hold or whose KV alone exceeds ``memory_bytes`` (a peer may ask for
+    anything; each slot and each token of context costs memory per layer and sequence).
     """
     if load.ring_slots > MAX_RING_SLOTS:
         raise RunError(
@@ -522,6 +554,7 @@ def build_runner(
             f"{MAX_RING_SLOTS}"
         )
     config = ModelConfig.from_hf(source.config)
+    check_load(config, start, end, load.context_size, memory_bytes)
     stage = Stage(
         config,
         source,

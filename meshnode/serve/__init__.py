@@ -1,7 +1,8 @@
 """The stage-0 front end: OpenAI-compatible API, schemas, scheduler, the generation loop
 over a pipeline, and the host's frontend (:mod:`meshnode.serve.frontend`).
 
-Imports ``meshnode.node`` (pipelines, stage limits, config), ``meshnode.speculative``,
-``meshnode.engine`` (types, tokenizer), ``meshnode.net`` (HTTP) and ``meshnode_packaging``
-(to open a model's parts). Only ``meshnode.cli`` imports it.
+Imports ``meshnode.node`` (pipelines, stage limits, config, the host role's ``Frontend``),
+``meshnode.speculative``, ``meshnode.engine`` (types, tokenizer, and model sources opened
+through ``engine.loader``), ``meshnode.net`` (HTTP) and ``meshnode.errors``; not
+``meshnode_packaging`` directly. Only ``meshnode.cli`` imports it.
 """

@@ -3,19 +3,26 @@
 
 A thin adapter, as the OpenAI routes are: the system prompt becomes the chat's system
 turn, the messages its turns, and the chat template renders them; a final assistant
-message is a prefill that the reply continues (as Anthropic's API does). ``max_tokens`` is
-required; ``stop_sequences``, ``temperature``, ``top_p`` and ``top_k`` map to the same
-sampling record, and settings the request omits come from the model's defaults
-(:meth:`ServeService.sampling`).
+message is a prefill that the reply continues (as Anthropic's API does). Tools, tool
+choice, ``tool_use`` and ``tool_result`` blocks map onto the OpenAI route's tool machinery
+(:mod:`meshnode.serve.anthropic_tools`, :class:`meshnode.serve.toolreply.BlockStream`);
+structured output (``output_config.format``, or the beta's ``output_format``, a JSON
+schema) is the OpenAI route's ``json_schema`` ``response_format``, enforced by the same
+grammar. ``max_tokens`` is required; ``stop_sequences``, ``temperature``, ``top_p`` and
+``top_k`` map to the same sampling record, and settings the request omits come from the
+model's defaults (:meth:`ServeService.sampling`).
 
-The reply's ``stop_reason`` is ``end_turn`` (the model ended), ``stop_sequence`` (with
-``stop_sequence`` naming it), ``max_tokens``, or ``model_context_window_exceeded`` when
-the context ran out before ``max_tokens``.
+The reply's ``stop_reason`` is ``end_turn`` (the model ended), ``tool_use`` (it ended
+after calling a tool), ``stop_sequence`` (with ``stop_sequence`` naming it),
+``max_tokens``, or ``model_context_window_exceeded`` when the context ran out before
+``max_tokens``.
 
 Streaming follows Anthropic's event sequence, each as ``event: NAME`` plus ``data: {...}``:
-``message_start``, ``content_block_start``, ``ping``, ``content_block_delta`` (text
-deltas)…, ``content_block_stop``, ``message_delta`` (stop reason and output tokens),
-``message_stop``. A failure after the stream started is one ``error`` event.
+``message_start``, ``content_block_start`` (a text block at once when no tools are
+shown), ``ping``, then per block ``content_block_start``, ``content_block_delta``
+(``text_delta`` or ``input_json_delta``)… and ``content_block_stop``; then
+``message_delta`` (stop reason and output tokens) and ``message_stop``. A failure after
+the stream started is one ``error`` event.
 
 Errors have Anthropic's body, ``{"type": "error", "error": {"type", "message"}}``, with
 its type names per status (``invalid_request_error``, ``not_found_error``,
@@ -38,10 +45,18 @@ from pydantic import BaseModel, ValidationError
 
 from meshnode.node.pipeline import PipelineError
 from meshnode.serve import anthropic_schemas as a
-from meshnode.serve.errors import APIError, BadRequestError, ServiceUnavailableError
+from meshnode.serve.anthropic_tools import anthropic_tool_plan, chat_turns
+from meshnode.serve.errors import (
+    APIError,
+    BadRequestError,
+    validation_message,
+)
 from meshnode.serve.generation import FinishReason, GenerationRun
 from meshnode.serve.service import GenerationRequest, ServeService
 from meshnode.serve.sse import SSE_HEADERS, ClosingStreamingResponse
+from meshnode.serve.structured import request_grammar
+from meshnode.serve.toolreply import BlockStream
+from meshnode.serve.tools import ToolPlan
 
 __all__ = ["anthropic_error_body", "anthropic_router"]
 
@@ -82,17 +97,26 @@ def anthropic_router(service: ServeService) -> APIRouter:
             body = await _parse(request, a.MessagesRequest)
             body.check_supported()
             service.require_model(body.model)
-            run = await service.start(
-                lambda: _prompt(service, body.system, body.messages), _generation(service, body)
+            tools = anthropic_tool_plan(body.tools, body.tool_choice, service.codec.tool_format)
+            # Off the event loop, as on the OpenAI route: compiling can take a while.
+            response_format = body.response_format()
+            grammar = await service.tokenize(
+                lambda: request_grammar(response_format, tools, service.codec.special_token_id)
             )
+            run = await service.start(
+                lambda: _prompt(service, body.system, body.messages, tools),
+                _generation(service, body, grammar),
+            )
+            blocks = BlockStream(tools.parser())
             if body.stream:
                 return ClosingStreamingResponse(
-                    _events(service, run, body.max_tokens),
+                    _events(service, run, body.max_tokens, blocks),
                     on_close=lambda: service.finish(run),
                     media_type="text/event-stream",
                     headers=SSE_HEADERS,
                 )
-            return JSONResponse((await _reply(service, run, body.max_tokens)).model_dump())
+            reply = await _reply(service, run, body.max_tokens, blocks)
+            return JSONResponse(reply.model_dump())
         except APIError as exc:
             return _error_response(exc)
 
@@ -100,12 +124,11 @@ def anthropic_router(service: ServeService) -> APIRouter:
     async def count_tokens(request: Request) -> Response:
         try:
             body = await _parse(request, a.CountTokensRequest)
-            if body.tools:
-                raise BadRequestError(
-                    "Tools are not supported on /v1/messages yet.", param="tools"
-                )
             service.require_model(body.model)
-            ids = await service.tokenize(lambda: _prompt(service, body.system, body.messages))
+            tools = anthropic_tool_plan(body.tools, body.tool_choice, service.codec.tool_format)
+            ids = await service.tokenize(
+                lambda: _prompt(service, body.system, body.messages, tools)
+            )
             return JSONResponse({"input_tokens": len(ids)})
         except APIError as exc:
             return _error_response(exc)
@@ -129,52 +152,65 @@ async def _parse(request: Request, model: type[_Body]) -> _Body:
 
 def _validation_message(exc: ValidationError) -> str:
     errors = exc.errors()
-    if not errors:
-        return "Invalid request body."
-    first = errors[0]
-    if first.get("type") == "json_invalid":
+    if errors and errors[0].get("type") == "json_invalid":
         return "The request body is not valid JSON."
-    where = ".".join(str(part) for part in first.get("loc", ())) or "body"
-    return f"{where}: {first.get('msg', 'invalid value')}"
+    return validation_message(errors)[0]
 
 
 def _prompt(
-    service: ServeService, system: a.Content | None, messages: list[a.InputMessage]
+    service: ServeService,
+    system: a.Content | None,
+    messages: list[a.InputMessage],
+    tools: ToolPlan,
 ) -> list[int]:
-    turns = [
-        {"role": m.role, "content": a.content_text(m.content, f"messages.{i}.content")}
-        for i, m in enumerate(messages)
-    ]
+    turns = chat_turns(a.history(messages))
     if system is not None:
         turns.insert(0, {"role": "system", "content": a.content_text(system, "system")})
     prefill = ""
     if turns[-1]["role"] == "assistant":
         # A final assistant turn is a prefill: the reply continues it.
-        prefill = turns.pop()["content"]
+        final = turns.pop()
+        if final.get("tool_calls"):
+            raise BadRequestError(
+                "messages: the final assistant message calls tools; send their "
+                "tool_result blocks in a user message after it.",
+                param="messages",
+            )
+        if tools.forced:
+            raise BadRequestError(
+                "An assistant prefill cannot be combined with a tool_choice that forces a "
+                "tool call.",
+                param="tool_choice",
+            )
+        prefill = final["content"]
     if not any(turn["role"] != "system" for turn in turns):
         raise BadRequestError(
             "messages: a user message must come before the assistant's prefill.",
             param="messages",
         )
-    return service.chat_prompt(turns, continue_with=prefill)
+    return service.chat_prompt(turns, tools.shown, continue_with=prefill)
 
 
-def _generation(service: ServeService, body: a.MessagesRequest) -> GenerationRequest:
+def _generation(
+    service: ServeService, body: a.MessagesRequest, grammar: str | None
+) -> GenerationRequest:
     sampling = service.sampling(body.sampling_fields())
-    return GenerationRequest(sampling, body.max_tokens, body.stops())
+    return GenerationRequest(sampling, body.max_tokens, body.stops(), grammar=grammar)
 
 
 # -- replies --------------------------------------------------------------------------------
 
 
-def _stop_reason(run: GenerationRun, max_tokens: int) -> a.StopReason | None:
+def _stop_reason(run: GenerationRun, max_tokens: int, blocks: BlockStream) -> a.StopReason | None:
     state = run.state
     if state.finish_reason is None:
         return None
     if state.finish_reason is FinishReason.LENGTH:
         cut_by_context = run.params.max_new_tokens < max_tokens
         return "model_context_window_exceeded" if cut_by_context else "max_tokens"
-    return "stop_sequence" if state.stop_string is not None else "end_turn"
+    if state.stop_string is not None:
+        return "stop_sequence"
+    return "tool_use" if blocks.made_calls else "end_turn"
 
 
 def _usage(run: GenerationRun) -> a.Usage:
@@ -185,24 +221,30 @@ def _message_id() -> str:
     return f"msg_{secrets.token_hex(12)}"
 
 
-async def _reply(service: ServeService, run: GenerationRun, max_tokens: int) -> a.Message:
-    outcome = "error"
-    try:
-        deltas = await service.complete(run)
-        outcome = "ok"
-    except PipelineError as exc:
-        log.warning("request %s failed: %s", run.request_id, exc)
-        raise ServiceUnavailableError(f"The mesh failed during generation: {exc}") from exc
-    finally:
-        service.metrics.requests.inc(endpoint=ENDPOINT, outcome=outcome)
+async def _reply(
+    service: ServeService, run: GenerationRun, max_tokens: int, blocks: BlockStream
+) -> a.Message:
+    deltas = await service.reply(run, ENDPOINT)
+    blocks.start()
+    for i, delta in enumerate(deltas):
+        blocks.push(delta.text, final=i == len(deltas) - 1)
+    if not deltas:
+        blocks.push("", final=True)
+    content = [_block(block) for block in blocks.blocks()]
     return a.Message(
         id=_message_id(),
         model=service.model_id,
-        content=[a.TextBlock(text="".join(d.text for d in deltas))],
-        stop_reason=_stop_reason(run, max_tokens),
+        content=content,
+        stop_reason=_stop_reason(run, max_tokens, blocks),
         stop_sequence=run.state.stop_string,
         usage=_usage(run),
     )
+
+
+def _block(block: dict[str, Any]) -> a.TextBlock | a.ToolUseBlock:
+    if block["type"] == "tool_use":
+        return a.ToolUseBlock(**block)
+    return a.TextBlock(**block)
 
 
 def _event(name: str, payload: dict[str, Any]) -> bytes:
@@ -211,7 +253,7 @@ def _event(name: str, payload: dict[str, Any]) -> bytes:
 
 
 async def _events(
-    service: ServeService, run: GenerationRun, max_tokens: int
+    service: ServeService, run: GenerationRun, max_tokens: int, blocks: BlockStream
 ) -> AsyncGenerator[bytes, None]:
     """Anthropic's stream of one reply (see the module docstring)."""
     start = a.Message(
@@ -223,16 +265,20 @@ async def _events(
         usage=a.Usage(input_tokens=len(run.prompt), output_tokens=0),
     )
     yield _event("message_start", {"message": start.model_dump(exclude_none=False)})
-    block = {"type": "text", "text": ""}
-    yield _event("content_block_start", {"index": 0, "content_block": block})
+    for name, payload in blocks.start():
+        yield _event(name, payload)
     yield _event("ping", {})
     outcome = "cancelled"
     try:
+        ended = False
         async with aclosing(service.stream(run)) as deltas:
             async for delta in deltas:
-                if delta.text:
-                    text = {"type": "text_delta", "text": delta.text}
-                    yield _event("content_block_delta", {"index": 0, "delta": text})
+                ended = delta.finish_reason is not None
+                for name, payload in blocks.push(delta.text, final=ended):
+                    yield _event(name, payload)
+        if not ended:
+            for name, payload in blocks.push("", final=True):
+                yield _event(name, payload)
         outcome = "ok"
     except (PipelineError, APIError) as exc:
         outcome = "error"
@@ -243,8 +289,10 @@ async def _events(
         return
     finally:
         service.metrics.requests.inc(endpoint=ENDPOINT, outcome=outcome)
-    yield _event("content_block_stop", {"index": 0})
-    stop = {"stop_reason": _stop_reason(run, max_tokens), "stop_sequence": run.state.stop_string}
+    stop = {
+        "stop_reason": _stop_reason(run, max_tokens, blocks),
+        "stop_sequence": run.state.stop_string,
+    }
     usage = {"output_tokens": len(run.state.tokens)}
     yield _event("message_delta", {"delta": stop, "usage": usage})
     yield _event("message_stop", {})

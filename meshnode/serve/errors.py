@@ -25,6 +25,8 @@ our bug, not the client's.
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -122,17 +124,35 @@ def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers())
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable line from pydantic's error list, and the offending parameter."""
-    errors = exc.errors()
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """One readable line from pydantic's error list, and the offending parameter.
+
+    For a value that fits no member of a union (content as text or parts), pydantic reports
+    one error per member; the one that got deepest into the value says what is wrong (a
+    part's ``type``), so it is chosen. The members' names (``str``, ``list[TextPart]``)
+    are left out of the path.
+    """
     if not errors:
         return "Invalid request body.", None
-    first = errors[0]
-    # loc is ("body", "messages", 0, "content"); the first key after "body" is the param.
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    first = max(errors, key=lambda e: len(_path(e)))  # max keeps the first of the deepest
+    # The path is ("messages", 0, "content"): its first key is the param.
+    loc = _path(first)
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
     return f"{where}: {first.get('msg', 'invalid value')}", param
+
+
+def _path(error: Mapping[str, Any]) -> list[str]:
+    return [
+        str(part)
+        for part in error.get("loc", ())
+        if part != "body" and not (isinstance(part, str) and _UNION_MEMBER.search(part))
+    ]
+
+
+#: What tells a union member's name in pydantic's error path from a field name: brackets
+#: (``list[TextPart]``, ``function-after[...]``) or a plain type name.
+_UNION_MEMBER = re.compile(r"[\[\]()]|^(str|int|float|bool|dict|list|none)$")
 
 
 async def _on_api_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -140,11 +160,27 @@ async def _on_api_error(_request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc)
 
 
-async def _on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    message, param = _validation_message(exc)
+    message, param = validation_message(exc.errors())
+    if param is None and not _is_json(request.headers.get("content-type", "")):
+        # FastAPI parses a body as JSON only when it is labelled so (curl -d sends
+        # application/x-www-form-urlencoded); pydantic then reports "valid dictionary".
+        message = _NOT_JSON.format(request.headers["content-type"])
     body = error_body(message, "invalid_request_error", param=param, code="invalid_request")
     return JSONResponse(body, status_code=400)
+
+
+_NOT_JSON = (
+    "The request body must be a JSON object sent with 'Content-Type: application/json' "
+    "(this one was sent as '{}')."
+)
+
+
+def _is_json(content_type: str) -> bool:
+    # As FastAPI decides: no header, application/json (with parameters), or a +json type.
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media in ("", "application/json") or media.endswith("+json")
 
 
 async def _on_http_error(_request: Request, exc: Exception) -> JSONResponse:

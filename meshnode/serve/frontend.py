@@ -16,12 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from meshnode_packaging.manifest import Part
-from meshnode_packaging.refs import open_ref
-from meshnode_packaging.sources import ModelSource, sampling_defaults
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
+from meshnode.engine.loader import ModelSource, generation_defaults, open_stage_source
 from meshnode.engine.model import Stage
 from meshnode.engine.tokenizer import ChatTemplate, Tokenizer
 from meshnode.node.config import NodeConfig
@@ -90,17 +88,15 @@ class HostFrontend:
 
     def _head_source(self, stage: Stage) -> Callable[[], ModelSource]:
         """Opens the final norm (and untied head) for a stage 0 that does not hold them."""
-        part = Part(0, stage.end, embed=True, head=True)
-        return lambda: open_ref(self.model_ref, part, cache_dir=self.cache_dir)
+        ref, end, cache_dir = self.model_ref, stage.end, self.cache_dir
+        return lambda: open_stage_source(ref, 0, end, embed=True, head=True, cache_dir=cache_dir)
 
     @staticmethod
     def _no_source() -> ModelSource:
         raise AssertionError("dropping a drafter opens no source")
 
 
-def host_speculation(
-    config: NodeConfig, source: ModelSource, backend: Backend
-) -> SpeculationHost:
+def host_speculation(config: NodeConfig, source: ModelSource, backend: Backend) -> SpeculationHost:
     """The host's speculative settings resolved, its draft model loaded (blocking).
 
     Raises ConfigError for an invalid setting; an unusable draft falls back with a warning.
@@ -141,5 +137,5 @@ def host_service(
         limits=SchedulerLimits(max_in_flight=MAX_SEQUENCES_PER_STAGE),
         spec_host=spec,
         chunk_tokens=config.prefill_chunk_tokens,
-        generation_defaults=sampling_defaults(source),
+        generation_defaults=generation_defaults(source),
     )

@@ -15,13 +15,28 @@ A hybrid stage rolls its recurrent state back only as far as its snapshot ring r
 (:mod:`meshnode.engine.recurrent`); a frame that starts further back fails there with
 ``RollbackError``, and the loop folds the history before it into every stage again from
 position 0 (non-final prefill chunks) and sends the frame once more.
+
+**Replay.** When a stage of the pipeline is lost (``StageLostError``: a dropped connection,
+dead heartbeats, a missed pass deadline; :mod:`meshnode.node.remote`), nothing the client
+saw is lost: the loop holds every committed token. It waits (at most ``REPLAY_WAIT_S``) for
+the pipeline the coordinator brings up next, prefills the prompt on it again (its final
+chunk tells the last stage where the prompt ends, for penalties and the grammar, whose
+state then follows the committed tokens), then the committed tokens but the last as
+non-final chunks, and goes on with the next step as if nothing happened: the cache holds
+``history[:-1]`` exactly as it did. The step that was lost had committed nothing; the
+proposer and the window keep their state (both follow the committed history). Greedy
+output is the undisturbed run's, and seeded sampling too: the last stage draws the token
+at position ``p`` from a counter-based generator keyed on (seed, ``p``), and the seed is
+fixed here once per request. After ``MAX_REPLAYS`` replays, or when no pipeline comes in
+time, the error ends the stream as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import AsyncGenerator, Callable, Sequence
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -33,6 +48,7 @@ from meshnode.node.pipeline import (
     FrameKind,
     Pipeline,
     RequestId,
+    StageLostError,
     StepFrame,
     StepResult,
     TokenLogprob,
@@ -50,6 +66,17 @@ if TYPE_CHECKING:
 #: activations (256 x hidden x 2 bytes, ~2 MiB at hidden 4096) stay far below the wire
 #: protocol's frame limit; large enough that per-frame overhead stays negligible.
 DEFAULT_PREFILL_CHUNK_TOKENS = 256
+#: Longest wait of a request for the pipeline after a lost one. The coordinator replans in
+#: ~4 s on loopback (issue 16); stages that must load their new layer ranges from disk take
+#: longer, a large model on a CPU box up to a minute or two. A client waits no longer than
+#: this for its next token.
+REPLAY_WAIT_S = 120.0
+#: Replays of one request. A mesh that keeps losing stages under a request ends it with
+#: the error rather than holding the client forever; three covers a node that dies and a
+#: second one that fails while the first is replaced.
+MAX_REPLAYS = 3
+
+log = logging.getLogger(__name__)
 
 
 class FinishReason(enum.StrEnum):
@@ -207,6 +234,11 @@ def prefill_chunks(prompt: Sequence[int], chunk_tokens: int) -> list[tuple[int, 
 PassObserver = Callable[[float, StepResult], None]
 
 
+#: Waits for the pipeline that replaces ``lost`` (the coordinator's next one) and returns
+#: it; the generation loop bounds the wait (``REPLAY_WAIT_S``).
+PipelineSource = Callable[[Pipeline], Awaitable[Pipeline]]
+
+
 #: Builds one request's proposer from its sampling parameters and the context size (which
 #: bounds a draft model's KV cache); ``None`` means this request does not speculate.
 ProposerFactory = Callable[["SamplingParams", int], "Proposer | None"]
@@ -287,6 +319,7 @@ class GenerationRun:
     offered: tuple[int, tuple[int, ...]] = (0, ())
     chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     refolds: int = 0  # frames that started behind a snapshot ring: history prefilled again
+    replays: int = 0  # pipelines lost under this request and replaced (module docstring)
 
     @property
     def history(self) -> list[int]:
@@ -301,13 +334,16 @@ async def generate(
     speculation: Speculation | None = None,
     chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
     on_pass: PassObserver | None = None,
+    replacement: PipelineSource | None = None,
 ) -> AsyncGenerator[Delta, None]:
     """Drive ``run`` to completion over ``pipeline``, yielding one :class:`Delta` per pass.
 
     The prompt must fit the context with room for one token (the caller checks).
-    ``on_pass(pass_s, result)`` is called after every pipeline pass (for metrics).
-    Raises :class:`~meshnode.node.pipeline.PipelineError` if a pass fails. The sequence
-    is released on every stage however the loop ends.
+    ``on_pass(pass_s, result)`` is called after every pipeline pass (for metrics). With
+    ``replacement``, a lost pipeline is replaced and the request replayed on the new one
+    (module docstring). Raises :class:`~meshnode.node.pipeline.PipelineError` if a pass
+    fails (a ``StageLostError`` once replays are spent or impossible). The sequence is
+    released on the pipeline that holds it however the loop ends.
     """
     run.timings.started = trio.current_time()
     run.on_pass = on_pass
@@ -315,22 +351,78 @@ async def generate(
     run.params = _seeded(run.params)
     if speculation is not None and speculation.strategy == "mtp":
         run.mtp_drafts = speculation.window.max_window
+    driver = _Driver(pipeline, run, speculation, replacement)
     try:
-        delta = await _prefill(pipeline, run, chunk_tokens)
-        yield delta
-        proposer = None
-        if speculation is not None:
-            proposer = speculation.make_proposer(run.params.sampling, pipeline.context_size)
-        if proposer is not None and speculation is not None:
-            run.strategy = speculation.strategy
-        window = Window(speculation.window, speculation.costs) if speculation else None
         while not run.state.finished:
-            delta = await _decode_step(pipeline, run, proposer, speculation, window)
-            yield delta
+            yield await driver.step()
         run.timings.finished = trio.current_time()
     finally:
         with trio.CancelScope(shield=True):
-            await pipeline.release(run.request_id)
+            await driver.pipeline.release(run.request_id)
+
+
+class _Driver:
+    """The steps of one request over a pipeline that may be replaced under it."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        run: GenerationRun,
+        speculation: Speculation | None,
+        replacement: PipelineSource | None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.run = run
+        self.speculation = speculation
+        self.replacement = replacement
+        self.proposer: Proposer | None = None
+        self.window: Window | None = None
+        self.rebuild = False  # the pipeline is new: its stages hold nothing of the request
+
+    async def step(self) -> Delta:
+        """The next pass's delta: the prefill's first, then one decode or verify step;
+        a lost pipeline is replaced and the step run again on the new one."""
+        while True:
+            try:
+                if not self.run.state.tokens:  # nothing committed: the prefill (again)
+                    self.rebuild = False
+                    return await _prefill(self.pipeline, self.run, self.run.chunk_tokens)
+                if self.rebuild:
+                    await _replay_history(self.pipeline, self.run)
+                    self.rebuild = False
+                if self.window is None and self.speculation is not None:
+                    self._speculate(self.speculation)
+                return await _decode_step(
+                    self.pipeline, self.run, self.proposer, self.speculation, self.window
+                )
+            except StageLostError as exc:
+                await self._replace(exc)
+
+    def _speculate(self, speculation: Speculation) -> None:
+        context = self.pipeline.context_size
+        self.proposer = speculation.make_proposer(self.run.params.sampling, context)
+        if self.proposer is not None:
+            self.run.strategy = speculation.strategy
+        self.window = Window(speculation.window, speculation.costs)
+
+    async def _replace(self, lost: StageLostError) -> None:
+        """Go on with the pipeline that replaces the lost one, or raise ``lost``."""
+        run = self.run
+        if self.replacement is None or run.replays >= MAX_REPLAYS:
+            raise lost
+        run.replays += 1
+        log.warning(
+            "request %s: %s; replaying it (%d of %d) on the next pipeline",
+            run.request_id,
+            lost,
+            run.replays,
+            MAX_REPLAYS,
+        )
+        with trio.move_on_after(REPLAY_WAIT_S):
+            self.pipeline = await self.replacement(self.pipeline)
+            self.rebuild = True
+            return
+        raise StageLostError(f"{lost}; no pipeline came back within {REPLAY_WAIT_S:.0f} s")
 
 
 def _seeded(params: GenerationParams) -> GenerationParams:
@@ -374,6 +466,29 @@ async def _refold(pipeline: Pipeline, run: GenerationRun, end: int) -> None:
     run.refolds += 1
     for start, tokens in prefill_chunks(run.history[:end], run.chunk_tokens):
         await pipeline.run(_frame(run, FrameKind.PREFILL, start, tokens, final=False))
+
+
+async def _replay_history(pipeline: Pipeline, run: GenerationRun) -> None:
+    """Put the request back on a new pipeline: the prompt as at the start (its final chunk
+    returns the first committed token again), then the committed tokens but the last as
+    non-final chunks, so the cache holds ``history[:-1]`` as the next step expects."""
+    chunks = prefill_chunks(run.prompt, run.chunk_tokens)
+    first = None
+    for i, (start, tokens) in enumerate(chunks):
+        final = i == len(chunks) - 1
+        result = await pipeline.run(_frame(run, FrameKind.PREFILL, start, tokens, final=final))
+        first = result.tokens[0] if final and result.tokens else first
+    if first != run.state.tokens[0]:
+        log.warning(
+            "request %s: the replayed prompt gives token %s, not %d as before",
+            run.request_id,
+            first,
+            run.state.tokens[0],
+        )
+    generated = run.state.tokens[:-1]
+    for start, tokens in prefill_chunks(generated, run.chunk_tokens):
+        at = len(run.prompt) + start
+        await pipeline.run(_frame(run, FrameKind.PREFILL, at, tokens, final=False))
 
 
 async def _prefill(pipeline: Pipeline, run: GenerationRun, chunk_tokens: int) -> Delta:

@@ -24,7 +24,8 @@ from meshnode.engine.generate import PREFILL_CHUNK
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
 from meshnode.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from meshnode.node.pipeline import LocalPipeline, RequestId
+from meshnode.node.local import LocalPipeline
+from meshnode.node.pipeline import RequestId
 from meshnode.node.stage import StageRunner
 from meshnode.serve.generation import (
     FinishReason,

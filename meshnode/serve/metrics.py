@@ -168,6 +168,10 @@ class ServeMetrics:
             "meshnode_generation_tokens_total", "Completion tokens, counted as they come."
         )
         self.in_flight = Gauge("meshnode_requests_in_flight", "Requests being generated now.")
+        self.replays = Counter(
+            "meshnode_replays_total",
+            "Replays of requests on a new pipeline after a stage of theirs was lost.",
+        )
         self.waiting = Gauge(
             "meshnode_requests_waiting",
             "Requests waiting for a generation slot.",
@@ -234,6 +238,7 @@ class ServeMetrics:
     def _all(self) -> list[Counter | Gauge | Histogram]:
         return [
             self.requests, self.prompt_tokens, self.generation_tokens, self.in_flight,
+            self.replays,
             self.waiting, self.ttft, self.tpot, self.stage_compute, self.wire, self.stage_seconds,
             self.spec_proposed, self.spec_accepted, self.spec_windows,
             self.spec_verify_seconds, self.spec_plain_steps, self.spec_requests,

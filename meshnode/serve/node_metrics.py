@@ -26,6 +26,7 @@ from typing import Any
 import trio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from meshnode.node.coordinator import MeshState
 from meshnode.serve.metrics import REQUEST_BUCKETS_S, Histogram, Labels, Sample, family
 
 __all__ = ["RequestTimer", "request_histogram", "status_metrics"]
@@ -34,7 +35,7 @@ __all__ = ["RequestTimer", "request_histogram", "status_metrics"]
 #: always exported so a dashboard sees 0 rather than a missing series.
 PEER_STATES = ("alive", "suspect", "dead")
 #: Coordinator states (``meshnode.node.coordinator``), one-hot in ``mesh_state``.
-MESH_STATES = ("starting", "planning", "loading", "ready", "failed", "replanning", "draining")
+MESH_STATES = ("starting", *MeshState)  # "starting": no coordinator yet
 #: The route label of requests no route matched: unmatched paths must not each make a series.
 UNMATCHED_ROUTE = "unmatched"
 

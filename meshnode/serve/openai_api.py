@@ -1,11 +1,13 @@
 """OpenAI-compatible routes: thin adapters from the OpenAI schema to :class:`ServeService`.
 
-``openai_router(service)`` serves ``GET /v1/models`` (and ``/v1/models/{id}``),
+``openai_router(service)`` serves ``GET /v1/models`` (and ``/v1/models/{id}``, both read
+by the Anthropic SDK too),
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as server-sent events
 ending in ``data: [DONE]``, or one JSON body) and ``GET /health``.
 ``mount_openai(app, service)`` adds them, ``/tokenize`` and ``/detokenize``
 (:mod:`meshnode.serve.tokens_api`), the Anthropic Messages API
-(:mod:`meshnode.serve.anthropic_api`), the serving metrics (to ``GET /metrics``) and the
+(:mod:`meshnode.serve.anthropic_api`), OpenAI's Responses API
+(:mod:`meshnode.serve.responses_api`), the serving metrics (to ``GET /metrics``) and the
 OpenAI-shaped error handlers to the node's app (``meshnode.serve.app``).
 
 A failure after a stream has started cannot change the status code any more; it is sent
@@ -37,14 +39,19 @@ from meshnode.serve.errors import (
     install_error_handlers,
 )
 from meshnode.serve.generation import Delta, GenerationRun
+from meshnode.serve.responses_api import responses_router
 from meshnode.serve.service import GenerationRequest, ServeService
 from meshnode.serve.sse import SSE_HEADERS, ClosingStreamingResponse
 from meshnode.serve.structured import request_grammar
 from meshnode.serve.tokens_api import tokens_router
 from meshnode.serve.toolreply import ReplyShaper
-from meshnode.serve.tools import tool_plan
+from meshnode.serve.tools import ToolPlan, tool_plan
 
 log = logging.getLogger(__name__)
+
+#: A text completion shows no tools.
+NO_TOOLS = ToolPlan()
+
 
 def mount_openai(app: FastAPI, service: ServeService) -> None:
     """Add the OpenAI routes, ``/metrics``, ``/health`` and the error handlers to ``app``."""
@@ -52,6 +59,7 @@ def mount_openai(app: FastAPI, service: ServeService) -> None:
     add_metrics(app, service.metrics.render)
     app.include_router(tokens_router(service))
     app.include_router(anthropic_router(service))
+    app.include_router(responses_router(service))
     install_error_handlers(app)
 
 
@@ -60,13 +68,11 @@ def openai_router(service: ServeService) -> APIRouter:
     router = APIRouter()
 
     def model_card() -> s.ModelCard:
-        return s.ModelCard(
-            id=service.model_id, created=service.created, context_length=service.context_size
-        )
+        return s.ModelCard.of(service.model_id, service.created, service.context_size)
 
     @router.get("/v1/models")
     async def list_models() -> s.ModelList:
-        return s.ModelList(data=[model_card()])
+        return s.ModelList.of([model_card()])
 
     @router.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> s.ModelCard:
@@ -83,17 +89,27 @@ def openai_router(service: ServeService) -> APIRouter:
         # Compiling a schema can take a while (llguidance checks the whole grammar): off
         # the event loop, like tokenizing.
         grammar = await service.tokenize(
-            lambda: request_grammar(body.response_format, tools, service.codec.special_token_id)
+            lambda: request_grammar(
+                body.response_format,
+                tools,
+                service.codec.special_token_id,
+                body.other_constraints(),
+            )
         )
-        messages = [m.as_dict() for m in body.messages]
+        turns, prefill, opened = body.template_turns([m.as_dict() for m in body.messages])
         sampling = _chat_sampling(service, body, grammar)
-        run = await service.start(lambda: service.chat_prompt(messages, tools.shown), sampling)
-        shaper = ReplyShaper(tools.parser())
+        run = await service.start(
+            lambda: service.chat_prompt(
+                turns, tools.shown, continue_with=prefill, add_generation_prompt=opened
+            ),
+            sampling,
+        )
+        shaper = ReplyShaper(tools.parser(), tools.calls_finish_reason)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = _chat_chunks(service, run, include_usage, shaper)
             return _sse_response(service, "chat", run, chunks)
-        deltas = await _complete(service, "chat", run)
+        deltas = await service.reply(run, "chat")
         return _chat_body(service, run, deltas, shaper)
 
     @router.post("/v1/completions", response_model=None)
@@ -101,13 +117,21 @@ def openai_router(service: ServeService) -> APIRouter:
         body.check_supported()
         service.require_model(body.model)
         prompt = body.single_prompt()
-        sampling = _text_sampling(service, body)
+        grammar = await service.tokenize(
+            lambda: request_grammar(
+                body.response_format,
+                NO_TOOLS,
+                service.codec.special_token_id,
+                body.other_constraints(),
+            )
+        )
+        sampling = _text_sampling(service, body, grammar)
         run = await service.start(lambda: service.text_prompt(prompt), sampling)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = _text_chunks(service, run, include_usage, body.return_token_ids)
             return _sse_response(service, "completions", run, chunks)
-        deltas = await _complete(service, "completions", run)
+        deltas = await service.reply(run, "completions")
         return _text_body(service, run, deltas, body.return_token_ids)
 
     @router.get("/health")
@@ -137,25 +161,15 @@ def _chat_sampling(
     )
 
 
-def _text_sampling(service: ServeService, body: s.CompletionRequest) -> GenerationRequest:
+def _text_sampling(
+    service: ServeService, body: s.CompletionRequest, grammar: str | None
+) -> GenerationRequest:
     sampling = service.sampling(body.sampling_fields())
-    return GenerationRequest(sampling, body.max_tokens, tuple(body.stop_list()), body.logprobs)
+    stops = tuple(body.stop_list())
+    return GenerationRequest(sampling, body.max_tokens, stops, body.logprobs, grammar=grammar)
 
 
 # -- running ------------------------------------------------------------------------------
-
-
-async def _complete(service: ServeService, endpoint: str, run: GenerationRun) -> list[Delta]:
-    outcome = "error"
-    try:
-        deltas = await service.complete(run)
-        outcome = "ok"
-        return deltas
-    except PipelineError as exc:
-        log.warning("request %s failed: %s", run.request_id, exc)
-        raise ServiceUnavailableError(f"The mesh failed during generation: {exc}") from exc
-    finally:
-        service.metrics.requests.inc(endpoint=endpoint, outcome=outcome)
 
 
 def _sse_response(

@@ -10,14 +10,17 @@ only at the value that means "off" (``n=1``, no ``logit_bias``); anything else i
 that is not valid Unicode (a lone surrogate, which JSON can carry) is a 400 too.
 Responses are plain pydantic models dumped to JSON; the ``meshnode`` field is our
 extension (speculation telemetry), which the official clients keep as an extra.
-``tools``, ``tool_choice`` and ``response_format`` arrive as plain objects and are checked
-where they are compiled (:mod:`meshnode.serve.tools`, :mod:`meshnode.serve.structured`).
+``tools``, ``tool_choice``, ``response_format`` and other servers' output constraints
+(vLLM's ``guided_*`` and ``structured_outputs``, llama-server's ``json_schema`` and
+``grammar``) arrive as plain objects and are checked where they are compiled
+(:mod:`meshnode.serve.tools`, :mod:`meshnode.serve.structured`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from annotated_types import BaseMetadata, Ge, Gt, Le
@@ -135,8 +138,10 @@ class StreamOptions(_Strict):
 
 
 class TextPart(_Strict):
-    type: Literal["text"]
-    text: Text
+    """A content part; only ``text`` parts are read (others are refused by name)."""
+
+    type: StrictStr
+    text: Text | None = None
 
 
 class ToolCallFunction(_Strict):
@@ -161,12 +166,22 @@ class ChatMessage(_Strict):
     tool_call_id: Text | None = None
 
     def text(self) -> str:
-        """The content as one string (text parts joined, as OpenAI does)."""
+        """The content as one string (text parts joined, as OpenAI does); raises
+        BadRequestError for a part that is not text (an image, audio, a file)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        for part in self.content:
+            if part.type == "text" and part.text is None:
+                raise BadRequestError("A text part needs its text.", param="messages")
+            if part.type != "text":
+                raise BadRequestError(
+                    f"Content parts of type {part.type!r} are not supported (only text).",
+                    param="messages",
+                    code="unsupported",
+                )
+        return "".join(part.text or "" for part in self.content)
 
     def as_dict(self) -> dict[str, Any]:
         """The message as :func:`meshnode.serve.tools.render_chat` takes it."""
@@ -178,6 +193,35 @@ class ChatMessage(_Strict):
         if self.name is not None:
             out["name"] = self.name
         return out
+
+
+class ChatTemplateOptions(_Strict):
+    """vLLM's chat-template options, on ``/v1/chat/completions`` and ``/tokenize``:
+    ``add_generation_prompt: false`` leaves the assistant's turn unopened, and
+    ``continue_final_message: true`` leaves the final assistant message open, so the
+    reply continues it (a prefill). Asking both is a 400; with ``continue_final_message``
+    an ``add_generation_prompt`` left out counts as false (vLLM would refuse it)."""
+
+    add_generation_prompt: StrictBool | None = None  # vLLM's default: true
+    continue_final_message: StrictBool = False
+
+    def template_turns(self, turns: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str, bool]:
+        """``turns`` without a continued final message, that message's text (the reply's
+        prefill, '' if none) and whether the assistant's turn is opened; raises
+        BadRequestError for options that do not fit the turns."""
+        if not self.continue_final_message:
+            return turns, "", self.add_generation_prompt is not False
+        if self.add_generation_prompt:
+            raise BadRequestError(
+                "add_generation_prompt and continue_final_message cannot both be true.",
+                param="continue_final_message",
+            )
+        if not turns or turns[-1]["role"] != "assistant" or turns[-1].get("tool_calls"):
+            raise BadRequestError(
+                "continue_final_message needs a final assistant message of text.",
+                param="continue_final_message",
+            )
+        return turns[:-1], str(turns[-1]["content"]), True
 
 
 class _SamplingFields(_SamplingKnobs):
@@ -192,6 +236,23 @@ class _SamplingFields(_SamplingKnobs):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Other servers' output constraints (meshnode.serve.structured.OTHER_FIELDS), checked
+    # where they are compiled.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: dict[str, Any] | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: Text | None = None
+
+    def other_constraints(self) -> dict[str, Any]:
+        """The output constraints the request gave in other servers' fields."""
+        names = (
+            *("guided_json", "guided_regex", "guided_choice", "guided_grammar"),
+            *("structured_outputs", "json_schema", "grammar"),
+        )
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def sampling(self) -> SamplingParams:
         """The request's sampling record, OpenAI's defaults for what it omits."""
@@ -223,7 +284,7 @@ class _SamplingFields(_SamplingKnobs):
             )
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ChatTemplateOptions):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: StrictBool = False
@@ -233,10 +294,22 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: StrictBool | None = None
     response_format: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
+    # OpenAI's deprecated names for tools: refused rather than ignored, which would drop
+    # the caller's functions without a word.
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         """Raise BadRequestError for parameters this server does not implement."""
         self._check_common()
+        for name in ("functions", "function_call"):
+            if getattr(self, name) not in (None, [], "none"):
+                raise BadRequestError(
+                    f"{name} is OpenAI's deprecated form of tools; send tools and "
+                    "tool_choice instead.",
+                    param=name,
+                    code="unsupported",
+                )
         # tools, tool_choice and response_format are checked where they are compiled
         # (meshnode.serve.tools and meshnode.serve.structured).
         if self.logit_bias:
@@ -271,6 +344,7 @@ class CompletionRequest(_SamplingFields):
     logit_bias: dict[str, float] | None = None
     # vLLM's extension: the response carries the prompt's and the reply's token ids.
     return_token_ids: StrictBool = False
+    response_format: dict[str, Any] | None = None  # as vLLM takes it here too
 
     def check_supported(self) -> None:
         """Raise BadRequestError for parameters this server does not implement."""
@@ -432,13 +506,45 @@ class Completion(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """The served model in the fields of both OpenAI's and Anthropic's model objects (each
+    client reads its own and ignores the others'), so that either SDK lists it."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "meshnode"
     context_length: int
+    # Anthropic's names: ``created_at`` is RFC 3339, ``max_input_tokens`` the context.
+    type: Literal["model"] = "model"
+    display_name: str
+    created_at: str
+    max_input_tokens: int
+
+    @classmethod
+    def of(cls, model_id: str, created: int, context: int) -> ModelCard:
+        """The card of ``model_id``, served since ``created`` (Unix seconds)."""
+        stamp = datetime.fromtimestamp(created, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return cls(
+            id=model_id,
+            created=created,
+            context_length=context,
+            display_name=model_id,
+            created_at=stamp,
+            max_input_tokens=context,
+        )
 
 
 class ModelList(BaseModel):
+    """OpenAI's list, with Anthropic's paging fields (one page)."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
+
+    @classmethod
+    def of(cls, cards: list[ModelCard]) -> ModelList:
+        """A one-page list of ``cards``."""
+        ids = [card.id for card in cards]
+        return cls(data=cards, first_id=ids[0] if ids else None, last_id=ids[-1] if ids else None)

@@ -76,10 +76,15 @@ class TextCodec(Protocol):
         ...
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[ToolSpec] = ()
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[ToolSpec] = (),
+        *,
+        add_generation_prompt: bool = True,
     ) -> str:
         """The prompt text for a chat (messages as :func:`meshnode.serve.tools.render_chat`
-        takes them), ending with the assistant's turn opened."""
+        takes them), ending with the assistant's turn opened (unless not
+        ``add_generation_prompt``)."""
         ...
 
     @property
@@ -184,6 +189,7 @@ class ServeService:
         #: coordinator's state; :func:`meshnode.serve.availability.unavailable_message`).
         self.unavailable_reason: Callable[[], str] = lambda: LOADING_MESSAGE
         self._tickets: dict[RequestId, Ticket] = {}  # of runs started and not yet finished
+        self._pipeline_set = trio.Event()  # set (and renewed) by every set_pipeline
         self._tokenizing = trio.CapacityLimiter(MAX_TOKENIZING)
 
     # -- state ----------------------------------------------------------------------
@@ -196,6 +202,15 @@ class ServeService:
     def set_pipeline(self, pipeline: Pipeline | None) -> None:
         """Serve on ``pipeline`` from now on; ``None`` means the mesh is (re)loading."""
         self.pipeline = pipeline
+        self._pipeline_set.set()
+        self._pipeline_set = trio.Event()
+
+    async def next_pipeline(self, lost: Pipeline) -> Pipeline:
+        """The pipeline served after ``lost``, once the mesh has one (the generation loop
+        replays a request there and bounds the wait)."""
+        while self.pipeline is None or self.pipeline is lost:
+            await self._pipeline_set.wait()
+        return self.pipeline
 
     @property
     def speculation(self) -> Speculation | None:
@@ -245,10 +260,13 @@ class ServeService:
         tools: Sequence[ToolSpec] = (),
         *,
         continue_with: str = "",
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """Token ids of a chat rendered with the model's template (and ``tools``);
-        ``continue_with`` starts the assistant's reply (a prefill the model continues)."""
-        return self.codec.encode(self.codec.render_chat(messages, tools) + continue_with)
+        ``continue_with`` starts the assistant's reply (a prefill the model continues);
+        without ``add_generation_prompt`` the chat ends with its last turn."""
+        text = self.codec.render_chat(messages, tools, add_generation_prompt=add_generation_prompt)
+        return self.codec.encode(text + continue_with)
 
     def sampling(self, given: Mapping[str, Any]) -> SamplingParams:
         """The sampling record of a request that gave the fields ``given``.
@@ -352,6 +370,7 @@ class ServeService:
                     speculation=self.speculation,
                     chunk_tokens=self.chunk_tokens,
                     on_pass=self._observe_pass,
+                    replacement=self.next_pipeline,
                 )
                 async with aclosing(deltas):
                     async for delta in deltas:
@@ -368,6 +387,20 @@ class ServeService:
         """Run to the end and return every delta (for non-streaming responses)."""
         async with aclosing(self.stream(run)) as deltas:
             return [delta async for delta in deltas]
+
+    async def reply(self, run: GenerationRun, endpoint: str) -> list[Delta]:
+        """:meth:`complete` for a route's non-streamed reply: counted in ``endpoint``'s
+        requests, and a mesh that fails under it is a 503 (``ServiceUnavailableError``)."""
+        outcome = "error"
+        try:
+            deltas = await self.complete(run)
+            outcome = "ok"
+            return deltas
+        except PipelineError as exc:
+            log.warning("request %s failed: %s", run.request_id, exc)
+            raise ServiceUnavailableError(f"The mesh failed during generation: {exc}") from exc
+        finally:
+            self.metrics.requests.inc(endpoint=endpoint, outcome=outcome)
 
     def _observe_pass(self, pass_s: float, result: StepResult) -> None:
         self.metrics.stage_compute.observe(result.compute_s)
@@ -386,11 +419,11 @@ class ServeService:
 
     def _observe_run(self, run: GenerationRun) -> None:
         produced = len(run.state.tokens)
+        self.metrics.replays.inc(run.replays)
         if (tpot := run.timings.tpot_s(produced)) is not None:
             self.metrics.tpot.observe(tpot)
         self.spec_total = self.spec_total.merge(run.spec)
         self.metrics.observe_speculation(run.strategy, run.spec, self.spec_total)
-
 
 
 __all__ = ["GenerationRequest", "PipelineError", "ServeService", "TextCodec"]

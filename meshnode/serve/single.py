@@ -20,7 +20,7 @@ from meshnode.engine.tokenizer import (
     NoTokenizerError,
     Tokenizer,
 )
-from meshnode.node.pipeline import LocalPipeline
+from meshnode.node.local import LocalPipeline
 from meshnode.node.stage import StageRunner, default_context
 from meshnode.serve.errors import BadRequestError
 from meshnode.serve.generation import DEFAULT_PREFILL_CHUNK_TOKENS, Detokenizer, Speculation
@@ -60,9 +60,15 @@ class EngineCodec:
         return self.tokenizer.decode(ids)
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[ToolSpec] = ()
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[ToolSpec] = (),
+        *,
+        add_generation_prompt: bool = True,
     ) -> str:
-        return render_chat(self.template, messages, tools)
+        return render_chat(
+            self.template, messages, tools, add_generation_prompt=add_generation_prompt
+        )
 
     def special_token_id(self, text: str) -> int | None:
         token = self.tokenizer.token_to_id(text)

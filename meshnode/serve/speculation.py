@@ -27,17 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from meshnode_packaging.package import PackageSource
-from meshnode_packaging.refs import open_ref
-from meshnode_packaging.sources import ModelSource
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
-from meshnode.engine.loader import reading_model
+from meshnode.engine.loader import ModelSource, reading_model, resolve_source
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
 from meshnode.errors import ModelError
-from meshnode.node.coordinator import model_footprint
+from meshnode.node.footprint import model_footprint
 from meshnode.serve.generation import Speculation
 from meshnode.speculative.draft import (
     DraftIncompatibleError,
@@ -52,6 +49,7 @@ from meshnode.speculative.settings import (
     SpeculativeFlags,
     SpeculativeSettings,
     Strategy,
+    package_block,
     resolve_speculative,
 )
 from meshnode.speculative.telemetry import SpecStats
@@ -69,13 +67,6 @@ DRAFT_MEMORY_SHARE = 0.8
 
 class DraftUnavailableError(ModelError):
     """The draft model cannot be used here; the message is the reason ``status`` shows."""
-
-
-def package_block(source: ModelSource) -> Mapping[str, Any] | None:
-    """The package's ``generation.speculative_decoding`` block (GGUF and HF sources have none)."""
-    if isinstance(source, PackageSource):
-        return source.manifest.speculative_decoding
-    return None
 
 
 def config_model_key(tables: Mapping[str, Any], model_id: str, model_ref: str | None) -> str:
@@ -125,7 +116,7 @@ def load_draft(
     """
     try:
         with reading_model():
-            source = open_ref(ref, cache_dir=cache_dir)
+            source = resolve_source(ref, cache_dir=cache_dir)
             config = ModelConfig.from_hf(source.config)
     except ModelError as exc:
         raise DraftUnavailableError(f"cannot open it: {_one_line(exc)}") from exc

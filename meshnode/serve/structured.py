@@ -20,6 +20,14 @@ name first (so that streaming can hand out the name before the arguments):
   vocabulary has one).
 
 A forced tool call wins over ``response_format``: the reply is the call.
+
+**Other servers' fields** (:func:`request_grammar`'s ``others``), so that clients written
+for them constrain output here too, on chat and text completions alike: vLLM's
+``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and
+its older ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``, and
+llama-server's ``json_schema`` and ``grammar``. A grammar is Lark (llguidance's dialect)
+or GBNF (llama.cpp's), told apart by llguidance. A request gives at most one constraint
+(``response_format`` counting as one); two are a 400 naming both.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from meshnode.serve.errors import BadRequestError
 from meshnode.serve.toolparse import ARGUMENT_KEYS, START_MARKERS, ToolFormat
 from meshnode.serve.tools import ToolPlan, ToolSpec
 
-__all__ = ["MAX_GRAMMAR_BYTES", "request_grammar"]
+__all__ = ["MAX_GRAMMAR_BYTES", "OTHER_FIELDS", "request_grammar"]
 
 #: Largest compiled grammar a request may carry. It travels in the CBOR header of the
 #: request's first frame, which the wire protocol caps at 64 KiB (``MAX_HEADER_BYTES``);
@@ -62,24 +70,88 @@ _CALL_SEPARATORS = {
 SpecialTokenId = Callable[[str], "int | None"]
 
 
-def request_grammar(
-    response_format: Mapping[str, Any] | None, tools: ToolPlan, special_id: SpecialTokenId
-) -> str | None:
-    """The grammar a chat request's reply must follow, or None for free text.
+#: Each other server's field (module docstring), as the kind of constraint it gives.
+OTHER_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "json_schema": "json",  # llama-server
+    "grammar": "grammar",  # llama-server
+}
+#: The kinds of vLLM's ``structured_outputs`` object (its other keys tune vLLM's backends).
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
-    Raises BadRequestError (param ``response_format`` or ``tools``) for a malformed format,
-    a schema llguidance cannot compile, or a grammar over :data:`MAX_GRAMMAR_BYTES`.
+
+def request_grammar(
+    response_format: Mapping[str, Any] | None,
+    tools: ToolPlan,
+    special_id: SpecialTokenId,
+    others: Mapping[str, Any] | None = None,
+) -> str | None:
+    """The grammar a request's reply must follow, or None for free text. ``others`` are
+    the request's fields of :data:`OTHER_FIELDS` and ``structured_outputs`` (absent or
+    None: not given).
+
+    Raises BadRequestError (naming the parameter) for a malformed format, two constraints
+    at once, a schema or grammar llguidance cannot compile, or a grammar over
+    :data:`MAX_GRAMMAR_BYTES`.
     """
     if tools.forced:
         return _checked(_tool_grammar(tools, special_id), "tools")
     schema = _response_schema(response_format)
-    if schema is None:
+    given = _other_constraints(others or {})
+    if schema is not None:
+        given.insert(0, ("response_format", "json", schema))
+    if len(given) > 1:
+        names = " and ".join(param for param, _, _ in given[:2])
+        raise BadRequestError(f"Give one output constraint, not {names}.", param=given[1][0])
+    if not given:
         return None
+    param, kind, value = given[0]
+    return _checked(_compile(param, kind, value), param)
+
+
+def _other_constraints(others: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
+    given = [(f, OTHER_FIELDS[f], v) for f, v in others.items() if f in OTHER_FIELDS]
+    given = [item for item in given if item[2] is not None]
+    structured = others.get("structured_outputs")
+    if structured is not None:
+        given += [
+            (f"structured_outputs.{kind}", kind, structured[kind])
+            for kind in STRUCTURED_OUTPUT_KINDS
+            if structured.get(kind) not in (None, False)
+        ]
+    return given
+
+
+def _compile(param: str, kind: str, value: Any) -> str:
+    """llguidance's grammar for one constraint; BadRequestError naming ``param``."""
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+        if kind in ("json", "json_object"):
+            schema = {"type": "object"} if kind == "json_object" else _schema(param, value)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+        if kind == "choice":
+            if not value or not all(isinstance(c, str) for c in value):
+                raise BadRequestError(f"{param} must be a non-empty list of strings.", param=param)
+            return llguidance.grammar_from("choice", json.dumps(value))
+        if not isinstance(value, str):
+            raise BadRequestError(f"{param} must be a string.", param=param)
+        return llguidance.grammar_from("regex" if kind == "regex" else "grammar", value)
     except ValueError as exc:
-        raise BadRequestError(f"Invalid JSON schema: {exc}", param="response_format") from exc
-    return _checked(grammar, "response_format")
+        raise BadRequestError(f"{param} does not compile: {exc}", param=param) from exc
+
+
+def _schema(param: str, value: Any) -> dict[str, Any]:
+    """A JSON schema given as an object or as JSON text (vLLM takes both)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise BadRequestError(f"{param} is not valid JSON: {exc}", param=param) from exc
+    if not isinstance(value, Mapping):
+        raise BadRequestError(f"{param} must be a JSON schema object.", param=param)
+    return dict(value)
 
 
 def _response_schema(response_format: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -115,7 +187,8 @@ def _checked(grammar: str, param: str) -> str:
         )
     problem = validate_grammar(grammar)
     if problem is not None:
-        raise BadRequestError(f"Invalid JSON schema: {problem}", param=param)
+        what = "JSON schema" if param in ("response_format", "tools") else "grammar"
+        raise BadRequestError(f"Invalid {what}: {problem}", param=param)
     return grammar
 
 

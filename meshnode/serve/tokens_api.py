@@ -7,9 +7,14 @@ both, so the clients written for either work unchanged:
   llama-server's ``{"content": str, "add_special": bool = false, "with_pieces": bool}``;
   a chat: vLLM's ``{"messages": [...], "tools": [...]}``, rendered with the model's
   template exactly as ``/v1/chat/completions`` renders it, assistant turn opened (so
-  ``count`` is the prompt a chat request would prefill). The answer is vLLM's
-  ``{"count", "max_model_len", "tokens", "token_strs"}``; ``token_strs`` (vLLM's
-  ``return_token_strs``) and llama-server's ``with_pieces`` both list each token's text.
+  ``count`` is the prompt a chat request would prefill). As in vLLM,
+  ``add_generation_prompt: false`` leaves the assistant's turn unopened and
+  ``continue_final_message: true`` leaves the final assistant message open for the model
+  to continue (the two exclude each other: asking both is a 400, and with
+  ``continue_final_message`` an ``add_generation_prompt`` left out counts as false).
+  The answer is vLLM's ``{"count", "max_model_len", "tokens", "token_strs"}``;
+  ``token_strs`` (vLLM's ``return_token_strs``) and llama-server's ``with_pieces`` both
+  list each token's text.
 - detokenize: ``{"tokens": [int]}`` → ``{"prompt": str, "content": str}`` (vLLM's and
   llama-server's names for the same text); an id outside the vocabulary is a 400.
 
@@ -35,7 +40,7 @@ __all__ = ["tokens_router"]
 MAX_DETOKENIZE_TOKENS = 262_144
 
 
-class TokenizeRequest(s.RequestModel):
+class TokenizeRequest(s.ChatTemplateOptions):
     model: StrictStr | None = None
     prompt: s.Text | None = None
     content: s.Text | None = None  # llama-server's name for ``prompt``
@@ -119,7 +124,14 @@ def _tokenize(service: ServeService, body: TokenizeRequest) -> list[int]:
             "Give exactly one of prompt (or content) and messages.", param="prompt"
         )
     if body.messages is not None:
-        specs = tool_specs(body.tools)
-        return service.chat_prompt([m.as_dict() for m in body.messages], specs)
+        return _chat_ids(service, body, body.messages)
     assert text is not None
     return service.codec.encode(text, add_special=body.adds_special())
+
+
+def _chat_ids(
+    service: ServeService, body: TokenizeRequest, messages: list[s.ChatMessage]
+) -> list[int]:
+    specs = tool_specs(body.tools)
+    turns, prefill, opened = body.template_turns([m.as_dict() for m in messages])
+    return service.chat_prompt(turns, specs, continue_with=prefill, add_generation_prompt=opened)

@@ -122,6 +122,9 @@ class ToolCallStream:
     """Splits a reply into content and tool calls as it streams (module docstring)."""
 
     format: ToolFormat
+    #: At most one call (``parallel_tool_calls: false``): calls after the first are
+    #: dropped, as OpenAI's model makes at most one then.
+    single: bool = False
     calls: list[_Call] = field(default_factory=list)
     _pending: str = ""  # content held back: it may be the start of the marker
     _region: str | None = None  # the text after the marker, once it was seen
@@ -194,7 +197,8 @@ class ToolCallStream:
     def _scan(self, *, final: bool) -> tuple[CallDelta, ...]:
         assert self._region is not None
         out: list[CallDelta] = []
-        for index, obj in enumerate(_objects(self._region)):
+        objects = _objects(self._region)
+        for index, obj in enumerate(objects[:1] if self.single else objects):
             delta = self._advance(index, obj, final)
             if delta is None:
                 break  # calls are handed out in order: a later one waits for this one

@@ -5,17 +5,30 @@
 parses no calls) and says what each streamed chunk carries. The non-streamed message is
 the same shaper fed every delta at once, so a stream's pieces always reassemble to the
 non-streamed reply. A reply that made calls and ended by itself finishes with
-``tool_calls``, as OpenAI's does.
+``calls_finish_reason``: ``tool_calls``, or ``stop`` for a named ``tool_choice``, as
+OpenAI's does (:attr:`meshnode.serve.tools.ToolPlan.calls_finish_reason`).
+
+:class:`BlockStream` cuts the same parser's output into content blocks instead, for the
+APIs that answer in blocks or items (Anthropic's Messages, OpenAI's Responses): text into
+a ``text`` block, each call into a ``tool_use`` block opened with its id and name whose
+arguments arrive as ``input_json_delta`` pieces, with the stream events of each (in
+Anthropic's names: ``content_block_start``, ``content_block_delta``,
+``content_block_stop``). The whole reply's blocks are the same stream's, so the two agree.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from meshnode.serve import schemas as s
 from meshnode.serve.toolparse import CallDelta, ToolCallStream, ToolDelta
 
-__all__ = ["ReplyShaper"]
+__all__ = ["BlockStream", "Event", "ReplyShaper", "tool_use_id"]
+
+#: One stream event: its name and its payload (without ``type``, which is the name).
+Event = tuple[str, dict[str, Any]]
 
 
 @dataclass(slots=True)
@@ -23,11 +36,10 @@ class ReplyShaper:
     """Turns the text deltas of one chat reply into OpenAI's message or chunk deltas."""
 
     parser: ToolCallStream | None
+    calls_finish_reason: str = "tool_calls"
     _content: list[str] = field(default_factory=list)
 
-    def push(
-        self, text: str, finish_reason: str | None
-    ) -> tuple[s.ChatDelta | None, str | None]:
+    def push(self, text: str, finish_reason: str | None) -> tuple[s.ChatDelta | None, str | None]:
         """The chunk delta for the next piece of text (None if it shows nothing yet) and
         the finish reason to report with it (None until the last piece)."""
         if self.parser is None:
@@ -62,7 +74,7 @@ class ReplyShaper:
 
     def _finish_reason(self, reason: str | None) -> str | None:
         if reason == "stop" and self.parser is not None and self.parser.calls:
-            return "tool_calls"
+            return self.calls_finish_reason
         return reason
 
 
@@ -80,3 +92,115 @@ def _call_delta(delta: CallDelta) -> s.ToolCallDelta:
         type="function" if delta.id is not None else None,
         function=s.FunctionCallDelta(name=delta.name, arguments=delta.arguments),
     )
+
+
+# -- content blocks -------------------------------------------------------------------------
+
+
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's id for a call (``toolu_`` and the call's random part)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+@dataclass(slots=True)
+class BlockStream:
+    """A reply's content blocks, built from its text as it streams (module docstring).
+
+    Without a parser (no tools shown) the reply is one text block, opened at once as
+    Anthropic's stream opens it; with one, blocks open as text or calls arrive, and a reply
+    that has neither gets an empty text block, as the non-streamed message does."""
+
+    parser: ToolCallStream | None
+    #: The blocks so far, as Anthropic writes them; a tool_use block's ``input`` is the
+    #: JSON text of its arguments until :meth:`blocks` parses it.
+    _blocks: list[dict[str, Any]] = field(default_factory=list)
+    _open: bool = False  # whether the last block is still open
+    _call_blocks: dict[int, int] = field(default_factory=dict)  # call index → block index
+
+    def start(self) -> list[Event]:
+        """The events that open the reply (its text block, when no tools are shown)."""
+        return self._open_block({"type": "text", "text": ""}) if self.parser is None else []
+
+    def push(self, text: str, final: bool) -> list[Event]:
+        """The events for the next piece of the reply; with ``final`` also those that end
+        it (the parser's held-back text and last calls, and the last block's stop)."""
+        piece = ToolDelta(content=text)
+        if self.parser is not None:
+            piece = self.parser.push(text)
+            if final:
+                end = self.parser.finish()
+                piece = ToolDelta(piece.content + end.content, piece.calls + end.calls)
+        events = self._text(piece.content) if piece.content else []
+        for call in piece.calls:
+            events += self._call(call)
+        if final:
+            if not self._blocks:
+                events += self._open_block({"type": "text", "text": ""})
+            events += self._close()
+        return events
+
+    @property
+    def made_calls(self) -> bool:
+        """Whether the reply called a tool."""
+        return bool(self._call_blocks)
+
+    def blocks(self) -> list[dict[str, Any]]:
+        """The content blocks of the whole reply (once the final piece was pushed)."""
+        return [_finished(block) for block in self._blocks]
+
+    def block(self, index: int) -> dict[str, Any]:
+        """Block ``index`` so far, a tool_use block's ``input`` as the JSON text of its
+        arguments (as they streamed)."""
+        return dict(self._blocks[index])
+
+    def _text(self, text: str) -> list[Event]:
+        events = []
+        if not (self._open and self._blocks[-1]["type"] == "text"):
+            events = self._close() + self._open_block({"type": "text", "text": ""})
+        self._blocks[-1]["text"] += text
+        return [*events, _delta(len(self._blocks) - 1, {"type": "text_delta", "text": text})]
+
+    def _call(self, call: CallDelta) -> list[Event]:
+        events: list[Event] = []
+        if call.id is not None:
+            block = {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": ""}
+            events = self._close() + self._open_block(block)
+            self._call_blocks[call.index] = len(self._blocks) - 1
+        if not call.arguments:
+            return events
+        index = self._call_blocks[call.index]
+        self._blocks[index]["input"] += call.arguments
+        piece = {"type": "input_json_delta", "partial_json": call.arguments}
+        return [*events, _delta(index, piece)]
+
+    def _open_block(self, block: dict[str, Any]) -> list[Event]:
+        self._blocks.append(block)
+        self._open = True
+        shown = {**block, "input": {}} if block["type"] == "tool_use" else dict(block)
+        return [("content_block_start", {"index": len(self._blocks) - 1, "content_block": shown})]
+
+    def _close(self) -> list[Event]:
+        if not self._open:
+            return []
+        self._open = False
+        return [("content_block_stop", {"index": len(self._blocks) - 1})]
+
+
+def _delta(index: int, delta: dict[str, Any]) -> Event:
+    return "content_block_delta", {"index": index, "delta": delta}
+
+
+def _finished(block: dict[str, Any]) -> dict[str, Any]:
+    if block["type"] != "tool_use":
+        return dict(block)
+    return {**block, "input": _object(block["input"])}
+
+
+def _object(text: str) -> dict[str, Any]:
+    """A call's arguments as an object; ``{}`` for arguments that are not a JSON object
+    (a call cut off by ``max_tokens``, which the stop reason says)."""
+    try:
+        value = json.loads(text or "{}")
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}

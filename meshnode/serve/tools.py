@@ -38,13 +38,16 @@ __all__ = [
     "ToolChoice",
     "ToolPlan",
     "ToolSpec",
+    "check_tool_count",
     "fallback_messages",
+    "function_spec",
     "render_chat",
     "template_messages",
     "tool_choice",
     "tool_format",
     "tool_plan",
     "tool_specs",
+    "unique_specs",
 ]
 
 #: OpenAI's rule for function names (and what every template can print unescaped).
@@ -121,9 +124,18 @@ class ToolPlan:
             return tuple(s for s in self.specs if s.name == self.choice.name)
         return self.specs if self.choice.mode == "required" else ()
 
+    @property
+    def calls_finish_reason(self) -> str:
+        """The ``finish_reason`` of a reply that made calls and ended by itself:
+        ``tool_calls``, except ``stop`` for a named ``tool_choice``, as OpenAI answers
+        (its replies, streamed or not, are tabled in vllm-project/vllm#25054)."""
+        return "stop" if self.choice.mode == "named" else "tool_calls"
+
     def parser(self) -> ToolCallStream | None:
         """A fresh parser of the reply's calls, or None when the reply is plain text."""
-        return ToolCallStream(self.format) if self.shown else None
+        if not self.shown:
+            return None
+        return ToolCallStream(self.format, single=not self.parallel)
 
 
 def tool_plan(
@@ -142,9 +154,18 @@ def tool_specs(tools: Sequence[Mapping[str, Any]] | None) -> list[ToolSpec]:
     """The request's tools, checked; raises BadRequestError (param ``tools``) for a bad one."""
     if not tools:
         return []
+    check_tool_count(tools)
+    return unique_specs([_spec(i, tool) for i, tool in enumerate(tools)])
+
+
+def check_tool_count(tools: Sequence[object]) -> None:
+    """Raise BadRequestError (param ``tools``) for more than :data:`MAX_TOOLS` tools."""
     if len(tools) > MAX_TOOLS:
         raise BadRequestError(f"At most {MAX_TOOLS} tools are allowed.", param="tools")
-    specs = [_spec(i, tool) for i, tool in enumerate(tools)]
+
+
+def unique_specs(specs: list[ToolSpec]) -> list[ToolSpec]:
+    """``specs``; raises BadRequestError (param ``tools``) if two share a name."""
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise BadRequestError("Tool names must be unique.", param="tools")
@@ -158,21 +179,34 @@ def _spec(index: int, tool: Mapping[str, Any]) -> ToolSpec:
     function = tool.get("function")
     if not isinstance(function, Mapping):
         raise BadRequestError(f"{where}.function must be an object.", param="tools")
-    name = function.get("name")
+    return function_spec(
+        f"{where}.function",
+        function.get("name"),
+        function.get("description"),
+        function.get("parameters"),
+    )
+
+
+def function_spec(
+    where: str,
+    name: object,
+    description: object,
+    parameters: object,
+    schema_key: str = "parameters",
+) -> ToolSpec:
+    """A checked tool from its parts as a request gave them (``where`` names the tool in
+    errors, ``schema_key`` its schema's field; no schema takes no arguments); raises
+    BadRequestError (param ``tools``) for a bad name, description or schema."""
     if not isinstance(name, str) or not _NAME.match(name):
         raise BadRequestError(
-            f"{where}.function.name must be 1-64 letters, digits, '_' or '-'.", param="tools"
+            f"{where}.name must be 1-64 letters, digits, '_' or '-'.", param="tools"
         )
-    description = function.get("description")
     if description is not None and not isinstance(description, str):
-        raise BadRequestError(f"{where}.function.description must be a string.", param="tools")
-    parameters = function.get("parameters")
+        raise BadRequestError(f"{where}.description must be a string.", param="tools")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, Mapping):
-        raise BadRequestError(
-            f"{where}.function.parameters must be a JSON schema object.", param="tools"
-        )
+        raise BadRequestError(f"{where}.{schema_key} must be a JSON schema object.", param="tools")
     return ToolSpec(name, description, parameters)
 
 
@@ -225,8 +259,11 @@ def render_chat(
     template: ChatTemplate | None,
     messages: Sequence[Mapping[str, Any]],
     specs: Sequence[ToolSpec] = (),
+    *,
+    add_generation_prompt: bool = True,
 ) -> str:
-    """The prompt text of a chat, tools shown as the template (or the fallback) does.
+    """The prompt text of a chat, tools shown as the template (or the fallback) does, and
+    (with ``add_generation_prompt``) the assistant's turn opened.
 
     ``messages`` are dicts with ``role`` and ``content`` (text or None), and where they
     have them ``tool_calls`` (OpenAI's shape, arguments as JSON text), ``tool_call_id`` and
@@ -235,14 +272,17 @@ def render_chat(
     with_tools = bool(specs) or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if with_tools and template is not None and template.reads_tools:
         tools = [s.as_openai() for s in specs] or None
-        return template.render(template_messages(messages), tools=tools)
+        return template.render(
+            template_messages(messages), add_generation_prompt=add_generation_prompt, tools=tools
+        )
     if with_tools:
         messages = fallback_messages(messages, specs)
     plain = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
     if template is None:
         # A model without a template still chats: plain role-prefixed turns.
-        return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
-    return template.render(plain)
+        turns = "".join(f"{m['role']}: {m['content']}\n" for m in plain)
+        return turns + "assistant:" if add_generation_prompt else turns
+    return template.render(plain, add_generation_prompt=add_generation_prompt)
 
 
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ from meshnode.engine.sampling import (
     logits_to_probs,
     random_seed,
 )
-from meshnode.engine.weights import StageWeights, load_stage_weights, norm_weight
+from meshnode.engine.weights import StageWeights, norm_weight
 from meshnode.errors import ModelError
 from meshnode.speculative.acceptance import sample_row
 from meshnode.speculative.proposer import EMPTY_PROPOSAL, Proposal, common_prefix
@@ -207,14 +207,8 @@ def layer_skip_stage(target: Stage, layers: int, source: ModelSource | None = No
         if tied:
             norm = target.backend.asarray(norm_weight(source, target.config, "norm.weight"))
         else:
-            head = load_stage_weights(
-                source,
-                target.config,
-                layers,
-                layers,
-                embed=False,
-                head=True,
-                backend=target.backend,
+            head = target.backend.load_weights(
+                source, target.config, layers, layers, embed=False, head=True
             )
             norm, head_t = head.norm, head.head_t
     shared = StageWeights(0, layers, w.layers[:layers], w.embed_t, norm, head_t)

@@ -9,22 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-import numpy.typing as npt
-
 from meshnode.engine.kv_cache import KVCache
-from meshnode.engine.model import Stage
+from meshnode.engine.model import HostArray, Stage, token_ids
 
 
 def forward_rows(
     stage: Stage, tokens: Sequence[int], start_pos: int, cache: KVCache, rows: int
-) -> npt.NDArray[np.float32]:
+) -> HostArray:
     """Logits ``[rows, V]`` of the last ``rows`` of ``tokens`` fed at ``start_pos``, on the host.
 
     ``forward`` truncates the cache to ``start_pos`` first, so this is also the rollback.
     Raises ``ValueError`` if the tokens do not fit the cache.
     """
-    ids = np.asarray(tokens, dtype=np.int64)
-    logits = stage.forward(ids, start_pos, cache, out_rows=rows)
-    host: npt.NDArray[np.float32] = stage.backend.to_numpy(logits)
+    logits = stage.forward(token_ids(tokens), start_pos, cache, out_rows=rows)
+    host: HostArray = stage.backend.to_numpy(logits)
     return host

@@ -29,6 +29,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from meshnode_packaging.package import PackageSource
+from meshnode_packaging.sources import ModelSource
+
 from meshnode.errors import ConfigError
 from meshnode.speculative.ngram import NgramParams
 from meshnode.speculative.window import WindowKind, WindowPolicy
@@ -144,6 +147,13 @@ class _Choice:
     strategy: Strategy
     source: str
     package_entry: Mapping[str, Any] | None = None
+
+
+def package_block(source: ModelSource) -> Mapping[str, Any] | None:
+    """The package's ``generation.speculative_decoding`` block (GGUF and HF sources have none)."""
+    if isinstance(source, PackageSource):
+        return source.manifest.speculative_decoding
+    return None
 
 
 def resolve_speculative(

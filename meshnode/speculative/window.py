@@ -181,10 +181,10 @@ def best_window(policy: WindowPolicy, costs: StepCosts, rate: float, current: in
     if not costs.seconds:
         return current
     fresh = costs.fresh()  # once per step, not once per candidate size
-    best, best_value = policy.min_window, -1.0
-    for k in range(policy.min_window, policy.max_window + 1):
-        cost = _estimate(fresh, k) or 1.0  # a clock that stands still measures 0
-        value = expected_tokens(k, rate) / cost
-        if value > best_value * (1 + 1e-9):
-            best, best_value = k, value
-    return best
+    sizes = range(policy.min_window, policy.max_window + 1)
+    # A clock that stands still measures 0.
+    values = [expected_tokens(k, rate) / (_estimate(fresh, k) or 1.0) for k in sizes]
+    # The smallest size within rounding of the best: comparing each size with the best so
+    # far instead would let rounding pick a larger window for a lower rate.
+    floor = max(values) * (1 - 1e-9)
+    return next(k for k, value in zip(sizes, values, strict=True) if value >= floor)

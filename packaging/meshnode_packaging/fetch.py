@@ -40,7 +40,6 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,17 +53,15 @@ from meshnode_packaging.errors import (
     ChecksumMismatch,
     DiskFull,
     FetchError,
-    NotFound,
     OfflineMissing,
     TransferError,
-    Unauthorized,
 )
 from meshnode_packaging.hub import token_for
 from meshnode_packaging.manifest import MANIFEST_NAME, Manifest, Part
 from meshnode_packaging.refs import RemotePackage
+from meshnode_packaging.transfer import Progress, ProgressFn, Retry, check_status
 from meshnode_packaging.validate import manifest_problems, sha256_file
 
-ProgressFn = Callable[[int, int], None]
 """``progress(bytes_done, bytes_total)``; called from worker threads, one call at a time."""
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -107,36 +104,6 @@ class _Want:
     rel: str
     size: int
     sha256: str
-
-
-class _Retry(Exception):
-    """A response worth retrying (5xx, 429, a stale partial file); counts as a failed attempt."""
-
-
-class _Progress:
-    def __init__(self, total: int, fn: ProgressFn | None) -> None:
-        self.done, self.total, self._fn = 0, total, fn
-        self._lock = threading.Lock()
-
-    def add(self, n: int) -> None:
-        if n == 0:
-            return
-        with self._lock:
-            self.done += n
-            if self._fn is not None:
-                self._fn(self.done, self.total)
-
-
-def _check_status(r: httpx.Response, url: str) -> None:
-    code = r.status_code
-    if code in (401, 403):
-        raise Unauthorized(f"HTTP {code}: set HF_TOKEN to a token with access", url=url)
-    if code == 404:
-        raise NotFound("HTTP 404: no such repository, revision or file", url=url)
-    if code == 429 or code >= 500:
-        raise _Retry(f"HTTP {code}")
-    if code >= 400:
-        raise FetchError(f"HTTP {code}", url=url)
 
 
 def _auth(url: str) -> dict[str, str]:
@@ -205,7 +172,7 @@ class Materializer:
                 _Want(r, int(manifest.files[r]["size"]), manifest.files[r]["sha256"]) for r in rels
             ]
             self._check_space(ref, wants)
-            prog = _Progress(sum(w.size for w in wants), progress)
+            prog = Progress(sum(w.size for w in wants), progress)
             self._run_all(client, ref, wants, offline, prog)
         return self.snapshot_dir(ref)
 
@@ -225,7 +192,7 @@ class Materializer:
         ref: RemotePackage,
         wants: list[_Want],
         offline: bool,
-        prog: _Progress,
+        prog: Progress,
     ) -> None:
         self._failed.clear()
         with ThreadPoolExecutor(max_workers=self.limits.max_parallel_files) as pool:
@@ -268,7 +235,7 @@ class Materializer:
         for attempt in range(self.limits.max_attempts):
             try:
                 data = self._get_small(client, url)
-            except (httpx.TransportError, _Retry) as exc:
+            except (httpx.TransportError, Retry) as exc:
                 if attempt + 1 == self.limits.max_attempts:
                     raise TransferError(f"manifest fetch failed: {exc}", url=url) from exc
                 time.sleep(self.limits.retry_backoff_s * 2**attempt)
@@ -281,7 +248,7 @@ class Materializer:
 
     def _get_small(self, client: httpx.Client, url: str) -> bytes:
         with client.stream("GET", url, headers=_auth(url)) as r:
-            _check_status(r, url)
+            check_status(r, url)
             body = bytearray()
             for chunk in r.iter_raw():
                 body += chunk
@@ -322,7 +289,7 @@ class Materializer:
             )
 
     def _ensure(
-        self, client: httpx.Client, ref: RemotePackage, w: _Want, offline: bool, prog: _Progress
+        self, client: httpx.Client, ref: RemotePackage, w: _Want, offline: bool, prog: Progress
     ) -> None:
         if self._cancelled():
             raise Cancelled(f"{w.rel}: fetch cancelled")
@@ -350,7 +317,7 @@ class Materializer:
         return False
 
     def _download_verified(
-        self, client: httpx.Client, url: str, blob: Path, w: _Want, prog: _Progress
+        self, client: httpx.Client, url: str, blob: Path, w: _Want, prog: Progress
     ) -> None:
         tmp = blob.with_name(blob.name + ".incomplete")
         for _ in range(2):  # a mismatch earns one complete refetch, then it is an error
@@ -362,9 +329,7 @@ class Materializer:
             tmp.unlink()
         raise ChecksumMismatch(f"{w.rel}: sha256 differs from the manifest twice", url=url)
 
-    def _download(
-        self, client: httpx.Client, url: str, tmp: Path, w: _Want, prog: _Progress
-    ) -> str:
+    def _download(self, client: httpx.Client, url: str, tmp: Path, w: _Want, prog: Progress) -> str:
         counted = 0
         for failures in range(self.limits.max_attempts):
             have = tmp.stat().st_size if tmp.is_file() else 0
@@ -375,7 +340,7 @@ class Materializer:
             counted = have
             try:
                 return self._stream(client, url, tmp, w, prog)
-            except (httpx.TransportError, _Retry) as exc:
+            except (httpx.TransportError, Retry) as exc:
                 counted = tmp.stat().st_size if tmp.is_file() else 0
                 if failures + 1 == self.limits.max_attempts:
                     raise TransferError(
@@ -384,7 +349,7 @@ class Materializer:
                 time.sleep(self.limits.retry_backoff_s * 2**failures)
         raise AssertionError("unreachable")
 
-    def _stream(self, client: httpx.Client, url: str, tmp: Path, w: _Want, prog: _Progress) -> str:
+    def _stream(self, client: httpx.Client, url: str, tmp: Path, w: _Want, prog: Progress) -> str:
         """Append the rest of the file to ``tmp``; return the sha256 of the whole of it."""
         have = tmp.stat().st_size if tmp.is_file() else 0
         h = hashlib.sha256()
@@ -396,15 +361,15 @@ class Materializer:
         with client.stream("GET", url, headers={**headers, **_auth(url)}) as r:
             if r.status_code == 416:
                 tmp.unlink()  # our partial file disagrees with the server's: start over
-                raise _Retry("HTTP 416 on resume")
-            _check_status(r, url)
+                raise Retry("HTTP 416 on resume")
+            check_status(r, url)
             if have and r.status_code != 206:  # Range ignored: the body is the whole file
                 prog.add(-have)
                 have, h = 0, hashlib.sha256()
             return self._write_body(r, tmp, have, h, w, prog)
 
     def _write_body(
-        self, r: httpx.Response, tmp: Path, have: int, h: Any, w: _Want, prog: _Progress
+        self, r: httpx.Response, tmp: Path, have: int, h: Any, w: _Want, prog: Progress
     ) -> str:
         try:
             with tmp.open("ab" if have else "wb") as f:
@@ -425,7 +390,7 @@ class Materializer:
                 raise DiskFull(f"disk full while writing {tmp}") from exc
             raise
         if have != w.size:  # the body ended early without an error from the transport
-            raise _Retry(f"body ended at {have} of {w.size} bytes")
+            raise Retry(f"body ended at {have} of {w.size} bytes")
         return str(h.hexdigest())
 
 

@@ -1,14 +1,18 @@
-"""A GGUF file opened for reading: its metadata as Python values, its tensors as views of
-the memory-mapped file.
+"""A GGUF file's header, read from its bytes: metadata as Python values, tensors as byte
+ranges; and a GGUF file opened for reading, its tensors as views of the memory-mapped file.
 
 ``gguf.GGUFReader`` builds a NumPy view for every element of every metadata array, which
 for a 262k-token vocabulary (Gemma 3) takes tens of seconds, on every open. This reader
 walks the header once with ``struct`` and decodes arrays in bulk, so opening such a file
 costs a fraction of a second; tensor data is never read here, only mapped.
 
-Nothing in the file is trusted: counts, lengths, types and offsets are checked against the
+One reader serves a whole local file (:class:`GGUFFile`) and a prefix fetched from a hub
+(:func:`~meshnode_packaging.remote_headers.gguf_layout`): when the bytes end before the
+header does it raises :class:`GGUFTruncatedError`, which for a prefix means "fetch more".
+
+Nothing in the bytes is trusted: counts, lengths, types and offsets are checked against the
 file's size, and a bad header raises :class:`GGUFFormatError` (which the sources turn into
-their ``GGUFFormatError``).
+their ``SourceError`` and the fetcher into its ``FetchError``).
 Layout (GGUF v2/v3): magic, version, tensor count, metadata count, metadata (key, type,
 value), tensor infos (name, dims, type, offset), padding to ``general.alignment``, data.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,14 +30,25 @@ from typing import Any
 import gguf
 import numpy as np
 
-__all__ = ["GGUFFile", "GGUFFormatError", "GGUFTensor"]
+__all__ = [
+    "GGUFFile",
+    "GGUFFormatError",
+    "GGUFHeader",
+    "GGUFTensor",
+    "GGUFTensorInfo",
+    "GGUFTruncatedError",
+    "read_header",
+]
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
-# Counts above these are not a model's: they would only make us allocate.
+# Counts and sizes above these are not a model's: they would only make us allocate.
 _MAX_TENSORS = 1 << 20
 _MAX_KV = 1 << 20
 _MAX_DIMS = 8
+_MAX_NAME = 64
+_MAX_STRING = 128 << 20
+_MAX_ARRAY = 1 << 28
 _DEFAULT_ALIGNMENT = 32
 _STRING, _ARRAY = 8, 9
 # Scalar value types: struct format (little-endian) and NumPy dtype of an array of them.
@@ -53,13 +69,42 @@ _BOOL = 7
 
 
 class GGUFFormatError(ValueError):
-    """The file is not a GGUF file this reader accepts; the message says where and why."""
+    """The bytes are not a GGUF header this reader accepts; the message says where and why."""
+
+
+class GGUFTruncatedError(GGUFFormatError):
+    """The bytes end before the header does (for a fetched prefix: fetch more)."""
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor's entry in the header: ``shape`` in GGUF order (fastest-varying dimension
+    first, as ``gguf.ReaderTensor``), its stored type, and where its bytes lie in the file."""
+
+    name: str
+    shape: tuple[int, ...]
+    tensor_type: gguf.GGMLQuantizationType
+    start: int  # absolute file offset
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.nbytes
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What the header says: metadata (key → value; only the keys asked for) and tensors."""
+
+    fields: dict[str, Any]
+    tensors: tuple[GGUFTensorInfo, ...]
+    data_start: int  # where tensor data begins: the header's length with its padding
 
 
 @dataclass(frozen=True)
 class GGUFTensor:
-    """One tensor: ``shape`` in GGUF order (fastest-varying dimension first, as
-    ``gguf.ReaderTensor``), its stored type, and ``data``, its bytes (a view of the map)."""
+    """One tensor: ``shape`` in GGUF order, its stored type, and ``data``, its bytes (a view
+    of the map)."""
 
     name: str
     shape: tuple[int, ...]
@@ -67,26 +112,64 @@ class GGUFTensor:
     data: np.ndarray[Any, np.dtype[np.uint8]]
 
 
-class _Cursor:
-    """Reads the header from the mapped bytes; every read is bounds-checked."""
+def read_header(
+    buf: bytes | memoryview, where: str, size: int, keys: Container[str] | None = None
+) -> GGUFHeader:
+    """The header of GGUF file ``where`` (``size`` bytes), read from its first bytes ``buf``.
 
-    def __init__(self, buf: memoryview, path: Path) -> None:
-        self.buf, self.pos, self.path = buf, 0, path
+    ``keys`` limits which metadata values are decoded (the rest are skipped; None: all).
+    Raises :class:`GGUFTruncatedError` when ``buf`` ends inside the header and
+    :class:`GGUFFormatError` when the header is damaged or implausible.
+    """
+    c = _Cursor(memoryview(buf), where)
+    if bytes(c.take(4)) != _MAGIC:
+        raise c.fail("no GGUF magic")
+    version = c.u32()
+    if version not in _VERSIONS:
+        raise c.fail(f"GGUF version {version}; supported: {_VERSIONS}")
+    n_tensors, n_kv = c.u64(), c.u64()
+    if n_tensors > _MAX_TENSORS or n_kv > _MAX_KV:
+        raise c.fail(f"{n_tensors} tensors and {n_kv} metadata keys")
+    fields: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = c.string()
+        kind = c.u32()
+        if keys is None or key in keys or key == "general.alignment":
+            fields[key] = c.value(kind)
+        else:
+            c.skip(kind)
+    entries = [_tensor_entry(c) for _ in range(n_tensors)]
+    alignment = fields.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+        raise c.fail("general.alignment is not a power of two")
+    if keys is not None and "general.alignment" not in keys:
+        fields.pop("general.alignment", None)
+    data_start = -(-c.pos // alignment) * alignment
+    tensors = tuple(_tensor_info(c, data_start, size, *entry) for entry in entries)
+    return GGUFHeader(fields, tensors, data_start)
+
+
+class _Cursor:
+    """Reads the header from bytes; every read is bounds-checked."""
+
+    def __init__(self, buf: memoryview, where: str) -> None:
+        self.buf, self.pos, self.where = buf, 0, where
 
     def fail(self, what: str) -> GGUFFormatError:
-        return GGUFFormatError(f"{self.path}: not a readable GGUF file ({what})")
+        return GGUFFormatError(f"{self.where}: not a readable GGUF file ({what})")
 
     def take(self, n: int) -> memoryview:
         if n < 0 or self.pos + n > len(self.buf):
-            raise self.fail(f"header runs past the end of the file at byte {self.pos}")
+            raise GGUFTruncatedError(
+                f"{self.where}: not a readable GGUF file "
+                f"(header runs past the end of the file at byte {self.pos})"
+            )
         out = self.buf[self.pos : self.pos + n]
         self.pos += n
         return out
 
     def unpack(self, fmt: str) -> Any:
-        size = struct.calcsize(fmt)
-        value = struct.unpack_from(fmt, self.take(size))[0]
-        return value
+        return struct.unpack_from(fmt, self.take(struct.calcsize(fmt)))[0]
 
     def u32(self) -> int:
         return int(self.unpack("<I"))
@@ -94,8 +177,14 @@ class _Cursor:
     def u64(self) -> int:
         return int(self.unpack("<Q"))
 
+    def raw_string(self) -> memoryview:
+        n = self.u64()
+        if n > _MAX_STRING:
+            raise self.fail(f"a string of {n} bytes")
+        return self.take(n)
+
     def string(self) -> str:
-        raw = self.take(self.u64())
+        raw = self.raw_string()
         try:
             return str(raw, "utf-8")
         except UnicodeDecodeError as exc:
@@ -106,25 +195,74 @@ class _Cursor:
             return self.string()
         if kind == _ARRAY:
             return self.array()
-        if kind not in _SCALARS:
-            raise self.fail(f"unknown metadata type {kind}")
-        value = self.unpack(_SCALARS[kind][0])
+        value = self.unpack(self.scalar(kind)[0])
         return bool(value) if kind == _BOOL else value
 
     def array(self) -> list[Any]:
-        kind, count = self.u32(), self.u64()
-        if count > len(self.buf):  # every element takes at least one byte
-            raise self.fail(f"an array of {count} elements")
+        kind, count = self.array_head()
         if kind == _STRING:
             return [self.string() for _ in range(count)]
         if kind == _ARRAY:
             return [self.array() for _ in range(count)]
-        if kind not in _SCALARS:
-            raise self.fail(f"unknown array element type {kind}")
-        dtype = np.dtype(_SCALARS[kind][1])
+        dtype = np.dtype(self.scalar(kind)[1])
         values = np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype)
         items: list[Any] = values.tolist()
         return [bool(v) for v in items] if kind == _BOOL else items
+
+    def skip(self, kind: int) -> None:
+        """Steps over a value of type ``kind`` without decoding it."""
+        if kind == _STRING:
+            self.raw_string()
+        elif kind == _ARRAY:
+            inner, count = self.array_head()
+            if inner in _SCALARS:
+                self.take(count * np.dtype(_SCALARS[inner][1]).itemsize)
+            else:
+                for _ in range(count):
+                    self.skip(inner)
+        else:
+            self.take(np.dtype(self.scalar(kind)[1]).itemsize)
+
+    def array_head(self) -> tuple[int, int]:
+        kind, count = self.u32(), self.u64()
+        if count > _MAX_ARRAY:
+            raise self.fail(f"an array of {count} elements")
+        if kind not in (_STRING, _ARRAY):
+            self.scalar(kind)
+        return kind, count
+
+    def scalar(self, kind: int) -> tuple[str, str]:
+        if kind not in _SCALARS:
+            raise self.fail(f"unknown metadata type {kind}")
+        return _SCALARS[kind]
+
+
+def _tensor_entry(c: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
+    name = c.string()
+    if len(name) > _MAX_NAME:  # ggml's own limit (GGML_MAX_NAME)
+        raise c.fail(f"a tensor name of {len(name)} characters")
+    n_dims = c.u32()
+    if n_dims > _MAX_DIMS:
+        raise c.fail(f"tensor {name!r} has {n_dims} dimensions")
+    dims = tuple(c.u64() for _ in range(n_dims))
+    return name, dims, c.u32(), c.u64()
+
+
+def _tensor_info(
+    c: _Cursor, data_start: int, size: int, name: str, dims: tuple[int, ...], kind: int, offset: int
+) -> GGUFTensorInfo:
+    try:
+        qtype = gguf.GGMLQuantizationType(kind)
+        block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError) as exc:
+        raise c.fail(f"tensor {name!r} has unknown type {kind}") from exc
+    if dims and dims[0] % block:
+        raise c.fail(f"tensor {name!r}: rows of {dims[0]} are not whole blocks of {block}")
+    nbytes = math.prod(dims) // block * type_bytes
+    start = data_start + offset
+    if start + nbytes > size:
+        raise c.fail(f"tensor {name!r} runs past the end of the file")
+    return GGUFTensorInfo(name, dims, qtype, start, nbytes)
 
 
 class GGUFFile:
@@ -137,64 +275,14 @@ class GGUFFile:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as exc:
             raise GGUFFormatError(f"{path}: not a readable GGUF file ({exc})") from exc
-        buf = memoryview(self._map)
-        c = _Cursor(buf, path)
-        if bytes(c.take(4)) != _MAGIC:
-            raise c.fail("no GGUF magic")
-        version = c.u32()
-        if version not in _VERSIONS:
-            raise c.fail(f"GGUF version {version}; supported: {_VERSIONS}")
-        n_tensors, n_kv = c.u64(), c.u64()
-        if n_tensors > _MAX_TENSORS or n_kv > _MAX_KV:
-            raise c.fail(f"{n_tensors} tensors and {n_kv} metadata keys")
-        self.fields: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = c.string()
-            self.fields[key] = c.value(c.u32())
-        infos = [_tensor_info(c) for _ in range(n_tensors)]
-        alignment = self.fields.get("general.alignment", _DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment < 1:
-            raise c.fail(f"general.alignment {alignment!r}")
-        start = -(-c.pos // alignment) * alignment
+        header = read_header(memoryview(self._map), str(path), len(self._map))
+        self.fields = header.fields
         everything = np.frombuffer(self._map, dtype=np.uint8)
         self.tensors = [
-            _tensor(c, everything, start, name, dims, kind, offset)
-            for name, dims, kind, offset in infos
+            GGUFTensor(t.name, t.shape, t.tensor_type, everything[t.start : t.end])
+            for t in header.tensors
         ]
 
     def get(self, key: str, default: Any = None) -> Any:
         """The value of metadata ``key`` (a str, number, bool or list), or ``default``."""
         return self.fields.get(key, default)
-
-
-def _tensor_info(c: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
-    name = c.string()
-    n_dims = c.u32()
-    if n_dims > _MAX_DIMS:
-        raise c.fail(f"tensor {name!r} has {n_dims} dimensions")
-    dims = tuple(c.u64() for _ in range(n_dims))
-    return name, dims, c.u32(), c.u64()
-
-
-def _tensor(
-    c: _Cursor,
-    everything: np.ndarray[Any, np.dtype[np.uint8]],
-    start: int,
-    name: str,
-    dims: tuple[int, ...],
-    kind: int,
-    offset: int,
-) -> GGUFTensor:
-    try:
-        qtype = gguf.GGMLQuantizationType(kind)
-        block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    except (ValueError, KeyError) as exc:
-        raise c.fail(f"tensor {name!r} has unknown type {kind}") from exc
-    elements = math.prod(dims)
-    if dims and dims[0] % block:
-        raise c.fail(f"tensor {name!r}: rows of {dims[0]} are not whole blocks of {block}")
-    size = elements // block * type_bytes
-    begin = start + offset
-    if begin + size > len(everything):
-        raise c.fail(f"tensor {name!r} runs past the end of the file")
-    return GGUFTensor(name, dims, qtype, everything[begin : begin + size])

@@ -32,7 +32,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,13 +44,11 @@ from meshnode_packaging.errors import (
     Cancelled,
     DiskFull,
     FetchError,
-    NotFound,
     TransferError,
-    Unauthorized,
 )
 from meshnode_packaging.hub import token_for
+from meshnode_packaging.transfer import Progress, ProgressFn, Retry, check_status
 
-ProgressFn = Callable[[int, int], None]
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 
 
@@ -239,34 +237,6 @@ def pieces(missing: list[ByteRange], limits: RangeLimits) -> list[ByteRange]:
     return out
 
 
-class _Progress:
-    def __init__(self, total: int, fn: ProgressFn | None) -> None:
-        self.done, self.total, self._fn = 0, total, fn
-        self._lock = threading.Lock()
-
-    def add(self, n: int) -> None:
-        with self._lock:
-            self.done += n
-            if self._fn is not None and n:
-                self._fn(self.done, self.total)
-
-
-class _Retry(Exception):
-    """Worth another attempt (5xx, 429, a body that ended early)."""
-
-
-def _check_status(r: httpx.Response, url: str) -> None:
-    code = r.status_code
-    if code in (401, 403):
-        raise Unauthorized(f"HTTP {code}: set HF_TOKEN to a token with access", url=url)
-    if code == 404:
-        raise NotFound("HTTP 404: no such repository, revision or file", url=url)
-    if code == 429 or code >= 500:
-        raise _Retry(f"HTTP {code}")
-    if code != 206:
-        raise FetchError(f"HTTP {code}: expected 206 Partial Content for a Range request", url=url)
-
-
 def _check_range(r: httpx.Response, url: str, want: ByteRange, size: int, pin: str) -> None:
     for resp in (*r.history, r):
         commit = resp.headers.get("X-Repo-Commit")
@@ -301,7 +271,7 @@ class RangeFetcher:
 
     def run(self, jobs: list[RangeJob]) -> None:
         """Fetch every job; raise the first failure after the others stopped."""
-        prog = _Progress(sum(j.piece.size for j in jobs), self._progress_fn)
+        prog = Progress(sum(j.piece.size for j in jobs), self._progress_fn)
         n = self.limits.max_parallel
         with (
             httpx.Client(
@@ -327,7 +297,7 @@ class RangeFetcher:
         if f.exception() is not None:
             self._stop.set()
 
-    def _one(self, client: httpx.Client, job: RangeJob, prog: _Progress) -> None:
+    def _one(self, client: httpx.Client, job: RangeJob, prog: Progress) -> None:
         written = 0
         for attempt in range(self.limits.max_attempts):
             if self.cancelled():
@@ -340,7 +310,7 @@ class RangeFetcher:
             except _PartialRead as exc:
                 written += exc.written
                 cause: Exception = exc.cause
-            except (httpx.TransportError, _Retry) as exc:
+            except (httpx.TransportError, Retry) as exc:
                 cause = exc
             if attempt + 1 == self.limits.max_attempts:
                 raise TransferError(
@@ -350,23 +320,23 @@ class RangeFetcher:
                 ) from cause
             time.sleep(self.limits.retry_backoff_s * 2**attempt)
 
-    def _stream(self, client: httpx.Client, job: RangeJob, want: ByteRange, prog: _Progress) -> int:
+    def _stream(self, client: httpx.Client, job: RangeJob, want: ByteRange, prog: Progress) -> int:
         headers = {"Range": f"bytes={want.start}-{want.end - 1}"}
         if token := token_for(job.url):
             headers["Authorization"] = f"Bearer {token}"  # httpx drops it on cross-host redirects
         written = 0
         try:
             with client.stream("GET", job.url, headers=headers) as r:
-                _check_status(r, job.url)
+                check_status(r, job.url, ranged=True)
                 _check_range(r, job.url, want, job.target.size, self.pin)
                 written = self._write(r, job, want, prog)
-        except (httpx.TransportError, _Retry) as exc:
+        except (httpx.TransportError, Retry) as exc:
             if written:
                 raise _PartialRead(written, exc) from exc
             raise
         return written
 
-    def _write(self, r: httpx.Response, job: RangeJob, want: ByteRange, prog: _Progress) -> int:
+    def _write(self, r: httpx.Response, job: RangeJob, want: ByteRange, prog: Progress) -> int:
         written = 0
         try:
             with job.target.path.open("r+b") as f:
@@ -380,14 +350,14 @@ class RangeFetcher:
                         f.write(chunk)
                         written += len(chunk)
                         prog.add(len(chunk))
-                except (httpx.TransportError, _Retry) as exc:
+                except (httpx.TransportError, Retry) as exc:
                     raise _PartialRead(written, exc) from exc
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise DiskFull(f"disk full while writing {job.target.path}") from exc
             raise
         if written != want.size:
-            raise _PartialRead(written, _Retry(f"body ended at {written} of {want.size} bytes"))
+            raise _PartialRead(written, Retry(f"body ended at {written} of {want.size} bytes"))
         return written
 
 

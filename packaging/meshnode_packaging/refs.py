@@ -22,6 +22,7 @@ commit sha, or a URL package's manifest sha256): every stage reads exactly that.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import os
 import re
@@ -118,11 +119,19 @@ def resolve(ref: str | Path) -> ModelRef:
         return LocalPackage(path)
     if path.is_file() or (path / "config.json").is_file():
         return LocalSource(path)
+    if not path.exists() and _looks_like_path(text):
+        raise RefError(f"{text!r}: no such file or folder")
     known = ", ".join(sorted(DEFAULT_MODELS))
     raise RefError(
         f"{text!r} is not a model alias ({known}), a .gguf file, a checkpoint or package folder, "
         "hf://org/repo[@revision] or an https:// URL"
     )
+
+
+def _looks_like_path(text: str) -> bool:
+    # An alias is a bare word (smollm2-135m); a missing file would otherwise be told it is
+    # "not a model alias, a .gguf file, ...", which hides the typo in its path.
+    return "/" in text or os.sep in text or text.startswith(("~", ".")) or text.endswith(".gguf")
 
 
 def _hub_ref(m: re.Match[str]) -> RemotePackage:
@@ -134,6 +143,31 @@ def _hub_ref(m: re.Match[str]) -> RemotePackage:
     revision = check_revision(m["rev"]) if m["rev"] is not None else DEFAULT_REVISION
     file = check_repo_path(m["file"]) if m["file"] is not None else None
     return RemotePackage(repo=repo, revision=revision, file=file, quant=m["quant"])
+
+
+class RefKind(enum.StrEnum):
+    """Where a reference's bytes come from (see :func:`ref_kind`)."""
+
+    HUB = "hub"  # hf://: the hub of this process (HF_ENDPOINT)
+    URL = "url"  # http(s)://: any host
+    ALIAS = "alias"  # a model bundled in an installed package (sources.DEFAULT_MODELS)
+    LOCAL = "local"  # anything else: a path on this machine
+
+
+def ref_kind(ref: str) -> RefKind:
+    """What kind of reference ``ref`` is, read from its text alone.
+
+    Nothing is looked up (no file system, no network), so a node can decide whether to
+    open a reference another node sent before touching anything it names. A malformed
+    ``hf://`` reference is still ``HUB`` (:func:`resolve` refuses it later).
+    """
+    if ref.startswith("hf://"):
+        return RefKind.HUB
+    if is_url(ref):
+        return RefKind.URL
+    if ref in DEFAULT_MODELS:
+        return RefKind.ALIAS
+    return RefKind.LOCAL
 
 
 def is_url(ref: str | Path | ModelRef) -> bool:

@@ -28,7 +28,6 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -69,13 +68,13 @@ from meshnode_packaging.sources import (
     open_gguf,
     sampling_defaults,
 )
+from meshnode_packaging.transfer import ProgressFn
 
 if TYPE_CHECKING:
     from meshnode_packaging.refs import RemotePackage
 
 log = logging.getLogger("meshnode_packaging.remote")
 
-ProgressFn = Callable[[int, int], None]
 # The first read of a header. A GGUF header holds the vocabulary (1-6 MB for real models); a
 # safetensors header is tens of KB and says its own length in its first 8 bytes.
 FIRST_GGUF_BYTES = 1 << 20

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,10 +39,10 @@ from meshnode_packaging.sources import (
     sampling_defaults,
 )
 from meshnode_packaging.tensorfile import FileDigest, write_tensor_file
+from meshnode_packaging.transfer import ProgressFn
 from meshnode_packaging.validate import manifest_problems, sha256_file
 
 TargetDType = Literal["f16", "bf16", "f32"]
-ProgressFn = Callable[[int, int], None]
 """``progress(done, total)`` in tensors written (reading a tensor twice to count bytes first
 would cost a second pass over a GGUF's un-permuted Q/K rows)."""
 

@@ -246,7 +246,8 @@ class Inventory(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InventoryReport(Message):
-    """Node → coordinator: layer ranges ready / missing / being prepared, and byte progress."""
+    """Node → coordinator: layer ranges ready / missing / being prepared, and byte progress;
+    once loaded, ``busy_ms``: how long its compute pass in progress has run (0: idle)."""
 
     TYPE: ClassVar[int] = 16
     run_id: str
@@ -261,6 +262,7 @@ class InventoryReport(Message):
     bytes_done: UInt = 0
     bytes_total: UInt = 0
     error: str = ""
+    busy_ms: UInt = 0
 
     def _validate(self) -> None:
         for name in ("ready", "missing", "preparing"):

@@ -31,7 +31,9 @@ HEARTBEAT_ENV = {
     "MESHNODE_DEAD_S": "3.0",
 }
 DEAD_AFTER_S = 3.0
-START_TIMEOUT_S = 30.0  # process start on a loaded 2-core box: imports dominate
+# Process start until the API answers: imports dominate, and on a 2-core box shared with
+# other test runs (load 8-12) 30 s was measured too short for a child that loads numba.
+START_TIMEOUT_S = 120.0
 JOIN_CODE = "from meshnode.cli import main; main()"
 # One BLAS thread per child: three stages on two cores oversubscribe otherwise, and a
 # pipeline's stages run one after another per sequence anyway.
@@ -233,14 +235,20 @@ def ready_stages(host: Node) -> int:
 
 
 def start_split_mesh(
-    cluster: Cluster, token_file: Path, *host_args: str, workers: int, ready_timeout_s: float
+    cluster: Cluster,
+    token_file: Path,
+    *host_args: str,
+    workers: int,
+    ready_timeout_s: float,
+    worker_args: tuple[str, ...] = (),
 ) -> Node:
-    """Start ``workers`` workers, then the host (``host_args`` carry ``--model`` and friends)
-    peered to them without mDNS, and wait until every stage of ``--split`` is ready.
+    """Start ``workers`` workers (with ``worker_args``), then the host (``host_args`` carry
+    ``--model`` and friends) peered to them without mDNS, and wait until every stage of
+    ``--split`` is ready.
 
     Fails the test with every child's log when the mesh does not come up in time.
     """
-    nodes = [cluster.spawn(f"w{i}", token_file, mdns=False) for i in range(workers)]
+    nodes = [cluster.spawn(f"w{i}", token_file, *worker_args, mdns=False) for i in range(workers)]
     cluster.wait_started(*nodes)
     peers = [arg for node in nodes for arg in ("--peer", node.listen)]
     host = cluster.spawn("host", token_file, *peers, *host_args, mdns=False)

@@ -51,11 +51,12 @@ def mesh(
 ) -> Iterator[tuple[Node, Node, str]]:
     root = tmp_path_factory.mktemp(f"hybrid-{request.param}")
     token = init_token(root / "mesh.token")
+    folder = str(_folder(root))
     with Cluster(root, env={**HEARTBEAT_ENV, **SINGLE_THREAD_ENV}) as cluster:
         host = start_split_mesh(
             cluster,
             token,
-            "--model", str(_folder(root)),
+            "--model", folder,
             "--split", "2",
             "--context", "512",
             "--wire-dtype", "f32",
@@ -65,6 +66,7 @@ def mesh(
             "--max-window", str(MAX_WINDOW),
             workers=1,
             ready_timeout_s=READY_TIMEOUT_S,
+            worker_args=("--local-model", folder),  # the worker opens the host's path
         )  # fmt: skip
         yield host, cluster.nodes[0], request.param
 

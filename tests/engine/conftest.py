@@ -15,8 +15,9 @@ from tests.engine.tiny import write_tiny_model
 
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
-    """SmolLM2-135M-Instruct on the CPU backend, loaded once for the whole session."""
-    return load_model(str(smollm2_gguf_path()), cpu_backend())
+    """SmolLM2-135M-Instruct on the CPU backend as ``join`` runs it by default (weights in
+    their GGUF blocks, ``--dtype native``), loaded once for the whole session."""
+    return load_model(str(smollm2_gguf_path()), cpu_backend("native"))
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from meshnode_packaging.writer import write_package
 
 from meshnode.cli.generate import GenerateConfig, complete
 from meshnode.engine import ModelConfig, Stage, ops
-from meshnode.engine.backend import Backend, cpu_backend
+from meshnode.engine.backend import CudaBackend, cpu_backend
 from meshnode.engine.config import ModelConfigError
 from meshnode.engine.generate import prefill
 from meshnode.engine.loader import load_model
@@ -148,7 +148,7 @@ def test_cuda_stage_refuses_what_it_does_not_run(
 ) -> None:
     source = open_source(tiny_arch(arch))
     config = ModelConfig.from_hf(source.config)
-    device = Backend("cuda", np)  # refused before anything touches a device
+    device = CudaBackend(np)  # refused before anything touches a device
     with pytest.raises(ModelConfigError, match=f"CUDA stage does not run {config.model_type}"):
         Stage(config, source, 0, 1, embed=True, head=False, backend=device)
 

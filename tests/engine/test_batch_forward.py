@@ -10,7 +10,7 @@ import pytest
 from meshnode_packaging.sources import open_source
 
 from meshnode.engine import ModelConfig, Stage
-from meshnode.engine.backend import Backend, cpu_backend
+from meshnode.engine.backend import CpuBackend
 from meshnode.engine.model import BatchRow
 
 PROMPTS = [[1, 60, 61, 62, 259], [70, 19], [20, 223, 89, 90, 91, 92, 260, 5, 6], [33]]
@@ -21,7 +21,7 @@ CONTEXT = 32
 def stage(request: pytest.FixtureRequest, tiny_gguf: Callable[[str], Path]) -> Stage:
     source = open_source(tiny_gguf("Q8_0"))
     config = ModelConfig.from_hf(source.config)
-    backend = Backend("cpu", cpu_backend().xp, weights_dtype=request.param)
+    backend = CpuBackend(weights_dtype=request.param)
     return Stage(config, source, 0, config.num_layers, embed=True, head=True, backend=backend)
 
 

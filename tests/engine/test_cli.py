@@ -56,10 +56,19 @@ def test_console_script_unknown_alias() -> None:
     assert lines[0].startswith("meshnode generate: error: 'gpt-17' is not a model alias")
 
 
+def test_console_script_missing_model_file(tmp_path: Path) -> None:
+    done = _script("--model", str(tmp_path / "model.gguf"), "hi")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert lines == [
+        f"meshnode generate: error: {str(tmp_path / 'model.gguf')!r}: no such file or folder"
+    ]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--model", "/nonexistent/model.gguf"], "'/nonexistent/model.gguf' is not a model"),
+        (["--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf': no such file"),
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--device", "cpu", "--dtype", "float16"], "the CPU backend computes in float32 only"),
         (["--device", "cpu", "--dtype", "int3"], "weights dtype must be one of"),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from meshnode_packaging.sources import RawTensor, dequantize
 
-from meshnode.engine.cpu import MAX_KERNEL_ROWS, BlockMatrix
+from meshnode.engine.cpu import MAX_KERNEL_ROWS, BlockMatrix, matrix, supported
 from meshnode.engine.cpu.formats import FORMATS
 
 N_IN = 512  # two K-quant blocks per row, sixteen of the 32-value formats
@@ -61,10 +61,14 @@ def test_decoding_is_bit_identical_to_dequantize(dtype: str, rng: np.random.Gene
 
 
 @pytest.mark.parametrize("dtype", list(FORMATS))
-@pytest.mark.parametrize("k", [1, 3, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1])
+@pytest.mark.parametrize("k", [1, 2, 3, 7, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1])
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
 def test_products_equal_dequantize_then_multiply(
-    dtype: str, k: int, rng: np.random.Generator
+    dtype: str, k: int, parallel: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Small matrices run serially; the parallel kernel is made to take this one too.
+    monkeypatch.setattr(matrix, "PARALLEL_MIN_BYTES", 0 if parallel else 1 << 62)
+    monkeypatch.setattr(matrix, "_threads", 2)
     t = random_tensor(dtype, 70, rng)  # 70 rows: two work items, the second partial
     x = rng.standard_normal((k, N_IN)).astype(np.float32)
     want = x.astype(np.float64) @ dequantize(t).T.astype(np.float64)
@@ -118,6 +122,11 @@ def test_bad_input_is_refused(rng: np.random.Generator) -> None:
         BlockMatrix([odd])
     with pytest.raises(ValueError, match="not a block matrix"):
         BlockMatrix([RawTensor("iq", "IQ2_XS", (1, 256), np.zeros(74, np.uint8))])
+    # whole blocks of F16, but not whole 32-value chunks of the kernels: stays float32
+    short = RawTensor("short", "F16", (2, 48), np.zeros(192, np.uint8))
+    assert not supported(short)
+    with pytest.raises(ValueError, match="not a block matrix"):
+        BlockMatrix([short])
     m = BlockMatrix([q])
     with pytest.raises(IndexError, match="outside"):
         m.rows([4])

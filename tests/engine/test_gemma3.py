@@ -24,7 +24,9 @@ pytestmark = pytest.mark.real_model
 
 @pytest.fixture(scope="module")
 def gemma3(gemma3_gguf: Path) -> LoadedModel:
-    return load_model(str(gemma3_gguf), cpu_backend())
+    """The model as ``join`` runs it by default: weights in their GGUF blocks (Q4_K, Q5_0,
+    Q6_K, Q8_0 multiplied by the block kernels)."""
+    return load_model(str(gemma3_gguf), cpu_backend("native"))
 
 
 def test_config_read_from_the_gguf(gemma3: LoadedModel, gemma3_golden: dict[str, Any]) -> None:

@@ -5,6 +5,7 @@ prefill and row-by-row decode agree; the snapshot ring rolls the recurrent state
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -176,3 +177,48 @@ def test_ring_slots_follow_the_largest_window() -> None:
     assert ring_slots_for(10_000) == MAX_RING_SLOTS  # deeper rollbacks prefill again
     with pytest.raises(ValueError, match="max_window must be >= 0"):
         ring_slots_for(-1)
+
+
+@pytest.mark.parametrize("split", [None, 3])
+def test_batched_sequences_get_the_reference_continuations(
+    folder: HybridFolder, split: int | None
+) -> None:
+    """Every reference prompt at once: prefills of different lengths in one pass, then each
+    step's decode rows in one pass (two stages: hidden rows cross between them), with a
+    rolled-back verify-sized pass in the middle. Each sequence's greedy tokens are the
+    reference's, and the ring still restores each sequence's own state."""
+    bounds = [0, 8] if split is None else [0, split, 8]
+    stages = [_stage(folder, a, b) for a, b in itertools.pairwise(bounds)]
+    prompts = GOLDEN["prompts"]
+    caches = [[s.new_cache(len(p["prompt_ids"]) + 40) for s in stages] for p in prompts]
+
+    def run(inputs: list[Any], starts: list[int], out_rows: int | None) -> list[Any]:
+        xs: list[Any] = [np.asarray(i) for i in inputs]
+        for j, stage in enumerate(stages):
+            rows = [
+                _Row(x, start, cache[j], out_rows)
+                for x, start, cache in zip(xs, starts, caches, strict=True)
+            ]
+            xs = stage.forward_batch(rows)
+        return xs
+
+    outs = run([p["prompt_ids"] for p in prompts], [0] * len(prompts), 1)
+    got: list[list[int]] = [[int(np.argmax(o[-1]))] for o in outs]
+    positions = [len(p["prompt_ids"]) for p in prompts]
+    for step in range(max(len(p["gen_ids"]) for p in prompts) - 1):
+        if step == 3:  # a pass of 3 made-up rows, then a rollback to where it began
+            run([[1, 2, 3]] * len(prompts), positions, None)
+        outs = run([[t[-1]] for t in got], positions, 1)
+        for tokens, out in zip(got, outs, strict=True):
+            tokens.append(int(np.argmax(out[-1])))
+        positions = [p + 1 for p in positions]
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens[: len(prompt["gen_ids"])] == prompt["gen_ids"], prompt["id"]
+
+
+@dataclass(frozen=True)
+class _Row:
+    inputs: Any
+    start_pos: int
+    cache: HybridCache
+    out_rows: int | None

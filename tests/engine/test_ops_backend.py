@@ -17,8 +17,8 @@ def _has_cuda() -> bool:
 
 
 def test_cpu_refuses_reduced_weight_dtypes() -> None:
-    assert select_backend("cpu", "float32") == cpu_backend()
-    assert select_backend("cpu", "auto") == cpu_backend()
+    assert select_backend("cpu", "float32") == cpu_backend("float32")
+    assert select_backend("cpu", "auto") == cpu_backend("native")  # the default on the CPU
     assert select_backend("cpu", "native") == cpu_backend("native")
     for dtype in ("float16", "bfloat16"):
         with pytest.raises(BackendError, match="CPU backend computes in float32 only"):
@@ -31,8 +31,8 @@ def test_cpu_backend_describes_itself_and_has_no_device_memory(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.INFO, logger="meshnode.engine.backend"):
-        backend = select_backend("cpu")
-        blocks = select_backend("cpu", "native")
+        backend = select_backend("cpu", "float32")
+        blocks = select_backend("cpu")
     assert backend.describe() == "cpu (NumPy, float32)"
     assert not backend.cpu_blocks
     assert blocks.describe() == "cpu (NumPy + numba kernels over GGUF blocks, float32)"

@@ -25,7 +25,7 @@ import pytest
 from meshnode_packaging.sources import open_source
 
 from meshnode.engine import ModelConfig, Stage, ops
-from meshnode.engine.backend import Backend
+from meshnode.engine.backend import CudaBackend
 from meshnode.engine.cuda import formats
 from meshnode.engine.cuda import stage as cuda_stage
 from meshnode.engine.cuda.device import DeviceMatrix
@@ -175,7 +175,7 @@ def _stages(
     """The NumPy stage and the host-run CUDA stage(s) (two when ``split``)."""
     source = open_source(tiny_gguf(qtype))
     c = ModelConfig.from_hf(source.config)
-    backend = Backend("cuda", FAKE_CP, dtype, cuda_graphs=True)  # type: ignore[arg-type]
+    backend = CudaBackend(FAKE_CP, dtype, cuda_graphs=True)  # type: ignore[arg-type]
     cpu = Stage(c, source, 0, c.num_layers, embed=True, head=True)
     if split is None:
         return cpu, [Stage(c, source, 0, c.num_layers, embed=True, head=True, backend=backend)]

@@ -14,8 +14,7 @@ from meshnode.engine.backend import cpu_backend
 from meshnode.engine.cpu import BlockMatrix
 from meshnode.engine.generate import prefill
 from meshnode.engine.loader import LoadedModel
-from meshnode.engine.weights import held_bytes
-from meshnode.node.coordinator import model_footprint
+from meshnode.node.footprint import model_footprint
 
 IDS = [1, 60, 61, 62, 259, 70, 19, 20, 223, 89, 90, 91, 92, 260]
 
@@ -163,7 +162,7 @@ def test_held_bytes_are_what_a_stage_holds(tiny_gguf: Callable[[str], Path], dty
     c = ModelConfig.from_hf(source.config)
     backend = cpu_backend(dtype)  # type: ignore[arg-type]
     stage = Stage(c, source, 0, c.num_layers, embed=True, head=True, backend=backend)
-    held = held_bytes(source, c, backend)
+    held = backend.held_bytes(source, c)
     assert held is not None
     assert list(held.layers) == [layer.nbytes() for layer in stage.weights.layers]
     assert stage.weights.embed_t is not None

@@ -31,11 +31,14 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+
+T = TypeVar("T")
 
 SUBNET = "10.213.0"  # private test subnet, only on veths inside the lab's namespaces
 FIRST_HOST = 10  # hosts get .10, .11, ...
@@ -129,6 +132,10 @@ class LabHost:
     def post(self, url: str, body: dict[str, Any], timeout: float = 120.0) -> httpx.Response:
         """``POST url`` with a JSON body, from inside this namespace."""
         return self._threads.submit(httpx.post, url, json=body, timeout=timeout).result()
+
+    def run(self, work: Callable[[], T]) -> T:
+        """``work()`` in a thread inside this namespace (its sockets live there)."""
+        return self._threads.submit(work).result()
 
     def command(self, *args: str) -> list[str]:
         """``args`` run inside this namespace."""

@@ -10,14 +10,16 @@ namespace of :class:`~tests.lab.netlab.NetLab` with its own address and the same
 
 The tests run in order on one mesh (each leaves it at three ready stages): discovery, split
 serving against the golden output, a rate-limited link, a partition and its heal (the plan
-shrinks to one stage and grows back), and a killed node that rejoins with the same identity
-(the same state dir). Needs root and iproute2; skipped with the reason otherwise. Every wait
-has a deadline; a failure carries every node's log.
+shrinks to one stage and grows back), a killed node that rejoins with the same identity
+(the same state dir), and a stream that outlives the node killed under it (replayed on the
+nodes left, the same tokens as undisturbed). Needs root and iproute2; skipped with the
+reason otherwise. Every wait has a deadline; a failure carries every node's log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -225,6 +227,63 @@ def test_a_killed_node_rejoins_with_the_same_identity(
     assert back.node_id() == w2_id
     assert w2_id in mesh.wait_stages(3, READY_TIMEOUT_S)
     mesh.assert_serves(case)
+
+
+def test_a_stream_outlives_a_node_killed_under_it(mesh: LabMesh, golden: dict[str, Any]) -> None:
+    """The middle stage's process is killed 20 tokens into a streamed completion: the host
+    replans on the nodes left and replays the request, and the stream completes, with no
+    error event, with the token ids of the same request served undisturbed. The node then
+    restarts and the plan grows back to three stages."""
+    case = next(c for c in golden["prompts"] if c["id"] == "raw_story")
+    calm = stream_token_ids(mesh, case["prompt_ids"])
+    assert "error" not in calm, calm
+    middle_id = mesh.wait_stages(3, READY_TIMEOUT_S)[1]
+    name = next(n for n in ("w1", "w2") if mesh.nodes[n].node_id() == middle_id)
+    victim = mesh.nodes[name]
+
+    def kill(tokens: int) -> None:
+        if tokens >= STREAM_KILL_AFTER and victim.alive():
+            victim.process.kill()
+
+    replayed = stream_token_ids(mesh, case["prompt_ids"], on_tokens=kill)
+    victim.process.wait(timeout=10)
+    if replayed != calm:
+        mesh.fail(f"replayed stream {replayed} != undisturbed {calm}")
+    assert len(calm["token_ids"]) > STREAM_KILL_AFTER
+    assert middle_id not in mesh.wait_stages(1, REPLAN_TIMEOUT_S)
+    back = mesh.spawn(name, mdns=name == "w1")  # same state dir: the same node id
+    wait_started(back, timeout_s=START_TIMEOUT_S)
+    assert middle_id in mesh.wait_stages(3, READY_TIMEOUT_S)
+
+
+STREAM_KILL_AFTER = 20
+STREAM_MAX_TOKENS = 120
+
+
+def stream_token_ids(mesh: LabMesh, prompt: list[int], on_tokens: Any = None) -> dict[str, Any]:
+    """A greedy streamed completion from the host's namespace: its token ids, finish reason
+    and any error event (``on_tokens(count)`` after each chunk)."""
+    body = {"model": MODEL, "prompt": prompt, "temperature": 0, "stream": True,
+            "max_tokens": STREAM_MAX_TOKENS, "return_token_ids": True}  # fmt: skip
+    url = f"{mesh.host.api}/v1/completions"
+
+    def read() -> dict[str, Any]:
+        out: dict[str, Any] = {"token_ids": [], "finish_reason": None}
+        with httpx.stream("POST", url, json=body, timeout=REQUEST_TIMEOUT_S) as reply:
+            for line in reply.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if "error" in chunk:
+                    out["error"] = chunk["error"]
+                for choice in chunk.get("choices", []):
+                    out["token_ids"] += choice.get("token_ids") or []
+                    out["finish_reason"] = choice.get("finish_reason") or out["finish_reason"]
+                if on_tokens is not None:
+                    on_tokens(len(out["token_ids"]))
+        return out
+
+    return mesh.hosts["host"].run(read)
 
 
 def keep_asking(mesh: LabMesh, case: dict[str, Any], until: Any) -> list[tuple[int, str]]:

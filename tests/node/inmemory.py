@@ -4,7 +4,9 @@ The workers are the real :class:`~meshnode.node.worker.Worker` and fetch their l
 tiny model from a loopback hub (the ``hub_ref`` fixture in ``conftest.py``), as nodes on
 other machines would. Only the transport is replaced: the mesh delivers each message by
 calling the receiver directly (the network is not the point here; tests/e2e and tests/lab
-cover it with real processes).
+cover it with real processes), after a trip through the wire codec, as over a session: a
+sender reuses a sequence's activation buffer for its next frame once the previous one is
+encoded, so handing over the message object itself would let a queued frame change.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import trio
 from meshnode_packaging.refs import open_ref
-from meshnode_protocol import Message, PeerInfo
+from meshnode_protocol import Message, PeerInfo, decode_frame, encode_frame
 
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.config import ModelConfig
@@ -59,6 +61,7 @@ class InMemoryMesh:
         await self.deliver(HOST, node_id, message)
 
     async def deliver(self, sender: str, receiver: str, message: Message) -> None:
+        message = decode_frame(memoryview(encode_frame(message))[4:])
         if receiver == HOST:
             # As the daemon's sessions do: data replies straight to the live pipeline.
             assert self.coordinator is not None
@@ -70,8 +73,8 @@ class InMemoryMesh:
         else:
             assert await self.workers[receiver].handle(sender, message), message
 
-    async def wait_changed(self) -> None:
-        await self._changed.wait()
+    def membership_event(self) -> trio.Event:
+        return self._changed
 
     def changed(self) -> None:
         """Wake the coordinator: the membership changed (a worker joined or was lost)."""

@@ -22,6 +22,7 @@ from meshnode_protocol import (
     Claim,
     ClaimAccepted,
     Connection,
+    Error,
     Hello,
     Inventory,
     InventoryReport,
@@ -36,7 +37,7 @@ from meshnode_protocol import (
 
 from meshnode.net.address import Address
 from meshnode.net.identity import JoinToken, NodeIdentity
-from meshnode.node.config import NodeConfig
+from meshnode.node.config import HeartbeatTimeouts, NodeConfig
 from meshnode.node.daemon import Node
 from meshnode.node.wire import tensor_from_array
 from meshnode.serve.app import create_app
@@ -44,20 +45,36 @@ from meshnode.serve.app import create_app
 #: Seconds any single exchange with the node may take (loading the tiny model is the
 #: longest: a fetch from the loopback hub and a dequantization).
 EXCHANGE_TIMEOUT_S = 60.0
+#: The node's heartbeat timeouts: a member sends no heartbeats, and waiting for a Load
+#: (seconds of building the stage, a minute when a loaded box compiles kernels afresh)
+#: must not make the node call it dead (10 s by default) and close the session.
+MEMBER_HEARTBEATS = HeartbeatTimeouts(
+    interval_s=1.0, suspect_after_s=EXCHANGE_TIMEOUT_S, dead_after_s=2 * EXCHANGE_TIMEOUT_S
+)
 #: Bytes read from the TLS stream at once.
 READ_BYTES = 1 << 16
 
 
 async def start_node(
-    nursery: trio.Nursery, token: JoinToken, state_dir: Path, cache_dir: Path
+    nursery: trio.Nursery,
+    token: JoinToken,
+    state_dir: Path,
+    cache_dir: Path,
+    *,
+    local_models: tuple[Path, ...] = (),
+    max_memory_bytes: int | None = None,
 ) -> Node:
-    """The real daemon on loopback (mesh and API on free ports, no mDNS), started."""
+    """The real daemon on loopback (mesh and API on free ports, no mDNS), started;
+    ``local_models`` and ``max_memory_bytes`` are its config's settings of those names."""
     config = NodeConfig(
         state_dir=state_dir,
         listen=Address("127.0.0.1", 0),
         api=Address("127.0.0.1", 0),
         mdns=False,
         cache_dir=cache_dir,
+        local_models=local_models,
+        max_memory_bytes=max_memory_bytes,
+        heartbeat=MEMBER_HEARTBEATS,
     )
     identity = NodeIdentity.provision(token, state_dir)
     node = Node(config, token, identity, app_factory=lambda n: create_app(n.status))
@@ -143,6 +160,24 @@ class Member:
     ) -> Ready:
         """Claim, prepare and load ``node_id`` as the last stage of a run this member
         coordinates (upstream and downstream: this member)."""
+        ready = await self.try_bring_up(
+            run_id=run_id, term=term, ref=ref, layers=layers, embed=embed, context=context
+        )
+        assert isinstance(ready, Ready), ready
+        assert ready.node_id == node_id
+        return ready
+
+    async def try_bring_up(
+        self,
+        *,
+        run_id: str,
+        term: int,
+        ref: str,
+        layers: tuple[int, int],
+        embed: bool,
+        context: int,
+    ) -> Ready | Error:
+        """As :meth:`bring_up`, but the node's answer to ``Load`` (``Ready`` or ``Error``)."""
         await self.send(Claim(run_id=run_id, term=term, coordinator_id=self.node_id))
         await self.receive(ClaimAccepted)
         await self.send(
@@ -168,10 +203,9 @@ class Member:
                 has_embed=embed, has_head=True,
             )
         )  # fmt: skip
-        ready = await self.receive(Ready)
-        assert isinstance(ready, Ready)
-        assert ready.node_id == node_id
-        return ready
+        answer = await self.receive(Ready, Error)
+        assert isinstance(answer, Ready | Error)
+        return answer
 
 
 def activation(

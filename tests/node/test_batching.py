@@ -17,7 +17,8 @@ from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
 from meshnode.node.batcher import BatchLimits, plan_batch
-from meshnode.node.pipeline import FrameKind, LocalPipeline, RequestId, StepFrame, StepResult
+from meshnode.node.local import LocalPipeline
+from meshnode.node.pipeline import FrameKind, RequestId, StepFrame, StepResult
 from meshnode.node.stage import StageRunner
 from meshnode.serve.generation import (
     GenerationParams,

@@ -24,3 +24,5 @@ def test_join_help_shows_refs_intact_and_every_environment_variable() -> None:
     assert "hf://org/repo[@rev]" in help_text
     for setting in SETTINGS:
         assert f"[env: {setting.env}]" in help_text, setting.env
+    # A negative flag's variable is the positive setting: the help says which value disables.
+    assert "--no-mdns Disable mDNS discovery (as MESHNODE_MDNS=0 does)." in help_text

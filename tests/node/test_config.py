@@ -207,3 +207,19 @@ def test_cors_origins_from_every_layer(tmp_path: Path) -> None:
     assert load_config(env={}).cors_origins == ()
     with pytest.raises(ConfigError, match=re.escape("--cors-origin: expected an origin")):
         load_config(env={}, flags={"cors_origins": ["https://a.example/path"]})
+
+
+def test_local_models_from_every_layer(tmp_path: Path) -> None:
+    path = write(tmp_path, '[node]\nlocal_models = ["/srv/a.gguf", "~/b"]\n')
+    assert load_config(config_file=path, env={}).local_models == (
+        Path("/srv/a.gguf"),
+        Path.home() / "b",
+    )
+    env = {"MESHNODE_LOCAL_MODELS": "/srv/c.gguf:/srv/pkg"}
+    assert load_config(env=env).local_models == (Path("/srv/c.gguf"), Path("/srv/pkg"))
+    flags = {"local_models": ["/srv/d"]}
+    assert load_config(config_file=path, env=env, flags=flags).local_models == (Path("/srv/d"),)
+    assert load_config(env={}).local_models == ()
+    bad = write(tmp_path, "[node]\nlocal_models = 3\n")
+    with pytest.raises(ConfigError, match="expected a list of paths"):
+        load_config(config_file=bad, env={})

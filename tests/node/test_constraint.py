@@ -21,8 +21,9 @@ from meshnode.engine.constraint import Grammars
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
 from meshnode.engine.tokenizer import Tokenizer
-from meshnode.node.pipeline import FrameKind, Pipeline, RequestId, StepFrame
-from meshnode.node.stage import StageError, StageRunner
+from meshnode.node.batcher import Slot
+from meshnode.node.pipeline import FrameKind, Pipeline, RequestId, StepFrame, StepResult
+from meshnode.node.stage import StageError, StageRunner, step_results
 from meshnode.serve.structured import JSON_LAYOUT
 from tests.engine.tiny import write_tiny_model
 from tests.node.inmemory import CONTEXT, InMemoryMesh, add_worker, serve
@@ -122,6 +123,52 @@ async def test_grammar_frames_fail_clearly_where_no_grammar_applies(source: Mode
     # A token the grammar never allowed (a peer's bug): refused, not silently decoded on.
     with pytest.raises(StageError, match="not allowed by the grammar"):
         stage.result(frame(FrameKind.DECODE, len(PROMPT), [ord("x")]))
+
+
+def test_a_grammar_violation_in_a_fused_batch_fails_only_its_sequence(
+    source: ModelSource,
+) -> None:
+    """Three sequences decode in one forward; one brings a token its grammar forbids (a
+    peer's bug). Only its frame fails; the others get the tokens they get alone."""
+
+    def prefill(name: str, constrained: bool) -> StepFrame:
+        extra = {"grammar": GRAMMAR, "grammar_start": len(PROMPT)} if constrained else {}
+        return StepFrame(RequestId(name), FrameKind.PREFILL, 0, PROMPT, GREEDY, **extra)  # type: ignore[arg-type]
+
+    def decode(name: str, token: int) -> StepFrame:
+        return StepFrame(RequestId(name), FrameKind.DECODE, len(PROMPT), (token,), GREEDY)
+
+    def step(stage: StageRunner, frames: list[StepFrame]) -> list[Slot[StepResult]]:
+        slots: list[Slot[StepResult]] = [Slot(frame) for frame in frames]
+        step_results(stage, slots)
+        return slots
+
+    names = {"bad": True, "ok": True, "plain": False}
+    alone: dict[str, tuple[int, ...]] = {}
+    for name, constrained in names.items():
+        solo = runner(source)
+        (first,) = solo.result(prefill(name, constrained)).tokens
+        alone[name] = solo.result(decode(name, first)).tokens
+        alone[name + "-first"] = (first,)
+    stage = runner(source)
+    assert stage.batches  # the frames below run as one forward
+    firsts = step(stage, [prefill(name, constrained) for name, constrained in names.items()])
+    assert [s.output.tokens for s in firsts if s.output] == [
+        alone[name + "-first"] for name in names
+    ]
+    frames = [
+        decode("bad", ord("x")),  # never allowed by the grammar: a JSON reply opens with "{"
+        decode("ok", alone["ok-first"][0]),
+        decode("plain", alone["plain-first"][0]),
+    ]
+    bad, ok, plain = step(stage, frames)
+    assert isinstance(bad.error, StageError)
+    assert "not allowed by the grammar" in str(bad.error)
+    assert ok.error is None
+    assert ok.output is not None
+    assert plain.error is None
+    assert plain.output is not None
+    assert (ok.output.tokens, plain.output.tokens) == (alone["ok"], alone["plain"])
 
 
 async def test_a_split_mesh_enforces_the_grammar_as_one_node_does(

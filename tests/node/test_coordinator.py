@@ -11,7 +11,9 @@ from meshnode_packaging.refs import open_ref
 
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.config import ModelConfig
-from meshnode.node.coordinator import Coordinator, CoordinatorSettings, model_footprint
+from meshnode.errors import ConfigError
+from meshnode.node.coordinator import Coordinator, CoordinatorSettings
+from meshnode.node.footprint import model_footprint
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame
 from meshnode.node.remote import RemotePipeline
 from tests.node.inmemory import (
@@ -151,3 +153,20 @@ async def test_every_stage_reports_its_compute_time(
         assert len(step.stage_compute_s) == 3
         assert all(seconds > 0 for seconds in step.stage_compute_s)
         assert step.compute_s == pytest.approx(sum(step.stage_compute_s))
+
+
+def test_a_context_the_model_cannot_hold_is_a_config_error(hub_ref: tuple[str, Path]) -> None:
+    """``--context`` past the model's positions stops ``join`` with one line, instead of a
+    plan whose every worker refuses its ``Load``."""
+    ref, package = hub_ref
+    source = open_ref(package)
+    limit = ModelConfig.from_hf(source.config).max_position_embeddings
+    settings = CoordinatorSettings(model_ref=ref, context_size=limit + 1)
+    with pytest.raises(ConfigError, match=f"--context {limit + 1} is more than the model holds"):
+        Coordinator(
+            InMemoryMesh(host_memory=1 << 30),
+            settings,
+            source=source,
+            backend=cpu_backend(),
+            on_pipeline=lambda pipeline: None,
+        )

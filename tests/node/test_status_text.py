@@ -72,6 +72,8 @@ def test_worker_status_shows_its_own_stage() -> None:
 def test_host_status_says_why_the_plan_changed() -> None:
     body = host_body("ready")
     body["host"]["last_failure"] = "stage node cccc was lost"
-    assert "failed   stage node cccc was lost" in format_status(body)
+    text = format_status(body)
+    assert "last failure  stage node cccc was lost" in text
+    assert "failed   " not in text  # the old label, read as "serving has stopped"
     body["host"]["last_failure"] = ""
-    assert "failed" not in format_status(body)
+    assert "failure" not in format_status(body)

@@ -73,3 +73,27 @@ async def test_nothing_is_sent_after_goodbye() -> None:
             await a.send(Heartbeat(node_id="a", nonce=1, sent_ns=1))
         assert isinstance(await b.receive(), Hello)
         assert isinstance(await b.receive(), Goodbye)
+
+
+async def test_after_a_protocol_error_only_the_fatal_error_goes_out() -> None:
+    """A task that answers with a non-fatal Error after the peer broke the protocol, but
+    before the session's fatal Error went out (it queued first for the send lock: a Load
+    failing in the background), gets a closed connection. Before, the codec's
+    LocalProtocolError escaped that task and ended the node (found by the reliability
+    fuzzer, which made a host exit)."""
+    left, right = trio.testing.memory_stream_pair()
+    conn = Connection(Role.LISTENER)
+    b = PeerStream(right, conn)
+    conn.receive_data(b"\x00\x00\x00\x04junk")  # the receive loop saw the bad frame...
+    with pytest.raises(RemoteProtocolError) as broken:
+        conn.next_message()
+    late = Error(code=ErrorCode.LOAD_FAILED, message="nothing prepared", run_id="r")
+    with trio.fail_after(5):
+        with pytest.raises(trio.ClosedResourceError):
+            await b.send(late)  # ...and another task's reply came first
+        await b.send(broken.value.to_error())  # the session's own answer still goes out
+        observer = Connection(Role.DIALER)
+        observer.receive_data(await left.receive_some())
+        reply = observer.next_message()
+        assert isinstance(reply, Error)
+        assert reply.fatal

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -22,8 +24,9 @@ from meshnode_protocol import (
 )
 
 from meshnode.engine.backend import cpu_backend
+from meshnode.node.peer_models import PeerModels
 from meshnode.node.progress import DownloadProgress
-from meshnode.node.worker import Worker
+from meshnode.node.worker import MAX_REASON_CHARS, Worker
 from tests.packaging.tinymodel import write_tiny_gguf
 
 HOST = "host"
@@ -90,7 +93,7 @@ async def _harness(nursery: trio.Nursery, cache: Path, *, accept_url_refs: bool 
         backend=cpu_backend(),
         cache_dir=cache,
         nursery=nursery,
-        accept_url_refs=accept_url_refs,
+        peer_models=PeerModels(urls=accept_url_refs),
     )
     h = Harness(worker, sent)
     await h.ask(Claim(run_id=RUN, term=1, coordinator_id=HOST, package_ref=""))
@@ -151,6 +154,52 @@ async def test_url_errors_never_echo_what_the_url_served(
     report = await h.until_settled()
     assert report.error.startswith("InvalidPackage")
     assert "SECRET" not in report.error
+
+
+class _Chatty(BaseHTTPRequestHandler):
+    """Answers every request with a 500 whose body is a secret only this node can reach."""
+
+    def do_GET(self) -> None:
+        body = b"SECRET-BODY internal details"
+        self.send_response(500)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def chatty(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A loopback server (also the hub endpoint) whose errors carry a body."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Chatty)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    try:
+        yield endpoint
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("kind", ["url", "hub"])
+async def test_http_errors_report_a_status_never_the_body(
+    chatty: str, tmp_path: Path, nursery: trio.Nursery, kind: str
+) -> None:
+    ref = f"{chatty}/internal/pkg" if kind == "url" else "hf://org/m"
+    h = await _harness(nursery, tmp_path / "cache", accept_url_refs=True)
+    await h.ask(_prepare(ref))
+    report = await h.until_settled()
+    assert report.error
+    if kind == "url":
+        assert "HTTP 500" in report.error
+    assert "SECRET" not in report.error
+    assert len(report.error) <= MAX_REASON_CHARS
 
 
 async def test_stop_cancels_a_running_materialization(

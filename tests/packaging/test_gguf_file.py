@@ -11,7 +11,9 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+from meshnode_packaging.errors import FetchError
 from meshnode_packaging.gguf_file import GGUFFile, GGUFFormatError
+from meshnode_packaging.remote_headers import gguf_layout
 from meshnode_packaging.sources import GGUFSource, SourceError
 
 from tests.conftest import smollm2_gguf_path
@@ -56,7 +58,8 @@ def _string(s: bytes) -> bytes:
         ("version", _header(version=9), "GGUF version 9"),
         ("counts", _header(n_tensors=1 << 40), "tensors and"),
         ("truncated", _header() + _string(b"general.name")[:6], "past the end"),
-        ("long string", _header() + struct.pack("<Q", 1 << 60), "past the end"),
+        ("long string", _header() + struct.pack("<Q", 1 << 60), "a string of"),
+        ("short string", _header() + struct.pack("<Q", 9) + b"abc", "past the end"),
         ("bad type", _header() + _string(b"k") + struct.pack("<I", 77), "unknown metadata type"),
         (
             "huge array",
@@ -91,3 +94,29 @@ def test_gemma_vocabulary_reads_whole(gemma3_gguf: Path) -> None:
     assert isinstance(tokens, list)
     assert len(tokens) == len(f.get("tokenizer.ggml.scores")) == 262144
     assert tokens[2] == "<bos>"
+
+
+def test_a_fetched_prefix_gives_the_same_ranges_or_asks_for_more(tiny_gguf: Path) -> None:
+    """The fetcher's prefix parser is the same reader: every prefix shorter than the header
+    asks for more (None), and a long enough one gives each tensor's bytes as the file has them."""
+    whole = tiny_gguf.read_bytes()
+    tensors = GGUFFile(tiny_gguf).tensors
+    layout = gguf_layout(whole, "tiny.gguf", len(whole))
+    assert layout is not None
+    header_end = layout.header.end
+    # (the last 32 bytes may be padding, which the reader does not need)
+    for n in sorted({0, 3, 4, 24, header_end // 2, header_end - 32}):
+        assert gguf_layout(whole[:n], "tiny.gguf", len(whole)) is None, n
+    assert gguf_layout(whole[:header_end], "tiny.gguf", len(whole)) == layout
+    assert [s.name for s in layout.tensors] == [t.name for t in tensors]
+    for span, tensor in zip(layout.tensors, tensors, strict=True):
+        assert whole[span.bytes.start : span.bytes.end] == tensor.data.tobytes()
+
+
+def test_a_damaged_prefix_is_a_fetch_error_that_does_not_echo_it() -> None:
+    bad = _header() + _string(b"general.alignment") + struct.pack("<I", 8) + _string(b"x" * 5000)
+    with pytest.raises(FetchError, match="not a power of two") as caught:
+        gguf_layout(bad, "model.gguf", 1 << 20)
+    assert "xxxx" not in str(caught.value)
+    with pytest.raises(FetchError, match="version 9"):
+        gguf_layout(_header(version=9), "model.gguf", 1 << 20)

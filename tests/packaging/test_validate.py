@@ -106,3 +106,15 @@ def test_unreadable_manifest(tmp_path: Path) -> None:
     assert "not JSON" in str(validate_package(tmp_path)[0])
     with pytest.raises(InvalidPackage, match="1 problem"):
         check_package(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["../../escape.bin", "/etc/passwd", "layers/../../x", "a\\b"])
+def test_a_manifest_cannot_name_a_file_outside_its_folder(tiny_package: Path, name: str) -> None:
+    """A fetched manifest's file names become paths in the cache (issue 15, item 5)."""
+
+    def edit(data: dict[str, Any]) -> None:
+        data["files"][name] = data["files"]["tokenizer.json"]
+
+    _edit_manifest(tiny_package, edit)
+    problems = validate_package(tiny_package)
+    assert any(p.file == MANIFEST_NAME and p.field == "files" for p in problems), problems

@@ -21,6 +21,7 @@ import json
 import random
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -137,9 +138,14 @@ async def _raw(address: Address, kind: str) -> str:
 
 
 async def _client(
-    address: Address, model: str, deadline: float, rng: random.Random, stats: SoakStats
+    address: Address,
+    model: str,
+    deadline: float,
+    rng: random.Random,
+    stats: SoakStats,
+    mix: Mapping[str, int],
 ) -> None:
-    kinds, weights = zip(*KINDS.items(), strict=True)
+    kinds, weights = zip(*mix.items(), strict=True)
     base = f"http://{address}"
     async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S) as client:
         while time.monotonic() < deadline:
@@ -160,14 +166,21 @@ async def _client(
 
 
 async def soak(
-    address: Address, *, clients: int, seconds: float, model: str, seed: int
+    address: Address,
+    *,
+    clients: int,
+    seconds: float,
+    model: str,
+    seed: int,
+    mix: Mapping[str, int] = KINDS,
 ) -> SoakStats:
-    """Run ``clients`` clients against the API at ``address`` for ``seconds``."""
+    """Run ``clients`` clients against the API at ``address`` for ``seconds``, each
+    choosing its requests' kinds with the weights of ``mix`` (a subset of ``KINDS``)."""
     stats = SoakStats()
     began = time.monotonic()
     async with trio.open_nursery() as nursery:
         for index in range(clients):
             rng = random.Random(seed * 1000 + index)
-            nursery.start_soon(_client, address, model, began + seconds, rng, stats)
+            nursery.start_soon(_client, address, model, began + seconds, rng, stats, mix)
     stats.seconds = time.monotonic() - began
     return stats

@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, Literal
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 import trio
 from anthropic.types import Message, TextBlock
 from openai.types.chat import ChatCompletion
+from pydantic import BaseModel
 
 from tests.serve.conftest import TINY_CONTEXT, TINY_MODEL_ID, Server
 
@@ -38,9 +41,7 @@ def client(server: Server) -> anthropic.AsyncAnthropic:
     )
 
 
-async def openai_greedy(
-    server: Server, messages: Any, max_tokens: int
-) -> ChatCompletion:
+async def openai_greedy(server: Server, messages: Any, max_tokens: int) -> ChatCompletion:
     api = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
     async with api:
         return await api.chat.completions.create(
@@ -81,7 +82,10 @@ def stream_events(server: Server, **request: Any) -> list[Any]:
 
 async def test_streaming_follows_anthropics_event_sequence(server: Server) -> None:
     request: dict[str, Any] = {
-        "model": MODEL, "max_tokens": 10, "messages": USER, "extra_body": GREEDY
+        "model": MODEL,
+        "max_tokens": 10,
+        "messages": USER,
+        "extra_body": GREEDY,
     }
     events = await trio.to_thread.run_sync(lambda: stream_events(server, **request))
     async with client(server) as c:
@@ -119,7 +123,10 @@ async def test_each_event_names_itself_on_the_wire(server: Server) -> None:
 
 async def test_the_sdks_stream_helper_accumulates_the_same_message(server: Server) -> None:
     request: dict[str, Any] = {
-        "model": MODEL, "max_tokens": 10, "messages": USER, "extra_body": GREEDY
+        "model": MODEL,
+        "max_tokens": 10,
+        "messages": USER,
+        "extra_body": GREEDY,
     }
 
     def read() -> Any:
@@ -182,6 +189,58 @@ async def test_a_prompt_that_fills_the_context_stops_for_the_context(server: Ser
     assert reply.stop_reason == "model_context_window_exceeded"
 
 
+# -- structured output ----------------------------------------------------------------------
+
+#: A bounded schema, so that even a random model at temperature 1 closes it at once.
+PICK: dict[str, Any] = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["colour", "ok"],
+    "additionalProperties": False,
+}
+
+
+class Pick(BaseModel):
+    colour: Literal["red", "blue"]
+    ok: bool
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+async def test_output_config_format_is_enforced(server: Server, temperature: int) -> None:
+    output_config: Any = {"format": {"type": "json_schema", "schema": PICK}}
+    async with client(server) as c:
+        reply = await c.messages.create(
+            model=MODEL, max_tokens=32, messages=USER, output_config=output_config,
+            extra_body={"temperature": temperature},
+        )  # fmt: skip
+        parsed = await c.messages.parse(
+            model=MODEL, max_tokens=32, messages=USER, output_format=Pick,
+            extra_body={"temperature": temperature},
+        )  # fmt: skip
+    assert reply.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(text_of(reply)), PICK)
+    assert isinstance(parsed.parsed_output, Pick)
+
+
+async def test_the_betas_output_format_is_enforced_and_bad_formats_are_400(
+    server: Server,
+) -> None:
+    body = {"model": MODEL, "max_tokens": 32, "messages": USER, **GREEDY}
+    beta = {**body, "output_format": {"type": "json_schema", "schema": PICK}}
+    response = await raw_post(server, "/v1/messages", beta)
+    assert response.status_code == 200, response.text
+    jsonschema.validate(json.loads(response.json()["content"][0]["text"]), PICK)
+    for bad in ({"type": "json_object"}, {"type": "json_schema", "schema": []}):
+        response = await raw_post(
+            server, "/v1/messages", {**body, "output_config": {"format": bad}}
+        )
+        assert response.status_code == 400, response.text
+        assert "output_config.format" in response.json()["error"]["message"]
+    unknown = {"type": "json_schema", "schema": {"type": "nothing"}}
+    response = await raw_post(server, "/v1/messages", {**body, "output_format": unknown})
+    assert response.status_code == 400, response.text
+
+
 # -- errors in Anthropic's shape ------------------------------------------------------------
 
 
@@ -205,8 +264,8 @@ async def raw_post(server: Server, path: str, body: Any) -> httpx.Response:
         ({"model": "claude-nope", "max_tokens": 4, "messages": USER}, 404, "not_found_error",
          "claude-nope"),
         ({"model": MODEL, "max_tokens": 4, "messages": USER,
-          "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400,
-         "invalid_request_error", "Tools"),
+          "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
+         "invalid_request_error", "web_search_20250305"),
         ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": "AA=="}}]}]}, 400,
@@ -258,6 +317,20 @@ async def test_the_sdk_raises_typed_errors(server: Server) -> None:
     body: Any = loading.value.body
     assert body["error"]["type"] == "overloaded_error"
     assert loading.value.response.headers["retry-after"]
+
+
+async def test_the_sdk_lists_and_retrieves_the_model(server: Server) -> None:
+    async with client(server) as c:
+        page = await c.models.list()
+        card = await c.models.retrieve(MODEL)
+        with pytest.raises(anthropic.NotFoundError):
+            await c.models.retrieve("claude-nope")
+    assert [m.id for m in page.data] == [MODEL]
+    assert page.has_more is False
+    assert card.type == "model"
+    assert card.display_name == MODEL
+    assert card.created_at == datetime.fromtimestamp(server.service.created, UTC)
+    assert card.max_input_tokens == TINY_CONTEXT
 
 
 async def test_metrics_count_messages_requests(server: Server) -> None:

@@ -57,10 +57,79 @@ async def test_tokenize_a_chat_counts_what_a_chat_request_prefills(server: Serve
     api = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
     async with api:
         reply = await api.chat.completions.create(
-            model=TINY_MODEL_ID, messages=messages, max_tokens=1  # type: ignore[arg-type]
+            model=TINY_MODEL_ID,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=1,
         )
     assert reply.usage is not None
     assert reply.usage.prompt_tokens == len(expected)
+
+
+async def test_tokenize_a_chat_without_the_assistants_turn_or_continuing_it(
+    server: Server,
+) -> None:
+    codec = server.service.codec
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Hi"}]
+    opened = (await post(server, "/tokenize", {"messages": messages})).json()["tokens"]
+    closed = await post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert closed.status_code == 200, closed.text
+    shut = closed.json()["tokens"]
+    # SmolLM2's template opens the assistant's turn with "<|im_start|>assistant\n".
+    assert opened[: len(shut)] == shut
+    assert codec.decode(opened[len(shut) :]) == "<|im_start|>assistant\n"
+    prefill = [*messages, {"role": "assistant", "content": "The answer is"}]
+    # add_generation_prompt left out is taken as false here (vLLM would refuse it).
+    body = {"messages": prefill, "continue_final_message": True}
+    continued = (await post(server, "/tokenize", body)).json()["tokens"]
+    assert continued[: len(opened)] == opened
+    assert codec.decode(continued[len(opened) :]) == "The answer is"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"continue_final_message": True, "add_generation_prompt": True},
+        {"continue_final_message": True, "add_generation_prompt": False,
+         "messages": [{"role": "user", "content": "Hi"}]},
+        {"add_generation_prompt": "yes"},
+    ],
+)  # fmt: skip
+async def test_tokenize_refuses_chat_options_that_do_not_fit(
+    server: Server, extra: dict[str, Any]
+) -> None:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    response = await post(server, "/tokenize", {"messages": messages, **extra})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] in ("continue_final_message", "add_generation_prompt")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"continue_final_message": True}, {"add_generation_prompt": False}],
+    ids=["continue", "unopened"],
+)
+async def test_chat_completions_take_the_same_template_options(
+    server: Server, options: dict[str, Any]
+) -> None:
+    messages: Any = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "My answer is"},
+    ]
+    counted = await post(server, "/tokenize", {"messages": messages, **options})
+    ids = counted.json()["tokens"]
+    api = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    async with api:
+        chat = await api.chat.completions.create(
+            model=TINY_MODEL_ID, messages=messages, max_tokens=4, temperature=0,
+            extra_body=options,
+        )  # fmt: skip
+        text = await api.completions.create(
+            model=TINY_MODEL_ID, prompt=ids, max_tokens=4, temperature=0
+        )
+    assert chat.usage is not None
+    assert chat.usage.prompt_tokens == len(ids)
+    # The reply continues exactly that prompt.
+    assert chat.choices[0].message.content == text.choices[0].text
 
 
 async def test_detokenize_round_trips_and_refuses_ids_outside_the_vocab(server: Server) -> None:

@@ -142,9 +142,11 @@ async def test_prompts_are_tokenized_only_once_admitted(
     rendered: list[int] = []
     render = service.codec.render_chat
 
-    def counting_render(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] = ()) -> str:
+    def counting_render(
+        messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] = (), **options: bool
+    ) -> str:
         rendered.append(len(messages))
-        return render(messages, tools)
+        return render(messages, tools, **options)
 
     monkeypatch.setattr(service.codec, "render_chat", counting_render)
     server = await start_server(nursery, service)

@@ -17,7 +17,8 @@ from openai.types.chat import ChatCompletionChunk
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
-from meshnode.node.pipeline import LocalPipeline, Pipeline, RequestId, StepFrame, StepResult
+from meshnode.node.local import LocalPipeline
+from meshnode.node.pipeline import Pipeline, RequestId, StepFrame, StepResult
 from meshnode.serve.service import ServeService
 from meshnode.serve.single import EngineCodec
 from tests.serve.conftest import TINY_CONTEXT, TINY_MODEL_ID, Server, start_server, wait_until
@@ -292,11 +293,32 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         ({**CHAT, "seed": 2**64}, "seed"),
         ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({**CHAT, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ({**CHAT, "function_call": "auto"}, "function_call"),
     ],
 )
 async def test_bad_chat_bodies_get_400(server: Server, body: Any, param: str) -> None:
     error = assert_openai_error(await post(server, "/v1/chat/completions", body), 400)
     assert error["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}],
+         "Content parts of type 'image_url' are not supported (only text)."),
+        ([{"type": "text", "text": "hi"}, {"type": "input_audio", "input_audio": {}}],
+         "Content parts of type 'input_audio' are not supported (only text)."),
+        ([{"type": "text"}], "A text part needs its text."),
+        ([{"text": "hi"}], "messages.0.content.0.type: Field required"),
+        (5, "messages.0.content: Input should be a valid string"),
+    ],
+)  # fmt: skip
+async def test_content_errors_say_what_is_wrong(server: Server, content: Any, says: str) -> None:
+    body = {**CHAT, "messages": [{"role": "user", "content": content}]}
+    error = assert_openai_error(await post(server, "/v1/chat/completions", body), 400)
+    assert error["param"] == "messages"
+    assert error["message"] == says
 
 
 async def test_non_json_body_gets_400(server: Server) -> None:
@@ -307,6 +329,31 @@ async def test_non_json_body_gets_400(server: Server) -> None:
             headers={"content-type": "application/json"},
         )
     assert_openai_error(response, 400)
+
+
+async def test_a_body_not_labelled_json_gets_400_naming_the_content_type(server: Server) -> None:
+    # What `curl -d '{...}'` sends: JSON labelled as a form. Before, the message was
+    # pydantic's "body: Input should be a valid dictionary or object to extract fields from".
+    chat = b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}]}' % MODEL.encode()
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
+        for route in ("/v1/chat/completions", "/tokenize"):
+            response = await http.post(
+                server.base_url + route,
+                content=chat,
+                headers={"content-type": "application/x-www-form-urlencoded"},
+            )
+            assert_openai_error(response, 400)
+            message = response.json()["error"]["message"]
+            assert "Content-Type: application/json" in message, message
+            assert "application/x-www-form-urlencoded" in message, message
+        # Labelled JSON but not an object: the message stays pydantic's.
+        response = await http.post(
+            server.base_url + "/v1/chat/completions",
+            content=b"[1]",
+            headers={"content-type": "application/json"},
+        )
+    assert_openai_error(response, 400)
+    assert "Content-Type" not in response.json()["error"]["message"]
 
 
 async def test_bad_completion_prompts_get_400(server: Server) -> None:
@@ -328,8 +375,10 @@ async def test_unknown_model_gets_404(server: Server, api: openai.AsyncOpenAI) -
     [
         # A lone surrogate is valid JSON (an escape) but not Unicode: no tokenizer takes it.
         (b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
-        (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "stop": "\\udfff"}',
-         "stop"),
+        (
+            b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "stop": "\\udfff"}',
+            "stop",
+        ),
     ],
 )
 async def test_text_that_is_not_unicode_gets_400(server: Server, raw: bytes, param: str) -> None:
@@ -391,57 +440,63 @@ async def test_loading_mesh_gets_503_with_retry_after(server: Server) -> None:
 # -- lifecycle, metrics -------------------------------------------------------------------
 
 
-class PacedPipeline:
-    """The real pipeline, each pass held back by ``delay_s``: the tiny model would
-    otherwise finish its whole budget before the server notices a disconnect."""
+class GatedPipeline:
+    """The real pipeline, every pass after the first held until cancelled: a stream that
+    has sent its first event stays live, however slow the machine, until the server
+    notices the client left. ``released`` is set once the sequence was released."""
 
-    def __init__(self, inner: Pipeline, delay_s: float):
-        self.inner, self.delay_s = inner, delay_s
+    def __init__(self, inner: Pipeline):
+        self.inner = inner
+        self.passes = 0
+        self.released = trio.Event()
 
     @property
     def context_size(self) -> int:
         return self.inner.context_size
 
     async def run(self, frame: StepFrame) -> StepResult:
-        await trio.sleep(self.delay_s)
+        self.passes += 1
+        if self.passes > 1:
+            await trio.sleep_forever()  # until the disconnect cancels the generation
         return await self.inner.run(frame)
 
     async def release(self, request_id: RequestId) -> None:
         await self.inner.release(request_id)
+        self.released.set()
 
 
 async def test_client_disconnect_frees_the_sequence(server: Server) -> None:
     service = server.service
     local = service.pipeline
     assert isinstance(local, LocalPipeline)
-    service.set_pipeline(PacedPipeline(local, delay_s=0.02))
-    budget = TINY_CONTEXT - 8
-    body = {
-        "model": MODEL,
-        "prompt": "Once",
-        "max_tokens": budget,
-        "stream": True,
-        "temperature": 0,
-    }
+    gated = GatedPipeline(local)
+    service.set_pipeline(gated)
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 100, "stream": True, "temperature": 0}
 
     def read_first_event_then_disconnect() -> tuple[str, int]:
         # The sync client in a worker thread: breaking out of httpx's async line iterator
         # leaves its inner async generators to the garbage collector (a ResourceWarning).
+        # The sequence is counted while the line iterator is still open: closing it (as
+        # dropping it would) closes the connection.
         with (
             httpx.Client(timeout=REQUEST_TIMEOUT_S) as http,
             http.stream("POST", server.base_url + "/v1/completions", json=body) as response,
         ):
             assert response.status_code == 200
-            first = next(line for line in response.iter_lines() if line.startswith("data: "))
-            return first, local.runner.live_sequences
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    return line, local.runner.live_sequences
+        raise AssertionError("the stream ended without an event")
 
     first, live = await trio.to_thread.run_sync(read_first_event_then_disconnect)
     assert first.startswith("data: {")
     assert live == 1
-    assert await wait_until(lambda: local.runner.live_sequences == 0)
+    with trio.fail_after(REQUEST_TIMEOUT_S):
+        await gated.released.wait()
+    assert local.runner.live_sequences == 0
     assert await wait_until(lambda: service.scheduler.in_flight == 0)
-    # Generation stopped with the client, long before the budget (~5 s of passes).
-    assert service.metrics.generation_tokens.get() < budget / 2
+    # Generation stopped with the client: the prefill's token is the only one.
+    assert service.metrics.generation_tokens.get() == 1
     outcomes = service.metrics.requests.values
     assert outcomes == {(("endpoint", "completions"), ("outcome", "cancelled")): 1.0}
 

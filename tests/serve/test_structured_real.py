@@ -1,14 +1,14 @@
 """Structured output and forced tool calls with the real SmolLM2-135M and the official client.
 
-Replies are short (a bounded schema, ``max_tokens`` well above what it needs) so that the
-module stays within seconds of model time. The split-pipeline check is in
+Replies are short (a bounded schema, ``max_tokens`` well above what it needs), and
+requests that can go together are sent at once, so that continuous batching fuses them:
+the module stays within a minute or two of model time on a small CPU. The split-pipeline check is in
 tests/e2e/test_split.py (three processes on loopback against this module's reference).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -98,15 +98,6 @@ def real_service(smollm2_gguf: Path) -> ServeService:
     return build_single_node_service(str(smollm2_gguf), model_id=MODEL, context_size=CONTEXT)
 
 
-@pytest.fixture
-async def api(
-    nursery: trio.Nursery, real_service: ServeService
-) -> AsyncIterator[openai.AsyncOpenAI]:
-    server = await start_server(nursery, real_service)
-    async with _client(server) as api:
-        yield api
-
-
 def _client(server: Server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(
         base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=300
@@ -124,14 +115,38 @@ async def city_json(api: openai.AsyncOpenAI, city: str) -> str:
     return str(content)
 
 
-async def test_twenty_prompts_give_json_that_validates(api: openai.AsyncOpenAI) -> None:
-    for city in CITIES:
-        reply = json.loads(await city_json(api, city))
-        jsonschema.validate(reply, CITY)
+async def city_jsons(service: ServeService, cities: list[str]) -> dict[str, str]:
+    """Each city's constrained greedy reply from a server over ``service``, the requests
+    sent at once: continuous batching fuses them (up to 8 sequences a forward), and a
+    fused sequence gets the tokens it gets alone (tests/node/test_batching.py)."""
+    replies: dict[str, str] = {}
+
+    async def one(api: openai.AsyncOpenAI, city: str) -> None:
+        replies[city] = await city_json(api, city)
+
+    async with trio.open_nursery() as nursery:
+        server = await start_server(nursery, service)
+        async with _client(server) as api, trio.open_nursery() as requests:
+            for city in cities:
+                requests.start_soon(one, api, city)
+        nursery.cancel_scope.cancel()
+    return replies
 
 
-async def test_speculation_does_not_change_constrained_greedy_replies(
-    smollm2_gguf: Path, api: openai.AsyncOpenAI, nursery: trio.Nursery
+@pytest.fixture(scope="module")
+def plain_replies(real_service: ServeService) -> dict[str, str]:
+    """The twenty cities' replies, without speculation (shared by the tests below)."""
+    return trio.run(city_jsons, real_service, CITIES)
+
+
+def test_twenty_prompts_give_json_that_validates(plain_replies: dict[str, str]) -> None:
+    assert sorted(plain_replies) == sorted(CITIES)
+    for reply in plain_replies.values():
+        jsonschema.validate(json.loads(reply), CITY)
+
+
+def test_speculation_does_not_change_constrained_greedy_replies(
+    smollm2_gguf: Path, plain_replies: dict[str, str]
 ) -> None:
     """With the model as its own (unconstrained) draft, the grammar rejects drafts that
     leave the schema; the replies must still be those of plain decoding."""
@@ -141,9 +156,9 @@ async def test_speculation_does_not_change_constrained_greedy_replies(
         context_size=CONTEXT,
         speculative=SpeculativeFlags(strategy="draft", draft_model=str(smollm2_gguf)),
     )
-    async with _client(await start_server(nursery, spec_service)) as spec_api:
-        for city in CITIES[:2]:
-            assert await city_json(spec_api, city) == await city_json(api, city)
+    cities = CITIES[:2]
+    spec = trio.run(city_jsons, spec_service, cities)
+    assert spec == {city: plain_replies[city] for city in cities}
     status = spec_service.speculation_status()["acceptance"]
     assert 0 < status["accepted"] < status["proposed"]
 
@@ -163,9 +178,18 @@ async def test_forced_tool_calls_parse_validate_and_stream_alike(
         "max_tokens": BUDGET,
         "temperature": 0,
     }
-    async with _client(server) as api:
+    chunks: list[Any] = []
+
+    async def stream() -> None:
+        chunks.extend(await stream_chat(server, **request))
+
+    # Streamed and whole at once: one fused batch.
+    async with _client(server) as api, trio.open_nursery() as both:
+        both.start_soon(stream)
         reply = await api.chat.completions.create(**request)
-    assert reply.choices[0].finish_reason == "tool_calls"
+    # OpenAI finishes a named choice's call with "stop", any other call with "tool_calls".
+    finish = "stop" if isinstance(choice, dict) else "tool_calls"
+    assert reply.choices[0].finish_reason == finish
     calls = reply.choices[0].message.tool_calls
     assert calls
     tools = {"get_weather": WEATHER, "search": SEARCH}
@@ -174,7 +198,6 @@ async def test_forced_tool_calls_parse_validate_and_stream_alike(
         jsonschema.validate(json.loads(call.function.arguments), schema)
     if isinstance(choice, dict):
         assert {c.function.name for c in calls} == {"search"}
-    chunks = await stream_chat(server, **request)
     streamed: dict[int, list[str]] = {}
     for chunk in chunks:
         for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:

@@ -57,7 +57,7 @@ CASES = [
 #: Replies that are plain text for their format: nothing is parsed, nothing is lost.
 PLAIN = [
     (ToolFormat.HERMES, "No calls here, only <tool talk and {braces}."),
-    (ToolFormat.HERMES, "A call cut short <tool_call>\n{\"name\": \"get_w"),
+    (ToolFormat.HERMES, 'A call cut short <tool_call>\n{"name": "get_w'),
     (ToolFormat.LLAMA3_JSON, 'The JSON {"name": "x"} comes after text.'),
     (ToolFormat.MISTRAL, "[TOOL_CALLS] not JSON at all"),
 ]
@@ -117,3 +117,16 @@ def test_a_marker_prefix_is_held_back_until_it_is_decided() -> None:
     parser = ToolCallStream(ToolFormat.HERMES)
     assert parser.push("Hi <tool").content == "Hi"
     assert parser.push("bar>").content == " <toolbar>"
+
+
+@pytest.mark.parametrize(("fmt", "reply", "content", "calls"), [c for c in CASES if len(c[3]) > 1])
+@pytest.mark.parametrize("step", [1, 10_000])
+def test_one_call_only_when_parallel_calls_are_off(
+    fmt: ToolFormat, reply: str, content: str, calls: list[tuple[str, str]], step: int
+) -> None:
+    parser = ToolCallStream(fmt, single=True)
+    pieces = [parser.push(reply[i : i + step]) for i in range(0, len(reply), step)]
+    pieces.append(parser.finish())
+    assert "".join(p.content for p in pieces) == content
+    assert {c.index for p in pieces for c in p.calls} == {0}
+    assert [(c.name, c.arguments) for c in parser.parsed] == calls[:1]

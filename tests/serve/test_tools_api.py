@@ -4,6 +4,7 @@ and chat template): what reaches the prompt, and what constrained decoding guara
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,79 @@ async def test_schemas_that_do_not_compile_are_400(
     assert error["param"] == param
 
 
+# -- other servers' constraint fields ------------------------------------------------------
+
+CODE = r"[0-9]{3}-[a-c]{2}"
+GBNF = 'root ::= "yes" | "no" | "maybe"'
+LARK = 'start: "yes" | "no" | "maybe"'
+
+
+@pytest.mark.parametrize(
+    ("extra", "check"),
+    [
+        ({"guided_choice": ["north", "south"]}, lambda t: t in ("north", "south")),
+        ({"guided_regex": CODE}, lambda t: re.fullmatch(CODE, t)),
+        ({"guided_grammar": GBNF}, lambda t: t in ("yes", "no", "maybe")),
+        ({"grammar": LARK}, lambda t: t in ("yes", "no", "maybe")),
+        ({"structured_outputs": {"choice": ["on", "off"]}}, lambda t: t in ("on", "off")),
+        ({"structured_outputs": {"regex": CODE}}, lambda t: re.fullmatch(CODE, t)),
+        ({"guided_json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+        ({"guided_json": json.dumps(PERSON)},
+         lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+        ({"json_schema": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+        ({"structured_outputs": {"json": PERSON}},
+         lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+        # Any object: a random model may write one longer than the budget (see above).
+        ({"structured_outputs": {"json_object": True}}, lambda t: t.startswith("{")),
+        ({"response_format": PERSON_FORMAT},
+         lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("endpoint", ["chat", "text"])
+async def test_vllm_and_llama_server_constraints_are_enforced(
+    api: openai.AsyncOpenAI, extra: dict[str, Any], check: Any, endpoint: str
+) -> None:
+    """A random model at temperature 1 writes what the constraint allows, on both routes."""
+    if endpoint == "chat":
+        reply = await api.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=BUDGET, temperature=1.0, seed=3,
+            extra_body=extra,
+        )  # fmt: skip
+        text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+    else:
+        done = await api.completions.create(
+            model=MODEL, prompt="Answer:", max_tokens=BUDGET, temperature=1.0, seed=3,
+            extra_body=extra,
+        )  # fmt: skip
+        text, finish = done.choices[0].text, done.choices[0].finish_reason
+    assert finish == "stop" or "json_object" in str(extra)
+    assert text is not None
+    assert check(text), text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"guided_regex": "[0-9"}, "guided_regex"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"grammar": "root ::= ("}, "grammar"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"structured_outputs": {"json": {"type": "x"}}}, "structured_outputs.json"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ],
+)
+async def test_constraints_that_do_not_compile_or_collide_are_400(
+    server: Server, extra: dict[str, Any], param: str
+) -> None:
+    for path, body in (
+        ("/v1/chat/completions", {"model": MODEL, "messages": ASK, **extra}),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", **extra}),
+    ):
+        error = assert_openai_error(await post(server, path, body), 400)
+        assert error["param"] == param, (path, error)
+
+
 @pytest.mark.parametrize(
     "choice", ["required", {"type": "function", "function": {"name": "get_time"}}]
 )
@@ -193,7 +267,9 @@ async def test_forced_tool_calls_are_valid_and_stream_the_same(
     async with client(tools_server) as api:
         reply = await api.chat.completions.create(**request)
     choice_out = reply.choices[0]
-    assert choice_out.finish_reason == "tool_calls"
+    # OpenAI finishes a named choice's call with "stop", any other call with "tool_calls".
+    finish = "stop" if isinstance(choice, dict) else "tool_calls"
+    assert choice_out.finish_reason == finish
     assert choice_out.message.content is None
     calls = choice_out.message.tool_calls
     assert calls is not None
@@ -217,7 +293,7 @@ async def test_forced_tool_calls_are_valid_and_stream_the_same(
             assert delta.function is not None
             streamed[delta.index][1] += delta.function.arguments or ""
     assert streamed == {0: [call.function.name, call.function.arguments]}
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
 
 
 async def test_constrained_greedy_is_the_same_with_speculation(

@@ -2,14 +2,14 @@
 
 The weights of one product come as up to three parts (Q/K/V or gate/up, each ``[out_i,
 row bytes]`` in its own format) so a fused projection is one call and one parallel region.
-Output rows are processed one at a time, 32 values (one :func:`.blocks.chunk`, four
-vectors) at a step:
+Weights are decoded 32 values (one :func:`.blocks.chunk`, four vectors) at a step:
 
 - one activation row (decode): the chunk is multiplied into four vector accumulators
   while it is in registers; nothing is stored;
-- ``k`` rows (verify windows, batches): the row is decoded once into a small float32
-  buffer (L1-resident), then multiplied with the activation rows four at a time, so ``k``
-  rows cost one pass over the weights and the decode is paid once.
+- ``k`` rows (verify windows, batches): four weight rows are decoded once into a small
+  float32 buffer (L1-resident), then multiplied with the activation rows four at a time
+  as a 4 x 4 register tile of sixteen-lane vectors, so ``k`` rows cost one pass over the
+  weights, the decode is paid once, and every vector loaded feeds four FMAs.
 
 Sums are float32 in vector lanes and then across lanes: the order differs from a plain
 loop, the terms are those of "dequantize, then multiply".
@@ -28,7 +28,18 @@ import numpy as np
 from numba import njit, prange
 
 from meshnode.engine.cpu.blocks import chunk
-from meshnode.engine.cpu.simd import vadd, vfma, vload, vstore, vsum, vzero
+from meshnode.engine.cpu.simd import (
+    vadd,
+    vfma,
+    vload,
+    vstore,
+    vsum,
+    vzero,
+    wfma,
+    wload,
+    wsum,
+    wzero,
+)
 
 # Output rows per parallel work item: large enough that a work item's start-up (a small
 # buffer, a dispatch) is noise, small enough that the smallest projections of a small
@@ -51,11 +62,11 @@ def _dot1(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _decode(fmt, row, w):  # type: ignore[no-untyped-def]
-    # the whole row into w (float32, the row's length)
-    for c in range(w.shape[0] // 32):
+def _decode(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
+    # the whole row into w[base : base + n_in] (float32)
+    for c in range(n_in // 32):
         w0, w1, w2, w3 = chunk(fmt, row, c)
-        o = 32 * c
+        o = base + 32 * c
         vstore(w, o, w0)
         vstore(w, o + 8, w1)
         vstore(w, o + 16, w2)
@@ -63,59 +74,118 @@ def _decode(fmt, row, w):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _dot4(w, x, r, n_in):  # type: ignore[no-untyped-def]
-    # activation rows r .. r + 3 (x flat, rows of n_in) with the decoded row w; two
-    # accumulators per row so that eight FMA chains are in flight
-    p, q, s, t = r * n_in, (r + 1) * n_in, (r + 2) * n_in, (r + 3) * n_in
-    a0, a1, b0, b1 = vzero(), vzero(), vzero(), vzero()
-    c0, c1, d0, d1 = vzero(), vzero(), vzero(), vzero()
+def _dot4x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
+    # activation rows r .. r + 3 (x flat, rows of n_in) times the four decoded weight rows
+    # of w (flat [4, n_in]), sixteen lanes at a time: 16 accumulators, and each vector
+    # loaded serves four FMAs (a register tile, as a GEMM micro-kernel: FMA-bound, where
+    # one weight row at a time is bound by its loads of the activations)
+    p0, p1, p2, p3 = r * n_in, (r + 1) * n_in, (r + 2) * n_in, (r + 3) * n_in
+    q1, q2, q3 = n_in, 2 * n_in, 3 * n_in
+    a00, a01, a02, a03 = wzero(), wzero(), wzero(), wzero()
+    a10, a11, a12, a13 = wzero(), wzero(), wzero(), wzero()
+    a20, a21, a22, a23 = wzero(), wzero(), wzero(), wzero()
+    a30, a31, a32, a33 = wzero(), wzero(), wzero(), wzero()
     for j in range(0, n_in, 16):
-        w0, w1 = vload(w, j), vload(w, j + 8)
-        a0, a1 = vfma(w0, vload(x, p + j), a0), vfma(w1, vload(x, p + j + 8), a1)
-        b0, b1 = vfma(w0, vload(x, q + j), b0), vfma(w1, vload(x, q + j + 8), b1)
-        c0, c1 = vfma(w0, vload(x, s + j), c0), vfma(w1, vload(x, s + j + 8), c1)
-        d0, d1 = vfma(w0, vload(x, t + j), d0), vfma(w1, vload(x, t + j + 8), d1)
-    return vsum(vadd(a0, a1)), vsum(vadd(b0, b1)), vsum(vadd(c0, c1)), vsum(vadd(d0, d1))
+        w0, w1, w2, w3 = wload(w, j), wload(w, q1 + j), wload(w, q2 + j), wload(w, q3 + j)
+        v = wload(x, p0 + j)
+        a00, a01, a02, a03 = wfma(w0, v, a00), wfma(w1, v, a01), wfma(w2, v, a02), wfma(w3, v, a03)
+        v = wload(x, p1 + j)
+        a10, a11, a12, a13 = wfma(w0, v, a10), wfma(w1, v, a11), wfma(w2, v, a12), wfma(w3, v, a13)
+        v = wload(x, p2 + j)
+        a20, a21, a22, a23 = wfma(w0, v, a20), wfma(w1, v, a21), wfma(w2, v, a22), wfma(w3, v, a23)
+        v = wload(x, p3 + j)
+        a30, a31, a32, a33 = wfma(w0, v, a30), wfma(w1, v, a31), wfma(w2, v, a32), wfma(w3, v, a33)
+    return (
+        wsum(a00), wsum(a01), wsum(a02), wsum(a03),
+        wsum(a10), wsum(a11), wsum(a12), wsum(a13),
+        wsum(a20), wsum(a21), wsum(a22), wsum(a23),
+        wsum(a30), wsum(a31), wsum(a32), wsum(a33),
+    )  # fmt: skip
+
+
+@njit(cache=True)
+def _dot2x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
+    # activation rows r, r + 1 times the four decoded weight rows of w
+    p0, p1, q1, q2, q3 = r * n_in, (r + 1) * n_in, n_in, 2 * n_in, 3 * n_in
+    a00, a01, a02, a03 = wzero(), wzero(), wzero(), wzero()
+    a10, a11, a12, a13 = wzero(), wzero(), wzero(), wzero()
+    for j in range(0, n_in, 16):
+        w0, w1, w2, w3 = wload(w, j), wload(w, q1 + j), wload(w, q2 + j), wload(w, q3 + j)
+        v = wload(x, p0 + j)
+        a00, a01, a02, a03 = wfma(w0, v, a00), wfma(w1, v, a01), wfma(w2, v, a02), wfma(w3, v, a03)
+        v = wload(x, p1 + j)
+        a10, a11, a12, a13 = wfma(w0, v, a10), wfma(w1, v, a11), wfma(w2, v, a12), wfma(w3, v, a13)
+    return (
+        wsum(a00), wsum(a01), wsum(a02), wsum(a03),
+        wsum(a10), wsum(a11), wsum(a12), wsum(a13),
+    )  # fmt: skip
+
+
+@njit(cache=True)
+def _dot1x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
+    # activation row r times the four decoded weight rows of w
+    p, q1, q2, q3 = r * n_in, n_in, 2 * n_in, 3 * n_in
+    a0, a1, a2, a3 = wzero(), wzero(), wzero(), wzero()
+    for j in range(0, n_in, 16):
+        v = wload(x, p + j)
+        a0, a1 = wfma(wload(w, j), v, a0), wfma(wload(w, q1 + j), v, a1)
+        a2, a3 = wfma(wload(w, q2 + j), v, a2), wfma(wload(w, q3 + j), v, a3)
+    return wsum(a0), wsum(a1), wsum(a2), wsum(a3)
 
 
 @njit(cache=True)
 def _dot_one(w, x, r, n_in):  # type: ignore[no-untyped-def]
     p = r * n_in
-    a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
+    a0, a1 = wzero(), wzero()
     for j in range(0, n_in, 32):
-        a0 = vfma(vload(w, j), vload(x, p + j), a0)
-        a1 = vfma(vload(w, j + 8), vload(x, p + j + 8), a1)
-        a2 = vfma(vload(w, j + 16), vload(x, p + j + 16), a2)
-        a3 = vfma(vload(w, j + 24), vload(x, p + j + 24), a3)
-    return vsum(vadd(vadd(a0, a1), vadd(a2, a3)))
+        a0 = wfma(wload(w, j), wload(x, p + j), a0)
+        a1 = wfma(wload(w, j + 16), wload(x, p + j + 16), a1)
+    return wsum(a0) + wsum(a1)
 
 
 @njit(cache=True)
 def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
     # rows lo .. hi - 1 of one part (format fmt, a literal: the decoders fold to one
-    # format) into columns col + lo .. of out; w: float32 [n_in] scratch
-    k, n_in = out.shape[0], w.shape[0]
-    for o in range(lo, hi):
-        row = raw[o]
-        if k == 1:
-            out[0, col + o] = _dot1(fmt, row, x, n_in)
-            continue
-        _decode(fmt, row, w)
+    # format) into columns col + lo .. of out; w: float32 [4 n_in] scratch
+    k, n_in = out.shape[0], w.shape[0] // 4
+    if k == 1:
+        for o in range(lo, hi):
+            out[0, col + o] = _dot1(fmt, raw[o], x, n_in)
+        return
+    o = lo
+    while o + 4 <= hi:  # four weight rows decoded, then a register tile per four rows
+        for i in range(4):
+            _decode(fmt, raw[o + i], w, i * n_in, n_in)
+        c = col + o
         r = 0
         while r + 4 <= k:
-            dots = _dot4(w, x, r, n_in)
-            out[r, col + o], out[r + 1, col + o] = dots[0], dots[1]
-            out[r + 2, col + o], out[r + 3, col + o] = dots[2], dots[3]
+            d = _dot4x4(w, x, r, n_in)
+            for i in range(4):
+                for j in range(4):
+                    out[r + i, c + j] = d[4 * i + j]
             r += 4
-        while r < k:
+        if r + 2 <= k:
+            d2 = _dot2x4(w, x, r, n_in)
+            for i in range(2):
+                for j in range(4):
+                    out[r + i, c + j] = d2[4 * i + j]
+            r += 2
+        if r < k:
+            d4 = _dot1x4(w, x, r, n_in)
+            for j in range(4):
+                out[r, c + j] = d4[j]
+        o += 4
+    while o < hi:  # the last rows of a part whose length is not a multiple of four
+        _decode(fmt, raw[o], w, 0, n_in)
+        for r in range(k):
             out[r, col + o] = _dot_one(w, x, r, n_in)
-            r += 1
+        o += 1
 
 
 def _serial_product(fa: int, fb: int, fc: int) -> Any:
     @njit(cache=True)
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
-        w = np.empty(x.shape[0] // out.shape[0], np.float32)
+        w = np.empty(4 * (x.shape[0] // out.shape[0]), np.float32)
         ends = (a.shape[0], a.shape[0] + b.shape[0])  # int64, not literal: one _rows each
         _rows(fa, a, x, out, 0, a.shape[0], ends[0] - ends[0], w)
         _rows(fb, b, x, out, 0, b.shape[0], ends[0], w)
@@ -133,7 +203,7 @@ def _parallel_product(fa: int, fb: int, fc: int) -> Any:
         cc = (nc + CHUNK_ROWS - 1) // CHUNK_ROWS
         n_in = x.shape[0] // out.shape[0]
         for ch in prange(ca + cb + cc):
-            w = np.empty(n_in, np.float32)
+            w = np.empty(4 * n_in, np.float32)
             if ch < ca:
                 lo = ch * CHUNK_ROWS
                 _rows(fa, a, x, out, lo, min(na, lo + CHUNK_ROWS), na - na, w)
@@ -164,10 +234,10 @@ def product_kernel(fa: int, fb: int, fc: int, parallel: bool) -> Any:
 
 
 def _decode_kernel(fmt: int) -> Any:
-    @njit(cache=True, parallel=True)
+    @njit(cache=True)
     def decode_rows(raw, ids, out):  # type: ignore[no-untyped-def]
-        for i in prange(ids.shape[0]):
-            _decode(fmt, raw[ids[i]], out[i])
+        for i in range(ids.shape[0]):
+            _decode(fmt, raw[ids[i]], out[i], 0, out.shape[1])
 
     return decode_rows
 
@@ -175,5 +245,8 @@ def _decode_kernel(fmt: int) -> Any:
 @functools.cache
 def decode_kernel(fmt: int) -> Any:
     """``decode_rows(raw, ids, out)``: ``out[i]`` = row ``ids[i]`` of ``raw`` (format
-    ``fmt``) decoded; the embedding lookup, and the whole matrix for prefill's BLAS."""
+    ``fmt``) decoded, in the calling thread; the embedding lookup, and prefill's tiles
+    for BLAS (whose own threads then have the cores: a parallel decode between two
+    sgemm calls would compete with OpenBLAS's spinning threads, and decoding is about
+    2 % of a prefill's work)."""
     return _decode_kernel(fmt)

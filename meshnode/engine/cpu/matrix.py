@@ -3,8 +3,9 @@
 ``x @ m`` for a :class:`BlockMatrix` ``m`` (logically ``[in, out]``, like the float32
 matrices the CPU stage used before) computes the product without ever holding the float32
 matrix: up to :data:`MAX_KERNEL_ROWS` activation rows go through one kernel pass over the
-blocks (decode, verify windows), more rows (prefill) decode the matrix into a per-thread
-float32 scratch buffer and use BLAS, where the decode is a small part of the work.
+blocks (decode, verify windows); more rows (prefill) decode the matrix a tile of
+:data:`DENSE_TILE_BYTES` at a time into a per-thread float32 scratch buffer and hand
+each tile to BLAS, where the decode is a small part of the work.
 """
 
 from __future__ import annotations
@@ -31,8 +32,19 @@ __all__ = ["MAX_KERNEL_ROWS", "BlockMatrix", "set_kernel_threads", "supported"]
 # (benchmarks/engine.py, "k-row forward cost").
 MAX_KERNEL_ROWS = 16
 
+# float32 bytes of weight rows a prefill decodes at once for BLAS: the tile is still in
+# the L2/L3 cache when sgemm reads it, each sgemm call is still large (400 rows x 4 MiB is
+# ~0.8 GFLOP), and a thread's scratch stays small (Gemma 3's whole embedding, decoded,
+# would be 640 MiB).
+DENSE_TILE_BYTES = 4 << 20
+# The smallest matrix (bytes as stored) that several threads multiply: waking the sleeping
+# kernel threads costs tens of microseconds per product, more than a small matrix saves.
+# SmolLM2, 2 threads, one-row forward: 27.8 ms with every product parallel, 24.0 ms from
+# 1 MB, 21.3 ms from 4 MB, 23.3 ms with none (1 thread: 23.5 ms; idle machine).
+PARALLEL_MIN_BYTES = 4 << 20
+
 _threads: int | None = None  # the --threads cap, applied in whichever thread computes
-_scratch = threading.local()  # float32 buffer for the BLAS path, one per computing thread
+_scratch = threading.local()  # a float32 tile for the BLAS path, one per computing thread
 
 
 def set_kernel_threads(threads: int | None) -> None:
@@ -56,6 +68,14 @@ def kernels() -> ModuleType:
     # numba reads NUMBA_CACHE_DIR when it is imported; its own default is __pycache__
     # beside the sources, which a system-wide install cannot write.
     os.environ.setdefault("NUMBA_CACHE_DIR", str(numba_cache_dir()))
+    # numba's OpenMP threads (libgomp, loaded at the first parallel product, when it reads
+    # this) spin for milliseconds after each product by default. On a busy machine a
+    # spinning thread uses up its share of the CPU and the product after it waits for a
+    # descheduled thread at its closing barrier: with 2 threads on 2 shared cores a
+    # one-row forward of SmolLM2 took 4-9x the time of 1 thread (load 5-7). Sleeping
+    # threads cost a wake-up per product instead and keep 2 threads at or below 1
+    # (benchmarks/engine.py --threads; README, "Performance").
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from meshnode.engine.cpu import kernels as module
 
     return module
@@ -63,6 +83,7 @@ def kernels() -> ModuleType:
 
 def _threads_here() -> int:
     """Apply the ``--threads`` cap in this thread; the number of kernel threads here."""
+    kernels()  # numba configured before it is imported
     import numba
 
     # numba's thread count is per calling thread, and stages compute in worker threads
@@ -74,9 +95,11 @@ def _threads_here() -> int:
 
 
 def supported(t: RawTensor) -> bool:
-    """Whether ``t`` is a matrix the kernels can multiply in its stored format."""
+    """Whether ``t`` is a matrix the kernels can multiply in its stored format: rows of
+    whole blocks, and of whole 32-value chunks (the kernels' step, :mod:`.blocks`)."""
     fmt = format_of(t.dtype)
-    return fmt is not None and len(t.shape) == 2 and t.shape[1] % fmt.block_size == 0
+    n_in = t.shape[1] if len(t.shape) == 2 else 0
+    return fmt is not None and n_in > 0 and n_in % fmt.block_size == 0 and n_in % 32 == 0
 
 
 @dataclass(frozen=True)
@@ -118,6 +141,7 @@ class BlockMatrix:
         ids = [p.fmt.kernel_id for p in parts]
         self._fmts = tuple(ids + [ids[0]] * (3 - len(parts)))
         self._raws = [p.raw for p in parts] + [_EMPTY] * (3 - len(parts))
+        self._nbytes = sum(int(p.raw.nbytes) for p in parts)
 
     def __repr__(self) -> str:
         kinds = "+".join(p.fmt.name for p in self.parts)
@@ -134,23 +158,36 @@ class BlockMatrix:
     def _product(self, x: np.ndarray) -> np.ndarray:
         if x.shape[1] != self.n_in:
             raise ValueError(f"x has {x.shape[1]} columns, the matrix {self.n_in} rows")
-        if x.shape[0] > MAX_KERNEL_ROWS:
-            dense: np.ndarray = x @ self.dense().T
-            return dense
         out = np.empty((x.shape[0], self.n_out), np.float32)
-        product = kernels().product_kernel(*self._fmts, _threads_here() > 1)
+        if x.shape[0] > MAX_KERNEL_ROWS:
+            self._tiled_product(x, out)
+            return out
+        parallel = self._nbytes >= PARALLEL_MIN_BYTES and _threads_here() > 1
+        product = kernels().product_kernel(*self._fmts, parallel)
         product(*self._raws, np.ascontiguousarray(x).reshape(-1), out)
         return out
 
-    def dense(self) -> np.ndarray:
-        """The matrix decoded as float32 ``[out, in]`` into this thread's scratch buffer
-        (valid until the next call in this thread)."""
-        size = self.n_out * self.n_in
+    def _tiled_product(self, x: np.ndarray, out: np.ndarray) -> None:
+        """``out = x @ self`` a tile of decoded rows at a time, each through BLAS."""
+        tile_rows = max(1, DENSE_TILE_BYTES // (4 * self.n_in))
+        size = tile_rows * self.n_in
         buf = getattr(_scratch, "buf", None)
         if buf is None or buf.size < size:
             buf = _scratch.buf = np.empty(size, np.float32)
-        out = buf[:size].reshape(self.n_out, self.n_in)
-        _threads_here()
+        start = 0
+        for p in self.parts:
+            decode = kernels().decode_kernel(p.fmt.kernel_id)
+            rows = p.raw.shape[0]
+            for lo in range(0, rows, tile_rows):
+                hi = min(rows, lo + tile_rows)
+                tile = buf[: (hi - lo) * self.n_in].reshape(hi - lo, self.n_in)  # [t, in]
+                decode(p.raw, np.arange(lo, hi, dtype=np.int64), tile)
+                np.matmul(x, tile.T, out=out[:, start + lo : start + hi])  # [r, t]
+            start += rows
+
+    def dense(self) -> np.ndarray:
+        """The whole matrix decoded as float32 ``[out, in]`` (a new array)."""
+        out = np.empty((self.n_out, self.n_in), np.float32)
         start = 0
         for p in self.parts:
             rows = p.raw.shape[0]
@@ -167,7 +204,6 @@ class BlockMatrix:
         if idx.size and (idx.min() < 0 or idx.max() >= self.n_out):
             raise IndexError(f"row index outside 0..{self.n_out - 1}")
         out = np.empty((idx.size, self.n_in), np.float32)
-        _threads_here()
         p = self.parts[0]
         kernels().decode_kernel(p.fmt.kernel_id)(p.raw, idx, out)
         return out

@@ -10,6 +10,10 @@ or NEON registers), so nothing here is x86-specific.
 Loads take an array and an element offset (bytes for ``uint8`` rows) and do no bounds
 checks, like numba's own indexing; the callers keep offsets inside their blocks.
 ``vfma`` is ``llvm.fmuladd``: fused where the CPU has FMA, else a multiply and an add.
+
+``F32x16`` (sixteen lanes: one AVX-512 register, two AVX2 ones) has only what the
+multi-row products need (zero, load, FMA, sum): there each decoded weight vector meets
+eight activation rows, and the wider vector halves the instructions per value.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from numba.extending import models, register_model
 
 __all__ = [
     "F32x8",
+    "F32x16",
     "I32x8",
     "bits8",
     "iand",
@@ -47,6 +52,10 @@ __all__ = [
     "vstore",
     "vsum",
     "vzero",
+    "wfma",
+    "wload",
+    "wsum",
+    "wzero",
 ]
 
 LANES = 8
@@ -78,14 +87,29 @@ class I32x8Type(types.Type):
         super().__init__(name="I32x8")
 
 
+class F32x16Type(types.Type):
+    """Sixteen float32 lanes (the multi-row products)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="F32x16")
+
+
 F32x8 = F32x8Type()
 I32x8 = I32x8Type()
+F32x16 = F32x16Type()
+_VW = ir.VectorType(_F, 2 * LANES)
 
 
 @register_model(F32x8Type)
 class _F32x8Model(models.PrimitiveModel):
     def __init__(self, dmm: Any, fe_type: Any) -> None:
         super().__init__(dmm, fe_type, _VF)  # type: ignore[no-untyped-call]
+
+
+@register_model(F32x16Type)
+class _F32x16Model(models.PrimitiveModel):
+    def __init__(self, dmm: Any, fe_type: Any) -> None:
+        super().__init__(dmm, fe_type, _VW)  # type: ignore[no-untyped-call]
 
 
 @register_model(I32x8Type)
@@ -208,13 +232,12 @@ def vfma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
     return F32x8(a, b, c), codegen
 
 
-@intrinsic
-def vsum(typingctx: Any, v: Any) -> Any:
-    """The sum of the eight lanes (as a tree: halves, then quarters), a float32."""
+def _tree_sum(lanes: int) -> Any:
+    """Codegen summing a vector of ``lanes`` float32: halves, then quarters, to one."""
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         v = args[0]
-        width = LANES
+        width = lanes
         while width > 1:
             width //= 2
             half = ir.VectorType(_I32, width)
@@ -224,7 +247,56 @@ def vsum(typingctx: Any, v: Any) -> Any:
             v = builder.fadd(lo, hi)
         return builder.extract_element(v, ir.Constant(_I32, 0))
 
-    return types.float32(v), codegen
+    return codegen
+
+
+@intrinsic
+def vsum(typingctx: Any, v: Any) -> Any:
+    """The sum of the eight lanes (as a tree: halves, then quarters), a float32."""
+    return types.float32(v), _tree_sum(LANES)
+
+
+@intrinsic
+def wzero(typingctx: Any) -> Any:
+    """Sixteen lanes of 0.0."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return ir.Constant(_VW, [0.0] * 2 * LANES)
+
+    return F32x16(), codegen
+
+
+@intrinsic
+def wload(typingctx: Any, ary: Any, i: Any) -> Any:
+    """``ary[i : i + 16]`` of a float32 array."""
+    if not _is_array(ary, types.float32):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ptr = _pointer(context, builder, sig.args[0], args[0], args[1], _VW)
+        return builder.load(ptr, align=4)
+
+    return F32x16(ary, i), codegen
+
+
+@intrinsic
+def wfma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
+    """``a * b + c`` over sixteen lanes (``llvm.fmuladd``)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        fnty = ir.FunctionType(_VW, [_VW, _VW, _VW])
+        fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            builder.module, fnty, "llvm.fmuladd.v16f32"
+        )
+        return builder.call(fn, list(args))
+
+    return F32x16(a, b, c), codegen
+
+
+@intrinsic
+def wsum(typingctx: Any, v: Any) -> Any:
+    """The sum of the sixteen lanes, as a tree (halves, then quarters...), a float32."""
+    return types.float32(v), _tree_sum(2 * LANES)
 
 
 # -- loads from rows of bytes ------------------------------------------------------------

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.cuda.device import DeviceMatrix, kernels_for
 from meshnode.engine.cuda.kernels import BLOCK, MAX_HEAD_DIM, MAX_ROWS
@@ -52,7 +51,8 @@ class _Buffers:
 
 
 class CudaStage:
-    """The device side of a :class:`~meshnode.engine.model.Stage` (built by it)."""
+    """The device side of a :class:`~meshnode.engine.model.Stage` (built for it by
+    ``CudaBackend.device_stage``)."""
 
     def __init__(
         self,
@@ -61,23 +61,25 @@ class CudaStage:
         *,
         embed: bool,
         head: bool,
-        backend: Backend,
+        cp: Any,
+        cuda_graphs: bool = True,
     ) -> None:
+        """``cp`` is CuPy; ``cuda_graphs`` whether decode/verify steps are captured."""
         if config.head_dim > MAX_HEAD_DIM or BLOCK % config.head_dim:
             raise ValueError(
                 f"CUDA attention needs head_dim dividing {BLOCK}, not {config.head_dim}"
             )
-        cp = backend.xp
         self.cp, self.config, self.w = cp, config, weights
         self.embed, self.head = embed, head
         self.k = kernels_for(cp)
         self.k.warm_up()
         self.stream = cp.cuda.Stream(non_blocking=True)
-        self.use_graphs = backend.cuda_graphs
+        self.use_graphs = cuda_graphs
         # float32 weights mean the float32 mode (golden parity): its cache is float32 too.
         first = weights.layers[0].wqkv if weights.layers else None
         self.kv = "float" if first is None or first.fmt == "f32" else "u16"
-        self.inv_freq = backend.asarray(np.asarray(config.rope_inv_freq(), dtype=np.float32))
+        inv_freq = np.asarray(config.rope_inv_freq(), dtype=np.float32)
+        self.inv_freq = cp.asarray(inv_freq, dtype=cp.float32)
         self.scale = float(1.0 / np.sqrt(config.head_dim))
         self.step = cp.zeros(4, dtype=cp.int64)  # [first position, T, K base, V base]
         import cupyx

@@ -8,12 +8,12 @@ and stored in the dense dtype. Norms, biases and RoPE frequencies are float32.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, Literal
 
 import numpy as np
 from meshnode_packaging.sources import ModelSource, RawTensor, dequantize
 
-from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.cuda.device import DeviceMatrix
 from meshnode.engine.cuda.formats import QUANT_FORMATS, Format, encode_dense, row_bytes
@@ -35,9 +35,8 @@ def device_dtype(requested: str, source: ModelSource) -> DeviceDtype:
     return "bfloat16" if str(trained) == "bfloat16" else "float16"
 
 
-def _matrix(be: Backend, tensors: list[RawTensor], dtype: DeviceDtype) -> DeviceMatrix:
+def _matrix(cp: ModuleType, tensors: list[RawTensor], dtype: DeviceDtype) -> DeviceMatrix:
     """Tensors ``[out_i, in]`` stacked along ``out`` as one device matrix."""
-    cp = be.xp
     inp = tensors[0].shape[1]
     out = sum(t.shape[0] for t in tensors)
     kinds = {t.dtype for t in tensors}
@@ -51,25 +50,26 @@ def _matrix(be: Backend, tensors: list[RawTensor], dtype: DeviceDtype) -> Device
     return DeviceMatrix(cp.asarray(encode_dense(w, fmt)), fmt, out, inp)
 
 
-def _f32(be: Backend, source: ModelSource, *names: str) -> Any:
-    return be.asarray(np.concatenate([dequantize(source.tensor(n)).reshape(-1) for n in names]))
+def _f32(cp: ModuleType, source: ModelSource, *names: str) -> Any:
+    host = np.concatenate([dequantize(source.tensor(n)).reshape(-1) for n in names])
+    return cp.asarray(host, dtype=cp.float32)
 
 
 def _layer(
-    source: ModelSource, config: ModelConfig, i: int, be: Backend, dtype: DeviceDtype
+    source: ModelSource, config: ModelConfig, i: int, cp: ModuleType, dtype: DeviceDtype
 ) -> LayerWeights:
     p = f"layers.{i}."
     qkv = [f"{p}self_attn.{x}_proj" for x in "qkv"]
 
     def matrix(*names: str) -> DeviceMatrix:
-        return _matrix(be, [source.tensor(n) for n in names], dtype)
+        return _matrix(cp, [source.tensor(n) for n in names], dtype)
 
     return LayerWeights(
-        attn_norm=_f32(be, source, p + "input_layernorm.weight"),
+        attn_norm=_f32(cp, source, p + "input_layernorm.weight"),
         wqkv=matrix(*(n + ".weight" for n in qkv)),
-        bqkv=_f32(be, source, *(n + ".bias" for n in qkv)) if config.attention_bias else None,
+        bqkv=_f32(cp, source, *(n + ".bias" for n in qkv)) if config.attention_bias else None,
         wo=matrix(p + "self_attn.o_proj.weight"),
-        ffn_norm=_f32(be, source, p + "post_attention_layernorm.weight"),
+        ffn_norm=_f32(cp, source, p + "post_attention_layernorm.weight"),
         w_gate_up=matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
         w_down=matrix(p + "mlp.down_proj.weight"),
     )
@@ -83,21 +83,22 @@ def load_cuda_stage_weights(
     *,
     embed: bool,
     head: bool,
-    backend: Backend,
+    cp: ModuleType,
+    dtype: DeviceDtype,
 ) -> StageWeights:
-    """Upload what stage ``[start, end)`` needs; ``embed_t``/``head_t`` hold ``[V, E]`` rows.
+    """Upload what stage ``[start, end)`` needs through ``cp`` (CuPy) in ``dtype`` (see
+    :func:`device_dtype`); ``embed_t``/``head_t`` hold ``[V, E]`` rows.
 
     Raises ``KeyError`` naming a missing tensor, ``ValueError`` for a width the kernels
     cannot decode (not a multiple of 32).
     """
-    dtype = device_dtype(backend.weights_dtype, source)
-    layers = [_layer(source, config, i, backend, dtype) for i in range(start, end)]
+    layers = [_layer(source, config, i, cp, dtype) for i in range(start, end)]
     tied = config.tie_word_embeddings or "lm_head.weight" not in source.tensor_names()
     table = None
     if embed or (head and tied):
-        table = _matrix(backend, [source.tensor("embed_tokens.weight")], dtype)
+        table = _matrix(cp, [source.tensor("embed_tokens.weight")], dtype)
     head_t = None
     if head and not tied:
-        head_t = _matrix(backend, [source.tensor("lm_head.weight")], dtype)
-    norm = _f32(backend, source, "norm.weight") if head else None
+        head_t = _matrix(cp, [source.tensor("lm_head.weight")], dtype)
+    norm = _f32(cp, source, "norm.weight") if head else None
     return StageWeights(start, end, layers, table, norm, head_t)

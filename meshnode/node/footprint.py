@@ -1,0 +1,105 @@
+"""What a stage of a model costs in memory: the footprint the planner places layers by, and
+the check a worker makes of a ``Load`` before it allocates anything.
+
+Weights count as the backend holds them; every live sequence preallocates KV for the whole
+context (and a hybrid model's recurrent state and snapshot ring), so both scale with the
+sequence limit :data:`~meshnode.node.stage.MAX_SEQUENCES_PER_STAGE`.
+"""
+
+from __future__ import annotations
+
+from meshnode.engine.config import ModelConfig
+from meshnode.engine.hybrid_config import HybridConfig
+from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
+from meshnode.engine.weights import HeldBytes
+from meshnode.errors import ConfigError, RunError
+from meshnode.node.planner import ModelFootprint
+from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, default_context
+
+
+def model_footprint(
+    config: ModelConfig,
+    bytes_per_param: int = 4,
+    held: HeldBytes | None = None,
+    ring_slots: int = DEFAULT_RING_SLOTS,
+) -> ModelFootprint:
+    """Bytes the planner must reserve per layer, for the embedding, the head and the KV.
+
+    Weights: ``held`` when known (a CPU stage keeps the file's GGUF blocks, so a layer
+    costs its tensors' bytes in the file; :meth:`~meshnode.engine.backend.Backend.held_bytes`),
+    else every parameter at ``bytes_per_param`` (4: float32, the most any backend holds).
+    Every live sequence preallocates KV for the whole context, so KV scales with the
+    sequence limit.
+    """
+    if config.hybrid is not None:
+        return _hybrid_footprint(config, config.hybrid, bytes_per_param, ring_slots)
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    layer_params = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    embed = config.vocab_size * h
+    head = h + (0 if config.tie_word_embeddings else config.vocab_size * h)
+    kv_bytes = 2 * kv * 4 * MAX_SEQUENCES_PER_STAGE  # float32 K and V
+    if held is None:
+        held = HeldBytes(
+            (layer_params * bytes_per_param,) * config.num_layers,
+            embed * bytes_per_param,
+            head * bytes_per_param,
+        )
+    return ModelFootprint(
+        layer_bytes=held.layers,
+        embed_bytes=held.embed,
+        head_bytes=held.head,
+        kv_bytes_per_token_per_layer=kv_bytes,
+        tied_head=config.tie_word_embeddings,
+    )
+
+
+def _hybrid_footprint(
+    config: ModelConfig, hybrid: HybridConfig, bytes_per_param: int, ring_slots: int
+) -> ModelFootprint:
+    """A hybrid model's footprint: KV on the attention layers only; on each DeltaNet layer
+    the recurrent state and snapshot ring of every live sequence, whatever the context."""
+    layers = range(hybrid.num_layers)
+    per_sequence = hybrid.recurrent_shape().nbytes() * (1 + ring_slots)
+    h, vocab = hybrid.hidden_size, hybrid.vocab_size
+    return ModelFootprint(
+        layer_bytes=tuple(hybrid.layer_params(i) * bytes_per_param for i in layers),
+        embed_bytes=vocab * h * bytes_per_param,
+        head_bytes=(h + (0 if hybrid.tie_word_embeddings else vocab * h)) * bytes_per_param,
+        kv_bytes_per_token_per_layer=2 * config.kv_size * 4 * MAX_SEQUENCES_PER_STAGE,
+        tied_head=hybrid.tie_word_embeddings,
+        kv_layers=tuple(not hybrid.is_linear(i) for i in layers),
+        fixed_layer_bytes=tuple(
+            per_sequence * MAX_SEQUENCES_PER_STAGE if hybrid.is_linear(i) else 0 for i in layers
+        ),
+    )
+
+
+def served_context(config: ModelConfig, asked: int | None) -> int:
+    """The context a host serves: ``asked`` (``--context``), else the model's default.
+    Raises ``ConfigError`` for more than the model's positions."""
+    context = asked or default_context(config)
+    if context > config.max_position_embeddings:
+        raise ConfigError(
+            f"--context {context} is more than the model holds "
+            f"({config.max_position_embeddings} tokens)"
+        )
+    return context
+
+
+def check_load(
+    config: ModelConfig, start: int, end: int, context_size: int, memory_bytes: int | None
+) -> None:
+    """Refuse (``RunError``) a ``Load`` whose context the model cannot hold, or whose KV
+    alone would take more than the ``memory_bytes`` this node offers: another node chose
+    the context, and every sequence preallocates it."""
+    limit = config.max_position_embeddings
+    if not 1 <= context_size <= limit:
+        raise RunError(
+            f"Load asks for a context of {context_size} tokens; the model holds 1..{limit}"
+        )
+    kv = model_footprint(config).kv_bytes(start, end, context_size)
+    if memory_bytes is not None and kv > memory_bytes:
+        raise RunError(
+            f"Load asks for a context of {context_size} tokens: its KV cache alone would take "
+            f"{kv / 2**20:.0f} MiB, more than the {memory_bytes / 2**20:.0f} MiB this node offers"
+        )

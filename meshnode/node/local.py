@@ -1,0 +1,47 @@
+"""A pipeline whose every layer runs in this process (one :class:`StageRunner`).
+
+Single-node serving (``meshnode.serve.single``), ``meshnode generate`` and the tests drive
+the same generation loop over it as over the mesh's ``node.remote.RemotePipeline``.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from meshnode.node.batcher import Batcher, BatchLimits, Slot
+from meshnode.node.pipeline import RequestId, StepFrame, StepResult
+from meshnode.node.stage import StageRunner, step_results
+
+__all__ = ["LocalPipeline"]
+
+
+class LocalPipeline:
+    """Every layer in this process: one :class:`StageRunner` holding the whole model.
+
+    Concurrent ``run`` calls are batched (:mod:`meshnode.node.batcher`): each step runs the
+    ready frames of all sequences as one forward in a worker thread, so the event loop
+    keeps serving HTTP meanwhile. Steps and releases never overlap, because the runner
+    (and the BLAS threads under it) is shared by all sequences.
+    """
+
+    def __init__(self, runner: StageRunner, limits: BatchLimits | None = None):
+        self.runner = runner
+        limits = limits or BatchLimits(max_frames=runner.max_sequences)
+        self.batcher: Batcher[StepResult] = Batcher(
+            self._step, limits, live=lambda: runner.live_sequences
+        )
+
+    @property
+    def context_size(self) -> int:
+        return int(self.runner.context_size)
+
+    async def run(self, frame: StepFrame) -> StepResult:
+        return await self.batcher.submit(frame)
+
+    async def release(self, request_id: RequestId) -> None:
+        # Between steps, so a release never races the worker thread's use of the cache.
+        async with self.batcher.exclusive():
+            self.runner.release(request_id)
+
+    async def _step(self, slots: list[Slot[StepResult]]) -> None:
+        await trio.to_thread.run_sync(step_results, self.runner, slots)

@@ -1,0 +1,56 @@
+"""A member's ``Load`` cannot make a node allocate what it does not offer (issue 15).
+
+Every sequence of a stage preallocates KV for the whole context, and the context comes from
+the node that sends ``Load``. Over a real TLS session to the real daemon (its stage fetched
+from a loopback hub), a context the model cannot hold, or one whose KV alone exceeds the
+memory the node offers (``--max-memory``), gets ``LOAD_FAILED`` naming the reason before
+anything is allocated; a context that fits loads on the same node afterwards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+from meshnode_protocol import Error, ErrorCode, Ready
+
+from meshnode.net.identity import JoinToken, NodeIdentity
+from tests.engine.tiny import CONFIG
+from tests.node.member import Member, start_node
+
+LAYERS = int(CONFIG["num_hidden_layers"])
+MAX_POSITIONS = int(CONFIG["max_position_embeddings"])
+# 8 sequences x K and V x 2 heads x 64 dims x float32 = 8 KiB per token and layer: a context
+# of 200 needs 4.7 MiB of KV over the 3 layers, one of 32 needs 0.75 MiB.
+OFFERED = 2 << 20
+
+
+async def test_a_load_asking_for_more_context_than_fits_is_refused(
+    nursery: trio.Nursery, hub_ref: tuple[str, Path], tmp_path: Path
+) -> None:
+    ref, _package = hub_ref
+    token = JoinToken.generate("m")
+    node = await start_node(
+        nursery, token, tmp_path / "node", tmp_path / "cache", max_memory_bytes=OFFERED
+    )
+    assert node.listen is not None
+    member = await Member.dial(NodeIdentity.provision(token, tmp_path / "me"), node.listen)
+    attempts = [
+        (10**9, f"the model holds 1..{MAX_POSITIONS}"),
+        (200, "its KV cache alone would take 5 MiB, more than the 2 MiB this node offers"),
+        (32, ""),
+    ]
+    for term, (context, reason) in enumerate(attempts, start=1):
+        answer = await member.try_bring_up(
+            run_id=f"run-{term}", term=term, ref=ref, layers=(0, LAYERS), embed=True,
+            context=context,
+        )  # fmt: skip
+        if reason:
+            assert isinstance(answer, Error), context
+            assert answer.code == ErrorCode.LOAD_FAILED
+            assert reason in answer.message, answer.message
+        else:
+            assert isinstance(answer, Ready), answer
+    assert node.status()["node"]["internal_errors"] == 0
+    assert not member.closed
+    await member.aclose()

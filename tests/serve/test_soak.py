@@ -1,0 +1,43 @@
+"""The HTTP soak, small enough for the default run: a handful of clients for a few seconds
+against the API over the tiny model (the reliability suite, ``pytest -m reliability``, runs
+64 clients for minutes against a two-stage mesh serving a real model).
+
+Every kind of request but the slow header trickle (which needs the 10 s keep-alive timer)
+is in the mix, with equal weights; the body deadline is cut to one second so that a body
+that stops half-way gets its 408 inside the soak.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import pytest
+import trio
+
+from meshnode.net.http_guard import BodyLimits
+from meshnode.serve.service import ServeService
+from tests.reliability.soak import KINDS, soak
+from tests.serve.conftest import TINY_MODEL_ID, start_server, wait_until
+
+CLIENTS = 6
+SECONDS = 4.0
+MIX = {kind: 1 for kind in KINDS if kind != "slow-headers"}
+
+
+async def test_a_short_soak_gets_only_documented_answers(
+    nursery: trio.Nursery, serve_service: ServeService, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = await start_server(nursery, serve_service, limits=BodyLimits(timeout_s=1.0))
+    stats = await soak(
+        server.address, clients=CLIENTS, seconds=SECONDS, model=TINY_MODEL_ID, seed=3, mix=MIX
+    )
+    print(stats.table())
+    assert stats.unexpected == Counter(), stats.table()
+    assert {kind for kind, _ in stats.outcomes} == set(MIX), stats.table()
+    # No request, however it ended, raised inside the server (hypercorn logs those).
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    # Nothing is left held: every request, dropped streams included, gave its slot back.
+    assert await wait_until(lambda: serve_service.scheduler.in_flight == 0)
+    assert serve_service.scheduler.waiting == 0
+    assert serve_service.open_runs == 0
