@@ -133,6 +133,7 @@ class Node:
         self._app_factory = app_factory
         self._changed = trio.Event()
         self._started_s = 0.0
+        self.stopping = False  # from :meth:`stop` on, ending sessions is our own doing
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled; ``started()`` once listening and the API is up."""
@@ -164,6 +165,18 @@ class Node:
             if self.host is not None:
                 nursery.start_soon(self.host.run, self)
             task_status.started()
+
+    async def stop(self) -> None:
+        """Leave the mesh: the host plans no more, every peer is told ``Goodbye`` (bounded
+        by ``GOODBYE_TIMEOUT_S``), then the worker drops its run. Sessions that end from
+        now on are no news about peers (no "lost" stage or coordinator, no replan); the
+        caller cancels the rest."""
+        self.stopping = True
+        if self.host is not None:
+            self.host.stop()
+        await self.sessions.say_goodbye()
+        if self.worker is not None:
+            self.worker.stop("this node is stopping")
 
     def _advertised_host(self) -> str:
         return advertised_addresses(self.config.listen.host, self.config.interface)[0]
@@ -261,9 +274,14 @@ class Node:
         return self.worker is not None and await self.worker.handle(peer, message)
 
     def session_lost(self, node_id: NodeId, *, unexpected: bool) -> None:
-        """Tell the roles; an unexpected loss is a membership event too."""
+        """Tell the roles; an unexpected loss is a membership event too.
+
+        Once this node is stopping its own goodbye ends the sessions: nothing to tell."""
+        if self.stopping:
+            return
         if self.worker is not None:
-            self.worker.peer_lost(node_id)
+            # Not unexpected, and we are not stopping: the peer said goodbye.
+            self.worker.peer_lost(node_id, left=not unexpected)
         if self.host is not None:
             self.host.peer_lost(node_id)
         self._notify()

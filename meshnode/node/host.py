@@ -57,6 +57,7 @@ class MeshHost:
         self.frontend = frontend
         self.backend = backend
         self.coordinator: Coordinator | None = None
+        self._scope = trio.CancelScope()  # the coordinator and the frontend's tasks
 
     @property
     def pipeline(self) -> RemotePipeline | None:
@@ -89,9 +90,15 @@ class MeshHost:
             backend=self.backend,
             on_pipeline=self._serve_on,
         )
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.frontend.run)
-            await self.coordinator.run()
+        with self._scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.frontend.run)
+                await self.coordinator.run()
+
+    def stop(self) -> None:
+        """The node is stopping: plan, bring up and replan no more (a stage that leaves now
+        is not replaced, nor announced as lost)."""
+        self._scope.cancel()
 
     def _serve_on(self, pipeline: RemotePipeline | None) -> None:
         if pipeline is None:

@@ -2,8 +2,9 @@
 
 ``run(config, build)`` provisions the token and identity, builds the node (the caller's
 ``build`` adds the API and, with ``--model``, the host role) and runs it until SIGINT or
-SIGTERM, which send ``Goodbye`` on every session before everything is cancelled (and the
-mDNS record unregistered). While it runs, ``<state-dir>/node.json`` says where: that is how
+SIGTERM, which stop the node (:meth:`~meshnode.node.daemon.Node.stop`: the roles stop and
+``Goodbye`` goes out on every session) before everything is cancelled (and the mDNS record
+unregistered). While it runs, ``<state-dir>/node.json`` says where: that is how
 ``meshnode status`` and the tests find a running daemon.
 """
 
@@ -83,12 +84,12 @@ async def serve_until_signalled(
             )
             async for signum in signals:
                 log.info(
-                    "%s: saying goodbye to %d peers",
+                    "%s: stopping; saying goodbye to %d peer(s)",
                     signal.Signals(signum).name,
                     len(node.sessions),
                 )
                 break
-            await node.sessions.say_goodbye()
+            await node.stop()
             nursery.cancel_scope.cancel()
 
 

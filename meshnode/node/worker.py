@@ -261,7 +261,7 @@ class Worker:
                 # Building the stage takes seconds: off the session loop, like compute.
                 self._nursery.start_soon(self._load_in_background, peer, run, message)
             elif isinstance(message, Stop):
-                self._stop(f"stopped by {peer}: {message.reason}")
+                self.stop(f"stopped by {peer}: {message.reason}")
             else:
                 await self._queue(run, message)
         elif isinstance(message, Error) and self._is_downstream_error(peer, message):
@@ -289,10 +289,11 @@ class Worker:
         with contextlib.suppress(*SEND_ERRORS):
             await self._send(run.coordinator, error)
 
-    def peer_lost(self, peer: str) -> None:
-        """The session with ``peer`` ended: a coordinator gone takes its claim with it."""
+    def peer_lost(self, peer: str, *, left: bool = False) -> None:
+        """The session with ``peer`` ended (``left``: it said goodbye): a coordinator gone
+        takes its claim with it."""
         if self.run is not None and self.run.coordinator == peer:
-            self._stop(f"coordinator {peer} lost")
+            self.stop(f"coordinator {peer} {'left the mesh' if left else 'lost'}")
 
     # -- control ------------------------------------------------------------------------
 
@@ -303,7 +304,7 @@ class Worker:
             await self._send(peer, claim_rejection(self.node_id, run, peer, claim))
             return
         if run is not None and run.run_id != claim.run_id:
-            self._stop(f"superseded by run {claim.run_id}")
+            self.stop(f"superseded by run {claim.run_id}")
         if self.run is not None and self.run.run_id == claim.run_id:
             self.run.term = claim.term
         else:
@@ -465,7 +466,8 @@ class Worker:
             ),
         )
 
-    def _stop(self, reason: str) -> None:
+    def stop(self, reason: str) -> None:
+        """Drop the run this node holds, if any, logging ``reason``."""
         if self.run is not None:
             log.info("run %s stopped: %s", self.run.run_id, reason)
             if self.run.preparation is not None:
