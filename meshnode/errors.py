@@ -40,7 +40,7 @@ package under its real parent.
 Foreign exceptions are mapped once, at the boundary that meets them, with ``raise … from
 exc``: ``meshnode_packaging``'s ``PackageError``/``SourceError`` (and the ``OSError``,
 ``ValueError`` and ``KeyError`` of reading a model) become :class:`ModelLoadError` in
-:func:`meshnode.engine.loader.open_model`; codec errors stay ``meshnode_protocol``'s
+:func:`meshnode.engine.loader.reading_model`; codec errors stay ``meshnode_protocol``'s
 (``RemoteProtocolError``/``LocalProtocolError``) and close one connection.
 """
 

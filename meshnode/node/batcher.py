@@ -56,7 +56,7 @@ QUIET_TICKS = 2
 @dataclass(frozen=True, slots=True)
 class BatchLimits:
     """What one step may carry. ``enabled=False`` runs one frame per step, in arrival
-    order (the behaviour before batching, kept for comparison: ``benchmarks/concurrency``).
+    order (the behaviour before batching, kept for comparison: ``benchmarks/concurrency.py``).
     """
 
     enabled: bool = True

@@ -2,7 +2,7 @@
 
 ``meshnode generate``, the benchmarks and the tests of sampling and speculation drive
 :func:`~meshnode.serve.generation.generate` here, over a
-:class:`~meshnode.node.pipeline.LocalPipeline` holding every layer: the same loop, stop
+:class:`~meshnode.node.local.LocalPipeline` holding every layer: the same loop, stop
 strings, EOS and budget rules, speculative windows, and last-stage sampling as a request
 to the API, so a fix lands once. Only the shape of the result differs:
 :func:`generate_local` gives token ids without the final EOS, the reply's text and
