@@ -76,7 +76,7 @@ class Relay:
                     for frame in frames or (message,):
                         if isinstance(frame, ActivationFrame):
                             reason = f"internal error on {self.node_id}: {type(exc).__name__}"
-                            error = frame_error(run, ErrorCode.INTERNAL, reason, frame)
+                            error = run.error(ErrorCode.INTERNAL, reason, frame.request_id)
                             await self._to_coordinator(run, error)
 
     async def _serve_one(self, run: WorkerRun, message: DataMessage) -> None:
@@ -146,13 +146,13 @@ class Relay:
             # now so the requests fail at once (best effort: the host may be gone too).
             reason = f"stage after {self.node_id} ({target}) is unreachable"
             for frame in messages:
-                failed = frame_error(run, ErrorCode.NOT_READY, reason, frame)
+                failed = run.error(ErrorCode.NOT_READY, reason, frame.request_id)
                 await self._to_coordinator(run, failed)
 
     async def _fail(self, run: WorkerRun, message: ActivationFrame, exc: Exception) -> None:
         rollback = isinstance(exc, RollbackError)
         code = ErrorCode.ROLLBACK_TOO_DEEP if rollback else ErrorCode.BAD_ACTIVATION
-        await self._to_coordinator(run, frame_error(run, code, str(exc), message))
+        await self._to_coordinator(run, run.error(code, str(exc), message.request_id))
 
 
 def _prediction(run: WorkerRun, slot: Slot[StepResult], message: ActivationFrame) -> Prediction:
@@ -177,11 +177,4 @@ def _onward(
         wire_dtype=run.wire_dtype,
         sequences=run.wire,
         stage_compute_us=(*message.stage_compute_us, compute_us),
-    )
-
-
-def frame_error(run: WorkerRun, code: ErrorCode, reason: str, frame: ActivationFrame) -> Error:
-    """The ``Error`` that fails ``frame``'s request at the coordinator."""
-    return Error(
-        code=code, message=reason, run_id=run.run_id, term=run.term, request_id=frame.request_id
     )

@@ -86,7 +86,7 @@ from meshnode.errors import RunError
 from meshnode.net.stream import SEND_ERRORS
 from meshnode.node.footprint import check_load
 from meshnode.node.peer_models import PeerModels
-from meshnode.node.relay import DataMessage, Relay, frame_error
+from meshnode.node.relay import DataMessage, Relay
 from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, StageRunner
 from meshnode.node.wire import WireSequences
 
@@ -158,6 +158,13 @@ class WorkerRun:
     # When the compute pass in progress began (trio clock; None: idle), for the
     # coordinator's probe after a missed pass deadline (InventoryReport.busy_ms).
     busy_since: float | None = None
+
+    def error(self, code: ErrorCode, reason: str, request_id: str = "") -> Error:
+        """An ``Error`` about this run, for its coordinator (``request_id``: the request it
+        fails)."""
+        return Error(
+            code=code, message=reason, run_id=self.run_id, term=self.term, request_id=request_id
+        )
 
 
 def _range(part: Part) -> tuple[int, int]:
@@ -347,15 +354,7 @@ class Worker:
     async def _prepare(self, peer: str, run: WorkerRun, prepare: Prepare) -> None:
         refusal = self._refusal(prepare)
         if refusal:
-            await self._send(
-                peer,
-                Error(
-                    code=ErrorCode.PREPARE_FAILED,
-                    message=refusal,
-                    run_id=run.run_id,
-                    term=run.term,
-                ),
-            )
+            await self._send(peer, run.error(ErrorCode.PREPARE_FAILED, refusal))
             return
         start, end = prepare.layer_range
         part = Part(start, end, embed=prepare.has_embed, head=prepare.has_head)
@@ -456,15 +455,7 @@ class Worker:
 
     async def _load_failed(self, peer: str, run: WorkerRun, reason: str) -> None:
         run.state = RunState.FAILED
-        await self._send(
-            peer,
-            Error(
-                code=ErrorCode.LOAD_FAILED,
-                message=reason,
-                run_id=run.run_id,
-                term=run.term,
-            ),
-        )
+        await self._send(peer, run.error(ErrorCode.LOAD_FAILED, reason))
 
     def stop(self, reason: str) -> None:
         """Drop the run this node holds, if any, logging ``reason``."""
@@ -484,7 +475,9 @@ class Worker:
             for frame in frames:
                 if isinstance(frame, ActivationFrame):
                     reason = "this stage is not loaded"
-                    await self._to_coordinator(frame_error(run, ErrorCode.NOT_READY, reason, frame))
+                    await self._to_coordinator(
+                        run.error(ErrorCode.NOT_READY, reason, frame.request_id)
+                    )
             return  # a Release before Load: nothing of that sequence is held here
         with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
             await run.inbox.send(message)

@@ -55,7 +55,7 @@ from meshnode.serve.generation import FinishReason, GenerationRun
 from meshnode.serve.service import GenerationRequest, ServeService
 from meshnode.serve.sse import SSE_HEADERS, ClosingStreamingResponse
 from meshnode.serve.structured import request_grammar
-from meshnode.serve.toolreply import BlockStream
+from meshnode.serve.toolreply import BlockStream, feed_reply, reply_events
 from meshnode.serve.tools import ToolPlan
 
 __all__ = ["anthropic_error_body", "anthropic_router"]
@@ -224,12 +224,7 @@ def _message_id() -> str:
 async def _reply(
     service: ServeService, run: GenerationRun, max_tokens: int, blocks: BlockStream
 ) -> a.Message:
-    deltas = await service.reply(run, ENDPOINT)
-    blocks.start()
-    for i, delta in enumerate(deltas):
-        blocks.push(delta.text, final=i == len(deltas) - 1)
-    if not deltas:
-        blocks.push("", final=True)
+    feed_reply(blocks, await service.reply(run, ENDPOINT))
     content = [_block(block) for block in blocks.blocks()]
     return a.Message(
         id=_message_id(),
@@ -270,14 +265,8 @@ async def _events(
     yield _event("ping", {})
     outcome = "cancelled"
     try:
-        ended = False
-        async with aclosing(service.stream(run)) as deltas:
-            async for delta in deltas:
-                ended = delta.finish_reason is not None
-                for name, payload in blocks.push(delta.text, final=ended):
-                    yield _event(name, payload)
-        if not ended:
-            for name, payload in blocks.push("", final=True):
+        async with aclosing(reply_events(service.stream(run), blocks)) as events:
+            async for name, payload in events:
                 yield _event(name, payload)
         outcome = "ok"
     except (PipelineError, APIError) as exc:

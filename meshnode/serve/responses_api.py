@@ -42,7 +42,7 @@ from meshnode.serve.responses_schemas import ResponsesRequest
 from meshnode.serve.service import GenerationRequest, ServeService
 from meshnode.serve.sse import SSE_HEADERS, ClosingStreamingResponse
 from meshnode.serve.structured import request_grammar
-from meshnode.serve.toolreply import BlockStream, Event
+from meshnode.serve.toolreply import BlockStream, Event, feed_reply, reply_events
 from meshnode.serve.tools import ToolPlan
 
 __all__ = ["responses_router"]
@@ -236,12 +236,7 @@ def _response(
 async def _whole(
     service: ServeService, run: GenerationRun, items: ItemStream, header: dict[str, Any]
 ) -> dict[str, Any]:
-    deltas = await service.reply(run, ENDPOINT)
-    items.start()
-    for i, delta in enumerate(deltas):
-        items.push(delta.text, final=i == len(deltas) - 1)
-    if not deltas:
-        items.push("", final=True)
+    feed_reply(items, await service.reply(run, ENDPOINT))
     return _response(header, run, items.items)
 
 
@@ -268,14 +263,8 @@ async def _events(
         yield sse.event(name, payload)
     outcome = "cancelled"
     try:
-        ended = False
-        async with aclosing(service.stream(run)) as deltas:
-            async for delta in deltas:
-                ended = delta.finish_reason is not None
-                for name, payload in items.push(delta.text, final=ended):
-                    yield sse.event(name, payload)
-        if not ended:
-            for name, payload in items.push("", final=True):
+        async with aclosing(reply_events(service.stream(run), items)) as events:
+            async for name, payload in events:
                 yield sse.event(name, payload)
         outcome = "ok"
     except (PipelineError, APIError) as exc:

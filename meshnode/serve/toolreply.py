@@ -19,16 +19,67 @@ Anthropic's names: ``content_block_start``, ``content_block_delta``,
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from meshnode.serve import schemas as s
+from meshnode.serve.generation import Delta
 from meshnode.serve.toolparse import CallDelta, ToolCallStream, ToolDelta
 
-__all__ = ["BlockStream", "Event", "ReplyShaper", "tool_use_id"]
+__all__ = [
+    "BlockStream",
+    "Event",
+    "EventSource",
+    "ReplyShaper",
+    "feed_reply",
+    "reply_events",
+    "tool_use_id",
+]
 
 #: One stream event: its name and its payload (without ``type``, which is the name).
 Event = tuple[str, dict[str, Any]]
+
+
+class EventSource(Protocol):
+    """What turns a reply's text into stream events: :class:`BlockStream`, or the Responses
+    API's items over one."""
+
+    def start(self) -> list[Event]:
+        """The events that open the reply."""
+        ...
+
+    def push(self, text: str, final: bool) -> list[Event]:
+        """The events for the next piece of the reply (``final``: and those that end it)."""
+        ...
+
+
+def feed_reply(source: EventSource, deltas: Sequence[Delta]) -> None:
+    """Feed a whole (not streamed) reply's ``deltas`` to ``source``, the last as final (an
+    empty reply as one empty final piece); what it built is read from ``source``."""
+    source.start()
+    for i, delta in enumerate(deltas):
+        source.push(delta.text, final=i == len(deltas) - 1)
+    if not deltas:
+        source.push("", final=True)
+
+
+async def reply_events(
+    deltas: AsyncGenerator[Delta, None], source: EventSource
+) -> AsyncGenerator[Event, None]:
+    """The events of a reply streamed as ``deltas`` (closed when this ends): each delta's
+    text pushed through ``source``, the last as final; a stream that stops without a finish
+    reason still gets its final (empty) piece. Raises what ``deltas`` raises."""
+    ended = False
+    async with aclosing(deltas):
+        async for delta in deltas:
+            ended = delta.finish_reason is not None
+            for event in source.push(delta.text, final=ended):
+                yield event
+    if not ended:
+        for event in source.push("", final=True):
+            yield event
 
 
 @dataclass(slots=True)

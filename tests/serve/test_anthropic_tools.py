@@ -5,6 +5,7 @@ shapes replies, fed a reply's text."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,10 @@ import pytest
 import trio
 from anthropic.types import ToolUseBlock
 
+from meshnode.serve.generation import Delta, FinishReason
 from meshnode.serve.single import build_single_node_service
 from meshnode.serve.toolparse import ToolCallStream, ToolFormat
-from meshnode.serve.toolreply import BlockStream
+from meshnode.serve.toolreply import BlockStream, reply_events
 from tests.serve.conftest import TINY_MODEL_ID, Server, start_server
 from tests.serve.test_anthropic_api import raw_post
 
@@ -289,3 +291,32 @@ def test_a_reply_without_calls_is_one_text_block_however_it_streams() -> None:
     events = feed(without, ["", ""])
     assert [n for n, _ in events] == ["content_block_start", "content_block_stop"]
     assert without.blocks() == [{"type": "text", "text": ""}]
+
+
+async def test_reply_events_end_every_stream_and_close_the_deltas() -> None:
+    """The stream driver of /v1/messages and /v1/responses: a stream that stops without a
+    finish reason still closes its blocks; leaving early closes the deltas at once."""
+    closed: list[str] = []
+
+    async def deltas(*texts: str, finish: bool) -> AsyncGenerator[Delta, None]:
+        try:
+            for i, text in enumerate(texts):
+                last = finish and i == len(texts) - 1
+                yield Delta(text, (), finish_reason=FinishReason.STOP if last else None)
+        finally:
+            closed.append("".join(texts))
+
+    for finish in (True, False):
+        stream = BlockStream(None)
+        names = [n for n, _ in stream.start()]
+        names += [n async for n, _ in reply_events(deltas("Hel", "lo", finish=finish), stream)]
+        assert names.count("content_block_stop") == 1, names
+        assert stream.blocks() == [{"type": "text", "text": "Hello"}]
+    assert closed == ["Hello", "Hello"]
+    stream = BlockStream(None)
+    stream.start()
+    events = reply_events(deltas("a", "b", "c", finish=True), stream)
+    assert (await events.__anext__())[0] == "content_block_delta"
+    assert closed[-1] == "Hello"  # still streaming
+    await events.aclose()
+    assert closed[-1] == "abc"
