@@ -14,6 +14,7 @@ from meshnode_packaging.sources import RawTensor, dequantize
 
 from meshnode.engine.cpu import MAX_KERNEL_ROWS, BlockMatrix, matrix, supported
 from meshnode.engine.cpu.formats import FORMATS
+from meshnode.engine.cpu.pool import CoreGauge, KernelPool
 
 N_IN = 512  # two K-quant blocks per row, sixteen of the 32-value formats
 
@@ -50,6 +51,14 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(7)
 
 
+@pytest.fixture(scope="module")
+def idle_threads(tmp_path_factory: pytest.TempPathFactory) -> KernelPool:
+    """Kernel threads as on an idle machine of four cores, whatever this one runs."""
+    path = tmp_path_factory.mktemp("idle") / "loadavg"
+    path.write_text("0.00 0.00 0.00 1/100 1\n")
+    return KernelPool(CoreGauge(path, cores=4))
+
+
 @pytest.mark.parametrize("dtype", list(FORMATS))
 def test_decoding_is_bit_identical_to_dequantize(dtype: str, rng: np.random.Generator) -> None:
     t = random_tensor(dtype, 24, rng)
@@ -64,12 +73,19 @@ def test_decoding_is_bit_identical_to_dequantize(dtype: str, rng: np.random.Gene
 @pytest.mark.parametrize("k", [1, 2, 3, 7, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1])
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
 def test_products_equal_dequantize_then_multiply(
-    dtype: str, k: int, parallel: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+    dtype: str,
+    k: int,
+    parallel: bool,
+    rng: np.random.Generator,
+    monkeypatch: pytest.MonkeyPatch,
+    idle_threads: KernelPool,
 ) -> None:
-    # Small matrices run serially; the parallel kernel is made to take this one too.
+    # Small matrices run serially; the kernel threads are made to take this one too.
     monkeypatch.setattr(matrix, "PARALLEL_MIN_BYTES", 0 if parallel else 1 << 62)
     monkeypatch.setattr(matrix, "_threads", 2)
-    t = random_tensor(dtype, 70, rng)  # 70 rows: two work items, the second partial
+    monkeypatch.setattr(matrix, "_pool", lambda: idle_threads)
+    before = idle_threads.posted
+    t = random_tensor(dtype, 70, rng)  # 70 rows: three chunks, the last partial
     x = rng.standard_normal((k, N_IN)).astype(np.float32)
     want = x.astype(np.float64) @ dequantize(t).T.astype(np.float64)
     got = x @ BlockMatrix([t])
@@ -78,6 +94,7 @@ def test_products_equal_dequantize_then_multiply(
     # float32 sums of 512 products, in another order: a few ulp of the terms' magnitude
     scale = np.abs(x).astype(np.float64) @ np.abs(dequantize(t)).T.astype(np.float64)
     assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-30)
+    assert idle_threads.posted - before == (parallel and k <= MAX_KERNEL_ROWS)
 
 
 def test_gguf_quantized_weights_multiply_like_their_float32(rng: np.random.Generator) -> None:

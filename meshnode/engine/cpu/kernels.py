@@ -1,7 +1,7 @@
 """Compiled CPU kernels over GGUF blocks: k-row products, row gathers, whole-matrix decode.
 
 The weights of one product come as up to three parts (Q/K/V or gate/up, each ``[out_i,
-row bytes]`` in its own format) so a fused projection is one call and one parallel region.
+row bytes]`` in its own format) so a fused projection is one call.
 Weights are decoded 32 values (one :func:`.blocks.chunk`, four vectors) at a step:
 
 - one activation row (decode): the chunk is multiplied into four vector accumulators
@@ -14,9 +14,10 @@ Weights are decoded 32 values (one :func:`.blocks.chunk`, four vectors) at a ste
 Sums are float32 in vector lanes and then across lanes: the order differs from a plain
 loop, the terms are those of "dequantize, then multiply".
 
-Each kernel exists serial (``*_serial``, for one thread: no parallel region to start per
-product) and parallel over chunks of output rows. Compiled with numba at first use and
-cached on disk (``cache=True`` in ``NUMBA_CACHE_DIR``, see :mod:`.matrix`).
+Each product exists whole, for the calling thread alone, and as a C function computing one
+chunk of output rows, for :mod:`.pool`'s threads (which claim chunks one at a time).
+Compiled with numba at first use and cached on disk (``cache=True`` in
+``NUMBA_CACHE_DIR``, see :mod:`.matrix`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ import functools
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import cfunc, njit, types
+from numba.np.numpy_support import carray
 
+from meshnode.engine.cpu import pool
+from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
 from meshnode.engine.cpu.blocks import chunk
 from meshnode.engine.cpu.simd import (
     vadd,
@@ -41,10 +45,12 @@ from meshnode.engine.cpu.simd import (
     wzero,
 )
 
-# Output rows per parallel work item: large enough that a work item's start-up (a small
-# buffer, a dispatch) is noise, small enough that the smallest projections of a small
-# model (576 rows) still split over a few threads.
-CHUNK_ROWS = 64
+# the words of a posted product (:mod:`.pool`), as compile-time constants
+_WORDS = pool.WORDS
+_A, _NA, _RBA, _B, _NB, _RBB = pool.A, pool.NA, pool.RBA, pool.B, pool.NB, pool.RBB
+_C, _NC, _RBC, _X, _K, _N_IN = pool.C, pool.NC, pool.RBC, pool.X, pool.K, pool.N_IN
+_OUT, _N_OUT, _SCRATCH, _STRIDE = pool.OUT, pool.N_OUT, pool.SCRATCH, pool.STRIDE
+_CA, _CB, _ROWS = pool.CA, pool.CB, pool.ROWS
 
 
 @njit(cache=True)
@@ -194,43 +200,54 @@ def _serial_product(fa: int, fb: int, fc: int) -> Any:
     return product
 
 
-def _parallel_product(fa: int, fb: int, fc: int) -> Any:
-    @njit(cache=True, parallel=True)
-    def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
-        na, nb, nc = a.shape[0], b.shape[0], c.shape[0]
-        ca = (na + CHUNK_ROWS - 1) // CHUNK_ROWS
-        cb = (nb + CHUNK_ROWS - 1) // CHUNK_ROWS
-        cc = (nc + CHUNK_ROWS - 1) // CHUNK_ROWS
-        n_in = x.shape[0] // out.shape[0]
-        for ch in prange(ca + cb + cc):
-            w = np.empty(4 * n_in, np.float32)
-            if ch < ca:
-                lo = ch * CHUNK_ROWS
-                _rows(fa, a, x, out, lo, min(na, lo + CHUNK_ROWS), na - na, w)
-            elif ch < ca + cb:
-                lo = (ch - ca) * CHUNK_ROWS
-                _rows(fb, b, x, out, lo, min(nb, lo + CHUNK_ROWS), na, w)
-            else:
-                lo = (ch - ca - cb) * CHUNK_ROWS
-                _rows(fc, c, x, out, lo, min(nc, lo + CHUNK_ROWS), na + nb, w)
+def _chunk_product(fa: int, fb: int, fc: int) -> Any:
+    @cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
+    def chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
+        st = carray(ptr_i64(st_addr), (_WORDS,))
+        na, nb, nc, k, n_in, rows = st[_NA], st[_NB], st[_NC], st[_K], st[_N_IN], st[_ROWS]
+        x = carray(ptr_f32(st[_X]), (k * n_in,))
+        out = carray(ptr_f32(st[_OUT]), (k, st[_N_OUT]))
+        w = carray(ptr_f32(st[_SCRATCH] + 4 * who * st[_STRIDE]), (4 * n_in,))
+        ca, cb = st[_CA], st[_CB]
+        if ch < ca:
+            a = carray(ptr_u8(st[_A]), (na, st[_RBA]))
+            lo = ch * rows
+            _rows(fa, a, x, out, lo, min(na, lo + rows), na - na, w)
+        elif ch < ca + cb:
+            b = carray(ptr_u8(st[_B]), (nb, st[_RBB]))
+            lo = (ch - ca) * rows
+            _rows(fb, b, x, out, lo, min(nb, lo + rows), na, w)
+        else:
+            c = carray(ptr_u8(st[_C]), (nc, st[_RBC]))
+            lo = (ch - ca - cb) * rows
+            _rows(fc, c, x, out, lo, min(nc, lo + rows), na + nb, w)
 
-    return product
+    return chunk
 
 
 @functools.cache
-def product_kernel(fa: int, fb: int, fc: int, parallel: bool) -> Any:
+def product_kernel(fa: int, fb: int, fc: int) -> Any:
     """``product(a, b, c, x, out)``: ``out[r, o] = x[r] . row o`` of the parts ``a``,
-    ``b``, ``c`` (formats ``fa``, ``fb``, ``fc``) stacked along ``out``.
+    ``b``, ``c`` (formats ``fa``, ``fb``, ``fc``) stacked along ``out``, in the calling
+    thread.
 
     ``x`` is the activations flattened (``k`` rows of ``n_in``), ``out`` is ``[k, n_out]``;
-    an unused part has zero rows. ``parallel``: over chunks of output rows, else in the
-    calling thread (one thread: no parallel region to start per product).
+    an unused part has zero rows.
 
     Each format mix is its own compiled function: the ids are compile-time constants in
     it, so each part's decoder is inlined with no dispatch in the loops. numba's disk
     cache keys a closure by its captured values, so each mix compiles once per machine.
     """
-    return (_parallel_product if parallel else _serial_product)(fa, fb, fc)
+    return _serial_product(fa, fb, fc)
+
+
+@functools.cache
+def chunk_kernel(fa: int, fb: int, fc: int) -> int:
+    """The address of ``void chunk(st, who, ch)``: chunk ``ch`` (:data:`.pool.CHUNK_ROWS`
+    output rows) of the product :func:`.pool.KernelPool.run` posted in the words at
+    ``st``, with thread ``who``'s scratch; the same rows and sums as
+    :func:`product_kernel`, for the pool's threads."""
+    return int(_chunk_product(fa, fb, fc).address)
 
 
 def _decode_kernel(fmt: int) -> Any:

@@ -3,13 +3,16 @@
 ``x @ m`` for a :class:`BlockMatrix` ``m`` (logically ``[in, out]``, like the float32
 matrices the CPU stage used before) computes the product without ever holding the float32
 matrix: up to :data:`MAX_KERNEL_ROWS` activation rows go through one kernel pass over the
-blocks (decode, verify windows); more rows (prefill) decode the matrix a tile of
+blocks (decode, verify windows), shared chunk by chunk with the kernel threads of
+:mod:`.pool` when the matrix has :data:`PARALLEL_MIN_BYTES` or more; more rows (prefill)
+decode the matrix a tile of
 :data:`DENSE_TILE_BYTES` at a time into a per-thread float32 scratch buffer and hand
 each tile to BLAS, where the decode is a small part of the work.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections.abc import Sequence
@@ -37,13 +40,11 @@ MAX_KERNEL_ROWS = 16
 # ~0.8 GFLOP), and a thread's scratch stays small (Gemma 3's whole embedding, decoded,
 # would be 640 MiB).
 DENSE_TILE_BYTES = 4 << 20
-# The smallest matrix (bytes as stored) that several threads multiply: waking the sleeping
-# kernel threads costs tens of microseconds per product, more than a small matrix saves.
-# SmolLM2, 2 threads, one-row forward: 27.8 ms with every product parallel, 24.0 ms from
-# 1 MB, 21.3 ms from 4 MB, 23.3 ms with none (1 thread: 23.5 ms; idle machine).
-PARALLEL_MIN_BYTES = 4 << 20
+# The smallest matrix (bytes as stored) that several threads share: below it a product
+# is a few microseconds, about what posting it to the pool's threads costs.
+PARALLEL_MIN_BYTES = 64 << 10
 
-_threads: int | None = None  # the --threads cap, applied in whichever thread computes
+_threads: int | None = None  # the --threads cap
 _scratch = threading.local()  # a float32 tile for the BLAS path, one per computing thread
 
 
@@ -55,11 +56,24 @@ def set_kernel_threads(threads: int | None) -> None:
 
 def numba_cache_dir() -> Path:
     """Where compiled kernels are cached: ``$NUMBA_CACHE_DIR``, else meshnode's cache folder
-    (``$XDG_CACHE_HOME/meshnode/numba``, ``~/.cache/meshnode/numba``)."""
+    (``$XDG_CACHE_HOME/meshnode/numba/SOURCES``, ``~/.cache/meshnode/numba/SOURCES``).
+
+    ``SOURCES`` is a digest of this package's code: numba checks a cached function
+    against its own file only, so a kernel cached before a change to a module it inlines
+    (a decoder, the pool's word layout) would otherwise be loaded stale.
+    """
     if os.environ.get("NUMBA_CACHE_DIR"):
         return Path(os.environ["NUMBA_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "meshnode" / "numba"
+    return Path(base) / "meshnode" / "numba" / _sources_digest()
+
+
+def _sources_digest() -> str:
+    """A short digest of the ``.py`` files of this package."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @cache
@@ -68,30 +82,27 @@ def kernels() -> ModuleType:
     # numba reads NUMBA_CACHE_DIR when it is imported; its own default is __pycache__
     # beside the sources, which a system-wide install cannot write.
     os.environ.setdefault("NUMBA_CACHE_DIR", str(numba_cache_dir()))
-    # numba's OpenMP threads (libgomp, loaded at the first parallel product, when it reads
-    # this) spin for milliseconds after each product by default. On a busy machine a
-    # spinning thread uses up its share of the CPU and the product after it waits for a
-    # descheduled thread at its closing barrier: with 2 threads on 2 shared cores a
-    # one-row forward of SmolLM2 took 4-9x the time of 1 thread (load 5-7). Sleeping
-    # threads cost a wake-up per product instead and keep 2 threads at or below 1
-    # (benchmarks/engine.py --threads; README, "Performance").
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from meshnode.engine.cpu import kernels as module
 
     return module
 
 
 def _threads_here() -> int:
-    """Apply the ``--threads`` cap in this thread; the number of kernel threads here."""
-    kernels()  # numba configured before it is imported
-    import numba
-
-    # numba's thread count is per calling thread, and stages compute in worker threads
+    """The kernel threads of a product: the ``--threads`` cap, else one per usable core."""
     if _threads is not None:
-        n = min(_threads, numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
-        if numba.get_num_threads() != n:
-            numba.set_num_threads(n)
-    return int(numba.get_num_threads())
+        return _threads
+    from meshnode.engine.cpu.pool import usable_cores
+
+    return usable_cores()
+
+
+@cache
+def _pool() -> Any:
+    """The process's kernel threads (:mod:`.pool`), started at the first shared product."""
+    kernels()  # numba configured before it is imported
+    from meshnode.engine.cpu.pool import KernelPool
+
+    return KernelPool()
 
 
 def supported(t: RawTensor) -> bool:
@@ -140,7 +151,8 @@ class BlockMatrix:
         # unused parts: no rows, in the first part's format (one compiled kernel per mix)
         ids = [p.fmt.kernel_id for p in parts]
         self._fmts = tuple(ids + [ids[0]] * (3 - len(parts)))
-        self._raws = [p.raw for p in parts] + [_EMPTY] * (3 - len(parts))
+        a, b, c = [p.raw for p in parts] + [_EMPTY] * (3 - len(parts))
+        self._raws = (a, b, c)
         self._nbytes = sum(int(p.raw.nbytes) for p in parts)
 
     def __repr__(self) -> str:
@@ -162,9 +174,12 @@ class BlockMatrix:
         if x.shape[0] > MAX_KERNEL_ROWS:
             self._tiled_product(x, out)
             return out
-        parallel = self._nbytes >= PARALLEL_MIN_BYTES and _threads_here() > 1
-        product = kernels().product_kernel(*self._fmts, parallel)
-        product(*self._raws, np.ascontiguousarray(x).reshape(-1), out)
+        flat = np.ascontiguousarray(x).reshape(-1)
+        if self._nbytes >= PARALLEL_MIN_BYTES:
+            chunk = kernels().chunk_kernel(*self._fmts)
+            if _pool().run(chunk, self._raws, flat, out, _threads_here()):
+                return out
+        kernels().product_kernel(*self._fmts)(*self._raws, flat, out)
         return out
 
     def _tiled_product(self, x: np.ndarray, out: np.ndarray) -> None:

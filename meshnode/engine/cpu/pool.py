@@ -1,0 +1,314 @@
+"""Kernel threads that share a product by claiming its chunks from one counter.
+
+A decode step of a small model is a hundred-odd products of 100-300 µs each, a few tens
+of microseconds apart. numba's parallel regions (OpenMP) cost more than a second thread
+saves there: each product wakes the sleeping threads (or, spinning, they starve a busy
+machine), splits the rows statically and waits at a barrier for the last thread, so a
+thread that starts late or is descheduled holds the product up. Here instead:
+
+- the calling thread posts a product (its arguments' addresses, a compiled ``cfunc`` that
+  computes one chunk of output rows) into a shared ``int64`` array and claims chunks
+  itself at once; it only ever waits for chunks another thread has claimed and is
+  computing (microseconds each), never for a thread that has not started;
+- helper threads spin for :data:`SPIN_MICROSECONDS` after their last chunk (so the
+  products of one forward find them awake), then sleep on an event until the next post
+  wakes them: no CPU is burned between tokens;
+- the claim word packs the job's generation, its chunk count and the next chunk, so a
+  helper can only claim a chunk of the job it read (compare-and-swap), and a job's fields
+  stay fixed while any of its chunks is unclaimed or in flight.
+
+Every output element is computed by one chunk with the same code as the serial kernel:
+results are bit-identical whatever the thread count. One product at a time uses the pool;
+a second thread posting meanwhile (several stages in one process) computes serially.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from meshnode.engine.cpu.atomics import call3, cas, fetch_add, load, pause, store
+
+__all__ = ["CHUNK_ROWS", "CoreGauge", "KernelPool", "usable_cores"]
+
+# The words of the shared array. Words written by different threads sit on their own
+# 64-byte lines (8 words), so a spinning helper's reads do not slow the writers.
+CLAIM = 0  # generation << 40 | chunks << 20 | next chunk: what a thread claims from
+DONE = 8  # chunks of the current job finished
+ACTIVE = 16  # how many threads may claim (the caller and helpers 1 .. ACTIVE - 1)
+HELPERS = 17  # helper threads started
+SLEEPING = 24  # + who: 1 while helper ``who`` sleeps on its event
+MAX_HELPERS = 63
+BUSY = SLEEPING + 8 * ((MAX_HELPERS + 8) // 8)  # + who: 1 + (generation << 20 | chunk)
+JOB = BUSY + 8 * ((MAX_HELPERS + 8) // 8)  # the job's fields, written by the poster
+FN, A, NA, RBA, B, NB, RBB, C, NC, RBC = range(JOB, JOB + 10)
+X, K, N_IN, OUT, N_OUT, SCRATCH, STRIDE, CA, CB, ROWS = range(JOB + 10, JOB + 20)
+WORDS = JOB + 24
+
+_FIELD = (1 << 20) - 1  # chunk count and next chunk: 20 bits each
+_MAX_GEN = (1 << 23) - 1  # generations: the claim word's other 23 bits
+# Output rows per chunk: 4-row tiles, and a chunk of SmolLM2's smallest product (576 x
+# 576 Q4_1, one row) takes ~3 µs, so a late helper still finds work and the caller
+# never waits long for a helper's last chunk.
+CHUNK_ROWS = 32
+# How long a helper spins for the next chunk before it sleeps: longer than the gaps
+# between the products of one forward (attention, norms: ~10-100 µs), short enough that a
+# busy machine loses little and an idle node sleeps between tokens.
+SPIN_MICROSECONDS = 300
+# How long the caller waits for the chunks helpers hold before computing them itself:
+# many times a chunk's few microseconds, far below a time slice (milliseconds) that a
+# descheduled helper would make it wait on a busy machine.
+PATIENCE_MICROSECONDS = 100
+
+
+# How often the pool looks at how many threads the machine runs (/proc/loadavg), and
+# how much each look weighs in the running average it keeps.
+SAMPLE_SECONDS = 0.05
+SAMPLE_WEIGHT = 0.3
+
+
+class CoreGauge:
+    """The cores other processes leave free, from the kernel's count of runnable threads.
+
+    A helper that spins or computes on a core other threads want takes its time from them
+    and, in the same scheduling group, from the thread it helps: on two busy cores, two
+    spinning threads made a forward several times slower than one. So the pool uses as
+    many threads as there are free cores (as libgomp's ``OMP_DYNAMIC`` does from the load
+    average), from a running average of ``/proc/loadavg``'s runnable count minus this
+    pool's own threads. Without ``/proc`` every core counts as free.
+    """
+
+    def __init__(self, path: Path = Path("/proc/loadavg"), cores: int | None = None) -> None:
+        self._path = path
+        self._cores = cores or usable_cores()
+        self._others: float | None = None
+        self._next = 0.0
+
+    def free(self, ours: Callable[[], int]) -> float:
+        """Cores not used by others; ``ours()``: this pool's running threads."""
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + SAMPLE_SECONDS
+            try:
+                running = int(self._path.read_text().split()[3].split("/")[0])
+            except (OSError, ValueError, IndexError):
+                return float(self._cores)
+            others = max(0, running - ours())
+            last = self._others
+            self._others = others if last is None else last + SAMPLE_WEIGHT * (others - last)
+        return self._cores - (self._others or 0.0)
+
+
+@njit(nogil=True, cache=True)
+def _claim_and_run(st, who):  # type: ignore[no-untyped-def]
+    # claim chunks of the current job until none is left; how many this thread ran. A
+    # helper names the chunk in its BUSY word before it claims it and clears the word
+    # after counting it done, so the caller can see (and redo) a chunk a descheduled
+    # helper holds.
+    ran = 0
+    while True:
+        word = load(st, CLAIM)
+        nxt, chunks = word & _FIELD, (word >> 20) & _FIELD
+        if nxt >= chunks:
+            return ran
+        if who > 0:
+            store(st, BUSY + who, 1 + ((word >> 40) << 20 | nxt))
+        if cas(st, CLAIM, word, word + 1):
+            call3(load(st, FN), st.ctypes.data, who, nxt)
+            fetch_add(st, DONE, 1)
+            ran += 1
+        if who > 0:
+            store(st, BUSY + who, 0)
+
+
+@njit(nogil=True, cache=True)
+def _helper_spin(st, who, spins):  # type: ignore[no-untyped-def]
+    # run chunks as they are posted; return (to sleep) after ``spins`` idle iterations
+    idle = 0
+    while True:
+        if who < load(st, ACTIVE) and _claim_and_run(st, who) > 0:
+            idle = 0
+            continue
+        pause()
+        idle += 1
+        if idle >= spins:
+            store(st, SLEEPING + who, 1)
+            word = load(st, CLAIM)  # a post between the last look and the flag
+            if who < load(st, ACTIVE) and word & _FIELD < (word >> 20) & _FIELD:
+                store(st, SLEEPING + who, 0)
+                idle = 0
+                continue
+            return
+
+
+@njit(nogil=True, cache=True)
+def _post(st, fn, gen, a, b, c, x, out, scratch, ca, cb, chunks, rows):  # type: ignore[no-untyped-def]
+    # write the job, open its chunks, and clear the sleeping flags of the helpers that
+    # may claim: their count (the caller sets their events)
+    st[FN] = fn
+    st[A], st[NA], st[RBA] = a.ctypes.data, a.shape[0], a.shape[1]
+    st[B], st[NB], st[RBB] = b.ctypes.data, b.shape[0], b.shape[1]
+    st[C], st[NC], st[RBC] = c.ctypes.data, c.shape[0], c.shape[1]
+    st[K], st[N_OUT] = out.shape[0], out.shape[1]
+    st[X], st[N_IN], st[OUT] = x.ctypes.data, x.shape[0] // out.shape[0], out.ctypes.data
+    st[SCRATCH], st[STRIDE] = scratch.ctypes.data, scratch.shape[1]
+    st[CA], st[CB], st[ROWS] = ca, cb, rows
+    store(st, DONE, 0)
+    store(st, CLAIM, (gen << 40) | (chunks << 20))
+    woken = 0
+    for who in range(1, load(st, ACTIVE)):
+        if load(st, SLEEPING + who) == 1:
+            store(st, SLEEPING + who, 0)
+            woken |= 1 << who
+    return woken
+
+
+@njit(nogil=True, cache=True)
+def _work(st, chunks, patience):  # type: ignore[no-untyped-def]
+    # the caller's share, then wait for the chunks helpers still compute; after
+    # ``patience`` idle iterations (a helper descheduled mid-chunk, on a busy machine)
+    # compute the chunks helpers hold itself: they write the same values
+    _claim_and_run(st, 0)
+    waited = 0
+    while load(st, DONE) < chunks:
+        pause()
+        waited += 1
+        if waited >= patience:
+            gen = load(st, CLAIM) >> 40
+            for who in range(1, load(st, HELPERS) + 1):
+                held = load(st, BUSY + who) - 1
+                if held >= 0 and held >> 20 == gen:
+                    call3(load(st, FN), st.ctypes.data, 0, held & _FIELD)
+            return
+
+
+@njit(nogil=True, cache=True)
+def _stale(st):  # type: ignore[no-untyped-def]
+    # whether a helper still holds a chunk of a finished job (descheduled mid-chunk)
+    held = 0
+    for who in range(1, load(st, HELPERS) + 1):
+        held |= load(st, BUSY + who)
+    return held != 0
+
+
+@njit(nogil=True, cache=True)
+def _calibrate(st, n):  # type: ignore[no-untyped-def]
+    # n iterations of an idle helper's loop body (microseconds to iterations)
+    s = 0
+    for _ in range(n):
+        s += load(st, ACTIVE)
+        pause()
+    return s
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class KernelPool:
+    """The calling thread plus up to :data:`MAX_HELPERS` helper threads, started as
+    needed, for one product at a time."""
+
+    def __init__(self, gauge: CoreGauge | None = None) -> None:
+        self._st = np.zeros(WORDS, np.int64)
+        self._st[ACTIVE] = 1
+        self._gauge = gauge or CoreGauge()
+        self._lock = threading.Lock()
+        self._events: list[threading.Event] = []
+        self._scratch = np.zeros((1, 0), np.float32)  # [threads, 4 n_in]: decoded rows
+        self._gen = 0
+        self._pid = os.getpid()
+        self._spins = self._patience = 0  # SPIN_ and PATIENCE_MICROSECONDS, in iterations
+        self._last: tuple[Any, ...] = ()  # the last job's arrays, while a helper may use them
+        self.posted = 0  # products shared so far
+
+    def run(self, fn: int, parts: tuple[Any, Any, Any], x: Any, out: Any, threads: int) -> bool:
+        """Compute ``out`` (``[k, n_out]``) = ``x`` (``k`` rows of ``n_in``, flat) times
+        the stacked ``parts`` ``(a, b, c)`` on up to ``threads`` threads, chunk by chunk
+        with the cfunc at address ``fn`` (:func:`.kernels.chunk_kernel`).
+
+        Returns False, having done nothing, when fewer than two threads would run (the
+        cap, or the cores other processes leave free), when another thread is using the
+        pool, or when a helper still holds a chunk of the last job: the caller then
+        computes serially.
+        """
+        if threads < 2 or os.getpid() != self._pid:  # helpers do not survive a fork
+            return False
+        threads = min(threads, int(self._gauge.free(self._running) + 0.5))
+        if threads < 2 or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            # a helper descheduled mid-chunk of the last job (which the caller then
+            # finished) still reads its fields and writes its output: no new job, and
+            # the last one's arrays kept, until it is done
+            if _stale(self._st):
+                return False
+            self._start(threads, 4 * x.shape[0] // out.shape[0])
+            self._post(fn, parts, x, out)
+        finally:
+            self._lock.release()
+        return True
+
+    def _running(self) -> int:
+        """This pool's threads that run now: the caller and the helpers awake."""
+        return 1 + sum(1 for who in range(1, len(self._events) + 1) if not self._st[SLEEPING + who])
+
+    def _post(self, fn: int, parts: tuple[Any, Any, Any], x: Any, out: Any) -> None:
+        """Post the job, wake the helpers that sleep, do the caller's share."""
+        a, b, c = parts
+        ca, cb = -(-a.shape[0] // CHUNK_ROWS), -(-b.shape[0] // CHUNK_ROWS)
+        chunks = ca + cb - (-c.shape[0] // CHUNK_ROWS)
+        self._gen = self._gen % _MAX_GEN + 1
+        st, scratch = self._st, self._scratch
+        woken = _post(st, fn, self._gen, a, b, c, x, out, scratch, ca, cb, chunks, CHUNK_ROWS)
+        for who in range(1, len(self._events) + 1):
+            if woken >> who & 1:
+                self._events[who - 1].set()
+        self._last = (parts, x, out, scratch)
+        self.posted += 1
+        _work(st, chunks, self._patience)
+
+    def _start(self, threads: int, scratch: int) -> None:
+        """Helpers up to ``threads - 1``, the others idle; scratch rows of ``scratch``."""
+        threads = min(threads, MAX_HELPERS + 1)
+        rows, width = self._scratch.shape
+        if rows < threads or width < scratch:
+            self._scratch = np.zeros((max(rows, threads), max(width, scratch)), np.float32)
+        if not self._spins:
+            self._spins = _iterations(self._st, SPIN_MICROSECONDS)
+            self._patience = _iterations(self._st, PATIENCE_MICROSECONDS)
+        while len(self._events) < threads - 1:
+            event = threading.Event()
+            self._events.append(event)
+            who = len(self._events)
+            args = (self._st, event, who, self._spins)
+            name = f"meshnode-kernel-{who}"
+            threading.Thread(target=_helper, args=args, name=name, daemon=True).start()
+            self._st[HELPERS] = who
+        self._st[ACTIVE] = threads
+
+
+def _iterations(st: np.ndarray, microseconds: float) -> int:
+    """Idle-loop iterations that take about ``microseconds`` on this CPU."""
+    n = 20_000
+    _calibrate(st, n)  # compiled or loaded first
+    t = time.perf_counter()
+    _calibrate(st, n)
+    per_us = n / max(1e-6, (time.perf_counter() - t) * 1e6)
+    return max(100, int(per_us * microseconds))
+
+
+def _helper(st: np.ndarray, event: threading.Event, who: int, spins: int) -> None:
+    """A helper thread: spin for chunks, sleep when idle, woken by the next post."""
+    while True:
+        _helper_spin(st, who, spins)
+        event.wait()
+        event.clear()
