@@ -4,6 +4,7 @@ machine gets serial products."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,18 +14,28 @@ from meshnode.engine.cpu import BlockMatrix, matrix, pool
 from meshnode.engine.cpu.pool import CoreGauge, KernelPool
 from tests.engine.test_cpu_kernels import N_IN, random_tensor
 
+TICK = 1.0 / os.sysconf("SC_CLK_TCK")
 
-def loadavg(tmp_path: Path, running: int) -> Path:
-    """A ``/proc/loadavg`` that says ``running`` threads run now."""
-    path = tmp_path / f"loadavg-{running}"
-    path.write_text(f"0.50 0.40 0.30 {running}/300 4242\n")
+
+def proc_stat(path: Path, idle_seconds: list[float]) -> Path:
+    """A ``/proc/stat`` whose CPU ``i`` has been idle ``idle_seconds[i]`` (plus a CPU 9
+    this process may not use, always idle)."""
+    lines = ["cpu  1 2 3 4 5 6 7 8 0 0"]
+    for i, idle in enumerate([*idle_seconds, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1e6]):
+        lines.append(f"cpu{i} 100 0 50 {round(idle / TICK)} 0 0 0 0 0 0")
+    path.write_text("\n".join([*lines, "intr 1 2 3", ""]))
     return path
 
 
+def idle_gauge(cores: int) -> CoreGauge:
+    """A gauge on a machine without ``/proc``: every core free."""
+    return CoreGauge(Path("/nonexistent/stat"), cpus=set(range(cores)))
+
+
 @pytest.fixture(scope="module")
-def idle_pool(tmp_path_factory: pytest.TempPathFactory) -> KernelPool:
+def idle_pool() -> KernelPool:
     """A pool on four free cores (one of them the caller's), whatever this machine runs."""
-    return KernelPool(CoreGauge(loadavg(tmp_path_factory.mktemp("idle"), 1), cores=4))
+    return KernelPool(idle_gauge(4))
 
 
 @pytest.fixture
@@ -60,16 +71,14 @@ def test_shared_products_are_bit_identical_to_serial(
         assert idle_pool.posted == before + 1  # the pool did take it
 
 
-def test_the_caller_redoes_a_chunk_a_descheduled_helper_holds(
-    tmp_path: Path, rng: np.random.Generator
-) -> None:
+def test_the_caller_redoes_a_chunk_a_descheduled_helper_holds(rng: np.random.Generator) -> None:
     """A helper that claimed a chunk and stopped (descheduled) does not hold the product
     up: the caller computes that chunk too; no job is posted until the helper is back."""
     m = fused(rng, ("Q4_1", "Q8_0", "Q4_1"))
     x = rng.standard_normal(N_IN).astype(np.float32)
     serial = (x[None] @ m)[0]
     fn = matrix.kernels().chunk_kernel(*m._fmts)
-    p = KernelPool(CoreGauge(loadavg(tmp_path, 1), cores=4))
+    p = KernelPool(idle_gauge(4))
     p._start(1, 4 * N_IN)  # the caller's scratch; no helper thread yet
     st = p._st
     st[pool.HELPERS] = 1  # a helper 1 that ...
@@ -93,23 +102,44 @@ def test_the_caller_redoes_a_chunk_a_descheduled_helper_holds(
     np.testing.assert_array_equal(again[0], serial)
 
 
+class Clocks:
+    """The wall clock and this process's CPU time, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = self.cpu = 0.0
+
+    def gauge(self, stat: Path, cpus: set[int]) -> CoreGauge:
+        return CoreGauge(stat, cpus, clock=lambda: self.now, cpu_time=lambda: self.cpu)
+
+
+def test_the_gauge_counts_idle_time_and_our_own(tmp_path: Path) -> None:
+    clocks = Clocks()
+    stat = tmp_path / "stat"
+    gauge = clocks.gauge(proc_stat(stat, [10.0, 10.0, 10.0]), {0, 1})  # CPU 2 is not ours
+    assert gauge.free() == 2.0  # no interval yet: every core
+    clocks.now, clocks.cpu = 1.0, 0.5  # we ran 0.5 s, CPU 0 idled 0.5 s, CPU 1 not at all
+    proc_stat(stat, [10.5, 10.0, 99.0])
+    assert gauge.free() == pytest.approx(1.5)  # 2 + half of (1.0 - 2)
+    clocks.now += 0.01  # within the sampling interval: the same figure, no read
+    stat.write_text("garbage")
+    assert gauge.free() == pytest.approx(1.5)
+    assert CoreGauge(tmp_path / "missing", {0, 1, 2}).free() == 3.0
+
+
 def test_a_busy_machine_gets_serial_products(tmp_path: Path, rng: np.random.Generator) -> None:
+    """Both cores busy with others, and this process got a third of one: no helpers."""
     m = fused(rng, ("Q8_0", "Q8_0", "Q8_0"))
-    x = rng.standard_normal((1, N_IN)).astype(np.float32).reshape(-1)
+    x = rng.standard_normal(N_IN).astype(np.float32)
     fn = matrix.kernels().chunk_kernel(*m._fmts)
     out = np.empty((1, m.n_out), np.float32)
-    busy = KernelPool(CoreGauge(loadavg(tmp_path, 3), cores=2))  # 2 others on 2 cores
-    assert not busy.run(fn, m._raws, x, out, 2)
-    assert busy.posted == 0
-    three = KernelPool(CoreGauge(loadavg(tmp_path, 3), cores=4))  # 2 cores left: 2 threads
-    assert three.run(fn, m._raws, x, out, 4)
-    assert three._st[pool.ACTIVE] == 2
-
-
-def test_the_gauge_averages_and_counts_every_core_without_proc(tmp_path: Path) -> None:
-    gauge = CoreGauge(loadavg(tmp_path, 5), cores=8)
-    assert gauge.free(lambda: 1) == 4.0  # 5 running, one of them ours
-    assert CoreGauge(tmp_path / "missing", cores=8).free(lambda: 1) == 8.0
+    clocks, stat = Clocks(), tmp_path / "stat"
+    busy = KernelPool(clocks.gauge(proc_stat(stat, [0.0, 0.0]), {0, 1}))
+    assert busy.run(fn, m._raws, x, out, 2)  # no interval yet: both cores
+    for _ in range(3):
+        clocks.now, clocks.cpu = clocks.now + 1.0, clocks.cpu + 0.3
+        assert not busy.run(fn, m._raws, x, out, 2)  # 2 -> 1.15 -> 0.73 -> 0.51
+    assert busy.posted == 1
+    assert busy._gauge.free() < 1.5
 
 
 def test_the_kernel_cache_is_keyed_by_the_kernel_sources(

@@ -91,9 +91,9 @@ def _threads_here() -> int:
     """The kernel threads of a product: the ``--threads`` cap, else one per usable core."""
     if _threads is not None:
         return _threads
-    from meshnode.engine.cpu.pool import usable_cores
+    from meshnode.engine.cpu.pool import usable_cpus
 
-    return usable_cores()
+    return len(usable_cpus())
 
 
 @cache

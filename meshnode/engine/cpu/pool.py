@@ -36,7 +36,7 @@ from numba import njit
 
 from meshnode.engine.cpu.atomics import call3, cas, fetch_add, load, pause, store
 
-__all__ = ["CHUNK_ROWS", "CoreGauge", "KernelPool", "usable_cores"]
+__all__ = ["CHUNK_ROWS", "CoreGauge", "KernelPool", "usable_cpus"]
 
 # The words of the shared array. Words written by different threads sit on their own
 # 64-byte lines (8 words), so a spinning helper's reads do not slow the writers.
@@ -68,42 +68,74 @@ SPIN_MICROSECONDS = 300
 PATIENCE_MICROSECONDS = 100
 
 
-# How often the pool looks at how many threads the machine runs (/proc/loadavg), and
-# how much each look weighs in the running average it keeps.
-SAMPLE_SECONDS = 0.05
-SAMPLE_WEIGHT = 0.3
+# How often the pool looks at the cores' idle time (/proc/stat counts it in 10 ms ticks),
+# and how much each look weighs in the running average it keeps.
+SAMPLE_SECONDS = 0.1
+SAMPLE_WEIGHT = 0.5
 
 
 class CoreGauge:
-    """The cores other processes leave free, from the kernel's count of runnable threads.
+    """How many of this process's cores other processes leave it.
 
     A helper that spins or computes on a core other threads want takes its time from them
     and, in the same scheduling group, from the thread it helps: on two busy cores, two
     spinning threads made a forward several times slower than one. So the pool uses as
-    many threads as there are free cores (as libgomp's ``OMP_DYNAMIC`` does from the load
-    average), from a running average of ``/proc/loadavg``'s runnable count minus this
-    pool's own threads. Without ``/proc`` every core counts as free.
+    many threads as the cores it can have: over the last interval, the idle time of the
+    cores it may run on (``/proc/stat``, those of ``sched_getaffinity``: a container's
+    cpuset) plus this process's own CPU time, as a running average. Without ``/proc``
+    every core counts as free.
     """
 
-    def __init__(self, path: Path = Path("/proc/loadavg"), cores: int | None = None) -> None:
-        self._path = path
-        self._cores = cores or usable_cores()
-        self._others: float | None = None
-        self._next = 0.0
+    def __init__(
+        self,
+        stat: Path = Path("/proc/stat"),
+        cpus: set[int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        cpu_time: Callable[[], float] = time.process_time,
+    ) -> None:
+        self._stat, self._clock, self._cpu_time = stat, clock, cpu_time
+        self._cpus = cpus if cpus is not None else usable_cpus()
+        self._tick = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+        self._free = float(len(self._cpus))
+        self._last: tuple[float, float, float] | None = None  # clock, idle s, own CPU s
 
-    def free(self, ours: Callable[[], int]) -> float:
-        """Cores not used by others; ``ours()``: this pool's running threads."""
-        now = time.monotonic()
-        if now >= self._next:
-            self._next = now + SAMPLE_SECONDS
-            try:
-                running = int(self._path.read_text().split()[3].split("/")[0])
-            except (OSError, ValueError, IndexError):
-                return float(self._cores)
-            others = max(0, running - ours())
-            last = self._others
-            self._others = others if last is None else last + SAMPLE_WEIGHT * (others - last)
-        return self._cores - (self._others or 0.0)
+    def free(self) -> float:
+        """Cores this process can have now (a running average, 0 .. its cores)."""
+        now = self._clock()
+        if self._last is not None and now - self._last[0] < SAMPLE_SECONDS:
+            return self._free
+        idle = self._idle_seconds()
+        if idle is None:
+            return self._free
+        sample = (now, idle, self._cpu_time())
+        if self._last is not None:
+            span = now - self._last[0]
+            have = (sample[1] - self._last[1] + sample[2] - self._last[2]) / span
+            have = min(float(len(self._cpus)), max(0.0, have))
+            self._free += SAMPLE_WEIGHT * (have - self._free)
+        self._last = sample
+        return self._free
+
+    def _idle_seconds(self) -> float | None:
+        """Idle and I/O-wait time of this process's cores since boot (None: no /proc)."""
+        try:
+            lines = self._stat.read_text().splitlines()
+        except OSError:
+            return None
+        ticks = 0
+        for line in lines:
+            name, _, rest = line.partition(" ")
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in self._cpus:
+                fields = rest.split()
+                ticks += int(fields[3]) + int(fields[4])
+        return ticks * self._tick
+
+
+def usable_cpus() -> set[int]:
+    """The CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
 
 
 @njit(nogil=True, cache=True)
@@ -208,11 +240,6 @@ def _calibrate(st, n):  # type: ignore[no-untyped-def]
     return s
 
 
-def usable_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 class KernelPool:
     """The calling thread plus up to :data:`MAX_HELPERS` helper threads, started as
     needed, for one product at a time."""
@@ -242,7 +269,7 @@ class KernelPool:
         """
         if threads < 2 or os.getpid() != self._pid:  # helpers do not survive a fork
             return False
-        threads = min(threads, int(self._gauge.free(self._running) + 0.5))
+        threads = min(threads, int(self._gauge.free() + 0.5))
         if threads < 2 or not self._lock.acquire(blocking=False):
             return False
         try:
@@ -256,10 +283,6 @@ class KernelPool:
         finally:
             self._lock.release()
         return True
-
-    def _running(self) -> int:
-        """This pool's threads that run now: the caller and the helpers awake."""
-        return 1 + sum(1 for who in range(1, len(self._events) + 1) if not self._st[SLEEPING + who])
 
     def _post(self, fn: int, parts: tuple[Any, Any, Any], x: Any, out: Any) -> None:
         """Post the job, wake the helpers that sleep, do the caller's share."""
