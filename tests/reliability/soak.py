@@ -128,7 +128,7 @@ async def _raw(address: Address, kind: str) -> str:
                 return "answered-late"
             head = (
                 b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mod"
+                b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"mod'
             )
             await stream.send_all(head)
             answer = await stream.receive_some()
@@ -184,3 +184,18 @@ async def soak(
             nursery.start_soon(_client, address, model, began + seconds, rng, stats, mix)
     stats.seconds = time.monotonic() - began
     return stats
+
+
+def rss_trend(points: list[tuple[int, int]]) -> float:
+    """The least-squares slope of ``(requests served, RSS bytes)`` points, in MiB per 1,000
+    requests: a leak per request shows as a steady positive slope, a cache that fills up
+    once as a step that the slope over the later points does not carry on."""
+    if len(points) < 2:
+        return 0.0
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    if spread == 0:
+        return 0.0
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread  # bytes per request
+    return slope * 1000 / 2**20

@@ -5,7 +5,9 @@ the golden reference exactly) under ~10⁶ fuzzed frames and a 64-client HTTP so
 Run it with ``pytest -m reliability -s tests/reliability`` (``-s`` shows the figures). The
 sizes come from the environment: ``MESHNODE_FUZZ_FRAMES`` (default 10⁶),
 ``MESHNODE_FUZZ_CLOSING`` (malformed frames sent each on its own TLS connection, default
-4,000), ``MESHNODE_SOAK_S`` (default 120) and ``MESHNODE_SOAK_CLIENTS`` (default 64).
+4,000), ``MESHNODE_SOAK_S`` (default 120), ``MESHNODE_SOAK_CLIENTS`` (default 64) and
+``MESHNODE_SOAK_ROUNDS`` (default 4: both nodes' RSS is taken, settled, after the warm-up
+and after each round; more rounds of the same seconds give a finer trend).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from meshnode.net.address import Address
 from meshnode.net.identity import JoinToken, NodeIdentity
 from tests.e2e.cluster import SINGLE_THREAD_ENV, Cluster, Node, init_token, start_split_mesh
 from tests.reliability.fuzz import FuzzStats, fuzz_node
-from tests.reliability.soak import SoakStats, soak
+from tests.reliability.soak import SoakStats, rss_trend, soak
 
 pytestmark = [pytest.mark.reliability, pytest.mark.real_model]
 
@@ -37,8 +39,8 @@ FRAMES = int(os.environ.get("MESHNODE_FUZZ_FRAMES", "1000000"))
 CLOSING_CAP = int(os.environ.get("MESHNODE_FUZZ_CLOSING", "4000"))
 SOAK_S = float(os.environ.get("MESHNODE_SOAK_S", "120"))
 SOAK_CLIENTS = int(os.environ.get("MESHNODE_SOAK_CLIENTS", "64"))
-#: Rounds of the soak, the host's RSS taken after each.
-SOAK_ROUNDS = 4
+#: Rounds of the soak, both nodes' RSS taken after each.
+SOAK_ROUNDS = int(os.environ.get("MESHNODE_SOAK_ROUNDS", "4"))
 #: Seconds of soak before the RSS baseline is taken.
 SOAK_WARM_S = min(30.0, SOAK_S / 4)
 #: RSS a node may gain between the end of the warm-up and the end of a phase. A leak of
@@ -141,12 +143,14 @@ async def test_a_64_client_soak_leaves_the_server_serving(
     _cluster, host, worker = mesh
     api = Address.parse(host.api.removeprefix("http://"))
     # A warm-up (every client's first requests size the KV caches and buffers), then the
-    # soak in rounds, the host's RSS taken after each: it must level off, not climb.
+    # soak in rounds, both nodes' RSS taken after each: it must level off, not climb.
     warm = await soak(api, clients=SOAK_CLIENTS, seconds=SOAK_WARM_S, model=MODEL, seed=6)
     assert warm.unexpected == Counter(), warm.table()
     await _settled(host, worker)
     before = _footprint(host)
-    series = [before[0]]
+    served = sum(warm.outcomes.values())
+    # (requests served so far, host RSS, worker RSS), settled, after the warm-up and each round
+    series = [(served, before[0], _footprint(worker)[0])]
     total = SoakStats()
     for round_ in range(SOAK_ROUNDS):
         stats = await soak(
@@ -155,20 +159,36 @@ async def test_a_64_client_soak_leaves_the_server_serving(
         )  # fmt: skip
         assert stats.unexpected == Counter(), stats.table()
         await _settled(host, worker)
-        series.append(_footprint(host)[0])
+        served += sum(stats.outcomes.values())
+        series.append((served, _footprint(host)[0], _footprint(worker)[0]))
         total.outcomes += stats.outcomes
         total.seconds += stats.seconds
     print(total.table())
     after = _footprint(host)
-    print("host RSS after the warm-up and each round (MiB):",
-          " ".join(f"{rss / 2**20:.1f}" for rss in series))  # fmt: skip
+    print(_rss_table(series))
     print(f"host: fds {before[1]} -> {after[1]}")
     # Flat: the second half of the soak adds less than the bound (the first half may still
     # fill pages of caches that a longer sequence reaches for the first time).
-    assert series[-1] - series[len(series) // 2] < RSS_GROWTH_BYTES
+    half = len(series) // 2
+    assert series[-1][1] - series[half][1] < RSS_GROWTH_BYTES
+    assert series[-1][2] - series[half][2] < RSS_GROWTH_BYTES
     assert after[1] <= before[1] + 8
     assert "Error in ASGI" not in host.log(), host.log()[-4000:]
     await trio.to_thread.run_sync(_golden_matches, host, golden)
+
+
+def _rss_table(series: list[tuple[int, int, int]]) -> str:
+    """RSS after the warm-up and each round, and its trend over the second half."""
+    lines = ["RSS, settled, after the warm-up and each round (MiB):", "  requests    host  worker"]
+    lines += [f"  {n:8} {h / 2**20:7.1f} {w / 2**20:7.1f}" for n, h, w in series]
+    later = series[len(series) // 2 :]
+    host = rss_trend([(n, h) for n, h, _ in later])
+    worker = rss_trend([(n, w) for n, _, w in later])
+    lines.append(
+        f"  trend over the second half: host {host:+.2f}, worker {worker:+.2f} MiB per 1,000"
+        " requests"
+    )
+    return "\n".join(lines)
 
 
 async def _settled(host: Node, worker: Node) -> None:

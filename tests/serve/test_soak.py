@@ -17,7 +17,7 @@ import trio
 
 from meshnode.net.http_guard import BodyLimits
 from meshnode.serve.service import ServeService
-from tests.reliability.soak import KINDS, soak
+from tests.reliability.soak import KINDS, rss_trend, soak
 from tests.serve.conftest import TINY_MODEL_ID, start_server, wait_until
 
 CLIENTS = 6
@@ -41,3 +41,13 @@ async def test_a_short_soak_gets_only_documented_answers(
     assert await wait_until(lambda: serve_service.scheduler.in_flight == 0)
     assert serve_service.scheduler.waiting == 0
     assert serve_service.open_runs == 0
+
+
+def test_the_rss_trend_tells_a_leak_from_a_step() -> None:
+    mib = 2**20
+    # 1 KiB per request: a leak, 0.98 MiB per 1,000 requests whatever the starting size.
+    leak = [(n, 400 * mib + n * 1024) for n in (100, 400, 700, 1000)]
+    assert abs(rss_trend(leak) - 1000 * 1024 / mib) < 1e-9
+    # A cache that filled once, then flat: nothing after the step.
+    assert rss_trend([(400, 455 * mib), (700, 455 * mib), (1000, 455 * mib)]) == 0.0
+    assert rss_trend([(400, 455 * mib)]) == 0.0
