@@ -421,9 +421,7 @@ class Coordinator:
         """Wait for a membership change (True), or for ``pipeline`` to fail or a cool-off
         to end (False)."""
         changed = False
-        # Taken before the first checkpoint: a join while the tasks below start still
-        # sets this event (waiting on whatever event is current then would miss it).
-        membership_changed = self.mesh.membership_event()
+        membership_changed = self.mesh.membership_event()  # before any checkpoint
         until = min(self._cooling.values(), default=math.inf)
         with trio.move_on_at(until):
             async with trio.open_nursery() as nursery:
