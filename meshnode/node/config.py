@@ -104,7 +104,8 @@ class NodeConfig:
     device: Device = "cpu"
     # Weights on a CUDA device: auto (bfloat16 for a model trained in it, else float16),
     # float16, bfloat16, or float32 (the golden-parity mode). On the CPU: auto/native (the
-    # GGUF blocks as stored) or float32 (dequantized at load). The CPU computes in float32.
+    # GGUF blocks as stored) or float32 (dequantized at load), computing in float32; or q8
+    # (blocks, decode products with 8-bit activations: faster, not exact).
     weights_dtype: WeightsDtype = "auto"
     heartbeat: HeartbeatTimeouts = HeartbeatTimeouts()
     log_level: str = "INFO"
@@ -356,62 +357,97 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("api_key", "node", "api_key", "MESHNODE_API_KEY", _api_key),
     Setting("allow_open_api", "node", "allow_open_api", "MESHNODE_ALLOW_OPEN_API", _bool),
     Setting(
-        "api_max_body_bytes", "node", "api_max_body", "MESHNODE_API_MAX_BODY", _body_bytes,
+        "api_max_body_bytes",
+        "node",
+        "api_max_body",
+        "MESHNODE_API_MAX_BODY",
+        _body_bytes,
         flag="api-max-body",
     ),
     Setting("max_memory_bytes", "node", "max_memory", "MESHNODE_MAX_MEMORY", parse_bytes),
     Setting("device", "node", "device", "MESHNODE_DEVICE", _device),
-    Setting(
-        "weights_dtype", "node", "dtype", "MESHNODE_DTYPE", parse_weights_dtype, flag="dtype"
-    ),
+    Setting("weights_dtype", "node", "dtype", "MESHNODE_DTYPE", parse_weights_dtype, flag="dtype"),
     Setting("log_level", "node", "log_level", "MESHNODE_LOG_LEVEL", _log_level),
     Setting("cache_dir", "node", "cache_dir", "MESHNODE_CACHE_DIR", _path),
+    Setting("allow_url_models", "node", "allow_url_models", "MESHNODE_ALLOW_URL_MODELS", _bool),
     Setting(
-        "allow_url_models", "node", "allow_url_models", "MESHNODE_ALLOW_URL_MODELS", _bool
-    ),
-    Setting(
-        "local_models", "node", "local_models", "MESHNODE_LOCAL_MODELS", _paths,
+        "local_models",
+        "node",
+        "local_models",
+        "MESHNODE_LOCAL_MODELS",
+        _paths,
         flag="local-model",
     ),
     Setting("threads", "node", "threads", "MESHNODE_THREADS", _positive_int),
     Setting(
-        "cors_origins", "node", "cors_origins", "MESHNODE_CORS_ORIGINS", _origins,
+        "cors_origins",
+        "node",
+        "cors_origins",
+        "MESHNODE_CORS_ORIGINS",
+        _origins,
         flag="cors-origin",
     ),
     Setting("model", "model", "ref", "MESHNODE_MODEL", _nonempty, flag="model"),
     Setting("split", "model", "split", "MESHNODE_SPLIT", _positive_int),
     Setting(
-        "context_size", "model", "context_size", "MESHNODE_CONTEXT", _positive_int,
+        "context_size",
+        "model",
+        "context_size",
+        "MESHNODE_CONTEXT",
+        _positive_int,
         flag="context",
     ),
     Setting("wire_dtype", "model", "wire_dtype", "MESHNODE_WIRE_DTYPE", _wire_dtype),
     Setting(
-        "prefill_chunk_tokens", "model", "prefill_chunk_tokens", "MESHNODE_PREFILL_CHUNK",
-        _positive_int, flag="prefill-chunk",
+        "prefill_chunk_tokens",
+        "model",
+        "prefill_chunk_tokens",
+        "MESHNODE_PREFILL_CHUNK",
+        _positive_int,
+        flag="prefill-chunk",
     ),
     Setting(
-        "pass_deadline_s", "model", "pass_deadline_s", "MESHNODE_PASS_DEADLINE",
-        _positive_float, flag="pass-deadline",
+        "pass_deadline_s",
+        "model",
+        "pass_deadline_s",
+        "MESHNODE_PASS_DEADLINE",
+        _positive_float,
+        flag="pass-deadline",
     ),
     Setting(
-        "pass_deadline_per_token_s", "model", "pass_deadline_per_token_s",
-        "MESHNODE_PASS_DEADLINE_PER_TOKEN", _non_negative_float,
+        "pass_deadline_per_token_s",
+        "model",
+        "pass_deadline_per_token_s",
+        "MESHNODE_PASS_DEADLINE_PER_TOKEN",
+        _non_negative_float,
         flag="pass-deadline-per-token",
     ),
     Setting("interface", "discovery", "interface", "MESHNODE_INTERFACE", _nonempty),
     Setting("mdns", "discovery", "mdns", "MESHNODE_MDNS", _bool, flag="no-mdns"),
     Setting("peers", "discovery", "peers", "MESHNODE_PEERS", _peers, flag="peer"),
     Setting(
-        "heartbeat.interval_s", "heartbeat", "interval_s", "MESHNODE_HEARTBEAT_S",
-        _positive_float, flag="heartbeat-interval",
+        "heartbeat.interval_s",
+        "heartbeat",
+        "interval_s",
+        "MESHNODE_HEARTBEAT_S",
+        _positive_float,
+        flag="heartbeat-interval",
     ),
     Setting(
-        "heartbeat.suspect_after_s", "heartbeat", "suspect_after_s", "MESHNODE_SUSPECT_S",
-        _positive_float, flag="suspect-after",
+        "heartbeat.suspect_after_s",
+        "heartbeat",
+        "suspect_after_s",
+        "MESHNODE_SUSPECT_S",
+        _positive_float,
+        flag="suspect-after",
     ),
     Setting(
-        "heartbeat.dead_after_s", "heartbeat", "dead_after_s", "MESHNODE_DEAD_S",
-        _positive_float, flag="dead-after",
+        "heartbeat.dead_after_s",
+        "heartbeat",
+        "dead_after_s",
+        "MESHNODE_DEAD_S",
+        _positive_float,
+        flag="dead-after",
     ),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}

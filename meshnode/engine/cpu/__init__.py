@@ -6,7 +6,9 @@ indirect calls) beside it; ``blocks`` (block decoders on those vectors, bit-exac
 them; ``pool`` (kernel threads that claim chunks of a product) on ``atomics``;
 ``kernels`` (k-row products, gathers, whole-matrix decode) on ``blocks`` and ``pool``'s
 word layout; ``matrix`` (:class:`BlockMatrix`, what a stage holds) on top, which imports
-numba only at the first product so that importing the engine stays cheap.
+numba only at the first product so that importing the engine stays cheap. Beside
+``matrix``: ``q8`` (the opt-in 8-bit-activation decode products, ``--dtype q8``) over
+``q8_kernels`` and ``simd_int`` (byte vectors and the integer dot product).
 """
 
 from meshnode.engine.cpu.matrix import MAX_KERNEL_ROWS, BlockMatrix, set_kernel_threads, supported

@@ -1,0 +1,187 @@
+"""The 8-bit-activation kernels (``--dtype q8``) against "dequantize, then multiply".
+
+Their results are not exact: each activation is rounded to its block's step ``d =
+max|x| / 127``. The checks are the error bound that rounding implies (``sum |w_i| d / 2``
+per 32-value block, far below the error of a wrong unpacking or scale), the integer path
+against the float64 product with the quantized activations, and the real model.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from meshnode_packaging.sources import RawTensor, dequantize
+
+from meshnode.engine.backend import cpu_backend, select_backend
+from meshnode.engine.cpu import BlockMatrix, matrix, q8
+from meshnode.engine.cpu.pool import CoreGauge, KernelPool
+from meshnode.engine.loader import load_model
+from tests.conftest import GOLDEN_DIR, smollm2_gguf_path
+from tests.engine.test_cpu_kernels import N_IN, random_tensor
+
+Q8 = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# formats whose weights are s (u - z): the result is exactly W . (q d) up to float32 sums
+OFFSET_ONLY = {"Q4_0", "Q5_0", "Q8_0", "Q3_K", "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def rng() -> np.random.Generator:
+    return np.random.default_rng(11)
+
+
+def rows(kind: str, rng: np.random.Generator) -> np.ndarray:
+    """One activation row ``[1, N_IN]`` of a kind: normal, zero, large, or garbage (values
+    over twelve orders of magnitude, signs mixed, a few exact zeros)."""
+    if kind == "zero":
+        return np.zeros((1, N_IN), np.float32)
+    x = rng.standard_normal((1, N_IN))
+    if kind == "large":
+        x *= 1e6
+    if kind == "garbage":
+        x *= 10.0 ** rng.uniform(-6, 6, x.shape)
+        x[0, rng.integers(0, N_IN, 20)] = 0.0
+    return x.astype(np.float32)
+
+
+def unpack(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The quantizer's buffer for ``x``: int8 quants, int32 sums of four, float32 block
+    fields (scale, sum, sums of the halves)."""
+    n = x.size
+    q = q8._kernels().quantized(x.reshape(-1))
+    assert q.shape == (n * 5 // 2,)
+    return q[:n].view(np.int8), q[n : 2 * n].view(np.int32), q[2 * n :].view(np.float32)
+
+
+def quantized(x: np.ndarray) -> np.ndarray:
+    """The activations as the kernels see them, ``q * d``, float64, from their quantizer."""
+    xq, _, xf = unpack(x)
+    xhat: np.ndarray = (xq.astype(np.float64) * np.repeat(xf[0::4], 32)).reshape(x.shape)
+    return xhat
+
+
+def test_quantize_rounds_each_block_to_its_step(rng: np.random.Generator) -> None:
+    x = rng.standard_normal(4 * 32).astype(np.float32)
+    x[32:64] = 0.0  # a zero block
+    x[70] = 3e4  # an outlier: the rest of its block rounds to small steps of it
+    x[100] = np.inf  # not finite: the block's products are nan, as in float32
+    xq, ls, xf = unpack(x)
+    for b in range(3):
+        block = x[32 * b : 32 * b + 32]
+        d = np.abs(block).max() / np.float32(127)
+        assert xf[4 * b] == pytest.approx(d, rel=1e-6)
+        want = np.round(block / d) if d > 0 else np.zeros(32)
+        np.testing.assert_array_equal(xq[32 * b : 32 * b + 32], want)
+        np.testing.assert_array_equal(ls[8 * b : 8 * b + 8], want.reshape(8, 4).sum(1))
+        halves = block.astype(np.float64).reshape(2, 16).sum(1)
+        np.testing.assert_allclose(xf[4 * b + 2 : 4 * b + 4], halves, rtol=1e-5, atol=1e-3)
+        assert xf[4 * b + 1] == pytest.approx(halves.sum(), rel=1e-5, abs=1e-3)
+    assert np.isnan(xf[12])
+    assert not xq[96:].any()
+
+
+@pytest.mark.parametrize("dtype", Q8)
+@pytest.mark.parametrize("kind", ["normal", "zero", "large", "garbage"])
+def test_product_is_within_the_rounding_bound(
+    dtype: str, kind: str, rng: np.random.Generator
+) -> None:
+    t = random_tensor(dtype, 70, rng)
+    w = dequantize(t).astype(np.float64)  # [70, N_IN]
+    x = rows(kind, rng)
+    got = q8.q8_product(BlockMatrix([t]), x)
+    assert got.shape == (1, 70)
+    assert got.dtype == np.float32
+    exact = x.astype(np.float64) @ w.T
+    step = np.abs(x[0]).reshape(-1, 32).max(1).astype(np.float64) / 127  # d per block
+    bound = (np.abs(w).reshape(70, -1, 32).sum(2) * step / 2).sum(1)  # [70]
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).T  # float32 sums: ulps of this
+    assert np.all(np.abs(got - exact) <= 1.001 * bound + 1e-5 * scale + 1e-30)
+    if kind == "zero":
+        assert not got.any()
+    if dtype in OFFSET_ONLY:  # integer dot, then scales: W . (q d), to float32 rounding
+        xhat = quantized(x)
+        ref = xhat @ w.T
+        assert np.all(np.abs(got - ref) <= 1e-5 * (np.abs(xhat) @ np.abs(w).T) + 1e-30)
+
+
+def test_non_finite_activations_give_nan(rng: np.random.Generator) -> None:
+    x = rows("normal", rng)
+    x[0, 5] = np.inf
+    got = q8.q8_product(BlockMatrix([random_tensor("Q4_K", 8, rng)]), x)
+    assert np.isnan(got).all()
+
+
+@pytest.fixture(scope="module")
+def idle_threads(tmp_path_factory: pytest.TempPathFactory) -> KernelPool:
+    """Kernel threads as on an idle machine of four cores, whatever this one runs."""
+    path = tmp_path_factory.mktemp("idle") / "loadavg"
+    path.write_text("0.00 0.00 0.00 1/100 1\n")
+    return KernelPool(CoreGauge(path, cores=4))
+
+
+def test_shared_equals_serial_and_parts_stack(
+    rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch, idle_threads: KernelPool
+) -> None:
+    """Gemma's fused Q/K/V mix (Q5_0, Q5_0, Q8_0); 140 rows: five chunks for the pool."""
+    parts = [random_tensor("Q5_0", 70, rng), random_tensor("Q5_0", 40, rng)]
+    parts.append(random_tensor("Q8_0", 30, rng))
+    m = BlockMatrix(parts)
+    x = rows("normal", rng)
+    serial = q8.q8_product(m, x)
+    singles = [q8.q8_product(BlockMatrix([p]), x) for p in parts]
+    np.testing.assert_array_equal(serial, np.concatenate(singles, axis=1))
+    monkeypatch.setattr(matrix, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(matrix, "_threads", 2)
+    monkeypatch.setattr(matrix, "_pool", lambda: idle_threads)
+    for _ in range(3):
+        before = idle_threads.posted
+        np.testing.assert_array_equal(q8.q8_product(m, x), serial)
+        assert idle_threads.posted == before + 1  # the pool did take it
+
+
+def test_the_backend_routes_decode_products_only(rng: np.random.Generator) -> None:
+    backend = select_backend("cpu", "q8")
+    assert backend.weights_dtype == "q8"
+    assert backend.cpu_blocks
+    quant = BlockMatrix([random_tensor("Q4_1", 16, rng)])
+    one = rows("normal", rng)
+    np.testing.assert_array_equal(backend.linear(one, quant), q8.q8_product(quant, one))
+    many = rng.standard_normal((q8.Q8_MAX_ROWS + 1, N_IN)).astype(np.float32)
+    np.testing.assert_array_equal(backend.linear(many, quant), many @ quant)
+    dense = BlockMatrix([random_tensor("F16", 16, rng)])  # no integer quants: exact
+    assert not q8.accepts(dense, 1)
+    np.testing.assert_array_equal(backend.linear(one, dense), one @ dense)
+
+
+def test_a_bad_shape_is_refused(rng: np.random.Generator) -> None:
+    m = BlockMatrix([random_tensor("Q8_0", 4, rng)])
+    with pytest.raises(ValueError, match="does not multiply"):
+        q8.q8_product(m, np.zeros((1, 64), np.float32))
+    short = RawTensor("w", "Q8_0", (2, 64), np.zeros(2 * 68, np.uint8))
+    assert q8.q8_product(BlockMatrix([short]), np.ones((1, 64), np.float32)).shape == (1, 2)
+
+
+@pytest.mark.real_model
+def test_smollm2_in_q8_follows_the_golden_references() -> None:
+    """Greedy tokens from the reference prompts, q8 decode (prefill stays exact).
+
+    Measured when written: 3 of 6 references reproduced exactly, the other three
+    diverging at tokens 3, 10 and 21 (llama.cpp, which quantizes the same way, also
+    diverges from them). Asserted: at least 3 exact, and every one of the first 3 tokens.
+    """
+    model = load_model(str(smollm2_gguf_path()), cpu_backend("q8"))
+    golden: dict[str, Any] = json.loads((GOLDEN_DIR / "smollm2-135m-greedy.json").read_text())
+    exact = 0
+    for prompt in golden["prompts"]:
+        ids, want = list(prompt["prompt_ids"]), prompt["gen_ids"]
+        cache = model.stage.new_cache(len(ids) + len(want) + 1)
+        logits = model.stage.forward(np.array(ids), 0, cache, out_rows=1)
+        out = [int(np.argmax(logits[-1]))]
+        while len(out) < len(want):
+            logits = model.stage.forward(np.array(out[-1:]), len(ids) + len(out) - 1, cache)
+            out.append(int(np.argmax(logits[-1])))
+        assert out[:3] == want[:3], prompt["id"]
+        exact += out == want
+    assert exact >= 3
