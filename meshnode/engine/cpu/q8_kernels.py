@@ -236,10 +236,57 @@ def _qchunk(fmt, w, base, c, q, n, b):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
+def _one(fmt, w, base, q, n, first, nb):  # type: ignore[no-untyped-def]
+    # the row at byte base of w . activation blocks first .. first + nb - 1; two
+    # accumulators so that consecutive chunks' FMAs do not wait on each other
+    a0, a1 = vzero(), vzero()
+    t0, t1 = np.float32(0.0), np.float32(0.0)
+    c = 0
+    while c + 2 <= nb:
+        b = first + c
+        p0, d0, m0 = _qchunk(fmt, w, base, c, q, n, b)
+        p1, d1, m1 = _qchunk(fmt, w, base, c + 1, q, n, b + 1)
+        a0 = vfma(tofloat(p0), vsplat(d0 * fload(q, 2 * n + 16 * b)), a0)
+        a1 = vfma(tofloat(p1), vsplat(d1 * fload(q, 2 * n + 16 * b + 16)), a1)
+        t0 += m0
+        t1 += m1
+        c += 2
+    if c < nb:
+        b = first + c
+        p0, d0, m0 = _qchunk(fmt, w, base, c, q, n, b)
+        a0 = vfma(tofloat(p0), vsplat(d0 * fload(q, 2 * n + 16 * b)), a0)
+        t0 += m0
+    return vsum(a0) + vsum(a1) + (t0 + t1)
+
+
+@njit(cache=True)
+def _four(fmt, w, base, q, n, first, nb):  # type: ignore[no-untyped-def]
+    # the row at byte base of w . four activation rows from block first on (nb blocks
+    # each): the same weight chunk meets the four rows in turn, and LLVM unpacks it once
+    # (the four _qchunk calls read the same bytes, with no store between them)
+    a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
+    t0, t1, t2, t3 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
+    for c in range(nb):
+        b0 = first + c
+        b1, b2, b3 = b0 + nb, b0 + 2 * nb, b0 + 3 * nb
+        p0, d0, m0 = _qchunk(fmt, w, base, c, q, n, b0)
+        p1, d1, m1 = _qchunk(fmt, w, base, c, q, n, b1)
+        p2, d2, m2 = _qchunk(fmt, w, base, c, q, n, b2)
+        p3, d3, m3 = _qchunk(fmt, w, base, c, q, n, b3)
+        f = 2 * n
+        a0 = vfma(tofloat(p0), vsplat(d0 * fload(q, f + 16 * b0)), a0)
+        a1 = vfma(tofloat(p1), vsplat(d1 * fload(q, f + 16 * b1)), a1)
+        a2 = vfma(tofloat(p2), vsplat(d2 * fload(q, f + 16 * b2)), a2)
+        a3 = vfma(tofloat(p3), vsplat(d3 * fload(q, f + 16 * b3)), a3)
+        t0, t1, t2, t3 = t0 + m0, t1 + m1, t2 + m2, t3 + m3
+    return vsum(a0) + t0, vsum(a1) + t1, vsum(a2) + t2, vsum(a3) + t3
+
+
+@njit(cache=True)
 def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
-    # rows lo .. hi - 1 of one part into columns col + lo .. of out, for every activation
-    # row (a weight row stays in L1 while it meets them all); q: quantize's buffer. One
-    # function with no calls inside its loops: a call per row costs as much as a short row.
+    # rows lo .. hi - 1 of one part into columns col + lo .. of out; q: quantize's
+    # buffer. Activation rows go four at a time, then one at a time (a weight row stays
+    # in L1 while it meets them all).
     k, n = out.shape[0], q.shape[0] * 2 // 5
     nb = n // 32 // k
     w, size = raw.reshape(-1), raw.shape[1]
@@ -248,27 +295,15 @@ def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
         if base + PREFETCH_BYTES < w.shape[0]:  # the row PREFETCH_BYTES ahead
             for line in range(0, size, 64):
                 prefetch(w, base + PREFETCH_BYTES + line)
-        for r in range(k):
-            first = r * nb
-            # two accumulators: consecutive chunks' FMAs do not wait on each other
-            a0, a1 = vzero(), vzero()
-            t0, t1 = np.float32(0.0), np.float32(0.0)
-            c = 0
-            while c + 2 <= nb:
-                b = first + c
-                p0, d0, m0 = _qchunk(fmt, w, base, c, q, n, b)
-                p1, d1, m1 = _qchunk(fmt, w, base, c + 1, q, n, b + 1)
-                a0 = vfma(tofloat(p0), vsplat(d0 * fload(q, 2 * n + 16 * b)), a0)
-                a1 = vfma(tofloat(p1), vsplat(d1 * fload(q, 2 * n + 16 * b + 16)), a1)
-                t0 += m0
-                t1 += m1
-                c += 2
-            if c < nb:
-                b = first + c
-                p0, d0, m0 = _qchunk(fmt, w, base, c, q, n, b)
-                a0 = vfma(tofloat(p0), vsplat(d0 * fload(q, 2 * n + 16 * b)), a0)
-                t0 += m0
-            out[r, col + o] = vsum(a0) + vsum(a1) + (t0 + t1)
+        r = 0
+        while r + 4 <= k:
+            s0, s1, s2, s3 = _four(fmt, w, base, q, n, r * nb, nb)
+            out[r, col + o], out[r + 1, col + o] = s0, s1
+            out[r + 2, col + o], out[r + 3, col + o] = s2, s3
+            r += 4
+        while r < k:
+            out[r, col + o] = _one(fmt, w, base, q, n, r * nb, nb)
+            r += 1
 
 
 @njit(cache=True)
