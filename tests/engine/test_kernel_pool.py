@@ -81,15 +81,15 @@ def test_the_caller_redoes_a_chunk_a_descheduled_helper_holds(rng: np.random.Gen
     p = KernelPool(idle_gauge(4))
     p._start(1, 4 * N_IN)  # the caller's scratch; no helper thread yet
     st = p._st
-    st[pool.HELPERS] = 1  # a helper 1 that ...
+    st[pool.HELPERS], st[pool.ACTIVE], st[pool.SLEEPING + 1] = 1, 2, 1  # a helper 1 that ...
     out = np.full((1, m.n_out), np.nan, np.float32)
-    chunks = 7 + 3 + 5  # 200, 70 and 131 rows in chunks of 32
     a, b, c = m._raws
-    pool._post(st, fn, 1, a, b, c, x, out, p._scratch, 7, 3, chunks, pool.CHUNK_ROWS)
+    assert pool._post(st, fn, 1, a, b, c, x, out, p._scratch, 32, 1000) == 1 << 1  # wakes
     word = int(st[pool.CLAIM])  # ... claims chunk 0 (rows 0-31) as helpers do ...
+    assert word >> 20 & 0xFFFFF == 7 + 3 + 5  # 200, 70 and 131 rows in chunks of 32
     st[pool.BUSY + 1] = 1 + ((word >> 40) << 20 | 0)
     st[pool.CLAIM] = word + 1  # ... and is descheduled before computing it
-    pool._work(st, chunks, 1000)
+    pool._work(st, 1000)
     np.testing.assert_array_equal(out[0], serial)
     assert pool._stale(st)
     assert not p.run(fn, m._raws, x, np.empty((1, m.n_out), np.float32), 2)

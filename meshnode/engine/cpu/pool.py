@@ -54,10 +54,13 @@ WORDS = JOB + 24
 
 _FIELD = (1 << 20) - 1  # chunk count and next chunk: 20 bits each
 _MAX_GEN = (1 << 23) - 1  # generations: the claim word's other 23 bits
-# Output rows per chunk: 4-row tiles, and a chunk of SmolLM2's smallest product (576 x
-# 576 Q4_1, one row) takes ~3 µs, so a late helper still finds work and the caller
-# never waits long for a helper's last chunk.
+# Output rows per chunk, at least (4-row tiles), and at most about this many weights
+# times activation rows per chunk: a chunk is then 2-15 µs (SmolLM2: 32 rows of 576 Q4_1
+# one row ~2 µs, 224 rows ~13 µs), many per product for balance, few enough that the
+# claims (a cache line passed between cores, ~0.1 µs each) stay cheap, and far below
+# PATIENCE_MICROSECONDS.
 CHUNK_ROWS = 32
+CHUNK_WORK = 1 << 17
 # How long a helper spins for the next chunk before it sleeps: longer than the gaps
 # between the products of one forward (attention, norms: ~10-100 µs), short enough that a
 # busy machine loses little and an idle node sleeps between tokens.
@@ -181,9 +184,43 @@ def _helper_spin(st, who, spins):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def _post(st, fn, gen, a, b, c, x, out, scratch, ca, cb, chunks, rows):  # type: ignore[no-untyped-def]
-    # write the job, open its chunks, and clear the sleeping flags of the helpers that
-    # may claim: their count (the caller sets their events)
+def _stale(st):  # type: ignore[no-untyped-def]
+    # whether a helper still holds a chunk of a finished job (descheduled mid-chunk)
+    held = 0
+    for who in range(1, load(st, HELPERS) + 1):
+        held |= load(st, BUSY + who)
+    return held != 0
+
+
+@njit(nogil=True, cache=True)
+def _work(st, patience):  # type: ignore[no-untyped-def]
+    # the caller's share, then wait for the chunks helpers still compute; after
+    # ``patience`` idle iterations (a helper descheduled mid-chunk, on a busy machine)
+    # compute the chunks helpers hold itself: they write the same values
+    _claim_and_run(st, 0)
+    chunks = (load(st, CLAIM) >> 20) & _FIELD
+    waited = 0
+    while load(st, DONE) < chunks:
+        pause()
+        waited += 1
+        if waited >= patience:
+            gen = load(st, CLAIM) >> 40
+            for who in range(1, load(st, HELPERS) + 1):
+                held = load(st, BUSY + who) - 1
+                if held >= 0 and held >> 20 == gen:
+                    call3(load(st, FN), st.ctypes.data, 0, held & _FIELD)
+            return
+
+
+@njit(nogil=True, cache=True)
+def _post(st, fn, gen, a, b, c, x, out, scratch, rows, patience):  # type: ignore[no-untyped-def]
+    # post the job (unless a helper still holds a chunk of the last one: -1) and, when no
+    # helper that may claim sleeps, do the caller's share (0); else clear their sleeping
+    # flags and return them (the caller sets their events, then calls _work)
+    if _stale(st):
+        return -1
+    ca, cb = (a.shape[0] + rows - 1) // rows, (b.shape[0] + rows - 1) // rows
+    chunks = ca + cb + (c.shape[0] + rows - 1) // rows
     st[FN] = fn
     st[A], st[NA], st[RBA] = a.ctypes.data, a.shape[0], a.shape[1]
     st[B], st[NB], st[RBB] = b.ctypes.data, b.shape[0], b.shape[1]
@@ -199,35 +236,9 @@ def _post(st, fn, gen, a, b, c, x, out, scratch, ca, cb, chunks, rows):  # type:
         if load(st, SLEEPING + who) == 1:
             store(st, SLEEPING + who, 0)
             woken |= 1 << who
+    if woken == 0:
+        _work(st, patience)
     return woken
-
-
-@njit(nogil=True, cache=True)
-def _work(st, chunks, patience):  # type: ignore[no-untyped-def]
-    # the caller's share, then wait for the chunks helpers still compute; after
-    # ``patience`` idle iterations (a helper descheduled mid-chunk, on a busy machine)
-    # compute the chunks helpers hold itself: they write the same values
-    _claim_and_run(st, 0)
-    waited = 0
-    while load(st, DONE) < chunks:
-        pause()
-        waited += 1
-        if waited >= patience:
-            gen = load(st, CLAIM) >> 40
-            for who in range(1, load(st, HELPERS) + 1):
-                held = load(st, BUSY + who) - 1
-                if held >= 0 and held >> 20 == gen:
-                    call3(load(st, FN), st.ctypes.data, 0, held & _FIELD)
-            return
-
-
-@njit(nogil=True, cache=True)
-def _stale(st):  # type: ignore[no-untyped-def]
-    # whether a helper still holds a chunk of a finished job (descheduled mid-chunk)
-    held = 0
-    for who in range(1, load(st, HELPERS) + 1):
-        held |= load(st, BUSY + who)
-    return held != 0
 
 
 @njit(nogil=True, cache=True)
@@ -273,31 +284,36 @@ class KernelPool:
         if threads < 2 or not self._lock.acquire(blocking=False):
             return False
         try:
+            return self._post(fn, parts, x, out, threads)
+        finally:
+            self._lock.release()
+
+    def _post(self, fn: int, parts: tuple[Any, Any, Any], x: Any, out: Any, threads: int) -> bool:
+        """Post the job, wake the helpers that sleep, do the caller's share."""
+        k, n_out = out.shape
+        n_in = x.shape[0] // k
+        self._start(threads, 4 * n_in)
+        # chunks of CHUNK_ROWS rows or more, about 8 per thread, and of at most
+        # CHUNK_WORK weights times rows (a row's decode weighs as much as 4 rows' FMAs)
+        rows = min(-(-n_out // (8 * threads)), CHUNK_WORK // (n_in * (1 + k // 4)))
+        rows = max(CHUNK_ROWS, rows - rows % 4)
+        self._gen = self._gen % _MAX_GEN + 1
+        a, b, c = parts
+        args = (self._st, fn, self._gen, a, b, c, x, out, self._scratch, rows, self._patience)
+        woken = _post(*args)
+        if woken < 0:
             # a helper descheduled mid-chunk of the last job (which the caller then
             # finished) still reads its fields and writes its output: no new job, and
             # the last one's arrays kept, until it is done
-            if _stale(self._st):
-                return False
-            self._start(threads, 4 * x.shape[0] // out.shape[0])
-            self._post(fn, parts, x, out)
-        finally:
-            self._lock.release()
-        return True
-
-    def _post(self, fn: int, parts: tuple[Any, Any, Any], x: Any, out: Any) -> None:
-        """Post the job, wake the helpers that sleep, do the caller's share."""
-        a, b, c = parts
-        ca, cb = -(-a.shape[0] // CHUNK_ROWS), -(-b.shape[0] // CHUNK_ROWS)
-        chunks = ca + cb - (-c.shape[0] // CHUNK_ROWS)
-        self._gen = self._gen % _MAX_GEN + 1
-        st, scratch = self._st, self._scratch
-        woken = _post(st, fn, self._gen, a, b, c, x, out, scratch, ca, cb, chunks, CHUNK_ROWS)
-        for who in range(1, len(self._events) + 1):
-            if woken >> who & 1:
-                self._events[who - 1].set()
-        self._last = (parts, x, out, scratch)
+            return False
+        self._last = (parts, x, out, self._scratch)
         self.posted += 1
-        _work(st, chunks, self._patience)
+        if woken:
+            for who in range(1, len(self._events) + 1):
+                if woken >> who & 1:
+                    self._events[who - 1].set()
+            _work(self._st, self._patience)
+        return True
 
     def _start(self, threads: int, scratch: int) -> None:
         """Helpers up to ``threads - 1``, the others idle; scratch rows of ``scratch``."""
