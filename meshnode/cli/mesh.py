@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import socket
 import sys
 from pathlib import Path
@@ -411,6 +412,9 @@ def _host_lines(host: dict[str, Any] | None) -> list[str]:
         # The failure that made the last replan, not a present one: "failed" beside a
         # ready run read as if serving had stopped.
         lines.append(f"last failure  {host['last_failure']}")
+    cooling = _cooling_off(host.get("cooling_off"))
+    if cooling:
+        lines.append(f"cooling off  {cooling}  (blamed for a stage failure; no plan uses them)")
     spec = host.get("speculation")
     if spec:
         acceptance = spec.get("acceptance", {})
@@ -422,6 +426,17 @@ def _host_lines(host: dict[str, Any] | None) -> list[str]:
         )
         lines += [f"warning  {w}" for w in spec.get("warnings", [])]
     return lines
+
+
+def _cooling_off(nodes: dict[str, float] | None) -> str:
+    """Blamed nodes and the time each still sits out, soonest back first: ``bbbb 4m 12s``."""
+    left = sorted((s, n) for n, s in (nodes or {}).items() if s > 0)
+    return ", ".join(f"{node} {_duration(seconds)}" for seconds, node in left)
+
+
+def _duration(seconds: float) -> str:
+    whole = math.ceil(seconds)
+    return f"{whole // 60}m {whole % 60:02d}s" if whole >= 60 else f"{whole}s"
 
 
 def _progress(done: int, total: int) -> str:

@@ -4,11 +4,21 @@ The order follows vLLM's sampler: penalties on the raw logits, then temperature,
 top-k, top-p and min-p truncation on the resulting distribution. Temperature 0 is greedy.
 All of it runs on the host in float64 (one ``[V]`` row per step is cheap to copy).
 
-Randomness is counter-based (:class:`CounterRandom`): the uniform that picks the token at
-sequence position ``p`` is a pure function of (seed, ``p``), not the next output of a
+Randomness is counter-based (:class:`CounterRandom`): the numbers that pick the token at
+sequence position ``p`` are a pure function of (seed, ``p``), not the next output of a
 generator whose state lives in one process. Whichever node runs the last stage, and
 however often a request is replayed after a stage failure, a seeded request draws the
-same numbers at the same positions and so samples the same tokens.
+same numbers at the same positions.
+
+The pick is an exponential race (:func:`race`, the Gumbel-max trick): every kept token
+``i`` gets its own exponential ``E_i`` keyed on (seed, position, ``i``), and the token is
+``argmin(E_i / p_i)``, distributed exactly as ``p``. Same numbers are not enough for the
+same token: a replayed pass's logits come from a chunked prefill and differ from the
+undisturbed decode's by float noise (~2e-5 on SmolLM2). Inverse-CDF sampling (one uniform
+against a cumulative sum over the vocabulary in id order) turns that noise into another
+token whenever the uniform falls near any boundary it shifts; the race only changes its
+winner on a near-tie between the two best ``E_i / p_i``, as greedy does on a near-tie
+between the two best logits.
 
 :class:`SamplingParams` is the one record of a request's sampling settings: the API builds
 it from the request body (its fields and defaults are generated from this record), the
@@ -20,6 +30,7 @@ also what the wire schema means by an omitted field; :data:`GREEDY` is temperatu
 from __future__ import annotations
 
 import enum
+import math
 import secrets
 from collections import Counter
 from collections.abc import Sequence
@@ -34,8 +45,8 @@ __all__ = [
     "Draw",
     "Sampler",
     "SamplingParams",
-    "inverse_cdf",
     "logits_to_probs",
+    "race",
     "random_seed",
     "token_logprobs",
 ]
@@ -163,22 +174,25 @@ def random_seed() -> int:
 
 
 class Draw(enum.IntEnum):
-    """Which decision a uniform is for: independent draws at the same position."""
+    """Which decision the numbers are for: independent draws at the same position."""
 
-    TOKEN = 0  # the inverse-CDF pick of the token at a position (plain or after a rejection)
+    TOKEN = 0  # the race that picks the token at a position (plain or after a rejection)
     ACCEPT = 1  # the acceptance test of a draft drawn from a distribution (draft model)
     DRAFT = 2  # a draft model's own sampled guess at a position
 
 
 @dataclass(frozen=True, slots=True)
 class CounterRandom:
-    """Uniforms in ``[0, 1)`` keyed on (seed, position, draw): a counter-based generator.
+    """Numbers keyed on (seed, position, draw): a counter-based generator.
 
     Philox4x64 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011) is a
-    keyed bijection of its counter, so the draw at one counter needs no state from earlier
-    draws: the key is the request's seed and the counter (position, draw). Numpy's
-    ``Philox`` implements it; building one per draw costs tens of microseconds, nothing
-    next to the forward pass that precedes every draw.
+    keyed bijection of its counter, so the numbers at one counter need no state from
+    earlier draws: the key is the request's seed and the counter (position, draw). Numpy's
+    ``Philox`` implements it. A single uniform (:meth:`uniform`) is the first output of a
+    generator set at counter ``(position, draw, 0, 0)``; a token race's exponentials
+    (:meth:`exponentials`) are the stream from counter ``(0, position, draw, 1)``, one
+    output per token id (the counter's first word counts blocks of four), which no
+    uniform's counter and no other (position, draw)'s stream reaches.
     """
 
     seed: int
@@ -189,17 +203,48 @@ class CounterRandom:
         # The top 53 bits of one 64-bit output: every double in [0, 1) of that spacing.
         return (int(bits.random_raw()) >> 11) * 2.0**-53
 
+    def exponentials(self, position: int, count: int, draw: Draw = Draw.TOKEN) -> np.ndarray:
+        """Standard exponentials ``[count]`` of ``draw`` at ``position``, the i-th for token
+        id ``i`` (a shorter call's are a prefix of a longer call's)."""
+        bits = np.random.Philox(key=self.seed, counter=(0, position, int(draw), 1))
+        # E = -log(u) with u = raw / 2**64, in (0, 1]: one log per token, full precision
+        # near u = 1 (E near 0, the values that win races). raw = 0 (E infinite) has
+        # probability 2**-64 per token.
+        exps: np.ndarray = bits.random_raw(count).astype(np.float64)
+        with np.errstate(divide="ignore"):
+            np.log(exps, out=exps)
+        np.subtract(_LOG_2_64, exps, out=exps)
+        return exps
 
-def inverse_cdf(row: Any, u: float) -> int:
-    """The token that uniform ``u`` picks from non-negative weights ``row`` (normalised
-    here); zero-weight ids never come out. Raises ValueError for a row with no mass."""
-    cdf = np.cumsum(row, dtype=np.float64)
-    total = cdf[-1]
-    if not total > 0:
+    def pick(self, weights: Any, position: int, draw: Draw = Draw.TOKEN) -> int:
+        """The token this generator's race of ``draw`` at ``position`` picks from
+        ``weights`` (:func:`race`)."""
+        row = np.asarray(weights, dtype=np.float64)
+        return race(row, self.exponentials(position, row.size, draw))
+
+
+_LOG_2_64 = 64 * math.log(2)
+
+
+def race(weights: Any, exponentials: Any) -> int:
+    """The exponential race: ``argmin(E_i / w_i)`` over the ids with weight ``w_i > 0``.
+
+    With ``E_i`` independent standard exponentials, ``E_i / w_i`` is exponential with rate
+    ``w_i`` and the smallest of them is ``i`` with probability ``w_i / sum(w)``: the race
+    samples the normalised weights (no normalisation needed) and never picks a zero
+    weight. It is the Gumbel-max trick, ``argmax(log w_i - log E_i)``. ``exponentials``
+    has one entry per id. Ties, of probability ~0, go to the lowest id. Raises ValueError
+    for weights with no mass.
+    """
+    row = np.asarray(weights, dtype=np.float64)
+    kept = row > 0
+    if not kept.any():
         raise ValueError("cannot sample from a distribution with no mass")
-    index = int(np.searchsorted(cdf, u * total, side="right"))
-    # u < 1, but float rounding could still land on the right edge.
-    return min(index, len(cdf) - 1)
+    times = np.full(row.shape, np.inf)
+    np.divide(np.asarray(exponentials, dtype=np.float64), row, out=times, where=kept)
+    best = int(np.argmin(times))
+    # Every kept time infinite (each E_i infinite): any kept id is as good.
+    return best if kept[best] else int(np.flatnonzero(kept)[0])
 
 
 class Sampler:
@@ -211,9 +256,7 @@ class Sampler:
         self.random = CounterRandom(random_seed() if params.seed is None else params.seed)
         self._next_position = 0
 
-    def sample(
-        self, logits: Any, history: Sequence[int] = (), position: int | None = None
-    ) -> int:
+    def sample(self, logits: Any, history: Sequence[int] = (), position: int | None = None) -> int:
         """The token id at sequence ``position`` for ``logits`` ``[V]``, given the tokens in
         ``history`` (penalties). Without ``position``, the one after the last draw's (0
         first): positions count draws, so a loop that draws once per token may omit it."""
@@ -221,8 +264,7 @@ class Sampler:
         self._next_position = position + 1
         if self.params.greedy:
             return int(np.argmax(apply_penalties(np.asarray(logits), self.params, history)))
-        probs = logits_to_probs(logits, self.params, history)
-        return inverse_cdf(probs, self.random.uniform(position))
+        return self.random.pick(logits_to_probs(logits, self.params, history), position)
 
 
 def token_logprobs(

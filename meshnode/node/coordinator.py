@@ -40,8 +40,13 @@ A node blamed this way is alive to the membership, so it is kept out of plans fo
 membership change: a node that hangs on every pass costs one replay per cool-off, not
 every request its three replays. When the cool-off ends, the plan may grow back to it.
 A node named by the failure itself is excluded until the membership changes, like a node
-that failed a bring-up. Stage 0 is not probed: it is this node, which no plan can leave out
-(a hung forward here holds its requests until it returns).
+that failed a bring-up. Stage 0 is not probed: it is this node, which no plan can leave out.
+Its own compute has the pass deadline too; when it misses it, the pipeline fails naming
+this node (:meth:`~meshnode.node.remote.RemotePipeline._step`), which is neither
+excluded nor cooled off: the next run gets a fresh stage 0 and the requests replay there.
+The hung thread cannot be stopped and keeps its stage's memory, so while
+``MAX_HUNG_STAGE0`` of them have not returned no new run is brought up (the status says
+why), and the requests waiting to replay fail when their wait ends.
 
 Terms survive restarts (:func:`next_term`): a worker keeps the newest term of a claim and
 refuses an older one, so a restarted host whose terms began again at 1 was
@@ -82,8 +87,10 @@ from meshnode.errors import PlanError, RunError
 from meshnode.node.bringup import BringUp, StageState
 from meshnode.node.footprint import model_footprint, served_context
 from meshnode.node.planner import (
+    ModelFootprint,
     NodeCapacity,
     Plan,
+    StagePlan,
     plan,
     should_regrow,
 )
@@ -104,6 +111,9 @@ RETRY_BACKOFF_MAX_S = 30.0
 # Five minutes: a node that hangs on every pass then costs one replay per five minutes,
 # while one that hung once (a stalled disk, a swapped-out process) is used again soon.
 BLAME_COOL_OFF_S = 300.0
+# Stage-0 computes that missed their deadline and have not returned, beyond which no new run
+# is brought up until one does: each holds a thread and a stage's memory (module docstring).
+MAX_HUNG_STAGE0 = 2
 
 
 def retry_delay(failures: int) -> float:
@@ -191,6 +201,34 @@ class Loss:
     reason: str
 
 
+def seconds_left(until: Mapping[str, float], now: float) -> dict[str, float]:
+    """Each node's seconds left until its time in ``until`` (trio clock), by node id;
+    those already past are left out (the ``cooling_off`` of the status)."""
+    return {node: round(t - now, 1) for node, t in sorted(until.items()) if t > now}
+
+
+def _stage_status(
+    stage: StagePlan, run: BringUp | None, footprint: ModelFootprint
+) -> dict[str, Any]:
+    """One stage of the plan as the status shows it: its layers, its state and progress in
+    ``run``, and its memory."""
+    done, total = run.progress.get(stage.node_id, (0, 0)) if run else (0, 0)
+    return {
+        "node_id": stage.node_id,
+        "layers": [stage.start, stage.end],
+        "embed": stage.embed,
+        "head": stage.head,
+        "state": run.stage_state.get(stage.node_id, StageState.PLANNED)
+        if run
+        else StageState.PLANNED,
+        "bytes_done": done,
+        "bytes_total": total,
+        "memory_bytes": stage.memory_bytes,
+        # recurrent state + snapshot ring reserved for every live sequence
+        "recurrent_bytes": sum(footprint.fixed_layer_bytes[stage.start : stage.end]),
+    }
+
+
 def next_term(previous: int, wall_clock_ns: int) -> int:
     """The term of the next run: above ``previous`` and at least the wall clock in µs.
 
@@ -242,32 +280,16 @@ class Coordinator:
         self._recovering = False  # the plan was made after a loss: it may grow back
         self._failures = 0  # bring-ups failed in a row (the retry backs off)
         self._retry_at: float | None = None  # trio time of the next try, while backing off
+        self._hung: list[RemotePipeline] = []  # whose stage-0 compute hangs (stage0_hung)
 
     # -- status -----------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        stages = []
-        for stage in self._plan.stages if self._plan else ():
-            progress = self._run.progress if self._run else {}
-            done, total = progress.get(stage.node_id, (0, 0))
-            stages.append(
-                {
-                    "node_id": stage.node_id,
-                    "layers": [stage.start, stage.end],
-                    "embed": stage.embed,
-                    "head": stage.head,
-                    "state": self._run.stage_state.get(stage.node_id, StageState.PLANNED)
-                    if self._run
-                    else StageState.PLANNED,
-                    "bytes_done": done,
-                    "bytes_total": total,
-                    "memory_bytes": stage.memory_bytes,
-                    # recurrent state + snapshot ring reserved for every live sequence
-                    "recurrent_bytes": sum(
-                        self.footprint.fixed_layer_bytes[stage.start : stage.end]
-                    ),
-                }
-            )
+        now = trio.current_time()
+        run = self._run
+        stages = (
+            [_stage_status(s, run, self.footprint) for s in self._plan.stages] if self._plan else []
+        )
         return {
             "model": self.settings.model_ref,
             "run_id": self._run_id,
@@ -276,15 +298,12 @@ class Coordinator:
             "error": self._error,
             "retry_in_s": None
             if self._retry_at is None
-            else round(max(0.0, self._retry_at - trio.current_time()), 1),
+            else round(max(0.0, self._retry_at - now), 1),
             "last_failure": self._last_failure,
             "context_size": self.context_size,
             "wire_dtype": self.settings.wire_dtype,
             "stages": stages,
-            "cooling_off": {
-                node: round(until - trio.current_time(), 1)
-                for node, until in sorted(self._cooling.items())
-            },
+            "cooling_off": seconds_left(self._cooling, now),
         }
 
     # -- messages from peers ------------------------------------------------------------
@@ -320,6 +339,7 @@ class Coordinator:
     async def run(self) -> None:
         """Plan, bring up, serve, watch; forever (cancel to stop)."""
         while True:
+            await self._while_stage0_hangs()
             placed = await self._plan_when_possible()
             # The wall clock, not trio's: the term must compare across processes.
             self._term = next_term(self._term, time.time_ns())
@@ -363,9 +383,25 @@ class Coordinator:
                 self._last_failure = reason
                 self._recovering = True
                 pipeline.fail(f"{reason}; the mesh is replanning", node=loss.node)
+                if pipeline.stage0_hung:
+                    self._hung.append(pipeline)
             self._pipeline = None
             self._state = MeshState.REPLANNING
             await run.stop_all(placed, reason)
+
+    async def _while_stage0_hangs(self) -> None:
+        """Bring up nothing while ``MAX_HUNG_STAGE0`` stage-0 computes of earlier runs hang
+        (polled each second; module docstring, Blame); the error says why meanwhile."""
+        while len(self._hung) >= MAX_HUNG_STAGE0:
+            self._state = MeshState.FAILED
+            self._error = (
+                f"stage 0 on this node hangs: {len(self._hung)} of its passes have not come "
+                "back; no new run until one does (restart meshnode if none does)"
+            )
+            await trio.sleep(1.0)
+            self._hung = [p for p in self._hung if p.stage0_hung]
+            if len(self._hung) < MAX_HUNG_STAGE0:
+                self._error = ""
 
     async def _back_off(self) -> None:
         self._failures += 1
@@ -480,7 +516,7 @@ class Coordinator:
                 if stage.node_id not in live_ids:
                     return Loss(stage.node_id, f"stage node {stage.node_id} was lost")
             if (failure := pipeline.failure) is not None:
-                if failure.node is not None:
+                if failure.node not in (None, self.mesh.node_id):  # never the host itself
                     self._excluded.add(failure.node)  # until the membership changes
                 return Loss(failure.node, str(failure))
             if regrow_now and self._wants_regrow(placed, live):

@@ -24,10 +24,12 @@ loops wait to replay their requests on the next pipeline. A stage is lost when
   predictions have not come back within ``base_s + per_token_s x tokens in flight``. The
   tokens in flight are those sent and not yet answered, this step's included, because
   every stage works through them in order. A stage that hangs while its heartbeats still
-  flow can therefore hold no request forever.
+  flow can therefore hold no request forever;
+- stage 0's own compute, here, misses the deadline of the step's tokens: the failure names
+  this node, whose hung thread and runner are abandoned (:meth:`RemotePipeline._step`).
 
-Where the pipeline cannot name the node (a deadline, a refusal relayed by a middle stage),
-the coordinator finds it out (:mod:`meshnode.node.coordinator`, "Blame").
+Where the pipeline cannot name the node (a downstream deadline, a refusal relayed by a
+middle stage), the coordinator finds it out (:mod:`meshnode.node.coordinator`, "Blame").
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -101,6 +104,24 @@ class PassDeadline:
     def seconds(self, tokens_in_flight: int) -> float:
         """The deadline of a step sent while ``tokens_in_flight`` tokens are unanswered."""
         return self.base_s + self.per_token_s * tokens_in_flight
+
+
+async def run_within(compute: Callable[[], None], seconds: float) -> threading.Event | None:
+    """Run ``compute`` in a worker thread; None when it returned within ``seconds``, else
+    the event its thread sets when it does return: Python cannot stop a thread, so it is
+    abandoned (it keeps its thread, and whatever it computes on, until then)."""
+    finished = threading.Event()
+
+    def run() -> None:
+        try:
+            compute()
+        finally:
+            finished.set()
+
+    with trio.move_on_after(seconds):
+        await trio.to_thread.run_sync(run, abandon_on_cancel=True)
+        return None
+    return finished
 
 
 def is_data_reply(message: Message) -> TypeGuard[DataReply]:
@@ -171,6 +192,8 @@ class RemotePipeline:
         # until its final chunk's prediction): what a new step waits behind.
         self._unanswered: dict[RequestId, int] = {}
         self._sending: trio.CancelScope | None = None  # the step being sent, if any
+        # Set when stage 0's compute missed its deadline: its thread's end (``_step``).
+        self._hung: threading.Event | None = None
 
     @property
     def context_size(self) -> int:
@@ -203,22 +226,36 @@ class RemotePipeline:
         )
 
     async def _step(self, slots: list[Slot[_Waiter]]) -> None:
-        """One batched step of stage 0; the frames go on downstream as one message."""
+        """One batched step of stage 0; the frames go on downstream as one message.
+
+        Stage 0's compute has the deadline of the step's tokens. A forward that hangs here
+        is this node's own, which no probe can blame and no plan can leave out: its thread
+        and the runner are abandoned, and the pipeline fails naming this node, so the
+        coordinator brings up a fresh stage 0 and the requests replay there.
+        """
+        inner: list[Slot[Any]] = [Slot(slot.frame) for slot in slots]
+        step: Callable[[StageRunner, list[Slot[Any]]], None] = (
+            step_results if self.runner.last else step_activations
+        )
+        seconds = self.deadline.seconds(sum(len(slot.frame.tokens) for slot in slots))
+        began = time.perf_counter()
+        if self.failure is None:
+            self._hung = await run_within(lambda: step(self.runner, inner), seconds)
+            if self._hung is not None:
+                host = self.stage_nodes[0]
+                reason = f"stage 0 on this node ({host}) did not finish a pass within"
+                self.fail(f"{reason} {seconds:.0f} s", node=host)
         if self.failure is not None:
             for slot in slots:
                 slot.error = self._lost()
             return
-        inner: list[Slot[Any]] = [Slot(slot.frame) for slot in slots]
         if self.runner.last:  # a one-stage run
-            await trio.to_thread.run_sync(step_results, self.runner, inner)
             for slot, done in zip(slots, inner, strict=True):
                 slot.error = done.error
                 if done.output is not None:
                     slot.output = _Waiter()
                     slot.output.finish(done.output)
             return
-        began = time.perf_counter()
-        await trio.to_thread.run_sync(step_activations, self.runner, inner)
         local_s = time.perf_counter() - began
         messages = []
         for slot, done in zip(slots, inner, strict=True):
@@ -228,6 +265,12 @@ class RemotePipeline:
                 messages.append(message)
         if messages:
             await self._forward_step(slots, messages, self._set_deadline(slots))
+
+    @property
+    def stage0_hung(self) -> bool:
+        """Whether a stage-0 compute that missed its deadline is still running (its
+        thread, and the runner it holds, are not freed until it returns)."""
+        return self._hung is not None and not self._hung.is_set()
 
     def _set_deadline(self, slots: list[Slot[_Waiter]]) -> float:
         """Give the step's waiters their deadline, from now and behind every token in
@@ -307,9 +350,11 @@ class RemotePipeline:
             await self._released.wait()
 
     async def release(self, request_id: RequestId) -> None:
-        # Between steps, so a release never races the worker thread's use of the cache.
+        # Between steps, so a release never races the worker thread's use of the cache;
+        # an abandoned thread may still use the runner: it is left alone (``_step``).
         async with self.batcher.exclusive():
-            self.runner.release(request_id)
+            if self._hung is None:
+                self.runner.release(request_id)
         self._released.set()
         wire_id = self._wire_ids.pop(request_id, None)
         if wire_id is None:

@@ -9,9 +9,10 @@ token chosen by the target, so one verify pass always commits ``accepted + 1`` t
 
 Sampled verification draws from the request's counter-based generator
 (:class:`~meshnode.engine.sampling.CounterRandom`) at each row's sequence position, with
-the same draw as plain sampling there: for deterministic drafts (n-gram, MTP, greedy
-draft models) the committed tokens are exactly those plain sampling would have drawn, so
-a seeded request gives the same text with speculation on or off, and after a replay.
+the same draw (the token race) as plain sampling there: for deterministic drafts (n-gram,
+MTP, greedy draft models) the committed tokens are exactly those plain sampling would have
+drawn, so a seeded request gives the same text with speculation on or off, and after a
+replay.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from meshnode.engine.sampling import (
     Draw,
     SamplingParams,
     apply_penalties,
-    inverse_cdf,
     logits_to_probs,
 )
 
@@ -73,9 +73,10 @@ def greedy_targets(
     return np.stack(rows)
 
 
-def sample_row(row: Rows, u: float) -> int:
-    """The token uniform ``u`` picks from a non-negative row (normalised here)."""
-    return inverse_cdf(row, u)
+def sample_row(row: Rows, random: CounterRandom, position: int, draw: Draw = Draw.TOKEN) -> int:
+    """The token ``random``'s race of ``draw`` at ``position`` picks from a non-negative
+    row (normalised or not): :meth:`~meshnode.engine.sampling.CounterRandom.pick`."""
+    return random.pick(row, position, draw)
 
 
 def accept_sampling(
@@ -95,10 +96,12 @@ def accept_sampling(
     if sampled from the target one at a time.
 
     Row ``i`` decides sequence position ``position + i``. For a one-hot ``q`` the rule is
-    drawn as plain sampling draws: ``t = inverse_cdf(p, u)`` with that position's token
-    uniform, accept iff ``t == d_i``, else commit ``t``. That accepts with probability
+    drawn as plain sampling draws: ``t`` is the token race's winner over ``p`` at that
+    position, accept iff ``t == d_i``, else commit ``t``. That accepts with probability
     ``p(d_i)`` and, on rejection, ``t`` follows ``p`` without ``d_i``, which is the
-    normalised residual: the same law, and the same token as without speculation.
+    normalised residual: the same law, and the same token as without speculation. With a
+    draft distribution the acceptance test takes the position's ``ACCEPT`` uniform and a
+    rejection's token is the position's token race over the residual.
     """
     _check(target, drafts)
     if draft_probs is not None and draft_probs.shape[0] != len(drafts):
@@ -106,7 +109,7 @@ def accept_sampling(
     for i, token in enumerate(drafts):
         p, here = target[i], position + i
         if draft_probs is None:
-            pick = sample_row(p, random.uniform(here))
+            pick = sample_row(p, random, here)
             if pick == token:
                 continue
             return i, [*drafts[:i], pick]
@@ -114,8 +117,8 @@ def accept_sampling(
         if q_token > 0 and random.uniform(here, Draw.ACCEPT) * q_token < float(p[token]):
             continue
         residual = _residual(p, token, draft_probs, i)
-        return i, [*drafts[:i], sample_row(residual, random.uniform(here))]
-    bonus = sample_row(target[-1], random.uniform(position + len(drafts)))
+        return i, [*drafts[:i], sample_row(residual, random, here)]
+    bonus = sample_row(target[-1], random, position + len(drafts))
     return len(drafts), [*drafts, bonus]
 
 

@@ -120,7 +120,7 @@ class StageProposer:
         return Proposal(tuple(drafts), None if self.greedy else np.stack(rows))
 
     def _draw(self, probs: np.ndarray, position: int) -> int:
-        return sample_row(probs, self.random.uniform(position, Draw.DRAFT))
+        return sample_row(probs, self.random, position, Draw.DRAFT)
 
     def on_result(self, proposed: int, accepted: int, *, seconds: float | None = None) -> None:
         """Rollback happens lazily at the next ``propose`` (it sees the committed history)."""

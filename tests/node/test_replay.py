@@ -27,6 +27,7 @@ from meshnode.engine.backend import cpu_backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import BatchRow
 from meshnode.engine.sampling import SamplingParams
+from meshnode.node import coordinator
 from meshnode.node.coordinator import Coordinator, CoordinatorSettings, blame
 from meshnode.node.footprint import model_footprint
 from meshnode.node.pipeline import RequestId, StageLostError
@@ -50,6 +51,9 @@ TOKENS = 24
 PROMPTS = [(1, 5, 9, 14, 3), (7, 7, 2), (30, 31, 32, 30, 31, 32, 30), (11, 12)]
 GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=20261123)
+# No truncation: the race runs over the whole vocabulary, whose float noise after a replay
+# moved inverse-CDF sampling's pick (meshnode.engine.sampling).
+FULL_VOCAB = SamplingParams(temperature=0.8, top_p=1.0, seed=20261123)
 BRING_UP_TIMEOUT_S = 60.0
 TEST_TIMEOUT_S = 120.0  # each test: several bring-ups of a tiny model on a loaded box
 
@@ -155,8 +159,8 @@ def start(
 
 @pytest.mark.parametrize(
     ("sampling", "speculate"),
-    [(GREEDY, False), (SEEDED, False), (GREEDY, True)],
-    ids=["greedy", "seeded", "greedy-ngram"],
+    [(GREEDY, False), (SEEDED, False), (FULL_VOCAB, False), (GREEDY, True), (FULL_VOCAB, True)],
+    ids=["greedy", "seeded", "seeded-full-vocabulary", "greedy-ngram", "seeded-ngram"],
 )
 async def test_a_stage_lost_mid_stream_is_replayed_exactly(
     tmp_path: Path, hub_ref: tuple[str, Path], sampling: SamplingParams, speculate: bool
@@ -276,6 +280,7 @@ class HangingForward:
         self.inner = stage
         self.hang = threading.Event()
         self.released = threading.Event()
+        self.returned = threading.Event()  # a hung forward came back (after ``released``)
         self.hung = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -285,6 +290,7 @@ class HangingForward:
         if self.hang.is_set():
             self.hung += 1
             self.released.wait()
+            self.returned.set()
         return cast(list[Any], self.inner.forward_batch(items))
 
 
@@ -338,6 +344,130 @@ async def test_a_stage_that_hangs_misses_its_deadline_and_is_blamed(
     finally:
         if hanging is not None:
             hanging.released.set()  # the hung thread ends, whatever failed
+
+
+async def test_a_hung_stage_0_fails_over_to_a_fresh_one(
+    tmp_path: Path, hub_ref: tuple[str, Path]
+) -> None:
+    """The host's own stage hangs in a forward. No probe can blame it and no plan can leave
+    it out: its compute misses the pass deadline, the pipeline fails naming the host (not
+    excluded, not cooled off), the next run brings up a fresh stage 0, and the stream goes
+    on to the undisturbed run's tokens while the hung thread is left behind."""
+    ref, package = hub_ref
+    mesh = InMemoryMesh(host_memory=1 << 34)
+    deadline = PassDeadline(base_s=3.0, per_token_s=0.0)
+    host = Host(mesh, package, ref, split=3, deadline=deadline)
+    hanging: HangingForward | None = None
+    try:
+        with trio.fail_after(TEST_TIMEOUT_S):
+            async with trio.open_nursery() as nursery:
+                start(mesh, tmp_path, nursery, host, ["a", "b", "spare"])
+                first = await host.ready()
+                undisturbed, _ = await host.stream("calm", PROMPTS[0], GREEDY)
+                hanging = HangingForward(first.runner.stage)
+                first.runner.stage = cast(Any, hanging)
+                began = failed_at = math.inf
+
+                async def note_the_failure() -> None:
+                    nonlocal failed_at
+                    await first.failed.wait()
+                    failed_at = trio.current_time()
+
+                async def hang_stage_0(produced: int) -> None:
+                    nonlocal began
+                    if produced == 5 and hanging is not None:
+                        hanging.hang.set()
+                        began = trio.current_time()
+
+                nursery.start_soon(note_the_failure)
+                replayed, run = await host.stream(
+                    "stuck", PROMPTS[0], GREEDY, on_tokens=hang_stage_0
+                )
+                assert replayed == undisturbed
+                assert run.replays == 1
+                assert hanging.hung == 1
+                assert first.failure is not None
+                assert f"stage 0 on this node ({HOST}) did not finish a pass within 3 s" in str(
+                    first.failure
+                )
+                assert first.failure.node == HOST
+                # On the deadline, with no probe's wait after it.
+                assert deadline.base_s <= failed_at - began < deadline.base_s + 2
+                assert first.stage0_hung  # its thread is still in the forward
+                second = host.pipelines[1]
+                assert second.stage_nodes[0] == HOST
+                assert second.runner is not first.runner
+                assert host.coordinator.status()["cooling_off"] == {}
+                hanging.released.set()  # the abandoned thread ends
+                assert await trio.to_thread.run_sync(hanging.returned.wait, 10.0)
+                nursery.cancel_scope.cancel()
+    finally:
+        if hanging is not None:
+            hanging.released.set()
+
+
+class HangingHost(Host):
+    """A host whose every new pipeline's stage 0 hangs in its first forward (while
+    ``hang_new``): a stage 0 that hangs on every run."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.hang_new = True
+        self.hangs: list[HangingForward] = []
+        super().__init__(*args, **kwargs)
+
+    def _on_pipeline(self, pipeline: RemotePipeline | None) -> None:
+        if pipeline is not None and self.hang_new:
+            hanging = HangingForward(pipeline.runner.stage)
+            hanging.hang.set()
+            pipeline.runner.stage = cast(Any, hanging)
+            self.hangs.append(hanging)
+        super()._on_pipeline(pipeline)
+
+
+async def test_a_stage_0_that_hangs_on_every_run_fails_its_requests_in_bounded_time(
+    tmp_path: Path, hub_ref: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stage 0 hangs on every run. The request fails over to a fresh stage 0 once, which
+    hangs too; with MAX_HUNG_STAGE0 stage-0 threads hung, the coordinator brings up no
+    other run (its status says why), and the request fails with an error naming stage 0
+    once its wait for a pipeline ends (REPLAY_WAIT_S, shortened here). When the hung
+    forwards return, serving resumes."""
+    ref, package = hub_ref
+    monkeypatch.setattr(generation, "REPLAY_WAIT_S", 5.0)
+    mesh = InMemoryMesh(host_memory=1 << 34)
+    deadline = PassDeadline(base_s=2.0, per_token_s=0.0)
+    host = HangingHost(mesh, package, ref, split=2, deadline=deadline)
+    try:
+        with trio.fail_after(TEST_TIMEOUT_S):
+            async with trio.open_nursery() as nursery:
+                start(mesh, tmp_path, nursery, host, ["a"])
+                await host.ready()
+                began = trio.current_time()
+                with pytest.raises(StageLostError) as lost:
+                    await host.stream("doomed", PROMPTS[0], GREEDY)
+                took = trio.current_time() - began
+                message = str(lost.value)
+                assert f"stage 0 on this node ({HOST}) did not finish a pass within 2 s" in message
+                assert "no pipeline came back within 5 s" in message
+                # Two deadlines, one bring-up and the wait for a pipeline, with room for
+                # a bring-up on a loaded box: bounded, not a hang.
+                assert took < 2 * deadline.base_s + 5.0 + BRING_UP_TIMEOUT_S
+                assert len(host.pipelines) == coordinator.MAX_HUNG_STAGE0
+                assert all(p.stage0_hung for p in host.pipelines)
+                status = host.coordinator.status()
+                assert status["state"] == "failed"
+                assert "stage 0 on this node hangs: 2 of its passes" in status["error"]
+                assert status["cooling_off"] == {}
+                host.hang_new = False
+                for hanging in host.hangs:
+                    hanging.released.set()
+                await host.ready(coordinator.MAX_HUNG_STAGE0 + 1)  # serving resumes
+                tokens, _ = await host.stream("after", PROMPTS[0], GREEDY)
+                assert len(tokens) == TOKENS
+                nursery.cancel_scope.cancel()
+    finally:
+        for hanging in host.hangs:
+            hanging.released.set()
 
 
 async def test_a_refusal_relayed_by_the_middle_stage_fails_over_at_once(

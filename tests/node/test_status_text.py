@@ -77,3 +77,17 @@ def test_host_status_says_why_the_plan_changed() -> None:
     assert "failed   " not in text  # the old label, read as "serving has stopped"
     body["host"]["last_failure"] = ""
     assert "failure" not in format_status(body)
+
+
+def test_host_status_shows_the_nodes_cooling_off_after_blame() -> None:
+    """A blamed node sits out of plans for a while (coordinator, Blame): the text names it
+    with the time left, soonest back first; ended cool-offs and an empty map add nothing."""
+    body = host_body("ready")
+    body["host"]["cooling_off"] = {"cccc": 287.4, "dddd": 12.0, "eeee": 0.0}
+    text = format_status(body)
+    assert "cooling off  dddd 12s, cccc 4m 48s  (blamed for a stage failure" in text
+    assert "eeee" not in text
+    body["host"]["cooling_off"] = {}
+    assert "cooling off" not in format_status(body)
+    del body["host"]["cooling_off"]  # a daemon from before the field
+    assert "cooling off" not in format_status(body)

@@ -6,7 +6,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from meshnode.engine.sampling import CounterRandom, Sampler, SamplingParams
+from meshnode.engine.sampling import CounterRandom, Draw, Sampler, SamplingParams
 from meshnode.speculative.acceptance import (
     accept_greedy,
     accept_sampling,
@@ -52,9 +52,9 @@ def test_row_count_must_be_k_plus_one() -> None:
 
 
 def test_sample_row_follows_the_row() -> None:
-    rng = np.random.default_rng(1)
+    random = CounterRandom(1)
     probs = np.array([0.5, 0.0, 0.2, 0.3])
-    counts = np.bincount([sample_row(probs * 3.0, rng.random()) for _ in range(4000)], minlength=4)
+    counts = np.bincount([sample_row(probs * 3.0, random, p) for p in range(4000)], minlength=4)
     assert_fits(counts, probs)
 
 
@@ -102,7 +102,8 @@ def speculative_two(
                 drafts.append(drafts[-1] if drafts else prev)
                 continue
             q = draft.table[drafts[-1] if drafts else prev]
-            drafts.append(sample_row(q, rng.random()))
+            # As the draft model draws: its own draw at the draft's position.
+            drafts.append(sample_row(q, random, len(out) + len(drafts), Draw.DRAFT))
             q_rows.append(q)
         q_probs = np.array(q_rows) if draft is not None else None
         rows = target.rows(prev, drafts)
@@ -132,7 +133,8 @@ def test_chi_square_detects_a_wrong_law() -> None:
     rng = np.random.default_rng(7)
     target = MarkovModel(rng, vocab, concentration=0.8)
     draft = MarkovModel(rng, vocab, concentration=0.8)
-    draws = [sample_row(draft.table[0], rng.random()) for _ in range(trials)]
+    random = CounterRandom(7)
+    draws = [sample_row(draft.table[0], random, p) for p in range(trials)]
     counts = np.bincount(draws, minlength=5)
     assert chi_square(counts, target.table[0]) > critical_value(vocab - 1)
 
