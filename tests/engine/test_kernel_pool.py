@@ -153,3 +153,20 @@ def test_the_kernel_cache_is_keyed_by_the_kernel_sources(
     assert where.name == matrix._sources_digest()
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "mine"))
     assert matrix.numba_cache_dir() == tmp_path / "mine"
+
+
+def test_a_product_gets_a_thread_per_parallel_min_bytes_of_matrix(
+    idle_pool: KernelPool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(matrix, "_pool", lambda: idle_pool)
+    monkeypatch.setattr(matrix, "_threads", 4)
+    x = rng.standard_normal((1, N_IN)).astype(np.float32)
+    small = BlockMatrix([random_tensor("Q8_0", 150, rng)])  # 150 x 544 bytes: one thread
+    assert small.nbytes // matrix.PARALLEL_MIN_BYTES == 1
+    before = idle_pool.posted
+    _ = x @ small
+    assert idle_pool.posted == before
+    m = fused(rng, ("Q4_1", "Q8_0", "Q4_1"))  # 133 KiB: two threads of the four
+    _ = x @ m
+    assert idle_pool.posted == before + 1
+    assert idle_pool._st[pool.ACTIVE] == 2

@@ -4,7 +4,7 @@
 matrices the CPU stage used before) computes the product without ever holding the float32
 matrix: up to :data:`MAX_KERNEL_ROWS` activation rows go through one kernel pass over the
 blocks (decode, verify windows), shared chunk by chunk with the kernel threads of
-:mod:`.pool` when the matrix has :data:`PARALLEL_MIN_BYTES` or more; more rows (prefill)
+:mod:`.pool`, one thread per :data:`PARALLEL_MIN_BYTES` of it; more rows (prefill)
 decode the matrix a tile of
 :data:`DENSE_TILE_BYTES` at a time into a per-thread float32 scratch buffer and hand
 each tile to BLAS, where the decode is a small part of the work.
@@ -40,8 +40,9 @@ MAX_KERNEL_ROWS = 16
 # ~0.8 GFLOP), and a thread's scratch stays small (Gemma 3's whole embedding, decoded,
 # would be 640 MiB).
 DENSE_TILE_BYTES = 4 << 20
-# The smallest matrix (bytes as stored) that several threads share: below it a product
-# is a few microseconds, about what posting it to the pool's threads costs.
+# Bytes of a matrix (as stored) per thread that shares its products: below it a thread's
+# share is a few microseconds, about what posting a product to the pool's threads costs
+# (and on many cores, small products would keep all of them spinning).
 PARALLEL_MIN_BYTES = 64 << 10
 
 _threads: int | None = None  # the --threads cap
@@ -175,9 +176,10 @@ class BlockMatrix:
             self._tiled_product(x, out)
             return out
         flat = np.ascontiguousarray(x).reshape(-1)
-        if self._nbytes >= PARALLEL_MIN_BYTES:
+        threads = min(_threads_here(), self._nbytes // max(1, PARALLEL_MIN_BYTES))
+        if threads > 1:
             chunk = kernels().chunk_kernel(*self._fmts)
-            if _pool().run(chunk, self._raws, flat, out, _threads_here()):
+            if _pool().run(chunk, self._raws, flat, out, threads):
                 return out
         kernels().product_kernel(*self._fmts)(*self._raws, flat, out)
         return out
