@@ -2,8 +2,8 @@
 
 Their results are not exact: each activation is rounded to its block's step ``d =
 max|x| / 127``. The checks are the error bound that rounding implies (``sum |w_i| d / 2``
-per 32-value block, far below the error of a wrong unpacking or scale), the integer path
-against the float64 product with the quantized activations, and the real model.
+per 32-value block, far below the error of a wrong unpacking or scale), the product
+against float64 ``W . (q d)`` (the quantized activations), and the real model.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from tests.conftest import GOLDEN_DIR, smollm2_gguf_path
 from tests.engine.test_cpu_kernels import N_IN, random_tensor
 
 Q8 = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-# formats whose weights are s (u - z): the result is exactly W . (q d) up to float32 sums
-OFFSET_ONLY = {"Q4_0", "Q5_0", "Q8_0", "Q3_K", "Q6_K"}
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +73,9 @@ def test_quantize_rounds_each_block_to_its_step(rng: np.random.Generator) -> Non
         want = np.round(block / d) if d > 0 else np.zeros(32)
         np.testing.assert_array_equal(xq[32 * b : 32 * b + 32], want)
         np.testing.assert_array_equal(ls[8 * b : 8 * b + 8], want.reshape(8, 4).sum(1))
-        halves = block.astype(np.float64).reshape(2, 16).sum(1)
-        np.testing.assert_allclose(xf[4 * b + 2 : 4 * b + 4], halves, rtol=1e-5, atol=1e-3)
-        assert xf[4 * b + 1] == pytest.approx(halves.sum(), rel=1e-5, abs=1e-3)
+        halves = want.reshape(2, 16).sum(1) * xf[4 * b]  # d times the quants' sums
+        np.testing.assert_allclose(xf[4 * b + 2 : 4 * b + 4], halves, rtol=1e-6)
+        assert xf[4 * b + 1] == pytest.approx(halves.sum(), rel=1e-6)
     assert np.isnan(xf[12])
     assert not xq[96:].any()
 
@@ -101,10 +99,10 @@ def test_product_is_within_the_rounding_bound(
     scale = np.abs(x).astype(np.float64) @ np.abs(w).T  # float32 sums: ulps of this
     assert np.all(np.abs(got - exact) <= 1.001 * bound + 1e-5 * scale + 1e-30)
     assert not got[[i for i, kind in enumerate(kinds) if kind == "zero"]].any()
-    if dtype in OFFSET_ONLY:  # integer dot, then scales: W . (q d), to float32 rounding
-        xhat = quantized(x)
-        ref = xhat @ w.T
-        assert np.all(np.abs(got - ref) <= 1e-5 * (np.abs(xhat) @ np.abs(w).T) + 1e-30)
+    # integer dots, then scales and minimums: W . (q d), up to float32 rounding
+    xhat = quantized(x)
+    ref = xhat @ w.T
+    assert np.all(np.abs(got - ref) <= 1e-5 * (np.abs(xhat) @ np.abs(w).T) + 1e-30)
 
 
 def test_non_finite_activations_give_nan(rng: np.random.Generator) -> None:
@@ -166,9 +164,10 @@ def test_a_bad_shape_is_refused(rng: np.random.Generator) -> None:
 def test_smollm2_in_q8_follows_the_golden_references() -> None:
     """Greedy tokens from the reference prompts, q8 decode (prefill stays exact).
 
-    Measured when written: 3 of 6 references reproduced exactly, the other three
-    diverging at tokens 3, 10 and 21 (llama.cpp, which quantizes the same way, also
-    diverges from them). Asserted: at least 3 exact, and every one of the first 3 tokens.
+    Measured when written: 5 of 6 references reproduced exactly, the sixth (``raw_fib``)
+    diverging at token 21 (near-ties decide such steps: summed in another order, the same
+    quantized activations gave 5 of 6 with another reference failing). Asserted: at
+    least 4 exact, and every reference's first 16 tokens.
     """
     model = load_model(str(smollm2_gguf_path()), cpu_backend("q8"))
     golden: dict[str, Any] = json.loads((GOLDEN_DIR / "smollm2-135m-greedy.json").read_text())
@@ -181,6 +180,6 @@ def test_smollm2_in_q8_follows_the_golden_references() -> None:
         while len(out) < len(want):
             logits = model.stage.forward(np.array(out[-1:]), len(ids) + len(out) - 1, cache)
             out.append(int(np.argmax(logits[-1])))
-        assert out[:3] == want[:3], prompt["id"]
+        assert out[:16] == want[:16], prompt["id"]
         exact += out == want
-    assert exact >= 3
+    assert exact >= 4

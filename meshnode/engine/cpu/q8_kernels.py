@@ -2,15 +2,18 @@
 
 Each activation row is quantized in blocks of 32 values, as llama.cpp's Q8_0/Q8_1 do:
 ``q = round(x / d)`` with ``d = max|x| / 127``, stored as int8 with ``d`` (float32), the
-sums of ``q`` over each four values (the lanes of :func:`.simd_int.dot4`) and the float32
-sums of ``x`` over each 16 values. Then for each 32-value chunk of a weight row the
+sums of ``q`` over each four values (the lanes of :func:`.simd_int.dot4`) and ``d`` times
+the sums of ``q`` over each 16 and 32 values. Then for each 32-value chunk of a weight row the
 quants, unpacked to unsigned bytes ``u``, meet the block's int8 values in one integer dot
 product (eight int32 lanes, :func:`.simd_int.dot4`) and the result is scaled in float:
 
 - a weight ``s (u - z)`` (Q4_0, Q5_0, Q8_0 as ``w + 128``, Q3_K, Q6_K: an integer offset
   ``z``) gives ``s d (u . q - z sum(q))``, all in int32 lanes but for the last multiply;
 - a weight ``s u + m`` (Q4_1, Q5_1 and the K-quants' minimums) gives ``s d (u . q) +
-  m sum(x)``, the second term from the float sums of ``x`` (not of ``q``);
+  m d sum(q)``: the sum of the quantized values, as llama.cpp's Q8_1 keeps it, not of
+  ``x``. Then the rounding errors of ``x`` meet the weights ``s u + m``, which are about
+  centred, not ``s u`` alone: with ``sum(x)`` SmolLM2's products were 2x further from
+  float32 (relative error 1.5 % against 0.76 %);
 - K-quants with a scale per 16 values multiply the two halves' lanes by their scales.
 
 So the error against "dequantize, then multiply in float32" is that of rounding ``x``:
@@ -69,7 +72,7 @@ def quantize(x, buf):  # type: ignore[no-untyped-def]
     """Quantize ``x`` (float32, flat, ``n`` values in whole 32-value blocks) into ``buf``
     (``uint8``, :func:`buffer_bytes` long): int8 quants at bytes ``0 .. n``, then from
     byte ``n`` the int32 sum of each four quants, then from byte ``2 n`` four float32 per
-    block: its scale ``d``, the sum of its 32 values of ``x``, and the sums of each half.
+    block: its scale ``d``, and ``d`` times the sum of its 32 quants and of each half.
     A block with a value that is not finite gets ``d = nan`` and zero quants, so that
     products with it are nan, as in float32."""
     n = x.shape[0]
@@ -92,13 +95,12 @@ def quantize(x, buf):  # type: ignore[no-untyped-def]
                 xq[o + i] = q
                 s += q
             ls[8 * b + j] = s
-        for h in range(2):
-            t = np.float32(0.0)
-            for i in range(16 * h, 16 * h + 16):
-                t += x[o + i]
-            xf[4 * b + 2 + h] = t
+        low = ls[8 * b] + ls[8 * b + 1] + ls[8 * b + 2] + ls[8 * b + 3]
+        high = ls[8 * b + 4] + ls[8 * b + 5] + ls[8 * b + 6] + ls[8 * b + 7]
         xf[4 * b] = d
-        xf[4 * b + 1] = xf[4 * b + 2] + xf[4 * b + 3]
+        xf[4 * b + 1] = d * np.float32(low + high)
+        xf[4 * b + 2] = d * np.float32(low)
+        xf[4 * b + 3] = d * np.float32(high)
 
 
 @njit(cache=True)
