@@ -56,9 +56,10 @@ def q8_product(m: BlockMatrix, x: np.ndarray) -> np.ndarray:
     q = kernels.quantized(np.ascontiguousarray(x, dtype=np.float32).reshape(-1))
     out = np.empty((x.shape[0], m.n_out), np.float32)
     fmts, raws = m._fmts, m._raws
-    if m.nbytes >= matrix.PARALLEL_MIN_BYTES:
+    threads = min(matrix._threads_here(), m.nbytes // max(1, matrix.PARALLEL_MIN_BYTES))
+    if threads > 1:  # as BlockMatrix shares its products: a thread per PARALLEL_MIN_BYTES
         chunk = kernels.chunk_kernel(*fmts)
-        if matrix._pool().run(chunk, raws, q, out, matrix._threads_here()):
+        if matrix._pool().run(chunk, raws, q, out, threads):
             return out
     kernels.product_kernel(*fmts)(*raws, q, out)
     return out
