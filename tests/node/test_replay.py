@@ -346,22 +346,24 @@ async def test_a_stage_that_hangs_misses_its_deadline_and_is_blamed(
             hanging.released.set()  # the hung thread ends, whatever failed
 
 
+@pytest.mark.parametrize("split", [3, 1], ids=["three-stages", "host-alone"])
 async def test_a_hung_stage_0_fails_over_to_a_fresh_one(
-    tmp_path: Path, hub_ref: tuple[str, Path]
+    tmp_path: Path, hub_ref: tuple[str, Path], split: int
 ) -> None:
     """The host's own stage hangs in a forward. No probe can blame it and no plan can leave
     it out: its compute misses the pass deadline, the pipeline fails naming the host (not
     excluded, not cooled off), the next run brings up a fresh stage 0, and the stream goes
-    on to the undisturbed run's tokens while the hung thread is left behind."""
+    on to the undisturbed run's tokens while the hung thread is left behind. Alone, the
+    host's stage is the whole model (it samples too): the same holds."""
     ref, package = hub_ref
     mesh = InMemoryMesh(host_memory=1 << 34)
     deadline = PassDeadline(base_s=3.0, per_token_s=0.0)
-    host = Host(mesh, package, ref, split=3, deadline=deadline)
+    host = Host(mesh, package, ref, split=split, deadline=deadline)
     hanging: HangingForward | None = None
     try:
         with trio.fail_after(TEST_TIMEOUT_S):
             async with trio.open_nursery() as nursery:
-                start(mesh, tmp_path, nursery, host, ["a", "b", "spare"])
+                start(mesh, tmp_path, nursery, host, ["a", "b", "spare"][: split - 1])
                 first = await host.ready()
                 undisturbed, _ = await host.stream("calm", PROMPTS[0], GREEDY)
                 hanging = HangingForward(first.runner.stage)
@@ -396,6 +398,7 @@ async def test_a_hung_stage_0_fails_over_to_a_fresh_one(
                 assert first.stage0_hung  # its thread is still in the forward
                 second = host.pipelines[1]
                 assert second.stage_nodes[0] == HOST
+                assert len(second.stage_nodes) == split
                 assert second.runner is not first.runner
                 assert host.coordinator.status()["cooling_off"] == {}
                 hanging.released.set()  # the abandoned thread ends
