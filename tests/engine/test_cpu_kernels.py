@@ -147,3 +147,30 @@ def test_bad_input_is_refused(rng: np.random.Generator) -> None:
         m.rows([4])
     with pytest.raises(ValueError, match="columns"):
         np.zeros((1, 8), np.float32) @ m
+
+
+def test_sixteen_lane_sums_at_once_equal_one_at_a_time(rng: np.random.Generator) -> None:
+    """``wsums`` (the 4 x 4 tiles' sums) adds each vector's lanes in ``wsum``'s order."""
+    from numba import njit
+
+    from meshnode.engine.cpu.simd import wlane, wload, wsum, wsums
+
+    @njit
+    def both(x):  # type: ignore[no-untyped-def]
+        vs = (
+            wload(x, 0), wload(x, 16), wload(x, 32), wload(x, 48),
+            wload(x, 64), wload(x, 80), wload(x, 96), wload(x, 112),
+            wload(x, 128), wload(x, 144), wload(x, 160), wload(x, 176),
+            wload(x, 192), wload(x, 208), wload(x, 224), wload(x, 240),
+        )  # fmt: skip
+        at_once = wsums(vs)
+        got, want = np.empty(16, np.float32), np.empty(16, np.float32)
+        for i in range(16):
+            got[i], want[i] = wlane(at_once, i), wsum(wload(x, 16 * i))
+        return got, want
+
+    x = (rng.standard_normal(256) * 10.0 ** rng.integers(-6, 6, 256)).astype(np.float32)
+    got, want = both(x)
+    np.testing.assert_array_equal(got, want)
+    lanes = x.reshape(16, 16).astype(np.float64)
+    assert np.all(np.abs(got - lanes.sum(1)) <= 1e-6 * np.abs(lanes).sum(1))

@@ -40,8 +40,10 @@ from meshnode.engine.cpu.simd import (
     vsum,
     vzero,
     wfma,
+    wlane,
     wload,
     wsum,
+    wsums,
     wzero,
 )
 
@@ -101,12 +103,10 @@ def _dot4x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
         a20, a21, a22, a23 = wfma(w0, v, a20), wfma(w1, v, a21), wfma(w2, v, a22), wfma(w3, v, a23)
         v = wload(x, p3 + j)
         a30, a31, a32, a33 = wfma(w0, v, a30), wfma(w1, v, a31), wfma(w2, v, a32), wfma(w3, v, a33)
-    return (
-        wsum(a00), wsum(a01), wsum(a02), wsum(a03),
-        wsum(a10), wsum(a11), wsum(a12), wsum(a13),
-        wsum(a20), wsum(a21), wsum(a22), wsum(a23),
-        wsum(a30), wsum(a31), wsum(a32), wsum(a33),
-    )  # fmt: skip
+    # the sixteen sums as one vector (lane 4 i + j: activation row r + i, weight row j)
+    return wsums((
+        a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33,
+    ))  # fmt: skip
 
 
 @njit(cache=True)
@@ -168,7 +168,7 @@ def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
             d = _dot4x4(w, x, r, n_in)
             for i in range(4):
                 for j in range(4):
-                    out[r + i, c + j] = d[4 * i + j]
+                    out[r + i, c + j] = wlane(d, 4 * i + j)
             r += 4
         if r + 2 <= k:
             d2 = _dot2x4(w, x, r, n_in)

@@ -53,8 +53,10 @@ __all__ = [
     "vsum",
     "vzero",
     "wfma",
+    "wlane",
     "wload",
     "wsum",
+    "wsums",
     "wzero",
 ]
 
@@ -297,6 +299,50 @@ def wfma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
 def wsum(typingctx: Any, v: Any) -> Any:
     """The sum of the sixteen lanes, as a tree (halves, then quarters...), a float32."""
     return types.float32(v), _tree_sum(2 * LANES)
+
+
+def _pair_sums(builder: Any, a: Any, b: Any, width: int) -> Any:
+    """Two vectors holding sums of groups of ``2 width`` lanes (each of 16 / (2 width)
+    vectors) to one holding sums of groups of ``width`` lanes: ``a``'s groups, then ``b``'s."""
+    groups = range(0, 2 * LANES, 2 * width)
+    lo = [g + i for g in groups for i in range(width)]
+    hi = [g + width + i for g in groups for i in range(width)]
+    pick_lo = lo + [2 * LANES + i for i in lo]  # lanes of a, then of b
+    pick_hi = hi + [2 * LANES + i for i in hi]
+    mask = ir.VectorType(_I32, 2 * LANES)
+    left = builder.shuffle_vector(a, b, ir.Constant(mask, pick_lo))
+    right = builder.shuffle_vector(a, b, ir.Constant(mask, pick_hi))
+    return builder.fadd(left, right)
+
+
+@intrinsic
+def wsums(typingctx: Any, vs: Any) -> Any:
+    """A tuple of sixteen sixteen-lane vectors to one vector whose lane ``i`` is the sum of
+    ``vs[i]``'s lanes, each summed as :func:`wsum` does (halves, then quarters...), all
+    sixteen in 15 pairs of shuffles (sixteen ``wsum`` take 64)."""
+    if not (isinstance(vs, types.UniTuple) and vs.count == 2 * LANES and vs.dtype == F32x16):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        level = list(cgutils.unpack_tuple(builder, args[0]))  # type: ignore[no-untyped-call]
+        width = LANES
+        while len(level) > 1:
+            pairs = range(0, len(level), 2)
+            level = [_pair_sums(builder, level[i], level[i + 1], width) for i in pairs]
+            width //= 2
+        return level[0]
+
+    return F32x16(vs), codegen
+
+
+@intrinsic
+def wlane(typingctx: Any, v: Any, i: Any) -> Any:
+    """Lane ``i`` of a sixteen-lane vector."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.extract_element(args[0], _i32(context, builder, args[1], sig.args[1]))
+
+    return types.float32(v, i), codegen
 
 
 # -- loads from rows of bytes ------------------------------------------------------------
