@@ -17,12 +17,13 @@ from tests.engine.test_cpu_kernels import N_IN, random_tensor
 TICK = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
-def proc_stat(path: Path, idle_seconds: list[float]) -> Path:
-    """A ``/proc/stat`` whose CPU ``i`` has been idle ``idle_seconds[i]`` (plus a CPU 9
-    this process may not use, always idle)."""
+def proc_stat(path: Path, idle_seconds: list[float], niced: float = 0.0) -> Path:
+    """A ``/proc/stat`` whose CPU ``i`` has been idle ``idle_seconds[i]`` and has run
+    niced processes ``niced`` s (plus a CPU 9 this process may not use, always idle)."""
     lines = ["cpu  1 2 3 4 5 6 7 8 0 0"]
+    nice = round(niced / TICK)
     for i, idle in enumerate([*idle_seconds, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1e6]):
-        lines.append(f"cpu{i} 100 0 50 {round(idle / TICK)} 0 0 0 0 0 0")
+        lines.append(f"cpu{i} 100 {nice} 50 {round(idle / TICK)} 0 0 0 0 0 0")
     path.write_text("\n".join([*lines, "intr 1 2 3", ""]))
     return path
 
@@ -124,6 +125,18 @@ def test_the_gauge_counts_idle_time_and_our_own(tmp_path: Path) -> None:
     stat.write_text("garbage")
     assert gauge.free() == pytest.approx(1.5)
     assert CoreGauge(tmp_path / "missing", {0, 1, 2}).free() == 3.0
+
+
+def test_niced_processes_leave_their_cores_to_a_process_that_is_not(tmp_path: Path) -> None:
+    if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+        pytest.skip("this test process is niced: niced time is then not free")
+    clocks = Clocks()
+    stat = tmp_path / "stat"
+    gauge = clocks.gauge(proc_stat(stat, [10.0, 10.0]), {0, 1})
+    gauge.free()
+    clocks.now, clocks.cpu = 1.0, 1.0  # we ran 1 s; a nice-19 build ran 1 s on each CPU
+    proc_stat(stat, [10.0, 10.0], niced=1.0)
+    assert gauge.free() == 2.0  # 2 + half of (min(2, 1 + 2) - 2)
 
 
 def test_a_busy_machine_gets_serial_products(tmp_path: Path, rng: np.random.Generator) -> None:

@@ -85,8 +85,10 @@ class CoreGauge:
     spinning threads made a forward several times slower than one. So the pool uses as
     many threads as the cores it can have: over the last interval, the idle time of the
     cores it may run on (``/proc/stat``, those of ``sched_getaffinity``: a container's
-    cpuset) plus this process's own CPU time, as a running average. Without ``/proc``
-    every core counts as free.
+    cpuset) plus this process's own CPU time, as a running average. The time of niced
+    processes counts as free when this one is not niced (they yield to it: a nice-19
+    build takes ~1.5 % of a core from a nice-0 thread). Without ``/proc`` every core
+    counts as free.
     """
 
     def __init__(
@@ -101,6 +103,8 @@ class CoreGauge:
         self._tick = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
         self._free = float(len(self._cpus))
         self._last: tuple[float, float, float] | None = None  # clock, idle s, own CPU s
+        # /proc/stat's columns counted as free: idle and iowait, and nice unless we are
+        self._columns = (3, 4) if _niced() else (1, 3, 4)
 
     def free(self) -> float:
         """Cores this process can have now (a running average, 0 .. its cores)."""
@@ -120,7 +124,8 @@ class CoreGauge:
         return self._free
 
     def _idle_seconds(self) -> float | None:
-        """Idle and I/O-wait time of this process's cores since boot (None: no /proc)."""
+        """Time this process's cores were idle (or ran niced processes) since boot (None:
+        no /proc)."""
         try:
             lines = self._stat.read_text().splitlines()
         except OSError:
@@ -130,8 +135,13 @@ class CoreGauge:
             name, _, rest = line.partition(" ")
             if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in self._cpus:
                 fields = rest.split()
-                ticks += int(fields[3]) + int(fields[4])
+                ticks += sum(int(fields[i]) for i in self._columns)
         return ticks * self._tick
+
+
+def _niced() -> bool:
+    """Whether this process runs at a lower priority than the default."""
+    return hasattr(os, "getpriority") and os.getpriority(os.PRIO_PROCESS, 0) > 0
 
 
 def usable_cpus() -> set[int]:
