@@ -31,7 +31,7 @@ from numba.np.numpy_support import carray
 
 from meshnode.engine.cpu import pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
-from meshnode.engine.cpu.blocks import chunk
+from meshnode.engine.cpu.blocks import chunk, f16
 from meshnode.engine.cpu.simd import (
     vadd,
     vfma,
@@ -39,9 +39,15 @@ from meshnode.engine.cpu.simd import (
     vstore,
     vsum,
     vzero,
+    wadd,
     wfma,
+    whigh_nibbles,
     wlane,
     wload,
+    wload_i8,
+    wlow_nibbles,
+    wmul,
+    wsplat,
     wsum,
     wsums,
     wzero,
@@ -67,6 +73,39 @@ def _dot1(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
         a2 = vfma(w2, vload(x, o + 16), a2)
         a3 = vfma(w3, vload(x, o + 24), a3)
     return vsum(vadd(vadd(a0, a1), vadd(a2, a3)))
+
+
+@njit(cache=True)
+def _dot1_wide(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
+    # one activation row against Q4_0 (3), Q4_1 (4) or Q8_0 (7) weights, a block as two
+    # sixteen-lane vectors (half the instructions of four eight-lane ones); each weight
+    # decoded as blocks.py does it, so the terms are the same, summed in other lanes
+    a0, a1 = wzero(), wzero()
+    for c in range(n_in // 32):
+        if fmt == 4:  # d f16 | m f16 | qs[16]: d * nibble + m
+            b = 20 * c
+            d, m = wsplat(f16(row, b)), wsplat(f16(row, b + 2))
+            w0 = wfma(d, wlow_nibbles(row, b + 4), m)
+            w1 = wfma(d, whigh_nibbles(row, b + 4), m)
+        elif fmt == 3:  # d f16 | qs[16]: d * (nibble - 8)
+            b = 18 * c
+            d, minus8 = wsplat(f16(row, b)), wsplat(np.float32(-8.0))
+            w0 = wmul(d, wadd(wlow_nibbles(row, b + 2), minus8))
+            w1 = wmul(d, wadd(whigh_nibbles(row, b + 2), minus8))
+        else:  # Q8_0: d f16 | qs int8[32]: q * d
+            b = 34 * c
+            d = wsplat(f16(row, b))
+            w0, w1 = wmul(wload_i8(row, b + 2), d), wmul(wload_i8(row, b + 18), d)
+        a0 = wfma(w0, wload(x, 32 * c), a0)
+        a1 = wfma(w1, wload(x, 32 * c + 16), a1)
+    return wsum(a0) + wsum(a1)
+
+
+@njit(cache=True)
+def _dot1_any(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
+    if fmt == 3 or fmt == 4 or fmt == 7:
+        return _dot1_wide(fmt, row, x, n_in)
+    return _dot1(fmt, row, x, n_in)
 
 
 @njit(cache=True)
@@ -156,7 +195,7 @@ def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
     k, n_in = out.shape[0], w.shape[0] // 4
     if k == 1:
         for o in range(lo, hi):
-            out[0, col + o] = _dot1(fmt, raw[o], x, n_in)
+            out[0, col + o] = _dot1_any(fmt, raw[o], x, n_in)
         return
     o = lo
     while o + 4 <= hi:  # four weight rows decoded, then a register tile per four rows

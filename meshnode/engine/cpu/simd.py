@@ -52,9 +52,15 @@ __all__ = [
     "vstore",
     "vsum",
     "vzero",
+    "wadd",
     "wfma",
+    "whigh_nibbles",
     "wlane",
     "wload",
+    "wload_i8",
+    "wlow_nibbles",
+    "wmul",
+    "wsplat",
     "wsum",
     "wsums",
     "wzero",
@@ -100,6 +106,7 @@ F32x8 = F32x8Type()
 I32x8 = I32x8Type()
 F32x16 = F32x16Type()
 _VW = ir.VectorType(_F, 2 * LANES)
+_VIW = ir.VectorType(_I32, 2 * LANES)
 
 
 @register_model(F32x8Type)
@@ -343,6 +350,66 @@ def wlane(typingctx: Any, v: Any, i: Any) -> Any:
         return builder.extract_element(args[0], _i32(context, builder, args[1], sig.args[1]))
 
     return types.float32(v, i), codegen
+
+
+@intrinsic
+def wsplat(typingctx: Any, x: Any) -> Any:
+    """All sixteen lanes ``x`` (a float32)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        value = context.cast(builder, args[0], sig.args[0], types.float32)
+        undef = ir.Constant(_VW, ir.Undefined)
+        one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
+        return builder.shuffle_vector(one, undef, ir.Constant(_VIW, [0] * 2 * LANES))
+
+    return F32x16(x), codegen
+
+
+def _wide_binary(op: str, doc: str) -> Any:
+    def typer(typingctx: Any, a: Any, b: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return getattr(builder, op)(args[0], args[1])
+
+        return F32x16(a, b), codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+wadd = _wide_binary("fadd", "``a + b`` over sixteen lanes.")
+wmul = _wide_binary("fmul", "``a * b`` over sixteen lanes.")
+
+
+def _wide_bytes(part: str, doc: str) -> Any:
+    """An intrinsic reading sixteen bytes of a ``uint8`` row as sixteen float32 lanes."""
+    bytes16 = ir.VectorType(ir.IntType(8), 2 * LANES)
+
+    def typer(typingctx: Any, row: Any, off: Any) -> Any:
+        if not _is_array(row, types.uint8):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            ptr = builder.bitcast(builder.gep(data, [args[1]]), bytes16.as_pointer())
+            v = builder.load(ptr, align=1)
+            if part == "int8":
+                return builder.sitofp(builder.sext(v, _VIW), _VW)
+            wide = builder.zext(v, _VIW)
+            if part == "low":
+                wide = builder.and_(wide, ir.Constant(_VIW, [15] * 2 * LANES))
+            else:
+                wide = builder.lshr(wide, ir.Constant(_VIW, [4] * 2 * LANES))
+            return builder.sitofp(wide, _VW)
+
+        return F32x16(row, off), codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+wlow_nibbles = _wide_bytes("low", "The low nibbles of sixteen bytes at ``off``, as floats.")
+whigh_nibbles = _wide_bytes("high", "The high nibbles of sixteen bytes at ``off``, as floats.")
+wload_i8 = _wide_bytes("int8", "Sixteen int8 at ``off``, as floats.")
 
 
 # -- loads from rows of bytes ------------------------------------------------------------
