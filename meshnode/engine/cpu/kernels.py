@@ -48,6 +48,7 @@ from meshnode.engine.cpu.simd import (
     wlow_nibbles,
     wmul,
     wsplat,
+    wstore,
     wsum,
     wsums,
     wzero,
@@ -102,10 +103,40 @@ def _dot1_wide(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
+def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
+    # the whole row into w[base : base + n_in], Q4_0, Q4_1 or Q8_0 as in _dot1_wide
+    for c in range(n_in // 32):
+        if fmt == 4:
+            b = 20 * c
+            d, m = wsplat(f16(row, b)), wsplat(f16(row, b + 2))
+            w0 = wfma(d, wlow_nibbles(row, b + 4), m)
+            w1 = wfma(d, whigh_nibbles(row, b + 4), m)
+        elif fmt == 3:
+            b = 18 * c
+            d, minus8 = wsplat(f16(row, b)), wsplat(np.float32(-8.0))
+            w0 = wmul(d, wadd(wlow_nibbles(row, b + 2), minus8))
+            w1 = wmul(d, wadd(whigh_nibbles(row, b + 2), minus8))
+        else:
+            b = 34 * c
+            d = wsplat(f16(row, b))
+            w0, w1 = wmul(wload_i8(row, b + 2), d), wmul(wload_i8(row, b + 18), d)
+        wstore(w, base + 32 * c, w0)
+        wstore(w, base + 32 * c + 16, w1)
+
+
+@njit(cache=True)
 def _dot1_any(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
     if fmt == 3 or fmt == 4 or fmt == 7:
         return _dot1_wide(fmt, row, x, n_in)
     return _dot1(fmt, row, x, n_in)
+
+
+@njit(cache=True)
+def _decode_any(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
+    if fmt == 3 or fmt == 4 or fmt == 7:
+        _decode_wide(fmt, row, w, base, n_in)
+    else:
+        _decode(fmt, row, w, base, n_in)
 
 
 @njit(cache=True)
@@ -200,7 +231,7 @@ def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
     o = lo
     while o + 4 <= hi:  # four weight rows decoded, then a register tile per four rows
         for i in range(4):
-            _decode(fmt, raw[o + i], w, i * n_in, n_in)
+            _decode_any(fmt, raw[o + i], w, i * n_in, n_in)
         c = col + o
         r = 0
         while r + 4 <= k:
@@ -221,7 +252,7 @@ def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
                 out[r, c + j] = d4[j]
         o += 4
     while o < hi:  # the last rows of a part whose length is not a multiple of four
-        _decode(fmt, raw[o], w, 0, n_in)
+        _decode_any(fmt, raw[o], w, 0, n_in)
         for r in range(k):
             out[r, col + o] = _dot_one(w, x, r, n_in)
         o += 1
@@ -293,7 +324,7 @@ def _decode_kernel(fmt: int) -> Any:
     @njit(cache=True)
     def decode_rows(raw, ids, out):  # type: ignore[no-untyped-def]
         for i in range(ids.shape[0]):
-            _decode(fmt, raw[ids[i]], out[i], 0, out.shape[1])
+            _decode_any(fmt, raw[ids[i]], out[i], 0, out.shape[1])
 
     return decode_rows
 

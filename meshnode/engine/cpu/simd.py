@@ -61,6 +61,7 @@ __all__ = [
     "wlow_nibbles",
     "wmul",
     "wsplat",
+    "wstore",
     "wsum",
     "wsums",
     "wzero",
@@ -286,6 +287,20 @@ def wload(typingctx: Any, ary: Any, i: Any) -> Any:
         return builder.load(ptr, align=4)
 
     return F32x16(ary, i), codegen
+
+
+@intrinsic
+def wstore(typingctx: Any, ary: Any, i: Any, v: Any) -> Any:
+    """``ary[i : i + 16] = v`` for a float32 array."""
+    if not _is_array(ary, types.float32):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ptr = _pointer(context, builder, sig.args[0], args[0], args[1], _VW)
+        builder.store(args[2], ptr, align=4)
+        return context.get_dummy_value()
+
+    return types.none(ary, i, v), codegen
 
 
 @intrinsic
