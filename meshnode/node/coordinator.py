@@ -201,6 +201,18 @@ class Loss:
     reason: str
 
 
+def stage_gone(node: str, *, left: bool) -> str:
+    """Why a pipeline ended when a stage's session did: its node said goodbye, or was lost."""
+    if left:
+        return f"stage node {node} left the mesh; replanning"
+    return f"stage node {node} was lost; the mesh is replanning"
+
+
+def retry_in(retry_at: float | None, now: float) -> float | None:
+    """Seconds until the next bring-up while backing off (``None``: not backing off)."""
+    return None if retry_at is None else round(max(0.0, retry_at - now), 1)
+
+
 def seconds_left(until: Mapping[str, float], now: float) -> dict[str, float]:
     """Each node's seconds left until its time in ``until`` (trio clock), by node id;
     those already past are left out (the ``cooling_off`` of the status)."""
@@ -296,9 +308,7 @@ class Coordinator:
             "term": self._term,
             "state": self._state,
             "error": self._error,
-            "retry_in_s": None
-            if self._retry_at is None
-            else round(max(0.0, self._retry_at - now), 1),
+            "retry_in_s": retry_in(self._retry_at, now),
             "last_failure": self._last_failure,
             "context_size": self.context_size,
             "wire_dtype": self.settings.wire_dtype,
@@ -327,10 +337,10 @@ class Coordinator:
             self._run.deliver(peer, message)
         return True
 
-    def peer_lost(self, peer: str) -> None:
-        """The session with ``peer`` ended: fail what waits on it now, not at a timeout."""
+    def peer_lost(self, peer: str, *, left: bool = False) -> None:
+        """The session with ``peer`` ended (``left``: a goodbye): fail what waits on it now."""
         if self._pipeline is not None and peer in self._pipeline.stage_nodes:
-            self._pipeline.fail(f"stage node {peer} was lost; the mesh is replanning", node=peer)
+            self._pipeline.fail(stage_gone(peer, left=left), node=peer, left=left)
         if self._run is not None:
             self._run.lost(peer)  # a bring-up waiting for this node's reply fails at once
 
@@ -512,10 +522,13 @@ class Coordinator:
         while True:
             live = self.mesh.live_nodes()
             live_ids = {n.node_id for n in live}
+            failure = pipeline.failure
+            if failure is not None and failure.left:  # a goodbye: neither kept out nor blamed
+                return Loss(failure.node, str(failure))
             for stage in placed.stages:
                 if stage.node_id not in live_ids:
                     return Loss(stage.node_id, f"stage node {stage.node_id} was lost")
-            if (failure := pipeline.failure) is not None:
+            if failure is not None:
                 if failure.node not in (None, self.mesh.node_id):  # never the host itself
                     self._excluded.add(failure.node)  # until the membership changes
                 return Loss(failure.node, str(failure))

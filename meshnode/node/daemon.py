@@ -43,6 +43,7 @@ from meshnode.node.host import MeshHost
 from meshnode.node.membership import (
     ConnectionLost,
     Event,
+    PeerLeft,
     PeerState,
     PeerTable,
     Tick,
@@ -198,7 +199,10 @@ class Node:
     # -- membership -----------------------------------------------------------------------
 
     def observe(self, event: Event) -> None:
-        """Apply a membership event; log the changes and close sessions of dead peers."""
+        """Apply a membership event; log the changes and close sessions of dead peers.
+
+        A goodbye reaches the host here, before its coordinator can see the table without
+        the peer: a stage that left is then told from one that was lost."""
         old, self.table = self.table, apply(self.table, event)
         found = changes(old, self.table)
         if found:
@@ -212,6 +216,8 @@ class Node:
                 log.info("peer %s is %s (was %s)", node_id, after, before)
             if after is PeerState.DEAD:
                 self.sessions.close(node_id)
+        if isinstance(event, PeerLeft) and self.host is not None and not self.stopping:
+            self.host.peer_lost(event.node_id, left=True)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -283,7 +289,7 @@ class Node:
             # Not unexpected, and we are not stopping: the peer said goodbye.
             self.worker.peer_lost(node_id, left=not unexpected)
         if self.host is not None:
-            self.host.peer_lost(node_id)
+            self.host.peer_lost(node_id, left=not unexpected)
         self._notify()
         if unexpected and node_id in self.table.peers:
             self.observe(ConnectionLost(node_id, trio.current_time()))

@@ -68,10 +68,10 @@ class MeshHost:
         """Take a control reply of the host's runs; False if it is not one."""
         return self.coordinator is not None and self.coordinator.handle(peer, message)
 
-    def peer_lost(self, peer: str) -> None:
-        """The session with ``peer`` ended."""
+    def peer_lost(self, peer: str, *, left: bool = False) -> None:
+        """The session with ``peer`` ended (``left``: it said goodbye)."""
         if self.coordinator is not None:
-            self.coordinator.peer_lost(peer)
+            self.coordinator.peer_lost(peer, left=left)
 
     def status(self) -> dict[str, Any]:
         """The ``host`` part of the status body: the run and its stages, then serving."""

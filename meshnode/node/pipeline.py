@@ -137,12 +137,15 @@ class StageLostError(PipelineError):
     and so does every later one. The pipeline is dead, not the request: the generation
     loop replays the request on the pipeline the coordinator brings up next.
 
-    ``node`` is the stage's node when it is known (``None``: the coordinator finds out).
+    ``node`` is the stage's node when it is known (``None``: the coordinator finds out);
+    ``left``: that node said goodbye (a clean leave, not a failure: neither blamed nor kept
+    out of the next plan).
     """
 
-    def __init__(self, reason: str, *, node: str | None = None) -> None:
+    def __init__(self, reason: str, *, node: str | None = None, left: bool = False) -> None:
         super().__init__(reason)
         self.node = node
+        self.left = left
 
 
 class Pipeline(Protocol):

@@ -419,12 +419,13 @@ class RemotePipeline:
             return peer == self.stage_nodes[-1]
         return peer in self.stage_nodes[1:]
 
-    def fail(self, reason: str, *, node: str | None = None) -> None:
+    def fail(self, reason: str, *, node: str | None = None, left: bool = False) -> None:
         """The pipeline is dead: wake every waiter with a StageLostError (``reason``, the
-        first one given, and ``node`` when known); later calls to ``run`` fail at once."""
+        first one given, and ``node`` when known); later calls to ``run`` fail at once.
+        ``left``: ``node`` said goodbye, which is news (INFO), not a failure (WARNING)."""
         if self.failure is None:
-            log.warning("run %s: %s", self.run_id, reason)
-            self.failure = StageLostError(reason, node=node)
+            log.log(logging.INFO if left else logging.WARNING, "run %s: %s", self.run_id, reason)
+            self.failure = StageLostError(reason, node=node, left=left)
             self.failed.set()
         elif self.failure.node is None:
             self.failure.node = node
@@ -438,4 +439,4 @@ class RemotePipeline:
     def _lost(self) -> StageLostError:
         """A fresh error for one waiter (each raise gets its own traceback)."""
         assert self.failure is not None
-        return StageLostError(str(self.failure), node=self.failure.node)
+        return StageLostError(str(self.failure), node=self.failure.node, left=self.failure.left)

@@ -181,3 +181,40 @@ def test_a_worker_serves_the_console_too(mesh: tuple[Node, Node], browser: Brows
     assert host.node_id() in dom  # as the peer, and as the host that claimed this stage
     hidden = browser.evaluate("document.getElementById('tab-playground').hidden")
     assert hidden is True  # a worker has no OpenAI API to talk to
+
+
+def test_the_mesh_view_shows_the_last_failure_and_the_nodes_cooling_off(
+    mesh: tuple[Node, Node], browser: Browser, tmp_path: Path
+) -> None:
+    """The host's status after a blame, as the page renders it: the last failure, and each
+    node cooling off with its time left (in the story and on its row of the node table);
+    the status as it really is (nothing blamed) shows no cooling off. The blame is written
+    into the host's real status body: blaming a stage for real needs one to hang."""
+    host, worker = mesh
+    worker_id = worker.node_id()
+    browser.navigate(host.api + "/")
+    browser.wait_for("document.body?.dataset.loaded === 'true'", PAGE_TIMEOUT_S, "the first poll")
+    assert browser.evaluate("document.getElementById('cooling-off') === null")
+    assert browser.evaluate("document.querySelector('.pill.state-cooling-off') === null")
+
+    status: dict[str, Any] = host.status()
+    failure = f"a pass did not come back within 30 s: blamed on stage node {worker_id}"
+    status["host"]["last_failure"] = failure
+    status["host"]["cooling_off"] = {worker_id: 287.4, "gone-node": 12.0, "done-node": 0.0}
+    # Rendered and read in one task: the page's own poll (each second) cannot come between.
+    shown = browser.evaluate(
+        f"import({json.dumps(host.api + '/console/mesh.js')}).then((mesh) => {{"
+        f"  mesh.renderMesh({json.dumps(status)});"
+        "  const row = document.querySelector(`#mesh-nodes tr[data-node-id='"
+        f"{worker_id}'] .pill.state-cooling-off`);"
+        "  return [document.getElementById('last-failure')?.innerText,"
+        "          document.getElementById('cooling-off')?.innerText, row?.innerText];"
+        "})"
+    )
+    last, cooling, pill = shown
+    assert last.startswith(f"Last failure: {failure}."), last
+    # Soonest back first; a cool-off that ended is not shown.
+    assert cooling.startswith(f"Cooling off: gone-node 12s, {worker_id} 4m 48s (blamed"), cooling
+    assert "done-node" not in cooling
+    assert pill == "cooling off 4m 48s"
+    _shoot(browser, tmp_path / "console-cooling-off.png")

@@ -2,7 +2,8 @@
 
 Real ``meshnode join`` pairs on loopback (a host with ``--split 2`` and one worker): the
 stopping node's log says so and names no lost peer, the host does not replan or announce
-a new pipeline while it stops, and the node that stays says the other *left*.
+a new pipeline while it stops, and the node that stays says the other *left*: a host whose
+stage node left replans at INFO, with no "lost" stage, and serves again on its own.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tests.e2e.cluster import (
     Cluster,
     Node,
     init_token,
+    ready_stages,
     start_split_mesh,
     wait_for,
 )
@@ -58,8 +60,16 @@ def test_a_stopping_worker_says_it_is_stopping(pair: tuple[Node, Node]) -> None:
     assert re.search(r"run run-\w+ stopped: this node is stopping", tail), tail
     assert f"node {worker_id} stopped" in tail
     assert not ALARMS.search(tail), tail
-    # The host heard a goodbye, not a silence.
+    # The host heard a goodbye, not a silence: it replans, as for a loss, but says why.
     wait_for(lambda: f"peer {worker_id} left the mesh" in host.log(), 10, "the host to see it")
+    left = re.compile(rf" INFO \S+: run run-\w+: stage node {worker_id} left the mesh; replanning")
+    wait_for(lambda: bool(left.search(host.log())), 10, f"the host to log {left.pattern!r}")
+    wait_for(lambda: ready_stages(host) == 1, READY_TIMEOUT_S, "the host to serve alone")
+    replan = host.log()[host.log().index(f"peer {worker_id} left the mesh") :]
+    assert not re.search(r"\blost\b", replan), replan
+    assert (
+        host.status()["host"]["last_failure"] == f"stage node {worker_id} left the mesh; replanning"
+    )
 
 
 def test_a_stopping_host_neither_replans_nor_serves_again(pair: tuple[Node, Node]) -> None:

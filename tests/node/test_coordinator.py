@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,50 @@ async def test_the_plan_grows_back_between_requests(
         assert coordinator.status()["state"] == "ready"
         assert await decode(grown) == reference
         nursery.cancel_scope.cancel()
+
+
+async def test_a_stage_that_leaves_is_replanned_as_a_leave_not_a_loss(
+    tmp_path: Path, hub_ref: tuple[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stage node that said goodbye is replanned around as a lost one is, but the log
+    (INFO, not WARNING) and the status's last failure say it left. As in the daemon, the
+    membership drops it before its session ends: the coordinator sees both at once."""
+    ref, package = hub_ref
+    mesh = InMemoryMesh(host_memory=1 << 34)  # the host alone fits the model
+    send, pipelines = trio.open_memory_channel[RemotePipeline | None](16)
+
+    async def next_pipeline() -> RemotePipeline | None:
+        with trio.fail_after(BRING_UP_TIMEOUT_S):
+            return await pipelines.receive()
+
+    caplog.set_level(logging.INFO, logger="meshnode")
+    async with trio.open_nursery() as nursery:
+        add_worker(mesh, "w", tmp_path / "cache", nursery)
+        coordinator = Coordinator(
+            mesh,
+            CoordinatorSettings(model_ref=ref, context_size=CONTEXT, split=2),
+            source=open_ref(package),
+            backend=cpu_backend(),
+            on_pipeline=send.send_nowait,
+        )
+        mesh.coordinator = coordinator
+        nursery.start_soon(coordinator.run)
+        first = await next_pipeline()
+        assert first is not None
+        assert first.stage_nodes == (HOST, "w")
+        del mesh.workers["w"]  # the goodbye: out of the membership, then the session ends
+        mesh.changed()
+        coordinator.peer_lost("w", left=True)
+        assert await next_pipeline() is None
+        alone = await next_pipeline()
+        assert alone is not None
+        assert alone.stage_nodes == (HOST,)
+        assert coordinator.status()["last_failure"] == "stage node w left the mesh; replanning"
+        nursery.cancel_scope.cancel()
+    assert first.failure is not None
+    assert first.failure.left
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "stage node w" in r.getMessage()]
+    assert said == [(logging.INFO, f"run {first.run_id}: stage node w left the mesh; replanning")]
 
 
 async def test_every_stage_reports_its_compute_time(

@@ -1,5 +1,6 @@
 // The mesh view: the nodes as a picture, each node's facts, the plan as a bar of layers
-// coloured by stage, preparation progress, and the run's story (state, last failure).
+// coloured by stage, preparation progress, and the run's story (state, last failure, the
+// nodes cooling off after blame).
 
 import { stageColor } from "./charts.js";
 import { fill, fmtBytes, fmtDuration, h, s } from "./ui.js";
@@ -25,7 +26,21 @@ export function meshModel(status) {
     else if (!host && id === self.node_id && status.run) parts.push("stage");
     return parts.join(" · ") || "idle";
   };
-  return { host, stages, stageOf, hostId, nodes, role };
+  return { host, stages, stageOf, hostId, nodes, role, cooling: coolingOff(host) };
+}
+
+/** The nodes blamed for a stage failure that no plan uses yet, soonest back first:
+ *  [[node_id, seconds left], …] (the host's `cooling_off`; none on a worker). */
+export function coolingOff(host) {
+  return Object.entries(host?.cooling_off || {}).filter(([, left]) => left > 0)
+    .sort(([a, x], [b, y]) => x - y || a.localeCompare(b));
+}
+
+/** Seconds left as `4m 48s` or `12s` (as `meshnode status` writes them). */
+export function fmtCountdown(seconds) {
+  const whole = Math.ceil(seconds);
+  if (whole < 60) return `${whole}s`;
+  return `${Math.floor(whole / 60)}m ${String(whole % 60).padStart(2, "0")}s`;
 }
 
 export function renderMesh(status) {
@@ -90,18 +105,25 @@ function nodeBox(node, pos, model) {
 // -- the table of nodes -------------------------------------------------------------------
 
 function nodeTable(model) {
+  const cooling = new Map(model.cooling);
   const rows = model.nodes.map((node) => h("tr", { "data-node-id": node.node_id },
     h("td", { class: "mono" }, node.node_id),
     h("td", {}, model.role(node.node_id)),
     h("td", { class: "mono" }, node.address),
     h("td", {}, node.device),
     h("td", { class: "num" }, fmtBytes(node.usable_memory)),
-    h("td", {}, h("span", { class: `pill state-${node.state.replace(" ", "-")}` }, node.state)),
+    h("td", {}, h("span", { class: `pill state-${node.state.replace(" ", "-")}` }, node.state),
+      cooling.has(node.node_id) ? coolingPill(cooling.get(node.node_id)) : null),
     h("td", { class: "num" }, node.rtt_ms === null ? "–" : `${node.rtt_ms.toFixed(2)} ms`)));
   return h("table", { class: "grid" },
     h("thead", {}, h("tr", {}, ...["node", "role", "address", "device", "memory offered",
       "state", "rtt"].map((t) => h("th", {}, t)))),
     h("tbody", {}, rows));
+}
+
+function coolingPill(seconds) {
+  return h("span", { class: "pill state-cooling-off", title: "blamed for a stage failure: "
+    + "no plan uses this node until its cool-off ends" }, `cooling off ${fmtCountdown(seconds)}`);
 }
 
 // -- the plan -----------------------------------------------------------------------------
@@ -180,6 +202,11 @@ function story(status, model) {
       items.push(h("li", { class: "warn", id: "last-failure" }, `Last failure: ${host.last_failure}.${now}`));
     } else {
       items.push(h("li", { class: "muted" }, "No failure since the node started."));
+    }
+    if (model.cooling.length) {
+      const nodes = model.cooling.map(([id, left]) => `${id} ${fmtCountdown(left)}`).join(", ");
+      items.push(h("li", { class: "warn", id: "cooling-off" }, `Cooling off: ${nodes} `
+        + "(blamed for a stage failure; no plan uses them until then)."));
     }
     for (const warning of host.speculation?.warnings || []) {
       items.push(h("li", { class: "warn" }, `Speculation: ${warning}`));
