@@ -243,7 +243,7 @@ def _q3_k(row, c):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=_CACHE)
-def _k_scale_min(row, o, s):  # type: ignore[no-untyped-def]
+def k_scale_min(row, o, s):  # type: ignore[no-untyped-def]
     # Q4_K/Q5_K: eight 6-bit scales and mins packed in 12 bytes (gguf Q4_K.get_scale_min)
     if s < 4:
         return row[o + s] & 63, row[o + 4 + s] & 63
@@ -255,7 +255,7 @@ def _k_scale_min(row, o, s):  # type: ignore[no-untyped-def]
 @njit(cache=_CACHE)
 def _k_scales(row, o, s):  # type: ignore[no-untyped-def]
     # Q4_K/Q5_K sub-block s of the super-block at o: d * scale and -(dmin * min), splat
-    sc, mn = _k_scale_min(row, o + 4, s)
+    sc, mn = k_scale_min(row, o + 4, s)
     ds = vsplat(f16(row, o) * np.float32(sc))
     return ds, vneg(vsplat(f16(row, o + 2) * np.float32(mn)))
 

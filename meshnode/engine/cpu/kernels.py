@@ -31,7 +31,7 @@ from numba.np.numpy_support import carray
 
 from meshnode.engine.cpu import pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
-from meshnode.engine.cpu.blocks import chunk, f16
+from meshnode.engine.cpu.blocks import chunk, f16, k_scale_min
 from meshnode.engine.cpu.simd import (
     vadd,
     vfma,
@@ -78,9 +78,10 @@ def _dot1(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
 
 @njit(cache=True)
 def _dot1_wide(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
-    # one activation row against Q4_0 (3), Q4_1 (4) or Q8_0 (7) weights, a block as two
-    # sixteen-lane vectors (half the instructions of four eight-lane ones); each weight
-    # decoded as blocks.py does it, so the terms are the same, summed in other lanes
+    # one activation row against Q4_0 (3), Q4_1 (4), Q8_0 (7) or Q4_K (10) weights, 32
+    # values as two sixteen-lane vectors (half the instructions of four eight-lane ones);
+    # each weight decoded as blocks.py does it, so the terms are the same, summed in
+    # other lanes
     a0, a1 = wzero(), wzero()
     for c in range(n_in // 32):
         if fmt == 4:  # d f16 | m f16 | qs[16]: d * nibble + m
@@ -93,18 +94,33 @@ def _dot1_wide(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
             d, minus8 = wsplat(f16(row, b)), wsplat(np.float32(-8.0))
             w0 = wmul(d, wadd(wlow_nibbles(row, b + 2), minus8))
             w1 = wmul(d, wadd(whigh_nibbles(row, b + 2), minus8))
-        else:  # Q8_0: d f16 | qs int8[32]: q * d
+        elif fmt == 7:  # Q8_0: d f16 | qs int8[32]: q * d
             b = 34 * c
             d = wsplat(f16(row, b))
             w0, w1 = wmul(wload_i8(row, b + 2), d), wmul(wload_i8(row, b + 18), d)
+        else:
+            w0, w1 = _q4_k_wide(row, c)
         a0 = wfma(w0, wload(x, 32 * c), a0)
         a1 = wfma(w1, wload(x, 32 * c + 16), a1)
     return wsum(a0) + wsum(a1)
 
 
 @njit(cache=True)
+def _q4_k_wide(row, c):  # type: ignore[no-untyped-def]
+    # Q4_K values 32 c .. 32 c + 31 (blocks.py's _q4_k: d * scale * q - dmin * min)
+    o, s = 144 * (c // 8), c % 8
+    sc, mn = k_scale_min(row, o + 4, s)
+    ds = wsplat(f16(row, o) * np.float32(sc))
+    dm = wsplat(-(f16(row, o + 2) * np.float32(mn)))
+    qs = o + 16 + 32 * (s // 2)
+    if s % 2 == 0:
+        return wfma(ds, wlow_nibbles(row, qs), dm), wfma(ds, wlow_nibbles(row, qs + 16), dm)
+    return wfma(ds, whigh_nibbles(row, qs), dm), wfma(ds, whigh_nibbles(row, qs + 16), dm)
+
+
+@njit(cache=True)
 def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
-    # the whole row into w[base : base + n_in], Q4_0, Q4_1 or Q8_0 as in _dot1_wide
+    # the whole row into w[base : base + n_in], the formats of _dot1_wide as it does
     for c in range(n_in // 32):
         if fmt == 4:
             b = 20 * c
@@ -116,24 +132,26 @@ def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
             d, minus8 = wsplat(f16(row, b)), wsplat(np.float32(-8.0))
             w0 = wmul(d, wadd(wlow_nibbles(row, b + 2), minus8))
             w1 = wmul(d, wadd(whigh_nibbles(row, b + 2), minus8))
-        else:
+        elif fmt == 7:
             b = 34 * c
             d = wsplat(f16(row, b))
             w0, w1 = wmul(wload_i8(row, b + 2), d), wmul(wload_i8(row, b + 18), d)
+        else:
+            w0, w1 = _q4_k_wide(row, c)
         wstore(w, base + 32 * c, w0)
         wstore(w, base + 32 * c + 16, w1)
 
 
 @njit(cache=True)
 def _dot1_any(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
-    if fmt == 3 or fmt == 4 or fmt == 7:
+    if fmt == 3 or fmt == 4 or fmt == 7 or fmt == 10:
         return _dot1_wide(fmt, row, x, n_in)
     return _dot1(fmt, row, x, n_in)
 
 
 @njit(cache=True)
 def _decode_any(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
-    if fmt == 3 or fmt == 4 or fmt == 7:
+    if fmt == 3 or fmt == 4 or fmt == 7 or fmt == 10:
         _decode_wide(fmt, row, w, base, n_in)
     else:
         _decode(fmt, row, w, base, n_in)
