@@ -11,6 +11,16 @@ numba only at the first product so that importing the engine stays cheap. Beside
 ``q8_kernels`` and ``simd_int`` (byte vectors and the integer dot product).
 """
 
-from meshnode.engine.cpu.matrix import MAX_KERNEL_ROWS, BlockMatrix, set_kernel_threads, supported
+from meshnode.engine.cpu.matrix import (
+    MAX_KERNEL_ROWS,
+    BlockMatrix,
+    configure_numba,
+    set_kernel_threads,
+    supported,
+)
+
+# Before any module of this package that imports numba can be imported on its own
+# (``pool``, ``kernels``, ``q8_kernels``...): numba reads its cache folder only then.
+configure_numba()
 
 __all__ = ["MAX_KERNEL_ROWS", "BlockMatrix", "set_kernel_threads", "supported"]

@@ -77,12 +77,20 @@ def _sources_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+def configure_numba() -> None:
+    """Point numba's cache at :func:`numba_cache_dir` unless ``$NUMBA_CACHE_DIR`` is set.
+
+    numba reads ``NUMBA_CACHE_DIR`` once, when it is first imported; its own default is
+    ``__pycache__`` beside the sources, which a system-wide install cannot write and
+    which numba checks against each function's own file only.
+    """
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(numba_cache_dir()))
+
+
 @cache
 def kernels() -> ModuleType:
     """The kernels module, imported (and numba configured) on first use."""
-    # numba reads NUMBA_CACHE_DIR when it is imported; its own default is __pycache__
-    # beside the sources, which a system-wide install cannot write.
-    os.environ.setdefault("NUMBA_CACHE_DIR", str(numba_cache_dir()))
+    configure_numba()
     from meshnode.engine.cpu import kernels as module
 
     return module
