@@ -28,8 +28,9 @@ __all__ = ["Q8_FORMATS", "Q8_MAX_ROWS", "accepts", "q8_product"]
 # The formats with integer quants (kernel ids of .formats: Q4_0 .. Q6_K).
 Q8_FORMATS = frozenset(range(3, 13))
 # Products of more rows take the exact kernels, whose 4 x 4 register tiles of sixteen
-# float lanes then do better: SmolLM2's products in forward order, one thread, took
-# 0.70x the exact kernels' time at 1 row, 0.78x at 4 and 1.16x at 8 (load 6-7).
+# float lanes then do better. Each model's products in forward order, one thread, median
+# time against the exact kernels (load 3-7): SmolLM2 0.70x at 1 row, 0.93x at 2, 0.87x
+# at 4, 1.16x at 8; Gemma 3 0.61x at 2 rows, 0.73x at 4.
 Q8_MAX_ROWS = 4
 
 

@@ -262,15 +262,14 @@ def _one(fmt, w, base, q, n, first, nb):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _four(fmt, w, base, q, n, first, nb):  # type: ignore[no-untyped-def]
-    # the row at byte base of w . four activation rows from block first on (nb blocks
-    # each): the same weight chunk meets the four rows in turn, and LLVM unpacks it once
-    # (the four _qchunk calls read the same bytes, with no store between them)
+def _four(fmt, w, base, q, n, f0, f1, f2, f3, nb):  # type: ignore[no-untyped-def]
+    # the row at byte base of w . four activation rows whose blocks start at f0 .. f3
+    # (nb blocks each): the same weight chunk meets the four rows in turn, and LLVM
+    # unpacks it once (the four _qchunk calls read the same bytes, no store between)
     a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
     t0, t1, t2, t3 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
     for c in range(nb):
-        b0 = first + c
-        b1, b2, b3 = b0 + nb, b0 + 2 * nb, b0 + 3 * nb
+        b0, b1, b2, b3 = f0 + c, f1 + c, f2 + c, f3 + c
         p0, d0, m0 = _qchunk(fmt, w, base, c, q, n, b0)
         p1, d1, m1 = _qchunk(fmt, w, base, c, q, n, b1)
         p2, d2, m2 = _qchunk(fmt, w, base, c, q, n, b2)
@@ -287,8 +286,8 @@ def _four(fmt, w, base, q, n, first, nb):  # type: ignore[no-untyped-def]
 @njit(cache=True)
 def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
     # rows lo .. hi - 1 of one part into columns col + lo .. of out; q: quantize's
-    # buffer. Activation rows go four at a time, then one at a time (a weight row stays
-    # in L1 while it meets them all).
+    # buffer. One activation row alone, else four at a time (a weight row stays in L1
+    # while it meets them all).
     k, n = out.shape[0], q.shape[0] * 2 // 5
     nb = n // 32 // k
     w, size = raw.reshape(-1), raw.shape[1]
@@ -297,15 +296,14 @@ def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
         if base + PREFETCH_BYTES < w.shape[0]:  # the row PREFETCH_BYTES ahead
             for line in range(0, size, 64):
                 prefetch(w, base + PREFETCH_BYTES + line)
-        r = 0
-        while r + 4 <= k:
-            s0, s1, s2, s3 = _four(fmt, w, base, q, n, r * nb, nb)
-            out[r, col + o], out[r + 1, col + o] = s0, s1
-            out[r + 2, col + o], out[r + 3, col + o] = s2, s3
-            r += 4
-        while r < k:
-            out[r, col + o] = _one(fmt, w, base, q, n, r * nb, nb)
-            r += 1
+        for r in range(0, k, 4):  # 2 or 3 rows left: a tile with the last row repeated
+            if r == k - 1:
+                out[r, col + o] = _one(fmt, w, base, q, n, r * nb, nb)
+                break
+            r1, r2, r3 = min(r + 1, k - 1), min(r + 2, k - 1), min(r + 3, k - 1)
+            s0, s1, s2, s3 = _four(fmt, w, base, q, n, r * nb, r1 * nb, r2 * nb, r3 * nb, nb)
+            out[r, col + o], out[r1, col + o] = s0, s1
+            out[r2, col + o], out[r3, col + o] = s2, s3
 
 
 @njit(cache=True)
