@@ -67,7 +67,7 @@ def f16(row, off):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=_CACHE)
-def _u32(row, off):  # type: ignore[no-untyped-def]
+def u32(row, off):  # type: ignore[no-untyped-def]
     return (
         np.uint32(row[off])
         | (np.uint32(row[off + 1]) << 8)
@@ -136,7 +136,7 @@ def _q4_1(row, c):  # type: ignore[no-untyped-def]
 @njit(cache=_CACHE)
 def _q5_quants(row, qh_at, qs_at):  # type: ignore[no-untyped-def]
     # Q5_0/Q5_1: bit j of the u32 qh is the fifth bit of value j
-    qh = _u32(row, qh_at)
+    qh = u32(row, qh_at)
     q0, q1 = load_u8(row, qs_at), load_u8(row, qs_at + 8)
     return (
         ior(iand(q0, 15), ishl(bits8(qh, 0), 4)),

@@ -31,7 +31,7 @@ from numba.np.numpy_support import carray
 
 from meshnode.engine.cpu import pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
-from meshnode.engine.cpu.blocks import chunk, f16, k_scale_min
+from meshnode.engine.cpu.blocks import chunk, f16, k_scale_min, u32
 from meshnode.engine.cpu.simd import (
     vadd,
     vfma,
@@ -47,6 +47,8 @@ from meshnode.engine.cpu.simd import (
     wload_i8,
     wlow_nibbles,
     wmul,
+    wq5_high,
+    wq5_low,
     wsplat,
     wstore,
     wsum,
@@ -78,10 +80,10 @@ def _dot1(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
 
 @njit(cache=True)
 def _dot1_wide(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
-    # one activation row against Q4_0 (3), Q4_1 (4), Q8_0 (7) or Q4_K (10) weights, 32
-    # values as two sixteen-lane vectors (half the instructions of four eight-lane ones);
-    # each weight decoded as blocks.py does it, so the terms are the same, summed in
-    # other lanes
+    # one activation row against Q4_0 (3), Q4_1 (4), Q5_0 (5), Q5_1 (6), Q8_0 (7) or Q4_K
+    # (10) weights, 32 values as two sixteen-lane vectors (half the instructions of four
+    # eight-lane ones); each weight decoded as blocks.py does it, so the terms are the
+    # same, summed in other lanes
     a0, a1 = wzero(), wzero()
     for c in range(n_in // 32):
         if fmt == 4:  # d f16 | m f16 | qs[16]: d * nibble + m
@@ -98,11 +100,31 @@ def _dot1_wide(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
             b = 34 * c
             d = wsplat(f16(row, b))
             w0, w1 = wmul(wload_i8(row, b + 2), d), wmul(wload_i8(row, b + 18), d)
+        elif fmt == 5 or fmt == 6:
+            w0, w1 = _q5_wide(fmt, row, c)
         else:
             w0, w1 = _q4_k_wide(row, c)
         a0 = wfma(w0, wload(x, 32 * c), a0)
         a1 = wfma(w1, wload(x, 32 * c + 16), a1)
     return wsum(a0) + wsum(a1)
+
+
+@njit(cache=True)
+def _q5_wide(fmt, row, c):  # type: ignore[no-untyped-def]
+    # Q5_0 (d f16 | qh u32 | qs[16]: d * (q - 16)) or Q5_1 (d f16 | m f16 | qh u32 |
+    # qs[16]: d * q + m) values 32 c .. 32 c + 31, as blocks.py's _q5_0 / _q5_1
+    if fmt == 5:
+        b = 22 * c
+        d, minus16 = wsplat(f16(row, b)), wsplat(np.float32(-16.0))
+        qh = u32(row, b + 2)
+        return (
+            wmul(d, wadd(wq5_low(row, b + 6, qh), minus16)),
+            wmul(d, wadd(wq5_high(row, b + 6, qh), minus16)),
+        )
+    b = 24 * c
+    d, m = wsplat(f16(row, b)), wsplat(f16(row, b + 2))
+    qh = u32(row, b + 4)
+    return wfma(d, wq5_low(row, b + 8, qh), m), wfma(d, wq5_high(row, b + 8, qh), m)
 
 
 @njit(cache=True)
@@ -136,6 +158,8 @@ def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
             b = 34 * c
             d = wsplat(f16(row, b))
             w0, w1 = wmul(wload_i8(row, b + 2), d), wmul(wload_i8(row, b + 18), d)
+        elif fmt == 5 or fmt == 6:
+            w0, w1 = _q5_wide(fmt, row, c)
         else:
             w0, w1 = _q4_k_wide(row, c)
         wstore(w, base + 32 * c, w0)
@@ -144,14 +168,14 @@ def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
 
 @njit(cache=True)
 def _dot1_any(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
-    if fmt == 3 or fmt == 4 or fmt == 7 or fmt == 10:
+    if 3 <= fmt <= 7 or fmt == 10:
         return _dot1_wide(fmt, row, x, n_in)
     return _dot1(fmt, row, x, n_in)
 
 
 @njit(cache=True)
 def _decode_any(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
-    if fmt == 3 or fmt == 4 or fmt == 7 or fmt == 10:
+    if 3 <= fmt <= 7 or fmt == 10:
         _decode_wide(fmt, row, w, base, n_in)
     else:
         _decode(fmt, row, w, base, n_in)

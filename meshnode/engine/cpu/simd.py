@@ -60,6 +60,8 @@ __all__ = [
     "wload_i8",
     "wlow_nibbles",
     "wmul",
+    "wq5_high",
+    "wq5_low",
     "wsplat",
     "wstore",
     "wsum",
@@ -422,6 +424,41 @@ def _wide_bytes(part: str, doc: str) -> Any:
     return intrinsic(typer)
 
 
+def _wide_q5(high: bool, doc: str) -> Any:
+    """An intrinsic: sixteen five-bit quants (Q5_0/Q5_1) as float32 lanes, the nibbles of
+    the sixteen bytes at ``off`` (low or high) with bit ``i`` (or ``16 + i``) of ``qh``."""
+    bytes16 = ir.VectorType(ir.IntType(8), 2 * LANES)
+
+    def typer(typingctx: Any, row: Any, off: Any, qh: Any) -> Any:
+        if not _is_array(row, types.uint8):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            ptr = builder.bitcast(builder.gep(data, [args[1]]), bytes16.as_pointer())
+            wide = builder.zext(builder.load(ptr, align=1), _VIW)
+            if high:
+                nibble = builder.lshr(wide, ir.Constant(_VIW, [4] * 2 * LANES))
+            else:
+                nibble = builder.and_(wide, ir.Constant(_VIW, [15] * 2 * LANES))
+            word = _i32(context, builder, args[2], sig.args[2])
+            undef = ir.Constant(_VIW, ir.Undefined)
+            one_word = builder.insert_element(undef, word, ir.Constant(_I32, 0))
+            words = builder.shuffle_vector(one_word, undef, ir.Constant(_VIW, [0] * 2 * LANES))
+            first = 2 * LANES if high else 0
+            shifts = ir.Constant(_VIW, list(range(first, first + 2 * LANES)))
+            bit = builder.and_(builder.lshr(words, shifts), ir.Constant(_VIW, [1] * 2 * LANES))
+            fifth = builder.shl(bit, ir.Constant(_VIW, [4] * 2 * LANES))
+            return builder.sitofp(builder.or_(nibble, fifth), _VW)
+
+        return F32x16(row, off, qh), codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+wq5_low = _wide_q5(False, "Q5 values 0-15 of a block (low nibbles, ``qh`` bits 0-15).")
+wq5_high = _wide_q5(True, "Q5 values 16-31 of a block (high nibbles, ``qh`` bits 16-31).")
 wlow_nibbles = _wide_bytes("low", "The low nibbles of sixteen bytes at ``off``, as floats.")
 whigh_nibbles = _wide_bytes("high", "The high nibbles of sixteen bytes at ``off``, as floats.")
 wload_i8 = _wide_bytes("int8", "Sixteen int8 at ``off``, as floats.")
