@@ -36,7 +36,7 @@ Q8_MAX_ROWS = 4
 
 @cache
 def _kernels() -> ModuleType:
-    matrix.kernels()  # numba configured (cache folder, thread policy) before it is imported
+    matrix.kernels()  # numba configured (its cache folder) before it is imported
     from meshnode.engine.cpu import q8_kernels
 
     return q8_kernels
@@ -54,13 +54,13 @@ def q8_product(m: BlockMatrix, x: np.ndarray) -> np.ndarray:
     if x.ndim != 2 or x.shape[1] != m.n_in:
         raise ValueError(f"x of shape {x.shape} does not multiply a matrix of {m.n_in} rows")
     kernels = _kernels()
-    q = kernels.quantized(np.ascontiguousarray(x, dtype=np.float32).reshape(-1))
+    flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     out = np.empty((x.shape[0], m.n_out), np.float32)
     fmts, raws = m._fmts, m._raws
     threads = min(matrix._threads_here(), m.nbytes // max(1, matrix.PARALLEL_MIN_BYTES))
     if threads > 1:  # as BlockMatrix shares its products: a thread per PARALLEL_MIN_BYTES
         chunk = kernels.chunk_kernel(*fmts)
-        if matrix._pool().run(chunk, raws, q, out, threads):
+        if matrix._pool().run(chunk, raws, kernels.quantized(flat), out, threads):
             return out
-    kernels.product_kernel(*fmts)(*raws, q, out)
+    kernels.product_kernel(*fmts)(*raws, flat, out)  # quantizes flat itself
     return out

@@ -53,8 +53,6 @@ from meshnode.engine.cpu.simd_int import (
     prefetch,
 )
 
-# The kernel ids of .formats that these kernels take: the quantized formats.
-Q8_FORMATS = frozenset(range(3, 13))
 # How far ahead of the row it multiplies a product asks for weight bytes: a decode
 # product streams its weights from memory once, and one core's hardware prefetchers alone
 # left the kernels at about 0.8x the time of the exact ones; with this, about 0.55x
@@ -316,7 +314,8 @@ def quantized(x):  # type: ignore[no-untyped-def]
 
 def _serial_product(fa: int, fb: int, fc: int) -> Any:
     @njit(cache=True)
-    def product(a, b, c, q, out):  # type: ignore[no-untyped-def]
+    def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
+        q = quantized(x)  # here, not a call of its own: a numba call costs microseconds
         ends = (a.shape[0], a.shape[0] + b.shape[0])  # int64, not literal: one _rows each
         _rows(fa, a, q, out, 0, a.shape[0], ends[0] - ends[0])
         _rows(fb, b, q, out, 0, b.shape[0], ends[0])
@@ -352,9 +351,9 @@ def _chunk_product(fa: int, fb: int, fc: int) -> Any:
 
 @functools.cache
 def product_kernel(fa: int, fb: int, fc: int) -> Any:
-    """``product(a, b, c, q, out)`` as :func:`.kernels.product_kernel`, from ``q``, the
-    activations quantized by :func:`quantized`: ``out[r, o] ~ x[r] . row o``, in the
-    calling thread. The formats must be in :data:`Q8_FORMATS`."""
+    """``product(a, b, c, x, out)`` as :func:`.kernels.product_kernel`, with ``x``
+    quantized first: ``out[r, o] ~ x[r] . row o``, in the calling thread. The formats
+    must be in :data:`.q8.Q8_FORMATS`."""
     return _serial_product(fa, fb, fc)
 
 
