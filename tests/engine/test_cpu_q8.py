@@ -183,3 +183,33 @@ def test_smollm2_in_q8_follows_the_golden_references() -> None:
         assert out[:16] == want[:16], prompt["id"]
         exact += out == want
     assert exact >= 4
+
+
+@pytest.mark.parametrize("use_vnni", [False, True], ids=["generic", "vnni"])
+def test_the_integer_dot_product_on_either_path(
+    use_vnni: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dot4 as ``vpdpbusd`` (where the CPU has VNNI) and as the portable widening code
+    that other CPUs get: both the exact sums of four unsigned-by-signed byte products."""
+    from numba import njit
+
+    from meshnode.engine.cpu import simd_int
+    from meshnode.engine.cpu.simd import tofloat, vstore
+
+    if use_vnni and not simd_int.vnni():
+        pytest.skip("this CPU has no VNNI")
+    monkeypatch.setattr(simd_int, "vnni", lambda: use_vnni)  # read when it compiles
+
+    @njit(cache=False)
+    def dot(w, x, out):  # type: ignore[no-untyped-def]
+        vstore(out, 0, tofloat(simd_int.dot4(simd_int.bload(w, 0), x, 0)))
+
+    for w, x in [
+        (rng.integers(0, 256, 32), rng.integers(-128, 128, 32)),
+        ([255] * 32, [-128] * 32),
+    ]:
+        w8, x8 = np.asarray(w, np.uint8), np.asarray(x, np.int8)
+        out = np.zeros(8, np.float32)
+        dot(w8, x8.view(np.uint8), out)
+        want = (w8.astype(np.int64) * x8).reshape(8, 4).sum(1)
+        np.testing.assert_array_equal(out, want)
