@@ -44,11 +44,15 @@ from meshnode.engine.cpu.simd_int import (
     bxor,
     dot4,
     fload,
+    fload2,
     half,
+    half2,
     iload,
     imul,
     ivsub,
+    lane,
     lanes2,
+    mul2,
     nibbles,
     prefetch,
 )
@@ -107,7 +111,8 @@ def buffer_bytes(n):  # type: ignore[no-untyped-def]
     return n * 5 // 2
 
 
-# -- one 32-value chunk: (int32 lanes, weight scale, float term) -------------------------
+# -- one 32-value chunk: (int32 lanes, their float scale: the weight's times the
+# activation block's, float term) --------------------------------------------------------
 # ``o`` is the byte offset of the chunk's block in the flat weights, ``s`` the chunk's
 # sub-block in it (K-quants), ``b`` the activation block it meets in the buffer ``q`` of
 # :func:`quantize` for ``n`` activations: quants at byte 32 b, sums of four at n + 32 b,
@@ -117,34 +122,36 @@ def buffer_bytes(n):  # type: ignore[no-untyped-def]
 @njit(cache=True)
 def _q4_0(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
     p = ivsub(dot4(nibbles(w, o + 2), q, 32 * b), ishl(iload(q, n + 32 * b), 3))
-    return p, half(w, o), np.float32(0.0)
+    return p, half(w, o) * fload(q, 2 * n + 16 * b), np.float32(0.0)
 
 
 @njit(cache=True)
 def _q4_1(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
     p = dot4(nibbles(w, o + 4), q, 32 * b)
-    return p, half(w, o), half(w, o + 2) * fload(q, 2 * n + 16 * b + 4)
+    dm = mul2(half2(w, o), fload2(q, 2 * n + 16 * b))  # (d dx, m dx sum(q)) at once
+    return p, lane(dm, 0), lane(dm, 1)
 
 
 @njit(cache=True)
 def _q5_0(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
     u = bor(nibbles(w, o + 6), bshl(bits32(w, o + 2), 4))
     p = ivsub(dot4(u, q, 32 * b), ishl(iload(q, n + 32 * b), 4))
-    return p, half(w, o), np.float32(0.0)
+    return p, half(w, o) * fload(q, 2 * n + 16 * b), np.float32(0.0)
 
 
 @njit(cache=True)
 def _q5_1(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
     u = bor(nibbles(w, o + 8), bshl(bits32(w, o + 4), 4))
     p = dot4(u, q, 32 * b)
-    return p, half(w, o), half(w, o + 2) * fload(q, 2 * n + 16 * b + 4)
+    dm = mul2(half2(w, o), fload2(q, 2 * n + 16 * b))  # (d dx, m dx sum(q)) at once
+    return p, lane(dm, 0), lane(dm, 1)
 
 
 @njit(cache=True)
 def _q8_0(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
     # int8 weights as unsigned bytes w + 128
     p = ivsub(dot4(bxor(bload(w, o + 2), 128), q, 32 * b), ishl(iload(q, n + 32 * b), 7))
-    return p, half(w, o), np.float32(0.0)
+    return p, half(w, o) * fload(q, 2 * n + 16 * b), np.float32(0.0)
 
 
 @njit(cache=True)
@@ -154,7 +161,7 @@ def _q2_k(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
     p = imul(dot4(u, q, 32 * b), lanes2(sa & 15, sb & 15))
     f = 2 * n + 16 * b  # the block's floats: the sums of its halves at f + 8, f + 12
     mins = np.float32(sa >> 4) * fload(q, f + 8) + np.float32(sb >> 4) * fload(q, f + 12)
-    return p, half(w, o + 80), -half(w, o + 82) * mins
+    return p, half(w, o + 80) * fload(q, f), -half(w, o + 82) * mins
 
 
 @njit(cache=True)
@@ -171,7 +178,7 @@ def _q3_k(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
     u = bor(low, bshl(band(bshr(bload(w, o), s), 1), 2))
     p = ivsub(dot4(u, q, 32 * b), ishl(iload(q, n + 32 * b), 2))
     scales = lanes2(_q3_k_scale(w, o + 96, 2 * s), _q3_k_scale(w, o + 96, 2 * s + 1))
-    return imul(p, scales), half(w, o + 108), np.float32(0.0)
+    return imul(p, scales), half(w, o + 108) * fload(q, 2 * n + 16 * b), np.float32(0.0)
 
 
 @njit(cache=True)
@@ -189,7 +196,7 @@ def _q4_k(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
     sc, mn = _k_scale_min(w, o + 4, s)
     p = dot4(band(bshr(bload(w, o + 16 + 32 * (s // 2)), 4 * (s % 2)), 15), q, 32 * b)
     m = -half(w, o + 2) * np.float32(mn) * fload(q, 2 * n + 16 * b + 4)
-    return p, half(w, o) * np.float32(sc), m
+    return p, half(w, o) * np.float32(sc) * fload(q, 2 * n + 16 * b), m
 
 
 @njit(cache=True)
@@ -198,7 +205,7 @@ def _q5_k(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
     low = band(bshr(bload(w, o + 48 + 32 * (s // 2)), 4 * (s % 2)), 15)
     p = dot4(bor(low, bshl(band(bshr(bload(w, o + 16), s), 1), 4)), q, 32 * b)
     m = -half(w, o + 2) * np.float32(mn) * fload(q, 2 * n + 16 * b + 4)
-    return p, half(w, o) * np.float32(sc), m
+    return p, half(w, o) * np.float32(sc) * fload(q, 2 * n + 16 * b), m
 
 
 @njit(cache=True)
@@ -208,7 +215,7 @@ def _q6_k(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
     u = bor(low, bshl(band(bshr(bload(w, o + 128 + 32 * h), 2 * m), 3), 4))
     p = ivsub(dot4(u, q, 32 * b), ishl(iload(q, n + 32 * b), 5))
     scales = lanes2(np.int8(w[o + 192 + 2 * s]), np.int8(w[o + 193 + 2 * s]))
-    return imul(p, scales), half(w, o + 208), np.float32(0.0)
+    return imul(p, scales), half(w, o + 208) * fload(q, 2 * n + 16 * b), np.float32(0.0)
 
 
 @njit(cache=True)
@@ -246,15 +253,15 @@ def _one(fmt, w, base, q, n, first, nb):  # type: ignore[no-untyped-def]
         b = first + c
         p0, d0, m0 = _qchunk(fmt, w, base, c, q, n, b)
         p1, d1, m1 = _qchunk(fmt, w, base, c + 1, q, n, b + 1)
-        a0 = vfma(tofloat(p0), vsplat(d0 * fload(q, 2 * n + 16 * b)), a0)
-        a1 = vfma(tofloat(p1), vsplat(d1 * fload(q, 2 * n + 16 * b + 16)), a1)
+        a0 = vfma(tofloat(p0), vsplat(d0), a0)
+        a1 = vfma(tofloat(p1), vsplat(d1), a1)
         t0 += m0
         t1 += m1
         c += 2
     if c < nb:
         b = first + c
         p0, d0, m0 = _qchunk(fmt, w, base, c, q, n, b)
-        a0 = vfma(tofloat(p0), vsplat(d0 * fload(q, 2 * n + 16 * b)), a0)
+        a0 = vfma(tofloat(p0), vsplat(d0), a0)
         t0 += m0
     return vsum(a0) + vsum(a1) + (t0 + t1)
 
@@ -272,11 +279,10 @@ def _four(fmt, w, base, q, n, f0, f1, f2, f3, nb):  # type: ignore[no-untyped-de
         p1, d1, m1 = _qchunk(fmt, w, base, c, q, n, b1)
         p2, d2, m2 = _qchunk(fmt, w, base, c, q, n, b2)
         p3, d3, m3 = _qchunk(fmt, w, base, c, q, n, b3)
-        f = 2 * n
-        a0 = vfma(tofloat(p0), vsplat(d0 * fload(q, f + 16 * b0)), a0)
-        a1 = vfma(tofloat(p1), vsplat(d1 * fload(q, f + 16 * b1)), a1)
-        a2 = vfma(tofloat(p2), vsplat(d2 * fload(q, f + 16 * b2)), a2)
-        a3 = vfma(tofloat(p3), vsplat(d3 * fload(q, f + 16 * b3)), a3)
+        a0 = vfma(tofloat(p0), vsplat(d0), a0)
+        a1 = vfma(tofloat(p1), vsplat(d1), a1)
+        a2 = vfma(tofloat(p2), vsplat(d2), a2)
+        a3 = vfma(tofloat(p3), vsplat(d3), a3)
         t0, t1, t2, t3 = t0 + m0, t1 + m1, t2 + m2, t3 + m3
     return vsum(a0) + t0, vsum(a1) + t1, vsum(a2) + t2, vsum(a3) + t3
 

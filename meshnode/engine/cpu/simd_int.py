@@ -12,6 +12,9 @@ add neighbours), which LLVM lowers for the machine it compiles on (``pmaddwd`` o
 ``smull``/``addp`` on ARM). Products are exact int32 either way: an unsigned byte times an
 int8 is at most 32,640 in magnitude and a lane sums four.
 
+``F32x2`` (two float lanes) carries a Q4_1/Q5_1 block's scale and minimum through one
+load, one conversion and one multiply with the activation block's scale and sum.
+
 Loads take a ``uint8`` array and a byte offset (the quantized activations, their sums and
 scales share one buffer) and do no bounds checks, like numba's own indexing.
 """
@@ -29,6 +32,7 @@ from numba.extending import models, register_model
 from meshnode.engine.cpu.simd import I32x8, intrinsic
 
 __all__ = [
+    "F32x2",
     "U8x32",
     "band",
     "bits32",
@@ -39,12 +43,17 @@ __all__ = [
     "bxor",
     "dot4",
     "fload",
+    "fload2",
     "half",
+    "half2",
     "iload",
     "imul",
     "ivsub",
+    "lane",
     "lanes2",
+    "mul2",
     "nibbles",
+    "prefetch",
     "vnni",
 ]
 
@@ -348,3 +357,75 @@ def prefetch(typingctx: Any, row: Any, off: Any) -> Any:
         return context.get_dummy_value()
 
     return types.none(row, off), codegen
+
+
+# -- two float lanes: a block's scale and minimum together (Q4_1, Q5_1) --------------------
+
+_V2 = ir.VectorType(ir.FloatType(), 2)
+
+
+class F32x2Type(types.Type):
+    """Two float32 lanes (half an SSE register)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="F32x2")
+
+
+F32x2 = F32x2Type()
+
+
+@register_model(F32x2Type)
+class _F32x2Model(models.PrimitiveModel):
+    def __init__(self, dmm: Any, fe_type: Any) -> None:
+        super().__init__(dmm, fe_type, _V2)  # type: ignore[no-untyped-call]
+
+
+@intrinsic
+def half2(typingctx: Any, row: Any, off: Any) -> Any:
+    """The two float16 at byte ``off`` of a ``uint8`` row as float32 lanes (one load, one
+    ``vcvtph2ps``: a Q4_1/Q5_1 block's ``d`` and ``m``)."""
+    if not _is_array(row, types.uint8):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        vty = ir.VectorType(ir.HalfType(), 2)
+        ptr = _byte_pointer(context, builder, sig.args[0], args[0], args[1], vty)
+        return builder.fpext(builder.load(ptr, align=1), _V2)
+
+    return F32x2(row, off), codegen
+
+
+@intrinsic
+def fload2(typingctx: Any, buf: Any, off: Any) -> Any:
+    """The two float32 at byte ``off`` of a ``uint8`` buffer."""
+    if not _is_array(buf, types.uint8):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ptr = _byte_pointer(context, builder, sig.args[0], args[0], args[1], _V2)
+        return builder.load(ptr, align=4)
+
+    return F32x2(buf, off), codegen
+
+
+@intrinsic
+def mul2(typingctx: Any, a: Any, b: Any) -> Any:
+    """``a * b`` lane by lane (two lanes)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.fmul(args[0], args[1])
+
+    return F32x2(a, b), codegen
+
+
+@intrinsic
+def lane(typingctx: Any, v: Any, i: Any) -> Any:
+    """Lane ``i`` (a literal 0 or 1) of two."""
+    if not isinstance(i, types.IntegerLiteral):
+        return None
+    index = i.literal_value
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.extract_element(args[0], ir.Constant(_I32, index))
+
+    return types.float32(v, i), codegen
