@@ -2,9 +2,9 @@
 
 llama.cpp multiplies its quantized weights with activations quantized to 8 bits per
 32-value block and integer dot products; this mode does the same for the products of up
-to :data:`Q8_MAX_ROWS` activation rows (decode, short verify windows) whose weights are
-all in a quantized format (:mod:`.q8_kernels`). Everything else (prefill, F32/F16/BF16
-weights) takes the exact kernels of :class:`.BlockMatrix`. The result is not
+to :data:`Q8_MAX_ROWS` activation rows (decode) whose weights are all in a quantized
+format (:mod:`.q8_kernels`). Everything else (more rows, F32/F16/BF16 weights) takes
+the exact kernels of :class:`.BlockMatrix`. The result is not
 "dequantize, then multiply in float32": each activation moves by up to half its block's
 step (``max|x| / 254``), so greedy tokens can differ from the float32 reference
 (``benchmarks/engine.py`` prints how many golden prompts still match).
@@ -27,11 +27,12 @@ __all__ = ["Q8_FORMATS", "Q8_MAX_ROWS", "accepts", "q8_product"]
 
 # The formats with integer quants (kernel ids of .formats: Q4_0 .. Q6_K).
 Q8_FORMATS = frozenset(range(3, 13))
-# Products of more rows take the exact kernels, whose 4 x 4 register tiles of sixteen
-# float lanes then do better. Each model's products in forward order, one thread, median
-# time against the exact kernels (load 3-7): SmolLM2 0.70x at 1 row, 0.93x at 2, 0.87x
-# at 4, 1.16x at 8; Gemma 3 0.61x at 2 rows, 0.73x at 4.
-Q8_MAX_ROWS = 4
+# Products of more rows take the exact kernels. The q8 kernels take any number of rows
+# (four at a time per unpacked weight chunk), but in whole forwards of 2 and 4 rows they
+# were slower than the exact kernels' 4 x 4 tiles of sixteen float lanes: SmolLM2 27.2
+# against 25.5 ms at 2 rows, 29.4 against 28.3 at 4; Gemma 3 61.8 against 54.2 and 64.8
+# against 60.2 (benchmarks/engine.py --threads 1, k-row costs, load 1.4-3).
+Q8_MAX_ROWS = 1
 
 
 @cache
