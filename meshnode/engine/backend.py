@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal, cast, get_args
 import numpy as np
 from meshnode_packaging.sources import ModelSource
 
+from meshnode.engine.attention import Attention, KernelAttention
 from meshnode.engine.config import ModelConfig, ModelConfigError
 from meshnode.engine.cpu import BlockMatrix, q8, set_kernel_threads
 from meshnode.engine.cuda.device import PinnedStaging
@@ -133,6 +134,11 @@ class Backend(ABC):
         lays it out."""
         return x @ w
 
+    def attention(self, config: ModelConfig, start: int, end: int) -> Attention:
+        """The attention of layers ``[start, end)`` over a batch's sequences, for the
+        NumPy forward: :mod:`meshnode.engine.ops`'s functions, a sequence at a time."""
+        return Attention(self.xp, config, start, end)
+
     def embed_rows(self, table: Any, ids: Any) -> Any:
         """The embedding rows ``[S, E]`` of token ``ids`` from ``table`` (``embed_t``,
         ``[E, V]`` as :meth:`load_weights` lays it out)."""
@@ -191,6 +197,14 @@ class CpuBackend(Backend):
         if isinstance(table, BlockMatrix):
             return table.rows(ids)
         return table[:, ids].T
+
+    def attention(self, config: ModelConfig, start: int, end: int) -> Attention:
+        """Over GGUF blocks, the short sequences of a batch (decode, verify) in one
+        compiled call per layer (:class:`KernelAttention`); with float32 weights (the
+        parity-debugging mode) the NumPy reference."""
+        if self.cpu_blocks:
+            return KernelAttention(self.xp, config, start, end)
+        return Attention(self.xp, config, start, end)
 
     def linear(self, x: Any, w: Any) -> Any:
         """``x @ w``; over dense weights a few rows go one by one (:data:`GEMV_MAX_ROWS`),

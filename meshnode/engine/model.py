@@ -26,6 +26,7 @@ import numpy.typing as npt
 from meshnode_packaging.sources import ModelSource
 
 from meshnode.engine import ops
+from meshnode.engine.attention import Segment
 from meshnode.engine.backend import Backend, cpu_backend
 from meshnode.engine.config import ModelConfig, ModelConfigError
 from meshnode.engine.cuda.stage import CudaStage
@@ -84,14 +85,8 @@ class Stage:
             self.weights = self.backend.load_weights(
                 source_or_weights, config, start, end, embed=embed, head=head
             )
-        # RoPE frequencies [D/2] of each distinct kind of layer (Gemma 3: local and global),
-        # and which kind each layer of the stage is.
-        kinds = [tuple(config.rope_inv_freq(i)) for i in range(start, end)]
-        distinct = list(dict.fromkeys(kinds))
-        self._freqs = [self.backend.asarray(np.asarray(f, dtype=np.float32)) for f in distinct]
-        self._rope_kind = [distinct.index(k) for k in kinds]
-        self._windows = [config.window(i) for i in range(start, end)]
-        self._scale = config.attention_scale
+        # attention, RoPE and the KV cache of each sequence, as the backend computes them
+        self._attention_of = self.backend.attention(config, start, end)
         # Gemma scales embeddings by sqrt(hidden) rounded to the activations' dtype first.
         self._embed_scale = np.float32(np.sqrt(config.hidden_size))
         # CUDA: the engine's kernels, fixed buffers, CUDA graphs take the forward
@@ -189,8 +184,9 @@ class Stage:
         segs = [self._segment(item) for item in items]
         x = _concat(self.xp, [self._inputs(item) for item in items])  # [N, E]
         last = len(self.weights.layers) - 1
+        plan = self._attention_of.prepare(segs) if last >= 0 else None
         for i, layer in enumerate(self.weights.layers):
-            x = self._block(layer, x, segs, i, i == last)
+            x = self._block(layer, x, segs, plan, i, i == last)
         if len(self.weights.layers) == 0:
             x = x[_kept_rows(self.xp, segs)]
         for item, seg in zip(items, segs, strict=True):
@@ -198,13 +194,12 @@ class Stage:
         out = self._head(x) if self.head else x
         return _split(out, [seg.rows for seg in segs])
 
-    def _segment(self, item: BatchRow) -> _Segment:
+    def _segment(self, item: BatchRow) -> Segment:
         item.cache.truncate(item.start_pos)
         n = len(item.inputs)
         out_rows = item.out_rows
         rows = n if out_rows is None or not self.head else min(out_rows, n)
-        ropes = [self._rope(f, item.start_pos, n) for f in self._freqs]  # [S, D] cos, sin
-        return _Segment(item.start_pos, n, rows, item.cache, ropes)
+        return Segment(item.start_pos, n, rows, item.cache)
 
     def _inputs(self, item: BatchRow) -> Any:
         if self.embed:
@@ -213,43 +208,26 @@ class Stage:
 
     # -- pieces ------------------------------------------------------------------------
 
-    def _block(self, w: LayerWeights, x: Any, segs: list[_Segment], layer: int, last: bool) -> Any:
+    def _block(
+        self, w: LayerWeights, x: Any, segs: list[Segment], plan: Any, layer: int, last: bool
+    ) -> Any:
         """One decoder block over the rows of every segment; in the last layer only each
         segment's last ``rows`` rows go past attention."""
-        h = self._attention(w, self._rms_norm(x, w.attn_norm), segs, layer, last)
+        h = self._attention(w, self._rms_norm(x, w.attn_norm), segs, plan, layer, last)
         if last:
             x = x[_kept_rows(self.xp, segs)]
         x = x + self._maybe_norm(h, w.post_attn_norm)  # [R, E]
         return x + self._maybe_norm(self._mlp(w, self._rms_norm(x, w.ffn_norm)), w.post_ffn_norm)
 
     def _attention(
-        self, w: LayerWeights, x: Any, segs: list[_Segment], layer: int, last: bool
+        self, w: LayerWeights, x: Any, segs: list[Segment], plan: Any, layer: int, last: bool
     ) -> Any:
         qkv = self._linear(x, w.wqkv)  # [N, (H + 2 Hkv) D]: all sequences' rows at once
         if w.bqkv is not None:
             qkv = qkv + w.bqkv
-        outs, offset = [], 0
-        for seg in segs:
-            rows = seg.rows if last else seg.n
-            outs.append(self._attend(w, qkv[offset : offset + seg.n], seg, layer, rows))
-            offset += seg.n
-        return self._linear(_concat(self.xp, outs), w.wo)  # [R, E]
-
-    def _attend(self, w: LayerWeights, qkv: Any, seg: _Segment, layer: int, rows: int) -> Any:
-        """One sequence's attention: ``qkv`` ``[S, (H + 2 Hkv) D]`` -> ``[r, H D]``."""
-        c, xp = self.config, self.xp
-        cos, sin = seg.ropes[self._rope_kind[layer]]  # [S, D]
-        n = seg.n
-        q = qkv[n - rows :, : c.q_size].reshape(rows, c.num_heads, c.head_dim)
-        k = qkv[:, c.q_size : c.q_size + c.kv_size].reshape(n, c.num_kv_heads, c.head_dim)
-        v = qkv[:, c.q_size + c.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
-        q = self._maybe_norm(q, w.q_norm).transpose(1, 0, 2)  # QK-norm per head; [H, r, D]
-        k = self._maybe_norm(k, w.k_norm).transpose(1, 0, 2)  # [Hkv, S, D]
-        q = ops.rotate_half(xp, q, cos[n - rows :], sin[n - rows :])
-        k = ops.rotate_half(xp, k, cos, sin)
-        keys, values = seg.cache.write(layer, seg.start_pos, k, v.transpose(1, 0, 2))  # [Hkv, T, D]
-        out = ops.attention(xp, q, keys, values, self._scale, self._windows[layer])  # [H, r, D]
-        return out.transpose(1, 0, 2).reshape(rows, c.q_size)  # [r, H D]
+        # per sequence: QK-norm, RoPE, its cache, attention (engine.attention)
+        heads = self._attention_of(qkv, segs, plan, layer, (w.q_norm, w.k_norm), last)
+        return self._linear(heads, w.wo)  # [R, E]
 
     def _mlp(self, w: LayerWeights, x: Any) -> Any:
         gate_up = self._linear(x, w.w_gate_up)  # [r, 2 I]
@@ -266,10 +244,6 @@ class Stage:
 
     def _maybe_norm(self, x: Any, weight: Any | None) -> Any:
         return x if weight is None else self._rms_norm(x, weight)
-
-    def _rope(self, inv_freq: Any, start: int, n: int) -> tuple[Any, Any]:
-        """cos and sin ``[S, D]`` for positions ``start .. start + n - 1``."""
-        return ops.rope_cos_sin(self.xp, inv_freq, start, n)
 
     def _embed(self, ids: Any) -> Any:
         x = self._lookup(ids)  # [S, E]
@@ -298,22 +272,11 @@ class BatchRow:
     out_rows: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class _Segment:
-    """Where one sequence sits in a batch: S new rows from ``start_pos``, r kept."""
-
-    start_pos: int
-    n: int
-    rows: int
-    cache: Any
-    ropes: list[tuple[Any, Any]]
-
-
 def _concat(xp: Any, parts: list[Any]) -> Any:
     return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=0)
 
 
-def _kept_rows(xp: Any, segs: list[_Segment]) -> Any:
+def _kept_rows(xp: Any, segs: list[Segment]) -> Any:
     """Indices of each segment's last ``rows`` rows in the stacked ``[N, E]`` activations."""
     ends = np.cumsum([seg.n for seg in segs])
     if len(segs) == 1:

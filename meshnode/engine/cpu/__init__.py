@@ -8,7 +8,9 @@ them; ``pool`` (kernel threads that claim chunks of a product) on ``atomics``;
 word layout; ``matrix`` (:class:`BlockMatrix`, what a stage holds) on top, which imports
 numba only at the first product so that importing the engine stays cheap. Beside
 ``matrix``: ``q8`` (the opt-in 8-bit-activation decode products, ``--dtype q8``) over
-``q8_kernels`` and ``simd_int`` (byte vectors and the integer dot product).
+``q8_kernels`` and ``simd_int`` (byte vectors and the integer dot product). ``attention``
+(one layer's attention for all short sequences of a batch, in one call; used by
+``meshnode.engine.attention``) on ``simd`` and ``atomics``.
 """
 
 from meshnode.engine.cpu.matrix import (

@@ -1,0 +1,225 @@
+"""A stage's attention over the sequences of a batch: the NumPy reference, and the CPU's
+compiled kernel for short segments.
+
+``model.Stage`` hands each layer's fused q/k/v projection of the whole batch here and gets
+back the rows ``wo`` multiplies. Per sequence (a :class:`Segment`): split q/k/v, QK-norm,
+RoPE, write K/V into the sequence's cache, causal (and sliding-window) grouped-query
+attention over it. :class:`Attention` does it with the functions of
+:mod:`meshnode.engine.ops`, a segment at a time; :class:`KernelAttention` (the CPU backend
+over GGUF blocks) does every short segment (decode, verify windows, short prompts: see
+:data:`KERNEL_MAX_WORK`) in one compiled call per layer (:mod:`meshnode.engine.cpu.attention`)
+and leaves longer ones (prefill) to the reference, where BLAS does the work.
+
+RoPE's cos/sin come from a table per kind of layer (:class:`RopeTable`), computed once
+for positions ``0 .. P`` with :func:`ops.rope_cos_sin` and grown as sequences get longer,
+instead of per segment per forward.
+
+Shapes: N rows of the batch, S a segment's new rows, r its query rows, R all query rows,
+H query heads, Hkv key/value heads, D head dim, P positions of a RoPE table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from meshnode.engine import ops
+from meshnode.engine.config import ModelConfig
+
+__all__ = [
+    "KERNEL_MAX_ROWS",
+    "KERNEL_MAX_WORK",
+    "Attention",
+    "KernelAttention",
+    "RopeTable",
+    "Segment",
+]
+
+# Which segments the compiled kernel takes: one row always (decode); up to
+# KERNEL_MAX_ROWS rows (verify windows, short prompts) while rows x positions stays within
+# KERNEL_MAX_WORK. Past that the reference's matrix products (BLAS) beat the kernel's
+# row-by-row dot products, for all that the reference costs ~35 us more per segment and
+# layer. Measured on SmolLM2's shapes, one thread (kernel / reference, us): 1 row at 1,000
+# positions 124 / 228; 2 rows at 300: 69 / 97; 4 at 100: 64 / 73; 4 at 300: 149 / 139;
+# 16 at 16: 75 / 95; 16 at 100: 260 / 166.
+KERNEL_MAX_ROWS = 16
+KERNEL_MAX_WORK = 1024
+# Positions a RoPE table holds at first; it doubles as needed.
+ROPE_TABLE_MIN = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Where one sequence sits in a batch: S new rows from ``start_pos``, of which the
+    last ``rows`` go past attention in the stage's last layer."""
+
+    start_pos: int
+    n: int
+    rows: int
+    cache: Any
+
+
+class RopeTable:
+    """RoPE's cos and sin ``[P, D]`` for positions ``0 .. P - 1`` of one set of
+    frequencies, computed as :func:`ops.rope_cos_sin` computes them (each entry depends on
+    its position alone, so a slice equals a per-segment computation bit for bit)."""
+
+    def __init__(self, xp: ModuleType, inv_freq: Any) -> None:
+        self._xp, self._inv_freq = xp, inv_freq
+        self.cos, self.sin = ops.rope_cos_sin(xp, inv_freq, 0, 0)
+
+    def reach(self, end: int) -> None:
+        """Hold at least positions ``0 .. end - 1``."""
+        size = self.cos.shape[0]
+        if end > size:
+            size = max(end, 2 * size, ROPE_TABLE_MIN)
+            self.cos, self.sin = ops.rope_cos_sin(self._xp, self._inv_freq, 0, size)
+
+    def rows(self, start: int, n: int) -> tuple[Any, Any]:
+        """cos and sin ``[S, D]`` of positions ``start .. start + n - 1``."""
+        self.reach(start + n)
+        return self.cos[start : start + n], self.sin[start : start + n]
+
+
+class Attention:
+    """Attention of layers ``[start, end)`` of a model, a segment at a time through
+    :mod:`meshnode.engine.ops` (the reference)."""
+
+    def __init__(self, xp: ModuleType, config: ModelConfig, start: int, end: int) -> None:
+        self.xp, self.config = xp, config
+        # RoPE frequencies [D/2] of each distinct kind of layer (Gemma 3: local and global),
+        # and which kind each layer of the stage is.
+        kinds = [tuple(config.rope_inv_freq(i)) for i in range(start, end)]
+        distinct = list(dict.fromkeys(kinds))
+        freqs = [xp.asarray(np.asarray(f, dtype=np.float32)) for f in distinct]
+        self.tables = [RopeTable(xp, f) for f in freqs]
+        self.rope_kind = [distinct.index(k) for k in kinds]
+        self.windows = [config.window(i) for i in range(start, end)]
+        self.scale = config.attention_scale
+
+    def prepare(self, segs: Sequence[Segment]) -> Any:
+        """What :meth:`__call__` needs for ``segs`` in every layer of one forward (here the
+        RoPE tables grown to reach every new position)."""
+        end = max(seg.start_pos + seg.n for seg in segs)
+        for table in self.tables:
+            table.reach(end)
+        return None
+
+    def __call__(
+        self,
+        qkv: Any,
+        segs: Sequence[Segment],
+        plan: Any,
+        layer: int,
+        norms: tuple[Any | None, Any | None],
+        last: bool,
+    ) -> Any:
+        """``qkv`` ``[N, (H + 2 Hkv) D]`` of stage layer ``layer`` -> ``[R, H D]``: each
+        segment's new K/V written to its cache, its query rows (all, or in the ``last``
+        layer its last ``rows``) attended. ``norms`` are the QK-norm weights (or None);
+        ``plan`` is what :meth:`prepare` returned. Raises ``ValueError`` when a cache is
+        full."""
+        outs, offset = [], 0
+        for seg in segs:
+            rows = seg.rows if last else seg.n
+            outs.append(self.attend(qkv[offset : offset + seg.n], seg, layer, norms, rows))
+            offset += seg.n
+        return outs[0] if len(outs) == 1 else self.xp.concatenate(outs, axis=0)
+
+    def attend(
+        self, qkv: Any, seg: Segment, layer: int, norms: tuple[Any | None, Any | None], rows: int
+    ) -> Any:
+        """One sequence's attention: ``qkv`` ``[S, (H + 2 Hkv) D]`` -> ``[r, H D]``."""
+        c, xp = self.config, self.xp
+        cos, sin = self.tables[self.rope_kind[layer]].rows(seg.start_pos, seg.n)  # [S, D]
+        n = seg.n
+        q = qkv[n - rows :, : c.q_size].reshape(rows, c.num_heads, c.head_dim)
+        k = qkv[:, c.q_size : c.q_size + c.kv_size].reshape(n, c.num_kv_heads, c.head_dim)
+        v = qkv[:, c.q_size + c.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
+        q = self._maybe_norm(q, norms[0]).transpose(1, 0, 2)  # QK-norm per head; [H, r, D]
+        k = self._maybe_norm(k, norms[1]).transpose(1, 0, 2)  # [Hkv, S, D]
+        q = ops.rotate_half(xp, q, cos[n - rows :], sin[n - rows :])
+        k = ops.rotate_half(xp, k, cos, sin)
+        keys, values = seg.cache.write(layer, seg.start_pos, k, v.transpose(1, 0, 2))  # [Hkv, T, D]
+        out = ops.attention(xp, q, keys, values, self.scale, self.windows[layer])  # [H, r, D]
+        return out.transpose(1, 0, 2).reshape(rows, c.q_size)  # [r, H D]
+
+    def _maybe_norm(self, x: Any, weight: Any | None) -> Any:
+        return x if weight is None else ops.rms_norm(self.xp, x, weight, self.config.rms_norm_eps)
+
+
+class KernelAttention(Attention):
+    """As :class:`Attention`, with every short segment (:data:`KERNEL_MAX_WORK`) computed
+    by one compiled call per layer (NumPy arrays, float32 caches in C order)."""
+
+    def __init__(self, xp: ModuleType, config: ModelConfig, start: int, end: int) -> None:
+        super().__init__(xp, config, start, end)
+        # the kernel steps over the head dimension sixteen lanes at a time
+        self._usable = config.head_dim % 16 == 0
+        self._eps = np.float32(config.rms_norm_eps)
+        self._scale = np.float32(self.scale)
+        self._none = np.zeros(0, np.float32)
+
+    def prepare(self, segs: Sequence[Segment]) -> Any:
+        """The kernel's segment table (cache addresses, rows, positions), after checking
+        that its segments fit their caches (``ValueError`` if not)."""
+        super().prepare(segs)
+        parts = []
+        for seg in segs:
+            end = seg.start_pos + seg.n
+            here = self._usable and _for_kernel(seg.n, end)
+            if here and end > seg.cache.max_tokens:
+                raise ValueError(f"KV cache full: {end} > {seg.cache.max_tokens} tokens")
+            parts.append((seg.n, seg.rows, seg.start_pos, here, seg.cache))
+        table = _kernels().segment_table(parts)
+        return table if table[:, _kernels().KERNEL].any() else None
+
+    def __call__(
+        self,
+        qkv: Any,
+        segs: Sequence[Segment],
+        plan: Any,
+        layer: int,
+        norms: tuple[Any | None, Any | None],
+        last: bool,
+    ) -> Any:
+        """As :meth:`Attention.__call__`; the kernel's segments in one call."""
+        if plan is None:
+            return super().__call__(qkv, segs, plan, layer, norms, last)
+        k = _kernels()
+        qkv = np.ascontiguousarray(qkv, dtype=np.float32)
+        table = self.tables[self.rope_kind[layer]]
+        kept = [seg.rows if last else seg.n for seg in segs]
+        out = np.empty((sum(kept), self.config.q_size), np.float32)  # [R, H D]
+        q_norm, k_norm = (self._none if n is None else np.asarray(n, np.float32) for n in norms)
+        window = self.windows[layer] or 0
+        k.attend(
+            qkv, plan, layer, self.config.num_heads, q_norm, k_norm, self._eps,
+            table.cos, table.sin, self._scale, window, last, out,
+        )  # fmt: skip
+        offset = row = 0
+        for i, (seg, rows) in enumerate(zip(segs, kept, strict=True)):
+            if not plan[i, k.KERNEL]:  # a long segment: the reference, through BLAS
+                part = qkv[offset : offset + seg.n]
+                out[row : row + rows] = self.attend(part, seg, layer, norms, rows)
+            offset, row = offset + seg.n, row + rows
+        return out
+
+
+def _for_kernel(rows: int, end: int) -> bool:
+    """Whether a segment of ``rows`` new rows ending at position ``end`` goes through the
+    kernel (it depends on the segment alone: a sequence's path is the same in any batch)."""
+    return rows == 1 or (rows <= KERNEL_MAX_ROWS and rows * end <= KERNEL_MAX_WORK)
+
+
+@cache
+def _kernels() -> Any:
+    """The compiled kernel's module, imported (numba with it) at the first forward."""
+    from meshnode.engine.cpu import attention as module
+
+    return module

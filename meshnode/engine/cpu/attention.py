@@ -1,0 +1,251 @@
+"""One layer's attention for every short segment of a batch, as one compiled call.
+
+What ``model.Stage`` did per sequence in some thirty small NumPy calls (split q/k/v out of
+the fused projection, QK-norm, RoPE, the cache write, grouped-query attention with a
+causal and sliding-window mask, a stable softmax) here runs for all the decode and
+verify segments of a batch in one call per layer. The per-call overhead of NumPy, not
+the arithmetic, was what an 8-sequence decode step spent there (~19 ms of 57 ms on
+SmolLM2-135M; see the README, "Many users at once").
+
+The caches stay separate arrays, one per sequence: the call gets a table of their
+addresses (:func:`segment_table`), which the stage builds once per forward, and views each
+through ``numba.carray``. Each query row is computed by the same code whatever else is in
+the batch, so a sequence's output is bit-identical alone or batched.
+
+The math is :func:`meshnode.engine.ops.attention`'s with its RoPE and norms, in another
+summation order: dot products over the head dimension in sixteen float32 lanes, then
+across lanes; softmax ``exp(s - max) / sum`` over the visible keys only (those no query
+may see are never read, rather than masked with ``-inf``); the weighted sum of values
+key by key. The rotation is the reference's expression (``x * cos - x' * sin``, not
+fused), with cos/sin from the caller's table.
+
+Shapes: N rows of the batch, H query heads, Hkv key/value heads, G = H / Hkv, D head dim
+(a multiple of 16), L layers of the cache, Tmax its positions, P positions of the RoPE
+table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numba import njit
+from numba.np.numpy_support import carray
+
+from meshnode.engine.cpu.atomics import ptr_f32
+from meshnode.engine.cpu.simd import wfma, wload, wmul, wsplat, wstore, wsum, wsums, wzero
+
+__all__ = ["COLUMNS", "LANES", "attend", "segment_table"]
+
+# The columns of the segment table: where the segment's rows start in ``qkv``, how many
+# new rows it has, how many of them query in the last layer, its first position, whether
+# this kernel computes it (else the caller does, through BLAS), its cache's K and V
+# addresses (``[L, Hkv, Tmax, D]`` float32, C order) and Tmax.
+ROW, NEW, KEPT, START, KERNEL, K_ADDR, V_ADDR, TMAX = range(8)
+COLUMNS = 8
+# Sixteen float32 lanes per step over the head dimension (simd.F32x16).
+LANES = 16
+
+
+def segment_table(
+    segments: Sequence[tuple[int, int, int, bool, Any]],
+) -> np.ndarray:
+    """The kernel's segment table ``[segments, COLUMNS]`` int64 from ``(new rows, kept
+    rows, start position, computed here, cache)`` tuples in batch order; ``cache`` has
+    ``k`` and ``v`` float32 arrays ``[L, Hkv, Tmax, D]`` in C order, which must outlive
+    every :func:`attend` call given the table."""
+    table = np.zeros((len(segments), COLUMNS), np.int64)
+    row = 0
+    for i, (n, kept, start, here, cache) in enumerate(segments):
+        k, v = cache.k, cache.v
+        assert k.dtype == np.float32, k.dtype
+        assert k.flags.c_contiguous, "the kernel indexes the caches in C order"
+        assert v.flags.c_contiguous, "the kernel indexes the caches in C order"
+        table[i, ROW], table[i, NEW], table[i, KEPT], table[i, START] = row, n, kept, start
+        table[i, KERNEL] = here
+        table[i, K_ADDR], table[i, V_ADDR] = k.ctypes.data, v.ctypes.data
+        table[i, TMAX] = k.shape[2]
+        row += n
+    return table
+
+
+@njit(nogil=True, cache=True)
+def _norm_rope(src, s0, weight, eps, cos, sin, pos, tmp, dst, d0):  # type: ignore[no-untyped-def]
+    # dst[d0 : d0 + D] = RoPE(rms_norm(src[s0 : s0 + D]) or src's values), rotate-half
+    d = cos.shape[1]
+    half = d // 2
+    if weight.shape[0] > 0:
+        acc = wzero()
+        for c in range(0, d, LANES):
+            x = wload(src, s0 + c)
+            acc = wfma(x, x, acc)
+        den = np.float32(math.sqrt(wsum(acc) / np.float32(d) + eps))
+        for i in range(d):
+            tmp[i] = weight[i] * (src[s0 + i] / den)
+    else:
+        for i in range(d):
+            tmp[i] = src[s0 + i]
+    for i in range(half):
+        a, b = tmp[i], tmp[i + half]
+        dst[d0 + i] = a * cos[pos, i] - b * sin[pos, i]
+        dst[d0 + i + half] = b * cos[pos, i + half] + a * sin[pos, i + half]
+
+
+@njit(nogil=True, cache=True)
+def _write_kv(flat, w, r0, n, start, kc, vc, tmax, kv_heads, q_size, k_norm, eps, cos, sin, tmp):  # type: ignore[no-untyped-def]
+    # the segment's new keys (normed, rotated) and values into its cache at their positions
+    d = cos.shape[1]
+    kv_size = kv_heads * d
+    for j in range(n):
+        pos = start + j
+        row = (r0 + j) * w
+        for h in range(kv_heads):
+            at = (h * tmax + pos) * d
+            _norm_rope(flat, row + q_size + h * d, k_norm, eps, cos, sin, pos, tmp, kc, at)
+            src = row + q_size + kv_size + h * d
+            for c in range(0, d, LANES):
+                wstore(vc, at + c, wload(flat, src + c))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dot(a, i, b, j, d):  # type: ignore[no-untyped-def]
+    # a[i : i + D] . b[j : j + D] in sixteen lanes, not yet summed across them
+    acc = wmul(wload(a, i), wload(b, j))
+    for c in range(LANES, d, LANES):
+        acc = wfma(wload(a, i + c), wload(b, j + c), acc)
+    return acc
+
+
+@njit(nogil=True, cache=True)
+def _scores(qbuf, q0, kc, base, t, d, scale, scores, s0):  # type: ignore[no-untyped-def]
+    # scores[s0 + j] = (q . key j) * scale for the t keys from ``base``; sixteen keys at a
+    # time summed across lanes together (wsums), each sum as wsum makes it
+    full = t - t % LANES
+    sc = wsplat(scale)
+    for j in range(0, full, LANES):
+        at = base + j * d
+        sums = wsums(
+            (
+                _dot(qbuf, q0, kc, at, d),
+                _dot(qbuf, q0, kc, at + d, d),
+                _dot(qbuf, q0, kc, at + 2 * d, d),
+                _dot(qbuf, q0, kc, at + 3 * d, d),
+                _dot(qbuf, q0, kc, at + 4 * d, d),
+                _dot(qbuf, q0, kc, at + 5 * d, d),
+                _dot(qbuf, q0, kc, at + 6 * d, d),
+                _dot(qbuf, q0, kc, at + 7 * d, d),
+                _dot(qbuf, q0, kc, at + 8 * d, d),
+                _dot(qbuf, q0, kc, at + 9 * d, d),
+                _dot(qbuf, q0, kc, at + 10 * d, d),
+                _dot(qbuf, q0, kc, at + 11 * d, d),
+                _dot(qbuf, q0, kc, at + 12 * d, d),
+                _dot(qbuf, q0, kc, at + 13 * d, d),
+                _dot(qbuf, q0, kc, at + 14 * d, d),
+                _dot(qbuf, q0, kc, at + 15 * d, d),
+            )
+        )
+        wstore(scores, s0 + j, wmul(sums, sc))
+    for j in range(full, t):
+        scores[s0 + j] = wsum(_dot(qbuf, q0, kc, base + j * d, d)) * scale
+
+
+@njit(nogil=True, cache=True)
+def _softmax(s, s0, t):  # type: ignore[no-untyped-def]
+    # s[s0 : s0 + t] = exp(s - max) / sum, in place
+    top = s[s0]
+    for j in range(s0 + 1, s0 + t):
+        top = max(top, s[j])
+    total = np.float32(0.0)
+    for j in range(s0, s0 + t):
+        e = np.float32(math.exp(s[j] - top))
+        s[j] = e
+        total += e
+    for j in range(s0, s0 + t):
+        s[j] = s[j] / total
+
+
+@njit(nogil=True, cache=True)
+def _weighted_values(p, s0, vc, base, t, d, out, o):  # type: ignore[no-untyped-def]
+    # out[o : o + D] = sum over the t values from ``base`` of p[s0 + j] * value j: four
+    # sixteen-lane accumulators in registers per 64 columns (one where D is not a multiple)
+    c = 0
+    while c + 4 * LANES <= d:
+        a0, a1, a2, a3 = wzero(), wzero(), wzero(), wzero()
+        for j in range(t):
+            w = wsplat(p[s0 + j])
+            at = base + j * d + c
+            a0 = wfma(w, wload(vc, at), a0)
+            a1 = wfma(w, wload(vc, at + LANES), a1)
+            a2 = wfma(w, wload(vc, at + 2 * LANES), a2)
+            a3 = wfma(w, wload(vc, at + 3 * LANES), a3)
+        wstore(out, o + c, a0)
+        wstore(out, o + c + LANES, a1)
+        wstore(out, o + c + 2 * LANES, a2)
+        wstore(out, o + c + 3 * LANES, a3)
+        c += 4 * LANES
+    while c < d:
+        a0 = wzero()
+        for j in range(t):
+            a0 = wfma(wsplat(p[s0 + j]), wload(vc, base + j * d + c), a0)
+        wstore(out, o + c, a0)
+        c += LANES
+
+
+@njit(nogil=True, cache=True)
+def _query_head(flat, q0, pos, kc, vc, base, t, q_norm, eps, cos, sin, scale, bufs, out, o):  # type: ignore[no-untyped-def]
+    # one query head at one position over the t keys and values from ``base``: out[o ...]
+    qbuf, tmp, scores = bufs
+    d = cos.shape[1]
+    _norm_rope(flat, q0, q_norm, eps, cos, sin, pos, tmp, qbuf, 0)
+    _scores(qbuf, 0, kc, base, t, d, scale, scores, 0)
+    _softmax(scores, 0, t)
+    _weighted_values(scores, 0, vc, base, t, d, out, o)
+
+
+@njit(nogil=True, cache=True)
+def attend(qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, window, last, out):  # type: ignore[no-untyped-def]
+    """For every segment of ``table`` marked for the kernel: write its new keys and values
+    into its cache at layer ``layer`` and its query rows' attention into ``out``.
+
+    ``qkv`` ``[N, (H + 2 Hkv) D]`` (C order) is the fused projection of the batch's rows;
+    ``q_norm``/``k_norm`` ``[D]`` are QK-norm weights (empty: none); ``cos``/``sin``
+    ``[P, D]`` the RoPE table of the layer's kind (P past every new position);
+    ``window`` the sliding window (0: none). ``out`` ``[R, H D]`` gets a segment's rows
+    at its place in the batch: all its new rows, or in the ``last`` layer its kept ones.
+    """
+    d = cos.shape[1]
+    w = qkv.shape[1]
+    kv_heads = (w // d - heads) // 2
+    group = heads // kv_heads
+    q_size = heads * d
+    flat = qkv.reshape(-1)
+    oflat = out.reshape(-1)
+    longest = 1
+    for s in range(table.shape[0]):
+        longest = max(longest, table[s, START] + table[s, NEW])
+    bufs = (np.empty(d, np.float32), np.empty(d, np.float32), np.empty(longest, np.float32))
+    o_row = 0
+    for s in range(table.shape[0]):
+        n, start, tmax = table[s, NEW], table[s, START], table[s, TMAX]
+        kept = table[s, KEPT] if last else n
+        if table[s, KERNEL]:
+            size = kv_heads * tmax * d
+            kc = carray(ptr_f32(table[s, K_ADDR] + 4 * layer * size), (size,))
+            vc = carray(ptr_f32(table[s, V_ADDR] + 4 * layer * size), (size,))
+            r0 = table[s, ROW]
+            tmp = bufs[1]
+            _write_kv(
+                flat, w, r0, n, start, kc, vc, tmax, kv_heads, q_size, k_norm, eps, cos, sin, tmp
+            )
+            for i in range(n - kept, n):
+                pos = start + i
+                lo = 0 if window == 0 else max(0, pos - window + 1)
+                o = (o_row + i - (n - kept)) * q_size
+                for h in range(heads):
+                    base = ((h // group) * tmax + lo) * d
+                    q0 = (r0 + i) * w + h * d
+                    args = (q_norm, eps, cos, sin, scale, bufs, oflat, o + h * d)
+                    _query_head(flat, q0, pos, kc, vc, base, pos + 1 - lo, *args)
+        o_row += kept

@@ -1,0 +1,245 @@
+"""The compiled attention kernel (``engine.cpu.attention`` through ``KernelAttention``)
+against the NumPy reference (``engine.attention.Attention``, i.e. ``engine.ops``).
+
+The kernel sums in another order than NumPy/BLAS: outputs and cached keys agree within
+``ATOL`` (values here are of order 1; float32 rounding of 64-256-term sums is ~1e-6),
+cached values exactly (they are copied). What must be exact is exact: a segment's rows
+alone and in any batch, and the RoPE table against a per-segment computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from meshnode.engine import ops
+from meshnode.engine.attention import (
+    KERNEL_MAX_ROWS,
+    KERNEL_MAX_WORK,
+    Attention,
+    KernelAttention,
+    RopeTable,
+    Segment,
+)
+from meshnode.engine.config import ModelConfig
+from meshnode.engine.kv_cache import KVCache
+
+ATOL = 2e-5
+LAYERS = 2
+CONTEXT = 320
+
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    qk_norm: bool
+    window: int | None
+
+
+SHAPES = [
+    Shape(4, 2, 64, False, None),  # the tiny Llama: groups of 2
+    Shape(9, 3, 64, False, None),  # SmolLM2-135M: groups of 3
+    Shape(4, 1, 256, True, 8),  # Gemma 3 270M's kind: one KV head, QK-norm, sliding
+    Shape(2, 2, 32, True, 5),  # no grouping, a narrow head
+]
+
+
+def _config(s: Shape) -> ModelConfig:
+    """A decoder of two layers, the second sliding when the shape has a window."""
+    window_types = ("full_attention", "sliding_attention")
+    return ModelConfig(
+        model_type="gemma3_text" if s.qk_norm else "llama",
+        hidden_size=s.heads * s.head_dim,
+        num_layers=LAYERS,
+        num_heads=s.heads,
+        num_kv_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        intermediate_size=64,
+        vocab_size=32,
+        rms_norm_eps=1e-6,
+        rope_theta=10_000.0,
+        rope_scaling=None,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        layer_types=window_types if s.window else (),
+        sliding_window=s.window,
+        rope_local_theta=100.0 if s.window else None,
+        query_pre_attn_scalar=s.head_dim / 2 if s.qk_norm else None,
+    )
+
+
+def _norms(c: ModelConfig, qk_norm: bool, rng: np.random.Generator) -> tuple[object, object]:
+    if not qk_norm:
+        return None, None
+    q, k = (1.0 + 0.2 * rng.standard_normal((2, c.head_dim))).astype(np.float32)
+    return q, k
+
+
+def _qkv(c: ModelConfig, n: int, rng: np.random.Generator) -> np.ndarray:
+    return rng.standard_normal((n, c.q_size + 2 * c.kv_size)).astype(np.float32)
+
+
+class Twin:
+    """The same sequences in two sets of caches: one for the kernel, one for the reference."""
+
+    def __init__(self, c: ModelConfig, count: int) -> None:
+        self.c = c
+        self.kernel = KernelAttention(np, c, 0, LAYERS)
+        self.reference = Attention(np, c, 0, LAYERS)
+        self.caches = [[self._cache() for _ in range(count)] for _ in range(2)]
+
+    def _cache(self) -> KVCache:
+        return KVCache(np, LAYERS, self.c.num_kv_heads, self.c.head_dim, CONTEXT)
+
+    def run(
+        self,
+        parts: list[tuple[int, int, int]],  # (sequence, start position, kept rows)
+        qkvs: list[np.ndarray],
+        norms: tuple[object, object],
+        last: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Every layer of one forward on both sides; the last layer's outputs."""
+        outs = []
+        for attn, caches in zip((self.kernel, self.reference), self.caches, strict=True):
+            segs = []
+            for (i, start, kept), qkv in zip(parts, qkvs, strict=True):
+                caches[i].truncate(start)
+                segs.append(Segment(start, len(qkv), kept, caches[i]))
+            plan = attn.prepare(segs)
+            qkv = np.concatenate(qkvs)
+            for layer in range(LAYERS):
+                out = attn(qkv, segs, plan, layer, norms, last and layer == LAYERS - 1)
+            for (i, start, _), q in zip(parts, qkvs, strict=True):
+                caches[i].length = start + len(q)
+            outs.append(out)
+        return outs[0], outs[1]
+
+    def check_caches(self) -> None:
+        for mine, theirs in zip(*self.caches, strict=True):
+            n = mine.length
+            assert theirs.length == n
+            np.testing.assert_allclose(mine.k[:, :, :n], theirs.k[:, :, :n], atol=ATOL)
+            np.testing.assert_array_equal(mine.v[:, :, :n], theirs.v[:, :, :n])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_decode_verify_and_prefill_segments_match_the_reference(shape: Shape) -> None:
+    """Prefills (short through the kernel, long through BLAS), then a batch mixing a
+    decode row, a verify window (k + 1 rows) and a new prefill, in the last layer too
+    (kept rows only): outputs and caches as the reference computes them."""
+    c = _config(shape)
+    rng = np.random.default_rng(7)
+    norms = _norms(c, shape.qk_norm, rng)
+    twin = Twin(c, 3)
+    lengths = [12, KERNEL_MAX_ROWS + 9, 3]  # kernel, reference, kernel
+    qkvs = [_qkv(c, n, rng) for n in lengths]
+    got, want = twin.run([(i, 0, n) for i, n in enumerate(lengths)], qkvs, norms)
+    np.testing.assert_allclose(got, want, atol=ATOL)
+    qkvs = [_qkv(c, 1, rng), _qkv(c, 5, rng), _qkv(c, 20, rng)]
+    parts = [(0, 12, 1), (1, KERNEL_MAX_ROWS + 9, 2), (2, 3, 1)]
+    got, want = twin.run(parts, qkvs, norms, last=True)
+    assert got.shape == (4, c.q_size)
+    np.testing.assert_allclose(got, want, atol=ATOL)
+    twin.check_caches()
+
+
+def test_a_long_sequence_goes_through_blas_past_the_work_bound() -> None:
+    """A verify window late in a long sequence (4 rows x 304 positions > KERNEL_MAX_WORK)
+    takes the reference path, a decode row right after it the kernel: both agree."""
+    c = _config(SHAPES[2])
+    rng = np.random.default_rng(13)
+    norms = _norms(c, True, rng)
+    twin = Twin(c, 1)
+    assert KERNEL_MAX_WORK < 4 * 304
+    for start, n in [(0, 300), (300, 4), (304, 1), (305, 2)]:
+        got, want = twin.run([(0, start, n)], [_qkv(c, n, rng)], norms, last=True)
+        np.testing.assert_allclose(got, want, atol=ATOL)
+    twin.check_caches()
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s.window], ids=str)
+def test_sliding_window_at_its_edge(shape: Shape) -> None:
+    """Query positions just before, at and after the window's length: the keys a sliding
+    layer drops are the reference's (one row at a time, and a window of rows at once)."""
+    c = _config(shape)
+    w = shape.window
+    assert w is not None
+    rng = np.random.default_rng(11)
+    norms = _norms(c, shape.qk_norm, rng)
+    twin = Twin(c, 2)
+    twin.run([(0, 0, w - 1), (1, 0, w - 2)], [_qkv(c, w - 1, rng), _qkv(c, w - 2, rng)], norms)
+    for step in range(3):  # positions w - 1, w, w + 1 of sequence 0
+        start = w - 1 + step
+        got, want = twin.run([(0, start, 1)], [_qkv(c, 1, rng)], norms)
+        np.testing.assert_allclose(got, want, atol=ATOL)
+    got, want = twin.run([(1, w - 2, 4)], [_qkv(c, 4, rng)], norms)  # rows across the edge
+    np.testing.assert_allclose(got, want, atol=ATOL)
+    twin.check_caches()
+
+
+def test_rollback_rewrites_the_truncated_positions() -> None:
+    """A verify window rejected in part: the cache truncated, then rewritten from the
+    rollback point; the result is that of a sequence that never saw the dropped rows."""
+    c = _config(SHAPES[1])
+    rng = np.random.default_rng(3)
+    norms = _norms(c, False, rng)
+    prompt, window, redo = _qkv(c, 9, rng), _qkv(c, 4, rng), _qkv(c, 2, rng)
+    twin = Twin(c, 1)
+    twin.run([(0, 0, 9)], [prompt], norms)
+    twin.run([(0, 9, 4)], [window], norms)
+    rolled = twin.run([(0, 10, 2)], [redo], norms)[0]  # keeps one of the window's rows
+    fresh = Twin(c, 1)
+    fresh.run([(0, 0, 10)], [np.concatenate([prompt, window[:1]])], norms)
+    clean = fresh.run([(0, 10, 2)], [redo], norms)[0]
+    np.testing.assert_array_equal(rolled, clean)
+    twin.check_caches()
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=str)
+def test_a_segment_is_bit_identical_alone_and_in_any_batch(shape: Shape) -> None:
+    """A sequence's rows do not depend on what else is in the batch, nor where."""
+    c = _config(shape)
+    rng = np.random.default_rng(5)
+    norms = _norms(c, shape.qk_norm, rng)
+    prompts = [_qkv(c, n, rng) for n in (6, 10, 4, 30)]
+    steps = [_qkv(c, n, rng) for n in (1, 3, 1, 1)]
+    alone = []
+    for p, s in zip(prompts, steps, strict=True):
+        twin = Twin(c, 1)
+        twin.run([(0, 0, len(p))], [p], norms)
+        alone.append(twin.run([(0, len(p), len(s))], [s], norms, last=True)[0])
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0], [2, 0]):
+        twin = Twin(c, 4)
+        twin.run([(i, 0, len(prompts[i])) for i in order], [prompts[i] for i in order], norms)
+        parts = [(i, len(prompts[i]), len(steps[i])) for i in order]
+        out = twin.run(parts, [steps[i] for i in order], norms, last=True)[0]
+        row = 0
+        for i in order:
+            rows = len(steps[i])
+            np.testing.assert_array_equal(out[row : row + rows], alone[i])
+            row += rows
+
+
+def test_a_full_cache_is_refused_before_anything_is_written() -> None:
+    c = _config(SHAPES[0])
+    attn = KernelAttention(np, c, 0, LAYERS)
+    cache = KVCache(np, LAYERS, c.num_kv_heads, c.head_dim, 4)
+    with pytest.raises(ValueError, match="KV cache full"):
+        attn.prepare([Segment(2, 3, 1, cache)])
+
+
+def test_rope_table_rows_equal_a_per_segment_computation_bit_for_bit() -> None:
+    inv_freq = np.asarray(_config(SHAPES[2]).rope_inv_freq(0), np.float32)
+    table = RopeTable(np, inv_freq)
+    for start, n in [(0, 1), (5, 7), (250, 20), (1000, 3), (37, 600)]:
+        cos, sin = table.rows(start, n)
+        want_cos, want_sin = ops.rope_cos_sin(np, inv_freq, start, n)
+        np.testing.assert_array_equal(cos, want_cos)
+        np.testing.assert_array_equal(sin, want_sin)
