@@ -16,9 +16,15 @@ runs, minus the TLS and sockets.
 
 Printed per configuration: aggregate tokens/s (all tokens / wall time of the whole run),
 p50/p99 time to first token and time per output token over the streams, and ratios:
-batched over unbatched, and aggregate tokens/s over one stream's. The last line measures a
+batched over unbatched, and aggregate tokens/s over one stream's. On one node, for batching
+on, also where a step's time goes: the median forward (``fwd``) and the median time from
+the end of one forward to the start of the next (``between``: sampling, the thread
+handoffs, the generation loops of all streams and the batcher). The last line measures a
 new request's time to first token while 8 other streams decode, over its idle value (goal
 ≤ 2), and 8 streams' aggregate over one stream's (goal ≥ 4, one node).
+
+``--temperature T`` samples instead (seeded, each stream its own seed; the API's default
+is temperature 1), so that the sampler's cost per token shows.
 
 The machine is shared: ``uptime`` is printed first and last; compare ratios, not times.
 """
@@ -28,12 +34,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 from meshnode_packaging.sources import ModelSource
@@ -63,6 +72,8 @@ CONTEXT = 512
 #: generate at once (the serving default is 8; beyond it requests wait for a slot).
 MAX_SEQUENCES = 16
 GREEDY = SamplingParams(temperature=0.0)
+#: What the streams sample with (``--temperature``; seeds are per stream).
+SAMPLING = GREEDY
 # Prompts of different lengths, so that prefills and decodes of different sequences mix.
 PROMPT_TEXTS = [
     "The history of the printing press begins",
@@ -101,10 +112,41 @@ class Measure:
         return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def sampling(stream: int) -> SamplingParams:
+    """The sampling of stream number ``stream`` (its own seed when sampling)."""
+    return SAMPLING if SAMPLING.greedy else dataclasses.replace(SAMPLING, seed=stream)
+
+
+class ForwardClock:
+    """Times every forward of a stage (its ``forward_batch``, wrapped on the instance)."""
+
+    def __init__(self, stage: Stage) -> None:
+        self.spans: list[tuple[float, float]] = []
+        inner = stage.forward_batch
+
+        def timed(items: Any) -> list[Any]:
+            began = time.perf_counter()
+            out = inner(items)
+            self.spans.append((began, time.perf_counter()))
+            return out
+
+        stage.forward_batch = timed  # type: ignore[method-assign]
+
+    def summary(self) -> str:
+        """Median forward and median gap between forwards (steady steps: the first 3
+        and the last 3 left out), in ms."""
+        spans = self.spans[3:-3] or self.spans
+        if len(spans) < 2:
+            return ""
+        fwd = statistics.median(b - a for a, b in spans) * 1e3
+        gap = statistics.median(n[0] - p[1] for p, n in itertools.pairwise(spans)) * 1e3
+        return f" | fwd p50 {fwd:5.1f} ms, between p50 {gap:4.2f} ms"
+
+
 async def one_stream(
-    pipeline: Pipeline, scheduler: Scheduler, prompt: list[int], tokens: int
+    pipeline: Pipeline, scheduler: Scheduler, prompt: list[int], tokens: int, stream: int = 0
 ) -> Stream:
-    params = GenerationParams(max_new_tokens=tokens, sampling=GREEDY)
+    params = GenerationParams(max_new_tokens=tokens, sampling=sampling(stream))
     run = GenerationRun(
         scheduler.new_request_id(), prompt, params, GenerationState(params, Silent())
     )
@@ -124,7 +166,7 @@ async def measure(
     out: list[Stream] = []
 
     async def go(i: int) -> None:
-        out.append(await one_stream(pipeline, scheduler, prompts[i % len(prompts)], tokens))
+        out.append(await one_stream(pipeline, scheduler, prompts[i % len(prompts)], tokens, i))
 
     began = time.perf_counter()
     async with trio.open_nursery() as nursery:
@@ -143,7 +185,7 @@ async def ttft_under_load(
     busy = trio.Event()
 
     async def background(i: int) -> None:
-        params = GenerationParams(max_new_tokens=tokens * 4, sampling=GREEDY)
+        params = GenerationParams(max_new_tokens=tokens * 4, sampling=sampling(100 + i))
         run = GenerationRun(
             RequestId(f"bg{i}"),
             prompts[i % len(prompts)],
@@ -225,14 +267,20 @@ def _cell(m: Measure) -> str:
     return f"{m.tok_s:6.1f} tok/s {ttft} {tpot} ms"
 
 
-def report(name: str, n: int, on: Measure, off: Measure, base: tuple[float, float]) -> None:
+def report(
+    name: str, n: int, on: Measure, off: Measure, base: tuple[float, float], steps: str = ""
+) -> None:
     ratios = f"on/off {on.tok_s / off.tok_s:4.2f}"
     ratios += f" | vs 1 stream: on {on.tok_s / base[0]:4.2f} off {off.tok_s / base[1]:4.2f}"
-    print(f"{name:5} {n:2} | on {_cell(on)} | off {_cell(off)} | {ratios}", flush=True)
+    print(f"{name:5} {n:2} | on {_cell(on)} | off {_cell(off)} | {ratios}{steps}", flush=True)
 
 
 async def bench(
-    name: str, make: Factory, prompts: list[list[int]], args: argparse.Namespace
+    name: str,
+    make: Factory,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    clock: ForwardClock | None = None,
 ) -> None:
     on = await make(BatchLimits(max_frames=MAX_SEQUENCES))
     off = await make(BatchLimits(enabled=False))
@@ -240,10 +288,13 @@ async def bench(
     await measure(off, prompts, 2, 4)
     base: tuple[float, float] | None = None
     for n in args.streams:
+        if clock is not None:
+            clock.spans.clear()
         batched = await measure(on, prompts, n, args.max_tokens)
+        steps = clock.summary() if clock is not None else ""
         plain = await measure(off, prompts, n, args.max_tokens)
         base = base or (batched.tok_s, plain.tok_s)
-        report(name, n, batched, plain, base)
+        report(name, n, batched, plain, base, steps)
     for label, pipeline in (("on", on), ("off", off)):
         idle, loaded = await ttft_under_load(pipeline, prompts, args.max_tokens)
         print(
@@ -267,7 +318,7 @@ async def run_all(
             return await three_stages(source, backend, limits, nursery)
 
         if "one" in args.topologies:
-            await bench("one", local, prompts, args)
+            await bench("one", local, prompts, args, ForwardClock(model.stage))
         if "three" in args.topologies:
             await bench("three", three, prompts, args)
         nursery.cancel_scope.cancel()
@@ -283,6 +334,9 @@ def main() -> None:
     )
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy; else seeded sampling"
+    )
     parser.add_argument("--threads", type=int, default=1, help="BLAS threads (README)")
     parser.add_argument(
         "--weights", default="native", choices=["native", "float32"], help="CPU weights"
@@ -290,7 +344,9 @@ def main() -> None:
     topologies = ["one", "three"]
     parser.add_argument("--topologies", nargs="+", default=topologies, choices=topologies)
     args = parser.parse_args()
-    print("uptime:", uptime(), flush=True)
+    global SAMPLING
+    SAMPLING = SamplingParams(temperature=args.temperature)
+    print("uptime:", uptime(), "sampling:", SAMPLING, flush=True)
     limit = limit_cpu_threads(args.threads)  # the limit lasts while the handle is referenced
     source = resolve_source(str(smollm2_gguf_path()))
     backend = cpu_backend(args.weights)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 import math
 import secrets
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -112,15 +113,22 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def apply_penalties(
-    logits: np.ndarray, params: SamplingParams, history: Sequence[int]
+    logits: np.ndarray,
+    params: SamplingParams,
+    history: Sequence[int],
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Logits with the penalties for tokens in ``history`` applied (a new array).
+    """Logits with the penalties for tokens in ``history`` applied, in float64: a new
+    array, or ``out`` (``[V]`` float64, overwritten) when given.
 
     Repetition penalty as in CTRL / transformers: positive logits are divided by it,
     negative ones multiplied. Presence and frequency penalties as in OpenAI's API:
     ``logit - presence * [count > 0] - frequency * count``.
     """
-    out = np.array(logits, dtype=np.float64)
+    if out is None:
+        out = np.array(logits, dtype=np.float64)
+    else:
+        np.copyto(out, np.asarray(logits), casting="unsafe")
     if not history:
         return out
     counts = Counter(history)
@@ -154,18 +162,39 @@ def _truncate(probs: np.ndarray, params: SamplingParams) -> np.ndarray:
     return np.where(keep, probs, 0.0)
 
 
-def logits_to_probs(logits: Any, params: SamplingParams, history: Sequence[int] = ()) -> np.ndarray:
-    """The distribution ``[V]`` (float64, sums to 1) the next token is drawn from."""
-    x = apply_penalties(np.asarray(logits), params, history)
+def _truncates(params: SamplingParams, size: int) -> bool:
+    """Whether :func:`_truncate` can zero any token (otherwise it returns its input)."""
+    return 0 < params.top_k < size or params.top_p < 1.0 or params.min_p > 0
+
+
+def logits_to_probs(
+    logits: Any,
+    params: SamplingParams,
+    history: Sequence[int] = (),
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """The distribution ``[V]`` (float64, sums to 1) the next token is drawn from: a new
+    array, or ``out`` (``[V]`` float64, overwritten) when given and no truncation applies.
+
+    After the one copy (the penalties'), every step works in place: the same IEEE
+    operations on the same values as the expressions ``exp(x / t - max)``, ``p / sum(p)``
+    written out, without a temporary vocabulary-sized array per operation (each costs
+    fresh pages: about half the draw's time at 49k tokens).
+    """
+    x = apply_penalties(np.asarray(logits), params, history, out)
     if params.greedy:
-        probs = np.zeros_like(x)
-        probs[int(np.argmax(x))] = 1.0
-        return probs
-    x = x / params.temperature
-    probs = np.exp(x - x.max())
-    probs = _truncate(probs / probs.sum(), params)
-    out: np.ndarray = probs / probs.sum()
-    return out
+        best = int(np.argmax(x))
+        x.fill(0.0)
+        x[best] = 1.0
+        return x
+    x /= params.temperature
+    x -= x.max()
+    np.exp(x, out=x)
+    x /= x.sum()
+    if _truncates(params, x.size):
+        x = _truncate(x, params)
+    x /= x.sum()
+    return x
 
 
 def random_seed() -> int:
@@ -203,47 +232,69 @@ class CounterRandom:
         # The top 53 bits of one 64-bit output: every double in [0, 1) of that spacing.
         return (int(bits.random_raw()) >> 11) * 2.0**-53
 
-    def exponentials(self, position: int, count: int, draw: Draw = Draw.TOKEN) -> np.ndarray:
+    def exponentials(
+        self,
+        position: int,
+        count: int,
+        draw: Draw = Draw.TOKEN,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Standard exponentials ``[count]`` of ``draw`` at ``position``, the i-th for token
-        id ``i`` (a shorter call's are a prefix of a longer call's)."""
+        id ``i`` (a shorter call's are a prefix of a longer call's); written into ``out``
+        (float64, at least ``count`` long: its first ``count`` entries are returned) when
+        given."""
         bits = np.random.Philox(key=self.seed, counter=(0, position, int(draw), 1))
         # E = -log(u) with u = (k + 1) / 2**53 in (0, 1], k the top 53 bits of an output:
         # one log per token. Through int64, whose conversion to float is several times
         # faster than uint64's; k + 1 <= 2**53 is exact in a float.
         raw = bits.random_raw(count)
         raw >>= np.uint64(11)
-        exps: np.ndarray = raw.view(np.int64).astype(np.float64)
-        exps += 1.0
+        exps = np.empty(count) if out is None else out[:count]
+        np.add(raw.view(np.int64), 1.0, out=exps)
         np.log(exps, out=exps)
         np.subtract(_LOG_2_53, exps, out=exps)
         return exps
 
-    def pick(self, weights: Any, position: int, draw: Draw = Draw.TOKEN) -> int:
+    def pick(
+        self,
+        weights: Any,
+        position: int,
+        draw: Draw = Draw.TOKEN,
+        scratch: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> int:
         """The token this generator's race of ``draw`` at ``position`` picks from
-        ``weights`` (:func:`race`)."""
+        ``weights`` (:func:`race`). ``scratch``: two float64 arrays at least as long as
+        ``weights`` for the exponentials and the race's times (fresh ones otherwise)."""
         row = np.asarray(weights, dtype=np.float64)
-        return race(row, self.exponentials(position, row.size, draw))
+        exps, times = scratch if scratch is not None else (None, None)
+        return race(row, self.exponentials(position, row.size, draw, exps), times)
 
 
 _LOG_2_53 = 53 * math.log(2)
 
 
-def race(weights: Any, exponentials: Any) -> int:
+def race(weights: Any, exponentials: Any, out: np.ndarray | None = None) -> int:
     """The exponential race: ``argmin(E_i / w_i)`` over the ids with weight ``w_i > 0``.
 
     With ``E_i`` independent standard exponentials, ``E_i / w_i`` is exponential with rate
     ``w_i`` and the smallest of them is ``i`` with probability ``w_i / sum(w)``: the race
     samples the normalised weights (no normalisation needed) and never picks a zero
     weight. It is the Gumbel-max trick, ``argmax(log w_i - log E_i)``. ``exponentials``
-    has one entry per id. Ties, of probability ~0, go to the lowest id. Raises ValueError
-    for weights with no mass.
+    has one entry per id. Ties, of probability ~0, go to the lowest id. ``out``: a float64
+    array at least as long as the weights for the times (a fresh one otherwise). Raises
+    ValueError for weights with no mass.
     """
     row = np.asarray(weights, dtype=np.float64)
     kept = row > 0
     if not kept.any():
         raise ValueError("cannot sample from a distribution with no mass")
-    times = np.full(row.shape, np.inf)
-    np.divide(np.asarray(exponentials, dtype=np.float64), row, out=times, where=kept)
+    if out is None:
+        times = np.full(row.shape, np.inf)
+    else:
+        times = out[: row.size].reshape(row.shape)
+        times.fill(np.inf)
+    with np.errstate(over="ignore"):  # E / (a tiny weight) is inf: that id never wins
+        np.divide(np.asarray(exponentials, dtype=np.float64), row, out=times, where=kept)
     best = int(np.argmin(times))
     # Every kept time infinite (infinite exponentials given): any kept id is as good.
     return best if kept[best] else int(np.flatnonzero(kept)[0])
@@ -261,12 +312,35 @@ class Sampler:
     def sample(self, logits: Any, history: Sequence[int] = (), position: int | None = None) -> int:
         """The token id at sequence ``position`` for ``logits`` ``[V]``, given the tokens in
         ``history`` (penalties). Without ``position``, the one after the last draw's (0
-        first): positions count draws, so a loop that draws once per token may omit it."""
+        first): positions count draws, so a loop that draws once per token may omit it.
+
+        Greedy without penalties is the argmax of the row as it comes (no float64 copy:
+        the conversion is exact, so the pick is the same); a seeded draw works in this
+        thread's scratch arrays (:func:`_scratch`), not in fresh vocabulary-sized ones."""
         position = self._next_position if position is None else position
         self._next_position = position + 1
+        row = np.asarray(logits)
         if self.params.greedy:
-            return int(np.argmax(apply_penalties(np.asarray(logits), self.params, history)))
-        return self.random.pick(logits_to_probs(logits, self.params, history), position)
+            if not self.params.penalized:
+                return int(np.argmax(row))
+            return int(np.argmax(apply_penalties(row, self.params, history)))
+        probs, exps, times = _scratch(row.size)
+        probs = logits_to_probs(row, self.params, history, probs)
+        return self.random.pick(probs, position, scratch=(exps, times))
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Three float64 arrays ``[size]`` of this thread, reused by every draw it makes: the
+    probabilities, the exponentials and the race's times. A sampler is driven by one
+    thread at a time (the last stage's compute thread) and returns only the token."""
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = getattr(_SCRATCH, "arrays", None)
+    if arrays is None or arrays[0].size != size:
+        arrays = (np.empty(size), np.empty(size), np.empty(size))
+        _SCRATCH.arrays = arrays
+    return arrays
 
 
 def token_logprobs(

@@ -195,7 +195,9 @@ class Batcher(Generic[T]):
         """Let tasks that are about to submit do so (see GATHER_TICKS)."""
         quiet = 0
         for _ in range(GATHER_TICKS):
-            if not self.limits.enabled or self._continuing() >= self._live():
+            if not self.limits.enabled:
+                return
+            if self._continuing() >= self._live() and not self._starting():
                 return  # every live sequence has its frame here: nothing more to wait for
             before = len(self._pending)
             await trio.lowlevel.checkpoint()
@@ -206,6 +208,13 @@ class Batcher(Generic[T]):
     def _continuing(self) -> int:
         """Pending frames of sequences that already exist (a new one starts at 0)."""
         return sum(1 for slot in self._pending if slot.frame.start_pos > 0)
+
+    def _starting(self) -> bool:
+        """Whether a new sequence's first frame is pending: requests come in bursts (a
+        client's parallel calls, the queue's next ones), and the others of a burst are a
+        tick or two behind it. Gathering them (until the ticks go quiet) prefills them in
+        one step instead of leaving all but the first to wait for the next one."""
+        return any(slot.frame.start_pos == 0 for slot in self._pending)
 
     def _take(self) -> list[Slot[T]]:
         frames = [slot.frame for slot in self._pending]

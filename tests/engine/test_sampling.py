@@ -118,6 +118,76 @@ def test_each_token_has_its_own_exponential_at_a_position() -> None:
     assert abs(full.mean() - 1.0) < 0.1
 
 
+def _reference_probs(logits: Any, params: SamplingParams, history: list[int]) -> np.ndarray:
+    """The distribution as written before the in-place draw (one temporary per step)."""
+    x = apply_penalties(np.asarray(logits), params, history)
+    if params.greedy:
+        probs = np.zeros_like(x)
+        probs[int(np.argmax(x))] = 1.0
+        return probs
+    x = x / params.temperature
+    probs = np.exp(x - x.max())
+    keep = np.ones(probs.shape, dtype=bool)  # _truncate's masks, as before
+    probs = probs / probs.sum()
+    if 0 < params.top_k < probs.size:
+        keep &= probs >= np.partition(probs, -params.top_k)[-params.top_k]
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cum = np.cumsum(probs[order])
+        nucleus = np.empty_like(keep)
+        nucleus[order] = (cum - probs[order]) < params.top_p
+        keep &= nucleus
+    if params.min_p > 0:
+        keep &= probs >= params.min_p * probs.max()
+    probs = np.where(keep, probs, 0.0)
+    out: np.ndarray = probs / probs.sum()
+    return out
+
+
+def _reference_exponentials(seed: int, position: int, count: int, draw: Draw) -> np.ndarray:
+    """The exponentials as drawn before: raw 64-bit outputs, shifted, converted, logged."""
+    bits = np.random.Philox(key=seed, counter=(0, position, int(draw), 1))
+    raw = bits.random_raw(count) >> np.uint64(11)
+    out: np.ndarray = 53 * np.log(2) - np.log(raw.view(np.int64).astype(np.float64) + 1.0)
+    return out
+
+
+@pytest.mark.parametrize("vocab", [50, 4099, 49152])
+def test_the_in_place_draw_is_the_reference_draw(vocab: int) -> None:
+    """The draw without temporaries (scratch arrays, in-place steps, the generator's
+    doubles for the exponentials) gives bit for bit the numbers and the tokens of the
+    expressions it replaced, so seeded streams are unchanged: every knob, float32 and
+    float64 logits, penalties, greedy with and without them."""
+    rng = np.random.default_rng(vocab)
+    settings = [
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=1.3, top_k=7, seed=2),
+        SamplingParams(temperature=1.0, top_p=0.8, min_p=0.05, seed=3),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, seed=4),
+        SamplingParams(temperature=0.0, seed=5),
+        SamplingParams(temperature=0.0, frequency_penalty=0.9, seed=6),
+        SamplingParams(temperature=0.05, seed=2**64 - 1),  # exp underflows: zero weights
+    ]
+    for params in settings:
+        sampler = Sampler(params)
+        seed = sampler.random.seed
+        for position in range(12):
+            logits = rng.standard_normal(vocab) * 4
+            row = logits.astype(np.float32) if position % 2 else logits
+            history = [int(t) for t in rng.integers(0, vocab, position)]
+            probs = _reference_probs(row, params, history)
+            np.testing.assert_array_equal(logits_to_probs(row, params, history), probs)
+            exps = _reference_exponentials(seed, position, vocab, Draw(position % 3))
+            got = sampler.random.exponentials(position, vocab, Draw(position % 3))
+            np.testing.assert_array_equal(got, exps)
+            expected = (
+                int(np.argmax(probs))
+                if params.greedy
+                else race(probs, _reference_exponentials(seed, position, vocab, Draw.TOKEN))
+            )
+            assert sampler.sample(row, history, position) == expected
+
+
 def _inverse_cdf(probs: np.ndarray, u: float) -> int:
     """The rule the race replaced: one uniform against the cumulative sum in id order."""
     cdf = np.cumsum(probs)

@@ -27,6 +27,7 @@ from meshnode.serve.generation import (
     Speculation,
     generate,
 )
+from meshnode.serve.scheduler import Scheduler
 from meshnode.speculative.ngram import NgramProposer
 from meshnode.speculative.proposer import Proposer
 from meshnode.speculative.window import WindowPolicy
@@ -131,6 +132,27 @@ async def test_concurrent_streams_equal_their_solo_runs(
     assert max(len(s) for s in decode_steps) == len(PROMPTS)
     assert len(runner.steps) < sum(r.timings.passes for r in runs) / 4
     assert runner.live_sequences == 0
+
+
+async def test_streams_that_start_together_prefill_together(stage: Stage) -> None:
+    """A burst of requests (here through the scheduler's admission, as the API admits
+    them) is gathered into one first step: every prompt prefills in it, rather than the
+    first alone and the others a whole step later."""
+    runner = RecordingRunner(stage)
+    pipeline = LocalPipeline(runner)
+    scheduler = Scheduler()
+    runs = [_run(f"r{i}", p, 4, GREEDY) for i, p in enumerate(PROMPTS)]
+
+    async def one(run: GenerationRun) -> None:
+        async with scheduler.admit():
+            await _drive(pipeline, run)
+
+    async with trio.open_nursery() as nursery:
+        for run in runs:
+            nursery.start_soon(one, run)
+    first = runner.steps[0]
+    assert {f.request_id for f in first} == {r.request_id for r in runs}
+    assert all(f.kind is FrameKind.PREFILL and f.start_pos == 0 for f in first)
 
 
 async def test_requests_join_and_leave_mid_batch(stage: Stage) -> None:
