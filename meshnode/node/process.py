@@ -23,6 +23,7 @@ import trio
 
 from meshnode.engine.backend import limit_cpu_threads
 from meshnode.net.identity import JoinToken, NodeIdentity, TokenError, write_token_file
+from meshnode.node import heap
 from meshnode.node.config import Address, ConfigError, NodeConfig
 from meshnode.node.daemon import Node
 
@@ -136,6 +137,7 @@ def run(config: NodeConfig, build: NodeBuilder) -> int:
     configured, e.g. ``--api`` or ``--listen`` on an address in use.
     """
     configure_logging(config)
+    heap.limit_malloc_arenas()  # before trio, the stage and the kernels start threads
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = _token(config)
     limit = limit_cpu_threads(config.threads)  # held while the node runs

@@ -1,0 +1,53 @@
+"""The daemon's malloc arenas (``meshnode.node.heap``), counted in a fresh process."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+# Four threads allocate at once, then the process counts its arenas in malloc_info's XML.
+COUNT_ARENAS = """
+import ctypes, sys, tempfile, threading
+from meshnode.node.heap import limit_malloc_arenas
+if sys.argv[1] == "limit":
+    assert limit_malloc_arenas()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.fopen.restype = ctypes.c_void_p
+libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.fclose.argtypes = [ctypes.c_void_p]
+start = threading.Barrier(4)
+def allocate():
+    start.wait()
+    for _ in range(1000):
+        libc.malloc(4000)
+threads = [threading.Thread(target=allocate) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+with tempfile.NamedTemporaryFile() as f:
+    out = libc.fopen(f.name.encode(), b"w")
+    libc.malloc_info(0, out)
+    libc.fclose(out)
+    print(open(f.name).read().count("<heap nr="))
+"""
+
+
+def _arenas(mode: str) -> int:
+    run = subprocess.run(
+        [sys.executable, "-c", COUNT_ARENAS, mode], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    return int(run.stdout)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc arenas are glibc's")
+def test_the_daemon_s_threads_share_one_malloc_arena() -> None:
+    """Without the limit each thread that allocates gets an arena of its own (and keeps
+    its own free memory); with it, the four threads and the main one share one."""
+    assert _arenas("default") > 1
+    assert _arenas("limit") == 1
