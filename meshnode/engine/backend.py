@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal, cast, get_args
 import numpy as np
 from meshnode_packaging.sources import ModelSource
 
+from meshnode.engine import ops
 from meshnode.engine.attention import Attention, KernelAttention
 from meshnode.engine.config import ModelConfig, ModelConfigError
 from meshnode.engine.cpu import BlockMatrix, q8, set_kernel_threads
@@ -139,6 +140,10 @@ class Backend(ABC):
         NumPy forward: :mod:`meshnode.engine.ops`'s functions, a sequence at a time."""
         return Attention(self.xp, config, start, end)
 
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
+        """RMSNorm of the rows of ``x`` ``[r, E]`` (:func:`meshnode.engine.ops.rms_norm`)."""
+        return ops.rms_norm(self.xp, x, weight, eps)
+
     def embed_rows(self, table: Any, ids: Any) -> Any:
         """The embedding rows ``[S, E]`` of token ``ids`` from ``table`` (``embed_t``,
         ``[E, V]`` as :meth:`load_weights` lays it out)."""
@@ -205,6 +210,16 @@ class CpuBackend(Backend):
         if self.cpu_blocks:
             return KernelAttention(self.xp, config, start, end)
         return Attention(self.xp, config, start, end)
+
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
+        """As :meth:`Backend.rms_norm`; over GGUF blocks in one compiled call
+        (:mod:`meshnode.engine.cpu.norms`: a row's result does not depend on the other rows,
+        so a sequence's rows are the same alone and batched)."""
+        if not self.cpu_blocks or x.ndim != 2 or x.shape[1] % 16 or x.dtype != np.float32:
+            return ops.rms_norm(np, x, weight, eps)
+        out = np.empty_like(x)
+        _norms().rms_norm(np.ascontiguousarray(x), weight, np.float32(eps), out)
+        return out
 
     def linear(self, x: Any, w: Any) -> Any:
         """``x @ w``; over dense weights a few rows go one by one (:data:`GEMV_MAX_ROWS`),
@@ -288,6 +303,14 @@ class CudaBackend(Backend):
         return CudaStage(
             config, weights, embed=embed, head=head, cp=self.xp, cuda_graphs=self.cuda_graphs
         )
+
+
+@functools.cache
+def _norms() -> ModuleType:
+    """The compiled RMSNorm's module, imported (numba with it) at its first use."""
+    from meshnode.engine.cpu import norms
+
+    return norms
 
 
 def cpu_backend(weights_dtype: WeightsDtype = "float32") -> CpuBackend:

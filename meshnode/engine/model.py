@@ -240,7 +240,7 @@ class Stage:
         return self.backend.linear(x, w)
 
     def _rms_norm(self, x: Any, weight: Any) -> Any:
-        return ops.rms_norm(self.xp, x, weight, self.config.rms_norm_eps)
+        return self.backend.rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _maybe_norm(self, x: Any, weight: Any | None) -> Any:
         return x if weight is None else self._rms_norm(x, weight)

@@ -10,7 +10,8 @@ numba only at the first product so that importing the engine stays cheap. Beside
 ``matrix``: ``q8`` (the opt-in 8-bit-activation decode products, ``--dtype q8``) over
 ``q8_kernels`` and ``simd_int`` (byte vectors and the integer dot product). ``attention``
 (one layer's attention for all short sequences of a batch, in one call; used by
-``meshnode.engine.attention``) on ``simd`` and ``atomics``.
+``meshnode.engine.attention``) on ``simd`` and ``atomics``; ``norms`` (RMSNorm in one call,
+``CpuBackend.rms_norm``) on ``simd``.
 """
 
 from meshnode.engine.cpu.matrix import (
