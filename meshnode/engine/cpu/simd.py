@@ -11,9 +11,9 @@ Loads take an array and an element offset (bytes for ``uint8`` rows) and do no b
 checks, like numba's own indexing; the callers keep offsets inside their blocks.
 ``vfma`` is ``llvm.fmuladd``: fused where the CPU has FMA, else a multiply and an add.
 
-``F32x16`` (sixteen lanes: one AVX-512 register, two AVX2 ones) has only what the
-multi-row products need (zero, load, FMA, sum): there each decoded weight vector meets
-eight activation rows, and the wider vector halves the instructions per value.
+``F32x16`` (sixteen lanes: one AVX-512 register, two AVX2 ones) carries the quantized
+formats' decoded values (:mod:`.wide` reads its bytes and bit fields) and the products'
+accumulators: the wider vector halves the instructions per value.
 """
 
 from __future__ import annotations
@@ -30,24 +30,14 @@ __all__ = [
     "F32x8",
     "F32x16",
     "I32x8",
-    "bits8",
-    "iand",
-    "ior",
     "ishl",
-    "ishr",
-    "isub",
-    "ixor",
     "load_bf16",
     "load_f16",
     "load_f32",
-    "load_i8",
-    "load_u8",
     "tofloat",
     "vadd",
     "vfma",
     "vload",
-    "vmul",
-    "vneg",
     "vsplat",
     "vstore",
     "vsum",
@@ -217,17 +207,6 @@ def _float_binary(op: str, doc: str) -> Any:
 
 
 vadd = _float_binary("fadd", "``a + b`` lane by lane.")
-vmul = _float_binary("fmul", "``a * b`` lane by lane.")
-
-
-@intrinsic
-def vneg(typingctx: Any, a: Any) -> Any:
-    """``-a`` lane by lane (exact)."""
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.fneg(args[0])
-
-    return F32x8(a), codegen
 
 
 @intrinsic
@@ -479,10 +458,6 @@ def _byte_load(elem: Any, convert: str, out: Any, doc: str) -> Any:
             data = context.make_array(sig.args[0])(context, builder, args[0]).data
             ptr = builder.bitcast(builder.gep(data, [args[1]]), vty.as_pointer())
             v = builder.load(ptr, align=1)
-            if convert == "zext":
-                return builder.zext(v, _VI)
-            if convert == "sext":
-                return builder.sext(v, _VI)
             if convert == "half":
                 return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), LANES)), _VF)
             if convert == "bf16":  # bfloat16 is the top half of a float32
@@ -497,8 +472,6 @@ def _byte_load(elem: Any, convert: str, out: Any, doc: str) -> Any:
     return intrinsic(typer)
 
 
-load_u8 = _byte_load(ir.IntType(8), "zext", I32x8, "Eight bytes at ``off``, zero-extended.")
-load_i8 = _byte_load(ir.IntType(8), "sext", I32x8, "Eight int8 at ``off``, sign-extended.")
 load_f16 = _byte_load(ir.IntType(16), "half", F32x8, "Eight float16 at ``off``, as float32.")
 load_bf16 = _byte_load(ir.IntType(16), "bf16", F32x8, "Eight bfloat16 at ``off``, as float32.")
 load_f32 = _byte_load(_F, "none", F32x8, "Eight float32 at byte ``off``.")
@@ -524,35 +497,7 @@ def _int_immediate(op: str, doc: str) -> Any:
     return intrinsic(typer)
 
 
-iand = _int_immediate("and_", "``v & n`` lane by lane.")
-ixor = _int_immediate("xor", "``v ^ n`` lane by lane.")
-ishr = _int_immediate("lshr", "``v >> n`` (logical) lane by lane.")
 ishl = _int_immediate("shl", "``v << n`` lane by lane.")
-isub = _int_immediate("sub", "``v - n`` lane by lane.")
-
-
-@intrinsic
-def ior(typingctx: Any, a: Any, b: Any) -> Any:
-    """``a | b`` lane by lane."""
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.or_(args[0], args[1])
-
-    return I32x8(a, b), codegen
-
-
-@intrinsic
-def bits8(typingctx: Any, word: Any, start: Any) -> Any:
-    """Lane ``i`` is bit ``start + i`` of ``word`` (a 32-bit mask, Q5_0/Q5_1's ``qh``)."""
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        w = _splat(builder, _i32(context, builder, args[0], sig.args[0]), _VI)
-        first = _splat(builder, _i32(context, builder, args[1], sig.args[1]), _VI)
-        shifts = builder.add(first, ir.Constant(_VI, list(range(LANES))))
-        one = ir.Constant(_VI, [1] * LANES)
-        return builder.and_(builder.lshr(w, shifts), one)
-
-    return I32x8(word, start), codegen
 
 
 @intrinsic
