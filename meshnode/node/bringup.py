@@ -53,6 +53,7 @@ from meshnode.engine.constraint import Grammars
 from meshnode.engine.model import Stage
 from meshnode.errors import RunError
 from meshnode.net.stream import SEND_ERRORS
+from meshnode.node import heap
 from meshnode.node.planner import Plan, StagePlan
 from meshnode.node.progress import DownloadProgress
 from meshnode.node.remote import RemotePipeline
@@ -256,12 +257,14 @@ class BringUp:
                 backend=self._backend,
                 ring_slots=self.settings.ring_slots,
             )
-            return StageRunner(
+            runner = StageRunner(
                 engine_stage,
                 context_size=self.context_size,
                 max_sequences=MAX_SEQUENCES_PER_STAGE,
                 grammars=Grammars(lambda: source.tokenizer_json, vocab, eos),
             )
+            heap.release_free_memory()  # what loading the model and its tokenizer freed
+            return runner
 
         try:
             box.append(await trio.to_thread.run_sync(build))

@@ -84,6 +84,7 @@ from meshnode.engine.model import Stage
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, MAX_RING_SLOTS
 from meshnode.errors import RunError
 from meshnode.net.stream import SEND_ERRORS
+from meshnode.node import heap
 from meshnode.node.footprint import check_load
 from meshnode.node.peer_models import PeerModels
 from meshnode.node.relay import DataMessage, Relay
@@ -562,9 +563,11 @@ def build_runner(
     )
     # Only a last stage enforces grammars; it reads the tokenizer at its first one.
     grammars = Grammars(lambda: source.tokenizer_json, config.vocab_size, config.eos_token_ids)
-    return StageRunner(
+    runner = StageRunner(
         stage,
         context_size=load.context_size,
         max_sequences=MAX_SEQUENCES_PER_STAGE,
         grammars=grammars if load.has_head else None,
     )
+    heap.release_free_memory()  # what opening the model and loading the stage freed
+    return runner

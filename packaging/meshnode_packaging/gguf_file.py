@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
-from collections.abc import Container
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -286,3 +286,8 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         """The value of metadata ``key`` (a str, number, bool or list), or ``default``."""
         return self.fields.get(key, default)
+
+    def drop(self, keys: Iterable[str]) -> None:
+        """Forget the values of metadata ``keys`` (read and no longer needed here)."""
+        for key in keys:
+            self.fields.pop(key, None)

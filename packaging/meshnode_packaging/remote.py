@@ -62,11 +62,11 @@ from meshnode_packaging.sources import (
     HFFolderSource,
     ModelSource,
     RawTensor,
-    gguf_config,
     gguf_to_canonical,
     hf_to_canonical,
     open_gguf,
     sampling_defaults,
+    tensor_config,
 )
 from meshnode_packaging.transfer import ProgressFn
 
@@ -214,7 +214,7 @@ class ShardedGGUFSource(GGUFSource):
             for t in reader.tensors:
                 if (canonical := gguf_to_canonical(t.name, self.architecture)) is not None:
                     self._tensors[canonical] = t
-        self.config.update(gguf_config(self._reader, set(self._tensors)))
+        self.config.update(tensor_config(set(self._tensors)))
 
 
 @dataclass

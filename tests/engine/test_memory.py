@@ -1,18 +1,22 @@
-"""What a CPU stage keeps resident: its weights as the file's bytes, and a KV cache only
-as far as it is written (issue #13: a single-node ``join`` in 400 MiB)."""
+"""What a CPU stage keeps resident: its weights as the file's bytes, a KV cache only as
+far as it is written, the GGUF's vocabulary once (issue #13: a single-node ``join`` in 400
+MiB)."""
 
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from meshnode_packaging.sources import VOCABULARY_ARRAYS, GGUFSource, open_source
 
 from meshnode.engine.cpu import BlockMatrix
 from meshnode.engine.kv_cache import KVCache
 from meshnode.engine.loader import LoadedModel
+from meshnode.engine.tokenizer import Tokenizer
 
 SMAPS = Path("/proc/self/smaps")
 
@@ -87,3 +91,17 @@ def test_a_block_stage_holds_its_weights_as_the_file_holds_them(smollm2: LoadedM
     small = [layer.attn_norm for layer in weights.layers] + [weights.norm]
     copied += sum(int(a.nbytes) for a in small + [layer.ffn_norm for layer in weights.layers])
     assert copied < in_file / 10
+
+
+def test_a_gguf_source_holds_its_vocabulary_once(tiny_gguf: Callable[[str], Path]) -> None:
+    """Once ``tokenizer_json`` is built the reader forgets the vocabulary's arrays (Gemma
+    3's held 32 MiB as Python objects), and the document is ASCII: one byte a character,
+    where a single character above U+FFFF made Gemma 3's take four (52 MiB, now 19)."""
+    source = open_source(tiny_gguf("Q8_0"))
+    assert isinstance(source, GGUFSource)
+    assert source.tokenizer_json is not None
+    assert "\\u0120" in source.tokenizer_json  # byte-level BPE's "Ġ", escaped
+    assert source.tokenizer_json.isascii()
+    assert not any(k in source._reader.fields for k in VOCABULARY_ARRAYS)
+    assert source._reader.get("tokenizer.ggml.bos_token_id") is not None  # scalars stay
+    assert Tokenizer(source.tokenizer_json).encode("hello world")
