@@ -288,13 +288,14 @@ def race(weights: Any, exponentials: Any, out: np.ndarray | None = None) -> int:
     kept = row > 0
     if not kept.any():
         raise ValueError("cannot sample from a distribution with no mass")
-    if out is None:
-        times = np.full(row.shape, np.inf)
-    else:
-        times = out[: row.size].reshape(row.shape)
-        times.fill(np.inf)
+    exps = np.asarray(exponentials, dtype=np.float64)
+    times = np.empty(row.shape) if out is None else out[: row.size].reshape(row.shape)
     with np.errstate(over="ignore"):  # E / (a tiny weight) is inf: that id never wins
-        np.divide(np.asarray(exponentials, dtype=np.float64), row, out=times, where=kept)
+        if kept.all():  # no truncation, no underflow: the same quotients, unmasked
+            np.divide(exps, row, out=times)
+        else:
+            times.fill(np.inf)
+            np.divide(exps, row, out=times, where=kept)
     best = int(np.argmin(times))
     # Every kept time infinite (infinite exponentials given): any kept id is as good.
     return best if kept[best] else int(np.flatnonzero(kept)[0])
