@@ -285,8 +285,8 @@ async def bench(
     on = await make(BatchLimits(max_frames=MAX_SEQUENCES))
     off = await make(BatchLimits(enabled=False))
     # Warm-up: first-call costs out of the figures. As many streams as the largest run, so
-    # that its batch shapes are not first seen in it: a process's first 8-prompt prefill
-    # step took 2.1-2.5 s against ~0.6 s for the next ones, even after a 2-prompt one.
+    # that its batch shapes are not first seen in it (at d91eb01 a process's first 8-prompt
+    # prefill step took 2.1-2.5 s against ~0.6 s for the next ones, after a 2-prompt one).
     await measure(on, prompts, max(args.streams), 4)
     await measure(off, prompts, 2, 4)
     base: tuple[float, float] | None = None

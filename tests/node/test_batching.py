@@ -115,8 +115,12 @@ async def _together(
 
 @pytest.mark.parametrize(
     "sampling",
-    [GREEDY, SamplingParams(temperature=0.9, top_k=20, seed=1234)],
-    ids=["greedy", "seeded"],
+    [
+        GREEDY,
+        SamplingParams(temperature=0.9, top_k=20, seed=1234),
+        SamplingParams(temperature=1.0, seed=99),  # whole vocabulary: the unmasked race
+    ],
+    ids=["greedy", "seeded", "seeded-untruncated"],
 )
 async def test_concurrent_streams_equal_their_solo_runs(
     stage: Stage, sampling: SamplingParams
