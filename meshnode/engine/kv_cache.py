@@ -28,10 +28,23 @@ def lazy_zeros(xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return np.zeros(shape, dtype)
-    buf = mmap.mmap(-1, nbytes)  # anonymous: zero pages until written, freed with the array
+    # Private and anonymous (mmap's default for -1 is shared memory, which the kernel keeps
+    # as shmem): zero pages until written, freed with the array.
+    private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    buf = mmap.mmap(-1, nbytes, flags=private) if private else mmap.mmap(-1, nbytes)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux: also where THP is "always"
         buf.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(buf, dtype).reshape(shape)
+
+
+def _backing_map(a: Any) -> mmap.mmap | None:
+    """The anonymous map under an array of :func:`lazy_zeros` (None for any other)."""
+    base = a
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    return base if isinstance(base, mmap.mmap) else None
 
 
 class KVCache:
@@ -79,6 +92,17 @@ class KVCache:
         self.k[layer, :, start:end] = k
         self.v[layer, :, start:end] = v
         return self.k[layer, :, :end], self.v[layer, :, :end]
+
+    def release_pages(self) -> None:
+        """Empty the cache (:meth:`truncate` to 0) and hand the memory of the positions
+        written so far back to the system; on the CPU they read as zeros when written
+        again. A stage keeps released caches for its next sequences, which would otherwise
+        keep the pages of the longest sequence each cache ever held."""
+        self.truncate(0)
+        for a in (self.k, self.v):
+            held = _backing_map(a)
+            if held is not None and hasattr(mmap, "MADV_DONTNEED"):
+                held.madvise(mmap.MADV_DONTNEED)
 
     def nbytes(self) -> int:
         """Bytes allocated for this cache."""

@@ -213,7 +213,7 @@ class StageRunner:
         seq = self._sequences.pop(request_id, None)
         if seq is None:
             return False
-        seq.cache.truncate(0)
+        seq.cache.release_pages()  # kept for the next sequence, its memory handed back
         self._free_caches.append(seq.cache)
         return True
 

@@ -55,11 +55,31 @@ def test_a_cpu_kv_cache_takes_memory_as_its_positions_are_written() -> None:
     for array in (cache.k, cache.v):
         held = _mapping(array.ctypes.data)
         assert _kib(held["Rss"]) < 4 << 10, held["Rss"]
+        assert held["Anonymous"] == held["Rss"]  # the process's own pages, not shmem
         assert _kib(held.get("AnonHugePages", "0 kB")) == 0
         if hasattr(mmap, "MADV_NOHUGEPAGE"):
             assert "nh" in held["VmFlags"].split()
     assert float(cache.k[:, :, :8].sum()) == 30 * 3 * 8 * 64
     assert not cache.v[:, :, 8:].any()  # the rest reads as zeros
+
+
+@pytest.mark.skipif(not SMAPS.exists(), reason="reads the process's mappings from /proc")
+def test_a_released_kv_cache_hands_its_pages_back() -> None:
+    """A stage keeps released caches for its next sequences: the pages a long sequence
+    wrote go back to the system, and the cache reads as empty zeros, ready for reuse."""
+    cache = KVCache(np, 30, 3, 64, 2048)
+    kv = np.ones((3, 512, 64), np.float32)  # 512 positions: 11 MiB of K, 11 of V
+    for layer in range(30):
+        cache.write(layer, 0, kv, kv)
+    cache.length = 512
+    assert _kib(_mapping(cache.k.ctypes.data)["Rss"]) > 8 << 10
+    cache.release_pages()
+    assert cache.length == 0
+    for array in (cache.k, cache.v):
+        assert _kib(_mapping(array.ctypes.data)["Rss"]) < 1 << 10
+        assert not array.any()
+    cache.write(0, 0, kv[:, :1], kv[:, :1])
+    assert float(cache.k[0, :, 0].sum()) == 3 * 64
 
 
 def _file_backed(a: np.ndarray) -> bool:
