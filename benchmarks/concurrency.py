@@ -26,6 +26,13 @@ new request's time to first token while 8 other streams decode, over its idle va
 ``--temperature T`` samples instead (seeded, each stream its own seed; the API's default
 is temperature 1), so that the sampler's cost per token shows.
 
+``--api`` measures the serving path through the real HTTP API instead: a single-node
+service (as ``meshnode join`` on one machine builds it) behind the node's app and
+hypercorn on loopback, and a client in another process streaming ``/v1/completions``
+(``S`` at once, usage included), so every token also crosses the SSE layer and a socket.
+Printed per ``S``: completion tokens/s as the client sees them, and ``fwd``/``between``
+as above.
+
 The machine is shared: ``uptime`` is printed first and last; compare ratios, not times.
 """
 
@@ -35,6 +42,7 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import json
 import statistics
 import subprocess
 import sys
@@ -56,6 +64,7 @@ from meshnode.engine.loader import LoadedModel, load_model, resolve_source
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
 from meshnode.node.batcher import BatchLimits
+from meshnode.node.config import Address
 from meshnode.node.local import LocalPipeline
 from meshnode.node.pipeline import Pipeline, RequestId
 from meshnode.node.relay import DataMessage, Relay
@@ -63,8 +72,11 @@ from meshnode.node.remote import RemotePipeline, is_data_reply
 from meshnode.node.stage import StageRunner
 from meshnode.node.wire import WireSequences, for_peer
 from meshnode.node.worker import WorkerRun
+from meshnode.serve.app import create_app, serve_api
 from meshnode.serve.generation import GenerationParams, GenerationRun, GenerationState, generate
+from meshnode.serve.openai_api import mount_openai
 from meshnode.serve.scheduler import Scheduler, SchedulerLimits
+from meshnode.serve.single import build_single_node_service
 from tests.conftest import smollm2_gguf_path
 
 CONTEXT = 512
@@ -327,6 +339,55 @@ async def run_all(
         nursery.cancel_scope.cancel()
 
 
+#: The ``--api`` client (another process: a client on this machine competes for its
+#: cores, as a real one would): argv is url, model, streams, max tokens, temperature.
+API_CLIENT = """
+import asyncio, json, sys, time, httpx
+url, model, streams, tokens, temperature = sys.argv[1:6]
+prompts = json.loads(sys.stdin.read())
+async def one(client, i):
+    body = {"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": int(tokens),
+            "temperature": float(temperature), "seed": i, "stream": True,
+            "stream_options": {"include_usage": True}}
+    used = 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as reply:
+        async for line in reply.aiter_lines():
+            if line.startswith("data: {") and '"usage":{' in line:
+                used = json.loads(line[6:])["usage"]["completion_tokens"]
+    return used
+async def main():
+    async with httpx.AsyncClient(timeout=600) as client:
+        began = time.perf_counter()
+        used = await asyncio.gather(*(one(client, i) for i in range(int(streams))))
+        print(sum(used), time.perf_counter() - began)
+asyncio.run(main())
+"""
+
+
+async def api_bench(args: argparse.Namespace, backend: Backend) -> None:
+    """``--api``: the streams through the HTTP API (module docstring)."""
+    service = build_single_node_service(
+        str(smollm2_gguf_path()), context_size=CONTEXT, backend=backend
+    )
+    clock = ForwardClock(service.pipeline.runner.stage)  # type: ignore[union-attr]
+    app = create_app(lambda: {"node": {"node_id": "bench"}})
+    mount_openai(app, service)
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(serve_api, app, Address("127.0.0.1", 0))
+        prompts = json.dumps(PROMPT_TEXTS).encode()
+        for n in [max(args.streams), *args.streams]:  # the first run warms up
+            clock.spans.clear()
+            url, temperature = f"http://{address}", str(SAMPLING.temperature)
+            argv = [url, service.model_id, str(n), str(args.max_tokens), temperature]
+            done = await trio.run_process(
+                [sys.executable, "-c", API_CLIENT, *argv], stdin=prompts, capture_stdout=True
+            )
+            tokens, seconds = done.stdout.split()
+            rate = int(tokens) / float(seconds)
+            print(f"api   {n:2} | {rate:6.1f} tok/s at the client{clock.summary()}", flush=True)
+        nursery.cancel_scope.cancel()
+
+
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -346,6 +407,7 @@ def main() -> None:
     )
     topologies = ["one", "three"]
     parser.add_argument("--topologies", nargs="+", default=topologies, choices=topologies)
+    parser.add_argument("--api", action="store_true", help="through the HTTP API instead")
     args = parser.parse_args()
     global SAMPLING
     SAMPLING = SamplingParams(temperature=args.temperature)
@@ -354,6 +416,10 @@ def main() -> None:
     source = resolve_source(str(smollm2_gguf_path()))
     backend = cpu_backend(args.weights)
     print("weights:", args.weights, flush=True)
+    if args.api:
+        trio.run(api_bench, args, backend)
+        print("uptime:", uptime(), "threads handle:", type(limit).__name__)
+        return
     model = load_model(str(smollm2_gguf_path()), backend)
     trio.run(run_all, args, model, source, backend)
     print("uptime:", uptime(), "threads handle:", type(limit).__name__)
