@@ -37,6 +37,7 @@ __all__ = [
     "GGUFTensor",
     "GGUFTensorInfo",
     "GGUFTruncatedError",
+    "forget_pages",
     "read_header",
 ]
 
@@ -291,3 +292,22 @@ class GGUFFile:
         """Forget the values of metadata ``keys`` (read and no longer needed here)."""
         for key in keys:
             self.fields.pop(key, None)
+
+
+def forget_pages(view: np.ndarray[Any, Any]) -> None:
+    """Unmap the whole pages under ``view``, a view of a file's map whose bytes were just
+    copied and are not read again: the copy is what is kept, and the file's pages would
+    stay resident beside it (SmolLM2's Q/K rows, put back in order: 7.9 MiB). A later
+    read maps them again from the page cache. Nothing happens for any other array.
+    """
+    base: Any = view
+    while isinstance(base, np.ndarray):
+        base = base.base
+    held = base.obj if isinstance(base, memoryview) else base
+    if not isinstance(held, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = view.ctypes.data - np.frombuffer(held, np.uint8).ctypes.data
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages only: the neighbours'
+    last = (start + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE  # bytes stay mapped
+    if last > first:
+        held.madvise(mmap.MADV_DONTNEED, first, last - first)

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import gguf
 import numpy as np
 
-from meshnode_packaging.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
+from meshnode_packaging.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor, forget_pages
 from meshnode_packaging.sources_tokenizer import UnsupportedTokenizerError, gguf_tokenizer_json
 
 __all__ = [
@@ -420,6 +420,7 @@ class GGUFSource:
         n_head = self._permuted_heads(name)
         if n_head is not None:
             data = unpermute_rows(data.reshape(shape[0], -1), n_head)
+            forget_pages(t.data)  # the stage holds the copy
         raw = RawTensor(name, t.tensor_type.name, shape, data.view(np.uint8).reshape(-1))
         if self._arch.norm_shift and name.endswith("norm.weight"):
             shifted = dequantize(raw) - np.float32(self._arch.norm_shift)

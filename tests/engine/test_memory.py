@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from meshnode_packaging.gguf_file import forget_pages
 from meshnode_packaging.sources import VOCABULARY_ARRAYS, GGUFSource, open_source
 
 from meshnode.engine.cpu import BlockMatrix
@@ -125,3 +126,24 @@ def test_a_gguf_source_holds_its_vocabulary_once(tiny_gguf: Callable[[str], Path
     assert not any(k in source._reader.fields for k in VOCABULARY_ARRAYS)
     assert source._reader.get("tokenizer.ggml.bos_token_id") is not None  # scalars stay
     assert Tokenizer(source.tokenizer_json).encode("hello world")
+
+
+@pytest.mark.skipif(not SMAPS.exists(), reason="reads the process's mappings from /proc")
+def test_the_pages_of_copied_file_bytes_are_unmapped(tmp_path: Path) -> None:
+    """Q/K rows are copied out of the map (put back in Hugging Face's order): the file's
+    pages under them are unmapped, so the stage holds the copy alone; the bytes read the
+    same afterwards, from the page cache."""
+    path = tmp_path / "weights"
+    path.write_bytes(bytes(range(256)) * (16 << 12))  # 16 MiB
+    with path.open("rb") as f:
+        held = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    everything = np.frombuffer(held, np.uint8)
+    view = everything[1000 : (12 << 20) + 1000]  # 12 MiB, not page-aligned
+    first = int(view.sum(dtype=np.int64))
+    touched = _kib(_mapping(view.ctypes.data)["Rss"])
+    assert touched >= 12 << 10
+    forget_pages(view)
+    # What stays: at most the large folios (up to 2 MiB) the kernel mapped at the edges.
+    assert _kib(_mapping(view.ctypes.data)["Rss"]) <= touched - (8 << 10)
+    assert int(view.sum(dtype=np.int64)) == first
+    forget_pages(np.zeros(10, np.uint8))  # not a map: nothing happens
