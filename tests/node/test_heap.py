@@ -1,7 +1,9 @@
-"""The daemon's malloc arenas (``meshnode.node.heap``), counted in a fresh process."""
+"""The daemon's memory (``meshnode.node.heap``): malloc arenas and free heap, counted in a
+fresh process, and what starting ``join`` imports."""
 
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
 import sys
@@ -86,3 +88,15 @@ def test_free_memory_below_live_allocations_goes_back_to_the_system() -> None:
     )
     assert run.returncode == 0, run.stderr
     assert float(run.stdout) > 60  # 112 MiB here; nothing without the trim
+
+
+def test_starting_join_does_not_import_numba() -> None:
+    """numba and LLVM (``import numba`` maps 39 MiB of ``libllvmlite.so`` and allocates
+    8 MiB) load at a block stage's first product, not with the daemon: a node holding no
+    CPU block stage (a worker not yet loaded, float32, CUDA) never pays for them."""
+    code = "import json, sys, meshnode.cli, meshnode.cli.join; print(json.dumps(list(sys.modules)))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    modules = set(json.loads(run.stdout))
+    assert "meshnode.node.daemon" in modules
+    assert not {"numba", "llvmlite"} & modules
