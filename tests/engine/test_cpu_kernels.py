@@ -174,3 +174,22 @@ def test_sixteen_lane_sums_at_once_equal_one_at_a_time(rng: np.random.Generator)
     np.testing.assert_array_equal(got, want)
     lanes = x.reshape(16, 16).astype(np.float64)
     assert np.all(np.abs(got - lanes.sum(1)) <= 1e-6 * np.abs(lanes).sum(1))
+
+
+@pytest.mark.parametrize("dtype", [d for d in FORMATS if d.startswith("Q")])
+def test_extreme_blocks_decode_like_dequantize(dtype: str) -> None:
+    """Every quant bit set, then none, then alternating bits, under the largest and the
+    smallest-magnitude float16 scales of both signs: the sixteen-lane decoders' masks,
+    shifts and scale products at their limits, bit for bit against ``dequantize``."""
+    fmt = FORMATS[dtype]
+    n_rows = 8
+    blocks = np.zeros((n_rows, N_IN // fmt.block_size, fmt.type_size), np.uint8)
+    for i, fill in enumerate((0xFF, 0x00, 0x55, 0xAA) * 2):
+        blocks[i] = fill
+    scales = np.array([65504.0, -65504.0, 6.1e-5, -6.1e-5] * 2, np.float16)
+    for off in _F16_FIELDS[dtype]:
+        blocks[:, :, off : off + 2] = scales.view(np.uint8).reshape(n_rows, 1, 2)
+    t = RawTensor("w", dtype, (n_rows, N_IN), blocks.reshape(-1))
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = dequantize(t)
+    np.testing.assert_array_equal(BlockMatrix([t]).dense(), want)
