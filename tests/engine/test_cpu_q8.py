@@ -162,27 +162,45 @@ def test_a_bad_shape_is_refused(rng: np.random.Generator) -> None:
 
 @pytest.mark.real_model
 def test_smollm2_in_q8_follows_the_golden_references() -> None:
-    """Greedy tokens from the reference prompts, q8 decode (prefill stays exact).
+    """At every step of every reference, given the reference's own history (prefill stays
+    exact, each later token is one q8 decode row), q8 picks the reference's token wherever
+    the exact kernels' top two logits are at least :data:`CLEAR_MARGIN` apart.
 
-    Measured when written: 5 of 6 references reproduced exactly, the sixth (``raw_fib``)
-    diverging at token 21 (near-ties decide such steps: summed in another order, the same
-    quantized activations gave 5 of 6 with another reference failing). Asserted: at
-    least 4 exact, and every reference's first 16 tokens.
+    Free-running greedy is the wrong yardstick for an inexact mode: one near tie changes
+    the rest of the text (this file's earlier check of 16 free-running tokens broke when
+    the RMSNorm's summation order changed, at a step whose exact margin was 0.08).
+    Measured when written, teacher-forced: 225 of 229 steps agree; the 4 disagreements sit
+    where the exact margin is 0.014-0.10 logits, and q8 moves logits by up to 1.6.
     """
-    model = load_model(str(smollm2_gguf_path()), cpu_backend("q8"))
     golden: dict[str, Any] = json.loads((GOLDEN_DIR / "smollm2-135m-greedy.json").read_text())
-    exact = 0
+    path = str(smollm2_gguf_path())
+    fast, exact = load_model(path, cpu_backend("q8")), load_model(path, cpu_backend("native"))
+    steps = agree = 0
     for prompt in golden["prompts"]:
-        ids, want = list(prompt["prompt_ids"]), prompt["gen_ids"]
-        cache = model.stage.new_cache(len(ids) + len(want) + 1)
-        logits = model.stage.forward(np.array(ids), 0, cache, out_rows=1)
-        out = [int(np.argmax(logits[-1]))]
-        while len(out) < len(want):
-            logits = model.stage.forward(np.array(out[-1:]), len(ids) + len(out) - 1, cache)
-            out.append(int(np.argmax(logits[-1])))
-        assert out[:16] == want[:16], prompt["id"]
-        exact += out == want
-    assert exact >= 4
+        ids, want = list(prompt["prompt_ids"]), list(prompt["gen_ids"])
+        fast_logits, exact_logits = (_teacher_forced(m.stage, ids, want) for m in (fast, exact))
+        for i, token in enumerate(want):
+            top2 = np.sort(exact_logits[i])[-2:]
+            picked = int(np.argmax(fast_logits[i]))
+            steps, agree = steps + 1, agree + (picked == token)
+            if top2[1] - top2[0] >= CLEAR_MARGIN:
+                assert picked == token, (prompt["id"], i, float(top2[1] - top2[0]))
+    assert agree >= 0.95 * steps, (agree, steps)
+
+
+# Exact top-two margin (logits) above which q8 must pick the same token: q8 moves a
+# SmolLM2 logit by up to ~1.6, but two competing logits by far less than that apart.
+CLEAR_MARGIN = 0.5
+
+
+def _teacher_forced(stage: Any, ids: list[int], want: list[int]) -> np.ndarray:
+    """Logits ``[len(want), V]`` of each step: the prompt's prefill, then one decode row
+    per reference token."""
+    cache = stage.new_cache(len(ids) + len(want) + 1)
+    rows = [stage.forward(np.array(ids), 0, cache, out_rows=1)[-1]]
+    for j, token in enumerate(want[:-1]):
+        rows.append(stage.forward(np.array([token]), len(ids) + j, cache)[-1])
+    return np.array(rows)
 
 
 @pytest.mark.parametrize("use_vnni", [False, True], ids=["generic", "vnni"])
