@@ -85,12 +85,13 @@ class Stage:
             self.weights = self.backend.load_weights(
                 source_or_weights, config, start, end, embed=embed, head=head
             )
-        # attention, RoPE and the KV cache of each sequence, as the backend computes them
-        self._attention_of = self.backend.attention(config, start, end)
         # Gemma scales embeddings by sqrt(hidden) rounded to the activations' dtype first.
         self._embed_scale = np.float32(np.sqrt(config.hidden_size))
         # CUDA: the engine's kernels, fixed buffers, CUDA graphs take the forward
         self._cuda = self.backend.device_stage(config, self.weights, embed=embed, head=head)
+        if self._cuda is None:
+            # attention, RoPE and the KV cache of each sequence, as the backend computes them
+            self._attention_of = self.backend.attention(config, start, end)
 
     def _init_hybrid(
         self,
