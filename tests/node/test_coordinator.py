@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -82,26 +83,11 @@ async def test_the_plan_grows_back_between_requests(
     """``--split 2``: a lost worker shrinks the plan to one stage; when the worker is back,
     a request in flight finishes on the old pipeline first (new ones would get 503 while
     draining), then the plan grows back to two stages."""
-    ref, package = hub_ref
-    reference = greedy_reference(package)
+    reference = greedy_reference(hub_ref[1])
     mesh = InMemoryMesh(host_memory=1 << 34)  # the host alone fits the model
-    send, pipelines = trio.open_memory_channel[RemotePipeline | None](16)
-
-    async def next_pipeline() -> RemotePipeline | None:
-        with trio.fail_after(BRING_UP_TIMEOUT_S):
-            return await pipelines.receive()
-
     async with trio.open_nursery() as nursery:
         add_worker(mesh, "w", tmp_path / "cache", nursery)
-        coordinator = Coordinator(
-            mesh,
-            CoordinatorSettings(model_ref=ref, context_size=CONTEXT, split=2),
-            source=open_ref(package),
-            backend=cpu_backend(),
-            on_pipeline=send.send_nowait,
-        )
-        mesh.coordinator = coordinator
-        nursery.start_soon(coordinator.run)
+        coordinator, next_pipeline = _split_host(mesh, hub_ref, nursery)
         first = await next_pipeline()
         assert first is not None
         assert first.stage_nodes == (HOST, "w")
@@ -121,7 +107,7 @@ async def test_the_plan_grows_back_between_requests(
         assert await next_pipeline() is None
         assert coordinator.status()["state"] == "draining"
         with trio.move_on_after(0.5):
-            await pipelines.receive()
+            await next_pipeline()
             raise AssertionError("re-placed while a request was in flight")
         assert await finish(alone, request, tokens) == reference
         grown = await next_pipeline()
@@ -138,26 +124,11 @@ async def test_a_stage_that_leaves_is_replanned_as_a_leave_not_a_loss(
     """A stage node that said goodbye is replanned around as a lost one is, but the log
     (INFO, not WARNING) and the status's last failure say it left. As in the daemon, the
     membership drops it before its session ends: the coordinator sees both at once."""
-    ref, package = hub_ref
     mesh = InMemoryMesh(host_memory=1 << 34)  # the host alone fits the model
-    send, pipelines = trio.open_memory_channel[RemotePipeline | None](16)
-
-    async def next_pipeline() -> RemotePipeline | None:
-        with trio.fail_after(BRING_UP_TIMEOUT_S):
-            return await pipelines.receive()
-
     caplog.set_level(logging.INFO, logger="meshnode")
     async with trio.open_nursery() as nursery:
         add_worker(mesh, "w", tmp_path / "cache", nursery)
-        coordinator = Coordinator(
-            mesh,
-            CoordinatorSettings(model_ref=ref, context_size=CONTEXT, split=2),
-            source=open_ref(package),
-            backend=cpu_backend(),
-            on_pipeline=send.send_nowait,
-        )
-        mesh.coordinator = coordinator
-        nursery.start_soon(coordinator.run)
+        coordinator, next_pipeline = _split_host(mesh, hub_ref, nursery)
         first = await next_pipeline()
         assert first is not None
         assert first.stage_nodes == (HOST, "w")
@@ -215,3 +186,27 @@ def test_a_context_the_model_cannot_hold_is_a_config_error(hub_ref: tuple[str, P
             backend=cpu_backend(),
             on_pipeline=lambda pipeline: None,
         )
+
+
+def _split_host(
+    mesh: InMemoryMesh, hub_ref: tuple[str, Path], nursery: trio.Nursery
+) -> tuple[Coordinator, Callable[[], Awaitable[RemotePipeline | None]]]:
+    """A ``--split 2`` host coordinator running on ``mesh``, and a receiver of each
+    pipeline it hands out (None: the old one was dropped), bounded in time."""
+    ref, package = hub_ref
+    send, pipelines = trio.open_memory_channel[RemotePipeline | None](16)
+    coordinator = Coordinator(
+        mesh,
+        CoordinatorSettings(model_ref=ref, context_size=CONTEXT, split=2),
+        source=open_ref(package),
+        backend=cpu_backend(),
+        on_pipeline=send.send_nowait,
+    )
+    mesh.coordinator = coordinator
+    nursery.start_soon(coordinator.run)
+
+    async def next_pipeline() -> RemotePipeline | None:
+        with trio.fail_after(BRING_UP_TIMEOUT_S):
+            return await pipelines.receive()
+
+    return coordinator, next_pipeline
