@@ -172,16 +172,15 @@ class Stage:
         Every product with a weight matrix runs once over the rows of all items (one read
         of the weights for the whole batch); attention, RoPE and the KV cache stay per
         sequence (for a hybrid model, the recurrence too: ``HybridStage.forward_batch``).
-        Items must name distinct caches. The CUDA stage does not batch yet: it runs the items
-        one by one. Raises ``ValueError`` as :meth:`forward` does.
+        Items must name distinct caches. On CUDA the device stage batches the same way
+        (``CudaStage.forward_batch``; a prompt chunk of more than ``MAX_ROWS`` rows runs
+        alone). Raises ``ValueError`` as :meth:`forward` does.
         """
         if self.hybrid is not None:
             assert all(isinstance(i.cache, HybridCache) for i in items), "hybrid caches only"
             return self.hybrid.forward_batch(items)
         if self._cuda is not None:
-            return [
-                self.forward(i.inputs, i.start_pos, i.cache, out_rows=i.out_rows) for i in items
-            ]
+            return self._cuda.forward_batch(items)
         segs = [self._segment(item) for item in items]
         x = _concat(self.xp, [self._inputs(item) for item in items])  # [N, E]
         last = len(self.weights.layers) - 1
