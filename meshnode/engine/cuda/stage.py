@@ -167,11 +167,13 @@ class CudaStage:
             for group in _groups([p.n for p in parts]):
                 if parts[group[0]].n > MAX_ROWS:
                     outs[group[0]] = self._large(parts[group[0]])
-                    continue
-                run = [parts[i] for i in group]
-                for i, out in zip(group, _split(self._small(run), run), strict=True):
-                    outs[i] = out
-            self.stream.synchronize()
+                else:
+                    run = [parts[i] for i in group]
+                    for i, out in zip(group, _split(self._small(run), run), strict=True):
+                        outs[i] = out
+                # The copies in read the pinned buffers when the stream reaches them: the
+                # next forward may rewrite those only once this one is done.
+                self.stream.synchronize()
         for p in parts:
             p.cache.length = p.start_pos + p.n
         return outs
