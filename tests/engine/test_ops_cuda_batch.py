@@ -218,8 +218,8 @@ def test_captured_batch_shapes_replay_for_other_sequences(
     tiny_gguf: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch shape is captured at its first forward and replayed for other sequences at
-    other positions; growing the fixed buffers drops the graphs made on the old ones.
-    Every output equals the eager stage's."""
+    other positions; growing the fixed buffers drops the graphs made on the old ones; past
+    MAX_GRAPHS shapes a new one stays eager. Every output equals the eager stage's."""
     capture = _Capture()
     monkeypatch.setattr(cuda_stage, "kernels_for", lambda cp: capture.kernels)
     source = open_source(tiny_gguf("Q8_0"))
@@ -245,6 +245,9 @@ def test_captured_batch_shapes_replay_for_other_sequences(
     assert again is not first
     check([([], 0, [52, 53, 54], 1), (IDS[:3], 3, [55], 1)])
     assert (again.launches, first.launches) == (1, 1)
+    monkeypatch.setattr(cuda_stage, "MAX_GRAPHS", len(shapes))  # full: new shapes stay eager
+    check([(IDS[:2], 2, [56, 57], 1), ([], 0, [58, 59, 60], 1)])  # (5 rows, 2 out)
+    assert (5, 2) not in shapes
 
 
 @pytest.mark.real_model
