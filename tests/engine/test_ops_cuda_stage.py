@@ -37,6 +37,10 @@ class HostArray(np.ndarray):
     """A NumPy array with the three CuPy array methods the stage uses."""
 
     def set(self, host: np.ndarray, stream: Any = None) -> None:
+        """As CuPy's: a whole contiguous array from a host array of its shape and dtype."""
+        assert isinstance(host, np.ndarray)
+        assert (self.shape, self.dtype) == (host.shape, host.dtype), (self.shape, host.shape)
+        assert self.flags.c_contiguous
         self[...] = host
 
     def get(self) -> np.ndarray:
