@@ -25,7 +25,6 @@ import numpy as np
 import numpy.typing as npt
 from meshnode_packaging.sources import ModelSource
 
-from meshnode.engine import ops
 from meshnode.engine.attention import Segment
 from meshnode.engine.backend import Backend, cpu_backend
 from meshnode.engine.config import ModelConfig, ModelConfigError
@@ -231,9 +230,8 @@ class Stage:
 
     def _mlp(self, w: LayerWeights, x: Any) -> Any:
         gate_up = self._linear(x, w.w_gate_up)  # [r, 2 I]
-        if self.config.arch.activation == "gelu_tanh":
-            return self._linear(ops.gelu_tanh_mul(self.xp, gate_up), w.w_down)  # GeGLU, [r, E]
-        return self._linear(ops.silu_mul(self.xp, gate_up), w.w_down)  # SwiGLU, [r, E]
+        act = self.backend.glu(gate_up, self.config.arch.activation)  # SwiGLU/GeGLU, [r, I]
+        return self._linear(act, w.w_down)  # [r, E]
 
     def _linear(self, x: Any, w: Any) -> Any:
         """``x @ w`` for ``x`` ``[r, in]``, ``w`` ``[in, out]``, as the backend multiplies."""
