@@ -9,6 +9,8 @@ against float64 ``W . (q d)`` (the quantized activations), and the real model.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,18 +47,27 @@ def rows(kind: str, rng: np.random.Generator) -> np.ndarray:
 
 
 def unpack(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The quantizer's buffer for ``x``: int8 quants, int32 sums of four, float32 block
-    fields (scale, sum, sums of the halves)."""
-    n = x.size
-    q = q8._kernels().quantized(x.reshape(-1))
-    assert q.shape == (n * 5 // 2,)
-    return q[:n].view(np.int8), q[n : 2 * n].view(np.int32), q[2 * n :].view(np.float32)
+    """The quantizer's buffer for ``x`` (``[k, n_in]``): int8 quants ``[k, n_in]``, int32
+    sums of four ``[k, n_in / 4]`` (from the offset area of shift 2), float32 block fields
+    ``[k, blocks, 4]`` (scale, d times the sum of the quants, of each half)."""
+    k, n_in = x.shape
+    kernels = q8._kernels()
+    q = kernels.quantized(x.reshape(-1), k)
+    n, h = x.size, kernels.HEADER
+    assert q.shape == (kernels.buffer_bytes(k, n_in),)
+    xq = q[h : h + n].view(np.int8).reshape(k, n_in)
+    fours = -(q[h + n : h + 2 * n].view(np.int32) >> 2).reshape(k, -1)
+    nb, groups = n_in // 32, (k + 7) // 8
+    _, _, dxt, _ = kernels._areas(n, groups * nb)
+    tf = q[dxt : dxt + 4 * 32 * groups * nb].view(np.float32).reshape(4, groups, nb, 8)
+    fields = tf.transpose(1, 3, 2, 0).reshape(groups * 8, nb, 4)[:k]  # [row, block, field]
+    return xq, fours, fields
 
 
 def quantized(x: np.ndarray) -> np.ndarray:
     """The activations as the kernels see them, ``q * d``, float64, from their quantizer."""
-    xq, _, xf = unpack(x)
-    xhat: np.ndarray = (xq.astype(np.float64) * np.repeat(xf[0::4], 32)).reshape(x.shape)
+    xq, _, fields = unpack(x)
+    xhat: np.ndarray = xq.astype(np.float64) * np.repeat(fields[:, :, 0], 32, axis=1)
     return xhat
 
 
@@ -65,24 +76,24 @@ def test_quantize_rounds_each_block_to_its_step(rng: np.random.Generator) -> Non
     x[32:64] = 0.0  # a zero block
     x[70] = 3e4  # an outlier: the rest of its block rounds to small steps of it
     x[100] = np.inf  # not finite: the block's products are nan, as in float32
-    xq, ls, xf = unpack(x)
+    xq, ls, xf = (a[0] for a in unpack(x[None, :]))
     for b in range(3):
         block = x[32 * b : 32 * b + 32]
         d = np.abs(block).max() / np.float32(127)
-        assert xf[4 * b] == pytest.approx(d, rel=1e-6)
+        assert xf[b, 0] == pytest.approx(d, rel=1e-6)
         want = np.round(block / d) if d > 0 else np.zeros(32)
         np.testing.assert_array_equal(xq[32 * b : 32 * b + 32], want)
         np.testing.assert_array_equal(ls[8 * b : 8 * b + 8], want.reshape(8, 4).sum(1))
-        halves = want.reshape(2, 16).sum(1) * xf[4 * b]  # d times the quants' sums
-        np.testing.assert_allclose(xf[4 * b + 2 : 4 * b + 4], halves, rtol=1e-6)
-        assert xf[4 * b + 1] == pytest.approx(halves.sum(), rel=1e-6)
-    assert np.isnan(xf[12])
+        halves = want.reshape(2, 16).sum(1) * xf[b, 0]  # d times the quants' sums
+        np.testing.assert_allclose(xf[b, 2:4], halves, rtol=1e-6)
+        assert xf[b, 1] == pytest.approx(halves.sum(), rel=1e-6)
+    assert np.isnan(xf[3, 0])
     assert not xq[96:].any()
 
 
 @pytest.mark.parametrize("dtype", Q8)
 @pytest.mark.parametrize("kind", ["normal", "zero", "large", "garbage"])
-@pytest.mark.parametrize("k", [1, 6])  # 6: a tile of four activation rows, then two single
+@pytest.mark.parametrize("k", [1, 6])  # 6: one group of eight lanes, six of them rows
 def test_product_is_within_the_rounding_bound(
     dtype: str, kind: str, k: int, rng: np.random.Generator
 ) -> None:
@@ -138,18 +149,44 @@ def test_shared_equals_serial_and_parts_stack(
         assert idle_threads.posted == before + 1  # the pool did take it
 
 
-def test_the_backend_routes_decode_products_only(rng: np.random.Generator) -> None:
+def test_the_backend_routes_quantized_products_of_any_rows(rng: np.random.Generator) -> None:
     backend = select_backend("cpu", "q8")
     assert backend.weights_dtype == "q8"
     assert backend.cpu_blocks
     quant = BlockMatrix([random_tensor("Q4_1", 16, rng)])
+    for k in (1, 3, 40):  # decode, a verify window, a prefill: all 8-bit
+        x = rng.standard_normal((k, N_IN)).astype(np.float32)
+        assert q8.accepts(quant, k)
+        np.testing.assert_array_equal(backend.linear(x, quant), q8.q8_product(quant, x))
     one = rows("normal", rng)
-    np.testing.assert_array_equal(backend.linear(one, quant), q8.q8_product(quant, one))
-    many = rng.standard_normal((q8.Q8_MAX_ROWS + 1, N_IN)).astype(np.float32)
-    np.testing.assert_array_equal(backend.linear(many, quant), many @ quant)
     dense = BlockMatrix([random_tensor("F16", 16, rng)])  # no integer quants: exact
     assert not q8.accepts(dense, 1)
     np.testing.assert_array_equal(backend.linear(one, dense), one @ dense)
+    odd = RawTensor("w", "Q8_0", (2, 96), np.zeros(2 * 102, np.uint8))  # 3 blocks a row
+    assert not q8.accepts(BlockMatrix([odd]), 1)
+
+
+@pytest.mark.parametrize("dtype", Q8)
+def test_a_row_is_the_same_bits_in_any_product(
+    dtype: str, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch, idle_threads: KernelPool
+) -> None:
+    """The parity rule of q8: a row's result does not depend on the rows that share its
+    product (one-row kernel, tiles of 8, 4, 2 and 1 rows, slabs of more than 16 rows,
+    the kernel threads), so batches, verify windows and decode agree bit for bit."""
+    m = BlockMatrix([random_tensor(dtype, 70, rng)])
+    kinds = ["normal", "garbage", "large", "zero"]
+    x = np.concatenate([rows(kinds[i % 4], rng) for i in range(40)])
+    alone = np.concatenate([q8.q8_product(m, x[i : i + 1]) for i in range(40)])
+    for k in (2, 3, 8, 16, 17, 40):
+        np.testing.assert_array_equal(q8.q8_product(m, x[:k]), alone[:k], err_msg=f"{k} rows")
+    np.testing.assert_array_equal(q8.q8_product(m, x[5:13]), alone[5:13])  # another group
+    monkeypatch.setattr(matrix, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(matrix, "_threads", 2)
+    monkeypatch.setattr(matrix, "_pool", lambda: idle_threads)
+    for k in (1, 8, 17):
+        before = idle_threads.posted
+        np.testing.assert_array_equal(q8.q8_product(m, x[:k]), alone[:k])
+        assert idle_threads.posted == before + 1  # the pool did take it
 
 
 def test_a_bad_shape_is_refused(rng: np.random.Generator) -> None:
@@ -162,8 +199,8 @@ def test_a_bad_shape_is_refused(rng: np.random.Generator) -> None:
 
 @pytest.mark.real_model
 def test_smollm2_in_q8_follows_the_golden_references() -> None:
-    """At every step of every reference, given the reference's own history (prefill stays
-    exact, each later token is one q8 decode row), q8 picks the reference's token wherever
+    """At every step of every reference, given the reference's own history (the prefill
+    and each later token's one-row forward in q8), q8 picks the reference's token wherever
     the exact kernels' top two logits are at least :data:`CLEAR_MARGIN` apart.
 
     Free-running greedy is the wrong yardstick for an inexact mode: one near tie changes
@@ -231,3 +268,75 @@ def test_the_integer_dot_product_on_either_path(
         dot(w8, x8.view(np.uint8), out)
         want = (w8.astype(np.int64) * x8).reshape(8, 4).sum(1)
         np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("use_vnni", [False, True], ids=["generic", "vnni512"])
+def test_the_wide_integer_dot_product_on_either_path(
+    use_vnni: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dotw as a 512-bit ``vpdpbusd`` and as the portable code: lane ``8 h + r`` adds the
+    four bytes of lane ``j`` of chunk ``h`` times four int8 of row ``r``, exactly."""
+    from numba import njit
+
+    from meshnode.engine.cpu import simd_q8
+    from meshnode.engine.cpu.simd_int import bload
+
+    if use_vnni and not simd_q8.vnni512():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    monkeypatch.setattr(simd_q8, "vnni512", lambda: use_vnni)  # read when it compiles
+
+    @njit(cache=False)
+    def dot(w, x, out):  # type: ignore[no-untyped-def]
+        u = simd_q8.join64(bload(w, 0), bload(w, 32))
+        acc = simd_q8.dotw(simd_q8.iload16(out, 0), u, 5, x, 0)
+        simd_q8.store16(out, 0, acc)
+
+    for w, x in [
+        (rng.integers(0, 256, 64), rng.integers(-128, 128, 64)),
+        ([255] * 64, [-128] * 64),
+    ]:
+        w8, x8 = np.asarray(w, np.uint8), np.asarray(x, np.int8)
+        start = rng.integers(-1000, 1000, 16).astype(np.int32)
+        out = start.copy()
+        dot(w8, x8.view(np.uint8), out.view(np.uint8))
+        lanes = w8.astype(np.int64).reshape(2, 8, 4)[:, 5]  # [h, 4]: lane 5 of each chunk
+        want = start + np.einsum("hi,hri->hr", lanes, x8.reshape(2, 8, 4)).reshape(16)
+        np.testing.assert_array_equal(out, want)
+
+
+def test_a_batched_q8_forward_is_its_solo_forwards_bit_for_bit(
+    tiny_gguf: Callable[[str], Path],
+) -> None:
+    """A stage in q8: prefills of different lengths, then decodes, all batched, give each
+    sequence the same logits, bit for bit, as running it alone."""
+    from meshnode_packaging.sources import open_source
+
+    from meshnode.engine import ModelConfig, Stage
+    from meshnode.engine.backend import CpuBackend
+    from meshnode.engine.model import BatchRow
+
+    source = open_source(tiny_gguf("Q4_K"))
+    config = ModelConfig.from_hf(source.config)
+    stage = Stage(config, source, 0, config.num_layers, embed=True, head=True,
+                  backend=CpuBackend(weights_dtype="q8"))  # fmt: skip
+    prompts = [[1, 60, 61, 62, 259], [70, 19], [20, 223, 89, 90, 91, 92, 260, 5, 6], [33]]
+    solo = []
+    for p in prompts:
+        cache = stage.new_cache(32)
+        logits = [stage.forward(np.array(p), 0, cache, out_rows=1)[-1]]
+        for _ in range(3):
+            token = np.array([int(np.argmax(logits[-1]))])
+            logits.append(stage.forward(token, cache.length, cache, out_rows=1)[-1])
+        solo.append(logits)
+    caches = [stage.new_cache(32) for _ in prompts]
+    outs = stage.forward_batch(
+        [BatchRow(np.array(p), 0, c, 1) for p, c in zip(prompts, caches, strict=True)]
+    )
+    batched = [[o[-1]] for o in outs]
+    for _ in range(3):
+        rows_ = [BatchRow(np.array([int(np.argmax(b[-1]))]), c.length, c, 1)
+                 for b, c in zip(batched, caches, strict=True)]  # fmt: skip
+        for b, o in zip(batched, stage.forward_batch(rows_), strict=True):
+            b.append(o[-1])
+    for want, got in zip(solo, batched, strict=True):
+        np.testing.assert_array_equal(np.array(got), np.array(want))

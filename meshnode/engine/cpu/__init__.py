@@ -7,8 +7,10 @@ them; ``pool`` (kernel threads that claim chunks of a product) on ``atomics``;
 ``kernels`` (k-row products, gathers, whole-matrix decode) on ``blocks`` and ``pool``'s
 word layout; ``matrix`` (:class:`BlockMatrix`, what a stage holds) on top, which imports
 numba only at the first product so that importing the engine stays cheap. Beside
-``matrix``: ``q8`` (the opt-in 8-bit-activation decode products, ``--dtype q8``) over
-``q8_kernels`` and ``simd_int`` (byte vectors and the integer dot product). ``attention``
+``matrix``: ``q8`` (the opt-in 8-bit-activation products, ``--dtype q8``) over
+``q8_kernels`` (quantizing activations, the row tiles), ``q8_blocks`` (a weight chunk
+unpacked to bytes), ``simd_int`` (byte vectors and the integer dot product) and
+``simd_q8`` (vectors whose lanes are rows, the 512-bit dot product). ``attention``
 (one layer's attention for all short sequences of a batch, in one call; used by
 ``meshnode.engine.attention``) on ``simd`` and ``atomics``; ``norms`` (RMSNorm in one call,
 ``CpuBackend.rms_norm``) on ``simd``.

@@ -1,25 +1,35 @@
 """Compiled products of GGUF blocks with 8-bit activations (``--dtype q8``, inexact).
 
 Each activation row is quantized in blocks of 32 values, as llama.cpp's Q8_0/Q8_1 do:
-``q = round(x / d)`` with ``d = max|x| / 127``, stored as int8 with ``d`` (float32), the
-sums of ``q`` over each four values (the lanes of :func:`.simd_int.dot4`) and ``d`` times
-the sums of ``q`` over each 16 and 32 values. Then for each 32-value chunk of a weight row the
-quants, unpacked to unsigned bytes ``u``, meet the block's int8 values in one integer dot
-product (eight int32 lanes, :func:`.simd_int.dot4`) and the result is scaled in float:
+``q = round(x / d)`` with ``d = max|x| / 127``, stored as int8 beside what the kernels
+read per block (:func:`quantize`). For each 32-value chunk of a weight row
+(:func:`.q8_blocks.chunk`: its quants unpacked to unsigned bytes ``u``, its scale ``dw``,
+minimum ``m``, per-16 integer scales) and each activation row, in order of the chunks:
 
-- a weight ``s (u - z)`` (Q4_0, Q5_0, Q8_0 as ``w + 128``, Q3_K, Q6_K: an integer offset
-  ``z``) gives ``s d (u . q - z sum(q))``, all in int32 lanes but for the last multiply;
-- a weight ``s u + m`` (Q4_1, Q5_1 and the K-quants' minimums) gives ``s d (u . q) +
-  m d sum(q)``: the sum of the quantized values, as llama.cpp's Q8_1 keeps it, not of
-  ``x``. Then the rounding errors of ``x`` meet the weights ``s u + m``, which are about
-  centred, not ``s u`` alone: with ``sum(x)`` SmolLM2's products were 2x further from
-  float32 (relative error 1.5 % against 0.76 %);
-- K-quants with a scale per 16 values multiply the two halves' lanes by their scales.
+- ``D``, the exact integer dot product ``u . q`` (``vpdpbusd``), plus ``-z sum(q)`` for a
+  weight ``s (u - z)`` (Q4_0, Q5_0, Q8_0 as ``w + 128``, Q3_K, Q6_K), each half of 16
+  values times its integer scale (Q2_K, Q3_K, Q6_K);
+- ``acc = fma(float(D), dw * dx, acc)`` in float32, one accumulator for the even chunks
+  and one for the odd ones;
+- for a weight ``s u + m`` (Q4_1, Q5_1, Q4_K, Q5_K; Q2_K per 16 values) ``t = t + m (dx
+  sum(q))``: the sum of the *quantized* values, as llama.cpp's Q8_1 keeps it, not of
+  ``x`` (then the rounding errors of ``x`` meet the about-centred weights ``s u + m``;
+  with ``sum(x)`` SmolLM2's products were 2x further from float32), again even and odd;
 
-So the error against "dequantize, then multiply in float32" is that of rounding ``x``:
-at most ``d / 2`` per value, ``sum |w_i| d_b / 2`` over a row. Formats without integer
-quants (F32, F16, BF16) and rows that are not whole 32-value blocks are not taken here
-(:mod:`.q8` sends them to the exact kernels).
+and the result is ``(acc_even + acc_odd) + (t_even + t_odd)``. Two kernels compute
+exactly this, with rows in the vector lanes: one activation row meets eight weight rows
+at a time (lanes: the weight rows; each block's eight ``dot4`` lanes summed into one,
+:func:`.simd_q8.isums`); two or more activation rows meet each weight row eight at a time
+and two chunks per 512-bit ``vpdpbusd`` (lanes: the activation rows, for the even and
+for the odd chunk; the weight's four bytes copied across them). So a row's result is the
+same bits alone, in a verify window or in a batch, whatever rows share its product.
+
+The error against "dequantize, then multiply in float32" is that of rounding ``x``: at
+most ``d / 2`` per value, ``sum |w_i| d_b / 2`` over a row. Formats without integer
+quants (F32, F16, BF16) and rows that are not whole 64-value pairs of blocks are not
+taken here (:mod:`.q8` sends them to the exact kernels). Products of more than
+:data:`SLAB_ROWS` rows (prefill) take them a slab at a time, so that a slab's
+activations stay in the cache while every weight row of a chunk meets them.
 """
 
 from __future__ import annotations
@@ -33,28 +43,25 @@ from numba.np.numpy_support import carray
 
 from meshnode.engine.cpu import pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
-from meshnode.engine.cpu.simd import ishl, tofloat, vfma, vsplat, vsum, vzero
-from meshnode.engine.cpu.simd_int import (
-    band,
-    bits32,
-    bload,
-    bor,
-    bshl,
-    bshr,
-    bxor,
-    dot4,
-    fload,
-    fload2,
-    half,
-    half2,
-    iload,
-    imul,
-    ivsub,
-    lane,
-    lanes2,
-    mul2,
-    nibbles,
-    prefetch,
+from meshnode.engine.cpu.q8_blocks import chunk, minimum_kind, offset_area, per16
+from meshnode.engine.cpu.simd import tofloat, vadd, vfma, vsplat, vzero, wadd, wfma, wmul, wzero
+from meshnode.engine.cpu.simd_int import dot4, fload, iload, imul, lanes2, prefetch
+from meshnode.engine.cpu.simd_q8 import (
+    dotw,
+    fload16,
+    fold,
+    iadd,
+    iadd16,
+    iload16,
+    imul16,
+    ipair,
+    isums,
+    join64,
+    lane8,
+    tofloat16,
+    vec8,
+    vmul,
+    wpair,
 )
 
 # How far ahead of the row it multiplies a product asks for weight bytes: a decode
@@ -62,6 +69,12 @@ from meshnode.engine.cpu.simd_int import (
 # left the kernels at about 0.8x the time of the exact ones; with this, about 0.55x
 # (SmolLM2's products in forward order, one thread; 2 and 8 KiB did no better).
 PREFETCH_BYTES = 4096
+# Activation rows a weight row meets before the next weight row, in products of more rows
+SLAB_ROWS = 16
+# Products of up to this many rows go one activation row at a time (lanes: weight rows)
+ONE_ROW_MAX = 1
+# Bytes before the areas of quantize's buffer (n_in and k, int64, at bytes 0 and 8)
+HEADER = 64
 # the words of a posted product (:mod:`.pool`), as compile-time constants
 _WORDS = pool.WORDS
 _A, _NA, _RBA, _B, _NB, _RBB = pool.A, pool.NA, pool.RBA, pool.B, pool.NB, pool.RBB
@@ -70,258 +83,250 @@ _OUT, _N_OUT, _CA, _CB, _ROWS = pool.OUT, pool.N_OUT, pool.CA, pool.CB, pool.ROW
 
 
 @njit(cache=True)
-def quantize(x, buf):  # type: ignore[no-untyped-def]
-    """Quantize ``x`` (float32, flat, ``n`` values in whole 32-value blocks) into ``buf``
-    (``uint8``, :func:`buffer_bytes` long): int8 quants at bytes ``0 .. n``, then from
-    byte ``n`` the int32 sum of each four quants, then from byte ``2 n`` four float32 per
-    block: its scale ``d``, and ``d`` times the sum of its 32 quants and of each half.
-    A block with a value that is not finite gets ``d = nan`` and zero quants, so that
+def buffer_bytes(k, n_in):  # type: ignore[no-untyped-def]
+    """Bytes of :func:`quantize`'s buffer for ``k`` rows of ``n_in`` activations (a
+    multiple of ``k``: the pool is handed it as ``k`` rows)."""
+    blocks = (k + 7) // 8 * (n_in // 32)
+    size = HEADER + 6 * k * n_in + 704 * blocks
+    return size + (k - size % k) % k
+
+
+@njit(cache=True)
+def _areas(n, blocks):  # type: ignore[no-untyped-def]
+    # byte offsets of the transposed areas (see quantize): quants, offsets, d, sums
+    xt = HEADER + 6 * n
+    ot = xt + 256 * blocks
+    dxt = ot + 320 * blocks
+    sxt = dxt + 32 * blocks
+    return xt, ot, dxt, sxt
+
+
+@njit(cache=True)
+def quantize(x, k, buf):  # type: ignore[no-untyped-def]
+    """Quantize ``x`` (float32, flat: ``k`` rows of ``n_in``, whole 32-value blocks) into
+    ``buf`` (``uint8``, :func:`buffer_bytes` long).
+
+    Row by row (``n = k n_in`` bytes each, from byte :data:`HEADER`; block ``b`` of row
+    ``r`` at ``32 (r nb + b)``, ``nb = n_in / 32``): the int8 quants, then five offset
+    areas (:data:`.q8_blocks.OFFSET_SHIFTS` ``s``), the int32 ``-(sum of four quants <<
+    s)`` of each four values. Then by groups of eight rows (lane ``r % 8``), for each
+    block ``b`` of group ``g`` (``i = g nb + b``): the quants as 32 bytes per four
+    values, the four of each of the eight rows in turn (256 bytes at ``256 i``); five
+    offset areas of the eight rows' ``-(sum << s)`` over the block's first and last 16
+    values (64 bytes at ``64 i``); their scales ``d`` (float32 ``[8]`` at ``32 i``); and
+    ``d`` times the sum of their quants, of the first 16, of the last 16 (three areas of
+    ``[8]`` at ``32 i``). The lanes of missing rows in the last group are zeros. A
+    block with a value that is not finite gets ``d = nan`` and zero quants, so that
     products with it are nan, as in float32."""
     n = x.shape[0]
-    xq = buf[:n].view(np.int8)
-    ls = buf[n : 2 * n].view(np.int32)
-    xf = buf[2 * n : 2 * n + n // 2].view(np.float32)
-    for b in range(n // 32):
-        o = 32 * b
+    n_in = n // k
+    nb = n_in // 32
+    blocks = (k + 7) // 8 * nb
+    head = buf[:16].view(np.int64)
+    head[0], head[1] = n_in, k
+    xt, ot, dxt, sxt = _areas(n, blocks)
+    buf[xt:].fill(0)
+    xq = buf[HEADER : HEADER + n].view(np.int8)
+    offs = buf[HEADER + n : HEADER + 6 * n].view(np.int32)
+    tq = buf[xt:ot].view(np.int8)
+    toffs = buf[ot:dxt].view(np.int32)
+    tf = buf[dxt : sxt + 96 * blocks].view(np.float32)  # d, sum, first and last 16
+    area, tarea = n // 4, 16 * blocks
+    for g in range(n // 32):
+        r, b = g // nb, g % nb
+        i, lane = (r // 8) * nb + b, r % 8
+        o = 32 * g
         amax = np.float32(0.0)
-        for i in range(32):
-            amax = max(amax, abs(x[o + i]))
+        for v in range(32):
+            amax = max(amax, abs(x[o + v]))
         inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
         d = amax / np.float32(127.0)
         if not np.isfinite(amax):
             inv, d = np.float32(0.0), np.float32(np.nan)
+        low = high = 0
         for j in range(8):
             s = 0
-            for i in range(4 * j, 4 * j + 4):
-                q = round(x[o + i] * inv) if inv > 0 else 0
-                xq[o + i] = q
+            for v in range(4 * j, 4 * j + 4):
+                q = round(x[o + v] * inv) if inv > 0 else 0
+                xq[o + v] = q
+                tq[512 * (i // 2) + 64 * j + 32 * (i % 2) + 4 * lane + v - 4 * j] = q
                 s += q
-            ls[8 * b + j] = s
-        low = ls[8 * b] + ls[8 * b + 1] + ls[8 * b + 2] + ls[8 * b + 3]
-        high = ls[8 * b + 4] + ls[8 * b + 5] + ls[8 * b + 6] + ls[8 * b + 7]
-        xf[4 * b] = d
-        xf[4 * b + 1] = d * np.float32(low + high)
-        xf[4 * b + 2] = d * np.float32(low)
-        xf[4 * b + 3] = d * np.float32(high)
+            at = 8 * g + j
+            offs[at], offs[area + at] = -(s << 2), -(s << 3)
+            offs[2 * area + at], offs[3 * area + at] = -(s << 4), -(s << 5)
+            offs[4 * area + at] = -(s << 7)
+            if j < 4:
+                low += s
+            else:
+                high += s
+        for h in range(2):
+            s = low if h == 0 else high
+            at = 8 * blocks * h + 8 * i + lane
+            toffs[at], toffs[tarea + at] = -(s << 2), -(s << 3)
+            toffs[2 * tarea + at], toffs[3 * tarea + at] = -(s << 4), -(s << 5)
+            toffs[4 * tarea + at] = -(s << 7)
+        at = 8 * i + lane
+        tf[at] = d
+        tf[8 * blocks + at] = d * np.float32(low + high)
+        tf[16 * blocks + at] = d * np.float32(low)
+        tf[24 * blocks + at] = d * np.float32(high)
 
 
 @njit(cache=True)
-def buffer_bytes(n):  # type: ignore[no-untyped-def]
-    """Bytes of :func:`quantize`'s buffer for ``n`` activations."""
-    return n * 5 // 2
+def quantized(x, k):  # type: ignore[no-untyped-def]
+    """:func:`quantize`'s buffer for ``x`` (flat float32, ``k`` rows), new."""
+    q = np.empty(buffer_bytes(k, x.shape[0] // k), np.uint8)
+    quantize(x, k, q)
+    return q
 
 
-# -- one 32-value chunk: (int32 lanes, their float scale: the weight's times the
-# activation block's, float term) --------------------------------------------------------
-# ``o`` is the byte offset of the chunk's block in the flat weights, ``s`` the chunk's
-# sub-block in it (K-quants), ``b`` the activation block it meets in the buffer ``q`` of
-# :func:`quantize` for ``n`` activations: quants at byte 32 b, sums of four at n + 32 b,
-# floats at 2 n + 16 b.
-
-
-@njit(cache=True)
-def _q4_0(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
-    p = ivsub(dot4(nibbles(w, o + 2), q, 32 * b), ishl(iload(q, n + 32 * b), 3))
-    return p, half(w, o) * fload(q, 2 * n + 16 * b), np.float32(0.0)
+# -- the arithmetic, the same for every row: for each 32-value chunk c of a weight row in
+# turn, its exact integer dot product D with the activation block (the offset term added,
+# each half times its integer scale), then acc = fma(float(D), dw * dx, acc) and, for
+# the formats with minimums, t = t + m * (dx sum(q)); the result is acc + t.
 
 
 @njit(cache=True)
-def _q4_1(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
-    p = dot4(nibbles(w, o + 4), q, 32 * b)
-    dm = mul2(half2(w, o), fload2(q, 2 * n + 16 * b))  # (d dx, m dx sum(q)) at once
-    return p, lane(dm, 0), lane(dm, 1)
+def _layout(q):  # type: ignore[no-untyped-def]
+    # (n_in, k, n, nb, blocks) of quantize's buffer q
+    head = q[:16].view(np.int64)
+    n_in, k = head[0], head[1]
+    nb = n_in // 32
+    return n_in, k, k * n_in, nb, (k + 7) // 8 * nb
 
 
-@njit(cache=True)
-def _q5_0(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
-    u = bor(nibbles(w, o + 6), bshl(bits32(w, o + 2), 4))
-    p = ivsub(dot4(u, q, 32 * b), ishl(iload(q, n + 32 * b), 4))
-    return p, half(w, o) * fload(q, 2 * n + 16 * b), np.float32(0.0)
+@njit(cache=True, inline="always")
+def _group(fmt, w, base, q, g, n, nb, blocks):  # type: ignore[no-untyped-def]
+    # one weight row times the eight activation rows of group g: lanes 0-7 the rows for
+    # the even chunks, 8-15 for the odd ones
+    xt, ot, dxt, sxt = _areas(n, blocks)
+    area = offset_area(fmt)
+    offs = ot + 64 * blocks * max(area, 0)
+    kind = minimum_kind(fmt)
+    acc, t = wzero(), wzero()
+    for p in range(nb // 2):
+        u0, dw0, m0, n0, sa0, sb0 = chunk(fmt, w, base, 2 * p)
+        u1, dw1, m1, n1, sa1, sb1 = chunk(fmt, w, base, 2 * p + 1)
+        u = join64(u0, u1)
+        i = g * nb + 2 * p
+        x = xt + 256 * i
+        lo, hi = ipair(0, 0), ipair(0, 0)
+        if area >= 0:
+            lo, hi = iload16(q, offs + 32 * i), iload16(q, offs + 32 * blocks + 32 * i)
+        lo = dotw(dotw(lo, u, 0, q, x), u, 1, q, x + 64)
+        lo = dotw(dotw(lo, u, 2, q, x + 128), u, 3, q, x + 192)
+        hi = dotw(dotw(hi, u, 4, q, x + 256), u, 5, q, x + 320)
+        hi = dotw(dotw(hi, u, 6, q, x + 384), u, 7, q, x + 448)
+        if per16(fmt):
+            d = iadd16(imul16(lo, ipair(sa0, sa1)), imul16(hi, ipair(sb0, sb1)))
+        else:
+            d = iadd16(lo, hi)
+        acc = wfma(tofloat16(d), wmul(wpair(dw0, dw1), fload16(q, dxt + 32 * i)), acc)
+        if kind == 1:
+            t = wadd(t, wmul(wpair(m0, m1), fload16(q, sxt + 32 * i)))
+        elif kind == 2:
+            t = wadd(t, wmul(wpair(m0, m1), fload16(q, sxt + 32 * blocks + 32 * i)))
+            t = wadd(t, wmul(wpair(n0, n1), fload16(q, sxt + 64 * blocks + 32 * i)))
+    if kind != 0:
+        return vadd(fold(acc), fold(t))
+    return fold(acc)
 
 
-@njit(cache=True)
-def _q5_1(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
-    u = bor(nibbles(w, o + 8), bshl(bits32(w, o + 4), 4))
-    p = dot4(u, q, 32 * b)
-    dm = mul2(half2(w, o), fload2(q, 2 * n + 16 * b))  # (d dx, m dx sum(q)) at once
-    return p, lane(dm, 0), lane(dm, 1)
+@njit(cache=True, inline="always")
+def _block_dot(fmt, w, base, c, q, n, xo, area):  # type: ignore[no-untyped-def]
+    # chunk c of one weight row . the activation block at byte xo: (int32 lanes whose sum
+    # is D, dw, m, m2)
+    u, dw, m, m2, sa, sb = chunk(fmt, w, base, c)
+    p = dot4(u, q, xo)
+    if area >= 0:
+        p = iadd(p, iload(q, xo + n * (1 + area)))
+    if per16(fmt):
+        p = imul(p, lanes2(sa, sb))
+    return p, dw, m, m2
 
 
-@njit(cache=True)
-def _q8_0(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
-    # int8 weights as unsigned bytes w + 128
-    p = ivsub(dot4(bxor(bload(w, o + 2), 128), q, 32 * b), ishl(iload(q, n + 32 * b), 7))
-    return p, half(w, o) * fload(q, 2 * n + 16 * b), np.float32(0.0)
-
-
-@njit(cache=True)
-def _q2_k(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
-    u = band(bshr(bload(w, o + 16 + 32 * (s // 4)), 2 * (s % 4)), 3)
-    sa, sb = w[o + 2 * s], w[o + 2 * s + 1]
-    p = imul(dot4(u, q, 32 * b), lanes2(sa & 15, sb & 15))
-    f = 2 * n + 16 * b  # the block's floats: the sums of its halves at f + 8, f + 12
-    mins = np.float32(sa >> 4) * fload(q, f + 8) + np.float32(sb >> 4) * fload(q, f + 12)
-    return p, half(w, o + 80) * fload(q, f), -half(w, o + 82) * mins
-
-
-@njit(cache=True)
-def _q3_k_scale(w, o, i):  # type: ignore[no-untyped-def]
-    # as .blocks: six-bit scales, low four bits in scales[0:8], high two in scales[8:12]
-    lo = (w[o + i % 8] >> (4 * (i // 8))) & 15
-    hi = (w[o + 8 + i % 4] >> (2 * (i // 4))) & 3
-    return np.int32(lo | (hi << 4)) - 32
-
-
-@njit(cache=True)
-def _q3_k(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
-    low = band(bshr(bload(w, o + 32 + 32 * (s // 4)), 2 * (s % 4)), 3)
-    u = bor(low, bshl(band(bshr(bload(w, o), s), 1), 2))
-    p = ivsub(dot4(u, q, 32 * b), ishl(iload(q, n + 32 * b), 2))
-    scales = lanes2(_q3_k_scale(w, o + 96, 2 * s), _q3_k_scale(w, o + 96, 2 * s + 1))
-    return imul(p, scales), half(w, o + 108) * fload(q, 2 * n + 16 * b), np.float32(0.0)
-
-
-@njit(cache=True)
-def _k_scale_min(w, o, s):  # type: ignore[no-untyped-def]
-    # as .blocks: Q4_K/Q5_K's eight 6-bit scales and mins packed in 12 bytes
-    if s < 4:
-        return w[o + s] & 63, w[o + 4 + s] & 63
-    sc = (w[o + 8 + s - 4] & 15) | ((w[o + s - 4] >> 2) & 48)
-    mn = (w[o + 8 + s - 4] >> 4) | ((w[o + s] >> 2) & 48)
-    return sc, mn
-
-
-@njit(cache=True)
-def _q4_k(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
-    sc, mn = _k_scale_min(w, o + 4, s)
-    p = dot4(band(bshr(bload(w, o + 16 + 32 * (s // 2)), 4 * (s % 2)), 15), q, 32 * b)
-    m = -half(w, o + 2) * np.float32(mn) * fload(q, 2 * n + 16 * b + 4)
-    return p, half(w, o) * np.float32(sc) * fload(q, 2 * n + 16 * b), m
-
-
-@njit(cache=True)
-def _q5_k(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
-    sc, mn = _k_scale_min(w, o + 4, s)
-    low = band(bshr(bload(w, o + 48 + 32 * (s // 2)), 4 * (s % 2)), 15)
-    p = dot4(bor(low, bshl(band(bshr(bload(w, o + 16), s), 1), 4)), q, 32 * b)
-    m = -half(w, o + 2) * np.float32(mn) * fload(q, 2 * n + 16 * b + 4)
-    return p, half(w, o) * np.float32(sc) * fload(q, 2 * n + 16 * b), m
-
-
-@njit(cache=True)
-def _q6_k(w, o, s, q, n, b):  # type: ignore[no-untyped-def]
-    h, m = s // 4, s % 4
-    low = band(bshr(bload(w, o + 64 * h + 32 * (m % 2)), 4 * (m // 2)), 15)
-    u = bor(low, bshl(band(bshr(bload(w, o + 128 + 32 * h), 2 * m), 3), 4))
-    p = ivsub(dot4(u, q, 32 * b), ishl(iload(q, n + 32 * b), 5))
-    scales = lanes2(np.int8(w[o + 192 + 2 * s]), np.int8(w[o + 193 + 2 * s]))
-    return imul(p, scales), half(w, o + 208) * fload(q, 2 * n + 16 * b), np.float32(0.0)
-
-
-@njit(cache=True)
-def _qchunk(fmt, w, base, c, q, n, b):  # type: ignore[no-untyped-def]
-    # chunk c of the row at byte base of w (flat) against activation block b
-    if fmt == 3:
-        return _q4_0(w, base + 18 * c, 0, q, n, b)
-    if fmt == 4:
-        return _q4_1(w, base + 20 * c, 0, q, n, b)
-    if fmt == 5:
-        return _q5_0(w, base + 22 * c, 0, q, n, b)
-    if fmt == 6:
-        return _q5_1(w, base + 24 * c, 0, q, n, b)
-    if fmt == 7:
-        return _q8_0(w, base + 34 * c, 0, q, n, b)
-    if fmt == 8:
-        return _q2_k(w, base + 84 * (c // 8), c % 8, q, n, b)
-    if fmt == 9:
-        return _q3_k(w, base + 110 * (c // 8), c % 8, q, n, b)
-    if fmt == 10:
-        return _q4_k(w, base + 144 * (c // 8), c % 8, q, n, b)
-    if fmt == 11:
-        return _q5_k(w, base + 176 * (c // 8), c % 8, q, n, b)
-    return _q6_k(w, base + 210 * (c // 8), c % 8, q, n, b)
-
-
-@njit(cache=True)
-def _one(fmt, w, base, q, n, first, nb):  # type: ignore[no-untyped-def]
-    # the row at byte base of w . activation blocks first .. first + nb - 1; two
-    # accumulators so that consecutive chunks' FMAs do not wait on each other
-    a0, a1 = vzero(), vzero()
-    t0, t1 = np.float32(0.0), np.float32(0.0)
-    c = 0
-    while c + 2 <= nb:
-        b = first + c
-        p0, d0, m0 = _qchunk(fmt, w, base, c, q, n, b)
-        p1, d1, m1 = _qchunk(fmt, w, base, c + 1, q, n, b + 1)
-        a0 = vfma(tofloat(p0), vsplat(d0), a0)
-        a1 = vfma(tofloat(p1), vsplat(d1), a1)
-        t0 += m0
-        t1 += m1
-        c += 2
-    if c < nb:
-        b = first + c
-        p0, d0, m0 = _qchunk(fmt, w, base, c, q, n, b)
-        a0 = vfma(tofloat(p0), vsplat(d0), a0)
-        t0 += m0
-    return vsum(a0) + vsum(a1) + (t0 + t1)
-
-
-@njit(cache=True)
-def _four(fmt, w, base, q, n, f0, f1, f2, f3, nb):  # type: ignore[no-untyped-def]
-    # the row at byte base of w . four activation rows whose blocks start at f0 .. f3
-    # (nb blocks each): the same weight chunk meets the four rows in turn, and LLVM
-    # unpacks it once (the four _qchunk calls read the same bytes, no store between)
-    a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
-    t0, t1, t2, t3 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
+@njit(cache=True, inline="always")
+def _eight(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
+    # eight weight rows (at the byte offsets bases) times activation row r (lanes: the
+    # weight rows), as _group computes each row
+    _, _, dxt, sxt = _areas(n, blocks)
+    area = offset_area(fmt)
+    b0, b1, b2, b3, b4, b5, b6, b7 = bases
+    acc, t, acc1, t1 = vzero(), vzero(), vzero(), vzero()
     for c in range(nb):
-        b0, b1, b2, b3 = f0 + c, f1 + c, f2 + c, f3 + c
-        p0, d0, m0 = _qchunk(fmt, w, base, c, q, n, b0)
-        p1, d1, m1 = _qchunk(fmt, w, base, c, q, n, b1)
-        p2, d2, m2 = _qchunk(fmt, w, base, c, q, n, b2)
-        p3, d3, m3 = _qchunk(fmt, w, base, c, q, n, b3)
-        a0 = vfma(tofloat(p0), vsplat(d0), a0)
-        a1 = vfma(tofloat(p1), vsplat(d1), a1)
-        a2 = vfma(tofloat(p2), vsplat(d2), a2)
-        a3 = vfma(tofloat(p3), vsplat(d3), a3)
-        t0, t1, t2, t3 = t0 + m0, t1 + m1, t2 + m2, t3 + m3
-    return vsum(a0) + t0, vsum(a1) + t1, vsum(a2) + t2, vsum(a3) + t3
+        acc, t, acc1, t1 = acc1, t1, acc, t  # chunk c's parity: acc, t even, acc1, t1 odd
+        xo = HEADER + 32 * (r * nb + c)
+        p0, d0, m0, n0 = _block_dot(fmt, w, b0, c, q, n, xo, area)
+        p1, d1, m1, n1 = _block_dot(fmt, w, b1, c, q, n, xo, area)
+        p2, d2, m2, n2 = _block_dot(fmt, w, b2, c, q, n, xo, area)
+        p3, d3, m3, n3 = _block_dot(fmt, w, b3, c, q, n, xo, area)
+        p4, d4, m4, n4 = _block_dot(fmt, w, b4, c, q, n, xo, area)
+        p5, d5, m5, n5 = _block_dot(fmt, w, b5, c, q, n, xo, area)
+        p6, d6, m6, n6 = _block_dot(fmt, w, b6, c, q, n, xo, area)
+        p7, d7, m7, n7 = _block_dot(fmt, w, b7, c, q, n, xo, area)
+        d = isums((p0, p1, p2, p3, p4, p5, p6, p7))
+        i = (r // 8) * nb + c
+        at = 32 * i + 4 * (r % 8)
+        dw = vec8((d0, d1, d2, d3, d4, d5, d6, d7))
+        acc = vfma(tofloat(d), vmul(dw, vsplat(fload(q, dxt + at))), acc)
+        kind = minimum_kind(fmt)
+        if kind == 1:
+            mw = vec8((m0, m1, m2, m3, m4, m5, m6, m7))
+            t = vadd(t, vmul(mw, vsplat(fload(q, sxt + at))))
+        elif kind == 2:
+            mw = vec8((m0, m1, m2, m3, m4, m5, m6, m7))
+            t = vadd(t, vmul(mw, vsplat(fload(q, sxt + 32 * blocks + at))))
+            mw = vec8((n0, n1, n2, n3, n4, n5, n6, n7))
+            t = vadd(t, vmul(mw, vsplat(fload(q, sxt + 64 * blocks + at))))
+    if nb % 2:
+        acc, t, acc1, t1 = acc1, t1, acc, t
+    acc, t = vadd(acc1, acc), vadd(t1, t)  # the odd chunks' + the even chunks'
+    if minimum_kind(fmt) != 0:
+        acc = vadd(acc, t)
+    return acc
 
 
 @njit(cache=True)
 def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
-    # rows lo .. hi - 1 of one part into columns col + lo .. of out; q: quantize's
-    # buffer. One activation row alone, else four at a time (a weight row stays in L1
-    # while it meets them all).
-    k, n = out.shape[0], q.shape[0] * 2 // 5
-    nb = n // 32 // k
+    # weight rows lo .. hi - 1 of one part into columns col + lo .. of out; q: quantize's
+    # buffer. One activation row: eight weight rows at a time in the lanes. More: each
+    # weight row meets the activation rows eight at a time in the lanes, a slab of
+    # SLAB_ROWS of them at a time (each weight row then meets the slab while in L1).
+    _, k, n, nb, blocks = _layout(q)
     w, size = raw.reshape(-1), raw.shape[1]
-    for o in range(lo, hi):
-        base = o * size
-        if base + PREFETCH_BYTES < w.shape[0]:  # the row PREFETCH_BYTES ahead
-            for line in range(0, size, 64):
-                prefetch(w, base + PREFETCH_BYTES + line)
-        for r in range(0, k, 4):  # 2 or 3 rows left: a tile with the last row repeated
-            if r == k - 1:
-                out[r, col + o] = _one(fmt, w, base, q, n, r * nb, nb)
-                break
-            r1, r2, r3 = min(r + 1, k - 1), min(r + 2, k - 1), min(r + 3, k - 1)
-            s0, s1, s2, s3 = _four(fmt, w, base, q, n, r * nb, r1 * nb, r2 * nb, r3 * nb, nb)
-            out[r, col + o], out[r1, col + o] = s0, s1
-            out[r2, col + o], out[r3, col + o] = s2, s3
-
-
-@njit(cache=True)
-def quantized(x):  # type: ignore[no-untyped-def]
-    """:func:`quantize`'s buffer for ``x`` (flat float32), new."""
-    q = np.empty(buffer_bytes(x.shape[0]), np.uint8)
-    quantize(x, q)
-    return q
+    end = w.shape[0]
+    if k <= ONE_ROW_MAX:
+        for r in range(k):
+            for o in range(lo, hi, 8):
+                for i in range(8):
+                    if (o + i) * size + PREFETCH_BYTES < end:
+                        for line in range(0, size, 64):
+                            prefetch(w, (o + i) * size + PREFETCH_BYTES + line)
+                last = hi - 1
+                bases = (o * size, min(o + 1, last) * size, min(o + 2, last) * size,
+                         min(o + 3, last) * size, min(o + 4, last) * size,
+                         min(o + 5, last) * size, min(o + 6, last) * size,
+                         min(o + 7, last) * size)  # fmt: skip
+                s = _eight(fmt, w, bases, q, r, n, nb, blocks)
+                for i in range(min(8, hi - o)):
+                    out[r, col + o + i] = lane8(s, i)
+        return
+    for first in range(0, k, SLAB_ROWS):
+        for o in range(lo, hi):
+            base = o * size
+            if base + PREFETCH_BYTES < end:  # the row PREFETCH_BYTES ahead
+                for line in range(0, size, 64):
+                    prefetch(w, base + PREFETCH_BYTES + line)
+            for g in range(first // 8, (min(k, first + SLAB_ROWS) + 7) // 8):
+                s = _group(fmt, w, base, q, g, n, nb, blocks)
+                for i in range(min(8, k - 8 * g)):
+                    out[8 * g + i, col + o] = lane8(s, i)
 
 
 def _serial_product(fa: int, fb: int, fc: int) -> Any:
     @njit(cache=True)
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
-        q = quantized(x)  # here, not a call of its own: a numba call costs microseconds
+        q = quantized(x, out.shape[0])  # here: a numba call costs microseconds
         ends = (a.shape[0], a.shape[0] + b.shape[0])  # int64, not literal: one _rows each
         _rows(fa, a, q, out, 0, a.shape[0], ends[0] - ends[0])
         _rows(fb, b, q, out, 0, b.shape[0], ends[0])
@@ -336,7 +341,7 @@ def _chunk_product(fa: int, fb: int, fc: int) -> Any:
         # as .kernels' chunks; the posted "x" is quantize's buffer, no scratch used
         st = carray(ptr_i64(st_addr), (_WORDS,))
         na, nb, nc, k, rows = st[_NA], st[_NB], st[_NC], st[_K], st[_ROWS]
-        q = carray(ptr_u8(st[_X]), (k * st[_N_IN],))
+        q = carray(ptr_u8(st[_X]), (k * st[_N_IN],))  # posted as k rows of its bytes / k
         out = carray(ptr_f32(st[_OUT]), (k, st[_N_OUT]))
         ca, cb = st[_CA], st[_CB]
         if ch < ca:

@@ -1,0 +1,376 @@
+"""Vector operations of the 8-bit-activation kernels (:mod:`.q8_kernels`) whose lanes are
+rows: activation rows in the multi-row tiles, weight rows for one activation row.
+
+The multi-row tiles take two 32-value chunks of a weight row at once: ``U8x64`` holds
+both chunks' quants unpacked to bytes (:func:`join64`), and :func:`dotw` multiplies the
+four bytes of lane ``j`` of each chunk, copied to eight lanes each, with four int8
+activations of eight rows (sixteen int32 lanes: the eight rows for chunk ``2 p``, then for
+``2 p + 1``), one ``vpdpbusd`` on a 512-bit register where the CPU has AVX512-VNNI (the
+same sums written generically elsewhere). The one-row kernel sums the eight int32 lanes
+of eight weight rows' :func:`.simd_int.dot4` into one lane each (:func:`isums`; integer
+sums are exact, so any order gives the same bits) and keeps eight weight rows in the
+lanes of :data:`.simd.F32x8`. Loads take a ``uint8`` buffer and a byte offset and do no
+bounds checks.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import models, register_model
+
+from meshnode.engine.cpu.simd import F32x8, F32x16, I32x8, intrinsic
+from meshnode.engine.cpu.simd_int import U8x32
+
+__all__ = [
+    "I32x16",
+    "U8x64",
+    "dotw",
+    "fload8",
+    "fload16",
+    "fold",
+    "iadd",
+    "iadd16",
+    "iload16",
+    "imul16",
+    "ipair",
+    "isums",
+    "join64",
+    "lane8",
+    "store16",
+    "tofloat16",
+    "vec8",
+    "vmul",
+    "vnni512",
+    "wpair",
+]
+
+_I8 = ir.IntType(8)
+_I32 = ir.IntType(32)
+_F = ir.FloatType()
+_VB = ir.VectorType(_I8, 32)
+_VI = ir.VectorType(_I32, 8)
+_VF = ir.VectorType(_F, 8)
+_VW = ir.VectorType(_I32, 32)
+_VB64 = ir.VectorType(_I8, 64)
+_VI16 = ir.VectorType(_I32, 16)
+_VF16 = ir.VectorType(_F, 16)
+_VW64 = ir.VectorType(_I32, 64)
+
+
+def _is_bytes(ty: Any) -> bool:
+    return isinstance(ty, types.Array) and ty.dtype == types.uint8 and ty.layout == "C"
+
+
+def _pointer(context: Any, builder: Any, aryty: Any, ary: Any, off: Any, vty: Any) -> Any:
+    data = context.make_array(aryty)(context, builder, ary).data
+    return builder.bitcast(builder.gep(data, [off]), vty.as_pointer())
+
+
+@intrinsic
+def fload8(typingctx: Any, buf: Any, off: Any) -> Any:
+    """Eight float32 at byte ``off`` of a ``uint8`` buffer (``off`` a multiple of 4)."""
+    if not _is_bytes(buf):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.load(_pointer(context, builder, sig.args[0], args[0], args[1], _VF), align=4)
+
+    return F32x8(buf, off), codegen
+
+
+@intrinsic
+def vmul(typingctx: Any, a: Any, b: Any) -> Any:
+    """``a * b`` lane by lane (eight float32)."""
+    if a != F32x8 or b != F32x8:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.fmul(args[0], args[1])
+
+    return F32x8(a, b), codegen
+
+
+@intrinsic
+def iadd(typingctx: Any, a: Any, b: Any) -> Any:
+    """``a + b`` lane by lane (int32)."""
+    if a != I32x8 or b != I32x8:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.add(args[0], args[1])
+
+    return I32x8(a, b), codegen
+
+
+@intrinsic
+def lane8(typingctx: Any, v: Any, i: Any) -> Any:
+    """Lane ``i`` of eight float32."""
+    if v != F32x8 or not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        index = context.cast(builder, args[1], sig.args[1], types.int32)
+        return builder.extract_element(args[0], index)
+
+    return types.float32(v, i), codegen
+
+
+@intrinsic
+def vec8(typingctx: Any, vs: Any) -> Any:
+    """A tuple of eight float32 as the eight lanes of a vector."""
+    if not (isinstance(vs, types.UniTuple) and vs.count == 8 and vs.dtype == types.float32):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        v = ir.Constant(_VF, ir.Undefined)
+        for i, x in enumerate(cgutils.unpack_tuple(builder, args[0])):  # type: ignore[no-untyped-call]
+            v = builder.insert_element(v, x, ir.Constant(_I32, i))
+        return v
+
+    return F32x8(vs), codegen
+
+
+@intrinsic
+def isums(typingctx: Any, vs: Any) -> Any:
+    """A tuple of eight int32 vectors to one whose lane ``i`` is the sum of ``vs[i]``'s
+    lanes (exact: integer sums do not depend on their order)."""
+    if not (isinstance(vs, types.UniTuple) and vs.count == 8 and vs.dtype == I32x8):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        level = list(cgutils.unpack_tuple(builder, args[0]))  # type: ignore[no-untyped-call]
+        width = 4  # each vector: groups of 2 width lanes, one group per input vector
+        while len(level) > 1:
+            groups = range(0, 8, 2 * width)
+            lo = [g + i for g in groups for i in range(width)]
+            hi = [g + width + i for g in groups for i in range(width)]
+            nxt = []
+            for a, b in zip(level[0::2], level[1::2], strict=True):
+                left = builder.shuffle_vector(a, b, ir.Constant(_VI, lo + [8 + i for i in lo]))
+                right = builder.shuffle_vector(a, b, ir.Constant(_VI, hi + [8 + i for i in hi]))
+                nxt.append(builder.add(left, right))
+            level, width = nxt, width // 2
+        return level[0]
+
+    return I32x8(vs), codegen
+
+
+class U8x64Type(types.Type):
+    """Sixty-four bytes, one AVX-512 register."""
+
+    def __init__(self) -> None:
+        super().__init__(name="U8x64")
+
+
+class I32x16Type(types.Type):
+    """Sixteen int32 lanes."""
+
+    def __init__(self) -> None:
+        super().__init__(name="I32x16")
+
+
+U8x64 = U8x64Type()
+I32x16 = I32x16Type()
+
+
+@register_model(U8x64Type)
+class _U8x64Model(models.PrimitiveModel):
+    def __init__(self, dmm: Any, fe_type: Any) -> None:
+        super().__init__(dmm, fe_type, _VB64)  # type: ignore[no-untyped-call]
+
+
+@register_model(I32x16Type)
+class _I32x16Model(models.PrimitiveModel):
+    def __init__(self, dmm: Any, fe_type: Any) -> None:
+        super().__init__(dmm, fe_type, _VI16)  # type: ignore[no-untyped-call]
+
+
+@cache
+def vnni512() -> bool:
+    """Whether this CPU has ``vpdpbusd`` on 512-bit registers (AVX512-VNNI)."""
+    from llvmlite import binding
+
+    features = binding.get_host_cpu_features()
+    return bool(features.get("avx512vnni")) and bool(features.get("avx512f"))
+
+
+def _spread(builder: Any, parts: list[Any], pattern: list[int]) -> Any:
+    # the float32 scalars ``parts`` into the sixteen lanes that ``pattern`` picks
+    v = ir.Constant(_VF16, ir.Undefined)
+    for i, part in enumerate(parts):
+        v = builder.insert_element(v, part, ir.Constant(_I32, i))
+    return builder.shuffle_vector(v, v, ir.Constant(_VI16, pattern))
+
+
+@intrinsic
+def join64(typingctx: Any, a: Any, b: Any) -> Any:
+    """``a`` (bytes 0-31) then ``b`` (bytes 32-63)."""
+    if a != U8x32 or b != U8x32:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.shuffle_vector(args[0], args[1], ir.Constant(_VW64, list(range(64))))
+
+    return U8x64(a, b), codegen
+
+
+@intrinsic
+def iload16(typingctx: Any, buf: Any, off: Any) -> Any:
+    """Sixteen int32 at byte ``off`` of a ``uint8`` buffer (``off`` a multiple of 4)."""
+    if not _is_bytes(buf):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.load(
+            _pointer(context, builder, sig.args[0], args[0], args[1], _VI16), align=4
+        )
+
+    return I32x16(buf, off), codegen
+
+
+@intrinsic
+def fload16(typingctx: Any, buf: Any, off: Any) -> Any:
+    """Sixteen float32 at byte ``off`` of a ``uint8`` buffer (``off`` a multiple of 4)."""
+    if not _is_bytes(buf):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.load(
+            _pointer(context, builder, sig.args[0], args[0], args[1], _VF16), align=4
+        )
+
+    return F32x16(buf, off), codegen
+
+
+@intrinsic
+def tofloat16(typingctx: Any, v: Any) -> Any:
+    """Signed int32 lanes to float32 (exact below 2**24)."""
+    if v != I32x16:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.sitofp(args[0], _VF16)
+
+    return F32x16(v), codegen
+
+
+def _dot_generic(builder: Any, acc: Any, u: Any, x: Any) -> Any:
+    wide = builder.mul(builder.zext(u, _VW64), builder.sext(x, _VW64))  # exact: |u x| < 2**15
+    v = wide
+    for width in (32, 16):  # add neighbours twice: lane j sums bytes 4j .. 4j + 3
+        half = ir.VectorType(_I32, width)
+        undef = ir.Constant(v.type, ir.Undefined)
+        even = builder.shuffle_vector(v, undef, ir.Constant(half, list(range(0, 2 * width, 2))))
+        odd = builder.shuffle_vector(v, undef, ir.Constant(half, list(range(1, 2 * width, 2))))
+        v = builder.add(even, odd)
+    return builder.add(acc, v)
+
+
+def _dot_vnni(builder: Any, acc: Any, u: Any, x: Any) -> Any:
+    fnty = ir.FunctionType(_VI16, [_VI16, _VI16, _VI16])
+    fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, fnty, "llvm.x86.avx512.vpdpbusd.512"
+    )
+    return builder.call(fn, [acc, builder.bitcast(u, _VI16), builder.bitcast(x, _VI16)])
+
+
+@intrinsic
+def dotw(typingctx: Any, acc: Any, u: Any, j: Any, xq: Any, off: Any) -> Any:
+    """``acc`` plus, in lane ``8 h + r`` (``h`` 0, 1), the sum over ``i < 4`` of
+    ``u[32 h + 4 j + i]`` (unsigned; ``j`` a literal 0 .. 7) times the int8 at byte
+    ``off + 32 h + 4 r + i`` of ``xq`` (a ``uint8`` buffer): exact int32."""
+    ok = acc == I32x16 and u == U8x64 and _is_bytes(xq)
+    if not ok or not isinstance(j, types.IntegerLiteral):
+        return None
+    lane = j.literal_value
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        words = builder.bitcast(args[1], _VI16)
+        pick = ir.Constant(_VI16, [lane] * 8 + [8 + lane] * 8)
+        w = builder.bitcast(builder.shuffle_vector(words, words, pick), _VB64)
+        ptr = _pointer(context, builder, sig.args[3], args[3], args[4], _VB64)
+        x = builder.load(ptr, align=1)
+        return (_dot_vnni if vnni512() else _dot_generic)(builder, args[0], w, x)
+
+    return I32x16(acc, u, j, xq, off), codegen
+
+
+def _int16_binary(op: str, doc: str) -> Any:
+    def typer(typingctx: Any, a: Any, b: Any) -> Any:
+        if a != I32x16 or b != I32x16:
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return getattr(builder, op)(args[0], args[1])
+
+        return I32x16(a, b), codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+iadd16 = _int16_binary("add", "``a + b`` lane by lane (sixteen int32).")
+imul16 = _int16_binary("mul", "``a * b`` lane by lane (sixteen int32, wrapping).")
+
+
+@intrinsic
+def ipair(typingctx: Any, a: Any, b: Any) -> Any:
+    """Lanes 0-7 ``a``, lanes 8-15 ``b`` (int32)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        v = ir.Constant(_VI16, ir.Undefined)
+        for i, (x, t) in enumerate(zip(args, sig.args, strict=True)):
+            v = builder.insert_element(
+                v, context.cast(builder, x, t, types.int32), ir.Constant(_I32, i)
+            )
+        return builder.shuffle_vector(v, v, ir.Constant(_VI16, [0] * 8 + [1] * 8))
+
+    return I32x16(a, b), codegen
+
+
+@intrinsic
+def fold(typingctx: Any, v: Any) -> Any:
+    """Lanes 0-7 plus lanes 8-15 of sixteen float32: eight lanes."""
+    if v != F32x16:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        undef = ir.Constant(_VF16, ir.Undefined)
+        lo = builder.shuffle_vector(args[0], undef, ir.Constant(_VI, list(range(8))))
+        hi = builder.shuffle_vector(args[0], undef, ir.Constant(_VI, list(range(8, 16))))
+        return builder.fadd(lo, hi)
+
+    return F32x8(v), codegen
+
+
+@intrinsic
+def wpair(typingctx: Any, a: Any, b: Any) -> Any:
+    """Lanes 0-7 ``a``, lanes 8-15 ``b`` (float32): a scale per 32-value chunk."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        parts = [
+            context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args, strict=True)
+        ]
+        return _spread(builder, parts, [0] * 8 + [1] * 8)
+
+    return F32x16(a, b), codegen
+
+
+@intrinsic
+def store16(typingctx: Any, buf: Any, off: Any, v: Any) -> Any:
+    """Sixteen int32 ``v`` to byte ``off`` of a ``uint8`` buffer."""
+    if not _is_bytes(buf) or v != I32x16:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        builder.store(
+            args[2], _pointer(context, builder, sig.args[0], args[0], args[1], _VI16), align=4
+        )
+        return context.get_dummy_value()
+
+    return types.none(buf, off, v), codegen
