@@ -1,19 +1,24 @@
-"""GPU benchmark: single-stream decode speed and the weight bandwidth it achieves.
+"""GPU benchmark: decode speed, one stream and batched, and the weight bandwidth it achieves.
 
 Run on a machine with an NVIDIA GPU (CuPy installed, ``scripts/install.sh`` picks it):
 ``.venv/bin/python benchmarks/gpu.py`` (add ``--tokens N``, ``--models 1b``, ...).
 Smoke test anywhere, in seconds: ``.venv/bin/python benchmarks/gpu.py --device cpu --tiny``.
 
 For each model (the default SmolLM2-135M, and a Llama-3.2-1B-shaped model with random
-weights built here), weight format (float16; Q8_0 kept quantized on the device) and CUDA
-graphs on/off, one row:
+weights built here), weight format (float16; Q8_0 kept quantized on the device), CUDA
+graphs on/off and number of streams (``--streams``, default 1 and 8), one row:
 
-- tok/s: greedy single-stream decode after a short prompt, logits to the host each token;
-- device ms: one captured decode step replayed back to back (CUDA events): the GPU's
-  share of a token; host ms = wall ms - device ms: Python, launches and copies;
+- tok/s: greedy decode after a short prompt, logits to the host each token, summed over
+  the streams; with several, every step is one batched forward of all of them
+  (``Stage.forward_batch``, issue 16), so the ratio of the 8-stream row to the 1-stream
+  row is what batching buys;
+- wall ms: one step (a token of every stream); device ms: one captured step replayed
+  back to back (CUDA events): the GPU's share of it; host ms = wall ms - device ms:
+  Python, launches and copies;
 - weights/token: bytes of weights one decode step reads (every layer and the head);
-- GB/s and % copy: weights/token x tok/s, against a device-to-device copy's bandwidth
-  (bytes read + written) measured in the same run. The goal on the 1B shape is >= 60 %.
+- GB/s and % copy: weights/token x steps/s, against a device-to-device copy's bandwidth
+  (bytes read + written) measured in the same run. The goal on the 1B shape (one stream)
+  is >= 60 %.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from meshnode_packaging.sources import ModelSource, RawTensor, dequantize
 from meshnode.engine.backend import Backend, BackendError, select_backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.loader import resolve_source
-from meshnode.engine.model import Stage
+from meshnode.engine.model import BatchRow, Stage
 
 LLAMA_1B: dict[str, Any] = {  # Llama-3.2-1B's config.json sizes
     "model_type": "llama",
@@ -151,6 +156,7 @@ class Row:
     model: str
     weights: str
     graphs: str
+    streams: int
     tok_s: float
     wall_ms: float
     device_ms: float | None
@@ -158,13 +164,14 @@ class Row:
     copy_bw: float
 
     def cells(self) -> list[str]:
-        bw = self.weight_bytes * self.tok_s
+        bw = self.weight_bytes * self.tok_s / self.streams  # a step reads them once
         device = "-" if self.device_ms is None else f"{self.device_ms:.3f}"
         host = "-" if self.device_ms is None else f"{self.wall_ms - self.device_ms:.3f}"
         return [
             self.model,
             self.weights,
             self.graphs,
+            str(self.streams),
             f"{self.tok_s:.1f}",
             f"{self.wall_ms:.3f}",
             device,
@@ -179,6 +186,7 @@ HEADER = [
     "model",
     "weights",
     "graphs",
+    "streams",
     "tok/s",
     "wall ms",
     "device ms",
@@ -213,21 +221,30 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
-def decode(stage: Stage, tokens: int, prompt: int = 16) -> tuple[float, float | None]:
-    """(wall seconds per token of greedy decode, device seconds per step or None)."""
-    cache = stage.new_cache(prompt + tokens + 2)  # + the two warm-up steps
-    ids = np.arange(prompt) % 100 + 10
-    logits = stage.backend.to_numpy(stage.forward(ids, 0, cache, out_rows=1))
-    token, pos = int(logits[-1].argmax()), prompt
-    for _ in range(2):  # first steps: eager run, then graph capture
-        logits = stage.backend.to_numpy(stage.forward(np.array([token]), pos, cache))
-        token, pos = int(logits[0].argmax()), pos + 1
+def decode(
+    stage: Stage, tokens: int, streams: int = 1, prompt: int = 16
+) -> tuple[float, float | None]:
+    """(wall seconds per step of greedy decode of ``streams`` sequences together, device
+    seconds per step or None)."""
+    caches = [stage.new_cache(prompt + tokens + 2) for _ in range(streams)]  # + 2 warm-ups
+    host = stage.backend.to_numpy
+    prompts = [BatchRow((np.arange(prompt) + s) % 100 + 10, 0, c, 1) for s, c in enumerate(caches)]
+    last = [int(host(out)[-1].argmax()) for out in stage.forward_batch(prompts)]
+    pos = prompt
+
+    def step() -> None:
+        nonlocal pos
+        rows = [BatchRow(np.array([t]), pos, c) for t, c in zip(last, caches, strict=True)]
+        last[:] = [int(host(out)[0].argmax()) for out in stage.forward_batch(rows)]
+        pos += 1
+
+    for _ in range(2):  # first steps: eager run and graph capture, then a replay
+        step()
     t = time.perf_counter()
     for _ in range(tokens):
-        logits = stage.backend.to_numpy(stage.forward(np.array([token]), pos, cache))
-        token, pos = int(logits[0].argmax()), pos + 1
+        step()
     wall = (time.perf_counter() - t) / tokens
-    device = stage.cuda.replay_seconds(1, tokens) if stage.cuda is not None else None
+    device = stage.cuda.replay_seconds(streams, tokens) if stage.cuda is not None else None
     return wall, device
 
 
@@ -265,10 +282,12 @@ def run(args: argparse.Namespace) -> tuple[str, list[Row]]:
             stage = Stage(
                 config, source, 0, config.num_layers, embed=True, head=True, backend=backend
             )
-            wall, device = decode(stage, args.tokens)
             label = ("on" if graphs else "off") if backend.name == "cuda" else "-"
             nbytes = stage.weights.nbytes()
-            rows.append(Row(model, fmt, label, 1 / wall, wall * 1e3, _ms(device), nbytes, bw))
+            for streams in (int(n) for n in args.streams.split(",")):
+                wall, device = decode(stage, args.tokens, streams)
+                tok_s, ms = streams / wall, wall * 1e3
+                rows.append(Row(model, fmt, label, streams, tok_s, ms, _ms(device), nbytes, bw))
             del stage
     return backend.describe(), rows
 
@@ -284,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="default,1b", help="default and/or 1b")
     parser.add_argument("--formats", default="f16,q8_0", help="f16 and/or q8_0")
     parser.add_argument("--tokens", type=int, default=None, help="decode steps timed")
+    parser.add_argument(
+        "--streams", default="1,8", help="sequences decoded together, one row each: 1,4,16"
+    )
     args = parser.parse_args(argv)
     if args.tokens is None:
         args.tokens = 8 if args.tiny else 256

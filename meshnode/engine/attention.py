@@ -198,9 +198,11 @@ class KernelAttention(Attention):
         out = np.empty((sum(kept), self.config.q_size), np.float32)  # [R, H D]
         q_norm, k_norm = (self._none if n is None else np.asarray(n, np.float32) for n in norms)
         window = self.windows[layer] or 0
-        k.attend(
-            qkv, plan, layer, self.config.num_heads, q_norm, k_norm, self._eps,
-            table.cos, table.sin, self._scale, window, last, out,
+        rope = (table.cos, table.sin)
+        keep = (qkv, out, plan, segs, q_norm, k_norm, rope)  # what the kernel reads by address
+        k.attend_shared(
+            qkv, plan, layer, self.config.num_heads, (q_norm, k_norm), self._eps,
+            rope, self._scale, window, last, out, keep,
         )  # fmt: skip
         offset = row = 0
         for i, (seg, rows) in enumerate(zip(segs, kept, strict=True)):

@@ -144,6 +144,14 @@ class Backend(ABC):
         """RMSNorm of the rows of ``x`` ``[r, E]`` (:func:`meshnode.engine.ops.rms_norm`)."""
         return ops.rms_norm(self.xp, x, weight, eps)
 
+    def glu(self, gate_up: Any, activation: str) -> Any:
+        """The gated MLP's activation of the fused ``[r, 2 I]`` product -> ``[r, I]``:
+        :func:`meshnode.engine.ops.gelu_tanh_mul` for ``gelu_tanh`` (GeGLU), else
+        :func:`meshnode.engine.ops.silu_mul` (SwiGLU)."""
+        if activation == "gelu_tanh":
+            return ops.gelu_tanh_mul(self.xp, gate_up)
+        return ops.silu_mul(self.xp, gate_up)
+
     def embed_rows(self, table: Any, ids: Any) -> Any:
         """The embedding rows ``[S, E]`` of token ``ids`` from ``table`` (``embed_t``,
         ``[E, V]`` as :meth:`load_weights` lays it out)."""
@@ -219,6 +227,19 @@ class CpuBackend(Backend):
             return ops.rms_norm(np, x, weight, eps)
         out = np.empty_like(x)
         _norms().rms_norm(np.ascontiguousarray(x), weight, np.float32(eps), out)
+        return out
+
+    def glu(self, gate_up: Any, activation: str) -> Any:
+        """As :meth:`Backend.glu`; over GGUF blocks in one compiled call
+        (:mod:`meshnode.engine.cpu.glu`: the reference's expressions with a vector
+        exponential; a row's result does not depend on the other rows)."""
+        x = gate_up
+        if not self.cpu_blocks or x.ndim != 2 or x.shape[1] % 32 or x.dtype != np.float32:
+            return super().glu(x, activation)
+        glu = _glu()
+        kind = glu.GELU_TANH if activation == "gelu_tanh" else glu.SILU
+        out = np.empty((x.shape[0], x.shape[1] // 2), np.float32)
+        glu.glu(np.ascontiguousarray(x), kind, out)
         return out
 
     def linear(self, x: Any, w: Any) -> Any:
@@ -311,6 +332,14 @@ def _norms() -> ModuleType:
     from meshnode.engine.cpu import norms
 
     return norms
+
+
+@functools.cache
+def _glu() -> ModuleType:
+    """The compiled GLU activations' module, imported (numba with it) at its first use."""
+    from meshnode.engine.cpu import glu
+
+    return glu
 
 
 def cpu_backend(weights_dtype: WeightsDtype = "float32") -> CpuBackend:

@@ -25,7 +25,6 @@ import numpy as np
 import numpy.typing as npt
 from meshnode_packaging.sources import ModelSource
 
-from meshnode.engine import ops
 from meshnode.engine.attention import Segment
 from meshnode.engine.backend import Backend, cpu_backend
 from meshnode.engine.config import ModelConfig, ModelConfigError
@@ -172,16 +171,15 @@ class Stage:
         Every product with a weight matrix runs once over the rows of all items (one read
         of the weights for the whole batch); attention, RoPE and the KV cache stay per
         sequence (for a hybrid model, the recurrence too: ``HybridStage.forward_batch``).
-        Items must name distinct caches. The CUDA stage does not batch yet: it runs the items
-        one by one. Raises ``ValueError`` as :meth:`forward` does.
+        Items must name distinct caches. On CUDA the device stage batches the same way
+        (``CudaStage.forward_batch``; a prompt chunk of more than ``MAX_ROWS`` rows runs
+        alone). Raises ``ValueError`` as :meth:`forward` does.
         """
         if self.hybrid is not None:
             assert all(isinstance(i.cache, HybridCache) for i in items), "hybrid caches only"
             return self.hybrid.forward_batch(items)
         if self._cuda is not None:
-            return [
-                self.forward(i.inputs, i.start_pos, i.cache, out_rows=i.out_rows) for i in items
-            ]
+            return self._cuda.forward_batch(items)
         segs = [self._segment(item) for item in items]
         x = _concat(self.xp, [self._inputs(item) for item in items])  # [N, E]
         last = len(self.weights.layers) - 1
@@ -232,9 +230,8 @@ class Stage:
 
     def _mlp(self, w: LayerWeights, x: Any) -> Any:
         gate_up = self._linear(x, w.w_gate_up)  # [r, 2 I]
-        if self.config.arch.activation == "gelu_tanh":
-            return self._linear(ops.gelu_tanh_mul(self.xp, gate_up), w.w_down)  # GeGLU, [r, E]
-        return self._linear(ops.silu_mul(self.xp, gate_up), w.w_down)  # SwiGLU, [r, E]
+        act = self.backend.glu(gate_up, self.config.arch.activation)  # SwiGLU/GeGLU, [r, I]
+        return self._linear(act, w.w_down)  # [r, E]
 
     def _linear(self, x: Any, w: Any) -> Any:
         """``x @ w`` for ``x`` ``[r, in]``, ``w`` ``[in, out]``, as the backend multiplies."""

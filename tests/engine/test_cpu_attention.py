@@ -10,6 +10,7 @@ alone and in any batch, and the RoPE table against a per-segment computation.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +25,8 @@ from meshnode.engine.attention import (
     Segment,
 )
 from meshnode.engine.config import ModelConfig
+from meshnode.engine.cpu import matrix
+from meshnode.engine.cpu.pool import CoreGauge, KernelPool
 from meshnode.engine.kv_cache import KVCache
 
 ATOL = 2e-5
@@ -243,3 +246,75 @@ def test_rope_table_rows_equal_a_per_segment_computation_bit_for_bit() -> None:
         want_cos, want_sin = ops.rope_cos_sin(np, inv_freq, start, n)
         np.testing.assert_array_equal(cos, want_cos)
         np.testing.assert_array_equal(sin, want_sin)
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=str)
+def test_shared_with_the_kernel_threads_is_bit_identical_to_one_thread(
+    shape: Shape, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight decode rows and a verify window over ~200 positions (past SHARED_MIN_READS):
+    the query groups computed by the pool's threads give the outputs and caches of one
+    thread, bit for bit, and the pool did take the calls."""
+    c = _config(shape)
+    rng = np.random.default_rng(17)
+    norms = _norms(c, shape.qk_norm, rng)
+    prompts = [_qkv(c, 190 + 3 * i, rng) for i in range(8)]
+    steps = [_qkv(c, 3 if i == 5 else 1, rng) for i in range(8)]
+    pool = KernelPool(CoreGauge(Path("/nonexistent/stat"), cpus=set(range(4))))  # all free
+    monkeypatch.setattr(matrix, "_pool", lambda: pool)
+    outs, caches = [], []
+    for threads in (1, 2, 4):
+        monkeypatch.setattr(matrix, "_threads", threads)
+        twin = Twin(c, 8)
+        twin.run([(i, 0, len(p)) for i, p in enumerate(prompts)], prompts, norms)
+        parts = [(i, len(p), len(s)) for i, (p, s) in enumerate(zip(prompts, steps, strict=True))]
+        before = pool.posted
+        outs.append(twin.run(parts, steps, norms, last=True)[0])
+        caches.append(twin.caches[0])
+        assert (pool.posted > before) == (threads > 1)
+        twin.check_caches()
+    for out, mine in zip(outs[1:], caches[1:], strict=True):
+        np.testing.assert_array_equal(out, outs[0])
+        for a, b in zip(mine, caches[0], strict=True):
+            np.testing.assert_array_equal(a.k, b.k)
+            np.testing.assert_array_equal(a.v, b.v)
+
+
+def _wexp(x: np.ndarray) -> np.ndarray:
+    from numba import njit
+
+    from meshnode.engine.cpu.simd import wload, wstore
+    from meshnode.engine.cpu.vexp import wexp
+
+    @njit
+    def run(x, out):  # type: ignore[no-untyped-def]
+        for i in range(0, x.shape[0], 16):
+            wstore(out, i, wexp(wload(x, i)))
+
+    x = np.concatenate([x, np.zeros(-len(x) % 16, np.float32)])
+    out = np.empty_like(x)
+    run(x, out)
+    return out
+
+
+def test_vector_exp_is_within_two_ulps_of_the_exact_exponential() -> None:
+    """The softmax's exponential (``cpu.vexp.wexp``) over every range a score difference
+    takes, against float64's rounded to float32 (``np.exp`` is within 2 as well); 0 below
+    the smallest normal result, inf past the largest, NaN kept."""
+    rng = np.random.default_rng(19)
+    parts = [
+        rng.uniform(-87.3, 0, 200_000),
+        rng.uniform(-1, 1, 50_000),
+        rng.uniform(0, 88.7, 50_000),
+    ]
+    x = np.concatenate(parts).astype(np.float32)
+    got = _wexp(x)[: len(x)]
+    exact = np.exp(x.astype(np.float64)).astype(np.float32)
+    ulps = np.abs(got.view(np.int32).astype(np.int64) - exact.view(np.int32))
+    assert ulps.max() <= 2
+    assert (ulps == 0).mean() > 0.85
+    edges = np.array([0, -0.0, -88, -1000, -np.inf, 89, np.inf, np.nan], np.float32)
+    got = _wexp(edges)[: len(edges)]
+    np.testing.assert_array_equal(got[:6], [1, 1, 0, 0, 0, np.inf])
+    assert got[6] == np.inf
+    assert np.isnan(got[7])

@@ -15,7 +15,7 @@ import pytest
 
 from meshnode.engine import ops
 from meshnode.engine.backend import Backend, BackendError, select_backend
-from meshnode.engine.cuda import formats
+from meshnode.engine.cuda import formats, kernels
 from tests.engine.tiny import random_blocks
 
 pytestmark = pytest.mark.gpu
@@ -66,8 +66,18 @@ def test_row_kernels(dev: tuple[Any, Any]) -> None:
     np.testing.assert_allclose(act.get(), ops.silu_mul(np, gu), rtol=1e-5, atol=1e-6)
 
 
-def _step(cp: Any, pos0: int, kc: Any, vc: Any) -> Any:
-    return cp.asarray(np.array([pos0, kc.shape[2], kc.data.ptr, vc.data.ptr], np.int64))
+def _table(pos0: int, kc: Any, vc: Any, n: int, rows: int) -> np.ndarray:
+    """The step table of ``n`` new rows of one sequence from ``pos0``, keeping its last
+    ``rows`` (``kernels`` module docstring)."""
+    table = np.zeros((n, kernels.STEP), np.int64)
+    table[:, 0] = np.arange(pos0, pos0 + n)
+    table[:, 1:4] = (kc.shape[2], kc.data.ptr, vc.data.ptr)
+    table[:rows, 4] = np.arange(n - rows, n)
+    return table
+
+
+def _step(cp: Any, pos0: int, kc: Any, vc: Any, n: int, rows: int) -> Any:
+    return cp.asarray(_table(pos0, kc, vc, n, rows))
 
 
 @pytest.mark.parametrize("kv", ["float", "u16"])
@@ -85,7 +95,7 @@ def test_rope_store_and_attention(dev: tuple[Any, Any], kv: str) -> None:
         dkc, dvc = dkc.view(cp.uint16), dvc.view(cp.uint16)
     qkv = _f32(n, (heads + 2 * kv_heads) * dim)
     inv = (1.0 / 10000 ** (np.arange(0, dim, 2) / dim)).astype(np.float32)
-    dqkv, step = cp.asarray(qkv), _step(cp, pos0, dkc, dvc)
+    dqkv, step = cp.asarray(qkv), _step(cp, pos0, dkc, dvc, n, rows)
     k.rope_store(dqkv, cp.asarray(inv), step, 1, heads, kv_heads, kv)
     cos, sin = ops.rope_cos_sin(np, inv, pos0, n)
     q = qkv[:, : heads * dim].reshape(n, heads, dim).transpose(1, 0, 2)
@@ -142,3 +152,69 @@ def test_gemv_embed_dequantize(dev: tuple[Any, Any], fmt: formats.Format) -> Non
     np.testing.assert_allclose(k.dequantize(w, cp.float32).get(), value, rtol=1e-6, atol=1e-6)
     half = k.dequantize(w, cp.float16).get().astype(np.float32)
     np.testing.assert_allclose(half, value, rtol=2**-11, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv", ["float", "u16"])
+def test_a_batch_of_sequences_equals_each_alone(dev: tuple[Any, Any], kv: str) -> None:
+    """Three sequences' rows in one step table (a verify window keeping 2 rows, a decode
+    row, a prompt chunk keeping 1), caches of different sizes: RoPE, the K/V writes and
+    attention give each sequence exactly what it gets alone."""
+    cp, k = dev
+    heads, kv_heads, dim = 8, 2, 64
+    seqs = [(300, 3, 2, 512), (40, 1, 1, 64), (0, 5, 1, 16)]  # (start, rows, kept, capacity)
+    prior = [_f32(2, kv_heads, cap, dim) for *_, cap in seqs]
+    if kv == "u16":  # the cache holds float16 bit patterns
+        prior = [p.astype(np.float16).view(np.uint16) for p in prior]
+    qkvs = [_f32(n, (heads + 2 * kv_heads) * dim) for _, n, _, _ in seqs]
+    inv = cp.asarray((1.0 / 10000 ** (np.arange(0, dim, 2) / dim)).astype(np.float32))
+
+    def run(qkv: np.ndarray, table: np.ndarray, rows: int) -> np.ndarray:
+        dqkv, step = cp.asarray(qkv), cp.asarray(table)
+        k.rope_store(dqkv, inv, step, 1, heads, kv_heads, kv)
+        out = cp.full((rows, heads * dim), cp.nan, cp.float32)
+        k.attention(dqkv, out, step, 1, heads, kv_heads, dim**-0.5, kv)
+        return np.asarray(out.get())
+
+    def caches() -> list[tuple[Any, Any]]:
+        return [(cp.asarray(p), cp.asarray(np.ascontiguousarray(p[::-1]))) for p in prior]
+
+    alone_caches, alone = caches(), []
+    for (start, n, keep, _), (kc, vc), qkv in zip(seqs, alone_caches, qkvs, strict=True):
+        alone.append(run(qkv, _table(start, kc, vc, n, keep), keep))
+    batch_caches = caches()
+    tables = [
+        _table(start, kc, vc, n, keep)
+        for (start, n, keep, _), (kc, vc) in zip(seqs, batch_caches, strict=True)
+    ]
+    firsts = np.cumsum([0] + [n for _, n, _, _ in seqs])  # each sequence's first row
+    kept = [t[:keep, 4] + a for t, a, (_, _, keep, _) in zip(tables, firsts, seqs, strict=False)]
+    step = np.concatenate(tables)
+    step[:, 4] = 0
+    step[:4, 4] = np.concatenate(kept)  # output row i is new row step[i, 4]
+    got = run(np.concatenate(qkvs), step, 4)
+    np.testing.assert_array_equal(got, np.concatenate(alone))
+    for (want_k, want_v), (kc, vc) in zip(alone_caches, batch_caches, strict=True):
+        np.testing.assert_array_equal(kc.get(), want_k.get())
+        np.testing.assert_array_equal(vc.get(), want_v.get())
+
+
+def test_gather_rows_and_a_gemv_batch_in_several_passes(dev: tuple[Any, Any]) -> None:
+    """gather_rows takes the rows the table lists; a gemv of more rows than one pass
+    (MAX_ROWS) gives every row exactly what it gets alone."""
+    cp, k = dev
+    x = _f32(7, 576)
+    step = np.zeros((7, kernels.STEP), np.int64)
+    step[:3, 4] = [2, 3, 6]
+    out = cp.empty((3, 576), cp.float32)
+    k.gather_rows(cp.asarray(x), cp.asarray(step), out)
+    np.testing.assert_array_equal(out.get(), x[[2, 3, 6]])
+    w, value = _matrix(cp, "q4_k", 1000, 768)
+    rows = 2 * kernels.MAX_ROWS + 5
+    xs = _f32(rows, 768)
+    y = cp.empty((rows, 1000), cp.float32)
+    k.gemv(w, cp.asarray(xs), y)
+    np.testing.assert_allclose(y.get(), xs @ value.T, rtol=1e-4, atol=1e-4)
+    for r in (0, kernels.MAX_ROWS, rows - 1):
+        alone = cp.empty((1, 1000), cp.float32)
+        k.gemv(w, cp.asarray(xs[r : r + 1]), alone)
+        np.testing.assert_array_equal(y.get()[r], alone.get()[0])

@@ -5,7 +5,10 @@
   difference / std of the NumPy logits; 8 % where float16 weights are rounded to
   bfloat16's 8 significant bits) and the same greedy token on the tiny model;
 - graph replay equals eager launches exactly (same kernels, same order);
-- verify windows, out_rows and truncate-then-redo behave as on the CPU.
+- verify windows, out_rows and truncate-then-redo behave as on the CPU;
+- a batch of sequences (decode rows, a verify window, a short prompt) gives each exactly
+  what it gets alone, captured and replayed; batched greedy decoding of the golden
+  prompts reproduces their tokens.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from meshnode.cli.generate import GenerateConfig, complete
 from meshnode.engine import ModelConfig, Stage
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.loader import load_model
+from meshnode.engine.model import BatchRow
 from meshnode.engine.sampling import SamplingParams
 from tests.conftest import smollm2_gguf_path
 from tests.engine.test_gpu_kernels import cuda_backend
+from tests.engine.test_ops_cuda_batch import batched_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -167,3 +172,68 @@ def test_cuda_node_offers_device_memory_and_kv_is_allocated_up_front(
     # float16 K and V for every position of every layer, before any token is written.
     assert cache.nbytes() == 2 * c.num_layers * c.num_kv_heads * 4096 * c.head_dim * 2
     assert cache.k.dtype == gpu.backend.xp.uint16
+
+
+# (tokens cached before, start position, new tokens, out_rows) of each sequence.
+Seq = tuple[list[int], int, list[int], int | None]
+MIXED: list[Seq] = [
+    (IDS[:5], 5, [77], 1),  # a decode row
+    (IDS[:12], 12, [78], 1),  # a decode row over a longer cache
+    (IDS[:10], 7, [5, 6, 7], 3),  # a verify window from 7: rolls back 3 positions
+    ([], 0, IDS[:9], 1),  # a short prompt
+]
+OTHERS: list[Seq] = [  # the same shape (14 rows, 6 out) over other sequences
+    (IDS[:2], 2, [40], 1),
+    (IDS[:7], 7, [41], 1),
+    (IDS[:4], 4, [42, 43, 44], 3),
+    ([], 0, IDS[3:12], 1),
+]
+
+
+def _batch(stage: Stage, seqs: list[Seq], *, batched: bool) -> list[tuple[np.ndarray, Any]]:
+    """(host output, cache) of each sequence: its prefix cached first, then its new rows in
+    one ``forward_batch`` of all of them, or each alone."""
+    caches = [stage.new_cache(32) for _ in seqs]
+    for (prefix, _, _, _), cache in zip(seqs, caches, strict=True):
+        if prefix:
+            stage.forward(np.array(prefix), 0, cache)
+    items = [
+        BatchRow(np.array(new), start, cache, out)
+        for (_, start, new, out), cache in zip(seqs, caches, strict=True)
+    ]
+    if batched:
+        outs = stage.forward_batch(items)
+    else:
+        outs = [stage.forward(i.inputs, i.start_pos, i.cache, out_rows=i.out_rows) for i in items]
+    return [(_host(stage, o), c) for o, c in zip(outs, caches, strict=True)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_batch_equals_each_sequence_alone(tiny_gguf: Callable[[str], Path], dtype: str) -> None:
+    """Decode rows, a verify window that rolls back and a short prompt in one forward,
+    captured then replayed for other sequences: outputs and caches (float32 and float16
+    K/V) are bit for bit each sequence's own, run alone without graphs."""
+    source = open_source(tiny_gguf("Q8_0"))
+    _, graphs = _stages(source, dtype, graphs=True)
+    _, eager = _stages(source, dtype, graphs=False)
+    for seqs in (MIXED, OTHERS, MIXED):  # eager + capture, then replays
+        got, want = _batch(graphs, seqs, batched=True), _batch(eager, seqs, batched=False)
+        assert [o.shape[0] for o, _ in got] == [1, 1, 3, 1]
+        for (out, cache), (want_out, want_cache) in zip(got, want, strict=True):
+            np.testing.assert_array_equal(out, want_out)
+            assert cache.length == want_cache.length
+            np.testing.assert_array_equal(cache.k.get(), want_cache.k.get())
+            np.testing.assert_array_equal(cache.v.get(), want_cache.v.get())
+    assert graphs.cuda is not None
+    assert (14, 6) in graphs.cuda._graphs
+
+
+@pytest.mark.real_model
+def test_batched_greedy_decoding_reproduces_the_golden_tokens(golden: dict[str, Any]) -> None:
+    """float32 mode: the reference prompts decoded together, one batched forward a step."""
+    source = open_source(str(smollm2_gguf_path()))
+    c = ModelConfig.from_hf(source.config)
+    stage = Stage(c, source, 0, c.num_layers, embed=True, head=True, backend=cuda_backend())
+    eos = golden["generation"]["eos_token_id"]
+    for prompt, got in zip(golden["prompts"], batched_greedy(stage, golden), strict=True):
+        assert got == [t for t in prompt["gen_ids"] if t != eos], prompt["id"]

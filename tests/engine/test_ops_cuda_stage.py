@@ -37,6 +37,10 @@ class HostArray(np.ndarray):
     """A NumPy array with the three CuPy array methods the stage uses."""
 
     def set(self, host: np.ndarray, stream: Any = None) -> None:
+        """As CuPy's: a whole contiguous array from a host array of its shape and dtype."""
+        assert isinstance(host, np.ndarray)
+        assert (self.shape, self.dtype) == (host.shape, host.dtype), (self.shape, host.shape)
+        assert self.flags.c_contiguous
         self[...] = host
 
     def get(self) -> np.ndarray:
@@ -116,21 +120,28 @@ class ReferenceKernels:
         buf = (ctypes.c_uint8 * nbytes).from_address(address + layer * nbytes)
         return np.ctypeslib.as_array(buf).view(dtype).reshape(shape)
 
+    def _caches(self, row: Any, layer: int, shape: tuple[int, int], kv: str) -> Any:
+        """(position, K cache, V cache) of one row of the step table."""
+        pos, cap, k_at, v_at = (int(v) for v in row[:4])
+        full = (shape[0], cap, shape[1])
+        return pos, self._cache(k_at, layer, full, kv), self._cache(v_at, layer, full, kv)
+
+    def gather_rows(self, x: Any, step: Any, out: Any) -> None:
+        out[...] = x[np.asarray(step)[: out.shape[0], 4]]
+
     def rope_store(
         self, qkv: Any, inv: Any, step: Any, layer: int, heads: int, kv_heads: int, kv: str
     ) -> None:
-        n = qkv.shape[0]
+        """Row by row, each at its position into its own cache (as the kernel does)."""
         dim = qkv.shape[1] // (heads + 2 * kv_heads)
-        pos0, cap, k_at, v_at = (int(v) for v in step)
-        cos, sin = ops.rope_cos_sin(np, inv, pos0, n)
-        q = qkv[:, : heads * dim].reshape(n, heads, dim).transpose(1, 0, 2)
-        qkv[:, : heads * dim] = ops.rotate_half(np, q, cos, sin).transpose(1, 0, 2).reshape(n, -1)
-        k = qkv[:, heads * dim : (heads + kv_heads) * dim].reshape(n, kv_heads, dim)
-        v = qkv[:, (heads + kv_heads) * dim :].reshape(n, kv_heads, dim)
-        shape = (kv_heads, cap, dim)
-        k_cache, v_cache = self._cache(k_at, layer, shape, kv), self._cache(v_at, layer, shape, kv)
-        k_cache[:, pos0 : pos0 + n] = ops.rotate_half(np, k.transpose(1, 0, 2), cos, sin)
-        v_cache[:, pos0 : pos0 + n] = v.transpose(1, 0, 2)
+        for r in range(qkv.shape[0]):
+            pos, k_cache, v_cache = self._caches(step[r], layer, (kv_heads, dim), kv)
+            cos, sin = ops.rope_cos_sin(np, inv, pos, 1)
+            q = qkv[r, : heads * dim].reshape(heads, 1, dim)
+            qkv[r, : heads * dim] = ops.rotate_half(np, q, cos, sin).reshape(-1)
+            k = qkv[r, heads * dim : (heads + kv_heads) * dim].reshape(kv_heads, 1, dim)
+            k_cache[:, pos] = ops.rotate_half(np, k, cos, sin)[:, 0]
+            v_cache[:, pos] = qkv[r, (heads + kv_heads) * dim :].reshape(kv_heads, dim)
 
     def attention(
         self,
@@ -143,18 +154,22 @@ class ReferenceKernels:
         scale: float,
         kv: str,
     ) -> None:
+        """Output row by output row (one query each, as the kernel's blocks)."""
         n, rows = qkv.shape[0], out.shape[0]
         dim = qkv.shape[1] // (heads + 2 * kv_heads)
-        pos0, cap, k_at, v_at = (int(v) for v in step)
-        shape = (kv_heads, cap, dim)
-        keys = self._cache(k_at, layer, shape, kv)[:, : pos0 + n].astype(np.float32)
-        values = self._cache(v_at, layer, shape, kv)[:, : pos0 + n].astype(np.float32)
-        q = np.ascontiguousarray(qkv[n - rows :, : heads * dim].reshape(rows, heads, dim))
-        att = ops.attention(np, q.transpose(1, 0, 2), keys, values, scale)
-        out[...] = att.transpose(1, 0, 2).reshape(rows, -1)
+        for i in range(rows):
+            q_row = i if rows == n else int(step[i, 4])
+            pos, k_cache, v_cache = self._caches(step[q_row], layer, (kv_heads, dim), kv)
+            keys = k_cache[:, : pos + 1].astype(np.float32)  # [Hkv, T, D]
+            values = v_cache[:, : pos + 1].astype(np.float32)
+            q = np.ascontiguousarray(qkv[q_row, : heads * dim].reshape(heads, 1, dim))
+            out[i] = ops.attention(np, q, keys, values, scale).reshape(-1)
 
     def gemv(self, w: DeviceMatrix, x: Any, y: Any) -> None:
-        y[...] = x @ _decoded(w).T
+        """Row by row: the kernel's sum for a row does not depend on the other rows."""
+        value = _decoded(w)
+        for r in range(x.shape[0]):
+            y[r] = value @ np.asarray(x[r])
 
     def embed(self, table: DeviceMatrix, ids: Any, x: Any) -> None:
         x[...] = _decoded(table)[np.asarray(ids)]

@@ -81,6 +81,9 @@ void emu_softmax(G, float* x, int n) { launch(softmax, gx, gy, bx, x, n); }
 void emu_silu_mul(G, const float* gu, float* out, int rows, int inter) {
     launch(silu_mul, gx, gy, bx, gu, out, rows, inter);
 }
+void emu_gather_rows(G, const float* x, const i64* step, float* out, int n) {
+    launch(gather_rows, gx, gy, bx, x, step, out, n);
+}
 """
 
 TEMPLATED = r"""
@@ -195,8 +198,15 @@ def test_softmax_and_silu_mul(emu: Emulator) -> None:
     np.testing.assert_allclose(out, ops.silu_mul(np, gate_up), rtol=1e-5, atol=1e-6)
 
 
-def _step(pos0: int, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    return np.array([pos0, k.shape[2], k.ctypes.data, v.ctypes.data], dtype=np.int64)
+def _step(pos0: int, k: np.ndarray, v: np.ndarray, n: int, rows: int | None = None) -> np.ndarray:
+    """The step table of ``n`` new rows of one sequence from ``pos0``, keeping its last
+    ``rows`` (``kernels`` module docstring)."""
+    rows = n if rows is None else rows
+    table = np.zeros((n, kernels.STEP), np.int64)
+    table[:, 0] = np.arange(pos0, pos0 + n)
+    table[:, 1:4] = (k.shape[2], k.ctypes.data, v.ctypes.data)
+    table[:rows, 4] = np.arange(n - rows, n)
+    return table
 
 
 @pytest.mark.parametrize("kv", ["float", "u16"])
@@ -213,7 +223,7 @@ def test_rope_store_rotates_q_and_writes_k_v_into_the_cache(emu: Emulator, kv: s
     want_q = ops.rotate_half(np, q, cos, sin).transpose(1, 0, 2).reshape(n, -1)
     want_k = ops.rotate_half(np, k.transpose(1, 0, 2), cos, sin)
     total = n * (heads + kv_heads) * dim // 2 + n * kv_heads * dim
-    step = _step(pos0, k_cache, v_cache)
+    step = _step(pos0, k_cache, v_cache, n)
     args = (qkv, inv, step, 1, n, heads, kv_heads, dim)
     emu(f"rope_store_{kv}", (kernels.flat_grid(total), 1), kernels.BLOCK, *args)
 
@@ -248,7 +258,8 @@ def test_attention_reads_the_cache_in_place(
     scale = dim**-0.5
     want = ops.attention(np, np.ascontiguousarray(q), keys, values, scale)  # [H, r, D]
     out = np.zeros((rows, heads * dim), np.float32)
-    args = (qkv, out, _step(pos0, k_cache, v_cache), layer, n, rows, heads, kv_heads, dim, scale)
+    step = _step(pos0, k_cache, v_cache, n, rows)
+    args = (qkv, out, step, layer, n, rows, heads, kv_heads, dim, scale)
     emu(f"attention_{kv}", (heads, rows), kernels.BLOCK, *args)
     got = out.reshape(rows, heads, dim).transpose(1, 0, 2)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -271,7 +282,7 @@ def test_gemv_matches_decoded_weights_times_x(emu: Emulator, fmt: formats.Format
     out, inp = 24, 512
     raw = _weights(fmt, out, inp)
     w = formats.decode_units(raw, fmt, inp)
-    for rows in (1, 3, kernels.MAX_ROWS):
+    for rows in (1, 3, kernels.MAX_ROWS, kernels.MAX_ROWS + 5):  # the last in two passes
         x = _f32(rows, inp)
         y = np.full((rows, out), np.nan, np.float32)
         emu(f"gemv_{fmt}", (out, 1), kernels.GEMV_BLOCK, raw, x, y, rows, inp, out)
@@ -294,3 +305,89 @@ def test_embed_and_dequantize_decode_like_the_reference(emu: Emulator, fmt: form
     half = np.empty((vocab, dim), np.uint16)
     emu(f"dequantize_{fmt}_f16", grid, kernels.BLOCK, raw, half, dim, vocab)
     np.testing.assert_array_equal(half.view(np.float16), table.astype(np.float16))
+
+
+def _rope_attention(
+    emu: Emulator, kv: str, qkv: np.ndarray, step: np.ndarray, rows: int, shape: tuple[int, ...]
+) -> np.ndarray:
+    """rope_store then attention of layer 1 over ``qkv`` as one launch each; the output."""
+    heads, kv_heads, dim = shape
+    n = qkv.shape[0]
+    total = n * (heads + kv_heads) * dim // 2 + n * kv_heads * dim
+    inv = (1.0 / 10000 ** (np.arange(0, dim, 2) / dim)).astype(np.float32)
+    rope = (qkv, inv, step, 1, n, heads, kv_heads, dim)
+    emu(f"rope_store_{kv}", (kernels.flat_grid(total), 1), kernels.BLOCK, *rope)
+    out = np.full((rows, heads * dim), np.nan, np.float32)
+    att = (qkv, out, step, 1, n, rows, heads, kv_heads, dim, dim**-0.5)
+    emu(f"attention_{kv}", (heads, rows), kernels.BLOCK, *att)
+    return out
+
+
+@pytest.mark.parametrize("kv", ["float", "u16"])
+def test_a_batch_of_sequences_each_uses_its_own_cache_and_positions(emu: Emulator, kv: str) -> None:
+    """Three sequences in one step table (a verify window keeping 2 rows, a decode row, a
+    prompt chunk keeping 1) with caches of different sizes: RoPE, the K/V writes and
+    attention equal each sequence run alone, bit for bit, and the NumPy attention."""
+    shape, layers = (4, 2, 16), 2
+    heads, kv_heads, dim = shape
+    dtype = np.float32 if kv == "float" else np.uint16
+    seqs = [(9, 3, 2, 16), (4, 1, 1, 12), (0, 5, 1, 8)]  # (start, new rows, kept, capacity)
+    prior = [_f32(layers, kv_heads, cap, dim) for _, _, _, cap in seqs]
+    if kv == "u16":
+        prior = [p.astype(np.float16).view(np.uint16) for p in prior]
+
+    def caches() -> list[tuple[np.ndarray, np.ndarray]]:
+        return [(p.astype(dtype), p[::-1].astype(dtype).copy()) for p in prior]
+
+    qkvs = [_f32(n, (heads + 2 * kv_heads) * dim) for _, n, _, _ in seqs]
+    alone_caches, alone = caches(), []
+    for (start, n, keep, _), (k, v), qkv in zip(seqs, alone_caches, qkvs, strict=True):
+        alone.append(_rope_attention(emu, kv, qkv.copy(), _step(start, k, v, n, keep), keep, shape))
+    batch_caches = caches()
+    tables = [
+        _step(start, k, v, n, keep)
+        for (start, n, keep, _), (k, v) in zip(seqs, batch_caches, strict=True)
+    ]
+    step = np.concatenate(tables)  # the rows of every sequence, in order
+    firsts = np.cumsum([0] + [n for _, n, _, _ in seqs])  # each sequence's first row
+    kept = [t[:keep, 4] + a for t, a, (_, _, keep, _) in zip(tables, firsts, seqs, strict=False)]
+    step[:, 4] = 0
+    step[:4, 4] = np.concatenate(kept)  # output row i is new row step[i, 4]
+    got = _rope_attention(emu, kv, np.concatenate(qkvs), step, 4, shape)
+    np.testing.assert_array_equal(got, np.concatenate(alone))
+    for (want_k, want_v), (k, v) in zip(alone_caches, batch_caches, strict=True):
+        np.testing.assert_array_equal(k, want_k)
+        np.testing.assert_array_equal(v, want_v)
+    # The first sequence's kept rows against NumPy: positions 10, 11 over its own cache.
+    k, v = (
+        c[1].view(np.float16).astype(np.float32) if kv == "u16" else c[1] for c in batch_caches[0]
+    )
+    inv = (1.0 / 10000 ** (np.arange(0, dim, 2) / dim)).astype(np.float32)
+    cos, sin = ops.rope_cos_sin(np, inv, 9, 3)
+    q = qkvs[0][:, : heads * dim].reshape(3, heads, dim).transpose(1, 0, 2)
+    q = ops.rotate_half(np, q, cos, sin)[:, 1:]  # [H, 2, D]
+    want = ops.attention(np, np.ascontiguousarray(q), k[:, :12], v[:, :12], dim**-0.5)
+    got0 = got[:2].reshape(2, heads, dim).transpose(1, 0, 2)
+    np.testing.assert_allclose(got0, want, rtol=1e-4, atol=1e-5)
+
+
+def test_gather_rows_takes_the_rows_the_step_table_keeps(emu: Emulator) -> None:
+    x = _f32(7, 300)
+    step = np.zeros((7, kernels.STEP), np.int64)
+    step[:3, 4] = [2, 3, 6]
+    out = np.empty((3, 300), np.float32)
+    emu("gather_rows", (3, 1), kernels.BLOCK, x, step, out, 300)
+    np.testing.assert_array_equal(out, x[[2, 3, 6]])
+
+
+def test_gemv_rows_are_the_same_alone_and_in_a_batch(emu: Emulator) -> None:
+    """A batch larger than one pass (MAX_ROWS) gives each row what it gets alone."""
+    out, inp, rows = 24, 512, kernels.MAX_ROWS * 2 + 3
+    raw = _weights("q4_k", out, inp)
+    x = _f32(rows, inp)
+    y = np.empty((rows, out), np.float32)
+    emu("gemv_q4_k", (out, 1), kernels.GEMV_BLOCK, raw, x, y, rows, inp, out)
+    for r in (0, kernels.MAX_ROWS, rows - 1):
+        alone = np.empty((1, out), np.float32)
+        emu("gemv_q4_k", (out, 1), kernels.GEMV_BLOCK, raw, x[r : r + 1].copy(), alone, 1, inp, out)
+        np.testing.assert_array_equal(y[r], alone[0])

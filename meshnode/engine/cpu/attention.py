@@ -31,13 +31,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import njit
+from numba import cfunc, njit, types
 from numba.np.numpy_support import carray
 
-from meshnode.engine.cpu.atomics import ptr_f32
-from meshnode.engine.cpu.simd import wfma, wload, wmul, wsplat, wstore, wsum, wsums, wzero
+from meshnode.engine.cpu import matrix, pool
+from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64
+from meshnode.engine.cpu.simd import wadd, wfma, wload, wmul, wsplat, wstore, wsum, wsums, wzero
+from meshnode.engine.cpu.vexp import wdiv, wexp, wmax, wmax_lane
 
-__all__ = ["COLUMNS", "LANES", "attend", "segment_table"]
+__all__ = ["COLUMNS", "LANES", "attend", "attend_shared", "queries", "segment_table", "write_kv"]
 
 # The columns of the segment table: where the segment's rows start in ``qkv``, how many
 # new rows it has, how many of them query in the last layer, its first position, whether
@@ -152,18 +154,24 @@ def _scores(qbuf, q0, kc, base, t, d, scale, scores, s0):  # type: ignore[no-unt
 
 
 @njit(nogil=True, cache=True)
-def _softmax(s, s0, t):  # type: ignore[no-untyped-def]
-    # s[s0 : s0 + t] = exp(s - max) / sum, in place
-    top = s[s0]
-    for j in range(s0 + 1, s0 + t):
-        top = max(top, s[j])
-    total = np.float32(0.0)
-    for j in range(s0, s0 + t):
-        e = np.float32(math.exp(s[j] - top))
-        s[j] = e
-        total += e
-    for j in range(s0, s0 + t):
-        s[j] = s[j] / total
+def _softmax(s, t):  # type: ignore[no-untyped-def]
+    # s[0 : t] = exp(s - max) / sum, in place, sixteen lanes at a time: the lanes past t
+    # (up to a multiple of sixteen: ``s`` is that long) are -inf, whose exp is 0
+    full = t + (-t) % LANES
+    for j in range(t, full):
+        s[j] = -np.inf
+    top = wload(s, 0)
+    for j in range(LANES, full, LANES):
+        top = wmax(top, wload(s, j))
+    shift = wsplat(-wmax_lane(top))
+    acc = wzero()
+    for j in range(0, full, LANES):
+        e = wexp(wadd(wload(s, j), shift))
+        wstore(s, j, e)
+        acc = wadd(acc, e)
+    total = wsplat(wsum(acc))
+    for j in range(0, full, LANES):
+        wstore(s, j, wdiv(wload(s, j), total))
 
 
 @njit(nogil=True, cache=True)
@@ -200,8 +208,94 @@ def _query_head(flat, q0, pos, kc, vc, base, t, q_norm, eps, cos, sin, scale, bu
     d = cos.shape[1]
     _norm_rope(flat, q0, q_norm, eps, cos, sin, pos, tmp, qbuf, 0)
     _scores(qbuf, 0, kc, base, t, d, scale, scores, 0)
-    _softmax(scores, 0, t)
+    _softmax(scores, t)
     _weighted_values(scores, 0, vc, base, t, d, out, o)
+
+
+@njit(nogil=True, cache=True)
+def _cache_of(table, s, layer, kv_heads, d):  # type: ignore[no-untyped-def]
+    # segment s's K and V cache of one layer, flat [Hkv * Tmax * D]
+    size = kv_heads * table[s, TMAX] * d
+    kc = carray(ptr_f32(table[s, K_ADDR] + 4 * layer * size), (size,))
+    vc = carray(ptr_f32(table[s, V_ADDR] + 4 * layer * size), (size,))
+    return kc, vc
+
+
+@njit(nogil=True, cache=True)
+def _longest(table):  # type: ignore[no-untyped-def]
+    # the most positions a query of the table sees, rounded up to whole vectors
+    longest = 1
+    for s in range(table.shape[0]):
+        longest = max(longest, table[s, START] + table[s, NEW])
+    return longest + (-longest) % LANES
+
+
+@njit(nogil=True, cache=True)
+def write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin):  # type: ignore[no-untyped-def]
+    """The new keys (QK-normed, rotated) and values of every segment of ``table`` marked
+    for the kernel into its cache at layer ``layer`` (arguments as :func:`attend`'s)."""
+    d = cos.shape[1]
+    w = qkv.shape[1]
+    kv_heads = (w // d - heads) // 2
+    flat = qkv.reshape(-1)
+    tmp = np.empty(d, np.float32)
+    for s in range(table.shape[0]):
+        if table[s, KERNEL]:
+            kc, vc = _cache_of(table, s, layer, kv_heads, d)
+            n, start, tmax = table[s, NEW], table[s, START], table[s, TMAX]
+            args = (kv_heads, heads * d, k_norm, eps, cos, sin, tmp)
+            _write_kv(flat, w, table[s, ROW], n, start, kc, vc, tmax, *args)
+
+
+@njit(nogil=True, cache=True)
+def _group(flat, w, table, s, g, layer, heads, how, bufs, oflat, o_row):  # type: ignore[no-untyped-def]
+    # segment s's query rows for the query heads of KV head g (its cache written) into
+    # oflat's rows from o_row; ``how`` is (q_norm, eps, cos, sin, scale, window, last)
+    q_norm, eps, cos, sin, scale, window, last = how
+    d = cos.shape[1]
+    kv_heads = (w // d - heads) // 2
+    group = heads // kv_heads
+    q_size = heads * d
+    n, start, tmax, r0 = table[s, NEW], table[s, START], table[s, TMAX], table[s, ROW]
+    kept = table[s, KEPT] if last else n
+    kc, vc = _cache_of(table, s, layer, kv_heads, d)
+    for i in range(n - kept, n):
+        pos = start + i
+        lo = 0 if window == 0 else max(0, pos - window + 1)
+        o = (o_row + i - (n - kept)) * q_size
+        base = (g * tmax + lo) * d
+        for h in range(g * group, (g + 1) * group):
+            q0 = (r0 + i) * w + h * d
+            args = (q_norm, eps, cos, sin, scale, bufs, oflat, o + h * d)
+            _query_head(flat, q0, pos, kc, vc, base, pos + 1 - lo, *args)
+
+
+@njit(nogil=True, cache=True)
+def _out_rows(table, last):  # type: ignore[no-untyped-def]
+    # each segment's first row in ``out``
+    rows = np.empty(table.shape[0], np.int64)
+    o_row = 0
+    for s in range(table.shape[0]):
+        rows[s] = o_row
+        o_row += table[s, KEPT] if last else table[s, NEW]
+    return rows
+
+
+@njit(nogil=True, cache=True)
+def queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last, out):  # type: ignore[no-untyped-def]
+    """The attention of every kernel segment's query rows into ``out``, their keys and
+    values already in the caches (:func:`write_kv`); arguments as :func:`attend`'s."""
+    d = cos.shape[1]
+    w = qkv.shape[1]
+    kv_heads = (w // d - heads) // 2
+    flat, oflat = qkv.reshape(-1), out.reshape(-1)
+    bufs = (np.empty(d, np.float32), np.empty(d, np.float32), np.empty(_longest(table), np.float32))
+    o_rows = _out_rows(table, last)
+    how = (q_norm, eps, cos, sin, scale, window, last)
+    for s in range(table.shape[0]):
+        if table[s, KERNEL]:
+            for g in range(kv_heads):
+                _group(flat, w, table, s, g, layer, heads, how, bufs, oflat, o_rows[s])
 
 
 @njit(nogil=True, cache=True)
@@ -215,37 +309,132 @@ def attend(qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, windo
     ``window`` the sliding window (0: none). ``out`` ``[R, H D]`` gets a segment's rows
     at its place in the batch: all its new rows, or in the ``last`` layer its kept ones.
     """
+    write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin)
+    queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last, out)
+
+
+# -- the query groups shared with the kernel threads (.pool) ----------------------------
+
+# The words of the argument block a shared call posts as the pool job's "x" (int64; EPS
+# and SCALE hold a float32 in their low half), then each segment's first output row, then
+# the kernel segments' indices. A task is one kernel segment's query heads of one KV head.
+QKV, N, W, TABLE, SEGS, LAYER, HEADS, QN, QN_LEN, EPS, COS, SIN = range(12)
+POSITIONS, SCALE, WINDOW, LAST, OUT, OUT_ROWS, TASKS, KV_HEADS, SCORES = range(12, 21)
+HEADER = 21
+
+
+@njit(nogil=True, cache=True)
+def task_args(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last, out):  # type: ignore[no-untyped-def]
+    """The argument block of a shared :func:`queries` call (its arguments) and its number
+    of tasks; long enough that a thread's scratch (4 floats per word) holds its buffers."""
     d = cos.shape[1]
     w = qkv.shape[1]
     kv_heads = (w // d - heads) // 2
-    group = heads // kv_heads
-    q_size = heads * d
-    flat = qkv.reshape(-1)
-    oflat = out.reshape(-1)
-    longest = 1
-    for s in range(table.shape[0]):
-        longest = max(longest, table[s, START] + table[s, NEW])
-    bufs = (np.empty(d, np.float32), np.empty(d, np.float32), np.empty(longest, np.float32))
-    o_row = 0
-    for s in range(table.shape[0]):
-        n, start, tmax = table[s, NEW], table[s, START], table[s, TMAX]
-        kept = table[s, KEPT] if last else n
+    segs = table.shape[0]
+    kernel = 0
+    for s in range(segs):
+        kernel += table[s, KERNEL] != 0
+    scores = _longest(table)
+    words = max(HEADER + segs + kernel, (2 * d + scores + 3) // 4)
+    a = np.zeros(words, np.int64)
+    f = a.view(np.float32)
+    a[QKV], a[N], a[W], a[TABLE], a[SEGS] = (
+        qkv.ctypes.data,
+        qkv.shape[0],
+        w,
+        table.ctypes.data,
+        segs,
+    )
+    a[LAYER], a[HEADS], a[QN], a[QN_LEN] = layer, heads, q_norm.ctypes.data, q_norm.shape[0]
+    a[COS], a[SIN], a[POSITIONS] = cos.ctypes.data, sin.ctypes.data, cos.shape[0]
+    a[WINDOW], a[LAST], a[OUT], a[OUT_ROWS] = window, last, out.ctypes.data, out.shape[0]
+    a[TASKS], a[KV_HEADS], a[SCORES] = kernel * kv_heads, kv_heads, scores
+    f[2 * EPS], f[2 * SCALE] = eps, scale
+    a[HEADER : HEADER + segs] = _out_rows(table, last)
+    at = HEADER + segs
+    for s in range(segs):
         if table[s, KERNEL]:
-            size = kv_heads * tmax * d
-            kc = carray(ptr_f32(table[s, K_ADDR] + 4 * layer * size), (size,))
-            vc = carray(ptr_f32(table[s, V_ADDR] + 4 * layer * size), (size,))
-            r0 = table[s, ROW]
-            tmp = bufs[1]
-            _write_kv(
-                flat, w, r0, n, start, kc, vc, tmax, kv_heads, q_size, k_norm, eps, cos, sin, tmp
-            )
-            for i in range(n - kept, n):
-                pos = start + i
-                lo = 0 if window == 0 else max(0, pos - window + 1)
-                o = (o_row + i - (n - kept)) * q_size
-                for h in range(heads):
-                    base = ((h // group) * tmax + lo) * d
-                    q0 = (r0 + i) * w + h * d
-                    args = (q_norm, eps, cos, sin, scale, bufs, oflat, o + h * d)
-                    _query_head(flat, q0, pos, kc, vc, base, pos + 1 - lo, *args)
-        o_row += kept
+            a[at] = s
+            at += 1
+    return a, kernel * kv_heads
+
+
+@cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
+def _chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
+    # chunk ch of a posted queries() call (.pool's words at st_addr): the tasks whose rows
+    # of the posted "a" part (CHUNK_ROWS each) start in its rows
+    st = carray(ptr_i64(st_addr), (pool.WORDS,))
+    head = carray(ptr_i64(st[pool.X]), (HEADER,))
+    segs, tasks, kv_heads = head[SEGS], head[TASKS], head[KV_HEADS]
+    f = carray(ptr_f32(st[pool.X]), (2 * HEADER,))
+    eps, scale = f[2 * EPS], f[2 * SCALE]
+    heads, w = head[HEADS], head[W]
+    d = w // (heads + 2 * kv_heads)
+    flat = carray(ptr_f32(head[QKV]), (head[N] * w,))
+    table = carray(ptr_i64(head[TABLE]), (segs, COLUMNS))
+    q_norm = carray(ptr_f32(head[QN]), (head[QN_LEN],))
+    cos = carray(ptr_f32(head[COS]), (head[POSITIONS], d))
+    sin = carray(ptr_f32(head[SIN]), (head[POSITIONS], d))
+    oflat = carray(ptr_f32(head[OUT]), (head[OUT_ROWS] * heads * d,))
+    rest = carray(ptr_i64(st[pool.X] + 8 * HEADER), (2 * segs,))
+    scratch = st[pool.SCRATCH] + 4 * who * st[pool.STRIDE]
+    bufs = (
+        carray(ptr_f32(scratch), (d,)),
+        carray(ptr_f32(scratch + 4 * d), (d,)),
+        carray(ptr_f32(scratch + 8 * d), (head[SCORES],)),
+    )
+    rows = st[pool.ROWS]
+    first = (ch * rows + pool.CHUNK_ROWS - 1) // pool.CHUNK_ROWS
+    end = min(tasks, ((ch + 1) * rows + pool.CHUNK_ROWS - 1) // pool.CHUNK_ROWS)
+    layer, window, last = head[LAYER], head[WINDOW], head[LAST] != 0
+    how = (q_norm, eps, cos, sin, scale, window, last)
+    for t in range(first, end):
+        s, g = rest[segs + t // kv_heads], t % kv_heads
+        _group(flat, w, table, s, g, layer, heads, how, bufs, oflat, rest[s])
+
+
+# Below this many keys read (query heads times the positions they see) a call is not shared
+# with the kernel threads: posting it costs about what a second thread would save.
+SHARED_MIN_READS = 4096
+_EMPTY = np.zeros((0, 0), np.uint8)
+_NO_OUT = np.zeros((1, 1), np.float32)
+
+
+def reads(table: np.ndarray, heads: int, last: bool) -> int:
+    """Keys the query rows of ``table``'s kernel segments read (about: whole segments)."""
+    kernel = table[:, KERNEL] != 0
+    rows = table[kernel, KEPT] if last else table[kernel, NEW]
+    return int((rows * (table[kernel, START] + table[kernel, NEW])).sum()) * heads
+
+
+def attend_shared(
+    qkv: np.ndarray,
+    table: np.ndarray,
+    layer: int,
+    heads: int,
+    norms: tuple[np.ndarray, np.ndarray],
+    eps: np.float32,
+    rope: tuple[np.ndarray, np.ndarray],
+    scale: np.float32,
+    window: int,
+    last: bool,
+    out: np.ndarray,
+    keep: object,
+) -> None:
+    """As :func:`attend` (``norms`` are ``(q_norm, k_norm)``, ``rope`` ``(cos, sin)``),
+    the query groups shared with the kernel threads (:mod:`.pool`) when more than one may
+    run and the call reads at least :data:`SHARED_MIN_READS` keys. Each group is computed
+    by the same code on whichever thread: the result is bit-identical to :func:`attend`'s.
+    ``keep`` holds every array the call reads or writes (the caches too): the pool keeps it
+    while a descheduled helper may still run a chunk of it."""
+    (q_norm, k_norm), (cos, sin) = norms, rope
+    threads = matrix._threads_here()
+    if threads < 2 or reads(table, heads, last) < SHARED_MIN_READS:
+        attend(qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, window, last, out)
+        return
+    write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin)
+    args = (qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last, out)
+    block, tasks = task_args(*args)
+    parts = (np.zeros((tasks * pool.CHUNK_ROWS, 1), np.uint8), _EMPTY, _EMPTY)
+    if not matrix._pool().run(_chunk.address, parts, block, _NO_OUT, threads, keep=keep):
+        queries(*args)

@@ -278,10 +278,19 @@ class KernelPool:
         self._last: tuple[Any, ...] = ()  # the last job's arrays, while a helper may use them
         self.posted = 0  # products shared so far
 
-    def run(self, fn: int, parts: tuple[Any, Any, Any], x: Any, out: Any, threads: int) -> bool:
+    def run(
+        self,
+        fn: int,
+        parts: tuple[Any, Any, Any],
+        x: Any,
+        out: Any,
+        threads: int,
+        keep: object = None,
+    ) -> bool:
         """Compute ``out`` (``[k, n_out]``) = ``x`` (``k`` rows of ``n_in``, flat) times
         the stacked ``parts`` ``(a, b, c)`` on up to ``threads`` threads, chunk by chunk
-        with the cfunc at address ``fn`` (:func:`.kernels.chunk_kernel`).
+        with the cfunc at address ``fn`` (:func:`.kernels.chunk_kernel`). ``keep``: what
+        else the chunks read or write by address, held as the job's arrays are (below).
 
         Returns False, having done nothing, when fewer than two threads would run (the
         cap, or the cores other processes leave free), when another thread is using the
@@ -294,11 +303,13 @@ class KernelPool:
         if threads < 2 or not self._lock.acquire(blocking=False):
             return False
         try:
-            return self._post(fn, parts, x, out, threads)
+            return self._post(fn, parts, x, out, threads, keep)
         finally:
             self._lock.release()
 
-    def _post(self, fn: int, parts: tuple[Any, Any, Any], x: Any, out: Any, threads: int) -> bool:
+    def _post(
+        self, fn: int, parts: tuple[Any, Any, Any], x: Any, out: Any, threads: int, keep: object
+    ) -> bool:
         """Post the job, wake the helpers that sleep, do the caller's share."""
         k, n_out = out.shape
         n_in = x.shape[0] // k
@@ -316,7 +327,7 @@ class KernelPool:
             # finished) still reads its fields and writes its output: no new job, and
             # the last one's arrays kept, until it is done
             return False
-        self._last = (parts, x, out, self._scratch)
+        self._last = (parts, x, out, self._scratch, keep)
         self.posted += 1
         if woken:
             for who in range(1, len(self._events) + 1):

@@ -82,12 +82,18 @@ class Kernels:
             (grid,), (kernels.BLOCK,), (gate_up, out, np.int32(rows), np.int32(inter))
         )
 
+    def gather_rows(self, x: Any, step: Any, out: Any) -> None:
+        """``out [r, n]`` = the rows of ``x`` the step table's last column lists."""
+        rows, n = out.shape
+        self._fn("gather_rows")((rows,), (kernels.BLOCK,), (x, step, out, np.int32(n)))
+
     # -- attention -----------------------------------------------------------------------
 
     def rope_store(
         self, qkv: Any, inv_freq: Any, step: Any, layer: int, heads: int, kv_heads: int, kv: str
     ) -> None:
-        """RoPE on Q in place; rotated K and V into the cache ``step`` points at."""
+        """RoPE on Q in place; each row's rotated K and its V into the cache and position
+        its row of the step table (``int64 [>= n, STEP]``) names."""
         n, width = qkv.shape
         dim = width // (heads + 2 * kv_heads)
         total = n * (heads + kv_heads) * dim // 2 + n * kv_heads * dim
@@ -106,7 +112,8 @@ class Kernels:
         scale: float,
         kv: str,
     ) -> None:
-        """Causal GQA attention of the last ``out.shape[0]`` rows of ``qkv``; out ``[r, H D]``."""
+        """Causal GQA attention, each row over its own cache; out ``[r, H D]``: every row
+        of ``qkv`` when ``r`` is its row count, else the rows the step table keeps."""
         n, width = qkv.shape
         rows = out.shape[0]
         dim = width // (heads + 2 * kv_heads)
@@ -117,7 +124,8 @@ class Kernels:
     # -- weights -------------------------------------------------------------------------
 
     def gemv(self, w: DeviceMatrix, x: Any, y: Any) -> None:
-        """``y [r, out] = x [r, in] @ W.T`` for ``r <= MAX_ROWS``, decoding W as it reads."""
+        """``y [r, out] = x [r, in] @ W.T``, decoding W as it reads (in passes of
+        ``MAX_ROWS`` rows; meant for up to ``MAX_BATCH_ROWS``)."""
         rows = x.shape[0]
         args = (w.data, x, y, np.int32(rows), np.int32(w.in_features), np.int32(w.out_features))
         fn = self._fn(f"gemv<{CPP_NAME[w.fmt]}>")

@@ -7,10 +7,13 @@ compiles with NVRTC (through CuPy) and with a host C++ compiler for the CPU emul
 ``tests/engine/test_ops_emulated.py``; half-precision conversions are the one device-only
 part (PTX ``cvt``), with host twins in the emulation.
 
-Positions and the KV cache are read from a device "step" array, ``int64[4]``:
-``[first position, cache capacity T, K base address, V base address]``. So a captured
-CUDA graph replays for any position and any sequence's cache: only the step array and
-the inputs are rewritten before a replay.
+Positions and the KV cache are read from a device "step" table, ``int64 [rows, STEP]``,
+one row per new row of the forward: ``[position, cache capacity T, K base address, V
+base address, kept row]``. The rows of a batch belong to several sequences, each with
+its own cache and positions; row ``i``'s last column is the new row whose output is the
+``i``-th output of the last layer (each sequence keeps its last ``out_rows`` rows). So a
+captured CUDA graph replays for any positions and any sequences' caches: only the step
+table and the inputs are rewritten before a replay.
 
 Weights of a matmul decode in units of 32 values (``UNIT``): a Q8_0 block, one eighth of
 a Q4_K super-block, or 32 consecutive floats. ``F::unit(row, u, w)`` writes the 32 floats
@@ -24,9 +27,11 @@ from __future__ import annotations
 __all__ = [
     "BLOCK",
     "GEMV_BLOCK",
+    "MAX_BATCH_ROWS",
     "MAX_HEAD_DIM",
     "MAX_ROWS",
     "SOURCE",
+    "STEP",
     "UNIT",
     "flat_grid",
     "template_names",
@@ -34,7 +39,15 @@ __all__ = [
 
 BLOCK = 256  # threads of the row/head kernels (a power of two: tree reductions)
 GEMV_BLOCK = 64  # threads per output feature: a 2048-wide row is 64 units of 32
-MAX_ROWS = 16  # rows one matmul-vector call takes: decode (1) and verify windows (<= 16)
+# Rows a matvec pass holds in registers (its ``acc`` array), and the most new rows of one
+# sequence that take the fixed-buffer path (decode 1, verify windows and short prompt
+# chunks <= 16); a longer prompt is a prefill (cuBLAS matmul on expanded weights).
+MAX_ROWS = 16
+# Rows of one fixed-buffer forward: every sequence of a batch together (16 sequences with a
+# 4-row verify window each). The matvec runs them in passes of MAX_ROWS over one read of
+# a weight row; a larger batch is cut into forwards of at most this many rows.
+MAX_BATCH_ROWS = 64
+STEP = 5  # columns of the step table (see the module docstring)
 MAX_HEAD_DIM = 256  # the attention kernel keeps one query head in shared memory
 UNIT = 32  # values per decode unit (see the module docstring)
 
@@ -46,6 +59,7 @@ SOURCE = r"""
 #define MN_MAX_ROWS 16
 #define MN_MAX_HEAD_DIM 256
 #define MN_UNIT 32
+#define MN_STEP 5
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -235,16 +249,23 @@ extern "C" __global__ void silu_mul(
     }
 }
 
-// RoPE (rotate-half pairs i, i + D/2) on the Q and K heads of qkv [n, (H + 2 Hkv) D] at
-// positions step[0] + row; Q is rotated in place, K is rotated into the cache and V copied
-// there: cache [L, Hkv, T, D], layer `layer`, positions step[0] .. step[0] + n - 1.
+// out[i] = x[step[i, 4]]: the residual rows the last layer keeps (each sequence's last
+// out_rows rows), out [rows, n] from x [n_new, n]. Grid: rows; block: MN_BLOCK.
+extern "C" __global__ void gather_rows(
+    const float* __restrict__ x, const i64* __restrict__ step, float* __restrict__ out, int n) {
+    const float* xr = x + step[(i64)blockIdx.x * MN_STEP + 4] * n;
+    float* yr = out + (i64)blockIdx.x * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i];
+}
+
+// RoPE (rotate-half pairs i, i + D/2) on the Q and K heads of qkv [n, (H + 2 Hkv) D], row
+// r at its position step[r, 0]; Q is rotated in place, K is rotated into row r's cache
+// (step[r, 2]) and V copied into its V cache (step[r, 3]): caches [L, Hkv, T, D] with
+// T = step[r, 1], layer `layer`.
 template <typename KV>
 __global__ void rope_store(
     float* __restrict__ qkv, const float* __restrict__ inv_freq, const i64* __restrict__ step,
     int layer, int n, int heads, int kv_heads, int dim) {
-    const i64 pos0 = step[0], cap = step[1];
-    KV* kc = (KV*)step[2] + (i64)layer * kv_heads * cap * dim;
-    KV* vc = (KV*)step[3] + (i64)layer * kv_heads * cap * dim;
     const int half = dim / 2, width = (heads + 2 * kv_heads) * dim;
     const i64 pairs = (i64)n * (heads + kv_heads) * half;
     const i64 copies = (i64)n * kv_heads * dim;
@@ -253,8 +274,10 @@ __global__ void rope_store(
         if (k < pairs) {
             const i64 row = k / ((heads + kv_heads) * half);
             const int head = (int)(k / half % (heads + kv_heads)), i = (int)(k % half);
+            const i64* st = step + row * MN_STEP;
+            const i64 pos = st[0], cap = st[1];
             float* base = qkv + row * width + (i64)head * dim;
-            const float f = (float)(pos0 + row) * inv_freq[i];
+            const float f = (float)pos * inv_freq[i];
             const float c = cosf(f), s = sinf(f);
             const float a = base[i], b = base[i + half];
             const float ra = a * c + (-b) * s, rb = b * c + a * s;
@@ -262,7 +285,8 @@ __global__ void rope_store(
                 base[i] = ra;
                 base[i + half] = rb;
             } else {
-                const i64 at = ((i64)(head - heads) * cap + pos0 + row) * dim;
+                KV* kc = (KV*)st[2] + (i64)layer * kv_heads * cap * dim;
+                const i64 at = ((i64)(head - heads) * cap + pos) * dim;
                 kv_store(kc, at + i, ra);
                 kv_store(kc, at + i + half, rb);
             }
@@ -270,15 +294,20 @@ __global__ void rope_store(
             const i64 c = k - pairs;
             const i64 row = c / (kv_heads * dim);
             const int kh = (int)(c / dim % kv_heads), d = (int)(c % dim);
+            const i64* st = step + row * MN_STEP;
+            const i64 cap = st[1];
+            KV* vc = (KV*)st[3] + (i64)layer * kv_heads * cap * dim;
             const float v = qkv[row * width + (i64)(heads + kv_heads) * dim + (i64)kh * dim + d];
-            kv_store(vc, ((i64)kh * cap + pos0 + row) * dim + d, v);
+            kv_store(vc, ((i64)kh * cap + st[0]) * dim + d, v);
         }
     }
 }
 
-// Causal grouped-query attention of the last `rows` of n new positions, reading the cache
+// Causal grouped-query attention of `rows` of the n new rows, each reading its own cache
 // in place (after rope_store wrote this step's K/V). Grid: (H, rows); block: MN_BLOCK.
-// Query row i is at position p = step[0] + n - rows + i and sees keys 0 .. p. One pass
+// Output row i is new row q = i when rows == n, else q = step[i, 4] (the last layer keeps
+// each sequence's last out_rows rows); q is at position p = step[q, 0] and sees keys
+// 0 .. p of its cache (the rows before it in its sequence were stored there). One pass
 // over the keys in chunks of blockDim with a running max and sum (online softmax), so no
 // scratch memory is needed for any context length. out: [rows, H D].
 template <typename KV>
@@ -289,12 +318,13 @@ __global__ void attention(
     __shared__ float p[MN_BLOCK];
     __shared__ float red[MN_BLOCK];
     const int h = blockIdx.x, i = blockIdx.y, tid = threadIdx.x;
-    const i64 cap = step[1];
-    const int qrow = n - rows + i;
-    const i64 len = step[0] + qrow + 1;
+    const int qrow = rows == n ? i : (int)step[(i64)i * MN_STEP + 4];
+    const i64* st = step + (i64)qrow * MN_STEP;
+    const i64 cap = st[1];
+    const i64 len = st[0] + 1;
     const i64 kv_off = ((i64)layer * kv_heads + h / (heads / kv_heads)) * cap * dim;
-    const KV* kc = (const KV*)step[2] + kv_off;
-    const KV* vc = (const KV*)step[3] + kv_off;
+    const KV* kc = (const KV*)st[2] + kv_off;
+    const KV* vc = (const KV*)st[3] + kv_off;
     const int width = (heads + 2 * kv_heads) * dim;
     for (int d = tid; d < dim; d += blockDim.x) q[d] = qkv[(i64)qrow * width + (i64)h * dim + d];
     __syncthreads();
@@ -331,9 +361,12 @@ __global__ void attention(
     }
 }
 
-// y[r, o] = sum_k x[r, k] W[o, k] for rows <= MN_MAX_ROWS (decode and verify): W [out, in]
-// in format F, one block per output feature o; each unit of W is decoded once and used
-// for every row. Grid: out; block: GEMV_BLOCK.
+// y[r, o] = sum_k x[r, k] W[o, k] for decode, verify and batches of them: W [out, in] in
+// format F, one block per output feature o. Rows go in passes of MN_MAX_ROWS (the
+// registers of acc); in a pass each unit of W is decoded once and used for every row, and
+// a later pass reads the row of W again from cache (this block has just read it). A row's
+// sum is the same whatever the other rows are: batched rows equal rows run alone.
+// Grid: out; block: GEMV_BLOCK.
 template <typename F>
 __global__ void gemv(
     const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,
@@ -341,26 +374,30 @@ __global__ void gemv(
     __shared__ float red[MN_BLOCK];
     const i64 o = blockIdx.x;
     const u8* row = w + o * F::row_bytes(in);
-    float acc[MN_MAX_ROWS];
-    for (int r = 0; r < MN_MAX_ROWS; ++r) acc[r] = 0.0f;
-    for (int u = threadIdx.x; u < in / MN_UNIT; u += blockDim.x) {
-        float wu[MN_UNIT];
-        F::unit(row, u, wu);
+    for (int r0 = 0; r0 < rows; r0 += MN_MAX_ROWS) {
+        const int group = rows - r0 < MN_MAX_ROWS ? rows - r0 : MN_MAX_ROWS;
+        const float* xg = x + (i64)r0 * in;
+        float acc[MN_MAX_ROWS];
+        for (int r = 0; r < MN_MAX_ROWS; ++r) acc[r] = 0.0f;
+        for (int u = threadIdx.x; u < in / MN_UNIT; u += blockDim.x) {
+            float wu[MN_UNIT];
+            F::unit(row, u, wu);
 #pragma unroll
-        for (int r = 0; r < MN_MAX_ROWS; ++r) {
-            if (r < rows) {
-                const float* xr = x + (i64)r * in + (i64)u * MN_UNIT;
-                float s = 0.0f;
-                for (int j = 0; j < MN_UNIT; ++j) s += wu[j] * xr[j];
-                acc[r] += s;
+            for (int r = 0; r < MN_MAX_ROWS; ++r) {
+                if (r < group) {
+                    const float* xr = xg + (i64)r * in + (i64)u * MN_UNIT;
+                    float s = 0.0f;
+                    for (int j = 0; j < MN_UNIT; ++j) s += wu[j] * xr[j];
+                    acc[r] += s;
+                }
             }
         }
-    }
 #pragma unroll
-    for (int r = 0; r < MN_MAX_ROWS; ++r) {
-        if (r < rows) {  // the same for every thread of the block: the barriers are safe
-            const float total = block_sum(acc[r], red);
-            if (threadIdx.x == 0) y[(i64)r * out + o] = total;
+        for (int r = 0; r < MN_MAX_ROWS; ++r) {
+            if (r < group) {  // the same for every thread of the block: the barriers are safe
+                const float total = block_sum(acc[r], red);
+                if (threadIdx.x == 0) y[(i64)(r0 + r) * out + o] = total;
+            }
         }
     }
 }
@@ -396,7 +433,7 @@ __global__ void dequantize(const u8* __restrict__ w, O* __restrict__ dst, int in
 """
 
 
-PLAIN_KERNELS = ("rms_norm", "add_rms_norm", "softmax", "silu_mul")
+PLAIN_KERNELS = ("rms_norm", "add_rms_norm", "softmax", "silu_mul", "gather_rows")
 
 
 def template_names() -> list[str]:
