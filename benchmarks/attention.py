@@ -54,13 +54,22 @@ def variants(stage: Stage) -> dict[str, Callable[[], None]]:
     reference = Attention(np, stage.config, stage.start, stage.end)
     eps = stage.config.rms_norm_eps
 
+    def norm(x: Any, w: Any) -> Any:
+        return ops.rms_norm(np, x, w, eps)
+
+    def add_norm(x: Any, h: Any, h_norm: Any, then: Any) -> tuple[Any, Any]:
+        x = x + (h if h_norm is None else norm(h, h_norm))
+        return x, None if then is None else norm(x, then)
+
     def after() -> None:
         stage._attention_of = compiled
         stage.__dict__.pop("_rms_norm", None)
+        stage.__dict__.pop("_add_norm", None)
 
     def before() -> None:
         stage._attention_of = reference
-        stage.__dict__["_rms_norm"] = lambda x, w: ops.rms_norm(np, x, w, eps)
+        stage.__dict__["_rms_norm"] = norm
+        stage.__dict__["_add_norm"] = add_norm
 
     return {"after": after, "before": before}
 

@@ -144,6 +144,17 @@ class Backend(ABC):
         """RMSNorm of the rows of ``x`` ``[r, E]`` (:func:`meshnode.engine.ops.rms_norm`)."""
         return ops.rms_norm(self.xp, x, weight, eps)
 
+    def add_rms_norm(
+        self, x: Any, h: Any, h_weight: Any | None, weight: Any | None, eps: float
+    ) -> tuple[Any, Any | None]:
+        """A block's residual add and the next norm: ``x + h`` (``h`` through RMSNorm with
+        ``h_weight`` first, if given) and that sum through RMSNorm with ``weight`` (None
+        when ``weight`` is None), as :meth:`rms_norm` and NumPy's ``+`` compute them."""
+        if h_weight is not None:
+            h = self.rms_norm(h, h_weight, eps)
+        x = x + h
+        return x, None if weight is None else self.rms_norm(x, weight, eps)
+
     def glu(self, gate_up: Any, activation: str) -> Any:
         """The gated MLP's activation of the fused ``[r, 2 I]`` product -> ``[r, I]``:
         :func:`meshnode.engine.ops.gelu_tanh_mul` for ``gelu_tanh`` (GeGLU), else
@@ -223,11 +234,32 @@ class CpuBackend(Backend):
         """As :meth:`Backend.rms_norm`; over GGUF blocks in one compiled call
         (:mod:`meshnode.engine.cpu.norms`: a row's result does not depend on the other rows,
         so a sequence's rows are the same alone and batched)."""
-        if not self.cpu_blocks or x.ndim != 2 or x.shape[1] % 16 or x.dtype != np.float32:
+        if not self._compiled_norm(x):
             return ops.rms_norm(np, x, weight, eps)
         out = np.empty_like(x)
         _norms().rms_norm(np.ascontiguousarray(x), weight, np.float32(eps), out)
         return out
+
+    def add_rms_norm(
+        self, x: Any, h: Any, h_weight: Any | None, weight: Any | None, eps: float
+    ) -> tuple[Any, Any | None]:
+        """As :meth:`Backend.add_rms_norm`; over GGUF blocks in one compiled call
+        (:func:`meshnode.engine.cpu.norms.add_rms_norm`: :meth:`rms_norm`'s row function
+        and the same float32 additions, so the same bits as the separate calls)."""
+        if not self._compiled_norm(x) or h.shape != x.shape or h.dtype != np.float32:
+            return super().add_rms_norm(x, h, h_weight, weight, eps)
+        total = np.empty_like(x)
+        out = np.empty_like(x) if weight is not None else _NOTHING
+        ws = tuple(_NO_WEIGHT if w is None else w for w in (h_weight, weight))
+        args = (np.ascontiguousarray(x), np.ascontiguousarray(h), *ws, np.float32(eps))
+        _norms().add_rms_norm(*args, total, out)
+        return total, None if weight is None else out
+
+    def _compiled_norm(self, x: Any) -> bool:
+        """Whether RMSNorm of ``x`` goes through :mod:`meshnode.engine.cpu.norms`."""
+        return bool(
+            self.cpu_blocks and x.ndim == 2 and x.shape[1] % 16 == 0 and x.dtype == np.float32
+        )
 
     def glu(self, gate_up: Any, activation: str) -> Any:
         """As :meth:`Backend.glu`; over GGUF blocks in one compiled call
@@ -332,6 +364,11 @@ def _norms() -> ModuleType:
     from meshnode.engine.cpu import norms
 
     return norms
+
+
+# The empty weight (no norm) and output (the sum only) of cpu.norms.add_rms_norm.
+_NO_WEIGHT = np.zeros(0, np.float32)
+_NOTHING = np.zeros((0, 0), np.float32)
 
 
 @functools.cache

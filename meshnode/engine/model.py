@@ -182,15 +182,21 @@ class Stage:
             return self._cuda.forward_batch(items)
         segs = [self._segment(item) for item in items]
         x = _concat(self.xp, [self._inputs(item) for item in items])  # [N, E]
-        last = len(self.weights.layers) - 1
+        layers = self.weights.layers
+        last = len(layers) - 1
         plan = self._attention_of.prepare(segs) if last >= 0 else None
-        for i, layer in enumerate(self.weights.layers):
-            x = self._block(layer, x, segs, plan, i, i == last)
-        if len(self.weights.layers) == 0:
+        # each block's output comes with its norm for the next one (residual add and norm
+        # in one call): the next layer's attention norm, after the last the head's
+        normed = self._rms_norm(x, layers[0].attn_norm) if layers else None
+        head_norm = self.weights.norm if self.head else None
+        for i, layer in enumerate(layers):
+            then = layers[i + 1].attn_norm if i < last else head_norm
+            x, normed = self._block(layer, x, normed, segs, plan, i, then)
+        if not layers:
             x = x[_kept_rows(self.xp, segs)]
         for item, seg in zip(items, segs, strict=True):
             item.cache.length = seg.start_pos + seg.n
-        out = self._head(x) if self.head else x
+        out = self._head(x, normed) if self.head else x
         return _split(out, [seg.rows for seg in segs])
 
     def _segment(self, item: BatchRow) -> Segment:
@@ -208,15 +214,32 @@ class Stage:
     # -- pieces ------------------------------------------------------------------------
 
     def _block(
-        self, w: LayerWeights, x: Any, segs: list[Segment], plan: Any, layer: int, last: bool
-    ) -> Any:
-        """One decoder block over the rows of every segment; in the last layer only each
-        segment's last ``rows`` rows go past attention."""
-        h = self._attention(w, self._rms_norm(x, w.attn_norm), segs, plan, layer, last)
+        self,
+        w: LayerWeights,
+        x: Any,
+        normed: Any,
+        segs: list[Segment],
+        plan: Any,
+        layer: int,
+        then: Any | None,
+    ) -> tuple[Any, Any]:
+        """One decoder block over the rows of every segment (``normed``: ``x`` through
+        its ``attn_norm``); in the stage's last layer only each segment's last ``rows``
+        rows go past attention. Returns the block's output and it through the norm
+        ``then`` (None when there is none)."""
+        last = layer == len(self.weights.layers) - 1
+        h = self._attention(w, normed, segs, plan, layer, last)
         if last:
             x = x[_kept_rows(self.xp, segs)]
-        x = x + self._maybe_norm(h, w.post_attn_norm)  # [R, E]
-        return x + self._maybe_norm(self._mlp(w, self._rms_norm(x, w.ffn_norm)), w.post_ffn_norm)
+        x, normed = self._add_norm(x, h, w.post_attn_norm, w.ffn_norm)  # [R, E]
+        return self._add_norm(x, self._mlp(w, normed), w.post_ffn_norm, then)
+
+    def _add_norm(
+        self, x: Any, h: Any, h_norm: Any | None, then: Any | None
+    ) -> tuple[Any, Any | None]:
+        """The residual add ``x + h`` (``h`` through ``h_norm`` first, if any) and the sum
+        through the norm ``then`` (None: not normed)."""
+        return self.backend.add_rms_norm(x, h, h_norm, then, self.config.rms_norm_eps)
 
     def _attention(
         self, w: LayerWeights, x: Any, segs: list[Segment], plan: Any, layer: int, last: bool
@@ -240,9 +263,6 @@ class Stage:
     def _rms_norm(self, x: Any, weight: Any) -> Any:
         return self.backend.rms_norm(x, weight, self.config.rms_norm_eps)
 
-    def _maybe_norm(self, x: Any, weight: Any | None) -> Any:
-        return x if weight is None else self._rms_norm(x, weight)
-
     def _embed(self, ids: Any) -> Any:
         x = self._lookup(ids)  # [S, E]
         return x * self._embed_scale if self.config.arch.scaled_embeddings else x
@@ -252,10 +272,11 @@ class Stage:
         idx = self.xp.asarray(ids, dtype=self.xp.int64)
         return self.backend.embed_rows(self.weights.embed_t, idx)  # [S, E]
 
-    def _head(self, x: Any) -> Any:
+    def _head(self, x: Any, normed: Any | None = None) -> Any:
+        """Logits ``[r, V]`` of the rows ``x`` (``normed``: through the final norm already)."""
         w = self.weights
         assert w.norm is not None
-        h = self._rms_norm(x, w.norm)
+        h = self._rms_norm(x, w.norm) if normed is None else normed
         table = w.head_t if w.head_t is not None else w.embed_t
         return self._linear(h, table)  # [r, V]
 

@@ -46,3 +46,27 @@ def test_float32_weights_keep_the_reference() -> None:
     weight = rng.standard_normal(576).astype(np.float32)
     got = cpu_backend("float32").rms_norm(x, weight, 1e-5)
     np.testing.assert_array_equal(got, ops.rms_norm(np, x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("branch_norm", [False, True])
+@pytest.mark.parametrize("then", [False, True])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_residual_add_and_norm_in_one_call_equal_the_separate_calls_bit_for_bit(
+    branch_norm: bool, then: bool, rows: int
+) -> None:
+    """A block's ``x + h`` (``h`` normed first, as Gemma's post-attention and post-MLP
+    norms do) and the next norm in one compiled call: the bits of the separate calls."""
+    rng = np.random.default_rng(rows)
+    x, h = (rng.standard_normal((2, rows, 640)) * 3).astype(np.float32)
+    w1, w2 = (1 + 0.3 * rng.standard_normal((2, 640))).astype(np.float32)
+    h_weight, weight = (w1 if branch_norm else None), (w2 if then else None)
+    backend = cpu_backend("native")
+    total, normed = backend.add_rms_norm(x, h, h_weight, weight, 1e-6)
+    want = x + (backend.rms_norm(h, w1, 1e-6) if branch_norm else h)
+    np.testing.assert_array_equal(total, want)
+    if then:
+        np.testing.assert_array_equal(normed, backend.rms_norm(want, w2, 1e-6))
+    else:
+        assert normed is None
+    reference = cpu_backend("float32").add_rms_norm(x, h, h_weight, weight, 1e-6)
+    np.testing.assert_allclose(total, reference[0], rtol=RTOL, atol=ATOL)
