@@ -56,6 +56,7 @@ LONG_PROMPT = (
     "trade and politics across Europe over the following three centuries. "
 ) * 12
 PREFILL_TOKENS = 400
+PREFILL_REPEATS = 3  # prefills per round with --prefill-only
 KS = [1, 2, 4, 8, 16]
 VARIANTS = ["blocks", "q8", "float32", "llama.cpp"]
 DTYPES = {"blocks": "native", "q8": "q8", "float32": "float32"}  # meshnode's --dtype
@@ -176,6 +177,11 @@ def worker(args: argparse.Namespace) -> None:
     prompts = [runner.tokenize(p) for p in PROMPTS]
     long_ids = runner.tokenize(LONG_PROMPT)[:PREFILL_TOKENS]
     runner.generate(prompts[0], 8)  # warm-up: kernels compiled or loaded, pages touched
+    if args.prefill_only:
+        runner.generate(long_ids, 1)  # the prefill's own shapes warmed up too
+        print(json.dumps({"rss_mib": rss_mib(), "golden": None}), flush=True)
+        prefill_rounds(runner, long_ids)
+        return
     loaded = {"rss_mib": rss_mib(), "golden": golden_matches(runner, Path(args.golden))}
     print(json.dumps(loaded), flush=True)
     for line in sys.stdin:
@@ -196,6 +202,17 @@ def worker(args: argparse.Namespace) -> None:
             "tokens": tokens,
         }
         print(json.dumps(result), flush=True)
+
+
+def prefill_rounds(runner: Any, long_ids: list[int]) -> None:
+    """``--prefill-only``: per ``round`` line, the fastest of :data:`PREFILL_REPEATS`
+    prefills of ``long_ids`` (the least disturbed by the machine's other processes)."""
+    for line in sys.stdin:
+        if line.strip() != "round":
+            break
+        best = min(runner.generate(long_ids, 1)[0] for _ in range(PREFILL_REPEATS))
+        result = {"decode_tps": float("nan"), "prefill_tps": len(long_ids) / best}
+        print(json.dumps(result | {"k_costs": {}, "tokens": []}), flush=True)
 
 
 # -- the driver --------------------------------------------------------------------------
@@ -236,6 +253,7 @@ class Worker:
         cmd += ["--golden", str(model[1])]
         cmd += ["--threads", str(threads), "--tokens", str(args.tokens)]
         cmd += ["--every-core-free"] if args.every_core_free else []
+        cmd += ["--prefill-only"] if args.prefill_only else []
         self.variant, self.threads = variant, threads
         self.label = f"{variant}, {threads} thread{'s' if threads > 1 else ''}"
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -311,9 +329,10 @@ def report(name: str, workers: list[Worker], skipped: dict[str, str]) -> None:
             ratio(dec, llama, "decode_tps"),
             ratio(dec, by.get((w.variant, fewest)), "decode_tps"),
         ]
-        same = "-" if f32 is None else str(w.rounds[0]["tokens"] == f32.rounds[0]["tokens"])
+        tokens = w.rounds[0]["tokens"]
+        same = "-" if f32 is None or not tokens else str(tokens == f32.rounds[0]["tokens"])
         speed = [f"{dec:.1f}", f"{pre:.0f}", f"{w.loaded['rss_mib']:.0f}"]
-        matched, total = w.loaded["golden"]
+        matched, total = w.loaded["golden"] or ("-", "-")
         print(fmt_row([w.label, *speed, *rel, same, f"{matched}/{total}"]))
     for variant, why in skipped.items():
         print(fmt_row([variant, "skipped: " + why] + [""] * (len(head) - 2)))
@@ -445,6 +464,12 @@ def main() -> None:
         action="store_true",
         help="meshnode's kernel threads ignore what other processes use (for a run given "
         "the machine, e.g. at a raised priority on a shared one)",
+    )
+    parser.add_argument(
+        "--prefill-only",
+        action="store_true",
+        help=f"measure prefill alone: per round the fastest of {PREFILL_REPEATS} prefills "
+        "(no decode, golden references or k-row costs)",
     )
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)

@@ -8,7 +8,8 @@ attention over it. :class:`Attention` does it with the functions of
 :mod:`meshnode.engine.ops`, a segment at a time; :class:`KernelAttention` (the CPU backend
 over GGUF blocks) does every short segment (decode, verify windows, short prompts: see
 :data:`KERNEL_MAX_WORK`) in one compiled call per layer (:mod:`meshnode.engine.cpu.attention`)
-and leaves longer ones (prefill) to the reference, where BLAS does the work.
+and longer ones (prefill) a block of query rows at a time through BLAS
+(:func:`blocked_attention`).
 
 RoPE's cos/sin come from a table per kind of layer (:class:`RopeTable`), computed once
 for positions ``0 .. P`` with :func:`ops.rope_cos_sin` and grown as sequences get longer,
@@ -32,12 +33,14 @@ from meshnode.engine import ops
 from meshnode.engine.config import ModelConfig
 
 __all__ = [
+    "BLOCK_ROWS",
     "KERNEL_MAX_ROWS",
     "KERNEL_MAX_WORK",
     "Attention",
     "KernelAttention",
     "RopeTable",
     "Segment",
+    "blocked_attention",
 ]
 
 # Which segments the compiled kernel takes: one row always (decode); up to
@@ -49,6 +52,11 @@ __all__ = [
 # 16 at 16: 75 / 95; 16 at 100: 260 / 166.
 KERNEL_MAX_ROWS = 16
 KERNEL_MAX_WORK = 1024
+# Query rows per block of a long segment's attention (blocked_attention): a block's scores
+# stay in the L2 cache, and the blocks skip most of the masked half of a causal square.
+# SmolLM2 (9 heads of 64), 400 rows, one thread: 32 rows 0.45x the reference's time,
+# 64 rows 0.23x, 128 rows 0.47x; Gemma 3 (4 heads of 256): 0.70x, 0.64x, 0.68x (load 5-7).
+BLOCK_ROWS = 64
 # Positions a RoPE table holds at first; it doubles as needed.
 ROPE_TABLE_MIN = 256
 
@@ -146,8 +154,11 @@ class Attention:
         q = ops.rotate_half(xp, q, cos[n - rows :], sin[n - rows :])
         k = ops.rotate_half(xp, k, cos, sin)
         keys, values = seg.cache.write(layer, seg.start_pos, k, v.transpose(1, 0, 2))  # [Hkv, T, D]
-        out = ops.attention(xp, q, keys, values, self.scale, self.windows[layer])  # [H, r, D]
+        out = self._heads(q, keys, values, self.windows[layer])  # [H, r, D]
         return out.transpose(1, 0, 2).reshape(rows, c.q_size)  # [r, H D]
+
+    def _heads(self, q: Any, keys: Any, values: Any, window: int | None) -> Any:
+        return ops.attention(self.xp, q, keys, values, self.scale, window)
 
     def _maybe_norm(self, x: Any, weight: Any | None) -> Any:
         return x if weight is None else ops.rms_norm(self.xp, x, weight, self.config.rms_norm_eps)
@@ -211,6 +222,45 @@ class KernelAttention(Attention):
                 out[row : row + rows] = self.attend(part, seg, layer, norms, rows)
             offset, row = offset + seg.n, row + rows
         return out
+
+    def _heads(self, q: Any, keys: Any, values: Any, window: int | None) -> Any:
+        """A long segment's heads: :func:`blocked_attention`."""
+        return blocked_attention(q, keys, values, self._scale, window)
+
+
+def blocked_attention(
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: Any, window: int | None
+) -> np.ndarray:
+    """:func:`ops.attention` (NumPy, float32) by blocks of :data:`BLOCK_ROWS` query rows,
+    each over the keys some row of the block sees: the scores past the causal diagonal
+    (and before a sliding window) are neither computed nor exponentiated, and a block's
+    scores stay in the cache. The same terms as the reference, summed in another order
+    (its sums run over the masked zeros too). ``q`` ``[H, r, D]``, ``keys``/``values``
+    ``[Hkv, T, D]``; returns ``[H, r, D]``."""
+    heads, rows, dim = q.shape
+    kv_heads, t = keys.shape[0], keys.shape[1]
+    group = heads // kv_heads
+    q4 = q.reshape(kv_heads, group, rows, dim)
+    out = np.empty((kv_heads, group, rows, dim), np.float32)  # [Hkv, G, r, D]
+    first = t - rows  # query row 0's position
+    for a in range(0, rows, BLOCK_ROWS):
+        b = min(rows, a + BLOCK_ROWS)
+        lo = 0 if window is None else max(0, first + a - window + 1)
+        hi = first + b  # keys lo .. hi - 1: what some row of the block sees
+        qb = q4[:, :, a:b].reshape(kv_heads, group * (b - a), dim)  # [Hkv, G b, D]
+        s = qb @ keys[:, lo:hi].transpose(0, 2, 1)  # [Hkv, G b, K]
+        s *= scale
+        q_pos = np.arange(first + a, first + b)[:, None]
+        k_pos = np.arange(lo, hi)[None, :]
+        hidden = k_pos > q_pos
+        if window is not None:
+            hidden |= k_pos <= q_pos - window
+        np.copyto(s.reshape(kv_heads, group, b - a, hi - lo), -np.inf, where=hidden)
+        np.subtract(s, s.max(axis=-1, keepdims=True), out=s)
+        np.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)  # softmax
+        out[:, :, a:b] = (s @ values[:, lo:hi]).reshape(kv_heads, group, b - a, dim)
+    return out.reshape(heads, rows, dim)
 
 
 def _for_kernel(rows: int, end: int) -> bool:

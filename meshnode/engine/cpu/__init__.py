@@ -5,9 +5,10 @@ vector types for numba, as LLVM vector IR) and ``atomics`` (atomic words, raw po
 indirect calls) beside it; ``blocks`` (block decoders on those vectors, bit-exact) on
 them; ``pool`` (kernel threads that claim chunks of a product) on ``atomics``;
 ``kernels`` (k-row products, gathers, whole-matrix decode) on ``blocks`` and ``pool``'s
-word layout; ``matrix`` (:class:`BlockMatrix`, what a stage holds) on top, which imports
-numba only at the first product so that importing the engine stays cheap. Beside
-``matrix``: ``q8`` (the opt-in 8-bit-activation products, ``--dtype q8``) over
+word layout; ``tiles`` (prefill's products: tiles of decoded rows through BLAS, shared by
+threads) on ``kernels``; ``matrix`` (:class:`BlockMatrix`, what a stage holds) on top,
+which imports numba only at the first product so that importing the engine stays cheap.
+Beside ``matrix``: ``q8`` (the opt-in 8-bit-activation products, ``--dtype q8``) over
 ``q8_kernels`` (quantizing activations, the row tiles), ``q8_blocks`` (a weight chunk
 unpacked to bytes), ``simd_int`` (byte vectors and the integer dot product) and
 ``simd_q8`` (vectors whose lanes are rows, the 512-bit dot product). ``attention``

@@ -5,16 +5,15 @@ matrices the CPU stage used before) computes the product without ever holding th
 matrix: up to :data:`MAX_KERNEL_ROWS` activation rows go through one kernel pass over the
 blocks (decode, verify windows), shared chunk by chunk with the kernel threads of
 :mod:`.pool`, one thread per :data:`PARALLEL_MIN_BYTES` of it; more rows (prefill)
-decode the matrix a tile of
-:data:`DENSE_TILE_BYTES` at a time into a per-thread float32 scratch buffer and hand
-each tile to BLAS, where the decode is a small part of the work.
+decode the matrix a tile of at most :data:`DENSE_TILE_BYTES` at a time into a per-thread
+float32 scratch buffer and hand each tile to BLAS, where the decode is a small part of
+the work; with several threads each decodes and multiplies tiles of its own (:mod:`.tiles`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -46,7 +45,6 @@ DENSE_TILE_BYTES = 4 << 20
 PARALLEL_MIN_BYTES = 64 << 10
 
 _threads: int | None = None  # the --threads cap
-_scratch = threading.local()  # a float32 tile for the BLAS path, one per computing thread
 
 
 def set_kernel_threads(threads: int | None) -> None:
@@ -112,6 +110,22 @@ def _pool() -> Any:
     from meshnode.engine.cpu.pool import KernelPool
 
     return KernelPool()
+
+
+@cache
+def _tiles() -> ModuleType:
+    """The tiled products' module (:mod:`.tiles`), imported on first use."""
+    kernels()  # numba configured before it is imported
+    from meshnode.engine.cpu import tiles
+
+    return tiles
+
+
+@cache
+def _tile_threads() -> Any:
+    """The process's tile threads (:class:`.tiles.TileThreads`), started at the first
+    shared prefill product."""
+    return _tiles().TileThreads()
 
 
 def supported(t: RawTensor) -> bool:
@@ -193,22 +207,22 @@ class BlockMatrix:
         return out
 
     def _tiled_product(self, x: np.ndarray, out: np.ndarray) -> None:
-        """``out = x @ self`` a tile of decoded rows at a time, each through BLAS."""
-        tile_rows = max(1, DENSE_TILE_BYTES // (4 * self.n_in))
-        size = tile_rows * self.n_in
-        buf = getattr(_scratch, "buf", None)
-        if buf is None or buf.size < size:
-            buf = _scratch.buf = np.empty(size, np.float32)
-        start = 0
-        for p in self.parts:
-            decode = kernels().decode_kernel(p.fmt.kernel_id)
-            rows = p.raw.shape[0]
-            for lo in range(0, rows, tile_rows):
-                hi = min(rows, lo + tile_rows)
-                tile = buf[: (hi - lo) * self.n_in].reshape(hi - lo, self.n_in)  # [t, in]
-                decode(p.raw, np.arange(lo, hi, dtype=np.int64), tile)
-                np.matmul(x, tile.T, out=out[:, start + lo : start + hi])  # [r, t]
-            start += rows
+        """``out = x @ self`` a tile of decoded rows at a time, each through BLAS: on the
+        tile threads (:mod:`.tiles`) when more than one may run, else in this thread."""
+        t = _tiles()
+        x = np.ascontiguousarray(x)
+        parts = [(p.fmt.kernel_id, p.raw) for p in self.parts]
+        threads = min(_threads_here(), int(_pool().gauge.free() + 0.5))
+        if threads > 1:
+            bounds = t.tiles(self.n_out, self.n_in, threads, DENSE_TILE_BYTES)
+
+            def tile(i: int) -> None:
+                t.product_tile(parts, x, out, *bounds[i])
+
+            if _tile_threads().run(tile, len(bounds), threads):
+                return
+        for lo, hi in t.tiles(self.n_out, self.n_in, 1, DENSE_TILE_BYTES):
+            t.product_tile(parts, x, out, lo, hi)
 
     def dense(self) -> np.ndarray:
         """The whole matrix decoded as float32 ``[out, in]`` (a new array)."""

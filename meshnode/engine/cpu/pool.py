@@ -278,6 +278,12 @@ class KernelPool:
         self._last: tuple[Any, ...] = ()  # the last job's arrays, while a helper may use them
         self.posted = 0  # products shared so far
 
+    @property
+    def gauge(self) -> CoreGauge:
+        """The gauge of the cores other processes leave this one (which other thread
+        teams of the process, :mod:`.tiles`, read too)."""
+        return self._gauge
+
     def run(
         self,
         fn: int,

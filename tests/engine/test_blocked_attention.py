@@ -1,0 +1,48 @@
+"""A long segment's attention over GGUF blocks (``blocked_attention``): the reference's
+result (``ops.attention``) up to summation order, for every block, window and cache
+shape, and the same for a sequence alone or in a batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meshnode.engine import ops
+from meshnode.engine.attention import BLOCK_ROWS, blocked_attention
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 1, 256), (2, 2, 16)], ids=["gqa", "mqa", "mha"]
+)
+@pytest.mark.parametrize("rows", [1, BLOCK_ROWS - 1, BLOCK_ROWS, 3 * BLOCK_ROWS + 5])
+@pytest.mark.parametrize("cached", [0, 37])
+@pytest.mark.parametrize("window", [None, 1, 50, 4096])
+def test_blocks_equal_the_reference(
+    heads: int, kv_heads: int, dim: int, rows: int, cached: int, window: int | None
+) -> None:
+    rng = np.random.default_rng(rows * 7 + cached + (window or 0))
+    t = cached + rows
+    q = rng.standard_normal((heads, rows, dim)).astype(np.float32) * 2
+    keys = rng.standard_normal((kv_heads, t, dim)).astype(np.float32) * 2
+    values = rng.standard_normal((kv_heads, t, dim)).astype(np.float32)
+    scale = np.float32(dim**-0.5)
+    want = ops.attention(np, q, keys, values, float(scale), window)
+    got = blocked_attention(q, keys, values, scale, window)
+    assert got.shape == want.shape
+    assert got.dtype == np.float32
+    # a weighted mean of values of magnitude <= 5: float32 rounding of a few ulp of that
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_sees_only_its_window_and_past() -> None:
+    """Values that no row may see (the future, or before its window) change nothing."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 2 * BLOCK_ROWS, 16)).astype(np.float32)
+    keys = rng.standard_normal((1, 2 * BLOCK_ROWS, 16)).astype(np.float32)
+    values = rng.standard_normal((1, 2 * BLOCK_ROWS, 16)).astype(np.float32)
+    base = blocked_attention(q, keys, values, np.float32(0.25), 8)
+    row = BLOCK_ROWS + 3  # sees keys row - 7 .. row
+    poisoned = values.copy()
+    poisoned[:, row + 1] = poisoned[:, row - 8] = 1e30
+    got = blocked_attention(q, keys, poisoned, np.float32(0.25), 8)
+    np.testing.assert_array_equal(got[:, row], base[:, row])

@@ -1,0 +1,104 @@
+"""Prefill's tiled products (``meshnode.engine.cpu.tiles``): shared between threads they
+are bit-identical to the serial tiles, equal "dequantize, then multiply" up to summation
+order, and fall back to the serial tiles where threads cannot share them."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import numpy as np
+import pytest
+from meshnode_packaging.sources import dequantize
+
+from meshnode.engine.cpu import MAX_KERNEL_ROWS, BlockMatrix, matrix, tiles
+from meshnode.engine.cpu.pool import KernelPool
+from meshnode.engine.cpu.tiles import TILE_MIN_ROWS, TileThreads
+from tests.engine.test_cpu_kernels import N_IN, random_tensor
+from tests.engine.test_kernel_pool import idle_gauge
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(13)
+
+
+@pytest.fixture(scope="module")
+def team() -> TileThreads:
+    return TileThreads()
+
+
+def product(m: BlockMatrix, x: np.ndarray, threads: int, team: TileThreads) -> np.ndarray:
+    """``x @ m`` with ``threads`` kernel threads on an idle machine of four cores."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(matrix, "_threads", threads)
+        mp.setattr(matrix, "_pool", lambda: KernelPool(idle_gauge(4)))
+        mp.setattr(matrix, "_tile_threads", lambda: team)
+        out: np.ndarray = x @ m
+    return out
+
+
+@pytest.mark.parametrize("kinds", [("Q4_1", "Q8_0", "Q4_1"), ("Q4_K", "Q6_K", "Q5_0")])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_shared_tiles_are_bit_identical_to_serial_and_to_dequantize(
+    kinds: tuple[str, str, str], threads: int, team: TileThreads, rng: np.random.Generator
+) -> None:
+    # 1,100 rows in parts of 600, 250, 250: tiles that cross the parts' ends
+    parts = [random_tensor(d, n, rng) for d, n in zip(kinds, (600, 250, 250), strict=True)]
+    m = BlockMatrix(parts)
+    x = rng.standard_normal((MAX_KERNEL_ROWS + 24, N_IN)).astype(np.float32)
+    before = team.posted
+    shared = product(m, x, threads, team)
+    assert team.posted == before + 1
+    serial = product(m, x, 1, team)
+    assert team.posted == before + 1
+    np.testing.assert_array_equal(shared, serial)
+    ref = np.concatenate([dequantize(p) for p in parts]).astype(np.float64)
+    want = x.astype(np.float64) @ ref.T
+    scale = np.abs(x).astype(np.float64) @ np.abs(ref).T
+    assert np.all(np.abs(shared - want) <= 1e-5 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("n_out", [1, 17, 300, 511, 1100, 3072, 50_000])
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_tiles_cover_the_rows_in_equal_cache_line_tiles(n_out: int, threads: int) -> None:
+    n_in, cap = 576, 4 << 20
+    got = tiles.tiles(n_out, n_in, threads, cap)
+    assert got[0][0] == 0
+    assert got[-1][1] == n_out
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(got))
+    sizes = [hi - lo for lo, hi in got]
+    assert all(s == sizes[0] and s % 16 == 0 for s in sizes[:-1])
+    assert 0 < sizes[-1] <= sizes[0]
+    assert all(4 * s * n_in <= cap for s in sizes)
+    if n_out >= threads * TILE_MIN_ROWS:  # every thread gets work, of sgemm's size
+        assert len(got) >= threads
+        assert min(sizes[:-1] or sizes) >= TILE_MIN_ROWS
+
+
+def test_an_error_in_any_thread_reaches_the_caller(team: TileThreads) -> None:
+    if tiles.local_blas_threads() is None:
+        pytest.skip("this BLAS has no per-thread thread count: tiles stay serial")
+    ran: list[str] = []
+
+    def item(i: int) -> None:
+        ran.append(threading.current_thread().name)
+        if i == 5:
+            raise ZeroDivisionError("item 5")
+
+    with pytest.raises(ZeroDivisionError, match="item 5"):
+        team.run(item, 8, 2)
+    assert len(ran) == 8  # the other items still ran: the output is whole or an error
+    assert team.run(lambda i: None, 4, 2)  # and the threads still serve
+
+
+def test_without_a_per_thread_blas_count_the_tiles_stay_serial(
+    team: TileThreads, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = BlockMatrix([random_tensor("Q8_0", 520, rng)])
+    x = rng.standard_normal((MAX_KERNEL_ROWS + 1, N_IN)).astype(np.float32)
+    want = product(m, x, 1, team)
+    monkeypatch.setattr(tiles, "local_blas_threads", lambda: None)
+    before = team.posted
+    np.testing.assert_array_equal(product(m, x, 2, team), want)
+    assert team.posted == before
