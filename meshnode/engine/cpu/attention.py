@@ -15,9 +15,13 @@ the batch, so a sequence's output is bit-identical alone or batched.
 The math is :func:`meshnode.engine.ops.attention`'s with its RoPE and norms, in another
 summation order: dot products over the head dimension in sixteen float32 lanes, then
 across lanes; softmax ``exp(s - max) / sum`` over the visible keys only (those no query
-may see are never read, rather than masked with ``-inf``); the weighted sum of values
-key by key. The rotation is the reference's expression (``x * cos - x' * sin``, not
-fused), with cos/sin from the caller's table.
+may see are never read, rather than masked with ``-inf``), sixteen lanes at a time with
+:func:`.vexp.wexp`; the weighted sum of values key by key. The query heads of one KV
+head are computed together (a block of sixteen keys is read once for all of them), and
+with more than one kernel thread each (sequence, KV head) is a task for the pool's
+threads (:func:`attend_shared`): the same code computes each head wherever it runs. The
+rotation is the reference's expression (``x * cos - x' * sin``, not fused), with cos/sin
+from the caller's table.
 
 Shapes: N rows of the batch, H query heads, Hkv key/value heads, G = H / Hkv, D head dim
 (a multiple of 16), L layers of the cache, Tmax its positions, P positions of the RoPE
@@ -121,56 +125,60 @@ def _dot(a, i, b, j, d):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def _scores(qbuf, q0, kc, base, t, d, scale, scores, s0):  # type: ignore[no-untyped-def]
-    # scores[s0 + j] = (q . key j) * scale for the t keys from ``base``; sixteen keys at a
-    # time summed across lanes together (wsums), each sum as wsum makes it
+def _scores(qbuf, group, kc, base, t, d, scale, scores, stride):  # type: ignore[no-untyped-def]
+    # scores[g stride + j] = (query g . key j) * scale for the group's queries (qbuf[g D ...])
+    # and the t keys from ``base``; sixteen keys at a time summed across lanes together
+    # (wsums), each sum as wsum makes it; each block of keys read once for the group
     full = t - t % LANES
     sc = wsplat(scale)
     for j in range(0, full, LANES):
         at = base + j * d
-        sums = wsums(
-            (
-                _dot(qbuf, q0, kc, at, d),
-                _dot(qbuf, q0, kc, at + d, d),
-                _dot(qbuf, q0, kc, at + 2 * d, d),
-                _dot(qbuf, q0, kc, at + 3 * d, d),
-                _dot(qbuf, q0, kc, at + 4 * d, d),
-                _dot(qbuf, q0, kc, at + 5 * d, d),
-                _dot(qbuf, q0, kc, at + 6 * d, d),
-                _dot(qbuf, q0, kc, at + 7 * d, d),
-                _dot(qbuf, q0, kc, at + 8 * d, d),
-                _dot(qbuf, q0, kc, at + 9 * d, d),
-                _dot(qbuf, q0, kc, at + 10 * d, d),
-                _dot(qbuf, q0, kc, at + 11 * d, d),
-                _dot(qbuf, q0, kc, at + 12 * d, d),
-                _dot(qbuf, q0, kc, at + 13 * d, d),
-                _dot(qbuf, q0, kc, at + 14 * d, d),
-                _dot(qbuf, q0, kc, at + 15 * d, d),
+        for g in range(group):
+            q0 = g * d
+            sums = wsums(
+                (
+                    _dot(qbuf, q0, kc, at, d),
+                    _dot(qbuf, q0, kc, at + d, d),
+                    _dot(qbuf, q0, kc, at + 2 * d, d),
+                    _dot(qbuf, q0, kc, at + 3 * d, d),
+                    _dot(qbuf, q0, kc, at + 4 * d, d),
+                    _dot(qbuf, q0, kc, at + 5 * d, d),
+                    _dot(qbuf, q0, kc, at + 6 * d, d),
+                    _dot(qbuf, q0, kc, at + 7 * d, d),
+                    _dot(qbuf, q0, kc, at + 8 * d, d),
+                    _dot(qbuf, q0, kc, at + 9 * d, d),
+                    _dot(qbuf, q0, kc, at + 10 * d, d),
+                    _dot(qbuf, q0, kc, at + 11 * d, d),
+                    _dot(qbuf, q0, kc, at + 12 * d, d),
+                    _dot(qbuf, q0, kc, at + 13 * d, d),
+                    _dot(qbuf, q0, kc, at + 14 * d, d),
+                    _dot(qbuf, q0, kc, at + 15 * d, d),
+                )
             )
-        )
-        wstore(scores, s0 + j, wmul(sums, sc))
+            wstore(scores, g * stride + j, wmul(sums, sc))
     for j in range(full, t):
-        scores[s0 + j] = wsum(_dot(qbuf, q0, kc, base + j * d, d)) * scale
+        for g in range(group):
+            scores[g * stride + j] = wsum(_dot(qbuf, g * d, kc, base + j * d, d)) * scale
 
 
 @njit(nogil=True, cache=True)
-def _softmax(s, t):  # type: ignore[no-untyped-def]
-    # s[0 : t] = exp(s - max) / sum, in place, sixteen lanes at a time: the lanes past t
-    # (up to a multiple of sixteen: ``s`` is that long) are -inf, whose exp is 0
+def _softmax(s, s0, t):  # type: ignore[no-untyped-def]
+    # s[s0 : s0 + t] = exp(s - max) / sum, in place, sixteen lanes at a time: the lanes
+    # past t (up to a multiple of sixteen: ``s`` is that long) are -inf, whose exp is 0
     full = t + (-t) % LANES
-    for j in range(t, full):
+    for j in range(s0 + t, s0 + full):
         s[j] = -np.inf
-    top = wload(s, 0)
-    for j in range(LANES, full, LANES):
+    top = wload(s, s0)
+    for j in range(s0 + LANES, s0 + full, LANES):
         top = wmax(top, wload(s, j))
     shift = wsplat(-wmax_lane(top))
     acc = wzero()
-    for j in range(0, full, LANES):
+    for j in range(s0, s0 + full, LANES):
         e = wexp(wadd(wload(s, j), shift))
         wstore(s, j, e)
         acc = wadd(acc, e)
     total = wsplat(wsum(acc))
-    for j in range(0, full, LANES):
+    for j in range(s0, s0 + full, LANES):
         wstore(s, j, wdiv(wload(s, j), total))
 
 
@@ -199,17 +207,6 @@ def _weighted_values(p, s0, vc, base, t, d, out, o):  # type: ignore[no-untyped-
             a0 = wfma(wsplat(p[s0 + j]), wload(vc, base + j * d + c), a0)
         wstore(out, o + c, a0)
         c += LANES
-
-
-@njit(nogil=True, cache=True)
-def _query_head(flat, q0, pos, kc, vc, base, t, q_norm, eps, cos, sin, scale, bufs, out, o):  # type: ignore[no-untyped-def]
-    # one query head at one position over the t keys and values from ``base``: out[o ...]
-    qbuf, tmp, scores = bufs
-    d = cos.shape[1]
-    _norm_rope(flat, q0, q_norm, eps, cos, sin, pos, tmp, qbuf, 0)
-    _scores(qbuf, 0, kc, base, t, d, scale, scores, 0)
-    _softmax(scores, t)
-    _weighted_values(scores, 0, vc, base, t, d, out, o)
 
 
 @njit(nogil=True, cache=True)
@@ -252,9 +249,11 @@ def _group(flat, w, table, s, g, layer, heads, how, bufs, oflat, o_row):  # type
     # segment s's query rows for the query heads of KV head g (its cache written) into
     # oflat's rows from o_row; ``how`` is (q_norm, eps, cos, sin, scale, window, last)
     q_norm, eps, cos, sin, scale, window, last = how
+    qbuf, tmp, scores = bufs  # [G D], [D], [G stride]
     d = cos.shape[1]
     kv_heads = (w // d - heads) // 2
     group = heads // kv_heads
+    stride = scores.shape[0] // group
     q_size = heads * d
     n, start, tmax, r0 = table[s, NEW], table[s, START], table[s, TMAX], table[s, ROW]
     kept = table[s, KEPT] if last else n
@@ -263,11 +262,14 @@ def _group(flat, w, table, s, g, layer, heads, how, bufs, oflat, o_row):  # type
         pos = start + i
         lo = 0 if window == 0 else max(0, pos - window + 1)
         o = (o_row + i - (n - kept)) * q_size
-        base = (g * tmax + lo) * d
-        for h in range(g * group, (g + 1) * group):
-            q0 = (r0 + i) * w + h * d
-            args = (q_norm, eps, cos, sin, scale, bufs, oflat, o + h * d)
-            _query_head(flat, q0, pos, kc, vc, base, pos + 1 - lo, *args)
+        base, t = (g * tmax + lo) * d, pos + 1 - lo
+        for k in range(group):  # the queries, QK-normed and rotated
+            q0 = (r0 + i) * w + (g * group + k) * d
+            _norm_rope(flat, q0, q_norm, eps, cos, sin, pos, tmp, qbuf, k * d)
+        _scores(qbuf, group, kc, base, t, d, scale, scores, stride)
+        for k in range(group):
+            _softmax(scores, k * stride, t)
+            _weighted_values(scores, k * stride, vc, base, t, d, oflat, o + (g * group + k) * d)
 
 
 @njit(nogil=True, cache=True)
@@ -289,7 +291,12 @@ def queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last
     w = qkv.shape[1]
     kv_heads = (w // d - heads) // 2
     flat, oflat = qkv.reshape(-1), out.reshape(-1)
-    bufs = (np.empty(d, np.float32), np.empty(d, np.float32), np.empty(_longest(table), np.float32))
+    group = heads // kv_heads
+    bufs = (
+        np.empty(group * d, np.float32),
+        np.empty(d, np.float32),
+        np.empty(group * _longest(table), np.float32),
+    )
     o_rows = _out_rows(table, last)
     how = (q_norm, eps, cos, sin, scale, window, last)
     for s in range(table.shape[0]):
@@ -335,7 +342,8 @@ def task_args(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, la
     for s in range(segs):
         kernel += table[s, KERNEL] != 0
     scores = _longest(table)
-    words = max(HEADER + segs + kernel, (2 * d + scores + 3) // 4)
+    group = heads // kv_heads
+    words = max(HEADER + segs + kernel, ((group + 1) * d + group * scores + 3) // 4)
     a = np.zeros(words, np.int64)
     f = a.view(np.float32)
     a[QKV], a[N], a[W], a[TABLE], a[SEGS] = (
@@ -378,10 +386,11 @@ def _chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
     oflat = carray(ptr_f32(head[OUT]), (head[OUT_ROWS] * heads * d,))
     rest = carray(ptr_i64(st[pool.X] + 8 * HEADER), (2 * segs,))
     scratch = st[pool.SCRATCH] + 4 * who * st[pool.STRIDE]
+    group = heads // kv_heads
     bufs = (
-        carray(ptr_f32(scratch), (d,)),
-        carray(ptr_f32(scratch + 4 * d), (d,)),
-        carray(ptr_f32(scratch + 8 * d), (head[SCORES],)),
+        carray(ptr_f32(scratch), (group * d,)),
+        carray(ptr_f32(scratch + 4 * group * d), (d,)),
+        carray(ptr_f32(scratch + 4 * (group + 1) * d), (group * head[SCORES],)),
     )
     rows = st[pool.ROWS]
     first = (ch * rows + pool.CHUNK_ROWS - 1) // pool.CHUNK_ROWS
