@@ -54,13 +54,17 @@ WORDS = JOB + 24
 
 _FIELD = (1 << 20) - 1  # chunk count and next chunk: 20 bits each
 _MAX_GEN = (1 << 23) - 1  # generations: the claim word's other 23 bits
-# Output rows per chunk, at least (4-row tiles), and at most about this many weights
-# times activation rows per chunk: a chunk is then 2-15 µs (SmolLM2: 32 rows of 576 Q4_1
-# one row ~2 µs, 224 rows ~13 µs), many per product for balance, few enough that the
-# claims (a cache line passed between cores, ~0.1 µs each) stay cheap, and far below
-# PATIENCE_MICROSECONDS.
+# Output rows per chunk, at least (4-row tiles), about CHUNKS_PER_THREAD chunks per thread
+# (balance, few claims: a cache line passed between cores, ~0.1 µs each), and at most
+# about CHUNK_WORK weights times activation rows per chunk: 2-15 µs for the products of a
+# layer (SmolLM2: 32 rows of 576 Q4_1 one row ~2 µs, 224 rows ~13 µs), up to ~50 µs for
+# an output head (Gemma 3: 819 rows of 640 Q8_0), still below PATIENCE_MICROSECONDS.
+# Measured at 2 threads (Gemma 3 decode, in one process, a raised priority): CHUNK_WORK
+# 2**19 against 2**17 (~15 µs head chunks) 9.23 -> 8.87 ms for the 262k-row head; more,
+# smaller chunks (16 per thread, 8 or 16 rows at least) were slower.
 CHUNK_ROWS = 32
-CHUNK_WORK = 1 << 17
+CHUNK_WORK = 1 << 19
+CHUNKS_PER_THREAD = 8
 # How long a helper spins for the next chunk before it sleeps: longer than the gaps
 # between the products of one forward (attention, norms: ~10-100 µs), short enough that a
 # busy machine loses little and an idle node sleeps between tokens.
@@ -320,9 +324,9 @@ class KernelPool:
         k, n_out = out.shape
         n_in = x.shape[0] // k
         self._start(threads, 4 * n_in)
-        # chunks of CHUNK_ROWS rows or more, about 8 per thread, and of at most
+        # chunks of CHUNK_ROWS rows or more, about CHUNKS_PER_THREAD per thread, and of at most
         # CHUNK_WORK weights times rows (a row's decode weighs as much as 4 rows' FMAs)
-        rows = min(-(-n_out // (8 * threads)), CHUNK_WORK // (n_in * (1 + k // 4)))
+        rows = min(-(-n_out // (CHUNKS_PER_THREAD * threads)), CHUNK_WORK // (n_in * (1 + k // 4)))
         rows = max(CHUNK_ROWS, rows - rows % 4)
         self._gen = self._gen % _MAX_GEN + 1
         a, b, c = parts

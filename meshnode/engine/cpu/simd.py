@@ -52,6 +52,8 @@ __all__ = [
     "wmul",
     "wq5_high",
     "wq5_low",
+    "wq5c_high",
+    "wq5c_low",
     "wsplat",
     "wstore",
     "wsum",
@@ -403,9 +405,10 @@ def _wide_bytes(part: str, doc: str) -> Any:
     return intrinsic(typer)
 
 
-def _wide_q5(high: bool, doc: str) -> Any:
+def _wide_q5(high: bool, centred: bool, doc: str) -> Any:
     """An intrinsic: sixteen five-bit quants (Q5_0/Q5_1) as float32 lanes, the nibbles of
-    the sixteen bytes at ``off`` (low or high) with bit ``i`` (or ``16 + i``) of ``qh``."""
+    the sixteen bytes at ``off`` (low or high) with bit ``i`` (or ``16 + i``) of ``qh``;
+    ``centred``: the quant minus 16 (Q5_0), exact in both integer and float32."""
     bytes16 = ir.VectorType(ir.IntType(8), 2 * LANES)
 
     def typer(typingctx: Any, row: Any, off: Any, qh: Any) -> Any:
@@ -425,6 +428,16 @@ def _wide_q5(high: bool, doc: str) -> Any:
             one_word = builder.insert_element(undef, word, ir.Constant(_I32, 0))
             words = builder.shuffle_vector(one_word, undef, ir.Constant(_VIW, [0] * 2 * LANES))
             first = 2 * LANES if high else 0
+            if centred:
+                # bit i to the sign, spread over the lane (-1 where set, 0 where not),
+                # flipped and kept above the nibble: or-ed with the nibble, that is the
+                # nibble where the bit is set (q - 16) and the nibble - 16 where it is not
+                lanes = range(first, first + 2 * LANES)
+                top = builder.shl(words, ir.Constant(_VIW, [31 - i for i in lanes]))
+                spread = builder.ashr(top, ir.Constant(_VIW, [31] * 2 * LANES))
+                unset = builder.xor(spread, ir.Constant(_VIW, [-1] * 2 * LANES))
+                flipped = builder.and_(unset, ir.Constant(_VIW, [-16] * 2 * LANES))
+                return builder.sitofp(builder.or_(nibble, flipped), _VW)
             shifts = ir.Constant(_VIW, list(range(first, first + 2 * LANES)))
             bit = builder.and_(builder.lshr(words, shifts), ir.Constant(_VIW, [1] * 2 * LANES))
             fifth = builder.shl(bit, ir.Constant(_VIW, [4] * 2 * LANES))
@@ -436,8 +449,10 @@ def _wide_q5(high: bool, doc: str) -> Any:
     return intrinsic(typer)
 
 
-wq5_low = _wide_q5(False, "Q5 values 0-15 of a block (low nibbles, ``qh`` bits 0-15).")
-wq5_high = _wide_q5(True, "Q5 values 16-31 of a block (high nibbles, ``qh`` bits 16-31).")
+wq5_low = _wide_q5(False, False, "Q5 values 0-15 of a block (low nibbles, ``qh`` bits 0-15).")
+wq5_high = _wide_q5(True, False, "Q5 values 16-31 of a block (high nibbles, ``qh`` bits 16-31).")
+wq5c_low = _wide_q5(False, True, "Q5_0 values 0-15 of a block minus 16, as ``wq5_low``.")
+wq5c_high = _wide_q5(True, True, "Q5_0 values 16-31 of a block minus 16, as ``wq5_high``.")
 wlow_nibbles = _wide_bytes("low", "The low nibbles of sixteen bytes at ``off``, as floats.")
 whigh_nibbles = _wide_bytes("high", "The high nibbles of sixteen bytes at ``off``, as floats.")
 wload_i8 = _wide_bytes("int8", "Sixteen int8 at ``off``, as floats.")
