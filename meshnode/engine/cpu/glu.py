@@ -6,7 +6,7 @@ for the few rows of a decode step their per-call cost, not the arithmetic, is wh
 layer spends there (an 8-sequence step of SmolLM2: ~1.3 ms of 30 layers' activations,
 against ~0.1 ms here). The expressions are the reference's, in its order, sixteen lanes
 at a time; only the exponential is :func:`.vexp.wexp` (within 2 units in the last place of
-the exact value, where NumPy's ``exp`` is within 1) and GeGLU's ``tanh`` is
+the exact value, as NumPy's ``exp`` is) and GeGLU's ``tanh`` is
 ``1 - 2 / (1 + e^{2y})`` on it (within a unit in the last place of 1, to which the
 reference adds it). Each row is computed alone: its result does not depend on the others.
 """
