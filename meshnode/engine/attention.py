@@ -21,7 +21,7 @@ H query heads, Hkv key/value heads, D head dim, P positions of a RoPE table.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
@@ -31,6 +31,7 @@ import numpy as np
 
 from meshnode.engine import ops
 from meshnode.engine.config import ModelConfig
+from meshnode.engine.cpu import matrix
 
 __all__ = [
     "BLOCK_ROWS",
@@ -224,27 +225,39 @@ class KernelAttention(Attention):
         return out
 
     def _heads(self, q: Any, keys: Any, values: Any, window: int | None) -> Any:
-        """A long segment's heads: :func:`blocked_attention`."""
-        return blocked_attention(q, keys, values, self._scale, window)
+        """A long segment's heads: :func:`blocked_attention`, its blocks shared by the
+        threads that may run (:func:`meshnode.engine.cpu.matrix.share`)."""
+        threads = matrix.shared_threads()
+        return blocked_attention(
+            q, keys, values, self._scale, window, lambda fn, n: matrix.share(fn, n, threads)
+        )
 
 
 def blocked_attention(
-    q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: Any, window: int | None
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    scale: Any,
+    window: int | None,
+    run: Callable[[Callable[[int], None], int], None] | None = None,
 ) -> np.ndarray:
     """:func:`ops.attention` (NumPy, float32) by blocks of :data:`BLOCK_ROWS` query rows,
     each over the keys some row of the block sees: the scores past the causal diagonal
     (and before a sliding window) are neither computed nor exponentiated, and a block's
     scores stay in the cache. The same terms as the reference, summed in another order
     (its sums run over the masked zeros too). ``q`` ``[H, r, D]``, ``keys``/``values``
-    ``[Hkv, T, D]``; returns ``[H, r, D]``."""
+    ``[Hkv, T, D]``; returns ``[H, r, D]``. ``run(fn, n)`` calls ``fn(i)`` for each of
+    the ``n`` blocks (default: one after another; the CPU backend shares them between
+    threads): a block's result does not depend on which thread computes it."""
     heads, rows, dim = q.shape
     kv_heads, t = keys.shape[0], keys.shape[1]
     group = heads // kv_heads
     q4 = q.reshape(kv_heads, group, rows, dim)
     out = np.empty((kv_heads, group, rows, dim), np.float32)  # [Hkv, G, r, D]
     first = t - rows  # query row 0's position
-    for a in range(0, rows, BLOCK_ROWS):
-        b = min(rows, a + BLOCK_ROWS)
+
+    def block(i: int) -> None:
+        a, b = i * BLOCK_ROWS, min(rows, (i + 1) * BLOCK_ROWS)
         lo = 0 if window is None else max(0, first + a - window + 1)
         hi = first + b  # keys lo .. hi - 1: what some row of the block sees
         qb = q4[:, :, a:b].reshape(kv_heads, group * (b - a), dim)  # [Hkv, G b, D]
@@ -260,6 +273,13 @@ def blocked_attention(
         np.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)  # softmax
         out[:, :, a:b] = (s @ values[:, lo:hi]).reshape(kv_heads, group, b - a, dim)
+
+    count = -(-rows // BLOCK_ROWS)
+    if run is None:
+        for i in range(count):
+            block(i)
+    else:
+        run(block, count)
     return out.reshape(heads, rows, dim)
 
 

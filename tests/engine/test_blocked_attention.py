@@ -1,14 +1,17 @@
 """A long segment's attention over GGUF blocks (``blocked_attention``): the reference's
 result (``ops.attention``) up to summation order, for every block, window and cache
-shape, and the same for a sequence alone or in a batch."""
+shape, and bit for bit the same whichever threads compute its blocks."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from meshnode.engine import ops
 from meshnode.engine.attention import BLOCK_ROWS, blocked_attention
+from meshnode.engine.cpu.tiles import TileThreads, local_blas_threads
 
 
 @pytest.mark.parametrize(
@@ -46,3 +49,23 @@ def test_a_row_sees_only_its_window_and_past() -> None:
     poisoned[:, row + 1] = poisoned[:, row - 8] = 1e30
     got = blocked_attention(q, keys, poisoned, np.float32(0.25), 8)
     np.testing.assert_array_equal(got[:, row], base[:, row])
+
+
+@pytest.mark.parametrize("window", [None, 70])
+def test_blocks_shared_by_threads_are_bit_identical_to_one_thread(window: int | None) -> None:
+    if local_blas_threads() is None:
+        pytest.skip("this BLAS has no per-thread thread count: blocks stay serial")
+    rng = np.random.default_rng(5)
+    rows, t = 5 * BLOCK_ROWS + 9, 6 * BLOCK_ROWS
+    q = rng.standard_normal((9, rows, 64)).astype(np.float32)
+    keys = rng.standard_normal((3, t, 64)).astype(np.float32)
+    values = rng.standard_normal((3, t, 64)).astype(np.float32)
+    team = TileThreads()
+
+    def shared(fn: Callable[[int], None], n: int) -> None:
+        assert team.run(fn, n, 3)
+
+    got = blocked_attention(q, keys, values, np.float32(0.125), window, shared)
+    assert team.posted == 1
+    want = blocked_attention(q, keys, values, np.float32(0.125), window)
+    np.testing.assert_array_equal(got, want)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -26,7 +26,14 @@ from meshnode_packaging.sources import RawTensor
 
 from meshnode.engine.cpu.formats import Format, format_of, row_bytes
 
-__all__ = ["MAX_KERNEL_ROWS", "BlockMatrix", "set_kernel_threads", "supported"]
+__all__ = [
+    "MAX_KERNEL_ROWS",
+    "BlockMatrix",
+    "set_kernel_threads",
+    "share",
+    "shared_threads",
+    "supported",
+]
 
 # Above this many rows a product decodes the matrix once and hands it to BLAS: sgemm's
 # register blocking beats decoding each row once per product when the rows are many, and
@@ -128,6 +135,30 @@ def _tile_threads() -> Any:
     return _tiles().TileThreads()
 
 
+def shared_threads() -> int:
+    """How many threads may share BLAS work now: the ``--threads`` cap, at most the cores
+    other processes leave this one (the kernel threads' gauge)."""
+    return max(1, min(_threads_here(), int(_pool().gauge.free() + 0.5)))
+
+
+def share(fn: Callable[[int], None], count: int, threads: int) -> None:
+    """``fn(i)`` for ``i`` in ``range(count)``, items of BLAS work (prefill's tiles, a long
+    segment's attention blocks): on ``threads`` tile threads (:class:`.tiles.TileThreads`),
+    each with single-threaded BLAS, when ``threads`` > 1; else, or when they cannot
+    (another BLAS, another thread using them), in this thread, with single-threaded BLAS
+    too where OpenBLAS allows it: its own threads would spin on cores others use."""
+    if threads > 1 and _tile_threads().run(fn, count, threads):
+        return
+    local = _tiles().local_blas_threads()
+    before = local(1) if local is not None else 0
+    try:
+        for i in range(count):
+            fn(i)
+    finally:
+        if local is not None:
+            local(before)
+
+
 def supported(t: RawTensor) -> bool:
     """Whether ``t`` is a matrix the kernels can multiply in its stored format: rows of
     whole blocks, and of whole 32-value chunks (the kernels' step, :mod:`.blocks`)."""
@@ -207,22 +238,18 @@ class BlockMatrix:
         return out
 
     def _tiled_product(self, x: np.ndarray, out: np.ndarray) -> None:
-        """``out = x @ self`` a tile of decoded rows at a time, each through BLAS: on the
-        tile threads (:mod:`.tiles`) when more than one may run, else in this thread."""
+        """``out = x @ self`` a tile of decoded rows at a time, each through BLAS, shared
+        by the threads that may run (:func:`share`)."""
         t = _tiles()
         x = np.ascontiguousarray(x)
         parts = [(p.fmt.kernel_id, p.raw) for p in self.parts]
-        threads = min(_threads_here(), int(_pool().gauge.free() + 0.5))
-        if threads > 1:
-            bounds = t.tiles(self.n_out, self.n_in, threads, DENSE_TILE_BYTES)
+        threads = shared_threads()
+        bounds = t.tiles(self.n_out, self.n_in, threads, DENSE_TILE_BYTES)
 
-            def tile(i: int) -> None:
-                t.product_tile(parts, x, out, *bounds[i])
+        def tile(i: int) -> None:
+            t.product_tile(parts, x, out, *bounds[i])
 
-            if _tile_threads().run(tile, len(bounds), threads):
-                return
-        for lo, hi in t.tiles(self.n_out, self.n_in, 1, DENSE_TILE_BYTES):
-            t.product_tile(parts, x, out, lo, hi)
+        share(tile, len(bounds), threads)
 
     def dense(self) -> np.ndarray:
         """The whole matrix decoded as float32 ``[out, in]`` (a new array)."""
