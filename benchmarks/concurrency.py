@@ -3,7 +3,8 @@
 Run: ``.venv/bin/python benchmarks/concurrency.py`` (about 4 minutes on 2 busy cores;
 ``--streams 1 2 4 8 16 --max-tokens 64 --topologies one three``)
 
-SmolLM2-135M (on the CPU with ``--weights``, temperature 0, speculation off) serves ``S`` concurrent
+SmolLM2-135M (on the CPU with ``--weights``/``--dtype`` native, float32 or q8, temperature 0,
+speculation off) serves ``S`` concurrent
 streams of ``--max-tokens`` tokens each, for every ``S`` in ``--streams``, through the
 real generation loop and scheduler (8 sequences generate at once; the rest wait for a
 slot, as they do behind the HTTP API). Each configuration runs twice, side by side:
@@ -403,7 +404,11 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="BLAS threads (README)")
     parser.add_argument(
-        "--weights", default="native", choices=["native", "float32"], help="CPU weights"
+        "--weights",
+        "--dtype",
+        default="native",
+        choices=["native", "float32", "q8"],
+        help="CPU weights (meshnode's --dtype; q8: 8-bit activations, inexact)",
     )
     topologies = ["one", "three"]
     parser.add_argument("--topologies", nargs="+", default=topologies, choices=topologies)
