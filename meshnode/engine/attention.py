@@ -176,6 +176,9 @@ class KernelAttention(Attention):
         self._eps = np.float32(config.rms_norm_eps)
         self._scale = np.float32(self.scale)
         self._none = np.zeros(0, np.float32)
+        # the last plan and the keys its calls read, all rows' and the last layer's
+        # (whether a call is shared with the kernel threads: cpu.attention.attend_shared)
+        self._reads: tuple[Any, int, int] = (None, 0, 0)
 
     def prepare(self, segs: Sequence[Segment]) -> Any:
         """The kernel's segment table (cache addresses, rows, positions), after checking
@@ -189,7 +192,11 @@ class KernelAttention(Attention):
                 raise ValueError(f"KV cache full: {end} > {seg.cache.max_tokens} tokens")
             parts.append((seg.n, seg.rows, seg.start_pos, here, seg.cache))
         table = _kernels().segment_table(parts)
-        return table if table[:, _kernels().KERNEL].any() else None
+        heads, kernel = self.config.num_heads, [p for p in parts if p[3]]
+        every = heads * sum(n * (start + n) for n, _, start, _, _ in kernel)
+        kept = heads * sum(rows * (start + n) for n, rows, start, _, _ in kernel)
+        self._reads = (table, every, kept)
+        return table if kernel else None
 
     def __call__(
         self,
@@ -212,9 +219,10 @@ class KernelAttention(Attention):
         window = self.windows[layer] or 0
         rope = (table.cos, table.sin)
         keep = (qkv, out, plan, segs, q_norm, k_norm, rope)  # what the kernel reads by address
+        reads = self._reads[2 if last else 1] if self._reads[0] is plan else None
         k.attend_shared(
             qkv, plan, layer, self.config.num_heads, (q_norm, k_norm), self._eps,
-            rope, self._scale, window, last, out, keep,
+            rope, self._scale, window, last, out, keep, reads,
         )  # fmt: skip
         offset = row = 0
         for i, (seg, rows) in enumerate(zip(segs, kept, strict=True)):

@@ -41,7 +41,7 @@ from numba.np.numpy_support import carray
 from meshnode.engine.cpu import matrix, pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64
 from meshnode.engine.cpu.simd import wadd, wfma, wload, wmul, wsplat, wstore, wsum, wsums, wzero
-from meshnode.engine.cpu.vexp import wdiv, wexp, wmax, wmax_lane
+from meshnode.engine.cpu.vexp import prefetch_f32, wdiv, wexp, wmax, wmax_lane
 
 __all__ = ["COLUMNS", "LANES", "attend", "attend_shared", "queries", "segment_table", "write_kv"]
 
@@ -53,6 +53,9 @@ ROW, NEW, KEPT, START, KERNEL, K_ADDR, V_ADDR, TMAX = range(8)
 COLUMNS = 8
 # Sixteen float32 lanes per step over the head dimension (simd.F32x16).
 LANES = 16
+# How far ahead (float32 elements: 4 KiB) the dot products and the weighted sum ask for
+# the keys and values they read next.
+AHEAD = 1024
 
 
 def segment_table(
@@ -133,6 +136,8 @@ def _scores(qbuf, group, kc, base, t, d, scale, scores, stride):  # type: ignore
     sc = wsplat(scale)
     for j in range(0, full, LANES):
         at = base + j * d
+        for c in range(0, LANES * d, LANES):  # the next block's keys, a line at a time
+            prefetch_f32(kc, at + AHEAD + c)
         for g in range(group):
             q0 = g * d
             sums = wsums(
@@ -192,6 +197,7 @@ def _weighted_values(p, s0, vc, base, t, d, out, o):  # type: ignore[no-untyped-
         for j in range(t):
             w = wsplat(p[s0 + j])
             at = base + j * d + c
+            prefetch_f32(vc, at + AHEAD)
             a0 = wfma(w, wload(vc, at), a0)
             a1 = wfma(w, wload(vc, at + LANES), a1)
             a2 = wfma(w, wload(vc, at + 2 * LANES), a2)
@@ -429,16 +435,18 @@ def attend_shared(
     last: bool,
     out: np.ndarray,
     keep: object,
+    keys: int | None = None,
 ) -> None:
     """As :func:`attend` (``norms`` are ``(q_norm, k_norm)``, ``rope`` ``(cos, sin)``),
     the query groups shared with the kernel threads (:mod:`.pool`) when more than one may
     run and the call reads at least :data:`SHARED_MIN_READS` keys. Each group is computed
     by the same code on whichever thread: the result is bit-identical to :func:`attend`'s.
     ``keep`` holds every array the call reads or writes (the caches too): the pool keeps it
-    while a descheduled helper may still run a chunk of it."""
+    while a descheduled helper may still run a chunk of it. ``keys``: :func:`reads` of the
+    call, if the caller knows it."""
     (q_norm, k_norm), (cos, sin) = norms, rope
     threads = matrix._threads_here()
-    if threads < 2 or reads(table, heads, last) < SHARED_MIN_READS:
+    if threads < 2 or (reads(table, heads, last) if keys is None else keys) < SHARED_MIN_READS:
         attend(qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, window, last, out)
         return
     write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin)

@@ -29,7 +29,7 @@ from numba.core import cgutils
 
 from meshnode.engine.cpu.simd import F32x16, intrinsic
 
-__all__ = ["EXP_MAX", "EXP_MIN", "wdiv", "wexp", "wmax", "wmax_lane"]
+__all__ = ["EXP_MAX", "EXP_MIN", "prefetch_f32", "wdiv", "wexp", "wmax", "wmax_lane"]
 
 LANES = 16
 # Where e^x is a normal float32: below EXP_MIN wexp is 0, above EXP_MAX +inf.
@@ -147,3 +147,22 @@ def wdiv(typingctx: Any, a: Any, b: Any) -> Any:
         return builder.fdiv(args[0], args[1])
 
     return F32x16(a, b), codegen
+
+
+@intrinsic
+def prefetch_f32(typingctx: Any, ary: Any, i: Any) -> Any:
+    """Ask for the cache line holding element ``i`` of a float32 array (a hint: no fault,
+    no effect on results; past the array's end it is harmless)."""
+    if not (isinstance(ary, types.Array) and ary.dtype == types.float32 and ary.layout == "C"):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        i8 = ir.IntType(8)
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), i8.as_pointer())
+        fnty = ir.FunctionType(ir.VoidType(), [i8.as_pointer(), _I32, _I32, _I32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")  # type: ignore[no-untyped-call]
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(ary, i), codegen
