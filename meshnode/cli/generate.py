@@ -135,7 +135,7 @@ def generate_command(
         typer.Option(
             help="Weights: auto, float16, bfloat16 or float32 on CUDA; native (auto: GGUF "
             "blocks kept as stored), float32 (dequantized, for parity checks) or q8 (blocks, "
-            "decode with activations quantized to 8 bits: faster, inexact) on the CPU."
+            "activations quantized to 8 bits in their products: faster, inexact) on the CPU."
         ),
     ] = "auto",
     threads: Annotated[

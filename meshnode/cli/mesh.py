@@ -169,7 +169,7 @@ def join(
                 "weights_dtype",
                 "Weights: auto, float16, bfloat16 or float32 on CUDA; native (auto: GGUF "
                 "blocks kept as stored), float32 (dequantized, for parity checks) or q8 "
-                "(blocks, decode with activations quantized to 8 bits: faster, inexact) on "
+                "(blocks, activations quantized to 8 bits in their products: faster, inexact) on "
                 "the CPU.",
             )
         ),

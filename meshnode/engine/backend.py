@@ -54,8 +54,8 @@ Device = Literal["auto", "cpu", "cuda"]
 # (meshnode.engine.cpu): about a quarter of the memory of float32 and faster (README,
 # "Performance"); ``float32`` dequantizes at load (NumPy/BLAS), for parity debugging. The
 # CPU computes in float32 either way, except ``q8`` (opt-in, inexact): blocks as ``native``,
-# decode products with activations quantized to 8 bits (meshnode.engine.cpu.q8). On CUDA,
-# ``native`` is ``auto`` and ``q8`` is refused.
+# products of quantized weights with activations quantized to 8 bits
+# (meshnode.engine.cpu.q8). On CUDA, ``native`` is ``auto`` and ``q8`` is refused.
 WeightsDtype = Literal["auto", "float32", "float16", "bfloat16", "native", "q8"]
 WEIGHTS_DTYPES: tuple[str, ...] = get_args(WeightsDtype)
 
@@ -381,7 +381,7 @@ def _glu() -> ModuleType:
 
 def cpu_backend(weights_dtype: WeightsDtype = "float32") -> CpuBackend:
     """The NumPy backend: weights as ``float32`` or in their GGUF blocks (``native``, or
-    ``q8`` for 8-bit activations in decode)."""
+    ``q8`` for 8-bit activations in the products of quantized weights)."""
     return CpuBackend(weights_dtype)
 
 

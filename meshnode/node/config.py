@@ -105,7 +105,7 @@ class NodeConfig:
     # Weights on a CUDA device: auto (bfloat16 for a model trained in it, else float16),
     # float16, bfloat16, or float32 (the golden-parity mode). On the CPU: auto/native (the
     # GGUF blocks as stored) or float32 (dequantized at load), computing in float32; or q8
-    # (blocks, decode products with 8-bit activations: faster, not exact).
+    # (blocks, their products with 8-bit activations: faster, not exact).
     weights_dtype: WeightsDtype = "auto"
     heartbeat: HeartbeatTimeouts = HeartbeatTimeouts()
     log_level: str = "INFO"

@@ -51,7 +51,7 @@ PATIENT_HEARTBEATS = {
 START_TIMEOUT_S = 90.0
 READY_TIMEOUT_S = 120.0  # two processes load their layer ranges on a shared 2-core box
 PAGE_TIMEOUT_S = 20.0
-REPLY_TIMEOUT_S = 60.0
+REPLY_TIMEOUT_S = 180.0  # the first reply compiles the CPU kernels when numba's cache is cold
 VIEWPORT = (1280, 860)
 
 
