@@ -25,11 +25,10 @@ from meshnode.cli.generate import GenerateConfig, complete
 from meshnode.engine import ModelConfig, Stage
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.loader import load_model
-from meshnode.engine.model import BatchRow
 from meshnode.engine.sampling import SamplingParams
 from tests.conftest import smollm2_gguf_path
 from tests.engine.test_gpu_kernels import cuda_backend
-from tests.engine.test_ops_cuda_batch import batched_greedy
+from tests.engine.test_ops_cuda_batch import batched_greedy, run_sequences
 
 pytestmark = pytest.mark.gpu
 
@@ -191,21 +190,8 @@ OTHERS: list[Seq] = [  # the same shape (14 rows, 6 out) over other sequences
 
 
 def _batch(stage: Stage, seqs: list[Seq], *, batched: bool) -> list[tuple[np.ndarray, Any]]:
-    """(host output, cache) of each sequence: its prefix cached first, then its new rows in
-    one ``forward_batch`` of all of them, or each alone."""
-    caches = [stage.new_cache(32) for _ in seqs]
-    for (prefix, _, _, _), cache in zip(seqs, caches, strict=True):
-        if prefix:
-            stage.forward(np.array(prefix), 0, cache)
-    items = [
-        BatchRow(np.array(new), start, cache, out)
-        for (_, start, new, out), cache in zip(seqs, caches, strict=True)
-    ]
-    if batched:
-        outs = stage.forward_batch(items)
-    else:
-        outs = [stage.forward(i.inputs, i.start_pos, i.cache, out_rows=i.out_rows) for i in items]
-    return [(_host(stage, o), c) for o, c in zip(outs, caches, strict=True)]
+    """(host output, cache) of each sequence, run as ``test_ops_cuda_batch`` runs them."""
+    return [(_host(stage, o), c) for o, c in run_sequences(stage, seqs, batched=batched)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

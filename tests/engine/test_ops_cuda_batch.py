@@ -45,7 +45,7 @@ MIXED: list[Seq] = [
 ]
 
 
-def _run(stage: Stage, seqs: list[Seq], *, batched: bool, context: int = 32) -> list[Any]:
+def run_sequences(stage: Stage, seqs: list[Seq], *, batched: bool, context: int = 32) -> list[Any]:
     """(output, cache) of each sequence: its prefix cached first, then its new rows
     through one ``forward_batch`` of all of them, or each through ``forward`` alone."""
     caches = [stage.new_cache(context) for _ in seqs]
@@ -98,12 +98,12 @@ def test_a_mixed_batch_equals_each_sequence_alone(
     a short prompt, in one forward: each output and each cache (float32, and float16 K/V)
     is exactly the sequence's own; output rows as ``out_rows`` asks."""
     cpu, (gpu,) = _stages(tiny_gguf, qtype, dtype)
-    batch = _run(gpu, MIXED, batched=True)
+    batch = run_sequences(gpu, MIXED, batched=True)
     assert [out.shape[0] for out, _ in batch] == [1, 1, 3, 1]
     assert [c.length for _, c in batch] == [6, 13, 10, 9]
-    _assert_same(batch, _run(gpu, MIXED, batched=False))
+    _assert_same(batch, run_sequences(gpu, MIXED, batched=False))
     if dtype == "float32":  # and the NumPy stage's batch agrees within float32 rounding
-        want = _run(cpu, MIXED, batched=True)
+        want = run_sequences(cpu, MIXED, batched=True)
         for (out, _), (ref, _) in zip(batch, want, strict=True):
             np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-4)
 
@@ -116,9 +116,9 @@ def test_long_prompts_run_alone_and_big_batches_split(tiny_gguf: Callable[[str],
     short: list[Seq] = [([], 0, (IDS * 2)[i : i + 14], None) for i in range(5)]  # 70 rows
     seqs: list[Seq] = [short[0], ([], 0, long_prompt, 2), *short[1:]]
     assert sum(len(new) for _, _, new, _ in short) > kernels.MAX_BATCH_ROWS
-    batch = _run(gpu, seqs, batched=True)
+    batch = run_sequences(gpu, seqs, batched=True)
     assert [out.shape[0] for out, _ in batch] == [14, 2, 14, 14, 14, 14]
-    _assert_same(batch, _run(gpu, seqs, batched=False))
+    _assert_same(batch, run_sequences(gpu, seqs, batched=False))
     assert gpu.cuda is not None
     assert gpu.cuda._fixed is not None
     assert gpu.cuda._fixed.x.shape[0] == kernels.MAX_BATCH_ROWS  # never more rows
@@ -127,8 +127,8 @@ def test_long_prompts_run_alone_and_big_batches_split(tiny_gguf: Callable[[str],
 def test_split_stages_batch_hidden_rows(tiny_gguf: Callable[[str], Path]) -> None:
     """A first stage (no head: every row out), then a last stage fed host hidden states."""
     _, (first, second) = _stages(tiny_gguf, "Q8_0", "float32", split=1)
-    hidden = _run(first, MIXED, batched=True)
-    _assert_same(hidden, _run(first, MIXED, batched=False))
+    hidden = run_sequences(first, MIXED, batched=True)
+    _assert_same(hidden, run_sequences(first, MIXED, batched=False))
     assert [out.shape[0] for out, _ in hidden] == [1, 1, 3, 9]
 
     def last_stage(batched: bool) -> list[Any]:
@@ -231,7 +231,9 @@ def test_captured_batch_shapes_replay_for_other_sequences(
     shapes = graphs.cuda._graphs  # (rows, output rows) -> (graph, output buffer)
 
     def check(seqs: list[Seq]) -> None:
-        _assert_same(_run(graphs, seqs, batched=True), _run(eager, seqs, batched=True))
+        _assert_same(
+            run_sequences(graphs, seqs, batched=True), run_sequences(eager, seqs, batched=True)
+        )
 
     check([(IDS[:2], 2, [40], 1), ([], 0, [41, 42, 43], 1)])  # 4 rows, 2 out: captured
     first = shapes[(4, 2)][0]
