@@ -28,7 +28,7 @@ from meshnode.engine.loader import load_model
 from meshnode.engine.sampling import SamplingParams
 from tests.conftest import smollm2_gguf_path
 from tests.engine.test_gpu_kernels import cuda_backend
-from tests.engine.test_ops_cuda_batch import batched_greedy, run_sequences
+from tests.engine.test_ops_cuda_batch import MIXED, Seq, batched_greedy, run_sequences
 
 pytestmark = pytest.mark.gpu
 
@@ -173,14 +173,6 @@ def test_cuda_node_offers_device_memory_and_kv_is_allocated_up_front(
     assert cache.k.dtype == gpu.backend.xp.uint16
 
 
-# (tokens cached before, start position, new tokens, out_rows) of each sequence.
-Seq = tuple[list[int], int, list[int], int | None]
-MIXED: list[Seq] = [
-    (IDS[:5], 5, [77], 1),  # a decode row
-    (IDS[:12], 12, [78], 1),  # a decode row over a longer cache
-    (IDS[:10], 7, [5, 6, 7], 3),  # a verify window from 7: rolls back 3 positions
-    ([], 0, IDS[:9], 1),  # a short prompt
-]
 OTHERS: list[Seq] = [  # the same shape (14 rows, 6 out) over other sequences
     (IDS[:2], 2, [40], 1),
     (IDS[:7], 7, [41], 1),
