@@ -48,20 +48,21 @@ def rows(kind: str, rng: np.random.Generator) -> np.ndarray:
 
 def unpack(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The quantizer's buffer for ``x`` (``[k, n_in]``): int8 quants ``[k, n_in]``, int32
-    sums of four ``[k, n_in / 4]`` (from the offset area of shift 2), float32 block fields
-    ``[k, blocks, 4]`` (scale, d times the sum of the quants, of each half)."""
+    sums of each block's halves ``[k, blocks, 2]``, float32 block fields ``[k, blocks,
+    4]`` (scale, d times the sum of the quants, of each half)."""
     k, n_in = x.shape
     kernels = q8._kernels()
     q = kernels.quantized(x.reshape(-1), k)
     n, h = x.size, kernels.HEADER
     assert q.shape == (kernels.buffer_bytes(k, n_in),)
     xq = q[h : h + n].view(np.int8).reshape(k, n_in)
-    fours = -(q[h + n : h + 2 * n].view(np.int32) >> 2).reshape(k, -1)
     nb, groups = n_in // 32, (k + 7) // 8
-    _, _, dxt, _ = kernels._areas(n, groups * nb)
+    _, ot, dxt, _ = kernels._areas(n, groups * nb)
     tf = q[dxt : dxt + 4 * 32 * groups * nb].view(np.float32).reshape(4, groups, nb, 8)
     fields = tf.transpose(1, 3, 2, 0).reshape(groups * 8, nb, 4)[:k]  # [row, block, field]
-    return xq, fours, fields
+    ts = -q[ot : ot + 2 * 32 * groups * nb].view(np.int32).reshape(2, groups, nb, 8)
+    halves = ts.transpose(1, 3, 2, 0).reshape(groups * 8, nb, 2)[:k]
+    return xq, halves, fields
 
 
 def quantized(x: np.ndarray) -> np.ndarray:
@@ -72,10 +73,11 @@ def quantized(x: np.ndarray) -> np.ndarray:
 
 
 def test_quantize_rounds_each_block_to_its_step(rng: np.random.Generator) -> None:
-    x = rng.standard_normal(4 * 32).astype(np.float32)
+    x = rng.standard_normal(5 * 32).astype(np.float32)
     x[32:64] = 0.0  # a zero block
     x[70] = 3e4  # an outlier: the rest of its block rounds to small steps of it
     x[100] = np.inf  # not finite: the block's products are nan, as in float32
+    x[150] = np.nan  # nan too, wherever it sits in its block
     xq, ls, xf = (a[0] for a in unpack(x[None, :]))
     for b in range(3):
         block = x[32 * b : 32 * b + 32]
@@ -83,12 +85,13 @@ def test_quantize_rounds_each_block_to_its_step(rng: np.random.Generator) -> Non
         assert xf[b, 0] == pytest.approx(d, rel=1e-6)
         want = np.round(block / d) if d > 0 else np.zeros(32)
         np.testing.assert_array_equal(xq[32 * b : 32 * b + 32], want)
-        np.testing.assert_array_equal(ls[8 * b : 8 * b + 8], want.reshape(8, 4).sum(1))
+        np.testing.assert_array_equal(ls[b], want.reshape(2, 16).sum(1))
         halves = want.reshape(2, 16).sum(1) * xf[b, 0]  # d times the quants' sums
         np.testing.assert_allclose(xf[b, 2:4], halves, rtol=1e-6)
         assert xf[b, 1] == pytest.approx(halves.sum(), rel=1e-6)
-    assert np.isnan(xf[3, 0])
+    assert np.isnan(xf[3:, 0]).all()
     assert not xq[96:].any()
+    assert not ls[3:].any()
 
 
 @pytest.mark.parametrize("dtype", Q8)

@@ -14,8 +14,9 @@ returns ``(u, dw, m, m2, sa, sb)``:
 
 A weight ``s (u - z)`` with an integer offset ``z`` (Q4_0, Q5_0, Q8_0 as ``w + 128``,
 Q3_K, Q6_K) keeps ``z`` out of the bytes: the kernels add ``-(sum of the activation
-quants) << log2(z)`` to the integer dot product, which :func:`.q8_kernels.quantize`
-keeps per activation row (:func:`offset_area` says which shift).
+quants) << log2(z)`` to the integer dot product (:func:`offset_area` says which shift):
+the one-row kernel as ``z`` bytes dotted with the activation block, the multi-row one
+from the sums of each half that :func:`.q8_kernels.quantize` keeps.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from meshnode.engine.cpu.simd_int import band, bits32, bload, bor, bshl, bshr, b
 
 __all__ = ["OFFSET_SHIFTS", "chunk", "minimum_kind", "offset_area", "per16"]
 
-# The shifts of the offsets kept per activation row (offset areas 0 .. 4): z = 4 (Q3_K),
-# 8 (Q4_0), 16 (Q5_0), 32 (Q6_K), 128 (Q8_0).
+# The shifts of the offsets (offset areas 0 .. 4): z = 4 (Q3_K), 8 (Q4_0), 16 (Q5_0),
+# 32 (Q6_K), 128 (Q8_0).
 OFFSET_SHIFTS = (2, 3, 4, 5, 7)
 
 

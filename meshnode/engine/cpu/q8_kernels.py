@@ -39,25 +39,31 @@ from typing import Any
 
 import numpy as np
 from numba import cfunc, njit, types
+from numba.misc.special import literally
 from numba.np.numpy_support import carray
 
 from meshnode.engine.cpu import pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
-from meshnode.engine.cpu.q8_blocks import chunk, minimum_kind, offset_area, per16
+from meshnode.engine.cpu.q8_blocks import OFFSET_SHIFTS, chunk, minimum_kind, offset_area, per16
 from meshnode.engine.cpu.simd import tofloat, vadd, vfma, vsplat, vzero, wadd, wfma, wmul, wzero
-from meshnode.engine.cpu.simd_int import dot4, fload, iload, imul, lanes2, prefetch
+from meshnode.engine.cpu.simd_int import bsplat, dot4, fload, imul, ivsub, lanes2, prefetch
 from meshnode.engine.cpu.simd_q8 import (
+    absmax32,
+    bstore,
+    bsum16,
     dotw,
     fload16,
     fold,
-    iadd,
     iadd16,
     iload16,
     imul16,
     ipair,
+    ishl16,
     isums,
     join64,
     lane8,
+    nonfinite32,
+    quant32,
     tofloat16,
     vec8,
     vmul,
@@ -87,17 +93,17 @@ def buffer_bytes(k, n_in):  # type: ignore[no-untyped-def]
     """Bytes of :func:`quantize`'s buffer for ``k`` rows of ``n_in`` activations (a
     multiple of ``k``: the pool is handed it as ``k`` rows)."""
     blocks = (k + 7) // 8 * (n_in // 32)
-    size = HEADER + 6 * k * n_in + 704 * blocks
+    size = HEADER + k * n_in + 448 * blocks
     return size + (k - size % k) % k
 
 
 @njit(cache=True)
 def _areas(n, blocks):  # type: ignore[no-untyped-def]
-    # byte offsets of the transposed areas (see quantize): quants, offsets, d, sums
-    xt = HEADER + 6 * n
-    ot = xt + 256 * blocks
-    dxt = ot + 320 * blocks
+    # byte offsets of the transposed areas (see quantize): quants, d, sums, halves' sums
+    xt = HEADER + n
+    dxt = xt + 256 * blocks
     sxt = dxt + 32 * blocks
+    ot = sxt + 96 * blocks
     return xt, ot, dxt, sxt
 
 
@@ -106,70 +112,54 @@ def quantize(x, k, buf):  # type: ignore[no-untyped-def]
     """Quantize ``x`` (float32, flat: ``k`` rows of ``n_in``, whole 32-value blocks) into
     ``buf`` (``uint8``, :func:`buffer_bytes` long).
 
-    Row by row (``n = k n_in`` bytes each, from byte :data:`HEADER`; block ``b`` of row
-    ``r`` at ``32 (r nb + b)``, ``nb = n_in / 32``): the int8 quants, then five offset
-    areas (:data:`.q8_blocks.OFFSET_SHIFTS` ``s``), the int32 ``-(sum of four quants <<
-    s)`` of each four values. Then by groups of eight rows (lane ``r % 8``), for each
-    block ``b`` of group ``g`` (``i = g nb + b``): the quants as 32 bytes per four
-    values, the four of each of the eight rows in turn (256 bytes at ``256 i``); five
-    offset areas of the eight rows' ``-(sum << s)`` over the block's first and last 16
-    values (64 bytes at ``64 i``); their scales ``d`` (float32 ``[8]`` at ``32 i``); and
-    ``d`` times the sum of their quants, of the first 16, of the last 16 (three areas of
-    ``[8]`` at ``32 i``). The lanes of missing rows in the last group are zeros. A
-    block with a value that is not finite gets ``d = nan`` and zero quants, so that
-    products with it are nan, as in float32."""
+    Row by row (``n = k n_in`` bytes, from byte :data:`HEADER`; block ``b`` of row ``r``
+    at ``32 (r nb + b)``, ``nb = n_in / 32``): the int8 quants. Then by groups of eight
+    rows (lane ``r % 8``), for each block ``b`` of group ``g`` (``i = g nb + b``): the
+    quants as 32 bytes per four values, the four of each of the eight rows in turn (256
+    bytes at ``256 i``; only for more than :data:`ONE_ROW_MAX` rows); the eight rows'
+    scales ``d`` (float32 ``[8]`` at ``32 i``); ``d`` times the sum of their quants, of
+    the first 16, of the last 16 (three areas of ``[8]`` at ``32 i``); and the int32
+    ``-sum`` of the quants of the first and of the last 16 (two areas of ``[8]`` at ``32
+    i``), which the kernels shift by a format's offset. The lanes of missing rows in the
+    last group are zeros. A block with a value that is not finite gets ``d = nan`` and
+    zero quants, so that products with it are nan, as in float32."""
     n = x.shape[0]
     n_in = n // k
     nb = n_in // 32
     blocks = (k + 7) // 8 * nb
     head = buf[:16].view(np.int64)
     head[0], head[1] = n_in, k
-    xt, ot, dxt, sxt = _areas(n, blocks)
-    buf[xt:].fill(0)
-    xq = buf[HEADER : HEADER + n].view(np.int8)
-    offs = buf[HEADER + n : HEADER + 6 * n].view(np.int32)
-    tq = buf[xt:ot].view(np.int8)
-    toffs = buf[ot:dxt].view(np.int32)
-    tf = buf[dxt : sxt + 96 * blocks].view(np.float32)  # d, sum, first and last 16
-    area, tarea = n // 4, 16 * blocks
+    xt, ot, dxt, _ = _areas(n, blocks)
+    wide = k > ONE_ROW_MAX
+    if k % 8:
+        buf[xt:].fill(0)
+    words = buf[HEADER : HEADER + n].view(np.int32)
+    tq = buf[xt:dxt].view(np.int32)
+    tf = buf[dxt:ot].view(np.float32)  # d, sum, first and last 16
+    ts = buf[ot : ot + 64 * blocks].view(np.int32)
+    nan, zero = np.float32(np.nan), np.float32(0.0)
     for g in range(n // 32):
         r, b = g // nb, g % nb
         i, lane = (r // 8) * nb + b, r % 8
         o = 32 * g
-        amax = np.float32(0.0)
-        for v in range(32):
-            amax = max(amax, abs(x[o + v]))
-        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-        d = amax / np.float32(127.0)
-        if not np.isfinite(amax):
-            inv, d = np.float32(0.0), np.float32(np.nan)
-        low = high = 0
-        for j in range(8):
-            s = 0
-            for v in range(4 * j, 4 * j + 4):
-                q = round(x[o + v] * inv) if inv > 0 else 0
-                xq[o + v] = q
-                tq[512 * (i // 2) + 64 * j + 32 * (i % 2) + 4 * lane + v - 4 * j] = q
-                s += q
-            at = 8 * g + j
-            offs[at], offs[area + at] = -(s << 2), -(s << 3)
-            offs[2 * area + at], offs[3 * area + at] = -(s << 4), -(s << 5)
-            offs[4 * area + at] = -(s << 7)
-            if j < 4:
-                low += s
-            else:
-                high += s
-        for h in range(2):
-            s = low if h == 0 else high
-            at = 8 * blocks * h + 8 * i + lane
-            toffs[at], toffs[tarea + at] = -(s << 2), -(s << 3)
-            toffs[2 * tarea + at], toffs[3 * tarea + at] = -(s << 4), -(s << 5)
-            toffs[4 * tarea + at] = -(s << 7)
+        if nonfinite32(x, o):
+            d, v = nan, bsplat(0)
+        else:
+            amax = absmax32(x, o)
+            inv = np.float32(127.0) / amax if amax > 0 else zero
+            d, v = amax / np.float32(127.0), quant32(x, o, inv)
+        bstore(buf, HEADER + o, v)
+        if wide:
+            at = 128 * (i // 2) + 8 * (i % 2) + lane
+            for j in range(8):
+                tq[at + 16 * j] = words[8 * g + j]
+        low, high = bsum16(v, 0), bsum16(v, 1)
         at = 8 * i + lane
         tf[at] = d
         tf[8 * blocks + at] = d * np.float32(low + high)
         tf[16 * blocks + at] = d * np.float32(low)
         tf[24 * blocks + at] = d * np.float32(high)
+        ts[at], ts[8 * blocks + at] = -low, -high
 
 
 @njit(cache=True)
@@ -201,7 +191,7 @@ def _group(fmt, w, base, q, g, n, nb, blocks):  # type: ignore[no-untyped-def]
     # the even chunks, 8-15 for the odd ones
     xt, ot, dxt, sxt = _areas(n, blocks)
     area = offset_area(fmt)
-    offs = ot + 64 * blocks * max(area, 0)
+    shift = OFFSET_SHIFTS[max(area, 0)]
     kind = minimum_kind(fmt)
     acc, t = wzero(), wzero()
     for p in range(nb // 2):
@@ -212,7 +202,8 @@ def _group(fmt, w, base, q, g, n, nb, blocks):  # type: ignore[no-untyped-def]
         x = xt + 256 * i
         lo, hi = ipair(0, 0), ipair(0, 0)
         if area >= 0:
-            lo, hi = iload16(q, offs + 32 * i), iload16(q, offs + 32 * blocks + 32 * i)
+            lo = ishl16(iload16(q, ot + 32 * i), shift)
+            hi = ishl16(iload16(q, ot + 32 * blocks + 32 * i), shift)
         lo = dotw(dotw(lo, u, 0, q, x), u, 1, q, x + 64)
         lo = dotw(dotw(lo, u, 2, q, x + 128), u, 3, q, x + 192)
         hi = dotw(dotw(hi, u, 4, q, x + 256), u, 5, q, x + 320)
@@ -233,13 +224,13 @@ def _group(fmt, w, base, q, g, n, nb, blocks):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, inline="always")
-def _block_dot(fmt, w, base, c, q, n, xo, area):  # type: ignore[no-untyped-def]
+def _block_dot(fmt, w, base, c, q, xo, offs):  # type: ignore[no-untyped-def]
     # chunk c of one weight row . the activation block at byte xo: (int32 lanes whose sum
-    # is D, dw, m, m2)
+    # is D, dw, m, m2); offs: the block's offset term z sum(q), by four values
     u, dw, m, m2, sa, sb = chunk(fmt, w, base, c)
     p = dot4(u, q, xo)
-    if area >= 0:
-        p = iadd(p, iload(q, xo + n * (1 + area)))
+    if offset_area(fmt) >= 0:
+        p = ivsub(p, offs)
     if per16(fmt):
         p = imul(p, lanes2(sa, sb))
     return p, dw, m, m2
@@ -250,20 +241,21 @@ def _eight(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
     # eight weight rows (at the byte offsets bases) times activation row r (lanes: the
     # weight rows), as _group computes each row
     _, _, dxt, sxt = _areas(n, blocks)
-    area = offset_area(fmt)
+    z = bsplat(1 << OFFSET_SHIFTS[max(offset_area(fmt), 0)])
     b0, b1, b2, b3, b4, b5, b6, b7 = bases
     acc, t, acc1, t1 = vzero(), vzero(), vzero(), vzero()
     for c in range(nb):
         acc, t, acc1, t1 = acc1, t1, acc, t  # chunk c's parity: acc, t even, acc1, t1 odd
         xo = HEADER + 32 * (r * nb + c)
-        p0, d0, m0, n0 = _block_dot(fmt, w, b0, c, q, n, xo, area)
-        p1, d1, m1, n1 = _block_dot(fmt, w, b1, c, q, n, xo, area)
-        p2, d2, m2, n2 = _block_dot(fmt, w, b2, c, q, n, xo, area)
-        p3, d3, m3, n3 = _block_dot(fmt, w, b3, c, q, n, xo, area)
-        p4, d4, m4, n4 = _block_dot(fmt, w, b4, c, q, n, xo, area)
-        p5, d5, m5, n5 = _block_dot(fmt, w, b5, c, q, n, xo, area)
-        p6, d6, m6, n6 = _block_dot(fmt, w, b6, c, q, n, xo, area)
-        p7, d7, m7, n7 = _block_dot(fmt, w, b7, c, q, n, xo, area)
+        offs = dot4(z, q, xo)  # z times each four quants' sum: exact, shared by the rows
+        p0, d0, m0, n0 = _block_dot(fmt, w, b0, c, q, xo, offs)
+        p1, d1, m1, n1 = _block_dot(fmt, w, b1, c, q, xo, offs)
+        p2, d2, m2, n2 = _block_dot(fmt, w, b2, c, q, xo, offs)
+        p3, d3, m3, n3 = _block_dot(fmt, w, b3, c, q, xo, offs)
+        p4, d4, m4, n4 = _block_dot(fmt, w, b4, c, q, xo, offs)
+        p5, d5, m5, n5 = _block_dot(fmt, w, b5, c, q, xo, offs)
+        p6, d6, m6, n6 = _block_dot(fmt, w, b6, c, q, xo, offs)
+        p7, d7, m7, n7 = _block_dot(fmt, w, b7, c, q, xo, offs)
         d = isums((p0, p1, p2, p3, p4, p5, p6, p7))
         i = (r // 8) * nb + c
         at = 32 * i + 4 * (r % 8)
@@ -292,6 +284,7 @@ def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
     # buffer. One activation row: eight weight rows at a time in the lanes. More: each
     # weight row meets the activation rows eight at a time in the lanes, a slab of
     # SLAB_ROWS of them at a time (each weight row then meets the slab while in L1).
+    literally(fmt)  # one compiled body per format: its branches fold away
     _, k, n, nb, blocks = _layout(q)
     w, size = raw.reshape(-1), raw.shape[1]
     end = w.shape[0]

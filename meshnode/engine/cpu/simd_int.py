@@ -40,6 +40,7 @@ __all__ = [
     "bor",
     "bshl",
     "bshr",
+    "bsplat",
     "bxor",
     "dot4",
     "fload",
@@ -429,3 +430,15 @@ def lane(typingctx: Any, v: Any, i: Any) -> Any:
         return builder.extract_element(args[0], ir.Constant(_I32, index))
 
     return types.float32(v, i), codegen
+
+
+@intrinsic
+def bsplat(typingctx: Any, n: Any) -> Any:
+    """All 32 bytes ``n`` (an integer 0-255)."""
+    if not isinstance(n, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return _splat8(context, builder, args[0], sig.args[0])
+
+    return U8x32(n), codegen

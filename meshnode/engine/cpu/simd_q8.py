@@ -29,18 +29,23 @@ from meshnode.engine.cpu.simd_int import U8x32
 __all__ = [
     "I32x16",
     "U8x64",
+    "absmax32",
+    "bstore",
+    "bsum16",
     "dotw",
     "fload8",
     "fload16",
     "fold",
-    "iadd",
     "iadd16",
     "iload16",
     "imul16",
     "ipair",
+    "ishl16",
     "isums",
     "join64",
     "lane8",
+    "nonfinite32",
+    "quant32",
     "store16",
     "tofloat16",
     "vec8",
@@ -93,18 +98,6 @@ def vmul(typingctx: Any, a: Any, b: Any) -> Any:
         return builder.fmul(args[0], args[1])
 
     return F32x8(a, b), codegen
-
-
-@intrinsic
-def iadd(typingctx: Any, a: Any, b: Any) -> Any:
-    """``a + b`` lane by lane (int32)."""
-    if a != I32x8 or b != I32x8:
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.add(args[0], args[1])
-
-    return I32x8(a, b), codegen
 
 
 @intrinsic
@@ -374,3 +367,125 @@ def store16(typingctx: Any, buf: Any, off: Any, v: Any) -> Any:
         return context.get_dummy_value()
 
     return types.none(buf, off, v), codegen
+
+
+# -- the quantizer: a 32-value block of float32 activations to int8 -----------------------
+
+_VF32 = ir.VectorType(_F, 32)
+
+
+def _block32(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+    # the 32 float32 at element args[1] of the float32 array args[0]
+    data = context.make_array(sig.args[0])(context, builder, args[0]).data
+    ptr = builder.bitcast(builder.gep(data, [args[1]]), _VF32.as_pointer())
+    return builder.load(ptr, align=4)
+
+
+def _is_floats(ty: Any) -> bool:
+    return isinstance(ty, types.Array) and ty.dtype == types.float32 and ty.layout == "C"
+
+
+@intrinsic
+def nonfinite32(typingctx: Any, x: Any, off: Any) -> Any:
+    """Whether one of the 32 float32 at element ``off`` of ``x`` is inf or nan (all
+    exponent bits set)."""
+    if not _is_floats(x):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        bits = builder.bitcast(_block32(context, builder, sig, args), _VW)
+        top = ir.Constant(_VW, [0x7F800000] * 32)
+        hit = builder.icmp_unsigned("==", builder.and_(bits, top), top)
+        word = builder.bitcast(hit, ir.IntType(32))
+        return builder.icmp_unsigned("!=", word, ir.Constant(ir.IntType(32), 0))
+
+    return types.boolean(x, off), codegen
+
+
+@intrinsic
+def absmax32(typingctx: Any, x: Any, off: Any) -> Any:
+    """``max |x[off : off + 32]|`` (float32; the values finite: :func:`nonfinite32`)."""
+    if not _is_floats(x):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        bits = builder.bitcast(_block32(context, builder, sig, args), _VW)
+        v = builder.bitcast(builder.and_(bits, ir.Constant(_VW, [0x7FFFFFFF] * 32)), _VF32)
+        width = 32
+        while width > 1:  # a max is exact: any order gives the same value
+            width //= 2
+            vty = ir.VectorType(_I32, width)
+            lo = builder.shuffle_vector(v, v, ir.Constant(vty, list(range(width))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(vty, list(range(width, 2 * width))))
+            v = builder.select(builder.fcmp_ordered(">", lo, hi), lo, hi)
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return types.float32(x, off), codegen
+
+
+@intrinsic
+def quant32(typingctx: Any, x: Any, off: Any, inv: Any) -> Any:
+    """The 32 float32 at element ``off`` of ``x`` times ``inv`` (a float32), rounded to
+    the nearest integer (ties to even, as ``round``), as int8 bytes (``|x inv| <= 127``)."""
+    if not _is_floats(x) or inv != types.float32:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        v = _block32(context, builder, sig, args)
+        undef = ir.Constant(_VF32, ir.Undefined)
+        one = builder.insert_element(undef, args[2], ir.Constant(_I32, 0))
+        scaled = builder.fmul(v, builder.shuffle_vector(one, undef, ir.Constant(_VW, [0] * 32)))
+        rint = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            builder.module, ir.FunctionType(_VF32, [_VF32]), "llvm.rint.v32f32"
+        )
+        return builder.trunc(builder.fptosi(builder.call(rint, [scaled]), _VW), _VB)
+
+    return U8x32(x, off, inv), codegen
+
+
+@intrinsic
+def bstore(typingctx: Any, buf: Any, off: Any, v: Any) -> Any:
+    """The 32 bytes ``v`` to byte ``off`` of a ``uint8`` buffer."""
+    if not _is_bytes(buf) or v != U8x32:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        builder.store(args[2], _pointer(context, builder, sig.args[0], args[0], args[1], _VB))
+        return context.get_dummy_value()
+
+    return types.none(buf, off, v), codegen
+
+
+@intrinsic
+def bsum16(typingctx: Any, v: Any, h: Any) -> Any:
+    """The sum of bytes ``16 h .. 16 h + 15`` of ``v`` as int8 (``h`` a literal 0 or 1):
+    an int32."""
+    if v != U8x32 or not isinstance(h, types.IntegerLiteral):
+        return None
+    first = 16 * h.literal_value
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        half = builder.shuffle_vector(
+            args[0], args[0], ir.Constant(_VI16, list(range(first, first + 16)))
+        )
+        wide = builder.sext(half, _VI16)
+        add = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            builder.module, ir.FunctionType(_I32, [_VI16]), "llvm.vector.reduce.add.v16i32"
+        )
+        return builder.call(add, [wide])
+
+    return types.int32(v, h), codegen
+
+
+@intrinsic
+def ishl16(typingctx: Any, v: Any, n: Any) -> Any:
+    """``v << n`` lane by lane (sixteen int32; ``n`` an integer, the same for all)."""
+    if v != I32x16 or not isinstance(n, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        count = context.cast(builder, args[1], sig.args[1], types.int32)
+        one = builder.insert_element(ir.Constant(_VI16, ir.Undefined), count, ir.Constant(_I32, 0))
+        return builder.shl(args[0], builder.shuffle_vector(one, one, ir.Constant(_VI16, [0] * 16)))
+
+    return I32x16(v, n), codegen
