@@ -15,14 +15,27 @@ three stages of a real in-process mesh (coordinator, workers and the wire codec;
 cross as encoded bytes over in-memory streams), the pipeline ``meshnode join --split 3``
 runs, minus the TLS and sockets.
 
-Printed per configuration: aggregate tokens/s (all tokens / wall time of the whole run),
-p50/p99 time to first token and time per output token over the streams, and ratios:
-batched over unbatched, and aggregate tokens/s over one stream's. On one node, for batching
-on, also where a step's time goes: the median forward (``fwd``) and the median time from
-the end of one forward to the start of the next (``between``: sampling, the thread
-handoffs, the generation loops of all streams and the batcher). The last line measures a
+``--baseline unqueued`` compares batching on with batching on as the generation loop ran
+it before it queued each sequence's next decode frame ahead (before handing the token to
+its client), instead of with batching off.
+
+``--rounds N`` runs every configuration N times, alternating (each round: every ``S``,
+batching on then the baseline), and prints medians: the load of a shared machine drifts
+within seconds, and one 32-token run of one stream lasts a third of a second.
+
+Printed per configuration: aggregate tokens/s (all tokens / wall time of the whole run;
+the median over the rounds), p50/p99 time to first token and time per output token over
+the streams of all rounds, and ratios (medians over the rounds of each round's ratio):
+batched over the baseline, and aggregate tokens/s over the first ``S``'s. On one node,
+for batching on, also where the run's time goes: its prefill forwards (forwards of more
+rows than streams: the prompts; their share of the wall), the median decode forward
+(``fwd``) and the median time from the end of one forward to the start of the next
+(``between``: sampling, the thread handoffs, the generation loops of all streams and the
+batcher), and the baseline's ``between``. ``S`` streams' aggregate over one stream's is
+at most ``S x (P1 + n f1) / (PS + n fS)`` whatever happens between forwards (``P``:
+prefill, ``f``: decode forward, ``n``: tokens after the first). The last lines measure a
 new request's time to first token while 8 other streams decode, over its idle value (goal
-≤ 2), and 8 streams' aggregate over one stream's (goal ≥ 4, one node).
+≤ 2); the goal for 8 streams' aggregate is ≥ 4x one stream's (one node).
 
 ``--temperature T`` samples instead (seeded, each stream its own seed; the API's default
 is temperature 1), so that the sampler's cost per token shows.
@@ -31,8 +44,8 @@ is temperature 1), so that the sampler's cost per token shows.
 service (as ``meshnode join`` on one machine builds it) behind the node's app and
 hypercorn on loopback, and a client in another process streaming ``/v1/completions``
 (``S`` at once, usage included), so every token also crosses the SSE layer and a socket.
-Printed per ``S``: completion tokens/s as the client sees them, and ``fwd``/``between``
-as above.
+Printed per ``S`` (and per variant, with ``--baseline unqueued``) and round: completion
+tokens/s as the client sees them, and ``fwd``/``between`` as above; then medians.
 
 The machine is shared: ``uptime`` is printed first and last; compare ratios, not times.
 """
@@ -67,7 +80,7 @@ from meshnode.engine.sampling import SamplingParams
 from meshnode.node.batcher import BatchLimits
 from meshnode.node.config import Address
 from meshnode.node.local import LocalPipeline
-from meshnode.node.pipeline import Pipeline, RequestId
+from meshnode.node.pipeline import Pipeline, RequestId, StepFrame, StepResult
 from meshnode.node.relay import DataMessage, Relay
 from meshnode.node.remote import RemotePipeline, is_data_reply
 from meshnode.node.stage import StageRunner
@@ -131,16 +144,17 @@ def sampling(stream: int) -> SamplingParams:
 
 
 class ForwardClock:
-    """Times every forward of a stage (its ``forward_batch``, wrapped on the instance)."""
+    """Times every forward of a stage (its ``forward_batch``, wrapped on the instance),
+    with its rows."""
 
     def __init__(self, stage: Stage) -> None:
-        self.spans: list[tuple[float, float]] = []
+        self.spans: list[tuple[float, float, int]] = []
         inner = stage.forward_batch
 
         def timed(items: Any) -> list[Any]:
             began = time.perf_counter()
             out = inner(items)
-            self.spans.append((began, time.perf_counter()))
+            self.spans.append((began, time.perf_counter(), sum(len(i.inputs) for i in items)))
             return out
 
         stage.forward_batch = timed  # type: ignore[method-assign]
@@ -151,9 +165,46 @@ class ForwardClock:
         spans = self.spans[3:-3] or self.spans
         if len(spans) < 2:
             return ""
-        fwd = statistics.median(b - a for a, b in spans) * 1e3
+        fwd = statistics.median(b - a for a, b, _ in spans) * 1e3
         gap = statistics.median(n[0] - p[1] for p, n in itertools.pairwise(spans)) * 1e3
         return f" | fwd p50 {fwd:5.1f} ms, between p50 {gap:4.2f} ms"
+
+    def cut(self, streams: int) -> Cut:
+        """Where the last run's time went: its prefill forwards (more rows than streams),
+        its decode forwards and the gaps between forwards."""
+        decode = [b - a for a, b, rows in self.spans if rows <= streams]
+        gaps = [n[0] - p[1] for p, n in itertools.pairwise(self.spans)]
+        prefill = sum(b - a for a, b, rows in self.spans if rows > streams)
+        return Cut(prefill, statistics.median(decode or [0.0]), statistics.median(gaps or [0.0]))
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One run's time by part, in seconds: all its prefill forwards, the median decode
+    forward and the median gap between forwards (sampling, thread hand-offs, the
+    generation loops and the batcher)."""
+
+    prefill_s: float
+    decode_s: float
+    between_s: float
+
+
+class Unqueued:
+    """A pipeline as the generation loop saw one before it queued decode frames ahead
+    (``run`` and ``release`` only: ``--baseline unqueued``)."""
+
+    def __init__(self, inner: Pipeline) -> None:
+        self.inner = inner
+
+    @property
+    def context_size(self) -> int:
+        return self.inner.context_size
+
+    async def run(self, frame: StepFrame) -> StepResult:
+        return await self.inner.run(frame)
+
+    async def release(self, request_id: RequestId) -> None:
+        await self.inner.release(request_id)
 
 
 async def one_stream(
@@ -274,18 +325,47 @@ async def three_stages(
     return pipeline
 
 
-def _cell(m: Measure) -> str:
-    ttft = f"TTFT p50 {m.pct('ttft_s', 0.5) * 1e3:5.0f} p99 {m.pct('ttft_s', 0.99) * 1e3:5.0f}"
-    tpot = f"TPOT p50 {m.pct('tpot_s', 0.5) * 1e3:4.0f} p99 {m.pct('tpot_s', 0.99) * 1e3:4.0f}"
-    return f"{m.tok_s:6.1f} tok/s {ttft} {tpot} ms"
+def _cell(runs: list[Measure]) -> str:
+    """Median tokens/s over the rounds; TTFT and TPOT percentiles over all their streams."""
+    p = Measure([st for m in runs for st in m.streams], 1.0).pct
+    ttft = f"TTFT p50 {p('ttft_s', 0.5) * 1e3:5.0f} p99 {p('ttft_s', 0.99) * 1e3:5.0f}"
+    tpot = f"TPOT p50 {p('tpot_s', 0.5) * 1e3:4.0f} p99 {p('tpot_s', 0.99) * 1e3:4.0f}"
+    return f"{statistics.median(m.tok_s for m in runs):6.1f} tok/s {ttft} {tpot} ms"
+
+
+def _ratio(a: list[Measure], b: list[Measure]) -> float:
+    """Median over the rounds of ``a``'s tokens/s over ``b``'s in the same round (both
+    measured minutes apart at most: the machine's load changes less within a round)."""
+    return statistics.median(x.tok_s / y.tok_s for x, y in zip(a, b, strict=True))
+
+
+def _cuts(cuts: list[Cut], wall_s: float) -> str:
+    prefill = statistics.median(c.prefill_s for c in cuts) * 1e3
+    fwd = statistics.median(c.decode_s for c in cuts) * 1e3
+    gap = statistics.median(c.between_s for c in cuts) * 1e3
+    share = prefill / wall_s / 1e3 * 100
+    return (
+        f"prefill {prefill:4.0f} ms ({share:2.0f} %), fwd p50 {fwd:5.1f}, between p50 {gap:4.2f} ms"
+    )
+
+
+Cuts = dict[tuple[str, int], list[Cut]]
 
 
 def report(
-    name: str, n: int, on: Measure, off: Measure, base: tuple[float, float], steps: str = ""
+    name: str, n: int, runs: dict[tuple[str, int], list[Measure]], first: int, cuts: Cuts
 ) -> None:
-    ratios = f"on/off {on.tok_s / off.tok_s:4.2f}"
-    ratios += f" | vs 1 stream: on {on.tok_s / base[0]:4.2f} off {off.tok_s / base[1]:4.2f}"
-    print(f"{name:5} {n:2} | on {_cell(on)} | off {_cell(off)} | {ratios}{steps}", flush=True)
+    on, off = runs["on", n], runs["off", n]
+    ratios = f"on/off {_ratio(on, off):4.2f}"
+    ratios += f" | vs {first} stream: on {_ratio(on, runs['on', first]):4.2f}"
+    ratios += f" off {_ratio(off, runs['off', first]):4.2f}"
+    line = f"{name:5} {n:2} | on {_cell(on)} | off {_cell(off)} | {ratios}"
+    if cuts:
+        wall = statistics.median(m.wall_s for m in on)
+        line += f" | on: {_cuts(cuts['on', n], wall)}"
+        gap = statistics.median(c.between_s for c in cuts["off", n]) * 1e3
+        line += f" | off: between p50 {gap:4.2f} ms"
+    print(line, flush=True)
 
 
 async def bench(
@@ -295,26 +375,35 @@ async def bench(
     args: argparse.Namespace,
     clock: ForwardClock | None = None,
 ) -> None:
+    """Batching on against the baseline (``--baseline``), ``--rounds`` times, alternating."""
     on = await make(BatchLimits(max_frames=MAX_SEQUENCES))
-    off = await make(BatchLimits(enabled=False))
+    if args.baseline == "unqueued":
+        off: Pipeline = Unqueued(await make(BatchLimits(max_frames=MAX_SEQUENCES)))
+    else:
+        off = await make(BatchLimits(enabled=False))
     # Warm-up: first-call costs out of the figures. As many streams as the largest run, so
     # that its batch shapes are not first seen in it (at d91eb01 a process's first 8-prompt
     # prefill step took 2.1-2.5 s against ~0.6 s for the next ones, after a 2-prompt one).
     await measure(on, prompts, max(args.streams), 4)
     await measure(off, prompts, 2, 4)
-    base: tuple[float, float] | None = None
+    runs: dict[tuple[str, int], list[Measure]] = {}
+    cuts: Cuts = {}
+    for _ in range(args.rounds):
+        for n in args.streams:
+            for label, pipeline in (("on", on), ("off", off)):
+                if clock is not None:
+                    clock.spans.clear()
+                runs.setdefault((label, n), []).append(
+                    await measure(pipeline, prompts, n, args.max_tokens)
+                )
+                if clock is not None:
+                    cuts.setdefault((label, n), []).append(clock.cut(n))
     for n in args.streams:
-        if clock is not None:
-            clock.spans.clear()
-        batched = await measure(on, prompts, n, args.max_tokens)
-        steps = clock.summary() if clock is not None else ""
-        plain = await measure(off, prompts, n, args.max_tokens)
-        base = base or (batched.tok_s, plain.tok_s)
-        report(name, n, batched, plain, base, steps)
+        report(name, n, runs, args.streams[0], cuts)
     for label, pipeline in (("on", on), ("off", off)):
         idle, loaded = await ttft_under_load(pipeline, prompts, args.max_tokens)
         print(
-            f"{name:5} new request's TTFT, batching {label}: idle {idle * 1e3:.0f} ms, "
+            f"{name:5} new request's TTFT, {label}: idle {idle * 1e3:.0f} ms, "
             f"with 8 streams decoding {loaded * 1e3:.0f} ms, ratio {loaded / idle:.2f}",
             flush=True,
         )
@@ -373,20 +462,49 @@ async def api_bench(args: argparse.Namespace, backend: Backend) -> None:
     clock = ForwardClock(service.pipeline.runner.stage)  # type: ignore[union-attr]
     app = create_app(lambda: {"node": {"node_id": "bench"}})
     mount_openai(app, service)
+    queued = service.pipeline
+    assert queued is not None
+    variants: list[tuple[str, Pipeline]] = [("on", queued)]
+    if args.baseline == "unqueued":
+        variants.append(("unqueued", Unqueued(queued)))
+    rates: dict[tuple[str, int], list[float]] = {}
     async with trio.open_nursery() as nursery:
         address = await nursery.start(serve_api, app, Address("127.0.0.1", 0))
         prompts = json.dumps(PROMPT_TEXTS).encode()
-        for n in [max(args.streams), *args.streams]:  # the first run warms up
-            clock.spans.clear()
+
+        async def client(n: int) -> float:
             url, temperature = f"http://{address}", str(SAMPLING.temperature)
             argv = [url, service.model_id, str(n), str(args.max_tokens), temperature]
             done = await trio.run_process(
                 [sys.executable, "-c", API_CLIENT, *argv], stdin=prompts, capture_stdout=True
             )
             tokens, seconds = done.stdout.split()
-            rate = int(tokens) / float(seconds)
-            print(f"api   {n:2} | {rate:6.1f} tok/s at the client{clock.summary()}", flush=True)
+            return int(tokens) / float(seconds)
+
+        await client(max(args.streams))  # warm-up
+        for _ in range(args.rounds):
+            for n in args.streams:
+                for label, pipeline in variants:
+                    service.pipeline = pipeline
+                    clock.spans.clear()
+                    rate = await client(n)
+                    rates.setdefault((label, n), []).append(rate)
+                    print(
+                        f"api   {n:2} {label:8} | {rate:6.1f} tok/s at the client{clock.summary()}",
+                        flush=True,
+                    )
         nursery.cancel_scope.cancel()
+    first = args.streams[0]
+    for label, _ in variants:
+        for n in args.streams:
+            ratio = statistics.median(
+                x / y for x, y in zip(rates[label, n], rates[label, first], strict=True)
+            )
+            median = statistics.median(rates[label, n])
+            print(
+                f"api   {n:2} {label:8} | median {median:6.1f} tok/s, vs {first} "
+                f"stream {ratio:4.2f}"
+            )
 
 
 def uptime() -> str:
@@ -413,6 +531,14 @@ def main() -> None:
     topologies = ["one", "three"]
     parser.add_argument("--topologies", nargs="+", default=topologies, choices=topologies)
     parser.add_argument("--api", action="store_true", help="through the HTTP API instead")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds; medians")
+    parser.add_argument(
+        "--baseline",
+        default="unbatched",
+        choices=["unbatched", "unqueued"],
+        help="what batching on is compared with: batching off, or batching on without "
+        "the decode frames queued ahead (the generation loop before it queued them)",
+    )
     args = parser.parse_args()
     global SAMPLING
     SAMPLING = SamplingParams(temperature=args.temperature)

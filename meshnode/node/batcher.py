@@ -113,6 +113,23 @@ class Slot(Generic[T]):
     done: bool = False
 
 
+@dataclass(eq=False, slots=True)
+class Queued(Generic[T]):
+    """A frame a :class:`Batcher` holds in line (:meth:`Batcher.enqueue`), as the
+    generation loop's ``QueuedPass``."""
+
+    batcher: Batcher[T]
+    slot: Slot[T]
+
+    async def result(self) -> T:
+        """The frame's output (:meth:`Batcher.wait`)."""
+        return await self.batcher.wait(self.slot)
+
+    def cancel(self) -> None:
+        """Withdraw the frame if no step took it yet."""
+        self.batcher.withdraw(self.slot)
+
+
 #: Runs one step: fills every slot's ``output`` or ``error``. Called with no other step
 #: running; it is shielded from cancellation (the step serves other requests too).
 StepFn = Callable[[list["Slot[T]"]], Awaitable[None]]
@@ -142,8 +159,19 @@ class Batcher(Generic[T]):
     async def submit(self, frame: StepFrame) -> T:
         """Run ``frame`` in a step; its output. Raises the error the step set for it
         (a PipelineError, or the engine's RollbackError)."""
+        return await self.wait(self.enqueue(frame))
+
+    def enqueue(self, frame: StepFrame) -> Slot[T]:
+        """Put ``frame`` in line for the next steps at once, without waiting: a step led
+        by any task may take it. :meth:`wait` gives its output; :meth:`withdraw` takes it
+        back while no step has taken it."""
         slot: Slot[T] = Slot(frame)
         self._pending.append(slot)
+        return slot
+
+    async def wait(self, slot: Slot[T]) -> T:
+        """The output of an enqueued ``slot``, leading steps until one has run it (as
+        :meth:`submit`). Cancelled before any step took it, the slot is withdrawn."""
         try:
             while not slot.done:
                 if self._turn.busy:
@@ -152,12 +180,17 @@ class Batcher(Generic[T]):
                 async with self._holding():
                     await self._run_step()
         finally:
-            if slot in self._pending:  # cancelled before any step took it
-                self._pending.remove(slot)
+            self.withdraw(slot)
         if slot.error is not None:
             raise slot.error
         assert slot.output is not None, "a step left a slot without output or error"
         return slot.output
+
+    def withdraw(self, slot: Slot[T]) -> None:
+        """Take ``slot`` out of line if no step has taken it yet (else its step runs it and
+        its output is dropped)."""
+        if slot in self._pending:
+            self._pending.remove(slot)
 
     @asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import trio
 
-from meshnode.node.batcher import Batcher, BatchLimits, Slot
-from meshnode.node.pipeline import RequestId, StepFrame, StepResult
+from meshnode.node.batcher import Batcher, BatchLimits, Queued, Slot
+from meshnode.node.pipeline import QueuedPass, RequestId, StepFrame, StepResult
 from meshnode.node.stage import StageRunner, step_results
 
 __all__ = ["LocalPipeline"]
@@ -37,6 +37,9 @@ class LocalPipeline:
 
     async def run(self, frame: StepFrame) -> StepResult:
         return await self.batcher.submit(frame)
+
+    def queue(self, frame: StepFrame) -> QueuedPass:
+        return Queued(self.batcher, self.batcher.enqueue(frame))
 
     async def release(self, request_id: RequestId) -> None:
         # Between steps, so a release never races the worker thread's use of the cache.

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NewType, Protocol
+from typing import TYPE_CHECKING, Any, NewType, Protocol, runtime_checkable
 
 from meshnode.errors import MeshnodeError
 
@@ -163,4 +163,28 @@ class Pipeline(Protocol):
 
     async def release(self, request_id: RequestId) -> None:
         """Free the sequence's KV on every stage. Idempotent; never raises for unknown ids."""
+        ...
+
+
+class QueuedPass(Protocol):
+    """A pass put in line before its caller waits for it (:meth:`QueuingPipeline.queue`)."""
+
+    async def result(self) -> StepResult:
+        """Wait for the pass (as :meth:`Pipeline.run` does). Raises :class:`PipelineError`."""
+        ...
+
+    def cancel(self) -> None:
+        """Take the pass back if it has not started (its result is dropped otherwise)."""
+        ...
+
+
+@runtime_checkable
+class QueuingPipeline(Pipeline, Protocol):
+    """A pipeline whose passes can be put in line ahead of time: the generation loop
+    queues a sequence's next decode frame as soon as it has the token, before it hands
+    the token to its client, so that a step never waits for one client's I/O and a
+    client's I/O overlaps the next forward."""
+
+    def queue(self, frame: StepFrame) -> QueuedPass:
+        """Put ``frame`` in line for the next step now; :meth:`QueuedPass.result` waits."""
         ...

@@ -63,6 +63,7 @@ from meshnode.net.stream import SEND_ERRORS
 from meshnode.node.batcher import Batcher, BatchLimits, Slot
 from meshnode.node.pipeline import (
     PipelineError,
+    QueuedPass,
     RequestId,
     StageLostError,
     StepFrame,
@@ -150,6 +151,25 @@ class _Waiter:
         self.done.set()
 
 
+@dataclass(eq=False, slots=True)
+class _Queued:
+    """A frame in line at stage 0's batcher (:meth:`RemotePipeline.queue`)."""
+
+    pipeline: RemotePipeline
+    frame: StepFrame
+    slot: Slot[_Waiter]
+
+    async def result(self) -> StepResult:
+        pipeline = self.pipeline
+        if pipeline.failure is not None:
+            pipeline.batcher.withdraw(self.slot)
+            raise pipeline._lost()
+        return await pipeline._answer(self.frame, await pipeline.batcher.wait(self.slot))
+
+    def cancel(self) -> None:
+        self.pipeline.batcher.withdraw(self.slot)
+
+
 class RemotePipeline:
     """A :class:`~meshnode.node.pipeline.Pipeline` over the stages of one run."""
 
@@ -202,7 +222,13 @@ class RemotePipeline:
     async def run(self, frame: StepFrame) -> StepResult:
         if self.failure is not None:
             raise self._lost()
-        waiter = await self.batcher.submit(frame)
+        return await self._answer(frame, await self.batcher.submit(frame))
+
+    def queue(self, frame: StepFrame) -> QueuedPass:
+        return _Queued(self, frame, self.batcher.enqueue(frame))
+
+    async def _answer(self, frame: StepFrame, waiter: _Waiter) -> StepResult:
+        """Wait for the prediction of a frame that stage 0 has sent on (``waiter``)."""
         try:
             with trio.move_on_at(waiter.deadline_at):
                 await waiter.done.wait()

@@ -8,8 +8,10 @@ string, and finishes on EOS (``stop``), a stop string (``stop``) or the token bu
 :func:`generate` drives it over a :class:`~meshnode.node.pipeline.Pipeline`, as a ladder:
 prefill the prompt in chunks, then either decode one token or, when a proposer offers
 drafts, verify ``[last, d1 … dk]`` in one pass and commit what was accepted. Each pass
-yields a :class:`Delta` for the client. Leaving the loop for any reason (finish, error,
-client gone, cancellation) releases the sequence on every stage.
+yields a :class:`Delta` for the client; a plain decode's next frame is queued first (on a
+``QueuingPipeline``), so the next batched step never waits for one client's I/O, which
+overlaps the forward instead. Leaving the loop for any reason (finish, error, client gone,
+cancellation) drops a queued frame and releases the sequence on every stage.
 
 A hybrid stage rolls its recurrent state back only as far as its snapshot ring reaches
 (:mod:`meshnode.engine.recurrent`); a frame that starts further back fails there with
@@ -47,12 +49,15 @@ from meshnode.engine.sampling import random_seed
 from meshnode.node.pipeline import (
     FrameKind,
     Pipeline,
+    QueuedPass,
+    QueuingPipeline,
     RequestId,
     StageLostError,
     StepFrame,
     StepResult,
     TokenLogprob,
 )
+from meshnode.serve.stops import find_stop, first_stop, held_back
 from meshnode.speculative.mtp import MtpProposer
 from meshnode.speculative.telemetry import SpecStats
 from meshnode.speculative.window import StepCosts, Window, WindowPolicy
@@ -186,33 +191,6 @@ class GenerationState:
         self.finish_reason = reason
         self._pending = ""
         return text
-
-
-def find_stop(text: str, stops: Sequence[str]) -> int | None:
-    """The index where the earliest stop string starts in ``text``, or ``None``."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
-
-
-def first_stop(text: str, stops: Sequence[str]) -> str | None:
-    """The stop string found earliest in ``text`` (the first listed on a tie), or ``None``."""
-    found = [(i, n, s) for n, s in enumerate(stops) if (i := text.find(s)) >= 0]
-    return min(found)[2] if found else None
-
-
-def held_back(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters of ``text`` could be the start of a stop string.
-
-    Those must not be shown yet: the next token may complete the stop string, and stop
-    strings are never part of the reply.
-    """
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest
 
 
 def prefill_chunks(prompt: Sequence[int], chunk_tokens: int) -> list[tuple[int, list[int]]]:
@@ -354,9 +332,12 @@ async def generate(
     driver = _Driver(pipeline, run, speculation, replacement)
     try:
         while not run.state.finished:
-            yield await driver.step()
+            delta = await driver.step()
+            driver.queue_next()  # before the delta goes to the client: module docstring
+            yield delta
         run.timings.finished = trio.current_time()
     finally:
+        driver.drop_queued()
         with trio.CancelScope(shield=True):
             await driver.pipeline.release(run.request_id)
 
@@ -378,6 +359,29 @@ class _Driver:
         self.proposer: Proposer | None = None
         self.window: Window | None = None
         self.rebuild = False  # the pipeline is new: its stages hold nothing of the request
+        self.queued: _Ahead | None = None  # the next decode frame, in line already
+        self.queue = _queue_of(pipeline)
+
+    def queue_next(self) -> None:
+        """Put the next plain decode frame in line now, where the pipeline can (a
+        :class:`QueuingPipeline`) and the next step is one (no drafts to propose, no
+        history to replay): it is the frame :func:`_decode_step` would send."""
+        if self.run.state.finished or self.rebuild or self.queued or self.queue is None:
+            return
+        if self.window is None and self.speculation is not None:
+            self._speculate(self.speculation)
+        if self.proposer is not None:
+            return
+        frame = _frame(
+            self.run, FrameKind.DECODE, len(self.run.history) - 1, [self.run.history[-1]]
+        )
+        self.queued = _Ahead(frame, self.queue(frame), trio.current_time())
+
+    def drop_queued(self) -> None:
+        """Take back a frame queued for a step that will not come (the loop ended)."""
+        if self.queued is not None:
+            self.queued.handle.cancel()
+            self.queued = None
 
     async def step(self) -> Delta:
         """The next pass's delta: the prefill's first, then one decode or verify step;
@@ -392,6 +396,13 @@ class _Driver:
                     self.rebuild = False
                 if self.window is None and self.speculation is not None:
                     self._speculate(self.speculation)
+                if self.queued is not None:  # a plain decode step, in line already
+                    queued, self.queued = self.queued, None
+                    _, delta = await _pass(self.pipeline, self.run, queued.frame, queued)
+                    self.run.spec.record(0, 0, trio.current_time() - queued.since)
+                    if delta is None:
+                        raise RuntimeError("a decode pass returned no token")
+                    return delta
                 return await _decode_step(
                     self.pipeline, self.run, self.proposer, self.speculation, self.window
                 )
@@ -420,6 +431,7 @@ class _Driver:
         )
         with trio.move_on_after(REPLAY_WAIT_S):
             self.pipeline = await self.replacement(self.pipeline)
+            self.queue = _queue_of(self.pipeline)
             self.rebuild = True
             return
         raise StageLostError(f"{lost}; no pipeline came back within {REPLAY_WAIT_S:.0f} s")
@@ -436,12 +448,13 @@ def _seeded(params: GenerationParams) -> GenerationParams:
 
 
 async def _pass(
-    pipeline: Pipeline, run: GenerationRun, frame: StepFrame
+    pipeline: Pipeline, run: GenerationRun, frame: StepFrame, queued: _Ahead | None = None
 ) -> tuple[StepResult, Delta | None]:
-    """Run one frame; commit its tokens if it returns any."""
-    began = trio.current_time()
+    """Run one frame (``queued``: already in line since then); commit its tokens if it
+    returns any."""
+    began = trio.current_time() if queued is None else queued.since
     try:
-        result = await pipeline.run(frame)
+        result = await (pipeline.run(frame) if queued is None else queued.handle.result())
     except RollbackError:
         await _refold(pipeline, run, frame.start_pos)
         result = await pipeline.run(frame)  # a second failure is a real one
@@ -545,6 +558,20 @@ async def _decode_step(
         proposer.on_result(len(drafts), accepted, seconds=seconds)
         window.update(len(drafts), accepted, seconds)
     return delta
+
+
+def _queue_of(pipeline: Pipeline) -> Callable[[StepFrame], QueuedPass] | None:
+    """The pipeline's ``queue`` where it has one (a :class:`QueuingPipeline`)."""
+    return pipeline.queue if isinstance(pipeline, QueuingPipeline) else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Ahead:
+    """A decode frame queued before its step (:meth:`_Driver.queue_next`)."""
+
+    frame: StepFrame
+    handle: QueuedPass
+    since: float  # trio clock: when it was queued
 
 
 def _frame(

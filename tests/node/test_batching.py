@@ -9,6 +9,7 @@ batched product's float32 rounding never decides a greedy tie); the runner is th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import aclosing
 
 import pytest
 import trio
@@ -19,7 +20,7 @@ from meshnode.engine.sampling import SamplingParams
 from meshnode.node.batcher import BatchLimits, plan_batch
 from meshnode.node.local import LocalPipeline
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame, StepResult
-from meshnode.node.stage import StageRunner
+from meshnode.node.stage import StageError, StageRunner
 from meshnode.serve.generation import (
     GenerationParams,
     GenerationRun,
@@ -59,10 +60,18 @@ class RecordingRunner(StageRunner):
     def __init__(self, stage: Stage) -> None:
         super().__init__(stage, context_size=CONTEXT, max_sequences=8)
         self.steps: list[list[StepFrame]] = []
+        self.refused: list[StepFrame] = []  # frames a step brought that did not fit
 
     def results_batch(self, frames: Sequence[StepFrame]) -> list[StepResult]:
         self.steps.append(list(frames))
         return super().results_batch(frames)
+
+    def admit(self, frame: StepFrame) -> None:
+        try:
+            super().admit(frame)
+        except StageError:
+            self.refused.append(frame)
+            raise
 
 
 @pytest.fixture(scope="module")
@@ -246,6 +255,64 @@ async def test_batched_verify_windows_equal_plain_decoding(stage: Stage) -> None
     mixed = [s for s in runner.steps if sum(f.kind is FrameKind.VERIFY for f in s) >= 2]
     assert mixed, "no step carried two verify windows"
     assert sum(r.spec.accepted for r in runs) > 0
+
+
+async def test_the_next_decode_frame_is_in_line_before_the_client_sees_a_token(
+    stage: Stage,
+) -> None:
+    """Each delta reaches the client with the sequence's next decode frame already queued
+    at the batcher (the frame the loop would send next), so the next step does not wait
+    for this client; after the last token nothing is queued and the sequence is gone."""
+    pipeline = LocalPipeline(RecordingRunner(stage))
+    run = _run("r0", PROMPTS[0], 6, GREEDY)
+    seen = 0
+    async with aclosing(generate(pipeline, run)) as deltas:
+        async for _ in deltas:
+            seen += 1
+            queued = [slot.frame for slot in pipeline.batcher._pending]
+            if run.state.finished:
+                assert queued == []
+                continue
+            (frame,) = queued
+            assert frame.kind is FrameKind.DECODE
+            assert frame.start_pos == len(run.history) - 1
+            assert frame.tokens == (run.history[-1],)
+    assert seen == 6
+    assert run.state.tokens == await _solo(stage, PROMPTS[0], 6, GREEDY)
+    assert pipeline.runner.live_sequences == 0
+    assert pipeline.batcher._pending == []
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.01], ids=["at-once", "after-a-step"])
+async def test_a_client_that_stops_reading_takes_its_queued_frame_back(
+    stage: Stage, pause: float
+) -> None:
+    """A client that leaves mid-stream, its generator closed with a frame in line (still
+    waiting, or taken by the other stream's step during the pause), leaves no frame and
+    no sequence behind: no later step brings its frame, and the stream beside it still
+    equals its solo run."""
+    solo = await _solo(stage, PROMPTS[2], 20, GREEDY)
+    runner = RecordingRunner(stage)
+    pipeline = LocalPipeline(runner)
+    left = _run("left", PROMPTS[0], 20, GREEDY)
+    stays = _run("stays", PROMPTS[2], 20, GREEDY)
+
+    async def leaver() -> None:
+        async with aclosing(generate(pipeline, left)) as deltas:
+            async for _ in deltas:
+                if len(left.state.tokens) == 3:
+                    if pause:
+                        await trio.sleep(pause)
+                    break
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(leaver)
+        nursery.start_soon(_drive, pipeline, stays)
+    assert stays.state.tokens == solo
+    assert len(left.state.tokens) == 3
+    assert runner.refused == []  # no step brought a frame of the released sequence
+    assert runner.live_sequences == 0
+    assert pipeline.batcher._pending == []
 
 
 def _frame(request: str, kind: FrameKind, tokens: int) -> StepFrame:

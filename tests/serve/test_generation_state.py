@@ -12,11 +12,9 @@ from meshnode.serve.generation import (
     FinishReason,
     GenerationParams,
     GenerationState,
-    find_stop,
-    first_stop,
-    held_back,
     prefill_chunks,
 )
+from meshnode.serve.stops import find_stop, first_stop, held_back
 
 EOS = 0
 # A toy vocabulary: each token id is one piece of text. Token 9 is the first half of a
