@@ -12,6 +12,12 @@ compiled RMSNorm), "before" the same stage with the reference swapped in
 (``engine.attention.Attention`` and ``ops.rms_norm``: the NumPy path of the code before
 the kernels). Printed: the fastest round's step time of each and their ratio, and the 8-sequence
 step over the 1-sequence step. The machine is shared: ``uptime`` is printed first and last.
+
+``--grid`` instead times one segment's attention over all layers (random caches, the
+model's shapes) at ``--rows`` x ``--contexts``, through the kernel and through the
+reference's matrix products (BLAS, ``blocked_attention``): which of them a segment should
+take (``engine.attention.KERNEL_MAX_ROWS``). ``--compare OLD.py`` adds another copy of
+``meshnode/engine/cpu/attention.py`` (as ``benchmarks/step.py`` does).
 """
 
 from __future__ import annotations
@@ -23,15 +29,18 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from meshnode.engine import attention as engine_attention
 from meshnode.engine import ops
-from meshnode.engine.attention import Attention
+from meshnode.engine.attention import Attention, KernelAttention, Segment
 from meshnode.engine.backend import cpu_backend, limit_cpu_threads
+from meshnode.engine.kv_cache import KVCache
 from meshnode.engine.loader import load_model
 from meshnode.engine.model import BatchRow, Stage
 from tests.conftest import smollm2_gguf_path
@@ -101,14 +110,77 @@ def measure(stage: Stage, context: int, k: int, rounds: int) -> dict[str, float]
     return {name: min(t) for name, t in times.items()}
 
 
+def grid_cell(stage: Stage, rows: int, context: int, rounds: int, kernels: dict[str, Any]) -> str:
+    """ms of one segment's attention, every layer, ``rows`` rows after ``context``
+    positions: through each kernel module and through BLAS; the fastest of ``rounds``."""
+    c, layers = stage.config, stage.end - stage.start
+    rng = np.random.default_rng(0)
+    cache = KVCache(np, layers, c.num_kv_heads, c.head_dim, context + rows)
+    cache.k[:] = rng.standard_normal(cache.k.shape, np.float32)
+    cache.v[:] = rng.standard_normal(cache.v.shape, np.float32)
+    qkv = rng.standard_normal((rows, c.q_size + 2 * c.kv_size), np.float32)
+    attention = KernelAttention(np, c, stage.start, stage.end)
+    segs = [Segment(context, rows, rows, cache)]
+    norms = [(w.q_norm, w.k_norm) for w in stage.weights.layers]
+    routing = engine_attention._for_kernel
+
+    def run(module: Any) -> None:
+        engine_attention._kernels = lambda: module or kernels["kernel"]  # type: ignore[assignment]
+        engine_attention._for_kernel = lambda rows, end: module is not None
+        cache.length = context
+        plan = attention.prepare(segs)
+        for layer in range(layers):
+            attention(qkv, segs, plan, layer, norms[layer], layer == layers - 1)
+
+    variants = {**kernels, "blas": None}
+    best = {name: float("inf") for name in variants}
+    for _ in range(rounds + 1):  # the first round compiles and warms up
+        for name, module in variants.items():
+            start = time.perf_counter()
+            run(module)
+            best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+    engine_attention._kernels = lambda: kernels["kernel"]  # type: ignore[assignment]
+    engine_attention._for_kernel = routing
+    cells = " | ".join(f"{best[name]:.2f}" for name in variants)
+    return f"| {rows} | {context} | {cells} | {best['blas'] / best['kernel']:.2f} |"
+
+
+def grid(args: Any) -> None:
+    """The table of :func:`grid_cell` for each model, rows and context."""
+    kernels = {"kernel": engine_attention._kernels()}
+    if args.compare:  # compiled afresh: numba's cache cannot reload a module made this way
+        old = ModuleType("old_cpu_attention")
+        sys.modules[old.__name__] = old
+        source = Path(args.compare).read_text().replace("cache=True", "cache=False")
+        exec(compile(source, args.compare, "exec"), old.__dict__)
+        kernels["old kernel"] = old
+    names = " | ".join([*kernels, "blas"])
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            stage = load_model(str(model_path(name, Path(tmp))), cpu_backend("native")).stage
+            print(f"\n{name}, ms per forward's attention ({stage.end - stage.start} layers):\n")
+            print(f"| rows | context | {names} | blas / kernel |")
+            print("|---:|---:|" + "---:|" * (len(kernels) + 2))
+            for rows in args.rows:
+                for context in args.contexts:
+                    print(grid_cell(stage, rows, context, args.rounds, kernels), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2"], choices=["smollm2", "gemma3"])
     parser.add_argument("--contexts", nargs="+", type=int, default=[39, 200])
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--grid", action="store_true")
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    parser.add_argument("--compare", metavar="OLD.py")
     args = parser.parse_args()
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     handle = limit_cpu_threads(1)
+    if args.grid:
+        grid(args)
+        print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+        return
     print("| model | context | 1 sequence, before → after | 8 sequences, before → after | 8 / 1 |")
     print("|---|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:

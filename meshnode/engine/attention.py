@@ -7,7 +7,7 @@ RoPE, write K/V into the sequence's cache, causal (and sliding-window) grouped-q
 attention over it. :class:`Attention` does it with the functions of
 :mod:`meshnode.engine.ops`, a segment at a time; :class:`KernelAttention` (the CPU backend
 over GGUF blocks) does every short segment (decode, verify windows, short prompts: see
-:data:`KERNEL_MAX_WORK`) in one compiled call per layer (:mod:`meshnode.engine.cpu.attention`)
+:data:`KERNEL_MAX_ROWS`) in one compiled call per layer (:mod:`meshnode.engine.cpu.attention`)
 and longer ones (prefill) a block of query rows at a time through BLAS
 (:func:`blocked_attention`).
 
@@ -36,7 +36,6 @@ from meshnode.engine.cpu import matrix
 __all__ = [
     "BLOCK_ROWS",
     "KERNEL_MAX_ROWS",
-    "KERNEL_MAX_WORK",
     "Attention",
     "KernelAttention",
     "RopeTable",
@@ -44,15 +43,14 @@ __all__ = [
     "blocked_attention",
 ]
 
-# Which segments the compiled kernel takes: one row always (decode); up to
-# KERNEL_MAX_ROWS rows (verify windows, short prompts) while rows x positions stays within
-# KERNEL_MAX_WORK. Past that the reference's matrix products (BLAS) beat the kernel's
-# row-by-row dot products, for all that the reference costs ~35 us more per segment and
-# layer. Measured on SmolLM2's shapes, one thread (kernel / reference, us): 1 row at 1,000
-# positions 124 / 228; 2 rows at 300: 69 / 97; 4 at 100: 64 / 73; 4 at 300: 149 / 139;
-# 16 at 16: 75 / 95; 16 at 100: 260 / 166.
+# Which segments the compiled kernel takes: up to KERNEL_MAX_ROWS rows (decode, verify
+# windows, short prompts), at any length: it reads a segment's keys and values once for
+# all its rows. Longer segments (prefill) go to the reference's matrix products (BLAS).
+# ``benchmarks/attention.py --grid``, one thread, a forward's attention (kernel / BLAS,
+# ms): SmolLM2 (30 layers) 1 row at 512 positions 1.31 / 3.89, 8 rows at 128 2.14 / 3.50,
+# 8 at 512 6.98 / 8.59, 16 at 512 11.8 / 14.6; Gemma 3 (18 layers) 8 at 128 1.61 / 3.24,
+# 16 at 512 9.61 / 10.96.
 KERNEL_MAX_ROWS = 16
-KERNEL_MAX_WORK = 1024
 # Query rows per block of a long segment's attention (blocked_attention): a block's scores
 # stay in the L2 cache, and the blocks skip most of the masked half of a causal square.
 # SmolLM2 (9 heads of 64), 400 rows, one thread: 32 rows 0.45x the reference's time,
@@ -166,7 +164,7 @@ class Attention:
 
 
 class KernelAttention(Attention):
-    """As :class:`Attention`, with every short segment (:data:`KERNEL_MAX_WORK`) computed
+    """As :class:`Attention`, with every short segment (:data:`KERNEL_MAX_ROWS`) computed
     by one compiled call per layer (NumPy arrays, float32 caches in C order)."""
 
     def __init__(self, xp: ModuleType, config: ModelConfig, start: int, end: int) -> None:
@@ -294,7 +292,7 @@ def blocked_attention(
 def _for_kernel(rows: int, end: int) -> bool:
     """Whether a segment of ``rows`` new rows ending at position ``end`` goes through the
     kernel (it depends on the segment alone: a sequence's path is the same in any batch)."""
-    return rows == 1 or (rows <= KERNEL_MAX_ROWS and rows * end <= KERNEL_MAX_WORK)
+    return rows <= KERNEL_MAX_ROWS
 
 
 @cache

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from meshnode.engine import attention as engine_attention
 from meshnode.engine import ops
 from meshnode.engine.attention import (
     KERNEL_MAX_ROWS,
-    KERNEL_MAX_WORK,
     Attention,
     KernelAttention,
     RopeTable,
@@ -26,6 +26,7 @@ from meshnode.engine.attention import (
 )
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.cpu import matrix
+from meshnode.engine.cpu.attention import KEPT, KERNEL, NEW, ROW_BLOCK, _part_rows
 from meshnode.engine.cpu.pool import CoreGauge, KernelPool
 from meshnode.engine.kv_cache import KVCache
 
@@ -153,15 +154,18 @@ def test_decode_verify_and_prefill_segments_match_the_reference(shape: Shape) ->
     twin.check_caches()
 
 
-def test_a_long_sequence_goes_through_blas_past_the_work_bound() -> None:
-    """A verify window late in a long sequence (4 rows x 304 positions > KERNEL_MAX_WORK)
-    takes the reference path, a decode row right after it the kernel: both agree."""
+def test_a_long_prefill_goes_through_blas_and_windows_after_it_through_the_kernel() -> None:
+    """A prefill of more than KERNEL_MAX_ROWS rows takes the reference path; a verify
+    window of 16 rows late in the long sequence, and decode rows after it, the kernel's
+    (however many positions they see): all agree with the reference."""
     c = _config(SHAPES[2])
     rng = np.random.default_rng(13)
     norms = _norms(c, True, rng)
     twin = Twin(c, 1)
-    assert KERNEL_MAX_WORK < 4 * 304
-    for start, n in [(0, 300), (300, 4), (304, 1), (305, 2)]:
+    for start, n in [(0, 290), (290, KERNEL_MAX_ROWS), (306, 1), (307, 4)]:
+        cache = twin.caches[0][0]
+        plan = twin.kernel.prepare([Segment(start, n, n, cache)])
+        assert (plan is not None) == (n <= KERNEL_MAX_ROWS)
         got, want = twin.run([(0, start, n)], [_qkv(c, n, rng)], norms, last=True)
         np.testing.assert_allclose(got, want, atol=ATOL)
     twin.check_caches()
@@ -230,6 +234,65 @@ def test_a_segment_is_bit_identical_alone_and_in_any_batch(shape: Shape) -> None
             row += rows
 
 
+def _window_rows(
+    c: ModelConfig, norms: tuple[object, object], prompt: np.ndarray, window: np.ndarray,
+    kept: int, at_once: bool,
+) -> np.ndarray:  # fmt: skip
+    """The last layer's attention of ``window``'s last ``kept`` rows after ``prompt``
+    (every layer given the same q/k/v): one forward of all its rows, or one per row."""
+    attn = KernelAttention(np, c, 0, LAYERS)
+    cache = KVCache(np, LAYERS, c.num_kv_heads, c.head_dim, CONTEXT)
+
+    def forward(start: int, qkv: np.ndarray, rows: int) -> np.ndarray:
+        cache.truncate(start)
+        segs = [Segment(start, len(qkv), rows, cache)]
+        plan = attn.prepare(segs)
+        for layer in range(LAYERS):
+            out = attn(qkv, segs, plan, layer, norms, layer == LAYERS - 1)
+        cache.length = start + len(qkv)
+        return np.asarray(out)
+
+    forward(0, prompt, len(prompt))
+    if at_once:
+        return forward(len(prompt), window, kept)
+    rows = [forward(len(prompt) + i, window[i : i + 1], 1) for i in range(len(window))]
+    return np.concatenate(rows[len(window) - kept :])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize(("prompt", "rows", "kept"), [(3, 5, 5), (40, 16, 16), (150, 16, 3)])
+def test_a_windows_rows_are_bit_identical_to_the_same_rows_one_at_a_time(
+    shape: Shape, prompt: int, rows: int, kept: int
+) -> None:
+    """A verify window's rows, computed together (each block of keys and values read once
+    for all of them), give the bits of the same rows computed one forward at a time (as
+    decode computes them): grouped queries, a sliding window narrower than the rows,
+    after a prompt through the kernel and after one through BLAS, all rows or the last."""
+    c = _config(shape)
+    rng = np.random.default_rng(23)
+    norms = _norms(c, shape.qk_norm, rng)
+    first, window = _qkv(c, prompt, rng), _qkv(c, rows, rng)
+    together = _window_rows(c, norms, first, window, kept, at_once=True)
+    alone = _window_rows(c, norms, first, window, kept, at_once=False)
+    assert together.shape == (kept, c.q_size)
+    np.testing.assert_array_equal(together, alone)
+
+
+def test_a_segment_of_more_rows_than_a_pass_is_bit_identical_to_one_row_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past ROW_BLOCK rows the kernel computes a segment in passes of ROW_BLOCK rows: the
+    same bits as one row at a time (the kernel taking segments of up to 40 rows here)."""
+    monkeypatch.setattr(engine_attention, "KERNEL_MAX_ROWS", 40)
+    c = _config(SHAPES[2])
+    rng = np.random.default_rng(29)
+    norms = _norms(c, True, rng)
+    first, window = _qkv(c, 30, rng), _qkv(c, ROW_BLOCK + 7, rng)
+    together = _window_rows(c, norms, first, window, ROW_BLOCK + 7, at_once=True)
+    alone = _window_rows(c, norms, first, window, ROW_BLOCK + 7, at_once=False)
+    np.testing.assert_array_equal(together, alone)
+
+
 def test_a_full_cache_is_refused_before_anything_is_written() -> None:
     c = _config(SHAPES[0])
     attn = KernelAttention(np, c, 0, LAYERS)
@@ -249,25 +312,30 @@ def test_rope_table_rows_equal_a_per_segment_computation_bit_for_bit() -> None:
 
 
 @pytest.mark.parametrize("shape", SHAPES[1:3], ids=str)
+@pytest.mark.parametrize("batch", ["eight sequences", "one window"])
 def test_shared_with_the_kernel_threads_is_bit_identical_to_one_thread(
-    shape: Shape, monkeypatch: pytest.MonkeyPatch
+    shape: Shape, batch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Eight decode rows and a verify window over ~200 positions (past SHARED_MIN_READS):
-    the query groups computed by the pool's threads give the outputs and caches of one
-    thread, bit for bit, and the pool did take the calls."""
+    """Six decode rows and verify windows of 8 and 16 rows over ~200 positions (past
+    SHARED_MIN_READS), or one window of 16 rows (13 kept: its rows split into parts so
+    that each thread has tasks): the query groups computed by the pool's threads give the
+    outputs and caches of one thread, bit for bit, and the pool did take the calls."""
     c = _config(shape)
     rng = np.random.default_rng(17)
     norms = _norms(c, shape.qk_norm, rng)
-    prompts = [_qkv(c, 190 + 3 * i, rng) for i in range(8)]
-    steps = [_qkv(c, 3 if i == 5 else 1, rng) for i in range(8)]
+    count = 8 if batch == "eight sequences" else 1
+    prompts = [_qkv(c, 190 + 3 * i, rng) for i in range(count)]
+    sizes = [{2: 8, 5: KERNEL_MAX_ROWS}.get(i, 1) for i in range(8)] if count == 8 else [16]
+    steps = [_qkv(c, n, rng) for n in sizes]
+    kept = sizes if count == 8 else [13]
     pool = KernelPool(CoreGauge(Path("/nonexistent/stat"), cpus=set(range(4))))  # all free
     monkeypatch.setattr(matrix, "_pool", lambda: pool)
     outs, caches = [], []
     for threads in (1, 2, 4):
         monkeypatch.setattr(matrix, "_threads", threads)
-        twin = Twin(c, 8)
+        twin = Twin(c, count)
         twin.run([(i, 0, len(p)) for i, p in enumerate(prompts)], prompts, norms)
-        parts = [(i, len(p), len(s)) for i, (p, s) in enumerate(zip(prompts, steps, strict=True))]
+        parts = [(i, len(p), k) for i, (p, k) in enumerate(zip(prompts, kept, strict=True))]
         before = pool.posted
         outs.append(twin.run(parts, steps, norms, last=True)[0])
         caches.append(twin.caches[0])
@@ -278,6 +346,19 @@ def test_shared_with_the_kernel_threads_is_bit_identical_to_one_thread(
         for a, b in zip(mine, caches[0], strict=True):
             np.testing.assert_array_equal(a.k, b.k)
             np.testing.assert_array_equal(a.v, b.v)
+
+
+def test_a_lone_window_is_cut_into_parts_for_the_threads() -> None:
+    """The shared call's tasks: a window of 16 rows of one KV head is cut into parts of
+    fewer rows (two tasks per thread at least); eight decode rows are not cut."""
+    window = np.zeros((1, 8), np.int64)
+    window[0, NEW] = window[0, KEPT] = 16
+    window[0, KERNEL] = 1
+    assert [_part_rows(window, True, 1, n) for n in (2, 4)] == [4, 2]
+    assert _part_rows(window, True, 3, 2) == 8  # three KV heads: 3 tasks, cut in two: 6
+    decode = np.repeat(window, 8, axis=0)
+    decode[:, NEW] = decode[:, KEPT] = 1
+    assert _part_rows(decode, True, 3, 2) == 16
 
 
 def _wexp(x: np.ndarray) -> np.ndarray:

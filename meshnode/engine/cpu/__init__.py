@@ -13,8 +13,9 @@ Beside ``matrix``: ``q8`` (the opt-in 8-bit-activation products, ``--dtype q8``)
 unpacked to bytes), ``simd_int`` (byte vectors and the integer dot product) and
 ``simd_q8`` (vectors whose lanes are rows, the 512-bit dot product). ``attention``
 (one layer's attention for all short sequences of a batch, in one call; used by
-``meshnode.engine.attention``) on ``simd`` and ``atomics``; ``norms`` (RMSNorm in one call,
-``CpuBackend.rms_norm``) on ``simd``.
+``meshnode.engine.attention``) on ``attention_rows`` (a block of query rows over one KV
+head: dot products, softmax, weighted sums), ``simd`` and ``atomics``; ``norms`` (RMSNorm
+in one call, ``CpuBackend.rms_norm``) on ``simd``.
 """
 
 from meshnode.engine.cpu.matrix import (

@@ -16,12 +16,15 @@ The math is :func:`meshnode.engine.ops.attention`'s with its RoPE and norms, in 
 summation order: dot products over the head dimension in sixteen float32 lanes, then
 across lanes; softmax ``exp(s - max) / sum`` over the visible keys only (those no query
 may see are never read, rather than masked with ``-inf``), sixteen lanes at a time with
-:func:`.vexp.wexp`; the weighted sum of values key by key. The query heads of one KV
-head are computed together (a block of sixteen keys is read once for all of them), and
-with more than one kernel thread each (sequence, KV head) is a task for the pool's
-threads (:func:`attend_shared`): the same code computes each head wherever it runs. The
-rotation is the reference's expression (``x * cos - x' * sin``, not fused), with cos/sin
-from the caller's table.
+:func:`.vexp.wexp`; the weighted sum of values key by key (:mod:`.attention_rows`). All
+the query rows of a segment (up to :data:`ROW_BLOCK`: a verify window, a short prompt)
+and the query heads of one KV head are computed together, each block of keys and values
+read once for all of them, each query summed in the same order as alone: a window's row
+is the same bits as that row decoded by itself. With more than one kernel thread each
+(sequence, KV head) is a task for the pool's threads (:func:`attend_shared`; a window's
+rows cut into parts where there would be fewer than two tasks per thread): the same code
+computes each head wherever it runs. The rotation is the reference's expression
+(``x * cos - x' * sin``, not fused), with cos/sin from the caller's table.
 
 Shapes: N rows of the batch, H query heads, Hkv key/value heads, G = H / Hkv, D head dim
 (a multiple of 16), L layers of the cache, Tmax its positions, P positions of the RoPE
@@ -40,8 +43,17 @@ from numba.np.numpy_support import carray
 
 from meshnode.engine.cpu import matrix, pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64
-from meshnode.engine.cpu.simd import wadd, wfma, wload, wmul, wsplat, wstore, wsum, wsums, wzero
-from meshnode.engine.cpu.vexp import prefetch_f32, wdiv, wexp, wmax, wmax_lane
+from meshnode.engine.cpu.attention_rows import (
+    LANES,
+    PAD,
+    VALUES,
+    first_key,
+    key_scores,
+    softmax,
+    weighted_values,
+)
+from meshnode.engine.cpu.simd import wfma, wload, wstore, wsum, wzero
+from meshnode.engine.cpu.vexp import prefetch_f32
 
 __all__ = ["COLUMNS", "LANES", "attend", "attend_shared", "queries", "segment_table", "write_kv"]
 
@@ -51,11 +63,9 @@ __all__ = ["COLUMNS", "LANES", "attend", "attend_shared", "queries", "segment_ta
 # addresses (``[L, Hkv, Tmax, D]`` float32, C order) and Tmax.
 ROW, NEW, KEPT, START, KERNEL, K_ADDR, V_ADDR, TMAX = range(8)
 COLUMNS = 8
-# Sixteen float32 lanes per step over the head dimension (simd.F32x16).
-LANES = 16
-# How far ahead (float32 elements: 4 KiB) the dot products and the weighted sum ask for
-# the keys and values they read next.
-AHEAD = 1024
+# Query rows of a segment computed together, their keys and values read once for all of
+# them (a segment of more goes in passes of this many): verify windows and short prompts.
+ROW_BLOCK = 16
 
 
 def segment_table(
@@ -118,103 +128,6 @@ def _write_kv(flat, w, r0, n, start, kc, vc, tmax, kv_heads, q_size, k_norm, eps
                 wstore(vc, at + c, wload(flat, src + c))
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _dot(a, i, b, j, d):  # type: ignore[no-untyped-def]
-    # a[i : i + D] . b[j : j + D] in sixteen lanes, not yet summed across them
-    acc = wmul(wload(a, i), wload(b, j))
-    for c in range(LANES, d, LANES):
-        acc = wfma(wload(a, i + c), wload(b, j + c), acc)
-    return acc
-
-
-@njit(nogil=True, cache=True)
-def _scores(qbuf, group, kc, base, t, d, scale, scores, stride):  # type: ignore[no-untyped-def]
-    # scores[g stride + j] = (query g . key j) * scale for the group's queries (qbuf[g D ...])
-    # and the t keys from ``base``; sixteen keys at a time summed across lanes together
-    # (wsums), each sum as wsum makes it; each block of keys read once for the group
-    full = t - t % LANES
-    sc = wsplat(scale)
-    for j in range(0, full, LANES):
-        at = base + j * d
-        for c in range(0, LANES * d, LANES):  # the next block's keys, a line at a time
-            prefetch_f32(kc, at + AHEAD + c)
-        for g in range(group):
-            q0 = g * d
-            sums = wsums(
-                (
-                    _dot(qbuf, q0, kc, at, d),
-                    _dot(qbuf, q0, kc, at + d, d),
-                    _dot(qbuf, q0, kc, at + 2 * d, d),
-                    _dot(qbuf, q0, kc, at + 3 * d, d),
-                    _dot(qbuf, q0, kc, at + 4 * d, d),
-                    _dot(qbuf, q0, kc, at + 5 * d, d),
-                    _dot(qbuf, q0, kc, at + 6 * d, d),
-                    _dot(qbuf, q0, kc, at + 7 * d, d),
-                    _dot(qbuf, q0, kc, at + 8 * d, d),
-                    _dot(qbuf, q0, kc, at + 9 * d, d),
-                    _dot(qbuf, q0, kc, at + 10 * d, d),
-                    _dot(qbuf, q0, kc, at + 11 * d, d),
-                    _dot(qbuf, q0, kc, at + 12 * d, d),
-                    _dot(qbuf, q0, kc, at + 13 * d, d),
-                    _dot(qbuf, q0, kc, at + 14 * d, d),
-                    _dot(qbuf, q0, kc, at + 15 * d, d),
-                )
-            )
-            wstore(scores, g * stride + j, wmul(sums, sc))
-    for j in range(full, t):
-        for g in range(group):
-            scores[g * stride + j] = wsum(_dot(qbuf, g * d, kc, base + j * d, d)) * scale
-
-
-@njit(nogil=True, cache=True)
-def _softmax(s, s0, t):  # type: ignore[no-untyped-def]
-    # s[s0 : s0 + t] = exp(s - max) / sum, in place, sixteen lanes at a time: the lanes
-    # past t (up to a multiple of sixteen: ``s`` is that long) are -inf, whose exp is 0
-    full = t + (-t) % LANES
-    for j in range(s0 + t, s0 + full):
-        s[j] = -np.inf
-    top = wload(s, s0)
-    for j in range(s0 + LANES, s0 + full, LANES):
-        top = wmax(top, wload(s, j))
-    shift = wsplat(-wmax_lane(top))
-    acc = wzero()
-    for j in range(s0, s0 + full, LANES):
-        e = wexp(wadd(wload(s, j), shift))
-        wstore(s, j, e)
-        acc = wadd(acc, e)
-    total = wsplat(wsum(acc))
-    for j in range(s0, s0 + full, LANES):
-        wstore(s, j, wdiv(wload(s, j), total))
-
-
-@njit(nogil=True, cache=True)
-def _weighted_values(p, s0, vc, base, t, d, out, o):  # type: ignore[no-untyped-def]
-    # out[o : o + D] = sum over the t values from ``base`` of p[s0 + j] * value j: four
-    # sixteen-lane accumulators in registers per 64 columns (one where D is not a multiple)
-    c = 0
-    while c + 4 * LANES <= d:
-        a0, a1, a2, a3 = wzero(), wzero(), wzero(), wzero()
-        for j in range(t):
-            w = wsplat(p[s0 + j])
-            at = base + j * d + c
-            prefetch_f32(vc, at + AHEAD)
-            a0 = wfma(w, wload(vc, at), a0)
-            a1 = wfma(w, wload(vc, at + LANES), a1)
-            a2 = wfma(w, wload(vc, at + 2 * LANES), a2)
-            a3 = wfma(w, wload(vc, at + 3 * LANES), a3)
-        wstore(out, o + c, a0)
-        wstore(out, o + c + LANES, a1)
-        wstore(out, o + c + 2 * LANES, a2)
-        wstore(out, o + c + 3 * LANES, a3)
-        c += 4 * LANES
-    while c < d:
-        a0 = wzero()
-        for j in range(t):
-            a0 = wfma(wsplat(p[s0 + j]), wload(vc, base + j * d + c), a0)
-        wstore(out, o + c, a0)
-        c += LANES
-
-
 @njit(nogil=True, cache=True)
 def _cache_of(table, s, layer, kv_heads, d):  # type: ignore[no-untyped-def]
     # segment s's K and V cache of one layer, flat [Hkv * Tmax * D]
@@ -225,12 +138,16 @@ def _cache_of(table, s, layer, kv_heads, d):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def _longest(table):  # type: ignore[no-untyped-def]
-    # the most positions a query of the table sees, rounded up to whole vectors
-    longest = 1
+def _sizes(table, last):  # type: ignore[no-untyped-def]
+    # the query rows computed together (most a kernel segment has, up to ROW_BLOCK) and a
+    # query's stride in the score buffer: the most positions a query of the table sees,
+    # rounded up to whole vectors, and PAD either side
+    longest, most = 1, 1
     for s in range(table.shape[0]):
         longest = max(longest, table[s, START] + table[s, NEW])
-    return longest + (-longest) % LANES
+        if table[s, KERNEL]:
+            most = max(most, table[s, KEPT] if last else table[s, NEW])
+    return min(most, ROW_BLOCK), longest + (-longest) % LANES + 2 * PAD
 
 
 @njit(nogil=True, cache=True)
@@ -251,31 +168,46 @@ def write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin):  # type: ignore[n
 
 
 @njit(nogil=True, cache=True)
-def _group(flat, w, table, s, g, layer, heads, how, bufs, oflat, o_row):  # type: ignore[no-untyped-def]
-    # segment s's query rows for the query heads of KV head g (its cache written) into
-    # oflat's rows from o_row; ``how`` is (q_norm, eps, cos, sin, scale, window, last)
+def _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_row):  # type: ignore[no-untyped-def]
+    # segment s's query rows ``rows_of`` (a range of its new rows: all it queries, or some)
+    # for the query heads of KV head g (its cache written) into oflat's rows from o_row
+    # (the segment's first query row's), up to qbuf's rows at a time, each block of keys
+    # and values read once for those rows; ``how`` is (q_norm, eps, cos, sin, scale,
+    # window, last)
     q_norm, eps, cos, sin, scale, window, last = how
-    qbuf, tmp, scores = bufs  # [G D], [D], [G stride]
+    qbuf, tmp, scores = bufs  # [B G D], [D], [B G stride]
     d = cos.shape[1]
     kv_heads = (w // d - heads) // 2
     group = heads // kv_heads
-    stride = scores.shape[0] // group
     q_size = heads * d
+    most = qbuf.shape[0] // (group * d)
+    stride = scores.shape[0] // (most * group)
     n, start, tmax, r0 = table[s, NEW], table[s, START], table[s, TMAX], table[s, ROW]
-    kept = table[s, KEPT] if last else n
+    first = n - (table[s, KEPT] if last else n)
+    lo, hi = rows_of
     kc, vc = _cache_of(table, s, layer, kv_heads, d)
-    for i in range(n - kept, n):
-        pos = start + i
-        lo = 0 if window == 0 else max(0, pos - window + 1)
-        o = (o_row + i - (n - kept)) * q_size
-        base, t = (g * tmax + lo) * d, pos + 1 - lo
-        for k in range(group):  # the queries, QK-normed and rotated
-            q0 = (r0 + i) * w + (g * group + k) * d
-            _norm_rope(flat, q0, q_norm, eps, cos, sin, pos, tmp, qbuf, k * d)
-        _scores(qbuf, group, kc, base, t, d, scale, scores, stride)
-        for k in range(group):
-            _softmax(scores, k * stride, t)
-            _weighted_values(scores, k * stride, vc, base, t, d, oflat, o + (g * group + k) * d)
+    head = g * tmax * d
+    kh, vh = kc[head : head + tmax * d], vc[head : head + tmax * d]
+    at = first_key(start + lo, window) * d
+    for c in range(at, at + LANES * d, LANES):  # the first keys and values, all at once
+        prefetch_f32(kh, c)
+    for c in range(at, at + VALUES, LANES):
+        prefetch_f32(vh, c)
+    for i0 in range(lo, hi, most):
+        rows = min(most, hi - i0)
+        for r in range(rows):  # the queries, QK-normed and rotated
+            pos = start + i0 + r
+            for k in range(group):
+                q0 = (r0 + i0 + r) * w + (g * group + k) * d
+                _norm_rope(flat, q0, q_norm, eps, cos, sin, pos, tmp, qbuf, (r * group + k) * d)
+        pos0 = start + i0
+        key_scores(qbuf, group, kh, pos0, rows, window, d, scale, scores, stride)
+        for r in range(rows):
+            t = pos0 + r + 1 - first_key(pos0 + r, window)
+            for k in range(r * group, (r + 1) * group):
+                softmax(scores, k * stride + PAD, t)
+        o = (o_row + i0 - first) * q_size + g * group * d
+        weighted_values(scores, group, vh, pos0, rows, window, d, stride, oflat, o, q_size)
 
 
 @njit(nogil=True, cache=True)
@@ -298,17 +230,20 @@ def queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last
     kv_heads = (w // d - heads) // 2
     flat, oflat = qkv.reshape(-1), out.reshape(-1)
     group = heads // kv_heads
+    most, stride = _sizes(table, last)
     bufs = (
-        np.empty(group * d, np.float32),
+        np.empty(most * group * d, np.float32),
         np.empty(d, np.float32),
-        np.empty(group * _longest(table), np.float32),
+        np.empty(most * group * stride, np.float32),
     )
     o_rows = _out_rows(table, last)
     how = (q_norm, eps, cos, sin, scale, window, last)
     for s in range(table.shape[0]):
         if table[s, KERNEL]:
+            n = table[s, NEW]
+            rows_of = (n - (table[s, KEPT] if last else n), n)
             for g in range(kv_heads):
-                _group(flat, w, table, s, g, layer, heads, how, bufs, oflat, o_rows[s])
+                _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_rows[s])
 
 
 @njit(nogil=True, cache=True)
@@ -330,26 +265,49 @@ def attend(qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, windo
 
 # The words of the argument block a shared call posts as the pool job's "x" (int64; EPS
 # and SCALE hold a float32 in their low half), then each segment's first output row, then
-# the kernel segments' indices. A task is one kernel segment's query heads of one KV head.
+# the parts of the kernel segments (three words: segment, first and end row). A task is
+# the query heads of one KV head for one part: all a segment's query rows (up to
+# ROW_BLOCK), or fewer where that makes at least TASKS_PER_THREAD tasks per thread.
 QKV, N, W, TABLE, SEGS, LAYER, HEADS, QN, QN_LEN, EPS, COS, SIN = range(12)
-POSITIONS, SCALE, WINDOW, LAST, OUT, OUT_ROWS, TASKS, KV_HEADS, SCORES = range(12, 21)
-HEADER = 21
+POSITIONS, SCALE, WINDOW, LAST, OUT, OUT_ROWS, TASKS, KV_HEADS, MOST, STRIDE = range(12, 22)
+HEADER = 22
+TASKS_PER_THREAD = 2
 
 
 @njit(nogil=True, cache=True)
-def task_args(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last, out):  # type: ignore[no-untyped-def]
-    """The argument block of a shared :func:`queries` call (its arguments) and its number
-    of tasks; long enough that a thread's scratch (4 floats per word) holds its buffers."""
+def _part_rows(table, last, kv_heads, threads):  # type: ignore[no-untyped-def]
+    # query rows per part: ROW_BLOCK, halved while that leaves fewer than
+    # TASKS_PER_THREAD tasks per thread (a window of one KV head on two threads: two parts)
+    size = ROW_BLOCK
+    while size > 1:
+        tasks = 0
+        for s in range(table.shape[0]):
+            if table[s, KERNEL]:
+                rows = table[s, KEPT] if last else table[s, NEW]
+                tasks += kv_heads * ((rows + size - 1) // size)
+        if tasks >= TASKS_PER_THREAD * threads:
+            break
+        size = (size + 1) // 2
+    return size
+
+
+@njit(nogil=True, cache=True)
+def task_args(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last, out, threads):  # type: ignore[no-untyped-def]
+    """The argument block of a shared :func:`queries` call (its arguments, and the threads
+    that may share it) and its number of tasks; long enough that a thread's scratch (4
+    floats per word) holds its buffers."""
     d = cos.shape[1]
     w = qkv.shape[1]
     kv_heads = (w // d - heads) // 2
     segs = table.shape[0]
-    kernel = 0
+    size = _part_rows(table, last, kv_heads, threads)
+    parts = 0
     for s in range(segs):
-        kernel += table[s, KERNEL] != 0
-    scores = _longest(table)
-    group = heads // kv_heads
-    words = max(HEADER + segs + kernel, ((group + 1) * d + group * scores + 3) // 4)
+        if table[s, KERNEL]:
+            parts += ((table[s, KEPT] if last else table[s, NEW]) + size - 1) // size
+    most, stride = _sizes(table, last)
+    queries = most * (heads // kv_heads)
+    words = max(HEADER + segs + 3 * parts, ((queries + 1) * d + queries * stride + 3) // 4)
     a = np.zeros(words, np.int64)
     f = a.view(np.float32)
     a[QKV], a[N], a[W], a[TABLE], a[SEGS] = (
@@ -362,15 +320,17 @@ def task_args(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, la
     a[LAYER], a[HEADS], a[QN], a[QN_LEN] = layer, heads, q_norm.ctypes.data, q_norm.shape[0]
     a[COS], a[SIN], a[POSITIONS] = cos.ctypes.data, sin.ctypes.data, cos.shape[0]
     a[WINDOW], a[LAST], a[OUT], a[OUT_ROWS] = window, last, out.ctypes.data, out.shape[0]
-    a[TASKS], a[KV_HEADS], a[SCORES] = kernel * kv_heads, kv_heads, scores
+    a[TASKS], a[KV_HEADS], a[MOST], a[STRIDE] = parts * kv_heads, kv_heads, most, stride
     f[2 * EPS], f[2 * SCALE] = eps, scale
     a[HEADER : HEADER + segs] = _out_rows(table, last)
     at = HEADER + segs
     for s in range(segs):
         if table[s, KERNEL]:
-            a[at] = s
-            at += 1
-    return a, kernel * kv_heads
+            n = table[s, NEW]
+            for i0 in range(n - (table[s, KEPT] if last else n), n, size):
+                a[at], a[at + 1], a[at + 2] = s, i0, min(n, i0 + size)
+                at += 3
+    return a, parts * kv_heads
 
 
 @cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
@@ -390,13 +350,13 @@ def _chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
     cos = carray(ptr_f32(head[COS]), (head[POSITIONS], d))
     sin = carray(ptr_f32(head[SIN]), (head[POSITIONS], d))
     oflat = carray(ptr_f32(head[OUT]), (head[OUT_ROWS] * heads * d,))
-    rest = carray(ptr_i64(st[pool.X] + 8 * HEADER), (2 * segs,))
+    rest = carray(ptr_i64(st[pool.X] + 8 * HEADER), (segs + 3 * (tasks // kv_heads),))
     scratch = st[pool.SCRATCH] + 4 * who * st[pool.STRIDE]
-    group = heads // kv_heads
+    queries = head[MOST] * (heads // kv_heads)
     bufs = (
-        carray(ptr_f32(scratch), (group * d,)),
-        carray(ptr_f32(scratch + 4 * group * d), (d,)),
-        carray(ptr_f32(scratch + 4 * (group + 1) * d), (group * head[SCORES],)),
+        carray(ptr_f32(scratch), (queries * d,)),
+        carray(ptr_f32(scratch + 4 * queries * d), (d,)),
+        carray(ptr_f32(scratch + 4 * (queries + 1) * d), (queries * head[STRIDE],)),
     )
     rows = st[pool.ROWS]
     first = (ch * rows + pool.CHUNK_ROWS - 1) // pool.CHUNK_ROWS
@@ -404,8 +364,9 @@ def _chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
     layer, window, last = head[LAYER], head[WINDOW], head[LAST] != 0
     how = (q_norm, eps, cos, sin, scale, window, last)
     for t in range(first, end):
-        s, g = rest[segs + t // kv_heads], t % kv_heads
-        _group(flat, w, table, s, g, layer, heads, how, bufs, oflat, rest[s])
+        at, g = segs + 3 * (t // kv_heads), t % kv_heads
+        s, rows_of = rest[at], (rest[at + 1], rest[at + 2])
+        _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, rest[s])
 
 
 # Below this many keys read (query heads times the positions they see) a call is not shared
@@ -451,7 +412,7 @@ def attend_shared(
         return
     write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin)
     args = (qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last, out)
-    block, tasks = task_args(*args)
+    block, tasks = task_args(*args, threads)
     parts = (np.zeros((tasks * pool.CHUNK_ROWS, 1), np.uint8), _EMPTY, _EMPTY)
     if not matrix._pool().run(_chunk.address, parts, block, _NO_OUT, threads, keep=keep):
         queries(*args)

@@ -1,0 +1,230 @@
+"""A block of query rows' attention over one KV head of one sequence's cache: the dot
+products, softmax and weighted sums of :mod:`.attention`'s kernel.
+
+The rows are a segment's new rows (a verify window, a short prompt, or a decode step's
+one row) at consecutive positions, each with its group's G query heads; each row sees the
+keys from its first (0, or the sliding window's start) to its own position. Each block of
+sixteen keys, and each block of values (:data:`VALUES` floats), is read once for every
+row that sees one of its keys, while it is in L1, rather than once per row: the KV cache
+of a window of 8 rows is read once, not 8 times.
+
+What makes it exact is that each query's result is summed in one fixed order whatever
+rows it is computed with: a score is the query's dot product with a key over the head
+dimension in sixteen float32 lanes, then across the lanes as :func:`.simd.wsum` sums
+(:func:`.simd.wsums` makes sixteen such sums at once, each the same bits), times the
+scale; the softmax is :func:`softmax` over the row's own scores (the same lanes whatever
+block a key came in); the weighted sum runs key by key in order from the row's first key,
+each of its sixteen-lane accumulators resumed from memory between blocks. So a row's
+output is the same bits alone (decode), in a window (verify), or in a batch.
+
+Scores: ``scores[q stride + PAD + j - lo]`` for query ``q = row G + g`` and key ``j``
+(``lo`` the row's first key). A block of sixteen keys is stored whole for every query of
+a row that sees one of them, so a row's PAD floats either side take the lanes outside its
+keys.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from meshnode.engine.cpu.simd import wadd, wfma, wload, wmul, wsplat, wstore, wsum, wsums, wzero
+from meshnode.engine.cpu.vexp import prefetch_f32, wdiv, wexp, wmax, wmax_lane
+
+__all__ = ["LANES", "PAD", "VALUES", "first_key", "key_scores", "softmax", "weighted_values"]
+
+# Sixteen float32 lanes per step over the head dimension (simd.F32x16).
+LANES = 16
+# A query's scores sit PAD floats into its row of the score buffer, with PAD after its
+# last (rounded up to sixteen).
+PAD = LANES
+# Floats of values read per block by the weighted sums (8 KiB: in L1 with the rows'
+# accumulators), at least sixteen keys.
+VALUES = 2048
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dot(a, i, b, j, d):  # type: ignore[no-untyped-def]
+    # a[i : i + D] . b[j : j + D] in sixteen lanes, not yet summed across them
+    acc = wmul(wload(a, i), wload(b, j))
+    for c in range(LANES, d, LANES):
+        acc = wfma(wload(a, i + c), wload(b, j + c), acc)
+    return acc
+
+
+@njit(nogil=True, cache=True, inline="always")
+def first_key(pos, window):  # type: ignore[no-untyped-def]
+    """The first position a query at ``pos`` sees (``window``: the sliding window, 0 if
+    none)."""
+    return 0 if window == 0 else max(0, pos - window + 1)
+
+
+@njit(nogil=True, cache=True)
+def key_scores(qbuf, group, kc, pos0, rows, window, d, scale, scores, stride):  # type: ignore[no-untyped-def]
+    """``scores[q stride + PAD + j - lo] = (query q . key j) * scale`` for the ``rows``
+    query rows at positions ``pos0``, ``pos0 + 1``... (their group's queries: ``q = row G
+    + g``, at ``qbuf[q D]``) and each row's keys ``lo .. pos`` of ``kc`` (one KV head's
+    keys, ``[T, D]`` flat): sixteen keys at a time summed across lanes together (wsums),
+    each sum as wsum makes it, each block of keys read once for every row that sees one
+    of them (a block's lanes outside a row's keys land in its row's margins)."""
+    lo0, end = first_key(pos0, window), pos0 + rows
+    full = end - (end - lo0) % LANES
+    sc = wsplat(scale)
+    for j in range(lo0, full, LANES):
+        at = j * d
+        for c in range(at + LANES * d, at + 2 * LANES * d, LANES):  # the next block's keys
+            prefetch_f32(kc, c)
+        for r in range(max(0, j - pos0), rows):  # the rows that see key j or a later one
+            lo = first_key(pos0 + r, window)
+            if lo >= j + LANES:
+                break
+            for g in range(r * group, (r + 1) * group):
+                q0 = g * d
+                sums = wsums(
+                    (
+                        _dot(qbuf, q0, kc, at, d),
+                        _dot(qbuf, q0, kc, at + d, d),
+                        _dot(qbuf, q0, kc, at + 2 * d, d),
+                        _dot(qbuf, q0, kc, at + 3 * d, d),
+                        _dot(qbuf, q0, kc, at + 4 * d, d),
+                        _dot(qbuf, q0, kc, at + 5 * d, d),
+                        _dot(qbuf, q0, kc, at + 6 * d, d),
+                        _dot(qbuf, q0, kc, at + 7 * d, d),
+                        _dot(qbuf, q0, kc, at + 8 * d, d),
+                        _dot(qbuf, q0, kc, at + 9 * d, d),
+                        _dot(qbuf, q0, kc, at + 10 * d, d),
+                        _dot(qbuf, q0, kc, at + 11 * d, d),
+                        _dot(qbuf, q0, kc, at + 12 * d, d),
+                        _dot(qbuf, q0, kc, at + 13 * d, d),
+                        _dot(qbuf, q0, kc, at + 14 * d, d),
+                        _dot(qbuf, q0, kc, at + 15 * d, d),
+                    )
+                )
+                wstore(scores, g * stride + PAD + j - lo, wmul(sums, sc))
+    for j in range(full, end):
+        for r in range(max(0, j - pos0), rows):
+            lo = first_key(pos0 + r, window)
+            if lo > j:
+                break
+            for g in range(r * group, (r + 1) * group):
+                dot = wsum(_dot(qbuf, g * d, kc, j * d, d))
+                scores[g * stride + PAD + j - lo] = dot * scale
+
+
+@njit(nogil=True, cache=True)
+def softmax(s, s0, t):  # type: ignore[no-untyped-def]
+    """``s[s0 : s0 + t] = exp(s - max) / sum``, in place, sixteen lanes at a time: the
+    lanes past ``t`` (up to a multiple of sixteen: ``s`` is that long) are set to -inf,
+    whose exp is 0."""
+    full = t + (-t) % LANES
+    for j in range(s0 + t, s0 + full):
+        s[j] = -np.inf
+    top = wload(s, s0)
+    for j in range(s0 + LANES, s0 + full, LANES):
+        top = wmax(top, wload(s, j))
+    shift = wsplat(-wmax_lane(top))
+    acc = wzero()
+    for j in range(s0, s0 + full, LANES):
+        e = wexp(wadd(wload(s, j), shift))
+        wstore(s, j, e)
+        acc = wadd(acc, e)
+    total = wsplat(wsum(acc))
+    for j in range(s0, s0 + full, LANES):
+        wstore(s, j, wdiv(wload(s, j), total))
+
+
+@njit(nogil=True, cache=True)
+def _accumulate2(p, s0, s1, vc, a, b, d, out, o0, o1):  # type: ignore[no-untyped-def]
+    # out[o0 : o0 + D] += sum over the values of keys a .. b - 1 (vc[j D ...]) of
+    # p[s0 + j] * value j, key by key in order, and with p[s1 + j] into out[o1 ...]: each
+    # value read once for two queries, four sixteen-lane accumulators each in registers
+    c = 0
+    while c + 4 * LANES <= d:
+        x0, x1 = wload(out, o0 + c), wload(out, o0 + c + LANES)
+        x2, x3 = wload(out, o0 + c + 2 * LANES), wload(out, o0 + c + 3 * LANES)
+        y0, y1 = wload(out, o1 + c), wload(out, o1 + c + LANES)
+        y2, y3 = wload(out, o1 + c + 2 * LANES), wload(out, o1 + c + 3 * LANES)
+        for j in range(a, b):
+            u, w = wsplat(p[s0 + j]), wsplat(p[s1 + j])
+            at = j * d + c
+            v0, v1 = wload(vc, at), wload(vc, at + LANES)
+            v2, v3 = wload(vc, at + 2 * LANES), wload(vc, at + 3 * LANES)
+            x0, x1, x2, x3 = wfma(u, v0, x0), wfma(u, v1, x1), wfma(u, v2, x2), wfma(u, v3, x3)
+            y0, y1, y2, y3 = wfma(w, v0, y0), wfma(w, v1, y1), wfma(w, v2, y2), wfma(w, v3, y3)
+        wstore(out, o0 + c, x0)
+        wstore(out, o0 + c + LANES, x1)
+        wstore(out, o0 + c + 2 * LANES, x2)
+        wstore(out, o0 + c + 3 * LANES, x3)
+        wstore(out, o1 + c, y0)
+        wstore(out, o1 + c + LANES, y1)
+        wstore(out, o1 + c + 2 * LANES, y2)
+        wstore(out, o1 + c + 3 * LANES, y3)
+        c += 4 * LANES
+    while c < d:
+        x0, y0 = wload(out, o0 + c), wload(out, o1 + c)
+        for j in range(a, b):
+            v0 = wload(vc, j * d + c)
+            x0 = wfma(wsplat(p[s0 + j]), v0, x0)
+            y0 = wfma(wsplat(p[s1 + j]), v0, y0)
+        wstore(out, o0 + c, x0)
+        wstore(out, o1 + c, y0)
+        c += LANES
+
+
+@njit(nogil=True, cache=True)
+def _accumulate(p, s0, vc, a, b, d, out, o0):  # type: ignore[no-untyped-def]
+    # _accumulate2 for one query
+    c = 0
+    while c + 4 * LANES <= d:
+        x0, x1 = wload(out, o0 + c), wload(out, o0 + c + LANES)
+        x2, x3 = wload(out, o0 + c + 2 * LANES), wload(out, o0 + c + 3 * LANES)
+        for j in range(a, b):
+            u = wsplat(p[s0 + j])
+            at = j * d + c
+            x0 = wfma(u, wload(vc, at), x0)
+            x1 = wfma(u, wload(vc, at + LANES), x1)
+            x2 = wfma(u, wload(vc, at + 2 * LANES), x2)
+            x3 = wfma(u, wload(vc, at + 3 * LANES), x3)
+        wstore(out, o0 + c, x0)
+        wstore(out, o0 + c + LANES, x1)
+        wstore(out, o0 + c + 2 * LANES, x2)
+        wstore(out, o0 + c + 3 * LANES, x3)
+        c += 4 * LANES
+    while c < d:
+        x0 = wload(out, o0 + c)
+        for j in range(a, b):
+            x0 = wfma(wsplat(p[s0 + j]), wload(vc, j * d + c), x0)
+        wstore(out, o0 + c, x0)
+        c += LANES
+
+
+@njit(nogil=True, cache=True)
+def weighted_values(p, group, vc, pos0, rows, window, d, stride, out, o, q_size):  # type: ignore[no-untyped-def]
+    """``out[o + r q_size + g D ...]`` = the sum over row ``r``'s keys ``lo .. pos`` of
+    ``p[q stride + PAD + j - lo]`` times value ``j`` of ``vc`` (one KV head's values,
+    ``[T, D]`` flat; ``q = r G + g``), key by key in order from 0 as one query's
+    accumulators alone would sum: a block of values (:data:`VALUES` floats, in L1) is read
+    once for every row that sees one of its keys, each row's accumulators resumed from
+    ``out`` between blocks."""
+    lo0, end = first_key(pos0, window), pos0 + rows
+    for r in range(rows):
+        for c in range(o + r * q_size, o + r * q_size + group * d, LANES):
+            wstore(out, c, wzero())
+    block = max(LANES, VALUES // d)
+    for jb in range(lo0, end, block):
+        je = min(end, jb + block)
+        for c in range(je * d, (2 * je - jb) * d, LANES):  # the next block, a line at a time
+            prefetch_f32(vc, c)
+        for r in range(max(0, jb - pos0), rows):
+            pos = pos0 + r
+            lo = first_key(pos, window)
+            if lo >= je:
+                break
+            a, b = max(jb, lo), min(je, pos + 1)
+            q, at = r * group, o + r * q_size
+            for g in range(0, group - 1, 2):
+                s0, s1 = (q + g) * stride + PAD - lo, (q + g + 1) * stride + PAD - lo
+                _accumulate2(p, s0, s1, vc, a, b, d, out, at + g * d, at + (g + 1) * d)
+            if group % 2:
+                g = group - 1
+                _accumulate(p, (q + g) * stride + PAD - lo, vc, a, b, d, out, at + g * d)
