@@ -16,16 +16,18 @@ from typing import Any
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
+from numba.core.errors import TypingError
+from numba.extending import overload
 
 from meshnode.engine.cpu.simd import (
+    INNER,
+    inner,
     intrinsic,
     load_bf16,
     load_f16,
     load_f32,
 )
-
-_CACHE = True  # compiled code is cached on disk (NUMBA_CACHE_DIR, see .matrix)
 
 
 def _half_typer(typingctx: Any, bits: Any) -> tuple[Any, Any]:
@@ -41,13 +43,13 @@ def _half_typer(typingctx: Any, bits: Any) -> tuple[Any, Any]:
 _half_bits_to_f32: Any = intrinsic(_half_typer)
 
 
-@njit(cache=_CACHE)
+@inner
 def f16(row, off):  # type: ignore[no-untyped-def]
     """The float16 at byte ``off`` of ``row``, as float32."""
     return _half_bits_to_f32(np.uint16(np.uint32(row[off]) | (np.uint32(row[off + 1]) << 8)))
 
 
-@njit(cache=_CACHE)
+@inner
 def u32(row, off):  # type: ignore[no-untyped-def]
     return (
         np.uint32(row[off])
@@ -60,19 +62,19 @@ def u32(row, off):  # type: ignore[no-untyped-def]
 # -- plain floats ------------------------------------------------------------------------
 
 
-@njit(cache=_CACHE)
+@inner
 def _f32(row, c):  # type: ignore[no-untyped-def]
     o = 128 * c
     return load_f32(row, o), load_f32(row, o + 32), load_f32(row, o + 64), load_f32(row, o + 96)
 
 
-@njit(cache=_CACHE)
+@inner
 def _f16(row, c):  # type: ignore[no-untyped-def]
     o = 64 * c
     return load_f16(row, o), load_f16(row, o + 16), load_f16(row, o + 32), load_f16(row, o + 48)
 
 
-@njit(cache=_CACHE)
+@inner
 def _bf16(row, c):  # type: ignore[no-untyped-def]
     o = 64 * c
     return (
@@ -86,7 +88,7 @@ def _bf16(row, c):  # type: ignore[no-untyped-def]
 # -- the K-quants' packed scales (shared by the decoders of .wide and .q8_kernels) ------
 
 
-@njit(cache=_CACHE)
+@inner
 def q3_k_scale(row, o, i):  # type: ignore[no-untyped-def]
     # 16 six-bit scales: low four bits in scales[0:8] (nibbles), high two in scales[8:12]
     lo = (row[o + i % 8] >> (4 * (i // 8))) & 15
@@ -94,7 +96,7 @@ def q3_k_scale(row, o, i):  # type: ignore[no-untyped-def]
     return np.int32(lo | (hi << 4)) - 32
 
 
-@njit(cache=_CACHE)
+@inner
 def k_scale_min(row, o, s):  # type: ignore[no-untyped-def]
     # Q4_K/Q5_K: eight 6-bit scales and mins packed in 12 bytes (gguf Q4_K.get_scale_min)
     if s < 4:
@@ -104,11 +106,31 @@ def k_scale_min(row, o, s):  # type: ignore[no-untyped-def]
     return sc, mn
 
 
-@njit(cache=_CACHE)
-def chunk(fmt, row, c):  # type: ignore[no-untyped-def]
-    """Values ``32 c .. 32 c + 31`` of ``row`` (F32, F16 or BF16) as four vectors."""
-    if fmt == 0:
-        return _f32(row, c)
-    if fmt == 1:
-        return _f16(row, c)
-    return _bf16(row, c)
+def literal_format(fmt: Any) -> int:
+    """The kernel id that ``fmt``, the numba type of a format argument, holds as a
+    compile-time constant (a closure's captured id, passed down as a literal).
+
+    The kernels choose their decoders by format while compiling (with ``numba.extending.
+    overload``): numba types every branch of a runtime ``if fmt == ...``, a literal
+    argument included (its branch pruning folds comparisons with None only), so each
+    kernel would compile every format's decoder. Raises ``TypingError`` otherwise."""
+    if not isinstance(fmt, types.IntegerLiteral):
+        raise TypingError(f"a block format must be a compile-time constant, got {fmt}")
+    value: int = fmt.literal_value
+    return value
+
+
+_FLOATS = {0: _f32, 1: _f16, 2: _bf16}  # the decoder of each plain float format
+
+
+def chunk(fmt: int, row: Any, c: int) -> Any:
+    """Values ``32 c .. 32 c + 31`` of ``row`` (F32, F16 or BF16) as four vectors.
+
+    Compiled code only, ``fmt`` a compile-time constant (:func:`literal_format`)."""
+    raise TypeError("chunk is for compiled code")
+
+
+@overload(chunk, prefer_literal=True, jit_options=INNER)
+def _chunk(fmt, row, c):  # type: ignore[no-untyped-def]
+    decode = _FLOATS[literal_format(fmt)]
+    return lambda fmt, row, c: decode(row, c)

@@ -30,12 +30,17 @@ from typing import Any
 
 import numpy as np
 from numba import cfunc, njit, types
+from numba.core.imputils import impl_ret_borrowed
+from numba.extending import overload
 from numba.np.numpy_support import carray
 
 from meshnode.engine.cpu import pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
-from meshnode.engine.cpu.blocks import chunk
+from meshnode.engine.cpu.blocks import chunk, literal_format
 from meshnode.engine.cpu.simd import (
+    INNER,
+    inner,
+    intrinsic,
     vadd,
     vfma,
     vload,
@@ -68,7 +73,7 @@ _OUT, _N_OUT, _SCRATCH, _STRIDE = pool.OUT, pool.N_OUT, pool.SCRATCH, pool.STRID
 _CA, _CB, _ROWS = pool.CA, pool.CB, pool.ROWS
 
 
-@njit(cache=True)
+@inner
 def _dot1(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
     # one activation row: decode and multiply in registers
     a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
@@ -82,7 +87,7 @@ def _dot1(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
     return vsum(vadd(vadd(a0, a1), vadd(a2, a3)))
 
 
-@njit(cache=True)
+@inner
 def _dot1_wide(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
     # one activation row against a quantized format (3 to 12), 32 values as two
     # sixteen-lane vectors (half the instructions of four eight-lane ones); each weight
@@ -95,7 +100,7 @@ def _dot1_wide(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
     return wsum(a0) + wsum(a1)
 
 
-@njit(cache=True)
+@inner
 def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
     # the whole row into w[base : base + n_in], the formats of _dot1_wide as it does
     for c in range(n_in // 32):
@@ -104,22 +109,28 @@ def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
         wstore(w, base + 32 * c + 16, w1)
 
 
-@njit(cache=True)
-def _dot1_any(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
-    if fmt >= 3:
-        return _dot1_wide(fmt, row, x, n_in)
-    return _dot1(fmt, row, x, n_in)
+def _dot1_any(fmt: Any, row: Any, x: Any, n_in: Any) -> Any:
+    raise TypeError("for compiled code")
 
 
-@njit(cache=True)
-def _decode_any(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
-    if fmt >= 3:
-        _decode_wide(fmt, row, w, base, n_in)
-    else:
-        _decode(fmt, row, w, base, n_in)
+@overload(_dot1_any, prefer_literal=True, jit_options=INNER)
+def _dot1_typed(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
+    # the format's own product, chosen while compiling (.blocks.literal_format)
+    dot = _dot1_wide if literal_format(fmt) >= 3 else _dot1
+    return lambda fmt, row, x, n_in: dot(fmt, row, x, n_in)
 
 
-@njit(cache=True)
+def _decode_any(fmt: Any, row: Any, w: Any, base: Any, n_in: Any) -> None:
+    raise TypeError("for compiled code")
+
+
+@overload(_decode_any, prefer_literal=True, jit_options=INNER)
+def _decode_typed(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
+    decode = _decode_wide if literal_format(fmt) >= 3 else _decode
+    return lambda fmt, row, w, base, n_in: decode(fmt, row, w, base, n_in)
+
+
+@inner
 def _decode(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
     # the whole row into w[base : base + n_in] (float32)
     for c in range(n_in // 32):
@@ -131,7 +142,7 @@ def _decode(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
         vstore(w, o + 24, w3)
 
 
-@njit(cache=True)
+@inner
 def _dot4x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
     # activation rows r .. r + 3 (x flat, rows of n_in) times the four decoded weight rows
     # of w (flat [4, n_in]), sixteen lanes at a time: 16 accumulators, and each vector
@@ -159,7 +170,7 @@ def _dot4x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
     ))  # fmt: skip
 
 
-@njit(cache=True)
+@inner
 def _dot2x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
     # activation rows r, r + 1 times the four decoded weight rows of w
     p0, p1, q1, q2, q3 = r * n_in, (r + 1) * n_in, n_in, 2 * n_in, 3 * n_in
@@ -177,7 +188,7 @@ def _dot2x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
-@njit(cache=True)
+@inner
 def _dot1x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
     # activation row r times the four decoded weight rows of w
     p, q1, q2, q3 = r * n_in, n_in, 2 * n_in, 3 * n_in
@@ -189,7 +200,7 @@ def _dot1x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
     return wsum(a0), wsum(a1), wsum(a2), wsum(a3)
 
 
-@njit(cache=True)
+@inner
 def _dot_one(w, x, r, n_in):  # type: ignore[no-untyped-def]
     p = r * n_in
     a0, a1 = wzero(), wzero()
@@ -199,7 +210,7 @@ def _dot_one(w, x, r, n_in):  # type: ignore[no-untyped-def]
     return wsum(a0) + wsum(a1)
 
 
-@njit(cache=True)
+@inner
 def _ahead(raw, o):  # type: ignore[no-untyped-def]
     # ask for the cache lines of the weight bytes PREFETCH_BYTES past row o's start
     size = raw.shape[1]
@@ -210,10 +221,11 @@ def _ahead(raw, o):  # type: ignore[no-untyped-def]
             prefetch(flat, at + line)
 
 
-@njit(cache=True)
+@inner
 def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
-    # rows lo .. hi - 1 of one part (format fmt, a literal: the decoders fold to one
-    # format) into columns col + lo .. of out; w: float32 [4 n_in] scratch
+    # rows lo .. hi - 1 of one part (format fmt, a compile-time constant: each compiled
+    # _rows holds its format's decoder only) into columns col + lo .. of out; w: float32
+    # [4 n_in] scratch
     k, n_in = out.shape[0], w.shape[0] // 4
     if k == 1:
         for o in range(lo, hi):
@@ -226,7 +238,7 @@ def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
             _ahead(raw, o + i)
             _decode_any(fmt, raw[o + i], w, i * n_in, n_in)
         c = col + o
-        r = 0
+        r: Any = np.int64(0)  # not a literal 0: one compiled _dot4x4
         while r + 4 <= k:
             d = _dot4x4(w, x, r, n_in)
             for i in range(4):
@@ -245,20 +257,33 @@ def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
                 out[r, c + j] = d4[j]
         o += 4
     while o < hi:  # the last rows of a part whose length is not a multiple of four
-        _decode_any(fmt, raw[o], w, 0, n_in)
+        _decode_any(fmt, raw[o], w, np.int64(0), n_in)  # int64: one compiled decoder
         for r in range(k):
             out[r, col + o] = _dot_one(w, x, r, n_in)
         o += 1
+
+
+@intrinsic
+def _read_only(typingctx: Any, ary: Any) -> Any:
+    # the same array typed read-only, as the memory-mapped weights are: the products
+    # and the pool's chunks then share one compiled _rows per format
+    if not isinstance(ary, types.Array):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return impl_ret_borrowed(context, builder, sig.return_type, args[0])  # type: ignore[no-untyped-call]
+
+    return ary.copy(readonly=True)(ary), codegen
 
 
 def _serial_product(fa: int, fb: int, fc: int) -> Any:
     @njit(cache=True)
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
         w = np.empty(4 * (x.shape[0] // out.shape[0]), np.float32)
-        ends = (a.shape[0], a.shape[0] + b.shape[0])  # int64, not literal: one _rows each
-        _rows(fa, a, x, out, 0, a.shape[0], ends[0] - ends[0], w)
-        _rows(fb, b, x, out, 0, b.shape[0], ends[0], w)
-        _rows(fc, c, x, out, 0, c.shape[0], ends[1], w)
+        zero, na, nab = np.int64(0), a.shape[0], a.shape[0] + b.shape[0]  # int64s: one _rows
+        _rows(fa, a, x, out, zero, na, zero, w)
+        _rows(fb, b, x, out, zero, b.shape[0], na, w)
+        _rows(fc, c, x, out, zero, c.shape[0], nab, w)
 
     return product
 
@@ -273,15 +298,15 @@ def _chunk_product(fa: int, fb: int, fc: int) -> Any:
         w = carray(ptr_f32(st[_SCRATCH] + 4 * who * st[_STRIDE]), (4 * n_in,))
         ca, cb = st[_CA], st[_CB]
         if ch < ca:
-            a = carray(ptr_u8(st[_A]), (na, st[_RBA]))
+            a = _read_only(carray(ptr_u8(st[_A]), (na, st[_RBA])))
             lo = ch * rows
-            _rows(fa, a, x, out, lo, min(na, lo + rows), na - na, w)
+            _rows(fa, a, x, out, lo, min(na, lo + rows), np.int64(0), w)
         elif ch < ca + cb:
-            b = carray(ptr_u8(st[_B]), (nb, st[_RBB]))
+            b = _read_only(carray(ptr_u8(st[_B]), (nb, st[_RBB])))
             lo = (ch - ca) * rows
             _rows(fb, b, x, out, lo, min(nb, lo + rows), na, w)
         else:
-            c = carray(ptr_u8(st[_C]), (nc, st[_RBC]))
+            c = _read_only(carray(ptr_u8(st[_C]), (nc, st[_RBC])))
             lo = (ch - ca - cb) * rows
             _rows(fc, c, x, out, lo, min(nc, lo + rows), na + nb, w)
 
@@ -317,7 +342,7 @@ def _decode_kernel(fmt: int) -> Any:
     @njit(cache=True)
     def decode_rows(raw, ids, out):  # type: ignore[no-untyped-def]
         for i in range(ids.shape[0]):
-            _decode_any(fmt, raw[ids[i]], out[i], 0, out.shape[1])
+            _decode_any(fmt, raw[ids[i]], out[i], np.int64(0), out.shape[1])
 
     return decode_rows
 

@@ -173,7 +173,15 @@ class _Part:
     raw: np.ndarray  # [out_i, row bytes] uint8, usually a view of the memory-mapped file
 
 
-_EMPTY = np.zeros((0, 0), np.uint8)
+def _read_only(raw: np.ndarray) -> np.ndarray:
+    """A read-only view of ``raw``: numba compiles a kernel per argument type, and a
+    writable array is another type than the read-only memory map of a model file."""
+    view = raw.view()
+    view.flags.writeable = False
+    return view
+
+
+_EMPTY = _read_only(np.zeros((0, 0), np.uint8))
 
 
 class BlockMatrix:
@@ -196,7 +204,7 @@ class BlockMatrix:
             if fmt is None or not supported(t) or t.shape[1] != n_in:
                 raise ValueError(f"tensor {t.name}: {t.dtype} {t.shape} is not a block matrix")
             raw = np.asarray(t.data).reshape(t.shape[0], row_bytes(fmt, n_in))
-            parts.append(_Part(fmt, raw))
+            parts.append(_Part(fmt, _read_only(raw)))
         self.parts = tuple(parts)
         self.n_in = n_in
         self.n_out = sum(p.raw.shape[0] for p in parts)

@@ -21,15 +21,17 @@ from __future__ import annotations
 from typing import Any
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic as _numba_intrinsic
 from numba.extending import models, register_model
 
 __all__ = [
+    "INNER",
     "F32x8",
     "F32x16",
     "I32x8",
+    "inner",
     "ishl",
     "load_bf16",
     "load_f16",
@@ -62,6 +64,18 @@ __all__ = [
 ]
 
 LANES = 8
+
+
+# numba's options for a function only compiled code calls: no Python and no C entry
+# point, which would cost compile time at a first start and be used by nothing
+INNER: Any = {"no_cpython_wrapper": True, "no_cfunc_wrapper": True}
+
+
+def inner(fn: Any) -> Any:
+    """``numba.njit`` for a function only compiled code calls (the kernels' helpers),
+    cached on disk, with the options :data:`INNER`."""
+    jit: Any = njit  # numba's stubs do not list these options
+    return jit(cache=True, **INNER)(fn)
 
 
 def intrinsic(typer: Any) -> Any:

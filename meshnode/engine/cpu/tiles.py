@@ -78,7 +78,7 @@ def decoder(fmt: int) -> Any:
     @njit(nogil=True, cache=True)
     def decode(raw, lo, out):  # type: ignore[no-untyped-def]
         for i in range(out.shape[0]):
-            _decode_any(fmt, raw[lo + i], out[i], 0, out.shape[1])
+            _decode_any(fmt, raw[lo + i], out[i], np.int64(0), out.shape[1])
 
     return decode
 

@@ -30,12 +30,14 @@ from typing import Any
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
-from numba.extending import models, register_model
+from numba import types
+from numba.extending import models, overload, register_model
 
-from meshnode.engine.cpu.blocks import f16, k_scale_min, q3_k_scale, u32
+from meshnode.engine.cpu.blocks import f16, k_scale_min, literal_format, q3_k_scale, u32
 from meshnode.engine.cpu.simd import (
+    INNER,
     F32x16,
+    inner,
     intrinsic,
     wadd,
     wfma,
@@ -189,12 +191,8 @@ def wq6(typingctx: Any, row: Any, ql: Any, qh: Any, shift: Any, hshift: Any) -> 
 # -- the 32-value blocks -------------------------------------------------------------------
 
 
-@njit(cache=True)
-def _q4(fmt, row, c):  # type: ignore[no-untyped-def]
-    if fmt == 4:  # d f16 | m f16 | qs[16]: d * nibble + m
-        b = 20 * c
-        d, m = wsplat(f16(row, b)), wsplat(f16(row, b + 2))
-        return wfma(d, wlow_nibbles(row, b + 4), m), wfma(d, whigh_nibbles(row, b + 4), m)
+@inner
+def _q4_0(row, c):  # type: ignore[no-untyped-def]
     b = 18 * c  # d f16 | qs[16]: d * (nibble - 8)
     d, minus8 = wsplat(f16(row, b)), wsplat(np.float32(-8.0))
     return (
@@ -203,21 +201,29 @@ def _q4(fmt, row, c):  # type: ignore[no-untyped-def]
     )
 
 
-@njit(cache=True)
-def _q5(fmt, row, c):  # type: ignore[no-untyped-def]
-    # Q5_0 (d f16 | qh u32 | qs[16]: d * (q - 16)) or Q5_1 (d f16 | m f16 | qh u32 |
-    # qs[16]: d * q + m), gguf's Q5_0 / Q5_1
-    if fmt == 5:
-        b = 22 * c
-        d, qh = wsplat(f16(row, b)), u32(row, b + 2)
-        return wmul(d, wq5c_low(row, b + 6, qh)), wmul(d, wq5c_high(row, b + 6, qh))
-    b = 24 * c
+@inner
+def _q4_1(row, c):  # type: ignore[no-untyped-def]
+    b = 20 * c  # d f16 | m f16 | qs[16]: d * nibble + m
+    d, m = wsplat(f16(row, b)), wsplat(f16(row, b + 2))
+    return wfma(d, wlow_nibbles(row, b + 4), m), wfma(d, whigh_nibbles(row, b + 4), m)
+
+
+@inner
+def _q5_0(row, c):  # type: ignore[no-untyped-def]
+    b = 22 * c  # d f16 | qh u32 | qs[16]: d * (q - 16), gguf's Q5_0
+    d, qh = wsplat(f16(row, b)), u32(row, b + 2)
+    return wmul(d, wq5c_low(row, b + 6, qh)), wmul(d, wq5c_high(row, b + 6, qh))
+
+
+@inner
+def _q5_1(row, c):  # type: ignore[no-untyped-def]
+    b = 24 * c  # d f16 | m f16 | qh u32 | qs[16]: d * q + m, gguf's Q5_1
     d, m = wsplat(f16(row, b)), wsplat(f16(row, b + 2))
     qh = u32(row, b + 4)
     return wfma(d, wq5_low(row, b + 8, qh), m), wfma(d, wq5_high(row, b + 8, qh), m)
 
 
-@njit(cache=True)
+@inner
 def _q8_0(row, c):  # type: ignore[no-untyped-def]
     b = 34 * c  # d f16 | qs int8[32]: q * d
     d = wsplat(f16(row, b))
@@ -227,7 +233,7 @@ def _q8_0(row, c):  # type: ignore[no-untyped-def]
 # -- K-quants: chunk c is sub-block s = c % 8 of super-block c // 8 ------------------------
 
 
-@njit(cache=True)
+@inner
 def _q2_k(row, c):  # type: ignore[no-untyped-def]
     # scales[16] | qs[64] | d f16 | dmin f16: d * (sc & 15) * q - dmin * (sc >> 4)
     o, s = 84 * (c // 8), c % 8
@@ -242,7 +248,7 @@ def _q2_k(row, c):  # type: ignore[no-untyped-def]
     )
 
 
-@njit(cache=True)
+@inner
 def _q3_k(row, c):  # type: ignore[no-untyped-def]
     # hmask[32] | qs[64] | scales[12] | d f16: d * scale * ((low | hbit << 2) - 4)
     o, s = 110 * (c // 8), c % 8
@@ -255,14 +261,14 @@ def _q3_k(row, c):  # type: ignore[no-untyped-def]
     return wmul(dla, wtof(wisub(qa, 4))), wmul(dlb, wtof(wisub(qb, 4)))
 
 
-@njit(cache=True)
+@inner
 def _q45_k_scales(row, o, s):  # type: ignore[no-untyped-def]
     # Q4_K/Q5_K sub-block s of the super-block at o: d * scale and -(dmin * min), splat
     sc, mn = k_scale_min(row, o + 4, s)
     return wsplat(f16(row, o) * np.float32(sc)), wsplat(-(f16(row, o + 2) * np.float32(mn)))
 
 
-@njit(cache=True)
+@inner
 def _q4_k(row, c):  # type: ignore[no-untyped-def]
     # d f16 | dmin f16 | scales[12] | qs[128]: nibble s % 2 of qs[32 (s // 2) ..]
     o, s = 144 * (c // 8), c % 8
@@ -273,7 +279,7 @@ def _q4_k(row, c):  # type: ignore[no-untyped-def]
     return wfma(ds, whigh_nibbles(row, qs), dm), wfma(ds, whigh_nibbles(row, qs + 16), dm)
 
 
-@njit(cache=True)
+@inner
 def _q5_k(row, c):  # type: ignore[no-untyped-def]
     # d f16 | dmin f16 | scales[12] | qh[32] | qs[128]: nibble s % 2 of qs[32 (s // 2) ..]
     # with bit s of qh[l] as the fifth
@@ -285,7 +291,7 @@ def _q5_k(row, c):  # type: ignore[no-untyped-def]
     return wfma(ds, wtof(qa), dm), wfma(ds, wtof(qb), dm)
 
 
-@njit(cache=True)
+@inner
 def _q6_k(row, c):  # type: ignore[no-untyped-def]
     # ql[128] | qh[64] | scales int8[16] | d f16: d * scale * ((low | high << 4) - 32)
     o, s = 210 * (c // 8), c % 8
@@ -298,21 +304,23 @@ def _q6_k(row, c):  # type: ignore[no-untyped-def]
     return wmul(da, qa), wmul(db, qb)
 
 
-@njit(cache=True)
-def wchunk(fmt, row, c):  # type: ignore[no-untyped-def]
-    """Values ``32 c .. 32 c + 31`` of ``row`` (format ``fmt``, 3 to 12) as two vectors."""
-    if fmt == 3 or fmt == 4:
-        return _q4(fmt, row, c)
-    if fmt == 5 or fmt == 6:
-        return _q5(fmt, row, c)
-    if fmt == 7:
-        return _q8_0(row, c)
-    if fmt == 8:
-        return _q2_k(row, c)
-    if fmt == 9:
-        return _q3_k(row, c)
-    if fmt == 10:
-        return _q4_k(row, c)
-    if fmt == 11:
-        return _q5_k(row, c)
-    return _q6_k(row, c)
+# the decoder of each format, by kernel id
+_DECODERS = {
+    3: _q4_0, 4: _q4_1, 5: _q5_0, 6: _q5_1, 7: _q8_0,
+    8: _q2_k, 9: _q3_k, 10: _q4_k, 11: _q5_k, 12: _q6_k,
+}  # fmt: skip
+
+
+def wchunk(fmt: int, row: Any, c: int) -> Any:
+    """Values ``32 c .. 32 c + 31`` of ``row`` (format ``fmt``, 3 to 12) as two vectors.
+
+    Compiled code only, ``fmt`` a compile-time constant (:func:`.blocks.literal_format`):
+    the call is the format's own decoder, so a kernel compiles its formats' decoders only.
+    """
+    raise TypeError("wchunk is for compiled code")
+
+
+@overload(wchunk, prefer_literal=True, jit_options=INNER)
+def _wchunk(fmt, row, c):  # type: ignore[no-untyped-def]
+    decode = _DECODERS[literal_format(fmt)]
+    return lambda fmt, row, c: decode(row, c)
