@@ -249,10 +249,12 @@ async def ttft_under_load(
     busy = trio.Event()
 
     async def background(i: int) -> None:
-        params = GenerationParams(max_new_tokens=tokens * 4, sampling=sampling(100 + i))
+        prompt = prompts[i % len(prompts)]
+        budget = min(tokens * 4, CONTEXT - len(prompt) - 1)  # within the context
+        params = GenerationParams(max_new_tokens=budget, sampling=sampling(100 + i))
         run = GenerationRun(
             RequestId(f"bg{i}"),
-            prompts[i % len(prompts)],
+            prompt,
             params,
             GenerationState(params, Silent()),
         )

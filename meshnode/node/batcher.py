@@ -8,7 +8,8 @@ never wall time), picks the frames of the step with :func:`plan_batch` (a pure f
 and runs the pipeline's step function on them, in which the stage computes all of them
 as one multi-row forward. When the step ends every task whose frame it carried wakes with
 its own outcome; finished sequences simply stop submitting and new ones start, so
-requests join and leave between steps.
+requests join and leave between steps. A release (:meth:`Batcher.exclusive`) goes before
+the next step, so a sequence that ends leaves at once while the others go on.
 
 What a step takes (:func:`plan_batch`): frames in arrival order, at most one per sequence
 and at most ``max_frames``; decode and verify frames (a few rows each) always fit, while
@@ -154,6 +155,7 @@ class Batcher(Generic[T]):
         self._live = live
         self._pending: list[Slot[T]] = []
         self._turn = _Turn()
+        self._exclusive = 0  # tasks waiting for exclusive(): steps wait for them
         self.steps = 0  # steps run so far (tests and telemetry)
 
     async def submit(self, frame: StepFrame) -> T:
@@ -174,7 +176,7 @@ class Batcher(Generic[T]):
         :meth:`submit`). Cancelled before any step took it, the slot is withdrawn."""
         try:
             while not slot.done:
-                if self._turn.busy:
+                if self._turn.busy or self._exclusive:  # a release waiting goes first
                     await self._turn.over.wait()
                     continue
                 async with self._holding():
@@ -194,9 +196,22 @@ class Batcher(Generic[T]):
 
     @asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:
-        """Hold the stage between steps (no step runs inside the ``async with``)."""
-        while self._turn.busy:
-            await self._turn.over.wait()
+        """Hold the stage between steps (no step runs inside the ``async with``). It
+        comes before the next step (a step gathering when it is asked for gives way):
+        a sequence that finishes while others decode is released at once. Before, the
+        task that led a step led the next one at once whenever its own sequence went
+        on, and a finished sequence stayed unreleased (its stream not ended, its slot
+        held) until the leader's sequence finished."""
+        self._exclusive += 1
+        try:
+            while self._turn.busy:
+                await self._turn.over.wait()
+        except BaseException:
+            self._exclusive -= 1
+            if not self._turn.busy:  # leaders deferring to us wait on this turn's end
+                self._end_turn()
+            raise
+        self._exclusive -= 1
         async with self._holding():
             yield
 
@@ -206,11 +221,16 @@ class Batcher(Generic[T]):
         try:
             yield
         finally:
-            over, self._turn = self._turn.over, _Turn()
-            over.set()
+            self._end_turn()
+
+    def _end_turn(self) -> None:
+        over, self._turn = self._turn.over, _Turn()
+        over.set()
 
     async def _run_step(self) -> None:
         await self._gather()
+        if self._exclusive:
+            return  # a sequence that just finished is being released: that goes first
         batch = self._take()
         if not batch:
             return

@@ -61,10 +61,15 @@ class RecordingRunner(StageRunner):
         super().__init__(stage, context_size=CONTEXT, max_sequences=8)
         self.steps: list[list[StepFrame]] = []
         self.refused: list[StepFrame] = []  # frames a step brought that did not fit
+        self.released: dict[RequestId, int] = {}
 
     def results_batch(self, frames: Sequence[StepFrame]) -> list[StepResult]:
         self.steps.append(list(frames))
         return super().results_batch(frames)
+
+    def release(self, request_id: RequestId) -> bool:
+        self.released[request_id] = len(self.steps)  # steps run before the release
+        return super().release(request_id)
 
     def admit(self, frame: StepFrame) -> None:
         try:
@@ -255,6 +260,28 @@ async def test_batched_verify_windows_equal_plain_decoding(stage: Stage) -> None
     mixed = [s for s in runner.steps if sum(f.kind is FrameKind.VERIFY for f in s) >= 2]
     assert mixed, "no step carried two verify windows"
     assert sum(r.spec.accepted for r in runs) > 0
+
+
+async def test_a_stream_that_ends_while_others_decode_is_released_at_once(
+    stage: Stage,
+) -> None:
+    """A short request ending while long ones go on decoding is released right after its
+    last step (the stage's next turn is its release, before another step): its stream
+    ends and its slot frees then, not when the task that leads the steps finishes."""
+    solo = await _solo(stage, PROMPTS[0], 40, GREEDY)
+    runner = RecordingRunner(stage)
+    pipeline = LocalPipeline(runner)
+    short = _run("short", PROMPTS[1], 3, GREEDY)
+    longs = [_run(f"long{i}", p, 40, GREEDY) for i, p in enumerate(PROMPTS[0:5:2])]
+    async with trio.open_nursery() as nursery:
+        for run in (*longs, short):
+            nursery.start_soon(_drive, pipeline, run)
+    carried = [
+        i for i, step in enumerate(runner.steps) if any(f.request_id == "short" for f in step)
+    ]
+    assert runner.released[short.request_id] == carried[-1] + 1
+    assert len(runner.steps) > carried[-1] + 10  # the long streams went on after it
+    assert longs[0].state.tokens == solo
 
 
 async def test_the_next_decode_frame_is_in_line_before_the_client_sees_a_token(
