@@ -18,7 +18,7 @@ import pytest
 from meshnode_packaging.sources import RawTensor, dequantize
 
 from meshnode.engine.backend import cpu_backend, select_backend
-from meshnode.engine.cpu import BlockMatrix, matrix, q8
+from meshnode.engine.cpu import BlockMatrix, matrix, pool, q8
 from meshnode.engine.cpu.pool import CoreGauge, KernelPool
 from meshnode.engine.loader import load_model
 from tests.conftest import GOLDEN_DIR, smollm2_gguf_path
@@ -150,6 +150,48 @@ def test_shared_equals_serial_and_parts_stack(
         before = idle_threads.posted
         np.testing.assert_array_equal(q8.q8_product(m, x), serial)
         assert idle_threads.posted == before + 1  # the pool did take it
+
+
+def test_the_pool_cuts_q8_products_as_it_cuts_exact_ones(
+    rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch, idle_threads: KernelPool
+) -> None:
+    """The pool sizes its chunks by the activations' n_in: a q8 product posts its
+    buffer's first k n_in bytes, so its chunks are the exact kernels' (posted whole, a
+    one-row buffer of 512 values counted as 15x longer rows: chunks of 64 rows, not 128),
+    and reads the rest of the buffer past them."""
+    m = BlockMatrix([random_tensor("Q4_1", 2048, rng)])
+    monkeypatch.setattr(matrix, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(matrix, "_threads", 2)
+    monkeypatch.setattr(matrix, "_pool", lambda: idle_threads)
+    for k in (1, 8):
+        x = rng.standard_normal((k, N_IN)).astype(np.float32)
+        serial = q8._kernels().product_kernel(*m._fmts)
+        want = np.empty((k, m.n_out), np.float32)
+        serial(*m._raws, x.reshape(-1), want)
+        np.testing.assert_array_equal(q8.q8_product(m, x), want)
+        q8_rows = idle_threads._st[pool.ROWS]
+        x @ m
+        assert q8_rows == idle_threads._st[pool.ROWS]
+
+
+@pytest.mark.parametrize("dtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])
+def test_a_quantizer_buffer_at_any_alignment(dtype: str, rng: np.random.Generator) -> None:
+    """The kernels' loads and stores of the buffer assume no alignment (NumPy gives 16
+    bytes): a 32-byte load compiled as an aligned move crashed on one that was not."""
+    m = BlockMatrix([random_tensor(dtype, 24, rng)])
+    kernels = q8._kernels()
+    for k in (1, 9):
+        x = rng.standard_normal((k, N_IN)).astype(np.float32)
+        want = q8.q8_product(m, x)
+        size = kernels.buffer_bytes(k, N_IN)
+        raw = np.zeros(size + 128, np.uint8)
+        for shift in (4, 16):  # past a 64-byte boundary
+            at = -raw.ctypes.data % 64 + shift
+            buf = raw[at : at + size]
+            kernels.quantize(x.reshape(-1), k, buf)
+            out = np.empty_like(want)
+            kernels._rows(m._fmts[0], m._raws[0], buf, out, 0, 24, 0)
+            np.testing.assert_array_equal(out, want)
 
 
 def test_the_backend_routes_quantized_products_of_any_rows(rng: np.random.Generator) -> None:

@@ -26,7 +26,7 @@ from numba import njit
 
 from meshnode.engine.cpu.simd_int import band, bits32, bload, bor, bshl, bshr, bxor, half, nibbles
 
-__all__ = ["OFFSET_SHIFTS", "chunk", "minimum_kind", "offset_area", "per16"]
+__all__ = ["OFFSET_SHIFTS", "block_bytes", "chunk", "minimum_kind", "offset_area", "per16"]
 
 # The shifts of the offsets (offset areas 0 .. 4): z = 4 (Q3_K), 8 (Q4_0), 16 (Q5_0),
 # 32 (Q6_K), 128 (Q8_0).
@@ -57,6 +57,14 @@ def minimum_kind(fmt):  # type: ignore[no-untyped-def]
     if fmt == 8:
         return 2
     return 0
+
+
+@njit(cache=True)
+def block_bytes(fmt):  # type: ignore[no-untyped-def]
+    """Bytes of a block of format ``fmt`` (Q4_0 .. Q8_0: 32 values; K-quants: 256)."""
+    if fmt <= 7:
+        return (18, 20, 22, 24, 34)[fmt - 3]
+    return (84, 110, 144, 176, 210)[fmt - 8]
 
 
 @njit(cache=True)

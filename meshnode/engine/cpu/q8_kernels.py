@@ -44,7 +44,14 @@ from numba.np.numpy_support import carray
 
 from meshnode.engine.cpu import pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
-from meshnode.engine.cpu.q8_blocks import OFFSET_SHIFTS, chunk, minimum_kind, offset_area, per16
+from meshnode.engine.cpu.q8_blocks import (
+    OFFSET_SHIFTS,
+    block_bytes,
+    chunk,
+    minimum_kind,
+    offset_area,
+    per16,
+)
 from meshnode.engine.cpu.simd import tofloat, vadd, vfma, vsplat, vzero, wadd, wfma, wmul, wzero
 from meshnode.engine.cpu.simd_int import bsplat, dot4, fload, imul, ivsub, lanes2, prefetch
 from meshnode.engine.cpu.simd_q8 import (
@@ -54,6 +61,7 @@ from meshnode.engine.cpu.simd_q8 import (
     dotw,
     fload16,
     fold,
+    hpairs,
     iadd16,
     iload16,
     imul16,
@@ -90,11 +98,8 @@ _OUT, _N_OUT, _CA, _CB, _ROWS = pool.OUT, pool.N_OUT, pool.CA, pool.CB, pool.ROW
 
 @njit(cache=True)
 def buffer_bytes(k, n_in):  # type: ignore[no-untyped-def]
-    """Bytes of :func:`quantize`'s buffer for ``k`` rows of ``n_in`` activations (a
-    multiple of ``k``: the pool is handed it as ``k`` rows)."""
-    blocks = (k + 7) // 8 * (n_in // 32)
-    size = HEADER + k * n_in + 448 * blocks
-    return size + (k - size % k) % k
+    """Bytes of :func:`quantize`'s buffer for ``k`` rows of ``n_in`` activations."""
+    return HEADER + k * n_in + 448 * ((k + 7) // 8) * (n_in // 32)
 
 
 @njit(cache=True)
@@ -212,9 +217,13 @@ def _group(fmt, w, base, q, g, n, nb, blocks):  # type: ignore[no-untyped-def]
             d = iadd16(imul16(lo, ipair(sa0, sa1)), imul16(hi, ipair(sb0, sb1)))
         else:
             d = iadd16(lo, hi)
-        acc = wfma(tofloat16(d), wmul(wpair(dw0, dw1), fload16(q, dxt + 32 * i)), acc)
+        dws, ms = wpair(dw0, dw1), wpair(m0, m1)
+        if fmt <= 7:  # a block per chunk, its scale and minimum first: one conversion
+            size = block_bytes(fmt)
+            dws, ms = hpairs(w, base + 2 * p * size, base + (2 * p + 1) * size)
+        acc = wfma(tofloat16(d), wmul(dws, fload16(q, dxt + 32 * i)), acc)
         if kind == 1:
-            t = wadd(t, wmul(wpair(m0, m1), fload16(q, sxt + 32 * i)))
+            t = wadd(t, wmul(ms, fload16(q, sxt + 32 * i)))
         elif kind == 2:
             t = wadd(t, wmul(wpair(m0, m1), fload16(q, sxt + 32 * blocks + 32 * i)))
             t = wadd(t, wmul(wpair(n0, n1), fload16(q, sxt + 64 * blocks + 32 * i)))
@@ -321,9 +330,10 @@ def _serial_product(fa: int, fb: int, fc: int) -> Any:
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
         q = quantized(x, out.shape[0])  # here: a numba call costs microseconds
         ends = (a.shape[0], a.shape[0] + b.shape[0])  # int64, not literal: one _rows each
-        _rows(fa, a, q, out, 0, a.shape[0], ends[0] - ends[0])
-        _rows(fb, b, q, out, 0, b.shape[0], ends[0])
-        _rows(fc, c, q, out, 0, c.shape[0], ends[1])
+        zero = ends[0] - ends[0]
+        _rows(fa, a, q, out, zero, a.shape[0], zero)
+        _rows(fb, b, q, out, zero, b.shape[0], ends[0])
+        _rows(fc, c, q, out, zero, c.shape[0], ends[1])
 
     return product
 
@@ -331,10 +341,11 @@ def _serial_product(fa: int, fb: int, fc: int) -> Any:
 def _chunk_product(fa: int, fb: int, fc: int) -> Any:
     @cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
     def chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
-        # as .kernels' chunks; the posted "x" is quantize's buffer, no scratch used
+        # as .kernels' chunks; the posted "x" is quantize's buffer (its first k n_in
+        # bytes: the pool sizes chunks by n_in), no scratch used
         st = carray(ptr_i64(st_addr), (_WORDS,))
         na, nb, nc, k, rows = st[_NA], st[_NB], st[_NC], st[_K], st[_ROWS]
-        q = carray(ptr_u8(st[_X]), (k * st[_N_IN],))  # posted as k rows of its bytes / k
+        q = carray(ptr_u8(st[_X]), (buffer_bytes(k, st[_N_IN]),))
         out = carray(ptr_f32(st[_OUT]), (k, st[_N_OUT]))
         ca, cb = st[_CA], st[_CB]
         if ch < ca:
@@ -364,5 +375,7 @@ def product_kernel(fa: int, fb: int, fc: int) -> Any:
 @functools.cache
 def chunk_kernel(fa: int, fb: int, fc: int) -> int:
     """The address of the pool's ``chunk(st, who, ch)`` for this product (as
-    :func:`.kernels.chunk_kernel`), posted with :func:`quantized`'s buffer as ``x``."""
+    :func:`.kernels.chunk_kernel`), posted with the first ``k n_in`` bytes of
+    :func:`quantized`'s buffer as ``x`` (``k`` rows of ``n_in``, as the exact kernels'
+    activations: the pool then cuts the same chunks), the whole buffer kept alive."""
     return int(_chunk_product(fa, fb, fc).address)

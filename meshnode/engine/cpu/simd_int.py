@@ -297,7 +297,9 @@ def dot4(typingctx: Any, w: Any, xq: Any, off: Any) -> Any:
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        x = builder.load(_byte_pointer(context, builder, sig.args[1], args[1], args[2], _VB))
+        x = builder.load(
+            _byte_pointer(context, builder, sig.args[1], args[1], args[2], _VB), align=1
+        )  # no alignment assumed: an aligned move on a 16-byte-aligned buffer faults
         return (_dot_vnni if vnni() else _dot_generic)(builder, args[0], x)
 
     return I32x8(w, xq, off), codegen

@@ -36,6 +36,7 @@ __all__ = [
     "fload8",
     "fload16",
     "fold",
+    "hpairs",
     "iadd16",
     "iload16",
     "imul16",
@@ -450,7 +451,8 @@ def bstore(typingctx: Any, buf: Any, off: Any, v: Any) -> Any:
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        builder.store(args[2], _pointer(context, builder, sig.args[0], args[0], args[1], _VB))
+        ptr = _pointer(context, builder, sig.args[0], args[0], args[1], _VB)
+        builder.store(args[2], ptr, align=1)
         return context.get_dummy_value()
 
     return types.none(buf, off, v), codegen
@@ -489,3 +491,26 @@ def ishl16(typingctx: Any, v: Any, n: Any) -> Any:
         return builder.shl(args[0], builder.shuffle_vector(one, one, ir.Constant(_VI16, [0] * 16)))
 
     return I32x16(v, n), codegen
+
+
+@intrinsic
+def hpairs(typingctx: Any, w: Any, o0: Any, o1: Any) -> Any:
+    """The float16 pairs at bytes ``o0`` and ``o1`` of a ``uint8`` row, ``(a0, b0)`` and
+    ``(a1, b1)`` (two blocks' scale and minimum), as float32 (exact, one conversion for
+    the four): ``(wpair(a0, a1), wpair(b0, b1))``."""
+    if not _is_bytes(w):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        words = ir.Constant(ir.VectorType(_I32, 2), ir.Undefined)
+        for i, off in enumerate(args[1:]):
+            ptr = _pointer(context, builder, sig.args[0], args[0], off, _I32)
+            word = builder.load(ptr, align=1)
+            words = builder.insert_element(words, word, ir.Constant(_I32, i))
+        halves = builder.bitcast(words, ir.VectorType(ir.HalfType(), 4))  # a0 b0 a1 b1
+        f = builder.fpext(halves, ir.VectorType(_F, 4))
+        a = builder.shuffle_vector(f, f, ir.Constant(_VI16, [0] * 8 + [2] * 8))
+        b = builder.shuffle_vector(f, f, ir.Constant(_VI16, [1] * 8 + [3] * 8))
+        return context.make_tuple(builder, sig.return_type, (a, b))
+
+    return types.UniTuple(F32x16, 2)(w, o0, o1), codegen  # type: ignore[no-untyped-call]
