@@ -221,8 +221,8 @@ def stream_floor(stage: Stage, context: int, threads: list[int], rounds: int) ->
                     times.append(time.perf_counter() - began)
                 ms = statistics.median(times[1:]) * 1e3
                 print(
-                    f"  floor, threads {n}, {how}: {total / 2**20:.1f} MiB of KV read in "
-                    f"{ms:.2f} ms ({total / ms / 1e6:.1f} GB/s)",
+                    f"  floor (wall clock), threads {n}, {how}: {total / 2**20:.1f} MiB of KV "
+                    f"read in {ms:.2f} ms ({total / ms / 1e6:.1f} GB/s)",
                     flush=True,
                 )
 
