@@ -3,9 +3,8 @@
 numba compiles every branch a function's types reach, so a kernel that chose its block
 decoder with a runtime ``if fmt == ...`` compiled all thirteen formats' decoders for each
 product; and it compiles a function again for each new argument type (a writable array
-beside a read-only one, a literal ``0`` beside an ``int64``). Each check runs in a fresh
-process on an empty ``NUMBA_CACHE_DIR``, where nothing is loaded from a cache and
-numba's dispatchers list exactly what was compiled.
+beside a read-only one, a literal ``0`` beside an ``int64``). The check runs in a fresh
+process on an empty ``NUMBA_CACHE_DIR``, where nothing is loaded from a cache.
 """
 
 from __future__ import annotations
@@ -25,16 +24,21 @@ from numba.core.errors import TypingError
 from meshnode.engine.cpu.wide import wchunk
 from tests.conftest import REPO_ROOT
 
-# Products of 1, 2 and 3 rows, serial and on the kernel threads, a fused Q/K/V-like
-# matrix of two formats, the embedding's row gather and prefill's tiles: everything a
-# model of Q4_1 and Q8_0 weights (SmolLM2's) asks of the kernels.
+# Products of 1, 2, 3 and 20 rows, serial and on the kernel threads, of a matrix and of a
+# fused Q/K/V-like one of two formats, and the embedding's row gather: everything a
+# model of Q4_1 and Q8_0 weights (SmolLM2's) asks of the kernels; each compiled function
+# listed with the argument types of each compile (numba's compile events).
+_DECODERS = [
+    *("_f32", "_f16", "_bf16", "_q4_0", "_q4_1", "_q5_0", "_q5_1"),
+    *("_q8_0", "_q2_k", "_q3_k", "_q4_k", "_q5_k", "_q6_k"),
+]
 _SCRIPT = """
-import json, sys
+import collections, json, sys
 from pathlib import Path
 import numpy as np
+from numba.core import event
 from tests.engine.test_cpu_kernels import N_IN, random_tensor
 from meshnode.engine.cpu import BlockMatrix, matrix
-from meshnode.engine.cpu import blocks, kernels, wide
 from meshnode.engine.cpu.pool import CoreGauge, KernelPool
 
 rng = np.random.default_rng(3)
@@ -42,19 +46,18 @@ q41, q80 = random_tensor("Q4_1", 70, rng), random_tensor("Q8_0", 40, rng)
 idle = KernelPool(CoreGauge(Path(sys.argv[1]) / "no-stat", cpus={0, 1, 2, 3}))
 matrix._pool = lambda: idle
 matrix.PARALLEL_MIN_BYTES = 0
-for m in (BlockMatrix([q41]), BlockMatrix([q41, q80, q41])):
-    for threads in (1, 2):
-        matrix.set_kernel_threads(threads)
-        for k in (1, 2, 3, 20):
-            rng.standard_normal((k, N_IN)).astype(np.float32) @ m
-BlockMatrix([q80]).rows([3, 1])
-decoders = {fmt: len(d.signatures) for fmt, d in wide._DECODERS.items()}
-floats = {fmt: len(d.signatures) for fmt, d in blocks._FLOATS.items()}
-helpers = {
-    name: [str(s) for s in getattr(kernels, name).signatures]
-    for name in ("_rows", "_dot1_wide", "_decode_wide", "_dot4x4")
-}
-print(json.dumps({"posted": idle.posted, "decoders": decoders, "floats": floats} | helpers))
+with event.install_recorder("numba:compile") as rec:
+    for m in (BlockMatrix([q41]), BlockMatrix([q41, q80, q41])):
+        for threads in (1, 2):
+            matrix.set_kernel_threads(threads)
+            for k in (1, 2, 3, 20):
+                rng.standard_normal((k, N_IN)).astype(np.float32) @ m
+    BlockMatrix([q80]).rows([3, 1])
+compiled = collections.defaultdict(list)  # function name: the argument types of each compile
+for _, ev in rec.buffer:
+    if ev.is_start:
+        compiled[ev.data["dispatcher"].py_func.__name__].append(str(ev.data["args"]))
+print(json.dumps({"posted": idle.posted, "compiled": compiled}))
 """
 
 
@@ -74,19 +77,18 @@ def _compiled(tmp_path: Path) -> dict[str, Any]:
 
 
 def test_a_model_compiles_its_own_formats_once_each(tmp_path: Path) -> None:
-    """Only the Q4_1 and Q8_0 decoders are compiled (each once), none of the other
-    eleven formats'; ``_rows`` once per format although the serial products pass it the
-    model's read-only memory and the kernel threads' chunks an address; the 4 x 4 tile
-    once for every product."""
+    """Only the Q4_1 and Q8_0 decoders are compiled, none of the other eleven formats';
+    ``_rows`` once per format although the serial products pass it the model's
+    read-only memory and the kernel threads' chunks an address; the pool's claim loop
+    once."""
     got = _compiled(tmp_path)
     assert got["posted"] > 0  # the kernel threads' chunks were compiled and ran
-    q41, q80 = "4", "7"  # .formats.FORMATS' kernel ids
-    assert got["decoders"] == {f: int(f in (q41, q80)) for f in got["decoders"]}
-    assert got["floats"] == {"0": 0, "1": 0, "2": 0}
-    formats = sorted(s.split(",")[0] for s in got["_rows"])
-    assert formats == ["(Literal[int](4)", "(Literal[int](7)"]
-    assert len(got["_dot1_wide"]) == len(got["_decode_wide"]) == 2
-    assert len(got["_dot4x4"]) == 1
+    compiled = got["compiled"]
+    decoders = [name for name in compiled if name in _DECODERS]
+    assert sorted(decoders) == ["_q4_1", "_q8_0"]
+    formats = sorted(args.split(",")[0] for args in compiled["_rows"])
+    assert formats == ["(Literal[int](4)", "(Literal[int](7)"]  # .formats.FORMATS' ids
+    assert len(compiled["_claim_and_run"]) == 1  # the caller's and the helpers' alike
 
 
 def test_a_format_known_only_at_run_time_is_refused() -> None:

@@ -62,20 +62,17 @@ def u32(row, off):  # type: ignore[no-untyped-def]
 # -- plain floats ------------------------------------------------------------------------
 
 
-@inner
-def _f32(row, c):  # type: ignore[no-untyped-def]
+def _f32(fmt, row, c):  # type: ignore[no-untyped-def]
     o = 128 * c
     return load_f32(row, o), load_f32(row, o + 32), load_f32(row, o + 64), load_f32(row, o + 96)
 
 
-@inner
-def _f16(row, c):  # type: ignore[no-untyped-def]
+def _f16(fmt, row, c):  # type: ignore[no-untyped-def]
     o = 64 * c
     return load_f16(row, o), load_f16(row, o + 16), load_f16(row, o + 32), load_f16(row, o + 48)
 
 
-@inner
-def _bf16(row, c):  # type: ignore[no-untyped-def]
+def _bf16(fmt, row, c):  # type: ignore[no-untyped-def]
     o = 64 * c
     return (
         load_bf16(row, o),
@@ -120,7 +117,7 @@ def literal_format(fmt: Any) -> int:
     return value
 
 
-_FLOATS = {0: _f32, 1: _f16, 2: _bf16}  # the decoder of each plain float format
+_FLOATS = {0: _f32, 1: _f16, 2: _bf16}  # the decoder of each plain float format, as wide's
 
 
 def chunk(fmt: int, row: Any, c: int) -> Any:
@@ -132,5 +129,4 @@ def chunk(fmt: int, row: Any, c: int) -> Any:
 
 @overload(chunk, prefer_literal=True, jit_options=INNER)
 def _chunk(fmt, row, c):  # type: ignore[no-untyped-def]
-    decode = _FLOATS[literal_format(fmt)]
-    return lambda fmt, row, c: decode(row, c)
+    return _FLOATS[literal_format(fmt)]

@@ -14,9 +14,8 @@ reference adds it). Each row is computed alone: its result does not depend on th
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
-from meshnode.engine.cpu.simd import wadd, wload, wmul, wsplat, wstore
+from meshnode.engine.cpu.simd import entry, wadd, wload, wmul, wsplat, wstore
 from meshnode.engine.cpu.vexp import wdiv, wexp, wmax
 
 __all__ = ["GELU_TANH", "LANES", "SILU", "glu"]
@@ -27,7 +26,7 @@ _SILU_CLAMP = np.float32(-80.0)  # ops.SILU_CLAMP
 _GELU_C = np.float32(0.7978845608028654)  # ops.GELU_TANH_C
 
 
-@njit(nogil=True, cache=True)
+@entry(nogil=True)
 def glu(gate_up, kind, out):  # type: ignore[no-untyped-def]
     """``out[i] = act(gate[i]) * up[i]`` for ``gate_up`` ``[r, 2 I]`` (gate, then up) and
     ``out`` ``[r, I]``, float32 in C order, ``I`` a multiple of :data:`LANES`;

@@ -17,10 +17,12 @@ BF16, the same values either way. Each weight row's bytes are asked for
 Sums are float32 in vector lanes and then across lanes: the order differs from a plain
 loop, the terms are those of "dequantize, then multiply".
 
-Each product exists whole, for the calling thread alone, and as a C function computing one
-chunk of output rows, for :mod:`.pool`'s threads (which claim chunks one at a time).
-Compiled with numba at first use and cached on disk (``cache=True`` in
-``NUMBA_CACHE_DIR``, see :mod:`.matrix`).
+Each product is a C function computing one chunk of output rows: :mod:`.pool`'s threads
+claim chunks one at a time, a thread alone runs a chunk per part (one compiled kernel per
+format mix serves both). Compiled with numba at first use and cached on disk
+(``cache=True`` in ``NUMBA_CACHE_DIR``, see :mod:`.matrix`); a first start compiles only
+what its model's formats use: the formats are compile-time constants, chosen while
+compiling (:func:`.blocks.literal_format`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
 from meshnode.engine.cpu.blocks import chunk, literal_format
 from meshnode.engine.cpu.simd import (
     INNER,
+    entry,
     inner,
     intrinsic,
     vadd,
@@ -73,7 +76,6 @@ _OUT, _N_OUT, _SCRATCH, _STRIDE = pool.OUT, pool.N_OUT, pool.SCRATCH, pool.STRID
 _CA, _CB, _ROWS = pool.CA, pool.CB, pool.ROWS
 
 
-@inner
 def _dot1(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
     # one activation row: decode and multiply in registers
     a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
@@ -87,7 +89,6 @@ def _dot1(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
     return vsum(vadd(vadd(a0, a1), vadd(a2, a3)))
 
 
-@inner
 def _dot1_wide(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
     # one activation row against a quantized format (3 to 12), 32 values as two
     # sixteen-lane vectors (half the instructions of four eight-lane ones); each weight
@@ -100,7 +101,6 @@ def _dot1_wide(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
     return wsum(a0) + wsum(a1)
 
 
-@inner
 def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
     # the whole row into w[base : base + n_in], the formats of _dot1_wide as it does
     for c in range(n_in // 32):
@@ -116,8 +116,7 @@ def _dot1_any(fmt: Any, row: Any, x: Any, n_in: Any) -> Any:
 @overload(_dot1_any, prefer_literal=True, jit_options=INNER)
 def _dot1_typed(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
     # the format's own product, chosen while compiling (.blocks.literal_format)
-    dot = _dot1_wide if literal_format(fmt) >= 3 else _dot1
-    return lambda fmt, row, x, n_in: dot(fmt, row, x, n_in)
+    return _dot1_wide if literal_format(fmt) >= 3 else _dot1
 
 
 def _decode_any(fmt: Any, row: Any, w: Any, base: Any, n_in: Any) -> None:
@@ -126,11 +125,9 @@ def _decode_any(fmt: Any, row: Any, w: Any, base: Any, n_in: Any) -> None:
 
 @overload(_decode_any, prefer_literal=True, jit_options=INNER)
 def _decode_typed(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
-    decode = _decode_wide if literal_format(fmt) >= 3 else _decode
-    return lambda fmt, row, w, base, n_in: decode(fmt, row, w, base, n_in)
+    return _decode_wide if literal_format(fmt) >= 3 else _decode
 
 
-@inner
 def _decode(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
     # the whole row into w[base : base + n_in] (float32)
     for c in range(n_in // 32):
@@ -142,7 +139,7 @@ def _decode(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
         vstore(w, o + 24, w3)
 
 
-@inner
+@njit(inline="always")
 def _dot4x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
     # activation rows r .. r + 3 (x flat, rows of n_in) times the four decoded weight rows
     # of w (flat [4, n_in]), sixteen lanes at a time: 16 accumulators, and each vector
@@ -170,7 +167,7 @@ def _dot4x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
     ))  # fmt: skip
 
 
-@inner
+@njit(inline="always")
 def _dot2x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
     # activation rows r, r + 1 times the four decoded weight rows of w
     p0, p1, q1, q2, q3 = r * n_in, (r + 1) * n_in, n_in, 2 * n_in, 3 * n_in
@@ -188,7 +185,7 @@ def _dot2x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
-@inner
+@njit(inline="always")
 def _dot1x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
     # activation row r times the four decoded weight rows of w
     p, q1, q2, q3 = r * n_in, n_in, 2 * n_in, 3 * n_in
@@ -200,7 +197,7 @@ def _dot1x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
     return wsum(a0), wsum(a1), wsum(a2), wsum(a3)
 
 
-@inner
+@njit(inline="always")
 def _dot_one(w, x, r, n_in):  # type: ignore[no-untyped-def]
     p = r * n_in
     a0, a1 = wzero(), wzero()
@@ -210,7 +207,7 @@ def _dot_one(w, x, r, n_in):  # type: ignore[no-untyped-def]
     return wsum(a0) + wsum(a1)
 
 
-@inner
+@njit(inline="always")
 def _ahead(raw, o):  # type: ignore[no-untyped-def]
     # ask for the cache lines of the weight bytes PREFETCH_BYTES past row o's start
     size = raw.shape[1]
@@ -276,18 +273,6 @@ def _read_only(typingctx: Any, ary: Any) -> Any:
     return ary.copy(readonly=True)(ary), codegen
 
 
-def _serial_product(fa: int, fb: int, fc: int) -> Any:
-    @njit(cache=True)
-    def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
-        w = np.empty(4 * (x.shape[0] // out.shape[0]), np.float32)
-        zero, na, nab = np.int64(0), a.shape[0], a.shape[0] + b.shape[0]  # int64s: one _rows
-        _rows(fa, a, x, out, zero, na, zero, w)
-        _rows(fb, b, x, out, zero, b.shape[0], na, w)
-        _rows(fc, c, x, out, zero, c.shape[0], nab, w)
-
-    return product
-
-
 def _chunk_product(fa: int, fb: int, fc: int) -> Any:
     @cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
     def chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
@@ -320,26 +305,34 @@ def product_kernel(fa: int, fb: int, fc: int) -> Any:
     thread.
 
     ``x`` is the activations flattened (``k`` rows of ``n_in``), ``out`` is ``[k, n_out]``;
-    an unused part has zero rows.
-
-    Each format mix is its own compiled function: the ids are compile-time constants in
-    it, so each part's decoder is inlined with no dispatch in the loops. numba's disk
-    cache keys a closure by its captured values, so each mix compiles once per machine.
+    an unused part has zero rows. It runs :func:`chunk_kernel`'s chunks
+    (:func:`.pool.run_here`): a format mix compiles one kernel, for this thread and the
+    pool's alike.
     """
-    return _serial_product(fa, fb, fc)
+    fn = chunk_kernel(fa, fb, fc)
+
+    def product(a: Any, b: Any, c: Any, x: Any, out: Any) -> None:
+        pool.run_here(fn, a, b, c, x, out)
+
+    return product
 
 
 @functools.cache
 def chunk_kernel(fa: int, fb: int, fc: int) -> int:
     """The address of ``void chunk(st, who, ch)``: chunk ``ch`` (:data:`.pool.CHUNK_ROWS`
-    output rows) of the product :func:`.pool.KernelPool.run` posted in the words at
-    ``st``, with thread ``who``'s scratch; the same rows and sums as
-    :func:`product_kernel`, for the pool's threads."""
+    output rows, or a whole part) of the product posted in the words at ``st``
+    (:func:`.pool.KernelPool.run`, :func:`.pool.run_here`), with thread ``who``'s
+    scratch.
+
+    Each format mix is its own compiled function: the ids are compile-time constants in
+    it, so each part's decoder is inlined with no dispatch in the loops. numba's disk
+    cache keys a closure by its captured values, so each mix compiles once per machine.
+    """
     return int(_chunk_product(fa, fb, fc).address)
 
 
 def _decode_kernel(fmt: int) -> Any:
-    @njit(cache=True)
+    @entry()
     def decode_rows(raw, ids, out):  # type: ignore[no-untyped-def]
         for i in range(ids.shape[0]):
             _decode_any(fmt, raw[ids[i]], out[i], np.int64(0), out.shape[1])

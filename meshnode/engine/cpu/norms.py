@@ -19,7 +19,7 @@ import math
 import numpy as np
 from numba import njit
 
-from meshnode.engine.cpu.simd import wfma, wload, wsum, wzero
+from meshnode.engine.cpu.simd import entry, wfma, wload, wsum, wzero
 
 __all__ = ["LANES", "add_rms_norm", "rms_norm"]
 
@@ -38,7 +38,7 @@ def _row(flat, at, weight, eps, oflat, to, width):  # type: ignore[no-untyped-de
         oflat[to + i] = weight[i] * (flat[at + i] / den)
 
 
-@njit(nogil=True, cache=True)
+@entry(nogil=True)
 def rms_norm(x, weight, eps, out):  # type: ignore[no-untyped-def]
     """``out[i] = weight * (x[i] / sqrt(mean(x[i]^2) + eps))`` for ``x``, ``out``
     ``[r, E]`` float32 in C order, ``E`` a multiple of :data:`LANES`."""
@@ -48,7 +48,7 @@ def rms_norm(x, weight, eps, out):  # type: ignore[no-untyped-def]
         _row(flat, r * width, weight, eps, oflat, r * width, width)
 
 
-@njit(nogil=True, cache=True)
+@entry(nogil=True)
 def add_rms_norm(x, h, h_weight, weight, eps, total, out):  # type: ignore[no-untyped-def]
     """``total = x + h'`` and ``out = rms_norm(total, weight)``, where ``h'`` is ``h``, or
     ``rms_norm(h, h_weight)`` when ``h_weight`` is not empty; all ``[r, E]`` float32 in

@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from numba import njit
 
 from meshnode.engine.cpu.atomics import call3, cas, fetch_add, load, pause, store
+from meshnode.engine.cpu.simd import entry, inner
 
-__all__ = ["CHUNK_ROWS", "CoreGauge", "KernelPool", "usable_cpus"]
+__all__ = ["CHUNK_ROWS", "CoreGauge", "KernelPool", "run_here", "usable_cpus"]
 
 # The words of the shared array. Words written by different threads sit on their own
 # 64-byte lines (8 words), so a spinning helper's reads do not slow the writers.
@@ -155,7 +155,7 @@ def usable_cpus() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
-@njit(nogil=True, cache=True)
+@inner
 def _claim_and_run(st, who):  # type: ignore[no-untyped-def]
     # claim chunks of the current job until none is left; how many this thread ran. A
     # helper names the chunk in its BUSY word before it claims it and clears the word
@@ -177,7 +177,7 @@ def _claim_and_run(st, who):  # type: ignore[no-untyped-def]
             store(st, BUSY + who, 0)
 
 
-@njit(nogil=True, cache=True)
+@entry(nogil=True)
 def _helper_spin(st, who, spins):  # type: ignore[no-untyped-def]
     # run chunks as they are posted; return (to sleep) after ``spins`` idle iterations
     idle = 0
@@ -197,7 +197,7 @@ def _helper_spin(st, who, spins):  # type: ignore[no-untyped-def]
             return
 
 
-@njit(nogil=True, cache=True)
+@entry(nogil=True)
 def _stale(st):  # type: ignore[no-untyped-def]
     # whether a helper still holds a chunk of a finished job (descheduled mid-chunk)
     held = 0
@@ -206,12 +206,12 @@ def _stale(st):  # type: ignore[no-untyped-def]
     return held != 0
 
 
-@njit(nogil=True, cache=True)
+@entry(nogil=True)
 def _work(st, patience):  # type: ignore[no-untyped-def]
     # the caller's share, then wait for the chunks helpers still compute; after
     # ``patience`` idle iterations (a helper descheduled mid-chunk, on a busy machine)
     # compute the chunks helpers hold itself: they write the same values
-    _claim_and_run(st, 0)
+    _claim_and_run(st, np.int64(0))  # int64, as the helpers': one compiled function
     chunks = (load(st, CLAIM) >> 20) & _FIELD
     waited = 0
     while load(st, DONE) < chunks:
@@ -226,15 +226,10 @@ def _work(st, patience):  # type: ignore[no-untyped-def]
             return
 
 
-@njit(nogil=True, cache=True)
-def _post(st, fn, gen, a, b, c, x, out, scratch, rows, patience):  # type: ignore[no-untyped-def]
-    # post the job (unless a helper still holds a chunk of the last one: -1) and, when no
-    # helper that may claim sleeps, do the caller's share (0); else clear their sleeping
-    # flags and return them (the caller sets their events, then calls _work)
-    if _stale(st):
-        return -1
+@inner
+def _job(st, fn, a, b, c, x, out, scratch, rows):  # type: ignore[no-untyped-def]
+    # write a product's fields (chunks of ``rows`` output rows); its chunk count
     ca, cb = (a.shape[0] + rows - 1) // rows, (b.shape[0] + rows - 1) // rows
-    chunks = ca + cb + (c.shape[0] + rows - 1) // rows
     st[FN] = fn
     st[A], st[NA], st[RBA] = a.ctypes.data, a.shape[0], a.shape[1]
     st[B], st[NB], st[RBB] = b.ctypes.data, b.shape[0], b.shape[1]
@@ -243,6 +238,17 @@ def _post(st, fn, gen, a, b, c, x, out, scratch, rows, patience):  # type: ignor
     st[X], st[N_IN], st[OUT] = x.ctypes.data, x.shape[0] // out.shape[0], out.ctypes.data
     st[SCRATCH], st[STRIDE] = scratch.ctypes.data, scratch.shape[1]
     st[CA], st[CB], st[ROWS] = ca, cb, rows
+    return ca + cb + (c.shape[0] + rows - 1) // rows
+
+
+@entry(nogil=True)
+def _post(st, fn, gen, a, b, c, x, out, scratch, rows, patience):  # type: ignore[no-untyped-def]
+    # post the job (unless a helper still holds a chunk of the last one: -1) and, when no
+    # helper that may claim sleeps, do the caller's share (0); else clear their sleeping
+    # flags and return them (the caller sets their events, then calls _work)
+    if _stale(st):
+        return -1
+    chunks = _job(st, fn, a, b, c, x, out, scratch, rows)
     store(st, DONE, 0)
     store(st, CLAIM, (gen << 40) | (chunks << 20))
     woken = 0
@@ -255,7 +261,20 @@ def _post(st, fn, gen, a, b, c, x, out, scratch, rows, patience):  # type: ignor
     return woken
 
 
-@njit(nogil=True, cache=True)
+@entry(nogil=True)
+def run_here(fn, a, b, c, x, out):  # type: ignore[no-untyped-def]
+    """The product :meth:`KernelPool.run` shares, computed by the calling thread alone
+    with the same ``cfunc`` ``fn``, a chunk per part (the rows and sums of any chunking
+    in multiples of four rows, as the pool's); words and scratch of its own, so threads
+    that are not the pool's may call it at once."""
+    st = np.empty(WORDS, np.int64)
+    scratch = np.empty((1, 4 * (x.shape[0] // out.shape[0])), np.float32)
+    rows = max(4, a.shape[0], b.shape[0], c.shape[0])
+    for ch in range(_job(st, fn, a, b, c, x, out, scratch, rows)):
+        call3(fn, st.ctypes.data, 0, ch)
+
+
+@entry(nogil=True)
 def _calibrate(st, n):  # type: ignore[no-untyped-def]
     # n iterations of an idle helper's loop body (microseconds to iterations)
     s = 0

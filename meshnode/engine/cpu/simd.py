@@ -31,6 +31,7 @@ __all__ = [
     "F32x8",
     "F32x16",
     "I32x8",
+    "entry",
     "inner",
     "ishl",
     "load_bf16",
@@ -71,9 +72,17 @@ LANES = 8
 INNER: Any = {"no_cpython_wrapper": True, "no_cfunc_wrapper": True}
 
 
+def entry(**options: Any) -> Any:
+    """``numba.njit(**options)`` for a function Python calls, cached on disk, without the C
+    entry point (a ``cfunc`` wrapper) that nothing calls."""
+    jit: Any = njit  # numba's stubs do not list no_cfunc_wrapper
+    return jit(cache=True, no_cfunc_wrapper=True, **options)
+
+
 def inner(fn: Any) -> Any:
     """``numba.njit`` for a function only compiled code calls (the kernels' helpers),
-    cached on disk, with the options :data:`INNER`."""
+    cached on disk, with the options :data:`INNER`. Python cannot call it: without its
+    entry point, numba would jump to a null address."""
     jit: Any = njit  # numba's stubs do not list these options
     return jit(cache=True, **INNER)(fn)
 

@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from numba import njit
 
 from meshnode.engine.cpu.kernels import _decode_any
+from meshnode.engine.cpu.simd import entry
 
 __all__ = [
     "TILES_PER_THREAD",
@@ -75,7 +75,7 @@ def decoder(fmt: int) -> Any:
     """``decode(raw, lo, out)``: ``out[i]`` = row ``lo + i`` of ``raw`` (format ``fmt``)
     decoded, as :func:`.kernels.decode_kernel` does it, without holding the GIL."""
 
-    @njit(nogil=True, cache=True)
+    @entry(nogil=True)
     def decode(raw, lo, out):  # type: ignore[no-untyped-def]
         for i in range(out.shape[0]):
             _decode_any(fmt, raw[lo + i], out[i], np.int64(0), out.shape[1])

@@ -191,8 +191,7 @@ def wq6(typingctx: Any, row: Any, ql: Any, qh: Any, shift: Any, hshift: Any) -> 
 # -- the 32-value blocks -------------------------------------------------------------------
 
 
-@inner
-def _q4_0(row, c):  # type: ignore[no-untyped-def]
+def _q4_0(fmt, row, c):  # type: ignore[no-untyped-def]
     b = 18 * c  # d f16 | qs[16]: d * (nibble - 8)
     d, minus8 = wsplat(f16(row, b)), wsplat(np.float32(-8.0))
     return (
@@ -201,30 +200,26 @@ def _q4_0(row, c):  # type: ignore[no-untyped-def]
     )
 
 
-@inner
-def _q4_1(row, c):  # type: ignore[no-untyped-def]
+def _q4_1(fmt, row, c):  # type: ignore[no-untyped-def]
     b = 20 * c  # d f16 | m f16 | qs[16]: d * nibble + m
     d, m = wsplat(f16(row, b)), wsplat(f16(row, b + 2))
     return wfma(d, wlow_nibbles(row, b + 4), m), wfma(d, whigh_nibbles(row, b + 4), m)
 
 
-@inner
-def _q5_0(row, c):  # type: ignore[no-untyped-def]
+def _q5_0(fmt, row, c):  # type: ignore[no-untyped-def]
     b = 22 * c  # d f16 | qh u32 | qs[16]: d * (q - 16), gguf's Q5_0
     d, qh = wsplat(f16(row, b)), u32(row, b + 2)
     return wmul(d, wq5c_low(row, b + 6, qh)), wmul(d, wq5c_high(row, b + 6, qh))
 
 
-@inner
-def _q5_1(row, c):  # type: ignore[no-untyped-def]
+def _q5_1(fmt, row, c):  # type: ignore[no-untyped-def]
     b = 24 * c  # d f16 | m f16 | qh u32 | qs[16]: d * q + m, gguf's Q5_1
     d, m = wsplat(f16(row, b)), wsplat(f16(row, b + 2))
     qh = u32(row, b + 4)
     return wfma(d, wq5_low(row, b + 8, qh), m), wfma(d, wq5_high(row, b + 8, qh), m)
 
 
-@inner
-def _q8_0(row, c):  # type: ignore[no-untyped-def]
+def _q8_0(fmt, row, c):  # type: ignore[no-untyped-def]
     b = 34 * c  # d f16 | qs int8[32]: q * d
     d = wsplat(f16(row, b))
     return wmul(wload_i8(row, b + 2), d), wmul(wload_i8(row, b + 18), d)
@@ -233,8 +228,7 @@ def _q8_0(row, c):  # type: ignore[no-untyped-def]
 # -- K-quants: chunk c is sub-block s = c % 8 of super-block c // 8 ------------------------
 
 
-@inner
-def _q2_k(row, c):  # type: ignore[no-untyped-def]
+def _q2_k(fmt, row, c):  # type: ignore[no-untyped-def]
     # scales[16] | qs[64] | d f16 | dmin f16: d * (sc & 15) * q - dmin * (sc >> 4)
     o, s = 84 * (c // 8), c % 8
     d, dmin = f16(row, o + 80), f16(row, o + 82)
@@ -248,8 +242,7 @@ def _q2_k(row, c):  # type: ignore[no-untyped-def]
     )
 
 
-@inner
-def _q3_k(row, c):  # type: ignore[no-untyped-def]
+def _q3_k(fmt, row, c):  # type: ignore[no-untyped-def]
     # hmask[32] | qs[64] | scales[12] | d f16: d * scale * ((low | hbit << 2) - 4)
     o, s = 110 * (c // 8), c % 8
     d = f16(row, o + 108)
@@ -268,8 +261,7 @@ def _q45_k_scales(row, o, s):  # type: ignore[no-untyped-def]
     return wsplat(f16(row, o) * np.float32(sc)), wsplat(-(f16(row, o + 2) * np.float32(mn)))
 
 
-@inner
-def _q4_k(row, c):  # type: ignore[no-untyped-def]
+def _q4_k(fmt, row, c):  # type: ignore[no-untyped-def]
     # d f16 | dmin f16 | scales[12] | qs[128]: nibble s % 2 of qs[32 (s // 2) ..]
     o, s = 144 * (c // 8), c % 8
     ds, dm = _q45_k_scales(row, o, s)
@@ -279,8 +271,7 @@ def _q4_k(row, c):  # type: ignore[no-untyped-def]
     return wfma(ds, whigh_nibbles(row, qs), dm), wfma(ds, whigh_nibbles(row, qs + 16), dm)
 
 
-@inner
-def _q5_k(row, c):  # type: ignore[no-untyped-def]
+def _q5_k(fmt, row, c):  # type: ignore[no-untyped-def]
     # d f16 | dmin f16 | scales[12] | qh[32] | qs[128]: nibble s % 2 of qs[32 (s // 2) ..]
     # with bit s of qh[l] as the fifth
     o, s = 176 * (c // 8), c % 8
@@ -291,8 +282,7 @@ def _q5_k(row, c):  # type: ignore[no-untyped-def]
     return wfma(ds, wtof(qa), dm), wfma(ds, wtof(qb), dm)
 
 
-@inner
-def _q6_k(row, c):  # type: ignore[no-untyped-def]
+def _q6_k(fmt, row, c):  # type: ignore[no-untyped-def]
     # ql[128] | qh[64] | scales int8[16] | d f16: d * scale * ((low | high << 4) - 32)
     o, s = 210 * (c // 8), c % 8
     h, m = s // 4, s % 4
@@ -304,7 +294,8 @@ def _q6_k(row, c):  # type: ignore[no-untyped-def]
     return wmul(da, qa), wmul(db, qb)
 
 
-# the decoder of each format, by kernel id
+# the decoder of each format, by kernel id: compiled as :func:`wchunk` (their ``fmt`` is
+# its, unused), so each in a kernel of its format only
 _DECODERS = {
     3: _q4_0, 4: _q4_1, 5: _q5_0, 6: _q5_1, 7: _q8_0,
     8: _q2_k, 9: _q3_k, 10: _q4_k, 11: _q5_k, 12: _q6_k,
@@ -322,5 +313,4 @@ def wchunk(fmt: int, row: Any, c: int) -> Any:
 
 @overload(wchunk, prefer_literal=True, jit_options=INNER)
 def _wchunk(fmt, row, c):  # type: ignore[no-untyped-def]
-    decode = _DECODERS[literal_format(fmt)]
-    return lambda fmt, row, c: decode(row, c)
+    return _DECODERS[literal_format(fmt)]
