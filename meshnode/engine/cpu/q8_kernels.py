@@ -72,6 +72,7 @@ from meshnode.engine.cpu.simd_q8 import (
     lane8,
     nonfinite32,
     quant32,
+    read_only,
     tofloat16,
     vec8,
     vmul,
@@ -349,15 +350,15 @@ def _chunk_product(fa: int, fb: int, fc: int) -> Any:
         out = carray(ptr_f32(st[_OUT]), (k, st[_N_OUT]))
         ca, cb = st[_CA], st[_CB]
         if ch < ca:
-            a = carray(ptr_u8(st[_A]), (na, st[_RBA]))
+            a = read_only(carray(ptr_u8(st[_A]), (na, st[_RBA])))
             lo = ch * rows
             _rows(fa, a, q, out, lo, min(na, lo + rows), na - na)
         elif ch < ca + cb:
-            b = carray(ptr_u8(st[_B]), (nb, st[_RBB]))
+            b = read_only(carray(ptr_u8(st[_B]), (nb, st[_RBB])))
             lo = (ch - ca) * rows
             _rows(fb, b, q, out, lo, min(nb, lo + rows), na)
         else:
-            c = carray(ptr_u8(st[_C]), (nc, st[_RBC]))
+            c = read_only(carray(ptr_u8(st[_C]), (nc, st[_RBC])))
             lo = (ch - ca - cb) * rows
             _rows(fc, c, q, out, lo, min(nc, lo + rows), na + nb)
 

@@ -21,6 +21,7 @@ from typing import Any
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import models, register_model
 
 from meshnode.engine.cpu.simd import F32x8, F32x16, I32x8, intrinsic
@@ -47,6 +48,7 @@ __all__ = [
     "lane8",
     "nonfinite32",
     "quant32",
+    "read_only",
     "store16",
     "tofloat16",
     "vec8",
@@ -514,3 +516,16 @@ def hpairs(typingctx: Any, w: Any, o0: Any, o1: Any) -> Any:
         return context.make_tuple(builder, sig.return_type, (a, b))
 
     return types.UniTuple(F32x16, 2)(w, o0, o1), codegen  # type: ignore[no-untyped-call]
+
+
+@intrinsic
+def read_only(typingctx: Any, ary: Any) -> Any:
+    """The same array typed read-only, as memory-mapped weights are (so that the pool's
+    chunks and the serial products share one compiled kernel per format)."""
+    if not isinstance(ary, types.Array):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return impl_ret_borrowed(context, builder, sig.return_type, args[0])  # type: ignore[no-untyped-call]
+
+    return ary.copy(readonly=True)(ary), codegen
