@@ -15,7 +15,10 @@ dimension in sixteen float32 lanes, then across the lanes as :func:`.simd.wsum` 
 scale; the softmax is :func:`softmax` over the row's own scores (the same lanes whatever
 block a key came in); the weighted sum runs key by key in order from the row's first key,
 each of its sixteen-lane accumulators resumed from memory between blocks. So a row's
-output is the same bits alone (decode), in a window (verify), or in a batch.
+output is the same bits alone (decode), in a window (verify), or in a batch. A single
+row (decode: nothing to share) takes leaner loops with the same sums: its blocks of keys
+counted from its first key, each query's weighted sum in one pass, accumulators in
+registers (about 5% faster than the shared loops on one row).
 
 Scores: ``scores[q stride + PAD + j - lo]`` for query ``q = row G + g`` and key ``j``
 (``lo`` the row's first key). A block of sixteen keys is stored whole for every query of
@@ -38,6 +41,8 @@ LANES = 16
 # A query's scores sit PAD floats into its row of the score buffer, with PAD after its
 # last (rounded up to sixteen).
 PAD = LANES
+# How far ahead (float32 elements: 4 KiB) a single row's weighted sum asks for values.
+AHEAD = 1024
 # Floats of values read per block by the weighted sums (8 KiB: in L1 with the rows'
 # accumulators), at least sixteen keys.
 VALUES = 2048
@@ -60,6 +65,44 @@ def first_key(pos, window):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
+def _row_scores(qbuf, group, kc, base, t, d, scale, scores, stride):  # type: ignore[no-untyped-def]
+    # key_scores for one row: its t keys from ``base`` (its first key's), the blocks of
+    # sixteen counted from there (each score the same bits whatever block it is in)
+    full = t - t % LANES
+    sc = wsplat(scale)
+    for j in range(0, full, LANES):
+        at = base + j * d
+        for c in range(0, LANES * d, LANES):  # the next block's keys, a line at a time
+            prefetch_f32(kc, at + LANES * d + c)
+        for g in range(group):
+            q0 = g * d
+            sums = wsums(
+                (
+                    _dot(qbuf, q0, kc, at, d),
+                    _dot(qbuf, q0, kc, at + d, d),
+                    _dot(qbuf, q0, kc, at + 2 * d, d),
+                    _dot(qbuf, q0, kc, at + 3 * d, d),
+                    _dot(qbuf, q0, kc, at + 4 * d, d),
+                    _dot(qbuf, q0, kc, at + 5 * d, d),
+                    _dot(qbuf, q0, kc, at + 6 * d, d),
+                    _dot(qbuf, q0, kc, at + 7 * d, d),
+                    _dot(qbuf, q0, kc, at + 8 * d, d),
+                    _dot(qbuf, q0, kc, at + 9 * d, d),
+                    _dot(qbuf, q0, kc, at + 10 * d, d),
+                    _dot(qbuf, q0, kc, at + 11 * d, d),
+                    _dot(qbuf, q0, kc, at + 12 * d, d),
+                    _dot(qbuf, q0, kc, at + 13 * d, d),
+                    _dot(qbuf, q0, kc, at + 14 * d, d),
+                    _dot(qbuf, q0, kc, at + 15 * d, d),
+                )
+            )
+            wstore(scores, g * stride + PAD + j, wmul(sums, sc))
+    for j in range(full, t):
+        for g in range(group):
+            scores[g * stride + PAD + j] = wsum(_dot(qbuf, g * d, kc, base + j * d, d)) * scale
+
+
+@njit(nogil=True, cache=True)
 def key_scores(qbuf, group, kc, pos0, rows, window, d, scale, scores, stride):  # type: ignore[no-untyped-def]
     """``scores[q stride + PAD + j - lo] = (query q . key j) * scale`` for the ``rows``
     query rows at positions ``pos0``, ``pos0 + 1``... (their group's queries: ``q = row G
@@ -68,6 +111,9 @@ def key_scores(qbuf, group, kc, pos0, rows, window, d, scale, scores, stride):  
     each sum as wsum makes it, each block of keys read once for every row that sees one
     of them (a block's lanes outside a row's keys land in its row's margins)."""
     lo0, end = first_key(pos0, window), pos0 + rows
+    if rows == 1:
+        _row_scores(qbuf, group, kc, lo0 * d, end - lo0, d, scale, scores, stride)
+        return
     full = end - (end - lo0) % LANES
     sc = wsplat(scale)
     for j in range(lo0, full, LANES):
@@ -199,6 +245,34 @@ def _accumulate(p, s0, vc, a, b, d, out, o0):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
+def _one_query(p, s0, vc, a, b, d, out, o):  # type: ignore[no-untyped-def]
+    # out[o : o + D] = the sum over keys a .. b - 1 of p[s0 + j] * value j, in one pass
+    # with the accumulators in registers (a decode row's query: nothing to share)
+    c = 0
+    while c + 4 * LANES <= d:
+        x0, x1, x2, x3 = wzero(), wzero(), wzero(), wzero()
+        for j in range(a, b):
+            u = wsplat(p[s0 + j])
+            at = j * d + c
+            prefetch_f32(vc, at + AHEAD)
+            x0 = wfma(u, wload(vc, at), x0)
+            x1 = wfma(u, wload(vc, at + LANES), x1)
+            x2 = wfma(u, wload(vc, at + 2 * LANES), x2)
+            x3 = wfma(u, wload(vc, at + 3 * LANES), x3)
+        wstore(out, o + c, x0)
+        wstore(out, o + c + LANES, x1)
+        wstore(out, o + c + 2 * LANES, x2)
+        wstore(out, o + c + 3 * LANES, x3)
+        c += 4 * LANES
+    while c < d:
+        x0 = wzero()
+        for j in range(a, b):
+            x0 = wfma(wsplat(p[s0 + j]), wload(vc, j * d + c), x0)
+        wstore(out, o + c, x0)
+        c += LANES
+
+
+@njit(nogil=True, cache=True)
 def weighted_values(p, group, vc, pos0, rows, window, d, stride, out, o, q_size):  # type: ignore[no-untyped-def]
     """``out[o + r q_size + g D ...]`` = the sum over row ``r``'s keys ``lo .. pos`` of
     ``p[q stride + PAD + j - lo]`` times value ``j`` of ``vc`` (one KV head's values,
@@ -207,6 +281,10 @@ def weighted_values(p, group, vc, pos0, rows, window, d, stride, out, o, q_size)
     once for every row that sees one of its keys, each row's accumulators resumed from
     ``out`` between blocks."""
     lo0, end = first_key(pos0, window), pos0 + rows
+    if rows == 1:  # one row: each query in one pass
+        for g in range(group):
+            _one_query(p, g * stride + PAD - lo0, vc, lo0, end, d, out, o + g * d)
+        return
     for r in range(rows):
         for c in range(o + r * q_size, o + r * q_size + group * d, LANES):
             wstore(out, c, wzero())
