@@ -234,30 +234,44 @@ def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
         for i in range(4):
             _ahead(raw, o + i)
             _decode_any(fmt, raw[o + i], w, i * n_in, n_in)
-        c = col + o
-        r: Any = np.int64(0)  # not a literal 0: one compiled _dot4x4
-        while r + 4 <= k:
-            d = _dot4x4(w, x, r, n_in)
-            for i in range(4):
-                for j in range(4):
-                    out[r + i, c + j] = wlane(d, 4 * i + j)
-            r += 4
-        if r + 2 <= k:
-            d2 = _dot2x4(w, x, r, n_in)
-            for i in range(2):
-                for j in range(4):
-                    out[r + i, c + j] = d2[4 * i + j]
-            r += 2
-        if r < k:
-            d4 = _dot1x4(w, x, r, n_in)
-            for j in range(4):
-                out[r, c + j] = d4[j]
+        _tiles(w, x, out, col + o)
         o += 4
     while o < hi:  # the last rows of a part whose length is not a multiple of four
         _decode_any(fmt, raw[o], w, np.int64(0), n_in)  # int64: one compiled decoder
-        for r in range(k):
-            out[r, col + o] = _dot_one(w, x, r, n_in)
+        _ones(w, x, out, col + o)
         o += 1
+
+
+@inner
+def _tiles(w, x, out, c):  # type: ignore[no-untyped-def]
+    # every activation row of x times the four decoded weight rows of w, into columns
+    # c .. c + 3 of out (the products of every format: compiled once)
+    k, n_in = out.shape[0], w.shape[0] // 4
+    r = 0
+    while r + 4 <= k:
+        d = _dot4x4(w, x, r, n_in)
+        for i in range(4):
+            for j in range(4):
+                out[r + i, c + j] = wlane(d, 4 * i + j)
+        r += 4
+    if r + 2 <= k:
+        d2 = _dot2x4(w, x, r, n_in)
+        for i in range(2):
+            for j in range(4):
+                out[r + i, c + j] = d2[4 * i + j]
+        r += 2
+    if r < k:
+        d4 = _dot1x4(w, x, r, n_in)
+        for j in range(4):
+            out[r, c + j] = d4[j]
+
+
+@inner
+def _ones(w, x, out, c):  # type: ignore[no-untyped-def]
+    # every activation row of x times the one decoded weight row of w, into column c
+    n_in = x.shape[0] // out.shape[0]
+    for r in range(out.shape[0]):
+        out[r, c] = _dot_one(w, x, r, n_in)
 
 
 @intrinsic
