@@ -78,16 +78,17 @@ def _compiled(tmp_path: Path) -> dict[str, Any]:
 
 def test_a_model_compiles_its_own_formats_once_each(tmp_path: Path) -> None:
     """Only the Q4_1 and Q8_0 decoders are compiled, none of the other eleven formats';
-    ``_rows`` once per format although the serial products pass it the model's
-    read-only memory and the kernel threads' chunks an address; the pool's claim loop
-    once."""
+    ``_rows`` twice per format, not per format mix nor per array type (the serial
+    products pass it the model's read-only memory, the kernel threads' chunks an
+    address); the pool's claim loop once."""
     got = _compiled(tmp_path)
     assert got["posted"] > 0  # the kernel threads' chunks were compiled and ran
     compiled = got["compiled"]
     decoders = [name for name in compiled if name in _DECODERS]
     assert sorted(decoders) == ["_q4_1", "_q8_0"]
-    formats = sorted(args.split(",")[0] for args in compiled["_rows"])
-    assert formats == ["(Literal[int](4)", "(Literal[int](7)"]  # .formats.FORMATS' ids
+    formats = [args.split(",")[0] for args in compiled["_rows"]]
+    # once per format and caller: the serial products (a literal first row) and the chunks
+    assert sorted(formats) == ["(Literal[int](4)"] * 2 + ["(Literal[int](7)"] * 2
     assert len(compiled["_claim_and_run"]) == 1  # the caller's and the helpers' alike
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from meshnode.engine.cpu.atomics import call3, cas, fetch_add, load, pause, store
 from meshnode.engine.cpu.simd import entry, inner
 
-__all__ = ["CHUNK_ROWS", "CoreGauge", "KernelPool", "run_here", "usable_cpus"]
+__all__ = ["CHUNK_ROWS", "CoreGauge", "KernelPool", "usable_cpus"]
 
 # The words of the shared array. Words written by different threads sit on their own
 # 64-byte lines (8 words), so a spinning helper's reads do not slow the writers.
@@ -259,19 +259,6 @@ def _post(st, fn, gen, a, b, c, x, out, scratch, rows, patience):  # type: ignor
     if woken == 0:
         _work(st, patience)
     return woken
-
-
-@entry(nogil=True)
-def run_here(fn, a, b, c, x, out):  # type: ignore[no-untyped-def]
-    """The product :meth:`KernelPool.run` shares, computed by the calling thread alone
-    with the same ``cfunc`` ``fn``, a chunk per part (the rows and sums of any chunking
-    in multiples of four rows, as the pool's); words and scratch of its own, so threads
-    that are not the pool's may call it at once."""
-    st = np.empty(WORDS, np.int64)
-    scratch = np.empty((1, 4 * (x.shape[0] // out.shape[0])), np.float32)
-    rows = max(4, a.shape[0], b.shape[0], c.shape[0])
-    for ch in range(_job(st, fn, a, b, c, x, out, scratch, rows)):
-        call3(fn, st.ctypes.data, 0, ch)
 
 
 @entry(nogil=True)
