@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +33,13 @@ _DECODERS = [
     *("_f32", "_f16", "_bf16", "_q4_0", "_q4_1", "_q5_0", "_q5_1"),
     *("_q8_0", "_q2_k", "_q3_k", "_q4_k", "_q5_k", "_q6_k"),
 ]
-_SCRIPT = """
+_PREAMBLE = """
 import collections, json, sys
 from pathlib import Path
 import numpy as np
 from numba.core import event
 from tests.engine.test_cpu_kernels import N_IN, random_tensor
-from meshnode.engine.cpu import BlockMatrix, matrix
+from meshnode.engine.cpu import BlockMatrix, matrix, q8
 from meshnode.engine.cpu.pool import CoreGauge, KernelPool
 
 rng = np.random.default_rng(3)
@@ -47,24 +48,34 @@ idle = KernelPool(CoreGauge(Path(sys.argv[1]) / "no-stat", cpus={0, 1, 2, 3}))
 matrix._pool = lambda: idle
 matrix.PARALLEL_MIN_BYTES = 0
 with event.install_recorder("numba:compile") as rec:
-    for m in (BlockMatrix([q41]), BlockMatrix([q41, q80, q41])):
-        for threads in (1, 2):
-            matrix.set_kernel_threads(threads)
-            for k in (1, 2, 3, 20):
-                rng.standard_normal((k, N_IN)).astype(np.float32) @ m
-    BlockMatrix([q80]).rows([3, 1])
-compiled = collections.defaultdict(list)  # function name: the argument types of each compile
+"""
+_EPILOGUE = """
+compiled = collections.defaultdict(list)  # module.function: the argument types of each compile
 for _, ev in rec.buffer:
     if ev.is_start:
-        compiled[ev.data["dispatcher"].py_func.__name__].append(str(ev.data["args"]))
+        fn = ev.data["dispatcher"].py_func
+        compiled[fn.__module__ + "." + fn.__name__].append(str(ev.data["args"]))
 print(json.dumps({"posted": idle.posted, "compiled": compiled}))
+"""
+_PRODUCTS = """
+for m in (BlockMatrix([q41]), BlockMatrix([q41, q80, q41])):
+    for threads in (1, 2):
+        matrix.set_kernel_threads(threads)
+        for k in (1, 2, 3, 20):
+            rng.standard_normal((k, N_IN)).astype(np.float32) @ m
+BlockMatrix([q80]).rows([3, 1])
 """
 
 
-def _compiled(tmp_path: Path) -> dict[str, Any]:
+def compiled_in_fresh_process(tmp_path: Path, work: str) -> dict[str, Any]:
+    """Run ``work`` (Python, with Q4_1/Q8_0 tensors ``q41``/``q80``, ``rng``, ``matrix``,
+    ``q8`` and ``BlockMatrix`` at hand, the kernel threads' pool forced on) in a fresh
+    process on an empty numba cache: ``{"posted": pool jobs, "compiled": {module.function:
+    [argument types of each compile]}}`` from numba's compile events."""
+    script = _PREAMBLE + textwrap.indent(textwrap.dedent(work), "    ") + _EPILOGUE
     env = os.environ | {"NUMBA_CACHE_DIR": str(tmp_path / "numba"), "OPENBLAS_NUM_THREADS": "1"}
     run = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(tmp_path)],
+        [sys.executable, "-c", script, str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -81,15 +92,17 @@ def test_a_model_compiles_its_own_formats_once_each(tmp_path: Path) -> None:
     ``_rows`` twice per format, not per format mix nor per array type (the serial
     products pass it the model's read-only memory, the kernel threads' chunks an
     address); the pool's claim loop once."""
-    got = _compiled(tmp_path)
+    got = compiled_in_fresh_process(tmp_path, _PRODUCTS)
     assert got["posted"] > 0  # the kernel threads' chunks were compiled and ran
     compiled = got["compiled"]
-    decoders = [name for name in compiled if name in _DECODERS]
-    assert sorted(decoders) == ["_q4_1", "_q8_0"]
-    formats = [args.split(",")[0] for args in compiled["_rows"]]
+    decoders = [name for name in compiled if name.rsplit(".", 1)[1] in _DECODERS]
+    assert sorted(d.rsplit(".", 1)[1] for d in decoders) == ["_q4_1", "_q8_0"]
+    formats = [args.split(",")[0] for args in compiled["meshnode.engine.cpu.kernels._rows"]]
     # once per format and caller: the serial products (a literal first row) and the chunks
     assert sorted(formats) == ["(Literal[int](4)"] * 2 + ["(Literal[int](7)"] * 2
-    assert len(compiled["_claim_and_run"]) == 1  # the caller's and the helpers' alike
+    assert (
+        len(compiled["meshnode.engine.cpu.pool._claim_and_run"]) == 1
+    )  # the caller's and the helpers' alike
 
 
 def test_a_format_known_only_at_run_time_is_refused() -> None:

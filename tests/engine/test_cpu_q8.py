@@ -9,9 +9,6 @@ against float64 ``W . (q d)`` (the quantized activations), and the real model.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +21,8 @@ from meshnode.engine.backend import cpu_backend, select_backend
 from meshnode.engine.cpu import BlockMatrix, matrix, pool, q8
 from meshnode.engine.cpu.pool import CoreGauge, KernelPool
 from meshnode.engine.loader import load_model
-from tests.conftest import GOLDEN_DIR, REPO_ROOT, smollm2_gguf_path
+from tests.conftest import GOLDEN_DIR, smollm2_gguf_path
+from tests.engine.test_cpu_compile import compiled_in_fresh_process
 from tests.engine.test_cpu_kernels import N_IN, random_tensor
 
 Q8 = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
@@ -390,32 +388,12 @@ def test_a_batched_q8_forward_is_its_solo_forwards_bit_for_bit(
         np.testing.assert_array_equal(np.array(got), np.array(want))
 
 
-_COMPILES = """
-import collections, json, sys
-from pathlib import Path
-import numpy as np
-from numba.core import event
-from tests.engine.test_cpu_kernels import N_IN, random_tensor
-from meshnode.engine.cpu import BlockMatrix, matrix, q8
-from meshnode.engine.cpu.pool import CoreGauge, KernelPool
-
-rng = np.random.default_rng(3)
-q41, q80 = random_tensor("Q4_1", 70, rng), random_tensor("Q8_0", 40, rng)
-idle = KernelPool(CoreGauge(Path(sys.argv[1]) / "no-stat", cpus={0, 1, 2, 3}))
-matrix._pool = lambda: idle
-matrix.PARALLEL_MIN_BYTES = 0
-with event.install_recorder("numba:compile") as rec:
-    for m in (BlockMatrix([q41]), BlockMatrix([q41, q80, q41])):
-        for threads in (1, 2):
-            matrix.set_kernel_threads(threads)
-            for k in (1, 2, 20):
-                q8.q8_product(m, rng.standard_normal((k, N_IN)).astype(np.float32))
-compiled = collections.defaultdict(list)
-for _, ev in rec.buffer:
-    if ev.is_start:
-        fn = ev.data["dispatcher"].py_func
-        compiled[fn.__module__ + "." + fn.__name__].append(str(ev.data["args"]))
-print(json.dumps({"posted": idle.posted, "compiled": compiled}))
+_Q8_PRODUCTS = """
+for m in (BlockMatrix([q41]), BlockMatrix([q41, q80, q41])):
+    for threads in (1, 2):
+        matrix.set_kernel_threads(threads)
+        for k in (1, 2, 20):
+            q8.q8_product(m, rng.standard_normal((k, N_IN)).astype(np.float32))
 """
 
 
@@ -423,17 +401,7 @@ def test_q8_compiles_one_kernel_per_format(tmp_path: Path) -> None:
     """In a fresh process on an empty numba cache: the q8 row kernel once per weight
     format (a literal: the other formats' branches fold away), although the serial
     products pass it read-only weights and the kernel threads' chunks an address."""
-    env = os.environ | {"NUMBA_CACHE_DIR": str(tmp_path / "numba"), "OPENBLAS_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [sys.executable, "-c", _COMPILES, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO_ROOT,
-        env=env,
-    )
-    assert run.returncode == 0, run.stderr
-    got = json.loads(run.stdout.splitlines()[-1])
+    got = compiled_in_fresh_process(tmp_path, _Q8_PRODUCTS)
     assert got["posted"] > 0  # the kernel threads' chunks were compiled and ran
     rows = got["compiled"]["meshnode.engine.cpu.q8_kernels._rows"]
     formats = sorted(args.split(",")[0] for args in rows)
