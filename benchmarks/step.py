@@ -2,14 +2,17 @@
 sequence's (issue 16), and a window of 8 new rows of one sequence against 1 (issue 13).
 
 Run: ``OPENBLAS_NUM_THREADS=1 .venv/bin/python benchmarks/step.py [--context 128 512]
-[--threads 1 2] [--rounds 15] [--dtype native|q8] [--window] [--compare OLD.py]``
+[--threads 1 2] [--rounds 15] [--dtype native|q8] [--kv-dtype auto|f32|f16 ...] [--window]
+[--compare OLD.py]``
 
 One stage holds SmolLM2-135M with its weights in their GGUF blocks (``--dtype``: the CPU
-default ``native``, or ``q8``). Eight sequences are prefilled to each ``--context``; then
-decode steps of 1 and of 8 of them (one row each, one ``Stage.forward_batch``) run in
-alternating rounds, at each ``--threads`` count in turn (kernel threads; BLAS stays at one),
-beside the weight products alone (every matrix of the stage times 1 and 8 activation
-rows, as the step multiplies them). ``--window`` adds forwards of a window of 1 and 8 new
+default ``native``, or ``q8``), its sequences' KV caches of each ``--kv-dtype`` (several:
+each its own set of sequences, timed in the same rounds, with f16 / f32 ratios). Eight
+sequences are prefilled to each ``--context``; then decode steps of 1 and of 8 of them
+(one row each, one ``Stage.forward_batch``) run in alternating rounds, at each
+``--threads`` count in turn (kernel threads; BLAS stays at one), beside the weight
+products alone (every matrix of the stage times 1 and 8 activation rows, as the step
+multiplies them). ``--window`` adds forwards of a window of 1 and 8 new
 rows of one more sequence after the context (all rows' logits: what
 ``benchmarks/engine.py``'s k-row table and speculative verify windows run).
 
@@ -54,6 +57,7 @@ from meshnode.engine import attention as engine_attention
 from meshnode.engine import ops
 from meshnode.engine.backend import cpu_backend, limit_cpu_threads
 from meshnode.engine.cpu import set_kernel_threads
+from meshnode.engine.kv_cache import KV_DTYPES, resolve_kv_dtype
 from meshnode.engine.loader import load_model
 from meshnode.engine.model import BatchRow, Stage
 from tests.conftest import smollm2_gguf_path
@@ -164,9 +168,11 @@ def use_kernel(module: ModuleType) -> None:
     engine_attention._for_kernel = old_routing if old else NEW_ROUTING
 
 
-def forwards(stage: Stage, context: int, window: bool) -> dict[str, Callable[[], Any]]:
+def forwards(stage: Stage, context: int, window: bool, kv: str) -> dict[str, Callable[[], Any]]:
     """The timed forwards at ``context``: "batch N" (N sequences, one row each) and with
-    ``window`` "window N" (N new rows of one sequence, all their logits)."""
+    ``window`` "window N" (N new rows of one sequence, all their logits), over caches of
+    KV dtype ``kv``."""
+    stage.kv_dtype = resolve_kv_dtype(kv, stage.backend.weights_dtype)
     rng = np.random.default_rng(0)
     caches = []
     for _ in range(9 if window else 8):
@@ -236,6 +242,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall")
     parser.add_argument("--dtype", choices=["native", "q8"], default="native")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, nargs="+", default=["auto"])
     parser.add_argument("--window", action="store_true")
     parser.add_argument("--compare", metavar="OLD.py")
     args = parser.parse_args()
@@ -252,32 +259,39 @@ def main() -> None:
     print("uptime:", uptime(), "threads handle:", type(limit).__name__)
 
 
-Key = tuple[int, str, str]  # (threads, kernel, case)
+Key = tuple[int, str, str]  # (threads, kernel and KV dtype, case)
 
 
 def measure(stage: Stage, context: int, args: Any, modules: dict[str, ModuleType]) -> None:
-    """Time the forwards at ``context`` with each kernel module and thread count in
-    alternating rounds; print medians of the forwards and of their parts."""
+    """Time the forwards at ``context`` with each kernel module, KV dtype and thread count
+    in alternating rounds; print medians of the forwards and of their parts."""
     use_kernel(modules["new"])
-    runs = forwards(stage, context, args.window)
+    kvs = list(dict.fromkeys(args.kv_dtype))
+    by_kv = {kv: forwards(stage, context, args.window, kv) for kv in kvs}
+    runs = by_kv[kvs[0]]
+    variants = {
+        name if len(kvs) == 1 else f"{name} {kv}": (module, by_kv[kv])
+        for name, module in modules.items()
+        for kv in kvs
+    }
     parts = Parts(stage)
     alone = {n: products(stage, n) for n in ROWS}
     # per forward: its time, then each part's, in ms
     times: dict[Key, list[dict[str, float]]] = defaultdict(list)
     for threads in args.threads:  # warm-up: compiled code loaded, the pool started
         set_kernel_threads(threads)
-        for module in modules.values():
+        for module, cases in variants.values():
             use_kernel(module)
-            for run in runs.values():
+            for run in cases.values():
                 run()
         for n in ROWS:
             alone[n]()
     for _ in range(args.rounds):
         for threads in args.threads:
             set_kernel_threads(threads)
-            for name, module in modules.items():
+            for name, (module, cases) in variants.items():
                 use_kernel(module)
-                for case, run in runs.items():
+                for case, run in cases.items():
                     parts.spent.clear()
                     began = CLOCK()
                     run()
@@ -288,8 +302,9 @@ def measure(stage: Stage, context: int, args: Any, modules: dict[str, ModuleType
                 alone[n]()
                 times[threads, "", f"products {n}"].append({"forward": (CLOCK() - began) * 1e3})
     use_kernel(modules["new"])
+    what = f"context {context}, {args.dtype}, KV {'/'.join(kvs)}, {args.clock} clock"
     for threads in args.threads:
-        report(times, threads, f"context {context}, {args.dtype}, {args.clock} clock", list(runs))
+        report(times, threads, what, list(runs))
 
 
 def report(
@@ -328,6 +343,17 @@ def report(
                 o1, o8 = (median((threads, "old", f"{kind} {n}"), "attention") for n in ROWS)
                 line += f"; attention old / new: 1 row {o1 / a1:.2f}, 8 rows {o8 / a8:.2f}"
             print(line, flush=True)
+        for name in names:  # float16 against float32 caches, same kernel
+            if not name.endswith(" f16") or name.replace(" f16", " f32") not in names:
+                continue
+            f32 = name.replace(" f16", " f32")
+            ratios = []
+            for n in ROWS:
+                for part in ("forward", "attention"):
+                    case = f"{kind} {n}"
+                    ratio = median((threads, name, case), part) / median((threads, f32, case), part)
+                    ratios.append(f"{part} {n}: {ratio:.2f}")
+            print(f"  {kind} {name.split()[0]}: f16 / f32 KV: {', '.join(ratios)}", flush=True)
 
 
 def uptime() -> str:

@@ -39,6 +39,7 @@ class GenerateConfig:
     json: bool = False
     device: Device = "auto"
     dtype: str = "auto"  # weights on a CUDA device; select_backend checks it
+    kv_dtype: str = "auto"  # a CPU stage's KV caches (engine.kv_cache.KV_DTYPES)
     threads: int | None = None
     prompt_ids: tuple[int, ...] | None = None  # token ids in, as given (no template, no BOS)
 
@@ -99,7 +100,7 @@ def run(config: GenerateConfig) -> int:
     try:
         limit = limit_cpu_threads(config.threads)  # held until generation ends
         backend = select_backend(config.device, config.dtype)
-        model = load_model(config.model, backend)
+        model = load_model(config.model, backend, config.kv_dtype)
         result = complete(model, config, sys.stdout)
     except (BackendError, ConfigError, ModelLoadError, TemplateError, ValueError) as exc:
         print(f"meshnode generate: error: {exc}", file=sys.stderr)
@@ -138,6 +139,13 @@ def generate_command(
             "activations quantized to 8 bits in their products: faster, inexact) on the CPU."
         ),
     ] = "auto",
+    kv_dtype: Annotated[
+        str,
+        typer.Option(
+            help="KV cache on the CPU: f32, f16 (half the memory and the bytes decode reads; "
+            "rounded, inexact) or auto (f16 with --dtype q8, else f32)."
+        ),
+    ] = "auto",
     threads: Annotated[
         int | None, typer.Option(min=1, help="BLAS threads on CPU (default: one per core).")
     ] = None,
@@ -171,6 +179,7 @@ def generate_command(
         json=json_output,
         device=cast(Device, device),  # checked above
         dtype=dtype,
+        kv_dtype=kv_dtype,
         threads=threads,
         prompt_ids=ids,
     )

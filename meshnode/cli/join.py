@@ -24,6 +24,7 @@ from meshnode_packaging.refs import open_ref, pin_ref, pinned_ref
 from meshnode_packaging.sources import ModelSource
 
 from meshnode.engine.backend import BackendError, select_backend
+from meshnode.engine.kv_cache import resolve_kv_dtype
 from meshnode.engine.loader import reading_model
 from meshnode.engine.recurrent import ring_slots_for
 from meshnode.errors import ConfigError, ModelError
@@ -78,6 +79,7 @@ async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentit
             context_size=service.context_size,
             split=config.split,
             wire_dtype=config.wire_dtype,
+            kv_dtype=resolve_kv_dtype(config.kv_dtype, backend.weights_dtype),
             cache_dir=config.cache_dir,
             pin=pin,
             ring_slots=ring_slots_for(spec.largest_verify_drafts()),

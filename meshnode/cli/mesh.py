@@ -227,6 +227,16 @@ def join(
             help=env_help("wire_dtype", "Activation dtype between stages: f16 (default) or f32.")
         ),
     ] = None,
+    kv_dtype: Annotated[
+        str | None,
+        typer.Option(
+            help=env_help(
+                "kv_dtype",
+                "KV cache of CPU stages: f32, f16 (half the memory and the bytes decode "
+                "reads; rounded, inexact) or auto (default: f16 with --dtype q8, else f32).",
+            )
+        ),
+    ] = None,
     prefill_chunk: Annotated[
         int | None,
         typer.Option(
@@ -331,6 +341,7 @@ def join(
             "split": split,
             "context_size": context,
             "wire_dtype": wire_dtype,
+            "kv_dtype": kv_dtype,
             "prefill_chunk_tokens": prefill_chunk,
             "pass_deadline_s": pass_deadline,
             "pass_deadline_per_token_s": pass_deadline_per_token,

@@ -165,7 +165,8 @@ class Attention:
 
 class KernelAttention(Attention):
     """As :class:`Attention`, with every short segment (:data:`KERNEL_MAX_ROWS`) computed
-    by one compiled call per layer (NumPy arrays, float32 caches in C order)."""
+    by one compiled call per layer (NumPy arrays, float32 or float16 caches in C order;
+    one kind per batch)."""
 
     def __init__(self, xp: ModuleType, config: ModelConfig, start: int, end: int) -> None:
         super().__init__(xp, config, start, end)
@@ -177,6 +178,8 @@ class KernelAttention(Attention):
         # the last plan and the keys its calls read, all rows' and the last layer's
         # (whether a call is shared with the kernel threads: cpu.attention.attend_shared)
         self._reads: tuple[Any, int, int] = (None, 0, 0)
+        # the last plan and the kernel variant of its caches (cpu.attention.kv_kind)
+        self._kv: tuple[Any, Any] = (None, None)
 
     def prepare(self, segs: Sequence[Segment]) -> Any:
         """The kernel's segment table (cache addresses, rows, positions), after checking
@@ -191,6 +194,7 @@ class KernelAttention(Attention):
             parts.append((seg.n, seg.rows, seg.start_pos, here, seg.cache))
         table = _kernels().segment_table(parts)
         heads, kernel = self.config.num_heads, [p for p in parts if p[3]]
+        self._kv = (table, _kv_kind([p[4] for p in kernel]))
         every = heads * sum(n * (start + n) for n, _, start, _, _ in kernel)
         kept = heads * sum(rows * (start + n) for n, rows, start, _, _ in kernel)
         self._reads = (table, every, kept)
@@ -218,9 +222,13 @@ class KernelAttention(Attention):
         rope = (table.cos, table.sin)
         keep = (qkv, out, plan, segs, q_norm, k_norm, rope)  # what the kernel reads by address
         reads = self._reads[2 if last else 1] if self._reads[0] is plan else None
+        if self._kv[0] is plan:
+            kv = self._kv[1]
+        else:
+            kv = _kv_kind([seg.cache for i, seg in enumerate(segs) if plan[i, k.KERNEL]])
         k.attend_shared(
             qkv, plan, layer, self.config.num_heads, (q_norm, k_norm), self._eps,
-            rope, self._scale, window, last, out, keep, reads,
+            rope, self._scale, window, last, out, keep, reads, kv,
         )  # fmt: skip
         offset = row = 0
         for i, (seg, rows) in enumerate(zip(segs, kept, strict=True)):
@@ -287,6 +295,15 @@ def blocked_attention(
     else:
         run(block, count)
     return out.reshape(heads, rows, dim)
+
+
+def _kv_kind(caches: Sequence[Any]) -> Any:
+    """The kernel variant (:func:`meshnode.engine.cpu.attention.kv_kind`) of the caches of
+    a batch's kernel segments; raises ``ValueError`` if they are of more than one dtype."""
+    kinds = {cache.k.dtype for cache in caches}
+    if len(kinds) > 1:
+        raise ValueError(f"a batch mixes KV caches of {sorted(map(str, kinds))}")
+    return _kernels().kv_kind(kinds.pop() if kinds else np.float32)
 
 
 def _for_kernel(rows: int, end: int) -> bool:

@@ -8,7 +8,59 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["KVCache", "lazy_zeros"]
+from meshnode.errors import ConfigError
+
+__all__ = [
+    "KV_DTYPES",
+    "KVCache",
+    "kv_bytes",
+    "kv_numpy_dtype",
+    "lazy_zeros",
+    "parse_kv_dtype",
+    "resolve_kv_dtype",
+]
+
+#: What ``--kv-dtype`` takes: ``f32`` (float32 K/V: the exact modes need it), ``f16``
+#: (float16: half the memory and half the bytes decode attention reads, keys and values
+#: rounded to nearest; the CPU kernels widen them to float32 to compute), or ``auto``
+#: (:func:`resolve_kv_dtype`).
+KV_DTYPES = ("auto", "f32", "f16")
+
+
+def parse_kv_dtype(v: object) -> str:
+    """A ``--kv-dtype`` setting (:data:`KV_DTYPES`, any case); raises ``ConfigError`` (a
+    ``ValueError``) naming the choices."""
+    s = str(v).lower() if isinstance(v, str) else v
+    if s not in KV_DTYPES:
+        raise ConfigError(f"KV dtype must be one of {', '.join(KV_DTYPES)}, got {v!r}")
+    return str(s)
+
+
+def resolve_kv_dtype(name: str, weights_dtype: str) -> str:
+    """``f32`` or ``f16`` for a ``--kv-dtype`` of ``name`` beside weights of
+    ``weights_dtype``: ``auto`` is f16 for ``q8`` (the opt-in inexact mode, where KV
+    bandwidth is what several streams' decode attention waits on) and f32 for every other,
+    exact, mode (golden parity needs float32 K/V). Raises ``ConfigError`` (a
+    ``ValueError``) for another name."""
+    name = parse_kv_dtype(name)
+    if name == "auto":
+        return "f16" if weights_dtype == "q8" else "f32"
+    return name
+
+
+def kv_numpy_dtype(name: str) -> Any:
+    """The NumPy dtype of a CPU cache of KV dtype ``name`` (``f32`` or ``f16``); raises
+    ``ValueError`` for another name (``auto`` included: resolve it first)."""
+    if name == "f32":
+        return np.float32
+    if name == "f16":
+        return np.float16
+    raise ValueError(f"a KV cache is f32 or f16, not {name!r}")
+
+
+def kv_bytes(name: str) -> int:
+    """Bytes of one key or value element in a cache of KV dtype ``name``."""
+    return int(np.dtype(kv_numpy_dtype(name)).itemsize)
 
 
 def lazy_zeros(xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
@@ -53,9 +105,11 @@ class KVCache:
     Arrays are ``[L, Hkv, T, D]`` with ``T = max_tokens`` allocated up front, so decode
     never reallocates and a sequence that starts cannot run out of memory halfway. Only
     the first :attr:`length` positions are valid; truncating is O(1) (speculative
-    decoding rolls back rejected drafts this way). ``dtype`` is float32 on the CPU; the
-    CUDA stage may keep float16 bit patterns (``uint16``) and writes them itself. On the
-    CPU the arrays take memory as positions are written (:func:`lazy_zeros`).
+    decoding rolls back rejected drafts this way). ``dtype`` is float32 (the default) or
+    float16 on the CPU (:data:`KV_DTYPES`: :meth:`write` rounds to nearest, ties to even,
+    and hands back float32; the compiled kernels widen as they read); the CUDA stage may
+    keep float16 bit patterns (``uint16``) and writes them itself. On the CPU the arrays
+    take memory as positions are written (:func:`lazy_zeros`).
     """
 
     def __init__(
@@ -84,14 +138,19 @@ class KVCache:
     def write(self, layer: int, start: int, k: Any, v: Any) -> tuple[Any, Any]:
         """Store ``k, v`` ``[Hkv, S, D]`` at ``start``; return keys/values ``[Hkv, T', D]``.
 
-        ``T' = start + S``: every position the new queries may attend to.
+        ``T' = start + S``: every position the new queries may attend to. A float16 cache
+        stores them rounded to nearest (ties to even) and returns float32 copies of what
+        it holds (the new rows as stored, rounded: what a later query reads too).
         """
         end = start + k.shape[1]
         if end > self.max_tokens:
             raise ValueError(f"KV cache full: {end} > {self.max_tokens} tokens")
         self.k[layer, :, start:end] = k
         self.v[layer, :, start:end] = v
-        return self.k[layer, :, :end], self.v[layer, :, :end]
+        keys, values = self.k[layer, :, :end], self.v[layer, :, :end]
+        if keys.dtype == np.float16:
+            return keys.astype(np.float32), values.astype(np.float32)
+        return keys, values
 
     def release_pages(self) -> None:
         """Empty the cache (:meth:`truncate` to 0) and hand the memory of the positions

@@ -104,8 +104,9 @@ class LoadedModel:
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
-def load_model(ref: str | None, backend: Backend) -> LoadedModel:
-    """Resolve ``ref`` and load all layers with embedding and head onto ``backend``.
+def load_model(ref: str | None, backend: Backend, kv_dtype: str = "auto") -> LoadedModel:
+    """Resolve ``ref`` and load all layers with embedding and head onto ``backend``, with
+    KV caches of ``kv_dtype`` (``Stage``'s).
 
     Raises :class:`ModelLoadError`.
     """
@@ -118,7 +119,14 @@ def load_model(ref: str | None, backend: Backend) -> LoadedModel:
             if source.chat_template:
                 template = ChatTemplate(source.chat_template, _special_tokens(tokenizer, config))
             stage = Stage(
-                config, source, 0, config.num_layers, embed=True, head=True, backend=backend
+                config,
+                source,
+                0,
+                config.num_layers,
+                embed=True,
+                head=True,
+                backend=backend,
+                kv_dtype=kv_dtype,
             )
     except (ModelConfigError, TemplateError) as exc:
         raise ModelLoadError(_one_line(exc)) from exc

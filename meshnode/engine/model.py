@@ -31,7 +31,7 @@ from meshnode.engine.config import ModelConfig, ModelConfigError
 from meshnode.engine.cuda.stage import CudaStage
 from meshnode.engine.hybrid import HybridStage, load_hybrid_weights
 from meshnode.engine.hybrid_config import HybridConfig
-from meshnode.engine.kv_cache import KVCache
+from meshnode.engine.kv_cache import KVCache, kv_numpy_dtype, resolve_kv_dtype
 from meshnode.engine.mtp import MtpHead, has_mtp, load_mtp_weights
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, HybridCache
 from meshnode.engine.weights import LayerWeights, StageWeights
@@ -63,6 +63,7 @@ class Stage:
         backend: Backend | None = None,
         ring_slots: int = DEFAULT_RING_SLOTS,
         mtp: bool = True,
+        kv_dtype: str = "auto",
     ) -> None:
         if not 0 <= start <= end <= config.num_layers:
             raise ValueError(f"layer range [{start}, {end}) outside 0..{config.num_layers}")
@@ -72,6 +73,11 @@ class Stage:
         self.backend = backend or cpu_backend()
         self.backend.check_model(config)
         self.xp = self.backend.xp
+        # K/V of a CPU stage's caches (kv_cache.KV_DTYPES; auto: f16 with q8 weights, else
+        # f32); a hybrid or CUDA stage keeps its own (float32; the device's)
+        self.kv_dtype = resolve_kv_dtype(kv_dtype, self.backend.weights_dtype)
+        if config.hybrid is not None or self.backend.name != "cpu":
+            self.kv_dtype = "f32"
         self._cuda: CudaStage | None = None
         self.hybrid: HybridStage | None = None
         self.mtp: MtpHead | None = None  # the model's MTP drafter (hybrid head stage)
@@ -136,14 +142,16 @@ class Stage:
         """An empty KV cache for one sequence of up to ``max_tokens`` positions.
 
         A hybrid stage's cache (``recurrent.HybridCache``) also holds the recurrent state
-        and its snapshot ring; it offers the same ``length``/``truncate``/``nbytes``.
+        and its snapshot ring; it offers the same ``length``/``truncate``/``nbytes``. A CPU
+        stage's K/V are :attr:`kv_dtype`.
         """
         if self.hybrid is not None:
             return self.hybrid.new_cache(max_tokens)
         if self._cuda is not None:
             return self._cuda.new_cache(max_tokens)
-        c = self.config
-        return KVCache(self.xp, self.end - self.start, c.num_kv_heads, c.head_dim, max_tokens)
+        c, dtype = self.config, kv_numpy_dtype(self.kv_dtype)
+        layers = self.end - self.start
+        return KVCache(self.xp, layers, c.num_kv_heads, c.head_dim, max_tokens, dtype=dtype)
 
     def forward(
         self, inputs: Any, start_pos: int, cache: KVCache, *, out_rows: int | None = None

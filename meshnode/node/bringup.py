@@ -233,7 +233,7 @@ class BringUp:
             wire_dtype=self.settings.wire_dtype,
             context_size=self.context_size,
             batch_sizes=(1,),
-            kv_dtype="f32",
+            kv_dtype=self.settings.kv_dtype,
             ring_slots=self.settings.ring_slots,
         )
 
@@ -256,6 +256,7 @@ class BringUp:
                 head=stage.head,
                 backend=self._backend,
                 ring_slots=self.settings.ring_slots,
+                kv_dtype=self.settings.kv_dtype,
             )
             runner = StageRunner(
                 engine_stage,

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from meshnode.engine.backend import WEIGHTS_DTYPES, WeightsDtype
+from meshnode.engine.kv_cache import parse_kv_dtype
 from meshnode.errors import ConfigError
 from meshnode.net.address import Address
 from meshnode.net.http_guard import DEFAULT_MAX_BODY_BYTES
@@ -125,6 +126,7 @@ class NodeConfig:
     split: int | None = None
     context_size: int | None = None
     wire_dtype: str = "f16"
+    kv_dtype: str = "auto"  # K/V in the run's CPU caches: f32, f16 (auto: f16 if q8)
     prefill_chunk_tokens: int = 256
     # A pass that does not come back within base + per_token x tokens in flight is a stage
     # failure (meshnode.node.remote.PassDeadline, where the defaults are explained).
@@ -398,6 +400,7 @@ SETTINGS: tuple[Setting, ...] = (
         flag="context",
     ),
     Setting("wire_dtype", "model", "wire_dtype", "MESHNODE_WIRE_DTYPE", _wire_dtype),
+    Setting("kv_dtype", "model", "kv_dtype", "MESHNODE_KV_DTYPE", parse_kv_dtype, flag="kv-dtype"),
     Setting(
         "prefill_chunk_tokens",
         "model",

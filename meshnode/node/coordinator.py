@@ -166,6 +166,9 @@ class CoordinatorSettings:
     context_size: int | None = None
     split: int | None = None
     wire_dtype: str = "f16"
+    # K/V of every stage's caches (``Load.kv_dtype``): f32 or f16, ``--kv-dtype`` resolved
+    # by the host (``engine.kv_cache.resolve_kv_dtype``: auto is f16 with q8 weights)
+    kv_dtype: str = "f32"
     cache_dir: Path | None = None
     # What the host resolved ``model_ref`` to (``refs.pin_ref``): a hub commit or a URL
     # package's manifest sha256, sent in every Prepare so that no stage reads another one.
@@ -275,6 +278,7 @@ class Coordinator:
             self.config,
             held=backend.held_bytes(source, self.config),
             ring_slots=settings.ring_slots,
+            kv_dtype=settings.kv_dtype,
         )
         self._backend = backend
         self._on_pipeline = on_pipeline

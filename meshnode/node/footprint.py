@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.hybrid_config import HybridConfig
+from meshnode.engine.kv_cache import kv_bytes
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
 from meshnode.engine.weights import HeldBytes
 from meshnode.errors import ConfigError, RunError
@@ -22,6 +23,7 @@ def model_footprint(
     bytes_per_param: int = 4,
     held: HeldBytes | None = None,
     ring_slots: int = DEFAULT_RING_SLOTS,
+    kv_dtype: str = "f32",
 ) -> ModelFootprint:
     """Bytes the planner must reserve per layer, for the embedding, the head and the KV.
 
@@ -29,7 +31,8 @@ def model_footprint(
     costs its tensors' bytes in the file; :meth:`~meshnode.engine.backend.Backend.held_bytes`),
     else every parameter at ``bytes_per_param`` (4: float32, the most any backend holds).
     Every live sequence preallocates KV for the whole context, so KV scales with the
-    sequence limit.
+    sequence limit; each key and value element takes 4 bytes, 2 with ``kv_dtype`` f16
+    (a hybrid model's attention layers keep float32).
     """
     if config.hybrid is not None:
         return _hybrid_footprint(config, config.hybrid, bytes_per_param, ring_slots)
@@ -37,7 +40,7 @@ def model_footprint(
     layer_params = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
     embed = config.vocab_size * h
     head = h + (0 if config.tie_word_embeddings else config.vocab_size * h)
-    kv_bytes = 2 * kv * 4 * MAX_SEQUENCES_PER_STAGE  # float32 K and V
+    kv_per_token = 2 * kv * kv_bytes(kv_dtype) * MAX_SEQUENCES_PER_STAGE  # K and V
     if held is None:
         held = HeldBytes(
             (layer_params * bytes_per_param,) * config.num_layers,
@@ -48,7 +51,7 @@ def model_footprint(
         layer_bytes=held.layers,
         embed_bytes=held.embed,
         head_bytes=held.head,
-        kv_bytes_per_token_per_layer=kv_bytes,
+        kv_bytes_per_token_per_layer=kv_per_token,
         tied_head=config.tie_word_embeddings,
     )
 
@@ -87,17 +90,25 @@ def served_context(config: ModelConfig, asked: int | None) -> int:
 
 
 def check_load(
-    config: ModelConfig, start: int, end: int, context_size: int, memory_bytes: int | None
+    config: ModelConfig,
+    start: int,
+    end: int,
+    context_size: int,
+    memory_bytes: int | None,
+    kv_dtype: str = "f32",
 ) -> None:
-    """Refuse (``RunError``) a ``Load`` whose context the model cannot hold, or whose KV
-    alone would take more than the ``memory_bytes`` this node offers: another node chose
-    the context, and every sequence preallocates it."""
+    """Refuse (``RunError``) a ``Load`` whose context the model cannot hold, whose KV
+    alone would take more than the ``memory_bytes`` this node offers (another node chose
+    the context, and every sequence preallocates it), or whose KV dtype a stage does not
+    keep (f32, f16)."""
+    if kv_dtype not in ("f32", "f16"):
+        raise RunError(f"Load asks for KV dtype {kv_dtype!r}; a stage keeps f32 or f16")
     limit = config.max_position_embeddings
     if not 1 <= context_size <= limit:
         raise RunError(
             f"Load asks for a context of {context_size} tokens; the model holds 1..{limit}"
         )
-    kv = model_footprint(config).kv_bytes(start, end, context_size)
+    kv = model_footprint(config, kv_dtype=kv_dtype).kv_bytes(start, end, context_size)
     if memory_bytes is not None and kv > memory_bytes:
         raise RunError(
             f"Load asks for a context of {context_size} tokens: its KV cache alone would take "

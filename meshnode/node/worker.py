@@ -540,8 +540,9 @@ def build_runner(
 ) -> StageRunner:
     """The stage runner ``load`` asks for, over ``source`` (blocking: call off the loop).
 
-    Raises ``RunError`` for a snapshot ring larger than a stage keeps, and for a context the
-    model cannot hold or whose KV alone exceeds ``memory_bytes`` (a peer may ask for
+    Raises ``RunError`` for a snapshot ring larger than a stage keeps, a KV dtype it does
+    not keep, and for a context the model cannot hold or whose KV alone exceeds
+    ``memory_bytes`` (a peer may ask for
     anything; each slot and each token of context costs memory per layer and sequence).
     """
     if load.ring_slots > MAX_RING_SLOTS:
@@ -550,7 +551,7 @@ def build_runner(
             f"{MAX_RING_SLOTS}"
         )
     config = ModelConfig.from_hf(source.config)
-    check_load(config, start, end, load.context_size, memory_bytes)
+    check_load(config, start, end, load.context_size, memory_bytes, load.kv_dtype)
     stage = Stage(
         config,
         source,
@@ -560,6 +561,7 @@ def build_runner(
         head=load.has_head,
         backend=backend,
         ring_slots=load.ring_slots or DEFAULT_RING_SLOTS,
+        kv_dtype=load.kv_dtype,
     )
     # Only a last stage enforces grammars; it reads the tokenizer at its first one.
     grammars = Grammars(lambda: source.tokenizer_json, config.vocab_size, config.eos_token_ids)

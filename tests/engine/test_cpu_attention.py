@@ -5,6 +5,11 @@ The kernel sums in another order than NumPy/BLAS: outputs and cached keys agree 
 ``ATOL`` (values here are of order 1; float32 rounding of 64-256-term sums is ~1e-6),
 cached values exactly (they are copied). What must be exact is exact: a segment's rows
 alone and in any batch, and the RoPE table against a per-segment computation.
+
+Most tests run over float32 and float16 caches (``KV``): the reference then attends over
+the float16 cache's contents too (``KVCache.write`` hands them back widened), so the two
+sides differ by the summation order and, rarely, by a key the two round to neighbouring
+float16 values (a float32 difference that straddles a rounding boundary): ``ATOL_F16``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,16 @@ from meshnode.engine.kv_cache import KVCache
 ATOL = 2e-5
 LAYERS = 2
 CONTEXT = 320
+# The KV caches' dtypes, and the agreement of kernel and reference (outputs, keys) over
+# float16 caches: a key rounded to a neighbouring float16 (2**-11 relative) moves a score
+# by about 1e-4 at these sizes, an output by less.
+KV = [np.float32, np.float16]
+KV_IDS = ["f32", "f16"]
+ATOL_F16 = 5e-4
+
+
+def _atol(dtype: type) -> float:
+    return ATOL if dtype == np.float32 else ATOL_F16
 
 
 @dataclass(frozen=True)
@@ -93,14 +108,15 @@ def _qkv(c: ModelConfig, n: int, rng: np.random.Generator) -> np.ndarray:
 class Twin:
     """The same sequences in two sets of caches: one for the kernel, one for the reference."""
 
-    def __init__(self, c: ModelConfig, count: int) -> None:
-        self.c = c
+    def __init__(self, c: ModelConfig, count: int, dtype: type = np.float32) -> None:
+        self.c, self.dtype = c, dtype
         self.kernel = KernelAttention(np, c, 0, LAYERS)
         self.reference = Attention(np, c, 0, LAYERS)
         self.caches = [[self._cache() for _ in range(count)] for _ in range(2)]
 
     def _cache(self) -> KVCache:
-        return KVCache(np, LAYERS, self.c.num_kv_heads, self.c.head_dim, CONTEXT)
+        c = self.c
+        return KVCache(np, LAYERS, c.num_kv_heads, c.head_dim, CONTEXT, dtype=self.dtype)
 
     def run(
         self,
@@ -129,50 +145,57 @@ class Twin:
         for mine, theirs in zip(*self.caches, strict=True):
             n = mine.length
             assert theirs.length == n
-            np.testing.assert_allclose(mine.k[:, :, :n], theirs.k[:, :, :n], atol=ATOL)
+            assert mine.k.dtype == theirs.k.dtype == mine.v.dtype == self.dtype
+            k, k_ref = (np.asarray(c.k[:, :, :n], np.float32) for c in (mine, theirs))
+            np.testing.assert_allclose(k, k_ref, atol=_atol(self.dtype))
             np.testing.assert_array_equal(mine.v[:, :, :n], theirs.v[:, :, :n])
 
 
+@pytest.mark.parametrize("dtype", KV, ids=KV_IDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_decode_verify_and_prefill_segments_match_the_reference(shape: Shape) -> None:
+def test_decode_verify_and_prefill_segments_match_the_reference(shape: Shape, dtype: type) -> None:
     """Prefills (short through the kernel, long through BLAS), then a batch mixing a
     decode row, a verify window (k + 1 rows) and a new prefill, in the last layer too
     (kept rows only): outputs and caches as the reference computes them."""
     c = _config(shape)
     rng = np.random.default_rng(7)
     norms = _norms(c, shape.qk_norm, rng)
-    twin = Twin(c, 3)
+    twin = Twin(c, 3, dtype)
     lengths = [12, KERNEL_MAX_ROWS + 9, 3]  # kernel, reference, kernel
     qkvs = [_qkv(c, n, rng) for n in lengths]
     got, want = twin.run([(i, 0, n) for i, n in enumerate(lengths)], qkvs, norms)
-    np.testing.assert_allclose(got, want, atol=ATOL)
+    np.testing.assert_allclose(got, want, atol=_atol(dtype))
     qkvs = [_qkv(c, 1, rng), _qkv(c, 5, rng), _qkv(c, 20, rng)]
     parts = [(0, 12, 1), (1, KERNEL_MAX_ROWS + 9, 2), (2, 3, 1)]
     got, want = twin.run(parts, qkvs, norms, last=True)
     assert got.shape == (4, c.q_size)
-    np.testing.assert_allclose(got, want, atol=ATOL)
+    np.testing.assert_allclose(got, want, atol=_atol(dtype))
     twin.check_caches()
 
 
-def test_a_long_prefill_goes_through_blas_and_windows_after_it_through_the_kernel() -> None:
+@pytest.mark.parametrize("dtype", KV, ids=KV_IDS)
+def test_a_long_prefill_goes_through_blas_and_windows_after_it_through_the_kernel(
+    dtype: type,
+) -> None:
     """A prefill of more than KERNEL_MAX_ROWS rows takes the reference path; a verify
     window of 16 rows late in the long sequence, and decode rows after it, the kernel's
     (however many positions they see): all agree with the reference."""
     c = _config(SHAPES[2])
     rng = np.random.default_rng(13)
     norms = _norms(c, True, rng)
-    twin = Twin(c, 1)
+    twin = Twin(c, 1, dtype)
     for start, n in [(0, 290), (290, KERNEL_MAX_ROWS), (306, 1), (307, 4)]:
         cache = twin.caches[0][0]
         plan = twin.kernel.prepare([Segment(start, n, n, cache)])
         assert (plan is not None) == (n <= KERNEL_MAX_ROWS)
         got, want = twin.run([(0, start, n)], [_qkv(c, n, rng)], norms, last=True)
-        np.testing.assert_allclose(got, want, atol=ATOL)
+        np.testing.assert_allclose(got, want, atol=_atol(dtype))
     twin.check_caches()
 
 
+@pytest.mark.parametrize("dtype", KV, ids=KV_IDS)
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s.window], ids=str)
-def test_sliding_window_at_its_edge(shape: Shape) -> None:
+def test_sliding_window_at_its_edge(shape: Shape, dtype: type) -> None:
     """Query positions just before, at and after the window's length: the keys a sliding
     layer drops are the reference's (one row at a time, and a window of rows at once)."""
     c = _config(shape)
@@ -180,37 +203,39 @@ def test_sliding_window_at_its_edge(shape: Shape) -> None:
     assert w is not None
     rng = np.random.default_rng(11)
     norms = _norms(c, shape.qk_norm, rng)
-    twin = Twin(c, 2)
+    twin = Twin(c, 2, dtype)
     twin.run([(0, 0, w - 1), (1, 0, w - 2)], [_qkv(c, w - 1, rng), _qkv(c, w - 2, rng)], norms)
     for step in range(3):  # positions w - 1, w, w + 1 of sequence 0
         start = w - 1 + step
         got, want = twin.run([(0, start, 1)], [_qkv(c, 1, rng)], norms)
-        np.testing.assert_allclose(got, want, atol=ATOL)
+        np.testing.assert_allclose(got, want, atol=_atol(dtype))
     got, want = twin.run([(1, w - 2, 4)], [_qkv(c, 4, rng)], norms)  # rows across the edge
-    np.testing.assert_allclose(got, want, atol=ATOL)
+    np.testing.assert_allclose(got, want, atol=_atol(dtype))
     twin.check_caches()
 
 
-def test_rollback_rewrites_the_truncated_positions() -> None:
+@pytest.mark.parametrize("dtype", KV, ids=KV_IDS)
+def test_rollback_rewrites_the_truncated_positions(dtype: type) -> None:
     """A verify window rejected in part: the cache truncated, then rewritten from the
     rollback point; the result is that of a sequence that never saw the dropped rows."""
     c = _config(SHAPES[1])
     rng = np.random.default_rng(3)
     norms = _norms(c, False, rng)
     prompt, window, redo = _qkv(c, 9, rng), _qkv(c, 4, rng), _qkv(c, 2, rng)
-    twin = Twin(c, 1)
+    twin = Twin(c, 1, dtype)
     twin.run([(0, 0, 9)], [prompt], norms)
     twin.run([(0, 9, 4)], [window], norms)
     rolled = twin.run([(0, 10, 2)], [redo], norms)[0]  # keeps one of the window's rows
-    fresh = Twin(c, 1)
+    fresh = Twin(c, 1, dtype)
     fresh.run([(0, 0, 10)], [np.concatenate([prompt, window[:1]])], norms)
     clean = fresh.run([(0, 10, 2)], [redo], norms)[0]
     np.testing.assert_array_equal(rolled, clean)
     twin.check_caches()
 
 
+@pytest.mark.parametrize("dtype", KV, ids=KV_IDS)
 @pytest.mark.parametrize("shape", SHAPES[1:3], ids=str)
-def test_a_segment_is_bit_identical_alone_and_in_any_batch(shape: Shape) -> None:
+def test_a_segment_is_bit_identical_alone_and_in_any_batch(shape: Shape, dtype: type) -> None:
     """A sequence's rows do not depend on what else is in the batch, nor where."""
     c = _config(shape)
     rng = np.random.default_rng(5)
@@ -219,11 +244,11 @@ def test_a_segment_is_bit_identical_alone_and_in_any_batch(shape: Shape) -> None
     steps = [_qkv(c, n, rng) for n in (1, 3, 1, 1)]
     alone = []
     for p, s in zip(prompts, steps, strict=True):
-        twin = Twin(c, 1)
+        twin = Twin(c, 1, dtype)
         twin.run([(0, 0, len(p))], [p], norms)
         alone.append(twin.run([(0, len(p), len(s))], [s], norms, last=True)[0])
     for order in ([0, 1, 2, 3], [3, 2, 1, 0], [2, 0]):
-        twin = Twin(c, 4)
+        twin = Twin(c, 4, dtype)
         twin.run([(i, 0, len(prompts[i])) for i in order], [prompts[i] for i in order], norms)
         parts = [(i, len(prompts[i]), len(steps[i])) for i in order]
         out = twin.run(parts, [steps[i] for i in order], norms, last=True)[0]
@@ -236,12 +261,12 @@ def test_a_segment_is_bit_identical_alone_and_in_any_batch(shape: Shape) -> None
 
 def _window_rows(
     c: ModelConfig, norms: tuple[object, object], prompt: np.ndarray, window: np.ndarray,
-    kept: int, at_once: bool,
+    kept: int, at_once: bool, dtype: type = np.float32,
 ) -> np.ndarray:  # fmt: skip
     """The last layer's attention of ``window``'s last ``kept`` rows after ``prompt``
     (every layer given the same q/k/v): one forward of all its rows, or one per row."""
     attn = KernelAttention(np, c, 0, LAYERS)
-    cache = KVCache(np, LAYERS, c.num_kv_heads, c.head_dim, CONTEXT)
+    cache = KVCache(np, LAYERS, c.num_kv_heads, c.head_dim, CONTEXT, dtype=dtype)
 
     def forward(start: int, qkv: np.ndarray, rows: int) -> np.ndarray:
         cache.truncate(start)
@@ -259,10 +284,11 @@ def _window_rows(
     return np.concatenate(rows[len(window) - kept :])
 
 
+@pytest.mark.parametrize("dtype", KV, ids=KV_IDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize(("prompt", "rows", "kept"), [(3, 5, 5), (40, 16, 16), (150, 16, 3)])
 def test_a_windows_rows_are_bit_identical_to_the_same_rows_one_at_a_time(
-    shape: Shape, prompt: int, rows: int, kept: int
+    shape: Shape, prompt: int, rows: int, kept: int, dtype: type
 ) -> None:
     """A verify window's rows, computed together (each block of keys and values read once
     for all of them), give the bits of the same rows computed one forward at a time (as
@@ -272,14 +298,15 @@ def test_a_windows_rows_are_bit_identical_to_the_same_rows_one_at_a_time(
     rng = np.random.default_rng(23)
     norms = _norms(c, shape.qk_norm, rng)
     first, window = _qkv(c, prompt, rng), _qkv(c, rows, rng)
-    together = _window_rows(c, norms, first, window, kept, at_once=True)
-    alone = _window_rows(c, norms, first, window, kept, at_once=False)
+    together = _window_rows(c, norms, first, window, kept, True, dtype)
+    alone = _window_rows(c, norms, first, window, kept, False, dtype)
     assert together.shape == (kept, c.q_size)
     np.testing.assert_array_equal(together, alone)
 
 
+@pytest.mark.parametrize("dtype", KV, ids=KV_IDS)
 def test_a_segment_of_more_rows_than_a_pass_is_bit_identical_to_one_row_at_a_time(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, dtype: type
 ) -> None:
     """Past ROW_BLOCK rows the kernel computes a segment in passes of ROW_BLOCK rows: the
     same bits as one row at a time (the kernel taking segments of up to 40 rows here)."""
@@ -288,8 +315,8 @@ def test_a_segment_of_more_rows_than_a_pass_is_bit_identical_to_one_row_at_a_tim
     rng = np.random.default_rng(29)
     norms = _norms(c, True, rng)
     first, window = _qkv(c, 30, rng), _qkv(c, ROW_BLOCK + 7, rng)
-    together = _window_rows(c, norms, first, window, ROW_BLOCK + 7, at_once=True)
-    alone = _window_rows(c, norms, first, window, ROW_BLOCK + 7, at_once=False)
+    together = _window_rows(c, norms, first, window, ROW_BLOCK + 7, True, dtype)
+    alone = _window_rows(c, norms, first, window, ROW_BLOCK + 7, False, dtype)
     np.testing.assert_array_equal(together, alone)
 
 
@@ -311,10 +338,11 @@ def test_rope_table_rows_equal_a_per_segment_computation_bit_for_bit() -> None:
         np.testing.assert_array_equal(sin, want_sin)
 
 
+@pytest.mark.parametrize("dtype", KV, ids=KV_IDS)
 @pytest.mark.parametrize("shape", SHAPES[1:3], ids=str)
 @pytest.mark.parametrize("batch", ["eight sequences", "one window"])
 def test_shared_with_the_kernel_threads_is_bit_identical_to_one_thread(
-    shape: Shape, batch: str, monkeypatch: pytest.MonkeyPatch
+    shape: Shape, batch: str, monkeypatch: pytest.MonkeyPatch, dtype: type
 ) -> None:
     """Six decode rows and verify windows of 8 and 16 rows over ~200 positions (past
     SHARED_MIN_READS), or one window of 16 rows (13 kept: its rows split into parts so
@@ -333,7 +361,7 @@ def test_shared_with_the_kernel_threads_is_bit_identical_to_one_thread(
     outs, caches = [], []
     for threads in (1, 2, 4):
         monkeypatch.setattr(matrix, "_threads", threads)
-        twin = Twin(c, count)
+        twin = Twin(c, count, dtype)
         twin.run([(i, 0, len(p)) for i, p in enumerate(prompts)], prompts, norms)
         parts = [(i, len(p), k) for i, (p, k) in enumerate(zip(prompts, kept, strict=True))]
         before = pool.posted

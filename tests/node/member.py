@@ -176,8 +176,10 @@ class Member:
         layers: tuple[int, int],
         embed: bool,
         context: int,
+        kv_dtype: str = "f32",
     ) -> Ready | Error:
-        """As :meth:`bring_up`, but the node's answer to ``Load`` (``Ready`` or ``Error``)."""
+        """As :meth:`bring_up`, but the node's answer to ``Load`` (``Ready`` or ``Error``),
+        with ``kv_dtype`` in the ``Load``."""
         await self.send(Claim(run_id=run_id, term=term, coordinator_id=self.node_id))
         await self.receive(ClaimAccepted)
         await self.send(
@@ -200,7 +202,7 @@ class Member:
             Load(
                 run_id=run_id, term=term, package_ref=ref, manifest_sha256="", upstream=me,
                 downstream=me, wire_dtype="f32", context_size=context, layer_range=layers,
-                has_embed=embed, has_head=True,
+                has_embed=embed, has_head=True, kv_dtype=kv_dtype,
             )
         )  # fmt: skip
         answer = await self.receive(Ready, Error)

@@ -4,7 +4,8 @@ Every sequence of a stage preallocates KV for the whole context, and the context
 the node that sends ``Load``. Over a real TLS session to the real daemon (its stage fetched
 from a loopback hub), a context the model cannot hold, or one whose KV alone exceeds the
 memory the node offers (``--max-memory``), gets ``LOAD_FAILED`` naming the reason before
-anything is allocated; a context that fits loads on the same node afterwards.
+anything is allocated; a context that fits loads on the same node afterwards. A ``Load``'s
+KV dtype is honoured (f16: half the bytes, so twice the context fits) or, unknown, refused.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests.node.member import Member, start_node
 LAYERS = int(CONFIG["num_hidden_layers"])
 MAX_POSITIONS = int(CONFIG["max_position_embeddings"])
 # 8 sequences x K and V x 2 heads x 64 dims x float32 = 8 KiB per token and layer: a context
-# of 200 needs 4.7 MiB of KV over the 3 layers, one of 32 needs 0.75 MiB.
+# of 200 needs 4.7 MiB of KV over the 3 layers, one of 32 needs 0.75 MiB; in float16, half.
 OFFERED = 2 << 20
 
 
@@ -53,4 +54,38 @@ async def test_a_load_asking_for_more_context_than_fits_is_refused(
             assert isinstance(answer, Ready), answer
     assert node.status()["node"]["internal_errors"] == 0
     assert not member.closed
+    await member.aclose()
+
+
+async def test_a_loads_kv_dtype_is_honoured_or_refused(
+    nursery: trio.Nursery, hub_ref: tuple[str, Path], tmp_path: Path
+) -> None:
+    """A KV dtype the node does not keep is refused by name; in float16 a context that
+    float32 KV would not fit in the offered memory (150 tokens: 3.5 MiB in f32, 1.8 MiB
+    in f16) loads; one past the offer is refused with f16's figure."""
+    ref, _package = hub_ref
+    token = JoinToken.generate("m")
+    node = await start_node(
+        nursery, token, tmp_path / "node", tmp_path / "cache", max_memory_bytes=OFFERED
+    )
+    assert node.listen is not None
+    member = await Member.dial(NodeIdentity.provision(token, tmp_path / "me"), node.listen)
+    attempts = [
+        ("bf16", 32, "Load asks for KV dtype 'bf16'; a stage keeps f32 or f16"),
+        ("f32", 150, "its KV cache alone would take 4 MiB, more than the 2 MiB"),
+        ("f16", 200, "its KV cache alone would take 2 MiB, more than the 2 MiB"),
+        ("f16", 150, ""),
+    ]
+    for term, (kv, context, reason) in enumerate(attempts, start=1):
+        answer = await member.try_bring_up(
+            run_id=f"run-{term}", term=term, ref=ref, layers=(0, LAYERS), embed=True,
+            context=context, kv_dtype=kv,
+        )  # fmt: skip
+        if reason:
+            assert isinstance(answer, Error), (kv, context)
+            assert answer.code == ErrorCode.LOAD_FAILED
+            assert reason in answer.message, answer.message
+        else:
+            assert isinstance(answer, Ready), answer
+    assert node.status()["node"]["internal_errors"] == 0
     await member.aclose()

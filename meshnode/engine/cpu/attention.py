@@ -33,6 +33,7 @@ table.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -52,15 +53,24 @@ from meshnode.engine.cpu.attention_rows import (
     softmax,
     weighted_values,
 )
-from meshnode.engine.cpu.simd import wfma, wload, wstore, wsum, wzero
-from meshnode.engine.cpu.vexp import prefetch_f32
+from meshnode.engine.cpu.simd import wfma, wload, wsum, wzero
+from meshnode.engine.cpu.simd_kv import kv_pointer, line_of, prefetch_kv, wstore_kv
 
-__all__ = ["COLUMNS", "LANES", "attend", "attend_shared", "queries", "segment_table", "write_kv"]
+__all__ = [
+    "COLUMNS",
+    "LANES",
+    "attend",
+    "attend_shared",
+    "kv_kind",
+    "queries",
+    "segment_table",
+    "write_kv",
+]
 
 # The columns of the segment table: where the segment's rows start in ``qkv``, how many
 # new rows it has, how many of them query in the last layer, its first position, whether
 # this kernel computes it (else the caller does, through BLAS), its cache's K and V
-# addresses (``[L, Hkv, Tmax, D]`` float32, C order) and Tmax.
+# addresses (``[L, Hkv, Tmax, D]`` float32 or float16, C order) and Tmax.
 ROW, NEW, KEPT, START, KERNEL, K_ADDR, V_ADDR, TMAX = range(8)
 COLUMNS = 8
 # Query rows of a segment computed together, their keys and values read once for all of
@@ -73,13 +83,15 @@ def segment_table(
 ) -> np.ndarray:
     """The kernel's segment table ``[segments, COLUMNS]`` int64 from ``(new rows, kept
     rows, start position, computed here, cache)`` tuples in batch order; ``cache`` has
-    ``k`` and ``v`` float32 arrays ``[L, Hkv, Tmax, D]`` in C order, which must outlive
-    every :func:`attend` call given the table."""
+    ``k`` and ``v`` arrays ``[L, Hkv, Tmax, D]`` in C order, float32 or float16 (the same
+    for every segment the kernel computes: :func:`kv_kind`), which must outlive every
+    :func:`attend` call given the table."""
     table = np.zeros((len(segments), COLUMNS), np.int64)
     row = 0
     for i, (n, kept, start, here, cache) in enumerate(segments):
         k, v = cache.k, cache.v
-        assert k.dtype == np.float32, k.dtype
+        assert k.dtype in (np.float32, np.float16), k.dtype
+        assert v.dtype == k.dtype, v.dtype
         assert k.flags.c_contiguous, "the kernel indexes the caches in C order"
         assert v.flags.c_contiguous, "the kernel indexes the caches in C order"
         table[i, ROW], table[i, NEW], table[i, KEPT], table[i, START] = row, n, kept, start
@@ -88,6 +100,17 @@ def segment_table(
         table[i, TMAX] = k.shape[2]
         row += n
     return table
+
+
+def kv_kind(dtype: Any) -> np.float32 | np.uint16:
+    """The ``kv`` argument of :func:`attend` and its kin for caches of ``dtype``: a
+    float32 zero for float32 caches, a ``uint16`` zero for float16 ones (the kernels read
+    those as bit patterns). Its type picks the compiled variant; its value is unused."""
+    if np.dtype(dtype) == np.float16:
+        return np.uint16(0)
+    if np.dtype(dtype) == np.float32:
+        return np.float32(0)
+    raise ValueError(f"the attention kernel keeps float32 or float16 caches, not {dtype}")
 
 
 @njit(nogil=True, cache=True)
@@ -115,6 +138,7 @@ def _norm_rope(src, s0, weight, eps, cos, sin, pos, tmp, dst, d0):  # type: igno
 @njit(nogil=True, cache=True)
 def _write_kv(flat, w, r0, n, start, kc, vc, tmax, kv_heads, q_size, k_norm, eps, cos, sin, tmp):  # type: ignore[no-untyped-def]
     # the segment's new keys (normed, rotated) and values into its cache at their positions
+    # (a float16 cache gets them rounded to nearest); tmp holds 2 D floats
     d = cos.shape[1]
     kv_size = kv_heads * d
     for j in range(n):
@@ -122,18 +146,21 @@ def _write_kv(flat, w, r0, n, start, kc, vc, tmax, kv_heads, q_size, k_norm, eps
         row = (r0 + j) * w
         for h in range(kv_heads):
             at = (h * tmax + pos) * d
-            _norm_rope(flat, row + q_size + h * d, k_norm, eps, cos, sin, pos, tmp, kc, at)
+            _norm_rope(flat, row + q_size + h * d, k_norm, eps, cos, sin, pos, tmp, tmp, d)
             src = row + q_size + kv_size + h * d
             for c in range(0, d, LANES):
-                wstore(vc, at + c, wload(flat, src + c))
+                wstore_kv(kc, at + c, wload(tmp, d + c))
+                wstore_kv(vc, at + c, wload(flat, src + c))
 
 
 @njit(nogil=True, cache=True)
-def _cache_of(table, s, layer, kv_heads, d):  # type: ignore[no-untyped-def]
-    # segment s's K and V cache of one layer, flat [Hkv * Tmax * D]
+def _cache_of(table, s, layer, kv_heads, d, kv):  # type: ignore[no-untyped-def]
+    # segment s's K and V cache of one layer, flat [Hkv * Tmax * D] of kv's type (float32,
+    # or uint16: float16 bit patterns)
     size = kv_heads * table[s, TMAX] * d
-    kc = carray(ptr_f32(table[s, K_ADDR] + 4 * layer * size), (size,))
-    vc = carray(ptr_f32(table[s, V_ADDR] + 4 * layer * size), (size,))
+    end = (layer + 1) * size
+    kc = carray(kv_pointer(table[s, K_ADDR], kv), (end,))[layer * size : end]
+    vc = carray(kv_pointer(table[s, V_ADDR], kv), (end,))[layer * size : end]
     return kc, vc
 
 
@@ -151,17 +178,17 @@ def _sizes(table, last):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin):  # type: ignore[no-untyped-def]
+def write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin, kv):  # type: ignore[no-untyped-def]
     """The new keys (QK-normed, rotated) and values of every segment of ``table`` marked
     for the kernel into its cache at layer ``layer`` (arguments as :func:`attend`'s)."""
     d = cos.shape[1]
     w = qkv.shape[1]
     kv_heads = (w // d - heads) // 2
     flat = qkv.reshape(-1)
-    tmp = np.empty(d, np.float32)
+    tmp = np.empty(2 * d, np.float32)
     for s in range(table.shape[0]):
         if table[s, KERNEL]:
-            kc, vc = _cache_of(table, s, layer, kv_heads, d)
+            kc, vc = _cache_of(table, s, layer, kv_heads, d, kv)
             n, start, tmax = table[s, NEW], table[s, START], table[s, TMAX]
             args = (kv_heads, heads * d, k_norm, eps, cos, sin, tmp)
             _write_kv(flat, w, table[s, ROW], n, start, kc, vc, tmax, *args)
@@ -173,8 +200,8 @@ def _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_row)
     # for the query heads of KV head g (its cache written) into oflat's rows from o_row
     # (the segment's first query row's), up to qbuf's rows at a time, each block of keys
     # and values read once for those rows; ``how`` is (q_norm, eps, cos, sin, scale,
-    # window, last)
-    q_norm, eps, cos, sin, scale, window, last = how
+    # window, last, kv)
+    q_norm, eps, cos, sin, scale, window, last, kv = how
     qbuf, tmp, scores = bufs  # [B G D], [D], [B G stride]
     d = cos.shape[1]
     kv_heads = (w // d - heads) // 2
@@ -185,14 +212,14 @@ def _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_row)
     n, start, tmax, r0 = table[s, NEW], table[s, START], table[s, TMAX], table[s, ROW]
     first = n - (table[s, KEPT] if last else n)
     lo, hi = rows_of
-    kc, vc = _cache_of(table, s, layer, kv_heads, d)
+    kc, vc = _cache_of(table, s, layer, kv_heads, d, kv)
     head = g * tmax * d
     kh, vh = kc[head : head + tmax * d], vc[head : head + tmax * d]
     at = first_key(start + lo, window) * d
-    for c in range(at, at + LANES * d, LANES):  # the first keys and values, all at once
-        prefetch_f32(kh, c)
-    for c in range(at, at + VALUES, LANES):
-        prefetch_f32(vh, c)
+    for c in range(at, at + LANES * d, line_of(kh)):  # the first keys and values, all at once
+        prefetch_kv(kh, c)
+    for c in range(at, at + VALUES, line_of(vh)):
+        prefetch_kv(vh, c)
     for i0 in range(lo, hi, most):
         rows = min(most, hi - i0)
         for r in range(rows):  # the queries, QK-normed and rotated
@@ -222,7 +249,7 @@ def _out_rows(table, last):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last, out):  # type: ignore[no-untyped-def]
+def queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last, out, kv):  # type: ignore[no-untyped-def]
     """The attention of every kernel segment's query rows into ``out``, their keys and
     values already in the caches (:func:`write_kv`); arguments as :func:`attend`'s."""
     d = cos.shape[1]
@@ -237,7 +264,7 @@ def queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last
         np.empty(most * group * stride, np.float32),
     )
     o_rows = _out_rows(table, last)
-    how = (q_norm, eps, cos, sin, scale, window, last)
+    how = (q_norm, eps, cos, sin, scale, window, last, kv)
     for s in range(table.shape[0]):
         if table[s, KERNEL]:
             n = table[s, NEW]
@@ -247,7 +274,7 @@ def queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last
 
 
 @njit(nogil=True, cache=True)
-def attend(qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, window, last, out):  # type: ignore[no-untyped-def]
+def attend(qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, window, last, out, kv):  # type: ignore[no-untyped-def]
     """For every segment of ``table`` marked for the kernel: write its new keys and values
     into its cache at layer ``layer`` and its query rows' attention into ``out``.
 
@@ -256,9 +283,11 @@ def attend(qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, windo
     ``[P, D]`` the RoPE table of the layer's kind (P past every new position);
     ``window`` the sliding window (0: none). ``out`` ``[R, H D]`` gets a segment's rows
     at its place in the batch: all its new rows, or in the ``last`` layer its kept ones.
+    ``kv`` is :func:`kv_kind` of the caches' dtype: float32 caches, or float16 ones
+    (written rounded to nearest, read widened; the arithmetic stays float32).
     """
-    write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin)
-    queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last, out)
+    write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin, kv)
+    queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last, out, kv)
 
 
 # -- the query groups shared with the kernel threads (.pool) ----------------------------
@@ -333,10 +362,10 @@ def task_args(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, la
     return a, parts * kv_heads
 
 
-@cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
-def _chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
+@njit(nogil=True, cache=True)
+def _run_chunk(st_addr, who, ch, kv):  # type: ignore[no-untyped-def]
     # chunk ch of a posted queries() call (.pool's words at st_addr): the tasks whose rows
-    # of the posted "a" part (CHUNK_ROWS each) start in its rows
+    # of the posted "a" part (CHUNK_ROWS each) start in its rows; caches of kv's kind
     st = carray(ptr_i64(st_addr), (pool.WORDS,))
     head = carray(ptr_i64(st[pool.X]), (HEADER,))
     segs, tasks, kv_heads = head[SEGS], head[TASKS], head[KV_HEADS]
@@ -362,11 +391,31 @@ def _chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
     first = (ch * rows + pool.CHUNK_ROWS - 1) // pool.CHUNK_ROWS
     end = min(tasks, ((ch + 1) * rows + pool.CHUNK_ROWS - 1) // pool.CHUNK_ROWS)
     layer, window, last = head[LAYER], head[WINDOW], head[LAST] != 0
-    how = (q_norm, eps, cos, sin, scale, window, last)
+    how = (q_norm, eps, cos, sin, scale, window, last, kv)
     for t in range(first, end):
         at, g = segs + 3 * (t // kv_heads), t % kv_heads
         s, rows_of = rest[at], (rest[at + 1], rest[at + 2])
         _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, rest[s])
+
+
+def _chunk_f32(st_addr, who, ch):  # type: ignore[no-untyped-def]
+    # the pool's chunk function over float32 caches (compiled at its first use: _chunk)
+    _run_chunk(st_addr, who, ch, np.float32(0))
+
+
+def _chunk_f16(st_addr, who, ch):  # type: ignore[no-untyped-def]
+    # the pool's chunk function over float16 caches (uint16 bit patterns)
+    _run_chunk(st_addr, who, ch, np.uint16(0))
+
+
+@functools.cache
+def _chunk(half: bool) -> int:
+    """The address of the pool's chunk function for float16 (``half``) or float32 caches,
+    compiled (or loaded from numba's cache) the first time a shared call needs it: a stage
+    compiles only its own caches' kind."""
+    body = _chunk_f16 if half else _chunk_f32
+    compiled = cfunc(types.void(types.int64, types.int64, types.int64), cache=True)(body)
+    return int(compiled.address or 0)
 
 
 # Below this many keys read (query heads times the positions they see) a call is not shared
@@ -374,6 +423,7 @@ def _chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
 SHARED_MIN_READS = 4096
 _EMPTY = np.zeros((0, 0), np.uint8)
 _NO_OUT = np.zeros((1, 1), np.float32)
+_F32 = np.float32(0)
 
 
 def reads(table: np.ndarray, heads: int, last: bool) -> int:
@@ -397,6 +447,7 @@ def attend_shared(
     out: np.ndarray,
     keep: object,
     keys: int | None = None,
+    kv: np.float32 | np.uint16 = _F32,
 ) -> None:
     """As :func:`attend` (``norms`` are ``(q_norm, k_norm)``, ``rope`` ``(cos, sin)``),
     the query groups shared with the kernel threads (:mod:`.pool`) when more than one may
@@ -404,15 +455,18 @@ def attend_shared(
     by the same code on whichever thread: the result is bit-identical to :func:`attend`'s.
     ``keep`` holds every array the call reads or writes (the caches too): the pool keeps it
     while a descheduled helper may still run a chunk of it. ``keys``: :func:`reads` of the
-    call, if the caller knows it."""
+    call, if the caller knows it; ``kv``: :func:`kv_kind` of the caches."""
     (q_norm, k_norm), (cos, sin) = norms, rope
     threads = matrix._threads_here()
     if threads < 2 or (reads(table, heads, last) if keys is None else keys) < SHARED_MIN_READS:
-        attend(qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, window, last, out)
+        attend(
+            qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, window, last, out, kv
+        )
         return
-    write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin)
+    write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin, kv)
     args = (qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last, out)
     block, tasks = task_args(*args, threads)
     parts = (np.zeros((tasks * pool.CHUNK_ROWS, 1), np.uint8), _EMPTY, _EMPTY)
-    if not matrix._pool().run(_chunk.address, parts, block, _NO_OUT, threads, keep=keep):
-        queries(*args)
+    chunk = _chunk(isinstance(kv, np.uint16))
+    if not matrix._pool().run(chunk, parts, block, _NO_OUT, threads, keep=keep):
+        queries(*args, kv)

@@ -32,7 +32,8 @@ import numpy as np
 from numba import njit
 
 from meshnode.engine.cpu.simd import wadd, wfma, wload, wmul, wsplat, wstore, wsum, wsums, wzero
-from meshnode.engine.cpu.vexp import prefetch_f32, wdiv, wexp, wmax, wmax_lane
+from meshnode.engine.cpu.simd_kv import line_of, prefetch_kv, wload_kv
+from meshnode.engine.cpu.vexp import wdiv, wexp, wmax, wmax_lane
 
 __all__ = ["LANES", "PAD", "VALUES", "first_key", "key_scores", "softmax", "weighted_values"]
 
@@ -50,10 +51,11 @@ VALUES = 2048
 
 @njit(nogil=True, cache=True, inline="always")
 def _dot(a, i, b, j, d):  # type: ignore[no-untyped-def]
-    # a[i : i + D] . b[j : j + D] in sixteen lanes, not yet summed across them
-    acc = wmul(wload(a, i), wload(b, j))
+    # a[i : i + D] . b[j : j + D] in sixteen lanes, not yet summed across them (b: keys,
+    # float32 or float16 widened)
+    acc = wmul(wload(a, i), wload_kv(b, j))
     for c in range(LANES, d, LANES):
-        acc = wfma(wload(a, i + c), wload(b, j + c), acc)
+        acc = wfma(wload(a, i + c), wload_kv(b, j + c), acc)
     return acc
 
 
@@ -72,8 +74,8 @@ def _row_scores(qbuf, group, kc, base, t, d, scale, scores, stride):  # type: ig
     sc = wsplat(scale)
     for j in range(0, full, LANES):
         at = base + j * d
-        for c in range(0, LANES * d, LANES):  # the next block's keys, a line at a time
-            prefetch_f32(kc, at + LANES * d + c)
+        for c in range(0, LANES * d, line_of(kc)):  # the next block's keys, a line at a time
+            prefetch_kv(kc, at + LANES * d + c)
         for g in range(group):
             q0 = g * d
             sums = wsums(
@@ -118,8 +120,8 @@ def key_scores(qbuf, group, kc, pos0, rows, window, d, scale, scores, stride):  
     sc = wsplat(scale)
     for j in range(lo0, full, LANES):
         at = j * d
-        for c in range(at + LANES * d, at + 2 * LANES * d, LANES):  # the next block's keys
-            prefetch_f32(kc, c)
+        for c in range(at + LANES * d, at + 2 * LANES * d, line_of(kc)):  # the next block's
+            prefetch_kv(kc, c)
         for r in range(max(0, j - pos0), rows):  # the rows that see key j or a later one
             lo = first_key(pos0 + r, window)
             if lo >= j + LANES:
@@ -193,8 +195,8 @@ def _accumulate2(p, s0, s1, vc, a, b, d, out, o0, o1):  # type: ignore[no-untype
         for j in range(a, b):
             u, w = wsplat(p[s0 + j]), wsplat(p[s1 + j])
             at = j * d + c
-            v0, v1 = wload(vc, at), wload(vc, at + LANES)
-            v2, v3 = wload(vc, at + 2 * LANES), wload(vc, at + 3 * LANES)
+            v0, v1 = wload_kv(vc, at), wload_kv(vc, at + LANES)
+            v2, v3 = wload_kv(vc, at + 2 * LANES), wload_kv(vc, at + 3 * LANES)
             x0, x1, x2, x3 = wfma(u, v0, x0), wfma(u, v1, x1), wfma(u, v2, x2), wfma(u, v3, x3)
             y0, y1, y2, y3 = wfma(w, v0, y0), wfma(w, v1, y1), wfma(w, v2, y2), wfma(w, v3, y3)
         wstore(out, o0 + c, x0)
@@ -209,7 +211,7 @@ def _accumulate2(p, s0, s1, vc, a, b, d, out, o0, o1):  # type: ignore[no-untype
     while c < d:
         x0, y0 = wload(out, o0 + c), wload(out, o1 + c)
         for j in range(a, b):
-            v0 = wload(vc, j * d + c)
+            v0 = wload_kv(vc, j * d + c)
             x0 = wfma(wsplat(p[s0 + j]), v0, x0)
             y0 = wfma(wsplat(p[s1 + j]), v0, y0)
         wstore(out, o0 + c, x0)
@@ -227,10 +229,10 @@ def _accumulate(p, s0, vc, a, b, d, out, o0):  # type: ignore[no-untyped-def]
         for j in range(a, b):
             u = wsplat(p[s0 + j])
             at = j * d + c
-            x0 = wfma(u, wload(vc, at), x0)
-            x1 = wfma(u, wload(vc, at + LANES), x1)
-            x2 = wfma(u, wload(vc, at + 2 * LANES), x2)
-            x3 = wfma(u, wload(vc, at + 3 * LANES), x3)
+            x0 = wfma(u, wload_kv(vc, at), x0)
+            x1 = wfma(u, wload_kv(vc, at + LANES), x1)
+            x2 = wfma(u, wload_kv(vc, at + 2 * LANES), x2)
+            x3 = wfma(u, wload_kv(vc, at + 3 * LANES), x3)
         wstore(out, o0 + c, x0)
         wstore(out, o0 + c + LANES, x1)
         wstore(out, o0 + c + 2 * LANES, x2)
@@ -239,7 +241,7 @@ def _accumulate(p, s0, vc, a, b, d, out, o0):  # type: ignore[no-untyped-def]
     while c < d:
         x0 = wload(out, o0 + c)
         for j in range(a, b):
-            x0 = wfma(wsplat(p[s0 + j]), wload(vc, j * d + c), x0)
+            x0 = wfma(wsplat(p[s0 + j]), wload_kv(vc, j * d + c), x0)
         wstore(out, o0 + c, x0)
         c += LANES
 
@@ -254,11 +256,11 @@ def _one_query(p, s0, vc, a, b, d, out, o):  # type: ignore[no-untyped-def]
         for j in range(a, b):
             u = wsplat(p[s0 + j])
             at = j * d + c
-            prefetch_f32(vc, at + AHEAD)
-            x0 = wfma(u, wload(vc, at), x0)
-            x1 = wfma(u, wload(vc, at + LANES), x1)
-            x2 = wfma(u, wload(vc, at + 2 * LANES), x2)
-            x3 = wfma(u, wload(vc, at + 3 * LANES), x3)
+            prefetch_kv(vc, at + AHEAD)
+            x0 = wfma(u, wload_kv(vc, at), x0)
+            x1 = wfma(u, wload_kv(vc, at + LANES), x1)
+            x2 = wfma(u, wload_kv(vc, at + 2 * LANES), x2)
+            x3 = wfma(u, wload_kv(vc, at + 3 * LANES), x3)
         wstore(out, o + c, x0)
         wstore(out, o + c + LANES, x1)
         wstore(out, o + c + 2 * LANES, x2)
@@ -267,7 +269,7 @@ def _one_query(p, s0, vc, a, b, d, out, o):  # type: ignore[no-untyped-def]
     while c < d:
         x0 = wzero()
         for j in range(a, b):
-            x0 = wfma(wsplat(p[s0 + j]), wload(vc, j * d + c), x0)
+            x0 = wfma(wsplat(p[s0 + j]), wload_kv(vc, j * d + c), x0)
         wstore(out, o + c, x0)
         c += LANES
 
@@ -291,8 +293,8 @@ def weighted_values(p, group, vc, pos0, rows, window, d, stride, out, o, q_size)
     block = max(LANES, VALUES // d)
     for jb in range(lo0, end, block):
         je = min(end, jb + block)
-        for c in range(je * d, (2 * je - jb) * d, LANES):  # the next block, a line at a time
-            prefetch_f32(vc, c)
+        for c in range(je * d, (2 * je - jb) * d, line_of(vc)):  # the next block, by lines
+            prefetch_kv(vc, c)
         for r in range(max(0, jb - pos0), rows):
             pos = pos0 + r
             lo = first_key(pos, window)
