@@ -3,7 +3,8 @@
 Run: ``.venv/bin/python benchmarks/concurrency.py`` (about 4 minutes on 2 busy cores;
 ``--streams 1 2 4 8 16 --max-tokens 64 --topologies one three``)
 
-SmolLM2-135M (on the CPU with ``--weights``/``--dtype`` native, float32 or q8, temperature 0,
+SmolLM2-135M (on the CPU with ``--weights``/``--dtype`` native, float32 or q8, KV caches of
+``--kv-dtype`` (auto: f16 with q8, else f32; ``--api`` takes auto), temperature 0,
 speculation off) serves ``S`` concurrent
 streams of ``--max-tokens`` tokens each, for every ``S`` in ``--streams``, through the
 real generation loop and scheduler (8 sequences generate at once; the rest wait for a
@@ -74,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meshnode.engine.backend import Backend, cpu_backend, limit_cpu_threads
 from meshnode.engine.config import ModelConfig
+from meshnode.engine.kv_cache import KV_DTYPES
 from meshnode.engine.loader import LoadedModel, load_model, resolve_source
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
@@ -100,6 +102,7 @@ MAX_SEQUENCES = 16
 GREEDY = SamplingParams(temperature=0.0)
 #: What the streams sample with (``--temperature``; seeds are per stream).
 SAMPLING = GREEDY
+KV_DTYPE = "auto"  # --kv-dtype
 # Prompts of different lengths, so that prefills and decodes of different sequences mix.
 PROMPT_TEXTS = [
     "The history of the printing press begins",
@@ -286,8 +289,9 @@ async def three_stages(
     message encoded and decoded by the wire codec on its way, each stage computing in its
     own worker thread as a node does."""
     config = ModelConfig.from_hf(source.config)
+    kw = {"backend": backend, "kv_dtype": KV_DTYPE}
     stages = [
-        Stage(config, source, a, b, embed=a == 0, head=b == config.num_layers, backend=backend)
+        Stage(config, source, a, b, embed=a == 0, head=b == config.num_layers, **kw)  # type: ignore[arg-type]
         for a, b in SPLIT
     ]
     runners = [
@@ -530,6 +534,7 @@ def main() -> None:
         choices=["native", "float32", "q8"],
         help="CPU weights (meshnode's --dtype; q8: 8-bit activations, inexact)",
     )
+    parser.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="KV caches")
     topologies = ["one", "three"]
     parser.add_argument("--topologies", nargs="+", default=topologies, choices=topologies)
     parser.add_argument("--api", action="store_true", help="through the HTTP API instead")
@@ -542,8 +547,9 @@ def main() -> None:
         "the decode frames queued ahead (the generation loop before it queued them)",
     )
     args = parser.parse_args()
-    global SAMPLING
+    global SAMPLING, KV_DTYPE
     SAMPLING = SamplingParams(temperature=args.temperature)
+    KV_DTYPE = args.kv_dtype
     print("uptime:", uptime(), "sampling:", SAMPLING, flush=True)
     limit = limit_cpu_threads(args.threads)  # the limit lasts while the handle is referenced
     source = resolve_source(str(smollm2_gguf_path()))
@@ -553,7 +559,8 @@ def main() -> None:
         trio.run(api_bench, args, backend)
         print("uptime:", uptime(), "threads handle:", type(limit).__name__)
         return
-    model = load_model(str(smollm2_gguf_path()), backend)
+    model = load_model(str(smollm2_gguf_path()), backend, args.kv_dtype)
+    print("KV:", model.stage.kv_dtype, flush=True)
     trio.run(run_all, args, model, source, backend)
     print("uptime:", uptime(), "threads handle:", type(limit).__name__)
 
