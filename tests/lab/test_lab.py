@@ -212,6 +212,89 @@ def test_a_partition_shrinks_the_plan_and_the_heal_grows_it_back(
     mesh.assert_serves(case)
 
 
+def test_streams_outlive_a_partition_and_the_plan_grows_back_after_them(
+    mesh: LabMesh, golden: dict[str, Any]
+) -> None:
+    """As a user would see it: two clients stream back to back, staggered, so that one is
+    always in flight. w1's link goes down 20 tokens into the first stream and comes back
+    PARTITION_S later. The stream cut goes on (replayed on the nodes left); when w1 is
+    back the plan grows to three stages again, between requests: a stream is in flight
+    when w1 returns, the host lets it finish first, and new ones get a 503 meanwhile (as
+    during any re-placing). Every stream completes with the undisturbed tokens."""
+    case = next(c for c in golden["prompts"] if c["id"] == "raw_story")
+    calm = stream_token_ids(mesh, case["prompt_ids"], max_tokens=LONG_STREAM_TOKENS)
+    assert "error" not in calm, calm
+    w1, w1_id = mesh.hosts["w1"], mesh.nodes["w1"].node_id()
+    assert w1_id in mesh.wait_stages(3, READY_TIMEOUT_S)
+    lost = f"stage node {w1_id} was lost"
+    lost_before = mesh.host.log().count(lost)
+    cut_at: list[float] = []
+    healer = threading.Timer(PARTITION_S, mesh.lab.heal, args=(w1,))
+
+    def cut(tokens: int) -> None:
+        if tokens >= STREAM_KILL_AFTER and not cut_at:
+            mesh.lab.partition(w1)
+            healer.start()
+            cut_at.append(time.monotonic())
+
+    streams: list[tuple[float, float, dict[str, Any]]] = []  # (began, ended, stream)
+    stop = threading.Event()
+    second_may_start = threading.Event()
+
+    def client(first_hook: Any) -> None:
+        hook = first_hook
+        while not stop.is_set():
+            began = time.monotonic()
+            try:
+                stream = stream_token_ids(mesh, case["prompt_ids"], hook, LONG_STREAM_TOKENS)
+            except Exception as exc:  # a stream that failed: reported as a mismatch
+                stream = {"exception": repr(exc)}
+            if stream.get("status") == 503:  # not admitted while the mesh is re-placed
+                time.sleep(0.2)
+                continue
+            streams.append((began, time.monotonic(), stream))
+            hook = None
+
+    def stagger(tokens: int) -> None:
+        cut(tokens)
+        if tokens >= LONG_STREAM_TOKENS // 2:
+            second_may_start.set()
+
+    def second() -> None:
+        second_may_start.wait(REQUEST_TIMEOUT_S)
+        client(None)
+
+    clients = [threading.Thread(target=client, args=(stagger,)), threading.Thread(target=second)]
+    back_at = None
+    try:
+        for thread in clients:
+            thread.start()
+        wait_for(lambda: bool(cut_at), REQUEST_TIMEOUT_S, "the partition")
+        wait_for(lambda: not healer.is_alive(), PARTITION_S + 5, "the heal")
+        wait_for(lambda: mesh.host.peer_states()[w1_id] == "alive", REPLAN_TIMEOUT_S, "w1")
+        back_at = time.monotonic()
+        mesh.wait_stages(3, READY_TIMEOUT_S)
+        grown_at = time.monotonic()
+    finally:
+        healer.cancel()
+        mesh.lab.heal(w1)  # idempotent: the link may be up already
+        stop.set()
+        second_may_start.set()
+        for thread in clients:
+            thread.join(REQUEST_TIMEOUT_S)
+    assert mesh.host.log().count(lost) > lost_before  # the partition cost a replan
+    for _, _, stream in streams:
+        if stream != calm:
+            mesh.fail(f"a stream {stream} != undisturbed {calm}")
+    in_flight = [s for s in streams if s[0] < back_at < s[1]]
+    assert in_flight, "no stream was in flight when w1 came back"
+    assert w1_id in mesh.wait_stages(3, READY_TIMEOUT_S)
+    print(f"\n{len(streams)} streams of {LONG_STREAM_TOKENS} tokens, all unchanged; w1 "
+          f"back {back_at - cut_at[0] - PARTITION_S:.1f} s after the heal, three stages "
+          f"{grown_at - back_at:.1f} s later (the stream in flight ended "
+          f"{in_flight[0][1] - back_at:.1f} s after w1 was back)")  # fmt: skip
+
+
 def test_a_killed_node_rejoins_with_the_same_identity(
     mesh: LabMesh, golden: dict[str, Any]
 ) -> None:
@@ -258,18 +341,24 @@ def test_a_stream_outlives_a_node_killed_under_it(mesh: LabMesh, golden: dict[st
 
 STREAM_KILL_AFTER = 20
 STREAM_MAX_TOKENS = 120
+PARTITION_S = 15.0  # as the issue tried it by hand
+LONG_STREAM_TOKENS = 400  # seconds of streaming (the prompt has 13 tokens)
 
 
-def stream_token_ids(mesh: LabMesh, prompt: list[int], on_tokens: Any = None) -> dict[str, Any]:
+def stream_token_ids(
+    mesh: LabMesh, prompt: list[int], on_tokens: Any = None, max_tokens: int = STREAM_MAX_TOKENS
+) -> dict[str, Any]:
     """A greedy streamed completion from the host's namespace: its token ids, finish reason
     and any error event (``on_tokens(count)`` after each chunk)."""
     body = {"model": MODEL, "prompt": prompt, "temperature": 0, "stream": True,
-            "max_tokens": STREAM_MAX_TOKENS, "return_token_ids": True}  # fmt: skip
+            "max_tokens": max_tokens, "return_token_ids": True}  # fmt: skip
     url = f"{mesh.host.api}/v1/completions"
 
     def read() -> dict[str, Any]:
         out: dict[str, Any] = {"token_ids": [], "finish_reason": None}
         with httpx.stream("POST", url, json=body, timeout=REQUEST_TIMEOUT_S) as reply:
+            if reply.status_code != 200:
+                return {"status": reply.status_code}
             for line in reply.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
