@@ -202,7 +202,7 @@ def _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_row)
     # and values read once for those rows; ``how`` is (q_norm, eps, cos, sin, scale,
     # window, last, kv)
     q_norm, eps, cos, sin, scale, window, last, kv = how
-    qbuf, tmp, scores = bufs  # [B G D], [D], [B G stride]
+    qbuf, tmp, scores = bufs  # [B G D], [LANES D], [B G stride]
     d = cos.shape[1]
     kv_heads = (w // d - heads) // 2
     group = heads // kv_heads
@@ -228,7 +228,7 @@ def _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_row)
                 q0 = (r0 + i0 + r) * w + (g * group + k) * d
                 _norm_rope(flat, q0, q_norm, eps, cos, sin, pos, tmp, qbuf, (r * group + k) * d)
         pos0 = start + i0
-        key_scores(qbuf, group, kh, pos0, rows, window, d, scale, scores, stride)
+        key_scores(qbuf, group, kh, pos0, rows, window, d, scale, scores, stride, tmp)
         for r in range(rows):
             t = pos0 + r + 1 - first_key(pos0 + r, window)
             for k in range(r * group, (r + 1) * group):
@@ -260,7 +260,7 @@ def queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last
     most, stride = _sizes(table, last)
     bufs = (
         np.empty(most * group * d, np.float32),
-        np.empty(d, np.float32),
+        np.empty(LANES * d, np.float32),
         np.empty(most * group * stride, np.float32),
     )
     o_rows = _out_rows(table, last)
@@ -336,7 +336,8 @@ def task_args(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, la
             parts += ((table[s, KEPT] if last else table[s, NEW]) + size - 1) // size
     most, stride = _sizes(table, last)
     queries = most * (heads // kv_heads)
-    words = max(HEADER + segs + 3 * parts, ((queries + 1) * d + queries * stride + 3) // 4)
+    floats = (queries + LANES) * d + queries * stride
+    words = max(HEADER + segs + 3 * parts, (floats + 3) // 4)
     a = np.zeros(words, np.int64)
     f = a.view(np.float32)
     a[QKV], a[N], a[W], a[TABLE], a[SEGS] = (
@@ -384,8 +385,8 @@ def _run_chunk(st_addr, who, ch, kv):  # type: ignore[no-untyped-def]
     queries = head[MOST] * (heads // kv_heads)
     bufs = (
         carray(ptr_f32(scratch), (queries * d,)),
-        carray(ptr_f32(scratch + 4 * queries * d), (d,)),
-        carray(ptr_f32(scratch + 4 * (queries + 1) * d), (queries * head[STRIDE],)),
+        carray(ptr_f32(scratch + 4 * queries * d), (LANES * d,)),
+        carray(ptr_f32(scratch + 4 * (queries + LANES) * d), (queries * head[STRIDE],)),
     )
     rows = st[pool.ROWS]
     first = (ch * rows + pool.CHUNK_ROWS - 1) // pool.CHUNK_ROWS

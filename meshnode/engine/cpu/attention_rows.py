@@ -28,8 +28,11 @@ keys.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from meshnode.engine.cpu.simd import wadd, wfma, wload, wmul, wsplat, wstore, wsum, wsums, wzero
 from meshnode.engine.cpu.simd_kv import line_of, prefetch_kv, wload_kv
@@ -60,44 +63,75 @@ def _dot(a, i, b, j, d):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True, inline="always")
+def _scores16(q, q0, kc, at, d):  # type: ignore[no-untyped-def]
+    # wsums of _dot(q, q0, kc, at + i D, d) for the sixteen keys i = 0..15: the same
+    # products and sums in the same order (so the same bits), the sixteen keys' chains
+    # interleaved (sixteen accumulators in registers, each step of the head dimension's
+    # query vector loaded once), where sixteen _dot one after the other each wait on
+    # their own FMAs
+    x = wload(q, q0)
+    a0, a1 = wmul(x, wload_kv(kc, at)), wmul(x, wload_kv(kc, at + d))
+    a2, a3 = wmul(x, wload_kv(kc, at + 2 * d)), wmul(x, wload_kv(kc, at + 3 * d))
+    a4, a5 = wmul(x, wload_kv(kc, at + 4 * d)), wmul(x, wload_kv(kc, at + 5 * d))
+    a6, a7 = wmul(x, wload_kv(kc, at + 6 * d)), wmul(x, wload_kv(kc, at + 7 * d))
+    a8, a9 = wmul(x, wload_kv(kc, at + 8 * d)), wmul(x, wload_kv(kc, at + 9 * d))
+    a10, a11 = wmul(x, wload_kv(kc, at + 10 * d)), wmul(x, wload_kv(kc, at + 11 * d))
+    a12, a13 = wmul(x, wload_kv(kc, at + 12 * d)), wmul(x, wload_kv(kc, at + 13 * d))
+    a14, a15 = wmul(x, wload_kv(kc, at + 14 * d)), wmul(x, wload_kv(kc, at + 15 * d))
+    for c in range(LANES, d, LANES):
+        x, k = wload(q, q0 + c), at + c
+        a0, a1 = wfma(x, wload_kv(kc, k), a0), wfma(x, wload_kv(kc, k + d), a1)
+        a2, a3 = wfma(x, wload_kv(kc, k + 2 * d), a2), wfma(x, wload_kv(kc, k + 3 * d), a3)
+        a4, a5 = wfma(x, wload_kv(kc, k + 4 * d), a4), wfma(x, wload_kv(kc, k + 5 * d), a5)
+        a6, a7 = wfma(x, wload_kv(kc, k + 6 * d), a6), wfma(x, wload_kv(kc, k + 7 * d), a7)
+        a8, a9 = wfma(x, wload_kv(kc, k + 8 * d), a8), wfma(x, wload_kv(kc, k + 9 * d), a9)
+        a10, a11 = wfma(x, wload_kv(kc, k + 10 * d), a10), wfma(x, wload_kv(kc, k + 11 * d), a11)
+        a12, a13 = wfma(x, wload_kv(kc, k + 12 * d), a12), wfma(x, wload_kv(kc, k + 13 * d), a13)
+        a14, a15 = wfma(x, wload_kv(kc, k + 14 * d), a14), wfma(x, wload_kv(kc, k + 15 * d), a15)
+    return wsums((a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15))
+
+
+@njit(nogil=True, cache=True, inline="always")
 def first_key(pos, window):  # type: ignore[no-untyped-def]
     """The first position a query at ``pos`` sees (``window``: the sliding window, 0 if
     none)."""
     return 0 if window == 0 else max(0, pos - window + 1)
 
 
+def staged(kc: Any, at: int, n: int, buf: Any) -> Any:
+    """``(keys, k0)`` such that ``keys[k0 : k0 + n]`` holds ``kc[at : at + n]`` as float32:
+    a float32 cache itself, a float16 one's values widened into ``buf`` (once for all the
+    queries that read them, rather than once per query). Compiled code only."""
+    raise TypeError("staged is for compiled code")
+
+
+@overload(staged, jit_options={"nogil": True})
+def _staged(kc, at, n, buf):  # type: ignore[no-untyped-def]
+    if kc.dtype == types.float32:
+        return lambda kc, at, n, buf: (kc, at)
+
+    def widen(kc, at, n, buf):  # type: ignore[no-untyped-def]
+        for c in range(0, n, LANES):
+            wstore(buf, c, wload_kv(kc, at + c))
+        return buf, 0
+
+    return widen
+
+
 @njit(nogil=True, cache=True)
-def _row_scores(qbuf, group, kc, base, t, d, scale, scores, stride):  # type: ignore[no-untyped-def]
+def _row_scores(qbuf, group, kc, base, t, d, scale, scores, stride, buf):  # type: ignore[no-untyped-def]
     # key_scores for one row: its t keys from ``base`` (its first key's), the blocks of
-    # sixteen counted from there (each score the same bits whatever block it is in)
+    # sixteen counted from there (each score the same bits whatever block it is in); a
+    # float16 block widened into buf (LANES D floats) once for the group's queries
     full = t - t % LANES
     sc = wsplat(scale)
     for j in range(0, full, LANES):
-        at = base + j * d
         for c in range(0, LANES * d, line_of(kc)):  # the next block's keys, a line at a time
-            prefetch_kv(kc, at + LANES * d + c)
+            prefetch_kv(kc, base + (j + LANES) * d + c)
+        keys, at = staged(kc, base + j * d, LANES * d, buf)
         for g in range(group):
             q0 = g * d
-            sums = wsums(
-                (
-                    _dot(qbuf, q0, kc, at, d),
-                    _dot(qbuf, q0, kc, at + d, d),
-                    _dot(qbuf, q0, kc, at + 2 * d, d),
-                    _dot(qbuf, q0, kc, at + 3 * d, d),
-                    _dot(qbuf, q0, kc, at + 4 * d, d),
-                    _dot(qbuf, q0, kc, at + 5 * d, d),
-                    _dot(qbuf, q0, kc, at + 6 * d, d),
-                    _dot(qbuf, q0, kc, at + 7 * d, d),
-                    _dot(qbuf, q0, kc, at + 8 * d, d),
-                    _dot(qbuf, q0, kc, at + 9 * d, d),
-                    _dot(qbuf, q0, kc, at + 10 * d, d),
-                    _dot(qbuf, q0, kc, at + 11 * d, d),
-                    _dot(qbuf, q0, kc, at + 12 * d, d),
-                    _dot(qbuf, q0, kc, at + 13 * d, d),
-                    _dot(qbuf, q0, kc, at + 14 * d, d),
-                    _dot(qbuf, q0, kc, at + 15 * d, d),
-                )
-            )
+            sums = _scores16(qbuf, q0, keys, at, d)
             wstore(scores, g * stride + PAD + j, wmul(sums, sc))
     for j in range(full, t):
         for g in range(group):
@@ -105,16 +139,17 @@ def _row_scores(qbuf, group, kc, base, t, d, scale, scores, stride):  # type: ig
 
 
 @njit(nogil=True, cache=True)
-def key_scores(qbuf, group, kc, pos0, rows, window, d, scale, scores, stride):  # type: ignore[no-untyped-def]
+def key_scores(qbuf, group, kc, pos0, rows, window, d, scale, scores, stride, buf):  # type: ignore[no-untyped-def]
     """``scores[q stride + PAD + j - lo] = (query q . key j) * scale`` for the ``rows``
     query rows at positions ``pos0``, ``pos0 + 1``... (their group's queries: ``q = row G
     + g``, at ``qbuf[q D]``) and each row's keys ``lo .. pos`` of ``kc`` (one KV head's
     keys, ``[T, D]`` flat): sixteen keys at a time summed across lanes together (wsums),
     each sum as wsum makes it, each block of keys read once for every row that sees one
-    of them (a block's lanes outside a row's keys land in its row's margins)."""
+    of them (a block's lanes outside a row's keys land in its row's margins). ``buf``:
+    LANES D floats of scratch (a float16 block of keys widened once for its queries)."""
     lo0, end = first_key(pos0, window), pos0 + rows
     if rows == 1:
-        _row_scores(qbuf, group, kc, lo0 * d, end - lo0, d, scale, scores, stride)
+        _row_scores(qbuf, group, kc, lo0 * d, end - lo0, d, scale, scores, stride, buf)
         return
     full = end - (end - lo0) % LANES
     sc = wsplat(scale)
@@ -128,26 +163,7 @@ def key_scores(qbuf, group, kc, pos0, rows, window, d, scale, scores, stride):  
                 break
             for g in range(r * group, (r + 1) * group):
                 q0 = g * d
-                sums = wsums(
-                    (
-                        _dot(qbuf, q0, kc, at, d),
-                        _dot(qbuf, q0, kc, at + d, d),
-                        _dot(qbuf, q0, kc, at + 2 * d, d),
-                        _dot(qbuf, q0, kc, at + 3 * d, d),
-                        _dot(qbuf, q0, kc, at + 4 * d, d),
-                        _dot(qbuf, q0, kc, at + 5 * d, d),
-                        _dot(qbuf, q0, kc, at + 6 * d, d),
-                        _dot(qbuf, q0, kc, at + 7 * d, d),
-                        _dot(qbuf, q0, kc, at + 8 * d, d),
-                        _dot(qbuf, q0, kc, at + 9 * d, d),
-                        _dot(qbuf, q0, kc, at + 10 * d, d),
-                        _dot(qbuf, q0, kc, at + 11 * d, d),
-                        _dot(qbuf, q0, kc, at + 12 * d, d),
-                        _dot(qbuf, q0, kc, at + 13 * d, d),
-                        _dot(qbuf, q0, kc, at + 14 * d, d),
-                        _dot(qbuf, q0, kc, at + 15 * d, d),
-                    )
-                )
+                sums = _scores16(qbuf, q0, kc, at, d)
                 wstore(scores, g * stride + PAD + j - lo, wmul(sums, sc))
     for j in range(full, end):
         for r in range(max(0, j - pos0), rows):
@@ -275,6 +291,42 @@ def _one_query(p, s0, vc, a, b, d, out, o):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
+def _two_queries(p, s0, s1, vc, a, b, d, out, o0, o1):  # type: ignore[no-untyped-def]
+    # _one_query for two queries at once: each value read (and widened) once for both,
+    # eight accumulators in registers; each query's sums those of _one_query
+    c = 0
+    while c + 4 * LANES <= d:
+        x0, x1, x2, x3 = wzero(), wzero(), wzero(), wzero()
+        y0, y1, y2, y3 = wzero(), wzero(), wzero(), wzero()
+        for j in range(a, b):
+            u, w = wsplat(p[s0 + j]), wsplat(p[s1 + j])
+            at = j * d + c
+            prefetch_kv(vc, at + AHEAD)
+            v0, v1 = wload_kv(vc, at), wload_kv(vc, at + LANES)
+            v2, v3 = wload_kv(vc, at + 2 * LANES), wload_kv(vc, at + 3 * LANES)
+            x0, x1, x2, x3 = wfma(u, v0, x0), wfma(u, v1, x1), wfma(u, v2, x2), wfma(u, v3, x3)
+            y0, y1, y2, y3 = wfma(w, v0, y0), wfma(w, v1, y1), wfma(w, v2, y2), wfma(w, v3, y3)
+        wstore(out, o0 + c, x0)
+        wstore(out, o0 + c + LANES, x1)
+        wstore(out, o0 + c + 2 * LANES, x2)
+        wstore(out, o0 + c + 3 * LANES, x3)
+        wstore(out, o1 + c, y0)
+        wstore(out, o1 + c + LANES, y1)
+        wstore(out, o1 + c + 2 * LANES, y2)
+        wstore(out, o1 + c + 3 * LANES, y3)
+        c += 4 * LANES
+    while c < d:
+        x0, y0 = wzero(), wzero()
+        for j in range(a, b):
+            v0 = wload_kv(vc, j * d + c)
+            x0 = wfma(wsplat(p[s0 + j]), v0, x0)
+            y0 = wfma(wsplat(p[s1 + j]), v0, y0)
+        wstore(out, o0 + c, x0)
+        wstore(out, o1 + c, y0)
+        c += LANES
+
+
+@njit(nogil=True, cache=True)
 def weighted_values(p, group, vc, pos0, rows, window, d, stride, out, o, q_size):  # type: ignore[no-untyped-def]
     """``out[o + r q_size + g D ...]`` = the sum over row ``r``'s keys ``lo .. pos`` of
     ``p[q stride + PAD + j - lo]`` times value ``j`` of ``vc`` (one KV head's values,
@@ -283,8 +335,12 @@ def weighted_values(p, group, vc, pos0, rows, window, d, stride, out, o, q_size)
     once for every row that sees one of its keys, each row's accumulators resumed from
     ``out`` between blocks."""
     lo0, end = first_key(pos0, window), pos0 + rows
-    if rows == 1:  # one row: each query in one pass
-        for g in range(group):
+    if rows == 1:  # one row: each query (or pair of queries) in one pass
+        for g in range(0, group - 1, 2):
+            s0, s1 = g * stride + PAD - lo0, (g + 1) * stride + PAD - lo0
+            _two_queries(p, s0, s1, vc, lo0, end, d, out, o + g * d, o + (g + 1) * d)
+        if group % 2:
+            g = group - 1
             _one_query(p, g * stride + PAD - lo0, vc, lo0, end, d, out, o + g * d)
         return
     for r in range(rows):
