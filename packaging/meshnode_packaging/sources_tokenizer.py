@@ -200,25 +200,36 @@ def _spm_document(reader: GGUFFile, tokens: list[str], types: list[int]) -> dict
     }
 
 
-def spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list[list[str]]:
-    """BPE merges that replay llama.cpp's SentencePiece merging, best first.
+def spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list[str]:
+    """BPE merges that replay llama.cpp's SentencePiece merging, best first, each as
+    ``"left right"``.
 
     llama.cpp merges the adjacent pair whose concatenation is in the vocabulary with the
     highest score (any token but the byte tokens): every split of a token into two
     vocabulary entries is a merge, ranked by that token's score (ties: lower id first).
+    A token holding a space gets none: the normalizer has made every space of the text
+    a ``▁`` before the model merges (user-defined tokens with spaces, Gemma's runs of
+    them, are matched whole before), so no merge with a space could apply, and the rest
+    take ``tokenizer.json``'s compact form of a merge, one string (Gemma 3's 514k merges:
+    ~0.3 s less to read than as pairs).
     """
-    vocab = {tok: i for i, tok in enumerate(tokens)}
+    vocab = set(tokens)
     order = sorted(
         (i for i, ty in enumerate(types) if ty != _BYTE and len(tokens[i]) > 1),
         key=lambda i: (-scores[i], i),
     )
-    merges = []  # [left, right] pairs: SentencePiece tokens may hold spaces
+    merges: list[str] = []
+    add = merges.append
     for i in order:
         tok = tokens[i]
+        if " " in tok:
+            continue
         for cut in range(1, len(tok)):
-            left, right = tok[:cut], tok[cut:]
-            if left in vocab and right in vocab:
-                merges.append([left, right])
+            left = tok[:cut]
+            if left in vocab:
+                right = tok[cut:]
+                if right in vocab:
+                    add(left + " " + right)
     return merges
 
 

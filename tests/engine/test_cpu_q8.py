@@ -400,9 +400,14 @@ for m in (BlockMatrix([q41]), BlockMatrix([q41, q80, q41])):
 def test_q8_compiles_one_kernel_per_format(tmp_path: Path) -> None:
     """In a fresh process on an empty numba cache: the q8 row kernel once per weight
     format (a literal: the other formats' branches fold away), although the serial
-    products pass it read-only weights and the kernel threads' chunks an address."""
+    products pass it read-only weights and the kernel threads' chunks an address; no
+    other format's chunk decoder is compiled."""
     got = compiled_in_fresh_process(tmp_path, _Q8_PRODUCTS)
     assert got["posted"] > 0  # the kernel threads' chunks were compiled and ran
     rows = got["compiled"]["meshnode.engine.cpu.q8_kernels._rows"]
     formats = sorted(args.split(",")[0] for args in rows)
     assert formats == ["(Literal[int](4)", "(Literal[int](7)"]  # Q4_1, Q8_0
+    # and of the weight chunk decoders, those two formats' only
+    prefix = "meshnode.engine.cpu.q8_blocks._q"
+    decoders = sorted(name for name in got["compiled"] if name.startswith(prefix))
+    assert decoders == [prefix + "4_1", prefix + "8_0"]

@@ -25,6 +25,9 @@ PIECES = [SPACE, "e", "h", "l", "o", "w", "r", "d", "a", "b", "é", "\n"]
 PIECES += [SPACE + "h", "he", "ll", "llo", SPACE + "he", "lo", SPACE + "hello", "or"]
 PIECES += [SPACE + "w", SPACE + "wor", "ld", SPACE + "world", "ab", "ba", "aba", SPACE + "a"]
 PIECES += ["hel", "ell", "el", "wo", "ro", "dd", SPACE + SPACE]
+# pieces with a plain space: the text's spaces are all "▁" before the model merges, so no
+# merge may name them (nor could tokenizer.json's "left right" form of a merge)
+PIECES += ["d ", "d d"]
 TOOL = "<|tool|>"  # user-defined: always matched whole, like Gemma's whitespace runs
 TOKENS = [t for t, _ in SPECIALS] + BYTES + PIECES + [TOOL]
 TYPES = [ty for _, ty in SPECIALS] + [6] * 256 + [1] * len(PIECES) + [4]

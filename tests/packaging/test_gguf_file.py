@@ -51,6 +51,11 @@ def _string(s: bytes) -> bytes:
     return struct.pack("<Q", len(s)) + s
 
 
+def _strings(elements: bytes) -> bytes:
+    """A header whose one key holds an array of two strings, ``elements`` their bytes."""
+    return _header() + _string(b"k") + struct.pack("<IIQ", 9, 8, 2) + elements
+
+
 @pytest.mark.parametrize(
     ("name", "content", "reason"),
     [
@@ -67,6 +72,11 @@ def _string(s: bytes) -> bytes:
             "an array of",
         ),
         ("not utf-8", _header() + _string(b"k") + struct.pack("<I", 8) + _string(b"\xff"), "UTF-8"),
+        # arrays of strings (read in one loop): the damaged element is named as alone
+        ("array: not utf-8", _strings(_string(b"ok") + _string(b"\xff")), "byte 68 is not UTF-8"),
+        ("array: short string", _strings(_string(b"ok") + struct.pack("<Q", 9) + b"abc"), "end"),
+        ("array: long string", _strings(_string(b"ok") + struct.pack("<Q", 1 << 60)), "string of"),
+        ("array: cut length", _strings(_string(b"ok") + b"\x01\x00"), "file at byte 59"),
         (
             "tensor past the end",
             _header(n_tensors=1, n_kv=0)

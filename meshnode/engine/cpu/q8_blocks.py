@@ -21,9 +21,13 @@ from the sums of each half that :func:`.q8_kernels.quantize` keeps.
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit
+from typing import Any
 
+import numpy as np
+from numba.extending import overload
+
+from meshnode.engine.cpu.blocks import literal_format
+from meshnode.engine.cpu.simd import INNER, inner
 from meshnode.engine.cpu.simd_int import band, bits32, bload, bor, bshl, bshr, bxor, half, nibbles
 
 __all__ = ["OFFSET_SHIFTS", "block_bytes", "chunk", "minimum_kind", "offset_area", "per16"]
@@ -33,47 +37,50 @@ __all__ = ["OFFSET_SHIFTS", "block_bytes", "chunk", "minimum_kind", "offset_area
 OFFSET_SHIFTS = (2, 3, 4, 5, 7)
 
 
-@njit(cache=True)
-def offset_area(fmt):  # type: ignore[no-untyped-def]
-    """The offset area (index into :data:`OFFSET_SHIFTS`) of format ``fmt``, or -1."""
-    if fmt == 9:
-        return 0
-    if fmt == 3:
-        return 1
-    if fmt == 5:
-        return 2
-    if fmt == 12:
-        return 3
-    if fmt == 7:
-        return 4
-    return -1
+def _constant(name: str, table: dict[int, int | bool], doc: str) -> Any:
+    """A function of a format that compiled code calls with a compile-time constant
+    format (:func:`.blocks.literal_format`): the call is the constant ``table[fmt]``
+    (an int or a bool), so the branches on it fold away while compiling."""
+
+    def stub(fmt: int) -> Any:
+        raise TypeError(f"{name} is for compiled code")
+
+    stub.__name__ = stub.__qualname__ = name
+    stub.__doc__ = doc
+
+    @overload(stub, prefer_literal=True, jit_options=INNER)
+    def _typed(fmt):  # type: ignore[no-untyped-def]
+        value = table[literal_format(fmt)]
+        if isinstance(value, bool):
+            return lambda fmt: value
+        return lambda fmt: np.int64(value)
+
+    return stub
 
 
-@njit(cache=True)
-def minimum_kind(fmt):  # type: ignore[no-untyped-def]
-    """0: no minimum; 1: one per 32-value chunk; 2: one per 16 values (Q2_K)."""
-    if fmt == 4 or fmt == 6 or fmt == 10 or fmt == 11:
-        return 1
-    if fmt == 8:
-        return 2
-    return 0
+offset_area = _constant(
+    "offset_area",
+    {3: 1, 4: -1, 5: 2, 6: -1, 7: 4, 8: -1, 9: 0, 10: -1, 11: -1, 12: 3},
+    "The offset area (index into :data:`OFFSET_SHIFTS`) of format ``fmt``, or -1.",
+)
+minimum_kind = _constant(
+    "minimum_kind",
+    {3: 0, 4: 1, 5: 0, 6: 1, 7: 0, 8: 2, 9: 0, 10: 1, 11: 1, 12: 0},
+    "0: no minimum; 1: one per 32-value chunk; 2: one per 16 values (Q2_K).",
+)
+block_bytes = _constant(
+    "block_bytes",
+    {3: 18, 4: 20, 5: 22, 6: 24, 7: 34, 8: 84, 9: 110, 10: 144, 11: 176, 12: 210},
+    "Bytes of a block of format ``fmt`` (Q4_0 .. Q8_0: 32 values; K-quants: 256).",
+)
+per16 = _constant(
+    "per16",
+    {f: f in (8, 9, 12) for f in range(3, 13)},
+    "Whether format ``fmt`` has an integer scale per 16 values (Q2_K, Q3_K, Q6_K).",
+)
 
 
-@njit(cache=True)
-def block_bytes(fmt):  # type: ignore[no-untyped-def]
-    """Bytes of a block of format ``fmt`` (Q4_0 .. Q8_0: 32 values; K-quants: 256)."""
-    if fmt <= 7:
-        return (18, 20, 22, 24, 34)[fmt - 3]
-    return (84, 110, 144, 176, 210)[fmt - 8]
-
-
-@njit(cache=True)
-def per16(fmt):  # type: ignore[no-untyped-def]
-    """Whether format ``fmt`` has an integer scale per 16 values (Q2_K, Q3_K, Q6_K)."""
-    return fmt == 8 or fmt == 9 or fmt == 12
-
-
-@njit(cache=True)
+@inner
 def _q3_k_scale(w, o, i):  # type: ignore[no-untyped-def]
     # as .blocks: six-bit scales, low four bits in scales[0:8], high two in scales[8:12]
     lo = (w[o + i % 8] >> (4 * (i // 8))) & 15
@@ -81,7 +88,7 @@ def _q3_k_scale(w, o, i):  # type: ignore[no-untyped-def]
     return np.int32(np.int32(lo | (hi << 4)) - 32)
 
 
-@njit(cache=True)
+@inner
 def _k_scale_min(w, o, s):  # type: ignore[no-untyped-def]
     # as .blocks: Q4_K/Q5_K's eight 6-bit scales and mins packed in 12 bytes
     if s < 4:
@@ -91,72 +98,96 @@ def _k_scale_min(w, o, s):  # type: ignore[no-untyped-def]
     return sc, mn
 
 
-@njit(cache=True)
-def _simple(fmt, w, o):  # type: ignore[no-untyped-def]
-    # Q4_0 .. Q8_0: one block per chunk, at byte o
-    z, one = np.float32(0.0), np.int32(1)
-    if fmt == 3:
-        return nibbles(w, o + 2), half(w, o), z, z, one, one
-    if fmt == 4:
-        return nibbles(w, o + 4), half(w, o), half(w, o + 2), z, one, one
-    if fmt == 5:
-        return bor(nibbles(w, o + 6), bshl(bits32(w, o + 2), 4)), half(w, o), z, z, one, one
-    if fmt == 6:
-        u = bor(nibbles(w, o + 8), bshl(bits32(w, o + 4), 4))
-        return u, half(w, o), half(w, o + 2), z, one, one
-    # Q8_0: int8 weights as unsigned bytes w + 128
+# -- one decoder per format (the chunk at byte base of w, chunk c), each compiled only
+# into the kernels of its format (:func:`chunk`); Q4_0 .. Q8_0: one block per chunk
+
+
+def _q4_0(fmt, w, base, c):  # type: ignore[no-untyped-def]
+    o, z, one = base + 18 * c, np.float32(0.0), np.int32(1)
+    return nibbles(w, o + 2), half(w, o), z, z, one, one
+
+
+def _q4_1(fmt, w, base, c):  # type: ignore[no-untyped-def]
+    o, z, one = base + 20 * c, np.float32(0.0), np.int32(1)
+    return nibbles(w, o + 4), half(w, o), half(w, o + 2), z, one, one
+
+
+def _q5_0(fmt, w, base, c):  # type: ignore[no-untyped-def]
+    o, z, one = base + 22 * c, np.float32(0.0), np.int32(1)
+    return bor(nibbles(w, o + 6), bshl(bits32(w, o + 2), 4)), half(w, o), z, z, one, one
+
+
+def _q5_1(fmt, w, base, c):  # type: ignore[no-untyped-def]
+    o, z, one = base + 24 * c, np.float32(0.0), np.int32(1)
+    u = bor(nibbles(w, o + 8), bshl(bits32(w, o + 4), 4))
+    return u, half(w, o), half(w, o + 2), z, one, one
+
+
+def _q8_0(fmt, w, base, c):  # type: ignore[no-untyped-def]
+    # int8 weights as unsigned bytes w + 128
+    o, z, one = base + 34 * c, np.float32(0.0), np.int32(1)
     return bxor(bload(w, o + 2), 128), half(w, o), z, z, one, one
 
 
-@njit(cache=True)
-def _k_quant(fmt, w, o, s):  # type: ignore[no-untyped-def]
-    # sub-block s of the super-block at byte o
-    z = np.float32(0.0)
-    if fmt == 8:  # Q2_K
-        u = band(bshr(bload(w, o + 16 + 32 * (s // 4)), 2 * (s % 4)), 3)
-        sa, sb = w[o + 2 * s], w[o + 2 * s + 1]
-        dmin = -half(w, o + 82)
-        ma, mb = dmin * np.float32(sa >> 4), dmin * np.float32(sb >> 4)
-        return u, half(w, o + 80), ma, mb, np.int32(sa & 15), np.int32(sb & 15)
-    if fmt == 9:  # Q3_K
-        low = band(bshr(bload(w, o + 32 + 32 * (s // 4)), 2 * (s % 4)), 3)
-        u = bor(low, bshl(band(bshr(bload(w, o), s), 1), 2))
-        sa, sb = _q3_k_scale(w, o + 96, 2 * s), _q3_k_scale(w, o + 96, 2 * s + 1)
-        return u, half(w, o + 108), z, z, sa, sb
-    if fmt == 12:  # Q6_K
-        h, m = s // 4, s % 4
-        low = band(bshr(bload(w, o + 64 * h + 32 * (m % 2)), 4 * (m // 2)), 15)
-        u = bor(low, bshl(band(bshr(bload(w, o + 128 + 32 * h), 2 * m), 3), 4))
-        sa, sb = np.int32(np.int8(w[o + 192 + 2 * s])), np.int32(np.int8(w[o + 193 + 2 * s]))
-        return u, half(w, o + 208), z, z, sa, sb
+# K-quants: sub-block s = c % 8 of the super-block at byte o
+
+
+def _q2_k(fmt, w, base, c):  # type: ignore[no-untyped-def]
+    o, s = base + 84 * (c // 8), c % 8
+    u = band(bshr(bload(w, o + 16 + 32 * (s // 4)), 2 * (s % 4)), 3)
+    sa, sb = w[o + 2 * s], w[o + 2 * s + 1]
+    dmin = -half(w, o + 82)
+    ma, mb = dmin * np.float32(sa >> 4), dmin * np.float32(sb >> 4)
+    return u, half(w, o + 80), ma, mb, np.int32(sa & 15), np.int32(sb & 15)
+
+
+def _q3_k(fmt, w, base, c):  # type: ignore[no-untyped-def]
+    o, s, z = base + 110 * (c // 8), c % 8, np.float32(0.0)
+    low = band(bshr(bload(w, o + 32 + 32 * (s // 4)), 2 * (s % 4)), 3)
+    u = bor(low, bshl(band(bshr(bload(w, o), s), 1), 2))
+    sa, sb = _q3_k_scale(w, o + 96, 2 * s), _q3_k_scale(w, o + 96, 2 * s + 1)
+    return u, half(w, o + 108), z, z, sa, sb
+
+
+def _q4_k(fmt, w, base, c):  # type: ignore[no-untyped-def]
+    o, s, z = base + 144 * (c // 8), c % 8, np.float32(0.0)
     sc, mn = _k_scale_min(w, o + 4, s)
     dw, m, one = half(w, o) * np.float32(sc), -half(w, o + 2) * np.float32(mn), np.int32(1)
-    if fmt == 10:  # Q4_K
-        return band(bshr(bload(w, o + 16 + 32 * (s // 2)), 4 * (s % 2)), 15), dw, m, z, one, one
-    low = band(bshr(bload(w, o + 48 + 32 * (s // 2)), 4 * (s % 2)), 15)  # Q5_K
+    return band(bshr(bload(w, o + 16 + 32 * (s // 2)), 4 * (s % 2)), 15), dw, m, z, one, one
+
+
+def _q5_k(fmt, w, base, c):  # type: ignore[no-untyped-def]
+    o, s, z = base + 176 * (c // 8), c % 8, np.float32(0.0)
+    sc, mn = _k_scale_min(w, o + 4, s)
+    dw, m, one = half(w, o) * np.float32(sc), -half(w, o + 2) * np.float32(mn), np.int32(1)
+    low = band(bshr(bload(w, o + 48 + 32 * (s // 2)), 4 * (s % 2)), 15)
     return bor(low, bshl(band(bshr(bload(w, o + 16), s), 1), 4)), dw, m, z, one, one
 
 
-@njit(cache=True)
-def chunk(fmt, w, base, c):  # type: ignore[no-untyped-def]
+def _q6_k(fmt, w, base, c):  # type: ignore[no-untyped-def]
+    o, s, z = base + 210 * (c // 8), c % 8, np.float32(0.0)
+    h, m = s // 4, s % 4
+    low = band(bshr(bload(w, o + 64 * h + 32 * (m % 2)), 4 * (m // 2)), 15)
+    u = bor(low, bshl(band(bshr(bload(w, o + 128 + 32 * h), 2 * m), 3), 4))
+    sa, sb = np.int32(np.int8(w[o + 192 + 2 * s])), np.int32(np.int8(w[o + 193 + 2 * s]))
+    return u, half(w, o + 208), z, z, sa, sb
+
+
+_DECODERS = {
+    3: _q4_0, 4: _q4_1, 5: _q5_0, 6: _q5_1, 7: _q8_0,
+    8: _q2_k, 9: _q3_k, 10: _q4_k, 11: _q5_k, 12: _q6_k,
+}  # fmt: skip
+
+
+def chunk(fmt: int, w: Any, base: int, c: int) -> Any:
     """Chunk ``c`` of the row at byte ``base`` of ``w`` (flat uint8), format ``fmt`` (a
-    kernel id of :data:`.q8.Q8_FORMATS`): ``(u, dw, m, m2, sa, sb)``."""
-    if fmt == 3:
-        return _simple(fmt, w, base + 18 * c)
-    if fmt == 4:
-        return _simple(fmt, w, base + 20 * c)
-    if fmt == 5:
-        return _simple(fmt, w, base + 22 * c)
-    if fmt == 6:
-        return _simple(fmt, w, base + 24 * c)
-    if fmt == 7:
-        return _simple(fmt, w, base + 34 * c)
-    if fmt == 8:
-        return _k_quant(fmt, w, base + 84 * (c // 8), c % 8)
-    if fmt == 9:
-        return _k_quant(fmt, w, base + 110 * (c // 8), c % 8)
-    if fmt == 10:
-        return _k_quant(fmt, w, base + 144 * (c // 8), c % 8)
-    if fmt == 11:
-        return _k_quant(fmt, w, base + 176 * (c // 8), c % 8)
-    return _k_quant(fmt, w, base + 210 * (c // 8), c % 8)
+    kernel id of :data:`.q8.Q8_FORMATS`): ``(u, dw, m, m2, sa, sb)``.
+
+    Compiled code only, ``fmt`` a compile-time constant (:func:`.blocks.literal_format`):
+    the call is the format's own decoder, so a kernel compiles its format's only."""
+    raise TypeError("chunk is for compiled code")
+
+
+@overload(chunk, prefer_literal=True, jit_options=INNER)
+def _chunk(fmt, w, base, c):  # type: ignore[no-untyped-def]
+    return _DECODERS[literal_format(fmt)]

@@ -52,7 +52,19 @@ from meshnode.engine.cpu.q8_blocks import (
     offset_area,
     per16,
 )
-from meshnode.engine.cpu.simd import tofloat, vadd, vfma, vsplat, vzero, wadd, wfma, wmul, wzero
+from meshnode.engine.cpu.simd import (
+    entry,
+    inner,
+    tofloat,
+    vadd,
+    vfma,
+    vsplat,
+    vzero,
+    wadd,
+    wfma,
+    wmul,
+    wzero,
+)
 from meshnode.engine.cpu.simd_int import bsplat, dot4, fload, imul, ivsub, lanes2, prefetch
 from meshnode.engine.cpu.simd_q8 import (
     absmax32,
@@ -97,13 +109,13 @@ _C, _NC, _RBC, _X, _K, _N_IN = pool.C, pool.NC, pool.RBC, pool.X, pool.K, pool.N
 _OUT, _N_OUT, _CA, _CB, _ROWS = pool.OUT, pool.N_OUT, pool.CA, pool.CB, pool.ROWS
 
 
-@njit(cache=True)
+@entry()
 def buffer_bytes(k, n_in):  # type: ignore[no-untyped-def]
     """Bytes of :func:`quantize`'s buffer for ``k`` rows of ``n_in`` activations."""
     return HEADER + k * n_in + 448 * ((k + 7) // 8) * (n_in // 32)
 
 
-@njit(cache=True)
+@entry()
 def _areas(n, blocks):  # type: ignore[no-untyped-def]
     # byte offsets of the transposed areas (see quantize): quants, d, sums, halves' sums
     xt = HEADER + n
@@ -113,7 +125,7 @@ def _areas(n, blocks):  # type: ignore[no-untyped-def]
     return xt, ot, dxt, sxt
 
 
-@njit(cache=True)
+@entry()
 def quantize(x, k, buf):  # type: ignore[no-untyped-def]
     """Quantize ``x`` (float32, flat: ``k`` rows of ``n_in``, whole 32-value blocks) into
     ``buf`` (``uint8``, :func:`buffer_bytes` long).
@@ -168,7 +180,7 @@ def quantize(x, k, buf):  # type: ignore[no-untyped-def]
         ts[at], ts[8 * blocks + at] = -low, -high
 
 
-@njit(cache=True)
+@entry()
 def quantized(x, k):  # type: ignore[no-untyped-def]
     """:func:`quantize`'s buffer for ``x`` (flat float32, ``k`` rows), new."""
     q = np.empty(buffer_bytes(k, x.shape[0] // k), np.uint8)
@@ -182,7 +194,7 @@ def quantized(x, k):  # type: ignore[no-untyped-def]
 # the formats with minimums, t = t + m * (dx sum(q)); the result is acc + t.
 
 
-@njit(cache=True)
+@inner
 def _layout(q):  # type: ignore[no-untyped-def]
     # (n_in, k, n, nb, blocks) of quantize's buffer q
     head = q[:16].view(np.int64)
@@ -288,7 +300,7 @@ def _eight(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
     return acc
 
 
-@njit(cache=True)
+@entry()
 def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
     # weight rows lo .. hi - 1 of one part into columns col + lo .. of out; q: quantize's
     # buffer. One activation row: eight weight rows at a time in the lanes. More: each
@@ -327,7 +339,7 @@ def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
 
 
 def _serial_product(fa: int, fb: int, fc: int) -> Any:
-    @njit(cache=True)
+    @entry()
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
         q = quantized(x, out.shape[0])  # here: a numba call costs microseconds
         ends = (a.shape[0], a.shape[0] + b.shape[0])  # int64, not literal: one _rows each
