@@ -18,7 +18,10 @@ runs, minus the TLS and sockets.
 
 ``--baseline unqueued`` compares batching on with batching on as the generation loop ran
 it before it queued each sequence's next decode frame ahead (before handing the token to
-its client), instead of with batching off.
+its client), instead of with batching off. ``--baseline stepwise`` compares it with
+batching on without running ahead (every step handed back to the event loop, and the next
+one gathered there: ``BatchLimits(ahead=False)``, as before decode steps ran ahead in the
+compute thread).
 
 ``--rounds N`` runs every configuration N times, alternating (each round: every ``S``,
 batching on then the baseline), and prints medians: the load of a shared machine drifts
@@ -32,7 +35,7 @@ for batching on, also where the run's time goes: its prefill forwards (forwards 
 rows than streams: the prompts; their share of the wall), the median decode forward
 (``fwd``) and the median time from the end of one forward to the start of the next
 (``between``: sampling, the thread handoffs, the generation loops of all streams and the
-batcher), and the baseline's ``between``. ``S`` streams' aggregate over one stream's is
+batcher), and the same for the baseline. ``S`` streams' aggregate over one stream's is
 at most ``S x (P1 + n f1) / (PS + n fS)`` whatever happens between forwards (``P``:
 prefill, ``f``: decode forward, ``n``: tokens after the first). The last lines measure a
 new request's time to first token while 8 other streams decode, over its idle value (goal
@@ -369,8 +372,8 @@ def report(
     if cuts:
         wall = statistics.median(m.wall_s for m in on)
         line += f" | on: {_cuts(cuts['on', n], wall)}"
-        gap = statistics.median(c.between_s for c in cuts["off", n]) * 1e3
-        line += f" | off: between p50 {gap:4.2f} ms"
+        wall_off = statistics.median(m.wall_s for m in off)
+        line += f" | off: {_cuts(cuts['off', n], wall_off)}"
     print(line, flush=True)
 
 
@@ -385,6 +388,8 @@ async def bench(
     on = await make(BatchLimits(max_frames=MAX_SEQUENCES))
     if args.baseline == "unqueued":
         off: Pipeline = Unqueued(await make(BatchLimits(max_frames=MAX_SEQUENCES)))
+    elif args.baseline == "stepwise":
+        off = await make(BatchLimits(max_frames=MAX_SEQUENCES, ahead=False))
     else:
         off = await make(BatchLimits(enabled=False))
     # Warm-up: first-call costs out of the figures. As many streams as the largest run, so
@@ -542,9 +547,10 @@ def main() -> None:
     parser.add_argument(
         "--baseline",
         default="unbatched",
-        choices=["unbatched", "unqueued"],
-        help="what batching on is compared with: batching off, or batching on without "
-        "the decode frames queued ahead (the generation loop before it queued them)",
+        choices=["unbatched", "unqueued", "stepwise"],
+        help="what batching on is compared with: batching off, batching on without "
+        "the decode frames queued ahead (the generation loop before it queued them), or "
+        "batching on without running steps ahead in the compute thread",
     )
     args = parser.parse_args()
     global SAMPLING, KV_DTYPE

@@ -365,8 +365,10 @@ class _Driver:
     def queue_next(self) -> None:
         """Put the next plain decode frame in line now, where the pipeline can (a
         :class:`QueuingPipeline`) and the next step is one (no drafts to propose, no
-        history to replay): it is the frame :func:`_decode_step` would send."""
-        if self.run.state.finished or self.rebuild or self.queued or self.queue is None:
+        history to replay): the frame :func:`_decode_step` would send; not the budget's
+        last (a frame in line promises the next, which a local pipeline computes ahead)."""
+        last = len(self.run.state.tokens) + 1 >= self.run.params.max_new_tokens
+        if self.run.state.finished or last or self.rebuild or self.queued or not self.queue:
             return
         if self.window is None and self.speculation is not None:
             self._speculate(self.speculation)

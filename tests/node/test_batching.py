@@ -8,6 +8,8 @@ batched product's float32 rounding never decides a greedy tie); the runner is th
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Sequence
 from contextlib import aclosing
 
@@ -15,11 +17,13 @@ import pytest
 import trio
 
 from meshnode.engine.config import ModelConfig
+from meshnode.engine.cpu import matrix
+from meshnode.engine.cpu.pool import usable_cpus
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
-from meshnode.node.batcher import BatchLimits, plan_batch
+from meshnode.node.batcher import BatchLimits, next_decode, plan_batch
 from meshnode.node.local import LocalPipeline
-from meshnode.node.pipeline import FrameKind, RequestId, StepFrame, StepResult
+from meshnode.node.pipeline import FrameKind, PipelineError, RequestId, StepFrame, StepResult
 from meshnode.node.stage import StageError, StageRunner
 from meshnode.serve.generation import (
     GenerationParams,
@@ -262,15 +266,19 @@ async def test_batched_verify_windows_equal_plain_decoding(stage: Stage) -> None
     assert sum(r.spec.accepted for r in runs) > 0
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["stepwise", "ahead"])
 async def test_a_stream_that_ends_while_others_decode_is_released_at_once(
-    stage: Stage,
+    stage: Stage, ahead: bool
 ) -> None:
     """A short request ending while long ones go on decoding is released right after its
     last step (the stage's next turn is its release, before another step): its stream
-    ends and its slot frees then, not when the task that leads the steps finishes."""
+    ends and its slot frees then, not when the task that leads the steps finishes.
+    Running ahead, the steps that the compute thread began before the release was asked
+    for come first (a few of this tiny model's sub-millisecond steps, one of them maybe
+    carrying the short request's row that nobody claims)."""
     solo = await _solo(stage, PROMPTS[0], 40, GREEDY)
     runner = RecordingRunner(stage)
-    pipeline = LocalPipeline(runner)
+    pipeline = LocalPipeline(runner, BatchLimits(max_frames=8, ahead=ahead))
     short = _run("short", PROMPTS[1], 3, GREEDY)
     longs = [_run(f"long{i}", p, 40, GREEDY) for i, p in enumerate(PROMPTS[0:5:2])]
     async with trio.open_nursery() as nursery:
@@ -279,8 +287,12 @@ async def test_a_stream_that_ends_while_others_decode_is_released_at_once(
     carried = [
         i for i, step in enumerate(runner.steps) if any(f.request_id == "short" for f in step)
     ]
-    assert runner.released[short.request_id] == carried[-1] + 1
-    assert len(runner.steps) > carried[-1] + 10  # the long streams went on after it
+    released = runner.released[short.request_id]
+    if ahead:
+        assert carried[-1] + 1 <= released <= carried[-1] + 3
+    else:
+        assert released == carried[-1] + 1
+    assert len(runner.steps) > released + 10  # the long streams went on after it
     assert longs[0].state.tokens == solo
 
 
@@ -288,16 +300,18 @@ async def test_the_next_decode_frame_is_in_line_before_the_client_sees_a_token(
     stage: Stage,
 ) -> None:
     """Each delta reaches the client with the sequence's next decode frame already queued
-    at the batcher (the frame the loop would send next), so the next step does not wait
-    for this client; after the last token nothing is queued and the sequence is gone."""
+    at the batcher (the frame the loop would send next; running ahead, a step may be
+    computing it already), so the next step does not wait for this client; but the
+    budget's last frame, which the loop sends when the client is served (a frame in line
+    promises the one after it); after the last token the sequence is gone."""
     pipeline = LocalPipeline(RecordingRunner(stage))
     run = _run("r0", PROMPTS[0], 6, GREEDY)
     seen = 0
     async with aclosing(generate(pipeline, run)) as deltas:
         async for _ in deltas:
             seen += 1
-            queued = [slot.frame for slot in pipeline.batcher._pending]
-            if run.state.finished:
+            queued = [f for f in pipeline.batcher.in_line() if f.request_id == "r0"]
+            if len(run.state.tokens) >= 5:
                 assert queued == []
                 continue
             (frame,) = queued
@@ -379,3 +393,189 @@ def test_plan_batch(
 ) -> None:
     frames = [_frame(*p) for p in pending]
     assert plan_batch(frames, limits, live) == chosen
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [GREEDY, SamplingParams(temperature=0.9, top_k=20, seed=77)],
+    ids=["greedy", "seeded"],
+)
+async def test_decode_steps_run_ahead_and_streams_still_equal_their_solo_runs(
+    stage: Stage, sampling: SamplingParams
+) -> None:
+    """Running ahead, the compute thread predicts each sequence's next decode frame and
+    the loops claim them (their outputs computed before they asked); each stream's tokens
+    are still its solo run's, as with steps handed back one by one, and no prediction is
+    left behind once every sequence is released."""
+    lengths = [24, 17, 24, 9]
+    prompts = PROMPTS[: len(lengths)]
+    solo = [await _solo(stage, p, n, sampling) for p, n in zip(prompts, lengths, strict=True)]
+    for ahead in (True, False):
+        pipeline = LocalPipeline(RecordingRunner(stage), BatchLimits(max_frames=8, ahead=ahead))
+        pairs = enumerate(zip(prompts, lengths, strict=True))
+        runs = [_run(f"r{i}", p, n, sampling) for i, (p, n) in pairs]
+        assert await _together(pipeline, runs) == solo
+        batcher = pipeline.batcher
+        if ahead:
+            assert batcher.claims > sum(lengths) / 2  # most decode frames were predicted
+        else:
+            assert batcher.claims == 0
+        assert batcher._predicted == {}
+        assert batcher._claimed == {}
+        assert batcher.in_line() == []
+        assert pipeline.runner.live_sequences == 0
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["stepwise", "ahead"])
+async def test_a_slow_client_next_to_fast_ones_misses_nothing(stage: Stage, ahead: bool) -> None:
+    """A stream whose client takes its tokens slowly (its loop comes back long after each
+    step) next to streams that decode at once: the slow loop claims the predictions made
+    for it late, or sends its frames in line again; every stream equals its solo run and
+    the fast ones are not held to the slow one's pace."""
+    solo = [await _solo(stage, p, 20, GREEDY) for p in PROMPTS[:3]]
+    runner = RecordingRunner(stage)
+    pipeline = LocalPipeline(runner, BatchLimits(max_frames=8, ahead=ahead))
+    runs = [_run(f"r{i}", p, 20, GREEDY) for i, p in enumerate(PROMPTS[:3])]
+    outputs: list[list[int]] = [[] for _ in runs]
+
+    async def slow() -> None:
+        async for _ in generate(pipeline, runs[0]):
+            await trio.sleep(0.003)
+        outputs[0] = runs[0].state.tokens
+
+    async def fast(i: int) -> None:
+        outputs[i] = await _drive(pipeline, runs[i])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(slow)
+        for i in (1, 2):
+            nursery.start_soon(fast, i)
+    assert outputs == solo
+    # the fast streams finished in fewer steps than the slow one took
+    last_fast = max(i for i, s in enumerate(runner.steps) if any(f.request_id == "r1" for f in s))
+    assert last_fast < len(runner.steps) - 3
+    assert pipeline.batcher._predicted == {}
+    assert runner.live_sequences == 0
+
+
+class FailingRunner(RecordingRunner):
+    """Raises an unexpected error in its ``fail_at``-th step (a bug, not a frame's fault)."""
+
+    def __init__(self, stage: Stage, fail_at: int) -> None:
+        super().__init__(stage)
+        self.fail_at = fail_at
+
+    def results_batch(self, frames: Sequence[StepFrame]) -> list[StepResult]:
+        if len(self.steps) == self.fail_at:
+            self.steps.append(list(frames))
+            raise RuntimeError("boom")
+        return super().results_batch(frames)
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "stepwise"])
+async def test_a_step_that_fails_fails_its_streams_and_hangs_nothing(
+    stage: Stage, ahead: bool
+) -> None:
+    """A step that raises (here the sixth, running ahead or not) fails every stream it
+    carried with a PipelineError, nobody waits forever, and every sequence is released."""
+    runner = FailingRunner(stage, fail_at=5)
+    pipeline = LocalPipeline(runner, BatchLimits(max_frames=8, ahead=ahead))
+    runs = [_run(f"r{i}", p, 20, GREEDY) for i, p in enumerate(PROMPTS[:3])]
+    errors: list[BaseException] = []
+
+    async def one(run: GenerationRun) -> None:
+        try:
+            await _drive(pipeline, run)
+        except (PipelineError, RuntimeError) as exc:
+            errors.append(exc)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            for run in runs:
+                nursery.start_soon(one, run)
+    assert len(errors) == len(runs)
+    solo = await _solo(stage, PROMPTS[0], 20, GREEDY)
+    # the prefill and 4 decodes at most (the failed step's outputs are lost); running
+    # ahead, a loop that was late took fewer before the error reached it
+    assert 1 <= len(runs[0].state.tokens) <= 5
+    assert runs[0].state.tokens == solo[: len(runs[0].state.tokens)]
+    if ahead:  # no leader task to raise it in: every stream gets the pipeline's error
+        assert all(isinstance(e, PipelineError) and "boom" in str(e) for e in errors)
+    assert runner.live_sequences == 0
+    assert pipeline.batcher._predicted == {}
+
+
+class SteadyRunner(RecordingRunner):
+    """Each step takes at least 4 ms, as a real model's forward does (the tiny model's
+    take microseconds, less than the event loop needs to hand a token to a client)."""
+
+    def results_batch(self, frames: Sequence[StepFrame]) -> list[StepResult]:
+        began = time.perf_counter()
+        out = super().results_batch(frames)
+        time.sleep(max(0.0, 0.004 - (time.perf_counter() - began)))
+        return out
+
+
+async def test_no_row_is_computed_past_a_streams_budget(stage: Stage) -> None:
+    """Running ahead stops following a sequence at its budget's last frame (the loop
+    sends that one unqueued, promising nothing after it): with steps as long as a real
+    model's, every stream is carried in exactly as many steps as it has tokens, and ran
+    ahead for the rest."""
+    budgets = [5, 9, 12]
+    runner = SteadyRunner(stage)
+    pipeline = LocalPipeline(runner, BatchLimits(max_frames=8, ahead=True))
+    pairs = enumerate(zip(PROMPTS[: len(budgets)], budgets, strict=True))
+    runs = [_run(f"r{i}", p, n, GREEDY) for i, (p, n) in pairs]
+    await _together(pipeline, runs)
+    for run, budget in zip(runs, budgets, strict=True):
+        carried = [s for s in runner.steps if any(f.request_id == run.request_id for f in s)]
+        assert len(run.state.tokens) == budget
+        assert len(carried) == budget  # the prefill's step and one per decode, no more
+    # most decode frames were computed ahead (not the first after a prefill, nor the
+    # first after another stream's release, which the next step gathers as usual)
+    assert pipeline.batcher.claims > (sum(budgets) - len(budgets)) / 2
+
+
+def _decode(tokens: tuple[int, ...], kind: FrameKind = FrameKind.DECODE) -> StepFrame:
+    return StepFrame(RequestId("s"), kind, 10, tokens, GREEDY)
+
+
+def _result(tokens: tuple[int, ...]) -> StepResult:
+    return StepResult(request_id=RequestId("s"), accepted=0, tokens=tokens)
+
+
+def test_next_decode_is_the_frame_a_plain_decode_loop_sends_next() -> None:
+    """The prediction of a decode frame is the decode of the token it returned at the
+    next position; nothing follows a verify or prefill frame, a grammar's sequence, or
+    the model's EOS (where a reply most likely ends)."""
+    frame = _decode((7,))
+    assert next_decode(frame, _result((9,))) == StepFrame(RequestId("s"), D, 11, (9,), GREEDY)
+    assert next_decode(frame, _result((2,)), frozenset({2})) is None
+    assert next_decode(_decode((7, 8), V), _result((8, 9))) is None
+    prefill = StepFrame(RequestId("s"), P, 0, (1, 2, 3), GREEDY)
+    assert next_decode(prefill, _result((9,))) is None
+    grammar = dataclasses.replace(frame, grammar="g")
+    assert next_decode(grammar, _result((9,))) is None
+
+
+@pytest.mark.parametrize("spare", [False, True], ids=["kernels-on-every-core", "a-core-spare"])
+async def test_several_sequences_run_ahead_only_where_the_event_loop_has_a_core(
+    stage: Stage, spare: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default one sequence's decode steps always run ahead, and several sequences'
+    only where the kernel threads (``--threads``) leave a core to the event loop: on the
+    kernels' cores the work of many generation loops would slow the forwards more than
+    it saves between them."""
+    cores = len(usable_cpus())
+    if spare and cores < 2:
+        pytest.skip("one usable core: none can be spare")
+    monkeypatch.setattr(matrix, "_threads", cores - 1 if spare else cores)
+    alone = LocalPipeline(SteadyRunner(stage))
+    await _drive(alone, _run("solo", PROMPTS[0], 8, GREEDY))
+    assert alone.batcher.claims > 0
+    pipeline = LocalPipeline(SteadyRunner(stage))
+    runs = [_run(f"r{i}", p, 8, GREEDY) for i, p in enumerate(PROMPTS[:3])]
+    assert await _together(pipeline, runs) == [
+        await _solo(stage, p, 8, GREEDY) for p in PROMPTS[:3]
+    ]
+    assert (pipeline.batcher.claims > 0) == spare
