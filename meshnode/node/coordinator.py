@@ -14,11 +14,13 @@ model's stage-0 part to learn its config, then loops:
    others and go back to 1 without it. The requests in flight wait for the next pipeline
    and replay there (:mod:`meshnode.serve.generation`): they outlive the loss;
 5. **grow back**: when the nodes ``--split`` asks for (or that the planner would choose)
-   are live again after a loss (:func:`~meshnode.node.planner.should_regrow`), stop
-   admitting requests (the API answers 503 while the mesh is re-placed), let the requests
-   in flight finish on the old pipeline, and go back to 1. A drain that does not finish
-   within ``REGROW_DRAIN_TIMEOUT_S`` is abandoned: serving resumes on the old pipeline and
-   the next membership change tries again. No request in flight is failed by a regrow.
+   are live again after a loss (:func:`~meshnode.node.planner.should_regrow`), keep
+   serving until a moment when no request is in flight, then stop admitting requests (the
+   API answers 503 while the mesh is re-placed) and go back to 1. When requests keep
+   coming for ``REGROW_IDLE_WAIT_S``, stop admitting them and let those in flight finish on
+   the old pipeline first (a drain). A drain that does not finish within
+   ``REGROW_DRAIN_TIMEOUT_S`` is abandoned: serving resumes on the old pipeline and the
+   next membership change tries again. No request in flight is failed by a regrow.
 
 A failed step ``Stop``s every node claimed for the run and replans without the failed node
 (it is excluded until the membership changes again). Every message carries the run id and
@@ -94,13 +96,16 @@ from meshnode.node.planner import (
     plan,
     should_regrow,
 )
-from meshnode.node.remote import PassDeadline, RemotePipeline, is_data_reply
+from meshnode.node.remote import PassDeadline, RemotePipeline, idle_by, is_data_reply
 
 log = logging.getLogger("meshnode.coordinator")
 
 # Longest wait for the requests in flight before a regrow: a request is bounded by its
 # context, and a few minutes covers the default context decoded on a slow CPU mesh.
 REGROW_DRAIN_TIMEOUT_S = 300.0
+# How long the host keeps admitting requests after the planned nodes are back, waiting for
+# a moment with none in flight to re-place the model: only past it does it drain (503s).
+REGROW_IDLE_WAIT_S = 30.0
 # A failed bring-up is retried after RETRY_BACKOFF_FIRST_S, doubling with each failure in
 # a row up to RETRY_BACKOFF_MAX_S. A stage that keeps failing (a damaged file, a device
 # that refuses) replanned at once, 46 times in 12 s, flooding the log and the workers;
@@ -428,25 +433,25 @@ class Coordinator:
             self._retry_at = None
 
     async def _serve(self, placed: Plan, pipeline: RemotePipeline, run: BringUp) -> Loss | None:
-        """Serve on ``pipeline`` until a stage is lost (the loss) or the plan should grow
-        back and the requests in flight have finished (``None``)."""
-        regrow_now = True
+        """Serve on ``pipeline`` until a stage is lost (the loss) or the plan grows back (None)."""
+        regrow_now = announce = True
         while True:
-            self._state = MeshState.READY
-            self._on_pipeline(pipeline)
+            if announce:
+                self._state = MeshState.READY
+                self._on_pipeline(pipeline)
             loss = await self._watch(placed, pipeline, regrow_now=regrow_now)
             if loss is not None:
                 if loss.node is None:
                     loss = await self._blame(placed, pipeline, run)
                 return loss
-            self._state = MeshState.DRAINING
-            self._on_pipeline(None)  # new requests get 503 until the new plan is ready
-            log.info("the planned nodes are back: draining %s to re-place", self._run_id)
-            with trio.move_on_after(REGROW_DRAIN_TIMEOUT_S):
-                await pipeline.wait_idle()
-                return None
-            log.warning("requests in flight after %.0f s: regrow put off", REGROW_DRAIN_TIMEOUT_S)
-            regrow_now = False  # until the membership changes again
+            idle = await idle_by(pipeline, REGROW_IDLE_WAIT_S, lambda: self._wait_changed(pipeline))
+            announce = idle is not None  # None: a stage failed or the membership changed
+            if announce:  # else look again, still serving on this pipeline
+                self._state = MeshState.DRAINING
+                self._on_pipeline(None)  # new requests get 503 until the new plan is ready
+                if await _settled(pipeline, self._run_id, idle=bool(idle)):
+                    return None
+                regrow_now = False  # until the membership changes again
 
     async def _blame(self, placed: Plan, pipeline: RemotePipeline, run: BringUp) -> Loss:
         """The loss of a pipeline that failed without naming its node: probe the stages and
@@ -559,6 +564,26 @@ class Coordinator:
         return should_regrow(placed, wanted, split=self.settings.split, degraded=self._recovering)
 
     # -- bring-up -----------------------------------------------------------------------
+
+
+async def _settled(pipeline: RemotePipeline, run_id: str, *, idle: bool) -> bool:
+    """Whether the model may be re-placed now that the API answers 503: at once when
+    ``pipeline`` went ``idle`` (no checkpoint since: no request came); else once the
+    requests in flight finish, False when they have not within ``REGROW_DRAIN_TIMEOUT_S``
+    (the regrow is put off)."""
+    if idle:
+        log.info("the planned nodes are back: re-placing between requests")
+        return True
+    log.info(
+        "the planned nodes are back and requests kept coming for %.0f s: draining %s to re-place",
+        REGROW_IDLE_WAIT_S,
+        run_id,
+    )
+    with trio.move_on_after(REGROW_DRAIN_TIMEOUT_S):
+        await pipeline.wait_idle()
+        return True
+    log.warning("requests in flight after %.0f s: regrow put off", REGROW_DRAIN_TIMEOUT_S)
+    return False
 
 
 def _describe(placed: Plan) -> str:

@@ -107,6 +107,36 @@ class PassDeadline:
         return self.base_s + self.per_token_s * tokens_in_flight
 
 
+async def idle_by(
+    pipeline: RemotePipeline, seconds: float, interrupt: Callable[[], Awaitable[object]]
+) -> bool | None:
+    """True once no request holds a sequence of ``pipeline`` (checked last: no checkpoint
+    follows it), False after ``seconds``, None as soon as ``interrupt()`` returns."""
+    deadline = trio.current_time() + seconds
+    while pipeline.runner.live_sequences:
+        if trio.current_time() >= deadline:
+            return False
+        if await _first_of(deadline, idle=pipeline.wait_idle, interrupt=interrupt) == "interrupt":
+            return None
+    return True
+
+
+async def _first_of(deadline: float, **waits: Callable[[], Awaitable[object]]) -> str | None:
+    """The name of the first of ``waits`` to return before trio time ``deadline``, or None."""
+    first: list[str] = []
+    with trio.move_on_at(deadline):
+        async with trio.open_nursery() as nursery:
+
+            async def race(name: str, wait: Callable[[], Awaitable[object]]) -> None:
+                await wait()
+                first.append(name)
+                nursery.cancel_scope.cancel()
+
+            for name, wait in waits.items():
+                nursery.start_soon(race, name, wait)
+    return first[0] if first else None
+
+
 async def run_within(compute: Callable[[], None], seconds: float) -> threading.Event | None:
     """Run ``compute`` in a worker thread; None when it returned within ``seconds``, else
     the event its thread sets when it does return: Python cannot stop a thread, so it is

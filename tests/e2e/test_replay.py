@@ -10,6 +10,8 @@ in order, each on the mesh the one before left at three ready stages:
 - the middle stage's process is killed (SIGKILL): its connection drops;
 - it is stopped (SIGSTOP): the connection stays open and its heartbeats stop; after
   SIGCONT the plan grows back to three stages with the same node;
+- it is stopped and goes on while a long stream runs: the host serves other requests on
+  the smaller plan until no request is in flight, then grows back;
 - eight clients at once (streamed and not, completions and chat, greedy and seeded) while
   the middle stage is killed: none loses its output, none hangs;
 - its compute threads hang while its event loop and heartbeats go on (frozen by ptrace,
@@ -63,6 +65,7 @@ PASS_DEADLINE_S = 10.0
 SEEDED: dict[str, Any] = {"temperature": 0.8, "seed": 1234}
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 CROWD = 8
+LONG_TOKENS = 480  # seconds of decoding on one stage after the replay (the prompt has 13)
 SERVES_TIMEOUT_S = 0.5  # a loop that answers does in milliseconds
 CROWD_MAX_TOKENS = 48
 
@@ -91,7 +94,13 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, No
 class Stream:
     """One streamed completion: its token ids, when each chunk came, and how it ended."""
 
-    def __init__(self, client: openai.OpenAI, prompt: list[int], sampling: dict[str, Any]):
+    def __init__(
+        self,
+        client: openai.OpenAI,
+        prompt: list[int],
+        sampling: dict[str, Any],
+        max_tokens: int = MAX_TOKENS,
+    ):
         self.tokens: list[int] = []
         self.arrivals: list[float] = []
         self.finish: str | None = None
@@ -99,7 +108,7 @@ class Stream:
         self._chunks = client.completions.create(
             model=MODEL,
             prompt=prompt,
-            max_tokens=MAX_TOKENS,
+            max_tokens=max_tokens,
             stream=True,
             extra_body={"return_token_ids": True},
             **sampling,
@@ -262,6 +271,49 @@ def test_a_stopped_middle_stage_is_replaced_and_comes_back(
         f"\nstream paused at most {greedy.longest_pause_s():.2f} s across the SIGSTOP; "
         f"three stages again {time.monotonic() - began:.1f} s after SIGCONT"
     )
+
+
+def test_requests_are_served_while_a_stage_that_came_back_waits_to_rejoin(
+    mesh: tuple[Cluster, Node], prompt: list[int], golden: dict[str, Any]
+) -> None:
+    """The middle stage stops (SIGSTOP) 20 tokens into a long stream and goes on (SIGCONT)
+    once the host serves on the nodes left. The plan would grow back, but the stream is
+    still in flight: the host keeps serving on the smaller plan, so a request sent now is
+    answered (not told 503), and re-places the model once no request is in flight."""
+    cluster, host = mesh
+    middle = _middle(cluster, host)
+    middle_id = middle.node_id()
+    client = _client(host)
+    long = Stream(client, prompt, GREEDY, max_tokens=LONG_TOKENS)
+    on_tokens, stopped_at = _when(
+        KILL_AFTER_TOKENS, lambda: middle.process.send_signal(signal.SIGSTOP)
+    )
+    reader = threading.Thread(target=long.read, args=(on_tokens,))
+    reader.start()
+    try:
+        wait_for(lambda: bool(stopped_at), STREAM_TIMEOUT_S, "the stop")
+        wait_for(lambda: middle_id not in _ready_ids(host), READY_TIMEOUT_S, "the replan")
+    finally:
+        middle.process.send_signal(signal.SIGCONT)
+    wait_for(lambda: host.peer_states()[middle_id] == "alive", READY_TIMEOUT_S, "it back")
+    if not reader.is_alive():
+        pytest.skip("the long stream ended before the stopped node was back (fast machine)")
+    case = golden["prompts"][0]
+    reply = client.completions.create(
+        model=MODEL, prompt=case["prompt_ids"], temperature=0, max_tokens=len(case["gen_ids"])
+    )
+    assert reply.choices[0].text == case["gen_text_skip_special"]
+    reader.join(STREAM_TIMEOUT_S)
+    assert not reader.is_alive(), "the long stream hung"
+    assert long.error is None, f"{long.error!r}\n{cluster.logs()}"
+    assert middle_id in _three_stages(cluster, host)
+    assert "re-placing between requests" in host.log() or "draining" in host.log()
+
+
+def _ready_ids(host: Node) -> list[str]:
+    """The node ids of the host's plan while it serves (none while it does not)."""
+    block = host.status()["host"]
+    return [s["node_id"] for s in block["stages"]] if block["state"] == "ready" else []
 
 
 def test_eight_clients_outlive_a_stage_killed_under_them(

@@ -44,7 +44,7 @@ SUBNET = "10.213.0"  # private test subnet, only on veths inside the lab's names
 FIRST_HOST = 10  # hosts get .10, .11, ...
 CLONE_NEWNET = 0x40000000  # <sched.h>; os.setns arrives in Python 3.12
 IP_TIMEOUT_S = 10.0  # one `ip`/`tc` command; they take milliseconds
-HTTP_THREADS = 4  # concurrent requests into one namespace (a stream plus polls)
+HTTP_THREADS = 12  # concurrent requests into one namespace (eight streams plus polls)
 _runs = itertools.count()
 _TAG = re.compile(r"^mn(\d+)x\d+-")  # NetLab's namespace names: mn<pid % 100000>x<n>-<host>
 

@@ -8,12 +8,15 @@ namespace of :class:`~tests.lab.netlab.NetLab` with its own address and the same
 - ``w2`` runs without mDNS and is a static ``--peer`` of the host;
 - the host holds stage 0 and serves the API on its namespace's loopback.
 
-The tests run in order on one mesh (each leaves it at three ready stages): discovery, split
-serving against the golden output, a rate-limited link, a partition and its heal (the plan
-shrinks to one stage and grows back), a killed node that rejoins with the same identity
-(the same state dir), and a stream that outlives the node killed under it (replayed on the
-nodes left, the same tokens as undisturbed). Needs root and iproute2; skipped with the
-reason otherwise. Every wait has a deadline; a failure carries every node's log.
+The tests run in order on one mesh (each leaves it at three ready stages but the last):
+discovery, split serving against the golden output, a rate-limited link, a partition and
+its heal (the plan shrinks to one stage and grows back), streams across a 15 s partition
+and its heal (replayed; the plan grows back between requests), a killed node that rejoins
+with the same identity (the same state dir), a stream that outlives the node killed under
+it (replayed on the nodes left, the same tokens as undisturbed), eight concurrent streams
+(batched), and a stage whose compute hangs while its heartbeats flow (the pass deadline).
+Needs root and iproute2; skipped with the reason otherwise. Every wait has a deadline; a
+failure carries every node's log.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.e2e import freeze
 from tests.e2e.cluster import (
     SINGLE_THREAD_ENV,
     Cluster,
@@ -60,6 +64,9 @@ START_TIMEOUT_S = 180.0
 READY_TIMEOUT_S = 300.0
 REPLAN_TIMEOUT_S = 120.0  # death seen in 8 s (LAB_HEARTBEAT_ENV), then a one-stage bring-up
 REQUEST_TIMEOUT_S = 120.0
+# Far above any pass here (a restarted node's first one loads numba's cache), so that only
+# the frozen stage of test_a_hung_stage_misses_its_pass_deadline misses it.
+PASS_DEADLINE_S = 30.0
 # Rate limit for the slow link: f32 activations of one golden prompt take about a second.
 SLOW_RATE = "1mbit"
 SLOW_RATE_BYTES_S = 1_000_000 / 8
@@ -148,6 +155,7 @@ def mesh(lab: NetLab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabM
             "--peer", f"{hosts['w2'].address}:{MESH_PORT}",
             "--model", MODEL, "--split", "3",
             "--context", str(CONTEXT), "--wire-dtype", "f32",
+            "--pass-deadline", str(PASS_DEADLINE_S),
         )  # fmt: skip
         mesh.wait_stages(3, READY_TIMEOUT_S)
         yield mesh
@@ -218,9 +226,9 @@ def test_streams_outlive_a_partition_and_the_plan_grows_back_after_them(
     """As a user would see it: two clients stream back to back, staggered, so that one is
     always in flight. w1's link goes down 20 tokens into the first stream and comes back
     PARTITION_S later. The stream cut goes on (replayed on the nodes left); when w1 is
-    back the plan grows to three stages again, between requests: a stream is in flight
-    when w1 returns, the host lets it finish first, and new ones get a 503 meanwhile (as
-    during any re-placing). Every stream completes with the undisturbed tokens."""
+    back the plan grows to three stages again without failing the stream in flight then
+    (with requests always in flight, the host drains after REGROW_IDLE_WAIT_S: new ones
+    get a 503 while those in flight finish). Every stream gets the undisturbed tokens."""
     case = next(c for c in golden["prompts"] if c["id"] == "raw_story")
     calm = stream_token_ids(mesh, case["prompt_ids"], max_tokens=LONG_STREAM_TOKENS)
     assert "error" not in calm, calm
@@ -339,7 +347,72 @@ def test_a_stream_outlives_a_node_killed_under_it(mesh: LabMesh, golden: dict[st
     assert middle_id in mesh.wait_stages(3, READY_TIMEOUT_S)
 
 
+def test_eight_concurrent_streams_get_their_own_outputs(
+    mesh: LabMesh, golden: dict[str, Any]
+) -> None:
+    """Eight clients at once across the namespaces (batched at every stage): each stream
+    is the golden greedy output of its own prompt, as served alone."""
+    cases = [golden["prompts"][i % len(golden["prompts"])] for i in range(CONCURRENT_STREAMS)]
+    replies: dict[int, tuple[int, str]] = {}
+
+    def one(i: int) -> None:
+        replies[i] = mesh.complete(cases[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(CONCURRENT_STREAMS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(REQUEST_TIMEOUT_S)
+    assert not any(t.is_alive() for t in threads), "a client hung"
+    assert replies == {i: (200, c["gen_text_skip_special"]) for i, c in enumerate(cases)}
+
+
+def test_a_hung_stage_misses_its_pass_deadline(mesh: LabMesh, golden: dict[str, Any]) -> None:
+    """The middle stage's compute threads freeze (ptrace, tests/e2e/freeze.py) while its
+    event loop, heartbeats and session go on: only the pass deadline notices. The host
+    blames that node, leaves it out of its plans (cooling off) and replays the stream,
+    which completes with the undisturbed tokens. Runs last: the node cools off for
+    minutes."""
+    case = next(c for c in golden["prompts"] if c["id"] == "raw_story")
+    calm = stream_token_ids(mesh, case["prompt_ids"])
+    middle_id = mesh.wait_stages(3, READY_TIMEOUT_S)[1]
+    name = next(n for n in ("w1", "w2") if mesh.nodes[n].node_id() == middle_id)
+    victim = mesh.nodes[name]
+    reason = freeze.unavailable_reason(victim.process.pid)
+    if reason is not None:
+        pytest.skip(reason)
+    freezer = freeze.Freezer(victim.process.pid)
+    status_url = f"{victim.api}/v1/mesh/status"
+
+    def serves() -> bool:
+        try:
+            return victim.get(status_url, 0.5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def hang(tokens: int) -> None:
+        if tokens >= STREAM_KILL_AFTER and not freezer.frozen:
+            freezer.freeze(serves)
+
+    try:
+        began = time.monotonic()
+        hung = stream_token_ids(mesh, case["prompt_ids"], on_tokens=hang)
+        took = time.monotonic() - began
+        assert mesh.host.peer_states()[middle_id] == "alive"  # heartbeats flowed
+    finally:
+        freezer.close()
+    if hung != calm:
+        mesh.fail(f"stream {hung} != undisturbed {calm}")
+    assert took >= PASS_DEADLINE_S
+    logs = mesh.host.log()
+    assert f"blamed: {middle_id}" in logs, logs
+    block = mesh.host.status()["host"]
+    assert middle_id in block["cooling_off"]
+    assert middle_id not in {s["node_id"] for s in block["stages"]}
+
+
 STREAM_KILL_AFTER = 20
+CONCURRENT_STREAMS = 8
 STREAM_MAX_TOKENS = 120
 PARTITION_S = 15.0  # as the issue tried it by hand
 LONG_STREAM_TOKENS = 400  # seconds of streaming (the prompt has 13 tokens)

@@ -14,6 +14,7 @@ from meshnode_packaging.refs import open_ref
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.config import ModelConfig
 from meshnode.errors import ConfigError
+from meshnode.node import coordinator as coordinator_module
 from meshnode.node.coordinator import Coordinator, CoordinatorSettings
 from meshnode.node.footprint import model_footprint
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame
@@ -32,6 +33,8 @@ from tests.node.inmemory import (
     prefill,
     serve,
 )
+
+NextPipeline = Callable[[], Awaitable[RemotePipeline | None]]
 
 
 async def test_a_failed_prepare_replans_without_the_node(
@@ -77,34 +80,76 @@ async def test_a_failed_prepare_replans_without_the_node(
     assert tokens == greedy_reference(package)
 
 
+async def _lose_and_serve_alone(
+    mesh: InMemoryMesh, coordinator: Coordinator, next_pipeline: NextPipeline
+) -> RemotePipeline:
+    """Two stages (host and "w"); "w" is lost; the host's one-stage pipeline."""
+    first = await next_pipeline()
+    assert first is not None
+    assert first.stage_nodes == (HOST, "w")
+    del mesh.workers["w"]
+    coordinator.peer_lost("w")
+    mesh.changed()
+    assert await next_pipeline() is None
+    alone = await next_pipeline()
+    assert alone is not None
+    assert alone.stage_nodes == (HOST,)
+    return alone
+
+
 async def test_the_plan_grows_back_between_requests(
     tmp_path: Path, hub_ref: tuple[str, Path]
 ) -> None:
-    """``--split 2``: a lost worker shrinks the plan to one stage; when the worker is back,
-    a request in flight finishes on the old pipeline first (new ones would get 503 while
-    draining), then the plan grows back to two stages."""
+    """``--split 2``: a lost worker shrinks the plan to one stage. When the worker is back
+    while a request is in flight, the host keeps serving on the old pipeline (a request
+    that comes meanwhile is admitted, not told 503) and re-places the model at the first
+    moment no request is in flight: back to two stages, failing none."""
     reference = greedy_reference(hub_ref[1])
     mesh = InMemoryMesh(host_memory=1 << 34)  # the host alone fits the model
     async with trio.open_nursery() as nursery:
         add_worker(mesh, "w", tmp_path / "cache", nursery)
         coordinator, next_pipeline = _split_host(mesh, hub_ref, nursery)
-        first = await next_pipeline()
-        assert first is not None
-        assert first.stage_nodes == (HOST, "w")
-        # The worker is lost: the host serves alone.
-        del mesh.workers["w"]
-        coordinator.peer_lost("w")
-        mesh.changed()
-        assert await next_pipeline() is None
-        alone = await next_pipeline()
-        assert alone is not None
-        assert alone.stage_nodes == (HOST,)
-        request = RequestId("in-flight")
-        tokens = await prefill(alone, request)
-        # The worker is back while a request is in flight: the host drains, it does not fail it.
+        alone = await _lose_and_serve_alone(mesh, coordinator, next_pipeline)
+        first, second = RequestId("in-flight"), RequestId("came-later")
+        first_tokens = await prefill(alone, first)
         add_worker(mesh, "w", tmp_path / "cache", nursery)
         mesh.changed()
-        assert await next_pipeline() is None
+        with trio.move_on_after(0.5):
+            await next_pipeline()
+            raise AssertionError("stopped serving while a request was in flight")
+        assert coordinator.status()["state"] == "ready"
+        second_tokens = await prefill(alone, second)  # admitted on the old pipeline
+        assert await finish(alone, first, first_tokens) == reference
+        with trio.move_on_after(0.5):
+            await next_pipeline()
+            raise AssertionError("stopped serving while a request was in flight")
+        assert await finish(alone, second, second_tokens) == reference
+        assert await next_pipeline() is None  # the moment none is in flight
+        grown = await next_pipeline()
+        assert grown is not None
+        assert grown.stage_nodes == (HOST, "w")
+        assert coordinator.status()["state"] == "ready"
+        assert await decode(grown) == reference
+        nursery.cancel_scope.cancel()
+
+
+async def test_requests_that_keep_coming_are_drained_before_the_plan_grows_back(
+    tmp_path: Path, hub_ref: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When requests stay in flight for ``REGROW_IDLE_WAIT_S`` after the worker is back,
+    the host stops admitting (503 while draining), lets them finish, then grows back."""
+    monkeypatch.setattr(coordinator_module, "REGROW_IDLE_WAIT_S", 0.5)
+    reference = greedy_reference(hub_ref[1])
+    mesh = InMemoryMesh(host_memory=1 << 34)
+    async with trio.open_nursery() as nursery:
+        add_worker(mesh, "w", tmp_path / "cache", nursery)
+        coordinator, next_pipeline = _split_host(mesh, hub_ref, nursery)
+        alone = await _lose_and_serve_alone(mesh, coordinator, next_pipeline)
+        request = RequestId("in-flight")
+        tokens = await prefill(alone, request)
+        add_worker(mesh, "w", tmp_path / "cache", nursery)
+        mesh.changed()
+        assert await next_pipeline() is None  # after REGROW_IDLE_WAIT_S: draining
         assert coordinator.status()["state"] == "draining"
         with trio.move_on_after(0.5):
             await next_pipeline()
@@ -113,8 +158,6 @@ async def test_the_plan_grows_back_between_requests(
         grown = await next_pipeline()
         assert grown is not None
         assert grown.stage_nodes == (HOST, "w")
-        assert coordinator.status()["state"] == "ready"
-        assert await decode(grown) == reference
         nursery.cancel_scope.cancel()
 
 
@@ -190,7 +233,7 @@ def test_a_context_the_model_cannot_hold_is_a_config_error(hub_ref: tuple[str, P
 
 def _split_host(
     mesh: InMemoryMesh, hub_ref: tuple[str, Path], nursery: trio.Nursery
-) -> tuple[Coordinator, Callable[[], Awaitable[RemotePipeline | None]]]:
+) -> tuple[Coordinator, NextPipeline]:
     """A ``--split 2`` host coordinator running on ``mesh``, and a receiver of each
     pipeline it hands out (None: the old one was dropped), bounded in time."""
     ref, package = hub_ref
