@@ -17,7 +17,8 @@ step over the 1-sequence step. The machine is shared: ``uptime`` is printed firs
 model's shapes) at ``--rows`` x ``--contexts``, through the kernel and through the
 reference's matrix products (BLAS, ``blocked_attention``): which of them a segment should
 take (``engine.attention.KERNEL_MAX_ROWS``). ``--compare OLD.py`` adds another copy of
-``meshnode/engine/cpu/attention.py`` (as ``benchmarks/step.py`` does).
+``meshnode/engine/cpu/attention.py`` (as ``benchmarks/step.py`` does); ``--kv-dtype f32
+f16`` times the kernel over caches of each KV dtype (columns "kernel f32", "kernel f16").
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from meshnode.engine import attention as engine_attention
 from meshnode.engine import ops
 from meshnode.engine.attention import Attention, KernelAttention, Segment
 from meshnode.engine.backend import cpu_backend, limit_cpu_threads
-from meshnode.engine.kv_cache import KVCache
+from meshnode.engine.kv_cache import KVCache, kv_numpy_dtype
 from meshnode.engine.loader import load_model
 from meshnode.engine.model import BatchRow, Stage
 from tests.conftest import smollm2_gguf_path
@@ -110,39 +111,52 @@ def measure(stage: Stage, context: int, k: int, rounds: int) -> dict[str, float]
     return {name: min(t) for name, t in times.items()}
 
 
-def grid_cell(stage: Stage, rows: int, context: int, rounds: int, kernels: dict[str, Any]) -> str:
+def grid_cell(
+    stage: Stage, rows: int, context: int, rounds: int, kernels: dict[str, Any], kvs: list[str]
+) -> str:
     """ms of one segment's attention, every layer, ``rows`` rows after ``context``
-    positions: through each kernel module and through BLAS; the fastest of ``rounds``."""
+    positions: through each kernel module over caches of each of ``kvs`` and through BLAS
+    (over the first's); the fastest of ``rounds``."""
     c, layers = stage.config, stage.end - stage.start
     rng = np.random.default_rng(0)
-    cache = KVCache(np, layers, c.num_kv_heads, c.head_dim, context + rows)
-    cache.k[:] = rng.standard_normal(cache.k.shape, np.float32)
-    cache.v[:] = rng.standard_normal(cache.v.shape, np.float32)
+    caches = {}
+    for kv in kvs:
+        dtype = kv_numpy_dtype(kv)
+        cache = KVCache(np, layers, c.num_kv_heads, c.head_dim, context + rows, dtype=dtype)
+        cache.k[:] = rng.standard_normal(cache.k.shape, np.float32).astype(dtype)
+        cache.v[:] = rng.standard_normal(cache.v.shape, np.float32).astype(dtype)
+        caches[kv] = cache
     qkv = rng.standard_normal((rows, c.q_size + 2 * c.kv_size), np.float32)
     attention = KernelAttention(np, c, stage.start, stage.end)
-    segs = [Segment(context, rows, rows, cache)]
     norms = [(w.q_norm, w.k_norm) for w in stage.weights.layers]
     routing = engine_attention._for_kernel
 
-    def run(module: Any) -> None:
+    def run(module: Any, kv: str) -> None:
         engine_attention._kernels = lambda: module or kernels["kernel"]  # type: ignore[assignment]
         engine_attention._for_kernel = lambda rows, end: module is not None
-        cache.length = context
+        caches[kv].length = context
+        segs = [Segment(context, rows, rows, caches[kv])]
         plan = attention.prepare(segs)
         for layer in range(layers):
             attention(qkv, segs, plan, layer, norms[layer], layer == layers - 1)
 
-    variants = {**kernels, "blas": None}
+    variants = {
+        f"{name} {kv}" if len(kvs) > 1 else name: (module, kv)
+        for name, module in kernels.items()
+        for kv in kvs
+    }
+    variants["blas"] = (None, kvs[0])
     best = {name: float("inf") for name in variants}
     for _ in range(rounds + 1):  # the first round compiles and warms up
-        for name, module in variants.items():
+        for name, (module, kv) in variants.items():
             start = time.perf_counter()
-            run(module)
+            run(module, kv)
             best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
     engine_attention._kernels = lambda: kernels["kernel"]  # type: ignore[assignment]
     engine_attention._for_kernel = routing
     cells = " | ".join(f"{best[name]:.2f}" for name in variants)
-    return f"| {rows} | {context} | {cells} | {best['blas'] / best['kernel']:.2f} |"
+    kernel = best[next(iter(variants))]
+    return f"| {rows} | {context} | {cells} | {best['blas'] / kernel:.2f} |"
 
 
 def grid(args: Any) -> None:
@@ -154,16 +168,19 @@ def grid(args: Any) -> None:
         source = Path(args.compare).read_text().replace("cache=True", "cache=False")
         exec(compile(source, args.compare, "exec"), old.__dict__)
         kernels["old kernel"] = old
-    names = " | ".join([*kernels, "blas"])
+    kvs = list(dict.fromkeys(args.kv_dtype))
+    columns = [f"{k} {kv}" if len(kvs) > 1 else k for k in kernels for kv in kvs]
+    names = " | ".join([*columns, "blas"])
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             stage = load_model(str(model_path(name, Path(tmp))), cpu_backend("native")).stage
             print(f"\n{name}, ms per forward's attention ({stage.end - stage.start} layers):\n")
             print(f"| rows | context | {names} | blas / kernel |")
-            print("|---:|---:|" + "---:|" * (len(kernels) + 2))
+            print("|---:|---:|" + "---:|" * (len(columns) + 2))
             for rows in args.rows:
                 for context in args.contexts:
-                    print(grid_cell(stage, rows, context, args.rounds, kernels), flush=True)
+                    cell = grid_cell(stage, rows, context, args.rounds, kernels, kvs)
+                    print(cell, flush=True)
 
 
 def main() -> None:
@@ -174,6 +191,7 @@ def main() -> None:
     parser.add_argument("--grid", action="store_true")
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     parser.add_argument("--compare", metavar="OLD.py")
+    parser.add_argument("--kv-dtype", nargs="+", default=["f32"], choices=["f32", "f16"])
     args = parser.parse_args()
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     handle = limit_cpu_threads(1)

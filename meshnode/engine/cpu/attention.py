@@ -164,6 +164,13 @@ def _cache_of(table, s, layer, kv_heads, d, kv):  # type: ignore[no-untyped-def]
     return kc, vc
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _scratch(d):  # type: ignore[no-untyped-def]
+    # floats of a call's scratch beside its queries and scores: a query's QK-norm and RoPE
+    # (D), a float16 block of keys (LANES D) or of values (VALUES) widened
+    return max(LANES * d, VALUES)
+
+
 @njit(nogil=True, cache=True)
 def _sizes(table, last):  # type: ignore[no-untyped-def]
     # the query rows computed together (most a kernel segment has, up to ROW_BLOCK) and a
@@ -202,7 +209,7 @@ def _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_row)
     # and values read once for those rows; ``how`` is (q_norm, eps, cos, sin, scale,
     # window, last, kv)
     q_norm, eps, cos, sin, scale, window, last, kv = how
-    qbuf, tmp, scores = bufs  # [B G D], [LANES D], [B G stride]
+    qbuf, tmp, scores = bufs  # [B G D], [_scratch(D)], [B G stride]
     d = cos.shape[1]
     kv_heads = (w // d - heads) // 2
     group = heads // kv_heads
@@ -234,7 +241,7 @@ def _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_row)
             for k in range(r * group, (r + 1) * group):
                 softmax(scores, k * stride + PAD, t)
         o = (o_row + i0 - first) * q_size + g * group * d
-        weighted_values(scores, group, vh, pos0, rows, window, d, stride, oflat, o, q_size)
+        weighted_values(scores, group, vh, pos0, rows, window, d, stride, oflat, o, q_size, tmp)
 
 
 @njit(nogil=True, cache=True)
@@ -260,7 +267,7 @@ def queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last
     most, stride = _sizes(table, last)
     bufs = (
         np.empty(most * group * d, np.float32),
-        np.empty(LANES * d, np.float32),
+        np.empty(_scratch(d), np.float32),
         np.empty(most * group * stride, np.float32),
     )
     o_rows = _out_rows(table, last)
@@ -336,7 +343,7 @@ def task_args(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, la
             parts += ((table[s, KEPT] if last else table[s, NEW]) + size - 1) // size
     most, stride = _sizes(table, last)
     queries = most * (heads // kv_heads)
-    floats = (queries + LANES) * d + queries * stride
+    floats = queries * d + _scratch(d) + queries * stride
     words = max(HEADER + segs + 3 * parts, (floats + 3) // 4)
     a = np.zeros(words, np.int64)
     f = a.view(np.float32)
@@ -385,8 +392,8 @@ def _run_chunk(st_addr, who, ch, kv):  # type: ignore[no-untyped-def]
     queries = head[MOST] * (heads // kv_heads)
     bufs = (
         carray(ptr_f32(scratch), (queries * d,)),
-        carray(ptr_f32(scratch + 4 * queries * d), (LANES * d,)),
-        carray(ptr_f32(scratch + 4 * (queries + LANES) * d), (queries * head[STRIDE],)),
+        carray(ptr_f32(scratch + 4 * queries * d), (_scratch(d),)),
+        carray(ptr_f32(scratch + 4 * (queries * d + _scratch(d))), (queries * head[STRIDE],)),
     )
     rows = st[pool.ROWS]
     first = (ch * rows + pool.CHUNK_ROWS - 1) // pool.CHUNK_ROWS

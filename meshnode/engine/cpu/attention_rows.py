@@ -146,7 +146,7 @@ def key_scores(qbuf, group, kc, pos0, rows, window, d, scale, scores, stride, bu
     keys, ``[T, D]`` flat): sixteen keys at a time summed across lanes together (wsums),
     each sum as wsum makes it, each block of keys read once for every row that sees one
     of them (a block's lanes outside a row's keys land in its row's margins). ``buf``:
-    LANES D floats of scratch (a float16 block of keys widened once for its queries)."""
+    LANES D floats of scratch (a float16 block of keys widened once for all its rows)."""
     lo0, end = first_key(pos0, window), pos0 + rows
     if rows == 1:
         _row_scores(qbuf, group, kc, lo0 * d, end - lo0, d, scale, scores, stride, buf)
@@ -157,13 +157,14 @@ def key_scores(qbuf, group, kc, pos0, rows, window, d, scale, scores, stride, bu
         at = j * d
         for c in range(at + LANES * d, at + 2 * LANES * d, line_of(kc)):  # the next block's
             prefetch_kv(kc, c)
+        keys, k0 = staged(kc, at, LANES * d, buf)
         for r in range(max(0, j - pos0), rows):  # the rows that see key j or a later one
             lo = first_key(pos0 + r, window)
             if lo >= j + LANES:
                 break
             for g in range(r * group, (r + 1) * group):
                 q0 = g * d
-                sums = _scores16(qbuf, q0, kc, at, d)
+                sums = _scores16(qbuf, q0, keys, k0, d)
                 wstore(scores, g * stride + PAD + j - lo, wmul(sums, sc))
     for j in range(full, end):
         for r in range(max(0, j - pos0), rows):
@@ -198,8 +199,8 @@ def softmax(s, s0, t):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def _accumulate2(p, s0, s1, vc, a, b, d, out, o0, o1):  # type: ignore[no-untyped-def]
-    # out[o0 : o0 + D] += sum over the values of keys a .. b - 1 (vc[j D ...]) of
+def _accumulate2(p, s0, s1, vc, off, a, b, d, out, o0, o1):  # type: ignore[no-untyped-def]
+    # out[o0 : o0 + D] += sum over the values of keys a .. b - 1 (vc[j D + off ...]) of
     # p[s0 + j] * value j, key by key in order, and with p[s1 + j] into out[o1 ...]: each
     # value read once for two queries, four sixteen-lane accumulators each in registers
     c = 0
@@ -210,7 +211,7 @@ def _accumulate2(p, s0, s1, vc, a, b, d, out, o0, o1):  # type: ignore[no-untype
         y2, y3 = wload(out, o1 + c + 2 * LANES), wload(out, o1 + c + 3 * LANES)
         for j in range(a, b):
             u, w = wsplat(p[s0 + j]), wsplat(p[s1 + j])
-            at = j * d + c
+            at = j * d + c + off
             v0, v1 = wload_kv(vc, at), wload_kv(vc, at + LANES)
             v2, v3 = wload_kv(vc, at + 2 * LANES), wload_kv(vc, at + 3 * LANES)
             x0, x1, x2, x3 = wfma(u, v0, x0), wfma(u, v1, x1), wfma(u, v2, x2), wfma(u, v3, x3)
@@ -227,7 +228,7 @@ def _accumulate2(p, s0, s1, vc, a, b, d, out, o0, o1):  # type: ignore[no-untype
     while c < d:
         x0, y0 = wload(out, o0 + c), wload(out, o1 + c)
         for j in range(a, b):
-            v0 = wload_kv(vc, j * d + c)
+            v0 = wload_kv(vc, j * d + c + off)
             x0 = wfma(wsplat(p[s0 + j]), v0, x0)
             y0 = wfma(wsplat(p[s1 + j]), v0, y0)
         wstore(out, o0 + c, x0)
@@ -236,7 +237,7 @@ def _accumulate2(p, s0, s1, vc, a, b, d, out, o0, o1):  # type: ignore[no-untype
 
 
 @njit(nogil=True, cache=True)
-def _accumulate(p, s0, vc, a, b, d, out, o0):  # type: ignore[no-untyped-def]
+def _accumulate(p, s0, vc, off, a, b, d, out, o0):  # type: ignore[no-untyped-def]
     # _accumulate2 for one query
     c = 0
     while c + 4 * LANES <= d:
@@ -244,7 +245,7 @@ def _accumulate(p, s0, vc, a, b, d, out, o0):  # type: ignore[no-untyped-def]
         x2, x3 = wload(out, o0 + c + 2 * LANES), wload(out, o0 + c + 3 * LANES)
         for j in range(a, b):
             u = wsplat(p[s0 + j])
-            at = j * d + c
+            at = j * d + c + off
             x0 = wfma(u, wload_kv(vc, at), x0)
             x1 = wfma(u, wload_kv(vc, at + LANES), x1)
             x2 = wfma(u, wload_kv(vc, at + 2 * LANES), x2)
@@ -257,7 +258,7 @@ def _accumulate(p, s0, vc, a, b, d, out, o0):  # type: ignore[no-untyped-def]
     while c < d:
         x0 = wload(out, o0 + c)
         for j in range(a, b):
-            x0 = wfma(wsplat(p[s0 + j]), wload_kv(vc, j * d + c), x0)
+            x0 = wfma(wsplat(p[s0 + j]), wload_kv(vc, j * d + c + off), x0)
         wstore(out, o0 + c, x0)
         c += LANES
 
@@ -327,13 +328,14 @@ def _two_queries(p, s0, s1, vc, a, b, d, out, o0, o1):  # type: ignore[no-untype
 
 
 @njit(nogil=True, cache=True)
-def weighted_values(p, group, vc, pos0, rows, window, d, stride, out, o, q_size):  # type: ignore[no-untyped-def]
+def weighted_values(p, group, vc, pos0, rows, window, d, stride, out, o, q_size, buf):  # type: ignore[no-untyped-def]
     """``out[o + r q_size + g D ...]`` = the sum over row ``r``'s keys ``lo .. pos`` of
     ``p[q stride + PAD + j - lo]`` times value ``j`` of ``vc`` (one KV head's values,
     ``[T, D]`` flat; ``q = r G + g``), key by key in order from 0 as one query's
     accumulators alone would sum: a block of values (:data:`VALUES` floats, in L1) is read
     once for every row that sees one of its keys, each row's accumulators resumed from
-    ``out`` between blocks."""
+    ``out`` between blocks (a float16 block widened once, into ``buf``: max(LANES D,
+    :data:`VALUES`) floats)."""
     lo0, end = first_key(pos0, window), pos0 + rows
     if rows == 1:  # one row: each query (or pair of queries) in one pass
         for g in range(0, group - 1, 2):
@@ -351,6 +353,8 @@ def weighted_values(p, group, vc, pos0, rows, window, d, stride, out, o, q_size)
         je = min(end, jb + block)
         for c in range(je * d, (2 * je - jb) * d, line_of(vc)):  # the next block, by lines
             prefetch_kv(vc, c)
+        vals, v0 = staged(vc, jb * d, (je - jb) * d, buf)
+        off = v0 - jb * d  # value j at vals[j D + off]
         for r in range(max(0, jb - pos0), rows):
             pos = pos0 + r
             lo = first_key(pos, window)
@@ -360,7 +364,7 @@ def weighted_values(p, group, vc, pos0, rows, window, d, stride, out, o, q_size)
             q, at = r * group, o + r * q_size
             for g in range(0, group - 1, 2):
                 s0, s1 = (q + g) * stride + PAD - lo, (q + g + 1) * stride + PAD - lo
-                _accumulate2(p, s0, s1, vc, a, b, d, out, at + g * d, at + (g + 1) * d)
+                _accumulate2(p, s0, s1, vals, off, a, b, d, out, at + g * d, at + (g + 1) * d)
             if group % 2:
                 g = group - 1
-                _accumulate(p, (q + g) * stride + PAD - lo, vc, a, b, d, out, at + g * d)
+                _accumulate(p, (q + g) * stride + PAD - lo, vals, off, a, b, d, out, at + g * d)
