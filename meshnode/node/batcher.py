@@ -91,9 +91,8 @@ class BatchLimits:
     prefill_tokens: int = DEFAULT_PREFILL_TOKENS
     micro_batches: int = 1
     #: Run ahead (module docstring): None where the pipeline finds it pays (the local
-    #: pipeline: one sequence's steps always, several where the event loop has a core
-    #: the kernels leave free), True wherever the pipeline can, False never (every step
-    #: handed back, the behaviour before).
+    #: pipeline: while one sequence decodes), True wherever the pipeline can, False
+    #: never (every step handed back, the behaviour before).
     ahead: bool | None = None
 
     def __post_init__(self) -> None:

@@ -10,8 +10,6 @@ import functools
 
 import trio
 
-from meshnode.engine.cpu.matrix import kernel_threads
-from meshnode.engine.cpu.pool import usable_cpus
 from meshnode.node.batcher import Ahead, Batcher, BatchLimits, Queued, Slot, next_decode
 from meshnode.node.pipeline import QueuedPass, RequestId, StepFrame, StepResult
 from meshnode.node.stage import StageRunner, step_results
@@ -26,7 +24,7 @@ class LocalPipeline:
     ready frames of all sequences as one forward in a worker thread, so the event loop
     keeps serving HTTP meanwhile; plain decode steps run ahead there, one after the other,
     while the generation loops take their tokens (:class:`~meshnode.node.batcher.Ahead`;
-    steps of several sequences only where the event loop has a core of its own).
+    by default only while one sequence decodes: ``BatchLimits.ahead``).
     Steps and releases never overlap, because the runner (and the BLAS threads under it)
     is shared by all sequences.
     """
@@ -36,8 +34,12 @@ class LocalPipeline:
         limits = limits or BatchLimits(max_frames=runner.max_sequences)
         ends = frozenset(runner.stage.config.eos_token_ids)
         follow = functools.partial(next_decode, ends=ends)
-        # where the kernels leave the event loop no core, only one sequence's steps
-        rows = None if limits.ahead or _loop_has_a_core(runner) else 1
+        # By default while one sequence decodes only: the work of several sequences'
+        # loops, overlapping the next forward on the cores it uses, slowed it more than
+        # it saved (2 cores, load 5-7, tokens/s running ahead over stepwise: 8 streams
+        # 0.88x at 2 threads, 0.75-1.10x at 1; 1 stream 0.95-1.28x, 0.6 ms between
+        # forwards against 3-7).
+        rows = None if limits.ahead else 1
         ahead = Ahead(functools.partial(step_results, runner), follow, rows)
         self.batcher: Batcher[StepResult] = Batcher(
             self._step, limits, live=lambda: runner.live_sequences, ahead=ahead
@@ -61,15 +63,3 @@ class LocalPipeline:
 
     async def _step(self, slots: list[Slot[StepResult]]) -> None:
         await trio.to_thread.run_sync(step_results, self.runner, slots)
-
-
-def _loop_has_a_core(runner: StageRunner) -> bool:
-    """Whether running ahead pays for many sequences here: the event loop's work (the
-    generation loops, the clients' I/O) then overlaps the next forward, which is only
-    free on a core the forward does not use. On the kernels' own cores the work of eight
-    loops slows the forward more than it saves between forwards, where one loop's does
-    not (2 cores, load ~5, tokens/s running ahead over stepwise: 8 streams at 1 thread
-    1.10x, at 2 threads 0.88x; 1 stream at 2 threads 1.09x)."""
-    if runner.stage.cuda is not None:
-        return True  # the forward waits on the device
-    return kernel_threads() < len(usable_cpus())

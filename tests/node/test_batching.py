@@ -17,8 +17,6 @@ import pytest
 import trio
 
 from meshnode.engine.config import ModelConfig
-from meshnode.engine.cpu import matrix
-from meshnode.engine.cpu.pool import usable_cpus
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
 from meshnode.node.batcher import BatchLimits, next_decode, plan_batch
@@ -558,24 +556,17 @@ def test_next_decode_is_the_frame_a_plain_decode_loop_sends_next() -> None:
     assert next_decode(grammar, _result((9,))) is None
 
 
-@pytest.mark.parametrize("spare", [False, True], ids=["kernels-on-every-core", "a-core-spare"])
-async def test_several_sequences_run_ahead_only_where_the_event_loop_has_a_core(
-    stage: Stage, spare: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """By default one sequence's decode steps always run ahead, and several sequences'
-    only where the kernel threads (``--threads``) leave a core to the event loop: on the
-    kernels' cores the work of many generation loops would slow the forwards more than
-    it saves between them."""
-    cores = len(usable_cpus())
-    if spare and cores < 2:
-        pytest.skip("one usable core: none can be spare")
-    monkeypatch.setattr(matrix, "_threads", cores - 1 if spare else cores)
+async def test_by_default_steps_run_ahead_while_one_sequence_decodes(stage: Stage) -> None:
+    """By default a lone sequence's decode steps run ahead, and several sequences' are
+    handed back step by step (the work of their loops would slow the forwards more than
+    it saves between them on the kernels' cores); ``BatchLimits(ahead=True)`` runs
+    them ahead too. Every stream equals its solo run either way."""
     alone = LocalPipeline(SteadyRunner(stage))
     await _drive(alone, _run("solo", PROMPTS[0], 8, GREEDY))
     assert alone.batcher.claims > 0
-    pipeline = LocalPipeline(SteadyRunner(stage))
-    runs = [_run(f"r{i}", p, 8, GREEDY) for i, p in enumerate(PROMPTS[:3])]
-    assert await _together(pipeline, runs) == [
-        await _solo(stage, p, 8, GREEDY) for p in PROMPTS[:3]
-    ]
-    assert (pipeline.batcher.claims > 0) == spare
+    solo = [await _solo(stage, p, 8, GREEDY) for p in PROMPTS[:3]]
+    for ahead in (None, True):
+        pipeline = LocalPipeline(SteadyRunner(stage), BatchLimits(max_frames=8, ahead=ahead))
+        runs = [_run(f"r{i}", p, 8, GREEDY) for i, p in enumerate(PROMPTS[:3])]
+        assert await _together(pipeline, runs) == solo
+        assert (pipeline.batcher.claims > 0) == bool(ahead)

@@ -29,7 +29,6 @@ from meshnode.engine.cpu.formats import Format, format_of, row_bytes
 __all__ = [
     "MAX_KERNEL_ROWS",
     "BlockMatrix",
-    "kernel_threads",
     "set_kernel_threads",
     "share",
     "shared_threads",
@@ -100,11 +99,6 @@ def kernels() -> ModuleType:
     from meshnode.engine.cpu import kernels as module
 
     return module
-
-
-def kernel_threads() -> int:
-    """The kernel threads of a product: the ``--threads`` cap, else one per usable core."""
-    return _threads_here()
 
 
 def _threads_here() -> int:
