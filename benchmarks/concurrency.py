@@ -21,7 +21,8 @@ it before it queued each sequence's next decode frame ahead (before handing the 
 its client), instead of with batching off. ``--baseline stepwise`` compares it with
 batching on without running ahead (every step handed back to the event loop, and the next
 one gathered there: ``BatchLimits(ahead=False)``, as before decode steps ran ahead in the
-compute thread).
+compute thread). ``--ahead`` runs batching on ahead for any number of sequences (by
+default only while one sequence decodes).
 
 ``--rounds N`` runs every configuration N times, alternating (each round: every ``S``,
 batching on then the baseline), and prints medians: the load of a shared machine drifts
@@ -385,7 +386,7 @@ async def bench(
     clock: ForwardClock | None = None,
 ) -> None:
     """Batching on against the baseline (``--baseline``), ``--rounds`` times, alternating."""
-    on = await make(BatchLimits(max_frames=MAX_SEQUENCES))
+    on = await make(BatchLimits(max_frames=MAX_SEQUENCES, ahead=args.ahead))
     if args.baseline == "unqueued":
         off: Pipeline = Unqueued(await make(BatchLimits(max_frames=MAX_SEQUENCES)))
     elif args.baseline == "stepwise":
@@ -551,6 +552,13 @@ def main() -> None:
         help="what batching on is compared with: batching off, batching on without "
         "the decode frames queued ahead (the generation loop before it queued them), or "
         "batching on without running steps ahead in the compute thread",
+    )
+    parser.add_argument(
+        "--ahead",
+        action="store_true",
+        default=None,
+        help="batching on runs decode steps ahead for any number of sequences (one node; "
+        "by default only while one sequence decodes: BatchLimits.ahead)",
     )
     args = parser.parse_args()
     global SAMPLING, KV_DTYPE
