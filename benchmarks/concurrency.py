@@ -20,9 +20,9 @@ runs, minus the TLS and sockets.
 it before it queued each sequence's next decode frame ahead (before handing the token to
 its client), instead of with batching off. ``--baseline stepwise`` compares it with
 batching on without running ahead (every step handed back to the event loop, and the next
-one gathered there: ``BatchLimits(ahead=False)``, as before decode steps ran ahead in the
-compute thread). ``--ahead`` runs batching on ahead for any number of sequences (by
-default only while one sequence decodes).
+one gathered there: ``BatchLimits(ahead=False)``, the default). ``--ahead`` runs batching
+on ahead in the compute thread for any number of sequences: ``--ahead --baseline
+stepwise`` measures what running ahead gains.
 
 ``--rounds N`` runs every configuration N times, alternating (each round: every ``S``,
 batching on then the baseline), and prints medians: the load of a shared machine drifts
@@ -556,9 +556,8 @@ def main() -> None:
     parser.add_argument(
         "--ahead",
         action="store_true",
-        default=None,
-        help="batching on runs decode steps ahead for any number of sequences (one node; "
-        "by default only while one sequence decodes: BatchLimits.ahead)",
+        help="batching on runs decode steps ahead in the compute thread for any number "
+        "of sequences (one node; off by default: BatchLimits.ahead)",
     )
     args = parser.parse_args()
     global SAMPLING, KV_DTYPE

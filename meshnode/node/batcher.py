@@ -90,10 +90,12 @@ class BatchLimits:
     max_frames: int = DEFAULT_MAX_FRAMES
     prefill_tokens: int = DEFAULT_PREFILL_TOKENS
     micro_batches: int = 1
-    #: Run ahead (module docstring): None where the pipeline finds it pays (the local
-    #: pipeline: while one sequence decodes), True wherever the pipeline can, False
-    #: never (every step handed back, the behaviour before).
-    ahead: bool | None = None
+    #: Run ahead (module docstring): False (the default) never, every step handed back;
+    #: None while one sequence decodes (the local pipeline); True wherever the pipeline
+    #: can. Off by default because it did not pay on an idle 2-core machine: a lone
+    #: stream ran 0.95x (q8) and 0.97x (exact) of stepwise at 1 kernel thread, its
+    #: forward slowed by the event loop's work beside it, and 0.97-1.03x at 2.
+    ahead: bool | None = False
 
     def __post_init__(self) -> None:
         if self.max_frames < 1 or self.prefill_tokens < 1 or self.micro_batches < 1:

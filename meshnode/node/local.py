@@ -24,7 +24,7 @@ class LocalPipeline:
     ready frames of all sequences as one forward in a worker thread, so the event loop
     keeps serving HTTP meanwhile; plain decode steps run ahead there, one after the other,
     while the generation loops take their tokens (:class:`~meshnode.node.batcher.Ahead`;
-    by default only while one sequence decodes: ``BatchLimits.ahead``).
+    only when ``BatchLimits.ahead`` asks: it is off by default).
     Steps and releases never overlap, because the runner (and the BLAS threads under it)
     is shared by all sequences.
     """
@@ -34,11 +34,10 @@ class LocalPipeline:
         limits = limits or BatchLimits(max_frames=runner.max_sequences)
         ends = frozenset(runner.stage.config.eos_token_ids)
         follow = functools.partial(next_decode, ends=ends)
-        # By default while one sequence decodes only: the work of several sequences'
-        # loops, overlapping the next forward on the cores it uses, slowed it more than
-        # it saved (2 cores, load 5-7, tokens/s running ahead over stepwise: 8 streams
-        # 0.88x at 2 threads, 0.75-1.10x at 1; 1 stream 0.95-1.28x, 0.6 ms between
-        # forwards against 3-7).
+        # Off by default (BatchLimits.ahead); with None only while one sequence decodes:
+        # the work of several sequences' loops, overlapping the next forward on the cores
+        # it uses, slowed it more than it saved (2 cores, load 5-7, tokens/s running
+        # ahead over stepwise: 8 streams 0.88x at 2 threads, 0.75-1.10x at 1).
         rows = None if limits.ahead else 1
         ahead = Ahead(functools.partial(step_results, runner), follow, rows)
         self.batcher: Batcher[StepResult] = Batcher(

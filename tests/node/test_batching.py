@@ -556,12 +556,16 @@ def test_next_decode_is_the_frame_a_plain_decode_loop_sends_next() -> None:
     assert next_decode(grammar, _result((9,))) is None
 
 
-async def test_by_default_steps_run_ahead_while_one_sequence_decodes(stage: Stage) -> None:
-    """By default a lone sequence's decode steps run ahead, and several sequences' are
-    handed back step by step (the work of their loops would slow the forwards more than
-    it saves between them on the kernels' cores); ``BatchLimits(ahead=True)`` runs
-    them ahead too. Every stream equals its solo run either way."""
-    alone = LocalPipeline(SteadyRunner(stage))
+async def test_steps_run_ahead_only_when_the_limits_ask(stage: Stage) -> None:
+    """By default no step runs ahead; ``BatchLimits(ahead=None)`` runs a lone
+    sequence's decode steps ahead and hands several sequences' back step by step (the
+    work of their loops would slow the forwards more than it saves between them on the
+    kernels' cores); ``ahead=True`` runs them ahead too. Every stream equals its solo
+    run either way."""
+    default = LocalPipeline(SteadyRunner(stage))
+    await _drive(default, _run("solo", PROMPTS[0], 8, GREEDY))
+    assert default.batcher.claims == 0
+    alone = LocalPipeline(SteadyRunner(stage), BatchLimits(ahead=None))
     await _drive(alone, _run("solo", PROMPTS[0], 8, GREEDY))
     assert alone.batcher.claims > 0
     solo = [await _solo(stage, p, 8, GREEDY) for p in PROMPTS[:3]]
