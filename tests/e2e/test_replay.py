@@ -182,6 +182,12 @@ def _middle(cluster: Cluster, host: Node) -> Node:
     return next(n for n in cluster.nodes if n.alive() and n.node_id() == ids[1])
 
 
+@pytest.fixture(autouse=True)
+def three_stages_first(mesh: tuple[Cluster, Node]) -> None:
+    """Every test starts on three ready stages, whatever the test before it left."""
+    _three_stages(*mesh)
+
+
 def _three_stages(cluster: Cluster, host: Node) -> list[str]:
     """Wait until the plan is three ready stages again; their node ids."""
     try:
@@ -299,9 +305,19 @@ def test_requests_are_served_while_a_stage_that_came_back_waits_to_rejoin(
     if not reader.is_alive():
         pytest.skip("the long stream ended before the stopped node was back (fast machine)")
     case = golden["prompts"][0]
-    reply = client.completions.create(
-        model=MODEL, prompt=case["prompt_ids"], temperature=0, max_tokens=len(case["gen_ids"])
-    )
+    try:
+        reply = client.completions.create(
+            model=MODEL, prompt=case["prompt_ids"], temperature=0, max_tokens=len(case["gen_ids"])
+        )
+    except openai.APIStatusError as exc:
+        # The long stream may end between the check above and this request: then the host
+        # re-places at once (nothing in flight) and answers 503 while the plan loads, as it
+        # should. Only a 503 while the stream is still in flight is this test's failure.
+        reader.join(SERVES_TIMEOUT_S * 20)
+        if exc.status_code != 503 or reader.is_alive() or long.error is not None:
+            raise
+        _three_stages(cluster, host)
+        pytest.skip("the long stream ended just before the request (fast machine)")
     assert reply.choices[0].text == case["gen_text_skip_special"]
     reader.join(STREAM_TIMEOUT_S)
     assert not reader.is_alive(), "the long stream hung"
