@@ -23,6 +23,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
 
 PTRACE_SEIZE = 0x4206
 PTRACE_INTERRUPT = 0x4207
@@ -47,6 +51,26 @@ def unavailable_reason(pid: int) -> str | None:
         return reason
     finally:
         probe.close()
+
+
+def freezer_of(node: Any, timeout_s: float) -> tuple[Freezer, Callable[[], bool]]:
+    """A :class:`Freezer` of ``node``'s process (a test's node: ``process``, ``api``,
+    ``get``) and the check :meth:`Freezer.freeze` takes: the node's event loop answers its
+    status endpoint within ``timeout_s``. Skips the test, with the reason, where ptrace
+    cannot be used."""
+    reason = unavailable_reason(node.process.pid)
+    if reason is not None:
+        pytest.skip(reason)
+    status_url = f"{node.api}/v1/mesh/status"
+
+    def serves() -> bool:
+        """The node's event loop answers with its other threads frozen."""
+        try:
+            return bool(node.get(status_url, timeout_s).status_code == 200)
+        except httpx.HTTPError:
+            return False
+
+    return Freezer(node.process.pid), serves
 
 
 class Freezer:

@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
@@ -395,19 +394,7 @@ def test_a_hung_stage_misses_its_pass_deadline_and_cools_off(
     cluster, host = mesh
     middle = _middle(cluster, host)
     middle_id = middle.node_id()
-    reason = freeze.unavailable_reason(middle.process.pid)
-    if reason is not None:
-        pytest.skip(reason)
-    freezer = freeze.Freezer(middle.process.pid)
-
-    status_url = f"{middle.api}/v1/mesh/status"
-
-    def serves() -> bool:
-        """The node's event loop answers with its other threads frozen."""
-        try:
-            return middle.get(status_url, SERVES_TIMEOUT_S).status_code == 200
-        except httpx.HTTPError:
-            return False
+    freezer, serves = freeze.freezer_of(middle, SERVES_TIMEOUT_S)
 
     def hang() -> None:
         freezer.freeze(serves)

@@ -378,17 +378,7 @@ def test_a_hung_stage_misses_its_pass_deadline(mesh: LabMesh, golden: dict[str, 
     middle_id = mesh.wait_stages(3, READY_TIMEOUT_S)[1]
     name = next(n for n in ("w1", "w2") if mesh.nodes[n].node_id() == middle_id)
     victim = mesh.nodes[name]
-    reason = freeze.unavailable_reason(victim.process.pid)
-    if reason is not None:
-        pytest.skip(reason)
-    freezer = freeze.Freezer(victim.process.pid)
-    status_url = f"{victim.api}/v1/mesh/status"
-
-    def serves() -> bool:
-        try:
-            return victim.get(status_url, 0.5).status_code == 200
-        except httpx.HTTPError:
-            return False
+    freezer, serves = freeze.freezer_of(victim, 0.5)
 
     def hang(tokens: int) -> None:
         if tokens >= STREAM_KILL_AFTER and not freezer.frozen:
