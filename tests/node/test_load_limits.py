@@ -26,56 +26,18 @@ MAX_POSITIONS = int(CONFIG["max_position_embeddings"])
 OFFERED = 2 << 20
 
 
-async def test_a_load_asking_for_more_context_than_fits_is_refused(
-    nursery: trio.Nursery, hub_ref: tuple[str, Path], tmp_path: Path
+async def _bring_ups(
+    nursery: trio.Nursery, ref: str, tmp_path: Path, attempts: list[tuple[str, int, str]]
 ) -> None:
-    ref, _package = hub_ref
+    """Ask a node offering ``OFFERED`` bytes to load the whole tiny model once per
+    ``(kv_dtype, context, reason)``: refused with ``reason`` in the message, or Ready where
+    ``reason`` is empty; the node's session survives every refusal."""
     token = JoinToken.generate("m")
     node = await start_node(
         nursery, token, tmp_path / "node", tmp_path / "cache", max_memory_bytes=OFFERED
     )
     assert node.listen is not None
     member = await Member.dial(NodeIdentity.provision(token, tmp_path / "me"), node.listen)
-    attempts = [
-        (10**9, f"the model holds 1..{MAX_POSITIONS}"),
-        (200, "its KV cache alone would take 5 MiB, more than the 2 MiB this node offers"),
-        (32, ""),
-    ]
-    for term, (context, reason) in enumerate(attempts, start=1):
-        answer = await member.try_bring_up(
-            run_id=f"run-{term}", term=term, ref=ref, layers=(0, LAYERS), embed=True,
-            context=context,
-        )  # fmt: skip
-        if reason:
-            assert isinstance(answer, Error), context
-            assert answer.code == ErrorCode.LOAD_FAILED
-            assert reason in answer.message, answer.message
-        else:
-            assert isinstance(answer, Ready), answer
-    assert node.status()["node"]["internal_errors"] == 0
-    assert not member.closed
-    await member.aclose()
-
-
-async def test_a_loads_kv_dtype_is_honoured_or_refused(
-    nursery: trio.Nursery, hub_ref: tuple[str, Path], tmp_path: Path
-) -> None:
-    """A KV dtype the node does not keep is refused by name; in float16 a context that
-    float32 KV would not fit in the offered memory (150 tokens: 3.5 MiB in f32, 1.8 MiB
-    in f16) loads; one past the offer is refused with f16's figure."""
-    ref, _package = hub_ref
-    token = JoinToken.generate("m")
-    node = await start_node(
-        nursery, token, tmp_path / "node", tmp_path / "cache", max_memory_bytes=OFFERED
-    )
-    assert node.listen is not None
-    member = await Member.dial(NodeIdentity.provision(token, tmp_path / "me"), node.listen)
-    attempts = [
-        ("bf16", 32, "Load asks for KV dtype 'bf16'; a stage keeps f32 or f16"),
-        ("f32", 150, "its KV cache alone would take 4 MiB, more than the 2 MiB"),
-        ("f16", 200, "its KV cache alone would take 2 MiB, more than the 2 MiB"),
-        ("f16", 150, ""),
-    ]
     for term, (kv, context, reason) in enumerate(attempts, start=1):
         answer = await member.try_bring_up(
             run_id=f"run-{term}", term=term, ref=ref, layers=(0, LAYERS), embed=True,
@@ -88,4 +50,43 @@ async def test_a_loads_kv_dtype_is_honoured_or_refused(
         else:
             assert isinstance(answer, Ready), answer
     assert node.status()["node"]["internal_errors"] == 0
+    assert not member.closed
     await member.aclose()
+
+
+async def test_a_load_asking_for_more_context_than_fits_is_refused(
+    nursery: trio.Nursery, hub_ref: tuple[str, Path], tmp_path: Path
+) -> None:
+    await _bring_ups(
+        nursery,
+        hub_ref[0],
+        tmp_path,
+        [
+            ("f32", 10**9, f"the model holds 1..{MAX_POSITIONS}"),
+            (
+                "f32",
+                200,
+                "its KV cache alone would take 5 MiB, more than the 2 MiB this node offers",
+            ),
+            ("f32", 32, ""),
+        ],
+    )
+
+
+async def test_a_loads_kv_dtype_is_honoured_or_refused(
+    nursery: trio.Nursery, hub_ref: tuple[str, Path], tmp_path: Path
+) -> None:
+    """A KV dtype the node does not keep is refused by name; in float16 a context that
+    float32 KV would not fit in the offered memory (150 tokens: 3.5 MiB in f32, 1.8 MiB
+    in f16) loads; one past the offer is refused with f16's figure."""
+    await _bring_ups(
+        nursery,
+        hub_ref[0],
+        tmp_path,
+        [
+            ("bf16", 32, "Load asks for KV dtype 'bf16'; a stage keeps f32 or f16"),
+            ("f32", 150, "its KV cache alone would take 4 MiB, more than the 2 MiB"),
+            ("f16", 200, "its KV cache alone would take 2 MiB, more than the 2 MiB"),
+            ("f16", 150, ""),
+        ],
+    )
