@@ -18,6 +18,15 @@ Within a set of stages the layers are split *memory-weighted*: every node is fil
 fraction ``alpha`` of its usable memory, and ``alpha`` is the smallest value for which a greedy
 left-to-right fill places every layer. That minimises the worst stage's memory utilisation
 (a weighted linear partition), so a node with twice the memory gets about twice the layers.
+
+**Measured speeds.** When every candidate node reports a :class:`NodeSpeed` (what its
+calibration measured for this model), the split follows time instead of memory
+(:func:`_fit_timed`): within a set of stages, an exact dynamic program over
+contiguous ranges minimises the slowest stage's time per token (the pipeline's throughput
+bound with many streams), then the sum; among stage counts, the one whose token takes the
+least time end to end (stage times plus hops to the host) wins, fewer stages on ties. A
+measured plan is taken only when it is strictly faster than the memory-weighted plan of the
+same nodes, so a tie or a missing measurement gives today's plan.
 """
 
 from __future__ import annotations
@@ -65,6 +74,25 @@ class NodeCapacity:
     usable_memory_bytes: int
     device: str = "cpu"
     rtt_s: float = 0.0
+    speed: NodeSpeed | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpeed:
+    """What a node measured of itself for one model (its calibration), as rates.
+
+    ``decode_bytes_per_s``: layer weight bytes one decode step of one row gets through per
+    second on the node's backend, threads and the model's own formats (a stage of ``B``
+    weight bytes takes ``B / decode_bytes_per_s`` seconds a token).
+    """
+
+    decode_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        rate = self.decode_bytes_per_s
+        # NaN fails both comparisons; an infinite rate would make every stage free
+        if not 0.0 < rate < float("inf"):
+            raise ValueError(f"decode_bytes_per_s must be positive and finite, not {rate}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,18 +145,23 @@ def plan(
     for count in counts:
         stages = _fit(model, ordered[:count], context_tokens)
         if stages is not None:
-            return Plan(stages=stages, context_tokens=context_tokens)
+            timed = _timed_plan(model, nodes, host_id, context_tokens, counts, stages)
+            return Plan(stages=timed or stages, context_tokens=context_tokens)
     raise PlanError(_shortfall_message(model, ordered[: counts[-1]], context_tokens))
 
 
-def _candidate_order(nodes: Sequence[NodeCapacity], host_id: str) -> list[NodeCapacity]:
+def _candidate_order(
+    nodes: Sequence[NodeCapacity], host_id: str, *, fastest_first: bool = False
+) -> list[NodeCapacity]:
     hosts = [node for node in nodes if node.node_id == host_id]
     if not hosts:
         raise PlanError(f"the host {host_id} is not among the live nodes")
-    others = sorted(
-        (node for node in nodes if node.node_id != host_id),
-        key=lambda node: (-node.usable_memory_bytes, node.rtt_s, node.node_id),
-    )
+
+    def key(node: NodeCapacity) -> tuple[float, float, float, str]:
+        rate = node.speed.decode_bytes_per_s if node.speed and fastest_first else 0.0
+        return (-rate, -node.usable_memory_bytes, node.rtt_s, node.node_id)
+
+    others = sorted((node for node in nodes if node.node_id != host_id), key=key)
     return [hosts[0], *others]
 
 
@@ -178,6 +211,15 @@ def _fit(
             high = middle
     ranges = _greedy(model, nodes, context_tokens, high)
     assert ranges is not None  # high only ever takes values for which the fill succeeded
+    return _stages(model, nodes, ranges, context_tokens)
+
+
+def _stages(
+    model: ModelFootprint,
+    nodes: Sequence[NodeCapacity],
+    ranges: Sequence[tuple[int, int]],
+    context_tokens: int,
+) -> tuple[StagePlan, ...]:
     return tuple(
         StagePlan(
             node_id=node.node_id,
@@ -189,6 +231,96 @@ def _fit(
         )
         for node, (start, end) in zip(nodes, ranges, strict=True)
     )
+
+
+def _timed_plan(
+    model: ModelFootprint,
+    nodes: Sequence[NodeCapacity],
+    host_id: str,
+    context_tokens: int,
+    counts: Sequence[int],
+    weighted: tuple[StagePlan, ...],
+) -> tuple[StagePlan, ...] | None:
+    """The measured plan, when every node is measured and it beats ``weighted``; else None.
+
+    Stage counts from ``weighted``'s (the fewest that fit) up to the largest allowed are
+    tried, each over two choices of nodes (the most memory first, as the memory-weighted
+    plan chooses, and the fastest first); the plan whose token takes the least time end to
+    end wins, the one with fewer stages (then the first found) on ties.
+    """
+    if any(node.speed is None for node in nodes):
+        return None
+    best, best_cost = None, _cost(model, nodes, weighted)
+    for count in (c for c in counts if c >= len(weighted)):
+        for fastest_first in (False, True):
+            chosen = _candidate_order(nodes, host_id, fastest_first=fastest_first)[:count]
+            stages = _fit_timed(model, chosen, context_tokens)
+            if stages is not None and (cost := _cost(model, nodes, stages)) < best_cost:
+                best, best_cost = stages, cost
+    return best
+
+
+def _weight_bytes(model: ModelFootprint, start: int, end: int) -> int:
+    """Weight bytes a token reads in layers ``[start, end)`` (and the head when last)."""
+    head = model.head_bytes if end == model.n_layers else 0
+    return sum(model.layer_bytes[start:end]) + head
+
+
+def _seconds(node: NodeCapacity, weight_bytes: int) -> float:
+    assert node.speed is not None  # only measured nodes are timed
+    return weight_bytes / node.speed.decode_bytes_per_s
+
+
+def _cost(
+    model: ModelFootprint, nodes: Sequence[NodeCapacity], stages: Sequence[StagePlan]
+) -> tuple[float, float]:
+    """``(one token's time end to end, the slowest stage's time)``, in seconds.
+
+    End to end: every stage's compute plus each hop, taken as the node's round trip to the
+    host (what the mesh measures; a decode hop carries a few KiB, so latency dominates).
+    """
+    by_id = {node.node_id: node for node in nodes}
+    times = [_seconds(by_id[s.node_id], _weight_bytes(model, s.start, s.end)) for s in stages]
+    hops = sum(by_id[s.node_id].rtt_s for s in stages[1:])
+    return (sum(times) + hops, max(times))
+
+
+def _fit_timed(
+    model: ModelFootprint, nodes: Sequence[NodeCapacity], context_tokens: int
+) -> tuple[StagePlan, ...] | None:
+    """Contiguous ranges over ``nodes`` in order minimising the slowest stage, then the sum.
+
+    An exact dynamic program: ``best[i][end]`` is the best ``(slowest, sum)`` placing layers
+    ``[0, end)`` on the first ``i + 1`` nodes, every node at least one layer and within its
+    memory. ``O(len(nodes) * n_layers**2)`` stage evaluations: 16 nodes of a 128-layer model
+    are ~260,000, well under a second, and plans are made only when the mesh changes.
+    """
+    n_layers, count = model.n_layers, len(nodes)
+    spans = [(start, end) for start in range(n_layers) for end in range(start + 1, n_layers + 1)]
+    # what a range costs is the same on every node: work it out once per range
+    memory = {span: _stage_bytes(model, *span, context_tokens) for span in spans}
+    weights = {span: _weight_bytes(model, *span) for span in spans}
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (n_layers + 1) for _ in range(count)]
+    cut = [[0] * (n_layers + 1) for _ in range(count)]
+    for index, node in enumerate(nodes):
+        # node ``index`` ends its range at ``end``; the nodes after it need a layer each
+        for end in range(index + 1, n_layers - (count - index - 1) + 1):
+            for start in range(index, end) if index else (0,):
+                before = best[index - 1][start] if index else (0.0, 0.0)
+                if before == inf or memory[start, end] > node.usable_memory_bytes:
+                    continue
+                seconds = _seconds(node, weights[start, end])
+                value = (max(before[0], seconds), before[1] + seconds)
+                if value < best[index][end]:
+                    best[index][end], cut[index][end] = value, start
+    if best[-1][n_layers] == inf:
+        return None
+    ranges, end = [], n_layers
+    for index in reversed(range(count)):
+        ranges.append((cut[index][end], end))
+        end = cut[index][end]
+    return _stages(model, nodes, ranges[::-1], context_tokens)
 
 
 def _shortfall_message(
