@@ -1,0 +1,83 @@
+"""Decode speeds the host observes while serving, as the planner's :class:`NodeSpeed`.
+
+Theory of operation. Every pipeline pass comes back with each stage's compute time
+(``StepResult.stage_compute_s``: the host times its own stage; the others report theirs in
+the prediction). For a pass of one decode row a stage's weight bytes divided by its compute
+time is the rate at which that node gets through this model's weights: exactly what the
+planner needs (:class:`~meshnode.node.planner.NodeSpeed`), measured on the node's own
+backend, threads, formats and load rather than claimed. :class:`SpeedBook` keeps the last
+few such rates per node and gives their median, so one slow pass (a page fault, a busy
+neighbour) moves nothing; :func:`worth_replacing` says when a plan made from them is far
+enough ahead of the serving one to move a run between requests.
+
+A member that lies about its compute time can make the planner give it more or fewer
+layers, so it can slow the mesh; it cannot break a run: rates are bounded by
+:data:`MAX_BYTES_PER_S`, a plan still has to fit in memory, and the plan it causes is
+watched like any other.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Mapping
+
+from meshnode.node.planner import NodeSpeed
+
+__all__ = ["MAX_BYTES_PER_S", "MIN_SAMPLES", "SpeedBook", "worth_replacing"]
+
+#: Passes per node kept; the median of the last 16 one-row passes (a few seconds of decode)
+#: follows a node that got slower (throttled, busy) within a request or two.
+WINDOW = 16
+#: Passes needed before a node counts as measured: fewer leave it to memory weighting.
+MIN_SAMPLES = 5
+#: No node streams weights faster than this (an H200's HBM is 4.8e12 B/s); a rate above it
+#: is a report no machine could make (a lie, or a clock that went backwards), and is dropped.
+MAX_BYTES_PER_S = 1e13
+
+
+class SpeedBook:
+    """Per-node decode rates from one-row passes; pure bookkeeping, no I/O."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self._window = window
+        self._rates: dict[str, deque[float]] = {}
+
+    def observe(self, node_id: str, weight_bytes: int, seconds: float, rows: int) -> None:
+        """One stage's pass: ``weight_bytes`` read for ``rows`` rows in ``seconds``.
+
+        Only passes of one row count (several rows share one read of the weights, so their
+        time is not a per-token rate); impossible values are dropped.
+        """
+        if rows != 1 or weight_bytes <= 0 or not seconds > 0.0:
+            return
+        rate = weight_bytes / seconds
+        if rate > MAX_BYTES_PER_S:
+            return
+        self._rates.setdefault(node_id, deque(maxlen=self._window)).append(rate)
+
+    def speed(self, node_id: str) -> NodeSpeed | None:
+        """The node's median rate, or None while it has fewer than :data:`MIN_SAMPLES`."""
+        rates = self._rates.get(node_id)
+        if rates is None or len(rates) < MIN_SAMPLES:
+            return None
+        return NodeSpeed(statistics.median(rates))
+
+    def speeds(self) -> Mapping[str, NodeSpeed]:
+        """Every measured node's speed."""
+        return {n: s for n in sorted(self._rates) if (s := self.speed(n)) is not None}
+
+    def forget(self, node_id: str) -> None:
+        """Drop a node's rates (it left; when it comes back it is measured afresh)."""
+        self._rates.pop(node_id, None)
+
+
+#: A new plan must make a token at least this much faster to be worth moving a run: moving
+#: costs every stage a Load (seconds) and the prefix caches, and rates wander by ~10 %
+#: between passes on a shared machine.
+MIN_GAIN = 0.2
+
+
+def worth_replacing(current_s: float, wanted_s: float, min_gain: float = MIN_GAIN) -> bool:
+    """Whether a plan predicted at ``wanted_s`` a token beats one at ``current_s`` enough."""
+    return wanted_s < current_s * (1.0 - min_gain)
