@@ -18,13 +18,16 @@ The user's pages (the README and ``docs/``) are checked further: every relative 
 link leads to a file that exists and, with ``#anchor``, to one of its headings; the README
 stays an entry point; and the configuration reference lists every setting of
 ``meshnode.node.config.SETTINGS`` (flag, TOML key, environment variable) and every option
-of every command, so that a new knob cannot be left out of it.
+of every command, so that a new knob cannot be left out of it. Their examples are checked
+too: every ``meshnode`` command in a shell block exists with the options it names, every
+Python block parses, and every TOML block is a config file the node accepts.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import shlex
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -330,3 +333,80 @@ def test_the_configuration_reference_names_every_option_of_every_command() -> No
             missing += [f"{name} {o}" for o in opts if f"`{o}" not in row]
     missing += [f"speculative key {k}" for k in TABLE_KEYS if f"`{k}`" not in text]
     assert not missing, "docs/configuration.md does not mention:\n" + "\n".join(missing)
+
+
+# ---- the examples on the user's pages: commands name real options, code parses ----------
+
+#: A fenced block and its language: ```sh … ```.
+CODE_BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def _blocks(language: str) -> list[tuple[Path, str]]:
+    return [
+        (page, m[2])
+        for page in PAGES
+        for m in CODE_BLOCK.finditer(page.read_text())
+        if m[1] == language
+    ]
+
+
+def _command_problems(line: str, commands: dict[str, list[str]]) -> list[str]:
+    """What is wrong with one shell line's ``meshnode`` call: an unknown command or option."""
+    words = shlex.split(line, comments=True)
+    starts = [i for i, w in enumerate(words) if w.endswith(("bin/meshnode", "scripts/run.sh"))]
+    if not starts:
+        return []
+    args = words[starts[0] + 1 :]
+    if not args or args[0].startswith("-"):
+        return []  # meshnode --version, run.sh --help
+    name = " ".join(args[:2]) if " ".join(args[:2]) in commands else args[0]
+    if name not in commands:
+        return [f"no command meshnode {name}"]
+    flags = [w.split("=", 1)[0] for w in args if w.startswith("--")]
+    known = {*commands[name], "--help"}
+    return [f"meshnode {name} has no {flag}" for flag in flags if flag not in known]
+
+
+def test_every_command_in_the_examples_exists_with_its_options() -> None:
+    commands = _commands()
+    blocks = _blocks("sh")
+    assert len(blocks) >= 8
+    problems = []
+    calls = 0
+    for page, code in blocks:
+        for line in code.replace("\\\n", " ").splitlines():
+            calls += "meshnode " in line or "run.sh " in line
+            problems += [
+                f"{page.relative_to(REPO_ROOT)}: {p}" for p in _command_problems(line, commands)
+            ]
+    assert calls >= 15
+    assert not problems, "examples that would fail:\n" + "\n".join(problems)
+
+
+def test_the_command_checker_catches_what_would_fail() -> None:
+    commands = _commands()
+    ok = ".venv/bin/meshnode join --token-file t --model m --split=2   # a comment --nope"
+    assert _command_problems(ok, commands) == []
+    assert _command_problems("bash scripts/run.sh join --nope", commands) == [
+        "meshnode join has no --nope"
+    ]
+    assert _command_problems(".venv/bin/meshnode package fetch r --layers 1:2", commands) == []
+    assert _command_problems(".venv/bin/meshnode serve", commands) == ["no command meshnode serve"]
+
+
+def test_every_python_example_parses() -> None:
+    blocks = _blocks("python")
+    assert len(blocks) >= 4
+    for page, code in blocks:
+        compile(code, str(page.relative_to(REPO_ROOT)), "exec")
+
+
+def test_every_toml_example_is_a_config_the_node_accepts(tmp_path: Path) -> None:
+    from meshnode.node.config import load_config
+
+    blocks = _blocks("toml")
+    assert blocks
+    for number, (_page, code) in enumerate(blocks):
+        path = tmp_path / f"example{number}.toml"
+        path.write_text(code)
+        load_config(config_file=path, env={})  # raises ConfigError on an unknown key
