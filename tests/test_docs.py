@@ -10,28 +10,47 @@ and comments (the CHANGELOG is history, and names what has since moved):
   name in ``meshnode``, ``meshnode_protocol`` or ``meshnode_packaging``: the module must
   exist and define (or import) the first name after it.
 
-A path may also be relative to ``tests/`` (the README's tables name tests that way).
+A path may also be relative to ``tests/`` (the security table names tests that way).
 Other relative paths and bare dotted names (logger names, JSON fields) are ambiguous and
 left alone.
+
+The user's pages (the README and ``docs/``) are checked further: every relative Markdown
+link leads to a file that exists and, with ``#anchor``, to one of its headings; the README
+stays an entry point; and the configuration reference lists every setting of
+``meshnode.node.config.SETTINGS`` (flag, TOML key, environment variable) and every option
+of every command, so that a new knob cannot be left out of it. Their examples are checked
+too: every ``meshnode`` command in a shell block exists with the options it names, every
+Python block parses, and every TOML block is a config file the node accepts.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import shlex
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from tests.conftest import REPO_ROOT
 
 #: The repository's own top-level folders: a backticked path starting with one of them is
 #: a path from the root.
-TOP_FOLDERS = ("meshnode", "protocol", "packaging", "tests", "scripts", "benchmarks", "deploy")
+TOP_FOLDERS = (
+    "meshnode",
+    "protocol",
+    "packaging",
+    "tests",
+    "scripts",
+    "benchmarks",
+    "deploy",
+    "docs",
+)
 #: Where references are read: these folders' text files, and the READMEs.
 SOURCE_SUFFIXES = {".py", ".sh", ".md", ".toml", ".cfg", ".yml", ".yaml", ".service"}
 SKIP_PARTS = {".venv", "__pycache__", "build", "dist", ".git", "node_modules"}
 #: History: it names files that have since moved, on purpose.
-SKIP_FILES = {REPO_ROOT / "CHANGELOG.md"}
+SKIP_FILES = {REPO_ROOT / "CHANGELOG.md", REPO_ROOT / "docs" / "performance-history.md"}
 
 #: `meshnode/node/worker.py`, ``tests/e2e/cluster.py::Cluster``, `protocol/vectors/`.
 _TOPS = "|".join(map(re.escape, TOP_FOLDERS))
@@ -55,6 +74,7 @@ def _sources() -> list[Path]:
             if (
                 path.suffix in SOURCE_SUFFIXES
                 and path.is_file()
+                and path not in SKIP_FILES
                 and not SKIP_PARTS.intersection(path.relative_to(REPO_ROOT).parts)
             ):
                 files.append(path)
@@ -92,7 +112,7 @@ def _module(parts: list[str]) -> tuple[Path | None, list[str]]:
 def _path_problem(ref: str, name: str) -> str | None:
     if any(c in ref for c in "*<>{}") or ref.endswith("."):
         return None  # a pattern or a placeholder, not a path
-    # The README's tables name tests relative to tests/ (``protocol/test_vectors.py``).
+    # The security table names tests relative to tests/ (``protocol/test_vectors.py``).
     path = next((p for p in (REPO_ROOT / ref, REPO_ROOT / "tests" / ref) if p.exists()), None)
     if path is None:
         return f"no {ref}"
@@ -128,6 +148,7 @@ def _problems(path: Path) -> list[str]:
 def test_every_path_and_cross_reference_in_the_docs_exists() -> None:
     sources = _sources()
     assert REPO_ROOT / "README.md" in sources
+    assert REPO_ROOT / "docs" / "security.md" in sources
     assert REPO_ROOT / "meshnode" / "node" / "worker.py" in sources
     texts = [path.read_text(errors="replace") for path in sources]
     # Enough references are seen for the check to mean something (66 paths and 136
@@ -151,3 +172,241 @@ def test_the_checks_catch_what_has_moved() -> None:
     assert _sphinx_problem("meshnode.engine.loader.open_model") is not None
     assert _sphinx_problem("meshnode.engine.model.GEMV_MAX_ROWS") is not None
     assert _sphinx_problem("meshnode.engine.backend.GEMV_MAX_ROWS") is None
+
+
+# ---- the user's pages: links, anchors, the README's size, the configuration reference ----
+
+#: The pages a user reads, in the order the README links them.
+PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+#: The README is an entry point (issue 32): what meshnode is, the quickstart, a three-machine
+#: example, the API in a paragraph, one performance table, links. The rest goes in docs/.
+README_MAX_LINES = 200
+#: ``[text](target)``, not an image; the target up to the first space or closing bracket.
+MD_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~)")
+
+
+def _prose(text: str) -> list[str]:
+    """The lines of a Markdown text outside fenced code blocks."""
+    lines, inside = [], False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            inside = not inside
+        elif not inside:
+            lines.append(line)
+    return lines
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to dashes."""
+    text = heading.strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+@cache
+def _anchors(page: Path) -> frozenset[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for line in _prose(page.read_text()):
+        if m := re.match(r"#{1,6}\s+(.*)", line):
+            slug = _slug(m[1])
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return frozenset(out)
+
+
+def _link_problem(page: Path, target: str) -> str | None:
+    if re.match(r"[a-z][a-z0-9+.-]*:", target):
+        return None  # https:, mailto: — not ours to check
+    path_part, _, anchor = target.partition("#")
+    dest = (page.parent / path_part).resolve() if path_part else page
+    if not dest.exists():
+        return f"no {path_part}"
+    if anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+        return f"{dest.relative_to(REPO_ROOT)} has no heading #{anchor}"
+    return None
+
+
+def test_every_link_between_the_pages_leads_somewhere() -> None:
+    assert len(PAGES) >= 10, "the README and the docs/ pages"
+    problems = []
+    links = 0
+    for page in PAGES:
+        # The whole text outside code: a link's text may wrap onto the next line.
+        for target in MD_LINK.findall("\n".join(_prose(page.read_text()))):
+            links += 1
+            if problem := _link_problem(page, target):
+                problems.append(f"{page.relative_to(REPO_ROOT)}: {target}: {problem}")
+    assert links > 40  # enough links seen for the check to mean something
+    assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+def test_the_link_checker_catches_broken_links() -> None:
+    readme = REPO_ROOT / "README.md"
+    assert _link_problem(readme, "docs/api.md#endpoints") is None
+    assert _link_problem(readme, "#quickstart") is None
+    assert _link_problem(readme, "https://example.com/nowhere") is None
+    assert _link_problem(readme, "docs/nowhere.md") == "no docs/nowhere.md"
+    assert _link_problem(readme, "docs/api.md#nowhere") == "docs/api.md has no heading #nowhere"
+    assert _slug("Anthropic's Messages API") == "anthropics-messages-api"
+    assert _slug("Hung stages: the pass deadline") == "hung-stages-the-pass-deadline"
+    assert _slug("8-bit activations (`--dtype q8`)") == "8-bit-activations---dtype-q8"
+
+
+def test_the_readme_stays_an_entry_point() -> None:
+    lines = (REPO_ROOT / "README.md").read_text().count("\n")
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines (at most {README_MAX_LINES}): move detail to a docs/ page"
+    )
+    linked = {
+        (REPO_ROOT / target.partition("#")[0]).resolve()
+        for target in MD_LINK.findall((REPO_ROOT / "README.md").read_text())
+    }
+    unlinked = [p.name for p in PAGES[1:] if p.resolve() not in linked]
+    assert not unlinked, f"docs/ pages the README does not link: {unlinked}"
+
+
+CONFIG_PAGE = REPO_ROOT / "docs" / "configuration.md"
+#: A row of the settings table: ``| `--flag` | `[section] key` | `MESHNODE_X` | …``.
+SETTING_ROW = re.compile(r"^\| `(--[\w-]+)` \| `\[(\w+)\] (\w+)` \| `(MESHNODE_\w+)` \|")
+
+
+def _section(page: Path, heading: str) -> str:
+    return page.read_text().split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_configuration_reference_lists_every_setting_once() -> None:
+    from meshnode.node.config import SETTINGS
+
+    rows = [
+        m.groups()
+        for line in _section(CONFIG_PAGE, "## Settings").splitlines()
+        if (m := SETTING_ROW.match(line))
+    ]
+    declared = [(s.option, s.section, s.key, s.env) for s in SETTINGS]
+    assert len(rows) == len(set(rows)), "a setting is listed twice"
+    missing = [
+        f"| `{o}` | `[{s}] {k}` | `{e}` |" for o, s, k, e in declared if (o, s, k, e) not in rows
+    ]
+    stale = [row for row in rows if row not in declared]
+    assert not missing, "docs/configuration.md lacks rows for:\n" + "\n".join(missing)
+    assert not stale, f"docs/configuration.md lists settings that SETTINGS does not: {stale}"
+
+
+def _commands() -> dict[str, list[str]]:
+    """Every command's options, from the command line itself: ``{"package fetch": [...]}``."""
+    import typer
+
+    from meshnode.cli import app
+    from meshnode.cli import commands as _commands  # noqa: F401  (registers the commands)
+
+    out: dict[str, list[str]] = {}
+
+    def walk(group: Any, prefix: str) -> None:
+        for name, command in group.commands.items():
+            if hasattr(command, "commands"):
+                walk(command, f"{prefix}{name} ")
+            else:
+                opts = [o for p in command.params if p.param_type_name == "option" for o in p.opts]
+                out[prefix + name] = opts
+
+    walk(typer.main.get_command(app), "")
+    return out
+
+
+def test_the_configuration_reference_names_every_option_of_every_command() -> None:
+    from meshnode.speculative.settings import TABLE_KEYS
+
+    text = CONFIG_PAGE.read_text()
+    commands = _commands()
+    assert {"join", "init", "status", "generate", "package write"} <= set(commands)
+    assert len(commands["join"]) > 30
+    join = _section(CONFIG_PAGE, "## Settings") + _section(CONFIG_PAGE, "## Speculative decoding")
+    others = _section(CONFIG_PAGE, "## Other commands")
+    missing = [f"join {o}" for o in commands.pop("join") if f"`{o}" not in join]
+    for name, opts in commands.items():
+        row = next((line for line in others.splitlines() if f"`meshnode {name}" in line), None)
+        if row is None:
+            missing.append(f"meshnode {name} (no row)")
+        else:
+            missing += [f"{name} {o}" for o in opts if f"`{o}" not in row]
+    missing += [f"speculative key {k}" for k in TABLE_KEYS if f"`{k}`" not in text]
+    assert not missing, "docs/configuration.md does not mention:\n" + "\n".join(missing)
+
+
+# ---- the examples on the user's pages: commands name real options, code parses ----------
+
+#: A fenced block and its language: ```sh … ```.
+CODE_BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def _blocks(language: str) -> list[tuple[Path, str]]:
+    return [
+        (page, m[2])
+        for page in PAGES
+        for m in CODE_BLOCK.finditer(page.read_text())
+        if m[1] == language
+    ]
+
+
+def _command_problems(line: str, commands: dict[str, list[str]]) -> list[str]:
+    """What is wrong with one shell line's ``meshnode`` call: an unknown command or option."""
+    words = shlex.split(line, comments=True)
+    starts = [i for i, w in enumerate(words) if w.endswith(("bin/meshnode", "scripts/run.sh"))]
+    if not starts:
+        return []
+    args = words[starts[0] + 1 :]
+    if not args or args[0].startswith("-"):
+        return []  # meshnode --version, run.sh --help
+    name = " ".join(args[:2]) if " ".join(args[:2]) in commands else args[0]
+    if name not in commands:
+        return [f"no command meshnode {name}"]
+    flags = [w.split("=", 1)[0] for w in args if w.startswith("--")]
+    known = {*commands[name], "--help"}
+    return [f"meshnode {name} has no {flag}" for flag in flags if flag not in known]
+
+
+def test_every_command_in_the_examples_exists_with_its_options() -> None:
+    commands = _commands()
+    blocks = _blocks("sh")
+    assert len(blocks) >= 8
+    problems = []
+    calls = 0
+    for page, code in blocks:
+        for line in code.replace("\\\n", " ").splitlines():
+            calls += "meshnode " in line or "run.sh " in line
+            problems += [
+                f"{page.relative_to(REPO_ROOT)}: {p}" for p in _command_problems(line, commands)
+            ]
+    assert calls >= 15
+    assert not problems, "examples that would fail:\n" + "\n".join(problems)
+
+
+def test_the_command_checker_catches_what_would_fail() -> None:
+    commands = _commands()
+    ok = ".venv/bin/meshnode join --token-file t --model m --split=2   # a comment --nope"
+    assert _command_problems(ok, commands) == []
+    assert _command_problems("bash scripts/run.sh join --nope", commands) == [
+        "meshnode join has no --nope"
+    ]
+    assert _command_problems(".venv/bin/meshnode package fetch r --layers 1:2", commands) == []
+    assert _command_problems(".venv/bin/meshnode serve", commands) == ["no command meshnode serve"]
+
+
+def test_every_python_example_parses() -> None:
+    blocks = _blocks("python")
+    assert len(blocks) >= 4
+    for page, code in blocks:
+        compile(code, str(page.relative_to(REPO_ROOT)), "exec")
+
+
+def test_every_toml_example_is_a_config_the_node_accepts(tmp_path: Path) -> None:
+    from meshnode.node.config import load_config
+
+    blocks = _blocks("toml")
+    assert blocks
+    for number, (_page, code) in enumerate(blocks):
+        path = tmp_path / f"example{number}.toml"
+        path.write_text(code)
+        load_config(config_file=path, env={})  # raises ConfigError on an unknown key

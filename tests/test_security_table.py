@@ -1,4 +1,4 @@
-"""The README's security table names, for every row, the tests that prove it (issue 15):
+"""The security page's table names, for every row, the tests that prove it (issue 15):
 each named test exists, and the table covers strangers, members, hubs and HTTP clients."""
 
 from __future__ import annotations
@@ -8,13 +8,15 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTION = "## Security: who can do what"
+#: The page and the section holding the table.
+PAGE = ROOT / "docs" / "security.md"
+SECTION = "## Who can do what"
 #: A proof reference in the table: ``node/test_x.py`` or ``node/test_x.py::test_name``.
 PROOF = re.compile(r"`([\w/]+\.py)(?:::(\w+))?`")
 
 
 def _rows() -> list[list[str]]:
-    text = (ROOT / "README.md").read_text()
+    text = PAGE.read_text()
     section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
     lines = [line for line in section.splitlines() if line.startswith("| ")]
     return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines[1:]]
