@@ -14,4 +14,4 @@ The sibling distributions ``meshnode_protocol`` (wire codec) and ``meshnode_pack
 (layer packages, model sources) sit below all of these.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
