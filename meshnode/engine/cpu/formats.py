@@ -32,10 +32,11 @@ class Q8:
     """How the 8-bit-activation kernels (:mod:`.q8_kernels`) read a quantized format.
 
     Each 32-value chunk of a row is unpacked (``unpack``, a function of
-    :mod:`.q8_blocks`) to unsigned bytes ``u`` and a weight ``s (u - offset)``, ``s u +
-    m`` (``minimum``), or both with an integer scale per 16 values (``per16``)."""
+    :mod:`.q8_blocks` or of the format's own module) to unsigned bytes ``u`` and a
+    weight ``s (u - offset)``, ``s u + m`` (``minimum``), or both with an integer scale
+    per 16 values (``per16``)."""
 
-    unpack: str  # "q8_blocks._q4_0": the chunk unpacker, (u, dw, m, m2, sa, sb)
+    unpack: str  # "q8_blocks._q4_0": the chunk's unpacker, (u, dw, m, m2, sa, sb)
     offset: int = 0  # z of a weight s (u - z), a power of two; 0: none
     minimum: int = 0  # 0: none; 1: one per 32-value chunk; 2: one per 16 values (Q2_K)
     per16: bool = False  # an integer scale per 16 values (Q2_K, Q3_K, Q6_K)
@@ -101,6 +102,8 @@ FORMATS: dict[str, Format] = {
         _format("Q4_K", 10, "wide._q4_k", Q8("q8_blocks._q4_k", minimum=1), cuda="FmtQ4_K"),
         _format("Q5_K", 11, "wide._q5_k", Q8("q8_blocks._q5_k", minimum=1)),
         _format("Q6_K", 12, "wide._q6_k", Q8("q8_blocks._q6_k", offset=32, per16=True)),
+        # one E8M0 scale byte and 32 E2M1 codes; u = kvalue + 16 (gpt-oss's experts)
+        _format("MXFP4", 13, "fp4._mxfp4", Q8("fp4._mxfp4_q8", offset=16)),
     )
 }
 
