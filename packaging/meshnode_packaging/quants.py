@@ -1,5 +1,6 @@
 """Tensors as stored, decoded: :func:`dequantize` (every GGML type that gguf decodes, and the
-plain floats), and the repacking of Hugging Face MXFP4 checkpoints into GGML blocks.
+plain floats), and Hugging Face MXFP4 checkpoints repacked into GGML blocks
+(:func:`mxfp4_from_hf`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import numpy as np
 
 from meshnode_packaging.source_types import RawTensor, SourceError
 
-__all__ = ["dequantize"]
+__all__ = ["dequantize", "mxfp4_from_hf"]
 
 
 _FLOAT_DTYPES: dict[str, np.dtype[Any]] = {
@@ -44,3 +45,24 @@ def dequantize(t: RawTensor) -> np.ndarray:
     blocks = t.data.reshape(-1, row // block_size * type_size)
     out = gguf.quants.dequantize(blocks, qtype)
     return np.ascontiguousarray(out, dtype=np.float32).reshape(t.shape)
+
+
+def mxfp4_from_hf(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """GGML ``MXFP4`` rows from a Hugging Face MXFP4 pair (gpt-oss's ``*_blocks`` and
+    ``*_scales``), the same values in GGML's block layout.
+
+    ``blocks`` is ``uint8`` ``[..., out, in / 32, 16]``: two E2M1 codes a byte, value
+    ``2 j`` of a block in the low nibble of byte ``j`` and ``2 j + 1`` in the high one;
+    ``scales`` is ``uint8`` ``[..., out, in / 32]``, E8M0 (``2**(s - 127)``). Returns
+    ``uint8`` ``[..., out, in / 32 * 17]``: each block its scale byte, then 16 bytes with
+    value ``j`` in the low nibble of byte ``j`` and ``j + 16`` in its high one (as llama.cpp's
+    converter repacks them; ggml reads the doubled E2M1 value times ``2**(s - 128)``,
+    the same number). Raises :class:`SourceError` if the shapes do not pair."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise SourceError(f"MXFP4 blocks and scales are uint8, got {blocks.dtype}, {scales.dtype}")
+    if blocks.ndim < 2 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise SourceError(f"MXFP4 blocks {blocks.shape} do not pair with scales {scales.shape}")
+    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(*scales.shape, 32)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)  # [..., out, in / 32, 16]
+    rows = np.concatenate([scales[..., None], packed], axis=-1)  # [..., out, in / 32, 17]
+    return np.ascontiguousarray(rows.reshape(*scales.shape[:-1], -1))

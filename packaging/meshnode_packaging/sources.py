@@ -44,7 +44,7 @@ from meshnode_packaging.names import (
     gguf_to_canonical,
     hf_to_canonical,
 )
-from meshnode_packaging.quants import dequantize
+from meshnode_packaging.quants import dequantize, mxfp4_from_hf
 from meshnode_packaging.sampling import GGUF_SAMPLING_KEYS, SAMPLING_NAMES, sampling_defaults
 from meshnode_packaging.source_types import ModelSource, RawTensor, SourceError
 
@@ -72,6 +72,7 @@ __all__ = [
     "gguf_config",
     "gguf_to_canonical",
     "hf_to_canonical",
+    "mxfp4_from_hf",
     "open_gguf",
     "open_source",
     "sampling_defaults",
