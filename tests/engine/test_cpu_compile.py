@@ -22,6 +22,7 @@ import pytest
 from numba import njit
 from numba.core.errors import TypingError
 
+from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.wide import wchunk
 from tests.conftest import REPO_ROOT
 
@@ -29,10 +30,7 @@ from tests.conftest import REPO_ROOT
 # fused Q/K/V-like one of two formats, and the embedding's row gather: everything a
 # model of Q4_1 and Q8_0 weights (SmolLM2's) asks of the kernels; each compiled function
 # listed with the argument types of each compile (numba's compile events).
-_DECODERS = [
-    *("_f32", "_f16", "_bf16", "_q4_0", "_q4_1", "_q5_0", "_q5_1"),
-    *("_q8_0", "_q2_k", "_q3_k", "_q4_k", "_q5_k", "_q6_k"),
-]
+_DECODERS = [f.exact.rsplit(".", 1)[1] for f in FORMATS.values()]
 _PREAMBLE = """
 import collections, json, sys
 from pathlib import Path
@@ -88,7 +86,7 @@ def compiled_in_fresh_process(tmp_path: Path, work: str) -> dict[str, Any]:
 
 
 def test_a_model_compiles_its_own_formats_once_each(tmp_path: Path) -> None:
-    """Only the Q4_1 and Q8_0 decoders are compiled, none of the other eleven formats';
+    """Only the Q4_1 and Q8_0 decoders are compiled, none of the other formats';
     ``_rows`` (the tiles) once per format, not per format mix, array type or caller (the
     serial products pass it the model's read-only memory, the kernel threads' chunks an
     address), and the serial one-row loop ``_rows1`` once per format; the pool's claim

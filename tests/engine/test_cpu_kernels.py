@@ -24,6 +24,9 @@ _F16_FIELDS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
 }  # fmt: skip
+# Byte offsets of the E8M0 scales (a power of two each): random ones near 1, not up to
+# 2**127, whose products overflow float32.
+_E8M0_FIELDS = {"MXFP4": (0,)}
 
 
 def random_tensor(dtype: str, n_out: int, rng: np.random.Generator, name: str = "w") -> RawTensor:
@@ -39,9 +42,11 @@ def random_tensor(dtype: str, n_out: int, rng: np.random.Generator, name: str = 
         fmt = FORMATS[dtype]
         shape = (n_out * N_IN // fmt.block_size, fmt.type_size)
         blocks = rng.integers(0, 256, shape, dtype=np.uint8)
-        for off in _F16_FIELDS[dtype]:
+        for off in _F16_FIELDS.get(dtype, ()):
             scale = rng.uniform(-0.05, 0.05, len(blocks)).astype(np.float16)
             blocks[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
+        for off in _E8M0_FIELDS.get(dtype, ()):
+            blocks[:, off] = rng.integers(118, 130, len(blocks), dtype=np.uint8)
         data = blocks
     return RawTensor(name, dtype, (n_out, N_IN), np.ascontiguousarray(data).reshape(-1))
 
@@ -176,7 +181,7 @@ def test_sixteen_lane_sums_at_once_equal_one_at_a_time(rng: np.random.Generator)
     assert np.all(np.abs(got - lanes.sum(1)) <= 1e-6 * np.abs(lanes).sum(1))
 
 
-@pytest.mark.parametrize("dtype", [d for d in FORMATS if d.startswith("Q")])
+@pytest.mark.parametrize("dtype", [d for d in FORMATS if FORMATS[d].block_size > 1])
 def test_extreme_blocks_decode_like_dequantize(dtype: str) -> None:
     """Every quant bit set, then none, then alternating bits, under the largest and the
     smallest-magnitude float16 scales of both signs: the sixteen-lane decoders' masks,
@@ -187,7 +192,7 @@ def test_extreme_blocks_decode_like_dequantize(dtype: str) -> None:
     for i, fill in enumerate((0xFF, 0x00, 0x55, 0xAA) * 2):
         blocks[i] = fill
     scales = np.array([65504.0, -65504.0, 6.1e-5, -6.1e-5] * 2, np.float16)
-    for off in _F16_FIELDS[dtype]:
+    for off in _F16_FIELDS.get(dtype, ()):
         blocks[:, :, off : off + 2] = scales.view(np.uint8).reshape(n_rows, 1, 2)
     t = RawTensor("w", dtype, (n_rows, N_IN), blocks.reshape(-1))
     with np.errstate(over="ignore", invalid="ignore"):

@@ -19,13 +19,14 @@ from meshnode_packaging.sources import RawTensor, dequantize
 
 from meshnode.engine.backend import cpu_backend, select_backend
 from meshnode.engine.cpu import BlockMatrix, matrix, pool, q8
+from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.pool import CoreGauge, KernelPool
 from meshnode.engine.loader import load_model
 from tests.conftest import GOLDEN_DIR, smollm2_gguf_path
 from tests.engine.test_cpu_compile import compiled_in_fresh_process
 from tests.engine.test_cpu_kernels import N_IN, random_tensor
 
-Q8 = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+Q8 = [f.name for f in FORMATS.values() if f.q8 is not None]  # the formats with q8 kernels
 
 
 @pytest.fixture(scope="module")

@@ -1,21 +1,23 @@
 """CPU weights in their GGUF block formats and the compiled kernels that multiply them.
 
-Layering: ``formats`` (block geometry, pure Python) at the bottom; ``simd`` (eight-lane
-vector types for numba, as LLVM vector IR) and ``atomics`` (atomic words, raw pointers,
-indirect calls) beside it; ``blocks`` (block decoders on those vectors, bit-exact) on
-them; ``pool`` (kernel threads that claim chunks of a product) on ``atomics``;
-``kernels`` (k-row products, gathers, whole-matrix decode) on ``blocks`` and ``pool``'s
-word layout; ``tiles`` (prefill's products: tiles of decoded rows through BLAS, shared by
-threads) on ``kernels``; ``matrix`` (:class:`BlockMatrix`, what a stage holds) on top,
-which imports numba only at the first product so that importing the engine stays cheap.
-Beside ``matrix``: ``q8`` (the opt-in 8-bit-activation products, ``--dtype q8``) over
-``q8_kernels`` (quantizing activations, the row tiles), ``q8_blocks`` (a weight chunk
-unpacked to bytes), ``simd_int`` (byte vectors and the integer dot product) and
-``simd_q8`` (vectors whose lanes are rows, the 512-bit dot product). ``attention``
-(one layer's attention for all short sequences of a batch, in one call; used by
-``meshnode.engine.attention``) on ``attention_rows`` (a block of query rows over one KV
-head: dot products, softmax, weighted sums), ``simd`` and ``atomics``; ``norms`` (RMSNorm
-in one call, ``CpuBackend.rms_norm``) on ``simd``.
+Layering: ``formats`` (one row per block format: geometry, kernel id, the names of its
+decoders; pure Python) at the bottom; ``simd`` (eight-lane vector types for numba, as LLVM
+vector IR) and ``atomics`` (atomic words, raw pointers, indirect calls) beside it;
+``blocks`` (block decoders on those vectors, bit-exact, and the lookup of a row's decoders
+while compiling) on them, ``wide`` (the quantized formats' sixteen-lane decoders) and
+``fp4`` (MXFP4's decoders) beside it; ``pool`` (kernel threads that claim chunks of a
+product) on ``atomics``; ``kernels`` (k-row products, gathers, whole-matrix decode) on
+``blocks`` and ``pool``'s word layout; ``tiles`` (prefill's products: tiles of decoded
+rows through BLAS, shared by threads) on ``kernels``; ``matrix`` (:class:`BlockMatrix`,
+what a stage holds) on top, which imports numba only at the first product so that
+importing the engine stays cheap. Beside ``matrix``: ``q8`` (the opt-in 8-bit-activation
+products, ``--dtype q8``) over ``q8_kernels`` (quantizing activations, the row tiles),
+``q8_blocks`` (a weight chunk unpacked to bytes), ``simd_int`` (byte vectors and the
+integer dot product) and ``simd_q8`` (vectors whose lanes are rows, the 512-bit dot
+product). ``attention`` (one layer's attention for all short sequences of a batch, in one
+call; used by ``meshnode.engine.attention``) on ``attention_rows`` (a block of query rows
+over one KV head: dot products, softmax, weighted sums), ``simd`` and ``atomics``;
+``norms`` (RMSNorm in one call, ``CpuBackend.rms_norm``) on ``simd``.
 """
 
 from meshnode.engine.cpu.matrix import (

@@ -7,11 +7,13 @@ decoders are :mod:`.wide`'s (sixteen lanes). Here too are the scalar reads they 
 packed six-bit scales (:func:`q3_k_scale`, :func:`k_scale_min`).
 
 Block layouts are GGML's (``ggml-common.h``); ``QK_K`` is 256. The numbers the kernels
-dispatch on are :data:`.formats.FORMATS`' kernel ids.
+dispatch on are :data:`.formats.FORMATS`' kernel ids; :func:`format_row` is the row of
+such a number while compiling, and :func:`decoder` the function a row names.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,7 @@ from numba import types
 from numba.core.errors import TypingError
 from numba.extending import overload
 
+from meshnode.engine.cpu.formats import BY_KERNEL_ID, Format
 from meshnode.engine.cpu.simd import (
     INNER,
     inner,
@@ -117,7 +120,23 @@ def literal_format(fmt: Any) -> int:
     return value
 
 
-_FLOATS = {0: _f32, 1: _f16, 2: _bf16}  # the decoder of each plain float format, as wide's
+def format_row(fmt: Any) -> Format:
+    """The :data:`.formats.FORMATS` row of the kernel id that ``fmt`` (a numba type) holds
+    as a compile-time constant (:func:`literal_format`). Raises ``TypingError`` if none."""
+    row = BY_KERNEL_ID.get(literal_format(fmt))
+    if row is None:
+        raise TypingError(f"no block format has kernel id {fmt.literal_value}")
+    return row
+
+
+def decoder(name: str) -> Any:
+    """The function a format row names: ``"wide._q4_0"`` is ``_q4_0`` of :mod:`.wide`.
+
+    Resolved while compiling: the decoders' modules import numba, which
+    :mod:`.formats` must not."""
+    module, _, function = name.partition(".")
+    found: Any = getattr(importlib.import_module(f"meshnode.engine.cpu.{module}"), function)
+    return found
 
 
 def chunk(fmt: int, row: Any, c: int) -> Any:
@@ -129,4 +148,7 @@ def chunk(fmt: int, row: Any, c: int) -> Any:
 
 @overload(chunk, prefer_literal=True, jit_options=INNER)
 def _chunk(fmt, row, c):  # type: ignore[no-untyped-def]
-    return _FLOATS[literal_format(fmt)]
+    row_format = format_row(fmt)
+    if row_format.lanes != 8:
+        raise TypingError(f"{row_format.name} has sixteen-lane decoders (.wide's wchunk)")
+    return decoder(row_format.exact)

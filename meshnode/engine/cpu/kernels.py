@@ -38,7 +38,7 @@ from numba.np.numpy_support import carray
 
 from meshnode.engine.cpu import pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
-from meshnode.engine.cpu.blocks import chunk, literal_format
+from meshnode.engine.cpu.blocks import chunk, format_row
 from meshnode.engine.cpu.simd import (
     INNER,
     entry,
@@ -90,7 +90,7 @@ def _dot1(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
 
 
 def _dot1_wide(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
-    # one activation row against a quantized format (3 to 12), 32 values as two
+    # one activation row against a format of sixteen-lane decoders, 32 values as two
     # sixteen-lane vectors (half the instructions of four eight-lane ones); each weight
     # decoded as gguf's dequantize does it, so the terms are the same, summed in other lanes
     a0, a1 = wzero(), wzero()
@@ -115,8 +115,8 @@ def _dot1_any(fmt: Any, row: Any, x: Any, n_in: Any) -> Any:
 
 @overload(_dot1_any, prefer_literal=True, jit_options=INNER)
 def _dot1_typed(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
-    # the format's own product, chosen while compiling (.blocks.literal_format)
-    return _dot1_wide if literal_format(fmt) >= 3 else _dot1
+    # the format's own product, chosen while compiling (.blocks.format_row)
+    return _dot1_wide if format_row(fmt).lanes == 16 else _dot1
 
 
 def _decode_any(fmt: Any, row: Any, w: Any, base: Any, n_in: Any) -> None:
@@ -125,7 +125,7 @@ def _decode_any(fmt: Any, row: Any, w: Any, base: Any, n_in: Any) -> None:
 
 @overload(_decode_any, prefer_literal=True, jit_options=INNER)
 def _decode_typed(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
-    return _decode_wide if literal_format(fmt) >= 3 else _decode
+    return _decode_wide if format_row(fmt).lanes == 16 else _decode
 
 
 def _decode(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]

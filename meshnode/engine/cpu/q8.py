@@ -23,12 +23,13 @@ from types import ModuleType
 import numpy as np
 
 from meshnode.engine.cpu import matrix
+from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.matrix import BlockMatrix
 
 __all__ = ["Q8_FORMATS", "accepts", "q8_product"]
 
-# The formats with integer quants (kernel ids of .formats: Q4_0 .. Q6_K).
-Q8_FORMATS = frozenset(range(3, 13))
+# The formats with integer quants (kernel ids of the .formats rows with a .q8 reading).
+Q8_FORMATS = frozenset(f.kernel_id for f in FORMATS.values() if f.q8 is not None)
 # An earlier version took only one-row products (Q8_MAX_ROWS = 1): its kernels took four
 # rows per unpacked weight chunk in eight-lane vectors, with a scale and a scalar minimum
 # per chunk and row, and in whole forwards of 2 and 4 rows were slower than the exact

@@ -24,17 +24,29 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from numba.core.errors import TypingError
 from numba.extending import overload
 
-from meshnode.engine.cpu.blocks import literal_format
+from meshnode.engine.cpu.blocks import decoder, format_row, literal_format
+from meshnode.engine.cpu.formats import FORMATS, Q8
 from meshnode.engine.cpu.simd import INNER, inner
 from meshnode.engine.cpu.simd_int import band, bits32, bload, bor, bshl, bshr, bxor, half, nibbles
 
-__all__ = ["OFFSET_SHIFTS", "block_bytes", "chunk", "minimum_kind", "offset_area", "per16"]
+__all__ = [
+    "OFFSET_SHIFTS",
+    "block_bytes",
+    "chunk",
+    "f16_head",
+    "minimum_kind",
+    "offset_area",
+    "per16",
+]
 
-# The shifts of the offsets (offset areas 0 .. 4): z = 4 (Q3_K), 8 (Q4_0), 16 (Q5_0),
-# 32 (Q6_K), 128 (Q8_0).
-OFFSET_SHIFTS = (2, 3, 4, 5, 7)
+# Every table below is derived from the rows of .formats.FORMATS (their .q8), by kernel id.
+_Q8_ROWS = {f.kernel_id: f.q8 for f in FORMATS.values() if f.q8 is not None}
+# The shifts of the offsets z (offset areas 0, 1, ...), smallest first: z = 4 (Q3_K),
+# 8 (Q4_0), 16 (Q5_0), 32 (Q6_K), 128 (Q8_0).
+OFFSET_SHIFTS = tuple(sorted({q.offset.bit_length() - 1 for q in _Q8_ROWS.values() if q.offset}))
 
 
 def _constant(name: str, table: dict[int, int | bool], doc: str) -> Any:
@@ -58,25 +70,35 @@ def _constant(name: str, table: dict[int, int | bool], doc: str) -> Any:
     return stub
 
 
+def _area(q: Q8) -> int:
+    return OFFSET_SHIFTS.index(q.offset.bit_length() - 1) if q.offset else -1
+
+
 offset_area = _constant(
     "offset_area",
-    {3: 1, 4: -1, 5: 2, 6: -1, 7: 4, 8: -1, 9: 0, 10: -1, 11: -1, 12: 3},
+    {f: _area(q) for f, q in _Q8_ROWS.items()},
     "The offset area (index into :data:`OFFSET_SHIFTS`) of format ``fmt``, or -1.",
 )
 minimum_kind = _constant(
     "minimum_kind",
-    {3: 0, 4: 1, 5: 0, 6: 1, 7: 0, 8: 2, 9: 0, 10: 1, 11: 1, 12: 0},
+    {f: q.minimum for f, q in _Q8_ROWS.items()},
     "0: no minimum; 1: one per 32-value chunk; 2: one per 16 values (Q2_K).",
 )
 block_bytes = _constant(
     "block_bytes",
-    {3: 18, 4: 20, 5: 22, 6: 24, 7: 34, 8: 84, 9: 110, 10: 144, 11: 176, 12: 210},
+    {f.kernel_id: f.type_size for f in FORMATS.values() if f.q8 is not None},
     "Bytes of a block of format ``fmt`` (Q4_0 .. Q8_0: 32 values; K-quants: 256).",
 )
 per16 = _constant(
     "per16",
-    {f: f in (8, 9, 12) for f in range(3, 13)},
+    {f: q.per16 for f, q in _Q8_ROWS.items()},
     "Whether format ``fmt`` has an integer scale per 16 values (Q2_K, Q3_K, Q6_K).",
+)
+f16_head = _constant(
+    "f16_head",
+    {f: q.f16_head for f, q in _Q8_ROWS.items()},
+    "Whether each chunk of format ``fmt`` is a block led by its float16 scale (and "
+    "minimum): Q4_0 .. Q8_0.",
 )
 
 
@@ -173,21 +195,19 @@ def _q6_k(fmt, w, base, c):  # type: ignore[no-untyped-def]
     return u, half(w, o + 208), z, z, sa, sb
 
 
-_DECODERS = {
-    3: _q4_0, 4: _q4_1, 5: _q5_0, 6: _q5_1, 7: _q8_0,
-    8: _q2_k, 9: _q3_k, 10: _q4_k, 11: _q5_k, 12: _q6_k,
-}  # fmt: skip
-
-
 def chunk(fmt: int, w: Any, base: int, c: int) -> Any:
     """Chunk ``c`` of the row at byte ``base`` of ``w`` (flat uint8), format ``fmt`` (a
     kernel id of :data:`.q8.Q8_FORMATS`): ``(u, dw, m, m2, sa, sb)``.
 
     Compiled code only, ``fmt`` a compile-time constant (:func:`.blocks.literal_format`):
-    the call is the format's own decoder, so a kernel compiles its format's only."""
+    the call is the format's own unpacker (its row's ``q8.unpack``), so a kernel compiles
+    its format's only."""
     raise TypeError("chunk is for compiled code")
 
 
 @overload(chunk, prefer_literal=True, jit_options=INNER)
 def _chunk(fmt, w, base, c):  # type: ignore[no-untyped-def]
-    return _DECODERS[literal_format(fmt)]
+    q8 = format_row(fmt).q8
+    if q8 is None:
+        raise TypingError(f"{format_row(fmt).name} has no 8-bit-activation kernels")
+    return decoder(q8.unpack)

@@ -48,6 +48,7 @@ from meshnode.engine.cpu.q8_blocks import (
     OFFSET_SHIFTS,
     block_bytes,
     chunk,
+    f16_head,
     minimum_kind,
     offset_area,
     per16,
@@ -236,7 +237,7 @@ def _group(fmt, w, base, q, g, n, nb, blocks):  # type: ignore[no-untyped-def]
         else:
             d = iadd16(lo, hi)
         dws, ms = wpair(dw0, dw1), wpair(m0, m1)
-        if fmt <= 7:  # a block per chunk, its scale and minimum first: one conversion
+        if f16_head(fmt):  # a block per chunk, its scale and minimum first: one conversion
             size = block_bytes(fmt)
             dws, ms = hpairs(w, base + 2 * p * size, base + (2 * p + 1) * size)
         acc = wfma(tofloat16(d), wmul(dws, fload16(q, dxt + 32 * i)), acc)

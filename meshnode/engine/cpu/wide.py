@@ -20,8 +20,8 @@ arrays: :func:`wbits` reads sixteen bytes as ``(byte >> shift) & mask`` in int32
 and :func:`wior`, :func:`wishl`, :func:`wisub` and :func:`wtof` combine them, as
 :mod:`.simd`'s eight-lane integer functions do.
 
-Formats are :data:`.formats.FORMATS`' kernel ids 3 (Q4_0) to 12 (Q6_K); the plain float
-formats (0-2) stay with :mod:`.blocks`' eight-lane loads.
+The formats whose rows (:data:`.formats.FORMATS`) name a decoder here are the quantized
+ones; the plain floats stay with :mod:`.blocks`' eight-lane loads.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from typing import Any
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core.errors import TypingError
 from numba.extending import models, overload, register_model
 
-from meshnode.engine.cpu.blocks import f16, k_scale_min, literal_format, q3_k_scale, u32
+from meshnode.engine.cpu.blocks import decoder, f16, format_row, k_scale_min, q3_k_scale, u32
 from meshnode.engine.cpu.simd import (
     INNER,
     F32x16,
@@ -294,23 +295,20 @@ def _q6_k(fmt, row, c):  # type: ignore[no-untyped-def]
     return wmul(da, qa), wmul(db, qb)
 
 
-# the decoder of each format, by kernel id: compiled as :func:`wchunk` (their ``fmt`` is
-# its, unused), so each in a kernel of its format only
-_DECODERS = {
-    3: _q4_0, 4: _q4_1, 5: _q5_0, 6: _q5_1, 7: _q8_0,
-    8: _q2_k, 9: _q3_k, 10: _q4_k, 11: _q5_k, 12: _q6_k,
-}  # fmt: skip
-
-
 def wchunk(fmt: int, row: Any, c: int) -> Any:
-    """Values ``32 c .. 32 c + 31`` of ``row`` (format ``fmt``, 3 to 12) as two vectors.
+    """Values ``32 c .. 32 c + 31`` of ``row`` (a format of sixteen-lane decoders: the
+    quantized ones) as two vectors.
 
     Compiled code only, ``fmt`` a compile-time constant (:func:`.blocks.literal_format`):
-    the call is the format's own decoder, so a kernel compiles its formats' decoders only.
+    the call is the format's own decoder (its row's ``exact``, compiled as this, its
+    ``fmt`` unused), so a kernel compiles its formats' decoders only.
     """
     raise TypeError("wchunk is for compiled code")
 
 
 @overload(wchunk, prefer_literal=True, jit_options=INNER)
 def _wchunk(fmt, row, c):  # type: ignore[no-untyped-def]
-    return _DECODERS[literal_format(fmt)]
+    row_format = format_row(fmt)
+    if row_format.lanes != 16:
+        raise TypingError(f"{row_format.name} has eight-lane decoders (.blocks' chunk)")
+    return decoder(row_format.exact)

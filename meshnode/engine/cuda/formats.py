@@ -15,9 +15,11 @@ each row a whole number of 32-value units, in one of:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
+
+from meshnode.engine.cpu.formats import FORMATS
 
 __all__ = [
     "CPP_NAME",
@@ -31,25 +33,21 @@ __all__ = [
 
 Format = Literal["f32", "f16", "bf16", "q8_0", "q4_k"]
 
+# The CPU's format rows that name a CUDA struct (their ``cuda``): every table below is
+# derived from them, under the lower-case names of Format.
+_ON_DEVICE = {cast(Format, f.name.lower()): f for f in FORMATS.values() if f.cuda is not None}
+
 #: The C++ format struct of each format in ``kernels.SOURCE``.
-CPP_NAME: dict[Format, str] = {
-    "f32": "FmtF32",
-    "f16": "FmtF16",
-    "bf16": "FmtBF16",
-    "q8_0": "FmtQ8_0",
-    "q4_k": "FmtQ4_K",
-}
+CPP_NAME: dict[Format, str] = {name: str(f.cuda) for name, f in _ON_DEVICE.items()}
 
 #: GGML quant types kept quantized on the device, by their GGML name.
-QUANT_FORMATS: dict[str, Format] = {"Q8_0": "q8_0", "Q4_K": "q4_k"}
+QUANT_FORMATS: dict[str, Format] = {
+    f.name: name for name, f in _ON_DEVICE.items() if f.block_size > 1
+}
 
 # (values per block, bytes per block) of each format.
 _BLOCKS: dict[Format, tuple[int, int]] = {
-    "f32": (1, 4),
-    "f16": (1, 2),
-    "bf16": (1, 2),
-    "q8_0": (32, 34),
-    "q4_k": (256, 144),
+    name: (f.block_size, f.type_size) for name, f in _ON_DEVICE.items()
 }
 
 

@@ -24,6 +24,8 @@ use it, so each format's block math is written once (and mirrored in NumPy by
 
 from __future__ import annotations
 
+from meshnode.engine.cuda.formats import CPP_NAME
+
 __all__ = [
     "BLOCK",
     "GEMV_BLOCK",
@@ -51,7 +53,7 @@ STEP = 5  # columns of the step table (see the module docstring)
 MAX_HEAD_DIM = 256  # the attention kernel keeps one query head in shared memory
 UNIT = 32  # values per decode unit (see the module docstring)
 
-FORMATS = ("FmtF32", "FmtF16", "FmtBF16", "FmtQ8_0", "FmtQ4_K")
+FORMATS = tuple(CPP_NAME.values())  # the format structs, from the format rows
 KV_TYPES = ("float", "u16")  # the KV cache in float32, or float16 bits
 
 SOURCE = r"""
