@@ -32,6 +32,7 @@ from meshnode.engine.cuda.stage import CudaStage
 from meshnode.engine.hybrid import HybridStage, load_hybrid_weights
 from meshnode.engine.hybrid_config import HybridConfig
 from meshnode.engine.kv_cache import KVCache, kv_numpy_dtype, resolve_kv_dtype
+from meshnode.engine.moe import moe_mlp
 from meshnode.engine.mtp import MtpHead, has_mtp, load_mtp_weights
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, HybridCache
 from meshnode.engine.weights import LayerWeights, StageWeights
@@ -256,10 +257,15 @@ class Stage:
         if w.bqkv is not None:
             qkv = qkv + w.bqkv
         # per sequence: QK-norm, RoPE, its cache, attention (engine.attention)
-        heads = self._attention_of(qkv, segs, plan, layer, (w.q_norm, w.k_norm), last)
-        return self._linear(heads, w.wo)  # [R, E]
+        norms = (w.q_norm, w.k_norm)
+        heads = self._attention_of(qkv, segs, plan, layer, norms, last, w.sinks)  # MoE: sinks
+        out = self._linear(heads, w.wo)  # [R, E]
+        return out if w.bo is None else out + w.bo  # MoE (gpt-oss): the output's bias
 
     def _mlp(self, w: LayerWeights, x: Any) -> Any:
+        if w.moe is not None:  # MoE: the layer's feed-forward kind is routed experts
+            assert self.config.moe is not None
+            return moe_mlp(self.backend, self.config.moe, w.moe, x)  # [r, E]
         gate_up = self._linear(x, w.w_gate_up)  # [r, 2 I]
         act = self.backend.glu(gate_up, self.config.arch.activation)  # SwiGLU/GeGLU, [r, I]
         return self._linear(act, w.w_down)  # [r, E]

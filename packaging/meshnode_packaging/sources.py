@@ -32,6 +32,7 @@ import gguf
 import numpy as np
 
 from meshnode_packaging.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor, forget_pages
+from meshnode_packaging.sources_moe import hf_moe_name
 from meshnode_packaging.sources_tokenizer import UnsupportedTokenizerError, gguf_tokenizer_json
 
 __all__ = [
@@ -185,10 +186,10 @@ def hf_to_canonical(name: str) -> str:
     """The canonical name of Hugging Face tensor ``name``."""
     for prefix in _HF_TEXT_PREFIXES:
         if name.startswith(prefix):
-            return name.removeprefix(prefix)
+            return hf_moe_name(name.removeprefix(prefix))
     if name == "language_model.lm_head.weight":
         return "lm_head.weight"
-    return name.removeprefix(HF_PREFIX)
+    return hf_moe_name(name.removeprefix(HF_PREFIX))  # MoE roles: one spelling
 
 
 # ---------------------------------------------------------------------------------------
