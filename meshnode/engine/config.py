@@ -304,7 +304,9 @@ def _hf_fields(config: dict[str, Any]) -> dict[str, Any]:
         "num_kv_heads": int(config.get("num_key_value_heads") or heads),
         "head_dim": int(config.get("head_dim") or hidden // heads),
         # Qwen3.5-MoE has no dense MLP, hence no intermediate_size
-        "intermediate_size": int(config.get("intermediate_size") or config["moe_intermediate_size"]),
+        "intermediate_size": int(
+            config.get("intermediate_size") or config["moe_intermediate_size"]
+        ),
         "vocab_size": int(config["vocab_size"]),
         "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
         "rope_theta": float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),

@@ -166,7 +166,9 @@ def _fields(config: dict[str, Any]) -> dict[str, Any]:
         "rotary_dim": int(head_dim * partial),
         "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         # a MoE model's dense MLP size, if it has one (its experts' size otherwise)
-        "intermediate_size": int(config.get("intermediate_size") or config["moe_intermediate_size"]),
+        "intermediate_size": int(
+            config.get("intermediate_size") or config["moe_intermediate_size"]
+        ),
         "vocab_size": int(config["vocab_size"]),
         "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
         "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
