@@ -169,9 +169,7 @@ class Attention:
         out = self._heads(q, keys, values, self.windows[layer], sinks)  # [H, r, D]
         return out.transpose(1, 0, 2).reshape(rows, c.q_size)  # [r, H D]
 
-    def _heads(
-        self, q: Any, keys: Any, values: Any, window: int | None, sinks: Any | None
-    ) -> Any:
+    def _heads(self, q: Any, keys: Any, values: Any, window: int | None, sinks: Any | None) -> Any:
         return ops.attention(self.xp, q, keys, values, self.scale, window, sinks)
 
     def _maybe_norm(self, x: Any, weight: Any | None) -> Any:
@@ -255,9 +253,7 @@ class KernelAttention(Attention):
             offset, row = offset + seg.n, row + rows
         return out
 
-    def _heads(
-        self, q: Any, keys: Any, values: Any, window: int | None, sinks: Any | None
-    ) -> Any:
+    def _heads(self, q: Any, keys: Any, values: Any, window: int | None, sinks: Any | None) -> Any:
         """A long segment's heads: :func:`blocked_attention`, its blocks shared by the
         threads that may run (:func:`meshnode.engine.cpu.matrix.share`); with sinks the
         reference."""

@@ -390,9 +390,7 @@ def _llama3_inv_freq(inv: list[float], scaling: dict[str, Any]) -> list[float]:
     return out
 
 
-def _yarn_inv_freq(
-    inv: list[float], scaling: dict[str, Any], base: float, dim: int
-) -> list[float]:
+def _yarn_inv_freq(inv: list[float], scaling: dict[str, Any], base: float, dim: int) -> list[float]:
     """YaRN (transformers' ``_compute_yarn_parameters``): frequencies above the
     ``beta_fast`` correction dimension kept, below ``beta_slow`` divided by the factor,
     a linear ramp between (``truncate``, default true, rounds the ramp's ends outward)."""

@@ -70,9 +70,7 @@ GPT_OSS_SWA_PATTERN = 2
 GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 
 
-def gguf_moe_config(
-    meta: Callable[..., Any], arch: str, config: dict[str, Any]
-) -> dict[str, Any]:
+def gguf_moe_config(meta: Callable[..., Any], arch: str, config: dict[str, Any]) -> dict[str, Any]:
     """The MoE (and gpt-oss attention) keys of a GGUF of architecture ``arch`` whose
     other keys are ``config``; empty for a model without experts."""
     experts = int(meta("expert_count", 0) or 0)
