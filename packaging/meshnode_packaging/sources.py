@@ -31,8 +31,8 @@ from typing import Any, Protocol
 import gguf
 import numpy as np
 
+from meshnode_packaging import sources_moe as moe
 from meshnode_packaging.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor, forget_pages
-from meshnode_packaging.sources_moe import hf_moe_name
 from meshnode_packaging.sources_tokenizer import UnsupportedTokenizerError, gguf_tokenizer_json
 
 __all__ = [
@@ -144,6 +144,7 @@ GGUF_TO_CANONICAL: dict[str, str] = {
     "blk.{i}.ffn_down.weight": "layers.{i}.mlp.down_proj.weight",
     "blk.{i}.attn_q_norm.weight": "layers.{i}.self_attn.q_norm.weight",
     "blk.{i}.attn_k_norm.weight": "layers.{i}.self_attn.k_norm.weight",
+    **moe.GGUF_MOE_NAMES,  # routers, 3-D expert tensors, shared experts, attention sinks
 }
 
 # Where an architecture's Hugging Face names differ from Llama's (gguf-py's
@@ -154,7 +155,7 @@ _GEMMA_NORMS = {
     "blk.{i}.post_attention_norm.weight": "layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.post_ffw_norm.weight": "layers.{i}.post_feedforward_layernorm.weight",
 }
-GGUF_ARCH_NAMES: dict[str, dict[str, str]] = {"gemma3": _GEMMA_NORMS}
+GGUF_ARCH_NAMES: dict[str, dict[str, str]] = {"gemma3": _GEMMA_NORMS, "gpt-oss": moe.GPT_OSS_NAMES}
 # Without a known architecture every name any architecture uses maps somewhere (Llama's
 # meaning first), so that a reader that only needs the layer of a tensor finds it.
 _ANY_ARCH = {k: v for t in GGUF_ARCH_NAMES.values() for k, v in t.items()} | GGUF_TO_CANONICAL
@@ -186,10 +187,10 @@ def hf_to_canonical(name: str) -> str:
     """The canonical name of Hugging Face tensor ``name``."""
     for prefix in _HF_TEXT_PREFIXES:
         if name.startswith(prefix):
-            return hf_moe_name(name.removeprefix(prefix))
+            return moe.hf_moe_name(name.removeprefix(prefix))
     if name == "language_model.lm_head.weight":
         return "lm_head.weight"
-    return hf_moe_name(name.removeprefix(HF_PREFIX))  # MoE roles: one spelling
+    return moe.hf_moe_name(name.removeprefix(HF_PREFIX))  # MoE roles: one spelling
 
 
 # ---------------------------------------------------------------------------------------
@@ -217,6 +218,8 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "mistral": GGUFArchitecture("mistral", "MistralForCausalLM", permuted_qk=True),
     "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM"),
     "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gpt-oss": GGUFArchitecture("gpt_oss", "GptOssForCausalLM"),
     "gemma3": GGUFArchitecture(
         "gemma3_text", "Gemma3ForCausalLM", norm_shift=1.0, hidden_act="gelu_pytorch_tanh"
     ),
@@ -270,7 +273,7 @@ def gguf_config(reader: GGUFFile, tensor_names: set[str]) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
         "head_dim": int(meta("attention.key_length", hidden // heads)),
-        "intermediate_size": int(meta("feed_forward_length")),
+        "intermediate_size": int(meta("feed_forward_length", meta("expert_feed_forward_length"))),
         "vocab_size": int(vocab),
         "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(meta("rope.freq_base", 10000.0)),
@@ -283,6 +286,7 @@ def gguf_config(reader: GGUFFile, tensor_names: set[str]) -> dict[str, Any]:
     }
     if arch == "gemma3":
         config.update(_gemma3_config(meta, config))
+    config.update(moe.gguf_moe_config(meta, arch, config))  # experts (and gpt-oss's windows)
     return config
 
 
@@ -316,6 +320,8 @@ def _gguf_rope_scaling(meta: Callable[..., Any]) -> dict[str, Any] | None:
     kind = meta("rope.scaling.type")
     if kind in (None, "none"):
         return None
+    if kind == "yarn":
+        return moe.gguf_yarn_scaling(meta)
     if kind != "linear":
         raise SourceError(f"unsupported GGUF rope scaling {kind!r}")
     return {"rope_type": "linear", "factor": float(meta("rope.scaling.factor", 1.0))}

@@ -19,7 +19,14 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["GGUF_MOE_NAMES", "HF_MOE_RENAMES", "gguf_moe_config", "hf_moe_name"]
+__all__ = [
+    "GGUF_MOE_NAMES",
+    "GPT_OSS_NAMES",
+    "HF_MOE_RENAMES",
+    "gguf_moe_config",
+    "gguf_yarn_scaling",
+    "hf_moe_name",
+]
 
 # (pattern, replacement) over a checkpoint's name, prefix already stripped.
 HF_MOE_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
@@ -60,7 +67,7 @@ GGUF_MOE_NAMES: dict[str, str] = {
     "blk.{i}.attn_output.bias": "layers.{i}.self_attn.o_proj.bias",
 }
 # gpt-oss's converter calls the norm before the MLP "post_attention_norm" (ATTN_POST_NORM).
-GGUF_GPT_OSS_NAMES = {
+GPT_OSS_NAMES = {
     "blk.{i}.post_attention_norm.weight": "layers.{i}.post_attention_layernorm.weight",
 }
 
@@ -90,6 +97,8 @@ def gguf_moe_config(meta: Callable[..., Any], arch: str, config: dict[str, Any])
     if arch == "gpt-oss":
         layers = int(config["num_hidden_layers"])
         out.update(GPT_OSS_SWIGLU)
+        if config.get("rope_scaling"):  # gpt-oss's YaRN ramp is not rounded (truncate false)
+            out["rope_scaling"] = {**config["rope_scaling"], "truncate": False}
         out["intermediate_size"] = out["moe_intermediate_size"]
         out["sliding_window"] = int(meta("attention.sliding_window"))
         out["layer_types"] = [
@@ -97,3 +106,15 @@ def gguf_moe_config(meta: Callable[..., Any], arch: str, config: dict[str, Any])
             for i in range(layers)
         ]
     return out
+
+
+def gguf_yarn_scaling(meta: Callable[..., Any]) -> dict[str, Any]:
+    """``rope_scaling`` of a GGUF whose ``rope.scaling.type`` is ``yarn`` (llama.cpp's
+    ``rope.scaling.*`` keys; its defaults: beta_fast 32, beta_slow 1)."""
+    return {
+        "rope_type": "yarn",
+        "factor": float(meta("rope.scaling.factor", 1.0)),
+        "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
+        "beta_fast": float(meta("rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": float(meta("rope.scaling.yarn_beta_slow", 1.0)),
+    }
