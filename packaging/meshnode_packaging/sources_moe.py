@@ -89,9 +89,9 @@ def gguf_moe_config(meta: Callable[..., Any], arch: str, config: dict[str, Any])
         "moe_intermediate_size": int(
             meta("expert_feed_forward_length", config["intermediate_size"])
         ),
-        # llama.cpp renormalises the chosen weights of these (build_moe_ffn's norm_w)
-        "norm_topk_prob": bool(meta("expert_weights_norm", True)),
     }
+    if arch != "gpt-oss":  # llama.cpp renormalises the chosen weights (build_moe_ffn's norm_w)
+        out["norm_topk_prob"] = bool(meta("expert_weights_norm", True))
     if arch == "llama":  # Mixtral is a Llama GGUF with experts
         out.update(model_type="mixtral", architectures=["MixtralForCausalLM"])
     if arch == "gpt-oss":

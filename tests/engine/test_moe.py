@@ -1,0 +1,202 @@
+"""Mixture-of-experts models against their tiny references (transformers 5.24, float32).
+
+Greedy continuations equal ``golden.json`` exactly for Qwen3-MoE, Mixtral, gpt-oss and
+Qwen3.5-MoE: on one node through ``meshnode generate --prompt-ids``'s code path, and
+split across two and three stages (cuts inside the run of MoE layers) with all four
+prompts in one batch. The GGUF twins (llama.cpp's names and 3-D expert tensors) give the
+checkpoints' logits. In the exact mode a row's logits are the same bits alone and
+batched; a step reads each chosen expert once and no other expert.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from meshnode_packaging.refs import open_ref
+from meshnode_packaging.sources import open_source
+
+from meshnode.cli.generate import GenerateConfig, complete
+from meshnode.engine import ModelConfig, Stage
+from meshnode.engine.backend import CpuBackend, CudaBackend, cpu_backend
+from meshnode.engine.config import ModelConfigError
+from meshnode.engine.generate import prefill
+from meshnode.engine.loader import load_model
+from meshnode.engine.model import BatchRow
+from meshnode.engine.moe import moe_mlp
+from meshnode.engine.moe_weights import load_moe
+from meshnode.engine.sampling import SamplingParams
+from tests.engine.moe_models import GGUF_ARCH, MODELS, MOE_DIR, golden, write_gguf_twin
+
+
+def _stages(path: Path, cuts: tuple[int, ...], backend: Any = None) -> list[Stage]:
+    source = open_ref(str(path))
+    config = ModelConfig.from_hf(source.config)
+    bounds = [0, *cuts, config.num_layers]
+    return [
+        Stage(config, source, a, b, embed=a == 0, head=b == config.num_layers, backend=backend)
+        for a, b in itertools.pairwise(bounds)
+    ]
+
+
+def _greedy(stages: list[Stage], prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy decoding of every prompt at once: each stage runs one batched forward of
+    all sequences' rows (prefill, then one row each per step)."""
+    caches = [[s.new_cache(len(p) + steps + 1) for s in stages] for p in prompts]
+    inputs: list[Any] = [np.asarray(p) for p in prompts]
+    pos, out = [0] * len(prompts), [[] for _ in prompts]
+    for _ in range(steps):
+        xs = inputs
+        for j, stage in enumerate(stages):
+            rows = [BatchRow(x, pos[i], caches[i][j], 1) for i, x in enumerate(xs)]
+            xs = stage.forward_batch(rows)
+        for i, logits in enumerate(xs):
+            token = int(np.argmax(logits[-1]))
+            out[i].append(token)
+            pos[i] += len(inputs[i])
+            inputs[i] = np.asarray([token])
+    return out
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_one_node_greedy_equals_the_reference(model: str) -> None:
+    """What ``meshnode generate --prompt-ids`` runs; and the last prompt row's top 5."""
+    loaded = load_model(str(MOE_DIR / model), cpu_backend())
+    for prompt in golden(model)["prompts"]:
+        config = GenerateConfig(
+            prompt_ids=tuple(prompt["prompt_ids"]),
+            max_tokens=len(prompt["gen_ids"]),
+            sampling=SamplingParams(temperature=0.0),
+        )
+        assert complete(loaded, config, None).token_ids == prompt["gen_ids"], prompt["id"]
+        ids = prompt["prompt_ids"]
+        logits = prefill(loaded.stage, loaded.stage.new_cache(len(ids) + 1), ids)
+        top_ids, top_logits = prompt["last_prompt_logits_top5"]
+        assert [int(i) for i in np.argsort(-logits)[:5]] == top_ids, prompt["id"]
+        np.testing.assert_allclose(logits[top_ids], top_logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("cuts", [(2,), (1, 3)], ids=["2-stages", "3-stages"])
+@pytest.mark.parametrize("model", MODELS)
+def test_split_and_batched_greedy_equals_the_reference(model: str, cuts: tuple[int, ...]) -> None:
+    prompts = golden(model)["prompts"]
+    got = _greedy(_stages(MOE_DIR / model, cuts), [p["prompt_ids"] for p in prompts], 32)
+    assert got == [p["gen_ids"] for p in prompts]
+
+
+# -- exactness and expert reads --------------------------------------------------------
+
+
+class _RowByRow(CpuBackend):
+    """The CPU backend in the exact mode with every product taken a row at a time: the
+    products' own results then cannot depend on the batch (the block kernels' one-row
+    path sums in another order than their multi-row path, a kernel property)."""
+
+    def __init__(self) -> None:
+        super().__init__("native")
+
+    def linear(self, x: Any, w: Any) -> Any:
+        return np.concatenate(
+            [super(_RowByRow, self).linear(x[i : i + 1], w) for i in range(len(x))]
+        )
+
+
+@pytest.mark.parametrize("model", ["mixtral-tiny", "gpt-oss-tiny", "qwen35-moe-tiny"])
+def test_a_rows_experts_give_the_same_bits_in_any_batch(model: str) -> None:
+    """Routing, grouping by expert and the weighted sum depend on the row alone: each row
+    of a batch equals that row run alone, bit for bit, whatever the other rows chose."""
+    backend = _RowByRow()
+    source = open_ref(str(MOE_DIR / model))
+    config = ModelConfig.from_hf(source.config)
+    moe = config.moe or (config.hybrid.moe if config.hybrid else None)
+    assert moe is not None
+    weights = load_moe(source, moe, "layers.1.", blocks=True)
+    x = np.random.default_rng(0).standard_normal((12, config.hidden_size)).astype(np.float32)
+    batch = moe_mlp(backend, moe, weights, x)
+    for i in range(len(x)):
+        assert np.array_equal(moe_mlp(backend, moe, weights, x[i : i + 1])[0], batch[i])
+    assert np.array_equal(moe_mlp(backend, moe, weights, x[::-1])[::-1], batch)
+
+
+class _Recorder(CpuBackend):
+    """The CPU backend, noting each weight matrix a product reads and its rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        object.__setattr__(self, "reads", [])
+
+    def linear(self, x: Any, w: Any) -> Any:
+        self.reads.append((id(w), x.shape[0]))
+        return super().linear(x, w)
+
+
+def test_a_step_reads_each_chosen_expert_once_and_no_other() -> None:
+    recorder = _Recorder()
+    (stage,) = _stages(MOE_DIR / "qwen3-moe-tiny", (), recorder)
+    caches = [stage.new_cache(16) for _ in range(3)]
+    rows = [BatchRow(np.asarray([3 + i, 40 + i, 90 + i]), 0, c) for i, c in enumerate(caches)]
+    top_k = 2
+
+    def expert_reads(layer: Any) -> list[tuple[int, int]]:
+        experts = {id(e.gate_up): n for n, e in enumerate(layer.moe.experts)}
+        return [(experts[w], r) for w, r in recorder.reads if w in experts]
+
+    recorder.reads.clear()
+    stage.forward_batch(rows)  # nine rows
+    for layer in stage.weights.layers:
+        read = expert_reads(layer)
+        assert len(read) == len({e for e, _ in read})  # one product per chosen expert
+        assert sum(r for _, r in read) == 9 * top_k  # every row went to k of them
+    recorder.reads.clear()
+    stage.forward(np.asarray([11]), 3, caches[0])  # one decode row
+    for layer in stage.weights.layers:
+        assert [r for _, r in expert_reads(layer)] == [1] * top_k  # k experts, no other
+
+
+# -- GGUF twins --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("moe-gguf")
+    return {m: write_gguf_twin(m, folder / f"{m}.gguf") for m in MODELS[:3]}
+
+
+@pytest.mark.parametrize("model", list(MODELS[:3]))
+def test_gguf_twin_gives_the_checkpoint_logits_and_the_reference_tokens(
+    twins: dict[str, Path], model: str
+) -> None:
+    (from_gguf,), (from_hf,) = _stages(twins[model], ()), _stages(MOE_DIR / model, ())
+    assert from_gguf.config.moe == from_hf.config.moe
+    assert from_gguf.config.layer_types == from_hf.config.layer_types
+    assert from_gguf.config.rope_inv_freq(0) == from_hf.config.rope_inv_freq(0)
+    prompt = golden(model)["prompts"][1]
+    ids = np.asarray(prompt["prompt_ids"])
+    a = from_gguf.forward(ids, 0, from_gguf.new_cache(64))
+    b = from_hf.forward(ids, 0, from_hf.new_cache(64))
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert _greedy([from_gguf], [prompt["prompt_ids"]], 32) == [prompt["gen_ids"]]
+
+
+def test_gguf_twin_config_names_the_family(twins: dict[str, Path]) -> None:
+    types = {m: open_source(p).config["model_type"] for m, p in twins.items()}
+    assert types == {
+        "qwen3-moe-tiny": "qwen3_moe",
+        "mixtral-tiny": "mixtral",
+        "gpt-oss-tiny": "gpt_oss",
+    }
+    assert set(GGUF_ARCH) == set(types.values())
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_cuda_stage_refuses_moe_in_one_line(model: str) -> None:
+    source = open_ref(str(MOE_DIR / model))
+    config = ModelConfig.from_hf(source.config)
+    with pytest.raises(ModelConfigError, match=f"^the CUDA stage does not run {config.model_type}"):
+        Stage(config, source, 0, 1, embed=True, head=False, backend=CudaBackend(np))
