@@ -47,7 +47,8 @@ def _greedy(stages: list[Stage], prompts: list[list[int]], steps: int) -> list[l
     all sequences' rows (prefill, then one row each per step)."""
     caches = [[s.new_cache(len(p) + steps + 1) for s in stages] for p in prompts]
     inputs: list[Any] = [np.asarray(p) for p in prompts]
-    pos, out = [0] * len(prompts), [[] for _ in prompts]
+    pos = [0] * len(prompts)
+    out: list[list[int]] = [[] for _ in prompts]
     for _ in range(steps):
         xs = inputs
         for j, stage in enumerate(stages):
@@ -123,6 +124,8 @@ def test_a_rows_experts_give_the_same_bits_in_any_batch(model: str) -> None:
 
 class _Recorder(CpuBackend):
     """The CPU backend, noting each weight matrix a product reads and its rows."""
+
+    reads: list[tuple[int, int]]
 
     def __init__(self) -> None:
         super().__init__()
