@@ -262,7 +262,9 @@ class ModelConfig:
         elif self.rope_type == "llama3":
             inv = _llama3_inv_freq(inv, scaling)
         elif self.rope_type == "yarn":
-            inv = _yarn_inv_freq(inv, scaling, self.rope_theta, dim)
+            old_ctx = scaling.get("original_max_position_embeddings")
+            old_ctx = float(old_ctx or self.max_position_embeddings)
+            inv = _yarn_inv_freq(inv, scaling, self.rope_theta, dim, old_ctx)
         if self.rope_freq_factors:
             inv = [f / d for f, d in zip(inv, self.rope_freq_factors, strict=True)]
         return inv
@@ -390,12 +392,14 @@ def _llama3_inv_freq(inv: list[float], scaling: dict[str, Any]) -> list[float]:
     return out
 
 
-def _yarn_inv_freq(inv: list[float], scaling: dict[str, Any], base: float, dim: int) -> list[float]:
-    """YaRN (transformers' ``_compute_yarn_parameters``): frequencies above the
-    ``beta_fast`` correction dimension kept, below ``beta_slow`` divided by the factor,
-    a linear ramp between (``truncate``, default true, rounds the ramp's ends outward)."""
+def _yarn_inv_freq(
+    inv: list[float], scaling: dict[str, Any], base: float, dim: int, old_ctx: float
+) -> list[float]:
+    """YaRN (transformers' ``_compute_yarn_parameters``) for a model trained on
+    ``old_ctx`` positions: frequencies above the ``beta_fast`` correction dimension kept,
+    below ``beta_slow`` divided by the factor, a linear ramp between (``truncate``,
+    default true, rounds the ramp's ends outward)."""
     factor = float(scaling["factor"])
-    old_ctx = float(scaling["original_max_position_embeddings"])
     fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
 
     def correction_dim(rotations: float) -> float:

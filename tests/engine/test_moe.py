@@ -11,6 +11,8 @@ batched; a step reads each chosen expert once and no other expert.
 from __future__ import annotations
 
 import itertools
+import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +22,13 @@ from meshnode_packaging.refs import open_ref
 from meshnode_packaging.sources import open_source
 
 from meshnode.cli.generate import GenerateConfig, complete
-from meshnode.engine import ModelConfig, Stage
+from meshnode.engine import ModelConfig, Stage, ops
 from meshnode.engine.backend import CpuBackend, CudaBackend, cpu_backend
 from meshnode.engine.config import ModelConfigError
 from meshnode.engine.generate import prefill
 from meshnode.engine.loader import load_model
 from meshnode.engine.model import BatchRow
-from meshnode.engine.moe import moe_mlp
+from meshnode.engine.moe import moe_mlp, route
 from meshnode.engine.moe_weights import load_moe
 from meshnode.engine.sampling import SamplingParams
 from tests.engine.moe_models import GGUF_ARCH, MODELS, MOE_DIR, golden, write_gguf_twin
@@ -203,3 +205,100 @@ def test_cuda_stage_refuses_moe_in_one_line(model: str) -> None:
     config = ModelConfig.from_hf(source.config)
     with pytest.raises(ModelConfigError, match=f"^the CUDA stage does not run {config.model_type}"):
         Stage(config, source, 0, 1, embed=True, head=False, backend=CudaBackend(np))
+
+
+# -- configuration and the layer's pieces --------------------------------------------------
+
+QWEN3_MOE = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 64,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 160,
+    "moe_intermediate_size": 48,
+    "vocab_size": 512,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "sparse"),
+    [
+        ({}, [True] * 6),
+        ({"decoder_sparse_step": 2}, [False, True] * 3),
+        ({"mlp_only_layers": [0, 5]}, [False, True, True, True, True, False]),
+        ({"decoder_sparse_step": 3, "mlp_only_layers": [2]}, [False] * 5 + [True]),
+    ],
+)
+def test_dense_layers_between_moe_ones(change: dict[str, Any], sparse: list[bool]) -> None:
+    moe = ModelConfig.from_hf({**QWEN3_MOE, **change}).moe
+    assert moe is not None
+    assert [moe.is_sparse(i) for i in range(6)] == sparse
+    assert (moe.expert_size, moe.top_k, moe.norm_topk_prob) == (48, 2, False)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_experts_per_tok": 9}, "outside 1..8"),
+        ({"num_experts_per_tok": None}, "invalid model config"),
+        ({"moe_intermediate_size": -4}, "intermediate size must be positive"),
+    ],
+)
+def test_bad_moe_configs(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ModelConfigError, match=message):
+        ModelConfig.from_hf({**QWEN3_MOE, **change})
+
+
+def test_routing_rules() -> None:
+    logits = np.array([[0.5, 2.0, -1.0, 1.0], [3.0, 3.0, 0.0, 1.0]], np.float32)
+    cfg = ModelConfig.from_hf(QWEN3_MOE).moe
+    assert cfg is not None
+    chosen, weights = route(np, logits, replace(cfg, top_k=2))
+    assert chosen.tolist() == [[1, 3], [0, 1]]  # a tie goes to the lower expert
+    p = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    np.testing.assert_allclose(weights[0], p[[1, 3]], rtol=1e-6)  # not renormalised
+    _, renormed = route(np, logits, replace(cfg, top_k=2, norm_topk_prob=True))
+    np.testing.assert_allclose(renormed[0], p[[1, 3]] / p[[1, 3]].sum(), rtol=1e-6)
+    _, gpt_oss = route(np, logits, replace(cfg, top_k=2, routing="topk_softmax"))
+    np.testing.assert_allclose(gpt_oss, renormed, rtol=1e-6)  # the same numbers, other sums
+    np.testing.assert_allclose(gpt_oss[1], [0.5, 0.5])
+
+
+def test_clamped_swiglu_is_gpt_oss_gate() -> None:
+    gate = np.array([[-3.0, 0.5, 9.0]], np.float32)
+    up = np.array([[-8.0, 0.25, 2.0]], np.float32)
+    got = ops.clamped_swiglu_mul(np, np.concatenate([gate, up], axis=1), 1.702, 7.0)
+    g, u = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
+    want = (u + 1) * g / (1 + np.exp(-1.702 * g))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert got[0, 2] == pytest.approx(3.0 * 7.0, rel=1e-4)  # both clamped at 7
+
+
+def test_sinks_take_a_share_of_each_rows_attention() -> None:
+    rng = np.random.default_rng(1)
+    heads, kv_heads, rows, t, dim = 4, 2, 3, 6, 8
+    q = rng.standard_normal((heads, rows, dim)).astype(np.float32)
+    keys = rng.standard_normal((kv_heads, t, dim)).astype(np.float32)
+    values = rng.standard_normal((kv_heads, t, dim)).astype(np.float32)
+    sinks = np.array([0.0, 1.0, -2.0, 3.0], np.float32)
+    got = ops.attention(np, q, keys, values, 0.35, 4, sinks)
+    for h in range(heads):
+        for r in range(rows):
+            pos = t - rows + r
+            lo = max(0, pos - 4 + 1)
+            s = keys[h // 2, lo : pos + 1] @ q[h, r] * 0.35
+            e = np.exp(np.append(s, sinks[h]) - max(s.max(), sinks[h]))
+            want = (e[:-1] / e.sum()) @ values[h // 2, lo : pos + 1]
+            np.testing.assert_allclose(got[h, r], want, rtol=1e-5, atol=1e-6)
+
+
+def test_yarn_scales_low_frequencies_and_the_attention() -> None:
+    config = ModelConfig.from_hf(json.loads((MOE_DIR / "gpt-oss-tiny" / "config.json").read_text()))
+    plain = ModelConfig.from_hf({**QWEN3_MOE, "head_dim": 16, "rope_theta": 150000.0})
+    yarn, base = config.rope_inv_freq(0), plain.rope_inv_freq(0)
+    assert yarn[0] == base[0]  # the fastest rotation is kept
+    assert yarn[-1] == pytest.approx(base[-1] / 4)  # the slowest divided by the factor
+    assert config.rope_attention_factor == pytest.approx(0.1 * np.log(4) + 1)
