@@ -111,7 +111,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         attention_bias=True,
         attention_sinks=True,
         cuda=False,
-        moe=MoeFamily(routing="topk_softmax", glu="clamped_swiglu"),
+        moe=MoeFamily(routing="topk_softmax", glu="clamped_swiglu", biases=True),
     ),
     # the hybrid stage with routed experts and a sigmoid-gated shared expert
     "qwen3_5_moe_text": Architecture(cuda=False, moe=QWEN35_MOE),

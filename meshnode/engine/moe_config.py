@@ -43,6 +43,7 @@ class MoeFamily:
     # norm_topk_prob when config.json does not say (Mixtral and Qwen3.5-MoE have no such
     # key: their routers always renormalise)
     norm_topk_prob: bool = False
+    biases: bool = False  # the router and the experts' matrices have biases (gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class MoeConfig:
     swiglu_alpha: float = 1.702  # gpt-oss's clamped SwiGLU (config swiglu_alpha)
     swiglu_limit: float = 7.0  # (config swiglu_limit)
     shared_expert_size: int = 0  # 0: no shared expert
+    biases: bool = False  # router and expert biases (gpt-oss)
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -72,9 +74,9 @@ class MoeConfig:
 
     def layer_params(self, hidden: int) -> tuple[int, int]:
         """(all, active per token) parameters of one sparse layer's feed-forward part."""
-        one = 3 * hidden * self.expert_size
+        one = 3 * hidden * self.expert_size + self.biases * (2 * self.expert_size + hidden)
         shared = 3 * hidden * self.shared_expert_size + (hidden if self.shared_expert_size else 0)
-        router = hidden * self.num_experts
+        router = (hidden + self.biases) * self.num_experts
         return router + self.num_experts * one + shared, router + self.top_k * one + shared
 
 
@@ -101,4 +103,5 @@ def moe_from_hf(
         swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(config.get("swiglu_limit", 7.0)),
         shared_expert_size=int(config.get("shared_expert_intermediate_size") or 0),
+        biases=family.biases,
     )

@@ -31,6 +31,7 @@ from meshnode.engine.model import BatchRow
 from meshnode.engine.moe import moe_mlp, route
 from meshnode.engine.moe_weights import load_moe
 from meshnode.engine.sampling import SamplingParams
+from meshnode.node.footprint import model_footprint
 from tests.engine.moe_models import GGUF_ARCH, MODELS, MOE_DIR, golden, write_gguf_twin
 
 
@@ -302,3 +303,15 @@ def test_yarn_scales_low_frequencies_and_the_attention() -> None:
     assert yarn[0] == base[0]  # the fastest rotation is kept
     assert yarn[-1] == pytest.approx(base[-1] / 4)  # the slowest divided by the factor
     assert config.rope_attention_factor == pytest.approx(0.1 * np.log(4) + 1)
+
+
+@pytest.mark.parametrize("model", MODELS[:3])
+def test_planner_estimate_counts_every_expert(model: str) -> None:
+    """Without the tensors at hand (a stage 0 fetching byte ranges) the planner's estimate
+    of a layer is about what a float32 stage holds: every expert, not only k."""
+    source = open_ref(str(MOE_DIR / model))
+    config = ModelConfig.from_hf(source.config)
+    held = cpu_backend().held_bytes(source, config)
+    assert held is not None
+    estimate = model_footprint(config).layer_bytes
+    np.testing.assert_allclose(estimate, held.layers, rtol=0.01)
