@@ -20,7 +20,10 @@ import numpy as np
 import pytest
 from meshnode_packaging.refs import open_ref
 from meshnode_packaging.sources import open_source
+from typer.testing import CliRunner
 
+from meshnode.cli import app
+from meshnode.cli import commands as _commands  # registers the commands on app
 from meshnode.cli.generate import GenerateConfig, complete
 from meshnode.engine import ModelConfig, Stage, ops
 from meshnode.engine.backend import CpuBackend, CudaBackend, cpu_backend
@@ -29,10 +32,13 @@ from meshnode.engine.generate import prefill
 from meshnode.engine.loader import load_model
 from meshnode.engine.model import BatchRow
 from meshnode.engine.moe import moe_mlp, route
-from meshnode.engine.moe_weights import load_moe
+from meshnode.engine.moe_weights import expert_slice, load_moe
 from meshnode.engine.sampling import SamplingParams
 from meshnode.node.footprint import model_footprint
 from tests.engine.moe_models import GGUF_ARCH, MODELS, MOE_DIR, golden, write_gguf_twin
+
+runner = CliRunner()
+assert _commands
 
 
 def _stages(path: Path, cuts: tuple[int, ...], backend: Any = None) -> list[Stage]:
@@ -315,3 +321,34 @@ def test_planner_estimate_counts_every_expert(model: str) -> None:
     assert held is not None
     estimate = model_footprint(config).layer_bytes
     np.testing.assert_allclose(estimate, held.layers, rtol=0.01)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_generate_prompt_ids_command_gives_the_reference_tokens(model: str) -> None:
+    """``meshnode generate --prompt-ids`` with the CPU's default weights (blocks kept)."""
+    prompt = golden(model)["prompts"][2]
+    ids = ",".join(str(t) for t in prompt["prompt_ids"])
+    args = ["--model", str(MOE_DIR / model), "--device", "cpu", "--prompt-ids", ids]
+    done = runner.invoke(app, ["generate", *args, "--json", "--max-tokens", "32"])
+    assert done.exit_code == 0, done.output
+    summary = json.loads(done.output.strip().splitlines()[-1])
+    assert summary["token_ids"] == prompt["gen_ids"]
+
+
+def test_gguf_experts_stay_views_of_the_mapped_file(twins: dict[str, Path]) -> None:
+    """With blocks kept, expert e's matrices are its slice of the memory-mapped 3-D tensor
+    (a token's product touches its experts' pages only), not copies."""
+    source = open_source(twins["mixtral-tiny"])
+    config = ModelConfig.from_hf(source.config)
+    layers = config.num_layers
+    stage = Stage(config, source, 0, layers, embed=True, head=True, backend=cpu_backend("native"))
+    moe = stage.weights.layers[1].moe
+    assert moe is not None
+    stacked = source.tensor("layers.1.mlp.experts.gate_proj.weight")
+    for e, expert in enumerate(moe.experts):
+        gate = expert.gate_up.parts[0].raw
+        assert np.shares_memory(gate, expert_slice(stacked, e).data)
+        assert not np.shares_memory(gate, expert_slice(stacked, (e + 1) % 4).data)
+    assert stage.weights.nbytes() == sum(
+        source.tensor(n).data.nbytes for n in source.tensor_names()
+    )
