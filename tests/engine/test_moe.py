@@ -16,10 +16,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 from meshnode_packaging.refs import open_ref
-from meshnode_packaging.sources import open_source
+from meshnode_packaging.sources import RawTensor, open_source
+from meshnode_packaging.writer import write_package
 from typer.testing import CliRunner
 
 from meshnode.cli import app
@@ -28,11 +30,12 @@ from meshnode.cli.generate import GenerateConfig, complete
 from meshnode.engine import ModelConfig, Stage, ops
 from meshnode.engine.backend import CpuBackend, CudaBackend, cpu_backend
 from meshnode.engine.config import ModelConfigError
+from meshnode.engine.cpu import BlockMatrix
 from meshnode.engine.generate import prefill
 from meshnode.engine.loader import load_model
 from meshnode.engine.model import BatchRow
 from meshnode.engine.moe import moe_mlp, route
-from meshnode.engine.moe_weights import expert_slice, load_moe
+from meshnode.engine.moe_weights import expert_slice, load_moe, matrix
 from meshnode.engine.sampling import SamplingParams
 from meshnode.node.footprint import model_footprint
 from tests.engine.moe_models import GGUF_ARCH, MODELS, MOE_DIR, golden, write_gguf_twin
@@ -352,3 +355,37 @@ def test_gguf_experts_stay_views_of_the_mapped_file(twins: dict[str, Path]) -> N
     assert stage.weights.nbytes() == sum(
         source.tensor(n).data.nbytes for n in source.tensor_names()
     )
+
+
+@pytest.mark.parametrize("model", list(MODELS[:3]))
+def test_layer_package_of_a_moe_gguf_gives_its_logits(
+    twins: dict[str, Path], model: str, tmp_path: Path
+) -> None:
+    """``meshnode package write`` carries the routers, 3-D expert tensors and sinks."""
+    write_package(twins[model], tmp_path / "pkg")
+    (packaged,), (direct,) = _stages(tmp_path / "pkg", ()), _stages(twins[model], ())
+    assert packaged.config.moe == direct.config.moe
+    ids = np.asarray(golden(model)["prompts"][0]["prompt_ids"])
+    a = packaged.forward(ids, 0, packaged.new_cache(64))
+    b = direct.forward(ids, 0, direct.new_cache(64))
+    np.testing.assert_array_equal(a, b)
+
+
+def test_quantized_expert_slices_multiply_as_their_decoded_rows() -> None:
+    """One expert of a Q8_0 ``[n, out, in]`` stack, in blocks and decoded, with gate and
+    up stacked: the same products as the decoded float32 rows."""
+    rng = np.random.default_rng(2)
+    n, out, inp = 4, 64, 96
+    stack = rng.standard_normal((n * out, inp)).astype(np.float32)
+    q8 = np.asarray(gguf.quants.quantize(stack, gguf.GGMLQuantizationType.Q8_0))
+    t = RawTensor("w", "Q8_0", (n, out, inp), q8.reshape(-1))
+    decoded = gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0).reshape(n, out, inp)
+    x = rng.standard_normal((3, inp)).astype(np.float32)
+    gate, up = expert_slice(t, 2), expert_slice(t, 3)
+    want = x @ np.concatenate([decoded[2], decoded[3]]).T  # [3, 2 out]
+    blocks, dense = matrix([gate, up], True), matrix([gate, up], False)
+    assert isinstance(blocks, BlockMatrix)
+    np.testing.assert_allclose(x @ blocks, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(x @ dense, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(IndexError, match=r"expert 4 outside 0\.\.3"):
+        expert_slice(t, 4)
