@@ -132,7 +132,8 @@ class Stage:
             ring_slots=ring_slots,
         )
         if mtp and self.head and has_mtp(source):
-            self.mtp = MtpHead(self.hybrid, load_mtp_weights(source, self.backend))
+            mtp_weights = load_mtp_weights(source, self.backend, hybrid_config.moe)  # MoE
+            self.mtp = MtpHead(self.hybrid, mtp_weights)
 
     @property
     def cuda(self) -> CudaStage | None:
