@@ -2,7 +2,9 @@
 
 One block serves every family in ``config.ARCHITECTURES``: Llama's pre-norm block, plus
 what the model's row switches on (QK-norm, norms on the attention and MLP outputs,
-GeGLU, scaled embeddings, sliding-window layers with their own RoPE base). A stage embeds
+GeGLU, scaled embeddings, sliding-window layers with their own RoPE base; attention
+sinks and the output bias of gpt-oss; a mixture of experts in place of the MLP where
+``config.moe`` says a layer routes, ``meshnode.engine.moe``). A stage embeds
 token ids when it is the first stage and applies the final norm and the output head when
 it is the last. One ``forward`` handles prefill (many new tokens), decode
 (one) and verify (k + 1) alike: new tokens attend causally to the cache and to each other.
