@@ -8,8 +8,11 @@ bottom; ``weights`` (the CPU layout and its loader) on them; ``cuda`` (the devic
 kernels, weights and forward) on ``weights``; ``backend`` (the :class:`Backend` strategies,
 ``CpuBackend`` and ``CudaBackend``, which own weight loading and the device side of the
 forward) on both; ``model`` (the stage forward, and the hybrid and MTP stages beside it)
-on ``backend``; ``sampling`` and ``tokenizer`` stand alone; ``generate`` (the prefill and
-decode rungs) and ``loader`` (single-node use) on top.
+on ``backend``; ``moe_config`` (which layers route to experts, and how) beside
+``config``, ``moe_weights`` (the router and each expert's matrices, views of the file's
+blocks) on ``cpu``, and ``moe`` (the routed feed-forward, through the backend's products)
+under ``model`` and ``hybrid``; ``sampling`` and ``tokenizer`` stand alone; ``generate``
+(the prefill and decode rungs) and ``loader`` (single-node use) on top.
 
 Imports ``meshnode.errors`` and ``meshnode_packaging`` (model sources) only, plus NumPy,
 numba (the CPU block kernels) and, on a CUDA backend, CuPy. ``tests/test_structure.py``

@@ -76,8 +76,9 @@ class RopeTable:
     frequencies, computed as :func:`ops.rope_cos_sin` computes them (each entry depends on
     its position alone, so a slice equals a per-segment computation bit for bit)."""
 
-    def __init__(self, xp: ModuleType, inv_freq: Any) -> None:
+    def __init__(self, xp: ModuleType, inv_freq: Any, scale: float = 1.0) -> None:
         self._xp, self._inv_freq = xp, inv_freq
+        self._scale = scale  # YaRN's attention factor: cos and sin times it (else 1)
         self.cos, self.sin = ops.rope_cos_sin(xp, inv_freq, 0, 0)
 
     def reach(self, end: int) -> None:
@@ -86,6 +87,9 @@ class RopeTable:
         if end > size:
             size = max(end, 2 * size, ROPE_TABLE_MIN)
             self.cos, self.sin = ops.rope_cos_sin(self._xp, self._inv_freq, 0, size)
+            if self._scale != 1.0:  # as transformers scales them, in float32
+                factor = self._xp.float32(self._scale)
+                self.cos, self.sin = self.cos * factor, self.sin * factor
 
     def rows(self, start: int, n: int) -> tuple[Any, Any]:
         """cos and sin ``[S, D]`` of positions ``start .. start + n - 1``."""
@@ -104,7 +108,7 @@ class Attention:
         kinds = [tuple(config.rope_inv_freq(i)) for i in range(start, end)]
         distinct = list(dict.fromkeys(kinds))
         freqs = [xp.asarray(np.asarray(f, dtype=np.float32)) for f in distinct]
-        self.tables = [RopeTable(xp, f) for f in freqs]
+        self.tables = [RopeTable(xp, f, config.rope_attention_factor) for f in freqs]
         self.rope_kind = [distinct.index(k) for k in kinds]
         self.windows = [config.window(i) for i in range(start, end)]
         self.scale = config.attention_scale
@@ -125,21 +129,30 @@ class Attention:
         layer: int,
         norms: tuple[Any | None, Any | None],
         last: bool,
+        sinks: Any | None = None,
     ) -> Any:
         """``qkv`` ``[N, (H + 2 Hkv) D]`` of stage layer ``layer`` -> ``[R, H D]``: each
         segment's new K/V written to its cache, its query rows (all, or in the ``last``
-        layer its last ``rows``) attended. ``norms`` are the QK-norm weights (or None);
+        layer its last ``rows``) attended. ``norms`` are the QK-norm weights (or None),
+        ``sinks`` the layer's per-head sink logits ``[H]`` (gpt-oss; or None);
         ``plan`` is what :meth:`prepare` returned. Raises ``ValueError`` when a cache is
         full."""
         outs, offset = [], 0
         for seg in segs:
             rows = seg.rows if last else seg.n
-            outs.append(self.attend(qkv[offset : offset + seg.n], seg, layer, norms, rows))
+            part = qkv[offset : offset + seg.n]
+            outs.append(self.attend(part, seg, layer, norms, rows, sinks))
             offset += seg.n
         return outs[0] if len(outs) == 1 else self.xp.concatenate(outs, axis=0)
 
     def attend(
-        self, qkv: Any, seg: Segment, layer: int, norms: tuple[Any | None, Any | None], rows: int
+        self,
+        qkv: Any,
+        seg: Segment,
+        layer: int,
+        norms: tuple[Any | None, Any | None],
+        rows: int,
+        sinks: Any | None = None,
     ) -> Any:
         """One sequence's attention: ``qkv`` ``[S, (H + 2 Hkv) D]`` -> ``[r, H D]``."""
         c, xp = self.config, self.xp
@@ -153,11 +166,11 @@ class Attention:
         q = ops.rotate_half(xp, q, cos[n - rows :], sin[n - rows :])
         k = ops.rotate_half(xp, k, cos, sin)
         keys, values = seg.cache.write(layer, seg.start_pos, k, v.transpose(1, 0, 2))  # [Hkv, T, D]
-        out = self._heads(q, keys, values, self.windows[layer])  # [H, r, D]
+        out = self._heads(q, keys, values, self.windows[layer], sinks)  # [H, r, D]
         return out.transpose(1, 0, 2).reshape(rows, c.q_size)  # [r, H D]
 
-    def _heads(self, q: Any, keys: Any, values: Any, window: int | None) -> Any:
-        return ops.attention(self.xp, q, keys, values, self.scale, window)
+    def _heads(self, q: Any, keys: Any, values: Any, window: int | None, sinks: Any | None) -> Any:
+        return ops.attention(self.xp, q, keys, values, self.scale, window, sinks)
 
     def _maybe_norm(self, x: Any, weight: Any | None) -> Any:
         return x if weight is None else ops.rms_norm(self.xp, x, weight, self.config.rms_norm_eps)
@@ -208,10 +221,12 @@ class KernelAttention(Attention):
         layer: int,
         norms: tuple[Any | None, Any | None],
         last: bool,
+        sinks: Any | None = None,
     ) -> Any:
-        """As :meth:`Attention.__call__`; the kernel's segments in one call."""
-        if plan is None:
-            return super().__call__(qkv, segs, plan, layer, norms, last)
+        """As :meth:`Attention.__call__`; the kernel's segments in one call (the kernel
+        has no sinks: a layer with them runs the reference, a segment at a time)."""
+        if plan is None or sinks is not None:
+            return super().__call__(qkv, segs, plan, layer, norms, last, sinks)
         k = _kernels()
         qkv = np.ascontiguousarray(qkv, dtype=np.float32)
         table = self.tables[self.rope_kind[layer]]
@@ -238,9 +253,12 @@ class KernelAttention(Attention):
             offset, row = offset + seg.n, row + rows
         return out
 
-    def _heads(self, q: Any, keys: Any, values: Any, window: int | None) -> Any:
+    def _heads(self, q: Any, keys: Any, values: Any, window: int | None, sinks: Any | None) -> Any:
         """A long segment's heads: :func:`blocked_attention`, its blocks shared by the
-        threads that may run (:func:`meshnode.engine.cpu.matrix.share`)."""
+        threads that may run (:func:`meshnode.engine.cpu.matrix.share`); with sinks the
+        reference."""
+        if sinks is not None:
+            return ops.attention(self.xp, q, keys, values, self.scale, window, sinks)
         threads = matrix.shared_threads()
         return blocked_attention(
             q, keys, values, self._scale, window, lambda fn, n: matrix.share(fn, n, threads)

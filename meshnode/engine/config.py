@@ -14,12 +14,18 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from meshnode.engine.hybrid_config import HYBRID_MODEL_TYPES, HybridConfig, HybridConfigError
+from meshnode.engine.hybrid_config import (
+    HYBRID_MODEL_TYPES,
+    QWEN35_MOE,
+    HybridConfig,
+    HybridConfigError,
+)
+from meshnode.engine.moe_config import MoeConfig, MoeFamily, moe_from_hf
 from meshnode.errors import ModelError
 
 __all__ = ["ARCHITECTURES", "Architecture", "ModelConfig", "ModelConfigError"]
 
-SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 
 Activation = Literal["silu", "gelu_tanh"]
 FULL_ATTENTION = "full_attention"
@@ -42,6 +48,10 @@ class Architecture:
     attention_bias: bool = False  # QKV bias when config.json does not say
     tied_embeddings: bool = False  # tie_word_embeddings when config.json does not say
     cuda: bool = True  # the CUDA stage implements it
+    # Learned per-head sink logits: one more softmax column per head, with no value (gpt-oss)
+    attention_sinks: bool = False
+    # Routed experts in the feed-forward part of (some) layers; None: a dense MLP
+    moe: MoeFamily | None = None
     # config.json keys transformers fills in when a checkpoint leaves them out (saved
     # configs hold only what differs from the config class's defaults).
     defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -94,6 +104,18 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gemma3": _GEMMA3,
     # Gated DeltaNet + gated attention: its own stage (meshnode.engine.hybrid), CPU only
     "qwen3_5_text": Architecture(cuda=False),
+    # Mixtures of experts (meshnode.engine.moe), CPU only for now
+    "qwen3_moe": Architecture(qk_norm=True, cuda=False, moe=MoeFamily()),
+    "mixtral": Architecture(cuda=False, moe=MoeFamily(norm_topk_prob=True)),
+    "gpt_oss": Architecture(
+        attention_bias=True,
+        attention_sinks=True,
+        cuda=False,
+        moe=MoeFamily(routing="topk_softmax", glu="clamped_swiglu", biases=True),
+    ),
+    # the hybrid stage with routed experts and a sigmoid-gated shared expert
+    "qwen3_5_moe_text": Architecture(cuda=False, moe=QWEN35_MOE),
+    "qwen3_5_moe": Architecture(cuda=False, moe=QWEN35_MOE),
 }
 SUPPORTED_MODEL_TYPES = frozenset(ARCHITECTURES)
 
@@ -145,6 +167,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     # The Gated DeltaNet sizes and layer kinds of a hybrid model (None: a plain decoder)
     hybrid: HybridConfig | None = None
+    # The routed experts and which layers have them (None: every layer's MLP is dense)
+    moe: MoeConfig | None = None
     # derived
     q_size: int = field(init=False)
     kv_size: int = field(init=False)
@@ -237,9 +261,25 @@ class ModelConfig:
             inv = [f / float(scaling["factor"]) for f in inv]
         elif self.rope_type == "llama3":
             inv = _llama3_inv_freq(inv, scaling)
+        elif self.rope_type == "yarn":
+            old_ctx = scaling.get("original_max_position_embeddings")
+            old_ctx = float(old_ctx or self.max_position_embeddings)
+            inv = _yarn_inv_freq(inv, scaling, self.rope_theta, dim, old_ctx)
         if self.rope_freq_factors:
             inv = [f / d for f, d in zip(inv, self.rope_freq_factors, strict=True)]
         return inv
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """The factor RoPE's cos and sin are multiplied by: YaRN's ``attention_factor``
+        (default ``0.1 ln(factor) + 1``, transformers' ``get_mscale``), else 1."""
+        scaling = self.rope_scaling or {}
+        if self.rope_type != "yarn":
+            return 1.0
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor = float(scaling["factor"])
+        return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
 
 
 def _hf_fields(config: dict[str, Any]) -> dict[str, Any]:
@@ -265,7 +305,10 @@ def _hf_fields(config: dict[str, Any]) -> dict[str, Any]:
         "num_heads": heads,
         "num_kv_heads": int(config.get("num_key_value_heads") or heads),
         "head_dim": int(config.get("head_dim") or hidden // heads),
-        "intermediate_size": int(config["intermediate_size"]),
+        # Qwen3.5-MoE has no dense MLP, hence no intermediate_size
+        "intermediate_size": int(
+            config.get("intermediate_size") or config["moe_intermediate_size"]
+        ),
         "vocab_size": int(config["vocab_size"]),
         "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
         "rope_theta": float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
@@ -282,6 +325,7 @@ def _hf_fields(config: dict[str, Any]) -> dict[str, Any]:
         "rope_local_theta": None if local_theta is None else float(local_theta),
         "query_pre_attn_scalar": None if scalar is None else float(scalar),
         "hybrid": HybridConfig.from_hf(config) if hybrid else None,
+        "moe": moe_from_hf(config, arch.moe, layers),
     }
 
 
@@ -345,4 +389,30 @@ def _llama3_inv_freq(inv: list[float], scaling: dict[str, Any]) -> list[float]:
         else:  # in between: interpolate smoothly
             smooth = (old_ctx / wavelen - low) / (high - low)
             out.append((1 - smooth) * f / factor + smooth * f)
+    return out
+
+
+def _yarn_inv_freq(
+    inv: list[float], scaling: dict[str, Any], base: float, dim: int, old_ctx: float
+) -> list[float]:
+    """YaRN (transformers' ``_compute_yarn_parameters``) for a model trained on
+    ``old_ctx`` positions: frequencies above the ``beta_fast`` correction dimension kept,
+    below ``beta_slow`` divided by the factor, a linear ramp between (``truncate``,
+    default true, rounds the ramp's ends outward)."""
+    factor = float(scaling["factor"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    out = []
+    for i, f in enumerate(inv):
+        extrapolate = 1.0 - min(max((i - low) / (high - low), 0.0), 1.0)
+        out.append(f / factor * (1 - extrapolate) + f * extrapolate)
     return out

@@ -34,6 +34,7 @@ from meshnode.engine.hybrid_weights import (
     offset_norm,
 )
 from meshnode.engine.kv_cache import KVCache
+from meshnode.engine.moe import moe_mlp
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, HybridCache
 from meshnode.engine.weights import StageWeights
 
@@ -65,8 +66,16 @@ def load_hybrid_weights(
     backend: Backend,
 ) -> HybridWeights:
     """The tensors of stage ``[start, end)``; raises ``KeyError`` naming a missing one."""
+    moe = config.moe
     layers = [
-        load_layer(source, f"layers.{i}.", config.is_linear(i), backend) for i in range(start, end)
+        load_layer(
+            source,
+            f"layers.{i}.",
+            config.is_linear(i),
+            backend,
+            moe if moe is not None and moe.is_sparse(i) else None,
+        )
+        for i in range(start, end)
     ]
     tied = config.tie_word_embeddings or "lm_head.weight" not in source.tensor_names()
     embed_t = None
@@ -100,6 +109,7 @@ class HybridStage:
         self.start, self.end = start, end
         self.embed, self.head = embed, head
         self.xp = backend.xp
+        self.backend = backend
         self.linear = linear
         self.ring_slots = ring_slots
         # Index of each layer among the stage's DeltaNet (or attention) layers.
@@ -287,7 +297,10 @@ class HybridStage:
         return out.transpose(1, 0, 2).reshape(rows, heads * d) * deltanet.sigmoid(xp, gate)
 
     def mlp(self, w: HybridLayerWeights, x: Any) -> Any:
-        """SwiGLU of ``x`` ``[r, E]``."""
+        """SwiGLU of ``x`` ``[r, E]`` (the routed experts in a mixture-of-experts layer)."""
+        if w.moe is not None:  # MoE: this layer's feed-forward kind is routed experts
+            assert self.config.moe is not None
+            return moe_mlp(self.backend, self.config.moe, w.moe, x)  # [r, E]
         gate_up = self.linear(x, w.w_gate_up)  # [r, 2 I]
         return self.linear(ops.silu_mul(self.xp, gate_up), w.w_down)
 

@@ -3,8 +3,9 @@
 Qwen3.5's text model (``model_type`` ``qwen3_5_text``, or ``qwen3_5`` with the keys under
 ``text_config``): ``layer_types`` says which layers are ``linear_attention`` (Gated
 DeltaNet) and which ``full_attention``; the ``linear_*`` keys size the DeltaNet layers;
-``rope_parameters.partial_rotary_factor`` the rotary part of the attention heads. MoE
-variants (Qwen3-Next, Qwen3.5-MoE) are refused: only the dense SwiGLU MLP is implemented.
+``rope_parameters.partial_rotary_factor`` the rotary part of the attention heads. The
+mixture-of-experts variant (Qwen3.5-MoE, ``qwen3_5_moe_text``) replaces the SwiGLU MLP by
+routed experts plus a sigmoid-gated shared expert (:mod:`meshnode.engine.moe_config`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshnode.engine.moe_config import MoeConfig, MoeFamily, moe_from_hf
 from meshnode.engine.recurrent import RecurrentShape
 from meshnode.errors import ModelError
 
-__all__ = ["HYBRID_MODEL_TYPES", "LINEAR_ATTENTION", "HybridConfig", "HybridConfigError"]
+__all__ = [
+    "HYBRID_MODEL_TYPES",
+    "LINEAR_ATTENTION",
+    "QWEN35_MOE",
+    "HybridConfig",
+    "HybridConfigError",
+]
 
-HYBRID_MODEL_TYPES = frozenset({"qwen3_5_text", "qwen3_5"})
+HYBRID_MODEL_TYPES = frozenset({"qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe"})
+# Qwen3.5-MoE's router: softmax over all experts, the top k renormalised (its config has
+# no norm_topk_prob: transformers' Qwen3_5MoeTopKRouter always divides by their sum).
+QWEN35_MOE = MoeFamily(norm_topk_prob=True)
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 
@@ -46,6 +57,7 @@ class HybridConfig:
     linear_key_dim: int
     linear_value_dim: int
     conv_kernel: int
+    moe: MoeConfig | None = None  # routed experts (Qwen3.5-MoE) instead of the dense MLP
     key_size: int = field(init=False)  # Hk Dk: the q (and the k) part of the conv input
     value_size: int = field(init=False)  # Hv Dv
     conv_channels: int = field(init=False)  # 2 Hk Dk + Hv Dv
@@ -96,6 +108,8 @@ class HybridConfig:
         """Weights (parameters) of layer ``layer``: its token mixer, MLP and two norms."""
         e = self.hidden_size
         common = 3 * e * self.intermediate_size + 2 * e
+        if self.moe is not None and self.moe.is_sparse(layer):
+            common = self.moe.layer_params(e)[0] + 2 * e
         if self.is_linear(layer):
             c, heads = self.conv_channels, self.linear_value_heads
             mixer = e * c + 2 * e * self.value_size + 2 * e * heads + c * self.conv_kernel
@@ -129,8 +143,6 @@ class HybridConfig:
 
 
 def _fields(config: dict[str, Any]) -> dict[str, Any]:
-    if config.get("num_experts") or config.get("num_local_experts"):
-        raise HybridConfigError("mixture-of-experts hybrid models are not supported")
     act = config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise HybridConfigError(f"unsupported activation {act!r}")
@@ -153,7 +165,10 @@ def _fields(config: dict[str, Any]) -> dict[str, Any]:
         "head_dim": head_dim,
         "rotary_dim": int(head_dim * partial),
         "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        "intermediate_size": int(config["intermediate_size"]),
+        # a MoE model's dense MLP size, if it has one (its experts' size otherwise)
+        "intermediate_size": int(
+            config.get("intermediate_size") or config["moe_intermediate_size"]
+        ),
         "vocab_size": int(config["vocab_size"]),
         "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
         "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
@@ -162,4 +177,5 @@ def _fields(config: dict[str, Any]) -> dict[str, Any]:
         "linear_key_dim": int(config["linear_key_head_dim"]),
         "linear_value_dim": int(config["linear_value_head_dim"]),
         "conv_kernel": int(config.get("linear_conv_kernel_dim", 4)),
+        "moe": moe_from_hf(config, QWEN35_MOE, layers),
     }

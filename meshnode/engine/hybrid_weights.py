@@ -17,6 +17,8 @@ import numpy as np
 from meshnode_packaging.sources import ModelSource, dequantize
 
 from meshnode.engine.backend import Backend
+from meshnode.engine.moe_config import MoeConfig
+from meshnode.engine.moe_weights import MoeWeights, load_moe
 
 __all__ = ["DeltaNetWeights", "GatedAttentionWeights", "HybridLayerWeights", "load_layer"]
 
@@ -47,22 +49,25 @@ class GatedAttentionWeights:
 
 @dataclass(frozen=True)
 class HybridLayerWeights:
-    """One decoder layer: a token mixer (exactly one of the two) and the SwiGLU MLP."""
+    """One decoder layer: a token mixer (exactly one of the two) and the SwiGLU MLP (or,
+    in a mixture-of-experts layer, the routed experts)."""
 
     attn_norm: Any  # [E] (1 + weight)
     linear: DeltaNetWeights | None
     attention: GatedAttentionWeights | None
     ffn_norm: Any  # [E] (1 + weight)
-    w_gate_up: Any  # [E, 2 I]
-    w_down: Any  # [I, E]
+    w_gate_up: Any  # [E, 2 I] (None with experts)
+    w_down: Any  # [I, E] (None with experts)
+    moe: MoeWeights | None = None  # routed and shared experts (Qwen3.5-MoE)
 
     def nbytes(self) -> int:
-        """Bytes of weight this layer reads per forward."""
+        """Bytes of weight this layer holds (with experts: every expert's)."""
         parts: list[Any] = [self.attn_norm, self.ffn_norm, self.w_gate_up, self.w_down]
         for mixer in (self.linear, self.attention):
             if mixer is not None:
                 parts.extend(vars(mixer).values())
-        return sum(int(a.nbytes) for a in parts)
+        experts = self.moe.nbytes() if self.moe is not None else 0
+        return experts + sum(int(a.nbytes) for a in parts if a is not None)
 
 
 def _get(source: ModelSource, name: str) -> np.ndarray:
@@ -104,12 +109,25 @@ def _attention(source: ModelSource, p: str, be: Backend) -> GatedAttentionWeight
     )
 
 
-def load_layer(source: ModelSource, prefix: str, linear: bool, be: Backend) -> HybridLayerWeights:
+def load_layer(
+    source: ModelSource, prefix: str, linear: bool, be: Backend, moe: MoeConfig | None = None
+) -> HybridLayerWeights:
     """The layer whose tensors are named ``prefix`` + ``input_layernorm.weight`` etc.
 
     ``prefix`` is ``layers.{i}.`` for the model's layers (``mtp.layers.0.`` for the MTP
-    module's). Raises ``KeyError`` naming a missing tensor.
+    module's); ``moe``: the model's experts when this layer routes to them (in the file's
+    blocks where the backend keeps blocks). Raises ``KeyError`` naming a missing tensor.
     """
+    if moe is not None:
+        return HybridLayerWeights(
+            attn_norm=be.asarray(offset_norm(source, prefix + "input_layernorm.weight")),
+            linear=_deltanet(source, prefix, be) if linear else None,
+            attention=None if linear else _attention(source, prefix, be),
+            ffn_norm=be.asarray(offset_norm(source, prefix + "post_attention_layernorm.weight")),
+            w_gate_up=None,
+            w_down=None,
+            moe=load_moe(source, moe, prefix, blocks=be.cpu_blocks),
+        )
     return HybridLayerWeights(
         attn_norm=be.asarray(offset_norm(source, prefix + "input_layernorm.weight")),
         linear=_deltanet(source, prefix, be) if linear else None,

@@ -2,7 +2,9 @@
 
 One block serves every family in ``config.ARCHITECTURES``: Llama's pre-norm block, plus
 what the model's row switches on (QK-norm, norms on the attention and MLP outputs,
-GeGLU, scaled embeddings, sliding-window layers with their own RoPE base). A stage embeds
+GeGLU, scaled embeddings, sliding-window layers with their own RoPE base; attention
+sinks and the output bias of gpt-oss; a mixture of experts in place of the MLP where
+``config.moe`` says a layer routes, ``meshnode.engine.moe``). A stage embeds
 token ids when it is the first stage and applies the final norm and the output head when
 it is the last. One ``forward`` handles prefill (many new tokens), decode
 (one) and verify (k + 1) alike: new tokens attend causally to the cache and to each other.
@@ -32,6 +34,7 @@ from meshnode.engine.cuda.stage import CudaStage
 from meshnode.engine.hybrid import HybridStage, load_hybrid_weights
 from meshnode.engine.hybrid_config import HybridConfig
 from meshnode.engine.kv_cache import KVCache, kv_numpy_dtype, resolve_kv_dtype
+from meshnode.engine.moe import moe_mlp
 from meshnode.engine.mtp import MtpHead, has_mtp, load_mtp_weights
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, HybridCache
 from meshnode.engine.weights import LayerWeights, StageWeights
@@ -131,7 +134,8 @@ class Stage:
             ring_slots=ring_slots,
         )
         if mtp and self.head and has_mtp(source):
-            self.mtp = MtpHead(self.hybrid, load_mtp_weights(source, self.backend))
+            mtp_weights = load_mtp_weights(source, self.backend, hybrid_config.moe)  # MoE
+            self.mtp = MtpHead(self.hybrid, mtp_weights)
 
     @property
     def cuda(self) -> CudaStage | None:
@@ -256,10 +260,15 @@ class Stage:
         if w.bqkv is not None:
             qkv = qkv + w.bqkv
         # per sequence: QK-norm, RoPE, its cache, attention (engine.attention)
-        heads = self._attention_of(qkv, segs, plan, layer, (w.q_norm, w.k_norm), last)
-        return self._linear(heads, w.wo)  # [R, E]
+        norms = (w.q_norm, w.k_norm)
+        heads = self._attention_of(qkv, segs, plan, layer, norms, last, w.sinks)  # MoE: sinks
+        out = self._linear(heads, w.wo)  # [R, E]
+        return out if w.bo is None else out + w.bo  # MoE (gpt-oss): the output's bias
 
     def _mlp(self, w: LayerWeights, x: Any) -> Any:
+        if w.moe is not None:  # MoE: the layer's feed-forward kind is routed experts
+            assert self.config.moe is not None
+            return moe_mlp(self.backend, self.config.moe, w.moe, x)  # [r, E]
         gate_up = self._linear(x, w.w_gate_up)  # [r, 2 I]
         act = self.backend.glu(gate_up, self.config.arch.activation)  # SwiGLU/GeGLU, [r, I]
         return self._linear(act, w.w_down)  # [r, E]

@@ -31,6 +31,7 @@ from meshnode.engine.backend import Backend
 from meshnode.engine.hybrid import HybridStage
 from meshnode.engine.hybrid_weights import HybridLayerWeights, linear_t, load_layer, offset_norm
 from meshnode.engine.kv_cache import KVCache
+from meshnode.engine.moe_config import MoeConfig
 
 __all__ = ["MTP_PREFIX", "MtpCache", "MtpHead", "MtpWeights", "has_mtp", "load_mtp_weights"]
 
@@ -54,14 +55,20 @@ def has_mtp(source: ModelSource) -> bool:
     return f"{MTP_PREFIX}fc.weight" in source.tensor_names()
 
 
-def load_mtp_weights(source: ModelSource, backend: Backend) -> MtpWeights:
-    """The ``mtp.*`` tensors and the embedding; raises ``KeyError`` naming a missing one."""
+def load_mtp_weights(
+    source: ModelSource, backend: Backend, moe: MoeConfig | None = None
+) -> MtpWeights:
+    """The ``mtp.*`` tensors and the embedding; ``moe``: the model's experts, which the
+    MTP layer has too when it holds a router (Qwen3.5-MoE). Raises ``KeyError`` naming a
+    missing tensor."""
     p = MTP_PREFIX
+    if f"{p}layers.0.mlp.gate.weight" not in source.tensor_names():
+        moe = None  # a dense MLP
     return MtpWeights(
         norm_embed=backend.asarray(offset_norm(source, p + "pre_fc_norm_embedding.weight")),
         norm_hidden=backend.asarray(offset_norm(source, p + "pre_fc_norm_hidden.weight")),
         fc=backend.asarray(linear_t(source, p + "fc.weight")),
-        layer=load_layer(source, p + "layers.0.", False, backend),
+        layer=load_layer(source, p + "layers.0.", False, backend, moe),
         norm=backend.asarray(offset_norm(source, p + "norm.weight")),
         embed_t=backend.asarray(linear_t(source, "embed_tokens.weight")),
     )

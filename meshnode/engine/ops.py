@@ -17,6 +17,7 @@ from typing import Any
 __all__ = [
     "add_rms_norm",
     "attention",
+    "clamped_swiglu_mul",
     "gelu_tanh_mul",
     "rms_norm",
     "rope_cos_sin",
@@ -84,6 +85,20 @@ def gelu_tanh_mul(xp: Any, gate_up: Any) -> Any:
     return xp.float32(0.5) * gate * (xp.float32(1.0) + xp.tanh(inner)) * up
 
 
+def clamped_swiglu_mul(xp: Any, gate_up: Any, alpha: float, limit: float) -> Any:
+    """gpt-oss's expert activation for ``[r, 2 I]`` (gate then up) -> ``[r, I]``:
+    ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
+    ``(u + 1) * g * sigmoid(alpha g)`` (transformers' ``GptOssExperts._apply_gate``;
+    the sigmoid as torch's, ``1 / (1 + e^-x)``)."""
+    i = gate_up.shape[-1] // 2
+    lim = xp.float32(limit)
+    gate = xp.minimum(gate_up[:, :i], lim)
+    up = xp.clip(gate_up[:, i:], -lim, lim)
+    z = gate * xp.float32(alpha)
+    glu = gate * (xp.float32(1.0) / (xp.float32(1.0) + xp.exp(-xp.maximum(z, SILU_CLAMP))))
+    return (up + xp.float32(1.0)) * glu
+
+
 def softmax(xp: Any, x: Any) -> Any:
     """Softmax over the last axis (``-inf`` entries get probability 0)."""
     e = xp.exp(x - x.max(axis=-1, keepdims=True))
@@ -91,7 +106,13 @@ def softmax(xp: Any, x: Any) -> Any:
 
 
 def attention(
-    xp: Any, q: Any, keys: Any, values: Any, scale: float, window: int | None = None
+    xp: Any,
+    q: Any,
+    keys: Any,
+    values: Any,
+    scale: float,
+    window: int | None = None,
+    sinks: Any | None = None,
 ) -> Any:
     """Causal grouped-query attention of the newest ``r`` positions over ``T`` cached ones.
 
@@ -99,7 +120,10 @@ def attention(
     cache up to and including the new positions). Query row i sits at position
     ``p = T - r + i`` and sees keys ``0 .. p``; with a sliding ``window`` only the last
     ``window`` of them, ``p - window < key <= p`` (transformers' sliding-window mask,
-    llama.cpp's ``n_swa``). Keys no row can see are not read. Returns ``[H, r, D]``.
+    llama.cpp's ``n_swa``). Keys no row can see are not read. ``sinks`` ``[H]`` (gpt-oss)
+    are one more logit per head in each row's softmax, with no value: they only take a
+    share of the probability (transformers' ``eager_attention_forward`` for gpt-oss).
+    Returns ``[H, r, D]``.
     """
     heads, rows, dim = q.shape
     kv_heads, t = keys.shape[0], keys.shape[1]
@@ -115,5 +139,10 @@ def attention(
     if window is not None:
         visible = visible & (k_pos > q_pos - window)
     scores = xp.where(visible, scores, -xp.inf)
+    if sinks is not None:  # [Hkv, G, r, T' + 1]: the sink as the last column
+        sink = xp.broadcast_to(sinks.reshape(kv_heads, group, 1, 1), (*scores.shape[:3], 1))
+        scores = softmax(xp, xp.concatenate([scores, sink.astype(scores.dtype)], axis=-1))
+        probs = xp.ascontiguousarray(scores[..., :-1]).reshape(kv_heads, group * rows, t - lo)
+        return (probs @ values).reshape(heads, rows, dim)  # [H, r, D]
     probs = softmax(xp, scores).reshape(kv_heads, group * rows, t - lo)
     return (probs @ values).reshape(heads, rows, dim)  # [H, r, D]

@@ -29,6 +29,7 @@ from meshnode_packaging.sources import ModelSource, RawTensor, dequantize
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.cpu import BlockMatrix, supported
+from meshnode.engine.moe_weights import MoeWeights, load_moe
 
 __all__ = [
     "HeldBytes",
@@ -49,15 +50,18 @@ class LayerWeights:
     bqkv: Any | None  # [(H + 2 Hkv) D]
     wo: Any  # [H D, E]
     ffn_norm: Any  # [E]
-    w_gate_up: Any  # [E, 2 I]
-    w_down: Any  # [I, E]
+    w_gate_up: Any  # [E, 2 I] (None in a mixture-of-experts layer)
+    w_down: Any  # [I, E] (None in a mixture-of-experts layer)
     q_norm: Any | None = None  # [D], QK-norm (Qwen 3, Gemma 3)
     k_norm: Any | None = None  # [D]
     post_attn_norm: Any | None = None  # [E], on the attention output (Gemma 3)
     post_ffn_norm: Any | None = None  # [E], on the MLP output (Gemma 3)
+    bo: Any | None = None  # [E], the attention output's bias (gpt-oss)
+    sinks: Any | None = None  # [H], learned per-head sink logits (gpt-oss)
+    moe: MoeWeights | None = None  # routed experts, in place of the dense MLP
 
     def nbytes(self) -> int:
-        """Bytes of weight this block reads per forward."""
+        """Bytes of weight this block holds (a MoE layer: every expert's)."""
         arrays = (
             self.attn_norm,
             self.wqkv,
@@ -70,8 +74,11 @@ class LayerWeights:
             self.k_norm,
             self.post_attn_norm,
             self.post_ffn_norm,
+            self.bo,
+            self.sinks,
         )
-        return sum(int(a.nbytes) for a in arrays if a is not None)
+        experts = self.moe.nbytes() if self.moe is not None else 0
+        return experts + sum(int(a.nbytes) for a in arrays if a is not None)
 
 
 @dataclass(frozen=True)
@@ -137,18 +144,25 @@ def _layer(source: ModelSource, config: ModelConfig, i: int, blocks: bool) -> La
     def linear(*names: str) -> Any:
         return _linear(source, blocks, *names)
 
+    moe = None  # a mixture-of-experts layer: experts in place of the dense MLP
+    if config.moe is not None and config.moe.is_sparse(i):
+        moe = load_moe(source, config.moe, p, blocks=blocks)
+    o_bias = p + "self_attn.o_proj.bias"
     return LayerWeights(
         attn_norm=norm("input_layernorm"),
         wqkv=linear(*(n + ".weight" for n in qkv)),
         bqkv=bias,
         wo=linear(p + "self_attn.o_proj.weight"),
         ffn_norm=norm(arch.ffn_norm),
-        w_gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-        w_down=linear(p + "mlp.down_proj.weight"),
+        w_gate_up=None if moe else linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+        w_down=None if moe else linear(p + "mlp.down_proj.weight"),
         q_norm=norm("self_attn.q_norm", arch.qk_norm),
         k_norm=norm("self_attn.k_norm", arch.qk_norm),
         post_attn_norm=norm("post_attention_layernorm", arch.sandwich_norms),
         post_ffn_norm=norm("post_feedforward_layernorm", arch.sandwich_norms),
+        bo=_f32(_get(source, o_bias)) if o_bias in source.tensor_names() else None,
+        sinks=_f32(_get(source, p + "self_attn.sinks")) if arch.attention_sinks else None,
+        moe=moe,
     )
 
 

@@ -37,13 +37,18 @@ def model_footprint(
     if config.hybrid is not None:
         return _hybrid_footprint(config, config.hybrid, bytes_per_param, ring_slots)
     h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
-    layer_params = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    attention = h * (q + 2 * kv) + q * h + 2 * h
+    moe = config.moe  # a MoE layer holds every expert, though a token runs only k of them
+    layer_params = [
+        attention + (moe.layer_params(h)[0] if moe and moe.is_sparse(i) else 3 * h * inter)
+        for i in range(config.num_layers)
+    ]
     embed = config.vocab_size * h
     head = h + (0 if config.tie_word_embeddings else config.vocab_size * h)
     kv_per_token = 2 * kv * kv_bytes(kv_dtype) * MAX_SEQUENCES_PER_STAGE  # K and V
     if held is None:
         held = HeldBytes(
-            (layer_params * bytes_per_param,) * config.num_layers,
+            tuple(p * bytes_per_param for p in layer_params),
             embed * bytes_per_param,
             head * bytes_per_param,
         )

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from meshnode_packaging import sources_moe as moe
 from meshnode_packaging.gguf_file import GGUFFile
 from meshnode_packaging.source_types import SourceError
 
@@ -43,6 +44,8 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "mistral": GGUFArchitecture("mistral", "MistralForCausalLM", permuted_qk=True),
     "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM"),
     "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gpt-oss": GGUFArchitecture("gpt_oss", "GptOssForCausalLM"),
     "gemma3": GGUFArchitecture(
         "gemma3_text", "Gemma3ForCausalLM", norm_shift=1.0, hidden_act="gelu_pytorch_tanh"
     ),
@@ -84,7 +87,7 @@ def gguf_config(reader: GGUFFile, tensor_names: set[str]) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
         "head_dim": int(meta("attention.key_length", hidden // heads)),
-        "intermediate_size": int(meta("feed_forward_length")),
+        "intermediate_size": int(meta("feed_forward_length", meta("expert_feed_forward_length"))),
         "vocab_size": int(vocab),
         "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(meta("rope.freq_base", 10000.0)),
@@ -97,6 +100,7 @@ def gguf_config(reader: GGUFFile, tensor_names: set[str]) -> dict[str, Any]:
     }
     if arch == "gemma3":
         config.update(_gemma3_config(meta, config))
+    config.update(moe.gguf_moe_config(meta, arch, config))  # experts (and gpt-oss's windows)
     return config
 
 
@@ -130,6 +134,8 @@ def _gguf_rope_scaling(meta: Callable[..., Any]) -> dict[str, Any] | None:
     kind = meta("rope.scaling.type")
     if kind in (None, "none"):
         return None
+    if kind == "yarn":
+        return moe.gguf_yarn_scaling(meta)
     if kind != "linear":
         raise SourceError(f"unsupported GGUF rope scaling {kind!r}")
     return {"rope_type": "linear", "factor": float(meta("rope.scaling.factor", 1.0))}

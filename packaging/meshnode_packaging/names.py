@@ -7,6 +7,8 @@ from.
 
 from __future__ import annotations
 
+from meshnode_packaging import sources_moe as moe
+
 __all__ = [
     "GGUF_ARCH_NAMES",
     "GGUF_TO_CANONICAL",
@@ -35,6 +37,7 @@ GGUF_TO_CANONICAL: dict[str, str] = {
     "blk.{i}.ffn_down.weight": "layers.{i}.mlp.down_proj.weight",
     "blk.{i}.attn_q_norm.weight": "layers.{i}.self_attn.q_norm.weight",
     "blk.{i}.attn_k_norm.weight": "layers.{i}.self_attn.k_norm.weight",
+    **moe.GGUF_MOE_NAMES,  # routers, 3-D expert tensors, shared experts, attention sinks
 }
 
 # Where an architecture's Hugging Face names differ from Llama's (gguf-py's
@@ -45,7 +48,7 @@ _GEMMA_NORMS = {
     "blk.{i}.post_attention_norm.weight": "layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.post_ffw_norm.weight": "layers.{i}.post_feedforward_layernorm.weight",
 }
-GGUF_ARCH_NAMES: dict[str, dict[str, str]] = {"gemma3": _GEMMA_NORMS}
+GGUF_ARCH_NAMES: dict[str, dict[str, str]] = {"gemma3": _GEMMA_NORMS, "gpt-oss": moe.GPT_OSS_NAMES}
 # Without a known architecture every name any architecture uses maps somewhere (Llama's
 # meaning first), so that a reader that only needs the layer of a tensor finds it.
 _ANY_ARCH = {k: v for t in GGUF_ARCH_NAMES.values() for k, v in t.items()} | GGUF_TO_CANONICAL
@@ -77,7 +80,7 @@ def hf_to_canonical(name: str) -> str:
     """The canonical name of Hugging Face tensor ``name``."""
     for prefix in _HF_TEXT_PREFIXES:
         if name.startswith(prefix):
-            return name.removeprefix(prefix)
+            return moe.hf_moe_name(name.removeprefix(prefix))
     if name == "language_model.lm_head.weight":
         return "lm_head.weight"
-    return name.removeprefix(HF_PREFIX)
+    return moe.hf_moe_name(name.removeprefix(HF_PREFIX))  # MoE roles: one spelling

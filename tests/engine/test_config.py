@@ -75,7 +75,7 @@ def test_transformers5_rope_parameters_block() -> None:
     [
         ({"model_type": "gpt2"}, "unsupported model type"),
         ({"num_key_value_heads": 5}, "multiple of"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "unsupported rope"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "unsupported rope"),
         ({"hidden_size": "wide"}, "invalid model config"),
     ],
 )
