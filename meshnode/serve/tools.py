@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 #: OpenAI's rule for function names (and what every template can print unescaped).
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: Tools one request may declare: each one is rendered into the prompt and compiled into the
 #: grammar of a forced call, so the bound keeps both small (OpenAI allows 128).
 MAX_TOOLS = 128
@@ -197,7 +197,7 @@ def function_spec(
     """A checked tool from its parts as a request gave them (``where`` names the tool in
     errors, ``schema_key`` its schema's field; no schema takes no arguments); raises
     BadRequestError (param ``tools``) for a bad name, description or schema."""
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise BadRequestError(
             f"{where}.name must be 1-64 letters, digits, '_' or '-'.", param="tools"
         )
