@@ -35,6 +35,14 @@ DEFAULT_LIMITS: Final = MeshLimits()
 
 # One refusal line per kind per this many seconds; the next line says how many were held back.
 REFUSAL_LOG_INTERVAL_S: Final = 10.0
+#: Lines one peer may cause at once, then per second (:class:`PeerLogLimit`): a failing run
+#: logs a few errors per failed request; a member's flood of Error frames (30 MB of log in
+#: 2 s, issue 36 item 9) is cut to a trickle of about 2 KiB/s.
+PEER_LOG_BURST: Final = 20
+PEER_LOG_PER_S: Final = 5.0
+#: Peers whose buckets are remembered; past this the longest-idle one is forgotten (a member
+#: can mint identities, so the table is bounded too).
+MAX_TRACKED_PEERS: Final = 1024
 
 
 @dataclass
@@ -63,3 +71,38 @@ class RateLimitedLog:
         self.logger.warning(msg + suffix, *args)
         self._next_s[key] = now_s + self.interval_s
         return True
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float
+    refused: int = 0
+
+
+@dataclass
+class PeerLogLimit:
+    """Token buckets of log lines by peer: :data:`PEER_LOG_BURST` lines at once, then
+    :data:`PEER_LOG_PER_S` a second; refused lines are counted and the count is handed
+    back with the peer's next allowed line. Times are from the caller's clock."""
+
+    burst: int = PEER_LOG_BURST
+    per_s: float = PEER_LOG_PER_S
+    max_peers: int = MAX_TRACKED_PEERS
+    _buckets: dict[str, _Bucket] = field(default_factory=dict)
+
+    def allow(self, peer: str, now: float) -> int | None:
+        """None when ``peer`` may not log a line at ``now``; else the count of its lines
+        refused since its last allowed one (0 when none was)."""
+        bucket = self._buckets.pop(peer, None) or _Bucket(float(self.burst), now)
+        self._buckets[peer] = bucket  # last in the dict: the most recently seen
+        if len(self._buckets) > self.max_peers:
+            del self._buckets[next(iter(self._buckets))]
+        bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.at) * self.per_s)
+        bucket.at = now
+        if bucket.tokens < 1.0:
+            bucket.refused += 1
+            return None
+        bucket.tokens -= 1.0
+        refused, bucket.refused = bucket.refused, 0
+        return refused

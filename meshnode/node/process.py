@@ -23,6 +23,7 @@ import trio
 
 from meshnode.engine.backend import limit_cpu_threads
 from meshnode.net.identity import JoinToken, NodeIdentity, TokenError, write_token_file
+from meshnode.net.logtext import OneLineFormatter
 from meshnode.net.secret_files import private_dir, write_private
 from meshnode.node import heap
 from meshnode.node.config import Address, ConfigError, NodeConfig
@@ -125,9 +126,10 @@ def _token(config: NodeConfig) -> JoinToken:
 
 def configure_logging(config: NodeConfig) -> None:
     """The daemon's log format and level (before anything worth logging happens)."""
-    logging.basicConfig(
-        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    handler = logging.StreamHandler()
+    # One line per record, whatever text a peer put in it (issue 36, item 9).
+    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=config.log_level, handlers=[handler])
 
 
 def run(config: NodeConfig, build: NodeBuilder) -> int:

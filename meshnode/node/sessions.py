@@ -35,7 +35,8 @@ from meshnode_protocol import (
 )
 
 from meshnode.net.identity import NodeId, PeerIdentityError, certified_node_id
-from meshnode.net.limits import DEFAULT_LIMITS, MeshLimits, RateLimitedLog
+from meshnode.net.limits import DEFAULT_LIMITS, MeshLimits, PeerLogLimit, RateLimitedLog
+from meshnode.net.logtext import remote_text
 from meshnode.net.stream import TRANSPORT_ERRORS, PeerStream
 from meshnode.node.config import Address
 from meshnode.node.dialer import DialTarget
@@ -129,6 +130,7 @@ class Sessions:
         # Accepted connections still in TLS or before their Hello (bounded by limits).
         self._pending: set[trio.SSLStream[trio.SocketStream]] = set()
         self._refusals = RateLimitedLog(log)
+        self._peer_lines = PeerLogLimit()  # lines each member's frames may cause
 
     def __contains__(self, node_id: object) -> bool:
         return node_id in self.live
@@ -356,11 +358,15 @@ class Sessions:
         if await self.owner.route(session.node_id, message):
             return
         if isinstance(message, Error):
-            # An answer to nothing we run (a late reply, a refusal of an old run): log it;
-            # answering an Error with an Error could ping-pong forever.
-            log.warning(
-                "peer %s reported error %d: %s", session.node_id, message.code, message.message
-            )
+            # An answer to nothing we run (a late reply, a refusal of an old run): log it,
+            # escaped and at a bounded rate per peer (issue 36, item 9); answering an Error
+            # with an Error could ping-pong forever.
+            held = self._peer_lines.allow(session.node_id, trio.current_time())
+            if held is not None:
+                log.warning(
+                    "peer %s reported error %d: %s%s", session.node_id, message.code,
+                    remote_text(message.message), f" ({held} more not logged)" if held else "",
+                )  # fmt: skip
             return
         await session.peer.send(
             Error(
