@@ -35,14 +35,19 @@ DEFAULT_LIMITS: Final = MeshLimits()
 
 # One refusal line per kind per this many seconds; the next line says how many were held back.
 REFUSAL_LOG_INTERVAL_S: Final = 10.0
-#: Lines one peer may cause at once, then per second (:class:`PeerLogLimit`): a failing run
+#: Lines one peer may cause at once, then per second (:class:`TokenBuckets`): a failing run
 #: logs a few errors per failed request; a member's flood of Error frames (30 MB of log in
 #: 2 s, issue 36 item 9) is cut to a trickle of about 2 KiB/s.
 PEER_LOG_BURST: Final = 20
 PEER_LOG_PER_S: Final = 5.0
-#: Peers whose buckets are remembered; past this the longest-idle one is forgotten (a member
-#: can mint identities, so the table is bounded too).
-MAX_TRACKED_PEERS: Final = 1024
+#: Keys whose buckets are remembered; past this the longest-idle one is forgotten (a member
+#: can mint identities, a spoofer can advertise any address, so the table is bounded too).
+MAX_TRACKED_KEYS: Final = 1024
+#: New dial targets one advertised host may add at once, then per second: a host runs a
+#: node or a few (several per host on loopback in tests); a spoofer's 2,000 adverts from
+#: one host add a handful (issue 36, item 3).
+HOST_TARGETS_BURST: Final = 8
+HOST_TARGETS_PER_S: Final = 1.0
 
 
 @dataclass
@@ -81,22 +86,22 @@ class _Bucket:
 
 
 @dataclass
-class PeerLogLimit:
-    """Token buckets of log lines by peer: :data:`PEER_LOG_BURST` lines at once, then
-    :data:`PEER_LOG_PER_S` a second; refused lines are counted and the count is handed
-    back with the peer's next allowed line. Times are from the caller's clock."""
+class TokenBuckets:
+    """A token bucket per key (a peer's lines in the log, a host's new dial targets):
+    ``burst`` at once, then ``per_s`` a second; refused ones are counted and the count is
+    handed back with the key's next allowed one. Times are from the caller's clock."""
 
     burst: int = PEER_LOG_BURST
     per_s: float = PEER_LOG_PER_S
-    max_peers: int = MAX_TRACKED_PEERS
+    max_keys: int = MAX_TRACKED_KEYS
     _buckets: dict[str, _Bucket] = field(default_factory=dict)
 
-    def allow(self, peer: str, now: float) -> int | None:
-        """None when ``peer`` may not log a line at ``now``; else the count of its lines
-        refused since its last allowed one (0 when none was)."""
-        bucket = self._buckets.pop(peer, None) or _Bucket(float(self.burst), now)
-        self._buckets[peer] = bucket  # last in the dict: the most recently seen
-        if len(self._buckets) > self.max_peers:
+    def allow(self, key: str, now: float) -> int | None:
+        """None when ``key`` may not have one more at ``now``; else the count of those it
+        was refused since its last allowed one (0 when none was)."""
+        bucket = self._buckets.pop(key, None) or _Bucket(float(self.burst), now)
+        self._buckets[key] = bucket  # last in the dict: the most recently seen
+        if len(self._buckets) > self.max_keys:
             del self._buckets[next(iter(self._buckets))]
         bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.at) * self.per_s)
         bucket.at = now

@@ -8,7 +8,7 @@ node's own, and 2 s of ``Error`` frames wrote 30 MB):
   (``\\n`` becomes the two characters ``\\`` ``n``), whatever put it there; a traceback
   still follows on its own lines, as the logging module writes it.
 - :func:`remote_text` cuts a peer's string to :data:`MAX_REMOTE_TEXT_CHARS` and escapes it.
-- :class:`meshnode.net.limits.PeerLogLimit` bounds the lines each peer can cause.
+- :class:`meshnode.net.limits.TokenBuckets` bounds the lines each peer can cause.
 """
 
 from __future__ import annotations

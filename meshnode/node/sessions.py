@@ -35,7 +35,7 @@ from meshnode_protocol import (
 )
 
 from meshnode.net.identity import NodeId, PeerIdentityError, certified_node_id
-from meshnode.net.limits import DEFAULT_LIMITS, MeshLimits, PeerLogLimit, RateLimitedLog
+from meshnode.net.limits import DEFAULT_LIMITS, MeshLimits, TokenBuckets, RateLimitedLog
 from meshnode.net.logtext import remote_text
 from meshnode.net.stream import TRANSPORT_ERRORS, PeerStream
 from meshnode.node.config import Address
@@ -130,7 +130,7 @@ class Sessions:
         # Accepted connections still in TLS or before their Hello (bounded by limits).
         self._pending: set[trio.SSLStream[trio.SocketStream]] = set()
         self._refusals = RateLimitedLog(log)
-        self._peer_lines = PeerLogLimit()  # lines each member's frames may cause
+        self._peer_lines = TokenBuckets()  # lines each member's frames may cause
 
     def __contains__(self, node_id: object) -> bool:
         return node_id in self.live

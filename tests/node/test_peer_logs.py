@@ -18,7 +18,7 @@ import trio
 from meshnode_protocol import Error, Heartbeat
 
 from meshnode.net.identity import JoinToken, NodeIdentity
-from meshnode.net.limits import PEER_LOG_BURST, PEER_LOG_PER_S, PeerLogLimit
+from meshnode.net.limits import PEER_LOG_BURST, PEER_LOG_PER_S, TokenBuckets
 from meshnode.net.logtext import MAX_REMOTE_TEXT_CHARS, OneLineFormatter, one_line
 from tests.node.member import Member, start_node
 
@@ -61,7 +61,7 @@ def test_one_line_escapes_every_control_character() -> None:
 
 
 def test_the_peer_bucket_refills_counts_and_stays_bounded() -> None:
-    limit = PeerLogLimit(burst=2, per_s=1.0, max_peers=3)
+    limit = TokenBuckets(burst=2, per_s=1.0, max_keys=3)
     assert [limit.allow("a", 0.0) for _ in range(4)] == [0, 0, None, None]
     assert limit.allow("a", 1.0) == 2  # a token back after a second, with the count held
     for peer in "bcde":
