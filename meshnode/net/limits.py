@@ -13,6 +13,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Final
 
+#: Seconds a new inbound connection has to send its first bytes: a dialer's TLS ClientHello
+#: follows the TCP handshake at once (milliseconds on a LAN, well under a second on a loaded
+#: machine); an idle connection is dropped after this, not after the 5 s handshake timeout.
+CLIENT_HELLO_TIMEOUT_S: Final = 2.0
+
 
 @dataclass(frozen=True, slots=True)
 class MeshLimits:
@@ -23,12 +28,18 @@ class MeshLimits:
     ``--peer`` addresses never count).
     ``max_concurrent_dials``: dials (TCP connect + TLS + Hello) under way at once.
     ``max_pending_handshakes``: inbound connections still in TLS or before ``Hello``;
-    beyond it a new connection is closed at once and counted in ``refused_handshakes``.
+    ``max_pending_per_source``: those of them from one address. Beyond either, the
+    oldest idle one is closed to make room (:mod:`meshnode.node.handshakes`) and counted in
+    ``refused_handshakes``. A few nodes share an address at most (tests run several on
+    loopback), and they do not all join in the same second.
+    ``client_hello_timeout_s``: how long a new inbound connection may stay silent.
     """
 
     max_learned_targets: int = 256
     max_concurrent_dials: int = 16
     max_pending_handshakes: int = 32
+    max_pending_per_source: int = 8
+    client_hello_timeout_s: float = CLIENT_HELLO_TIMEOUT_S
 
 
 DEFAULT_LIMITS: Final = MeshLimits()
