@@ -60,6 +60,11 @@ class Staging:
         self._outgoing: np.ndarray[Any, Any] | None = None  # [rows, hidden], wire dtype
         self._incoming: np.ndarray[Any, Any] | None = None  # [rows, hidden], float32
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes its buffers hold."""
+        return sum(b.nbytes for b in (self._outgoing, self._incoming) if b is not None)
+
     def to_wire(self, array: Any, dtype: str) -> np.ndarray[Any, Any]:
         """As :func:`to_wire`; a ``[rows, hidden]`` array is written into the buffer."""
         host = np.asarray(array)

@@ -19,10 +19,12 @@ Two things keep a decode frame small and allocation-free:
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
 from meshnode_protocol import (
     BATCH_FEATURE,
     ActivationBatch,
@@ -35,7 +37,7 @@ from meshnode_protocol import (
     TopLogprobs,
 )
 
-from meshnode.engine.activations import Staging, from_wire, to_wire
+from meshnode.engine.activations import WIRE_DTYPES, Staging, from_wire, to_wire
 from meshnode.engine.model import HostArray
 from meshnode.engine.sampling import SamplingParams
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame, StepResult, TokenLogprob
@@ -67,6 +69,14 @@ def array_from_tensor(tensor: Tensor) -> HostArray:
     return from_wire(tensor.data, tensor.dtype, tensor.shape)
 
 
+#: Bytes of activations a sequence's staging keeps for reuse, each way. A decode or verify
+#: frame (33 rows at a window of 32, hidden 16,384, float32: 2.2 MB) is staged in place; a
+#: larger one (a prefill chunk) gets a copy of its own that goes with it. So a peer pins at
+#: most this much per sequence (issue 36, item 6: before, buffers grew to any frame a peer
+#: sent and stayed until Release: 8 refused 67 MB frames pinned 1.2 GiB).
+MAX_KEPT_STAGING_BYTES = 4 << 20
+
+
 @dataclass(slots=True)
 class _WireSequence:
     sampling: SamplingParams | None = None
@@ -94,6 +104,11 @@ class WireSequences:
     def __len__(self) -> int:
         return len(self._sequences)
 
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of activations kept for reuse, over every sequence."""
+        return sum(seq.staging.nbytes for seq in self._sequences.values())
+
     def release(self, request_id: RequestId) -> None:
         """Forget the sequence (idempotent)."""
         self._sequences.pop(request_id, None)
@@ -107,12 +122,26 @@ class WireSequences:
         return seq
 
     def tensor_from_array(self, request_id: RequestId, array: Any, dtype: str) -> Tensor:
-        """``array`` ``[rows, hidden]`` as a wire tensor of ``dtype``, staged in place."""
-        staged = self._get(request_id).staging.to_wire(array, dtype)
+        """``array`` ``[rows, hidden]`` as a wire tensor of ``dtype``, staged in place (up
+        to :data:`MAX_KEPT_STAGING_BYTES`)."""
+        host = np.asarray(array)
+        if host.size * np.dtype(WIRE_DTYPES[dtype]).itemsize > MAX_KEPT_STAGING_BYTES:
+            return tensor_from_array(host, dtype)
+        staged = self._get(request_id).staging.to_wire(host, dtype)
         return Tensor(dtype=dtype, shape=tuple(int(d) for d in staged.shape), data=staged.data)
 
-    def array_from_tensor(self, request_id: RequestId, tensor: Tensor) -> HostArray:
-        """The tensor's values as float32, written into the sequence's reused array."""
+    def array_from_tensor(
+        self, request_id: RequestId, tensor: Tensor, shape: tuple[int, int] | None = None
+    ) -> HostArray:
+        """The tensor's values as float32, written into the sequence's reused array (up to
+        :data:`MAX_KEPT_STAGING_BYTES`). Raises ValueError, before copying anything, when
+        ``shape`` is given and the tensor's is another."""
+        if shape is not None and tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"frame of {request_id}: activations of shape {tuple(tensor.shape)}, not {shape}"
+            )
+        if math.prod(tensor.shape) * 4 > MAX_KEPT_STAGING_BYTES:  # float32 on this side
+            return array_from_tensor(tensor)
         return self._get(request_id).staging.from_wire(tensor.data, tensor.dtype, tensor.shape)
 
     def sampling_of(self, message: ActivationFrame) -> SamplingParams:
@@ -184,12 +213,15 @@ def frame_to_wire(
     )
 
 
-def frame_from_wire(message: ActivationFrame, sequences: WireSequences) -> StepFrame:
+def frame_from_wire(
+    message: ActivationFrame, sequences: WireSequences, *, hidden_size: int | None = None
+) -> StepFrame:
     """The pipeline frame an ``ActivationFrame`` describes (hidden as float32).
 
     ``sequences`` supplies the sampling of frames that omit it and the reused input array.
-    Raises ValueError for a frame this node cannot interpret (see
-    :meth:`WireSequences.sampling_of`, unsupported dtypes).
+    With ``hidden_size``, activations must be ``[tokens, hidden_size]``, checked before
+    they are copied. Raises ValueError for a frame this node cannot interpret (see
+    :meth:`WireSequences.sampling_of`, unsupported dtypes, that shape).
     """
     request_id = RequestId(message.request_id)
     draft_probs = None
@@ -197,7 +229,9 @@ def frame_from_wire(message: ActivationFrame, sequences: WireSequences) -> StepF
         draft_probs = array_from_tensor(message.draft_probs)
     hidden = None
     if message.payload is not None:
-        hidden = sequences.array_from_tensor(request_id, message.payload)
+        rows = len(message.tokens) + len(message.draft_tokens)
+        shape = None if hidden_size is None else (rows, hidden_size)
+        hidden = sequences.array_from_tensor(request_id, message.payload, shape)
     return StepFrame(
         request_id=request_id,
         kind=FrameKind(message.kind),

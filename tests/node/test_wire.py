@@ -18,12 +18,14 @@ from meshnode_protocol import (
     Prediction,
     PredictionBatch,
     Role,
+    Tensor,
 )
 
 from meshnode.engine.sampling import SamplingParams
 from meshnode.net.stream import PeerStream
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame, StepResult, TokenLogprob
 from meshnode.node.wire import (
+    MAX_KEPT_STAGING_BYTES,
     WireSequences,
     for_peer,
     frame_from_wire,
@@ -182,6 +184,34 @@ def test_sequences_are_bounded_and_released() -> None:
     sequences.release(RequestId("r2"))
     sequences.release(RequestId("r2"))  # idempotent
     assert len(sequences) == 1
+
+
+def test_refused_and_oversized_frames_pin_no_staging() -> None:
+    """Issue 36, item 6: activations were copied into the sequence's float32 buffer before
+    their shape was checked, and the buffer stayed: 8 refused 67 MB frames pinned 1.2 GiB
+    until Release. Now the shape is checked first, and a frame larger than
+    MAX_KEPT_STAGING_BYTES gets a copy of its own, which goes with the frame."""
+    receiver = WireSequences(8)
+    rows = MAX_KEPT_STAGING_BYTES // (4 * HIDDEN) + 1  # just past what is kept
+    wide = Tensor(dtype="f16", shape=(1, rows * HIDDEN),
+                  data=np.zeros(rows * HIDDEN, dtype=np.float16).tobytes())  # fmt: skip
+    for i in range(8):
+        wire = frame_to_wire(_frame(FrameKind.PREFILL, 0, (1,)), _hidden(1), **RUN,
+                             wire_dtype="f16")  # fmt: skip
+        refused = dataclasses.replace(wire, request_id=f"r{i}", payload=wide)
+        with pytest.raises(ValueError, match="shape"):
+            frame_from_wire(refused, receiver, hidden_size=HIDDEN)
+    assert receiver.kept_bytes == 0
+    big = frame_to_wire(_frame(FrameKind.PREFILL, 0, tuple(range(rows))), _hidden(rows), **RUN,
+                        wire_dtype="f16", sequences=WireSequences(1))  # fmt: skip
+    frame = frame_from_wire(big, receiver, hidden_size=HIDDEN)
+    assert frame.hidden is not None
+    np.testing.assert_allclose(frame.hidden, _hidden(rows), rtol=1e-3, atol=1e-4)
+    assert receiver.kept_bytes == 0  # a prefill chunk this large is not kept
+    small = frame_to_wire(_frame(FrameKind.DECODE, 1, (1,)), _hidden(1), **RUN,
+                          wire_dtype="f16", sequences=WireSequences(1))  # fmt: skip
+    frame_from_wire(small, receiver, hidden_size=HIDDEN)
+    assert 0 < receiver.kept_bytes <= MAX_KEPT_STAGING_BYTES  # decode frames still reuse
 
 
 def test_results_round_trip_with_logprobs() -> None:
