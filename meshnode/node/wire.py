@@ -19,6 +19,7 @@ Two things keep a decode frame small and allocation-free:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 from meshnode_protocol import (
     BATCH_FEATURE,
+    MAX_HEADER_BYTES,
     ActivationBatch,
     ActivationFrame,
     Message,
@@ -35,6 +37,7 @@ from meshnode_protocol import (
     Sampling,
     Tensor,
     TopLogprobs,
+    header_size,
 )
 
 from meshnode.engine.activations import WIRE_DTYPES, Staging, from_wire, to_wire
@@ -307,13 +310,36 @@ def result_from_wire(message: Prediction) -> StepResult:
 
 def for_peer(message: Message, features: frozenset[str]) -> tuple[Message, ...]:
     """``message`` as a peer with these Hello ``features`` may receive it: a batch goes as
-    one message to a peer that accepts batches, else as its frames (or predictions) one
-    by one, which mean the same (protocol/README.md: a new message type is only sent once
-    its feature is negotiated)."""
+    one message to a peer that accepts batches (as several if its header would be too
+    large), else as its frames (or predictions) one by one, which mean the same
+    (protocol/README.md: a new message type is only sent once its feature is negotiated)."""
     if BATCH_FEATURE in features:
-        return (message,)
+        return _fitting(message)
     if isinstance(message, ActivationBatch):
         return message.frames
     if isinstance(message, PredictionBatch):
         return message.predictions
     return (message,)
+
+
+def _fitting(message: Message) -> tuple[Message, ...]:
+    """``message``, or its batch split in halves until every header fits
+    ``MAX_HEADER_BYTES``: the peer drops a session that sends a larger one, and honest
+    batches reach it (8 sequences x 33 rows x top-20 logprobs: 73.5 KB; issue 36, item 8).
+    A frame or prediction left alone goes as itself, as to a peer without batches."""
+    if not isinstance(message, ActivationBatch | PredictionBatch):
+        return (message,)
+    if header_size(message) <= MAX_HEADER_BYTES:
+        return (message,)
+    parts = message.frames if isinstance(message, ActivationBatch) else message.predictions
+    if len(parts) == 1:
+        return parts
+    half = len(parts) // 2
+    return (*_fitting(_with_parts(message, parts[:half])),
+            *_fitting(_with_parts(message, parts[half:])))  # fmt: skip
+
+
+def _with_parts(batch: ActivationBatch | PredictionBatch, parts: tuple[Any, ...]) -> Message:
+    if isinstance(batch, ActivationBatch):
+        return dataclasses.replace(batch, frames=parts)
+    return dataclasses.replace(batch, predictions=parts)

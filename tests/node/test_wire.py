@@ -11,14 +11,20 @@ import trio
 import trio.testing
 from meshnode_protocol import (
     BATCH_FEATURE,
+    MAX_HEADER_BYTES,
     ActivationBatch,
     ActivationFrame,
     Connection,
+    Error,
+    ErrorCode,
     Hello,
+    LocalProtocolError,
+    Message,
     Prediction,
     PredictionBatch,
     Role,
     Tensor,
+    header_size,
 )
 
 from meshnode.engine.sampling import SamplingParams
@@ -284,3 +290,44 @@ def test_a_batch_goes_whole_only_to_peers_that_accept_batches() -> None:
     answer = PredictionBatch(run_id="run", term=1, predictions=predictions)
     assert for_peer(answer, frozenset()) == predictions
     assert for_peer(frames[0], frozenset()) == (frames[0],)
+
+
+def test_a_batch_whose_header_is_too_large_is_split_for_the_peer() -> None:
+    """Issue 36, item 8: 8 sequences x 33 rows x top-20 logprobs make a 73.5 KB header,
+    which the receiver refuses (dropping the session). The sender splits the batch; every
+    part's header fits, the predictions arrive whole and in order, and each part encodes."""
+    top = tuple((1000 + k, -1.5 - k) for k in range(20))
+    predictions = tuple(
+        result_to_wire(
+            StepResult(
+                request_id=RequestId(f"cmpl-{i:024x}"),
+                accepted=32,
+                tokens=tuple(range(33)),
+                logprobs=tuple(TokenLogprob(t, -0.25, top) for t in range(33)),
+            ),
+            **RUN,
+            start_pos=100,
+            stage_compute_us=(1234,),
+        )
+        for i in range(8)
+    )
+    batch = PredictionBatch(**RUN, predictions=predictions)
+    assert header_size(batch) > MAX_HEADER_BYTES  # as the probe found
+    parts = for_peer(batch, frozenset({BATCH_FEATURE}))
+    assert len(parts) > 1
+    sent: list[Message] = []
+    for part in parts:
+        assert header_size(part) <= MAX_HEADER_BYTES
+        sent.extend(part.predictions if isinstance(part, PredictionBatch) else [part])
+    assert tuple(sent) == predictions
+    dialer, _ = _connections()
+    for part in parts:
+        dialer.send(part)
+
+
+def test_the_sender_refuses_a_header_the_peer_would_refuse() -> None:
+    dialer, _ = _connections()
+    oversized = Error(code=1, message="x" * MAX_HEADER_BYTES)
+    with pytest.raises(LocalProtocolError, match="MAX_HEADER_BYTES") as info:
+        dialer.send(oversized)
+    assert info.value.code is ErrorCode.FRAME_TOO_LARGE
