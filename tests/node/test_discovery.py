@@ -32,7 +32,7 @@ def info(properties: dict[str, str], port: int = 7470) -> ServiceInfo:
     )
 
 
-def test_txt_record_carries_only_what_discovery_needs() -> None:
+def test_txt_record_carries_no_secret_only_public_fields() -> None:
     # No device kind, no free memory (issue 36, item 4): members learn those from Hello.
     assert ADVERT.properties() == {"v": "1", "mesh": "abc", "id": "n1"}
 
