@@ -25,7 +25,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import numpy as np
 from meshnode_protocol import (
     BATCH_FEATURE,
     MAX_HEADER_BYTES,
@@ -40,7 +39,7 @@ from meshnode_protocol import (
     header_size,
 )
 
-from meshnode.engine.activations import WIRE_DTYPES, Staging, from_wire, to_wire
+from meshnode.engine.activations import Staging, from_wire, to_wire, wire_nbytes
 from meshnode.engine.model import HostArray
 from meshnode.engine.sampling import SamplingParams
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame, StepResult, TokenLogprob
@@ -127,10 +126,9 @@ class WireSequences:
     def tensor_from_array(self, request_id: RequestId, array: Any, dtype: str) -> Tensor:
         """``array`` ``[rows, hidden]`` as a wire tensor of ``dtype``, staged in place (up
         to :data:`MAX_KEPT_STAGING_BYTES`)."""
-        host = np.asarray(array)
-        if host.size * np.dtype(WIRE_DTYPES[dtype]).itemsize > MAX_KEPT_STAGING_BYTES:
-            return tensor_from_array(host, dtype)
-        staged = self._get(request_id).staging.to_wire(host, dtype)
+        if wire_nbytes(array, dtype) > MAX_KEPT_STAGING_BYTES:
+            return tensor_from_array(array, dtype)
+        staged = self._get(request_id).staging.to_wire(array, dtype)
         return Tensor(dtype=dtype, shape=tuple(int(d) for d in staged.shape), data=staged.data)
 
     def array_from_tensor(
