@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import numpy as np
 
-__all__ = ["WIRE_DTYPES", "Staging", "from_wire", "to_wire"]
+__all__ = ["WIRE_DTYPES", "Staging", "from_wire", "to_wire", "wire_nbytes"]
 
 WIRE_DTYPES: Final = {"f32": np.float32, "f16": np.float16}
 """Activation dtypes this node sends and accepts (bf16 needs a bit-level conversion NumPy
@@ -24,6 +24,11 @@ lacks; it is accepted on the wire by the codec but not offered by this implement
 def to_wire(array: Any, dtype: str) -> np.ndarray[Any, Any]:
     """``array`` (host memory, any float dtype) as a contiguous array of wire ``dtype``."""
     return np.ascontiguousarray(array, dtype=WIRE_DTYPES[dtype])
+
+
+def wire_nbytes(array: Any, dtype: str) -> int:
+    """Bytes of ``array`` (host memory) in the wire ``dtype``."""
+    return int(np.asarray(array).size) * np.dtype(WIRE_DTYPES[dtype]).itemsize
 
 
 def from_wire(data: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
@@ -59,6 +64,11 @@ class Staging:
     def __init__(self) -> None:
         self._outgoing: np.ndarray[Any, Any] | None = None  # [rows, hidden], wire dtype
         self._incoming: np.ndarray[Any, Any] | None = None  # [rows, hidden], float32
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its buffers hold."""
+        return sum(b.nbytes for b in (self._outgoing, self._incoming) if b is not None)
 
     def to_wire(self, array: Any, dtype: str) -> np.ndarray[Any, Any]:
         """As :func:`to_wire`; a ``[rows, hidden]`` array is written into the buffer."""

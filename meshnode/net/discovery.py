@@ -7,8 +7,11 @@ callbacks run in zeroconf's thread, resolve the record there, and hand a small
 onto a bounded memory channel. If trio falls behind, adverts are dropped: mDNS repeats
 them, and a dropped one only delays a dial.
 
-The TXT record carries no secret: protocol version, the public mesh id (an HKDF output of
-the token, see :mod:`meshnode.net.identity`), node id, device kind, usable memory.
+The TXT record carries only what discovery needs, and no secret: protocol version, the
+public mesh id (an HKDF output of the token, see :mod:`meshnode.net.identity`) and the node
+id (the hash of its public key, which its TLS certificate shows anyone who connects). What
+a node runs on and how much memory it has free are for members: they learn them from its
+``Hello`` after the mutual TLS handshake (issue 36, item 4).
 """
 
 from __future__ import annotations
@@ -45,23 +48,15 @@ SHUTDOWN_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class Advert:
-    """What a node says about itself in its TXT record."""
+    """What a node says about itself in its TXT record (module docstring)."""
 
     node_id: str
     mesh_id: str
     protocol_version: int
-    device: str
-    usable_memory: int
     port: int
 
     def properties(self) -> dict[str, str]:
-        return {
-            "v": str(self.protocol_version),
-            "mesh": self.mesh_id,
-            "id": self.node_id,
-            "dev": self.device,
-            "mem": str(self.usable_memory),
-        }
+        return {"v": str(self.protocol_version), "mesh": self.mesh_id, "id": self.node_id}
 
 
 @dataclass(frozen=True, slots=True)

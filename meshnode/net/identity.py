@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from meshnode.errors import ConfigError, MeshnodeError
-from meshnode.net.secret_files import SecretFileError, check_private, write_private
+from meshnode.net.secret_files import SecretFileError, read_private, write_private
 
 NodeId = NewType("NodeId", str)
 
@@ -177,8 +177,9 @@ def node_id_of(public_key: ec.EllipticCurvePublicKey) -> NodeId:
 def load_or_create_node_key(state_dir: Path) -> ec.EllipticCurvePrivateKey:
     """Load ``<state_dir>/node.key``, creating it (mode 0600) on first use.
 
-    An existing key readable by others is tightened to 0600 (with a warning), or refused
-    if it is not ours: raises :class:`~meshnode.net.secret_files.SecretFileError`.
+    An existing key readable by others is tightened to 0600 (with a warning); a key that
+    is a link or not ours is refused: raises
+    :class:`~meshnode.net.secret_files.SecretFileError`.
     """
     path = state_dir / NODE_KEY_FILE
     if not path.exists():
@@ -190,8 +191,7 @@ def load_or_create_node_key(state_dir: Path) -> ec.EllipticCurvePrivateKey:
         )
         with contextlib.suppress(SecretFileError):  # a concurrent start made one first
             write_private(path, pem, overwrite=False)
-    check_private(path, fix=True)
-    loaded = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    loaded = serialization.load_pem_private_key(read_private(path, fix=True), password=None)
     if not isinstance(loaded, ec.EllipticCurvePrivateKey):
         raise ValueError(f"{path} does not hold an EC private key")
     return loaded
@@ -254,8 +254,10 @@ class NodeIdentity:
         ca = mesh_ca_certificate(token)
         cert_path = state_dir / NODE_CERT_FILE
         ca_path = state_dir / MESH_CA_FILE
-        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+        # Replaced by rename, never written through: a link planted at either name is
+        # replaced, not followed (issue 36, item 13).
+        write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM), overwrite=True)
+        write_private(ca_path, ca.public_bytes(serialization.Encoding.PEM), overwrite=True)
         return cls(
             node_id=node_id_of(key.public_key()),
             mesh_id=token.mesh_id,

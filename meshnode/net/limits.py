@@ -13,6 +13,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Final
 
+#: Seconds a new inbound connection has to send its first bytes: a dialer's TLS ClientHello
+#: follows the TCP handshake at once (milliseconds on a LAN, well under a second on a loaded
+#: machine); an idle connection is dropped after this, not after the 5 s handshake timeout.
+CLIENT_HELLO_TIMEOUT_S: Final = 2.0
+
 
 @dataclass(frozen=True, slots=True)
 class MeshLimits:
@@ -23,18 +28,37 @@ class MeshLimits:
     ``--peer`` addresses never count).
     ``max_concurrent_dials``: dials (TCP connect + TLS + Hello) under way at once.
     ``max_pending_handshakes``: inbound connections still in TLS or before ``Hello``;
-    beyond it a new connection is closed at once and counted in ``refused_handshakes``.
+    ``max_pending_per_source``: those of them from one address. Beyond either, the
+    oldest idle one is closed to make room (:mod:`meshnode.node.handshakes`) and counted in
+    ``refused_handshakes``. A few nodes share an address at most (tests run several on
+    loopback), and they do not all join in the same second.
+    ``client_hello_timeout_s``: how long a new inbound connection may stay silent.
     """
 
     max_learned_targets: int = 256
     max_concurrent_dials: int = 16
     max_pending_handshakes: int = 32
+    max_pending_per_source: int = 8
+    client_hello_timeout_s: float = CLIENT_HELLO_TIMEOUT_S
 
 
 DEFAULT_LIMITS: Final = MeshLimits()
 
 # One refusal line per kind per this many seconds; the next line says how many were held back.
 REFUSAL_LOG_INTERVAL_S: Final = 10.0
+#: Lines one peer may cause at once, then per second (:class:`TokenBuckets`): a failing run
+#: logs a few errors per failed request; a member's flood of Error frames (30 MB of log in
+#: 2 s, issue 36 item 9) is cut to a trickle of about 2 KiB/s.
+PEER_LOG_BURST: Final = 20
+PEER_LOG_PER_S: Final = 5.0
+#: Keys whose buckets are remembered; past this the longest-idle one is forgotten (a member
+#: can mint identities, a spoofer can advertise any address, so the table is bounded too).
+MAX_TRACKED_KEYS: Final = 1024
+#: New dial targets one advertised host may add at once, then per second: a host runs a
+#: node or a few (several per host on loopback in tests); a spoofer's 2,000 adverts from
+#: one host add a handful (issue 36, item 3).
+HOST_TARGETS_BURST: Final = 8
+HOST_TARGETS_PER_S: Final = 1.0
 
 
 @dataclass
@@ -63,3 +87,38 @@ class RateLimitedLog:
         self.logger.warning(msg + suffix, *args)
         self._next_s[key] = now_s + self.interval_s
         return True
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float
+    refused: int = 0
+
+
+@dataclass
+class TokenBuckets:
+    """A token bucket per key (a peer's lines in the log, a host's new dial targets):
+    ``burst`` at once, then ``per_s`` a second; refused ones are counted and the count is
+    handed back with the key's next allowed one. Times are from the caller's clock."""
+
+    burst: int = PEER_LOG_BURST
+    per_s: float = PEER_LOG_PER_S
+    max_keys: int = MAX_TRACKED_KEYS
+    _buckets: dict[str, _Bucket] = field(default_factory=dict)
+
+    def allow(self, key: str, now: float) -> int | None:
+        """None when ``key`` may not have one more at ``now``; else the count of those it
+        was refused since its last allowed one (0 when none was)."""
+        bucket = self._buckets.pop(key, None) or _Bucket(float(self.burst), now)
+        self._buckets[key] = bucket  # last in the dict: the most recently seen
+        if len(self._buckets) > self.max_keys:
+            del self._buckets[next(iter(self._buckets))]
+        bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.at) * self.per_s)
+        bucket.at = now
+        if bucket.tokens < 1.0:
+            bucket.refused += 1
+            return None
+        bucket.tokens -= 1.0
+        refused, bucket.refused = bucket.refused, 0
+        return refused

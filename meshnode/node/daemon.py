@@ -187,8 +187,6 @@ class Node:
             node_id=self.node_id,
             mesh_id=self.identity.mesh_id,
             protocol_version=PROTOCOL_VERSION,
-            device=self.config.device,
-            usable_memory=self.usable_memory,
             port=port,
         )
         addresses = advertised_addresses(self.config.listen.host, self.config.interface)

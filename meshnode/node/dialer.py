@@ -5,6 +5,13 @@ Targets come from static ``--peer`` addresses, mDNS adverts and the peer lists o
 the TLS stream to the sessions (:meth:`meshnode.node.sessions.Sessions.run_session`). A
 failed dial backs off, doubling from the heartbeat interval up to ``MAX_DIAL_BACKOFF_S``;
 learned targets that keep failing are dropped, static ones never are.
+
+mDNS adverts are unauthenticated and the mesh id in them is public, so a spoofer can fill
+the learned table (issue 36, item 3). Three rules keep room for real nodes: an advertised
+target that never completed a handshake is dropped after ``MAX_LEARNED_FAILURES`` failed
+dials like any learned one (only one that did is kept while its advert lasts); a full table
+makes room for a new address by evicting the never-handshaken target that failed most; and
+each advertised host adds new targets from a token bucket (``HOST_TARGETS_BURST``).
 """
 
 from __future__ import annotations
@@ -20,7 +27,14 @@ from meshnode_protocol import PROTOCOL_VERSION, PeerInfo
 
 from meshnode.net.discovery import Discovered, DiscoveryEvent, Vanished
 from meshnode.net.identity import NodeId
-from meshnode.net.limits import DEFAULT_LIMITS, MeshLimits, RateLimitedLog
+from meshnode.net.limits import (
+    DEFAULT_LIMITS,
+    HOST_TARGETS_BURST,
+    HOST_TARGETS_PER_S,
+    MeshLimits,
+    RateLimitedLog,
+    TokenBuckets,
+)
 from meshnode.net.stream import TRANSPORT_ERRORS
 from meshnode.node.config import Address, ConfigError
 
@@ -30,8 +44,9 @@ DIAL_TIMEOUT_S = 5.0
 # Redial backoff doubles from the heartbeat interval up to this cap.
 MAX_DIAL_BACKOFF_S = 5.0
 # Learned (non-static) targets that keep failing are dropped; static ones never are, nor
-# are mDNS-advertised ones while the advert lasts (a partition longer than these failures
-# would otherwise lose the peer for good: mDNS announces a known record only once).
+# are mDNS-advertised ones that once completed a handshake, while the advert lasts (a
+# partition longer than these failures would otherwise lose the peer for good: mDNS
+# announces a known record only once).
 MAX_LEARNED_FAILURES = 5
 # How often ``connect`` looks again while it waits for a session to come up.
 CONNECT_POLL_S = 0.1
@@ -44,7 +59,8 @@ class DialTarget:
     address: Address
     static: bool
     node_id: NodeId | None = None
-    advertised: bool = False  # found by mDNS: kept until the advert vanishes
+    advertised: bool = False  # found by mDNS: kept until the advert vanishes, once handshaken
+    handshaken: bool = False  # a dial of it got past Hello at least once
     failures: int = 0
     next_attempt_s: float = 0.0
     in_flight: bool = False
@@ -78,6 +94,7 @@ class Dialer:
         self._connected = connected
         self._wake = trio.Event()
         self._refusals = RateLimitedLog(log)
+        self._new_per_host = TokenBuckets(burst=HOST_TARGETS_BURST, per_s=HOST_TARGETS_PER_S)
 
     # -- targets --------------------------------------------------------------------------
 
@@ -88,7 +105,7 @@ class Dialer:
         target = self.targets.get(address)
         if target is None:
             learned = sum(not t.static for t in self.targets.values())
-            if learned >= self.limits.max_learned_targets:
+            if learned >= self.limits.max_learned_targets and not self._evict_one():
                 self._refusals.warning(
                     "targets", trio.current_time(),
                     "not dialing %s: %d learned addresses already (max_learned_targets)",
@@ -99,6 +116,18 @@ class Dialer:
             self._wake.set()
         elif target.node_id is None:
             target.node_id = node_id
+
+    def _evict_one(self) -> bool:
+        """Drop the learned, never-handshaken target that failed most (at least once);
+        False when there is none, and the table stays as it is."""
+        candidates = [
+            t for t in self.targets.values()
+            if not (t.static or t.handshaken or t.in_flight) and t.failures > 0
+        ]  # fmt: skip
+        if not candidates:
+            return False
+        del self.targets[max(candidates, key=lambda t: t.failures).address]
+        return True
 
     def learn_text(self, address: str, node_id: NodeId) -> None:
         """:meth:`learn` an address a peer told us; an unparsable one is ignored."""
@@ -119,6 +148,9 @@ class Dialer:
                     log.warning("ignoring %s: protocol %d", event.node_id, event.protocol_version)
                     continue
                 address = Address(event.host, event.port)
+                known = address in self.targets
+                if not known and self._new_per_host.allow(event.host, trio.current_time()) is None:
+                    continue  # this host advertised too many new addresses lately
                 self.learn(address, NodeId(event.node_id))
                 if (target := self.targets.get(address)) is not None:
                     target.advertised = True
@@ -200,7 +232,9 @@ class Dialer:
 
     def _after_dial(self, target: DialTarget, ok: bool) -> None:
         target.failures = 0 if ok else target.failures + 1
+        target.handshaken = target.handshaken or ok
         backoff = min(MAX_DIAL_BACKOFF_S, self._interval_s * 2 ** min(target.failures, 10))
         target.next_attempt_s = trio.current_time() + backoff
-        if not (target.static or target.advertised) and target.failures >= MAX_LEARNED_FAILURES:
+        kept = target.static or (target.advertised and target.handshaken)
+        if not kept and target.failures >= MAX_LEARNED_FAILURES:
             self.targets.pop(target.address, None)

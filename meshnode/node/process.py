@@ -23,6 +23,8 @@ import trio
 
 from meshnode.engine.backend import limit_cpu_threads
 from meshnode.net.identity import JoinToken, NodeIdentity, TokenError, write_token_file
+from meshnode.net.logtext import OneLineFormatter
+from meshnode.net.secret_files import private_dir, write_private
 from meshnode.node import heap
 from meshnode.node.config import Address, ConfigError, NodeConfig
 from meshnode.node.daemon import Node
@@ -43,12 +45,11 @@ class RunningNode:
 
 
 def write_node_file(state_dir: Path, node: RunningNode) -> None:
-    """Atomically write ``node.json`` (actual ports, so port 0 works in tests)."""
+    """Atomically write ``node.json`` (actual ports, so port 0 works in tests), never
+    through a link."""
     body = {"node_id": node.node_id, "pid": node.pid, "listen": str(node.listen)}
     body["api"] = str(node.api)
-    tmp = state_dir / (NODE_FILE + ".tmp")
-    tmp.write_text(json.dumps(body) + "\n")
-    tmp.replace(state_dir / NODE_FILE)
+    write_private(state_dir / NODE_FILE, (json.dumps(body) + "\n").encode(), overwrite=True)
 
 
 def read_node_file(state_dir: Path) -> RunningNode | None:
@@ -125,9 +126,10 @@ def _token(config: NodeConfig) -> JoinToken:
 
 def configure_logging(config: NodeConfig) -> None:
     """The daemon's log format and level (before anything worth logging happens)."""
-    logging.basicConfig(
-        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    handler = logging.StreamHandler()
+    # One line per record, whatever text a peer put in it (issue 36, item 9).
+    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=config.log_level, handlers=[handler])
 
 
 def run(config: NodeConfig, build: NodeBuilder) -> int:
@@ -138,7 +140,7 @@ def run(config: NodeConfig, build: NodeBuilder) -> int:
     """
     configure_logging(config)
     heap.limit_malloc_arenas()  # before trio, the stage and the kernels start threads
-    config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_dir(config.state_dir)  # refused when others could plant links in it
     token = _token(config)
     limit = limit_cpu_threads(config.threads)  # held while the node runs
     identity = NodeIdentity.provision(token, config.state_dir)

@@ -100,7 +100,10 @@ class Relay:
             try:
                 # One inbox task per run: the sequence's input buffer, reused frame after
                 # frame, is never written while a forward reads it.
-                slots.append((message, Slot(frame_from_wire(message, run.wire))))
+                # Its shape is checked before its activations are copied (issue 36, item 6).
+                width = runner.stage.config.hidden_size
+                frame = frame_from_wire(message, run.wire, hidden_size=width)
+                slots.append((message, Slot(frame)))
             except ValueError as exc:
                 await self._fail(run, message, exc)
         began = time.perf_counter()

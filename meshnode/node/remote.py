@@ -272,8 +272,9 @@ class RemotePipeline:
         if waiter.local_s is None:  # a one-stage run: the result is all there is
             return waiter.result
         # The other stages report their compute (the last its own, the middle ones through
-        # the frame); stage 0's is measured here.
-        stages = (waiter.local_s, *waiter.result.stage_compute_s)
+        # the frame); stage 0's is measured here. A member's list is cut to the run's
+        # stages: each entry becomes a metrics series (issue 36, item 10).
+        stages = (waiter.local_s, *waiter.result.stage_compute_s)[: len(self.stage_nodes)]
         return dataclasses.replace(
             waiter.result,
             request_id=frame.request_id,

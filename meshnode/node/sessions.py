@@ -35,10 +35,12 @@ from meshnode_protocol import (
 )
 
 from meshnode.net.identity import NodeId, PeerIdentityError, certified_node_id
-from meshnode.net.limits import DEFAULT_LIMITS, MeshLimits, RateLimitedLog
+from meshnode.net.limits import DEFAULT_LIMITS, MeshLimits, RateLimitedLog, TokenBuckets
+from meshnode.net.logtext import remote_text
 from meshnode.net.stream import TRANSPORT_ERRORS, PeerStream
 from meshnode.node.config import Address
 from meshnode.node.dialer import DialTarget
+from meshnode.node.handshakes import Pending, PendingHandshakes
 from meshnode.node.membership import (
     Event,
     FrameReceived,
@@ -126,9 +128,10 @@ class Sessions:
         self._interval_s = interval_s
         self._server_ctx = server_context
         self._nonces = itertools.count(1)
-        # Accepted connections still in TLS or before their Hello (bounded by limits).
-        self._pending: set[trio.SSLStream[trio.SocketStream]] = set()
+        # Accepted connections still in TLS or before their Hello, by TCP stream.
+        self._pending = PendingHandshakes(limits)
         self._refusals = RateLimitedLog(log)
+        self._peer_lines = TokenBuckets()  # lines each member's frames may cause
 
     def __contains__(self, node_id: object) -> bool:
         return node_id in self.live
@@ -169,21 +172,33 @@ class Sessions:
     async def handle_inbound(self, tcp: trio.SocketStream) -> None:
         """Serve an accepted connection (``trio.serve_listeners`` handler).
 
-        While ``max_pending_handshakes`` others are still before their ``Hello``, the new
-        one is closed at once and counted as refused: idle connections cannot pile up.
+        Connections before their ``Hello`` are bounded in all and per source; a new one
+        evicts the oldest idle one when a bound is reached, and one that sends nothing
+        within ``client_hello_timeout_s`` is closed (:mod:`meshnode.node.handshakes`).
+        Both count as refused.
         """
-        if len(self._pending) >= self.limits.max_pending_handshakes:
-            self._refuse("busy", "%d others still in their handshake", len(self._pending))
-            with contextlib.suppress(*TRANSPORT_ERRORS):
-                await trio.aclose_forcefully(tcp)
-            return
-        stream = trio.SSLStream(tcp, self._server_ctx, server_side=True)
-        self._pending.add(stream)
+        entry = Pending(_source(tcp), trio.current_time(), trio.CancelScope())
+        for victim in self._pending.add(tcp, entry):
+            self._refuse(
+                "busy", "closed the oldest idle of %d pending handshakes (%d from %s)",
+                len(self._pending), self._pending.from_source(victim.source), victim.source,
+            )  # fmt: skip
+            victim.scope.cancel()
         try:
-            with contextlib.suppress(trio.TooSlowError, *TRANSPORT_ERRORS):
+            with entry.scope, contextlib.suppress(trio.TooSlowError, *TRANSPORT_ERRORS):
+                timeout_s = self.limits.client_hello_timeout_s
+                with trio.move_on_after(timeout_s) as silent:
+                    await trio.lowlevel.wait_readable(tcp.socket)
+                if silent.cancelled_caught:
+                    self._refuse("idle", "nothing sent within %g s", timeout_s)
+                    return
+                entry.spoke = True
+                stream = trio.SSLStream(tcp, self._server_ctx, server_side=True)
                 await self.run_session(stream, None)
         finally:
-            self._pending.discard(stream)
+            self._pending.discard(tcp)
+            with contextlib.suppress(*TRANSPORT_ERRORS):
+                await trio.aclose_forcefully(tcp)
 
     def _refuse(self, kind: str, reason: str, *args: object) -> None:
         self.refused_handshakes += 1
@@ -209,7 +224,7 @@ class Sessions:
                 if dialer:
                     await peer.send(self.owner.hello())
                 hello = await peer.receive()
-            self._pending.discard(stream)  # past its Hello: no longer a pending handshake
+            self._pending.discard(stream.transport_stream)  # past its Hello: not pending
             session = self._admit(peer, hello, cert_id, stream, target)
             if session is None:
                 return hello is not None
@@ -356,11 +371,15 @@ class Sessions:
         if await self.owner.route(session.node_id, message):
             return
         if isinstance(message, Error):
-            # An answer to nothing we run (a late reply, a refusal of an old run): log it;
-            # answering an Error with an Error could ping-pong forever.
-            log.warning(
-                "peer %s reported error %d: %s", session.node_id, message.code, message.message
-            )
+            # An answer to nothing we run (a late reply, a refusal of an old run): log it,
+            # escaped and at a bounded rate per peer (issue 36, item 9); answering an Error
+            # with an Error could ping-pong forever.
+            held = self._peer_lines.allow(session.node_id, trio.current_time())
+            if held is not None:
+                log.warning(
+                    "peer %s reported error %d: %s%s", session.node_id, message.code,
+                    remote_text(message.message), f" ({held} more not logged)" if held else "",
+                )  # fmt: skip
             return
         await session.peer.send(
             Error(
@@ -370,6 +389,14 @@ class Sessions:
                 term=int(getattr(message, "term", 0)),
             )
         )
+
+
+def _source(tcp: trio.SocketStream) -> str:
+    """The address a connection comes from ("" when it is already gone)."""
+    try:
+        return str(tcp.socket.getpeername()[0])
+    except OSError:
+        return ""
 
 
 def _peer_address(advertised: str, stream: trio.SSLStream[trio.SocketStream]) -> Address:

@@ -19,12 +19,15 @@ Two things keep a decode frame small and allocation-free:
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from meshnode_protocol import (
     BATCH_FEATURE,
+    MAX_HEADER_BYTES,
     ActivationBatch,
     ActivationFrame,
     Message,
@@ -33,9 +36,10 @@ from meshnode_protocol import (
     Sampling,
     Tensor,
     TopLogprobs,
+    header_size,
 )
 
-from meshnode.engine.activations import Staging, from_wire, to_wire
+from meshnode.engine.activations import Staging, from_wire, to_wire, wire_nbytes
 from meshnode.engine.model import HostArray
 from meshnode.engine.sampling import SamplingParams
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame, StepResult, TokenLogprob
@@ -67,6 +71,14 @@ def array_from_tensor(tensor: Tensor) -> HostArray:
     return from_wire(tensor.data, tensor.dtype, tensor.shape)
 
 
+#: Bytes of activations a sequence's staging keeps for reuse, each way. A decode or verify
+#: frame (33 rows at a window of 32, hidden 16,384, float32: 2.2 MB) is staged in place; a
+#: larger one (a prefill chunk) gets a copy of its own that goes with it. So a peer pins at
+#: most this much per sequence (issue 36, item 6: before, buffers grew to any frame a peer
+#: sent and stayed until Release: 8 refused 67 MB frames pinned 1.2 GiB).
+MAX_KEPT_STAGING_BYTES = 4 << 20
+
+
 @dataclass(slots=True)
 class _WireSequence:
     sampling: SamplingParams | None = None
@@ -94,6 +106,11 @@ class WireSequences:
     def __len__(self) -> int:
         return len(self._sequences)
 
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of activations kept for reuse, over every sequence."""
+        return sum(seq.staging.nbytes for seq in self._sequences.values())
+
     def release(self, request_id: RequestId) -> None:
         """Forget the sequence (idempotent)."""
         self._sequences.pop(request_id, None)
@@ -107,12 +124,25 @@ class WireSequences:
         return seq
 
     def tensor_from_array(self, request_id: RequestId, array: Any, dtype: str) -> Tensor:
-        """``array`` ``[rows, hidden]`` as a wire tensor of ``dtype``, staged in place."""
+        """``array`` ``[rows, hidden]`` as a wire tensor of ``dtype``, staged in place (up
+        to :data:`MAX_KEPT_STAGING_BYTES`)."""
+        if wire_nbytes(array, dtype) > MAX_KEPT_STAGING_BYTES:
+            return tensor_from_array(array, dtype)
         staged = self._get(request_id).staging.to_wire(array, dtype)
         return Tensor(dtype=dtype, shape=tuple(int(d) for d in staged.shape), data=staged.data)
 
-    def array_from_tensor(self, request_id: RequestId, tensor: Tensor) -> HostArray:
-        """The tensor's values as float32, written into the sequence's reused array."""
+    def array_from_tensor(
+        self, request_id: RequestId, tensor: Tensor, shape: tuple[int, int] | None = None
+    ) -> HostArray:
+        """The tensor's values as float32, written into the sequence's reused array (up to
+        :data:`MAX_KEPT_STAGING_BYTES`). Raises ValueError, before copying anything, when
+        ``shape`` is given and the tensor's is another."""
+        if shape is not None and tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"frame of {request_id}: activations of shape {tuple(tensor.shape)}, not {shape}"
+            )
+        if math.prod(tensor.shape) * 4 > MAX_KEPT_STAGING_BYTES:  # float32 on this side
+            return array_from_tensor(tensor)
         return self._get(request_id).staging.from_wire(tensor.data, tensor.dtype, tensor.shape)
 
     def sampling_of(self, message: ActivationFrame) -> SamplingParams:
@@ -184,12 +214,15 @@ def frame_to_wire(
     )
 
 
-def frame_from_wire(message: ActivationFrame, sequences: WireSequences) -> StepFrame:
+def frame_from_wire(
+    message: ActivationFrame, sequences: WireSequences, *, hidden_size: int | None = None
+) -> StepFrame:
     """The pipeline frame an ``ActivationFrame`` describes (hidden as float32).
 
     ``sequences`` supplies the sampling of frames that omit it and the reused input array.
-    Raises ValueError for a frame this node cannot interpret (see
-    :meth:`WireSequences.sampling_of`, unsupported dtypes).
+    With ``hidden_size``, activations must be ``[tokens, hidden_size]``, checked before
+    they are copied. Raises ValueError for a frame this node cannot interpret (see
+    :meth:`WireSequences.sampling_of`, unsupported dtypes, that shape).
     """
     request_id = RequestId(message.request_id)
     draft_probs = None
@@ -197,7 +230,9 @@ def frame_from_wire(message: ActivationFrame, sequences: WireSequences) -> StepF
         draft_probs = array_from_tensor(message.draft_probs)
     hidden = None
     if message.payload is not None:
-        hidden = sequences.array_from_tensor(request_id, message.payload)
+        rows = len(message.tokens) + len(message.draft_tokens)
+        shape = None if hidden_size is None else (rows, hidden_size)
+        hidden = sequences.array_from_tensor(request_id, message.payload, shape)
     return StepFrame(
         request_id=request_id,
         kind=FrameKind(message.kind),
@@ -273,13 +308,36 @@ def result_from_wire(message: Prediction) -> StepResult:
 
 def for_peer(message: Message, features: frozenset[str]) -> tuple[Message, ...]:
     """``message`` as a peer with these Hello ``features`` may receive it: a batch goes as
-    one message to a peer that accepts batches, else as its frames (or predictions) one
-    by one, which mean the same (protocol/README.md: a new message type is only sent once
-    its feature is negotiated)."""
+    one message to a peer that accepts batches (as several if its header would be too
+    large), else as its frames (or predictions) one by one, which mean the same
+    (protocol/README.md: a new message type is only sent once its feature is negotiated)."""
     if BATCH_FEATURE in features:
-        return (message,)
+        return _fitting(message)
     if isinstance(message, ActivationBatch):
         return message.frames
     if isinstance(message, PredictionBatch):
         return message.predictions
     return (message,)
+
+
+def _fitting(message: Message) -> tuple[Message, ...]:
+    """``message``, or its batch split in halves until every header fits
+    ``MAX_HEADER_BYTES``: the peer drops a session that sends a larger one, and honest
+    batches reach it (8 sequences x 33 rows x top-20 logprobs: 73.5 KB; issue 36, item 8).
+    A frame or prediction left alone goes as itself, as to a peer without batches."""
+    if not isinstance(message, ActivationBatch | PredictionBatch):
+        return (message,)
+    if header_size(message) <= MAX_HEADER_BYTES:
+        return (message,)
+    parts = message.frames if isinstance(message, ActivationBatch) else message.predictions
+    if len(parts) == 1:
+        return parts
+    half = len(parts) // 2
+    return (*_fitting(_with_parts(message, parts[:half])),
+            *_fitting(_with_parts(message, parts[half:])))  # fmt: skip
+
+
+def _with_parts(batch: ActivationBatch | PredictionBatch, parts: tuple[Any, ...]) -> Message:
+    if isinstance(batch, ActivationBatch):
+        return dataclasses.replace(batch, frames=parts)
+    return dataclasses.replace(batch, predictions=parts)

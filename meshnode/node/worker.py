@@ -377,7 +377,7 @@ class Worker:
         """Why this node will not prepare ``prepare`` (empty: it will)."""
         if refusal := self._peer_models.refusal(prepare.package_ref):
             return refusal
-        if prepare.commit and not COMMIT.match(prepare.commit):
+        if prepare.commit and not COMMIT.fullmatch(prepare.commit):
             return "commit must be 40 lowercase hex digits"
         return ""
 

@@ -48,6 +48,7 @@ def create_app(
     other sites' pages out.
     """
     app = FastAPI(title="meshnode", docs_url=None, redoc_url=None, openapi_url=None)
+    _serve_metrics(app, mesh_status)  # its timer is added first: the innermost layer
     app.add_middleware(ApiGuard, access=access or ApiAccess(), limits=limits or BodyLimits())
     if cors_origins:
         # Added after the guard, so outside it: refusals carry the CORS headers too, and a
@@ -59,7 +60,6 @@ def create_app(
         return mesh_status()
 
     mount_console(app)
-    _serve_metrics(app, mesh_status)
     return app
 
 
@@ -70,8 +70,9 @@ def add_metrics(app: FastAPI, render: Callable[[], str]) -> None:
 
 def _serve_metrics(app: FastAPI, mesh_status: StatusSource) -> None:
     # Every node: its status as metrics and its HTTP request latencies; the host adds the
-    # serving metrics (add_metrics). The timer is the outermost layer so far: it times
-    # what the routes and CORS cost, to the last byte of a streamed reply.
+    # serving metrics (add_metrics). The timer sits inside the guard (issue 36, item 2):
+    # only requests the guard let through are timed, to the last byte of a streamed reply,
+    # so a stranger without the key adds nothing to /metrics.
     timings = request_histogram()
     app.add_middleware(RequestTimer, histogram=timings)
     app.state.metrics_sources = []

@@ -17,9 +17,10 @@ Exception tree (raise these from handlers and the service; the handlers installe
   - :class:`ServiceUnavailableError` (503 + ``Retry-After``) — the mesh is (re)loading, or
     the admission queue is full.
 
-A bad body never becomes a 500: request validation errors are 400, and anything the
-handlers did not expect is logged and answered with a 500 in the same shape, since that is
-our bug, not the client's.
+A bad body never becomes a 500: request validation errors are 400, so is a
+``RecursionError`` (input nested deeper than the stack), and anything the handlers did not
+expect is logged and answered with a 500 in the same shape, since that is our bug, not the
+client's.
 """
 
 from __future__ import annotations
@@ -191,8 +192,18 @@ async def _on_http_error(_request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
+async def _on_recursion_error(_request: Request, exc: Exception) -> JSONResponse:
+    # Only input nested deeper than the stack reaches this (a JSON body or a value in it
+    # thousands of levels deep, issue 36, item 11): the client's doing, so a 400.
+    assert isinstance(exc, RecursionError)
+    message = "The request nests arrays or objects too deeply to be read."
+    body = error_body(message, "invalid_request_error", code="invalid_request")
+    return JSONResponse(body, status_code=400)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Make every error the API returns OpenAI-shaped (see the module docstring)."""
     app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RecursionError, _on_recursion_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)

@@ -6,7 +6,8 @@ Everything but the request latency is read from the node's status body (the JSON
 the ones ``meshnode status`` prints; :func:`status_metrics` is a pure function of it.
 :class:`RequestTimer` is an ASGI middleware that observes each request from its first
 byte in to its last byte out (a streamed reply counts until its last event), by route
-template, method and status.
+template, method and status, each label from a bounded set; it sits inside the API guard,
+so a request refused there (no key, wrong Host) is never timed.
 
 Families (all prefixed ``meshnode_``): ``node_info``, ``node_uptime_seconds``,
 ``node_usable_memory_bytes``, ``refused_handshakes_total``, ``protocol_errors_total``,
@@ -29,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from meshnode.node.coordinator import MeshState
 from meshnode.serve.metrics import REQUEST_BUCKETS_S, Histogram, Labels, Sample, family
 
-__all__ = ["RequestTimer", "request_histogram", "status_metrics"]
+__all__ = ["RequestTimer", "method_label", "request_histogram", "status_metrics"]
 
 #: Peer states the membership table knows (``meshnode.node.membership.PeerState``), each
 #: always exported so a dashboard sees 0 rather than a missing series.
@@ -38,6 +39,13 @@ PEER_STATES = ("alive", "suspect", "dead")
 MESH_STATES = ("starting", *MeshState)  # "starting": no coordinator yet
 #: The route label of requests no route matched: unmatched paths must not each make a series.
 UNMATCHED_ROUTE = "unmatched"
+#: Method label values kept as sent (RFC 9110's methods plus PATCH); any other method, which
+#: a client may invent freely and make kilobytes long, is labelled :data:`OTHER_LABEL`, so a
+#: stranger cannot grow ``/metrics`` one series per request (issue 36, item 2).
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS",
+                           "TRACE", "PATCH"})  # fmt: skip
+#: The label value that stands for every value outside a label's bounded set.
+OTHER_LABEL = "other"
 
 
 def status_metrics(status: Mapping[str, Any]) -> Iterable[str]:
@@ -177,10 +185,15 @@ class RequestTimer:
             await self.app(scope, receive, sending)
         finally:
             route = scope.get("route")
-            path = getattr(route, "path", UNMATCHED_ROUTE)
+            path = getattr(route, "path", UNMATCHED_ROUTE)  # a route's template: bounded
             self.histogram.observe(
                 trio.current_time() - started,
-                method=str(scope.get("method", "")),
+                method=method_label(scope.get("method")),
                 route=str(path),
-                status=str(status),
+                status=str(status) if 0 <= status <= 599 else OTHER_LABEL,
             )
+
+
+def method_label(method: object) -> str:
+    """``method`` if it is one of :data:`KNOWN_METHODS`, else :data:`OTHER_LABEL`."""
+    return method if isinstance(method, str) and method in KNOWN_METHODS else OTHER_LABEL

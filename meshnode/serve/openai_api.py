@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
@@ -243,10 +244,22 @@ def _completion_id(prefix: str) -> str:
 # -- chat ---------------------------------------------------------------------------------
 
 
+#: The logprob OpenAI writes for a token too unlikely to measure; JSON has no -inf.
+UNLIKELY_LOGPROB = -9999.0
+
+
+def api_logprob(logprob: float) -> float:
+    """``logprob`` as JSON can carry it: within [:data:`UNLIKELY_LOGPROB`, 0], and NaN (a
+    stage's nonsense, issue 36, item 11) as :data:`UNLIKELY_LOGPROB`."""
+    if math.isnan(logprob):
+        return UNLIKELY_LOGPROB
+    return min(0.0, max(UNLIKELY_LOGPROB, logprob))
+
+
 def _chat_logprobs(service: ServeService, items: tuple[TokenLogprob, ...]) -> s.ChoiceLogprobs:
     def entry(token: int, logprob: float) -> s.TopLogprob:
         text = service.codec.token_text(token)
-        return s.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+        return s.TopLogprob(token=text, logprob=api_logprob(logprob), bytes=list(text.encode()))
 
     content = [
         s.TokenLogprob(
@@ -315,10 +328,10 @@ def _text_logprobs(
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
-    tops = [{service.codec.token_text(t): lp for t, lp in item.top} for item in items]
+    tops = [{service.codec.token_text(t): api_logprob(lp) for t, lp in item.top} for item in items]
     return s.CompletionLogprobs(
         tokens=tokens,
-        token_logprobs=[item.logprob for item in items],
+        token_logprobs=[api_logprob(item.logprob) for item in items],
         top_logprobs=tops,
         text_offset=offsets,
     )

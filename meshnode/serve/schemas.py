@@ -98,15 +98,27 @@ _API_TYPES: dict[str, Any] = {
     "int": StrictInt,
     "int | None": StrictInt | None,
 }
+#: The smallest repetition penalty and non-zero temperature: the logits (float32, below
+#: ~3.4e38) divided by both stay below float64's ~1.8e308, so none overflows to inf and the
+#: sampler never meets NaN (1e-308 failed the request as a retryable error; issue 36).
+MIN_LOGIT_DIVISOR = 1e-100
+
+
+def _zero_or_divisor(value: float) -> float:
+    if 0 < value < MIN_LOGIT_DIVISOR:
+        raise ValueError(f"must be 0 (greedy) or at least {MIN_LOGIT_DIVISOR:g}")
+    return value
+
+
 #: The ranges the API checks with a 400 before the record would raise: the record's own
 #: (a top_p of 0 keeps nothing, a temperature or top_k below 0 means nothing), and OpenAI's
 #: documented limits for its own knobs (temperature up to 2, penalties within ±2).
-_API_RANGES: dict[str, tuple[BaseMetadata, ...]] = {
-    "temperature": (Ge(0.0), Le(2.0)),
+_API_RANGES: dict[str, tuple[BaseMetadata | AfterValidator, ...]] = {
+    "temperature": (Ge(0.0), Le(2.0), AfterValidator(_zero_or_divisor)),
     "top_p": (Gt(0.0), Le(1.0)),
     "top_k": (Ge(0),),
     "min_p": (Ge(0.0), Le(1.0)),
-    "repetition_penalty": (Gt(0.0),),
+    "repetition_penalty": (Ge(MIN_LOGIT_DIVISOR),),
     "presence_penalty": (Ge(-2.0), Le(2.0)),
     "frequency_penalty": (Ge(-2.0), Le(2.0)),
     # Any 64-bit seed, signed or not (llama.cpp's clients send -1); the sampler folds it

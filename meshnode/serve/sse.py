@@ -6,8 +6,9 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
 
+import trio
 from fastapi.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 __all__ = ["SSE_HEADERS", "ClosingStreamingResponse"]
 
@@ -41,7 +42,28 @@ class ClosingStreamingResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with aclosing(self.body_iterator):
-                await super().__call__(scope, receive, send)
+                await super().__call__(scope, receive, _last_body_shielded(send))
         finally:
             if self._on_close is not None:
                 self._on_close()
+
+
+def _last_body_shielded(send: Send) -> Send:
+    """``send``, with the body's last message sent shielded from cancellation.
+
+    Starlette streams a body next to a task that waits for ``http.disconnect`` and cancels
+    both when either ends. Hypercorn ends the exchange inside that last ``send``: it puts
+    ``http.disconnect`` on the queue, which ends the waiting task and cancels the send
+    while it closes (``Connection: close``) or recycles (keep-alive) the connection. Cut
+    off there, the connection stayed open until the 30-minute read timeout (issue 36,
+    item 12). Shielded, the close or the keep-alive timer runs as for any other reply.
+    """
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            with trio.CancelScope(shield=True):
+                await send(message)
+        else:
+            await send(message)
+
+    return sending

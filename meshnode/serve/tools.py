@@ -51,10 +51,15 @@ __all__ = [
 ]
 
 #: OpenAI's rule for function names (and what every template can print unescaped).
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: Tools one request may declare: each one is rendered into the prompt and compiled into the
 #: grammar of a forced call, so the bound keeps both small (OpenAI allows 128).
 MAX_TOOLS = 128
+#: Levels of nesting an earlier call's arguments may have. Real arguments nest a few levels
+#: (OpenAI's strict schemas allow 10), while the parser, the template's ``tojson`` and
+#: ``json.dumps`` recurse once per level on a stack already a few hundred frames deep
+#: (Python's limit is 1,000): 3,000 levels were a ``RecursionError`` (issue 36, item 11).
+MAX_ARGUMENT_DEPTH = 64
 
 FALLBACK_SYSTEM_PROMPT = """# Tools
 
@@ -197,7 +202,7 @@ def function_spec(
     """A checked tool from its parts as a request gave them (``where`` names the tool in
     errors, ``schema_key`` its schema's field; no schema takes no arguments); raises
     BadRequestError (param ``tools``) for a bad name, description or schema."""
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise BadRequestError(
             f"{where}.name must be 1-64 letters, digits, '_' or '-'.", param="tools"
         )
@@ -310,11 +315,35 @@ def _template_call(call: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _arguments(text: str) -> Any:
-    """Arguments as an object when they are JSON (as vLLM hands them to templates)."""
+    """Arguments as an object when they are JSON (as vLLM hands them to templates); raise
+    BadRequestError when they nest deeper than :data:`MAX_ARGUMENT_DEPTH`."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
+        too_deep = json_depth(value) > MAX_ARGUMENT_DEPTH
     except json.JSONDecodeError:
         return text
+    except RecursionError:
+        too_deep = True  # deeper than the parser's own stack
+    if too_deep:
+        raise BadRequestError(
+            f"messages: a tool call's arguments nest deeper than {MAX_ARGUMENT_DEPTH} levels.",
+            param="messages",
+        )
+    return value
+
+
+def json_depth(value: Any) -> int:
+    """Levels of arrays and objects in a parsed JSON ``value`` (a scalar is 0), counted
+    without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def fallback_messages(

@@ -43,9 +43,9 @@ from meshnode_packaging.errors import (
 )
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
-COMMIT = re.compile(r"^[0-9a-f]{40}$")
-_REVISION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-_SEGMENT = re.compile(r"^[A-Za-z0-9_.+-]+$")
+COMMIT = re.compile(r"[0-9a-f]{40}")
+_REVISION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_SEGMENT = re.compile(r"[A-Za-z0-9_.+-]+")
 _TRUE = {"1", "true", "yes", "on"}
 # A hub listing is JSON read into memory; a real one is tens of KB even for big repos.
 MAX_LISTING_FILES = 100_000
@@ -95,7 +95,7 @@ def check_revision(revision: str) -> str:
 
     No separators, no ``..``: a revision becomes a folder name in the cache and a URL segment.
     """
-    if not _REVISION.match(revision) or ".." in revision:
+    if not _REVISION.fullmatch(revision) or ".." in revision:
         raise RefError(f"revision {revision!r}: use a branch, tag or commit (no '/', no '..')")
     return revision
 
@@ -103,14 +103,14 @@ def check_revision(revision: str) -> str:
 def check_repo_path(path: str) -> str:
     """``path`` if it is a relative, ``/``-separated path of plain names; raise RefError."""
     parts = path.split("/")
-    if not path or any(p in ("", ".", "..") or not _SEGMENT.match(p) for p in parts):
+    if not path or any(p in ("", ".", "..") or not _SEGMENT.fullmatch(p) for p in parts):
         raise RefError(f"file {path!r}: expected a relative path of plain names (no '..')")
     return path
 
 
 def check_commit(pin: str) -> str:
     """``pin`` if it is a full hex commit sha; raise :class:`RefError`."""
-    if not COMMIT.match(pin):
+    if not COMMIT.fullmatch(pin):
         raise RefError(f"commit pin {pin!r} is not a 40-digit hex sha")
     return pin
 

@@ -49,7 +49,7 @@ from meshnode_packaging.errors import (
 from meshnode_packaging.hub import token_for
 from meshnode_packaging.transfer import Progress, ProgressFn, Retry, check_status
 
-_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ def _check_range(r: httpx.Response, url: str, want: ByteRange, size: int, pin: s
         commit = resp.headers.get("X-Repo-Commit")
         if pin and commit is not None and commit != pin:
             raise FetchError(f"the hub served commit {commit}, not the pinned {pin}", url=url)
-    m = _CONTENT_RANGE.match(r.headers.get("Content-Range", ""))
+    m = _CONTENT_RANGE.fullmatch(r.headers.get("Content-Range", ""))
     if m is None or (int(m[1]), int(m[2]) + 1, int(m[3])) != (want.start, want.end, size):
         raise FetchError(
             f"Content-Range does not match bytes {want.start}-{want.end - 1}/{size}", url=url

@@ -46,8 +46,8 @@ from meshnode_packaging.validate import validate_package
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_REVISION = "main"
 _HF_REF = re.compile(
-    r"^hf://(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[^/:]+))?"
-    r"(?:/(?P<file>.+)|:(?P<quant>[A-Za-z0-9_]+))?$"
+    r"hf://(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[^/:]+))?"
+    r"(?:/(?P<file>.+)|:(?P<quant>[A-Za-z0-9_]+))?"
 )
 
 
@@ -101,7 +101,7 @@ ModelRef = LocalSource | LocalPackage | RemotePackage
 def resolve(ref: str | Path) -> ModelRef:
     """What ``ref`` names; raise :class:`RefError` when it names nothing we can open."""
     text = str(ref)
-    if m := _HF_REF.match(text):
+    if m := _HF_REF.fullmatch(text):
         return _hub_ref(m)
     if text.startswith("hf://"):
         raise RefError(

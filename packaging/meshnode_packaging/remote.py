@@ -79,7 +79,7 @@ log = logging.getLogger("meshnode_packaging.remote")
 # safetensors header is tens of KB and says its own length in its first 8 bytes.
 FIRST_GGUF_BYTES = 1 << 20
 FIRST_SAFETENSORS_BYTES = 64 << 10
-_SHARD = re.compile(r"^(?P<base>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_SHARD = re.compile(r"(?P<base>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 INDEX_NAME = "model.safetensors.index.json"
 # Small files read whole when present: the model's config, its tokenizer and chat template.
@@ -104,7 +104,7 @@ class Selection:
 
 
 def _shards(files: dict[str, hub.RepoFile], first: str) -> tuple[str, ...]:
-    m = _SHARD.match(first)
+    m = _SHARD.fullmatch(first)
     if m is None:
         return (first,)
     count = int(m["count"])
@@ -120,7 +120,7 @@ def _gguf_sets(files: dict[str, hub.RepoFile]) -> list[str]:
     return sorted(
         f
         for f in files
-        if f.endswith(".gguf") and ((m := _SHARD.match(f)) is None or int(m["no"]) == 1)
+        if f.endswith(".gguf") and ((m := _SHARD.fullmatch(f)) is None or int(m["no"]) == 1)
     )
 
 
@@ -417,7 +417,7 @@ def open_hub(
     assert ref.repo is not None
     commit = pin or hub.resolve_commit(ref.repo, ref.revision)
     hub.check_commit(commit)
-    if hub.COMMIT.match(ref.revision) and ref.revision != commit:
+    if hub.COMMIT.fullmatch(ref.revision) and ref.revision != commit:
         raise RefError(f"hf://{ref.repo}@{ref.revision} does not match the pin {commit}")
     listing = hub.listing(ref.repo, commit, cache_dir)
     selection = select(listing, ref.file, ref.quant)

@@ -25,6 +25,7 @@ from meshnode_protocol._framing import (
     MAX_PRE_HELLO_FRAME_BYTES,
     decode_frame,
     encode_frame,
+    header_size,
 )
 from meshnode_protocol._messages import (
     ACTIVATION_KINDS,
@@ -111,4 +112,5 @@ __all__ = [
     "TopLogprobs",
     "decode_frame",
     "encode_frame",
+    "header_size",
 ]

@@ -68,8 +68,20 @@ def encode_header(msg: Message, tensors: list[Tensor]) -> bytes:
     return cbor2.dumps(encode_fields(msg, tensors, header))
 
 
+def header_size(msg: Message) -> int:
+    """Bytes of ``msg``'s CBOR header: what must stay within ``MAX_HEADER_BYTES``."""
+    return len(encode_header(msg, []))
+
+
 def frame_length(header: bytes, tensors: list[Tensor], max_frame_bytes: int) -> int:
-    """The value of the length prefix; raises ``LocalProtocolError`` past the limit."""
+    """The value of the length prefix; raises ``LocalProtocolError`` past either limit
+    (a header the peer would refuse is never sent)."""
+    if len(header) > MAX_HEADER_BYTES:
+        raise LocalProtocolError(
+            f"header of {len(header)} bytes exceeds MAX_HEADER_BYTES={MAX_HEADER_BYTES}; "
+            "split the batch (or ask for fewer top_logprobs)",
+            ErrorCode.FRAME_TOO_LARGE,
+        )
     length = len(header)
     for tensor in tensors:
         length += tensor.nbytes

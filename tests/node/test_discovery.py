@@ -19,9 +19,7 @@ from meshnode.net.discovery import (
     run_discovery,
 )
 
-ADVERT = Advert(
-    node_id="n1", mesh_id="abc", protocol_version=1, device="cpu", usable_memory=5, port=7470
-)
+ADVERT = Advert(node_id="n1", mesh_id="abc", protocol_version=1, port=7470)
 
 
 def info(properties: dict[str, str], port: int = 7470) -> ServiceInfo:
@@ -35,7 +33,8 @@ def info(properties: dict[str, str], port: int = 7470) -> ServiceInfo:
 
 
 def test_txt_record_carries_no_secret_only_public_fields() -> None:
-    assert ADVERT.properties() == {"v": "1", "mesh": "abc", "id": "n1", "dev": "cpu", "mem": "5"}
+    # No device kind, no free memory (issue 36, item 4): members learn those from Hello.
+    assert ADVERT.properties() == {"v": "1", "mesh": "abc", "id": "n1"}
 
 
 def test_records_of_our_mesh_are_discovered() -> None:
@@ -61,10 +60,7 @@ async def test_a_name_conflict_renames_our_record_instead_of_stopping_the_node(
 ) -> None:
     """Issue 15 item 6: another host answering for our instance name (here a spoofer on
     loopback) used to raise NonUniqueNameException out of the daemon's start."""
-    advert = Advert(
-        node_id="conflicted", mesh_id="abc", protocol_version=1, device="cpu",
-        usable_memory=1, port=7471,
-    )  # fmt: skip
+    advert = Advert(node_id="conflicted", mesh_id="abc", protocol_version=1, port=7471)
     spoofer = await trio.to_thread.run_sync(lambda: Zeroconf(interfaces=["127.0.0.1"]))
     squatter = ServiceInfo(
         SERVICE_TYPE,

@@ -15,7 +15,7 @@ from meshnode.net.identity import JoinToken, NodeId, NodeIdentity
 from meshnode.net.limits import DEFAULT_LIMITS, MeshLimits, RateLimitedLog
 from meshnode.node.config import Address
 from meshnode.node.dialer import Dialer, DialTarget, RunSession
-from meshnode.node.sessions import SessionOwner, Sessions
+from meshnode.node.sessions import HANDSHAKE_TIMEOUT_S, SessionOwner, Sessions
 
 
 def test_refusal_logs_are_rate_limited_and_count_what_they_held_back(
@@ -111,9 +111,10 @@ def _collect(into: list[trio.SocketStream]) -> Callable[[trio.SocketStream], Awa
 
 
 async def test_pending_inbound_handshakes_are_capped(tmp_path: Path) -> None:
-    """Idle connections that never start TLS cannot pile up: beyond the cap they are closed
-    at once and counted as refused; a slot frees when one goes away."""
-    limits = MeshLimits(max_pending_handshakes=4)
+    """Idle connections that never start TLS cannot pile up: beyond the cap each new one
+    closes the oldest idle one (counted as refused), so the count stays at the cap and a
+    newcomer is always taken (issue 36, item 1; before, newcomers were the ones refused)."""
+    limits = MeshLimits(max_pending_handshakes=4, client_hello_timeout_s=60.0)
     identity = NodeIdentity.provision(JoinToken.generate("m"), tmp_path)
     owner = cast(SessionOwner, object())  # never consulted: nobody gets past TLS here
     sessions = Sessions(
@@ -125,18 +126,17 @@ async def test_pending_inbound_handshakes_are_capped(tmp_path: Path) -> None:
         port = listeners[0].socket.getsockname()[1]
         nursery.start_soon(trio.serve_listeners, sessions.handle_inbound, listeners)
         with trio.fail_after(10):
-            idle = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(4)]
-            await _until(lambda: len(sessions._pending) == 4)
-            for _ in range(3):
-                extra = await trio.open_tcp_stream("127.0.0.1", port)
-                assert await _closed_by_peer(extra)
+            idle = []
+            for _ in range(4):
+                idle.append(await trio.open_tcp_stream("127.0.0.1", port))
+                await _until(lambda: len(sessions._pending) == len(idle))
+            extra = []
+            for n in range(3):
+                extra.append(await trio.open_tcp_stream("127.0.0.1", port))
+                assert await _closed_by_peer(idle[n])  # the oldest idle one made room
             assert sessions.refused_handshakes == 3
-            await idle[0].aclose()  # its handshake fails (a refusal too) and frees a slot
-            await _until(lambda: sessions.refused_handshakes == 4)
-            newcomer = await trio.open_tcp_stream("127.0.0.1", port)
-            await _until(lambda: len(sessions._pending) == 4)  # admitted to the handshake
-            assert sessions.refused_handshakes == 4
-        for stream in [*idle[1:], newcomer]:
+            assert len(sessions._pending) == 4
+        for stream in [idle[3], *extra]:
             await stream.aclose()
         nursery.cancel_scope.cancel()
     for listener in listeners:
@@ -157,3 +157,26 @@ async def _until(predicate: Callable[[], bool]) -> None:
     the caller bounds the wait with ``fail_after``."""
     while not predicate():  # noqa: ASYNC110
         await trio.sleep(0.01)
+
+
+async def test_a_connection_that_says_nothing_is_closed_after_the_client_hello_deadline(
+    tmp_path: Path,
+) -> None:
+    limits = MeshLimits(client_hello_timeout_s=0.2)
+    identity = NodeIdentity.provision(JoinToken.generate("m"), tmp_path)
+    sessions = Sessions(
+        identity.node_id, identity.mesh_id, cast(SessionOwner, object()), interval_s=1.0,
+        server_context=identity.server_context(), limits=limits,
+    )  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        nursery.start_soon(trio.serve_listeners, sessions.handle_inbound, listeners)
+        with trio.fail_after(HANDSHAKE_TIMEOUT_S - 1):  # before, it was that timeout
+            idle = await trio.open_tcp_stream("127.0.0.1", port)
+            assert await _closed_by_peer(idle)
+        assert sessions.refused_handshakes == 1
+        assert len(sessions._pending) == 0
+        nursery.cancel_scope.cancel()
+    for listener in listeners:
+        await listener.aclose()

@@ -134,3 +134,40 @@ async def _deliver_after_send(
         tokens=tokens, drafts=drafts,
     )  # fmt: skip
     pipeline.deliver("last", prediction)
+
+
+async def test_a_members_stage_times_are_cut_to_the_runs_stages() -> None:
+    """Each entry of ``stage_compute_us`` becomes a ``stage_seconds`` series on the host: a
+    member that sends 5,000 of them gets as many as the run has stages (issue 36, item 10)."""
+    source = TinySource(tiny_config(VOCAB, 2), seed=0, logit_scale=8.0)
+    stage0 = Stage(ModelConfig.from_hf(source.config), source, 0, 1, embed=True, head=False)
+    sent: list[Message] = []
+    forwarded = trio.Event()
+
+    async def send(peer: str, message: Message) -> None:
+        sent.append(message)
+        forwarded.set()
+
+    pipeline = RemotePipeline(
+        StageRunner(stage0, context_size=32, max_sequences=1),
+        run_id=RUN, term=TERM, stage_nodes=("host", "middle", "last"), send=send,
+        wire_dtype="f32",
+    )  # fmt: skip
+
+    async def deliver() -> None:
+        await forwarded.wait()
+        wire = sent[-1]
+        assert isinstance(wire, ActivationFrame)
+        prediction = Prediction(
+            request_id=wire.request_id, run_id=RUN, term=TERM, start_pos=2, accepted=0,
+            tokens=(1,), compute_us=7, stage_compute_us=tuple(range(5_000)),
+        )  # fmt: skip
+        pipeline.deliver("last", prediction)
+
+    frame = StepFrame(RequestId("req"), FrameKind.PREFILL, 0, (1, 2), SamplingParams(0.0))
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(deliver)
+            result = await pipeline.run(frame)
+    assert len(result.stage_compute_s) == 3
+    assert result.stage_compute_s[1:] == (0.0, 1e-6)

@@ -14,9 +14,16 @@ from typer.testing import CliRunner
 
 from meshnode.cli import app
 from meshnode.cli import commands as _commands  # noqa: F401  (registers the commands)
-from meshnode.net.identity import JoinToken, load_or_create_node_key, write_token_file
-from meshnode.net.secret_files import SecretFileError, check_private, write_private
+from meshnode.net.address import Address
+from meshnode.net.identity import (
+    JoinToken,
+    NodeIdentity,
+    load_or_create_node_key,
+    write_token_file,
+)
+from meshnode.net.secret_files import SecretFileError, check_private, private_dir, write_private
 from meshnode.node.config import NodeConfig
+from meshnode.node.process import RunningNode, write_node_file
 
 
 def _mode(path: Path) -> int:
@@ -119,3 +126,69 @@ def test_init_refuses_to_overwrite_a_token_file_without_force(tmp_path: Path) ->
     assert forced.exit_code == 0, forced.output
     assert path.read_text() != original
     assert _mode(path) == 0o600
+
+
+# -- issue 36, item 13: the state dir and links planted in it -----------------------------
+
+
+def test_a_state_dir_others_can_change_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # world-writable and not sticky: anyone may swap its entries
+    with pytest.raises(SecretFileError, match="another user can change"):
+        private_dir(shared / "mesh" / "worker")
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o775)
+    with pytest.raises(SecretFileError, match="writable by no one else"):
+        private_dir(loose)
+
+
+def test_the_documented_example_under_a_sticky_tmp_still_works(tmp_path: Path) -> None:
+    """The README's ``--state-dir /tmp/mesh/worker``: /tmp is world-writable but sticky,
+    and the folders meshnode creates in it are 0700."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    tmp.chmod(0o1777)
+    state = private_dir(tmp / "mesh" / "worker")
+    assert state == tmp / "mesh" / "worker"
+    assert _mode(tmp / "mesh") == _mode(state) == 0o700
+    assert private_dir(state) == state  # and again, once it exists
+
+
+def test_a_link_planted_at_a_state_file_is_replaced_not_written_through(tmp_path: Path) -> None:
+    victim = tmp_path / "victims-file"
+    victim.write_bytes(b"untouched")
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    for name in ("node.crt", "mesh-ca.crt", "node.json"):
+        (state / name).symlink_to(victim)
+    NodeIdentity.provision(JoinToken.generate("home"), state)
+    write_node_file(state, RunningNode("n", 1, Address("127.0.0.1", 1), Address("127.0.0.1", 2)))
+    assert victim.read_bytes() == b"untouched"
+    assert not any((state / name).is_symlink() for name in ("node.crt", "mesh-ca.crt", "node.json"))
+
+
+def test_a_node_key_link_is_refused_and_its_target_keeps_its_mode(tmp_path: Path) -> None:
+    target = tmp_path / "someones.key"
+    load_or_create_node_key(tmp_path / "elsewhere")
+    target.write_bytes((tmp_path / "elsewhere" / "node.key").read_bytes())
+    target.chmod(0o644)
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / "node.key").symlink_to(target)
+    with pytest.raises(SecretFileError, match="symbolic link"):
+        load_or_create_node_key(state)
+    assert _mode(target) == 0o644
+
+
+def test_a_key_owned_by_another_user_is_refused_not_tightened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    load_or_create_node_key(tmp_path)
+    (tmp_path / "node.key").chmod(0o640)
+    mine = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: mine + 1)  # as if another user ran the node
+    with pytest.raises(SecretFileError, match=f"belongs to uid {mine}"):
+        load_or_create_node_key(tmp_path)
+    assert _mode(tmp_path / "node.key") == 0o640

@@ -11,19 +11,27 @@ import trio
 import trio.testing
 from meshnode_protocol import (
     BATCH_FEATURE,
+    MAX_HEADER_BYTES,
     ActivationBatch,
     ActivationFrame,
     Connection,
+    Error,
+    ErrorCode,
     Hello,
+    LocalProtocolError,
+    Message,
     Prediction,
     PredictionBatch,
     Role,
+    Tensor,
+    header_size,
 )
 
 from meshnode.engine.sampling import SamplingParams
 from meshnode.net.stream import PeerStream
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame, StepResult, TokenLogprob
 from meshnode.node.wire import (
+    MAX_KEPT_STAGING_BYTES,
     WireSequences,
     for_peer,
     frame_from_wire,
@@ -184,6 +192,34 @@ def test_sequences_are_bounded_and_released() -> None:
     assert len(sequences) == 1
 
 
+def test_refused_and_oversized_frames_pin_no_staging() -> None:
+    """Issue 36, item 6: activations were copied into the sequence's float32 buffer before
+    their shape was checked, and the buffer stayed: 8 refused 67 MB frames pinned 1.2 GiB
+    until Release. Now the shape is checked first, and a frame larger than
+    MAX_KEPT_STAGING_BYTES gets a copy of its own, which goes with the frame."""
+    receiver = WireSequences(8)
+    rows = MAX_KEPT_STAGING_BYTES // (4 * HIDDEN) + 1  # just past what is kept
+    wide = Tensor(dtype="f16", shape=(1, rows * HIDDEN),
+                  data=np.zeros(rows * HIDDEN, dtype=np.float16).tobytes())  # fmt: skip
+    for i in range(8):
+        wire = frame_to_wire(_frame(FrameKind.PREFILL, 0, (1,)), _hidden(1), **RUN,
+                             wire_dtype="f16")  # fmt: skip
+        refused = dataclasses.replace(wire, request_id=f"r{i}", payload=wide)
+        with pytest.raises(ValueError, match="shape"):
+            frame_from_wire(refused, receiver, hidden_size=HIDDEN)
+    assert receiver.kept_bytes == 0
+    big = frame_to_wire(_frame(FrameKind.PREFILL, 0, tuple(range(rows))), _hidden(rows), **RUN,
+                        wire_dtype="f16", sequences=WireSequences(1))  # fmt: skip
+    frame = frame_from_wire(big, receiver, hidden_size=HIDDEN)
+    assert frame.hidden is not None
+    np.testing.assert_allclose(frame.hidden, _hidden(rows), rtol=1e-3, atol=1e-4)
+    assert receiver.kept_bytes == 0  # a prefill chunk this large is not kept
+    small = frame_to_wire(_frame(FrameKind.DECODE, 1, (1,)), _hidden(1), **RUN,
+                          wire_dtype="f16", sequences=WireSequences(1))  # fmt: skip
+    frame_from_wire(small, receiver, hidden_size=HIDDEN)
+    assert 0 < receiver.kept_bytes <= MAX_KEPT_STAGING_BYTES  # decode frames still reuse
+
+
 def test_results_round_trip_with_logprobs() -> None:
     result = StepResult(
         request_id=REQUEST,
@@ -254,3 +290,44 @@ def test_a_batch_goes_whole_only_to_peers_that_accept_batches() -> None:
     answer = PredictionBatch(run_id="run", term=1, predictions=predictions)
     assert for_peer(answer, frozenset()) == predictions
     assert for_peer(frames[0], frozenset()) == (frames[0],)
+
+
+def test_a_batch_whose_header_is_too_large_is_split_for_the_peer() -> None:
+    """Issue 36, item 8: 8 sequences x 33 rows x top-20 logprobs make a 73.5 KB header,
+    which the receiver refuses (dropping the session). The sender splits the batch; every
+    part's header fits, the predictions arrive whole and in order, and each part encodes."""
+    top = tuple((1000 + k, -1.5 - k) for k in range(20))
+    predictions = tuple(
+        result_to_wire(
+            StepResult(
+                request_id=RequestId(f"cmpl-{i:024x}"),
+                accepted=32,
+                tokens=tuple(range(33)),
+                logprobs=tuple(TokenLogprob(t, -0.25, top) for t in range(33)),
+            ),
+            **RUN,
+            start_pos=100,
+            stage_compute_us=(1234,),
+        )
+        for i in range(8)
+    )
+    batch = PredictionBatch(**RUN, predictions=predictions)
+    assert header_size(batch) > MAX_HEADER_BYTES  # as the probe found
+    parts = for_peer(batch, frozenset({BATCH_FEATURE}))
+    assert len(parts) > 1
+    sent: list[Message] = []
+    for part in parts:
+        assert header_size(part) <= MAX_HEADER_BYTES
+        sent.extend(part.predictions if isinstance(part, PredictionBatch) else [part])
+    assert tuple(sent) == predictions
+    dialer, _ = _connections()
+    for part in parts:
+        dialer.send(part)
+
+
+def test_the_sender_refuses_a_header_the_peer_would_refuse() -> None:
+    dialer, _ = _connections()
+    oversized = Error(code=1, message="x" * MAX_HEADER_BYTES)
+    with pytest.raises(LocalProtocolError, match="MAX_HEADER_BYTES") as info:
+        dialer.send(oversized)
+    assert info.value.code is ErrorCode.FRAME_TOO_LARGE

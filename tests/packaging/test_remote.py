@@ -7,11 +7,12 @@ import json
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from meshnode_packaging import hub
 from meshnode_packaging.errors import Cancelled, MissingPart, NotFound, RefError, Unauthorized
 from meshnode_packaging.hub import hub_cache_dir, listing, token_for
 from meshnode_packaging.manifest import Part
@@ -176,11 +177,22 @@ def test_quantization_and_file_choose_the_gguf(
         "hf://org/repo//x.gguf",
         "hf://org/../x",
         "hf://org/repo@a b",
+        "hf://org/repo@main\n",  # a regex `$` let the newline through to the hub as %0A
+        "hf://org/repo/x.gguf\n",
+        "hf://org/repo:Q4_K_M\n",
     ],
 )
 def test_refs_that_could_escape_are_refused(ref: str) -> None:
     with pytest.raises(RefError):
         resolve(ref)
+
+
+@pytest.mark.parametrize("check", [hub.check_commit, hub.check_revision, hub.check_repo_path])
+def test_every_ref_check_matches_the_whole_string(check: Callable[[str], str]) -> None:
+    assert check("a" * 40) == "a" * 40
+    for tail in ("\n", "\r\n", " ", "\x00"):
+        with pytest.raises(RefError):
+            check("a" * 40 + tail)
 
 
 def test_ref_grammar() -> None:
