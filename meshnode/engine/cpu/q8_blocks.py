@@ -13,10 +13,15 @@ returns ``(u, dw, m, m2, sa, sb)``:
   1 otherwise), applied to the exact integer dot products of each half.
 
 A weight ``s (u - z)`` with an integer offset ``z`` (Q4_0, Q5_0, Q8_0 as ``w + 128``,
-Q3_K, Q6_K) keeps ``z`` out of the bytes: the kernels add ``-(sum of the activation
-quants) << log2(z)`` to the integer dot product (:func:`offset_area` says which shift):
-the one-row kernel as ``z`` bytes dotted with the activation block, the multi-row one
-from the sums of each half that :func:`.q8_kernels.quantize` keeps.
+Q3_K, Q6_K, MXFP4 as its value + 16) keeps ``z`` out of the bytes: the kernels add
+``-(sum of the activation quants) << log2(z)`` to the integer dot product
+(:func:`offset_area` says which shift): the one-row kernel as ``z`` bytes dotted with the
+activation block, the multi-row one from the sums of each half that
+:func:`.q8_kernels.quantize` keeps.
+
+Which unpacker, offset, minimum and scales a format has is its row's ``q8``
+(:data:`.formats.FORMATS`); the constants below are derived from the rows. An unpacker
+lives here or in its format's own module (MXFP4's in :mod:`.fp4`).
 """
 
 from __future__ import annotations
