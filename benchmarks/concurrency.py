@@ -83,6 +83,7 @@ from meshnode.engine.kv_cache import KV_DTYPES
 from meshnode.engine.loader import LoadedModel, load_model, resolve_source
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
+from meshnode.generation.driver import GenerationParams, GenerationRun, GenerationState, generate
 from meshnode.node.batcher import BatchLimits
 from meshnode.node.config import Address
 from meshnode.node.local import LocalPipeline
@@ -93,7 +94,6 @@ from meshnode.node.stage import StageRunner
 from meshnode.node.wire import WireSequences, for_peer
 from meshnode.node.worker import WorkerRun
 from meshnode.serve.app import create_app, serve_api
-from meshnode.serve.generation import GenerationParams, GenerationRun, GenerationState, generate
 from meshnode.serve.openai_api import mount_openai
 from meshnode.serve.scheduler import Scheduler, SchedulerLimits
 from meshnode.serve.single import build_single_node_service

@@ -43,6 +43,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from meshnode.generation.driver import FinishReason, GenerationRun
 from meshnode.node.pipeline import PipelineError
 from meshnode.serve import anthropic_schemas as a
 from meshnode.serve.anthropic_tools import anthropic_tool_plan, chat_turns
@@ -51,7 +52,6 @@ from meshnode.serve.errors import (
     BadRequestError,
     validation_message,
 )
-from meshnode.serve.generation import FinishReason, GenerationRun
 from meshnode.serve.service import GenerationRequest, ServeService
 from meshnode.serve.sse import SSE_HEADERS, ClosingStreamingResponse
 from meshnode.serve.structured import request_grammar

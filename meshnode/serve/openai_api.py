@@ -28,6 +28,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
+from meshnode.generation.driver import Delta, GenerationRun
 from meshnode.node.pipeline import PipelineError, TokenLogprob
 from meshnode.serve import schemas as s
 from meshnode.serve.anthropic_api import anthropic_router
@@ -38,7 +39,6 @@ from meshnode.serve.errors import (
     error_body,
     install_error_handlers,
 )
-from meshnode.serve.generation import Delta, GenerationRun
 from meshnode.serve.responses_api import responses_router
 from meshnode.serve.service import GenerationRequest, ServeService
 from meshnode.serve.sse import SSE_HEADERS, ClosingStreamingResponse

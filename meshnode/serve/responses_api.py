@@ -35,9 +35,9 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+from meshnode.generation.driver import FinishReason, GenerationRun
 from meshnode.node.pipeline import PipelineError
 from meshnode.serve.errors import APIError
-from meshnode.serve.generation import FinishReason, GenerationRun
 from meshnode.serve.responses_schemas import ResponsesRequest
 from meshnode.serve.service import GenerationRequest, ServeService
 from meshnode.serve.sse import SSE_HEADERS, ClosingStreamingResponse

@@ -28,14 +28,7 @@ from typing import Any, Protocol, TypeVar
 import trio
 
 from meshnode.engine.sampling import SamplingParams
-from meshnode.node.pipeline import Pipeline, PipelineError, RequestId, StepResult
-from meshnode.serve.errors import (
-    BadRequestError,
-    ContextLengthError,
-    ModelNotFoundError,
-    ServiceUnavailableError,
-)
-from meshnode.serve.generation import (
+from meshnode.generation.driver import (
     DEFAULT_PREFILL_CHUNK_TOKENS,
     Delta,
     Detokenizer,
@@ -44,6 +37,13 @@ from meshnode.serve.generation import (
     GenerationState,
     Speculation,
     generate,
+)
+from meshnode.node.pipeline import Pipeline, PipelineError, RequestId, StepResult
+from meshnode.serve.errors import (
+    BadRequestError,
+    ContextLengthError,
+    ModelNotFoundError,
+    ServiceUnavailableError,
 )
 from meshnode.serve.metrics import ServeMetrics
 from meshnode.serve.scheduler import Scheduler, SchedulerLimits, Ticket

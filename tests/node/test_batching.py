@@ -19,17 +19,17 @@ import trio
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
-from meshnode.node.batcher import BatchLimits, next_decode, plan_batch
-from meshnode.node.local import LocalPipeline
-from meshnode.node.pipeline import FrameKind, PipelineError, RequestId, StepFrame, StepResult
-from meshnode.node.stage import StageError, StageRunner
-from meshnode.serve.generation import (
+from meshnode.generation.driver import (
     GenerationParams,
     GenerationRun,
     GenerationState,
     Speculation,
     generate,
 )
+from meshnode.node.batcher import BatchLimits, next_decode, plan_batch
+from meshnode.node.local import LocalPipeline
+from meshnode.node.pipeline import FrameKind, PipelineError, RequestId, StepFrame, StepResult
+from meshnode.node.stage import StageError, StageRunner
 from meshnode.serve.scheduler import Scheduler
 from meshnode.speculative.ngram import NgramProposer
 from meshnode.speculative.proposer import Proposer

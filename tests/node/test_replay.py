@@ -27,19 +27,19 @@ from meshnode.engine.backend import cpu_backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import BatchRow
 from meshnode.engine.sampling import SamplingParams
-from meshnode.node import coordinator
-from meshnode.node.coordinator import Coordinator, CoordinatorSettings, blame
-from meshnode.node.footprint import model_footprint
-from meshnode.node.pipeline import RequestId, StageLostError
-from meshnode.node.remote import PassDeadline, RemotePipeline
-from meshnode.serve import generation
-from meshnode.serve.generation import (
+from meshnode.generation import driver as generation
+from meshnode.generation.driver import (
     MAX_REPLAYS,
     GenerationParams,
     GenerationRun,
     GenerationState,
     Speculation,
 )
+from meshnode.node import coordinator
+from meshnode.node.coordinator import Coordinator, CoordinatorSettings, blame
+from meshnode.node.footprint import model_footprint
+from meshnode.node.pipeline import RequestId, StageLostError
+from meshnode.node.remote import PassDeadline, RemotePipeline
 from meshnode.serve.service import ServeService, TextCodec
 from meshnode.speculative.ngram import NgramProposer
 from meshnode.speculative.window import WindowPolicy

@@ -13,17 +13,17 @@ import trio
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
-from meshnode.node.batcher import BatchLimits
-from meshnode.node.local import LocalPipeline
-from meshnode.node.pipeline import Pipeline, RequestId, StepFrame, StepResult
-from meshnode.node.stage import StageRunner
-from meshnode.serve.generation import (
+from meshnode.generation.driver import (
     GenerationParams,
     GenerationRun,
     GenerationState,
     Speculation,
     generate,
 )
+from meshnode.node.batcher import BatchLimits
+from meshnode.node.local import LocalPipeline
+from meshnode.node.pipeline import Pipeline, RequestId, StepFrame, StepResult
+from meshnode.node.stage import StageRunner
 from meshnode.speculative.mtp import MtpProposer
 from meshnode.speculative.ngram import NgramParams, NgramProposer
 from meshnode.speculative.proposer import Proposer

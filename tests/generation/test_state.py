@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 import pytest
 
 from meshnode.engine.sampling import SamplingParams
-from meshnode.node.pipeline import TokenLogprob
-from meshnode.serve.generation import (
+from meshnode.generation.driver import (
     FinishReason,
     GenerationParams,
     GenerationState,
     prefill_chunks,
 )
-from meshnode.serve.stops import find_stop, first_stop, held_back
+from meshnode.generation.stops import find_stop, first_stop, held_back
+from meshnode.node.pipeline import TokenLogprob
 
 EOS = 0
 # A toy vocabulary: each token id is one piece of text. Token 9 is the first half of a

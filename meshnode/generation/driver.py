@@ -46,6 +46,7 @@ import trio
 
 from meshnode.engine.recurrent import RollbackError
 from meshnode.engine.sampling import random_seed
+from meshnode.generation.stops import find_stop, first_stop, held_back
 from meshnode.node.pipeline import (
     FrameKind,
     Pipeline,
@@ -57,7 +58,6 @@ from meshnode.node.pipeline import (
     StepResult,
     TokenLogprob,
 )
-from meshnode.serve.stops import find_stop, first_stop, held_back
 from meshnode.speculative.mtp import MtpProposer
 from meshnode.speculative.telemetry import SpecStats
 from meshnode.speculative.window import StepCosts, Window, WindowPolicy
