@@ -83,7 +83,9 @@ from meshnode.engine.kv_cache import KV_DTYPES
 from meshnode.engine.loader import LoadedModel, load_model, resolve_source
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
-from meshnode.generation.driver import GenerationParams, GenerationRun, GenerationState, generate
+from meshnode.generation.driver import generate
+from meshnode.generation.records import GenerationRun
+from meshnode.generation.state import GenerationParams, GenerationState
 from meshnode.node.batcher import BatchLimits
 from meshnode.node.config import Address
 from meshnode.node.local import LocalPipeline

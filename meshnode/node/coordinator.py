@@ -12,7 +12,7 @@ model's stage-0 part to learn its config, then loops:
 4. **watch**: when a stage's node is lost (the membership says so, or the pipeline failed:
    a dropped connection, a refusal, a missed pass deadline), fail the pipeline, ``Stop`` the
    others and go back to 1 without it. The requests in flight wait for the next pipeline
-   and replay there (:mod:`meshnode.generation.driver`): they outlive the loss;
+   and replay there (:mod:`meshnode.generation.replay`): they outlive the loss;
 5. **grow back**: when the nodes ``--split`` asks for (or that the planner would choose)
    are live again after a loss (:func:`~meshnode.node.planner.should_regrow`), keep
    serving until a moment when no request is in flight, then stop admitting requests (the

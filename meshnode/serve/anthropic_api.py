@@ -43,7 +43,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from meshnode.generation.driver import FinishReason, GenerationRun
+from meshnode.generation.records import GenerationRun
+from meshnode.generation.state import FinishReason
 from meshnode.node.pipeline import PipelineError
 from meshnode.serve import anthropic_schemas as a
 from meshnode.serve.anthropic_tools import anthropic_tool_plan, chat_turns

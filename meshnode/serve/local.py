@@ -8,7 +8,7 @@ to the API, so a fix lands once. Only the shape of the result differs:
 :func:`generate_local` gives token ids without the final EOS, the reply's text and
 wall-clock timings, as ``meshnode generate --json`` prints them; :func:`generate_tokens`
 (token ids in, no tokenizer) gives the finished
-:class:`~meshnode.generation.driver.GenerationRun` with its speculation counters.
+:class:`~meshnode.generation.records.GenerationRun` with its speculation counters.
 """
 
 from __future__ import annotations
@@ -24,14 +24,9 @@ from meshnode.engine.generate import PREFILL_CHUNK
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
 from meshnode.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from meshnode.generation.driver import (
-    FinishReason,
-    GenerationParams,
-    GenerationRun,
-    GenerationState,
-    Speculation,
-    generate,
-)
+from meshnode.generation.driver import generate
+from meshnode.generation.records import GenerationRun, Speculation
+from meshnode.generation.state import FinishReason, GenerationParams, GenerationState
 from meshnode.node.local import LocalPipeline
 from meshnode.node.pipeline import RequestId
 from meshnode.node.stage import StageRunner

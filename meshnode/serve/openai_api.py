@@ -28,7 +28,8 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
-from meshnode.generation.driver import Delta, GenerationRun
+from meshnode.generation.records import GenerationRun
+from meshnode.generation.state import Delta
 from meshnode.node.pipeline import PipelineError, TokenLogprob
 from meshnode.serve import schemas as s
 from meshnode.serve.anthropic_api import anthropic_router

@@ -35,7 +35,8 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from meshnode.generation.driver import FinishReason, GenerationRun
+from meshnode.generation.records import GenerationRun
+from meshnode.generation.state import FinishReason
 from meshnode.node.pipeline import PipelineError
 from meshnode.serve.errors import APIError
 from meshnode.serve.responses_schemas import ResponsesRequest

@@ -28,16 +28,9 @@ from typing import Any, Protocol, TypeVar
 import trio
 
 from meshnode.engine.sampling import SamplingParams
-from meshnode.generation.driver import (
-    DEFAULT_PREFILL_CHUNK_TOKENS,
-    Delta,
-    Detokenizer,
-    GenerationParams,
-    GenerationRun,
-    GenerationState,
-    Speculation,
-    generate,
-)
+from meshnode.generation.driver import generate
+from meshnode.generation.records import DEFAULT_PREFILL_CHUNK_TOKENS, GenerationRun, Speculation
+from meshnode.generation.state import Delta, Detokenizer, GenerationParams, GenerationState
 from meshnode.node.pipeline import Pipeline, PipelineError, RequestId, StepResult
 from meshnode.serve.errors import (
     BadRequestError,

@@ -20,7 +20,8 @@ from meshnode.engine.tokenizer import (
     NoTokenizerError,
     Tokenizer,
 )
-from meshnode.generation.driver import DEFAULT_PREFILL_CHUNK_TOKENS, Detokenizer, Speculation
+from meshnode.generation.records import DEFAULT_PREFILL_CHUNK_TOKENS, Speculation
+from meshnode.generation.state import Detokenizer
 from meshnode.node.local import LocalPipeline
 from meshnode.node.stage import StageRunner, default_context
 from meshnode.serve.errors import BadRequestError

@@ -24,7 +24,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from meshnode.generation.driver import Delta
+from meshnode.generation.state import Delta
 from meshnode.serve import schemas as s
 from meshnode.serve.toolparse import CallDelta, ToolCallStream, ToolDelta
 

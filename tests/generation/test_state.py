@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from meshnode.engine.sampling import SamplingParams
-from meshnode.generation.driver import (
+from meshnode.generation.state import (
     FinishReason,
     GenerationParams,
     GenerationState,

@@ -13,7 +13,7 @@ import pytest
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
-from meshnode.generation.driver import GenerationRun, Speculation
+from meshnode.generation.records import GenerationRun, Speculation
 from meshnode.node.stage import StageRunner
 from meshnode.serve.local import generate_tokens
 from meshnode.speculative.ngram import NgramParams, NgramProposer
