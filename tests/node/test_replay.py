@@ -32,7 +32,8 @@ from meshnode.generation.records import GenerationRun, Speculation
 from meshnode.generation.replay import MAX_REPLAYS
 from meshnode.generation.state import GenerationParams, GenerationState
 from meshnode.node import coordinator
-from meshnode.node.coordinator import Coordinator, CoordinatorSettings, blame
+from meshnode.node.coordinator import Coordinator, CoordinatorSettings
+from meshnode.node.decisions import blame
 from meshnode.node.footprint import model_footprint
 from meshnode.node.pipeline import RequestId, StageLostError
 from meshnode.node.remote import PassDeadline, RemotePipeline
