@@ -26,8 +26,9 @@ A failed step ``Stop``s every node claimed for the run and replans without the f
 (it is excluded until the membership changes again). A node that refused the ``Claim``
 (another host holds it) is claimed again after a while instead, since being freed changes
 nothing in the membership (issue 36 item 7). Which nodes a plan leaves out, and why the
-mesh is not serving, are pure decisions (:func:`meshnode.node.decisions.next_action`). Every message carries the run id and
-term, so a late reply of an abandoned run is recognised and dropped.
+mesh is not serving, are pure decisions (:func:`meshnode.node.decisions.next_action`).
+Every message carries the run id and term, so a late reply of an abandoned run is
+recognised and dropped.
 
 **Blame.** A pipeline that failed on its own (not through the membership) names the lost
 node when it knows it (its send to stage 1 failed). When it does not (a pass missed its
