@@ -90,11 +90,11 @@ from meshnode.node.batcher import BatchLimits
 from meshnode.node.config import Address
 from meshnode.node.local import LocalPipeline
 from meshnode.node.pipeline import Pipeline, RequestId, StepFrame, StepResult
-from meshnode.node.relay import DataMessage, Relay
+from meshnode.node.relay import Relay
 from meshnode.node.remote import RemotePipeline, is_data_reply
 from meshnode.node.stage import StageRunner
 from meshnode.node.wire import WireSequences, for_peer
-from meshnode.node.worker import WorkerRun
+from meshnode.node.worker_run import DataMessage, WorkerRun
 from meshnode.serve.app import create_app, serve_api
 from meshnode.serve.openai_api import mount_openai
 from meshnode.serve.scheduler import Scheduler, SchedulerLimits

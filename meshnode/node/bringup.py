@@ -24,14 +24,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 from meshnode_packaging.manifest import Part
-from meshnode_packaging.refs import (
-    LocalPackage,
-    RemotePackage,
-    check_local_package,
-    is_url,
-    open_ref,
-    resolve,
-)
+from meshnode_packaging.reference import LocalPackage, RemotePackage
+from meshnode_packaging.refs import check_local_package, is_url, open_ref, resolve
 from meshnode_packaging.sources import ModelSource
 from meshnode_protocol import (
     Claim,
@@ -55,13 +49,14 @@ from meshnode.engine.model import Stage
 from meshnode.errors import RunError
 from meshnode.net.stream import SEND_ERRORS
 from meshnode.node import heap
+from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.planner import Plan, StagePlan
 from meshnode.node.progress import DownloadProgress
 from meshnode.node.remote import RemotePipeline
-from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, StageRunner
+from meshnode.node.stage import StageRunner
 
 if TYPE_CHECKING:
-    from meshnode.node.coordinator import CoordinatorSettings, MeshView
+    from meshnode.node.mesh import CoordinatorSettings, MeshView
 
 log = logging.getLogger("meshnode.coordinator")
 

@@ -71,9 +71,8 @@ import math
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 from meshnode_packaging.manifest import Part
@@ -85,14 +84,12 @@ from meshnode_protocol import (
     Error,
     InventoryReport,
     Message,
-    PeerInfo,
     PrepareAccepted,
     Ready,
 )
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
-from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
 from meshnode.errors import PlanError, RunError
 from meshnode.node.bringup import BringUp, StageState
 from meshnode.node.decisions import (
@@ -113,6 +110,7 @@ from meshnode.node.decisions import (
     next_action,
 )
 from meshnode.node.footprint import model_footprint, served_context
+from meshnode.node.mesh import CoordinatorSettings, MeshView
 from meshnode.node.planner import (
     ModelFootprint,
     NodeCapacity,
@@ -121,7 +119,7 @@ from meshnode.node.planner import (
     plan,
     should_regrow,
 )
-from meshnode.node.remote import PassDeadline, RemotePipeline, idle_by, is_data_reply
+from meshnode.node.remote import RemotePipeline, idle_by, is_data_reply
 
 log = logging.getLogger("meshnode.coordinator")
 
@@ -145,52 +143,6 @@ class MeshState(enum.StrEnum):
     REPLANNING = "replanning"  # a stage was lost
     READY = "ready"
     DRAINING = "draining"  # the plan grows back once the requests in flight are done
-
-
-class MeshView(Protocol):
-    """What the coordinator needs of the running node (the daemon implements it)."""
-
-    @property
-    def node_id(self) -> str:
-        """This node's id."""
-        ...
-
-    def live_nodes(self) -> list[NodeCapacity]:
-        """This node and every alive, connected peer."""
-        ...
-
-    def peer_info(self, node_id: str) -> PeerInfo:
-        """Address and capacity of a node (this one included), for ``Load``."""
-        ...
-
-    async def send(self, node_id: str, message: Message) -> None:
-        """Send to a peer over its session; raises if there is none."""
-        ...
-
-    def membership_event(self) -> trio.Event:
-        """The event the next membership change sets. Take it before reading
-        :meth:`live_nodes` and wait on it after: a change in between is not missed."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class CoordinatorSettings:
-    model_ref: str
-    context_size: int | None = None
-    split: int | None = None
-    wire_dtype: str = "f16"
-    # K/V of every stage's caches (``Load.kv_dtype``): f32 or f16, ``--kv-dtype`` resolved
-    # by the host (``engine.kv_cache.resolve_kv_dtype``: auto is f16 with q8 weights)
-    kv_dtype: str = "f32"
-    cache_dir: Path | None = None
-    # What the host resolved ``model_ref`` to (``refs.pin_ref``): a hub commit or a URL
-    # package's manifest sha256, sent in every Prepare so that no stage reads another one.
-    pin: str = ""
-    # Per-sequence recurrent-state snapshots each hybrid stage keeps (``Load.ring_slots``):
-    # the host's largest verify pass (``engine.recurrent.ring_slots_for``).
-    ring_slots: int = DEFAULT_RING_SLOTS
-    # When a pass across the stages counts as lost (``--pass-deadline``).
-    pass_deadline: PassDeadline = field(default_factory=PassDeadline)
 
 
 def stage_gone(node: str, *, left: bool) -> str:

@@ -15,10 +15,12 @@ from meshnode_protocol import ActivationBatch, ActivationFrame, Message
 
 from meshnode.engine.backend import cpu_backend
 from meshnode.node import decisions
-from meshnode.node.coordinator import Coordinator, CoordinatorSettings, next_term
+from meshnode.node.coordinator import Coordinator, next_term
+from meshnode.node.mesh import CoordinatorSettings
 from meshnode.node.pipeline import StageLostError
 from meshnode.node.remote import PassDeadline, RemotePipeline
-from meshnode.node.worker import Worker, WorkerRun
+from meshnode.node.worker import Worker
+from meshnode.node.worker_run import WorkerRun
 from tests.node.inmemory import (
     BRING_UP_TIMEOUT_S,
     CONTEXT,

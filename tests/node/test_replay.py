@@ -32,9 +32,10 @@ from meshnode.generation.records import GenerationRun, Speculation
 from meshnode.generation.replay import MAX_REPLAYS
 from meshnode.generation.state import GenerationParams, GenerationState
 from meshnode.node import coordinator
-from meshnode.node.coordinator import Coordinator, CoordinatorSettings
+from meshnode.node.coordinator import Coordinator
 from meshnode.node.decisions import blame
 from meshnode.node.footprint import model_footprint
+from meshnode.node.mesh import CoordinatorSettings
 from meshnode.node.pipeline import RequestId, StageLostError
 from meshnode.node.remote import PassDeadline, RemotePipeline
 from meshnode.serve.service import ServeService, TextCodec
