@@ -393,28 +393,10 @@ class Coordinator:
         return loss
 
     async def _wait_changed(self, pipeline: RemotePipeline | None = None) -> bool:
-        """Wait for a membership change (True), or for ``pipeline`` to fail or a cool-off
-        to end (False)."""
-        changed = False
-        membership_changed = self.mesh.membership_event()  # before any checkpoint
+        """Wait for a membership change (True), or for ``pipeline`` to fail or a node left
+        out to come back by itself (False)."""
         until = self._decided.wake_at(trio.current_time())
-        with trio.move_on_at(math.inf if until is None else until):
-            async with trio.open_nursery() as nursery:
-
-                async def membership() -> None:
-                    nonlocal changed
-                    await membership_changed.wait()
-                    changed = True
-                    nursery.cancel_scope.cancel()
-
-                async def failure(failed: trio.Event) -> None:
-                    await failed.wait()
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(membership)
-                if pipeline is not None:
-                    nursery.start_soon(failure, pipeline.failed)
-        return changed
+        return await _membership_changed(self.mesh, pipeline, until)
 
     async def _plan_when_possible(self) -> Plan:
         self._state = MeshState.PLANNING
@@ -500,6 +482,32 @@ async def _settled(pipeline: RemotePipeline, run_id: str, *, idle: bool) -> bool
         return True
     log.warning("requests in flight after %.0f s: regrow put off", REGROW_DRAIN_TIMEOUT_S)
     return False
+
+
+async def _membership_changed(
+    mesh: MeshView, pipeline: RemotePipeline | None, until: float | None
+) -> bool:
+    """Wait for a membership change (True), or for ``pipeline`` to fail or the trio time
+    ``until`` (False)."""
+    changed = False
+    membership_changed = mesh.membership_event()  # before any checkpoint
+    with trio.move_on_at(math.inf if until is None else until):
+        async with trio.open_nursery() as nursery:
+
+            async def membership() -> None:
+                nonlocal changed
+                await membership_changed.wait()
+                changed = True
+                nursery.cancel_scope.cancel()
+
+            async def failure(failed: trio.Event) -> None:
+                await failed.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(membership)
+            if pipeline is not None:
+                nursery.start_soon(failure, pipeline.failed)
+    return changed
 
 
 def _stage_failure(
