@@ -116,7 +116,7 @@ class _Driver:
         :class:`QueuingPipeline`) and the next step is one (no drafts to propose, no
         history to replay): the frame :func:`_decode_step` would send; not the budget's
         last (a frame in line promises the next, which a local pipeline computes ahead)."""
-        last = len(self.run.state.tokens) + 1 >= self.run.params.max_new_tokens
+        last = len(self.run.state.tokens) + 1 >= self.run.params.budget
         if self.run.state.finished or last or self.rebuild or self.queued or not self.queue:
             return
         if self.window is None and self.speculation is not None:
@@ -234,7 +234,7 @@ async def _decode_step(
     last_pos = len(history) - 1  # the last committed token is not in the cache yet
     room = min(
         pipeline.context_size - last_pos - 1,  # positions left after `last`
-        run.params.max_new_tokens - len(run.state.tokens) - 1,  # tokens left after one
+        run.params.budget - len(run.state.tokens) - 1,  # tokens left after one
     )
     drafts: tuple[int, ...] = ()
     draft_probs = None

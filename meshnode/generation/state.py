@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from meshnode.generation.stops import find_stop, first_stop, held_back
@@ -42,9 +42,11 @@ class Detokenizer(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class GenerationParams:
-    """What one request asks of the generation loop (after validation and clamping)."""
+    """What one request asks of the generation loop: the endpoints build it from their
+    bodies (``max_new_tokens`` None: what the context leaves), and the service fits it to
+    the prompt and the model (:meth:`within`) before the loop runs it."""
 
-    max_new_tokens: int
+    max_new_tokens: int | None
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
     eos_token_ids: frozenset[int] = frozenset()
@@ -54,8 +56,22 @@ class GenerationParams:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def budget(self) -> int:
+        """The most tokens the reply may have; raises ``ValueError`` before :meth:`within`
+        set one (a request that named none)."""
+        if self.max_new_tokens is None:
+            raise ValueError("the token budget is set by within() before generation")
+        return self.max_new_tokens
+
+    def within(self, room: int, eos_token_ids: frozenset[int]) -> GenerationParams:
+        """These parameters for a prompt that leaves ``room`` tokens of context (``>= 1``),
+        with the model's end-of-sequence tokens: the budget clamped to the room."""
+        budget = min(self.max_new_tokens or room, room)
+        return replace(self, max_new_tokens=budget, eos_token_ids=eos_token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +131,7 @@ class GenerationState:
         if cut is not None:
             self.stop_string = first_stop(self._pending, self.params.stop)
             return self._finish(FinishReason.STOP, self._pending[:cut])
-        if len(self.tokens) >= self.params.max_new_tokens:
+        if len(self.tokens) >= self.params.budget:
             return self._finish(FinishReason.LENGTH, self._pending + self.detokenizer.flush())
         keep = held_back(self._pending, self.params.stop)
         ready, self._pending = (
