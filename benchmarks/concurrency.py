@@ -83,17 +83,19 @@ from meshnode.engine.kv_cache import KV_DTYPES
 from meshnode.engine.loader import LoadedModel, load_model, resolve_source
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
+from meshnode.generation.driver import generate
+from meshnode.generation.records import GenerationRun
+from meshnode.generation.state import GenerationParams, GenerationState
 from meshnode.node.batcher import BatchLimits
 from meshnode.node.config import Address
 from meshnode.node.local import LocalPipeline
 from meshnode.node.pipeline import Pipeline, RequestId, StepFrame, StepResult
-from meshnode.node.relay import DataMessage, Relay
+from meshnode.node.relay import Relay
 from meshnode.node.remote import RemotePipeline, is_data_reply
 from meshnode.node.stage import StageRunner
 from meshnode.node.wire import WireSequences, for_peer
-from meshnode.node.worker import WorkerRun
+from meshnode.node.worker_run import DataMessage, WorkerRun
 from meshnode.serve.app import create_app, serve_api
-from meshnode.serve.generation import GenerationParams, GenerationRun, GenerationState, generate
 from meshnode.serve.openai_api import mount_openai
 from meshnode.serve.scheduler import Scheduler, SchedulerLimits
 from meshnode.serve.single import build_single_node_service

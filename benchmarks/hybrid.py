@@ -39,7 +39,7 @@ from meshnode.engine.generate import decode_one, prefill
 from meshnode.engine.model import Stage
 from meshnode.engine.recurrent import HybridCache
 from meshnode.engine.sampling import GREEDY
-from meshnode.serve.generation import Speculation
+from meshnode.generation.records import Speculation
 from meshnode.serve.local import generate_tokens
 from meshnode.speculative.ngram import NgramParams, NgramProposer
 from meshnode.speculative.window import WindowPolicy

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 from meshnode_packaging.fetch import Materializer
 from meshnode_packaging.manifest import Manifest, Part
-from meshnode_packaging.refs import RemotePackage
+from meshnode_packaging.reference import RemotePackage
 from meshnode_packaging.sources import default_model_path
 from meshnode_packaging.testing import LocalHub
 from meshnode_packaging.writer import write_package

@@ -7,7 +7,7 @@ Run: ``OPENBLAS_NUM_THREADS=1 .venv/bin/python benchmarks/replay_noise.py [--see
 
 SmolLM2-135M (``--dtype native``, as ``join`` runs it) decodes ``--tokens`` greedy tokens
 after a fixed prompt, one at a time, keeping each step's logits. Then, every third step, a
-replay is simulated as the generation loop does it (``meshnode.serve.generation``): a
+replay is simulated as the generation loop does it (``meshnode.generation.replay``): a
 fresh cache is prefilled with the history but its last token in one chunk, and the last
 token is decoded. Its logits are compared with the undisturbed step's (largest absolute
 difference), and for ``--seeds`` seeds per step both rules draw from both rows at the

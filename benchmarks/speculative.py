@@ -223,7 +223,7 @@ def sweep_layer_skip(layer_counts: list[int], runs: int, max_tokens: int) -> str
     from meshnode.engine.backend import cpu_backend
     from meshnode.engine.loader import load_model
     from meshnode.engine.sampling import SamplingParams
-    from meshnode.serve.generation import Speculation
+    from meshnode.generation.records import Speculation
     from meshnode.serve.local import generate_tokens
     from meshnode.speculative.draft import StageProposer, layer_skip_stage
     from meshnode.speculative.proposer import EMPTY_PROPOSAL, Proposal

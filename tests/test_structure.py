@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import meshnode_packaging
+import meshnode_protocol
 import pytest
 
 import meshnode
@@ -30,8 +32,18 @@ MAY_IMPORT: dict[str, set[str]] = {
     "speculative": {"errors", "engine", "meshnode_packaging"},
     "net": {"errors", "meshnode_protocol"},
     "node": {"errors", "engine", "speculative", "net", "meshnode_packaging", "meshnode_protocol"},
-    "serve": {"errors", "node", "speculative", "engine", "net"},
-    "cli": {"errors", "engine", "speculative", "net", "node", "serve", "meshnode_packaging"},
+    "generation": {"errors", "node", "speculative", "engine"},
+    "serve": {"errors", "generation", "node", "speculative", "engine", "net"},
+    "cli": {
+        "errors",
+        "engine",
+        "speculative",
+        "net",
+        "node",
+        "generation",
+        "serve",
+        "meshnode_packaging",
+    },
 }
 FIRST_PARTY = {"meshnode", "meshnode_packaging", "meshnode_protocol"}
 #: Array libraries: the engine's (DESIGN §6: code above the engine never imports numpy or
@@ -98,6 +110,7 @@ def test_the_walk_sees_every_package_and_its_imports() -> None:
     assert ("node", "engine") in seen
     assert ("engine", "numpy") in seen
     assert ("serve", "node") in seen
+    assert ("generation", "node") in seen
 
 
 def test_packages_import_only_what_the_layering_allows() -> None:
@@ -156,8 +169,16 @@ def test_no_module_over_600_lines_and_no_class_over_300() -> None:
     assert not big, "over the size limits:\n" + "\n".join(big)
 
 
-def _module_name(path: Path) -> str:
-    name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+#: The three distributions' import packages, whose modules the cycle check walks.
+DISTRIBUTIONS = (
+    PACKAGE,
+    Path(meshnode_protocol.__file__).parent,
+    Path(meshnode_packaging.__file__).parent,
+)
+
+
+def _module_name(path: Path, root: Path) -> str:
+    name = ".".join(path.relative_to(root.parent).with_suffix("").parts)
     return name.removesuffix(".__init__")
 
 
@@ -166,50 +187,60 @@ def _module_name(path: Path) -> str:
 REGISTRATION = {("meshnode.cli", "meshnode.cli.commands")}
 
 
-def _type_checking_nodes(tree: ast.Module) -> set[int]:
-    """ids of the nodes under ``if TYPE_CHECKING:`` (types only: never imported at run time)."""
-    out: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
-            out |= {id(inner) for stmt in node.body for inner in ast.walk(stmt)}
-    return out
+def _imported(node: ast.Import | ast.ImportFrom, package: str, modules: set[str]) -> set[str]:
+    """The first-party modules one import statement names, in module ``package``'s
+    package: ``from pkg import sub`` is an edge to ``pkg.sub`` when that is a module, and
+    a relative import is resolved against ``package``."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names} & modules
+    base = node.module or ""
+    if node.level:
+        parts = package.split(".")
+        parts = parts[: len(parts) - (node.level - 1)]
+        base = ".".join([*parts, base] if base else parts)
+    subs = {f"{base}.{alias.name}" for alias in node.names} & modules
+    return subs or ({base} & modules)
 
 
-def _runtime_graph() -> dict[str, set[str]]:
-    """module -> the meshnode modules it imports at run time: at module level or inside a
-    function, not under ``if TYPE_CHECKING:``. ``from pkg import sub`` is an edge to
-    ``pkg.sub`` when that is a module."""
-    modules = {_module_name(path): path for path in _modules()}
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the first-party modules it imports, in meshnode and its two sibling
+    distributions: at module level, inside a function, or under ``if TYPE_CHECKING:`` (a
+    type is a dependency too: a cycle through one still ties the modules together)."""
+    paths = {_module_name(p, root): p for root in DISTRIBUTIONS for p in sorted(root.rglob("*.py"))}
+    modules = set(paths)
     graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        tree = ast.parse(path.read_text())
-        types_only = _type_checking_nodes(tree)
-        edges = set()
-        for node in ast.walk(tree):
-            targets = []
-            if id(node) in types_only:
-                continue
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                subs = [f"{node.module}.{alias.name}" for alias in node.names]
-                targets = [t for t in subs if t in modules] or [node.module]
-            edges |= {t for t in targets if t in modules and (name, t) not in REGISTRATION}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                edges |= {
+                    t for t in _imported(node, package, modules) if (name, t) not in REGISTRATION
+                }
         graph[name] = edges - {name}
     return graph
 
 
 def test_no_import_cycles_between_modules() -> None:
-    """No module imports, at load time or later, a module that imports it back.
+    """No module imports, at load time, later or for its types only, a module that
+    imports it back, in ``meshnode``, ``meshnode_protocol`` or ``meshnode_packaging``.
 
     ``engine.weights`` once imported ``engine.cuda.weights`` inside a function, which
     imports it back; the backend strategies (``engine.backend``) now pick the loader.
     ``node.pipeline`` once imported the batcher and the stage runner built on its records;
-    ``LocalPipeline`` moved to ``node.local``.
+    ``LocalPipeline`` moved to ``node.local``. Cycles through ``TYPE_CHECKING`` and
+    function-local imports were broken by moving the shared records apart (issue 32):
+    ``Slot`` and the sequence limit to ``node.pipeline``, ``MeshView`` and
+    ``CoordinatorSettings`` to ``node.mesh``, ``WorkerRun`` to ``node.worker_run``,
+    ``RemotePackage`` to ``meshnode_packaging.reference``, the vectors' JSON form to
+    ``meshnode_protocol.vector_json``.
     """
-    graph = _runtime_graph()
+    graph = _import_graph()
     assert "meshnode.engine.cuda.weights" in graph["meshnode.engine.backend"]
     assert "meshnode.node.batcher" in graph["meshnode.node.local"]
+    assert "meshnode.node.mesh" in graph["meshnode.node.bringup"]  # under TYPE_CHECKING
+    assert "meshnode_packaging.reference" in graph["meshnode_packaging.remote"]  # ditto
+    assert "meshnode_protocol._messages" in graph["meshnode_protocol.vector_json"]
     done: set[str] = set()
 
     def visit(module: str, path: list[str]) -> None:

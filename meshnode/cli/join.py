@@ -32,9 +32,9 @@ from meshnode.net.http_guard import ApiAccess, BodyLimits, check_api_exposure
 from meshnode.net.identity import JoinToken, NodeIdentity
 from meshnode.node import process
 from meshnode.node.config import NodeConfig
-from meshnode.node.coordinator import CoordinatorSettings
 from meshnode.node.daemon import Node
 from meshnode.node.host import MeshHost
+from meshnode.node.mesh import CoordinatorSettings
 from meshnode.node.remote import PassDeadline
 from meshnode.serve.app import create_app
 from meshnode.serve.availability import unavailable_message

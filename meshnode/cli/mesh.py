@@ -13,16 +13,16 @@ import httpx
 import typer
 
 from meshnode.cli import app
+from meshnode.cli.options import with_setting_options
 from meshnode.net.identity import JoinToken, write_token_file
 from meshnode.node.config import (
     Address,
     ConfigError,
     SpeculativeFlags,
     config_file_for,
-    env_help,
     load_config,
 )
-from meshnode.node.stage import DEFAULT_MAX_CONTEXT
+from meshnode.node.settings import env_help
 
 # `status` gives up on a silent daemon quickly: it is a local, interactive command.
 STATUS_TIMEOUT_S = 3.0
@@ -61,219 +61,10 @@ def _address(text: str | None) -> Address | None:
 
 
 @app.command()
+@with_setting_options
 def join(
-    token: Annotated[
-        str | None,
-        typer.Option(help=env_help("token", "Join token (or use --token-file / MESHNODE_TOKEN).")),
-    ] = None,
-    token_file: Annotated[
-        Path | None, typer.Option(help=env_help("token_file", "File holding the join token."))
-    ] = None,
-    listen: Annotated[
-        str | None,
-        typer.Option(
-            help=env_help("listen", "Mesh listen address HOST:PORT (default 0.0.0.0:7470).")
-        ),
-    ] = None,
-    api: Annotated[
-        str | None,
-        typer.Option(help=env_help("api", "HTTP API address HOST:PORT (default 127.0.0.1:8470).")),
-    ] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            help=env_help(
-                "api_key",
-                "Require 'Authorization: Bearer KEY' on the HTTP API (needed to bind it to a "
-                "non-loopback address).",
-            )
-        ),
-    ] = None,
-    allow_open_api: Annotated[
-        bool,
-        typer.Option(
-            "--allow-open-api",
-            help=env_help(
-                "allow_open_api", "Serve the API on a non-loopback address without a key."
-            ),
-        ),
-    ] = False,
-    api_max_body: Annotated[
-        str | None,
-        typer.Option(
-            help=env_help("api_max_body_bytes", "Largest HTTP request body (default 2MiB).")
-        ),
-    ] = None,
-    state_dir: Annotated[
-        Path | None,
-        typer.Option(help=env_help("state_dir", "Identity, config and caches of this node.")),
-    ] = None,
-    interface: Annotated[
-        str | None,
-        typer.Option(help=env_help("interface", "Limit mDNS to the interface with this address.")),
-    ] = None,
-    peer: Annotated[
-        list[str] | None,
-        typer.Option(help=env_help("peers", "Static peer HOST:PORT (repeatable).")),
-    ] = None,
-    allow_url_models: Annotated[
-        bool,
-        typer.Option(
-            "--allow-url-models",
-            help=env_help(
-                "allow_url_models",
-                "Let other nodes ask this one to fetch a model from an http(s) URL "
-                "(hf:// always works).",
-            ),
-        ),
-    ] = False,
-    local_model: Annotated[
-        list[str] | None,
-        typer.Option(
-            help=env_help(
-                "local_models",
-                "A model path on this machine that other nodes may ask this one to open "
-                "(repeatable; others are refused).",
-            ),
-        ),
-    ] = None,
-    cors_origin: Annotated[
-        list[str] | None,
-        typer.Option(
-            help=env_help(
-                "cors_origins",
-                "Let web pages of this origin (https://host[:port], or *) call the HTTP API "
-                "from a browser (repeatable; default: none).",
-            )
-        ),
-    ] = None,
-    no_mdns: Annotated[
-        bool,
-        typer.Option(
-            # The variable is the setting's (on/off), so its value to disable is said here.
-            "--no-mdns",
-            help=env_help("mdns", "Disable mDNS discovery (as MESHNODE_MDNS=0 does)."),
-        ),
-    ] = False,
-    max_memory: Annotated[
-        str | None,
-        typer.Option(
-            help=env_help("max_memory_bytes", "Cap on memory offered to the mesh (e.g. 8GiB).")
-        ),
-    ] = None,
-    device: Annotated[str | None, typer.Option(help=env_help("device", "cpu or cuda."))] = None,
-    dtype: Annotated[
-        str | None,
-        typer.Option(
-            help=env_help(
-                "weights_dtype",
-                "Weights: auto, float16, bfloat16 or float32 on CUDA; native (auto: GGUF "
-                "blocks kept as stored), float32 (dequantized, for parity checks) or q8 "
-                "(blocks, activations quantized to 8 bits in their products: faster, inexact) on "
-                "the CPU.",
-            )
-        ),
-    ] = None,
+    settings: dict[str, Any],
     config: Annotated[Path | None, typer.Option(help="TOML config file.")] = None,
-    heartbeat_interval: Annotated[
-        float | None,
-        typer.Option(help=env_help("heartbeat.interval_s", "Seconds between heartbeats.")),
-    ] = None,
-    suspect_after: Annotated[
-        float | None,
-        typer.Option(
-            help=env_help(
-                "heartbeat.suspect_after_s", "Seconds of silence before a peer is suspect."
-            )
-        ),
-    ] = None,
-    dead_after: Annotated[
-        float | None,
-        typer.Option(
-            help=env_help("heartbeat.dead_after_s", "Seconds of silence before a peer is dead.")
-        ),
-    ] = None,
-    log_level: Annotated[
-        str | None, typer.Option(help=env_help("log_level", "DEBUG, INFO, WARNING or ERROR."))
-    ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            help=env_help(
-                "model",
-                "Serve this model (alias, .gguf, folder, hf://org/repo[@rev], https:// URL): "
-                "this node becomes the host, holds stage 0 and serves the OpenAI API on --api.",
-            )
-        ),
-    ] = None,
-    split: Annotated[
-        int | None,
-        typer.Option(
-            help=env_help("split", "Exactly this many stages, when that many nodes are up.")
-        ),
-    ] = None,
-    context: Annotated[
-        int | None,
-        typer.Option(
-            help=env_help(
-                "context_size",
-                f"Context size in tokens (default: model's, max {DEFAULT_MAX_CONTEXT}).",
-            )
-        ),
-    ] = None,
-    wire_dtype: Annotated[
-        str | None,
-        typer.Option(
-            help=env_help("wire_dtype", "Activation dtype between stages: f16 (default) or f32.")
-        ),
-    ] = None,
-    kv_dtype: Annotated[
-        str | None,
-        typer.Option(
-            help=env_help(
-                "kv_dtype",
-                "KV cache of CPU stages: f32, f16 (half the memory and the bytes decode "
-                "reads; rounded, inexact) or auto (default: f16 with --dtype q8, else f32).",
-            )
-        ),
-    ] = None,
-    prefill_chunk: Annotated[
-        int | None,
-        typer.Option(
-            help=env_help("prefill_chunk_tokens", "Prompt tokens per prefill pass (default 256).")
-        ),
-    ] = None,
-    pass_deadline: Annotated[
-        float | None,
-        typer.Option(
-            help=env_help(
-                "pass_deadline_s",
-                "Seconds a pass across the stages may take, plus --pass-deadline-per-token "
-                "per token in flight, before its stage counts as failed (default 60).",
-            )
-        ),
-    ] = None,
-    pass_deadline_per_token: Annotated[
-        float | None,
-        typer.Option(
-            help=env_help(
-                "pass_deadline_per_token_s",
-                "Seconds added to --pass-deadline per token in flight (default 0.25).",
-            )
-        ),
-    ] = None,
-    cache_dir: Annotated[
-        Path | None,
-        typer.Option(help=env_help("cache_dir", "Where layer packages are materialized.")),
-    ] = None,
-    threads: Annotated[
-        int | None,
-        typer.Option(
-            help=env_help(
-                "threads", "BLAS threads on CPU (default: one per core; 1 when nodes share cores)."
-            )
-        ),
-    ] = None,
     speculative: Annotated[
         str | None,
         typer.Option(
@@ -315,41 +106,8 @@ def join(
         layer_skip_layers=layer_skip_layers,
     )
     try:
-        flags: dict[str, Any] = {
-            "token": token,
-            "token_file": token_file,
-            "listen": listen,
-            "api": api,
-            "api_key": api_key,
-            "allow_open_api": True if allow_open_api else None,
-            "api_max_body_bytes": api_max_body,
-            "state_dir": state_dir,
-            "interface": interface,
-            "peers": peer or None,
-            "mdns": False if no_mdns else None,
-            "allow_url_models": True if allow_url_models else None,
-            "local_models": local_model or None,
-            "cors_origins": cors_origin or None,
-            "max_memory_bytes": max_memory,
-            "device": device,
-            "weights_dtype": dtype,
-            "log_level": log_level,
-            "heartbeat.interval_s": heartbeat_interval,
-            "heartbeat.suspect_after_s": suspect_after,
-            "heartbeat.dead_after_s": dead_after,
-            "model": model,
-            "split": split,
-            "context_size": context,
-            "wire_dtype": wire_dtype,
-            "kv_dtype": kv_dtype,
-            "prefill_chunk_tokens": prefill_chunk,
-            "pass_deadline_s": pass_deadline,
-            "pass_deadline_per_token_s": pass_deadline_per_token,
-            "cache_dir": cache_dir,
-            "threads": threads,
-            "speculative": spec_flags,
-        }
-        config_file = config_file_for(config, state_dir)
+        flags: dict[str, Any] = {**settings, "speculative": spec_flags}
+        config_file = config_file_for(config, settings["state_dir"])
         node_config = load_config(config_file=config_file, flags=flags)
         code = join.run(node_config)
     except ConfigError as exc:

@@ -19,14 +19,8 @@ from meshnode_packaging.errors import DamagedPackage, InvalidPackage, PackageErr
 from meshnode_packaging.fetch import Materializer
 from meshnode_packaging.manifest import Part
 from meshnode_packaging.package import PackageSource
-from meshnode_packaging.refs import (
-    LocalPackage,
-    LocalSource,
-    RemotePackage,
-    check_local_package,
-    open_ref,
-    resolve,
-)
+from meshnode_packaging.reference import LocalPackage, LocalSource, RemotePackage
+from meshnode_packaging.refs import check_local_package, open_ref, resolve
 from meshnode_packaging.remote import RangedSource
 from meshnode_packaging.sources import ModelSource, SourceError
 from meshnode_packaging.validate import validate_package

@@ -2,7 +2,7 @@
 
 ``prefill`` → ``decode_one``: logits for the next token, nothing else. The generation loop
 (sampling, speculation, stop strings, EOS and budget) is one, over a pipeline:
-:func:`meshnode.serve.generation.generate`, which ``meshnode generate`` drives over a local
+:func:`meshnode.generation.driver.generate`, which ``meshnode generate`` drives over a local
 pipeline (:mod:`meshnode.serve.local`); these rungs are what tests compare it with.
 """
 

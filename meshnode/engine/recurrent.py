@@ -9,7 +9,7 @@ window) restores the state after position ``start_pos - 1`` by one copy. Further
 the ring no longer holds it: the stage cannot rebuild it from its own inputs, so
 :meth:`HybridCache.rollback` raises :class:`RollbackError` and the host prefills the
 sequence again (prompt plus committed tokens) from position 0, which always works
-(``meshnode.serve.generation``).
+(``meshnode.generation.replay``).
 
 The host sizes the ring to its largest verify pass (:func:`ring_slots_for`, sent in
 ``Load.ring_slots``), so speculative decoding never rolls back further than the ring.

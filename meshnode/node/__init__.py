@@ -1,5 +1,6 @@
-"""The daemon: sessions, membership, planner (pure), coordinator and the host role, worker,
-stage runner, pipelines.
+"""The daemon: sessions, membership, planner (pure), coordinator (its decisions pure, in
+``decisions``) and the host role, worker, stage runner, pipelines; settings (one table,
+``settings``) and their layers (``config``).
 
 Imports ``meshnode.engine`` (the stage, sampling records, activations as the wire carries
 them), ``meshnode.speculative`` (the last stage's decision), ``meshnode.net``,

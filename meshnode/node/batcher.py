@@ -52,9 +52,14 @@ from typing import Generic, TypeVar
 
 import trio
 
-from meshnode.errors import MeshnodeError
-from meshnode.node.pipeline import FrameKind, PipelineError, StepFrame, StepResult
-from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE
+from meshnode.node.pipeline import (
+    MAX_SEQUENCES_PER_STAGE,
+    FrameKind,
+    PipelineError,
+    Slot,
+    StepFrame,
+    StepResult,
+)
 
 T = TypeVar("T")
 
@@ -134,22 +139,6 @@ def _frames_per_step(pending: int, limits: BatchLimits, live: int) -> int:
     # With n stages, n micro-batches keep every stage busy.
     share = math.ceil(max(live, pending) / limits.micro_batches)
     return max(1, min(limits.max_frames, share))
-
-
-@dataclass(eq=False, slots=True)
-class Slot(Generic[T]):
-    """One frame waiting for a step; the step function fills ``output`` or ``error``."""
-
-    frame: StepFrame
-    output: T | None = None
-    error: MeshnodeError | None = None  # raised in the task that submitted the frame
-    done: bool = False
-    # The sequence's loop sends the frame after this one's output, if it goes on: a frame
-    # put in line ahead (:meth:`Batcher.enqueue`), or a prediction such a frame claimed.
-    follows: bool = False
-    # Of a prediction (running ahead): how many predictions nobody had claimed yet it
-    # follows (0: it follows a frame its loop sent). -1: a frame a loop sent.
-    unclaimed: int = -1
 
 
 @dataclass(eq=False, slots=True)

@@ -4,7 +4,8 @@
 materialize their part in the background while the host builds its own stage 0; progress
 from ``Inventory`` polls) → ``Load`` downstream-first → ``Ready``; the result is the run's
 :class:`~meshnode.node.remote.RemotePipeline`. Any failure is one :class:`RunError` naming
-the node, which is excluded from the next plan. The coordinator
+the node, which is recorded in ``failed`` (or ``refused``: it refused the Claim, another
+host holds it) for the coordinator's decisions (:mod:`meshnode.node.decisions`). The coordinator
 (:mod:`meshnode.node.coordinator`) owns the loop around it and routes the replies here.
 
 While the run serves, :meth:`BringUp.probe` asks its stages, over the same reply
@@ -23,14 +24,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 from meshnode_packaging.manifest import Part
-from meshnode_packaging.refs import (
-    LocalPackage,
-    RemotePackage,
-    check_local_package,
-    is_url,
-    open_ref,
-    resolve,
-)
+from meshnode_packaging.reference import LocalPackage, RemotePackage
+from meshnode_packaging.refs import check_local_package, is_url, open_ref, resolve
 from meshnode_packaging.sources import ModelSource
 from meshnode_protocol import (
     Claim,
@@ -54,13 +49,14 @@ from meshnode.engine.model import Stage
 from meshnode.errors import RunError
 from meshnode.net.stream import SEND_ERRORS
 from meshnode.node import heap
+from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.planner import Plan, StagePlan
 from meshnode.node.progress import DownloadProgress
 from meshnode.node.remote import RemotePipeline
-from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, StageRunner
+from meshnode.node.stage import StageRunner
 
 if TYPE_CHECKING:
-    from meshnode.node.coordinator import CoordinatorSettings, MeshView
+    from meshnode.node.mesh import CoordinatorSettings, MeshView
 
 log = logging.getLogger("meshnode.coordinator")
 
@@ -97,7 +93,7 @@ class BringUp:
     """One run (``run_id``, ``term``) brought up on a plan; see the module docstring.
 
     ``stage_state`` and ``progress`` (bytes done and total, by node) are what status shows.
-    A node that fails is added to ``excluded``, the coordinator's set.
+    A node that fails is added to ``failed``; one that refuses the Claim to ``refused``.
     """
 
     def __init__(
@@ -112,7 +108,6 @@ class BringUp:
         source: ModelSource,
         backend: Backend,
         context_size: int,
-        excluded: set[str],
     ) -> None:
         self.mesh = mesh
         self.settings = settings
@@ -124,7 +119,8 @@ class BringUp:
         self.stage_state = {s.node_id: StageState.CLAIMING for s in placed.stages}
         self.progress: dict[str, tuple[int, int]] = {}
         self._backend = backend
-        self._excluded = excluded
+        self.failed: set[str] = set()
+        self.refused: set[str] = set()
         self._download_log: dict[str, DownloadProgress] = {}
         self._replies: dict[str, trio.MemorySendChannel[Message]] = {}
         self._receivers: dict[str, trio.MemoryReceiveChannel[Message]] = {}
@@ -328,13 +324,13 @@ class BringUp:
                     node, report.bytes_done, report.bytes_total, trio.current_time()
                 )
                 if report.error:
-                    self._excluded.add(node)
+                    self.failed.add(node)
                     raise RunError(f"node {node} could not prepare its layers: {report.error}")
                 if report.ready:
                     self.stage_state[node] = StageState.PREPARED
                     return
                 await trio.sleep(INVENTORY_POLL_S)
-        self._excluded.add(node)
+        self.failed.add(node)
         raise RunError(f"node {node} did not prepare its layers in {PREPARE_TIMEOUT_S:.0f} s")
 
     async def _request(
@@ -359,9 +355,11 @@ class BringUp:
                     reply = await receivers[node].receive()
                     if isinstance(reply, expected):
                         return reply
-                    if isinstance(reply, ClaimRejected | Error):
-                        reason = reply.reason if isinstance(reply, ClaimRejected) else reply.message
-                        raise RunError(f"node {node} refused {what}: {reason}")
+                    if isinstance(reply, ClaimRejected):
+                        self.refused.add(node)
+                        raise RunError(f"node {node} refused {what}: {reply.reason}")
+                    if isinstance(reply, Error):
+                        raise RunError(f"node {node} refused {what}: {reply.message}")
         except trio.TooSlowError:
             failure = f"node {node} did not answer {what} within {timeout_s:.0f} s"
         except SEND_ERRORS:
@@ -369,9 +367,10 @@ class BringUp:
         except trio.EndOfChannel:
             failure = f"node {node} was lost while the run was brought up"
         except RunError:
-            self._excluded.add(node)
+            if node not in self.refused:
+                self.failed.add(node)
             raise
-        self._excluded.add(node)
+        self.failed.add(node)
         raise RunError(failure)
 
     async def stop_all(self, placed: Plan, reason: str) -> None:

@@ -5,8 +5,9 @@ variables → command-line flags the user actually passed (``None`` means "not p
 hypercorn sentinel idea). Unknown keys and wrong types are errors, never ignored: a typo in
 a config file should stop the node, not silently run it with a default.
 
-Every setting is declared once in ``SETTINGS`` (TOML section and key, environment variable,
-parser). To add one: add a field to :class:`NodeConfig` and a row to ``SETTINGS``.
+Every setting is declared once in :data:`~meshnode.node.settings.SETTINGS` (TOML section
+and key, environment variable, parser from :mod:`meshnode.node.parsers`, command-line option
+and help). To add one: add a field to :class:`NodeConfig` and a row to ``SETTINGS``.
 
 Speculative decoding is configured per model, so its TOML tables are nested rather than
 flat settings: ``[defaults.speculative]`` and ``[models."<model id>".speculative]`` are
@@ -24,19 +25,19 @@ Errors: :class:`ConfigError` (a ``ValueError``) names the offending source and k
 from __future__ import annotations
 
 import os
-import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any
 
-from meshnode.engine.backend import WEIGHTS_DTYPES, WeightsDtype
-from meshnode.engine.kv_cache import parse_kv_dtype
+from meshnode.engine.backend import WeightsDtype
 from meshnode.errors import ConfigError
 from meshnode.net.address import Address
 from meshnode.net.http_guard import DEFAULT_MAX_BODY_BYTES
 from meshnode.net.secret_files import check_private, warn_if_exposed
+from meshnode.node.parsers import Device, parse_path
+from meshnode.node.settings import BY_NAME, SETTINGS, Setting
 from meshnode.speculative.settings import SpeculativeConfigError, SpeculativeFlags, check_table
 
 __all__ = [
@@ -48,8 +49,6 @@ __all__ = [
     "config_file_for",
     "load_config",
 ]
-
-Device = Literal["cpu", "cuda"]
 
 DEFAULT_LISTEN_PORT = 7470
 DEFAULT_API_PORT = 8470
@@ -165,302 +164,6 @@ class NodeConfig:
             raise ConfigError(f"cannot read token file {path}: {exc}") from exc
 
 
-# ---- parsers: each takes a TOML value or an environment string -------------------------
-
-
-def _str(v: object) -> str:
-    if not isinstance(v, str):
-        raise ConfigError(f"expected a string, got {v!r}")
-    return v
-
-
-def _path(v: object) -> Path:
-    return (v if isinstance(v, Path) else Path(_str(v))).expanduser()
-
-
-def _paths(v: object) -> tuple[Path, ...]:
-    if isinstance(v, str):  # environment: separated as in PATH
-        return tuple(_path(p) for p in v.split(os.pathsep) if p.strip())
-    if isinstance(v, list | tuple):
-        return tuple(_path(p) for p in v)
-    raise ConfigError(f"expected a list of paths, got {v!r}")
-
-
-def _address(v: object) -> Address:
-    return v if isinstance(v, Address) else Address.parse(_str(v))
-
-
-def _bool(v: object) -> bool:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, str) and v.lower() in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
-        return v.lower() in {"1", "true", "yes", "on"}
-    raise ConfigError(f"expected a boolean, got {v!r}")
-
-
-def _float(v: object) -> float:
-    if isinstance(v, bool):
-        raise ConfigError(f"expected a number, got {v!r}")
-    if isinstance(v, int | float):
-        return float(v)
-    try:
-        return float(_str(v))
-    except ValueError as exc:
-        raise ConfigError(f"expected a number, got {v!r}") from exc
-
-
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_UNITS |= {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_bytes(v: object) -> int:
-    """Bytes as an integer or a string such as ``8GiB``, ``512M``, ``1000000``."""
-    if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
-        return v
-    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]i?)?b?\s*", _str(v).lower())
-    if m is None:
-        raise ConfigError(f"expected a byte count such as 8GiB, got {v!r}")
-    return int(m.group(1)) * _UNITS[m.group(2) or ""]
-
-
-def _peers(v: object) -> tuple[Address, ...]:
-    if isinstance(v, str):  # environment: comma-separated
-        return tuple(Address.parse(p) for p in v.split(",") if p.strip())
-    if isinstance(v, list | tuple):
-        return tuple(_address(p) for p in v)
-    raise ConfigError(f"expected a list of HOST:PORT, got {v!r}")
-
-
-def parse_weights_dtype(v: object) -> WeightsDtype:
-    """A weights dtype name; raises ``ConfigError`` naming the choices."""
-    s = _str(v)
-    if s in WEIGHTS_DTYPES:
-        return cast(WeightsDtype, s)
-    raise ConfigError(f"dtype must be one of {', '.join(WEIGHTS_DTYPES)}, got {s!r}")
-
-
-def _device(v: object) -> Device:
-    s = _str(v)
-    if s == "cpu":
-        return "cpu"
-    if s == "cuda":
-        return "cuda"
-    raise ConfigError(f"device must be cpu or cuda, got {s!r}")
-
-
-def _log_level(v: object) -> str:
-    s = _str(v).upper()
-    if s not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
-        raise ConfigError(f"log level must be DEBUG, INFO, WARNING or ERROR, got {s!r}")
-    return s
-
-
-def _positive_int(v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, int | str):
-        raise ConfigError(f"expected a positive integer, got {v!r}")
-    try:
-        n = int(v)
-    except ValueError as exc:
-        raise ConfigError(f"expected a positive integer, got {v!r}") from exc
-    if n < 1:
-        raise ConfigError(f"expected a positive integer, got {n}")
-    return n
-
-
-def _nonempty(v: object) -> str:
-    s = _str(v)
-    if not s.strip():
-        raise ConfigError("expected a non-empty string")
-    return s
-
-
-def _positive_float(v: object) -> float:
-    f = _float(v)
-    if not 0 < f < float("inf"):
-        raise ConfigError(f"expected a positive number, got {v!r}")
-    return f
-
-
-def _non_negative_float(v: object) -> float:
-    f = _float(v)
-    if not 0 <= f < float("inf"):
-        raise ConfigError(f"expected a number >= 0, got {v!r}")
-    return f
-
-
-def _api_key(v: object) -> str:
-    # It travels in an HTTP header: visible ASCII only, so it can be typed and sent intact.
-    s = _str(v)
-    if not s or not all("!" <= c <= "~" for c in s):
-        raise ConfigError("an API key must be non-empty printable ASCII without spaces")
-    return s
-
-
-def _body_bytes(v: object) -> int:
-    n = parse_bytes(v)
-    if n < 1:
-        raise ConfigError(f"expected a positive byte count, got {v!r}")
-    return n
-
-
-def _wire_dtype(v: object) -> str:
-    s = _str(v).lower()
-    if s not in {"f16", "f32"}:
-        raise ConfigError(f"wire dtype must be f16 or f32, got {s!r}")
-    return s
-
-
-def _origin(v: object) -> str:
-    s = _str(v).strip().rstrip("/")
-    if s == "*":
-        return s
-    m = re.fullmatch(r"(https?)://([^/?#\s]+)", s)
-    if m is None:
-        raise ConfigError(f"expected an origin such as https://app.example:8080 or *, got {v!r}")
-    return s
-
-
-def _origins(v: object) -> tuple[str, ...]:
-    if isinstance(v, str):  # environment: comma-separated
-        return tuple(_origin(o) for o in v.split(",") if o.strip())
-    if isinstance(v, list | tuple):
-        return tuple(_origin(o) for o in v)
-    raise ConfigError(f"expected a list of origins, got {v!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class Setting:
-    """One configurable value: where it lives in TOML and the environment, how to parse it.
-
-    ``name`` is the :class:`NodeConfig` field, or ``heartbeat.<field>`` for the nested
-    :class:`HeartbeatTimeouts`; ``flag`` is its command-line option (``--{flag}``), named
-    in errors about a flag's value. Every layer goes through the same ``parse``.
-    """
-
-    name: str
-    section: str
-    key: str
-    env: str
-    parse: Callable[[object], Any]
-    flag: str = ""
-
-    @property
-    def option(self) -> str:
-        """The command-line option, e.g. ``--max-memory``."""
-        return "--" + (self.flag or self.key.replace("_", "-"))
-
-
-SETTINGS: tuple[Setting, ...] = (
-    Setting("token", "mesh", "token", "MESHNODE_TOKEN", _nonempty),
-    Setting("token_file", "mesh", "token_file", "MESHNODE_TOKEN_FILE", _path),
-    Setting("state_dir", "node", "state_dir", "MESHNODE_STATE_DIR", _path),
-    Setting("listen", "node", "listen", "MESHNODE_LISTEN", _address),
-    Setting("api", "node", "api", "MESHNODE_API", _address),
-    Setting("api_key", "node", "api_key", "MESHNODE_API_KEY", _api_key),
-    Setting("allow_open_api", "node", "allow_open_api", "MESHNODE_ALLOW_OPEN_API", _bool),
-    Setting(
-        "api_max_body_bytes",
-        "node",
-        "api_max_body",
-        "MESHNODE_API_MAX_BODY",
-        _body_bytes,
-        flag="api-max-body",
-    ),
-    Setting("max_memory_bytes", "node", "max_memory", "MESHNODE_MAX_MEMORY", parse_bytes),
-    Setting("device", "node", "device", "MESHNODE_DEVICE", _device),
-    Setting("weights_dtype", "node", "dtype", "MESHNODE_DTYPE", parse_weights_dtype, flag="dtype"),
-    Setting("log_level", "node", "log_level", "MESHNODE_LOG_LEVEL", _log_level),
-    Setting("cache_dir", "node", "cache_dir", "MESHNODE_CACHE_DIR", _path),
-    Setting("allow_url_models", "node", "allow_url_models", "MESHNODE_ALLOW_URL_MODELS", _bool),
-    Setting(
-        "local_models",
-        "node",
-        "local_models",
-        "MESHNODE_LOCAL_MODELS",
-        _paths,
-        flag="local-model",
-    ),
-    Setting("threads", "node", "threads", "MESHNODE_THREADS", _positive_int),
-    Setting(
-        "cors_origins",
-        "node",
-        "cors_origins",
-        "MESHNODE_CORS_ORIGINS",
-        _origins,
-        flag="cors-origin",
-    ),
-    Setting("model", "model", "ref", "MESHNODE_MODEL", _nonempty, flag="model"),
-    Setting("split", "model", "split", "MESHNODE_SPLIT", _positive_int),
-    Setting(
-        "context_size",
-        "model",
-        "context_size",
-        "MESHNODE_CONTEXT",
-        _positive_int,
-        flag="context",
-    ),
-    Setting("wire_dtype", "model", "wire_dtype", "MESHNODE_WIRE_DTYPE", _wire_dtype),
-    Setting("kv_dtype", "model", "kv_dtype", "MESHNODE_KV_DTYPE", parse_kv_dtype, flag="kv-dtype"),
-    Setting(
-        "prefill_chunk_tokens",
-        "model",
-        "prefill_chunk_tokens",
-        "MESHNODE_PREFILL_CHUNK",
-        _positive_int,
-        flag="prefill-chunk",
-    ),
-    Setting(
-        "pass_deadline_s",
-        "model",
-        "pass_deadline_s",
-        "MESHNODE_PASS_DEADLINE",
-        _positive_float,
-        flag="pass-deadline",
-    ),
-    Setting(
-        "pass_deadline_per_token_s",
-        "model",
-        "pass_deadline_per_token_s",
-        "MESHNODE_PASS_DEADLINE_PER_TOKEN",
-        _non_negative_float,
-        flag="pass-deadline-per-token",
-    ),
-    Setting("interface", "discovery", "interface", "MESHNODE_INTERFACE", _nonempty),
-    Setting("mdns", "discovery", "mdns", "MESHNODE_MDNS", _bool, flag="no-mdns"),
-    Setting("peers", "discovery", "peers", "MESHNODE_PEERS", _peers, flag="peer"),
-    Setting(
-        "heartbeat.interval_s",
-        "heartbeat",
-        "interval_s",
-        "MESHNODE_HEARTBEAT_S",
-        _positive_float,
-        flag="heartbeat-interval",
-    ),
-    Setting(
-        "heartbeat.suspect_after_s",
-        "heartbeat",
-        "suspect_after_s",
-        "MESHNODE_SUSPECT_S",
-        _positive_float,
-        flag="suspect-after",
-    ),
-    Setting(
-        "heartbeat.dead_after_s",
-        "heartbeat",
-        "dead_after_s",
-        "MESHNODE_DEAD_S",
-        _positive_float,
-        flag="dead-after",
-    ),
-)
-_BY_NAME = {s.name: s for s in SETTINGS}
-
-
-def env_help(name: str, text: str) -> str:
-    """``text`` with the setting's environment variable, for a command-line help line."""
-    return f"{text} [env: {_BY_NAME[name].env}]"
-
-
 def _from_toml(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
     """Flatten a TOML document into ``{setting name: parsed value}``, rejecting unknowns."""
     known = {(s.section, s.key): s for s in SETTINGS}
@@ -574,10 +277,10 @@ def load_config(
     for name, value in (flags or {}).items():
         if name == "speculative" and value is not None:
             values[name] = _check_flags(value)
-        elif name not in _BY_NAME:
+        elif name not in BY_NAME:
             raise ConfigError(f"unknown setting {name!r}")
         elif value is not None:
-            setting = _BY_NAME[name]
+            setting = BY_NAME[name]
             values[name] = _parse(setting, value, setting.option)
     return _build(values)
 
@@ -594,6 +297,6 @@ def config_file_for(
         return explicit
     env = os.environ if env is None else env
     if state_dir is None:
-        state_dir = _path(env["MESHNODE_STATE_DIR"]) if "MESHNODE_STATE_DIR" in env else None
+        state_dir = parse_path(env["MESHNODE_STATE_DIR"]) if "MESHNODE_STATE_DIR" in env else None
     candidate = (state_dir or default_state_dir()) / DEFAULT_CONFIG_NAME
     return candidate if candidate.is_file() else None

@@ -12,7 +12,7 @@ model's stage-0 part to learn its config, then loops:
 4. **watch**: when a stage's node is lost (the membership says so, or the pipeline failed:
    a dropped connection, a refusal, a missed pass deadline), fail the pipeline, ``Stop`` the
    others and go back to 1 without it. The requests in flight wait for the next pipeline
-   and replay there (:mod:`meshnode.serve.generation`): they outlive the loss;
+   and replay there (:mod:`meshnode.generation.replay`): they outlive the loss;
 5. **grow back**: when the nodes ``--split`` asks for (or that the planner would choose)
    are live again after a loss (:func:`~meshnode.node.planner.should_regrow`), keep
    serving until a moment when no request is in flight, then stop admitting requests (the
@@ -23,8 +23,12 @@ model's stage-0 part to learn its config, then loops:
    next membership change tries again. No request in flight is failed by a regrow.
 
 A failed step ``Stop``s every node claimed for the run and replans without the failed node
-(it is excluded until the membership changes again). Every message carries the run id and
-term, so a late reply of an abandoned run is recognised and dropped.
+(it is excluded until the membership changes again). A node that refused the ``Claim``
+(another host holds it) is claimed again after a while instead, since being freed changes
+nothing in the membership (issue 36 item 7). Which nodes a plan leaves out, and why the
+mesh is not serving, are pure decisions (:func:`meshnode.node.decisions.next_action`).
+Every message carries the run id and term, so a late reply of an abandoned run is
+recognised and dropped.
 
 **Blame.** A pipeline that failed on its own (not through the membership) names the lost
 node when it knows it (its send to stage 1 failed). When it does not (a pass missed its
@@ -35,7 +39,11 @@ stage of the run (:meth:`~meshnode.node.bringup.BringUp.probe`) and :func:`blame
    no longer holds the run;
 2. else the stage whose compute pass in progress is the oldest, if it has run for at least
    half the deadline's base (a stage that hangs in a forward while its heartbeats flow);
-3. else nobody: the pass was lost without a trace, and the plan is made again as it was.
+3. else what the host observed itself: the last stage's reply is missing, so every remote
+   stage is a suspect of this *untraced* loss, and a node suspect of
+   ``UNTRACED_LOSSES_TO_BLAME`` of them within ``BLAME_COOL_OFF_S`` is blamed; before
+   that, nobody, and the plan is made again as it was. A stage's "idle" is not taken for
+   it (issue 36 item 5; :mod:`meshnode.node.decisions`).
 
 A node blamed this way is alive to the membership, so it is kept out of plans for
 ``BLAME_COOL_OFF_S`` (whatever the membership does meanwhile) instead of until the next
@@ -62,10 +70,9 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 from meshnode_packaging.manifest import Part
@@ -77,17 +84,33 @@ from meshnode_protocol import (
     Error,
     InventoryReport,
     Message,
-    PeerInfo,
     PrepareAccepted,
     Ready,
 )
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
-from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
 from meshnode.errors import PlanError, RunError
 from meshnode.node.bringup import BringUp, StageState
+from meshnode.node.decisions import (
+    BackedOff,
+    BackOff,
+    BringUpFailed,
+    CoordinatorState,
+    Failure,
+    MembershipChanged,
+    NoFit,
+    Planned,
+    Probed,
+    Replaced,
+    Replan,
+    Serving,
+    Stage0Hung,
+    StageFailed,
+    next_action,
+)
 from meshnode.node.footprint import model_footprint, served_context
+from meshnode.node.mesh import CoordinatorSettings, MeshView
 from meshnode.node.planner import (
     ModelFootprint,
     NodeCapacity,
@@ -96,7 +119,7 @@ from meshnode.node.planner import (
     plan,
     should_regrow,
 )
-from meshnode.node.remote import PassDeadline, RemotePipeline, idle_by, is_data_reply
+from meshnode.node.remote import RemotePipeline, idle_by, is_data_reply
 
 log = logging.getLogger("meshnode.coordinator")
 
@@ -106,26 +129,9 @@ REGROW_DRAIN_TIMEOUT_S = 300.0
 # How long the host keeps admitting requests after the planned nodes are back, waiting for
 # a moment with none in flight to re-place the model: only past it does it drain (503s).
 REGROW_IDLE_WAIT_S = 30.0
-# A failed bring-up is retried after RETRY_BACKOFF_FIRST_S, doubling with each failure in
-# a row up to RETRY_BACKOFF_MAX_S. A stage that keeps failing (a damaged file, a device
-# that refuses) replanned at once, 46 times in 12 s, flooding the log and the workers;
-# a passing glitch (a node that restarted) still costs under a second.
-RETRY_BACKOFF_FIRST_S = 0.5
-RETRY_BACKOFF_MAX_S = 30.0
-# How long a node blamed for a lost pass stays out of the plans (module docstring, Blame).
-# Five minutes: a node that hangs on every pass then costs one replay per five minutes,
-# while one that hung once (a stalled disk, a swapped-out process) is used again soon.
-BLAME_COOL_OFF_S = 300.0
 # Stage-0 computes that missed their deadline and have not returned, beyond which no new run
 # is brought up until one does: each holds a thread and a stage's memory (module docstring).
 MAX_HUNG_STAGE0 = 2
-
-
-def retry_delay(failures: int) -> float:
-    """Seconds to wait after the ``failures``-th failed bring-up in a row (0 for none)."""
-    if failures < 1:
-        return 0.0
-    return float(min(RETRY_BACKOFF_FIRST_S * 2.0 ** (failures - 1), RETRY_BACKOFF_MAX_S))
 
 
 class MeshState(enum.StrEnum):
@@ -139,76 +145,6 @@ class MeshState(enum.StrEnum):
     DRAINING = "draining"  # the plan grows back once the requests in flight are done
 
 
-class MeshView(Protocol):
-    """What the coordinator needs of the running node (the daemon implements it)."""
-
-    @property
-    def node_id(self) -> str:
-        """This node's id."""
-        ...
-
-    def live_nodes(self) -> list[NodeCapacity]:
-        """This node and every alive, connected peer."""
-        ...
-
-    def peer_info(self, node_id: str) -> PeerInfo:
-        """Address and capacity of a node (this one included), for ``Load``."""
-        ...
-
-    async def send(self, node_id: str, message: Message) -> None:
-        """Send to a peer over its session; raises if there is none."""
-        ...
-
-    def membership_event(self) -> trio.Event:
-        """The event the next membership change sets. Take it before reading
-        :meth:`live_nodes` and wait on it after: a change in between is not missed."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class CoordinatorSettings:
-    model_ref: str
-    context_size: int | None = None
-    split: int | None = None
-    wire_dtype: str = "f16"
-    # K/V of every stage's caches (``Load.kv_dtype``): f32 or f16, ``--kv-dtype`` resolved
-    # by the host (``engine.kv_cache.resolve_kv_dtype``: auto is f16 with q8 weights)
-    kv_dtype: str = "f32"
-    cache_dir: Path | None = None
-    # What the host resolved ``model_ref`` to (``refs.pin_ref``): a hub commit or a URL
-    # package's manifest sha256, sent in every Prepare so that no stage reads another one.
-    pin: str = ""
-    # Per-sequence recurrent-state snapshots each hybrid stage keeps (``Load.ring_slots``):
-    # the host's largest verify pass (``engine.recurrent.ring_slots_for``).
-    ring_slots: int = DEFAULT_RING_SLOTS
-    # When a pass across the stages counts as lost (``--pass-deadline``).
-    pass_deadline: PassDeadline = field(default_factory=PassDeadline)
-
-
-def blame(
-    stages: Sequence[str], answers: Mapping[str, int | None], *, min_busy_ms: int
-) -> str | None:
-    """The stage to blame for a pass that did not come back (module docstring, Blame).
-
-    ``stages`` are the run's remote stages in pipeline order; ``answers`` what each said to
-    the probe (the age of its pass in progress in ms, ``None``: silent or refusing).
-    """
-    for node in stages:
-        if answers.get(node) is None:
-            return node
-    busy = [(answers[node] or 0, node) for node in stages]
-    oldest_ms, node = max(busy, default=(0, ""))
-    return node if oldest_ms >= min_busy_ms else None
-
-
-@dataclass(frozen=True, slots=True)
-class Loss:
-    """Why a pipeline ended: the node lost (``None``: not known) and the reason."""
-
-    node: str | None
-    reason: str
-
-
 def stage_gone(node: str, *, left: bool) -> str:
     """Why a pipeline ended when a stage's session did: its node said goodbye, or was lost."""
     if left:
@@ -219,12 +155,6 @@ def stage_gone(node: str, *, left: bool) -> str:
 def retry_in(retry_at: float | None, now: float) -> float | None:
     """Seconds until the next bring-up while backing off (``None``: not backing off)."""
     return None if retry_at is None else round(max(0.0, retry_at - now), 1)
-
-
-def seconds_left(until: Mapping[str, float], now: float) -> dict[str, float]:
-    """Each node's seconds left until its time in ``until`` (trio clock), by node id;
-    those already past are left out (the ``cooling_off`` of the status)."""
-    return {node: round(t - now, 1) for node, t in sorted(until.items()) if t > now}
 
 
 def _stage_status(
@@ -290,18 +220,19 @@ class Coordinator:
         self._term = 0
         self._run_id = ""
         self._state = MeshState.PLANNING
-        self._error = ""
-        self._last_failure = ""  # kept after recovery: why the plan is not the first one
+        # What the pure decisions keep between runs: nodes left out, failures (typed).
+        self._decided = CoordinatorState()
         self._plan: Plan | None = None
         self._run: BringUp | None = None  # the latest run (its stages' states, progress)
         self._pipeline: RemotePipeline | None = None
-        self._excluded: set[str] = set()
-        self._cooling: dict[str, float] = {}  # node -> trio time its cool-off ends (Blame)
-        self._first_plan = True
-        self._recovering = False  # the plan was made after a loss: it may grow back
-        self._failures = 0  # bring-ups failed in a row (the retry backs off)
         self._retry_at: float | None = None  # trio time of the next try, while backing off
         self._hung: list[RemotePipeline] = []  # whose stage-0 compute hangs (stage0_hung)
+
+    def _decide(self, event: Any) -> BackOff | Replan | None:
+        """Apply ``event`` to the decisions' state (:func:`~meshnode.node.decisions.next_action`)
+        and return what to do next."""
+        self._decided, action = next_action(self._decided, event)
+        return action
 
     # -- status -----------------------------------------------------------------------
 
@@ -316,13 +247,13 @@ class Coordinator:
             "run_id": self._run_id,
             "term": self._term,
             "state": self._state,
-            "error": self._error,
+            "error": str(self._decided.error or ""),
             "retry_in_s": retry_in(self._retry_at, now),
-            "last_failure": self._last_failure,
+            "last_failure": str(self._decided.last_failure or ""),
             "context_size": self.context_size,
             "wire_dtype": self.settings.wire_dtype,
             "stages": stages,
-            "cooling_off": seconds_left(self._cooling, now),
+            "cooling_off": self._decided.cooling_off(now),
         }
 
     # -- messages from peers ------------------------------------------------------------
@@ -374,33 +305,31 @@ class Coordinator:
                 source=self.source,
                 backend=self._backend,
                 context_size=self.context_size,
-                excluded=self._excluded,
             )
             log.info("run %s term %d: %s", self._run_id, self._term, _describe(placed))
             self._state = MeshState.LOADING  # Claim, Prepare, Load: the stages say how far
             try:
                 pipeline = await run.run(placed)
             except RunError as exc:
-                self._error = self._last_failure = str(exc)
+                failed = BringUpFailed(
+                    str(exc), trio.current_time(), frozenset(run.failed), frozenset(run.refused)
+                )
+                backoff = self._decide(failed)
                 self._state = MeshState.FAILED
-                self._recovering = True
                 log.warning("run %s failed: %s", self._run_id, exc)
                 await run.stop_all(placed, str(exc))
-                await self._back_off()
-                self._error = ""  # the next plan's own trouble, if any (last_failure keeps it)
+                await self._back_off(backoff.delay_s if isinstance(backoff, BackOff) else 0.0)
+                self._decide(BackedOff())  # the next plan's own trouble, if any
                 continue
-            self._failures = 0
+            self._decide(Serving(placed.node_ids))
             self._pipeline = pipeline
-            self._error = ""
             loss = await self._serve(placed, pipeline, run)
+            self._decide(Replaced(loss))
             if loss is None:  # drained: the API answers 503 already
                 reason = "the planned nodes are back: the plan grows back"
-                self._recovering = False
             else:
                 self._on_pipeline(None)
                 reason = loss.reason
-                self._last_failure = reason
-                self._recovering = True
                 pipeline.fail(f"{reason}; the mesh is replanning", node=loss.node)
                 if pipeline.stage0_hung:
                     self._hung.append(pipeline)
@@ -413,26 +342,22 @@ class Coordinator:
         (polled each second; module docstring, Blame); the error says why meanwhile."""
         while len(self._hung) >= MAX_HUNG_STAGE0:
             self._state = MeshState.FAILED
-            self._error = (
-                f"stage 0 on this node hangs: {len(self._hung)} of its passes have not come "
-                "back; no new run until one does (restart meshnode if none does)"
-            )
+            self._decide(Stage0Hung(len(self._hung)))
             await trio.sleep(1.0)
             self._hung = [p for p in self._hung if p.stage0_hung]
             if len(self._hung) < MAX_HUNG_STAGE0:
-                self._error = ""
+                self._decide(Stage0Hung(0))
 
-    async def _back_off(self) -> None:
-        self._failures += 1
-        delay = retry_delay(self._failures)
-        log.info("retrying in %.1f s (failure %d in a row)", delay, self._failures)
+    async def _back_off(self, delay: float) -> None:
+        failures = self._decided.failures
+        log.info("retrying in %.1f s (failure %d in a row)", delay, failures)
         self._retry_at = trio.current_time() + delay
         try:
             await trio.sleep(delay)
         finally:
             self._retry_at = None
 
-    async def _serve(self, placed: Plan, pipeline: RemotePipeline, run: BringUp) -> Loss | None:
+    async def _serve(self, placed: Plan, pipeline: RemotePipeline, run: BringUp) -> Failure | None:
         """Serve on ``pipeline`` until a stage is lost (the loss) or the plan grows back (None)."""
         regrow_now = announce = True
         while True:
@@ -453,56 +378,33 @@ class Coordinator:
                     return None
                 regrow_now = False  # until the membership changes again
 
-    async def _blame(self, placed: Plan, pipeline: RemotePipeline, run: BringUp) -> Loss:
-        """The loss of a pipeline that failed without naming its node: probe the stages and
-        cool the blamed one off (module docstring, Blame)."""
+    async def _blame(self, placed: Plan, pipeline: RemotePipeline, run: BringUp) -> Failure:
+        """The loss of a pipeline that failed without naming its node: probe the stages;
+        the decisions blame from what the host observed (module docstring, Blame)."""
         reason = str(pipeline.failure)
         answers = await run.probe(placed)
         min_busy_ms = int(pipeline.deadline.base_s * 1000 / 2)
-        node = blame(placed.node_ids[1:], answers, min_busy_ms=min_busy_ms)
-        log.warning("run %s: %s; probe: %s; blamed: %s", self._run_id, reason, answers, node)
-        if node is None:
-            return Loss(None, f"{reason} (no stage to blame)")
-        self._cooling[node] = trio.current_time() + BLAME_COOL_OFF_S
-        return Loss(node, f"{reason}: blamed on stage node {node}")
-
-    def _cooled_off(self) -> set[str]:
-        """Nodes still cooling off; forgets those whose cool-off ended."""
+        stages = tuple(placed.node_ids[1:])
         now = trio.current_time()
-        self._cooling = {n: t for n, t in self._cooling.items() if t > now}
-        return set(self._cooling)
+        action = self._decide(Probed(reason, stages, answers, min_busy_ms, now))
+        assert isinstance(action, Replan)
+        loss = action.loss
+        log.warning("run %s: %s; probe: %s; blamed: %s", self._run_id, reason, answers, loss.node)
+        return loss
 
     async def _wait_changed(self, pipeline: RemotePipeline | None = None) -> bool:
-        """Wait for a membership change (True), or for ``pipeline`` to fail or a cool-off
-        to end (False)."""
-        changed = False
-        membership_changed = self.mesh.membership_event()  # before any checkpoint
-        until = min(self._cooling.values(), default=math.inf)
-        with trio.move_on_at(until):
-            async with trio.open_nursery() as nursery:
-
-                async def membership() -> None:
-                    nonlocal changed
-                    await membership_changed.wait()
-                    changed = True
-                    nursery.cancel_scope.cancel()
-
-                async def failure(failed: trio.Event) -> None:
-                    await failed.wait()
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(membership)
-                if pipeline is not None:
-                    nursery.start_soon(failure, pipeline.failed)
-        return changed
+        """Wait for a membership change (True), or for ``pipeline`` to fail or a node left
+        out to come back by itself (False)."""
+        until = self._decided.wake_at(trio.current_time())
+        return await _membership_changed(self.mesh, pipeline, until)
 
     async def _plan_when_possible(self) -> Plan:
         self._state = MeshState.PLANNING
         while True:
-            kept_out = self._excluded | self._cooled_off()
+            kept_out = self._decided.kept_out(trio.current_time())
             nodes = [n for n in self.mesh.live_nodes() if n.node_id not in kept_out]
             split = self.settings.split
-            if split is not None and not self._first_plan and len(nodes) < split:
+            if split is not None and not self._decided.first_plan and len(nodes) < split:
                 split = None  # after a loss, serve on what is left rather than not at all
             try:
                 result = plan(
@@ -512,18 +414,18 @@ class Coordinator:
                     context_tokens=self.context_size,
                     split=split,
                 )
-                self._first_plan = False
+                self._decide(Planned())
                 return result
             except PlanError as exc:
-                if str(exc) != self._error:
+                if str(exc) != str(self._decided.error or ""):
                     log.info("waiting for nodes: %s", exc)
-                self._error = str(exc)
+                self._decide(NoFit(str(exc)))
             if await self._wait_changed():
-                self._excluded.clear()  # the membership changed: give failed nodes another go
+                self._decide(MembershipChanged())  # give failed nodes another go
 
     async def _watch(
         self, placed: Plan, pipeline: RemotePipeline, *, regrow_now: bool = True
-    ) -> Loss | None:
+    ) -> Failure | None:
         """The first loss of a stage (``node`` None when the pipeline failed without
         naming it), or ``None`` once the plan should grow back
         (:func:`~meshnode.node.planner.should_regrow`); with ``regrow_now`` false, growing
@@ -531,25 +433,20 @@ class Coordinator:
         while True:
             live = self.mesh.live_nodes()
             live_ids = {n.node_id for n in live}
-            failure = pipeline.failure
-            if failure is not None and failure.left:  # a goodbye: neither kept out nor blamed
-                return Loss(failure.node, str(failure))
-            for stage in placed.stages:
-                if stage.node_id not in live_ids:
-                    return Loss(stage.node_id, f"stage node {stage.node_id} was lost")
-            if failure is not None:
-                if failure.node not in (None, self.mesh.node_id):  # never the host itself
-                    self._excluded.add(failure.node)  # until the membership changes
-                return Loss(failure.node, str(failure))
+            event = _stage_failure(placed, pipeline, live_ids, host=self.mesh.node_id)
+            if event is not None:
+                action = self._decide(event)
+                assert isinstance(action, Replan)
+                return action.loss
             if regrow_now and self._wants_regrow(placed, live):
                 return None
             changed = await self._wait_changed(pipeline)
             regrow_now = True
             if changed:
-                self._excluded.clear()  # the membership changed: give failed nodes another go
+                self._decide(MembershipChanged())  # give failed nodes another go
 
     def _wants_regrow(self, placed: Plan, live: list[NodeCapacity]) -> bool:
-        kept_out = self._excluded | self._cooled_off()
+        kept_out = self._decided.kept_out(trio.current_time())
         nodes = [n for n in live if n.node_id not in kept_out]
         try:
             wanted: Plan | None = plan(
@@ -561,7 +458,8 @@ class Coordinator:
             )
         except PlanError:
             wanted = None
-        return should_regrow(placed, wanted, split=self.settings.split, degraded=self._recovering)
+        degraded = self._decided.recovering
+        return should_regrow(placed, wanted, split=self.settings.split, degraded=degraded)
 
     # -- bring-up -----------------------------------------------------------------------
 
@@ -584,6 +482,50 @@ async def _settled(pipeline: RemotePipeline, run_id: str, *, idle: bool) -> bool
         return True
     log.warning("requests in flight after %.0f s: regrow put off", REGROW_DRAIN_TIMEOUT_S)
     return False
+
+
+async def _membership_changed(
+    mesh: MeshView, pipeline: RemotePipeline | None, until: float | None
+) -> bool:
+    """Wait for a membership change (True), or for ``pipeline`` to fail or the trio time
+    ``until`` (False)."""
+    changed = False
+    membership_changed = mesh.membership_event()  # before any checkpoint
+    with trio.move_on_at(math.inf if until is None else until):
+        async with trio.open_nursery() as nursery:
+
+            async def membership() -> None:
+                nonlocal changed
+                await membership_changed.wait()
+                changed = True
+                nursery.cancel_scope.cancel()
+
+            async def failure(failed: trio.Event) -> None:
+                await failed.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(membership)
+            if pipeline is not None:
+                nursery.start_soon(failure, pipeline.failed)
+    return changed
+
+
+def _stage_failure(
+    placed: Plan, pipeline: RemotePipeline, live_ids: set[str], *, host: str
+) -> StageFailed | None:
+    """How ``pipeline`` of ``placed`` ended, if it did: a goodbye (neither kept out nor
+    blamed), a stage the membership lost, or a failure naming its node (kept out until
+    the membership changes, never the host itself) or not (``node`` None: blame it)."""
+    failure = pipeline.failure
+    if failure is not None and failure.left:
+        return StageFailed(failure.node, str(failure), left=True)
+    for stage in placed.stages:
+        if stage.node_id not in live_ids:
+            return StageFailed(stage.node_id, f"stage node {stage.node_id} was lost")
+    if failure is not None:
+        exclude = failure.node not in (None, host)
+        return StageFailed(failure.node, str(failure), exclude=exclude)
+    return None
 
 
 def _describe(placed: Plan) -> str:

@@ -17,7 +17,7 @@ node file) is :mod:`meshnode.node.process`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -43,6 +43,7 @@ from meshnode.node.host import MeshHost
 from meshnode.node.membership import (
     ConnectionLost,
     Event,
+    Peer,
     PeerLeft,
     PeerState,
     PeerTable,
@@ -234,15 +235,7 @@ class Node:
         # Both are set before the listener and the dialer start.
         assert self.listen is not None
         assert self.api is not None
-        known = tuple(
-            PeerInfo(
-                node_id=p.node_id,
-                address=p.address,
-                device_kind=p.device,
-                usable_memory=p.usable_memory,
-            )
-            for p in self.table.alive()
-        )
+        known = tuple(_peer_info(p) for p in self.table.alive())
         return Hello(
             features=(*DEFAULT_FEATURES, BATCH_FEATURE),  # this node takes batched steps
             node_id=self.node_id,
@@ -312,13 +305,7 @@ class Node:
                 device_kind=self.config.device,
                 usable_memory=self.usable_memory,
             )
-        peer = self.table.peers[NodeId(node_id)]
-        return PeerInfo(
-            node_id=node_id,
-            address=peer.address,
-            device_kind=peer.device,
-            usable_memory=peer.usable_memory,
-        )
+        return _peer_info(self.table.peers[NodeId(node_id)])
 
     async def send(self, node_id: str, message: Message) -> None:
         """Send ``message`` over the session with ``node_id``.
@@ -348,7 +335,8 @@ class Node:
 
     def status(self) -> dict[str, Any]:
         """The body of ``GET /v1/mesh/status``."""
-        body: dict[str, Any] = {"node": self._node_status(), "peers": self._peer_status()}
+        peers = peer_status(self.table, self.sessions, trio.current_time())
+        body: dict[str, Any] = {"node": self._node_status(), "peers": peers}
         if self.worker is not None and (run := self.worker.status()) is not None:
             body["run"] = run
         if self.host is not None:
@@ -372,18 +360,30 @@ class Node:
             "internal_errors": self.sessions.internal_errors,
         }
 
-    def _peer_status(self) -> list[dict[str, Any]]:
-        now = trio.current_time()
-        return [
-            {
-                "node_id": p.node_id,
-                "address": p.address,
-                "device": p.device,
-                "usable_memory": p.usable_memory,
-                "state": str(p.state),
-                "rtt_ms": None if p.rtt_s is None else round(p.rtt_s * 1e3, 3),
-                "last_seen_s_ago": round(now - p.last_seen_s, 3),
-                "connected": node_id in self.sessions,
-            }
-            for node_id, p in sorted(self.table.peers.items())
-        ]
+
+def _peer_info(peer: Peer) -> PeerInfo:
+    """What ``Hello`` and ``Load`` tell of a peer: its address and capacity."""
+    return PeerInfo(
+        node_id=peer.node_id,
+        address=peer.address,
+        device_kind=peer.device,
+        usable_memory=peer.usable_memory,
+    )
+
+
+def peer_status(table: PeerTable, connected: Container[str], now: float) -> list[dict[str, Any]]:
+    """The peers of ``table`` as ``GET /v1/mesh/status`` lists them, by node id
+    (``connected``: the peers this node holds a session with)."""
+    return [
+        {
+            "node_id": p.node_id,
+            "address": p.address,
+            "device": p.device,
+            "usable_memory": p.usable_memory,
+            "state": str(p.state),
+            "rtt_ms": None if p.rtt_s is None else round(p.rtt_s * 1e3, 3),
+            "last_seen_s_ago": round(now - p.last_seen_s, 3),
+            "connected": node_id in connected,
+        }
+        for node_id, p in sorted(table.peers.items())
+    ]

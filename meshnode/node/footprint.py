@@ -3,7 +3,7 @@ the check a worker makes of a ``Load`` before it allocates anything.
 
 Weights count as the backend holds them; every live sequence preallocates KV for the whole
 context (and a hybrid model's recurrent state and snapshot ring), so both scale with the
-sequence limit :data:`~meshnode.node.stage.MAX_SEQUENCES_PER_STAGE`.
+sequence limit :data:`~meshnode.node.pipeline.MAX_SEQUENCES_PER_STAGE`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from meshnode.engine.kv_cache import kv_bytes
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
 from meshnode.engine.weights import HeldBytes
 from meshnode.errors import ConfigError, RunError
+from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.planner import ModelFootprint
-from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, default_context
+from meshnode.node.stage import default_context
 
 
 def model_footprint(

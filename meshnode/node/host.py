@@ -20,7 +20,8 @@ from meshnode_packaging.sources import ModelSource
 from meshnode_protocol import Message
 
 from meshnode.engine.backend import Backend
-from meshnode.node.coordinator import Coordinator, CoordinatorSettings, MeshView
+from meshnode.node.coordinator import Coordinator
+from meshnode.node.mesh import CoordinatorSettings, MeshView
 from meshnode.node.remote import RemotePipeline
 
 log = logging.getLogger("meshnode.host")

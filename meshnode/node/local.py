@@ -10,8 +10,8 @@ import functools
 
 import trio
 
-from meshnode.node.batcher import Ahead, Batcher, BatchLimits, Queued, Slot, next_decode
-from meshnode.node.pipeline import QueuedPass, RequestId, StepFrame, StepResult
+from meshnode.node.batcher import Ahead, Batcher, BatchLimits, Queued, next_decode
+from meshnode.node.pipeline import QueuedPass, RequestId, Slot, StepFrame, StepResult
 from meshnode.node.stage import StageRunner, step_results
 
 __all__ = ["LocalPipeline"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NewType, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, NewType, Protocol, TypeVar, runtime_checkable
 
 from meshnode.errors import MeshnodeError
 
@@ -31,6 +31,13 @@ if TYPE_CHECKING:
     from meshnode.engine.sampling import SamplingParams
 
 RequestId = NewType("RequestId", str)
+T = TypeVar("T")
+
+#: Live sequences per stage. Each holds a preallocated KV cache of ``context_size``
+#: positions (SmolLM2-135M: ~46 KiB per position, so 8 x 2048 positions is ~750 MiB),
+#: which is why the bound exists; the host's scheduler admits no more than this at once,
+#: the planner reserves KV for this many, and every stage of a run allows this many.
+MAX_SEQUENCES_PER_STAGE = 8
 
 
 class FrameKind(enum.StrEnum):
@@ -188,3 +195,19 @@ class QueuingPipeline(Pipeline, Protocol):
     def queue(self, frame: StepFrame) -> QueuedPass:
         """Put ``frame`` in line for the next step now; :meth:`QueuedPass.result` waits."""
         ...
+
+
+@dataclass(eq=False, slots=True)
+class Slot(Generic[T]):
+    """One frame waiting for a step; the step function fills ``output`` or ``error``."""
+
+    frame: StepFrame
+    output: T | None = None
+    error: MeshnodeError | None = None  # raised in the task that submitted the frame
+    done: bool = False
+    # The sequence's loop sends the frame after this one's output, if it goes on: a frame
+    # put in line ahead (:meth:`Batcher.enqueue`), or a prediction such a frame claimed.
+    follows: bool = False
+    # Of a prediction (running ahead): how many predictions nobody had claimed yet it
+    # follows (0: it follows a frame its loop sent). -1: a frame a loop sent.
+    unclaimed: int = -1

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 from meshnode_protocol import (
@@ -27,23 +27,18 @@ from meshnode_protocol import (
     Message,
     Prediction,
     PredictionBatch,
-    Release,
 )
 
 from meshnode.engine.recurrent import RollbackError
 from meshnode.net.stream import SEND_ERRORS
-from meshnode.node.batcher import Slot
-from meshnode.node.pipeline import RequestId, StepResult
+from meshnode.node.pipeline import RequestId, Slot, StepResult
 from meshnode.node.stage import step_activations, step_results
 from meshnode.node.wire import frame_from_wire, frame_to_wire, result_to_wire
-
-if TYPE_CHECKING:
-    from meshnode.node.worker import WorkerRun
+from meshnode.node.worker_run import DataMessage, WorkerRun
 
 log = logging.getLogger("meshnode.worker")
 
 SendFn = Callable[[str, Message], Awaitable[None]]
-DataMessage = ActivationFrame | ActivationBatch | Release
 
 
 class Relay:

@@ -60,11 +60,12 @@ from meshnode_protocol import (
 from meshnode.engine.recurrent import RollbackError
 from meshnode.errors import MeshnodeError
 from meshnode.net.stream import SEND_ERRORS
-from meshnode.node.batcher import Batcher, BatchLimits, Slot
+from meshnode.node.batcher import Batcher, BatchLimits
 from meshnode.node.pipeline import (
     PipelineError,
     QueuedPass,
     RequestId,
+    Slot,
     StageLostError,
     StepFrame,
     StepResult,

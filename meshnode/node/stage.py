@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.constraint import Constraint, GrammarError, Grammars
@@ -31,27 +31,22 @@ from meshnode.engine.mtp import MtpCache
 from meshnode.engine.recurrent import HybridCache, RollbackError
 from meshnode.engine.sampling import Sampler, SamplingParams
 from meshnode.node.pipeline import (
+    MAX_SEQUENCES_PER_STAGE,
     FrameKind,
     PipelineError,
     RequestId,
+    Slot,
     StepFrame,
     StepResult,
     TokenLogprob,
 )
 from meshnode.speculative.decide import Decision, decide
 
-if TYPE_CHECKING:  # the batcher imports this module's limits
-    from meshnode.node.batcher import Slot
-
 T = TypeVar("T")
 
-#: Live sequences per stage. Each holds a preallocated KV cache of ``context_size``
-#: positions (SmolLM2-135M: ~46 KiB per position, so 8 x 2048 positions is ~750 MiB),
-#: which is why the bound exists; the host's scheduler admits no more than this at once,
-#: the planner reserves KV for this many, and every stage of a run allows this many.
-MAX_SEQUENCES_PER_STAGE = 8
 #: Context when nobody chooses one: the model's own limit, capped because every live
-#: sequence preallocates a KV cache of this many positions on every stage (see above).
+#: sequence preallocates a KV cache of this many positions on every stage
+#: (``MAX_SEQUENCES_PER_STAGE``, :mod:`meshnode.node.pipeline`).
 DEFAULT_MAX_CONTEXT = 2048
 
 

@@ -43,19 +43,15 @@ instead of waiting for a ``Prediction`` that will never come.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
-import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import trio
-from meshnode_packaging.errors import FetchError, RefError
 from meshnode_packaging.hub import COMMIT
 from meshnode_packaging.manifest import Part
-from meshnode_packaging.refs import is_url, open_ref
+from meshnode_packaging.refs import open_ref
 from meshnode_packaging.sources import ModelSource
 from meshnode_protocol import (
     ActivationBatch,
@@ -87,9 +83,15 @@ from meshnode.net.stream import SEND_ERRORS
 from meshnode.node import heap
 from meshnode.node.footprint import check_load
 from meshnode.node.peer_models import PeerModels
-from meshnode.node.relay import DataMessage, Relay
-from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, StageRunner
-from meshnode.node.wire import WireSequences
+from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
+from meshnode.node.relay import Relay
+from meshnode.node.stage import StageRunner
+from meshnode.node.worker_run import (
+    DataMessage,
+    Preparation,
+    RunState,
+    WorkerRun,
+)
 
 log = logging.getLogger("meshnode.worker")
 
@@ -103,71 +105,6 @@ SendFn = Callable[[str, Message], Awaitable[None]]
 ConnectFn = Callable[[PeerInfo], Awaitable[None]]
 
 
-@dataclass(slots=True)
-class Preparation:
-    """A part being materialized in the background, and how far it got."""
-
-    package_ref: str
-    part: Part
-    pin: str = ""  # the host's pin: a hub commit or a URL package's manifest sha256
-    bytes_done: int = 0
-    bytes_total: int = 0
-    source: ModelSource | None = None
-    failure: Exception | None = None  # why materializing failed (kept for the log)
-    done: trio.Event = field(default_factory=trio.Event)
-    # Set by Stop (or a newer Prepare): the fetching thread gives up within about a second.
-    cancel: threading.Event = field(default_factory=threading.Event)
-
-    def progress(self, done: int, total: int) -> None:
-        # Called from the fetching thread; two int stores are atomic under the GIL.
-        self.bytes_done, self.bytes_total = done, total
-
-    @property
-    def error(self) -> str:
-        """What the failure tells other nodes (:func:`failure_reason`); empty if none."""
-        return "" if self.failure is None else failure_reason(self.failure, self.package_ref)
-
-
-class RunState(enum.StrEnum):
-    """Where this node's part in a run stands (``meshnode status`` shows the value)."""
-
-    CLAIMED = "claimed"
-    PREPARING = "preparing"
-    PREPARED = "prepared"
-    READY = "ready"
-    FAILED = "failed"
-
-
-@dataclass(slots=True)
-class WorkerRun:
-    """This node's part in one run."""
-
-    run_id: str
-    term: int
-    coordinator: str
-    preparation: Preparation | None = None
-    runner: StageRunner | None = None
-    upstream: str | None = None  # who sends us activations (None: the coordinator itself)
-    downstream: str | None = None
-    wire_dtype: str = "f16"
-    state: RunState = RunState.CLAIMED
-    # Sampling and reused activation buffers of the sequences passing through this stage.
-    wire: WireSequences = field(default_factory=lambda: WireSequences(MAX_SEQUENCES_PER_STAGE))
-    # The loaded run's data messages, served in order by its inbox task (module docstring).
-    inbox: trio.MemorySendChannel[DataMessage] | None = None
-    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    # When the compute pass in progress began (trio clock; None: idle), for the
-    # coordinator's probe after a missed pass deadline (InventoryReport.busy_ms).
-    busy_since: float | None = None
-
-    def error(self, code: ErrorCode, reason: str, request_id: str = "") -> Error:
-        """An ``Error`` about this run, for its coordinator (``request_id``: the request it
-        fails)."""
-        return Error(
-            code=code, message=reason, run_id=self.run_id, term=self.term, request_id=request_id
-        )
-
-
 def _range(part: Part) -> tuple[int, int]:
     return (part.start, part.end)
 
@@ -178,23 +115,6 @@ def may_send(run: WorkerRun, peer: str, message: Message) -> bool:
     if isinstance(message, ActivationFrame | ActivationBatch):
         return peer == (run.upstream or run.coordinator)
     return peer == run.coordinator
-
-
-# A failure reason travels to another node; a longer one is cut.
-MAX_REASON_CHARS = 300
-
-
-def failure_reason(exc: Exception, package_ref: str) -> str:
-    """What a failed preparation tells the node that asked: our own words only.
-
-    Fetch and reference errors are written by us (a status and a short reason, never a remote
-    body). Anything else about a URL reference may quote what the URL served (a manifest's
-    fields), which would make this node a read channel into hosts only it can reach: only
-    the error's type is told then.
-    """
-    if isinstance(exc, FetchError | RefError) or not is_url(package_ref):
-        return f"{type(exc).__name__}: {exc}"[:MAX_REASON_CHARS]
-    return f"{type(exc).__name__} (details in this node's log)"
 
 
 class Worker:

@@ -43,6 +43,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from meshnode.generation.records import GenerationRun
+from meshnode.generation.state import FinishReason, GenerationParams
 from meshnode.node.pipeline import PipelineError
 from meshnode.serve import anthropic_schemas as a
 from meshnode.serve.anthropic_tools import anthropic_tool_plan, chat_turns
@@ -51,8 +53,7 @@ from meshnode.serve.errors import (
     BadRequestError,
     validation_message,
 )
-from meshnode.serve.generation import FinishReason, GenerationRun
-from meshnode.serve.service import GenerationRequest, ServeService
+from meshnode.serve.service import ServeService
 from meshnode.serve.sse import SSE_HEADERS, ClosingStreamingResponse
 from meshnode.serve.structured import request_grammar
 from meshnode.serve.toolreply import BlockStream, feed_reply, reply_events
@@ -193,9 +194,9 @@ def _prompt(
 
 def _generation(
     service: ServeService, body: a.MessagesRequest, grammar: str | None
-) -> GenerationRequest:
+) -> GenerationParams:
     sampling = service.sampling(body.sampling_fields())
-    return GenerationRequest(sampling, body.max_tokens, body.stops(), grammar=grammar)
+    return GenerationParams(body.max_tokens, sampling, body.stops(), grammar=grammar)
 
 
 # -- replies --------------------------------------------------------------------------------
@@ -206,7 +207,7 @@ def _stop_reason(run: GenerationRun, max_tokens: int, blocks: BlockStream) -> a.
     if state.finish_reason is None:
         return None
     if state.finish_reason is FinishReason.LENGTH:
-        cut_by_context = run.params.max_new_tokens < max_tokens
+        cut_by_context = run.params.budget < max_tokens
         return "model_context_window_exceeded" if cut_by_context else "max_tokens"
     if state.stop_string is not None:
         return "stop_sequence"

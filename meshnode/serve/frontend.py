@@ -23,8 +23,9 @@ from meshnode.engine.loader import ModelSource, generation_defaults, open_stage_
 from meshnode.engine.model import Stage
 from meshnode.engine.tokenizer import ChatTemplate, Tokenizer
 from meshnode.node.config import NodeConfig
+from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.remote import RemotePipeline
-from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE, default_context
+from meshnode.node.stage import default_context
 from meshnode.serve.scheduler import SchedulerLimits
 from meshnode.serve.service import ServeService
 from meshnode.serve.single import EngineCodec, model_id_for

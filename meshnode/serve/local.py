@@ -1,14 +1,14 @@
 """One reply from a whole model in this process, through the API's generation loop.
 
 ``meshnode generate``, the benchmarks and the tests of sampling and speculation drive
-:func:`~meshnode.serve.generation.generate` here, over a
+:func:`~meshnode.generation.driver.generate` here, over a
 :class:`~meshnode.node.local.LocalPipeline` holding every layer: the same loop, stop
 strings, EOS and budget rules, speculative windows, and last-stage sampling as a request
 to the API, so a fix lands once. Only the shape of the result differs:
 :func:`generate_local` gives token ids without the final EOS, the reply's text and
 wall-clock timings, as ``meshnode generate --json`` prints them; :func:`generate_tokens`
 (token ids in, no tokenizer) gives the finished
-:class:`~meshnode.serve.generation.GenerationRun` with its speculation counters.
+:class:`~meshnode.generation.records.GenerationRun` with its speculation counters.
 """
 
 from __future__ import annotations
@@ -24,17 +24,12 @@ from meshnode.engine.generate import PREFILL_CHUNK
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
 from meshnode.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from meshnode.generation.driver import generate
+from meshnode.generation.records import GenerationRun, Speculation
+from meshnode.generation.state import FinishReason, GenerationParams, GenerationState
 from meshnode.node.local import LocalPipeline
 from meshnode.node.pipeline import RequestId
 from meshnode.node.stage import StageRunner
-from meshnode.serve.generation import (
-    FinishReason,
-    GenerationParams,
-    GenerationRun,
-    GenerationState,
-    Speculation,
-    generate,
-)
 
 __all__ = ["GenerationResult", "Timings", "generate_local", "generate_tokens"]
 

@@ -29,6 +29,8 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
+from meshnode.generation.records import GenerationRun
+from meshnode.generation.state import Delta, GenerationParams
 from meshnode.node.pipeline import PipelineError, TokenLogprob
 from meshnode.serve import schemas as s
 from meshnode.serve.anthropic_api import anthropic_router
@@ -39,9 +41,8 @@ from meshnode.serve.errors import (
     error_body,
     install_error_handlers,
 )
-from meshnode.serve.generation import Delta, GenerationRun
 from meshnode.serve.responses_api import responses_router
-from meshnode.serve.service import GenerationRequest, ServeService
+from meshnode.serve.service import ServeService
 from meshnode.serve.sse import SSE_HEADERS, ClosingStreamingResponse
 from meshnode.serve.structured import request_grammar
 from meshnode.serve.tokens_api import tokens_router
@@ -151,23 +152,24 @@ def openai_router(service: ServeService) -> APIRouter:
 
 def _chat_sampling(
     service: ServeService, body: s.ChatCompletionRequest, grammar: str | None
-) -> GenerationRequest:
-    sampling = service.sampling(body.sampling_fields())
-    return GenerationRequest(
-        sampling,
+) -> GenerationParams:
+    return GenerationParams(
         body.token_limit(),
+        service.sampling(body.sampling_fields()),
         tuple(body.stop_list()),
-        body.logprob_count(),
+        top_logprobs=body.logprob_count(),
         grammar=grammar,
     )
 
 
 def _text_sampling(
     service: ServeService, body: s.CompletionRequest, grammar: str | None
-) -> GenerationRequest:
+) -> GenerationParams:
     sampling = service.sampling(body.sampling_fields())
     stops = tuple(body.stop_list())
-    return GenerationRequest(sampling, body.max_tokens, stops, body.logprobs, grammar=grammar)
+    return GenerationParams(
+        body.max_tokens, sampling, stops, top_logprobs=body.logprobs, grammar=grammar
+    )
 
 
 # -- running ------------------------------------------------------------------------------

@@ -35,11 +35,12 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+from meshnode.generation.records import GenerationRun
+from meshnode.generation.state import FinishReason, GenerationParams
 from meshnode.node.pipeline import PipelineError
 from meshnode.serve.errors import APIError
-from meshnode.serve.generation import FinishReason, GenerationRun
 from meshnode.serve.responses_schemas import ResponsesRequest
-from meshnode.serve.service import GenerationRequest, ServeService
+from meshnode.serve.service import ServeService
 from meshnode.serve.sse import SSE_HEADERS, ClosingStreamingResponse
 from meshnode.serve.structured import request_grammar
 from meshnode.serve.toolreply import BlockStream, Event, feed_reply, reply_events
@@ -66,7 +67,7 @@ def responses_router(service: ServeService) -> APIRouter:
             lambda: request_grammar(response_format, tools, service.codec.special_token_id)
         )
         sampling = service.sampling(body.sampling_fields())
-        request = GenerationRequest(sampling, body.max_output_tokens, grammar=grammar)
+        request = GenerationParams(body.max_output_tokens, sampling, grammar=grammar)
         turns = body.turns()
         run = await service.start(lambda: service.chat_prompt(turns, tools.shown), request)
         items = ItemStream(BlockStream(tools.parser()))

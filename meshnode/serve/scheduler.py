@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import trio
 
-from meshnode.node.pipeline import RequestId
-from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE
+from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE, RequestId
 from meshnode.serve.errors import ServiceUnavailableError
 
 #: Sequences generating at once. Each holds a KV cache on every stage, so this bounds

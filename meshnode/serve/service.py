@@ -22,28 +22,20 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import trio
 
 from meshnode.engine.sampling import SamplingParams
+from meshnode.generation.driver import generate
+from meshnode.generation.records import DEFAULT_PREFILL_CHUNK_TOKENS, GenerationRun, Speculation
+from meshnode.generation.state import Delta, Detokenizer, GenerationParams, GenerationState
 from meshnode.node.pipeline import Pipeline, PipelineError, RequestId, StepResult
 from meshnode.serve.errors import (
     BadRequestError,
     ContextLengthError,
     ModelNotFoundError,
     ServiceUnavailableError,
-)
-from meshnode.serve.generation import (
-    DEFAULT_PREFILL_CHUNK_TOKENS,
-    Delta,
-    Detokenizer,
-    GenerationParams,
-    GenerationRun,
-    GenerationState,
-    Speculation,
-    generate,
 )
 from meshnode.serve.metrics import ServeMetrics
 from meshnode.serve.scheduler import Scheduler, SchedulerLimits, Ticket
@@ -113,18 +105,6 @@ PromptSource = Callable[[], list[int]]
 #: one core's work (tokenizers releases the GIL): more at once than a small host has cores
 #: would only slow each of them down.
 MAX_TOKENIZING = 4
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationRequest:
-    """What a request asks of generation, endpoint-independent: its sampling record, its
-    token budget (``None``: what the context leaves), stop strings and logprobs."""
-
-    sampling: SamplingParams
-    max_tokens: int | None = None
-    stop: tuple[str, ...] = ()
-    top_logprobs: int | None = None
-    grammar: str | None = None  # what the reply must follow (meshnode.serve.structured)
 
 
 def checked_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -296,7 +276,7 @@ class ServeService:
             raise BadRequestError("The prompt is empty.", param="prompt")
         return ids
 
-    async def start(self, prompt: PromptSource, request: GenerationRequest) -> GenerationRun:
+    async def start(self, prompt: PromptSource, request: GenerationParams) -> GenerationRun:
         """Admit a request, then build its prompt and its run (see the module docstring).
 
         ``prompt`` runs in a worker thread once the request holds a slot; what it raises
@@ -333,19 +313,12 @@ class ServeService:
         """Runs started and not yet finished (each holds a slot)."""
         return len(self._tickets)
 
-    def _new_run(self, prompt: list[int], request: GenerationRequest) -> GenerationRun:
+    def _new_run(self, prompt: list[int], request: GenerationParams) -> GenerationRun:
         """A run for ``prompt``, with the budget clamped to the context."""
         room = self.context_size - len(prompt)
         if room < 1:
             raise ContextLengthError(len(prompt), self.context_size)
-        params = GenerationParams(
-            max_new_tokens=min(request.max_tokens or room, room),
-            sampling=request.sampling,
-            stop=request.stop,
-            eos_token_ids=self.eos_token_ids,
-            top_logprobs=request.top_logprobs,
-            grammar=request.grammar,
-        )
+        params = request.within(room, self.eos_token_ids)
         state = GenerationState(params, self.codec.detokenizer())
         return GenerationRun(self.scheduler.new_request_id(), prompt, params, state)
 
@@ -426,4 +399,4 @@ class ServeService:
         self.metrics.observe_speculation(run.strategy, run.spec, self.spec_total)
 
 
-__all__ = ["GenerationRequest", "PipelineError", "ServeService", "TextCodec"]
+__all__ = ["PipelineError", "ServeService", "TextCodec"]

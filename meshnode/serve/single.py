@@ -20,10 +20,11 @@ from meshnode.engine.tokenizer import (
     NoTokenizerError,
     Tokenizer,
 )
+from meshnode.generation.records import DEFAULT_PREFILL_CHUNK_TOKENS, Speculation
+from meshnode.generation.state import Detokenizer
 from meshnode.node.local import LocalPipeline
 from meshnode.node.stage import StageRunner, default_context
 from meshnode.serve.errors import BadRequestError
-from meshnode.serve.generation import DEFAULT_PREFILL_CHUNK_TOKENS, Detokenizer, Speculation
 from meshnode.serve.scheduler import DEFAULT_MAX_IN_FLIGHT, SchedulerLimits
 from meshnode.serve.service import ServeService
 from meshnode.serve.speculation import SpeculationHost, speculation_host

@@ -3,7 +3,7 @@
 The node that serves a model (the host of a mesh, or a single node) resolves its
 speculative settings once at start (:func:`resolve_for_model`: CLI > ``[models…]`` >
 ``[defaults…]`` > the package's block > built-in), then :class:`SpeculationHost` turns them
-into the :class:`~meshnode.serve.generation.Speculation` each request gets:
+into the :class:`~meshnode.generation.records.Speculation` each request gets:
 
 - ``auto`` / ``ngram``: a fresh n-gram proposer per request, nothing to load;
 - ``draft``: a whole draft model loaded on this node only (:func:`load_draft`), checked
@@ -34,8 +34,8 @@ from meshnode.engine.loader import ModelSource, reading_model, resolve_source
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
 from meshnode.errors import ModelError
+from meshnode.generation.records import Speculation
 from meshnode.node.footprint import model_footprint
-from meshnode.serve.generation import Speculation
 from meshnode.speculative.draft import (
     DraftIncompatibleError,
     draft_model_stage,
@@ -251,7 +251,7 @@ class SpeculationHost:
         return 0 if self.settings.strategy == "off" else self.settings.window.max_window
 
     def speculation(self) -> Speculation | None:
-        """The :class:`~meshnode.serve.generation.Speculation` for new requests, or ``None``."""
+        """The :class:`~meshnode.generation.records.Speculation` for new requests, or ``None``."""
         strategy = self.strategy
         if strategy == "off":
             return None

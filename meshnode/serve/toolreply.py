@@ -24,8 +24,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from meshnode.generation.state import Delta
 from meshnode.serve import schemas as s
-from meshnode.serve.generation import Delta
 from meshnode.serve.toolparse import CallDelta, ToolCallStream, ToolDelta
 
 __all__ = [

@@ -3,7 +3,7 @@
 Imports ``meshnode.engine``, ``meshnode.errors`` and ``meshnode_packaging`` (a draft
 model's source, a package's speculative block) only, and NumPy for the acceptance math
 over probability rows; does no I/O and reads no clock. The loop that drives it is the one
-every request uses (``meshnode.serve.generation``; in one process,
+every request uses (``meshnode.generation.driver``; in one process,
 ``meshnode.serve.local.generate_tokens``). Split as in vLLM's ``spec_decode``:
 
 - proposers (``proposer``, ``ngram``, ``auto``, ``draft``): guess the next tokens;

@@ -58,7 +58,7 @@ from meshnode_packaging.errors import (
 )
 from meshnode_packaging.hub import token_for
 from meshnode_packaging.manifest import MANIFEST_NAME, Manifest, Part
-from meshnode_packaging.refs import RemotePackage
+from meshnode_packaging.reference import RemotePackage
 from meshnode_packaging.transfer import Progress, ProgressFn, Retry, check_status
 from meshnode_packaging.validate import manifest_problems, sha256_file
 

@@ -28,12 +28,17 @@ import os
 import re
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from meshnode_packaging.errors import DamagedPackage, RefError
 from meshnode_packaging.manifest import MANIFEST_NAME, Part
+from meshnode_packaging.reference import (
+    DEFAULT_REVISION,
+    LocalPackage,
+    LocalSource,
+    ModelRef,
+    RemotePackage,
+)
 from meshnode_packaging.sources import (
     DEFAULT_MODELS,
     ModelSource,
@@ -43,59 +48,10 @@ from meshnode_packaging.sources import (
 )
 from meshnode_packaging.validate import validate_package
 
-DEFAULT_ENDPOINT = "https://huggingface.co"
-DEFAULT_REVISION = "main"
 _HF_REF = re.compile(
     r"hf://(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[^/:]+))?"
     r"(?:/(?P<file>.+)|:(?P<quant>[A-Za-z0-9_]+))?"
 )
-
-
-@dataclass(frozen=True)
-class LocalSource:
-    """A GGUF file or a Hugging Face checkpoint folder (not a package)."""
-
-    path: Path
-
-
-@dataclass(frozen=True)
-class LocalPackage:
-    """A layer package folder on this machine."""
-
-    path: Path
-
-
-@dataclass(frozen=True)
-class RemotePackage:
-    """A model behind HTTP: a hub repo (``repo``, any kind) or a package's base URL (``url``).
-
-    ``file`` and ``quant`` choose a GGUF in a hub repo (see the module docstring).
-    """
-
-    repo: str | None
-    revision: str = DEFAULT_REVISION
-    url: str | None = None
-    file: str | None = None
-    quant: str | None = None
-
-    def file_url(self, rel: str, endpoint: str | None = None) -> str:
-        """URL of file ``rel``; ``endpoint`` defaults to ``HF_ENDPOINT`` read now."""
-        if self.url is not None:
-            return f"{self.url.rstrip('/')}/{rel}"
-        base = endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT
-        return f"{base.rstrip('/')}/{self.repo}/resolve/{self.revision}/{rel}"
-
-    @property
-    def cache_name(self) -> str:
-        """The folder name in the cache, as the Hugging Face cache spells repositories."""
-        if self.repo is not None:
-            return "models--" + self.repo.replace("/", "--")
-        parts = urlsplit(self.url or "")
-        words = [parts.netloc.replace(":", "-"), *filter(None, parts.path.split("/"))]
-        return "urls--" + "--".join(re.sub(r"[^\w.-]", "_", w) for w in words)
-
-
-ModelRef = LocalSource | LocalPackage | RemotePackage
 
 
 def resolve(ref: str | Path) -> ModelRef:

@@ -71,7 +71,7 @@ from meshnode_packaging.sources import (
 from meshnode_packaging.transfer import ProgressFn
 
 if TYPE_CHECKING:
-    from meshnode_packaging.refs import RemotePackage
+    from meshnode_packaging.reference import RemotePackage
 
 log = logging.getLogger("meshnode_packaging.remote")
 

@@ -32,6 +32,7 @@ from meshnode_protocol._messages import (
     Message,
     Sampling,
 )
+from meshnode_protocol.vector_json import to_json
 
 
 def cbor_map(*pairs: tuple[Any, Any], head: bytes | None = None) -> bytes:
@@ -386,8 +387,6 @@ MALFORMED: Final[dict[str, Malformed]] = {
 
 def lenient_document(vector: Lenient) -> dict[str, Any]:
     """The JSON document stored for one lenient vector."""
-    from meshnode_protocol.vectors import to_json
-
     msg = vector.message
     return {
         "description": vector.description,

@@ -1,7 +1,8 @@
 """Golden frames: examples of every message, written to ``protocol/vectors/<name>.json``.
 
 (Lenient encodings and malformed streams, in ``lenient/`` and ``malformed/`` beside them,
-come from :mod:`meshnode_protocol.edge_vectors`.)
+come from :mod:`meshnode_protocol.edge_vectors`; the JSON form of a message from
+:mod:`meshnode_protocol.vector_json`.)
 
 Each vector file holds the message type, its fields in JSON form and the exact frame bytes
 in hex. Tensors appear as ``{"dtype", "shape", "data_hex"}``; tuples as arrays; nested
@@ -20,19 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any, Final
 
-from meshnode_protocol._fields import (
-    Kind,
-    _Optional,
-    _Pair,
-    _Record,
-    _Tensor,
-    _Tuple,
-    _Union,
-    compile_fields,
-)
 from meshnode_protocol._framing import encode_frame
 from meshnode_protocol._messages import (
-    MESSAGE_TYPES,
     ActivationBatch,
     ActivationFrame,
     Claim,
@@ -59,6 +49,8 @@ from meshnode_protocol._messages import (
     TopLogprobs,
 )
 from meshnode_protocol._tensor import Tensor
+from meshnode_protocol.edge_vectors import LENIENT, MALFORMED, lenient_document, malformed_document
+from meshnode_protocol.vector_json import to_json
 
 _RUN_ID: Final = "run-7f3a"
 _TERM: Final = 3
@@ -397,51 +389,6 @@ EXAMPLES: Final[dict[str, Message]] = {
 # -- JSON form -------------------------------------------------------------------------------
 
 
-def to_json(value: Any) -> Any:
-    """A message, record or field value in the vectors' JSON form."""
-    if isinstance(value, Tensor):
-        return {
-            "dtype": value.dtype,
-            "shape": list(value.shape),
-            "data_hex": bytes(value.data).hex(),
-        }
-    if isinstance(value, tuple):
-        return [to_json(v) for v in value]
-    if hasattr(value, "__dataclass_fields__"):
-        return {f.name: to_json(getattr(value, f.name)) for f in compile_fields(type(value))}
-    return value
-
-
-def from_json(cls: type[Message], fields: dict[str, Any]) -> Message:
-    """The message of type ``cls`` whose JSON form is ``fields`` (inverse of ``to_json``)."""
-    return _record_from_json(cls, fields)  # type: ignore[no-any-return]
-
-
-def _record_from_json(cls: type, fields: dict[str, Any]) -> Any:
-    kwargs = {f.name: _value_from_json(f.kind, fields[f.name]) for f in compile_fields(cls)}
-    return cls(**kwargs)
-
-
-def _value_from_json(kind: Kind, value: Any) -> Any:
-    if value is None:
-        return None
-    if isinstance(kind, _Optional):
-        return _value_from_json(kind.inner, value)
-    if isinstance(kind, _Union):
-        tensor = isinstance(value, dict)
-        option = next(o for o in kind.options if isinstance(o, _Tensor) == tensor)
-        return _value_from_json(option, value)
-    if isinstance(kind, _Tensor):
-        return Tensor(value["dtype"], tuple(value["shape"]), bytes.fromhex(value["data_hex"]))
-    if isinstance(kind, _Record):
-        return _record_from_json(kind.cls, value)
-    if isinstance(kind, _Tuple):
-        return tuple(_value_from_json(kind.item, v) for v in value)
-    if isinstance(kind, _Pair):
-        return tuple(value)
-    return value
-
-
 def vector_document(msg: Message) -> dict[str, Any]:
     """The JSON document stored for one golden frame."""
     return {
@@ -452,20 +399,8 @@ def vector_document(msg: Message) -> dict[str, Any]:
     }
 
 
-def message_class(name: str) -> type[Message]:
-    """The message class called ``name``."""
-    return next(cls for cls in MESSAGE_TYPES.values() if cls.__name__ == name)
-
-
 def all_documents() -> dict[str, dict[str, Any]]:
     """Every vector file's relative path → its JSON document (canonical, lenient, malformed)."""
-    from meshnode_protocol.edge_vectors import (
-        LENIENT,
-        MALFORMED,
-        lenient_document,
-        malformed_document,
-    )
-
     docs = {f"{name}.json": vector_document(msg) for name, msg in EXAMPLES.items()}
     docs |= {f"lenient/{name}.json": lenient_document(v) for name, v in LENIENT.items()}
     docs |= {f"malformed/{name}.json": malformed_document(v) for name, v in MALFORMED.items()}

@@ -23,7 +23,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE
+from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.serve.service import ServeService
 from meshnode.serve.single import build_single_node_service
 from tests.e2e.cluster import (

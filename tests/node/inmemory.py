@@ -22,7 +22,8 @@ from meshnode.engine.backend import cpu_backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
-from meshnode.node.coordinator import Coordinator, CoordinatorSettings
+from meshnode.node.coordinator import Coordinator
+from meshnode.node.mesh import CoordinatorSettings
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame
 from meshnode.node.planner import NodeCapacity
 from meshnode.node.remote import RemotePipeline, is_data_reply

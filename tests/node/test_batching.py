@@ -19,17 +19,13 @@ import trio
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
+from meshnode.generation.driver import generate
+from meshnode.generation.records import GenerationRun, Speculation
+from meshnode.generation.state import GenerationParams, GenerationState
 from meshnode.node.batcher import BatchLimits, next_decode, plan_batch
 from meshnode.node.local import LocalPipeline
 from meshnode.node.pipeline import FrameKind, PipelineError, RequestId, StepFrame, StepResult
 from meshnode.node.stage import StageError, StageRunner
-from meshnode.serve.generation import (
-    GenerationParams,
-    GenerationRun,
-    GenerationState,
-    Speculation,
-    generate,
-)
 from meshnode.serve.scheduler import Scheduler
 from meshnode.speculative.ngram import NgramProposer
 from meshnode.speculative.proposer import Proposer

@@ -13,8 +13,8 @@ from meshnode.node.config import (
     HeartbeatTimeouts,
     NodeConfig,
     load_config,
-    parse_bytes,
 )
+from meshnode.node.parsers import parse_bytes
 
 
 def write(tmp_path: Path, text: str) -> Path:

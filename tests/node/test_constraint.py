@@ -21,8 +21,7 @@ from meshnode.engine.constraint import Grammars
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
 from meshnode.engine.tokenizer import Tokenizer
-from meshnode.node.batcher import Slot
-from meshnode.node.pipeline import FrameKind, Pipeline, RequestId, StepFrame, StepResult
+from meshnode.node.pipeline import FrameKind, Pipeline, RequestId, Slot, StepFrame, StepResult
 from meshnode.node.stage import StageError, StageRunner, step_results
 from meshnode.serve.structured import JSON_LAYOUT
 from tests.engine.tiny import write_tiny_model

@@ -15,8 +15,9 @@ from meshnode.engine.backend import cpu_backend
 from meshnode.engine.config import ModelConfig
 from meshnode.errors import ConfigError
 from meshnode.node import coordinator as coordinator_module
-from meshnode.node.coordinator import Coordinator, CoordinatorSettings
+from meshnode.node.coordinator import Coordinator
 from meshnode.node.footprint import model_footprint
+from meshnode.node.mesh import CoordinatorSettings
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame
 from meshnode.node.remote import RemotePipeline
 from tests.node.inmemory import (

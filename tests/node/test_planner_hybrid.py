@@ -6,8 +6,8 @@ from __future__ import annotations
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
 from meshnode.node.footprint import model_footprint
+from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.planner import ModelFootprint, NodeCapacity, plan
-from meshnode.node.stage import MAX_SEQUENCES_PER_STAGE
 from tests.engine.hybrid_model import HybridFolder
 
 MIB = 1 << 20

@@ -27,19 +27,17 @@ from meshnode.engine.backend import cpu_backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import BatchRow
 from meshnode.engine.sampling import SamplingParams
+from meshnode.generation import replay
+from meshnode.generation.records import GenerationRun, Speculation
+from meshnode.generation.replay import MAX_REPLAYS
+from meshnode.generation.state import GenerationParams, GenerationState
 from meshnode.node import coordinator
-from meshnode.node.coordinator import Coordinator, CoordinatorSettings, blame
+from meshnode.node.coordinator import Coordinator
+from meshnode.node.decisions import blame
 from meshnode.node.footprint import model_footprint
+from meshnode.node.mesh import CoordinatorSettings
 from meshnode.node.pipeline import RequestId, StageLostError
 from meshnode.node.remote import PassDeadline, RemotePipeline
-from meshnode.serve import generation
-from meshnode.serve.generation import (
-    MAX_REPLAYS,
-    GenerationParams,
-    GenerationRun,
-    GenerationState,
-    Speculation,
-)
 from meshnode.serve.service import ServeService, TextCodec
 from meshnode.speculative.ngram import NgramProposer
 from meshnode.speculative.window import WindowPolicy
@@ -436,7 +434,7 @@ async def test_a_stage_0_that_hangs_on_every_run_fails_its_requests_in_bounded_t
     once its wait for a pipeline ends (REPLAY_WAIT_S, shortened here). When the hung
     forwards return, serving resumes."""
     ref, package = hub_ref
-    monkeypatch.setattr(generation, "REPLAY_WAIT_S", 5.0)
+    monkeypatch.setattr(replay, "REPLAY_WAIT_S", 5.0)
     mesh = InMemoryMesh(host_memory=1 << 34)
     deadline = PassDeadline(base_s=2.0, per_token_s=0.0)
     host = HangingHost(mesh, package, ref, split=2, deadline=deadline)
@@ -535,7 +533,7 @@ async def test_a_request_gives_up_when_no_plan_fits_in_time(
     footprint = model_footprint(config)
     whole = sum(footprint.layer_bytes) + footprint.embed_bytes * 2 + footprint.head_bytes
     whole += footprint.kv_bytes_per_token_per_layer * config.num_layers * CONTEXT
-    monkeypatch.setattr(generation, "REPLAY_WAIT_S", 1.0)
+    monkeypatch.setattr(replay, "REPLAY_WAIT_S", 1.0)
     mesh = InMemoryMesh(host_memory=whole // 2)
     host = Host(mesh, package, ref, split=2)
     with trio.fail_after(TEST_TIMEOUT_S):

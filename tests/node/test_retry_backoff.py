@@ -13,13 +13,9 @@ from meshnode_packaging.manifest import Part
 from meshnode_packaging.refs import open_ref
 
 from meshnode.engine.backend import cpu_backend
-from meshnode.node.coordinator import (
-    RETRY_BACKOFF_FIRST_S,
-    RETRY_BACKOFF_MAX_S,
-    Coordinator,
-    CoordinatorSettings,
-    retry_delay,
-)
+from meshnode.node.coordinator import Coordinator
+from meshnode.node.decisions import RETRY_BACKOFF_FIRST_S, RETRY_BACKOFF_MAX_S, retry_delay
+from meshnode.node.mesh import CoordinatorSettings
 from tests.node.inmemory import CONTEXT, InMemoryMesh
 
 #: How long the failing coordinator runs: room for tries at 0, 0.5 and 1.5 s, not 3.5 s.

@@ -33,7 +33,8 @@ from meshnode.engine.sampling import SamplingParams
 from meshnode.node.pipeline import FrameKind, PipelineError, RequestId, StepFrame, StepResult
 from meshnode.node.remote import RemotePipeline
 from meshnode.node.stage import StageRunner
-from meshnode.node.worker import Worker, WorkerRun, may_send
+from meshnode.node.worker import Worker, may_send
+from meshnode.node.worker_run import WorkerRun
 from tests.speculative.tinymodel import TinySource, tiny_config
 
 HOST, MALLORY, UPSTREAM = "host", "mallory", "stage-1"

@@ -26,7 +26,8 @@ from meshnode_protocol import (
 from meshnode.engine.backend import cpu_backend
 from meshnode.node.peer_models import PeerModels
 from meshnode.node.progress import DownloadProgress
-from meshnode.node.worker import MAX_REASON_CHARS, Worker
+from meshnode.node.worker import Worker
+from meshnode.node.worker_run import MAX_REASON_CHARS
 from tests.packaging.tinymodel import write_tiny_gguf
 
 HOST = "host"

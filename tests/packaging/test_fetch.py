@@ -23,7 +23,8 @@ from meshnode_packaging.errors import (
 from meshnode_packaging.fetch import FetchLimits, Materializer
 from meshnode_packaging.manifest import MANIFEST_NAME, Manifest, Part
 from meshnode_packaging.package import open_package
-from meshnode_packaging.refs import RemotePackage, open_ref, resolve
+from meshnode_packaging.reference import RemotePackage
+from meshnode_packaging.refs import open_ref, resolve
 from meshnode_packaging.testing import Fault, LocalHub
 from meshnode_packaging.validate import validate_package
 
@@ -221,7 +222,7 @@ def test_two_processes_fetching_the_same_files(hub: LocalHub, tmp_path: Path) ->
         "import sys; from pathlib import Path;"
         "from meshnode_packaging.fetch import Materializer;"
         "from meshnode_packaging.manifest import Part;"
-        "from meshnode_packaging.refs import RemotePackage;"
+        "from meshnode_packaging.reference import RemotePackage;"
         "Materializer(Path(sys.argv[1])).fetch(RemotePackage('org/tiny'), Part(0, 30, True, True))"
     )
     env = {**os.environ, "HF_ENDPOINT": hub.endpoint}

@@ -17,7 +17,8 @@ from meshnode_packaging.errors import Cancelled, MissingPart, NotFound, RefError
 from meshnode_packaging.hub import hub_cache_dir, listing, token_for
 from meshnode_packaging.manifest import Part
 from meshnode_packaging.ranged import RangeLimits
-from meshnode_packaging.refs import RemotePackage, open_ref, pin_ref, pinned_ref, resolve
+from meshnode_packaging.reference import RemotePackage
+from meshnode_packaging.refs import open_ref, pin_ref, pinned_ref, resolve
 from meshnode_packaging.remote import open_hub
 from meshnode_packaging.sources import GGUFSource, HFFolderSource, ModelSource
 from meshnode_packaging.testing import Fault, LocalHub, Request

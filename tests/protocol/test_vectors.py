@@ -25,13 +25,8 @@ from meshnode_protocol import (
     decode_frame,
     encode_frame,
 )
-from meshnode_protocol.vectors import (
-    EXAMPLES,
-    all_documents,
-    from_json,
-    message_class,
-    vector_document,
-)
+from meshnode_protocol.vector_json import from_json, message_class
+from meshnode_protocol.vectors import EXAMPLES, all_documents, vector_document
 
 from .helpers import HELLO_A, receive_all
 

@@ -16,7 +16,7 @@ import pytest
 import trio
 from anthropic.types import ToolUseBlock
 
-from meshnode.serve.generation import Delta, FinishReason
+from meshnode.generation.state import Delta, FinishReason
 from meshnode.serve.single import build_single_node_service
 from meshnode.serve.toolparse import ToolCallStream, ToolFormat
 from meshnode.serve.toolreply import BlockStream, reply_events

@@ -13,17 +13,13 @@ import trio
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
+from meshnode.generation.driver import generate
+from meshnode.generation.records import GenerationRun, Speculation
+from meshnode.generation.state import GenerationParams, GenerationState
 from meshnode.node.batcher import BatchLimits
 from meshnode.node.local import LocalPipeline
 from meshnode.node.pipeline import Pipeline, RequestId, StepFrame, StepResult
 from meshnode.node.stage import StageRunner
-from meshnode.serve.generation import (
-    GenerationParams,
-    GenerationRun,
-    GenerationState,
-    Speculation,
-    generate,
-)
 from meshnode.speculative.mtp import MtpProposer
 from meshnode.speculative.ngram import NgramParams, NgramProposer
 from meshnode.speculative.proposer import Proposer

@@ -12,14 +12,15 @@ import trio
 import trio.testing
 
 from meshnode.engine.sampling import GREEDY
-from meshnode.serve.service import GenerationRequest, ServeService
+from meshnode.generation.state import GenerationParams
+from meshnode.serve.service import ServeService
 
 
 async def test_metrics_count_tokens_and_first_token_as_they_come(
     serve_service: ServeService,
 ) -> None:
     service = serve_service
-    request = GenerationRequest(GREEDY, max_tokens=12)
+    request = GenerationParams(12, GREEDY)
     run = await service.start(lambda: service.text_prompt("Once upon a time"), request)
     seen_mid_stream = []
     async for _delta in service.stream(run):

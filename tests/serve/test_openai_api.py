@@ -229,7 +229,7 @@ async def test_logprobs_at_temperature_zero_rank_the_chosen_token_first(
 async def test_speculative_greedy_equals_plain_greedy(
     tiny_model_dir: Path, server: Server, api: openai.AsyncOpenAI, nursery: trio.Nursery
 ) -> None:
-    from meshnode.serve.generation import Speculation
+    from meshnode.generation.records import Speculation
     from meshnode.serve.single import build_single_node_service
     from meshnode.speculative.ngram import NgramProposer
     from meshnode.speculative.window import WindowPolicy

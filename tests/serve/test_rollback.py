@@ -19,15 +19,11 @@ from meshnode.engine.config import ModelConfig
 from meshnode.engine.kv_cache import KVCache
 from meshnode.engine.model import BatchRow, Stage
 from meshnode.engine.sampling import SamplingParams
+from meshnode.generation.driver import generate
+from meshnode.generation.records import GenerationRun, Speculation
+from meshnode.generation.state import GenerationParams, GenerationState
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame, StepResult
 from meshnode.node.stage import StageRunner
-from meshnode.serve.generation import (
-    GenerationParams,
-    GenerationRun,
-    GenerationState,
-    Speculation,
-    generate,
-)
 from meshnode.speculative.draft import StageProposer, layer_skip_stage
 from meshnode.speculative.proposer import Proposer
 from meshnode.speculative.window import WindowPolicy

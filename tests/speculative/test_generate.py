@@ -12,7 +12,7 @@ import pytest
 from meshnode.engine.generate import decode_one, prefill
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import Sampler, SamplingParams, logits_to_probs
-from meshnode.serve.generation import GenerationRun, Speculation
+from meshnode.generation.records import GenerationRun, Speculation
 from meshnode.serve.local import generate_tokens
 from meshnode.speculative.auto import AutoNgramProposer
 from meshnode.speculative.draft import StageProposer, layer_skip_stage

@@ -13,8 +13,8 @@ import pytest
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
+from meshnode.generation.records import GenerationRun, Speculation
 from meshnode.node.stage import StageRunner
-from meshnode.serve.generation import GenerationRun, Speculation
 from meshnode.serve.local import generate_tokens
 from meshnode.speculative.ngram import NgramParams, NgramProposer
 from meshnode.speculative.proposer import Proposal

@@ -10,7 +10,7 @@ import pytest
 from meshnode.engine.loader import LoadedModel
 from meshnode.engine.model import Stage
 from meshnode.engine.sampling import SamplingParams
-from meshnode.serve.generation import Speculation
+from meshnode.generation.records import Speculation
 from meshnode.serve.local import generate_tokens
 from meshnode.speculative.auto import AutoNgramProposer
 from meshnode.speculative.draft import StageProposer, layer_skip_stage

@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 import pytest
 
 from meshnode.engine.sampling import SamplingParams
-from meshnode.node.pipeline import TokenLogprob
-from meshnode.serve.generation import (
+from meshnode.generation.state import (
     FinishReason,
     GenerationParams,
     GenerationState,
     prefill_chunks,
 )
-from meshnode.serve.stops import find_stop, first_stop, held_back
+from meshnode.generation.stops import find_stop, first_stop, held_back
+from meshnode.node.pipeline import TokenLogprob
 
 EOS = 0
 # A toy vocabulary: each token id is one piece of text. Token 9 is the first half of a
@@ -162,3 +162,18 @@ def test_the_state_records_which_stop_string_ended_the_reply() -> None:
     by_eos.commit([1, EOS])
     assert by_eos.finish_reason == "stop"
     assert by_eos.stop_string is None
+
+
+def test_params_within_the_context_clamp_the_budget_and_take_the_models_eos() -> None:
+    """An endpoint's parameters (no budget, or one past the context) fitted to a prompt."""
+    greedy = SamplingParams(temperature=0.0)
+    asked = GenerationParams(None, greedy, ("\n",), top_logprobs=2)
+    with pytest.raises(ValueError, match="budget"):
+        _ = asked.budget  # not fitted yet: the loop must not guess one
+    fitted = asked.within(40, frozenset({EOS}))
+    assert (fitted.budget, fitted.eos_token_ids) == (40, frozenset({EOS}))
+    assert (fitted.stop, fitted.top_logprobs, fitted.sampling) == (("\n",), 2, greedy)
+    assert GenerationParams(500, greedy).within(40, frozenset()).budget == 40
+    assert GenerationParams(8, greedy).within(40, frozenset()).budget == 8
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        GenerationParams(0, greedy)
