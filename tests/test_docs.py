@@ -17,7 +17,7 @@ left alone.
 The user's pages (the README and ``docs/``) are checked further: every relative Markdown
 link leads to a file that exists and, with ``#anchor``, to one of its headings; the README
 stays an entry point; and the configuration reference lists every setting of
-``meshnode.node.config.SETTINGS`` (flag, TOML key, environment variable) and every option
+``meshnode.node.settings.SETTINGS`` (flag, TOML key, environment variable) and every option
 of every command, so that a new knob cannot be left out of it. Their examples are checked
 too: every ``meshnode`` command in a shell block exists with the options it names, every
 Python block parses, and every TOML block is a config file the node accepts.
@@ -277,7 +277,7 @@ def _section(page: Path, heading: str) -> str:
 
 
 def test_the_configuration_reference_lists_every_setting_once() -> None:
-    from meshnode.node.config import SETTINGS
+    from meshnode.node.settings import SETTINGS
 
     rows = [
         m.groups()
