@@ -19,7 +19,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import trio
@@ -53,6 +53,7 @@ from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.planner import Plan, StagePlan
 from meshnode.node.progress import DownloadProgress
 from meshnode.node.remote import RemotePipeline
+from meshnode.node.speeds import SpeedBook
 from meshnode.node.stage import StageRunner
 
 if TYPE_CHECKING:
@@ -108,6 +109,8 @@ class BringUp:
         source: ModelSource,
         backend: Backend,
         context_size: int,
+        speeds: SpeedBook | None = None,
+        stage_weight_bytes: Sequence[int] = (),
     ) -> None:
         self.mesh = mesh
         self.settings = settings
@@ -119,6 +122,7 @@ class BringUp:
         self.stage_state = {s.node_id: StageState.CLAIMING for s in placed.stages}
         self.progress: dict[str, tuple[int, int]] = {}
         self._backend = backend
+        self._speeds, self._stage_weight_bytes = speeds, tuple(stage_weight_bytes)
         self.failed: set[str] = set()
         self.refused: set[str] = set()
         self._download_log: dict[str, DownloadProgress] = {}
@@ -189,6 +193,8 @@ class BringUp:
             send=self.mesh.send,
             wire_dtype=self.settings.wire_dtype,
             deadline=self.settings.pass_deadline,
+            speeds=self._speeds,
+            stage_weight_bytes=self._stage_weight_bytes,
         )
 
     async def probe(self, placed: Plan) -> dict[str, int | None]:

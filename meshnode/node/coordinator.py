@@ -65,6 +65,7 @@ refuses an older one, so a restarted host whose terms began again at 1 was
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
@@ -114,12 +115,15 @@ from meshnode.node.mesh import CoordinatorSettings, MeshView
 from meshnode.node.planner import (
     ModelFootprint,
     NodeCapacity,
+    NodeSpeed,
     Plan,
     StagePlan,
     plan,
     should_regrow,
+    stage_weight_bytes,
 )
 from meshnode.node.remote import RemotePipeline, idle_by, is_data_reply
+from meshnode.node.speeds import SpeedBook
 
 log = logging.getLogger("meshnode.coordinator")
 
@@ -158,7 +162,7 @@ def retry_in(retry_at: float | None, now: float) -> float | None:
 
 
 def _stage_status(
-    stage: StagePlan, run: BringUp | None, footprint: ModelFootprint
+    stage: StagePlan, run: BringUp | None, footprint: ModelFootprint, speed: NodeSpeed | None
 ) -> dict[str, Any]:
     """One stage of the plan as the status shows it: its layers, its state and progress in
     ``run``, and its memory."""
@@ -176,6 +180,8 @@ def _stage_status(
         "memory_bytes": stage.memory_bytes,
         # recurrent state + snapshot ring reserved for every live sequence
         "recurrent_bytes": sum(footprint.fixed_layer_bytes[stage.start : stage.end]),
+        # the stage's decode rate measured while serving (weight bytes a second), if any
+        "decode_bytes_per_s": None if speed is None else round(speed.decode_bytes_per_s),
     }
 
 
@@ -227,6 +233,8 @@ class Coordinator:
         self._pipeline: RemotePipeline | None = None
         self._retry_at: float | None = None  # trio time of the next try, while backing off
         self._hung: list[RemotePipeline] = []  # whose stage-0 compute hangs (stage0_hung)
+        # Decode rates observed while serving (node/speeds.py): the next plan uses them.
+        self.speeds = SpeedBook()
 
     def _decide(self, event: Any) -> BackOff | Replan | None:
         """Apply ``event`` to the decisions' state (:func:`~meshnode.node.decisions.next_action`)
@@ -240,7 +248,12 @@ class Coordinator:
         now = trio.current_time()
         run = self._run
         stages = (
-            [_stage_status(s, run, self.footprint) for s in self._plan.stages] if self._plan else []
+            [
+                _stage_status(s, run, self.footprint, self.speeds.speed(s.node_id))
+                for s in self._plan.stages
+            ]
+            if self._plan
+            else []
         )
         return {
             "model": self.settings.model_ref,
@@ -305,6 +318,8 @@ class Coordinator:
                 source=self.source,
                 backend=self._backend,
                 context_size=self.context_size,
+                speeds=self.speeds,
+                stage_weight_bytes=[stage_weight_bytes(self.footprint, s) for s in placed.stages],
             )
             log.info("run %s term %d: %s", self._run_id, self._term, _describe(placed))
             self._state = MeshState.LOADING  # Claim, Prepare, Load: the stages say how far
@@ -401,8 +416,7 @@ class Coordinator:
     async def _plan_when_possible(self) -> Plan:
         self._state = MeshState.PLANNING
         while True:
-            kept_out = self._decided.kept_out(trio.current_time())
-            nodes = [n for n in self.mesh.live_nodes() if n.node_id not in kept_out]
+            nodes = self._candidates(self.mesh.live_nodes())
             split = self.settings.split
             if split is not None and not self._decided.first_plan and len(nodes) < split:
                 split = None  # after a loss, serve on what is left rather than not at all
@@ -445,9 +459,18 @@ class Coordinator:
             if changed:
                 self._decide(MembershipChanged())  # give failed nodes another go
 
-    def _wants_regrow(self, placed: Plan, live: list[NodeCapacity]) -> bool:
+    def _candidates(self, live: list[NodeCapacity]) -> list[NodeCapacity]:
+        """The live nodes a plan may use (none kept out), each with its measured decode
+        rate where serving has measured one (``speeds``; the planner needs every node's)."""
         kept_out = self._decided.kept_out(trio.current_time())
-        nodes = [n for n in live if n.node_id not in kept_out]
+        return [
+            dataclasses.replace(n, speed=self.speeds.speed(n.node_id))
+            for n in live
+            if n.node_id not in kept_out
+        ]
+
+    def _wants_regrow(self, placed: Plan, live: list[NodeCapacity]) -> bool:
+        nodes = self._candidates(live)
         try:
             wanted: Plan | None = plan(
                 self.footprint,

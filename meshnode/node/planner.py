@@ -260,6 +260,12 @@ def _timed_plan(
     return best
 
 
+def stage_weight_bytes(model: ModelFootprint, stage: StagePlan) -> int:
+    """Weight bytes one token reads on ``stage`` (its layers, and the head when last): what
+    its compute time is measured against (:mod:`meshnode.node.speeds`)."""
+    return _weight_bytes(model, stage.start, stage.end)
+
+
 def _weight_bytes(model: ModelFootprint, start: int, end: int) -> int:
     """Weight bytes a token reads in layers ``[start, end)`` (and the head when last)."""
     head = model.head_bytes if end == model.n_layers else 0

@@ -70,6 +70,7 @@ from meshnode.node.pipeline import (
     StepFrame,
     StepResult,
 )
+from meshnode.node.speeds import SpeedBook
 from meshnode.node.stage import StageRunner, step_activations, step_results
 from meshnode.node.wire import WireSequences, frame_to_wire, result_from_wire
 
@@ -173,6 +174,7 @@ class _Waiter:
     error: MeshnodeError | None = None
     wire_id: RequestId | None = None  # set while it waits for the last stage
     local_s: float | None = None  # stage 0's compute, when the other stages follow
+    rows: int = 0  # the rows of the step this frame went in (every stage computes them all)
     # When the pass counts as lost (trio clock), and the deadline's length for the message.
     deadline_at: float = math.inf
     deadline_s: float = math.inf
@@ -215,6 +217,8 @@ class RemotePipeline:
         wire_dtype: str,
         batch_limits: BatchLimits | None = None,
         deadline: PassDeadline | None = None,
+        speeds: SpeedBook | None = None,
+        stage_weight_bytes: Sequence[int] = (),
     ) -> None:
         self.runner = runner
         self.run_id = run_id
@@ -235,6 +239,10 @@ class RemotePipeline:
         # Per-sequence outgoing activation buffers, reused by every decode step.
         self._wire = WireSequences(runner.max_sequences)
         self.deadline = deadline or PassDeadline()
+        # One-row passes' stage times, as decode rates the planner can use (node/speeds.py):
+        # each stage's weight bytes over its compute time.
+        self._speeds = speeds
+        self._stage_weight_bytes = tuple(stage_weight_bytes)
         # Set once, by the first failure: every later run fails with it (module docstring).
         self.failure: StageLostError | None = None
         self.failed = trio.Event()  # set with ``failure``: the coordinator watches it
@@ -276,12 +284,22 @@ class RemotePipeline:
         # the frame); stage 0's is measured here. A member's list is cut to the run's
         # stages: each entry becomes a metrics series (issue 36, item 10).
         stages = (waiter.local_s, *waiter.result.stage_compute_s)[: len(self.stage_nodes)]
+        self._observe(stages, waiter.rows)
         return dataclasses.replace(
             waiter.result,
             request_id=frame.request_id,
             compute_s=sum(stages),
             stage_compute_s=stages,
         )
+
+    def _observe(self, stages: Sequence[float], rows: int) -> None:
+        """Hand one pass's stage times to the speed book (one-row passes only count)."""
+        if self._speeds is None or len(stages) != len(self._stage_weight_bytes):
+            return
+        for node, weight_bytes, seconds in zip(
+            self.stage_nodes, self._stage_weight_bytes, stages, strict=True
+        ):
+            self._speeds.observe(node, weight_bytes, seconds, rows)
 
     async def _step(self, slots: list[Slot[_Waiter]]) -> None:
         """One batched step of stage 0; the frames go on downstream as one message.
@@ -315,11 +333,13 @@ class RemotePipeline:
                     slot.output.finish(done.output)
             return
         local_s = time.perf_counter() - began
+        rows = sum(len(slot.frame.tokens) for slot in slots)
         messages = []
         for slot, done in zip(slots, inner, strict=True):
             slot.error = done.error
             if done.output is not None:
                 slot.output, message = self._outgoing(slot.frame, done.output, local_s)
+                slot.output.rows = rows
                 messages.append(message)
         if messages:
             await self._forward_step(slots, messages, self._set_deadline(slots))

@@ -20,12 +20,14 @@ from meshnode.node.footprint import model_footprint
 from meshnode.node.mesh import CoordinatorSettings
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame
 from meshnode.node.remote import RemotePipeline
+from meshnode.node.speeds import MIN_SAMPLES
 from tests.node.inmemory import (
     BRING_UP_TIMEOUT_S,
     CONTEXT,
     GREEDY,
     HOST,
     PROMPT,
+    STEPS,
     InMemoryMesh,
     add_worker,
     decode,
@@ -213,6 +215,30 @@ async def test_every_stage_reports_its_compute_time(
         assert len(step.stage_compute_s) == 3
         assert all(seconds > 0 for seconds in step.stage_compute_s)
         assert step.compute_s == pytest.approx(sum(step.stage_compute_s))
+
+
+async def test_one_row_passes_measure_every_stages_decode_rate(
+    tmp_path: Path, hub_ref: tuple[str, Path]
+) -> None:
+    # STEPS - 1 one-row decode passes (the prefill's rows do not count): enough for the
+    # speed book, so the next plan places by time and the status shows each stage's rate.
+    ref, package = hub_ref
+    mesh = InMemoryMesh(host_memory=1 << 34)
+    async with trio.open_nursery() as nursery:
+        add_worker(mesh, "a", tmp_path / "a-cache", nursery)
+        pipeline = await serve(mesh, ref, package, 2, nursery)
+        coordinator = mesh.coordinator
+        assert coordinator is not None
+        assert coordinator.speeds.speed(HOST) is None
+        assert await decode(pipeline) == greedy_reference(package)
+        stages = coordinator.status()["stages"]
+        nursery.cancel_scope.cancel()
+    assert STEPS - 1 >= MIN_SAMPLES
+    for node, stage in zip((HOST, "a"), stages, strict=True):
+        speed = coordinator.speeds.speed(node)
+        assert speed is not None
+        assert stage["node_id"] == node
+        assert stage["decode_bytes_per_s"] == round(speed.decode_bytes_per_s)
 
 
 def test_a_context_the_model_cannot_hold_is_a_config_error(hub_ref: tuple[str, Path]) -> None:
