@@ -41,7 +41,6 @@ class Architecture:
     norm_offset: float = 0.0
     attention_bias: bool = False  # QKV bias when config.json does not say
     tied_embeddings: bool = False  # tie_word_embeddings when config.json does not say
-    cuda: bool = True  # the CUDA stage implements it
     # config.json keys transformers fills in when a checkpoint leaves them out (saved
     # configs hold only what differs from the config class's defaults).
     defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -79,7 +78,6 @@ _GEMMA3 = Architecture(
     scaled_embeddings=True,
     norm_offset=1.0,
     tied_embeddings=True,
-    cuda=False,
     defaults=_GEMMA3_DEFAULTS,
 )
 
@@ -89,11 +87,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(),
     "mistral": Architecture(),
     "qwen2": Architecture(attention_bias=True),
-    "qwen3": Architecture(qk_norm=True, cuda=False),
+    "qwen3": Architecture(qk_norm=True),
     "gemma3_text": _GEMMA3,
     "gemma3": _GEMMA3,
-    # Gated DeltaNet + gated attention: its own stage (meshnode.engine.hybrid), CPU only
-    "qwen3_5_text": Architecture(cuda=False),
+    # Gated DeltaNet + gated attention layers (meshnode.engine.hybrid's token mixers)
+    "qwen3_5_text": Architecture(),
 }
 SUPPORTED_MODEL_TYPES = frozenset(ARCHITECTURES)
 
@@ -199,6 +197,26 @@ class ModelConfig:
     def attention_scale(self) -> float:
         """The factor of the attention scores: ``1 / sqrt(query_pre_attn_scalar or head_dim)``."""
         return float(1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim))
+
+    def layer_params(self, layer: int) -> int:
+        """Parameters of layer ``layer`` (model numbering): its projections, MLP and the two
+        block norms (a hybrid model's from its :class:`HybridConfig`). The planner places
+        layers by them where the stored bytes are not known."""
+        if self.hybrid is not None:
+            return self.hybrid.layer_params(layer)
+        h, q, kv = self.hidden_size, self.q_size, self.kv_size
+        return h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+
+    @property
+    def embed_params(self) -> int:
+        """Parameters of the embedding table ``[V, E]``."""
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def head_params(self) -> int:
+        """Parameters of the head: the final norm, and the output table when untied."""
+        h = self.hidden_size
+        return h + (0 if self.tie_word_embeddings else self.vocab_size * h)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` (model numbering), None for full attention."""

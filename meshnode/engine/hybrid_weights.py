@@ -55,6 +55,9 @@ class HybridLayerWeights:
     ffn_norm: Any  # [E] (1 + weight)
     w_gate_up: Any  # [E, 2 I]
     w_down: Any  # [I, E]
+    # (the block's sandwich norms, which Qwen3.5 has not: see ``weights.LayerWeights``)
+    post_attn_norm: None = None
+    post_ffn_norm: None = None
 
     def nbytes(self) -> int:
         """Bytes of weight this layer reads per forward."""

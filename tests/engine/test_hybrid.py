@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from meshnode.engine.backend import cpu_backend
-from meshnode.engine.hybrid import HybridStage, load_hybrid_weights
+from meshnode.engine.config import ModelConfig
 from meshnode.engine.hybrid_config import HybridConfig, HybridConfigError
+from meshnode.engine.model import Stage
 from meshnode.engine.recurrent import (
     DEFAULT_RING_SLOTS,
     MAX_RING_SLOTS,
@@ -32,28 +32,16 @@ def folder() -> HybridFolder:
     return HybridFolder()
 
 
-def _stage(folder: HybridFolder, start: int, end: int, ring: int = 17) -> HybridStage:
-    config = HybridConfig.from_hf(folder.config)
-    be = cpu_backend()
+def _stage(folder: HybridFolder, start: int, end: int, ring: int = 17) -> Stage:
+    config = ModelConfig.from_hf(folder.config)
     first, last = start == 0, end == config.num_layers
-    weights = load_hybrid_weights(folder, config, start, end, embed=first, head=last, backend=be)
-    return HybridStage(
-        config,
-        weights,
-        start,
-        end,
-        embed=first,
-        head=last,
-        backend=be,
-        linear=lambda x, w: x @ w,
-        ring_slots=ring,
-    )
+    return Stage(config, folder, start, end, embed=first, head=last, ring_slots=ring, mtp=False)
 
 
 class Pipeline:
     """Stages in a row, each with its own cache for one sequence (no network)."""
 
-    def __init__(self, stages: list[HybridStage], capacity: int) -> None:
+    def __init__(self, stages: list[Stage], capacity: int) -> None:
         self.stages = stages
         self.caches = [s.new_cache(capacity) for s in stages]
 
