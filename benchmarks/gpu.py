@@ -244,7 +244,7 @@ def decode(
     for _ in range(tokens):
         step()
     wall = (time.perf_counter() - t) / tokens
-    device = stage.cuda.replay_seconds(streams, tokens) if stage.cuda is not None else None
+    device = stage.replay_seconds(streams, tokens)
     return wall, device
 
 
