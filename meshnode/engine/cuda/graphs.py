@@ -90,7 +90,7 @@ class GraphRunner:
         with self._lock, self.stream, self.cp.cuda.using_allocator(self.pool.malloc):
             if any(len(i) > MAX_ROWS for i in inputs):
                 x = stack_inputs(self.cp, inputs, self.embed, self.cp.int32)
-                out = forward(x, prepare())
+                out = _copy(self.cp, forward(x, prepare()))
             else:
                 out = self._short(key, inputs, prepare, forward)
             # The copies in read the pinned buffers when the stream reaches them: the
@@ -168,6 +168,7 @@ class GraphRunner:
 
 
 def _copy(cp: Any, a: Any) -> Any:
-    """A copy of ``a`` from the default memory pool (the stage's pool is for forwards)."""
+    """A copy of ``a`` from the default memory pool: what a forward returns must not lie
+    in the stage's pool, whose blocks a later graph replay may write as its scratch."""
     with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
         return a.copy()
