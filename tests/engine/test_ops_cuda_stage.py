@@ -120,6 +120,16 @@ def _decoded(w: DeviceMatrix) -> np.ndarray:
 class ReferenceKernels:
     """``device.Kernels`` with each kernel computed by its NumPy reference."""
 
+    def __init__(self) -> None:
+        # each weight decoded once (a real model's forwards would decode it per product)
+        self._decoded: dict[int, tuple[DeviceMatrix, np.ndarray]] = {}
+
+    def _value(self, w: DeviceMatrix) -> np.ndarray:
+        held = self._decoded.get(id(w))
+        if held is None:
+            held = self._decoded[id(w)] = (w, _decoded(w))  # w kept: its id stays its own
+        return held[1]
+
     def warm_up(self) -> None:
         return None
 
@@ -199,12 +209,12 @@ class ReferenceKernels:
 
     def gemv(self, w: DeviceMatrix, x: Any, y: Any) -> None:
         """Row by row: the kernel's sum for a row does not depend on the other rows."""
-        value = _decoded(w)
+        value = self._value(w)
         for r in range(x.shape[0]):
             y[r] = value @ np.asarray(x[r])
 
     def embed(self, table: DeviceMatrix, ids: Any, x: Any) -> None:
-        x[...] = _decoded(table)[np.asarray(ids)]
+        x[...] = self._value(table)[np.asarray(ids)]
 
     def dequantize(self, w: DeviceMatrix, dtype: Any) -> Any:
         return _decoded(w).astype(dtype).view(HostArray)
