@@ -60,7 +60,8 @@ def model_path(name: str, folder: Path) -> Path:
 
 def variants(stage: Stage) -> dict[str, Callable[[], None]]:
     """Functions that put the stage into each variant."""
-    compiled = stage._attention_of
+    mixer: Any = stage._mixer  # the dense attention mixer
+    compiled = mixer.attention
     reference = Attention(np, stage.config, stage.start, stage.end)
     eps = stage.config.rms_norm_eps
 
@@ -72,12 +73,12 @@ def variants(stage: Stage) -> dict[str, Callable[[], None]]:
         return x, None if then is None else norm(x, then)
 
     def after() -> None:
-        stage._attention_of = compiled
+        mixer.attention = compiled
         stage.__dict__.pop("_rms_norm", None)
         stage.__dict__.pop("_add_norm", None)
 
     def before() -> None:
-        stage._attention_of = reference
+        mixer.attention = reference
         stage.__dict__["_rms_norm"] = norm
         stage.__dict__["_add_norm"] = add_norm
 

@@ -61,6 +61,18 @@ LLAMA_1B: dict[str, Any] = {  # Llama-3.2-1B's config.json sizes
     "tie_word_embeddings": True,
     "torch_dtype": "bfloat16",
 }
+# Llama-3.1-8B's config.json sizes (the head reads the embedding's bytes: same size as its
+# own lm_head, which a random source need not hold twice)
+LLAMA_8B: dict[str, Any] = dict(
+    LLAMA_1B,
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    rope_scaling=dict(LLAMA_1B["rope_scaling"], factor=8.0),
+)
 TINY: dict[str, Any] = dict(
     LLAMA_1B,
     hidden_size=256,
@@ -244,7 +256,7 @@ def decode(
     for _ in range(tokens):
         step()
     wall = (time.perf_counter() - t) / tokens
-    device = stage.cuda.replay_seconds(streams, tokens) if stage.cuda is not None else None
+    device = stage.replay_seconds(streams, tokens)
     return wall, device
 
 
@@ -257,8 +269,9 @@ def sources(models: list[str], formats: list[str], tiny: bool) -> list[tuple[str
         return [("tiny", fmt, RandomSource(TINY, dtypes[fmt])) for fmt in formats]
     for model in models:
         for fmt in formats:
-            if model == "1b":
-                out.append(("llama-1b-shape", fmt, RandomSource(LLAMA_1B, dtypes[fmt])))
+            if model in ("1b", "8b"):
+                config = LLAMA_1B if model == "1b" else LLAMA_8B
+                out.append((f"llama-{model}-shape", fmt, RandomSource(config, dtypes[fmt])))
             else:
                 source = resolve_source(None)
                 out.append(("smollm2-135m", fmt, Requantized(source) if fmt == "q8_0" else source))
@@ -300,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model (smoke test)")
-    parser.add_argument("--models", default="default,1b", help="default and/or 1b")
+    parser.add_argument("--models", default="default,1b", help="default, 1b and/or 8b")
     parser.add_argument("--formats", default="f16,q8_0", help="f16 and/or q8_0")
     parser.add_argument("--tokens", type=int, default=None, help="decode steps timed")
     parser.add_argument(

@@ -17,7 +17,7 @@ rows of one more sequence after the context (all rows' logits: what
 ``benchmarks/engine.py``'s k-row table and speculative verify windows run).
 
 For each, it prints the median forward, and the forward cut by part (timers around the
-stage's own methods, in the same forwards): products (``Stage._linear``, the head's too),
+stage's own methods, in the same forwards): products (``Backend.linear``, the head's too),
 attention (RoPE, the KV cache, softmax: ``KernelAttention``, its ``prepare`` included), the
 MLP's activation (``Backend.glu``), the residual adds and norms, and the rest (embedding,
 Python between the calls). Goals: an 8-sequence step of at most 2x a one-sequence step
@@ -54,7 +54,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meshnode.engine import attention as engine_attention
-from meshnode.engine import ops
 from meshnode.engine.backend import cpu_backend, limit_cpu_threads
 from meshnode.engine.cpu import set_kernel_threads
 from meshnode.engine.kv_cache import KV_DTYPES, resolve_kv_dtype
@@ -74,11 +73,10 @@ class Parts:
 
     def __init__(self, stage: Stage) -> None:
         self.spent: dict[str, float] = defaultdict(float)
-        self._wrap(stage, "_linear", "products")
         self._wrap(stage, "_rms_norm", "add+norm")
-        if hasattr(stage, "_add_norm"):  # (a tree before it: the adds count as the rest)
-            self._wrap(stage, "_add_norm", "add+norm")
-        attention = stage._attention_of
+        self._wrap(stage, "_add_norm", "add+norm")
+        mixer: Any = stage._mixer  # the dense attention mixer: its attention and backend
+        attention = mixer.attention
         spent = self.spent
 
         class Timed:
@@ -88,29 +86,37 @@ class Parts:
                 spent["attention"] += CLOCK() - began
                 return plan
 
+            def keep_rows(self, *args: Any) -> Any:
+                return attention.keep_rows(*args)
+
             def __call__(self, *args: Any) -> Any:
                 began = CLOCK()
                 out = attention(*args)
                 spent["attention"] += CLOCK() - began
                 return out
 
-        stage._attention_of = Timed()  # type: ignore[assignment]
+        inner = stage.backend
 
-        def reference(gate_up: Any, activation: str) -> Any:
-            if activation == "gelu_tanh":
-                return ops.gelu_tanh_mul(np, gate_up)
-            return ops.silu_mul(np, gate_up)
+        class TimedBackend:
+            """The stage's backend, its products and activation timed."""
 
-        glu = getattr(stage.backend, "glu", reference)  # (a tree before Backend.glu)
+            def __getattr__(self, name: str) -> Any:
+                return getattr(inner, name)
 
-        def mlp(w: Any, x: Any) -> Any:
-            gate_up = stage._linear(x, w.w_gate_up)
-            began = CLOCK()
-            act = glu(gate_up, stage.config.arch.activation)
-            spent["activation"] += CLOCK() - began
-            return stage._linear(act, w.w_down)
+            def linear(self, x: Any, w: Any) -> Any:
+                began = CLOCK()
+                out = inner.linear(x, w)
+                spent["products"] += CLOCK() - began
+                return out
 
-        stage._mlp = mlp  # type: ignore[method-assign]
+            def glu(self, gate_up: Any, activation: str) -> Any:
+                began = CLOCK()
+                out = inner.glu(gate_up, activation)
+                spent["activation"] += CLOCK() - began
+                return out
+
+        mixer.attention = Timed()
+        stage.backend = mixer.backend = TimedBackend()  # type: ignore[assignment]
 
     def _wrap(self, stage: Stage, name: str, part: str) -> None:
         inner = getattr(stage, name)

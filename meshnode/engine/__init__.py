@@ -3,16 +3,17 @@
 No sockets, no async. The array backend (NumPy or CuPy) is chosen once in
 ``meshnode.engine.backend``; code above the engine never imports numpy/cupy for math.
 
-Layering inside the package: ``config``, ``kv_cache``, ``cpu`` (block kernels) at the
-bottom; ``weights`` (the CPU layout and its loader) on them; ``cuda`` (the device formats,
-kernels, weights and forward) on ``weights``; ``backend`` (the :class:`Backend` strategies,
-``CpuBackend`` and ``CudaBackend``, which own weight loading and the device side of the
-forward) on both; ``model`` (the stage forward, and the hybrid and MTP stages beside it)
-on ``backend``; ``moe_config`` (which layers route to experts, and how) beside
+Layering inside the package: ``config``, ``kv_cache``, ``runner``, ``cpu`` (block
+kernels) at the bottom; ``weights`` (the CPU layout and its loader) and ``attention`` on
+them; ``cuda`` (the device formats, kernels, weights, operations and CUDA graphs) on
+those; ``backend`` (the :class:`Backend` strategies, ``CpuBackend`` and ``CudaBackend``,
+which own weight loading and every array operation of the block) on both; ``model`` (the
+one decoder block for every layer kind, with the hybrid's token mixers and the MTP head
+beside it) on ``backend``; ``moe_config`` (which layers route to experts, and how) beside
 ``config``, ``moe_weights`` (the router and each expert's matrices, views of the file's
 blocks) on ``cpu``, and ``moe`` (the routed feed-forward, through the backend's products)
-under ``model`` and ``hybrid``; ``sampling`` and ``tokenizer`` stand alone; ``generate``
-(the prefill and decode rungs) and ``loader`` (single-node use) on top.
+under ``model``; ``sampling`` and ``tokenizer`` stand alone; ``generate`` (the
+prefill and decode rungs) and ``loader`` (single-node use) on top.
 
 Imports ``meshnode.errors`` and ``meshnode_packaging`` (model sources) only, plus NumPy,
 numba (the CPU block kernels) and, on a CUDA backend, CuPy. ``tests/test_structure.py``

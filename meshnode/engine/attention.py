@@ -41,6 +41,7 @@ __all__ = [
     "RopeTable",
     "Segment",
     "blocked_attention",
+    "kept_rows",
 ]
 
 # Which segments the compiled kernel takes: up to KERNEL_MAX_ROWS rows (decode, verify
@@ -120,6 +121,11 @@ class Attention:
         for table in self.tables:
             table.reach(end)
         return None
+
+    def keep_rows(self, x: Any, segs: Sequence[Segment], plan: Any) -> Any:
+        """Each segment's last ``rows`` rows of ``x`` ``[N, E]`` -> ``[R, E]`` (what the
+        stage's last layer keeps past attention)."""
+        return x[kept_rows(self.xp, segs)]
 
     def __call__(
         self,
@@ -313,6 +319,17 @@ def blocked_attention(
     else:
         run(block, count)
     return out.reshape(heads, rows, dim)
+
+
+def kept_rows(xp: Any, segs: Sequence[Segment]) -> Any:
+    """Indices of each segment's last ``rows`` rows in the stacked ``[N, E]`` activations
+    (a slice for one segment: no copy)."""
+    if len(segs) == 1:
+        return slice(segs[0].n - segs[0].rows, segs[0].n)
+    ends = np.cumsum([seg.n for seg in segs])
+    return xp.asarray(
+        np.concatenate([np.arange(e - s.rows, e) for e, s in zip(ends, segs, strict=True)])
+    )
 
 
 def _kv_kind(caches: Sequence[Any]) -> Any:

@@ -2,10 +2,11 @@
 
 A :class:`Backend` is a strategy object: :class:`CpuBackend` and :class:`CudaBackend` each
 own their weight layout and loading (``meshnode.engine.weights``,
-``meshnode.engine.cuda.weights``), the device side of the forward (the NumPy forward of
-``meshnode.engine.model`` or ``meshnode.engine.cuda.stage``), their matrix product and the
+``meshnode.engine.cuda.weights``), every array operation of ``model.Stage``'s one block
+(products with the weights, norms, the gated MLP's activation, the embedding, attention:
+NumPy and numba kernels on the CPU, the engine's CUDA kernels through ``cuda.ops``), the
+KV cache, how a forward runs (``runner``: at once, or replayed as a CUDA graph) and the
 copy back to the host; the stage asks its backend and never tests which one it has.
-Everything in the engine does math through ``backend.xp`` so the same code runs on both.
 CuPy is imported only when a CUDA backend is asked for.
 """
 
@@ -16,6 +17,7 @@ import importlib
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import ModuleType
 from typing import Any, ClassVar, Literal, cast, get_args
 
@@ -26,9 +28,13 @@ from meshnode.engine import ops
 from meshnode.engine.attention import Attention, KernelAttention
 from meshnode.engine.config import ModelConfig, ModelConfigError
 from meshnode.engine.cpu import BlockMatrix, q8, set_kernel_threads
-from meshnode.engine.cuda.device import PinnedStaging
-from meshnode.engine.cuda.stage import CudaStage
+from meshnode.engine.cuda.device import DeviceMatrix, PinnedStaging
+from meshnode.engine.cuda.graphs import GraphRunner
+from meshnode.engine.cuda.kernels import BLOCK, MAX_HEAD_DIM
+from meshnode.engine.cuda.ops import CudaAttention, CudaOps
 from meshnode.engine.cuda.weights import device_dtype, load_cuda_stage_weights
+from meshnode.engine.kv_cache import KVCache, kv_numpy_dtype
+from meshnode.engine.runner import EagerRunner, Runner
 from meshnode.engine.weights import HeldBytes, StageWeights, held_bytes, load_stage_weights
 from meshnode.errors import MeshnodeError
 
@@ -124,11 +130,17 @@ class Backend(ABC):
         when the caller must estimate (see :func:`meshnode.engine.weights.held_bytes`)."""
         return None
 
-    def device_stage(
-        self, config: ModelConfig, weights: StageWeights, *, embed: bool, head: bool
-    ) -> CudaStage | None:
-        """The device side a stage hands its forward to (None: the NumPy forward runs)."""
-        return None
+    def new_kv_cache(
+        self, shape: tuple[int, int, int], max_tokens: int, kv_dtype: str, weights: StageWeights
+    ) -> KVCache:
+        """An empty KV cache of ``shape`` (layers, Hkv, D) for ``max_tokens`` positions,
+        its K/V in ``kv_dtype`` (``kv_cache.KV_DTYPES``)."""
+        dtype = kv_numpy_dtype(kv_dtype)
+        return KVCache(self.xp, *shape, max_tokens, dtype=dtype)
+
+    def runner(self, config: ModelConfig, *, embed: bool, graphs: bool) -> Runner:
+        """What runs a stage's forwards (``engine.runner``): here, at once."""
+        return EagerRunner(self.xp, embed)
 
     def linear(self, x: Any, w: Any) -> Any:
         """``x @ w`` for ``x`` ``[r, in]``, ``w`` ``[in, out]`` as :meth:`load_weights`
@@ -155,6 +167,14 @@ class Backend(ABC):
         x = x + h
         return x, None if weight is None else self.rms_norm(x, weight, eps)
 
+    def add(self, x: Any, b: Any) -> Any:
+        """``x + b`` (a bias row ``b`` ``[n]`` broadcast over the rows of ``x`` ``[r, n]``)."""
+        return x + b
+
+    def scale(self, x: Any, factor: Any) -> Any:
+        """``x * factor`` for a scalar ``factor`` (Gemma's scaled embeddings)."""
+        return x * factor
+
     def glu(self, gate_up: Any, activation: str) -> Any:
         """The gated MLP's activation of the fused ``[r, 2 I]`` product -> ``[r, I]``:
         :func:`meshnode.engine.ops.gelu_tanh_mul` for ``gelu_tanh`` (GeGLU), else
@@ -164,8 +184,9 @@ class Backend(ABC):
         return ops.silu_mul(self.xp, gate_up)
 
     def embed_rows(self, table: Any, ids: Any) -> Any:
-        """The embedding rows ``[S, E]`` of token ``ids`` from ``table`` (``embed_t``,
-        ``[E, V]`` as :meth:`load_weights` lays it out)."""
+        """The embedding rows ``[S, E]`` of token ``ids`` (an integer array on this
+        backend's device) from ``table`` (``embed_t``, ``[E, V]`` as :meth:`load_weights`
+        lays it out)."""
         return table[:, ids].T
 
 
@@ -318,15 +339,18 @@ class CudaBackend(Backend):
         return cuda_free_memory(self.xp)
 
     def check_model(self, config: ModelConfig) -> None:
-        """Refuse the families the CUDA stage does not implement (hybrid ones included)."""
-        if not config.arch.cuda:
+        """Refuse a head dim the attention kernel cannot hold (every family runs on the
+        device through the same block; a hybrid model's recurrence through CuPy), and a
+        mixture of experts or attention sinks, which the device does not run yet."""
+        moe = config.hybrid.moe if config.hybrid is not None else config.moe
+        if moe is not None or config.arch.attention_sinks:
             raise ModelConfigError(
                 f"the CUDA stage does not run {config.model_type} models yet (use --device cpu)"
             )
-        if config.hybrid is not None:
+        if config.hybrid is None and (config.head_dim > MAX_HEAD_DIM or BLOCK % config.head_dim):
             raise ModelConfigError(
-                f"the CUDA stage does not run {config.model_type} (hybrid) models yet; "
-                "use --device cpu"
+                f"the CUDA attention kernel needs a head_dim dividing {BLOCK}, "
+                f"not {config.head_dim} (use --device cpu)"
             )
 
     def load_weights(
@@ -349,13 +373,58 @@ class CudaBackend(Backend):
             source, config, start, end, embed=embed, head=head, cp=self.xp, dtype=dtype
         )
 
-    def device_stage(
-        self, config: ModelConfig, weights: StageWeights, *, embed: bool, head: bool
-    ) -> CudaStage:
-        """The engine's kernels, fixed buffers and CUDA graphs over ``weights``."""
-        return CudaStage(
-            config, weights, embed=embed, head=head, cp=self.xp, cuda_graphs=self.cuda_graphs
-        )
+    @cached_property
+    def device(self) -> CudaOps:
+        """The operations on this device (the kernels compiled on first use)."""
+        return CudaOps(self.xp)
+
+    def new_kv_cache(
+        self, shape: tuple[int, int, int], max_tokens: int, kv_dtype: str, weights: StageWeights
+    ) -> KVCache:
+        """A cache allocated in full now: float32 with float32 weights (the golden-parity
+        mode), float16 bits (``uint16``) otherwise."""
+        first = weights.layers[0].wqkv if weights.layers else None
+        exact = not isinstance(first, DeviceMatrix) or first.fmt == "f32"
+        dtype = self.xp.float32 if exact else self.xp.uint16
+        return KVCache(self.xp, *shape, max_tokens, dtype=dtype)
+
+    def runner(self, config: ModelConfig, *, embed: bool, graphs: bool) -> Runner:
+        """The stage's stream, fixed input buffers and CUDA graphs (``cuda.graphs``)."""
+        return GraphRunner(self.xp, config, embed=embed, graphs=graphs and self.cuda_graphs)
+
+    def attention(self, config: ModelConfig, start: int, end: int) -> Any:
+        """Every sequence of a batch in one launch per kernel (``cuda.ops.CudaAttention``)."""
+        return CudaAttention(self.device, config, start, end)
+
+    def linear(self, x: Any, w: Any) -> Any:
+        """As :meth:`Backend.linear`, through the matvec or matmul (``CudaOps.linear``)."""
+        return self.device.linear(x, w)
+
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
+        """As :meth:`Backend.rms_norm`, one launch."""
+        return self.device.rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: Any, h: Any, h_weight: Any | None, weight: Any | None, eps: float
+    ) -> tuple[Any, Any | None]:
+        """As :meth:`Backend.add_rms_norm`, the add fused into the norm."""
+        return self.device.add_rms_norm(x, h, h_weight, weight, eps)
+
+    def add(self, x: Any, b: Any) -> Any:
+        """As :meth:`Backend.add`, one launch."""
+        return self.device.add(x, b)
+
+    def scale(self, x: Any, factor: Any) -> Any:
+        """As :meth:`Backend.scale`, one launch."""
+        return self.device.scale(x, factor)
+
+    def glu(self, gate_up: Any, activation: str) -> Any:
+        """As :meth:`Backend.glu`, one launch."""
+        return self.device.glu(gate_up, activation)
+
+    def embed_rows(self, table: Any, ids: Any) -> Any:
+        """As :meth:`Backend.embed_rows`; a device matrix ``[V, E]`` by the gather kernel."""
+        return self.device.embed_rows(table, ids)
 
 
 @functools.cache

@@ -47,7 +47,6 @@ class Architecture:
     norm_offset: float = 0.0
     attention_bias: bool = False  # QKV bias when config.json does not say
     tied_embeddings: bool = False  # tie_word_embeddings when config.json does not say
-    cuda: bool = True  # the CUDA stage implements it
     # Learned per-head sink logits: one more softmax column per head, with no value (gpt-oss)
     attention_sinks: bool = False
     # Routed experts in the feed-forward part of (some) layers; None: a dense MLP
@@ -89,7 +88,6 @@ _GEMMA3 = Architecture(
     scaled_embeddings=True,
     norm_offset=1.0,
     tied_embeddings=True,
-    cuda=False,
     defaults=_GEMMA3_DEFAULTS,
 )
 
@@ -99,18 +97,17 @@ ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(),
     "mistral": Architecture(),
     "qwen2": Architecture(attention_bias=True),
-    "qwen3": Architecture(qk_norm=True, cuda=False),
+    "qwen3": Architecture(qk_norm=True),
     "gemma3_text": _GEMMA3,
     "gemma3": _GEMMA3,
-    # Gated DeltaNet + gated attention: its own stage (meshnode.engine.hybrid), CPU only
-    "qwen3_5_text": Architecture(cuda=False),
-    # Mixtures of experts (meshnode.engine.moe), CPU only for now
-    "qwen3_moe": Architecture(qk_norm=True, cuda=False, moe=MoeFamily()),
+    # Gated DeltaNet + gated attention layers (meshnode.engine.hybrid's token mixers)
+    "qwen3_5_text": Architecture(),
+    # Mixtures of experts (meshnode.engine.moe); the CUDA backend refuses them for now
+    "qwen3_moe": Architecture(qk_norm=True, moe=MoeFamily()),
     "mixtral": Architecture(cuda=False, moe=MoeFamily(norm_topk_prob=True)),
     "gpt_oss": Architecture(
         attention_bias=True,
         attention_sinks=True,
-        cuda=False,
         moe=MoeFamily(routing="topk_softmax", glu="clamped_swiglu", biases=True),
     ),
     # the hybrid stage with routed experts and a sigmoid-gated shared expert
@@ -223,6 +220,30 @@ class ModelConfig:
     def attention_scale(self) -> float:
         """The factor of the attention scores: ``1 / sqrt(query_pre_attn_scalar or head_dim)``."""
         return float(1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim))
+
+    def layer_params(self, layer: int) -> int:
+        """Parameters of layer ``layer`` (model numbering): its projections, MLP and the two
+        block norms (a hybrid model's from its :class:`HybridConfig`). The planner places
+        layers by them where the stored bytes are not known."""
+        if self.hybrid is not None:
+            return self.hybrid.layer_params(layer)
+        h, q, kv = self.hidden_size, self.q_size, self.kv_size
+        attention = h * (q + 2 * kv) + q * h + 2 * h
+        if self.moe is not None and self.moe.is_sparse(layer):
+            # a MoE layer holds every expert, though a token runs only k of them
+            return attention + self.moe.layer_params(h)[0]
+        return attention + 3 * h * self.intermediate_size
+
+    @property
+    def embed_params(self) -> int:
+        """Parameters of the embedding table ``[V, E]``."""
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def head_params(self) -> int:
+        """Parameters of the head: the final norm, and the output table when untied."""
+        h = self.hidden_size
+        return h + (0 if self.tie_word_embeddings else self.vocab_size * h)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` (model numbering), None for full attention."""

@@ -1,9 +1,9 @@
-"""The hybrid decoder (Qwen3.5: Gated DeltaNet and gated attention layers) as a stage.
+"""The hybrid decoder's token mixers (Qwen3.5: Gated DeltaNet and gated attention layers).
 
-Same contract as ``model.Stage`` (which hands its forward here for a hybrid model): layers
-``[start, end)``, embedding when first, final norm and head when last, one ``forward`` for
-prefill, decode and verify. The cache is a :class:`~meshnode.engine.recurrent.HybridCache`:
-``forward`` first rolls it back to ``start_pos`` (KV truncation plus a ring restore), then
+``model.Stage`` runs a hybrid model with the same block as any other: norm, token mixer,
+residual, norm, SwiGLU, residual; :class:`HybridMixer` is the mixer part, chosen per
+layer by its weights. The cache is a :class:`~meshnode.engine.recurrent.HybridCache`:
+the stage first rolls it back to ``start_pos`` (KV truncation plus a ring restore), then
 every DeltaNet layer keeps its state after each of the pass's last ``ring_slots`` rows.
 
 Batched verify: the projections, the attention and the MLP of a layer run on all rows of
@@ -15,14 +15,15 @@ DeltaNet key/value heads, Dk/Dv their dims, H/Hkv attention heads, D their dim.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from meshnode_packaging.sources import ModelSource
 
 from meshnode.engine import deltanet, ops
+from meshnode.engine.attention import Segment
 from meshnode.engine.backend import Backend
 from meshnode.engine.hybrid_config import HybridConfig
 from meshnode.engine.hybrid_weights import (
@@ -38,9 +39,7 @@ from meshnode.engine.moe import moe_mlp
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, HybridCache
 from meshnode.engine.weights import StageWeights
 
-__all__ = ["HybridStage", "HybridWeights", "load_hybrid_weights"]
-
-Linear = Callable[[Any, Any], Any]
+__all__ = ["HybridMixer", "HybridWeights", "load_hybrid_weights"]
 
 
 @dataclass(frozen=True)
@@ -88,8 +87,11 @@ def load_hybrid_weights(
     return HybridWeights(start, end, [], embed_t, norm, head_t, blocks=layers)
 
 
-class HybridStage:
-    """The forward of a hybrid stage; ``linear`` is the stage's ``x @ w`` helper."""
+class HybridMixer:
+    """The token mixers of a hybrid stage's layers, for ``model.Stage``'s one forward: a
+    DeltaNet layer's recurrence or a gated-attention layer's attention, each chosen by the
+    layer's weights. ``linear`` is the backend's ``x @ w``. The MTP head
+    (``meshnode.engine.mtp``) runs its layer through :meth:`attention` and :meth:`mlp`."""
 
     def __init__(
         self,
@@ -98,19 +100,16 @@ class HybridStage:
         start: int,
         end: int,
         *,
-        embed: bool,
         head: bool,
         backend: Backend,
-        linear: Linear,
         ring_slots: int = DEFAULT_RING_SLOTS,
     ) -> None:
         self.config = config
         self.weights = weights
-        self.start, self.end = start, end
-        self.embed, self.head = embed, head
-        self.xp = backend.xp
+        self.head = head
         self.backend = backend
-        self.linear = linear
+        self.xp = backend.xp
+        self.linear = backend.linear
         self.ring_slots = ring_slots
         # Index of each layer among the stage's DeltaNet (or attention) layers.
         kinds = [config.is_linear(i) for i in range(start, end)]
@@ -119,10 +118,6 @@ class HybridStage:
         self.attention_layers = len(kinds) - self.linear_layers
         inv_freq = np.asarray(config.rope_inv_freq(), dtype=np.float32)
         self.rope_inv_freq = backend.asarray(inv_freq)  # [R/2] (the MTP layer's too)
-        # Head stage with an MTP module: the final-normed hidden rows of the last pass, all
-        # of them when ``keep_hidden`` is set (the MTP layer reads every committed row).
-        self.keep_hidden = False
-        self.last_hidden: Any = None  # [S, E]
         self._scale = float(1.0 / np.sqrt(config.head_dim))
 
     def new_cache(self, max_tokens: int) -> HybridCache:
@@ -139,78 +134,40 @@ class HybridStage:
             ring_slots=self.ring_slots,
         )
 
-    def forward(
-        self, inputs: Any, start_pos: int, cache: HybridCache, *, out_rows: int | None = None
+    def prepare(self, segs: Sequence[Segment]) -> list[tuple[Any, Any]]:
+        """RoPE's cos and sin ``[S, R]`` of each segment's positions (``Stage``'s plan)."""
+        inv = self.rope_inv_freq
+        return [ops.rope_cos_sin(self.xp, inv, seg.start_pos, seg.n) for seg in segs]
+
+    def keep_rows(self, x: Any, segs: Sequence[Segment], plan: Any) -> Any:
+        """Each segment's last ``rows`` rows of ``x`` ``[N, E]``."""
+        return _concat(self.xp, [p[seg.n - seg.rows :] for p, seg in _parts(x, segs)])
+
+    def __call__(
+        self,
+        w: HybridLayerWeights,
+        x: Any,
+        segs: Sequence[Segment],
+        plan: list[tuple[Any, Any]],
+        layer: int,
+        last: bool,
     ) -> Any:
-        """Run S new positions from ``start_pos``; see ``model.Stage.forward``.
-
-        Raises ``RollbackError`` when ``start_pos`` is behind the snapshot ring and
-        ``ValueError`` when it is past the cache's end or the cache is full.
-        """
-        return self.forward_batch([_Item(inputs, start_pos, cache, out_rows)])[0]
-
-    def forward_batch(self, items: Sequence[Row]) -> list[Any]:
-        """Run several sequences' new positions as one forward; see
-        ``model.Stage.forward_batch``. The projections and the MLP run once over the rows of
-        every item; the convolution, the delta rule and attention run per sequence.
-
-        With :attr:`keep_hidden` (the MTP drafter), :attr:`last_hidden` holds every row of
-        the pass; it is meant for a batch of one. Raises as :meth:`forward` does.
-        """
-        xp = self.xp
-        for item in items:
-            item.cache.rollback(item.start_pos)
-        segs = [self._segment(item) for item in items]
-        x = _concat(xp, [self._inputs(item) for item in items])  # [N, E]
-        last = len(self.weights.blocks) - 1
-        for i, layer in enumerate(self.weights.blocks):
-            x = self._block(layer, self._slot[i], x, segs, i == last)
-        if not self.weights.blocks:
-            x = _concat(xp, [part[seg.n - seg.rows :] for part, seg in _parts(x, segs)])
-        for seg in segs:
-            seg.cache.advance(seg.start_pos, seg.n)
-        if not self.head:
-            return _split(x, [seg.rows for seg in segs])
-        self.last_hidden = self.final_norm(x)  # [R, E]
-        hidden = _parts(self.last_hidden, segs, kept=True)
-        wanted = [part[seg.rows - seg.wanted :] for part, seg in hidden]
-        return _split(self._project(_concat(xp, wanted)), [seg.wanted for seg in segs])
-
-    def _segment(self, item: Row) -> _Seg:
-        n = len(item.inputs)
-        wanted = n if item.out_rows is None or not self.head else min(item.out_rows, n)
-        rows = n if self.keep_hidden and self.head else wanted
-        rope = ops.rope_cos_sin(self.xp, self.rope_inv_freq, item.start_pos, n)  # [S, R]
-        return _Seg(item.start_pos, n, rows, wanted, item.cache, rope)
-
-    def _inputs(self, item: Row) -> Any:
-        if self.embed:
-            return self.embed_rows(item.inputs)
-        return self.xp.asarray(item.inputs, self.xp.float32)
-
-    # -- pieces ------------------------------------------------------------------------
-
-    def _block(self, w: HybridLayerWeights, slot: int, x: Any, segs: list[_Seg], last: bool) -> Any:
-        """One decoder layer over every segment's rows; in the last layer only each
-        segment's last ``rows`` rows go past the token mixer."""
-        h = self._norm(x, w.attn_norm)
+        """Stage layer ``layer``'s token mixer over ``x`` ``[N, E]`` (normed): ``[R, E]``,
+        every row, or in the ``last`` layer each segment's last ``rows``."""
+        slot = self._slot[layer]
         if w.linear is not None:
-            h = self._deltanet(w.linear, h, slot, segs, last)
-        else:
-            assert w.attention is not None
-            qkv = self.linear(h, w.attention.wqkv)  # [N, 2 H D + 2 Hkv D]: all rows at once
-            att = w.attention
-            outs = [
-                self._attend(att, part, seg.start_pos, seg.cache, slot, seg.rope, _kept(seg, last))
-                for part, seg in _parts(qkv, segs)
-            ]
-            h = self.linear(_concat(self.xp, outs), w.attention.wo)  # [R, E]
-        if last:
-            x = _concat(self.xp, [p[seg.n - seg.rows :] for p, seg in _parts(x, segs)])
-        x = x + h  # [R, E]
-        return x + self.mlp(w, self._norm(x, w.ffn_norm))
+            return self._deltanet(w.linear, x, slot, segs, last)
+        assert w.attention is not None
+        qkv = self.linear(x, w.attention.wqkv)  # [N, 2 H D + 2 Hkv D]: all rows at once
+        outs = [
+            self._attend(w.attention, part, seg.start_pos, seg.cache, slot, rope, _kept(seg, last))
+            for (part, seg), rope in zip(_parts(qkv, segs), plan, strict=True)
+        ]
+        return self.linear(_concat(self.xp, outs), w.attention.wo)  # [R, E]
 
-    def _deltanet(self, w: DeltaNetWeights, x: Any, slot: int, segs: list[_Seg], last: bool) -> Any:
+    def _deltanet(
+        self, w: DeltaNetWeights, x: Any, slot: int, segs: Sequence[Segment], last: bool
+    ) -> Any:
         c, xp = self.config, self.xp
         qkv = self.linear(x, w.in_qkv)  # [N, C]
         ba = self.linear(x, w.in_ba)  # [N, 2 Hv]
@@ -304,85 +261,23 @@ class HybridStage:
         gate_up = self.linear(x, w.w_gate_up)  # [r, 2 I]
         return self.linear(ops.silu_mul(self.xp, gate_up), w.w_down)
 
-    def embed_rows(self, ids: Any) -> Any:
-        """The embeddings ``[S, E]`` of token ids ``[S]``."""
-        table = self.weights.embed_t
-        assert table is not None
-        return table[:, self.xp.asarray(ids, dtype=self.xp.int64)].T
-
-    def final_norm(self, x: Any) -> Any:
-        """The final RMSNorm (head stage)."""
-        assert self.weights.norm is not None
-        return self._norm(x, self.weights.norm)
-
-    def logits(self, x: Any) -> Any:
-        """Final norm and output head: ``[r, E]`` -> ``[r, V]``."""
-        return self._project(self.final_norm(x))
-
-    def _project(self, normed: Any) -> Any:
-        w = self.weights
-        return self.linear(normed, w.head_t if w.head_t is not None else w.embed_t)
-
     def _norm(self, x: Any, weight: Any) -> Any:
         return ops.rms_norm(self.xp, x, weight, self.config.rms_norm_eps)
 
 
-class Row(Protocol):
-    """One sequence's part of a batched forward (``model.BatchRow`` is one)."""
-
-    @property
-    def inputs(self) -> Any: ...  # token ids [S] (first stage) or hidden states [S, E]
-    @property
-    def start_pos(self) -> int: ...
-    @property
-    def cache(self) -> Any: ...
-    @property
-    def out_rows(self) -> int | None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class _Item:
-    inputs: Any
-    start_pos: int
-    cache: HybridCache
-    out_rows: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class _Seg:
-    """Where one sequence sits in a batch: S new rows from ``start_pos``; ``rows`` of them go
-    past the last layer's mixer, ``wanted`` of those through the head."""
-
-    start_pos: int
-    n: int
-    rows: int
-    wanted: int
-    cache: HybridCache
-    rope: tuple[Any, Any]  # cos, sin [S, R]
-
-
-def _kept(seg: _Seg, last: bool) -> int:
+def _kept(seg: Segment, last: bool) -> int:
     """Rows of ``seg`` that go past the token mixer: all but in the last layer."""
     return seg.rows if last else seg.n
 
 
-def _parts(x: Any, segs: list[_Seg], *, kept: bool = False) -> list[tuple[Any, _Seg]]:
-    """``x``'s rows cut per segment (``n`` rows each, or ``rows`` with ``kept``)."""
+def _parts(x: Any, segs: Sequence[Segment]) -> list[tuple[Any, Segment]]:
+    """``x``'s rows cut per segment (``n`` rows each)."""
     out, offset = [], 0
     for seg in segs:
-        size = seg.rows if kept else seg.n
-        out.append((x[offset : offset + size], seg))
-        offset += size
+        out.append((x[offset : offset + seg.n], seg))
+        offset += seg.n
     return out
 
 
 def _concat(xp: Any, parts: list[Any]) -> Any:
     return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=0)
-
-
-def _split(x: Any, sizes: list[int]) -> list[Any]:
-    out, offset = [], 0
-    for size in sizes:
-        out.append(x[offset : offset + size])
-        offset += size
-    return out

@@ -59,6 +59,9 @@ class HybridLayerWeights:
     w_gate_up: Any  # [E, 2 I] (None with experts)
     w_down: Any  # [I, E] (None with experts)
     moe: MoeWeights | None = None  # routed and shared experts (Qwen3.5-MoE)
+    # (the block's sandwich norms, which Qwen3.5 has not: see ``weights.LayerWeights``)
+    post_attn_norm: None = None
+    post_ffn_norm: None = None
 
     def nbytes(self) -> int:
         """Bytes of weight this layer holds (with experts: every expert's)."""

@@ -135,6 +135,11 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {n}")
         self.length = n
 
+    def advance(self, start: int, rows: int) -> None:
+        """Record a forward of ``rows`` new positions from ``start``: the cache now holds
+        ``start + rows`` positions."""
+        self.length = start + rows
+
     def write(self, layer: int, start: int, k: Any, v: Any) -> tuple[Any, Any]:
         """Store ``k, v`` ``[Hkv, S, D]`` at ``start``; return keys/values ``[Hkv, T', D]``.
 

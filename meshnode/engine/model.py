@@ -1,45 +1,49 @@
 """The decoder as a pipeline stage: layers ``[start, end)`` of one model.
 
-One block serves every family in ``config.ARCHITECTURES``: Llama's pre-norm block, plus
-what the model's row switches on (QK-norm, norms on the attention and MLP outputs,
-GeGLU, scaled embeddings, sliding-window layers with their own RoPE base; attention
-sinks and the output bias of gpt-oss; a mixture of experts in place of the MLP where
-``config.moe`` says a layer routes, ``meshnode.engine.moe``). A stage embeds
-token ids when it is the first stage and applies the final norm and the output head when
-it is the last. One ``forward`` handles prefill (many new tokens), decode
-(one) and verify (k + 1) alike: new tokens attend causally to the cache and to each other.
-The backend (``meshnode.engine.backend``) loads the weights and does the matrix products;
-on a CUDA backend it gives the stage a device side that takes the whole forward
-(``meshnode.engine.cuda.stage``: the same math as the functions of ``meshnode.engine.ops``
-this file calls, as fused kernels).
+One block serves every family in ``config.ARCHITECTURES`` and every backend: a block is a
+norm, the layer's token mixer, a residual add, a norm, the layer's feed-forward and a
+residual add, with what the model's row switches on (QK-norm, norms on the attention and
+MLP outputs, GeGLU, scaled embeddings, sliding-window layers with their own RoPE base;
+attention sinks and the output bias of gpt-oss).
+What varies per layer is data: the token mixer is attention (``engine.attention`` on the
+CPU, ``engine.cuda.attention`` on a device) or, in a hybrid model, a Gated DeltaNet or
+gated-attention layer (``engine.hybrid``); the feed-forward is a dense gated MLP or, where
+the model's ``moe`` config says a layer routes, a mixture of experts (``engine.moe``):
+:func:`feed_forward_of` chooses by the layer's weights. Every
+array operation goes through the :class:`~meshnode.engine.backend.Backend`, which also
+runs the forward (on CUDA: fixed buffers and a CUDA graph capturing this same block).
+A stage embeds token ids when it is the first stage and applies the final norm and the
+output head when it is the last. One ``forward`` handles prefill (many new tokens),
+decode (one) and verify (k + 1) alike: new tokens attend causally to the cache and to each
+other.
 
-Shapes: S new tokens, T cached + new positions, E hidden size, H query heads, Hkv key/value
-heads, G = H / Hkv, D head dim, V vocabulary, r rows whose output is wanted.
+Shapes: S new tokens, N new rows of a batch, R rows kept past the last layer's mixer,
+T cached + new positions, E hidden size, H query heads, Hkv key/value heads, D head dim,
+V vocabulary, r rows whose output is wanted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 from meshnode_packaging.sources import ModelSource
 
-from meshnode.engine.attention import Segment
+from meshnode.engine.attention import Attention, Segment
 from meshnode.engine.backend import Backend, cpu_backend
 from meshnode.engine.config import ModelConfig, ModelConfigError
-from meshnode.engine.cuda.stage import CudaStage
-from meshnode.engine.hybrid import HybridStage, load_hybrid_weights
-from meshnode.engine.hybrid_config import HybridConfig
-from meshnode.engine.kv_cache import KVCache, kv_numpy_dtype, resolve_kv_dtype
+from meshnode.engine.hybrid import HybridMixer, load_hybrid_weights
+from meshnode.engine.kv_cache import KVCache, resolve_kv_dtype
 from meshnode.engine.moe import moe_mlp
+from meshnode.engine.moe_config import MoeConfig
 from meshnode.engine.mtp import MtpHead, has_mtp, load_mtp_weights
-from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, HybridCache
+from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
 from meshnode.engine.weights import LayerWeights, StageWeights
 
-__all__ = ["BatchRow", "HostArray", "Stage", "token_ids"]
+__all__ = ["BatchRow", "HostArray", "Stage", "feed_forward_of", "token_ids"]
 
 #: Hidden states ``[S, E]`` or logits ``[r, V]`` copied to the host (``Backend.to_numpy``),
 #: as a stage hands them to the next stage or to the sampler.
@@ -49,6 +53,84 @@ HostArray = npt.NDArray[np.float32]
 def token_ids(tokens: Sequence[int]) -> npt.NDArray[np.int64]:
     """Token ids as a first stage's ``inputs`` ``[S]``."""
     return np.asarray(tokens, dtype=np.int64)
+
+
+class Block(Protocol):
+    """What the block reads of a layer's weights whatever its kinds (``weights.LayerWeights``,
+    ``hybrid_weights.HybridLayerWeights``): its norms (None: not applied)."""
+
+    @property
+    def attn_norm(self) -> Any: ...  # [E], before the token mixer
+    @property
+    def post_attn_norm(self) -> Any | None: ...  # [E], on the mixer's output (Gemma 3)
+    @property
+    def ffn_norm(self) -> Any: ...  # [E], before the feed-forward
+    @property
+    def post_ffn_norm(self) -> Any | None: ...  # [E], on the feed-forward's output
+
+
+class Mixer(Protocol):
+    """A stage's token mixers: ``prepare`` once per forward (the plan), then a call per
+    layer; ``keep_rows`` cuts ``[N, E]`` to each segment's last ``rows`` rows ``[R, E]``."""
+
+    def prepare(self, segs: Sequence[Segment]) -> Any: ...
+    def keep_rows(self, x: Any, segs: Sequence[Segment], plan: Any) -> Any: ...
+    def __call__(
+        self, w: Any, x: Any, segs: Sequence[Segment], plan: Any, layer: int, last: bool
+    ) -> Any: ...
+
+
+#: A layer's feed-forward: ``(backend, weights, x [r, E], activation) -> [r, E]``.
+FeedForward = Callable[[Backend, Any, Any, str], Any]
+
+
+def glu_feed_forward(backend: Backend, w: Any, x: Any, activation: str) -> Any:
+    """The dense gated MLP (SwiGLU / GeGLU) of ``x`` ``[r, E]``."""
+    gate_up = backend.linear(x, w.w_gate_up)  # [r, 2 I]
+    act = backend.glu(gate_up, activation)  # [r, I]
+    return backend.linear(act, w.w_down)  # [r, E]
+
+
+def feed_forward_of(w: Any, moe: MoeConfig | None) -> FeedForward:
+    """The feed-forward kind of a layer, chosen by its weights: routed experts
+    (``engine.moe``, by the model's ``moe`` config) where they hold a router and experts
+    (``w.moe``), else the dense gated MLP."""
+    if getattr(w, "moe", None) is None:
+        return glu_feed_forward
+    if moe is None:
+        raise ModelConfigError("a layer holds experts but the model's config has none")
+    routing = moe
+
+    def routed(backend: Backend, w: Any, x: Any, activation: str) -> Any:
+        return moe_mlp(backend, routing, w.moe, x)  # [r, E]
+
+    return routed
+
+
+class _AttentionMixer:
+    """The token mixer of a plain decoder: the fused q/k/v projection (and bias), the
+    backend's attention over each sequence's cache, the output projection."""
+
+    def __init__(self, backend: Backend, attention: Attention) -> None:
+        self.backend, self.attention = backend, attention
+
+    def prepare(self, segs: Sequence[Segment]) -> Any:
+        return self.attention.prepare(segs)
+
+    def keep_rows(self, x: Any, segs: Sequence[Segment], plan: Any) -> Any:
+        return self.attention.keep_rows(x, segs, plan)
+
+    def __call__(
+        self, w: LayerWeights, x: Any, segs: Sequence[Segment], plan: Any, layer: int, last: bool
+    ) -> Any:
+        qkv = self.backend.linear(x, w.wqkv)  # [N, (H + 2 Hkv) D]: all sequences' rows at once
+        if w.bqkv is not None:
+            qkv = self.backend.add(qkv, w.bqkv)
+        # per sequence: QK-norm, RoPE, its cache, attention
+        norms = (w.q_norm, w.k_norm)
+        heads = self.attention(qkv, segs, plan, layer, norms, last, w.sinks)  # [R, H D]
+        out = self.backend.linear(heads, w.wo)  # [R, E]
+        return out if w.bo is None else self.backend.add(out, w.bo)  # gpt-oss: output bias
 
 
 class Stage:
@@ -76,71 +158,51 @@ class Stage:
         self.backend = backend or cpu_backend()
         self.backend.check_model(config)
         self.xp = self.backend.xp
-        # K/V of a CPU stage's caches (kv_cache.KV_DTYPES; auto: f16 with q8 weights, else
-        # f32); a hybrid or CUDA stage keeps its own (float32; the device's)
+        # K/V of the caches (kv_cache.KV_DTYPES; auto: f16 with q8 weights, else f32); a
+        # hybrid stage keeps float32, a CUDA one the device's (Backend.new_kv_cache)
         self.kv_dtype = resolve_kv_dtype(kv_dtype, self.backend.weights_dtype)
-        if config.hybrid is not None or self.backend.name != "cpu":
+        if config.hybrid is not None:
             self.kv_dtype = "f32"
-        self._cuda: CudaStage | None = None
-        self.hybrid: HybridStage | None = None
         self.mtp: MtpHead | None = None  # the model's MTP drafter (hybrid head stage)
-        if config.hybrid is not None:  # Gated DeltaNet + gated attention layers
-            self._init_hybrid(config.hybrid, source_or_weights, ring_slots, mtp)
-            return
-        if isinstance(source_or_weights, StageWeights):
-            self.weights = source_or_weights
-        else:
-            self.weights = self.backend.load_weights(
-                source_or_weights, config, start, end, embed=embed, head=head
-            )
+        # Head stage with an MTP drafter: every row's final-normed hidden state of the last
+        # forward (keep_hidden)
+        self._keep_hidden = False
+        self._last_hidden: Any = None  # [R, E]
         # Gemma scales embeddings by sqrt(hidden) rounded to the activations' dtype first.
         self._embed_scale = np.float32(np.sqrt(config.hidden_size))
-        # CUDA: the engine's kernels, fixed buffers, CUDA graphs take the forward
-        self._cuda = self.backend.device_stage(config, self.weights, embed=embed, head=head)
-        if self._cuda is None:
-            # attention, RoPE and the KV cache of each sequence, as the backend computes them
-            self._attention_of = self.backend.attention(config, start, end)
-
-    def _init_hybrid(
-        self,
-        hybrid_config: HybridConfig,
-        source: ModelSource | StageWeights,
-        ring_slots: int,
-        mtp: bool,
-    ) -> None:
-        """Hand this stage to ``hybrid.HybridStage`` (NumPy only, weights from a source;
-        ``Backend.check_model`` refused it on any other backend)."""
-        if isinstance(source, StageWeights):
-            raise ModelConfigError("a hybrid stage loads its weights from the model source")
-        weights = load_hybrid_weights(
-            source,
-            hybrid_config,
-            self.start,
-            self.end,
-            embed=self.embed,
-            head=self.head,
-            backend=self.backend,
-        )
-        self.weights = weights
-        self.hybrid = HybridStage(
-            hybrid_config,
-            weights,
-            self.start,
-            self.end,
-            embed=self.embed,
-            head=self.head,
-            backend=self.backend,
-            linear=self.backend.linear,
-            ring_slots=ring_slots,
-        )
-        if mtp and self.head and has_mtp(source):
-            mtp_weights = load_mtp_weights(source, self.backend, hybrid_config.moe)  # MoE
-            self.mtp = MtpHead(self.hybrid, mtp_weights)
-
-    @property
-    def cuda(self) -> CudaStage | None:
-        """The device side of this stage on a CUDA backend (None on the CPU)."""
-        return self._cuda
+        self._hybrid: HybridMixer | None = None
+        self._mixer: Mixer
+        if config.hybrid is not None:  # Gated DeltaNet + gated attention layers
+            if isinstance(source_or_weights, StageWeights):
+                raise ModelConfigError("a hybrid stage loads its weights from the model source")
+            source = source_or_weights
+            weights = load_hybrid_weights(
+                source, config.hybrid, start, end, embed=embed, head=head, backend=self.backend
+            )
+            self.weights: StageWeights = weights
+            self.layers: Sequence[Block] = weights.blocks
+            hybrid = HybridMixer(
+                config.hybrid, weights, start, end, head=head, backend=self.backend,
+                ring_slots=ring_slots,
+            )  # fmt: skip
+            self._hybrid, self._mixer = hybrid, hybrid
+            if mtp and head and has_mtp(source):
+                mtp_weights = load_mtp_weights(source, self.backend, config.hybrid.moe)
+                self.mtp = MtpHead(hybrid, mtp_weights)
+        else:
+            if isinstance(source_or_weights, StageWeights):
+                self.weights = source_or_weights
+            else:
+                self.weights = self.backend.load_weights(
+                    source_or_weights, config, start, end, embed=embed, head=head
+                )
+            self.layers = self.weights.layers
+            attention = self.backend.attention(config, start, end)
+            self._mixer = _AttentionMixer(self.backend, attention)
+        moe = config.hybrid.moe if config.hybrid is not None else config.moe
+        self._feed_forward = [feed_forward_of(w, moe) for w in self.layers]
+        # The backend runs the forward: on CUDA it replays decode steps as CUDA graphs.
+        self._runner = self.backend.runner(config, embed=embed, graphs=self._hybrid is None)
 
     def new_cache(self, max_tokens: int) -> KVCache:
         """An empty KV cache for one sequence of up to ``max_tokens`` positions.
@@ -149,13 +211,28 @@ class Stage:
         and its snapshot ring; it offers the same ``length``/``truncate``/``nbytes``. A CPU
         stage's K/V are :attr:`kv_dtype`.
         """
-        if self.hybrid is not None:
-            return self.hybrid.new_cache(max_tokens)
-        if self._cuda is not None:
-            return self._cuda.new_cache(max_tokens)
-        c, dtype = self.config, kv_numpy_dtype(self.kv_dtype)
-        layers = self.end - self.start
-        return KVCache(self.xp, layers, c.num_kv_heads, c.head_dim, max_tokens, dtype=dtype)
+        if self._hybrid is not None:
+            return self._hybrid.new_cache(max_tokens)
+        c = self.config
+        shape = (self.end - self.start, c.num_kv_heads, c.head_dim)
+        return self.backend.new_kv_cache(shape, max_tokens, self.kv_dtype, self.weights)
+
+    def replay_seconds(self, rows: int, repeats: int) -> float | None:
+        """Device seconds of one replay of the CUDA graph of a ``rows``-row decode step,
+        timed over ``repeats`` replays (None: none captured, or the CPU). For benchmarks."""
+        return self._runner.replay_seconds(rows, repeats)
+
+    def keep_hidden(self, keep: bool) -> None:
+        """Whether the next forwards keep every row's final-normed hidden state in
+        :attr:`last_hidden` (the MTP drafter reads every committed row; a head stage,
+        meant for a batch of one)."""
+        self._keep_hidden = keep and self.head
+
+    @property
+    def last_hidden(self) -> Any:
+        """The final-normed hidden rows ``[R, E]`` of the last forward of a head stage
+        (every row while :meth:`keep_hidden` is on, else the rows the head read)."""
+        return self._last_hidden
 
     def forward(
         self, inputs: Any, start_pos: int, cache: KVCache, *, out_rows: int | None = None
@@ -164,16 +241,13 @@ class Stage:
 
         ``inputs`` are token ids ``[S]`` on the first stage, hidden states ``[S, E]``
         otherwise. The cache is first truncated to ``start_pos`` (rollback needs no
-        message). Returns hidden states ``[S, E]``, or on the head stage the logits
-        ``[r, V]`` of the last ``r = out_rows`` rows (all rows when None): the other rows
-        only write their K/V in the last layer and skip the rest of it and the head.
-        Raises ``ValueError`` if ``start_pos`` is past the cache's end or the cache is full.
+        message; a hybrid cache restores its recurrent state from the snapshot ring).
+        Returns hidden states ``[S, E]``, or on the head stage the logits ``[r, V]`` of
+        the last ``r = out_rows`` rows (all rows when None): the other rows only write
+        their K/V in the last layer and skip the rest of it and the head. Raises
+        ``ValueError`` if ``start_pos`` is past the cache's end or the cache is full
+        (``RollbackError`` when it is behind a hybrid cache's ring).
         """
-        if self._cuda is not None:
-            return self._cuda.forward(inputs, start_pos, cache, out_rows)
-        if self.hybrid is not None:
-            assert isinstance(cache, HybridCache), "a hybrid stage runs on its own new_cache"
-            return self.hybrid.forward(inputs, start_pos, cache, out_rows=out_rows)
         return self.forward_batch([BatchRow(inputs, start_pos, cache, out_rows)])[0]
 
     def forward_batch(self, items: Sequence[BatchRow]) -> list[Any]:
@@ -181,22 +255,45 @@ class Stage:
         :meth:`forward` returns it.
 
         Every product with a weight matrix runs once over the rows of all items (one read
-        of the weights for the whole batch); attention, RoPE and the KV cache stay per
-        sequence (for a hybrid model, the recurrence too: ``HybridStage.forward_batch``).
-        Items must name distinct caches. On CUDA the device stage batches the same way
-        (``CudaStage.forward_batch``; a prompt chunk of more than ``MAX_ROWS`` rows runs
-        alone). Raises ``ValueError`` as :meth:`forward` does.
+        of the weights for the whole batch); attention, RoPE, the KV cache and a hybrid
+        model's recurrence stay per sequence. Items must name distinct caches. The backend
+        may cut a batch into several forwards (CUDA: a long prompt runs alone, at most
+        ``MAX_BATCH_ROWS`` rows together). Raises ``ValueError`` as :meth:`forward` does.
         """
-        if self.hybrid is not None:
-            assert all(isinstance(i.cache, HybridCache) for i in items), "hybrid caches only"
-            return self.hybrid.forward_batch(items)
-        if self._cuda is not None:
-            return self._cuda.forward_batch(items)
+        if len({id(item.cache) for item in items}) != len(items):
+            raise ValueError("a batch names each sequence's cache once")
+        for item in items:  # refused before any cache is rolled back
+            if (end := item.start_pos + len(item.inputs)) > item.cache.max_tokens:
+                raise ValueError(f"KV cache full: {end} > {item.cache.max_tokens} tokens")
+        outs: list[Any] = [None] * len(items)
+        for group in self._runner.groups([len(item.inputs) for item in items]):
+            run = [items[i] for i in group]
+            for i, out in zip(group, self._forward_group(run), strict=True):
+                outs[i] = out
+        return outs
+
+    def _forward_group(self, items: Sequence[BatchRow]) -> list[Any]:
         segs = [self._segment(item) for item in items]
-        x = _concat(self.xp, [self._inputs(item) for item in items])  # [N, E]
-        layers = self.weights.layers
-        last = len(layers) - 1
-        plan = self._attention_of.prepare(segs) if last >= 0 else None
+        wanted = [self._wanted(item) for item in items]
+        key = (sum(seg.n for seg in segs), sum(seg.rows for seg in segs), sum(wanted))
+        out = self._runner.run(
+            key,
+            [item.inputs for item in items],
+            lambda: self._mixer.prepare(segs),
+            lambda x, plan: self._layers_and_head(x, segs, plan, wanted),
+        )
+        for seg in segs:
+            seg.cache.advance(seg.start_pos, seg.n)
+        return _split(out, wanted if self.head else [seg.rows for seg in segs])
+
+    def _layers_and_head(
+        self, inputs: Any, segs: list[Segment], plan: Any, wanted: list[int]
+    ) -> Any:
+        """The forward proper, over the stacked inputs (ids ``[N]`` or hidden ``[N, E]``,
+        on the device): every launch a CUDA graph captures. Returns ``[R, E]``, or on the
+        head stage the logits ``[r, V]`` of the wanted rows."""
+        x = self._embed(inputs) if self.embed else inputs  # [N, E]
+        layers, last = self.layers, len(self.layers) - 1
         # each block's output comes with its norm for the next one (residual add and norm
         # in one call): the next layer's attention norm, after the last the head's
         normed = self._rms_norm(x, layers[0].attn_norm) if layers else None
@@ -205,29 +302,25 @@ class Stage:
             then = layers[i + 1].attn_norm if i < last else head_norm
             x, normed = self._block(layer, x, normed, segs, plan, i, then)
         if not layers:
-            x = x[_kept_rows(self.xp, segs)]
-        for item, seg in zip(items, segs, strict=True):
-            item.cache.length = seg.start_pos + seg.n
-        out = self._head(x, normed) if self.head else x
-        return _split(out, [seg.rows for seg in segs])
+            x = self._mixer.keep_rows(x, segs, plan)  # [R, E]
+        return self._head(x, normed, segs, wanted) if self.head else x
 
     def _segment(self, item: BatchRow) -> Segment:
         item.cache.truncate(item.start_pos)
         n = len(item.inputs)
-        out_rows = item.out_rows
-        rows = n if out_rows is None or not self.head else min(out_rows, n)
+        rows = n if self._keep_hidden else self._wanted(item)
         return Segment(item.start_pos, n, rows, item.cache)
 
-    def _inputs(self, item: BatchRow) -> Any:
-        if self.embed:
-            return self._embed(item.inputs)  # [S, E]
-        return self.xp.asarray(item.inputs, self.xp.float32)  # [S, E]
+    def _wanted(self, item: BatchRow) -> int:
+        """Rows of ``item`` whose output is returned (``out_rows`` on the head stage)."""
+        n = len(item.inputs)
+        return n if item.out_rows is None or not self.head else min(item.out_rows, n)
 
     # -- pieces ------------------------------------------------------------------------
 
     def _block(
         self,
-        w: LayerWeights,
+        w: Block,
         x: Any,
         normed: Any,
         segs: list[Segment],
@@ -237,14 +330,15 @@ class Stage:
     ) -> tuple[Any, Any]:
         """One decoder block over the rows of every segment (``normed``: ``x`` through
         its ``attn_norm``); in the stage's last layer only each segment's last ``rows``
-        rows go past attention. Returns the block's output and it through the norm
+        rows go past the token mixer. Returns the block's output and it through the norm
         ``then`` (None when there is none)."""
-        last = layer == len(self.weights.layers) - 1
-        h = self._attention(w, normed, segs, plan, layer, last)
+        last = layer == len(self.layers) - 1
+        h = self._mixer(w, normed, segs, plan, layer, last)  # [R, E]
         if last:
-            x = x[_kept_rows(self.xp, segs)]
-        x, normed = self._add_norm(x, h, w.post_attn_norm, w.ffn_norm)  # [R, E]
-        return self._add_norm(x, self._mlp(w, normed), w.post_ffn_norm, then)
+            x = self._mixer.keep_rows(x, segs, plan)  # [R, E]
+        x, normed = self._add_norm(x, h, w.post_attn_norm, w.ffn_norm)
+        ffn = self._feed_forward[layer](self.backend, w, normed, self.config.arch.activation)
+        return self._add_norm(x, ffn, w.post_ffn_norm, then)
 
     def _add_norm(
         self, x: Any, h: Any, h_norm: Any | None, then: Any | None
@@ -253,49 +347,25 @@ class Stage:
         through the norm ``then`` (None: not normed)."""
         return self.backend.add_rms_norm(x, h, h_norm, then, self.config.rms_norm_eps)
 
-    def _attention(
-        self, w: LayerWeights, x: Any, segs: list[Segment], plan: Any, layer: int, last: bool
-    ) -> Any:
-        qkv = self._linear(x, w.wqkv)  # [N, (H + 2 Hkv) D]: all sequences' rows at once
-        if w.bqkv is not None:
-            qkv = qkv + w.bqkv
-        # per sequence: QK-norm, RoPE, its cache, attention (engine.attention)
-        norms = (w.q_norm, w.k_norm)
-        heads = self._attention_of(qkv, segs, plan, layer, norms, last, w.sinks)  # MoE: sinks
-        out = self._linear(heads, w.wo)  # [R, E]
-        return out if w.bo is None else out + w.bo  # MoE (gpt-oss): the output's bias
-
-    def _mlp(self, w: LayerWeights, x: Any) -> Any:
-        if w.moe is not None:  # MoE: the layer's feed-forward kind is routed experts
-            assert self.config.moe is not None
-            return moe_mlp(self.backend, self.config.moe, w.moe, x)  # [r, E]
-        gate_up = self._linear(x, w.w_gate_up)  # [r, 2 I]
-        act = self.backend.glu(gate_up, self.config.arch.activation)  # SwiGLU/GeGLU, [r, I]
-        return self._linear(act, w.w_down)  # [r, E]
-
-    def _linear(self, x: Any, w: Any) -> Any:
-        """``x @ w`` for ``x`` ``[r, in]``, ``w`` ``[in, out]``, as the backend multiplies."""
-        return self.backend.linear(x, w)
-
     def _rms_norm(self, x: Any, weight: Any) -> Any:
         return self.backend.rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _embed(self, ids: Any) -> Any:
-        x = self._lookup(ids)  # [S, E]
-        return x * self._embed_scale if self.config.arch.scaled_embeddings else x
-
-    def _lookup(self, ids: Any) -> Any:
         assert self.weights.embed_t is not None
-        idx = self.xp.asarray(ids, dtype=self.xp.int64)
-        return self.backend.embed_rows(self.weights.embed_t, idx)  # [S, E]
+        x = self.backend.embed_rows(self.weights.embed_t, ids)  # [S, E]
+        return self.backend.scale(x, self._embed_scale) if self.config.arch.scaled_embeddings else x
 
-    def _head(self, x: Any, normed: Any | None = None) -> Any:
-        """Logits ``[r, V]`` of the rows ``x`` (``normed``: through the final norm already)."""
+    def _head(self, x: Any, normed: Any | None, segs: list[Segment], wanted: list[int]) -> Any:
+        """Logits ``[r, V]`` of each segment's last ``wanted`` rows of ``x`` ``[R, E]``
+        (``normed``: through the final norm already)."""
         w = self.weights
         assert w.norm is not None
         h = self._rms_norm(x, w.norm) if normed is None else normed
+        self._last_hidden = h
+        if self._keep_hidden:
+            h = _last_rows(self.xp, h, [seg.rows for seg in segs], wanted)
         table = w.head_t if w.head_t is not None else w.embed_t
-        return self._linear(h, table)  # [r, V]
+        return self.backend.linear(h, table)  # [r, V]
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,18 +378,13 @@ class BatchRow:
     out_rows: int | None = None
 
 
-def _concat(xp: Any, parts: list[Any]) -> Any:
+def _last_rows(xp: Any, x: Any, sizes: list[int], last: list[int]) -> Any:
+    """The last ``last[i]`` of each run of ``sizes[i]`` rows of ``x``."""
+    if sizes == last:
+        return x
+    ends = np.cumsum(sizes)
+    parts = [x[e - k : e] for e, k in zip(ends, last, strict=True)]
     return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=0)
-
-
-def _kept_rows(xp: Any, segs: list[Segment]) -> Any:
-    """Indices of each segment's last ``rows`` rows in the stacked ``[N, E]`` activations."""
-    ends = np.cumsum([seg.n for seg in segs])
-    if len(segs) == 1:
-        return slice(segs[0].n - segs[0].rows, segs[0].n)
-    return xp.asarray(
-        np.concatenate([np.arange(e - s.rows, e) for e, s in zip(ends, segs, strict=True)])
-    )
 
 
 def _split(out: Any, rows: list[int]) -> list[Any]:

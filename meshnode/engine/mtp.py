@@ -28,7 +28,7 @@ from meshnode_packaging.sources import ModelSource
 
 from meshnode.engine import ops
 from meshnode.engine.backend import Backend
-from meshnode.engine.hybrid import HybridStage
+from meshnode.engine.hybrid import HybridMixer
 from meshnode.engine.hybrid_weights import HybridLayerWeights, linear_t, load_layer, offset_norm
 from meshnode.engine.kv_cache import KVCache
 from meshnode.engine.moe_config import MoeConfig
@@ -89,9 +89,10 @@ class MtpCache:
 
 
 class MtpHead:
-    """Runs the MTP module of a head stage (``stage``: its attention, MLP, norm, head)."""
+    """Runs the MTP module of a head stage (``stage``: its hybrid mixers, whose attention,
+    MLP, head and linear product the module's layer shares)."""
 
-    def __init__(self, stage: HybridStage, weights: MtpWeights) -> None:
+    def __init__(self, stage: HybridMixer, weights: MtpWeights) -> None:
         if not stage.head:
             raise ValueError("the MTP module runs on the stage that holds the head")
         self.stage = stage

@@ -37,21 +37,12 @@ def model_footprint(
     """
     if config.hybrid is not None:
         return _hybrid_footprint(config, config.hybrid, bytes_per_param, ring_slots)
-    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
-    attention = h * (q + 2 * kv) + q * h + 2 * h
-    moe = config.moe  # a MoE layer holds every expert, though a token runs only k of them
-    layer_params = [
-        attention + (moe.layer_params(h)[0] if moe and moe.is_sparse(i) else 3 * h * inter)
-        for i in range(config.num_layers)
-    ]
-    embed = config.vocab_size * h
-    head = h + (0 if config.tie_word_embeddings else config.vocab_size * h)
-    kv_per_token = 2 * kv * kv_bytes(kv_dtype) * MAX_SEQUENCES_PER_STAGE  # K and V
+    kv_per_token = 2 * config.kv_size * kv_bytes(kv_dtype) * MAX_SEQUENCES_PER_STAGE  # K, V
     if held is None:
         held = HeldBytes(
-            tuple(p * bytes_per_param for p in layer_params),
-            embed * bytes_per_param,
-            head * bytes_per_param,
+            tuple(config.layer_params(i) * bytes_per_param for i in range(config.num_layers)),
+            config.embed_params * bytes_per_param,
+            config.head_params * bytes_per_param,
         )
     return ModelFootprint(
         layer_bytes=held.layers,
@@ -69,13 +60,12 @@ def _hybrid_footprint(
     the recurrent state and snapshot ring of every live sequence, whatever the context."""
     layers = range(hybrid.num_layers)
     per_sequence = hybrid.recurrent_shape().nbytes() * (1 + ring_slots)
-    h, vocab = hybrid.hidden_size, hybrid.vocab_size
     return ModelFootprint(
-        layer_bytes=tuple(hybrid.layer_params(i) * bytes_per_param for i in layers),
-        embed_bytes=vocab * h * bytes_per_param,
-        head_bytes=(h + (0 if hybrid.tie_word_embeddings else vocab * h)) * bytes_per_param,
+        layer_bytes=tuple(config.layer_params(i) * bytes_per_param for i in layers),
+        embed_bytes=config.embed_params * bytes_per_param,
+        head_bytes=config.head_params * bytes_per_param,
         kv_bytes_per_token_per_layer=2 * config.kv_size * 4 * MAX_SEQUENCES_PER_STAGE,
-        tied_head=hybrid.tie_word_embeddings,
+        tied_head=config.tie_word_embeddings,
         kv_layers=tuple(not hybrid.is_linear(i) for i in layers),
         fixed_layer_bytes=tuple(
             per_sequence * MAX_SEQUENCES_PER_STAGE if hybrid.is_linear(i) else 0 for i in layers

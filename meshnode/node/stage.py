@@ -104,7 +104,7 @@ class StageRunner:
     def batches(self) -> bool:
         """Whether a list of frames runs as one forward here (the CUDA stage runs them one
         by one)."""
-        return self.stage.cuda is None
+        return self.stage.backend.name == "cpu"
 
     @property
     def live_sequences(self) -> int:
@@ -304,8 +304,8 @@ class StageRunner:
             seq.history[frame.start_pos :] = frame.tokens
             if frame.kind is FrameKind.PREFILL and frame.final:
                 seq.prompt_len = frame.end_pos
-        if self.stage.hybrid is not None:  # the MTP drafter reads every row's hidden state
-            self.stage.hybrid.keep_hidden = self.stage.mtp is not None and frame.mtp_drafts > 0
+        # the MTP drafter reads every row's hidden state
+        self.stage.keep_hidden(self.stage.mtp is not None and frame.mtp_drafts > 0)
         # Only the rows whose logits are used go through the head (engine out_rows).
         return BatchRow(inputs, frame.start_pos, seq.cache, _out_rows(frame))
 
@@ -337,14 +337,14 @@ class StageRunner:
     ) -> tuple[int, ...]:
         """Drafts of the model's MTP module for the tokens after ``tokens`` (DESIGN §7):
         the committed rows of this frame feed its layer, then it chains greedy drafts."""
-        mtp, hybrid = self.stage.mtp, self.stage.hybrid
-        if mtp is None or hybrid is None or frame.mtp_drafts == 0:
+        mtp = self.stage.mtp
+        if mtp is None or frame.mtp_drafts == 0:
             return ()
         if seq.mtp is None:
             seq.mtp = mtp.new_cache(self.context_size)
         rows = accepted + 1 if frame.kind is FrameKind.VERIFY else len(frame.tokens)
         following = tokens[-1] if tokens else None  # the token after the last committed row
-        hidden = hybrid.last_hidden[:rows]
+        hidden = self.stage.last_hidden[:rows]
         out = mtp.absorb(seq.mtp, frame.start_pos, hidden, list(frame.tokens[:rows]), following)
         if out is None or following is None:
             return ()

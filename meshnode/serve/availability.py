@@ -32,9 +32,7 @@ def unavailable_message(host: Mapping[str, Any]) -> str:
         failure = str(host.get("last_failure") or "a stage failed")
         return f"The mesh is replanning ({failure}); retry shortly."
     if state == "draining":
-        return (
-            "The mesh is re-placing the model on the nodes that came back; retry shortly."
-        )
+        return "The mesh is re-placing the model on the nodes that came back; retry shortly."
     return _SIMPLE.get(state, "The mesh is loading the model; retry shortly.")
 
 

@@ -16,12 +16,37 @@ from meshnode.speculative.telemetry import SpecStats
 
 #: Latency buckets in seconds, from a fast local decode step (~ms) to a slow cold prefill.
 LATENCY_BUCKETS_S: tuple[float, ...] = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
 )
 #: Whole-request buckets in seconds: a short reply on a GPU (~0.1 s) to a long CPU reply
 #: across a mesh (minutes; the README's example once ran 48 s before it had a token cap).
 REQUEST_BUCKETS_S: tuple[float, ...] = (
-    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
 )
 
 Labels = tuple[tuple[str, str], ...]
@@ -237,12 +262,26 @@ class ServeMetrics:
 
     def _all(self) -> list[Counter | Gauge | Histogram]:
         return [
-            self.requests, self.prompt_tokens, self.generation_tokens, self.in_flight,
+            self.requests,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.in_flight,
             self.replays,
-            self.waiting, self.ttft, self.tpot, self.stage_compute, self.wire, self.stage_seconds,
-            self.spec_proposed, self.spec_accepted, self.spec_windows,
-            self.spec_verify_seconds, self.spec_plain_steps, self.spec_requests,
-            self.spec_accept_rate, self.spec_tokens_per_verify, self.spec_cost_per_token,
+            self.waiting,
+            self.ttft,
+            self.tpot,
+            self.stage_compute,
+            self.wire,
+            self.stage_seconds,
+            self.spec_proposed,
+            self.spec_accepted,
+            self.spec_windows,
+            self.spec_verify_seconds,
+            self.spec_plain_steps,
+            self.spec_requests,
+            self.spec_accept_rate,
+            self.spec_tokens_per_verify,
+            self.spec_cost_per_token,
         ]
 
     def render(self) -> str:

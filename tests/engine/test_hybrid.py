@@ -5,15 +5,14 @@ prefill and row-by-row decode agree; the snapshot ring rolls the recurrent state
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
 
-from meshnode.engine.backend import cpu_backend
-from meshnode.engine.hybrid import HybridStage, load_hybrid_weights
+from meshnode.engine.config import ModelConfig
 from meshnode.engine.hybrid_config import HybridConfig, HybridConfigError
+from meshnode.engine.model import BatchRow, Stage
 from meshnode.engine.recurrent import (
     DEFAULT_RING_SLOTS,
     MAX_RING_SLOTS,
@@ -32,28 +31,22 @@ def folder() -> HybridFolder:
     return HybridFolder()
 
 
-def _stage(folder: HybridFolder, start: int, end: int, ring: int = 17) -> HybridStage:
-    config = HybridConfig.from_hf(folder.config)
-    be = cpu_backend()
+def _stage(folder: HybridFolder, start: int, end: int, ring: int = 17) -> Stage:
+    config = ModelConfig.from_hf(folder.config)
     first, last = start == 0, end == config.num_layers
-    weights = load_hybrid_weights(folder, config, start, end, embed=first, head=last, backend=be)
-    return HybridStage(
-        config,
-        weights,
-        start,
-        end,
-        embed=first,
-        head=last,
-        backend=be,
-        linear=lambda x, w: x @ w,
-        ring_slots=ring,
-    )
+    return Stage(config, folder, start, end, embed=first, head=last, ring_slots=ring, mtp=False)
+
+
+def _cache(stage: Stage, max_tokens: int) -> HybridCache:
+    cache = stage.new_cache(max_tokens)
+    assert isinstance(cache, HybridCache)
+    return cache
 
 
 class Pipeline:
     """Stages in a row, each with its own cache for one sequence (no network)."""
 
-    def __init__(self, stages: list[HybridStage], capacity: int) -> None:
+    def __init__(self, stages: list[Stage], capacity: int) -> None:
         self.stages = stages
         self.caches = [s.new_cache(capacity) for s in stages]
 
@@ -91,7 +84,7 @@ def test_last_prompt_logits_match_the_reference(folder: HybridFolder) -> None:
     stage = _stage(folder, 0, 8)
     for prompt in GOLDEN["prompts"]:
         ids = prompt["prompt_ids"]
-        logits = stage.forward(np.asarray(ids), 0, stage.new_cache(len(ids)), out_rows=1)[-1]
+        logits = stage.forward(np.asarray(ids), 0, _cache(stage, len(ids)), out_rows=1)[-1]
         want_ids, want_values = prompt["last_prompt_logits_top5"]
         assert np.argsort(-logits)[:5].tolist() == want_ids
         np.testing.assert_allclose(logits[want_ids], want_values, rtol=1e-4, atol=1e-5)
@@ -100,8 +93,8 @@ def test_last_prompt_logits_match_the_reference(folder: HybridFolder) -> None:
 def test_chunked_prefill_equals_one_pass_and_decode(folder: HybridFolder) -> None:
     stage = _stage(folder, 0, 8)
     ids = PROMPTS["p_long"]["prompt_ids"][:40]
-    whole = stage.forward(np.asarray(ids), 0, stage.new_cache(64))
-    cache = stage.new_cache(64)
+    whole = stage.forward(np.asarray(ids), 0, _cache(stage, 64))
+    cache = _cache(stage, 64)
     pieces = [stage.forward(np.asarray(ids[:16]), 0, cache)]
     pieces += [stage.forward(np.asarray([t]), 16 + i, cache) for i, t in enumerate(ids[16:])]
     np.testing.assert_allclose(np.concatenate(pieces), whole, rtol=1e-4, atol=1e-4)
@@ -119,9 +112,9 @@ def test_ring_rollback_restores_the_state_after_any_row_of_the_last_pass(
     stage = _stage(folder, 0, 8)
     ids = PROMPTS["p_mixed"]["prompt_ids"]
     prefix, window = ids[:20], ids[20:27]
-    reference = stage.new_cache(64)
+    reference = _cache(stage, 64)
     stage.forward(np.asarray(prefix + window[: 7 - back]), 0, reference)
-    cache = stage.new_cache(64)
+    cache = _cache(stage, 64)
     stage.forward(np.asarray(prefix), 0, cache)
     stage.forward(np.asarray(window), 20, cache)
     cache.rollback(27 - back)
@@ -141,7 +134,7 @@ def test_ring_rollback_restores_the_state_after_any_row_of_the_last_pass(
 
 def test_rollback_behind_the_ring_is_refused_with_a_clear_error(folder: HybridFolder) -> None:
     stage = _stage(folder, 0, 8, ring=4)
-    cache = stage.new_cache(64)
+    cache = _cache(stage, 64)
     stage.forward(np.asarray(PROMPTS["p_mixed"]["prompt_ids"][:20]), 0, cache)
     with pytest.raises(RollbackError, match="replay"):
         cache.rollback(15)
@@ -156,7 +149,7 @@ def test_rollback_behind_the_ring_is_refused_with_a_clear_error(folder: HybridFo
 def test_ring_memory_is_fixed_per_sequence(folder: HybridFolder) -> None:
     config = HybridConfig.from_hf(folder.config)
     stage = _stage(folder, 0, 5, ring=9)  # layers 0-4: four DeltaNet, one attention
-    small, large = stage.new_cache(10), stage.new_cache(1000)
+    small, large = _cache(stage, 10), _cache(stage, 1000)
     per_layer = config.recurrent_shape().nbytes()
     assert small.ring_nbytes() == large.ring_nbytes() == 4 * 9 * per_layer
     assert small.recurrent_nbytes() + small.ring_nbytes() == config.recurrent_bytes(0, 5, 9)
@@ -197,7 +190,7 @@ def test_batched_sequences_get_the_reference_continuations(
         xs: list[Any] = [np.asarray(i) for i in inputs]
         for j, stage in enumerate(stages):
             rows = [
-                _Row(x, start, cache[j], out_rows)
+                BatchRow(x, start, cache[j], out_rows)
                 for x, start, cache in zip(xs, starts, caches, strict=True)
             ]
             xs = stage.forward_batch(rows)
@@ -215,11 +208,3 @@ def test_batched_sequences_get_the_reference_continuations(
         positions = [p + 1 for p in positions]
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens[: len(prompt["gen_ids"])] == prompt["gen_ids"], prompt["id"]
-
-
-@dataclass(frozen=True)
-class _Row:
-    inputs: Any
-    start_pos: int
-    cache: HybridCache
-    out_rows: int | None

@@ -28,11 +28,10 @@ def _mtp(stage: Stage) -> MtpHead:
 
 def _hidden(stage: Stage, ids: list[int]) -> np.ndarray:
     """The final-normed hidden rows of the target over ``ids``."""
-    assert stage.hybrid is not None
-    stage.hybrid.keep_hidden = True
+    stage.keep_hidden(True)
     stage.forward(np.asarray(ids), 0, stage.new_cache(64), out_rows=1)
-    stage.hybrid.keep_hidden = False
-    return np.array(stage.hybrid.last_hidden, dtype=np.float32)
+    stage.keep_hidden(False)
+    return np.array(stage.last_hidden, dtype=np.float32)
 
 
 def _norm(x: np.ndarray, w: np.ndarray) -> np.ndarray:

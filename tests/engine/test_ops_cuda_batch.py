@@ -22,8 +22,9 @@ from meshnode_packaging.sources import open_source
 
 from meshnode.engine import ModelConfig, Stage
 from meshnode.engine.backend import CudaBackend
+from meshnode.engine.cuda import graphs as cuda_graphs
 from meshnode.engine.cuda import kernels
-from meshnode.engine.cuda import stage as cuda_stage
+from meshnode.engine.cuda import ops as cuda_ops
 from meshnode.engine.model import BatchRow
 from tests.conftest import smollm2_gguf_path
 from tests.engine.test_ops_cuda_stage import (
@@ -119,9 +120,8 @@ def test_long_prompts_run_alone_and_big_batches_split(tiny_gguf: Callable[[str],
     batch = run_sequences(gpu, seqs, batched=True)
     assert [out.shape[0] for out, _ in batch] == [14, 2, 14, 14, 14, 14]
     _assert_same(batch, run_sequences(gpu, seqs, batched=False))
-    assert gpu.cuda is not None
-    assert gpu.cuda._fixed is not None
-    assert gpu.cuda._fixed.x.shape[0] == kernels.MAX_BATCH_ROWS  # never more rows
+    # the prompt alone, then short rows up to MAX_BATCH_ROWS per forward
+    assert cuda_graphs.batch_groups([14, 20, 14, 14, 14, 14]) == [[1], [0, 2, 3, 4], [5]]
 
 
 def test_split_stages_batch_hidden_rows(tiny_gguf: Callable[[str], Path]) -> None:
@@ -159,8 +159,8 @@ def test_a_batch_refuses_a_shared_cache_or_an_overflow(tiny_gguf: Callable[[str]
     assert (a.length, b.length) == (6, 6)  # refused before any cache was rolled back
 
 
-KERNELS = ["rms_norm", "add_rms_norm", "silu_mul", "gather_rows", "rope_store", "attention"]
-KERNELS += ["gemv", "embed"]
+KERNELS = ["rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "qk_norm", "gather_rows"]
+KERNELS += ["rope_store", "attention", "gemv", "embed"]
 
 
 class _Graph:
@@ -177,7 +177,8 @@ class _Graph:
 
 class _Capture:
     """Graph capture on the host: between ``begin_capture`` and ``end_capture`` the
-    stage's kernel launches (and ``cp.add``) are recorded instead of run."""
+    stage's kernel launches (and CuPy's ``add``, ``multiply``, ``copyto``) are recorded
+    instead of run."""
 
     def __init__(self) -> None:
         self.calls: list[Callable[[], Any]] | None = None
@@ -195,8 +196,9 @@ class _Capture:
                 capture.graphs.append(graph)
                 return graph
 
-        cuda = SimpleNamespace(Stream=CapturingStream)
-        self.cp = SimpleNamespace(**{**vars(FAKE_CP), "add": self._launch(np.add), "cuda": cuda})
+        cuda = SimpleNamespace(**{**vars(FAKE_CP.cuda), "Stream": CapturingStream})
+        launched = {name: self._launch(getattr(np, name)) for name in ("add", "multiply", "copyto")}
+        self.cp = SimpleNamespace(**{**vars(FAKE_CP), **launched, "cuda": cuda})
         reference = ReferenceKernels()
         self.kernels = SimpleNamespace(
             warm_up=reference.warm_up,
@@ -218,17 +220,19 @@ def test_captured_batch_shapes_replay_for_other_sequences(
     tiny_gguf: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch shape is captured at its first forward and replayed for other sequences at
-    other positions; growing the fixed buffers drops the graphs made on the old ones; past
-    MAX_GRAPHS shapes a new one stays eager. Every output equals the eager stage's."""
+    other positions, between forwards of other shapes; past MAX_GRAPHS shapes a new one
+    stays eager. Every output and cache equals the eager stage's."""
     capture = _Capture()
-    monkeypatch.setattr(cuda_stage, "kernels_for", lambda cp: capture.kernels)
+    monkeypatch.setattr(cuda_ops, "kernels_for", lambda cp: capture.kernels)
     source = open_source(tiny_gguf("Q8_0"))
     c = ModelConfig.from_hf(source.config)
     backend = CudaBackend(capture.cp, "float32", cuda_graphs=True)  # type: ignore[arg-type]
     graphs = Stage(c, source, 0, c.num_layers, embed=True, head=True, backend=backend)
+    monkeypatch.setattr(cuda_ops, "kernels_for", lambda cp: ReferenceKernels())
     _, (eager,) = _stages(tiny_gguf, "Q8_0", "float32")
-    assert graphs.cuda is not None
-    shapes = graphs.cuda._graphs  # (rows, output rows) -> (graph, output buffer)
+    runner = graphs._runner
+    assert isinstance(runner, cuda_graphs.GraphRunner)
+    shapes = runner._graphs  # (rows, kept rows, output rows) -> (graph, output buffer)
 
     def check(seqs: list[Seq]) -> None:
         _assert_same(
@@ -236,20 +240,17 @@ def test_captured_batch_shapes_replay_for_other_sequences(
         )
 
     check([(IDS[:2], 2, [40], 1), ([], 0, [41, 42, 43], 1)])  # 4 rows, 2 out: captured
-    first = shapes[(4, 2)][0]
+    first = shapes[(4, 2, 2)][0]
     assert first.launches == 0
     check([(IDS[:3], 3, [44, 45], 1), (IDS[:1], 1, [46, 47], 1)])  # other caches: replayed
     assert first.launches == 1
-    check(MIXED)  # 5 + 12 + 10 rows cached first: the buffers grow, the graphs go
-    assert (4, 2) not in shapes
-    check([(IDS[:2], 2, [48, 49], 1), ([], 0, [50, 51], 1)])  # captured on the new buffers
-    again = shapes[(4, 2)][0]
-    assert again is not first
+    check(MIXED)  # other shapes (their prefixes cached first) between the replays
     check([([], 0, [52, 53, 54], 1), (IDS[:3], 3, [55], 1)])
-    assert (again.launches, first.launches) == (1, 1)
-    monkeypatch.setattr(cuda_stage, "MAX_GRAPHS", len(shapes))  # full: new shapes stay eager
+    assert shapes[(4, 2, 2)][0] is first
+    assert first.launches == 2
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPHS", len(shapes))  # full: new shapes stay eager
     check([(IDS[:2], 2, [56, 57], 1), ([], 0, [58, 59, 60], 1)])  # (5 rows, 2 out)
-    assert (5, 2) not in shapes
+    assert (5, 2, 2) not in shapes
 
 
 @pytest.mark.real_model

@@ -81,6 +81,13 @@ void emu_softmax(G, float* x, int n) { launch(softmax, gx, gy, bx, x, n); }
 void emu_silu_mul(G, const float* gu, float* out, int rows, int inter) {
     launch(silu_mul, gx, gy, bx, gu, out, rows, inter);
 }
+void emu_gelu_tanh_mul(G, const float* gu, float* out, int rows, int inter) {
+    launch(gelu_tanh_mul, gx, gy, bx, gu, out, rows, inter);
+}
+void emu_qk_norm(G, float* qkv, const float* qw, const float* kw, int heads, int kv_heads,
+                 int dim, float eps) {
+    launch(qk_norm, gx, gy, bx, qkv, qw, kw, heads, kv_heads, dim, eps);
+}
 void emu_gather_rows(G, const float* x, const i64* step, float* out, int n) {
     launch(gather_rows, gx, gy, bx, x, step, out, n);
 }
@@ -92,9 +99,9 @@ void emu_rope_store_{kv}(G, float* qkv, const float* inv, const i64* step, int l
     launch(rope_store<{kv}>, gx, gy, bx, qkv, inv, step, layer, n, heads, kv_heads, dim);
 }}
 void emu_attention_{kv}(G, const float* qkv, float* out, const i64* step, int layer, int n,
-                        int rows, int heads, int kv_heads, int dim, float scale) {{
+                        int rows, int heads, int kv_heads, int dim, float scale, int window) {{
     launch(attention<{kv}>, gx, gy, bx, qkv, out, step, layer, n, rows, heads, kv_heads, dim,
-           scale);
+           scale, window);
 }}
 """
 
@@ -196,6 +203,26 @@ def test_softmax_and_silu_mul(emu: Emulator) -> None:
     out = np.empty((3, 96), np.float32)
     emu("silu_mul", (kernels.flat_grid(3 * 96), 1), kernels.BLOCK, gate_up, out, 3, 96)
     np.testing.assert_allclose(out, ops.silu_mul(np, gate_up), rtol=1e-5, atol=1e-6)
+    emu("gelu_tanh_mul", (kernels.flat_grid(3 * 96), 1), kernels.BLOCK, gate_up, out, 3, 96)
+    np.testing.assert_allclose(out, ops.gelu_tanh_mul(np, gate_up), rtol=1e-5, atol=1e-5)
+
+
+def test_qk_norm_normalises_every_query_and_key_head_in_place(emu: Emulator) -> None:
+    heads, kv_heads, dim, n = 4, 2, 32, 3
+    qkv, qw, kw = _f32(n, (heads + 2 * kv_heads) * dim), _f32(dim), _f32(dim)
+    q = qkv[:, : heads * dim].reshape(n, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].reshape(n, kv_heads, dim)
+    want = np.concatenate(
+        [
+            ops.rms_norm(np, q, qw, 1e-6).reshape(n, -1),
+            ops.rms_norm(np, k, kw, 1e-6).reshape(n, -1),
+        ],
+        axis=1,
+    )
+    v = qkv[:, (heads + kv_heads) * dim :].copy()
+    emu("qk_norm", (heads + kv_heads, n), kernels.BLOCK, qkv, qw, kw, heads, kv_heads, dim, 1e-6)
+    np.testing.assert_allclose(qkv[:, : (heads + kv_heads) * dim], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(qkv[:, (heads + kv_heads) * dim :], v)  # V untouched
 
 
 def _step(pos0: int, k: np.ndarray, v: np.ndarray, n: int, rows: int | None = None) -> np.ndarray:
@@ -239,11 +266,15 @@ def test_rope_store_rotates_q_and_writes_k_v_into_the_cache(emu: Emulator, kv: s
     assert not k_cache[1, :, :pos0].any()
 
 
-@pytest.mark.parametrize(("kv", "pos0", "n", "rows"), [("float", 290, 3, 3), ("u16", 7, 4, 2)])
+@pytest.mark.parametrize(
+    ("kv", "pos0", "n", "rows", "window"),
+    [("float", 290, 3, 3, 0), ("u16", 7, 4, 2, 0), ("float", 290, 3, 2, 5), ("u16", 7, 4, 4, 3)],
+)
 def test_attention_reads_the_cache_in_place(
-    emu: Emulator, kv: str, pos0: int, n: int, rows: int
+    emu: Emulator, kv: str, pos0: int, n: int, rows: int, window: int
 ) -> None:
-    """GQA heads, causal rows; 290 + 3 keys span two 256-key chunks of the online softmax."""
+    """GQA heads, causal rows; 290 + 3 keys span two 256-key chunks of the online softmax;
+    with a sliding window each row sees only its last ``window`` keys."""
     heads, kv_heads, dim, cap, layer = 4, 2, 32, 320, 1
     t = pos0 + n
     keys, values = _f32(kv_heads, t, dim), _f32(kv_heads, t, dim)
@@ -256,10 +287,11 @@ def test_attention_reads_the_cache_in_place(
     qkv = _f32(n, (heads + 2 * kv_heads) * dim)
     q = qkv[n - rows :, : heads * dim].reshape(rows, heads, dim).transpose(1, 0, 2)
     scale = dim**-0.5
-    want = ops.attention(np, np.ascontiguousarray(q), keys, values, scale)  # [H, r, D]
+    q = np.ascontiguousarray(q)
+    want = ops.attention(np, q, keys, values, scale, window or None)  # [H, r, D]
     out = np.zeros((rows, heads * dim), np.float32)
     step = _step(pos0, k_cache, v_cache, n, rows)
-    args = (qkv, out, step, layer, n, rows, heads, kv_heads, dim, scale)
+    args = (qkv, out, step, layer, n, rows, heads, kv_heads, dim, scale, window)
     emu(f"attention_{kv}", (heads, rows), kernels.BLOCK, *args)
     got = out.reshape(rows, heads, dim).transpose(1, 0, 2)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -318,7 +350,7 @@ def _rope_attention(
     rope = (qkv, inv, step, 1, n, heads, kv_heads, dim)
     emu(f"rope_store_{kv}", (kernels.flat_grid(total), 1), kernels.BLOCK, *rope)
     out = np.full((rows, heads * dim), np.nan, np.float32)
-    att = (qkv, out, step, 1, n, rows, heads, kv_heads, dim, dim**-0.5)
+    att = (qkv, out, step, 1, n, rows, heads, kv_heads, dim, dim**-0.5, 0)
     emu(f"attention_{kv}", (heads, rows), kernels.BLOCK, *att)
     return out
 

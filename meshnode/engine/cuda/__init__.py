@@ -9,11 +9,14 @@ Layering, bottom up:
   Plain text and Python: imported and compile-checked without a GPU.
 - ``device``: the kernels compiled through CuPy and called with arrays (imports CuPy).
 - ``weights``: a stage's weights uploaded in their device format.
-- ``stage``: the forward of a stage on the device, with fixed buffers per decode/verify
-  size and the CUDA graph that replays it.
+- ``ops``: the array operations of ``model.Stage``'s one block on the device (products,
+  norms, activations, embedding, attention), each a kernel launch or a few.
+- ``graphs``: how a stage runs its forwards there: one stream, fixed input buffers, and
+  the CUDA graph of the same block replayed per decode/verify shape.
 
 Every kernel has a NumPy reference (:mod:`meshnode.engine.ops` or ``formats``); the tests
 in ``tests/engine/test_gpu*.py`` compare them on a device, ``test_ops_emulated.py`` on the
 CPU by compiling the same source with a C++ compiler and running each thread block on
-threads.
+threads; ``test_ops_cuda_*.py`` run the backend's forward on the CPU with each kernel
+replaced by its reference.
 """

@@ -82,6 +82,24 @@ class Kernels:
             (grid,), (kernels.BLOCK,), (gate_up, out, np.int32(rows), np.int32(inter))
         )
 
+    def gelu_tanh_mul(self, gate_up: Any, out: Any) -> None:
+        """``out [r, I] = gelu_tanh(gate) * up`` for the fused ``gate_up [r, 2 I]`` (GeGLU)."""
+        rows, inter = out.shape
+        grid = kernels.flat_grid(rows * inter)
+        self._fn("gelu_tanh_mul")(
+            (grid,), (kernels.BLOCK,), (gate_up, out, np.int32(rows), np.int32(inter))
+        )
+
+    def qk_norm(
+        self, qkv: Any, q_weight: Any, k_weight: Any, heads: int, kv_heads: int, eps: float
+    ) -> None:
+        """RMSNorm of every query and key head of ``qkv`` ``[n, (H + 2 Hkv) D]`` in place."""
+        n, width = qkv.shape
+        dim = width // (heads + 2 * kv_heads)
+        ints = (np.int32(heads), np.int32(kv_heads), np.int32(dim))
+        args = (qkv, q_weight, k_weight, *ints, np.float32(eps))
+        self._fn("qk_norm")((heads + kv_heads, n), (kernels.BLOCK,), args)
+
     def gather_rows(self, x: Any, step: Any, out: Any) -> None:
         """``out [r, n]`` = the rows of ``x`` the step table's last column lists."""
         rows, n = out.shape
@@ -111,14 +129,16 @@ class Kernels:
         kv_heads: int,
         scale: float,
         kv: str,
+        window: int = 0,
     ) -> None:
-        """Causal GQA attention, each row over its own cache; out ``[r, H D]``: every row
-        of ``qkv`` when ``r`` is its row count, else the rows the step table keeps."""
+        """Causal GQA attention, each row over its own cache (its last ``window`` keys
+        when > 0); out ``[r, H D]``: every row of ``qkv`` when ``r`` is its row count,
+        else the rows the step table keeps."""
         n, width = qkv.shape
         rows = out.shape[0]
         dim = width // (heads + 2 * kv_heads)
         ints = (layer, n, rows, heads, kv_heads, dim)
-        args = (qkv, out, step, *(np.int32(i) for i in ints), np.float32(scale))
+        args = (qkv, out, step, *(np.int32(i) for i in ints), np.float32(scale), np.int32(window))
         self._fn(f"attention<{kv}>")((heads, rows), (kernels.BLOCK,), args)
 
     # -- weights -------------------------------------------------------------------------
@@ -167,7 +187,7 @@ class PinnedStaging:
     Copies from pageable memory go through a driver bounce buffer; from page-locked
     memory they are one DMA. The buffer grows to the largest transfer seen and is
     reused; a lock makes it safe for stages driven from several threads. (A stage's
-    inputs have pinned buffers of their own, see ``stage.CudaStage``.)
+    inputs have pinned buffers of their own, see ``graphs.GraphRunner``.)
     """
 
     def __init__(self, cp: Any) -> None:

@@ -251,6 +251,36 @@ extern "C" __global__ void silu_mul(
     }
 }
 
+// out[r, i] = gelu_tanh(gate[r, i]) * up[r, i] (GeGLU) for gate_up [rows, 2 I], in the
+// order of ops.gelu_tanh_mul; grid-stride, flat.
+extern "C" __global__ void gelu_tanh_mul(
+    const float* __restrict__ gate_up, float* __restrict__ out, int rows, int inter) {
+    const i64 total = (i64)rows * inter;
+    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < total;
+         k += (i64)gridDim.x * blockDim.x) {
+        const i64 r = k / inter, i = k % inter;
+        const float g = gate_up[r * 2 * inter + i];
+        const float u = gate_up[r * 2 * inter + inter + i];
+        const float inner = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+        out[k] = 0.5f * g * (1.0f + tanhf(inner)) * u;
+    }
+}
+
+// QK-norm: RMSNorm over each query head (weight qw) and key head (weight kw) of
+// qkv [n, (H + 2 Hkv) D], in place. Grid: (H + Hkv, n); block: MN_BLOCK.
+extern "C" __global__ void qk_norm(
+    float* __restrict__ qkv, const float* __restrict__ qw, const float* __restrict__ kw,
+    int heads, int kv_heads, int dim, float eps) {
+    __shared__ float red[MN_BLOCK];
+    const int h = blockIdx.x;
+    float* x = qkv + (i64)blockIdx.y * (heads + 2 * kv_heads) * dim + (i64)h * dim;
+    const float* w = h < heads ? qw : kw;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += x[i] * x[i];
+    const float s = sqrtf(block_sum(ss, red) / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) x[i] = w[i] * (x[i] / s);
+}
+
 // out[i] = x[step[i, 4]]: the residual rows the last layer keeps (each sequence's last
 // out_rows rows), out [rows, n] from x [n_new, n]. Grid: rows; block: MN_BLOCK.
 extern "C" __global__ void gather_rows(
@@ -309,13 +339,14 @@ __global__ void rope_store(
 // in place (after rope_store wrote this step's K/V). Grid: (H, rows); block: MN_BLOCK.
 // Output row i is new row q = i when rows == n, else q = step[i, 4] (the last layer keeps
 // each sequence's last out_rows rows); q is at position p = step[q, 0] and sees keys
-// 0 .. p of its cache (the rows before it in its sequence were stored there). One pass
+// 0 .. p of its cache (the rows before it in its sequence were stored there), or with a
+// sliding window > 0 the last `window` of them, p - window < key <= p. One pass
 // over the keys in chunks of blockDim with a running max and sum (online softmax), so no
 // scratch memory is needed for any context length. out: [rows, H D].
 template <typename KV>
 __global__ void attention(
     const float* __restrict__ qkv, float* __restrict__ out, const i64* __restrict__ step,
-    int layer, int n, int rows, int heads, int kv_heads, int dim, float scale) {
+    int layer, int n, int rows, int heads, int kv_heads, int dim, float scale, int window) {
     __shared__ float q[MN_MAX_HEAD_DIM];
     __shared__ float p[MN_BLOCK];
     __shared__ float red[MN_BLOCK];
@@ -333,7 +364,8 @@ __global__ void attention(
     // Output: thread (d, part) sums the keys t = part (mod parts) of each chunk for dim d.
     const int parts = blockDim.x / dim, d = tid % dim, part = tid / dim;
     float m = neg_inf(), l = 0.0f, acc = 0.0f;
-    for (i64 c0 = 0; c0 < len; c0 += blockDim.x) {
+    const i64 lo = window > 0 && len > window ? len - window : 0;
+    for (i64 c0 = lo; c0 < len; c0 += blockDim.x) {
         const i64 t = c0 + tid;
         float s = neg_inf();
         if (t < len) {
@@ -435,7 +467,15 @@ __global__ void dequantize(const u8* __restrict__ w, O* __restrict__ dst, int in
 """
 
 
-PLAIN_KERNELS = ("rms_norm", "add_rms_norm", "softmax", "silu_mul", "gather_rows")
+PLAIN_KERNELS = (
+    "rms_norm",
+    "add_rms_norm",
+    "softmax",
+    "silu_mul",
+    "gelu_tanh_mul",
+    "qk_norm",
+    "gather_rows",
+)
 
 
 def template_names() -> list[str]:

@@ -3,7 +3,8 @@
 Linear weights are :class:`~meshnode.engine.cuda.device.DeviceMatrix` ``[out, in]`` rows
 (Q/K/V and gate/up fused, as on the CPU). With float16/bfloat16 weights, tensors stored
 as Q8_0 or Q4_K stay in their GGML blocks; every other tensor is dequantized on the host
-and stored in the dense dtype. Norms, biases and RoPE frequencies are float32.
+and stored in the dense dtype. Norms (with the family's ``norm_offset`` added, as on the
+CPU), biases and RoPE frequencies are float32.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from meshnode_packaging.sources import ModelSource, RawTensor, dequantize
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.cuda.device import DeviceMatrix
 from meshnode.engine.cuda.formats import QUANT_FORMATS, Format, encode_dense, row_bytes
-from meshnode.engine.weights import LayerWeights, StageWeights
+from meshnode.engine.weights import LayerWeights, StageWeights, norm_weight
 
 __all__ = ["DeviceDtype", "device_dtype", "load_cuda_stage_weights"]
 
@@ -55,23 +56,36 @@ def _f32(cp: ModuleType, source: ModelSource, *names: str) -> Any:
     return cp.asarray(host, dtype=cp.float32)
 
 
+def _norm(cp: ModuleType, source: ModelSource, config: ModelConfig, name: str) -> Any:
+    """An RMSNorm weight as the stage multiplies by it (``weights.norm_weight``)."""
+    return cp.asarray(norm_weight(source, config, name), dtype=cp.float32)
+
+
 def _layer(
     source: ModelSource, config: ModelConfig, i: int, cp: ModuleType, dtype: DeviceDtype
 ) -> LayerWeights:
     p = f"layers.{i}."
     qkv = [f"{p}self_attn.{x}_proj" for x in "qkv"]
+    arch = config.arch
 
     def matrix(*names: str) -> DeviceMatrix:
         return _matrix(cp, [source.tensor(n) for n in names], dtype)
 
+    def norm(name: str, present: bool = True) -> Any:
+        return _norm(cp, source, config, p + name + ".weight") if present else None
+
     return LayerWeights(
-        attn_norm=_f32(cp, source, p + "input_layernorm.weight"),
+        attn_norm=norm("input_layernorm"),
         wqkv=matrix(*(n + ".weight" for n in qkv)),
         bqkv=_f32(cp, source, *(n + ".bias" for n in qkv)) if config.attention_bias else None,
         wo=matrix(p + "self_attn.o_proj.weight"),
-        ffn_norm=_f32(cp, source, p + "post_attention_layernorm.weight"),
+        ffn_norm=norm(arch.ffn_norm),
         w_gate_up=matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
         w_down=matrix(p + "mlp.down_proj.weight"),
+        q_norm=norm("self_attn.q_norm", arch.qk_norm),
+        k_norm=norm("self_attn.k_norm", arch.qk_norm),
+        post_attn_norm=norm("post_attention_layernorm", arch.sandwich_norms),
+        post_ffn_norm=norm("post_feedforward_layernorm", arch.sandwich_norms),
     )
 
 
@@ -100,5 +114,5 @@ def load_cuda_stage_weights(
     head_t = None
     if head and not tied:
         head_t = _matrix(cp, [source.tensor("lm_head.weight")], dtype)
-    norm = _f32(cp, source, "norm.weight") if head else None
+    norm = _norm(cp, source, config, "norm.weight") if head else None
     return StageWeights(start, end, layers, table, norm, head_t)

@@ -1,0 +1,101 @@
+"""scripts/gpu-check.sh and scripts/gpu-wheels.sh (issue 33), without a GPU.
+
+The check runs on a lent GPU machine a few minutes at a time; these keep it from rotting
+between loans: its steps in dry mode (each command logged, nothing run), the deadline
+that skips what no longer fits, and what the commands name (files, the pytest marker,
+the benchmarks' model shapes and arguments) checked here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshnode.engine.config import ModelConfig
+from tests.conftest import REPO_ROOT
+
+STEPS = ["install", "pytest", "bench", "bench-8b", "split"]
+
+
+def _check(out: Path, seconds: int) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GPU_CHECK_DRY": "1"}
+    script = REPO_ROOT / "scripts" / "gpu-check.sh"
+    return subprocess.run(
+        ["bash", str(script), str(out), str(seconds)],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def test_dry_run_logs_every_step_in_order(tmp_path: Path) -> None:
+    run = _check(tmp_path, 480)
+    assert run.returncode == 0, run.stderr
+    lines = (tmp_path / "summary.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in lines[:-1]] == STEPS
+    assert all(": dry (limit " in line for line in lines[:-1])
+    assert lines[-1].startswith("failed or not run: 0;")
+    for name in STEPS:  # each step's command, as it would run
+        argv = shlex.split((tmp_path / f"{name}.log").read_text())
+        for arg in argv:  # the repo files a command names exist
+            if arg.startswith(("benchmarks/", "tests/")):
+                assert (REPO_ROOT / arg).exists(), arg
+    install = shlex.split((tmp_path / "install.log").read_text())
+    assert {"--no-index", "--no-deps", "--target"} <= set(install)
+
+
+def test_the_deadline_skips_what_no_longer_fits(tmp_path: Path) -> None:
+    run = _check(tmp_path, 3)
+    assert run.returncode == len(STEPS)
+    lines = (tmp_path / "summary.txt").read_text().splitlines()
+    assert lines[:-1] == [f"{name}: skipped, deadline reached" for name in STEPS]
+
+
+def test_the_pytest_step_selects_the_gpu_tests() -> None:
+    """The marker expression of the pytest step collects the device tests (they skip here)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "--collect-only", "-p",
+         "no:cacheprovider", "tests/engine/test_gpu_kernels.py", "tests/engine/test_gpu_stage.py"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "test_gpu_stage.py::" in run.stdout
+
+
+def _benchmark(name: str) -> Any:
+    """The module ``benchmarks/<name>.py``, imported from its file."""
+    path = REPO_ROOT / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_arguments_and_shapes() -> None:
+    gpu, gpu_split = _benchmark("gpu"), _benchmark("gpu_split")
+    ((label, _fmt, source),) = gpu.sources(["8b"], ["q8_0"], tiny=False)
+    config = ModelConfig.from_hf(source.config)
+    assert (label, config.hidden_size, config.num_layers) == ("llama-8b-shape", 4096, 32)
+    assert config.layer_params(0) * 32 > 6.9e9  # ~7e9 in the layers, 0.5e9 more embedded
+    with pytest.raises(SystemExit):
+        gpu_split.main(["--host-device", "tpu"])
+
+
+def test_wheels_target_the_gpu_machines_python() -> None:
+    run = subprocess.run(
+        ["bash", str(REPO_ROOT / "scripts" / "gpu-wheels.sh"), "--dry"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    download = run.stdout.splitlines()[0]
+    assert "--python-version 3.12" in download
+    assert "--platform manylinux_2_28_x86_64" in download
+    assert "--only-binary=:all:" in download
+    assert ".whl" in download
