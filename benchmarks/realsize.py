@@ -85,7 +85,8 @@ def _streams(runner: MeshnodeRunner, tokens: int) -> float:
     last = [7 + i for i in range(STREAMS)]
     began = time.perf_counter()
     for step in range(tokens):
-        rows = [BatchRow(np.array([t]), PROMPT + step, c, 1) for t, c in zip(last, caches)]
+        pairs = zip(last, caches, strict=True)
+        rows = [BatchRow(np.array([t]), PROMPT + step, c, 1) for t, c in pairs]
         outs = stage.forward_batch(rows)
         last = [int(np.argmax(o[-1])) for o in outs]
     return STREAMS * tokens / (time.perf_counter() - began)
@@ -171,7 +172,9 @@ def _run(cmd: list[str]) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
-def llama_round(folder: Path, model: Path, threads: int, args: argparse.Namespace) -> dict[str, float]:
+def llama_round(
+    folder: Path, model: Path, threads: int, args: argparse.Namespace
+) -> dict[str, float]:
     """One measurement of llama.cpp's decode (tg), prefill (pp512) and 8-sequence decode."""
     bench = [str(folder / "llama-bench"), "-m", str(model), "-t", str(threads), "-r", "1"]
     bench += ["-o", "json", "-n", str(args.tokens), "-p", "0" if args.no_prefill else str(PREFILL)]
@@ -224,11 +227,7 @@ def weight_bytes(model: Path) -> int:
     reader = gguf.GGUFReader(model)
     names = {t.name for t in reader.tensors}
     tied = "output.weight" not in names
-    return sum(
-        int(t.n_bytes)
-        for t in reader.tensors
-        if t.name != "token_embd.weight" or tied
-    )
+    return sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight" or tied)
 
 
 def run_model(model: Path, args: argparse.Namespace, folder: Path | None) -> None:

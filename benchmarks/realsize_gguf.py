@@ -63,9 +63,11 @@ WEIGHT_STD = 0.02
 
 def use_more_bits(i_layer: int, n_layers: int) -> bool:
     """llama.cpp's ``use_more_bits`` (``llama-quant.cpp``)."""
-    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (
-        i_layer - n_layers // 8
-    ) % 3 == 2
+    return (
+        i_layer < n_layers // 8
+        or i_layer >= 7 * n_layers // 8
+        or (i_layer - n_layers // 8) % 3 == 2
+    )
 
 
 def tensor_types(shape: Shape, variant: str, layers: int) -> list[tuple[str, str, int, int]]:
