@@ -39,11 +39,13 @@ from typing import Any
 
 import numpy as np
 from numba import cfunc, types
+from numba.extending import overload
 from numba.misc.special import literally
 from numba.np.numpy_support import carray
 
 from meshnode.engine.cpu import pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
+from meshnode.engine.cpu.blocks import literal_format
 from meshnode.engine.cpu.q8_blocks import (
     OFFSET_SHIFTS,
     block_bytes,
@@ -53,7 +55,9 @@ from meshnode.engine.cpu.q8_blocks import (
     offset_area,
     per16,
 )
+from meshnode.engine.cpu.q8_superblocks import K_FORMATS, SCRATCH_BYTES, eight_q4_k, eight_q6_k
 from meshnode.engine.cpu.simd import (
+    INNER,
     entry,
     inner,
     tofloat,
@@ -306,6 +310,31 @@ def _eight(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
     return acc
 
 
+def _one_row(
+    fmt: int, w: Any, bases: Any, q: Any, r: int, n: int, nb: int, blocks: int, scr: Any
+) -> Any:
+    # eight weight rows times activation row r (lanes: the weight rows): the K-quants of
+    # .q8_superblocks a super-block at a time, the other formats by _eight
+    raise TypeError("_one_row is for compiled code")
+
+
+@overload(_one_row, prefer_literal=True, jit_options=INNER)
+def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks, scr):  # type: ignore[no-untyped-def]
+    kind = literal_format(fmt)
+    if kind not in K_FORMATS:
+        return lambda fmt, w, bases, q, r, n, nb, blocks, scr: _eight(
+            fmt, w, bases, q, r, n, nb, blocks
+        )
+    eight = eight_q4_k if kind == 10 else eight_q6_k
+
+    def superblocks(fmt, w, bases, q, r, n, nb, blocks, scr):  # type: ignore[no-untyped-def]
+        _, _, dxt, sxt = _areas(n, blocks)
+        at = 32 * (r // 8) * nb + 4 * (r % 8)
+        return eight(w, bases, q, HEADER + 32 * r * nb, dxt + at, sxt + at, nb, scr)
+
+    return superblocks
+
+
 @entry()
 def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
     # weight rows lo .. hi - 1 of one part into columns col + lo .. of out; q: quantize's
@@ -317,6 +346,7 @@ def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
     w, size = raw.reshape(-1), raw.shape[1]
     end = w.shape[0]
     if k <= ONE_ROW_MAX:
+        scr = np.empty(SCRATCH_BYTES, np.uint8)
         for r in range(k):
             for o in range(lo, hi, 8):
                 for i in range(8):
@@ -328,7 +358,7 @@ def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
                          min(o + 3, last) * size, min(o + 4, last) * size,
                          min(o + 5, last) * size, min(o + 6, last) * size,
                          min(o + 7, last) * size)  # fmt: skip
-                s = _eight(fmt, w, bases, q, r, n, nb, blocks)
+                s = _one_row(fmt, w, bases, q, r, n, nb, blocks, scr)
                 for i in range(min(8, hi - o)):
                     out[r, col + o + i] = lane8(s, i)
         return

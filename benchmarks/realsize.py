@@ -1,0 +1,325 @@
+"""Real-size CPU speed: meshnode beside llama.cpp's own benchmarks on 1B and 8B shapes.
+
+Run: ``.venv/bin/python benchmarks/realsize.py [--shapes 1b 8b] [--variants q4_k_m q8_0
+q4_0] [--threads 1 2] [--modes exact q8] [--layers N] [--rounds 3] [--tokens 32]
+[--llama-bin DIR] [--every-core-free]``
+
+The models are random-weight GGUFs of real shapes (``benchmarks/realsize_gguf.py``:
+Llama-3.2-1B and Llama-3.1-8B, llama.cpp's Q4_K_M mix, Q8_0, Q4_0; SmolLM2's tokenizer,
+so a 49,152-token head; cached in ``~/.cache/meshnode/realsize/``); ``--layers`` cuts
+their depth. Random weights time things only: parity is checked on the real models
+(``tests/engine/test_golden.py``). For each model, each meshnode mode (``exact``: the
+default ``--dtype native``; ``q8``: 8-bit activations) at each thread count runs in its
+own process; every round runs each of them once, then llama.cpp at each thread count, so
+that the load of this shared machine hits all alike. Measured, medians over rounds:
+
+- decode: one sequence, ``--tokens`` new tokens after a 16-token prompt (llama.cpp:
+  ``llama-bench -n TOKENS``, tg);
+- 8 streams: eight sequences decoded together, one row each per step (meshnode:
+  ``Stage.forward_batch``; llama.cpp: ``llama-batched-bench -npl 8``), aggregate tok/s;
+- prefill: a 512-token prompt (``llama-bench -p 512``, pp512);
+
+with ratios to llama.cpp at the same threads, the weight bytes a decode step reads times
+its tokens/s (GB/s), and a streaming read of 1 GiB at the same threads: the memory wall.
+
+llama.cpp's binaries come from ``--llama-bin`` or ``$LLAMA_BIN`` (a folder with
+``llama-bench`` and ``llama-batched-bench``); without them its columns are skipped. To build
+them from the sources vendored in the ``llama-cpp-python`` sdist (about 15 minutes on 2
+cores): ``pip download --no-binary :all: --no-deps llama-cpp-python``, unpack, then in
+``vendor/llama.cpp``: ``cmake -B build -DGGML_NATIVE=ON && cmake --build build -j2
+--target llama-bench llama-batched-bench``; binaries in ``build/bin``.
+
+meshnode's kernel threads leave cores that other processes use (``pool.CoreGauge``);
+``--every-core-free`` makes them take every thread asked for, as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.engine import MeshnodeRunner, uptime
+from benchmarks.realsize_gguf import SHAPES, VARIANTS, cached_gguf
+
+MODES = {"exact": "blocks", "q8": "q8"}  # benchmarks/engine.py's variants
+PROMPT = 16  # tokens before decode
+PREFILL = 512
+STREAMS = 8
+FLOOR_BYTES = 2**30  # the streaming read: well past the L3 of any CPU here
+LLAMA_BIN_GLOB = "/work/llama/llama_cpp_python-*/vendor/llama.cpp/build/bin"
+
+
+# -- the worker: one meshnode mode at one thread count, one process ----------------------
+
+
+def _ids(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(100, 40000, n)
+
+
+def _decode(runner: MeshnodeRunner, tokens: int) -> float:
+    prefill_s, decode_s, _ = runner.generate(list(_ids(PROMPT, 1)), tokens + 1)
+    del prefill_s
+    return tokens / decode_s
+
+
+def _streams(runner: MeshnodeRunner, tokens: int) -> float:
+    from meshnode.engine.model import BatchRow
+
+    stage = runner.stage
+    caches = [stage.new_cache(PROMPT + tokens + 1) for _ in range(STREAMS)]
+    for i, cache in enumerate(caches):
+        stage.forward(_ids(PROMPT, 10 + i), 0, cache, out_rows=1)
+    last = [7 + i for i in range(STREAMS)]
+    began = time.perf_counter()
+    for step in range(tokens):
+        pairs = zip(last, caches, strict=True)
+        rows = [BatchRow(np.array([t]), PROMPT + step, c, 1) for t, c in pairs]
+        outs = stage.forward_batch(rows)
+        last = [int(np.argmax(o[-1])) for o in outs]
+    return STREAMS * tokens / (time.perf_counter() - began)
+
+
+def _prefill(runner: MeshnodeRunner) -> float:
+    prefill_s, _, _ = runner.generate(list(_ids(PREFILL, 2)), 1)
+    return PREFILL / prefill_s
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Load the model, then answer each ``round`` line on stdin with one JSON line."""
+    runner = MeshnodeRunner(args.model, MODES[args.worker], args.threads)
+    if args.every_core_free:
+        from meshnode.engine.cpu import matrix
+        from meshnode.engine.cpu.pool import CoreGauge
+
+        matrix._pool()._gauge = CoreGauge(Path("/nonexistent/stat"))
+    _decode(runner, 2)  # warm-up: kernels compiled or loaded, pages touched
+    _streams(runner, 2)
+    if args.prefill:
+        _prefill(runner)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "round":
+            break
+        out = {"decode": _decode(runner, args.tokens), "streams": _streams(runner, args.tokens)}
+        out["prefill"] = _prefill(runner) if args.prefill else float("nan")
+        print(json.dumps(out), flush=True)
+
+
+class Worker:
+    """A meshnode mode's process at one thread count, driven a round at a time."""
+
+    def __init__(self, mode: str, threads: int, model: Path, args: argparse.Namespace) -> None:
+        cmd = [sys.executable, __file__, "--worker", mode, "--model", str(model)]
+        cmd += ["--threads", str(threads), "--tokens", str(args.tokens)]
+        cmd += ["--every-core-free"] if args.every_core_free else []
+        cmd += [] if args.no_prefill else ["--prefill"]
+        self.key = (f"meshnode {mode}", threads)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._read()
+
+    def _read(self) -> dict[str, float]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.key}: worker exited ({self.proc.wait()})")
+        data: dict[str, float] = json.loads(line)
+        return data
+
+    def round(self) -> dict[str, float]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+# -- llama.cpp ----------------------------------------------------------------------------
+
+
+def llama_bin(option: str | None) -> Path | None:
+    """The folder with llama.cpp's benchmarks: the option, ``$LLAMA_BIN``, the lead's build."""
+    for candidate in (option, os.environ.get("LLAMA_BIN")):
+        if candidate:
+            return Path(candidate)
+    found = sorted(Path("/").glob(LLAMA_BIN_GLOB.lstrip("/")))
+    return found[-1] if found else None
+
+
+def _run(cmd: list[str]) -> list[dict[str, Any]]:
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {done.returncode}: {done.stderr[-2000:]}")
+    text = done.stdout.strip()
+    if text.startswith("["):  # llama-bench -o json
+        return list(json.loads(text))
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def llama_round(
+    folder: Path, model: Path, threads: int, args: argparse.Namespace
+) -> dict[str, float]:
+    """One measurement of llama.cpp's decode (tg), prefill (pp512) and 8-sequence decode."""
+    bench = [str(folder / "llama-bench"), "-m", str(model), "-t", str(threads), "-r", "1"]
+    bench += ["-o", "json", "-n", str(args.tokens), "-p", "0" if args.no_prefill else str(PREFILL)]
+    out = {"decode": float("nan"), "prefill": float("nan")}
+    for row in _run(bench):
+        out["decode" if row["n_gen"] else "prefill"] = float(row["avg_ts"])
+    batched = [str(folder / "llama-batched-bench"), "-m", str(model), "-t", str(threads)]
+    batched += ["-c", str(STREAMS * (PROMPT + args.tokens) + 64), "-npp", str(PROMPT)]
+    batched += ["-ntg", str(args.tokens), "-npl", str(STREAMS), "--output-format", "jsonl"]
+    rows = _run(batched)
+    out["streams"] = float(rows[-1]["speed_tg"])
+    return out
+
+
+# -- the floor ----------------------------------------------------------------------------
+
+
+def read_floor(threads: int, rounds: int = 5) -> float:
+    """GB/s of a streaming read of :data:`FLOOR_BYTES` split between ``threads`` threads
+    (the best of ``rounds``: the least disturbed)."""
+    from numba import njit
+
+    from meshnode.engine.cpu.simd import wadd, wload, wsum, wzero
+
+    @njit(nogil=True, cache=True)
+    def read(a):  # type: ignore[no-untyped-def]
+        acc = wzero()
+        for i in range(0, a.shape[0], 16):
+            acc = wadd(acc, wload(a, i))
+        return wsum(acc)
+
+    parts = [np.ones(FLOOR_BYTES // 4 // threads, np.float32) for _ in range(threads)]
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as ex:
+        for _ in range(rounds + 1):
+            began = time.perf_counter()
+            list(ex.map(read, parts))
+            best = min(best, time.perf_counter() - began)
+    return FLOOR_BYTES / best / 1e9
+
+
+# -- the driver ---------------------------------------------------------------------------
+
+
+def weight_bytes(model: Path) -> int:
+    """Bytes of the weights one decode step reads: every matrix, the head, not the
+    embedding rows (unless the embedding is the head)."""
+    import gguf
+
+    reader = gguf.GGUFReader(model)
+    names = {t.name for t in reader.tensors}
+    tied = "output.weight" not in names
+    return sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight" or tied)
+
+
+def run_model(model: Path, args: argparse.Namespace, folder: Path | None) -> None:
+    workers = [Worker(m, t, model, args) for t in args.threads for m in args.modes]
+    results: dict[tuple[str, int], list[dict[str, float]]] = {w.key: [] for w in workers}
+    skipped = None
+    print(f"\n## {model.name}: start {uptime()}", flush=True)
+    for r in range(args.rounds):
+        for w in workers:
+            results[w.key].append(w.round())
+        for t in args.threads:
+            if folder is None or skipped:
+                continue
+            try:
+                results.setdefault(("llama.cpp", t), []).append(llama_round(folder, model, t, args))
+            except (RuntimeError, OSError) as exc:
+                skipped = str(exc)
+        print(f"round {r + 1}/{args.rounds} done, {uptime()}", flush=True)
+    print(f"end {uptime()}", flush=True)
+    for w in workers:
+        w.close()
+    floors = {t: read_floor(t) for t in args.threads}
+    report(model, results, floors, weight_bytes(model))
+    if folder is None:
+        print("\nllama.cpp: skipped (no binaries: --llama-bin DIR or $LLAMA_BIN; see --help)")
+    elif skipped:
+        print(f"\nllama.cpp: skipped ({skipped})")
+
+
+def report(
+    model: Path,
+    results: dict[tuple[str, int], list[dict[str, float]]],
+    floors: dict[int, float],
+    nbytes: int,
+) -> None:
+    """One table: medians, ratios to llama.cpp at the same threads, decode GB/s."""
+    print(f"\n{model.name}: {nbytes / 1e9:.3f} GB of weights read per decode step")
+    head = ["engine", "threads", "decode tok/s", "vs llama.cpp", "GB/s (of floor)"]
+    head += ["8 streams tok/s", "vs llama.cpp", "prefill tok/s", "vs llama.cpp"]
+    print("| " + " | ".join(head) + " |")
+    print("|---|" + "---:|" * (len(head) - 1))
+    for (engine, t), rounds in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        med = {k: statistics.median(r[k] for r in rounds) for k in ("decode", "streams", "prefill")}
+        ref = results.get(("llama.cpp", t))
+        cells = [engine, str(t)]
+        for key in ("decode", "streams", "prefill"):
+            cells.append(f"{med[key]:.1f}")
+            if ref is None or engine == "llama.cpp":
+                cells.append("-")
+            else:
+                cells.append(f"{med[key] / statistics.median(r[key] for r in ref):.2f}x")
+            if key == "decode":
+                gbs = med[key] * nbytes / 1e9
+                cells.append(f"{gbs:.1f} ({gbs / floors[t]:.0%})")
+        print("| " + " | ".join(cells) + " |")
+    floor = ", ".join(f"{t} thread(s) {gbs:.1f} GB/s" for t, gbs in floors.items())
+    print(f"\nstreaming read of {FLOOR_BYTES / 2**30:.0f} GiB (the memory wall): {floor}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", nargs="+", default=["1b"], choices=sorted(SHAPES))
+    parser.add_argument("--variants", nargs="+", default=["q4_k_m"], choices=VARIANTS)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--layers", type=int, help="cut the models to their first N layers")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=32, help="decode steps per measurement")
+    parser.add_argument("--no-prefill", action="store_true", help="skip the 512-token prefill")
+    parser.add_argument("--llama-bin", help="folder of llama-bench, llama-batched-bench")
+    parser.add_argument("--every-core-free", action="store_true")
+    parser.add_argument("--write-only", action="store_true", help="write the models, no run")
+    parser.add_argument("--worker", choices=list(MODES), help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--prefill", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.threads = args.threads[0]
+        worker(args)
+        return
+    folder = llama_bin(args.llama_bin)
+    if folder is not None and not shutil.which("llama-bench", path=str(folder)):
+        folder = None
+    print(f"threads {args.threads}, rounds {args.rounds}, {args.tokens} tokens, {uptime()}")
+    for shape in args.shapes:
+        for variant in args.variants:
+            model = cached_gguf(shape, variant, args.layers)
+            if not args.write_only:
+                run_model(model, args, folder)
+
+
+if __name__ == "__main__":
+    main()

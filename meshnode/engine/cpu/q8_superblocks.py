@@ -1,0 +1,428 @@
+"""The one-row 8-bit-activation product of K-quant weights, a 256-value super-block at a time.
+
+:func:`.q8_kernels._eight` decodes each 32-value chunk of a weight row on its own: for
+Q4_K that is the chunk's six-bit scale and minimum picked out of twelve packed bytes and
+the super-block's two float16 factors converted, in scalar code, for every chunk of eight
+rows, about as many instructions as the integer dot product of its 32 weights
+(``benchmarks/realsize.py``: 0.8 cycles a weight on the Llama-3.2-1B shape, one thread,
+where llama.cpp's ``ggml_vec_dot_q4_K_q8_K`` spends about 0.15). Here each super-block of
+each of the eight weight rows is decoded once: its eight scales and minimums as two
+vectors (:func:`k_scales8`), times its ``d`` and ``-dmin`` (float32 products, the same
+as the chunk decoder's), eight rows' vectors transposed so that a chunk's eight rows'
+scales are one vector (:func:`tstore8`, into a small scratch buffer); then each chunk
+costs only its unpacking, its ``vpdpbusd`` and its share of the sums across rows.
+
+The arithmetic is :mod:`.q8_kernels`'s, operation for operation (the same float32
+products, the same fused multiply-adds in the same order of chunks, even and odd apart),
+so a row's result is the same bits as the multi-row tiles give it: the parity rule of
+``--dtype q8`` (``tests/engine/test_cpu_q8.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+
+from meshnode.engine.cpu.simd import (
+    F32x8,
+    F32x16,
+    I32x8,
+    inner,
+    intrinsic,
+    tofloat,
+    vadd,
+    vsplat,
+    wadd,
+    wfma,
+    wmul,
+    wzero,
+)
+from meshnode.engine.cpu.simd_int import fload, half
+from meshnode.engine.cpu.simd_q8 import (
+    I32x16,
+    U8x64,
+    _dot_generic,
+    _dot_vnni,
+    fload16,
+    fold,
+    iload16,
+    imul16,
+    tofloat16,
+    vec8,
+    vmul,
+    vnni512,
+    wpair,
+)
+
+__all__ = ["K_FORMATS", "SCRATCH_BYTES", "eight_q4_k", "eight_q6_k", "k_scales8", "tstore8"]
+
+# The formats taken here (kernel ids of .formats): Q4_K, Q6_K
+K_FORMATS = (10, 12)
+# Bytes of the kernels' scratch: Q4_K's eight chunks' scales and minimums across eight
+# rows; Q6_K's sixteen integer scales of each of eight rows, spread over the lanes
+SCRATCH_BYTES = 2048
+
+_I8 = ir.IntType(8)
+_I32 = ir.IntType(32)
+_F = ir.FloatType()
+_VI = ir.VectorType(_I32, 8)
+_VF = ir.VectorType(_F, 8)
+_VI16 = ir.VectorType(_I32, 16)
+_VB64 = ir.VectorType(_I8, 64)
+
+
+def _is_bytes(ty: Any) -> bool:
+    return isinstance(ty, types.Array) and ty.dtype == types.uint8 and ty.layout == "C"
+
+
+def _consts(values: list[int]) -> Any:
+    return ir.Constant(_VI, values)
+
+
+@intrinsic
+def k_scales8(typingctx: Any, w: Any, off: Any) -> Any:
+    """Q4_K/Q5_K's eight six-bit scales and eight minimums packed in the 12 bytes at
+    ``off`` of a ``uint8`` row (GGML's ``get_scale_min_k4``; reads 16 bytes), as two
+    int32 vectors ``(sc, mn)``, lane ``s`` for sub-block ``s``."""
+    if not _is_bytes(w):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        vb = ir.VectorType(_I8, 16)
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), vb.as_pointer())
+        b = builder.zext(builder.load(ptr, align=1), ir.VectorType(_I32, 16))
+
+        def pick(idx: list[int]) -> Any:
+            return builder.shuffle_vector(b, b, _consts(idx))
+
+        low, high = [63] * 4 + [15] * 4, [0] * 4 + [48] * 4
+        # s < 4: sc = b[s] & 63, mn = b[s + 4] & 63; s >= 4: sc = (b[s + 4] & 15) |
+        # ((b[s - 4] >> 6) << 4), mn = (b[s + 4] >> 4) | ((b[s] >> 6) << 4)
+        top_sc = builder.and_(builder.lshr(pick([0] * 4 + [0, 1, 2, 3]), _consts([2] * 8)),
+                              _consts(high))  # fmt: skip
+        sc = builder.or_(builder.and_(pick([0, 1, 2, 3, 8, 9, 10, 11]), _consts(low)), top_sc)
+        a2 = builder.lshr(pick([4, 5, 6, 7, 8, 9, 10, 11]), _consts([0] * 4 + [4] * 4))
+        top_mn = builder.and_(builder.lshr(pick([0] * 4 + [4, 5, 6, 7]), _consts([2] * 8)),
+                              _consts(high))  # fmt: skip
+        mn = builder.or_(builder.and_(a2, _consts(low)), top_mn)
+        return context.make_tuple(builder, sig.return_type, (sc, mn))
+
+    return types.UniTuple(I32x8, 2)(w, off), codegen  # type: ignore[no-untyped-call]
+
+
+@intrinsic
+def tstore8(typingctx: Any, buf: Any, off: Any, vs: Any) -> Any:
+    """Eight float32 vectors ``vs`` (row ``j``: ``vs[j]``) transposed and stored at byte
+    ``off`` of a ``uint8`` buffer: lane ``j`` of the vector at ``off + 32 c`` is lane ``c``
+    of ``vs[j]``."""
+    if not _is_bytes(buf) or not (isinstance(vs, types.UniTuple) and vs.dtype == F32x8):
+        return None
+    if vs.count != 8:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        rows = list(cgutils.unpack_tuple(builder, args[2]))  # type: ignore[no-untyped-call]
+        for bit in (1, 2, 4):  # swap bit `bit` of the row with bit `bit` of the lane
+            for i in range(8):
+                if i & bit:
+                    continue
+                a, b = rows[i], rows[i | bit]
+                lo = [j if not j & bit else 8 + (j ^ bit) for j in range(8)]
+                hi = [(j | bit) if not j & bit else 8 + j for j in range(8)]
+                rows[i] = builder.shuffle_vector(a, b, _consts(lo))
+                rows[i | bit] = builder.shuffle_vector(a, b, _consts(hi))
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        for c, v in enumerate(rows):
+            at = builder.add(args[1], ir.Constant(args[1].type, 32 * c))
+            ptr = builder.bitcast(builder.gep(data, [at]), _VF.as_pointer())
+            builder.store(v, ptr, align=4)
+        return context.get_dummy_value()
+
+    return types.none(buf, off, vs), codegen
+
+
+@intrinsic
+def isums16(typingctx: Any, vs: Any) -> Any:
+    """Eight vectors of sixteen int32 to one: lane ``8 h + j`` is the sum of lanes ``8 h``
+    .. ``8 h + 7`` of ``vs[j]`` (:func:`.simd_q8.isums` on each half; exact)."""
+    if not (isinstance(vs, types.UniTuple) and vs.count == 8 and vs.dtype == I32x16):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        level = list(cgutils.unpack_tuple(builder, args[0]))  # type: ignore[no-untyped-call]
+        width = 4
+        while len(level) > 1:
+            groups = range(0, 8, 2 * width)
+            lo = [g + i for g in groups for i in range(width)]
+            hi = [g + width + i for g in groups for i in range(width)]
+            nxt = []
+            for a, b in zip(level[0::2], level[1::2], strict=True):
+                pick_lo = [h + x for h in (0, 8) for x in lo + [16 + i for i in lo]]
+                pick_hi = [h + x for h in (0, 8) for x in hi + [16 + i for i in hi]]
+                left = builder.shuffle_vector(a, b, ir.Constant(_VI16, pick_lo))
+                right = builder.shuffle_vector(a, b, ir.Constant(_VI16, pick_hi))
+                nxt.append(builder.add(left, right))
+            level, width = nxt, width // 2
+        return level[0]
+
+    return I32x16(vs), codegen
+
+
+@intrinsic
+def isub16(typingctx: Any, a: Any, b: Any) -> Any:
+    """``a - b`` lane by lane (sixteen int32)."""
+    if a != I32x16 or b != I32x16:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.sub(args[0], args[1])
+
+    return I32x16(a, b), codegen
+
+
+@intrinsic
+def bsplat64(typingctx: Any, n: Any) -> Any:
+    """Sixty-four bytes ``n`` (a literal)."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    value = n.literal_value
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return ir.Constant(_VB64, [value] * 64)
+
+    return U8x64(n), codegen
+
+
+@intrinsic
+def nibbles64(typingctx: Any, w: Any, off: Any) -> Any:
+    """The 32 bytes at ``off`` of a ``uint8`` row as 64 values: their low nibbles, then
+    their high nibbles (a Q4_K super-block's two chunks ``2 k``, ``2 k + 1``)."""
+    if not _is_bytes(w):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        vb = ir.VectorType(_I8, 32)
+        v = builder.load(builder.bitcast(builder.gep(data, [args[1]]), vb.as_pointer()), align=1)
+        both = builder.shuffle_vector(
+            v, v, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2)
+        )
+        shifts = ir.Constant(_VB64, [0] * 32 + [4] * 32)
+        return builder.and_(builder.lshr(both, shifts), ir.Constant(_VB64, [15] * 64))
+
+    return U8x64(w, off), codegen
+
+
+@intrinsic
+def dot64(typingctx: Any, u: Any, xq: Any, off: Any) -> Any:
+    """Lane ``j`` (of sixteen int32): the sum over ``i < 4`` of ``u[4 j + i]`` (unsigned)
+    times the int8 at byte ``off + 4 j + i`` of ``xq`` (one ``vpdpbusd`` on a 512-bit
+    register: two 32-value chunks, as :func:`.simd_int.dot4` does one); exact."""
+    if u != U8x64 or not _is_bytes(xq):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[1])(context, builder, args[1]).data
+        ptr = builder.bitcast(builder.gep(data, [args[2]]), _VB64.as_pointer())
+        x = builder.load(ptr, align=1)
+        zero = ir.Constant(_VI16, [0] * 16)
+        return (_dot_vnni if vnni512() else _dot_generic)(builder, zero, args[0], x)
+
+    return I32x16(u, xq, off), codegen
+
+
+@inner
+def _q4_k_scales(w, o):  # type: ignore[no-untyped-def]
+    # the super-block at byte o: its chunks' dw = d sc and m = -dmin mn (lanes: chunks)
+    sc, mn = k_scales8(w, o + 4)
+    return vmul(vsplat(half(w, o)), tofloat(sc)), vmul(vsplat(-half(w, o + 2)), tofloat(mn))
+
+
+@inner
+def _q4_k_dots(w, bases, at, q, xo):  # type: ignore[no-untyped-def]
+    # chunks 2 k and 2 k + 1 of eight rows (their nibbles at byte at of each row's base)
+    # times the activation blocks at byte xo: the exact integer dot products (lanes 0-7:
+    # the rows for chunk 2 k, 8-15: for chunk 2 k + 1)
+    b0, b1, b2, b3, b4, b5, b6, b7 = bases
+    p0 = dot64(nibbles64(w, b0 + at), q, xo)
+    p1 = dot64(nibbles64(w, b1 + at), q, xo)
+    p2 = dot64(nibbles64(w, b2 + at), q, xo)
+    p3 = dot64(nibbles64(w, b3 + at), q, xo)
+    p4 = dot64(nibbles64(w, b4 + at), q, xo)
+    p5 = dot64(nibbles64(w, b5 + at), q, xo)
+    p6 = dot64(nibbles64(w, b6 + at), q, xo)
+    p7 = dot64(nibbles64(w, b7 + at), q, xo)
+    return isums16((p0, p1, p2, p3, p4, p5, p6, p7))
+
+
+@inner
+def eight_q4_k(w, bases, q, xo, dx, sx, nb, scr):  # type: ignore[no-untyped-def]
+    """Eight Q4_K weight rows (at the byte offsets ``bases`` of ``w``) times one
+    activation row (its quants at byte ``xo`` of quantize's buffer ``q``, its blocks'
+    scale ``d`` and ``d sum(q)`` at bytes ``dx`` and ``sx``, 32 bytes apart from one
+    block to the next): as :func:`.q8_kernels._eight`, with the even chunks in lanes 0-7
+    of the accumulators and the odd ones in lanes 8-15. ``scr``: a ``uint8`` scratch
+    buffer of :data:`SCRATCH_BYTES`."""
+    b0, b1, b2, b3, b4, b5, b6, b7 = bases
+    acc, t = wzero(), wzero()
+    for s in range(nb // 8):
+        o = 144 * s
+        d0, m0 = _q4_k_scales(w, b0 + o)
+        d1, m1 = _q4_k_scales(w, b1 + o)
+        d2, m2 = _q4_k_scales(w, b2 + o)
+        d3, m3 = _q4_k_scales(w, b3 + o)
+        d4, m4 = _q4_k_scales(w, b4 + o)
+        d5, m5 = _q4_k_scales(w, b5 + o)
+        d6, m6 = _q4_k_scales(w, b6 + o)
+        d7, m7 = _q4_k_scales(w, b7 + o)
+        tstore8(scr, 0, (d0, d1, d2, d3, d4, d5, d6, d7))
+        tstore8(scr, 256, (m0, m1, m2, m3, m4, m5, m6, m7))
+        for c in range(0, 8, 2):  # chunks c and c + 1: their 32 bytes of nibbles
+            i = 32 * (8 * s + c)
+            d = _q4_k_dots(w, bases, o + 16 + 16 * c, q, xo + i)
+            dxs = wpair(fload(q, dx + i), fload(q, dx + i + 32))
+            acc = wfma(tofloat16(d), wmul(fload16(scr, 32 * c), dxs), acc)
+            sxs = wpair(fload(q, sx + i), fload(q, sx + i + 32))
+            t = wadd(t, wmul(fload16(scr, 256 + 32 * c), sxs))
+    return vadd(fold(acc), fold(t))
+
+
+@intrinsic
+def spread16(typingctx: Any, w: Any, off: Any, buf: Any, to: Any) -> Any:
+    """Q6_K's sixteen int8 scales at byte ``off`` of a ``uint8`` row, as eight int32
+    vectors stored from byte ``to`` of a ``uint8`` buffer, 32 bytes apart: vector ``c``
+    holds scale ``2 c`` in lanes 0-3 and ``2 c + 1`` in lanes 4-7 (as :func:`.simd_int.
+    lanes2`: each half of a 32-value chunk times its own scale)."""
+    if not _is_bytes(w) or not _is_bytes(buf):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        vb = ir.VectorType(_I8, 16)
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), vb.as_pointer())
+        b = builder.sext(builder.load(ptr, align=1), ir.VectorType(_I32, 16))
+        out = context.make_array(sig.args[2])(context, builder, args[2]).data
+        for c in range(8):
+            v = builder.shuffle_vector(b, b, _consts([2 * c] * 4 + [2 * c + 1] * 4))
+            at = builder.add(args[3], ir.Constant(args[3].type, 32 * c))
+            builder.store(v, builder.bitcast(builder.gep(out, [at]), _VI.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.none(w, off, buf, to), codegen
+
+
+@intrinsic
+def q6_k_pair(typingctx: Any, w: Any, low: Any, high: Any, m: Any) -> Any:
+    """Chunks ``c`` and ``c + 1`` (``c`` even, ``m = c % 4``) of a Q6_K super-block as 64
+    unsigned bytes: the low four bits from the 64 bytes at ``low`` (``ql``, shifted by
+    ``2 m``), the high two from the 32 bytes at ``high`` (``qh``, shifted by ``2 m`` for
+    chunk ``c``, ``2 m + 2`` for chunk ``c + 1``), as :func:`.q8_blocks._q6_k` each."""
+    if not _is_bytes(w):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        vw = ir.VectorType(ir.IntType(16), 32)
+
+        def load(off: Any, vty: Any) -> Any:
+            return builder.load(
+                builder.bitcast(builder.gep(data, [off]), vty.as_pointer()), align=1
+            )
+
+        def splat16(value: Any) -> Any:
+            one = builder.insert_element(ir.Constant(vw, ir.Undefined), value, ir.Constant(_I32, 0))
+            return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, 32), [0] * 32))
+
+        m = context.cast(builder, args[3], sig.args[3], types.uint16)
+        two_m = builder.shl(m, ir.Constant(ir.IntType(16), 1))
+        lo = builder.lshr(builder.bitcast(load(args[1], _VB64), vw), splat16(two_m))
+        lo = builder.and_(lo, ir.Constant(vw, [0x0F0F] * 32))
+        h = load(args[2], ir.VectorType(_I8, 32))
+        both = builder.shuffle_vector(
+            h, h, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2)
+        )
+        counts = builder.add(splat16(two_m), ir.Constant(vw, [0] * 16 + [2] * 16))
+        hi = builder.and_(
+            builder.lshr(builder.bitcast(both, vw), counts), ir.Constant(vw, [0x0303] * 32)
+        )
+        hi = builder.shl(hi, ir.Constant(vw, [4] * 32))
+        return builder.bitcast(builder.or_(lo, hi), _VB64)
+
+    return U8x64(w, low, high, m), codegen
+
+
+@intrinsic
+def wjoin(typingctx: Any, a: Any, b: Any) -> Any:
+    """Lanes 0-7 ``a``, lanes 8-15 ``b`` (float32)."""
+    if a != F32x8 or b != F32x8:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.shuffle_vector(args[0], args[1], ir.Constant(_VI16, list(range(16))))
+
+    return F32x16(a, b), codegen
+
+
+@inner
+def _q6_k_dots(w, bases, o, c, q, xo, scr):  # type: ignore[no-untyped-def]
+    # as _q4_k_dots for Q6_K chunks c, c + 1: each row's dots minus 32 sum(q), each half
+    # of a chunk times its integer scale
+    b0, b1, b2, b3, b4, b5, b6, b7 = bases
+    h, m = c // 4, c % 4
+    low, high = o + 64 * h, o + 128 + 32 * h
+    offs = dot64(bsplat64(32), q, xo)
+    s = 32 * c
+    p0 = imul16(isub16(dot64(q6_k_pair(w, b0 + low, b0 + high, m), q, xo), offs), iload16(scr, s))
+    p1 = imul16(
+        isub16(dot64(q6_k_pair(w, b1 + low, b1 + high, m), q, xo), offs), iload16(scr, 256 + s)
+    )
+    p2 = imul16(
+        isub16(dot64(q6_k_pair(w, b2 + low, b2 + high, m), q, xo), offs), iload16(scr, 512 + s)
+    )
+    p3 = imul16(
+        isub16(dot64(q6_k_pair(w, b3 + low, b3 + high, m), q, xo), offs), iload16(scr, 768 + s)
+    )
+    p4 = imul16(
+        isub16(dot64(q6_k_pair(w, b4 + low, b4 + high, m), q, xo), offs), iload16(scr, 1024 + s)
+    )
+    p5 = imul16(
+        isub16(dot64(q6_k_pair(w, b5 + low, b5 + high, m), q, xo), offs), iload16(scr, 1280 + s)
+    )
+    p6 = imul16(
+        isub16(dot64(q6_k_pair(w, b6 + low, b6 + high, m), q, xo), offs), iload16(scr, 1536 + s)
+    )
+    p7 = imul16(
+        isub16(dot64(q6_k_pair(w, b7 + low, b7 + high, m), q, xo), offs), iload16(scr, 1792 + s)
+    )
+    return isums16((p0, p1, p2, p3, p4, p5, p6, p7))
+
+
+@inner
+def eight_q6_k(w, bases, q, xo, dx, sx, nb, scr):  # type: ignore[no-untyped-def]
+    """As :func:`eight_q4_k` for Q6_K rows (``sx`` unused: no minimums)."""
+    b0, b1, b2, b3, b4, b5, b6, b7 = bases
+    acc = wzero()  # lanes 0-7: the even chunks, 8-15: the odd ones
+    for s in range(nb // 8):
+        o = 210 * s
+        spread16(w, b0 + o + 192, scr, 0)
+        spread16(w, b1 + o + 192, scr, 256)
+        spread16(w, b2 + o + 192, scr, 512)
+        spread16(w, b3 + o + 192, scr, 768)
+        spread16(w, b4 + o + 192, scr, 1024)
+        spread16(w, b5 + o + 192, scr, 1280)
+        spread16(w, b6 + o + 192, scr, 1536)
+        spread16(w, b7 + o + 192, scr, 1792)
+        d = o + 208
+        dw = vec8((half(w, b0 + d), half(w, b1 + d), half(w, b2 + d), half(w, b3 + d),
+                   half(w, b4 + d), half(w, b5 + d), half(w, b6 + d), half(w, b7 + d)))  # fmt: skip
+        dws = wjoin(dw, dw)
+        for c in range(0, 8, 2):
+            i = 32 * (8 * s + c)
+            p = _q6_k_dots(w, bases, o, c, q, xo + i, scr)
+            dxs = wpair(fload(q, dx + i), fload(q, dx + i + 32))
+            acc = wfma(tofloat16(p), wmul(dws, dxs), acc)
+    return fold(acc)
