@@ -104,15 +104,15 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3_5_text": Architecture(),
     # Mixtures of experts (meshnode.engine.moe); the CUDA backend refuses them for now
     "qwen3_moe": Architecture(qk_norm=True, moe=MoeFamily()),
-    "mixtral": Architecture(cuda=False, moe=MoeFamily(norm_topk_prob=True)),
+    "mixtral": Architecture(moe=MoeFamily(norm_topk_prob=True)),
     "gpt_oss": Architecture(
         attention_bias=True,
         attention_sinks=True,
         moe=MoeFamily(routing="topk_softmax", glu="clamped_swiglu", biases=True),
     ),
-    # the hybrid stage with routed experts and a sigmoid-gated shared expert
-    "qwen3_5_moe_text": Architecture(cuda=False, moe=QWEN35_MOE),
-    "qwen3_5_moe": Architecture(cuda=False, moe=QWEN35_MOE),
+    # the hybrid block with routed experts and a sigmoid-gated shared expert
+    "qwen3_5_moe_text": Architecture(moe=QWEN35_MOE),
+    "qwen3_5_moe": Architecture(moe=QWEN35_MOE),
 }
 SUPPORTED_MODEL_TYPES = frozenset(ARCHITECTURES)
 

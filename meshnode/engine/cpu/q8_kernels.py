@@ -55,7 +55,13 @@ from meshnode.engine.cpu.q8_blocks import (
     offset_area,
     per16,
 )
-from meshnode.engine.cpu.q8_superblocks import K_FORMATS, SCRATCH_BYTES, eight_q4_k, eight_q6_k
+from meshnode.engine.cpu.q8_superblocks import (
+    K_FORMATS,
+    Q4_K_ID,
+    SCRATCH_BYTES,
+    eight_q4_k,
+    eight_q6_k,
+)
 from meshnode.engine.cpu.simd import (
     INNER,
     entry,
@@ -325,7 +331,7 @@ def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks, scr):  # type: ignore[no-
         return lambda fmt, w, bases, q, r, n, nb, blocks, scr: _eight(
             fmt, w, bases, q, r, n, nb, blocks
         )
-    eight = eight_q4_k if kind == 10 else eight_q6_k
+    eight = eight_q4_k if kind == Q4_K_ID else eight_q6_k
 
     def superblocks(fmt, w, bases, q, r, n, nb, blocks, scr):  # type: ignore[no-untyped-def]
         _, _, dxt, sxt = _areas(n, blocks)

@@ -26,6 +26,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 
+from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.simd import (
     F32x8,
     F32x16,
@@ -57,10 +58,22 @@ from meshnode.engine.cpu.simd_q8 import (
     wpair,
 )
 
-__all__ = ["K_FORMATS", "SCRATCH_BYTES", "eight_q4_k", "eight_q6_k", "k_scales8", "tstore8"]
+__all__ = [
+    "K_FORMATS",
+    "Q4_K_ID",
+    "SCRATCH_BYTES",
+    "eight_q4_k",
+    "eight_q6_k",
+    "k_scales8",
+    "tstore8",
+]
 
-# The formats taken here (kernel ids of .formats): Q4_K, Q6_K
-K_FORMATS = (10, 12)
+# The formats taken here, by their rows in .formats: Q4_K, Q6_K (kernel ids, and the bytes
+# of one 256-value super-block, which the kernels step by)
+_Q4_K, _Q6_K = FORMATS["Q4_K"], FORMATS["Q6_K"]
+K_FORMATS = (_Q4_K.kernel_id, _Q6_K.kernel_id)
+Q4_K_ID = _Q4_K.kernel_id
+_Q4_K_BYTES, _Q6_K_BYTES = _Q4_K.type_size, _Q6_K.type_size
 # Bytes of the kernels' scratch: Q4_K's eight chunks' scales and minimums across eight
 # rows; Q6_K's sixteen integer scales of each of eight rows, spread over the lanes
 SCRATCH_BYTES = 2048
@@ -270,7 +283,7 @@ def eight_q4_k(w, bases, q, xo, dx, sx, nb, scr):  # type: ignore[no-untyped-def
     b0, b1, b2, b3, b4, b5, b6, b7 = bases
     acc, t = wzero(), wzero()
     for s in range(nb // 8):
-        o = 144 * s
+        o = _Q4_K_BYTES * s
         d0, m0 = _q4_k_scales(w, b0 + o)
         d1, m1 = _q4_k_scales(w, b1 + o)
         d2, m2 = _q4_k_scales(w, b2 + o)
@@ -407,7 +420,7 @@ def eight_q6_k(w, bases, q, xo, dx, sx, nb, scr):  # type: ignore[no-untyped-def
     b0, b1, b2, b3, b4, b5, b6, b7 = bases
     acc = wzero()  # lanes 0-7: the even chunks, 8-15: the odd ones
     for s in range(nb // 8):
-        o = 210 * s
+        o = _Q6_K_BYTES * s
         spread16(w, b0 + o + 192, scr, 0)
         spread16(w, b1 + o + 192, scr, 256)
         spread16(w, b2 + o + 192, scr, 512)
