@@ -48,6 +48,7 @@ __all__ = [
     "PrefixPool",
     "PrefixStats",
     "chain_keys",
+    "extend_chain",
     "resume_length",
 ]
 
@@ -68,15 +69,20 @@ class PrefixMissError(MeshnodeError, ValueError):
 def chain_keys(salt: str, tokens: Sequence[int], block: int = PREFIX_BLOCK_TOKENS) -> list[Key]:
     """The key of each full block of ``tokens``: a BLAKE2b-128 chain seeded by ``salt``
     (key ``i`` covers ``tokens[: (i + 1) * block]``)."""
-    key = hashlib.blake2b(salt.encode(), digest_size=16).digest()
-    ids = np.asarray(tokens, dtype="<u4")
-    out = []
-    for i in range(len(tokens) // block):
-        key = hashlib.blake2b(
-            key + ids[i * block : (i + 1) * block].tobytes(), digest_size=16
-        ).digest()
-        out.append(key)
-    return out
+    return extend_chain([], salt, tokens, block)
+
+
+def extend_chain(
+    keys: list[Key], salt: str, tokens: Sequence[int], block: int = PREFIX_BLOCK_TOKENS
+) -> list[Key]:
+    """``keys``, the chain keys of ``tokens``' first ``len(keys)`` blocks, extended in
+    place to every full block of ``tokens`` (:func:`chain_keys`); returned."""
+    key = keys[-1] if keys else hashlib.blake2b(salt.encode(), digest_size=16).digest()
+    for i in range(len(keys), len(tokens) // block):
+        ids = np.asarray(tokens[i * block : (i + 1) * block], dtype="<u4")
+        key = hashlib.blake2b(key + ids.tobytes(), digest_size=16).digest()
+        keys.append(key)
+    return keys
 
 
 def resume_length(prompt_tokens: int, cached_blocks: int, block: int = PREFIX_BLOCK_TOKENS) -> int:
@@ -101,6 +107,7 @@ class PrefixStats:
 class _Block:
     slot: int
     tokens: tuple[int, ...]
+    parent: Key | None  # the key of the block before (None: the chain's first)
     refs: int = 0
 
 
@@ -182,32 +189,33 @@ class PrefixPool:
             n += 1
         return n
 
-    def acquire(self, tokens: Sequence[int], cache: Any) -> list[Key]:
-        """Copy the blocks covering ``tokens`` (whole blocks: ``len(tokens)`` a multiple
-        of the block size) into positions ``0 … len(tokens)`` of ``cache`` (a
-        :class:`~meshnode.engine.kv_cache.KVCache` of this stage's layers), set its
-        length, and reference them; the keys held. Raises :class:`PrefixMissError` (and
-        changes nothing) when a block is missing or ``tokens`` is not whole blocks."""
-        if len(tokens) % self.block:
-            raise PrefixMissError(
-                f"a prefix of {len(tokens)} tokens is not whole blocks of {self.block}"
-            )
-        keys = self.keys(tokens)
-        missing = next((i for i, k in enumerate(keys) if not self._holds(k, tokens, i)), None)
-        if missing is not None:
-            raise PrefixMissError(
-                f"block {missing} of a {len(tokens)}-token prefix is not cached here"
-            )
+    def acquire(self, key: Key, cache: Any) -> tuple[list[int], list[Key]]:
+        """Copy the chain of blocks that ends with ``key`` into positions ``0 … n x block``
+        of ``cache`` (a :class:`~meshnode.engine.kv_cache.KVCache` of this stage's
+        layers), set its length, and reference the blocks; their token ids and keys, in
+        order. Raises :class:`PrefixMissError` (and changes nothing) when a block of the
+        chain is not (or no longer) here."""
+        chain: list[Key] = []
+        at: Key | None = key
+        while at is not None:
+            entry = self._blocks.get(at)
+            if entry is None:
+                raise PrefixMissError(f"block {len(chain)} from the end of a prefix is not here")
+            chain.append(at)
+            at = entry.parent
+        chain.reverse()
+        tokens: list[int] = []
         cache.truncate(0)
-        for i, key in enumerate(keys):
-            entry = self._use(key)
+        for i, k in enumerate(chain):
+            entry = self._use(k)
             span = slice(i * self.block, (i + 1) * self.block)
             cache.k[:, :, span] = self.k[entry.slot]  # [L, Hkv, B, D]
             cache.v[:, :, span] = self.v[entry.slot]
+            tokens.extend(entry.tokens)
         cache.length = len(tokens)
         self.stats.hit_tokens += len(tokens)
-        self._refresh(keys)
-        return keys
+        self._refresh(chain)
+        return tokens, chain
 
     def store(self, tokens: Sequence[int], cache: Any, held: int) -> list[Key]:
         """Store the full blocks of ``tokens`` from block ``held`` on, copied from the same
@@ -224,7 +232,7 @@ class PrefixPool:
                 self.stats.skipped_blocks += len(keys) - i
                 break
             else:
-                self._write(key, tokens, i, cache)
+                self._write(key, keys[i - 1] if i else None, tokens, i, cache)
             out.append(key)
         self._refresh(keys[:held] + out)
         return out
@@ -273,10 +281,12 @@ class PrefixPool:
         self.stats.evicted_blocks += 1
         return True
 
-    def _write(self, key: Key, tokens: Sequence[int], i: int, cache: Any) -> None:
+    def _write(
+        self, key: Key, parent: Key | None, tokens: Sequence[int], i: int, cache: Any
+    ) -> None:
         slot = self._free.pop()
         span = slice(i * self.block, (i + 1) * self.block)
         self.k[slot] = cache.k[:, :, span]
         self.v[slot] = cache.v[:, :, span]
-        self._blocks[key] = _Block(slot, tuple(tokens[span]), refs=1)
+        self._blocks[key] = _Block(slot, tuple(tokens[span]), parent, refs=1)
         self.stats.stored_blocks += 1

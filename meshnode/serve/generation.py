@@ -57,6 +57,7 @@ from meshnode.node.pipeline import (
     StepResult,
     TokenLogprob,
 )
+from meshnode.serve.prefix import prefill_prompt
 from meshnode.serve.stops import find_stop, first_stop, held_back
 from meshnode.speculative.mtp import MtpProposer
 from meshnode.speculative.telemetry import SpecStats
@@ -115,6 +116,7 @@ class GenerationParams:
     # The grammar the reply must follow (llguidance's serialized form; None: free text),
     # enforced by the last stage (meshnode.serve.structured, meshnode.engine.constraint).
     grammar: str | None = None
+    cache_prompt: bool = True  # resume from the stages' cached prefix (llama-server's field)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -298,6 +300,7 @@ class GenerationRun:
     chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     refolds: int = 0  # frames that started behind a snapshot ring: history prefilled again
     replays: int = 0  # pipelines lost under this request and replaced (module docstring)
+    cached_tokens: int = 0  # prompt tokens resumed from the stages' prefix cache
 
     @property
     def history(self) -> list[int]:
@@ -507,15 +510,8 @@ async def _replay_history(pipeline: Pipeline, run: GenerationRun) -> None:
 
 
 async def _prefill(pipeline: Pipeline, run: GenerationRun, chunk_tokens: int) -> Delta:
-    chunks = prefill_chunks(run.prompt, chunk_tokens)
-    delta = None
-    for i, (start, tokens) in enumerate(chunks):
-        final = i == len(chunks) - 1
-        frame = _frame(run, FrameKind.PREFILL, start, tokens, final=final)
-        _, delta = await _pass(pipeline, run, frame)
-    if delta is None:
-        raise RuntimeError("the final prefill pass returned no token")
-    return delta
+    # Hook (issue 30): from the stages' cached prefix where they hold one (serve.prefix).
+    return await prefill_prompt(pipeline, run, chunk_tokens, _pass, _frame)
 
 
 async def _decode_step(

@@ -60,8 +60,9 @@ def test_store_then_acquire_copies_the_blocks_exactly() -> None:
     assert len(held) == 2
     assert p.cached_blocks(tokens) == 2
     fresh = KVCache(np, max_tokens=64, **SHAPE)
-    got = p.acquire(tokens[:8], fresh)
+    got_tokens, got = p.acquire(held[-1], fresh)
     assert got == held
+    assert got_tokens == tokens[:8]
     assert fresh.length == 8
     ref = filled(tokens)
     np.testing.assert_array_equal(fresh.k[:, :, :8], ref.k[:, :, :8])
@@ -74,10 +75,8 @@ def test_a_miss_changes_nothing() -> None:
     p = pool(4)
     p.store([1, 2, 3, 4], filled([1, 2, 3, 4]), 0)
     cache = filled([9, 9])
-    with pytest.raises(PrefixMissError, match="block 1"):
-        p.acquire([1, 2, 3, 4, 5, 6, 7, 8], cache)
-    with pytest.raises(PrefixMissError, match="whole blocks"):
-        p.acquire([1, 2, 3], cache)
+    with pytest.raises(PrefixMissError, match="block 0 from the end"):
+        p.acquire(p.keys([1, 2, 3, 4, 5, 6, 7, 8])[-1], cache)
     assert cache.length == 2
     assert p.stats.hit_tokens == 0
     assert p.cached_blocks([1, 2, 3, 5]) == 0  # same hash chain start, other tokens
@@ -100,12 +99,21 @@ def test_referenced_blocks_are_never_evicted_and_stores_skip_instead() -> None:
     assert p.stats.evicted_blocks == 2
 
 
+def test_a_chain_whose_first_block_was_evicted_is_a_miss() -> None:
+    p = pool(3)
+    a = list(range(8))
+    p.release(p.store(a, filled(a), 0))
+    p._blocks.pop(p.keys(a)[0])  # as if evicted alone (LRU never does: see above)
+    with pytest.raises(PrefixMissError, match="block 1 from the end"):
+        p.acquire(p.keys(a)[1], filled([]))
+
+
 def test_eviction_is_least_recently_used_and_takes_descendants_first() -> None:
     p = pool(3)
     a, b = list(range(8)), list(range(50, 54))
     p.release(p.store(a, filled(a), 0))  # a0 a1
     p.release(p.store(b, filled(b), 0))  # b0: the pool is full
-    p.release(p.acquire(a[:4], filled([])))  # a0 used again: b0 then a1 are older
+    p.release(p.acquire(p.keys(a)[0], filled([]))[1])  # a0 used again: b0 then a1 are older
     c = list(range(70, 74))
     p.release(p.store(c, filled(c), 0))
     # a1 was the least recently used (its chain's first block was touched after it).
