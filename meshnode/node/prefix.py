@@ -116,6 +116,11 @@ class StagePrefix:
         )
         return cls(pool if pool.capacity else None)
 
+    @property
+    def block(self) -> int:
+        """Positions per block of the pool (0: no pool), announced in ``Ready``."""
+        return 0 if self.pool is None else self.pool.block
+
     def resume(self, frame: StepFrame, cache: Any) -> list[int]:
         """Seed ``cache`` of a new sequence with the prefix ``frame.prefix_key`` names; the
         prefix's token ids. Raises :class:`PrefixMissError` when this stage does not hold

@@ -57,6 +57,7 @@ from meshnode_protocol import (
     Release,
 )
 
+from meshnode.engine.prefix_cache import PrefixMissError
 from meshnode.engine.recurrent import RollbackError
 from meshnode.errors import MeshnodeError
 from meshnode.net.stream import SEND_ERRORS
@@ -69,6 +70,7 @@ from meshnode.node.pipeline import (
     StepFrame,
     StepResult,
 )
+from meshnode.node.prefix import NotedPass, PrefixIndex
 from meshnode.node.stage import StageRunner, step_activations, step_results
 from meshnode.node.wire import WireSequences, frame_to_wire, result_from_wire
 
@@ -214,7 +216,10 @@ class RemotePipeline:
         wire_dtype: str,
         batch_limits: BatchLimits | None = None,
         deadline: PassDeadline | None = None,
+        prefix_blocks: Sequence[int] = (),
     ) -> None:
+        """``prefix_blocks``: the prefix-cache block size each other stage announced in its
+        ``Ready`` (issue 30: requests resume from cached prefixes only when all agree)."""
         self.runner = runner
         self.run_id = run_id
         self.term = term
@@ -244,6 +249,10 @@ class RemotePipeline:
         self._sending: trio.CancelScope | None = None  # the step being sent, if any
         # Set when stage 0's compute missed its deadline: its thread's end (``_step``).
         self._hung: threading.Event | None = None
+        # Hook (issue 30): what every stage's prefix pool holds, as the host sees it.
+        block = runner.prefix.block
+        agreed = block > 0 and all(b == block for b in prefix_blocks)
+        self.prefix = PrefixIndex(run_id, block=block) if agreed else None
 
     @property
     def context_size(self) -> int:
@@ -252,10 +261,15 @@ class RemotePipeline:
     async def run(self, frame: StepFrame) -> StepResult:
         if self.failure is not None:
             raise self._lost()
-        return await self._answer(frame, await self.batcher.submit(frame))
+        result = await self._answer(frame, await self.batcher.submit(frame))
+        if self.prefix is not None:  # hook (issue 30)
+            self.prefix.passed(frame)
+        return result
 
     def queue(self, frame: StepFrame) -> QueuedPass:
-        return _Queued(self, frame, self.batcher.enqueue(frame))
+        queued = _Queued(self, frame, self.batcher.enqueue(frame))
+        # Hook (issue 30): the index notes a queued pass's result as run's.
+        return queued if self.prefix is None else NotedPass(queued, frame, self.prefix)
 
     async def _answer(self, frame: StepFrame, waiter: _Waiter) -> StepResult:
         """Wait for the prediction of a frame that stage 0 has sent on (``waiter``)."""
@@ -412,6 +426,8 @@ class RemotePipeline:
             if self._hung is None:
                 self.runner.release(request_id)
         self._released.set()
+        if self.prefix is not None:  # hook (issue 30)
+            self.prefix.released(request_id)
         wire_id = self._wire_ids.pop(request_id, None)
         if wire_id is None:
             return  # never crossed the wire: no other stage holds it
@@ -453,6 +469,8 @@ class RemotePipeline:
                 waiter.error = PipelineError(f"the last stage sent a bad Prediction: {exc}")
         elif message.code == ErrorCode.ROLLBACK_TOO_DEEP:  # the generation loop refolds
             waiter.error = RollbackError(message.message)
+        elif message.code == ErrorCode.PREFIX_MISS:  # hook (issue 30): prefill from 0
+            waiter.error = PrefixMissError(message.message)
         else:
             waiter.error = PipelineError(f"a stage failed: {message.message}")
         waiter.done.set()
