@@ -195,7 +195,9 @@ def _generation(
     service: ServeService, body: a.MessagesRequest, grammar: str | None
 ) -> GenerationRequest:
     sampling = service.sampling(body.sampling_fields())
-    return GenerationRequest(sampling, body.max_tokens, body.stops(), grammar=grammar)
+    return GenerationRequest(
+        sampling, body.max_tokens, body.stops(), grammar=grammar, cache_prompt=body.cache_prompt
+    )
 
 
 # -- replies --------------------------------------------------------------------------------
@@ -214,7 +216,12 @@ def _stop_reason(run: GenerationRun, max_tokens: int, blocks: BlockStream) -> a.
 
 
 def _usage(run: GenerationRun) -> a.Usage:
-    return a.Usage(input_tokens=len(run.prompt), output_tokens=len(run.state.tokens))
+    # As Anthropic counts: input_tokens are those not read from the cache.
+    return a.Usage(
+        input_tokens=len(run.prompt) - run.cached_tokens,
+        output_tokens=len(run.state.tokens),
+        cache_read_input_tokens=run.cached_tokens,
+    )
 
 
 def _message_id() -> str:
@@ -282,6 +289,6 @@ async def _events(
         "stop_reason": _stop_reason(run, max_tokens, blocks),
         "stop_sequence": run.state.stop_string,
     }
-    usage = {"output_tokens": len(run.state.tokens)}
+    usage = _usage(run).model_dump()  # the final counts, cache reads included
     yield _event("message_delta", {"delta": stop, "usage": usage})
     yield _event("message_stop", {})

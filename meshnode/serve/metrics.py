@@ -164,6 +164,10 @@ class ServeMetrics:
             "meshnode_requests_total", "Finished API requests by endpoint and outcome."
         )
         self.prompt_tokens = Counter("meshnode_prompt_tokens_total", "Prompt tokens prefilled.")
+        self.prompt_cached_tokens = Counter(
+            "meshnode_prompt_cached_tokens_total",
+            "Prompt tokens resumed from the stages' prefix cache instead of computed.",
+        )
         self.generation_tokens = Counter(
             "meshnode_generation_tokens_total", "Completion tokens, counted as they come."
         )
@@ -238,7 +242,7 @@ class ServeMetrics:
     def _all(self) -> list[Counter | Gauge | Histogram]:
         return [
             self.requests, self.prompt_tokens, self.generation_tokens, self.in_flight,
-            self.replays,
+            self.replays, self.prompt_cached_tokens,
             self.waiting, self.ttft, self.tpot, self.stage_compute, self.wire, self.stage_seconds,
             self.spec_proposed, self.spec_accepted, self.spec_windows,
             self.spec_verify_seconds, self.spec_plain_steps, self.spec_requests,

@@ -158,6 +158,7 @@ def _chat_sampling(
         tuple(body.stop_list()),
         body.logprob_count(),
         grammar=grammar,
+        cache_prompt=body.cache_prompt,
     )
 
 
@@ -166,7 +167,14 @@ def _text_sampling(
 ) -> GenerationRequest:
     sampling = service.sampling(body.sampling_fields())
     stops = tuple(body.stop_list())
-    return GenerationRequest(sampling, body.max_tokens, stops, body.logprobs, grammar=grammar)
+    return GenerationRequest(
+        sampling,
+        body.max_tokens,
+        stops,
+        body.logprobs,
+        grammar=grammar,
+        cache_prompt=body.cache_prompt,
+    )
 
 
 # -- running ------------------------------------------------------------------------------
@@ -218,7 +226,10 @@ def _stream_error(exc: Exception) -> dict[str, Any]:
 def _usage(run: GenerationRun) -> s.Usage:
     prompt, completion = len(run.prompt), len(run.state.tokens)
     return s.Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=s.PromptTokensDetails(cached_tokens=run.cached_tokens),
     )
 
 

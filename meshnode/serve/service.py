@@ -125,6 +125,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     top_logprobs: int | None = None
     grammar: str | None = None  # what the reply must follow (meshnode.serve.structured)
+    cache_prompt: bool = True  # resume from the stages' cached prefix (issue 30)
 
 
 def checked_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -345,6 +346,7 @@ class ServeService:
             eos_token_ids=self.eos_token_ids,
             top_logprobs=request.top_logprobs,
             grammar=request.grammar,
+            cache_prompt=request.cache_prompt,
         )
         state = GenerationState(params, self.codec.detokenizer())
         return GenerationRun(self.scheduler.new_request_id(), prompt, params, state)
@@ -420,6 +422,7 @@ class ServeService:
     def _observe_run(self, run: GenerationRun) -> None:
         produced = len(run.state.tokens)
         self.metrics.replays.inc(run.replays)
+        self.metrics.prompt_cached_tokens.inc(run.cached_tokens)  # hook (issue 30)
         if (tpot := run.timings.tpot_s(produced)) is not None:
             self.metrics.tpot.observe(tpot)
         self.spec_total = self.spec_total.merge(run.spec)
