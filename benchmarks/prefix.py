@@ -47,10 +47,28 @@ from tests.conftest import smollm2_gguf_path
 
 CONTEXT = 4096  # turn 10 of the chat is ~1,900 tokens; 8 users' prompts ~1,050 each
 MAX_TOKENS = 8  # the reply's length does not matter here: time to first token does
-WORDS = (
-    "river mountain quiet lantern orchard copper meadow harbor signal thunder ribbon "
-    "marble canyon velvet ember glacier falcon whisper timber compass"
-).split()
+WORDS = [
+    "river",
+    "mountain",
+    "quiet",
+    "lantern",
+    "orchard",
+    "copper",
+    "meadow",
+    "harbor",
+    "signal",
+    "thunder",
+    "ribbon",
+    "marble",
+    "canyon",
+    "velvet",
+    "ember",
+    "glacier",
+    "falcon",
+    "whisper",
+    "timber",
+    "compass",
+]
 
 
 def _text(seed: int, words: int) -> str:
