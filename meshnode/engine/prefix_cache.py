@@ -163,11 +163,13 @@ class PrefixPool:
 
     def usage(self) -> dict[str, int]:
         """Blocks in use by sequences, cached (unreferenced), free, and the pool's size."""
-        used = sum(1 for b in self._blocks.values() if b.refs)
+        # One C-level copy each: a status read on the event loop while a step runs.
+        blocks, free = list(self._blocks.values()), len(self._free)
+        used = sum(1 for b in blocks if b.refs)
         return {
             "blocks_used": used,
-            "blocks_cached": len(self._blocks) - used,
-            "blocks_free": len(self._free),
+            "blocks_cached": len(blocks) - used,
+            "blocks_free": free,
             "blocks_total": self.capacity,
             "block_tokens": self.block,
         }
