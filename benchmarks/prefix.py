@@ -121,7 +121,7 @@ async def chat(http: httpx.AsyncClient, url: str, turns: int) -> dict[str, list[
 
 
 async def users(http: httpx.AsyncClient, url: str, n: int, system_tokens: int) -> None:
-    system = _text(3, int(system_tokens * 0.75))  # ~1.3 tokens a word in this soup
+    system = _text(3, system_tokens)  # ~1.05 tokens a word in this soup
     medians = {}
 
     async def one(i: int, cache: bool, out: list[tuple[float, int]]) -> None:
