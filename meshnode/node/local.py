@@ -12,7 +12,7 @@ import trio
 
 from meshnode.node.batcher import Ahead, Batcher, BatchLimits, Queued, Slot, next_decode
 from meshnode.node.pipeline import QueuedPass, RequestId, StepFrame, StepResult
-from meshnode.node.prefix import NotedPass, PrefixIndex
+from meshnode.node.prefix import NotedPass, PrefixIndex, note_pass, note_release
 from meshnode.node.stage import StageRunner, step_results
 
 __all__ = ["LocalPipeline"]
@@ -45,7 +45,7 @@ class LocalPipeline:
             self._step, limits, live=lambda: runner.live_sequences, ahead=ahead
         )
         # Hook (issue 30): what the runner's prefix pool holds, as the host sees it.
-        self.prefix = PrefixIndex(runner.prefix.salt) if runner.prefix.pool else None
+        self.prefix = PrefixIndex.of_run(runner.prefix, (), runner.prefix.salt)
 
     @property
     def context_size(self) -> int:
@@ -53,8 +53,7 @@ class LocalPipeline:
 
     async def run(self, frame: StepFrame) -> StepResult:
         result = await self.batcher.submit(frame)
-        if self.prefix is not None:  # hook (issue 30)
-            self.prefix.passed(frame)
+        note_pass(self.prefix, frame)  # hook (issue 30)
         return result
 
     def queue(self, frame: StepFrame) -> QueuedPass:
@@ -67,8 +66,7 @@ class LocalPipeline:
         async with self.batcher.exclusive():
             self.runner.release(request_id)
             self.batcher.forget(request_id)
-        if self.prefix is not None:  # hook (issue 30)
-            self.prefix.released(request_id)
+        note_release(self.prefix, request_id)  # hook (issue 30)
 
     async def _step(self, slots: list[Slot[StepResult]]) -> None:
         await trio.to_thread.run_sync(step_results, self.runner, slots)

@@ -55,6 +55,8 @@ __all__ = [
     "PrefixCaching",
     "PrefixIndex",
     "StagePrefix",
+    "note_pass",
+    "note_release",
 ]
 
 #: A stage's prefix pool, in full contexts of KV when nobody sizes it: two contexts hold
@@ -206,6 +208,15 @@ class PrefixIndex:
         self._keys: OrderedDict[bytes, None] = OrderedDict()
         self._sent: dict[RequestId, _Sent] = {}
 
+    @classmethod
+    def of_run(cls, stage0: StagePrefix, blocks: Sequence[int], salt: str) -> PrefixIndex | None:
+        """The index of a pipeline whose first stage is ``stage0`` and whose other stages
+        announced ``blocks`` (``Ready.prefix_block``); None (requests never resume) unless
+        every stage keeps a pool of stage 0's block size."""
+        block = stage0.block
+        agreed = block > 0 and all(b == block for b in blocks)
+        return cls(salt, block=block) if agreed else None
+
     def resume_point(
         self, request_id: RequestId, prompt: Sequence[int]
     ) -> tuple[int, bytes | None]:
@@ -241,6 +252,18 @@ class PrefixIndex:
     def released(self, request_id: RequestId) -> None:
         """The sequence ended (its blocks stay in the index)."""
         self._sent.pop(request_id, None)
+
+
+def note_pass(index: PrefixIndex | None, frame: StepFrame) -> None:
+    """``frame``'s pass came back (:meth:`PrefixIndex.passed`; nothing without an index)."""
+    if index is not None:
+        index.passed(frame)
+
+
+def note_release(index: PrefixIndex | None, request_id: RequestId) -> None:
+    """The sequence ended (:meth:`PrefixIndex.released`; nothing without an index)."""
+    if index is not None:
+        index.released(request_id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,7 +70,7 @@ from meshnode.node.pipeline import (
     StepFrame,
     StepResult,
 )
-from meshnode.node.prefix import NotedPass, PrefixIndex
+from meshnode.node.prefix import PrefixIndex, note_pass, note_release
 from meshnode.node.stage import StageRunner, step_activations, step_results
 from meshnode.node.wire import WireSequences, frame_to_wire, result_from_wire
 
@@ -84,6 +84,12 @@ DataReply = Prediction | PredictionBatch | Error
 #: What a stage answers when it no longer holds the run a frame names (or cannot pass it
 #: on): not this request's fault, but the pipeline's end.
 RUN_LOST_CODES = frozenset({ErrorCode.UNKNOWN_RUN, ErrorCode.STALE_TERM, ErrorCode.NOT_READY})
+#: Refusals the generation loop recovers from: a hybrid stage's rollback past its snapshot
+#: ring (it refolds the history), a prefix a stage no longer holds (it prefills from 0).
+RETRY_CODES: dict[int, type[RollbackError | PrefixMissError]] = {
+    ErrorCode.ROLLBACK_TOO_DEEP: RollbackError,
+    ErrorCode.PREFIX_MISS: PrefixMissError,  # hook (issue 30)
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,10 +222,8 @@ class RemotePipeline:
         wire_dtype: str,
         batch_limits: BatchLimits | None = None,
         deadline: PassDeadline | None = None,
-        prefix_blocks: Sequence[int] = (),
+        prefix_blocks: Sequence[int] = (),  # each other stage's Ready.prefix_block
     ) -> None:
-        """``prefix_blocks``: the prefix-cache block size each other stage announced in its
-        ``Ready`` (issue 30: requests resume from cached prefixes only when all agree)."""
         self.runner = runner
         self.run_id = run_id
         self.term = term
@@ -249,10 +253,7 @@ class RemotePipeline:
         self._sending: trio.CancelScope | None = None  # the step being sent, if any
         # Set when stage 0's compute missed its deadline: its thread's end (``_step``).
         self._hung: threading.Event | None = None
-        # Hook (issue 30): what every stage's prefix pool holds, as the host sees it.
-        block = runner.prefix.block
-        agreed = block > 0 and all(b == block for b in prefix_blocks)
-        self.prefix = PrefixIndex(run_id, block=block) if agreed else None
+        self.prefix = PrefixIndex.of_run(runner.prefix, prefix_blocks, run_id)  # issue 30
 
     @property
     def context_size(self) -> int:
@@ -261,15 +262,10 @@ class RemotePipeline:
     async def run(self, frame: StepFrame) -> StepResult:
         if self.failure is not None:
             raise self._lost()
-        result = await self._answer(frame, await self.batcher.submit(frame))
-        if self.prefix is not None:  # hook (issue 30)
-            self.prefix.passed(frame)
-        return result
+        return await self._answer(frame, await self.batcher.submit(frame))
 
     def queue(self, frame: StepFrame) -> QueuedPass:
-        queued = _Queued(self, frame, self.batcher.enqueue(frame))
-        # Hook (issue 30): the index notes a queued pass's result as run's.
-        return queued if self.prefix is None else NotedPass(queued, frame, self.prefix)
+        return _Queued(self, frame, self.batcher.enqueue(frame))
 
     async def _answer(self, frame: StepFrame, waiter: _Waiter) -> StepResult:
         """Wait for the prediction of a frame that stage 0 has sent on (``waiter``)."""
@@ -283,6 +279,7 @@ class RemotePipeline:
                 self._waiters.pop(waiter.wire_id, None)
         if waiter.result is None:
             raise waiter.error or PipelineError("the frame's waiter woke without a result")
+        note_pass(self.prefix, frame)  # hook (issue 30): every stage stored its blocks
         if waiter.local_s is None:  # a one-stage run: the result is all there is
             return waiter.result
         # The other stages report their compute (the last its own, the middle ones through
@@ -426,8 +423,7 @@ class RemotePipeline:
             if self._hung is None:
                 self.runner.release(request_id)
         self._released.set()
-        if self.prefix is not None:  # hook (issue 30)
-            self.prefix.released(request_id)
+        note_release(self.prefix, request_id)  # hook (issue 30)
         wire_id = self._wire_ids.pop(request_id, None)
         if wire_id is None:
             return  # never crossed the wire: no other stage holds it
@@ -467,10 +463,8 @@ class RemotePipeline:
                 waiter.result = self._checked(result_from_wire(message))
             except (PipelineError, ValueError) as exc:  # ValueError: lists of unequal length
                 waiter.error = PipelineError(f"the last stage sent a bad Prediction: {exc}")
-        elif message.code == ErrorCode.ROLLBACK_TOO_DEEP:  # the generation loop refolds
-            waiter.error = RollbackError(message.message)
-        elif message.code == ErrorCode.PREFIX_MISS:  # hook (issue 30): prefill from 0
-            waiter.error = PrefixMissError(message.message)
+        elif (retry := RETRY_CODES.get(message.code)) is not None:
+            waiter.error = retry(message.message)  # the generation loop handles these
         else:
             waiter.error = PipelineError(f"a stage failed: {message.message}")
         waiter.done.set()
