@@ -17,6 +17,8 @@
     ├── BackendError              the device or weights dtype cannot be had (engine.backend)
     ├── RollbackError             a sequence asked to roll back past its snapshots
     │                             (engine.recurrent)
+    ├── PrefixMissError           a frame resumed from a cached prefix a stage does not hold
+    │                             (engine.prefix_cache)
     ├── GrammarError              a grammar that does not compile, or tokens it forbids
     │                             (engine.constraint)
     ├── PeerIdentityError         a certificate not bound to its node id (net.identity)

@@ -24,6 +24,7 @@ import trio
 
 from meshnode.engine.recurrent import RollbackError
 from meshnode.engine.sampling import random_seed
+from meshnode.generation.prefix import prefill_prompt
 from meshnode.generation.records import (
     DEFAULT_PREFILL_CHUNK_TOKENS,
     GenerationRun,
@@ -37,7 +38,7 @@ from meshnode.generation.replay import (
     refold,
     replay_history,
 )
-from meshnode.generation.state import Delta, GenerationParams, prefill_chunks
+from meshnode.generation.state import Delta, GenerationParams
 from meshnode.node.pipeline import (
     FrameKind,
     Pipeline,
@@ -211,15 +212,8 @@ async def _pass(
 
 
 async def _prefill(pipeline: Pipeline, run: GenerationRun, chunk_tokens: int) -> Delta:
-    chunks = prefill_chunks(run.prompt, chunk_tokens)
-    delta = None
-    for i, (start, tokens) in enumerate(chunks):
-        final = i == len(chunks) - 1
-        frame = frame_of(run, FrameKind.PREFILL, start, tokens, final=final)
-        _, delta = await _pass(pipeline, run, frame)
-    if delta is None:
-        raise RuntimeError("the final prefill pass returned no token")
-    return delta
+    # from the stages' cached prefix where they hold one (generation.prefix, issue 30)
+    return await prefill_prompt(pipeline, run, chunk_tokens, _pass, frame_of)
 
 
 async def _decode_step(

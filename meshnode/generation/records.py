@@ -111,6 +111,7 @@ class GenerationRun:
     chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     refolds: int = 0  # frames that started behind a snapshot ring: history prefilled again
     replays: int = 0  # pipelines lost under this request and replaced (module docstring)
+    cached_tokens: int = 0  # prompt tokens resumed from the stages' prefix cache
 
     @property
     def history(self) -> list[int]:

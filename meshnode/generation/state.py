@@ -54,6 +54,7 @@ class GenerationParams:
     # The grammar the reply must follow (llguidance's serialized form; None: free text),
     # enforced by the last stage (meshnode.serve.structured, meshnode.engine.constraint).
     grammar: str | None = None
+    cache_prompt: bool = True  # resume from the stages' cached prefix (llama-server's field)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:

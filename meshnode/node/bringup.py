@@ -171,18 +171,20 @@ class BringUp:
                 raise
             reasons = "; ".join(str(exc) for exc in _leaves(failed))
             raise RunError(reasons) from group
+        prefix_blocks = []  # hook (issue 30): each stage's prefix-cache block size
         for index in range(len(remote) - 1, -1, -1):  # downstream-first
             stage = remote[index]
             upstream = placed.stages[index]
             downstream = placed.stages[index + 2] if index + 2 < len(placed.stages) else None
             self.stage_state[stage.node_id] = StageState.LOADING
-            await self._request(
+            ready = await self._request(
                 stage.node_id,
                 receivers,
                 self._load(stage, upstream.node_id, downstream),
                 Ready,
                 timeout_s=LOAD_TIMEOUT_S,
             )
+            prefix_blocks.append(ready.prefix_block)
             self.stage_state[stage.node_id] = StageState.READY
         self.stage_state[local.node_id] = StageState.READY
         return RemotePipeline(
@@ -195,6 +197,7 @@ class BringUp:
             deadline=self.settings.pass_deadline,
             speeds=self._speeds,
             stage_weight_bytes=self._stage_weight_bytes,
+            prefix_blocks=prefix_blocks,
         )
 
     async def probe(self, placed: Plan) -> dict[str, int | None]:
@@ -265,6 +268,7 @@ class BringUp:
                 context_size=self.context_size,
                 max_sequences=MAX_SEQUENCES_PER_STAGE,
                 grammars=Grammars(lambda: source.tokenizer_json, vocab, eos),
+                prefix_salt=self.run_id,  # hook (issue 30): the chain keys are the run's
             )
             heap.release_free_memory()  # what loading the model and its tokenizer freed
             return runner

@@ -12,6 +12,7 @@ import trio
 
 from meshnode.node.batcher import Ahead, Batcher, BatchLimits, Queued, next_decode
 from meshnode.node.pipeline import QueuedPass, RequestId, Slot, StepFrame, StepResult
+from meshnode.node.prefix import NotedPass, PrefixIndex, note_pass, note_release
 from meshnode.node.stage import StageRunner, step_results
 
 __all__ = ["LocalPipeline"]
@@ -43,22 +44,29 @@ class LocalPipeline:
         self.batcher: Batcher[StepResult] = Batcher(
             self._step, limits, live=lambda: runner.live_sequences, ahead=ahead
         )
+        # Hook (issue 30): what the runner's prefix pool holds, as the host sees it.
+        self.prefix = PrefixIndex.of_run(runner.prefix, (), runner.prefix.salt)
 
     @property
     def context_size(self) -> int:
         return int(self.runner.context_size)
 
     async def run(self, frame: StepFrame) -> StepResult:
-        return await self.batcher.submit(frame)
+        result = await self.batcher.submit(frame)
+        note_pass(self.prefix, frame)  # hook (issue 30)
+        return result
 
     def queue(self, frame: StepFrame) -> QueuedPass:
-        return Queued(self.batcher, self.batcher.enqueue(frame))
+        queued = Queued(self.batcher, self.batcher.enqueue(frame))
+        # Hook (issue 30): the index notes a queued pass's result as run's.
+        return queued if self.prefix is None else NotedPass(queued, frame, self.prefix)
 
     async def release(self, request_id: RequestId) -> None:
         # Between steps, so a release never races the worker thread's use of the cache.
         async with self.batcher.exclusive():
             self.runner.release(request_id)
             self.batcher.forget(request_id)
+        note_release(self.prefix, request_id)  # hook (issue 30)
 
     async def _step(self, slots: list[Slot[StepResult]]) -> None:
         await trio.to_thread.run_sync(step_results, self.runner, slots)

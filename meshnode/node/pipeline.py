@@ -78,10 +78,15 @@ class StepFrame:
     # the position of the first token it constrains (the prompt's length).
     grammar: str | None = None
     grammar_start: int = 0
+    # A new sequence's first frame resuming from the stages' cached prefix of
+    # ``start_pos`` tokens: the hash-chain key of its last block (meshnode.node.prefix).
+    prefix_key: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.start_pos < 0:
             raise ValueError(f"start_pos must be >= 0, got {self.start_pos}")
+        if self.prefix_key is not None and (self.start_pos == 0 or len(self.prefix_key) != 16):
+            raise ValueError("a frame resumes from a 16-byte prefix key, at start_pos > 0")
         if not self.tokens:
             raise ValueError("a frame carries at least one token")
         if self.kind is FrameKind.DECODE and len(self.tokens) != 1:

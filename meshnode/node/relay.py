@@ -29,6 +29,7 @@ from meshnode_protocol import (
     PredictionBatch,
 )
 
+from meshnode.engine.prefix_cache import PrefixMissError
 from meshnode.engine.recurrent import RollbackError
 from meshnode.net.stream import SEND_ERRORS
 from meshnode.node.pipeline import RequestId, Slot, StepResult
@@ -150,6 +151,8 @@ class Relay:
     async def _fail(self, run: WorkerRun, message: ActivationFrame, exc: Exception) -> None:
         rollback = isinstance(exc, RollbackError)
         code = ErrorCode.ROLLBACK_TOO_DEEP if rollback else ErrorCode.BAD_ACTIVATION
+        if isinstance(exc, PrefixMissError):  # hook (issue 30): the host prefills from 0
+            code = ErrorCode.PREFIX_MISS
         await self._to_coordinator(run, run.error(code, str(exc), message.request_id))
 
 

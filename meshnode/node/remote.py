@@ -57,6 +57,7 @@ from meshnode_protocol import (
     Release,
 )
 
+from meshnode.engine.prefix_cache import PrefixMissError
 from meshnode.engine.recurrent import RollbackError
 from meshnode.errors import MeshnodeError
 from meshnode.net.stream import SEND_ERRORS
@@ -70,6 +71,7 @@ from meshnode.node.pipeline import (
     StepFrame,
     StepResult,
 )
+from meshnode.node.prefix import PrefixIndex, note_pass, note_release
 from meshnode.node.speeds import SpeedBook
 from meshnode.node.stage import StageRunner, step_activations, step_results
 from meshnode.node.wire import WireSequences, frame_to_wire, result_from_wire
@@ -84,6 +86,12 @@ DataReply = Prediction | PredictionBatch | Error
 #: What a stage answers when it no longer holds the run a frame names (or cannot pass it
 #: on): not this request's fault, but the pipeline's end.
 RUN_LOST_CODES = frozenset({ErrorCode.UNKNOWN_RUN, ErrorCode.STALE_TERM, ErrorCode.NOT_READY})
+#: Refusals the generation loop recovers from: a hybrid stage's rollback past its snapshot
+#: ring (it refolds the history), a prefix a stage no longer holds (it prefills from 0).
+RETRY_CODES: dict[int, type[RollbackError | PrefixMissError]] = {
+    ErrorCode.ROLLBACK_TOO_DEEP: RollbackError,
+    ErrorCode.PREFIX_MISS: PrefixMissError,  # hook (issue 30)
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +174,32 @@ def is_data_reply(message: Message) -> TypeGuard[DataReply]:
     return isinstance(message, Prediction | Error) and bool(message.request_id)
 
 
+def _checked(result: StepResult, vocab: int) -> StepResult:
+    """``result`` if its ids fit the model's ``vocab``: they come from another node, and each
+    becomes the next frame's input here (and a draft model's, and the detokenizer's)."""
+    ids = (*result.tokens, *result.drafts)
+    for lp in result.logprobs or ():
+        ids += (lp.token, *(token for token, _ in lp.top))
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise PipelineError(f"token id {bad} is outside 0..{vocab - 1}")
+    return result
+
+
+def _outcome(
+    message: Prediction | Error, vocab: int
+) -> tuple[StepResult | None, MeshnodeError | None]:
+    """What a frame's answer means for its waiter: a result, or the error it raises."""
+    if isinstance(message, Prediction):
+        try:
+            return _checked(result_from_wire(message), vocab), None
+        except (PipelineError, ValueError) as exc:  # ValueError: lists of unequal length
+            return None, PipelineError(f"the last stage sent a bad Prediction: {exc}")
+    if (retry := RETRY_CODES.get(message.code)) is not None:
+        return None, retry(message.message)  # the generation loop handles these
+    return None, PipelineError(f"a stage failed: {message.message}")
+
+
 @dataclass(eq=False, slots=True)
 class _Waiter:
     done: trio.Event = field(default_factory=trio.Event)
@@ -219,6 +253,7 @@ class RemotePipeline:
         deadline: PassDeadline | None = None,
         speeds: SpeedBook | None = None,
         stage_weight_bytes: Sequence[int] = (),
+        prefix_blocks: Sequence[int] = (),  # each other stage's Ready.prefix_block
     ) -> None:
         self.runner = runner
         self.run_id = run_id
@@ -253,6 +288,7 @@ class RemotePipeline:
         self._sending: trio.CancelScope | None = None  # the step being sent, if any
         # Set when stage 0's compute missed its deadline: its thread's end (``_step``).
         self._hung: threading.Event | None = None
+        self.prefix = PrefixIndex.of_run(runner.prefix, prefix_blocks, run_id)  # issue 30
 
     @property
     def context_size(self) -> int:
@@ -278,28 +314,23 @@ class RemotePipeline:
                 self._waiters.pop(waiter.wire_id, None)
         if waiter.result is None:
             raise waiter.error or PipelineError("the frame's waiter woke without a result")
+        note_pass(self.prefix, frame)  # hook (issue 30): every stage stored its blocks
         if waiter.local_s is None:  # a one-stage run: the result is all there is
             return waiter.result
         # The other stages report their compute (the last its own, the middle ones through
         # the frame); stage 0's is measured here. A member's list is cut to the run's
         # stages: each entry becomes a metrics series (issue 36, item 10).
         stages = (waiter.local_s, *waiter.result.stage_compute_s)[: len(self.stage_nodes)]
-        self._observe(stages, waiter.rows)
+        if self._speeds is not None:
+            self._speeds.observe_pass(
+                self.stage_nodes, self._stage_weight_bytes, stages, waiter.rows
+            )
         return dataclasses.replace(
             waiter.result,
             request_id=frame.request_id,
             compute_s=sum(stages),
             stage_compute_s=stages,
         )
-
-    def _observe(self, stages: Sequence[float], rows: int) -> None:
-        """Hand one pass's stage times to the speed book (one-row passes only count)."""
-        if self._speeds is None or len(stages) != len(self._stage_weight_bytes):
-            return
-        for node, weight_bytes, seconds in zip(
-            self.stage_nodes, self._stage_weight_bytes, stages, strict=True
-        ):
-            self._speeds.observe(node, weight_bytes, seconds, rows)
 
     async def _step(self, slots: list[Slot[_Waiter]]) -> None:
         """One batched step of stage 0; the frames go on downstream as one message.
@@ -434,6 +465,7 @@ class RemotePipeline:
             if self._hung is None:
                 self.runner.release(request_id)
         self._released.set()
+        note_release(self.prefix, request_id)  # hook (issue 30)
         wire_id = self._wire_ids.pop(request_id, None)
         if wire_id is None:
             return  # never crossed the wire: no other stage holds it
@@ -468,28 +500,8 @@ class RemotePipeline:
         if isinstance(message, Error) and message.code in RUN_LOST_CODES:
             self.fail(f"a stage no longer runs this pipeline: {message.message}")
             return
-        if isinstance(message, Prediction):
-            try:
-                waiter.result = self._checked(result_from_wire(message))
-            except (PipelineError, ValueError) as exc:  # ValueError: lists of unequal length
-                waiter.error = PipelineError(f"the last stage sent a bad Prediction: {exc}")
-        elif message.code == ErrorCode.ROLLBACK_TOO_DEEP:  # the generation loop refolds
-            waiter.error = RollbackError(message.message)
-        else:
-            waiter.error = PipelineError(f"a stage failed: {message.message}")
+        waiter.result, waiter.error = _outcome(message, self.runner.stage.config.vocab_size)
         waiter.done.set()
-
-    def _checked(self, result: StepResult) -> StepResult:
-        """``result`` if its ids fit the model: they come from another node, and each becomes
-        the next frame's input here (and a draft model's, and the detokenizer's)."""
-        vocab = self.runner.stage.config.vocab_size
-        ids = (*result.tokens, *result.drafts)
-        for lp in result.logprobs or ():
-            ids += (lp.token, *(token for token, _ in lp.top))
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise PipelineError(f"token id {bad} is outside 0..{vocab - 1}")
-        return result
 
     def may_reply(self, peer: str, message: DataReply) -> bool:
         """Predictions come from the last stage; a frame's failure from any remote stage."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from meshnode.node.planner import NodeSpeed
 
@@ -55,6 +55,19 @@ class SpeedBook:
         if rate > MAX_BYTES_PER_S:
             return
         self._rates.setdefault(node_id, deque(maxlen=self._window)).append(rate)
+
+    def observe_pass(
+        self,
+        nodes: Sequence[str],
+        weight_bytes: Sequence[int],
+        seconds: Sequence[float],
+        rows: int,
+    ) -> None:
+        """A pipeline pass: each stage's node, weight bytes and compute time, in order (a
+        pass whose lists disagree in length is dropped)."""
+        if len(nodes) == len(weight_bytes) == len(seconds):
+            for node, stage_bytes, stage_seconds in zip(nodes, weight_bytes, seconds, strict=True):
+                self.observe(node, stage_bytes, stage_seconds, rows)
 
     def speed(self, node_id: str) -> NodeSpeed | None:
         """The node's median rate, or None while it has fewer than :data:`MIN_SAMPLES`."""

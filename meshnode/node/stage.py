@@ -28,6 +28,7 @@ from meshnode.engine.config import ModelConfig
 from meshnode.engine.constraint import Constraint, GrammarError, Grammars
 from meshnode.engine.model import BatchRow, HostArray, Stage, token_ids
 from meshnode.engine.mtp import MtpCache
+from meshnode.engine.prefix_cache import PrefixMissError
 from meshnode.engine.recurrent import HybridCache, RollbackError
 from meshnode.engine.sampling import Sampler, SamplingParams
 from meshnode.node.pipeline import (
@@ -40,6 +41,7 @@ from meshnode.node.pipeline import (
     StepResult,
     TokenLogprob,
 )
+from meshnode.node.prefix import StagePrefix
 from meshnode.speculative.decide import Decision, decide
 
 T = TypeVar("T")
@@ -84,9 +86,13 @@ class StageRunner:
         context_size: int,
         max_sequences: int = MAX_SEQUENCES_PER_STAGE,
         grammars: Grammars | None = None,
+        prefix_cache_bytes: int | None = None,
+        prefix_salt: str = "",
     ):
         """``grammars`` builds the constraints of sequences that carry a grammar (last
-        stage; without it such a sequence is refused)."""
+        stage; without it such a sequence is refused). ``prefix_cache_bytes`` bounds the
+        pool of cached prefixes (None: ``DEFAULT_PREFIX_CONTEXTS`` contexts; 0: none),
+        whose keys ``prefix_salt`` (the run id) seeds (:mod:`meshnode.node.prefix`)."""
         if context_size < 2 or max_sequences < 1:
             raise ValueError(f"bad limits: context {context_size}, sequences {max_sequences}")
         self.stage = stage
@@ -99,6 +105,10 @@ class StageRunner:
         # Released caches are kept for the next sequence: allocating a context-sized cache
         # per request would churn hundreds of MiB per second under load.
         self._free_caches: list[Any] = []
+        # Hook (issue 30): the pool of cached prefixes shared by this stage's sequences.
+        self.prefix = StagePrefix.for_stage(
+            stage, context_size, budget_bytes=prefix_cache_bytes, salt=prefix_salt
+        )
 
     @property
     def batches(self) -> bool:
@@ -193,7 +203,8 @@ class StageRunner:
 
     def kv_usage(self) -> dict[str, int]:
         """How full this stage's KV caches are: live sequences of at most
-        ``max_sequences``, and positions held of ``max_sequences x context_size``."""
+        ``max_sequences``, and positions held of ``max_sequences x context_size``; with a
+        prefix pool, its blocks and hit/miss tokens (``prefix_…``)."""
         # One C-level copy: the compute thread may add a sequence while the loop reads.
         live = list(self._sequences.values())
         return {
@@ -201,13 +212,14 @@ class StageRunner:
             "max_sequences": self.max_sequences,
             "used_tokens": sum(int(s.cache.length) for s in live),
             "capacity_tokens": self.max_sequences * self.context_size,
-        }
+        } | self.prefix.usage()
 
     def release(self, request_id: RequestId) -> bool:
         """Free the sequence's cache; False if it was not live (release is idempotent)."""
         seq = self._sequences.pop(request_id, None)
         if seq is None:
             return False
+        self.prefix.release(request_id)  # hook (issue 30): its blocks stay cached
         seq.cache.release_pages()  # kept for the next sequence, its memory handed back
         self._free_caches.append(seq.cache)
         return True
@@ -218,7 +230,7 @@ class StageRunner:
         seq = self._sequences.get(frame.request_id)
         if seq is not None:
             return seq
-        if frame.start_pos != 0:
+        if frame.start_pos != 0 and frame.prefix_key is None:
             raise StageError(
                 f"sequence {frame.request_id} is unknown here and the frame starts at "
                 f"{frame.start_pos}, not 0 (released, or this stage restarted)"
@@ -231,6 +243,12 @@ class StageRunner:
             else self.stage.new_cache(self.context_size)
         )
         seq = _Sequence(cache=cache, sampling=frame.sampling)
+        if frame.prefix_key is not None:  # hook (issue 30): resume from the cached prefix
+            try:
+                seq.history = self.prefix.resume(frame, cache)
+            except PrefixMissError:
+                self._free_caches.append(cache)
+                raise
         if self.last:
             seq.sampler = Sampler(frame.sampling)
             if frame.grammar is not None:
@@ -296,7 +314,10 @@ class StageRunner:
 
     def _forward(self, frames: Sequence[StepFrame], seqs: Sequence[_Sequence]) -> list[Any]:
         items = [self._row(f, s) for f, s in zip(frames, seqs, strict=True)]
-        return self.stage.forward_batch(items)
+        outs = self.stage.forward_batch(items)
+        for frame, seq in zip(frames, seqs, strict=True):  # hook (issue 30): store blocks
+            self.prefix.written(frame, seq.cache)
+        return outs
 
     def _row(self, frame: StepFrame, seq: _Sequence) -> BatchRow:
         inputs: Any = token_ids(frame.tokens) if self.first else frame.hidden
@@ -396,7 +417,7 @@ def _step(
             continue
         try:
             outputs = compute([slot.frame for slot in group])
-        except (RollbackError, StageError, ValueError) as exc:
+        except (RollbackError, StageError, PrefixMissError, ValueError) as exc:
             if len(group) > 1:
                 # Which frame failed is not known (a hybrid sequence rolled back past its
                 # snapshot ring, a grammar that forbids every token): each runs alone, so
@@ -405,9 +426,8 @@ def _step(
                 groups.extend([slot] for slot in group)
                 continue
             (slot,) = group
-            slot.error = (
-                exc if isinstance(exc, RollbackError | StageError) else StageError(str(exc))
-            )
+            known = RollbackError | StageError | PrefixMissError
+            slot.error = exc if isinstance(exc, known) else StageError(str(exc))
             continue
         for slot, output in zip(group, outputs, strict=True):
             slot.output = output
@@ -416,7 +436,7 @@ def _step(
 def _admit(runner: StageRunner, slot: Slot[Any]) -> bool:
     try:
         runner.admit(slot.frame)
-    except StageError as exc:
+    except (StageError, PrefixMissError) as exc:
         slot.error = exc
         return False
     return True

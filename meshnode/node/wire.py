@@ -185,7 +185,8 @@ def frame_to_wire(
     if frame.draft_probs is not None:
         # Draft distributions stay float32: the acceptance rule divides by them.
         draft_probs = tensor_from_array(frame.draft_probs, "f32")
-    first = frame.start_pos == 0
+    # A sequence's first frame: at 0, or resuming from a cached prefix (issue 30).
+    first = frame.start_pos == 0 or frame.prefix_key is not None
     if sequences is None:
         payload = tensor_from_array(hidden, wire_dtype)
     else:
@@ -199,7 +200,7 @@ def frame_to_wire(
         # On the wire a verify frame's rows are ``tokens`` then ``draft_tokens``.
         tokens=frame.tokens[:1] if frame.kind is FrameKind.VERIFY else frame.tokens,
         payload=payload,
-        sampling=sampling_to_wire(frame.sampling) if frame.start_pos == 0 else None,
+        sampling=sampling_to_wire(frame.sampling) if first else None,
         draft_tokens=frame.drafts,
         draft_probs=draft_probs,
         out_rows=len(frame.tokens) if frame.kind is FrameKind.VERIFY else 1,
@@ -211,6 +212,7 @@ def frame_to_wire(
         # Like sampling, the grammar travels once: the last stage keeps it per sequence.
         grammar=frame.grammar if first else None,
         grammar_start=frame.grammar_start if first and frame.grammar is not None else 0,
+        prefix_key=None if frame.prefix_key is None else frame.prefix_key.hex(),
     )
 
 
@@ -246,6 +248,7 @@ def frame_from_wire(
         mtp_drafts=message.mtp_drafts,
         grammar=message.grammar,
         grammar_start=message.grammar_start,
+        prefix_key=None if message.prefix_key is None else bytes.fromhex(message.prefix_key),
     )
 
 

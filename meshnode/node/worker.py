@@ -371,6 +371,7 @@ class Worker:
                 node_id=self.node_id,
                 endpoint=self.node_id,
                 layer_range=(start, end),
+                prefix_block=run.runner.prefix.block if run.runner else 0,  # hook (issue 30)
             ),
         )
 
@@ -490,6 +491,7 @@ def build_runner(
         context_size=load.context_size,
         max_sequences=MAX_SEQUENCES_PER_STAGE,
         grammars=grammars if load.has_head else None,
+        prefix_salt=load.run_id,  # hook (issue 30): the host's chain keys are the run's
     )
     heap.release_free_memory()  # what opening the model and loading the stage freed
     return runner

@@ -196,7 +196,9 @@ def _generation(
     service: ServeService, body: a.MessagesRequest, grammar: str | None
 ) -> GenerationParams:
     sampling = service.sampling(body.sampling_fields())
-    return GenerationParams(body.max_tokens, sampling, body.stops(), grammar=grammar)
+    return GenerationParams(
+        body.max_tokens, sampling, body.stops(), grammar=grammar, cache_prompt=body.cache_prompt
+    )
 
 
 # -- replies --------------------------------------------------------------------------------
@@ -215,7 +217,12 @@ def _stop_reason(run: GenerationRun, max_tokens: int, blocks: BlockStream) -> a.
 
 
 def _usage(run: GenerationRun) -> a.Usage:
-    return a.Usage(input_tokens=len(run.prompt), output_tokens=len(run.state.tokens))
+    # As Anthropic counts: input_tokens are those not read from the cache.
+    return a.Usage(
+        input_tokens=len(run.prompt) - run.cached_tokens,
+        output_tokens=len(run.state.tokens),
+        cache_read_input_tokens=run.cached_tokens,
+    )
 
 
 def _message_id() -> str:
@@ -283,6 +290,6 @@ async def _events(
         "stop_reason": _stop_reason(run, max_tokens, blocks),
         "stop_sequence": run.state.stop_string,
     }
-    usage = {"output_tokens": len(run.state.tokens)}
+    usage = _usage(run).model_dump()  # the final counts, cache reads included
     yield _event("message_delta", {"delta": stop, "usage": usage})
     yield _event("message_stop", {})

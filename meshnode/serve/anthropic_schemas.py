@@ -79,6 +79,7 @@ class MessagesRequest(RequestModel):
     system: Content | None = None
     stop_sequences: list[Text] | None = None
     stream: StrictBool = False
+    cache_prompt: StrictBool = True  # llama-server's: false opts out of the prefix cache
     temperature: Annotated[StrictFloat | StrictInt, Field(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[StrictFloat | StrictInt, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[StrictInt, Field(ge=0)] | None = None
@@ -152,8 +153,9 @@ class ToolUseBlock(BaseModel):
 
 
 class Usage(BaseModel):
-    input_tokens: int
+    input_tokens: int  # not read from the cache, as Anthropic counts them
     output_tokens: int
+    cache_read_input_tokens: int = 0  # resumed from the stages' prefix cache
 
 
 class Message(BaseModel):

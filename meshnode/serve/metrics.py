@@ -189,6 +189,10 @@ class ServeMetrics:
             "meshnode_requests_total", "Finished API requests by endpoint and outcome."
         )
         self.prompt_tokens = Counter("meshnode_prompt_tokens_total", "Prompt tokens prefilled.")
+        self.prompt_cached_tokens = Counter(
+            "meshnode_prompt_cached_tokens_total",
+            "Prompt tokens resumed from the stages' prefix cache instead of computed.",
+        )
         self.generation_tokens = Counter(
             "meshnode_generation_tokens_total", "Completion tokens, counted as they come."
         )
@@ -267,6 +271,7 @@ class ServeMetrics:
             self.generation_tokens,
             self.in_flight,
             self.replays,
+            self.prompt_cached_tokens,
             self.waiting,
             self.ttft,
             self.tpot,

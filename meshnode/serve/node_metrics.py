@@ -16,7 +16,10 @@ Families (all prefixed ``meshnode_``): ``node_info``, ``node_uptime_seconds``,
 planned stage, on a worker its own), ``mesh_state{state}`` (host; one is 1);
 ``kv_cache_sequences``, ``kv_cache_max_sequences``, ``kv_cache_used_tokens``,
 ``kv_cache_capacity_tokens``, ``kv_cache_usage_ratio`` (by ``role``: the host's stage 0 or
-the worker's stage); ``http_request_duration_seconds{method,route,status}``.
+the worker's stage); ``prefix_cache_blocks{role,state}`` (used, cached, free),
+``prefix_cache_hit_tokens_total``, ``prefix_cache_miss_tokens_total``,
+``prefix_cache_evicted_blocks_total`` (by ``role``, where the stage keeps a prefix cache);
+``http_request_duration_seconds{method,route,status}``.
 """
 
 from __future__ import annotations
@@ -150,6 +153,30 @@ def _kv(usages: list[tuple[str, Mapping[str, Any]]]) -> Iterable[str]:
     ]
     yield from family("meshnode_kv_cache_usage_ratio", "gauge",
                       "Used over capacity positions of this node's KV caches.", ratio)  # fmt: skip
+    yield from _prefix([(role, u) for role, u in usages if "prefix_blocks_total" in u])
+
+
+def _prefix(usages: list[tuple[str, Mapping[str, Any]]]) -> Iterable[str]:
+    """The stage's prefix cache (issue 30): its blocks by state, and its counters."""
+    if not usages:
+        return
+    states = ("used", "cached", "free")
+    blocks = [
+        ((("role", role), ("state", state)), float(u[f"prefix_blocks_{state}"]))
+        for role, u in usages
+        for state in states
+    ]
+    yield from family("meshnode_prefix_cache_blocks", "gauge",
+                      "Prefix-cache blocks in use by sequences, cached for reuse, or free.",
+                      blocks)  # fmt: skip
+    counters = [
+        ("hit_tokens", "Prompt positions copied from the prefix cache instead of computed."),
+        ("miss_tokens", "Prompt positions computed (prefill rows of new sequences)."),
+        ("evicted_blocks", "Prefix-cache blocks evicted to make room (least recently used)."),
+    ]
+    for key, text in counters:
+        samples = [((("role", role),), float(u[f"prefix_{key}"])) for role, u in usages]
+        yield from family(f"meshnode_prefix_cache_{key}_total", "counter", text, samples)
 
 
 def request_histogram() -> Histogram:

@@ -159,6 +159,7 @@ def _chat_sampling(
         tuple(body.stop_list()),
         top_logprobs=body.logprob_count(),
         grammar=grammar,
+        cache_prompt=body.cache_prompt,
     )
 
 
@@ -168,7 +169,12 @@ def _text_sampling(
     sampling = service.sampling(body.sampling_fields())
     stops = tuple(body.stop_list())
     return GenerationParams(
-        body.max_tokens, sampling, stops, top_logprobs=body.logprobs, grammar=grammar
+        body.max_tokens,
+        sampling,
+        stops,
+        top_logprobs=body.logprobs,
+        grammar=grammar,
+        cache_prompt=body.cache_prompt,
     )
 
 
@@ -221,7 +227,10 @@ def _stream_error(exc: Exception) -> dict[str, Any]:
 def _usage(run: GenerationRun) -> s.Usage:
     prompt, completion = len(run.prompt), len(run.state.tokens)
     return s.Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=s.PromptTokensDetails(cached_tokens=run.cached_tokens),
     )
 
 

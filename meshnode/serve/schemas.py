@@ -255,6 +255,7 @@ class _SamplingFields(_SamplingKnobs):
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
     structured_outputs: dict[str, Any] | None = None
+    cache_prompt: StrictBool = True  # llama-server's: false opts out of the prefix cache
     json_schema: dict[str, Any] | None = None
     grammar: Text | None = None
 
@@ -395,10 +396,15 @@ class CompletionRequest(_SamplingFields):
 # Responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # of prompt_tokens, resumed from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class TopLogprob(BaseModel):

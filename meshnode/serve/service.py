@@ -393,6 +393,7 @@ class ServeService:
     def _observe_run(self, run: GenerationRun) -> None:
         produced = len(run.state.tokens)
         self.metrics.replays.inc(run.replays)
+        self.metrics.prompt_cached_tokens.inc(run.cached_tokens)  # hook (issue 30)
         if (tpot := run.timings.tpot_s(produced)) is not None:
             self.metrics.tpot.observe(tpot)
         self.spec_total = self.spec_total.merge(run.spec)

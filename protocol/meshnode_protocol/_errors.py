@@ -53,6 +53,7 @@ class ErrorCode(enum.IntEnum):
     CAPACITY = 202
     BAD_ACTIVATION = 203
     ROLLBACK_TOO_DEEP = 204
+    PREFIX_MISS = 205
 
     @property
     def closes_connection(self) -> bool:

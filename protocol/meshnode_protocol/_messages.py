@@ -307,7 +307,10 @@ class Load(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ready(Message):
-    """Node → coordinator: the stage is loaded and accepts activations at ``endpoint``."""
+    """Node → coordinator: the stage is loaded and accepts activations at ``endpoint``.
+    ``prefix_block`` is the block size of the stage's prefix cache (0: it keeps none, or
+    the node predates the field); the host resumes requests from cached prefixes only
+    when every stage of the run announces its own block size."""
 
     TYPE: ClassVar[int] = 18
     run_id: str
@@ -315,6 +318,7 @@ class Ready(Message):
     node_id: str
     endpoint: str
     layer_range: Range
+    prefix_block: UInt = 0
 
     def _validate(self) -> None:
         _check_range("layer_range", self.layer_range)
@@ -379,7 +383,12 @@ class ActivationFrame(Message):
     tell each stage's compute from wire time; empty on the frame stage 0 sends.
     ``grammar`` (llguidance's serialized grammar, sent on the frame at ``start_pos`` 0 only)
     constrains the tokens the last stage chooses for this request from position
-    ``grammar_start`` (the prompt's length) on.
+    ``grammar_start`` (the prompt's length) on. ``prefix_key`` (16 bytes in 32 lowercase
+    hex digits, on a request's
+    first frame only, at ``start_pos > 0``; sent only to stages whose ``Ready`` announced a
+    prefix cache) asks each stage to resume the new request from its cached prefix of
+    ``start_pos`` tokens, whose last block has this hash-chain key; a stage that lacks it
+    answers ``PREFIX_MISS`` and the host sends the request again from 0.
     """
 
     TYPE: ClassVar[int] = 30
@@ -401,8 +410,12 @@ class ActivationFrame(Message):
     mtp_drafts: UInt = 0
     grammar: str | None = None
     grammar_start: UInt = 0
+    prefix_key: str | None = None
 
     def _validate(self) -> None:
+        key = self.prefix_key
+        if key is not None and not (_is_key(key) and self.start_pos > 0):
+            raise ValueError("prefix_key is 32 lowercase hex digits, at start_pos > 0")
         if self.kind not in ACTIVATION_KINDS:
             raise ValueError(f"kind must be one of {ACTIVATION_KINDS}, not {self.kind!r}")
         rows = len(self.tokens) + len(self.draft_tokens)
@@ -432,6 +445,10 @@ class ActivationFrame(Message):
     def rows(self) -> int:
         """Number of positions in this frame: ``len(tokens) + len(draft_tokens)``."""
         return len(self.tokens) + len(self.draft_tokens)
+
+
+def _is_key(text: str) -> bool:
+    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -165,6 +165,15 @@ EXAMPLES: Final[dict[str, Message]] = {
     "ready": Ready(
         run_id=_RUN_ID, term=_TERM, node_id="node-c", endpoint="10.0.0.3:7420", layer_range=(20, 30)
     ),
+    # A stage that keeps a prefix cache of 32-position blocks.
+    "ready_prefix": Ready(
+        run_id=_RUN_ID,
+        term=_TERM,
+        node_id="node-c",
+        endpoint="10.0.0.3:7420",
+        layer_range=(20, 30),
+        prefix_block=32,
+    ),
     "stop": Stop(run_id=_RUN_ID, term=_TERM, reason="node-b failed Load"),
     "status": Status(
         node_id="node-b", state="ready", run_id=_RUN_ID, term=_TERM, layer_range=(10, 20)
@@ -194,6 +203,19 @@ EXAMPLES: Final[dict[str, Message]] = {
         sampling=Sampling(temperature=0.0),
         grammar='{"grammars":[{"json_schema":{"type":"object"}}]}',
         grammar_start=3,
+    ),
+    # A new request resuming from the stages' cached prefix of 32 tokens: its first frame
+    # starts at 32 and names the prefix's last block by its hash-chain key.
+    "activation_prefill_resume": ActivationFrame(
+        request_id="req-3",
+        run_id=_RUN_ID,
+        term=_TERM,
+        kind="prefill",
+        start_pos=32,
+        tokens=(5, 6),
+        payload=Tensor("f16", (2, 2), _f16(0.5, -1.0, 2.0, 0.25)),
+        sampling=Sampling(temperature=0.0),
+        prefix_key=bytes(range(16)).hex(),
     ),
     "activation_verify": ActivationFrame(
         request_id="req-1",

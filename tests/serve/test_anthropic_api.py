@@ -95,7 +95,11 @@ async def test_streaming_follows_anthropics_event_sequence(server: Server) -> No
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(names[2:-3]) == {"content_block_delta"}
     start = events[0].message
-    assert start.usage.input_tokens == whole.usage.input_tokens
+    # message_start comes before the prefill: all of the prompt, none of it known cached
+    # yet (the whole reply came second and read the prefix the stream left in the cache).
+    assert whole.usage.cache_read_input_tokens
+    cached = whole.usage.cache_read_input_tokens
+    assert start.usage.input_tokens == whole.usage.input_tokens + cached
     assert start.content == []
     assert start.stop_reason is None
     text = "".join(e.delta.text for e in events if e.type == "content_block_delta")

@@ -1,0 +1,291 @@
+"""Prefix sharing across requests through a pipeline (issue 30): both ends of the rule.
+
+**The rule.** Every stage keeps a pool of KV blocks of the token prefixes it has computed
+(:mod:`meshnode.engine.prefix_cache`). The host keeps a :class:`PrefixIndex` of the blocks
+it believes *every* stage holds: those of the token positions its frames carried and whose
+passes came back (each stage stored them on the way, below the committed length). For a new
+request it resumes at the longest such prefix ``P`` (whole blocks, never the prompt's last
+token): the sequence's first frame starts at ``start_pos = P`` and carries ``prefix_key``,
+the hash-chain key of the prefix's last block. A stage that holds the whole chain copies it
+into the sequence's cache and computes only the frame's tokens; a stage that lacks a block
+(evicted under its own budget, or it keeps no pool) refuses the frame with
+:class:`~meshnode.engine.prefix_cache.PrefixMissError` (``PREFIX_MISS`` on the wire) and
+keeps nothing of the sequence. The host then forgets that prompt's blocks and sends the
+prompt from position 0, which every stage accepts for a known or unknown sequence alike (a
+frame at 0 truncates everything). So a wrong belief costs one wasted partial pass, never a
+wrong token: the host needs no knowledge of the stages' budgets or eviction order.
+
+**What is stored** (:class:`StagePrefix`). A stage writes a block to its pool once every
+position of it is below the sequence's *committed* length: after a frame, that is its end
+less its drafts (a prefill or decode frame carries committed tokens only; of a verify
+frame's ``[last, d1 … dk]`` only ``last`` is committed, and the accepted drafts become so
+when the next frame starts after them). A rolled-back draft therefore never lands in a
+block.
+
+**Hybrid stages** (Gated DeltaNet layers) keep no pool: their recurrent state at position
+``P`` is a function of every token before it and is not made of per-position rows that can
+be copied, so a cached prefix would need a state snapshot at each block boundary of every
+cached prompt (phase 2). Reusing only exact whole-prompt matches would still need the state
+one token before the end (the last token is always computed, for its logits), so they reuse
+nothing for now and the host resumes nothing on such a run.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from meshnode.engine.model import Stage
+from meshnode.engine.prefix_cache import (
+    PREFIX_BLOCK_TOKENS,
+    PrefixMissError,
+    PrefixPool,
+    chain_keys,
+    extend_chain,
+    resume_length,
+)
+from meshnode.node.pipeline import FrameKind, QueuedPass, RequestId, StepFrame, StepResult
+
+__all__ = [
+    "DEFAULT_PREFIX_CONTEXTS",
+    "MAX_INDEX_BLOCKS",
+    "NotedPass",
+    "PrefixCaching",
+    "PrefixIndex",
+    "StagePrefix",
+    "note_pass",
+    "note_release",
+]
+
+#: A stage's prefix pool, in full contexts of KV when nobody sizes it: two contexts hold
+#: a long system prompt shared by every user and the latest turns of a few conversations,
+#: at a quarter of what the live sequences may hold (``MAX_SEQUENCES_PER_STAGE`` = 8
+#: contexts); SmolLM2 at 2048 positions: 2 x 2048 x 46 KiB = 184 MiB.
+DEFAULT_PREFIX_CONTEXTS = 2
+#: Blocks the host remembers: far more than any stage's pool holds (a belief that outlives
+#: the stage's block is only a miss), small enough to be nothing next to it (~150 bytes an
+#: entry: 40 MiB at the bound).
+MAX_INDEX_BLOCKS = 1 << 18
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """What one sequence holds on this stage: the token id at each cached position (drafts
+    included) and the keys of the pool blocks it references."""
+
+    tokens: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    tried: int = 0  # full committed blocks a store was attempted for
+
+
+class StagePrefix:
+    """The stage side of the rule (module docstring): resumes sequences from the pool and
+    stores their committed blocks. ``pool`` is None on a stage that keeps none. Not
+    thread-safe: the stage runner serializes calls."""
+
+    def __init__(self, pool: PrefixPool | None) -> None:
+        self.pool = pool
+        self.salt = "" if pool is None else pool.salt
+        self._seqs: dict[RequestId, _Tracked] = {}
+
+    @classmethod
+    def for_stage(
+        cls, stage: Stage, context_size: int, *, budget_bytes: int | None, salt: str
+    ) -> StagePrefix:
+        """A pool of ``budget_bytes`` (None: :data:`DEFAULT_PREFIX_CONTEXTS` contexts of
+        ``context_size``) for ``stage``'s layers; none for a zero budget or a hybrid or
+        CUDA stage (whose caches are not plain per-sequence K/V arrays here: phase 2)."""
+        if stage.config.hybrid is not None or stage.backend.name != "cpu":
+            return cls(None)
+        c = stage.config
+        probe = stage.new_cache(1)  # the K/V dtype this stage's caches hold
+        if budget_bytes is None:
+            per_position = 2 * (stage.end - stage.start) * c.num_kv_heads * c.head_dim
+            budget_bytes = DEFAULT_PREFIX_CONTEXTS * context_size * per_position
+            budget_bytes *= int(probe.k.dtype.itemsize)
+        if budget_bytes <= 0:
+            return cls(None)
+        pool = PrefixPool.for_budget(
+            stage.xp,
+            budget_bytes=budget_bytes,
+            layers=stage.end - stage.start,
+            kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=probe.k.dtype,
+            salt=salt,
+        )
+        return cls(pool if pool.capacity else None)
+
+    @property
+    def block(self) -> int:
+        """Positions per block of the pool (0: no pool), announced in ``Ready``."""
+        return 0 if self.pool is None else self.pool.block
+
+    def resume(self, frame: StepFrame, cache: Any) -> list[int]:
+        """Seed ``cache`` of a new sequence with the prefix ``frame.prefix_key`` names; the
+        prefix's token ids. Raises :class:`PrefixMissError` when this stage does not hold
+        it whole or it does not end where the frame starts (nothing is kept then)."""
+        if self.pool is None or frame.prefix_key is None:
+            raise PrefixMissError("this stage keeps no prefix cache")
+        tokens, keys = self.pool.acquire(frame.prefix_key, cache)
+        if len(tokens) != frame.start_pos:
+            self.pool.release(keys)
+            cache.truncate(0)
+            raise PrefixMissError(
+                f"the cached prefix has {len(tokens)} tokens; the frame starts at {frame.start_pos}"
+            )
+        self._seqs[frame.request_id] = _Tracked(tokens, keys, len(keys))
+        return tokens
+
+    def written(self, frame: StepFrame, cache: Any) -> None:
+        """After ``frame``'s forward: note what ``cache`` now holds and store the blocks
+        that became committed."""
+        if self.pool is None:
+            return
+        seq = self._seqs.setdefault(frame.request_id, _Tracked())
+        if frame.kind is FrameKind.PREFILL:
+            self.pool.stats.miss_tokens += len(frame.tokens)
+        if frame.start_pos > len(seq.tokens):  # a gap: never for a frame the stage took
+            return
+        block = self.pool.block
+        if frame.start_pos < len(seq.keys) * block:  # rewritten (a refold, a replay)
+            kept = _same_blocks(seq.tokens, frame.start_pos, frame.tokens, block)
+            if kept < len(seq.keys):
+                self.pool.release(seq.keys[kept:])
+                del seq.keys[kept:]
+                seq.tried = min(seq.tried, kept)
+        seq.tokens[frame.start_pos :] = frame.tokens
+        full = (frame.end_pos - len(frame.drafts)) // block
+        if full > seq.tried:
+            seq.keys += self.pool.store(seq.tokens[: full * block], cache, len(seq.keys))
+            seq.tried = full
+
+    def release(self, request_id: RequestId) -> None:
+        """The sequence ended: its blocks stay cached, unreferenced."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None and self.pool is not None:
+            self.pool.release(seq.keys)
+
+    def usage(self) -> dict[str, int]:
+        """The pool's blocks (:meth:`PrefixPool.usage`) and hit/miss counters, prefixed
+        ``prefix_``; empty without a pool."""
+        if self.pool is None:
+            return {}
+        s = self.pool.stats
+        out = {f"prefix_{k}": v for k, v in self.pool.usage().items()}
+        out |= {"prefix_hit_tokens": s.hit_tokens, "prefix_miss_tokens": s.miss_tokens}
+        out |= {"prefix_evicted_blocks": s.evicted_blocks, "prefix_bytes": self.pool.nbytes()}
+        return out
+
+
+def _same_blocks(held: list[int], start: int, tokens: Sequence[int], block: int) -> int:
+    """Leading whole blocks of ``held`` unchanged when ``tokens`` are written at ``start``."""
+    for i in range(start // block, len(held) // block):
+        lo, hi = i * block, (i + 1) * block
+        new = tokens[max(lo - start, 0) : hi - start]
+        if list(new) != held[max(lo, start) : max(lo, start) + len(new)]:
+            return i
+    return len(held) // block
+
+
+@dataclass(slots=True)
+class _Sent:
+    tokens: list[int]
+    keys: list[bytes]
+
+
+class PrefixIndex:
+    """The host side of the rule (module docstring): the keys of the blocks every stage of
+    one pipeline should hold, least recently used first, at most ``limit``; ``salt`` is the
+    stages' (the run id: one run fixes the model, the KV dtype and the layer ranges)."""
+
+    def __init__(
+        self, salt: str, *, block: int = PREFIX_BLOCK_TOKENS, limit: int = MAX_INDEX_BLOCKS
+    ) -> None:
+        self.salt, self.block, self.limit = salt, block, limit
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        self._sent: dict[RequestId, _Sent] = {}
+
+    @classmethod
+    def of_run(cls, stage0: StagePrefix, blocks: Sequence[int], salt: str) -> PrefixIndex | None:
+        """The index of a pipeline whose first stage is ``stage0`` and whose other stages
+        announced ``blocks`` (``Ready.prefix_block``); None (requests never resume) unless
+        every stage keeps a pool of stage 0's block size."""
+        block = stage0.block
+        agreed = block > 0 and all(b == block for b in blocks)
+        return cls(salt, block=block) if agreed else None
+
+    def resume_point(
+        self, request_id: RequestId, prompt: Sequence[int]
+    ) -> tuple[int, bytes | None]:
+        """Where the new sequence ``request_id`` of ``prompt`` may start, and the key of
+        the prefix it resumes from (``0, None``: from the beginning)."""
+        keys = chain_keys(self.salt, prompt, self.block)
+        known = next((i for i, k in enumerate(keys) if k not in self._keys), len(keys))
+        start = resume_length(len(prompt), known, self.block)
+        held = keys[: start // self.block]
+        self._sent[request_id] = _Sent(list(prompt[:start]), held)
+        return (start, held[-1]) if held else (0, None)
+
+    def passed(self, frame: StepFrame) -> None:
+        """``frame``'s pass came back: every stage holds its committed positions."""
+        sent = self._sent.setdefault(frame.request_id, _Sent([], []))
+        if frame.start_pos > len(sent.tokens):  # a pass this index did not see: stop here
+            return
+        del sent.keys[frame.start_pos // self.block :]
+        sent.tokens[frame.start_pos :] = frame.tokens
+        committed = frame.end_pos - len(frame.drafts)
+        extend_chain(sent.keys, self.salt, sent.tokens[:committed], self.block)
+        for key in sent.keys:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+        while len(self._keys) > self.limit:
+            self._keys.popitem(last=False)
+
+    def missed(self, prompt: Sequence[int]) -> None:
+        """A stage lacked ``prompt``'s prefix: believe none of its blocks any more."""
+        for key in chain_keys(self.salt, prompt, self.block):
+            self._keys.pop(key, None)
+
+    def released(self, request_id: RequestId) -> None:
+        """The sequence ended (its blocks stay in the index)."""
+        self._sent.pop(request_id, None)
+
+
+def note_pass(index: PrefixIndex | None, frame: StepFrame) -> None:
+    """``frame``'s pass came back (:meth:`PrefixIndex.passed`; nothing without an index)."""
+    if index is not None:
+        index.passed(frame)
+
+
+def note_release(index: PrefixIndex | None, request_id: RequestId) -> None:
+    """The sequence ended (:meth:`PrefixIndex.released`; nothing without an index)."""
+    if index is not None:
+        index.released(request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class NotedPass:
+    """A queued pass (:class:`~meshnode.node.pipeline.QueuedPass`) whose result the index
+    notes, as a ``run`` does."""
+
+    inner: QueuedPass
+    frame: StepFrame
+    index: PrefixIndex
+
+    async def result(self) -> StepResult:
+        result = await self.inner.result()
+        self.index.passed(self.frame)
+        return result
+
+    def cancel(self) -> None:
+        self.inner.cancel()
+
+
+@runtime_checkable
+class PrefixCaching(Protocol):
+    """A pipeline whose stages share cached prefixes (``prefix`` None: this one does not)."""
+
+    prefix: PrefixIndex | None
