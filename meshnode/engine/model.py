@@ -204,7 +204,7 @@ class Stage:
             x = x[_kept_rows(self.xp, segs)]
         for item, seg in zip(items, segs, strict=True):
             item.cache.length = seg.start_pos + seg.n
-        out = self._head(x, normed) if self.head else x
+        out = self._head(x, normed, [seg.rows for seg in segs]) if self.head else x
         return _split(out, [seg.rows for seg in segs])
 
     def _segment(self, item: BatchRow) -> Segment:
@@ -240,7 +240,8 @@ class Stage:
         if last:
             x = x[_kept_rows(self.xp, segs)]
         x, normed = self._add_norm(x, h, w.post_attn_norm, w.ffn_norm)  # [R, E]
-        return self._add_norm(x, self._mlp(w, normed), w.post_ffn_norm, then)
+        sizes = [seg.rows if last else seg.n for seg in segs]
+        return self._add_norm(x, self._mlp(w, normed, sizes), w.post_ffn_norm, then)
 
     def _add_norm(
         self, x: Any, h: Any, h_norm: Any | None, then: Any | None
@@ -252,21 +253,22 @@ class Stage:
     def _attention(
         self, w: LayerWeights, x: Any, segs: list[Segment], plan: Any, layer: int, last: bool
     ) -> Any:
-        qkv = self._linear(x, w.wqkv)  # [N, (H + 2 Hkv) D]: all sequences' rows at once
+        qkv = self._linear(x, w.wqkv, [seg.n for seg in segs])  # [N, (H + 2 Hkv) D]: all rows
         if w.bqkv is not None:
             qkv = qkv + w.bqkv
         # per sequence: QK-norm, RoPE, its cache, attention (engine.attention)
         heads = self._attention_of(qkv, segs, plan, layer, (w.q_norm, w.k_norm), last)
-        return self._linear(heads, w.wo)  # [R, E]
+        return self._linear(heads, w.wo, [seg.rows if last else seg.n for seg in segs])  # [R, E]
 
-    def _mlp(self, w: LayerWeights, x: Any) -> Any:
-        gate_up = self._linear(x, w.w_gate_up)  # [r, 2 I]
+    def _mlp(self, w: LayerWeights, x: Any, sizes: list[int]) -> Any:
+        gate_up = self._linear(x, w.w_gate_up, sizes)  # [r, 2 I]
         act = self.backend.glu(gate_up, self.config.arch.activation)  # SwiGLU/GeGLU, [r, I]
-        return self._linear(act, w.w_down)  # [r, E]
+        return self._linear(act, w.w_down, sizes)  # [r, E]
 
-    def _linear(self, x: Any, w: Any) -> Any:
-        """``x @ w`` for ``x`` ``[r, in]``, ``w`` ``[in, out]``, as the backend multiplies."""
-        return self.backend.linear(x, w)
+    def _linear(self, x: Any, w: Any, sizes: list[int] | None = None) -> Any:
+        """``x @ w`` for ``x`` ``[r, in]``, ``w`` ``[in, out]``, as the backend multiplies
+        (``sizes``: the row counts of the batch's segments in ``x``)."""
+        return self.backend.linear(x, w, sizes)
 
     def _rms_norm(self, x: Any, weight: Any) -> Any:
         return self.backend.rms_norm(x, weight, self.config.rms_norm_eps)
@@ -280,13 +282,14 @@ class Stage:
         idx = self.xp.asarray(ids, dtype=self.xp.int64)
         return self.backend.embed_rows(self.weights.embed_t, idx)  # [S, E]
 
-    def _head(self, x: Any, normed: Any | None = None) -> Any:
-        """Logits ``[r, V]`` of the rows ``x`` (``normed``: through the final norm already)."""
+    def _head(self, x: Any, normed: Any | None = None, sizes: list[int] | None = None) -> Any:
+        """Logits ``[r, V]`` of the rows ``x`` (``normed``: through the final norm already;
+        ``sizes``: the row counts of the batch's segments in it)."""
         w = self.weights
         assert w.norm is not None
         h = self._rms_norm(x, w.norm) if normed is None else normed
         table = w.head_t if w.head_t is not None else w.embed_t
-        return self._linear(h, table)  # [r, V]
+        return self._linear(h, table, sizes)  # [r, V]
 
 
 @dataclass(frozen=True, slots=True)
