@@ -43,7 +43,11 @@ new request's time to first token while 8 other streams decode, over its idle va
 ≤ 2); the goal for 8 streams' aggregate is ≥ 4x one stream's (one node).
 
 ``--temperature T`` samples instead (seeded, each stream its own seed; the API's default
-is temperature 1), so that the sampler's cost per token shows.
+is temperature 1), so that the sampler's cost per token shows; ``--top-p P`` adds top-p
+truncation. ``--baseline greedy`` compares those sampled streams with the same streams
+greedy, on the same pipeline (issue 35's goal: 8 seeded streams at temperature 0.7 and
+top-p 0.9 reach >= 0.9x the greedy aggregate): ``--streams 1 8 --max-tokens 128
+--topologies one --temperature 0.7 --top-p 0.9 --baseline greedy --rounds 3``.
 
 ``--api`` measures the serving path through the real HTTP API instead: a single-node
 service (as ``meshnode join`` on one machine builds it) behind the node's app and
@@ -58,6 +62,7 @@ The machine is shared: ``uptime`` is printed first and last; compare ratios, not
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -66,7 +71,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,6 +153,18 @@ class Measure:
 def sampling(stream: int) -> SamplingParams:
     """The sampling of stream number ``stream`` (its own seed when sampling)."""
     return SAMPLING if SAMPLING.greedy else dataclasses.replace(SAMPLING, seed=stream)
+
+
+@contextlib.contextmanager
+def greedy_streams(on: bool) -> Iterator[None]:
+    """While ``on``, every stream decodes greedily (``--baseline greedy``'s runs)."""
+    global SAMPLING
+    kept = SAMPLING
+    SAMPLING = GREEDY if on else kept
+    try:
+        yield
+    finally:
+        SAMPLING = kept
 
 
 class ForwardClock:
@@ -391,13 +408,16 @@ async def bench(
         off: Pipeline = Unqueued(await make(BatchLimits(max_frames=MAX_SEQUENCES)))
     elif args.baseline == "stepwise":
         off = await make(BatchLimits(max_frames=MAX_SEQUENCES, ahead=False))
+    elif args.baseline == "greedy":
+        off = on  # the same pipeline, its streams greedy (greedy_streams)
     else:
         off = await make(BatchLimits(enabled=False))
     # Warm-up: first-call costs out of the figures. As many streams as the largest run, so
     # that its batch shapes are not first seen in it (at d91eb01 a process's first 8-prompt
     # prefill step took 2.1-2.5 s against ~0.6 s for the next ones, after a 2-prompt one).
     await measure(on, prompts, max(args.streams), 4)
-    await measure(off, prompts, 2, 4)
+    with greedy_streams(args.baseline == "greedy"):
+        await measure(off, prompts, 2, 4)
     runs: dict[tuple[str, int], list[Measure]] = {}
     cuts: Cuts = {}
     for _ in range(args.rounds):
@@ -405,9 +425,9 @@ async def bench(
             for label, pipeline in (("on", on), ("off", off)):
                 if clock is not None:
                     clock.spans.clear()
-                runs.setdefault((label, n), []).append(
-                    await measure(pipeline, prompts, n, args.max_tokens)
-                )
+                with greedy_streams(label == "off" and args.baseline == "greedy"):
+                    measured = await measure(pipeline, prompts, n, args.max_tokens)
+                runs.setdefault((label, n), []).append(measured)
                 if clock is not None:
                     cuts.setdefault((label, n), []).append(clock.cut(n))
     for n in args.streams:
@@ -532,6 +552,7 @@ def main() -> None:
     parser.add_argument(
         "--temperature", type=float, default=0.0, help="0: greedy; else seeded sampling"
     )
+    parser.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampled streams")
     parser.add_argument("--threads", type=int, default=1, help="BLAS threads (README)")
     parser.add_argument(
         "--weights",
@@ -548,10 +569,11 @@ def main() -> None:
     parser.add_argument(
         "--baseline",
         default="unbatched",
-        choices=["unbatched", "unqueued", "stepwise"],
+        choices=["unbatched", "unqueued", "stepwise", "greedy"],
         help="what batching on is compared with: batching off, batching on without "
-        "the decode frames queued ahead (the generation loop before it queued them), or "
-        "batching on without running steps ahead in the compute thread",
+        "the decode frames queued ahead (the generation loop before it queued them), "
+        "batching on without running steps ahead in the compute thread, or the same "
+        "streams greedy (with --temperature: what sampling costs)",
     )
     parser.add_argument(
         "--ahead",
@@ -561,7 +583,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     global SAMPLING, KV_DTYPE
-    SAMPLING = SamplingParams(temperature=args.temperature)
+    SAMPLING = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     KV_DTYPE = args.kv_dtype
     print("uptime:", uptime(), "sampling:", SAMPLING, flush=True)
     limit = limit_cpu_threads(args.threads)  # the limit lasts while the handle is referenced
