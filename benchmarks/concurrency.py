@@ -461,29 +461,8 @@ async def run_all(
         nursery.cancel_scope.cancel()
 
 
-#: The ``--api`` client (another process: a client on this machine competes for its
-#: cores, as a real one would): argv is url, model, streams, max tokens, temperature.
-API_CLIENT = """
-import asyncio, json, sys, time, httpx
-url, model, streams, tokens, temperature = sys.argv[1:6]
-prompts = json.loads(sys.stdin.read())
-async def one(client, i):
-    body = {"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": int(tokens),
-            "temperature": float(temperature), "seed": i, "stream": True,
-            "stream_options": {"include_usage": True}}
-    used = 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as reply:
-        async for line in reply.aiter_lines():
-            if line.startswith("data: {") and '"usage":{' in line:
-                used = json.loads(line[6:])["usage"]["completion_tokens"]
-    return used
-async def main():
-    async with httpx.AsyncClient(timeout=600) as client:
-        began = time.perf_counter()
-        used = await asyncio.gather(*(one(client, i) for i in range(int(streams))))
-        print(sum(used), time.perf_counter() - began)
-asyncio.run(main())
-"""
+#: The ``--api`` client (benchmarks/api_client.py), run as another process.
+API_CLIENT = Path(__file__).with_name("api_client.py")
 
 
 async def api_bench(args: argparse.Namespace, backend: Backend) -> None:
@@ -505,10 +484,10 @@ async def api_bench(args: argparse.Namespace, backend: Backend) -> None:
         prompts = json.dumps(PROMPT_TEXTS).encode()
 
         async def client(n: int) -> float:
-            url, temperature = f"http://{address}", str(SAMPLING.temperature)
-            argv = [url, service.model_id, str(n), str(args.max_tokens), temperature]
+            url, knobs = f"http://{address}", [str(SAMPLING.temperature), str(SAMPLING.top_p)]
+            argv = [url, service.model_id, str(n), str(args.max_tokens), *knobs]
             done = await trio.run_process(
-                [sys.executable, "-c", API_CLIENT, *argv], stdin=prompts, capture_stdout=True
+                [sys.executable, str(API_CLIENT), *argv], stdin=prompts, capture_stdout=True
             )
             tokens, seconds = done.stdout.split()
             return int(tokens) / float(seconds)
