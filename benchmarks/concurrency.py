@@ -43,7 +43,11 @@ new request's time to first token while 8 other streams decode, over its idle va
 ≤ 2); the goal for 8 streams' aggregate is ≥ 4x one stream's (one node).
 
 ``--temperature T`` samples instead (seeded, each stream its own seed; the API's default
-is temperature 1), so that the sampler's cost per token shows.
+is temperature 1), so that the sampler's cost per token shows; ``--top-p P`` adds top-p
+truncation. ``--baseline greedy`` compares those sampled streams with the same streams
+greedy, on the same pipeline (issue 35's goal: 8 seeded streams at temperature 0.7 and
+top-p 0.9 reach >= 0.9x the greedy aggregate): ``--streams 1 8 --max-tokens 128
+--topologies one --temperature 0.7 --top-p 0.9 --baseline greedy --rounds 3``.
 
 ``--api`` measures the serving path through the real HTTP API instead: a single-node
 service (as ``meshnode join`` on one machine builds it) behind the node's app and
@@ -58,6 +62,7 @@ The machine is shared: ``uptime`` is printed first and last; compare ratios, not
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -66,7 +71,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,6 +155,18 @@ class Measure:
 def sampling(stream: int) -> SamplingParams:
     """The sampling of stream number ``stream`` (its own seed when sampling)."""
     return SAMPLING if SAMPLING.greedy else dataclasses.replace(SAMPLING, seed=stream)
+
+
+@contextlib.contextmanager
+def greedy_streams(on: bool) -> Iterator[None]:
+    """While ``on``, every stream decodes greedily (``--baseline greedy``'s runs)."""
+    global SAMPLING
+    kept = SAMPLING
+    SAMPLING = GREEDY if on else kept
+    try:
+        yield
+    finally:
+        SAMPLING = kept
 
 
 class ForwardClock:
@@ -393,13 +410,16 @@ async def bench(
         off: Pipeline = Unqueued(await make(BatchLimits(max_frames=MAX_SEQUENCES)))
     elif args.baseline == "stepwise":
         off = await make(BatchLimits(max_frames=MAX_SEQUENCES, ahead=False))
+    elif args.baseline == "greedy":
+        off = on  # the same pipeline, its streams greedy (greedy_streams)
     else:
         off = await make(BatchLimits(enabled=False))
     # Warm-up: first-call costs out of the figures. As many streams as the largest run, so
     # that its batch shapes are not first seen in it (at d91eb01 a process's first 8-prompt
     # prefill step took 2.1-2.5 s against ~0.6 s for the next ones, after a 2-prompt one).
     await measure(on, prompts, max(args.streams), 4)
-    await measure(off, prompts, 2, 4)
+    with greedy_streams(args.baseline == "greedy"):
+        await measure(off, prompts, 2, 4)
     runs: dict[tuple[str, int], list[Measure]] = {}
     cuts: Cuts = {}
     for _ in range(args.rounds):
@@ -407,9 +427,9 @@ async def bench(
             for label, pipeline in (("on", on), ("off", off)):
                 if clock is not None:
                     clock.spans.clear()
-                runs.setdefault((label, n), []).append(
-                    await measure(pipeline, prompts, n, args.max_tokens)
-                )
+                with greedy_streams(label == "off" and args.baseline == "greedy"):
+                    measured = await measure(pipeline, prompts, n, args.max_tokens)
+                runs.setdefault((label, n), []).append(measured)
                 if clock is not None:
                     cuts.setdefault((label, n), []).append(clock.cut(n))
     for n in args.streams:
@@ -443,29 +463,8 @@ async def run_all(
         nursery.cancel_scope.cancel()
 
 
-#: The ``--api`` client (another process: a client on this machine competes for its
-#: cores, as a real one would): argv is url, model, streams, max tokens, temperature.
-API_CLIENT = """
-import asyncio, json, sys, time, httpx
-url, model, streams, tokens, temperature = sys.argv[1:6]
-prompts = json.loads(sys.stdin.read())
-async def one(client, i):
-    body = {"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": int(tokens),
-            "temperature": float(temperature), "seed": i, "stream": True,
-            "stream_options": {"include_usage": True}}
-    used = 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as reply:
-        async for line in reply.aiter_lines():
-            if line.startswith("data: {") and '"usage":{' in line:
-                used = json.loads(line[6:])["usage"]["completion_tokens"]
-    return used
-async def main():
-    async with httpx.AsyncClient(timeout=600) as client:
-        began = time.perf_counter()
-        used = await asyncio.gather(*(one(client, i) for i in range(int(streams))))
-        print(sum(used), time.perf_counter() - began)
-asyncio.run(main())
-"""
+#: The ``--api`` client (benchmarks/api_client.py), run as another process.
+API_CLIENT = Path(__file__).with_name("api_client.py")
 
 
 async def api_bench(args: argparse.Namespace, backend: Backend) -> None:
@@ -487,10 +486,10 @@ async def api_bench(args: argparse.Namespace, backend: Backend) -> None:
         prompts = json.dumps(PROMPT_TEXTS).encode()
 
         async def client(n: int) -> float:
-            url, temperature = f"http://{address}", str(SAMPLING.temperature)
-            argv = [url, service.model_id, str(n), str(args.max_tokens), temperature]
+            url, knobs = f"http://{address}", [str(SAMPLING.temperature), str(SAMPLING.top_p)]
+            argv = [url, service.model_id, str(n), str(args.max_tokens), *knobs]
             done = await trio.run_process(
-                [sys.executable, "-c", API_CLIENT, *argv], stdin=prompts, capture_stdout=True
+                [sys.executable, str(API_CLIENT), *argv], stdin=prompts, capture_stdout=True
             )
             tokens, seconds = done.stdout.split()
             return int(tokens) / float(seconds)
@@ -534,6 +533,7 @@ def main() -> None:
     parser.add_argument(
         "--temperature", type=float, default=0.0, help="0: greedy; else seeded sampling"
     )
+    parser.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampled streams")
     parser.add_argument("--threads", type=int, default=1, help="BLAS threads (README)")
     parser.add_argument(
         "--weights",
@@ -550,10 +550,11 @@ def main() -> None:
     parser.add_argument(
         "--baseline",
         default="unbatched",
-        choices=["unbatched", "unqueued", "stepwise"],
+        choices=["unbatched", "unqueued", "stepwise", "greedy"],
         help="what batching on is compared with: batching off, batching on without "
-        "the decode frames queued ahead (the generation loop before it queued them), or "
-        "batching on without running steps ahead in the compute thread",
+        "the decode frames queued ahead (the generation loop before it queued them), "
+        "batching on without running steps ahead in the compute thread, or the same "
+        "streams greedy (with --temperature: what sampling costs)",
     )
     parser.add_argument(
         "--ahead",
@@ -563,7 +564,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     global SAMPLING, KV_DTYPE
-    SAMPLING = SamplingParams(temperature=args.temperature)
+    SAMPLING = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     KV_DTYPE = args.kv_dtype
     print("uptime:", uptime(), "sampling:", SAMPLING, flush=True)
     limit = limit_cpu_threads(args.threads)  # the limit lasts while the handle is referenced

@@ -16,6 +16,7 @@ import functools
 import importlib
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import ModuleType
@@ -142,9 +143,10 @@ class Backend(ABC):
         """What runs a stage's forwards (``engine.runner``): here, at once."""
         return EagerRunner(self.xp, embed)
 
-    def linear(self, x: Any, w: Any) -> Any:
+    def linear(self, x: Any, w: Any, sizes: Sequence[int] | None = None) -> Any:
         """``x @ w`` for ``x`` ``[r, in]``, ``w`` ``[in, out]`` as :meth:`load_weights`
-        lays it out."""
+        lays it out; ``sizes``: the row counts of the batch's segments in ``x``, for a
+        backend whose products take another path for many rows than for few."""
         return x @ w
 
     def attention(self, config: ModelConfig, start: int, end: int) -> Attention:
@@ -295,12 +297,16 @@ class CpuBackend(Backend):
         glu.glu(np.ascontiguousarray(x), kind, out)
         return out
 
-    def linear(self, x: Any, w: Any) -> Any:
+    def linear(self, x: Any, w: Any, sizes: Sequence[int] | None = None) -> Any:
         """``x @ w``; over dense weights a few rows go one by one (:data:`GEMV_MAX_ROWS`),
-        block kernels take every row in one pass over the weights."""
+        block kernels take every row in one pass over the weights, or, given the
+        segments' ``sizes``, each segment's rows by the path it takes alone
+        (:meth:`.BlockMatrix.product_by_segment`: the same bits in any batch)."""
         n = x.shape[0]
         if self.weights_dtype == "q8" and isinstance(w, BlockMatrix) and q8.accepts(w, n):
             return q8.q8_product(w, x)
+        if sizes is not None and len(sizes) > 1 and isinstance(w, BlockMatrix):
+            return w.product_by_segment(x, sizes)
         if not self.cpu_blocks and 1 < n <= GEMV_MAX_ROWS:
             return np.stack([x[i] @ w for i in range(n)])
         return x @ w
@@ -396,7 +402,7 @@ class CudaBackend(Backend):
         """Every sequence of a batch in one launch per kernel (``cuda.ops.CudaAttention``)."""
         return CudaAttention(self.device, config, start, end)
 
-    def linear(self, x: Any, w: Any) -> Any:
+    def linear(self, x: Any, w: Any, sizes: Sequence[int] | None = None) -> Any:
         """As :meth:`Backend.linear`, through the matvec or matmul (``CudaOps.linear``)."""
         return self.device.linear(x, w)
 
@@ -515,12 +521,16 @@ def _announce(backend: Backend) -> Backend:
 
 
 def limit_cpu_threads(threads: int | None) -> object | None:
-    """Cap the BLAS and kernel threads of this process at ``threads`` (None: defaults).
+    """Cap the kernel threads of this process at ``threads`` (None: defaults), and hold
+    its BLAS at one thread.
 
     OpenBLAS threads spin while they wait: with more threads than free cores (several
     nodes on one machine, or any other busy process) decode gets about ten times slower,
-    where one thread per node keeps its speed (see benchmarks/engine.py). Returns the
-    threadpoolctl handle, which keeps the limit for as long as it is referenced.
+    where one thread per node keeps its speed (see benchmarks/engine.py). The kernel and
+    tile threads share the work instead, and BLAS stays at one thread whatever the cap,
+    so that a product's bits never depend on it (:mod:`meshnode.engine.cpu.tiles`).
+    Returns the threadpoolctl handle, which keeps the limit for as long as it is
+    referenced.
     """
     if threads is None:
         return None
@@ -529,5 +539,5 @@ def limit_cpu_threads(threads: int | None) -> object | None:
     from threadpoolctl import threadpool_limits
 
     set_kernel_threads(threads)
-    handle: object = threadpool_limits(limits=threads, user_api="blas")
+    handle: object = threadpool_limits(limits=1, user_api="blas")
     return handle

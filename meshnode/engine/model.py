@@ -80,15 +80,18 @@ class Mixer(Protocol):
     ) -> Any: ...
 
 
-#: A layer's feed-forward: ``(backend, weights, x [r, E], activation) -> [r, E]``.
-FeedForward = Callable[[Backend, Any, Any, str], Any]
+#: A layer's feed-forward: ``(backend, weights, x [r, E], activation, sizes) -> [r, E]``,
+#: ``sizes`` the row counts of the batch's segments in ``x`` (``Backend.linear``).
+FeedForward = Callable[[Backend, Any, Any, str, Sequence[int]], Any]
 
 
-def glu_feed_forward(backend: Backend, w: Any, x: Any, activation: str) -> Any:
+def glu_feed_forward(
+    backend: Backend, w: Any, x: Any, activation: str, sizes: Sequence[int]
+) -> Any:
     """The dense gated MLP (SwiGLU / GeGLU) of ``x`` ``[r, E]``."""
-    gate_up = backend.linear(x, w.w_gate_up)  # [r, 2 I]
+    gate_up = backend.linear(x, w.w_gate_up, sizes)  # [r, 2 I]
     act = backend.glu(gate_up, activation)  # [r, I]
-    return backend.linear(act, w.w_down)  # [r, E]
+    return backend.linear(act, w.w_down, sizes)  # [r, E]
 
 
 def feed_forward_of(w: Any, moe: MoeConfig | None) -> FeedForward:
@@ -101,7 +104,8 @@ def feed_forward_of(w: Any, moe: MoeConfig | None) -> FeedForward:
         raise ModelConfigError("a layer holds experts but the model's config has none")
     routing = moe
 
-    def routed(backend: Backend, w: Any, x: Any, activation: str) -> Any:
+    def routed(backend: Backend, w: Any, x: Any, activation: str, sizes: Sequence[int]) -> Any:
+        # each row's experts and sums are its own (engine.moe): the same bits in any batch
         return moe_mlp(backend, routing, w.moe, x)  # [r, E]
 
     return routed
@@ -123,13 +127,14 @@ class _AttentionMixer:
     def __call__(
         self, w: LayerWeights, x: Any, segs: Sequence[Segment], plan: Any, layer: int, last: bool
     ) -> Any:
-        qkv = self.backend.linear(x, w.wqkv)  # [N, (H + 2 Hkv) D]: all sequences' rows at once
+        # each segment's rows by the path they take alone (Backend.linear's sizes)
+        qkv = self.backend.linear(x, w.wqkv, [seg.n for seg in segs])  # [N, (H + 2 Hkv) D]
         if w.bqkv is not None:
             qkv = self.backend.add(qkv, w.bqkv)
         # per sequence: QK-norm, RoPE, its cache, attention
         norms = (w.q_norm, w.k_norm)
         heads = self.attention(qkv, segs, plan, layer, norms, last, w.sinks)  # [R, H D]
-        out = self.backend.linear(heads, w.wo)  # [R, E]
+        out = self.backend.linear(heads, w.wo, [seg.rows if last else seg.n for seg in segs])
         return out if w.bo is None else self.backend.add(out, w.bo)  # gpt-oss: output bias
 
 
@@ -337,7 +342,8 @@ class Stage:
         if last:
             x = self._mixer.keep_rows(x, segs, plan)  # [R, E]
         x, normed = self._add_norm(x, h, w.post_attn_norm, w.ffn_norm)
-        ffn = self._feed_forward[layer](self.backend, w, normed, self.config.arch.activation)
+        sizes = [seg.rows if last else seg.n for seg in segs]  # each segment's rows
+        ffn = self._feed_forward[layer](self.backend, w, normed, self.config.arch.activation, sizes)
         return self._add_norm(x, ffn, w.post_ffn_norm, then)
 
     def _add_norm(
@@ -365,7 +371,9 @@ class Stage:
         if self._keep_hidden:
             h = _last_rows(self.xp, h, [seg.rows for seg in segs], wanted)
         table = w.head_t if w.head_t is not None else w.embed_t
-        return self.backend.linear(h, table)  # [r, V]
+        # each segment's rows by the path they take alone (Backend.linear's sizes)
+        sizes = wanted if self._keep_hidden else [seg.rows for seg in segs]
+        return self.backend.linear(h, table, sizes)  # [r, V]
 
 
 @dataclass(frozen=True, slots=True)

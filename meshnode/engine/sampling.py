@@ -30,12 +30,14 @@ also what the wire schema means by an omitted field; :data:`GREEDY` is temperatu
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import secrets
 import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -150,16 +152,43 @@ def _truncate(probs: np.ndarray, params: SamplingParams) -> np.ndarray:
         kth = np.partition(probs, -params.top_k)[-params.top_k]
         keep &= probs >= kth
     if params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        cum = np.cumsum(probs[order])
-        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass
-        # before it is still short of top_p.
-        in_nucleus = np.empty_like(keep)
-        in_nucleus[order] = (cum - probs[order]) < params.top_p
-        keep &= in_nucleus
+        keep &= _nucleus(probs, params.top_p)
     if params.min_p > 0:
         keep &= probs >= params.min_p * probs.max()
     return np.where(keep, probs, 0.0)
+
+
+# Ids the nucleus is looked for among when the first guess (below) holds too many: the
+# most likely ones, four times as many at each try that falls short of top_p.
+NUCLEUS_FIRST_TRY = 256
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """The ids of the smallest prefix, most likely first (ties by id), whose mass reaches
+    ``top_p``: a token stays if the mass before it is still short of top_p.
+
+    Without sorting the vocabulary. The first guess is the ids of probability at least
+    ``(1 - top_p) / V``: the others hold less than ``1 - top_p`` together, so these
+    hold the nucleus (at temperature 0.7 a few hundred of SmolLM2's 49k ids); when they
+    are too many, the ``k`` most likely ids (all ids tied with the ``k``-th included).
+    Either way a set of ids at or above a threshold, sorted: its running sum is the
+    whole order's, the same float64 additions in the same order. Once it reaches
+    ``top_p``, every later id has at least that much mass before it: out."""
+    keep = np.zeros(probs.shape, dtype=bool)
+    ids = np.flatnonzero(probs >= (1.0 - top_p) / probs.size)
+    k = NUCLEUS_FIRST_TRY
+    while True:
+        order = ids[np.argsort(-probs[ids], kind="stable")]  # ids ascending: ties by id
+        cum = np.cumsum(probs[order])
+        if (cum.size and cum[-1] >= top_p) or ids.size == probs.size:
+            keep[order] = (cum - probs[order]) < top_p
+            return keep
+        if k < probs.size:
+            kth = np.partition(probs, probs.size - k)[probs.size - k]
+            ids = np.flatnonzero(probs >= kth)
+        else:
+            ids = np.arange(probs.size)
+        k *= 4
 
 
 def _truncates(params: SamplingParams, size: int) -> bool:
@@ -260,17 +289,35 @@ class CounterRandom:
         weights: Any,
         position: int,
         draw: Draw = Draw.TOKEN,
-        scratch: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> int:
         """The token this generator's race of ``draw`` at ``position`` picks from
-        ``weights`` (:func:`race`). ``scratch``: two float64 arrays at least as long as
-        ``weights`` for the exponentials and the race's times (fresh ones otherwise)."""
-        row = np.asarray(weights, dtype=np.float64)
-        exps, times = scratch if scratch is not None else (None, None)
-        return race(row, self.exponentials(position, row.size, draw, exps), times)
+        ``weights`` (:func:`race` with :meth:`exponentials`), compiled: the exponentials
+        of the ids that cannot win are never computed (:mod:`.cpu.draws`). Raises
+        ValueError for weights with no mass."""
+        row = np.ascontiguousarray(weights, dtype=np.float64).reshape(-1)
+        pick = _draws().race_pick(row, *self._key, np.uint64(position), np.uint64(draw), _ONE)
+        if pick < 0:
+            raise ValueError("cannot sample from a distribution with no mass")
+        return int(pick)
+
+    @property
+    def _key(self) -> tuple[np.uint64, np.uint64]:
+        return np.uint64(self.seed % 2**64), np.uint64(self.seed >> 64)
 
 
 _LOG_2_53 = 53 * math.log(2)
+_ONE = np.uint64(1)
+
+
+@functools.cache
+def _draws() -> ModuleType:
+    """The compiled race (:mod:`.cpu.draws`), imported (numba configured) on first use."""
+    from meshnode.engine.cpu.matrix import configure_numba
+
+    configure_numba()
+    from meshnode.engine.cpu import draws
+
+    return draws
 
 
 def race(weights: Any, exponentials: Any, out: np.ndarray | None = None) -> int:
@@ -325,23 +372,21 @@ class Sampler:
             if not self.params.penalized:
                 return int(np.argmax(row))
             return int(np.argmax(apply_penalties(row, self.params, history)))
-        probs, exps, times = _scratch(row.size)
-        probs = logits_to_probs(row, self.params, history, probs)
-        return self.random.pick(probs, position, scratch=(exps, times))
+        probs = logits_to_probs(row, self.params, history, _scratch(row.size))
+        return self.random.pick(probs, position)
 
 
 _SCRATCH = threading.local()
 
 
-def _scratch(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Three float64 arrays ``[size]`` of this thread, reused by every draw it makes: the
-    probabilities, the exponentials and the race's times. A sampler is driven by one
-    thread at a time (the last stage's compute thread) and returns only the token."""
-    arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = getattr(_SCRATCH, "arrays", None)
-    if arrays is None or arrays[0].size != size:
-        arrays = (np.empty(size), np.empty(size), np.empty(size))
-        _SCRATCH.arrays = arrays
-    return arrays
+def _scratch(size: int) -> np.ndarray:
+    """A float64 array ``[size]`` of this thread, reused by every draw it makes for the
+    probabilities. A sampler is driven by one thread at a time (the last stage's compute
+    thread) and returns only the token."""
+    probs: np.ndarray | None = getattr(_SCRATCH, "probs", None)
+    if probs is None or probs.size != size:
+        probs = _SCRATCH.probs = np.empty(size)
+    return probs
 
 
 def token_logprobs(

@@ -360,6 +360,49 @@ MALFORMED: Final[dict[str, Malformed]] = {
         frame(cbor_map(*_BEAT_PAIRS[:3], ("nonce", "x"), _BEAT_PAIRS[4]), b"xx"),
         _INVALID,
     ),
+    # -- the four points two implementers could read two ways (README §2, §5, §6) --------
+    "negative_type": _after_hello(
+        "type tag -3 (a CBOR negative integer): an integer, but no message type",
+        _beat((0, -3)),
+        ErrorCode.UNKNOWN_MESSAGE_TYPE,
+    ),
+    "negative_version": _after_hello(
+        "a Heartbeat with header version -1: an integer, but not our version",
+        _beat((1, -1)),
+        ErrorCode.UNSUPPORTED_VERSION,
+    ),
+    "true_key_beside_version": _after_hello(
+        "a key `true` beside keys 0 and 1 (true equals 1 in some languages): malformed",
+        _beat((True, 5)),
+        _MALFORMED,
+    ),
+    "float_key_beside_type": _after_hello(
+        "a key 0.0 beside keys 0 and 1: a float key equal to 0 or 1 is malformed",
+        _beat((0.0, 5)),
+        _MALFORMED,
+    ),
+    "version_checked_after_an_error": Malformed(
+        "an Error of header version 2 is decoded (Error is exempt); a Heartbeat of version "
+        "2 after it is not",
+        _HELLO_FRAME
+        + frame(cbor_map((0, 4), (1, 2), ("code", 108), ("message", "x")))
+        + _beat((1, 2)),
+        ErrorCode.UNSUPPORTED_VERSION,
+        messages_before=2,
+    ),
+    "batch_repeats_a_request": _after_hello(
+        "an ActivationBatch with two frames of one request_id: a batch rule is the codec's",
+        frame(
+            cbor_map(
+                (0, 33),
+                (1, 1),
+                ("run_id", "run-7f3a"),
+                ("term", 3),
+                ("frames", [dict(_ACT_PAIRS[2:]), dict(_ACT_PAIRS[2:])]),
+            )
+        ),
+        _INVALID,
+    ),
     "message_before_hello": Malformed(
         "a Heartbeat as the first frame", _BEAT_FRAME, ErrorCode.OUT_OF_ORDER, messages_before=0
     ),

@@ -174,7 +174,7 @@ def one_node(smollm2_gguf: Path) -> ServeService:
     return build_single_node_service(str(smollm2_gguf), model_id=MODEL, context_size=CONTEXT)
 
 
-def test_constrained_replies_are_one_nodes_and_validate(
+async def test_constrained_replies_are_one_nodes_and_validate(
     mesh: tuple[Cluster, Node], one_node: ServeService
 ) -> None:
     """response_format json_schema across three stages: the grammar travels with the first
@@ -193,14 +193,14 @@ def test_constrained_replies_are_one_nodes_and_validate(
                 requests.start_soon(one, api, city)
         return replies
 
-    got = trio.run(split)
-    assert got == trio.run(city_jsons, one_node, cities)
+    got = await split()
+    assert got == await city_jsons(one_node, cities)
     for reply in got.values():
         jsonschema.validate(json.loads(reply), CITY)
 
 
-def test_a_forced_tool_call_is_one_nodes_and_validates(
-    mesh: tuple[Cluster, Node], one_node: ServeService
+async def test_a_forced_tool_call_is_one_nodes_and_validates(
+    nursery: trio.Nursery, mesh: tuple[Cluster, Node], one_node: ServeService
 ) -> None:
     request: dict[str, Any] = {
         "model": MODEL,
@@ -212,21 +212,18 @@ def test_a_forced_tool_call_is_one_nodes_and_validates(
         "temperature": 0,
     }
 
-    async def one_node_call() -> tuple[str, str]:
-        async with trio.open_nursery() as nursery:
-            server = await start_server(nursery, one_node)
-            api = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
-            async with api:
-                reply = await api.chat.completions.create(**request)
-            nursery.cancel_scope.cancel()
+    async def call_of(base_url: str) -> tuple[str, str, str | None]:
+        api = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+        async with api:
+            reply = await api.chat.completions.create(**request)
         (call,) = reply.choices[0].message.tool_calls or []
-        return call.function.name, call.function.arguments
+        return call.function.name, call.function.arguments, reply.choices[0].finish_reason
 
-    reply = _client(mesh[1]).chat.completions.create(**request)
-    assert reply.choices[0].finish_reason == "stop"  # OpenAI's for a named tool_choice
-    (call,) = reply.choices[0].message.tool_calls or []
-    assert (call.function.name, call.function.arguments) == trio.run(one_node_call)
-    jsonschema.validate(json.loads(call.function.arguments), SEARCH["function"]["parameters"])
+    server = await start_server(nursery, one_node)
+    name, arguments, finish = await call_of(mesh[1].api)
+    assert finish == "stop"  # OpenAI's for a named tool_choice
+    assert (name, arguments, finish) == await call_of(server.base_url)
+    jsonschema.validate(json.loads(arguments), SEARCH["function"]["parameters"])
 
 
 def _error_of(response: httpx.Response) -> dict[str, Any]:

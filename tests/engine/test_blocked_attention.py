@@ -11,7 +11,7 @@ import pytest
 
 from meshnode.engine import ops
 from meshnode.engine.attention import BLOCK_ROWS, blocked_attention
-from meshnode.engine.cpu.tiles import TileThreads, local_blas_threads
+from meshnode.engine.cpu.tiles import TileThreads, single_threaded_blas
 
 
 @pytest.mark.parametrize(
@@ -53,8 +53,8 @@ def test_a_row_sees_only_its_window_and_past() -> None:
 
 @pytest.mark.parametrize("window", [None, 70])
 def test_blocks_shared_by_threads_are_bit_identical_to_one_thread(window: int | None) -> None:
-    if local_blas_threads() is None:
-        pytest.skip("this BLAS has no per-thread thread count: blocks stay serial")
+    if not single_threaded_blas():
+        pytest.skip("no BLAS threadpoolctl can set to one thread: blocks stay serial")
     rng = np.random.default_rng(5)
     rows, t = 5 * BLOCK_ROWS + 9, 6 * BLOCK_ROWS
     q = rng.standard_normal((9, rows, 64)).astype(np.float32)

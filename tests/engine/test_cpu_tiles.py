@@ -13,7 +13,7 @@ from meshnode_packaging.sources import dequantize
 
 from meshnode.engine.cpu import MAX_KERNEL_ROWS, BlockMatrix, matrix, tiles
 from meshnode.engine.cpu.pool import KernelPool
-from meshnode.engine.cpu.tiles import TILE_MIN_ROWS, TileThreads
+from meshnode.engine.cpu.tiles import TILE_MIN_ROWS, TILES_PER_MATRIX, TileThreads
 from tests.engine.test_cpu_kernels import N_IN, random_tensor
 from tests.engine.test_kernel_pool import idle_gauge
 
@@ -60,10 +60,9 @@ def test_shared_tiles_are_bit_identical_to_serial_and_to_dequantize(
 
 
 @pytest.mark.parametrize("n_out", [1, 17, 300, 511, 1100, 3072, 50_000])
-@pytest.mark.parametrize("threads", [1, 2, 4])
-def test_tiles_cover_the_rows_in_equal_cache_line_tiles(n_out: int, threads: int) -> None:
+def test_tiles_cover_the_rows_in_equal_cache_line_tiles(n_out: int) -> None:
     n_in, cap = 576, 4 << 20
-    got = tiles.tiles(n_out, n_in, threads, cap)
+    got = tiles.tiles(n_out, n_in, cap)  # from the shape alone: no thread count to depend on
     assert got[0][0] == 0
     assert got[-1][1] == n_out
     assert all(a[1] == b[0] for a, b in itertools.pairwise(got))
@@ -71,14 +70,14 @@ def test_tiles_cover_the_rows_in_equal_cache_line_tiles(n_out: int, threads: int
     assert all(s == sizes[0] and s % 16 == 0 for s in sizes[:-1])
     assert 0 < sizes[-1] <= sizes[0]
     assert all(4 * s * n_in <= cap for s in sizes)
-    if n_out >= threads * TILE_MIN_ROWS:  # every thread gets work, of sgemm's size
-        assert len(got) >= threads
-        assert min(sizes[:-1] or sizes) >= TILE_MIN_ROWS
+    assert min(sizes[:-1] or sizes) >= min(n_out, TILE_MIN_ROWS)  # each sgemm large
+    if 4 * n_out * n_in <= cap * TILES_PER_MATRIX:  # not cut smaller by the cap
+        assert len(got) <= TILES_PER_MATRIX
 
 
 def test_an_error_in_any_thread_reaches_the_caller(team: TileThreads) -> None:
-    if tiles.local_blas_threads() is None:
-        pytest.skip("this BLAS has no per-thread thread count: tiles stay serial")
+    if not tiles.single_threaded_blas():
+        pytest.skip("no BLAS threadpoolctl can set to one thread: tiles stay serial")
     ran: list[str] = []
 
     def item(i: int) -> None:
@@ -92,13 +91,34 @@ def test_an_error_in_any_thread_reaches_the_caller(team: TileThreads) -> None:
     assert team.run(lambda i: None, 4, 2)  # and the threads still serve
 
 
-def test_without_a_per_thread_blas_count_the_tiles_stay_serial(
+def test_without_a_blas_set_to_one_thread_the_tiles_stay_serial(
     team: TileThreads, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     m = BlockMatrix([random_tensor("Q8_0", 520, rng)])
     x = rng.standard_normal((MAX_KERNEL_ROWS + 1, N_IN)).astype(np.float32)
     want = product(m, x, 1, team)
-    monkeypatch.setattr(tiles, "local_blas_threads", lambda: None)
+    monkeypatch.setattr(tiles, "single_threaded_blas", lambda: False)
     before = team.posted
     np.testing.assert_array_equal(product(m, x, 2, team), want)
     assert team.posted == before
+
+
+@pytest.mark.parametrize("n_out", [32, 100, 300, 1100])
+def test_a_long_segment_s_rows_are_the_same_bits_in_any_batch(
+    n_out: int, team: TileThreads, rng: np.random.Generator
+) -> None:
+    # a segment of 17 rows (BLAS's) alone, then beside a decode row, a verify window, a
+    # short prompt and a long one, on 1 to 3 threads: the short tiles and the small
+    # batches that took OpenBLAS's small-matrix kernel (issue 35) included
+    m = BlockMatrix([random_tensor("Q4_K", n_out, rng)])
+    seg = rng.standard_normal((MAX_KERNEL_ROWS + 1, N_IN)).astype(np.float32)
+    want = product(m, seg, 1, team)
+    for others, threads in [(0, 2), (1, 3), (5, 1), (40, 2), (300, 3)]:
+        x = np.concatenate([seg, rng.standard_normal((others, N_IN)).astype(np.float32)])
+        np.testing.assert_array_equal(product(m, x, threads, team)[: len(seg)], want)
+    # by segment: the long one through BLAS, the short ones through the kernel
+    short = rng.standard_normal((3, N_IN)).astype(np.float32)
+    x = np.concatenate([short[:1], seg, short[1:]])
+    got = m.product_by_segment(x, [1, len(seg), 2])
+    np.testing.assert_array_equal(got[1 : 1 + len(seg)], want)
+    np.testing.assert_array_equal(got[[0, -2, -1]], short @ m)  # several kernel rows

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,7 @@ class _RowByRow(CpuBackend):
     def __init__(self) -> None:
         super().__init__("native")
 
-    def linear(self, x: Any, w: Any) -> Any:
+    def linear(self, x: Any, w: Any, sizes: Sequence[int] | None = None) -> Any:
         return np.concatenate(
             [super(_RowByRow, self).linear(x[i : i + 1], w) for i in range(len(x))]
         )
@@ -143,9 +144,9 @@ class _Recorder(CpuBackend):
         super().__init__()
         object.__setattr__(self, "reads", [])
 
-    def linear(self, x: Any, w: Any) -> Any:
+    def linear(self, x: Any, w: Any, sizes: Sequence[int] | None = None) -> Any:
         self.reads.append((id(w), x.shape[0]))
-        return super().linear(x, w)
+        return super().linear(x, w, sizes)
 
 
 def test_a_step_reads_each_chosen_expert_once_and_no_other() -> None:

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshnode.engine import sampling
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.loader import LoadedModel, load_model
 from meshnode.engine.sampling import (
@@ -347,3 +348,38 @@ def test_any_integer_seed_is_folded_into_the_generators_range() -> None:
     b = Sampler(SamplingParams(temperature=1.0, seed=2**64 - 1))
     logits = np.linspace(-1.0, 1.0, 32, dtype=np.float32)
     assert [a.sample(logits, []) for _ in range(8)] == [b.sample(logits, []) for _ in range(8)]
+
+
+def test_the_compiled_philox_is_numpys() -> None:
+    """The race's own Philox4x64-10 (meshnode.engine.cpu.draws) against NumPy's, at the
+    counters and keys a draw uses: the block of ids 4 j .. 4 j + 3 is the (j + 1)-th."""
+    from meshnode.engine.cpu.draws import philox_block
+
+    out = np.zeros(4, np.uint64)
+    for seed, position, draw, block in [(0, 0, 0, 0), (7, 3, 2, 5), (2**64 - 1, 2**40, 1, 999)]:
+        bits = np.random.Philox(key=seed, counter=(0, position, draw, 1))
+        want = bits.random_raw(4 * (block + 1))[4 * block :]
+        u64 = np.uint64
+        philox_block(u64(block + 1), u64(position), u64(draw), u64(1), u64(seed), u64(0), out)
+        np.testing.assert_array_equal(out, want)
+
+
+@given(
+    st.lists(st.sampled_from([0.0, 1e-9, 0.001, 0.01, 0.05, 0.2]), min_size=1, max_size=600),
+    st.sampled_from([0.1, 0.5, 0.9, 0.999]),
+)
+@settings(max_examples=150, deadline=None)
+def test_the_nucleus_without_a_full_sort_is_the_sorted_one(
+    weights: list[float], top_p: float
+) -> None:
+    """Partial selection (the most likely ids, ties included, then more) keeps exactly the
+    ids the full stable sort keeps, ties at the cut and sums that never reach top_p too."""
+    probs = np.array(weights)
+    probs = probs / probs.sum() if probs.sum() > 0 else np.full(probs.size, 1 / probs.size)
+    order = np.argsort(-probs, kind="stable")
+    cum = np.cumsum(probs[order])
+    want = np.empty(probs.size, dtype=bool)
+    want[order] = (cum - probs[order]) < top_p
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sampling, "NUCLEUS_FIRST_TRY", 4)  # several tries on short rows
+        np.testing.assert_array_equal(sampling._nucleus(probs, top_p), want)

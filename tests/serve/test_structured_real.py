@@ -134,18 +134,26 @@ async def city_jsons(service: ServeService, cities: list[str]) -> dict[str, str]
 
 
 @pytest.fixture(scope="module")
-def plain_replies(real_service: ServeService) -> dict[str, str]:
-    """The twenty cities' replies, without speculation (shared by the tests below)."""
-    return trio.run(city_jsons, real_service, CITIES)
+def plain_cache() -> dict[str, str]:
+    """The twenty cities' replies once the first test below asked for them."""
+    return {}
 
 
-def test_twenty_prompts_give_json_that_validates(plain_replies: dict[str, str]) -> None:
+@pytest.fixture
+async def plain_replies(real_service: ServeService, plain_cache: dict[str, str]) -> dict[str, str]:
+    """The twenty cities' replies, without speculation (computed once for the module)."""
+    if not plain_cache:
+        plain_cache.update(await city_jsons(real_service, CITIES))
+    return plain_cache
+
+
+async def test_twenty_prompts_give_json_that_validates(plain_replies: dict[str, str]) -> None:
     assert sorted(plain_replies) == sorted(CITIES)
     for reply in plain_replies.values():
         jsonschema.validate(json.loads(reply), CITY)
 
 
-def test_speculation_does_not_change_constrained_greedy_replies(
+async def test_speculation_does_not_change_constrained_greedy_replies(
     smollm2_gguf: Path, plain_replies: dict[str, str]
 ) -> None:
     """With the model as its own (unconstrained) draft, the grammar rejects drafts that
@@ -157,7 +165,7 @@ def test_speculation_does_not_change_constrained_greedy_replies(
         speculative=SpeculativeFlags(strategy="draft", draft_model=str(smollm2_gguf)),
     )
     cities = CITIES[:2]
-    spec = trio.run(city_jsons, spec_service, cities)
+    spec = await city_jsons(spec_service, cities)
     assert spec == {city: plain_replies[city] for city in cities}
     status = spec_service.speculation_status()["acceptance"]
     assert 0 < status["accepted"] < status["proposed"]

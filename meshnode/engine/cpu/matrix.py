@@ -143,20 +143,16 @@ def shared_threads() -> int:
 
 def share(fn: Callable[[int], None], count: int, threads: int) -> None:
     """``fn(i)`` for ``i`` in ``range(count)``, items of BLAS work (prefill's tiles, a long
-    segment's attention blocks): on ``threads`` tile threads (:class:`.tiles.TileThreads`),
-    each with single-threaded BLAS, when ``threads`` > 1; else, or when they cannot
-    (another BLAS, another thread using them), in this thread, with single-threaded BLAS
-    too where OpenBLAS allows it: its own threads would spin on cores others use."""
+    segment's attention blocks): on ``threads`` tile threads (:class:`.tiles.TileThreads`)
+    when ``threads`` > 1; else, or when they cannot (no BLAS threadpoolctl can set,
+    another thread using them), in this thread. BLAS is single-threaded either way
+    (:func:`.tiles.single_threaded_blas`): the items' results are the same bits however
+    they were shared, and BLAS's own threads would spin on cores others use."""
     if threads > 1 and _tile_threads().run(fn, count, threads):
         return
-    local = _tiles().local_blas_threads()
-    before = local(1) if local is not None else 0
-    try:
-        for i in range(count):
-            fn(i)
-    finally:
-        if local is not None:
-            local(before)
+    _tiles().single_threaded_blas()
+    for i in range(count):
+        fn(i)
 
 
 def supported(t: RawTensor) -> bool:
@@ -229,6 +225,27 @@ class BlockMatrix:
             return one
         return self._product(x)
 
+    def product_by_segment(self, x: Any, sizes: Sequence[int]) -> np.ndarray:
+        """``x @ self`` for the rows of several segments (``sizes``: their row counts, in
+        order), each row by the path its segment would take alone: the rows of a segment
+        of at most :data:`MAX_KERNEL_ROWS` rows through the kernel (that many at a time),
+        the others' rows through BLAS in one product. A row's bits then do not depend on
+        the batch it is in (the kernel's row and BLAS's row differ in the last bits)."""
+        x = np.asarray(x, dtype=np.float32)
+        if sum(sizes) != x.shape[0]:
+            raise ValueError(f"segments of {sum(sizes)} rows for x of {x.shape[0]}")
+        small = np.repeat([s <= MAX_KERNEL_ROWS for s in sizes], sizes)
+        if not small.any():
+            return self._product(x)
+        out = np.empty((x.shape[0], self.n_out), np.float32)
+        if not small.all():
+            out[~small] = self._product(x[~small])
+        rows = np.flatnonzero(small)
+        for lo in range(0, rows.size, MAX_KERNEL_ROWS):
+            some = rows[lo : lo + MAX_KERNEL_ROWS]
+            out[some] = self._product(x[some])
+        return out
+
     def _product(self, x: np.ndarray) -> np.ndarray:
         if x.shape[1] != self.n_in:
             raise ValueError(f"x has {x.shape[1]} columns, the matrix {self.n_in} rows")
@@ -251,13 +268,12 @@ class BlockMatrix:
         t = _tiles()
         x = np.ascontiguousarray(x)
         parts = [(p.fmt.kernel_id, p.raw) for p in self.parts]
-        threads = shared_threads()
-        bounds = t.tiles(self.n_out, self.n_in, threads, DENSE_TILE_BYTES)
+        bounds = t.tiles(self.n_out, self.n_in, DENSE_TILE_BYTES)  # the shape's, not the load's
 
         def tile(i: int) -> None:
             t.product_tile(parts, x, out, *bounds[i])
 
-        share(tile, len(bounds), threads)
+        share(tile, len(bounds), shared_threads())
 
     def dense(self) -> np.ndarray:
         """The whole matrix decoded as float32 ``[out, in]`` (a new array)."""

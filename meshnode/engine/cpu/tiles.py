@@ -7,23 +7,39 @@ thread decodes a tile into its own float32 scratch buffer and multiplies it into
 columns of the output with a single-threaded sgemm. With several threads every thread
 decodes and multiplies tiles of its own (:class:`TileThreads`), so no core waits while
 another decodes and no sgemm call synchronises threads; alone, the calling thread does
-the tiles one after another with BLAS's own threads.
+the tiles one after another.
 
 The threads are the caller and Python helper threads: the decoder runs compiled without
-the GIL and NumPy's matmul releases it. A thread's BLAS calls are made single-threaded
-with OpenBLAS's per-thread count (``openblas_set_num_threads_local``, OpenBLAS 0.3.27 and
-later, the library NumPy's wheels bundle); with another BLAS the tiles stay in the
-calling thread.
+the GIL and NumPy's matmul releases it.
 
-Each output element is one sgemm dot product over the same inputs whichever tile holds
-its row and whichever thread computes it (sgemm splits only rows and columns between its
-threads, never the sum): results are bit-identical to the serial tiles, and equal
-"dequantize, then multiply in float32" up to summation order.
+**Same bits under any load.** An output element's value must not depend on how many
+threads ran, on which of them computed it, or on the other rows of the batch. sgemm
+itself does not split a sum between threads, but which code it runs depends on the
+shapes and on its thread count: OpenBLAS (0.3.31, SkylakeX) multiplies a call whose
+``tile rows x activation rows`` is below ~1,200 with its small-matrix kernel, whose sums
+round differently from its blocked kernel (measured: 16- and 64-row tiles at 17..64
+activation rows differ in the last bits, 96 rows and more never did, 17..300 rows, K 32
+.. 2048). So here:
+
+- the tiles of a matrix depend on its shape only (:func:`tiles`), never on the threads
+  that share them, which the cores' load decides;
+- a tile shorter than :data:`SGEMM_MIN_ROWS` is padded with zero rows to that length,
+  so no product of more than :data:`.matrix.MAX_KERNEL_ROWS` activation rows takes the
+  small-matrix kernel, however few rows the batch has;
+- BLAS runs single-threaded in the whole process, checked before every run of tiles
+  (:func:`single_threaded_blas`) and never raised again: OpenBLAS's
+  ``openblas_set_num_threads_local`` sets the process's count, not the thread's (a
+  caller that restored its count while a helper was still multiplying changed the
+  helper's sgemm mid-product, and the bits with it: issue 35).
+
+Then each output element is one sgemm dot product over the same inputs, by the same
+code, whichever tile holds its row and whichever thread computes it: results are
+bit-identical to the serial tiles under any load, and equal "dequantize, then multiply
+in float32" up to summation order.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 import os
@@ -37,36 +53,40 @@ from meshnode.engine.cpu.kernels import _decode_any
 from meshnode.engine.cpu.simd import entry
 
 __all__ = [
-    "TILES_PER_THREAD",
+    "SGEMM_MIN_ROWS",
+    "TILES_PER_MATRIX",
     "TILE_MIN_ROWS",
     "TileThreads",
     "decoder",
-    "local_blas_threads",
     "product_tile",
+    "single_threaded_blas",
     "tiles",
 ]
 
-# Output rows of a tile shared between threads, at least: sgemm over 400 activation rows
+# Output rows of a tile, at least (but the last): sgemm over 400 activation rows
 # reaches ~90 % of its whole-matrix speed at 256 columns (64: 77 %, 1024: 97 %; one
 # thread, K = 576..2048, this machine's AVX-512 OpenBLAS).
 TILE_MIN_ROWS = 256
-# Tiles per thread, at most, when a matrix has rows for more: two let a thread that
-# started late catch up, and keep each sgemm large.
-TILES_PER_THREAD = 2
+# Tiles a matrix is cut into when it has rows for more than one: a fixed count, never
+# the threads' (the bits must not depend on them), enough that 1, 2, 4 or 8 threads
+# each get whole tiles, and that a thread that started late can catch up.
+TILES_PER_MATRIX = 8
+# Rows an sgemm call gets at least, padded with zero rows: above OpenBLAS's
+# small-matrix kernel for any prefill (tile rows x activation rows > ~1,200 at 17
+# rows and more; see the module docstring).
+SGEMM_MIN_ROWS = 128
 
 _scratch = threading.local()  # a float32 tile, one per computing thread
 
 
-def tiles(n_out: int, n_in: int, threads: int, max_bytes: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` output-row ranges covering ``n_out``: as many as the threads (a
-    multiple of them, up to :data:`TILES_PER_THREAD` each) for tiles of at least
-    :data:`TILE_MIN_ROWS` rows, more where a tile's float32 would pass ``max_bytes``
-    (unless it is 16 rows); of equal length, multiples of 16 rows but the last (whole
-    cache lines of output)."""
-    cap = max(16, max_bytes // (4 * n_in))
-    count = threads * min(TILES_PER_THREAD, max(1, n_out // (threads * TILE_MIN_ROWS)))
-    while (size := min(n_out, -(-n_out // (16 * count)) * 16)) > cap:
-        count += threads
+def tiles(n_out: int, n_in: int, max_bytes: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` output-row ranges covering ``n_out``, from the matrix's shape alone:
+    up to :data:`TILES_PER_MATRIX` tiles of at least :data:`TILE_MIN_ROWS` rows, more
+    where a tile's float32 would pass ``max_bytes`` (unless it is 16 rows); of equal
+    length, multiples of 16 rows but the last (whole cache lines of output)."""
+    cap = max(16, max_bytes // (4 * n_in) // 16 * 16)
+    size = max(TILE_MIN_ROWS, -(-n_out // (16 * TILES_PER_MATRIX)) * 16)
+    size = min(n_out, size, cap)
     return [(lo, min(n_out, lo + size)) for lo in range(0, n_out, size)]
 
 
@@ -87,33 +107,45 @@ def product_tile(
     parts: Sequence[tuple[int, np.ndarray]], x: np.ndarray, out: np.ndarray, lo: int, hi: int
 ) -> None:
     """``out[:, lo:hi] = x @ rows lo .. hi - 1`` of the stacked ``parts`` (format id,
-    ``[rows, row bytes]``), decoded into this thread's scratch tile."""
+    ``[rows, row bytes]``), decoded into this thread's scratch tile (padded with zero
+    rows to :data:`SGEMM_MIN_ROWS`)."""
     n_in = x.shape[1]
+    rows = max(hi - lo, SGEMM_MIN_ROWS)
     buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.size < (hi - lo) * n_in:
-        buf = _scratch.buf = np.empty((hi - lo) * n_in, np.float32)
-    tile = buf[: (hi - lo) * n_in].reshape(hi - lo, n_in)  # [t, in]
+    if buf is None or buf.size < rows * n_in:
+        buf = _scratch.buf = np.empty(rows * n_in, np.float32)
+    tile = buf[: rows * n_in].reshape(rows, n_in)  # [t, in]
     start = 0
     for fmt, raw in parts:
         a, b = max(lo, start), min(hi, start + raw.shape[0])
         if a < b:
             decoder(fmt)(raw, a - start, tile[a - lo : b - lo])
         start += raw.shape[0]
-    np.matmul(x, tile.T, out=out[:, lo:hi])  # [r, t]
+    if rows == hi - lo:
+        np.matmul(x, tile.T, out=out[:, lo:hi])  # [r, t]
+        return
+    tile[hi - lo :] = 0.0
+    out[:, lo:hi] = np.matmul(x, tile.T)[:, : hi - lo]  # [r, t]
 
 
 @functools.cache
-def local_blas_threads() -> Callable[[int], int] | None:
-    """OpenBLAS's ``openblas_set_num_threads_local`` (set the calling thread's BLAS
-    threads, return the previous count), or None with another BLAS or an older one."""
+def _blas() -> Any:
+    """threadpoolctl's controller of the BLAS libraries loaded in this process."""
     from threadpoolctl import ThreadpoolController
 
-    for lib in ThreadpoolController().select(internal_api="openblas").lib_controllers:
-        fn = getattr(lib.dynlib, "openblas_set_num_threads_local", None)
-        if fn is not None:
-            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-            return fn  # type: ignore[no-any-return]
-    return None
+    return ThreadpoolController().select(user_api="blas")
+
+
+def single_threaded_blas() -> bool:
+    """Set every BLAS of the process (threadpoolctl's) to one thread, unless it is, and
+    say whether there is one. Called before each shared or serial run of tiles: the
+    count is the process's, and ``limit_cpu_threads`` or a caller's threadpoolctl limit
+    may have changed it since."""
+    libs = _blas().lib_controllers
+    for lib in libs:
+        if lib.num_threads != 1:
+            lib.set_num_threads(1)
+    return bool(libs)
 
 
 class _Job:
@@ -142,7 +174,7 @@ class _Job:
 
 class TileThreads:
     """The calling thread plus helper threads, started as needed, that run the tiles of
-    one product at a time, each with single-threaded BLAS."""
+    one product at a time, BLAS single-threaded."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -158,12 +190,11 @@ class TileThreads:
         caller among them; re-raises the first exception of any of them.
 
         Returns False, having done nothing, when fewer than two threads would run, when
-        this BLAS has no per-thread count, after a fork (helpers do not survive it), or
+        no BLAS could be set to one thread, after a fork (helpers do not survive it), or
         when another thread is using these threads: the caller then runs the items.
         """
-        local = local_blas_threads()
         threads = min(threads, count)
-        if threads < 2 or local is None or os.getpid() != self._pid:
+        if threads < 2 or os.getpid() != self._pid or not single_threaded_blas():
             return False
         if not self._lock.acquire(blocking=False):
             return False
@@ -174,11 +205,7 @@ class TileThreads:
                 self._gen += 1
                 self._job = job
                 self._cond.notify_all()
-            before = local(1)
-            try:
-                job.work()
-            finally:
-                local(before)
+            job.work()
             job.done.wait()
             with self._cond:
                 self._job = None  # its arrays are not kept alive by a sleeping helper
@@ -197,9 +224,6 @@ class TileThreads:
             self._helpers += 1
 
     def _helper(self, who: int) -> None:
-        local = local_blas_threads()
-        assert local is not None
-        local(1)
         seen = 0
         while True:
             with self._cond:

@@ -44,7 +44,7 @@ class CudaOps:
         self.k: Kernels = kernels_for(cp)
         self.k.warm_up()
 
-    def linear(self, x: Any, w: Any) -> Any:
+    def linear(self, x: Any, w: Any, sizes: Sequence[int] | None = None) -> Any:
         """``x @ W.T`` for a device matrix ``W [out, in]`` (else ``x @ w``): the matvec up
         to ``MAX_BATCH_ROWS`` rows (a row's sum does not depend on the others), beyond a
         float32 matmul on W expanded for this call (float16 overflows on hidden states
