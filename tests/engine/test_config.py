@@ -152,6 +152,8 @@ def test_transformers5_gemma3_rope_parameters_per_layer_type() -> None:
         ({"layer_types": ["linear_attention"] * 26}, "unsupported layer type"),
     ],
 )
-def test_gemma3_features_not_implemented_are_refused(change: dict[str, Any], message: str) -> None:
+def test_gemma3_features_not_implemented_are_refused(
+    change: dict[str, Any], message: str
+) -> None:
     with pytest.raises(ModelConfigError, match=message):
         ModelConfig.from_hf({"model_type": "gemma3_text", **change})
