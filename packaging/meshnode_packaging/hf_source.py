@@ -79,7 +79,6 @@ class HFFolderSource:
                 self._entries[hf_to_canonical(name)] = entry
         self._maps: dict[Path, np.memmap[Any, np.dtype[np.uint8]]] = {}
         self._derived = mxfp4_plan(self._entries)
-        self._made: dict[str, RawTensor] = {}  # derived tensors, made once (copies)
         stored = {s for d in self._derived.values() for s in d.stored}
         self._names = [n for n in self._entries if n not in stored] + list(self._derived)
 
@@ -89,11 +88,9 @@ class HFFolderSource:
 
     def tensor(self, name: str) -> RawTensor:
         """The tensor ``name``: a read-only view into the memory-mapped file, or a
-        repacked copy of MXFP4 experts (made on first use, then kept)."""
+        repacked copy of MXFP4 experts (made anew at each call: the caller keeps it)."""
         if name in self._derived:
-            if name not in self._made:
-                self._made[name] = derive(name, self._derived[name], self._stored)
-            return self._made[name]
+            return derive(name, self._derived[name], self._stored)
         return self._stored(name)
 
     def _stored(self, name: str) -> RawTensor:
