@@ -36,16 +36,11 @@ def model_footprint(
     """
     if config.hybrid is not None:
         return _hybrid_footprint(config, config.hybrid, bytes_per_param, ring_slots)
-    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
-    attention = h * (q + 2 * kv) + q * h + 2 * h
-    moe = config.moe  # a MoE layer holds every expert, though a token runs only k of them
-    layer_params = [
-        attention + (moe.layer_params(h)[0] if moe and moe.is_sparse(i) else 3 * h * inter)
-        for i in range(config.num_layers)
-    ]
+    h = config.hidden_size
+    layer_params = _layer_params(config)  # a MoE layer holds every expert
     embed = config.vocab_size * h
     head = h + (0 if config.tie_word_embeddings else config.vocab_size * h)
-    kv_per_token = 2 * kv * kv_bytes(kv_dtype) * MAX_SEQUENCES_PER_STAGE  # K and V
+    kv_per_token = 2 * config.kv_size * kv_bytes(kv_dtype) * MAX_SEQUENCES_PER_STAGE  # K and V
     if held is None:
         held = HeldBytes(
             tuple(p * bytes_per_param for p in layer_params),
@@ -59,6 +54,42 @@ def model_footprint(
         kv_bytes_per_token_per_layer=kv_per_token,
         tied_head=config.tie_word_embeddings,
     )
+
+
+def _layer_params(config: ModelConfig) -> list[int]:
+    """Parameters of each layer: attention, norms and the MLP or every expert."""
+    if config.hybrid is not None:
+        return [config.hybrid.layer_params(i) for i in range(config.num_layers)]
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    attention = h * (q + 2 * kv) + q * h + 2 * h
+    moe = config.moe
+    return [
+        attention + (moe.layer_params(h)[0] if moe and moe.is_sparse(i) else 3 * h * inter)
+        for i in range(config.num_layers)
+    ]
+
+
+def moe_status(config: ModelConfig) -> dict[str, int] | None:
+    """A mixture-of-experts model's shape for the status body (None for a dense model):
+    experts per MoE layer, how many a token runs, how many layers route, and parameters,
+    all and those a token runs (embedding and head counted whole in both, as model cards
+    count Qwen3-30B-A3B's 3.3B active)."""
+    moe = config.moe or (config.hybrid.moe if config.hybrid is not None else None)
+    if moe is None:
+        return None
+    h, vocab = config.hidden_size, config.vocab_size
+    outer = vocab * h * (1 if config.tie_word_embeddings else 2) + h  # embed, head, norm
+    total = outer + sum(_layer_params(config))
+    every, active = moe.layer_params(h)
+    moe_layers = sum(moe.sparse_layers)
+    return {
+        "experts_per_layer": moe.num_experts,
+        "experts_per_token": moe.top_k,
+        "moe_layers": moe_layers,
+        "layers": config.num_layers,
+        "params": total,
+        "active_params": total - (every - active) * moe_layers,  # the idle experts left out
+    }
 
 
 def _hybrid_footprint(
