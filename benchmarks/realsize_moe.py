@@ -22,8 +22,8 @@ load of this shared machine hits all alike. Medians over rounds of:
 
 with the ratio to llama.cpp at the same threads. llama.cpp's binaries come from
 ``--llama-bin``, ``$LLAMA_BIN`` or the lead's build of the sources vendored in
-``llama-cpp-python`` (``benchmarks/realsize.py`` on the ``kernels`` branch says how to
-build them); without them its columns are skipped.
+``llama-cpp-python`` (the dense real-size benchmark, ``realsize.py``, says how to build
+them); without them its columns are skipped.
 """
 
 from __future__ import annotations

