@@ -12,6 +12,7 @@ groups and MXFP4 ones in sixteen-lane groups (``engine/cpu/blocks.py``, ``fp4.py
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,22 @@ from meshnode_packaging.sources import RawTensor, SourceError, open_source
 
 from meshnode.engine import ModelConfig, Stage
 from meshnode.engine.backend import WeightsDtype, cpu_backend
-from meshnode.engine.cpu import BlockMatrix
+from meshnode.engine.cpu import BlockMatrix, set_kernel_threads
 from meshnode.engine.moe_weights import expert_slice
 from tests.engine.moe_models import golden
 from tests.engine.moe_mxfp4 import MODEL, write_mxfp4_twins
 
 MODES: tuple[WeightsDtype, ...] = ("float32", "native", "q8")
+
+
+@pytest.fixture(autouse=True)
+def one_kernel_thread() -> Iterator[None]:
+    """Bit-for-bit comparisons at a fixed kernel thread count: with the default, the
+    pool's split of a prefill's rows follows the machine's load, and a one-row chunk
+    sums in another order than a many-row one (see the module docstring)."""
+    set_kernel_threads(1)
+    yield
+    set_kernel_threads(None)
 
 
 @pytest.fixture(scope="module")
