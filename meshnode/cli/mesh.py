@@ -167,6 +167,22 @@ def _memory(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.1f} GiB"
 
 
+def _moe_line(moe: dict[str, Any]) -> str:
+    """A mixture of experts' shape: ``experts  128 per layer, 8 per token ...``."""
+    return (
+        f"experts  {moe['experts_per_layer']} per layer, {moe['experts_per_token']} per "
+        f"token, on {moe['moe_layers']} of {moe['layers']} layers; "
+        f"{_params(moe['params'])} parameters, {_params(moe['active_params'])} active"
+    )
+
+
+def _params(n: int) -> str:
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
 def _host_lines(host: dict[str, Any] | None) -> list[str]:
     """The served model and its speculative decoding (host nodes only)."""
     if not host:
@@ -175,6 +191,8 @@ def _host_lines(host: dict[str, Any] | None) -> list[str]:
         f"serving  {host.get('model_id', host.get('model'))}  ({host.get('state')}, "
         f"{host.get('requests_in_flight', 0)} requests in flight)"
     ]
+    if host.get("moe"):
+        lines.append(_moe_line(host["moe"]))
     if host.get("error"):
         lines.append(f"waiting  {host['error']}")
     if host.get("last_failure") and host.get("last_failure") != host.get("error"):

@@ -11,7 +11,8 @@ own names to these; ``p`` is ``layers.{i}.``):
   rows then up rows (GGUF's ``ffn_gate_up_exps``), or gpt-oss's checkpoint layout,
   ``p mlp.experts.gate_up_proj`` ``[n, E, 2 I]`` (``x @ w``, gate and up interleaved:
   columns 0, 2, 4... are the gate), ``p mlp.experts.down_proj`` ``[n, I, E]`` and their
-  ``_bias`` tensors;
+  ``_bias`` tensors (its MXFP4 checkpoints' ``*_blocks``/``*_scales`` reach here as GGUF's
+  MXFP4 stacks: :mod:`meshnode_packaging.hf_mxfp4`);
 - shared expert ``p mlp.shared_expert.{gate,up,down}_proj.weight`` and its gate
   ``p mlp.shared_expert_gate.weight`` ``[1, E]``.
 
@@ -110,12 +111,17 @@ class _Names:
     def __init__(self, source: ModelSource, p: str) -> None:
         self.source, self.p = source, p
         self.names = {n for n in source.tensor_names() if n.startswith(p)}
+        # each tensor asked for once: a source may make it anew at each call (a
+        # checkpoint's MXFP4 experts, repacked), and every expert slices the same one
+        self.got: dict[str, RawTensor] = {}
 
     def has(self, name: str) -> bool:
         return self.p + name in self.names
 
     def get(self, name: str) -> RawTensor:
-        return self.source.tensor(self.p + name)
+        if name not in self.got:
+            self.got[name] = self.source.tensor(self.p + name)
+        return self.got[name]
 
     def optional(self, name: str) -> np.ndarray | None:
         return _f32(dequantize(self.get(name))) if self.has(name) else None

@@ -53,6 +53,29 @@ def model_footprint(
     )
 
 
+def moe_status(config: ModelConfig) -> dict[str, int] | None:
+    """A mixture-of-experts model's shape for the status body (None for a dense model):
+    experts per MoE layer, how many a token runs, how many layers route, and parameters,
+    all and those a token runs (embedding and head counted whole in both, as model cards
+    count Qwen3-30B-A3B's 3.3B active)."""
+    moe = config.moe or (config.hybrid.moe if config.hybrid is not None else None)
+    if moe is None:
+        return None
+    h = config.hidden_size
+    outer = config.embed_params + config.head_params  # embedding, final norm, head
+    total = outer + sum(config.layer_params(i) for i in range(config.num_layers))
+    every, active = moe.layer_params(h)
+    moe_layers = sum(moe.sparse_layers)
+    return {
+        "experts_per_layer": moe.num_experts,
+        "experts_per_token": moe.top_k,
+        "moe_layers": moe_layers,
+        "layers": config.num_layers,
+        "params": total,
+        "active_params": total - (every - active) * moe_layers,  # the idle experts left out
+    }
+
+
 def _hybrid_footprint(
     config: ModelConfig, hybrid: HybridConfig, bytes_per_param: int, ring_slots: int
 ) -> ModelFootprint:

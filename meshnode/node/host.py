@@ -20,7 +20,9 @@ from meshnode_packaging.sources import ModelSource
 from meshnode_protocol import Message
 
 from meshnode.engine.backend import Backend
+from meshnode.engine.config import ModelConfig
 from meshnode.node.coordinator import Coordinator
+from meshnode.node.footprint import moe_status
 from meshnode.node.mesh import CoordinatorSettings, MeshView
 from meshnode.node.remote import RemotePipeline
 
@@ -57,6 +59,8 @@ class MeshHost:
         self.source = source
         self.frontend = frontend
         self.backend = backend
+        # experts per layer and active parameters of a mixture of experts, for the status
+        self.moe = moe_status(ModelConfig.from_hf(source.config))
         self.coordinator: Coordinator | None = None
         self._scope = trio.CancelScope()  # the coordinator and the frontend's tasks
 
@@ -75,11 +79,14 @@ class MeshHost:
             self.coordinator.peer_lost(peer, left=left)
 
     def status(self) -> dict[str, Any]:
-        """The ``host`` part of the status body: the run and its stages, then serving."""
+        """The ``host`` part of the status body: the run and its stages, then serving
+        (and a mixture of experts' ``moe`` shape: :func:`~meshnode.node.footprint.moe_status`)."""
         body: dict[str, Any] = {"model": self.settings.model_ref, "state": "starting"}
         if self.coordinator is not None:
             body = self.coordinator.status()
         body.update(self.frontend.status())
+        if self.moe is not None:
+            body["moe"] = self.moe
         return body
 
     async def run(self, mesh: MeshView) -> None:

@@ -1,5 +1,6 @@
 """A Hugging Face checkpoint folder as a model source: ``config.json``, ``tokenizer.json``,
-the chat template and memory-mapped ``*.safetensors`` tensors under canonical names.
+the chat template and memory-mapped ``*.safetensors`` tensors under canonical names
+(gpt-oss's MXFP4 experts repacked as GGUF's, :mod:`.hf_mxfp4`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from meshnode_packaging.hf_mxfp4 import derive, mxfp4_plan
 from meshnode_packaging.names import hf_to_canonical
 from meshnode_packaging.sampling import sampling_numbers
 from meshnode_packaging.source_types import RawTensor, SourceError
@@ -19,7 +21,8 @@ from meshnode_packaging.source_types import RawTensor, SourceError
 __all__ = ["HFFolderSource"]
 
 
-_SAFETENSORS_DTYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16"}
+# U8: MXFP4 blocks and scales (gpt-oss), which the reader hands out repacked
+_SAFETENSORS_DTYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16", "U8": "U8"}
 
 
 @dataclass(frozen=True)
@@ -75,13 +78,22 @@ class HFFolderSource:
             for name, entry in _safetensors_index(file).items():
                 self._entries[hf_to_canonical(name)] = entry
         self._maps: dict[Path, np.memmap[Any, np.dtype[np.uint8]]] = {}
+        self._derived = mxfp4_plan(self._entries)
+        stored = {s for d in self._derived.values() for s in d.stored}
+        self._names = [n for n in self._entries if n not in stored] + list(self._derived)
 
     def tensor_names(self) -> list[str]:
-        """Canonical names of every tensor in the checkpoint."""
-        return list(self._entries)
+        """Canonical names of every tensor in the checkpoint (MXFP4 experts as GGUF's)."""
+        return list(self._names)
 
     def tensor(self, name: str) -> RawTensor:
-        """The tensor ``name``: a read-only view into the memory-mapped file."""
+        """The tensor ``name``: a read-only view into the memory-mapped file, or a
+        repacked copy of MXFP4 experts (made anew at each call: the caller keeps it)."""
+        if name in self._derived:
+            return derive(name, self._derived[name], self._stored)
+        return self._stored(name)
+
+    def _stored(self, name: str) -> RawTensor:
         e = self._entries[name]
         if e.file not in self._maps:
             self._maps[e.file] = np.memmap(e.file, dtype=np.uint8, mode="r")
