@@ -43,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -121,11 +122,24 @@ def worker(args: argparse.Namespace) -> None:
 class Worker:
     """A meshnode mode's process at one thread count, driven a round at a time."""
 
-    def __init__(self, mode: str, threads: int, model: Path, args: argparse.Namespace) -> None:
-        cmd = [sys.executable, __file__, "--worker", mode, "--model", str(model)]
+    def __init__(
+        self,
+        mode: str,
+        threads: int,
+        model: Path,
+        args: argparse.Namespace,
+        *,
+        script: str = __file__,
+        extra: Sequence[str] | None = None,
+    ) -> None:
+        # ``script``: the driver whose ``--worker`` mode runs (this one, or realsize_moe's),
+        # with its own ``extra`` options (None: this driver's, from ``args``)
+        cmd = [sys.executable, script, "--worker", mode, "--model", str(model)]
         cmd += ["--threads", str(threads), "--tokens", str(args.tokens)]
-        cmd += ["--every-core-free"] if args.every_core_free else []
-        cmd += [] if args.no_prefill else ["--prefill"]
+        if extra is None:
+            extra = ["--every-core-free"] if args.every_core_free else []
+            extra += [] if args.no_prefill else ["--prefill"]
+        cmd += extra
         self.key = (f"meshnode {mode}", threads)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._read()
@@ -159,7 +173,7 @@ def llama_bin(option: str | None) -> Path | None:
         if candidate:
             return Path(candidate)
     found = sorted(Path("/").glob(LLAMA_BIN_GLOB.lstrip("/")))
-    return found[-1] if found else None
+    return found[-1] if found and (found[-1] / "llama-bench").exists() else None
 
 
 def _run(cmd: list[str]) -> list[dict[str, Any]]:
@@ -173,11 +187,13 @@ def _run(cmd: list[str]) -> list[dict[str, Any]]:
 
 
 def llama_round(
-    folder: Path, model: Path, threads: int, args: argparse.Namespace
+    folder: Path, model: Path, threads: int, args: argparse.Namespace, prefill: int | None = None
 ) -> dict[str, float]:
     """One measurement of llama.cpp's decode (tg), prefill (pp512) and 8-sequence decode."""
     bench = [str(folder / "llama-bench"), "-m", str(model), "-t", str(threads), "-r", "1"]
-    bench += ["-o", "json", "-n", str(args.tokens), "-p", "0" if args.no_prefill else str(PREFILL)]
+    if prefill is None:  # this driver's: pp512 unless --no-prefill
+        prefill = 0 if args.no_prefill else PREFILL
+    bench += ["-o", "json", "-n", str(args.tokens), "-p", str(prefill)]
     out = {"decode": float("nan"), "prefill": float("nan")}
     for row in _run(bench):
         out["decode" if row["n_gen"] else "prefill"] = float(row["avg_ts"])

@@ -30,25 +30,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine import MeshnodeRunner, uptime
+from benchmarks.realsize import Worker, llama_bin, llama_round
 from benchmarks.realsize_moe_gguf import SHAPES, cached_gguf
 
 MODES = {"exact": "blocks", "q8": "q8"}  # benchmarks/engine.py's variants
 PROMPT = 16  # tokens before decode
 STREAMS = 8
-LLAMA_BIN_GLOB = "work/llama/llama_cpp_python-*/vendor/llama.cpp/build/bin"
 KEYS = ("decode", "streams", "prefill")
 
 
@@ -101,80 +98,16 @@ def worker(args: argparse.Namespace) -> None:
         print(json.dumps(out), flush=True)
 
 
-class Worker:
-    """A meshnode mode's process at one thread count, driven a round at a time."""
-
-    def __init__(self, mode: str, threads: int, model: Path, args: argparse.Namespace) -> None:
-        cmd = [sys.executable, __file__, "--worker", mode, "--model", str(model)]
-        cmd += ["--threads", str(threads), "--tokens", str(args.tokens)]
-        cmd += ["--prefill", str(args.prefill)]
-        self.key = (f"meshnode {mode}", threads)
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._read()
-
-    def _read(self) -> dict[str, float]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.key}: worker exited ({self.proc.wait()})")
-        data: dict[str, float] = json.loads(line)
-        return data
-
-    def round(self) -> dict[str, float]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("round\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait()
-
-
-# -- llama.cpp ------------------------------------------------------------------------
-
-
-def llama_bin(option: str | None) -> Path | None:
-    """The folder with llama.cpp's benchmarks: the option, ``$LLAMA_BIN``, the lead's build."""
-    for candidate in (option, os.environ.get("LLAMA_BIN")):
-        if candidate:
-            return Path(candidate)
-    found = sorted(Path("/").glob(LLAMA_BIN_GLOB))
-    return found[-1] if found and (found[-1] / "llama-bench").exists() else None
-
-
-def _run(cmd: list[str]) -> list[dict[str, Any]]:
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)}: exit {done.returncode}: {done.stderr[-2000:]}")
-    text = done.stdout.strip()
-    if text.startswith("["):  # llama-bench -o json
-        return list(json.loads(text))
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-
-
-def llama_round(
-    folder: Path, model: Path, threads: int, args: argparse.Namespace
-) -> dict[str, float]:
-    """One measurement of llama.cpp's decode (tg), prefill (pp) and 8-sequence decode."""
-    bench = [str(folder / "llama-bench"), "-m", str(model), "-t", str(threads), "-r", "1"]
-    bench += ["-o", "json", "-n", str(args.tokens), "-p", str(args.prefill)]
-    out = {"decode": float("nan"), "prefill": float("nan")}
-    for row in _run(bench):
-        out["decode" if row["n_gen"] else "prefill"] = float(row["avg_ts"])
-    batched = [str(folder / "llama-batched-bench"), "-m", str(model), "-t", str(threads)]
-    batched += ["-c", str(STREAMS * (PROMPT + args.tokens) + 64), "-npp", str(PROMPT)]
-    batched += ["-ntg", str(args.tokens), "-npl", str(STREAMS), "--output-format", "jsonl"]
-    out["streams"] = float(_run(batched)[-1]["speed_tg"])
-    return out
-
-
 # -- the driver -----------------------------------------------------------------------
 
 
 def run_model(model: Path, args: argparse.Namespace, folder: Path | None) -> None:
-    workers = [Worker(m, t, model, args) for t in args.threads for m in args.modes]
+    extra = ["--prefill", str(args.prefill)]
+    workers = [
+        Worker(m, t, model, args, script=__file__, extra=extra)
+        for t in args.threads
+        for m in args.modes
+    ]
     results: dict[tuple[str, int], list[dict[str, float]]] = {w.key: [] for w in workers}
     print(f"\n## {model.name}: start {uptime()}", flush=True)
     for r in range(args.rounds):
@@ -183,7 +116,9 @@ def run_model(model: Path, args: argparse.Namespace, folder: Path | None) -> Non
         for t in args.threads:
             if folder is None:
                 break
-            results.setdefault(("llama.cpp", t), []).append(llama_round(folder, model, t, args))
+            results.setdefault(("llama.cpp", t), []).append(
+                llama_round(folder, model, t, args, args.prefill)
+            )
         print(f"round {r + 1}/{args.rounds} done, {uptime()}", flush=True)
     print(f"end {uptime()}", flush=True)
     for w in workers:
