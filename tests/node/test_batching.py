@@ -420,6 +420,11 @@ async def test_decode_steps_run_ahead_and_streams_still_equal_their_solo_runs(
         assert pipeline.runner.live_sequences == 0
 
 
+#: Bound on waiting for the fast streams while the slow one is away (they take a fraction
+#: of a second alone; a busy machine slows them many times over).
+STREAM_TIMEOUT_S = 120.0
+
+
 @pytest.mark.parametrize("ahead", [False, True], ids=["stepwise", "ahead"])
 async def test_a_slow_client_next_to_fast_ones_misses_nothing(stage: Stage, ahead: bool) -> None:
     """A stream whose client takes its tokens slowly (its loop comes back long after each
@@ -431,14 +436,21 @@ async def test_a_slow_client_next_to_fast_ones_misses_nothing(stage: Stage, ahea
     pipeline = LocalPipeline(runner, BatchLimits(max_frames=8, ahead=ahead))
     runs = [_run(f"r{i}", p, 20, GREEDY) for i, p in enumerate(PROMPTS[:3])]
     outputs: list[list[int]] = [[] for _ in runs]
+    fast_done = trio.Event()
 
     async def slow() -> None:
         async for _ in generate(pipeline, runs[0]):
-            await trio.sleep(0.003)
+            # Away after its first token until both fast streams have finished: were they
+            # held to this loop's pace, they could not finish and the wait would time out.
+            # (An event, not a sleep: under load a step can take longer than any sleep.)
+            with trio.fail_after(STREAM_TIMEOUT_S):
+                await fast_done.wait()
         outputs[0] = runs[0].state.tokens
 
     async def fast(i: int) -> None:
         outputs[i] = await _drive(pipeline, runs[i])
+        if all(outputs[1:]):
+            fast_done.set()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(slow)
