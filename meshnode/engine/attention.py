@@ -301,12 +301,7 @@ def blocked_attention(
         qb = q4[:, :, a:b].reshape(kv_heads, group * (b - a), dim)  # [Hkv, G b, D]
         s = qb @ keys[:, lo:hi].transpose(0, 2, 1)  # [Hkv, G b, K]
         s *= scale
-        q_pos = np.arange(first + a, first + b)[:, None]
-        k_pos = np.arange(lo, hi)[None, :]
-        hidden = k_pos > q_pos
-        if window is not None:
-            hidden |= k_pos <= q_pos - window
-        np.copyto(s.reshape(kv_heads, group, b - a, hi - lo), -np.inf, where=hidden)
+        _mask(s.reshape(kv_heads, group, b - a, hi - lo), first + a, lo, window)
         np.subtract(s, s.max(axis=-1, keepdims=True), out=s)
         np.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)  # softmax
@@ -319,6 +314,25 @@ def blocked_attention(
     else:
         run(block, count)
     return out.reshape(heads, rows, dim)
+
+
+def _mask(s: np.ndarray, q0: int, lo: int, window: int | None) -> None:
+    """Set to -inf the scores ``s`` ``[Hkv, G, b, K]`` of keys ``lo .. lo + K - 1`` that
+    query rows at ``q0 .. q0 + b - 1`` must not see: those past each row's position (and
+    with a ``window``, those before it). Only the columns some row hides are touched: a
+    resumed prompt's suffix attends over a long cached prefix that every row sees, and
+    masking all of it cost as much as its scores' softmax (issue 30, flat turns)."""
+    rows, keys = s.shape[2], s.shape[3]
+    q_pos = np.arange(q0, q0 + rows)[:, None]
+    causal = max(q0 + 1 - lo, 0)  # keys lo .. q0 are seen by every row (causally)
+    if window is None:
+        cols = slice(causal, keys)
+        hidden = np.arange(lo + causal, lo + keys)[None, :] > q_pos
+    else:
+        cols = slice(0, keys)  # a window hides keys at both ends
+        k_pos = np.arange(lo, lo + keys)[None, :]
+        hidden = (k_pos > q_pos) | (k_pos <= q_pos - window)
+    np.copyto(s[..., cols], -np.inf, where=hidden)
 
 
 def kept_rows(xp: Any, segs: Sequence[Segment]) -> Any:
