@@ -294,20 +294,23 @@ def blocked_attention(
     out = np.empty((kv_heads, group, rows, dim), np.float32)  # [Hkv, G, r, D]
     first = t - rows  # query row 0's position
 
-    def block(i: int) -> None:
+    def block(item: int) -> None:
+        i, h = divmod(item, kv_heads)  # block i of query rows, key/value head h
         a, b = i * BLOCK_ROWS, min(rows, (i + 1) * BLOCK_ROWS)
         lo = 0 if window is None else max(0, first + a - window + 1)
         hi = first + b  # keys lo .. hi - 1: what some row of the block sees
-        qb = q4[:, :, a:b].reshape(kv_heads, group * (b - a), dim)  # [Hkv, G b, D]
-        s = qb @ keys[:, lo:hi].transpose(0, 2, 1)  # [Hkv, G b, K]
+        qb = q4[h, :, a:b].reshape(group * (b - a), dim)  # [G b, D]
+        s = qb @ keys[h, lo:hi].T  # [G b, K]
         s *= scale
-        _mask(s.reshape(kv_heads, group, b - a, hi - lo), first + a, lo, window)
+        _mask(s.reshape(1, group, b - a, hi - lo), first + a, lo, window)
         np.subtract(s, s.max(axis=-1, keepdims=True), out=s)
         np.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)  # softmax
-        out[:, :, a:b] = (s @ values[:, lo:hi]).reshape(kv_heads, group, b - a, dim)
+        out[h, :, a:b] = (s @ values[h, lo:hi]).reshape(group, b - a, dim)
 
-    count = -(-rows // BLOCK_ROWS)
+    # Items of one key/value head's block each: a resumed suffix of a few blocks still
+    # splits evenly between threads (3 blocks of SmolLM2's 3 heads: 9 items, not 3).
+    count = -(-rows // BLOCK_ROWS) * kv_heads
     if run is None:
         for i in range(count):
             block(i)
