@@ -259,6 +259,23 @@ def _run_line(run: dict[str, Any] | None) -> list[str]:
     return [f"stage    layers {layers} for {run['coordinator']}  ({run['state']})"]
 
 
+def _pool_lines(body: dict[str, Any]) -> list[str]:
+    """The prefix pool of each stage this node runs (issue 30): its blocks in use by live
+    sequences, cached for later prompts and free, and the prompt tokens reused so far."""
+    lines = []
+    for role, part in (("stage 0", body.get("host")), ("stage", body.get("run"))):
+        kv = (part or {}).get("kv") or {}
+        if "prefix_blocks_total" not in kv:
+            continue
+        lines.append(
+            f"prefix   {role}: {kv['prefix_blocks_used']} used, {kv['prefix_blocks_cached']} "
+            f"cached, {kv['prefix_blocks_free']} free of {kv['prefix_blocks_total']} blocks "
+            f"({kv['prefix_block_tokens']} tokens each); {kv.get('prefix_hit_tokens', 0)} "
+            f"prompt tokens reused, {kv.get('prefix_miss_tokens', 0)} computed"
+        )
+    return lines
+
+
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
@@ -273,6 +290,7 @@ def format_status(body: dict[str, Any]) -> str:
         f"listen   {node['listen']}   api {node['api']}",
         *_host_lines(body.get("host")),
         *_run_line(body.get("run")),
+        *_pool_lines(body),
         "",
     ]
     stages = _stage_rows(body.get("host"))

@@ -294,31 +294,48 @@ def blocked_attention(
     out = np.empty((kv_heads, group, rows, dim), np.float32)  # [Hkv, G, r, D]
     first = t - rows  # query row 0's position
 
-    def block(i: int) -> None:
+    def block(item: int) -> None:
+        i, h = divmod(item, kv_heads)  # block i of query rows, key/value head h
         a, b = i * BLOCK_ROWS, min(rows, (i + 1) * BLOCK_ROWS)
         lo = 0 if window is None else max(0, first + a - window + 1)
         hi = first + b  # keys lo .. hi - 1: what some row of the block sees
-        qb = q4[:, :, a:b].reshape(kv_heads, group * (b - a), dim)  # [Hkv, G b, D]
-        s = qb @ keys[:, lo:hi].transpose(0, 2, 1)  # [Hkv, G b, K]
+        qb = q4[h, :, a:b].reshape(group * (b - a), dim)  # [G b, D]
+        s = qb @ keys[h, lo:hi].T  # [G b, K]
         s *= scale
-        q_pos = np.arange(first + a, first + b)[:, None]
-        k_pos = np.arange(lo, hi)[None, :]
-        hidden = k_pos > q_pos
-        if window is not None:
-            hidden |= k_pos <= q_pos - window
-        np.copyto(s.reshape(kv_heads, group, b - a, hi - lo), -np.inf, where=hidden)
+        _mask(s.reshape(1, group, b - a, hi - lo), first + a, lo, window)
         np.subtract(s, s.max(axis=-1, keepdims=True), out=s)
         np.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)  # softmax
-        out[:, :, a:b] = (s @ values[:, lo:hi]).reshape(kv_heads, group, b - a, dim)
+        out[h, :, a:b] = (s @ values[h, lo:hi]).reshape(group, b - a, dim)
 
-    count = -(-rows // BLOCK_ROWS)
+    # Items of one key/value head's block each: a resumed suffix of a few blocks still
+    # splits evenly between threads (3 blocks of SmolLM2's 3 heads: 9 items, not 3).
+    count = -(-rows // BLOCK_ROWS) * kv_heads
     if run is None:
         for i in range(count):
             block(i)
     else:
         run(block, count)
     return out.reshape(heads, rows, dim)
+
+
+def _mask(s: np.ndarray, q0: int, lo: int, window: int | None) -> None:
+    """Set to -inf the scores ``s`` ``[Hkv, G, b, K]`` of keys ``lo .. lo + K - 1`` that
+    query rows at ``q0 .. q0 + b - 1`` must not see: those past each row's position (and
+    with a ``window``, those before it). Only the columns some row hides are touched: a
+    resumed prompt's suffix attends over a long cached prefix that every row sees, and
+    masking all of it cost as much as its scores' softmax (issue 30, flat turns)."""
+    rows, keys = s.shape[2], s.shape[3]
+    q_pos = np.arange(q0, q0 + rows)[:, None]
+    causal = max(q0 + 1 - lo, 0)  # keys lo .. q0 are seen by every row (causally)
+    if window is None:
+        cols = slice(causal, keys)
+        hidden = np.arange(lo + causal, lo + keys)[None, :] > q_pos
+    else:
+        cols = slice(0, keys)  # a window hides keys at both ends
+        k_pos = np.arange(lo, lo + keys)[None, :]
+        hidden = (k_pos > q_pos) | (k_pos <= q_pos - window)
+    np.copyto(s[..., cols], -np.inf, where=hidden)
 
 
 def kept_rows(xp: Any, segs: Sequence[Segment]) -> Any:

@@ -16,6 +16,7 @@ from meshnode.engine.weights import HeldBytes
 from meshnode.errors import ConfigError, RunError
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.planner import ModelFootprint
+from meshnode.node.prefix import pool_bytes
 from meshnode.node.stage import default_context
 
 
@@ -94,6 +95,26 @@ def _hybrid_footprint(
             per_sequence * MAX_SEQUENCES_PER_STAGE if hybrid.is_linear(i) else 0 for i in layers
         ),
     )
+
+
+def stage_kv_bytes(
+    config: ModelConfig,
+    start: int,
+    end: int,
+    context_size: int,
+    kv_dtype: str = "f32",
+    *,
+    prefix_pool: bool = True,
+) -> int:
+    """The most KV a stage of layers ``[start, end)`` holds: every live sequence's whole
+    context (:data:`~meshnode.node.pipeline.MAX_SEQUENCES_PER_STAGE` of them, each cache
+    preallocated) plus its prefix pool (:func:`~meshnode.node.prefix.pool_bytes`; none on a
+    hybrid model, and ``prefix_pool`` False for a stage that keeps none: a CUDA one). Pure,
+    for the planner's per-stage check; :meth:`ModelFootprint.kv_bytes` counts the live
+    sequences only."""
+    live = model_footprint(config, kv_dtype=kv_dtype).kv_bytes(start, end, context_size)
+    pool = pool_bytes(config, end - start, context_size, kv_dtype) if prefix_pool else 0
+    return live + pool
 
 
 def served_context(config: ModelConfig, asked: int | None) -> int:

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from meshnode.engine.config import ModelConfig
+from meshnode.engine.kv_cache import kv_bytes
 from meshnode.engine.model import Stage
 from meshnode.engine.prefix_cache import (
     PREFIX_BLOCK_TOKENS,
@@ -57,6 +59,7 @@ __all__ = [
     "StagePrefix",
     "note_pass",
     "note_release",
+    "pool_bytes",
 ]
 
 #: A stage's prefix pool, in full contexts of KV when nobody sizes it: two contexts hold
@@ -68,6 +71,22 @@ DEFAULT_PREFIX_CONTEXTS = 2
 #: the stage's block is only a miss), small enough to be nothing next to it (~150 bytes an
 #: entry: 40 MiB at the bound).
 MAX_INDEX_BLOCKS = 1 << 18
+
+
+def pool_bytes(
+    config: ModelConfig,
+    layers: int,
+    context_size: int,
+    kv_dtype: str,
+    contexts: int = DEFAULT_PREFIX_CONTEXTS,
+) -> int:
+    """Bytes of the prefix pool a stage of ``layers`` layers keeps when nobody sizes it:
+    ``contexts`` contexts of ``context_size`` positions of K and V in ``kv_dtype`` (f32,
+    f16); 0 for a hybrid model (whose stages keep no pool). Pure: the planner and a
+    worker's ``Load`` check count it (:func:`meshnode.node.footprint.stage_kv_bytes`)."""
+    if config.hybrid is not None:
+        return 0
+    return contexts * context_size * 2 * layers * config.kv_size * kv_bytes(kv_dtype)
 
 
 @dataclass(slots=True)
@@ -102,9 +121,8 @@ class StagePrefix:
         c = stage.config
         probe = stage.new_cache(1)  # the K/V dtype this stage's caches hold
         if budget_bytes is None:
-            per_position = 2 * (stage.end - stage.start) * c.num_kv_heads * c.head_dim
-            budget_bytes = DEFAULT_PREFIX_CONTEXTS * context_size * per_position
-            budget_bytes *= int(probe.k.dtype.itemsize)
+            kv = "f16" if probe.k.dtype.itemsize == 2 else "f32"
+            budget_bytes = pool_bytes(c, stage.end - stage.start, context_size, kv)
         if budget_bytes <= 0:
             return cls(None)
         pool = PrefixPool.for_budget(

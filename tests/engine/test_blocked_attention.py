@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from meshnode.engine import ops
-from meshnode.engine.attention import BLOCK_ROWS, blocked_attention
+from meshnode.engine.attention import BLOCK_ROWS, _mask, blocked_attention
 from meshnode.engine.cpu.tiles import TileThreads, single_threaded_blas
 
 
@@ -69,3 +69,23 @@ def test_blocks_shared_by_threads_are_bit_identical_to_one_thread(window: int | 
     assert team.posted == 1
     want = blocked_attention(q, keys, values, np.float32(0.125), window)
     np.testing.assert_array_equal(got, want)
+
+
+# (query row 0's position, first key read): a block reads keys up to its last row
+@pytest.mark.parametrize(("q0", "lo"), [(0, 0), (5, 0), (5, 3), (63, 63), (200, 0), (200, 150)])
+@pytest.mark.parametrize("window", [None, 1, 40, 4096])
+def test_the_mask_touches_what_a_full_mask_does(q0: int, lo: int, window: int | None) -> None:
+    """Masking only the columns some row hides sets the same entries as masking every
+    column (so a resumed suffix's attention keeps its bits: issue 30)."""
+    rng = np.random.default_rng(q0 + lo)
+    rows, keys = 24, q0 + 24 - lo
+    s = rng.standard_normal((3, 2, rows, keys)).astype(np.float32)
+    want = s.copy()
+    q_pos = np.arange(q0, q0 + rows)[:, None]
+    k_pos = np.arange(lo, lo + keys)[None, :]
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= k_pos <= q_pos - window
+    np.copyto(want, -np.inf, where=hidden)
+    _mask(s, q0, lo, window)
+    np.testing.assert_array_equal(s, want)

@@ -91,3 +91,22 @@ def test_host_status_shows_the_nodes_cooling_off_after_blame() -> None:
     assert "cooling off" not in format_status(body)
     del body["host"]["cooling_off"]  # a daemon from before the field
     assert "cooling off" not in format_status(body)
+
+
+def test_status_shows_the_prefix_pool_of_each_stage_here() -> None:
+    body = host_body("ready")
+    kv = {"sequences": 1, "prefix_blocks_used": 3, "prefix_blocks_cached": 40,
+          "prefix_blocks_free": 213, "prefix_blocks_total": 256, "prefix_block_tokens": 32,
+          "prefix_hit_tokens": 1280, "prefix_miss_tokens": 700}  # fmt: skip
+    body["host"]["kv"] = kv
+    body["run"] = {"layers": [12, 30], "coordinator": "bbbb", "state": "ready", "kv": kv}
+    lines = format_status(body).splitlines()
+    want = (
+        "used, 40 cached, 213 free of 256 blocks (32 tokens each); "
+        "1280 prompt tokens reused, 700 computed"
+    )
+    assert f"prefix   stage 0: 3 {want}" in lines
+    assert f"prefix   stage: 3 {want}" in lines
+    body["host"]["kv"] = {"sequences": 0}  # a stage without a pool (hybrid, CUDA)
+    del body["run"]
+    assert not any(line.startswith("prefix") for line in format_status(body).splitlines())

@@ -212,10 +212,21 @@ function story(status, model) {
       items.push(h("li", { class: "warn" }, `Speculation: ${warning}`));
     }
   }
+  items.push(...poolLines(status));
   const errors = status.node.protocol_errors + status.node.internal_errors;
   if (errors || status.node.refused_handshakes) {
     items.push(h("li", { class: "warn" }, `${status.node.refused_handshakes} refused handshake(s), `
       + `${status.node.protocol_errors} protocol error(s), ${status.node.internal_errors} internal error(s).`));
   }
   return h("ul", { class: "story" }, items);
+}
+
+// The prefix pool of each stage this node runs (issue 30): blocks in use, cached, free.
+export function poolLines(status) {
+  const parts = [["stage 0", status.host?.kv], ["its stage", status.run?.kv]];
+  return parts.filter(([, kv]) => kv && kv.prefix_blocks_total !== undefined).map(([role, kv]) =>
+    h("li", { class: "pool", "data-role": role }, `Prefix cache (${role}): `
+      + `${kv.prefix_blocks_used} blocks used, ${kv.prefix_blocks_cached} cached, `
+      + `${kv.prefix_blocks_free} free of ${kv.prefix_blocks_total} (${kv.prefix_block_tokens} tokens each); `
+      + `${kv.prefix_hit_tokens} prompt tokens reused, ${kv.prefix_miss_tokens} computed.`));
 }

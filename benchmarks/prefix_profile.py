@@ -1,0 +1,133 @@
+"""Where a resumed chat turn's time goes (issue 30: flat turns), in thread CPU time.
+
+Run: ``.venv/bin/python benchmarks/prefix_profile.py [--turns 2 10] [--repeat 3]``
+
+One stage holds SmolLM2-135M in its GGUF blocks (as ``meshnode join`` runs it), kernel
+and BLAS threads at one. For each turn of ``benchmarks/prefix.py``'s chat, the parts of its
+first token with the cache on, each the median of ``--repeat`` runs: templating and
+tokenizing the whole conversation, the hash chain of its blocks, copying the cached
+prefix's blocks (those of the previous turn's prompt that this one repeats) into a
+released sequence cache (what a hit does), and the suffix's prefill
+from the end of the cached prefix, with its attention (``blocked_attention``) apart.
+CPU time of this process (one kernel and BLAS thread), so the figures hold on a busy
+machine; ``uptime`` is printed first and last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.prefix import conversation, uptime
+from meshnode.engine import attention
+from meshnode.engine.backend import cpu_backend, limit_cpu_threads
+from meshnode.engine.loader import load_model
+from meshnode.engine.model import Stage, token_ids
+from meshnode.engine.prefix_cache import PrefixPool, chain_keys, resume_length
+from meshnode.generation.records import DEFAULT_PREFILL_CHUNK_TOKENS
+from meshnode.serve.single import EngineCodec
+from tests.conftest import smollm2_gguf_path
+
+CONTEXT = 4096
+
+
+def cpu_ms(fn: Callable[[], Any], repeat: int, before: Callable[[], Any] = lambda: None) -> float:
+    """Median process CPU milliseconds of ``fn()`` over ``repeat`` runs (``before()`` first,
+    untimed, each time)."""
+    times = []
+    for _ in range(repeat):
+        before()
+        began = time.process_time()
+        fn()
+        times.append(1000 * (time.process_time() - began))
+    return statistics.median(times)
+
+
+def render(codec: EngineCodec, messages: list[dict[str, str]]) -> list[int]:
+    """The conversation's prompt ids, as the host templates and tokenizes it."""
+    return codec.encode(codec.render_chat(messages))
+
+
+def prefill(stage: Stage, cache: Any, tokens: list[int], start: int) -> None:
+    """The host's prefill of ``tokens`` from ``start``: chunks, one logits row at the end."""
+    for at in range(0, len(tokens), DEFAULT_PREFILL_CHUNK_TOKENS):
+        chunk = tokens[at : at + DEFAULT_PREFILL_CHUNK_TOKENS]
+        stage.forward(token_ids(chunk), start + at, cache, out_rows=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--turns", type=int, nargs="+", default=[2, 10])
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    print("uptime:", uptime(), flush=True)
+    limit = limit_cpu_threads(1)
+    model = load_model(str(smollm2_gguf_path()), cpu_backend("native"))
+    stage, c = model.stage, model.config
+    codec = EngineCodec(model.tokenizer, model.chat_template, c.vocab_size)
+    chats = list(conversation(max(args.turns)))
+    pool = PrefixPool.for_budget(
+        np, budget_bytes=2 * CONTEXT * 2 * c.num_layers * c.kv_size * 4, layers=c.num_layers,
+        kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=np.float32, salt="profile",
+    )  # fmt: skip
+    cache, seq = stage.new_cache(CONTEXT), stage.new_cache(CONTEXT)
+    prefill(stage, cache, [1, 2, 3], 0)  # compile the kernels
+    spent = [0.0]
+    blocked = attention.blocked_attention
+
+    def timed(*a: Any, **k: Any) -> Any:
+        began = time.process_time()
+        try:
+            return blocked(*a, **k)
+        finally:
+            spent[0] += time.process_time() - began
+
+    attention.blocked_attention = timed
+    print("turn | prompt | cached | template+tokens | chain | copy | suffix (attention) ms")
+    for turn in args.turns:
+        messages = chats[turn - 1]
+        ids = render(codec, messages)
+        template = cpu_ms(partial(render, codec, messages), args.repeat)
+        chain = cpu_ms(partial(chain_keys, "profile", ids), args.repeat)
+        # what the previous turn left in the pool: the blocks of its prompt this one repeats
+        before = render(codec, chats[turn - 2]) if turn > 1 else []
+        pairs = enumerate(zip(before, ids, strict=False))
+        same = next((i for i, (a, b) in pairs if a != b), min(len(before), len(ids)))
+        start = resume_length(len(ids), same // pool.block, pool.block)
+        cache.truncate(0)
+        prefill(stage, cache, ids[:start], 0)
+        keys = pool.store(ids[:start], cache, 0) if start else []
+        copy = 0.0
+        if keys:
+            copy = cpu_ms(partial(pool.acquire, keys[-1], seq), args.repeat, seq.release_pages)
+            pool.release(keys * args.repeat)
+        suffix, attn = [], []
+        for _ in range(args.repeat):
+            cache.truncate(start)
+            spent[0] = 0.0
+            suffix.append(cpu_ms(partial(prefill, stage, cache, ids[start:], start), 1))
+            attn.append(1000 * spent[0])
+        pool.release(keys)
+        pool.clear()
+        print(
+            f"{turn:4} | {len(ids):6} | {start:6} | {template:15.1f} | {chain:5.2f} | {copy:5.1f}"
+            f" | {statistics.median(suffix):7.0f} ({statistics.median(attn):.0f})",
+            flush=True,
+        )
+    print("uptime:", uptime(), "threads handle:", type(limit).__name__)
+
+
+if __name__ == "__main__":
+    main()
