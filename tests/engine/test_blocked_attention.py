@@ -11,6 +11,7 @@ import pytest
 
 from meshnode.engine import ops
 from meshnode.engine.attention import BLOCK_ROWS, blocked_attention
+from meshnode.engine.cpu.attention_rows import LANES, block_softmax, first_key
 from meshnode.engine.cpu.tiles import TileThreads, single_threaded_blas
 
 
@@ -77,8 +78,6 @@ def test_block_softmax_is_each_rows_own_softmax(q0: int, lo: int, window: int | 
     """The compiled softmax of a block's scores: each row's weights are the softmax of
     the scores it sees (float64 reference) and 0 elsewhere, the same bits as the row
     computed alone (a row's weights do not depend on its block)."""
-    from meshnode.engine.cpu.attention_rows import LANES, block_softmax, first_key
-
     rows, group = 24, 2
     lo = min(lo, first_key(q0, window or 0))  # a block reads from its first row's first key
     keys = q0 + rows - lo

@@ -1,5 +1,7 @@
 """A block of query rows' attention over one KV head of one sequence's cache: the dot
-products, softmax and weighted sums of :mod:`.attention`'s kernel.
+products, softmax and weighted sums of :mod:`.attention`'s kernel; and the softmax of a
+long segment's block of scores (:func:`block_softmax`, for
+:func:`meshnode.engine.attention.blocked_attention`, whose products are BLAS's).
 
 The rows are a segment's new rows (a verify window, a short prompt, or a decode step's
 one row) at consecutive positions, each with its group's G query heads; each row sees the
