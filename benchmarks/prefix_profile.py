@@ -1,10 +1,11 @@
 """Where a resumed chat turn's time goes (issue 30: flat turns), in thread CPU time.
 
-Run: ``.venv/bin/python benchmarks/prefix_profile.py [--turns 2 10] [--repeat 3]``
+Run: ``.venv/bin/python benchmarks/prefix_profile.py [--turns 2 10] [--repeat 5]``
 
 One stage holds SmolLM2-135M in its GGUF blocks (as ``meshnode join`` runs it), kernel
 and BLAS threads at one. For each turn of ``benchmarks/prefix.py``'s chat, the parts of its
-first token with the cache on, each the median of ``--repeat`` runs: templating and
+first token with the cache on, each the least of ``--repeat`` runs (on a busy machine the
+least disturbed; medians swing by 20% at a load of 10): templating and
 tokenizing the whole conversation, the hash chain of its blocks, copying the cached
 prefix's blocks (those of the previous turn's prompt that this one repeats) into a
 released sequence cache (what a hit does), and the suffix's prefill
@@ -16,7 +17,6 @@ machine; ``uptime`` is printed first and last.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -42,15 +42,15 @@ CONTEXT = 4096
 
 
 def cpu_ms(fn: Callable[[], Any], repeat: int, before: Callable[[], Any] = lambda: None) -> float:
-    """Median process CPU milliseconds of ``fn()`` over ``repeat`` runs (``before()`` first,
-    untimed, each time)."""
+    """The least process CPU milliseconds of ``fn()`` over ``repeat`` runs (``before()``
+    first, untimed, each time)."""
     times = []
     for _ in range(repeat):
         before()
         began = time.process_time()
         fn()
         times.append(1000 * (time.process_time() - began))
-    return statistics.median(times)
+    return min(times)
 
 
 def render(codec: EngineCodec, messages: list[dict[str, str]]) -> list[int]:
@@ -70,7 +70,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--turns", type=int, nargs="+", default=[2, 10])
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     print("uptime:", uptime(), flush=True)
     limit = limit_cpu_threads(1)
@@ -123,7 +123,7 @@ def main() -> None:
         pool.clear()
         print(
             f"{turn:4} | {len(ids):6} | {start:6} | {template:15.1f} | {chain:5.2f} | {copy:5.1f}"
-            f" | {statistics.median(suffix):7.0f} ({statistics.median(attn):.0f})",
+            f" | {min(suffix):7.0f} ({attn[suffix.index(min(suffix))]:.0f})",
             flush=True,
         )
     print("uptime:", uptime(), "threads handle:", type(limit).__name__)

@@ -281,12 +281,18 @@ def blocked_attention(
 ) -> np.ndarray:
     """:func:`ops.attention` (NumPy, float32) by blocks of :data:`BLOCK_ROWS` query rows,
     each over the keys some row of the block sees: the scores past the causal diagonal
-    (and before a sliding window) are neither computed nor exponentiated, and a block's
-    scores stay in the cache. The same terms as the reference, summed in another order
-    (its sums run over the masked zeros too). ``q`` ``[H, r, D]``, ``keys``/``values``
+    (and before a sliding window) are not computed, and a block's scores stay in the
+    cache. Per key/value head, the block's scores are one matrix product (BLAS) of its
+    scaled queries with the keys, its weights a compiled softmax of each row over the keys
+    it sees (:func:`meshnode.engine.cpu.attention_rows.block_softmax`, one pass per row
+    where NumPy's took six over the block: issue 30, a resumed suffix over a long cached
+    prefix), its output one product of the weights with the values. The same terms as the
+    reference, summed in another order. ``q`` ``[H, r, D]``, ``keys``/``values``
     ``[Hkv, T, D]``; returns ``[H, r, D]``. ``run(fn, n)`` calls ``fn(i)`` for each of
     the ``n`` blocks (default: one after another; the CPU backend shares them between
     threads): a block's result does not depend on which thread computes it."""
+    rows_kernel = _rows_kernel()
+    scale = np.float32(scale)
     heads, rows, dim = q.shape
     kv_heads, t = keys.shape[0], keys.shape[1]
     group = heads // kv_heads
@@ -299,13 +305,14 @@ def blocked_attention(
         a, b = i * BLOCK_ROWS, min(rows, (i + 1) * BLOCK_ROWS)
         lo = 0 if window is None else max(0, first + a - window + 1)
         hi = first + b  # keys lo .. hi - 1: what some row of the block sees
-        qb = q4[h, :, a:b].reshape(group * (b - a), dim)  # [G b, D]
-        s = qb @ keys[h, lo:hi].T  # [G b, K]
-        s *= scale
-        _mask(s.reshape(1, group, b - a, hi - lo), first + a, lo, window)
-        np.subtract(s, s.max(axis=-1, keepdims=True), out=s)
-        np.exp(s, out=s)
-        s /= s.sum(axis=-1, keepdims=True)  # softmax
+        n, width = group * (b - a), hi - lo
+        qb = q4[h, :, a:b].reshape(n, dim) * scale  # [G b, D] (the reference scales s)
+        # the scores s [G b, K], in rows of K + 16 floats (the softmax pads each row)
+        buf = np.empty((n, width + rows_kernel.LANES), np.float32)
+        s = np.matmul(qb, keys[h, lo:hi].T, out=buf[:, :width])
+        rows_kernel.block_softmax(
+            buf.reshape(-1), buf.shape[1], n, b - a, first + a, lo, width, window or 0
+        )
         out[h, :, a:b] = (s @ values[h, lo:hi]).reshape(group, b - a, dim)
 
     # Items of one key/value head's block each: a resumed suffix of a few blocks still
@@ -317,25 +324,6 @@ def blocked_attention(
     else:
         run(block, count)
     return out.reshape(heads, rows, dim)
-
-
-def _mask(s: np.ndarray, q0: int, lo: int, window: int | None) -> None:
-    """Set to -inf the scores ``s`` ``[Hkv, G, b, K]`` of keys ``lo .. lo + K - 1`` that
-    query rows at ``q0 .. q0 + b - 1`` must not see: those past each row's position (and
-    with a ``window``, those before it). Only the columns some row hides are touched: a
-    resumed prompt's suffix attends over a long cached prefix that every row sees, and
-    masking all of it cost as much as its scores' softmax (issue 30, flat turns)."""
-    rows, keys = s.shape[2], s.shape[3]
-    q_pos = np.arange(q0, q0 + rows)[:, None]
-    causal = max(q0 + 1 - lo, 0)  # keys lo .. q0 are seen by every row (causally)
-    if window is None:
-        cols = slice(causal, keys)
-        hidden = np.arange(lo + causal, lo + keys)[None, :] > q_pos
-    else:
-        cols = slice(0, keys)  # a window hides keys at both ends
-        k_pos = np.arange(lo, lo + keys)[None, :]
-        hidden = (k_pos > q_pos) | (k_pos <= q_pos - window)
-    np.copyto(s[..., cols], -np.inf, where=hidden)
 
 
 def kept_rows(xp: Any, segs: Sequence[Segment]) -> Any:
@@ -362,6 +350,15 @@ def _for_kernel(rows: int, end: int) -> bool:
     """Whether a segment of ``rows`` new rows ending at position ``end`` goes through the
     kernel (it depends on the segment alone: a sequence's path is the same in any batch)."""
     return rows <= KERNEL_MAX_ROWS
+
+
+@cache
+def _rows_kernel() -> Any:
+    """The compiled rows' module (:func:`blocked_attention`'s softmax), imported (numba
+    with it) at the first long segment."""
+    from meshnode.engine.cpu import attention_rows as module
+
+    return module
 
 
 @cache

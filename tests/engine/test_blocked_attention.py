@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from meshnode.engine import ops
-from meshnode.engine.attention import BLOCK_ROWS, _mask, blocked_attention
+from meshnode.engine.attention import BLOCK_ROWS, blocked_attention
+from meshnode.engine.cpu.attention_rows import LANES, block_softmax, first_key
 from meshnode.engine.cpu.tiles import TileThreads, single_threaded_blas
 
 
@@ -71,21 +72,43 @@ def test_blocks_shared_by_threads_are_bit_identical_to_one_thread(window: int | 
     np.testing.assert_array_equal(got, want)
 
 
-# (query row 0's position, first key read): a block reads keys up to its last row
-@pytest.mark.parametrize(("q0", "lo"), [(0, 0), (5, 0), (5, 3), (63, 63), (200, 0), (200, 150)])
 @pytest.mark.parametrize("window", [None, 1, 40, 4096])
-def test_the_mask_touches_what_a_full_mask_does(q0: int, lo: int, window: int | None) -> None:
-    """Masking only the columns some row hides sets the same entries as masking every
-    column (so a resumed suffix's attention keeps its bits: issue 30)."""
-    rng = np.random.default_rng(q0 + lo)
-    rows, keys = 24, q0 + 24 - lo
-    s = rng.standard_normal((3, 2, rows, keys)).astype(np.float32)
-    want = s.copy()
-    q_pos = np.arange(q0, q0 + rows)[:, None]
-    k_pos = np.arange(lo, lo + keys)[None, :]
-    hidden = k_pos > q_pos
-    if window is not None:
-        hidden |= k_pos <= q_pos - window
-    np.copyto(want, -np.inf, where=hidden)
-    _mask(s, q0, lo, window)
-    np.testing.assert_array_equal(s, want)
+@pytest.mark.parametrize(("q0", "lo"), [(0, 0), (5, 0), (63, 30), (200, 0), (200, 170)])
+def test_block_softmax_is_each_rows_own_softmax(q0: int, lo: int, window: int | None) -> None:
+    """The compiled softmax of a block's scores: each row's weights are the softmax of
+    the scores it sees (float64 reference) and 0 elsewhere, the same bits as the row
+    computed alone (a row's weights do not depend on its block)."""
+    rows, group = 24, 2
+    lo = min(lo, first_key(q0, window or 0))  # a block reads from its first row's first key
+    keys = q0 + rows - lo
+    stride = keys + LANES
+    rng = np.random.default_rng(q0 * 3 + lo)
+    scores = (rng.standard_normal((group * rows, stride)) * 4).astype(np.float32)
+    s = scores.copy()
+    block_softmax(s.reshape(-1), stride, group * rows, rows, q0, lo, keys, window or 0)
+    for r in range(group * rows):
+        pos = q0 + r % rows
+        c0, c1 = first_key(pos, window or 0) - lo, pos + 1 - lo
+        x = scores[r, c0:c1].astype(np.float64)
+        want = np.exp(x - x.max())
+        np.testing.assert_allclose(s[r, c0:c1], want / want.sum(), rtol=2e-6, atol=1e-9)
+        assert not s[r, :c0].any()
+        assert not s[r, c1:keys].any()
+        alone = scores[r : r + 1].copy()
+        block_softmax(alone.reshape(-1), stride, 1, 1, pos, lo, keys, window or 0)
+        np.testing.assert_array_equal(alone[0, :keys], s[r, :keys])
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_a_suffix_over_a_long_cached_prefix(window: int | None) -> None:
+    """A resumed prompt's suffix (issue 30): 70 rows over 1,500 cached positions, against
+    a float64 reference."""
+    rng = np.random.default_rng(11)
+    rows, t = 70, 1570
+    q = rng.standard_normal((9, rows, 64)).astype(np.float32)
+    keys = rng.standard_normal((3, t, 64)).astype(np.float32)
+    values = rng.standard_normal((3, t, 64)).astype(np.float32)
+    want = ops.attention(np, q.astype(np.float64), keys.astype(np.float64),
+                         values.astype(np.float64), 0.125, window)  # fmt: skip
+    got = blocked_attention(q, keys, values, np.float32(0.125), window)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)

@@ -16,7 +16,8 @@ products, ``--dtype q8``) over ``q8_kernels`` (quantizing activations, the row t
 integer dot product) and ``simd_q8`` (vectors whose lanes are rows, the 512-bit dot
 product). ``attention`` (one layer's attention for all short sequences of a batch, in one
 call; used by ``meshnode.engine.attention``) on ``attention_rows`` (a block of query rows
-over one KV head: dot products, softmax, weighted sums), ``simd`` and ``atomics``;
+over one KV head: dot products, softmax, weighted sums; also the softmax of a long
+segment's block of scores), ``simd`` and ``atomics``;
 ``norms`` (RMSNorm in one call, ``CpuBackend.rms_norm``) on ``simd``.
 """
 

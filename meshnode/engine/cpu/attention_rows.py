@@ -1,5 +1,7 @@
 """A block of query rows' attention over one KV head of one sequence's cache: the dot
-products, softmax and weighted sums of :mod:`.attention`'s kernel.
+products, softmax and weighted sums of :mod:`.attention`'s kernel; and the softmax of a
+long segment's block of scores (:func:`block_softmax`, for
+:func:`meshnode.engine.attention.blocked_attention`, whose products are BLAS's).
 
 The rows are a segment's new rows (a verify window, a short prompt, or a decode step's
 one row) at consecutive positions, each with its group's G query heads; each row sees the
@@ -38,7 +40,16 @@ from meshnode.engine.cpu.simd import wadd, wfma, wload, wmul, wsplat, wstore, ws
 from meshnode.engine.cpu.simd_kv import line_of, prefetch_kv, wload_kv
 from meshnode.engine.cpu.vexp import wdiv, wexp, wmax, wmax_lane
 
-__all__ = ["LANES", "PAD", "VALUES", "first_key", "key_scores", "softmax", "weighted_values"]
+__all__ = [
+    "LANES",
+    "PAD",
+    "VALUES",
+    "block_softmax",
+    "first_key",
+    "key_scores",
+    "softmax",
+    "weighted_values",
+]
 
 # Sixteen float32 lanes per step over the head dimension (simd.F32x16).
 LANES = 16
@@ -196,6 +207,30 @@ def softmax(s, s0, t):  # type: ignore[no-untyped-def]
     total = wsplat(wsum(acc))
     for j in range(s0, s0 + full, LANES):
         wstore(s, j, wdiv(wload(s, j), total))
+
+
+@njit(nogil=True, cache=True)
+def block_softmax(s, stride, n, rows, q0, lo, keys, window):  # type: ignore[no-untyped-def]
+    """The attention weights of a block of query rows from their scores, in place: row
+    ``r`` of ``s`` (``s[r stride : r stride + keys]``, flat) holds query row ``r % rows``'s
+    (at position ``q0 + r % rows``) scaled dot products with keys ``lo .. lo + keys - 1``;
+    each becomes their softmax over the keys the row sees (:func:`first_key` to its
+    position) and 0 elsewhere, so a weighted sum over all ``keys`` is the row's output.
+    One compiled pass per row where NumPy's softmax took six over the whole block (issue
+    30: a resumed suffix over a long cached prefix spent half its attention there). A
+    row's weights depend on its own visible scores alone (:func:`softmax`, its lanes
+    counted from its first key), not on the block it came in. ``stride >= keys + LANES``:
+    :func:`softmax` pads a row's scores to a multiple of sixteen."""
+    for r in range(n):
+        pos = q0 + r % rows
+        base = r * stride
+        c0 = first_key(pos, window) - lo
+        c1 = min(pos + 1 - lo, keys)
+        for j in range(base, base + c0):
+            s[j] = 0.0
+        softmax(s, base + c0, c1 - c0)
+        for j in range(base + c1, base + keys):
+            s[j] = 0.0
 
 
 @njit(nogil=True, cache=True)
