@@ -22,9 +22,10 @@ from meshnode_packaging.sources import RawTensor, open_source
 from meshnode.engine import ModelConfig, moe
 from meshnode.engine.backend import WeightsDtype, cpu_backend
 from meshnode.engine.cpu import MAX_KERNEL_ROWS, experts, matrix
+from meshnode.engine.loader import load_model
 from meshnode.engine.moe_config import MoeConfig
 from meshnode.engine.moe_weights import MoeWeights, load_moe
-from tests.engine.moe_models import MOE_DIR, write_gguf_twin
+from tests.engine.moe_models import MOE_DIR, golden, write_gguf_twin
 
 N, E, INTER, K = 6, 128, 64, 3  # experts, hidden, expert size, experts per row
 
@@ -172,3 +173,28 @@ def test_bad_stacks_are_refused() -> None:
     assert down is not None
     with pytest.raises(ValueError, match="do not chain"):
         experts.ExpertLayer(gate, down)
+
+
+def test_per_expert_gguf_names_give_the_stacked_twins_bits(tmp_path: Path) -> None:
+    """llama.cpp's first Mixtral GGUFs, one tensor per expert (``blk.N.ffn_gate.E.weight``),
+    load as the checkpoint's per-expert matrices: the same logits as the 3-D twin (the same
+    kernels an expert at a time) and the reference's greedy tokens."""
+    model = "mixtral-tiny"
+    old = write_gguf_twin(model, tmp_path / "old.gguf", per_expert=True)
+    new = write_gguf_twin(model, tmp_path / "new.gguf")
+    names = open_source(str(old)).tensor_names()
+    assert "layers.1.mlp.experts.3.down_proj.weight" in names
+    prompt = golden(model)["prompts"][1]
+    logits = []
+    for path in (old, new):
+        model_ = load_model(str(path), cpu_backend("native"))
+        stage = model_.stage
+        ids = np.asarray(prompt["prompt_ids"])
+        cache = stage.new_cache(len(ids) + len(prompt["gen_ids"]) + 1)
+        logits.append(stage.forward(ids, 0, cache))
+        tokens = [int(np.argmax(logits[-1][-1]))]
+        for i in range(len(prompt["gen_ids"]) - 1):
+            out = stage.forward(np.asarray(tokens[-1:]), len(ids) + i, cache)
+            tokens.append(int(np.argmax(out[-1])))
+        assert tokens == prompt["gen_ids"], path.name
+    assert np.array_equal(logits[0], logits[1])
