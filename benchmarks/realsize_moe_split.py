@@ -79,7 +79,7 @@ def complete(http: httpx.Client, api: str, model: str, n: int) -> tuple[list[int
 
 def one_node(model: Path, dtype: str, tokens: int) -> tuple[list[int], float]:
     """One node's greedy tokens (this process, the whole model) and its decode tokens/s."""
-    runner = MeshnodeRunner(str(model), dtype, 1)
+    runner = MeshnodeRunner(str(model), {"native": "blocks"}.get(dtype, dtype), 1)
     runner.generate(prompt_ids(), 2)  # warm-up
     _, decode_s, out = runner.generate(prompt_ids(), tokens + 1)
     return out, tokens / decode_s

@@ -18,7 +18,8 @@ reads the chosen experts' bytes only. With several threads (the tile threads of
 :func:`.matrix.share`), each computes whole experts (the experts split by rows), and the
 sums are made after, in the same order: the bits do not depend on the thread count.
 
-Layering: beside :mod:`.matrix` and :mod:`.q8`; numba is imported at the first call.
+Layering: beside :mod:`.matrix` and :mod:`.q8`; the compiled functions are in
+:mod:`.experts_kernels`, imported (with numba) at the first call.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -93,62 +95,12 @@ def group(picks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 @functools.cache
-def _kernels(fmts: tuple[int, int, int], q8: bool) -> Any:
-    matrix.kernels()  # numba configured before its modules are imported
-    if q8:
-        from meshnode.engine.cpu import q8_kernels
+def _compiled() -> ModuleType:
+    """:mod:`.experts_kernels`, imported (numba configured first) at the first call."""
+    matrix.kernels()
+    from meshnode.engine.cpu import experts_kernels
 
-        return q8_kernels.product_kernel(*fmts)
-    from meshnode.engine.cpu import kernels
-
-    return kernels.product_kernel(*fmts)
-
-
-@functools.cache
-def _compiled(gu: Any, dn: Any) -> tuple[Any, Any]:
-    """The experts' and the sums' compiled functions for the product kernels ``gu``
-    (gate/up) and ``dn`` (down); numba's cache keys them by those kernels."""
-    from meshnode.engine.cpu.glu import SILU, glu
-    from meshnode.engine.cpu.simd import entry
-
-    @entry(nogil=True)
-    def experts(ga, gb, gc, da, db, dc, x, chosen, starts, order, k, ys):  # type: ignore[no-untyped-def]
-        # for each expert chosen[j]: the rows order[starts[j]:starts[j + 1]] // k through
-        # gate/up, SwiGLU and down, each row's output into ys[row k + slot]
-        width = x.shape[1]
-        inter = (ga.shape[1] + gb.shape[1] + gc.shape[1]) // 2
-        for j in range(chosen.shape[0]):
-            e = chosen[j]
-            lo, hi = starts[j], starts[j + 1]
-            rows = hi - lo
-            xe = np.empty((rows, width), np.float32)
-            for i in range(rows):
-                xe[i] = x[order[lo + i] // k]
-            g = np.empty((rows, 2 * inter), np.float32)
-            gu(ga[e], gb[e], gc[e], xe.reshape(-1), g)
-            act = np.empty((rows, inter), np.float32)
-            glu(g, SILU, act)
-            y = np.empty((rows, width), np.float32)
-            dn(da[e], db[e], dc[e], act.reshape(-1), y)
-            for i in range(rows):
-                ys[order[lo + i]] = y[i]
-
-    @entry(nogil=True)
-    def sums(ys, picks, weights, out):  # type: ignore[no-untyped-def]
-        # out[r] = sum over r's experts, ascending, of weight * output, from zero
-        rows, k = picks.shape
-        width = out.shape[1]
-        for r in range(rows):
-            slots = np.argsort(picks[r])
-            for c in range(width):
-                out[r, c] = np.float32(0.0)
-            for s in slots:
-                w = weights[r, s]
-                y = ys[r * k + s]
-                for c in range(width):
-                    out[r, c] = out[r, c] + y[c] * w
-
-    return experts, sums
+    return experts_kernels
 
 
 class ExpertLayer:
@@ -165,8 +117,9 @@ class ExpertLayer:
         ``picks`` ``[r, k]`` with ``weights`` ``[r, k]``; ``q8``: the 8-bit products where
         they take a matrix (``--dtype q8``), else the exact ones."""
         gu, dn = self.gate_up, self.down
-        experts, sums = _compiled(
-            _kernels(gu.fmts, q8 and gu.q8()), _kernels(dn.fmts, q8 and dn.q8())
+        compiled = _compiled()
+        experts = compiled.experts_kernel(
+            (*gu.fmts, int(q8 and gu.q8())), (*dn.fmts, int(q8 and dn.q8()))
         )
         x = np.ascontiguousarray(x, dtype=np.float32)
         picks = np.ascontiguousarray(picks, dtype=np.int64)
@@ -182,7 +135,7 @@ class ExpertLayer:
 
         matrix.share(part, len(parts), len(parts))
         out = np.empty_like(x)
-        sums(ys, picks, np.ascontiguousarray(weights, dtype=np.float32), out)
+        compiled.sums(ys, picks, np.ascontiguousarray(weights, dtype=np.float32), out)
         return out
 
 
