@@ -19,7 +19,7 @@ import pytest
 from meshnode_packaging.refs import open_ref
 from meshnode_packaging.sources import RawTensor, open_source
 
-from meshnode.engine import ModelConfig, moe
+from meshnode.engine import ModelConfig, moe, weights
 from meshnode.engine.backend import WeightsDtype, cpu_backend
 from meshnode.engine.cpu import MAX_KERNEL_ROWS, experts, matrix
 from meshnode.engine.loader import load_model
@@ -198,3 +198,12 @@ def test_per_expert_gguf_names_give_the_stacked_twins_bits(tmp_path: Path) -> No
             tokens.append(int(np.argmax(out[-1])))
         assert tokens == prompt["gen_ids"], path.name
     assert np.array_equal(logits[0], logits[1])
+
+
+def test_stacked_experts_count_their_stored_bytes() -> None:
+    """The planner's per-layer bytes count a GGUF's 3-D expert tensors as the blocks a CPU
+    stage keeps (their bytes in the file), not as float32 (7x more for Q4_K, so a 12-layer
+    cut of Qwen3-30B-A3B, 4.7 GB, once asked three nodes for 28 GB)."""
+    gate = _raw("gate", np.zeros((N, INTER, E), np.float32), "Q8_0")
+    assert weights._held(gate, blocks=True) == gate.data.nbytes < 4 * N * INTER * E
+    assert weights._held(gate, blocks=False) == 4 * N * INTER * E
