@@ -110,7 +110,8 @@ def start_split(cluster: Cluster, root: Path, model: Path, args: argparse.Namesp
     size = model.stat().st_size
     print(f"each node --max-memory {cap / 2**30:.2f} GiB, the model {size / 2**30:.2f} GiB")
     for s in stages:
-        print(f"  stage {s}")
+        a, b = s["layers"]
+        print(f"  layers {a}..{b - 1} on {s['node_id']}: {s['memory_bytes'] / 2**30:.2f} GiB")
     return host
 
 
