@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from meshnode.engine import ops
+from meshnode.engine.cpu import MAX_KERNEL_ROWS
 from meshnode.engine.moe_config import MoeConfig
 from meshnode.engine.moe_weights import ExpertWeights, MoeWeights
 
@@ -83,14 +84,40 @@ def moe_mlp(backend: Any, config: MoeConfig, w: MoeWeights, x: Any) -> Any:
         logits = logits + w.router_bias
     chosen, weights = route(xp, logits, config)  # [r, k], [r, k]
     picks = np.asarray(backend.to_numpy(chosen))
+    if _compiled_experts(backend, w, picks):
+        assert w.stacked is not None
+        out = w.stacked(x, picks, weights, backend.weights_dtype == "q8")
+    else:
+        out = _experts(backend, config, w, x, picks, weights)
+    if w.shared is not None:
+        shared = expert_mlp(backend, config, w.shared, x)  # [r, E]
+        out = out + _sigmoid(xp, backend.linear(x, w.shared_gate)) * shared
+    return out
+
+
+def _compiled_experts(backend: Any, w: MoeWeights, picks: np.ndarray) -> bool:
+    """Whether the chosen experts go through one compiled call
+    (:class:`~meshnode.engine.cpu.experts.ExpertLayer`: the same bits as
+    :func:`_experts`): experts in GGUF blocks on the CPU, and, in the exact mode, no
+    expert given more rows than the kernels take (:class:`.BlockMatrix` multiplies more
+    through BLAS, in another order)."""
+    if w.stacked is None or not backend.cpu_blocks:
+        return False
+    if backend.weights_dtype == "q8":
+        return True
+    return int(np.bincount(picks.reshape(-1)).max(initial=0)) <= MAX_KERNEL_ROWS
+
+
+def _experts(
+    backend: Any, config: MoeConfig, w: MoeWeights, x: Any, picks: Any, weights: Any
+) -> Any:
+    """The routed experts' weighted sum, an expert at a time through the backend."""
+    xp = backend.xp
     out = xp.zeros(x.shape, dtype=xp.float32)  # [r, E]
     for e in np.unique(picks):  # ascending: each row adds its experts in expert order
         rows, slots = np.nonzero(picks == e)  # the rows that chose e, and in which slot
         y = expert_mlp(backend, config, w.experts[int(e)], x[rows])  # [r_e, E]
         out[rows] += y * weights[rows, slots][:, None]
-    if w.shared is not None:
-        shared = expert_mlp(backend, config, w.shared, x)  # [r, E]
-        out = out + _sigmoid(xp, backend.linear(x, w.shared_gate)) * shared
     return out
 
 

@@ -34,6 +34,7 @@ import numpy as np
 from meshnode_packaging.sources import ModelSource, RawTensor, dequantize
 
 from meshnode.engine.cpu import BlockMatrix, supported
+from meshnode.engine.cpu.experts import ExpertLayer, stack
 from meshnode.engine.moe_config import MoeConfig
 
 __all__ = ["ExpertWeights", "MoeWeights", "expert_slice", "load_moe", "matrix"]
@@ -63,6 +64,9 @@ class MoeWeights:
     experts: tuple[ExpertWeights, ...]
     shared: ExpertWeights | None = None  # every token's expert (Qwen3.5-MoE)
     shared_gate: Any | None = None  # [E, 1]: sigmoid(x @ it) scales the shared expert
+    # every expert at once, for the compiled path (engine.cpu.experts): GGUF's 3-D blocks
+    # of SwiGLU experts without biases; the same views of the file as ``experts``
+    stacked: ExpertLayer | None = None
 
     def nbytes(self) -> int:
         """Bytes of every expert, the router and the shared expert."""
@@ -174,6 +178,23 @@ def _interleaved(n: _Names, e: int, blocks: bool) -> ExpertWeights:
     )
 
 
+def _stacked_layer(n: _Names, config: MoeConfig) -> ExpertLayer | None:
+    """The layer's experts as :class:`ExpertLayer` where its tensors are GGUF's 3-D
+    blocks of SwiGLU experts without biases and the kernels take them, else None."""
+    x = "mlp.experts."
+    halves = ["gate_up"] if n.has(f"{x}gate_up_proj.weight") else ["gate", "up"]
+    names = [f"{x}{h}_proj.weight" for h in halves]
+    if config.glu != "silu" or not all(n.has(a) for a in [*names, f"{x}down_proj.weight"]):
+        return None
+    if any(n.has(f"{x}{h}_proj.bias") for h in [*halves, "down"]):
+        return None
+    gate_up = stack([n.get(a) for a in names])
+    down = stack([n.get(f"{x}down_proj.weight")])
+    if gate_up is None or down is None or gate_up.n_out % 32 or gate_up.n_out // 2 != down.n_in:
+        return None
+    return ExpertLayer(gate_up, down)
+
+
 def _expert(n: _Names, e: int, blocks: bool) -> ExpertWeights:
     if n.has(f"mlp.experts.{e}.gate_proj.weight"):
         return _per_expert(n, e, blocks)
@@ -214,4 +235,5 @@ def load_moe(source: ModelSource, config: MoeConfig, p: str, *, blocks: bool) ->
         experts=experts,
         shared=shared,
         shared_gate=shared_gate,
+        stacked=_stacked_layer(n, config) if blocks else None,
     )

@@ -29,7 +29,7 @@ from meshnode_packaging.sources import ModelSource, RawTensor, dequantize
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.cpu import BlockMatrix, supported
-from meshnode.engine.moe_weights import MoeWeights, load_moe
+from meshnode.engine.moe_weights import MoeWeights, expert_slice, load_moe
 
 __all__ = [
     "HeldBytes",
@@ -204,7 +204,8 @@ class HeldBytes:
 
 
 def _held(t: RawTensor, blocks: bool) -> int:
-    if blocks and supported(t):
+    # a 3-D tensor stacks every expert's matrix: held as blocks where one expert's is
+    if blocks and supported(t if len(t.shape) != 3 else expert_slice(t, 0)):
         return int(t.data.nbytes)  # the file's bytes, memory-mapped
     return 4 * int(np.prod(t.shape))  # dequantized to float32
 

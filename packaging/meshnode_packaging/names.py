@@ -68,7 +68,9 @@ def gguf_to_canonical(name: str, arch: str | None = None) -> str | None:
     if name.startswith("blk."):
         _, layer, rest = name.split(".", 2)
         canonical = table.get("blk.{i}." + rest)
-        return None if canonical is None else canonical.replace("{i}", layer)
+        if canonical is None:  # an expert's own tensor in the older MoE naming, or none
+            return moe.gguf_expert_name(rest, layer)
+        return canonical.replace("{i}", layer)
     return table.get(name)
 
 

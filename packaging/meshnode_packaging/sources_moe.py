@@ -8,7 +8,9 @@ them) are Qwen3-MoE's checkpoint names: router ``mlp.gate``, experts
 - :data:`HF_MOE_RENAMES`: the other checkpoints' names for the same roles (Mixtral's
   ``block_sparse_moe`` with ``w1``/``w3``/``w2``, gpt-oss's ``mlp.router``);
 - :data:`GGUF_MOE_NAMES`: llama.cpp's (``ffn_gate_inp``, the 3-D ``ffn_*_exps`` stacking
-  every expert, ``ffn_*_shexp``, ``ffn_gate_inp_shexp``, ``exp_probs_b``, ``attn_sinks``);
+  every expert, ``ffn_*_shexp``, ``ffn_gate_inp_shexp``, ``exp_probs_b``, ``attn_sinks``),
+  and :func:`gguf_expert_name` its older one tensor per expert (the first Mixtral GGUFs'
+  ``blk.N.ffn_{gate,up,down}.E.weight``, which llama.cpp still reads);
 - :func:`gguf_moe_config`: the ``config.json`` keys of a GGUF's ``{arch}.expert_count``,
   ``expert_used_count``, ``expert_feed_forward_length``... and gpt-oss's attention.
 """
@@ -23,6 +25,7 @@ __all__ = [
     "GGUF_MOE_NAMES",
     "GPT_OSS_NAMES",
     "HF_MOE_RENAMES",
+    "gguf_expert_name",
     "gguf_moe_config",
     "gguf_yarn_scaling",
     "hf_moe_name",
@@ -66,6 +69,21 @@ GGUF_MOE_NAMES: dict[str, str] = {
     "blk.{i}.attn_sinks.weight": "layers.{i}.self_attn.sinks",
     "blk.{i}.attn_output.bias": "layers.{i}.self_attn.o_proj.bias",
 }
+# llama.cpp's first MoE GGUFs (Mixtral, before the 3-D tensors): one 2-D tensor per expert
+_GGUF_PER_EXPERT = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")
+
+
+def gguf_expert_name(rest: str, layer: str) -> str | None:
+    """The canonical name of layer ``layer``'s GGUF tensor ``blk.{layer}.{rest}`` where
+    ``rest`` is one expert's matrix in the per-expert naming (``ffn_gate.3.weight``:
+    ``layers.{layer}.mlp.experts.3.gate_proj.weight``); None for any other name."""
+    match = _GGUF_PER_EXPERT.fullmatch(rest)
+    if match is None:
+        return None
+    role, expert = match.groups()
+    return f"layers.{layer}.mlp.experts.{int(expert)}.{role}_proj.weight"
+
+
 # gpt-oss's converter calls the norm before the MLP "post_attention_norm" (ATTN_POST_NORM).
 GPT_OSS_NAMES = {
     "blk.{i}.post_attention_norm.weight": "layers.{i}.post_attention_layernorm.weight",

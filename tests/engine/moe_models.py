@@ -38,8 +38,10 @@ def _config(folder: Path) -> dict[str, Any]:
     return data
 
 
-def write_gguf_twin(model: str, path: Path) -> Path:
-    """The reference ``model``'s weights as a float32 GGUF at ``path``; returns it."""
+def write_gguf_twin(model: str, path: Path, *, per_expert: bool = False) -> Path:
+    """The reference ``model``'s weights as a float32 GGUF at ``path``; returns it. The
+    experts as 3-D tensors (``ffn_*_exps``), or with ``per_expert`` one tensor each, as
+    llama.cpp's first Mixtral GGUFs name them (``ffn_gate.E.weight``)."""
     folder = MOE_DIR / model
     c = _config(folder)
     arch = GGUF_ARCH[c["model_type"]]
@@ -50,7 +52,7 @@ def write_gguf_twin(model: str, path: Path) -> Path:
     w.add_tensor("output.weight", t["lm_head.weight"])
     w.add_tensor("output_norm.weight", t["model.norm.weight"])
     for i in range(c["num_hidden_layers"]):
-        for name, data in _layer(t, c, arch, i).items():
+        for name, data in _layer(t, c, arch, i, per_expert).items():
             w.add_tensor(f"blk.{i}.{name}", np.ascontiguousarray(data, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -59,7 +61,9 @@ def write_gguf_twin(model: str, path: Path) -> Path:
     return path
 
 
-def _layer(t: dict[str, np.ndarray], c: dict[str, Any], arch: str, i: int) -> dict[str, Any]:
+def _layer(
+    t: dict[str, np.ndarray], c: dict[str, Any], arch: str, i: int, per_expert: bool = False
+) -> dict[str, Any]:
     p = f"model.layers.{i}."
     heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
     q, k = t[p + "self_attn.q_proj.weight"], t[p + "self_attn.k_proj.weight"]
@@ -82,17 +86,24 @@ def _layer(t: dict[str, np.ndarray], c: dict[str, Any], arch: str, i: int) -> di
             out[f"attn_{g}.bias"] = t[p + f"self_attn.{x}_proj.bias"]
         out["attn_sinks.weight"] = t[p + "self_attn.sinks"]
         return out | _gpt_oss_experts(t, p)
-    return out | _experts(t, p, c, "block_sparse_moe" if arch == "llama" else "mlp")
+    mlp = "block_sparse_moe" if arch == "llama" else "mlp"
+    return out | _experts(t, p, c, mlp, per_expert)
 
 
-def _experts(t: dict[str, np.ndarray], p: str, c: dict[str, Any], mlp: str) -> dict[str, Any]:
+def _experts(
+    t: dict[str, np.ndarray], p: str, c: dict[str, Any], mlp: str, per_expert: bool
+) -> dict[str, Any]:
     n = c.get("num_experts") or c["num_local_experts"]
     names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
     if mlp == "block_sparse_moe":
         names = {"gate": "w1", "up": "w3", "down": "w2"}
     out = {"ffn_gate_inp.weight": t[f"{p}{mlp}.gate.weight"]}
-    for g, h in names.items():  # [n, out, in]: every expert's matrix stacked
-        out[f"ffn_{g}_exps.weight"] = np.stack(
+    for g, h in names.items():
+        if per_expert:
+            for e in range(n):
+                out[f"ffn_{g}.{e}.weight"] = t[f"{p}{mlp}.experts.{e}.{h}.weight"]
+            continue
+        out[f"ffn_{g}_exps.weight"] = np.stack(  # [n, out, in]: every expert's matrix
             [t[f"{p}{mlp}.experts.{e}.{h}.weight"] for e in range(n)]
         )
     return out

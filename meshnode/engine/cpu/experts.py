@@ -1,0 +1,151 @@
+"""A mixture-of-experts layer's chosen experts in one compiled call per thread.
+
+Going through :class:`.BlockMatrix` one expert at a time costs a layer, per chosen expert,
+two products' Python wrappers, the activation's, the gathers and the weighted add: for
+the Qwen3-30B-A3B shape about a third of a decode step's expert time with the 8-bit
+products (``benchmarks/realsize_moe.py``; 8 experts a row, 48 layers). Here every
+chosen expert's gate/up product, SwiGLU and down product, and each row's weighted sum,
+run in compiled code that calls the same product kernels as :class:`.BlockMatrix` (the
+exact ones, :func:`.kernels.product_kernel`, or the 8-bit ones,
+:func:`.q8_kernels.product_kernel`, as :meth:`CpuBackend.linear` would choose) and the
+same activation (:func:`.glu.glu`): each expert's output is the same bits as
+:func:`meshnode.engine.moe.expert_mlp` gives for the same rows, and each row sums its
+experts from zero in ascending expert order as :func:`meshnode.engine.moe.moe_mlp` does.
+
+Experts come as stacks (:class:`ExpertStack`): a 3-D tensor of every expert's matrix as
+the GGUF stores it (``ffn_*_exps``), a view of the memory-mapped file, so that a step
+reads the chosen experts' bytes only. With several threads (the tile threads of
+:func:`.matrix.share`), each computes whole experts (the experts split by rows), and the
+sums are made after, in the same order: the bits do not depend on the thread count.
+
+Layering: beside :mod:`.matrix` and :mod:`.q8`; the compiled functions are in
+:mod:`.experts_kernels`, imported (with numba) at the first call.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+from meshnode_packaging.sources import RawTensor
+
+from meshnode.engine.cpu import matrix
+from meshnode.engine.cpu.formats import format_of, row_bytes
+from meshnode.engine.cpu.q8 import Q8_FORMATS
+
+__all__ = ["ExpertLayer", "ExpertStack", "group", "stack"]
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """One matrix of every expert of a layer (``[in, out]`` for ``x @ w``, as
+    :class:`.BlockMatrix`), in its blocks: up to three parts stacked along ``out`` (gate,
+    up), each ``[n, out_i, row bytes]``, read-only."""
+
+    fmts: tuple[int, int, int]  # kernel ids; an unused part repeats the first
+    raws: tuple[np.ndarray, np.ndarray, np.ndarray]  # an unused part is [n, 0, 0]
+    n_in: int
+    n_out: int
+
+    def q8(self) -> bool:
+        """Whether the 8-bit kernels take this matrix (as :func:`.q8.accepts`)."""
+        return self.n_in % 64 == 0 and all(f in Q8_FORMATS for f in self.fmts)
+
+
+def stack(tensors: Sequence[RawTensor]) -> ExpertStack | None:
+    """The 3-D tensors ``[n, out_i, in]`` stacked along ``out`` as an :class:`ExpertStack`;
+    None when the kernels cannot take them (a format or a row length they do not)."""
+    if not 1 <= len(tensors) <= 3 or any(len(t.shape) != 3 for t in tensors):
+        return None
+    n, n_in = tensors[0].shape[0], tensors[0].shape[2]
+    fmts, raws = [], []
+    for t in tensors:
+        fmt = format_of(t.dtype)
+        if fmt is None or t.shape[0] != n or t.shape[2] != n_in:
+            return None
+        if n_in % fmt.block_size or n_in % 32:
+            return None
+        raw = np.asarray(t.data).reshape(n, t.shape[1], row_bytes(fmt, n_in)).view()
+        raw.flags.writeable = False
+        fmts.append(fmt.kernel_id)
+        raws.append(raw)
+    empty = np.zeros((n, 0, 0), np.uint8)
+    empty.flags.writeable = False
+    ids = fmts + [fmts[0]] * (3 - len(fmts))
+    a, b, c = raws + [empty] * (3 - len(raws))
+    n_out = sum(t.shape[1] for t in tensors)
+    return ExpertStack((ids[0], ids[1], ids[2]), (a, b, c), n_in, n_out)
+
+
+def group(picks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows ``picks`` ``[r, k]`` send to each expert: the experts chosen, ascending
+    ``[m]``; where each one's entries start in ``order`` ``[m + 1]``; and ``order``
+    ``[r k]``, the flat indices ``row k + slot`` grouped by expert, rows ascending."""
+    flat = picks.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    experts, counts = np.unique(flat[order], return_counts=True)
+    starts = np.zeros(experts.size + 1, np.int64)
+    np.cumsum(counts, out=starts[1:])
+    return experts.astype(np.int64), starts, order.astype(np.int64)
+
+
+@functools.cache
+def _compiled() -> ModuleType:
+    """:mod:`.experts_kernels`, imported (numba configured first) at the first call."""
+    matrix.kernels()
+    from meshnode.engine.cpu import experts_kernels
+
+    return experts_kernels
+
+
+class ExpertLayer:
+    """Every expert of one layer as stacks: gate/up ``[E, 2 I]`` (gate columns, then up)
+    and down ``[I, E]``, with SwiGLU between (no biases)."""
+
+    def __init__(self, gate_up: ExpertStack, down: ExpertStack) -> None:
+        if gate_up.n_out % 32 or gate_up.n_out // 2 != down.n_in:
+            raise ValueError(f"experts of {gate_up.n_out // 2} and {down.n_in} do not chain")
+        self.gate_up, self.down = gate_up, down
+
+    def __call__(self, x: np.ndarray, picks: np.ndarray, weights: np.ndarray, q8: bool) -> Any:
+        """The layer's output ``[r, E]`` for rows ``x`` ``[r, E]``, each sent to experts
+        ``picks`` ``[r, k]`` with ``weights`` ``[r, k]``; ``q8``: the 8-bit products where
+        they take a matrix (``--dtype q8``), else the exact ones."""
+        gu, dn = self.gate_up, self.down
+        compiled = _compiled()
+        experts = compiled.experts_kernel(
+            (*gu.fmts, int(q8 and gu.q8())), (*dn.fmts, int(q8 and dn.q8()))
+        )
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        picks = np.ascontiguousarray(picks, dtype=np.int64)
+        rows, k = picks.shape
+        chosen, starts, order = group(picks)
+        ys = np.empty((rows * k, x.shape[1]), np.float32)
+        parts = _split(starts, matrix.shared_threads())
+
+        def part(i: int) -> None:
+            some = parts[i]
+            experts(*gu.raws, *dn.raws, x, chosen[some], starts[some.start : some.stop + 1],
+                    order, k, ys)  # fmt: skip
+
+        matrix.share(part, len(parts), len(parts))
+        out = np.empty_like(x)
+        compiled.sums(ys, picks, np.ascontiguousarray(weights, dtype=np.float32), out)
+        return out
+
+
+def _split(starts: np.ndarray, threads: int) -> list[slice]:
+    """The chosen experts cut into at most ``threads`` runs of about equal rows."""
+    m = starts.size - 1
+    threads = max(1, min(threads, m))
+    if threads == 1:
+        return [slice(0, m)]
+    total = int(starts[-1])
+    cuts = np.searchsorted(starts, [total * i / threads for i in range(1, threads)])
+    bounds = sorted({0, m, *(int(c) for c in cuts)})
+    return [slice(a, b) for a, b in itertools.pairwise(bounds) if b > a]

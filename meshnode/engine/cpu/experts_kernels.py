@@ -1,0 +1,89 @@
+"""The compiled functions of :mod:`.experts`: a run of chosen experts, and the rows' sums.
+
+The product kernels are chosen while compiling, by literal formats (:func:`_product`), and
+everything else the functions call is a module global: numba's disk cache keys a closure
+by its captured values, and a captured kernel (a dispatcher) pickles differently in each
+process, so a closure capturing one would compile anew at every start.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+from numba.extending import overload
+
+from meshnode.engine.cpu import kernels, q8_kernels
+from meshnode.engine.cpu.glu import SILU, glu
+from meshnode.engine.cpu.simd import INNER, entry
+
+__all__ = ["experts_kernel", "sums"]
+
+
+def _product(fa: Any, fb: Any, fc: Any, q8: Any, a: Any, b: Any, c: Any, x: Any, out: Any) -> None:
+    """In compiled code: ``out = x @ (a, b, c)`` by the product kernel of the literal
+    formats, the exact one (``q8`` 0, :func:`.kernels.product_kernel`) or the 8-bit one
+    (``q8`` 1, :func:`.q8_kernels.product_kernel`)."""
+    raise TypeError("for compiled code")
+
+
+@overload(_product, prefer_literal=True, jit_options=INNER)
+def _product_typed(fa, fb, fc, q8, a, b, c, x, out):  # type: ignore[no-untyped-def]
+    ids = (fa.literal_value, fb.literal_value, fc.literal_value)
+    kernel = (q8_kernels if q8.literal_value else kernels).product_kernel(*ids)
+
+    def impl(fa, fb, fc, q8, a, b, c, x, out):  # type: ignore[no-untyped-def]
+        kernel(a, b, c, x, out)
+
+    return impl
+
+
+@functools.cache
+def experts_kernel(gate_up: tuple[int, int, int, int], down: tuple[int, int, int, int]) -> Any:
+    """``experts(ga, gb, gc, da, db, dc, x, chosen, starts, order, k, ys)`` for gate/up's
+    and down's ``(fa, fb, fc, q8)``: for each expert ``chosen[j]``, the rows
+    ``order[starts[j]:starts[j + 1]] // k`` of ``x`` through its gate/up product (the
+    parts ``ga[e]``, ``gb[e]``, ``gc[e]``), SwiGLU and its down product, each row's
+    output into ``ys[row k + slot]`` (``order`` holds ``row k + slot``)."""
+    ga_f, gb_f, gc_f, g_q8 = gate_up
+    da_f, db_f, dc_f, d_q8 = down
+
+    @entry(nogil=True)
+    def experts(ga, gb, gc, da, db, dc, x, chosen, starts, order, k, ys):  # type: ignore[no-untyped-def]
+        width = x.shape[1]
+        inter = (ga.shape[1] + gb.shape[1] + gc.shape[1]) // 2
+        for j in range(chosen.shape[0]):
+            e = chosen[j]
+            lo, hi = starts[j], starts[j + 1]
+            rows = hi - lo
+            xe = np.empty((rows, width), np.float32)
+            for i in range(rows):
+                xe[i] = x[order[lo + i] // k]
+            g = np.empty((rows, 2 * inter), np.float32)
+            _product(ga_f, gb_f, gc_f, g_q8, ga[e], gb[e], gc[e], xe.reshape(-1), g)
+            act = np.empty((rows, inter), np.float32)
+            glu(g, SILU, act)
+            y = np.empty((rows, width), np.float32)
+            _product(da_f, db_f, dc_f, d_q8, da[e], db[e], dc[e], act.reshape(-1), y)
+            for i in range(rows):
+                ys[order[lo + i]] = y[i]
+
+    return experts
+
+
+@entry(nogil=True)
+def sums(ys, picks, weights, out):  # type: ignore[no-untyped-def]
+    """``out[r]`` = the sum over row r's experts ``picks[r]``, ascending, of
+    ``weights[r, s] * ys[r k + s]``, from zero (float32, as NumPy's ``+=`` of products)."""
+    rows, k = picks.shape
+    width = out.shape[1]
+    for r in range(rows):
+        slots = np.argsort(picks[r])
+        for c in range(width):
+            out[r, c] = np.float32(0.0)
+        for s in slots:
+            w = weights[r, s]
+            y = ys[r * k + s]
+            for c in range(width):
+                out[r, c] = out[r, c] + y[c] * w

@@ -1,0 +1,209 @@
+"""A MoE layer's chosen experts in one compiled call (``engine/cpu/experts.py``).
+
+GGUF's 3-D expert stacks go through :class:`~meshnode.engine.cpu.experts.ExpertLayer`:
+the same product kernels as the expert-at-a-time path, so the same bits, in the exact and
+the 8-bit modes, for one row, a batch and a prefill, on any number of threads; each
+chosen expert computed once, no other; the exact mode keeps the expert-at-a-time path
+where an expert gets more rows than the kernels take (BLAS sums those in another order).
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+from meshnode_packaging.refs import open_ref
+from meshnode_packaging.sources import RawTensor, open_source
+
+from meshnode.engine import ModelConfig, moe, weights
+from meshnode.engine.backend import WeightsDtype, cpu_backend
+from meshnode.engine.cpu import MAX_KERNEL_ROWS, experts, matrix
+from meshnode.engine.loader import load_model
+from meshnode.engine.moe_config import MoeConfig
+from meshnode.engine.moe_weights import MoeWeights, load_moe
+from tests.engine.moe_models import MOE_DIR, golden, write_gguf_twin
+
+N, E, INTER, K = 6, 128, 64, 3  # experts, hidden, expert size, experts per row
+
+
+class _Source:
+    """A model source of one layer's router and 3-D expert tensors (what load_moe reads)."""
+
+    def __init__(self, tensors: dict[str, RawTensor]) -> None:
+        self.tensors = tensors
+
+    def tensor_names(self) -> list[str]:
+        return list(self.tensors)
+
+    def tensor(self, name: str) -> RawTensor:
+        return self.tensors[name]
+
+
+def _raw(name: str, values: np.ndarray, qtype: str) -> RawTensor:
+    kind = gguf.GGMLQuantizationType[qtype]
+    data = values if qtype == "F32" else gguf.quants.quantize(values, kind)
+    flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return RawTensor(name, qtype, values.shape, flat)
+
+
+def _layer(qtype: str) -> tuple[MoeConfig, MoeWeights]:
+    rng = np.random.default_rng(7)
+    p = "layers.0.mlp."
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    tensors = {
+        f"{p}gate.weight": _raw(f"{p}gate.weight", w(N, E), "F32"),
+        f"{p}experts.gate_proj.weight": _raw("gate", w(N, INTER, E), qtype),
+        f"{p}experts.up_proj.weight": _raw("up", w(N, INTER, E), qtype),
+        f"{p}experts.down_proj.weight": _raw("down", w(N, E, INTER), qtype),
+    }
+    config = MoeConfig(N, K, INTER, (True,), norm_topk_prob=True)
+    source: Any = _Source(tensors)
+    return config, load_moe(source, config, "layers.0.", blocks=True)
+
+
+@pytest.fixture(params=["Q8_0", "Q4_0"])
+def layer(request: pytest.FixtureRequest) -> tuple[MoeConfig, MoeWeights]:
+    return _layer(request.param)
+
+
+@pytest.fixture
+def threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The threads the experts are split between (the machine's free cores otherwise)."""
+    chosen = [1]
+    monkeypatch.setattr(matrix, "shared_threads", lambda: chosen[0])
+    return chosen
+
+
+def _expert_at_a_time(backend: Any, config: MoeConfig, w: MoeWeights, x: Any) -> Any:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(moe, "_compiled_experts", lambda *a: False)
+        return moe.moe_mlp(backend, config, w, x)
+
+
+def _rows(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, E)).astype(np.float32)
+
+
+@pytest.mark.parametrize("mode", ["native", "q8"])
+@pytest.mark.parametrize("n", [1, 5, 12])
+def test_compiled_experts_give_the_expert_at_a_time_bits(
+    layer: tuple[MoeConfig, MoeWeights], mode: WeightsDtype, n: int, threads: list[int]
+) -> None:
+    config, w = layer
+    assert w.stacked is not None
+    backend = cpu_backend(mode)
+    x = _rows(n)
+    want = _expert_at_a_time(backend, config, w, x)
+    for count in (1, 2, 3):
+        threads[0] = count
+        got = moe.moe_mlp(backend, config, w, x)
+        assert np.array_equal(got, want), (mode, n, count)
+
+
+def test_q8_mode_takes_a_prefill_in_one_call(layer: tuple[MoeConfig, MoeWeights]) -> None:
+    """The 8-bit products take any rows the same way: a prefill's experts too."""
+    config, w = layer
+    backend = cpu_backend("q8")
+    x = _rows(40, seed=1)
+    picks = moe.route(np, x @ w.router, config)[0]
+    assert moe._compiled_experts(backend, w, picks)
+    assert np.array_equal(
+        moe.moe_mlp(backend, config, w, x), _expert_at_a_time(backend, config, w, x)
+    )
+
+
+def test_exact_mode_leaves_many_rows_an_expert_to_blas() -> None:
+    _, w = _layer("Q8_0")
+    native, q8 = cpu_backend("native"), cpu_backend("q8")
+    few = np.zeros((MAX_KERNEL_ROWS, K), np.int64) + np.arange(K)  # K experts, 16 rows each
+    many = np.zeros((MAX_KERNEL_ROWS + 1, K), np.int64) + np.arange(K)
+    assert moe._compiled_experts(native, w, few)
+    assert not moe._compiled_experts(native, w, many)
+    assert moe._compiled_experts(q8, w, many)
+    assert not moe._compiled_experts(cpu_backend("float32"), w, few)
+
+
+def test_grouping_computes_each_chosen_expert_once_and_no_other() -> None:
+    picks = np.array([[4, 1, 2], [2, 4, 0], [1, 4, 5]])
+    chosen, starts, order = experts.group(picks)
+    assert chosen.tolist() == [0, 1, 2, 4, 5]  # expert 3: no row, never read
+    groups = [order[a:b] for a, b in itertools.pairwise(starts)]
+    for e, flat in zip(chosen, groups, strict=True):
+        rows, slots = np.divmod(flat, K)
+        assert (picks[rows, slots] == e).all()
+        assert rows.tolist() == sorted(rows.tolist())
+    assert sorted(order.tolist()) == list(range(picks.size))
+
+
+@pytest.mark.parametrize(
+    ("model", "stacks"),
+    [
+        ("mixtral-tiny", True),
+        ("qwen3-moe-tiny", False),  # expert size 48: down's rows are not whole 32-value chunks
+        ("gpt-oss-tiny", False),  # clamped SwiGLU, biases
+    ],
+)
+def test_which_layers_are_stacked(model: str, stacks: bool, tmp_path: Path) -> None:
+    """A GGUF's SwiGLU experts are stacks where the kernels take them; a checkpoint's
+    per-expert tensors and gpt-oss's clamped, biased experts go an expert at a time."""
+    twin = open_source(str(write_gguf_twin(model, tmp_path / f"{model}.gguf")))
+    config = ModelConfig.from_hf(twin.config)
+    assert config.moe is not None
+    stacked = load_moe(twin, config.moe, "layers.1.", blocks=True).stacked
+    assert (stacked is not None) == stacks
+    assert load_moe(twin, config.moe, "layers.1.", blocks=False).stacked is None
+    folder = open_ref(str(MOE_DIR / model))
+    assert load_moe(folder, config.moe, "layers.1.", blocks=True).stacked is None
+
+
+def test_bad_stacks_are_refused() -> None:
+    flat = np.zeros(4 * 8 * 30 * 4, np.uint8)
+    assert experts.stack([RawTensor("odd", "F32", (4, 8, 30), flat)]) is None  # rows of 30
+    assert experts.stack([RawTensor("flat", "F32", (8, 120), flat[: 8 * 120 * 4])]) is None
+    gate = experts.stack([RawTensor("g", "F32", (2, 64, 32), np.zeros(2 * 64 * 32 * 4, np.uint8))])
+    down = experts.stack([RawTensor("d", "F32", (2, 32, 64), np.zeros(2 * 32 * 64 * 4, np.uint8))])
+    assert gate is not None
+    assert down is not None
+    with pytest.raises(ValueError, match="do not chain"):
+        experts.ExpertLayer(gate, down)
+
+
+def test_per_expert_gguf_names_give_the_stacked_twins_bits(tmp_path: Path) -> None:
+    """llama.cpp's first Mixtral GGUFs, one tensor per expert (``blk.N.ffn_gate.E.weight``),
+    load as the checkpoint's per-expert matrices: the same logits as the 3-D twin (the same
+    kernels an expert at a time) and the reference's greedy tokens."""
+    model = "mixtral-tiny"
+    old = write_gguf_twin(model, tmp_path / "old.gguf", per_expert=True)
+    new = write_gguf_twin(model, tmp_path / "new.gguf")
+    names = open_source(str(old)).tensor_names()
+    assert "layers.1.mlp.experts.3.down_proj.weight" in names
+    prompt = golden(model)["prompts"][1]
+    logits = []
+    for path in (old, new):
+        model_ = load_model(str(path), cpu_backend("native"))
+        stage = model_.stage
+        ids = np.asarray(prompt["prompt_ids"])
+        cache = stage.new_cache(len(ids) + len(prompt["gen_ids"]) + 1)
+        logits.append(stage.forward(ids, 0, cache))
+        tokens = [int(np.argmax(logits[-1][-1]))]
+        for i in range(len(prompt["gen_ids"]) - 1):
+            out = stage.forward(np.asarray(tokens[-1:]), len(ids) + i, cache)
+            tokens.append(int(np.argmax(out[-1])))
+        assert tokens == prompt["gen_ids"], path.name
+    assert np.array_equal(logits[0], logits[1])
+
+
+def test_stacked_experts_count_their_stored_bytes() -> None:
+    """The planner's per-layer bytes count a GGUF's 3-D expert tensors as the blocks a CPU
+    stage keeps (their bytes in the file), not as float32 (7x more for Q4_K, so a 12-layer
+    cut of Qwen3-30B-A3B, 4.7 GB, once asked three nodes for 28 GB)."""
+    gate = _raw("gate", np.zeros((N, INTER, E), np.float32), "Q8_0")
+    assert weights._held(gate, blocks=True) == gate.data.nbytes < 4 * N * INTER * E
+    assert weights._held(gate, blocks=False) == 4 * N * INTER * E
