@@ -30,12 +30,9 @@ from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.simd import (
     F32x8,
     F32x16,
-    I32x8,
     inner,
     intrinsic,
-    tofloat,
     vadd,
-    vsplat,
     wadd,
     wfma,
     wmul,
@@ -47,13 +44,11 @@ from meshnode.engine.cpu.simd_q8 import (
     U8x64,
     _dot_generic,
     _dot_vnni,
-    fload16,
     fold,
     iload16,
     imul16,
     tofloat16,
     vec8,
-    vmul,
     vnni512,
     wpair,
 )
@@ -64,8 +59,7 @@ __all__ = [
     "SCRATCH_BYTES",
     "eight_q4_k",
     "eight_q6_k",
-    "k_scales8",
-    "tstore8",
+    "q4_k_scales8",
 ]
 
 # The formats taken here, by their rows in .formats: Q4_K, Q6_K (kernel ids, and the bytes
@@ -95,67 +89,125 @@ def _consts(values: list[int]) -> Any:
     return ir.Constant(_VI, values)
 
 
+def _k_scale_layout() -> tuple[list[int], list[int], list[int], list[int]]:
+    # Per row (16 bytes b, the 12 at o + 4 and 4 more), output byte 4 k + i holds sc[2 k],
+    # sc[2 k + 1], mn[2 k], mn[2 k + 1] (i = 0 .. 3), GGML's get_scale_min_k4: s < 4:
+    # sc = b[s] & 63, mn = b[s + 4] & 63; s >= 4: sc = (b[s + 4] & 15) | ((b[s - 4] >> 6)
+    # << 4), mn = (b[s + 4] >> 4) | ((b[s] >> 6) << 4). Returns the source byte of the low
+    # bits (lo), of the two high bits (hi, -1: none), the low bits' mask and their shift.
+    lo, hi, mask, shift = [], [], [], []
+    for k in range(4):
+        for i in range(4):
+            s, is_min = 2 * k + i % 2, i >= 2
+            if s < 4:
+                lo.append(s + 4 if is_min else s)
+                hi.append(-1)
+                mask.append(63)
+            else:
+                lo.append(s + 4)
+                hi.append(s if is_min else s - 4)
+                mask.append(15)
+            shift.append(4 if is_min and s >= 4 else 0)
+    return lo, hi, mask, shift
+
+
 @intrinsic
-def k_scales8(typingctx: Any, w: Any, off: Any) -> Any:
-    """Q4_K/Q5_K's eight six-bit scales and eight minimums packed in the 12 bytes at
-    ``off`` of a ``uint8`` row (GGML's ``get_scale_min_k4``; reads 16 bytes), as two
-    int32 vectors ``(sc, mn)``, lane ``s`` for sub-block ``s``."""
-    if not _is_bytes(w):
+def q4_k_scales8(typingctx: Any, w: Any, bases: Any, o: Any) -> Any:
+    """The scales of the Q4_K super-blocks at byte ``o`` of eight rows (byte offsets
+    ``bases`` of a ``uint8`` array), decoded together as bytes: eight float32 vectors,
+    ``d sc`` of chunk pairs 0 .. 3 then ``-dmin mn`` of them, each with the eight rows'
+    chunk ``2 k`` in lanes 0-7 and chunk ``2 k + 1`` in lanes 8-15. The same float32
+    products as ``half(d) * float(sc)`` chunk by chunk (exact conversions, one rounding)."""
+    if not _is_bytes(w) or not (isinstance(bases, types.UniTuple) and bases.count == 8):
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        vb = ir.VectorType(_I8, 16)
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), vb.as_pointer())
-        b = builder.zext(builder.load(ptr, align=1), ir.VectorType(_I32, 16))
+        offs = cgutils.unpack_tuple(builder, args[1])  # type: ignore[no-untyped-call]
+        o = context.cast(builder, args[2], sig.args[2], types.int64)
+        v16, vw = ir.VectorType(_I8, 16), ir.VectorType(ir.IntType(16), 32)
+        i32 = ir.IntType(32)
 
-        def pick(idx: list[int]) -> Any:
-            return builder.shuffle_vector(b, b, _consts(idx))
+        def at(j: int, extra: int) -> Any:
+            base = context.cast(builder, offs[j], sig.args[1].dtype, types.int64)
+            return builder.gep(
+                data, [builder.add(builder.add(base, o), ir.Constant(o.type, extra))]
+            )
 
-        low, high = [63] * 4 + [15] * 4, [0] * 4 + [48] * 4
-        # s < 4: sc = b[s] & 63, mn = b[s + 4] & 63; s >= 4: sc = (b[s + 4] & 15) |
-        # ((b[s - 4] >> 6) << 4), mn = (b[s + 4] >> 4) | ((b[s] >> 6) << 4)
-        top_sc = builder.and_(builder.lshr(pick([0] * 4 + [0, 1, 2, 3]), _consts([2] * 8)),
-                              _consts(high))  # fmt: skip
-        sc = builder.or_(builder.and_(pick([0, 1, 2, 3, 8, 9, 10, 11]), _consts(low)), top_sc)
-        a2 = builder.lshr(pick([4, 5, 6, 7, 8, 9, 10, 11]), _consts([0] * 4 + [4] * 4))
-        top_mn = builder.and_(builder.lshr(pick([0] * 4 + [4, 5, 6, 7]), _consts([2] * 8)),
-                              _consts(high))  # fmt: skip
-        mn = builder.or_(builder.and_(a2, _consts(low)), top_mn)
-        return context.make_tuple(builder, sig.return_type, (sc, mn))
+        def cat(a: Any, b: Any, n: int) -> Any:
+            return builder.shuffle_vector(
+                a, b, ir.Constant(ir.VectorType(i32, 2 * n), list(range(2 * n)))
+            )
 
-    return types.UniTuple(I32x8, 2)(w, off), codegen  # type: ignore[no-untyped-call]
+        rows = [
+            builder.load(builder.bitcast(at(j, 4), v16.as_pointer()), align=1) for j in range(8)
+        ]
+        lo_src, hi_src, mask, shift = _k_scale_layout()
+        zero = ir.Constant(_VB64, [0] * 64)
+        decoded = []
+        for h in range(2):  # rows 0-3, rows 4-7: a row per 128-bit lane
+            r = cat(
+                cat(rows[4 * h], rows[4 * h + 1], 16), cat(rows[4 * h + 2], rows[4 * h + 3], 16), 32
+            )
+            a = builder.shuffle_vector(
+                r,
+                zero,
+                ir.Constant(
+                    ir.VectorType(i32, 64), [16 * ln + x for ln in range(4) for x in lo_src]
+                ),
+            )
+            counts = [shift[2 * i] for i in range(8)] * 4
+            a = builder.bitcast(
+                builder.lshr(builder.bitcast(a, vw), ir.Constant(vw, counts)), _VB64
+            )
+            a = builder.and_(a, ir.Constant(_VB64, mask * 4))
+            pick = [64 if x < 0 else 16 * ln + x for ln in range(4) for x in hi_src]
+            b = builder.shuffle_vector(r, zero, ir.Constant(ir.VectorType(i32, 64), pick))
+            b = builder.bitcast(
+                builder.lshr(builder.bitcast(b, vw), ir.Constant(vw, [2] * 32)), _VB64
+            )
+            b = builder.and_(b, ir.Constant(_VB64, [0x30] * 64))
+            decoded.append(builder.bitcast(builder.or_(a, b), _VI16))
+        # dword k of row j: rows 0-3 in decoded[0] (4 j + k), rows 4-7 in decoded[1]
+        pieces = []
+        for ks in ((0, 1), (2, 3)):
+            idx = [(16 if j >= 4 else 0) + 4 * (j % 4) + k for k in ks for j in range(8)]
+            t = builder.shuffle_vector(decoded[0], decoded[1], ir.Constant(_VI16, idx))
+            # in each 128-bit lane (four rows of one k): byte 4 i + jj <- byte 4 jj + i
+            lanes = [16 * ln + 4 * jj + i for ln in range(4) for i in range(4) for jj in range(4)]
+            t = builder.shuffle_vector(
+                builder.bitcast(t, _VB64), zero, ir.Constant(ir.VectorType(i32, 64), lanes)
+            )
+            perm = [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
+            t = builder.bitcast(
+                builder.shuffle_vector(
+                    builder.bitcast(t, _VI16), builder.bitcast(t, _VI16), ir.Constant(_VI16, perm)
+                ),
+                _VB64,
+            )
+            for p in range(4):  # sc of pair k, mn of pair k, sc of pair k + 1, mn of it
+                piece = builder.shuffle_vector(
+                    t, t, ir.Constant(ir.VectorType(i32, 16), list(range(16 * p, 16 * p + 16)))
+                )
+                pieces.append(builder.uitofp(builder.zext(piece, _VI16), ir.VectorType(_F, 16)))
+        # d and dmin of the eight rows (float16 at o, o + 2): [d, dmin] per row
+        heads = ir.Constant(ir.VectorType(i32, 8), ir.Undefined)
+        for j in range(8):
+            word = builder.load(builder.bitcast(at(j, 0), i32.as_pointer()), align=1)
+            heads = builder.insert_element(heads, word, ir.Constant(i32, j))
+        f = builder.fpext(
+            builder.bitcast(heads, ir.VectorType(ir.HalfType(), 16)), ir.VectorType(_F, 16)
+        )
+        d = builder.shuffle_vector(f, f, ir.Constant(_VI16, [2 * j for j in range(8)] * 2))
+        dmin = builder.fneg(
+            builder.shuffle_vector(f, f, ir.Constant(_VI16, [2 * j + 1 for j in range(8)] * 2))
+        )
+        sc = [pieces[0], pieces[2], pieces[4], pieces[6]]
+        mn = [pieces[1], pieces[3], pieces[5], pieces[7]]
+        out = [builder.fmul(d, v) for v in sc] + [builder.fmul(dmin, v) for v in mn]
+        return context.make_tuple(builder, sig.return_type, out)
 
-
-@intrinsic
-def tstore8(typingctx: Any, buf: Any, off: Any, vs: Any) -> Any:
-    """Eight float32 vectors ``vs`` (row ``j``: ``vs[j]``) transposed and stored at byte
-    ``off`` of a ``uint8`` buffer: lane ``j`` of the vector at ``off + 32 c`` is lane ``c``
-    of ``vs[j]``."""
-    if not _is_bytes(buf) or not (isinstance(vs, types.UniTuple) and vs.dtype == F32x8):
-        return None
-    if vs.count != 8:
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        rows = list(cgutils.unpack_tuple(builder, args[2]))  # type: ignore[no-untyped-call]
-        for bit in (1, 2, 4):  # swap bit `bit` of the row with bit `bit` of the lane
-            for i in range(8):
-                if i & bit:
-                    continue
-                a, b = rows[i], rows[i | bit]
-                lo = [j if not j & bit else 8 + (j ^ bit) for j in range(8)]
-                hi = [(j | bit) if not j & bit else 8 + j for j in range(8)]
-                rows[i] = builder.shuffle_vector(a, b, _consts(lo))
-                rows[i | bit] = builder.shuffle_vector(a, b, _consts(hi))
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        for c, v in enumerate(rows):
-            at = builder.add(args[1], ir.Constant(args[1].type, 32 * c))
-            ptr = builder.bitcast(builder.gep(data, [at]), _VF.as_pointer())
-            builder.store(v, ptr, align=4)
-        return context.get_dummy_value()
-
-    return types.none(buf, off, vs), codegen
+    return types.UniTuple(F32x16, 8)(w, bases, o), codegen  # type: ignore[no-untyped-call]
 
 
 @intrinsic
@@ -249,13 +301,6 @@ def dot64(typingctx: Any, u: Any, xq: Any, off: Any) -> Any:
 
 
 @inner
-def _q4_k_scales(w, o):  # type: ignore[no-untyped-def]
-    # the super-block at byte o: its chunks' dw = d sc and m = -dmin mn (lanes: chunks)
-    sc, mn = k_scales8(w, o + 4)
-    return vmul(vsplat(half(w, o)), tofloat(sc)), vmul(vsplat(-half(w, o + 2)), tofloat(mn))
-
-
-@inner
 def _q4_k_dots(w, bases, at, q, xo):  # type: ignore[no-untyped-def]
     # chunks 2 k and 2 k + 1 of eight rows (their nibbles at byte at of each row's base)
     # times the activation blocks at byte xo: the exact integer dot products (lanes 0-7:
@@ -273,34 +318,38 @@ def _q4_k_dots(w, bases, at, q, xo):  # type: ignore[no-untyped-def]
 
 
 @inner
+def _q4_k_pair(w, bases, at, q, xo, dx, sx, dws, ms, acc, t):  # type: ignore[no-untyped-def]
+    # chunks c, c + 1 of a super-block (their nibbles at byte at of each row, their
+    # activation block at byte xo, their dx and dx sum(q) at dx, sx) into acc and t
+    d = _q4_k_dots(w, bases, at, q, xo)
+    dxs = wpair(fload(q, dx), fload(q, dx + 32))
+    acc = wfma(tofloat16(d), wmul(dws, dxs), acc)
+    sxs = wpair(fload(q, sx), fload(q, sx + 32))
+    return acc, wadd(t, wmul(ms, sxs))
+
+
+@inner
 def eight_q4_k(w, bases, q, xo, dx, sx, nb, scr):  # type: ignore[no-untyped-def]
     """Eight Q4_K weight rows (at the byte offsets ``bases`` of ``w``) times one
     activation row (its quants at byte ``xo`` of quantize's buffer ``q``, its blocks'
     scale ``d`` and ``d sum(q)`` at bytes ``dx`` and ``sx``, 32 bytes apart from one
     block to the next): as :func:`.q8_kernels._eight`, with the even chunks in lanes 0-7
-    of the accumulators and the odd ones in lanes 8-15. ``scr``: a ``uint8`` scratch
-    buffer of :data:`SCRATCH_BYTES`."""
-    b0, b1, b2, b3, b4, b5, b6, b7 = bases
+    of the accumulators and the odd ones in lanes 8-15. ``scr`` unused (Q6_K's)."""
     acc, t = wzero(), wzero()
     for s in range(nb // 8):
         o = _Q4_K_BYTES * s
-        d0, m0 = _q4_k_scales(w, b0 + o)
-        d1, m1 = _q4_k_scales(w, b1 + o)
-        d2, m2 = _q4_k_scales(w, b2 + o)
-        d3, m3 = _q4_k_scales(w, b3 + o)
-        d4, m4 = _q4_k_scales(w, b4 + o)
-        d5, m5 = _q4_k_scales(w, b5 + o)
-        d6, m6 = _q4_k_scales(w, b6 + o)
-        d7, m7 = _q4_k_scales(w, b7 + o)
-        tstore8(scr, 0, (d0, d1, d2, d3, d4, d5, d6, d7))
-        tstore8(scr, 256, (m0, m1, m2, m3, m4, m5, m6, m7))
-        for c in range(0, 8, 2):  # chunks c and c + 1: their 32 bytes of nibbles
-            i = 32 * (8 * s + c)
-            d = _q4_k_dots(w, bases, o + 16 + 16 * c, q, xo + i)
-            dxs = wpair(fload(q, dx + i), fload(q, dx + i + 32))
-            acc = wfma(tofloat16(d), wmul(fload16(scr, 32 * c), dxs), acc)
-            sxs = wpair(fload(q, sx + i), fload(q, sx + i + 32))
-            t = wadd(t, wmul(fload16(scr, 256 + 32 * c), sxs))
+        d0, d1, d2, d3, m0, m1, m2, m3 = q4_k_scales8(w, bases, o)
+        i = 256 * s  # the super-block's first activation block, in bytes
+        acc, t = _q4_k_pair(w, bases, o + 16, q, xo + i, dx + i, sx + i, d0, m0, acc, t)
+        acc, t = _q4_k_pair(
+            w, bases, o + 48, q, xo + i + 64, dx + i + 64, sx + i + 64, d1, m1, acc, t
+        )
+        acc, t = _q4_k_pair(
+            w, bases, o + 80, q, xo + i + 128, dx + i + 128, sx + i + 128, d2, m2, acc, t
+        )
+        acc, t = _q4_k_pair(
+            w, bases, o + 112, q, xo + i + 192, dx + i + 192, sx + i + 192, d3, m3, acc, t
+        )
     return vadd(fold(acc), fold(t))
 
 
