@@ -356,15 +356,12 @@ def eight_q4_k(w, bases, q, xo, dx, sx, nb):  # type: ignore[no-untyped-def]
         d0, d1, d2, d3, m0, m1, m2, m3 = q4_k_scales8(w, bases, o)
         i = 256 * s  # the super-block's first activation block, in bytes
         acc, t = _q4_k_pair(w, bases, o + 16, q, xo + i, dx + i, sx + i, d0, m0, acc, t)
-        acc, t = _q4_k_pair(
-            w, bases, o + 48, q, xo + i + 64, dx + i + 64, sx + i + 64, d1, m1, acc, t
-        )
-        acc, t = _q4_k_pair(
-            w, bases, o + 80, q, xo + i + 128, dx + i + 128, sx + i + 128, d2, m2, acc, t
-        )
-        acc, t = _q4_k_pair(
-            w, bases, o + 112, q, xo + i + 192, dx + i + 192, sx + i + 192, d3, m3, acc, t
-        )
+        i += 64
+        acc, t = _q4_k_pair(w, bases, o + 48, q, xo + i, dx + i, sx + i, d1, m1, acc, t)
+        i += 64
+        acc, t = _q4_k_pair(w, bases, o + 80, q, xo + i, dx + i, sx + i, d2, m2, acc, t)
+        i += 64
+        acc, t = _q4_k_pair(w, bases, o + 112, q, xo + i, dx + i, sx + i, d3, m3, acc, t)
     return vadd(fold(acc), fold(t))
 
 
@@ -508,43 +505,13 @@ def eight_q6_k(w, bases, q, xo, dx, sx, nb):  # type: ignore[no-untyped-def]
                    half(w, b4 + d), half(w, b5 + d), half(w, b6 + d), half(w, b7 + d)))  # fmt: skip
         dws = wjoin(dw, dw)
         i = 256 * s  # the super-block's first activation block, in bytes
-        acc = _q6_k_pair(
-            w, bases, o, 0, q, xo + i, dx + i, q6_k_scales8(w, bases, o + 192, 0), dws, acc
-        )
-        acc = _q6_k_pair(
-            w,
-            bases,
-            o,
-            2,
-            q,
-            xo + i + 64,
-            dx + i + 64,
-            q6_k_scales8(w, bases, o + 192, 2),
-            dws,
-            acc,
-        )
-        acc = _q6_k_pair(
-            w,
-            bases,
-            o,
-            4,
-            q,
-            xo + i + 128,
-            dx + i + 128,
-            q6_k_scales8(w, bases, o + 192, 4),
-            dws,
-            acc,
-        )
-        acc = _q6_k_pair(
-            w,
-            bases,
-            o,
-            6,
-            q,
-            xo + i + 192,
-            dx + i + 192,
-            q6_k_scales8(w, bases, o + 192, 6),
-            dws,
-            acc,
-        )
+        # chunk pairs 0, 2, 4, 6 (c literal: their scales' lanes are compile-time shuffles)
+        ss = q6_k_scales8(w, bases, o + 192, 0)
+        acc = _q6_k_pair(w, bases, o, 0, q, xo + i, dx + i, ss, dws, acc)
+        ss, i = q6_k_scales8(w, bases, o + 192, 2), i + 64
+        acc = _q6_k_pair(w, bases, o, 2, q, xo + i, dx + i, ss, dws, acc)
+        ss, i = q6_k_scales8(w, bases, o + 192, 4), i + 64
+        acc = _q6_k_pair(w, bases, o, 4, q, xo + i, dx + i, ss, dws, acc)
+        ss, i = q6_k_scales8(w, bases, o + 192, 6), i + 64
+        acc = _q6_k_pair(w, bases, o, 6, q, xo + i, dx + i, ss, dws, acc)
     return fold(acc)
