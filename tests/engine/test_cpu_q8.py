@@ -351,6 +351,43 @@ def test_the_wide_integer_dot_product_on_either_path(
         np.testing.assert_array_equal(out, want)
 
 
+@pytest.mark.parametrize("use_vnni", [False, True], ids=["generic", "vnni512"])
+def test_q6_k_scales_multiply_exactly_on_either_path(
+    use_vnni: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-row Q6_K kernel's scale step: :func:`.q8_superblocks.madd16` (``vpmaddwd``
+    on AVX-512, a multiply elsewhere) times :func:`.q6_k_scales8`'s lanes is ``p * s``
+    exactly for every ``p`` the kernel gives it (``|p| <= 4 * 32 * 127``) and every int8
+    scale, each lane's scale picked as the chunk pair asks."""
+    from numba import njit
+
+    from meshnode.engine.cpu import q8_superblocks as sb
+    from meshnode.engine.cpu import simd_q8
+
+    if use_vnni and not simd_q8.vnni512():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    monkeypatch.setattr(sb, "vnni512", lambda: use_vnni)  # read when it compiles
+
+    @njit(cache=False)
+    def scaled(w, p, out):  # type: ignore[no-untyped-def]
+        n = w.shape[0] // 8  # each row's sixteen scales
+        bases = (n - n, n, 2 * n, 3 * n, 4 * n, 5 * n, 6 * n, 7 * n)
+        scales = sb.q6_k_scales8(w, bases, 0, 4)  # chunks 4, 5: scales 8 .. 11
+        simd_q8.store16(out, 0, sb.madd16(simd_q8.iload16(p, 0), scales[3]))
+
+    limit = 4 * 32 * 127
+    for p32, scales in [
+        (rng.integers(-limit, limit + 1, 16), rng.integers(-128, 128, (8, 16))),
+        ([limit, -limit] * 8, np.tile([-128, 127], (8, 8))),
+    ]:
+        p = np.asarray(p32, np.int32)
+        w = np.asarray(scales, np.int8).reshape(-1)
+        out = np.zeros(16, np.int32)
+        scaled(w.view(np.uint8), p.view(np.uint8), out.view(np.uint8))
+        want = p.astype(np.int64) * w.reshape(8, 16)[3, 8 + np.arange(16) // 4]
+        np.testing.assert_array_equal(out, want)
+
+
 def test_a_batched_q8_forward_is_its_solo_forwards_bit_for_bit(
     tiny_gguf: Callable[[str], Path],
 ) -> None:

@@ -58,7 +58,6 @@ from meshnode.engine.cpu.q8_blocks import (
 from meshnode.engine.cpu.q8_superblocks import (
     K_FORMATS,
     Q4_K_ID,
-    SCRATCH_BYTES,
     eight_q4_k,
     eight_q6_k,
 )
@@ -316,27 +315,23 @@ def _eight(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
     return acc
 
 
-def _one_row(
-    fmt: int, w: Any, bases: Any, q: Any, r: int, n: int, nb: int, blocks: int, scr: Any
-) -> Any:
+def _one_row(fmt: int, w: Any, bases: Any, q: Any, r: int, n: int, nb: int, blocks: int) -> Any:
     # eight weight rows times activation row r (lanes: the weight rows): the K-quants of
     # .q8_superblocks a super-block at a time, the other formats by _eight
     raise TypeError("_one_row is for compiled code")
 
 
 @overload(_one_row, prefer_literal=True, jit_options=INNER)
-def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks, scr):  # type: ignore[no-untyped-def]
+def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
     kind = literal_format(fmt)
     if kind not in K_FORMATS:
-        return lambda fmt, w, bases, q, r, n, nb, blocks, scr: _eight(
-            fmt, w, bases, q, r, n, nb, blocks
-        )
+        return lambda fmt, w, bases, q, r, n, nb, blocks: _eight(fmt, w, bases, q, r, n, nb, blocks)
     eight = eight_q4_k if kind == Q4_K_ID else eight_q6_k
 
-    def superblocks(fmt, w, bases, q, r, n, nb, blocks, scr):  # type: ignore[no-untyped-def]
+    def superblocks(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
         _, _, dxt, sxt = _areas(n, blocks)
         at = 32 * (r // 8) * nb + 4 * (r % 8)
-        return eight(w, bases, q, HEADER + 32 * r * nb, dxt + at, sxt + at, nb, scr)
+        return eight(w, bases, q, HEADER + 32 * r * nb, dxt + at, sxt + at, nb)
 
     return superblocks
 
@@ -352,7 +347,6 @@ def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
     w, size = raw.reshape(-1), raw.shape[1]
     end = w.shape[0]
     if k <= ONE_ROW_MAX:
-        scr = np.empty(SCRATCH_BYTES, np.uint8)
         for r in range(k):
             for o in range(lo, hi, 8):
                 for i in range(8):
@@ -364,7 +358,7 @@ def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
                          min(o + 3, last) * size, min(o + 4, last) * size,
                          min(o + 5, last) * size, min(o + 6, last) * size,
                          min(o + 7, last) * size)  # fmt: skip
-                s = _one_row(fmt, w, bases, q, r, n, nb, blocks, scr)
+                s = _one_row(fmt, w, bases, q, r, n, nb, blocks)
                 for i in range(min(8, hi - o)):
                     out[r, col + o + i] = lane8(s, i)
         return

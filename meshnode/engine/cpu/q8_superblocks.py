@@ -6,11 +6,16 @@ the super-block's two float16 factors converted, in scalar code, for every chunk
 rows, about as many instructions as the integer dot product of its 32 weights
 (``benchmarks/realsize.py``: 0.8 cycles a weight on the Llama-3.2-1B shape, one thread,
 where llama.cpp's ``ggml_vec_dot_q4_K_q8_K`` spends about 0.15). Here each super-block of
-each of the eight weight rows is decoded once: its eight scales and minimums as two
-vectors (:func:`k_scales8`), times its ``d`` and ``-dmin`` (float32 products, the same
-as the chunk decoder's), eight rows' vectors transposed so that a chunk's eight rows'
-scales are one vector (:func:`tstore8`, into a small scratch buffer); then each chunk
-costs only its unpacking, its ``vpdpbusd`` and its share of the sums across rows.
+eight weight rows is decoded once, the eight rows together: Q4_K's 8 x 12 packed bytes
+of scales and minimums as bytes in two 512-bit registers, a row per 128-bit lane, moved
+so that a chunk pair's sixteen (eight rows, two chunks) sit in one 128-bit lane, widened
+and times the rows' ``d`` and ``-dmin`` (:func:`q4_k_scales8`: the same float32 products
+as the chunk decoder's); Q6_K's sixteen int8 scales widened to words beside zero words
+for ``vpmaddwd`` (:func:`q6_k_scales8`), its ``- 32 sum(q)`` the start of ``vpdpbusd``.
+Then each chunk costs only its unpacking, its ``vpdpbusd`` and its share of the sums
+across rows. The compiled loop over eight rows' super-block went from 606 to 428
+instructions for Q4_K, from 622 to 550 for Q6_K (of which some 150 are register spills
+and copies).
 
 The arithmetic is :mod:`.q8_kernels`'s, operation for operation (the same float32
 products, the same fused multiply-adds in the same order of chunks, even and odd apart),
@@ -30,12 +35,9 @@ from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.simd import (
     F32x8,
     F32x16,
-    I32x8,
     inner,
     intrinsic,
-    tofloat,
     vadd,
-    vsplat,
     wadd,
     wfma,
     wmul,
@@ -47,13 +49,10 @@ from meshnode.engine.cpu.simd_q8 import (
     U8x64,
     _dot_generic,
     _dot_vnni,
-    fload16,
     fold,
-    iload16,
-    imul16,
+    ipair,
     tofloat16,
     vec8,
-    vmul,
     vnni512,
     wpair,
 )
@@ -61,11 +60,9 @@ from meshnode.engine.cpu.simd_q8 import (
 __all__ = [
     "K_FORMATS",
     "Q4_K_ID",
-    "SCRATCH_BYTES",
     "eight_q4_k",
     "eight_q6_k",
-    "k_scales8",
-    "tstore8",
+    "q4_k_scales8",
 ]
 
 # The formats taken here, by their rows in .formats: Q4_K, Q6_K (kernel ids, and the bytes
@@ -74,9 +71,6 @@ _Q4_K, _Q6_K = FORMATS["Q4_K"], FORMATS["Q6_K"]
 K_FORMATS = (_Q4_K.kernel_id, _Q6_K.kernel_id)
 Q4_K_ID = _Q4_K.kernel_id
 _Q4_K_BYTES, _Q6_K_BYTES = _Q4_K.type_size, _Q6_K.type_size
-# Bytes of the kernels' scratch: Q4_K's eight chunks' scales and minimums across eight
-# rows; Q6_K's sixteen integer scales of each of eight rows, spread over the lanes
-SCRATCH_BYTES = 2048
 
 _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
@@ -95,67 +89,125 @@ def _consts(values: list[int]) -> Any:
     return ir.Constant(_VI, values)
 
 
+def _k_scale_layout() -> tuple[list[int], list[int], list[int], list[int]]:
+    # Per row (16 bytes b, the 12 at o + 4 and 4 more), output byte 4 k + i holds sc[2 k],
+    # sc[2 k + 1], mn[2 k], mn[2 k + 1] (i = 0 .. 3), GGML's get_scale_min_k4: s < 4:
+    # sc = b[s] & 63, mn = b[s + 4] & 63; s >= 4: sc = (b[s + 4] & 15) | ((b[s - 4] >> 6)
+    # << 4), mn = (b[s + 4] >> 4) | ((b[s] >> 6) << 4). Returns the source byte of the low
+    # bits (lo), of the two high bits (hi, -1: none), the low bits' mask and their shift.
+    lo, hi, mask, shift = [], [], [], []
+    for k in range(4):
+        for i in range(4):
+            s, is_min = 2 * k + i % 2, i >= 2
+            if s < 4:
+                lo.append(s + 4 if is_min else s)
+                hi.append(-1)
+                mask.append(63)
+            else:
+                lo.append(s + 4)
+                hi.append(s if is_min else s - 4)
+                mask.append(15)
+            shift.append(4 if is_min and s >= 4 else 0)
+    return lo, hi, mask, shift
+
+
 @intrinsic
-def k_scales8(typingctx: Any, w: Any, off: Any) -> Any:
-    """Q4_K/Q5_K's eight six-bit scales and eight minimums packed in the 12 bytes at
-    ``off`` of a ``uint8`` row (GGML's ``get_scale_min_k4``; reads 16 bytes), as two
-    int32 vectors ``(sc, mn)``, lane ``s`` for sub-block ``s``."""
-    if not _is_bytes(w):
+def q4_k_scales8(typingctx: Any, w: Any, bases: Any, o: Any) -> Any:
+    """The scales of the Q4_K super-blocks at byte ``o`` of eight rows (byte offsets
+    ``bases`` of a ``uint8`` array), decoded together as bytes: eight float32 vectors,
+    ``d sc`` of chunk pairs 0 .. 3 then ``-dmin mn`` of them, each with the eight rows'
+    chunk ``2 k`` in lanes 0-7 and chunk ``2 k + 1`` in lanes 8-15. The same float32
+    products as ``half(d) * float(sc)`` chunk by chunk (exact conversions, one rounding)."""
+    if not _is_bytes(w) or not (isinstance(bases, types.UniTuple) and bases.count == 8):
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        vb = ir.VectorType(_I8, 16)
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), vb.as_pointer())
-        b = builder.zext(builder.load(ptr, align=1), ir.VectorType(_I32, 16))
+        offs = cgutils.unpack_tuple(builder, args[1])  # type: ignore[no-untyped-call]
+        o = context.cast(builder, args[2], sig.args[2], types.int64)
+        v16, vw = ir.VectorType(_I8, 16), ir.VectorType(ir.IntType(16), 32)
+        i32 = ir.IntType(32)
 
-        def pick(idx: list[int]) -> Any:
-            return builder.shuffle_vector(b, b, _consts(idx))
+        def at(j: int, extra: int) -> Any:
+            base = context.cast(builder, offs[j], sig.args[1].dtype, types.int64)
+            return builder.gep(
+                data, [builder.add(builder.add(base, o), ir.Constant(o.type, extra))]
+            )
 
-        low, high = [63] * 4 + [15] * 4, [0] * 4 + [48] * 4
-        # s < 4: sc = b[s] & 63, mn = b[s + 4] & 63; s >= 4: sc = (b[s + 4] & 15) |
-        # ((b[s - 4] >> 6) << 4), mn = (b[s + 4] >> 4) | ((b[s] >> 6) << 4)
-        top_sc = builder.and_(builder.lshr(pick([0] * 4 + [0, 1, 2, 3]), _consts([2] * 8)),
-                              _consts(high))  # fmt: skip
-        sc = builder.or_(builder.and_(pick([0, 1, 2, 3, 8, 9, 10, 11]), _consts(low)), top_sc)
-        a2 = builder.lshr(pick([4, 5, 6, 7, 8, 9, 10, 11]), _consts([0] * 4 + [4] * 4))
-        top_mn = builder.and_(builder.lshr(pick([0] * 4 + [4, 5, 6, 7]), _consts([2] * 8)),
-                              _consts(high))  # fmt: skip
-        mn = builder.or_(builder.and_(a2, _consts(low)), top_mn)
-        return context.make_tuple(builder, sig.return_type, (sc, mn))
+        def cat(a: Any, b: Any, n: int) -> Any:
+            return builder.shuffle_vector(
+                a, b, ir.Constant(ir.VectorType(i32, 2 * n), list(range(2 * n)))
+            )
 
-    return types.UniTuple(I32x8, 2)(w, off), codegen  # type: ignore[no-untyped-call]
+        rows = [
+            builder.load(builder.bitcast(at(j, 4), v16.as_pointer()), align=1) for j in range(8)
+        ]
+        lo_src, hi_src, mask, shift = _k_scale_layout()
+        zero = ir.Constant(_VB64, [0] * 64)
+        decoded = []
+        for h in range(2):  # rows 0-3, rows 4-7: a row per 128-bit lane
+            r = cat(
+                cat(rows[4 * h], rows[4 * h + 1], 16), cat(rows[4 * h + 2], rows[4 * h + 3], 16), 32
+            )
+            a = builder.shuffle_vector(
+                r,
+                zero,
+                ir.Constant(
+                    ir.VectorType(i32, 64), [16 * ln + x for ln in range(4) for x in lo_src]
+                ),
+            )
+            counts = [shift[2 * i] for i in range(8)] * 4
+            a = builder.bitcast(
+                builder.lshr(builder.bitcast(a, vw), ir.Constant(vw, counts)), _VB64
+            )
+            a = builder.and_(a, ir.Constant(_VB64, mask * 4))
+            pick = [64 if x < 0 else 16 * ln + x for ln in range(4) for x in hi_src]
+            b = builder.shuffle_vector(r, zero, ir.Constant(ir.VectorType(i32, 64), pick))
+            b = builder.bitcast(
+                builder.lshr(builder.bitcast(b, vw), ir.Constant(vw, [2] * 32)), _VB64
+            )
+            b = builder.and_(b, ir.Constant(_VB64, [0x30] * 64))
+            decoded.append(builder.bitcast(builder.or_(a, b), _VI16))
+        # dword k of row j: rows 0-3 in decoded[0] (4 j + k), rows 4-7 in decoded[1]
+        pieces = []
+        for ks in ((0, 1), (2, 3)):
+            idx = [(16 if j >= 4 else 0) + 4 * (j % 4) + k for k in ks for j in range(8)]
+            t = builder.shuffle_vector(decoded[0], decoded[1], ir.Constant(_VI16, idx))
+            # in each 128-bit lane (four rows of one k): byte 4 i + jj <- byte 4 jj + i
+            lanes = [16 * ln + 4 * jj + i for ln in range(4) for i in range(4) for jj in range(4)]
+            t = builder.shuffle_vector(
+                builder.bitcast(t, _VB64), zero, ir.Constant(ir.VectorType(i32, 64), lanes)
+            )
+            perm = [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
+            t = builder.bitcast(
+                builder.shuffle_vector(
+                    builder.bitcast(t, _VI16), builder.bitcast(t, _VI16), ir.Constant(_VI16, perm)
+                ),
+                _VB64,
+            )
+            for p in range(4):  # sc of pair k, mn of pair k, sc of pair k + 1, mn of it
+                piece = builder.shuffle_vector(
+                    t, t, ir.Constant(ir.VectorType(i32, 16), list(range(16 * p, 16 * p + 16)))
+                )
+                pieces.append(builder.uitofp(builder.zext(piece, _VI16), ir.VectorType(_F, 16)))
+        # d and dmin of the eight rows (float16 at o, o + 2): [d, dmin] per row
+        heads = ir.Constant(ir.VectorType(i32, 8), ir.Undefined)
+        for j in range(8):
+            word = builder.load(builder.bitcast(at(j, 0), i32.as_pointer()), align=1)
+            heads = builder.insert_element(heads, word, ir.Constant(i32, j))
+        f = builder.fpext(
+            builder.bitcast(heads, ir.VectorType(ir.HalfType(), 16)), ir.VectorType(_F, 16)
+        )
+        d = builder.shuffle_vector(f, f, ir.Constant(_VI16, [2 * j for j in range(8)] * 2))
+        dmin = builder.fneg(
+            builder.shuffle_vector(f, f, ir.Constant(_VI16, [2 * j + 1 for j in range(8)] * 2))
+        )
+        sc = [pieces[0], pieces[2], pieces[4], pieces[6]]
+        mn = [pieces[1], pieces[3], pieces[5], pieces[7]]
+        out = [builder.fmul(d, v) for v in sc] + [builder.fmul(dmin, v) for v in mn]
+        return context.make_tuple(builder, sig.return_type, out)
 
-
-@intrinsic
-def tstore8(typingctx: Any, buf: Any, off: Any, vs: Any) -> Any:
-    """Eight float32 vectors ``vs`` (row ``j``: ``vs[j]``) transposed and stored at byte
-    ``off`` of a ``uint8`` buffer: lane ``j`` of the vector at ``off + 32 c`` is lane ``c``
-    of ``vs[j]``."""
-    if not _is_bytes(buf) or not (isinstance(vs, types.UniTuple) and vs.dtype == F32x8):
-        return None
-    if vs.count != 8:
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        rows = list(cgutils.unpack_tuple(builder, args[2]))  # type: ignore[no-untyped-call]
-        for bit in (1, 2, 4):  # swap bit `bit` of the row with bit `bit` of the lane
-            for i in range(8):
-                if i & bit:
-                    continue
-                a, b = rows[i], rows[i | bit]
-                lo = [j if not j & bit else 8 + (j ^ bit) for j in range(8)]
-                hi = [(j | bit) if not j & bit else 8 + j for j in range(8)]
-                rows[i] = builder.shuffle_vector(a, b, _consts(lo))
-                rows[i | bit] = builder.shuffle_vector(a, b, _consts(hi))
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        for c, v in enumerate(rows):
-            at = builder.add(args[1], ir.Constant(args[1].type, 32 * c))
-            ptr = builder.bitcast(builder.gep(data, [at]), _VF.as_pointer())
-            builder.store(v, ptr, align=4)
-        return context.get_dummy_value()
-
-    return types.none(buf, off, vs), codegen
+    return types.UniTuple(F32x16, 8)(w, bases, o), codegen  # type: ignore[no-untyped-call]
 
 
 @intrinsic
@@ -248,11 +300,19 @@ def dot64(typingctx: Any, u: Any, xq: Any, off: Any) -> Any:
     return I32x16(u, xq, off), codegen
 
 
-@inner
-def _q4_k_scales(w, o):  # type: ignore[no-untyped-def]
-    # the super-block at byte o: its chunks' dw = d sc and m = -dmin mn (lanes: chunks)
-    sc, mn = k_scales8(w, o + 4)
-    return vmul(vsplat(half(w, o)), tofloat(sc)), vmul(vsplat(-half(w, o + 2)), tofloat(mn))
+@intrinsic
+def dot64s(typingctx: Any, acc: Any, u: Any, xq: Any, off: Any) -> Any:
+    """:func:`dot64` added to ``acc`` (sixteen int32; exact)."""
+    if acc != I32x16 or u != U8x64 or not _is_bytes(xq):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[2])(context, builder, args[2]).data
+        ptr = builder.bitcast(builder.gep(data, [args[3]]), _VB64.as_pointer())
+        x = builder.load(ptr, align=1)
+        return (_dot_vnni if vnni512() else _dot_generic)(builder, args[0], args[1], x)
+
+    return I32x16(acc, u, xq, off), codegen
 
 
 @inner
@@ -273,59 +333,88 @@ def _q4_k_dots(w, bases, at, q, xo):  # type: ignore[no-untyped-def]
 
 
 @inner
-def eight_q4_k(w, bases, q, xo, dx, sx, nb, scr):  # type: ignore[no-untyped-def]
+def _q4_k_pair(w, bases, at, q, xo, dx, sx, dws, ms, acc, t):  # type: ignore[no-untyped-def]
+    # chunks c, c + 1 of a super-block (their nibbles at byte at of each row, their
+    # activation block at byte xo, their dx and dx sum(q) at dx, sx) into acc and t
+    d = _q4_k_dots(w, bases, at, q, xo)
+    dxs = wpair(fload(q, dx), fload(q, dx + 32))
+    acc = wfma(tofloat16(d), wmul(dws, dxs), acc)
+    sxs = wpair(fload(q, sx), fload(q, sx + 32))
+    return acc, wadd(t, wmul(ms, sxs))
+
+
+@inner
+def eight_q4_k(w, bases, q, xo, dx, sx, nb):  # type: ignore[no-untyped-def]
     """Eight Q4_K weight rows (at the byte offsets ``bases`` of ``w``) times one
     activation row (its quants at byte ``xo`` of quantize's buffer ``q``, its blocks'
     scale ``d`` and ``d sum(q)`` at bytes ``dx`` and ``sx``, 32 bytes apart from one
     block to the next): as :func:`.q8_kernels._eight`, with the even chunks in lanes 0-7
-    of the accumulators and the odd ones in lanes 8-15. ``scr``: a ``uint8`` scratch
-    buffer of :data:`SCRATCH_BYTES`."""
-    b0, b1, b2, b3, b4, b5, b6, b7 = bases
+    of the accumulators and the odd ones in lanes 8-15."""
     acc, t = wzero(), wzero()
     for s in range(nb // 8):
         o = _Q4_K_BYTES * s
-        d0, m0 = _q4_k_scales(w, b0 + o)
-        d1, m1 = _q4_k_scales(w, b1 + o)
-        d2, m2 = _q4_k_scales(w, b2 + o)
-        d3, m3 = _q4_k_scales(w, b3 + o)
-        d4, m4 = _q4_k_scales(w, b4 + o)
-        d5, m5 = _q4_k_scales(w, b5 + o)
-        d6, m6 = _q4_k_scales(w, b6 + o)
-        d7, m7 = _q4_k_scales(w, b7 + o)
-        tstore8(scr, 0, (d0, d1, d2, d3, d4, d5, d6, d7))
-        tstore8(scr, 256, (m0, m1, m2, m3, m4, m5, m6, m7))
-        for c in range(0, 8, 2):  # chunks c and c + 1: their 32 bytes of nibbles
-            i = 32 * (8 * s + c)
-            d = _q4_k_dots(w, bases, o + 16 + 16 * c, q, xo + i)
-            dxs = wpair(fload(q, dx + i), fload(q, dx + i + 32))
-            acc = wfma(tofloat16(d), wmul(fload16(scr, 32 * c), dxs), acc)
-            sxs = wpair(fload(q, sx + i), fload(q, sx + i + 32))
-            t = wadd(t, wmul(fload16(scr, 256 + 32 * c), sxs))
+        d0, d1, d2, d3, m0, m1, m2, m3 = q4_k_scales8(w, bases, o)
+        i = 256 * s  # the super-block's first activation block, in bytes
+        acc, t = _q4_k_pair(w, bases, o + 16, q, xo + i, dx + i, sx + i, d0, m0, acc, t)
+        i += 64
+        acc, t = _q4_k_pair(w, bases, o + 48, q, xo + i, dx + i, sx + i, d1, m1, acc, t)
+        i += 64
+        acc, t = _q4_k_pair(w, bases, o + 80, q, xo + i, dx + i, sx + i, d2, m2, acc, t)
+        i += 64
+        acc, t = _q4_k_pair(w, bases, o + 112, q, xo + i, dx + i, sx + i, d3, m3, acc, t)
     return vadd(fold(acc), fold(t))
 
 
 @intrinsic
-def spread16(typingctx: Any, w: Any, off: Any, buf: Any, to: Any) -> Any:
-    """Q6_K's sixteen int8 scales at byte ``off`` of a ``uint8`` row, as eight int32
-    vectors stored from byte ``to`` of a ``uint8`` buffer, 32 bytes apart: vector ``c``
-    holds scale ``2 c`` in lanes 0-3 and ``2 c + 1`` in lanes 4-7 (as :func:`.simd_int.
-    lanes2`: each half of a 32-value chunk times its own scale)."""
-    if not _is_bytes(w) or not _is_bytes(buf):
+def q6_k_scales8(typingctx: Any, w: Any, bases: Any, off: Any, c: Any) -> Any:
+    """Of Q6_K's sixteen int8 scales at byte ``off`` past each of eight rows' ``bases``
+    (of a ``uint8`` array), those of chunks ``c``, ``c + 1`` (``c`` an even literal):
+    eight vectors of sixteen int32, lanes ``4 i .. 4 i + 3`` scale ``2 c + i`` (each half
+    of a 32-value chunk times its own, as :func:`.simd_int.lanes2`), as a signed 16-bit
+    word beside a zero word (what :func:`madd16` multiplies by)."""
+    ok = _is_bytes(w) and isinstance(bases, types.UniTuple) and bases.count == 8
+    if not ok or not isinstance(c, types.IntegerLiteral):
         return None
+    # word 2 l: scale 2 c + l // 4 (of the sixteen), word 2 l + 1: a zero (word 16)
+    words = [x for lane in range(16) for x in (2 * c.literal_value + lane // 4, 16)]
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        vb = ir.VectorType(_I8, 16)
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), vb.as_pointer())
-        b = builder.sext(builder.load(ptr, align=1), ir.VectorType(_I32, 16))
-        out = context.make_array(sig.args[2])(context, builder, args[2]).data
-        for c in range(8):
-            v = builder.shuffle_vector(b, b, _consts([2 * c] * 4 + [2 * c + 1] * 4))
-            at = builder.add(args[3], ir.Constant(args[3].type, 32 * c))
-            builder.store(v, builder.bitcast(builder.gep(out, [at]), _VI.as_pointer()), align=4)
-        return context.get_dummy_value()
+        offs = cgutils.unpack_tuple(builder, args[1])  # type: ignore[no-untyped-call]
+        off = context.cast(builder, args[2], sig.args[2], types.int64)
+        vb, vh = ir.VectorType(_I8, 16), ir.VectorType(ir.IntType(16), 16)
+        zero = ir.Constant(vh, [0] * 16)
+        mask = ir.Constant(ir.VectorType(_I32, 32), words)
+        out = []
+        for j in range(8):
+            at = builder.add(context.cast(builder, offs[j], sig.args[1].dtype, types.int64), off)
+            b = builder.load(builder.bitcast(builder.gep(data, [at]), vb.as_pointer()), align=1)
+            v = builder.shuffle_vector(builder.sext(b, vh), zero, mask)
+            out.append(builder.bitcast(v, _VI16))
+        return context.make_tuple(builder, sig.return_type, out)
 
-    return types.none(w, off, buf, to), codegen
+    return types.UniTuple(I32x16, 8)(w, bases, off, c), codegen  # type: ignore[no-untyped-call]
+
+
+@intrinsic
+def madd16(typingctx: Any, p: Any, s: Any) -> Any:
+    """``p * s`` lane by lane, exact, for ``p`` within int16 and ``s`` a :func:`q6_k_scales8`
+    lane (a signed word beside a zero word): one ``vpmaddwd`` where the CPU has AVX-512."""
+    if p != I32x16 or s != I32x16:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        if vnni512():
+            vw = ir.VectorType(ir.IntType(16), 32)
+            fnty = ir.FunctionType(_VI16, [vw, vw])
+            fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+                builder.module, fnty, "llvm.x86.avx512.pmaddw.d.512"
+            )
+            return builder.call(fn, [builder.bitcast(a, vw) for a in args])
+        scale = builder.sext(builder.trunc(args[1], ir.VectorType(ir.IntType(16), 16)), _VI16)
+        return builder.mul(args[0], scale)
+
+    return I32x16(p, s), codegen
 
 
 @intrinsic
@@ -381,61 +470,48 @@ def wjoin(typingctx: Any, a: Any, b: Any) -> Any:
 
 
 @inner
-def _q6_k_dots(w, bases, o, c, q, xo, scr):  # type: ignore[no-untyped-def]
-    # as _q4_k_dots for Q6_K chunks c, c + 1: each row's dots minus 32 sum(q), each half
-    # of a chunk times its integer scale
+def _q6_k_pair(w, bases, o, c, q, xo, dx, ss, dws, acc):  # type: ignore[no-untyped-def]
+    # chunks c, c + 1 of a Q6_K super-block (at byte o of each row) of eight rows:
+    # each row's exact dots minus 32 sum(q) (the sum subtracted first, as vpdpbusd's
+    # start), each half of a chunk times its integer scale (ss: q6_k_scales8's), summed across
+    # the lanes as _q4_k_dots's, into acc
     b0, b1, b2, b3, b4, b5, b6, b7 = bases
+    s0, s1, s2, s3, s4, s5, s6, s7 = ss
     h, m = c // 4, c % 4
     low, high = o + 64 * h, o + 128 + 32 * h
-    offs = dot64(bsplat64(32), q, xo)
-    s = 32 * c
-    p0 = imul16(isub16(dot64(q6_k_pair(w, b0 + low, b0 + high, m), q, xo), offs), iload16(scr, s))
-    p1 = imul16(
-        isub16(dot64(q6_k_pair(w, b1 + low, b1 + high, m), q, xo), offs), iload16(scr, 256 + s)
-    )
-    p2 = imul16(
-        isub16(dot64(q6_k_pair(w, b2 + low, b2 + high, m), q, xo), offs), iload16(scr, 512 + s)
-    )
-    p3 = imul16(
-        isub16(dot64(q6_k_pair(w, b3 + low, b3 + high, m), q, xo), offs), iload16(scr, 768 + s)
-    )
-    p4 = imul16(
-        isub16(dot64(q6_k_pair(w, b4 + low, b4 + high, m), q, xo), offs), iload16(scr, 1024 + s)
-    )
-    p5 = imul16(
-        isub16(dot64(q6_k_pair(w, b5 + low, b5 + high, m), q, xo), offs), iload16(scr, 1280 + s)
-    )
-    p6 = imul16(
-        isub16(dot64(q6_k_pair(w, b6 + low, b6 + high, m), q, xo), offs), iload16(scr, 1536 + s)
-    )
-    p7 = imul16(
-        isub16(dot64(q6_k_pair(w, b7 + low, b7 + high, m), q, xo), offs), iload16(scr, 1792 + s)
-    )
-    return isums16((p0, p1, p2, p3, p4, p5, p6, p7))
+    offs = isub16(ipair(0, 0), dot64(bsplat64(32), q, xo))
+    p0 = madd16(dot64s(offs, q6_k_pair(w, b0 + low, b0 + high, m), q, xo), s0)
+    p1 = madd16(dot64s(offs, q6_k_pair(w, b1 + low, b1 + high, m), q, xo), s1)
+    p2 = madd16(dot64s(offs, q6_k_pair(w, b2 + low, b2 + high, m), q, xo), s2)
+    p3 = madd16(dot64s(offs, q6_k_pair(w, b3 + low, b3 + high, m), q, xo), s3)
+    p4 = madd16(dot64s(offs, q6_k_pair(w, b4 + low, b4 + high, m), q, xo), s4)
+    p5 = madd16(dot64s(offs, q6_k_pair(w, b5 + low, b5 + high, m), q, xo), s5)
+    p6 = madd16(dot64s(offs, q6_k_pair(w, b6 + low, b6 + high, m), q, xo), s6)
+    p7 = madd16(dot64s(offs, q6_k_pair(w, b7 + low, b7 + high, m), q, xo), s7)
+    p = isums16((p0, p1, p2, p3, p4, p5, p6, p7))
+    dxs = wpair(fload(q, dx), fload(q, dx + 32))
+    return wfma(tofloat16(p), wmul(dws, dxs), acc)
 
 
 @inner
-def eight_q6_k(w, bases, q, xo, dx, sx, nb, scr):  # type: ignore[no-untyped-def]
+def eight_q6_k(w, bases, q, xo, dx, sx, nb):  # type: ignore[no-untyped-def]
     """As :func:`eight_q4_k` for Q6_K rows (``sx`` unused: no minimums)."""
     b0, b1, b2, b3, b4, b5, b6, b7 = bases
     acc = wzero()  # lanes 0-7: the even chunks, 8-15: the odd ones
     for s in range(nb // 8):
         o = _Q6_K_BYTES * s
-        spread16(w, b0 + o + 192, scr, 0)
-        spread16(w, b1 + o + 192, scr, 256)
-        spread16(w, b2 + o + 192, scr, 512)
-        spread16(w, b3 + o + 192, scr, 768)
-        spread16(w, b4 + o + 192, scr, 1024)
-        spread16(w, b5 + o + 192, scr, 1280)
-        spread16(w, b6 + o + 192, scr, 1536)
-        spread16(w, b7 + o + 192, scr, 1792)
         d = o + 208
         dw = vec8((half(w, b0 + d), half(w, b1 + d), half(w, b2 + d), half(w, b3 + d),
                    half(w, b4 + d), half(w, b5 + d), half(w, b6 + d), half(w, b7 + d)))  # fmt: skip
         dws = wjoin(dw, dw)
-        for c in range(0, 8, 2):
-            i = 32 * (8 * s + c)
-            p = _q6_k_dots(w, bases, o, c, q, xo + i, scr)
-            dxs = wpair(fload(q, dx + i), fload(q, dx + i + 32))
-            acc = wfma(tofloat16(p), wmul(dws, dxs), acc)
+        i = 256 * s  # the super-block's first activation block, in bytes
+        # chunk pairs 0, 2, 4, 6 (c literal: their scales' lanes are compile-time shuffles)
+        ss = q6_k_scales8(w, bases, o + 192, 0)
+        acc = _q6_k_pair(w, bases, o, 0, q, xo + i, dx + i, ss, dws, acc)
+        ss, i = q6_k_scales8(w, bases, o + 192, 2), i + 64
+        acc = _q6_k_pair(w, bases, o, 2, q, xo + i, dx + i, ss, dws, acc)
+        ss, i = q6_k_scales8(w, bases, o + 192, 4), i + 64
+        acc = _q6_k_pair(w, bases, o, 4, q, xo + i, dx + i, ss, dws, acc)
+        ss, i = q6_k_scales8(w, bases, o + 192, 6), i + 64
+        acc = _q6_k_pair(w, bases, o, 6, q, xo + i, dx + i, ss, dws, acc)
     return fold(acc)
