@@ -113,6 +113,7 @@ class Plan:
 
     stages: tuple[StagePlan, ...]
     context_tokens: int
+    measured: bool = False  # placed by the nodes' measured speeds, not by memory
 
     @property
     def node_ids(self) -> tuple[str, ...]:
@@ -146,7 +147,7 @@ def plan(
         stages = _fit(model, ordered[:count], context_tokens)
         if stages is not None:
             timed = _timed_plan(model, nodes, host_id, context_tokens, counts, stages)
-            return Plan(stages=timed or stages, context_tokens=context_tokens)
+            return Plan(timed or stages, context_tokens, measured=timed is not None)
     raise PlanError(_shortfall_message(model, ordered[: counts[-1]], context_tokens))
 
 
@@ -270,6 +271,18 @@ def _weight_bytes(model: ModelFootprint, start: int, end: int) -> int:
     """Weight bytes a token reads in layers ``[start, end)`` (and the head when last)."""
     head = model.head_bytes if end == model.n_layers else 0
     return sum(model.layer_bytes[start:end]) + head
+
+
+def plan_seconds(
+    model: ModelFootprint, nodes: Sequence[NodeCapacity], stages: Sequence[StagePlan]
+) -> tuple[float, float] | None:
+    """``(one token's time end to end, the slowest stage's time)`` through ``stages``, in
+    seconds, predicted from ``nodes``' measured speeds; None when a stage's node is not
+    among them or is unmeasured."""
+    by_id = {node.node_id: node for node in nodes}
+    if any(by_id.get(s.node_id) is None or by_id[s.node_id].speed is None for s in stages):
+        return None
+    return _cost(model, nodes, stages)
 
 
 def _seconds(node: NodeCapacity, weight_bytes: int) -> float:
