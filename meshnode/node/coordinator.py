@@ -100,6 +100,7 @@ from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.errors import PlanError, RunError
 from meshnode.node.bringup import BringUp, StageState
+from meshnode.node.calibration import calibrate, calibration_needed
 from meshnode.node.decisions import (
     BackedOff,
     BackOff,
@@ -239,7 +240,8 @@ class Coordinator:
         self._hung: list[RemotePipeline] = []  # whose stage-0 compute hangs (stage0_hung)
         # Decode rates observed while serving (node/speeds.py): the next plan uses them.
         self.speeds = SpeedBook()
-        self._why_replace = ""  # why the serving plan is being re-placed (steps 5 and 6)
+        self.why_replace = ""  # why the serving plan is being re-placed (steps 5 and 6)
+        self.calibration = "off" if not settings.calibrate else ""  # the last one's outcome
 
     def _decide(self, event: Any) -> BackOff | Replan | None:
         """Apply ``event`` to the decisions' state (:func:`~meshnode.node.decisions.next_action`)
@@ -274,6 +276,7 @@ class Coordinator:
             # what the serving plan's layer split follows: "speed" once every node is
             # measured and that is faster (docs/placement.md), else "memory"
             "placed_by": "speed" if self._plan and self._plan.measured else "memory",
+            "calibration": self.calibration,
             "cooling_off": self._decided.cooling_off(now),
         }
 
@@ -349,7 +352,7 @@ class Coordinator:
             loss = await self._serve(placed, pipeline, run)
             self._decide(Replaced(loss))
             if loss is None:  # drained: the API answers 503 already
-                reason = f"{self._why_replace}: re-placing"
+                reason = f"{self.why_replace}: re-placing"
             else:
                 self._on_pipeline(None)
                 reason = loss.reason
@@ -383,6 +386,8 @@ class Coordinator:
     async def _serve(self, placed: Plan, pipeline: RemotePipeline, run: BringUp) -> Failure | None:
         """Serve on ``pipeline`` until a stage is lost (the loss) or the plan grows back (None)."""
         regrow_now = announce = True
+        if self.settings.calibrate and await _calibrated_faster(self, placed, pipeline):
+            return None  # re-placed before the API opened
         while True:
             if announce:
                 self._state = MeshState.READY
@@ -397,7 +402,7 @@ class Coordinator:
             if announce:  # else look again, still serving on this pipeline
                 self._state = MeshState.DRAINING
                 self._on_pipeline(None)  # new requests get 503 until the new plan is ready
-                why, waited = self._why_replace, REGROW_IDLE_WAIT_S
+                why, waited = self.why_replace, REGROW_IDLE_WAIT_S
                 if await settled(pipeline, self._run_id, idle=bool(idle), why=why, waited_s=waited):
                     return None
                 regrow_now = False  # until the membership changes again
@@ -428,7 +433,7 @@ class Coordinator:
     async def _plan_when_possible(self) -> Plan:
         self._state = MeshState.PLANNING
         while True:
-            nodes = self._candidates(self.mesh.live_nodes())
+            nodes = self.candidates(self.mesh.live_nodes())
             split = self.settings.split
             if split is not None and not self._decided.first_plan and len(nodes) < split:
                 split = None  # after a loss, serve on what is left rather than not at all
@@ -457,7 +462,7 @@ class Coordinator:
         (:func:`~meshnode.node.planner.should_regrow`); with ``regrow_now`` false, growing
         back waits for the next membership change or the end of a cool-off. ``None`` too
         once the measured speeds call for re-placing (module docstring, step 6)."""
-        checked = pipeline.measured.passes  # the speeds were last weighed at this count
+        meter = pipeline.measured
         while True:
             live = self.mesh.live_nodes()
             live_ids = {n.node_id for n in live}
@@ -467,20 +472,20 @@ class Coordinator:
                 assert isinstance(action, Replan)
                 return action.loss
             if regrow_now and self._wants_regrow(placed, live):
-                self._why_replace = "the planned nodes are back"
+                self.why_replace = "the planned nodes are back"
                 return None
-            if pipeline.measured.passes >= checked + MIN_SAMPLES:
-                checked = pipeline.measured.passes
-                if _faster_by_measure(self, placed, self._candidates(live)):
-                    self._why_replace = "the measured speeds place the layers faster"
+            if meter.passes >= meter.weighed + MIN_SAMPLES:
+                meter.weighed = meter.passes
+                if _faster_by_measure(self, placed, self.candidates(live)):
+                    self.why_replace = "the measured speeds place the layers faster"
                     return None
-            to_measure = checked + MIN_SAMPLES - pipeline.measured.passes
+            to_measure = meter.weighed + MIN_SAMPLES - meter.passes
             changed = await self._wait_changed(pipeline, measured=to_measure)
             regrow_now = True
             if changed:
                 self._decide(MembershipChanged())  # give failed nodes another go
 
-    def _candidates(self, live: list[NodeCapacity]) -> list[NodeCapacity]:
+    def candidates(self, live: list[NodeCapacity]) -> list[NodeCapacity]:
         """The live nodes a plan may use (none kept out), each with its measured decode
         rate where serving has measured one (``speeds``; the planner needs every node's)."""
         kept_out = self._decided.kept_out(trio.current_time())
@@ -491,7 +496,7 @@ class Coordinator:
         ]
 
     def _wants_regrow(self, placed: Plan, live: list[NodeCapacity]) -> bool:
-        wanted = _wanted(self, self._candidates(live))
+        wanted = _wanted(self, self.candidates(live))
         degraded = self._decided.recovering
         return should_regrow(placed, wanted, split=self.settings.split, degraded=degraded)
 
@@ -518,6 +523,21 @@ def _faster_by_measure(coordinator: Coordinator, placed: Plan, nodes: list[NodeC
     assert wanted is not None  # should_replace never moves to no plan
     log.info("measured speeds: %s is faster than %s", _describe(wanted), _describe(placed))
     return True
+
+
+async def _calibrated_faster(
+    coordinator: Coordinator, placed: Plan, pipeline: RemotePipeline
+) -> bool:
+    """Calibrate ``pipeline`` before it serves (:mod:`meshnode.node.calibration`); whether the
+    measured speeds then call for re-placing it at once."""
+    needless = calibration_needed(pipeline, coordinator.speeds)
+    coordinator.calibration = needless or await calibrate(pipeline)
+    pipeline.measured.weighed = pipeline.measured.passes
+    live = coordinator.candidates(coordinator.mesh.live_nodes())
+    if needless is None and _faster_by_measure(coordinator, placed, live):
+        coordinator.why_replace = "calibration placed the layers faster"
+        return True
+    return False
 
 
 def _describe(placed: Plan) -> str:

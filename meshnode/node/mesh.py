@@ -65,3 +65,6 @@ class CoordinatorSettings:
     ring_slots: int = DEFAULT_RING_SLOTS
     # When a pass across the stages counts as lost (``--pass-deadline``).
     pass_deadline: PassDeadline = field(default_factory=PassDeadline)
+    # Time every stage of a new pipeline before it serves (node/calibrate.py). ``join``
+    # always does; tests of other concerns leave it off, so their passes are their own.
+    calibrate: bool = False

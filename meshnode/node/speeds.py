@@ -107,6 +107,7 @@ class PassMeter:
     ) -> None:
         self._book, self._nodes, self._weight_bytes = book, tuple(nodes), tuple(weight_bytes)
         self.passes = 0  # one-row passes so far that timed every stage
+        self.weighed = 0  # ``passes`` when the coordinator last weighed a re-placement
         self._passed = trio.Event()  # set by each of them; wait re-checks
 
     def observe(self, seconds: Sequence[float], rows: int) -> None:

@@ -165,9 +165,12 @@ def split_host(
     hub_ref: tuple[str, Path],
     nursery: trio.Nursery,
     deadline: PassDeadline | None = None,
+    *,
+    calibrate: bool = False,
 ) -> tuple[Coordinator, NextPipeline]:
-    """A ``--split 2`` host on ``mesh``, and a receiver of each pipeline it hands out
-    (None: the old one was dropped), bounded in time."""
+    """A ``--split 2`` host on ``mesh`` (``calibrate``: timing each new pipeline before it
+    serves, as ``join`` does), and a receiver of each pipeline it hands out (None: the old
+    one was dropped), bounded in time."""
     ref, package = hub_ref
     send, pipelines = trio.open_memory_channel[RemotePipeline | None](16)
     settings = CoordinatorSettings(
@@ -175,6 +178,7 @@ def split_host(
         context_size=CONTEXT,
         split=2,
         pass_deadline=deadline or PassDeadline(),
+        calibrate=calibrate,
     )
     coordinator = Coordinator(
         mesh,
