@@ -222,7 +222,18 @@ def _placement_line(host: dict[str, Any]) -> list[str]:
     if not placed:  # a daemon from before the field
         return []
     by = "measured speed" if placed == "speed" else "memory"
-    return [f"placed   by {by}  (calibration: {host.get('calibration') or '-'})"]
+    lines = [f"placed   by {by}  (calibration: {host.get('calibration') or '-'})"]
+    for stage in host.get("stages") or []:
+        if stage.get("offload_bytes"):
+            lines.append(
+                f"warning  {stage['node_id']} reads {_mib(stage['offload_bytes'])} of its "
+                "layers from disk (the mesh's memory is short): its disk bounds decode"
+            )
+    return lines
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
 
 
 def _cooling_off(nodes: dict[str, float] | None) -> str:

@@ -123,6 +123,9 @@ class NodeConfig:
     # The host role (stage 0 and the API): the model to serve and how to place it.
     model: str | None = None
     split: int | None = None
+    # When the mesh's memory is short, serve the weights past it from the memory-mapped
+    # file (node.planner, Larger than memory); ``--no-disk-offload`` waits for nodes instead.
+    disk_offload: bool = True
     context_size: int | None = None
     wire_dtype: str = "f16"
     kv_dtype: str = "auto"  # K/V in the run's CPU caches: f32, f16 (auto: f16 if q8)

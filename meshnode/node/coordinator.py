@@ -187,6 +187,8 @@ def _stage_status(
         "recurrent_bytes": sum(footprint.fixed_layer_bytes[stage.start : stage.end]),
         # the stage's decode rate measured while serving (weight bytes a second), if any
         "decode_bytes_per_s": None if speed is None else round(speed.decode_bytes_per_s),
+        # weight bytes past the node's memory, read from disk as it computes (planner)
+        "offload_bytes": stage.offload_bytes,
     }
 
 
@@ -444,6 +446,7 @@ class Coordinator:
                     host_id=self.mesh.node_id,
                     context_tokens=self.context_size,
                     split=split,
+                    disk_offload=self.settings.disk_offload,
                 )
                 self._decide(Planned())
                 return result
@@ -510,6 +513,7 @@ def _wanted(coordinator: Coordinator, nodes: list[NodeCapacity]) -> Plan | None:
             host_id=coordinator.mesh.node_id,
             context_tokens=coordinator.context_size,
             split=coordinator.settings.split,
+            disk_offload=coordinator.settings.disk_offload,
         )
     except PlanError:
         return None

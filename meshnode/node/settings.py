@@ -284,6 +284,17 @@ SETTINGS: tuple[Setting, ...] = (
         cli="int",
     ),
     Setting(
+        "disk_offload",
+        "model",
+        "disk_offload",
+        "MESHNODE_DISK_OFFLOAD",
+        parse_bool,
+        flag="no-disk-offload",
+        help="Refuse to serve a model larger than the mesh's memory from the memory-mapped "
+        "file (disk offload is on by default; KV never goes to disk).",
+        cli="off",
+    ),
+    Setting(
         "context_size",
         "model",
         "context_size",

@@ -102,3 +102,9 @@ def test_host_status_says_what_the_placement_follows() -> None:
     assert "placed   by memory  (calibration: failed: did not finish within 90 s)" in text
     body["host"].update(placed_by="speed", calibration="measured")
     assert "placed   by measured speed  (calibration: measured)" in format_status(body)
+    assert "from disk" not in format_status(body)
+    body["host"]["stages"][1]["offload_bytes"] = 300 << 20
+    text = format_status(body)
+    assert (
+        "warning  bbbb reads 300 MiB of its layers from disk (the mesh's memory is short)" in text
+    )

@@ -155,7 +155,11 @@ function planSection(status, model) {
 function placement(host) {
   if (!host.placed_by) return null;
   const by = host.placed_by === "speed" ? "placed by measured speed" : "placed by memory";
-  return h("p", { class: "muted", id: "placement" }, `${by} · calibration: ${host.calibration || "–"}`);
+  const offloaded = (host.stages || []).filter((st) => st.offload_bytes > 0)
+    .map((st) => `${st.node_id} reads ${fmtBytes(st.offload_bytes)} of its layers from disk`);
+  const warning = offloaded.length ? ` · memory is short: ${offloaded.join(", ")}` : "";
+  return h("p", { class: "muted", id: "placement" },
+    `${by} · calibration: ${host.calibration || "–"}${warning}`);
 }
 
 function stageRow(st, i) {
