@@ -490,10 +490,12 @@ class Coordinator:
 
     def candidates(self, live: list[NodeCapacity]) -> list[NodeCapacity]:
         """The live nodes a plan may use (none kept out), each with its measured decode
-        rate where serving has measured one (``speeds``; the planner needs every node's)."""
+        rate where serving has measured one (``speeds``; the planner needs every node's),
+        unless the placement is by memory alone."""
         kept_out = self._decided.kept_out(trio.current_time())
+        by_speed = self.settings.place_by_speed
         return [
-            dataclasses.replace(n, speed=self.speeds.speed(n.node_id))
+            dataclasses.replace(n, speed=self.speeds.speed(n.node_id) if by_speed else None)
             for n in live
             if n.node_id not in kept_out
         ]

@@ -68,6 +68,8 @@ class CoordinatorSettings:
     # Time every stage of a new pipeline before it serves (node/calibrate.py). ``join``
     # always does; tests of other concerns leave it off, so their passes are their own.
     calibrate: bool = False
+    # Whether plans use the measured speeds (``--placement speed``) or memory alone.
+    place_by_speed: bool = True
     # Serve weights past the mesh's memory from disk when nothing else fits (planner,
     # Larger than memory; ``--no-disk-offload`` turns it off).
     disk_offload: bool = True
