@@ -12,7 +12,7 @@ one BLAS thread, all with the same ``--max-memory``. For each ``--placements`` v
 fresh mesh serves the model with ``--split 3 --placement P``; once it is ready (with
 ``speed``: calibrated and re-placed before the API opens), ``--rounds`` greedy completions
 of ``--tokens`` tokens are timed one at a time after a warm-up. Printed per placement: each
-stage's node and layers, decode tokens/s (median of the rounds) and the ratio to the first
+stage's node, layers and measured decode rate (weight bytes a second), decode tokens/s (median of the rounds) and the ratio to the first
 placement, and whether the tokens are the same.
 
 ``--model``: ``smollm2`` (SmolLM2-135M, the wheel's GGUF), ``1b`` / ``8b`` (the random-weight
@@ -154,7 +154,12 @@ def run_mesh(lab: NetLab, hosts: dict[str, LabHost], placement: str, args: Any) 
     return {
         "placement": placement,
         "stages": [
-            (names.get(s["node_id"], s["node_id"]), s["layers"], s.get("offload_bytes", 0))
+            (
+                names.get(s["node_id"], s["node_id"]),
+                s["layers"],
+                s.get("offload_bytes", 0),
+                s.get("decode_bytes_per_s") or 0,
+            )
             for s in host["stages"]
         ],
         "placed_by": host.get("placed_by"),
@@ -194,8 +199,9 @@ def main() -> int:
     first = results[0]["tokens_per_s"]
     for r in results:
         stages = ", ".join(
-            f"{n} [{a}:{b})" + (f" {o / 2**20:.0f} MiB from disk" if o else "")
-            for n, (a, b), o in r["stages"]
+            f"{n} [{a}:{b}) {rate / 1e6:.0f} MB/s"
+            + (f" {o / 2**20:.0f} MiB from disk" if o else "")
+            for n, (a, b), o, rate in r["stages"]
         )
         print(
             f"{r['placement']:>7}: {r['tokens_per_s']:.2f} tok/s ({r['tokens_per_s'] / first:.2f}x)"
