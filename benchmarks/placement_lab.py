@@ -8,12 +8,13 @@ Run (root, iproute2, cgroup v1 ``cpu`` mounted at /sys/fs/cgroup/cpu)::
 Three ``meshnode join`` processes, each in its own network namespace on one bridge
 (:class:`tests.lab.netlab.NetLab`), each in a cgroup v1 ``cpu`` group with a CFS quota of
 ``--quota`` percent of one core (default 100, 100 and 30: the third node is throttled) and
-one BLAS thread, all with the same ``--max-memory``. For each ``--placements`` value a
-fresh mesh serves the model with ``--split 3 --placement P``; once it is ready (with
-``speed``: calibrated and re-placed before the API opens), ``--rounds`` greedy completions
-of ``--tokens`` tokens are timed one at a time after a warm-up. Printed per placement: each
-stage's node, layers and measured decode rate (weight bytes a second), decode tokens/s (median of the rounds) and the ratio to the first
-placement, and whether the tokens are the same.
+one BLAS thread, all with the same ``--max-memory``. For each ``--placements`` value a fresh
+mesh serves the model with ``--split 3 --placement P``; once it is ready (with ``speed``:
+calibrated and re-placed before the API opens), ``--rounds`` greedy completions of
+``--tokens`` tokens are timed one at a time after a warm-up. Printed per placement: each
+stage's node, layers and measured decode rate (weight bytes a second), decode tokens/s
+(median of the rounds) and the ratio to the first placement, and whether the tokens are the
+same.
 
 ``--model``: ``smollm2`` (SmolLM2-135M, the wheel's GGUF), ``1b`` / ``8b`` (the random-weight
 real-size shapes of ``benchmarks/realsize_gguf.py``, written into its cache folder if
