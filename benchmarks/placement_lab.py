@@ -20,8 +20,8 @@ same.
 real-size shapes of ``benchmarks/realsize_gguf.py``, written into its cache folder if
 absent; the 8B file is 4.4 GB). With ``--max-memory`` adding up to less than the file (e.g.
 ``--model 8b --max-memory 900MiB`` for 0.6x of it over three nodes) the mesh serves from
-disk (``offload_bytes`` per stage is printed) and ``--placements speed`` alone with
-``--quota 100 100 100`` checks it serves the same tokens as one node (``--single``).
+disk (``offload_bytes`` per stage is printed); the text's digest printed at the end is
+compared with one node's (``--single --max-memory 8GiB``, the whole model in memory).
 Targets (issue 34): the throttled node gets about a third of the others' layers, and decode
 with ``speed`` is at least 1.3x ``memory``'s. Numbers on a shared machine are noisy: run it
 on an idle one.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
 import statistics
 import sys
@@ -211,6 +212,9 @@ def main() -> int:
     texts = [r["texts"] for r in results]
     same = all(len(t) == 1 for t in texts) and len(set().union(*texts)) == 1
     print(f"same tokens in every round and placement: {same}")
+    for r in results:  # to compare runs (one node against the mesh): the text's digest
+        digests = sorted(hashlib.sha256(t.encode()).hexdigest()[:16] for t in r["texts"])
+        print(f"{r['placement']:>7} text sha256: {' '.join(digests)}")
     print(f"load average after: {os.getloadavg()}")
     return 0 if same else 1
 
