@@ -19,7 +19,8 @@ same.
 ``--model``: ``smollm2`` (SmolLM2-135M, the wheel's GGUF), ``1b`` / ``8b`` (the random-weight
 real-size shapes of ``benchmarks/realsize_gguf.py``, written into its cache folder if
 absent; the 8B file is 4.4 GB). With ``--max-memory`` adding up to less than the file (e.g.
-``--model 8b --max-memory 900MiB`` for 0.6x of it over three nodes) the mesh serves from
+``--model 8b --max-memory 900MiB --kv-dtype f16`` for 0.6x of it over three nodes; KV of
+8 sequences of 512 tokens must still fit in memory) the mesh serves from
 disk (``offload_bytes`` per stage is printed); the text's digest printed at the end is
 compared with one node's (``--single --max-memory 8GiB``, the whole model in memory).
 Targets (issue 34): the throttled node gets about a third of the others' layers, and decode
@@ -144,7 +145,7 @@ def run_mesh(lab: NetLab, hosts: dict[str, LabHost], placement: str, args: Any) 
         split = ["--split", "1"] if args.single else ["--split", "3"]
         host_node = spawn(
             "host", *peers, "--model", model, *split, "--placement", placement,
-            "--context", "512", "--speculative", "off",
+            "--context", "512", "--speculative", "off", "--kv-dtype", args.kv_dtype,
         )  # fmt: skip
         want = _single_ready if args.single else placed
         wait_for(lambda: want(host_node), READY_TIMEOUT_S, f"the mesh placed by {placement}")
@@ -186,6 +187,7 @@ def main() -> int:
     parser.add_argument("--max-memory", default="2GiB")
     parser.add_argument("--placements", nargs="+", default=["memory", "speed"])
     parser.add_argument("--single", action="store_true", help="one stage (--split 1) only")
+    parser.add_argument("--kv-dtype", default="auto", help="the host's --kv-dtype (f16 halves KV)")
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason is not None or not (CPU_CGROUP / "cpu.cfs_quota_us").exists():
