@@ -25,10 +25,11 @@ model's stage-0 part to learn its config, then loops:
    ``MIN_SAMPLES`` more one-row passes (:mod:`meshnode.node.speeds`), plan again with the
    measured speeds; when that plan's token is predicted ``MIN_GAIN`` faster than the
    serving one's (:func:`~meshnode.node.speeds.should_replace`), re-place as in 5: between
-   requests, never mid-request. A node that lies about its compute time can move layers
-   to or from itself, so slow the mesh, but every plan still fits in memory and is
-   watched the same way; each re-placement costs a lying node at least ``MIN_SAMPLES``
-   passes of a fresh pipeline.
+   requests, never mid-request, and not before it has served for
+   ``SERVE_BEFORE_REPLACING_S`` (calibration placed it already). A node that lies about
+   its compute time can move layers to or from itself, so slow the mesh, but every plan
+   still fits in memory and is watched the same way, and moves at most once per
+   ``SERVE_BEFORE_REPLACING_S``.
 
 A failed step ``Stop``s every node claimed for the run and replans without the failed node
 (it is excluded until the membership changes again). A node that refused the ``Claim``
@@ -130,7 +131,7 @@ from meshnode.node.planner import (
     stage_weight_bytes,
 )
 from meshnode.node.remote import RemotePipeline, idle_by, is_data_reply
-from meshnode.node.speeds import MIN_SAMPLES, SpeedBook, should_replace
+from meshnode.node.speeds import SpeedBook, should_replace
 from meshnode.node.watch import membership_changed, settled, stage_failure
 
 log = logging.getLogger("meshnode.coordinator")
@@ -465,7 +466,6 @@ class Coordinator:
         (:func:`~meshnode.node.planner.should_regrow`); with ``regrow_now`` false, growing
         back waits for the next membership change or the end of a cool-off. ``None`` too
         once the measured speeds call for re-placing (module docstring, step 6)."""
-        meter = pipeline.measured
         while True:
             live = self.mesh.live_nodes()
             live_ids = {n.node_id for n in live}
@@ -477,13 +477,11 @@ class Coordinator:
             if regrow_now and self._wants_regrow(placed, live):
                 self.why_replace = "the planned nodes are back"
                 return None
-            if meter.passes >= meter.weighed + MIN_SAMPLES:
-                meter.weighed = meter.passes
-                if _faster_by_measure(self, placed, self.candidates(live)):
-                    self.why_replace = "the measured speeds place the layers faster"
-                    return None
-            to_measure = meter.weighed + MIN_SAMPLES - meter.passes
-            changed = await self._wait_changed(pipeline, measured=to_measure)
+            due = pipeline.measured.due(trio.current_time())  # step 6
+            if due and _faster_by_measure(self, placed, self.candidates(live)):
+                self.why_replace = "the measured speeds place the layers faster"
+                return None
+            changed = await self._wait_changed(pipeline, measured=pipeline.measured.to_weigh)
             regrow_now = True
             if changed:
                 self._decide(MembershipChanged())  # give failed nodes another go

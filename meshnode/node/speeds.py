@@ -106,6 +106,7 @@ class PassMeter:
         self, book: SpeedBook | None, nodes: Sequence[str], weight_bytes: Sequence[int]
     ) -> None:
         self._book, self._nodes, self._weight_bytes = book, tuple(nodes), tuple(weight_bytes)
+        self.created = trio.current_time()  # when the pipeline was brought up
         self.passes = 0  # one-row passes so far that timed every stage
         self.weighed = 0  # ``passes`` when the coordinator last weighed a re-placement
         self._passed = trio.Event()  # set by each of them; wait re-checks
@@ -119,6 +120,22 @@ class PassMeter:
             self.passes += 1
             self._passed.set()
 
+    @property
+    def to_weigh(self) -> int:
+        """One-row passes to wait for before asking :meth:`due` again (at least one)."""
+        return max(self.weighed + MIN_SAMPLES - self.passes, 1)
+
+    def due(self, now: float) -> bool:
+        """Whether to weigh a re-placement by speed at trio time ``now``: every stage timed
+        in :data:`MIN_SAMPLES` one-row passes since the last weighing, and the pipeline has
+        served :data:`SERVE_BEFORE_REPLACING_S`. A True marks this weighing done."""
+        if self.passes < self.weighed + MIN_SAMPLES:
+            return False
+        if now - self.created < SERVE_BEFORE_REPLACING_S:
+            return False
+        self.weighed = self.passes
+        return True
+
     async def wait(self, passes: int) -> None:
         """Return once ``passes`` more one-row passes have timed every stage (from now)."""
         target = self.passes + passes
@@ -126,6 +143,12 @@ class PassMeter:
             self._passed = trio.Event()
             await self._passed.wait()
 
+
+#: A pipeline serves this long before its measured speeds may re-place it: calibration
+#: placed it by speed already, and a re-placement while serving costs a Load on every stage
+#: with 503s meanwhile; what is left to catch is a node that got slower for good (a laptop
+#: on battery, a new neighbour), which ten minutes of serving tell from passing noise.
+SERVE_BEFORE_REPLACING_S = 600.0
 
 #: A new plan must make a token at least this much faster to be worth moving a run: moving
 #: costs every stage a Load (seconds) and the prefix caches, and rates wander by ~10 %

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from meshnode.node import calibration, relay, remote
+from meshnode.node import calibration, relay, remote, speeds
 from meshnode.node.coordinator import Coordinator
 from meshnode.node.planner import plan
 from meshnode.node.stage import StageRunner
@@ -55,6 +55,7 @@ async def test_measured_speeds_move_layers_off_a_slow_stage_between_requests(
     tmp_path: Path, hub_ref: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reference = greedy_reference(hub_ref[1])
+    monkeypatch.setattr(speeds, "SERVE_BEFORE_REPLACING_S", 0.0)
     mesh = InMemoryMesh(host_memory=1 << 34)
     async with trio.open_nursery() as nursery:
         add_worker(mesh, "w", tmp_path / "cache", nursery)
