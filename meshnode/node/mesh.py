@@ -71,5 +71,6 @@ class CoordinatorSettings:
     # Whether plans use the measured speeds (``--placement speed``) or memory alone.
     place_by_speed: bool = True
     # Serve weights past the mesh's memory from disk when nothing else fits (planner,
-    # Larger than memory; ``--no-disk-offload`` turns it off).
-    disk_offload: bool = True
+    # Larger than memory). ``join`` does unless ``--no-disk-offload``; tests of other
+    # concerns leave it off, so a mesh short of memory waits for nodes there.
+    disk_offload: bool = False

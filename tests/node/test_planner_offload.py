@@ -3,10 +3,20 @@ memory-mapped file, spread over the nodes by memory; KV always in memory."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import trio
+from meshnode_packaging.refs import open_ref
+
+from meshnode.engine.backend import CpuBackend
 from meshnode.errors import PlanError
+from meshnode.node.coordinator import Coordinator
+from meshnode.node.mesh import CoordinatorSettings
 from meshnode.node.planner import plan
+from meshnode.node.remote import RemotePipeline
+from tests.node.inmemory import BRING_UP_TIMEOUT_S, InMemoryMesh, decode, greedy_reference
+from tests.node.inmemory import CONTEXT as TINY_CONTEXT
 from tests.node.test_planner import CONTEXT, MIB, MODEL, nodes
 
 # The model needs 161 MiB at CONTEXT (120 of layers, 30 of KV, 10 + 1 of embedding and
@@ -50,3 +60,39 @@ def test_a_mesh_that_fits_never_offloads() -> None:
     roomy = nodes(("h", 100), ("a", 100))
     assert plan(MODEL, roomy, "h", CONTEXT, disk_offload=True) == plan(MODEL, roomy, "h", CONTEXT)
     assert all(s.offload_bytes == 0 for s in plan(MODEL, roomy, "h", CONTEXT).stages)
+
+
+async def test_a_host_short_of_memory_serves_from_disk_with_read_ahead(
+    hub_ref: tuple[str, Path],
+) -> None:
+    """Alone, with memory for its KV and half its weights: with disk offload the host serves it (the
+    one-node tokens), reading its layers ahead; the status shows the offloaded bytes."""
+    ref, package = hub_ref
+    source = open_ref(package)
+    mesh = InMemoryMesh(host_memory=0)  # set below, from the host's own footprint
+    served: list[RemotePipeline] = []
+    ready = trio.Event()
+
+    def on_pipeline(pipeline: RemotePipeline | None) -> None:
+        if pipeline is not None:
+            served.append(pipeline)
+            ready.set()
+
+    settings = CoordinatorSettings(model_ref=ref, context_size=TINY_CONTEXT, disk_offload=True)
+    coordinator = Coordinator(
+        mesh, settings, source=source, backend=CpuBackend("native"), on_pipeline=on_pipeline
+    )
+    mesh.coordinator = coordinator
+    footprint = coordinator.footprint
+    kv = footprint.kv_bytes(0, footprint.n_layers, coordinator.context_size)
+    mesh.host_memory = kv + sum(footprint.fixed_layer_bytes) + sum(footprint.layer_bytes) // 2
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(coordinator.run)
+        with trio.move_on_after(BRING_UP_TIMEOUT_S):
+            await ready.wait()
+        assert ready.is_set(), coordinator.status()["error"]  # no plan: it says why
+        (stage,) = coordinator.status()["stages"]
+        assert stage["offload_bytes"] > 0
+        assert served[0].runner.stage.read_ahead is not None
+        assert await decode(served[0]) == greedy_reference(package)
+        nursery.cancel_scope.cancel()
