@@ -199,6 +199,7 @@ def _host_lines(host: dict[str, Any] | None) -> list[str]:
         # The failure that made the last replan, not a present one: "failed" beside a
         # ready run read as if serving had stopped.
         lines.append(f"last failure  {host['last_failure']}")
+    lines += _placement_line(host)
     cooling = _cooling_off(host.get("cooling_off"))
     if cooling:
         lines.append(f"cooling off  {cooling}  (blamed for a stage failure; no plan uses them)")
@@ -213,6 +214,26 @@ def _host_lines(host: dict[str, Any] | None) -> list[str]:
         )
         lines += [f"warning  {w}" for w in spec.get("warnings", [])]
     return lines
+
+
+def _placement_line(host: dict[str, Any]) -> list[str]:
+    """What the layer split follows, and how the stages' speeds were measured (issue 34)."""
+    placed = host.get("placed_by")
+    if not placed:  # a daemon from before the field
+        return []
+    by = "measured speed" if placed == "speed" else "memory"
+    lines = [f"placed   by {by}  (calibration: {host.get('calibration') or '-'})"]
+    for stage in host.get("stages") or []:
+        if stage.get("offload_bytes"):
+            lines.append(
+                f"warning  {stage['node_id']} reads {_mib(stage['offload_bytes'])} of its "
+                "layers from disk (the mesh's memory is short): its disk bounds decode"
+            )
+    return lines
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
 
 
 def _cooling_off(nodes: dict[str, float] | None) -> str:
@@ -232,6 +253,11 @@ def _progress(done: int, total: int) -> str:
     return f"{done / 2**20:.1f}/{total / 2**20:.1f} MiB"
 
 
+def _rate(bytes_per_s: float | None) -> str:
+    """A stage's measured decode rate: weight bytes it reads a second, one row a pass."""
+    return "-" if not bytes_per_s else f"{bytes_per_s / 1e6:.0f} MB/s"
+
+
 def _layers(layers: list[int]) -> str:
     """Layers ``[start, end)`` as the inclusive ``start-last``, so that neighbouring stages
     do not read as overlapping (``0-11``, ``12-29``, not ``0-12``, ``12-30``)."""
@@ -242,12 +268,13 @@ def _layers(layers: list[int]) -> str:
 def _stage_rows(host: dict[str, Any] | None) -> list[tuple[str, ...]]:
     """The plan: one row per stage, in pipeline order."""
     stages = (host or {}).get("stages") or []
-    rows: list[tuple[str, ...]] = [("STAGE", "NODE ID", "LAYERS", "STATE", "PREPARED")]
+    rows: list[tuple[str, ...]] = [("STAGE", "NODE ID", "LAYERS", "STATE", "PREPARED", "DECODE")]
     for index, stage in enumerate(stages):
         extras = [name for name in ("embed", "head") if stage.get(name)]
         layers = _layers(stage["layers"]) + (f" +{'+'.join(extras)}" if extras else "")
         prepared = _progress(stage.get("bytes_done", 0), stage.get("bytes_total", 0))
-        rows.append((str(index), stage["node_id"], layers, stage["state"], prepared))
+        rate = _rate(stage.get("decode_bytes_per_s"))
+        rows.append((str(index), stage["node_id"], layers, stage["state"], prepared, rate))
     return rows if len(rows) > 1 else []
 
 

@@ -173,6 +173,9 @@ class Stage:
         # forward (keep_hidden)
         self._keep_hidden = False
         self._last_hidden: Any = None  # [R, E]
+        # Called with each layer's index + 1 before the layer computes: the read-ahead of a
+        # stage served from disk (engine.readahead); None: its weights are in memory.
+        self.read_ahead: Callable[[int], object] | None = None
         # Gemma scales embeddings by sqrt(hidden) rounded to the activations' dtype first.
         self._embed_scale = np.float32(np.sqrt(config.hidden_size))
         self._hybrid: HybridMixer | None = None
@@ -304,6 +307,8 @@ class Stage:
         normed = self._rms_norm(x, layers[0].attn_norm) if layers else None
         head_norm = self.weights.norm if self.head else None
         for i, layer in enumerate(layers):
+            if self.read_ahead is not None:
+                self.read_ahead(i + 1)
             then = layers[i + 1].attn_norm if i < last else head_norm
             x, normed = self._block(layer, x, normed, segs, plan, i, then)
         if not layers:

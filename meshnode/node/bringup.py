@@ -46,6 +46,7 @@ from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.constraint import Grammars
 from meshnode.engine.model import Stage
+from meshnode.engine.readahead import read_ahead
 from meshnode.errors import RunError
 from meshnode.net.stream import SEND_ERRORS
 from meshnode.node import heap
@@ -180,7 +181,7 @@ class BringUp:
             ready = await self._request(
                 stage.node_id,
                 receivers,
-                self._load(stage, upstream.node_id, downstream),
+                _load(self, stage, upstream.node_id, downstream),
                 Ready,
                 timeout_s=LOAD_TIMEOUT_S,
             )
@@ -223,25 +224,6 @@ class BringUp:
             package_ref=self.settings.model_ref,
         )
 
-    def _load(self, stage: StagePlan, upstream: str, downstream: StagePlan | None) -> Load:
-        return Load(
-            run_id=self.run_id,
-            term=self.term,
-            package_ref=self.settings.model_ref,
-            manifest_sha256="",
-            layer_range=(stage.start, stage.end),
-            has_embed=stage.embed,
-            has_head=stage.head,
-            upstream=self.mesh.peer_info(upstream),
-            # The last stage's downstream is the host: its Predictions come straight back.
-            downstream=self.mesh.peer_info(downstream.node_id if downstream else self.mesh.node_id),
-            wire_dtype=self.settings.wire_dtype,
-            context_size=self.context_size,
-            batch_sizes=(1,),
-            kv_dtype=self.settings.kv_dtype,
-            ring_slots=self.settings.ring_slots,
-        )
-
     async def _prepare_local(self, stage: StagePlan, box: list[StageRunner]) -> None:
         self.stage_state[stage.node_id] = StageState.PREPARING
         part = Part(stage.start, stage.end, embed=True, head=stage.head)
@@ -263,6 +245,7 @@ class BringUp:
                 ring_slots=self.settings.ring_slots,
                 kv_dtype=self.settings.kv_dtype,
             )
+            read_ahead(engine_stage, short=stage.offload_bytes > 0)  # layers from disk
             runner = StageRunner(
                 engine_stage,
                 context_size=self.context_size,
@@ -425,3 +408,24 @@ def _leaves(group: BaseExceptionGroup[RunError]) -> list[BaseException]:
     for exc in group.exceptions:
         out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
     return out
+
+
+def _load(run: BringUp, stage: StagePlan, upstream: str, downstream: StagePlan | None) -> Load:
+    """The ``Load`` of ``stage`` in ``run``, between ``upstream`` and ``downstream``."""
+    return Load(
+        run_id=run.run_id,
+        term=run.term,
+        package_ref=run.settings.model_ref,
+        manifest_sha256="",
+        layer_range=(stage.start, stage.end),
+        has_embed=stage.embed,
+        has_head=stage.head,
+        upstream=run.mesh.peer_info(upstream),
+        # The last stage's downstream is the host: its Predictions come straight back.
+        downstream=run.mesh.peer_info(downstream.node_id if downstream else run.mesh.node_id),
+        wire_dtype=run.settings.wire_dtype,
+        context_size=run.context_size,
+        batch_sizes=(1,),
+        kv_dtype=run.settings.kv_dtype,
+        ring_slots=run.settings.ring_slots,
+    )

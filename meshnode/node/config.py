@@ -123,6 +123,12 @@ class NodeConfig:
     # The host role (stage 0 and the API): the model to serve and how to place it.
     model: str | None = None
     split: int | None = None
+    # When the mesh's memory is short, serve the weights past it from the memory-mapped
+    # file (node.planner, Larger than memory); ``--no-disk-offload`` waits for nodes instead.
+    disk_offload: bool = True
+    # "speed": the plan follows the stages' measured speeds (calibrated before serving);
+    # "memory": memory alone, for comparisons and meshes whose speeds wander (node.planner).
+    placement: str = "speed"
     context_size: int | None = None
     wire_dtype: str = "f16"
     kv_dtype: str = "auto"  # K/V in the run's CPU caches: f32, f16 (auto: f16 if q8)

@@ -21,6 +21,15 @@ model's stage-0 part to learn its config, then loops:
    the old pipeline first (a drain). A drain that does not finish within
    ``REGROW_DRAIN_TIMEOUT_S`` is abandoned: serving resumes on the old pipeline and the
    next membership change tries again. No request in flight is failed by a regrow.
+6. **re-place by measured speed**: each time every stage of the pipeline has timed
+   ``MIN_SAMPLES`` more one-row passes (:mod:`meshnode.node.speeds`), plan again with the
+   measured speeds; when that plan's token is predicted ``MIN_GAIN`` faster than the
+   serving one's (:func:`~meshnode.node.speeds.should_replace`), re-place as in 5: between
+   requests, never mid-request, and not before it has served for
+   ``SERVE_BEFORE_REPLACING_S`` (calibration placed it already). A node that lies about
+   its compute time can move layers to or from itself, so slow the mesh, but every plan
+   still fits in memory and is watched the same way, and moves at most once per
+   ``SERVE_BEFORE_REPLACING_S``.
 
 A failed step ``Stop``s every node claimed for the run and replans without the failed node
 (it is excluded until the membership changes again). A node that refused the ``Claim``
@@ -68,7 +77,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-import math
 import secrets
 import time
 from collections.abc import Callable
@@ -93,6 +101,7 @@ from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.errors import PlanError, RunError
 from meshnode.node.bringup import BringUp, StageState
+from meshnode.node.calibration import calibrate, calibration_needed
 from meshnode.node.decisions import (
     BackedOff,
     BackOff,
@@ -107,7 +116,6 @@ from meshnode.node.decisions import (
     Replan,
     Serving,
     Stage0Hung,
-    StageFailed,
     next_action,
 )
 from meshnode.node.footprint import model_footprint, served_context
@@ -123,13 +131,11 @@ from meshnode.node.planner import (
     stage_weight_bytes,
 )
 from meshnode.node.remote import RemotePipeline, idle_by, is_data_reply
-from meshnode.node.speeds import SpeedBook
+from meshnode.node.speeds import SpeedBook, should_replace
+from meshnode.node.watch import membership_changed, settled, stage_failure
 
 log = logging.getLogger("meshnode.coordinator")
 
-# Longest wait for the requests in flight before a regrow: a request is bounded by its
-# context, and a few minutes covers the default context decoded on a slow CPU mesh.
-REGROW_DRAIN_TIMEOUT_S = 300.0
 # How long the host keeps admitting requests after the planned nodes are back, waiting for
 # a moment with none in flight to re-place the model: only past it does it drain (503s).
 REGROW_IDLE_WAIT_S = 30.0
@@ -182,6 +188,8 @@ def _stage_status(
         "recurrent_bytes": sum(footprint.fixed_layer_bytes[stage.start : stage.end]),
         # the stage's decode rate measured while serving (weight bytes a second), if any
         "decode_bytes_per_s": None if speed is None else round(speed.decode_bytes_per_s),
+        # weight bytes past the node's memory, read from disk as it computes (planner)
+        "offload_bytes": stage.offload_bytes,
     }
 
 
@@ -235,6 +243,8 @@ class Coordinator:
         self._hung: list[RemotePipeline] = []  # whose stage-0 compute hangs (stage0_hung)
         # Decode rates observed while serving (node/speeds.py): the next plan uses them.
         self.speeds = SpeedBook()
+        self.why_replace = ""  # why the serving plan is being re-placed (steps 5 and 6)
+        self.calibration = "off" if not settings.calibrate else ""  # the last one's outcome
 
     def _decide(self, event: Any) -> BackOff | Replan | None:
         """Apply ``event`` to the decisions' state (:func:`~meshnode.node.decisions.next_action`)
@@ -266,6 +276,10 @@ class Coordinator:
             "context_size": self.context_size,
             "wire_dtype": self.settings.wire_dtype,
             "stages": stages,
+            # what the serving plan's layer split follows: "speed" once every node is
+            # measured and that is faster (docs/placement.md), else "memory"
+            "placed_by": "speed" if self._plan and self._plan.measured else "memory",
+            "calibration": self.calibration,
             "cooling_off": self._decided.cooling_off(now),
         }
 
@@ -341,7 +355,7 @@ class Coordinator:
             loss = await self._serve(placed, pipeline, run)
             self._decide(Replaced(loss))
             if loss is None:  # drained: the API answers 503 already
-                reason = "the planned nodes are back: the plan grows back"
+                reason = f"{self.why_replace}: re-placing"
             else:
                 self._on_pipeline(None)
                 reason = loss.reason
@@ -375,6 +389,8 @@ class Coordinator:
     async def _serve(self, placed: Plan, pipeline: RemotePipeline, run: BringUp) -> Failure | None:
         """Serve on ``pipeline`` until a stage is lost (the loss) or the plan grows back (None)."""
         regrow_now = announce = True
+        if self.settings.calibrate and await _calibrated_faster(self, placed, pipeline):
+            return None  # re-placed before the API opened
         while True:
             if announce:
                 self._state = MeshState.READY
@@ -389,7 +405,8 @@ class Coordinator:
             if announce:  # else look again, still serving on this pipeline
                 self._state = MeshState.DRAINING
                 self._on_pipeline(None)  # new requests get 503 until the new plan is ready
-                if await _settled(pipeline, self._run_id, idle=bool(idle)):
+                why, waited = self.why_replace, REGROW_IDLE_WAIT_S
+                if await settled(pipeline, self._run_id, idle=bool(idle), why=why, waited_s=waited):
                     return None
                 regrow_now = False  # until the membership changes again
 
@@ -407,16 +424,19 @@ class Coordinator:
         log.warning("run %s: %s; probe: %s; blamed: %s", self._run_id, reason, answers, loss.node)
         return loss
 
-    async def _wait_changed(self, pipeline: RemotePipeline | None = None) -> bool:
-        """Wait for a membership change (True), or for ``pipeline`` to fail or a node left
-        out to come back by itself (False)."""
+    async def _wait_changed(
+        self, pipeline: RemotePipeline | None = None, measured: int = 0
+    ) -> bool:
+        """Wait for a membership change (True), or for ``pipeline`` to fail, to time every
+        stage in ``measured`` more one-row passes (if above 0), or a node left out to come
+        back by itself (False)."""
         until = self._decided.wake_at(trio.current_time())
-        return await _membership_changed(self.mesh, pipeline, until)
+        return await membership_changed(self.mesh, pipeline, until, measured=measured)
 
     async def _plan_when_possible(self) -> Plan:
         self._state = MeshState.PLANNING
         while True:
-            nodes = self._candidates(self.mesh.live_nodes())
+            nodes = self.candidates(self.mesh.live_nodes())
             split = self.settings.split
             if split is not None and not self._decided.first_plan and len(nodes) < split:
                 split = None  # after a loss, serve on what is left rather than not at all
@@ -427,6 +447,7 @@ class Coordinator:
                     host_id=self.mesh.node_id,
                     context_tokens=self.context_size,
                     split=split,
+                    disk_offload=self.settings.disk_offload,
                 )
                 self._decide(Planned())
                 return result
@@ -443,112 +464,84 @@ class Coordinator:
         """The first loss of a stage (``node`` None when the pipeline failed without
         naming it), or ``None`` once the plan should grow back
         (:func:`~meshnode.node.planner.should_regrow`); with ``regrow_now`` false, growing
-        back waits for the next membership change or the end of a cool-off."""
+        back waits for the next membership change or the end of a cool-off. ``None`` too
+        once the measured speeds call for re-placing (module docstring, step 6)."""
         while True:
             live = self.mesh.live_nodes()
             live_ids = {n.node_id for n in live}
-            event = _stage_failure(placed, pipeline, live_ids, host=self.mesh.node_id)
+            event = stage_failure(placed, pipeline, live_ids, host=self.mesh.node_id)
             if event is not None:
                 action = self._decide(event)
                 assert isinstance(action, Replan)
                 return action.loss
             if regrow_now and self._wants_regrow(placed, live):
+                self.why_replace = "the planned nodes are back"
                 return None
-            changed = await self._wait_changed(pipeline)
+            due = pipeline.measured.due(trio.current_time())  # step 6
+            if due and _faster_by_measure(self, placed, self.candidates(live)):
+                self.why_replace = "the measured speeds place the layers faster"
+                return None
+            changed = await self._wait_changed(pipeline, measured=pipeline.measured.to_weigh)
             regrow_now = True
             if changed:
                 self._decide(MembershipChanged())  # give failed nodes another go
 
-    def _candidates(self, live: list[NodeCapacity]) -> list[NodeCapacity]:
+    def candidates(self, live: list[NodeCapacity]) -> list[NodeCapacity]:
         """The live nodes a plan may use (none kept out), each with its measured decode
-        rate where serving has measured one (``speeds``; the planner needs every node's)."""
+        rate where serving has measured one (``speeds``; the planner needs every node's),
+        unless the placement is by memory alone."""
         kept_out = self._decided.kept_out(trio.current_time())
+        by_speed = self.settings.place_by_speed
         return [
-            dataclasses.replace(n, speed=self.speeds.speed(n.node_id))
+            dataclasses.replace(n, speed=self.speeds.speed(n.node_id) if by_speed else None)
             for n in live
             if n.node_id not in kept_out
         ]
 
     def _wants_regrow(self, placed: Plan, live: list[NodeCapacity]) -> bool:
-        nodes = self._candidates(live)
-        try:
-            wanted: Plan | None = plan(
-                self.footprint,
-                nodes,
-                host_id=self.mesh.node_id,
-                context_tokens=self.context_size,
-                split=self.settings.split,
-            )
-        except PlanError:
-            wanted = None
+        wanted = _wanted(self, self.candidates(live))
         degraded = self._decided.recovering
         return should_regrow(placed, wanted, split=self.settings.split, degraded=degraded)
 
-    # -- bring-up -----------------------------------------------------------------------
+
+def _wanted(coordinator: Coordinator, nodes: list[NodeCapacity]) -> Plan | None:
+    """The plan the planner makes now over ``nodes`` with ``--split`` as asked, if any."""
+    try:
+        return plan(
+            coordinator.footprint,
+            nodes,
+            host_id=coordinator.mesh.node_id,
+            context_tokens=coordinator.context_size,
+            split=coordinator.settings.split,
+            disk_offload=coordinator.settings.disk_offload,
+        )
+    except PlanError:
+        return None
 
 
-async def _settled(pipeline: RemotePipeline, run_id: str, *, idle: bool) -> bool:
-    """Whether the model may be re-placed now that the API answers 503: at once when
-    ``pipeline`` went ``idle`` (no checkpoint since: no request came); else once the
-    requests in flight finish, False when they have not within ``REGROW_DRAIN_TIMEOUT_S``
-    (the regrow is put off)."""
-    if idle:
-        log.info("the planned nodes are back: re-placing between requests")
-        return True
-    log.info(
-        "the planned nodes are back and requests kept coming for %.0f s: draining %s to re-place",
-        REGROW_IDLE_WAIT_S,
-        run_id,
-    )
-    with trio.move_on_after(REGROW_DRAIN_TIMEOUT_S):
-        await pipeline.wait_idle()
-        return True
-    log.warning("requests in flight after %.0f s: regrow put off", REGROW_DRAIN_TIMEOUT_S)
-    return False
+def _faster_by_measure(coordinator: Coordinator, placed: Plan, nodes: list[NodeCapacity]) -> bool:
+    """Whether the measured speeds of ``nodes`` call for re-placing ``placed`` (step 6)."""
+    wanted = _wanted(coordinator, nodes)
+    if not should_replace(coordinator.footprint, placed, wanted, nodes):
+        return False
+    assert wanted is not None  # should_replace never moves to no plan
+    log.info("measured speeds: %s is faster than %s", _describe(wanted), _describe(placed))
+    return True
 
 
-async def _membership_changed(
-    mesh: MeshView, pipeline: RemotePipeline | None, until: float | None
+async def _calibrated_faster(
+    coordinator: Coordinator, placed: Plan, pipeline: RemotePipeline
 ) -> bool:
-    """Wait for a membership change (True), or for ``pipeline`` to fail or the trio time
-    ``until`` (False)."""
-    changed = False
-    membership_changed = mesh.membership_event()  # before any checkpoint
-    with trio.move_on_at(math.inf if until is None else until):
-        async with trio.open_nursery() as nursery:
-
-            async def membership() -> None:
-                nonlocal changed
-                await membership_changed.wait()
-                changed = True
-                nursery.cancel_scope.cancel()
-
-            async def failure(failed: trio.Event) -> None:
-                await failed.wait()
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(membership)
-            if pipeline is not None:
-                nursery.start_soon(failure, pipeline.failed)
-    return changed
-
-
-def _stage_failure(
-    placed: Plan, pipeline: RemotePipeline, live_ids: set[str], *, host: str
-) -> StageFailed | None:
-    """How ``pipeline`` of ``placed`` ended, if it did: a goodbye (neither kept out nor
-    blamed), a stage the membership lost, or a failure naming its node (kept out until
-    the membership changes, never the host itself) or not (``node`` None: blame it)."""
-    failure = pipeline.failure
-    if failure is not None and failure.left:
-        return StageFailed(failure.node, str(failure), left=True)
-    for stage in placed.stages:
-        if stage.node_id not in live_ids:
-            return StageFailed(stage.node_id, f"stage node {stage.node_id} was lost")
-    if failure is not None:
-        exclude = failure.node not in (None, host)
-        return StageFailed(failure.node, str(failure), exclude=exclude)
-    return None
+    """Calibrate ``pipeline`` before it serves (:mod:`meshnode.node.calibration`); whether the
+    measured speeds then call for re-placing it at once."""
+    needless = calibration_needed(pipeline, coordinator.speeds)
+    coordinator.calibration = needless or await calibrate(pipeline)
+    pipeline.measured.weighed = pipeline.measured.passes
+    live = coordinator.candidates(coordinator.mesh.live_nodes())
+    if needless is None and _faster_by_measure(coordinator, placed, live):
+        coordinator.why_replace = "calibration placed the layers faster"
+        return True
+    return False
 
 
 def _describe(placed: Plan) -> str:

@@ -136,11 +136,11 @@ def check_load(
     context_size: int,
     memory_bytes: int | None,
     kv_dtype: str = "f32",
-) -> None:
+) -> int:
     """Refuse (``RunError``) a ``Load`` whose context the model cannot hold, whose KV
     alone would take more than the ``memory_bytes`` this node offers (another node chose
     the context, and every sequence preallocates it), or whose KV dtype a stage does not
-    keep (f32, f16)."""
+    keep (f32, f16). Returns the KV bytes it would take."""
     if kv_dtype not in ("f32", "f16"):
         raise RunError(f"Load asks for KV dtype {kv_dtype!r}; a stage keeps f32 or f16")
     limit = config.max_position_embeddings
@@ -154,3 +154,4 @@ def check_load(
             f"Load asks for a context of {context_size} tokens: its KV cache alone would take "
             f"{kv / 2**20:.0f} MiB, more than the {memory_bytes / 2**20:.0f} MiB this node offers"
         )
+    return kv

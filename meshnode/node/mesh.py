@@ -65,3 +65,12 @@ class CoordinatorSettings:
     ring_slots: int = DEFAULT_RING_SLOTS
     # When a pass across the stages counts as lost (``--pass-deadline``).
     pass_deadline: PassDeadline = field(default_factory=PassDeadline)
+    # Time every stage of a new pipeline before it serves (node/calibrate.py). ``join``
+    # always does; tests of other concerns leave it off, so their passes are their own.
+    calibrate: bool = False
+    # Whether plans use the measured speeds (``--placement speed``) or memory alone.
+    place_by_speed: bool = True
+    # Serve weights past the mesh's memory from disk when nothing else fits (planner,
+    # Larger than memory). ``join`` does unless ``--no-disk-offload``; tests of other
+    # concerns leave it off, so a mesh short of memory waits for nodes there.
+    disk_offload: bool = False

@@ -159,6 +159,13 @@ def parse_wire_dtype(v: object) -> str:
     return s
 
 
+def parse_placement(v: object) -> str:
+    s = parse_str(v).lower()
+    if s not in {"speed", "memory"}:
+        raise ConfigError(f"placement must be speed or memory, got {s!r}")
+    return s
+
+
 def parse_origin(v: object) -> str:
     s = parse_str(v).strip().rstrip("/")
     if s == "*":

@@ -27,6 +27,15 @@ bound with many streams), then the sum; among stage counts, the one whose token 
 least time end to end (stage times plus hops to the host) wins, fewer stages on ties. A
 measured plan is taken only when it is strictly faster than the memory-weighted plan of the
 same nodes, so a tie or a missing measurement gives today's plan.
+
+**Larger than memory.** When no set of stages fits, and disk offload is allowed (it is
+unless ``--no-disk-offload``), the planner places the model on every candidate node anyway,
+memory-weighted past 100 %: each node's share of the shortfall is in proportion to its
+memory. A stage's KV (and recurrent state) must still fit in its memory, since KV never
+goes to disk; what its weights take beyond the rest of its memory
+(``StagePlan.offload_bytes``) stays in the memory-mapped file and is read from disk as the
+stage computes, with read-ahead of the next layer (``meshnode.engine.readahead``). Such a
+plan is never timed: its speed is its disks'.
 """
 
 from __future__ import annotations
@@ -105,6 +114,9 @@ class StagePlan:
     embed: bool
     head: bool
     memory_bytes: int
+    # bytes past the node's usable memory, served from the memory-mapped file (module
+    # docstring, Larger than memory); 0 when the stage fits
+    offload_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +125,7 @@ class Plan:
 
     stages: tuple[StagePlan, ...]
     context_tokens: int
+    measured: bool = False  # placed by the nodes' measured speeds, not by memory
 
     @property
     def node_ids(self) -> tuple[str, ...]:
@@ -125,12 +138,17 @@ def plan(
     host_id: str,
     context_tokens: int,
     split: int | None = None,
+    *,
+    disk_offload: bool = False,
 ) -> Plan:
-    """Return the plan with the fewest stages that fit (exactly ``split`` stages if given).
+    """Return the plan with the fewest stages that fit (exactly ``split`` stages if given);
+    with ``disk_offload``, when none fits, the plan over every candidate node (or ``split``)
+    that serves its weights past memory from disk (module docstring).
 
     Raises:
         PlanError: the host is not among ``nodes``, ``split`` cannot be honoured, or the model
-            does not fit; the message says how much memory is missing.
+            does not fit (with ``disk_offload``: not even its KV); the message says how much
+            memory is missing.
     """
     ordered = _candidate_order(nodes, host_id)
     if split is not None:
@@ -146,8 +164,15 @@ def plan(
         stages = _fit(model, ordered[:count], context_tokens)
         if stages is not None:
             timed = _timed_plan(model, nodes, host_id, context_tokens, counts, stages)
-            return Plan(stages=timed or stages, context_tokens=context_tokens)
-    raise PlanError(_shortfall_message(model, ordered[: counts[-1]], context_tokens))
+            return Plan(timed or stages, context_tokens, measured=timed is not None)
+    short = _shortfall_message(model, ordered[: counts[-1]], context_tokens)
+    if not disk_offload:
+        raise PlanError(f"{short} (disk offload is off: --no-disk-offload)")
+    nodes_used = ordered[: counts[-1]]
+    stages = _fit(model, nodes_used, context_tokens, alpha_max=_offload_alpha(model, nodes_used))
+    if stages is None:
+        raise PlanError(f"{short}; not even with disk offload: a stage's KV must fit in memory")
+    return Plan(stages, context_tokens)
 
 
 def _candidate_order(
@@ -177,10 +202,26 @@ def _stage_bytes(model: ModelFootprint, start: int, end: int, context_tokens: in
     return total
 
 
+def _resident_bytes(model: ModelFootprint, start: int, end: int, context_tokens: int) -> int:
+    """What a stage must hold in memory whatever is offloaded: its KV and recurrent state."""
+    fixed = sum(model.fixed_layer_bytes[start:end])
+    return model.kv_bytes(start, end, context_tokens) + fixed
+
+
+def _offload_alpha(model: ModelFootprint, nodes: Sequence[NodeCapacity]) -> float:
+    """A fill fraction at which any one node's budget holds the whole model: the upper end
+    of the search when weights may go past memory."""
+    whole = sum(model.layer_bytes) + model.embed_bytes * 2 + model.head_bytes
+    whole += sum(model.fixed_layer_bytes)
+    smallest = min(node.usable_memory_bytes for node in nodes)
+    return max(1.0, whole / max(smallest, 1) + 1.0)
+
+
 def _greedy(
     model: ModelFootprint, nodes: Sequence[NodeCapacity], context_tokens: int, alpha: float
 ) -> list[tuple[int, int]] | None:
-    """Fill nodes left to right up to ``alpha`` of their memory; None if layers are left."""
+    """Fill nodes left to right up to ``alpha`` of their memory (past 100 % only for
+    weights: KV must fit in memory); None if layers are left."""
     ranges: list[tuple[int, int]] = []
     start = 0
     for index, node in enumerate(nodes):
@@ -188,7 +229,11 @@ def _greedy(
         # Leave at least one layer for every node still to come, so no stage is empty.
         limit = model.n_layers - (len(nodes) - index - 1)
         end = start
-        while end < limit and _stage_bytes(model, start, end + 1, context_tokens) <= budget:
+        while (
+            end < limit
+            and _stage_bytes(model, start, end + 1, context_tokens) <= budget
+            and _resident_bytes(model, start, end + 1, context_tokens) <= node.usable_memory_bytes
+        ):
             end += 1
         if end == start:
             return None
@@ -198,11 +243,14 @@ def _greedy(
 
 
 def _fit(
-    model: ModelFootprint, nodes: Sequence[NodeCapacity], context_tokens: int
+    model: ModelFootprint,
+    nodes: Sequence[NodeCapacity],
+    context_tokens: int,
+    alpha_max: float = 1.0,
 ) -> tuple[StagePlan, ...] | None:
-    if _greedy(model, nodes, context_tokens, 1.0) is None:
+    if _greedy(model, nodes, context_tokens, alpha_max) is None:
         return None
-    low, high = 0.0, 1.0
+    low, high = 0.0, alpha_max
     for _ in range(_ALPHA_STEPS):
         middle = (low + high) / 2
         if _greedy(model, nodes, context_tokens, middle) is None:
@@ -220,17 +268,21 @@ def _stages(
     ranges: Sequence[tuple[int, int]],
     context_tokens: int,
 ) -> tuple[StagePlan, ...]:
-    return tuple(
-        StagePlan(
-            node_id=node.node_id,
-            start=start,
-            end=end,
-            embed=start == 0,
-            head=end == model.n_layers,
-            memory_bytes=_stage_bytes(model, start, end, context_tokens),
+    stages = []
+    for node, (start, end) in zip(nodes, ranges, strict=True):
+        memory = _stage_bytes(model, start, end, context_tokens)
+        stages.append(
+            StagePlan(
+                node_id=node.node_id,
+                start=start,
+                end=end,
+                embed=start == 0,
+                head=end == model.n_layers,
+                memory_bytes=memory,
+                offload_bytes=max(0, memory - node.usable_memory_bytes),
+            )
         )
-        for node, (start, end) in zip(nodes, ranges, strict=True)
-    )
+    return tuple(stages)
 
 
 def _timed_plan(
@@ -270,6 +322,18 @@ def _weight_bytes(model: ModelFootprint, start: int, end: int) -> int:
     """Weight bytes a token reads in layers ``[start, end)`` (and the head when last)."""
     head = model.head_bytes if end == model.n_layers else 0
     return sum(model.layer_bytes[start:end]) + head
+
+
+def plan_seconds(
+    model: ModelFootprint, nodes: Sequence[NodeCapacity], stages: Sequence[StagePlan]
+) -> tuple[float, float] | None:
+    """``(one token's time end to end, the slowest stage's time)`` through ``stages``, in
+    seconds, predicted from ``nodes``' measured speeds; None when a stage's node is not
+    among them or is unmeasured."""
+    by_id = {node.node_id: node for node in nodes}
+    if any(by_id.get(s.node_id) is None or by_id[s.node_id].speed is None for s in stages):
+        return None
+    return _cost(model, nodes, stages)
 
 
 def _seconds(node: NodeCapacity, weight_bytes: int) -> float:

@@ -72,7 +72,7 @@ from meshnode.node.pipeline import (
     StepResult,
 )
 from meshnode.node.prefix import PrefixIndex, note_pass, note_release
-from meshnode.node.speeds import SpeedBook
+from meshnode.node.speeds import PassMeter, SpeedBook
 from meshnode.node.stage import StageRunner, step_activations, step_results
 from meshnode.node.wire import WireSequences, frame_to_wire, result_from_wire
 
@@ -276,8 +276,7 @@ class RemotePipeline:
         self.deadline = deadline or PassDeadline()
         # One-row passes' stage times, as decode rates the planner can use (node/speeds.py):
         # each stage's weight bytes over its compute time.
-        self._speeds = speeds
-        self._stage_weight_bytes = tuple(stage_weight_bytes)
+        self.measured = PassMeter(speeds, self.stage_nodes, stage_weight_bytes)
         # Set once, by the first failure: every later run fails with it (module docstring).
         self.failure: StageLostError | None = None
         self.failed = trio.Event()  # set with ``failure``: the coordinator watches it
@@ -321,10 +320,7 @@ class RemotePipeline:
         # the frame); stage 0's is measured here. A member's list is cut to the run's
         # stages: each entry becomes a metrics series (issue 36, item 10).
         stages = (waiter.local_s, *waiter.result.stage_compute_s)[: len(self.stage_nodes)]
-        if self._speeds is not None:
-            self._speeds.observe_pass(
-                self.stage_nodes, self._stage_weight_bytes, stages, waiter.rows
-            )
+        self.measured.observe(stages, waiter.rows)
         return dataclasses.replace(
             waiter.result,
             request_id=frame.request_id,

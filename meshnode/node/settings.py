@@ -29,6 +29,7 @@ from meshnode.node.parsers import (
     parse_path,
     parse_paths,
     parse_peers,
+    parse_placement,
     parse_positive_float,
     parse_positive_int,
     parse_weights_dtype,
@@ -282,6 +283,26 @@ SETTINGS: tuple[Setting, ...] = (
         parse_positive_int,
         help="Exactly this many stages, when that many nodes are up.",
         cli="int",
+    ),
+    Setting(
+        "placement",
+        "model",
+        "placement",
+        "MESHNODE_PLACEMENT",
+        parse_placement,
+        help="How layers are split: speed (measured before and while serving; memory until "
+        "every node is measured) or memory (by memory alone, never re-placed by speed).",
+    ),
+    Setting(
+        "disk_offload",
+        "model",
+        "disk_offload",
+        "MESHNODE_DISK_OFFLOAD",
+        parse_bool,
+        flag="no-disk-offload",
+        help="Refuse to serve a model larger than the mesh's memory from the memory-mapped "
+        "file (disk offload is on by default; KV never goes to disk).",
+        cli="off",
     ),
     Setting(
         "context_size",

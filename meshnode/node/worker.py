@@ -77,6 +77,7 @@ from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.constraint import Grammars
 from meshnode.engine.model import Stage
+from meshnode.engine.readahead import read_ahead
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, MAX_RING_SLOTS
 from meshnode.errors import RunError
 from meshnode.net.stream import SEND_ERRORS
@@ -472,7 +473,7 @@ def build_runner(
             f"{MAX_RING_SLOTS}"
         )
     config = ModelConfig.from_hf(source.config)
-    check_load(config, start, end, load.context_size, memory_bytes, load.kv_dtype)
+    kv = check_load(config, start, end, load.context_size, memory_bytes, load.kv_dtype)
     stage = Stage(
         config,
         source,
@@ -484,6 +485,8 @@ def build_runner(
         ring_slots=load.ring_slots or DEFAULT_RING_SLOTS,
         kv_dtype=load.kv_dtype,
     )
+    # the mesh is short of memory: some of the layers come from disk (planner)
+    read_ahead(stage, short=memory_bytes is not None and stage.weights.nbytes() + kv > memory_bytes)
     # Only a last stage enforces grammars; it reads the tokenizer at its first one.
     grammars = Grammars(lambda: source.tokenizer_json, config.vocab_size, config.eos_token_ids)
     runner = StageRunner(

@@ -325,14 +325,35 @@ def forget_pages(view: np.ndarray[Any, Any]) -> None:
     stay resident beside it (SmolLM2's Q/K rows, put back in order: 7.9 MiB). A later
     read maps them again from the page cache. Nothing happens for any other array.
     """
-    base: Any = view
-    while isinstance(base, np.ndarray):
-        base = base.base
-    held = base.obj if isinstance(base, memoryview) else base
-    if not isinstance(held, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+    mapped = _mapped(view)
+    if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
         return
-    start = view.ctypes.data - np.frombuffer(held, np.uint8).ctypes.data
+    held, start = mapped
     first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages only: the neighbours'
     last = (start + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE  # bytes stay mapped
     if last > first:
         held.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def will_need(view: np.ndarray[Any, Any]) -> bool:
+    """Start reading the pages under ``view``, a view of a file's map, into memory ahead of
+    their use (``MADV_WILLNEED``: the kernel's read-ahead, asynchronous; it returns at
+    once). False, doing nothing, for any other array or where the call is missing."""
+    mapped = _mapped(view)
+    if mapped is None or not hasattr(mmap, "MADV_WILLNEED"):
+        return False
+    held, start = mapped
+    first = start // mmap.PAGESIZE * mmap.PAGESIZE  # madvise wants a page-aligned start
+    held.madvise(mmap.MADV_WILLNEED, first, start + view.nbytes - first)
+    return True
+
+
+def _mapped(view: np.ndarray[Any, Any]) -> tuple[mmap.mmap, int] | None:
+    """The file map under ``view`` and the offset of its first byte there, or None."""
+    base: Any = view
+    while isinstance(base, np.ndarray):
+        base = base.base
+    held = base.obj if isinstance(base, memoryview) else base
+    if not isinstance(held, mmap.mmap) or held.closed:
+        return None
+    return held, view.ctypes.data - np.frombuffer(held, np.uint8).ctypes.data

@@ -11,6 +11,7 @@ encoded, so handing over the message object itself would let a queued frame chan
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ from meshnode.node.coordinator import Coordinator
 from meshnode.node.mesh import CoordinatorSettings
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame
 from meshnode.node.planner import NodeCapacity
-from meshnode.node.remote import RemotePipeline, is_data_reply
+from meshnode.node.remote import PassDeadline, RemotePipeline, is_data_reply
 from meshnode.node.worker import Worker
 
 HOST = "host"
@@ -36,6 +37,8 @@ GREEDY = SamplingParams(temperature=0.0)
 PROMPT = (1, 5, 9, 14, 3)
 STEPS = 6
 BRING_UP_TIMEOUT_S = 60.0
+
+NextPipeline = Callable[[], Awaitable[RemotePipeline | None]]
 
 
 class InMemoryMesh:
@@ -155,3 +158,40 @@ async def serve(
     with trio.fail_after(BRING_UP_TIMEOUT_S):
         await ready.wait()
     return pipelines[0]
+
+
+def split_host(
+    mesh: InMemoryMesh,
+    hub_ref: tuple[str, Path],
+    nursery: trio.Nursery,
+    deadline: PassDeadline | None = None,
+    *,
+    calibrate: bool = False,
+) -> tuple[Coordinator, NextPipeline]:
+    """A ``--split 2`` host on ``mesh`` (``calibrate``: timing each new pipeline before it
+    serves, as ``join`` does), and a receiver of each pipeline it hands out (None: the old
+    one was dropped), bounded in time."""
+    ref, package = hub_ref
+    send, pipelines = trio.open_memory_channel[RemotePipeline | None](16)
+    settings = CoordinatorSettings(
+        model_ref=ref,
+        context_size=CONTEXT,
+        split=2,
+        pass_deadline=deadline or PassDeadline(),
+        calibrate=calibrate,
+    )
+    coordinator = Coordinator(
+        mesh,
+        settings,
+        source=open_ref(package),
+        backend=cpu_backend(),
+        on_pipeline=send.send_nowait,
+    )
+    mesh.coordinator = coordinator
+    nursery.start_soon(coordinator.run)
+
+    async def next_pipeline() -> RemotePipeline | None:
+        with trio.fail_after(BRING_UP_TIMEOUT_S):
+            return await pipelines.receive()
+
+    return coordinator, next_pipeline

@@ -223,3 +223,16 @@ def test_local_models_from_every_layer(tmp_path: Path) -> None:
     bad = write(tmp_path, "[node]\nlocal_models = 3\n")
     with pytest.raises(ConfigError, match="expected a list of paths"):
         load_config(config_file=bad, env={})
+
+
+def test_placement_and_disk_offload_from_every_layer() -> None:
+    """``--placement`` and ``--no-disk-offload`` (issue 34): speed and on by default."""
+    assert load_config().placement == "speed"
+    assert load_config().disk_offload is True
+    env = {"MESHNODE_PLACEMENT": "memory", "MESHNODE_DISK_OFFLOAD": "0"}
+    config = load_config(env=env)
+    assert (config.placement, config.disk_offload) == ("memory", False)
+    flags: dict[str, object] = {"placement": "speed", "disk_offload": False}
+    assert load_config(env=env, flags=flags).placement == "speed"
+    with pytest.raises(ConfigError, match="placement must be speed or memory, got 'fast'"):
+        load_config(flags={"placement": "fast"})

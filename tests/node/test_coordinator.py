@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -29,15 +28,15 @@ from tests.node.inmemory import (
     PROMPT,
     STEPS,
     InMemoryMesh,
+    NextPipeline,
     add_worker,
     decode,
     finish,
     greedy_reference,
     prefill,
     serve,
+    split_host,
 )
-
-NextPipeline = Callable[[], Awaitable[RemotePipeline | None]]
 
 
 async def test_a_failed_prepare_replans_without_the_node(
@@ -111,7 +110,7 @@ async def test_the_plan_grows_back_between_requests(
     mesh = InMemoryMesh(host_memory=1 << 34)  # the host alone fits the model
     async with trio.open_nursery() as nursery:
         add_worker(mesh, "w", tmp_path / "cache", nursery)
-        coordinator, next_pipeline = _split_host(mesh, hub_ref, nursery)
+        coordinator, next_pipeline = split_host(mesh, hub_ref, nursery)
         alone = await _lose_and_serve_alone(mesh, coordinator, next_pipeline)
         first, second = RequestId("in-flight"), RequestId("came-later")
         first_tokens = await prefill(alone, first)
@@ -146,7 +145,7 @@ async def test_requests_that_keep_coming_are_drained_before_the_plan_grows_back(
     mesh = InMemoryMesh(host_memory=1 << 34)
     async with trio.open_nursery() as nursery:
         add_worker(mesh, "w", tmp_path / "cache", nursery)
-        coordinator, next_pipeline = _split_host(mesh, hub_ref, nursery)
+        coordinator, next_pipeline = split_host(mesh, hub_ref, nursery)
         alone = await _lose_and_serve_alone(mesh, coordinator, next_pipeline)
         request = RequestId("in-flight")
         tokens = await prefill(alone, request)
@@ -174,7 +173,7 @@ async def test_a_stage_that_leaves_is_replanned_as_a_leave_not_a_loss(
     caplog.set_level(logging.INFO, logger="meshnode")
     async with trio.open_nursery() as nursery:
         add_worker(mesh, "w", tmp_path / "cache", nursery)
-        coordinator, next_pipeline = _split_host(mesh, hub_ref, nursery)
+        coordinator, next_pipeline = split_host(mesh, hub_ref, nursery)
         first = await next_pipeline()
         assert first is not None
         assert first.stage_nodes == (HOST, "w")
@@ -256,27 +255,3 @@ def test_a_context_the_model_cannot_hold_is_a_config_error(hub_ref: tuple[str, P
             backend=cpu_backend(),
             on_pipeline=lambda pipeline: None,
         )
-
-
-def _split_host(
-    mesh: InMemoryMesh, hub_ref: tuple[str, Path], nursery: trio.Nursery
-) -> tuple[Coordinator, NextPipeline]:
-    """A ``--split 2`` host coordinator running on ``mesh``, and a receiver of each
-    pipeline it hands out (None: the old one was dropped), bounded in time."""
-    ref, package = hub_ref
-    send, pipelines = trio.open_memory_channel[RemotePipeline | None](16)
-    coordinator = Coordinator(
-        mesh,
-        CoordinatorSettings(model_ref=ref, context_size=CONTEXT, split=2),
-        source=open_ref(package),
-        backend=cpu_backend(),
-        on_pipeline=send.send_nowait,
-    )
-    mesh.coordinator = coordinator
-    nursery.start_soon(coordinator.run)
-
-    async def next_pipeline() -> RemotePipeline | None:
-        with trio.fail_after(BRING_UP_TIMEOUT_S):
-            return await pipelines.receive()
-
-    return coordinator, next_pipeline

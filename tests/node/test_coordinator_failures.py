@@ -4,67 +4,27 @@ and 7), with real workers on an in-memory mesh (:mod:`tests.node.inmemory`)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from meshnode_packaging.refs import open_ref
 from meshnode_protocol import ActivationBatch, ActivationFrame, Message
 
-from meshnode.engine.backend import cpu_backend
 from meshnode.node import decisions
-from meshnode.node.coordinator import Coordinator, next_term
-from meshnode.node.mesh import CoordinatorSettings
+from meshnode.node.coordinator import next_term
 from meshnode.node.pipeline import StageLostError
-from meshnode.node.remote import PassDeadline, RemotePipeline
+from meshnode.node.remote import PassDeadline
 from meshnode.node.worker import Worker
 from meshnode.node.worker_run import WorkerRun
 from tests.node.inmemory import (
-    BRING_UP_TIMEOUT_S,
-    CONTEXT,
     HOST,
     InMemoryMesh,
     add_worker,
     decode,
     greedy_reference,
+    split_host,
 )
-
-NextPipeline = Callable[[], Awaitable[RemotePipeline | None]]
-
-
-def _split_host(
-    mesh: InMemoryMesh,
-    hub_ref: tuple[str, Path],
-    nursery: trio.Nursery,
-    deadline: PassDeadline | None = None,
-) -> tuple[Coordinator, NextPipeline]:
-    """A ``--split 2`` host on ``mesh``, and a receiver of each pipeline it hands out
-    (None: the old one was dropped), bounded in time."""
-    ref, package = hub_ref
-    send, pipelines = trio.open_memory_channel[RemotePipeline | None](16)
-    settings = CoordinatorSettings(
-        model_ref=ref,
-        context_size=CONTEXT,
-        split=2,
-        pass_deadline=deadline or PassDeadline(),
-    )
-    coordinator = Coordinator(
-        mesh,
-        settings,
-        source=open_ref(package),
-        backend=cpu_backend(),
-        on_pipeline=send.send_nowait,
-    )
-    mesh.coordinator = coordinator
-    nursery.start_soon(coordinator.run)
-
-    async def next_pipeline() -> RemotePipeline | None:
-        with trio.fail_after(BRING_UP_TIMEOUT_S):
-            return await pipelines.receive()
-
-    return coordinator, next_pipeline
 
 
 def _drop_passes(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,7 +52,7 @@ async def test_a_stage_that_answers_probes_but_never_passes_frames_on_is_blamed(
     deadline = PassDeadline(base_s=1.0, per_token_s=0.0)
     async with trio.open_nursery() as nursery:
         add_worker(mesh, "w", tmp_path / "cache", nursery)
-        coordinator, next_pipeline = _split_host(mesh, hub_ref, nursery, deadline)
+        coordinator, next_pipeline = split_host(mesh, hub_ref, nursery, deadline)
         pipeline = await next_pipeline()
         assert pipeline is not None
         assert pipeline.stage_nodes == (HOST, "w")
@@ -129,7 +89,7 @@ async def test_the_plan_grows_back_once_a_worker_that_refused_the_claim_is_free(
         add_worker(mesh, "w", tmp_path / "cache", nursery)
         worker = mesh.workers["w"]
         worker.run = WorkerRun("theirs", next_term(0, time.time_ns()), "other-host")
-        coordinator, next_pipeline = _split_host(mesh, hub_ref, nursery)
+        coordinator, next_pipeline = split_host(mesh, hub_ref, nursery)
         alone = await next_pipeline()
         assert alone is not None
         assert alone.stage_nodes == (HOST,)

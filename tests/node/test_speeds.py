@@ -1,11 +1,14 @@
-"""SpeedBook: one-row passes only, medians, bounds; worth_replacing's margin."""
+"""SpeedBook: one-row passes only, medians, bounds; worth_replacing's margin;
+should_replace over plans."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from meshnode.node.planner import NodeSpeed
-from meshnode.node.speeds import MIN_SAMPLES, SpeedBook, worth_replacing
+from meshnode.node.planner import ModelFootprint, NodeCapacity, NodeSpeed, plan
+from meshnode.node.speeds import MIN_SAMPLES, SpeedBook, should_replace, worth_replacing
 
 
 def test_a_node_is_measured_after_enough_one_row_passes() -> None:
@@ -64,7 +67,63 @@ def test_forget() -> None:
 
 @pytest.mark.parametrize(
     ("current", "wanted", "expected"),
-    [(1.0, 0.79, True), (1.0, 0.8, False), (1.0, 0.95, False), (1.0, 1.2, False)],
+    [
+        (1.0, 0.79, True),
+        (1.0, 0.8, False),
+        (1.0, 0.95, False),
+        (1.0, 1.2, False),
+        (0.02, 0.01, True),
+        (0.008, 0.004, False),  # half the time, but 4 ms: not worth a Load of every stage
+    ],
 )
 def test_worth_replacing_needs_a_real_gain(current: float, wanted: float, expected: bool) -> None:
     assert worth_replacing(current, wanted) is expected
+
+
+# Eight layers of 1 MB, tiny embedding and head; three nodes of equal memory.
+MODEL = ModelFootprint((10**6,) * 8, 1000, 1000, 0)
+MEMORY = 10**8
+
+
+def _nodes(rates: dict[str, float | None]) -> list[NodeCapacity]:
+    return [
+        NodeCapacity(n, MEMORY, speed=None if r is None else NodeSpeed(r)) for n, r in rates.items()
+    ]
+
+
+@pytest.mark.parametrize(
+    ("rates", "expected"),
+    [
+        # the last node streams weights at a third of the others' rate: its layers move
+        ({"h": 1e8, "a": 1e8, "s": 3e7}, True),
+        # equal rates: the measured plan is the memory-weighted one
+        ({"h": 1e8, "a": 1e8, "s": 1e8}, False),
+        # one node unmeasured: memory weighting, nothing to move to
+        ({"h": 1e8, "a": 1e8, "s": None}, False),
+        # a tenth slower: the measured plan is faster, but not by the margin
+        ({"h": 1e8, "a": 1e8, "s": 9e7}, False),
+        # so fast that the whole gain is under MIN_GAIN_S a token
+        ({"h": 1e10, "a": 1e10, "s": 3e9}, False),
+    ],
+)
+def test_should_replace_a_memory_weighted_plan_only_for_a_real_gain(
+    rates: dict[str, float | None], expected: bool
+) -> None:
+    unmeasured = _nodes(dict.fromkeys(rates))
+    current = plan(MODEL, unmeasured, "h", 16, split=3)
+    assert not current.measured
+    nodes = _nodes(rates)
+    wanted = plan(MODEL, nodes, "h", 16, split=3)
+    assert should_replace(MODEL, current, wanted, nodes) is expected
+    # once re-placed, the same measurements never move it again
+    assert not should_replace(MODEL, wanted, wanted, nodes)
+
+
+def test_should_replace_needs_every_stage_measured_and_a_plan() -> None:
+    nodes = _nodes({"h": 1e8, "a": 1e8, "s": 3e7})
+    current = plan(MODEL, _nodes({"h": None, "a": None, "s": None}), "h", 16, split=3)
+    wanted = plan(MODEL, nodes, "h", 16, split=3)
+    assert wanted.measured
+    assert not should_replace(MODEL, current, None, nodes)
+    gone = [dataclasses.replace(n, speed=None) if n.node_id == "a" else n for n in nodes]
+    assert not should_replace(MODEL, current, wanted, gone)

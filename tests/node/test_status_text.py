@@ -40,7 +40,8 @@ def host_body(state: str) -> dict[str, Any]:
                 {"node_id": "aaaa", "layers": [0, 12], "embed": True, "head": False,
                  "state": "ready", "bytes_done": 1, "bytes_total": 1},
                 {"node_id": "bbbb", "layers": [12, 30], "embed": False, "head": True,
-                 "state": "preparing", "bytes_done": 5 << 20, "bytes_total": 10 << 20},
+                 "state": "preparing", "bytes_done": 5 << 20, "bytes_total": 10 << 20,
+                 "decode_bytes_per_s": 2.5e9},
             ],
         },
     }  # fmt: skip
@@ -52,8 +53,8 @@ def test_host_status_shows_model_plan_progress_and_requests() -> None:
     lines = text.splitlines()
     stage_rows = [line.split() for line in lines if line.startswith(("0 ", "1 "))]
     assert stage_rows == [
-        ["0", "aaaa", "0-11", "+embed", "ready", "local"],
-        ["1", "bbbb", "12-29", "+head", "preparing", "5.0/10.0", "MiB"],
+        ["0", "aaaa", "0-11", "+embed", "ready", "local", "-"],
+        ["1", "bbbb", "12-29", "+head", "preparing", "5.0/10.0", "MiB", "2500", "MB/s"],
     ]
     assert any(line.startswith("bbbb") and "alive" in line for line in lines)
 
@@ -110,3 +111,19 @@ def test_status_shows_the_prefix_pool_of_each_stage_here() -> None:
     body["host"]["kv"] = {"sequences": 0}  # a stage without a pool (hybrid, CUDA)
     del body["run"]
     assert not any(line.startswith("prefix") for line in format_status(body).splitlines())
+
+
+def test_host_status_says_what_the_placement_follows() -> None:
+    body = host_body("ready")
+    assert "placed" not in format_status(body)  # a daemon from before the field
+    body["host"].update(placed_by="memory", calibration="failed: did not finish within 90 s")
+    text = format_status(body)
+    assert "placed   by memory  (calibration: failed: did not finish within 90 s)" in text
+    body["host"].update(placed_by="speed", calibration="measured")
+    assert "placed   by measured speed  (calibration: measured)" in format_status(body)
+    assert "from disk" not in format_status(body)
+    body["host"]["stages"][1]["offload_bytes"] = 300 << 20
+    text = format_status(body)
+    assert (
+        "warning  bbbb reads 300 MiB of its layers from disk (the mesh's memory is short)" in text
+    )

@@ -144,10 +144,22 @@ function planSection(status, model) {
     }, `${st.layers[0]}–${st.layers[1] - 1}`)));
   const legend = h("table", { class: "grid stages" },
     h("thead", {}, h("tr", {}, ...["stage", "node", "layers", "parts", "memory", "state",
-      "preparation"].map((t) => h("th", {}, t)))),
+      "preparation", "decode"].map((t) => h("th", {}, t)))),
     h("tbody", {}, stages.map((st, i) => stageRow(st, i))));
   const title = `${model.host.model_id} · ${layers} layers on ${stages.length} stage${stages.length > 1 ? "s" : ""}`;
-  return [h("div", { class: "plan-title" }, title), bar, legend];
+  return [h("div", { class: "plan-title" }, title), placement(model.host), bar, legend];
+}
+
+// What the split follows (issue 34): measured speeds, or memory with the calibration's
+// outcome (a failed one says why).
+function placement(host) {
+  if (!host.placed_by) return null;
+  const by = host.placed_by === "speed" ? "placed by measured speed" : "placed by memory";
+  const offloaded = (host.stages || []).filter((st) => st.offload_bytes > 0)
+    .map((st) => `${st.node_id} reads ${fmtBytes(st.offload_bytes)} of its layers from disk`);
+  const warning = offloaded.length ? ` · memory is short: ${offloaded.join(", ")}` : "";
+  return h("p", { class: "muted", id: "placement" },
+    `${by} · calibration: ${host.calibration || "–"}${warning}`);
 }
 
 function stageRow(st, i) {
@@ -160,7 +172,9 @@ function stageRow(st, i) {
     h("td", {}, parts),
     h("td", { class: "num" }, fmtBytes(st.memory_bytes)),
     h("td", {}, h("span", { class: `pill state-${st.state}` }, st.state)),
-    h("td", {}, progress(st.bytes_done, st.bytes_total)));
+    h("td", {}, progress(st.bytes_done, st.bytes_total)),
+    h("td", { class: "num", title: "weight bytes a second, one row a pass (measured)" },
+      st.decode_bytes_per_s ? `${(st.decode_bytes_per_s / 1e6).toFixed(0)} MB/s` : "–"));
 }
 
 function progress(done, total) {

@@ -1,0 +1,225 @@
+"""Placement by measured speed, in the lab (issue 34): memory-weighted against measured.
+
+Run (root, iproute2, cgroup v1 ``cpu`` mounted at /sys/fs/cgroup/cpu)::
+
+    .venv/bin/python benchmarks/placement_lab.py [--model smollm2|1b|8b] [--tokens 64]
+        [--rounds 3] [--quota 100 100 30] [--max-memory 2GiB] [--placements memory speed]
+
+Three ``meshnode join`` processes, each in its own network namespace on one bridge
+(:class:`tests.lab.netlab.NetLab`), each in a cgroup v1 ``cpu`` group with a CFS quota of
+``--quota`` percent of one core (default 100, 100 and 30: the third node is throttled) and
+one BLAS thread, all with the same ``--max-memory``. For each ``--placements`` value a fresh
+mesh serves the model with ``--split 3 --placement P``; once it is ready (with ``speed``:
+calibrated and re-placed before the API opens), ``--rounds`` greedy completions of
+``--tokens`` tokens are timed one at a time after a warm-up. Printed per placement: each
+stage's node, layers and measured decode rate (weight bytes a second), decode tokens/s
+(median of the rounds) and the ratio to the first placement, and whether the tokens are the
+same.
+
+``--model``: ``smollm2`` (SmolLM2-135M, the wheel's GGUF), ``1b`` / ``8b`` (the random-weight
+real-size shapes of ``benchmarks/realsize_gguf.py``, written into its cache folder if
+absent; the 8B file is 4.4 GB). With ``--max-memory`` adding up to less than the file (e.g.
+``--model 8b --max-memory 900MiB --kv-dtype f16`` for 0.6x of it over three nodes; KV of
+8 sequences of 512 tokens must still fit in memory) the mesh serves from
+disk (``offload_bytes`` per stage is printed); the text's digest printed at the end is
+compared with one node's (``--single --max-memory 8GiB``, the whole model in memory).
+Targets (issue 34): the throttled node gets about a third of the others' layers, and decode
+with ``speed`` is at least 1.3x ``memory``'s. Numbers on a shared machine are noisy: run it
+on an idle one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.e2e.cluster import (
+    SINGLE_THREAD_ENV,
+    Cluster,
+    Node,
+    init_token,
+    wait_for,
+    wait_started,
+)
+from tests.lab.netlab import LabHost, NetLab, unavailable_reason
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+PERIOD_US = 100_000  # the CFS period: a quota of q % is q * 1000 µs of it
+MESH_PORT = 7470
+START_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 900.0  # three stages of the 8B shape, read from a cold disk
+REQUEST_TIMEOUT_S = 900.0
+HEARTBEAT_ENV = {"MESHNODE_HEARTBEAT_S": "0.5", "MESHNODE_SUSPECT_S": "6", "MESHNODE_DEAD_S": "15"}
+PROMPT = "The history of the printing press begins"
+NAMES = ("host", "w1", "w2")
+
+
+def model_path(name: str) -> tuple[str, Path | None]:
+    """``--model`` for the host, and the file the workers must be allowed to open."""
+    if name == "smollm2":
+        return "smollm2-135m", None
+    from benchmarks.realsize_gguf import cached_gguf
+
+    path = cached_gguf(name, "q4_k_m")
+    return str(path), path
+
+
+@contextlib.contextmanager
+def cpu_group(name: str, percent: int) -> Iterator[Path]:
+    """A cgroup v1 ``cpu`` group of ``percent`` % of one core; removed on exit (its
+    processes back in the root group first)."""
+    group = CPU_CGROUP / f"meshnode-bench-{os.getpid()}-{name}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(PERIOD_US * percent // 100))
+        yield group
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (CPU_CGROUP / "cgroup.procs").write_text(pid)
+        group.rmdir()
+
+
+def status_host(node: Node) -> dict[str, Any]:
+    block: dict[str, Any] = node.status().get("host") or {}
+    return block
+
+
+def placed(node: Node) -> bool:
+    """Three ready stages, and with placement by speed the calibration done."""
+    host = status_host(node)
+    stages = host.get("stages") or []
+    ready = host.get("state") == "ready" and len(stages) == 3
+    return ready and all(s["state"] == "ready" for s in stages) and host.get("calibration") != ""
+
+
+def complete(host: LabHost, node: Node, tokens: int) -> tuple[float, str]:
+    """One greedy completion: (seconds, text)."""
+    model = status_host(node).get("model_id")
+    body = {"model": model, "prompt": PROMPT, "temperature": 0, "max_tokens": tokens}
+    began = time.perf_counter()
+    reply = host.post(f"{node.api}/v1/completions", body, REQUEST_TIMEOUT_S)
+    seconds = time.perf_counter() - began
+    reply.raise_for_status()
+    return seconds, str(reply.json()["choices"][0]["text"])
+
+
+def run_mesh(lab: NetLab, hosts: dict[str, LabHost], placement: str, args: Any) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix=f"placement-{placement}-"))
+    token = init_token(root / "mesh.token", name="bench")
+    model, local = model_path(args.model)
+    allow = ["--local-model", str(local)] if local else []
+    memory = ["--max-memory", args.max_memory]
+    with contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(Cluster(root, env={**HEARTBEAT_ENV, **SINGLE_THREAD_ENV}))
+        groups = {
+            n: stack.enter_context(cpu_group(n, q)) for n, q in zip(NAMES, args.quota, strict=True)
+        }
+        nodes: dict[str, Node] = {}
+
+        def spawn(name: str, *extra: str) -> Node:
+            host = hosts[name]
+            node = cluster.spawn(
+                name, token, *memory, *extra, mdns=False, listen=f"0.0.0.0:{MESH_PORT}",
+                interface=None, prefix=host.command(), get=host.get,
+            )  # fmt: skip
+            (groups[name] / "cgroup.procs").write_text(str(node.process.pid))
+            nodes[name] = node
+            return node
+
+        workers = [spawn("w1", *allow), spawn("w2", *allow)]
+        wait_started(*workers, timeout_s=START_TIMEOUT_S)
+        peers = [f for w in ("w1", "w2") for f in ("--peer", f"{hosts[w].address}:{MESH_PORT}")]
+        split = ["--split", "1"] if args.single else ["--split", "3"]
+        host_node = spawn(
+            "host", *peers, "--model", model, *split, "--placement", placement,
+            "--context", "512", "--speculative", "off", "--kv-dtype", args.kv_dtype,
+        )  # fmt: skip
+        want = _single_ready if args.single else placed
+        wait_for(lambda: want(host_node), READY_TIMEOUT_S, f"the mesh placed by {placement}")
+        complete(hosts["host"], host_node, 8)  # warm-up
+        rounds = [complete(hosts["host"], host_node, args.tokens) for _ in range(args.rounds)]
+        host = status_host(host_node)
+        names = {nodes[n].node_id(): n for n in NAMES}
+    seconds = statistics.median(s for s, _ in rounds)
+    return {
+        "placement": placement,
+        "stages": [
+            (
+                names.get(s["node_id"], s["node_id"]),
+                s["layers"],
+                s.get("offload_bytes", 0),
+                s.get("decode_bytes_per_s") or 0,
+            )
+            for s in host["stages"]
+        ],
+        "placed_by": host.get("placed_by"),
+        "calibration": host.get("calibration"),
+        "tokens_per_s": args.tokens / seconds,
+        "texts": {text for _, text in rounds},
+    }
+
+
+def _single_ready(node: Node) -> bool:
+    host = status_host(node)
+    stages = host.get("stages") or []
+    return host.get("state") == "ready" and all(s["state"] == "ready" for s in stages)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("smollm2", "1b", "8b"), default="smollm2")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quota", type=int, nargs=3, default=[100, 100, 30])
+    parser.add_argument("--max-memory", default="2GiB")
+    parser.add_argument("--placements", nargs="+", default=["memory", "speed"])
+    parser.add_argument("--single", action="store_true", help="one stage (--split 1) only")
+    parser.add_argument("--kv-dtype", default="auto", help="the host's --kv-dtype (f16 halves KV)")
+    args = parser.parse_args()
+    reason = unavailable_reason()
+    if reason is not None or not (CPU_CGROUP / "cpu.cfs_quota_us").exists():
+        print(f"placement_lab: needs root, iproute2 and cgroup v1 cpu ({reason})")
+        return 2
+    print(f"model {args.model}, quotas {args.quota} %, --max-memory {args.max_memory} each")
+    print(f"load average before: {os.getloadavg()}")
+    results = []
+    with NetLab() as lab:
+        hosts = {name: lab.add_host(name) for name in NAMES}
+        for placement in args.placements:
+            results.append(run_mesh(lab, hosts, placement, args))
+    first = results[0]["tokens_per_s"]
+    for r in results:
+        stages = ", ".join(
+            f"{n} [{a}:{b}) {rate / 1e6:.0f} MB/s"
+            + (f" {o / 2**20:.0f} MiB from disk" if o else "")
+            for n, (a, b), o, rate in r["stages"]
+        )
+        print(
+            f"{r['placement']:>7}: {r['tokens_per_s']:.2f} tok/s ({r['tokens_per_s'] / first:.2f}x)"
+            f"  placed by {r['placed_by']} (calibration: {r['calibration']})  {stages}"
+        )
+    texts = [r["texts"] for r in results]
+    same = all(len(t) == 1 for t in texts) and len(set().union(*texts)) == 1
+    print(f"same tokens in every round and placement: {same}")
+    for r in results:  # to compare runs (one node against the mesh): the text's digest
+        digests = sorted(hashlib.sha256(t.encode()).hexdigest()[:16] for t in r["texts"])
+        print(f"{r['placement']:>7} text sha256: {' '.join(digests)}")
+    print(f"load average after: {os.getloadavg()}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Calibration before serving (issue 34): every stage of a new pipeline timed before the API
+opens, so that the mesh is placed by measured speed before its first request.
+
+Theory of operation. A mesh whose nodes were never measured is planned by memory (the
+planner needs every node's speed). Before such a pipeline serves, the host runs one short
+request of its own through it: a prefill of :data:`PROMPT_TOKENS` tokens, then
+:data:`DECODE_PASSES` one-row decode passes. Each pass's stage compute times feed the
+coordinator's :class:`~meshnode.node.speeds.SpeedBook` exactly as serving does, so every
+node is measured on its own backend, threads, formats and real layers (the first pass may
+pay for compiling kernels: the median drops it). The coordinator's watch then weighs the
+measured plan at once, and re-places before the first request when it is enough faster
+(:func:`~meshnode.node.speeds.should_replace`).
+
+Bounded: the whole request within :data:`TIMEOUT_S`. A calibration that fails or runs out
+of time leaves the mesh planned by memory, with the reason in the status (``calibration``);
+serving goes on (a stage that broke the pass fails the pipeline as any pass would).
+"""
+
+from __future__ import annotations
+
+import trio
+
+from meshnode.engine.sampling import SamplingParams
+from meshnode.errors import MeshnodeError
+from meshnode.node.pipeline import FrameKind, RequestId, StepFrame
+from meshnode.node.remote import RemotePipeline
+from meshnode.node.speeds import MIN_SAMPLES, SpeedBook
+
+#: Tokens of the calibration prompt: a short prefill, as a chat's first turn would start.
+PROMPT_TOKENS = 8
+#: One-row decode passes: enough for the speed book to count every stage as measured, and
+#: one more for the first pass's kernel compilation, which the median drops.
+DECODE_PASSES = MIN_SAMPLES + 1
+#: The whole calibration request: a cold stage's first pass compiles its kernels (seconds,
+#: up to a minute on a slow CPU; remote.PassDeadline's base), then a few passes.
+TIMEOUT_S = 90.0
+#: Releasing the calibration's sequence after a timeout: a Release per stage.
+RELEASE_TIMEOUT_S = 5.0
+
+REQUEST = RequestId("meshnode-calibration")
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def calibration_needed(pipeline: RemotePipeline, speeds: SpeedBook) -> str | None:
+    """Why ``pipeline`` needs no calibration (one stage; every stage measured already), or
+    None when it does."""
+    if len(pipeline.stage_nodes) < 2:
+        return "not needed: one stage"
+    if pipeline.context_size <= PROMPT_TOKENS + DECODE_PASSES:
+        return f"skipped: a context of {pipeline.context_size} tokens is too short"
+    if all(speeds.speed(node) is not None for node in pipeline.stage_nodes):
+        return "measured"
+    return None
+
+
+async def calibrate(pipeline: RemotePipeline, timeout_s: float | None = None) -> str:
+    """Run the calibration request through ``pipeline`` within ``timeout_s`` (default
+    :data:`TIMEOUT_S`); what the status shows of it: ``"measured"``, or
+    ``"failed: <reason>"`` (the plan stays memory-weighted)."""
+    timeout_s = TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        with trio.move_on_after(timeout_s) as scope:
+            await _passes(pipeline)
+    except MeshnodeError as exc:
+        return f"failed: {exc}"
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(RELEASE_TIMEOUT_S):
+            await pipeline.release(REQUEST)
+    if scope.cancelled_caught:
+        return f"failed: did not finish within {timeout_s:.0f} s"
+    return "measured"
+
+
+async def _passes(pipeline: RemotePipeline) -> None:
+    prompt = tuple(range(1, PROMPT_TOKENS + 1))  # any ids the vocabulary holds
+    result = await pipeline.run(StepFrame(REQUEST, FrameKind.PREFILL, 0, prompt, GREEDY))
+    position = len(prompt)
+    for _ in range(DECODE_PASSES):
+        frame = StepFrame(REQUEST, FrameKind.DECODE, position, result.tokens[-1:], GREEDY)
+        result = await pipeline.run(frame)
+        position += 1

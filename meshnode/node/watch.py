@@ -1,0 +1,93 @@
+"""The coordinator's waits while it serves: for the membership to change, for a pipeline
+to fail or go idle, for the requests in flight to drain before a re-placement, and how a
+pipeline ended (:mod:`meshnode.node.coordinator`'s module docstring, steps 4 and 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import trio
+
+from meshnode.node.decisions import StageFailed
+from meshnode.node.mesh import MeshView
+from meshnode.node.planner import Plan
+from meshnode.node.remote import RemotePipeline
+
+log = logging.getLogger("meshnode.coordinator")
+
+# Longest wait for the requests in flight before a regrow: a request is bounded by its
+# context, and a few minutes covers the default context decoded on a slow CPU mesh.
+REGROW_DRAIN_TIMEOUT_S = 300.0
+
+
+async def settled(
+    pipeline: RemotePipeline, run_id: str, *, idle: bool, why: str, waited_s: float
+) -> bool:
+    """Whether the model may be re-placed (``why``: the planned nodes are back, or the
+    measured speeds call for it) now that the API answers 503: at once when ``pipeline``
+    went ``idle`` (no checkpoint since: no request came); else once the requests in flight
+    finish, False when they have not within ``REGROW_DRAIN_TIMEOUT_S`` (put off)."""
+    if idle:
+        log.info("%s: re-placing between requests", why)
+        return True
+    log.info(
+        "%s and requests kept coming for %.0f s: draining %s to re-place", why, waited_s, run_id
+    )
+    with trio.move_on_after(REGROW_DRAIN_TIMEOUT_S):
+        await pipeline.wait_idle()
+        return True
+    log.warning("requests in flight after %.0f s: re-placement put off", REGROW_DRAIN_TIMEOUT_S)
+    return False
+
+
+async def membership_changed(
+    mesh: MeshView, pipeline: RemotePipeline | None, until: float | None, *, measured: int = 0
+) -> bool:
+    """Wait for a membership change (True), or for ``pipeline`` to fail, for ``measured``
+    more one-row passes of it to time every stage (if above 0), or the trio time ``until``
+    (False)."""
+    changed = False
+    changed_event = mesh.membership_event()  # before any checkpoint
+    with trio.move_on_at(math.inf if until is None else until):
+        async with trio.open_nursery() as nursery:
+
+            async def membership() -> None:
+                nonlocal changed
+                await changed_event.wait()
+                changed = True
+                nursery.cancel_scope.cancel()
+
+            async def failure(failed: trio.Event) -> None:
+                await failed.wait()
+                nursery.cancel_scope.cancel()
+
+            async def passes(pipeline: RemotePipeline) -> None:
+                await pipeline.measured.wait(measured)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(membership)
+            if pipeline is not None:
+                nursery.start_soon(failure, pipeline.failed)
+                if measured > 0:
+                    nursery.start_soon(passes, pipeline)
+    return changed
+
+
+def stage_failure(
+    placed: Plan, pipeline: RemotePipeline, live_ids: set[str], *, host: str
+) -> StageFailed | None:
+    """How ``pipeline`` of ``placed`` ended, if it did: a goodbye (neither kept out nor
+    blamed), a stage the membership lost, or a failure naming its node (kept out until
+    the membership changes, never the host itself) or not (``node`` None: blame it)."""
+    failure = pipeline.failure
+    if failure is not None and failure.left:
+        return StageFailed(failure.node, str(failure), left=True)
+    for stage in placed.stages:
+        if stage.node_id not in live_ids:
+            return StageFailed(stage.node_id, f"stage node {stage.node_id} was lost")
+    if failure is not None:
+        exclude = failure.node not in (None, host)
+        return StageFailed(failure.node, str(failure), exclude=exclude)
+    return None
