@@ -170,8 +170,8 @@ def test_the_checks_catch_what_has_moved() -> None:
     assert _sphinx_problem("meshnode.node") is None
     assert _sphinx_problem("meshnode.node.daemon.Node.stop") is None
     assert _sphinx_problem("meshnode.engine.loader.open_model") is not None
-    assert _sphinx_problem("meshnode.engine.model.GEMV_MAX_ROWS") is not None
-    assert _sphinx_problem("meshnode.engine.backend.GEMV_MAX_ROWS") is None
+    assert _sphinx_problem("meshnode.engine.model.MAX_KERNEL_ROWS") is not None
+    assert _sphinx_problem("meshnode.engine.cpu.matrix.MAX_KERNEL_ROWS") is None
 
 
 # ---- the user's pages: links, anchors, the README's size, the configuration reference ----

@@ -34,6 +34,11 @@ if [ "$1" = -m ] && [ "$2" = venv ]; then
         chmod +x "$3/bin/$tool"
     done
 fi
+if [ "$1" = -m ] && [ "$2" = pytest ]; then
+    for pid in ${MESHNODE_BUSY_PIDS:-}; do
+        if kill -0 "$pid"; then echo "busy $pid" >>"$CALLS"; fi
+    done
+fi
 if [ "$1" = -m ] && [ "$2" = pip ] && [ -n "${FAIL_PIP:-}" ]; then
     exit 1
 fi
@@ -131,3 +136,15 @@ def test_the_test_script_always_installs(tmp_path: Path) -> None:
         assert _installs(calls) == 1
         assert any("-e .[test]" in c for c in calls)
         assert calls[-3:] == ["ruff check .", "mypy ", "python -m pytest -q"]
+
+
+def test_the_test_script_runs_pytest_beside_busy_loops_when_asked(tmp_path: Path) -> None:
+    root = _repo(tmp_path)
+    calls = _run(root, "test.sh", "-q", MESHNODE_BUSY_LOOPS="2")
+    # Both loops spin while pytest runs, and are gone once the script has ended.
+    busy = [int(c.split()[1]) for c in calls if c.startswith("busy ")]
+    assert len(busy) == 2
+    assert calls[-3] == "python -m pytest -q"
+    for pid in busy:
+        assert not Path(f"/proc/{pid}").exists()
+    assert not any(c.startswith("busy ") for c in _run(root, "test.sh", "-q"))

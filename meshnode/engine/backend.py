@@ -28,7 +28,7 @@ from meshnode_packaging.sources import ModelSource
 from meshnode.engine import ops
 from meshnode.engine.attention import Attention, KernelAttention
 from meshnode.engine.config import ModelConfig, ModelConfigError
-from meshnode.engine.cpu import BlockMatrix, q8, set_kernel_threads
+from meshnode.engine.cpu import BlockMatrix, dense_product, q8, set_kernel_threads
 from meshnode.engine.cuda.device import DeviceMatrix, PinnedStaging
 from meshnode.engine.cuda.graphs import GraphRunner
 from meshnode.engine.cuda.kernels import BLOCK, MAX_HEAD_DIM
@@ -40,7 +40,6 @@ from meshnode.engine.weights import HeldBytes, StageWeights, held_bytes, load_st
 from meshnode.errors import MeshnodeError
 
 __all__ = [
-    "GEMV_MAX_ROWS",
     "Backend",
     "BackendError",
     "CpuBackend",
@@ -69,13 +68,6 @@ WEIGHTS_DTYPES: tuple[str, ...] = get_args(WeightsDtype)
 
 class BackendError(MeshnodeError, RuntimeError):
     """The requested device is not available."""
-
-
-# On CPU a one-row product is an sgemv that streams W at memory bandwidth, but OpenBLAS's
-# sgemm with 2-4 rows costs about 3x that, while a second sgemv right after the first finds
-# W in the L3 cache and costs about 0.5x more (benchmarks/engine.py, "k-token forward").
-# So products of up to this many rows run row by row; verify windows of 1-2 drafts gain most.
-GEMV_MAX_ROWS = 3
 
 
 class Backend(ABC):
@@ -298,17 +290,17 @@ class CpuBackend(Backend):
         return out
 
     def linear(self, x: Any, w: Any, sizes: Sequence[int] | None = None) -> Any:
-        """``x @ w``; over dense weights a few rows go one by one (:data:`GEMV_MAX_ROWS`),
-        block kernels take every row in one pass over the weights, or, given the
-        segments' ``sizes``, each segment's rows by the path it takes alone
-        (:meth:`.BlockMatrix.product_by_segment`: the same bits in any batch)."""
+        """``x @ w``; block kernels take every row in one pass over the weights, or, given
+        the segments' ``sizes``, each segment's rows by the path it takes alone
+        (:meth:`.BlockMatrix.product_by_segment`: the same bits in any batch); float32
+        weights likewise (:func:`.cpu.dense_product`: a few rows one gemv each)."""
         n = x.shape[0]
         if self.weights_dtype == "q8" and isinstance(w, BlockMatrix) and q8.accepts(w, n):
             return q8.q8_product(w, x)
         if sizes is not None and len(sizes) > 1 and isinstance(w, BlockMatrix):
             return w.product_by_segment(x, sizes)
-        if not self.cpu_blocks and 1 < n <= GEMV_MAX_ROWS:
-            return np.stack([x[i] @ w for i in range(n)])
+        if isinstance(w, np.ndarray) and w.dtype == np.float32 and x.ndim == 2:
+            return dense_product(x, w, sizes)
         return x @ w
 
 

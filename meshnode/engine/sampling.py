@@ -44,6 +44,8 @@ import numpy as np
 
 __all__ = [
     "GREEDY",
+    "MAX_LOGIT_FACTOR",
+    "MIN_LOGIT_DIVISOR",
     "CounterRandom",
     "Draw",
     "Sampler",
@@ -53,6 +55,16 @@ __all__ = [
     "random_seed",
     "token_logprobs",
 ]
+
+
+#: The smallest non-zero temperature and repetition penalty: the logits (float32, below
+#: ~3.4e38) divided by either stay below float64's ~1.8e308, so none overflows to inf and the
+#: sampler never meets NaN (1e-308 failed a request as a retryable error; issue 36).
+MIN_LOGIT_DIVISOR = 1e-100
+#: The largest temperature and repetition penalty, and the largest presence or frequency
+#: penalty either way: a logit multiplied by one, or a penalty times a token's count in any
+#: context, stays finite in float64 as well.
+MAX_LOGIT_FACTOR = 1e100
 
 
 @dataclass(frozen=True)
@@ -65,7 +77,9 @@ class SamplingParams:
     0 leave the logits alone. Integers given for float fields are stored as floats, and a
     ``seed`` is folded into ``[0, 2**64)`` (clients of llama.cpp send -1; every generator
     and the wire take unsigned 64-bit seeds). Raises ValueError for a value outside a
-    knob's range.
+    knob's range, NaN included; a non-zero temperature, the repetition penalty and the
+    other two penalties' sizes lie within :data:`MIN_LOGIT_DIVISOR` ..
+    :data:`MAX_LOGIT_FACTOR`, so whatever a client or a peer sends, no logit becomes inf.
     """
 
     temperature: float = 1.0
@@ -84,16 +98,28 @@ class SamplingParams:
                 object.__setattr__(self, spec.name, float(value))
         if self.seed is not None:
             object.__setattr__(self, "seed", self.seed % 2**64)
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if self.temperature != 0 and not MIN_LOGIT_DIVISOR <= self.temperature <= MAX_LOGIT_FACTOR:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or in [{MIN_LOGIT_DIVISOR:g}, "
+                f"{MAX_LOGIT_FACTOR:g}], got {self.temperature!r}"
+            )
         if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
+            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0 <= self.min_p <= 1:
-            raise ValueError("min_p must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise ValueError("repetition_penalty must be > 0")
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not MIN_LOGIT_DIVISOR <= self.repetition_penalty <= MAX_LOGIT_FACTOR:
+            raise ValueError(
+                f"repetition_penalty must be in [{MIN_LOGIT_DIVISOR:g}, {MAX_LOGIT_FACTOR:g}], "
+                f"got {self.repetition_penalty!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_LOGIT_FACTOR <= getattr(self, name) <= MAX_LOGIT_FACTOR:
+                raise ValueError(
+                    f"{name} must be in [{-MAX_LOGIT_FACTOR:g}, {MAX_LOGIT_FACTOR:g}], "
+                    f"got {getattr(self, name)!r}"
+                )
 
     @property
     def greedy(self) -> bool:

@@ -37,7 +37,7 @@ from pydantic import (
     model_validator,
 )
 
-from meshnode.engine.sampling import SamplingParams
+from meshnode.engine.sampling import MIN_LOGIT_DIVISOR, SamplingParams
 from meshnode.serve.errors import BadRequestError
 
 #: OpenAI caps ``stop`` at four sequences; each one is scanned at every committed token.
@@ -98,10 +98,6 @@ _API_TYPES: dict[str, Any] = {
     "int": StrictInt,
     "int | None": StrictInt | None,
 }
-#: The smallest repetition penalty and non-zero temperature: the logits (float32, below
-#: ~3.4e38) divided by both stay below float64's ~1.8e308, so none overflows to inf and the
-#: sampler never meets NaN (1e-308 failed the request as a retryable error; issue 36).
-MIN_LOGIT_DIVISOR = 1e-100
 
 
 def _zero_or_divisor(value: float) -> float:

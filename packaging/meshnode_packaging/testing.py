@@ -69,6 +69,7 @@ class _State:
     commits: dict[tuple[str, str], str] = field(default_factory=dict)
     faults: dict[str, list[Fault]] = field(default_factory=dict)
     requests: list[Request] = field(default_factory=list)
+    bodies_started: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -164,6 +165,9 @@ class _Handler(BaseHTTPRequestHandler):
         if r:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         self.end_headers()
+        if not head:
+            with self.server.state.lock:
+                self.server.state.bodies_started.append(path)
         sent = 0 if head else self._copy(file, start, end, fault)
         self._record(path, 206 if r else 200, start, sent)
         if fault is not None and fault.die_after_bytes is not None:
@@ -258,6 +262,13 @@ class LocalHub:
         """A copy of the requests served so far."""
         with self._server.state.lock:
             return list(self._server.state.requests)
+
+    @property
+    def bodies_started(self) -> list[str]:
+        """The paths of the file bodies started so far, in order (a request is in
+        :attr:`requests` only once its body has ended: a slow one is under way before)."""
+        with self._server.state.lock:
+            return list(self._server.state.bodies_started)
 
     def clear_requests(self) -> None:
         """Forget the requests served so far."""

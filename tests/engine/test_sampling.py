@@ -4,6 +4,8 @@ penalties, stop strings, incremental detokenization."""
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,8 @@ from meshnode.engine import sampling
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.loader import LoadedModel, load_model
 from meshnode.engine.sampling import (
+    MAX_LOGIT_FACTOR,
+    MIN_LOGIT_DIVISOR,
     CounterRandom,
     Draw,
     Sampler,
@@ -284,6 +288,45 @@ def test_invalid_params_are_rejected() -> None:
     for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -1}, {"min_p": 2.0}):
         with pytest.raises(ValueError, match="must be"):
             SamplingParams(**bad)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("temperature", 1e-308),
+        ("temperature", 1e300),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("repetition_penalty", 1e-308),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", math.inf),
+        ("repetition_penalty", math.nan),
+        ("presence_penalty", -1e300),
+        ("presence_penalty", math.nan),
+        ("frequency_penalty", math.inf),
+        ("top_p", math.nan),
+        ("min_p", math.nan),
+    ],
+)
+def test_the_record_itself_bounds_what_would_overflow_the_logits(name: str, value: float) -> None:
+    """Issue 36's tiny divisors were refused only by the API; a peer's wire frame or a
+    library caller builds the record directly, so it refuses them itself, naming the knob."""
+    knob: dict[str, Any] = {name: value}
+    with pytest.raises(ValueError, match=f"^{name} must be .*got {re.escape(repr(value))}$"):
+        SamplingParams(**knob)
+
+
+def test_the_bounds_themselves_are_accepted_and_keep_every_logit_finite() -> None:
+    logits = np.array([3.4e38, -3.4e38, 0.0, 1.0], dtype=np.float32)
+    history = [0, 1] * 1000
+    for params in (
+        SamplingParams(temperature=MIN_LOGIT_DIVISOR, repetition_penalty=MIN_LOGIT_DIVISOR),
+        SamplingParams(temperature=MAX_LOGIT_FACTOR, repetition_penalty=MAX_LOGIT_FACTOR),
+        SamplingParams(presence_penalty=MAX_LOGIT_FACTOR, frequency_penalty=-MAX_LOGIT_FACTOR),
+    ):
+        penalized = apply_penalties(logits, params, history)
+        assert np.isfinite(penalized / params.temperature).all()
+        assert Sampler(params).sample(logits, history) in range(4)
 
 
 @pytest.fixture(scope="module")

@@ -42,9 +42,11 @@ from meshnode.node.daemon import Node
 from meshnode.node.wire import tensor_from_array
 from meshnode.serve.app import create_app
 
-#: Seconds any single exchange with the node may take (loading the tiny model is the
-#: longest: a fetch from the loopback hub and a dequantization).
-EXCHANGE_TIMEOUT_S = 60.0
+#: Seconds any single exchange with the node may take. The longest is a stage's first
+#: forward in a process whose kernels are not compiled yet (a fresh clone's cache): over
+#: 60 s with both cores busy (issue 35, measured at load 12), so the bound is a hang's,
+#: below pytest's 300 s for the whole test.
+EXCHANGE_TIMEOUT_S = 240.0
 #: The node's heartbeat timeouts: a member sends no heartbeats, and waiting for a Load
 #: (seconds of building the stage, a minute when a loaded box compiles kernels afresh)
 #: must not make the node call it dead (10 s by default) and close the session.

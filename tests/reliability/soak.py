@@ -21,7 +21,7 @@ import json
 import random
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -140,7 +140,7 @@ async def _raw(address: Address, kind: str) -> str:
 async def _client(
     address: Address,
     model: str,
-    deadline: float,
+    keep_going: Callable[[], bool],
     rng: random.Random,
     stats: SoakStats,
     mix: Mapping[str, int],
@@ -148,7 +148,7 @@ async def _client(
     kinds, weights = zip(*mix.items(), strict=True)
     base = f"http://{address}"
     async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S) as client:
-        while time.monotonic() < deadline:
+        while keep_going():
             kind = rng.choices(kinds, weights)[0]
             try:
                 with trio.fail_after(REQUEST_TIMEOUT_S):
@@ -173,15 +173,30 @@ async def soak(
     model: str,
     seed: int,
     mix: Mapping[str, int] = KINDS,
+    every_kind_within_s: float | None = None,
 ) -> SoakStats:
     """Run ``clients`` clients against the API at ``address`` for ``seconds``, each
-    choosing its requests' kinds with the weights of ``mix`` (a subset of ``KINDS``)."""
+    choosing its requests' kinds with the weights of ``mix`` (a subset of ``KINDS``); with
+    ``every_kind_within_s``, past ``seconds`` until every kind of ``mix`` has been sent
+    (a busy machine sends fewer in the time), for at most that long."""
     stats = SoakStats()
     began = time.monotonic()
+
+    def keep_going() -> bool:
+        elapsed = time.monotonic() - began
+        if elapsed < seconds:
+            return True
+        sent = {kind for kind, _ in stats.outcomes}
+        return (
+            every_kind_within_s is not None
+            and elapsed < every_kind_within_s
+            and not (sent >= set(mix))
+        )
+
     async with trio.open_nursery() as nursery:
         for index in range(clients):
             rng = random.Random(seed * 1000 + index)
-            nursery.start_soon(_client, address, model, began + seconds, rng, stats, mix)
+            nursery.start_soon(_client, address, model, keep_going, rng, stats, mix)
     stats.seconds = time.monotonic() - began
     return stats
 

@@ -26,7 +26,7 @@ def test_join_refuses_what_this_machine_cannot_do(
 ) -> None:
     if "cuda" in args and select_backend("auto").name == "cuda":
         pytest.skip("a CUDA device is present")
-    result = cli("join", "--state-dir", str(tmp_path), "--no-mdns", *args, timeout_s=30)
+    result = cli("join", "--state-dir", str(tmp_path), "--no-mdns", *args)
     assert result.returncode == 2, result.stderr
     assert problem in result.stderr
     assert "Traceback" not in result.stderr
@@ -45,7 +45,7 @@ def test_join_refuses_what_this_machine_cannot_do(
 def test_join_refuses_bad_flag_values_in_one_line(
     tmp_path: Path, args: list[str], problem: str
 ) -> None:
-    result = cli("join", "--state-dir", str(tmp_path), "--no-mdns", *args, timeout_s=30)
+    result = cli("join", "--state-dir", str(tmp_path), "--no-mdns", *args)
     assert result.returncode == 2, result.stderr
     assert problem in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -59,7 +59,7 @@ def test_join_on_an_address_in_use_says_which_flag_in_one_line(tmp_path: Path, f
         address = f"127.0.0.1:{taken.getsockname()[1]}"
         free = {"--api": "127.0.0.1:0", "--listen": "127.0.0.1:0"}
         addresses = [arg for f, a in free.items() for arg in (f, address if f == flag else a)]
-        result = cli("join", "--state-dir", str(tmp_path), "--no-mdns", *addresses, timeout_s=60)
+        result = cli("join", "--state-dir", str(tmp_path), "--no-mdns", *addresses)
     assert result.returncode == 2, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"meshnode join: {flag} {address}: cannot listen there"), last
@@ -80,7 +80,7 @@ def test_join_refuses_a_damaged_local_package_in_one_line(
     data[-1] ^= 0xFF
     embed.write_bytes(bytes(data))
     args = ["--state-dir", str(tmp_path / "state"), "--no-mdns", "--api", "127.0.0.1:0"]
-    result = cli("join", *args, "--listen", "127.0.0.1:0", "--model", str(package), timeout_s=60)
+    result = cli("join", *args, "--listen", "127.0.0.1:0", "--model", str(package))
     assert result.returncode == 2, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"meshnode join: --model {package}: package folder"), last

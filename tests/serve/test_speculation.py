@@ -206,7 +206,7 @@ def test_join_refuses_bad_speculative_settings(
 ) -> None:
     if config is not None:
         (tmp_path / "config.toml").write_text(config)
-    result = cli("join", "--state-dir", str(tmp_path), "--no-mdns", *args, timeout_s=30)
+    result = cli("join", "--state-dir", str(tmp_path), "--no-mdns", *args)
     assert result.returncode == 2, result.stderr
     assert problem in result.stderr
 

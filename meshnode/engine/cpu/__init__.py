@@ -25,6 +25,7 @@ from meshnode.engine.cpu.matrix import (
     MAX_KERNEL_ROWS,
     BlockMatrix,
     configure_numba,
+    dense_product,
     set_kernel_threads,
     supported,
 )
@@ -33,4 +34,4 @@ from meshnode.engine.cpu.matrix import (
 # (``pool``, ``kernels``, ``q8_kernels``...): numba reads its cache folder only then.
 configure_numba()
 
-__all__ = ["MAX_KERNEL_ROWS", "BlockMatrix", "set_kernel_threads", "supported"]
+__all__ = ["MAX_KERNEL_ROWS", "BlockMatrix", "dense_product", "set_kernel_threads", "supported"]

@@ -29,6 +29,7 @@ from meshnode.engine.cpu.formats import Format, format_of, row_bytes
 __all__ = [
     "MAX_KERNEL_ROWS",
     "BlockMatrix",
+    "dense_product",
     "set_kernel_threads",
     "share",
     "shared_threads",
@@ -153,6 +154,33 @@ def share(fn: Callable[[int], None], count: int, threads: int) -> None:
     _tiles().single_threaded_blas()
     for i in range(count):
         fn(i)
+
+
+def dense_product(x: Any, w: np.ndarray, sizes: Sequence[int] | None = None) -> np.ndarray:
+    """``x @ w`` for float32 weights ``w`` ``[in, out]`` (``--dtype float32``), each row in
+    an order fixed by its segment's row count (``sizes``, in order; one segment without),
+    as :meth:`BlockMatrix.product_by_segment` does for blocks: a row of a segment of at
+    most :data:`MAX_KERNEL_ROWS` rows is one gemv, alone or batched; a longer segment's
+    rows go through one sgemm with at least :data:`.tiles.SGEMM_MIN_ROWS` columns (zero
+    columns added), above OpenBLAS's small-matrix kernel, whose sums round otherwise
+    (:mod:`.tiles`). BLAS runs single-threaded (:func:`.tiles.single_threaded_blas`).
+    ``x @ w`` itself chose gemv or an sgemm kernel by the batch's row count, so a row's
+    bits depended on its batch (issue 35)."""
+    x = np.asarray(x, dtype=np.float32)
+    sizes = [x.shape[0]] if sizes is None else sizes
+    if sum(sizes) != x.shape[0]:
+        raise ValueError(f"segments of {sum(sizes)} rows for x of {x.shape[0]}")
+    t = _tiles()
+    t.single_threaded_blas()
+    out = np.empty((x.shape[0], w.shape[1]), np.float32)
+    small = np.repeat([s <= MAX_KERNEL_ROWS for s in sizes], sizes)
+    for i in np.flatnonzero(small):
+        np.matmul(x[i], w, out=out[i])
+    if not small.all():
+        if w.shape[1] < t.SGEMM_MIN_ROWS:
+            w = np.pad(w, ((0, 0), (0, t.SGEMM_MIN_ROWS - w.shape[1])))
+        out[~small] = (x[~small] @ w)[:, : out.shape[1]]
+    return out
 
 
 def supported(t: RawTensor) -> bool:
