@@ -39,17 +39,13 @@ from numba.np.numpy_support import carray
 from meshnode.engine.cpu import pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
 from meshnode.engine.cpu.blocks import chunk, format_row
+from meshnode.engine.cpu.groups import SCALES, group_chunk, group_chunks, group_scales
 from meshnode.engine.cpu.simd import (
     INNER,
     entry,
     inner,
     intrinsic,
-    vadd,
-    vfma,
-    vload,
     vstore,
-    vsum,
-    vzero,
     wfma,
     wlane,
     wload,
@@ -76,47 +72,62 @@ _OUT, _N_OUT, _SCRATCH, _STRIDE = pool.OUT, pool.N_OUT, pool.SCRATCH, pool.STRID
 _CA, _CB, _ROWS = pool.CA, pool.CB, pool.ROWS
 
 
-def _dot1(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
-    # one activation row: decode and multiply in registers
-    a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
-    for c in range(n_in // 32):
-        w0, w1, w2, w3 = chunk(fmt, row, c)
-        o = 32 * c
-        a0 = vfma(w0, vload(x, o), a0)
-        a1 = vfma(w1, vload(x, o + 8), a1)
-        a2 = vfma(w2, vload(x, o + 16), a2)
-        a3 = vfma(w3, vload(x, o + 24), a3)
-    return vsum(vadd(vadd(a0, a1), vadd(a2, a3)))
+def _dot4_wide(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
+    # weight rows o .. o + 3 (a format of sixteen-lane decoders) times one activation
+    # row, decoded a group at a time in registers: one FMA chain per row, sixteen values
+    # a step in order, as the tiles' (four independent chains hide the FMA latency, and
+    # each activation vector loaded serves four FMAs); w: scratch, its first
+    # floats the four rows' group scales
+    r0, r1, r2, r3 = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
+    a0, a1, a2, a3 = wzero(), wzero(), wzero(), wzero()
+    n = group_chunks(fmt)
+    for g in range(n_in // (32 * n)):
+        group_scales(fmt, r0, g, w, 0)
+        group_scales(fmt, r1, g, w, SCALES)
+        group_scales(fmt, r2, g, w, 2 * SCALES)
+        group_scales(fmt, r3, g, w, 3 * SCALES)
+        for s in range(n):
+            p = 32 * (n * g + s)
+            u, v = wload(x, p), wload(x, p + 16)
+            w0, w1 = group_chunk(fmt, r0, g, s, w, 0)
+            a0 = wfma(w1, v, wfma(w0, u, a0))
+            w0, w1 = group_chunk(fmt, r1, g, s, w, SCALES)
+            a1 = wfma(w1, v, wfma(w0, u, a1))
+            w0, w1 = group_chunk(fmt, r2, g, s, w, 2 * SCALES)
+            a2 = wfma(w1, v, wfma(w0, u, a2))
+            w0, w1 = group_chunk(fmt, r3, g, s, w, 3 * SCALES)
+            a3 = wfma(w1, v, wfma(w0, u, a3))
+    return wsum(a0), wsum(a1), wsum(a2), wsum(a3)
 
 
-def _dot1_wide(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
-    # one activation row against a format of sixteen-lane decoders, 32 values as two
-    # sixteen-lane vectors (half the instructions of four eight-lane ones); each weight
-    # decoded as gguf's dequantize does it, so the terms are the same, summed in other lanes
-    a0, a1 = wzero(), wzero()
-    for c in range(n_in // 32):
-        w0, w1 = wchunk(fmt, row, c)
-        a0 = wfma(w0, wload(x, 32 * c), a0)
-        a1 = wfma(w1, wload(x, 32 * c + 16), a1)
-    return wsum(a0) + wsum(a1)
+def _dot4_float(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
+    # the same for the plain floats (eight-lane decoders): the four rows decoded into w,
+    # then the tiles' own one-row product of them
+    for i in range(4):
+        _decode_any(fmt, raw[o + i], w, i * n_in, n_in)
+    return _dot1x4(w, x, 0, n_in)
 
 
-def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
-    # the whole row into w[base : base + n_in], the formats of _dot1_wide as it does
-    for c in range(n_in // 32):
-        w0, w1 = wchunk(fmt, row, c)
-        wstore(w, base + 32 * c, w0)
-        wstore(w, base + 32 * c + 16, w1)
-
-
-def _dot1_any(fmt: Any, row: Any, x: Any, n_in: Any) -> Any:
+def _dot4_any(fmt: Any, raw: Any, o: Any, x: Any, n_in: Any, w: Any) -> Any:
     raise TypeError("for compiled code")
 
 
-@overload(_dot1_any, prefer_literal=True, jit_options=INNER)
-def _dot1_typed(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
+@overload(_dot4_any, prefer_literal=True, jit_options=INNER)
+def _dot4_typed(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
     # the format's own product, chosen while compiling (.blocks.format_row)
-    return _dot1_wide if format_row(fmt).lanes == 16 else _dot1
+    return _dot4_wide if format_row(fmt).lanes == 16 else _dot4_float
+
+
+def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
+    # the whole row into w[base : base + n_in], a group at a time (the K-quants' eight
+    # sub-blocks of a super-block in one unrolled loop: its header read once)
+    n = group_chunks(fmt)
+    for g in range(n_in // (32 * n)):
+        for s in range(n):
+            w0, w1 = wchunk(fmt, row, n * g + s)
+            o = base + 32 * (n * g + s)
+            wstore(w, o, w0)
+            wstore(w, o + 16, w1)
 
 
 def _decode_any(fmt: Any, row: Any, w: Any, base: Any, n_in: Any) -> None:
@@ -199,12 +210,12 @@ def _dot1x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
 
 @njit(inline="always")
 def _dot_one(w, x, r, n_in):  # type: ignore[no-untyped-def]
+    # activation row r times the decoded weight row w[:n_in], one chain as every product's
     p = r * n_in
-    a0, a1 = wzero(), wzero()
-    for j in range(0, n_in, 32):
-        a0 = wfma(wload(w, j), wload(x, p + j), a0)
-        a1 = wfma(wload(w, j + 16), wload(x, p + j + 16), a1)
-    return wsum(a0) + wsum(a1)
+    a = wzero()
+    for j in range(0, n_in, 16):
+        a = wfma(wload(w, j), wload(x, p + j), a)
+    return wsum(a)
 
 
 @njit(inline="always")
@@ -219,17 +230,6 @@ def _ahead(raw, o):  # type: ignore[no-untyped-def]
 
 
 @inner
-def _rows1(fmt, raw, x, out, lo, hi, col):  # type: ignore[no-untyped-def]
-    # _rows's one-row loop on its own, for the serial products, with lo a literal 0: a
-    # small compiled function per format, and ~3 % faster one-row products than _rows
-    # with an int64 lo (which the chunks take, and the serial products' several rows)
-    n_in = x.shape[0]
-    for o in range(lo, hi):
-        _ahead(raw, o)
-        out[0, col + o] = _dot1_any(fmt, raw[o], x, n_in)
-
-
-@inner
 def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
     # rows lo .. hi - 1 of one part (format fmt, a compile-time constant: each compiled
     # _rows holds its format's decoder only) into columns col + lo .. of out; w: float32
@@ -238,12 +238,15 @@ def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
     # _rows per format for the serial products and the chunks alike)
     lo = max(lo, 0)
     k, n_in = out.shape[0], w.shape[0] // 4
-    if k == 1:
-        for o in range(lo, hi):
-            _ahead(raw, o)
-            out[0, col + o] = _dot1_any(fmt, raw[o], x, n_in)
-        return
     o = lo
+    if k == 1:  # four weight rows at a time against the one activation row
+        while o + 4 <= hi:
+            for i in range(4):
+                _ahead(raw, o + i)
+            d = _dot4_any(fmt, raw, o, x, n_in, w)
+            for j in range(4):
+                out[0, col + o + j] = d[j]
+            o += 4
     while o + 4 <= hi:  # four weight rows decoded, then a register tile per four rows
         for i in range(4):
             _ahead(raw, o + i)
@@ -316,11 +319,6 @@ def _serial_product(fa: int, fb: int, fc: int) -> Any:
     @entry()
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
         zero, na, nab = np.int64(0), a.shape[0], a.shape[0] + b.shape[0]
-        if out.shape[0] == 1:
-            _rows1(fa, a, x, out, 0, na, zero)
-            _rows1(fb, b, x, out, 0, b.shape[0], na)
-            _rows1(fc, c, x, out, 0, c.shape[0], nab)
-            return
         w = np.empty(4 * (x.shape[0] // out.shape[0]), np.float32)
         # int64 arguments, as the chunks': one compiled _rows per format
         _rows(fa, a, x, out, zero, na, zero, w)
