@@ -39,7 +39,7 @@ from numba.np.numpy_support import carray
 from meshnode.engine.cpu import pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
 from meshnode.engine.cpu.blocks import chunk, format_row
-from meshnode.engine.cpu.groups import SCALES, group_chunk, group_chunks, group_scales
+from meshnode.engine.cpu.groups import group_chunk, group_chunks, group_scales
 from meshnode.engine.cpu.simd import (
     INNER,
     entry,
@@ -55,7 +55,6 @@ from meshnode.engine.cpu.simd import (
     wzero,
 )
 from meshnode.engine.cpu.simd_int import prefetch
-from meshnode.engine.cpu.wide import wchunk
 
 # How far ahead of the row it decodes a product asks for weight bytes (as the q8 kernels
 # do): the hardware prefetchers alone leave a decode product waiting on memory. Measured on
@@ -74,28 +73,25 @@ _CA, _CB, _ROWS = pool.CA, pool.CB, pool.ROWS
 
 def _dot4_wide(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
     # weight rows o .. o + 3 (a format of sixteen-lane decoders) times one activation
-    # row, decoded a group at a time in registers: one FMA chain per row, sixteen values
-    # a step in order, as the tiles' (four independent chains hide the FMA latency, and
-    # each activation vector loaded serves four FMAs); w: scratch, its first
-    # floats the four rows' group scales
+    # row, decoded a group at a time in registers (its scales once): one FMA chain per
+    # row, sixteen values a step in order, as the tiles' (four independent chains hide
+    # the FMA latency, and each activation vector loaded serves four FMAs)
     r0, r1, r2, r3 = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
     a0, a1, a2, a3 = wzero(), wzero(), wzero(), wzero()
     n = group_chunks(fmt)
     for g in range(n_in // (32 * n)):
-        group_scales(fmt, r0, g, w, 0)
-        group_scales(fmt, r1, g, w, SCALES)
-        group_scales(fmt, r2, g, w, 2 * SCALES)
-        group_scales(fmt, r3, g, w, 3 * SCALES)
+        s0, s1 = group_scales(fmt, r0, g), group_scales(fmt, r1, g)
+        s2, s3 = group_scales(fmt, r2, g), group_scales(fmt, r3, g)
         for s in range(n):
             p = 32 * (n * g + s)
             u, v = wload(x, p), wload(x, p + 16)
-            w0, w1 = group_chunk(fmt, r0, g, s, w, 0)
+            w0, w1 = group_chunk(fmt, r0, g, s, s0)
             a0 = wfma(w1, v, wfma(w0, u, a0))
-            w0, w1 = group_chunk(fmt, r1, g, s, w, SCALES)
+            w0, w1 = group_chunk(fmt, r1, g, s, s1)
             a1 = wfma(w1, v, wfma(w0, u, a1))
-            w0, w1 = group_chunk(fmt, r2, g, s, w, 2 * SCALES)
+            w0, w1 = group_chunk(fmt, r2, g, s, s2)
             a2 = wfma(w1, v, wfma(w0, u, a2))
-            w0, w1 = group_chunk(fmt, r3, g, s, w, 3 * SCALES)
+            w0, w1 = group_chunk(fmt, r3, g, s, s3)
             a3 = wfma(w1, v, wfma(w0, u, a3))
     return wsum(a0), wsum(a1), wsum(a2), wsum(a3)
 
@@ -123,8 +119,9 @@ def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
     # sub-blocks of a super-block in one unrolled loop: its header read once)
     n = group_chunks(fmt)
     for g in range(n_in // (32 * n)):
+        sc = group_scales(fmt, row, g)
         for s in range(n):
-            w0, w1 = wchunk(fmt, row, n * g + s)
+            w0, w1 = group_chunk(fmt, row, g, s, sc)
             o = base + 32 * (n * g + s)
             wstore(w, o, w0)
             wstore(w, o + 16, w1)
