@@ -160,6 +160,50 @@ def _q6_k_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
     return wmul(wlane_splat(sc, 2 * s), qa), wmul(wlane_splat(sc, 2 * s + 1), qb)
 
 
+def _float_load(kind: str, doc: str) -> Any:
+    """An intrinsic: sixteen float32, float16 or bfloat16 at byte ``off`` of a ``uint8``
+    row, as float32 (exact widenings)."""
+    elem = {"f32": ir.FloatType(), "f16": ir.HalfType(), "bf16": ir.IntType(16)}[kind]
+
+    def typer(typingctx: Any, row: Any, off: Any) -> Any:
+        if not (isinstance(row, types.Array) and row.dtype == types.uint8):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            vty = ir.VectorType(elem, 16)
+            v = builder.load(
+                builder.bitcast(builder.gep(data, [args[1]]), vty.as_pointer()), align=1
+            )
+            if kind == "f16":
+                return builder.fpext(v, _F16)
+            if kind == "bf16":  # bfloat16 is the top half of a float32
+                return builder.bitcast(builder.shl(builder.zext(v, _V16), _ints([16] * 16)), _F16)
+            return v
+
+        return F32x16(row, off), codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+wload_f32 = _float_load("f32", "Sixteen float32 at byte ``off``.")
+wload_f16 = _float_load("f16", "Sixteen float16 at byte ``off``, as float32.")
+wload_bf16 = _float_load("bf16", "Sixteen bfloat16 at byte ``off``, as float32.")
+
+
+def _f32_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
+    return wload_f32(row, 128 * g), wload_f32(row, 128 * g + 64)
+
+
+def _f16_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
+    return wload_f16(row, 64 * g), wload_f16(row, 64 * g + 32)
+
+
+def _bf16_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
+    return wload_bf16(row, 64 * g), wload_bf16(row, 64 * g + 32)
+
+
 def _no_scales(fmt, row, g):  # type: ignore[no-untyped-def]
     return wzero()
 
@@ -172,6 +216,7 @@ def _k_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
     return wchunk(fmt, row, 8 * g + s)
 
 
+_FLOATS = {"F32": _f32_chunk, "F16": _f16_chunk, "BF16": _bf16_chunk}
 _SHARED = {"Q4_K": (_q4_k_scales, _q4_k_chunk), "Q6_K": (_q6_k_scales, _q6_k_chunk)}
 
 
@@ -210,7 +255,9 @@ def group_chunk(fmt: int, row: Any, g: int, s: int, sc: Any) -> Any:
 
 @overload(group_chunk, prefer_literal=True, jit_options=INNER)
 def _group_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
-    shared = _SHARED.get(format_row(fmt).name)
-    if shared is not None:
-        return shared[1]
+    name = format_row(fmt).name
+    if name in _FLOATS:
+        return _FLOATS[name]
+    if name in _SHARED:
+        return _SHARED[name][1]
     return _k_chunk if _chunks(fmt) == 8 else _whole_chunk

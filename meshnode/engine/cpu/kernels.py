@@ -71,37 +71,56 @@ _OUT, _N_OUT, _SCRATCH, _STRIDE = pool.OUT, pool.N_OUT, pool.SCRATCH, pool.STRID
 _CA, _CB, _ROWS = pool.CA, pool.CB, pool.ROWS
 
 
-def _dot4_wide(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
-    # weight rows o .. o + 3 (a format of sixteen-lane decoders) times one activation
-    # row, decoded a group at a time in registers (its scales once): one FMA chain per
-    # row, sixteen values a step in order, as the tiles' (four independent chains hide
-    # the FMA latency, and each activation vector loaded serves four FMAs)
-    r0, r1, r2, r3 = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
-    a0, a1, a2, a3 = wzero(), wzero(), wzero(), wzero()
-    n = group_chunks(fmt)
-    for g in range(n_in // (32 * n)):
-        s0, s1 = group_scales(fmt, r0, g), group_scales(fmt, r1, g)
-        s2, s3 = group_scales(fmt, r2, g), group_scales(fmt, r3, g)
-        for s in range(n):
-            p = 32 * (n * g + s)
-            u, v = wload(x, p), wload(x, p + 16)
-            w0, w1 = group_chunk(fmt, r0, g, s, s0)
-            a0 = wfma(w1, v, wfma(w0, u, a0))
-            w0, w1 = group_chunk(fmt, r1, g, s, s1)
-            a1 = wfma(w1, v, wfma(w0, u, a1))
-            w0, w1 = group_chunk(fmt, r2, g, s, s2)
-            a2 = wfma(w1, v, wfma(w0, u, a2))
-            w0, w1 = group_chunk(fmt, r3, g, s, s3)
-            a3 = wfma(w1, v, wfma(w0, u, a3))
-    return wsum(a0), wsum(a1), wsum(a2), wsum(a3)
+@njit(inline="always")
+def _step4(fmt, rows, g, s, scales, x, p, acc):  # type: ignore[no-untyped-def]
+    # chunk s of group g of four weight rows into their four FMA chains, sixteen values
+    # a step in order, as the tiles' (four independent chains hide the FMA latency, and
+    # each activation vector loaded serves four FMAs)
+    u, v = wload(x, p), wload(x, p + 16)
+    w0, w1 = group_chunk(fmt, rows[0], g, s, scales[0])
+    a0 = wfma(w1, v, wfma(w0, u, acc[0]))
+    w0, w1 = group_chunk(fmt, rows[1], g, s, scales[1])
+    a1 = wfma(w1, v, wfma(w0, u, acc[1]))
+    w0, w1 = group_chunk(fmt, rows[2], g, s, scales[2])
+    a2 = wfma(w1, v, wfma(w0, u, acc[2]))
+    w0, w1 = group_chunk(fmt, rows[3], g, s, scales[3])
+    a3 = wfma(w1, v, wfma(w0, u, acc[3]))
+    return a0, a1, a2, a3
 
 
-def _dot4_float(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
-    # the same for the plain floats (eight-lane decoders): the four rows decoded into w,
-    # then the tiles' own one-row product of them
-    for i in range(4):
-        _decode_any(fmt, raw[o + i], w, i * n_in, n_in)
-    return _dot1x4(w, x, 0, n_in)
+def _dot4_blocks(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
+    # weight rows o .. o + 3 of a 32-value format times one activation row, decoded in
+    # registers a block at a time
+    rows = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
+    acc = wzero(), wzero(), wzero(), wzero()
+    none = wzero(), wzero(), wzero(), wzero()
+    for c in range(n_in // 32):
+        acc = _step4(fmt, rows, c, 0, none, x, 32 * c, acc)
+    return wsum(acc[0]), wsum(acc[1]), wsum(acc[2]), wsum(acc[3])
+
+
+def _dot4_k(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
+    # the same for a K-quant, a super-block at a time: its scales decoded once, its eight
+    # sub-blocks written out (constant offsets and scale lanes, no branch)
+    rows = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
+    acc = wzero(), wzero(), wzero(), wzero()
+    for g in range(n_in // 256):
+        sc = (
+            group_scales(fmt, rows[0], g),
+            group_scales(fmt, rows[1], g),
+            group_scales(fmt, rows[2], g),
+            group_scales(fmt, rows[3], g),
+        )
+        p = 256 * g
+        acc = _step4(fmt, rows, g, 0, sc, x, p, acc)
+        acc = _step4(fmt, rows, g, 1, sc, x, p + 32, acc)
+        acc = _step4(fmt, rows, g, 2, sc, x, p + 64, acc)
+        acc = _step4(fmt, rows, g, 3, sc, x, p + 96, acc)
+        acc = _step4(fmt, rows, g, 4, sc, x, p + 128, acc)
+        acc = _step4(fmt, rows, g, 5, sc, x, p + 160, acc)
+        acc = _step4(fmt, rows, g, 6, sc, x, p + 192, acc)
+        acc = _step4(fmt, rows, g, 7, sc, x, p + 224, acc)
+    return wsum(acc[0]), wsum(acc[1]), wsum(acc[2]), wsum(acc[3])
 
 
 def _dot4_any(fmt: Any, raw: Any, o: Any, x: Any, n_in: Any, w: Any) -> Any:
@@ -111,7 +130,7 @@ def _dot4_any(fmt: Any, raw: Any, o: Any, x: Any, n_in: Any, w: Any) -> Any:
 @overload(_dot4_any, prefer_literal=True, jit_options=INNER)
 def _dot4_typed(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
     # the format's own product, chosen while compiling (.blocks.format_row)
-    return _dot4_wide if format_row(fmt).lanes == 16 else _dot4_float
+    return _dot4_k if format_row(fmt).block_size == 256 else _dot4_blocks
 
 
 def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
@@ -238,8 +257,8 @@ def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
     o = lo
     if k == 1:  # four weight rows at a time against the one activation row
         while o + 4 <= hi:
-            for i in range(4):
-                _ahead(raw, o + i)
+            for i in range(4):  # the next pass's rows, PREFETCH_BYTES further
+                _ahead(raw, o + 4 + i)
             d = _dot4_any(fmt, raw, o, x, n_in, w)
             for j in range(4):
                 out[0, col + o + j] = d[j]
