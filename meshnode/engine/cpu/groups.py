@@ -15,7 +15,9 @@ same operands (``d * sc`` and ``-(dmin * m)`` computed once and kept in the scra
 the numbers wchunk computes each time), so a product of either equals "dequantize, then
 multiply". Formats with no scales to share here (the 32-value blocks, and the K-quants
 other than Q4_K and Q6_K, rare in real files) read :func:`.wide.wchunk` directly, a group
-of one chunk for the former and eight for the latter.
+of one chunk for the former and eight for the latter; the plain floats (F32, F16, BF16)
+are loaded sixteen lanes at a time and widened exactly (:mod:`.blocks`' eight-lane
+``chunk`` stays their decoder for whole rows), a group of one chunk.
 """
 
 from __future__ import annotations

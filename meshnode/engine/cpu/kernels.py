@@ -2,20 +2,26 @@
 
 The weights of one product come as up to three parts (Q/K/V or gate/up, each ``[out_i,
 row bytes]`` in its own format) so a fused projection is one call.
-Weights are decoded 32 values at a step: two sixteen-lane vectors (:func:`.wide.wchunk`)
-for the quantized formats, four eight-lane ones (:func:`.blocks.chunk`) for F32, F16 and
-BF16, the same values either way. Each weight row's bytes are asked for
-:data:`PREFETCH_BYTES` ahead of the row being decoded.
+Every weight is dequantized as gguf does it (bit for bit: :mod:`.wide`, :mod:`.groups`),
+sixteen values a vector, and then multiplied in float32. **One order for every product:**
+output element ``(r, o)`` is one FMA chain ``acc = fma(w[o, j:j+16], x[r, j:j+16], acc)``
+over ``j = 0, 16, 32, ...`` in order, then the sixteen lanes summed as a tree
+(:func:`.simd.wsum`); so a row's result is the same bits whether it is multiplied alone
+or with up to :data:`.matrix.MAX_KERNEL_ROWS` - 1 others, in any position of the batch,
+by any thread (issue 35). The terms are those of "dequantize, then multiply"; their order
+differs from a plain loop's. Each weight row's bytes are asked for
+:data:`PREFETCH_BYTES` ahead.
 
-- one activation row (decode): the chunk is multiplied into four vector accumulators
-  while it is in registers; nothing is stored;
+- one activation row (decode): four weight rows a pass, decoded in registers a group at
+  a time (a K-quant's super-block with its scales decoded once, :mod:`.groups`; a block
+  of the 32-value formats; 32 plain floats), each into its own chain: four independent
+  chains hide the FMA latency, each activation vector loaded serves four FMAs, and
+  nothing is stored;
 - ``k`` rows (verify windows, batches): four weight rows are decoded once into a small
   float32 buffer (L1-resident), then multiplied with the activation rows four at a time
-  as a 4 x 4 register tile of sixteen-lane vectors, so ``k`` rows cost one pass over the
-  weights, the decode is paid once, and every vector loaded feeds four FMAs.
-
-Sums are float32 in vector lanes and then across lanes: the order differs from a plain
-loop, the terms are those of "dequantize, then multiply".
+  as a 4 x 4 register tile of sixteen-lane vectors (each element its own chain, as
+  above), so ``k`` rows cost one pass over the weights, the decode is paid once, and
+  every vector loaded feeds four FMAs.
 
 Each product exists whole, for the calling thread alone, and as a C function computing one
 chunk of output rows, for :mod:`.pool`'s threads (which claim chunks one at a time).
@@ -71,7 +77,7 @@ _OUT, _N_OUT, _SCRATCH, _STRIDE = pool.OUT, pool.N_OUT, pool.SCRATCH, pool.STRID
 _CA, _CB, _ROWS = pool.CA, pool.CB, pool.ROWS
 
 
-@njit(inline="always")
+@inner
 def _step4(fmt, rows, g, s, scales, x, p, acc):  # type: ignore[no-untyped-def]
     # chunk s of group g of four weight rows into their four FMA chains, sixteen values
     # a step in order, as the tiles' (four independent chains hide the FMA latency, and
@@ -100,8 +106,7 @@ def _dot4_blocks(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
 
 
 def _dot4_k(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
-    # the same for a K-quant, a super-block at a time: its scales decoded once, its eight
-    # sub-blocks written out (constant offsets and scale lanes, no branch)
+    # the same for a K-quant, a super-block at a time: its scales decoded once
     rows = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
     acc = wzero(), wzero(), wzero(), wzero()
     for g in range(n_in // 256):
@@ -111,15 +116,12 @@ def _dot4_k(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
             group_scales(fmt, rows[2], g),
             group_scales(fmt, rows[3], g),
         )
-        p = 256 * g
-        acc = _step4(fmt, rows, g, 0, sc, x, p, acc)
-        acc = _step4(fmt, rows, g, 1, sc, x, p + 32, acc)
-        acc = _step4(fmt, rows, g, 2, sc, x, p + 64, acc)
-        acc = _step4(fmt, rows, g, 3, sc, x, p + 96, acc)
-        acc = _step4(fmt, rows, g, 4, sc, x, p + 128, acc)
-        acc = _step4(fmt, rows, g, 5, sc, x, p + 160, acc)
-        acc = _step4(fmt, rows, g, 6, sc, x, p + 192, acc)
-        acc = _step4(fmt, rows, g, 7, sc, x, p + 224, acc)
+        for h in range(2):  # four sub-blocks a step: each one's place in its half constant
+            p, s = 256 * g + 128 * h, 4 * h
+            acc = _step4(fmt, rows, g, s, sc, x, p, acc)
+            acc = _step4(fmt, rows, g, s + 1, sc, x, p + 32, acc)
+            acc = _step4(fmt, rows, g, s + 2, sc, x, p + 64, acc)
+            acc = _step4(fmt, rows, g, s + 3, sc, x, p + 96, acc)
     return wsum(acc[0]), wsum(acc[1]), wsum(acc[2]), wsum(acc[3])
 
 
