@@ -89,19 +89,14 @@ def test_a_model_compiles_its_own_formats_once_each(tmp_path: Path) -> None:
     """Only the Q4_1 and Q8_0 decoders are compiled, none of the other formats';
     ``_rows`` (the tiles) once per format, not per format mix, array type or caller (the
     serial products pass it the model's read-only memory, the kernel threads' chunks an
-    address), and the serial one-row loop ``_rows1`` once per format; the pool's claim
-    loop once."""
+    address); the pool's claim loop once."""
     got = compiled_in_fresh_process(tmp_path, _PRODUCTS)
     assert got["posted"] > 0  # the kernel threads' chunks were compiled and ran
     compiled = got["compiled"]
     decoders = [name for name in compiled if name.rsplit(".", 1)[1] in _DECODERS]
     assert sorted(d.rsplit(".", 1)[1] for d in decoders) == ["_q4_1", "_q8_0"]
-    for kernel in ("_rows", "_rows1"):
-        calls = compiled[f"meshnode.engine.cpu.kernels.{kernel}"]
-        assert sorted(args.split(",")[0] for args in calls) == [
-            "(Literal[int](4)",
-            "(Literal[int](7)",
-        ], kernel
+    calls = compiled["meshnode.engine.cpu.kernels._rows"]
+    assert sorted(args.split(",")[0] for args in calls) == ["(Literal[int](4)", "(Literal[int](7)"]
     assert (
         len(compiled["meshnode.engine.cpu.pool._claim_and_run"]) == 1
     )  # the caller's and the helpers' alike

@@ -2,20 +2,26 @@
 
 The weights of one product come as up to three parts (Q/K/V or gate/up, each ``[out_i,
 row bytes]`` in its own format) so a fused projection is one call.
-Weights are decoded 32 values at a step: two sixteen-lane vectors (:func:`.wide.wchunk`)
-for the quantized formats, four eight-lane ones (:func:`.blocks.chunk`) for F32, F16 and
-BF16, the same values either way. Each weight row's bytes are asked for
-:data:`PREFETCH_BYTES` ahead of the row being decoded.
+Every weight is dequantized as gguf does it (bit for bit: :mod:`.wide`, :mod:`.groups`),
+sixteen values a vector, and then multiplied in float32. **One order for every product:**
+output element ``(r, o)`` is one FMA chain ``acc = fma(w[o, j:j+16], x[r, j:j+16], acc)``
+over ``j = 0, 16, 32, ...`` in order, then the sixteen lanes summed as a tree
+(:func:`.simd.wsum`); so a row's result is the same bits whether it is multiplied alone
+or with up to :data:`.matrix.MAX_KERNEL_ROWS` - 1 others, in any position of the batch,
+by any thread (issue 35). The terms are those of "dequantize, then multiply"; their order
+differs from a plain loop's. Each weight row's bytes are asked for
+:data:`PREFETCH_BYTES` ahead.
 
-- one activation row (decode): the chunk is multiplied into four vector accumulators
-  while it is in registers; nothing is stored;
+- one activation row (decode): four weight rows a pass, decoded in registers a group at
+  a time (a K-quant's super-block with its scales decoded once, :mod:`.groups`; a block
+  of the 32-value formats; 32 plain floats), each into its own chain: four independent
+  chains hide the FMA latency, each activation vector loaded serves four FMAs, and
+  nothing is stored;
 - ``k`` rows (verify windows, batches): four weight rows are decoded once into a small
   float32 buffer (L1-resident), then multiplied with the activation rows four at a time
-  as a 4 x 4 register tile of sixteen-lane vectors, so ``k`` rows cost one pass over the
-  weights, the decode is paid once, and every vector loaded feeds four FMAs.
-
-Sums are float32 in vector lanes and then across lanes: the order differs from a plain
-loop, the terms are those of "dequantize, then multiply".
+  as a 4 x 4 register tile of sixteen-lane vectors (each element its own chain, as
+  above), so ``k`` rows cost one pass over the weights, the decode is paid once, and
+  every vector loaded feeds four FMAs.
 
 Each product exists whole, for the calling thread alone, and as a C function computing one
 chunk of output rows, for :mod:`.pool`'s threads (which claim chunks one at a time).
@@ -39,17 +45,13 @@ from numba.np.numpy_support import carray
 from meshnode.engine.cpu import pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
 from meshnode.engine.cpu.blocks import chunk, format_row
+from meshnode.engine.cpu.groups import group_chunk, group_chunks, group_scales
 from meshnode.engine.cpu.simd import (
     INNER,
     entry,
     inner,
     intrinsic,
-    vadd,
-    vfma,
-    vload,
     vstore,
-    vsum,
-    vzero,
     wfma,
     wlane,
     wload,
@@ -59,7 +61,6 @@ from meshnode.engine.cpu.simd import (
     wzero,
 )
 from meshnode.engine.cpu.simd_int import prefetch
-from meshnode.engine.cpu.wide import wchunk
 
 # How far ahead of the row it decodes a product asks for weight bytes (as the q8 kernels
 # do): the hardware prefetchers alone leave a decode product waiting on memory. Measured on
@@ -76,47 +77,75 @@ _OUT, _N_OUT, _SCRATCH, _STRIDE = pool.OUT, pool.N_OUT, pool.SCRATCH, pool.STRID
 _CA, _CB, _ROWS = pool.CA, pool.CB, pool.ROWS
 
 
-def _dot1(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
-    # one activation row: decode and multiply in registers
-    a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
+@inner
+def _step4(fmt, rows, g, s, scales, x, p, acc):  # type: ignore[no-untyped-def]
+    # chunk s of group g of four weight rows into their four FMA chains, sixteen values
+    # a step in order, as the tiles' (four independent chains hide the FMA latency, and
+    # each activation vector loaded serves four FMAs)
+    u, v = wload(x, p), wload(x, p + 16)
+    w0, w1 = group_chunk(fmt, rows[0], g, s, scales[0])
+    a0 = wfma(w1, v, wfma(w0, u, acc[0]))
+    w0, w1 = group_chunk(fmt, rows[1], g, s, scales[1])
+    a1 = wfma(w1, v, wfma(w0, u, acc[1]))
+    w0, w1 = group_chunk(fmt, rows[2], g, s, scales[2])
+    a2 = wfma(w1, v, wfma(w0, u, acc[2]))
+    w0, w1 = group_chunk(fmt, rows[3], g, s, scales[3])
+    a3 = wfma(w1, v, wfma(w0, u, acc[3]))
+    return a0, a1, a2, a3
+
+
+def _dot4_blocks(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
+    # weight rows o .. o + 3 of a 32-value format times one activation row, decoded in
+    # registers a block at a time
+    rows = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
+    acc = wzero(), wzero(), wzero(), wzero()
+    none = wzero(), wzero(), wzero(), wzero()
     for c in range(n_in // 32):
-        w0, w1, w2, w3 = chunk(fmt, row, c)
-        o = 32 * c
-        a0 = vfma(w0, vload(x, o), a0)
-        a1 = vfma(w1, vload(x, o + 8), a1)
-        a2 = vfma(w2, vload(x, o + 16), a2)
-        a3 = vfma(w3, vload(x, o + 24), a3)
-    return vsum(vadd(vadd(a0, a1), vadd(a2, a3)))
+        acc = _step4(fmt, rows, c, 0, none, x, 32 * c, acc)
+    return wsum(acc[0]), wsum(acc[1]), wsum(acc[2]), wsum(acc[3])
 
 
-def _dot1_wide(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
-    # one activation row against a format of sixteen-lane decoders, 32 values as two
-    # sixteen-lane vectors (half the instructions of four eight-lane ones); each weight
-    # decoded as gguf's dequantize does it, so the terms are the same, summed in other lanes
-    a0, a1 = wzero(), wzero()
-    for c in range(n_in // 32):
-        w0, w1 = wchunk(fmt, row, c)
-        a0 = wfma(w0, wload(x, 32 * c), a0)
-        a1 = wfma(w1, wload(x, 32 * c + 16), a1)
-    return wsum(a0) + wsum(a1)
+def _dot4_k(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
+    # the same for a K-quant, a super-block at a time: its scales decoded once
+    rows = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
+    acc = wzero(), wzero(), wzero(), wzero()
+    for g in range(n_in // 256):
+        sc = (
+            group_scales(fmt, rows[0], g),
+            group_scales(fmt, rows[1], g),
+            group_scales(fmt, rows[2], g),
+            group_scales(fmt, rows[3], g),
+        )
+        for h in range(2):  # four sub-blocks a step: each one's place in its half constant
+            p, s = 256 * g + 128 * h, 4 * h
+            acc = _step4(fmt, rows, g, s, sc, x, p, acc)
+            acc = _step4(fmt, rows, g, s + 1, sc, x, p + 32, acc)
+            acc = _step4(fmt, rows, g, s + 2, sc, x, p + 64, acc)
+            acc = _step4(fmt, rows, g, s + 3, sc, x, p + 96, acc)
+    return wsum(acc[0]), wsum(acc[1]), wsum(acc[2]), wsum(acc[3])
 
 
-def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
-    # the whole row into w[base : base + n_in], the formats of _dot1_wide as it does
-    for c in range(n_in // 32):
-        w0, w1 = wchunk(fmt, row, c)
-        wstore(w, base + 32 * c, w0)
-        wstore(w, base + 32 * c + 16, w1)
-
-
-def _dot1_any(fmt: Any, row: Any, x: Any, n_in: Any) -> Any:
+def _dot4_any(fmt: Any, raw: Any, o: Any, x: Any, n_in: Any, w: Any) -> Any:
     raise TypeError("for compiled code")
 
 
-@overload(_dot1_any, prefer_literal=True, jit_options=INNER)
-def _dot1_typed(fmt, row, x, n_in):  # type: ignore[no-untyped-def]
+@overload(_dot4_any, prefer_literal=True, jit_options=INNER)
+def _dot4_typed(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
     # the format's own product, chosen while compiling (.blocks.format_row)
-    return _dot1_wide if format_row(fmt).lanes == 16 else _dot1
+    return _dot4_k if format_row(fmt).block_size == 256 else _dot4_blocks
+
+
+def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
+    # the whole row into w[base : base + n_in], a group at a time (the K-quants' eight
+    # sub-blocks of a super-block in one unrolled loop: its header read once)
+    n = group_chunks(fmt)
+    for g in range(n_in // (32 * n)):
+        sc = group_scales(fmt, row, g)
+        for s in range(n):
+            w0, w1 = group_chunk(fmt, row, g, s, sc)
+            o = base + 32 * (n * g + s)
+            wstore(w, o, w0)
+            wstore(w, o + 16, w1)
 
 
 def _decode_any(fmt: Any, row: Any, w: Any, base: Any, n_in: Any) -> None:
@@ -199,12 +228,12 @@ def _dot1x4(w, x, r, n_in):  # type: ignore[no-untyped-def]
 
 @njit(inline="always")
 def _dot_one(w, x, r, n_in):  # type: ignore[no-untyped-def]
+    # activation row r times the decoded weight row w[:n_in], one chain as every product's
     p = r * n_in
-    a0, a1 = wzero(), wzero()
-    for j in range(0, n_in, 32):
-        a0 = wfma(wload(w, j), wload(x, p + j), a0)
-        a1 = wfma(wload(w, j + 16), wload(x, p + j + 16), a1)
-    return wsum(a0) + wsum(a1)
+    a = wzero()
+    for j in range(0, n_in, 16):
+        a = wfma(wload(w, j), wload(x, p + j), a)
+    return wsum(a)
 
 
 @njit(inline="always")
@@ -219,17 +248,6 @@ def _ahead(raw, o):  # type: ignore[no-untyped-def]
 
 
 @inner
-def _rows1(fmt, raw, x, out, lo, hi, col):  # type: ignore[no-untyped-def]
-    # _rows's one-row loop on its own, for the serial products, with lo a literal 0: a
-    # small compiled function per format, and ~3 % faster one-row products than _rows
-    # with an int64 lo (which the chunks take, and the serial products' several rows)
-    n_in = x.shape[0]
-    for o in range(lo, hi):
-        _ahead(raw, o)
-        out[0, col + o] = _dot1_any(fmt, raw[o], x, n_in)
-
-
-@inner
 def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
     # rows lo .. hi - 1 of one part (format fmt, a compile-time constant: each compiled
     # _rows holds its format's decoder only) into columns col + lo .. of out; w: float32
@@ -238,12 +256,15 @@ def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
     # _rows per format for the serial products and the chunks alike)
     lo = max(lo, 0)
     k, n_in = out.shape[0], w.shape[0] // 4
-    if k == 1:
-        for o in range(lo, hi):
-            _ahead(raw, o)
-            out[0, col + o] = _dot1_any(fmt, raw[o], x, n_in)
-        return
     o = lo
+    if k == 1:  # four weight rows at a time against the one activation row
+        while o + 4 <= hi:
+            for i in range(4):  # the next pass's rows, PREFETCH_BYTES further
+                _ahead(raw, o + 4 + i)
+            d = _dot4_any(fmt, raw, o, x, n_in, w)
+            for j in range(4):
+                out[0, col + o + j] = d[j]
+            o += 4
     while o + 4 <= hi:  # four weight rows decoded, then a register tile per four rows
         for i in range(4):
             _ahead(raw, o + i)
@@ -316,11 +337,6 @@ def _serial_product(fa: int, fb: int, fc: int) -> Any:
     @entry()
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
         zero, na, nab = np.int64(0), a.shape[0], a.shape[0] + b.shape[0]
-        if out.shape[0] == 1:
-            _rows1(fa, a, x, out, 0, na, zero)
-            _rows1(fb, b, x, out, 0, b.shape[0], na)
-            _rows1(fc, c, x, out, 0, c.shape[0], nab)
-            return
         w = np.empty(4 * (x.shape[0] // out.shape[0]), np.float32)
         # int64 arguments, as the chunks': one compiled _rows per format
         _rows(fa, a, x, out, zero, na, zero, w)

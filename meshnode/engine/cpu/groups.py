@@ -1,0 +1,265 @@
+"""A row's values a group at a time, with the group's scales decoded once: the exact
+products' (:mod:`.kernels`) reading of the sixteen-lane formats.
+
+A *group* is a K-quant's super-block (256 values, eight 32-value sub-blocks) or one block
+of a 32-value format. :func:`group_chunks` is its count of 32-value chunks (8 or 1);
+:func:`group_scales` writes the scales of a row's group ``g`` into a small float32
+scratch once, and :func:`group_chunk` returns chunk ``s`` of the group (values ``32 (G g
++ s) ..`` of the row) as two sixteen-lane vectors, reading those scales. A product then
+decodes the scales of Q4_K (six-bit scales and mins packed in 12 bytes, two float16
+factors) and Q6_K (sixteen int8 scales, one float16) once per super-block, not once per
+sub-block as :func:`.wide.wchunk` does.
+
+The values are :func:`.wide.wchunk`'s, bit for bit: the same float32 operations on the
+same operands (``d * sc`` and ``-(dmin * m)`` computed once and kept in the scratch are
+the numbers wchunk computes each time), so a product of either equals "dequantize, then
+multiply". Formats with no scales to share here (the 32-value blocks, and the K-quants
+other than Q4_K and Q6_K, rare in real files) read :func:`.wide.wchunk` directly, a group
+of one chunk for the former and eight for the latter; the plain floats (F32, F16, BF16)
+are loaded sixteen lanes at a time and widened exactly (:mod:`.blocks`' eight-lane
+``chunk`` stays their decoder for whole rows), a group of one chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llvmlite import ir
+from numba import types
+from numba.extending import overload
+
+from meshnode.engine.cpu.blocks import f16, format_row
+from meshnode.engine.cpu.simd import (
+    INNER,
+    F32x16,
+    intrinsic,
+    wfma,
+    whigh_nibbles,
+    wlow_nibbles,
+    wmul,
+    wzero,
+)
+from meshnode.engine.cpu.wide import wchunk, wq6
+
+__all__ = [
+    "group_chunk",
+    "group_chunks",
+    "group_scales",
+    "wlane_splat",
+    "wq4k_scales",
+    "wq6k_scales",
+]
+
+_I8, _I32 = ir.IntType(8), ir.IntType(32)
+_V16 = ir.VectorType(_I32, 16)
+_F16 = ir.VectorType(ir.FloatType(), 16)
+
+
+def _ints(values: list[int]) -> Any:
+    return ir.Constant(_V16, values)
+
+
+def _bytes16(context: Any, builder: Any, aryty: Any, ary: Any, off: Any) -> Any:
+    data = context.make_array(aryty)(context, builder, ary).data
+    ptr = builder.bitcast(builder.gep(data, [off]), ir.VectorType(_I8, 16).as_pointer())
+    return builder.load(ptr, align=1)
+
+
+def _halves(context: Any, builder: Any, sig: Any, lo: Any, hi: Any) -> Any:
+    # lanes 0-7 the float32 lo, lanes 8-15 hi
+    undef = ir.Constant(_F16, ir.Undefined)
+    vec = builder.insert_element(undef, lo, ir.Constant(_I32, 0))
+    vec = builder.insert_element(vec, hi, ir.Constant(_I32, 1))
+    return builder.shuffle_vector(vec, undef, _ints([0] * 8 + [1] * 8))
+
+
+@intrinsic
+def wq4k_scales(typingctx: Any, row: Any, off: Any, d: Any, neg_dmin: Any) -> Any:
+    """Q4_K's eight six-bit scales and mins (the 12 bytes at ``off``) times their factors:
+    lane ``s`` is ``d * sc[s]``, lane ``8 + s`` is ``-dmin * m[s]`` (``neg_dmin``), the
+    scalar :func:`.blocks.k_scale_min` of each sub-block ``s`` unpacked in integer lanes
+    at once. Each product is one float32 rounding of the same operands, so the same bits
+    as :func:`.wide._q4_k`'s ``d * sc`` and ``-(dmin * m)`` (rounding is symmetric)."""
+    if not (isinstance(row, types.Array) and row.dtype == types.uint8 and row.layout == "C"):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        q = builder.zext(_bytes16(context, builder, sig.args[0], args[0], args[1]), _V16)
+        undef = ir.Constant(_V16, ir.Undefined)
+        # sc[s < 4] = q[s] & 63, m[s < 4] = q[s + 4] & 63; for s >= 4: sc = q[s + 4] & 15
+        # | (q[s - 4] >> 6) << 4, m = q[s + 4] >> 4 | (q[s] >> 6) << 4
+        low = builder.shuffle_vector(
+            q, undef, _ints([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
+        )
+        low = builder.and_(
+            builder.lshr(low, _ints([0] * 12 + [4] * 4)), _ints(([63] * 4 + [15] * 4) * 2)
+        )
+        top = builder.shuffle_vector(q, undef, _ints([0, 1, 2, 3] * 2 + [4, 5, 6, 7] * 2))
+        top = builder.and_(
+            builder.shl(builder.lshr(top, _ints([6] * 16)), _ints([4] * 16)),
+            _ints(([0] * 4 + [48] * 4) * 2),
+        )
+        ints = builder.sitofp(builder.or_(low, top), _F16)
+        return builder.fmul(ints, _halves(context, builder, sig, args[2], args[3]))
+
+    return F32x16(row, off, types.float32, types.float32), codegen
+
+
+@intrinsic
+def wq6k_scales(typingctx: Any, row: Any, off: Any, d: Any) -> Any:
+    """Q6_K's sixteen int8 scales at ``off`` times ``d``: lane ``t`` is ``d * sc[t]``, as
+    :func:`.wide._q6_k` computes each."""
+    if not (isinstance(row, types.Array) and row.dtype == types.uint8 and row.layout == "C"):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        sc = builder.sitofp(
+            builder.sext(_bytes16(context, builder, sig.args[0], args[0], args[1]), _V16), _F16
+        )
+        return builder.fmul(sc, _halves(context, builder, sig, args[2], args[2]))
+
+    return F32x16(row, off, types.float32), codegen
+
+
+@intrinsic
+def wlane_splat(typingctx: Any, v: Any, i: Any) -> Any:
+    """Lane ``i`` of ``v`` in all sixteen lanes."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        lane = builder.extract_element(
+            args[0], context.cast(builder, args[1], sig.args[1], types.int32)
+        )
+        undef = ir.Constant(_F16, ir.Undefined)
+        one = builder.insert_element(undef, lane, ir.Constant(_I32, 0))
+        return builder.shuffle_vector(one, undef, _ints([0] * 16))
+
+    return F32x16(v, i), codegen
+
+
+def _q4_k_scales(fmt, row, g):  # type: ignore[no-untyped-def]
+    o = 144 * g  # d f16 | dmin f16 | scales[12] | qs[128]
+    return wq4k_scales(row, o + 4, f16(row, o), -f16(row, o + 2))
+
+
+def _q4_k_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
+    # as wide._q4_k: nibble s % 2 of qs[32 (s // 2) ..], d sc q - dmin m in one fma
+    qs = 144 * g + 16 + 32 * (s // 2)
+    ds, dm = wlane_splat(sc, s), wlane_splat(sc, 8 + s)
+    if s % 2 == 0:
+        return wfma(ds, wlow_nibbles(row, qs), dm), wfma(ds, wlow_nibbles(row, qs + 16), dm)
+    return wfma(ds, whigh_nibbles(row, qs), dm), wfma(ds, whigh_nibbles(row, qs + 16), dm)
+
+
+def _q6_k_scales(fmt, row, g):  # type: ignore[no-untyped-def]
+    o = 210 * g  # ql[128] | qh[64] | scales int8[16] | d f16
+    return wq6k_scales(row, o + 192, f16(row, o + 208))
+
+
+def _q6_k_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
+    # as wide._q6_k: ((low | high << 4) - 32) times d sc, a scale per sixteen values
+    o, h, m = 210 * g, s // 4, s % 4
+    qa, qb = wq6(row, o + 64 * h + 32 * (m % 2), o + 128 + 32 * h, 4 * (m // 2), 2 * m)
+    return wmul(wlane_splat(sc, 2 * s), qa), wmul(wlane_splat(sc, 2 * s + 1), qb)
+
+
+def _float_load(kind: str, doc: str) -> Any:
+    """An intrinsic: sixteen float32, float16 or bfloat16 at byte ``off`` of a ``uint8``
+    row, as float32 (exact widenings)."""
+    elem = {"f32": ir.FloatType(), "f16": ir.HalfType(), "bf16": ir.IntType(16)}[kind]
+
+    def typer(typingctx: Any, row: Any, off: Any) -> Any:
+        if not (isinstance(row, types.Array) and row.dtype == types.uint8):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            vty = ir.VectorType(elem, 16)
+            v = builder.load(
+                builder.bitcast(builder.gep(data, [args[1]]), vty.as_pointer()), align=1
+            )
+            if kind == "f16":
+                return builder.fpext(v, _F16)
+            if kind == "bf16":  # bfloat16 is the top half of a float32
+                return builder.bitcast(builder.shl(builder.zext(v, _V16), _ints([16] * 16)), _F16)
+            return v
+
+        return F32x16(row, off), codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+wload_f32 = _float_load("f32", "Sixteen float32 at byte ``off``.")
+wload_f16 = _float_load("f16", "Sixteen float16 at byte ``off``, as float32.")
+wload_bf16 = _float_load("bf16", "Sixteen bfloat16 at byte ``off``, as float32.")
+
+
+def _f32_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
+    return wload_f32(row, 128 * g), wload_f32(row, 128 * g + 64)
+
+
+def _f16_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
+    return wload_f16(row, 64 * g), wload_f16(row, 64 * g + 32)
+
+
+def _bf16_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
+    return wload_bf16(row, 64 * g), wload_bf16(row, 64 * g + 32)
+
+
+def _no_scales(fmt, row, g):  # type: ignore[no-untyped-def]
+    return wzero()
+
+
+def _whole_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
+    return wchunk(fmt, row, g)
+
+
+def _k_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
+    return wchunk(fmt, row, 8 * g + s)
+
+
+_FLOATS = {"F32": _f32_chunk, "F16": _f16_chunk, "BF16": _bf16_chunk}
+_SHARED = {"Q4_K": (_q4_k_scales, _q4_k_chunk), "Q6_K": (_q6_k_scales, _q6_k_chunk)}
+
+
+def _chunks(fmt: Any) -> int:
+    return 8 if format_row(fmt).block_size == 256 else 1
+
+
+def group_chunks(fmt: int) -> int:
+    """32-value chunks in a group of ``fmt`` (compile-time constant): 8 or 1."""
+    raise TypeError("for compiled code")
+
+
+@overload(group_chunks, prefer_literal=True, jit_options=INNER)
+def _group_chunks(fmt):  # type: ignore[no-untyped-def]
+    n = _chunks(fmt)
+    return lambda fmt: n
+
+
+def group_scales(fmt: int, row: Any, g: int) -> Any:
+    """The scales of group ``g`` of ``row`` times their factors, a sixteen-lane vector (Q4_K:
+    ``d sc`` then ``-dmin m`` per sub-block; Q6_K: ``d sc`` per sixteen values; zeros for a
+    format that reads its scales in :func:`group_chunk`)."""
+    raise TypeError("for compiled code")
+
+
+@overload(group_scales, prefer_literal=True, jit_options=INNER)
+def _group_scales(fmt, row, g):  # type: ignore[no-untyped-def]
+    return _SHARED.get(format_row(fmt).name, (_no_scales,))[0]
+
+
+def group_chunk(fmt: int, row: Any, g: int, s: int, sc: Any) -> Any:
+    """Chunk ``s`` of group ``g`` of ``row`` as two sixteen-lane vectors, with the scales
+    ``sc`` :func:`group_scales` returned: :func:`.wide.wchunk`'s values."""
+    raise TypeError("for compiled code")
+
+
+@overload(group_chunk, prefer_literal=True, jit_options=INNER)
+def _group_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
+    name = format_row(fmt).name
+    if name in _FLOATS:
+        return _FLOATS[name]
+    if name in _SHARED:
+        return _SHARED[name][1]
+    return _k_chunk if _chunks(fmt) == 8 else _whole_chunk
