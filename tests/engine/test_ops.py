@@ -12,6 +12,7 @@ from meshnode_packaging.sources import open_source
 
 from meshnode.engine import ModelConfig, Stage, ops
 from meshnode.engine.backend import cpu_backend
+from meshnode.engine.cpu import dense_product as mm
 
 RNG = np.random.default_rng(7)
 
@@ -81,7 +82,8 @@ def test_attention_matches_a_loop_over_heads_and_rows(
 
 def test_stage_forward_is_the_references_composed(tiny_gguf: Callable[[str], Path]) -> None:
     """The references are the engine's own expressions: rebuilt from them, bit for bit
-    (with float32 weights, the matrices the references multiply)."""
+    (with float32 weights, the matrices the references multiply, through the float32
+    backend's product, whose order is fixed by the segment's rows: ``dense_product``)."""
     source = open_source(tiny_gguf("Q8_0"))
     c = ModelConfig.from_hf(source.config)
     stage = Stage(c, source, 0, c.num_layers, embed=True, head=True, backend=cpu_backend("float32"))
@@ -97,15 +99,15 @@ def test_stage_forward_is_the_references_composed(tiny_gguf: Callable[[str], Pat
     x = w.embed_t[:, ids].T  # [S, E]
     for layer in w.layers:
         y = ops.rms_norm(np, x, layer.attn_norm, c.rms_norm_eps)
-        qkv = y @ layer.wqkv
+        qkv = mm(y, layer.wqkv)
         q = qkv[:, : c.q_size].reshape(n, c.num_heads, c.head_dim).transpose(1, 0, 2)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].reshape(n, c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
         q = ops.rotate_half(np, q, cos, sin)
         k = ops.rotate_half(np, k.transpose(1, 0, 2), cos, sin)
         out = ops.attention(np, q, k, v.transpose(1, 0, 2), float(1.0 / np.sqrt(c.head_dim)))
-        x = x + out.transpose(1, 0, 2).reshape(n, c.q_size) @ layer.wo
+        x = x + mm(out.transpose(1, 0, 2).reshape(n, c.q_size), layer.wo)
         y = ops.rms_norm(np, x, layer.ffn_norm, c.rms_norm_eps)
-        x = x + ops.silu_mul(np, y @ layer.w_gate_up) @ layer.w_down
-    logits = ops.rms_norm(np, x, w.norm, c.rms_norm_eps) @ w.embed_t
+        x = x + mm(ops.silu_mul(np, mm(y, layer.w_gate_up)), layer.w_down)
+    logits = mm(ops.rms_norm(np, x, w.norm, c.rms_norm_eps), w.embed_t)
     np.testing.assert_array_equal(got, logits)
