@@ -27,7 +27,7 @@ import pytest
 from meshnode_packaging.sources import open_source
 
 from meshnode.engine import ModelConfig, Stage
-from meshnode.engine.backend import CpuBackend
+from meshnode.engine.backend import CpuBackend, WeightsDtype
 from meshnode.engine.cpu import matrix
 from meshnode.engine.cpu.pool import KernelPool
 from meshnode.engine.model import BatchRow
@@ -50,12 +50,17 @@ def prompts() -> list[list[int]]:
     return [*given, longest[:3], longest[:16], longest[:24], longest[:90]]
 
 
-@pytest.fixture(scope="module")
-def stage() -> Stage:
+def whole_stage(weights_dtype: WeightsDtype) -> Stage:
+    """The tiny Qwen3 as one stage on the CPU, its weights in ``weights_dtype``."""
     source = open_source(QWEN3_TINY)
     config = ModelConfig.from_hf(source.config)
-    backend = CpuBackend(weights_dtype="native")
+    backend = CpuBackend(weights_dtype=weights_dtype)
     return Stage(config, source, 0, config.num_layers, embed=True, head=True, backend=backend)
+
+
+@pytest.fixture(scope="module")
+def stage() -> Stage:
+    return whole_stage("native")
 
 
 def solo(stage: Stage, ids: list[int]) -> np.ndarray:

@@ -11,22 +11,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from meshnode_packaging.sources import open_source
 
-from meshnode.engine import ModelConfig, Stage
-from meshnode.engine.backend import CpuBackend
+from meshnode.engine import Stage
 from meshnode.engine.cpu import MAX_KERNEL_ROWS, dense_product, matrix
-from tests.engine.test_same_bits import QWEN3_TINY, batched, busy_cores, prompts, solo
+from tests.engine.test_same_bits import batched, busy_cores, prompts, solo, whole_stage
 
 __all__ = ["busy_cores"]  # the fixture, imported for the busy test
 
 
 @pytest.fixture(scope="module")
 def stage() -> Stage:
-    source = open_source(QWEN3_TINY)
-    config = ModelConfig.from_hf(source.config)
-    backend = CpuBackend(weights_dtype="float32")
-    return Stage(config, source, 0, config.num_layers, embed=True, head=True, backend=backend)
+    return whole_stage("float32")
 
 
 @pytest.mark.parametrize(("n_in", "n_out"), [(64, 48), (576, 1536), (2048, 96)])
