@@ -64,7 +64,10 @@ def _run(root: Path, script: str, *args: str, **env: str) -> list[str]:
     """Run ``scripts/<script> ARGS`` in ``root``; the calls the stand-ins logged."""
     calls = root.parent / "calls.log"
     calls.unlink(missing_ok=True)
-    base = {k: v for k, v in os.environ.items() if k not in {"MESHNODE_EXTRAS", "FAIL_PIP"}}
+    # The suite itself may run beside busy loops (MESHNODE_BUSY_LOOPS): the scripts under
+    # test see only what a test passes them.
+    unset = {"MESHNODE_EXTRAS", "FAIL_PIP", "MESHNODE_BUSY_LOOPS", "MESHNODE_BUSY_PIDS"}
+    base = {k: v for k, v in os.environ.items() if k not in unset}
     base |= {"PYTHON": str(root.parent / "python3"), "CALLS": str(calls)}
     base["NVIDIA_SMI"] = str(root.parent / "no-nvidia-smi")  # no driver: no CUDA extra
     subprocess.run(
