@@ -79,7 +79,7 @@ def expert_mlp(
         gate_up = gate_up + w.gate_up_bias
     if config.glu == "clamped_swiglu":
         alpha, limit = config.swiglu_alpha, config.swiglu_limit
-        act = ops.clamped_swiglu_mul(backend.xp, gate_up, alpha, limit)  # [r, I]
+        act = backend.clamped_glu(gate_up, alpha, limit)  # [r, I]
     else:
         act = backend.glu(gate_up, "silu")  # [r, I]
     out = backend.linear(act, w.down, sizes)  # [r, E]

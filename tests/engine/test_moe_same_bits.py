@@ -31,8 +31,9 @@ from meshnode.engine.cpu.pool import KernelPool
 from meshnode.engine.model import BatchRow
 from tests.engine.moe_models import MOE_DIR, golden, write_gguf_twin
 from tests.engine.test_kernel_pool import idle_gauge
+from tests.engine.test_same_bits import DECODE_STEPS, solo
 
-STEPS = 3  # decode steps after the prompt; the verify window is their tokens
+STEPS = DECODE_STEPS  # decode steps after the prompt; the verify window is their tokens
 Logits = list[np.ndarray]  # per prompt: [1 + STEPS, V]
 
 
@@ -58,16 +59,6 @@ def case(
     n = config.num_layers
     stage = Stage(config, source, 0, n, embed=True, head=True, backend=CpuBackend("native"))
     return stage, _prompts(name)
-
-
-def _alone(stage: Stage, ids: list[int]) -> np.ndarray:
-    """The prompt's last row's logits, then STEPS greedy decode steps', one sequence."""
-    cache = stage.new_cache(len(ids) + STEPS + 1)
-    rows = [stage.forward(np.asarray(ids), 0, cache, out_rows=1)[-1]]
-    for _ in range(STEPS):
-        token = int(np.argmax(rows[-1]))
-        rows.append(stage.forward(np.asarray([token]), cache.length, cache, out_rows=1)[-1])
-    return np.stack(rows)
 
 
 def _batched(stage: Stage, prompts: list[list[int]], tokens: list[list[int]]) -> list[Logits]:
@@ -104,7 +95,7 @@ def runs(case: tuple[Stage, list[list[int]]]) -> dict[str, Logits]:
             mp.setattr(matrix, "_threads", threads)
             pool = KernelPool(idle_gauge(4))
             mp.setattr(matrix, "_pool", lambda pool=pool: pool)
-            got[f"alone, {threads} thread(s)"] = alone = [_alone(stage, p) for p in prompts]
+            got[f"alone, {threads} thread(s)"] = alone = [solo(stage, p) for p in prompts]
             tokens = tokens or [[int(np.argmax(r)) for r in a[:STEPS]] for a in alone]
             decode, window = _batched(stage, prompts, tokens)
             got[f"batch of 8, {threads} thread(s)"] = decode
