@@ -1,26 +1,31 @@
-"""Mixture-of-experts feed-forward cost: the routed experts against a dense MLP of the
-same bytes read.
+"""Where a real-size mixture-of-experts layer's time goes, step by step, beside the bytes
+its chosen experts hold multiplied as one dense matrix.
 
-Run: ``.venv/bin/python benchmarks/moe.py [--experts 16] [--repeats 30] [--format Q8_0]``
+Run: ``.venv/bin/python benchmarks/moe.py [--shapes qwen3-30b-a3b gpt-oss-20b]
+[--rows 1 8] [--modes exact q8] [--repeats 30] [--threads 1] [--layers 4]``
 
-One Qwen3-30B-A3B-shaped MoE feed-forward (hidden 2048, expert ffn 768, top-8) in GGUF
-blocks (``--format``: Q8_0 or Q4_0, what gguf-py can quantize), one kernel thread. A
-decode row reads its 8 experts whatever the number of experts, so ``--experts`` (default
-16, not 128) only keeps the memory small. Side by side, alternating, medians of the
-thread CPU time of ``--repeats`` calls (robust on a busy machine):
+The layer is layer 0 of the real-size random GGUF (:mod:`benchmarks.realsize_moe_gguf`,
+``--layers`` deep, 4 by default as ``realsize_moe.py --layers 4`` writes it, cached in
+``~/.cache/meshnode/realsize/``: Qwen3-30B-A3B's Q4_K/Q6_K experts, gpt-oss-20b's MXFP4
+experts with biases and its clamped SwiGLU), loaded as a stage loads it
+(:func:`meshnode.engine.moe_weights.load_moe`: the compiled experts). For r decode
+rows (one segment each), medians of the thread CPU time of ``--repeats`` calls of each
+step, taken in turn (robust on a busy machine):
 
-- ``moe_mlp`` on r rows (router, top-k, one product per chosen expert, weighted sum);
-- a dense SwiGLU of ffn ``8 x 768`` (the bytes one row's experts hold), on the same rows.
-
-With 1 row the two read the same bytes: the ratio is the cost of routing and of eight
-products instead of one. With more rows the experts chosen by the rows differ, so MoE
-reads more experts (up to all of them) and the ratio grows with what it reads.
+- ``router``: ``x @ router`` (plus gpt-oss's bias);
+- ``route``: softmax and top-k (:func:`meshnode.engine.moe.route`);
+- ``group``: the rows grouped by expert (:func:`meshnode.engine.cpu.experts.group`);
+- ``experts``: the compiled call (gathers, each chosen expert's two products and its
+  activation, biases), without the sums;
+- ``sums``: each row's weighted sum of its k experts;
+- ``layer``: the whole ``moe_mlp``, and ``other`` = layer - the steps above;
+- ``dense``: the k experts' bytes of one row as one gate/up and one down product
+  (what the products alone cost, one read of the same bytes).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import time
@@ -28,52 +33,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meshnode_packaging.sources import RawTensor
+from meshnode_packaging.sources import RawTensor, open_source
 
+from benchmarks.realsize_moe_gguf import cached_gguf
+from meshnode.engine import ModelConfig
 from meshnode.engine.backend import cpu_backend
-from meshnode.engine.cpu import set_kernel_threads
-from meshnode.engine.moe import expert_mlp, moe_mlp
-from meshnode.engine.moe_config import MoeConfig
-from meshnode.engine.moe_weights import ExpertWeights, MoeWeights, expert_slice, matrix
+from meshnode.engine.cpu import experts, set_kernel_threads
+from meshnode.engine.moe import moe_mlp, route
+from meshnode.engine.moe_weights import ExpertWeights, MoeWeights, expert_slice, load_moe, matrix
 
-HIDDEN, EXPERT_FFN, TOP_K = 2048, 768, 8
-
-
-def _blocks(rng: np.random.Generator, fmt: str, rows: int, cols: int, n: int = 1) -> RawTensor:
-    """Random weights ``[n, rows, cols]`` (``[rows, cols]`` when n is 1) in ``fmt``."""
-    w = (rng.standard_normal((n * rows, cols)) * 0.02).astype(np.float32)
-    data = np.asarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt])).reshape(-1)
-    shape = (n, rows, cols) if n > 1 else (rows, cols)
-    return RawTensor("w", fmt, shape, data)
-
-
-def _layers(experts: int, fmt: str) -> tuple[MoeWeights, ExpertWeights]:
-    rng = np.random.default_rng(0)
-    gate, up = (_blocks(rng, fmt, EXPERT_FFN, HIDDEN, experts) for _ in range(2))
-    down = _blocks(rng, fmt, HIDDEN, EXPERT_FFN, experts)
-    routed = tuple(
-        ExpertWeights(
-            matrix([expert_slice(gate, e), expert_slice(up, e)], True),
-            matrix([expert_slice(down, e)], True),
-        )
-        for e in range(experts)
-    )
-    moe = MoeWeights(matrix([_blocks(rng, fmt, experts, HIDDEN)], True), None, routed)
-    ffn = TOP_K * EXPERT_FFN
-    dense = ExpertWeights(
-        matrix([_blocks(rng, fmt, ffn, HIDDEN), _blocks(rng, fmt, ffn, HIDDEN)], True),
-        matrix([_blocks(rng, fmt, HIDDEN, ffn)], True),
-    )
-    return moe, dense
-
-
-def _median_ms(calls: list[float]) -> float:
-    return 1e3 * statistics.median(calls)
+STEPS = ("router", "route", "group", "experts", "sums", "layer", "dense")
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -82,29 +55,108 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.thread_time() - start
 
 
+def _dense(source: Any, k: int) -> ExpertWeights:
+    """Experts 0..k-1 of layer 0 as one gate/up matrix ``[E, k 2 I]`` and one down
+    matrix ``[k I, E]`` (the same bytes, one product each; their rows' blocks joined)."""
+    names = source.tensor_names()
+    x = "layers.0.mlp.experts."
+    halves = ["gate_up"] if f"{x}gate_up_proj.weight" in names else ["gate", "up"]
+    gate_up = [
+        expert_slice(source.tensor(f"{x}{h}_proj.weight"), e) for h in halves for e in range(k)
+    ]
+    down = [expert_slice(source.tensor(f"{x}down_proj.weight"), e) for e in range(k)]
+    return ExpertWeights(_join(gate_up, axis=0), _join(down, axis=1))
+
+
+def _join(parts: list[RawTensor], axis: int) -> Any:
+    """Slices ``[out, in]`` of one format joined along ``out`` (axis 0) or ``in`` (1:
+    each row's blocks one after another) as one block matrix (a copy)."""
+    out, n_in = parts[0].shape
+    rows = [np.asarray(p.data).reshape(p.shape[0], -1) for p in parts]
+    data = np.concatenate(rows, axis=axis)
+    shape = (sum(p.shape[0] for p in parts), n_in) if axis == 0 else (out, n_in * len(parts))
+    return matrix([RawTensor("dense", parts[0].dtype, shape, data.reshape(-1))], True)
+
+
+def profile(shape: str, layers: int, mode: str, rows: int, repeats: int) -> dict[str, float]:
+    """Median ms of each step for ``rows`` decode rows."""
+    source = open_source(str(cached_gguf(shape, layers)))
+    config = ModelConfig.from_hf(source.config)
+    assert config.moe is not None
+    c = config.moe
+    backend = cpu_backend("q8" if mode == "q8" else "native")
+    w: MoeWeights = load_moe(source, c, "layers.0.", blocks=True)
+    layer = w.stacked
+    assert layer is not None, "the compiled experts do not take this layer"
+    dense = _dense(source, c.top_k)
+    x = np.random.default_rng(rows).standard_normal((rows, config.hidden_size)).astype(np.float32)
+    x *= 0.5
+    sizes = [1] * rows
+    logits = backend.linear(x, w.router, sizes)
+    if w.router_bias is not None:
+        logits = logits + w.router_bias
+    picks, weights = route(np, logits, c)
+    chosen, starts, order = experts.group(picks)
+    q8 = mode == "q8"
+    compiled = experts._compiled()
+    gu, dn = layer.gate_up, layer.down
+    kernel = compiled.experts_kernel(
+        (*gu.fmts, int(q8 and gu.q8())), (*dn.fmts, int(q8 and dn.q8()))
+    )
+    act = (layer.gate_up_bias, layer.down_bias, layer.kind, layer.alpha, layer.limit)
+    ys = np.empty((rows * c.top_k, config.hidden_size), np.float32)
+    out = np.empty_like(x)
+
+    def router() -> None:
+        r = backend.linear(x, w.router, sizes)
+        if w.router_bias is not None:
+            r + w.router_bias
+
+    steps: dict[str, Callable[[], Any]] = {
+        "router": router,
+        "route": lambda: route(np, logits, c),
+        "group": lambda: experts.group(picks),
+        "experts": lambda: kernel(*gu.raws, *dn.raws, *act, x, chosen, starts, order, c.top_k, ys),
+        "sums": lambda: compiled.sums(ys, picks, weights, out),
+        "layer": lambda: moe_mlp(backend, c, w, x, sizes),
+        "dense": lambda: backend.linear(
+            backend.glu(backend.linear(x, dense.gate_up), "silu"), dense.down
+        ),
+    }
+    for fn in steps.values():
+        fn()  # compiled and warm
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(repeats):
+        for name, fn in steps.items():
+            times[name].append(_timed(fn))
+    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    med["other"] = med["layer"] - sum(
+        med[k] for k in ("router", "route", "group", "experts", "sums")
+    )
+    return med
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--experts", type=int, default=16)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-20b"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--modes", nargs="+", default=["exact", "q8"], choices=["exact", "q8"])
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--format", default="Q8_0", choices=["Q8_0", "Q4_0"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=4, help="the cached file's depth")
     args = parser.parse_args()
-    set_kernel_threads(1)
-    moe, dense = _layers(args.experts, args.format)
-    config = MoeConfig(args.experts, TOP_K, EXPERT_FFN, (True,), norm_topk_prob=True)
-    backend = cpu_backend("native")
-    print(f"{args.format}, {args.experts} experts, top-{TOP_K}, one kernel thread (ms)")
-    print("rows  moe     dense   ratio")
-    for rows in (1, 2, 4, 8):
-        x = np.random.default_rng(rows).standard_normal((rows, HIDDEN)).astype(np.float32)
-        routed = functools.partial(moe_mlp, backend, config, moe, x)
-        plain = functools.partial(expert_mlp, backend, config, dense, x)
-        routed(), plain()  # compiled and warm
-        times: tuple[list[float], list[float]] = ([], [])
-        for _ in range(args.repeats):
-            times[0].append(_timed(routed))
-            times[1].append(_timed(plain))
-        a, b = _median_ms(times[0]), _median_ms(times[1])
-        print(f"{rows:<5} {a:<7.2f} {b:<7.2f} {a / b:.2f}")
+    set_kernel_threads(args.threads)
+    cols = (*STEPS[:-1], "other", "dense")
+    print(f"median thread CPU ms per call, {args.threads} kernel thread(s), layer 0")
+    print(f"{'shape':<14} {'mode':<6} {'rows':>4} " + " ".join(f"{k:>8}" for k in cols))
+    for shape in args.shapes:
+        for mode in args.modes:
+            for rows in args.rows:
+                m = profile(shape, args.layers, mode, rows, args.repeats)
+                cells = " ".join(f"{m[k]:>8.3f}" for k in cols)
+                print(f"{shape:<14} {mode:<6} {rows:>4} {cells}", flush=True)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,11 @@ class Backend(ABC):
             return ops.gelu_tanh_mul(self.xp, gate_up)
         return ops.silu_mul(self.xp, gate_up)
 
+    def clamped_glu(self, gate_up: Any, alpha: float, limit: float) -> Any:
+        """gpt-oss's clamped SwiGLU of the fused ``[r, 2 I]`` product (gate, then up) ->
+        ``[r, I]``: :func:`meshnode.engine.ops.clamped_swiglu_mul`."""
+        return ops.clamped_swiglu_mul(self.xp, gate_up, alpha, limit)
+
     def embed_rows(self, table: Any, ids: Any) -> Any:
         """The embedding rows ``[S, E]`` of token ``ids`` (an integer array on this
         backend's device) from ``table`` (``embed_t``, ``[E, V]`` as :meth:`load_weights`
@@ -287,6 +292,16 @@ class CpuBackend(Backend):
         kind = glu.GELU_TANH if activation == "gelu_tanh" else glu.SILU
         out = np.empty((x.shape[0], x.shape[1] // 2), np.float32)
         glu.glu(np.ascontiguousarray(x), kind, out)
+        return out
+
+    def clamped_glu(self, gate_up: Any, alpha: float, limit: float) -> Any:
+        """As :meth:`Backend.clamped_glu`; over GGUF blocks in one compiled call
+        (:func:`meshnode.engine.cpu.glu.clamped_glu`, which the compiled experts call too)."""
+        x = gate_up
+        if not self.cpu_blocks or x.ndim != 2 or x.shape[1] % 32 or x.dtype != np.float32:
+            return super().clamped_glu(x, alpha, limit)
+        out = np.empty((x.shape[0], x.shape[1] // 2), np.float32)
+        _glu().clamped_glu(np.ascontiguousarray(x), alpha, limit, out)
         return out
 
     def linear(self, x: Any, w: Any, sizes: Sequence[int] | None = None) -> Any:

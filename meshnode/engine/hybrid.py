@@ -158,19 +158,22 @@ class HybridMixer:
         if w.linear is not None:
             return self._deltanet(w.linear, x, slot, segs, last)
         assert w.attention is not None
-        qkv = self.linear(x, w.attention.wqkv)  # [N, 2 H D + 2 Hkv D]: all rows at once
+        # all rows at once, each segment's by the path they take alone (Backend.linear)
+        qkv = self.linear(x, w.attention.wqkv, [seg.n for seg in segs])  # [N, 2 H D + 2 Hkv D]
         outs = [
             self._attend(w.attention, part, seg.start_pos, seg.cache, slot, rope, _kept(seg, last))
             for (part, seg), rope in zip(_parts(qkv, segs), plan, strict=True)
         ]
-        return self.linear(_concat(self.xp, outs), w.attention.wo)  # [R, E]
+        kept = [_kept(seg, last) for seg in segs]
+        return self.linear(_concat(self.xp, outs), w.attention.wo, kept)  # [R, E]
 
     def _deltanet(
         self, w: DeltaNetWeights, x: Any, slot: int, segs: Sequence[Segment], last: bool
     ) -> Any:
         c, xp = self.config, self.xp
-        qkv = self.linear(x, w.in_qkv)  # [N, C]
-        ba = self.linear(x, w.in_ba)  # [N, 2 Hv]
+        sizes = [seg.n for seg in segs]  # each segment's rows by their own path
+        qkv = self.linear(x, w.in_qkv, sizes)  # [N, C]
+        ba = self.linear(x, w.in_ba, sizes)  # [N, 2 Hv]
         outs, kept_x = [], []
         for (qkv_seg, seg), (ba_seg, _), (x_seg, _) in zip(
             _parts(qkv, segs), _parts(ba, segs), _parts(x, segs), strict=True
@@ -181,9 +184,10 @@ class HybridMixer:
             kept_x.append(x_seg[seg.n - rows :])
         out, x = _concat(xp, outs), _concat(xp, kept_x)  # [R, Hv, Dv], [R, E]
         r, heads = out.shape[0], c.linear_value_heads
-        z = self.linear(x, w.in_z).reshape(r, heads, c.linear_value_dim)
+        kept = [_kept(seg, last) for seg in segs]
+        z = self.linear(x, w.in_z, kept).reshape(r, heads, c.linear_value_dim)
         o = deltanet.gated_rms_norm(xp, out, z, w.norm, c.rms_norm_eps)
-        return self.linear(o.reshape(r, c.value_size), w.out)  # [R, E]
+        return self.linear(o.reshape(r, c.value_size), w.out, kept)  # [R, E]
 
     def _recur(
         self, w: DeltaNetWeights, qkv: Any, ba: Any, slot: int, pos: int, cache: HybridCache

@@ -106,7 +106,7 @@ def feed_forward_of(w: Any, moe: MoeConfig | None) -> FeedForward:
 
     def routed(backend: Backend, w: Any, x: Any, activation: str, sizes: Sequence[int]) -> Any:
         # each row's experts and sums are its own (engine.moe): the same bits in any batch
-        return moe_mlp(backend, routing, w.moe, x)  # [r, E]
+        return moe_mlp(backend, routing, w.moe, x, sizes)  # [r, E]
 
     return routed
 

@@ -13,9 +13,16 @@ rows at once) and:
    starting from zero (transformers' ``index_add_`` loop does the same); plus the shared
    expert times ``sigmoid(x @ shared_gate)`` where the model has one.
 
-Exactness: a row's logits, choices, expert outputs and sum depend on that row alone (the
-products are the backend's, which compute each row on its own in the exact mode, and
-the order of a row's terms is fixed by expert number): the same bits in any batch.
+Exactness: a row's logits, choices, expert outputs and sum depend on that row alone, the
+same bits in any batch, verify window or thread count. The order of a row's terms is fixed
+by expert number, and each product takes the path the row's *segment* (its sequence's
+rows in this pass, ``sizes``) would take alone, as the dense layers' do (issue 35): a row
+of a segment of at most :data:`~meshnode.engine.cpu.MAX_KERNEL_ROWS` rows (decode,
+verify) goes through the kernels, however many rows of the batch chose its expert (the
+compiled experts, or at most that many rows a product); a row of a longer one (prefill)
+through BLAS, at least that many rows plus one a product (zero rows added). The 8-bit
+kernels compute a row alone whatever the count, so ``--dtype q8`` gives every row to the
+compiled experts.
 Every product goes through ``backend.linear`` and the SwiGLU through ``backend.glu``, so
 another backend gets this layer through the same code.
 
@@ -24,6 +31,7 @@ Shapes: r rows, E hidden, n experts, k experts per token, I an expert's size.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -61,64 +69,114 @@ def route(xp: Any, logits: Any, config: MoeConfig) -> tuple[Any, Any]:
     return chosen, weights
 
 
-def expert_mlp(backend: Any, config: MoeConfig, w: ExpertWeights, x: Any) -> Any:
-    """One expert's gated MLP of rows ``x`` ``[r, E]`` -> ``[r, E]``."""
-    gate_up = backend.linear(x, w.gate_up)  # [r, 2 I]
+def expert_mlp(
+    backend: Any, config: MoeConfig, w: ExpertWeights, x: Any, sizes: Sequence[int] | None = None
+) -> Any:
+    """One expert's gated MLP of rows ``x`` ``[r, E]`` -> ``[r, E]`` (``sizes``: the
+    segments' row counts, as :meth:`Backend.linear` takes them)."""
+    gate_up = backend.linear(x, w.gate_up, sizes)  # [r, 2 I]
     if w.gate_up_bias is not None:
         gate_up = gate_up + w.gate_up_bias
     if config.glu == "clamped_swiglu":
         alpha, limit = config.swiglu_alpha, config.swiglu_limit
-        act = ops.clamped_swiglu_mul(backend.xp, gate_up, alpha, limit)  # [r, I]
+        act = backend.clamped_glu(gate_up, alpha, limit)  # [r, I]
     else:
         act = backend.glu(gate_up, "silu")  # [r, I]
-    out = backend.linear(act, w.down)  # [r, E]
+    out = backend.linear(act, w.down, sizes)  # [r, E]
     return out if w.down_bias is None else out + w.down_bias
 
 
-def moe_mlp(backend: Any, config: MoeConfig, w: MoeWeights, x: Any) -> Any:
+def moe_mlp(
+    backend: Any, config: MoeConfig, w: MoeWeights, x: Any, sizes: Sequence[int] | None = None
+) -> Any:
     """The layer's feed-forward output ``[r, E]`` for its normed input rows ``x``
-    ``[r, E]`` (``backend``: the stage's :class:`~meshnode.engine.backend.Backend`)."""
+    ``[r, E]`` (``backend``: the stage's :class:`~meshnode.engine.backend.Backend`;
+    ``sizes``: the row counts of the batch's segments in ``x``, in order, one segment
+    without: each row's products take the path its segment would take alone)."""
     xp = backend.xp
-    logits = backend.linear(x, w.router)  # [r, n]
+    sizes = [x.shape[0]] if sizes is None else list(sizes)
+    if sum(sizes) != x.shape[0]:
+        raise ValueError(f"segments of {sum(sizes)} rows for x of {x.shape[0]}")
+    logits = backend.linear(x, w.router, sizes)  # [r, n]
     if w.router_bias is not None:
         logits = logits + w.router_bias
     chosen, weights = route(xp, logits, config)  # [r, k], [r, k]
     picks = np.asarray(backend.to_numpy(chosen))
-    if _compiled_experts(backend, w, picks):
-        assert w.stacked is not None
-        out = w.stacked(x, picks, weights, backend.weights_dtype == "q8")
+    long = np.repeat([s > MAX_KERNEL_ROWS for s in sizes], sizes)  # rows BLAS multiplies
+    if backend.weights_dtype == "q8" and _compiled_experts(backend, w):
+        long[:] = False  # the 8-bit kernels take any rows, one row as many
+    if not long.any():
+        out = _kernel_rows(backend, config, w, x, picks, weights)
+    elif long.all():
+        out = _experts(backend, config, w, x, picks, weights, long=True)
     else:
-        out = _experts(backend, config, w, x, picks, weights)
+        out = xp.empty(x.shape, dtype=xp.float32)  # [r, E]
+        few = ~long
+        out[few] = _kernel_rows(backend, config, w, x[few], picks[few], weights[few])
+        out[long] = _experts(backend, config, w, x[long], picks[long], weights[long], long=True)
     if w.shared is not None:
-        shared = expert_mlp(backend, config, w.shared, x)  # [r, E]
-        out = out + _sigmoid(xp, backend.linear(x, w.shared_gate)) * shared
+        shared = expert_mlp(backend, config, w.shared, x, sizes)  # [r, E]
+        out = out + _sigmoid(xp, backend.linear(x, w.shared_gate, sizes)) * shared
     return out
 
 
-def _compiled_experts(backend: Any, w: MoeWeights, picks: np.ndarray) -> bool:
+def _compiled_experts(backend: Any, w: MoeWeights) -> bool:
     """Whether the chosen experts go through one compiled call
     (:class:`~meshnode.engine.cpu.experts.ExpertLayer`: the same bits as
-    :func:`_experts`): experts in GGUF blocks on the CPU, and, in the exact mode, no
-    expert given more rows than the kernels take (:class:`.BlockMatrix` multiplies more
-    through BLAS, in another order)."""
-    if w.stacked is None or not backend.cpu_blocks:
-        return False
-    if backend.weights_dtype == "q8":
-        return True
-    return int(np.bincount(picks.reshape(-1)).max(initial=0)) <= MAX_KERNEL_ROWS
+    :func:`_experts` through the kernels): experts in GGUF blocks on the CPU."""
+    return w.stacked is not None and bool(backend.cpu_blocks)
+
+
+def _kernel_rows(
+    backend: Any, config: MoeConfig, w: MoeWeights, x: Any, picks: np.ndarray, weights: Any
+) -> Any:
+    """The routed experts' weighted sum for rows of short segments, each row through the
+    kernels (one compiled call, or an expert at a time at most
+    :data:`MAX_KERNEL_ROWS` rows a product): a row's bits are those it has alone."""
+    if _compiled_experts(backend, w):
+        assert w.stacked is not None
+        return w.stacked(x, picks, weights, backend.weights_dtype == "q8")
+    return _experts(backend, config, w, x, picks, weights, long=False)
 
 
 def _experts(
-    backend: Any, config: MoeConfig, w: MoeWeights, x: Any, picks: Any, weights: Any
+    backend: Any,
+    config: MoeConfig,
+    w: MoeWeights,
+    x: Any,
+    picks: Any,
+    weights: Any,
+    *,
+    long: bool,
 ) -> Any:
-    """The routed experts' weighted sum, an expert at a time through the backend."""
+    """The routed experts' weighted sum, an expert at a time through the backend: rows of
+    long segments (``long``) through BLAS, at least ``MAX_KERNEL_ROWS + 1`` rows a product
+    (zero rows added: fewer would take the kernels, or BLAS's small-matrix code), else
+    through the kernels, at most ``MAX_KERNEL_ROWS`` rows a product."""
     xp = backend.xp
     out = xp.zeros(x.shape, dtype=xp.float32)  # [r, E]
     for e in np.unique(picks):  # ascending: each row adds its experts in expert order
         rows, slots = np.nonzero(picks == e)  # the rows that chose e, and in which slot
-        y = expert_mlp(backend, config, w.experts[int(e)], x[rows])  # [r_e, E]
+        expert = w.experts[int(e)]
+        if long:
+            y = _padded(backend, config, expert, x[rows])  # [r_e, E]
+        else:
+            step = MAX_KERNEL_ROWS
+            parts = [x[rows[i : i + step]] for i in range(0, rows.size, step)]
+            ys = [expert_mlp(backend, config, expert, part) for part in parts]
+            y = ys[0] if len(ys) == 1 else xp.concatenate(ys)  # [r_e, E]
         out[rows] += y * weights[rows, slots][:, None]
     return out
+
+
+def _padded(backend: Any, config: MoeConfig, expert: ExpertWeights, x: Any) -> Any:
+    """``expert_mlp`` of ``x`` ``[r, E]`` as BLAS multiplies more than
+    :data:`MAX_KERNEL_ROWS` rows, however few ``r`` is (zero rows added, then dropped)."""
+    xp, r = backend.xp, x.shape[0]
+    if r <= MAX_KERNEL_ROWS:
+        zeros = xp.zeros((MAX_KERNEL_ROWS + 1 - r, x.shape[1]), dtype=xp.float32)
+        x = xp.concatenate([x, zeros])
+    return expert_mlp(backend, config, expert, x)[:r]
 
 
 def _sigmoid(xp: Any, x: Any) -> Any:

@@ -20,8 +20,11 @@ Each expert becomes matrices like a dense MLP's (``gate_up`` ``[E, 2 I]`` gate t
 ``down`` ``[I, E]``, as ``x @ w`` multiplies them): in the file's blocks where asked for
 (:class:`~meshnode.engine.cpu.BlockMatrix` views of one expert's slice of the memory-
 mapped 3-D tensor: a token's product reads its k experts' bytes only), else float32.
-gpt-oss's checkpoint layout is ``[in, out]`` already and interleaved, so it is copied
-(de-interleaved) whichever way.
+In blocks, the stacks are also the layer's :class:`~meshnode.engine.cpu.experts.ExpertLayer`
+(the compiled experts, SwiGLU or gpt-oss's clamped SwiGLU with biases). A checkpoint's
+per-expert matrices are stacked at load (one copy in their stored format, each expert a
+view of it), and gpt-oss's checkpoint layout, ``[in, out]`` and interleaved, is copied
+as GGUF's fused stacks (de-interleaved, float32).
 """
 
 from __future__ import annotations
@@ -102,13 +105,6 @@ def _f32(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
-def _dense(rows: np.ndarray, name: str, blocks: bool) -> Any:
-    """A float32 ``[out, in]`` array as :func:`matrix` holds it (F32 blocks if asked)."""
-    rows = _f32(rows)
-    raw = RawTensor(name, "F32", rows.shape, rows.reshape(-1).view(np.uint8))
-    return matrix([raw], blocks)
-
-
 class _Names:
     """Which canonical tensors of layer prefix ``p`` a source holds."""
 
@@ -129,6 +125,12 @@ class _Names:
 
     def optional(self, name: str) -> np.ndarray | None:
         return _f32(dequantize(self.get(name))) if self.has(name) else None
+
+    def derive(self, name: str, data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> None:
+        """Hand out ``data`` (the bytes of a ``dtype`` tensor of ``shape``) as ``name``."""
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        self.got[name] = RawTensor(self.p + name, dtype, shape, raw)
+        self.names.add(self.p + name)
 
 
 def _per_expert(n: _Names, e: int, blocks: bool) -> ExpertWeights:
@@ -157,49 +159,73 @@ def _stacked(n: _Names, e: int, blocks: bool) -> ExpertWeights:
     )
 
 
-def _interleaved(n: _Names, e: int, blocks: bool) -> ExpertWeights:
-    """Expert ``e`` of gpt-oss's checkpoint layout (``[n, E, 2 I]``, gate/up interleaved)."""
-    gate_up = dequantize(expert_slice(n.get("mlp.experts.gate_up_proj"), e))  # [E, 2 I]
-    down = dequantize(expert_slice(n.get("mlp.experts.down_proj"), e))  # [I, E]
-    rows = np.concatenate([gate_up[:, 0::2].T, gate_up[:, 1::2].T])  # [2 I, E]: gate, up
-    bias = None
-    if n.has("mlp.experts.gate_up_proj_bias"):
-        b = dequantize(expert_slice(n.get("mlp.experts.gate_up_proj_bias"), e))
-        bias = _f32(np.concatenate([b[0::2], b[1::2]]))
-    down_bias = None
-    if n.has("mlp.experts.down_proj_bias"):
-        down_bias = _f32(dequantize(expert_slice(n.get("mlp.experts.down_proj_bias"), e)))
-    name = f"{n.p}mlp.experts"
-    return ExpertWeights(
-        _dense(rows, f"{name}.gate_up[{e}]", blocks),
-        _dense(down.T, f"{name}.down[{e}]", blocks),
-        bias,
-        down_bias,
-    )
+def _fuse_interleaved(n: _Names) -> None:
+    """gpt-oss's checkpoint layout (``gate_up_proj`` ``[n, E, 2 I]``, ``x @ w``, gate and
+    up interleaved; ``down_proj`` ``[n, I, E]``) as GGUF's fused stacks, once for every
+    expert: ``gate_up_proj.weight`` ``[n, 2 I, E]`` (gate rows, then up), ``down_proj
+    .weight`` ``[n, E, I]`` and the biases de-interleaved alike (float32 copies)."""
+    x = "mlp.experts."
+    gate_up = dequantize(n.get(f"{x}gate_up_proj"))  # [n, E, 2 I]
+    down = dequantize(n.get(f"{x}down_proj"))  # [n, I, E]
+    rows = np.concatenate([gate_up[:, :, 0::2], gate_up[:, :, 1::2]], axis=2)  # [n, E, 2 I]
+    count, e, two_i = rows.shape
+    n.derive(f"{x}gate_up_proj.weight", _f32(rows.transpose(0, 2, 1)), "F32", (count, two_i, e))
+    n.derive(f"{x}down_proj.weight", _f32(down.transpose(0, 2, 1)), "F32", (count, e, two_i // 2))
+    if n.has(f"{x}gate_up_proj_bias"):
+        b = dequantize(n.get(f"{x}gate_up_proj_bias"))  # [n, 2 I]
+        fused = _f32(np.concatenate([b[:, 0::2], b[:, 1::2]], axis=1))
+        n.derive(f"{x}gate_up_proj.bias", fused, "F32", fused.shape)
+    if n.has(f"{x}down_proj_bias"):
+        d = _f32(dequantize(n.get(f"{x}down_proj_bias")))  # [n, E]
+        n.derive(f"{x}down_proj.bias", d, "F32", d.shape)
+
+
+def _stack_per_expert(n: _Names, count: int) -> None:
+    """A checkpoint's per-expert matrices (``experts.{e}.{gate,up,down}_proj.weight``) as
+    GGUF's 3-D stacks ``[n, out, in]`` in their stored format (one copy), so that they take
+    the compiled experts; left per expert where the experts' tensors differ in kind."""
+    x = "mlp.experts."
+    for h in ("gate", "up", "down"):
+        parts = [n.get(f"{x}{e}.{h}_proj.weight") for e in range(count)]
+        kinds = {(t.dtype, tuple(t.shape)) for t in parts}
+        if len(kinds) != 1:
+            return
+    for h in ("gate", "up", "down"):
+        parts = [n.get(f"{x}{e}.{h}_proj.weight") for e in range(count)]
+        data = np.stack([np.asarray(t.data).reshape(-1).view(np.uint8) for t in parts])
+        n.derive(f"{x}{h}_proj.weight", data, parts[0].dtype, (count, *parts[0].shape))
+        for e in range(count):  # each expert a view of the stack, not held twice
+            del n.got[f"{x}{e}.{h}_proj.weight"]
+            n.names.discard(f"{n.p}{x}{e}.{h}_proj.weight")
 
 
 def _stacked_layer(n: _Names, config: MoeConfig) -> ExpertLayer | None:
     """The layer's experts as :class:`ExpertLayer` where its tensors are GGUF's 3-D
-    blocks of SwiGLU experts without biases and the kernels take them, else None."""
+    blocks (gate and up apart or fused; biases where gpt-oss has them) and the kernels
+    take them, else None."""
     x = "mlp.experts."
     halves = ["gate_up"] if n.has(f"{x}gate_up_proj.weight") else ["gate", "up"]
     names = [f"{x}{h}_proj.weight" for h in halves]
-    if config.glu != "silu" or not all(n.has(a) for a in [*names, f"{x}down_proj.weight"]):
-        return None
-    if any(n.has(f"{x}{h}_proj.bias") for h in [*halves, "down"]):
+    if not all(n.has(a) for a in [*names, f"{x}down_proj.weight"]):
         return None
     gate_up = stack([n.get(a) for a in names])
     down = stack([n.get(f"{x}down_proj.weight")])
     if gate_up is None or down is None or gate_up.n_out % 32 or gate_up.n_out // 2 != down.n_in:
         return None
-    return ExpertLayer(gate_up, down)
+    biases = [f"{x}{h}_proj.bias" for h in halves]
+    gate_up_bias = None
+    if all(n.has(b) for b in biases):
+        gate_up_bias = _f32(np.concatenate([dequantize(n.get(b)) for b in biases], axis=1))
+    down_bias = n.optional(f"{x}down_proj.bias")
+    clamp = None
+    if config.glu == "clamped_swiglu":
+        clamp = (config.swiglu_alpha, config.swiglu_limit)
+    return ExpertLayer(gate_up, down, gate_up_bias, down_bias, clamp)
 
 
 def _expert(n: _Names, e: int, blocks: bool) -> ExpertWeights:
     if n.has(f"mlp.experts.{e}.gate_proj.weight"):
         return _per_expert(n, e, blocks)
-    if n.has("mlp.experts.gate_up_proj"):
-        return _interleaved(n, e, blocks)
     return _stacked(n, e, blocks)
 
 
@@ -226,6 +252,10 @@ def load_moe(source: ModelSource, config: MoeConfig, p: str, *, blocks: bool) ->
         raise ValueError(
             f"{p}mlp.gate.weight routes to {router.shape[0]} experts, not {config.num_experts}"
         )
+    if n.has("mlp.experts.gate_up_proj"):  # gpt-oss's checkpoint layout
+        _fuse_interleaved(n)
+    elif blocks and n.has("mlp.experts.0.gate_proj.weight"):
+        _stack_per_expert(n, config.num_experts)
     experts = tuple(_expert(n, e, blocks) for e in range(config.num_experts))
     shared, shared_gate = _shared(n, blocks)
     return MoeWeights(

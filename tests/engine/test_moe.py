@@ -29,9 +29,9 @@ from meshnode.cli import app
 from meshnode.cli import commands as _commands  # registers the commands on app
 from meshnode.cli.generate import GenerateConfig, complete
 from meshnode.engine import ModelConfig, Stage, ops
-from meshnode.engine.backend import CpuBackend, CudaBackend, cpu_backend
+from meshnode.engine.backend import CpuBackend, CudaBackend, WeightsDtype, cpu_backend
 from meshnode.engine.config import ModelConfigError
-from meshnode.engine.cpu import BlockMatrix
+from meshnode.engine.cpu import MAX_KERNEL_ROWS, BlockMatrix
 from meshnode.engine.generate import prefill
 from meshnode.engine.loader import load_model
 from meshnode.engine.model import BatchRow
@@ -104,35 +104,39 @@ def test_split_and_batched_greedy_equals_the_reference(model: str, cuts: tuple[i
 # -- exactness and expert reads --------------------------------------------------------
 
 
-class _RowByRow(CpuBackend):
-    """The CPU backend in the exact mode with every product taken a row at a time: the
-    products' own results then cannot depend on the batch (the block kernels' one-row
-    path sums in another order than their multi-row path, a kernel property)."""
-
-    def __init__(self) -> None:
-        super().__init__("native")
-
-    def linear(self, x: Any, w: Any, sizes: Sequence[int] | None = None) -> Any:
-        return np.concatenate(
-            [super(_RowByRow, self).linear(x[i : i + 1], w) for i in range(len(x))]
-        )
+SEGMENTS = [1, 3, 40, 1, 16, 17, 2, 5, 1, 24]  # rows of each sequence in a batch
 
 
-@pytest.mark.parametrize("model", ["mixtral-tiny", "gpt-oss-tiny", "qwen35-moe-tiny"])
-def test_a_rows_experts_give_the_same_bits_in_any_batch(model: str) -> None:
-    """Routing, grouping by expert and the weighted sum depend on the row alone: each row
-    of a batch equals that row run alone, bit for bit, whatever the other rows chose."""
-    backend = _RowByRow()
+@pytest.mark.parametrize("dtype", ["native", "float32"])
+@pytest.mark.parametrize("model", MODELS)
+def test_a_rows_experts_give_the_same_bits_in_any_batch(model: str, dtype: WeightsDtype) -> None:
+    """Routing, grouping by expert and the weighted sum depend on the row alone, and each
+    product takes the path of the row's segment (``sizes``): each segment of a batch
+    equals that segment run alone, bit for bit, however many rows of the batch chose the
+    same experts (110 rows of short and long segments, among 4 or 8 experts)."""
+    backend = CpuBackend(dtype)
     source = open_ref(str(MOE_DIR / model))
     config = ModelConfig.from_hf(source.config)
     moe = config.moe or (config.hybrid.moe if config.hybrid else None)
     assert moe is not None
-    weights = load_moe(source, moe, "layers.1.", blocks=True)
-    x = np.random.default_rng(0).standard_normal((12, config.hidden_size)).astype(np.float32)
-    batch = moe_mlp(backend, moe, weights, x)
-    for i in range(len(x)):
-        assert np.array_equal(moe_mlp(backend, moe, weights, x[i : i + 1])[0], batch[i])
-    assert np.array_equal(moe_mlp(backend, moe, weights, x[::-1])[::-1], batch)
+    weights = load_moe(source, moe, "layers.1.", blocks=backend.cpu_blocks)
+    rows = sum(SEGMENTS)
+    x = np.random.default_rng(0).standard_normal((rows, config.hidden_size)).astype(np.float32)
+    batch = moe_mlp(backend, moe, weights, x, SEGMENTS)
+    counts = np.bincount(route(np, x @ _dense(weights.router), moe)[0].reshape(-1))
+    assert counts.max() > MAX_KERNEL_ROWS  # an expert chosen by more rows than a kernel takes
+    lo = 0
+    for size in SEGMENTS:
+        alone = moe_mlp(backend, moe, weights, x[lo : lo + size])
+        differ = int(np.count_nonzero(alone != batch[lo : lo + size]))
+        assert differ == 0, f"{model} ({dtype}): a segment of {size} rows differs in {differ}"
+        lo += size
+    with pytest.raises(ValueError, match="segments of 2 rows for x of 1"):
+        moe_mlp(backend, moe, weights, x[:1], [1, 1])
+
+
+def _dense(w: Any) -> np.ndarray:
+    return w.dense().T if isinstance(w, BlockMatrix) else np.asarray(w)
 
 
 class _Recorder(CpuBackend):

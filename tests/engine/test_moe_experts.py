@@ -3,15 +3,17 @@
 GGUF's 3-D expert stacks go through :class:`~meshnode.engine.cpu.experts.ExpertLayer`:
 the same product kernels as the expert-at-a-time path, so the same bits, in the exact and
 the 8-bit modes, for one row, a batch and a prefill, on any number of threads; each
-chosen expert computed once, no other; the exact mode keeps the expert-at-a-time path
-where an expert gets more rows than the kernels take (BLAS sums those in another order).
+chosen expert computed once, no other; the exact mode gives them the rows of short
+segments (decode, verify) however many chose an expert, and leaves a prefill's rows to
+the expert-at-a-time path (BLAS, which sums in another order).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import gguf
 import numpy as np
@@ -81,10 +83,12 @@ def threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return chosen
 
 
-def _expert_at_a_time(backend: Any, config: MoeConfig, w: MoeWeights, x: Any) -> Any:
+def _expert_at_a_time(
+    backend: Any, config: MoeConfig, w: MoeWeights, x: Any, sizes: list[int] | None = None
+) -> Any:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(moe, "_compiled_experts", lambda *a: False)
-        return moe.moe_mlp(backend, config, w, x)
+        return moe.moe_mlp(backend, config, w, x, sizes)
 
 
 def _rows(n: int, seed: int = 0) -> np.ndarray:
@@ -113,21 +117,38 @@ def test_q8_mode_takes_a_prefill_in_one_call(layer: tuple[MoeConfig, MoeWeights]
     backend = cpu_backend("q8")
     x = _rows(40, seed=1)
     picks = moe.route(np, x @ w.router, config)[0]
-    assert moe._compiled_experts(backend, w, picks)
+    assert picks.shape == (40, K)
+    assert moe._compiled_experts(backend, w)
     assert np.array_equal(
         moe.moe_mlp(backend, config, w, x), _expert_at_a_time(backend, config, w, x)
     )
 
 
-def test_exact_mode_leaves_many_rows_an_expert_to_blas() -> None:
-    _, w = _layer("Q8_0")
-    native, q8 = cpu_backend("native"), cpu_backend("q8")
-    few = np.zeros((MAX_KERNEL_ROWS, K), np.int64) + np.arange(K)  # K experts, 16 rows each
-    many = np.zeros((MAX_KERNEL_ROWS + 1, K), np.int64) + np.arange(K)
-    assert moe._compiled_experts(native, w, few)
-    assert not moe._compiled_experts(native, w, many)
-    assert moe._compiled_experts(q8, w, many)
-    assert not moe._compiled_experts(cpu_backend("float32"), w, few)
+def test_exact_mode_gives_short_segments_rows_to_the_compiled_experts() -> None:
+    """Decode rows take the kernels (the compiled experts) however many rows of the batch
+    chose their experts; a prefill's rows (a segment of more than MAX_KERNEL_ROWS) go an
+    expert at a time through BLAS; each segment the same bits as alone."""
+    config, w = _layer("Q8_0")
+    assert w.stacked is not None
+    stacked, seen = w.stacked, []
+
+    def spy(x: np.ndarray, *rest: Any) -> Any:
+        seen.append(len(x))
+        return stacked(x, *rest)
+
+    spied = dataclasses.replace(w, stacked=cast(Any, spy))
+    backend = cpu_backend("native")
+    decode = MAX_KERNEL_ROWS + 4
+    x = _rows(decode + 20, seed=2)
+    x[:decode] = x[0] + 1e-3 * x[:decode]  # the decode rows all choose the same experts
+    assert np.all(moe.route(np, x[:decode] @ w.router.dense().T, config)[0] == moe.route(
+        np, x[:1] @ w.router.dense().T, config)[0])  # fmt: skip
+    got = moe.moe_mlp(backend, config, spied, x, [1] * decode + [20])
+    assert seen == [decode]  # the prefill's rows went an expert at a time
+    for i in range(decode):
+        assert np.array_equal(moe.moe_mlp(backend, config, w, x[i : i + 1])[0], got[i])
+    assert np.array_equal(moe.moe_mlp(backend, config, w, x[decode:]), got[decode:])
+    assert not moe._compiled_experts(cpu_backend("float32"), w)
 
 
 def test_grouping_computes_each_chosen_expert_once_and_no_other() -> None:
@@ -147,20 +168,54 @@ def test_grouping_computes_each_chosen_expert_once_and_no_other() -> None:
     [
         ("mixtral-tiny", True),
         ("qwen3-moe-tiny", False),  # expert size 48: down's rows are not whole 32-value chunks
-        ("gpt-oss-tiny", False),  # clamped SwiGLU, biases
+        ("gpt-oss-tiny", True),  # clamped SwiGLU, biases
     ],
 )
 def test_which_layers_are_stacked(model: str, stacks: bool, tmp_path: Path) -> None:
-    """A GGUF's SwiGLU experts are stacks where the kernels take them; a checkpoint's
-    per-expert tensors and gpt-oss's clamped, biased experts go an expert at a time."""
+    """A GGUF's experts are stacks where the kernels take them, and so are a checkpoint's
+    per-expert tensors and gpt-oss's interleaved layout (stacked at load)."""
     twin = open_source(str(write_gguf_twin(model, tmp_path / f"{model}.gguf")))
     config = ModelConfig.from_hf(twin.config)
     assert config.moe is not None
-    stacked = load_moe(twin, config.moe, "layers.1.", blocks=True).stacked
-    assert (stacked is not None) == stacks
-    assert load_moe(twin, config.moe, "layers.1.", blocks=False).stacked is None
     folder = open_ref(str(MOE_DIR / model))
-    assert load_moe(folder, config.moe, "layers.1.", blocks=True).stacked is None
+    for source in (twin, folder):
+        stacked = load_moe(source, config.moe, "layers.1.", blocks=True).stacked
+        assert (stacked is not None) == stacks
+        assert load_moe(source, config.moe, "layers.1.", blocks=False).stacked is None
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> tuple[MoeConfig, list[MoeWeights]]:
+    """gpt-oss-tiny's layer 1 from its GGUF twin (gate and up apart) and from its
+    checkpoint (interleaved, stacked at load as GGUF's fused gate/up)."""
+    path = write_gguf_twin("gpt-oss-tiny", tmp_path_factory.mktemp("gpt-oss") / "twin.gguf")
+    twin, folder = open_source(str(path)), open_ref(str(MOE_DIR / "gpt-oss-tiny"))
+    config = ModelConfig.from_hf(twin.config).moe
+    assert config is not None
+    assert config.glu == "clamped_swiglu"
+    return config, [load_moe(s, config, "layers.1.", blocks=True) for s in (twin, folder)]
+
+
+@pytest.mark.parametrize("n", [1, 5, 12, 40])
+def test_gpt_oss_compiled_experts_give_the_expert_at_a_time_bits(
+    gpt_oss: tuple[MoeConfig, list[MoeWeights]], n: int, threads: list[int]
+) -> None:
+    """Biases and the clamped SwiGLU inside the compiled call: the same bits as an expert
+    at a time (the same activation, :meth:`CpuBackend.clamped_glu`), on 1 to 3 threads,
+    from both layouts; 40 rows: more rows an expert than a kernel pass takes."""
+    config, layers = gpt_oss
+    backend = cpu_backend("native")
+    x = np.random.default_rng(n).standard_normal((n, 64)).astype(np.float32)
+    sizes = [1] * n  # decode rows: every row to the compiled experts
+    want = _expert_at_a_time(backend, config, layers[0], x, sizes)
+    for w in layers:
+        assert w.stacked is not None
+        assert w.stacked.kind == 1
+        assert w.stacked.gate_up_bias.shape == (8, 128)
+        for count in (1, 2, 3):
+            threads[0] = count
+            got = moe.moe_mlp(backend, config, w, x, sizes)
+            assert np.array_equal(got, want), (n, count)
 
 
 def test_bad_stacks_are_refused() -> None:

@@ -105,12 +105,26 @@ def _compiled() -> ModuleType:
 
 class ExpertLayer:
     """Every expert of one layer as stacks: gate/up ``[E, 2 I]`` (gate columns, then up)
-    and down ``[I, E]``, with SwiGLU between (no biases)."""
+    and down ``[I, E]``, their biases ``[n, 2 I]`` and ``[n, E]`` where the model has them
+    (gpt-oss), and between them SwiGLU or, given ``clamp`` ``(alpha, limit)``, gpt-oss's
+    clamped SwiGLU (:func:`.glu.clamped_glu`)."""
 
-    def __init__(self, gate_up: ExpertStack, down: ExpertStack) -> None:
+    def __init__(
+        self,
+        gate_up: ExpertStack,
+        down: ExpertStack,
+        gate_up_bias: np.ndarray | None = None,
+        down_bias: np.ndarray | None = None,
+        clamp: tuple[float, float] | None = None,
+    ) -> None:
         if gate_up.n_out % 32 or gate_up.n_out // 2 != down.n_in:
             raise ValueError(f"experts of {gate_up.n_out // 2} and {down.n_in} do not chain")
+        n = gate_up.raws[0].shape[0]
         self.gate_up, self.down = gate_up, down
+        self.gate_up_bias = _bias(gate_up_bias, n, gate_up.n_out, "gate/up")
+        self.down_bias = _bias(down_bias, n, down.n_out, "down")
+        self.kind = 0 if clamp is None else 1  # experts_kernels: SwiGLU, or clamped
+        self.alpha, self.limit = clamp or (0.0, 0.0)
 
     def __call__(self, x: np.ndarray, picks: np.ndarray, weights: np.ndarray, q8: bool) -> Any:
         """The layer's output ``[r, E]`` for rows ``x`` ``[r, E]``, each sent to experts
@@ -127,16 +141,27 @@ class ExpertLayer:
         chosen, starts, order = group(picks)
         ys = np.empty((rows * k, x.shape[1]), np.float32)
         parts = _split(starts, matrix.shared_threads())
+        act = (self.gate_up_bias, self.down_bias, self.kind, self.alpha, self.limit)
 
         def part(i: int) -> None:
             some = parts[i]
-            experts(*gu.raws, *dn.raws, x, chosen[some], starts[some.start : some.stop + 1],
-                    order, k, ys)  # fmt: skip
+            experts(*gu.raws, *dn.raws, *act, x, chosen[some],
+                    starts[some.start : some.stop + 1], order, k, ys)  # fmt: skip
 
         matrix.share(part, len(parts), len(parts))
         out = np.empty_like(x)
         compiled.sums(ys, picks, np.ascontiguousarray(weights, dtype=np.float32), out)
         return out
+
+
+def _bias(bias: np.ndarray | None, n: int, width: int, name: str) -> np.ndarray:
+    """Every expert's bias ``[n, width]`` as the kernel takes it (float32, C order; no
+    bias: ``[n, 0]``)."""
+    if bias is None:
+        return np.zeros((n, 0), np.float32)
+    if bias.shape != (n, width):
+        raise ValueError(f"{name} biases of shape {bias.shape}, not {(n, width)}")
+    return np.ascontiguousarray(bias, dtype=np.float32)
 
 
 def _split(starts: np.ndarray, threads: int) -> list[slice]:

@@ -15,8 +15,8 @@ import numpy as np
 from numba.extending import overload
 
 from meshnode.engine.cpu import kernels, q8_kernels
-from meshnode.engine.cpu.glu import SILU, glu
-from meshnode.engine.cpu.simd import INNER, entry
+from meshnode.engine.cpu.glu import SILU, clamped_glu, glu
+from meshnode.engine.cpu.simd import INNER, entry, inner
 
 __all__ = ["experts_kernel", "sums"]
 
@@ -41,16 +41,21 @@ def _product_typed(fa, fb, fc, q8, a, b, c, x, out):  # type: ignore[no-untyped-
 
 @functools.cache
 def experts_kernel(gate_up: tuple[int, int, int, int], down: tuple[int, int, int, int]) -> Any:
-    """``experts(ga, gb, gc, da, db, dc, x, chosen, starts, order, k, ys)`` for gate/up's
-    and down's ``(fa, fb, fc, q8)``: for each expert ``chosen[j]``, the rows
-    ``order[starts[j]:starts[j + 1]] // k`` of ``x`` through its gate/up product (the
-    parts ``ga[e]``, ``gb[e]``, ``gc[e]``), SwiGLU and its down product, each row's
-    output into ``ys[row k + slot]`` (``order`` holds ``row k + slot``)."""
+    """``experts(ga, gb, gc, da, db, dc, gate_up_bias, down_bias, kind, alpha, limit, x,
+    chosen, starts, order, k, ys)`` for gate/up's and down's ``(fa, fb, fc, q8)``: for each
+    expert ``chosen[j]``, the rows ``order[starts[j]:starts[j + 1]] // k`` of ``x`` through
+    its gate/up product (the parts ``ga[e]``, ``gb[e]``, ``gc[e]``) plus its bias, the
+    activation (``kind`` 0: SwiGLU; 1: the clamped SwiGLU of ``alpha`` and ``limit``), its
+    down product plus its bias (a bias ``[n, 0]``: none), each row's output into
+    ``ys[row k + slot]`` (``order`` holds ``row k + slot``). Each step is the expression
+    of :func:`meshnode.engine.moe.expert_mlp` (float32 adds, the same activations)."""
     ga_f, gb_f, gc_f, g_q8 = gate_up
     da_f, db_f, dc_f, d_q8 = down
 
     @entry(nogil=True)
-    def experts(ga, gb, gc, da, db, dc, x, chosen, starts, order, k, ys):  # type: ignore[no-untyped-def]
+    def experts(  # type: ignore[no-untyped-def]
+        ga, gb, gc, da, db, dc, gbias, dbias, kind, alpha, limit, x, chosen, starts, order, k, ys
+    ):
         width = x.shape[1]
         inter = (ga.shape[1] + gb.shape[1] + gc.shape[1]) // 2
         for j in range(chosen.shape[0]):
@@ -62,14 +67,29 @@ def experts_kernel(gate_up: tuple[int, int, int, int], down: tuple[int, int, int
                 xe[i] = x[order[lo + i] // k]
             g = np.empty((rows, 2 * inter), np.float32)
             _product(ga_f, gb_f, gc_f, g_q8, ga[e], gb[e], gc[e], xe.reshape(-1), g)
+            _add_rows(g, gbias, e)
             act = np.empty((rows, inter), np.float32)
-            glu(g, SILU, act)
+            if kind == 0:
+                glu(g, SILU, act)
+            else:
+                clamped_glu(g, alpha, limit, act)
             y = np.empty((rows, width), np.float32)
             _product(da_f, db_f, dc_f, d_q8, da[e], db[e], dc[e], act.reshape(-1), y)
+            _add_rows(y, dbias, e)
             for i in range(rows):
                 ys[order[lo + i]] = y[i]
 
     return experts
+
+
+@inner
+def _add_rows(out, bias, e):  # type: ignore[no-untyped-def]
+    """``out[i] += bias[e]`` for every row (float32 adds); nothing for a bias ``[n, 0]``."""
+    if bias.shape[1] == 0:
+        return
+    for i in range(out.shape[0]):
+        for c in range(out.shape[1]):
+            out[i, c] = out[i, c] + bias[e, c]
 
 
 @entry(nogil=True)

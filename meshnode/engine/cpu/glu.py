@@ -1,4 +1,5 @@
-"""SwiGLU's and GeGLU's activation of the fused gate/up product as one compiled call.
+"""SwiGLU's, GeGLU's and gpt-oss's clamped SwiGLU's activation of the fused gate/up
+product as one compiled call.
 
 :func:`meshnode.engine.ops.silu_mul` is seven NumPy calls over ``[r, I]`` (slices, maximum,
 negation, exp, add, divide, multiply) and :func:`~meshnode.engine.ops.gelu_tanh_mul` ten:
@@ -18,7 +19,7 @@ import numpy as np
 from meshnode.engine.cpu.simd import entry, wadd, wload, wmul, wsplat, wstore
 from meshnode.engine.cpu.vexp import wdiv, wexp, wmax
 
-__all__ = ["GELU_TANH", "LANES", "SILU", "glu"]
+__all__ = ["GELU_TANH", "LANES", "SILU", "clamped_glu", "glu"]
 
 LANES = 16  # the step over the intermediate size: it must be a multiple of it
 SILU, GELU_TANH = 0, 1  # ``kind`` of glu()
@@ -50,3 +51,24 @@ def glu(gate_up, kind, out):  # type: ignore[no-untyped-def]
                 e = wexp(wmul(two, inner))
                 tanh = wadd(one, wdiv(wmul(neg, two), wadd(one, e)))
                 wstore(dst, to + i, wmul(wmul(wmul(half, g), wadd(one, tanh)), u))
+
+
+@entry(nogil=True)
+def clamped_glu(gate_up, alpha, limit, out):  # type: ignore[no-untyped-def]
+    """gpt-oss's clamped SwiGLU, :func:`meshnode.engine.ops.clamped_swiglu_mul`'s
+    expressions in its order with the vector exponential: for ``gate_up`` ``[r, 2 I]``
+    (gate, then up) and ``out`` ``[r, I]`` (float32, C order, ``I`` a multiple of
+    :data:`LANES`), ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
+    ``out = (u + 1) * (g * (1 / (1 + exp(-max(alpha g, -80)))))``."""
+    rows, width = out.shape
+    src, dst = gate_up.reshape(-1), out.reshape(-1)
+    one, neg, clamp = wsplat(np.float32(1.0)), wsplat(np.float32(-1.0)), wsplat(_SILU_CLAMP)
+    a, lo = wsplat(np.float32(alpha)), wsplat(-np.float32(limit))
+    for r in range(rows):
+        at, to = 2 * r * width, r * width
+        for i in range(0, width, LANES):
+            # min(x, limit) as -max(-x, -limit): negation is exact
+            g = wmul(neg, wmax(wmul(neg, wload(src, at + i)), lo))
+            u = wmax(wmul(neg, wmax(wmul(neg, wload(src, at + width + i)), lo)), lo)
+            s = wdiv(one, wadd(one, wexp(wmul(neg, wmax(wmul(g, a), clamp)))))
+            wstore(dst, to + i, wmul(wadd(u, one), wmul(g, s)))
