@@ -136,6 +136,7 @@ async def calibrated_faster(coordinator: Placing, placed: Plan, pipeline: Remote
     if faster_by_measure(coordinator, placed, live):
         coordinator.calibration = "the nodes' own measurements placed the layers faster"
         coordinator.why_replace = coordinator.calibration
+        log.info("%s: re-placing before the first request", coordinator.calibration)
         return True
     needless = calibration_needed(pipeline, coordinator.speeds)
     coordinator.calibration = needless or await calibrate(pipeline)
