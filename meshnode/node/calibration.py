@@ -129,21 +129,24 @@ def faster_by_measure(coordinator: Placing, placed: Plan, nodes: list[NodeCapaci
 
 
 async def calibrated_faster(coordinator: Placing, placed: Plan, pipeline: RemotePipeline) -> bool:
-    """Calibrate ``pipeline`` before it serves (:mod:`meshnode.node.calibration`); whether the
-    measured speeds then call for re-placing it at once: first the speeds the nodes measured
-    of themselves as they prepared (when those place it faster, the next plan is calibrated)."""
-    live = coordinator.candidates(coordinator.mesh.live_nodes())
-    if faster_by_measure(coordinator, placed, live):
-        coordinator.calibration = "the nodes' own measurements placed the layers faster"
-        coordinator.why_replace = coordinator.calibration
-        log.info("%s: re-placing before the first request", coordinator.calibration)
-        return True
+    """Calibrate ``pipeline`` before it serves (with calibration on); whether the measured
+    speeds then call for re-placing it at once. The rates calibration observed come first;
+    a node it could not time (it failed or ran out of time) is weighed by what it measured
+    of itself as it prepared, and every node's disk by its own measurement. Without
+    calibration (``--placement memory``) nothing is weighed."""
+    if not coordinator.settings.calibrate:
+        return False
     needless = calibration_needed(pipeline, coordinator.speeds)
     coordinator.calibration = needless or await calibrate(pipeline)
     pipeline.measured.weighed = pipeline.measured.passes
     live = coordinator.candidates(coordinator.mesh.live_nodes())
     if needless is None and faster_by_measure(coordinator, placed, live):
-        coordinator.why_replace = "calibration placed the layers faster"
+        measured = coordinator.calibration == "measured"
+        coordinator.why_replace = (
+            "calibration placed the layers faster"
+            if measured
+            else "the nodes' own measurements place the layers faster (calibration failed)"
+        )
         return True
     return False
 

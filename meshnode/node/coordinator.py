@@ -392,7 +392,7 @@ class Coordinator:
     async def _serve(self, placed: Plan, pipeline: RemotePipeline, run: BringUp) -> Failure | None:
         """Serve on ``pipeline`` until a stage is lost (the loss) or the plan grows back (None)."""
         regrow_now = announce = True
-        if self.settings.calibrate and await calibrated_faster(self, placed, pipeline):
+        if await calibrated_faster(self, placed, pipeline):
             return None  # re-placed before the API opened
         while True:
             if announce:
