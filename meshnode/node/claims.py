@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import psutil
 from meshnode_protocol import InventoryReport
 
 from meshnode.node.planner import ModelFootprint, NodeSpeed
@@ -69,8 +70,15 @@ def best_speed(observed: NodeSpeed | None, claimed: NodeSpeed | None) -> NodeSpe
 def _report(node: str, measured: SelfMeasure, layer: int) -> InventoryReport:
     """The host's own measurement as the report a node would send of it."""
     fields = report_fields(measured)
+    free = int(psutil.virtual_memory().available)
     return InventoryReport(
-        run_id="", term=0, node_id=node, package_ref="", ready=((layer, layer + 1),), **fields
+        run_id="",
+        term=0,
+        node_id=node,
+        package_ref="",
+        ready=((layer, layer + 1),),
+        free_memory=free,
+        **fields,
     )
 
 

@@ -10,6 +10,7 @@ from meshnode_protocol import InventoryReport
 
 from meshnode.node.claims import ClaimBook, best_speed, claimed_speed
 from meshnode.node.planner import NodeSpeed
+from meshnode.node.selfmeasure import SelfMeasure
 from tests.node.test_planner import MODEL  # 30 layers of 4 MiB
 
 MIB = 1 << 20
@@ -101,3 +102,13 @@ def test_what_serving_observes_comes_before_a_claim() -> None:
     assert best_speed(None, claimed) == claimed
     assert best_speed(observed, None) == observed
     assert best_speed(None, None) is None
+
+
+def test_the_host_measures_itself_as_a_node_does() -> None:
+    book = ClaimBook(MODEL)
+    book.record_own("h", SelfMeasure(1e-3, 2e-4, 1e-4, 4 * MIB, 0.0), 0)
+    assert book.speed("h") == NodeSpeed(4 * MIB / 1e-3)
+    shown = book.shown("h")
+    assert shown is not None
+    assert shown["decode_us"] == 1000.0
+    assert shown["free_memory"] > 0  # what this machine has free now
