@@ -21,7 +21,7 @@ real-size shapes of ``benchmarks/realsize_gguf.py``, written into its cache fold
 absent; the 8B file is 4.4 GB). With ``--max-memory`` adding up to less than the file (e.g.
 ``--model 8b --max-memory 900MiB --kv-dtype f16`` for 0.6x of it over three nodes; KV of
 8 sequences of 512 tokens must still fit in memory) the mesh serves from
-disk (``offload_bytes`` per stage is printed); the text's digest printed at the end is
+disk (``offload_bytes`` per stage is printed); the token ids' digest printed at the end is
 compared with one node's (``--single``: one node, ``--single-memory`` 8GiB, the whole model
 in memory). ``--from-disk`` runs both in one command: the mesh with each node's
 ``--max-memory`` 0.2x the file (0.6x over three), quotas 100/100/100, f16 KV, by speed,
@@ -116,14 +116,19 @@ def placed(node: Node) -> bool:
 
 
 def complete(host: LabHost, node: Node, tokens: int) -> tuple[float, str]:
-    """One greedy completion: (seconds, text)."""
+    """One greedy completion: (seconds a generated token, its token ids as text). Ids, not
+    text: the real-size shapes' random weights pick tokens that decode to nothing."""
     model = status_host(node).get("model_id")
-    body = {"model": model, "prompt": PROMPT, "temperature": 0, "max_tokens": tokens}
+    body = {
+        "model": model, "prompt": PROMPT, "temperature": 0, "max_tokens": tokens,
+        "return_token_ids": True,
+    }  # fmt: skip
     began = time.perf_counter()
     reply = host.post(f"{node.api}/v1/completions", body, REQUEST_TIMEOUT_S)
     seconds = time.perf_counter() - began
     reply.raise_for_status()
-    return seconds, str(reply.json()["choices"][0]["text"])
+    ids = reply.json()["choices"][0]["token_ids"]
+    return seconds / max(len(ids), 1), " ".join(map(str, ids))
 
 
 def run_mesh(
@@ -165,7 +170,7 @@ def run_mesh(
         rounds = [complete(hosts["host"], host_node, args.tokens) for _ in range(args.rounds)]
         host = status_host(host_node)
         names = {nodes[n].node_id(): n for n in NAMES}
-    seconds = statistics.median(s for s, _ in rounds)
+    seconds = statistics.median(s for s, _ in rounds)  # a token
     return {
         "placement": "one node" if single else placement,
         "stages": [
@@ -183,7 +188,7 @@ def run_mesh(
         },
         "placed_by": host.get("placed_by"),
         "calibration": host.get("calibration"),
-        "tokens_per_s": args.tokens / seconds,
+        "tokens_per_s": 1.0 / seconds,
         "texts": {text for _, text in rounds},
     }
 
@@ -247,9 +252,9 @@ def main() -> int:
     texts = [r["texts"] for r in results]
     same = all(len(t) == 1 for t in texts) and len(set().union(*texts)) == 1
     print(f"same tokens in every round and placement: {same}")
-    for r in results:  # to compare runs (one node against the mesh): the text's digest
+    for r in results:  # to compare runs (one node against the mesh): the token ids' digest
         digests = sorted(hashlib.sha256(t.encode()).hexdigest()[:16] for t in r["texts"])
-        print(f"{r['placement']:>7} text sha256: {' '.join(digests)}")
+        print(f"{r['placement']:>7} token ids sha256: {' '.join(digests)}")
     print(f"load average after: {os.getloadavg()}")
     return 0 if same else 1
 
