@@ -163,6 +163,7 @@ def run_mesh(
         host_node = spawn(
             "host", *peers, "--model", model, *split, "--placement", placement,
             "--context", "512", "--speculative", "off", "--kv-dtype", args.kv_dtype,
+            "--wire-dtype", "f32",  # activations exact between stages: one node's tokens
         )  # fmt: skip
         want = _single_ready if single else placed
         wait_for(lambda: want(host_node), READY_TIMEOUT_S, f"the mesh placed by {placement}")
