@@ -21,8 +21,18 @@ real-size shapes of ``benchmarks/realsize_gguf.py``, written into its cache fold
 absent; the 8B file is 4.4 GB). With ``--max-memory`` adding up to less than the file (e.g.
 ``--model 8b --max-memory 900MiB --kv-dtype f16`` for 0.6x of it over three nodes; KV of
 8 sequences of 512 tokens must still fit in memory) the mesh serves from
-disk (``offload_bytes`` per stage is printed); the text's digest printed at the end is
-compared with one node's (``--single --max-memory 8GiB``, the whole model in memory).
+disk (``offload_bytes`` per stage is printed); the token ids' digest printed at the end is
+compared with one node's (``--single``: one node, ``--single-memory`` 8GiB, the whole model
+in memory). ``--from-disk`` runs both in one command: the mesh with each node's
+``--max-memory`` 0.2x the file (0.6x over three), quotas 100/100/100, f16 KV, by speed,
+then one node, and says whether the tokens are the same. Every run prints each node's own
+measurement (µs per layer a token at decode, 8 rows and prefill; its disk read rate).
+
+One command each (issue 34)::
+
+    .venv/bin/python benchmarks/placement_lab.py --model smollm2
+    .venv/bin/python benchmarks/placement_lab.py --model 1b
+    .venv/bin/python benchmarks/placement_lab.py --model 8b --from-disk
 Targets (issue 34): the throttled node gets about a third of the others' layers, and decode
 with ``speed`` is at least 1.3x ``memory``'s. Numbers on a shared machine are noisy: run it
 on an idle one.
@@ -106,22 +116,29 @@ def placed(node: Node) -> bool:
 
 
 def complete(host: LabHost, node: Node, tokens: int) -> tuple[float, str]:
-    """One greedy completion: (seconds, text)."""
+    """One greedy completion: (seconds a generated token, its token ids as text). Ids, not
+    text: the real-size shapes' random weights pick tokens that decode to nothing."""
     model = status_host(node).get("model_id")
-    body = {"model": model, "prompt": PROMPT, "temperature": 0, "max_tokens": tokens}
+    body = {
+        "model": model, "prompt": PROMPT, "temperature": 0, "max_tokens": tokens,
+        "return_token_ids": True,
+    }  # fmt: skip
     began = time.perf_counter()
     reply = host.post(f"{node.api}/v1/completions", body, REQUEST_TIMEOUT_S)
     seconds = time.perf_counter() - began
     reply.raise_for_status()
-    return seconds, str(reply.json()["choices"][0]["text"])
+    ids = reply.json()["choices"][0]["token_ids"]
+    return seconds / max(len(ids), 1), " ".join(map(str, ids))
 
 
-def run_mesh(lab: NetLab, hosts: dict[str, LabHost], placement: str, args: Any) -> dict[str, Any]:
+def run_mesh(
+    lab: NetLab, hosts: dict[str, LabHost], placement: str, args: Any, *, single: bool = False
+) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix=f"placement-{placement}-"))
     token = init_token(root / "mesh.token", name="bench")
     model, local = model_path(args.model)
     allow = ["--local-model", str(local)] if local else []
-    memory = ["--max-memory", args.max_memory]
+    memory = ["--max-memory", args.single_memory if single else args.max_memory]
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(Cluster(root, env={**HEARTBEAT_ENV, **SINGLE_THREAD_ENV}))
         groups = {
@@ -142,20 +159,21 @@ def run_mesh(lab: NetLab, hosts: dict[str, LabHost], placement: str, args: Any) 
         workers = [spawn("w1", *allow), spawn("w2", *allow)]
         wait_started(*workers, timeout_s=START_TIMEOUT_S)
         peers = [f for w in ("w1", "w2") for f in ("--peer", f"{hosts[w].address}:{MESH_PORT}")]
-        split = ["--split", "1"] if args.single else ["--split", "3"]
+        split = ["--split", "1"] if single else ["--split", "3"]
         host_node = spawn(
             "host", *peers, "--model", model, *split, "--placement", placement,
             "--context", "512", "--speculative", "off", "--kv-dtype", args.kv_dtype,
+            "--wire-dtype", "f32",  # activations exact between stages: one node's tokens
         )  # fmt: skip
-        want = _single_ready if args.single else placed
+        want = _single_ready if single else placed
         wait_for(lambda: want(host_node), READY_TIMEOUT_S, f"the mesh placed by {placement}")
         complete(hosts["host"], host_node, 8)  # warm-up
         rounds = [complete(hosts["host"], host_node, args.tokens) for _ in range(args.rounds)]
         host = status_host(host_node)
         names = {nodes[n].node_id(): n for n in NAMES}
-    seconds = statistics.median(s for s, _ in rounds)
+    seconds = statistics.median(s for s, _ in rounds)  # a token
     return {
-        "placement": placement,
+        "placement": "one node" if single else placement,
         "stages": [
             (
                 names.get(s["node_id"], s["node_id"]),
@@ -165,9 +183,13 @@ def run_mesh(lab: NetLab, hosts: dict[str, LabHost], placement: str, args: Any) 
             )
             for s in host["stages"]
         ],
+        "measured": {
+            names.get(s["node_id"], s["node_id"]): s.get("self_measured") or {}
+            for s in host["stages"]
+        },
         "placed_by": host.get("placed_by"),
         "calibration": host.get("calibration"),
-        "tokens_per_s": args.tokens / seconds,
+        "tokens_per_s": 1.0 / seconds,
         "texts": {text for _, text in rounds},
     }
 
@@ -187,8 +209,21 @@ def main() -> int:
     parser.add_argument("--max-memory", default="2GiB")
     parser.add_argument("--placements", nargs="+", default=["memory", "speed"])
     parser.add_argument("--single", action="store_true", help="one stage (--split 1) only")
+    parser.add_argument(
+        "--from-disk",
+        action="store_true",
+        help="the mesh short of memory: --max-memory of each node 0.2x the model file "
+        "(0.6x over three), quotas 100 100 100, f16 KV, placed by speed; then one node "
+        "with the whole model in memory (--single-memory): same tokens, decode and disk",
+    )
+    parser.add_argument("--single-memory", default="8GiB", help="the one node's --max-memory")
     parser.add_argument("--kv-dtype", default="auto", help="the host's --kv-dtype (f16 halves KV)")
     args = parser.parse_args()
+    if args.from_disk:
+        _, local = model_path(args.model)
+        size = local.stat().st_size if local else 0
+        args.max_memory = f"{max(size // 5 >> 20, 64)}MiB"
+        args.quota, args.kv_dtype, args.placements = [100, 100, 100], "f16", ["speed"]
     reason = unavailable_reason()
     if reason is not None or not (CPU_CGROUP / "cpu.cfs_quota_us").exists():
         print(f"placement_lab: needs root, iproute2 and cgroup v1 cpu ({reason})")
@@ -198,8 +233,10 @@ def main() -> int:
     results = []
     with NetLab() as lab:
         hosts = {name: lab.add_host(name) for name in NAMES}
-        for placement in args.placements:
+        for placement in [] if args.single else args.placements:
             results.append(run_mesh(lab, hosts, placement, args))
+        if args.single or args.from_disk:
+            results.append(run_mesh(lab, hosts, "speed", args, single=True))
     first = results[0]["tokens_per_s"]
     for r in results:
         stages = ", ".join(
@@ -211,12 +248,14 @@ def main() -> int:
             f"{r['placement']:>7}: {r['tokens_per_s']:.2f} tok/s ({r['tokens_per_s'] / first:.2f}x)"
             f"  placed by {r['placed_by']} (calibration: {r['calibration']})  {stages}"
         )
+        for node, claim in r["measured"].items():
+            print(f"         {node} measured itself: {claim}")
     texts = [r["texts"] for r in results]
     same = all(len(t) == 1 for t in texts) and len(set().union(*texts)) == 1
     print(f"same tokens in every round and placement: {same}")
-    for r in results:  # to compare runs (one node against the mesh): the text's digest
+    for r in results:  # to compare runs (one node against the mesh): the token ids' digest
         digests = sorted(hashlib.sha256(t.encode()).hexdigest()[:16] for t in r["texts"])
-        print(f"{r['placement']:>7} text sha256: {' '.join(digests)}")
+        print(f"{r['placement']:>7} token ids sha256: {' '.join(digests)}")
     print(f"load average after: {os.getloadavg()}")
     return 0 if same else 1
 

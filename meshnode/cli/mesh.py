@@ -224,12 +224,25 @@ def _placement_line(host: dict[str, Any]) -> list[str]:
     by = "measured speed" if placed == "speed" else "memory"
     lines = [f"placed   by {by}  (calibration: {host.get('calibration') or '-'})"]
     for stage in host.get("stages") or []:
+        if (claim := stage.get("self_measured")) is not None:
+            lines.append(f"measured {stage['node_id']}  {_self_measured(claim)}")
         if stage.get("offload_bytes"):
             lines.append(
                 f"warning  {stage['node_id']} reads {_mib(stage['offload_bytes'])} of its "
                 "layers from disk (the mesh's memory is short): its disk bounds decode"
             )
     return lines
+
+
+def _self_measured(claim: dict[str, Any]) -> str:
+    """What a node measured of itself as it prepared (node/claims.py), or why not."""
+    if "error" in claim:
+        return f"- ({claim['error']}: planned by memory)"
+    disk = f", disk {claim['disk_mb_s']} MB/s" if claim.get("disk_mb_s") else ""
+    return (
+        f"{claim['decode_us']} us/layer a token at decode (8 rows {claim['batch8_us']}, "
+        f"prefill {claim['prefill_us']}){disk}"
+    )
 
 
 def _mib(n: int) -> str:

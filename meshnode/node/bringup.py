@@ -50,10 +50,12 @@ from meshnode.engine.readahead import read_ahead
 from meshnode.errors import RunError
 from meshnode.net.stream import SEND_ERRORS
 from meshnode.node import heap
+from meshnode.node.claims import ClaimBook
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.planner import Plan, StagePlan
 from meshnode.node.progress import DownloadProgress
 from meshnode.node.remote import RemotePipeline
+from meshnode.node.selfmeasure import measure_or_reason
 from meshnode.node.speeds import SpeedBook
 from meshnode.node.stage import StageRunner
 
@@ -112,6 +114,7 @@ class BringUp:
         context_size: int,
         speeds: SpeedBook | None = None,
         stage_weight_bytes: Sequence[int] = (),
+        claims: ClaimBook | None = None,
     ) -> None:
         self.mesh = mesh
         self.settings = settings
@@ -124,6 +127,7 @@ class BringUp:
         self.progress: dict[str, tuple[int, int]] = {}
         self._backend = backend
         self._speeds, self._stage_weight_bytes = speeds, tuple(stage_weight_bytes)
+        self._claims = claims  # what each node measured of itself, as it prepared
         self.failed: set[str] = set()
         self.refused: set[str] = set()
         self._download_log: dict[str, DownloadProgress] = {}
@@ -254,6 +258,16 @@ class BringUp:
                 prefix_salt=self.run_id,  # hook (issue 30): the chain keys are the run's
             )
             heap.release_free_memory()  # what loading the model and its tokenizer freed
+            if self._claims is not None:  # the host measures itself as every node does
+                model_id = f"{self.settings.model_ref}@{self.settings.pin}"
+                measured = measure_or_reason(
+                    source,
+                    stage.start,
+                    self._backend,
+                    model_id=model_id,
+                    cache_dir=self.settings.cache_dir,
+                )
+                self._claims.record_own(stage.node_id, measured, stage.start)
             return runner
 
         try:
@@ -320,6 +334,8 @@ class BringUp:
                     self.failed.add(node)
                     raise RunError(f"node {node} could not prepare its layers: {report.error}")
                 if report.ready:
+                    if self._claims is not None:
+                        self._claims.record(node, report)
                     self.stage_state[node] = StageState.PREPARED
                     return
                 await trio.sleep(INVENTORY_POLL_S)

@@ -18,13 +18,20 @@ serving goes on (a stage that broke the pass fails the pipeline as any pass woul
 
 from __future__ import annotations
 
+import logging
+from typing import Protocol
+
 import trio
 
 from meshnode.engine.sampling import SamplingParams
-from meshnode.errors import MeshnodeError
+from meshnode.errors import MeshnodeError, PlanError
+from meshnode.node.mesh import CoordinatorSettings, MeshView
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame
+from meshnode.node.planner import ModelFootprint, NodeCapacity, Plan, plan
 from meshnode.node.remote import RemotePipeline
-from meshnode.node.speeds import MIN_SAMPLES, SpeedBook
+from meshnode.node.speeds import MIN_SAMPLES, SpeedBook, should_replace
+
+log = logging.getLogger("meshnode.coordinator")
 
 #: Tokens of the calibration prompt: a short prefill, as a chat's first turn would start.
 PROMPT_TOKENS = 8
@@ -39,6 +46,20 @@ RELEASE_TIMEOUT_S = 5.0
 
 REQUEST = RequestId("meshnode-calibration")
 GREEDY = SamplingParams(temperature=0.0)
+
+
+class Placing(Protocol):
+    """What the re-placement helpers below read and set of the coordinator."""
+
+    mesh: MeshView
+    settings: CoordinatorSettings
+    footprint: ModelFootprint
+    context_size: int
+    speeds: SpeedBook
+    calibration: str
+    why_replace: str
+
+    def candidates(self, live: list[NodeCapacity]) -> list[NodeCapacity]: ...
 
 
 def calibration_needed(pipeline: RemotePipeline, speeds: SpeedBook) -> str | None:
@@ -79,3 +100,56 @@ async def _passes(pipeline: RemotePipeline) -> None:
         frame = StepFrame(REQUEST, FrameKind.DECODE, position, result.tokens[-1:], GREEDY)
         result = await pipeline.run(frame)
         position += 1
+
+
+def wanted_plan(coordinator: Placing, nodes: list[NodeCapacity]) -> Plan | None:
+    """The plan the planner makes now over ``nodes`` with ``--split`` as asked, if any."""
+    try:
+        return plan(
+            coordinator.footprint,
+            nodes,
+            host_id=coordinator.mesh.node_id,
+            context_tokens=coordinator.context_size,
+            split=coordinator.settings.split,
+            disk_offload=coordinator.settings.disk_offload,
+        )
+    except PlanError:
+        return None
+
+
+def faster_by_measure(coordinator: Placing, placed: Plan, nodes: list[NodeCapacity]) -> bool:
+    """Whether the measured speeds of ``nodes`` call for re-placing ``placed`` (the
+    coordinator's step 6)."""
+    wanted = wanted_plan(coordinator, nodes)
+    if not should_replace(coordinator.footprint, placed, wanted, nodes):
+        return False
+    assert wanted is not None  # should_replace never moves to no plan
+    log.info("measured speeds: %s is faster than %s", describe_plan(wanted), describe_plan(placed))
+    return True
+
+
+async def calibrated_faster(coordinator: Placing, placed: Plan, pipeline: RemotePipeline) -> bool:
+    """Calibrate ``pipeline`` before it serves (with calibration on); whether the measured
+    speeds then call for re-placing it at once. The rates calibration observed come first;
+    a node it could not time (it failed or ran out of time) is weighed by what it measured
+    of itself as it prepared, and every node's disk by its own measurement. Without
+    calibration (``--placement memory``) nothing is weighed."""
+    if not coordinator.settings.calibrate:
+        return False
+    needless = calibration_needed(pipeline, coordinator.speeds)
+    coordinator.calibration = needless or await calibrate(pipeline)
+    pipeline.measured.weighed = pipeline.measured.passes
+    live = coordinator.candidates(coordinator.mesh.live_nodes())
+    if needless is None and faster_by_measure(coordinator, placed, live):
+        measured = coordinator.calibration == "measured"
+        coordinator.why_replace = (
+            "calibration placed the layers faster"
+            if measured
+            else "the nodes' own measurements place the layers faster (calibration failed)"
+        )
+        return True
+    return False
+
+
+def describe_plan(placed: Plan) -> str:
+    return ", ".join(f"{s.node_id}[{s.start}:{s.end})" for s in placed.stages)

@@ -101,7 +101,13 @@ from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.errors import PlanError, RunError
 from meshnode.node.bringup import BringUp, StageState
-from meshnode.node.calibration import calibrate, calibration_needed
+from meshnode.node.calibration import (
+    calibrated_faster,
+    describe_plan,
+    faster_by_measure,
+    wanted_plan,
+)
+from meshnode.node.claims import ClaimBook, best_speed
 from meshnode.node.decisions import (
     BackedOff,
     BackOff,
@@ -121,7 +127,6 @@ from meshnode.node.decisions import (
 from meshnode.node.footprint import model_footprint, served_context
 from meshnode.node.mesh import CoordinatorSettings, MeshView
 from meshnode.node.planner import (
-    ModelFootprint,
     NodeCapacity,
     NodeSpeed,
     Plan,
@@ -131,7 +136,7 @@ from meshnode.node.planner import (
     stage_weight_bytes,
 )
 from meshnode.node.remote import RemotePipeline, idle_by, is_data_reply
-from meshnode.node.speeds import SpeedBook, should_replace
+from meshnode.node.speeds import SpeedBook
 from meshnode.node.watch import membership_changed, settled, stage_failure
 
 log = logging.getLogger("meshnode.coordinator")
@@ -168,10 +173,11 @@ def retry_in(retry_at: float | None, now: float) -> float | None:
 
 
 def _stage_status(
-    stage: StagePlan, run: BringUp | None, footprint: ModelFootprint, speed: NodeSpeed | None
+    stage: StagePlan, run: BringUp | None, coordinator: Coordinator
 ) -> dict[str, Any]:
     """One stage of the plan as the status shows it: its layers, its state and progress in
-    ``run``, and its memory."""
+    ``run``, its memory and speeds."""
+    footprint, speed = coordinator.footprint, coordinator.speeds.speed(stage.node_id)
     done, total = run.progress.get(stage.node_id, (0, 0)) if run else (0, 0)
     return {
         "node_id": stage.node_id,
@@ -188,6 +194,8 @@ def _stage_status(
         "recurrent_bytes": sum(footprint.fixed_layer_bytes[stage.start : stage.end]),
         # the stage's decode rate measured while serving (weight bytes a second), if any
         "decode_bytes_per_s": None if speed is None else round(speed.decode_bytes_per_s),
+        # what the node measured of itself as it prepared (node/claims.py), or why not
+        "self_measured": coordinator.claims.shown(stage.node_id),
         # weight bytes past the node's memory, read from disk as it computes (planner)
         "offload_bytes": stage.offload_bytes,
     }
@@ -243,6 +251,7 @@ class Coordinator:
         self._hung: list[RemotePipeline] = []  # whose stage-0 compute hangs (stage0_hung)
         # Decode rates observed while serving (node/speeds.py): the next plan uses them.
         self.speeds = SpeedBook()
+        self.claims = ClaimBook(self.footprint)  # ... and what each node measured of itself
         self.why_replace = ""  # why the serving plan is being re-placed (steps 5 and 6)
         self.calibration = "off" if not settings.calibrate else ""  # the last one's outcome
 
@@ -257,14 +266,7 @@ class Coordinator:
     def status(self) -> dict[str, Any]:
         now = trio.current_time()
         run = self._run
-        stages = (
-            [
-                _stage_status(s, run, self.footprint, self.speeds.speed(s.node_id))
-                for s in self._plan.stages
-            ]
-            if self._plan
-            else []
-        )
+        stages = [_stage_status(s, run, self) for s in self._plan.stages] if self._plan else []
         return {
             "model": self.settings.model_ref,
             "run_id": self._run_id,
@@ -333,9 +335,10 @@ class Coordinator:
                 backend=self._backend,
                 context_size=self.context_size,
                 speeds=self.speeds,
+                claims=self.claims if self.settings.place_by_speed else None,
                 stage_weight_bytes=[stage_weight_bytes(self.footprint, s) for s in placed.stages],
             )
-            log.info("run %s term %d: %s", self._run_id, self._term, _describe(placed))
+            log.info("run %s term %d: %s", self._run_id, self._term, describe_plan(placed))
             self._state = MeshState.LOADING  # Claim, Prepare, Load: the stages say how far
             try:
                 pipeline = await run.run(placed)
@@ -389,7 +392,7 @@ class Coordinator:
     async def _serve(self, placed: Plan, pipeline: RemotePipeline, run: BringUp) -> Failure | None:
         """Serve on ``pipeline`` until a stage is lost (the loss) or the plan grows back (None)."""
         regrow_now = announce = True
-        if self.settings.calibrate and await _calibrated_faster(self, placed, pipeline):
+        if await calibrated_faster(self, placed, pipeline):
             return None  # re-placed before the API opened
         while True:
             if announce:
@@ -478,7 +481,7 @@ class Coordinator:
                 self.why_replace = "the planned nodes are back"
                 return None
             due = pipeline.measured.due(trio.current_time())  # step 6
-            if due and _faster_by_measure(self, placed, self.candidates(live)):
+            if due and faster_by_measure(self, placed, self.candidates(live)):
                 self.why_replace = "the measured speeds place the layers faster"
                 return None
             changed = await self._wait_changed(pipeline, measured=pipeline.measured.to_weigh)
@@ -489,63 +492,23 @@ class Coordinator:
     def candidates(self, live: list[NodeCapacity]) -> list[NodeCapacity]:
         """The live nodes a plan may use (none kept out), each with its measured decode
         rate where serving has measured one (``speeds``; the planner needs every node's),
-        unless the placement is by memory alone."""
+        else the one it claimed (``claims``), unless the placement is by memory alone."""
         kept_out = self._decided.kept_out(trio.current_time())
         by_speed = self.settings.place_by_speed
         return [
-            dataclasses.replace(n, speed=self.speeds.speed(n.node_id) if by_speed else None)
+            dataclasses.replace(n, speed=_speed(self, n.node_id) if by_speed else None)
             for n in live
             if n.node_id not in kept_out
         ]
 
     def _wants_regrow(self, placed: Plan, live: list[NodeCapacity]) -> bool:
-        wanted = _wanted(self, self.candidates(live))
+        wanted = wanted_plan(self, self.candidates(live))
         degraded = self._decided.recovering
         return should_regrow(placed, wanted, split=self.settings.split, degraded=degraded)
 
 
-def _wanted(coordinator: Coordinator, nodes: list[NodeCapacity]) -> Plan | None:
-    """The plan the planner makes now over ``nodes`` with ``--split`` as asked, if any."""
-    try:
-        return plan(
-            coordinator.footprint,
-            nodes,
-            host_id=coordinator.mesh.node_id,
-            context_tokens=coordinator.context_size,
-            split=coordinator.settings.split,
-            disk_offload=coordinator.settings.disk_offload,
-        )
-    except PlanError:
-        return None
-
-
-def _faster_by_measure(coordinator: Coordinator, placed: Plan, nodes: list[NodeCapacity]) -> bool:
-    """Whether the measured speeds of ``nodes`` call for re-placing ``placed`` (step 6)."""
-    wanted = _wanted(coordinator, nodes)
-    if not should_replace(coordinator.footprint, placed, wanted, nodes):
-        return False
-    assert wanted is not None  # should_replace never moves to no plan
-    log.info("measured speeds: %s is faster than %s", _describe(wanted), _describe(placed))
-    return True
-
-
-async def _calibrated_faster(
-    coordinator: Coordinator, placed: Plan, pipeline: RemotePipeline
-) -> bool:
-    """Calibrate ``pipeline`` before it serves (:mod:`meshnode.node.calibration`); whether the
-    measured speeds then call for re-placing it at once."""
-    needless = calibration_needed(pipeline, coordinator.speeds)
-    coordinator.calibration = needless or await calibrate(pipeline)
-    pipeline.measured.weighed = pipeline.measured.passes
-    live = coordinator.candidates(coordinator.mesh.live_nodes())
-    if needless is None and _faster_by_measure(coordinator, placed, live):
-        coordinator.why_replace = "calibration placed the layers faster"
-        return True
-    return False
-
-
-def _describe(placed: Plan) -> str:
-    return ", ".join(f"{s.node_id}[{s.start}:{s.end})" for s in placed.stages)
+def _speed(coordinator: Coordinator, node: str) -> NodeSpeed | None:
+    return best_speed(coordinator.speeds.speed(node), coordinator.claims.speed(node))
 
 
 async def open_stage0_source(model_ref: str, cache_dir: Path | None) -> ModelSource:

@@ -31,11 +31,13 @@ same nodes, so a tie or a missing measurement gives today's plan.
 **Larger than memory.** When no set of stages fits, and disk offload is allowed (it is
 unless ``--no-disk-offload``), the planner places the model on every candidate node anyway,
 memory-weighted past 100 %: each node's share of the shortfall is in proportion to its
-memory. A stage's KV (and recurrent state) must still fit in its memory, since KV never
-goes to disk; what its weights take beyond the rest of its memory
-(``StagePlan.offload_bytes``) stays in the memory-mapped file and is read from disk as the
-stage computes, with read-ahead of the next layer (``meshnode.engine.readahead``). Such a
-plan is never timed: its speed is its disks'.
+memory; or, when every node has measured its compute *and its disk's read rate*, by the
+same dynamic program, a stage's time being the slower of its compute and the read of its
+bytes past memory (the read-ahead overlaps them), taken when strictly faster. A stage's
+KV (and recurrent state) must still fit in its memory, since KV never goes to disk; what
+its weights take beyond the rest of its memory (``StagePlan.offload_bytes``) stays in the
+memory-mapped file and is read from disk as the stage computes, with read-ahead of the
+next layer (``meshnode.engine.readahead``).
 """
 
 from __future__ import annotations
@@ -96,12 +98,19 @@ class NodeSpeed:
     """
 
     decode_bytes_per_s: float
+    # the read rate of the node's disk (its model file), for weight bytes served past its
+    # memory (module docstring, Larger than memory); 0: not measured
+    disk_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         rate = self.decode_bytes_per_s
         # NaN fails both comparisons; an infinite rate would make every stage free
         if not 0.0 < rate < float("inf"):
             raise ValueError(f"decode_bytes_per_s must be positive and finite, not {rate}")
+        if not 0.0 <= self.disk_bytes_per_s < float("inf"):
+            raise ValueError(
+                f"disk_bytes_per_s must be >= 0 and finite, not {self.disk_bytes_per_s}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +181,8 @@ def plan(
     stages = _fit(model, nodes_used, context_tokens, alpha_max=_offload_alpha(model, nodes_used))
     if stages is None:
         raise PlanError(f"{short}; not even with disk offload: a stage's KV must fit in memory")
-    return Plan(stages, context_tokens)
+    timed = _timed_plan(model, nodes, host_id, context_tokens, counts[-1:], stages, offload=True)
+    return Plan(timed or stages, context_tokens, measured=timed is not None)
 
 
 def _candidate_order(
@@ -292,8 +302,12 @@ def _timed_plan(
     context_tokens: int,
     counts: Sequence[int],
     weighted: tuple[StagePlan, ...],
+    *,
+    offload: bool = False,
 ) -> tuple[StagePlan, ...] | None:
     """The measured plan, when every node is measured and it beats ``weighted``; else None.
+    With ``offload`` (the mesh's memory is short) every node's disk rate must be measured
+    too, and a stage's weights may pass its memory (:func:`_seconds` counts the disk).
 
     Stage counts from ``weighted``'s (the fewest that fit) up to the largest allowed are
     tried, each over two choices of nodes (the most memory first, as the memory-weighted
@@ -302,11 +316,13 @@ def _timed_plan(
     """
     if any(node.speed is None for node in nodes):
         return None
+    if offload and any(node.speed and not node.speed.disk_bytes_per_s for node in nodes):
+        return None
     best, best_cost = None, _cost(model, nodes, weighted)
     for count in (c for c in counts if c >= len(weighted)):
         for fastest_first in (False, True):
             chosen = _candidate_order(nodes, host_id, fastest_first=fastest_first)[:count]
-            stages = _fit_timed(model, chosen, context_tokens)
+            stages = _fit_timed(model, chosen, context_tokens, offload=offload)
             if stages is not None and (cost := _cost(model, nodes, stages)) < best_cost:
                 best, best_cost = stages, cost
     return best
@@ -336,9 +352,14 @@ def plan_seconds(
     return _cost(model, nodes, stages)
 
 
-def _seconds(node: NodeCapacity, weight_bytes: int) -> float:
+def _seconds(node: NodeCapacity, weight_bytes: int, offload_bytes: int = 0) -> float:
+    """A stage's time a token on ``node``: its compute, or, when ``offload_bytes`` of its
+    weights come from disk, the slower of that and their read (the read-ahead overlaps
+    the two: :mod:`meshnode.engine.readahead`); an unmeasured disk is not counted."""
     assert node.speed is not None  # only measured nodes are timed
-    return weight_bytes / node.speed.decode_bytes_per_s
+    compute = weight_bytes / node.speed.decode_bytes_per_s
+    disk = node.speed.disk_bytes_per_s
+    return max(compute, offload_bytes / disk) if offload_bytes and disk else compute
 
 
 def _cost(
@@ -350,25 +371,35 @@ def _cost(
     host (what the mesh measures; a decode hop carries a few KiB, so latency dominates).
     """
     by_id = {node.node_id: node for node in nodes}
-    times = [_seconds(by_id[s.node_id], _weight_bytes(model, s.start, s.end)) for s in stages]
+    times = [
+        _seconds(by_id[s.node_id], _weight_bytes(model, s.start, s.end), s.offload_bytes)
+        for s in stages
+    ]
     hops = sum(by_id[s.node_id].rtt_s for s in stages[1:])
     return (sum(times) + hops, max(times))
 
 
 def _fit_timed(
-    model: ModelFootprint, nodes: Sequence[NodeCapacity], context_tokens: int
+    model: ModelFootprint,
+    nodes: Sequence[NodeCapacity],
+    context_tokens: int,
+    *,
+    offload: bool = False,
 ) -> tuple[StagePlan, ...] | None:
     """Contiguous ranges over ``nodes`` in order minimising the slowest stage, then the sum.
 
     An exact dynamic program: ``best[i][end]`` is the best ``(slowest, sum)`` placing layers
     ``[0, end)`` on the first ``i + 1`` nodes, every node at least one layer and within its
-    memory. ``O(len(nodes) * n_layers**2)`` stage evaluations: 16 nodes of a 128-layer model
-    are ~260,000, well under a second, and plans are made only when the mesh changes.
+    memory (with ``offload``: its KV within its memory, the weights past it read from disk
+    at the node's disk rate). ``O(len(nodes) * n_layers**2)`` stage evaluations: 16 nodes
+    of a 128-layer model are ~260,000, well under a second, and plans are made only when
+    the mesh changes.
     """
     n_layers, count = model.n_layers, len(nodes)
     spans = [(start, end) for start in range(n_layers) for end in range(start + 1, n_layers + 1)]
     # what a range costs is the same on every node: work it out once per range
     memory = {span: _stage_bytes(model, *span, context_tokens) for span in spans}
+    resident = {span: _resident_bytes(model, *span, context_tokens) for span in spans}
     weights = {span: _weight_bytes(model, *span) for span in spans}
     inf = (float("inf"), float("inf"))
     best = [[inf] * (n_layers + 1) for _ in range(count)]
@@ -378,9 +409,11 @@ def _fit_timed(
         for end in range(index + 1, n_layers - (count - index - 1) + 1):
             for start in range(index, end) if index else (0,):
                 before = best[index - 1][start] if index else (0.0, 0.0)
-                if before == inf or memory[start, end] > node.usable_memory_bytes:
+                room = node.usable_memory_bytes
+                over = memory[start, end] - room
+                if before == inf or (over > 0 and not offload) or resident[start, end] > room:
                     continue
-                seconds = _seconds(node, weights[start, end])
+                seconds = _seconds(node, weights[start, end], max(over, 0))
                 value = (max(before[0], seconds), before[1] + seconds)
                 if value < best[index][end]:
                     best[index][end], cut[index][end] = value, start

@@ -48,6 +48,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import trio
 from meshnode_packaging.hub import COMMIT
 from meshnode_packaging.manifest import Part
@@ -86,6 +87,7 @@ from meshnode.node.footprint import check_load
 from meshnode.node.peer_models import PeerModels
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.relay import Relay
+from meshnode.node.selfmeasure import SelfMeasure, measure_or_reason, report_fields
 from meshnode.node.stage import StageRunner
 from meshnode.node.worker_run import (
     DataMessage,
@@ -304,7 +306,7 @@ class Worker:
 
     async def _materialize(self, run: WorkerRun, prep: Preparation) -> None:
         try:
-            prep.source = await trio.to_thread.run_sync(
+            source = await trio.to_thread.run_sync(
                 lambda: open_ref(
                     prep.package_ref,
                     prep.part,
@@ -316,6 +318,9 @@ class Worker:
             )
             if prep.bytes_total == 0:  # a local source: nothing was transferred
                 prep.bytes_done = prep.bytes_total = 1
+            # measured before it reads as ready: the report that says so carries it
+            prep.measured = await measure_part(prep, source, self._backend, self._cache_dir)
+            prep.source = source
             if run.state is RunState.PREPARING:
                 run.state = RunState.PREPARED
         except Exception as exc:  # any failure is reported, never raised
@@ -442,6 +447,23 @@ def inventory_report(node_id: str, run: WorkerRun) -> InventoryReport:
         bytes_total=prep.bytes_total,
         error=prep.error,
         busy_ms=busy_ms(run),
+        free_memory=int(psutil.virtual_memory().available),
+        **report_fields(prep.measured if ready else None),
+    )
+
+
+async def measure_part(
+    prep: Preparation, source: ModelSource, backend: Backend, cache_dir: Path | None
+) -> SelfMeasure | str:
+    """This node's speed on ``prep``'s first layer (:mod:`meshnode.node.selfmeasure`),
+    reported in the ``InventoryReport`` once the part is ready."""
+    if prep.part.end <= prep.part.start:
+        return "no layer to time"
+    model_id = f"{prep.package_ref}@{prep.pin}"
+    return await trio.to_thread.run_sync(
+        lambda: measure_or_reason(
+            source, prep.part.start, backend, model_id=model_id, cache_dir=cache_dir
+        )
     )
 
 

@@ -20,6 +20,7 @@ from meshnode_packaging.sources import ModelSource
 from meshnode_protocol import ActivationBatch, ActivationFrame, Error, ErrorCode, Release
 
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
+from meshnode.node.selfmeasure import SelfMeasure
 from meshnode.node.stage import StageRunner
 from meshnode.node.wire import WireSequences
 
@@ -54,6 +55,9 @@ class Preparation:
     bytes_total: int = 0
     source: ModelSource | None = None
     failure: Exception | None = None  # why materializing failed (kept for the log)
+    # what the node measured of itself on the part's first layer, or why it could not
+    # (meshnode.node.selfmeasure); None: not yet
+    measured: SelfMeasure | str | None = None
     done: trio.Event = field(default_factory=trio.Event)
     # Set by Stop (or a newer Prepare): the fetching thread gives up within about a second.
     cancel: threading.Event = field(default_factory=threading.Event)

@@ -247,7 +247,14 @@ class Inventory(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InventoryReport(Message):
     """Node → coordinator: layer ranges ready / missing / being prepared, and byte progress;
-    once loaded, ``busy_ms``: how long its compute pass in progress has run (0: idle)."""
+    once loaded, ``busy_ms``: how long its compute pass in progress has run (0: idle).
+
+    Once prepared, what the node measured of itself for this model (issue 34; 0 and
+    empty: not measured): per layer and token, ``decode_us`` (one row), ``batch_us`` (eight
+    rows in one pass, per row), ``prefill_us`` (a prompt chunk, per row), over a layer of
+    ``layer_bytes`` weight bytes; ``disk_bytes_per_s``, the model file's read rate;
+    ``free_memory`` now; ``measure_error``, why it could not measure. Claims: the
+    coordinator bounds them (the codec checks only types)."""
 
     TYPE: ClassVar[int] = 16
     run_id: str
@@ -263,6 +270,13 @@ class InventoryReport(Message):
     bytes_total: UInt = 0
     error: str = ""
     busy_ms: UInt = 0
+    decode_us: float = 0.0
+    batch_us: float = 0.0
+    prefill_us: float = 0.0
+    layer_bytes: UInt = 0
+    disk_bytes_per_s: float = 0.0
+    free_memory: UInt = 0
+    measure_error: str = ""
 
     def _validate(self) -> None:
         for name in ("ready", "missing", "preparing"):

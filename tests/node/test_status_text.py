@@ -127,3 +127,21 @@ def test_host_status_says_what_the_placement_follows() -> None:
     assert (
         "warning  bbbb reads 300 MiB of its layers from disk (the mesh's memory is short)" in text
     )
+
+
+def test_host_status_shows_what_each_node_measured_of_itself() -> None:
+    body = host_body("ready")
+    body["host"]["placed_by"] = "speed"
+    stages = body["host"]["stages"]
+    stages[0]["self_measured"] = {
+        "decode_us": 812.5, "batch8_us": 140.2, "prefill_us": 61.0, "disk_mb_s": 1500,
+    }  # fmt: skip
+    stages[1]["self_measured"] = {"error": "claim refused: decode_us nan is not a time"}
+    lines = format_status(body).splitlines()
+    assert (
+        "measured aaaa  812.5 us/layer a token at decode (8 rows 140.2, prefill 61.0), "
+        "disk 1500 MB/s"
+    ) in lines
+    assert (
+        "measured bbbb  - (claim refused: decode_us nan is not a time: planned by memory)"
+    ) in lines

@@ -136,6 +136,25 @@ async def test_stage_reads_the_pinned_commit(
     assert report.ready == ((0, 2),)
 
 
+async def test_a_prepared_node_reports_what_it_measured_of_itself(
+    lhub: LocalHub, repo: Path, tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """Issue 34: the report that says ready carries the node's timing of its first layer,
+    cached under its cache folder by model and machine."""
+    pinned = lhub.add_repo("org/m", repo)
+    h = await _harness(nursery, tmp_path / "cache")
+    await h.ask(_prepare("hf://org/m", commit=pinned, start=1, end=2))
+    report = await h.until_settled()
+    assert report.ready == ((1, 2),)
+    assert report.measure_error == ""
+    assert 0.0 < report.decode_us < 10e6
+    assert 0.0 < report.batch_us < 10e6
+    assert 0.0 < report.prefill_us < 10e6
+    assert report.layer_bytes > 0
+    assert report.free_memory > 0
+    assert len(list((tmp_path / "cache" / "calibration").glob("*.json"))) == 1
+
+
 async def test_bad_commit_and_url_refs_are_refused(
     lhub: LocalHub, tmp_path: Path, nursery: trio.Nursery
 ) -> None:

@@ -158,8 +158,18 @@ function placement(host) {
   const offloaded = (host.stages || []).filter((st) => st.offload_bytes > 0)
     .map((st) => `${st.node_id} reads ${fmtBytes(st.offload_bytes)} of its layers from disk`);
   const warning = offloaded.length ? ` · memory is short: ${offloaded.join(", ")}` : "";
+  const measured = (host.stages || []).filter((st) => st.self_measured)
+    .map((st) => `${st.node_id}: ${selfMeasured(st.self_measured)}`);
+  const own = measured.length ? ` · measured by each node: ${measured.join("; ")}` : "";
   return h("p", { class: "muted", id: "placement" },
-    `${by} · calibration: ${host.calibration || "–"}${warning}`);
+    `${by} · calibration: ${host.calibration || "–"}${warning}${own}`);
+}
+
+// What a node measured of itself as it prepared (µs per layer per token), or why not.
+function selfMeasured(m) {
+  if (m.error) return `– (${m.error}: planned by memory)`;
+  const disk = m.disk_mb_s ? `, disk ${m.disk_mb_s} MB/s` : "";
+  return `${m.decode_us} µs/layer decode (8 rows ${m.batch8_us}, prefill ${m.prefill_us})${disk}`;
 }
 
 function stageRow(st, i) {

@@ -1,0 +1,133 @@
+"""What the nodes claim of their own speed, bounded, as the planner's :class:`NodeSpeed`.
+
+Theory of operation. Every node measures itself when it prepares its part of a model
+(:mod:`meshnode.node.selfmeasure`) and reports it in its ``InventoryReport``; the host
+measures its own stage 0 the same way. :class:`ClaimBook` turns each report into a decode
+rate in the planner's units (the footprint's bytes of the layer timed, over the time per
+token it claims) and a disk rate. A claim is another node's word: :func:`claimed_speed`
+refuses a NaN, a negative, zero or absurd figure with a clear reason, and such a node is
+planned by memory. A claim only places layers until serving measures the node itself:
+the coordinator prefers the rates it observes (:class:`~meshnode.node.speeds.SpeedBook`),
+so a node that lies gets the layers its lie earns for one bring-up, and is then re-placed
+by what it really does (the calibration request and the serving watch).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import psutil
+from meshnode_protocol import InventoryReport
+
+from meshnode.node.planner import ModelFootprint, NodeSpeed
+from meshnode.node.selfmeasure import SelfMeasure, report_fields
+from meshnode.node.speeds import MAX_BYTES_PER_S
+
+__all__ = ["MAX_DISK_BYTES_PER_S", "MAX_LAYER_S", "ClaimBook", "best_speed", "claimed_speed"]
+
+#: Longest time per layer and token a node may claim: a minute a layer is no machine that
+#: could serve a model (a token through 32 such layers would take half an hour).
+MAX_LAYER_S = 60.0
+#: Fastest disk a node may claim: a RAID of PCIe 5 NVMe drives reads ~50 GB/s.
+MAX_DISK_BYTES_PER_S = 1e11
+
+
+def claimed_speed(report: InventoryReport, model: ModelFootprint) -> NodeSpeed | None:
+    """The speed ``report`` claims for ``model``: None when it claims none (not measured,
+    or the node's own reason in ``measure_error``).
+
+    Raises:
+        ValueError: a figure is not a finite number in its bounds, or the layer timed
+            (the first of the report's ready range) is not one of the model's.
+    """
+    if report.measure_error or not report.decode_us or not report.ready:
+        return None
+    for name in ("decode_us", "batch_us", "prefill_us"):
+        value = getattr(report, name)
+        if not (math.isfinite(value) and 0.0 <= value <= MAX_LAYER_S * 1e6):
+            raise ValueError(f"{name} {value} is not a time per layer in [0, {MAX_LAYER_S} s]")
+    disk = report.disk_bytes_per_s
+    if not (math.isfinite(disk) and 0.0 <= disk <= MAX_DISK_BYTES_PER_S):
+        raise ValueError(f"disk_bytes_per_s {disk} is not in [0, {MAX_DISK_BYTES_PER_S:.0e}]")
+    layer = report.ready[0][0]
+    if not 0 <= layer < model.n_layers:
+        raise ValueError(f"layer {layer} is not one of the model's {model.n_layers}")
+    rate = model.layer_bytes[layer] / (report.decode_us * 1e-6)
+    if rate > MAX_BYTES_PER_S:
+        raise ValueError(f"a decode rate of {rate:.3g} B/s is beyond any machine")
+    return NodeSpeed(rate, disk)
+
+
+def best_speed(observed: NodeSpeed | None, claimed: NodeSpeed | None) -> NodeSpeed | None:
+    """What the planner uses of a node: the decode rate serving observed when there is one
+    (with the disk rate it claimed: serving does not measure disks), else its claim."""
+    if observed is None or claimed is None:
+        return observed or claimed
+    return NodeSpeed(observed.decode_bytes_per_s, claimed.disk_bytes_per_s)
+
+
+def _report(node: str, measured: SelfMeasure, layer: int) -> InventoryReport:
+    """The host's own measurement as the report a node would send of it."""
+    fields = report_fields(measured)
+    free = int(psutil.virtual_memory().available)
+    return InventoryReport(
+        run_id="",
+        term=0,
+        node_id=node,
+        package_ref="",
+        ready=((layer, layer + 1),),
+        free_memory=free,
+        **fields,
+    )
+
+
+class ClaimBook:
+    """Each node's latest claim for one model: its speed, or why there is none."""
+
+    def __init__(self, model: ModelFootprint) -> None:
+        self._model = model
+        self._speeds: dict[str, NodeSpeed] = {}
+        self._shown: dict[str, dict[str, Any]] = {}
+
+    def record(self, node: str, report: InventoryReport) -> None:
+        """A prepared node's report: keep its claim, or the reason it has none."""
+        try:
+            speed = claimed_speed(report, self._model)
+        except ValueError as exc:
+            speed, reason = None, f"claim refused: {exc}"
+        else:
+            reason = report.measure_error or ("" if speed else "not measured")
+        self._speeds.pop(node, None)
+        if speed is not None:
+            self._speeds[node] = speed
+            self._shown[node] = _shown(report)
+        else:
+            self._shown[node] = {"error": reason[:200]}
+
+    def record_own(self, node: str, measured: SelfMeasure | str, layer: int) -> None:
+        """The host's measurement of its own stage (or why it failed)."""
+        if isinstance(measured, str):
+            self._speeds.pop(node, None)
+            self._shown[node] = {"error": measured[:200]}
+        else:
+            self.record(node, _report(node, measured, layer))
+
+    def speed(self, node: str) -> NodeSpeed | None:
+        """The node's claimed speed, if it made a claim within bounds."""
+        return self._speeds.get(node)
+
+    def shown(self, node: str) -> dict[str, Any] | None:
+        """The node's claim as the status shows it (µs per layer per token, MB/s), or its
+        error; None when it never reported."""
+        return self._shown.get(node)
+
+
+def _shown(report: InventoryReport) -> dict[str, Any]:
+    return {
+        "decode_us": round(report.decode_us, 1),
+        "batch8_us": round(report.batch_us, 1),
+        "prefill_us": round(report.prefill_us, 1),
+        "disk_mb_s": round(report.disk_bytes_per_s / 1e6),
+        "free_memory": report.free_memory,
+    }
