@@ -56,6 +56,7 @@ from meshnode.engine.cpu.attention_rows import (
 )
 from meshnode.engine.cpu.simd import wfma, wload, wsum, wzero
 from meshnode.engine.cpu.simd_kv import kv_pointer, line_of, prefetch_kv, wstore_kv
+from meshnode.engine.kv_cache import KV_BLOCK
 
 __all__ = [
     "COLUMNS",
@@ -95,6 +96,7 @@ def segment_table(
     for i, (n, kept, start, here, cache) in enumerate(segments):
         k, v, blocks = cache.k, cache.v, cache.blocks
         assert blocks.dtype == np.int64 and blocks.flags.c_contiguous, "a block table"
+        assert getattr(cache, "block", KV_BLOCK) == KV_BLOCK, "the kernels' block size"
         assert k.dtype in (np.float32, np.float16), k.dtype
         assert v.dtype == k.dtype, v.dtype
         assert k.flags.c_contiguous, "the kernel indexes the caches in C order"
