@@ -43,7 +43,9 @@ from meshnode.engine.kv_cache import KV_BLOCK, lazy_zeros
 __all__ = ["BlockPool", "PagedCache", "block_bytes"]
 
 
-def block_bytes(layers: int, kv_heads: int, head_dim: int, dtype: Any, block: int = KV_BLOCK) -> int:
+def block_bytes(
+    layers: int, kv_heads: int, head_dim: int, dtype: Any, block: int = KV_BLOCK
+) -> int:
     """Bytes of one block of K and V for ``layers`` layers."""
     return 2 * layers * kv_heads * block * head_dim * int(np.dtype(dtype).itemsize)
 

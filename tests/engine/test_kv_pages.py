@@ -50,7 +50,10 @@ class Pair:
         self.paged = [PagedCache(pool, CONTEXT) for _ in range(count)]
 
     def run(
-        self, parts: list[tuple[int, int, int]], qkvs: list[np.ndarray], norms: tuple[object, object]
+        self,
+        parts: list[tuple[int, int, int]],
+        qkvs: list[np.ndarray],
+        norms: tuple[object, object],
     ) -> None:
         """One forward of every layer of ``(sequence, start, kept rows)`` on both sides;
         their outputs and caches must be the same bits."""
@@ -133,7 +136,8 @@ def test_shared_prefix_blocks_are_read_in_place_and_copied_before_a_write(dtype:
     assert pair.paged[1].slots()[:2] == shared  # read in place
     pair.run([(1, 40, 3)], [_qkv(c, 3, rng)], norms)  # rollback into shared block 1
     mine = pair.paged[1].slots()
-    assert mine[0] == shared[0] and mine[1] != shared[1]  # copied on write
+    assert mine[0] == shared[0]
+    assert mine[1] != shared[1]  # copied on write
     assert [pool.refs[s] for s in shared] == [2, 1]
     pair.run([(0, 84, 1), (1, 43, 2)], [_qkv(c, 1, rng), _qkv(c, 2, rng)], norms)
     pair.check()
@@ -164,6 +168,11 @@ def test_paged_on_the_kernel_threads_is_the_same_bits(
     assert kernel_pool.posted > before
 
 
+def _reserve_all(pair: Pair, batch: list[int], lengths: list[int], sizes: list[int]) -> None:
+    for i, n in zip(batch, sizes, strict=True):
+        pair.paged[i].reserve(lengths[i] + n)
+
+
 def test_an_exhausted_pool_refuses_one_sequence_and_corrupts_none() -> None:
     """Twelve sequences of random lengths, in random batches, share a pool of a third of
     what they would hold at once: a forward whose sequence finds no block is refused
@@ -186,11 +195,13 @@ def test_an_exhausted_pool_refuses_one_sequence_and_corrupts_none() -> None:
                 pair.paged[i].truncate(0)
                 lengths[i] = 0
             continue
-        try:
-            for i, n in zip(batch, sizes, strict=True):
-                pair.paged[i].reserve(lengths[i] + n)
-        except ValueError as exc:
-            assert "KV pool full" in str(exc)
+        need = sum(
+            -(-(lengths[i] + n) // KV_BLOCK) - pair.paged[i].held
+            for i, n in zip(batch, sizes, strict=True)
+        )
+        if need > pool.free_blocks:
+            with pytest.raises(ValueError, match="KV pool full"):
+                _reserve_all(pair, batch, lengths, sizes)
             refused += 1
             victim = int(np.argmax(lengths))  # make room: the longest sequence ends
             pair.flat[victim].truncate(0)

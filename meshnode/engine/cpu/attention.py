@@ -95,7 +95,8 @@ def segment_table(
     row = 0
     for i, (n, kept, start, here, cache) in enumerate(segments):
         k, v, blocks = cache.k, cache.v, cache.blocks
-        assert blocks.dtype == np.int64 and blocks.flags.c_contiguous, "a block table"
+        assert blocks.dtype == np.int64, "a block table is int64"
+        assert blocks.flags.c_contiguous, "the kernel indexes a block table in C order"
         assert getattr(cache, "block", KV_BLOCK) == KV_BLOCK, "the kernels' block size"
         assert k.dtype in (np.float32, np.float16), k.dtype
         assert v.dtype == k.dtype, v.dtype
@@ -144,11 +145,12 @@ def _norm_rope(src, s0, weight, eps, cos, sin, pos, tmp, dst, d0):  # type: igno
 
 
 @njit(nogil=True, cache=True)
-def _write_kv(flat, w, r0, n, start, kc, vc, blocks, tmax, kv_heads, q_size, k_norm, eps, cos, sin, tmp):  # type: ignore[no-untyped-def]
+def _write_kv(flat, w, r0, n, start, kc, vc, blocks, kv_heads, q_size, k_norm, eps, cos, sin, tmp):  # type: ignore[no-untyped-def]
     # the segment's new keys (normed, rotated) and values into its cache at their
     # positions' rows (a float16 cache gets them rounded to nearest); tmp holds 2 D floats
     d = cos.shape[1]
     kv_size = kv_heads * d
+    tmax = kc.shape[0] // kv_size  # rows per head
     for j in range(n):
         pos = start + j
         row = (r0 + j) * w
@@ -205,9 +207,9 @@ def write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin, kv):  # type: igno
     for s in range(table.shape[0]):
         if table[s, KERNEL]:
             kc, vc, blocks = _cache_of(table, s, layer, kv_heads, d, kv)
-            n, start, tmax = table[s, NEW], table[s, START], table[s, TMAX]
+            n, start = table[s, NEW], table[s, START]
             args = (kv_heads, heads * d, k_norm, eps, cos, sin, tmp)
-            _write_kv(flat, w, table[s, ROW], n, start, kc, vc, blocks, tmax, *args)
+            _write_kv(flat, w, table[s, ROW], n, start, kc, vc, blocks, *args)
 
 
 @njit(nogil=True, cache=True)

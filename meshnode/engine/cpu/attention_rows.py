@@ -186,7 +186,8 @@ def key_scores(qbuf, group, kc, blocks, pos0, rows, window, d, scale, scores, st
     """``scores[q stride + PAD + j - lo] = (query q . key j) * scale`` for the ``rows``
     query rows at positions ``pos0``, ``pos0 + 1``... (their group's queries: ``q = row G
     + g``, at ``qbuf[q D]``) and each row's keys ``lo .. pos`` of ``kc`` (one KV head's
-    keys, ``[rows, D]`` flat, position ``p`` at row :func:`slot_row` of ``blocks``): sixteen keys at a time summed across lanes together (wsums),
+    keys, ``[rows, D]`` flat, position ``p`` at row :func:`slot_row` of ``blocks``):
+    sixteen keys at a time summed across lanes together (wsums),
     each sum as wsum makes it, each block of keys read once for every row that sees one
     of them (a block's lanes outside a row's keys land in its row's margins). ``buf``:
     LANES D floats of scratch (a float16 block of keys widened once for all its rows)."""
