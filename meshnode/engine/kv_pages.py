@@ -138,7 +138,7 @@ class PagedCache:
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {n}")
         keep = -(-n // self.block)
-        for i in range(keep, self.held):
+        for i in reversed(range(keep, self.held)):  # retaken in order: consecutive slots
             self.pool.drop(int(self.blocks[i]))
         self.held, self.length = min(self.held, keep), n
 
