@@ -111,13 +111,17 @@ def main() -> None:
         hit = 0.0
         if keys:
             hit = cpu_ms(partial(pool.acquire, keys[-1], seq), args.repeat, seq.release_pages)
-            seq.release_pages()
         suffix, attn = [], []
-        for _ in range(args.repeat):
-            cache.truncate(start)
+        for _ in range(args.repeat):  # from the hit: the cached blocks in the table
+            if keys:
+                seq.release_pages()
+                pool.acquire(keys[-1], seq)
+            into = seq if keys else cache
+            into.truncate(start)
             spent[0] = 0.0
-            suffix.append(cpu_ms(partial(prefill, stage, cache, ids[start:], start), 1))
+            suffix.append(cpu_ms(partial(prefill, stage, into, ids[start:], start), 1))
             attn.append(1000 * spent[0])
+        seq.release_pages()
         pool.clear()
         print(
             f"{turn:4} | {len(ids):6} | {start:6} | {template:15.1f} | {chain:5.2f} | {hit:3.1f}"

@@ -28,7 +28,6 @@ from meshnode.net.limits import MeshLimits
 
 __all__ = ["Pending", "PendingHandshakes"]
 
-
 @dataclass(eq=False)
 class Pending:
     """One connection before its ``Hello``; cancel ``scope`` to drop it."""
