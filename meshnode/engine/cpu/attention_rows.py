@@ -331,21 +331,33 @@ def _accumulate(p, s0, vc, off, a, b, d, out, o0):  # type: ignore[no-untyped-de
         c += LANES
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _run_end(j, b):  # type: ignore[no-untyped-def]
+    # the end of the run of keys from j (before b) whose rows are consecutive: j's block's
+    return min(b, (j | (KV_BLOCK - 1)) + 1)
+
+
 @njit(nogil=True, cache=True)
 def _one_query(p, s0, vc, blocks, a, b, d, out, o):  # type: ignore[no-untyped-def]
     # out[o : o + D] = the sum over keys a .. b - 1 of p[s0 + j] * value j, in one pass
-    # with the accumulators in registers (a decode row's query: nothing to share)
+    # with the accumulators in registers (a decode row's query: nothing to share); the
+    # keys a block at a time (value j at vc[j D + base], base the block's), in order
     c = 0
     while c + 4 * LANES <= d:
         x0, x1, x2, x3 = wzero(), wzero(), wzero(), wzero()
-        for j in range(a, b):
-            u = wsplat(p[s0 + j])
-            at = slot_row(blocks, j) * d + c
-            prefetch_kv(vc, at + AHEAD)
-            x0 = wfma(u, wload_kv(vc, at), x0)
-            x1 = wfma(u, wload_kv(vc, at + LANES), x1)
-            x2 = wfma(u, wload_kv(vc, at + 2 * LANES), x2)
-            x3 = wfma(u, wload_kv(vc, at + 3 * LANES), x3)
+        j0 = a
+        while j0 < b:
+            j1 = _run_end(j0, b)
+            base = (slot_row(blocks, j0) - j0) * d + c
+            for j in range(j0, j1):
+                u = wsplat(p[s0 + j])
+                at = j * d + base
+                prefetch_kv(vc, at + AHEAD)
+                x0 = wfma(u, wload_kv(vc, at), x0)
+                x1 = wfma(u, wload_kv(vc, at + LANES), x1)
+                x2 = wfma(u, wload_kv(vc, at + 2 * LANES), x2)
+                x3 = wfma(u, wload_kv(vc, at + 3 * LANES), x3)
+            j0 = j1
         wstore(out, o + c, x0)
         wstore(out, o + c + LANES, x1)
         wstore(out, o + c + 2 * LANES, x2)
@@ -353,8 +365,13 @@ def _one_query(p, s0, vc, blocks, a, b, d, out, o):  # type: ignore[no-untyped-d
         c += 4 * LANES
     while c < d:
         x0 = wzero()
-        for j in range(a, b):
-            x0 = wfma(wsplat(p[s0 + j]), wload_kv(vc, slot_row(blocks, j) * d + c), x0)
+        j0 = a
+        while j0 < b:
+            j1 = _run_end(j0, b)
+            base = (slot_row(blocks, j0) - j0) * d + c
+            for j in range(j0, j1):
+                x0 = wfma(wsplat(p[s0 + j]), wload_kv(vc, j * d + base), x0)
+            j0 = j1
         wstore(out, o + c, x0)
         c += LANES
 
@@ -367,14 +384,21 @@ def _two_queries(p, s0, s1, vc, blocks, a, b, d, out, o0, o1):  # type: ignore[n
     while c + 4 * LANES <= d:
         x0, x1, x2, x3 = wzero(), wzero(), wzero(), wzero()
         y0, y1, y2, y3 = wzero(), wzero(), wzero(), wzero()
-        for j in range(a, b):
-            u, w = wsplat(p[s0 + j]), wsplat(p[s1 + j])
-            at = slot_row(blocks, j) * d + c
-            prefetch_kv(vc, at + AHEAD)
-            v0, v1 = wload_kv(vc, at), wload_kv(vc, at + LANES)
-            v2, v3 = wload_kv(vc, at + 2 * LANES), wload_kv(vc, at + 3 * LANES)
-            x0, x1, x2, x3 = wfma(u, v0, x0), wfma(u, v1, x1), wfma(u, v2, x2), wfma(u, v3, x3)
-            y0, y1, y2, y3 = wfma(w, v0, y0), wfma(w, v1, y1), wfma(w, v2, y2), wfma(w, v3, y3)
+        j0 = a
+        while j0 < b:
+            j1 = _run_end(j0, b)
+            base = (slot_row(blocks, j0) - j0) * d + c
+            for j in range(j0, j1):
+                u, w = wsplat(p[s0 + j]), wsplat(p[s1 + j])
+                at = j * d + base
+                prefetch_kv(vc, at + AHEAD)
+                v0, v1 = wload_kv(vc, at), wload_kv(vc, at + LANES)
+                v2, v3 = wload_kv(vc, at + 2 * LANES), wload_kv(vc, at + 3 * LANES)
+                x0, x1 = wfma(u, v0, x0), wfma(u, v1, x1)
+                x2, x3 = wfma(u, v2, x2), wfma(u, v3, x3)
+                y0, y1 = wfma(w, v0, y0), wfma(w, v1, y1)
+                y2, y3 = wfma(w, v2, y2), wfma(w, v3, y3)
+            j0 = j1
         wstore(out, o0 + c, x0)
         wstore(out, o0 + c + LANES, x1)
         wstore(out, o0 + c + 2 * LANES, x2)
@@ -386,10 +410,15 @@ def _two_queries(p, s0, s1, vc, blocks, a, b, d, out, o0, o1):  # type: ignore[n
         c += 4 * LANES
     while c < d:
         x0, y0 = wzero(), wzero()
-        for j in range(a, b):
-            v0 = wload_kv(vc, slot_row(blocks, j) * d + c)
-            x0 = wfma(wsplat(p[s0 + j]), v0, x0)
-            y0 = wfma(wsplat(p[s1 + j]), v0, y0)
+        j0 = a
+        while j0 < b:
+            j1 = _run_end(j0, b)
+            base = (slot_row(blocks, j0) - j0) * d + c
+            for j in range(j0, j1):
+                v0 = wload_kv(vc, j * d + base)
+                x0 = wfma(wsplat(p[s0 + j]), v0, x0)
+                y0 = wfma(wsplat(p[s1 + j]), v0, y0)
+            j0 = j1
         wstore(out, o0 + c, x0)
         wstore(out, o1 + c, y0)
         c += LANES
@@ -421,7 +450,7 @@ def weighted_values(p, group, vc, blocks, pos0, rows, window, d, stride, out, o,
     jb = lo0
     while jb < end:
         # keys jb .. je - 1: at most a block's, within one KV_BLOCK (rows in one slot)
-        je = min(end, jb + block, (jb | (KV_BLOCK - 1)) + 1)
+        je = min(jb + block, _run_end(jb, end))
         row = slot_row(blocks, jb)
         ahead = slot_row(blocks, min(je, end - 1)) * d
         for c in range(ahead, ahead + (je - jb) * d, line_of(vc)):  # the next block, by lines
