@@ -325,7 +325,8 @@ def test_requests_are_served_while_a_stage_that_came_back_waits_to_rejoin(
         # should. Only a 503 while the stream is still in flight is this test's failure.
         reader.join(SERVES_TIMEOUT_S * 20)
         if exc.status_code != 503 or reader.is_alive() or long.error is not None:
-            raise
+            state = "in flight" if reader.is_alive() else f"ended ({long.error!r})"
+            pytest.fail(f"{exc!r} while the long stream was {state}\n{cluster.logs()}")
         _three_stages(cluster, host)
         pytest.skip("the long stream ended just before the request (fast machine)")
     assert reply.choices[0].text == case["gen_text_skip_special"]
