@@ -27,9 +27,9 @@ same bits alone, in a verify window or in a batch, whatever rows share its produ
 The error against "dequantize, then multiply in float32" is that of rounding ``x``: at
 most ``d / 2`` per value, ``sum |w_i| d_b / 2`` over a row. Formats without integer
 quants (F32, F16, BF16) and rows that are not whole 64-value pairs of blocks are not
-taken here (:mod:`.q8` sends them to the exact kernels). Products of more than
-:data:`SLAB_ROWS` rows (prefill) take them a slab at a time, so that a slab's
-activations stay in the cache while every weight row of a chunk meets them.
+taken here (:mod:`.q8` sends them to the exact kernels). Products of more rows
+(:mod:`.q8_tiles`) take them a slab at a time, so that a slab's activations stay in the
+cache while every weight row of a chunk, unpacked once per slab, meets them.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from meshnode.engine.cpu.q8_blocks import (
     offset_area,
     per16,
 )
+from meshnode.engine.cpu.q8_tiles import scratch_bytes, tiles
 from meshnode.engine.cpu.q8_superblocks import (
     K_FORMATS,
     Q4_K_ID,
@@ -106,8 +107,6 @@ from meshnode.engine.cpu.simd_q8 import (
 # left the kernels at about 0.8x the time of the exact ones; with this, about 0.55x
 # (SmolLM2's products in forward order, one thread; 2 and 8 KiB did no better).
 PREFETCH_BYTES = 4096
-# Activation rows a weight row meets before the next weight row, in products of more rows
-SLAB_ROWS = 16
 # Products of up to this many rows go one activation row at a time (lanes: weight rows)
 ONE_ROW_MAX = 1
 # Bytes before the areas of quantize's buffer (n_in and k, int64, at bytes 0 and 8)
@@ -117,6 +116,7 @@ _WORDS = pool.WORDS
 _A, _NA, _RBA, _B, _NB, _RBB = pool.A, pool.NA, pool.RBA, pool.B, pool.NB, pool.RBB
 _C, _NC, _RBC, _X, _K, _N_IN = pool.C, pool.NC, pool.RBC, pool.X, pool.K, pool.N_IN
 _OUT, _N_OUT, _CA, _CB, _ROWS = pool.OUT, pool.N_OUT, pool.CA, pool.CB, pool.ROWS
+_SCRATCH, _STRIDE = pool.SCRATCH, pool.STRIDE
 
 
 @entry()
@@ -198,7 +198,7 @@ def quantized(x, k):  # type: ignore[no-untyped-def]
     return q
 
 
-# The row kernel's helpers (_group, _eight, _block_dot) are functions of their own, not
+# The row kernel's helpers (_eight, _block_dot, .q8_tiles' two_groups) are functions of their own, not
 # inlined into its numba IR: LLVM still inlines what it finds worth it, and a format's
 # first q8 product compiles ~0.7 s sooner (SmolLM2's Q4_1, one thread, load ~5), its
 # products as fast (1 and 8 rows, SmolLM2 and Gemma 3).
@@ -219,48 +219,6 @@ def _layout(q):  # type: ignore[no-untyped-def]
 
 
 @inner
-def _group(fmt, w, base, q, g, n, nb, blocks):  # type: ignore[no-untyped-def]
-    # one weight row times the eight activation rows of group g: lanes 0-7 the rows for
-    # the even chunks, 8-15 for the odd ones
-    xt, ot, dxt, sxt = _areas(n, blocks)
-    area = offset_area(fmt)
-    shift = OFFSET_SHIFTS[max(area, 0)]
-    kind = minimum_kind(fmt)
-    acc, t = wzero(), wzero()
-    for p in range(nb // 2):
-        u0, dw0, m0, n0, sa0, sb0 = chunk(fmt, w, base, 2 * p)
-        u1, dw1, m1, n1, sa1, sb1 = chunk(fmt, w, base, 2 * p + 1)
-        u = join64(u0, u1)
-        i = g * nb + 2 * p
-        x = xt + 256 * i
-        lo, hi = ipair(0, 0), ipair(0, 0)
-        if area >= 0:
-            lo = ishl16(iload16(q, ot + 32 * i), shift)
-            hi = ishl16(iload16(q, ot + 32 * blocks + 32 * i), shift)
-        lo = dotw(dotw(lo, u, 0, q, x), u, 1, q, x + 64)
-        lo = dotw(dotw(lo, u, 2, q, x + 128), u, 3, q, x + 192)
-        hi = dotw(dotw(hi, u, 4, q, x + 256), u, 5, q, x + 320)
-        hi = dotw(dotw(hi, u, 6, q, x + 384), u, 7, q, x + 448)
-        if per16(fmt):
-            d = iadd16(imul16(lo, ipair(sa0, sa1)), imul16(hi, ipair(sb0, sb1)))
-        else:
-            d = iadd16(lo, hi)
-        dws, ms = wpair(dw0, dw1), wpair(m0, m1)
-        if f16_head(fmt):  # a block per chunk, its scale and minimum first: one conversion
-            size = block_bytes(fmt)
-            dws, ms = hpairs(w, base + 2 * p * size, base + (2 * p + 1) * size)
-        acc = wfma(tofloat16(d), wmul(dws, fload16(q, dxt + 32 * i)), acc)
-        if kind == 1:
-            t = wadd(t, wmul(ms, fload16(q, sxt + 32 * i)))
-        elif kind == 2:
-            t = wadd(t, wmul(wpair(m0, m1), fload16(q, sxt + 32 * blocks + 32 * i)))
-            t = wadd(t, wmul(wpair(n0, n1), fload16(q, sxt + 64 * blocks + 32 * i)))
-    if kind != 0:
-        return vadd(fold(acc), fold(t))
-    return fold(acc)
-
-
-@inner
 def _block_dot(fmt, w, base, c, q, xo, offs):  # type: ignore[no-untyped-def]
     # chunk c of one weight row . the activation block at byte xo: (int32 lanes whose sum
     # is D, dw, m, m2); offs: the block's offset term z sum(q), by four values
@@ -276,7 +234,7 @@ def _block_dot(fmt, w, base, c, q, xo, offs):  # type: ignore[no-untyped-def]
 @inner
 def _eight(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
     # eight weight rows (at the byte offsets bases) times activation row r (lanes: the
-    # weight rows), as _group computes each row
+    # weight rows), as .q8_tiles.two_groups computes each row
     _, _, dxt, sxt = _areas(n, blocks)
     z = bsplat(1 << OFFSET_SHIFTS[max(offset_area(fmt), 0)])
     b0, b1, b2, b3, b4, b5, b6, b7 = bases
@@ -337,11 +295,11 @@ def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyp
 
 
 @entry()
-def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
+def _rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
     # weight rows lo .. hi - 1 of one part into columns col + lo .. of out; q: quantize's
     # buffer. One activation row: eight weight rows at a time in the lanes. More: each
-    # weight row meets the activation rows eight at a time in the lanes, a slab of
-    # SLAB_ROWS of them at a time (each weight row then meets the slab while in L1).
+    # weight row, unpacked once into the scratch s (.q8_tiles.scratch_bytes), meets the
+    # activation rows sixteen at a time in the lanes, a slab of them at a time.
     literally(fmt)  # one compiled body per format: its branches fold away
     _, k, n, nb, blocks = _layout(q)
     w, size = raw.reshape(-1), raw.shape[1]
@@ -358,20 +316,13 @@ def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
                          min(o + 3, last) * size, min(o + 4, last) * size,
                          min(o + 5, last) * size, min(o + 6, last) * size,
                          min(o + 7, last) * size)  # fmt: skip
-                s = _one_row(fmt, w, bases, q, r, n, nb, blocks)
+                v = _one_row(fmt, w, bases, q, r, n, nb, blocks)
                 for i in range(min(8, hi - o)):
-                    out[r, col + o + i] = lane8(s, i)
+                    out[r, col + o + i] = lane8(v, i)
         return
-    for first in range(0, k, SLAB_ROWS):
-        for o in range(lo, hi):
-            base = o * size
-            if base + PREFETCH_BYTES < end:  # the row PREFETCH_BYTES ahead
-                for line in range(0, size, 64):
-                    prefetch(w, base + PREFETCH_BYTES + line)
-            for g in range(first // 8, (min(k, first + SLAB_ROWS) + 7) // 8):
-                s = _group(fmt, w, base, q, g, n, nb, blocks)
-                for i in range(min(8, k - 8 * g)):
-                    out[8 * g + i, col + o] = lane8(s, i)
+    _, ot, dxt, sxt = _areas(n, blocks)
+    areas = (HEADER + n - n, ot, dxt, sxt)
+    tiles(fmt, w, size, q, out, lo, hi, col, k, nb, blocks, areas, s, PREFETCH_BYTES)
 
 
 def _serial_product(fa: int, fb: int, fc: int) -> Any:
@@ -380,9 +331,10 @@ def _serial_product(fa: int, fb: int, fc: int) -> Any:
         q = quantized(x, out.shape[0])  # here: a numba call costs microseconds
         ends = (a.shape[0], a.shape[0] + b.shape[0])  # int64, not literal: one _rows each
         zero = ends[0] - ends[0]
-        _rows(fa, a, q, out, zero, a.shape[0], zero)
-        _rows(fb, b, q, out, zero, b.shape[0], ends[0])
-        _rows(fc, c, q, out, zero, c.shape[0], ends[1])
+        s = np.empty(scratch_bytes(x.shape[0] // max(1, out.shape[0])), np.uint8)
+        _rows(fa, a, q, out, zero, a.shape[0], zero, s)
+        _rows(fb, b, q, out, zero, b.shape[0], ends[0], s)
+        _rows(fc, c, q, out, zero, c.shape[0], ends[1], s)
 
     return product
 
@@ -391,24 +343,26 @@ def _chunk_product(fa: int, fb: int, fc: int) -> Any:
     @cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
     def chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
         # as .kernels' chunks; the posted "x" is quantize's buffer (its first k n_in
-        # bytes: the pool sizes chunks by n_in), no scratch used
+        # bytes: the pool sizes chunks by n_in); its scratch (4 n_in float32 a thread)
+        # holds the unpacked weight row
         st = carray(ptr_i64(st_addr), (_WORDS,))
         na, nb, nc, k, rows = st[_NA], st[_NB], st[_NC], st[_K], st[_ROWS]
         q = carray(ptr_u8(st[_X]), (buffer_bytes(k, st[_N_IN]),))
         out = carray(ptr_f32(st[_OUT]), (k, st[_N_OUT]))
+        s = carray(ptr_u8(st[_SCRATCH] + 4 * who * st[_STRIDE]), (scratch_bytes(st[_N_IN]),))
         ca, cb = st[_CA], st[_CB]
         if ch < ca:
             a = read_only(carray(ptr_u8(st[_A]), (na, st[_RBA])))
             lo = ch * rows
-            _rows(fa, a, q, out, lo, min(na, lo + rows), na - na)
+            _rows(fa, a, q, out, lo, min(na, lo + rows), na - na, s)
         elif ch < ca + cb:
             b = read_only(carray(ptr_u8(st[_B]), (nb, st[_RBB])))
             lo = (ch - ca) * rows
-            _rows(fb, b, q, out, lo, min(nb, lo + rows), na)
+            _rows(fb, b, q, out, lo, min(nb, lo + rows), na, s)
         else:
             c = read_only(carray(ptr_u8(st[_C]), (nc, st[_RBC])))
             lo = (ch - ca - cb) * rows
-            _rows(fc, c, q, out, lo, min(nc, lo + rows), na + nb)
+            _rows(fc, c, q, out, lo, min(nc, lo + rows), na + nb, s)
 
     return chunk
 
