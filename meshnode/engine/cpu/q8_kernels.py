@@ -16,13 +16,16 @@ minimum ``m``, per-16 integer scales) and each activation row, in order of the c
   ``x`` (then the rounding errors of ``x`` meet the about-centred weights ``s u + m``;
   with ``sum(x)`` SmolLM2's products were 2x further from float32), again even and odd;
 
-and the result is ``(acc_even + acc_odd) + (t_even + t_odd)``. Two kernels compute
+and the result is ``(acc_even + acc_odd) + (t_even + t_odd)``. Three kernels compute
 exactly this, with rows in the vector lanes: one activation row meets eight weight rows
 at a time (lanes: the weight rows; each block's eight ``dot4`` lanes summed into one,
-:func:`.simd_q8.isums`); two or more activation rows meet each weight row eight at a time
-and two chunks per 512-bit ``vpdpbusd`` (lanes: the activation rows, for the even and
-for the odd chunk; the weight's four bytes copied across them). So a row's result is the
-same bits alone, in a verify window or in a batch, whatever rows share its product.
+:func:`.simd_q8.isums`); a few activation rows (under :data:`TILE_MIN_ROWS`) meet each
+weight row eight at a time and two chunks per 512-bit ``vpdpbusd`` (lanes: the
+activation rows, for the even and for the odd chunk; the weight's four bytes copied
+across them); more meet tiles of sixteen weight rows (:mod:`.q8_tiles`; lanes: the
+weight rows, each activation row's four bytes copied across them). So a row's result is
+the same bits alone, in a verify window, in a batch or in a prefill, whatever rows share
+its product.
 
 The error against "dequantize, then multiply in float32" is that of rounding ``x``: at
 most ``d / 2`` per value, ``sum |w_i| d_b / 2`` over a row. Formats without integer
@@ -55,13 +58,13 @@ from meshnode.engine.cpu.q8_blocks import (
     offset_area,
     per16,
 )
-from meshnode.engine.cpu.q8_tiles import scratch_bytes, tiles
 from meshnode.engine.cpu.q8_superblocks import (
     K_FORMATS,
     Q4_K_ID,
     eight_q4_k,
     eight_q6_k,
 )
+from meshnode.engine.cpu.q8_tiles import scratch_bytes, tiles
 from meshnode.engine.cpu.simd import (
     INNER,
     entry,
@@ -109,6 +112,15 @@ from meshnode.engine.cpu.simd_q8 import (
 PREFETCH_BYTES = 4096
 # Products of up to this many rows go one activation row at a time (lanes: weight rows)
 ONE_ROW_MAX = 1
+# Activation rows a weight row meets before the next weight row, in products of more rows
+# (untiled)
+SLAB_ROWS = 16
+# Products of this many rows or more go by .q8_tiles (q8.q8_product); fewer: each weight
+# row unpacked in registers for each eight activation rows (_group), whose unpacking, a
+# row's at a time, costs less than filling a tile's scratch for so few rows (Q4_K, cycles
+# a weight and row: 8 rows ~0.09 against ~0.21 tiled; 16 rows ~0.09 against ~0.16; 64
+# rows ~0.09 against ~0.06)
+TILE_MIN_ROWS = 32
 # Bytes before the areas of quantize's buffer (n_in and k, int64, at bytes 0 and 8)
 HEADER = 64
 # the words of a posted product (:mod:`.pool`), as compile-time constants
@@ -198,7 +210,7 @@ def quantized(x, k):  # type: ignore[no-untyped-def]
     return q
 
 
-# The row kernel's helpers (_eight, _block_dot, .q8_tiles' two_groups) are functions of their own, not
+# The row kernel's helpers (_group, _eight, _block_dot) are functions of their own, not
 # inlined into its numba IR: LLVM still inlines what it finds worth it, and a format's
 # first q8 product compiles ~0.7 s sooner (SmolLM2's Q4_1, one thread, load ~5), its
 # products as fast (1 and 8 rows, SmolLM2 and Gemma 3).
@@ -219,6 +231,48 @@ def _layout(q):  # type: ignore[no-untyped-def]
 
 
 @inner
+def _group(fmt, w, base, q, g, n, nb, blocks):  # type: ignore[no-untyped-def]
+    # one weight row times the eight activation rows of group g: lanes 0-7 the rows for
+    # the even chunks, 8-15 for the odd ones
+    xt, ot, dxt, sxt = _areas(n, blocks)
+    area = offset_area(fmt)
+    shift = OFFSET_SHIFTS[max(area, 0)]
+    kind = minimum_kind(fmt)
+    acc, t = wzero(), wzero()
+    for p in range(nb // 2):
+        u0, dw0, m0, n0, sa0, sb0 = chunk(fmt, w, base, 2 * p)
+        u1, dw1, m1, n1, sa1, sb1 = chunk(fmt, w, base, 2 * p + 1)
+        u = join64(u0, u1)
+        i = g * nb + 2 * p
+        x = xt + 256 * i
+        lo, hi = ipair(0, 0), ipair(0, 0)
+        if area >= 0:
+            lo = ishl16(iload16(q, ot + 32 * i), shift)
+            hi = ishl16(iload16(q, ot + 32 * blocks + 32 * i), shift)
+        lo = dotw(dotw(lo, u, 0, q, x), u, 1, q, x + 64)
+        lo = dotw(dotw(lo, u, 2, q, x + 128), u, 3, q, x + 192)
+        hi = dotw(dotw(hi, u, 4, q, x + 256), u, 5, q, x + 320)
+        hi = dotw(dotw(hi, u, 6, q, x + 384), u, 7, q, x + 448)
+        if per16(fmt):
+            d = iadd16(imul16(lo, ipair(sa0, sa1)), imul16(hi, ipair(sb0, sb1)))
+        else:
+            d = iadd16(lo, hi)
+        dws, ms = wpair(dw0, dw1), wpair(m0, m1)
+        if f16_head(fmt):  # a block per chunk, its scale and minimum first: one conversion
+            size = block_bytes(fmt)
+            dws, ms = hpairs(w, base + 2 * p * size, base + (2 * p + 1) * size)
+        acc = wfma(tofloat16(d), wmul(dws, fload16(q, dxt + 32 * i)), acc)
+        if kind == 1:
+            t = wadd(t, wmul(ms, fload16(q, sxt + 32 * i)))
+        elif kind == 2:
+            t = wadd(t, wmul(wpair(m0, m1), fload16(q, sxt + 32 * blocks + 32 * i)))
+            t = wadd(t, wmul(wpair(n0, n1), fload16(q, sxt + 64 * blocks + 32 * i)))
+    if kind != 0:
+        return vadd(fold(acc), fold(t))
+    return fold(acc)
+
+
+@inner
 def _block_dot(fmt, w, base, c, q, xo, offs):  # type: ignore[no-untyped-def]
     # chunk c of one weight row . the activation block at byte xo: (int32 lanes whose sum
     # is D, dw, m, m2); offs: the block's offset term z sum(q), by four values
@@ -234,7 +288,7 @@ def _block_dot(fmt, w, base, c, q, xo, offs):  # type: ignore[no-untyped-def]
 @inner
 def _eight(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
     # eight weight rows (at the byte offsets bases) times activation row r (lanes: the
-    # weight rows), as .q8_tiles.two_groups computes each row
+    # weight rows), as _group computes each row
     _, _, dxt, sxt = _areas(n, blocks)
     z = bsplat(1 << OFFSET_SHIFTS[max(offset_area(fmt), 0)])
     b0, b1, b2, b3, b4, b5, b6, b7 = bases
@@ -298,8 +352,9 @@ def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyp
 def _rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
     # weight rows lo .. hi - 1 of one part into columns col + lo .. of out; q: quantize's
     # buffer. One activation row: eight weight rows at a time in the lanes. More: each
-    # weight row, unpacked once into the scratch s (.q8_tiles.scratch_bytes), meets the
-    # activation rows sixteen at a time in the lanes, a slab of them at a time.
+    # weight row meets the activation rows eight at a time in the lanes, a slab of
+    # SLAB_ROWS of them at a time (each weight row then meets the slab while in L1).
+    # s: _tiled_rows' scratch, unused here
     literally(fmt)  # one compiled body per format: its branches fold away
     _, k, n, nb, blocks = _layout(q)
     w, size = raw.reshape(-1), raw.shape[1]
@@ -320,26 +375,63 @@ def _rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
                 for i in range(min(8, hi - o)):
                     out[r, col + o + i] = lane8(v, i)
         return
+    for first in range(0, k, SLAB_ROWS):
+        for o in range(lo, hi):
+            base = o * size
+            if base + PREFETCH_BYTES < end:  # the row PREFETCH_BYTES ahead
+                for line in range(0, size, 64):
+                    prefetch(w, base + PREFETCH_BYTES + line)
+            for g in range(first // 8, (min(k, first + SLAB_ROWS) + 7) // 8):
+                v = _group(fmt, w, base, q, g, n, nb, blocks)
+                for i in range(min(8, k - 8 * g)):
+                    out[8 * g + i, col + o] = lane8(v, i)
+
+
+@entry()
+def _tiled_rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
+    # as _rows, by .q8_tiles, for any number of rows: tiles of weight rows unpacked once
+    # into the scratch s meet every activation row
+    literally(fmt)
+    _, k, n, nb, blocks = _layout(q)
     _, ot, dxt, sxt = _areas(n, blocks)
     areas = (HEADER + n - n, ot, dxt, sxt)
-    tiles(fmt, w, size, q, out, lo, hi, col, k, nb, blocks, areas, s, PREFETCH_BYTES)
+    tiles(
+        fmt,
+        raw.reshape(-1),
+        raw.shape[1],
+        q,
+        out,
+        lo,
+        hi,
+        col,
+        k,
+        nb,
+        blocks,
+        areas,
+        s,
+        PREFETCH_BYTES,
+    )
 
 
-def _serial_product(fa: int, fb: int, fc: int) -> Any:
+def _serial_product(fa: int, fb: int, fc: int, tiled: bool) -> Any:
+    part = _tiled_rows if tiled else _rows
+
     @entry()
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
         q = quantized(x, out.shape[0])  # here: a numba call costs microseconds
         ends = (a.shape[0], a.shape[0] + b.shape[0])  # int64, not literal: one _rows each
         zero = ends[0] - ends[0]
-        s = np.empty(scratch_bytes(x.shape[0] // max(1, out.shape[0])), np.uint8)
-        _rows(fa, a, q, out, zero, a.shape[0], zero, s)
-        _rows(fb, b, q, out, zero, b.shape[0], ends[0], s)
-        _rows(fc, c, q, out, zero, c.shape[0], ends[1], s)
+        s = np.empty(scratch_bytes(x.shape[0] // max(1, out.shape[0])) if tiled else 0, np.uint8)
+        part(fa, a, q, out, zero, a.shape[0], zero, s)
+        part(fb, b, q, out, zero, b.shape[0], ends[0], s)
+        part(fc, c, q, out, zero, c.shape[0], ends[1], s)
 
     return product
 
 
-def _chunk_product(fa: int, fb: int, fc: int) -> Any:
+def _chunk_product(fa: int, fb: int, fc: int, tiled: bool) -> Any:
+    part = _tiled_rows if tiled else _rows
+
     @cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
     def chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
         # as .kernels' chunks; the posted "x" is quantize's buffer (its first k n_in
@@ -354,31 +446,34 @@ def _chunk_product(fa: int, fb: int, fc: int) -> Any:
         if ch < ca:
             a = read_only(carray(ptr_u8(st[_A]), (na, st[_RBA])))
             lo = ch * rows
-            _rows(fa, a, q, out, lo, min(na, lo + rows), na - na, s)
+            part(fa, a, q, out, lo, min(na, lo + rows), na - na, s)
         elif ch < ca + cb:
             b = read_only(carray(ptr_u8(st[_B]), (nb, st[_RBB])))
             lo = (ch - ca) * rows
-            _rows(fb, b, q, out, lo, min(nb, lo + rows), na, s)
+            part(fb, b, q, out, lo, min(nb, lo + rows), na, s)
         else:
             c = read_only(carray(ptr_u8(st[_C]), (nc, st[_RBC])))
             lo = (ch - ca - cb) * rows
-            _rows(fc, c, q, out, lo, min(nc, lo + rows), na + nb, s)
+            part(fc, c, q, out, lo, min(nc, lo + rows), na + nb, s)
 
     return chunk
 
 
 @functools.cache
-def product_kernel(fa: int, fb: int, fc: int) -> Any:
+def product_kernel(fa: int, fb: int, fc: int, tiled: bool = False) -> Any:
     """``product(a, b, c, x, out)`` as :func:`.kernels.product_kernel`, with ``x``
     quantized first: ``out[r, o] ~ x[r] . row o``, in the calling thread. The formats
-    must be in :data:`.q8.Q8_FORMATS`."""
-    return _serial_product(fa, fb, fc)
+    must be in :data:`.q8.Q8_FORMATS`. ``tiled``: by :mod:`.q8_tiles` (the same bits;
+    faster from :data:`TILE_MIN_ROWS` rows), compiled apart, so that a node that never
+    multiplies so many rows never compiles it."""
+    return _serial_product(fa, fb, fc, tiled)
 
 
 @functools.cache
-def chunk_kernel(fa: int, fb: int, fc: int) -> int:
+def chunk_kernel(fa: int, fb: int, fc: int, tiled: bool = False) -> int:
     """The address of the pool's ``chunk(st, who, ch)`` for this product (as
     :func:`.kernels.chunk_kernel`), posted with the first ``k n_in`` bytes of
     :func:`quantized`'s buffer as ``x`` (``k`` rows of ``n_in``, as the exact kernels'
-    activations: the pool then cuts the same chunks), the whole buffer kept alive."""
-    return int(_chunk_product(fa, fb, fc).address)
+    activations: the pool then cuts the same chunks), the whole buffer kept alive;
+    ``tiled`` as :func:`product_kernel`'s."""
+    return int(_chunk_product(fa, fb, fc, tiled).address)

@@ -28,7 +28,7 @@ from typing import Any
 from numba import njit
 
 from meshnode.engine.cpu.q8_blocks import OFFSET_SHIFTS, chunk, minimum_kind, offset_area, per16
-from meshnode.engine.cpu.simd import INNER, inner, wadd, wfma, wmul, wzero
+from meshnode.engine.cpu.simd import INNER, entry, inner, wadd, wfma, wmul, wzero
 from meshnode.engine.cpu.simd_int import prefetch
 from meshnode.engine.cpu.simd_q8 import fload16, iadd16, iload16, imul16, ipair, ishl16, tofloat16
 from meshnode.engine.cpu.simd_tile import dotb, fsplat16, isplat16, lane16, put4, wload, words8
@@ -43,7 +43,7 @@ ROWS = 4
 _inlined: Any = njit(cache=True, inline="always", **INNER)
 
 
-@inner
+@entry()
 def scratch_bytes(n_in):  # type: ignore[no-untyped-def]
     """Bytes of :func:`unpack`'s scratch for a tile of rows of ``n_in`` values: the words
     (``16 n_in``), then five fields of sixteen lanes per 32-value chunk."""
@@ -131,16 +131,13 @@ def _pass(fmt, s, q, out, r0, k, o, valid, col, nb, blocks, areas):  # type: ign
     a1, t1, b1, u1 = wzero(), wzero(), wzero(), wzero()
     a2, t2, b2, u2 = wzero(), wzero(), wzero(), wzero()
     a3, t3, b3, u3 = wzero(), wzero(), wzero(), wzero()
-    for p in range(nb // 2):
-        c = 2 * p
-        a0, t0 = _row(fmt, s, c, nb, q, r0, blocks, areas, a0, t0)
-        a1, t1 = _row(fmt, s, c, nb, q, r1, blocks, areas, a1, t1)
-        a2, t2 = _row(fmt, s, c, nb, q, r2, blocks, areas, a2, t2)
-        a3, t3 = _row(fmt, s, c, nb, q, r3, blocks, areas, a3, t3)
-        b0, u0 = _row(fmt, s, c + 1, nb, q, r0, blocks, areas, b0, u0)
-        b1, u1 = _row(fmt, s, c + 1, nb, q, r1, blocks, areas, b1, u1)
-        b2, u2 = _row(fmt, s, c + 1, nb, q, r2, blocks, areas, b2, u2)
-        b3, u3 = _row(fmt, s, c + 1, nb, q, r3, blocks, areas, b3, u3)
+    for c in range(nb):  # (a, t) the chunk's parity's, (b, u) the other's: swapped each chunk
+        e0, f0 = _row(fmt, s, c, nb, q, r0, blocks, areas, b0, u0)
+        e1, f1 = _row(fmt, s, c, nb, q, r1, blocks, areas, b1, u1)
+        e2, f2 = _row(fmt, s, c, nb, q, r2, blocks, areas, b2, u2)
+        e3, f3 = _row(fmt, s, c, nb, q, r3, blocks, areas, b3, u3)
+        a0, t0, b0, u0, a1, t1, b1, u1 = e0, f0, a0, t0, e1, f1, a1, t1
+        a2, t2, b2, u2, a3, t3, b3, u3 = e2, f2, a2, t2, e3, f3, a3, t3
     _store(fmt, out, r0, o, valid, col, a0, t0, b0, u0)
     if r0 + 1 < k:
         _store(fmt, out, r1, o, valid, col, a1, t1, b1, u1)

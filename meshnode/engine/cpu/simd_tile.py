@@ -16,26 +16,23 @@ from numba import types
 
 from meshnode.engine.cpu.simd import F32x16, intrinsic
 from meshnode.engine.cpu.simd_int import U8x32
-from meshnode.engine.cpu.simd_q8 import I32x16, U8x64, _dot_generic, _dot_vnni, vnni512
+from meshnode.engine.cpu.simd_q8 import (  # the IR types and helpers of its 512-bit lanes
+    _F,
+    _I32,
+    _VB64,
+    _VF16,
+    _VI,
+    _VI16,
+    I32x16,
+    U8x64,
+    _dot_generic,
+    _dot_vnni,
+    _is_bytes,
+    _pointer,
+    vnni512,
+)
 
 __all__ = ["dotb", "fsplat16", "isplat16", "lane16", "put4", "wload", "words8"]
-
-_I8 = ir.IntType(8)
-_I32 = ir.IntType(32)
-_F = ir.FloatType()
-_VB64 = ir.VectorType(_I8, 64)
-_VI16 = ir.VectorType(_I32, 16)
-_VF16 = ir.VectorType(_F, 16)
-_VI8 = ir.VectorType(_I32, 8)
-
-
-def _is_bytes(ty: Any) -> bool:
-    return isinstance(ty, types.Array) and ty.dtype == types.uint8 and ty.layout == "C"
-
-
-def _pointer(context: Any, builder: Any, aryty: Any, ary: Any, off: Any, ty: Any) -> Any:
-    data = context.make_array(aryty)(context, builder, ary).data
-    return builder.bitcast(builder.gep(data, [off]), ty.as_pointer())
 
 
 def _splat(builder: Any, x: Any, vty: Any) -> Any:
@@ -50,7 +47,9 @@ def wload(typingctx: Any, buf: Any, off: Any) -> Any:
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.load(_pointer(context, builder, sig.args[0], args[0], args[1], _VB64), align=4)
+        return builder.load(
+            _pointer(context, builder, sig.args[0], args[0], args[1], _VB64), align=4
+        )
 
     return U8x64(buf, off), codegen
 
@@ -86,8 +85,12 @@ def _splat_load(ty: Any, vty: Any, result: Any, doc: str) -> Any:
     return intrinsic(typer)
 
 
-fsplat16 = _splat_load(_F, _VF16, F32x16, "The float32 at byte ``off`` of a ``uint8`` buffer, in sixteen lanes.")
-isplat16 = _splat_load(_I32, _VI16, I32x16, "The int32 at byte ``off`` of a ``uint8`` buffer, in sixteen lanes.")
+fsplat16 = _splat_load(
+    _F, _VF16, F32x16, "The float32 at byte ``off`` of a ``uint8`` buffer, in sixteen lanes."
+)
+isplat16 = _splat_load(
+    _I32, _VI16, I32x16, "The int32 at byte ``off`` of a ``uint8`` buffer, in sixteen lanes."
+)
 
 
 @intrinsic
@@ -97,7 +100,9 @@ def lane16(typingctx: Any, v: Any, i: Any) -> Any:
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.extract_element(args[0], context.cast(builder, args[1], sig.args[1], types.int32))
+        return builder.extract_element(
+            args[0], context.cast(builder, args[1], sig.args[1], types.int32)
+        )
 
     return types.float32(v, i), codegen
 
@@ -110,7 +115,9 @@ def put4(typingctx: Any, buf: Any, off: Any, x: Any) -> Any:
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         ty = _F if sig.args[2] == types.float32 else _I32
-        builder.store(args[2], _pointer(context, builder, sig.args[0], args[0], args[1], ty), align=4)
+        builder.store(
+            args[2], _pointer(context, builder, sig.args[0], args[0], args[1], ty), align=4
+        )
         return context.get_dummy_value()
 
     return types.none(buf, off, x), codegen
@@ -124,7 +131,7 @@ def words8(typingctx: Any, buf: Any, off: Any, stride: Any, u: Any) -> Any:
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        words = builder.bitcast(args[3], _VI8)
+        words = builder.bitcast(args[3], _VI)
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         at = context.cast(builder, args[1], sig.args[1], types.int64)
         step = context.cast(builder, args[2], sig.args[2], types.int64)
