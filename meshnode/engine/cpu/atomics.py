@@ -128,7 +128,6 @@ def _pointer_to(elem: Any) -> Any:
 
 ptr_u8 = _pointer_to(types.uint8)
 ptr_f32 = _pointer_to(types.float32)
-ptr_i32 = _pointer_to(types.int32)
 ptr_i64 = _pointer_to(types.int64)
 
 
