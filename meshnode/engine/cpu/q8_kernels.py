@@ -119,8 +119,10 @@ SLAB_ROWS = 16
 # row unpacked in registers for each eight activation rows (_group), whose unpacking, a
 # row's at a time, costs less than filling a tile's scratch for so few rows (Q4_K, cycles
 # a weight and row: 8 rows ~0.09 against ~0.21 tiled; 16 rows ~0.09 against ~0.16; 64
-# rows ~0.09 against ~0.06)
-TILE_MIN_ROWS = 32
+# rows ~0.09 against ~0.06). Not 32, where they break even: the tile kernel compiles
+# apart (~7 s of CPU per format mix at load 10), and prompts of 32-63 tokens (the golden
+# references') would pay it at a first start for little
+TILE_MIN_ROWS = 64
 # Bytes before the areas of quantize's buffer (n_in and k, int64, at bytes 0 and 8)
 HEADER = 64
 # the words of a posted product (:mod:`.pool`), as compile-time constants
