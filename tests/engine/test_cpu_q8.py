@@ -178,11 +178,14 @@ def test_the_pool_cuts_q8_products_as_it_cuts_exact_ones(
 
 @pytest.mark.parametrize("dtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])
 def test_a_quantizer_buffer_at_any_alignment(dtype: str, rng: np.random.Generator) -> None:
-    """The kernels' loads and stores of the buffer assume no alignment (NumPy gives 16
-    bytes): a 32-byte load compiled as an aligned move crashed on one that was not."""
+    """The kernels' loads and stores of the buffer and of the tiles' scratch assume no
+    alignment (NumPy gives 16 bytes): a 32-byte load compiled as an aligned move crashed
+    on one that was not."""
     m = BlockMatrix([random_tensor(dtype, 24, rng)])
     kernels = q8._kernels()
-    for k in (1, 9):
+    spare = kernels.scratch_bytes(N_IN)
+    room = np.zeros(spare + 128, np.uint8)
+    for k in (1, 9, kernels.TILE_MIN_ROWS):
         x = rng.standard_normal((k, N_IN)).astype(np.float32)
         want = q8.q8_product(m, x)
         size = kernels.buffer_bytes(k, N_IN)
@@ -191,9 +194,12 @@ def test_a_quantizer_buffer_at_any_alignment(dtype: str, rng: np.random.Generato
             at = -raw.ctypes.data % 64 + shift
             buf = raw[at : at + size]
             kernels.quantize(x.reshape(-1), k, buf)
-            out = np.empty_like(want)
-            kernels._rows(m._fmts[0], m._raws[0], buf, out, 0, 24, 0)
-            np.testing.assert_array_equal(out, want)
+            at = -room.ctypes.data % 64 + shift
+            s = room[at : at + spare]
+            for rows in (kernels._rows, kernels._tiled_rows):
+                out = np.empty_like(want)
+                rows(m._fmts[0], m._raws[0], buf, out, 0, 24, 0, s)
+                np.testing.assert_array_equal(out, want)
 
 
 def test_the_backend_routes_quantized_products_of_any_rows(rng: np.random.Generator) -> None:
@@ -218,22 +224,31 @@ def test_a_row_is_the_same_bits_in_any_product(
     dtype: str, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch, idle_threads: KernelPool
 ) -> None:
     """The parity rule of q8: a row's result does not depend on the rows that share its
-    product (one-row kernel, tiles of 8, 4, 2 and 1 rows, slabs of more than 16 rows,
-    the kernel threads), so batches, verify windows and decode agree bit for bit."""
-    m = BlockMatrix([random_tensor(dtype, 70, rng)])
+    product (one-row kernel, groups of 8 rows, slabs of more than 16 rows, the tiles of a
+    prefill from TILE_MIN_ROWS rows with their short last tile and last pass, the kernel
+    threads, 2 and 3 of them), so batches, verify windows, decode and prefill agree bit
+    for bit."""
+    m = BlockMatrix([random_tensor(dtype, 70, rng)])  # 70 weight rows: a short last tile
     kinds = ["normal", "garbage", "large", "zero"]
-    x = np.concatenate([rows(kinds[i % 4], rng) for i in range(40)])
-    alone = np.concatenate([q8.q8_product(m, x[i : i + 1]) for i in range(40)])
-    for k in (2, 3, 8, 16, 17, 40):
+    x = np.concatenate([rows(kinds[i % 4], rng) for i in range(67)])
+    alone = np.concatenate([q8.q8_product(m, x[i : i + 1]) for i in range(67)])
+    tiled = q8._kernels().TILE_MIN_ROWS
+    assert tiled <= 66
+    for k in (2, 3, 8, 16, 17, tiled - 1, tiled, 67):
         np.testing.assert_array_equal(q8.q8_product(m, x[:k]), alone[:k], err_msg=f"{k} rows")
     np.testing.assert_array_equal(q8.q8_product(m, x[5:13]), alone[5:13])  # another group
+    np.testing.assert_array_equal(q8.q8_product(m, x[3:67]), alone[3:67])  # other tiles
     monkeypatch.setattr(matrix, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(matrix, "_threads", 2)
     monkeypatch.setattr(matrix, "_pool", lambda: idle_threads)
-    for k in (1, 8, 17):
-        before = idle_threads.posted
-        np.testing.assert_array_equal(q8.q8_product(m, x[:k]), alone[:k])
-        assert idle_threads.posted == before + 1  # the pool did take it
+    # the threads' tiles (one more compiled kernel) for the kinds of arithmetic: no minimum
+    # and an offset, a minimum per 32, a minimum and a scale per 16, a scale per 16
+    shared = (1, 8, 17, 67) if dtype in ("Q8_0", "Q4_K", "Q2_K", "Q6_K") else (1, 8, 17)
+    for threads in (2, 3):
+        monkeypatch.setattr(matrix, "_threads", threads)
+        for k in shared:
+            before = idle_threads.posted
+            np.testing.assert_array_equal(q8.q8_product(m, x[:k]), alone[:k])
+            assert idle_threads.posted == before + 1  # the pool did take it
 
 
 def test_a_bad_shape_is_refused(rng: np.random.Generator) -> None:

@@ -281,7 +281,7 @@ class KernelPool:
         self._gauge = gauge or CoreGauge()
         self._lock = threading.Lock()
         self._events: list[threading.Event] = []
-        self._scratch = np.zeros((1, 0), np.float32)  # [threads, 4 n_in]: decoded rows
+        self._scratch = np.zeros((1, 0), np.float32)  # [threads, 7 n_in]: decoded rows
         self._gen = 0
         self._pid = os.getpid()
         self._spins = self._patience = 0  # SPIN_ and PATIENCE_MICROSECONDS, in iterations
@@ -329,7 +329,9 @@ class KernelPool:
         """Post the job, wake the helpers that sleep, do the caller's share."""
         k, n_out = out.shape
         n_in = x.shape[0] // k
-        self._start(threads, 4 * n_in)
+        # scratch a thread: the exact kernels' 4 n_in decoded values, the q8 tiles' 26 n_in
+        # bytes (.q8_tiles.scratch_bytes)
+        self._start(threads, 7 * n_in)
         # chunks of CHUNK_ROWS rows or more, about CHUNKS_PER_THREAD per thread, and of at most
         # CHUNK_WORK weights times rows (a row's decode weighs as much as 4 rows' FMAs)
         rows = min(-(-n_out // (CHUNKS_PER_THREAD * threads)), CHUNK_WORK // (n_in * (1 + k // 4)))

@@ -63,13 +63,14 @@ def q8_product(m: BlockMatrix, x: np.ndarray) -> np.ndarray:
     if not x.shape[0]:
         return out
     fmts, raws = m._fmts, m._raws
+    tiled = x.shape[0] >= kernels.TILE_MIN_ROWS
     threads = min(matrix._threads_here(), m.nbytes // max(1, matrix.PARALLEL_MIN_BYTES))
     if threads > 1:  # as BlockMatrix shares its products: a thread per PARALLEL_MIN_BYTES
-        chunk = kernels.chunk_kernel(*fmts)
+        chunk = kernels.chunk_kernel(*fmts, tiled)
         q = kernels.quantized(flat, x.shape[0])
         # posted as k rows of n_in bytes (the pool cuts the exact kernels' chunks); the
         # chunks read the whole buffer, which the pool keeps while they may
         if matrix._pool().run(chunk, raws, q[: flat.shape[0]], out, threads, keep=q):
             return out
-    kernels.product_kernel(*fmts)(*raws, flat, out)  # quantizes flat itself
+    kernels.product_kernel(*fmts, tiled)(*raws, flat, out)  # quantizes flat itself
     return out

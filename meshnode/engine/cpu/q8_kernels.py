@@ -16,20 +16,23 @@ minimum ``m``, per-16 integer scales) and each activation row, in order of the c
   ``x`` (then the rounding errors of ``x`` meet the about-centred weights ``s u + m``;
   with ``sum(x)`` SmolLM2's products were 2x further from float32), again even and odd;
 
-and the result is ``(acc_even + acc_odd) + (t_even + t_odd)``. Two kernels compute
+and the result is ``(acc_even + acc_odd) + (t_even + t_odd)``. Three kernels compute
 exactly this, with rows in the vector lanes: one activation row meets eight weight rows
 at a time (lanes: the weight rows; each block's eight ``dot4`` lanes summed into one,
-:func:`.simd_q8.isums`); two or more activation rows meet each weight row eight at a time
-and two chunks per 512-bit ``vpdpbusd`` (lanes: the activation rows, for the even and
-for the odd chunk; the weight's four bytes copied across them). So a row's result is the
-same bits alone, in a verify window or in a batch, whatever rows share its product.
+:func:`.simd_q8.isums`); a few activation rows (under :data:`TILE_MIN_ROWS`) meet each
+weight row eight at a time and two chunks per 512-bit ``vpdpbusd`` (lanes: the
+activation rows, for the even and for the odd chunk; the weight's four bytes copied
+across them); more meet tiles of sixteen weight rows (:mod:`.q8_tiles`; lanes: the
+weight rows, each activation row's four bytes copied across them). So a row's result is
+the same bits alone, in a verify window, in a batch or in a prefill, whatever rows share
+its product.
 
 The error against "dequantize, then multiply in float32" is that of rounding ``x``: at
 most ``d / 2`` per value, ``sum |w_i| d_b / 2`` over a row. Formats without integer
 quants (F32, F16, BF16) and rows that are not whole 64-value pairs of blocks are not
-taken here (:mod:`.q8` sends them to the exact kernels). Products of more than
-:data:`SLAB_ROWS` rows (prefill) take them a slab at a time, so that a slab's
-activations stay in the cache while every weight row of a chunk meets them.
+taken here (:mod:`.q8` sends them to the exact kernels). Products of more rows
+(:mod:`.q8_tiles`) take them a slab at a time, so that a slab's activations stay in the
+cache while every weight row of a chunk, unpacked once per slab, meets them.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from meshnode.engine.cpu.q8_superblocks import (
     eight_q4_k,
     eight_q6_k,
 )
+from meshnode.engine.cpu.q8_tiles import scratch_bytes, tiles
 from meshnode.engine.cpu.simd import (
     INNER,
     entry,
@@ -106,10 +110,19 @@ from meshnode.engine.cpu.simd_q8 import (
 # left the kernels at about 0.8x the time of the exact ones; with this, about 0.55x
 # (SmolLM2's products in forward order, one thread; 2 and 8 KiB did no better).
 PREFETCH_BYTES = 4096
-# Activation rows a weight row meets before the next weight row, in products of more rows
-SLAB_ROWS = 16
 # Products of up to this many rows go one activation row at a time (lanes: weight rows)
 ONE_ROW_MAX = 1
+# Activation rows a weight row meets before the next weight row, in products of more rows
+# (untiled)
+SLAB_ROWS = 16
+# Products of this many rows or more go by .q8_tiles (q8.q8_product); fewer: each weight
+# row unpacked in registers for each eight activation rows (_group), whose unpacking, a
+# row's at a time, costs less than filling a tile's scratch for so few rows (Q4_K, cycles
+# a weight and row: 8 rows ~0.09 against ~0.21 tiled; 16 rows ~0.09 against ~0.16; 64
+# rows ~0.09 against ~0.06). Not 32, where they break even: the tile kernel compiles
+# apart (~7 s of CPU per format mix at load 10), and prompts of 32-63 tokens (the golden
+# references') would pay it at a first start for little
+TILE_MIN_ROWS = 64
 # Bytes before the areas of quantize's buffer (n_in and k, int64, at bytes 0 and 8)
 HEADER = 64
 # the words of a posted product (:mod:`.pool`), as compile-time constants
@@ -117,6 +130,7 @@ _WORDS = pool.WORDS
 _A, _NA, _RBA, _B, _NB, _RBB = pool.A, pool.NA, pool.RBA, pool.B, pool.NB, pool.RBB
 _C, _NC, _RBC, _X, _K, _N_IN = pool.C, pool.NC, pool.RBC, pool.X, pool.K, pool.N_IN
 _OUT, _N_OUT, _CA, _CB, _ROWS = pool.OUT, pool.N_OUT, pool.CA, pool.CB, pool.ROWS
+_SCRATCH, _STRIDE = pool.SCRATCH, pool.STRIDE
 
 
 @entry()
@@ -337,11 +351,12 @@ def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyp
 
 
 @entry()
-def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
+def _rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
     # weight rows lo .. hi - 1 of one part into columns col + lo .. of out; q: quantize's
     # buffer. One activation row: eight weight rows at a time in the lanes. More: each
     # weight row meets the activation rows eight at a time in the lanes, a slab of
     # SLAB_ROWS of them at a time (each weight row then meets the slab while in L1).
+    # s: _tiled_rows' scratch, unused here
     literally(fmt)  # one compiled body per format: its branches fold away
     _, k, n, nb, blocks = _layout(q)
     w, size = raw.reshape(-1), raw.shape[1]
@@ -358,9 +373,9 @@ def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
                          min(o + 3, last) * size, min(o + 4, last) * size,
                          min(o + 5, last) * size, min(o + 6, last) * size,
                          min(o + 7, last) * size)  # fmt: skip
-                s = _one_row(fmt, w, bases, q, r, n, nb, blocks)
+                v = _one_row(fmt, w, bases, q, r, n, nb, blocks)
                 for i in range(min(8, hi - o)):
-                    out[r, col + o + i] = lane8(s, i)
+                    out[r, col + o + i] = lane8(v, i)
         return
     for first in range(0, k, SLAB_ROWS):
         for o in range(lo, hi):
@@ -369,62 +384,98 @@ def _rows(fmt, raw, q, out, lo, hi, col):  # type: ignore[no-untyped-def]
                 for line in range(0, size, 64):
                     prefetch(w, base + PREFETCH_BYTES + line)
             for g in range(first // 8, (min(k, first + SLAB_ROWS) + 7) // 8):
-                s = _group(fmt, w, base, q, g, n, nb, blocks)
+                v = _group(fmt, w, base, q, g, n, nb, blocks)
                 for i in range(min(8, k - 8 * g)):
-                    out[8 * g + i, col + o] = lane8(s, i)
+                    out[8 * g + i, col + o] = lane8(v, i)
 
 
-def _serial_product(fa: int, fb: int, fc: int) -> Any:
+@entry()
+def _tiled_rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
+    # as _rows, by .q8_tiles, for any number of rows: tiles of weight rows unpacked once
+    # into the scratch s meet every activation row
+    literally(fmt)
+    _, k, n, nb, blocks = _layout(q)
+    _, ot, dxt, sxt = _areas(n, blocks)
+    areas = (HEADER + n - n, ot, dxt, sxt)
+    tiles(
+        fmt,
+        raw.reshape(-1),
+        raw.shape[1],
+        q,
+        out,
+        lo,
+        hi,
+        col,
+        k,
+        nb,
+        blocks,
+        areas,
+        s,
+        PREFETCH_BYTES,
+    )
+
+
+def _serial_product(fa: int, fb: int, fc: int, tiled: bool) -> Any:
+    part = _tiled_rows if tiled else _rows
+
     @entry()
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
         q = quantized(x, out.shape[0])  # here: a numba call costs microseconds
         ends = (a.shape[0], a.shape[0] + b.shape[0])  # int64, not literal: one _rows each
         zero = ends[0] - ends[0]
-        _rows(fa, a, q, out, zero, a.shape[0], zero)
-        _rows(fb, b, q, out, zero, b.shape[0], ends[0])
-        _rows(fc, c, q, out, zero, c.shape[0], ends[1])
+        s = np.empty(scratch_bytes(x.shape[0] // max(1, out.shape[0])) if tiled else 0, np.uint8)
+        part(fa, a, q, out, zero, a.shape[0], zero, s)
+        part(fb, b, q, out, zero, b.shape[0], ends[0], s)
+        part(fc, c, q, out, zero, c.shape[0], ends[1], s)
 
     return product
 
 
-def _chunk_product(fa: int, fb: int, fc: int) -> Any:
+def _chunk_product(fa: int, fb: int, fc: int, tiled: bool) -> Any:
+    part = _tiled_rows if tiled else _rows
+
     @cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
     def chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
         # as .kernels' chunks; the posted "x" is quantize's buffer (its first k n_in
-        # bytes: the pool sizes chunks by n_in), no scratch used
+        # bytes: the pool sizes chunks by n_in); its scratch (4 n_in float32 a thread)
+        # holds the unpacked weight row
         st = carray(ptr_i64(st_addr), (_WORDS,))
         na, nb, nc, k, rows = st[_NA], st[_NB], st[_NC], st[_K], st[_ROWS]
         q = carray(ptr_u8(st[_X]), (buffer_bytes(k, st[_N_IN]),))
         out = carray(ptr_f32(st[_OUT]), (k, st[_N_OUT]))
+        s = carray(ptr_u8(st[_SCRATCH] + 4 * who * st[_STRIDE]), (scratch_bytes(st[_N_IN]),))
         ca, cb = st[_CA], st[_CB]
         if ch < ca:
             a = read_only(carray(ptr_u8(st[_A]), (na, st[_RBA])))
             lo = ch * rows
-            _rows(fa, a, q, out, lo, min(na, lo + rows), na - na)
+            part(fa, a, q, out, lo, min(na, lo + rows), na - na, s)
         elif ch < ca + cb:
             b = read_only(carray(ptr_u8(st[_B]), (nb, st[_RBB])))
             lo = (ch - ca) * rows
-            _rows(fb, b, q, out, lo, min(nb, lo + rows), na)
+            part(fb, b, q, out, lo, min(nb, lo + rows), na, s)
         else:
             c = read_only(carray(ptr_u8(st[_C]), (nc, st[_RBC])))
             lo = (ch - ca - cb) * rows
-            _rows(fc, c, q, out, lo, min(nc, lo + rows), na + nb)
+            part(fc, c, q, out, lo, min(nc, lo + rows), na + nb, s)
 
     return chunk
 
 
 @functools.cache
-def product_kernel(fa: int, fb: int, fc: int) -> Any:
+def product_kernel(fa: int, fb: int, fc: int, tiled: bool = False) -> Any:
     """``product(a, b, c, x, out)`` as :func:`.kernels.product_kernel`, with ``x``
     quantized first: ``out[r, o] ~ x[r] . row o``, in the calling thread. The formats
-    must be in :data:`.q8.Q8_FORMATS`."""
-    return _serial_product(fa, fb, fc)
+    must be in :data:`.q8.Q8_FORMATS`. ``tiled``: by :mod:`.q8_tiles` (the same bits;
+    faster from :data:`TILE_MIN_ROWS` rows), compiled apart, so that a node that never
+    multiplies so many rows never compiles it."""
+    return _serial_product(fa, fb, fc, tiled)
 
 
 @functools.cache
-def chunk_kernel(fa: int, fb: int, fc: int) -> int:
+def chunk_kernel(fa: int, fb: int, fc: int, tiled: bool = False) -> int:
     """The address of the pool's ``chunk(st, who, ch)`` for this product (as
     :func:`.kernels.chunk_kernel`), posted with the first ``k n_in`` bytes of
     :func:`quantized`'s buffer as ``x`` (``k`` rows of ``n_in``, as the exact kernels'
-    activations: the pool then cuts the same chunks), the whole buffer kept alive."""
-    return int(_chunk_product(fa, fb, fc).address)
+    activations: the pool then cuts the same chunks), the whole buffer kept alive;
+    ``tiled`` as :func:`product_kernel`'s."""
+    return int(_chunk_product(fa, fb, fc, tiled).address)
