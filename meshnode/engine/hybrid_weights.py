@@ -91,7 +91,8 @@ def _neg_a(source: ModelSource, p: str) -> np.ndarray:
     """``-exp(A_log)``: a GGUF stores it so (``A``), a checkpoint stores ``A_log``."""
     if p + "A" in source.tensor_names():
         return _get(source, p + "A")
-    return -np.exp(_get(source, p + "A_log"))
+    neg_a: np.ndarray = -np.exp(_get(source, p + "A_log"))
+    return neg_a
 
 
 def _deltanet(source: ModelSource, p: str, be: Backend) -> DeltaNetWeights:

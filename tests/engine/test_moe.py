@@ -224,7 +224,8 @@ def test_qwen35_moe_twin_gives_the_checkpoint_bits_and_the_reference_tokens(
     model = "qwen35-moe-tiny"
     from_gguf, from_hf = _stages(twins[model], cuts), _stages(MOE_DIR / model, cuts)
     hybrid, want = from_gguf[0].config.hybrid, from_hf[0].config.hybrid
-    assert hybrid is not None and want is not None
+    assert hybrid is not None
+    assert want is not None
     assert np.float32(hybrid.rms_norm_eps) == np.float32(want.rms_norm_eps)  # GGUF: float32
     assert dataclasses.replace(hybrid, rms_norm_eps=want.rms_norm_eps) == want
     prompts = golden(model)["prompts"]
