@@ -87,13 +87,14 @@ def causal_conv(xp: Any, window: Any, weight: Any) -> Any:
     return _silu(xp, out)
 
 
-def decay_and_beta(xp: Any, a: Any, b: Any, a_log: Any, dt_bias: Any) -> tuple[Any, Any]:
+def decay_and_beta(xp: Any, a: Any, b: Any, neg_a: Any, dt_bias: Any) -> tuple[Any, Any]:
     """The per-head log-decay ``g`` and write strength ``beta``, both ``[S, Hv]``.
 
     ``g = -exp(A_log) * softplus(a + dt_bias)`` (always <= 0, so the state decays) and
-    ``beta = sigmoid(b)`` in (0, 1).
+    ``beta = sigmoid(b)`` in (0, 1); ``neg_a`` is ``-exp(A_log)``, computed at load (a
+    GGUF stores it so).
     """
-    g = -xp.exp(a_log) * softplus(xp, a + dt_bias)
+    g = neg_a * softplus(xp, a + dt_bias)
     return g, sigmoid(xp, b)
 
 

@@ -202,7 +202,7 @@ class HybridMixer:
         k = mixed[:, c.key_size : 2 * c.key_size].reshape(n, c.linear_key_heads, c.linear_key_dim)
         v = mixed[:, 2 * c.key_size :].reshape(n, c.linear_value_heads, c.linear_value_dim)
         heads = c.linear_value_heads
-        g, beta = deltanet.decay_and_beta(xp, ba[:, heads:], ba[:, :heads], w.a_log, w.dt_bias)
+        g, beta = deltanet.decay_and_beta(xp, ba[:, heads:], ba[:, :heads], w.neg_a, w.dt_bias)
         keep_from = max(0, n - cache.ring_slots)
         out, state, kept = deltanet.gated_delta_rule(
             xp, q, k, v, g, beta, cache.state[slot], keep_from=keep_from

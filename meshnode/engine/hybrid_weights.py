@@ -31,7 +31,7 @@ class DeltaNetWeights:
     in_z: Any  # [E, Hv Dv]: the output gate
     in_ba: Any  # [E, 2 Hv]: beta's and the decay's inputs
     conv: Any  # [K, C]: depthwise taps, oldest first
-    a_log: Any  # [Hv]
+    neg_a: Any  # [Hv]: -exp(A_log), the decay rate's scale
     dt_bias: Any  # [Hv]
     norm: Any  # [Dv]: the gated RMSNorm's weight (as stored)
     out: Any  # [Hv Dv, E]
@@ -87,6 +87,14 @@ def offset_norm(source: ModelSource, name: str) -> np.ndarray:
     return np.float32(1.0) + _get(source, name)
 
 
+def _neg_a(source: ModelSource, p: str) -> np.ndarray:
+    """``-exp(A_log)``: a GGUF stores it so (``A``), a checkpoint stores ``A_log``."""
+    if p + "A" in source.tensor_names():
+        return _get(source, p + "A")
+    neg_a: np.ndarray = -np.exp(_get(source, p + "A_log"))
+    return neg_a
+
+
 def _deltanet(source: ModelSource, p: str, be: Backend) -> DeltaNetWeights:
     p += "linear_attn."
     conv = _get(source, p + "conv1d.weight")  # [C, 1, K]
@@ -95,7 +103,7 @@ def _deltanet(source: ModelSource, p: str, be: Backend) -> DeltaNetWeights:
         in_z=be.asarray(linear_t(source, p + "in_proj_z.weight")),
         in_ba=be.asarray(linear_t(source, p + "in_proj_b.weight", p + "in_proj_a.weight")),
         conv=be.asarray(np.ascontiguousarray(conv[:, 0, :].T)),
-        a_log=be.asarray(_get(source, p + "A_log")),
+        neg_a=be.asarray(_neg_a(source, p)),
         dt_bias=be.asarray(_get(source, p + "dt_bias")),
         norm=be.asarray(_get(source, p + "norm.weight")),
         out=be.asarray(linear_t(source, p + "out_proj.weight")),

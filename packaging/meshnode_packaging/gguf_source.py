@@ -14,6 +14,7 @@ import numpy as np
 
 from meshnode_packaging.gguf_config import GGUF_ARCHITECTURES, gguf_config
 from meshnode_packaging.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor, forget_pages
+from meshnode_packaging.gguf_qwen35 import QWEN35_ARCHS, qwen35_tensor
 from meshnode_packaging.names import ROPE_FREQS, gguf_to_canonical
 from meshnode_packaging.quants import dequantize
 from meshnode_packaging.sampling import GGUF_SAMPLING_KEYS, sampling_numbers
@@ -50,6 +51,13 @@ VOCABULARY_ARRAYS = (
     "tokenizer.ggml.scores",
     "tokenizer.ggml.merges",
 )
+
+
+def arch_shifts_norm(shift: float, name: str) -> bool:
+    """Whether canonical tensor ``name`` is a norm weight the converter shifted by
+    ``shift`` (every RMSNorm's but the Gated DeltaNet's own gated norm, which Qwen3.5's
+    checkpoint and converter both keep as it is)."""
+    return bool(shift) and name.endswith("norm.weight") and ".linear_attn." not in name
 
 
 class GGUFSource:
@@ -103,9 +111,11 @@ class GGUFSource:
             data = unpermute_rows(data.reshape(shape[0], -1), n_head)
             forget_pages(t.data)  # the stage holds the copy
         raw = RawTensor(name, t.tensor_type.name, shape, data.view(np.uint8).reshape(-1))
-        if self._arch.norm_shift and name.endswith("norm.weight"):
+        if arch_shifts_norm(self._arch.norm_shift, name):
             shifted = dequantize(raw) - np.float32(self._arch.norm_shift)
             raw = RawTensor(name, "F32", shape, shifted.astype("<f4").view(np.uint8).reshape(-1))
+        if self.architecture in QWEN35_ARCHS:
+            raw = qwen35_tensor(raw, self.config)
         return raw
 
     def _permuted_heads(self, name: str) -> int | None:

@@ -8,6 +8,7 @@ from.
 from __future__ import annotations
 
 from meshnode_packaging import sources_moe as moe
+from meshnode_packaging.gguf_qwen35 import QWEN35_NAMES
 
 __all__ = [
     "GGUF_ARCH_NAMES",
@@ -48,7 +49,11 @@ _GEMMA_NORMS = {
     "blk.{i}.post_attention_norm.weight": "layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.post_ffw_norm.weight": "layers.{i}.post_feedforward_layernorm.weight",
 }
-GGUF_ARCH_NAMES: dict[str, dict[str, str]] = {"gemma3": _GEMMA_NORMS, "gpt-oss": moe.GPT_OSS_NAMES}
+GGUF_ARCH_NAMES: dict[str, dict[str, str]] = {
+    "gemma3": _GEMMA_NORMS,
+    "gpt-oss": moe.GPT_OSS_NAMES,
+    "qwen35moe": QWEN35_NAMES,  # Gated DeltaNet tensors, "post_attention_norm" before the MLP
+}
 # Without a known architecture every name any architecture uses maps somewhere (Llama's
 # meaning first), so that a reader that only needs the layer of a tensor finds it.
 _ANY_ARCH = {k: v for t in GGUF_ARCH_NAMES.values() for k, v in t.items()} | GGUF_TO_CANONICAL

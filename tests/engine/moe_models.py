@@ -4,8 +4,9 @@ The references are Hugging Face folders made by transformers 5.24 (float32, rand
 weights); ``golden.json`` holds each prompt's greedy continuation. :func:`write_gguf_twin`
 writes the same float32 weights as llama.cpp's converter names and lays them out (3-D
 ``ffn_*_exps`` stacks, ``ffn_gate_inp``, gpt-oss's de-interleaved gate/up, sinks and
-``post_attention_norm``, Mixtral as a ``llama`` GGUF with Q/K rows permuted), with the
-metadata keys llama.cpp writes, so that a correct GGUF reader gives the folder's logits.
+``post_attention_norm``, Mixtral as a ``llama`` GGUF with Q/K rows permuted, Qwen3.5-MoE
+as ``qwen35moe``: :mod:`tests.engine.moe_qwen35`), with the metadata keys llama.cpp
+writes, so that a correct GGUF reader gives the folder's logits.
 """
 
 from __future__ import annotations
@@ -19,12 +20,18 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from tests.conftest import GOLDEN_DIR
+from tests.engine.moe_qwen35 import qwen35_layer, qwen35_metadata
 from tests.engine.tiny import MERGES, SPECIALS, llama_permute, vocabulary
 
 MOE_DIR = GOLDEN_DIR / "moe"
 MODELS = ("qwen3-moe-tiny", "mixtral-tiny", "gpt-oss-tiny", "qwen35-moe-tiny")
-# model_type -> GGUF architecture (Qwen3.5's hybrid has no GGUF reader in meshnode yet)
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
+# model_type -> GGUF architecture
+GGUF_ARCH = {
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",
+    "gpt_oss": "gpt-oss",
+    "qwen3_5_moe_text": "qwen35moe",
+}
 
 
 def golden(model: str) -> dict[str, Any]:
@@ -50,9 +57,14 @@ def write_gguf_twin(model: str, path: Path, *, per_expert: bool = False) -> Path
     _metadata(w, arch, c)
     w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
     w.add_tensor("output.weight", t["lm_head.weight"])
-    w.add_tensor("output_norm.weight", t["model.norm.weight"])
+    shift = np.float32(1.0 if arch == "qwen35moe" else 0.0)  # its converter adds one
+    w.add_tensor("output_norm.weight", t["model.norm.weight"] + shift)
     for i in range(c["num_hidden_layers"]):
-        for name, data in _layer(t, c, arch, i, per_expert).items():
+        if arch == "qwen35moe":  # the hybrid's token mixers, experts as Qwen3-MoE's
+            layer = qwen35_layer(t, c, i) | _experts(t, f"model.layers.{i}.", c, "mlp", False)
+        else:
+            layer = _layer(t, c, arch, i, per_expert)
+        for name, data in layer.items():
             w.add_tensor(f"blk.{i}.{name}", np.ascontiguousarray(data, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -129,7 +141,8 @@ def _metadata(w: gguf.GGUFWriter, arch: str, c: dict[str, Any]) -> None:
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
-    w.add_feed_forward_length(c["intermediate_size"])
+    if "intermediate_size" in c:  # a MoE config without a dense size writes none
+        w.add_feed_forward_length(c["intermediate_size"])
     w.add_expert_feed_forward_length(c.get("moe_intermediate_size") or c["intermediate_size"])
     w.add_expert_count(experts)
     w.add_expert_used_count(c["num_experts_per_tok"])
@@ -146,6 +159,8 @@ def _metadata(w: gguf.GGUFWriter, arch: str, c: dict[str, Any]) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if arch == "qwen35moe":
+        qwen35_metadata(w, c)
     tokens = vocabulary()
     tokens += [f"<extra_{i}>" for i in range(c["vocab_size"] - len(tokens))]
     w.add_tokenizer_model("gpt2")

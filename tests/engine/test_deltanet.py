@@ -100,8 +100,8 @@ def test_gated_rms_norm_normalizes_first_then_gates() -> None:
 
 def test_decay_is_negative_and_beta_in_unit_interval() -> None:
     a = np.array([[-30.0, 0.0, 25.0]], np.float32)
-    a_log = np.log(np.full(3, 2.0, np.float32))
-    g, beta = deltanet.decay_and_beta(np, a, a, a_log, np.zeros(3, np.float32))
+    neg_a = np.full(3, -2.0, np.float32)  # -exp(A_log) with A_log = log 2
+    g, beta = deltanet.decay_and_beta(np, a, a, neg_a, np.zeros(3, np.float32))
     assert np.all(g <= 0)
     assert np.all((beta >= 0) & (beta <= 1))
     want = -2 * np.log1p(np.exp(np.array([-30.0, 0.0, 25.0])))

@@ -10,6 +10,7 @@ batched; a step reads each chosen expert once and no other expert.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections.abc import Sequence
@@ -182,7 +183,7 @@ def test_a_step_reads_each_chosen_expert_once_and_no_other() -> None:
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("moe-gguf")
-    return {m: write_gguf_twin(m, folder / f"{m}.gguf") for m in MODELS[:3]}
+    return {m: write_gguf_twin(m, folder / f"{m}.gguf") for m in MODELS}
 
 
 @pytest.mark.parametrize("model", list(MODELS[:3]))
@@ -207,8 +208,34 @@ def test_gguf_twin_config_names_the_family(twins: dict[str, Path]) -> None:
         "qwen3-moe-tiny": "qwen3_moe",
         "mixtral-tiny": "mixtral",
         "gpt-oss-tiny": "gpt_oss",
+        "qwen35-moe-tiny": "qwen3_5_moe_text",
     }
     assert set(GGUF_ARCH) == set(types.values())
+
+
+@pytest.mark.parametrize("cuts", [(), (2,), (1, 3)], ids=["1-stage", "2-stages", "3-stages"])
+def test_qwen35_moe_twin_gives_the_checkpoint_bits_and_the_reference_tokens(
+    twins: dict[str, Path], cuts: tuple[int, ...]
+) -> None:
+    """llama.cpp's ``qwen35moe``: DeltaNet tensors under their GGUF names, value heads in
+    its tiled order, norms plus one, ``ssm_a = -exp(A_log)``: the checkpoint's exact
+    logits, and the reference's tokens on one node and split (cuts between DeltaNet
+    layers and before the attention layer), all prompts batched."""
+    model = "qwen35-moe-tiny"
+    from_gguf, from_hf = _stages(twins[model], cuts), _stages(MOE_DIR / model, cuts)
+    hybrid, want = from_gguf[0].config.hybrid, from_hf[0].config.hybrid
+    assert hybrid is not None
+    assert want is not None
+    assert np.float32(hybrid.rms_norm_eps) == np.float32(want.rms_norm_eps)  # GGUF: float32
+    assert dataclasses.replace(hybrid, rms_norm_eps=want.rms_norm_eps) == want
+    prompts = golden(model)["prompts"]
+    ids = [p["prompt_ids"] for p in prompts]
+    if not cuts:
+        (a,), (b,) = from_gguf, from_hf
+        x = np.asarray(ids[1])
+        got, ref = a.forward(x, 0, a.new_cache(64)), b.forward(x, 0, b.new_cache(64))
+        np.testing.assert_array_equal(got, ref)
+    assert _greedy(from_gguf, ids, 32) == [p["gen_ids"] for p in prompts]
 
 
 # -- refusals ------------------------------------------------------------------------------
@@ -362,11 +389,12 @@ def test_gguf_experts_stay_views_of_the_mapped_file(twins: dict[str, Path]) -> N
     )
 
 
-@pytest.mark.parametrize("model", list(MODELS[:3]))
+@pytest.mark.parametrize("model", MODELS)
 def test_layer_package_of_a_moe_gguf_gives_its_logits(
     twins: dict[str, Path], model: str, tmp_path: Path
 ) -> None:
-    """``meshnode package write`` carries the routers, 3-D expert tensors and sinks."""
+    """``meshnode package write`` carries the routers, 3-D expert tensors and sinks (and
+    Qwen3.5-MoE's DeltaNet tensors, as its GGUF source hands them out)."""
     write_package(twins[model], tmp_path / "pkg")
     (packaged,), (direct,) = _stages(tmp_path / "pkg", ()), _stages(twins[model], ())
     assert packaged.config.moe == direct.config.moe
