@@ -225,7 +225,10 @@ class Coordinator:
         source: ModelSource,
         backend: Backend,
         on_pipeline: Callable[[RemotePipeline | None], None],
+        in_flight: Callable[[], int] = lambda: 0,
     ) -> None:
+        """``on_pipeline`` hands each pipeline (None: 503s) to the frontend; ``in_flight``
+        counts its requests, with a sequence on the pipeline or not (regrows wait for it)."""
         self.mesh = mesh
         self.settings = settings
         self.source = source
@@ -239,6 +242,7 @@ class Coordinator:
         )
         self._backend = backend
         self._on_pipeline = on_pipeline
+        self._in_flight = in_flight
         self._term = 0
         self._run_id = ""
         self._state = MeshState.PLANNING
@@ -403,7 +407,12 @@ class Coordinator:
                 if loss.node is None:
                     loss = await self._blame(placed, pipeline, run)
                 return loss
-            idle = await idle_by(pipeline, REGROW_IDLE_WAIT_S, lambda: self._wait_changed(pipeline))
+            idle = await idle_by(
+                pipeline,
+                REGROW_IDLE_WAIT_S,
+                lambda: self._wait_changed(pipeline),
+                in_flight=self._in_flight,
+            )
             announce = idle is not None  # None: a stage failed or the membership changed
             if announce:  # else look again, still serving on this pipeline
                 self._state = MeshState.DRAINING

@@ -40,6 +40,11 @@ class Frontend(Protocol):
         """The serving fields of the ``host`` part of the status body."""
         ...
 
+    def in_flight(self) -> int:
+        """Requests being served now, including those waiting to replay on the next
+        pipeline (which hold no sequence on any)."""
+        ...
+
     async def run(self) -> None:
         """Background work of the frontend (building drafters), until cancelled."""
         ...
@@ -97,6 +102,7 @@ class MeshHost:
             source=self.source,
             backend=self.backend,
             on_pipeline=self._serve_on,
+            in_flight=self.frontend.in_flight,
         )
         with self._scope:
             async with trio.open_nursery() as nursery:

@@ -117,16 +117,40 @@ class PassDeadline:
         return self.base_s + self.per_token_s * tokens_in_flight
 
 
+#: How often :func:`idle_by` looks again at requests in flight that hold no sequence yet.
+IN_FLIGHT_POLL_S = 0.1
+
+
 async def idle_by(
-    pipeline: RemotePipeline, seconds: float, interrupt: Callable[[], Awaitable[object]]
+    pipeline: RemotePipeline,
+    seconds: float,
+    interrupt: Callable[[], Awaitable[object]],
+    in_flight: Callable[[], int] = lambda: 0,
 ) -> bool | None:
-    """True once no request holds a sequence of ``pipeline`` (checked last: no checkpoint
-    follows it), False after ``seconds``, None as soon as ``interrupt()`` returns."""
+    """True once no request holds a sequence of ``pipeline`` and none is ``in_flight``
+    (checked last: no checkpoint follows it), False after ``seconds``, None as soon as
+    ``interrupt()`` returns.
+
+    ``in_flight()`` counts the frontend's requests, sequence or not: a request waiting to
+    replay on this pipeline after a loss, or still being tokenized, holds no sequence yet,
+    and re-placing then would refuse new requests and replay it a second time. Such
+    requests release nothing here, so they are looked at every ``IN_FLIGHT_POLL_S``."""
     deadline = trio.current_time() + seconds
-    while pipeline.runner.live_sequences:
+
+    def busy() -> bool:
+        return bool(pipeline.runner.live_sequences or in_flight())
+
+    async def idle() -> None:
+        while busy():
+            if pipeline.runner.live_sequences:
+                await pipeline.wait_idle()
+            else:
+                await trio.sleep(IN_FLIGHT_POLL_S)
+
+    while busy():
         if trio.current_time() >= deadline:
             return False
-        if await _first_of(deadline, idle=pipeline.wait_idle, interrupt=interrupt) == "interrupt":
+        if await _first_of(deadline, idle=idle, interrupt=interrupt) == "interrupt":
             return None
     return True
 

@@ -59,6 +59,10 @@ class HostFrontend:
             self._rebuild.set()
         self.service.set_pipeline(pipeline)
 
+    def in_flight(self) -> int:
+        """Requests being generated now (a replay waiting for its pipeline included)."""
+        return self.service.scheduler.in_flight
+
     def status(self) -> dict[str, Any]:
         """Model id, requests in flight and waiting, and speculation, for the ``host`` part."""
         body = {
