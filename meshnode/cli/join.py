@@ -84,6 +84,7 @@ async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentit
             pin=pin,
             ring_slots=ring_slots_for(spec.largest_verify_drafts()),
             pass_deadline=PassDeadline(config.pass_deadline_s, config.pass_deadline_per_token_s),
+            suspect_grace_s=config.heartbeat.suspect_grace_s,
             calibrate=config.placement == "speed",
             place_by_speed=config.placement == "speed",
             disk_offload=config.disk_offload,

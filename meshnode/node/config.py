@@ -57,17 +57,31 @@ DEFAULT_CONFIG_NAME = "config.toml"
 OWN_TOKEN_FILE = "mesh-token"
 
 
+#: How long a stage's node must stay suspect, while its pipeline's passes also stall, before
+#: the host drops the stage (``HeartbeatTimeouts.suspect_grace_s``). Two heartbeat intervals
+#: at the defaults: beside two busy loops a starved node came back from suspect within
+#: 100 ms (issue 35), and a laptop busy compiling stalls its event loop for a second or
+#: two; a stage whose heartbeats stop mid-request is still dropped after 5 s of silence,
+#: half the dead timeout.
+DEFAULT_SUSPECT_GRACE_S = 2.0
+
+
 @dataclass(frozen=True, slots=True)
 class HeartbeatTimeouts:
     """How often peers ping each other and how long silence may last.
 
     A peer is *suspect* after ``suspect_after_s`` without any frame from it and *dead*
-    after ``dead_after_s``. The defaults tolerate two lost heartbeats on a busy LAN.
+    after ``dead_after_s``. The defaults tolerate two lost heartbeats on a busy LAN. A
+    stage is dropped when its node is dead, or once it has been suspect for
+    ``suspect_grace_s`` while its pipeline's passes stalled for as long
+    (:func:`meshnode.node.membership.suspect_lost_at`); a grace that reaches past
+    ``dead_after_s`` leaves only the dead timeout.
     """
 
     interval_s: float = 1.0
     suspect_after_s: float = 3.0
     dead_after_s: float = 10.0
+    suspect_grace_s: float = DEFAULT_SUSPECT_GRACE_S
 
     def __post_init__(self) -> None:
         if not 0 < self.interval_s < self.suspect_after_s < self.dead_after_s:
@@ -75,6 +89,8 @@ class HeartbeatTimeouts:
                 "heartbeat timeouts need 0 < interval_s < suspect_after_s < dead_after_s, got "
                 f"{self.interval_s}, {self.suspect_after_s}, {self.dead_after_s}"
             )
+        if not self.suspect_grace_s >= 0:
+            raise ConfigError(f"heartbeat suspect_grace_s must be >= 0, got {self.suspect_grace_s}")
 
 
 def default_state_dir() -> Path:

@@ -11,8 +11,12 @@ model's stage-0 part to learn its config, then loops:
 3. **serve**: hand a :class:`~meshnode.node.remote.RemotePipeline` to the API;
 4. **watch**: when a stage's node is lost (the membership says so, or the pipeline failed:
    a dropped connection, a refusal, a missed pass deadline), fail the pipeline, ``Stop`` the
-   others and go back to 1 without it. The requests in flight wait for the next pipeline
-   and replay there (:mod:`meshnode.generation.replay`): they outlive the loss;
+   others and go back to 1 without it. A node the membership holds suspect is lost only
+   once it has stayed so, and the pipeline's passes stalled, for ``suspect_grace_s``, or
+   when it is dead (:func:`~meshnode.node.membership.suspect_lost_at`): a node starved on
+   busy cores for a beat costs no re-placement and no replay. The requests in flight wait
+   for the next pipeline and replay there (:mod:`meshnode.generation.replay`): they
+   outlive the loss;
 5. **grow back**: when the nodes ``--split`` asks for (or that the planner would choose)
    are live again after a loss (:func:`~meshnode.node.planner.should_regrow`), keep
    serving until a moment when no request is in flight, then stop admitting requests (the
@@ -137,7 +141,7 @@ from meshnode.node.planner import (
 )
 from meshnode.node.remote import RemotePipeline, idle_by, is_data_reply
 from meshnode.node.speeds import SpeedBook
-from meshnode.node.watch import membership_changed, settled, stage_failure
+from meshnode.node.watch import membership_changed, settled, spared_suspects, stage_failure
 
 log = logging.getLogger("meshnode.coordinator")
 
@@ -437,13 +441,15 @@ class Coordinator:
         return loss
 
     async def _wait_changed(
-        self, pipeline: RemotePipeline | None = None, measured: int = 0
+        self, pipeline: RemotePipeline | None = None, measured: int = 0, until: float | None = None
     ) -> bool:
         """Wait for a membership change (True), or for ``pipeline`` to fail, to time every
-        stage in ``measured`` more one-row passes (if above 0), or a node left out to come
-        back by itself (False)."""
-        until = self._decided.wake_at(trio.current_time())
-        return await membership_changed(self.mesh, pipeline, until, measured=measured)
+        stage in ``measured`` more one-row passes (if above 0), a node left out to come
+        back by itself, or the trio time ``until`` (False)."""
+        times = [t for t in (until, self._decided.wake_at(trio.current_time())) if t is not None]
+        return await membership_changed(
+            self.mesh, pipeline, min(times, default=None), measured=measured
+        )
 
     async def _plan_when_possible(self) -> Plan:
         self._state = MeshState.PLANNING
@@ -480,20 +486,25 @@ class Coordinator:
         once the measured speeds call for re-placing (module docstring, step 6)."""
         while True:
             live = self.mesh.live_nodes()
-            live_ids = {n.node_id for n in live}
+            now, grace_s = trio.current_time(), self.settings.suspect_grace_s
+            stalled = pipeline.stalled_since
+            spared, look_at = spared_suspects(placed, self.mesh.suspects(), stalled, now, grace_s)
+            live_ids = {n.node_id for n in live} | spared
             event = stage_failure(placed, pipeline, live_ids, host=self.mesh.node_id)
             if event is not None:
                 action = self._decide(event)
                 assert isinstance(action, Replan)
                 return action.loss
-            if regrow_now and self._wants_regrow(placed, live):
+            # While a stage is suspect the live nodes leave it out: no plan to move to.
+            if not spared and regrow_now and self._wants_regrow(placed, live):
                 self.why_replace = "the planned nodes are back"
                 return None
-            due = pipeline.measured.due(trio.current_time())  # step 6
+            due = not spared and pipeline.measured.due(now)  # step 6
             if due and faster_by_measure(self, placed, self.candidates(live)):
                 self.why_replace = "the measured speeds place the layers faster"
                 return None
-            changed = await self._wait_changed(pipeline, measured=pipeline.measured.to_weigh)
+            measured = pipeline.measured.to_weigh
+            changed = await self._wait_changed(pipeline, measured, until=look_at)
             regrow_now = True
             if changed:
                 self._decide(MembershipChanged())  # give failed nodes another go

@@ -296,6 +296,14 @@ class Node:
                 nodes.append(NodeCapacity(node_id, peer.usable_memory, peer.device, rtt))
         return nodes
 
+    def suspects(self) -> dict[str, float]:
+        """Every suspect peer we hold a session with, and since when it is suspect."""
+        return {
+            node_id: peer.since_s
+            for node_id, peer in self.table.peers.items()
+            if peer.state is PeerState.SUSPECT and node_id in self.sessions
+        }
+
     def peer_info(self, node_id: str) -> PeerInfo:
         """Address and capacity of ``node_id`` (this node included)."""
         if node_id == self.node_id:

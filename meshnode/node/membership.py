@@ -9,6 +9,15 @@ a goodbye drops it from the table at once (it left; it did not fail). Dead peers
 forgotten after ``FORGET_AFTER_DEAD`` times the dead timeout, so ``meshnode status`` still
 shows who failed recently.
 
+Suspect is not lost. Silence of ``suspect_after_s`` is weak evidence: a node starved on busy
+cores (a user compiling, a browser, a test suite beside busy loops) goes quiet that long and
+is back within a beat. The host drops a stage (:mod:`meshnode.node.watch`) when its node is
+dead, or when it has been suspect for ``suspect_grace_s`` while the pipeline's passes also
+stalled that long (:func:`suspect_lost_at`): a pass whose replies still come back is alive
+whatever its heartbeats, and a suspect stage with nothing in flight costs nobody anything
+until it is dead. A stage that hangs while its heartbeats flow is never suspect: the pass
+deadline finds it (:mod:`meshnode.node.remote`).
+
 Times are seconds on the trio clock (``trio.current_time()``), passed in by the caller, so
 tests drive this with plain numbers and the daemon with a mock clock if it likes.
 
@@ -185,6 +194,19 @@ def _tick(table: PeerTable, now_s: float) -> PeerTable:
         else:
             kept[node_id] = peer
     return replace(table, peers=MappingProxyType(kept))
+
+
+def suspect_lost_at(
+    suspect_since_s: float, stalled_since_s: float | None, grace_s: float
+) -> float | None:
+    """The trio time a stage whose node has been suspect since ``suspect_since_s`` counts as
+    lost, if nothing changes meanwhile: once it has been suspect for ``grace_s`` *and* its
+    pipeline's passes, in flight since ``stalled_since_s`` with no reply, have stalled as
+    long (theory of operation). ``None`` while no pass is in flight: a suspect stage that
+    nothing waits on is lost only when it is dead."""
+    if stalled_since_s is None:
+        return None
+    return max(suspect_since_s, stalled_since_s) + grace_s
 
 
 Change = tuple[NodeId, PeerState | None, PeerState | None]

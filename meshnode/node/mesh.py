@@ -7,6 +7,7 @@ importing its driver back.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -15,6 +16,7 @@ import trio
 from meshnode_protocol import Message, PeerInfo
 
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
+from meshnode.node.config import DEFAULT_SUSPECT_GRACE_S
 from meshnode.node.planner import NodeCapacity
 from meshnode.node.remote import PassDeadline
 
@@ -29,6 +31,12 @@ class MeshView(Protocol):
 
     def live_nodes(self) -> list[NodeCapacity]:
         """This node and every alive, connected peer."""
+        ...
+
+    def suspects(self) -> Mapping[str, float]:
+        """Connected peers the membership holds suspect, with the trio time each became so
+        (they are not in :meth:`live_nodes`; :mod:`meshnode.node.watch` decides when a
+        suspect stage is lost)."""
         ...
 
     def peer_info(self, node_id: str) -> PeerInfo:
@@ -65,6 +73,9 @@ class CoordinatorSettings:
     ring_slots: int = DEFAULT_RING_SLOTS
     # When a pass across the stages counts as lost (``--pass-deadline``).
     pass_deadline: PassDeadline = field(default_factory=PassDeadline)
+    # How long a stage's node stays suspect, its passes stalled, before the stage is dropped
+    # (``--suspect-grace``: ``meshnode.node.membership.suspect_lost_at``).
+    suspect_grace_s: float = DEFAULT_SUSPECT_GRACE_S
     # Time every stage of a new pipeline before it serves (node/calibrate.py). ``join``
     # always does; tests of other concerns leave it off, so their passes are their own.
     calibrate: bool = False

@@ -308,6 +308,8 @@ class RemotePipeline:
         # Tokens sent and not yet answered, by wire id (a sequence's prefill chunks add up
         # until its final chunk's prediction): what a new step waits behind.
         self._unanswered: dict[RequestId, int] = {}
+        # The last reply's trio time, or the first send's since none was unanswered.
+        self._progress_s = 0.0
         self._sending: trio.CancelScope | None = None  # the step being sent, if any
         # Set when stage 0's compute missed its deadline: its thread's end (``_step``).
         self._hung: threading.Event | None = None
@@ -396,6 +398,12 @@ class RemotePipeline:
             await self._forward_step(slots, messages, self._set_deadline(slots))
 
     @property
+    def stalled_since(self) -> float | None:
+        """Since when passes sent downstream have gone unanswered (trio time: the last
+        reply, or the first send after none was in flight); None while none is in flight."""
+        return self._progress_s if self._unanswered else None
+
+    @property
     def stage0_hung(self) -> bool:
         """Whether a stage-0 compute that missed its deadline is still running (its
         thread, and the runner it holds, are not freed until it returns)."""
@@ -424,6 +432,8 @@ class RemotePipeline:
             sequences=self._wire,
         )
         waiter = _Waiter(local_s=local_s)
+        if not self._unanswered:
+            self._progress_s = trio.current_time()
         self._unanswered[wire_id] = self._unanswered.get(wire_id, 0) + len(frame.tokens)
         if frame.final:
             waiter.wire_id = wire_id
@@ -505,6 +515,7 @@ class RemotePipeline:
         if message.run_id != self.run_id or not self.may_reply(peer, message):
             log.debug("dropped %s from %s", type(message).__name__, peer)
             return
+        self._progress_s = trio.current_time()
         if isinstance(message, PredictionBatch):
             for prediction in message.predictions:
                 self._wake(prediction)

@@ -258,6 +258,17 @@ SETTINGS: tuple[Setting, ...] = (
         cli="float",
     ),
     Setting(
+        "heartbeat.suspect_grace_s",
+        "heartbeat",
+        "suspect_grace_s",
+        "MESHNODE_SUSPECT_GRACE_S",
+        parse_non_negative_float,
+        flag="suspect-grace",
+        help="Seconds a stage's node stays suspect, its passes stalled, before the host "
+        "drops the stage (a dead node is dropped at once).",
+        cli="float",
+    ),
+    Setting(
         "log_level",
         "node",
         "log_level",

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping, Set
 
 import trio
 
 from meshnode.node.decisions import StageFailed
+from meshnode.node.membership import suspect_lost_at
 from meshnode.node.mesh import MeshView
 from meshnode.node.planner import Plan
 from meshnode.node.remote import RemotePipeline
@@ -75,11 +77,35 @@ async def membership_changed(
     return changed
 
 
+def spared_suspects(
+    placed: Plan,
+    suspects: Mapping[str, float],
+    stalled_since: float | None,
+    now: float,
+    grace_s: float,
+) -> tuple[frozenset[str], float | None]:
+    """The stages of ``placed`` whose nodes are ``suspects`` (node -> suspect since) but not
+    lost yet at trio time ``now`` (:func:`~meshnode.node.membership.suspect_lost_at`), and
+    when to look at them again (None: no stage is suspect). With nothing in flight a spared
+    suspect is looked at every ``grace_s``, so that a pass sent meanwhile is seen in time."""
+    spared: set[str] = set()
+    wake: list[float] = []
+    for node in placed.node_ids:
+        if (since := suspects.get(node)) is None:
+            continue
+        lost_at = suspect_lost_at(since, stalled_since, grace_s)
+        if lost_at is None or lost_at > now:
+            spared.add(node)
+            wake.append(now + grace_s if lost_at is None else lost_at)
+    return frozenset(spared), min(wake, default=None)
+
+
 def stage_failure(
-    placed: Plan, pipeline: RemotePipeline, live_ids: set[str], *, host: str
+    placed: Plan, pipeline: RemotePipeline, live_ids: Set[str], *, host: str
 ) -> StageFailed | None:
     """How ``pipeline`` of ``placed`` ended, if it did: a goodbye (neither kept out nor
-    blamed), a stage the membership lost, or a failure naming its node (kept out until
+    blamed), a stage the membership lost (not in ``live_ids``: alive, or suspect and
+    spared), or a failure naming its node (kept out until
     the membership changes, never the host itself) or not (``node`` None: blame it)."""
     failure = pipeline.failure
     if failure is not None and failure.left:

@@ -58,6 +58,9 @@ class InMemoryMesh:
         workers = [NodeCapacity(node_id, 1 << 34) for node_id in sorted(self.workers)]
         return [NodeCapacity(HOST, self.host_memory), *workers]
 
+    def suspects(self) -> dict[str, float]:
+        return {}  # a worker here is in the mesh or not (tests/node/test_suspects.py: both)
+
     def peer_info(self, node_id: str) -> PeerInfo:
         return PeerInfo(node_id=node_id, address=f"{node_id}.invalid:7470")
 

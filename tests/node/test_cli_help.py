@@ -96,6 +96,7 @@ def test_heartbeat_options_reach_the_nested_record(
     tmp_path: Path, joined: list[NodeConfig]
 ) -> None:
     args = ["--heartbeat-interval", "0.5", "--suspect-after", "2", "--dead-after", "4"]
+    args += ["--suspect-grace", "1.5"]
     result = CliRunner().invoke(app, ["join", "--state-dir", str(tmp_path), *args])
     assert result.exit_code == 0, result.output
-    assert joined[0].heartbeat == HeartbeatTimeouts(0.5, 2.0, 4.0)
+    assert joined[0].heartbeat == HeartbeatTimeouts(0.5, 2.0, 4.0, suspect_grace_s=1.5)

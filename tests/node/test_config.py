@@ -62,13 +62,14 @@ def test_env_values_are_parsed() -> None:
         "MESHNODE_HEARTBEAT_S": "0.2",
         "MESHNODE_SUSPECT_S": "0.6",
         "MESHNODE_DEAD_S": "1.5",
+        "MESHNODE_SUSPECT_GRACE_S": "0",
         "MESHNODE_DEVICE": "cuda",
         "MESHNODE_DTYPE": "bfloat16",
     }
     config = load_config(env=env)
     assert not config.mdns
     assert config.peers == (Address("a", 1), Address("b", 2))
-    assert config.heartbeat == HeartbeatTimeouts(0.2, 0.6, 1.5)
+    assert config.heartbeat == HeartbeatTimeouts(0.2, 0.6, 1.5, suspect_grace_s=0.0)
     assert config.device == "cuda"
     assert config.weights_dtype == "bfloat16"
 
@@ -85,6 +86,7 @@ def test_env_values_are_parsed() -> None:
         ("[node]\ndtype = 'int3'\n", "dtype must be one of auto, float32, float16, bfloat16"),
         ("[discovery]\nmdns = 'maybe'\n", "boolean"),
         ("[heartbeat]\ninterval_s = 5.0\n", "interval_s < suspect_after_s"),
+        ("[heartbeat]\nsuspect_grace_s = -1.0\n", "suspect_grace_s"),
         ("[node\n", "cannot read config file"),
     ],
 )

@@ -19,6 +19,7 @@ from meshnode.node.membership import (
     Tick,
     apply,
     changes,
+    suspect_lost_at,
 )
 
 A = NodeId("aaaa")
@@ -107,3 +108,18 @@ def test_changes_lists_joins_and_transitions() -> None:
     assert changes(empty, table) == [(A, None, PeerState.ALIVE)]
     assert changes(table, apply(table, Tick(1.0))) == []
     assert changes(table, apply(table, Tick(4.0))) == [(A, PeerState.ALIVE, PeerState.SUSPECT)]
+
+
+@pytest.mark.parametrize(
+    ("suspect_since", "stalled_since", "lost_at"),
+    [
+        (5.0, None, None),  # nothing in flight: lost only when dead
+        (5.0, 1.0, 7.0),  # stalled before it fell silent: the grace runs from the suspicion
+        (5.0, 6.0, 8.0),  # a pass sent to a suspect: the grace runs from the send
+        (5.0, 5.0, 7.0),
+    ],
+)
+def test_a_suspect_stage_is_lost_once_suspect_and_stalled_for_the_grace(
+    suspect_since: float, stalled_since: float | None, lost_at: float | None
+) -> None:
+    assert suspect_lost_at(suspect_since, stalled_since, grace_s=2.0) == lost_at
