@@ -141,7 +141,7 @@ from meshnode.node.planner import (
 )
 from meshnode.node.remote import RemotePipeline, idle_by, is_data_reply
 from meshnode.node.speeds import SpeedBook
-from meshnode.node.watch import membership_changed, settled, spared_suspects, stage_failure
+from meshnode.node.watch import earliest, membership_changed, settled, watch_stages
 
 log = logging.getLogger("meshnode.coordinator")
 
@@ -446,10 +446,8 @@ class Coordinator:
         """Wait for a membership change (True), or for ``pipeline`` to fail, to time every
         stage in ``measured`` more one-row passes (if above 0), a node left out to come
         back by itself, or the trio time ``until`` (False)."""
-        times = [t for t in (until, self._decided.wake_at(trio.current_time())) if t is not None]
-        return await membership_changed(
-            self.mesh, pipeline, min(times, default=None), measured=measured
-        )
+        until = earliest(until, self._decided.wake_at(trio.current_time()))
+        return await membership_changed(self.mesh, pipeline, until, measured=measured)
 
     async def _plan_when_possible(self) -> Plan:
         self._state = MeshState.PLANNING
@@ -486,25 +484,20 @@ class Coordinator:
         once the measured speeds call for re-placing (module docstring, step 6)."""
         while True:
             live = self.mesh.live_nodes()
-            now, grace_s = trio.current_time(), self.settings.suspect_grace_s
-            stalled = pipeline.stalled_since
-            spared, look_at = spared_suspects(placed, self.mesh.suspects(), stalled, now, grace_s)
-            live_ids = {n.node_id for n in live} | spared
-            event = stage_failure(placed, pipeline, live_ids, host=self.mesh.node_id)
-            if event is not None:
-                action = self._decide(event)
+            seen = watch_stages(placed, pipeline, self.mesh, live, self.settings.suspect_grace_s)
+            if seen.failed is not None:
+                action = self._decide(seen.failed)
                 assert isinstance(action, Replan)
                 return action.loss
             # While a stage is suspect the live nodes leave it out: no plan to move to.
-            if not spared and regrow_now and self._wants_regrow(placed, live):
+            if not seen.spared and regrow_now and self._wants_regrow(placed, live):
                 self.why_replace = "the planned nodes are back"
                 return None
-            due = not spared and pipeline.measured.due(now)  # step 6
+            due = not seen.spared and pipeline.measured.due(trio.current_time())  # step 6
             if due and faster_by_measure(self, placed, self.candidates(live)):
                 self.why_replace = "the measured speeds place the layers faster"
                 return None
-            measured = pipeline.measured.to_weigh
-            changed = await self._wait_changed(pipeline, measured, until=look_at)
+            changed = await self._wait_changed(pipeline, pipeline.measured.to_weigh, seen.look_at)
             regrow_now = True
             if changed:
                 self._decide(MembershipChanged())  # give failed nodes another go

@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Set
+from dataclasses import dataclass
 
 import trio
 
 from meshnode.node.decisions import StageFailed
 from meshnode.node.membership import suspect_lost_at
 from meshnode.node.mesh import MeshView
-from meshnode.node.planner import Plan
+from meshnode.node.planner import NodeCapacity, Plan
 from meshnode.node.remote import RemotePipeline
 
 log = logging.getLogger("meshnode.coordinator")
@@ -75,6 +76,31 @@ async def membership_changed(
                 if measured > 0:
                     nursery.start_soon(passes, pipeline)
     return changed
+
+
+@dataclass(frozen=True, slots=True)
+class Watched:
+    """What the coordinator's watch sees of a serving pipeline (:func:`watch_stages`)."""
+
+    failed: StageFailed | None  # how the pipeline ended, if it did (:func:`stage_failure`)
+    spared: frozenset[str]  # stages whose nodes are suspect but not lost yet
+    look_at: float | None  # the trio time to look at those again (None: none is suspect)
+
+
+def watch_stages(
+    placed: Plan, pipeline: RemotePipeline, mesh: MeshView, live: list[NodeCapacity], grace_s: float
+) -> Watched:
+    """How ``pipeline`` of ``placed`` stands now: ``live`` nodes and spared suspects keep
+    their stages (:func:`spared_suspects`), any other stage is lost."""
+    now, stalled = trio.current_time(), pipeline.stalled_since
+    spared, look_at = spared_suspects(placed, mesh.suspects(), stalled, now, grace_s)
+    live_ids = {n.node_id for n in live} | spared
+    return Watched(stage_failure(placed, pipeline, live_ids, host=mesh.node_id), spared, look_at)
+
+
+def earliest(*times: float | None) -> float | None:
+    """The earliest of ``times`` that is not None (None if none is)."""
+    return min((t for t in times if t is not None), default=None)
 
 
 def spared_suspects(
