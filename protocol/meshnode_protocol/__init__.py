@@ -2,7 +2,8 @@
 
 The specification is ``protocol/README.md``; golden frames are in ``protocol/vectors/``.
 Layering (lower never imports higher): ``_errors``, ``_tensor`` → ``_fields`` →
-``_messages`` → ``_framing``, ``_state`` → ``_connection``. Depends on ``cbor2`` only.
+``_records`` → ``_control``, ``_data`` → ``_messages`` → ``_framing``, ``_state`` →
+``_connection``. Depends on ``cbor2`` only.
 """
 
 from meshnode_protocol._connection import (
