@@ -16,7 +16,7 @@ from meshnode_protocol._records import (
     Range,
     check_range,
 )
-from meshnode_protocol._tensor import DTYPE_SIZES
+from meshnode_protocol._tensor import DTYPE_SIZES, Tensor
 
 # -- membership ------------------------------------------------------------------------------
 
@@ -75,6 +75,32 @@ class Error(Message):
     run_id: str = ""
     term: UInt = 0
     request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkProbe(Message):
+    """A link's bandwidth, timed by its sender (issue 34): answered at once by a
+    ``LinkProbeReply`` with the same ``nonce``.
+
+    ``payload`` is padding, its values never read: the sender times an empty probe and
+    one of ``n`` bytes and takes ``n`` over the difference as the link's rate, so the
+    round trip cancels out. A node answers a bounded number of probes per peer.
+    """
+
+    TYPE: ClassVar[int] = 5
+    node_id: str
+    nonce: UInt
+    payload: Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkProbeReply(Message):
+    """The answer to a ``LinkProbe``: its ``nonce`` and the padding bytes it carried."""
+
+    TYPE: ClassVar[int] = 6
+    node_id: str
+    nonce: UInt
+    received_bytes: UInt = 0
 
 
 # -- control plane ---------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from meshnode_protocol._control import (
     Hello,
     Inventory,
     InventoryReport,
+    LinkProbe,
+    LinkProbeReply,
     Load,
     Prepare,
     PrepareAccepted,
@@ -41,6 +43,7 @@ from meshnode_protocol._records import (
     ACTIVATION_KINDS,
     BATCH_FEATURE,
     DEFAULT_FEATURES,
+    LINK_PROBE_FEATURE,
     PROTOCOL_VERSION,
     Message,
     PeerInfo,
@@ -53,6 +56,7 @@ __all__ = [
     "ACTIVATION_KINDS",
     "BATCH_FEATURE",
     "DEFAULT_FEATURES",
+    "LINK_PROBE_FEATURE",
     "MAX_BATCH_FRAMES",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
@@ -67,6 +71,8 @@ __all__ = [
     "Hello",
     "Inventory",
     "InventoryReport",
+    "LinkProbe",
+    "LinkProbeReply",
     "Load",
     "Message",
     "PeerInfo",
@@ -87,7 +93,7 @@ __all__ = [
 MESSAGE_TYPES: Final[dict[int, type[Message]]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, Goodbye, Heartbeat, Error,
+        Hello, Goodbye, Heartbeat, Error, LinkProbe, LinkProbeReply,
         Claim, ClaimAccepted, ClaimRejected, Prepare, PrepareAccepted, Inventory,
         InventoryReport, Load, Ready, Stop, Status,
         ActivationFrame, Prediction, Release, ActivationBatch, PredictionBatch,

@@ -12,7 +12,8 @@ table in ``protocol/README.md`` mirrors these classes. Rules:
 - fields may be added in later versions (with a default, so an older peer may omit them);
   a field's meaning never changes; unknown fields from a newer peer are ignored;
 - control and data messages carry ``run_id`` and ``term`` (the coordinator's fencing token,
-  DESIGN §3); membership messages (``Hello``, ``Heartbeat``, ``Goodbye``) do not.
+  DESIGN §3); membership messages (``Hello``, ``Heartbeat``, ``Goodbye``, ``LinkProbe``,
+  ``LinkProbeReply``) do not.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ that the default ``Hello`` keeps its golden bytes.)
 
 BATCH_FEATURE: Final = "activation-batch"
 """The feature of a node that accepts ``ActivationBatch`` and ``PredictionBatch``."""
+
+LINK_PROBE_FEATURE: Final = "link-probe"
+"""The feature of a node that answers ``LinkProbe`` (not in the default either: a peer
+that lacks it is never probed, since an unknown message type closes its session)."""
 
 ACTIVATION_KINDS: Final = ("prefill", "decode", "verify")
 
