@@ -33,6 +33,12 @@ One command each (issue 34)::
     .venv/bin/python benchmarks/placement_lab.py --model smollm2
     .venv/bin/python benchmarks/placement_lab.py --model 1b
     .venv/bin/python benchmarks/placement_lab.py --model 8b --from-disk
+    .venv/bin/python benchmarks/placement_lab.py --quota 100 100 100 --slow-link 2mbit --split 2
+
+``--slow-link RATE`` shapes w2's link both ways with ``tc tbf`` before the nodes start, so
+each node's link probe measures it (``meshnode.node.links``); with ``--split 2`` and equal
+quotas the plan should put stage 1 on w1 (the quicker hop). Each stage's measured link
+(MB/s) and hop time are printed.
 Targets (issue 34): the throttled node gets about a third of the others' layers, and decode
 with ``speed`` is at least 1.3x ``memory``'s. Numbers on a shared machine are noisy: run it
 on an idle one.
@@ -159,7 +165,7 @@ def run_mesh(
         workers = [spawn("w1", *allow), spawn("w2", *allow)]
         wait_started(*workers, timeout_s=START_TIMEOUT_S)
         peers = [f for w in ("w1", "w2") for f in ("--peer", f"{hosts[w].address}:{MESH_PORT}")]
-        split = ["--split", "1"] if single else ["--split", "3"]
+        split = ["--split", "1"] if single else ["--split", str(args.split)]
         host_node = spawn(
             "host", *peers, "--model", model, *split, "--placement", placement,
             "--context", "512", "--speculative", "off", "--kv-dtype", args.kv_dtype,
@@ -180,6 +186,8 @@ def run_mesh(
                 s["layers"],
                 s.get("offload_bytes", 0),
                 s.get("decode_bytes_per_s") or 0,
+                s.get("link_mbytes_per_s"),
+                s.get("hop_ms"),
             )
             for s in host["stages"]
         ],
@@ -218,6 +226,8 @@ def main() -> int:
     )
     parser.add_argument("--single-memory", default="8GiB", help="the one node's --max-memory")
     parser.add_argument("--kv-dtype", default="auto", help="the host's --kv-dtype (f16 halves KV)")
+    parser.add_argument("--split", type=int, default=3, help="stages of the mesh (2 or 3)")
+    parser.add_argument("--slow-link", help="shape w2's link to this tc rate (e.g. 2mbit)")
     args = parser.parse_args()
     if args.from_disk:
         _, local = model_path(args.model)
@@ -233,6 +243,8 @@ def main() -> int:
     results = []
     with NetLab() as lab:
         hosts = {name: lab.add_host(name) for name in NAMES}
+        if args.slow_link:
+            lab.rate_limit(hosts["w2"], args.slow_link, burst="16kb", latency="400ms")
         for placement in [] if args.single else args.placements:
             results.append(run_mesh(lab, hosts, placement, args))
         if args.single or args.from_disk:
@@ -242,7 +254,8 @@ def main() -> int:
         stages = ", ".join(
             f"{n} [{a}:{b}) {rate / 1e6:.0f} MB/s"
             + (f" {o / 2**20:.0f} MiB from disk" if o else "")
-            for n, (a, b), o, rate in r["stages"]
+            + (f" link {link} MB/s hop {hop} ms" if hop is not None else "")
+            for n, (a, b), o, rate, link, hop in r["stages"]
         )
         print(
             f"{r['placement']:>7}: {r['tokens_per_s']:.2f} tok/s ({r['tokens_per_s'] / first:.2f}x)"

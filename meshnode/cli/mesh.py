@@ -336,10 +336,11 @@ def format_status(body: dict[str, Any]) -> str:
     stages = _stage_rows(body.get("host"))
     if stages:
         lines += [*_table(stages), ""]
-    header = ("NODE ID", "ADDRESS", "DEVICE", "MEMORY", "STATE", "RTT", "LAST SEEN")
+    header = ("NODE ID", "ADDRESS", "DEVICE", "MEMORY", "STATE", "RTT", "LINK", "LAST SEEN")
     rows: list[tuple[str, ...]] = [header]
     for p in body["peers"]:
         rtt = "-" if p.get("rtt_ms") is None else f"{p['rtt_ms']:.1f} ms"
+        link = "-" if p.get("link_mbytes_per_s") is None else f"{p['link_mbytes_per_s']:.1f} MB/s"
         rows.append(
             (
                 p["node_id"],
@@ -348,6 +349,7 @@ def format_status(body: dict[str, Any]) -> str:
                 _memory(p["usable_memory"]),
                 p["state"],
                 rtt,
+                link,
                 f"{p['last_seen_s_ago']:.1f} s ago",
             )
         )

@@ -129,6 +129,7 @@ from meshnode.node.decisions import (
     next_action,
 )
 from meshnode.node.footprint import model_footprint, served_context
+from meshnode.node.links import STATUS_PREFILL_ROWS, link_status, with_hop_bytes
 from meshnode.node.mesh import CoordinatorSettings, MeshView
 from meshnode.node.planner import (
     NodeCapacity,
@@ -182,6 +183,7 @@ def _stage_status(
     """One stage of the plan as the status shows it: its layers, its state and progress in
     ``run``, its memory and speeds."""
     footprint, speed = coordinator.footprint, coordinator.speeds.speed(stage.node_id)
+    node = next((n for n in coordinator.mesh.live_nodes() if n.node_id == stage.node_id), None)
     done, total = run.progress.get(stage.node_id, (0, 0)) if run else (0, 0)
     return {
         "node_id": stage.node_id,
@@ -202,6 +204,9 @@ def _stage_status(
         "self_measured": coordinator.claims.shown(stage.node_id),
         # weight bytes past the node's memory, read from disk as it computes (planner)
         "offload_bytes": stage.offload_bytes,
+        # the hop into the stage: the host's measured link to it, a token's and a prefill
+        # chunk's hop time (node/links.py)
+        **(link_status(footprint, node, STATUS_PREFILL_ROWS) if node and stage.start else {}),
     }
 
 
@@ -244,6 +249,7 @@ class Coordinator:
             ring_slots=settings.ring_slots,
             kv_dtype=settings.kv_dtype,
         )
+        self.footprint = with_hop_bytes(self.footprint, self.config, settings.wire_dtype)
         self._backend = backend
         self._on_pipeline = on_pipeline
         self._in_flight = in_flight
@@ -490,7 +496,7 @@ class Coordinator:
                 assert isinstance(action, Replan)
                 return action.loss
             # While a stage is suspect the live nodes leave it out: no plan to move to.
-            if not seen.spared and regrow_now and self._wants_regrow(placed, live):
+            if not seen.spared and regrow_now and _wants_regrow(self, placed, live):
                 self.why_replace = "the planned nodes are back"
                 return None
             due = not seen.spared and pipeline.measured.due(trio.current_time())  # step 6
@@ -514,10 +520,11 @@ class Coordinator:
             if n.node_id not in kept_out
         ]
 
-    def _wants_regrow(self, placed: Plan, live: list[NodeCapacity]) -> bool:
-        wanted = wanted_plan(self, self.candidates(live))
-        degraded = self._decided.recovering
-        return should_regrow(placed, wanted, split=self.settings.split, degraded=degraded)
+
+def _wants_regrow(coordinator: Coordinator, placed: Plan, live: list[NodeCapacity]) -> bool:
+    wanted = wanted_plan(coordinator, coordinator.candidates(live))
+    degraded = coordinator._decided.recovering
+    return should_regrow(placed, wanted, split=coordinator.settings.split, degraded=degraded)
 
 
 def _speed(coordinator: Coordinator, node: str) -> NodeSpeed | None:

@@ -26,6 +26,7 @@ import trio
 from meshnode_protocol import (
     BATCH_FEATURE,
     DEFAULT_FEATURES,
+    LINK_PROBE_FEATURE,
     PROTOCOL_VERSION,
     Hello,
     Message,
@@ -123,6 +124,7 @@ class Node:
             self,
             interval_s=interval_s,
             server_context=identity.server_context(),
+            quiet=self._in_no_run,
         )
         self.dialer = Dialer(
             self.node_id,
@@ -237,7 +239,8 @@ class Node:
         assert self.api is not None
         known = tuple(_peer_info(p) for p in self.table.alive())
         return Hello(
-            features=(*DEFAULT_FEATURES, BATCH_FEATURE),  # this node takes batched steps
+            # this node takes batched steps and answers link probes
+            features=(*DEFAULT_FEATURES, BATCH_FEATURE, LINK_PROBE_FEATURE),
             node_id=self.node_id,
             mesh_id_hash=self.identity.mesh_id,
             listen_address=str(self.listen),
@@ -285,6 +288,12 @@ class Node:
         if unexpected and node_id in self.table.peers:
             self.observe(ConnectionLost(node_id, trio.current_time()))
 
+    def _in_no_run(self) -> bool:
+        """Whether this node serves no run, as host or stage: its links may be probed
+        again (:mod:`meshnode.node.links`) without delaying a pipeline's activations."""
+        serving = self.host is not None and self.host.pipeline is not None
+        return not serving and (self.worker is None or self.worker.status() is None)
+
     # -- the mesh as the coordinator sees it (``meshnode.node.coordinator.MeshView``) -------
 
     def live_nodes(self) -> list[NodeCapacity]:
@@ -292,8 +301,12 @@ class Node:
         nodes = [NodeCapacity(self.node_id, self.usable_memory, self.config.device, 0.0)]
         for node_id, peer in sorted(self.table.peers.items()):
             if peer.state is PeerState.ALIVE and node_id in self.sessions:
-                rtt = peer.rtt_s or 0.0
-                nodes.append(NodeCapacity(node_id, peer.usable_memory, peer.device, rtt))
+                rtt, link = peer.rtt_s or 0.0, self.sessions.links.rate(node_id)
+                nodes.append(
+                    NodeCapacity(
+                        node_id, peer.usable_memory, peer.device, rtt, link_bytes_per_s=link
+                    )
+                )
         return nodes
 
     def suspects(self) -> dict[str, float]:
@@ -343,7 +356,9 @@ class Node:
 
     def status(self) -> dict[str, Any]:
         """The body of ``GET /v1/mesh/status``."""
-        peers = peer_status(self.table, self.sessions, trio.current_time())
+        peers = peer_status(
+            self.table, self.sessions, trio.current_time(), links=self.sessions.links.rate
+        )
         body: dict[str, Any] = {"node": self._node_status(), "peers": peers}
         if self.worker is not None and (run := self.worker.status()) is not None:
             body["run"] = run
@@ -379,9 +394,16 @@ def _peer_info(peer: Peer) -> PeerInfo:
     )
 
 
-def peer_status(table: PeerTable, connected: Container[str], now: float) -> list[dict[str, Any]]:
+def peer_status(
+    table: PeerTable,
+    connected: Container[str],
+    now: float,
+    *,
+    links: Callable[[str], float] = lambda _: 0.0,
+) -> list[dict[str, Any]]:
     """The peers of ``table`` as ``GET /v1/mesh/status`` lists them, by node id
-    (``connected``: the peers this node holds a session with)."""
+    (``connected``: the peers this node holds a session with; ``links``: the measured rate
+    of the link to a peer in bytes a second, 0 when not measured)."""
     return [
         {
             "node_id": p.node_id,
@@ -390,6 +412,8 @@ def peer_status(table: PeerTable, connected: Container[str], now: float) -> list
             "usable_memory": p.usable_memory,
             "state": str(p.state),
             "rtt_ms": None if p.rtt_s is None else round(p.rtt_s * 1e3, 3),
+            # this node's link to the peer (node/links.py), null until measured
+            "link_mbytes_per_s": round(links(node_id) / 1e6, 3) or None,
             "last_seen_s_ago": round(now - p.last_seen_s, 3),
             "connected": node_id in connected,
         }

@@ -12,7 +12,8 @@ which do) but a fixed state per sequence, the same for any context: ``fixed_laye
 
 bytes of memory. The planner picks the *fewest* stages that fit, stage 0 always on the host
 (it serves the API and runs speculation). Among the other nodes it prefers more memory, then
-lower round-trip time, then the node id, so the result is deterministic for the same input.
+the quicker hop (:func:`hop_seconds`), then the node id, so the result is deterministic for
+the same input.
 
 Within a set of stages the layers are split *memory-weighted*: every node is filled to the same
 fraction ``alpha`` of its usable memory, and ``alpha`` is the smallest value for which a greedy
@@ -24,9 +25,16 @@ calibration measured for this model), the split follows time instead of memory
 (:func:`_fit_timed`): within a set of stages, an exact dynamic program over
 contiguous ranges minimises the slowest stage's time per token (the pipeline's throughput
 bound with many streams), then the sum; among stage counts, the one whose token takes the
-least time end to end (stage times plus hops to the host) wins, fewer stages on ties. A
+least time end to end (stage times plus hops) wins, fewer stages on ties. A
 measured plan is taken only when it is strictly faster than the memory-weighted plan of the
 same nodes, so a tie or a missing measurement gives today's plan.
+
+**Links.** A hop into a stage costs the node's round trip to the host (the heartbeat's)
+plus the activation bytes it carries over the host's measured link to the node
+(:mod:`meshnode.node.links`): ``ModelFootprint.activation_bytes_per_token`` a decode token,
+that times the rows of a prefill chunk. A link not measured yet counts its round trip
+alone. With many streams a link is a stage of the pipeline too: a token's transfer time
+counts beside the stages' compute in the slowest-stage view.
 
 **Larger than memory.** When no set of stages fits, and disk offload is allowed (it is
 unless ``--no-disk-offload``), the planner places the model on every candidate node anyway,
@@ -66,6 +74,8 @@ class ModelFootprint:
     # every live sequence; empty: none).
     kv_layers: tuple[bool, ...] = ()
     fixed_layer_bytes: tuple[int, ...] = ()
+    # What a hop carries a token: one row of activations at the wire dtype (0: not counted).
+    activation_bytes_per_token: int = 0
 
     @property
     def n_layers(self) -> int:
@@ -86,6 +96,14 @@ class NodeCapacity:
     device: str = "cpu"
     rtt_s: float = 0.0
     speed: NodeSpeed | None = None
+    # the measured rate of the host's link to the node (meshnode.node.links); 0: unknown
+    link_bytes_per_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.link_bytes_per_s < float("inf"):
+            raise ValueError(
+                f"link_bytes_per_s must be >= 0 and finite, not {self.link_bytes_per_s}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +177,7 @@ def plan(
             does not fit (with ``disk_offload``: not even its KV); the message says how much
             memory is missing.
     """
-    ordered = _candidate_order(nodes, host_id)
+    ordered = _candidate_order(model, nodes, host_id)
     if split is not None:
         if not 1 <= split <= min(len(ordered), model.n_layers):
             raise PlanError(
@@ -186,15 +204,25 @@ def plan(
 
 
 def _candidate_order(
-    nodes: Sequence[NodeCapacity], host_id: str, *, fastest_first: bool = False
+    model: ModelFootprint,
+    nodes: Sequence[NodeCapacity],
+    host_id: str,
+    *,
+    fastest_first: bool = False,
+    nearest_first: bool = False,
 ) -> list[NodeCapacity]:
+    """The host, then the other nodes by most memory, then the quickest hop (round trip
+    and a token over the link), then node id; ``fastest_first``: by decode rate before
+    memory; ``nearest_first``: by hop before anything else."""
     hosts = [node for node in nodes if node.node_id == host_id]
     if not hosts:
         raise PlanError(f"the host {host_id} is not among the live nodes")
 
-    def key(node: NodeCapacity) -> tuple[float, float, float, str]:
+    def key(node: NodeCapacity) -> tuple[float, float, float, float, str]:
         rate = node.speed.decode_bytes_per_s if node.speed and fastest_first else 0.0
-        return (-rate, -node.usable_memory_bytes, node.rtt_s, node.node_id)
+        hop = hop_seconds(model, node)
+        near = hop if nearest_first else 0.0
+        return (near, -rate, -node.usable_memory_bytes, hop, node.node_id)
 
     others = sorted((node for node in nodes if node.node_id != host_id), key=key)
     return [hosts[0], *others]
@@ -310,9 +338,9 @@ def _timed_plan(
     too, and a stage's weights may pass its memory (:func:`_seconds` counts the disk).
 
     Stage counts from ``weighted``'s (the fewest that fit) up to the largest allowed are
-    tried, each over two choices of nodes (the most memory first, as the memory-weighted
-    plan chooses, and the fastest first); the plan whose token takes the least time end to
-    end wins, the one with fewer stages (then the first found) on ties.
+    tried, each over the choices of nodes of :func:`_orders`; the plan whose token
+    takes the least time end to end wins, the one with fewer stages (then the first found)
+    on ties.
     """
     if any(node.speed is None for node in nodes):
         return None
@@ -320,12 +348,31 @@ def _timed_plan(
         return None
     best, best_cost = None, _cost(model, nodes, weighted)
     for count in (c for c in counts if c >= len(weighted)):
-        for fastest_first in (False, True):
-            chosen = _candidate_order(nodes, host_id, fastest_first=fastest_first)[:count]
+        for order in _orders(model, nodes, host_id):
+            chosen = order[:count]
             stages = _fit_timed(model, chosen, context_tokens, offload=offload)
             if stages is not None and (cost := _cost(model, nodes, stages)) < best_cost:
                 best, best_cost = stages, cost
     return best
+
+
+def _orders(
+    model: ModelFootprint, nodes: Sequence[NodeCapacity], host_id: str
+) -> list[list[NodeCapacity]]:
+    """The orders of nodes a measured plan tries (:func:`_timed_plan`), each once: the most
+    memory first, the fastest first and the quickest hop first, each with the links
+    counted and without them, so that a measured link only ever adds choices to a plan
+    made without it."""
+    blind = ModelFootprint((), 0, 0, 0)  # no activation bytes: a hop is its round trip
+    orders: list[list[NodeCapacity]] = []
+    for footprint in (model, blind):
+        for fastest, nearest in ((False, False), (True, False), (False, True)):
+            order = _candidate_order(
+                footprint, nodes, host_id, fastest_first=fastest, nearest_first=nearest
+            )
+            if order not in orders:
+                orders.append(order)
+    return orders
 
 
 def stage_weight_bytes(model: ModelFootprint, stage: StagePlan) -> int:
@@ -362,21 +409,33 @@ def _seconds(node: NodeCapacity, weight_bytes: int, offload_bytes: int = 0) -> f
     return max(compute, offload_bytes / disk) if offload_bytes and disk else compute
 
 
+def hop_seconds(model: ModelFootprint, node: NodeCapacity, rows: int = 1) -> float:
+    """The time of the hop into ``node``'s stage carrying ``rows`` rows (1: a decode token;
+    a prefill chunk's tokens): the node's round trip to the host plus the rows' activation
+    bytes over the host's measured link to it (the link is not counted while unmeasured)."""
+    link = node.link_bytes_per_s
+    transfer = rows * model.activation_bytes_per_token / link if link else 0.0
+    return node.rtt_s + transfer
+
+
 def _cost(
     model: ModelFootprint, nodes: Sequence[NodeCapacity], stages: Sequence[StagePlan]
 ) -> tuple[float, float]:
-    """``(one token's time end to end, the slowest stage's time)``, in seconds.
+    """``(one token's time end to end, the slowest stage's or link's time)``, in seconds.
 
-    End to end: every stage's compute plus each hop, taken as the node's round trip to the
-    host (what the mesh measures; a decode hop carries a few KiB, so latency dominates).
+    End to end: every stage's compute plus each hop (:func:`hop_seconds`: the node's round
+    trip to the host, plus a token's activations over the link, where measured). With many
+    streams, a link is a stage of the pipeline too: its transfer time a token counts
+    beside the stages' compute (the round trip overlaps other streams' work).
     """
     by_id = {node.node_id: node for node in nodes}
     times = [
         _seconds(by_id[s.node_id], _weight_bytes(model, s.start, s.end), s.offload_bytes)
         for s in stages
     ]
-    hops = sum(by_id[s.node_id].rtt_s for s in stages[1:])
-    return (sum(times) + hops, max(times))
+    hops = [hop_seconds(model, by_id[s.node_id]) for s in stages[1:]]
+    transfers = [hop - by_id[s.node_id].rtt_s for hop, s in zip(hops, stages[1:], strict=True)]
+    return (sum(times) + sum(hops), max([*times, *transfers]))
 
 
 def _fit_timed(

@@ -18,17 +18,21 @@ import contextlib
 import itertools
 import logging
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
 from meshnode_protocol import (
+    LINK_PROBE_FEATURE,
     Connection,
     Error,
     ErrorCode,
     Goodbye,
     Heartbeat,
     Hello,
+    LinkProbe,
+    LinkProbeReply,
     Message,
     RemoteProtocolError,
     Role,
@@ -41,6 +45,7 @@ from meshnode.net.stream import TRANSPORT_ERRORS, PeerStream
 from meshnode.node.config import Address
 from meshnode.node.dialer import DialTarget
 from meshnode.node.handshakes import Pending, PendingHandshakes
+from meshnode.node.links import LinkBook
 from meshnode.node.membership import (
     Event,
     FrameReceived,
@@ -115,6 +120,7 @@ class Sessions:
         interval_s: float,
         server_context: ssl.SSLContext,
         limits: MeshLimits = DEFAULT_LIMITS,
+        quiet: Callable[[], bool] = lambda: True,
     ) -> None:
         self.node_id = node_id
         self.limits = limits
@@ -132,6 +138,10 @@ class Sessions:
         self._pending = PendingHandshakes(limits)
         self._refusals = RateLimitedLog(log)
         self._peer_lines = TokenBuckets()  # lines each member's frames may cause
+        # The measured rate of the link to each peer (meshnode.node.links); ``quiet``
+        # says when the node serves no run, so that a link may be probed again.
+        self.links = LinkBook(node_id)
+        self._quiet = quiet
 
     def __contains__(self, node_id: object) -> bool:
         return node_id in self.live
@@ -308,6 +318,9 @@ class Sessions:
                     await session.peer.send(self.owner.hello())
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._send_heartbeats, session)
+                if LINK_PROBE_FEATURE in session.features:  # meshnode.node.links
+                    measure = self.links.keep_measured
+                    nursery.start_soon(measure, session.node_id, session.peer.send, self._quiet)
                 await self._receive_loop(session)
                 nursery.cancel_scope.cancel()
         except* RemoteProtocolError as group:
@@ -331,6 +344,7 @@ class Sessions:
         if self.live.get(session.node_id) is not session:
             return  # replaced by a duplicate, which carries on
         del self.live[session.node_id]
+        self.links.forget(session.node_id)
         self.owner.session_lost(session.node_id, unexpected=not (session.left or self.stopping))
 
     def _beat(self, echo: Heartbeat | None = None) -> Heartbeat:
@@ -367,6 +381,10 @@ class Sessions:
     async def _dispatch(self, session: Session, message: Message) -> None:
         if isinstance(message, Heartbeat):
             await session.peer.send(self._beat(echo=message))
+            return
+        if isinstance(message, LinkProbe | LinkProbeReply):  # meshnode.node.links
+            if reply := self.links.receive(session.node_id, message, trio.current_time()):
+                await session.peer.send(reply)
             return
         if await self.owner.route(session.node_id, message):
             return

@@ -2,7 +2,8 @@
 
 The specification is ``protocol/README.md``; golden frames are in ``protocol/vectors/``.
 Layering (lower never imports higher): ``_errors``, ``_tensor`` → ``_fields`` →
-``_messages`` → ``_framing``, ``_state`` → ``_connection``. Depends on ``cbor2`` only.
+``_records`` → ``_control``, ``_data`` → ``_messages`` → ``_framing``, ``_state`` →
+``_connection``. Depends on ``cbor2`` only.
 """
 
 from meshnode_protocol._connection import (
@@ -31,6 +32,7 @@ from meshnode_protocol._messages import (
     ACTIVATION_KINDS,
     BATCH_FEATURE,
     DEFAULT_FEATURES,
+    LINK_PROBE_FEATURE,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     ActivationBatch,
@@ -44,6 +46,8 @@ from meshnode_protocol._messages import (
     Hello,
     Inventory,
     InventoryReport,
+    LinkProbe,
+    LinkProbeReply,
     Load,
     Message,
     PeerInfo,
@@ -68,6 +72,7 @@ __all__ = [
     "CONNECTION_CLOSED",
     "DEFAULT_FEATURES",
     "DTYPE_SIZES",
+    "LINK_PROBE_FEATURE",
     "MAX_FRAME_BYTES",
     "MAX_HEADER_BYTES",
     "MAX_PRE_HELLO_FRAME_BYTES",
@@ -88,6 +93,8 @@ __all__ = [
     "Hello",
     "Inventory",
     "InventoryReport",
+    "LinkProbe",
+    "LinkProbeReply",
     "Load",
     "LocalProtocolError",
     "Message",

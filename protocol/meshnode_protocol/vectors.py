@@ -34,6 +34,8 @@ from meshnode_protocol._messages import (
     Hello,
     Inventory,
     InventoryReport,
+    LinkProbe,
+    LinkProbeReply,
     Load,
     Message,
     PeerInfo,
@@ -83,6 +85,11 @@ EXAMPLES: Final[dict[str, Message]] = {
     "heartbeat_echo": Heartbeat(
         node_id="node-b", nonce=4, sent_ns=77, echo_nonce=17, echo_sent_ns=1_000_000_123
     ),
+    "link_probe": LinkProbe(
+        node_id="node-a", nonce=9, payload=Tensor(dtype="f16", shape=(4,), data=bytes(8))
+    ),
+    "link_probe_empty": LinkProbe(node_id="node-a", nonce=8),
+    "link_probe_reply": LinkProbeReply(node_id="node-b", nonce=9, received_bytes=8),
     "error": Error(code=100, message="term 2 is older than 3", run_id="run-7f3a", term=2),
     "error_fatal": Error(code=1, message="bad CBOR header", fatal=True),
     "claim": Claim(

@@ -1,0 +1,304 @@
+"""Membership and control-plane messages: who a peer is and is it alive, and a run's
+bring-up (claim, prepare, inventory, load, ready, stop, status). The rules of every record
+are in ``_records``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from meshnode_protocol._fields import UInt
+from meshnode_protocol._records import (
+    DEFAULT_FEATURES,
+    PROTOCOL_VERSION,
+    Message,
+    PeerInfo,
+    Range,
+    check_range,
+)
+from meshnode_protocol._tensor import DTYPE_SIZES, Tensor
+
+# -- membership ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello(Message):
+    """First message in each direction: who we are and what we speak."""
+
+    TYPE: ClassVar[int] = 1
+    protocol_version: UInt = PROTOCOL_VERSION
+    features: tuple[str, ...] = DEFAULT_FEATURES
+    node_id: str
+    mesh_id_hash: str
+    listen_address: str
+    device_kind: str
+    usable_memory: UInt
+    known_peers: tuple[PeerInfo, ...] = ()
+    api_address: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Goodbye(Message):
+    """Clean shutdown: the sender closes after this; peers drop it at once (not 'dead')."""
+
+    TYPE: ClassVar[int] = 2
+    node_id: str
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat(Message):
+    """Liveness and round-trip time.
+
+    ``sent_ns`` is the sender's monotonic clock. A heartbeat with ``echo_nonce`` unset is
+    answered by one that copies its ``nonce``/``sent_ns`` into ``echo_nonce``/``echo_sent_ns``;
+    the original sender's RTT is then ``now - echo_sent_ns`` on its own clock (no clock sync).
+    Answers are never answered.
+    """
+
+    TYPE: ClassVar[int] = 3
+    node_id: str
+    nonce: int
+    sent_ns: int
+    echo_nonce: int | None = None
+    echo_sent_ns: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Error(Message):
+    """A refusal (``code`` is an ``ErrorCode``); ``fatal`` means the sender closes next."""
+
+    TYPE: ClassVar[int] = 4
+    code: UInt
+    message: str
+    fatal: bool = False
+    run_id: str = ""
+    term: UInt = 0
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkProbe(Message):
+    """A link's bandwidth, timed by its sender (issue 34): answered at once by a
+    ``LinkProbeReply`` with the same ``nonce``.
+
+    ``payload`` is padding, its values never read: the sender times an empty probe and
+    one of ``n`` bytes and takes ``n`` over the difference as the link's rate, so the
+    round trip cancels out. A node answers a bounded number of probes per peer.
+    """
+
+    TYPE: ClassVar[int] = 5
+    node_id: str
+    nonce: UInt
+    payload: Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkProbeReply(Message):
+    """The answer to a ``LinkProbe``: its ``nonce`` and the padding bytes it carried."""
+
+    TYPE: ClassVar[int] = 6
+    node_id: str
+    nonce: UInt
+    received_bytes: UInt = 0
+
+
+# -- control plane ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Claim(Message):
+    """Coordinator → node: reserve yourself for run ``run_id`` at ``term``."""
+
+    TYPE: ClassVar[int] = 10
+    run_id: str
+    term: UInt
+    coordinator_id: str
+    package_ref: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimAccepted(Message):
+    """Node → coordinator: claimed; these are the resources it offers the run."""
+
+    TYPE: ClassVar[int] = 11
+    run_id: str
+    term: UInt
+    node_id: str
+    device_kind: str = ""
+    usable_memory: UInt = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimRejected(Message):
+    """Node → coordinator: not claimed (e.g. held by a newer term); ``held_by_*`` say by whom."""
+
+    TYPE: ClassVar[int] = 12
+    run_id: str
+    term: UInt
+    node_id: str
+    reason: str
+    held_by_run: str = ""
+    held_by_term: UInt = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prepare(Message):
+    """Coordinator → node: materialize this part of a package in the background."""
+
+    TYPE: ClassVar[int] = 13
+    run_id: str
+    term: UInt
+    package_ref: str
+    manifest_sha256: str
+    layer_range: Range
+    has_embed: bool
+    has_head: bool
+    # The hub commit (40 lowercase hex digits) the host resolved ``package_ref``'s revision
+    # to; every stage reads exactly that commit. Empty: the reference has no revision. Its
+    # form is the application's to check (a stage refuses a malformed one), not the codec's.
+    commit: str = ""
+
+    def _validate(self) -> None:
+        check_range("layer_range", self.layer_range)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrepareAccepted(Message):
+    """Node → coordinator: preparing; progress is visible through ``Inventory``."""
+
+    TYPE: ClassVar[int] = 14
+    run_id: str
+    term: UInt
+    node_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Inventory(Message):
+    """Coordinator → node: report what you hold of this package."""
+
+    TYPE: ClassVar[int] = 15
+    run_id: str
+    term: UInt
+    package_ref: str
+    manifest_sha256: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InventoryReport(Message):
+    """Node → coordinator: layer ranges ready / missing / being prepared, and byte progress;
+    once loaded, ``busy_ms``: how long its compute pass in progress has run (0: idle).
+
+    Once prepared, what the node measured of itself for this model (issue 34; 0 and
+    empty: not measured): per layer and token, ``decode_us`` (one row), ``batch_us`` (eight
+    rows in one pass, per row), ``prefill_us`` (a prompt chunk, per row), over a layer of
+    ``layer_bytes`` weight bytes; ``disk_bytes_per_s``, the model file's read rate;
+    ``free_memory`` now; ``measure_error``, why it could not measure. Claims: the
+    coordinator bounds them (the codec checks only types)."""
+
+    TYPE: ClassVar[int] = 16
+    run_id: str
+    term: UInt
+    node_id: str
+    package_ref: str
+    ready: tuple[Range, ...] = ()
+    missing: tuple[Range, ...] = ()
+    preparing: tuple[Range, ...] = ()
+    embed_ready: bool = False
+    head_ready: bool = False
+    bytes_done: UInt = 0
+    bytes_total: UInt = 0
+    error: str = ""
+    busy_ms: UInt = 0
+    decode_us: float = 0.0
+    batch_us: float = 0.0
+    prefill_us: float = 0.0
+    layer_bytes: UInt = 0
+    disk_bytes_per_s: float = 0.0
+    free_memory: UInt = 0
+    measure_error: str = ""
+
+    def _validate(self) -> None:
+        for name in ("ready", "missing", "preparing"):
+            for r in getattr(self, name):
+                check_range(name, r)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Load(Message):
+    """Coordinator → node: load a stage (sent downstream-first; answered by ``Ready``).
+
+    ``upstream`` is the stage that sends us activations (``None`` on stage 0);
+    ``downstream`` is where our output goes: the next stage, or, on the last stage, the
+    host (stage 0), which receives ``Prediction`` frames directly. ``ring_slots`` is how
+    many per-row recurrent-state snapshots a hybrid stage keeps per sequence (the largest
+    verify pass the host will send: its largest window plus one); 0 leaves it to the stage.
+    """
+
+    TYPE: ClassVar[int] = 17
+    run_id: str
+    term: UInt
+    package_ref: str
+    manifest_sha256: str
+    layer_range: Range
+    has_embed: bool
+    has_head: bool
+    upstream: PeerInfo | None = None
+    downstream: PeerInfo | None = None
+    wire_dtype: str = "f16"
+    context_size: UInt
+    batch_sizes: tuple[UInt, ...] = (1,)
+    kv_dtype: str = "f16"
+    ring_slots: UInt = 0
+
+    def _validate(self) -> None:
+        check_range("layer_range", self.layer_range)
+        if self.wire_dtype not in DTYPE_SIZES:
+            raise ValueError(f"wire_dtype must be one of {sorted(DTYPE_SIZES)}")
+        if any(b <= 0 for b in self.batch_sizes):
+            raise ValueError("batch_sizes must be positive")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ready(Message):
+    """Node → coordinator: the stage is loaded and accepts activations at ``endpoint``.
+    ``prefix_block`` is the block size of the stage's prefix cache (0: it keeps none, or
+    the node predates the field); the host resumes requests from cached prefixes only
+    when every stage of the run announces its own block size."""
+
+    TYPE: ClassVar[int] = 18
+    run_id: str
+    term: UInt
+    node_id: str
+    endpoint: str
+    layer_range: Range
+    prefix_block: UInt = 0
+
+    def _validate(self) -> None:
+        check_range("layer_range", self.layer_range)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stop(Message):
+    """Coordinator → node: drop everything of this run (stage, caches, claim)."""
+
+    TYPE: ClassVar[int] = 19
+    run_id: str
+    term: UInt
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Status(Message):
+    """Node → anyone: its current state (idle, claimed, preparing, loading, ready, stopping)."""
+
+    TYPE: ClassVar[int] = 20
+    node_id: str
+    state: str
+    run_id: str = ""
+    term: UInt = 0
+    layer_range: Range | None = None
+    detail: str = ""
+
+    def _validate(self) -> None:
+        check_range("layer_range", self.layer_range)
