@@ -30,6 +30,7 @@ from meshnode.cli import app
 from meshnode.cli import commands as _commands  # registers the commands on app
 from meshnode.cli.generate import GenerateConfig, complete
 from meshnode.engine import ModelConfig, Stage, ops
+from meshnode.engine.attention import reference_heads
 from meshnode.engine.backend import CpuBackend, CudaBackend, WeightsDtype, cpu_backend
 from meshnode.engine.config import ModelConfigError
 from meshnode.engine.cpu import MAX_KERNEL_ROWS, BlockMatrix
@@ -335,6 +336,28 @@ def test_sinks_take_a_share_of_each_rows_attention() -> None:
             e = np.exp(np.append(s, sinks[h]) - max(s.max(), sinks[h]))
             want = (e[:-1] / e.sum()) @ values[h // 2, lo : pos + 1]
             np.testing.assert_allclose(got[h, r], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_windows_rows_by_rows_are_its_decode_steps_bits(window: int | None, sinks: bool) -> None:
+    """gpt-oss's sinks and Qwen3.5's gated attention run the reference's heads: a verify
+    window's rows one at a time (``ops.attention_by_rows``) are the bits of decode steps
+    at their positions (one-row calls over the cache's keys so far), and the attention."""
+    rng = np.random.default_rng(3)
+    heads, kv_heads, dim, t, rows = 16, 4, 64, 37, 7
+    cache = rng.standard_normal((2, kv_heads, 64, dim)).astype(np.float32)  # [2, Hkv, T, D]
+    keys, values = cache[0, :, :t], cache[1, :, :t]  # views, as KVCache.write returns them
+    q = rng.standard_normal((heads, rows, dim)).astype(np.float32)
+    sink = rng.standard_normal(heads).astype(np.float32) if sinks else None
+    got = reference_heads(np, q, keys, values, 0.125, window, sink)
+    for i in range(rows):
+        end = t - rows + i + 1
+        step = ops.attention(np, q[:, i : i + 1].copy(), keys[:, :end], values[:, :end], 0.125,
+                             window, sink)  # fmt: skip
+        assert np.array_equal(got[:, i : i + 1], step), f"row {i}"
+    want = ops.attention(np, q, keys, values, 0.125, window, sink)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_yarn_scales_low_frequencies_and_the_attention() -> None:
