@@ -259,13 +259,16 @@ class HybridMixer:
         out = reference_heads(xp, q, keys, values, self._scale)  # [H, r, D]
         return out.transpose(1, 0, 2).reshape(rows, heads * d) * deltanet.sigmoid(xp, gate)
 
-    def mlp(self, w: HybridLayerWeights, x: Any) -> Any:
-        """SwiGLU of ``x`` ``[r, E]`` (the routed experts in a mixture-of-experts layer)."""
+    def mlp(self, w: HybridLayerWeights, x: Any, sizes: Sequence[int] | None = None) -> Any:
+        """SwiGLU of ``x`` ``[r, E]`` (the routed experts in a mixture-of-experts layer);
+        ``sizes``: the row counts of the segments in ``x`` (one without), each row's
+        products by the path its segment takes alone (:meth:`Backend.linear`)."""
+        sizes = [x.shape[0]] if sizes is None else list(sizes)
         if w.moe is not None:  # MoE: this layer's feed-forward kind is routed experts
             assert self.config.moe is not None
-            return moe_mlp(self.backend, self.config.moe, w.moe, x)  # [r, E]
-        gate_up = self.linear(x, w.w_gate_up)  # [r, 2 I]
-        return self.linear(ops.silu_mul(self.xp, gate_up), w.w_down)
+            return moe_mlp(self.backend, self.config.moe, w.moe, x, sizes)  # [r, E]
+        gate_up = self.linear(x, w.w_gate_up, sizes)  # [r, 2 I]
+        return self.linear(ops.silu_mul(self.xp, gate_up), w.w_down, sizes)
 
     def _norm(self, x: Any, weight: Any) -> Any:
         return ops.rms_norm(self.xp, x, weight, self.config.rms_norm_eps)
