@@ -41,6 +41,7 @@ from meshnode.engine.moe import moe_mlp, route
 from meshnode.engine.moe_weights import expert_slice, load_moe, matrix
 from meshnode.engine.sampling import SamplingParams
 from meshnode.node.footprint import model_footprint
+from tests.engine.hybrid_model import HYBRID_DIR, hybrid_golden
 from tests.engine.moe_models import GGUF_ARCH, MODELS, MOE_DIR, golden, write_gguf_twin
 
 runner = CliRunner()
@@ -223,20 +224,42 @@ def test_qwen35_moe_twin_gives_the_checkpoint_bits_and_the_reference_tokens(
     logits, and the reference's tokens on one node and split (cuts between DeltaNet
     layers and before the attention layer), all prompts batched."""
     model = "qwen35-moe-tiny"
-    from_gguf, from_hf = _stages(twins[model], cuts), _stages(MOE_DIR / model, cuts)
+    _assert_qwen35_twin(twins[model], MOE_DIR / model, golden(model)["prompts"], 32, cuts)
+
+
+@pytest.mark.parametrize("cuts", [(), (3,)], ids=["1-stage", "2-stages"])
+def test_qwen35_dense_twin_gives_the_checkpoint_bits_and_the_reference_tokens(
+    tmp_path: Path, cuts: tuple[int, ...]
+) -> None:
+    """llama.cpp's dense ``qwen35`` (read as ``qwen35moe`` is, with a SwiGLU MLP): the
+    tiny Qwen3.5 reference's exact logits and its tokens, on one node and split before
+    the first attention layer."""
+    twin = write_gguf_twin(HYBRID_DIR.name, tmp_path / "qwen35.gguf")
+    prompts = hybrid_golden()["prompts"][:3]  # 5, 17 and 40 tokens
+    hybrid = _assert_qwen35_twin(twin, HYBRID_DIR, prompts, 16, cuts)
+    assert hybrid.moe is None
+
+
+def _assert_qwen35_twin(
+    twin: Path, folder: Path, prompts: list[dict[str, Any]], steps: int, cuts: tuple[int, ...]
+) -> Any:
+    """The GGUF ``twin`` of the Qwen3.5 reference ``folder``: its hybrid config (returned),
+    its exact logits on one stage, the reference's first ``steps`` tokens of ``prompts``
+    all batched on the stages ``cuts`` make."""
+    from_gguf, from_hf = _stages(twin, cuts), _stages(folder, cuts)
     hybrid, want = from_gguf[0].config.hybrid, from_hf[0].config.hybrid
     assert hybrid is not None
     assert want is not None
     assert np.float32(hybrid.rms_norm_eps) == np.float32(want.rms_norm_eps)  # GGUF: float32
     assert dataclasses.replace(hybrid, rms_norm_eps=want.rms_norm_eps) == want
-    prompts = golden(model)["prompts"]
     ids = [p["prompt_ids"] for p in prompts]
     if not cuts:
         (a,), (b,) = from_gguf, from_hf
         x = np.asarray(ids[1])
         got, ref = a.forward(x, 0, a.new_cache(64)), b.forward(x, 0, b.new_cache(64))
         np.testing.assert_array_equal(got, ref)
-    assert _greedy(from_gguf, ids, 32) == [p["gen_ids"] for p in prompts]
+    assert _greedy(from_gguf, ids, steps) == [p["gen_ids"][:steps] for p in prompts]
+    return hybrid
 
 
 # -- refusals ------------------------------------------------------------------------------
