@@ -13,12 +13,15 @@ rows (one segment each), medians of the thread CPU time of ``--repeats`` calls o
 step, taken in turn (robust on a busy machine):
 
 - ``router``: ``x @ router`` (plus gpt-oss's bias);
-- ``route``: softmax and top-k (:func:`meshnode.engine.moe.route`);
-- ``group``: the rows grouped by expert (:func:`meshnode.engine.cpu.experts.group`);
+- ``route``: softmax and top-k in NumPy (:func:`meshnode.engine.moe.route`);
+- ``group``: the rows grouped by expert in NumPy (:func:`meshnode.engine.cpu.experts.group`);
+- ``routed``: both in one compiled call, as the layer runs them
+  (:func:`meshnode.engine.cpu.experts.route`: the same bits; compare with route + group);
 - ``experts``: the compiled call (gathers, each chosen expert's two products and its
   activation, biases), without the sums;
 - ``sums``: each row's weighted sum of its k experts;
-- ``layer``: the whole ``moe_mlp``, and ``other`` = layer - the steps above;
+- ``layer``: the whole ``moe_mlp``, and ``other`` = layer - the steps it runs (router,
+  routed, experts, sums);
 - ``dense``: the k experts' bytes of one row as one gate/up and one down product
   (what the products alone cost, one read of the same bytes).
 """
@@ -46,7 +49,7 @@ from meshnode.engine.cpu import experts, set_kernel_threads
 from meshnode.engine.moe import moe_mlp, route
 from meshnode.engine.moe_weights import ExpertWeights, MoeWeights, expert_slice, load_moe, matrix
 
-STEPS = ("router", "route", "group", "experts", "sums", "layer", "dense")
+STEPS = ("router", "route", "group", "routed", "experts", "sums", "layer", "dense")
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -107,6 +110,8 @@ def profile(shape: str, layers: int, mode: str, rows: int, repeats: int) -> dict
     ys = np.empty((rows * c.top_k, config.hidden_size), np.float32)
     out = np.empty_like(x)
 
+    rule = (c.routing == "topk_softmax", c.norm_topk_prob)
+
     def router() -> None:
         r = backend.linear(x, w.router, sizes)
         if w.router_bias is not None:
@@ -116,6 +121,7 @@ def profile(shape: str, layers: int, mode: str, rows: int, repeats: int) -> dict
         "router": router,
         "route": lambda: route(np, logits, c),
         "group": lambda: experts.group(picks),
+        "routed": lambda: experts.route(logits, c.top_k, *rule),
         "experts": lambda: kernel(*gu.raws, *dn.raws, *act, x, chosen, starts, order, c.top_k, ys),
         "sums": lambda: compiled.sums(ys, picks, weights, out),
         "layer": lambda: moe_mlp(backend, c, w, x, sizes),
@@ -130,9 +136,7 @@ def profile(shape: str, layers: int, mode: str, rows: int, repeats: int) -> dict
         for name, fn in steps.items():
             times[name].append(_timed(fn))
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    med["other"] = med["layer"] - sum(
-        med[k] for k in ("router", "route", "group", "experts", "sums")
-    )
+    med["other"] = med["layer"] - sum(med[k] for k in ("router", "routed", "experts", "sums"))
     return med
 
 

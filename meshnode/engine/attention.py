@@ -42,6 +42,7 @@ __all__ = [
     "Segment",
     "blocked_attention",
     "kept_rows",
+    "reference_heads",
 ]
 
 # Which segments the compiled kernel takes: up to KERNEL_MAX_ROWS rows (decode, verify
@@ -264,7 +265,7 @@ class KernelAttention(Attention):
         threads that may run (:func:`meshnode.engine.cpu.matrix.share`); with sinks the
         reference."""
         if sinks is not None:
-            return ops.attention(self.xp, q, keys, values, self.scale, window, sinks)
+            return reference_heads(self.xp, q, keys, values, self.scale, window, sinks)
         threads = matrix.shared_threads()
         return blocked_attention(
             q, keys, values, self._scale, window, lambda fn, n: matrix.share(fn, n, threads)
@@ -324,6 +325,25 @@ def blocked_attention(
     else:
         run(block, count)
     return out.reshape(heads, rows, dim)
+
+
+def reference_heads(
+    xp: Any,
+    q: Any,
+    keys: Any,
+    values: Any,
+    scale: float,
+    window: int | None = None,
+    sinks: Any | None = None,
+) -> Any:
+    """The reference's heads (:func:`ops.attention`) for a layer the compiled kernel does
+    not run (gpt-oss's sinks, Qwen3.5's gated attention): up to :data:`KERNEL_MAX_ROWS`
+    query rows (decode, verify windows) a row at a time (:func:`ops.attention_by_rows`:
+    a window's rows are its decode steps' bits, as the kernel's are), more in one call.
+    ``q`` ``[H, r, D]``, ``keys``/``values`` ``[Hkv, T, D]``; returns ``[H, r, D]``."""
+    rows = q.shape[1]
+    attend = ops.attention_by_rows if rows <= KERNEL_MAX_ROWS else ops.attention
+    return attend(xp, q, keys, values, scale, window, sinks)
 
 
 def kept_rows(xp: Any, segs: Sequence[Segment]) -> Any:

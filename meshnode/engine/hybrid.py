@@ -6,8 +6,10 @@ layer by its weights. The cache is a :class:`~meshnode.engine.recurrent.HybridCa
 the stage first rolls it back to ``start_pos`` (KV truncation plus a ring restore), then
 every DeltaNet layer keeps its state after each of the pass's last ``ring_slots`` rows.
 
-Batched verify: the projections, the attention and the MLP of a layer run on all rows of
-the pass at once; only the delta-rule recurrence steps through the rows one by one.
+Batched verify: the projections and the MLP of a layer run on all rows of the pass at
+once; the delta-rule recurrence steps through the rows one by one, and so does the gated
+attention of a short pass (:func:`~meshnode.engine.attention.reference_heads`: a verify
+window's rows are the bits of its decode steps).
 
 Shapes: S new rows, r rows whose output is wanted, E hidden, C conv channels, Hk/Hv
 DeltaNet key/value heads, Dk/Dv their dims, H/Hkv attention heads, D their dim.
@@ -23,7 +25,7 @@ import numpy as np
 from meshnode_packaging.sources import ModelSource
 
 from meshnode.engine import deltanet, ops
-from meshnode.engine.attention import Segment
+from meshnode.engine.attention import Segment, reference_heads
 from meshnode.engine.backend import Backend
 from meshnode.engine.hybrid_config import HybridConfig
 from meshnode.engine.hybrid_weights import (
@@ -254,16 +256,19 @@ class HybridMixer:
         q = deltanet.partial_rotate_half(xp, q, cos[n - rows :], sin[n - rows :])
         k = deltanet.partial_rotate_half(xp, k, cos, sin)
         keys, values = kv.write(layer, pos, k, v)  # [Hkv, T, D]
-        out = ops.attention(xp, q, keys, values, self._scale)  # [H, r, D]
+        out = reference_heads(xp, q, keys, values, self._scale)  # [H, r, D]
         return out.transpose(1, 0, 2).reshape(rows, heads * d) * deltanet.sigmoid(xp, gate)
 
-    def mlp(self, w: HybridLayerWeights, x: Any) -> Any:
-        """SwiGLU of ``x`` ``[r, E]`` (the routed experts in a mixture-of-experts layer)."""
+    def mlp(self, w: HybridLayerWeights, x: Any, sizes: Sequence[int] | None = None) -> Any:
+        """SwiGLU of ``x`` ``[r, E]`` (the routed experts in a mixture-of-experts layer);
+        ``sizes``: the row counts of the segments in ``x`` (one without), each row's
+        products by the path its segment takes alone (:meth:`Backend.linear`)."""
+        sizes = [x.shape[0]] if sizes is None else list(sizes)
         if w.moe is not None:  # MoE: this layer's feed-forward kind is routed experts
             assert self.config.moe is not None
-            return moe_mlp(self.backend, self.config.moe, w.moe, x)  # [r, E]
-        gate_up = self.linear(x, w.w_gate_up)  # [r, 2 I]
-        return self.linear(ops.silu_mul(self.xp, gate_up), w.w_down)
+            return moe_mlp(self.backend, self.config.moe, w.moe, x, sizes)  # [r, E]
+        gate_up = self.linear(x, w.w_gate_up, sizes)  # [r, 2 I]
+        return self.linear(ops.silu_mul(self.xp, gate_up), w.w_down, sizes)
 
     def _norm(self, x: Any, weight: Any) -> Any:
         return ops.rms_norm(self.xp, x, weight, self.config.rms_norm_eps)

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from meshnode.engine import ops
-from meshnode.engine.cpu import MAX_KERNEL_ROWS
+from meshnode.engine.cpu import MAX_KERNEL_ROWS, experts
 from meshnode.engine.moe_config import MoeConfig
 from meshnode.engine.moe_weights import ExpertWeights, MoeWeights
 
@@ -100,13 +100,18 @@ def moe_mlp(
     logits = backend.linear(x, w.router, sizes)  # [r, n]
     if w.router_bias is not None:
         logits = logits + w.router_bias
-    chosen, weights = route(xp, logits, config)  # [r, k], [r, k]
-    picks = np.asarray(backend.to_numpy(chosen))
+    routes = None
+    if _compiled_experts(backend, w):  # softmax, top-k and grouping in one compiled call
+        routes = experts.route(logits, config.top_k, *_rule(config))
+        picks, weights = routes.picks, routes.weights  # [r, k], [r, k]
+    else:
+        chosen, weights = route(xp, logits, config)  # [r, k], [r, k]
+        picks = np.asarray(backend.to_numpy(chosen))
     long = np.repeat([s > MAX_KERNEL_ROWS for s in sizes], sizes)  # rows BLAS multiplies
     if backend.weights_dtype == "q8" and _compiled_experts(backend, w):
         long[:] = False  # the 8-bit kernels take any rows, one row as many
     if not long.any():
-        out = _kernel_rows(backend, config, w, x, picks, weights)
+        out = _kernel_rows(backend, config, w, x, picks, weights, routes)
     elif long.all():
         out = _experts(backend, config, w, x, picks, weights, long=True)
     else:
@@ -127,15 +132,28 @@ def _compiled_experts(backend: Any, w: MoeWeights) -> bool:
     return w.stacked is not None and bool(backend.cpu_blocks)
 
 
+def _rule(config: MoeConfig) -> tuple[bool, bool]:
+    """The routing rule as :func:`.cpu.experts.route` takes it: gpt-oss's top-k then
+    softmax, and whether the k weights are divided by their sum."""
+    return config.routing == "topk_softmax", config.norm_topk_prob
+
+
 def _kernel_rows(
-    backend: Any, config: MoeConfig, w: MoeWeights, x: Any, picks: np.ndarray, weights: Any
+    backend: Any,
+    config: MoeConfig,
+    w: MoeWeights,
+    x: Any,
+    picks: np.ndarray,
+    weights: Any,
+    routes: experts.Routes | None = None,
 ) -> Any:
     """The routed experts' weighted sum for rows of short segments, each row through the
     kernels (one compiled call, or an expert at a time at most
-    :data:`MAX_KERNEL_ROWS` rows a product): a row's bits are those it has alone."""
+    :data:`MAX_KERNEL_ROWS` rows a product): a row's bits are those it has alone.
+    ``routes``: the rows' grouping, where the compiled routing made it for all of them."""
     if _compiled_experts(backend, w):
         assert w.stacked is not None
-        return w.stacked(x, picks, weights, backend.weights_dtype == "q8")
+        return w.stacked(x, picks, weights, backend.weights_dtype == "q8", routes)
     return _experts(backend, config, w, x, picks, weights, long=False)
 
 

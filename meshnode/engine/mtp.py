@@ -183,6 +183,6 @@ class MtpHead:
             n,
         )
         x = x + h
-        x = x + st.mlp(layer, ops.rms_norm(xp, x, layer.ffn_norm, eps))
+        x = x + st.mlp(layer, ops.rms_norm(xp, x, layer.ffn_norm, eps), [n])  # one segment
         cache.kv.length = pos + n
         return ops.rms_norm(xp, x, w.norm, eps)

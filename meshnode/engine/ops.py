@@ -146,3 +146,28 @@ def attention(
         return (probs @ values).reshape(heads, rows, dim)  # [H, r, D]
     probs = softmax(xp, scores).reshape(kv_heads, group * rows, t - lo)
     return (probs @ values).reshape(heads, rows, dim)  # [H, r, D]
+
+
+def attention_by_rows(
+    xp: Any,
+    q: Any,
+    keys: Any,
+    values: Any,
+    scale: float,
+    window: int | None = None,
+    sinks: Any | None = None,
+) -> Any:
+    """:func:`attention`, one query row at a time: row i is a one-row call over the keys
+    it sees (``0 .. T - r + i``), its query copied alone (C order), so its bits are those
+    of a decode step at its position whatever rows share the call (the batched call's
+    products are BLAS's, whose sums take another order for another row count). Same
+    shapes as :func:`attention`."""
+    rows, t = q.shape[1], keys.shape[1]
+    if rows == 1:
+        return attention(xp, q, keys, values, scale, window, sinks)
+    outs = []
+    for i in range(rows):
+        end = t - rows + i + 1  # row i sits at position end - 1
+        one = xp.ascontiguousarray(q[:, i : i + 1])  # [H, 1, D]
+        outs.append(attention(xp, one, keys[:, :end], values[:, :end], scale, window, sinks))
+    return xp.concatenate(outs, axis=1)  # [H, r, D]

@@ -10,7 +10,7 @@ from typing import Any
 
 from meshnode_packaging import sources_moe as moe
 from meshnode_packaging.gguf_file import GGUFFile
-from meshnode_packaging.gguf_qwen35 import qwen35_config
+from meshnode_packaging.gguf_qwen35 import QWEN35_ARCHS, qwen35_config
 from meshnode_packaging.source_types import SourceError
 
 __all__ = [
@@ -48,6 +48,7 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "qwen3moe": GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gpt-oss": GGUFArchitecture("gpt_oss", "GptOssForCausalLM"),
     # the converter adds one to Qwen3.5's RMSNorm weights but DeltaNet's (gguf_source)
+    "qwen35": GGUFArchitecture("qwen3_5_text", "Qwen3_5ForCausalLM", norm_shift=1.0),
     "qwen35moe": GGUFArchitecture("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", norm_shift=1.0),
     "gemma3": GGUFArchitecture(
         "gemma3_text", "Gemma3ForCausalLM", norm_shift=1.0, hidden_act="gelu_pytorch_tanh"
@@ -103,7 +104,7 @@ def gguf_config(reader: GGUFFile, tensor_names: set[str]) -> dict[str, Any]:
     }
     if arch == "gemma3":
         config.update(_gemma3_config(meta, config))
-    if arch == "qwen35moe":
+    if arch in QWEN35_ARCHS:
         config.update(qwen35_config(meta, config))
     config.update(moe.gguf_moe_config(meta, arch, config))  # experts (and gpt-oss's windows)
     return config

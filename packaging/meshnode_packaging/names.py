@@ -52,6 +52,7 @@ _GEMMA_NORMS = {
 GGUF_ARCH_NAMES: dict[str, dict[str, str]] = {
     "gemma3": _GEMMA_NORMS,
     "gpt-oss": moe.GPT_OSS_NAMES,
+    "qwen35": QWEN35_NAMES,  # the dense one: Gated DeltaNet tensors, a SwiGLU MLP
     "qwen35moe": QWEN35_NAMES,  # Gated DeltaNet tensors, "post_attention_norm" before the MLP
 }
 # Without a known architecture every name any architecture uses maps somewhere (Llama's

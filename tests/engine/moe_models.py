@@ -33,6 +33,10 @@ GGUF_ARCH = {
     "qwen3_5_moe_text": "qwen35moe",
 }
 
+# the dense references write_gguf_twin also takes (tests/golden/tiny): model_type -> arch
+DENSE_ARCH = {"qwen3_5_text": "qwen35"}
+QWEN35 = ("qwen35", "qwen35moe")  # llama.cpp's Qwen3.5 architectures
+
 
 def golden(model: str) -> dict[str, Any]:
     """The reference's ``golden.json``."""
@@ -46,21 +50,24 @@ def _config(folder: Path) -> dict[str, Any]:
 
 
 def write_gguf_twin(model: str, path: Path, *, per_expert: bool = False) -> Path:
-    """The reference ``model``'s weights as a float32 GGUF at ``path``; returns it. The
+    """The reference ``model``'s weights (one of :data:`MODELS`, or a dense reference of
+    ``tests/golden/tiny`` in :data:`DENSE_ARCH`) as a float32 GGUF at ``path``; returns it. The
     experts as 3-D tensors (``ffn_*_exps``), or with ``per_expert`` one tensor each, as
     llama.cpp's first Mixtral GGUFs name them (``ffn_gate.E.weight``)."""
-    folder = MOE_DIR / model
+    folder = MOE_DIR / model if model in MODELS else GOLDEN_DIR / "tiny" / model
     c = _config(folder)
-    arch = GGUF_ARCH[c["model_type"]]
+    arch = {**GGUF_ARCH, **DENSE_ARCH}[c["model_type"]]
     t = load_file(str(folder / "model.safetensors"))
     w = gguf.GGUFWriter(path, arch)
     _metadata(w, arch, c)
     w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
     w.add_tensor("output.weight", t["lm_head.weight"])
-    shift = np.float32(1.0 if arch == "qwen35moe" else 0.0)  # its converter adds one
+    shift = np.float32(1.0 if arch in QWEN35 else 0.0)  # its converter adds one
     w.add_tensor("output_norm.weight", t["model.norm.weight"] + shift)
     for i in range(c["num_hidden_layers"]):
-        if arch == "qwen35moe":  # the hybrid's token mixers, experts as Qwen3-MoE's
+        if arch == "qwen35":  # the dense hybrid
+            layer = qwen35_layer(t, c, i)
+        elif arch == "qwen35moe":  # the hybrid's token mixers, experts as Qwen3-MoE's
             layer = qwen35_layer(t, c, i) | _experts(t, f"model.layers.{i}.", c, "mlp", False)
         else:
             layer = _layer(t, c, arch, i, per_expert)
@@ -137,15 +144,17 @@ def _gpt_oss_experts(t: dict[str, np.ndarray], p: str) -> dict[str, Any]:
 
 
 def _metadata(w: gguf.GGUFWriter, arch: str, c: dict[str, Any]) -> None:
-    experts = c.get("num_experts") or c["num_local_experts"]
+    experts = c.get("num_experts") or c.get("num_local_experts")
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     if "intermediate_size" in c:  # a MoE config without a dense size writes none
         w.add_feed_forward_length(c["intermediate_size"])
-    w.add_expert_feed_forward_length(c.get("moe_intermediate_size") or c["intermediate_size"])
-    w.add_expert_count(experts)
-    w.add_expert_used_count(c["num_experts_per_tok"])
+    if experts:
+        size = c.get("moe_intermediate_size") or c["intermediate_size"]
+        w.add_expert_feed_forward_length(size)
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c["num_experts_per_tok"])
     w.add_head_count(c["num_attention_heads"])
     w.add_head_count_kv(c["num_key_value_heads"])
     w.add_key_length(c["head_dim"])
@@ -159,7 +168,7 @@ def _metadata(w: gguf.GGUFWriter, arch: str, c: dict[str, Any]) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    if arch == "qwen35moe":
+    if arch in QWEN35:
         qwen35_metadata(w, c)
     tokens = vocabulary()
     tokens += [f"<extra_{i}>" for i in range(c["vocab_size"] - len(tokens))]

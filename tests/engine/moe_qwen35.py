@@ -1,7 +1,8 @@
-"""The Qwen3.5-MoE reference's GGUF twin: what ``convert_hf_to_gguf``'s
-``Qwen3_5MoeTextModel`` (``Qwen3NextModel``, ``_LinearAttentionVReorderBase``) writes for a
-layer's norms, token mixer and shared expert, and its metadata (the routed experts are
-written as Qwen3-MoE's, by :mod:`tests.engine.moe_models`).
+"""The Qwen3.5 references' GGUF twins: what ``convert_hf_to_gguf``'s
+``Qwen3_5MoeTextModel`` / ``Qwen3_5TextModel`` (``Qwen3NextModel``,
+``_LinearAttentionVReorderBase``) writes for a layer's norms, token mixer and shared
+expert or dense MLP, and its metadata (the routed experts are written as Qwen3-MoE's, by
+:mod:`tests.engine.moe_models`).
 
 Written here independently of the reader (``meshnode_packaging.gguf_qwen35``): every
 RMSNorm weight but DeltaNet's plus one, ``ssm_a = -exp(A_log)``, the conv squeezed to
@@ -48,15 +49,21 @@ def _deltanet(t: dict[str, np.ndarray], c: dict[str, Any], p: str) -> dict[str, 
 
 
 def qwen35_layer(t: dict[str, np.ndarray], c: dict[str, Any], i: int) -> dict[str, Any]:
-    """Layer ``i``'s tensors but the router and routed experts, GGUF names and layout."""
+    """Layer ``i``'s tensors but the router and routed experts, GGUF names and layout
+    (the dense model's SwiGLU MLP as ``ffn_{gate,up,down}``, the MoE one's shared
+    expert as ``ffn_*_shexp``)."""
     p, one = f"model.layers.{i}.", np.float32(1.0)
     out: dict[str, Any] = {
         "attn_norm.weight": t[p + "input_layernorm.weight"] + one,
         "post_attention_norm.weight": t[p + "post_attention_layernorm.weight"] + one,
-        "ffn_gate_inp_shexp.weight": t[p + "mlp.shared_expert_gate.weight"],
     }
+    if p + "mlp.shared_expert_gate.weight" in t:
+        out["ffn_gate_inp_shexp.weight"] = t[p + "mlp.shared_expert_gate.weight"]
     for g in ("gate", "up", "down"):
-        out[f"ffn_{g}_shexp.weight"] = t[f"{p}mlp.shared_expert.{g}_proj.weight"]
+        if p + "mlp.shared_expert_gate.weight" in t:
+            out[f"ffn_{g}_shexp.weight"] = t[f"{p}mlp.shared_expert.{g}_proj.weight"]
+        elif f"{p}mlp.{g}_proj.weight" in t:
+            out[f"ffn_{g}.weight"] = t[f"{p}mlp.{g}_proj.weight"]
     if c["layer_types"][i] == "linear_attention":
         return out | _deltanet(t, c, p)
     a = p + "self_attn."
@@ -83,4 +90,5 @@ def qwen35_metadata(w: gguf.GGUFWriter, c: dict[str, Any]) -> None:
     w.add_full_attention_interval(FULL_ATTENTION_INTERVAL)
     partial = c["rope_parameters"]["partial_rotary_factor"]
     w.add_rope_dimension_count(int(c["head_dim"] * partial))
-    w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
+    if "shared_expert_intermediate_size" in c:  # Qwen3.5-MoE
+        w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])

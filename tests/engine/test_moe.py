@@ -30,6 +30,7 @@ from meshnode.cli import app
 from meshnode.cli import commands as _commands  # registers the commands on app
 from meshnode.cli.generate import GenerateConfig, complete
 from meshnode.engine import ModelConfig, Stage, ops
+from meshnode.engine.attention import reference_heads
 from meshnode.engine.backend import CpuBackend, CudaBackend, WeightsDtype, cpu_backend
 from meshnode.engine.config import ModelConfigError
 from meshnode.engine.cpu import MAX_KERNEL_ROWS, BlockMatrix
@@ -40,6 +41,7 @@ from meshnode.engine.moe import moe_mlp, route
 from meshnode.engine.moe_weights import expert_slice, load_moe, matrix
 from meshnode.engine.sampling import SamplingParams
 from meshnode.node.footprint import model_footprint
+from tests.engine.hybrid_model import HYBRID_DIR, hybrid_golden
 from tests.engine.moe_models import GGUF_ARCH, MODELS, MOE_DIR, golden, write_gguf_twin
 
 runner = CliRunner()
@@ -222,20 +224,42 @@ def test_qwen35_moe_twin_gives_the_checkpoint_bits_and_the_reference_tokens(
     logits, and the reference's tokens on one node and split (cuts between DeltaNet
     layers and before the attention layer), all prompts batched."""
     model = "qwen35-moe-tiny"
-    from_gguf, from_hf = _stages(twins[model], cuts), _stages(MOE_DIR / model, cuts)
+    _assert_qwen35_twin(twins[model], MOE_DIR / model, golden(model)["prompts"], 32, cuts)
+
+
+@pytest.mark.parametrize("cuts", [(), (3,)], ids=["1-stage", "2-stages"])
+def test_qwen35_dense_twin_gives_the_checkpoint_bits_and_the_reference_tokens(
+    tmp_path: Path, cuts: tuple[int, ...]
+) -> None:
+    """llama.cpp's dense ``qwen35`` (read as ``qwen35moe`` is, with a SwiGLU MLP): the
+    tiny Qwen3.5 reference's exact logits and its tokens, on one node and split before
+    the first attention layer."""
+    twin = write_gguf_twin(HYBRID_DIR.name, tmp_path / "qwen35.gguf")
+    prompts = hybrid_golden()["prompts"][:3]  # 5, 17 and 40 tokens
+    hybrid = _assert_qwen35_twin(twin, HYBRID_DIR, prompts, 16, cuts)
+    assert hybrid.moe is None
+
+
+def _assert_qwen35_twin(
+    twin: Path, folder: Path, prompts: list[dict[str, Any]], steps: int, cuts: tuple[int, ...]
+) -> Any:
+    """The GGUF ``twin`` of the Qwen3.5 reference ``folder``: its hybrid config (returned),
+    its exact logits on one stage, the reference's first ``steps`` tokens of ``prompts``
+    all batched on the stages ``cuts`` make."""
+    from_gguf, from_hf = _stages(twin, cuts), _stages(folder, cuts)
     hybrid, want = from_gguf[0].config.hybrid, from_hf[0].config.hybrid
     assert hybrid is not None
     assert want is not None
     assert np.float32(hybrid.rms_norm_eps) == np.float32(want.rms_norm_eps)  # GGUF: float32
     assert dataclasses.replace(hybrid, rms_norm_eps=want.rms_norm_eps) == want
-    prompts = golden(model)["prompts"]
     ids = [p["prompt_ids"] for p in prompts]
     if not cuts:
         (a,), (b,) = from_gguf, from_hf
         x = np.asarray(ids[1])
         got, ref = a.forward(x, 0, a.new_cache(64)), b.forward(x, 0, b.new_cache(64))
         np.testing.assert_array_equal(got, ref)
-    assert _greedy(from_gguf, ids, 32) == [p["gen_ids"] for p in prompts]
+    assert _greedy(from_gguf, ids, steps) == [p["gen_ids"][:steps] for p in prompts]
+    return hybrid
 
 
 # -- refusals ------------------------------------------------------------------------------
@@ -335,6 +359,28 @@ def test_sinks_take_a_share_of_each_rows_attention() -> None:
             e = np.exp(np.append(s, sinks[h]) - max(s.max(), sinks[h]))
             want = (e[:-1] / e.sum()) @ values[h // 2, lo : pos + 1]
             np.testing.assert_allclose(got[h, r], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_windows_rows_by_rows_are_its_decode_steps_bits(window: int | None, sinks: bool) -> None:
+    """gpt-oss's sinks and Qwen3.5's gated attention run the reference's heads: a verify
+    window's rows one at a time (``ops.attention_by_rows``) are the bits of decode steps
+    at their positions (one-row calls over the cache's keys so far), and the attention."""
+    rng = np.random.default_rng(3)
+    heads, kv_heads, dim, t, rows = 16, 4, 64, 37, 7
+    cache = rng.standard_normal((2, kv_heads, 64, dim)).astype(np.float32)  # [2, Hkv, T, D]
+    keys, values = cache[0, :, :t], cache[1, :, :t]  # views, as KVCache.write returns them
+    q = rng.standard_normal((heads, rows, dim)).astype(np.float32)
+    sink = rng.standard_normal(heads).astype(np.float32) if sinks else None
+    got = reference_heads(np, q, keys, values, 0.125, window, sink)
+    for i in range(rows):
+        end = t - rows + i + 1
+        step = ops.attention(np, q[:, i : i + 1].copy(), keys[:, :end], values[:, :end], 0.125,
+                             window, sink)  # fmt: skip
+        assert np.array_equal(got[:, i : i + 1], step), f"row {i}"
+    want = ops.attention(np, q, keys, values, 0.125, window, sink)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_yarn_scales_low_frequencies_and_the_attention() -> None:

@@ -262,3 +262,37 @@ def test_stacked_experts_count_their_stored_bytes() -> None:
     gate = _raw("gate", np.zeros((N, INTER, E), np.float32), "Q8_0")
     assert weights._held(gate, blocks=True) == gate.data.nbytes < 4 * N * INTER * E
     assert weights._held(gate, blocks=False) == 4 * N * INTER * E
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "routing", "norm"),
+    [
+        (8, 2, "softmax_topk", True),
+        (32, 4, "topk_softmax", False),
+        (128, 8, "softmax_topk", False),
+        (128, 8, "softmax_topk", True),
+        (300, 8, "softmax_topk", True),
+        (512, 10, "softmax_topk", True),
+        (1100, 3, "topk_softmax", False),
+    ],
+)
+def test_compiled_routing_gives_route_and_groups_bits(
+    n: int, k: int, routing: str, norm: bool
+) -> None:
+    """``experts.route`` (softmax, top-k, weights and grouping in one compiled call) is
+    ``moe.route`` then ``experts.group`` to the bit, for every rule and expert count
+    (past NumPy's 128-value pairwise blocks), ties included (logits of a coarse grid:
+    equal scores go in index order)."""
+    rng = np.random.default_rng(n + k)
+    config = MoeConfig(n, k, 64, (True,), routing=routing, norm_topk_prob=norm)  # type: ignore[arg-type]
+    for rows in (1, 3, 9):
+        logits = (rng.standard_normal((rows, n)) * 4).astype(np.float32)
+        logits[1:] = np.round(logits[1:] * 2) / 2  # many equal logits
+        chosen, weights = moe.route(np, logits, config)
+        got = experts.route(logits, k, routing == "topk_softmax", norm)
+        assert np.array_equal(got.picks, chosen)
+        assert got.weights.dtype == np.float32
+        assert np.array_equal(got.weights, weights), f"{rows} rows"
+        grouped = (got.chosen, got.starts, got.order)
+        for want, have in zip(experts.group(chosen), grouped, strict=True):
+            assert np.array_equal(want, have)

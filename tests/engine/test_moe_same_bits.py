@@ -123,14 +123,10 @@ def test_a_rows_logits_are_the_same_bits_alone_and_batched_on_any_threads(
 
 
 def test_a_verify_windows_logits_are_the_decode_steps_bits(
-    case: tuple[Stage, list[list[int]]], runs: dict[str, Logits], request: pytest.FixtureRequest
+    case: tuple[Stage, list[list[int]]], runs: dict[str, Logits]
 ) -> None:
-    """Known not yet (strict xfails, the token mixers', not the experts': ``test_moe.py``
-    checks the MoE layer's segments): gpt-oss's attention with sinks and Qwen3.5's gated
-    attention are ``ops.attention``, NumPy's batched products, whose sums change with a
-    window's rows."""
-    config = case[0].config
-    if config.arch.attention_sinks or config.hybrid is not None:
-        why = "ops.attention's NumPy products in a window"
-        request.applymarker(pytest.mark.xfail(reason=why, strict=True))
+    """gpt-oss's attention with sinks and Qwen3.5's gated attention, which the compiled
+    kernel does not run, take a window's rows one at a time
+    (:func:`meshnode.engine.attention.reference_heads`): NumPy's batched products summed
+    otherwise for another row count (strict xfails until then)."""
     _assert_same(case, runs, "verify windows")

@@ -96,3 +96,17 @@ def test_drafts_are_the_chained_argmax(stage: Stage) -> None:
     assert drafts[0] == first
     assert len(drafts) == 4
     assert cache.length == len(PROMPT) + 3  # three chained rows after the committed ones
+
+
+def test_the_mtp_layers_mlp_takes_each_segments_path(stage: Stage) -> None:
+    """The MTP layer's MLP (``HybridMixer.mlp``) takes the segments' sizes: rows of a
+    short segment beside a long one's are the bits they have alone (a gemv each; all
+    23 rows as one segment would be one sgemm, whose sums round otherwise), as the
+    stage's own MLP layers give them. The MTP head passes its rows as one segment."""
+    mtp = _mtp(stage)
+    x = np.random.default_rng(5).standard_normal((23, stage.config.hidden_size))
+    x = x.astype(np.float32)
+    both = mtp.stage.mlp(mtp.weights.layer, x, [3, 20])
+    alone = [mtp.stage.mlp(mtp.weights.layer, part) for part in (x[:3], x[3:])]
+    assert np.array_equal(both, np.concatenate(alone))
+    assert not np.array_equal(both[:3], mtp.stage.mlp(mtp.weights.layer, x)[:3])

@@ -38,7 +38,7 @@ from meshnode.engine.cpu import matrix
 from meshnode.engine.cpu.formats import format_of, row_bytes
 from meshnode.engine.cpu.q8 import Q8_FORMATS
 
-__all__ = ["ExpertLayer", "ExpertStack", "group", "stack"]
+__all__ = ["ExpertLayer", "ExpertStack", "Routes", "group", "route", "stack"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,45 @@ def group(picks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return experts.astype(np.int64), starts, order.astype(np.int64)
 
 
+@dataclass(frozen=True)
+class Routes:
+    """A layer's routing of ``r`` rows: each row's experts ``picks`` ``[r, k]`` and
+    weights ``[r, k]`` (float32), and :func:`group`'s grouping of them (``chosen``,
+    ``starts``, ``order``)."""
+
+    picks: np.ndarray
+    weights: np.ndarray
+    chosen: np.ndarray
+    starts: np.ndarray
+    order: np.ndarray
+
+
+def route(logits: np.ndarray, k: int, topk_softmax: bool, norm: bool) -> Routes:
+    """:func:`meshnode.engine.moe.route` of router ``logits`` ``[r, n]`` then
+    :func:`group`, the same bits, in one compiled call
+    (:func:`.experts_route.route_group`); the arguments are the routing config's
+    (``topk_softmax``: gpt-oss's rule, ``norm``: ``norm_topk_prob``)."""
+    logits = np.ascontiguousarray(logits, dtype=np.float32)
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))  # [r, n]: ops.softmax's
+    rows, n = logits.shape
+    picks = np.empty((rows, k), np.int64)
+    weights = np.empty((rows, k), np.float32)
+    chosen = np.empty(n, np.int64)
+    starts = np.empty(n + 1, np.int64)
+    order = np.empty(rows * k, np.int64)
+    m = _routing().route_group(logits, e, topk_softmax, norm, picks, weights, chosen, starts, order)
+    return Routes(picks, weights, chosen[:m], starts[: m + 1], order)
+
+
+@functools.cache
+def _routing() -> ModuleType:
+    """:mod:`.experts_route`, imported (numba configured first) at the first call."""
+    matrix.kernels()
+    from meshnode.engine.cpu import experts_route
+
+    return experts_route
+
+
 @functools.cache
 def _compiled() -> ModuleType:
     """:mod:`.experts_kernels`, imported (numba configured first) at the first call."""
@@ -126,10 +165,18 @@ class ExpertLayer:
         self.kind = 0 if clamp is None else 1  # experts_kernels: SwiGLU, or clamped
         self.alpha, self.limit = clamp or (0.0, 0.0)
 
-    def __call__(self, x: np.ndarray, picks: np.ndarray, weights: np.ndarray, q8: bool) -> Any:
+    def __call__(
+        self,
+        x: np.ndarray,
+        picks: np.ndarray,
+        weights: np.ndarray,
+        q8: bool,
+        routes: Routes | None = None,
+    ) -> Any:
         """The layer's output ``[r, E]`` for rows ``x`` ``[r, E]``, each sent to experts
         ``picks`` ``[r, k]`` with ``weights`` ``[r, k]``; ``q8``: the 8-bit products where
-        they take a matrix (``--dtype q8``), else the exact ones."""
+        they take a matrix (``--dtype q8``), else the exact ones; ``routes``: the rows'
+        grouping when :func:`route` made it (else :func:`group` makes it)."""
         gu, dn = self.gate_up, self.down
         compiled = _compiled()
         experts = compiled.experts_kernel(
@@ -138,7 +185,10 @@ class ExpertLayer:
         x = np.ascontiguousarray(x, dtype=np.float32)
         picks = np.ascontiguousarray(picks, dtype=np.int64)
         rows, k = picks.shape
-        chosen, starts, order = group(picks)
+        if routes is None:
+            chosen, starts, order = group(picks)
+        else:
+            chosen, starts, order = routes.chosen, routes.starts, routes.order
         ys = np.empty((rows * k, x.shape[1]), np.float32)
         parts = _split(starts, matrix.shared_threads())
         act = (self.gate_up_bias, self.down_bias, self.kind, self.alpha, self.limit)
