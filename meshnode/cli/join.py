@@ -80,6 +80,7 @@ async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentit
             split=config.split,
             wire_dtype=config.wire_dtype,
             kv_dtype=resolve_kv_dtype(config.kv_dtype, backend.weights_dtype),
+            cpu_dtype=backend.weights_dtype if backend.name == "cpu" and backend.cpu_blocks else "",
             cache_dir=config.cache_dir,
             pin=pin,
             ring_slots=ring_slots_for(spec.largest_verify_drafts()),

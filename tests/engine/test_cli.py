@@ -126,7 +126,7 @@ def test_prompt_ids_in_token_ids_out_on_a_model_without_tokenizer() -> None:
     golden = json.loads((folder / "golden.json").read_text())["prompts"][0]
     ids = ",".join(str(t) for t in golden["prompt_ids"])
     args = ["--model", str(folder), "--prompt-ids", ids, "--json", "--max-tokens", "8"]
-    done = _script(*args, "--device", "cpu")
+    done = _script(*args, "--device", "cpu", "--dtype", "native")  # exact: the reference's
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["prompt_token_ids"] == golden["prompt_ids"]
