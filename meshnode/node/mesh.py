@@ -57,8 +57,8 @@ class CoordinatorSettings:
     # by the host (``engine.kv_cache.resolve_kv_dtype``: auto is f16 with q8 weights)
     kv_dtype: str = "f32"
     # The arithmetic of the host's CPU stages, which every CPU stage keeping GGUF blocks
-    # takes (``Load.cpu_dtype``, ``engine.backend.run_backend``): native, q8, or "" (a CUDA
-    # or float32 host: each stage its own)
+    # takes (``Load.cpu_dtype``, ``worker.run_backend``): native, q8, or "" (a CUDA host
+    # in float16/bfloat16: each stage its own)
     cpu_dtype: str = ""
     cache_dir: Path | None = None
     # What the host resolved ``model_ref`` to (``refs.pin_ref``): a hub commit or a URL

@@ -484,6 +484,9 @@ def run_backend(backend: Backend, cpu_dtype: str) -> Backend:
         raise BackendError(f"the run computes in {cpu_dtype!r}; this node knows native and q8")
     if not cpu_dtype or backend.name != "cpu" or not backend.cpu_blocks:
         return backend
+    if cpu_dtype != backend.weights_dtype:
+        log.info("this run computes in --dtype %s, the host's (ours: %s)", cpu_dtype,
+                 backend.weights_dtype)  # fmt: skip
     return cpu_backend(cast(WeightsDtype, cpu_dtype))
 
 

@@ -12,7 +12,8 @@ import pytest
 from meshnode_packaging.sources import open_source
 from meshnode_protocol import Load, PeerInfo
 
-from meshnode.engine.backend import CpuBackend
+from meshnode.cli.join import run_cpu_dtype
+from meshnode.engine.backend import CpuBackend, cpu_backend
 from meshnode.engine.config import ModelConfig
 from meshnode.errors import ConfigError, RunError
 from meshnode.node.config import load_config
@@ -85,3 +86,10 @@ def test_a_worker_computes_in_the_hosts_cpu_dtype(
     assert runner.stage.backend.weights_dtype == computes
     with pytest.raises(RunError, match="the run computes in 'q4'; this node knows native and q8"):
         build_runner(backend, source, 1, 3, _load("f32", (1, 3), "q4"))
+
+
+def test_the_host_asks_every_stage_for_its_own_arithmetic() -> None:
+    """q8 where the host computes in q8 (the CPU's default), exact where it is exact."""
+    assert run_cpu_dtype(cpu_backend("q8")) == "q8"
+    assert run_cpu_dtype(cpu_backend("native")) == "native"
+    assert run_cpu_dtype(cpu_backend("float32")) == "native"
