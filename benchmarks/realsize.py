@@ -8,9 +8,9 @@ The models are random-weight GGUFs of real shapes (``benchmarks/realsize_gguf.py
 Llama-3.2-1B and Llama-3.1-8B, llama.cpp's Q4_K_M mix, Q8_0, Q4_0; SmolLM2's tokenizer,
 so a 49,152-token head; cached in ``~/.cache/meshnode/realsize/``); ``--layers`` cuts
 their depth. Random weights time things only: parity is checked on the real models
-(``tests/engine/test_golden.py``). For each model, each meshnode mode (``exact``: the
-default ``--dtype native``; ``q8``: 8-bit activations) at each thread count runs in its
-own process; every round runs each of them once, then llama.cpp at each thread count, so
+(``tests/engine/test_golden.py``). For each model, each meshnode mode (``exact``:
+``--dtype native``; ``q8``: 8-bit activations, the CPU's default) at each thread count runs
+in its own process; every round runs each of them once, then llama.cpp at each thread count, so
 that the load of this shared machine hits all alike. Measured, medians over rounds:
 
 - decode: one sequence, ``--tokens`` new tokens after a 16-token prompt (llama.cpp:

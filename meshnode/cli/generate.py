@@ -20,6 +20,7 @@ from meshnode.engine.loader import LoadedModel, ModelLoadError, load_model
 from meshnode.engine.sampling import GREEDY, SamplingParams
 from meshnode.engine.tokenizer import TemplateError
 from meshnode.errors import ConfigError
+from meshnode.node.settings import DTYPE_HELP, KV_DTYPE_HELP
 from meshnode.serve.local import GenerationResult, generate_local
 
 __all__ = ["EXIT_BAD_INPUT", "GenerateConfig", "run"]
@@ -38,7 +39,7 @@ class GenerateConfig:
     raw: bool = False
     json: bool = False
     device: Device = "auto"
-    dtype: str = "auto"  # weights on a CUDA device; select_backend checks it
+    dtype: str = "auto"  # weights (auto: q8 on the CPU); select_backend checks it
     kv_dtype: str = "auto"  # a CPU stage's KV caches (engine.kv_cache.KV_DTYPES)
     threads: int | None = None
     prompt_ids: tuple[int, ...] | None = None  # token ids in, as given (no template, no BOS)
@@ -133,18 +134,11 @@ def generate_command(
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     dtype: Annotated[
         str,
-        typer.Option(
-            help="Weights: auto, float16, bfloat16 or float32 on CUDA; native (auto: GGUF "
-            "blocks kept as stored), float32 (dequantized, for parity checks) or q8 (blocks, "
-            "activations quantized to 8 bits in their products: faster, inexact) on the CPU."
-        ),
+        typer.Option(help=DTYPE_HELP),
     ] = "auto",
     kv_dtype: Annotated[
         str,
-        typer.Option(
-            help="KV cache on the CPU: f32, f16 (half the memory and the bytes decode reads; "
-            "rounded, inexact) or auto (f16 with --dtype q8, else f32)."
-        ),
+        typer.Option(help=KV_DTYPE_HELP),
     ] = "auto",
     threads: Annotated[
         int | None, typer.Option(min=1, help="BLAS threads on CPU (default: one per core).")

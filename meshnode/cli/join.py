@@ -23,7 +23,7 @@ from meshnode_packaging.manifest import Part
 from meshnode_packaging.refs import open_ref, pin_ref, pinned_ref
 from meshnode_packaging.sources import ModelSource
 
-from meshnode.engine.backend import BackendError, select_backend
+from meshnode.engine.backend import Backend, BackendError, select_backend
 from meshnode.engine.kv_cache import resolve_kv_dtype
 from meshnode.engine.loader import reading_model
 from meshnode.engine.recurrent import ring_slots_for
@@ -65,6 +65,17 @@ def open_stage0(config: NodeConfig) -> tuple[ModelSource, str]:
     return source, pin
 
 
+def run_cpu_dtype(backend: Backend) -> str:
+    """The arithmetic the host's run asks of every CPU stage that keeps GGUF blocks
+    (``Load.cpu_dtype``): q8 where the host computes in q8, native (exact) where it computes
+    exactly (the CPU's native and float32, CUDA's float32), else each stage its own."""
+    if backend.weights_dtype == "q8":
+        return "q8"
+    if backend.name == "cpu" or backend.weights_dtype == "float32":
+        return "native"
+    return ""
+
+
 async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentity) -> Node:
     """The node ``meshnode join`` runs: a plain mesh node, or the host with ``--model``."""
     host: MeshHost | None = None
@@ -80,6 +91,7 @@ async def build_node(config: NodeConfig, token: JoinToken, identity: NodeIdentit
             split=config.split,
             wire_dtype=config.wire_dtype,
             kv_dtype=resolve_kv_dtype(config.kv_dtype, backend.weights_dtype),
+            cpu_dtype=run_cpu_dtype(backend),
             cache_dir=config.cache_dir,
             pin=pin,
             ring_slots=ring_slots_for(spec.largest_verify_drafts()),

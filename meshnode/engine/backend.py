@@ -55,13 +55,16 @@ log = logging.getLogger(__name__)
 
 Device = Literal["auto", "cpu", "cuda"]
 # Weights on the device: ``auto`` is bfloat16 where the model's config says it was trained
-# in bfloat16, else float16; float32 is the golden-parity mode. On the CPU, ``auto`` and
-# ``native`` keep the file's GGUF blocks in memory, multiplied by compiled kernels
-# (meshnode.engine.cpu): about a quarter of the memory of float32 and faster (README,
-# "Performance"); ``float32`` dequantizes at load (NumPy/BLAS), for parity debugging. The
-# CPU computes in float32 either way, except ``q8`` (opt-in, inexact): blocks as ``native``,
-# products of quantized weights with activations quantized to 8 bits
-# (meshnode.engine.cpu.q8). On CUDA, ``native`` is ``auto`` and ``q8`` is refused.
+# in bfloat16, else float16; float32 is the golden-parity mode. On the CPU, ``native``
+# keeps the file's GGUF blocks in memory, multiplied by compiled kernels in float32
+# (meshnode.engine.cpu, the exact mode: the golden references hold bit for bit); ``q8``
+# (the fast mode) keeps the same blocks and multiplies quantized ones with activations
+# quantized to 8 bits, llama.cpp's own arithmetic (meshnode.engine.cpu.q8: inexact, about
+# 1.4-1.8x the exact mode's speed on a 1B model, README "Performance"), F32/F16/BF16
+# weights exactly as ``native`` does. ``auto`` is ``q8`` on the CPU: a float checkpoint
+# computes exactly in it all the same, with f16 K/V (``kv_cache.resolve_kv_dtype``).
+# ``float32`` dequantizes at load (NumPy/BLAS), for parity debugging. On CUDA, ``native``
+# is ``auto`` and ``q8`` is refused.
 WeightsDtype = Literal["auto", "float32", "float16", "bfloat16", "native", "q8"]
 WEIGHTS_DTYPES: tuple[str, ...] = get_args(WeightsDtype)
 
@@ -209,7 +212,10 @@ class CpuBackend(Backend):
     def describe(self) -> str:
         """One line naming the backend, e.g. for ``meshnode join``'s log."""
         if self.weights_dtype == "q8":
-            return "cpu (NumPy + numba kernels over GGUF blocks, 8-bit activations: inexact)"
+            return (
+                "cpu (NumPy + numba kernels over GGUF blocks, 8-bit activations: inexact; "
+                "--dtype native: exact)"
+            )
         if self.cpu_blocks:
             return "cpu (NumPy + numba kernels over GGUF blocks, float32)"
         return "cpu (NumPy, float32)"
@@ -495,7 +501,8 @@ def select_backend(
 ) -> Backend:
     """The backend for ``device``: ``auto`` prefers CUDA when CuPy sees a device.
 
-    ``weights_dtype`` is one of :data:`WeightsDtype`. Raises :class:`BackendError` when
+    ``weights_dtype`` is one of :data:`WeightsDtype` (``auto``: the fast mode, ``q8``, on
+    the CPU). Raises :class:`BackendError` when
     ``cuda`` is asked for and unavailable, or float16/bfloat16 is asked of the CPU
     backend. Chosen once per process and arguments (``join`` asks for it to refuse an
     unusable device up front, then the host and the worker ask again): the device is
@@ -516,7 +523,7 @@ def select_backend(
             f"weights dtype {weights_dtype}: the CPU backend computes in float32 only "
             "(weights: float32, native to keep the GGUF blocks, q8 for 8-bit activations)"
         )
-    cpu_dtype = cast(WeightsDtype, "native" if weights_dtype == "auto" else weights_dtype)
+    cpu_dtype = cast(WeightsDtype, "q8" if weights_dtype == "auto" else weights_dtype)
     return _announce(cpu_backend(cpu_dtype))
 
 

@@ -38,10 +38,11 @@ def parse_kv_dtype(v: object) -> str:
 
 def resolve_kv_dtype(name: str, weights_dtype: str) -> str:
     """``f32`` or ``f16`` for a ``--kv-dtype`` of ``name`` beside weights of
-    ``weights_dtype``: ``auto`` is f16 for ``q8`` (the opt-in inexact mode, where KV
-    bandwidth is what several streams' decode attention waits on) and f32 for every other,
-    exact, mode (golden parity needs float32 K/V). Raises ``ConfigError`` (a
-    ``ValueError``) for another name."""
+    ``weights_dtype``: ``auto`` is f16 for ``q8`` (the CPU's default, inexact: its
+    products already round every activation to 8 bits, so rounded K/V lose no guarantee,
+    and KV bandwidth is what several streams' decode attention waits on; llama.cpp's
+    default cache is f16 too) and f32 for every other, exact, mode (golden parity needs
+    float32 K/V). Raises ``ConfigError`` (a ``ValueError``) for another name."""
     name = parse_kv_dtype(name)
     if name == "auto":
         return "f16" if weights_dtype == "q8" else "f32"

@@ -444,4 +444,5 @@ def _load(run: BringUp, stage: StagePlan, upstream: str, downstream: StagePlan |
         batch_sizes=(1,),
         kv_dtype=run.settings.kv_dtype,
         ring_slots=run.settings.ring_slots,
+        cpu_dtype=run.settings.cpu_dtype,
     )

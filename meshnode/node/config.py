@@ -119,9 +119,9 @@ class NodeConfig:
     max_memory_bytes: int | None = None
     device: Device = "cpu"
     # Weights on a CUDA device: auto (bfloat16 for a model trained in it, else float16),
-    # float16, bfloat16, or float32 (the golden-parity mode). On the CPU: auto/native (the
-    # GGUF blocks as stored) or float32 (dequantized at load), computing in float32; or q8
-    # (blocks, their products with 8-bit activations: faster, not exact).
+    # float16, bfloat16, or float32 (the golden-parity mode). On the CPU: auto/q8 (the GGUF
+    # blocks as stored, their products with 8-bit activations: fast, not exact), native
+    # (the same blocks in float32: exact) or float32 (dequantized at load).
     weights_dtype: WeightsDtype = "auto"
     heartbeat: HeartbeatTimeouts = HeartbeatTimeouts()
     log_level: str = "INFO"

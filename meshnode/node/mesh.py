@@ -64,6 +64,10 @@ class CoordinatorSettings:
     # K/V of every stage's caches (``Load.kv_dtype``): f32 or f16, ``--kv-dtype`` resolved
     # by the host (``engine.kv_cache.resolve_kv_dtype``: auto is f16 with q8 weights)
     kv_dtype: str = "f32"
+    # The arithmetic of the host's CPU stages, which every CPU stage keeping GGUF blocks
+    # takes (``Load.cpu_dtype``, ``worker.run_backend``): native, q8, or "" (a CUDA host
+    # in float16/bfloat16: each stage its own)
+    cpu_dtype: str = ""
     cache_dir: Path | None = None
     # What the host resolved ``model_ref`` to (``refs.pin_ref``): a hub commit or a URL
     # package's manifest sha256, sent in every Prepare so that no stage reads another one.

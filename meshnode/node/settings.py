@@ -37,6 +37,20 @@ from meshnode.node.parsers import (
 )
 from meshnode.node.stage import DEFAULT_MAX_CONTEXT
 
+#: ``--dtype``'s help, ``join``'s and ``generate``'s (README "Performance": why q8 is the
+#: CPU's default).
+DTYPE_HELP = (
+    "Weights: auto, float16, bfloat16 or float32 on CUDA. On the CPU: q8 (auto: GGUF "
+    "blocks kept as stored, activations quantized to 8 bits in their products, as "
+    "llama.cpp does: fast, inexact), native (the same blocks in float32: exact, the golden "
+    "references' arithmetic) or float32 (dequantized, for parity checks)."
+)
+#: ``--kv-dtype``'s help, ``join``'s and ``generate``'s.
+KV_DTYPE_HELP = (
+    "KV cache of CPU stages: f32, f16 (half the memory and the bytes decode reads; "
+    "rounded, inexact) or auto (default: f16 with --dtype q8, the CPU's default, else f32)."
+)
+
 #: How a setting's command-line option is typed: a value (text, a whole number, a number or
 #: a path), a repeatable value (``list``), or a switch that turns the setting on or off
 #: (``on``: ``--allow-open-api``; ``off``: ``--no-mdns``). A switch that is not passed
@@ -222,10 +236,7 @@ SETTINGS: tuple[Setting, ...] = (
         "MESHNODE_DTYPE",
         parse_weights_dtype,
         flag="dtype",
-        help="Weights: auto, float16, bfloat16 or float32 on CUDA; native (auto: GGUF "
-        "blocks kept as stored), float32 (dequantized, for parity checks) or q8 "
-        "(blocks, activations quantized to 8 bits in their products: faster, inexact) on "
-        "the CPU.",
+        help=DTYPE_HELP,
     ),
     Setting(
         "heartbeat.interval_s",
@@ -340,8 +351,7 @@ SETTINGS: tuple[Setting, ...] = (
         "MESHNODE_KV_DTYPE",
         parse_kv_dtype,
         flag="kv-dtype",
-        help="KV cache of CPU stages: f32, f16 (half the memory and the bytes decode "
-        "reads; rounded, inexact) or auto (default: f16 with --dtype q8, else f32).",
+        help=KV_DTYPE_HELP,
     ),
     Setting(
         "prefill_chunk_tokens",

@@ -46,7 +46,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import trio
@@ -74,7 +74,7 @@ from meshnode_protocol import (
     Stop,
 )
 
-from meshnode.engine.backend import Backend
+from meshnode.engine.backend import Backend, BackendError, WeightsDtype, cpu_backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.constraint import Grammars
 from meshnode.engine.model import Stage
@@ -474,6 +474,22 @@ def busy_ms(run: WorkerRun) -> int:
     return max(0, int((trio.current_time() - run.busy_since) * 1000))
 
 
+def run_backend(backend: Backend, cpu_dtype: str) -> Backend:
+    """The backend a stage of a run computes on: a CPU one that keeps GGUF blocks takes
+    the arithmetic the run's host computes in (``cpu_dtype``: ``native`` or ``q8``; empty:
+    ``backend`` as it is), so that every stage of a mesh rounds the same way whatever its
+    own ``--dtype``; a CUDA one, or the CPU's float32 (the parity-debugging mode), is kept.
+    Raises :class:`BackendError` for another ``cpu_dtype`` (a newer host's)."""
+    if cpu_dtype not in ("", "native", "q8"):
+        raise BackendError(f"the run computes in {cpu_dtype!r}; this node knows native and q8")
+    if not cpu_dtype or backend.name != "cpu" or not backend.cpu_blocks:
+        return backend
+    if cpu_dtype != backend.weights_dtype:
+        log.info("this run computes in --dtype %s, the host's (ours: %s)", cpu_dtype,
+                 backend.weights_dtype)  # fmt: skip
+    return cpu_backend(cast(WeightsDtype, cpu_dtype))
+
+
 def build_runner(
     backend: Backend,
     source: ModelSource,
@@ -484,8 +500,10 @@ def build_runner(
 ) -> StageRunner:
     """The stage runner ``load`` asks for, over ``source`` (blocking: call off the loop).
 
-    Raises ``RunError`` for a snapshot ring larger than a stage keeps, a KV dtype it does
-    not keep, and for a context the model cannot hold or whose KV alone exceeds
+    A CPU ``backend`` that keeps GGUF blocks computes in the Load's ``cpu_dtype``, the
+    host's (:func:`run_backend`). Raises ``RunError`` for a snapshot ring larger than a
+    stage keeps, a KV dtype or CPU dtype it does not keep, and for a context the model
+    cannot hold or whose KV alone exceeds
     ``memory_bytes`` (a peer may ask for
     anything; each slot and each token of context costs memory per layer and sequence).
     """
@@ -494,6 +512,10 @@ def build_runner(
             f"Load asks for {load.ring_slots} snapshot-ring slots; a stage keeps at most "
             f"{MAX_RING_SLOTS}"
         )
+    try:
+        backend = run_backend(backend, load.cpu_dtype)
+    except BackendError as exc:
+        raise RunError(f"Load: {exc}") from exc
     config = ModelConfig.from_hf(source.config)
     kv = check_load(config, start, end, load.context_size, memory_bytes, load.kv_dtype)
     stage = Stage(

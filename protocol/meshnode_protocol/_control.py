@@ -233,6 +233,9 @@ class Load(Message):
     host (stage 0), which receives ``Prediction`` frames directly. ``ring_slots`` is how
     many per-row recurrent-state snapshots a hybrid stage keeps per sequence (the largest
     verify pass the host will send: its largest window plus one); 0 leaves it to the stage.
+    ``cpu_dtype`` is the arithmetic of the host's CPU stages, which a CPU stage that keeps
+    GGUF blocks takes too: ``native`` (exact) or ``q8`` (8-bit activations); empty leaves
+    it to the stage's own ``--dtype``.
     """
 
     TYPE: ClassVar[int] = 17
@@ -250,6 +253,7 @@ class Load(Message):
     batch_sizes: tuple[UInt, ...] = (1,)
     kv_dtype: str = "f16"
     ring_slots: UInt = 0
+    cpu_dtype: str = ""
 
     def _validate(self) -> None:
         check_range("layer_range", self.layer_range)

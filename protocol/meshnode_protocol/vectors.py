@@ -184,6 +184,21 @@ EXAMPLES: Final[dict[str, Message]] = {
         context_size=4096,
         ring_slots=9,
     ),
+    # A Load from a host whose CPU stages compute exactly (--dtype native).
+    "load_cpu_dtype": Load(
+        run_id=_RUN_ID,
+        term=_TERM,
+        package_ref="hf://org/smollm2@main",
+        manifest_sha256="",
+        layer_range=(10, 20),
+        has_embed=False,
+        has_head=False,
+        upstream=PeerInfo(node_id="node-a", address="10.0.0.1:7420"),
+        downstream=PeerInfo(node_id="node-c", address="10.0.0.3:7420"),
+        context_size=2048,
+        kv_dtype="f32",
+        cpu_dtype="native",
+    ),
     "ready": Ready(
         run_id=_RUN_ID, term=_TERM, node_id="node-c", endpoint="10.0.0.3:7420", layer_range=(20, 30)
     ),

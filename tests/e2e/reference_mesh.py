@@ -47,7 +47,8 @@ def reference_mesh(
     root: Path, reference: Path, *host_args: str, workers: int, ready_timeout_s: float
 ) -> Iterator[tuple[Cluster, Node]]:
     """The cluster and its host serving ``reference`` split over ``workers`` + 1 processes
-    (one thread of BLAS each, fast heartbeats, float32 on the wire), ``host_args`` added to
+    (one thread of BLAS each, fast heartbeats, float32 on the wire, the exact mode, which
+    the host's Load gives every stage), ``host_args`` added to
     the host's; every process opens the same folder."""
     token = init_token(root / "mesh.token")
     folder = str(token_id_folder(reference, root))
@@ -59,6 +60,7 @@ def reference_mesh(
             "--split", str(workers + 1),
             "--context", "512",
             "--wire-dtype", "f32",
+            "--dtype", "native",  # the exact mode: the golden references hold
             *host_args,
             workers=workers,
             ready_timeout_s=ready_timeout_s,

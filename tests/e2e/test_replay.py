@@ -83,6 +83,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, No
             "--split", "3",
             "--context", str(CONTEXT),
             "--wire-dtype", "f32",
+            "--dtype", "native",  # the exact mode: the golden references hold
             "--speculative", "ngram",
             "--window-policy", "fixed",
             "--pass-deadline", str(PASS_DEADLINE_S),

@@ -56,6 +56,7 @@ def mesh(
             "--split", "3",
             "--context", str(CONTEXT),
             "--wire-dtype", "f32",
+            "--dtype", "native",  # the exact mode: the golden references hold
             "--speculative", strategy,
             "--window-policy", policy,
             "--initial-window", "3",
@@ -121,6 +122,7 @@ def test_unresolvable_draft_is_served_without(tmp_path: Path, golden: dict[str, 
             token,
             "--model", MODEL,
             "--context", str(CONTEXT),
+            "--dtype", "native",  # the exact mode: the golden references hold
             "--speculative", "draft",
             "--draft-model", missing,
             mdns=False,

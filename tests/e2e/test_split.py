@@ -64,6 +64,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, No
             "--split", "3",
             "--context", str(CONTEXT),
             "--wire-dtype", "f32",
+            "--dtype", "native",  # the exact mode: the golden references hold
             workers=2,
             ready_timeout_s=READY_TIMEOUT_S,
         )  # fmt: skip

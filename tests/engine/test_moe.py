@@ -406,10 +406,11 @@ def test_planner_estimate_counts_every_expert(model: str) -> None:
 
 @pytest.mark.parametrize("model", MODELS)
 def test_generate_prompt_ids_command_gives_the_reference_tokens(model: str) -> None:
-    """``meshnode generate --prompt-ids`` with the CPU's default weights (blocks kept)."""
+    """``meshnode generate --prompt-ids`` in the exact mode (blocks kept, ``--dtype native``)."""
     prompt = golden(model)["prompts"][2]
     ids = ",".join(str(t) for t in prompt["prompt_ids"])
-    args = ["--model", str(MOE_DIR / model), "--device", "cpu", "--prompt-ids", ids]
+    args = ["--model", str(MOE_DIR / model), "--device", "cpu", "--dtype", "native"]
+    args += ["--prompt-ids", ids]
     done = runner.invoke(app, ["generate", *args, "--json", "--max-tokens", "32"])
     assert done.exit_code == 0, done.output
     summary = json.loads(done.output.strip().splitlines()[-1])

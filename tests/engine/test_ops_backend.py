@@ -18,7 +18,8 @@ def _has_cuda() -> bool:
 
 def test_cpu_refuses_reduced_weight_dtypes() -> None:
     assert select_backend("cpu", "float32") == cpu_backend("float32")
-    assert select_backend("cpu", "auto") == cpu_backend("native")  # the default on the CPU
+    # the default on the CPU: the fast mode, llama.cpp's arithmetic (README "Performance")
+    assert select_backend("cpu", "auto") == cpu_backend("q8")
     assert select_backend("cpu", "native") == cpu_backend("native")
     for dtype in ("float16", "bfloat16"):
         with pytest.raises(BackendError, match="CPU backend computes in float32 only"):
@@ -32,11 +33,17 @@ def test_cpu_backend_describes_itself_and_has_no_device_memory(
 ) -> None:
     with caplog.at_level(logging.INFO, logger="meshnode.engine.backend"):
         backend = select_backend("cpu", "float32")
-        blocks = select_backend("cpu")
+        blocks = select_backend("cpu", "native")
+        fast = select_backend("cpu")
     assert backend.describe() == "cpu (NumPy, float32)"
     assert not backend.cpu_blocks
     assert blocks.describe() == "cpu (NumPy + numba kernels over GGUF blocks, float32)"
     assert blocks.cpu_blocks
+    assert fast.describe() == (
+        "cpu (NumPy + numba kernels over GGUF blocks, 8-bit activations: inexact; "
+        "--dtype native: exact)"
+    )
+    assert fast.cpu_blocks
     assert backend.free_memory() is None
     # Logged once per process: an earlier test may already have selected it.
     assert all("compute backend: cpu" in r.message for r in caplog.records)

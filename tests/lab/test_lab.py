@@ -155,6 +155,7 @@ def mesh(lab: NetLab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabM
             "--peer", f"{hosts['w2'].address}:{MESH_PORT}",
             "--model", MODEL, "--split", "3",
             "--context", str(CONTEXT), "--wire-dtype", "f32",
+            "--dtype", "native",  # the exact mode: the golden references hold
             "--pass-deadline", str(PASS_DEADLINE_S),
         )  # fmt: skip
         mesh.wait_stages(3, READY_TIMEOUT_S)

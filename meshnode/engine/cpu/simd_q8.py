@@ -79,16 +79,26 @@ def _pointer(context: Any, builder: Any, aryty: Any, ary: Any, off: Any, vty: An
     return builder.bitcast(builder.gep(data, [off]), vty.as_pointer())
 
 
-@intrinsic
-def fload8(typingctx: Any, buf: Any, off: Any) -> Any:
-    """Eight float32 at byte ``off`` of a ``uint8`` buffer (``off`` a multiple of 4)."""
-    if not _is_bytes(buf):
-        return None
+def _vector_load(vty: Any, result: Any, doc: str) -> Any:
+    # the intrinsic load(buf, off) -> result: the vector vty at byte off of a uint8 buffer,
+    # aligned to 4 bytes (one per vector type: fload8, iload16, fload16, simd_tile.wload)
+    def typer(typingctx: Any, buf: Any, off: Any) -> Any:
+        if not _is_bytes(buf):
+            return None
 
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.load(_pointer(context, builder, sig.args[0], args[0], args[1], _VF), align=4)
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            ptr = _pointer(context, builder, sig.args[0], args[0], args[1], vty)
+            return builder.load(ptr, align=4)
 
-    return F32x8(buf, off), codegen
+        return result(buf, off), codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+fload8 = _vector_load(
+    _VF, F32x8, "Eight float32 at byte ``off`` of a ``uint8`` buffer (``off`` a multiple of 4)."
+)
 
 
 @intrinsic
@@ -215,32 +225,14 @@ def join64(typingctx: Any, a: Any, b: Any) -> Any:
     return U8x64(a, b), codegen
 
 
-@intrinsic
-def iload16(typingctx: Any, buf: Any, off: Any) -> Any:
-    """Sixteen int32 at byte ``off`` of a ``uint8`` buffer (``off`` a multiple of 4)."""
-    if not _is_bytes(buf):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.load(
-            _pointer(context, builder, sig.args[0], args[0], args[1], _VI16), align=4
-        )
-
-    return I32x16(buf, off), codegen
-
-
-@intrinsic
-def fload16(typingctx: Any, buf: Any, off: Any) -> Any:
-    """Sixteen float32 at byte ``off`` of a ``uint8`` buffer (``off`` a multiple of 4)."""
-    if not _is_bytes(buf):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.load(
-            _pointer(context, builder, sig.args[0], args[0], args[1], _VF16), align=4
-        )
-
-    return F32x16(buf, off), codegen
+iload16 = _vector_load(
+    _VI16, I32x16, "Sixteen int32 at byte ``off`` of a ``uint8`` buffer (``off`` a multiple of 4)."
+)
+fload16 = _vector_load(
+    _VF16,
+    F32x16,
+    "Sixteen float32 at byte ``off`` of a ``uint8`` buffer (``off`` a multiple of 4).",
+)
 
 
 @intrinsic

@@ -29,6 +29,7 @@ from meshnode.engine.cpu.simd_q8 import (  # the IR types and helpers of its 512
     _dot_vnni,
     _is_bytes,
     _pointer,
+    _vector_load,
     vnni512,
 )
 
@@ -40,18 +41,7 @@ def _splat(builder: Any, x: Any, vty: Any) -> Any:
     return builder.shuffle_vector(v, v, ir.Constant(_VI16, [0] * 16))
 
 
-@intrinsic
-def wload(typingctx: Any, buf: Any, off: Any) -> Any:
-    """The 64 bytes at byte ``off`` of a ``uint8`` buffer."""
-    if not _is_bytes(buf):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.load(
-            _pointer(context, builder, sig.args[0], args[0], args[1], _VB64), align=4
-        )
-
-    return U8x64(buf, off), codegen
+wload = _vector_load(_VB64, U8x64, "The 64 bytes at byte ``off`` of a ``uint8`` buffer.")
 
 
 @intrinsic
