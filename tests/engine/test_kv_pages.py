@@ -11,6 +11,7 @@ the one that finds no block is refused; no other sequence's output changes.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 from meshnode.engine.attention import KernelAttention, Segment
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.cpu import matrix
+from meshnode.engine.cpu import pool as pool_module
 from meshnode.engine.cpu.pool import CoreGauge, KernelPool
 from meshnode.engine.kv_cache import KV_BLOCK, KVCache
 from meshnode.engine.kv_pages import BlockPool, PagedCache
@@ -54,9 +56,9 @@ class Pair:
         parts: list[tuple[int, int, int]],
         qkvs: list[np.ndarray],
         norms: tuple[object, object],
-    ) -> None:
+    ) -> list[np.ndarray]:
         """One forward of every layer of ``(sequence, start, kept rows)`` on both sides;
-        their outputs and caches must be the same bits."""
+        their outputs and caches must be the same bits. The paged side's outputs."""
         outs = []
         for caches in (self.flat, self.paged):
             segs = []
@@ -76,6 +78,7 @@ class Pair:
         for a, b in zip(*outs, strict=True):
             np.testing.assert_array_equal(a, b)
         self.check(i for i, _, _ in parts)
+        return outs[1]
 
     def check(self, which: object = None) -> None:
         for i in range(len(self.flat)) if which is None else which:  # type: ignore[attr-defined]
@@ -216,3 +219,52 @@ def test_an_exhausted_pool_refuses_one_sequence_and_corrupts_none() -> None:
     pair.check()
     held = sum(cache.held for cache in pair.paged)
     assert pool.free_blocks == pool.capacity - held
+
+
+def _garbage(*caches: object) -> None:
+    """NaN in every position of ``caches`` (pools or contiguous caches) no forward wrote
+    yet: a read of one shows as NaN, not as a plausible number."""
+    for cache in caches:
+        cache.k[...] = np.nan  # type: ignore[attr-defined]
+        cache.v[...] = np.nan  # type: ignore[attr-defined]
+
+
+def test_threaded_paged_attention_is_exact_when_the_pool_runs_a_task_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 30's race, made to happen: the kernel pool's caller redoes a chunk that a
+    helper still holds after PATIENCE_MICROSECONDS (a helper descheduled on a busy
+    machine), and the helper may finish it after the caller has returned, so every task
+    may run twice at once and must write its output as final values only (an 8-row window
+    summed into its output, zeroed by the other run, gave wrong values in CI). Patience
+    of ~nothing makes the caller redo every chunk a helper holds; 2 and 3 threads; each
+    iteration fresh pools of scrambled slots and NaN wherever nothing was written, random
+    prompt lengths, then batches of decode rows and windows of up to 16 rows: the same
+    bits as the contiguous caches, and finite. Bounded: 120 iterations or 40 s."""
+    monkeypatch.setattr(pool_module, "PATIENCE_MICROSECONDS", 0.0)
+    monkeypatch.setattr(pool_module, "SPIN_MICROSECONDS", 2000.0)  # helpers stay to claim
+    kernel_pool = KernelPool(CoreGauge(Path("/nonexistent/stat"), cpus=set(range(4))))
+    monkeypatch.setattr(matrix, "_pool", lambda: kernel_pool)
+    rng = np.random.default_rng(30)
+    deadline = None
+    for it in range(120):
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        monkeypatch.setattr(matrix, "_threads", 2 + it % 2)
+        shape, dtype = SHAPES[1 + it % 2], KV[it // 2 % 2]
+        c = _config(shape)
+        norms = _norms(c, shape.qk_norm, rng)
+        pair = Pair(c, 4, dtype, _pool(c, 4 * CONTEXT // KV_BLOCK, dtype, rng))
+        _garbage(pair.pool, *pair.flat)
+        lengths = [int(n) for n in rng.integers(40, 200, 4)]
+        pair.run(
+            [(i, 0, n) for i, n in enumerate(lengths)], [_qkv(c, n, rng) for n in lengths], norms
+        )
+        for _ in range(2):
+            sizes = [int(rng.choice([1, 2, 5, 8, 16])) for _ in lengths]
+            parts = [(i, n, k) for i, (n, k) in enumerate(zip(lengths, sizes, strict=True))]
+            outs = pair.run(parts, [_qkv(c, n, rng) for n in sizes], norms)
+            assert all(np.isfinite(out).all() for out in outs)
+            lengths = [n + k for n, k in zip(lengths, sizes, strict=True)]
+        deadline = deadline or time.monotonic() + 40  # after the first: compiled
+    assert kernel_pool.posted > it

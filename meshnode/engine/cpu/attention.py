@@ -252,7 +252,7 @@ def _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_row)
             for k in range(r * group, (r + 1) * group):
                 softmax(scores, k * stride + PAD, t)
         o = (o_row + i0 - first) * q_size + g * group * d
-        args = (d, stride, oflat, o, q_size, tmp)
+        args = (d, stride, oflat, o, q_size, tmp, qbuf)  # qbuf: the queries are spent
         weighted_values(scores, group, vh, blocks, pos0, rows, window, *args)
 
 

@@ -271,6 +271,7 @@ def _accumulate2(p, s0, s1, vc, off, a, b, d, out, o0, o1):  # type: ignore[no-u
     # out[o0 : o0 + D] += sum over the values of keys a .. b - 1 (vc[j D + off ...]) of
     # p[s0 + j] * value j, key by key in order, and with p[s1 + j] into out[o1 ...]: each
     # value read once for two queries, four sixteen-lane accumulators each in registers
+    # (``out``: a thread's own scratch, never the call's output; weighted_values)
     c = 0
     while c + 4 * LANES <= d:
         x0, x1 = wload(out, o0 + c), wload(out, o0 + c + LANES)
@@ -425,15 +426,22 @@ def _two_queries(p, s0, s1, vc, blocks, a, b, d, out, o0, o1):  # type: ignore[n
 
 
 @njit(nogil=True, cache=True)
-def weighted_values(p, group, vc, blocks, pos0, rows, window, d, stride, out, o, q_size, buf):  # type: ignore[no-untyped-def]
+def weighted_values(p, group, vc, blocks, pos0, rows, window, d, stride, out, o, q_size, buf, acc):  # type: ignore[no-untyped-def]
     """``out[o + r q_size + g D ...]`` = the sum over row ``r``'s keys ``lo .. pos`` of
     ``p[q stride + PAD + j - lo]`` times value ``j`` of ``vc`` (one KV head's values,
     ``[rows, D]`` flat, position ``j`` at row :func:`slot_row` of ``blocks``; ``q = r G +
     g``), key by key in order from 0 as one query's accumulators alone would sum: a block
     of values (:data:`VALUES` floats, in L1, never across a ``KV_BLOCK`` boundary) is read
     once for every row that sees one of its keys, each row's accumulators resumed from
-    ``out`` between blocks (a float16 block widened once, into ``buf``: max(LANES D,
-    :data:`VALUES`) floats)."""
+    ``acc`` (rows G D floats of the caller's scratch) between blocks (a float16 block
+    widened once, into ``buf``: max(LANES D, :data:`VALUES`) floats).
+
+    ``out`` is only ever stored finished sums, never a partial one: the kernel pool may
+    run a task twice at once (its caller redoes a chunk a descheduled helper holds, and the
+    helper may finish it after the caller has returned, :mod:`.pool`), which is harmless
+    only when each run writes ``out`` the same final values. Sums resumed from ``out``
+    itself were zeroed and re-summed under the other run's feet (issue 30: an 8-row
+    window's output wrong on two kernel threads under load)."""
     lo0, end = first_key(pos0, window), pos0 + rows
     if rows == 1:  # one row: each query (or pair of queries) in one pass
         for g in range(0, group - 1, 2):
@@ -443,9 +451,8 @@ def weighted_values(p, group, vc, blocks, pos0, rows, window, d, stride, out, o,
             g = group - 1
             _one_query(p, g * stride + PAD - lo0, vc, blocks, lo0, end, d, out, o + g * d)
         return
-    for r in range(rows):
-        for c in range(o + r * q_size, o + r * q_size + group * d, LANES):
-            wstore(out, c, wzero())
+    for c in range(0, rows * group * d, LANES):
+        wstore(acc, c, wzero())
     block = max(LANES, VALUES // d)
     jb = lo0
     while jb < end:
@@ -463,11 +470,15 @@ def weighted_values(p, group, vc, blocks, pos0, rows, window, d, stride, out, o,
             if lo >= je:
                 break
             a, b = max(jb, lo), min(je, pos + 1)
-            q, at = r * group, o + r * q_size
+            q = r * group
             for g in range(0, group - 1, 2):
                 s0, s1 = (q + g) * stride + PAD - lo, (q + g + 1) * stride + PAD - lo
-                _accumulate2(p, s0, s1, vals, off, a, b, d, out, at + g * d, at + (g + 1) * d)
+                x0, x1 = (q + g) * d, (q + g + 1) * d
+                _accumulate2(p, s0, s1, vals, off, a, b, d, acc, x0, x1)
             if group % 2:
                 g = group - 1
-                _accumulate(p, (q + g) * stride + PAD - lo, vals, off, a, b, d, out, at + g * d)
+                _accumulate(p, (q + g) * stride + PAD - lo, vals, off, a, b, d, acc, (q + g) * d)
         jb = je
+    for r in range(rows):  # the finished sums, stored once
+        for c in range(0, group * d, LANES):
+            wstore(out, o + r * q_size + c, wload(acc, r * group * d + c))
