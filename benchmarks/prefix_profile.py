@@ -6,10 +6,11 @@ One stage holds SmolLM2-135M in its GGUF blocks (as ``meshnode join`` runs it), 
 and BLAS threads at one. For each turn of ``benchmarks/prefix.py``'s chat, the parts of its
 first token with the cache on, each the least of ``--repeat`` runs (on a busy machine the
 least disturbed; medians swing by 20% at a load of 10): templating and
-tokenizing the whole conversation, the hash chain of its blocks, copying the cached
-prefix's blocks (those of the previous turn's prompt that this one repeats) into a
-released sequence cache (what a hit does), and the suffix's prefill
-from the end of the cached prefix, with its attention (``blocked_attention``) apart.
+tokenizing the whole conversation, the hash chain of its blocks, a hit on the cached
+prefix's blocks (those of the previous turn's prompt that this one repeats: a released
+paged cache takes them into its block table, by reference), and the suffix's prefill from
+the end of the cached prefix, with its attention (``blocked_attention``, over the
+sequence's keys and values gathered from its blocks) apart.
 CPU time of this process (one kernel and BLAS thread), so the figures hold on a busy
 machine; ``uptime`` is printed first and last.
 """
@@ -24,13 +25,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.prefix import conversation, uptime
 from meshnode.engine import attention
 from meshnode.engine.backend import cpu_backend, limit_cpu_threads
+from meshnode.engine.kv_pages import BlockPool, PagedCache
 from meshnode.engine.loader import load_model
 from meshnode.engine.model import Stage, token_ids
 from meshnode.engine.prefix_cache import PrefixPool, chain_keys, resume_length
@@ -78,11 +78,10 @@ def main() -> None:
     stage, c = model.stage, model.config
     codec = EngineCodec(model.tokenizer, model.chat_template, c.vocab_size)
     chats = list(conversation(max(args.turns)))
-    pool = PrefixPool.for_budget(
-        np, budget_bytes=2 * CONTEXT * 2 * c.num_layers * c.kv_size * 4, layers=c.num_layers,
-        kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=np.float32, salt="profile",
-    )  # fmt: skip
-    cache, seq = stage.new_cache(CONTEXT), stage.new_cache(CONTEXT)
+    blocks = 4 * CONTEXT // 32  # two sequences' contexts and two cached
+    kv = BlockPool(c.num_layers, c.num_kv_heads, c.head_dim, blocks, stage.new_cache(1).k.dtype)
+    pool = PrefixPool(kv, "profile", blocks // 2)
+    cache, seq = PagedCache(kv, CONTEXT), PagedCache(kv, CONTEXT)
     prefill(stage, cache, [1, 2, 3], 0)  # compile the kernels
     spent = [0.0]
     blocked = attention.blocked_attention
@@ -95,7 +94,7 @@ def main() -> None:
             spent[0] += time.process_time() - began
 
     attention.blocked_attention = timed
-    print("turn | prompt | cached | template+tokens | chain | copy | suffix (attention) ms")
+    print("turn | prompt | cached | template+tokens | chain | hit | suffix (attention) ms")
     for turn in args.turns:
         messages = chats[turn - 1]
         ids = render(codec, messages)
@@ -109,20 +108,23 @@ def main() -> None:
         cache.truncate(0)
         prefill(stage, cache, ids[:start], 0)
         keys = pool.store(ids[:start], cache, 0) if start else []
-        copy = 0.0
+        hit = 0.0
         if keys:
-            copy = cpu_ms(partial(pool.acquire, keys[-1], seq), args.repeat, seq.release_pages)
-            pool.release(keys * args.repeat)
+            hit = cpu_ms(partial(pool.acquire, keys[-1], seq), args.repeat, seq.release_pages)
         suffix, attn = [], []
-        for _ in range(args.repeat):
-            cache.truncate(start)
+        for _ in range(args.repeat):  # from the hit: the cached blocks in the table
+            if keys:
+                seq.release_pages()
+                pool.acquire(keys[-1], seq)
+            into = seq if keys else cache
+            into.truncate(start)
             spent[0] = 0.0
-            suffix.append(cpu_ms(partial(prefill, stage, cache, ids[start:], start), 1))
+            suffix.append(cpu_ms(partial(prefill, stage, into, ids[start:], start), 1))
             attn.append(1000 * spent[0])
-        pool.release(keys)
+        seq.release_pages()
         pool.clear()
         print(
-            f"{turn:4} | {len(ids):6} | {start:6} | {template:15.1f} | {chain:5.2f} | {copy:5.1f}"
+            f"{turn:4} | {len(ids):6} | {start:6} | {template:15.1f} | {chain:5.2f} | {hit:3.1f}"
             f" | {min(suffix):7.0f} ({attn[suffix.index(min(suffix))]:.0f})",
             flush=True,
         )

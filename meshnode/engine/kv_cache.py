@@ -11,6 +11,7 @@ import numpy as np
 from meshnode.errors import ConfigError
 
 __all__ = [
+    "KV_BLOCK",
     "KV_DTYPES",
     "KVCache",
     "kv_bytes",
@@ -25,6 +26,13 @@ __all__ = [
 #: rounded to nearest; the CPU kernels widen them to float32 to compute), or ``auto``
 #: (:func:`resolve_kv_dtype`).
 KV_DTYPES = ("auto", "f32", "f16")
+#: Positions per block of a cache's block table (:attr:`KVCache.blocks`): the unit a stage's
+#: pool hands out and its prefix cache shares (:mod:`meshnode.engine.kv_pages`). vLLM uses
+#: 16, SGLang 1 (a radix tree), llama-server a whole slot; 32 keeps the per-block
+#: bookkeeping (a hash, a table entry) negligible next to the block's bytes (SmolLM2: 1.5
+#: MiB per block at f32) while a prompt loses at most 31 positions of reuse. The compiled
+#: kernels take a power of two.
+KV_BLOCK = 32
 
 
 def parse_kv_dtype(v: object) -> str:
@@ -111,6 +119,12 @@ class KVCache:
     and hands back float32; the compiled kernels widen as they read); the CUDA stage may
     keep float16 bit patterns (``uint16``) and writes them itself. On the CPU the arrays
     take memory as positions are written (:func:`lazy_zeros`).
+
+    :attr:`blocks` is the cache's block table as the attention kernels read it (position
+    ``p`` of a head at row ``blocks[p // KV_BLOCK] KV_BLOCK + p % KV_BLOCK``): here
+    ``blocks[i] = i``, the rows in order. A paged cache
+    (:class:`~meshnode.engine.kv_pages.PagedCache`) offers the same interface over a
+    stage's pool of blocks.
     """
 
     def __init__(
@@ -128,7 +142,14 @@ class KVCache:
         shape = (layers, kv_heads, max_tokens, head_dim)
         self.k = lazy_zeros(xp, shape, dtype)
         self.v = lazy_zeros(xp, shape, dtype)
+        self.blocks = np.arange(-(-max_tokens // KV_BLOCK), dtype=np.int64)
         self.length = 0
+
+    def reserve(self, end: int) -> None:
+        """Make room for positions up to ``end`` (here preallocated: only checked); raises
+        ``ValueError`` past :attr:`max_tokens`."""
+        if end > self.max_tokens:
+            raise ValueError(f"KV cache full: {end} > {self.max_tokens} tokens")
 
     def truncate(self, n: int) -> None:
         """Forget every position from ``n`` on; raises ``ValueError`` if ``n > length``."""

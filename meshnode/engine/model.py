@@ -318,6 +318,7 @@ class Stage:
     def _segment(self, item: BatchRow) -> Segment:
         item.cache.truncate(item.start_pos)
         n = len(item.inputs)
+        item.cache.reserve(item.start_pos + n)  # a paged cache takes its blocks here
         rows = n if self._keep_hidden else self._wanted(item)
         return Segment(item.start_pos, n, rows, item.cache)
 

@@ -7,26 +7,25 @@ copied from any sequence that began with the same tokens.
 
 Theory of operation:
 
-- The pool holds ``capacity`` blocks of :data:`PREFIX_BLOCK_TOKENS` positions each, every
-  one ``[L, Hkv, B, D]`` for K and for V (this stage's layers), in two arrays allocated
-  once and bounded by a byte budget (:meth:`PrefixPool.for_budget`).
-- A *full* block is keyed by a hash chain (:func:`chain_keys`): block ``i``'s key hashes
-  block ``i - 1``'s key with the block's own token ids, and block 0's hashes a salt naming
-  what changes the math (model and run, KV dtype, layer range). So one key stands for the
-  whole token prefix up to the block's end, and a pool never mixes two stages' blocks. A
-  block also keeps its token ids: a lookup compares them, so a hash collision is a miss.
-- A sequence that uses a block (it copied it in, or stored it) holds a reference until it
-  is released; a referenced block is never evicted. Unreferenced blocks stay cached and
-  are evicted least-recently-used when a new block needs room; when every block is in
-  use, a store is skipped (the sequence runs as without a cache), never an error.
-- In this phase sequences still hold one preallocated array each
-  (:class:`~meshnode.engine.kv_cache.KVCache`): a hit *copies* its blocks into the
-  sequence's cache (a memcpy, next to which the prefill it replaces is thousands of times
-  dearer). Sequences holding block lists, with attention reading the blocks in place, are
-  phase 2; the planner's footprint follows that layout then.
+- The blocks live in the stage's :class:`~meshnode.engine.kv_pages.BlockPool`, the one its
+  sequences' paged caches take their blocks from; this pool is its index. A *full* block of
+  a sequence is keyed by a hash chain (:func:`chain_keys`): block ``i``'s key hashes block
+  ``i - 1``'s key with the block's own token ids, and block 0's hashes a salt naming what
+  changes the math (model and run, KV dtype, layer range). So one key stands for the whole
+  token prefix up to the block's end, and a pool never mixes two stages' blocks. A block
+  also keeps its token ids: a lookup compares them, so a hash collision is a miss.
+- Storing a block only names the sequence's own slot in the index (one more reference): no
+  copy. A new sequence that begins with keyed blocks puts their slots in its block table
+  (:meth:`PrefixPool.acquire`): no copy either; attention reads them in place, and the
+  sequence writes only into blocks of its own (:class:`~meshnode.engine.kv_pages.PagedCache`:
+  copy-on-write after a rollback into a shared one).
+- A block stays keyed after its sequences end. Blocks only the index references are
+  *cached*; they are evicted least-recently-used when a sequence needs a block and none is
+  free (:attr:`BlockPool.reclaim <meshnode.engine.kv_pages.BlockPool.reclaim>`), and beyond
+  the pool's prefix budget (:meth:`PrefixPool.trim`, so the memory a stage touches stays
+  its live sequences' plus that budget). A block a sequence references is never evicted.
 
-Pure array code (NumPy or CuPy, through the arrays' own slicing); no I/O, not thread-safe
-(the stage runner serializes its calls).
+Pure array code; no I/O, not thread-safe (the stage runner serializes its calls).
 """
 
 from __future__ import annotations
@@ -39,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from meshnode.engine.kv_cache import lazy_zeros
+from meshnode.engine.kv_cache import KV_BLOCK
+from meshnode.engine.kv_pages import BlockPool
 from meshnode.errors import MeshnodeError
 
 __all__ = [
@@ -52,11 +52,9 @@ __all__ = [
     "resume_length",
 ]
 
-#: Positions per cached block. vLLM uses 16, SGLang 1 (a radix tree), llama-server a whole
-#: slot; 32 keeps the per-block bookkeeping (a hash, a dict entry) negligible next to the
-#: block's bytes (SmolLM2: 1.5 MiB per block at f32) while a prompt loses at most 31
-#: positions of reuse. Host and stages must agree on it: the host resumes at multiples.
-PREFIX_BLOCK_TOKENS = 32
+#: Positions per cached block: the paged caches' (:data:`~meshnode.engine.kv_cache.KV_BLOCK`).
+#: Host and stages must agree on it: the host resumes at multiples.
+PREFIX_BLOCK_TOKENS = KV_BLOCK
 
 Key = bytes
 
@@ -96,11 +94,11 @@ def resume_length(prompt_tokens: int, cached_blocks: int, block: int = PREFIX_BL
 class PrefixStats:
     """Counters of one pool since it was made (``/metrics``)."""
 
-    hit_tokens: int = 0  # positions copied in instead of computed
+    hit_tokens: int = 0  # positions read from cached blocks instead of computed
     miss_tokens: int = 0  # prompt positions computed (prefill rows of new sequences)
     stored_blocks: int = 0
     evicted_blocks: int = 0
-    skipped_blocks: int = 0  # not stored: every block was in use
+    skipped_blocks: int = 0  # not stored: another prefix's block holds the key (a collision)
 
 
 @dataclass(slots=True)
@@ -108,75 +106,54 @@ class _Block:
     slot: int
     tokens: tuple[int, ...]
     parent: Key | None  # the key of the block before (None: the chain's first)
-    refs: int = 0
 
 
 @dataclass(slots=True)
 class PrefixPool:
-    """Cached KV blocks of one stage; see the module docstring.
+    """The keyed blocks of one stage's :class:`BlockPool` ``kv``; see the module docstring.
+    ``budget`` is the most blocks kept cached (referenced by no sequence) after
+    :meth:`trim`. Methods take and give block *keys*."""
 
-    ``k`` and ``v`` are ``[capacity, L, Hkv, B, D]`` (on the CPU taking memory as blocks
-    are first written). Methods take and give block *keys*; a sequence remembers the keys
-    it holds and hands them back to :meth:`release`.
-    """
-
-    k: Any
-    v: Any
+    kv: BlockPool
     salt: str
-    block: int = PREFIX_BLOCK_TOKENS
+    budget: int
     stats: PrefixStats = field(default_factory=PrefixStats)
     # key -> block, least recently used first; a referenced block may sit anywhere.
     _blocks: OrderedDict[Key, _Block] = field(default_factory=OrderedDict)
-    _free: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._free = list(range(self.capacity))[::-1]
+        if self.budget < 0:
+            raise ValueError(f"bad prefix pool: a budget of {self.budget} blocks")
+        self.kv.reclaim = self._evict
 
-    @classmethod
-    def for_budget(
-        cls,
-        xp: Any,
-        *,
-        budget_bytes: int,
-        layers: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: Any,
-        salt: str,
-        block: int = PREFIX_BLOCK_TOKENS,
-    ) -> PrefixPool:
-        """A pool of as many blocks as ``budget_bytes`` holds (zero: a pool that caches
-        nothing). Raises ``ValueError`` for a negative budget or a bad block size."""
-        if budget_bytes < 0 or block < 1:
-            raise ValueError(f"bad prefix pool: {budget_bytes} bytes, blocks of {block}")
-        shape = (layers, kv_heads, block, head_dim)
-        per_block = 2 * int(np.prod(shape)) * np.dtype(dtype).itemsize
-        blocks = budget_bytes // per_block if per_block else 0
-        k = lazy_zeros(xp, (blocks, *shape), dtype)
-        v = lazy_zeros(xp, (blocks, *shape), dtype)
-        return cls(k=k, v=v, salt=salt, block=block)
+    @property
+    def block(self) -> int:
+        """Positions per block."""
+        return self.kv.block
 
     @property
     def capacity(self) -> int:
-        """Blocks the pool holds at most."""
-        return int(self.k.shape[0])
+        """Blocks of the stage's pool (live sequences' and cached)."""
+        return self.kv.capacity
 
     def usage(self) -> dict[str, int]:
-        """Blocks in use by sequences, cached (unreferenced), free, and the pool's size."""
+        """Blocks in use by sequences, cached (referenced by the index alone), free, and
+        the pool's size."""
         # One C-level copy each: a status read on the event loop while a step runs.
-        blocks, free = list(self._blocks.values()), len(self._free)
-        used = sum(1 for b in blocks if b.refs)
+        slots, refs = [b.slot for b in list(self._blocks.values())], self.kv.refs
+        cached = sum(1 for s in slots if refs[s] == 1)
+        free = self.kv.free_blocks
         return {
-            "blocks_used": used,
-            "blocks_cached": len(blocks) - used,
+            "blocks_used": self.capacity - free - cached,
+            "blocks_cached": cached,
             "blocks_free": free,
             "blocks_total": self.capacity,
             "block_tokens": self.block,
         }
 
     def nbytes(self) -> int:
-        """Bytes allocated for the pool's blocks."""
-        return int(self.k.nbytes + self.v.nbytes)
+        """Bytes allocated for the stage's blocks."""
+        return self.kv.nbytes()
 
     def keys(self, tokens: Sequence[int]) -> list[Key]:
         """The keys of ``tokens``' full blocks in this pool (:func:`chain_keys`)."""
@@ -192,11 +169,10 @@ class PrefixPool:
         return n
 
     def acquire(self, key: Key, cache: Any) -> tuple[list[int], list[Key]]:
-        """Copy the chain of blocks that ends with ``key`` into positions ``0 … n x block``
-        of ``cache`` (a :class:`~meshnode.engine.kv_cache.KVCache` of this stage's
-        layers), set its length, and reference the blocks; their token ids and keys, in
-        order. Raises :class:`PrefixMissError` (and changes nothing) when a block of the
-        chain is not (or no longer) here."""
+        """Begin ``cache`` (an empty :class:`~meshnode.engine.kv_pages.PagedCache` of this
+        stage's pool) with the chain of blocks that ends with ``key``, by reference; their
+        token ids and keys, in order. Raises :class:`PrefixMissError` (and changes nothing)
+        when a block of the chain is not (or no longer) here."""
         chain: list[Key] = []
         at: Key | None = key
         while at is not None:
@@ -206,51 +182,47 @@ class PrefixPool:
             chain.append(at)
             at = entry.parent
         chain.reverse()
-        tokens: list[int] = []
-        cache.truncate(0)
-        for i, k in enumerate(chain):
-            entry = self._use(k)
-            span = slice(i * self.block, (i + 1) * self.block)
-            cache.k[:, :, span] = self.k[entry.slot]  # [L, Hkv, B, D]
-            cache.v[:, :, span] = self.v[entry.slot]
-            tokens.extend(entry.tokens)
-        cache.length = len(tokens)
+        entries = [self._blocks[k] for k in chain]
+        cache.adopt([e.slot for e in entries])
+        tokens = [t for e in entries for t in e.tokens]
         self.stats.hit_tokens += len(tokens)
         self._refresh(chain)
         return tokens, chain
 
     def store(self, tokens: Sequence[int], cache: Any, held: int) -> list[Key]:
-        """Store the full blocks of ``tokens`` from block ``held`` on, copied from the same
-        positions of ``cache`` (which must hold K/V for every one of ``tokens``), and
-        reference them; the keys of the blocks now held, in order (fewer than asked when
-        the pool has no room: the later blocks could never be found without them)."""
+        """Key the full blocks of ``tokens`` from block ``held`` on, each the slot that
+        ``cache`` (a paged cache holding K/V for every one of ``tokens``) holds it in (a
+        block already keyed with the same tokens stays the keyed one); the keys now known,
+        in order (fewer than asked after a collision: later blocks could not be found)."""
         keys = self.keys(tokens)
         out: list[Key] = []
         for i in range(held, len(keys)):
             key = keys[i]
-            if key in self._blocks and self._holds(key, tokens, i):
-                self._use(key)
-            elif key in self._blocks or not self._make_room():
-                self.stats.skipped_blocks += len(keys) - i
-                break
+            if key in self._blocks:
+                if not self._holds(key, tokens, i):
+                    self.stats.skipped_blocks += len(keys) - i
+                    break
             else:
-                self._write(key, keys[i - 1] if i else None, tokens, i, cache)
+                slot = int(cache.blocks[i])
+                self.kv.hold(slot)
+                span = tuple(tokens[i * self.block : (i + 1) * self.block])
+                self._blocks[key] = _Block(slot, span, keys[i - 1] if i else None)
+                self.stats.stored_blocks += 1
             out.append(key)
         self._refresh(keys[:held] + out)
         return out
 
-    def release(self, keys: Sequence[Key]) -> None:
-        """Drop one reference to each of ``keys`` (a sequence's blocks, at its end); they
-        stay cached until evicted. Unknown keys are ignored."""
-        for key in keys:
-            entry = self._blocks.get(key)
-            if entry is not None and entry.refs > 0:
-                entry.refs -= 1
+    def trim(self) -> None:
+        """Evict least recently used cached blocks beyond :attr:`budget`."""
+        refs = self.kv.refs
+        over = sum(1 for b in self._blocks.values() if refs[b.slot] == 1) - self.budget
+        while over > 0 and self._evict():
+            over -= 1
 
     def clear(self) -> None:
-        """Forget every unreferenced block."""
-        for key in [k for k, b in self._blocks.items() if not b.refs]:
-            self._free.append(self._blocks.pop(key).slot)
+        """Forget every cached block (the blocks sequences use stay keyed)."""
+        while self._evict():
+            pass
 
     # -- internals --------------------------------------------------------------------
 
@@ -259,12 +231,6 @@ class PrefixPool:
         span = tuple(tokens[i * self.block : (i + 1) * self.block])
         return entry is not None and entry.tokens == span
 
-    def _use(self, key: Key) -> _Block:
-        entry = self._blocks[key]
-        entry.refs += 1
-        self._blocks.move_to_end(key)  # most recently used
-        return entry
-
     def _refresh(self, chain: Sequence[Key]) -> None:
         # A chain's first block is its most recently used: a block is only found through
         # its ancestors, so least-recently-used order must evict descendants first.
@@ -272,23 +238,12 @@ class PrefixPool:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
 
-    def _make_room(self) -> bool:
-        """A free slot, evicting the least recently used unreferenced block if needed."""
-        if self._free:
-            return True
-        victim = next((k for k, b in self._blocks.items() if not b.refs), None)
+    def _evict(self) -> bool:
+        """Free the least recently used cached block; False when there is none."""
+        refs = self.kv.refs
+        victim = next((k for k, b in self._blocks.items() if refs[b.slot] == 1), None)
         if victim is None:
             return False
-        self._free.append(self._blocks.pop(victim).slot)
+        self.kv.drop(self._blocks.pop(victim).slot)
         self.stats.evicted_blocks += 1
         return True
-
-    def _write(
-        self, key: Key, parent: Key | None, tokens: Sequence[int], i: int, cache: Any
-    ) -> None:
-        slot = self._free.pop()
-        span = slice(i * self.block, (i + 1) * self.block)
-        self.k[slot] = cache.k[:, :, span]
-        self.v[slot] = cache.v[:, :, span]
-        self._blocks[key] = _Block(slot, tuple(tokens[span]), parent, refs=1)
-        self.stats.stored_blocks += 1

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.hybrid_config import HybridConfig
-from meshnode.engine.kv_cache import kv_bytes
+from meshnode.engine.kv_cache import kv_bytes, kv_numpy_dtype
+from meshnode.engine.kv_pages import block_bytes
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
 from meshnode.engine.weights import HeldBytes
 from meshnode.errors import ConfigError, RunError
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.planner import ModelFootprint
-from meshnode.node.prefix import pool_bytes
+from meshnode.node.prefix import live_blocks, pool_bytes
 from meshnode.node.stage import default_context
 
 
@@ -106,15 +107,22 @@ def stage_kv_bytes(
     *,
     prefix_pool: bool = True,
 ) -> int:
-    """The most KV a stage of layers ``[start, end)`` holds: every live sequence's whole
-    context (:data:`~meshnode.node.pipeline.MAX_SEQUENCES_PER_STAGE` of them, each cache
-    preallocated) plus its prefix pool (:func:`~meshnode.node.prefix.pool_bytes`; none on a
-    hybrid model, and ``prefix_pool`` False for a stage that keeps none: a CUDA one). Pure,
-    for the planner's per-stage check; :meth:`ModelFootprint.kv_bytes` counts the live
-    sequences only."""
+    """The most KV a stage of layers ``[start, end)`` holds. A CPU stage of a model with
+    K/V per position (``prefix_pool``) keeps one pool of blocks
+    (:meth:`~meshnode.node.prefix.StagePrefix.for_stage`): every live sequence's whole
+    context (:data:`~meshnode.node.pipeline.MAX_SEQUENCES_PER_STAGE` of them) and a block
+    for a copy-on-write (:func:`~meshnode.node.prefix.live_blocks`), plus the cached
+    prefixes' budget (:func:`~meshnode.node.prefix.pool_bytes`), in whole blocks. A hybrid
+    model's stage, or one with ``prefix_pool`` False (CUDA), preallocates each live
+    sequence's context (:meth:`ModelFootprint.kv_bytes`). Pure, for the planner's
+    per-stage check."""
     live = model_footprint(config, kv_dtype=kv_dtype).kv_bytes(start, end, context_size)
-    pool = pool_bytes(config, end - start, context_size, kv_dtype) if prefix_pool else 0
-    return live + pool
+    if not prefix_pool or config.hybrid is not None:
+        return live
+    dtype = kv_numpy_dtype(kv_dtype)
+    per_block = block_bytes(end - start, config.num_kv_heads, config.head_dim, dtype)
+    cached = pool_bytes(config, end - start, context_size, kv_dtype) // per_block
+    return (live_blocks(context_size) + cached) * per_block
 
 
 def served_context(config: ModelConfig, asked: int | None) -> int:

@@ -6,9 +6,10 @@ it believes *every* stage holds: those of the token positions its frames carried
 passes came back (each stage stored them on the way, below the committed length). For a new
 request it resumes at the longest such prefix ``P`` (whole blocks, never the prompt's last
 token): the sequence's first frame starts at ``start_pos = P`` and carries ``prefix_key``,
-the hash-chain key of the prefix's last block. A stage that holds the whole chain copies it
-into the sequence's cache and computes only the frame's tokens; a stage that lacks a block
-(evicted under its own budget, or it keeps no pool) refuses the frame with
+the hash-chain key of the prefix's last block. A stage that holds the whole chain puts its
+blocks in the sequence's block table (by reference: a CPU stage's sequences hold paged
+caches, :mod:`meshnode.engine.kv_pages`) and computes only the frame's tokens; a stage
+that lacks a block (evicted under its own budget, or it keeps no pool) refuses the frame with
 :class:`~meshnode.engine.prefix_cache.PrefixMissError` (``PREFIX_MISS`` on the wire) and
 keeps nothing of the sequence. The host then forgets that prompt's blocks and sends the
 prompt from position 0, which every stage accepts for a known or unknown sequence alike (a
@@ -38,7 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from meshnode.engine.config import ModelConfig
-from meshnode.engine.kv_cache import kv_bytes
+from meshnode.engine.kv_cache import KV_BLOCK, kv_bytes
+from meshnode.engine.kv_pages import BlockPool, PagedCache, block_bytes
 from meshnode.engine.model import Stage
 from meshnode.engine.prefix_cache import (
     PREFIX_BLOCK_TOKENS,
@@ -48,7 +50,14 @@ from meshnode.engine.prefix_cache import (
     extend_chain,
     resume_length,
 )
-from meshnode.node.pipeline import FrameKind, QueuedPass, RequestId, StepFrame, StepResult
+from meshnode.node.pipeline import (
+    MAX_SEQUENCES_PER_STAGE,
+    FrameKind,
+    QueuedPass,
+    RequestId,
+    StepFrame,
+    StepResult,
+)
 
 __all__ = [
     "DEFAULT_PREFIX_CONTEXTS",
@@ -99,42 +108,58 @@ class _Tracked:
     tried: int = 0  # full committed blocks a store was attempted for
 
 
-class StagePrefix:
-    """The stage side of the rule (module docstring): resumes sequences from the pool and
-    stores their committed blocks. ``pool`` is None on a stage that keeps none. Not
-    thread-safe: the stage runner serializes calls."""
+def live_blocks(context_size: int, sequences: int = MAX_SEQUENCES_PER_STAGE) -> int:
+    """Blocks a stage's pool keeps for its live sequences: every one's whole context, and
+    one for a copy-on-write in flight (so a sequence the stage admitted never waits)."""
+    return sequences * -(-context_size // KV_BLOCK) + 1
 
-    def __init__(self, pool: PrefixPool | None) -> None:
+
+class StagePrefix:
+    """The stage side of the rule (module docstring): the stage's pool of KV blocks
+    (``kv``: None on a hybrid or CUDA stage, whose sequences keep contiguous caches), and
+    its index of cached prefixes (``pool``: None where it keeps none); resumes sequences
+    from the index and keys their committed blocks. Not thread-safe: the stage runner
+    serializes calls."""
+
+    def __init__(self, pool: PrefixPool | None, kv: BlockPool | None = None) -> None:
         self.pool = pool
+        self.kv = pool.kv if pool is not None else kv
         self.salt = "" if pool is None else pool.salt
         self._seqs: dict[RequestId, _Tracked] = {}
 
     @classmethod
     def for_stage(
-        cls, stage: Stage, context_size: int, *, budget_bytes: int | None, salt: str
+        cls,
+        stage: Stage,
+        context_size: int,
+        *,
+        budget_bytes: int | None,
+        salt: str,
+        sequences: int = MAX_SEQUENCES_PER_STAGE,
     ) -> StagePrefix:
-        """A pool of ``budget_bytes`` (None: :data:`DEFAULT_PREFIX_CONTEXTS` contexts of
-        ``context_size``) for ``stage``'s layers; none for a zero budget or a hybrid or
-        CUDA stage (whose caches are not plain per-sequence K/V arrays here: phase 2)."""
+        """A pool of KV blocks for ``stage``'s layers: :func:`live_blocks` for
+        ``sequences`` of ``context_size``, and ``budget_bytes`` of cached prefixes (None:
+        :data:`DEFAULT_PREFIX_CONTEXTS` contexts; 0: none, no index). None on a hybrid or
+        CUDA stage (their caches stay contiguous arrays: no reuse there yet)."""
         if stage.config.hybrid is not None or stage.backend.name != "cpu":
             return cls(None)
-        c = stage.config
-        probe = stage.new_cache(1)  # the K/V dtype this stage's caches hold
+        c, layers = stage.config, stage.end - stage.start
+        dtype = stage.new_cache(1).k.dtype  # the K/V dtype this stage's caches hold
         if budget_bytes is None:
-            kv = "f16" if probe.k.dtype.itemsize == 2 else "f32"
-            budget_bytes = pool_bytes(c, stage.end - stage.start, context_size, kv)
-        if budget_bytes <= 0:
-            return cls(None)
-        pool = PrefixPool.for_budget(
-            stage.xp,
-            budget_bytes=budget_bytes,
-            layers=stage.end - stage.start,
-            kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            dtype=probe.k.dtype,
-            salt=salt,
-        )
-        return cls(pool if pool.capacity else None)
+            kv = "f16" if dtype.itemsize == 2 else "f32"
+            budget_bytes = pool_bytes(c, layers, context_size, kv)
+        if budget_bytes < 0:
+            raise ValueError(f"bad prefix pool: {budget_bytes} bytes")
+        per_block = block_bytes(layers, c.num_kv_heads, c.head_dim, dtype)
+        cached = budget_bytes // per_block if per_block else 0
+        live = live_blocks(context_size, sequences)
+        blocks = BlockPool(layers, c.num_kv_heads, c.head_dim, live + cached, dtype)
+        pool = PrefixPool(blocks, salt, cached) if cached else None
+        return cls(pool, blocks)
+
+    def new_cache(self, max_tokens: int) -> PagedCache | None:
+        """A paged cache of the stage's pool for a new sequence (None: no pool here)."""
+        return None if self.kv is None else PagedCache(self.kv, max_tokens)
 
     @property
     def block(self) -> int:
@@ -149,7 +174,6 @@ class StagePrefix:
             raise PrefixMissError("this stage keeps no prefix cache")
         tokens, keys = self.pool.acquire(frame.prefix_key, cache)
         if len(tokens) != frame.start_pos:
-            self.pool.release(keys)
             cache.truncate(0)
             raise PrefixMissError(
                 f"the cached prefix has {len(tokens)} tokens; the frame starts at {frame.start_pos}"
@@ -171,7 +195,6 @@ class StagePrefix:
         if frame.start_pos < len(seq.keys) * block:  # rewritten (a refold, a replay)
             kept = _same_blocks(seq.tokens, frame.start_pos, frame.tokens, block)
             if kept < len(seq.keys):
-                self.pool.release(seq.keys[kept:])
                 del seq.keys[kept:]
                 seq.tried = min(seq.tried, kept)
         seq.tokens[frame.start_pos :] = frame.tokens
@@ -181,10 +204,11 @@ class StagePrefix:
             seq.tried = full
 
     def release(self, request_id: RequestId) -> None:
-        """The sequence ended: its blocks stay cached, unreferenced."""
-        seq = self._seqs.pop(request_id, None)
-        if seq is not None and self.pool is not None:
-            self.pool.release(seq.keys)
+        """The sequence ended (its cache emptied first): its keyed blocks stay cached,
+        the least recently used beyond the budget evicted."""
+        self._seqs.pop(request_id, None)
+        if self.pool is not None:
+            self.pool.trim()
 
     def usage(self) -> dict[str, int]:
         """The pool's blocks (:meth:`PrefixPool.usage`) and hit/miss counters, prefixed

@@ -107,7 +107,11 @@ class StageRunner:
         self._free_caches: list[Any] = []
         # Hook (issue 30): the pool of cached prefixes shared by this stage's sequences.
         self.prefix = StagePrefix.for_stage(
-            stage, context_size, budget_bytes=prefix_cache_bytes, salt=prefix_salt
+            stage,
+            context_size,
+            budget_bytes=prefix_cache_bytes,
+            salt=prefix_salt,
+            sequences=max_sequences,
         )
 
     @property
@@ -219,8 +223,8 @@ class StageRunner:
         seq = self._sequences.pop(request_id, None)
         if seq is None:
             return False
-        self.prefix.release(request_id)  # hook (issue 30): its blocks stay cached
         seq.cache.release_pages()  # kept for the next sequence, its memory handed back
+        self.prefix.release(request_id)  # hook (issue 30): its blocks stay cached
         self._free_caches.append(seq.cache)
         return True
 
@@ -240,7 +244,8 @@ class StageRunner:
         cache = (
             self._free_caches.pop()
             if self._free_caches
-            else self.stage.new_cache(self.context_size)
+            # hook (issue 30): a paged cache of the stage's pool where it keeps one
+            else self.prefix.new_cache(self.context_size) or self.stage.new_cache(self.context_size)
         )
         seq = _Sequence(cache=cache, sampling=frame.sampling)
         if frame.prefix_key is not None:  # hook (issue 30): resume from the cached prefix

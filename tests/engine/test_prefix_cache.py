@@ -1,11 +1,12 @@
-"""The prefix pool (engine.prefix_cache): keys, hits, references, LRU eviction, bounds."""
+"""The prefix index (engine.prefix_cache) over a stage's block pool (engine.kv_pages):
+keys, hits by reference, LRU eviction of cached blocks only, the budget."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from meshnode.engine.kv_cache import KVCache
+from meshnode.engine.kv_pages import BlockPool, PagedCache
 from meshnode.engine.prefix_cache import (
     PrefixMissError,
     PrefixPool,
@@ -15,22 +16,21 @@ from meshnode.engine.prefix_cache import (
 
 B = 4  # positions per block in these tables
 SHAPE = {"layers": 2, "kv_heads": 1, "head_dim": 3}
-PER_BLOCK = 2 * 2 * 1 * B * 3 * 4  # K and V, f32
 
 
-def pool(blocks: int, salt: str = "run") -> PrefixPool:
-    return PrefixPool.for_budget(
-        np, budget_bytes=blocks * PER_BLOCK, dtype=np.float32, salt=salt, block=B, **SHAPE
-    )
+def pool(blocks: int, budget: int | None = None, salt: str = "run") -> PrefixPool:
+    kv = BlockPool(capacity=blocks, dtype=np.float32, block=B, **SHAPE)
+    return PrefixPool(kv, salt, blocks if budget is None else budget)
 
 
-def filled(tokens: list[int]) -> KVCache:
+def filled(p: PrefixPool, tokens: list[int]) -> PagedCache:
     """A cache whose K/V at position p encode (token, p): what a forward would write."""
-    cache = KVCache(np, max_tokens=64, **SHAPE)
-    for p, t in enumerate(tokens):
-        cache.k[:, :, p] = t * 1000 + p
-        cache.v[:, :, p] = -(t * 1000 + p)
-    cache.length = len(tokens)
+    cache = PagedCache(p.kv, 64)
+    cache.reserve(len(tokens))
+    for layer in range(2):
+        k = np.array([[[t * 1000 + i] * 3 for i, t in enumerate(tokens)]], np.float32)
+        cache.write(layer, 0, k, -k)
+    cache.advance(0, len(tokens))
     return cache
 
 
@@ -53,48 +53,52 @@ def test_resume_length_leaves_the_last_token_to_compute(
     assert resume_length(prompt, cached, B) == expected
 
 
-def test_store_then_acquire_copies_the_blocks_exactly() -> None:
+def test_store_then_acquire_shares_the_blocks_in_place() -> None:
     p = pool(4)
     tokens = [5, 6, 7, 8, 9, 10, 11, 12, 13]
-    held = p.store(tokens, filled(tokens), 0)
+    seq = filled(p, tokens)
+    held = p.store(tokens, seq, 0)
     assert len(held) == 2
     assert p.cached_blocks(tokens) == 2
-    fresh = KVCache(np, max_tokens=64, **SHAPE)
+    fresh = PagedCache(p.kv, 64)
     got_tokens, got = p.acquire(held[-1], fresh)
     assert got == held
     assert got_tokens == tokens[:8]
     assert fresh.length == 8
-    ref = filled(tokens)
-    np.testing.assert_array_equal(fresh.k[:, :, :8], ref.k[:, :, :8])
-    np.testing.assert_array_equal(fresh.v[:, :, :8], ref.v[:, :, :8])
+    assert fresh.slots() == seq.slots()[:2]  # the same slots: no copy
+    for layer in range(2):
+        for a, b in zip(fresh.gather(layer, 8), seq.gather(layer, 8), strict=True):
+            np.testing.assert_array_equal(a, b)
     assert p.stats.hit_tokens == 8
     assert p.stats.stored_blocks == 2
+    assert [p.kv.refs[s] for s in fresh.slots()] == [3, 3]  # two tables and the index
 
 
 def test_a_miss_changes_nothing() -> None:
     p = pool(4)
-    p.store([1, 2, 3, 4], filled([1, 2, 3, 4]), 0)
-    cache = filled([9, 9])
+    p.store([1, 2, 3, 4], filled(p, [1, 2, 3, 4]), 0)
+    cache = filled(p, [9, 9])
     with pytest.raises(PrefixMissError, match="block 0 from the end"):
-        p.acquire(p.keys([1, 2, 3, 4, 5, 6, 7, 8])[-1], cache)
+        p.acquire(p.keys([1, 2, 3, 4, 5, 6, 7, 8])[-1], PagedCache(p.kv, 64))
     assert cache.length == 2
     assert p.stats.hit_tokens == 0
     assert p.cached_blocks([1, 2, 3, 5]) == 0  # same hash chain start, other tokens
 
 
-def test_referenced_blocks_are_never_evicted_and_stores_skip_instead() -> None:
+def test_blocks_in_use_are_never_evicted_and_a_full_pool_refuses() -> None:
     p = pool(2)
     a = list(range(8))
-    held = p.store(a, filled(a), 0)
+    seq = filled(p, a)
+    p.store(a, seq, 0)
     assert p.usage()["blocks_used"] == 2
     assert p.usage()["blocks_free"] == 0
-    b = list(range(100, 108))
-    assert p.store(b, filled(b), 0) == []  # the pool is full of blocks in use
-    assert p.stats.skipped_blocks == 2
+    with pytest.raises(ValueError, match="KV pool full"):
+        filled(p, list(range(100, 104)))
     assert p.cached_blocks(a) == 2
-    p.release(held)
+    seq.release_pages()
     assert p.usage()["blocks_cached"] == 2
-    assert len(p.store(b, filled(b), 0)) == 2  # now a's blocks make room
+    b = list(range(100, 108))
+    p.store(b, filled(p, b), 0)  # a's cached blocks make room
     assert p.cached_blocks(a) == 0
     assert p.stats.evicted_blocks == 2
 
@@ -102,63 +106,78 @@ def test_referenced_blocks_are_never_evicted_and_stores_skip_instead() -> None:
 def test_a_chain_whose_first_block_was_evicted_is_a_miss() -> None:
     p = pool(3)
     a = list(range(8))
-    p.release(p.store(a, filled(a), 0))
-    p._blocks.pop(p.keys(a)[0])  # as if evicted alone (LRU never does: see above)
+    p.store(a, filled(p, a), 0)
+    p._blocks.pop(p.keys(a)[0])  # as if evicted alone (LRU never does: see below)
     with pytest.raises(PrefixMissError, match="block 1 from the end"):
-        p.acquire(p.keys(a)[1], filled([]))
+        p.acquire(p.keys(a)[1], PagedCache(p.kv, 64))
 
 
 def test_eviction_is_least_recently_used_and_takes_descendants_first() -> None:
     p = pool(3)
     a, b = list(range(8)), list(range(50, 54))
-    p.release(p.store(a, filled(a), 0))  # a0 a1
-    p.release(p.store(b, filled(b), 0))  # b0: the pool is full
-    p.release(p.acquire(p.keys(a)[0], filled([]))[1])  # a0 used again: b0 then a1 are older
+    for tokens in (a, b):  # a0 a1, then b0: the pool is full
+        seq = filled(p, tokens)
+        p.store(tokens, seq, 0)
+        seq.release_pages()
+    again = PagedCache(p.kv, 64)
+    p.acquire(p.keys(a)[0], again)  # a0 used again: b0 then a1 are older
+    again.release_pages()
     c = list(range(70, 74))
-    p.release(p.store(c, filled(c), 0))
+    p.store(c, filled(p, c), 0)
     # a1 was the least recently used (its chain's first block was touched after it).
     assert p.cached_blocks(a) == 1
     assert p.cached_blocks(b) == 1
     assert p.cached_blocks(c) == 1
 
 
-def test_store_extends_what_a_sequence_holds_and_shares_equal_blocks() -> None:
-    p = pool(4)
+def test_store_extends_what_a_sequence_holds_and_keeps_the_first_equal_block() -> None:
+    p = pool(8)
     a = list(range(12))
-    first = p.store(a[:4], filled(a[:4]), 0)
-    more = p.store(a, filled(a), len(first))
+    one = filled(p, a)
+    first = p.store(a[:4], one, 0)
+    more = p.store(a, one, len(first))
     assert len(more) == 2
     assert p.stats.stored_blocks == 3
-    again = p.store(a, filled(a), 0)  # a second sequence with the same prompt
-    assert again == first + more
+    two = filled(p, a)  # a second sequence computed the same prompt
+    assert p.store(a, two, 0) == first + more
     assert p.stats.stored_blocks == 3
-    assert p.usage()["blocks_used"] == 3
-    p.release(first + more)
-    assert p.usage()["blocks_used"] == 3  # still referenced by the second sequence
-    p.release(again)
+    assert p.usage()["blocks_used"] == 6
+    one.release_pages()
+    two.release_pages()
     assert p.usage() == {
         "blocks_used": 0,
         "blocks_cached": 3,
-        "blocks_free": 1,
-        "blocks_total": 4,
+        "blocks_free": 5,
+        "blocks_total": 8,
         "block_tokens": B,
     }
 
 
-def test_a_zero_budget_pool_caches_nothing_and_bad_sizes_are_refused() -> None:
-    p = pool(0)
-    assert p.capacity == 0
-    assert p.store([1, 2, 3, 4], filled([1, 2, 3, 4]), 0) == []
+def test_trim_keeps_the_budget_of_cached_blocks() -> None:
+    p = pool(8, budget=2)
+    a = list(range(12))
+    seq = filled(p, a)
+    p.store(a, seq, 0)
+    p.trim()
+    assert p.cached_blocks(a) == 3  # in use: not cached
+    seq.release_pages()
+    p.trim()
+    assert p.usage()["blocks_cached"] == 2
+    assert p.cached_blocks(a) == 2  # the chain's last block went first
     with pytest.raises(ValueError, match="bad prefix pool"):
-        PrefixPool.for_budget(np, budget_bytes=-1, dtype=np.float32, salt="", **SHAPE)
+        pool(2, budget=-1)
 
 
 def test_clear_keeps_the_blocks_in_use() -> None:
     p = pool(4)
     a, b = list(range(4)), list(range(10, 14))
-    held = p.store(a, filled(a), 0)
-    p.release(p.store(b, filled(b), 0))
+    held = filled(p, a)
+    p.store(a, held, 0)
+    other = filled(p, b)
+    p.store(b, other, 0)
+    other.release_pages()
     p.clear()
     assert p.cached_blocks(a) == 1
     assert p.cached_blocks(b) == 0
-    p.release(held)
+    held.release_pages()
+    assert p.usage()["blocks_cached"] == 1

@@ -1,6 +1,6 @@
 """The KV a stage holds at most, counted by a pure function the planner can call
-(``footprint.stage_kv_bytes``): the live sequences' preallocated contexts plus the prefix
-pool, which a stage sizes by the same rule (``prefix.pool_bytes``; issue 30)."""
+(``footprint.stage_kv_bytes``): the stage's one pool of blocks, for the live sequences'
+contexts plus the cached prefixes' budget (``prefix.pool_bytes``; issue 30), exactly."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
+from meshnode.engine.prefix_cache import PREFIX_BLOCK_TOKENS as B
 from meshnode.node.footprint import model_footprint, stage_kv_bytes
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.prefix import DEFAULT_PREFIX_CONTEXTS, pool_bytes
@@ -25,14 +26,17 @@ def test_the_count_covers_what_a_stage_allocates(start: int, end: int) -> None:
     stage = Stage(config, source, start, end, embed=start == 0, head=end == 3)
     runner = StageRunner(stage, context_size=CONTEXT)
     assert runner.prefix.pool is not None
-    held = runner.prefix.pool.nbytes()
+    assert runner.prefix.kv is not None
+    held = runner.prefix.kv.nbytes()  # the stage's one pool: live and cached blocks
     per_cache = stage.new_cache(CONTEXT).nbytes()
     want_pool = pool_bytes(config, end - start, CONTEXT, "f32")
     assert want_pool == DEFAULT_PREFIX_CONTEXTS * per_cache
-    # whole blocks only: the pool is at most one block short of its budget
-    assert want_pool - 2 * (end - start) * config.kv_size * 4 * 32 < held <= want_pool
+    per_block = per_cache // (CONTEXT // B)
+    assert runner.prefix.pool.budget == want_pool // per_block
     got = stage_kv_bytes(config, start, end, CONTEXT)
-    assert got == MAX_SEQUENCES_PER_STAGE * per_cache + want_pool
+    assert got == held
+    # every live sequence's context, a block for a copy-on-write, the cached budget
+    assert got == MAX_SEQUENCES_PER_STAGE * per_cache + per_block + want_pool
     live = model_footprint(config).kv_bytes(start, end, CONTEXT)
     assert stage_kv_bytes(config, start, end, CONTEXT, prefix_pool=False) == live
 

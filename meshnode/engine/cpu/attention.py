@@ -50,11 +50,13 @@ from meshnode.engine.cpu.attention_rows import (
     VALUES,
     first_key,
     key_scores,
+    slot_row,
     softmax,
     weighted_values,
 )
 from meshnode.engine.cpu.simd import wfma, wload, wsum, wzero
 from meshnode.engine.cpu.simd_kv import kv_pointer, line_of, prefetch_kv, wstore_kv
+from meshnode.engine.kv_cache import KV_BLOCK
 
 __all__ = [
     "COLUMNS",
@@ -70,9 +72,11 @@ __all__ = [
 # The columns of the segment table: where the segment's rows start in ``qkv``, how many
 # new rows it has, how many of them query in the last layer, its first position, whether
 # this kernel computes it (else the caller does, through BLAS), its cache's K and V
-# addresses (``[L, Hkv, Tmax, D]`` float32 or float16, C order) and Tmax.
-ROW, NEW, KEPT, START, KERNEL, K_ADDR, V_ADDR, TMAX = range(8)
-COLUMNS = 8
+# addresses (``[L, Hkv, Tmax, D]`` float32 or float16, C order), Tmax (rows per head),
+# and the address and length of its block table (int64: position p at row
+# ``blocks[p // KV_BLOCK] KV_BLOCK + p % KV_BLOCK``; :func:`.attention_rows.slot_row`).
+ROW, NEW, KEPT, START, KERNEL, K_ADDR, V_ADDR, TMAX, BLOCKS, N_BLOCKS = range(10)
+COLUMNS = 10
 # Query rows of a segment computed together, their keys and values read once for all of
 # them (a segment of more goes in passes of this many): verify windows and short prompts.
 ROW_BLOCK = 16
@@ -84,12 +88,16 @@ def segment_table(
     """The kernel's segment table ``[segments, COLUMNS]`` int64 from ``(new rows, kept
     rows, start position, computed here, cache)`` tuples in batch order; ``cache`` has
     ``k`` and ``v`` arrays ``[L, Hkv, Tmax, D]`` in C order, float32 or float16 (the same
-    for every segment the kernel computes: :func:`kv_kind`), which must outlive every
-    :func:`attend` call given the table."""
+    for every segment the kernel computes: :func:`kv_kind`), and ``blocks``, its block
+    table (int64, C order: :class:`~meshnode.engine.kv_cache.KVCache`), which must outlive
+    every :func:`attend` call given the table."""
     table = np.zeros((len(segments), COLUMNS), np.int64)
     row = 0
     for i, (n, kept, start, here, cache) in enumerate(segments):
-        k, v = cache.k, cache.v
+        k, v, blocks = cache.k, cache.v, cache.blocks
+        assert blocks.dtype == np.int64, "a block table is int64"
+        assert blocks.flags.c_contiguous, "the kernel indexes a block table in C order"
+        assert getattr(cache, "block", KV_BLOCK) == KV_BLOCK, "the kernels' block size"
         assert k.dtype in (np.float32, np.float16), k.dtype
         assert v.dtype == k.dtype, v.dtype
         assert k.flags.c_contiguous, "the kernel indexes the caches in C order"
@@ -98,6 +106,7 @@ def segment_table(
         table[i, KERNEL] = here
         table[i, K_ADDR], table[i, V_ADDR] = k.ctypes.data, v.ctypes.data
         table[i, TMAX] = k.shape[2]
+        table[i, BLOCKS], table[i, N_BLOCKS] = blocks.ctypes.data, blocks.shape[0]
         row += n
     return table
 
@@ -136,16 +145,17 @@ def _norm_rope(src, s0, weight, eps, cos, sin, pos, tmp, dst, d0):  # type: igno
 
 
 @njit(nogil=True, cache=True)
-def _write_kv(flat, w, r0, n, start, kc, vc, tmax, kv_heads, q_size, k_norm, eps, cos, sin, tmp):  # type: ignore[no-untyped-def]
-    # the segment's new keys (normed, rotated) and values into its cache at their positions
-    # (a float16 cache gets them rounded to nearest); tmp holds 2 D floats
+def _write_kv(flat, w, r0, n, start, kc, vc, blocks, kv_heads, q_size, k_norm, eps, cos, sin, tmp):  # type: ignore[no-untyped-def]
+    # the segment's new keys (normed, rotated) and values into its cache at their
+    # positions' rows (a float16 cache gets them rounded to nearest); tmp holds 2 D floats
     d = cos.shape[1]
     kv_size = kv_heads * d
+    tmax = kc.shape[0] // kv_size  # rows per head
     for j in range(n):
         pos = start + j
         row = (r0 + j) * w
         for h in range(kv_heads):
-            at = (h * tmax + pos) * d
+            at = (h * tmax + slot_row(blocks, pos)) * d
             _norm_rope(flat, row + q_size + h * d, k_norm, eps, cos, sin, pos, tmp, tmp, d)
             src = row + q_size + kv_size + h * d
             for c in range(0, d, LANES):
@@ -156,12 +166,13 @@ def _write_kv(flat, w, r0, n, start, kc, vc, tmax, kv_heads, q_size, k_norm, eps
 @njit(nogil=True, cache=True)
 def _cache_of(table, s, layer, kv_heads, d, kv):  # type: ignore[no-untyped-def]
     # segment s's K and V cache of one layer, flat [Hkv * Tmax * D] of kv's type (float32,
-    # or uint16: float16 bit patterns)
+    # or uint16: float16 bit patterns), and its block table
     size = kv_heads * table[s, TMAX] * d
     end = (layer + 1) * size
     kc = carray(kv_pointer(table[s, K_ADDR], kv), (end,))[layer * size : end]
     vc = carray(kv_pointer(table[s, V_ADDR], kv), (end,))[layer * size : end]
-    return kc, vc
+    blocks = carray(ptr_i64(table[s, BLOCKS]), (table[s, N_BLOCKS],))
+    return kc, vc, blocks
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -195,10 +206,10 @@ def write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin, kv):  # type: igno
     tmp = np.empty(2 * d, np.float32)
     for s in range(table.shape[0]):
         if table[s, KERNEL]:
-            kc, vc = _cache_of(table, s, layer, kv_heads, d, kv)
-            n, start, tmax = table[s, NEW], table[s, START], table[s, TMAX]
+            kc, vc, blocks = _cache_of(table, s, layer, kv_heads, d, kv)
+            n, start = table[s, NEW], table[s, START]
             args = (kv_heads, heads * d, k_norm, eps, cos, sin, tmp)
-            _write_kv(flat, w, table[s, ROW], n, start, kc, vc, tmax, *args)
+            _write_kv(flat, w, table[s, ROW], n, start, kc, vc, blocks, *args)
 
 
 @njit(nogil=True, cache=True)
@@ -219,10 +230,10 @@ def _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_row)
     n, start, tmax, r0 = table[s, NEW], table[s, START], table[s, TMAX], table[s, ROW]
     first = n - (table[s, KEPT] if last else n)
     lo, hi = rows_of
-    kc, vc = _cache_of(table, s, layer, kv_heads, d, kv)
+    kc, vc, blocks = _cache_of(table, s, layer, kv_heads, d, kv)
     head = g * tmax * d
     kh, vh = kc[head : head + tmax * d], vc[head : head + tmax * d]
-    at = first_key(start + lo, window) * d
+    at = slot_row(blocks, first_key(start + lo, window)) * d
     for c in range(at, at + LANES * d, line_of(kh)):  # the first keys and values, all at once
         prefetch_kv(kh, c)
     for c in range(at, at + VALUES, line_of(vh)):
@@ -235,13 +246,14 @@ def _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_row)
                 q0 = (r0 + i0 + r) * w + (g * group + k) * d
                 _norm_rope(flat, q0, q_norm, eps, cos, sin, pos, tmp, qbuf, (r * group + k) * d)
         pos0 = start + i0
-        key_scores(qbuf, group, kh, pos0, rows, window, d, scale, scores, stride, tmp)
+        key_scores(qbuf, group, kh, blocks, pos0, rows, window, d, scale, scores, stride, tmp)
         for r in range(rows):
             t = pos0 + r + 1 - first_key(pos0 + r, window)
             for k in range(r * group, (r + 1) * group):
                 softmax(scores, k * stride + PAD, t)
         o = (o_row + i0 - first) * q_size + g * group * d
-        weighted_values(scores, group, vh, pos0, rows, window, d, stride, oflat, o, q_size, tmp)
+        args = (d, stride, oflat, o, q_size, tmp, qbuf)  # qbuf: the queries are spent
+        weighted_values(scores, group, vh, blocks, pos0, rows, window, *args)
 
 
 @njit(nogil=True, cache=True)

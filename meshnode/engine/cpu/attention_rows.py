@@ -39,6 +39,7 @@ from numba.extending import overload
 from meshnode.engine.cpu.simd import wadd, wfma, wload, wmul, wsplat, wstore, wsum, wsums, wzero
 from meshnode.engine.cpu.simd_kv import line_of, prefetch_kv, wload_kv
 from meshnode.engine.cpu.vexp import wdiv, wexp, wmax, wmax_lane
+from meshnode.engine.kv_cache import KV_BLOCK
 
 __all__ = [
     "LANES",
@@ -47,6 +48,7 @@ __all__ = [
     "block_softmax",
     "first_key",
     "key_scores",
+    "slot_row",
     "softmax",
     "weighted_values",
 ]
@@ -109,6 +111,20 @@ def first_key(pos, window):  # type: ignore[no-untyped-def]
     return 0 if window == 0 else max(0, pos - window + 1)
 
 
+# log2 of KV_BLOCK: a position's block is its high bits
+_SHIFT = KV_BLOCK.bit_length() - 1
+assert 1 << _SHIFT == KV_BLOCK, "the kernels take a power-of-two block size"
+
+
+@njit(nogil=True, cache=True, inline="always")
+def slot_row(blocks, pos):  # type: ignore[no-untyped-def]
+    """The row of one KV head's cache ``[rows, D]`` that holds position ``pos`` of a
+    sequence whose block table is ``blocks``: block ``pos // KV_BLOCK`` sits in slot
+    ``blocks[...]``, rows ``slot KV_BLOCK ...`` (a contiguous cache: ``blocks[i] = i``, so
+    the row is the position)."""
+    return blocks[pos >> _SHIFT] * KV_BLOCK + (pos & (KV_BLOCK - 1))
+
+
 def staged(kc: Any, at: int, n: int, buf: Any) -> Any:
     """``(keys, k0)`` such that ``keys[k0 : k0 + n]`` holds ``kc[at : at + n]`` as float32:
     a float32 cache itself, a float16 one's values widened into ``buf`` (once for all the
@@ -129,46 +145,63 @@ def _staged(kc, at, n, buf):  # type: ignore[no-untyped-def]
     return widen
 
 
+@njit(nogil=True, cache=True, inline="always")
+def staged_keys(kc, blocks, j, d, buf):  # type: ignore[no-untyped-def]
+    # (keys, k0): keys[k0 + i D ...] holds key j + i (i < LANES) as float32: sixteen keys
+    # within one block in place (float16 widened into buf, staged), sixteen across two
+    # blocks gathered into buf (the same values: each score the same bits)
+    if (j & (KV_BLOCK - 1)) + LANES <= KV_BLOCK:
+        return staged(kc, slot_row(blocks, j) * d, LANES * d, buf)
+    for i in range(LANES):
+        at = slot_row(blocks, j + i) * d
+        for c in range(0, d, LANES):
+            wstore(buf, i * d + c, wload_kv(kc, at + c))
+    return buf, 0
+
+
 @njit(nogil=True, cache=True)
-def _row_scores(qbuf, group, kc, base, t, d, scale, scores, stride, buf):  # type: ignore[no-untyped-def]
-    # key_scores for one row: its t keys from ``base`` (its first key's), the blocks of
-    # sixteen counted from there (each score the same bits whatever block it is in); a
+def _row_scores(qbuf, group, kc, blocks, lo, t, d, scale, scores, stride, buf):  # type: ignore[no-untyped-def]
+    # key_scores for one row: its t keys from position ``lo`` (its first key), the blocks
+    # of sixteen counted from there (each score the same bits whatever block it is in); a
     # float16 block widened into buf (LANES D floats) once for the group's queries
     full = t - t % LANES
     sc = wsplat(scale)
     for j in range(0, full, LANES):
+        ahead = slot_row(blocks, lo + min(j + LANES, t - 1)) * d
         for c in range(0, LANES * d, line_of(kc)):  # the next block's keys, a line at a time
-            prefetch_kv(kc, base + (j + LANES) * d + c)
-        keys, at = staged(kc, base + j * d, LANES * d, buf)
+            prefetch_kv(kc, ahead + c)
+        keys, at = staged_keys(kc, blocks, lo + j, d, buf)
         for g in range(group):
             q0 = g * d
             sums = _scores16(qbuf, q0, keys, at, d)
             wstore(scores, g * stride + PAD + j, wmul(sums, sc))
     for j in range(full, t):
+        at = slot_row(blocks, lo + j) * d
         for g in range(group):
-            scores[g * stride + PAD + j] = wsum(_dot(qbuf, g * d, kc, base + j * d, d)) * scale
+            scores[g * stride + PAD + j] = wsum(_dot(qbuf, g * d, kc, at, d)) * scale
 
 
 @njit(nogil=True, cache=True)
-def key_scores(qbuf, group, kc, pos0, rows, window, d, scale, scores, stride, buf):  # type: ignore[no-untyped-def]
+def key_scores(qbuf, group, kc, blocks, pos0, rows, window, d, scale, scores, stride, buf):  # type: ignore[no-untyped-def]
     """``scores[q stride + PAD + j - lo] = (query q . key j) * scale`` for the ``rows``
     query rows at positions ``pos0``, ``pos0 + 1``... (their group's queries: ``q = row G
     + g``, at ``qbuf[q D]``) and each row's keys ``lo .. pos`` of ``kc`` (one KV head's
-    keys, ``[T, D]`` flat): sixteen keys at a time summed across lanes together (wsums),
+    keys, ``[rows, D]`` flat, position ``p`` at row :func:`slot_row` of ``blocks``):
+    sixteen keys at a time summed across lanes together (wsums),
     each sum as wsum makes it, each block of keys read once for every row that sees one
     of them (a block's lanes outside a row's keys land in its row's margins). ``buf``:
     LANES D floats of scratch (a float16 block of keys widened once for all its rows)."""
     lo0, end = first_key(pos0, window), pos0 + rows
     if rows == 1:
-        _row_scores(qbuf, group, kc, lo0 * d, end - lo0, d, scale, scores, stride, buf)
+        _row_scores(qbuf, group, kc, blocks, lo0, end - lo0, d, scale, scores, stride, buf)
         return
     full = end - (end - lo0) % LANES
     sc = wsplat(scale)
     for j in range(lo0, full, LANES):
-        at = j * d
-        for c in range(at + LANES * d, at + 2 * LANES * d, line_of(kc)):  # the next block's
+        ahead = slot_row(blocks, min(j + LANES, end - 1)) * d
+        for c in range(ahead, ahead + LANES * d, line_of(kc)):  # the next block's
             prefetch_kv(kc, c)
-        keys, k0 = staged(kc, at, LANES * d, buf)
+        keys, k0 = staged_keys(kc, blocks, j, d, buf)
         for r in range(max(0, j - pos0), rows):  # the rows that see key j or a later one
             lo = first_key(pos0 + r, window)
             if lo >= j + LANES:
@@ -183,7 +216,7 @@ def key_scores(qbuf, group, kc, pos0, rows, window, d, scale, scores, stride, bu
             if lo > j:
                 break
             for g in range(r * group, (r + 1) * group):
-                dot = wsum(_dot(qbuf, g * d, kc, j * d, d))
+                dot = wsum(_dot(qbuf, g * d, kc, slot_row(blocks, j) * d, d))
                 scores[g * stride + PAD + j - lo] = dot * scale
 
 
@@ -238,6 +271,7 @@ def _accumulate2(p, s0, s1, vc, off, a, b, d, out, o0, o1):  # type: ignore[no-u
     # out[o0 : o0 + D] += sum over the values of keys a .. b - 1 (vc[j D + off ...]) of
     # p[s0 + j] * value j, key by key in order, and with p[s1 + j] into out[o1 ...]: each
     # value read once for two queries, four sixteen-lane accumulators each in registers
+    # (``out``: a thread's own scratch, never the call's output; weighted_values)
     c = 0
     while c + 4 * LANES <= d:
         x0, x1 = wload(out, o0 + c), wload(out, o0 + c + LANES)
@@ -298,21 +332,33 @@ def _accumulate(p, s0, vc, off, a, b, d, out, o0):  # type: ignore[no-untyped-de
         c += LANES
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _run_end(j, b):  # type: ignore[no-untyped-def]
+    # the end of the run of keys from j (before b) whose rows are consecutive: j's block's
+    return min(b, (j | (KV_BLOCK - 1)) + 1)
+
+
 @njit(nogil=True, cache=True)
-def _one_query(p, s0, vc, a, b, d, out, o):  # type: ignore[no-untyped-def]
+def _one_query(p, s0, vc, blocks, a, b, d, out, o):  # type: ignore[no-untyped-def]
     # out[o : o + D] = the sum over keys a .. b - 1 of p[s0 + j] * value j, in one pass
-    # with the accumulators in registers (a decode row's query: nothing to share)
+    # with the accumulators in registers (a decode row's query: nothing to share); the
+    # keys a block at a time (value j at vc[j D + base], base the block's), in order
     c = 0
     while c + 4 * LANES <= d:
         x0, x1, x2, x3 = wzero(), wzero(), wzero(), wzero()
-        for j in range(a, b):
-            u = wsplat(p[s0 + j])
-            at = j * d + c
-            prefetch_kv(vc, at + AHEAD)
-            x0 = wfma(u, wload_kv(vc, at), x0)
-            x1 = wfma(u, wload_kv(vc, at + LANES), x1)
-            x2 = wfma(u, wload_kv(vc, at + 2 * LANES), x2)
-            x3 = wfma(u, wload_kv(vc, at + 3 * LANES), x3)
+        j0 = a
+        while j0 < b:
+            j1 = _run_end(j0, b)
+            base = (slot_row(blocks, j0) - j0) * d + c
+            for j in range(j0, j1):
+                u = wsplat(p[s0 + j])
+                at = j * d + base
+                prefetch_kv(vc, at + AHEAD)
+                x0 = wfma(u, wload_kv(vc, at), x0)
+                x1 = wfma(u, wload_kv(vc, at + LANES), x1)
+                x2 = wfma(u, wload_kv(vc, at + 2 * LANES), x2)
+                x3 = wfma(u, wload_kv(vc, at + 3 * LANES), x3)
+            j0 = j1
         wstore(out, o + c, x0)
         wstore(out, o + c + LANES, x1)
         wstore(out, o + c + 2 * LANES, x2)
@@ -320,28 +366,40 @@ def _one_query(p, s0, vc, a, b, d, out, o):  # type: ignore[no-untyped-def]
         c += 4 * LANES
     while c < d:
         x0 = wzero()
-        for j in range(a, b):
-            x0 = wfma(wsplat(p[s0 + j]), wload_kv(vc, j * d + c), x0)
+        j0 = a
+        while j0 < b:
+            j1 = _run_end(j0, b)
+            base = (slot_row(blocks, j0) - j0) * d + c
+            for j in range(j0, j1):
+                x0 = wfma(wsplat(p[s0 + j]), wload_kv(vc, j * d + base), x0)
+            j0 = j1
         wstore(out, o + c, x0)
         c += LANES
 
 
 @njit(nogil=True, cache=True)
-def _two_queries(p, s0, s1, vc, a, b, d, out, o0, o1):  # type: ignore[no-untyped-def]
+def _two_queries(p, s0, s1, vc, blocks, a, b, d, out, o0, o1):  # type: ignore[no-untyped-def]
     # _one_query for two queries at once: each value read (and widened) once for both,
     # eight accumulators in registers; each query's sums those of _one_query
     c = 0
     while c + 4 * LANES <= d:
         x0, x1, x2, x3 = wzero(), wzero(), wzero(), wzero()
         y0, y1, y2, y3 = wzero(), wzero(), wzero(), wzero()
-        for j in range(a, b):
-            u, w = wsplat(p[s0 + j]), wsplat(p[s1 + j])
-            at = j * d + c
-            prefetch_kv(vc, at + AHEAD)
-            v0, v1 = wload_kv(vc, at), wload_kv(vc, at + LANES)
-            v2, v3 = wload_kv(vc, at + 2 * LANES), wload_kv(vc, at + 3 * LANES)
-            x0, x1, x2, x3 = wfma(u, v0, x0), wfma(u, v1, x1), wfma(u, v2, x2), wfma(u, v3, x3)
-            y0, y1, y2, y3 = wfma(w, v0, y0), wfma(w, v1, y1), wfma(w, v2, y2), wfma(w, v3, y3)
+        j0 = a
+        while j0 < b:
+            j1 = _run_end(j0, b)
+            base = (slot_row(blocks, j0) - j0) * d + c
+            for j in range(j0, j1):
+                u, w = wsplat(p[s0 + j]), wsplat(p[s1 + j])
+                at = j * d + base
+                prefetch_kv(vc, at + AHEAD)
+                v0, v1 = wload_kv(vc, at), wload_kv(vc, at + LANES)
+                v2, v3 = wload_kv(vc, at + 2 * LANES), wload_kv(vc, at + 3 * LANES)
+                x0, x1 = wfma(u, v0, x0), wfma(u, v1, x1)
+                x2, x3 = wfma(u, v2, x2), wfma(u, v3, x3)
+                y0, y1 = wfma(w, v0, y0), wfma(w, v1, y1)
+                y2, y3 = wfma(w, v2, y2), wfma(w, v3, y3)
+            j0 = j1
         wstore(out, o0 + c, x0)
         wstore(out, o0 + c + LANES, x1)
         wstore(out, o0 + c + 2 * LANES, x2)
@@ -353,42 +411,58 @@ def _two_queries(p, s0, s1, vc, a, b, d, out, o0, o1):  # type: ignore[no-untype
         c += 4 * LANES
     while c < d:
         x0, y0 = wzero(), wzero()
-        for j in range(a, b):
-            v0 = wload_kv(vc, j * d + c)
-            x0 = wfma(wsplat(p[s0 + j]), v0, x0)
-            y0 = wfma(wsplat(p[s1 + j]), v0, y0)
+        j0 = a
+        while j0 < b:
+            j1 = _run_end(j0, b)
+            base = (slot_row(blocks, j0) - j0) * d + c
+            for j in range(j0, j1):
+                v0 = wload_kv(vc, j * d + base)
+                x0 = wfma(wsplat(p[s0 + j]), v0, x0)
+                y0 = wfma(wsplat(p[s1 + j]), v0, y0)
+            j0 = j1
         wstore(out, o0 + c, x0)
         wstore(out, o1 + c, y0)
         c += LANES
 
 
 @njit(nogil=True, cache=True)
-def weighted_values(p, group, vc, pos0, rows, window, d, stride, out, o, q_size, buf):  # type: ignore[no-untyped-def]
+def weighted_values(p, group, vc, blocks, pos0, rows, window, d, stride, out, o, q_size, buf, acc):  # type: ignore[no-untyped-def]
     """``out[o + r q_size + g D ...]`` = the sum over row ``r``'s keys ``lo .. pos`` of
     ``p[q stride + PAD + j - lo]`` times value ``j`` of ``vc`` (one KV head's values,
-    ``[T, D]`` flat; ``q = r G + g``), key by key in order from 0 as one query's
-    accumulators alone would sum: a block of values (:data:`VALUES` floats, in L1) is read
+    ``[rows, D]`` flat, position ``j`` at row :func:`slot_row` of ``blocks``; ``q = r G +
+    g``), key by key in order from 0 as one query's accumulators alone would sum: a block
+    of values (:data:`VALUES` floats, in L1, never across a ``KV_BLOCK`` boundary) is read
     once for every row that sees one of its keys, each row's accumulators resumed from
-    ``out`` between blocks (a float16 block widened once, into ``buf``: max(LANES D,
-    :data:`VALUES`) floats)."""
+    ``acc`` (rows G D floats of the caller's scratch) between blocks (a float16 block
+    widened once, into ``buf``: max(LANES D, :data:`VALUES`) floats).
+
+    ``out`` is only ever stored finished sums, never a partial one: the kernel pool may
+    run a task twice at once (its caller redoes a chunk a descheduled helper holds, and the
+    helper may finish it after the caller has returned, :mod:`.pool`), which is harmless
+    only when each run writes ``out`` the same final values. Sums resumed from ``out``
+    itself were zeroed and re-summed under the other run's feet (issue 30: an 8-row
+    window's output wrong on two kernel threads under load)."""
     lo0, end = first_key(pos0, window), pos0 + rows
     if rows == 1:  # one row: each query (or pair of queries) in one pass
         for g in range(0, group - 1, 2):
             s0, s1 = g * stride + PAD - lo0, (g + 1) * stride + PAD - lo0
-            _two_queries(p, s0, s1, vc, lo0, end, d, out, o + g * d, o + (g + 1) * d)
+            _two_queries(p, s0, s1, vc, blocks, lo0, end, d, out, o + g * d, o + (g + 1) * d)
         if group % 2:
             g = group - 1
-            _one_query(p, g * stride + PAD - lo0, vc, lo0, end, d, out, o + g * d)
+            _one_query(p, g * stride + PAD - lo0, vc, blocks, lo0, end, d, out, o + g * d)
         return
-    for r in range(rows):
-        for c in range(o + r * q_size, o + r * q_size + group * d, LANES):
-            wstore(out, c, wzero())
+    for c in range(0, rows * group * d, LANES):
+        wstore(acc, c, wzero())
     block = max(LANES, VALUES // d)
-    for jb in range(lo0, end, block):
-        je = min(end, jb + block)
-        for c in range(je * d, (2 * je - jb) * d, line_of(vc)):  # the next block, by lines
+    jb = lo0
+    while jb < end:
+        # keys jb .. je - 1: at most a block's, within one KV_BLOCK (rows in one slot)
+        je = min(jb + block, _run_end(jb, end))
+        row = slot_row(blocks, jb)
+        ahead = slot_row(blocks, min(je, end - 1)) * d
+        for c in range(ahead, ahead + (je - jb) * d, line_of(vc)):  # the next block, by lines
             prefetch_kv(vc, c)
-        vals, v0 = staged(vc, jb * d, (je - jb) * d, buf)
+        vals, v0 = staged(vc, row * d, (je - jb) * d, buf)
         off = v0 - jb * d  # value j at vals[j D + off]
         for r in range(max(0, jb - pos0), rows):
             pos = pos0 + r
@@ -396,10 +470,15 @@ def weighted_values(p, group, vc, pos0, rows, window, d, stride, out, o, q_size,
             if lo >= je:
                 break
             a, b = max(jb, lo), min(je, pos + 1)
-            q, at = r * group, o + r * q_size
+            q = r * group
             for g in range(0, group - 1, 2):
                 s0, s1 = (q + g) * stride + PAD - lo, (q + g + 1) * stride + PAD - lo
-                _accumulate2(p, s0, s1, vals, off, a, b, d, out, at + g * d, at + (g + 1) * d)
+                x0, x1 = (q + g) * d, (q + g + 1) * d
+                _accumulate2(p, s0, s1, vals, off, a, b, d, acc, x0, x1)
             if group % 2:
                 g = group - 1
-                _accumulate(p, (q + g) * stride + PAD - lo, vals, off, a, b, d, out, at + g * d)
+                _accumulate(p, (q + g) * stride + PAD - lo, vals, off, a, b, d, acc, (q + g) * d)
+        jb = je
+    for r in range(rows):  # the finished sums, stored once
+        for c in range(0, group * d, LANES):
+            wstore(out, o + r * q_size + c, wload(acc, r * group * d + c))

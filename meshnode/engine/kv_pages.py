@@ -1,0 +1,214 @@
+"""Paged KV: a stage's pool of fixed-size blocks, and sequences that hold a table of them.
+
+Issue 30: a sequence used to hold one preallocated ``[L, Hkv, context, D]`` array, and a
+cached prefix was copied into it. Here a stage keeps one :class:`BlockPool` (K and V each
+``[L, Hkv, capacity x block, D]``: slot ``s`` of a head is its rows ``s x block ...``), and
+a :class:`PagedCache` holds a block table, the slot of each of its blocks of positions. A
+block that several sequences begin with (a shared system prompt, the earlier turns of a
+chat) is one slot that each of their tables names: the prefix cache
+(:mod:`meshnode.engine.prefix_cache`) keys full blocks and hands their slots to new
+sequences, by reference, never copied.
+
+Theory of operation:
+
+- A slot is reference-counted: one for each table that names it, one for the prefix
+  cache's index while it keys it. A slot no one references is free; a slot only the index
+  references is cached and is evicted (least recently used) when a sequence needs a block
+  and none is free (:attr:`BlockPool.reclaim`).
+- A sequence writes only into slots it alone references. Full blocks are shared, so
+  writing past the end never touches a shared one; after a rollback into a shared block
+  (a refold) the block is copied first (copy-on-write, :meth:`PagedCache.reserve`).
+  Truncating (a rejected draft) drops the references of the blocks past the new end: the
+  sequence's own slots go back to the pool, a shared one stays with its other holders.
+- The compiled attention kernels read K/V through the table
+  (:func:`meshnode.engine.cpu.attention_rows.slot_row`), in the order of positions: the
+  same bits as a contiguous cache. The NumPy/BLAS path (:meth:`PagedCache.write`) gets a
+  sequence's keys and values gathered in position order (a view when its slots are
+  consecutive): the same arrays, so the same products.
+
+Not thread-safe (the stage runner serializes its calls). NumPy only: the CUDA stage keeps
+contiguous caches (:class:`~meshnode.engine.kv_cache.KVCache`, whose table is the rows in
+order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from meshnode.engine.kv_cache import KV_BLOCK, lazy_zeros
+
+__all__ = ["BlockPool", "PagedCache", "block_bytes"]
+
+
+def block_bytes(
+    layers: int, kv_heads: int, head_dim: int, dtype: Any, block: int = KV_BLOCK
+) -> int:
+    """Bytes of one block of K and V for ``layers`` layers."""
+    return 2 * layers * kv_heads * block * head_dim * int(np.dtype(dtype).itemsize)
+
+
+class BlockPool:
+    """A stage's K/V blocks (module docstring): ``k`` and ``v`` ``[L, Hkv, capacity x
+    block, D]`` (on the CPU taking memory as slots are first written) and a reference count
+    per slot. ``reclaim``, when set, frees one cached slot (True) or finds none (False)."""
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: Any = np.float32,
+        block: int = KV_BLOCK,
+    ) -> None:
+        if capacity < 0 or block < 1:
+            raise ValueError(f"bad KV pool: {capacity} blocks of {block} positions")
+        self.block = block
+        shape = (layers, kv_heads, capacity * block, head_dim)
+        self.k = lazy_zeros(np, shape, dtype)
+        self.v = lazy_zeros(np, shape, dtype)
+        self.refs = [0] * capacity
+        self._free = list(range(capacity))[::-1]
+        self.reclaim: Callable[[], bool] | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Slots the pool holds."""
+        return len(self.refs)
+
+    @property
+    def free_blocks(self) -> int:
+        """Slots no one references."""
+        return len(self._free)
+
+    def nbytes(self) -> int:
+        """Bytes allocated for the pool's blocks."""
+        return int(self.k.nbytes + self.v.nbytes)
+
+    def take(self) -> int:
+        """A free slot, referenced once; a cached one is evicted if none is free. Raises
+        ``ValueError`` when every slot is in use."""
+        while not self._free:
+            if self.reclaim is None or not self.reclaim():
+                raise ValueError(f"KV pool full: all {self.capacity} blocks are in use")
+        slot = self._free.pop()
+        self.refs[slot] = 1
+        return slot
+
+    def hold(self, slot: int) -> None:
+        """One more reference to ``slot``."""
+        self.refs[slot] += 1
+
+    def drop(self, slot: int) -> None:
+        """One reference less to ``slot``; freed at none."""
+        self.refs[slot] -= 1
+        if self.refs[slot] == 0:
+            self._free.append(slot)
+        assert self.refs[slot] >= 0, f"slot {slot} dropped more than held"
+
+    def copy(self, src: int, dst: int, rows: int) -> None:
+        """The first ``rows`` positions of slot ``src`` into slot ``dst`` (every layer)."""
+        b = self.block
+        for a in (self.k, self.v):
+            a[:, :, dst * b : dst * b + rows] = a[:, :, src * b : src * b + rows]
+
+
+class PagedCache:
+    """One sequence's K/V in a :class:`BlockPool`, with the interface of
+    :class:`~meshnode.engine.kv_cache.KVCache` (``k``/``v`` are the pool's arrays,
+    ``blocks`` the table the kernels read); see the module docstring."""
+
+    def __init__(self, pool: BlockPool, max_tokens: int) -> None:
+        self.pool, self.max_tokens, self.block = pool, max_tokens, pool.block
+        self.k, self.v = pool.k, pool.v
+        self.blocks = np.zeros(-(-max_tokens // pool.block), np.int64)
+        self.held = 0  # leading entries of the table that name a slot
+        self.length = 0
+
+    def slots(self) -> list[int]:
+        """The slots of the blocks held, in position order."""
+        return [int(s) for s in self.blocks[: self.held]]
+
+    def truncate(self, n: int) -> None:
+        """Forget every position from ``n`` on, dropping the blocks past it; raises
+        ``ValueError`` if ``n > length``."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {n}")
+        keep = -(-n // self.block)
+        for i in reversed(range(keep, self.held)):  # retaken in order: consecutive slots
+            self.pool.drop(int(self.blocks[i]))
+        self.held, self.length = min(self.held, keep), n
+
+    def adopt(self, slots: Sequence[int]) -> None:
+        """Begin an empty cache with the full blocks ``slots`` (a cached prefix), each
+        referenced once more. Raises ``ValueError`` unless the cache is empty."""
+        if self.held or self.length or len(slots) * self.block > self.max_tokens:
+            raise ValueError("a cached prefix seeds an empty cache of room for it")
+        for i, slot in enumerate(slots):
+            self.pool.hold(slot)
+            self.blocks[i] = slot
+        self.held = len(slots)
+        self.length = self.held * self.block
+
+    def reserve(self, end: int) -> None:
+        """Hold a private slot for every block a forward writes, positions ``length`` to
+        ``end``: a shared block being extended is copied first. Raises ``ValueError`` past
+        :attr:`max_tokens` or when the pool has no block to give."""
+        if end > self.max_tokens:
+            raise ValueError(f"KV cache full: {end} > {self.max_tokens} tokens")
+        b, pool = self.block, self.pool
+        part = self.length % b
+        if part and end > self.length:
+            last = int(self.blocks[self.held - 1])
+            if pool.refs[last] > 1:  # copy-on-write
+                mine = pool.take()
+                pool.copy(last, mine, part)
+                pool.drop(last)
+                self.blocks[self.held - 1] = mine
+        while self.held * b < end:
+            self.blocks[self.held] = pool.take()
+            self.held += 1
+
+    def advance(self, start: int, rows: int) -> None:
+        """Record a forward of ``rows`` new positions from ``start``."""
+        self.length = start + rows
+
+    def write(self, layer: int, start: int, k: Any, v: Any) -> tuple[Any, Any]:
+        """As :meth:`KVCache.write <meshnode.engine.kv_cache.KVCache.write>`: store ``k, v``
+        ``[Hkv, S, D]`` at ``start`` (their blocks :meth:`reserve`\\ d) and return keys and
+        values ``[Hkv, start + S, D]`` in position order."""
+        end, b = start + k.shape[1], self.block
+        self.reserve(end)
+        for i in range(start // b, -(-end // b)):
+            lo, hi = max(start, i * b), min(end, (i + 1) * b)
+            row = int(self.blocks[i]) * b + lo - i * b
+            self.k[layer, :, row : row + hi - lo] = k[:, lo - start : hi - start]
+            self.v[layer, :, row : row + hi - lo] = v[:, lo - start : hi - start]
+        keys, values = self.gather(layer, end)
+        if keys.dtype == np.float16:
+            return keys.astype(np.float32), values.astype(np.float32)
+        return keys, values
+
+    def gather(self, layer: int, end: int) -> tuple[Any, Any]:
+        """Keys and values ``[Hkv, end, D]`` of ``layer``, positions in order: a view when
+        the blocks sit in consecutive slots, else a copy."""
+        b, n = self.block, -(-end // self.block)
+        slots = self.blocks[:n]
+        if n == 0 or bool(np.all(np.diff(slots) == 1)):
+            row = int(slots[0]) * b if n else 0
+            return self.k[layer, :, row : row + end], self.v[layer, :, row : row + end]
+        rows = (slots[:, None] * b + np.arange(b)).reshape(-1)[:end]
+        return self.k[layer][:, rows], self.v[layer][:, rows]
+
+    def release_pages(self) -> None:
+        """Empty the cache, its blocks back to the pool (or kept by their other holders)."""
+        self.truncate(0)
+
+    def nbytes(self) -> int:
+        """Bytes of the blocks this cache holds (shared ones counted whole)."""
+        return self.held * block_bytes(
+            self.k.shape[0], self.k.shape[1], self.k.shape[3], self.k.dtype, self.block
+        )
