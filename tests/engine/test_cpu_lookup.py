@@ -28,7 +28,7 @@ def _kernels() -> tuple[Any, Any]:
     def tables(d, m, out):  # type: ignore[no-untyped-def]
         # the tables, then each lane as the decoders compute a nibble of value k
         wstore(out, 0, wfma(wsplat(d), lookup.wiota(0), wsplat(m)))
-        wstore(out, 16, wmul(wsplat(d), lookup.wiota(-8)))
+        wstore(out, 16, wmul(wsplat(d), lookup.wiota(-8)))  # d * (k - 8), Q4_0's form
         for k in range(16):
             q = wsplat(np.float32(k))
             wstore(out, 32 + 16 * k, wfma(wsplat(d), q, wsplat(m)))

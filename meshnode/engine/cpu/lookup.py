@@ -1,20 +1,25 @@
 """Four-bit quants decoded by table lookup: sixteen nibbles to sixteen float32 in one permute.
 
-A 4-bit format's value is one of sixteen floats per block: ``d * q + m`` (Q4_K, Q4_1) or
-``d * (q - 8)`` (Q4_0) for ``q = 0 .. 15``. Instead of widening each nibble to a float and
+A 4-bit format's value is one of sixteen floats per block (Q4_K: per 32-value sub-block):
+``d * q + m`` for ``q = 0 .. 15``. Instead of widening each nibble to a float and
 dequantizing it (an int-to-float conversion and a multiply or FMA per sixteen values),
-the kernels compute the block's sixteen values once (:func:`wtable`: one vector operation
-on the lanes ``0 .. 15``) and pick them with the nibbles (:func:`wlookup`: ``vpermps``,
+the kernels compute the block's sixteen values once (one FMA on :func:`wiota`'s lanes
+``0 .. 15``) and pick them with the nibbles (:func:`wlookup`: ``vpermps``,
 a full-width permute whose indices are the nibbles themselves).
 
 **The same bits**: lane ``k`` of a table is the float32 operation the decoders apply to a
-nibble of value ``k`` (the same operation on the same operands: ``fmuladd(d, k, m)``, or
-``d * (k - 8)``), so a value looked up is the value computed. Nothing is reordered.
+nibble of value ``k`` (the same operation on the same operands: ``fmuladd(d, k, m)``), so
+a value looked up is the value computed. Nothing is reordered.
+
+Used for Q4_K only (:mod:`.groups`): one activation row 1.5x, eight 1.1-1.3x fewer cycles
+a weight in cache. Q4_0 and Q4_1 (``d * (k - 8)``, ``fmuladd(d, k, m)`` per 32-value
+block) gained 1.2x at one row but lost 0.76-0.89x at eight (the decode into the tiles'
+buffer; measured with ``benchmarks/exact_kernels.py --stat min``, load 4-12), so they keep
+their conversions.
 
 ``vpermps`` on sixteen lanes is AVX-512 (:func:`permutes`). Elsewhere :func:`wlookup`
 lowers to sixteen scalar picks (correct, slow); the decoders that use it are chosen only
-where :func:`permutes` holds (:mod:`.groups`, :mod:`.wide`), and keep their conversions
-elsewhere.
+where :func:`permutes` holds, and keep their conversions elsewhere.
 """
 
 from __future__ import annotations

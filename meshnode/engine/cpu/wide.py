@@ -35,7 +35,6 @@ from numba.core.errors import TypingError
 from numba.extending import models, overload, register_model
 
 from meshnode.engine.cpu.blocks import decoder, f16, format_row, k_scale_min, q3_k_scale, u32
-from meshnode.engine.cpu.lookup import permutes, wiota, wlookup
 from meshnode.engine.cpu.simd import (
     INNER,
     F32x16,
@@ -208,20 +207,6 @@ def _q4_1(fmt, row, c):  # type: ignore[no-untyped-def]
     return wfma(d, wlow_nibbles(row, b + 4), m), wfma(d, whigh_nibbles(row, b + 4), m)
 
 
-def _q4_0_looked_up(fmt, row, c):  # type: ignore[no-untyped-def]
-    # _q4_0's values by table (.lookup): lane k is d * (k - 8), as _q4_0 computes it
-    b = 18 * c
-    table = wmul(wsplat(f16(row, b)), wiota(-8))
-    return wlookup(table, row, b + 2, False), wlookup(table, row, b + 2, True)
-
-
-def _q4_1_looked_up(fmt, row, c):  # type: ignore[no-untyped-def]
-    # _q4_1's values by table: lane k is wfma(d, k, m)
-    b = 20 * c
-    table = wfma(wsplat(f16(row, b)), wiota(0), wsplat(f16(row, b + 2)))
-    return wlookup(table, row, b + 4, False), wlookup(table, row, b + 4, True)
-
-
 def _q5_0(fmt, row, c):  # type: ignore[no-untyped-def]
     b = 22 * c  # d f16 | qh u32 | qs[16]: d * (q - 16), gguf's Q5_0
     d, qh = wsplat(f16(row, b)), u32(row, b + 2)
@@ -326,11 +311,4 @@ def _wchunk(fmt, row, c):  # type: ignore[no-untyped-def]
     row_format = format_row(fmt)
     if row_format.lanes != 16:
         raise TypingError(f"{row_format.name} has eight-lane decoders (.blocks' chunk)")
-    if row_format.name in _LOOKED_UP and permutes():
-        return _LOOKED_UP[row_format.name]
     return decoder(row_format.exact)
-
-
-# the 4-bit formats' decoders by table lookup, the same values, where the CPU permutes
-# sixteen lanes in one instruction (.lookup)
-_LOOKED_UP = {"Q4_0": _q4_0_looked_up, "Q4_1": _q4_1_looked_up}
