@@ -11,11 +11,11 @@ a full-width permute whose indices are the nibbles themselves).
 nibble of value ``k`` (the same operation on the same operands: ``fmuladd(d, k, m)``), so
 a value looked up is the value computed. Nothing is reordered.
 
-Used for Q4_K only (:mod:`.groups`): one activation row 1.5x, eight 1.1-1.3x fewer cycles
-a weight in cache. Q4_0 and Q4_1 (``d * (k - 8)``, ``fmuladd(d, k, m)`` per 32-value
-block) gained 1.2x at one row but lost 0.76-0.89x at eight (the decode into the tiles'
-buffer; measured with ``benchmarks/exact_kernels.py --stat min``, load 4-12), so they keep
-their conversions.
+Used for Q4_K only (:mod:`.groups`): 1.1x fewer cycles a weight at one activation row,
+1.0-1.2x at eight (min of 6-8 rounds, load 1-3; docs/performance.md). Q4_0 and Q4_1
+(``d * (k - 8)``, ``fmuladd(d, k, m)`` per 32-value block) gained 1.2x at one row but
+lost 0.76-0.89x at eight (the decode into the tiles' buffer; min of 3 rounds, load 4-12),
+so they keep their conversions.
 
 ``vpermps`` on sixteen lanes is AVX-512 (:func:`permutes`). Elsewhere :func:`wlookup`
 lowers to sixteen scalar picks (correct, slow); the decoders that use it are chosen only
