@@ -29,6 +29,7 @@ from numba import types
 from numba.extending import overload
 
 from meshnode.engine.cpu.blocks import f16, format_row
+from meshnode.engine.cpu.lookup import permutes, wiota, wlookup
 from meshnode.engine.cpu.simd import (
     INNER,
     F32x16,
@@ -150,6 +151,15 @@ def _q4_k_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
     return wfma(ds, whigh_nibbles(row, qs), dm), wfma(ds, whigh_nibbles(row, qs + 16), dm)
 
 
+def _q4_k_looked_up(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
+    # the same values by table: lane k is d sc k - dmin m, wfma's operation on a nibble k
+    qs = 144 * g + 16 + 32 * (s // 2)
+    table = wfma(wlane_splat(sc, s), wiota(0), wlane_splat(sc, 8 + s))
+    if s % 2 == 0:
+        return wlookup(table, row, qs, False), wlookup(table, row, qs + 16, False)
+    return wlookup(table, row, qs, True), wlookup(table, row, qs + 16, True)
+
+
 def _q6_k_scales(fmt, row, g):  # type: ignore[no-untyped-def]
     o = 210 * g  # ql[128] | qh[64] | scales int8[16] | d f16
     return wq6k_scales(row, o + 192, f16(row, o + 208))
@@ -260,6 +270,8 @@ def _group_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
     name = format_row(fmt).name
     if name in _FLOATS:
         return _FLOATS[name]
+    if name == "Q4_K" and permutes():
+        return _q4_k_looked_up
     if name in _SHARED:
         return _SHARED[name][1]
     return _k_chunk if _chunks(fmt) == 8 else _whole_chunk
