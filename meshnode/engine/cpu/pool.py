@@ -20,6 +20,14 @@ thread that starts late or is descheduled holds the product up. Here instead:
 Every output element is computed by one chunk with the same code as the serial kernel:
 results are bit-identical whatever the thread count. One product at a time uses the pool;
 a second thread posting meanwhile (several stages in one process) computes serially.
+
+**The rule every chunk function must keep**: a chunk may run twice at once, and may finish
+after the caller has returned. When a helper holds a chunk past :data:`PATIENCE_MICROSECONDS`
+(descheduled mid-chunk on a busy machine) the caller computes that chunk itself and returns;
+the helper then completes it too. So a chunk writes only finished values to memory the
+caller reads, each value the same however often it is written: partial sums live in the
+chunk's own scratch (per task or per thread), never in the output (a window's attention
+once kept them in the output and a busy machine read half-summed values; issue 30).
 """
 
 from __future__ import annotations
