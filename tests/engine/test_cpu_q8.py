@@ -25,6 +25,7 @@ from meshnode.engine.loader import load_model
 from tests.conftest import GOLDEN_DIR, smollm2_gguf_path
 from tests.engine.test_cpu_compile import compiled_in_fresh_process
 from tests.engine.test_cpu_kernels import N_IN, random_tensor
+from tests.engine.test_kernel_pool import SETTLE_S
 
 Q8 = [f.name for f in FORMATS.values() if f.q8 is not None]  # the formats with q8 kernels
 
@@ -149,6 +150,7 @@ def test_shared_equals_serial_and_parts_stack(
     monkeypatch.setattr(matrix, "_threads", 2)
     monkeypatch.setattr(matrix, "_pool", lambda: idle_threads)
     for _ in range(3):
+        assert idle_threads.settle(SETTLE_S)  # a helper late from the last product: it declines
         before = idle_threads.posted
         np.testing.assert_array_equal(q8.q8_product(m, x), serial)
         assert idle_threads.posted == before + 1  # the pool did take it
@@ -246,6 +248,7 @@ def test_a_row_is_the_same_bits_in_any_product(
     for threads in (2, 3):
         monkeypatch.setattr(matrix, "_threads", threads)
         for k in shared:
+            assert idle_threads.settle(SETTLE_S)
             before = idle_threads.posted
             np.testing.assert_array_equal(q8.q8_product(m, x[:k]), alone[:k])
             assert idle_threads.posted == before + 1  # the pool did take it

@@ -331,6 +331,18 @@ class KernelPool:
         finally:
             self._lock.release()
 
+    def settle(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s`` seconds, until no helper still holds a chunk of the
+        last job (one descheduled mid-chunk on a busy machine finishes it when it runs
+        again; until then :meth:`run` declines). True when settled: the next :meth:`run`
+        can post. For tests that check the pool took a product."""
+        deadline = time.monotonic() + timeout_s
+        while _stale(self._st):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
     def _post(
         self, fn: int, parts: tuple[Any, Any, Any], x: Any, out: Any, threads: int, keep: object
     ) -> bool:
