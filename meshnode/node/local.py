@@ -12,7 +12,13 @@ import trio
 
 from meshnode.node.batcher import Ahead, Batcher, BatchLimits, Queued, next_decode
 from meshnode.node.pipeline import QueuedPass, RequestId, Slot, StepFrame, StepResult
-from meshnode.node.prefix import NotedPass, PrefixIndex, note_pass, note_release
+from meshnode.node.prefix import (
+    NotedPass,
+    PrefixIndex,
+    note_pass,
+    note_release,
+    pipeline_blocks,
+)
 from meshnode.node.stage import StageRunner, step_results
 
 __all__ = ["LocalPipeline"]
@@ -46,6 +52,7 @@ class LocalPipeline:
         )
         # Hook (issue 30): what the runner's prefix pool holds, as the host sees it.
         self.prefix = PrefixIndex.of_run(runner.prefix, (), runner.prefix.salt)
+        self.kv_blocks = pipeline_blocks(runner.prefix, runner.context_size)  # admission
 
     @property
     def context_size(self) -> int:

@@ -178,6 +178,18 @@ class Pipeline(Protocol):
         ...
 
 
+@runtime_checkable
+class PagedPipeline(Pipeline, Protocol):
+    """A pipeline whose stages may keep pools of KV blocks (issue 30): the host admits
+    requests by the blocks they may write (:meth:`meshnode.serve.scheduler.Ticket.take_blocks`)."""
+
+    @property
+    def kv_blocks(self) -> int | None:
+        """Blocks all sequences together may hold on the smallest pool of a stage (None:
+        no stage keeps one; :func:`meshnode.node.prefix.pipeline_blocks`)."""
+        ...
+
+
 class QueuedPass(Protocol):
     """A pass put in line before its caller waits for it (:meth:`QueuingPipeline.queue`)."""
 
