@@ -60,6 +60,7 @@ class Scheduler:
         self._slots = trio.Semaphore(self.limits.max_in_flight)
         self._waiting = 0
         self._blocks = 0  # KV blocks the tickets hold (Ticket.take_blocks)
+        self._block_waiters = 0  # tickets with a slot waiting for blocks
         self._block_line = trio.Lock()  # FIFO: the head of the line waits for room
         self._blocks_freed = trio.Event()
         self._ids = itertools.count()
@@ -81,6 +82,11 @@ class Scheduler:
     def blocks(self) -> int:
         """KV blocks the admitted requests hold (:meth:`Ticket.take_blocks`)."""
         return self._blocks
+
+    @property
+    def waiting_for_blocks(self) -> int:
+        """Requests holding a slot that wait for KV blocks (:meth:`Ticket.take_blocks`)."""
+        return self._block_waiters
 
     def check_capacity(self) -> None:
         """Raise ServiceUnavailableError (503) if a new request could not even queue."""
@@ -143,12 +149,16 @@ class Ticket:
         s = self._scheduler
         if self._state != "holding" or self._blocks or not 0 < blocks <= budget:
             raise ValueError(f"a {self._state} ticket cannot take {blocks} of {budget} blocks")
-        async with s._block_line:
-            while s._blocks + blocks > budget:
-                s._blocks_freed = trio.Event()
-                await s._blocks_freed.wait()
-            s._blocks += blocks
-            self._blocks = blocks
+        s._block_waiters += 1
+        try:
+            async with s._block_line:
+                while s._blocks + blocks > budget:
+                    s._blocks_freed = trio.Event()
+                    await s._blocks_freed.wait()
+                s._blocks += blocks
+                self._blocks = blocks
+        finally:
+            s._block_waiters -= 1
 
     def release(self) -> None:
         """Give the slot and the blocks (or the place in the queue) back; idempotent."""

@@ -159,7 +159,10 @@ class ServeService:
         self.eos_token_ids = eos_token_ids
         self.pipeline = pipeline
         self.scheduler = Scheduler(limits)
-        self.metrics = ServeMetrics(waiting=lambda: self.scheduler.waiting)
+        scheduler = self.scheduler
+        self.metrics = ServeMetrics(
+            waiting=lambda: scheduler.waiting + scheduler.waiting_for_blocks
+        )
         self._speculation = speculation
         self.spec_host = spec_host
         self.spec_total = SpecStats()  # every finished request's counters, summed
@@ -309,7 +312,7 @@ class ServeService:
             return
         spec = self.speculation
         drafts = spec.window.max_window if spec is not None else 0
-        positions = len(run.prompt) + (run.params.max_new_tokens or 0) + drafts
+        positions = len(run.prompt) + run.params.budget + drafts
         blocks = request_blocks(positions, self.context_size)
         if blocks > budget:
             raise ContextLengthError(positions, self.context_size, pool_tokens=budget * KV_BLOCK)
