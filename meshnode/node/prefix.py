@@ -61,10 +61,12 @@ from meshnode.node.pipeline import (
 __all__ = [
     "DEFAULT_POOL_CONTEXTS",
     "MAX_INDEX_BLOCKS",
+    "HostStage",
     "NotedPass",
     "PrefixCaching",
     "PrefixIndex",
     "StagePrefix",
+    "host_pools",
     "note_pass",
     "note_release",
     "pipeline_blocks",
@@ -344,3 +346,21 @@ class PrefixCaching(Protocol):
     """A pipeline whose stages share cached prefixes (``prefix`` None: this one does not)."""
 
     prefix: PrefixIndex | None
+
+
+class HostStage(Protocol):
+    """What :func:`host_pools` reads of the host's stage (a ``StageRunner``)."""
+
+    prefix: StagePrefix
+    context_size: int
+
+
+def host_pools(
+    runner: HostStage, blocks: Sequence[int], salt: str
+) -> tuple[PrefixIndex | None, int | None]:
+    """What a host keeps of its pipeline's pools: the index of the prefixes every stage
+    caches (:meth:`PrefixIndex.of_run`) and the KV blocks its requests may hold at once
+    (:func:`pipeline_blocks`). ``runner``: stage 0's; ``blocks``: each other stage's
+    ``Ready.prefix_block``; ``salt``: the run id."""
+    index = PrefixIndex.of_run(runner.prefix, blocks, salt)
+    return index, pipeline_blocks(runner.prefix, runner.context_size, blocks)
