@@ -39,6 +39,8 @@ def test_the_count_covers_what_a_stage_allocates(start: int, end: int) -> None:
     # a few whole contexts (fewer than the sequence limit) and a block for a copy-on-write
     assert DEFAULT_POOL_CONTEXTS < MAX_SEQUENCES_PER_STAGE
     assert got == DEFAULT_POOL_CONTEXTS * per_cache + per_block
+    # what the sequences may hold together, as the status and /metrics show it
+    assert runner.kv_usage()["capacity_tokens"] == DEFAULT_POOL_CONTEXTS * CONTEXT
     # cached prefixes may use every block that no sequence holds
     assert runner.prefix.pool.budget == runner.prefix.kv.capacity == pool_blocks(CONTEXT)
     live = MAX_SEQUENCES_PER_STAGE * per_cache  # a CUDA stage preallocates every context
