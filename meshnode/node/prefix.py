@@ -176,6 +176,13 @@ class StagePrefix:
         """A paged cache of the stage's pool for a new sequence (None: no pool here)."""
         return None if self.kv is None else PagedCache(self.kv, max_tokens)
 
+    def capacity_tokens(self, sequences: int, context_size: int) -> int:
+        """Positions the stage's sequences may hold together: the pool's blocks less its
+        copy-on-write one; without a pool, ``sequences`` whole contexts."""
+        if self.kv is None:
+            return sequences * context_size
+        return (self.kv.capacity - 1) * self.kv.block
+
     @property
     def block(self) -> int:
         """Positions per block of the pool (0: no pool), announced in ``Ready``."""
