@@ -1,23 +1,25 @@
 """What a stage of a model costs in memory: the footprint the planner places layers by, and
 the check a worker makes of a ``Load`` before it allocates anything.
 
-Weights count as the backend holds them; every live sequence preallocates KV for the whole
-context (and a hybrid model's recurrent state and snapshot ring), so both scale with the
-sequence limit :data:`~meshnode.node.pipeline.MAX_SEQUENCES_PER_STAGE`.
+Weights count as the backend holds them. KV: a CPU stage of a model with K/V per position
+keeps one pool of blocks, :func:`~meshnode.node.prefix.pool_blocks` (a few whole contexts,
+whatever the sequence limit: the host admits requests by the blocks they may write); a CUDA
+or hybrid stage preallocates every live sequence's whole context (and a hybrid model's
+recurrent state and snapshot ring), so it scales with the sequence limit
+:data:`~meshnode.node.pipeline.MAX_SEQUENCES_PER_STAGE`.
 """
 
 from __future__ import annotations
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.hybrid_config import HybridConfig
-from meshnode.engine.kv_cache import kv_bytes, kv_numpy_dtype
-from meshnode.engine.kv_pages import block_bytes
+from meshnode.engine.kv_cache import KV_BLOCK, kv_bytes
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
 from meshnode.engine.weights import HeldBytes
 from meshnode.errors import ConfigError, RunError
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.planner import ModelFootprint
-from meshnode.node.prefix import live_blocks, pool_bytes
+from meshnode.node.prefix import pool_blocks
 from meshnode.node.stage import default_context
 
 
@@ -33,13 +35,13 @@ def model_footprint(
     Weights: ``held`` when known (a CPU stage keeps the file's GGUF blocks, so a layer
     costs its tensors' bytes in the file; :meth:`~meshnode.engine.backend.Backend.held_bytes`),
     else every parameter at ``bytes_per_param`` (4: float32, the most any backend holds).
-    Every live sequence preallocates KV for the whole context, so KV scales with the
-    sequence limit; each key and value element takes 4 bytes, 2 with ``kv_dtype`` f16
-    (a hybrid model's attention layers keep float32).
+    KV (module docstring): a CPU stage's pool of blocks, else every live sequence's whole
+    context; each key and value element takes 4 bytes, 2 with ``kv_dtype`` f16 (a hybrid
+    model's attention layers keep float32).
     """
     if config.hybrid is not None:
         return _hybrid_footprint(config, config.hybrid, bytes_per_param, ring_slots)
-    kv_per_token = 2 * config.kv_size * kv_bytes(kv_dtype) * MAX_SEQUENCES_PER_STAGE  # K, V
+    one = 2 * config.kv_size * kv_bytes(kv_dtype)  # K and V of a position of one layer
     if held is None:
         held = HeldBytes(
             tuple(config.layer_params(i) * bytes_per_param for i in range(config.num_layers)),
@@ -50,9 +52,16 @@ def model_footprint(
         layer_bytes=held.layers,
         embed_bytes=held.embed,
         head_bytes=held.head,
-        kv_bytes_per_token_per_layer=kv_per_token,
+        kv_bytes_per_token_per_layer=one * MAX_SEQUENCES_PER_STAGE,
         tied_head=config.tie_word_embeddings,
+        pool_tokens=_pool_tokens,
+        pool_kv_bytes_per_token_per_layer=one,
     )
+
+
+def _pool_tokens(context_size: int) -> int:
+    """Positions of a CPU stage's pool of KV blocks for ``context_size``."""
+    return pool_blocks(context_size) * KV_BLOCK
 
 
 def moe_status(config: ModelConfig) -> dict[str, int] | None:
@@ -107,22 +116,13 @@ def stage_kv_bytes(
     *,
     prefix_pool: bool = True,
 ) -> int:
-    """The most KV a stage of layers ``[start, end)`` holds. A CPU stage of a model with
-    K/V per position (``prefix_pool``) keeps one pool of blocks
-    (:meth:`~meshnode.node.prefix.StagePrefix.for_stage`): every live sequence's whole
-    context (:data:`~meshnode.node.pipeline.MAX_SEQUENCES_PER_STAGE` of them) and a block
-    for a copy-on-write (:func:`~meshnode.node.prefix.live_blocks`), plus the cached
-    prefixes' budget (:func:`~meshnode.node.prefix.pool_bytes`), in whole blocks. A hybrid
-    model's stage, or one with ``prefix_pool`` False (CUDA), preallocates each live
-    sequence's context (:meth:`ModelFootprint.kv_bytes`). Pure, for the planner's
-    per-stage check."""
-    live = model_footprint(config, kv_dtype=kv_dtype).kv_bytes(start, end, context_size)
-    if not prefix_pool or config.hybrid is not None:
-        return live
-    dtype = kv_numpy_dtype(kv_dtype)
-    per_block = block_bytes(end - start, config.num_kv_heads, config.head_dim, dtype)
-    cached = pool_bytes(config, end - start, context_size, kv_dtype) // per_block
-    return (live_blocks(context_size) + cached) * per_block
+    """The most KV a stage of layers ``[start, end)`` holds: a CPU stage's pool of blocks
+    (``prefix_pool``; :meth:`~meshnode.node.prefix.StagePrefix.for_stage`), else (CUDA, or
+    a hybrid model) every live sequence's context, as the planner counts it
+    (:meth:`ModelFootprint.kv_bytes`). Pure, for the planner's per-stage check and a
+    worker's ``Load`` check."""
+    device = "cpu" if prefix_pool else "cuda"
+    return model_footprint(config, kv_dtype=kv_dtype).kv_bytes(start, end, context_size, device)
 
 
 def served_context(config: ModelConfig, asked: int | None) -> int:
@@ -144,11 +144,13 @@ def check_load(
     context_size: int,
     memory_bytes: int | None,
     kv_dtype: str = "f32",
+    *,
+    prefix_pool: bool = True,
 ) -> int:
     """Refuse (``RunError``) a ``Load`` whose context the model cannot hold, whose KV
-    alone would take more than the ``memory_bytes`` this node offers (another node chose
-    the context, and every sequence preallocates it), or whose KV dtype a stage does not
-    keep (f32, f16). Returns the KV bytes it would take."""
+    alone (:func:`stage_kv_bytes`; ``prefix_pool``: a CPU stage) would take more than the
+    ``memory_bytes`` this node offers (another node chose the context), or whose KV dtype
+    a stage does not keep (f32, f16). Returns the KV bytes it would take."""
     if kv_dtype not in ("f32", "f16"):
         raise RunError(f"Load asks for KV dtype {kv_dtype!r}; a stage keeps f32 or f16")
     limit = config.max_position_embeddings
@@ -156,7 +158,7 @@ def check_load(
         raise RunError(
             f"Load asks for a context of {context_size} tokens; the model holds 1..{limit}"
         )
-    kv = model_footprint(config, kv_dtype=kv_dtype).kv_bytes(start, end, context_size)
+    kv = stage_kv_bytes(config, start, end, context_size, kv_dtype, prefix_pool=prefix_pool)
     if memory_bytes is not None and kv > memory_bytes:
         raise RunError(
             f"Load asks for a context of {context_size} tokens: its KV cache alone would take "

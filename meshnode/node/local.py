@@ -12,7 +12,7 @@ import trio
 
 from meshnode.node.batcher import Ahead, Batcher, BatchLimits, Queued, next_decode
 from meshnode.node.pipeline import QueuedPass, RequestId, Slot, StepFrame, StepResult
-from meshnode.node.prefix import NotedPass, PrefixIndex, note_pass, note_release
+from meshnode.node.prefix import NotedPass, host_pools, note_pass, note_release
 from meshnode.node.stage import StageRunner, step_results
 
 __all__ = ["LocalPipeline"]
@@ -45,7 +45,7 @@ class LocalPipeline:
             self._step, limits, live=lambda: runner.live_sequences, ahead=ahead
         )
         # Hook (issue 30): what the runner's prefix pool holds, as the host sees it.
-        self.prefix = PrefixIndex.of_run(runner.prefix, (), runner.prefix.salt)
+        self.prefix, self.kv_blocks = host_pools(runner, (), runner.prefix.salt)
 
     @property
     def context_size(self) -> int:

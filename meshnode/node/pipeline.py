@@ -33,10 +33,12 @@ if TYPE_CHECKING:
 RequestId = NewType("RequestId", str)
 T = TypeVar("T")
 
-#: Live sequences per stage. Each holds a preallocated KV cache of ``context_size``
-#: positions (SmolLM2-135M: ~46 KiB per position, so 8 x 2048 positions is ~750 MiB),
-#: which is why the bound exists; the host's scheduler admits no more than this at once,
-#: the planner reserves KV for this many, and every stage of a run allows this many.
+#: Live sequences per stage. On a CUDA stage (or a hybrid model's) each holds a
+#: preallocated KV cache of ``context_size`` positions (SmolLM2-135M: ~46 KiB per position,
+#: so 8 x 2048 positions is ~750 MiB), which is why the bound exists; a CPU stage's share a
+#: smaller pool of blocks (:func:`meshnode.node.prefix.pool_blocks`). The host's scheduler
+#: admits no more than this at once, the planner reserves KV for this many (a CPU node: the
+#: pool), and every stage of a run allows this many.
 MAX_SEQUENCES_PER_STAGE = 8
 
 
@@ -175,6 +177,18 @@ class Pipeline(Protocol):
 
     async def release(self, request_id: RequestId) -> None:
         """Free the sequence's KV on every stage. Idempotent; never raises for unknown ids."""
+        ...
+
+
+@runtime_checkable
+class PagedPipeline(Pipeline, Protocol):
+    """A pipeline whose stages may keep pools of KV blocks (issue 30): the host admits
+    requests by the blocks they may write (:meth:`meshnode.serve.scheduler.Ticket.take_blocks`)."""
+
+    @property
+    def kv_blocks(self) -> int | None:
+        """Blocks all sequences together may hold on the smallest pool of a stage (None:
+        no stage keeps one; :func:`meshnode.node.prefix.pipeline_blocks`)."""
         ...
 
 

@@ -9,6 +9,9 @@ last stage holds the embedding too). A stage running layers ``[start, end)`` nee
 
 where a hybrid model's recurrent (Gated DeltaNet) layers hold no KV (``kv_layers`` says
 which do) but a fixed state per sequence, the same for any context: ``fixed_layer_bytes``.
+A CPU node's stage of a model with K/V per position keeps one pool of blocks instead
+(``pool_tokens``; :func:`meshnode.node.prefix.pool_blocks`): its KV term is
+``(end - start) * pool_kv_bytes_per_token_per_layer * pool_tokens``.
 
 bytes of memory. The planner picks the *fewest* stages that fit, stage 0 always on the host
 (it serves the API and runs speculation). Among the other nodes it prefers more memory, then
@@ -50,7 +53,8 @@ next layer (``meshnode.engine.readahead``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from meshnode.errors import PlanError
@@ -76,14 +80,22 @@ class ModelFootprint:
     fixed_layer_bytes: tuple[int, ...] = ()
     # What a hop carries a token: one row of activations at the wire dtype (0: not counted).
     activation_bytes_per_token: int = 0
+    # A CPU stage's pool of KV blocks (issue 30): positions it holds for a context (None:
+    # every live sequence preallocates its context there too), at one sequence's bytes.
+    pool_tokens: Callable[[int], int] | None = None
+    pool_kv_bytes_per_token_per_layer: int = 0
 
     @property
     def n_layers(self) -> int:
         return len(self.layer_bytes)
 
-    def kv_bytes(self, start: int, end: int, context_tokens: int) -> int:
-        """KV bytes of layers ``[start, end)`` for ``context_tokens`` (every live sequence)."""
+    def kv_bytes(self, start: int, end: int, context_tokens: int, device: str) -> int:
+        """KV bytes of layers ``[start, end)`` for ``context_tokens`` on a ``device`` node:
+        a CPU node's pool, else every live sequence's context."""
         kv_layers = sum(self.kv_layers[start:end]) if self.kv_layers else end - start
+        if device == "cpu" and self.pool_tokens is not None:
+            per_layer = self.pool_kv_bytes_per_token_per_layer * self.pool_tokens(context_tokens)
+            return kv_layers * per_layer
         return kv_layers * self.kv_bytes_per_token_per_layer * context_tokens
 
 
@@ -228,11 +240,13 @@ def _candidate_order(
     return [hosts[0], *others]
 
 
-def _stage_bytes(model: ModelFootprint, start: int, end: int, context_tokens: int) -> int:
+def _stage_bytes(
+    model: ModelFootprint, start: int, end: int, context_tokens: int, device: str
+) -> int:
     last = end == model.n_layers
     first = start == 0
     total = sum(model.layer_bytes[start:end]) + sum(model.fixed_layer_bytes[start:end])
-    total += model.kv_bytes(start, end, context_tokens)
+    total += model.kv_bytes(start, end, context_tokens, device)
     if first or (last and model.tied_head):
         total += model.embed_bytes
     if last:
@@ -240,10 +254,12 @@ def _stage_bytes(model: ModelFootprint, start: int, end: int, context_tokens: in
     return total
 
 
-def _resident_bytes(model: ModelFootprint, start: int, end: int, context_tokens: int) -> int:
+def _resident_bytes(
+    model: ModelFootprint, start: int, end: int, context_tokens: int, device: str
+) -> int:
     """What a stage must hold in memory whatever is offloaded: its KV and recurrent state."""
     fixed = sum(model.fixed_layer_bytes[start:end])
-    return model.kv_bytes(start, end, context_tokens) + fixed
+    return model.kv_bytes(start, end, context_tokens, device) + fixed
 
 
 def _offload_alpha(model: ModelFootprint, nodes: Sequence[NodeCapacity]) -> float:
@@ -269,8 +285,9 @@ def _greedy(
         end = start
         while (
             end < limit
-            and _stage_bytes(model, start, end + 1, context_tokens) <= budget
-            and _resident_bytes(model, start, end + 1, context_tokens) <= node.usable_memory_bytes
+            and _stage_bytes(model, start, end + 1, context_tokens, node.device) <= budget
+            and _resident_bytes(model, start, end + 1, context_tokens, node.device)
+            <= node.usable_memory_bytes
         ):
             end += 1
         if end == start:
@@ -308,7 +325,7 @@ def _stages(
 ) -> tuple[StagePlan, ...]:
     stages = []
     for node, (start, end) in zip(nodes, ranges, strict=True):
-        memory = _stage_bytes(model, start, end, context_tokens)
+        memory = _stage_bytes(model, start, end, context_tokens, node.device)
         stages.append(
             StagePlan(
                 node_id=node.node_id,
@@ -456,9 +473,12 @@ def _fit_timed(
     """
     n_layers, count = model.n_layers, len(nodes)
     spans = [(start, end) for start in range(n_layers) for end in range(start + 1, n_layers + 1)]
-    # what a range costs is the same on every node: work it out once per range
-    memory = {span: _stage_bytes(model, *span, context_tokens) for span in spans}
-    resident = {span: _resident_bytes(model, *span, context_tokens) for span in spans}
+    # what a range costs is the same on every node of a device: work it out once for each
+    devices = {node.device for node in nodes}
+    memory, resident = {}, {}
+    for (start, end), device in itertools.product(spans, devices):
+        memory[start, end, device] = _stage_bytes(model, start, end, context_tokens, device)
+        resident[start, end, device] = _resident_bytes(model, start, end, context_tokens, device)
     weights = {span: _weight_bytes(model, *span) for span in spans}
     inf = (float("inf"), float("inf"))
     best = [[inf] * (n_layers + 1) for _ in range(count)]
@@ -469,8 +489,9 @@ def _fit_timed(
             for start in range(index, end) if index else (0,):
                 before = best[index - 1][start] if index else (0.0, 0.0)
                 room = node.usable_memory_bytes
-                over = memory[start, end] - room
-                if before == inf or (over > 0 and not offload) or resident[start, end] > room:
+                over = memory[start, end, node.device] - room
+                held = resident[start, end, node.device]
+                if before == inf or (over > 0 and not offload) or held > room:
                     continue
                 seconds = _seconds(node, weights[start, end], max(over, 0))
                 value = (max(before[0], seconds), before[1] + seconds)
@@ -488,7 +509,7 @@ def _fit_timed(
 def _shortfall_message(
     model: ModelFootprint, nodes: Sequence[NodeCapacity], context_tokens: int
 ) -> str:
-    needed = _stage_bytes(model, 0, model.n_layers, context_tokens)
+    needed = min(_stage_bytes(model, 0, model.n_layers, context_tokens, n.device) for n in nodes)
     available = sum(node.usable_memory_bytes for node in nodes)
     missing = max(needed - available, 0)
     largest_layer = max(model.layer_bytes, default=0)

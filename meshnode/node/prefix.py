@@ -38,8 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from meshnode.engine.config import ModelConfig
-from meshnode.engine.kv_cache import KV_BLOCK, kv_bytes
+from meshnode.engine.kv_cache import KV_BLOCK
 from meshnode.engine.kv_pages import BlockPool, PagedCache, block_bytes
 from meshnode.engine.model import Stage
 from meshnode.engine.prefix_cache import (
@@ -60,42 +59,67 @@ from meshnode.node.pipeline import (
 )
 
 __all__ = [
-    "DEFAULT_PREFIX_CONTEXTS",
+    "DEFAULT_POOL_CONTEXTS",
     "MAX_INDEX_BLOCKS",
+    "HostStage",
     "NotedPass",
     "PrefixCaching",
     "PrefixIndex",
     "StagePrefix",
+    "host_pools",
     "note_pass",
     "note_release",
-    "pool_bytes",
+    "pipeline_blocks",
+    "pool_blocks",
+    "request_blocks",
 ]
 
-#: A stage's prefix pool, in full contexts of KV when nobody sizes it: two contexts hold
-#: a long system prompt shared by every user and the latest turns of a few conversations,
-#: at a quarter of what the live sequences may hold (``MAX_SEQUENCES_PER_STAGE`` = 8
-#: contexts); SmolLM2 at 2048 positions: 2 x 2048 x 46 KiB = 184 MiB.
-DEFAULT_PREFIX_CONTEXTS = 2
+#: A CPU stage's pool of KV blocks holds this many full contexts (at most one per live
+#: sequence), whatever the sequence limit (``MAX_SEQUENCES_PER_STAGE`` = 8): the host admits
+#: requests by the blocks they may write (:func:`request_blocks`), so a stage never runs out
+#: mid-flight, and cached prefixes use whatever blocks are free. Four: four requests that
+#: may each fill the context (no ``max_tokens``) run at once, and eight that need half of
+#: it; the planner reserves half of what eight preallocated contexts took.
+DEFAULT_POOL_CONTEXTS = 4
 #: Blocks the host remembers: far more than any stage's pool holds (a belief that outlives
 #: the stage's block is only a miss), small enough to be nothing next to it (~150 bytes an
 #: entry: 40 MiB at the bound).
 MAX_INDEX_BLOCKS = 1 << 18
 
 
-def pool_bytes(
-    config: ModelConfig,
-    layers: int,
+def pool_blocks(
     context_size: int,
-    kv_dtype: str,
-    contexts: int = DEFAULT_PREFIX_CONTEXTS,
+    sequences: int = MAX_SEQUENCES_PER_STAGE,
+    contexts: int = DEFAULT_POOL_CONTEXTS,
 ) -> int:
-    """Bytes of the prefix pool a stage of ``layers`` layers keeps when nobody sizes it:
-    ``contexts`` contexts of ``context_size`` positions of K and V in ``kv_dtype`` (f32,
-    f16); 0 for a hybrid model (whose stages keep no pool). Pure: the planner and a
-    worker's ``Load`` check count it (:func:`meshnode.node.footprint.stage_kv_bytes`)."""
-    if config.hybrid is not None:
-        return 0
-    return contexts * context_size * 2 * layers * config.kv_size * kv_bytes(kv_dtype)
+    """Blocks of a stage's pool: ``min(sequences, contexts)`` whole contexts, and one for
+    a copy-on-write in flight (taken before the shared block it copies is dropped). Pure:
+    the stage allocates it, the planner and a worker's ``Load`` check count it
+    (:func:`meshnode.node.footprint.stage_kv_bytes`), the host admits by it less the one."""
+    if context_size < 1 or sequences < 1 or contexts < 1:
+        raise ValueError(f"bad KV pool: {contexts} contexts of {context_size}, {sequences} seqs")
+    return min(sequences, contexts) * -(-context_size // KV_BLOCK) + 1
+
+
+def request_blocks(positions: int, context_size: int) -> int:
+    """Blocks a request may hold on a stage: its prompt, its ``max_tokens`` and a verify
+    pass's drafts past them (``positions``), within the context; a cached prefix it
+    shares counts whole (its admission never waits on another request's blocks)."""
+    return -(-min(positions, context_size) // KV_BLOCK)
+
+
+def pipeline_blocks(
+    local: StagePrefix | None, context_size: int, remote: Sequence[int] = ()
+) -> int | None:
+    """The blocks a host admits requests by (``ServeService.start``): the smallest pool of
+    the pipeline's paged stages less its copy-on-write block: ``local``'s (the host's stage)
+    and :func:`pool_blocks` of ``context_size`` for a remote stage that announced a pool
+    (``remote``: each one's ``Ready.prefix_block``). None when no stage keeps one (CUDA,
+    hybrid: each sequence preallocates its context, the sequence limit bounds them)."""
+    budgets = [] if local is None or local.kv is None else [local.kv.capacity - 1]
+    if any(remote):
+        budgets.append(pool_blocks(context_size) - 1)
+    return min(budgets, default=None)
 
 
 @dataclass(slots=True)
@@ -106,12 +130,6 @@ class _Tracked:
     tokens: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
     tried: int = 0  # full committed blocks a store was attempted for
-
-
-def live_blocks(context_size: int, sequences: int = MAX_SEQUENCES_PER_STAGE) -> int:
-    """Blocks a stage's pool keeps for its live sequences: every one's whole context, and
-    one for a copy-on-write in flight (so a sequence the stage admitted never waits)."""
-    return sequences * -(-context_size // KV_BLOCK) + 1
 
 
 class StagePrefix:
@@ -137,29 +155,33 @@ class StagePrefix:
         salt: str,
         sequences: int = MAX_SEQUENCES_PER_STAGE,
     ) -> StagePrefix:
-        """A pool of KV blocks for ``stage``'s layers: :func:`live_blocks` for
-        ``sequences`` of ``context_size``, and ``budget_bytes`` of cached prefixes (None:
-        :data:`DEFAULT_PREFIX_CONTEXTS` contexts; 0: none, no index). None on a hybrid or
-        CUDA stage (their caches stay contiguous arrays: no reuse there yet)."""
+        """A pool of :func:`pool_blocks` KV blocks for ``stage``'s layers (``sequences``
+        of ``context_size``); cached prefixes keep at most ``budget_bytes`` of its free
+        blocks (None: all of them; 0: none, no index). None on a hybrid or CUDA stage
+        (their caches stay contiguous arrays: no reuse there yet)."""
         if stage.config.hybrid is not None or stage.backend.name != "cpu":
             return cls(None)
         c, layers = stage.config, stage.end - stage.start
         dtype = stage.new_cache(1).k.dtype  # the K/V dtype this stage's caches hold
-        if budget_bytes is None:
-            kv = "f16" if dtype.itemsize == 2 else "f32"
-            budget_bytes = pool_bytes(c, layers, context_size, kv)
-        if budget_bytes < 0:
+        if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"bad prefix pool: {budget_bytes} bytes")
-        per_block = block_bytes(layers, c.num_kv_heads, c.head_dim, dtype)
-        cached = budget_bytes // per_block if per_block else 0
-        live = live_blocks(context_size, sequences)
-        blocks = BlockPool(layers, c.num_kv_heads, c.head_dim, live + cached, dtype)
+        capacity = pool_blocks(context_size, sequences)
+        per_block = max(block_bytes(layers, c.num_kv_heads, c.head_dim, dtype), 1)
+        cached = capacity if budget_bytes is None else min(capacity, budget_bytes // per_block)
+        blocks = BlockPool(layers, c.num_kv_heads, c.head_dim, capacity, dtype)
         pool = PrefixPool(blocks, salt, cached) if cached else None
         return cls(pool, blocks)
 
     def new_cache(self, max_tokens: int) -> PagedCache | None:
         """A paged cache of the stage's pool for a new sequence (None: no pool here)."""
         return None if self.kv is None else PagedCache(self.kv, max_tokens)
+
+    def capacity_tokens(self, sequences: int, context_size: int) -> int:
+        """Positions the stage's sequences may hold together: the pool's blocks less its
+        copy-on-write one; without a pool, ``sequences`` whole contexts."""
+        if self.kv is None:
+            return sequences * context_size
+        return (self.kv.capacity - 1) * self.kv.block
 
     @property
     def block(self) -> int:
@@ -331,3 +353,21 @@ class PrefixCaching(Protocol):
     """A pipeline whose stages share cached prefixes (``prefix`` None: this one does not)."""
 
     prefix: PrefixIndex | None
+
+
+class HostStage(Protocol):
+    """What :func:`host_pools` reads of the host's stage (a ``StageRunner``)."""
+
+    prefix: StagePrefix
+    context_size: int
+
+
+def host_pools(
+    runner: HostStage, blocks: Sequence[int], salt: str
+) -> tuple[PrefixIndex | None, int | None]:
+    """What a host keeps of its pipeline's pools: the index of the prefixes every stage
+    caches (:meth:`PrefixIndex.of_run`) and the KV blocks its requests may hold at once
+    (:func:`pipeline_blocks`). ``runner``: stage 0's; ``blocks``: each other stage's
+    ``Ready.prefix_block``; ``salt``: the run id."""
+    index = PrefixIndex.of_run(runner.prefix, blocks, salt)
+    return index, pipeline_blocks(runner.prefix, runner.context_size, blocks)

@@ -71,7 +71,7 @@ from meshnode.node.pipeline import (
     StepFrame,
     StepResult,
 )
-from meshnode.node.prefix import PrefixIndex, note_pass, note_release
+from meshnode.node.prefix import host_pools, note_pass, note_release
 from meshnode.node.speeds import PassMeter, SpeedBook
 from meshnode.node.stage import StageRunner, step_activations, step_results
 from meshnode.node.wire import WireSequences, frame_to_wire, result_from_wire
@@ -313,7 +313,7 @@ class RemotePipeline:
         self._sending: trio.CancelScope | None = None  # the step being sent, if any
         # Set when stage 0's compute missed its deadline: its thread's end (``_step``).
         self._hung: threading.Event | None = None
-        self.prefix = PrefixIndex.of_run(runner.prefix, prefix_blocks, run_id)  # issue 30
+        self.prefix, self.kv_blocks = host_pools(runner, prefix_blocks, run_id)  # issue 30
 
     @property
     def context_size(self) -> int:

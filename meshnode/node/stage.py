@@ -206,16 +206,16 @@ class StageRunner:
         return out
 
     def kv_usage(self) -> dict[str, int]:
-        """How full this stage's KV caches are: live sequences of at most
-        ``max_sequences``, and positions held of ``max_sequences x context_size``; with a
-        prefix pool, its blocks and hit/miss tokens (``prefix_…``)."""
+        """How full this stage's KV caches are: live sequences of at most ``max_sequences``,
+        and positions held of what they may hold together (:meth:`StagePrefix.capacity_tokens`);
+        with a prefix pool, its blocks and hit/miss tokens (``prefix_…``)."""
         # One C-level copy: the compute thread may add a sequence while the loop reads.
         live = list(self._sequences.values())
         return {
             "sequences": len(live),
             "max_sequences": self.max_sequences,
             "used_tokens": sum(int(s.cache.length) for s in live),
-            "capacity_tokens": self.max_sequences * self.context_size,
+            "capacity_tokens": self.prefix.capacity_tokens(self.max_sequences, self.context_size),
         } | self.prefix.usage()
 
     def release(self, request_id: RequestId) -> bool:

@@ -89,13 +89,19 @@ class ContextLengthError(APIError):
     status_code = 400
     error_type = "invalid_request_error"
 
-    def __init__(self, prompt_tokens: int, context_size: int):
-        super().__init__(
+    def __init__(self, prompt_tokens: int, context_size: int, *, pool_tokens: int = 0):
+        """``pool_tokens``: the prompt fits, but the prompt and its reply
+        (``prompt_tokens`` positions) need more KV than the stages' pools ever hold."""
+        message = (
             f"This model's maximum context length is {context_size} tokens, but the prompt "
-            f"has {prompt_tokens} tokens (at least one position must remain for the reply).",
-            param="messages",
-            code="context_length_exceeded",
+            f"has {prompt_tokens} tokens (at least one position must remain for the reply)."
         )
+        if pool_tokens:
+            message = (
+                f"The prompt and reply need KV for {prompt_tokens} tokens, but the KV pool "
+                f"holds {pool_tokens} for one request; lower max_tokens."
+            )
+        super().__init__(message, param="messages", code="context_length_exceeded")
 
 
 class ServiceUnavailableError(APIError):

@@ -181,7 +181,8 @@ def family(name: str, kind: str, help: str, samples: Iterable[Sample]) -> Iterab
 class ServeMetrics:
     """Every metric the serving node exports under ``/metrics``.
 
-    ``waiting`` reads how many requests wait for a generation slot (the scheduler's count).
+    ``waiting`` reads how many requests wait for a generation slot or KV blocks (the
+    scheduler's counts).
     """
 
     def __init__(self, waiting: Callable[[], int] = lambda: 0) -> None:
@@ -203,7 +204,7 @@ class ServeMetrics:
         )
         self.waiting = Gauge(
             "meshnode_requests_waiting",
-            "Requests waiting for a generation slot.",
+            "Requests waiting for a generation slot or KV blocks.",
             read=lambda: float(waiting()),
         )
         self.ttft = Histogram(

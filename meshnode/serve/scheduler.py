@@ -10,6 +10,13 @@ A request takes a :class:`Ticket` as soon as it arrives (:meth:`Scheduler.enter`
 refuses at once when the queue is full) and holds it from the queue through its slot until
 it ends. Its prompt is rendered and tokenized only once the ticket holds a slot, so a
 flood of large prompts waits (or is refused) before it costs any work.
+
+**KV blocks** (issue 30). A CPU stage keeps one pool of KV blocks for all its sequences,
+a few whole contexts (:func:`meshnode.node.prefix.pool_blocks`), not one per sequence. So a
+ticket that holds a slot then takes the blocks its request may write
+(:meth:`Ticket.take_blocks`: prompt, ``max_tokens`` and a verify pass's drafts), waiting in
+FIFO order until the pipeline's budget has room: a stage never runs out mid-flight, and a
+long request at the head of the line is never overtaken forever by short ones.
 """
 
 from __future__ import annotations
@@ -52,6 +59,10 @@ class Scheduler:
         self.limits = limits or SchedulerLimits()
         self._slots = trio.Semaphore(self.limits.max_in_flight)
         self._waiting = 0
+        self._blocks = 0  # KV blocks the tickets hold (Ticket.take_blocks)
+        self._block_waiters = 0  # tickets with a slot waiting for blocks
+        self._block_line = trio.Lock()  # FIFO: the head of the line waits for room
+        self._blocks_freed = trio.Event()
         self._ids = itertools.count()
         # A per-process prefix keeps request ids unique across restarts of the host, so a
         # stage never mistakes a new request for an old sequence it still holds.
@@ -66,6 +77,16 @@ class Scheduler:
     def waiting(self) -> int:
         """Requests waiting for a slot."""
         return self._waiting
+
+    @property
+    def blocks(self) -> int:
+        """KV blocks the admitted requests hold (:meth:`Ticket.take_blocks`)."""
+        return self._blocks
+
+    @property
+    def waiting_for_blocks(self) -> int:
+        """Requests holding a slot that wait for KV blocks (:meth:`Ticket.take_blocks`)."""
+        return self._block_waiters
 
     def check_capacity(self) -> None:
         """Raise ServiceUnavailableError (503) if a new request could not even queue."""
@@ -105,6 +126,7 @@ class Ticket:
     def __init__(self, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
         self._state = "waiting"  # -> "holding" -> "released"; or "waiting" -> "released"
+        self._blocks = 0  # KV blocks held (take_blocks)
 
     @property
     def holding(self) -> bool:
@@ -119,8 +141,31 @@ class Ticket:
         self._scheduler._waiting -= 1
         self._state = "holding"
 
+    async def take_blocks(self, blocks: int, budget: int) -> None:
+        """Wait (FIFO) until the requests admitted hold at most ``budget - blocks`` KV
+        blocks, then hold ``blocks`` until :meth:`release`. Raises ``ValueError`` for more
+        than ``budget`` (the caller refuses such a request first) or a ticket without a slot
+        or with blocks already."""
+        s = self._scheduler
+        if self._state != "holding" or self._blocks or not 0 < blocks <= budget:
+            raise ValueError(f"a {self._state} ticket cannot take {blocks} of {budget} blocks")
+        s._block_waiters += 1
+        try:
+            async with s._block_line:
+                while s._blocks + blocks > budget:
+                    s._blocks_freed = trio.Event()
+                    await s._blocks_freed.wait()
+                s._blocks += blocks
+                self._blocks = blocks
+        finally:
+            s._block_waiters -= 1
+
     def release(self) -> None:
-        """Give the slot (or the place in the queue) back; idempotent."""
+        """Give the slot and the blocks (or the place in the queue) back; idempotent."""
+        if self._blocks:
+            self._scheduler._blocks -= self._blocks
+            self._blocks = 0
+            self._scheduler._blocks_freed.set()
         if self._state == "holding":
             self._scheduler._slots.release()
         elif self._state == "waiting":

@@ -26,11 +26,13 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
+from meshnode.engine.kv_cache import KV_BLOCK
 from meshnode.engine.sampling import SamplingParams
 from meshnode.generation.driver import generate
 from meshnode.generation.records import DEFAULT_PREFILL_CHUNK_TOKENS, GenerationRun, Speculation
 from meshnode.generation.state import Delta, Detokenizer, GenerationParams, GenerationState
-from meshnode.node.pipeline import Pipeline, PipelineError, RequestId, StepResult
+from meshnode.node.pipeline import PagedPipeline, Pipeline, PipelineError, RequestId, StepResult
+from meshnode.node.prefix import request_blocks
 from meshnode.serve.errors import (
     BadRequestError,
     ContextLengthError,
@@ -157,7 +159,10 @@ class ServeService:
         self.eos_token_ids = eos_token_ids
         self.pipeline = pipeline
         self.scheduler = Scheduler(limits)
-        self.metrics = ServeMetrics(waiting=lambda: self.scheduler.waiting)
+        scheduler = self.scheduler
+        self.metrics = ServeMetrics(
+            waiting=lambda: scheduler.waiting + scheduler.waiting_for_blocks
+        )
         self._speculation = speculation
         self.spec_host = spec_host
         self.spec_total = SpecStats()  # every finished request's counters, summed
@@ -290,11 +295,28 @@ class ServeService:
             await ticket.acquire()
             ids = await self.tokenize(prompt)
             run = self._new_run(ids, request)
+            await self._take_blocks(ticket, run)
         except BaseException:
             ticket.release()
             raise
         self._tickets[run.request_id] = ticket
         return run
+
+    async def _take_blocks(self, ticket: Ticket, run: GenerationRun) -> None:
+        """Hold the KV blocks ``run`` may write on a pipeline with pools of blocks (its
+        prompt, its clamped ``max_tokens`` and a verify pass's drafts), waiting for room
+        (:meth:`Ticket.take_blocks`). Raises ContextLengthError if no pool ever holds it."""
+        pipeline = self.pipeline
+        budget = pipeline.kv_blocks if isinstance(pipeline, PagedPipeline) else None
+        if budget is None:
+            return
+        spec = self.speculation
+        drafts = spec.window.max_window if spec is not None else 0
+        positions = len(run.prompt) + run.params.budget + drafts
+        blocks = request_blocks(positions, self.context_size)
+        if blocks > budget:
+            raise ContextLengthError(positions, self.context_size, pool_tokens=budget * KV_BLOCK)
+        await ticket.take_blocks(blocks, budget)
 
     async def tokenize(self, work: Callable[[], T]) -> T:
         """``work()`` (rendering, tokenizing or detokenizing a request's text) in a worker

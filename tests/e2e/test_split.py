@@ -23,7 +23,8 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
+from meshnode.engine.kv_cache import KV_BLOCK
+from meshnode.node.prefix import pool_blocks
 from meshnode.serve.service import ServeService
 from meshnode.serve.single import build_single_node_service
 from tests.e2e.cluster import (
@@ -42,7 +43,9 @@ from tests.serve.test_structured_real import CITIES, CITY, SEARCH, WEATHER, city
 pytestmark = pytest.mark.real_model
 
 MODEL = "smollm2-135m"
-CONTEXT = 512  # keeps each stage's KV small: 8 sequences x 512 positions
+CONTEXT = 512  # keeps each stage's KV small: a pool of 4 x 512 positions
+#: Positions a CPU stage's sequences may hold together (its pool less a copy-on-write block).
+POOL_POSITIONS = (pool_blocks(CONTEXT) - 1) * KV_BLOCK
 GOLDEN_MAX_TOKENS = 48  # golden continuations are at most 48 tokens
 READY_TIMEOUT_S = 120.0  # three processes load their layer ranges on a shared 2-core box
 REPLAN_TIMEOUT_S = 60.0
@@ -125,11 +128,11 @@ def test_every_node_exports_its_peers_stages_and_kv_as_metrics(
         kv = {s.labels["role"]: s.value for s in capacity}
         if node is host:
             assert {s.labels["node_id"] for s in ready} == ids
-            assert kv == {"host": MAX_SEQUENCES_PER_STAGE * CONTEXT}
+            assert kv == {"host": POOL_POSITIONS}
             assert "meshnode_requests" in families  # the serving metrics ride along
         else:
             assert [s.labels["node_id"] for s in ready] == [node.node_id()]
-            assert kv == {"worker": MAX_SEQUENCES_PER_STAGE * CONTEXT}
+            assert kv == {"worker": POOL_POSITIONS}
             assert "meshnode_requests" not in families
         assert {s.value for s in ready} == {1.0}
 

@@ -50,8 +50,8 @@ def test_f16_kv_halves_the_footprint_and_doubles_the_context_a_node_holds(
 ) -> None:
     config = ModelConfig.from_hf(open_source(write_tiny_model(tmp_path, "Q8_0")).config)
     f32, f16 = (model_footprint(config, kv_dtype=kv) for kv in ("f32", "f16"))
-    assert f32.kv_bytes(0, 3, 100) == 2 * f16.kv_bytes(0, 3, 100) > 0
-    offered = f32.kv_bytes(0, 3, 100)
+    assert f32.kv_bytes(0, 3, 100, "cpu") == 2 * f16.kv_bytes(0, 3, 100, "cpu") > 0
+    offered = f32.kv_bytes(0, 3, 100, "cpu")
     check_load(config, 0, 3, 100, offered, "f32")
     check_load(config, 0, 3, 200, offered, "f16")
     with pytest.raises(RunError, match="KV cache alone"):

@@ -46,7 +46,7 @@ def test_the_fast_disk_reads_the_shortfall(live: list[NodeCapacity], most_offloa
     assert token_s(placed, live) < token_s(weighted, live)
     memory = {n.node_id: n.usable_memory_bytes for n in live}
     for stage in placed.stages:  # KV never on disk; offload is exactly what passes memory
-        assert MODEL.kv_bytes(stage.start, stage.end, CONTEXT) <= memory[stage.node_id]
+        assert MODEL.kv_bytes(stage.start, stage.end, CONTEXT, "cpu") <= memory[stage.node_id]
         assert stage.offload_bytes == max(0, stage.memory_bytes - memory[stage.node_id])
 
 

@@ -40,7 +40,7 @@ def test_disk_offload_places_the_model_on_every_node_and_offloads_only_weights()
     offload = {s.node_id: s.offload_bytes for s in placed.stages}
     for stage in placed.stages:
         assert stage.offload_bytes == max(0, stage.memory_bytes - memory[stage.node_id])
-        kv = MODEL.kv_bytes(stage.start, stage.end, CONTEXT)
+        kv = MODEL.kv_bytes(stage.start, stage.end, CONTEXT, "cpu")
         assert kv <= memory[stage.node_id]  # KV never on disk
         assert stage.offload_bytes <= sum(MODEL.layer_bytes[stage.start : stage.end]) + 11 * MIB
     # the shortfall is covered, and shared by memory: no node offloads past its fair share
@@ -84,7 +84,7 @@ async def test_a_host_short_of_memory_serves_from_disk_with_read_ahead(
     )
     mesh.coordinator = coordinator
     footprint = coordinator.footprint
-    kv = footprint.kv_bytes(0, footprint.n_layers, coordinator.context_size)
+    kv = footprint.kv_bytes(0, footprint.n_layers, coordinator.context_size, "cpu")
     mesh.host_memory = kv + sum(footprint.fixed_layer_bytes) + sum(footprint.layer_bytes) // 2
     async with trio.open_nursery() as nursery:
         nursery.start_soon(coordinator.run)
