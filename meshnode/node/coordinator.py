@@ -3,8 +3,9 @@
 Theory of operation (DESIGN §5). The host (the node started with ``--model``) opens the
 model's stage-0 part to learn its config, then loops:
 
-1. **plan** the live nodes (:func:`meshnode.node.planner.plan`); with no fit, wait for the
-   membership to change and try again;
+1. **plan** the live nodes (:func:`meshnode.node.planner.plan`), having first asked each
+   for the speed it measured of itself before (:mod:`meshnode.node.warm`: a warm mesh is
+   placed by speed at once); with no fit, wait for the membership to change and try again;
 2. **bring up** a run with a new ``term``: ``Claim`` every other planned node, ``Prepare``
    each (they materialize their part in the background, the host its own), poll
    ``Inventory`` until every part is ready, ``Load`` downstream-first, wait for ``Ready``;

@@ -173,8 +173,8 @@ def split_host(
     cache_dir: Path | None = None,
 ) -> tuple[Coordinator, NextPipeline]:
     """A ``--split 2`` host on ``mesh`` (``calibrate``: timing each new pipeline before it
-    serves, as ``join`` does; ``cache_dir``: the host's cache folder), and a receiver of each pipeline it hands out (None: the old
-    one was dropped), bounded in time."""
+    serves, as ``join`` does; ``cache_dir``: the host's cache folder), and a receiver of
+    each pipeline it hands out (None: the old one was dropped), bounded in time."""
     ref, package = hub_ref
     send, pipelines = trio.open_memory_channel[RemotePipeline | None](16)
     settings = CoordinatorSettings(

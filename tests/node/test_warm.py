@@ -27,6 +27,7 @@ from meshnode.node.planner import NodeCapacity, NodeSpeed, plan
 from meshnode.node.selfmeasure import SelfMeasure, latest, measure_or_reason, speed_report
 from meshnode.node.warm import SpeedQueries
 from meshnode.node.wire import for_peer
+from meshnode.node.worker import Worker
 from tests.engine.tiny import write_tiny_model
 from tests.node.inmemory import HOST, InMemoryMesh, add_worker, decode, greedy_reference, split_host
 from tests.node.test_planner import MODEL  # 30 layers of 4 MiB
@@ -311,3 +312,31 @@ async def test_a_warm_mesh_is_placed_by_speed_at_its_first_plan_and_loaded_once(
         assert loads == ["w"]  # one Load: no second bring-up before or after the request
         assert coordinator.status()["state"] == "ready"
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(("ref", "answered"), [(REF, True), ("/srv/models/private.gguf", False)])
+async def test_a_worker_answers_without_a_claim_and_only_for_a_model_it_would_open(
+    tmp_path: Path, ref: str, answered: bool
+) -> None:
+    """A worker holding no run answers a query from its cache at once; for a local path
+    its config does not name (a model it would refuse to prepare) it answers nothing."""
+    _seed(tmp_path, ref, 1e-3)
+    sent: list[tuple[str, Message]] = []
+
+    async def send(peer: str, message: Message) -> None:
+        sent.append((peer, message))
+
+    async def connect(_: object) -> None:
+        raise AssertionError("a query dials nobody")
+
+    async with trio.open_nursery() as nursery:
+        node = Worker("w", send, connect=connect, backend=cpu_backend(), cache_dir=tmp_path,
+                      nursery=nursery)  # fmt: skip
+        query = SpeedQuery(node_id="h", nonce=5, package_ref=ref)
+        assert await node.handle("h", query)
+    assert node.run is None  # no claim was taken
+    [(peer, report)] = sent
+    assert peer == "h"
+    assert isinstance(report, SpeedReport)
+    assert report.nonce == 5
+    assert report.decode_us == (pytest.approx(1000.0) if answered else 0.0)
