@@ -14,6 +14,7 @@ from meshnode_packaging.sources import open_source
 from meshnode_protocol import (
     BATCH_FEATURE,
     SPEED_QUERY_FEATURE,
+    Hello,
     Load,
     Message,
     SpeedQuery,
@@ -21,6 +22,7 @@ from meshnode_protocol import (
 )
 
 from meshnode.engine.backend import cpu_backend
+from meshnode.net.identity import JoinToken, NodeIdentity
 from meshnode.node import selfmeasure
 from meshnode.node.claims import ClaimBook
 from meshnode.node.planner import NodeCapacity, NodeSpeed, plan
@@ -30,6 +32,7 @@ from meshnode.node.wire import for_peer
 from meshnode.node.worker import Worker
 from tests.engine.tiny import write_tiny_model
 from tests.node.inmemory import HOST, InMemoryMesh, add_worker, decode, greedy_reference, split_host
+from tests.node.member import Member, start_node
 from tests.node.test_planner import MODEL  # 30 layers of 4 MiB
 
 MIB = 1 << 20
@@ -340,3 +343,27 @@ async def test_a_worker_answers_without_a_claim_and_only_for_a_model_it_would_op
     assert isinstance(report, SpeedReport)
     assert report.nonce == 5
     assert report.decode_us == (pytest.approx(1000.0) if answered else 0.0)
+
+
+async def test_the_real_daemon_offers_and_answers_speed_queries(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """The daemon on loopback and a member (mutual TLS) whose Hello offers ``speed-query``:
+    the node's Hello offers it too, and a query is answered over the session, without a
+    claim (a cold cache: an empty answer with the query's nonce)."""
+    token = JoinToken.generate("m")
+    node = await start_node(nursery, token, tmp_path / "node", tmp_path / "cache")
+    assert node.listen is not None
+    member = await Member.dial(
+        NodeIdentity.provision(token, tmp_path / "me"), node.listen, hello=False
+    )
+    hello = member.hello()
+    await member.send(dataclasses.replace(hello, features=(*hello.features, SPEED_QUERY_FEATURE)))
+    theirs = await member.receive(Hello)
+    assert isinstance(theirs, Hello)
+    assert SPEED_QUERY_FEATURE in theirs.features
+    await member.send(SpeedQuery(node_id=member.node_id, nonce=11, package_ref=REF))
+    report = await member.receive(SpeedReport)
+    assert isinstance(report, SpeedReport)
+    assert (report.node_id, report.nonce, report.decode_us) == (node.node_id, 11, 0.0)
+    await member.aclose()
