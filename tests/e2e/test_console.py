@@ -243,7 +243,7 @@ def test_the_mesh_view_shows_each_link_and_each_hop(
         f"import({json.dumps(host.api + '/console/mesh.js')}).then((mesh) => {{"
         f"  mesh.renderMesh({json.dumps(status)});"
         "  const text = (q) => document.querySelector(q)?.textContent;"
-        f"  return [text(`#mesh-nodes tr[data-node-id='{worker_id}'] td.link`),"
+        f"  return [text(`#mesh-nodes tr[data-node-id='{worker_id}'] td.link-rate`),"
         "          text(`#mesh-plan tr[data-stage='1'] td.hop`),"
         "          document.querySelector(`#mesh-plan tr[data-stage='1'] td.hop`)?.title,"
         "          text(`#mesh-plan tr[data-stage='0'] td.hop`),"

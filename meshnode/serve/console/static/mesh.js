@@ -117,7 +117,7 @@ function nodeTable(model) {
     h("td", {}, h("span", { class: `pill state-${node.state.replace(" ", "-")}` }, node.state),
       cooling.has(node.node_id) ? coolingPill(cooling.get(node.node_id)) : null),
     h("td", { class: "num" }, node.rtt_ms === null ? "–" : `${node.rtt_ms.toFixed(2)} ms`),
-    h("td", { class: "num link", title: "this node's link to the peer, measured by a probe" },
+    h("td", { class: "num link-rate", title: "this node's link to the peer, measured by a probe" },
       node.link_mbytes_per_s ? fmtLink(node.link_mbytes_per_s) : "–")));
   return h("table", { class: "grid" },
     h("thead", {}, h("tr", {}, ...["node", "role", "address", "device", "memory offered",
