@@ -18,7 +18,7 @@ import math
 from typing import Any
 
 import psutil
-from meshnode_protocol import InventoryReport
+from meshnode_protocol import InventoryReport, SpeedReport
 
 from meshnode.node.planner import ModelFootprint, NodeSpeed
 from meshnode.node.selfmeasure import SelfMeasure, report_fields
@@ -82,6 +82,10 @@ def _report(node: str, measured: SelfMeasure, layer: int) -> InventoryReport:
     )
 
 
+#: The measurement's fields, the same in a ``SpeedReport`` as in an ``InventoryReport``.
+CACHED_FIELDS = ("decode_us", "batch_us", "prefill_us", "layer_bytes", "disk_bytes_per_s")
+
+
 class ClaimBook:
     """Each node's latest claim for one model: its speed, or why there is none."""
 
@@ -104,6 +108,24 @@ class ClaimBook:
             self._shown[node] = _shown(report)
         else:
             self._shown[node] = {"error": reason[:200]}
+
+    def record_cached(self, node: str, report: SpeedReport) -> None:
+        """A node's answer to a ``SpeedQuery`` (:mod:`meshnode.node.warm`): the measurement
+        it keeps cached, bounded as a prepared node's report is. An empty answer (nothing
+        cached) changes nothing: the node is measured when it prepares."""
+        if not report.decode_us:
+            return
+        if report.layer >= self._model.n_layers:
+            self._speeds.pop(node, None)
+            self._shown[node] = {"error": f"claim refused: layer {report.layer} is not one of "
+                                          f"the model's {self._model.n_layers}"}  # fmt: skip
+            return
+        layer = report.layer
+        fields = {name: getattr(report, name) for name in CACHED_FIELDS}
+        self.record(node, InventoryReport(
+            run_id="", term=0, node_id=node, package_ref=report.package_ref,
+            ready=((layer, layer + 1),), **fields,
+        ))  # fmt: skip
 
     def record_own(self, node: str, measured: SelfMeasure | str, layer: int) -> None:
         """The host's measurement of its own stage (or why it failed)."""

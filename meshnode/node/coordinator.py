@@ -3,8 +3,9 @@
 Theory of operation (DESIGN §5). The host (the node started with ``--model``) opens the
 model's stage-0 part to learn its config, then loops:
 
-1. **plan** the live nodes (:func:`meshnode.node.planner.plan`); with no fit, wait for the
-   membership to change and try again;
+1. **plan** the live nodes (:func:`meshnode.node.planner.plan`), having first asked each
+   for the speed it measured of itself before (:mod:`meshnode.node.warm`: a warm mesh is
+   placed by speed at once); with no fit, wait for the membership to change and try again;
 2. **bring up** a run with a new ``term``: ``Claim`` every other planned node, ``Prepare``
    each (they materialize their part in the background, the host its own), poll
    ``Inventory`` until every part is ready, ``Load`` downstream-first, wait for ``Ready``;
@@ -99,6 +100,7 @@ from meshnode_protocol import (
     Message,
     PrepareAccepted,
     Ready,
+    SpeedReport,
 )
 
 from meshnode.engine.backend import Backend
@@ -142,6 +144,7 @@ from meshnode.node.planner import (
 )
 from meshnode.node.remote import RemotePipeline, idle_by, is_data_reply
 from meshnode.node.speeds import SpeedBook
+from meshnode.node.warm import SpeedQueries
 from meshnode.node.watch import earliest, membership_changed, settled, watch_stages
 
 log = logging.getLogger("meshnode.coordinator")
@@ -266,6 +269,7 @@ class Coordinator:
         # Decode rates observed while serving (node/speeds.py): the next plan uses them.
         self.speeds = SpeedBook()
         self.claims = ClaimBook(self.footprint)  # ... and what each node measured of itself
+        self.queries = _speed_queries(settings, backend)  # ... asked before a plan (node/warm.py)
         self.why_replace = ""  # why the serving plan is being re-placed (steps 5 and 6)
         self.calibration = "off" if not settings.calibrate else ""  # the last one's outcome
 
@@ -311,6 +315,8 @@ class Coordinator:
         """Route a control reply of our run; False if the message is not the coordinator's."""
         if is_data_reply(message):
             return False
+        if isinstance(message, SpeedReport):  # an answer to a query before a plan
+            return self.queries.deliver(peer, message, self.claims)
         replies = (ClaimAccepted, ClaimRejected, PrepareAccepted, InventoryReport, Ready, Error)
         if not isinstance(message, replies):
             return False
@@ -458,6 +464,7 @@ class Coordinator:
     async def _plan_when_possible(self) -> Plan:
         self._state = MeshState.PLANNING
         while True:
+            await self.queries.ask(self.mesh, self.claims, self.mesh.live_nodes())
             nodes = self.candidates(self.mesh.live_nodes())
             split = self.settings.split
             if split is not None and not self._decided.first_plan and len(nodes) < split:
@@ -525,6 +532,18 @@ def _wants_regrow(coordinator: Coordinator, placed: Plan, live: list[NodeCapacit
     wanted = wanted_plan(coordinator, coordinator.candidates(live))
     degraded = coordinator._decided.recovering
     return should_regrow(placed, wanted, split=coordinator.settings.split, degraded=degraded)
+
+
+def _speed_queries(settings: CoordinatorSettings, backend: Backend) -> SpeedQueries:
+    """The speed queries of a coordinator: its model as its ``Prepare`` names it, asked
+    unless the placement is by memory alone (:mod:`meshnode.node.warm`)."""
+    return SpeedQueries(
+        settings.model_ref,
+        settings.pin,
+        backend=backend,
+        cache_dir=settings.cache_dir,
+        enabled=settings.place_by_speed,
+    )
 
 
 def _speed(coordinator: Coordinator, node: str) -> NodeSpeed | None:

@@ -28,6 +28,7 @@ from meshnode_protocol import (
     DEFAULT_FEATURES,
     LINK_PROBE_FEATURE,
     PROTOCOL_VERSION,
+    SPEED_QUERY_FEATURE,
     Hello,
     Message,
     PeerInfo,
@@ -239,8 +240,8 @@ class Node:
         assert self.api is not None
         known = tuple(_peer_info(p) for p in self.table.alive())
         return Hello(
-            # this node takes batched steps and answers link probes
-            features=(*DEFAULT_FEATURES, BATCH_FEATURE, LINK_PROBE_FEATURE),
+            # this node takes batched steps, answers link probes and speed queries
+            features=(*DEFAULT_FEATURES, BATCH_FEATURE, LINK_PROBE_FEATURE, SPEED_QUERY_FEATURE),
             node_id=self.node_id,
             mesh_id_hash=self.identity.mesh_id,
             listen_address=str(self.listen),

@@ -9,6 +9,9 @@ counts for weights served past memory. The result, :class:`SelfMeasure`, travels
 node's ``InventoryReport`` and is cached in a file under the node's cache folder, keyed by
 the model, the layer's formats and the machine (host, CPU, core count, backend, threads),
 so that a node asked again for the same model answers at once and a changed machine misses.
+Beside it, a file keyed by the model and the machine alone (:func:`model_key`, no layer)
+names the latest measurement of that model: a host asks for it before its first plan
+(``SpeedQuery``) and places a warm mesh by speed at once (:func:`latest`).
 
 Bounded: the timing stops after ``selftime.BUDGET_S`` (fewer repeats) and the read after
 :data:`DISK_PROBE_BYTES`; a failure is reported as the reason and the node is planned by
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from meshnode_packaging.sources import ModelSource
+from meshnode_protocol import SpeedQuery, SpeedReport
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
@@ -55,22 +59,33 @@ class SelfMeasure:
     disk_bytes_per_s: float  # the model file's read rate (0: not measured)
 
 
-def cache_key(config: ModelConfig, model_id: str, layer: int, backend: Backend) -> str:
-    """The cache file's name for timing ``layer`` of ``model_id`` on this machine: every
-    input that changes the figures is in it (module docstring)."""
-    machine = {
+def _machine(backend: Backend) -> dict[str, Any]:
+    return {
         "host": platform.node(),
         "arch": platform.machine(),
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
         "backend": backend.describe(),
         "threads": compute_threads(),
-        "model": model_id,
-        "layer": layer,
-        "shape": [config.hidden_size, config.intermediate_size, config.num_layers],
         "version": CACHE_VERSION,
     }
-    return hashlib.sha256(json.dumps(machine, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _digest(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def cache_key(config: ModelConfig, model_id: str, layer: int, backend: Backend) -> str:
+    """The cache file's name for timing ``layer`` of ``model_id`` on this machine: every
+    input that changes the figures is in it (module docstring)."""
+    shape = [config.hidden_size, config.intermediate_size, config.num_layers]
+    return _digest({**_machine(backend), "model": model_id, "layer": layer, "shape": shape})
+
+
+def model_key(model_id: str, backend: Backend) -> str:
+    """The name of the file that names the latest measurement of ``model_id`` (a reference
+    and its pin) on this machine, whatever layer it timed: what a ``SpeedQuery`` reads."""
+    return "model-" + _digest({**_machine(backend), "model": model_id})
 
 
 def _cpu_model() -> str:
@@ -94,12 +109,16 @@ def cached(folder: Path | None, key: str) -> SelfMeasure | None:
 
 def store(folder: Path | None, key: str, measure: SelfMeasure) -> None:
     """Write ``measure`` under ``key`` (atomically: a reader never sees half a file)."""
+    _write(folder, key, asdict(measure))
+
+
+def _write(folder: Path | None, key: str, body: dict[str, Any]) -> None:
     if folder is None:
         return
     try:
         folder.mkdir(parents=True, exist_ok=True)
         temp = folder / f".{key}.{os.getpid()}.tmp"
-        temp.write_text(json.dumps(asdict(measure)))
+        temp.write_text(json.dumps(body))
         temp.replace(folder / f"{key}.json")
     except OSError as exc:  # a read-only cache only costs a measurement next time
         log.info("self-measurement not cached: %s", exc)
@@ -144,6 +163,39 @@ def disk_read_rate(path: Path, n_bytes: int = DISK_PROBE_BYTES) -> float:
     return done / seconds if seconds > 0 else 0.0
 
 
+def remember_latest(
+    folder: Path | None, key: str, measure: SelfMeasure, layer: int, source: ModelSource
+) -> None:
+    """Name ``measure`` (of ``layer``) as the latest of its model under ``key``
+    (:func:`model_key`), with the model file's path and identity when it has one, so that a
+    file replaced at the same path is not answered for."""
+    path = getattr(source, "path", None)
+    where = str(path) if isinstance(path, str | Path) else ""
+    body = {**asdict(measure), "layer": layer, "path": where, "file": _file_identity(source)}
+    _write(folder, key, body)
+
+
+def latest(
+    cache_dir: Path | None, model_id: str, backend: Backend
+) -> tuple[SelfMeasure, int] | None:
+    """The latest measurement of ``model_id`` on this machine and the layer it timed, from
+    the cache under ``cache_dir``/calibration; None when there is none, it cannot be read,
+    or the model file it was measured on changed. Reads one small file: no model is opened,
+    nothing is downloaded (a ``SpeedQuery`` is answered at once)."""
+    if cache_dir is None:
+        return None
+    try:
+        name = f"{model_key(model_id, backend)}.json"
+        body = json.loads((cache_dir / "calibration" / name).read_text())
+        found = SelfMeasure(**{k: body[k] for k in SelfMeasure.__dataclass_fields__})
+        layer, path, identity = int(body["layer"]), str(body["path"]), str(body["file"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if path and _identity_of(Path(path)) != identity:
+        return None  # the file was replaced (or removed) since
+    return found, layer
+
+
 def measure_or_reason(
     source: ModelSource,
     layer: int,
@@ -159,13 +211,14 @@ def measure_or_reason(
     try:
         config = ModelConfig.from_hf(source.config)
         key = cache_key(config, f"{model_id} {_file_identity(source)}", layer, backend)
-        if (hit := cached(folder, key)) is not None:
-            return hit
-        result = measure(config, source, layer, backend)
+        result = cached(folder, key)
+        if result is None:
+            result = measure(config, source, layer, backend)
+            store(folder, key, result)
     except Exception as exc:  # any failure: the node is planned by memory, with the reason
         log.warning("self-measurement failed: %s: %s", type(exc).__name__, exc)
         return f"{type(exc).__name__}: {exc}"[:200]
-    store(folder, key, result)
+    remember_latest(folder, model_key(model_id, backend), result, layer, source)
     return result
 
 
@@ -173,11 +226,15 @@ def _file_identity(source: ModelSource) -> str:
     """The model file's size and modification time: a file replaced at the same path (a
     local model) misses the cache."""
     path = getattr(source, "path", None)
+    return _identity_of(Path(path)) if isinstance(path, str | Path) else ""
+
+
+def _identity_of(path: Path) -> str:
     try:
-        stat = Path(path).stat() if isinstance(path, str | Path) else None
+        stat = path.stat()
     except OSError:
         return ""
-    return "" if stat is None else f"{stat.st_size}:{stat.st_mtime_ns}"
+    return f"{stat.st_size}:{stat.st_mtime_ns}"
 
 
 def report_fields(measured: SelfMeasure | str | None) -> dict[str, Any]:
@@ -193,3 +250,26 @@ def report_fields(measured: SelfMeasure | str | None) -> dict[str, Any]:
         "layer_bytes": measured.layer_bytes,
         "disk_bytes_per_s": measured.disk_bytes_per_s,
     }
+
+
+def speed_report(
+    query: SpeedQuery, node_id: str, backend: Backend, cache_dir: Path | None
+) -> SpeedReport:
+    """The answer to ``query``: this node's latest measurement of the model it names, as
+    :func:`measure_or_reason` keeps it (the worker's model id: reference ``@`` pin), or an
+    empty report (``decode_us`` 0) when there is none. Blocking (one small file read)."""
+    found = latest(cache_dir, f"{query.package_ref}@{query.pin}", backend)
+    if found is None:
+        return SpeedReport(node_id=node_id, nonce=query.nonce, package_ref=query.package_ref)
+    measured, layer = found
+    return SpeedReport(
+        node_id=node_id,
+        nonce=query.nonce,
+        package_ref=query.package_ref,
+        layer=layer,
+        decode_us=measured.decode_s * 1e6,
+        batch_us=measured.batch_s * 1e6,
+        prefill_us=measured.prefill_s * 1e6,
+        layer_bytes=measured.layer_bytes,
+        disk_bytes_per_s=measured.disk_bytes_per_s,
+    )

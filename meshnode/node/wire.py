@@ -28,12 +28,15 @@ from typing import Any
 from meshnode_protocol import (
     BATCH_FEATURE,
     MAX_HEADER_BYTES,
+    SPEED_QUERY_FEATURE,
     ActivationBatch,
     ActivationFrame,
     Message,
     Prediction,
     PredictionBatch,
     Sampling,
+    SpeedQuery,
+    SpeedReport,
     Tensor,
     TopLogprobs,
     header_size,
@@ -313,7 +316,11 @@ def for_peer(message: Message, features: frozenset[str]) -> tuple[Message, ...]:
     """``message`` as a peer with these Hello ``features`` may receive it: a batch goes as
     one message to a peer that accepts batches (as several if its header would be too
     large), else as its frames (or predictions) one by one, which mean the same
-    (protocol/README.md: a new message type is only sent once its feature is negotiated)."""
+    (protocol/README.md: a new message type is only sent once its feature is negotiated).
+    A speed query (or its answer) goes only to a peer that offers ``speed-query``, and to
+    any other as nothing: it is never asked (meshnode.node.warm)."""
+    if isinstance(message, SpeedQuery | SpeedReport) and SPEED_QUERY_FEATURE not in features:
+        return ()
     if BATCH_FEATURE in features:
         return _fitting(message)
     if isinstance(message, ActivationBatch):

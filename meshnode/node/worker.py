@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -71,6 +72,7 @@ from meshnode_protocol import (
     PrepareAccepted,
     Ready,
     Release,
+    SpeedQuery,
     Stop,
 )
 
@@ -87,7 +89,7 @@ from meshnode.node.footprint import check_load
 from meshnode.node.peer_models import PeerModels
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.relay import Relay
-from meshnode.node.selfmeasure import SelfMeasure, measure_or_reason, report_fields
+from meshnode.node.selfmeasure import SelfMeasure, measure_or_reason, report_fields, speed_report
 from meshnode.node.stage import StageRunner
 from meshnode.node.worker_run import (
     DataMessage,
@@ -195,6 +197,11 @@ class Worker:
                 self.stop(f"stopped by {peer}: {message.reason}")
             else:
                 await self._queue(run, message)
+        elif isinstance(message, SpeedQuery):  # answered without a claim (node/selfmeasure.py)
+            refused = bool(self._peer_models.refusal(message.package_ref))
+            cache_dir = None if refused else self._cache_dir  # None: an empty report
+            answer = partial(speed_report, message, self.node_id, self._backend, cache_dir)
+            await self._send(peer, await trio.to_thread.run_sync(answer))
         elif isinstance(message, Error) and self._is_downstream_error(peer, message):
             await self._to_coordinator(message)
         else:

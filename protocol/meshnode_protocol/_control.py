@@ -225,6 +225,41 @@ class InventoryReport(Message):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SpeedQuery(Message):
+    """Host → node, before its first plan (feature ``speed-query``): what the node has
+    already measured of itself for this model (issue 34), answered at once by a
+    ``SpeedReport`` with the same ``nonce``. No claim is needed; it carries no run.
+
+    ``package_ref`` and ``pin`` are what the host would ``Prepare``: the reference and the
+    hub commit or manifest sha256 it resolved it to (empty: none)."""
+
+    TYPE: ClassVar[int] = 21
+    node_id: str
+    nonce: UInt
+    package_ref: str
+    pin: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpeedReport(Message):
+    """Node → host: the answer to a ``SpeedQuery``; the fields of an ``InventoryReport``'s
+    measurement, of the layer ``layer`` it timed. ``decode_us`` 0: nothing measured (the
+    node's cache holds no measurement for this model on this machine). Claims: the host
+    bounds them as it bounds an ``InventoryReport``'s (the codec checks only types)."""
+
+    TYPE: ClassVar[int] = 22
+    node_id: str
+    nonce: UInt
+    package_ref: str
+    layer: UInt = 0
+    decode_us: float = 0.0
+    batch_us: float = 0.0
+    prefill_us: float = 0.0
+    layer_bytes: UInt = 0
+    disk_bytes_per_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Load(Message):
     """Coordinator → node: load a stage (sent downstream-first; answered by ``Ready``).
 

@@ -27,6 +27,8 @@ from meshnode_protocol._control import (
     Prepare,
     PrepareAccepted,
     Ready,
+    SpeedQuery,
+    SpeedReport,
     Status,
     Stop,
 )
@@ -45,6 +47,7 @@ from meshnode_protocol._records import (
     DEFAULT_FEATURES,
     LINK_PROBE_FEATURE,
     PROTOCOL_VERSION,
+    SPEED_QUERY_FEATURE,
     Message,
     PeerInfo,
     Range,
@@ -60,6 +63,7 @@ __all__ = [
     "MAX_BATCH_FRAMES",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
+    "SPEED_QUERY_FEATURE",
     "ActivationBatch",
     "ActivationFrame",
     "Claim",
@@ -85,6 +89,8 @@ __all__ = [
     "Record",
     "Release",
     "Sampling",
+    "SpeedQuery",
+    "SpeedReport",
     "Status",
     "Stop",
     "TopLogprobs",
@@ -95,7 +101,7 @@ MESSAGE_TYPES: Final[dict[int, type[Message]]] = {
     for cls in (
         Hello, Goodbye, Heartbeat, Error, LinkProbe, LinkProbeReply,
         Claim, ClaimAccepted, ClaimRejected, Prepare, PrepareAccepted, Inventory,
-        InventoryReport, Load, Ready, Stop, Status,
+        InventoryReport, Load, Ready, Stop, Status, SpeedQuery, SpeedReport,
         ActivationFrame, Prediction, Release, ActivationBatch, PredictionBatch,
     )
 }  # fmt: skip

@@ -13,7 +13,8 @@ table in ``protocol/README.md`` mirrors these classes. Rules:
   a field's meaning never changes; unknown fields from a newer peer are ignored;
 - control and data messages carry ``run_id`` and ``term`` (the coordinator's fencing token,
   DESIGN §3); membership messages (``Hello``, ``Heartbeat``, ``Goodbye``, ``LinkProbe``,
-  ``LinkProbeReply``) do not.
+  ``LinkProbeReply``) do not, nor do ``SpeedQuery`` and ``SpeedReport`` (asked before any
+  run).
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ BATCH_FEATURE: Final = "activation-batch"
 LINK_PROBE_FEATURE: Final = "link-probe"
 """The feature of a node that answers ``LinkProbe`` (not in the default either: a peer
 that lacks it is never probed, since an unknown message type closes its session)."""
+
+SPEED_QUERY_FEATURE: Final = "speed-query"
+"""The feature of a node that answers ``SpeedQuery`` with a ``SpeedReport`` (not in the
+default: an older peer is never asked, since an unknown message type closes its session)."""
 
 ACTIVATION_KINDS: Final = ("prefill", "decode", "verify")
 

@@ -46,6 +46,8 @@ from meshnode_protocol._messages import (
     Ready,
     Release,
     Sampling,
+    SpeedQuery,
+    SpeedReport,
     Status,
     Stop,
     TopLogprobs,
@@ -90,6 +92,21 @@ EXAMPLES: Final[dict[str, Message]] = {
     ),
     "link_probe_empty": LinkProbe(node_id="node-a", nonce=8),
     "link_probe_reply": LinkProbeReply(node_id="node-b", nonce=9, received_bytes=8),
+    "speed_query": SpeedQuery(
+        node_id="node-a", nonce=3, package_ref="hf://org/smollm2@main", pin="c" * 40
+    ),
+    "speed_report": SpeedReport(
+        node_id="node-b",
+        nonce=3,
+        package_ref="hf://org/smollm2@main",
+        layer=4,
+        decode_us=812.5,
+        batch_us=140.25,
+        prefill_us=96.0,
+        layer_bytes=3_538_944,
+        disk_bytes_per_s=1.5e9,
+    ),
+    "speed_report_none": SpeedReport(node_id="node-b", nonce=4, package_ref="hf://org/smollm2@main"),
     "error": Error(code=100, message="term 2 is older than 3", run_id="run-7f3a", term=2),
     "error_fatal": Error(code=1, message="bad CBOR header", fatal=True),
     "claim": Claim(

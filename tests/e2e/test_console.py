@@ -221,3 +221,42 @@ def test_the_mesh_view_shows_the_last_failure_and_the_nodes_cooling_off(
     assert "done-node" not in cooling
     assert pill == "cooling off 4m 48s"
     _shoot(browser, tmp_path / "console-cooling-off.png")
+
+
+def test_the_mesh_view_shows_each_link_and_each_hop(
+    mesh: tuple[Node, Node], browser: Browser, tmp_path: Path
+) -> None:
+    """The links the host measured (issue 34): each peer's rate in the node table and on
+    its line in the picture, and each stage's hop (a token's, a prefill chunk's in the
+    title) beside the link it crosses; stage 0 has no hop. The host's real status carries
+    the fields; their values are written in, so that the text is known."""
+    host, worker = mesh
+    worker_id = worker.node_id()
+    browser.navigate(host.api + "/")
+    browser.wait_for("document.body?.dataset.loaded === 'true'", PAGE_TIMEOUT_S, "the first poll")
+    status: dict[str, Any] = host.status()
+    stages = status["host"]["stages"]
+    peer = next(p for p in status["peers"] if p["node_id"] == worker_id)
+    assert "link_mbytes_per_s" in peer  # null until the probe has measured it
+    assert {"link_mbytes_per_s", "hop_ms", "prefill_hop_ms"} <= set(stages[1])
+    assert "hop_ms" not in stages[0]
+    peer["link_mbytes_per_s"] = 118.25
+    stages[1].update(link_mbytes_per_s=118.25, hop_ms=0.734, prefill_hop_ms=12.5)
+    shown = browser.evaluate(
+        f"import({json.dumps(host.api + '/console/mesh.js')}).then((mesh) => {{"
+        f"  mesh.renderMesh({json.dumps(status)});"
+        "  const text = (q) => document.querySelector(q)?.textContent;"
+        f"  return [text(`#mesh-nodes tr[data-node-id='{worker_id}'] td.link-rate`),"
+        "          text(`#mesh-plan tr[data-stage='1'] td.hop`),"
+        "          document.querySelector(`#mesh-plan tr[data-stage='1'] td.hop`)?.title,"
+        "          text(`#mesh-plan tr[data-stage='0'] td.hop`),"
+        "          text('#mesh-graph .link .link-label')];"
+        "})"
+    )
+    link, hop, hop_title, first_hop, label = shown
+    assert link == "118 MB/s"
+    assert hop == "0.73 ms · 118 MB/s"
+    assert hop_title.startswith("prefill chunk: 12.5 ms"), hop_title
+    assert first_hop == "–"
+    assert label.endswith(" ms · 118 MB/s"), label
+    _shoot(browser, tmp_path / "console-links.png")

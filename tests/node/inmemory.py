@@ -170,10 +170,11 @@ def split_host(
     deadline: PassDeadline | None = None,
     *,
     calibrate: bool = False,
+    cache_dir: Path | None = None,
 ) -> tuple[Coordinator, NextPipeline]:
     """A ``--split 2`` host on ``mesh`` (``calibrate``: timing each new pipeline before it
-    serves, as ``join`` does), and a receiver of each pipeline it hands out (None: the old
-    one was dropped), bounded in time."""
+    serves, as ``join`` does; ``cache_dir``: the host's cache folder), and a receiver of
+    each pipeline it hands out (None: the old one was dropped), bounded in time."""
     ref, package = hub_ref
     send, pipelines = trio.open_memory_channel[RemotePipeline | None](16)
     settings = CoordinatorSettings(
@@ -182,6 +183,7 @@ def split_host(
         split=2,
         pass_deadline=deadline or PassDeadline(),
         calibrate=calibrate,
+        cache_dir=cache_dir,
     )
     coordinator = Coordinator(
         mesh,

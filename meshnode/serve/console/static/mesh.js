@@ -77,13 +77,15 @@ function link(a, b, peer) {
   const y1 = a.y + BOX.h / 2;
   const x2 = b.x;
   const y2 = b.y + BOX.h / 2;
-  const label = peer.rtt_ms === null ? "rtt –" : `${peer.rtt_ms.toFixed(2)} ms`;
+  const rtt = peer.rtt_ms === null ? "rtt –" : `${peer.rtt_ms.toFixed(2)} ms`;
+  const label = peer.link_mbytes_per_s ? `${rtt} · ${fmtLink(peer.link_mbytes_per_s)}` : rtt;
   const cls = `link state-${peer.state}${peer.connected ? "" : " disconnected"}`;
   const mx = (x1 + x2) / 2;
   const my = (y1 + y2) / 2;
+  const half = peer.link_mbytes_per_s ? 64 : 34;
   return s("g", { class: cls },
     s("line", { x1, y1, x2, y2 }),
-    s("rect", { x: mx - 34, y: my - 10, width: 68, height: 20, rx: 10, class: "link-label-bg" }),
+    s("rect", { x: mx - half, y: my - 10, width: 2 * half, height: 20, rx: 10, class: "link-label-bg" }),
     s("text", { x: mx, y: my + 4, "text-anchor": "middle", class: "link-label", text: label }));
 }
 
@@ -114,10 +116,12 @@ function nodeTable(model) {
     h("td", { class: "num" }, fmtBytes(node.usable_memory)),
     h("td", {}, h("span", { class: `pill state-${node.state.replace(" ", "-")}` }, node.state),
       cooling.has(node.node_id) ? coolingPill(cooling.get(node.node_id)) : null),
-    h("td", { class: "num" }, node.rtt_ms === null ? "–" : `${node.rtt_ms.toFixed(2)} ms`)));
+    h("td", { class: "num" }, node.rtt_ms === null ? "–" : `${node.rtt_ms.toFixed(2)} ms`),
+    h("td", { class: "num link-rate", title: "this node's link to the peer, measured by a probe" },
+      node.link_mbytes_per_s ? fmtLink(node.link_mbytes_per_s) : "–")));
   return h("table", { class: "grid" },
     h("thead", {}, h("tr", {}, ...["node", "role", "address", "device", "memory offered",
-      "state", "rtt"].map((t) => h("th", {}, t)))),
+      "state", "rtt", "link"].map((t) => h("th", {}, t)))),
     h("tbody", {}, rows));
 }
 
@@ -144,7 +148,7 @@ function planSection(status, model) {
     }, `${st.layers[0]}–${st.layers[1] - 1}`)));
   const legend = h("table", { class: "grid stages" },
     h("thead", {}, h("tr", {}, ...["stage", "node", "layers", "parts", "memory", "state",
-      "preparation", "decode"].map((t) => h("th", {}, t)))),
+      "preparation", "decode", "hop"].map((t) => h("th", {}, t)))),
     h("tbody", {}, stages.map((st, i) => stageRow(st, i))));
   const title = `${model.host.model_id} · ${layers} layers on ${stages.length} stage${stages.length > 1 ? "s" : ""}`;
   return [h("div", { class: "plan-title" }, title), placement(model.host), bar, legend];
@@ -184,7 +188,24 @@ function stageRow(st, i) {
     h("td", {}, h("span", { class: `pill state-${st.state}` }, st.state)),
     h("td", {}, progress(st.bytes_done, st.bytes_total)),
     h("td", { class: "num", title: "weight bytes a second, one row a pass (measured)" },
-      st.decode_bytes_per_s ? `${(st.decode_bytes_per_s / 1e6).toFixed(0)} MB/s` : "–"));
+      st.decode_bytes_per_s ? `${(st.decode_bytes_per_s / 1e6).toFixed(0)} MB/s` : "–"),
+    hop(st));
+}
+
+// The hop into a stage (issue 34): a token's and a prefill chunk's time over the host's
+// link to its node, as the planner counts them; stage 0 has none.
+function hop(st) {
+  if (st.hop_ms === undefined || st.hop_ms === null) return h("td", { class: "num hop" }, "–");
+  const link = st.link_mbytes_per_s ? fmtLink(st.link_mbytes_per_s) : "link not measured yet";
+  return h("td", { class: "num hop", title: `prefill chunk: ${st.prefill_hop_ms} ms; `
+    + "the round trip plus the activations over the host's link to the node" },
+  `${st.hop_ms.toFixed(2)} ms · ${link}`);
+}
+
+/** A link's measured rate (MB/s in the status) as `118 MB/s` or `1.2 GB/s`. */
+export function fmtLink(mbytesPerS) {
+  if (mbytesPerS >= 1000) return `${(mbytesPerS / 1000).toFixed(1)} GB/s`;
+  return `${mbytesPerS >= 10 ? mbytesPerS.toFixed(0) : mbytesPerS.toFixed(2)} MB/s`;
 }
 
 function progress(done, total) {
