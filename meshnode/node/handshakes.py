@@ -28,6 +28,7 @@ from meshnode.net.limits import MeshLimits
 
 __all__ = ["Pending", "PendingHandshakes"]
 
+
 @dataclass(eq=False)
 class Pending:
     """One connection before its ``Hello``; cancel ``scope`` to drop it."""

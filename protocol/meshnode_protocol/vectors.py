@@ -106,7 +106,9 @@ EXAMPLES: Final[dict[str, Message]] = {
         layer_bytes=3_538_944,
         disk_bytes_per_s=1.5e9,
     ),
-    "speed_report_none": SpeedReport(node_id="node-b", nonce=4, package_ref="hf://org/smollm2@main"),
+    "speed_report_none": SpeedReport(
+        node_id="node-b", nonce=4, package_ref="hf://org/smollm2@main"
+    ),
     "error": Error(code=100, message="term 2 is older than 3", run_id="run-7f3a", term=2),
     "error_fatal": Error(code=1, message="bad CBOR header", fatal=True),
     "claim": Claim(

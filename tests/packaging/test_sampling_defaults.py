@@ -37,7 +37,9 @@ def test_a_checkpoint_reads_generation_config(tiny_gguf: Path, tmp_path: Path) -
               "top_k": 40, "min_p": None, "max_new_tokens": 99}  # fmt: skip
     (folder / "generation_config.json").write_text(json.dumps(config))
     assert sampling_defaults(HFFolderSource(folder)) == {
-        "temperature": 0.6, "top_p": 0.9, "top_k": 40
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 40,
     }
 
 

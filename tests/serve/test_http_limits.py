@@ -93,7 +93,7 @@ async def test_a_trickled_body_times_out(
     server = await start_server(nursery, serve_service, limits=BodyLimits(timeout_s=0.5))
     head = (
         b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\""
+        b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"model"'
     )
     answer = await _raw_exchange(server.address, [head])
     assert _status(answer) == 408

@@ -31,9 +31,7 @@ def test_each_strategy_builds_its_proposer(strategy: str, kind: type, draft: Sta
     if isinstance(proposer, NgramProposer):
         assert proposer.params.max_n == 5
     # Fresh state per request.
-    assert (
-        build_proposer(settings, greedy, capacity=64, draft_stage=draft) is not proposer
-    )
+    assert build_proposer(settings, greedy, capacity=64, draft_stage=draft) is not proposer
 
 
 def test_off_builds_nothing_and_drafts_need_a_stage() -> None:
