@@ -26,11 +26,11 @@ left-to-right fill places every layer. That minimises the worst stage's memory u
 **Measured speeds.** When every candidate node reports a :class:`NodeSpeed` (what its
 calibration measured for this model), the split follows time instead of memory
 (:func:`~meshnode.node.plan_cost.fit_timed`): within a set of stages, an exact dynamic
-program over contiguous ranges minimises the slowest stage's time per token (the pipeline's throughput
-bound with many streams), then the sum; among stage counts, the one whose token takes the
-least time end to end (stage times plus hops) wins, fewer stages on ties. A
-measured plan is taken only when it is strictly faster than the memory-weighted plan of the
-same nodes, so a tie or a missing measurement gives today's plan.
+program over contiguous ranges minimises the slowest stage's time per token (the
+pipeline's throughput bound with many streams), then the sum; among stage counts, the one
+whose token takes the least time end to end (stage times plus hops) wins, fewer stages on
+ties. A measured plan is taken only when it is strictly faster than the memory-weighted
+plan of the same nodes, so a tie or a missing measurement gives today's plan.
 
 **Links.** A hop into a stage costs the node's round trip to the host (the heartbeat's)
 plus the activation bytes it carries over the host's measured link to the node
