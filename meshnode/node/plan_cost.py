@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from meshnode.node.plan_records import ModelFootprint, NodeCapacity, StagePlan
+from meshnode.node.plan_records import ModelFootprint, NodeCapacity, NodeLink, StagePlan
 
 
 def stage_bytes(
@@ -97,13 +97,45 @@ def stage_seconds(node: NodeCapacity, weight_bytes: int, offload_bytes: int = 0)
     return max(compute, offload_bytes / disk) if offload_bytes and disk else compute
 
 
-def hop_seconds(model: ModelFootprint, node: NodeCapacity, rows: int = 1) -> float:
-    """The time of the hop into ``node``'s stage carrying ``rows`` rows (1: a decode token;
-    a prefill chunk's tokens): the node's round trip to the host plus the rows' activation
-    bytes over the host's measured link to it (the link is not counted while unmeasured)."""
-    link = node.link_bytes_per_s
-    transfer = rows * model.activation_bytes_per_token / link if link else 0.0
-    return node.rtt_s + transfer
+def hop_link(node: NodeCapacity, after: NodeCapacity | None = None) -> tuple[float, float]:
+    """``(round trip in seconds, rate in bytes a second)`` of the hop into ``node``'s stage
+    from ``after``'s (None: from the host's, stage 0).
+
+    From the host: the host's own measurements of its link to ``node``. Between two
+    workers: the link as the two reported it (:class:`NodeLink`), the slower figure where
+    both did, so that a node can make its links look slower but never faster than its
+    neighbour measured them; a figure neither reported is the host's link to ``node``, as
+    it was before links between workers were known (a 0 rate: not counted)."""
+    rtt, rate = node.rtt_s, node.link_bytes_per_s
+    if after is None:
+        return rtt, rate
+    said = [link for link in (_reported(node, after), _reported(after, node)) if link]
+    rtts = [link.rtt_s for link in said if link.rtt_s]
+    rates = [link.bytes_per_s for link in said if link.bytes_per_s]
+    return (max(rtts) if rtts else rtt, min(rates) if rates else rate)
+
+
+def _reported(node: NodeCapacity, peer: NodeCapacity) -> NodeLink | None:
+    return next((link for link in node.links if link.node_id == peer.node_id), None)
+
+
+def transfer_seconds(
+    model: ModelFootprint, node: NodeCapacity, rows: int = 1, after: NodeCapacity | None = None
+) -> float:
+    """The time ``rows`` rows of activations take over the link of the hop into ``node``'s
+    stage from ``after``'s (:func:`hop_link`); 0 while its rate is not measured."""
+    rate = hop_link(node, after)[1]
+    return rows * model.activation_bytes_per_token / rate if rate else 0.0
+
+
+def hop_seconds(
+    model: ModelFootprint, node: NodeCapacity, rows: int = 1, *, after: NodeCapacity | None = None
+) -> float:
+    """The time of the hop into ``node``'s stage from ``after``'s (None: the host's)
+    carrying ``rows`` rows (1: a decode token; a prefill chunk's tokens): the link's round
+    trip plus the rows' activation bytes over its rate (:func:`hop_link`; the rate is not
+    counted while unmeasured)."""
+    return hop_link(node, after)[0] + transfer_seconds(model, node, rows, after)
 
 
 def cost(
@@ -111,8 +143,9 @@ def cost(
 ) -> tuple[float, float]:
     """``(one token's time end to end, the slowest stage's or link's time)``, in seconds.
 
-    End to end: every stage's compute plus each hop (:func:`hop_seconds`: the node's round
-    trip to the host, plus a token's activations over the link, where measured). With many
+    End to end: every stage's compute plus each hop (:func:`hop_seconds`: the link's round
+    trip, plus a token's activations over it, where measured; between two workers the
+    link they reported, :func:`hop_link`). With many
     streams, a link is a stage of the pipeline too: its transfer time a token counts
     beside the stages' compute (the round trip overlaps other streams' work).
     """
@@ -121,8 +154,14 @@ def cost(
         stage_seconds(by_id[s.node_id], weight_bytes(model, s.start, s.end), s.offload_bytes)
         for s in stages
     ]
-    hops = [hop_seconds(model, by_id[s.node_id]) for s in stages[1:]]
-    transfers = [hop - by_id[s.node_id].rtt_s for hop, s in zip(hops, stages[1:], strict=True)]
+    # the hop into stage i comes from stage i - 1: the host's own link into stage 1
+    pairs = [
+        (by_id[s.node_id], by_id[stages[i - 1].node_id] if i > 1 else None)
+        for i, s in enumerate(stages)
+        if i
+    ]
+    hops = [hop_seconds(model, node, after=after) for node, after in pairs]
+    transfers = [transfer_seconds(model, node, 1, after) for node, after in pairs]
     return (sum(times) + sum(hops), max([*times, *transfers]))
 
 

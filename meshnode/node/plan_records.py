@@ -58,12 +58,30 @@ class NodeCapacity:
     speed: NodeSpeed | None = None
     # the measured rate of the host's link to the node (meshnode.node.links); 0: unknown
     link_bytes_per_s: float = 0.0
+    # the node's own measured links to its peers, as it reported them (claims, bounded by
+    # meshnode.node.claims): the hop between its stage and a neighbour's (plan_cost.hop_link)
+    links: tuple[NodeLink, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.link_bytes_per_s < float("inf"):
             raise ValueError(
                 f"link_bytes_per_s must be >= 0 and finite, not {self.link_bytes_per_s}"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLink:
+    """A node's measured link to its peer ``node_id``: the round trip (0: not known) and
+    the rate in bytes a second (0: not measured)."""
+
+    node_id: str
+    rtt_s: float = 0.0
+    bytes_per_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("rtt_s", "bytes_per_s"):
+            if not 0.0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be >= 0 and finite, not {getattr(self, name)}")
 
 
 @dataclass(frozen=True, slots=True)

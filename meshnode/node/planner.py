@@ -32,12 +32,16 @@ whose token takes the least time end to end (stage times plus hops) wins, fewer 
 ties. A measured plan is taken only when it is strictly faster than the memory-weighted
 plan of the same nodes, so a tie or a missing measurement gives today's plan.
 
-**Links.** A hop into a stage costs the node's round trip to the host (the heartbeat's)
-plus the activation bytes it carries over the host's measured link to the node
-(:mod:`meshnode.node.links`): ``ModelFootprint.activation_bytes_per_token`` a decode token,
-that times the rows of a prefill chunk. A link not measured yet counts its round trip
-alone. With many streams a link is a stage of the pipeline too: a token's transfer time
-counts beside the stages' compute in the slowest-stage view.
+**Links.** A hop into a stage costs the link's round trip (the heartbeat's) plus the
+activation bytes it carries over the link's measured rate (:mod:`meshnode.node.links`):
+``ModelFootprint.activation_bytes_per_token`` a decode token, that times the rows of a
+prefill chunk. The hop into stage 1 is the host's own link to it; a hop between two
+workers is the link they reported between them (``NodeCapacity.links``, the slower of
+their two figures), else the host's link to the later one. A link not measured yet counts
+its round trip alone. The order of the nodes is a chain by hop from the node before, so a
+slow link between two workers keeps them from being neighbours when another node can be.
+With many streams a link is a stage of the pipeline too: a token's transfer time counts
+beside the stages' compute in the slowest-stage view.
 
 **Larger than memory.** When no set of stages fits, and disk offload is allowed (it is
 unless ``--no-disk-offload``), the planner places the model on every candidate node anyway,
@@ -53,12 +57,15 @@ next layer (``meshnode.engine.readahead``).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Sequence
 
 from meshnode.errors import PlanError
 from meshnode.node.plan_cost import (
     cost,
     fit_timed,
+    hop_link,
     hop_seconds,
     plan_seconds,
     resident_bytes,
@@ -66,7 +73,14 @@ from meshnode.node.plan_cost import (
     stage_plans,
     stage_weight_bytes,
 )
-from meshnode.node.plan_records import ModelFootprint, NodeCapacity, NodeSpeed, Plan, StagePlan
+from meshnode.node.plan_records import (
+    ModelFootprint,
+    NodeCapacity,
+    NodeLink,
+    NodeSpeed,
+    Plan,
+    StagePlan,
+)
 
 # The records and the cost model live beside the planner (plan_records, plan_cost); their
 # public names are re-exported here, where every caller imports them from.
@@ -74,9 +88,11 @@ from meshnode.node.plan_records import ModelFootprint, NodeCapacity, NodeSpeed, 
 __all__ = [
     "ModelFootprint",
     "NodeCapacity",
+    "NodeLink",
     "NodeSpeed",
     "Plan",
     "StagePlan",
+    "hop_link",
     "hop_seconds",
     "plan",
     "plan_seconds",
@@ -144,19 +160,30 @@ def _candidate_order(
 ) -> list[NodeCapacity]:
     """The host, then the other nodes by most memory, then the quickest hop (round trip
     and a token over the link), then node id; ``fastest_first``: by decode rate before
-    memory; ``nearest_first``: by hop before anything else."""
+    memory; ``nearest_first``: by hop before anything else.
+
+    A chain: each next node is the best of those left by its hop from the node before it
+    (:func:`~meshnode.node.plan_cost.hop_link`: the host's link from the host, the link
+    two workers reported between them), so that a slow link between two workers keeps
+    them apart. Without such reports every hop is the host's, and the chain is the nodes
+    sorted by the same key."""
     hosts = [node for node in nodes if node.node_id == host_id]
     if not hosts:
         raise PlanError(f"the host {host_id} is not among the live nodes")
 
     def key(node: NodeCapacity) -> tuple[float, float, float, float, str]:
         rate = node.speed.decode_bytes_per_s if node.speed and fastest_first else 0.0
-        hop = hop_seconds(model, node)
+        hop = hop_seconds(model, node, after=after)
         near = hop if nearest_first else 0.0
         return (near, -rate, -node.usable_memory_bytes, hop, node.node_id)
 
-    others = sorted((node for node in nodes if node.node_id != host_id), key=key)
-    return [hosts[0], *others]
+    order, after = [hosts[0]], None  # after: the node the next one's hop comes from
+    others = [node for node in nodes if node.node_id != host_id]
+    while others:
+        after = min(others, key=key)
+        others.remove(after)
+        order.append(after)
+    return order
 
 
 def _offload_alpha(model: ModelFootprint, nodes: Sequence[NodeCapacity]) -> float:
@@ -253,17 +280,21 @@ def _orders(
 ) -> list[list[NodeCapacity]]:
     """The orders of nodes a measured plan tries (:func:`_timed_plan`), each once: the most
     memory first, the fastest first and the quickest hop first, each with the links
-    counted and without them, so that a measured link only ever adds choices to a plan
-    made without it."""
+    counted and without them, and with the links between workers and without them, so
+    that a measured link only ever adds choices to a plan made without it."""
     blind = ModelFootprint((), 0, 0, 0)  # no activation bytes: a hop is its round trip
+    unlinked = [dataclasses.replace(node, links=()) for node in nodes]
+    by_id = {node.node_id: node for node in nodes}
     orders: list[list[NodeCapacity]] = []
-    for footprint in (model, blind):
+    seen: set[tuple[str, ...]] = set()
+    for among, footprint in itertools.product((nodes, unlinked), (model, blind)):
         for fastest, nearest in ((False, False), (True, False), (False, True)):
             order = _candidate_order(
-                footprint, nodes, host_id, fastest_first=fastest, nearest_first=nearest
+                footprint, among, host_id, fastest_first=fastest, nearest_first=nearest
             )
-            if order not in orders:
-                orders.append(order)
+            if (ids := tuple(node.node_id for node in order)) not in seen:
+                seen.add(ids)
+                orders.append([by_id[node_id] for node_id in ids])
     return orders
 
 
