@@ -418,11 +418,15 @@ class Coordinator:
     def candidates(self, live: list[NodeCapacity]) -> list[NodeCapacity]:
         """The live nodes a plan may use (none kept out), each with its measured decode
         rate where serving has measured one (``speeds``; the planner needs every node's),
-        else the one it claimed (``claims``), unless the placement is by memory alone."""
+        else the one it claimed (``claims``), unless the placement is by memory alone; and
+        with the links to its peers it reported (:meth:`~meshnode.node.claims.ClaimBook.
+        linked`)."""
         kept_out = self.decided.kept_out(trio.current_time())
         by_speed = self.settings.place_by_speed
         return [
-            dataclasses.replace(n, speed=_speed(self, n.node_id) if by_speed else None)
+            dataclasses.replace(
+                self.claims.linked(n), speed=_speed(self, n.node_id) if by_speed else None
+            )
             for n in live
             if n.node_id not in kept_out
         ]

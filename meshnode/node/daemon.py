@@ -32,6 +32,7 @@ from meshnode_protocol import (
     Hello,
     Message,
     PeerInfo,
+    PeerLink,
 )
 
 from meshnode.engine.backend import cuda_free_memory, select_backend
@@ -42,6 +43,7 @@ from meshnode.net.identity import JoinToken, NodeId, NodeIdentity
 from meshnode.node.config import Address, NodeConfig
 from meshnode.node.dialer import DIAL_TIMEOUT_S, Dialer
 from meshnode.node.host import MeshHost
+from meshnode.node.links import reported_links
 from meshnode.node.membership import (
     ConnectionLost,
     Event,
@@ -158,6 +160,7 @@ class Node:
                 nursery=nursery,
                 peer_models=PeerModels.of_config(self.config),
                 memory_bytes=self.usable_memory,
+                links=self._peer_links,
             )
             nursery.start_soon(trio.serve_listeners, self.sessions.handle_inbound, listeners)
             log.info("node %s of mesh %r on %s", self.node_id, self.token.name, self.listen)
@@ -309,6 +312,16 @@ class Node:
                     )
                 )
         return nodes
+
+    def _peer_links(self) -> tuple[PeerLink, ...]:
+        """This node's measured links to its alive peers, as its reports tell them
+        (:func:`meshnode.node.links.reported_links`)."""
+        peers = [
+            (node_id, peer.rtt_s)
+            for node_id, peer in sorted(self.table.peers.items())
+            if peer.state is PeerState.ALIVE and node_id in self.sessions
+        ]
+        return reported_links(peers, self.sessions.links)
 
     def suspects(self) -> dict[str, float]:
         """Every suspect peer we hold a session with, and since when it is suspect."""

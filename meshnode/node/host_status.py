@@ -16,7 +16,7 @@ from meshnode.node.claims import ClaimBook
 from meshnode.node.decisions import CoordinatorState
 from meshnode.node.links import STATUS_PREFILL_ROWS, link_status
 from meshnode.node.mesh import CoordinatorSettings, MeshView
-from meshnode.node.planner import ModelFootprint, Plan, StagePlan
+from meshnode.node.planner import ModelFootprint, NodeCapacity, Plan, StagePlan
 from meshnode.node.speeds import SpeedBook
 
 
@@ -48,7 +48,12 @@ def host_status(
     backs off."""
     now = trio.current_time()
     decided = coordinator.decided
-    stages = [stage_status(s, run, coordinator) for s in placed.stages] if placed else []
+    nodes = {n.node_id: coordinator.claims.linked(n) for n in coordinator.mesh.live_nodes()}
+    planned = placed.stages if placed else ()
+    stages = [
+        stage_status(stage, run, coordinator, nodes, planned[i - 1] if i else None)
+        for i, stage in enumerate(planned)
+    ]
     return {
         "model": coordinator.settings.model_ref,
         "run_id": coordinator.run_id,
@@ -73,11 +78,18 @@ def retry_in(retry_at: float | None, now: float) -> float | None:
     return None if retry_at is None else round(max(0.0, retry_at - now), 1)
 
 
-def stage_status(stage: StagePlan, run: BringUp | None, coordinator: Shown) -> dict[str, Any]:
+def stage_status(
+    stage: StagePlan,
+    run: BringUp | None,
+    coordinator: Shown,
+    nodes: dict[str, NodeCapacity],
+    before: StagePlan | None,
+) -> dict[str, Any]:
     """One stage of the plan as the status shows it: its layers, its state and progress in
-    ``run``, its memory and speeds."""
+    ``run``, its memory and speeds, and the hop into it from the stage ``before`` (among
+    the live ``nodes``, with the links they reported)."""
     footprint, speed = coordinator.footprint, coordinator.speeds.speed(stage.node_id)
-    node = next((n for n in coordinator.mesh.live_nodes() if n.node_id == stage.node_id), None)
+    node = nodes.get(stage.node_id)
     done, total = run.progress.get(stage.node_id, (0, 0)) if run else (0, 0)
     return {
         "node_id": stage.node_id,
@@ -98,7 +110,18 @@ def stage_status(stage: StagePlan, run: BringUp | None, coordinator: Shown) -> d
         "self_measured": coordinator.claims.shown(stage.node_id),
         # weight bytes past the node's memory, read from disk as it computes (planner)
         "offload_bytes": stage.offload_bytes,
-        # the hop into the stage: the host's measured link to it, a token's and a prefill
+        # the hop into the stage from the one before: the link's rate (the host's own into
+        # stage 1; between two workers the one they reported), a token's and a prefill
         # chunk's hop time (node/links.py)
-        **(link_status(footprint, node, STATUS_PREFILL_ROWS) if node and stage.start else {}),
+        **(_hop(footprint, node, before, nodes) if node and before else {}),
     }
+
+
+def _hop(
+    footprint: ModelFootprint,
+    node: NodeCapacity,
+    before: StagePlan,
+    nodes: dict[str, NodeCapacity],
+) -> dict[str, Any]:
+    after = None if before.start == 0 else nodes.get(before.node_id)
+    return {"hop_from": before.node_id, **link_status(footprint, node, STATUS_PREFILL_ROWS, after)}

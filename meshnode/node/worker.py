@@ -69,6 +69,7 @@ from meshnode_protocol import (
     Load,
     Message,
     PeerInfo,
+    PeerLink,
     Prepare,
     PrepareAccepted,
     Ready,
@@ -119,6 +120,7 @@ class Worker:
         nursery: trio.Nursery,
         peer_models: PeerModels | None = None,
         memory_bytes: int | None = None,
+        links: Callable[[], tuple[PeerLink, ...]] = tuple,
     ) -> None:
         self.node_id = node_id
         self._send = send
@@ -131,6 +133,8 @@ class Worker:
         # only as this node's config says): see meshnode.node.peer_models.
         self._peer_models = peer_models or PeerModels()
         self._memory_bytes = memory_bytes  # what this node offers: bounds a Load's KV
+        # This node's measured links to its peers, told in its reports (node/links.py).
+        self._links = links
         self.run: WorkerRun | None = None
 
     # -- status -----------------------------------------------------------------------
@@ -154,7 +158,7 @@ class Worker:
             if isinstance(message, Prepare):
                 await self._prepare(peer, run, message)
             elif isinstance(message, Inventory):
-                await self._send(peer, inventory_report(self.node_id, run))
+                await self._send(peer, inventory_report(self.node_id, run, self._links()))
             elif isinstance(message, Load):
                 # Building the stage takes seconds: off the session loop, like compute.
                 self._nursery.start_soon(self._load_in_background, peer, run, message)
@@ -165,7 +169,9 @@ class Worker:
         elif isinstance(message, SpeedQuery):  # answered without a claim (node/selfmeasure.py)
             refused = bool(self._peer_models.refusal(message.package_ref))
             cache_dir = None if refused else self._cache_dir  # None: an empty report
-            answer = partial(speed_report, message, self.node_id, self._backend, cache_dir)
+            answer = partial(
+                speed_report, message, self.node_id, self._backend, cache_dir, self._links()
+            )
             await self._send(peer, await trio.to_thread.run_sync(answer))
         elif isinstance(message, Error) and self._is_downstream_error(peer, message):
             await self._to_coordinator(message)

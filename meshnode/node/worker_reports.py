@@ -10,7 +10,7 @@ from typing import Any
 import psutil
 import trio
 from meshnode_packaging.manifest import Part
-from meshnode_protocol import InventoryReport
+from meshnode_protocol import InventoryReport, PeerLink
 
 from meshnode.node.selfmeasure import report_fields
 from meshnode.node.worker_run import WorkerRun
@@ -42,11 +42,16 @@ def run_status(run: WorkerRun) -> dict[str, Any]:
     return body
 
 
-def inventory_report(node_id: str, run: WorkerRun) -> InventoryReport:
-    """What this node holds of ``run``'s part: ready, preparing or missing, and progress."""
+def inventory_report(
+    node_id: str, run: WorkerRun, links: tuple[PeerLink, ...] = ()
+) -> InventoryReport:
+    """What this node holds of ``run``'s part: ready, preparing or missing, and progress,
+    and its measured ``links`` to its peers."""
     prep = run.preparation
     if prep is None:
-        return InventoryReport(run_id=run.run_id, term=run.term, node_id=node_id, package_ref="")
+        return InventoryReport(
+            run_id=run.run_id, term=run.term, node_id=node_id, package_ref="", links=links
+        )
     ready = prep.source is not None
     span = (_range(prep.part),)
     return InventoryReport(
@@ -64,6 +69,7 @@ def inventory_report(node_id: str, run: WorkerRun) -> InventoryReport:
         error=prep.error,
         busy_ms=busy_ms(run),
         free_memory=int(psutil.virtual_memory().available),
+        links=links,
         **report_fields(prep.measured if ready else None),
     )
 
