@@ -32,7 +32,6 @@ from meshnode_protocol import (
     Hello,
     Message,
     PeerInfo,
-    PeerLink,
 )
 
 from meshnode.engine.backend import cuda_free_memory, select_backend
@@ -160,7 +159,7 @@ class Node:
                 nursery=nursery,
                 peer_models=PeerModels.of_config(self.config),
                 memory_bytes=self.usable_memory,
-                links=self._peer_links,
+                links=lambda: reported_links(_alive_rtts(self), self.sessions.links),
             )
             nursery.start_soon(trio.serve_listeners, self.sessions.handle_inbound, listeners)
             log.info("node %s of mesh %r on %s", self.node_id, self.token.name, self.listen)
@@ -313,16 +312,6 @@ class Node:
                 )
         return nodes
 
-    def _peer_links(self) -> tuple[PeerLink, ...]:
-        """This node's measured links to its alive peers, as its reports tell them
-        (:func:`meshnode.node.links.reported_links`)."""
-        peers = [
-            (node_id, peer.rtt_s)
-            for node_id, peer in sorted(self.table.peers.items())
-            if peer.state is PeerState.ALIVE and node_id in self.sessions
-        ]
-        return reported_links(peers, self.sessions.links)
-
     def suspects(self) -> dict[str, float]:
         """Every suspect peer we hold a session with, and since when it is suspect."""
         return {
@@ -396,6 +385,16 @@ class Node:
             "protocol_errors": self.sessions.protocol_errors,
             "internal_errors": self.sessions.internal_errors,
         }
+
+
+def _alive_rtts(node: Node) -> list[tuple[str, float | None]]:
+    """Every alive peer ``node`` holds a session with, and its heartbeat round trip (None:
+    not known yet): the links its reports tell (:func:`meshnode.node.links.reported_links`)."""
+    return [
+        (node_id, peer.rtt_s)
+        for node_id, peer in sorted(node.table.peers.items())
+        if peer.state is PeerState.ALIVE and node_id in node.sessions
+    ]
 
 
 def _peer_info(peer: Peer) -> PeerInfo:

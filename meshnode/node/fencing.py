@@ -1,5 +1,6 @@
 """Fencing and senders on a worker (:mod:`meshnode.node.worker`'s module docstring): who
-may send what to the run a node holds, and what a refused message is answered.
+may send what to the run a node holds, what a refused message is answered, and which
+``Prepare`` a node refuses to touch.
 
 Pure decisions over the :class:`~meshnode.node.worker_run.WorkerRun` a claim holds; the
 worker sends what they return.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshnode_packaging.hub import COMMIT
 from meshnode_protocol import (
     ActivationBatch,
     ActivationFrame,
@@ -17,8 +19,10 @@ from meshnode_protocol import (
     Error,
     ErrorCode,
     Message,
+    Prepare,
 )
 
+from meshnode.node.peer_models import PeerModels
 from meshnode.node.worker_run import WorkerRun
 
 
@@ -74,3 +78,24 @@ def claim_rejection(node_id: str, run: WorkerRun, peer: str, claim: Claim) -> Cl
         held_by_run=run.run_id if own else "",
         held_by_term=run.term if own else 0,
     )
+
+
+def is_downstream_error(run: WorkerRun | None, peer: str, error: Error) -> bool:
+    """Whether ``error`` is ``run``'s downstream stage's answer to a frame of the run."""
+    return (
+        run is not None
+        and bool(error.request_id)
+        and error.run_id == run.run_id
+        and run.downstream is not None
+        and peer == run.downstream
+    )
+
+
+def prepare_refusal(peer_models: PeerModels, prepare: Prepare) -> str:
+    """Why this node will not prepare ``prepare`` (empty: it will): a reference its
+    ``peer_models`` setting refuses, or a malformed commit pin."""
+    if refusal := peer_models.refusal(prepare.package_ref):
+        return refusal
+    if prepare.commit and not COMMIT.fullmatch(prepare.commit):
+        return "commit must be 40 lowercase hex digits"
+    return ""

@@ -54,7 +54,6 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from meshnode_packaging.hub import COMMIT
 from meshnode_packaging.manifest import Part
 from meshnode_packaging.refs import open_ref
 from meshnode_packaging.sources import ModelSource
@@ -80,7 +79,12 @@ from meshnode_protocol import (
 
 from meshnode.engine.backend import Backend
 from meshnode.net.stream import SEND_ERRORS
-from meshnode.node.fencing import claim_rejection, refusals
+from meshnode.node.fencing import (
+    claim_rejection,
+    is_downstream_error,
+    prepare_refusal,
+    refusals,
+)
 from meshnode.node.fencing import may_send as may_send  # callers import it here
 from meshnode.node.peer_models import PeerModels
 from meshnode.node.relay import Relay
@@ -173,22 +177,11 @@ class Worker:
                 speed_report, message, self.node_id, self._backend, cache_dir, self._links()
             )
             await self._send(peer, await trio.to_thread.run_sync(answer))
-        elif isinstance(message, Error) and self._is_downstream_error(peer, message):
+        elif isinstance(message, Error) and is_downstream_error(self.run, peer, message):
             await self._to_coordinator(message)
         else:
             return False
         return True
-
-    def _is_downstream_error(self, peer: str, error: Error) -> bool:
-        """Whether ``error`` is our downstream stage's answer to a frame of our run."""
-        run = self.run
-        return (
-            run is not None
-            and bool(error.request_id)
-            and error.run_id == run.run_id
-            and run.downstream is not None
-            and peer == run.downstream
-        )
 
     async def _to_coordinator(self, error: Error) -> None:
         run = self.run
@@ -234,7 +227,7 @@ class Worker:
         return None
 
     async def _prepare(self, peer: str, run: WorkerRun, prepare: Prepare) -> None:
-        refusal = self._refusal(prepare)
+        refusal = prepare_refusal(self._peer_models, prepare)
         if refusal:
             await self._send(peer, run.error(ErrorCode.PREPARE_FAILED, refusal))
             return
@@ -253,14 +246,6 @@ class Worker:
         await self._send(
             peer, PrepareAccepted(run_id=run.run_id, term=run.term, node_id=self.node_id)
         )
-
-    def _refusal(self, prepare: Prepare) -> str:
-        """Why this node will not prepare ``prepare`` (empty: it will)."""
-        if refusal := self._peer_models.refusal(prepare.package_ref):
-            return refusal
-        if prepare.commit and not COMMIT.fullmatch(prepare.commit):
-            return "commit must be 40 lowercase hex digits"
-        return ""
 
     async def _materialize(self, run: WorkerRun, prep: Preparation) -> None:
         try:
