@@ -281,14 +281,26 @@ def _layers(layers: list[int]) -> str:
 def _stage_rows(host: dict[str, Any] | None) -> list[tuple[str, ...]]:
     """The plan: one row per stage, in pipeline order."""
     stages = (host or {}).get("stages") or []
-    rows: list[tuple[str, ...]] = [("STAGE", "NODE ID", "LAYERS", "STATE", "PREPARED", "DECODE")]
+    header = ("STAGE", "NODE ID", "LAYERS", "STATE", "PREPARED", "DECODE", "HOP IN")
+    rows: list[tuple[str, ...]] = [header]
     for index, stage in enumerate(stages):
         extras = [name for name in ("embed", "head") if stage.get(name)]
         layers = _layers(stage["layers"]) + (f" +{'+'.join(extras)}" if extras else "")
         prepared = _progress(stage.get("bytes_done", 0), stage.get("bytes_total", 0))
         rate = _rate(stage.get("decode_bytes_per_s"))
-        rows.append((str(index), stage["node_id"], layers, stage["state"], prepared, rate))
+        row = (str(index), stage["node_id"], layers, stage["state"], prepared, rate, _hop(stage))
+        rows.append(row)
     return rows if len(rows) > 1 else []
+
+
+def _hop(stage: dict[str, Any]) -> str:
+    """The hop into a stage from the one before: its time a token, the link's measured
+    rate (the host's own into stage 1, between two workers the one they reported)."""
+    if stage.get("hop_ms") is None:
+        return "-"
+    link = stage.get("link_mbytes_per_s")
+    rate = "link not measured" if link is None else f"{link:.{1 if link >= 1 else 3}f} MB/s"
+    return f"{stage['hop_ms']:.2f} ms from {stage.get('hop_from', '?')} ({rate})"
 
 
 def _run_line(run: dict[str, Any] | None) -> list[str]:

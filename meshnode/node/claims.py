@@ -10,27 +10,52 @@ planned by memory. A claim only places layers until serving measures the node it
 the coordinator prefers the rates it observes (:class:`~meshnode.node.speeds.SpeedBook`),
 so a node that lies gets the layers its lie earns for one bring-up, and is then re-placed
 by what it really does (the calibration request and the serving watch).
+
+A report also carries the node's measured links to its peers (round trip and rate), which
+the planner uses for the hop between two workers' stages. :func:`claimed_links` bounds
+them: a figure that is not a finite number of at least 0 is dropped, a rate is capped at
+the fastest link believed and a round trip at :data:`MAX_RTT_S`, and at most
+:data:`MAX_LINKS` of a report are kept. A lying node can only move where its own stage
+goes: the planner takes the slower of the two ends' figures, so it can make its links
+look slower, never faster than its neighbour measured them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import psutil
-from meshnode_protocol import InventoryReport, SpeedReport
+from meshnode_protocol import InventoryReport, PeerLink, SpeedReport
 
-from meshnode.node.planner import ModelFootprint, NodeSpeed
+from meshnode.node.links import MAX_LINK_BYTES_PER_S, MAX_REPORTED_LINKS
+from meshnode.node.planner import ModelFootprint, NodeCapacity, NodeLink, NodeSpeed
 from meshnode.node.selfmeasure import SelfMeasure, report_fields
 from meshnode.node.speeds import MAX_BYTES_PER_S
 
-__all__ = ["MAX_DISK_BYTES_PER_S", "MAX_LAYER_S", "ClaimBook", "best_speed", "claimed_speed"]
+__all__ = [
+    "MAX_DISK_BYTES_PER_S",
+    "MAX_LAYER_S",
+    "MAX_LINKS",
+    "MAX_RTT_S",
+    "ClaimBook",
+    "best_speed",
+    "claimed_links",
+    "claimed_speed",
+]
 
 #: Longest time per layer and token a node may claim: a minute a layer is no machine that
 #: could serve a model (a token through 32 such layers would take half an hour).
 MAX_LAYER_S = 60.0
 #: Fastest disk a node may claim: a RAID of PCIe 5 NVMe drives reads ~50 GB/s.
 MAX_DISK_BYTES_PER_S = 1e11
+#: Longest round trip a node may claim to a peer: a minute is past any heartbeat's timeout
+#: (a peer that far away is dead to the membership, not slow).
+MAX_RTT_S = 60.0
+#: Links kept of one report: what an honest node sends at most (links.MAX_REPORTED_LINKS);
+#: bounds what a node that lists made-up peers makes the host keep and the planner read.
+MAX_LINKS = MAX_REPORTED_LINKS
 
 
 def claimed_speed(report: InventoryReport, model: ModelFootprint) -> NodeSpeed | None:
@@ -57,6 +82,29 @@ def claimed_speed(report: InventoryReport, model: ModelFootprint) -> NodeSpeed |
     if rate > MAX_BYTES_PER_S:
         raise ValueError(f"a decode rate of {rate:.3g} B/s is beyond any machine")
     return NodeSpeed(rate, disk)
+
+
+def claimed_links(node: str, links: tuple[PeerLink, ...]) -> tuple[NodeLink, ...]:
+    """What ``node`` reported of its links to its peers, bounded (module docstring): a
+    figure that is not finite and at least 0 is taken as not measured (0), a rate is
+    capped at ``MAX_LINK_BYTES_PER_S`` and a round trip at :data:`MAX_RTT_S`; a link to
+    itself, a repeated peer and all past :data:`MAX_LINKS` are left out, as is a link
+    with neither figure."""
+    kept: dict[str, NodeLink] = {}
+    for link in links:
+        if len(kept) == MAX_LINKS:
+            break
+        if link.node_id in kept or link.node_id == node or not link.node_id:
+            continue
+        rtt = _bounded(link.rtt_us / 1e6, MAX_RTT_S)
+        rate = _bounded(link.bytes_per_s, MAX_LINK_BYTES_PER_S)
+        if rtt or rate:
+            kept[link.node_id] = NodeLink(link.node_id, rtt, rate)
+    return tuple(kept.values())
+
+
+def _bounded(value: float, most: float) -> float:
+    return min(value, most) if math.isfinite(value) and value >= 0.0 else 0.0
 
 
 def best_speed(observed: NodeSpeed | None, claimed: NodeSpeed | None) -> NodeSpeed | None:
@@ -93,9 +141,12 @@ class ClaimBook:
         self._model = model
         self._speeds: dict[str, NodeSpeed] = {}
         self._shown: dict[str, dict[str, Any]] = {}
+        self._links: dict[str, tuple[NodeLink, ...]] = {}
 
     def record(self, node: str, report: InventoryReport) -> None:
-        """A prepared node's report: keep its claim, or the reason it has none."""
+        """A prepared node's report: keep its claim, or the reason it has none, and the
+        links to its peers it reports."""
+        self.record_links(node, report.links)
         try:
             speed = claimed_speed(report, self._model)
         except ValueError as exc:
@@ -112,7 +163,8 @@ class ClaimBook:
     def record_cached(self, node: str, report: SpeedReport) -> None:
         """A node's answer to a ``SpeedQuery`` (:mod:`meshnode.node.warm`): the measurement
         it keeps cached, bounded as a prepared node's report is. An empty answer (nothing
-        cached) changes nothing: the node is measured when it prepares."""
+        cached) changes nothing but the links: the node is measured when it prepares."""
+        self.record_links(node, report.links)
         if not report.decode_us:
             return
         if report.layer >= self._model.n_layers:
@@ -124,7 +176,7 @@ class ClaimBook:
         fields = {name: getattr(report, name) for name in CACHED_FIELDS}
         self.record(node, InventoryReport(
             run_id="", term=0, node_id=node, package_ref=report.package_ref,
-            ready=((layer, layer + 1),), **fields,
+            ready=((layer, layer + 1),), links=report.links, **fields,
         ))  # fmt: skip
 
     def record_own(self, node: str, measured: SelfMeasure | str, layer: int) -> None:
@@ -134,6 +186,14 @@ class ClaimBook:
             self._shown[node] = {"error": measured[:200]}
         else:
             self.record(node, _report(node, measured, layer))
+
+    def record_links(self, node: str, links: tuple[PeerLink, ...]) -> None:
+        """``node``'s links to its peers as it reported them, bounded (:func:`claimed_links`)."""
+        self._links[node] = claimed_links(node, links)
+
+    def linked(self, node: NodeCapacity) -> NodeCapacity:
+        """``node`` with the links to its peers it reported last (none if it never did)."""
+        return dataclasses.replace(node, links=self._links.get(node.node_id, ()))
 
     def speed(self, node: str) -> NodeSpeed | None:
         """The node's claimed speed, if it made a claim within bounds."""

@@ -44,10 +44,13 @@ mesh is not serving, are pure decisions (:func:`meshnode.node.decisions.next_act
 Every message carries the run id and term, so a late reply of an abandoned run is
 recognised and dropped.
 
+Steps 4 to 6 while serving, and the blame below, are :mod:`meshnode.node.replacing`.
+
 **Blame.** A pipeline that failed on its own (not through the membership) names the lost
 node when it knows it (its send to stage 1 failed). When it does not (a pass missed its
 deadline; a stage said it no longer holds the run), the coordinator probes every remote
-stage of the run (:meth:`~meshnode.node.bringup.BringUp.probe`) and :func:`blame` picks:
+stage of the run (:meth:`~meshnode.node.bringup.BringUp.probe`) and
+:func:`~meshnode.node.replacing.blame` picks:
 
 1. the first stage, in pipeline order, that did not answer within ``PROBE_TIMEOUT_S`` or
    no longer holds the run;
@@ -106,13 +109,8 @@ from meshnode_protocol import (
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.errors import PlanError, RunError
-from meshnode.node.bringup import BringUp, StageState
-from meshnode.node.calibration import (
-    calibrated_faster,
-    describe_plan,
-    faster_by_measure,
-    wanted_plan,
-)
+from meshnode.node.bringup import BringUp
+from meshnode.node.calibration import calibrated_faster, describe_plan
 from meshnode.node.claims import ClaimBook, best_speed
 from meshnode.node.decisions import (
     BackedOff,
@@ -123,7 +121,6 @@ from meshnode.node.decisions import (
     MembershipChanged,
     NoFit,
     Planned,
-    Probed,
     Replaced,
     Replan,
     Serving,
@@ -131,21 +128,21 @@ from meshnode.node.decisions import (
     next_action,
 )
 from meshnode.node.footprint import model_footprint, served_context
-from meshnode.node.links import STATUS_PREFILL_ROWS, link_status, with_hop_bytes
+from meshnode.node.host_status import host_status
+from meshnode.node.links import with_hop_bytes
 from meshnode.node.mesh import CoordinatorSettings, MeshView
 from meshnode.node.planner import (
     NodeCapacity,
     NodeSpeed,
     Plan,
-    StagePlan,
     plan,
-    should_regrow,
     stage_weight_bytes,
 )
 from meshnode.node.remote import RemotePipeline, idle_by, is_data_reply
+from meshnode.node.replacing import blame, watch
 from meshnode.node.speeds import SpeedBook
 from meshnode.node.warm import SpeedQueries
-from meshnode.node.watch import earliest, membership_changed, settled, watch_stages
+from meshnode.node.watch import earliest, membership_changed, settled
 
 log = logging.getLogger("meshnode.coordinator")
 
@@ -173,44 +170,6 @@ def stage_gone(node: str, *, left: bool) -> str:
     if left:
         return f"stage node {node} left the mesh; replanning"
     return f"stage node {node} was lost; the mesh is replanning"
-
-
-def retry_in(retry_at: float | None, now: float) -> float | None:
-    """Seconds until the next bring-up while backing off (``None``: not backing off)."""
-    return None if retry_at is None else round(max(0.0, retry_at - now), 1)
-
-
-def _stage_status(
-    stage: StagePlan, run: BringUp | None, coordinator: Coordinator
-) -> dict[str, Any]:
-    """One stage of the plan as the status shows it: its layers, its state and progress in
-    ``run``, its memory and speeds."""
-    footprint, speed = coordinator.footprint, coordinator.speeds.speed(stage.node_id)
-    node = next((n for n in coordinator.mesh.live_nodes() if n.node_id == stage.node_id), None)
-    done, total = run.progress.get(stage.node_id, (0, 0)) if run else (0, 0)
-    return {
-        "node_id": stage.node_id,
-        "layers": [stage.start, stage.end],
-        "embed": stage.embed,
-        "head": stage.head,
-        "state": run.stage_state.get(stage.node_id, StageState.PLANNED)
-        if run
-        else StageState.PLANNED,
-        "bytes_done": done,
-        "bytes_total": total,
-        "memory_bytes": stage.memory_bytes,
-        # recurrent state + snapshot ring reserved for every live sequence
-        "recurrent_bytes": sum(footprint.fixed_layer_bytes[stage.start : stage.end]),
-        # the stage's decode rate measured while serving (weight bytes a second), if any
-        "decode_bytes_per_s": None if speed is None else round(speed.decode_bytes_per_s),
-        # what the node measured of itself as it prepared (node/claims.py), or why not
-        "self_measured": coordinator.claims.shown(stage.node_id),
-        # weight bytes past the node's memory, read from disk as it computes (planner)
-        "offload_bytes": stage.offload_bytes,
-        # the hop into the stage: the host's measured link to it, a token's and a prefill
-        # chunk's hop time (node/links.py)
-        **(link_status(footprint, node, STATUS_PREFILL_ROWS) if node and stage.start else {}),
-    }
 
 
 def next_term(previous: int, wall_clock_ns: int) -> int:
@@ -257,10 +216,10 @@ class Coordinator:
         self._on_pipeline = on_pipeline
         self._in_flight = in_flight
         self._term = 0
-        self._run_id = ""
+        self.run_id = ""
         self._state = MeshState.PLANNING
         # What the pure decisions keep between runs: nodes left out, failures (typed).
-        self._decided = CoordinatorState()
+        self.decided = CoordinatorState()
         self._plan: Plan | None = None
         self._run: BringUp | None = None  # the latest run (its stages' states, progress)
         self._pipeline: RemotePipeline | None = None
@@ -273,35 +232,18 @@ class Coordinator:
         self.why_replace = ""  # why the serving plan is being re-placed (steps 5 and 6)
         self.calibration = "off" if not settings.calibrate else ""  # the last one's outcome
 
-    def _decide(self, event: Any) -> BackOff | Replan | None:
+    def decide(self, event: Any) -> BackOff | Replan | None:
         """Apply ``event`` to the decisions' state (:func:`~meshnode.node.decisions.next_action`)
         and return what to do next."""
-        self._decided, action = next_action(self._decided, event)
+        self.decided, action = next_action(self.decided, event)
         return action
 
     # -- status -----------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        now = trio.current_time()
-        run = self._run
-        stages = [_stage_status(s, run, self) for s in self._plan.stages] if self._plan else []
-        return {
-            "model": self.settings.model_ref,
-            "run_id": self._run_id,
-            "term": self._term,
-            "state": self._state,
-            "error": str(self._decided.error or ""),
-            "retry_in_s": retry_in(self._retry_at, now),
-            "last_failure": str(self._decided.last_failure or ""),
-            "context_size": self.context_size,
-            "wire_dtype": self.settings.wire_dtype,
-            "stages": stages,
-            # what the serving plan's layer split follows: "speed" once every node is
-            # measured and that is faster (docs/placement.md), else "memory"
-            "placed_by": "speed" if self._plan and self._plan.measured else "memory",
-            "calibration": self.calibration,
-            "cooling_off": self._decided.cooling_off(now),
-        }
+        """The host's part of ``GET /v1/mesh/status`` (:mod:`meshnode.node.host_status`)."""
+        run, plan_, at = self._run, self._plan, self._retry_at
+        return host_status(self, self._term, self._state, plan_, run, retry_at=at)
 
     # -- messages from peers ------------------------------------------------------------
 
@@ -320,7 +262,7 @@ class Coordinator:
         replies = (ClaimAccepted, ClaimRejected, PrepareAccepted, InventoryReport, Ready, Error)
         if not isinstance(message, replies):
             return False
-        if getattr(message, "run_id", "") != self._run_id:
+        if getattr(message, "run_id", "") != self.run_id:
             return True  # a late reply of an abandoned run
         if self._run is not None:
             self._run.deliver(peer, message)
@@ -342,13 +284,13 @@ class Coordinator:
             placed = await self._plan_when_possible()
             # The wall clock, not trio's: the term must compare across processes.
             self._term = next_term(self._term, time.time_ns())
-            self._run_id = f"run-{secrets.token_hex(4)}"
+            self.run_id = f"run-{secrets.token_hex(4)}"
             self._plan = placed
             self._run = run = BringUp(
                 self.mesh,
                 self.settings,
                 placed,
-                run_id=self._run_id,
+                run_id=self.run_id,
                 term=self._term,
                 config=self.config,
                 source=self.source,
@@ -358,7 +300,7 @@ class Coordinator:
                 claims=self.claims if self.settings.place_by_speed else None,
                 stage_weight_bytes=[stage_weight_bytes(self.footprint, s) for s in placed.stages],
             )
-            log.info("run %s term %d: %s", self._run_id, self._term, describe_plan(placed))
+            log.info("run %s term %d: %s", self.run_id, self._term, describe_plan(placed))
             self._state = MeshState.LOADING  # Claim, Prepare, Load: the stages say how far
             try:
                 pipeline = await run.run(placed)
@@ -366,17 +308,17 @@ class Coordinator:
                 failed = BringUpFailed(
                     str(exc), trio.current_time(), frozenset(run.failed), frozenset(run.refused)
                 )
-                backoff = self._decide(failed)
+                backoff = self.decide(failed)
                 self._state = MeshState.FAILED
-                log.warning("run %s failed: %s", self._run_id, exc)
+                log.warning("run %s failed: %s", self.run_id, exc)
                 await run.stop_all(placed, str(exc))
                 await self._back_off(backoff.delay_s if isinstance(backoff, BackOff) else 0.0)
-                self._decide(BackedOff())  # the next plan's own trouble, if any
+                self.decide(BackedOff())  # the next plan's own trouble, if any
                 continue
-            self._decide(Serving(placed.node_ids))
+            self.decide(Serving(placed.node_ids))
             self._pipeline = pipeline
             loss = await self._serve(placed, pipeline, run)
-            self._decide(Replaced(loss))
+            self.decide(Replaced(loss))
             if loss is None:  # drained: the API answers 503 already
                 reason = f"{self.why_replace}: re-placing"
             else:
@@ -394,14 +336,14 @@ class Coordinator:
         (polled each second; module docstring, Blame); the error says why meanwhile."""
         while len(self._hung) >= MAX_HUNG_STAGE0:
             self._state = MeshState.FAILED
-            self._decide(Stage0Hung(len(self._hung)))
+            self.decide(Stage0Hung(len(self._hung)))
             await trio.sleep(1.0)
             self._hung = [p for p in self._hung if p.stage0_hung]
             if len(self._hung) < MAX_HUNG_STAGE0:
-                self._decide(Stage0Hung(0))
+                self.decide(Stage0Hung(0))
 
     async def _back_off(self, delay: float) -> None:
-        failures = self._decided.failures
+        failures = self.decided.failures
         log.info("retrying in %.1f s (failure %d in a row)", delay, failures)
         self._retry_at = trio.current_time() + delay
         try:
@@ -418,15 +360,15 @@ class Coordinator:
             if announce:
                 self._state = MeshState.READY
                 self._on_pipeline(pipeline)
-            loss = await self._watch(placed, pipeline, regrow_now=regrow_now)
+            loss = await watch(self, placed, pipeline, regrow_now=regrow_now)
             if loss is not None:
                 if loss.node is None:
-                    loss = await self._blame(placed, pipeline, run)
+                    loss = await blame(self, placed, pipeline, run)
                 return loss
             idle = await idle_by(
                 pipeline,
                 REGROW_IDLE_WAIT_S,
-                lambda: self._wait_changed(pipeline),
+                lambda: self.wait_changed(pipeline),
                 in_flight=self._in_flight,
             )
             announce = idle is not None  # None: a stage failed or the membership changed
@@ -434,31 +376,17 @@ class Coordinator:
                 self._state = MeshState.DRAINING
                 self._on_pipeline(None)  # new requests get 503 until the new plan is ready
                 why, waited = self.why_replace, REGROW_IDLE_WAIT_S
-                if await settled(pipeline, self._run_id, idle=bool(idle), why=why, waited_s=waited):
+                if await settled(pipeline, self.run_id, idle=bool(idle), why=why, waited_s=waited):
                     return None
                 regrow_now = False  # until the membership changes again
 
-    async def _blame(self, placed: Plan, pipeline: RemotePipeline, run: BringUp) -> Failure:
-        """The loss of a pipeline that failed without naming its node: probe the stages;
-        the decisions blame from what the host observed (module docstring, Blame)."""
-        reason = str(pipeline.failure)
-        answers = await run.probe(placed)
-        min_busy_ms = int(pipeline.deadline.base_s * 1000 / 2)
-        stages = tuple(placed.node_ids[1:])
-        now = trio.current_time()
-        action = self._decide(Probed(reason, stages, answers, min_busy_ms, now))
-        assert isinstance(action, Replan)
-        loss = action.loss
-        log.warning("run %s: %s; probe: %s; blamed: %s", self._run_id, reason, answers, loss.node)
-        return loss
-
-    async def _wait_changed(
+    async def wait_changed(
         self, pipeline: RemotePipeline | None = None, measured: int = 0, until: float | None = None
     ) -> bool:
         """Wait for a membership change (True), or for ``pipeline`` to fail, to time every
         stage in ``measured`` more one-row passes (if above 0), a node left out to come
         back by itself, or the trio time ``until`` (False)."""
-        until = earliest(until, self._decided.wake_at(trio.current_time()))
+        until = earliest(until, self.decided.wake_at(trio.current_time()))
         return await membership_changed(self.mesh, pipeline, until, measured=measured)
 
     async def _plan_when_possible(self) -> Plan:
@@ -467,7 +395,7 @@ class Coordinator:
             await self.queries.ask(self.mesh, self.claims, self.mesh.live_nodes())
             nodes = self.candidates(self.mesh.live_nodes())
             split = self.settings.split
-            if split is not None and not self._decided.first_plan and len(nodes) < split:
+            if split is not None and not self.decided.first_plan and len(nodes) < split:
                 split = None  # after a loss, serve on what is left rather than not at all
             try:
                 result = plan(
@@ -478,60 +406,30 @@ class Coordinator:
                     split=split,
                     disk_offload=self.settings.disk_offload,
                 )
-                self._decide(Planned())
+                self.decide(Planned())
                 return result
             except PlanError as exc:
-                if str(exc) != str(self._decided.error or ""):
+                if str(exc) != str(self.decided.error or ""):
                     log.info("waiting for nodes: %s", exc)
-                self._decide(NoFit(str(exc)))
-            if await self._wait_changed():
-                self._decide(MembershipChanged())  # give failed nodes another go
-
-    async def _watch(
-        self, placed: Plan, pipeline: RemotePipeline, *, regrow_now: bool = True
-    ) -> Failure | None:
-        """The first loss of a stage (``node`` None when the pipeline failed without
-        naming it), or ``None`` once the plan should grow back
-        (:func:`~meshnode.node.planner.should_regrow`); with ``regrow_now`` false, growing
-        back waits for the next membership change or the end of a cool-off. ``None`` too
-        once the measured speeds call for re-placing (module docstring, step 6)."""
-        while True:
-            live = self.mesh.live_nodes()
-            seen = watch_stages(placed, pipeline, self.mesh, live, self.settings.suspect_grace_s)
-            if seen.failed is not None:
-                action = self._decide(seen.failed)
-                assert isinstance(action, Replan)
-                return action.loss
-            # While a stage is suspect the live nodes leave it out: no plan to move to.
-            if not seen.spared and regrow_now and _wants_regrow(self, placed, live):
-                self.why_replace = "the planned nodes are back"
-                return None
-            due = not seen.spared and pipeline.measured.due(trio.current_time())  # step 6
-            if due and faster_by_measure(self, placed, self.candidates(live)):
-                self.why_replace = "the measured speeds place the layers faster"
-                return None
-            changed = await self._wait_changed(pipeline, pipeline.measured.to_weigh, seen.look_at)
-            regrow_now = True
-            if changed:
-                self._decide(MembershipChanged())  # give failed nodes another go
+                self.decide(NoFit(str(exc)))
+            if await self.wait_changed():
+                self.decide(MembershipChanged())  # give failed nodes another go
 
     def candidates(self, live: list[NodeCapacity]) -> list[NodeCapacity]:
         """The live nodes a plan may use (none kept out), each with its measured decode
         rate where serving has measured one (``speeds``; the planner needs every node's),
-        else the one it claimed (``claims``), unless the placement is by memory alone."""
-        kept_out = self._decided.kept_out(trio.current_time())
+        else the one it claimed (``claims``), unless the placement is by memory alone; and
+        with the links to its peers it reported (:meth:`~meshnode.node.claims.ClaimBook.
+        linked`)."""
+        kept_out = self.decided.kept_out(trio.current_time())
         by_speed = self.settings.place_by_speed
         return [
-            dataclasses.replace(n, speed=_speed(self, n.node_id) if by_speed else None)
+            dataclasses.replace(
+                self.claims.linked(n), speed=_speed(self, n.node_id) if by_speed else None
+            )
             for n in live
             if n.node_id not in kept_out
         ]
-
-
-def _wants_regrow(coordinator: Coordinator, placed: Plan, live: list[NodeCapacity]) -> bool:
-    wanted = wanted_plan(coordinator, coordinator.candidates(live))
-    degraded = coordinator._decided.recovering
-    return should_regrow(placed, wanted, split=coordinator.settings.split, degraded=degraded)
 
 
 def _speed_queries(settings: CoordinatorSettings, backend: Backend) -> SpeedQueries:

@@ -42,6 +42,7 @@ from meshnode.net.identity import JoinToken, NodeId, NodeIdentity
 from meshnode.node.config import Address, NodeConfig
 from meshnode.node.dialer import DIAL_TIMEOUT_S, Dialer
 from meshnode.node.host import MeshHost
+from meshnode.node.links import reported_links
 from meshnode.node.membership import (
     ConnectionLost,
     Event,
@@ -158,6 +159,7 @@ class Node:
                 nursery=nursery,
                 peer_models=PeerModels.of_config(self.config),
                 memory_bytes=self.usable_memory,
+                links=lambda: reported_links(_alive_rtts(self), self.sessions.links),
             )
             nursery.start_soon(trio.serve_listeners, self.sessions.handle_inbound, listeners)
             log.info("node %s of mesh %r on %s", self.node_id, self.token.name, self.listen)
@@ -383,6 +385,16 @@ class Node:
             "protocol_errors": self.sessions.protocol_errors,
             "internal_errors": self.sessions.internal_errors,
         }
+
+
+def _alive_rtts(node: Node) -> list[tuple[str, float | None]]:
+    """Every alive peer ``node`` holds a session with, and its heartbeat round trip (None:
+    not known yet): the links its reports tell (:func:`meshnode.node.links.reported_links`)."""
+    return [
+        (node_id, peer.rtt_s)
+        for node_id, peer in sorted(node.table.peers.items())
+        if peer.state is PeerState.ALIVE and node_id in node.sessions
+    ]
 
 
 def _peer_info(peer: Peer) -> PeerInfo:

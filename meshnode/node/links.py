@@ -13,6 +13,10 @@ again once it is ``LINK_MAX_AGE_S`` old, only while the node serves no run: a pr
 shares the link with a pipeline's activations. The planner counts it in each hop
 (:func:`meshnode.node.planner.hop_seconds`).
 
+A worker tells the host what it measured of its own links (rates and the heartbeat's round
+trips, :func:`reported_links`) in its ``InventoryReport`` and ``SpeedReport``: the host
+times the hop between two workers' stages by them (claims: :mod:`meshnode.node.claims`).
+
 The peer is not trusted: it can answer late (its link then looks slow: it only loses
 layers), or answer before the padding arrived (its link looks fast, up to
 ``MAX_LINK_BYTES_PER_S``: a plan that overrates one hop, never a broken run). It can send
@@ -25,16 +29,23 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import trio
-from meshnode_protocol import DTYPE_SIZES, LinkProbe, LinkProbeReply, Message, Tensor
+from meshnode_protocol import (
+    DTYPE_SIZES,
+    LinkProbe,
+    LinkProbeReply,
+    Message,
+    PeerLink,
+    Tensor,
+)
 
 from meshnode.engine.config import ModelConfig
 from meshnode.net.limits import TokenBuckets
-from meshnode.node.planner import ModelFootprint, NodeCapacity, hop_seconds
+from meshnode.node.planner import ModelFootprint, NodeCapacity, hop_link, hop_seconds
 
 log = logging.getLogger("meshnode.node")
 
@@ -62,6 +73,9 @@ PROBE_ANSWER_EVERY_S = 30.0
 LINK_RECHECK_S = 60.0
 # The prefill chunk whose hop the status shows: the default ``[model] prefill_chunk_tokens``.
 STATUS_PREFILL_ROWS = 256
+# Links a node tells of itself in a report (InventoryReport/SpeedReport ``links``): a home
+# mesh has a handful of peers; 64 is far more and keeps a report a few KiB.
+MAX_REPORTED_LINKS = 64
 
 
 def link_rate(probe_bytes: int, empty_s: float, padded_s: float) -> float:
@@ -171,6 +185,20 @@ class LinkBook:
         return LinkProbeReply(node_id=self.node_id, nonce=probe.nonce, received_bytes=size)
 
 
+def reported_links(
+    peers: Iterable[tuple[str, float | None]], book: LinkBook
+) -> tuple[PeerLink, ...]:
+    """This node's links to ``peers`` (node id and the heartbeat's round trip, None while
+    unknown) as its reports tell them, with the rates ``book`` measured; a link with
+    neither figure is left out, and all past ``MAX_REPORTED_LINKS``."""
+    links = []
+    for node_id, rtt_s in peers:
+        rate = book.rate(node_id)
+        if rtt_s or rate:
+            links.append(PeerLink(node_id=node_id, rtt_us=(rtt_s or 0.0) * 1e6, bytes_per_s=rate))
+    return tuple(links[:MAX_REPORTED_LINKS])
+
+
 def with_hop_bytes(model: ModelFootprint, config: ModelConfig, wire_dtype: str) -> ModelFootprint:
     """``model`` with what a hop carries a token: one row of activations (the model's hidden
     size) at the wire dtype, the bytes the planner's hop time counts over a link."""
@@ -178,12 +206,15 @@ def with_hop_bytes(model: ModelFootprint, config: ModelConfig, wire_dtype: str) 
     return dataclasses.replace(model, activation_bytes_per_token=activations)
 
 
-def link_status(model: ModelFootprint, node: NodeCapacity, prefill_rows: int) -> dict[str, Any]:
-    """A stage's hop as the status shows it: the host's measured link to ``node`` (MB/s,
-    null until measured) and the hop's time for a decode token and for a prefill chunk of
-    ``prefill_rows`` rows, in ms (:func:`~meshnode.node.planner.hop_seconds`)."""
+def link_status(
+    model: ModelFootprint, node: NodeCapacity, prefill_rows: int, after: NodeCapacity | None = None
+) -> dict[str, Any]:
+    """A stage's hop as the status shows it: the measured rate of the link into ``node``
+    from ``after``'s stage (None: the host's; :func:`~meshnode.node.planner.hop_link`) in
+    MB/s, null until measured, and the hop's time for a decode token and for a prefill
+    chunk of ``prefill_rows`` rows, in ms (:func:`~meshnode.node.planner.hop_seconds`)."""
     return {
-        "link_mbytes_per_s": round(node.link_bytes_per_s / 1e6, 3) or None,
-        "hop_ms": round(hop_seconds(model, node) * 1e3, 3),
-        "prefill_hop_ms": round(hop_seconds(model, node, prefill_rows) * 1e3, 3),
+        "link_mbytes_per_s": round(hop_link(node, after)[1] / 1e6, 3) or None,
+        "hop_ms": round(hop_seconds(model, node, after=after) * 1e3, 3),
+        "prefill_hop_ms": round(hop_seconds(model, node, prefill_rows, after=after) * 1e3, 3),
     }

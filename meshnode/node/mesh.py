@@ -65,7 +65,7 @@ class CoordinatorSettings:
     # by the host (``engine.kv_cache.resolve_kv_dtype``: auto is f16 with q8 weights)
     kv_dtype: str = "f32"
     # The arithmetic of the host's CPU stages, which every CPU stage keeping GGUF blocks
-    # takes (``Load.cpu_dtype``, ``worker.run_backend``): native, q8, or "" (a CUDA host
+    # takes (``Load.cpu_dtype``, ``stage_build.run_backend``): native, q8, or "" (a CUDA host
     # in float16/bfloat16: each stage its own)
     cpu_dtype: str = ""
     cache_dir: Path | None = None

@@ -25,19 +25,23 @@ left-to-right fill places every layer. That minimises the worst stage's memory u
 
 **Measured speeds.** When every candidate node reports a :class:`NodeSpeed` (what its
 calibration measured for this model), the split follows time instead of memory
-(:func:`_fit_timed`): within a set of stages, an exact dynamic program over
-contiguous ranges minimises the slowest stage's time per token (the pipeline's throughput
-bound with many streams), then the sum; among stage counts, the one whose token takes the
-least time end to end (stage times plus hops) wins, fewer stages on ties. A
-measured plan is taken only when it is strictly faster than the memory-weighted plan of the
-same nodes, so a tie or a missing measurement gives today's plan.
+(:func:`~meshnode.node.plan_cost.fit_timed`): within a set of stages, an exact dynamic
+program over contiguous ranges minimises the slowest stage's time per token (the
+pipeline's throughput bound with many streams), then the sum; among stage counts, the one
+whose token takes the least time end to end (stage times plus hops) wins, fewer stages on
+ties. A measured plan is taken only when it is strictly faster than the memory-weighted
+plan of the same nodes, so a tie or a missing measurement gives today's plan.
 
-**Links.** A hop into a stage costs the node's round trip to the host (the heartbeat's)
-plus the activation bytes it carries over the host's measured link to the node
-(:mod:`meshnode.node.links`): ``ModelFootprint.activation_bytes_per_token`` a decode token,
-that times the rows of a prefill chunk. A link not measured yet counts its round trip
-alone. With many streams a link is a stage of the pipeline too: a token's transfer time
-counts beside the stages' compute in the slowest-stage view.
+**Links.** A hop into a stage costs the link's round trip (the heartbeat's) plus the
+activation bytes it carries over the link's measured rate (:mod:`meshnode.node.links`):
+``ModelFootprint.activation_bytes_per_token`` a decode token, that times the rows of a
+prefill chunk. The hop into stage 1 is the host's own link to it; a hop between two
+workers is the link they reported between them (``NodeCapacity.links``, the slower of
+their two figures), else the host's link to the later one. A link not measured yet counts
+its round trip alone. The order of the nodes is a chain by hop from the node before, so a
+slow link between two workers keeps them from being neighbours when another node can be.
+With many streams a link is a stage of the pipeline too: a token's transfer time counts
+beside the stages' compute in the slowest-stage view.
 
 **Larger than memory.** When no set of stages fits, and disk offload is allowed (it is
 unless ``--no-disk-offload``), the planner places the model on every candidate node anyway,
@@ -53,122 +57,53 @@ next layer (``meshnode.engine.readahead``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from meshnode.errors import PlanError
+from meshnode.node.plan_cost import (
+    cost,
+    fit_timed,
+    hop_link,
+    hop_seconds,
+    plan_seconds,
+    resident_bytes,
+    stage_bytes,
+    stage_plans,
+    stage_weight_bytes,
+)
+from meshnode.node.plan_records import (
+    ModelFootprint,
+    NodeCapacity,
+    NodeLink,
+    NodeSpeed,
+    Plan,
+    StagePlan,
+)
+
+# The records and the cost model live beside the planner (plan_records, plan_cost); their
+# public names are re-exported here, where every caller imports them from.
+
+__all__ = [
+    "ModelFootprint",
+    "NodeCapacity",
+    "NodeLink",
+    "NodeSpeed",
+    "Plan",
+    "StagePlan",
+    "hop_link",
+    "hop_seconds",
+    "plan",
+    "plan_seconds",
+    "should_regrow",
+    "stage_weight_bytes",
+]
+
 
 # Bisection steps on alpha: 60 halvings take [0, 1] below 1e-18, far under one byte of any
 # real stage, so the result does not depend on float noise.
 _ALPHA_STEPS = 60
-
-
-@dataclass(frozen=True, slots=True)
-class ModelFootprint:
-    """What the planner needs to know of a model, in bytes as loaded on the devices."""
-
-    layer_bytes: tuple[int, ...]
-    embed_bytes: int
-    head_bytes: int
-    kv_bytes_per_token_per_layer: int
-    tied_head: bool = False
-    # Hybrid models: whether each layer holds a KV cache (empty: every layer does), and the
-    # bytes each layer holds whatever the context (recurrent state and snapshot ring of
-    # every live sequence; empty: none).
-    kv_layers: tuple[bool, ...] = ()
-    fixed_layer_bytes: tuple[int, ...] = ()
-    # What a hop carries a token: one row of activations at the wire dtype (0: not counted).
-    activation_bytes_per_token: int = 0
-    # A CPU stage's pool of KV blocks (issue 30): positions it holds for a context (None:
-    # every live sequence preallocates its context there too), at one sequence's bytes.
-    pool_tokens: Callable[[int], int] | None = None
-    pool_kv_bytes_per_token_per_layer: int = 0
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.layer_bytes)
-
-    def kv_bytes(self, start: int, end: int, context_tokens: int, device: str) -> int:
-        """KV bytes of layers ``[start, end)`` for ``context_tokens`` on a ``device`` node:
-        a CPU node's pool, else every live sequence's context."""
-        kv_layers = sum(self.kv_layers[start:end]) if self.kv_layers else end - start
-        if device == "cpu" and self.pool_tokens is not None:
-            per_layer = self.pool_kv_bytes_per_token_per_layer * self.pool_tokens(context_tokens)
-            return kv_layers * per_layer
-        return kv_layers * self.kv_bytes_per_token_per_layer * context_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class NodeCapacity:
-    """One live node as the planner sees it."""
-
-    node_id: str
-    usable_memory_bytes: int
-    device: str = "cpu"
-    rtt_s: float = 0.0
-    speed: NodeSpeed | None = None
-    # the measured rate of the host's link to the node (meshnode.node.links); 0: unknown
-    link_bytes_per_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.link_bytes_per_s < float("inf"):
-            raise ValueError(
-                f"link_bytes_per_s must be >= 0 and finite, not {self.link_bytes_per_s}"
-            )
-
-
-@dataclass(frozen=True, slots=True)
-class NodeSpeed:
-    """What a node measured of itself for one model (its calibration), as rates.
-
-    ``decode_bytes_per_s``: layer weight bytes one decode step of one row gets through per
-    second on the node's backend, threads and the model's own formats (a stage of ``B``
-    weight bytes takes ``B / decode_bytes_per_s`` seconds a token).
-    """
-
-    decode_bytes_per_s: float
-    # the read rate of the node's disk (its model file), for weight bytes served past its
-    # memory (module docstring, Larger than memory); 0: not measured
-    disk_bytes_per_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        rate = self.decode_bytes_per_s
-        # NaN fails both comparisons; an infinite rate would make every stage free
-        if not 0.0 < rate < float("inf"):
-            raise ValueError(f"decode_bytes_per_s must be positive and finite, not {rate}")
-        if not 0.0 <= self.disk_bytes_per_s < float("inf"):
-            raise ValueError(
-                f"disk_bytes_per_s must be >= 0 and finite, not {self.disk_bytes_per_s}"
-            )
-
-
-@dataclass(frozen=True, slots=True)
-class StagePlan:
-    """Node ``node_id`` runs layers ``[start, end)``; ``embed``/``head`` when first/last."""
-
-    node_id: str
-    start: int
-    end: int
-    embed: bool
-    head: bool
-    memory_bytes: int
-    # bytes past the node's usable memory, served from the memory-mapped file (module
-    # docstring, Larger than memory); 0 when the stage fits
-    offload_bytes: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """Stages in pipeline order; stage 0 is on the host."""
-
-    stages: tuple[StagePlan, ...]
-    context_tokens: int
-    measured: bool = False  # placed by the nodes' measured speeds, not by memory
-
-    @property
-    def node_ids(self) -> tuple[str, ...]:
-        return tuple(stage.node_id for stage in self.stages)
 
 
 def plan(
@@ -225,41 +160,30 @@ def _candidate_order(
 ) -> list[NodeCapacity]:
     """The host, then the other nodes by most memory, then the quickest hop (round trip
     and a token over the link), then node id; ``fastest_first``: by decode rate before
-    memory; ``nearest_first``: by hop before anything else."""
+    memory; ``nearest_first``: by hop before anything else.
+
+    A chain: each next node is the best of those left by its hop from the node before it
+    (:func:`~meshnode.node.plan_cost.hop_link`: the host's link from the host, the link
+    two workers reported between them), so that a slow link between two workers keeps
+    them apart. Without such reports every hop is the host's, and the chain is the nodes
+    sorted by the same key."""
     hosts = [node for node in nodes if node.node_id == host_id]
     if not hosts:
         raise PlanError(f"the host {host_id} is not among the live nodes")
 
     def key(node: NodeCapacity) -> tuple[float, float, float, float, str]:
         rate = node.speed.decode_bytes_per_s if node.speed and fastest_first else 0.0
-        hop = hop_seconds(model, node)
+        hop = hop_seconds(model, node, after=after)
         near = hop if nearest_first else 0.0
         return (near, -rate, -node.usable_memory_bytes, hop, node.node_id)
 
-    others = sorted((node for node in nodes if node.node_id != host_id), key=key)
-    return [hosts[0], *others]
-
-
-def _stage_bytes(
-    model: ModelFootprint, start: int, end: int, context_tokens: int, device: str
-) -> int:
-    last = end == model.n_layers
-    first = start == 0
-    total = sum(model.layer_bytes[start:end]) + sum(model.fixed_layer_bytes[start:end])
-    total += model.kv_bytes(start, end, context_tokens, device)
-    if first or (last and model.tied_head):
-        total += model.embed_bytes
-    if last:
-        total += model.head_bytes
-    return total
-
-
-def _resident_bytes(
-    model: ModelFootprint, start: int, end: int, context_tokens: int, device: str
-) -> int:
-    """What a stage must hold in memory whatever is offloaded: its KV and recurrent state."""
-    fixed = sum(model.fixed_layer_bytes[start:end])
-    return model.kv_bytes(start, end, context_tokens, device) + fixed
+    order, after = [hosts[0]], None  # after: the node the next one's hop comes from
+    others = [node for node in nodes if node.node_id != host_id]
+    while others:
+        after = min(others, key=key)
+        others.remove(after)
+        order.append(after)
+    return order
 
 
 def _offload_alpha(model: ModelFootprint, nodes: Sequence[NodeCapacity]) -> float:
@@ -285,8 +209,8 @@ def _greedy(
         end = start
         while (
             end < limit
-            and _stage_bytes(model, start, end + 1, context_tokens, node.device) <= budget
-            and _resident_bytes(model, start, end + 1, context_tokens, node.device)
+            and stage_bytes(model, start, end + 1, context_tokens, node.device) <= budget
+            and resident_bytes(model, start, end + 1, context_tokens, node.device)
             <= node.usable_memory_bytes
         ):
             end += 1
@@ -314,30 +238,7 @@ def _fit(
             high = middle
     ranges = _greedy(model, nodes, context_tokens, high)
     assert ranges is not None  # high only ever takes values for which the fill succeeded
-    return _stages(model, nodes, ranges, context_tokens)
-
-
-def _stages(
-    model: ModelFootprint,
-    nodes: Sequence[NodeCapacity],
-    ranges: Sequence[tuple[int, int]],
-    context_tokens: int,
-) -> tuple[StagePlan, ...]:
-    stages = []
-    for node, (start, end) in zip(nodes, ranges, strict=True):
-        memory = _stage_bytes(model, start, end, context_tokens, node.device)
-        stages.append(
-            StagePlan(
-                node_id=node.node_id,
-                start=start,
-                end=end,
-                embed=start == 0,
-                head=end == model.n_layers,
-                memory_bytes=memory,
-                offload_bytes=max(0, memory - node.usable_memory_bytes),
-            )
-        )
-    return tuple(stages)
+    return stage_plans(model, nodes, ranges, context_tokens)
 
 
 def _timed_plan(
@@ -352,7 +253,8 @@ def _timed_plan(
 ) -> tuple[StagePlan, ...] | None:
     """The measured plan, when every node is measured and it beats ``weighted``; else None.
     With ``offload`` (the mesh's memory is short) every node's disk rate must be measured
-    too, and a stage's weights may pass its memory (:func:`_seconds` counts the disk).
+    too, and a stage's weights may pass its memory (:func:`~meshnode.node.plan_cost.
+    stage_seconds` counts the disk).
 
     Stage counts from ``weighted``'s (the fewest that fit) up to the largest allowed are
     tried, each over the choices of nodes of :func:`_orders`; the plan whose token
@@ -363,13 +265,13 @@ def _timed_plan(
         return None
     if offload and any(node.speed and not node.speed.disk_bytes_per_s for node in nodes):
         return None
-    best, best_cost = None, _cost(model, nodes, weighted)
+    best, best_cost = None, cost(model, nodes, weighted)
     for count in (c for c in counts if c >= len(weighted)):
         for order in _orders(model, nodes, host_id):
             chosen = order[:count]
-            stages = _fit_timed(model, chosen, context_tokens, offload=offload)
-            if stages is not None and (cost := _cost(model, nodes, stages)) < best_cost:
-                best, best_cost = stages, cost
+            stages = fit_timed(model, chosen, context_tokens, offload=offload)
+            if stages is not None and (seconds := cost(model, nodes, stages)) < best_cost:
+                best, best_cost = stages, seconds
     return best
 
 
@@ -378,138 +280,28 @@ def _orders(
 ) -> list[list[NodeCapacity]]:
     """The orders of nodes a measured plan tries (:func:`_timed_plan`), each once: the most
     memory first, the fastest first and the quickest hop first, each with the links
-    counted and without them, so that a measured link only ever adds choices to a plan
-    made without it."""
+    counted and without them, and with the links between workers and without them, so
+    that a measured link only ever adds choices to a plan made without it."""
     blind = ModelFootprint((), 0, 0, 0)  # no activation bytes: a hop is its round trip
+    unlinked = [dataclasses.replace(node, links=()) for node in nodes]
+    by_id = {node.node_id: node for node in nodes}
     orders: list[list[NodeCapacity]] = []
-    for footprint in (model, blind):
+    seen: set[tuple[str, ...]] = set()
+    for among, footprint in itertools.product((nodes, unlinked), (model, blind)):
         for fastest, nearest in ((False, False), (True, False), (False, True)):
             order = _candidate_order(
-                footprint, nodes, host_id, fastest_first=fastest, nearest_first=nearest
+                footprint, among, host_id, fastest_first=fastest, nearest_first=nearest
             )
-            if order not in orders:
-                orders.append(order)
+            if (ids := tuple(node.node_id for node in order)) not in seen:
+                seen.add(ids)
+                orders.append([by_id[node_id] for node_id in ids])
     return orders
-
-
-def stage_weight_bytes(model: ModelFootprint, stage: StagePlan) -> int:
-    """Weight bytes one token reads on ``stage`` (its layers, and the head when last): what
-    its compute time is measured against (:mod:`meshnode.node.speeds`)."""
-    return _weight_bytes(model, stage.start, stage.end)
-
-
-def _weight_bytes(model: ModelFootprint, start: int, end: int) -> int:
-    """Weight bytes a token reads in layers ``[start, end)`` (and the head when last)."""
-    head = model.head_bytes if end == model.n_layers else 0
-    return sum(model.layer_bytes[start:end]) + head
-
-
-def plan_seconds(
-    model: ModelFootprint, nodes: Sequence[NodeCapacity], stages: Sequence[StagePlan]
-) -> tuple[float, float] | None:
-    """``(one token's time end to end, the slowest stage's time)`` through ``stages``, in
-    seconds, predicted from ``nodes``' measured speeds; None when a stage's node is not
-    among them or is unmeasured."""
-    by_id = {node.node_id: node for node in nodes}
-    if any(by_id.get(s.node_id) is None or by_id[s.node_id].speed is None for s in stages):
-        return None
-    return _cost(model, nodes, stages)
-
-
-def _seconds(node: NodeCapacity, weight_bytes: int, offload_bytes: int = 0) -> float:
-    """A stage's time a token on ``node``: its compute, or, when ``offload_bytes`` of its
-    weights come from disk, the slower of that and their read (the read-ahead overlaps
-    the two: :mod:`meshnode.engine.readahead`); an unmeasured disk is not counted."""
-    assert node.speed is not None  # only measured nodes are timed
-    compute = weight_bytes / node.speed.decode_bytes_per_s
-    disk = node.speed.disk_bytes_per_s
-    return max(compute, offload_bytes / disk) if offload_bytes and disk else compute
-
-
-def hop_seconds(model: ModelFootprint, node: NodeCapacity, rows: int = 1) -> float:
-    """The time of the hop into ``node``'s stage carrying ``rows`` rows (1: a decode token;
-    a prefill chunk's tokens): the node's round trip to the host plus the rows' activation
-    bytes over the host's measured link to it (the link is not counted while unmeasured)."""
-    link = node.link_bytes_per_s
-    transfer = rows * model.activation_bytes_per_token / link if link else 0.0
-    return node.rtt_s + transfer
-
-
-def _cost(
-    model: ModelFootprint, nodes: Sequence[NodeCapacity], stages: Sequence[StagePlan]
-) -> tuple[float, float]:
-    """``(one token's time end to end, the slowest stage's or link's time)``, in seconds.
-
-    End to end: every stage's compute plus each hop (:func:`hop_seconds`: the node's round
-    trip to the host, plus a token's activations over the link, where measured). With many
-    streams, a link is a stage of the pipeline too: its transfer time a token counts
-    beside the stages' compute (the round trip overlaps other streams' work).
-    """
-    by_id = {node.node_id: node for node in nodes}
-    times = [
-        _seconds(by_id[s.node_id], _weight_bytes(model, s.start, s.end), s.offload_bytes)
-        for s in stages
-    ]
-    hops = [hop_seconds(model, by_id[s.node_id]) for s in stages[1:]]
-    transfers = [hop - by_id[s.node_id].rtt_s for hop, s in zip(hops, stages[1:], strict=True)]
-    return (sum(times) + sum(hops), max([*times, *transfers]))
-
-
-def _fit_timed(
-    model: ModelFootprint,
-    nodes: Sequence[NodeCapacity],
-    context_tokens: int,
-    *,
-    offload: bool = False,
-) -> tuple[StagePlan, ...] | None:
-    """Contiguous ranges over ``nodes`` in order minimising the slowest stage, then the sum.
-
-    An exact dynamic program: ``best[i][end]`` is the best ``(slowest, sum)`` placing layers
-    ``[0, end)`` on the first ``i + 1`` nodes, every node at least one layer and within its
-    memory (with ``offload``: its KV within its memory, the weights past it read from disk
-    at the node's disk rate). ``O(len(nodes) * n_layers**2)`` stage evaluations: 16 nodes
-    of a 128-layer model are ~260,000, well under a second, and plans are made only when
-    the mesh changes.
-    """
-    n_layers, count = model.n_layers, len(nodes)
-    spans = [(start, end) for start in range(n_layers) for end in range(start + 1, n_layers + 1)]
-    # what a range costs is the same on every node of a device: work it out once for each
-    devices = {node.device for node in nodes}
-    memory, resident = {}, {}
-    for (start, end), device in itertools.product(spans, devices):
-        memory[start, end, device] = _stage_bytes(model, start, end, context_tokens, device)
-        resident[start, end, device] = _resident_bytes(model, start, end, context_tokens, device)
-    weights = {span: _weight_bytes(model, *span) for span in spans}
-    inf = (float("inf"), float("inf"))
-    best = [[inf] * (n_layers + 1) for _ in range(count)]
-    cut = [[0] * (n_layers + 1) for _ in range(count)]
-    for index, node in enumerate(nodes):
-        # node ``index`` ends its range at ``end``; the nodes after it need a layer each
-        for end in range(index + 1, n_layers - (count - index - 1) + 1):
-            for start in range(index, end) if index else (0,):
-                before = best[index - 1][start] if index else (0.0, 0.0)
-                room = node.usable_memory_bytes
-                over = memory[start, end, node.device] - room
-                held = resident[start, end, node.device]
-                if before == inf or (over > 0 and not offload) or held > room:
-                    continue
-                seconds = _seconds(node, weights[start, end], max(over, 0))
-                value = (max(before[0], seconds), before[1] + seconds)
-                if value < best[index][end]:
-                    best[index][end], cut[index][end] = value, start
-    if best[-1][n_layers] == inf:
-        return None
-    ranges, end = [], n_layers
-    for index in reversed(range(count)):
-        ranges.append((cut[index][end], end))
-        end = cut[index][end]
-    return _stages(model, nodes, ranges[::-1], context_tokens)
 
 
 def _shortfall_message(
     model: ModelFootprint, nodes: Sequence[NodeCapacity], context_tokens: int
 ) -> str:
-    needed = min(_stage_bytes(model, 0, model.n_layers, context_tokens, n.device) for n in nodes)
+    needed = min(stage_bytes(model, 0, model.n_layers, context_tokens, n.device) for n in nodes)
     available = sum(node.usable_memory_bytes for node in nodes)
     missing = max(needed - available, 0)
     largest_layer = max(model.layer_bytes, default=0)

@@ -9,7 +9,9 @@ is reported with the request id and fails the waiter of the final chunk.
 
 On the wire a sequence is named by a short id of this run (``r0``, ``r1``, …) rather than
 the API's request id: every decode frame and every Prediction carries it, and ~30 bytes of
-id would be a fifth of a decode frame's overhead (issue 5 budgets 128 bytes).
+id would be a fifth of a decode frame's overhead (issue 5 budgets 128 bytes). The sending
+side (wire ids, the frames waiting for an answer, tokens in flight and their deadlines) is
+:class:`~meshnode.node.stage_link.StageLink`, which :class:`RemotePipeline` builds on.
 
 When a stage is lost the pipeline is dead: every waiter wakes with a
 :class:`~meshnode.node.pipeline.StageLostError`, every later ``run`` raises it at once, and
@@ -36,19 +38,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import logging
-import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 import trio
 from meshnode_protocol import (
-    ActivationBatch,
-    ActivationFrame,
     Error,
     ErrorCode,
     Message,
@@ -74,11 +72,11 @@ from meshnode.node.pipeline import (
 from meshnode.node.prefix import host_pools, note_pass, note_release
 from meshnode.node.speeds import PassMeter, SpeedBook
 from meshnode.node.stage import StageRunner, step_activations, step_results
-from meshnode.node.wire import WireSequences, frame_to_wire, result_from_wire
+from meshnode.node.stage_link import PassDeadline as PassDeadline  # callers import it here
+from meshnode.node.stage_link import SendFn, StageLink, Waiter
+from meshnode.node.wire import result_from_wire
 
 log = logging.getLogger(__name__)
-
-SendFn = Callable[[str, Message], Awaitable[None]]
 
 
 DataReply = Prediction | PredictionBatch | Error
@@ -92,29 +90,6 @@ RETRY_CODES: dict[int, type[RollbackError | PrefixMissError]] = {
     ErrorCode.ROLLBACK_TOO_DEEP: RollbackError,
     ErrorCode.PREFIX_MISS: PrefixMissError,  # hook (issue 30)
 }
-
-
-@dataclass(frozen=True, slots=True)
-class PassDeadline:
-    """How long a step sent downstream may take to come back before it counts as a stage
-    failure: ``base_s + per_token_s * tokens_in_flight`` seconds.
-
-    The base covers a pass of a few tokens on a cold stage (its first pass compiles the
-    native kernels: seconds, up to a minute on a slow CPU) with a wide margin; 0.25 s per
-    token is 4 tokens/s, slower than a CPU stage that serves at all reads a prompt. A
-    deadline is a backstop for a stage that hangs, not a latency target.
-    """
-
-    base_s: float = 60.0
-    per_token_s: float = 0.25
-
-    def __post_init__(self) -> None:
-        if not (self.base_s > 0 and self.per_token_s >= 0):
-            raise ValueError(f"invalid pass deadline: {self}")
-
-    def seconds(self, tokens_in_flight: int) -> float:
-        """The deadline of a step sent while ``tokens_in_flight`` tokens are unanswered."""
-        return self.base_s + self.per_token_s * tokens_in_flight
 
 
 #: How often :func:`idle_by` looks again at requests in flight that hold no sequence yet.
@@ -225,30 +200,12 @@ def _outcome(
 
 
 @dataclass(eq=False, slots=True)
-class _Waiter:
-    done: trio.Event = field(default_factory=trio.Event)
-    result: StepResult | None = None
-    # Why the frame failed (a PipelineError, or the engine's RollbackError), raised by the waiter.
-    error: MeshnodeError | None = None
-    wire_id: RequestId | None = None  # set while it waits for the last stage
-    local_s: float | None = None  # stage 0's compute, when the other stages follow
-    rows: int = 0  # the rows of the step this frame went in (every stage computes them all)
-    # When the pass counts as lost (trio clock), and the deadline's length for the message.
-    deadline_at: float = math.inf
-    deadline_s: float = math.inf
-
-    def finish(self, result: StepResult) -> None:
-        self.result = result
-        self.done.set()
-
-
-@dataclass(eq=False, slots=True)
 class _Queued:
     """A frame in line at stage 0's batcher (:meth:`RemotePipeline.queue`)."""
 
     pipeline: RemotePipeline
     frame: StepFrame
-    slot: Slot[_Waiter]
+    slot: Slot[Waiter]
 
     async def result(self) -> StepResult:
         pipeline = self.pipeline
@@ -261,7 +218,7 @@ class _Queued:
         self.pipeline.batcher.withdraw(self.slot)
 
 
-class RemotePipeline:
+class RemotePipeline(StageLink):
     """A :class:`~meshnode.node.pipeline.Pipeline` over the stages of one run."""
 
     def __init__(
@@ -279,38 +236,28 @@ class RemotePipeline:
         stage_weight_bytes: Sequence[int] = (),
         prefix_blocks: Sequence[int] = (),  # each other stage's Ready.prefix_block
     ) -> None:
+        super().__init__(
+            run_id=run_id,
+            term=term,
+            stage_nodes=stage_nodes,
+            send=send,
+            wire_dtype=wire_dtype,
+            max_sequences=runner.max_sequences,
+            deadline=deadline,
+        )
         self.runner = runner
-        self.run_id = run_id
-        self.term = term
-        self.stage_nodes = tuple(stage_nodes)
-        self.wire_dtype = wire_dtype
-        self._send = send
         # With n stages, n micro-batches in flight keep every stage busy (batcher docstring).
         limits = batch_limits or BatchLimits(
             max_frames=runner.max_sequences, micro_batches=len(self.stage_nodes)
         )
-        self.batcher: Batcher[_Waiter] = Batcher(
+        self.batcher: Batcher[Waiter] = Batcher(
             self._step, limits, live=lambda: runner.live_sequences
         )
-        self._waiters: dict[RequestId, _Waiter] = {}  # by wire id
-        self._wire_ids: dict[RequestId, RequestId] = {}  # request id -> wire id
-        self._next_wire_id = itertools.count()
-        # Per-sequence outgoing activation buffers, reused by every decode step.
-        self._wire = WireSequences(runner.max_sequences)
-        self.deadline = deadline or PassDeadline()
         # One-row passes' stage times, as decode rates the planner can use (node/speeds.py):
         # each stage's weight bytes over its compute time.
         self.measured = PassMeter(speeds, self.stage_nodes, stage_weight_bytes)
-        # Set once, by the first failure: every later run fails with it (module docstring).
-        self.failure: StageLostError | None = None
         self.failed = trio.Event()  # set with ``failure``: the coordinator watches it
         self._released = trio.Event()  # set by every release; wait_idle re-checks
-        # Tokens sent and not yet answered, by wire id (a sequence's prefill chunks add up
-        # until its final chunk's prediction): what a new step waits behind.
-        self._unanswered: dict[RequestId, int] = {}
-        # The last reply's trio time, or the first send's since none was unanswered.
-        self._progress_s = 0.0
-        self._sending: trio.CancelScope | None = None  # the step being sent, if any
         # Set when stage 0's compute missed its deadline: its thread's end (``_step``).
         self._hung: threading.Event | None = None
         self.prefix, self.kv_blocks = host_pools(runner, prefix_blocks, run_id)  # issue 30
@@ -327,7 +274,7 @@ class RemotePipeline:
     def queue(self, frame: StepFrame) -> QueuedPass:
         return _Queued(self, frame, self.batcher.enqueue(frame))
 
-    async def _answer(self, frame: StepFrame, waiter: _Waiter) -> StepResult:
+    async def _answer(self, frame: StepFrame, waiter: Waiter) -> StepResult:
         """Wait for the prediction of a frame that stage 0 has sent on (``waiter``)."""
         try:
             with trio.move_on_at(waiter.deadline_at):
@@ -354,7 +301,7 @@ class RemotePipeline:
             stage_compute_s=stages,
         )
 
-    async def _step(self, slots: list[Slot[_Waiter]]) -> None:
+    async def _step(self, slots: list[Slot[Waiter]]) -> None:
         """One batched step of stage 0; the frames go on downstream as one message.
 
         Stage 0's compute has the deadline of the step's tokens. A forward that hangs here
@@ -382,7 +329,7 @@ class RemotePipeline:
             for slot, done in zip(slots, inner, strict=True):
                 slot.error = done.error
                 if done.output is not None:
-                    slot.output = _Waiter()
+                    slot.output = Waiter()
                     slot.output.finish(done.output)
             return
         local_s = time.perf_counter() - began
@@ -398,89 +345,10 @@ class RemotePipeline:
             await self._forward_step(slots, messages, self._set_deadline(slots))
 
     @property
-    def stalled_since(self) -> float | None:
-        """Since when passes sent downstream have gone unanswered (trio time: the last
-        reply, or the first send after none was in flight); None while none is in flight."""
-        return self._progress_s if self._unanswered else None
-
-    @property
     def stage0_hung(self) -> bool:
         """Whether a stage-0 compute that missed its deadline is still running (its
         thread, and the runner it holds, are not freed until it returns)."""
         return self._hung is not None and not self._hung.is_set()
-
-    def _set_deadline(self, slots: list[Slot[_Waiter]]) -> float:
-        """Give the step's waiters their deadline, from now and behind every token in
-        flight; when it falls (trio clock)."""
-        seconds = self.deadline.seconds(sum(self._unanswered.values()))
-        at = trio.current_time() + seconds
-        for slot in slots:
-            if slot.output is not None and slot.output.wire_id is not None:
-                slot.output.deadline_at, slot.output.deadline_s = at, seconds
-        return at
-
-    def _outgoing(
-        self, frame: StepFrame, hidden: Any, local_s: float
-    ) -> tuple[_Waiter, ActivationFrame]:
-        wire_id = self._wire_id(frame.request_id)
-        message = frame_to_wire(
-            dataclasses.replace(frame, request_id=wire_id),
-            hidden,
-            run_id=self.run_id,
-            term=self.term,
-            wire_dtype=self.wire_dtype,
-            sequences=self._wire,
-        )
-        waiter = _Waiter(local_s=local_s)
-        if not self._unanswered:
-            self._progress_s = trio.current_time()
-        self._unanswered[wire_id] = self._unanswered.get(wire_id, 0) + len(frame.tokens)
-        if frame.final:
-            waiter.wire_id = wire_id
-            self._waiters[wire_id] = waiter
-        else:
-            # A non-final prefill chunk is not waited for: the session's FIFO order and each
-            # stage's in-order processing keep it ahead of the final chunk.
-            waiter.local_s = None
-            waiter.finish(StepResult(request_id=frame.request_id))
-        return waiter, message
-
-    async def _forward_step(
-        self, slots: list[Slot[_Waiter]], messages: list[ActivationFrame], deadline_at: float
-    ) -> None:
-        """Send a step downstream: one frame as itself, several as one ``ActivationBatch``."""
-        outgoing: Message = messages[0]
-        if len(messages) > 1:
-            outgoing = ActivationBatch(run_id=self.run_id, term=self.term, frames=tuple(messages))
-        # A stage that takes nothing more (its inbox full, the next one hung) must not hold
-        # this step, and every request behind it, past the deadline; nor past a failure.
-        with trio.move_on_at(deadline_at) as sending:
-            self._sending = sending
-            try:
-                await self._forward(outgoing)
-            except PipelineError as exc:
-                for slot in slots:
-                    if slot.output is not None and not slot.output.done.is_set():
-                        slot.output.error = exc
-                        slot.output.done.set()
-        self._sending = None
-        if sending.cancelled_caught and self.failure is None:
-            self.fail("a pass could not be sent to stage 1 before its deadline")
-
-    def _wire_id(self, request_id: RequestId) -> RequestId:
-        wire_id = self._wire_ids.get(request_id)
-        if wire_id is None:
-            wire_id = self._wire_ids[request_id] = RequestId(f"r{next(self._next_wire_id)}")
-        return wire_id
-
-    async def _forward(self, message: Message) -> None:
-        node = self.stage_nodes[1]
-        try:
-            await self._send(node, message)
-        except SEND_ERRORS as exc:
-            reason = f"stage node {node} is unreachable"
-            self.fail(reason, node=node)
-            raise self._lost() from exc
 
     async def wait_idle(self) -> None:
         """Return once no request holds a sequence of this pipeline (all were released)."""

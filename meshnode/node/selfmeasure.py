@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from meshnode_packaging.sources import ModelSource
-from meshnode_protocol import SpeedQuery, SpeedReport
+from meshnode_protocol import PeerLink, SpeedQuery, SpeedReport
 
 from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
@@ -253,14 +253,21 @@ def report_fields(measured: SelfMeasure | str | None) -> dict[str, Any]:
 
 
 def speed_report(
-    query: SpeedQuery, node_id: str, backend: Backend, cache_dir: Path | None
+    query: SpeedQuery,
+    node_id: str,
+    backend: Backend,
+    cache_dir: Path | None,
+    links: tuple[PeerLink, ...] = (),
 ) -> SpeedReport:
     """The answer to ``query``: this node's latest measurement of the model it names, as
     :func:`measure_or_reason` keeps it (the worker's model id: reference ``@`` pin), or an
-    empty report (``decode_us`` 0) when there is none. Blocking (one small file read)."""
+    empty report (``decode_us`` 0) when there is none; either with this node's measured
+    ``links`` to its peers. Blocking (one small file read)."""
     found = latest(cache_dir, f"{query.package_ref}@{query.pin}", backend)
     if found is None:
-        return SpeedReport(node_id=node_id, nonce=query.nonce, package_ref=query.package_ref)
+        return SpeedReport(
+            node_id=node_id, nonce=query.nonce, package_ref=query.package_ref, links=links
+        )
     measured, layer = found
     return SpeedReport(
         node_id=node_id,
@@ -272,4 +279,5 @@ def speed_report(
         prefill_us=measured.prefill_s * 1e6,
         layer_bytes=measured.layer_bytes,
         disk_bytes_per_s=measured.disk_bytes_per_s,
+        links=links,
     )

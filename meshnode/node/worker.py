@@ -38,6 +38,10 @@ activation, next stage unreachable) is reported to the run's coordinator with th
 id, and an ``Error`` about a request of our run that comes back from our downstream stage
 (it holds another run, or none) is passed on to the coordinator, which fails that request
 instead of waiting for a ``Prediction`` that will never come.
+
+Beside it: the fencing decisions (:mod:`meshnode.node.fencing`), what the worker reports
+of its run (:mod:`meshnode.node.worker_reports`) and the stage a ``Load`` builds
+(:mod:`meshnode.node.stage_build`).
 """
 
 from __future__ import annotations
@@ -47,11 +51,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import psutil
 import trio
-from meshnode_packaging.hub import COMMIT
 from meshnode_packaging.manifest import Part
 from meshnode_packaging.refs import open_ref
 from meshnode_packaging.sources import ModelSource
@@ -60,14 +62,13 @@ from meshnode_protocol import (
     ActivationFrame,
     Claim,
     ClaimAccepted,
-    ClaimRejected,
     Error,
     ErrorCode,
     Inventory,
-    InventoryReport,
     Load,
     Message,
     PeerInfo,
+    PeerLink,
     Prepare,
     PrepareAccepted,
     Ready,
@@ -76,21 +77,20 @@ from meshnode_protocol import (
     Stop,
 )
 
-from meshnode.engine.backend import Backend, BackendError, WeightsDtype, cpu_backend
-from meshnode.engine.config import ModelConfig
-from meshnode.engine.constraint import Grammars
-from meshnode.engine.model import Stage
-from meshnode.engine.readahead import read_ahead
-from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, MAX_RING_SLOTS
-from meshnode.errors import RunError
+from meshnode.engine.backend import Backend
 from meshnode.net.stream import SEND_ERRORS
-from meshnode.node import heap
-from meshnode.node.footprint import check_load
+from meshnode.node.fencing import (
+    claim_rejection,
+    is_downstream_error,
+    prepare_refusal,
+    refusals,
+)
+from meshnode.node.fencing import may_send as may_send  # callers import it here
 from meshnode.node.peer_models import PeerModels
-from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.relay import Relay
-from meshnode.node.selfmeasure import SelfMeasure, measure_or_reason, report_fields, speed_report
-from meshnode.node.stage import StageRunner
+from meshnode.node.selfmeasure import SelfMeasure, measure_or_reason, speed_report
+from meshnode.node.stage_build import build_runner as build_runner  # ditto
+from meshnode.node.worker_reports import inventory_report, run_status
 from meshnode.node.worker_run import (
     DataMessage,
     Preparation,
@@ -110,18 +110,6 @@ SendFn = Callable[[str, Message], Awaitable[None]]
 ConnectFn = Callable[[PeerInfo], Awaitable[None]]
 
 
-def _range(part: Part) -> tuple[int, int]:
-    return (part.start, part.end)
-
-
-def may_send(run: WorkerRun, peer: str, message: Message) -> bool:
-    """Whether ``peer`` may send ``message`` to ``run``: activations come from the stage's
-    upstream (the coordinator when it has none), everything else from the coordinator."""
-    if isinstance(message, ActivationFrame | ActivationBatch):
-        return peer == (run.upstream or run.coordinator)
-    return peer == run.coordinator
-
-
 class Worker:
     """Serves the claim/prepare/load/activation messages of runs (module docstring)."""
 
@@ -136,6 +124,7 @@ class Worker:
         nursery: trio.Nursery,
         peer_models: PeerModels | None = None,
         memory_bytes: int | None = None,
+        links: Callable[[], tuple[PeerLink, ...]] = tuple,
     ) -> None:
         self.node_id = node_id
         self._send = send
@@ -148,31 +137,15 @@ class Worker:
         # only as this node's config says): see meshnode.node.peer_models.
         self._peer_models = peer_models or PeerModels()
         self._memory_bytes = memory_bytes  # what this node offers: bounds a Load's KV
+        # This node's measured links to its peers, told in its reports (node/links.py).
+        self._links = links
         self.run: WorkerRun | None = None
 
     # -- status -----------------------------------------------------------------------
 
     def status(self) -> dict[str, Any] | None:
-        run = self.run
-        if run is None:
-            return None
-        prep = run.preparation
-        body: dict[str, Any] = {
-            "run_id": run.run_id,
-            "term": run.term,
-            "coordinator": run.coordinator,
-            "state": str(run.state),
-        }
-        if prep is not None:
-            body["layers"] = list(_range(prep.part))
-            body["bytes_done"] = prep.bytes_done
-            body["bytes_total"] = prep.bytes_total
-            body["error"] = prep.error
-        if run.runner is not None:
-            body["live_sequences"] = run.runner.live_sequences
-            body["memory"] = run.runner.memory()
-            body["kv"] = run.runner.kv_usage()
-        return body
+        """This node's part in the run that claimed it, if any (:func:`run_status`)."""
+        return None if self.run is None else run_status(self.run)
 
     # -- dispatch -----------------------------------------------------------------------
 
@@ -189,7 +162,7 @@ class Worker:
             if isinstance(message, Prepare):
                 await self._prepare(peer, run, message)
             elif isinstance(message, Inventory):
-                await self._send(peer, inventory_report(self.node_id, run))
+                await self._send(peer, inventory_report(self.node_id, run, self._links()))
             elif isinstance(message, Load):
                 # Building the stage takes seconds: off the session loop, like compute.
                 self._nursery.start_soon(self._load_in_background, peer, run, message)
@@ -200,24 +173,15 @@ class Worker:
         elif isinstance(message, SpeedQuery):  # answered without a claim (node/selfmeasure.py)
             refused = bool(self._peer_models.refusal(message.package_ref))
             cache_dir = None if refused else self._cache_dir  # None: an empty report
-            answer = partial(speed_report, message, self.node_id, self._backend, cache_dir)
+            answer = partial(
+                speed_report, message, self.node_id, self._backend, cache_dir, self._links()
+            )
             await self._send(peer, await trio.to_thread.run_sync(answer))
-        elif isinstance(message, Error) and self._is_downstream_error(peer, message):
+        elif isinstance(message, Error) and is_downstream_error(self.run, peer, message):
             await self._to_coordinator(message)
         else:
             return False
         return True
-
-    def _is_downstream_error(self, peer: str, error: Error) -> bool:
-        """Whether ``error`` is our downstream stage's answer to a frame of our run."""
-        run = self.run
-        return (
-            run is not None
-            and bool(error.request_id)
-            and error.run_id == run.run_id
-            and run.downstream is not None
-            and peer == run.downstream
-        )
 
     async def _to_coordinator(self, error: Error) -> None:
         run = self.run
@@ -253,37 +217,17 @@ class Worker:
         )
 
     async def _fenced(self, peer: str, message: Any) -> WorkerRun | None:
-        """The claimed run ``message`` belongs to, or None after answering an Error.
-
-        Only the run's own sender (:func:`may_send`) learns what this node holds.
-        """
-        run = self.run
-        name = type(message).__name__
-        if run is None or not may_send(run, peer, message):
-            code, text = ErrorCode.UNKNOWN_RUN, f"{name}: no run of yours on this node"
-        elif run.run_id == message.run_id and run.term == message.term:
-            return run
-        else:
-            stale = run.run_id == message.run_id and message.term < run.term
-            code = ErrorCode.STALE_TERM if stale else ErrorCode.UNKNOWN_RUN
-            text = f"{name} for {message.run_id}@{message.term}; this node holds "
-            text += f"{run.run_id}@{run.term}"
-        # A refused step is refused frame by frame: each Error names its request, so the
-        # stages upstream pass it on to the coordinator like any failure of a frame.
-        frames = message.frames if isinstance(message, ActivationBatch) else (message,)
-        for frame in frames:
-            error = Error(
-                code=code,
-                message=text,
-                run_id=message.run_id,
-                term=message.term,
-                request_id=getattr(frame, "request_id", ""),
-            )
+        """The claimed run ``message`` belongs to, or None after answering an Error for
+        each of its frames (:func:`~meshnode.node.fencing.refusals`)."""
+        errors = refusals(self.run, peer, message)
+        if errors is None:
+            return self.run
+        for error in errors:
             await self._send(peer, error)
         return None
 
     async def _prepare(self, peer: str, run: WorkerRun, prepare: Prepare) -> None:
-        refusal = self._refusal(prepare)
+        refusal = prepare_refusal(self._peer_models, prepare)
         if refusal:
             await self._send(peer, run.error(ErrorCode.PREPARE_FAILED, refusal))
             return
@@ -302,14 +246,6 @@ class Worker:
         await self._send(
             peer, PrepareAccepted(run_id=run.run_id, term=run.term, node_id=self.node_id)
         )
-
-    def _refusal(self, prepare: Prepare) -> str:
-        """Why this node will not prepare ``prepare`` (empty: it will)."""
-        if refusal := self._peer_models.refusal(prepare.package_ref):
-            return refusal
-        if prepare.commit and not COMMIT.fullmatch(prepare.commit):
-            return "commit must be 40 lowercase hex digits"
-        return ""
 
     async def _materialize(self, run: WorkerRun, prep: Preparation) -> None:
         try:
@@ -418,47 +354,6 @@ class Worker:
             await run.inbox.send(message)
 
 
-def claim_rejection(node_id: str, run: WorkerRun, peer: str, claim: Claim) -> ClaimRejected:
-    """The refusal of ``claim`` while this node is held by ``run``."""
-    # The run's own coordinator (claiming with an older term) learns which run holds
-    # us; another coordinator learns only that this node is taken.
-    own = peer == run.coordinator
-    return ClaimRejected(
-        run_id=claim.run_id,
-        term=claim.term,
-        node_id=node_id,
-        reason=f"held by run {run.run_id}@{run.term}" if own else "claimed by another node",
-        held_by_run=run.run_id if own else "",
-        held_by_term=run.term if own else 0,
-    )
-
-
-def inventory_report(node_id: str, run: WorkerRun) -> InventoryReport:
-    """What this node holds of ``run``'s part: ready, preparing or missing, and progress."""
-    prep = run.preparation
-    if prep is None:
-        return InventoryReport(run_id=run.run_id, term=run.term, node_id=node_id, package_ref="")
-    ready = prep.source is not None
-    span = (_range(prep.part),)
-    return InventoryReport(
-        run_id=run.run_id,
-        term=run.term,
-        node_id=node_id,
-        package_ref=prep.package_ref,
-        ready=span if ready else (),
-        preparing=() if ready or prep.error else span,
-        missing=span if prep.error else (),
-        embed_ready=ready and prep.part.embed,
-        head_ready=ready and prep.part.head,
-        bytes_done=prep.bytes_done,
-        bytes_total=prep.bytes_total,
-        error=prep.error,
-        busy_ms=busy_ms(run),
-        free_memory=int(psutil.virtual_memory().available),
-        **report_fields(prep.measured if ready else None),
-    )
-
-
 async def measure_part(
     prep: Preparation, source: ModelSource, backend: Backend, cache_dir: Path | None
 ) -> SelfMeasure | str:
@@ -472,83 +367,3 @@ async def measure_part(
             source, prep.part.start, backend, model_id=model_id, cache_dir=cache_dir
         )
     )
-
-
-def busy_ms(run: WorkerRun) -> int:
-    """Milliseconds the run's compute pass in progress has taken so far (0: idle)."""
-    if run.busy_since is None:
-        return 0
-    return max(0, int((trio.current_time() - run.busy_since) * 1000))
-
-
-def run_backend(backend: Backend, cpu_dtype: str) -> Backend:
-    """The backend a stage of a run computes on: a CPU one that keeps GGUF blocks takes
-    the arithmetic the run's host computes in (``cpu_dtype``: ``native`` or ``q8``; empty:
-    ``backend`` as it is), so that every stage of a mesh rounds the same way whatever its
-    own ``--dtype``; a CUDA one, or the CPU's float32 (the parity-debugging mode), is kept.
-    Raises :class:`BackendError` for another ``cpu_dtype`` (a newer host's)."""
-    if cpu_dtype not in ("", "native", "q8"):
-        raise BackendError(f"the run computes in {cpu_dtype!r}; this node knows native and q8")
-    if not cpu_dtype or backend.name != "cpu" or not backend.cpu_blocks:
-        return backend
-    if cpu_dtype != backend.weights_dtype:
-        log.info("this run computes in --dtype %s, the host's (ours: %s)", cpu_dtype,
-                 backend.weights_dtype)  # fmt: skip
-    return cpu_backend(cast(WeightsDtype, cpu_dtype))
-
-
-def build_runner(
-    backend: Backend,
-    source: ModelSource,
-    start: int,
-    end: int,
-    load: Load,
-    memory_bytes: int | None = None,
-) -> StageRunner:
-    """The stage runner ``load`` asks for, over ``source`` (blocking: call off the loop).
-
-    A CPU ``backend`` that keeps GGUF blocks computes in the Load's ``cpu_dtype``, the
-    host's (:func:`run_backend`). Raises ``RunError`` for a snapshot ring larger than a
-    stage keeps, a KV dtype or CPU dtype it does not keep, and for a context the model
-    cannot hold or whose KV alone exceeds
-    ``memory_bytes`` (a peer may ask for
-    anything; each slot and each token of context costs memory per layer and sequence).
-    """
-    if load.ring_slots > MAX_RING_SLOTS:
-        raise RunError(
-            f"Load asks for {load.ring_slots} snapshot-ring slots; a stage keeps at most "
-            f"{MAX_RING_SLOTS}"
-        )
-    try:
-        backend = run_backend(backend, load.cpu_dtype)
-    except BackendError as exc:
-        raise RunError(f"Load: {exc}") from exc
-    config = ModelConfig.from_hf(source.config)
-    paged = backend.name == "cpu"  # a CPU stage keeps a pool of KV blocks (issue 30)
-    kv = check_load(
-        config, start, end, load.context_size, memory_bytes, load.kv_dtype, prefix_pool=paged
-    )
-    stage = Stage(
-        config,
-        source,
-        start,
-        end,
-        embed=load.has_embed,
-        head=load.has_head,
-        backend=backend,
-        ring_slots=load.ring_slots or DEFAULT_RING_SLOTS,
-        kv_dtype=load.kv_dtype,
-    )
-    # the mesh is short of memory: some of the layers come from disk (planner)
-    read_ahead(stage, short=memory_bytes is not None and stage.weights.nbytes() + kv > memory_bytes)
-    # Only a last stage enforces grammars; it reads the tokenizer at its first one.
-    grammars = Grammars(lambda: source.tokenizer_json, config.vocab_size, config.eos_token_ids)
-    runner = StageRunner(
-        stage,
-        context_size=load.context_size,
-        max_sequences=MAX_SEQUENCES_PER_STAGE,
-        grammars=grammars if load.has_head else None,
-        prefix_salt=load.run_id,  # hook (issue 30): the host's chain keys are the run's
-    )
-    heap.release_free_memory()  # what opening the model and loading the stage freed
-    return runner

@@ -13,6 +13,7 @@ from meshnode_protocol._records import (
     PROTOCOL_VERSION,
     Message,
     PeerInfo,
+    PeerLink,
     Range,
     check_range,
 )
@@ -193,8 +194,10 @@ class InventoryReport(Message):
     empty: not measured): per layer and token, ``decode_us`` (one row), ``batch_us`` (eight
     rows in one pass, per row), ``prefill_us`` (a prompt chunk, per row), over a layer of
     ``layer_bytes`` weight bytes; ``disk_bytes_per_s``, the model file's read rate;
-    ``free_memory`` now; ``measure_error``, why it could not measure. Claims: the
-    coordinator bounds them (the codec checks only types)."""
+    ``free_memory`` now; ``measure_error``, why it could not measure. ``links``: the node's
+    measured links to its peers (round trip and rate), so that the planner can time the
+    hop between two workers' stages. Claims: the coordinator bounds them (the codec checks
+    only types)."""
 
     TYPE: ClassVar[int] = 16
     run_id: str
@@ -217,6 +220,7 @@ class InventoryReport(Message):
     disk_bytes_per_s: float = 0.0
     free_memory: UInt = 0
     measure_error: str = ""
+    links: tuple[PeerLink, ...] = ()
 
     def _validate(self) -> None:
         for name in ("ready", "missing", "preparing"):
@@ -244,8 +248,9 @@ class SpeedQuery(Message):
 class SpeedReport(Message):
     """Node → host: the answer to a ``SpeedQuery``; the fields of an ``InventoryReport``'s
     measurement, of the layer ``layer`` it timed. ``decode_us`` 0: nothing measured (the
-    node's cache holds no measurement for this model on this machine). Claims: the host
-    bounds them as it bounds an ``InventoryReport``'s (the codec checks only types)."""
+    node's cache holds no measurement for this model on this machine). ``links`` as in an
+    ``InventoryReport``, measured or not. Claims: the host bounds them as it bounds an
+    ``InventoryReport``'s (the codec checks only types)."""
 
     TYPE: ClassVar[int] = 22
     node_id: str
@@ -257,6 +262,7 @@ class SpeedReport(Message):
     prefill_us: float = 0.0
     layer_bytes: UInt = 0
     disk_bytes_per_s: float = 0.0
+    links: tuple[PeerLink, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

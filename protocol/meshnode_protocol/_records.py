@@ -1,5 +1,5 @@
 """The protocol's version and features, the bases of every wire record, and the records
-nested in messages (:class:`PeerInfo`, :class:`Sampling`).
+nested in messages (:class:`PeerInfo`, :class:`PeerLink`, :class:`Sampling`).
 
 The messages themselves are in ``_control`` (membership and the run's bring-up) and
 ``_data`` (the data plane); ``_messages`` gathers them and their type tags.
@@ -91,6 +91,17 @@ class PeerInfo(Record):
     address: str
     device_kind: str = ""
     usable_memory: UInt = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerLink(Record):
+    """A node's measured link to one of its peers (issue 34): the heartbeat's round trip in
+    µs and the link probe's rate in bytes a second (0: not measured). Claims: the receiver
+    bounds them (the codec checks only types)."""
+
+    node_id: str
+    rtt_us: float = 0.0
+    bytes_per_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -39,6 +39,7 @@ from meshnode_protocol._messages import (
     Load,
     Message,
     PeerInfo,
+    PeerLink,
     Prediction,
     PredictionBatch,
     Prepare,
@@ -109,6 +110,15 @@ EXAMPLES: Final[dict[str, Message]] = {
     "speed_report_none": SpeedReport(
         node_id="node-b", nonce=4, package_ref="hf://org/smollm2@main"
     ),
+    "speed_report_links": SpeedReport(
+        node_id="node-b",
+        nonce=5,
+        package_ref="hf://org/smollm2@main",
+        links=(
+            PeerLink(node_id="node-a", rtt_us=412.0, bytes_per_s=1.1e8),
+            PeerLink(node_id="node-c", rtt_us=2_750.5),
+        ),
+    ),
     "error": Error(code=100, message="term 2 is older than 3", run_id="run-7f3a", term=2),
     "error_fatal": Error(code=1, message="bad CBOR header", fatal=True),
     "claim": Claim(
@@ -173,6 +183,17 @@ EXAMPLES: Final[dict[str, Message]] = {
         layer_bytes=2_216_448,
         disk_bytes_per_s=1.5e9,
         free_memory=4_294_967_296,
+    ),
+    "inventory_report_links": InventoryReport(
+        run_id=_RUN_ID,
+        term=_TERM,
+        node_id="node-b",
+        package_ref="hf://org/smollm2@main",
+        preparing=((10, 20),),
+        links=(
+            PeerLink(node_id="node-a", rtt_us=412.0, bytes_per_s=1.1e8),
+            PeerLink(node_id="node-c", rtt_us=850.0, bytes_per_s=2.5e5),
+        ),
     ),
     "load": Load(
         run_id=_RUN_ID,

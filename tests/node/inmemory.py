@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import trio
 from meshnode_packaging.refs import open_ref
-from meshnode_protocol import Message, PeerInfo, decode_frame, encode_frame
+from meshnode_protocol import Message, PeerInfo, PeerLink, decode_frame, encode_frame
 
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.config import ModelConfig
@@ -89,7 +89,16 @@ class InMemoryMesh:
         self._changed = trio.Event()
 
 
-def add_worker(mesh: InMemoryMesh, node_id: str, cache_dir: Path, nursery: trio.Nursery) -> None:
+def add_worker(
+    mesh: InMemoryMesh,
+    node_id: str,
+    cache_dir: Path,
+    nursery: trio.Nursery,
+    links: tuple[PeerLink, ...] = (),
+) -> None:
+    """A real worker ``node_id`` on ``mesh``; ``links``: what it reports of its links to its
+    peers (the daemon's are measured: node/links.py)."""
+
     async def send(peer: str, message: Message) -> None:
         await mesh.deliver(node_id, peer, message)
 
@@ -97,7 +106,13 @@ def add_worker(mesh: InMemoryMesh, node_id: str, cache_dir: Path, nursery: trio.
         assert info.node_id == HOST or info.node_id in mesh.workers
 
     mesh.workers[node_id] = Worker(
-        node_id, send, connect=connect, backend=cpu_backend(), cache_dir=cache_dir, nursery=nursery
+        node_id,
+        send,
+        connect=connect,
+        backend=cpu_backend(),
+        cache_dir=cache_dir,
+        nursery=nursery,
+        links=lambda: links,
     )
 
 

@@ -53,10 +53,21 @@ def test_host_status_shows_model_plan_progress_and_requests() -> None:
     lines = text.splitlines()
     stage_rows = [line.split() for line in lines if line.startswith(("0 ", "1 "))]
     assert stage_rows == [
-        ["0", "aaaa", "0-11", "+embed", "ready", "local", "-"],
-        ["1", "bbbb", "12-29", "+head", "preparing", "5.0/10.0", "MiB", "2500", "MB/s"],
+        ["0", "aaaa", "0-11", "+embed", "ready", "local", "-", "-"],
+        ["1", "bbbb", "12-29", "+head", "preparing", "5.0/10.0", "MiB", "2500", "MB/s", "-"],
     ]
     assert any(line.startswith("bbbb") and "alive" in line for line in lines)
+
+
+def test_the_plan_shows_the_hop_into_each_stage_and_the_link_it_crosses() -> None:
+    body = host_body("ready")
+    stages = body["host"]["stages"]
+    stages[1].update(hop_from="aaaa", hop_ms=0.5, link_mbytes_per_s=None)
+    stages.append({"node_id": "cccc", "layers": [30, 30], "state": "ready", "hop_from": "bbbb",
+                   "hop_ms": 1311.07, "link_mbytes_per_s": 0.05})  # fmt: skip
+    rows = [line for line in format_status(body).splitlines() if line.startswith(("1 ", "2 "))]
+    assert rows[0].endswith("0.50 ms from aaaa (link not measured)")
+    assert rows[1].endswith("1311.07 ms from bbbb (0.050 MB/s)")
 
 
 def test_worker_status_shows_its_own_stage() -> None:

@@ -1,10 +1,11 @@
 """A suspect stage is dropped on evidence, not on one late heartbeat (issue 35's leftover).
 
-The coordinator's watch (:meth:`Coordinator._watch`) runs on trio's autojump clock against
-a mesh whose membership is the real peer table (:mod:`meshnode.node.membership`), fed as
-the daemon feeds it: a heartbeat from each peer every ``interval_s`` and a ``Tick`` every
-half interval. The pipeline is a stand-in that says since when its passes have gone
-unanswered (``RemotePipeline.stalled_since``; the real one is checked at the end). Default
+The coordinator's watch (:func:`meshnode.node.replacing.watch`) runs on trio's autojump
+clock against a mesh whose membership is the real peer table
+(:mod:`meshnode.node.membership`), fed as the daemon feeds it: a heartbeat from each peer
+every ``interval_s`` and a ``Tick`` every half interval. The pipeline is a stand-in that
+says since when its passes have gone unanswered (``RemotePipeline.stalled_since``; the
+real one is checked at the end). Default
 timeouts: heartbeats every 1 s, suspect after 3 s, dead after 10 s, a 2 s grace.
 """
 
@@ -39,6 +40,7 @@ from meshnode.node.mesh import CoordinatorSettings
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame
 from meshnode.node.planner import NodeCapacity, Plan, plan
 from meshnode.node.remote import RemotePipeline
+from meshnode.node.replacing import watch
 from meshnode.node.worker import Worker
 from tests.engine.tiny import write_tiny_model
 from tests.node.inmemory import (
@@ -201,7 +203,7 @@ async def _watch(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(mesh.run)
         with trio.move_on_after(WATCH_S):
-            loss = await coordinator._watch(placed, cast(RemotePipeline, pipeline))
+            loss = await watch(coordinator, placed, cast(RemotePipeline, pipeline))
             ended.append((loss, trio.current_time()))
         nursery.cancel_scope.cancel()
     return ended[0] if ended else None
