@@ -66,7 +66,7 @@ def host_status(
         "wire_dtype": coordinator.settings.wire_dtype,
         "stages": stages,
         # what the serving plan's layer split follows: "speed" once every node is
-        # measured and that is faster (docs/placement.md), else "memory"
+        # measured and that is faster (docs/architecture.md, "Placement"), else "memory"
         "placed_by": "speed" if placed and placed.measured else "memory",
         "calibration": coordinator.calibration,
         "cooling_off": decided.cooling_off(now),
