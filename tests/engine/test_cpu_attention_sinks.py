@@ -52,9 +52,7 @@ def _sinks(heads: int, rng: np.random.Generator) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", KV, ids=KV_IDS)
 @pytest.mark.parametrize("shape", SINK_SHAPES, ids=str)
-def test_sinks_match_the_reference_in_decode_verify_and_prefill(
-    shape: Shape, dtype: type
-) -> None:
+def test_sinks_match_the_reference_in_decode_verify_and_prefill(shape: Shape, dtype: type) -> None:
     """Prefills (short through the kernel, long through the reference), then a batch of
     a decode row, a verify window and a new prefill, the last layer keeping some rows:
     the kernel's softmax with the sink term agrees with the reference's, and differs
