@@ -9,7 +9,9 @@ attention over it. :class:`Attention` does it with the functions of
 over GGUF blocks) does every short segment (decode, verify windows, short prompts: see
 :data:`KERNEL_MAX_ROWS`) in one compiled call per layer (:mod:`meshnode.engine.cpu.attention`)
 and longer ones (prefill) a block of query rows at a time through BLAS
-(:func:`blocked_attention`).
+(:func:`blocked_attention`), or with gpt-oss's sinks through the reference. Qwen3.5's gated
+attention rotates its own queries and keys and hands its short passes to the same kernel
+(:func:`rotated_attention`).
 
 RoPE's cos/sin come from a table per kind of layer (:class:`RopeTable`), computed once
 for positions ``0 .. P`` with :func:`ops.rope_cos_sin` and grown as sequences get longer,

@@ -26,6 +26,13 @@ rows cut into parts where there would be fewer than two tasks per thread): the s
 computes each head wherever it runs. The rotation is the reference's expression
 (``x * cos - x' * sin``, not fused), with cos/sin from the caller's table.
 
+Two variants for mixture-of-experts families (issue 31): gpt-oss's learned per-head sink
+logit joins each query's softmax as one more score past its keys (its weight lands where
+no value is read: the reference's concatenated column, :func:`meshnode.engine.ops.attention`);
+and a RoPE table of no positions takes queries and keys that come normed and rotated
+(Qwen3.5's gated attention, whose partial RoPE and ``[query; gate]`` heads its caller
+unpacks: :func:`meshnode.engine.attention.rotated_attention`).
+
 Shapes: N rows of the batch, H query heads, Hkv key/value heads, G = H / Hkv, D head dim
 (a multiple of 16), L layers of the cache, Tmax its positions, P positions of the RoPE
 table.
