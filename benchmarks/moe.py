@@ -3,9 +3,9 @@ its chosen experts hold multiplied as one dense matrix.
 
 Run: ``.venv/bin/python benchmarks/moe.py [--shapes qwen3-30b-a3b gpt-oss-20b]
 [--rows 1 8] [--modes exact q8] [--repeats 30] [--threads 1] [--layers 4]``;
-``--attention [--context 1024]``: one attention layer of each shape instead, compiled
-against the NumPy path a row at a time that gpt-oss's sinks took before
-(:mod:`benchmarks.moe_attention`).
+``--attention [--context 1024]``: one attention layer of each shape instead, and
+Qwen3.5's gated attention, compiled against the NumPy path a row at a time that they took
+before (:mod:`benchmarks.moe_attention`).
 
 The layer is layer 0 of the real-size random GGUF (:mod:`benchmarks.realsize_moe_gguf`,
 ``--layers`` deep, 4 by default as ``realsize_moe.py --layers 4`` writes it, cached in
@@ -161,6 +161,7 @@ def main() -> None:
     if args.attention:
         for shape in args.shapes:
             moe_attention.run(shape, args.layers, args.context, args.repeats)
+        moe_attention.gated(args.context, args.repeats)
         return
     cols = (*STEPS[:-1], "other", "dense")
     print(f"median thread CPU ms per call, {args.threads} kernel thread(s), layer 0")

@@ -17,6 +17,11 @@ one layer's call after the q/k/v projection, as ``model.Stage`` makes it:
 Medians of the thread CPU time (ms) of ``--repeats`` calls, the two taken in turn (robust
 on a busy machine), one kernel thread. Cases: one decode row, eight sequences' decode
 rows, one verify window of 8 rows; a sliding layer (0) and a full one (1).
+
+Then Qwen3.5's gated attention (:data:`GATED`: Qwen3-Next-80B-A3B's and Qwen3.5-MoE's 16
+heads / 2 KV heads of 256) for one sequence, its queries and keys rotated:
+``rotated_attention`` (the kernel) against ``reference_heads`` after ``KVCache.write``
+(before), a decode row and a window of 8.
 """
 
 from __future__ import annotations
@@ -31,11 +36,19 @@ from meshnode_packaging.sources import open_source
 
 from benchmarks.realsize_moe_gguf import cached_gguf
 from meshnode.engine import ModelConfig
-from meshnode.engine.attention import Attention, KernelAttention, Segment
+from meshnode.engine.attention import (
+    Attention,
+    KernelAttention,
+    Segment,
+    reference_heads,
+    rotated_attention,
+)
 from meshnode.engine.kv_cache import KVCache
 
 # (name, sequences, rows each)
 CASES = (("decode 1", 1, 1), ("decode 8", 8, 1), ("window 8", 1, 8))
+# Qwen3.5's gated attention layers: query heads, KV heads, head dim
+GATED = (16, 2, 256)
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -63,17 +76,13 @@ def profile(
     sinks = rng.uniform(-1.0, 3.0, c.num_heads).astype(np.float32)
     plan = attn.prepare(segs)
     norms = (None, None)
-    calls = {
+    calls: dict[str, Callable[[], Any]] = {
         "kernel": lambda: attn(qkv, segs, plan, layer, norms, True, sinks),
         "by rows": lambda: Attention.__call__(attn, qkv, segs, plan, layer, norms, True, sinks),
     }
     got = [np.asarray(fn()) for fn in calls.values()]  # compiled and warm; the same result
     np.testing.assert_allclose(got[0], got[1], atol=1e-4)
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    for _ in range(repeats):
-        for name, fn in calls.items():
-            times[name].append(_timed(fn))
-    kernel, rows_ms = (1e3 * statistics.median(times[k]) for k in calls)
+    kernel, rows_ms = _medians(calls, repeats)
     return kernel, rows_ms
 
 
@@ -90,3 +99,48 @@ def run(shape: str, layers: int, context: int, repeats: int) -> None:
             kernel, by_rows = profile(config, layer, sequences, rows, context, repeats)
             cells = f"{kernel:>8.3f} {by_rows:>8.3f} {by_rows / kernel:>7.1f}x"
             print(f"{kind:<14} {name:<9} {cells}", flush=True)
+
+
+def gated(context: int, repeats: int) -> None:
+    """Print the gated attention's table (:data:`GATED`, one sequence)."""
+    heads, kv_heads, dim = GATED
+    print(f"gated attention: {heads} heads / {kv_heads} KV heads of {dim}, {context} cached")
+    print(f"{'case':<9} {'kernel':>8} {'by rows':>8} {'speedup':>8}")
+    for name, rows in (("decode 1", 1), ("window 8", 8)):
+        kernel, old = _gated_case(context, rows, repeats)
+        print(f"{name:<9} {kernel:>8.3f} {old:>8.3f} {old / kernel:>7.1f}x", flush=True)
+
+
+def _gated_case(context: int, rows: int, repeats: int) -> list[float]:
+    """Median ms of ``rows`` rows' gated attention through the kernel and by rows."""
+    heads, kv_heads, dim = GATED
+    rng = np.random.default_rng(rows)
+    cache = KVCache(np, 1, kv_heads, dim, context + rows)
+    cache.k[0, :, :context] = rng.standard_normal((kv_heads, context, dim))
+    cache.v[0, :, :context] = rng.standard_normal((kv_heads, context, dim))
+    qkv = rng.standard_normal((rows, (heads + 2 * kv_heads) * dim)).astype(np.float32)
+    q = qkv[:, : heads * dim].reshape(rows, heads, dim).transpose(1, 0, 2)  # [H, r, D]
+    kv = qkv[:, heads * dim :].reshape(rows, 2, kv_heads, dim).transpose(1, 2, 0, 3)
+    scale = dim**-0.5
+
+    def by_rows() -> Any:
+        keys, values = cache.write(0, context, kv[0], kv[1])  # [Hkv, T, D]
+        out = reference_heads(np, q, keys, values, scale)  # [H, r, D]
+        return out.transpose(1, 0, 2).reshape(rows, heads * dim)
+
+    calls: dict[str, Callable[[], Any]] = {
+        "kernel": lambda: rotated_attention(qkv, context, rows, cache, 0, heads, scale),
+        "by rows": by_rows,
+    }
+    got = [np.asarray(fn()) for fn in calls.values()]  # compiled and warm; the same result
+    np.testing.assert_allclose(got[0], got[1], atol=1e-4)
+    return _medians(calls, repeats)
+
+
+def _medians(calls: dict[str, Callable[[], Any]], repeats: int) -> list[float]:
+    """Median ms of each call over ``repeats`` rounds, the calls taken in turn."""
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            times[name].append(_timed(fn))
+    return [1e3 * statistics.median(times[k]) for k in calls]
