@@ -2,7 +2,10 @@
 its chosen experts hold multiplied as one dense matrix.
 
 Run: ``.venv/bin/python benchmarks/moe.py [--shapes qwen3-30b-a3b gpt-oss-20b]
-[--rows 1 8] [--modes exact q8] [--repeats 30] [--threads 1] [--layers 4]``
+[--rows 1 8] [--modes exact q8] [--repeats 30] [--threads 1] [--layers 4]``;
+``--attention [--context 1024]``: one attention layer of each shape instead, and
+Qwen3.5's gated attention, compiled against the NumPy path a row at a time that they took
+before (:mod:`benchmarks.moe_attention`).
 
 The layer is layer 0 of the real-size random GGUF (:mod:`benchmarks.realsize_moe_gguf`,
 ``--layers`` deep, 4 by default as ``realsize_moe.py --layers 4`` writes it, cached in
@@ -42,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meshnode_packaging.sources import RawTensor, open_source
 
+from benchmarks import moe_attention
 from benchmarks.realsize_moe_gguf import cached_gguf
 from meshnode.engine import ModelConfig
 from meshnode.engine.backend import cpu_backend
@@ -150,8 +154,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--layers", type=int, default=4, help="the cached file's depth")
+    parser.add_argument("--attention", action="store_true", help="time attention instead")
+    parser.add_argument("--context", type=int, default=1024, help="with --attention")
     args = parser.parse_args()
     set_kernel_threads(args.threads)
+    if args.attention:
+        for shape in args.shapes:
+            moe_attention.run(shape, args.layers, args.context, args.repeats)
+        moe_attention.gated(args.context, args.repeats)
+        return
     cols = (*STEPS[:-1], "other", "dense")
     print(f"median thread CPU ms per call, {args.threads} kernel thread(s), layer 0")
     print(f"{'shape':<14} {'mode':<6} {'rows':>4} " + " ".join(f"{k:>8}" for k in cols))

@@ -9,7 +9,9 @@ attention over it. :class:`Attention` does it with the functions of
 over GGUF blocks) does every short segment (decode, verify windows, short prompts: see
 :data:`KERNEL_MAX_ROWS`) in one compiled call per layer (:mod:`meshnode.engine.cpu.attention`)
 and longer ones (prefill) a block of query rows at a time through BLAS
-(:func:`blocked_attention`).
+(:func:`blocked_attention`), or with gpt-oss's sinks through the reference. Qwen3.5's gated
+attention rotates its own queries and keys and hands its short passes to the same kernel
+(:func:`rotated_attention`).
 
 RoPE's cos/sin come from a table per kind of layer (:class:`RopeTable`), computed once
 for positions ``0 .. P`` with :func:`ops.rope_cos_sin` and grown as sequences get longer,
@@ -43,6 +45,7 @@ __all__ = [
     "blocked_attention",
     "kept_rows",
     "reference_heads",
+    "rotated_attention",
 ]
 
 # Which segments the compiled kernel takes: up to KERNEL_MAX_ROWS rows (decode, verify
@@ -230,9 +233,9 @@ class KernelAttention(Attention):
         last: bool,
         sinks: Any | None = None,
     ) -> Any:
-        """As :meth:`Attention.__call__`; the kernel's segments in one call (the kernel
-        has no sinks: a layer with them runs the reference, a segment at a time)."""
-        if plan is None or sinks is not None:
+        """As :meth:`Attention.__call__`; the kernel's segments in one call (gpt-oss's
+        sinks too: one more logit in each query's softmax)."""
+        if plan is None:
             return super().__call__(qkv, segs, plan, layer, norms, last, sinks)
         k = _kernels()
         qkv = np.ascontiguousarray(qkv, dtype=np.float32)
@@ -242,7 +245,8 @@ class KernelAttention(Attention):
         q_norm, k_norm = (self._none if n is None else np.asarray(n, np.float32) for n in norms)
         window = self.windows[layer] or 0
         rope = (table.cos, table.sin)
-        keep = (qkv, out, plan, segs, q_norm, k_norm, rope)  # what the kernel reads by address
+        sink = self._none if sinks is None else np.ascontiguousarray(sinks, np.float32)
+        keep = (qkv, out, plan, segs, q_norm, k_norm, rope, sink)  # what the kernel reads
         reads = self._reads[2 if last else 1] if self._reads[0] is plan else None
         if self._kv[0] is plan:
             kv = self._kv[1]
@@ -250,13 +254,13 @@ class KernelAttention(Attention):
             kv = _kv_kind([seg.cache for i, seg in enumerate(segs) if plan[i, k.KERNEL]])
         k.attend_shared(
             qkv, plan, layer, self.config.num_heads, (q_norm, k_norm), self._eps,
-            rope, self._scale, window, last, out, keep, reads, kv,
+            rope, self._scale, window, last, out, keep, reads, kv, sink,
         )  # fmt: skip
         offset = row = 0
         for i, (seg, rows) in enumerate(zip(segs, kept, strict=True)):
             if not plan[i, k.KERNEL]:  # a long segment: the reference, through BLAS
                 part = qkv[offset : offset + seg.n]
-                out[row : row + rows] = self.attend(part, seg, layer, norms, rows)
+                out[row : row + rows] = self.attend(part, seg, layer, norms, rows, sinks)
             offset, row = offset + seg.n, row + rows
         return out
 
@@ -327,6 +331,33 @@ def blocked_attention(
     return out.reshape(heads, rows, dim)
 
 
+def rotated_attention(
+    qkv: np.ndarray, start: int, rows: int, cache: Any, layer: int, heads: int, scale: float
+) -> np.ndarray:
+    """One sequence's attention through the compiled kernel (:mod:`.cpu.attention`) when
+    its queries and keys come normed and rotated (Qwen3.5's gated attention, whose partial
+    RoPE and ``[query; gate]`` heads the caller unpacks): ``qkv`` ``[S, (H + 2 Hkv) D]``
+    float32 in C order (the rotated queries, of which the last ``rows`` are read; the
+    rotated keys; the values) of S new rows from ``start``, written into ``cache``'s layer
+    ``layer``; returns the last ``rows`` rows' attention ``[r, H D]``, each row the bits of
+    a decode step at its position (a verify window's rows are its steps'). For segments of
+    up to :data:`KERNEL_MAX_ROWS` rows; raises ``ValueError`` when the cache is full,
+    before anything is written."""
+    k, n = _kernels(), qkv.shape[0]
+    if start + n > cache.max_tokens:
+        raise ValueError(f"KV cache full: {start + n} > {cache.max_tokens} tokens")
+    dim = cache.k.shape[-1]
+    table = k.segment_table([(n, rows, start, True, cache)])
+    out = np.empty((rows, heads * dim), np.float32)  # [r, H D]
+    none, rope = np.zeros(0, np.float32), np.zeros((0, dim), np.float32)  # no norm, no RoPE
+    keep = (qkv, out, table, cache, none, rope)  # what the kernel reads by address
+    k.attend_shared(
+        qkv, table, layer, heads, (none, none), np.float32(0), (rope, rope),
+        np.float32(scale), 0, True, out, keep, None, k.kv_kind(cache.k.dtype),
+    )  # fmt: skip
+    return out
+
+
 def reference_heads(
     xp: Any,
     q: Any,
@@ -336,8 +367,9 @@ def reference_heads(
     window: int | None = None,
     sinks: Any | None = None,
 ) -> Any:
-    """The reference's heads (:func:`ops.attention`) for a layer the compiled kernel does
-    not run (gpt-oss's sinks, Qwen3.5's gated attention): up to :data:`KERNEL_MAX_ROWS`
+    """The reference's heads (:func:`ops.attention`) where the compiled kernel does not
+    run (a head dimension not a multiple of sixteen, a backend without it: gpt-oss's
+    sinks, Qwen3.5's gated attention): up to :data:`KERNEL_MAX_ROWS`
     query rows (decode, verify windows) a row at a time (:func:`ops.attention_by_rows`:
     a window's rows are its decode steps' bits, as the kernel's are), more in one call.
     ``q`` ``[H, r, D]``, ``keys``/``values`` ``[Hkv, T, D]``; returns ``[H, r, D]``."""

@@ -7,9 +7,12 @@ the stage first rolls it back to ``start_pos`` (KV truncation plus a ring restor
 every DeltaNet layer keeps its state after each of the pass's last ``ring_slots`` rows.
 
 Batched verify: the projections and the MLP of a layer run on all rows of the pass at
-once; the delta-rule recurrence steps through the rows one by one, and so does the gated
-attention of a short pass (:func:`~meshnode.engine.attention.reference_heads`: a verify
-window's rows are the bits of its decode steps).
+once; the delta-rule recurrence steps through the rows one by one. The gated attention of
+a short pass (up to ``KERNEL_MAX_ROWS`` rows: decode, a verify window) runs in the CPU's
+compiled kernel over GGUF blocks (:func:`~meshnode.engine.attention.rotated_attention`,
+the queries and keys normed and rotated here), elsewhere in the reference a row at a time
+(:func:`~meshnode.engine.attention.reference_heads`): either way a verify window's rows
+are the bits of its decode steps.
 
 Shapes: S new rows, r rows whose output is wanted, E hidden, C conv channels, Hk/Hv
 DeltaNet key/value heads, Dk/Dv their dims, H/Hkv attention heads, D their dim.
@@ -25,7 +28,12 @@ import numpy as np
 from meshnode_packaging.sources import ModelSource
 
 from meshnode.engine import deltanet, ops
-from meshnode.engine.attention import Segment, reference_heads
+from meshnode.engine.attention import (
+    KERNEL_MAX_ROWS,
+    Segment,
+    reference_heads,
+    rotated_attention,
+)
 from meshnode.engine.backend import Backend
 from meshnode.engine.hybrid_config import HybridConfig
 from meshnode.engine.hybrid_weights import (
@@ -121,6 +129,9 @@ class HybridMixer:
         inv_freq = np.asarray(config.rope_inv_freq(), dtype=np.float32)
         self.rope_inv_freq = backend.asarray(inv_freq)  # [R/2] (the MTP layer's too)
         self._scale = float(1.0 / np.sqrt(config.head_dim))
+        # whether short passes' attention takes the compiled kernel (rotated_attention),
+        # which steps over the head dimension sixteen lanes at a time
+        self._kernel = backend.cpu_blocks and config.head_dim % 16 == 0
 
     def new_cache(self, max_tokens: int) -> HybridCache:
         """An empty cache for one sequence of up to ``max_tokens`` positions."""
@@ -255,6 +266,14 @@ class HybridMixer:
         v = kv_rows[:, 1].transpose(1, 0, 2)
         q = deltanet.partial_rotate_half(xp, q, cos[n - rows :], sin[n - rows :])
         k = deltanet.partial_rotate_half(xp, k, cos, sin)
+        if self._kernel and n <= KERNEL_MAX_ROWS:  # [S, (H + 2 Hkv) D], the kernel's layout
+            q_size, kv_size = heads * d, c.num_kv_heads * d
+            rotated = np.zeros((n, q_size + 2 * kv_size), np.float32)
+            rotated[n - rows :, :q_size] = q.transpose(1, 0, 2).reshape(rows, q_size)
+            rotated[:, q_size : q_size + kv_size] = k.transpose(1, 0, 2).reshape(n, kv_size)
+            rotated[:, q_size + kv_size :] = v.transpose(1, 0, 2).reshape(n, kv_size)
+            out = rotated_attention(rotated, pos, rows, kv, layer, heads, self._scale)
+            return out * deltanet.sigmoid(xp, gate)  # [r, H D]
         keys, values = kv.write(layer, pos, k, v)  # [Hkv, T, D]
         out = reference_heads(xp, q, keys, values, self._scale)  # [H, r, D]
         return out.transpose(1, 0, 2).reshape(rows, heads * d) * deltanet.sigmoid(xp, gate)

@@ -10,6 +10,12 @@ sigmoid-gated shared expert), written by ``convert_hf_to_gguf``'s ``Qwen3_5TextM
   the MLP, ``post_attention_norm``; the attention and expert names are the common ones;
 - :func:`qwen35_config`: the ``config.json`` keys of its metadata (``ssm.*``,
   ``full_attention_interval``, ``rope.dimension_count``, the shared expert's size);
+- the MTP module (:func:`mtp_name`): the converter (``_QwenMtpMixin``) writes it as
+  ``nextn_predict_layers`` more blocks after the model's (``block_count`` counts them):
+  the decoder layer's tensors under their usual names at block ``L``, and ``mtp.fc``,
+  ``mtp.pre_fc_norm_embedding``/``_hidden`` and ``mtp.norm`` as
+  ``nextn.eh_proj``/``enorm``/``hnorm``/``shared_head_norm`` (norms plus one, as every
+  other); they go back to the checkpoint's ``mtp.*`` names, and the layer count to L;
 - :func:`qwen35_tensor`: a tensor back in the checkpoint's layout. The converter stores
   ``ssm_a`` as ``-exp(A_log)`` (canonical name ``linear_attn.A``, which the engine takes
   as it is: a logarithm would not give the bits back), squeezes the conv to ``[C, K]``,
@@ -29,7 +35,7 @@ import numpy as np
 from meshnode_packaging.quants import dequantize
 from meshnode_packaging.source_types import RawTensor
 
-__all__ = ["QWEN35_ARCHS", "QWEN35_NAMES", "qwen35_config", "qwen35_tensor"]
+__all__ = ["QWEN35_ARCHS", "QWEN35_NAMES", "mtp_name", "qwen35_config", "qwen35_tensor"]
 
 QWEN35_ARCHS = frozenset({"qwen35", "qwen35moe"})
 # llama.cpp's default when the GGUF has no full_attention_interval (Qwen3NextModel)
@@ -47,17 +53,37 @@ QWEN35_NAMES: dict[str, str] = {
     "blk.{i}.ssm_dt.bias": _L + "dt_bias",
     "blk.{i}.ssm_norm.weight": _L + "norm.weight",
     "blk.{i}.ssm_out.weight": _L + "out_proj.weight",
+    # the MTP module's own tensors, at its first block (mtp_name moves them to mtp.*)
+    "blk.{i}.nextn.eh_proj.weight": "layers.{i}.mtp.fc.weight",
+    "blk.{i}.nextn.enorm.weight": "layers.{i}.mtp.pre_fc_norm_embedding.weight",
+    "blk.{i}.nextn.hnorm.weight": "layers.{i}.mtp.pre_fc_norm_hidden.weight",
+    "blk.{i}.nextn.shared_head_norm.weight": "layers.{i}.mtp.norm.weight",
 }
+
+
+def mtp_name(canonical: str, layers: int) -> str:
+    """``canonical`` (a tensor of a block of the file) under the checkpoint's name: a
+    block from ``layers`` on (the MTP module's, ``nextn_predict_layers`` of them) as
+    ``mtp.layers.{j}.*``, or the module's own ``mtp.*``; any other as it is."""
+    if not canonical.startswith("layers."):
+        return canonical
+    _, block, rest = canonical.split(".", 2)
+    if int(block) < layers:
+        return canonical
+    return rest if rest.startswith("mtp.") else f"mtp.layers.{int(block) - layers}.{rest}"
 
 
 def qwen35_config(meta: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
     """The hybrid's ``config.json`` keys from a ``qwen35``/``qwen35moe`` GGUF's metadata
-    (``meta(key)`` reads ``{arch}.key``) whose common keys are ``config``."""
-    layers = int(config["num_hidden_layers"])
+    (``meta(key)`` reads ``{arch}.key``) whose common keys are ``config`` (its
+    ``num_hidden_layers``, ``block_count``, less the MTP module's blocks)."""
+    mtp = int(meta("nextn_predict_layers", 0))
+    layers = int(config["num_hidden_layers"]) - mtp
     interval = int(meta("full_attention_interval", DEFAULT_FULL_ATTENTION_INTERVAL))
     value_heads = int(meta("ssm.time_step_rank"))
     head_dim = int(config["head_dim"])
     out: dict[str, Any] = {
+        "num_hidden_layers": layers,
         # llama.cpp: layer i is recurrent unless (i + 1) % interval == 0
         "layer_types": [
             "full_attention" if (i + 1) % interval == 0 else "linear_attention"
@@ -70,6 +96,8 @@ def qwen35_config(meta: Callable[..., Any], config: dict[str, Any]) -> dict[str,
         "linear_value_head_dim": int(meta("ssm.inner_size")) // value_heads,
         "partial_rotary_factor": int(meta("rope.dimension_count", head_dim)) / head_dim,
     }
+    if mtp:
+        out["mtp_num_hidden_layers"] = mtp
     shared = meta("expert_shared_feed_forward_length")
     if shared:
         out["shared_expert_intermediate_size"] = int(shared)

@@ -14,7 +14,7 @@ import numpy as np
 
 from meshnode_packaging.gguf_config import GGUF_ARCHITECTURES, gguf_config
 from meshnode_packaging.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor, forget_pages
-from meshnode_packaging.gguf_qwen35 import QWEN35_ARCHS, qwen35_tensor
+from meshnode_packaging.gguf_qwen35 import QWEN35_ARCHS, mtp_name, qwen35_tensor
 from meshnode_packaging.names import ROPE_FREQS, gguf_to_canonical
 from meshnode_packaging.quants import dequantize
 from meshnode_packaging.sampling import GGUF_SAMPLING_KEYS, sampling_numbers
@@ -55,9 +55,10 @@ VOCABULARY_ARRAYS = (
 
 def arch_shifts_norm(shift: float, name: str) -> bool:
     """Whether canonical tensor ``name`` is a norm weight the converter shifted by
-    ``shift`` (every RMSNorm's but the Gated DeltaNet's own gated norm, which Qwen3.5's
-    checkpoint and converter both keep as it is)."""
-    return bool(shift) and name.endswith("norm.weight") and ".linear_attn." not in name
+    ``shift`` (every RMSNorm's, the MTP module's too, but the Gated DeltaNet's own gated
+    norm, which Qwen3.5's checkpoint and converter both keep as it is)."""
+    norm = name.endswith("norm.weight") or name.startswith("mtp.pre_fc_norm_")
+    return bool(shift) and norm and ".linear_attn." not in name
 
 
 class GGUFSource:
@@ -68,8 +69,11 @@ class GGUFSource:
         self.path = path
         arch = str(self._reader.get("general.architecture", ""))
         self._tensors: dict[str, GGUFTensor] = {}
+        layers = self._model_blocks(arch)
         for t in self._reader.tensors:
             canonical = gguf_to_canonical(t.name, arch)
+            if canonical is not None and layers is not None:  # Qwen3.5: its MTP module
+                canonical = mtp_name(canonical, layers)
             if canonical is not None:
                 self._tensors[canonical] = t
         self.config = gguf_config(self._reader, set(self._tensors))
@@ -95,6 +99,14 @@ class GGUFSource:
         # The vocabulary lives on in tokenizer_json; its arrays as Python objects held
         # 8.5 MiB (SmolLM2) to 32 MiB (Gemma 3) for as long as the source is open.
         self._reader.drop(VOCABULARY_ARRAYS)
+
+    def _model_blocks(self, arch: str) -> int | None:
+        """A Qwen3.5 file's model blocks, ``block_count`` less its MTP module's (None for
+        another architecture)."""
+        if arch not in QWEN35_ARCHS:
+            return None
+        blocks = int(self._reader.get(f"{arch}.block_count", 0))
+        return blocks - int(self._reader.get(f"{arch}.nextn_predict_layers", 0))
 
     def tensor_names(self) -> list[str]:
         """Canonical names of every tensor meshnode uses from this file."""

@@ -20,7 +20,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from tests.conftest import GOLDEN_DIR
-from tests.engine.moe_qwen35 import qwen35_layer, qwen35_metadata
+from tests.engine.moe_qwen35 import qwen35_layer, qwen35_metadata, qwen35_mtp
 from tests.engine.tiny import MERGES, SPECIALS, llama_permute, vocabulary
 
 MOE_DIR = GOLDEN_DIR / "moe"
@@ -49,17 +49,18 @@ def _config(folder: Path) -> dict[str, Any]:
     return data
 
 
-def write_gguf_twin(model: str, path: Path, *, per_expert: bool = False) -> Path:
+def write_gguf_twin(model: str, path: Path, *, per_expert: bool = False, mtp: bool = False) -> Path:
     """The reference ``model``'s weights (one of :data:`MODELS`, or a dense reference of
     ``tests/golden/tiny`` in :data:`DENSE_ARCH`) as a float32 GGUF at ``path``; returns it. The
     experts as 3-D tensors (``ffn_*_exps``), or with ``per_expert`` one tensor each, as
-    llama.cpp's first Mixtral GGUFs name them (``ffn_gate.E.weight``)."""
+    llama.cpp's first Mixtral GGUFs name them (``ffn_gate.E.weight``); with ``mtp`` the
+    folder's MTP module (``mtp.safetensors``) as one more block (Qwen3.5)."""
     folder = MOE_DIR / model if model in MODELS else GOLDEN_DIR / "tiny" / model
     c = _config(folder)
     arch = {**GGUF_ARCH, **DENSE_ARCH}[c["model_type"]]
     t = load_file(str(folder / "model.safetensors"))
     w = gguf.GGUFWriter(path, arch)
-    _metadata(w, arch, c)
+    _metadata(w, arch, c, 1 if mtp else 0)
     w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
     w.add_tensor("output.weight", t["lm_head.weight"])
     shift = np.float32(1.0 if arch in QWEN35 else 0.0)  # its converter adds one
@@ -73,6 +74,11 @@ def write_gguf_twin(model: str, path: Path, *, per_expert: bool = False) -> Path
             layer = _layer(t, c, arch, i, per_expert)
         for name, data in layer.items():
             w.add_tensor(f"blk.{i}.{name}", np.ascontiguousarray(data, dtype=np.float32))
+    if mtp:
+        module = qwen35_mtp(load_file(str(folder / "mtp.safetensors")), c)
+        for name, data in module.items():
+            blk = f"blk.{c['num_hidden_layers']}.{name}"
+            w.add_tensor(blk, np.ascontiguousarray(data, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -143,9 +149,11 @@ def _gpt_oss_experts(t: dict[str, np.ndarray], p: str) -> dict[str, Any]:
     }
 
 
-def _metadata(w: gguf.GGUFWriter, arch: str, c: dict[str, Any]) -> None:
+def _metadata(w: gguf.GGUFWriter, arch: str, c: dict[str, Any], mtp: int = 0) -> None:
     experts = c.get("num_experts") or c.get("num_local_experts")
-    w.add_block_count(c["num_hidden_layers"])
+    w.add_block_count(c["num_hidden_layers"] + mtp)  # the converter counts MTP blocks
+    if mtp:
+        w.add_nextn_predict_layers(mtp)
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     if "intermediate_size" in c:  # a MoE config without a dense size writes none

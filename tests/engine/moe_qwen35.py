@@ -77,6 +77,23 @@ def qwen35_layer(t: dict[str, np.ndarray], c: dict[str, Any], i: int) -> dict[st
     }
 
 
+def qwen35_mtp(t: dict[str, np.ndarray], c: dict[str, Any]) -> dict[str, Any]:
+    """The MTP module as ``_QwenMtpMixin`` writes it, at block L (the model's layer
+    count): its decoder layer's tensors under a full-attention layer's names, and
+    ``fc`` / ``pre_fc_norm_*`` / ``norm`` as ``nextn.eh_proj`` / ``enorm`` / ``hnorm`` /
+    ``shared_head_norm``, every norm plus one."""
+    last = c["num_hidden_layers"]
+    layer = {f"model.layers.{last}.{k[len('mtp.layers.0.') :]}": v for k, v in t.items()}
+    full = {**c, "layer_types": [*c["layer_types"], "full_attention"]}
+    one = np.float32(1.0)
+    return qwen35_layer(layer, full, last) | {
+        "nextn.eh_proj.weight": t["mtp.fc.weight"],
+        "nextn.enorm.weight": t["mtp.pre_fc_norm_embedding.weight"] + one,
+        "nextn.hnorm.weight": t["mtp.pre_fc_norm_hidden.weight"] + one,
+        "nextn.shared_head_norm.weight": t["mtp.norm.weight"] + one,
+    }
+
+
 def qwen35_metadata(w: gguf.GGUFWriter, c: dict[str, Any]) -> None:
     """The keys ``Qwen3NextModel.set_gguf_parameters`` adds to Qwen2-MoE's."""
     types = c["layer_types"]

@@ -124,8 +124,10 @@ class Twin:
         qkvs: list[np.ndarray],
         norms: tuple[object, object],
         last: bool = False,
+        sinks: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Every layer of one forward on both sides; the last layer's outputs."""
+        """Every layer of one forward on both sides (each with ``sinks``, if given); the
+        last layer's outputs."""
         outs = []
         for attn, caches in zip((self.kernel, self.reference), self.caches, strict=True):
             segs = []
@@ -135,7 +137,7 @@ class Twin:
             plan = attn.prepare(segs)
             qkv = np.concatenate(qkvs)
             for layer in range(LAYERS):
-                out = attn(qkv, segs, plan, layer, norms, last and layer == LAYERS - 1)
+                out = attn(qkv, segs, plan, layer, norms, last and layer == LAYERS - 1, sinks)
             for (i, start, _), q in zip(parts, qkvs, strict=True):
                 caches[i].length = start + len(q)
             outs.append(out)
@@ -264,10 +266,11 @@ def test_a_segment_is_bit_identical_alone_and_in_any_batch(shape: Shape, dtype: 
 
 def _window_rows(
     c: ModelConfig, norms: tuple[object, object], prompt: np.ndarray, window: np.ndarray,
-    kept: int, at_once: bool, dtype: type = np.float32,
+    kept: int, at_once: bool, dtype: type = np.float32, sinks: np.ndarray | None = None,
 ) -> np.ndarray:  # fmt: skip
     """The last layer's attention of ``window``'s last ``kept`` rows after ``prompt``
-    (every layer given the same q/k/v): one forward of all its rows, or one per row."""
+    (every layer given the same q/k/v, and ``sinks``): one forward of all its rows, or
+    one per row."""
     attn = KernelAttention(np, c, 0, LAYERS)
     cache = KVCache(np, LAYERS, c.num_kv_heads, c.head_dim, CONTEXT, dtype=dtype)
 
@@ -276,7 +279,7 @@ def _window_rows(
         segs = [Segment(start, len(qkv), rows, cache)]
         plan = attn.prepare(segs)
         for layer in range(LAYERS):
-            out = attn(qkv, segs, plan, layer, norms, layer == LAYERS - 1)
+            out = attn(qkv, segs, plan, layer, norms, layer == LAYERS - 1, sinks)
         cache.length = start + len(qkv)
         return np.asarray(out)
 

@@ -364,9 +364,11 @@ def test_sinks_take_a_share_of_each_rows_attention() -> None:
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("sinks", [False, True])
 def test_a_windows_rows_by_rows_are_its_decode_steps_bits(window: int | None, sinks: bool) -> None:
-    """gpt-oss's sinks and Qwen3.5's gated attention run the reference's heads: a verify
-    window's rows one at a time (``ops.attention_by_rows``) are the bits of decode steps
-    at their positions (one-row calls over the cache's keys so far), and the attention."""
+    """Where the compiled kernel does not run (a head dimension not a multiple of 16,
+    another backend), gpt-oss's sinks and Qwen3.5's gated attention run the reference's
+    heads: a verify window's rows one at a time (``ops.attention_by_rows``) are the bits
+    of decode steps at their positions (one-row calls over the cache's keys so far), and
+    the attention."""
     rng = np.random.default_rng(3)
     heads, kv_heads, dim, t, rows = 16, 4, 64, 37, 7
     cache = rng.standard_normal((2, kv_heads, 64, dim)).astype(np.float32)  # [2, Hkv, T, D]

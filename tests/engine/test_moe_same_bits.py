@@ -125,8 +125,8 @@ def test_a_rows_logits_are_the_same_bits_alone_and_batched_on_any_threads(
 def test_a_verify_windows_logits_are_the_decode_steps_bits(
     case: tuple[Stage, list[list[int]]], runs: dict[str, Logits]
 ) -> None:
-    """gpt-oss's attention with sinks and Qwen3.5's gated attention, which the compiled
-    kernel does not run, take a window's rows one at a time
-    (:func:`meshnode.engine.attention.reference_heads`): NumPy's batched products summed
-    otherwise for another row count (strict xfails until then)."""
+    """gpt-oss's attention with sinks and Qwen3.5's gated attention run a window's rows
+    in the compiled kernel (issue 31; before, NumPy a row at a time), each row summed in
+    its decode step's order (NumPy's batched products had summed otherwise for another
+    row count: strict xfails until a row at a time)."""
     _assert_same(case, runs, "verify windows")

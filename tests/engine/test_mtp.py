@@ -3,14 +3,19 @@ chunked feeding equals one pass, rollback cuts its KV, and chained drafts are it
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+from meshnode_packaging.quants import dequantize
+from meshnode_packaging.sources import open_source
 
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.deltanet import sigmoid
 from meshnode.engine.model import Stage
 from meshnode.engine.mtp import MtpHead
-from tests.engine.hybrid_model import HybridFolder, hybrid_golden
+from tests.engine.hybrid_model import HYBRID_DIR, HybridFolder, hybrid_golden
+from tests.engine.moe_models import write_gguf_twin
 
 PROMPT = hybrid_golden()["prompts"][2]["prompt_ids"]  # 40 tokens
 
@@ -110,3 +115,31 @@ def test_the_mtp_layers_mlp_takes_each_segments_path(stage: Stage) -> None:
     alone = [mtp.stage.mlp(mtp.weights.layer, part) for part in (x[:3], x[3:])]
     assert np.array_equal(both, np.concatenate(alone))
     assert not np.array_equal(both[:3], mtp.stage.mlp(mtp.weights.layer, x)[:3])
+
+
+def test_the_mtp_module_loads_from_a_gguf_as_llama_cpp_writes_it(
+    stage: Stage, tmp_path: Path
+) -> None:
+    """llama.cpp's converter writes the MTP module as one more block (``block_count`` 9,
+    ``nextn_predict_layers`` 1, ``nextn.*`` beside the layer's tensors): read back as the
+    checkpoint's ``mtp.*`` tensors (norms less one), the model still 8 layers, and the
+    module's drafts the checkpoint's."""
+    source = open_source(str(write_gguf_twin(HYBRID_DIR.name, tmp_path / "mtp.gguf", mtp=True)))
+    folder = HybridFolder()
+    names = sorted(n for n in folder.tensor_names() if n.startswith("mtp."))
+    assert sorted(n for n in source.tensor_names() if n.startswith("mtp.")) == names
+    assert not [n for n in source.tensor_names() if n.startswith("layers.8.")]
+    for name in names:
+        raw = source.tensor(name)
+        got = np.asarray(dequantize(raw), np.float32).reshape(raw.shape)
+        np.testing.assert_allclose(got, folder.array(name), atol=1e-6, err_msg=name)
+    config = ModelConfig.from_hf(source.config)
+    assert config.num_layers == stage.config.num_layers == 8
+    twin = Stage(config, source, 0, 8, embed=True, head=True)
+    h = _hidden(stage, PROMPT)
+    drafts = []
+    for st in (stage, twin):
+        mtp = _mtp(st)
+        cache = mtp.new_cache(64)
+        drafts.append(mtp.draft(cache, mtp.absorb(cache, 0, h, PROMPT, 7), 4))
+    assert drafts[0] == drafts[1]

@@ -26,6 +26,13 @@ rows cut into parts where there would be fewer than two tasks per thread): the s
 computes each head wherever it runs. The rotation is the reference's expression
 (``x * cos - x' * sin``, not fused), with cos/sin from the caller's table.
 
+Two variants for mixture-of-experts families (issue 31): gpt-oss's learned per-head sink
+logit joins each query's softmax as one more score past its keys (its weight lands where
+no value is read: the reference's concatenated column, :func:`meshnode.engine.ops.attention`);
+and a RoPE table of no positions takes queries and keys that come normed and rotated
+(Qwen3.5's gated attention, whose partial RoPE and ``[query; gate]`` heads its caller
+unpacks: :func:`meshnode.engine.attention.rotated_attention`).
+
 Shapes: N rows of the batch, H query heads, Hkv key/value heads, G = H / Hkv, D head dim
 (a multiple of 16), L layers of the cache, Tmax its positions, P positions of the RoPE
 table.
@@ -124,7 +131,8 @@ def kv_kind(dtype: Any) -> np.float32 | np.uint16:
 
 @njit(nogil=True, cache=True)
 def _norm_rope(src, s0, weight, eps, cos, sin, pos, tmp, dst, d0):  # type: ignore[no-untyped-def]
-    # dst[d0 : d0 + D] = RoPE(rms_norm(src[s0 : s0 + D]) or src's values), rotate-half
+    # dst[d0 : d0 + D] = RoPE(rms_norm(src[s0 : s0 + D]) or src's values), rotate-half;
+    # a table of no positions: no rotation (the caller's queries and keys come rotated)
     d = cos.shape[1]
     half = d // 2
     if weight.shape[0] > 0:
@@ -138,6 +146,10 @@ def _norm_rope(src, s0, weight, eps, cos, sin, pos, tmp, dst, d0):  # type: igno
     else:
         for i in range(d):
             tmp[i] = src[s0 + i]
+    if cos.shape[0] == 0:
+        for i in range(d):
+            dst[d0 + i] = tmp[i]
+        return
     for i in range(half):
         a, b = tmp[i], tmp[i + half]
         dst[d0 + i] = a * cos[pos, i] - b * sin[pos, i]
@@ -218,8 +230,8 @@ def _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_row)
     # for the query heads of KV head g (its cache written) into oflat's rows from o_row
     # (the segment's first query row's), up to qbuf's rows at a time, each block of keys
     # and values read once for those rows; ``how`` is (q_norm, eps, cos, sin, scale,
-    # window, last, kv)
-    q_norm, eps, cos, sin, scale, window, last, kv = how
+    # window, sinks, last, kv)
+    q_norm, eps, cos, sin, scale, window, sinks, last, kv = how
     qbuf, tmp, scores = bufs  # [B G D], [_scratch(D)], [B G stride]
     d = cos.shape[1]
     kv_heads = (w // d - heads) // 2
@@ -250,7 +262,12 @@ def _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_row)
         for r in range(rows):
             t = pos0 + r + 1 - first_key(pos0 + r, window)
             for k in range(r * group, (r + 1) * group):
-                softmax(scores, k * stride + PAD, t)
+                s0 = k * stride + PAD
+                if sinks.shape[0] == 0:
+                    softmax(scores, s0, t)
+                else:  # the head's sink: one more score past the keys, whose weight no value takes
+                    scores[s0 + t] = sinks[g * group + k - r * group]
+                    softmax(scores, s0, t + 1)
         o = (o_row + i0 - first) * q_size + g * group * d
         args = (d, stride, oflat, o, q_size, tmp, qbuf)  # qbuf: the queries are spent
         weighted_values(scores, group, vh, blocks, pos0, rows, window, *args)
@@ -268,7 +285,7 @@ def _out_rows(table, last):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last, out, kv):  # type: ignore[no-untyped-def]
+def queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, sinks, last, out, kv):  # type: ignore[no-untyped-def]
     """The attention of every kernel segment's query rows into ``out``, their keys and
     values already in the caches (:func:`write_kv`); arguments as :func:`attend`'s."""
     d = cos.shape[1]
@@ -283,7 +300,7 @@ def queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last
         np.empty(most * group * stride, np.float32),
     )
     o_rows = _out_rows(table, last)
-    how = (q_norm, eps, cos, sin, scale, window, last, kv)
+    how = (q_norm, eps, cos, sin, scale, window, sinks, last, kv)
     for s in range(table.shape[0]):
         if table[s, KERNEL]:
             n = table[s, NEW]
@@ -293,20 +310,25 @@ def queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last
 
 
 @njit(nogil=True, cache=True)
-def attend(qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, window, last, out, kv):  # type: ignore[no-untyped-def]
+def attend(  # type: ignore[no-untyped-def]
+    qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, window, sinks, last, out, kv
+):
     """For every segment of ``table`` marked for the kernel: write its new keys and values
     into its cache at layer ``layer`` and its query rows' attention into ``out``.
 
     ``qkv`` ``[N, (H + 2 Hkv) D]`` (C order) is the fused projection of the batch's rows;
     ``q_norm``/``k_norm`` ``[D]`` are QK-norm weights (empty: none); ``cos``/``sin``
-    ``[P, D]`` the RoPE table of the layer's kind (P past every new position);
-    ``window`` the sliding window (0: none). ``out`` ``[R, H D]`` gets a segment's rows
-    at its place in the batch: all its new rows, or in the ``last`` layer its kept ones.
+    ``[P, D]`` the RoPE table of the layer's kind (P past every new position; a table
+    of no positions, ``[0, D]``: no rotation, the queries and keys come rotated);
+    ``window`` the sliding window (0: none); ``sinks`` ``[H]`` the heads' sink logits
+    (gpt-oss: one more logit in each query's softmax, with no value; empty: none).
+    ``out`` ``[R, H D]`` gets a segment's rows at its place in the batch: all its new
+    rows, or in the ``last`` layer its kept ones.
     ``kv`` is :func:`kv_kind` of the caches' dtype: float32 caches, or float16 ones
     (written rounded to nearest, read widened; the arithmetic stays float32).
     """
     write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin, kv)
-    queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last, out, kv)
+    queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, sinks, last, out, kv)
 
 
 # -- the query groups shared with the kernel threads (.pool) ----------------------------
@@ -318,7 +340,8 @@ def attend(qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, windo
 # ROW_BLOCK), or fewer where that makes at least TASKS_PER_THREAD tasks per thread.
 QKV, N, W, TABLE, SEGS, LAYER, HEADS, QN, QN_LEN, EPS, COS, SIN = range(12)
 POSITIONS, SCALE, WINDOW, LAST, OUT, OUT_ROWS, TASKS, KV_HEADS, MOST, STRIDE = range(12, 22)
-HEADER = 22
+SINKS, SINKS_LEN = range(22, 24)
+HEADER = 24
 TASKS_PER_THREAD = 2
 
 
@@ -340,7 +363,9 @@ def _part_rows(table, last, kv_heads, threads):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def task_args(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last, out, threads):  # type: ignore[no-untyped-def]
+def task_args(  # type: ignore[no-untyped-def]
+    qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, sinks, last, out, threads
+):
     """The argument block of a shared :func:`queries` call (its arguments, and the threads
     that may share it) and its number of tasks; long enough that a thread's scratch (4
     floats per word) holds its buffers."""
@@ -369,6 +394,7 @@ def task_args(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, la
     a[LAYER], a[HEADS], a[QN], a[QN_LEN] = layer, heads, q_norm.ctypes.data, q_norm.shape[0]
     a[COS], a[SIN], a[POSITIONS] = cos.ctypes.data, sin.ctypes.data, cos.shape[0]
     a[WINDOW], a[LAST], a[OUT], a[OUT_ROWS] = window, last, out.ctypes.data, out.shape[0]
+    a[SINKS], a[SINKS_LEN] = sinks.ctypes.data, sinks.shape[0]
     a[TASKS], a[KV_HEADS], a[MOST], a[STRIDE] = parts * kv_heads, kv_heads, most, stride
     f[2 * EPS], f[2 * SCALE] = eps, scale
     a[HEADER : HEADER + segs] = _out_rows(table, last)
@@ -396,6 +422,7 @@ def _run_chunk(st_addr, who, ch, kv):  # type: ignore[no-untyped-def]
     flat = carray(ptr_f32(head[QKV]), (head[N] * w,))
     table = carray(ptr_i64(head[TABLE]), (segs, COLUMNS))
     q_norm = carray(ptr_f32(head[QN]), (head[QN_LEN],))
+    sinks = carray(ptr_f32(head[SINKS]), (head[SINKS_LEN],))
     cos = carray(ptr_f32(head[COS]), (head[POSITIONS], d))
     sin = carray(ptr_f32(head[SIN]), (head[POSITIONS], d))
     oflat = carray(ptr_f32(head[OUT]), (head[OUT_ROWS] * heads * d,))
@@ -411,7 +438,7 @@ def _run_chunk(st_addr, who, ch, kv):  # type: ignore[no-untyped-def]
     first = (ch * rows + pool.CHUNK_ROWS - 1) // pool.CHUNK_ROWS
     end = min(tasks, ((ch + 1) * rows + pool.CHUNK_ROWS - 1) // pool.CHUNK_ROWS)
     layer, window, last = head[LAYER], head[WINDOW], head[LAST] != 0
-    how = (q_norm, eps, cos, sin, scale, window, last, kv)
+    how = (q_norm, eps, cos, sin, scale, window, sinks, last, kv)
     for t in range(first, end):
         at, g = segs + 3 * (t // kv_heads), t % kv_heads
         s, rows_of = rest[at], (rest[at + 1], rest[at + 2])
@@ -444,6 +471,7 @@ SHARED_MIN_READS = 4096
 _EMPTY = np.zeros((0, 0), np.uint8)
 _NO_OUT = np.zeros((1, 1), np.float32)
 _F32 = np.float32(0)
+_NO_SINKS = np.zeros(0, np.float32)
 
 
 def reads(table: np.ndarray, heads: int, last: bool) -> int:
@@ -468,6 +496,7 @@ def attend_shared(
     keep: object,
     keys: int | None = None,
     kv: np.float32 | np.uint16 = _F32,
+    sinks: np.ndarray = _NO_SINKS,
 ) -> None:
     """As :func:`attend` (``norms`` are ``(q_norm, k_norm)``, ``rope`` ``(cos, sin)``),
     the query groups shared with the kernel threads (:mod:`.pool`) when more than one may
@@ -475,16 +504,18 @@ def attend_shared(
     by the same code on whichever thread: the result is bit-identical to :func:`attend`'s.
     ``keep`` holds every array the call reads or writes (the caches too): the pool keeps it
     while a descheduled helper may still run a chunk of it. ``keys``: :func:`reads` of the
-    call, if the caller knows it; ``kv``: :func:`kv_kind` of the caches."""
+    call, if the caller knows it; ``kv``: :func:`kv_kind` of the caches; ``sinks``: the
+    heads' sink logits (float32, C order; empty: none)."""
     (q_norm, k_norm), (cos, sin) = norms, rope
     threads = matrix._threads_here()
     if threads < 2 or (reads(table, heads, last) if keys is None else keys) < SHARED_MIN_READS:
         attend(
-            qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, window, last, out, kv
-        )
+            qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, window, sinks, last,
+            out, kv,
+        )  # fmt: skip
         return
     write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin, kv)
-    args = (qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, last, out)
+    args = (qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, sinks, last, out)
     block, tasks = task_args(*args, threads)
     parts = (np.zeros((tasks * pool.CHUNK_ROWS, 1), np.uint8), _EMPTY, _EMPTY)
     chunk = _chunk(isinstance(kv, np.uint16))
