@@ -116,6 +116,10 @@ async def test_a_calibration_that_runs_out_of_time_leaves_the_memory_plan(
 ) -> None:
     reference = greedy_reference(hub_ref[1])
     monkeypatch.setattr(calibration, "TIMEOUT_S", 0.2)  # read when calibrate() is called
+    # This test is about the calibration's outcome. The serving watch (step 6) may still
+    # re-place by the nodes' self-measured claims, and on a busy machine it did so before
+    # this task read the status (seen once at load 11): keep it out.
+    monkeypatch.setattr(speeds.PassMeter, "due", lambda self, now: False)
     slowing = [True]
     mesh = InMemoryMesh(host_memory=1 << 34)
     async with trio.open_nursery() as nursery:
