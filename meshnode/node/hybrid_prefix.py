@@ -137,4 +137,3 @@ class HybridPrefix(StagePrefix):
             "prefix_miss_tokens": s.stats.miss_tokens,
             "prefix_evicted_snapshots": s.stats.evicted,
         }
-

@@ -332,12 +332,14 @@ class PrefixIndex:
     def _believed(self, frame: StepFrame, keys: list[bytes]) -> list[bytes]:
         """The keys every stage holds after ``frame``'s pass (``keys``: its sequence's
         committed blocks'): all of them, or on hybrid stages the boundary a prefill pass
-        ended at (:meth:`HybridPrefix.written <meshnode.node.hybrid_prefix.HybridPrefix.written>`)."""
+        ended at, where each stage kept a snapshot (``HybridPrefix.written``,
+        :mod:`meshnode.node.hybrid_prefix`)."""
         if not self.snapshots:
             return keys
         end = frame.end_pos
-        at_boundary = frame.kind is FrameKind.PREFILL and end % self.block == 0
-        return [keys[end // self.block - 1]] if at_boundary and len(keys) * self.block >= end else []
+        if frame.kind is not FrameKind.PREFILL or end % self.block or len(keys) * self.block < end:
+            return []
+        return [keys[end // self.block - 1]]
 
     def missed(self, prompt: Sequence[int]) -> None:
         """A stage lacked ``prompt``'s prefix: believe none of its blocks any more."""

@@ -207,8 +207,9 @@ class StageRunner:
 
     def kv_usage(self) -> dict[str, int]:
         """How full this stage's KV caches are: live sequences of at most ``max_sequences``,
-        and positions held of what they may hold together (:meth:`~meshnode.node.prefix.StagePrefix.capacity_tokens`);
-        with a prefix pool, its blocks and hit/miss tokens (``prefix_…``)."""
+        and positions held of what they may hold together
+        (:meth:`~meshnode.node.prefix.StagePrefix.capacity_tokens`); with a prefix pool, its
+        blocks (or a hybrid stage's snapshots) and hit/miss tokens (``prefix_…``)."""
         # One C-level copy: the compute thread may add a sequence while the loop reads.
         live = list(self._sequences.values())
         return {
