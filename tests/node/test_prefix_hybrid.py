@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import trio
 
+from meshnode.cli.mesh import format_status
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.model import Stage
 from meshnode.engine.prefix_cache import PREFIX_BLOCK_TOKENS as B
@@ -35,10 +36,12 @@ from meshnode.node.local import LocalPipeline
 from meshnode.node.pipeline import FrameKind, Pipeline, RequestId, StepFrame, StepResult
 from meshnode.node.prefix import PrefixIndex, host_pools, note_pass, note_release
 from meshnode.node.stage import StageRunner
+from meshnode.serve.node_metrics import status_metrics
 from meshnode.speculative.ngram import NgramProposer
 from meshnode.speculative.proposer import Proposer
 from meshnode.speculative.window import WindowPolicy
 from tests.engine.hybrid_model import HybridFolder, hybrid_golden
+from tests.node.test_status_text import host_body
 
 CONTEXT = 320
 GREEDY = SamplingParams(temperature=0.0)
@@ -334,3 +337,33 @@ def test_snapshot_pool_bounds_and_misses(whole: Stage) -> None:
         fresh.rollback(B - 1)  # the ring holds nothing before the snapshot
     with pytest.raises(ValueError, match="empty cache"):
         fresh.restore(cache.snapshot())
+
+
+HYBRID_KV = {
+    "sequences": 1,
+    "max_sequences": 8,
+    "used_tokens": 40,
+    "capacity_tokens": 2048,
+    "prefix_snapshots": 3,
+    "prefix_snapshots_max": 16,
+    "prefix_snapshot_bytes": 5000,
+    "prefix_snapshot_budget_bytes": 90000,
+    "prefix_block_tokens": 32,
+    "prefix_hit_tokens": 96,
+    "prefix_miss_tokens": 150,
+    "prefix_evicted_snapshots": 1,
+}
+
+
+def test_metrics_and_status_show_a_hybrid_stages_snapshots() -> None:
+    lines = list(status_metrics({"run": {"kv": HYBRID_KV}}))
+    assert 'meshnode_prefix_cache_snapshots{role="worker"} 3' in lines
+    assert 'meshnode_prefix_cache_snapshot_bytes{role="worker"} 5000' in lines
+    assert 'meshnode_prefix_cache_hit_tokens_total{role="worker"} 96' in lines
+    assert 'meshnode_prefix_cache_evicted_snapshots_total{role="worker"} 1' in lines
+    assert not any("prefix_cache_blocks" in line for line in lines)
+    body = host_body("ready")
+    body["host"]["kv"] = HYBRID_KV
+    text = format_status(body).splitlines()
+    want = "3 snapshots of at most 16 (5000 bytes); 96 prompt tokens reused, 150 computed"
+    assert f"prefix   stage 0: {want}" in text
