@@ -102,12 +102,7 @@ class HybridPrefix(StagePrefix):
     def written(self, frame: StepFrame, cache: Any) -> None:
         """After ``frame``'s forward: note its tokens, and keep a snapshot when it is a
         prefill pass that ended at a block boundary."""
-        if self.snaps is None:
-            return
-        seq = self._seqs.setdefault(frame.request_id, _Tracked())
-        if frame.kind is FrameKind.PREFILL:
-            self.snaps.stats.miss_tokens += len(frame.tokens)
-        if frame.start_pos > len(seq.tokens):  # a gap: never for a frame the stage took
+        if self.snaps is None or (seq := self._track(frame, self.snaps.stats)) is None:
             return
         block = PREFIX_BLOCK_TOKENS
         del seq.keys[frame.start_pos // block :]

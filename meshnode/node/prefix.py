@@ -215,12 +215,7 @@ class StagePrefix:
     def written(self, frame: StepFrame, cache: Any) -> None:
         """After ``frame``'s forward: note what ``cache`` now holds and store the blocks
         that became committed."""
-        if self.pool is None:
-            return
-        seq = self._seqs.setdefault(frame.request_id, _Tracked())
-        if frame.kind is FrameKind.PREFILL:
-            self.pool.stats.miss_tokens += len(frame.tokens)
-        if frame.start_pos > len(seq.tokens):  # a gap: never for a frame the stage took
+        if self.pool is None or (seq := self._track(frame, self.pool.stats)) is None:
             return
         block = self.pool.block
         if frame.start_pos < len(seq.keys) * block:  # rewritten (a refold, a replay)
@@ -233,6 +228,14 @@ class StagePrefix:
         if full > seq.tried:
             seq.keys += self.pool.store(seq.tokens[: full * block], cache, len(seq.keys))
             seq.tried = full
+
+    def _track(self, frame: StepFrame, stats: Any) -> _Tracked | None:
+        """The record of ``frame``'s sequence, its prefill rows counted as computed in
+        ``stats``; None when the frame leaves a gap (never for a frame the stage took)."""
+        seq = self._seqs.setdefault(frame.request_id, _Tracked())
+        if frame.kind is FrameKind.PREFILL:
+            stats.miss_tokens += len(frame.tokens)
+        return None if frame.start_pos > len(seq.tokens) else seq
 
     def release(self, request_id: RequestId) -> None:
         """The sequence ended (its cache emptied first): its keyed blocks stay cached,

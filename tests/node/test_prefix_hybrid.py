@@ -30,17 +30,14 @@ from meshnode.engine.snapshots import SnapshotPool
 from meshnode.generation.driver import generate
 from meshnode.generation.prefix import prefill_pieces
 from meshnode.generation.records import GenerationRun, Speculation
-from meshnode.generation.state import GenerationParams, GenerationState
 from meshnode.node.hybrid_prefix import HybridPrefix
 from meshnode.node.local import LocalPipeline
 from meshnode.node.pipeline import FrameKind, Pipeline, RequestId, StepFrame, StepResult
 from meshnode.node.prefix import PrefixIndex, host_pools, note_pass, note_release
 from meshnode.node.stage import StageRunner
 from meshnode.serve.node_metrics import status_metrics
-from meshnode.speculative.ngram import NgramProposer
-from meshnode.speculative.proposer import Proposer
-from meshnode.speculative.window import WindowPolicy
 from tests.engine.hybrid_model import HybridFolder, hybrid_golden
+from tests.node.test_prefix import NGRAM, _run
 from tests.node.test_status_text import host_body
 
 CONTEXT = 320
@@ -49,14 +46,6 @@ SEEDED = SamplingParams(temperature=0.9, top_k=20, seed=1234)
 _IDS = [t for p in hybrid_golden()["prompts"] for t in p["prompt_ids"]]
 SYSTEM = (_IDS * 8)[: 3 * B + 5]  # a shared "system prompt" of the reference's tokens
 Output = list[tuple[int, float]]
-
-
-class SilentDetokenizer:
-    def push(self, token: int) -> str:
-        return ""
-
-    def flush(self) -> str:
-        return ""
 
 
 @pytest.fixture(scope="module")
@@ -110,24 +99,6 @@ class TwoStages:
             self.a.release(request_id)
             self.b.release(request_id)
         note_release(self.prefix, request_id)
-
-
-def _run(
-    name: str, prompt: Sequence[int], sampling: SamplingParams, *, cache: bool = True, n: int = 12
-) -> GenerationRun:
-    params = GenerationParams(
-        max_new_tokens=n, sampling=sampling, top_logprobs=2, cache_prompt=cache
-    )
-    return GenerationRun(
-        RequestId(name), list(prompt), params, GenerationState(params, SilentDetokenizer())
-    )
-
-
-def _ngram(params: SamplingParams, capacity: int) -> Proposer:
-    return NgramProposer()
-
-
-NGRAM = Speculation(_ngram, WindowPolicy("fixed", 3, 1, 3), strategy="ngram")
 
 
 async def _drive(pipeline: Pipeline, run: GenerationRun, spec: Speculation | None = None) -> Output:
