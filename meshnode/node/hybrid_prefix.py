@@ -1,8 +1,9 @@
 """The stage side of prefix sharing on a hybrid stage (issue 30; the rule is in
 :mod:`meshnode.node.prefix`): recurrent-state snapshots at block boundaries.
 
-After each prefill pass that ends at a block boundary (the host cuts a prompt's prefill at
-multiples of the block and at the prompt's last boundary,
+After each prefill piece of at least a block that ends at a block boundary
+(:func:`~meshnode.node.prefix.snapshot_at`; the host cuts a prompt's prefill at multiples
+of the block and at the prompt's last boundary,
 :func:`meshnode.generation.prefix.prefill_pieces`), a :class:`HybridPrefix` keeps a
 snapshot of the sequence's whole cache there (:mod:`meshnode.engine.snapshots`), keyed by
 the hash chain of the token ids up to it. A prefill frame carries committed tokens only,
@@ -19,12 +20,11 @@ from typing import Any
 
 from meshnode.engine.model import Stage
 from meshnode.engine.prefix_cache import PREFIX_BLOCK_TOKENS, PrefixMissError, extend_chain
-from meshnode.engine.recurrent import HybridCache
 from meshnode.engine.snapshots import MAX_SNAPSHOTS, SnapshotPool
-from meshnode.node.pipeline import FrameKind, RequestId, StepFrame
-from meshnode.node.prefix import StagePrefix, _Tracked
+from meshnode.node.pipeline import RequestId, StepFrame
+from meshnode.node.prefix import StagePrefix, _Tracked, snapshot_at
 
-__all__ = ["SNAPSHOT_CONTEXTS", "HybridPrefix", "stage_prefix"]
+__all__ = ["SNAPSHOT_CONTEXTS", "HybridPrefix", "snapshot_bytes", "stage_prefix"]
 
 #: A hybrid stage's snapshots hold at most this many whole contexts of its attention
 #: layers' K/V (plus their recurrent states) when nobody sets ``prefix_cache_bytes``: the
@@ -51,6 +51,17 @@ def stage_prefix(
     )
 
 
+def snapshot_bytes(stage: Stage, positions: int) -> int:
+    """Bytes of a snapshot of ``stage``'s cache after ``positions`` (float32): its
+    attention layers' K and V rows, every DeltaNet layer's state and conv window."""
+    hybrid = stage.config.hybrid
+    assert hybrid is not None
+    linear = sum(hybrid.is_linear(i) for i in range(stage.start, stage.end))
+    attention = stage.end - stage.start - linear
+    per_position = 2 * attention * hybrid.num_kv_heads * hybrid.head_dim * 4
+    return positions * per_position + linear * hybrid.recurrent_shape().nbytes()
+
+
 class HybridPrefix(StagePrefix):
     """A hybrid stage's snapshots of cached prefixes (module docstring); ``snaps`` None:
     it keeps none (and announces no block size, so the host resumes nothing)."""
@@ -70,12 +81,7 @@ class HybridPrefix(StagePrefix):
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"bad prefix pool: {budget_bytes} bytes")
         if budget_bytes is None:
-            one = stage.new_cache(1)
-            assert isinstance(one, HybridCache)
-            per_position = int(one.k.nbytes + one.v.nbytes)
-            budget_bytes = SNAPSHOT_CONTEXTS * (
-                context_size * per_position + one.recurrent_nbytes()
-            )
+            budget_bytes = SNAPSHOT_CONTEXTS * snapshot_bytes(stage, context_size)
         return cls(SnapshotPool(budget_bytes, MAX_SNAPSHOTS) if budget_bytes else None, salt)
 
     @property
@@ -100,15 +106,15 @@ class HybridPrefix(StagePrefix):
         return tokens
 
     def written(self, frame: StepFrame, cache: Any) -> None:
-        """After ``frame``'s forward: note its tokens, and keep a snapshot when it is a
-        prefill pass that ended at a block boundary."""
+        """After ``frame``'s forward: note its tokens, and keep a snapshot where
+        :func:`~meshnode.node.prefix.snapshot_at` says."""
         if self.snaps is None or (seq := self._track(frame, self.snaps.stats)) is None:
             return
         block = PREFIX_BLOCK_TOKENS
         del seq.keys[frame.start_pos // block :]
         seq.tokens[frame.start_pos :] = frame.tokens
         end = frame.end_pos
-        if frame.kind is FrameKind.PREFILL and end % block == 0:
+        if snapshot_at(frame, block):
             extend_chain(seq.keys, self.salt, seq.tokens[:end], block)
             self.snaps.store(seq.keys[-1], seq.tokens[:end], cache)
 

@@ -75,6 +75,7 @@ __all__ = [
     "pipeline_blocks",
     "pool_blocks",
     "request_blocks",
+    "snapshot_at",
 ]
 
 #: A CPU stage's pool of KV blocks holds this many full contexts (at most one per live
@@ -340,7 +341,7 @@ class PrefixIndex:
         if not self.snapshots:
             return keys
         end = frame.end_pos
-        if frame.kind is not FrameKind.PREFILL or end % self.block or len(keys) * self.block < end:
+        if not snapshot_at(frame, self.block) or len(keys) * self.block < end:
             return []
         return [keys[end // self.block - 1]]
 
@@ -352,6 +353,15 @@ class PrefixIndex:
     def released(self, request_id: RequestId) -> None:
         """The sequence ended (its blocks stay in the index)."""
         self._sent.pop(request_id, None)
+
+
+def snapshot_at(frame: StepFrame, block: int) -> bool:
+    """Whether a hybrid stage keeps a snapshot after ``frame``'s pass (and the host believes
+    it does): a prefill piece of at least a ``block`` of rows (so computed on the engine's
+    many-row path, as :func:`~meshnode.generation.prefix.prefill_pieces` cuts a prompt's;
+    a replay's short last piece is not) that ends at a block boundary."""
+    rows = len(frame.tokens)
+    return frame.kind is FrameKind.PREFILL and rows >= block and frame.end_pos % block == 0
 
 
 def note_pass(index: PrefixIndex | None, frame: StepFrame) -> None:

@@ -30,13 +30,20 @@ from meshnode.engine.snapshots import SnapshotPool
 from meshnode.generation.driver import generate
 from meshnode.generation.prefix import prefill_pieces
 from meshnode.generation.records import GenerationRun, Speculation
-from meshnode.node.hybrid_prefix import HybridPrefix
+from meshnode.node.hybrid_prefix import SNAPSHOT_CONTEXTS, HybridPrefix, snapshot_bytes
 from meshnode.node.local import LocalPipeline
 from meshnode.node.pipeline import FrameKind, Pipeline, RequestId, StepFrame, StepResult
-from meshnode.node.prefix import PrefixIndex, host_pools, note_pass, note_release
+from meshnode.node.prefix import (
+    PrefixIndex,
+    host_pools,
+    note_pass,
+    note_release,
+    snapshot_at,
+)
 from meshnode.node.stage import StageRunner
 from meshnode.serve.node_metrics import status_metrics
 from tests.engine.hybrid_model import HybridFolder, hybrid_golden
+from tests.engine.moe_models import MOE_DIR
 from tests.node.test_prefix import NGRAM, _run
 from tests.node.test_status_text import host_body
 
@@ -160,6 +167,15 @@ async def test_resumed_requests_equal_uncached_ones_bit_for_bit(
     assert 0 < usage["prefix_snapshots"] <= usage["prefix_snapshots_max"]
 
 
+async def test_the_mixture_of_experts_hybrid_resumes_with_the_same_bits() -> None:
+    """The tiny Qwen3.5 MoE reference (routed experts in every layer): the same rule."""
+    folder = HybridFolder(MOE_DIR / "qwen35-moe-tiny")
+    config = ModelConfig.from_hf(folder.config)
+    stage = Stage(config, folder, 0, config.num_layers, embed=True, head=True, mtp=False)
+    pipeline, plain = LocalPipeline(_runner(stage)), LocalPipeline(_runner(stage, 0))
+    assert await _compare(pipeline, plain, GREEDY, None) == _expected_hits()
+
+
 @pytest.mark.parametrize("speculate", [False, True], ids=["plain", "ngram"])
 async def test_two_stages_resume_from_the_snapshots_both_keep(
     halves: tuple[Stage, Stage], speculate: bool
@@ -281,11 +297,31 @@ def test_the_host_believes_the_boundaries_prefill_passes_ended_at() -> None:
     assert index.resume_point(RequestId("w"), prompt) == (0, None)
 
 
+@pytest.mark.parametrize(
+    ("kind", "start", "rows", "kept"),
+    [
+        (FrameKind.PREFILL, 0, 2 * B, True),
+        (FrameKind.PREFILL, 2 * B, B, True),
+        (FrameKind.PREFILL, 0, 2 * B - 1, False),  # not at a boundary
+        (FrameKind.PREFILL, 2 * B - 8, 8, False),  # a replay's short last piece
+        (FrameKind.VERIFY, B, B, False),  # drafts: never a snapshot
+        (FrameKind.DECODE, 2 * B - 1, 1, False),
+    ],
+)
+def test_where_snapshots_are_kept(kind: FrameKind, start: int, rows: int, kept: bool) -> None:
+    frame = _frame(kind, start, [3] * rows)
+    assert snapshot_at(frame, B) is kept
+
+
 def test_snapshot_pool_bounds_and_misses(whole: Stage) -> None:
     cache = whole.new_cache(CONTEXT)
     assert isinstance(cache, HybridCache)
     whole.forward(np.asarray(SYSTEM[:B]), 0, cache, out_rows=1)
     size = cache.snapshot().nbytes()
+    assert size == snapshot_bytes(whole, B)
+    default = HybridPrefix.for_stage(whole, CONTEXT, budget_bytes=None, salt="r").snaps
+    assert default is not None
+    assert default.budget == SNAPSHOT_CONTEXTS * snapshot_bytes(whole, CONTEXT)
     pool = SnapshotPool(budget=3 * size, limit=2)
     keys = [bytes([i]) * 16 for i in range(4)]
     assert pool.store(keys[0], SYSTEM[:B], cache)
