@@ -74,7 +74,7 @@ async def _chat(runner: StageRunner, turns: int, turn_tokens: int) -> list[tuple
     pipeline = LocalPipeline(runner)
     vocab = runner.stage.config.vocab_size
     prompt: list[int] = []
-    rows = []
+    rows: list[tuple[float, ...]] = []
     for turn in range(1, turns + 1):
         prompt += [(7 * len(prompt) + 11 * i) % (vocab - 3) + 3 for i in range(turn_tokens)]
         on = await _first_token(pipeline, f"on{turn}", prompt, True)
