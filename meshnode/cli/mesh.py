@@ -313,10 +313,18 @@ def _run_line(run: dict[str, Any] | None) -> list[str]:
 
 def _pool_lines(body: dict[str, Any]) -> list[str]:
     """The prefix pool of each stage this node runs (issue 30): its blocks in use by live
-    sequences, cached for later prompts and free, and the prompt tokens reused so far."""
+    sequences, cached for later prompts and free (a hybrid stage: its snapshots), and the
+    prompt tokens reused so far."""
     lines = []
     for role, part in (("stage 0", body.get("host")), ("stage", body.get("run"))):
         kv = (part or {}).get("kv") or {}
+        if "prefix_snapshots" in kv:  # a hybrid stage: recurrent snapshots, no blocks
+            lines.append(
+                f"prefix   {role}: {kv['prefix_snapshots']} snapshots of at most "
+                f"{kv['prefix_snapshots_max']} ({kv['prefix_snapshot_bytes']} bytes); "
+                f"{kv['prefix_hit_tokens']} prompt tokens reused, "
+                f"{kv['prefix_miss_tokens']} computed"
+            )
         if "prefix_blocks_total" not in kv:
             continue
         lines.append(

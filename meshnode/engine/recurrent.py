@@ -17,6 +17,11 @@ The host sizes the ring to its largest verify pass (:func:`ring_slots_for`, sent
 Every array is preallocated: a sequence's recurrent state and ring are a fixed size
 whatever its length (the planner counts them per sequence, not per token).
 
+A cached prefix (issue 30) resumes from a :class:`RecurrentSnapshot`: a copy of the state,
+conv window and attention K/V after a prefill pass that ended at a block boundary
+(:meth:`HybridCache.snapshot`), restored into an empty cache (:meth:`HybridCache.restore`);
+:mod:`meshnode.engine.snapshots` keeps them.
+
 Shapes: L DeltaNet layers of the stage, K conv kernel, C conv channels, Hv value heads,
 Dk/Dv key/value head dims, R ring slots.
 """
@@ -34,6 +39,7 @@ __all__ = [
     "MAX_RING_SLOTS",
     "HybridCache",
     "RecurrentShape",
+    "RecurrentSnapshot",
     "RollbackError",
     "ring_slots_for",
 ]
@@ -74,6 +80,23 @@ class RecurrentShape:
         """float32 bytes of one layer's state (one ring slot holds one per layer)."""
         conv = self.conv_taps * self.conv_channels
         return 4 * (conv + self.value_heads * self.key_dim * self.value_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class RecurrentSnapshot:
+    """A hybrid sequence's cache after its first :attr:`length` positions: the attention
+    layers' keys and values ``[La, Hkv, length, D]``, every DeltaNet layer's conv window
+    ``[L, K-1, C]`` and state ``[L, Hv, Dk, Dv]`` (copies, owned by the snapshot)."""
+
+    length: int
+    k: Any
+    v: Any
+    conv: Any
+    state: Any
+
+    def nbytes(self) -> int:
+        """Bytes the snapshot holds."""
+        return int(self.k.nbytes + self.v.nbytes + self.conv.nbytes + self.state.nbytes)
 
 
 class HybridCache(KVCache):
@@ -153,6 +176,27 @@ class HybridCache(KVCache):
         end = start + rows
         self.ring_start = max(self.ring_start, end - self.ring_slots)
         self.length = end
+
+    def snapshot(self) -> RecurrentSnapshot:
+        """A copy of everything the cache holds after its :attr:`length` positions."""
+        n = self.length
+        k, v = self.k[:, :, :n].copy(), self.v[:, :, :n].copy()
+        return RecurrentSnapshot(n, k, v, self.conv.copy(), self.state.copy())
+
+    def restore(self, snap: RecurrentSnapshot) -> None:
+        """Begin this empty cache at ``snap`` (its K/V, conv windows and states copied in).
+        The ring holds nothing before ``snap.length``: a rollback behind it raises
+        :class:`RollbackError`. Raises ``ValueError`` unless the cache is empty and ``snap``
+        fits it (its shapes and :attr:`max_tokens`)."""
+        n = snap.length
+        fits = snap.conv.shape == self.conv.shape and snap.state.shape == self.state.shape
+        if self.length or n > self.max_tokens or not fits:
+            raise ValueError("a recurrent snapshot seeds an empty cache of its shape")
+        self.k[:, :, :n] = snap.k
+        self.v[:, :, :n] = snap.v
+        self.conv[...] = snap.conv
+        self.state[...] = snap.state
+        self.length = self.ring_start = n
 
     def ring_nbytes(self) -> int:
         """Bytes of the snapshot ring."""

@@ -6,15 +6,20 @@
 chunks (the first carrying the prefix's key) and, when a stage answers that it lacks the
 prefix, releases the sequence, forgets the prompt's blocks and sends the whole prompt from
 position 0. The tokens it did not compute are the request's ``cached_tokens``.
+
+On hybrid stages (the index keeps ``snapshots``) the pieces are cut by
+:func:`prefill_pieces`: at multiples of the block and at the prompt's last block boundary,
+where the stages keep the recurrent snapshot a later request resumes from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
-from meshnode.engine.prefix_cache import PrefixMissError
+from meshnode.engine.prefix_cache import PrefixMissError, resume_length
 from meshnode.node.pipeline import FrameKind, Pipeline, StepFrame, StepResult
 from meshnode.node.prefix import PrefixCaching
 
@@ -36,11 +41,12 @@ async def prefill_prompt(
     """Prefill ``run.prompt`` (module docstring); the final chunk's delta. Sets
     ``run.cached_tokens``. Raises what a pass raises (a miss is handled here)."""
     index = pipeline.prefix if isinstance(pipeline, PrefixCaching) else None
+    align = index.block if index is not None and index.snapshots else 0
     start, key = 0, None
     if index is not None and run.params.cache_prompt:
         start, key = index.resume_point(run.request_id, run.prompt)
     try:
-        delta = await _chunks(pipeline, run, chunk_tokens, start, key, send, make)
+        delta = await _chunks(pipeline, run, (chunk_tokens, align), start, key, send, make)
     except PrefixMissError:
         assert index is not None  # only a resumed frame is refused so
         index.missed(run.prompt)
@@ -48,7 +54,7 @@ async def prefill_prompt(
         # then answer a wire id no waiter listens on any more.
         await pipeline.release(run.request_id)
         start = 0
-        delta = await _chunks(pipeline, run, chunk_tokens, 0, None, send, make)
+        delta = await _chunks(pipeline, run, (chunk_tokens, align), 0, None, send, make)
     run.cached_tokens = start
     return delta
 
@@ -56,13 +62,13 @@ async def prefill_prompt(
 async def _chunks(
     pipeline: Pipeline,
     run: GenerationRun,
-    chunk_tokens: int,
+    cut: tuple[int, int],
     start: int,
     key: bytes | None,
     send: Send,
     make: MakeFrame,
 ) -> Delta:
-    chunks = _split(run.prompt, start, chunk_tokens)
+    chunks = prefill_pieces(run.prompt, start, *cut)
     delta = None
     for i, (at, tokens) in enumerate(chunks):
         frame = make(run, FrameKind.PREFILL, at, tokens, final=i == len(chunks) - 1)
@@ -74,7 +80,25 @@ async def _chunks(
     return delta
 
 
-def _split(prompt: Sequence[int], start: int, size: int) -> list[tuple[int, list[int]]]:
+def prefill_pieces(
+    prompt: Sequence[int], start: int, size: int, align: int = 0
+) -> list[tuple[int, list[int]]]:
+    """The prefill frames of ``prompt`` from ``start``: ``(start_pos, tokens)`` of at most
+    ``size`` tokens each. With ``align`` (a hybrid pipeline's block), ``size`` rounds down
+    to a multiple of it (at least one block) and the cuts fall at its multiples of ``size``
+    and at the prompt's last block boundary, so that: a snapshot exists there for the
+    next request that begins with this prompt; every piece before the last has at least a
+    block of rows, which the engine's products and attention compute with the same bits
+    whatever the piece's length and start (the few-row path of a short piece rounds
+    otherwise); and the last piece, the rows after the boundary, is the same whether the
+    prompt resumed from a snapshot or not. So a resumed prompt gets the bits of an
+    uncached one. Raises ``ValueError`` for ``size < 1``."""
     if size < 1:
         raise ValueError(f"chunk size must be >= 1, got {size}")
-    return [(at, list(prompt[at : at + size])) for at in range(start, len(prompt), size)]
+    if not align:
+        return [(at, list(prompt[at : at + size])) for at in range(start, len(prompt), size)]
+    size = max(size // align * align, align)
+    last = resume_length(len(prompt), len(prompt), align)
+    cuts = [start, *range((start // size + 1) * size, last, size), last, len(prompt)]
+    bounds = sorted(set(c for c in cuts if c >= start))
+    return [(a, list(prompt[a:b])) for a, b in itertools.pairwise(bounds)]

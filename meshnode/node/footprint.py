@@ -6,7 +6,9 @@ keeps one pool of blocks, :func:`~meshnode.node.prefix.pool_blocks` (a few whole
 whatever the sequence limit: the host admits requests by the blocks they may write); a CUDA
 or hybrid stage preallocates every live sequence's whole context (and a hybrid model's
 recurrent state and snapshot ring), so it scales with the sequence limit
-:data:`~meshnode.node.pipeline.MAX_SEQUENCES_PER_STAGE`.
+:data:`~meshnode.node.pipeline.MAX_SEQUENCES_PER_STAGE`; a hybrid stage also keeps
+snapshots of cached prefixes, at most :data:`~meshnode.node.hybrid_prefix.SNAPSHOT_CONTEXTS`
+whole contexts (and recurrent states) of them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from meshnode.engine.kv_cache import KV_BLOCK, kv_bytes
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
 from meshnode.engine.weights import HeldBytes
 from meshnode.errors import ConfigError, RunError
+from meshnode.node.hybrid_prefix import SNAPSHOT_CONTEXTS
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.planner import ModelFootprint
 from meshnode.node.prefix import pool_blocks
@@ -91,19 +94,20 @@ def _hybrid_footprint(
     config: ModelConfig, hybrid: HybridConfig, bytes_per_param: int, ring_slots: int
 ) -> ModelFootprint:
     """A hybrid model's footprint: KV on the attention layers only; on each DeltaNet layer
-    the recurrent state and snapshot ring of every live sequence, whatever the context."""
+    the recurrent state and snapshot ring of every live sequence, whatever the context;
+    and the cached prefixes' snapshots (:data:`SNAPSHOT_CONTEXTS` contexts of both)."""
     layers = range(hybrid.num_layers)
-    per_sequence = hybrid.recurrent_shape().nbytes() * (1 + ring_slots)
+    state = hybrid.recurrent_shape().nbytes()
+    fixed = state * (1 + ring_slots) * MAX_SEQUENCES_PER_STAGE + state * SNAPSHOT_CONTEXTS
+    contexts = MAX_SEQUENCES_PER_STAGE + SNAPSHOT_CONTEXTS
     return ModelFootprint(
         layer_bytes=tuple(config.layer_params(i) * bytes_per_param for i in layers),
         embed_bytes=config.embed_params * bytes_per_param,
         head_bytes=config.head_params * bytes_per_param,
-        kv_bytes_per_token_per_layer=2 * config.kv_size * 4 * MAX_SEQUENCES_PER_STAGE,
+        kv_bytes_per_token_per_layer=2 * config.kv_size * 4 * contexts,
         tied_head=config.tie_word_embeddings,
         kv_layers=tuple(not hybrid.is_linear(i) for i in layers),
-        fixed_layer_bytes=tuple(
-            per_sequence * MAX_SEQUENCES_PER_STAGE if hybrid.is_linear(i) else 0 for i in layers
-        ),
+        fixed_layer_bytes=tuple(fixed if hybrid.is_linear(i) else 0 for i in layers),
     )
 
 

@@ -23,12 +23,15 @@ frame's ``[last, d1 … dk]`` only ``last`` is committed, and the accepted draft
 when the next frame starts after them). A rolled-back draft therefore never lands in a
 block.
 
-**Hybrid stages** (Gated DeltaNet layers) keep no pool: their recurrent state at position
-``P`` is a function of every token before it and is not made of per-position rows that can
-be copied, so a cached prefix would need a state snapshot at each block boundary of every
-cached prompt (phase 2). Reusing only exact whole-prompt matches would still need the state
-one token before the end (the last token is always computed, for its logits), so they reuse
-nothing for now and the host resumes nothing on such a run.
+**Hybrid stages** (Gated DeltaNet layers) keep no pool of blocks: their recurrent state at
+position ``P`` is a function of every token before it, not made of per-position rows. They
+keep snapshots of the whole sequence cache after prefill passes that end at a block
+boundary instead (:mod:`meshnode.node.hybrid_prefix`), keyed by the same hash chain; the
+host's index then believes the *boundaries* those passes ended at (``snapshots``), not
+every block, and a request resumes at the last believed boundary of its prompt. The host
+cuts such a prompt's prefill at that prompt's last block boundary (and at multiples of the
+block), so the snapshot a later request needs exists and both paths compute the same bits
+(:func:`meshnode.generation.prefix.prefill_pieces`).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ __all__ = [
     "pipeline_blocks",
     "pool_blocks",
     "request_blocks",
+    "snapshot_at",
 ]
 
 #: A CPU stage's pool of KV blocks holds this many full contexts (at most one per live
@@ -116,6 +120,8 @@ def pipeline_blocks(
     and :func:`pool_blocks` of ``context_size`` for a remote stage that announced a pool
     (``remote``: each one's ``Ready.prefix_block``). None when no stage keeps one (CUDA,
     hybrid: each sequence preallocates its context, the sequence limit bounds them)."""
+    if local is not None and local.snapshots:  # a hybrid model: no stage keeps blocks
+        return None
     budgets = [] if local is None or local.kv is None else [local.kv.capacity - 1]
     if any(remote):
         budgets.append(pool_blocks(context_size) - 1)
@@ -138,6 +144,10 @@ class StagePrefix:
     its index of cached prefixes (``pool``: None where it keeps none); resumes sequences
     from the index and keys their committed blocks. Not thread-safe: the stage runner
     serializes calls."""
+
+    #: Whether the stage resumes from recurrent snapshots at block boundaries (a hybrid
+    #: stage, :class:`~meshnode.node.hybrid_prefix.HybridPrefix`), not from shared blocks.
+    snapshots = False
 
     def __init__(self, pool: PrefixPool | None, kv: BlockPool | None = None) -> None:
         self.pool = pool
@@ -206,12 +216,7 @@ class StagePrefix:
     def written(self, frame: StepFrame, cache: Any) -> None:
         """After ``frame``'s forward: note what ``cache`` now holds and store the blocks
         that became committed."""
-        if self.pool is None:
-            return
-        seq = self._seqs.setdefault(frame.request_id, _Tracked())
-        if frame.kind is FrameKind.PREFILL:
-            self.pool.stats.miss_tokens += len(frame.tokens)
-        if frame.start_pos > len(seq.tokens):  # a gap: never for a frame the stage took
+        if self.pool is None or (seq := self._track(frame, self.pool.stats)) is None:
             return
         block = self.pool.block
         if frame.start_pos < len(seq.keys) * block:  # rewritten (a refold, a replay)
@@ -224,6 +229,14 @@ class StagePrefix:
         if full > seq.tried:
             seq.keys += self.pool.store(seq.tokens[: full * block], cache, len(seq.keys))
             seq.tried = full
+
+    def _track(self, frame: StepFrame, stats: Any) -> _Tracked | None:
+        """The record of ``frame``'s sequence, its prefill rows counted as computed in
+        ``stats``; None when the frame leaves a gap (never for a frame the stage took)."""
+        seq = self._seqs.setdefault(frame.request_id, _Tracked())
+        if frame.kind is FrameKind.PREFILL:
+            stats.miss_tokens += len(frame.tokens)
+        return None if frame.start_pos > len(seq.tokens) else seq
 
     def release(self, request_id: RequestId) -> None:
         """The sequence ended (its cache emptied first): its keyed blocks stay cached,
@@ -266,9 +279,17 @@ class PrefixIndex:
     stages' (the run id: one run fixes the model, the KV dtype and the layer ranges)."""
 
     def __init__(
-        self, salt: str, *, block: int = PREFIX_BLOCK_TOKENS, limit: int = MAX_INDEX_BLOCKS
+        self,
+        salt: str,
+        *,
+        block: int = PREFIX_BLOCK_TOKENS,
+        limit: int = MAX_INDEX_BLOCKS,
+        snapshots: bool = False,
     ) -> None:
         self.salt, self.block, self.limit = salt, block, limit
+        # hybrid stages: the keys are of boundaries snapshotted (prefill passes ended
+        # there), a prefix resumes at the last one of them, not after leading blocks
+        self.snapshots = snapshots
         self._keys: OrderedDict[bytes, None] = OrderedDict()
         self._sent: dict[RequestId, _Sent] = {}
 
@@ -279,7 +300,7 @@ class PrefixIndex:
         every stage keeps a pool of stage 0's block size."""
         block = stage0.block
         agreed = block > 0 and all(b == block for b in blocks)
-        return cls(salt, block=block) if agreed else None
+        return cls(salt, block=block, snapshots=stage0.snapshots) if agreed else None
 
     def resume_point(
         self, request_id: RequestId, prompt: Sequence[int]
@@ -287,7 +308,11 @@ class PrefixIndex:
         """Where the new sequence ``request_id`` of ``prompt`` may start, and the key of
         the prefix it resumes from (``0, None``: from the beginning)."""
         keys = chain_keys(self.salt, prompt, self.block)
-        known = next((i for i, k in enumerate(keys) if k not in self._keys), len(keys))
+        if self.snapshots:  # the last believed boundary within reach
+            top = resume_length(len(prompt), len(keys), self.block) // self.block
+            known = next((i + 1 for i in reversed(range(top)) if keys[i] in self._keys), 0)
+        else:
+            known = next((i for i, k in enumerate(keys) if k not in self._keys), len(keys))
         start = resume_length(len(prompt), known, self.block)
         held = keys[: start // self.block]
         self._sent[request_id] = _Sent(list(prompt[:start]), held)
@@ -302,11 +327,23 @@ class PrefixIndex:
         sent.tokens[frame.start_pos :] = frame.tokens
         committed = frame.end_pos - len(frame.drafts)
         extend_chain(sent.keys, self.salt, sent.tokens[:committed], self.block)
-        for key in sent.keys:
+        for key in self._believed(frame, sent.keys):
             self._keys[key] = None
             self._keys.move_to_end(key)
         while len(self._keys) > self.limit:
             self._keys.popitem(last=False)
+
+    def _believed(self, frame: StepFrame, keys: list[bytes]) -> list[bytes]:
+        """The keys every stage holds after ``frame``'s pass (``keys``: its sequence's
+        committed blocks'): all of them, or on hybrid stages the boundary a prefill pass
+        ended at, where each stage kept a snapshot (``HybridPrefix.written``,
+        :mod:`meshnode.node.hybrid_prefix`)."""
+        if not self.snapshots:
+            return keys
+        end = frame.end_pos
+        if not snapshot_at(frame, self.block) or len(keys) * self.block < end:
+            return []
+        return [keys[end // self.block - 1]]
 
     def missed(self, prompt: Sequence[int]) -> None:
         """A stage lacked ``prompt``'s prefix: believe none of its blocks any more."""
@@ -316,6 +353,15 @@ class PrefixIndex:
     def released(self, request_id: RequestId) -> None:
         """The sequence ended (its blocks stay in the index)."""
         self._sent.pop(request_id, None)
+
+
+def snapshot_at(frame: StepFrame, block: int) -> bool:
+    """Whether a hybrid stage keeps a snapshot after ``frame``'s pass (and the host believes
+    it does): a prefill piece of at least a ``block`` of rows (so computed on the engine's
+    many-row path, as :func:`~meshnode.generation.prefix.prefill_pieces` cuts a prompt's;
+    a replay's short last piece is not) that ends at a block boundary."""
+    rows = len(frame.tokens)
+    return frame.kind is FrameKind.PREFILL and rows >= block and frame.end_pos % block == 0
 
 
 def note_pass(index: PrefixIndex | None, frame: StepFrame) -> None:

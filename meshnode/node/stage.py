@@ -31,6 +31,7 @@ from meshnode.engine.mtp import MtpCache
 from meshnode.engine.prefix_cache import PrefixMissError
 from meshnode.engine.recurrent import HybridCache, RollbackError
 from meshnode.engine.sampling import Sampler, SamplingParams
+from meshnode.node.hybrid_prefix import stage_prefix
 from meshnode.node.pipeline import (
     MAX_SEQUENCES_PER_STAGE,
     FrameKind,
@@ -41,7 +42,6 @@ from meshnode.node.pipeline import (
     StepResult,
     TokenLogprob,
 )
-from meshnode.node.prefix import StagePrefix
 from meshnode.speculative.decide import Decision, decide
 
 T = TypeVar("T")
@@ -106,7 +106,7 @@ class StageRunner:
         # per request would churn hundreds of MiB per second under load.
         self._free_caches: list[Any] = []
         # Hook (issue 30): the pool of cached prefixes shared by this stage's sequences.
-        self.prefix = StagePrefix.for_stage(
+        self.prefix = stage_prefix(
             stage,
             context_size,
             budget_bytes=prefix_cache_bytes,
@@ -207,8 +207,9 @@ class StageRunner:
 
     def kv_usage(self) -> dict[str, int]:
         """How full this stage's KV caches are: live sequences of at most ``max_sequences``,
-        and positions held of what they may hold together (:meth:`StagePrefix.capacity_tokens`);
-        with a prefix pool, its blocks and hit/miss tokens (``prefix_…``)."""
+        and positions held of what they may hold together
+        (:meth:`~meshnode.node.prefix.StagePrefix.capacity_tokens`); with a prefix pool, its
+        blocks (or a hybrid stage's snapshots) and hit/miss tokens (``prefix_…``)."""
         # One C-level copy: the compute thread may add a sequence while the loop reads.
         live = list(self._sequences.values())
         return {

@@ -153,11 +153,19 @@ def _kv(usages: list[tuple[str, Mapping[str, Any]]]) -> Iterable[str]:
     ]
     yield from family("meshnode_kv_cache_usage_ratio", "gauge",
                       "Used over capacity positions of this node's KV caches.", ratio)  # fmt: skip
-    yield from _prefix([(role, u) for role, u in usages if "prefix_blocks_total" in u])
+    yield from _prefix([(role, u) for role, u in usages if "prefix_hit_tokens" in u])
 
 
 def _prefix(usages: list[tuple[str, Mapping[str, Any]]]) -> Iterable[str]:
-    """The stage's prefix cache (issue 30): its blocks by state, and its counters."""
+    """The stage's prefix cache (issue 30): its blocks by state, or a hybrid stage's
+    snapshots, and its counters."""
+    if not usages:
+        return
+    yield from _prefix_hits(usages)
+    snapshots = [(role, u) for role, u in usages if "prefix_snapshots" in u]
+    if snapshots:
+        yield from _prefix_snapshots(snapshots)
+    usages = [(role, u) for role, u in usages if "prefix_blocks_total" in u]
     if not usages:
         return
     states = ("used", "cached", "free")
@@ -169,14 +177,33 @@ def _prefix(usages: list[tuple[str, Mapping[str, Any]]]) -> Iterable[str]:
     yield from family("meshnode_prefix_cache_blocks", "gauge",
                       "Prefix-cache blocks in use by sequences, cached for reuse, or free.",
                       blocks)  # fmt: skip
+    text = "Prefix-cache blocks evicted to make room (least recently used)."
+    samples = [((("role", role),), float(u["prefix_evicted_blocks"])) for role, u in usages]
+    yield from family("meshnode_prefix_cache_evicted_blocks_total", "counter", text, samples)
+
+
+def _prefix_hits(usages: list[tuple[str, Mapping[str, Any]]]) -> Iterable[str]:
     counters = [
         ("hit_tokens", "Prompt positions copied from the prefix cache instead of computed."),
         ("miss_tokens", "Prompt positions computed (prefill rows of new sequences)."),
-        ("evicted_blocks", "Prefix-cache blocks evicted to make room (least recently used)."),
     ]
     for key, text in counters:
         samples = [((("role", role),), float(u[f"prefix_{key}"])) for role, u in usages]
         yield from family(f"meshnode_prefix_cache_{key}_total", "counter", text, samples)
+
+
+def _prefix_snapshots(usages: list[tuple[str, Mapping[str, Any]]]) -> Iterable[str]:
+    """A hybrid stage's recurrent-state snapshots of cached prefixes."""
+    gauges = [
+        ("snapshots", "Recurrent-state snapshots of cached prefixes a hybrid stage keeps."),
+        ("snapshot_bytes", "Bytes of a hybrid stage's prefix snapshots."),
+    ]
+    for key, text in gauges:
+        samples = [((("role", role),), float(u[f"prefix_{key}"])) for role, u in usages]
+        yield from family(f"meshnode_prefix_cache_{key}", "gauge", text, samples)
+    text = "Prefix snapshots evicted to make room (least recently used)."
+    samples = [((("role", role),), float(u["prefix_evicted_snapshots"])) for role, u in usages]
+    yield from family("meshnode_prefix_cache_evicted_snapshots_total", "counter", text, samples)
 
 
 def request_histogram() -> Histogram:

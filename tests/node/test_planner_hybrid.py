@@ -6,6 +6,7 @@ from __future__ import annotations
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS
 from meshnode.node.footprint import model_footprint
+from meshnode.node.hybrid_prefix import SNAPSHOT_CONTEXTS
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.planner import ModelFootprint, NodeCapacity, plan
 from tests.engine.hybrid_model import HybridFolder
@@ -22,9 +23,15 @@ def test_deltanet_layers_hold_a_fixed_state_and_no_kv() -> None:
     config = ModelConfig.from_hf(HybridFolder().config)
     assert config.hybrid is not None
     assert fp.kv_layers == tuple(t == "full_attention" for t in config.hybrid.layer_types)
-    per_sequence = config.hybrid.recurrent_shape().nbytes() * (1 + DEFAULT_RING_SLOTS)
+    state = config.hybrid.recurrent_shape().nbytes()
+    # every live sequence's state and ring, and the cached prefixes' snapshots
+    want = state * (1 + DEFAULT_RING_SLOTS) * MAX_SEQUENCES_PER_STAGE + state * SNAPSHOT_CONTEXTS
     for linear, fixed in zip(fp.kv_layers, fp.fixed_layer_bytes, strict=True):
-        assert fixed == (0 if linear else per_sequence * MAX_SEQUENCES_PER_STAGE)
+        assert fixed == (0 if linear else want)
+    per_token = 2 * config.num_kv_heads * config.head_dim * 4
+    assert fp.kv_bytes_per_token_per_layer == per_token * (
+        MAX_SEQUENCES_PER_STAGE + SNAPSHOT_CONTEXTS
+    )
 
 
 def test_layer_bytes_are_the_checkpoint_parameters() -> None:
