@@ -29,7 +29,7 @@ def _kernels() -> tuple[Any, Any]:
     @njit
     def lanes(v, out):  # type: ignore[no-untyped-def]
         for i in range(15):
-            a, b = sixbit.wlane_broadcasts(wload(v, 0), i)
+            a, b = sixbit.wlane_broadcasts(wload(v, 0), i, 15 - i)
             wstore(out, 32 * i, a)
             wstore(out, 32 * i + 16, b)
 
@@ -71,4 +71,4 @@ def test_broadcasts_are_the_vectors_lanes() -> None:
     lanes(v, out)
     each = out.reshape(15, 2, 16)
     np.testing.assert_array_equal(each[:, 0], np.repeat(v[:15, None], 16, 1))
-    np.testing.assert_array_equal(each[:, 1], np.repeat(v[1:, None], 16, 1))
+    np.testing.assert_array_equal(each[:, 1], np.repeat(v[15:0:-1, None], 16, 1))

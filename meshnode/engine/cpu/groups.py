@@ -15,11 +15,13 @@ same operands (``d * sc`` and ``-(dmin * m)`` computed once and kept in the scra
 the numbers wchunk computes each time), so a product of either equals "dequantize, then
 multiply". Q6_K's quants are cut 64 at a time (:mod:`.sixbit`) as ``4 (q - 32)`` and
 multiplied by ``d * sc / 4``: every step exact, the same float32 as ``(d * sc) * (q -
-32)`` (see there), with the scales read as broadcast operands. Formats with no scales to share here (the 32-value blocks, and the K-quants
-other than Q4_K and Q6_K, rare in real files) read :func:`.wide.wchunk` directly, a group
-of one chunk for the former and eight for the latter; the plain floats (F32, F16, BF16)
-are loaded sixteen lanes at a time and widened exactly (:mod:`.blocks`' eight-lane
-``chunk`` stays their decoder for whole rows), a group of one chunk.
+32)`` (see there). Q4_K and Q6_K read their scales as broadcast operands.
+
+Formats with no scales to share here (the 32-value blocks, and the K-quants other than
+Q4_K and Q6_K, rare in real files) read :func:`.wide.wchunk` directly, a group of one
+chunk for the former and eight for the latter; the plain floats (F32, F16, BF16) are
+loaded sixteen lanes at a time and widened exactly (:mod:`.blocks`' eight-lane ``chunk``
+stays their decoder for whole rows), a group of one chunk.
 """
 
 from __future__ import annotations
@@ -159,7 +161,8 @@ def _q4_k_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
 def _q4_k_looked_up(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
     # the same values by table: lane k is d sc k - dmin m, wfma's operation on a nibble k
     qs = 144 * g + 16 + 32 * (s // 2)
-    table = wfma(wlane_splat(sc, s), wiota(0), wlane_splat(sc, 8 + s))
+    ds, dm = wlane_broadcasts(sc, s, 8 + s)
+    table = wfma(ds, wiota(0), dm)
     if s % 2 == 0:
         return wlookup(table, row, qs, False), wlookup(table, row, qs + 16, False)
     return wlookup(table, row, qs, True), wlookup(table, row, qs + 16, True)
@@ -175,7 +178,7 @@ def _q6_k_quarters(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
     # sub-block s as sixbit cuts it: quarter s % 4 of half s // 4
     o, h = 210 * g, s // 4
     qa, qb = wq6_quarter(row, o + 64 * h, o + 128 + 32 * h, s % 4)
-    da, db = wlane_broadcasts(sc, 2 * s)
+    da, db = wlane_broadcasts(sc, 2 * s, 2 * s + 1)
     return wmul(da, qa), wmul(db, qb)
 
 

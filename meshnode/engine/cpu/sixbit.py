@@ -142,7 +142,7 @@ def wq6_quarter(typingctx: Any, row: Any, ql: Any, qh: Any, m: Any) -> Any:
             _words(builder, _field(builder, upper, 0x0C, 0x08), "shl", [4, 4]),
             _field(builder, upper, 0xC0, 0x80),
         )
-        slot = cgutils.alloca_once(builder, _B64)
+        slot = cgutils.alloca_once(builder, _B64)  # type: ignore[no-untyped-call]
         slot.align = 64
         builder.store(_join(builder, nibbles, fields), slot)
         at = builder.mul(builder.and_(quarter, ir.Constant(_I64, 1)), ir.Constant(_I64, 32))
@@ -159,28 +159,27 @@ def wq6_quarter(typingctx: Any, row: Any, ql: Any, qh: Any, m: Any) -> Any:
 
 
 @intrinsic
-def wlane_broadcasts(typingctx: Any, v: Any, i: Any) -> Any:
-    """Lanes ``i`` and ``i + 1`` of ``v``, each in all sixteen lanes of its vector, read
+def wlane_broadcasts(typingctx: Any, v: Any, i: Any, j: Any) -> Any:
+    """Lanes ``i`` and ``j`` of ``v``, each in all sixteen lanes of its vector, read
     back from memory: a multiply by one takes it as a broadcast operand (``{1to16}``, a
     load), where a splat of a register's lane is a shuffle on the port that also widens
     the quants (the decode into the tiles: 40 instead of 49 cycles a super-block,
     llvm-mca)."""
-    if v != F32x16 or not isinstance(i, types.Integer):
+    if v != F32x16 or not (isinstance(i, types.Integer) and isinstance(j, types.Integer)):
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        slot = cgutils.alloca_once(builder, _VF)
+        slot = cgutils.alloca_once(builder, _VF)  # type: ignore[no-untyped-call]
         slot.align = 64
         builder.store(args[0], slot)
         floats = _launder(builder, builder.bitcast(slot, ir.FloatType().as_pointer()))
-        at = context.cast(builder, args[1], sig.args[1], types.int64)
         undef = ir.Constant(_VF, ir.Undefined)
         splats = []
-        for step in (0, 1):
-            ptr = builder.gep(floats, [builder.add(at, ir.Constant(_I64, step))])
+        for k in (1, 2):
+            ptr = builder.gep(floats, [context.cast(builder, args[k], sig.args[k], types.int64)])
             one = builder.insert_element(undef, builder.load(ptr, align=4), ir.Constant(_I32, 0))
             splats.append(builder.shuffle_vector(one, undef, ir.Constant(_VI, [0] * 16)))
         return context.make_tuple(builder, sig.return_type, splats)
 
     pair = types.UniTuple(F32x16, 2)  # type: ignore[no-untyped-call]
-    return pair(v, i), codegen
+    return pair(v, i, j), codegen
