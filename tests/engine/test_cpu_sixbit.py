@@ -1,6 +1,6 @@
 """Q6_K's quants cut 64 at a time (:mod:`meshnode.engine.cpu.sixbit`): each quarter of a
 half super-block is ``4 (q - 32)`` for gguf's six-bit ``q``, with the vpternlog operations
-and with their plain-IR form, and the broadcast lanes are the vector's.
+and with their plain-IR form.
 
 The Q6_K decoders that use them are checked bit for bit against gguf's ``dequantize`` in
 ``test_cpu_kernels.py`` (random and extreme blocks); here the pieces."""
@@ -14,10 +14,10 @@ import pytest
 from numba import njit
 
 from meshnode.engine.cpu import lookup, sixbit
-from meshnode.engine.cpu.simd import wload, wstore
+from meshnode.engine.cpu.simd import wstore
 
 
-def _kernels() -> tuple[Any, Any]:
+def _kernels() -> Any:
     # compiled afresh (no disk cache): lookup.permutes() is read while compiling
     @njit
     def quarters(row, out):  # type: ignore[no-untyped-def]
@@ -26,14 +26,7 @@ def _kernels() -> tuple[Any, Any]:
             wstore(out, 32 * m, a)
             wstore(out, 32 * m + 16, b)
 
-    @njit
-    def lanes(v, out):  # type: ignore[no-untyped-def]
-        for i in range(15):
-            a, b = sixbit.wlane_broadcasts(wload(v, 0), i, 15 - i)
-            wstore(out, 32 * i, a)
-            wstore(out, 32 * i + 16, b)
-
-    return quarters, lanes
+    return quarters
 
 
 def _want(row: np.ndarray) -> np.ndarray:
@@ -54,7 +47,7 @@ def test_quarters_are_four_times_the_centred_quants(
     if ternlog and not lookup.permutes():
         pytest.skip("this CPU has no AVX-512")
     monkeypatch.setattr(sixbit, "permutes", lambda: ternlog)
-    quarters, _ = _kernels()
+    quarters = _kernels()
     rng = np.random.default_rng(5)
     rows = [rng.integers(0, 256, 96, dtype=np.uint8) for _ in range(4)]
     rows += [np.full(96, fill, np.uint8) for fill in (0x00, 0xFF, 0x55, 0xAA)]  # the limits
@@ -62,13 +55,3 @@ def test_quarters_are_four_times_the_centred_quants(
         out = np.zeros(128, np.float32)
         quarters(row, out)
         np.testing.assert_array_equal(out, _want(row))
-
-
-def test_broadcasts_are_the_vectors_lanes() -> None:
-    _, lanes = _kernels()
-    v = np.random.default_rng(6).standard_normal(16).astype(np.float32)
-    out = np.zeros(32 * 15, np.float32)
-    lanes(v, out)
-    each = out.reshape(15, 2, 16)
-    np.testing.assert_array_equal(each[:, 0], np.repeat(v[:15, None], 16, 1))
-    np.testing.assert_array_equal(each[:, 1], np.repeat(v[15:0:-1, None], 16, 1))

@@ -15,7 +15,7 @@ same operands (``d * sc`` and ``-(dmin * m)`` computed once and kept in the scra
 the numbers wchunk computes each time), so a product of either equals "dequantize, then
 multiply". Q6_K's quants are cut 64 at a time (:mod:`.sixbit`) as ``4 (q - 32)`` and
 multiplied by ``d * sc / 4``: every step exact, the same float32 as ``(d * sc) * (q -
-32)`` (see there). Q4_K and Q6_K read their scales as broadcast operands.
+32)`` (see there).
 
 Formats with no scales to share here (the 32-value blocks, and the K-quants other than
 Q4_K and Q6_K, rare in real files) read :func:`.wide.wchunk` directly, a group of one
@@ -46,7 +46,7 @@ from meshnode.engine.cpu.simd import (
     wsplat,
     wzero,
 )
-from meshnode.engine.cpu.sixbit import wlane_broadcasts, wq6_quarter
+from meshnode.engine.cpu.sixbit import wq6_quarter
 from meshnode.engine.cpu.wide import wchunk
 
 __all__ = [
@@ -161,8 +161,7 @@ def _q4_k_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
 def _q4_k_looked_up(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
     # the same values by table: lane k is d sc k - dmin m, wfma's operation on a nibble k
     qs = 144 * g + 16 + 32 * (s // 2)
-    ds, dm = wlane_broadcasts(sc, s, 8 + s)
-    table = wfma(ds, wiota(0), dm)
+    table = wfma(wlane_splat(sc, s), wiota(0), wlane_splat(sc, 8 + s))
     if s % 2 == 0:
         return wlookup(table, row, qs, False), wlookup(table, row, qs + 16, False)
     return wlookup(table, row, qs, True), wlookup(table, row, qs + 16, True)
@@ -178,8 +177,7 @@ def _q6_k_quarters(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
     # sub-block s as sixbit cuts it: quarter s % 4 of half s // 4
     o, h = 210 * g, s // 4
     qa, qb = wq6_quarter(row, o + 64 * h, o + 128 + 32 * h, s % 4)
-    da, db = wlane_broadcasts(sc, 2 * s, 2 * s + 1)
-    return wmul(da, qa), wmul(db, qb)
+    return wmul(wlane_splat(sc, 2 * s), qa), wmul(wlane_splat(sc, 2 * s + 1), qb)
 
 
 def _float_load(kind: str, doc: str) -> Any:

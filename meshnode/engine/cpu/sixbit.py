@@ -40,7 +40,7 @@ from numba.core import cgutils
 from meshnode.engine.cpu.lookup import permutes
 from meshnode.engine.cpu.simd import F32x16, intrinsic
 
-__all__ = ["wlane_broadcasts", "wq6_quarter"]
+__all__ = ["wq6_quarter"]
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _B64 = ir.VectorType(_I8, 64)
@@ -156,30 +156,3 @@ def wq6_quarter(typingctx: Any, row: Any, ql: Any, qh: Any, m: Any) -> Any:
 
     pair = types.UniTuple(F32x16, 2)  # type: ignore[no-untyped-call]
     return pair(row, ql, qh, m), codegen
-
-
-@intrinsic
-def wlane_broadcasts(typingctx: Any, v: Any, i: Any, j: Any) -> Any:
-    """Lanes ``i`` and ``j`` of ``v``, each in all sixteen lanes of its vector, read
-    back from memory: a multiply by one takes it as a broadcast operand (``{1to16}``, a
-    load), where a splat of a register's lane is a shuffle on the port that also widens
-    the quants (the decode into the tiles: 40 instead of 49 cycles a super-block,
-    llvm-mca)."""
-    if v != F32x16 or not (isinstance(i, types.Integer) and isinstance(j, types.Integer)):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        slot = cgutils.alloca_once(builder, _VF)  # type: ignore[no-untyped-call]
-        slot.align = 64
-        builder.store(args[0], slot)
-        floats = _launder(builder, builder.bitcast(slot, ir.FloatType().as_pointer()))
-        undef = ir.Constant(_VF, ir.Undefined)
-        splats = []
-        for k in (1, 2):
-            ptr = builder.gep(floats, [context.cast(builder, args[k], sig.args[k], types.int64)])
-            one = builder.insert_element(undef, builder.load(ptr, align=4), ir.Constant(_I32, 0))
-            splats.append(builder.shuffle_vector(one, undef, ir.Constant(_VI, [0] * 16)))
-        return context.make_tuple(builder, sig.return_type, splats)
-
-    pair = types.UniTuple(F32x16, 2)  # type: ignore[no-untyped-call]
-    return pair(v, i, j), codegen
