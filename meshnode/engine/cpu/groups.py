@@ -13,17 +13,22 @@ sub-block as :func:`.wide.wchunk` does.
 The values are :func:`.wide.wchunk`'s, bit for bit: the same float32 operations on the
 same operands (``d * sc`` and ``-(dmin * m)`` computed once and kept in the scratch are
 the numbers wchunk computes each time), so a product of either equals "dequantize, then
-multiply". Formats with no scales to share here (the 32-value blocks, and the K-quants
-other than Q4_K and Q6_K, rare in real files) read :func:`.wide.wchunk` directly, a group
-of one chunk for the former and eight for the latter; the plain floats (F32, F16, BF16)
-are loaded sixteen lanes at a time and widened exactly (:mod:`.blocks`' eight-lane
-``chunk`` stays their decoder for whole rows), a group of one chunk.
+multiply". Q6_K's quants are cut 64 at a time (:mod:`.sixbit`) as ``4 (q - 32)`` and
+multiplied by ``d * sc / 4``: every step exact, the same float32 as ``(d * sc) * (q -
+32)`` (see there).
+
+Formats with no scales to share here (the 32-value blocks, and the K-quants other than
+Q4_K and Q6_K, rare in real files) read :func:`.wide.wchunk` directly, a group of one
+chunk for the former and eight for the latter; the plain floats (F32, F16, BF16) are
+loaded sixteen lanes at a time and widened exactly (:mod:`.blocks`' eight-lane ``chunk``
+stays their decoder for whole rows), a group of one chunk.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import overload
@@ -38,9 +43,11 @@ from meshnode.engine.cpu.simd import (
     whigh_nibbles,
     wlow_nibbles,
     wmul,
+    wsplat,
     wzero,
 )
-from meshnode.engine.cpu.wide import wchunk, wq6
+from meshnode.engine.cpu.sixbit import wq6_quarter
+from meshnode.engine.cpu.wide import wchunk
 
 __all__ = [
     "group_chunk",
@@ -109,7 +116,7 @@ def wq4k_scales(typingctx: Any, row: Any, off: Any, d: Any, neg_dmin: Any) -> An
 @intrinsic
 def wq6k_scales(typingctx: Any, row: Any, off: Any, d: Any) -> Any:
     """Q6_K's sixteen int8 scales at ``off`` times ``d``: lane ``t`` is ``d * sc[t]``, as
-    :func:`.wide._q6_k` computes each."""
+    :func:`.wide._q6_k` computes each (exact: at most 18 significant bits)."""
     if not (isinstance(row, types.Array) and row.dtype == types.uint8 and row.layout == "C"):
         return None
 
@@ -160,15 +167,16 @@ def _q4_k_looked_up(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
     return wlookup(table, row, qs, True), wlookup(table, row, qs + 16, True)
 
 
-def _q6_k_scales(fmt, row, g):  # type: ignore[no-untyped-def]
-    o = 210 * g  # ql[128] | qh[64] | scales int8[16] | d f16
-    return wq6k_scales(row, o + 192, f16(row, o + 208))
+def _q6_k_quarter_scales(fmt, row, g):  # type: ignore[no-untyped-def]
+    # d sc / 4 per sixteen values: sixbit's quants are 4 (q - 32) (exact, see there)
+    o = 210 * g
+    return wmul(wq6k_scales(row, o + 192, f16(row, o + 208)), wsplat(np.float32(0.25)))
 
 
-def _q6_k_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
-    # as wide._q6_k: ((low | high << 4) - 32) times d sc, a scale per sixteen values
-    o, h, m = 210 * g, s // 4, s % 4
-    qa, qb = wq6(row, o + 64 * h + 32 * (m % 2), o + 128 + 32 * h, 4 * (m // 2), 2 * m)
+def _q6_k_quarters(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
+    # sub-block s as sixbit cuts it: quarter s % 4 of half s // 4
+    o, h = 210 * g, s // 4
+    qa, qb = wq6_quarter(row, o + 64 * h, o + 128 + 32 * h, s % 4)
     return wmul(wlane_splat(sc, 2 * s), qa), wmul(wlane_splat(sc, 2 * s + 1), qb)
 
 
@@ -229,7 +237,10 @@ def _k_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
 
 
 _FLOATS = {"F32": _f32_chunk, "F16": _f16_chunk, "BF16": _bf16_chunk}
-_SHARED = {"Q4_K": (_q4_k_scales, _q4_k_chunk), "Q6_K": (_q6_k_scales, _q6_k_chunk)}
+_SHARED = {
+    "Q4_K": (_q4_k_scales, _q4_k_chunk),
+    "Q6_K": (_q6_k_quarter_scales, _q6_k_quarters),
+}
 
 
 def _chunks(fmt: Any) -> int:

@@ -11,6 +11,11 @@ a full-width permute whose indices are the nibbles themselves).
 nibble of value ``k`` (the same operation on the same operands: ``fmuladd(d, k, m)``), so
 a value looked up is the value computed. Nothing is reordered.
 
+The nibbles of sixteen bytes are widened to sixteen int32 lanes once for both lookups
+that read them (a sub-block's low nibbles and the next one's high nibbles: one load, one
+``vpmovzxbd``, the high lookup shifting the lanes), and ``vpermps`` reads only the low
+four bits of each index.
+
 Used for Q4_K only (:mod:`.groups`): 1.1x fewer cycles a weight at one activation row,
 1.0-1.2x at eight (min of 6-8 rounds, load 1-3; docs/performance.md). Q4_0 and Q4_1
 (``d * (k - 8)``, ``fmuladd(d, k, m)`` per 32-value block) gained 1.2x at one row but
@@ -80,6 +85,14 @@ def _permute(builder: Any, table: Any, index: Any) -> Any:
     return out
 
 
+def _opaque(builder: Any, v: Any) -> Any:
+    # v, which the compiler cannot see through (an empty asm): it would otherwise shift
+    # and mask the bytes before widening them, one widening for each nibble
+    if not permutes():
+        return v
+    return builder.call(ir.InlineAsm(ir.FunctionType(v.type, [v.type]), "", "=v,0"), [v])
+
+
 @intrinsic
 def wlookup(typingctx: Any, table: Any, row: Any, off: Any, high: Any) -> Any:
     """Lane ``i`` is ``table[n]`` for ``n`` the low nibble (``high`` a literal False) or
@@ -92,10 +105,14 @@ def wlookup(typingctx: Any, table: Any, row: Any, off: Any, high: Any) -> Any:
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         data = context.make_array(sig.args[1])(context, builder, args[1]).data
         ptr = builder.bitcast(builder.gep(data, [args[2]]), _BYTES.as_pointer())
-        wide = builder.zext(builder.load(ptr, align=1), _VI)
+        load = builder.load(ptr, align=1)
+        # the weights never change while a product runs: a low and a high lookup of the
+        # same bytes share one load and one widening (a shuffle), the high one shifting
+        # the widened lanes (no mask: a byte's top nibble is below 16)
+        load.set_metadata("invariant.load", builder.module.add_metadata([]))
+        wide = _opaque(builder, builder.zext(load, _VI))
         if shift:
-            wide = builder.lshr(wide, ir.Constant(_VI, [shift] * _LANES))
-        nibble = builder.and_(wide, ir.Constant(_VI, [15] * _LANES))
-        return _permute(builder, args[0], nibble)
+            return _permute(builder, args[0], builder.lshr(wide, ir.Constant(_VI, [4] * _LANES)))
+        return _permute(builder, args[0], builder.and_(wide, ir.Constant(_VI, [15] * _LANES)))
 
     return F32x16(table, row, off, high), codegen
