@@ -27,7 +27,8 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +79,10 @@ def _name(fn: Any) -> str:
     return f"{fn.__module__}.{fn.__qualname__}"
 
 
-def install() -> _Recorder:
-    """Record every numba compile of this process from now on; returns the recorder."""
+@contextmanager
+def install() -> Iterator[_Recorder]:
+    """Record every numba compile of this process inside the block: yields the recorder,
+    whose ``records`` (dicts: ``function``, ``seconds``, ``llvm``) grow as compiles end."""
     from numba.core import ccallback
     from numba.core import event as ev
 
@@ -99,8 +102,9 @@ def install() -> _Recorder:
         def on_end(self, event: Any) -> None:
             recorder.pop()
 
-    ev.register("numba:compile", Compiles())  # type: ignore[no-untyped-call]
-    ev.register("numba:run_pass", Passes())  # type: ignore[no-untyped-call]
+    listeners = [("numba:compile", Compiles()), ("numba:run_pass", Passes())]
+    for kind, listener in listeners:
+        ev.register(kind, listener)  # type: ignore[no-untyped-call]
     compile_cfunc = ccallback.CFunc.compile
 
     def compile_timed(self: Any) -> Any:
@@ -111,7 +115,12 @@ def install() -> _Recorder:
             recorder.pop()
 
     ccallback.CFunc.compile = compile_timed  # type: ignore[method-assign]
-    return recorder
+    try:
+        yield recorder
+    finally:
+        ccallback.CFunc.compile = compile_cfunc  # type: ignore[method-assign]
+        for kind, listener in listeners:
+            ev.unregister(kind, listener)  # type: ignore[no-untyped-call]
 
 
 def table(runs: Sequence[Sequence[dict[str, Any]]], top: int) -> list[str]:
@@ -143,14 +152,14 @@ def table(runs: Sequence[Sequence[dict[str, Any]]], top: int) -> list[str]:
 def main() -> None:
     """``compile_times.py OUT.json MESHNODE-ARGS...``: run meshnode, record, write."""
     out, args = Path(sys.argv[1]), sys.argv[2:]
-    recorder = install()
     from meshnode.cli import main as meshnode
 
     sys.argv = ["meshnode", *args]
-    try:
-        meshnode()
-    finally:
-        out.write_text(json.dumps(recorder.records))
+    with install() as recorder:
+        try:
+            meshnode()
+        finally:
+            out.write_text(json.dumps(recorder.records))
 
 
 if __name__ == "__main__":
