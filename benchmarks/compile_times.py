@@ -144,7 +144,7 @@ def table(runs: Sequence[Sequence[dict[str, Any]]], top: int) -> list[str]:
         "|---|---:|---:|---:|",
     ]
     for name in sorted(seconds, key=lambda k: -seconds[k])[:top]:
-        short = name.removeprefix("meshnode.engine.")
+        short = name.replace("meshnode.engine.", "")
         lines.append(f"| {short} | {counts[name] // n} | {seconds[name]:.2f} | {llvm[name]:.2f} |")
     return lines
 
