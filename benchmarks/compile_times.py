@@ -56,13 +56,14 @@ class _Recorder:
         # seconds in the LLVM pass of this compile
         self._stack().append([kind, name, time.thread_time(), 0.0, 0.0])
 
-    def pop(self) -> None:
+    def pop(self, keep: bool = True) -> None:
         stack = self._stack()
         kind, name, start, nested, llvm = stack.pop()
         total = time.thread_time() - start
         parent = stack[-1] if stack else None
         if kind == "compile":
-            self.records.append({"function": name, "seconds": total - nested, "llvm": llvm})
+            if keep:
+                self.records.append({"function": name, "seconds": total - nested, "llvm": llvm})
             if parent is not None:
                 parent[3] += total
             return
@@ -108,11 +109,13 @@ def install() -> Iterator[_Recorder]:
     compile_cfunc = ccallback.CFunc.compile
 
     def compile_timed(self: Any) -> Any:
+        # called on a cache hit too (it loads): only a miss is a compile
+        hits = self._cache_hits
         recorder.push("compile", "cfunc " + _name(self._pyfunc))
         try:
             return compile_cfunc(self)
         finally:
-            recorder.pop()
+            recorder.pop(keep=self._cache_hits == hits)
 
     ccallback.CFunc.compile = compile_timed  # type: ignore[method-assign]
     try:
