@@ -22,7 +22,7 @@ from meshnode.engine.model import Stage
 from meshnode.engine.prefix_cache import PREFIX_BLOCK_TOKENS, PrefixMissError, extend_chain
 from meshnode.engine.snapshots import MAX_SNAPSHOTS, SnapshotPool
 from meshnode.node.pipeline import RequestId, StepFrame
-from meshnode.node.prefix import StagePrefix, _Tracked, snapshot_at
+from meshnode.node.prefix import StagePrefix, Tracked, snapshot_at
 
 __all__ = ["SNAPSHOT_CONTEXTS", "HybridPrefix", "snapshot_bytes", "stage_prefix"]
 
@@ -102,7 +102,7 @@ class HybridPrefix(StagePrefix):
                 f"the snapshot holds {len(tokens)} tokens; the frame starts at {frame.start_pos}"
             )
         keys = extend_chain([], self.salt, tokens, PREFIX_BLOCK_TOKENS)
-        self._seqs[frame.request_id] = _Tracked(tokens, keys, len(keys))
+        self._seqs[frame.request_id] = Tracked(tokens, keys, len(keys))
         return tokens
 
     def written(self, frame: StepFrame, cache: Any) -> None:

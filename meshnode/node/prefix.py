@@ -129,7 +129,7 @@ def pipeline_blocks(
 
 
 @dataclass(slots=True)
-class _Tracked:
+class Tracked:
     """What one sequence holds on this stage: the token id at each cached position (drafts
     included) and the keys of the pool blocks it references."""
 
@@ -153,7 +153,7 @@ class StagePrefix:
         self.pool = pool
         self.kv = pool.kv if pool is not None else kv
         self.salt = "" if pool is None else pool.salt
-        self._seqs: dict[RequestId, _Tracked] = {}
+        self._seqs: dict[RequestId, Tracked] = {}
 
     @classmethod
     def for_stage(
@@ -210,7 +210,7 @@ class StagePrefix:
             raise PrefixMissError(
                 f"the cached prefix has {len(tokens)} tokens; the frame starts at {frame.start_pos}"
             )
-        self._seqs[frame.request_id] = _Tracked(tokens, keys, len(keys))
+        self._seqs[frame.request_id] = Tracked(tokens, keys, len(keys))
         return tokens
 
     def written(self, frame: StepFrame, cache: Any) -> None:
@@ -230,10 +230,10 @@ class StagePrefix:
             seq.keys += self.pool.store(seq.tokens[: full * block], cache, len(seq.keys))
             seq.tried = full
 
-    def _track(self, frame: StepFrame, stats: Any) -> _Tracked | None:
+    def _track(self, frame: StepFrame, stats: Any) -> Tracked | None:
         """The record of ``frame``'s sequence, its prefill rows counted as computed in
         ``stats``; None when the frame leaves a gap (never for a frame the stage took)."""
-        seq = self._seqs.setdefault(frame.request_id, _Tracked())
+        seq = self._seqs.setdefault(frame.request_id, Tracked())
         if frame.kind is FrameKind.PREFILL:
             stats.miss_tokens += len(frame.tokens)
         return None if frame.start_pos > len(seq.tokens) else seq
