@@ -71,7 +71,13 @@ from tests.e2e.cluster import (
 from tests.lab.netlab import LabHost, NetLab, unavailable_reason
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
-PERIOD_US = 100_000  # the CFS period: a quota of q % is q * 1000 µs of it
+# The CFS period: a quota of q % is q * PERIOD_US / 100 µs of each period. The shortest the
+# kernel takes (1 ms), so the quota slows the node at any duty: with the default 100 ms a
+# pipeline stage that computes a few ms a token and waits for the others the rest of the
+# time stays under a 30 % quota and runs at full speed (measured 2026-11-29: the 1B shape's
+# throttled node read its weights at 0.45x the others' rate instead of 0.3x, and faster
+# the fewer layers it held, which no fixed rate a plan counts on can describe).
+PERIOD_US = 1_000
 MESH_PORT = 7470
 START_TIMEOUT_S = 300.0
 READY_TIMEOUT_S = 900.0  # three stages of the 8B shape, read from a cold disk
