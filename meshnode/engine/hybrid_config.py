@@ -58,6 +58,9 @@ class HybridConfig:
     linear_value_dim: int
     conv_kernel: int
     moe: MoeConfig | None = None  # routed experts (Qwen3.5-MoE) instead of the dense MLP
+    # layers of the checkpoint's MTP module (``mtp_num_hidden_layers``; the last stage holds
+    # it): counted in the head's footprint
+    mtp_layers: int = 0
     key_size: int = field(init=False)  # Hk Dk: the q (and the k) part of the conv input
     value_size: int = field(init=False)  # Hv Dv
     conv_channels: int = field(init=False)  # 2 Hk Dk + Hv Dv
@@ -114,9 +117,25 @@ class HybridConfig:
             c, heads = self.conv_channels, self.linear_value_heads
             mixer = e * c + 2 * e * self.value_size + 2 * e * heads + c * self.conv_kernel
             return common + mixer + 2 * heads + self.linear_value_dim
+        return common + self._attention_params()
+
+    def _attention_params(self) -> int:
+        """A gated full-attention mixer's weights: q (with its gate), k, v, o, QK-norms."""
+        e = self.hidden_size
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        return common + e * (2 * q + 2 * kv) + q * e + 2 * self.head_dim
+        return e * (2 * q + 2 * kv) + q * e + 2 * self.head_dim
+
+    def mtp_params(self) -> int:
+        """Weights of the MTP module (``mtp.*``): per layer a gated full-attention decoder
+        layer (routed experts when the model has them), the projection ``fc`` of the
+        concatenated normed embedding and hidden state, and three norms."""
+        e = self.hidden_size
+        mlp = 3 * e * self.intermediate_size
+        if self.moe is not None:
+            mlp = self.moe.layer_params(e)[0]
+        layer = mlp + 2 * e + self._attention_params()
+        return self.mtp_layers * (layer + 2 * e * e + 3 * e)
 
     def rope_inv_freq(self) -> list[float]:
         """RoPE inverse frequencies of the rotary dims (transformers' default rope over
@@ -178,4 +197,5 @@ def _fields(config: dict[str, Any]) -> dict[str, Any]:
         "linear_value_dim": int(config["linear_value_head_dim"]),
         "conv_kernel": int(config.get("linear_conv_kernel_dim", 4)),
         "moe": moe_from_hf(config, QWEN35_MOE, layers),
+        "mtp_layers": int(config.get("mtp_num_hidden_layers") or 0),
     }

@@ -100,10 +100,15 @@ def _hybrid_footprint(
     state = hybrid.recurrent_shape().nbytes()
     fixed = state * (1 + ring_slots) * MAX_SEQUENCES_PER_STAGE + state * SNAPSHOT_CONTEXTS
     contexts = MAX_SEQUENCES_PER_STAGE + SNAPSHOT_CONTEXTS
+    # The last stage also holds the MTP module, which embeds the tokens it predicts: the
+    # embedding comes with it when the head does not share it already.
+    mtp = hybrid.mtp_params()
+    if hybrid.mtp_layers and not config.tie_word_embeddings:
+        mtp += config.embed_params
     return ModelFootprint(
         layer_bytes=tuple(config.layer_params(i) * bytes_per_param for i in layers),
         embed_bytes=config.embed_params * bytes_per_param,
-        head_bytes=config.head_params * bytes_per_param,
+        head_bytes=(config.head_params + mtp) * bytes_per_param,
         kv_bytes_per_token_per_layer=2 * config.kv_size * 4 * contexts,
         tied_head=config.tie_word_embeddings,
         kv_layers=tuple(not hybrid.is_linear(i) for i in layers),

@@ -124,6 +124,13 @@ class Manifest:
         return bool(self.data["head"].get("tied_to_embed", False))
 
     @property
+    def head_reads_embed(self) -> bool:
+        """True when the last stage needs the embedding too: a tied head, or a head holding
+        the checkpoint's MTP module (``mtp.*``), which embeds the tokens it predicts from."""
+        tensors = self.data["head"].get("tensors", [])
+        return self.head_tied or any(str(t).startswith("mtp.") for t in tensors)
+
+    @property
     def chat_template(self) -> str | None:
         """The chat template (Jinja2 source), if the model has one."""
         template = self.data.get("chat_template")
@@ -159,7 +166,7 @@ class Manifest:
         if part.end > self.num_layers:
             raise ValueError(f"layer range [{part.start}, {part.end}) exceeds {self.num_layers}")
         paths: list[str] = []
-        if part.embed or (part.head and self.head_tied):
+        if part.embed or (part.head and self.head_reads_embed):
             paths.append(self.data["embed"]["file"])
         if part.embed:
             paths.append(self.data["tokenizer"]["file"])

@@ -165,8 +165,9 @@ def select(listing: hub.Listing, file: str | None, quant: str | None) -> Selecti
     )
 
 
-def wanted(canonical: str | None, raw: str, part: Part | None, tied: bool) -> bool:
-    """Whether a stage running ``part`` needs the tensor ``raw`` (canonical name or None)."""
+def wanted(canonical: str | None, raw: str, part: Part | None, head_embeds: bool) -> bool:
+    """Whether a stage running ``part`` needs the tensor ``raw`` (canonical name or None);
+    ``head_embeds``: the last stage reads the embedding too (a tied head, or an MTP module)."""
     if part is None:
         return True
     if canonical is None:
@@ -176,8 +177,8 @@ def wanted(canonical: str | None, raw: str, part: Part | None, tied: bool) -> bo
     if m := _LAYER.match(canonical):
         return part.start <= int(m[1]) < part.end
     if canonical == "embed_tokens.weight":
-        return part.embed or (part.head and tied)
-    return part.head  # final norm, output projection
+        return part.embed or (part.head and head_embeds)
+    return part.head  # final norm, output projection, the MTP module (mtp.*)
 
 
 class RangedSource:
@@ -254,8 +255,8 @@ class HubModel:
         weights = self.selection.weights or self._index_files(extras)
         files = [self._header(rel) for rel in weights]
         spans = self._spans(files)
-        tied = self._tied(spans, extras)
-        want = {c: s for c, s in spans.items() if wanted(c, s.name, part, tied)}
+        head_embeds = self._tied(spans, extras) or any(c.startswith("mtp.") for c in spans)
+        want = {c: s for c, s in spans.items() if wanted(c, s.name, part, head_embeds)}
         self._fetch(files, list(want.values()), progress)
         self._verify_whole(files)
         present = {c for c, s in want.items() if self._file(files, s.file).has(s.bytes)}

@@ -49,6 +49,9 @@ would cost a second pass over a GGUF's un-permuted Q/K rows)."""
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
 _EMBED_TENSORS = ("embed_tokens.weight",)
 _HEAD_TENSORS = ("norm.weight", "lm_head.weight")
+# The checkpoint's multi-token-prediction module (Qwen3.5, Qwen3-Next): the last stage runs
+# it after the head, so its tensors travel in the head's file.
+_HEAD_PREFIXES = ("mtp.",)
 
 
 def to_bf16_bits(x: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.uint16]]:
@@ -93,7 +96,7 @@ def group_tensors(
             (layers[i] if i < num_layers else unplaced).append(name)
         elif name in _EMBED_TENSORS:
             embed.append(name)
-        elif name in _HEAD_TENSORS:
+        elif name in _HEAD_TENSORS or name.startswith(_HEAD_PREFIXES):
             head.append(name)
         else:
             unplaced.append(name)
