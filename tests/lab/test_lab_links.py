@@ -91,18 +91,18 @@ def test_a_pair_filter_shapes_one_link_and_the_planner_keeps_its_ends_apart(
     pairs = ((a, b), (b, a), (a, c), (b, c))
     measured = {(x.name, y.name): _rate(x, y) for x, y in pairs}
     slow = [measured["pa", "pb"], measured["pb", "pa"]]
-    for rate in slow:  # both ways: a's eth0 to b, a's bridge port from b
-        assert SHAPED_BYTES_S / 2 <= rate <= SHAPED_BYTES_S * 1.5, measured
+    for shaped in slow:  # both ways: a's eth0 to b, a's bridge port from b
+        assert SHAPED_BYTES_S / 2 <= shaped <= SHAPED_BYTES_S * 1.5, measured
     # a's and b's other links pass unshaped (--slow-link would have slowed a-c too)
     assert min(measured["pa", "pc"], measured["pb", "pc"]) >= 4 * max(slow), measured
     reported = {
         name: tuple(NodeLink(y, RTT_S, rate) for (x, y), rate in measured.items() if x == name)
         for name in ("pa", "pb", "pc")
     }
-    for rate in (None, 1.0):  # placed by memory, then with every node measured alike
-        blind = [node("h", 60, rate)] + [node(n, 60, rate) for n in reported]
-        linked = [node("h", 60, rate)] + [
-            node(n, 60, rate, *links) for n, links in reported.items()
+    for speed in (None, 1.0):  # placed by memory, then with every node measured alike
+        blind = [node("h", 60, speed)] + [node(n, 60, speed) for n in reported]
+        linked = [node("h", 60, speed)] + [
+            node(n, 60, speed, *links) for n, links in reported.items()
         ]
         # Three stages are needed: by memory and id a and b are neighbours...
         assert plan(MODEL, blind, "h", CONTEXT).node_ids == ("h", "pa", "pb")
