@@ -42,10 +42,11 @@ each node's link probe measures it (``meshnode.node.links``); with ``--split 2``
 quotas the plan should put stage 1 on w1 (the quicker hop). ``--slow-pair RATE`` shapes
 only the link between w1 and w2 (``NetLab.shape_pair``: a ``u32`` filter on w2's address
 on w1's veth, a ``tbf`` under it; w1's and w2's other links are not shaped) and adds a
-third worker, w3 (quotas 100 each unless ``--quota`` gives four): with ``--split 3`` the
-plan by speed should keep w1 and w2 from being neighbours (host, w1, w3 or host, w3, w1
-...), calibrated and re-placed when its first plan (before the links were reported) made
-them neighbours; the run prints whether they are. At 512 kbit/s a SmolLM2 token's f32
+third worker, w3, offering 3/4 of the others' ``--max-memory`` (quotas 100 each unless
+``--quota`` gives four): by memory the plan is host, w1, w2 (neighbours over the shaped
+link); by speed, calibrated and re-placed, it should keep w1 and w2 apart (host, w1, w3
+or host, w2, w3 ...) once the workers have reported their links; the run prints whether
+they are neighbours. At 512 kbit/s a SmolLM2 token's f32
 activations take 36 ms over that link, longer than a stage's compute, and the links'
 256 KiB probe 4 s (a probe not answered in 10 s leaves the link unmeasured). Each stage's
 measured link (MB/s) and hop time (from the node before) are printed.
@@ -71,6 +72,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from meshnode.node.parsers import parse_bytes
 from tests.e2e.cluster import (
     SINGLE_THREAD_ENV,
     Cluster,
@@ -120,6 +122,16 @@ def cpu_group(name: str, percent: int) -> Iterator[Path]:
         group.rmdir()
 
 
+def node_memory(name: str, args: Any, *, single: bool) -> str:
+    """A node's ``--max-memory``: w3 (``--slow-pair``) offers 3/4 of the others', so that
+    by memory the plan takes w1 and w2, neighbours over the shaped link."""
+    if single:
+        return str(args.single_memory)
+    if name == "w3":
+        return f"{parse_bytes(args.max_memory) * 3 // 4 >> 20}MiB"
+    return str(args.max_memory)
+
+
 def status_host(node: Node) -> dict[str, Any]:
     block: dict[str, Any] = node.status().get("host") or {}
     return block
@@ -156,7 +168,6 @@ def run_mesh(
     token = init_token(root / "mesh.token", name="bench")
     model, local = model_path(args.model)
     allow = ["--local-model", str(local)] if local else []
-    memory = ["--max-memory", args.single_memory if single else args.max_memory]
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(Cluster(root, env={**HEARTBEAT_ENV, **SINGLE_THREAD_ENV}))
         groups = {
@@ -168,7 +179,8 @@ def run_mesh(
         def spawn(name: str, *extra: str) -> Node:
             host = hosts[name]
             node = cluster.spawn(
-                name, token, *memory, *extra, mdns=False, listen=f"0.0.0.0:{MESH_PORT}",
+                name, token, "--max-memory", node_memory(name, args, single=single), *extra,
+                mdns=False, listen=f"0.0.0.0:{MESH_PORT}",
                 interface=None, prefix=host.command(), get=host.get,
             )  # fmt: skip
             (groups[name] / "cgroup.procs").write_text(str(node.process.pid))
