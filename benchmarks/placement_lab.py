@@ -43,10 +43,11 @@ quotas the plan should put stage 1 on w1 (the quicker hop). ``--slow-pair RATE``
 only the link between w1 and w2 (``NetLab.shape_pair``: a ``u32`` filter on w2's address
 on w1's veth, a ``tbf`` under it; w1's and w2's other links are not shaped) and adds a
 third worker, w3, offering 3/4 of the others' ``--max-memory`` (quotas 100 each unless
-``--quota`` gives four): by memory the plan is host, w1, w2 (neighbours over the shaped
-link); by speed, calibrated and re-placed, it should keep w1 and w2 apart (host, w1, w3
-or host, w2, w3 ...) once the workers have reported their links; the run prints whether
-they are neighbours. At 512 kbit/s a SmolLM2 token's f32
+``--quota`` gives four): a memory plan over all four is host, w1, w2 (neighbours over the
+shaped link; the host plans as soon as three nodes are up, with those); by speed,
+calibrated and re-placed, it should keep w1 and w2 apart (host, w1, w3 or host, w2, w3
+...) once the workers have reported their link; the run prints whether they are
+neighbours. At 512 kbit/s a SmolLM2 token's f32
 activations take 36 ms over that link, longer than a stage's compute, and the links'
 256 KiB probe 4 s (a probe not answered in 10 s leaves the link unmeasured). Each stage's
 measured link (MB/s) and hop time (from the node before) are printed.
