@@ -4,6 +4,7 @@ Run (root, iproute2, cgroup v1 ``cpu`` mounted at /sys/fs/cgroup/cpu)::
 
     .venv/bin/python benchmarks/placement_lab.py [--model smollm2|1b|8b] [--tokens 64]
         [--rounds 3] [--quota 100 100 30] [--max-memory 2GiB] [--placements memory speed]
+        [--split 3] [--slow-link RATE | --slow-pair RATE]
 
 Three ``meshnode join`` processes, each in its own network namespace on one bridge
 (:class:`tests.lab.netlab.NetLab`), each in a cgroup v1 ``cpu`` group with a CFS quota of
@@ -34,11 +35,22 @@ One command each (issue 34)::
     .venv/bin/python benchmarks/placement_lab.py --model 1b
     .venv/bin/python benchmarks/placement_lab.py --model 8b --from-disk
     .venv/bin/python benchmarks/placement_lab.py --quota 100 100 100 --slow-link 2mbit --split 2
+    .venv/bin/python benchmarks/placement_lab.py --slow-pair 512kbit --placements speed
 
 ``--slow-link RATE`` shapes w2's link both ways with ``tc tbf`` before the nodes start, so
 each node's link probe measures it (``meshnode.node.links``); with ``--split 2`` and equal
-quotas the plan should put stage 1 on w1 (the quicker hop). Each stage's measured link
-(MB/s) and hop time are printed.
+quotas the plan should put stage 1 on w1 (the quicker hop). ``--slow-pair RATE`` shapes
+only the link between w1 and w2 (``NetLab.shape_pair``: a ``u32`` filter on w2's address
+on w1's veth, a ``tbf`` under it; w1's and w2's other links are not shaped) and adds a
+third worker, w3, offering 3/4 of the others' ``--max-memory`` (quotas 100 each unless
+``--quota`` gives four): a memory plan over all four is host, w1, w2 (neighbours over the
+shaped link; the host plans as soon as three nodes are up, with those); by speed,
+calibrated and re-placed, it should keep w1 and w2 apart (host, w1, w3 or host, w2, w3
+...) once the workers have reported their link; the run prints whether they are
+neighbours. At 512 kbit/s a SmolLM2 token's f32
+activations take 36 ms over that link, longer than a stage's compute, and the links'
+256 KiB probe 4 s (a probe not answered in 10 s leaves the link unmeasured). Each stage's
+measured link (MB/s) and hop time (from the node before) are printed.
 Targets (issue 34): the throttled node gets about a third of the others' layers, and decode
 with ``speed`` is at least 1.3x ``memory``'s. Numbers on a shared machine are noisy: run it
 on an idle one.
@@ -49,6 +61,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import itertools
 import os
 import statistics
 import sys
@@ -60,6 +73,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from meshnode.node.parsers import parse_bytes
 from tests.e2e.cluster import (
     SINGLE_THREAD_ENV,
     Cluster,
@@ -85,6 +99,7 @@ REQUEST_TIMEOUT_S = 900.0
 HEARTBEAT_ENV = {"MESHNODE_HEARTBEAT_S": "0.5", "MESHNODE_SUSPECT_S": "6", "MESHNODE_DEAD_S": "15"}
 PROMPT = "The history of the printing press begins"
 NAMES = ("host", "w1", "w2")
+PAIR_NAMES = (*NAMES, "w3")  # --slow-pair: a third worker, so that another order exists
 
 
 def model_path(name: str) -> tuple[str, Path | None]:
@@ -114,16 +129,26 @@ def cpu_group(name: str, percent: int) -> Iterator[Path]:
         group.rmdir()
 
 
+def node_memory(name: str, args: Any, *, single: bool) -> str:
+    """A node's ``--max-memory``: w3 (``--slow-pair``) offers 3/4 of the others', so that
+    by memory the plan takes w1 and w2, neighbours over the shaped link."""
+    if single:
+        return str(args.single_memory)
+    if name == "w3":
+        return f"{parse_bytes(args.max_memory) * 3 // 4 >> 20}MiB"
+    return str(args.max_memory)
+
+
 def status_host(node: Node) -> dict[str, Any]:
     block: dict[str, Any] = node.status().get("host") or {}
     return block
 
 
-def placed(node: Node) -> bool:
-    """Three ready stages, and with placement by speed the calibration done."""
+def placed(node: Node, count: int) -> bool:
+    """``count`` ready stages, and with placement by speed the calibration done."""
     host = status_host(node)
     stages = host.get("stages") or []
-    ready = host.get("state") == "ready" and len(stages) == 3
+    ready = host.get("state") == "ready" and len(stages) == count
     return ready and all(s["state"] == "ready" for s in stages) and host.get("calibration") != ""
 
 
@@ -150,39 +175,43 @@ def run_mesh(
     token = init_token(root / "mesh.token", name="bench")
     model, local = model_path(args.model)
     allow = ["--local-model", str(local)] if local else []
-    memory = ["--max-memory", args.single_memory if single else args.max_memory]
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(Cluster(root, env={**HEARTBEAT_ENV, **SINGLE_THREAD_ENV}))
         groups = {
-            n: stack.enter_context(cpu_group(n, q)) for n, q in zip(NAMES, args.quota, strict=True)
+            n: stack.enter_context(cpu_group(n, q))
+            for n, q in zip(args.names, args.quota, strict=True)
         }
         nodes: dict[str, Node] = {}
 
         def spawn(name: str, *extra: str) -> Node:
             host = hosts[name]
             node = cluster.spawn(
-                name, token, *memory, *extra, mdns=False, listen=f"0.0.0.0:{MESH_PORT}",
+                name, token, "--max-memory", node_memory(name, args, single=single), *extra,
+                mdns=False, listen=f"0.0.0.0:{MESH_PORT}",
                 interface=None, prefix=host.command(), get=host.get,
             )  # fmt: skip
             (groups[name] / "cgroup.procs").write_text(str(node.process.pid))
             nodes[name] = node
             return node
 
-        workers = [spawn("w1", *allow), spawn("w2", *allow)]
+        workers = [spawn(w, *allow) for w in args.names[1:]]
         wait_started(*workers, timeout_s=START_TIMEOUT_S)
-        peers = [f for w in ("w1", "w2") for f in ("--peer", f"{hosts[w].address}:{MESH_PORT}")]
+        peers = [f for w in args.names[1:] for f in ("--peer", f"{hosts[w].address}:{MESH_PORT}")]
         split = ["--split", "1"] if single else ["--split", str(args.split)]
         host_node = spawn(
             "host", *peers, "--model", model, *split, "--placement", placement,
             "--context", "512", "--speculative", "off", "--kv-dtype", args.kv_dtype,
             "--wire-dtype", "f32",  # activations exact between stages: one node's tokens
         )  # fmt: skip
-        want = _single_ready if single else placed
-        wait_for(lambda: want(host_node), READY_TIMEOUT_S, f"the mesh placed by {placement}")
+
+        def ready() -> bool:
+            return _single_ready(host_node) if single else placed(host_node, args.split)
+
+        wait_for(ready, READY_TIMEOUT_S, f"the mesh placed by {placement}")
         complete(hosts["host"], host_node, 8)  # warm-up
         rounds = [complete(hosts["host"], host_node, args.tokens) for _ in range(args.rounds)]
         host = status_host(host_node)
-        names = {nodes[n].node_id(): n for n in NAMES}
+        names = {nodes[n].node_id(): n for n in args.names}
     seconds = statistics.median(s for s, _ in rounds)  # a token
     return {
         "placement": "one node" if single else placement,
@@ -194,6 +223,7 @@ def run_mesh(
                 s.get("decode_bytes_per_s") or 0,
                 s.get("link_mbytes_per_s"),
                 s.get("hop_ms"),
+                names.get(s.get("hop_from", ""), s.get("hop_from")),
             )
             for s in host["stages"]
         ],
@@ -219,7 +249,10 @@ def main() -> int:
     parser.add_argument("--model", choices=("smollm2", "1b", "8b"), default="smollm2")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quota", type=int, nargs=3, default=[100, 100, 30])
+    parser.add_argument(
+        "--quota", type=int, nargs="+", help="%% of a core per node (host, w1, w2[, w3]); "
+        "default 100 100 30, or 100 each with --from-disk or --slow-pair",
+    )  # fmt: skip
     parser.add_argument("--max-memory", default="2GiB")
     parser.add_argument("--placements", nargs="+", default=["memory", "speed"])
     parser.add_argument("--single", action="store_true", help="one stage (--split 1) only")
@@ -233,13 +266,22 @@ def main() -> int:
     parser.add_argument("--single-memory", default="8GiB", help="the one node's --max-memory")
     parser.add_argument("--kv-dtype", default="auto", help="the host's --kv-dtype (f16 halves KV)")
     parser.add_argument("--split", type=int, default=3, help="stages of the mesh (2 or 3)")
-    parser.add_argument("--slow-link", help="shape w2's link to this tc rate (e.g. 2mbit)")
+    shaping = parser.add_mutually_exclusive_group()
+    shaping.add_argument("--slow-link", help="shape w2's link to this tc rate (e.g. 2mbit)")
+    shaping.add_argument(
+        "--slow-pair", help="add w3 and shape only the w1-w2 link to this tc rate (512kbit)"
+    )
     args = parser.parse_args()
+    args.names = PAIR_NAMES if args.slow_pair else NAMES
+    default_quota = [100] * len(args.names) if args.slow_pair else [100, 100, 30]
     if args.from_disk:
         _, local = model_path(args.model)
         size = local.stat().st_size if local else 0
         args.max_memory = f"{max(size // 5 >> 20, 64)}MiB"
-        args.quota, args.kv_dtype, args.placements = [100, 100, 100], "f16", ["speed"]
+        default_quota, args.kv_dtype, args.placements = [100, 100, 100], "f16", ["speed"]
+    args.quota = args.quota or default_quota
+    if len(args.quota) != len(args.names):
+        parser.error(f"--quota needs {len(args.names)} values ({', '.join(args.names)})")
     reason = unavailable_reason()
     if reason is not None or not (CPU_CGROUP / "cpu.cfs_quota_us").exists():
         print(f"placement_lab: needs root, iproute2 and cgroup v1 cpu ({reason})")
@@ -248,9 +290,11 @@ def main() -> int:
     print(f"load average before: {os.getloadavg()}")
     results = []
     with NetLab() as lab:
-        hosts = {name: lab.add_host(name) for name in NAMES}
+        hosts = {name: lab.add_host(name) for name in args.names}
         if args.slow_link:
             lab.rate_limit(hosts["w2"], args.slow_link, burst="16kb", latency="400ms")
+        if args.slow_pair:
+            lab.shape_pair(hosts["w1"], hosts["w2"], args.slow_pair, burst="16kb", latency="400ms")
         for placement in [] if args.single else args.placements:
             results.append(run_mesh(lab, hosts, placement, args))
         if args.single or args.from_disk:
@@ -260,8 +304,8 @@ def main() -> int:
         stages = ", ".join(
             f"{n} [{a}:{b}) {rate / 1e6:.0f} MB/s"
             + (f" {o / 2**20:.0f} MiB from disk" if o else "")
-            + (f" link {link} MB/s hop {hop} ms" if hop is not None else "")
-            for n, (a, b), o, rate, link, hop in r["stages"]
+            + (f" hop {hop} ms from {before} (link {link} MB/s)" if hop is not None else "")
+            for n, (a, b), o, rate, link, hop, before in r["stages"]
         )
         print(
             f"{r['placement']:>7}: {r['tokens_per_s']:.2f} tok/s ({r['tokens_per_s'] / first:.2f}x)"
@@ -269,6 +313,10 @@ def main() -> int:
         )
         for node, claim in r["measured"].items():
             print(f"         {node} measured itself: {claim}")
+        if args.slow_pair:
+            order = [stage[0] for stage in r["stages"]]
+            apart = all({x, y} != {"w1", "w2"} for x, y in itertools.pairwise(order))
+            print(f"         w1 and w2 (the shaped pair) neighbours: {not apart}")
     texts = [r["texts"] for r in results]
     same = all(len(t) == 1 for t in texts) and len(set().union(*texts)) == 1
     print(f"same tokens in every round and placement: {same}")

@@ -127,7 +127,8 @@ class BringUp:
         self.progress: dict[str, tuple[int, int]] = {}
         self._backend = backend
         self._speeds, self._stage_weight_bytes = speeds, tuple(stage_weight_bytes)
-        self._claims = claims  # what each node measured of itself, as it prepared
+        # what each node measured of itself as it prepared (its links alone by memory)
+        self._claims = claims
         self.failed: set[str] = set()
         self.refused: set[str] = set()
         self._download_log: dict[str, DownloadProgress] = {}
@@ -258,7 +259,7 @@ class BringUp:
                 prefix_salt=self.run_id,  # hook (issue 30): the chain keys are the run's
             )
             heap.release_free_memory()  # what loading the model and its tokenizer freed
-            if self._claims is not None:  # the host measures itself as every node does
+            if self._claims is not None and self._claims.compute:  # as every node does
                 model_id = f"{self.settings.model_ref}@{self.settings.pin}"
                 measured = measure_or_reason(
                     source,

@@ -18,6 +18,11 @@ the fastest link believed and a round trip at :data:`MAX_RTT_S`, and at most
 :data:`MAX_LINKS` of a report are kept. A lying node can only move where its own stage
 goes: the planner takes the slower of the two ends' figures, so it can make its links
 look slower, never faster than its neighbour measured them.
+
+With ``--placement memory`` the book keeps the links alone (``compute=False``): a user who
+asks for memory placement asks that the nodes' compute speeds not move layers, while the
+links are still the network the hops cross, so the status times each hop by the link it
+crosses and the plans after the nodes reported (a loss, a join) order them by it.
 """
 
 from __future__ import annotations
@@ -135,18 +140,23 @@ CACHED_FIELDS = ("decode_us", "batch_us", "prefill_us", "layer_bytes", "disk_byt
 
 
 class ClaimBook:
-    """Each node's latest claim for one model: its speed, or why there is none."""
+    """Each node's latest claim for one model: its speed, or why there is none, and its
+    links; ``compute=False`` (``--placement memory``): its links alone."""
 
-    def __init__(self, model: ModelFootprint) -> None:
+    def __init__(self, model: ModelFootprint, *, compute: bool = True) -> None:
         self._model = model
+        self.compute = compute
         self._speeds: dict[str, NodeSpeed] = {}
         self._shown: dict[str, dict[str, Any]] = {}
         self._links: dict[str, tuple[NodeLink, ...]] = {}
 
     def record(self, node: str, report: InventoryReport) -> None:
         """A prepared node's report: keep its claim, or the reason it has none, and the
-        links to its peers it reports."""
+        links to its peers it reports (its links alone when the book keeps no compute
+        claims)."""
         self.record_links(node, report.links)
+        if not self.compute:
+            return
         try:
             speed = claimed_speed(report, self._model)
         except ValueError as exc:
@@ -181,6 +191,8 @@ class ClaimBook:
 
     def record_own(self, node: str, measured: SelfMeasure | str, layer: int) -> None:
         """The host's measurement of its own stage (or why it failed)."""
+        if not self.compute:
+            return
         if isinstance(measured, str):
             self._speeds.pop(node, None)
             self._shown[node] = {"error": measured[:200]}

@@ -227,7 +227,8 @@ class Coordinator:
         self._hung: list[RemotePipeline] = []  # whose stage-0 compute hangs (stage0_hung)
         # Decode rates observed while serving (node/speeds.py): the next plan uses them.
         self.speeds = SpeedBook()
-        self.claims = ClaimBook(self.footprint)  # ... and what each node measured of itself
+        # ... and what each node measured of itself (its links alone with memory placement)
+        self.claims = ClaimBook(self.footprint, compute=settings.place_by_speed)
         self.queries = _speed_queries(settings, backend)  # ... asked before a plan (node/warm.py)
         self.why_replace = ""  # why the serving plan is being re-placed (steps 5 and 6)
         self.calibration = "off" if not settings.calibrate else ""  # the last one's outcome
@@ -297,7 +298,7 @@ class Coordinator:
                 backend=self._backend,
                 context_size=self.context_size,
                 speeds=self.speeds,
-                claims=self.claims if self.settings.place_by_speed else None,
+                claims=self.claims,
                 stage_weight_bytes=[stage_weight_bytes(self.footprint, s) for s in placed.stages],
             )
             log.info("run %s term %d: %s", self.run_id, self._term, describe_plan(placed))
@@ -418,9 +419,9 @@ class Coordinator:
     def candidates(self, live: list[NodeCapacity]) -> list[NodeCapacity]:
         """The live nodes a plan may use (none kept out), each with its measured decode
         rate where serving has measured one (``speeds``; the planner needs every node's),
-        else the one it claimed (``claims``), unless the placement is by memory alone; and
-        with the links to its peers it reported (:meth:`~meshnode.node.claims.ClaimBook.
-        linked`)."""
+        else the one it claimed (``claims``), unless the placement is by memory alone; and,
+        whatever the placement, with the links to its peers it reported
+        (:meth:`~meshnode.node.claims.ClaimBook.linked`)."""
         kept_out = self.decided.kept_out(trio.current_time())
         by_speed = self.settings.place_by_speed
         return [

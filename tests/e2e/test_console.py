@@ -228,35 +228,52 @@ def test_the_mesh_view_shows_each_link_and_each_hop(
 ) -> None:
     """The links the host measured (issue 34): each peer's rate in the node table and on
     its line in the picture, and each stage's hop (a token's, a prefill chunk's in the
-    title) beside the link it crosses; stage 0 has no hop. The host's real status carries
-    the fields; their values are written in, so that the text is known."""
+    title) from the node before beside the link it crosses, as ``meshnode status``'s HOP
+    IN; a hop between two workers is also an arc between them in the picture, with the
+    rate they reported; stage 0 has no hop. The host's real status carries the fields;
+    their values are written in, and a third stage on a made-up worker after the real one,
+    so that the text is known."""
     host, worker = mesh
-    worker_id = worker.node_id()
+    host_id, worker_id = host.node_id(), worker.node_id()
     browser.navigate(host.api + "/")
     browser.wait_for("document.body?.dataset.loaded === 'true'", PAGE_TIMEOUT_S, "the first poll")
     status: dict[str, Any] = host.status()
     stages = status["host"]["stages"]
     peer = next(p for p in status["peers"] if p["node_id"] == worker_id)
     assert "link_mbytes_per_s" in peer  # null until the probe has measured it
-    assert {"link_mbytes_per_s", "hop_ms", "prefill_hop_ms"} <= set(stages[1])
+    assert {"hop_from", "link_mbytes_per_s", "hop_ms", "prefill_hop_ms"} <= set(stages[1])
+    assert stages[1]["hop_from"] == host_id
     assert "hop_ms" not in stages[0]
     peer["link_mbytes_per_s"] = 118.25
     stages[1].update(link_mbytes_per_s=118.25, hop_ms=0.734, prefill_hop_ms=12.5)
+    third = "third-worker"
+    status["peers"].append({**peer, "node_id": third, "link_mbytes_per_s": 90.0})
+    stages.append({**stages[1], "node_id": third, "layers": [stages[1]["layers"][1]] * 2,
+                   "hop_from": worker_id, "link_mbytes_per_s": 0.25, "hop_ms": 1311.07,
+                   "prefill_hop_ms": 40000.0})  # fmt: skip
     shown = browser.evaluate(
         f"import({json.dumps(host.api + '/console/mesh.js')}).then((mesh) => {{"
         f"  mesh.renderMesh({json.dumps(status)});"
         "  const text = (q) => document.querySelector(q)?.textContent;"
+        "  const hops = [...document.querySelectorAll('#mesh-graph .hop-link')];"
         f"  return [text(`#mesh-nodes tr[data-node-id='{worker_id}'] td.link-rate`),"
         "          text(`#mesh-plan tr[data-stage='1'] td.hop`),"
         "          document.querySelector(`#mesh-plan tr[data-stage='1'] td.hop`)?.title,"
+        "          text(`#mesh-plan tr[data-stage='2'] td.hop`),"
         "          text(`#mesh-plan tr[data-stage='0'] td.hop`),"
-        "          text('#mesh-graph .link .link-label')];"
+        "          text('#mesh-graph .link .link-label'),"  # the worker's: the first peer
+        "          hops.map((g) => [g.dataset.from, g.dataset.to,"
+        "                           g.querySelector('.link-label').textContent])];"
         "})"
     )
-    link, hop, hop_title, first_hop, label = shown
+    link, hop, hop_title, worker_hop, first_hop, label, arcs = shown
     assert link == "118 MB/s"
-    assert hop == "0.73 ms · 118 MB/s"
-    assert hop_title.startswith("prefill chunk: 12.5 ms"), hop_title
+    assert hop == f"0.73 ms from {host_id} · 118 MB/s"
+    crossed = f"the activations over the link from {host_id} to {worker_id}"
+    assert hop_title.startswith(f"prefill chunk: 12.5 ms; the round trip plus {crossed}"), hop_title
+    assert worker_hop == f"1311.07 ms from {worker_id} · 0.25 MB/s"
     assert first_hop == "–"
     assert label.endswith(" ms · 118 MB/s"), label
+    # only the hop between two workers is drawn between them: the host's are its own links
+    assert arcs == [[worker_id, third, "0.25 MB/s"]]
     _shoot(browser, tmp_path / "console-links.png")

@@ -10,7 +10,10 @@ on the bridge, so mDNS floods to every port as on a plain switch.
 Faults are link operations on the bridge side of a host's veth: ``partition`` sets it down
 (the host's own interface stays up, as when a cable is pulled at the switch), ``heal`` sets
 it up again, ``rate_limit`` shapes both directions with a token bucket (``tc tbf``; this
-kernel has no ``netem``, so latency cannot be injected).
+kernel has no ``netem``, so latency cannot be injected, nor ``prio``). ``shape_pair``
+shapes the link between two hosts alone, both ways: on one host's veth, an ``htb`` root
+whose default class passes everything unshaped and a second class with the token bucket
+under it, which a ``u32`` filter on the other host's address selects.
 
 The test process reaches a host through :meth:`LabHost.get` and :meth:`LabHost.post`: the
 HTTP call runs in a thread that entered the host's namespace (``setns``), so a node's API
@@ -45,6 +48,11 @@ FIRST_HOST = 10  # hosts get .10, .11, ...
 CLONE_NEWNET = 0x40000000  # <sched.h>; os.setns arrives in Python 3.12
 IP_TIMEOUT_S = 10.0  # one `ip`/`tc` command; they take milliseconds
 HTTP_THREADS = 12  # concurrent requests into one namespace (eight streams plus polls)
+# htb's classes of a pair filter: faster than the lab's traffic ever is (Python framing
+# moves tens of MB/s, 1.25 GB/s is 10 Gbit/s), with a burst of 1 MB (htb's own, from the
+# rate, shows 0 past ~30 Gbit/s); the quantum (bytes a class sends a round) set, as rate /
+# r2q would pass htb's 200,000 limit and warn; it matters only between two busy classes.
+HTB_UNSHAPED = ("rate", "10gbit", "burst", "1mb", "cburst", "1mb", "quantum", "60000")
 _runs = itertools.count()
 _TAG = re.compile(r"^mn(\d+)x\d+-")  # NetLab's namespace names: mn<pid % 100000>x<n>-<host>
 
@@ -193,8 +201,28 @@ class NetLab:
         ip("tc", "-n", host.netns, "qdisc", "replace", "dev", "eth0", *shape)
         ip("tc", "-n", self.bridge_ns, "qdisc", "replace", "dev", host.port, *shape)
 
+    def shape_pair(
+        self, host: LabHost, peer: LabHost, rate: str, *, burst: str, latency: str
+    ) -> None:
+        """Shape only the traffic between ``host`` and ``peer``, both ways, with a token
+        bucket, on ``host``'s veth (module docstring): its ``eth0`` shapes what goes to
+        ``peer``'s address, its bridge port what comes from it. The rest of the two hosts'
+        traffic passes unshaped. ``unlimit(host)`` removes it."""
+        for netns, device, match in ((host.netns, "eth0", "dst"),
+                                     (self.bridge_ns, host.port, "src")):  # fmt: skip
+            tc = ("tc", "-n", netns)
+            ip(*tc, "qdisc", "replace", "dev", device, "root", "handle", "1:", "htb",
+               "default", "1")  # fmt: skip
+            for classid in ("1:1", "1:2"):
+                ip(*tc, "class", "add", "dev", device, "parent", "1:", "classid", classid,
+                   "htb", *HTB_UNSHAPED)  # fmt: skip
+            ip(*tc, "qdisc", "add", "dev", device, "parent", "1:2", "tbf", "rate", rate,
+               "burst", burst, "latency", latency)  # fmt: skip
+            ip(*tc, "filter", "add", "dev", device, "parent", "1:", "protocol", "ip", "prio",
+               "1", "u32", "match", "ip", match, f"{peer.address}/32", "flowid", "1:2")  # fmt: skip
+
     def unlimit(self, host: LabHost) -> None:
-        """Remove ``rate_limit``'s shaping."""
+        """Remove ``rate_limit``'s or ``shape_pair``'s shaping of ``host``."""
         ip("tc", "-n", host.netns, "qdisc", "del", "dev", "eth0", "root")
         ip("tc", "-n", self.bridge_ns, "qdisc", "del", "dev", host.port, "root")
 

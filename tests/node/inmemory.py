@@ -153,9 +153,16 @@ async def decode(pipeline: RemotePipeline, request: str = "req-1") -> list[int]:
 
 
 async def serve(
-    mesh: InMemoryMesh, ref: str, package: Path, split: int, nursery: trio.Nursery
+    mesh: InMemoryMesh,
+    ref: str,
+    package: Path,
+    split: int,
+    nursery: trio.Nursery,
+    *,
+    place_by_speed: bool = True,
 ) -> RemotePipeline:
-    """Start a coordinator on ``mesh`` and return its first pipeline."""
+    """Start a coordinator on ``mesh`` and return its first pipeline (``place_by_speed``
+    False: ``--placement memory``)."""
     pipelines: list[RemotePipeline] = []
     ready = trio.Event()
 
@@ -166,7 +173,9 @@ async def serve(
 
     coordinator = Coordinator(
         mesh,
-        CoordinatorSettings(model_ref=ref, context_size=CONTEXT, split=split),
+        CoordinatorSettings(
+            model_ref=ref, context_size=CONTEXT, split=split, place_by_speed=place_by_speed
+        ),
         source=open_ref(package),
         backend=cpu_backend(),
         on_pipeline=on_pipeline,

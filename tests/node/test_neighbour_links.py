@@ -49,6 +49,20 @@ def test_a_report_keeps_at_most_max_links() -> None:
     assert [link.node_id for link in kept] == [f"n{i}" for i in range(MAX_LINKS)]
 
 
+@pytest.mark.parametrize("compute", [True, False])
+def test_a_book_without_compute_claims_keeps_the_links(compute: bool) -> None:
+    """``--placement memory``'s book (``compute=False``) keeps what a report says of its
+    links, never its speed; the placement by speed's keeps both."""
+    book = ClaimBook(MODEL, compute=compute)
+    links = (PeerLink(node_id="b", rtt_us=2000.0, bytes_per_s=SLOW),)
+    report = InventoryReport(run_id="r", term=1, node_id="a", package_ref="m", ready=((0, 1),),
+                             decode_us=1000.0, layer_bytes=1, links=links)  # fmt: skip
+    book.record("a", report)
+    assert book.linked(NodeCapacity("a", 1)).links == (NodeLink("b", 0.002, SLOW),)
+    assert (book.speed("a") is not None) == compute
+    assert (book.shown("a") is not None) == compute
+
+
 def test_both_reports_carry_the_links_into_the_planners_nodes() -> None:
     book = ClaimBook(MODEL)
     links = (PeerLink(node_id="b", rtt_us=2000.0, bytes_per_s=SLOW),)
@@ -75,26 +89,41 @@ def test_a_node_reports_the_links_it_measured() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("placement", "claims_kept"),
+    [
+        ("speed", True),
+        # memory placement keeps the links alone: compute claims never move layers there,
+        # but the hops still cross the network the nodes measured
+        ("memory", False),
+    ],
+)
 async def test_a_workers_link_to_its_neighbour_reaches_the_host_plan_and_status(
-    tmp_path: Path, hub_ref: tuple[str, Path]
+    tmp_path: Path, hub_ref: tuple[str, Path], placement: str, claims_kept: bool
 ) -> None:
     """Worker a reports a slow link to b: the host's candidates carry it, the planner's hop
-    between the two stages is timed by it, and the status shows it on b's stage."""
+    between the two stages is timed by it, and the status shows it on b's stage; with
+    ``--placement memory`` too, where the nodes' compute claims are not kept."""
     ref, package = hub_ref
     mesh = InMemoryMesh(host_memory=1 << 34)
     async with trio.open_nursery() as nursery:
         add_worker(mesh, "a", tmp_path / "a-cache", nursery,
                    links=(PeerLink(node_id="b", rtt_us=4000.0, bytes_per_s=SLOW),))  # fmt: skip
         add_worker(mesh, "b", tmp_path / "b-cache", nursery)
-        pipeline = await serve(mesh, ref, package, 3, nursery)
+        by_speed = placement == "speed"
+        pipeline = await serve(mesh, ref, package, 3, nursery, place_by_speed=by_speed)
         coordinator = mesh.coordinator
         assert coordinator is not None
         status = coordinator.status()
         nodes = {n.node_id: n for n in coordinator.candidates(mesh.live_nodes())}
+        claimed = {n: coordinator.claims.speed(n) is not None for n in (HOST, "a", "b")}
         nursery.cancel_scope.cancel()
     assert pipeline.stage_nodes == (HOST, "a", "b")
+    assert claimed == dict.fromkeys((HOST, "a", "b"), claims_kept)
+    assert all((s["self_measured"] is not None) == claims_kept for s in status["stages"])
     assert nodes["a"].links == (NodeLink("b", 0.004, SLOW),)
     assert nodes["b"].links == ()
+    assert status["placed_by"] == "memory"  # a first plan of cold nodes, by either
     one, two = status["stages"][1:]
     assert one["hop_from"] == HOST
     assert one["link_mbytes_per_s"] is None  # the host's own link: not measured here

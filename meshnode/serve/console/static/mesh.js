@@ -59,10 +59,13 @@ function graph(model) {
   // Drawn at the container's own width, so that text keeps its size on any screen.
   const width = Math.max(480, document.getElementById("mesh-graph").clientWidth || 640);
   const selfPos = { x: 24, y: height / 2 - BOX.h / 2 };
-  const peerPos = peers.map((_, i) => ({ x: width - BOX.w - 24, y: 8 + i * ROW_H + (ROW_H - BOX.h) / 2 }));
+  const hops = workerHops(model, peers);
+  const right = hops.length ? HOP_MARGIN : 24; // room right of the peers for their hops
+  const peerPos = peers.map((_, i) => ({ x: width - BOX.w - right, y: 8 + i * ROW_H + (ROW_H - BOX.h) / 2 }));
   const svg = s("svg", { viewBox: `0 0 ${width} ${height}`, width, height, role: "img",
     "aria-label": "nodes of the mesh and their links" });
   peers.forEach((peer, i) => svg.append(link(selfPos, peerPos[i], peer)));
+  hops.forEach(([st, from, to]) => svg.append(hopArc(st, peerPos[from], peerPos[to])));
   svg.append(nodeBox(self, selfPos, model));
   peers.forEach((peer, i) => svg.append(nodeBox(peer, peerPos[i], model)));
   if (!peers.length) {
@@ -87,6 +90,30 @@ function link(a, b, peer) {
     s("line", { x1, y1, x2, y2 }),
     s("rect", { x: mx - half, y: my - 10, width: 2 * half, height: 20, rx: 10, class: "link-label-bg" }),
     s("text", { x: mx, y: my + 4, "text-anchor": "middle", class: "link-label", text: label }));
+}
+
+const HOP_MARGIN = 112; // px right of the peers: a hop's arc and its label
+
+/** The plan's hops between two workers (issue 34): [stage, index of the peer it comes
+ *  from, index of the stage's peer] for each stage whose hop does not start at the host. */
+function workerHops(model, peers) {
+  const index = new Map(peers.map((peer, i) => [peer.node_id, i]));
+  return model.stages.filter((st) => st.hop_from && st.hop_from !== model.hostId)
+    .filter((st) => index.has(st.hop_from) && index.has(st.node_id))
+    .map((st) => [st, index.get(st.hop_from), index.get(st.node_id)]);
+}
+
+// A hop between two workers as an arc right of their boxes, labelled with the link's rate
+// as the two reported it (else the host's link to the stage's node, as the planner counts).
+function hopArc(st, a, b) {
+  const x = a.x + BOX.w;
+  const [y1, y2] = [a.y + BOX.h / 2, b.y + BOX.h / 2];
+  const bend = x + 40; // the arc reaches 3/4 of this: the label starts right of it
+  const rate = st.link_mbytes_per_s ? fmtLink(st.link_mbytes_per_s) : "not measured";
+  return s("g", { class: "hop-link", "data-from": st.hop_from, "data-to": st.node_id },
+    s("title", { text: `hop ${st.hop_from} → ${st.node_id}: ${st.hop_ms.toFixed(2)} ms a token` }),
+    s("path", { d: `M ${x} ${y1} C ${bend} ${y1}, ${bend} ${y2}, ${x} ${y2}` }),
+    s("text", { x: x + 36, y: (y1 + y2) / 2 + 4, class: "link-label", text: rate }));
 }
 
 function nodeBox(node, pos, model) {
@@ -192,14 +219,17 @@ function stageRow(st, i) {
     hop(st));
 }
 
-// The hop into a stage (issue 34): a token's and a prefill chunk's time over the host's
-// link to its node, as the planner counts them; stage 0 has none.
+// The hop into a stage from the one before (issue 34), as `meshnode status`'s HOP IN: a
+// token's time, the node it comes from and the link it crosses (a prefill chunk's time in
+// the title), as the planner counts them; stage 0 has none.
 function hop(st) {
   if (st.hop_ms === undefined || st.hop_ms === null) return h("td", { class: "num hop" }, "–");
   const link = st.link_mbytes_per_s ? fmtLink(st.link_mbytes_per_s) : "link not measured yet";
-  return h("td", { class: "num hop", title: `prefill chunk: ${st.prefill_hop_ms} ms; `
-    + "the round trip plus the activations over the host's link to the node" },
-  `${st.hop_ms.toFixed(2)} ms · ${link}`);
+  return h("td", { class: "num hop", "data-hop-from": st.hop_from,
+    title: `prefill chunk: ${st.prefill_hop_ms} ms; the round trip plus the activations `
+      + `over the link from ${st.hop_from} to ${st.node_id} (into stage 1: the host's own `
+      + "measurement; between two workers: the one they reported, else the host's link)" },
+  `${st.hop_ms.toFixed(2)} ms from ${st.hop_from} · ${link}`);
 }
 
 /** A link's measured rate (MB/s in the status) as `118 MB/s` or `1.2 GB/s`. */
