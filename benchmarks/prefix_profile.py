@@ -136,10 +136,10 @@ def main() -> None:
             parts.append(list(spent))
         seq.release_pages()
         pool.clear()
-        attn, kv = parts[suffix.index(min(suffix))]
+        attn, rw = parts[suffix.index(min(suffix))]
         print(
             f"{turn:4} | {len(ids):6} | {start:6} | {template:15.1f} | {chain:5.2f} | {hit:3.1f}"
-            f" | {min(suffix):7.0f} ({attn:.0f}, {kv:.0f})",
+            f" | {min(suffix):7.0f} ({attn:.0f}, {rw:.0f})",
             flush=True,
         )
     print("uptime:", uptime(), "threads handle:", type(limit).__name__)
