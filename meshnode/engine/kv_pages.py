@@ -210,8 +210,8 @@ class PagedCache:
     def _gather(self, layer: int, end: int, dtype: Any, reuse: bool = False) -> tuple[Any, Any]:
         # Issue 30: a resumed sequence's table is a few runs (each earlier turn's blocks).
         # A copy row by row (NumPy's fancy index), widening float16 value by value and
-        # first-touching fresh pages cost 6 ms a layer at 1,600 positions, a tenth of a
-        # chat turn's first token; ``reuse`` (float32 only) copies into the pool's scratch
+        # first-touching fresh pages cost up to 6 ms a layer at 1,600 positions, a tenth
+        # of a chat turn's first token; ``reuse`` copies float32 into the pool's scratch
         # (:meth:`BlockPool.scratch`: what :meth:`write` returns is read before the next).
         b, n = self.block, -(-end // self.block)
         starts = [0, *(np.flatnonzero(np.diff(self.blocks[:n]) != 1) + 1).tolist(), n]
@@ -222,17 +222,18 @@ class PagedCache:
         runs = [(i, int(self.blocks[i]), min(j * b, end) - i * b) for i, j in pairwise(starts)]
         heads, dim = self.k.shape[1], self.k.shape[3]
         size = heads * end * dim
+        reuse = reuse and dtype == np.float32
         flat = self.pool.scratch(2 * size) if reuse else np.empty(2 * size, dtype)
         got = [flat[:size].reshape(heads, end, dim), flat[size:].reshape(heads, end, dim)]
         if _widens(self.k.dtype, dtype, dim):
             spans = self._spans(layer, runs, end)
             rows = _kv_rows()
-            for pool, out in zip((self.k, self.v), got, strict=True):
-                rows.widen_spans(pool.view(np.uint16), out.reshape(-1), spans)
+            for kv, out in zip((self.k, self.v), got, strict=True):
+                rows.widen_spans(kv.view(np.uint16), out.reshape(-1), spans)
             return got[0], got[1]
-        for pool, out in zip((self.k[layer], self.v[layer]), got, strict=True):
+        for kv, out in zip((self.k[layer], self.v[layer]), got, strict=True):
             for i, slot, count in runs:
-                out[:, i * b : i * b + count] = pool[:, slot * b : slot * b + count]
+                out[:, i * b : i * b + count] = kv[:, slot * b : slot * b + count]
         return got[0], got[1]
 
     def _spans(self, layer: int, runs: list[tuple[int, int, int]], end: int) -> np.ndarray:
