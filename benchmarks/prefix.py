@@ -3,8 +3,8 @@ llama.cpp, on one node and on a 2-stage split, and the memory over many distinct
 
 Run (the idle figures, ~10 minutes on 2 idle cores):
 ``.venv/bin/python benchmarks/prefix.py``
-(``--turns 10 --users 8 --system-tokens 1000 --rss-prompts 500 --threads 2``; a section is
-left out with ``--skip chat users rss split llama``).
+(``--turns 10 --users 8 --system-tokens 1000 --rss-prompts 500 --threads 2 --replies
+fixed``; a section is left out with ``--skip chat users rss split llama``).
 
 Every meshnode figure comes from ``meshnode join`` processes on loopback, as a user runs
 them (SmolLM2-135M from its GGUF, weights in their GGUF blocks: ``--dtype auto``, greedy,
@@ -16,7 +16,10 @@ the llama-cpp-python build under ``/work/llama``; left out when none is found.
 
 - **chat** (one node): a conversation of ``--turns`` turns with fixed user and assistant
   texts (each turn resends the whole conversation, ~170 tokens more per turn, ~1,630 at
-  turn 10): per turn meshnode on, meshnode off, llama-server.
+  turn 10): per turn meshnode on, meshnode off, llama-server. With ``--replies model``
+  the assistant's turns are instead what meshnode (cache on) answered, ``--reply-tokens``
+  long, as a chat client sends them back: a turn then resumes after the previous reply
+  (its blocks were keyed as it was decoded), not at the previous prompt's last block.
 - **users** (one node): ``--users`` concurrent requests sharing a ``--system-tokens``
   system prompt, each with its own question: all off at once, then all on at once (the
   off round has left the system prompt in the pool: a served system prompt's steady state).
@@ -91,21 +94,25 @@ def _text(seed: int, words: int) -> str:
 
 
 async def first_token(
-    http: httpx.AsyncClient, url: str, messages: list[dict[str, str]], cache: bool
-) -> tuple[float, int]:
-    """Seconds to the first content chunk of a streamed chat, and the cached tokens the
-    usage reports (-1 where it reports none)."""
+    http: httpx.AsyncClient,
+    url: str,
+    messages: list[dict[str, str]],
+    cache: bool,
+    max_tokens: int = MAX_TOKENS,
+) -> tuple[float, int, str]:
+    """Seconds to the first content chunk of a streamed chat, the cached tokens the
+    usage reports (-1 where it reports none), and the reply."""
     body: dict[str, Any] = {
         "model": MODEL,
         "messages": messages,
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
         "cache_prompt": cache,
     }
     began = time.perf_counter()
-    ttft, cached = None, -1
+    ttft, cached, text = None, -1, []
     async with http.stream("POST", url + "/v1/chat/completions", json=body) as reply:
         reply.raise_for_status()
         async for line in reply.aiter_lines():
@@ -113,33 +120,45 @@ async def first_token(
                 continue
             chunk = json.loads(line[6:])
             choices = chunk.get("choices") or [{}]
-            if ttft is None and choices[0].get("delta", {}).get("content"):
+            text.append(piece := choices[0].get("delta", {}).get("content") or "")
+            if ttft is None and piece:
                 ttft = time.perf_counter() - began
             details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
             cached = int(details.get("cached_tokens", cached))
-    return (ttft if ttft is not None else time.perf_counter() - began), cached
+    return (ttft if ttft is not None else time.perf_counter() - began), cached, "".join(text)
 
 
-def conversation(turns: int) -> Iterator[list[dict[str, str]]]:
-    """The chat's messages at each turn (the assistant's earlier replies fixed)."""
+def conversation(turns: int, replies: list[str] | None = None) -> Iterator[list[dict[str, str]]]:
+    """The chat's messages at each turn: the assistant's earlier replies fixed, or the last
+    of ``replies`` (the caller appends each turn's reply before asking for the next)."""
     messages: list[dict[str, str]] = [{"role": "system", "content": _text(1, 20)}]
     for turn in range(1, turns + 1):
         messages.append({"role": "user", "content": _text(10 + turn, 70)})
         yield list(messages)
-        messages.append({"role": "assistant", "content": _text(100 + turn, 70)})
+        reply = _text(100 + turn, 70) if replies is None else replies[-1]
+        messages.append({"role": "assistant", "content": reply})
 
 
-async def chat(targets: dict[str, tuple[str, bool]], turns: int) -> dict[str, list[float]]:
-    """Each turn on every target (label: url, cache), side by side; the times by label."""
+async def chat(
+    targets: dict[str, tuple[str, bool]], turns: int, reply_tokens: int = 0
+) -> dict[str, list[float]]:
+    """Each turn on every target (label: url, cache), side by side; the times by label.
+    With ``reply_tokens``, the first target's replies of that many tokens are the
+    assistant's turns (``--replies model``)."""
     out: dict[str, list[float]] = {label: [] for label in targets}
+    replies: list[str] | None = [] if reply_tokens else None
     print("turn | " + " | ".join(f"{label} (cached)" for label in targets), flush=True)
     async with httpx.AsyncClient(timeout=600) as http:
         for url, _ in dict.fromkeys(targets.values()):  # warm each server once
             await first_token(http, url, [{"role": "user", "content": "Hi."}], False)
-        for turn, messages in enumerate(conversation(turns), 1):
+        for turn, messages in enumerate(conversation(turns, replies), 1):
             cells = []
-            for label, (url, cache) in targets.items():
-                ttft, cached = await first_token(http, url, messages, cache)
+            for i, (label, (url, cache)) in enumerate(targets.items()):
+                keep = replies is not None and i == 0  # the reply the chat goes on with
+                tokens = reply_tokens if keep else MAX_TOKENS
+                ttft, cached, text = await first_token(http, url, messages, cache, tokens)
+                if keep and replies is not None:
+                    replies.append(text)
                 out[label].append(ttft)
                 cells.append(f"{ttft:6.2f} s ({cached:5})")
             print(f"{turn:4} | " + " | ".join(cells), flush=True)
@@ -162,7 +181,7 @@ async def users(url: str, n: int, system_tokens: int) -> None:
     async def one(http: httpx.AsyncClient, i: int, cache: bool, out: list[Any]) -> None:
         question = [{"role": "user", "content": _text(500 + i, 25)}]
         messages = [{"role": "system", "content": system}, *question]
-        out[i] = await first_token(http, url, messages, cache)
+        out[i] = (await first_token(http, url, messages, cache))[:2]
 
     async with httpx.AsyncClient(timeout=600) as http:
         for label, cache in (("off", False), ("on", True)):
@@ -263,6 +282,7 @@ def _healthy(url: str) -> bool:
 
 def run(args: argparse.Namespace) -> None:
     skip = set(args.skip)
+    replies = args.reply_tokens if args.replies == "model" else 0
     folder = None if "llama" in skip else llama_bin(args.llama_bin)
     if folder is None and "llama" not in skip:
         print("llama.cpp: no llama-server found (--llama-bin): left out")
@@ -271,11 +291,11 @@ def run(args: argparse.Namespace) -> None:
             if "chat" not in skip:
                 targets = {"meshnode on": (url, True), "meshnode off": (url, False)}
                 if folder is None:
-                    times = trio.run(chat, targets, args.turns)
+                    times = trio.run(chat, targets, args.turns, replies)
                 else:
                     with llama_server(folder, args.threads) as llama:
                         targets["llama.cpp"] = (llama, True)
-                        times = trio.run(chat, targets, args.turns)
+                        times = trio.run(chat, targets, args.turns, replies)
                 chat_ratios(times, "meshnode on", "llama.cpp")
             if "users" not in skip:
                 trio.run(users, url, args.users, args.system_tokens)
@@ -283,7 +303,7 @@ def run(args: argparse.Namespace) -> None:
                 trio.run(rss, url, pids, args.rss_prompts)
     if "split" not in skip:
         with mesh(2, args.threads) as (url, _):
-            times = trio.run(chat, {"2 stages on": (url, True)}, args.turns)
+            times = trio.run(chat, {"2 stages on": (url, True)}, args.turns, replies)
             chat_ratios(times, "2 stages on", None)
 
 
@@ -302,6 +322,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="meshnode's and llama.cpp's")
     parser.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
     parser.add_argument("--llama-bin", help="the folder with llama-server")
+    parser.add_argument(
+        "--replies", choices=["fixed", "model"], default="fixed",
+        help="the chat's assistant turns: fixed texts, or meshnode's own replies",
+    )  # fmt: skip
+    parser.add_argument("--reply-tokens", type=int, default=48, help="with --replies model")
     args = parser.parse_args()
     print("uptime:", uptime(), flush=True)
     run(args)

@@ -1,16 +1,19 @@
 """Where a resumed chat turn's time goes (issue 30: flat turns), in thread CPU time.
 
-Run: ``.venv/bin/python benchmarks/prefix_profile.py [--turns 2 10] [--repeat 5]``
+Run: ``.venv/bin/python benchmarks/prefix_profile.py [--turns 2 10] [--repeat 5]
+[--dtype q8]``
 
-One stage holds SmolLM2-135M in its GGUF blocks (as ``meshnode join`` runs it), kernel
-and BLAS threads at one. For each turn of ``benchmarks/prefix.py``'s chat, the parts of its
+One stage holds SmolLM2-135M in its GGUF blocks (``--dtype native``, the default here;
+``q8`` is what ``meshnode join`` runs on a CPU, with float16 K/V: ``--kv-dtype auto``),
+kernel and BLAS threads at one. For each turn of ``benchmarks/prefix.py``'s chat, the parts of its
 first token with the cache on, each the least of ``--repeat`` runs (on a busy machine the
 least disturbed; medians swing by 20% at a load of 10): templating and
 tokenizing the whole conversation, the hash chain of its blocks, a hit on the cached
 prefix's blocks (those of the previous turn's prompt that this one repeats: a released
 paged cache takes them into its block table, by reference), and the suffix's prefill from
 the end of the cached prefix, with its attention (``blocked_attention``, over the
-sequence's keys and values gathered from its blocks) apart.
+sequence's keys and values gathered from its blocks) and the writes and reads of the
+sequence's K/V for it (``PagedCache.write``: the gather, float16 widened) apart.
 CPU time of this process (one kernel and BLAS thread), so the figures hold on a busy
 machine; ``uptime`` is printed first and last.
 """
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.prefix import conversation, uptime
 from meshnode.engine import attention
 from meshnode.engine.backend import cpu_backend, limit_cpu_threads
+from meshnode.engine.kv_cache import resolve_kv_dtype
 from meshnode.engine.kv_pages import BlockPool, PagedCache
 from meshnode.engine.loader import load_model
 from meshnode.engine.model import Stage, token_ids
@@ -65,16 +69,33 @@ def prefill(stage: Stage, cache: Any, tokens: list[int], start: int) -> None:
         stage.forward(token_ids(chunk), start + at, cache, out_rows=1)
 
 
+def _timed(fn: Callable[..., Any], spent: list[float], i: int) -> Callable[..., Any]:
+    """``fn``, adding the process CPU milliseconds of each call to ``spent[i]``."""
+
+    def timed(*a: Any, **k: Any) -> Any:
+        began = time.process_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[i] += 1000 * (time.process_time() - began)
+
+    return timed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--turns", type=int, nargs="+", default=[2, 10])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--dtype", choices=["native", "q8"], default="native")
+    parser.add_argument("--kv-dtype", choices=["auto", "f32", "f16"], default="auto")
     args = parser.parse_args()
     print("uptime:", uptime(), flush=True)
     limit = limit_cpu_threads(1)
-    model = load_model(str(smollm2_gguf_path()), cpu_backend("native"))
+    kv_dtype = resolve_kv_dtype(args.kv_dtype, args.dtype)
+    print(f"weights {args.dtype}, K/V {kv_dtype}", flush=True)
+    model = load_model(str(smollm2_gguf_path()), cpu_backend(args.dtype), kv_dtype)
     stage, c = model.stage, model.config
     codec = EngineCodec(model.tokenizer, model.chat_template, c.vocab_size)
     chats = list(conversation(max(args.turns)))
@@ -83,18 +104,10 @@ def main() -> None:
     pool = PrefixPool(kv, "profile", blocks // 2)
     cache, seq = PagedCache(kv, CONTEXT), PagedCache(kv, CONTEXT)
     prefill(stage, cache, [1, 2, 3], 0)  # compile the kernels
-    spent = [0.0]
-    blocked = attention.blocked_attention
-
-    def timed(*a: Any, **k: Any) -> Any:
-        began = time.process_time()
-        try:
-            return blocked(*a, **k)
-        finally:
-            spent[0] += time.process_time() - began
-
-    attention.blocked_attention = timed
-    print("turn | prompt | cached | template+tokens | chain | hit | suffix (attention) ms")
+    spent = [0.0, 0.0]  # ms in blocked_attention, in PagedCache.write
+    attention.blocked_attention = _timed(attention.blocked_attention, spent, 0)
+    PagedCache.write = _timed(PagedCache.write, spent, 1)  # type: ignore[method-assign]
+    print("turn | prompt | cached | template+tokens | chain | hit | suffix (attention, K/V) ms")
     for turn in args.turns:
         messages = chats[turn - 1]
         ids = render(codec, messages)
@@ -111,21 +124,22 @@ def main() -> None:
         hit = 0.0
         if keys:
             hit = cpu_ms(partial(pool.acquire, keys[-1], seq), args.repeat, seq.release_pages)
-        suffix, attn = [], []
+        suffix, parts = [], []
         for _ in range(args.repeat):  # from the hit: the cached blocks in the table
             if keys:
                 seq.release_pages()
                 pool.acquire(keys[-1], seq)
             into = seq if keys else cache
             into.truncate(start)
-            spent[0] = 0.0
+            spent[:] = [0.0, 0.0]
             suffix.append(cpu_ms(partial(prefill, stage, into, ids[start:], start), 1))
-            attn.append(1000 * spent[0])
+            parts.append(list(spent))
         seq.release_pages()
         pool.clear()
+        attn, rw = parts[suffix.index(min(suffix))]
         print(
             f"{turn:4} | {len(ids):6} | {start:6} | {template:15.1f} | {chain:5.2f} | {hit:3.1f}"
-            f" | {min(suffix):7.0f} ({attn[suffix.index(min(suffix))]:.0f})",
+            f" | {min(suffix):7.0f} ({attn:.0f}, {rw:.0f})",
             flush=True,
         )
     print("uptime:", uptime(), "threads handle:", type(limit).__name__)

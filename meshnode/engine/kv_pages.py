@@ -34,6 +34,8 @@ order).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import cache
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -73,6 +75,16 @@ class BlockPool:
         self.refs = [0] * capacity
         self._free = list(range(capacity))[::-1]
         self.reclaim: Callable[[], bool] | None = None
+        self._scratch = np.empty(0, np.float32)
+
+    def scratch(self, floats: int) -> np.ndarray:
+        """A float32 buffer of ``floats`` that the next call reuses: where the BLAS path's
+        gathered keys and values go (:meth:`PagedCache.write`), so each layer's copy does
+        not first-touch fresh pages (1 ms a layer for SmolLM2 at 1,600 positions). It
+        grows to the longest sequence read, as the transient copies it replaces did."""
+        if self._scratch.size < floats:
+            self._scratch = np.empty(max(floats, self._scratch.size * 5 // 4), np.float32)
+        return self._scratch[:floats]
 
     @property
     def capacity(self) -> int:
@@ -187,21 +199,52 @@ class PagedCache:
             row = int(self.blocks[i]) * b + lo - i * b
             self.k[layer, :, row : row + hi - lo] = k[:, lo - start : hi - start]
             self.v[layer, :, row : row + hi - lo] = v[:, lo - start : hi - start]
-        keys, values = self.gather(layer, end)
-        if keys.dtype == np.float16:
-            return keys.astype(np.float32), values.astype(np.float32)
-        return keys, values
+        return self._gather(layer, end, np.dtype(np.float32), reuse=True)
 
-    def gather(self, layer: int, end: int) -> tuple[Any, Any]:
-        """Keys and values ``[Hkv, end, D]`` of ``layer``, positions in order: a view when
-        the blocks sit in consecutive slots, else a copy."""
+    def gather(self, layer: int, end: int, dtype: Any = None) -> tuple[Any, Any]:
+        """Keys and values ``[Hkv, end, D]`` of ``layer``, positions in order, in ``dtype``
+        (None: the pool's): a view when the blocks sit in consecutive slots and keep their
+        dtype, else a copy (widened on the way), a run of consecutive slots at a time."""
+        return self._gather(layer, end, self.k.dtype if dtype is None else np.dtype(dtype))
+
+    def _gather(self, layer: int, end: int, dtype: Any, reuse: bool = False) -> tuple[Any, Any]:
+        # Issue 30: a resumed sequence's table is a few runs (each earlier turn's blocks).
+        # A copy row by row (NumPy's fancy index), widening float16 value by value and
+        # first-touching fresh pages cost up to 6 ms a layer at 1,600 positions, a tenth
+        # of a chat turn's first token; ``reuse`` copies float32 into the pool's scratch
+        # (:meth:`BlockPool.scratch`: what :meth:`write` returns is read before the next).
         b, n = self.block, -(-end // self.block)
-        slots = self.blocks[:n]
-        if n == 0 or bool(np.all(np.diff(slots) == 1)):
-            row = int(slots[0]) * b if n else 0
+        starts = [0, *(np.flatnonzero(np.diff(self.blocks[:n]) != 1) + 1).tolist(), n]
+        if len(starts) <= 2 and dtype == self.k.dtype:  # one run (or none): a view
+            row = int(self.blocks[0]) * b if n else 0
             return self.k[layer, :, row : row + end], self.v[layer, :, row : row + end]
-        rows = (slots[:, None] * b + np.arange(b)).reshape(-1)[:end]
-        return self.k[layer][:, rows], self.v[layer][:, rows]
+        # (first table entry, slot, rows) of each run
+        runs = [(i, int(self.blocks[i]), min(j * b, end) - i * b) for i, j in pairwise(starts)]
+        heads, dim = self.k.shape[1], self.k.shape[3]
+        size = heads * end * dim
+        reuse = reuse and dtype == np.float32
+        flat = self.pool.scratch(2 * size) if reuse else np.empty(2 * size, dtype)
+        got = [flat[:size].reshape(heads, end, dim), flat[size:].reshape(heads, end, dim)]
+        if _widens(self.k.dtype, dtype, dim):
+            spans = self._spans(layer, runs, end)
+            rows = _kv_rows()
+            for kv, out in zip((self.k, self.v), got, strict=True):
+                rows.widen_spans(kv.view(np.uint16), out.reshape(-1), spans)
+            return got[0], got[1]
+        for kv, out in zip((self.k[layer], self.v[layer]), got, strict=True):
+            for i, slot, count in runs:
+                out[:, i * b : i * b + count] = kv[:, slot * b : slot * b + count]
+        return got[0], got[1]
+
+    def _spans(self, layer: int, runs: list[tuple[int, int, int]], end: int) -> np.ndarray:
+        """``(src, dst, n)`` flat float offsets of each run of each head (:mod:`.cpu.kv_rows`)."""
+        _, heads, rows, dim = self.k.shape
+        h = np.arange(heads)[:, None]
+        first = np.array([[slot * self.block, i * self.block, count] for i, slot, count in runs])
+        src = ((layer * heads + h) * rows + first[:, 0]) * dim  # [Hkv, runs]
+        dst = (h * end + first[:, 1]) * dim
+        n = np.broadcast_to(first[:, 2] * dim, src.shape)
+        return np.stack([src, dst, n], axis=-1).reshape(-1, 3).astype(np.int64)
 
     def release_pages(self) -> None:
         """Empty the cache, its blocks back to the pool (or kept by their other holders)."""
@@ -212,3 +255,18 @@ class PagedCache:
         return self.held * block_bytes(
             self.k.shape[0], self.k.shape[1], self.k.shape[3], self.k.dtype, self.block
         )
+
+
+def _widens(stored: Any, dtype: Any, dim: int) -> bool:
+    """Whether :meth:`PagedCache.gather` widens through the compiled copy
+    (:mod:`meshnode.engine.cpu.kv_rows`): a float16 pool read as float32, heads of whole
+    sixteen-lane steps."""
+    return stored == np.float16 and dtype == np.float32 and dim % 16 == 0
+
+
+@cache
+def _kv_rows() -> Any:
+    """The compiled copy's module, imported (numba with it) at the first widening gather."""
+    from meshnode.engine.cpu import kv_rows as module
+
+    return module

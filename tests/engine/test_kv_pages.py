@@ -268,3 +268,39 @@ def test_threaded_paged_attention_is_exact_when_the_pool_runs_a_task_twice(
             lengths = [n + k for n, k in zip(lengths, sizes, strict=True)]
         deadline = deadline or time.monotonic() + 40  # after the first: compiled
     assert kernel_pool.posted > it
+
+
+@pytest.mark.parametrize("dtype", KV, ids=KV_IDS)
+@pytest.mark.parametrize("dim", [64, 24], ids=["compiled", "numpy"])
+def test_gathered_runs_are_the_rows_in_position_order(dtype: type, dim: int) -> None:
+    """A resumed sequence's table is runs of consecutive slots (issue 30): ``gather`` and
+    what ``write`` returns (float32, in the pool's scratch) are the rows the table names,
+    in order, widened exactly, at every length, whatever the run boundaries."""
+    rng = np.random.default_rng(7)
+    pool = BlockPool(3, 2, dim, 24, dtype)
+    pool.k[...] = rng.standard_normal(pool.k.shape).astype(dtype)
+    pool.v[...] = rng.standard_normal(pool.v.shape).astype(dtype)
+    first, other = PagedCache(pool, 16 * KV_BLOCK), PagedCache(pool, KV_BLOCK)
+    first.reserve(5 * KV_BLOCK)
+    other.reserve(1)  # the next turn's blocks do not follow the prefix's
+    seq = PagedCache(pool, 16 * KV_BLOCK)
+    seq.adopt(first.slots())
+    seq.reserve(9 * KV_BLOCK)
+    assert np.count_nonzero(np.diff(seq.slots()) != 1) == 1
+    rows = (np.array(seq.slots())[:, None] * KV_BLOCK + np.arange(KV_BLOCK)).reshape(-1)
+    for end in (1, KV_BLOCK, 5 * KV_BLOCK, 5 * KV_BLOCK + 1, 9 * KV_BLOCK - 3):
+        for layer in range(3):
+            want = [a[layer][:, rows[:end]] for a in (pool.k, pool.v)]
+            for kind in (dtype, np.float32):
+                for g, w in zip(seq.gather(layer, end, kind), want, strict=True):
+                    assert g.dtype == kind
+                    np.testing.assert_array_equal(g, w.astype(kind))
+    k = rng.standard_normal((2, 3, dim)).astype(np.float32)
+    seq.advance(0, 9 * KV_BLOCK - 3)
+    seq.truncate(5 * KV_BLOCK + 2)
+    keys, values = seq.write(1, 5 * KV_BLOCK + 2, k, -k)
+    assert keys.dtype == values.dtype == np.float32
+    assert keys.shape == (2, 5 * KV_BLOCK + 5, dim)
+    np.testing.assert_array_equal(keys[:, -3:], k.astype(dtype))
+    np.testing.assert_array_equal(values[:, -3:], (-k).astype(dtype))
+    np.testing.assert_array_equal(keys[:, :KV_BLOCK], pool.k[1][:, rows[:KV_BLOCK]])
