@@ -85,13 +85,20 @@ from tests.e2e.cluster import (
 from tests.lab.netlab import LabHost, NetLab, unavailable_reason
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
-# The CFS period: a quota of q % is q * PERIOD_US / 100 µs of each period. The shortest the
-# kernel takes (1 ms), so the quota slows the node at any duty: with the default 100 ms a
-# pipeline stage that computes a few ms a token and waits for the others the rest of the
-# time stays under a 30 % quota and runs at full speed (measured 2026-11-29: the 1B shape's
-# throttled node read its weights at 0.45x the others' rate instead of 0.3x, and faster
-# the fewer layers it held, which no fixed rate a plan counts on can describe).
-PERIOD_US = 1_000
+# The CFS period of a node's group: the shortest whose quota the kernel takes (a quota of at
+# least 1 ms), so the quota slows the node at any duty: with a 100 ms period a pipeline stage
+# that computes a few ms a token and waits for the others the rest of the time stays under
+# a 30 % quota and runs at full speed (measured 2026-11-29: the 1B shape's throttled node
+# read its weights at 0.45x the others' rate instead of 0.3x, and faster the fewer layers
+# it held, which no fixed rate a plan counts on can describe). 30 %: 1 ms of every 3.3 ms.
+MIN_QUOTA_US = 1_000
+
+
+def period_us(percent: int) -> int:
+    """The CFS period for a quota of ``percent`` % of one core."""
+    return max(MIN_QUOTA_US, -(-MIN_QUOTA_US * 100 // percent))
+
+
 MESH_PORT = 7470
 START_TIMEOUT_S = 300.0
 READY_TIMEOUT_S = 900.0  # three stages of the 8B shape, read from a cold disk
@@ -119,8 +126,9 @@ def cpu_group(name: str, percent: int) -> Iterator[Path]:
     group = CPU_CGROUP / f"meshnode-bench-{os.getpid()}-{name}"
     group.mkdir()
     try:
-        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        (group / "cpu.cfs_quota_us").write_text(str(PERIOD_US * percent // 100))
+        period = period_us(percent)
+        (group / "cpu.cfs_period_us").write_text(str(period))
+        (group / "cpu.cfs_quota_us").write_text(str(period * percent // 100))
         yield group
     finally:
         for pid in (group / "cgroup.procs").read_text().split():
