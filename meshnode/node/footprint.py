@@ -39,8 +39,8 @@ def model_footprint(
     costs its tensors' bytes in the file; :meth:`~meshnode.engine.backend.Backend.held_bytes`),
     else every parameter at ``bytes_per_param`` (4: float32, the most any backend holds).
     KV (module docstring): a CPU or CUDA stage's pool of blocks, a hybrid one every live
-    sequence's whole context; each key and value element takes 4 bytes, 2 with ``kv_dtype`` f16 (a hybrid
-    model's attention layers keep float32).
+    sequence's whole context; each key and value element takes 4 bytes, 2 with
+    ``kv_dtype`` f16 (a hybrid model's attention layers keep float32).
     """
     if config.hybrid is not None:
         return _hybrid_footprint(config, config.hybrid, bytes_per_param, ring_slots)

@@ -26,7 +26,6 @@ from meshnode.engine.prefix_cache import PrefixPool
 from meshnode.node.prefix import StagePrefix, pool_blocks
 from tests.engine.test_ops_cuda_batch import MIXED, Seq, run_sequences
 from tests.engine.test_ops_cuda_stage import (
-    FAKE_CP,
     IDS,
     HostArray,
     _reference_kernels,  # noqa: F401 (the autouse fixture: kernels replaced by references)
@@ -41,22 +40,15 @@ SEQS: list[Seq] = [*MIXED, ((IDS * 3)[:40], 40, [79], 1)]
 
 
 def scattered_pool(stage: Stage, capacity: int = 16) -> BlockPool:
-    """A pool on the (stand-in) device for ``stage``'s layers, its free slots handed out
-    in a scrambled order, so no sequence's blocks are consecutive."""
+    """A pool on ``stage``'s device for its layers, its free slots handed out in a
+    scrambled order, so a sequence's blocks are not consecutive."""
     c, layers = stage.config, stage.end - stage.start
     dtype = stage.new_cache(1).k.dtype
-    pool = BlockPool(layers, c.num_kv_heads, c.head_dim, capacity, dtype, xp=FAKE_CP)
+    pool = BlockPool(layers, c.num_kv_heads, c.head_dim, capacity, dtype, xp=stage.xp)
     slots = [pool.take() for _ in range(capacity)]
     for slot in np.random.default_rng(3).permutation(slots):
         pool.drop(int(slot))
     return pool
-
-
-def in_order(cache: Any) -> tuple[np.ndarray, np.ndarray]:
-    """A cache's K and V ``[L, Hkv, length, D]``, positions in order (through its table)."""
-    b = KV_BLOCK
-    rows = (np.asarray(cache.blocks)[:, None] * b + np.arange(b)).reshape(-1)[: cache.length]
-    return np.asarray(cache.k)[:, :, rows], np.asarray(cache.v)[:, :, rows]
 
 
 def slot_rows(slots: list[int]) -> list[int]:
@@ -64,29 +56,31 @@ def slot_rows(slots: list[int]) -> list[int]:
     return [s * KV_BLOCK + r for s in slots for r in range(KV_BLOCK)]
 
 
-@pytest.mark.parametrize(("qtype", "dtype"), [("Q8_0", "float32"), ("Q4_K", "float16")])
-def test_paged_caches_give_the_contiguous_bits_alone_and_batched(
-    tiny_gguf: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, qtype: str, dtype: str
-) -> None:
-    """Decode rows (one over two blocks), a verify window that rolls back 3 positions and
-    a short prompt, each sequence's blocks scattered over the pool: outputs and K/V
-    (float32, float16 bits) are those of contiguous caches, batched in one forward or run
-    alone; the device copies of the tables are the tables."""
-    _, (gpu,) = _stages(tiny_gguf, qtype, dtype)
+def in_order(stage: Stage, cache: Any) -> list[np.ndarray]:
+    """A cache's K and V ``[L, Hkv, length, D]`` on the host, positions in order (a paged
+    cache's through its table)."""
+    n, host = cache.length, stage.backend.to_numpy
+    if not isinstance(cache, PagedCache):
+        return [host(cache.k)[:, :, :n], host(cache.v)[:, :, :n]]
+    return [host(a)[:, :, slot_rows(cache.slots())[:n]] for a in (cache.k, cache.v)]
+
+
+def check_paged_batches(gpu: Stage, monkeypatch: pytest.MonkeyPatch, rounds: int = 2) -> None:
+    """SEQS over contiguous caches, alone, then over a scattered pool ``rounds`` times,
+    batched and alone in turn: the same outputs and K/V, bit for bit."""
+    host = gpu.backend.to_numpy
     want = run_sequences(gpu, SEQS, batched=False, context=64)
     pool = scattered_pool(gpu)
     monkeypatch.setattr(gpu, "new_cache", lambda n: PagedCache(pool, n))
-    for batched in (True, False):
-        got = run_sequences(gpu, SEQS, batched=batched, context=64)
+    for i in range(rounds):
+        got = run_sequences(gpu, SEQS, batched=i % 2 == 0, context=64)
         for (out, cache), (want_out, want_cache) in zip(got, want, strict=True):
             assert isinstance(cache, PagedCache)
-            np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+            np.testing.assert_array_equal(host(out), host(want_out))
             assert cache.length == want_cache.length
-            k, v = in_order(cache)
-            n = cache.length
-            np.testing.assert_array_equal(k, np.asarray(want_cache.k)[:, :, :n])
-            np.testing.assert_array_equal(v, np.asarray(want_cache.v)[:, :, :n])
-            np.testing.assert_array_equal(np.asarray(cache.device_blocks), cache.blocks)
+            for x, y in zip(in_order(gpu, cache), in_order(gpu, want_cache), strict=True):
+                np.testing.assert_array_equal(x, y)
+            np.testing.assert_array_equal(host(cache.device_blocks), cache.blocks)
             assert not cache.blocks_stale
         slots = [s for _, c in got for s in c.slots()]
         assert len(set(slots)) == len(slots)  # no two sequences share a written block
@@ -98,26 +92,32 @@ def test_paged_caches_give_the_contiguous_bits_alone_and_batched(
     assert pool.free_blocks == pool.capacity
 
 
+@pytest.mark.parametrize(("qtype", "dtype"), [("Q8_0", "float32"), ("Q4_K", "float16")])
+def test_paged_caches_give_the_contiguous_bits_alone_and_batched(
+    tiny_gguf: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, qtype: str, dtype: str
+) -> None:
+    """Decode rows (one over two blocks), a verify window that rolls back 3 positions and
+    a short prompt, each sequence's blocks scattered over the pool: outputs and K/V
+    (float32, float16 bits) are those of contiguous caches, batched in one forward or run
+    alone; the device copies of the tables are the tables."""
+    _, (gpu,) = _stages(tiny_gguf, qtype, dtype)
+    check_paged_batches(gpu, monkeypatch)
+
+
 def _reference(gpu: Stage, start: int, tokens: list[int]) -> list[np.ndarray]:
     """Outputs of a contiguous cache that computed PROMPT in one forward, then ``tokens``
     from ``start`` (a rollback below 64 when less), then two decode steps."""
-    cache = gpu.new_cache(CONTEXT)
+    host, cache = gpu.backend.to_numpy, gpu.new_cache(CONTEXT)
     gpu.forward(np.array(PROMPT), 0, cache)
-    outs = [np.asarray(gpu.forward(np.array(tokens), start, cache))]
+    outs = [host(gpu.forward(np.array(tokens), start, cache))]
     for i, t in enumerate([77, 78]):
-        outs.append(np.asarray(gpu.forward(np.array([t]), start + len(tokens) + i, cache)))
+        outs.append(host(gpu.forward(np.array([t]), start + len(tokens) + i, cache)))
     return outs
 
 
-def test_a_cached_prefix_gives_the_bits_of_computing_it(tiny_gguf: Callable[[str], Path]) -> None:
-    """Sequence A computes the prompt, keys its two full blocks and ends after a rejected
-    draft; B resumes from them by reference, batched beside another sequence's decode
-    row; C resumes and rolls back into the shared last block (copied first). Each gives
-    the outputs of a contiguous cache that computed the prompt itself (the same forwards:
-    a CUDA row's bits depend on whether its prompt chunk took the matvec or the matmul),
-    and the cached blocks never change."""
-    _, (gpu,) = _stages(tiny_gguf, "Q8_0", "float32")
-    pool = scattered_pool(gpu)
+def check_cached_prefix(gpu: Stage) -> None:
+    """The scenario of :func:`test_a_cached_prefix_gives_the_bits_of_computing_it`."""
+    host, pool = gpu.backend.to_numpy, scattered_pool(gpu)
     cached = PrefixPool(pool, "run", pool.capacity)
     a = PagedCache(pool, CONTEXT)
     gpu.forward(np.array(PROMPT), 0, a)
@@ -127,7 +127,7 @@ def test_a_cached_prefix_gives_the_bits_of_computing_it(tiny_gguf: Callable[[str
     gpu.forward(np.array([5, 6]), 67, a)  # a draft, rejected: rolled back
     a.truncate(67)
     shared = a.slots()[:2]
-    frozen = [np.asarray(x)[:, :, slot_rows(shared)] for x in (pool.k, pool.v)]  # copies
+    frozen = [host(x)[:, :, slot_rows(shared)] for x in (pool.k, pool.v)]
     a.release_pages()
     cached.trim()
 
@@ -139,23 +139,34 @@ def test_a_cached_prefix_gives_the_bits_of_computing_it(tiny_gguf: Callable[[str
     first = gpu.forward_batch(
         [BatchRow(np.array(SUFFIX), 64, b, None), BatchRow(np.array([70]), len(IDS), other, 1)]
     )[0]
-    got = [np.asarray(first)]
-    got += [np.asarray(gpu.forward(np.array([t]), 70 + i, b)) for i, t in enumerate([77, 78])]
+    got = [host(first)]
+    got += [host(gpu.forward(np.array([t]), 70 + i, b)) for i, t in enumerate([77, 78])]
     for x, y in zip(got, _reference(gpu, 64, SUFFIX), strict=True):
         np.testing.assert_array_equal(x, y)
 
     c = PagedCache(pool, CONTEXT)
     cached.acquire(keys[-1], c)
     redo = [50, 51, 52, 53]  # from 60: into the shared second block
-    got = [np.asarray(gpu.forward(np.array(redo), 60, c))]
-    got += [np.asarray(gpu.forward(np.array([t]), 64 + i, c)) for i, t in enumerate([77, 78])]
+    got = [host(gpu.forward(np.array(redo), 60, c))]
+    got += [host(gpu.forward(np.array([t]), 64 + i, c)) for i, t in enumerate([77, 78])]
     assert c.slots()[0] == shared[0]
     assert c.slots()[1] != shared[1]  # copy-on-write
     for x, y in zip(got, _reference(gpu, 60, redo), strict=True):
         np.testing.assert_array_equal(x, y)
-    now = [np.asarray(x)[:, :, slot_rows(shared)] for x in (pool.k, pool.v)]
+    now = [host(x)[:, :, slot_rows(shared)] for x in (pool.k, pool.v)]
     for before, after in zip(frozen, now, strict=True):
         np.testing.assert_array_equal(before, after)
+
+
+def test_a_cached_prefix_gives_the_bits_of_computing_it(tiny_gguf: Callable[[str], Path]) -> None:
+    """Sequence A computes the prompt, keys its two full blocks and ends after a rejected
+    draft; B resumes from them by reference, batched beside another sequence's decode
+    row; C resumes and rolls back into the shared last block (copied first). Each gives
+    the outputs of a contiguous cache that computed the prompt itself (the same forwards:
+    a CUDA row's bits depend on whether its prompt chunk took the matvec or the matmul),
+    and the cached blocks never change."""
+    _, (gpu,) = _stages(tiny_gguf, "Q8_0", "float32")
+    check_cached_prefix(gpu)
 
 
 def test_a_cuda_stage_keeps_its_pool_on_the_device(tiny_gguf: Callable[[str], Path]) -> None:
