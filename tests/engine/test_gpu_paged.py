@@ -59,4 +59,5 @@ def test_the_stage_pool_lives_on_the_device(tiny_gguf: Callable[[str], Path]) ->
     assert prefix.kv.capacity == pool_blocks(CONTEXT)
     assert isinstance(prefix.kv.k, stage.xp.ndarray)
     cache = prefix.new_cache(CONTEXT)
+    assert cache is not None
     assert isinstance(cache.device_blocks, stage.xp.ndarray)

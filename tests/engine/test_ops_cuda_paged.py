@@ -115,16 +115,21 @@ def _reference(gpu: Stage, start: int, tokens: list[int]) -> list[np.ndarray]:
     return outs
 
 
+def _paged(stage: Stage, tokens: list[int], start: int, cache: PagedCache) -> Any:
+    """``stage.forward`` over a paged cache."""
+    return stage.forward_batch([BatchRow(np.array(tokens), start, cache, None)])[0]
+
+
 def check_cached_prefix(gpu: Stage) -> None:
     """The scenario of :func:`test_a_cached_prefix_gives_the_bits_of_computing_it`."""
     host, pool = gpu.backend.to_numpy, scattered_pool(gpu)
     cached = PrefixPool(pool, "run", pool.capacity)
     a = PagedCache(pool, CONTEXT)
-    gpu.forward(np.array(PROMPT), 0, a)
-    gpu.forward(np.array([9, 8, 7]), 64, a)  # A's own tail, in a block of its own
+    _paged(gpu, PROMPT, 0, a)
+    _paged(gpu, [9, 8, 7], 64, a)  # A's own tail, in a block of its own
     keys = cached.store(PROMPT, a, 0)
     assert len(keys) == 2
-    gpu.forward(np.array([5, 6]), 67, a)  # a draft, rejected: rolled back
+    _paged(gpu, [5, 6], 67, a)  # a draft, rejected: rolled back
     a.truncate(67)
     shared = a.slots()[:2]
     frozen = [host(x)[:, :, slot_rows(shared)] for x in (pool.k, pool.v)]
@@ -132,7 +137,7 @@ def check_cached_prefix(gpu: Stage) -> None:
     cached.trim()
 
     b, other = PagedCache(pool, CONTEXT), PagedCache(pool, CONTEXT)
-    gpu.forward(np.array(IDS), 0, other)
+    _paged(gpu, IDS, 0, other)
     tokens, _ = cached.acquire(keys[-1], b)
     assert tokens == PROMPT
     assert b.slots() == shared  # by reference: no copy
@@ -140,15 +145,15 @@ def check_cached_prefix(gpu: Stage) -> None:
         [BatchRow(np.array(SUFFIX), 64, b, None), BatchRow(np.array([70]), len(IDS), other, 1)]
     )[0]
     got = [host(first)]
-    got += [host(gpu.forward(np.array([t]), 70 + i, b)) for i, t in enumerate([77, 78])]
+    got += [host(_paged(gpu, [t], 70 + i, b)) for i, t in enumerate([77, 78])]
     for x, y in zip(got, _reference(gpu, 64, SUFFIX), strict=True):
         np.testing.assert_array_equal(x, y)
 
     c = PagedCache(pool, CONTEXT)
     cached.acquire(keys[-1], c)
     redo = [50, 51, 52, 53]  # from 60: into the shared second block
-    got = [host(gpu.forward(np.array(redo), 60, c))]
-    got += [host(gpu.forward(np.array([t]), 64 + i, c)) for i, t in enumerate([77, 78])]
+    got = [host(_paged(gpu, redo, 60, c))]
+    got += [host(_paged(gpu, [t], 64 + i, c)) for i, t in enumerate([77, 78])]
     assert c.slots()[0] == shared[0]
     assert c.slots()[1] != shared[1]  # copy-on-write
     for x, y in zip(got, _reference(gpu, 60, redo), strict=True):

@@ -445,8 +445,9 @@ def test_a_paged_cache_is_read_and_written_through_its_block_table(emu: Emulator
     for f, p in zip(flat, pool, strict=True):
         f[:, :, :30] = p[:, :, rows[:30]] = cache(30)
     qkv = _f32(40, (heads + 2 * kv_heads) * dim)
-    want = _rope_attention(emu, kv, qkv.copy(), _step(30, *flat, 40, 3), 3, shape)
-    got = _rope_attention(emu, kv, qkv.copy(), _step(30, *pool, 40, 3, blocks), 3, shape)
+    want = _rope_attention(emu, kv, qkv.copy(), _step(30, flat[0], flat[1], 40, 3), 3, shape)
+    paged = _step(30, pool[0], pool[1], 40, 3, blocks)
+    got = _rope_attention(emu, kv, qkv.copy(), paged, 3, shape)
     np.testing.assert_array_equal(got, want)
     for f, p, old in zip(flat, pool, before, strict=True):
         np.testing.assert_array_equal(p[1][:, rows[:70]], f[1][:, :70])
