@@ -36,6 +36,8 @@ from meshnode_packaging.sources import ModelSource, RawTensor, dequantize
 
 from meshnode.engine.backend import Backend, BackendError, select_backend
 from meshnode.engine.config import ModelConfig
+from meshnode.engine.kv_cache import KV_BLOCK
+from meshnode.engine.kv_pages import BlockPool, PagedCache
 from meshnode.engine.loader import resolve_source
 from meshnode.engine.model import BatchRow, Stage
 
@@ -237,8 +239,14 @@ def decode(
     stage: Stage, tokens: int, streams: int = 1, prompt: int = 16
 ) -> tuple[float, float | None]:
     """(wall seconds per step of greedy decode of ``streams`` sequences together, device
-    seconds per step or None)."""
-    caches = [stage.new_cache(prompt + tokens + 2) for _ in range(streams)]  # + 2 warm-ups
+    seconds per step or None). The caches are a server stage's: blocks of one pool
+    (``kv_pages``), each sequence's read through its block table."""
+    c, n = stage.config, prompt + tokens + 2  # + 2 warm-ups
+    kv = BlockPool(
+        stage.end - stage.start, c.num_kv_heads, c.head_dim, streams * -(-n // KV_BLOCK),
+        stage.new_cache(1).k.dtype, xp=stage.xp,
+    )  # fmt: skip
+    caches = [PagedCache(kv, n) for _ in range(streams)]
     host = stage.backend.to_numpy
     prompts = [BatchRow((np.arange(prompt) + s) % 100 + 10, 0, c, 1) for s, c in enumerate(caches)]
     last = [int(host(out)[-1].argmax()) for out in stage.forward_batch(prompts)]

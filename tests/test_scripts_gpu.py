@@ -60,11 +60,13 @@ def test_the_pytest_step_selects_the_gpu_tests() -> None:
     """The marker expression of the pytest step collects the device tests (they skip here)."""
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "--collect-only", "-p",
-         "no:cacheprovider", "tests/engine/test_gpu_kernels.py", "tests/engine/test_gpu_stage.py"],
+         "no:cacheprovider", "tests/engine/test_gpu_kernels.py", "tests/engine/test_gpu_stage.py",
+         "tests/engine/test_gpu_paged.py"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     assert "test_gpu_stage.py::" in run.stdout
+    assert "test_gpu_paged.py::" in run.stdout  # the CUDA stage's pool of KV blocks
 
 
 def _benchmark(name: str) -> Any:

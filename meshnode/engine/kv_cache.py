@@ -124,7 +124,9 @@ class KVCache:
     ``p`` of a head at row ``blocks[p // KV_BLOCK] KV_BLOCK + p % KV_BLOCK``): here
     ``blocks[i] = i``, the rows in order. A paged cache
     (:class:`~meshnode.engine.kv_pages.PagedCache`) offers the same interface over a
-    stage's pool of blocks.
+    stage's pool of blocks. On a device (``xp`` not NumPy) :attr:`device_blocks` is the
+    table there, the one the CUDA kernels read (:attr:`blocks_stale`: ``blocks`` changed
+    since it was copied; never here, the identity does not change).
     """
 
     def __init__(
@@ -143,6 +145,8 @@ class KVCache:
         self.k = lazy_zeros(xp, shape, dtype)
         self.v = lazy_zeros(xp, shape, dtype)
         self.blocks = np.arange(-(-max_tokens // KV_BLOCK), dtype=np.int64)
+        self.device_blocks = None if xp is np else xp.asarray(self.blocks)
+        self.blocks_stale = False
         self.length = 0
 
     def reserve(self, end: int) -> None:

@@ -26,9 +26,15 @@ Theory of operation:
   sequence's keys and values gathered in position order (a view when its slots are
   consecutive): the same arrays, so the same products.
 
-Not thread-safe (the stage runner serializes its calls). NumPy only: the CUDA stage keeps
-contiguous caches (:class:`~meshnode.engine.kv_cache.KVCache`, whose table is the rows in
-order).
+On a CUDA stage (``xp`` CuPy) the pool's arrays are on the device and a cache keeps a
+copy of its table there too (:attr:`PagedCache.device_blocks`, at a fixed address for the
+cache's life); the stage copies it in before a forward whenever the table changed
+(:attr:`PagedCache.blocks_stale`; :meth:`meshnode.engine.cuda.ops.CudaAttention.prepare`),
+and its kernels read K/V through it (``kernels``: ``kv_row``). The table a captured CUDA
+graph reads is thus data, never a captured pointer. :meth:`PagedCache.write` and
+:meth:`PagedCache.gather` are the NumPy path's only.
+
+Not thread-safe (the stage runner serializes its calls).
 """
 
 from __future__ import annotations
@@ -54,8 +60,9 @@ def block_bytes(
 
 class BlockPool:
     """A stage's K/V blocks (module docstring): ``k`` and ``v`` ``[L, Hkv, capacity x
-    block, D]`` (on the CPU taking memory as slots are first written) and a reference count
-    per slot. ``reclaim``, when set, frees one cached slot (True) or finds none (False)."""
+    block, D]`` of ``xp`` (on the CPU taking memory as slots are first written; on a device
+    allocated whole) and a reference count per slot. ``reclaim``, when set, frees one
+    cached slot (True) or finds none (False)."""
 
     def __init__(
         self,
@@ -65,13 +72,15 @@ class BlockPool:
         capacity: int,
         dtype: Any = np.float32,
         block: int = KV_BLOCK,
+        *,
+        xp: Any = np,
     ) -> None:
         if capacity < 0 or block < 1:
             raise ValueError(f"bad KV pool: {capacity} blocks of {block} positions")
-        self.block = block
+        self.xp, self.block = xp, block
         shape = (layers, kv_heads, capacity * block, head_dim)
-        self.k = lazy_zeros(np, shape, dtype)
-        self.v = lazy_zeros(np, shape, dtype)
+        self.k = lazy_zeros(xp, shape, dtype)
+        self.v = lazy_zeros(xp, shape, dtype)
         self.refs = [0] * capacity
         self._free = list(range(capacity))[::-1]
         self.reclaim: Callable[[], bool] | None = None
@@ -122,21 +131,29 @@ class BlockPool:
         assert self.refs[slot] >= 0, f"slot {slot} dropped more than held"
 
     def copy(self, src: int, dst: int, rows: int) -> None:
-        """The first ``rows`` positions of slot ``src`` into slot ``dst`` (every layer)."""
+        """The first ``rows`` positions of slot ``src`` into slot ``dst`` (every layer).
+        On a device the copy is complete on return: it runs on the caller's stream (CuPy's
+        current), which the stage's own stream does not wait for."""
         b = self.block
         for a in (self.k, self.v):
             a[:, :, dst * b : dst * b + rows] = a[:, :, src * b : src * b + rows]
+        if self.xp is not np:
+            self.xp.cuda.get_current_stream().synchronize()
 
 
 class PagedCache:
     """One sequence's K/V in a :class:`BlockPool`, with the interface of
     :class:`~meshnode.engine.kv_cache.KVCache` (``k``/``v`` are the pool's arrays,
-    ``blocks`` the table the kernels read); see the module docstring."""
+    ``blocks`` the table the kernels read, ``device_blocks`` its copy on a device); see the
+    module docstring."""
 
     def __init__(self, pool: BlockPool, max_tokens: int) -> None:
         self.pool, self.max_tokens, self.block = pool, max_tokens, pool.block
         self.k, self.v = pool.k, pool.v
         self.blocks = np.zeros(-(-max_tokens // pool.block), np.int64)
+        xp = pool.xp
+        self.device_blocks = None if xp is np else xp.asarray(self.blocks)
+        self.blocks_stale = False  # ``blocks`` changed since ``device_blocks`` was copied
         self.held = 0  # leading entries of the table that name a slot
         self.length = 0
 
@@ -162,6 +179,7 @@ class PagedCache:
         for i, slot in enumerate(slots):
             self.pool.hold(slot)
             self.blocks[i] = slot
+        self.blocks_stale = True
         self.held = len(slots)
         self.length = self.held * self.block
 
@@ -180,9 +198,11 @@ class PagedCache:
                 pool.copy(last, mine, part)
                 pool.drop(last)
                 self.blocks[self.held - 1] = mine
+                self.blocks_stale = True
         while self.held * b < end:
             self.blocks[self.held] = pool.take()
             self.held += 1
+            self.blocks_stale = True
 
     def advance(self, start: int, rows: int) -> None:
         """Record a forward of ``rows`` new positions from ``start``."""

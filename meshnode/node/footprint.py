@@ -1,11 +1,11 @@
 """What a stage of a model costs in memory: the footprint the planner places layers by, and
 the check a worker makes of a ``Load`` before it allocates anything.
 
-Weights count as the backend holds them. KV: a CPU stage of a model with K/V per position
-keeps one pool of blocks, :func:`~meshnode.node.prefix.pool_blocks` (a few whole contexts,
-whatever the sequence limit: the host admits requests by the blocks they may write); a CUDA
-or hybrid stage preallocates every live sequence's whole context (and a hybrid model's
-recurrent state and snapshot ring), so it scales with the sequence limit
+Weights count as the backend holds them. KV: a CPU or CUDA stage of a model with K/V per
+position keeps one pool of blocks, :func:`~meshnode.node.prefix.pool_blocks` (a few whole
+contexts, whatever the sequence limit: the host admits requests by the blocks they may
+write); a hybrid stage preallocates every live sequence's whole context (and a hybrid
+model's recurrent state and snapshot ring), so it scales with the sequence limit
 :data:`~meshnode.node.pipeline.MAX_SEQUENCES_PER_STAGE`; a hybrid stage also keeps
 snapshots of cached prefixes, at most :data:`~meshnode.node.hybrid_prefix.SNAPSHOT_CONTEXTS`
 whole contexts (and recurrent states) of them.
@@ -38,9 +38,9 @@ def model_footprint(
     Weights: ``held`` when known (a CPU stage keeps the file's GGUF blocks, so a layer
     costs its tensors' bytes in the file; :meth:`~meshnode.engine.backend.Backend.held_bytes`),
     else every parameter at ``bytes_per_param`` (4: float32, the most any backend holds).
-    KV (module docstring): a CPU stage's pool of blocks, else every live sequence's whole
-    context; each key and value element takes 4 bytes, 2 with ``kv_dtype`` f16 (a hybrid
-    model's attention layers keep float32).
+    KV (module docstring): a CPU or CUDA stage's pool of blocks, a hybrid one every live
+    sequence's whole context; each key and value element takes 4 bytes, 2 with
+    ``kv_dtype`` f16 (a hybrid model's attention layers keep float32).
     """
     if config.hybrid is not None:
         return _hybrid_footprint(config, config.hybrid, bytes_per_param, ring_slots)
@@ -63,7 +63,7 @@ def model_footprint(
 
 
 def _pool_tokens(context_size: int) -> int:
-    """Positions of a CPU stage's pool of KV blocks for ``context_size``."""
+    """Positions of a stage's pool of KV blocks for ``context_size``."""
     return pool_blocks(context_size) * KV_BLOCK
 
 
@@ -122,16 +122,13 @@ def stage_kv_bytes(
     end: int,
     context_size: int,
     kv_dtype: str = "f32",
-    *,
-    prefix_pool: bool = True,
 ) -> int:
-    """The most KV a stage of layers ``[start, end)`` holds: a CPU stage's pool of blocks
-    (``prefix_pool``; :meth:`~meshnode.node.prefix.StagePrefix.for_stage`), else (CUDA, or
-    a hybrid model) every live sequence's context, as the planner counts it
+    """The most KV a stage of layers ``[start, end)`` holds: its pool of blocks
+    (:meth:`~meshnode.node.prefix.StagePrefix.for_stage`, on a CPU or CUDA node alike), or
+    a hybrid model's every live sequence's context, as the planner counts it
     (:meth:`ModelFootprint.kv_bytes`). Pure, for the planner's per-stage check and a
     worker's ``Load`` check."""
-    device = "cpu" if prefix_pool else "cuda"
-    return model_footprint(config, kv_dtype=kv_dtype).kv_bytes(start, end, context_size, device)
+    return model_footprint(config, kv_dtype=kv_dtype).kv_bytes(start, end, context_size, "cpu")
 
 
 def served_context(config: ModelConfig, asked: int | None) -> int:
@@ -153,13 +150,11 @@ def check_load(
     context_size: int,
     memory_bytes: int | None,
     kv_dtype: str = "f32",
-    *,
-    prefix_pool: bool = True,
 ) -> int:
     """Refuse (``RunError``) a ``Load`` whose context the model cannot hold, whose KV
-    alone (:func:`stage_kv_bytes`; ``prefix_pool``: a CPU stage) would take more than the
-    ``memory_bytes`` this node offers (another node chose the context), or whose KV dtype
-    a stage does not keep (f32, f16). Returns the KV bytes it would take."""
+    alone (:func:`stage_kv_bytes`) would take more than the ``memory_bytes`` this node
+    offers (another node chose the context), or whose KV dtype a stage does not keep (f32,
+    f16). Returns the KV bytes it would take."""
     if kv_dtype not in ("f32", "f16"):
         raise RunError(f"Load asks for KV dtype {kv_dtype!r}; a stage keeps f32 or f16")
     limit = config.max_position_embeddings
@@ -167,7 +162,7 @@ def check_load(
         raise RunError(
             f"Load asks for a context of {context_size} tokens; the model holds 1..{limit}"
         )
-    kv = stage_kv_bytes(config, start, end, context_size, kv_dtype, prefix_pool=prefix_pool)
+    kv = stage_kv_bytes(config, start, end, context_size, kv_dtype)
     if memory_bytes is not None and kv > memory_bytes:
         raise RunError(
             f"Load asks for a context of {context_size} tokens: its KV cache alone would take "

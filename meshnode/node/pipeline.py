@@ -33,11 +33,11 @@ if TYPE_CHECKING:
 RequestId = NewType("RequestId", str)
 T = TypeVar("T")
 
-#: Live sequences per stage. On a CUDA stage (or a hybrid model's) each holds a
-#: preallocated KV cache of ``context_size`` positions (SmolLM2-135M: ~46 KiB per position,
-#: so 8 x 2048 positions is ~750 MiB), which is why the bound exists; a CPU stage's share a
-#: smaller pool of blocks (:func:`meshnode.node.prefix.pool_blocks`). The host's scheduler
-#: admits no more than this at once, the planner reserves KV for this many (a CPU node: the
+#: Live sequences per stage. On a hybrid model's stage each holds a preallocated KV cache
+#: of ``context_size`` positions (SmolLM2-135M: ~46 KiB per position, so 8 x 2048 positions
+#: is ~750 MiB), which is why the bound exists; a CPU or CUDA stage's share a smaller pool
+#: of blocks (:func:`meshnode.node.prefix.pool_blocks`). The host's scheduler admits no
+#: more than this at once, the planner reserves KV for this many (a stage with a pool: the
 #: pool), and every stage of a run allows this many.
 MAX_SEQUENCES_PER_STAGE = 8
 

@@ -28,8 +28,9 @@ class ModelFootprint:
     fixed_layer_bytes: tuple[int, ...] = ()
     # What a hop carries a token: one row of activations at the wire dtype (0: not counted).
     activation_bytes_per_token: int = 0
-    # A CPU stage's pool of KV blocks (issue 30): positions it holds for a context (None:
-    # every live sequence preallocates its context there too), at one sequence's bytes.
+    # A CPU or CUDA stage's pool of KV blocks (issue 30): positions it holds for a context
+    # (None: every live sequence preallocates its context there too), at one sequence's
+    # bytes.
     pool_tokens: Callable[[int], int] | None = None
     pool_kv_bytes_per_token_per_layer: int = 0
 
@@ -39,9 +40,10 @@ class ModelFootprint:
 
     def kv_bytes(self, start: int, end: int, context_tokens: int, device: str) -> int:
         """KV bytes of layers ``[start, end)`` for ``context_tokens`` on a ``device`` node:
-        a CPU node's pool, else every live sequence's context."""
+        a CPU or CUDA node's pool, else (no pool: a hybrid model; a device not known
+        here) every live sequence's context."""
         kv_layers = sum(self.kv_layers[start:end]) if self.kv_layers else end - start
-        if device == "cpu" and self.pool_tokens is not None:
+        if device in ("cpu", "cuda") and self.pool_tokens is not None:
             per_layer = self.pool_kv_bytes_per_token_per_layer * self.pool_tokens(context_tokens)
             return kv_layers * per_layer
         return kv_layers * self.kv_bytes_per_token_per_layer * context_tokens

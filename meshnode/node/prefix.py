@@ -118,8 +118,8 @@ def pipeline_blocks(
     """The blocks a host admits requests by (``ServeService.start``): the smallest pool of
     the pipeline's paged stages less its copy-on-write block: ``local``'s (the host's stage)
     and :func:`pool_blocks` of ``context_size`` for a remote stage that announced a pool
-    (``remote``: each one's ``Ready.prefix_block``). None when no stage keeps one (CUDA,
-    hybrid: each sequence preallocates its context, the sequence limit bounds them)."""
+    (``remote``: each one's ``Ready.prefix_block``). None when no stage keeps one (a
+    hybrid model: each sequence preallocates its context, the sequence limit bounds them)."""
     if local is not None and local.snapshots:  # a hybrid model: no stage keeps blocks
         return None
     budgets = [] if local is None or local.kv is None else [local.kv.capacity - 1]
@@ -140,7 +140,7 @@ class Tracked:
 
 class StagePrefix:
     """The stage side of the rule (module docstring): the stage's pool of KV blocks
-    (``kv``: None on a hybrid or CUDA stage, whose sequences keep contiguous caches), and
+    (``kv``: None on a hybrid stage, whose sequences keep contiguous caches), and
     its index of cached prefixes (``pool``: None where it keeps none); resumes sequences
     from the index and keys their committed blocks. Not thread-safe: the stage runner
     serializes calls."""
@@ -166,10 +166,10 @@ class StagePrefix:
         sequences: int = MAX_SEQUENCES_PER_STAGE,
     ) -> StagePrefix:
         """A pool of :func:`pool_blocks` KV blocks for ``stage``'s layers (``sequences``
-        of ``context_size``); cached prefixes keep at most ``budget_bytes`` of its free
-        blocks (None: all of them; 0: none, no index). None on a hybrid or CUDA stage
-        (their caches stay contiguous arrays: no reuse there yet)."""
-        if stage.config.hybrid is not None or stage.backend.name != "cpu":
+        of ``context_size``), on the stage's device; cached prefixes keep at most
+        ``budget_bytes`` of its free blocks (None: all of them; 0: none, no index). None on
+        a hybrid stage (its caches stay contiguous arrays: it resumes from snapshots)."""
+        if stage.config.hybrid is not None:
             return cls(None)
         c, layers = stage.config, stage.end - stage.start
         dtype = stage.new_cache(1).k.dtype  # the K/V dtype this stage's caches hold
@@ -178,7 +178,7 @@ class StagePrefix:
         capacity = pool_blocks(context_size, sequences)
         per_block = max(block_bytes(layers, c.num_kv_heads, c.head_dim, dtype), 1)
         cached = capacity if budget_bytes is None else min(capacity, budget_bytes // per_block)
-        blocks = BlockPool(layers, c.num_kv_heads, c.head_dim, capacity, dtype)
+        blocks = BlockPool(layers, c.num_kv_heads, c.head_dim, capacity, dtype, xp=stage.xp)
         pool = PrefixPool(blocks, salt, cached) if cached else None
         return cls(pool, blocks)
 

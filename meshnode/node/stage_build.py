@@ -70,10 +70,7 @@ def build_runner(
     except BackendError as exc:
         raise RunError(f"Load: {exc}") from exc
     config = ModelConfig.from_hf(source.config)
-    paged = backend.name == "cpu"  # a CPU stage keeps a pool of KV blocks (issue 30)
-    kv = check_load(
-        config, start, end, load.context_size, memory_bytes, load.kv_dtype, prefix_pool=paged
-    )
+    kv = check_load(config, start, end, load.context_size, memory_bytes, load.kv_dtype)
     stage = Stage(
         config,
         source,

@@ -11,7 +11,7 @@ refuses at once when the queue is full) and holds it from the queue through its 
 it ends. Its prompt is rendered and tokenized only once the ticket holds a slot, so a
 flood of large prompts waits (or is refused) before it costs any work.
 
-**KV blocks** (issue 30). A CPU stage keeps one pool of KV blocks for all its sequences,
+**KV blocks** (issue 30). A CPU or CUDA stage keeps one pool of KV blocks for all its sequences,
 a few whole contexts (:func:`meshnode.node.prefix.pool_blocks`), not one per sequence. So a
 ticket that holds a slot then takes the blocks its request may write
 (:meth:`Ticket.take_blocks`: prompt, ``max_tokens`` and a verify pass's drafts), waiting in

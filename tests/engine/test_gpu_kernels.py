@@ -66,13 +66,28 @@ def test_row_kernels(dev: tuple[Any, Any]) -> None:
     np.testing.assert_allclose(act.get(), ops.silu_mul(np, gu), rtol=1e-5, atol=1e-6)
 
 
+# A contiguous cache's block table on the device (kernels.kv_row: block i in rows i
+# KV_BLOCK ...), made once and kept alive: step tables hold its address.
+_IDENTITY: list[Any] = []
+
+
+def _identity() -> int:
+    """The address of the identity block table on the device."""
+    if not _IDENTITY:
+        import cupy
+
+        _IDENTITY.append(cupy.arange(64, dtype=cupy.int64))
+    return int(_IDENTITY[0].data.ptr)
+
+
 def _table(pos0: int, kc: Any, vc: Any, n: int, rows: int) -> np.ndarray:
     """The step table of ``n`` new rows of one sequence from ``pos0``, keeping its last
-    ``rows`` (``kernels`` module docstring)."""
+    ``rows`` (``kernels`` module docstring), its cache contiguous."""
     table = np.zeros((n, kernels.STEP), np.int64)
     table[:, 0] = np.arange(pos0, pos0 + n)
     table[:, 1:4] = (kc.shape[2], kc.data.ptr, vc.data.ptr)
     table[:rows, 4] = np.arange(n - rows, n)
+    table[:, 5] = _identity()
     return table
 
 
@@ -218,3 +233,46 @@ def test_gather_rows_and_a_gemv_batch_in_several_passes(dev: tuple[Any, Any]) ->
         alone = cp.empty((1, 1000), cp.float32)
         k.gemv(w, cp.asarray(xs[r : r + 1]), alone)
         np.testing.assert_array_equal(y.get()[r], alone.get()[0])
+
+
+@pytest.mark.parametrize("kv", ["float", "u16"])
+def test_a_paged_cache_is_read_and_written_through_its_block_table(
+    dev: tuple[Any, Any], kv: str
+) -> None:
+    """Blocks in slots 4, 1, 3 of a pool of 6 (issue 30): 40 new rows after 30 cached
+    positions through the table give the contiguous cache's outputs bit for bit, write
+    its rows into the table's slots and leave every other slot as it was."""
+    cp, k = dev
+    heads, kv_heads, dim, b = 8, 2, 64, kernels.KV_BLOCK
+    blocks = cp.asarray(np.array([4, 1, 3], np.int64))
+    rows = (np.array([4, 1, 3])[:, None] * b + np.arange(b)).reshape(-1)
+    dtype = np.float32 if kv == "float" else np.uint16
+
+    def cache(positions: int) -> np.ndarray:
+        a = _f32(2, kv_heads, positions, dim)
+        return a.astype(np.float16).view(np.uint16) if kv == "u16" else a
+
+    flat = [np.zeros((2, kv_heads, 3 * b, dim), dtype) for _ in "kv"]
+    pool = [cache(6 * b) for _ in "kv"]
+    for f, p in zip(flat, pool, strict=True):
+        f[:, :, :30] = p[:, :, rows[:30]] = cache(30)
+    qkv = _f32(40, (heads + 2 * kv_heads) * dim)
+    inv = cp.asarray((1.0 / 10000 ** (np.arange(0, dim, 2) / dim)).astype(np.float32))
+
+    def run(kc: Any, vc: Any, table: int) -> np.ndarray:
+        step = _table(30, kc, vc, 40, 3)
+        step[:, 5] = table
+        dqkv, dstep = cp.asarray(qkv), cp.asarray(step)
+        k.rope_store(dqkv, inv, dstep, 1, heads, kv_heads, kv)
+        out = cp.full((3, heads * dim), cp.nan, cp.float32)
+        k.attention(dqkv, out, dstep, 1, heads, kv_heads, dim**-0.5, kv)
+        return np.asarray(out.get())
+
+    dflat, dpool = [cp.asarray(a) for a in flat], [cp.asarray(a) for a in pool]
+    want = run(dflat[0], dflat[1], _identity())
+    np.testing.assert_array_equal(run(dpool[0], dpool[1], int(blocks.data.ptr)), want)
+    others = np.setdiff1d(np.arange(6 * b), rows[:70])
+    for f, p, old in zip(dflat, dpool, pool, strict=True):
+        got = p.get()
+        np.testing.assert_array_equal(got[1][:, rows[:70]], f.get()[1][:, :70])
+        np.testing.assert_array_equal(got[:, :, others], old[:, :, others])

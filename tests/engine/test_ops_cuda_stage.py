@@ -6,7 +6,8 @@ checked against the same references in ``test_ops_emulated.py``). This checks wh
 between the kernels: weight formats chosen at load, the operations of the one block on
 the device (``cuda.ops``: the residual add fused into the next norm, QK-norm, sandwich
 norms, GeGLU, scaled embeddings, sliding windows), ``out_rows``, the step array
-(positions and the cache read through its addresses), the float16 KV cache, the prefill
+(positions and the cache read through its addresses and block table), the float16 KV
+cache, the prefill
 matmul path and the fallback when graph capture fails; and that every family of the
 architecture table runs there. What it cannot check is CuPy itself: streams, graphs,
 pinned memory (``tests/engine/test_gpu_stage.py`` does, on a device).
@@ -32,6 +33,7 @@ from meshnode.engine.backend import CudaBackend
 from meshnode.engine.cuda import formats, graphs
 from meshnode.engine.cuda import ops as cuda_ops
 from meshnode.engine.cuda.device import DeviceMatrix
+from meshnode.engine.kv_cache import KV_BLOCK
 from tests.engine.tiny import write_tiny_model
 
 IDS = [1, 60, 61, 62, 259, 70, 19, 20, 223, 89, 90, 91, 92, 260]
@@ -106,7 +108,7 @@ FAKE_CP = SimpleNamespace(
     cuda=SimpleNamespace(
         Stream=Stream,
         MemoryPool=MemoryPool,
-        get_current_stream=lambda: None,
+        get_current_stream=Stream,
         using_allocator=lambda allocator: contextlib.nullcontext(),
     ),
 )
@@ -161,10 +163,16 @@ class ReferenceKernels:
         return np.ctypeslib.as_array(buf).view(dtype).reshape(shape)
 
     def _caches(self, row: Any, layer: int, shape: tuple[int, int], kv: str) -> Any:
-        """(position, K cache, V cache) of one row of the step table."""
-        pos, cap, k_at, v_at = (int(v) for v in row[:4])
+        """(position, K cache, V cache, the cache row of each position up to it) of one
+        row of the step table: positions through its block table, as ``kernels.kv_row``."""
+        pos, cap, k_at, v_at, _, table_at = (int(v) for v in row[:6])
         full = (shape[0], cap, shape[1])
-        return pos, self._cache(k_at, layer, full, kv), self._cache(v_at, layer, full, kv)
+        blocks = pos // KV_BLOCK + 1
+        table = np.ctypeslib.as_array((ctypes.c_int64 * blocks).from_address(table_at))
+        upto = np.arange(pos + 1)
+        rows = table[upto // KV_BLOCK] * KV_BLOCK + upto % KV_BLOCK
+        k_cache, v_cache = self._cache(k_at, layer, full, kv), self._cache(v_at, layer, full, kv)
+        return pos, k_cache, v_cache, rows
 
     def gather_rows(self, x: Any, step: Any, out: Any) -> None:
         out[...] = x[np.asarray(step)[: out.shape[0], 4]]
@@ -175,13 +183,13 @@ class ReferenceKernels:
         """Row by row, each at its position into its own cache (as the kernel does)."""
         dim = qkv.shape[1] // (heads + 2 * kv_heads)
         for r in range(qkv.shape[0]):
-            pos, k_cache, v_cache = self._caches(step[r], layer, (kv_heads, dim), kv)
+            pos, k_cache, v_cache, at = self._caches(step[r], layer, (kv_heads, dim), kv)
             cos, sin = ops.rope_cos_sin(np, inv, pos, 1)
             q = qkv[r, : heads * dim].reshape(heads, 1, dim)
             qkv[r, : heads * dim] = ops.rotate_half(np, q, cos, sin).reshape(-1)
             k = qkv[r, heads * dim : (heads + kv_heads) * dim].reshape(kv_heads, 1, dim)
-            k_cache[:, pos] = ops.rotate_half(np, k, cos, sin)[:, 0]
-            v_cache[:, pos] = qkv[r, (heads + kv_heads) * dim :].reshape(kv_heads, dim)
+            k_cache[:, at[pos]] = ops.rotate_half(np, k, cos, sin)[:, 0]
+            v_cache[:, at[pos]] = qkv[r, (heads + kv_heads) * dim :].reshape(kv_heads, dim)
 
     def attention(
         self,
@@ -200,9 +208,9 @@ class ReferenceKernels:
         dim = qkv.shape[1] // (heads + 2 * kv_heads)
         for i in range(rows):
             q_row = i if rows == n else int(step[i, 4])
-            pos, k_cache, v_cache = self._caches(step[q_row], layer, (kv_heads, dim), kv)
-            keys = k_cache[:, : pos + 1].astype(np.float32)  # [Hkv, T, D]
-            values = v_cache[:, : pos + 1].astype(np.float32)
+            _, k_cache, v_cache, at = self._caches(step[q_row], layer, (kv_heads, dim), kv)
+            keys = k_cache[:, at].astype(np.float32)  # [Hkv, T, D], in position order
+            values = v_cache[:, at].astype(np.float32)
             q = np.ascontiguousarray(qkv[q_row, : heads * dim].reshape(heads, 1, dim))
             attended = ops.attention(np, q, keys, values, scale, window or None)
             out[i] = attended.reshape(-1)

@@ -225,15 +225,35 @@ def test_qk_norm_normalises_every_query_and_key_head_in_place(emu: Emulator) -> 
     np.testing.assert_array_equal(qkv[:, (heads + kv_heads) * dim :], v)  # V untouched
 
 
-def _step(pos0: int, k: np.ndarray, v: np.ndarray, n: int, rows: int | None = None) -> np.ndarray:
+# The block table of a contiguous cache (kernels.kv_row): block i in rows i KV_BLOCK ...
+IDENTITY = np.arange(64, dtype=np.int64)
+
+
+def _step(
+    pos0: int,
+    k: np.ndarray,
+    v: np.ndarray,
+    n: int,
+    rows: int | None = None,
+    blocks: np.ndarray = IDENTITY,
+) -> np.ndarray:
     """The step table of ``n`` new rows of one sequence from ``pos0``, keeping its last
-    ``rows`` (``kernels`` module docstring)."""
+    ``rows``, its cache read through ``blocks`` (``kernels`` module docstring; the caller
+    keeps ``blocks`` alive: the table holds its address)."""
     rows = n if rows is None else rows
     table = np.zeros((n, kernels.STEP), np.int64)
     table[:, 0] = np.arange(pos0, pos0 + n)
     table[:, 1:4] = (k.shape[2], k.ctypes.data, v.ctypes.data)
     table[:rows, 4] = np.arange(n - rows, n)
+    table[:, 5] = blocks.ctypes.data
     return table
+
+
+def test_the_sources_constants_are_the_modules() -> None:
+    """The step table's width and the KV block the kernels read by, as Python counts them."""
+    assert f"#define MN_STEP {kernels.STEP}\n" in kernels.SOURCE
+    assert f"#define MN_KV_BLOCK {kernels.KV_BLOCK}\n" in kernels.SOURCE
+    assert f"#define MN_BLOCK {kernels.BLOCK}\n" in kernels.SOURCE
 
 
 @pytest.mark.parametrize("kv", ["float", "u16"])
@@ -401,6 +421,38 @@ def test_a_batch_of_sequences_each_uses_its_own_cache_and_positions(emu: Emulato
     want = ops.attention(np, np.ascontiguousarray(q), k[:, :12], v[:, :12], dim**-0.5)
     got0 = got[:2].reshape(2, heads, dim).transpose(1, 0, 2)
     np.testing.assert_allclose(got0, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv", ["float", "u16"])
+def test_a_paged_cache_is_read_and_written_through_its_block_table(emu: Emulator, kv: str) -> None:
+    """A sequence whose blocks sit in slots 4, 1, 3 of a pool of 6 (issue 30): 40 new rows
+    after 30 cached positions, RoPE's K/V writes and attention through the table give the
+    contiguous cache's outputs bit for bit, its rows in the table's slots, and leave every
+    other slot as it was."""
+    shape, layers, b = (2, 1, 16), 2, kernels.KV_BLOCK
+    heads, kv_heads, dim = shape
+    dtype = np.float32 if kv == "float" else np.uint16
+    blocks = np.array([4, 1, 3], np.int64)
+    rows = (blocks[:, None] * b + np.arange(b)).reshape(-1)  # the pool row of each position
+
+    def cache(positions: int) -> np.ndarray:
+        a = _f32(layers, kv_heads, positions, dim)
+        return a.astype(np.float16).view(np.uint16) if kv == "u16" else a
+
+    flat = [np.zeros((layers, kv_heads, 3 * b, dim), dtype) for _ in range(2)]
+    pool = [cache(6 * b) for _ in range(2)]  # other slots: another sequence's values
+    before = [p.copy() for p in pool]
+    for f, p in zip(flat, pool, strict=True):
+        f[:, :, :30] = p[:, :, rows[:30]] = cache(30)
+    qkv = _f32(40, (heads + 2 * kv_heads) * dim)
+    want = _rope_attention(emu, kv, qkv.copy(), _step(30, flat[0], flat[1], 40, 3), 3, shape)
+    paged = _step(30, pool[0], pool[1], 40, 3, blocks)
+    got = _rope_attention(emu, kv, qkv.copy(), paged, 3, shape)
+    np.testing.assert_array_equal(got, want)
+    for f, p, old in zip(flat, pool, before, strict=True):
+        np.testing.assert_array_equal(p[1][:, rows[:70]], f[1][:, :70])
+        others = np.setdiff1d(np.arange(6 * b), rows[:70])
+        np.testing.assert_array_equal(p[:, :, others], old[:, :, others])
 
 
 def test_gather_rows_takes_the_rows_the_step_table_keeps(emu: Emulator) -> None:

@@ -1,7 +1,7 @@
 """The KV a stage holds at most, counted by a pure function the planner calls
-(``footprint.stage_kv_bytes``, ``ModelFootprint.kv_bytes``): a CPU stage's one pool of
-blocks, a few whole contexts (``prefix.pool_blocks``; issue 30), exactly; a CUDA or
-hybrid stage every live sequence's context."""
+(``footprint.stage_kv_bytes``, ``ModelFootprint.kv_bytes``): a CPU or CUDA stage's one pool
+of blocks, a few whole contexts (``prefix.pool_blocks``; issue 30), exactly; a hybrid
+stage every live sequence's context."""
 
 from __future__ import annotations
 
@@ -43,9 +43,9 @@ def test_the_count_covers_what_a_stage_allocates(start: int, end: int) -> None:
     assert runner.kv_usage()["capacity_tokens"] == DEFAULT_POOL_CONTEXTS * CONTEXT
     # cached prefixes may use every block that no sequence holds
     assert runner.prefix.pool.budget == runner.prefix.kv.capacity == pool_blocks(CONTEXT)
-    live = MAX_SEQUENCES_PER_STAGE * per_cache  # a CUDA stage preallocates every context
-    assert stage_kv_bytes(config, start, end, CONTEXT, prefix_pool=False) == live
-    assert model_footprint(config).kv_bytes(start, end, CONTEXT, "cuda") == live
+    assert model_footprint(config).kv_bytes(start, end, CONTEXT, "cuda") == got  # the same pool
+    live = MAX_SEQUENCES_PER_STAGE * per_cache  # a device not known: every context
+    assert model_footprint(config).kv_bytes(start, end, CONTEXT, "tpu") == live
 
 
 def test_a_smaller_sequence_limit_keeps_a_smaller_pool() -> None:
@@ -84,13 +84,14 @@ def _eight_b(kv_dtype: str) -> ModelFootprint:
 @pytest.mark.parametrize(
     ("device", "kv_dtype", "needs_mib"),
     [
-        ("cuda", "f32", 6554),  # issue 30's figure: 8 contexts of 256 MiB each
+        ("tpu", "f32", 6554),  # issue 30's figure: 8 contexts of 256 MiB each
         ("cpu", "f32", 5538),  # 4 contexts and a block: 1032 MiB of KV
         ("cpu", "f16", 5022),
-        ("cuda", "f16", 5530),
+        ("cuda", "f32", 5538),  # the same pool on a CUDA node
+        ("cuda", "f16", 5022),
     ],
 )
-def test_the_planner_reserves_the_pool_on_cpu_and_every_context_on_cuda(
+def test_the_planner_reserves_the_pool_on_cpu_and_cuda_nodes(
     device: str, kv_dtype: str, needs_mib: int
 ) -> None:
     """The table of issue 30's example, at a 1,024-token context: what one node must
@@ -107,10 +108,14 @@ def test_the_planner_reserves_the_pool_on_cpu_and_every_context_on_cuda(
 
 
 def test_a_mixed_mesh_counts_each_stage_by_its_device() -> None:
-    """A CPU node and a CUDA node of the same memory: the CPU one, whose stage keeps the
-    smaller pool, takes more layers than the CUDA one, which preallocates 8 contexts."""
+    """A CPU node and a CUDA node of the same memory keep the same pool: the layers split
+    evenly (each takes 16 of 32); beside a device the planner does not know, which
+    preallocates 8 contexts, the CPU node takes more."""
     footprint = _eight_b("f32")
     nodes = [NodeCapacity("host", 3 * 2**30, "cpu"), NodeCapacity("gpu", 3 * 2**30, "cuda")]
     stages = plan(footprint, nodes, "host", 1024).stages
     assert [s.node_id for s in stages] == ["host", "gpu"]
+    assert [s.end - s.start for s in stages] == [16, 16]
+    nodes[1] = NodeCapacity("gpu", 3 * 2**30, "tpu")
+    stages = plan(footprint, nodes, "host", 1024).stages
     assert stages[0].end - stages[0].start > stages[1].end - stages[1].start

@@ -8,12 +8,17 @@ compiles with NVRTC (through CuPy) and with a host C++ compiler for the CPU emul
 part (PTX ``cvt``), with host twins in the emulation.
 
 Positions and the KV cache are read from a device "step" table, ``int64 [rows, STEP]``,
-one row per new row of the forward: ``[position, cache capacity T, K base address, V
-base address, kept row]``. The rows of a batch belong to several sequences, each with
-its own cache and positions; row ``i``'s last column is the new row whose output is the
-``i``-th output of the last layer (each sequence keeps its last ``out_rows`` rows). So a
-captured CUDA graph replays for any positions and any sequences' caches: only the step
-table and the inputs are rewritten before a replay.
+one row per new row of the forward: ``[position, rows T of a head's cache, K base address,
+V base address, kept row, block table address]``. The rows of a batch belong to several
+sequences, each with its own cache and positions; row ``i``'s column 4 is the new row
+whose output is the ``i``-th output of the last layer (each sequence keeps its last
+``out_rows`` rows). A cache is ``[L, Hkv, T, D]`` read through its sequence's block table
+(``int64``, on the device): position ``p`` of a head is its row ``table[p / KV_BLOCK]
+KV_BLOCK + p % KV_BLOCK`` (``kv_row``), a block of a stage's pool
+(:mod:`meshnode.engine.kv_pages`; a contiguous cache's table is the identity, its row is
+the position). So a captured CUDA graph replays for any positions, any sequences' caches
+and any blocks they hold: only the step table, the inputs and (when they changed) the
+block tables are rewritten before a replay.
 
 Weights of a matmul decode in units of 32 values (``UNIT``): a Q8_0 block, one eighth of
 a Q4_K super-block, or 32 consecutive floats. ``F::unit(row, u, w)`` writes the 32 floats
@@ -25,10 +30,12 @@ use it, so each format's block math is written once (and mirrored in NumPy by
 from __future__ import annotations
 
 from meshnode.engine.cuda.formats import CPP_NAME
+from meshnode.engine.kv_cache import KV_BLOCK
 
 __all__ = [
     "BLOCK",
     "GEMV_BLOCK",
+    "KV_BLOCK",
     "MAX_BATCH_ROWS",
     "MAX_HEAD_DIM",
     "MAX_ROWS",
@@ -49,7 +56,7 @@ MAX_ROWS = 16
 # 4-row verify window each). The matvec runs them in passes of MAX_ROWS over one read of
 # a weight row; a larger batch is cut into forwards of at most this many rows.
 MAX_BATCH_ROWS = 64
-STEP = 5  # columns of the step table (see the module docstring)
+STEP = 6  # columns of the step table (see the module docstring)
 MAX_HEAD_DIM = 256  # the attention kernel keeps one query head in shared memory
 UNIT = 32  # values per decode unit (see the module docstring)
 
@@ -61,7 +68,8 @@ SOURCE = r"""
 #define MN_MAX_ROWS 16
 #define MN_MAX_HEAD_DIM 256
 #define MN_UNIT 32
-#define MN_STEP 5
+#define MN_STEP 6
+#define MN_KV_BLOCK 32
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -161,6 +169,13 @@ __device__ __forceinline__ void kv_store(u16* p, i64 i, float v) { p[i] = f32_to
 
 __device__ __forceinline__ void out_store(float* p, i64 i, float v) { p[i] = v; }
 __device__ __forceinline__ void out_store(u16* p, i64 i, float v) { p[i] = f32_to_f16(v); }
+
+// The row of a KV head's cache [T, D] that holds position p of the sequence whose block
+// table (step column 5) is `table`: block p / MN_KV_BLOCK sits in slot table[...]. A
+// contiguous cache's table is the identity: the row is p.
+__device__ __forceinline__ i64 kv_row(const i64* table, i64 p) {
+    return table[p / MN_KV_BLOCK] * MN_KV_BLOCK + p % MN_KV_BLOCK;
+}
 
 // ---- block reductions (blockDim.x a power of two; red[] holds blockDim.x floats) ----
 
@@ -293,7 +308,7 @@ extern "C" __global__ void gather_rows(
 // RoPE (rotate-half pairs i, i + D/2) on the Q and K heads of qkv [n, (H + 2 Hkv) D], row
 // r at its position step[r, 0]; Q is rotated in place, K is rotated into row r's cache
 // (step[r, 2]) and V copied into its V cache (step[r, 3]): caches [L, Hkv, T, D] with
-// T = step[r, 1], layer `layer`.
+// T = step[r, 1], layer `layer`, at the row of the position (kv_row, table step[r, 5]).
 template <typename KV>
 __global__ void rope_store(
     float* __restrict__ qkv, const float* __restrict__ inv_freq, const i64* __restrict__ step,
@@ -318,7 +333,7 @@ __global__ void rope_store(
                 base[i + half] = rb;
             } else {
                 KV* kc = (KV*)st[2] + (i64)layer * kv_heads * cap * dim;
-                const i64 at = ((i64)(head - heads) * cap + pos) * dim;
+                const i64 at = ((i64)(head - heads) * cap + kv_row((const i64*)st[5], pos)) * dim;
                 kv_store(kc, at + i, ra);
                 kv_store(kc, at + i + half, rb);
             }
@@ -330,7 +345,7 @@ __global__ void rope_store(
             const i64 cap = st[1];
             KV* vc = (KV*)st[3] + (i64)layer * kv_heads * cap * dim;
             const float v = qkv[row * width + (i64)(heads + kv_heads) * dim + (i64)kh * dim + d];
-            kv_store(vc, ((i64)kh * cap + st[0]) * dim + d, v);
+            kv_store(vc, ((i64)kh * cap + kv_row((const i64*)st[5], st[0])) * dim + d, v);
         }
     }
 }
@@ -339,7 +354,8 @@ __global__ void rope_store(
 // in place (after rope_store wrote this step's K/V). Grid: (H, rows); block: MN_BLOCK.
 // Output row i is new row q = i when rows == n, else q = step[i, 4] (the last layer keeps
 // each sequence's last out_rows rows); q is at position p = step[q, 0] and sees keys
-// 0 .. p of its cache (the rows before it in its sequence were stored there), or with a
+// 0 .. p of its cache (the rows before it in its sequence were stored there; position t
+// at row kv_row(table, t), table step[q, 5]), or with a
 // sliding window > 0 the last `window` of them, p - window < key <= p. One pass
 // over the keys in chunks of blockDim with a running max and sum (online softmax), so no
 // scratch memory is needed for any context length. out: [rows, H D].
@@ -358,6 +374,7 @@ __global__ void attention(
     const i64 kv_off = ((i64)layer * kv_heads + h / (heads / kv_heads)) * cap * dim;
     const KV* kc = (const KV*)st[2] + kv_off;
     const KV* vc = (const KV*)st[3] + kv_off;
+    const i64* table = (const i64*)st[5];
     const int width = (heads + 2 * kv_heads) * dim;
     for (int d = tid; d < dim; d += blockDim.x) q[d] = qkv[(i64)qrow * width + (i64)h * dim + d];
     __syncthreads();
@@ -370,7 +387,8 @@ __global__ void attention(
         float s = neg_inf();
         if (t < len) {
             float dot = 0.0f;
-            for (int e = 0; e < dim; ++e) dot += q[e] * kv_load(kc, t * dim + e);
+            const i64 at = kv_row(table, t) * dim;
+            for (int e = 0; e < dim; ++e) dot += q[e] * kv_load(kc, at + e);
             s = dot * scale;
         }
         const float new_m = fmaxf(m, block_max(s, red));
@@ -381,7 +399,9 @@ __global__ void attention(
         acc *= corr;
         const i64 chunk = len - c0 < (i64)blockDim.x ? len - c0 : (i64)blockDim.x;
         if (part < parts) {
-            for (i64 j = part; j < chunk; j += parts) acc += p[j] * kv_load(vc, (c0 + j) * dim + d);
+            for (i64 j = part; j < chunk; j += parts) {
+                acc += p[j] * kv_load(vc, kv_row(table, c0 + j) * dim + d);
+            }
         }
         m = new_m;
         __syncthreads();  // p[] is rewritten by the next chunk

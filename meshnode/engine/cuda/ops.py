@@ -134,12 +134,14 @@ class StepPlan:
 
 def fill_step(segs: Sequence[Segment], table: np.ndarray) -> None:
     """The step table of a forward of ``segs``: each new row's position and its
-    sequence's cache; in the last column, the new row of each kept row."""
+    sequence's cache (rows per head, K and V, its block table on the device); in column
+    4, the new row of each kept row."""
     a = o = 0
     for seg in segs:
-        cache = seg.cache
+        c = seg.cache
         table[a : a + seg.n, 0] = np.arange(seg.start_pos, seg.start_pos + seg.n)
-        table[a : a + seg.n, 1:4] = (cache.max_tokens, cache.k.data.ptr, cache.v.data.ptr)
+        table[a : a + seg.n, 1:4] = (c.k.shape[2], c.k.data.ptr, c.v.data.ptr)
+        table[a : a + seg.n, 5] = c.device_blocks.data.ptr
         table[o : o + seg.rows, 4] = np.arange(a + seg.n - seg.rows, a + seg.n)
         a, o = a + seg.n, o + seg.rows
 
@@ -169,18 +171,24 @@ class CudaAttention:
         self._pinned[...] = 0
 
     def prepare(self, segs: Sequence[Segment]) -> StepPlan:
-        """The step table of ``segs`` on the device (copied on the current stream).
-        Raises ``ValueError`` when a sequence would overflow its cache."""
+        """The step table of ``segs`` on the device, and the block table of each sequence
+        whose table changed (a paged cache took, shared or copied a block), copied on the
+        current stream. Raises ``ValueError`` when a sequence would overflow its cache."""
+        stream = self.cp.cuda.get_current_stream()
         for seg in segs:
             if (end := seg.start_pos + seg.n) > seg.cache.max_tokens:
                 raise ValueError(f"KV cache full: {end} > {seg.cache.max_tokens} tokens")
+        for seg in segs:
+            if seg.cache.blocks_stale:  # ordered before the forward that reads it
+                seg.cache.device_blocks.set(seg.cache.blocks, stream=stream)
+                seg.cache.blocks_stale = False
         n, rows = sum(seg.n for seg in segs), sum(seg.rows for seg in segs)
         if n > MAX_BATCH_ROWS:  # a prompt: a table of its own
             table = np.zeros((n, STEP), np.int64)
             fill_step(segs, table)
             return StepPlan(self.cp.asarray(table), n, rows)
         fill_step(segs, self._pinned)
-        self._step[:n].set(self._pinned[:n], stream=self.cp.cuda.get_current_stream())
+        self._step[:n].set(self._pinned[:n], stream=stream)
         return StepPlan(self._step, n, rows)
 
     def keep_rows(self, x: Any, segs: Sequence[Segment], plan: StepPlan) -> Any:
