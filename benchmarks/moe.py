@@ -102,7 +102,7 @@ def profile(shape: str, layers: int, mode: str, rows: int, repeats: int) -> dict
     logits = backend.linear(x, w.router, sizes)
     if w.router_bias is not None:
         logits = logits + w.router_bias
-    picks, weights = route(np, logits, c)
+    picks, weights = (np.ascontiguousarray(a) for a in route(np, logits, c))
     chosen, starts, order = experts.group(picks)
     q8 = mode == "q8"
     compiled = experts._compiled()
@@ -113,6 +113,8 @@ def profile(shape: str, layers: int, mode: str, rows: int, repeats: int) -> dict
     act = (layer.gate_up_bias, layer.down_bias, layer.kind, layer.alpha, layer.limit)
     ys = np.empty((rows * c.top_k, config.hidden_size), np.float32)
     out = np.empty_like(x)
+    none = np.zeros((0, 0), np.float32)  # no logits: the grouping is given
+    given = (x, none, none, False, False, picks, weights, chosen, starts, order, ys, none, 0)
 
     rule = (c.routing == "topk_softmax", c.norm_topk_prob)
 
@@ -126,7 +128,7 @@ def profile(shape: str, layers: int, mode: str, rows: int, repeats: int) -> dict
         "route": lambda: route(np, logits, c),
         "group": lambda: experts.group(picks),
         "routed": lambda: experts.route(logits, c.top_k, *rule),
-        "experts": lambda: kernel(*gu.raws, *dn.raws, *act, x, chosen, starts, order, c.top_k, ys),
+        "experts": lambda: kernel(*gu.raws, *dn.raws, *act, *given),
         "sums": lambda: compiled.sums(ys, picks, weights, out),
         "layer": lambda: moe_mlp(backend, c, w, x, sizes),
         "dense": lambda: backend.linear(
