@@ -23,10 +23,14 @@ step, taken in turn (robust on a busy machine):
 - ``experts``: the compiled call (gathers, each chosen expert's two products and its
   activation, biases), without the sums;
 - ``sums``: each row's weighted sum of its k experts;
-- ``layer``: the whole ``moe_mlp``, and ``other`` = layer - the steps it runs (router,
-  routed, experts, sums);
+- ``layer``: the whole ``moe_mlp`` (on one thread the routing, the experts and the sums in
+  one compiled call, :meth:`meshnode.engine.cpu.experts.ExpertLayer.routed`), and
+  ``other`` = layer - the steps it runs (router, routed, experts, sums);
+- ``3 calls``: the router, then ``routed``, then the experts and the sums as two calls
+  (how the layer ran them before: compare with ``layer``);
 - ``dense``: the k experts' bytes of one row as one gate/up and one down product
-  (what the products alone cost, one read of the same bytes).
+  (what the products alone cost, one read of the same bytes);
+- ``experts c/w``, ``dense c/w``: their CPU cycles a weight read (at :data:`GHZ`).
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ from meshnode.engine.cpu import experts, set_kernel_threads
 from meshnode.engine.moe import moe_mlp, route
 from meshnode.engine.moe_weights import ExpertWeights, MoeWeights, expert_slice, load_moe, matrix
 
-STEPS = ("router", "route", "group", "routed", "experts", "sums", "layer", "dense")
+GHZ = 2.5  # this machine's clock (lscpu: Xeon @ 2.50GHz), for cycles a weight
+STEPS = ("router", "route", "group", "routed", "experts", "sums", "layer", "3 calls", "dense")
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -123,6 +128,13 @@ def profile(shape: str, layers: int, mode: str, rows: int, repeats: int) -> dict
         if w.router_bias is not None:
             r + w.router_bias
 
+    def calls() -> None:
+        r = backend.linear(x, w.router, sizes)
+        if w.router_bias is not None:
+            r = r + w.router_bias
+        routes = experts.route(r, c.top_k, *rule)
+        layer(x, routes.picks, routes.weights, q8, routes)
+
     steps: dict[str, Callable[[], Any]] = {
         "router": router,
         "route": lambda: route(np, logits, c),
@@ -131,6 +143,7 @@ def profile(shape: str, layers: int, mode: str, rows: int, repeats: int) -> dict
         "experts": lambda: kernel(*gu.raws, *dn.raws, *act, *given),
         "sums": lambda: compiled.sums(ys, picks, weights, out),
         "layer": lambda: moe_mlp(backend, c, w, x, sizes),
+        "3 calls": calls,
         "dense": lambda: backend.linear(
             backend.glu(backend.linear(x, dense.gate_up), "silu"), dense.down
         ),
@@ -143,6 +156,9 @@ def profile(shape: str, layers: int, mode: str, rows: int, repeats: int) -> dict
             times[name].append(_timed(fn))
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     med["other"] = med["layer"] - sum(med[k] for k in ("router", "routed", "experts", "sums"))
+    per_expert = 3 * config.hidden_size * c.expert_size  # weights of gate, up and down
+    for k, held in (("experts", chosen.size), ("dense", c.top_k)):
+        med[f"{k} c/w"] = med[k] * 1e-3 * GHZ * 1e9 / (held * per_expert)
     return med
 
 
@@ -165,14 +181,15 @@ def main() -> None:
             moe_attention.run(shape, args.layers, args.context, args.repeats)
         moe_attention.gated(args.context, args.repeats)
         return
-    cols = (*STEPS[:-1], "other", "dense")
-    print(f"median thread CPU ms per call, {args.threads} kernel thread(s), layer 0")
-    print(f"{'shape':<14} {'mode':<6} {'rows':>4} " + " ".join(f"{k:>8}" for k in cols))
+    cols = (*STEPS[:-1], "other", "dense", "experts c/w", "dense c/w")
+    print(f"median thread CPU ms per call, {args.threads} kernel thread(s), layer 0; c/w:")
+    print(f"cycles a weight the chosen experts hold, at {GHZ} GHz")
+    print(f"{'shape':<14} {'mode':<6} {'rows':>4} " + " ".join(f"{k:>11}" for k in cols))
     for shape in args.shapes:
         for mode in args.modes:
             for rows in args.rows:
                 m = profile(shape, args.layers, mode, rows, args.repeats)
-                cells = " ".join(f"{m[k]:>8.3f}" for k in cols)
+                cells = " ".join(f"{m[k]:>11.3f}" for k in cols)
                 print(f"{shape:<14} {mode:<6} {rows:>4} {cells}", flush=True)
 
 
