@@ -23,11 +23,8 @@ step, taken in turn (robust on a busy machine):
 - ``experts``: the compiled call (gathers, each chosen expert's two products and its
   activation, biases), without the sums;
 - ``sums``: each row's weighted sum of its k experts;
-- ``layer``: the whole ``moe_mlp`` (on one thread the routing, the experts and the sums in
-  one compiled call, :meth:`meshnode.engine.cpu.experts.ExpertLayer.routed`), and
-  ``other`` = layer - the steps it runs (router, routed, experts, sums);
-- ``3 calls``: the router, then ``routed``, then the experts and the sums as two calls
-  (how the layer ran them before: compare with ``layer``);
+- ``layer``: the whole ``moe_mlp``, and ``other`` = layer - the steps it runs (router,
+  routed, experts, sums);
 - ``dense``: the k experts' bytes of one row as one gate/up and one down product
   (what the products alone cost, one read of the same bytes);
 - ``experts c/w``, ``dense c/w``: their CPU cycles a weight read (at :data:`GHZ`).
@@ -58,7 +55,7 @@ from meshnode.engine.moe import moe_mlp, route
 from meshnode.engine.moe_weights import ExpertWeights, MoeWeights, expert_slice, load_moe, matrix
 
 GHZ = 2.5  # this machine's clock (lscpu: Xeon @ 2.50GHz), for cycles a weight
-STEPS = ("router", "route", "group", "routed", "experts", "sums", "layer", "3 calls", "dense")
+STEPS = ("router", "route", "group", "routed", "experts", "sums", "layer", "dense")
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -118,8 +115,6 @@ def profile(shape: str, layers: int, mode: str, rows: int, repeats: int) -> dict
     act = (layer.gate_up_bias, layer.down_bias, layer.kind, layer.alpha, layer.limit)
     ys = np.empty((rows * c.top_k, config.hidden_size), np.float32)
     out = np.empty_like(x)
-    none = np.zeros((0, 0), np.float32)  # no logits: the grouping is given
-    given = (x, none, none, False, False, picks, weights, chosen, starts, order, ys, none, 0)
 
     rule = (c.routing == "topk_softmax", c.norm_topk_prob)
 
@@ -128,22 +123,14 @@ def profile(shape: str, layers: int, mode: str, rows: int, repeats: int) -> dict
         if w.router_bias is not None:
             r + w.router_bias
 
-    def calls() -> None:
-        r = backend.linear(x, w.router, sizes)
-        if w.router_bias is not None:
-            r = r + w.router_bias
-        routes = experts.route(r, c.top_k, *rule)
-        layer(x, routes.picks, routes.weights, q8, routes)
-
     steps: dict[str, Callable[[], Any]] = {
         "router": router,
         "route": lambda: route(np, logits, c),
         "group": lambda: experts.group(picks),
         "routed": lambda: experts.route(logits, c.top_k, *rule),
-        "experts": lambda: kernel(*gu.raws, *dn.raws, *act, *given),
+        "experts": lambda: kernel(*gu.raws, *dn.raws, *act, x, chosen, starts, order, c.top_k, ys),
         "sums": lambda: compiled.sums(ys, picks, weights, out),
         "layer": lambda: moe_mlp(backend, c, w, x, sizes),
-        "3 calls": calls,
         "dense": lambda: backend.linear(
             backend.glu(backend.linear(x, dense.gate_up), "silu"), dense.down
         ),

@@ -100,21 +100,25 @@ def moe_mlp(
     logits = backend.linear(x, w.router, sizes)  # [r, n]
     if w.router_bias is not None:
         logits = logits + w.router_bias
-    compiled = _compiled_experts(backend, w)
-    q8 = backend.weights_dtype == "q8"
-    long = np.repeat([s > MAX_KERNEL_ROWS for s in sizes], sizes)  # rows BLAS multiplies
-    if q8 and compiled:
-        long[:] = False  # the 8-bit kernels take any rows, one row as many
-    if compiled and not long.any():  # routing, experts and sums in one compiled call
-        assert w.stacked is not None
-        out = w.stacked.routed(x, logits, config.top_k, _rule(config), q8)
-    elif compiled:  # softmax, top-k and grouping in one compiled call
+    routes = None
+    if _compiled_experts(backend, w):  # softmax, top-k and grouping in one compiled call
         routes = experts.route(logits, config.top_k, *_rule(config))
-        out = _segments(backend, config, w, x, routes.picks, routes.weights, long)
+        picks, weights = routes.picks, routes.weights  # [r, k], [r, k]
     else:
         chosen, weights = route(xp, logits, config)  # [r, k], [r, k]
         picks = np.asarray(backend.to_numpy(chosen))
-        out = _segments(backend, config, w, x, picks, weights, long)
+    long = np.repeat([s > MAX_KERNEL_ROWS for s in sizes], sizes)  # rows BLAS multiplies
+    if backend.weights_dtype == "q8" and _compiled_experts(backend, w):
+        long[:] = False  # the 8-bit kernels take any rows, one row as many
+    if not long.any():
+        out = _kernel_rows(backend, config, w, x, picks, weights, routes)
+    elif long.all():
+        out = _experts(backend, config, w, x, picks, weights, long=True)
+    else:
+        out = xp.empty(x.shape, dtype=xp.float32)  # [r, E]
+        few = ~long
+        out[few] = _kernel_rows(backend, config, w, x[few], picks[few], weights[few])
+        out[long] = _experts(backend, config, w, x[long], picks[long], weights[long], long=True)
     if w.shared is not None:
         shared = expert_mlp(backend, config, w.shared, x, sizes)  # [r, E]
         out = out + _sigmoid(xp, backend.linear(x, w.shared_gate, sizes)) * shared
@@ -134,38 +138,22 @@ def _rule(config: MoeConfig) -> tuple[bool, bool]:
     return config.routing == "topk_softmax", config.norm_topk_prob
 
 
-def _segments(
+def _kernel_rows(
     backend: Any,
     config: MoeConfig,
     w: MoeWeights,
     x: Any,
     picks: np.ndarray,
     weights: Any,
-    long: np.ndarray,
-) -> Any:
-    """The routed experts' weighted sum of rows ``x`` sent to ``picks`` with ``weights``:
-    the rows of long segments (``long``) through BLAS an expert at a time, the others by
-    :func:`_kernel_rows`."""
-    if not long.any():
-        return _kernel_rows(backend, config, w, x, picks, weights)
-    if long.all():
-        return _experts(backend, config, w, x, picks, weights, long=True)
-    out = backend.xp.empty(x.shape, dtype=backend.xp.float32)  # [r, E]
-    few = ~long
-    out[few] = _kernel_rows(backend, config, w, x[few], picks[few], weights[few])
-    out[long] = _experts(backend, config, w, x[long], picks[long], weights[long], long=True)
-    return out
-
-
-def _kernel_rows(
-    backend: Any, config: MoeConfig, w: MoeWeights, x: Any, picks: np.ndarray, weights: Any
+    routes: experts.Routes | None = None,
 ) -> Any:
     """The routed experts' weighted sum for rows of short segments, each row through the
     kernels (one compiled call, or an expert at a time at most
-    :data:`MAX_KERNEL_ROWS` rows a product): a row's bits are those it has alone."""
+    :data:`MAX_KERNEL_ROWS` rows a product): a row's bits are those it has alone.
+    ``routes``: the rows' grouping, where the compiled routing made it for all of them."""
     if _compiled_experts(backend, w):
         assert w.stacked is not None
-        return w.stacked(x, picks, weights, backend.weights_dtype == "q8")
+        return w.stacked(x, picks, weights, backend.weights_dtype == "q8", routes)
     return _experts(backend, config, w, x, picks, weights, long=False)
 
 

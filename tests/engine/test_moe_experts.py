@@ -111,27 +111,6 @@ def test_compiled_experts_give_the_expert_at_a_time_bits(
         assert np.array_equal(got, want), (mode, n, count)
 
 
-@pytest.mark.parametrize("mode", ["native", "q8"])
-def test_one_thread_routes_inside_the_experts_call(
-    layer: tuple[MoeConfig, MoeWeights], mode: WeightsDtype, threads: list[int]
-) -> None:
-    """On one thread, decode rows' routing, experts and sums are one compiled call (no
-    routing call of its own, no hand-off to the tile threads), with the same bits."""
-    config, w = layer
-    backend = cpu_backend(mode)
-    x = _rows(3, seed=3)
-    want = _expert_at_a_time(backend, config, w, x)
-
-    def separate(*args: Any) -> Any:
-        raise AssertionError("a call the one-call layer does not make")
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(experts, "route", separate)
-        patch.setattr(matrix, "share", separate)
-        got = moe.moe_mlp(backend, config, w, x, [1, 1, 1])
-    assert np.array_equal(got, want)
-
-
 def test_q8_mode_takes_a_prefill_in_one_call(layer: tuple[MoeConfig, MoeWeights]) -> None:
     """The 8-bit products take any rows the same way: a prefill's experts too."""
     config, w = layer

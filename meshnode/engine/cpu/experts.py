@@ -112,32 +112,16 @@ def route(logits: np.ndarray, k: int, topk_softmax: bool, norm: bool) -> Routes:
     :func:`group`, the same bits, in one compiled call
     (:func:`.experts_route.route_group`); the arguments are the routing config's
     (``topk_softmax``: gpt-oss's rule, ``norm``: ``norm_topk_prob``)."""
-    b = _Buffers(logits, k)
-    m = _routing().route_group(b.logits, b.ex, topk_softmax, norm, *b.routes())
-    return Routes(b.picks, b.weights, b.chosen[:m], b.starts[: m + 1], b.order)
-
-
-class _Buffers:
-    """The arrays a layer's routing of router ``logits`` ``[r, n]`` to ``k`` experts a row
-    reads and fills: the logits (float32, C order), their exponentials ``ex`` (NumPy's
-    ``exp(logits - row max)``, as ``ops.softmax`` takes them: the compiled ``exp`` rounds
-    otherwise), and :class:`Routes`' arrays, empty (``chosen`` and ``starts`` of ``n``
-    and ``n + 1``: room for every expert)."""
-
-    def __init__(self, logits: np.ndarray, k: int) -> None:
-        self.logits = np.ascontiguousarray(logits, dtype=np.float32)
-        self.ex = np.exp(self.logits - self.logits.max(axis=-1, keepdims=True))  # [r, n]
-        rows, n = self.logits.shape
-        self.picks = np.empty((rows, k), np.int64)
-        self.weights = np.empty((rows, k), np.float32)
-        self.chosen = np.empty(n, np.int64)
-        self.starts = np.empty(n + 1, np.int64)
-        self.order = np.empty(rows * k, np.int64)
-
-    def routes(self) -> tuple[np.ndarray, ...]:
-        """``picks``, ``weights``, ``chosen``, ``starts``, ``order``: the arguments
-        :func:`.experts_route.route_group` fills."""
-        return self.picks, self.weights, self.chosen, self.starts, self.order
+    logits = np.ascontiguousarray(logits, dtype=np.float32)
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))  # [r, n]: ops.softmax's
+    rows, n = logits.shape
+    picks = np.empty((rows, k), np.int64)
+    weights = np.empty((rows, k), np.float32)
+    chosen = np.empty(n, np.int64)
+    starts = np.empty(n + 1, np.int64)
+    order = np.empty(rows * k, np.int64)
+    m = _routing().route_group(logits, e, topk_softmax, norm, picks, weights, chosen, starts, order)
+    return Routes(picks, weights, chosen[:m], starts[: m + 1], order)
 
 
 @functools.cache
@@ -193,59 +177,31 @@ class ExpertLayer:
         ``picks`` ``[r, k]`` with ``weights`` ``[r, k]``; ``q8``: the 8-bit products where
         they take a matrix (``--dtype q8``), else the exact ones; ``routes``: the rows'
         grouping when :func:`route` made it (else :func:`group` makes it)."""
+        gu, dn = self.gate_up, self.down
+        compiled = _compiled()
+        experts = compiled.experts_kernel(
+            (*gu.fmts, int(q8 and gu.q8())), (*dn.fmts, int(q8 and dn.q8()))
+        )
         x = np.ascontiguousarray(x, dtype=np.float32)
         picks = np.ascontiguousarray(picks, dtype=np.int64)
-        weights = np.ascontiguousarray(weights, dtype=np.float32)
+        rows, k = picks.shape
         if routes is None:
             chosen, starts, order = group(picks)
         else:
             chosen, starts, order = routes.chosen, routes.starts, routes.order
-        none = np.zeros((0, 0), np.float32)  # no router logits: the grouping is given
-        ys = np.empty((picks.size, x.shape[1]), np.float32)
+        ys = np.empty((rows * k, x.shape[1]), np.float32)
         parts = _split(starts, matrix.shared_threads())
-        experts = self._kernel(q8)
-        fixed = (*self.gate_up.raws, *self.down.raws, *self._act(), x, none, none, False, False)
+        act = (self.gate_up_bias, self.down_bias, self.kind, self.alpha, self.limit)
 
         def part(i: int) -> None:
             some = parts[i]
-            ends = starts[some.start : some.stop + 1]
-            experts(*fixed, picks, weights, chosen[some], ends, order, ys, none, 0)
+            experts(*gu.raws, *dn.raws, *act, x, chosen[some],
+                    starts[some.start : some.stop + 1], order, k, ys)  # fmt: skip
 
         matrix.share(part, len(parts), len(parts))
         out = np.empty_like(x)
-        _compiled().sums(ys, picks, weights, out)
+        compiled.sums(ys, picks, np.ascontiguousarray(weights, dtype=np.float32), out)
         return out
-
-    def routed(
-        self, x: np.ndarray, logits: np.ndarray, k: int, rule: tuple[bool, bool], q8: bool
-    ) -> Any:
-        """The layer's output ``[r, E]`` for rows ``x`` ``[r, E]`` from their router
-        ``logits`` ``[r, n]``: :func:`route` (``k`` experts a row, ``rule``: its
-        ``topk_softmax`` and ``norm``) then this layer's ``__call__``, the same bits. On
-        one thread all of it is one compiled call (``whole``), as a decode step's layers
-        run: no Python between the routing, the experts and the sums."""
-        if matrix.shared_threads() > 1:
-            routes = route(logits, k, *rule)
-            return self(x, routes.picks, routes.weights, q8, routes)
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        b = _Buffers(logits, k)
-        ys = np.empty((b.picks.size, x.shape[1]), np.float32)
-        out = np.empty_like(x)
-        args = (*self.gate_up.raws, *self.down.raws, *self._act(), x, b.logits, b.ex, *rule)
-        self._kernel(q8)(*args, *b.routes(), ys, out, 1)
-        return out
-
-    def _kernel(self, q8: bool) -> Any:
-        """The compiled experts of this layer's formats (:func:`.experts_kernels.experts_kernel`):
-        the 8-bit products where asked for and they take the matrix."""
-        gu, dn = self.gate_up, self.down
-        return _compiled().experts_kernel(
-            (*gu.fmts, int(q8 and gu.q8())), (*dn.fmts, int(q8 and dn.q8()))
-        )
-
-    def _act(self) -> tuple[Any, ...]:
-        """The kernel's biases and activation arguments."""
-        return self.gate_up_bias, self.down_bias, self.kind, self.alpha, self.limit
 
 
 def _bias(bias: np.ndarray | None, n: int, width: int, name: str) -> np.ndarray:

@@ -15,7 +15,6 @@ import numpy as np
 from numba.extending import overload
 
 from meshnode.engine.cpu import kernels, q8_kernels
-from meshnode.engine.cpu.experts_route import route_group
 from meshnode.engine.cpu.glu import SILU, clamped_glu, glu
 from meshnode.engine.cpu.simd import INNER, entry, inner
 
@@ -43,37 +42,23 @@ def _product_typed(fa, fb, fc, q8, a, b, c, x, out):  # type: ignore[no-untyped-
 @functools.cache
 def experts_kernel(gate_up: tuple[int, int, int, int], down: tuple[int, int, int, int]) -> Any:
     """``experts(ga, gb, gc, da, db, dc, gate_up_bias, down_bias, kind, alpha, limit, x,
-    logits, ex, topk_softmax, norm, picks, weights, chosen, starts, order, ys, out, whole)``
-    for gate/up's and down's ``(fa, fb, fc, q8)``: for each expert ``chosen[j]``, the rows
-    ``order[starts[j]:starts[j + 1]] // k`` of ``x`` (k: ``picks``' columns) through its
-    gate/up product (the parts ``ga[e]``, ``gb[e]``, ``gc[e]``) plus its bias, the
+    chosen, starts, order, k, ys)`` for gate/up's and down's ``(fa, fb, fc, q8)``: for each
+    expert ``chosen[j]``, the rows ``order[starts[j]:starts[j + 1]] // k`` of ``x`` through
+    its gate/up product (the parts ``ga[e]``, ``gb[e]``, ``gc[e]``) plus its bias, the
     activation (``kind`` 0: SwiGLU; 1: the clamped SwiGLU of ``alpha`` and ``limit``), its
     down product plus its bias (a bias ``[n, 0]``: none), each row's output into
     ``ys[row k + slot]`` (``order`` holds ``row k + slot``). Each step is the expression
-    of :func:`meshnode.engine.moe.expert_mlp` (float32 adds, the same activations).
-
-    ``whole`` 0: ``chosen``, ``starts`` and ``order`` are given (a thread's run of the
-    experts, :func:`.experts.group`'s grouping), the rest unused. ``whole`` 1: the whole
-    layer in this one call: first :func:`.experts_route.route_group` of the router
-    ``logits`` and their exponentials ``ex`` into ``picks``, ``weights`` and the grouping
-    (``chosen`` and ``starts`` as buffers of n and n + 1), then every chosen expert, then
-    :func:`sums` into ``out``: the same bits as the three calls, without two Python round
-    trips and the hand-off a layer (a decode step's layer on one thread)."""
+    of :func:`meshnode.engine.moe.expert_mlp` (float32 adds, the same activations)."""
     ga_f, gb_f, gc_f, g_q8 = gate_up
     da_f, db_f, dc_f, d_q8 = down
 
     @entry(nogil=True)
     def experts(  # type: ignore[no-untyped-def]
-        ga, gb, gc, da, db, dc, gbias, dbias, kind, alpha, limit, x,
-        logits, ex, topk_softmax, norm, picks, weights, chosen, starts, order, ys, out, whole,
-    ):  # fmt: skip
+        ga, gb, gc, da, db, dc, gbias, dbias, kind, alpha, limit, x, chosen, starts, order, k, ys
+    ):
         width = x.shape[1]
-        k = picks.shape[1]
         inter = (ga.shape[1] + gb.shape[1] + gc.shape[1]) // 2
-        m = chosen.shape[0]
-        if whole:
-            m = route_group(logits, ex, topk_softmax, norm, picks, weights, chosen, starts, order)
-        for j in range(m):
+        for j in range(chosen.shape[0]):
             e = chosen[j]
             lo, hi = starts[j], starts[j + 1]
             rows = hi - lo
@@ -93,8 +78,6 @@ def experts_kernel(gate_up: tuple[int, int, int, int], down: tuple[int, int, int
             _add_rows(y, dbias, e)
             for i in range(rows):
                 ys[order[lo + i]] = y[i]
-        if whole:
-            sums(ys, picks, weights, out)
 
     return experts
 
