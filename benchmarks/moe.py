@@ -26,7 +26,8 @@ step, taken in turn (robust on a busy machine):
 - ``layer``: the whole ``moe_mlp``, and ``other`` = layer - the steps it runs (router,
   routed, experts, sums);
 - ``dense``: the k experts' bytes of one row as one gate/up and one down product
-  (what the products alone cost, one read of the same bytes).
+  (what the products alone cost, one read of the same bytes);
+- ``experts c/w``, ``dense c/w``: their CPU cycles a weight read (at :data:`GHZ`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from meshnode.engine.cpu import experts, set_kernel_threads
 from meshnode.engine.moe import moe_mlp, route
 from meshnode.engine.moe_weights import ExpertWeights, MoeWeights, expert_slice, load_moe, matrix
 
+GHZ = 2.5  # this machine's clock (lscpu: Xeon @ 2.50GHz), for cycles a weight
 STEPS = ("router", "route", "group", "routed", "experts", "sums", "layer", "dense")
 
 
@@ -102,7 +104,7 @@ def profile(shape: str, layers: int, mode: str, rows: int, repeats: int) -> dict
     logits = backend.linear(x, w.router, sizes)
     if w.router_bias is not None:
         logits = logits + w.router_bias
-    picks, weights = route(np, logits, c)
+    picks, weights = (np.ascontiguousarray(a) for a in route(np, logits, c))
     chosen, starts, order = experts.group(picks)
     q8 = mode == "q8"
     compiled = experts._compiled()
@@ -141,6 +143,9 @@ def profile(shape: str, layers: int, mode: str, rows: int, repeats: int) -> dict
             times[name].append(_timed(fn))
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     med["other"] = med["layer"] - sum(med[k] for k in ("router", "routed", "experts", "sums"))
+    per_expert = 3 * config.hidden_size * c.expert_size  # weights of gate, up and down
+    for k, held in (("experts", chosen.size), ("dense", c.top_k)):
+        med[f"{k} c/w"] = med[k] * 1e-3 * GHZ * 1e9 / (held * per_expert)
     return med
 
 
@@ -163,14 +168,15 @@ def main() -> None:
             moe_attention.run(shape, args.layers, args.context, args.repeats)
         moe_attention.gated(args.context, args.repeats)
         return
-    cols = (*STEPS[:-1], "other", "dense")
-    print(f"median thread CPU ms per call, {args.threads} kernel thread(s), layer 0")
-    print(f"{'shape':<14} {'mode':<6} {'rows':>4} " + " ".join(f"{k:>8}" for k in cols))
+    cols = (*STEPS[:-1], "other", "dense", "experts c/w", "dense c/w")
+    print(f"median thread CPU ms per call, {args.threads} kernel thread(s), layer 0; c/w:")
+    print(f"cycles a weight the chosen experts hold, at {GHZ} GHz")
+    print(f"{'shape':<14} {'mode':<6} {'rows':>4} " + " ".join(f"{k:>11}" for k in cols))
     for shape in args.shapes:
         for mode in args.modes:
             for rows in args.rows:
                 m = profile(shape, args.layers, mode, rows, args.repeats)
-                cells = " ".join(f"{m[k]:>8.3f}" for k in cols)
+                cells = " ".join(f"{m[k]:>11.3f}" for k in cols)
                 print(f"{shape:<14} {mode:<6} {rows:>4} {cells}", flush=True)
 
 
