@@ -63,6 +63,7 @@ from meshnode.engine.cpu.q8_superblocks import (
     Q4_K_ID,
     eight_q4_k,
     eight_q6_k,
+    superblocked,
 )
 from meshnode.engine.cpu.q8_tiles import scratch_bytes, tiles
 from meshnode.engine.cpu.simd import (
@@ -329,23 +330,27 @@ def _eight(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
     return acc
 
 
-def _one_row(fmt: int, w: Any, bases: Any, q: Any, r: int, n: int, nb: int, blocks: int) -> Any:
+def _one_row(
+    fmt: int, w: Any, bases: Any, q: Any, r: int, n: int, nb: int, blocks: int, pf: int
+) -> Any:
     # eight weight rows times activation row r (lanes: the weight rows): the K-quants of
     # .q8_superblocks a super-block at a time, the other formats by _eight
     raise TypeError("_one_row is for compiled code")
 
 
 @overload(_one_row, prefer_literal=True, jit_options=INNER)
-def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
+def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
     kind = literal_format(fmt)
     if kind not in K_FORMATS:
-        return lambda fmt, w, bases, q, r, n, nb, blocks: _eight(fmt, w, bases, q, r, n, nb, blocks)
+        return lambda fmt, w, bases, q, r, n, nb, blocks, pf: _eight(
+            fmt, w, bases, q, r, n, nb, blocks
+        )
     eight = eight_q4_k if kind == Q4_K_ID else eight_q6_k
 
-    def superblocks(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
+    def superblocks(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
         _, _, dxt, sxt = _areas(n, blocks)
         at = 32 * (r // 8) * nb + 4 * (r % 8)
-        return eight(w, bases, q, HEADER + 32 * r * nb, dxt + at, sxt + at, nb)
+        return eight(w, bases, q, HEADER + 32 * r * nb, dxt + at, sxt + at, nb, pf)
 
     return superblocks
 
@@ -364,16 +369,20 @@ def _rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
     if k <= ONE_ROW_MAX:
         for r in range(k):
             for o in range(lo, hi, 8):
-                for i in range(8):
-                    if (o + i) * size + PREFETCH_BYTES < end:
-                        for line in range(0, size, 64):
-                            prefetch(w, (o + i) * size + PREFETCH_BYTES + line)
+                # the K-quants' super-block loops ask for the eight rows' bytes
+                # PREFETCH_BYTES ahead a super-block at a time, between their dot products
+                pf = min(o * size + 8 * size, max(0, end - 8 * size))
+                if not superblocked(fmt):
+                    for i in range(8):
+                        if (o + i) * size + PREFETCH_BYTES < end:
+                            for line in range(0, size, 64):
+                                prefetch(w, (o + i) * size + PREFETCH_BYTES + line)
                 last = hi - 1
                 bases = (o * size, min(o + 1, last) * size, min(o + 2, last) * size,
                          min(o + 3, last) * size, min(o + 4, last) * size,
                          min(o + 5, last) * size, min(o + 6, last) * size,
                          min(o + 7, last) * size)  # fmt: skip
-                v = _one_row(fmt, w, bases, q, r, n, nb, blocks)
+                v = _one_row(fmt, w, bases, q, r, n, nb, blocks, pf)
                 for i in range(min(8, hi - o)):
                     out[r, col + o + i] = lane8(v, i)
         return

@@ -32,6 +32,7 @@ from numba import types
 from numba.core import cgutils
 
 from meshnode.engine.cpu.formats import FORMATS
+from meshnode.engine.cpu.q8_blocks import _constant
 from meshnode.engine.cpu.simd import (
     F32x8,
     F32x16,
@@ -43,7 +44,7 @@ from meshnode.engine.cpu.simd import (
     wmul,
     wzero,
 )
-from meshnode.engine.cpu.simd_int import fload, half
+from meshnode.engine.cpu.simd_int import fload, half, prefetch
 from meshnode.engine.cpu.simd_q8 import (
     I32x16,
     U8x64,
@@ -63,6 +64,7 @@ __all__ = [
     "eight_q4_k",
     "eight_q6_k",
     "q4_k_scales8",
+    "superblocked",
 ]
 
 # The formats taken here, by their rows in .formats: Q4_K, Q6_K (kernel ids, and the bytes
@@ -71,6 +73,11 @@ _Q4_K, _Q6_K = FORMATS["Q4_K"], FORMATS["Q6_K"]
 K_FORMATS = (_Q4_K.kernel_id, _Q6_K.kernel_id)
 Q4_K_ID = _Q4_K.kernel_id
 _Q4_K_BYTES, _Q6_K_BYTES = _Q4_K.type_size, _Q6_K.type_size
+superblocked = _constant(
+    "superblocked",
+    {f.kernel_id: f.kernel_id in K_FORMATS for f in FORMATS.values() if f.q8 is not None},
+    "Whether format ``fmt``'s one-row product goes a super-block at a time (here).",
+)
 
 _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
@@ -344,7 +351,7 @@ def _q4_k_pair(w, bases, at, q, xo, dx, sx, dws, ms, acc, t):  # type: ignore[no
 
 
 @inner
-def eight_q4_k(w, bases, q, xo, dx, sx, nb):  # type: ignore[no-untyped-def]
+def eight_q4_k(w, bases, q, xo, dx, sx, nb, pf):  # type: ignore[no-untyped-def]
     """Eight Q4_K weight rows (at the byte offsets ``bases`` of ``w``) times one
     activation row (its quants at byte ``xo`` of quantize's buffer ``q``, its blocks'
     scale ``d`` and ``d sum(q)`` at bytes ``dx`` and ``sx``, 32 bytes apart from one
@@ -353,6 +360,8 @@ def eight_q4_k(w, bases, q, xo, dx, sx, nb):  # type: ignore[no-untyped-def]
     acc, t = wzero(), wzero()
     for s in range(nb // 8):
         o = _Q4_K_BYTES * s
+        for line in range(0, 8 * _Q4_K_BYTES, 64):
+            prefetch(w, pf + 8 * o + line)
         d0, d1, d2, d3, m0, m1, m2, m3 = q4_k_scales8(w, bases, o)
         i = 256 * s  # the super-block's first activation block, in bytes
         acc, t = _q4_k_pair(w, bases, o + 16, q, xo + i, dx + i, sx + i, d0, m0, acc, t)
@@ -494,12 +503,14 @@ def _q6_k_pair(w, bases, o, c, q, xo, dx, ss, dws, acc):  # type: ignore[no-unty
 
 
 @inner
-def eight_q6_k(w, bases, q, xo, dx, sx, nb):  # type: ignore[no-untyped-def]
+def eight_q6_k(w, bases, q, xo, dx, sx, nb, pf):  # type: ignore[no-untyped-def]
     """As :func:`eight_q4_k` for Q6_K rows (``sx`` unused: no minimums)."""
     b0, b1, b2, b3, b4, b5, b6, b7 = bases
     acc = wzero()  # lanes 0-7: the even chunks, 8-15: the odd ones
     for s in range(nb // 8):
         o = _Q6_K_BYTES * s
+        for line in range(0, 8 * _Q6_K_BYTES, 64):
+            prefetch(w, pf + 8 * o + line)
         d = o + 208
         dw = vec8((half(w, b0 + d), half(w, b1 + d), half(w, b2 + d), half(w, b3 + d),
                    half(w, b4 + d), half(w, b5 + d), half(w, b6 + d), half(w, b7 + d)))  # fmt: skip
