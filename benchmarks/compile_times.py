@@ -22,6 +22,8 @@ Sources: ``numba.core.event`` (``numba:compile`` around a dispatcher's compile,
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import sys
 import threading
@@ -32,18 +34,61 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["install", "main", "table"]
+__all__ = ["install", "main", "repeats", "stages", "table"]
 
 # The pass that lowers numba's IR to LLVM and finalizes it (optimization, machine code)
 _LLVM_PASS = "native_lowering"
 
 
+# What a compile spends its time on, each timed as the named method (module, class,
+# method): numba's own Python (type inference; inlining ``inline="always"`` helpers into
+# its IR; lowering its typed IR to LLVM IR; the Python and C entry points) and LLVM's
+# native work (function passes on each new function; the module passes over the function
+# with every callee linked in; emitting machine code), and writing the disk cache
+_STAGES = [
+    ("numba.core.typed_passes", "BaseTypeInference", "run_pass", "type inference"),
+    ("numba.core.untyped_passes", "InlineInlinables", "run_pass", "numba inlining"),
+    ("numba.core.lowering", "BaseLower", "lower", "numba lowering"),
+    ("numba.core.cpu", "CPUContext", "create_cpython_wrapper", "entry points"),
+    ("numba.core.cpu", "CPUContext", "create_cfunc_wrapper", "entry points"),
+    ("numba.core.codegen", "CPUCodeLibrary", "_optimize_functions", "LLVM function passes"),
+    ("numba.core.codegen", "CPUCodeLibrary", "_optimize_final_module", "LLVM module passes"),
+    ("numba.core.codegen", "JITCodeLibrary", "_finalize_specific", "LLVM machine code"),
+    ("numba.core.codegen", "CPUCodeLibrary", "serialize_using_object_code", "cache write"),
+]
+
+
 class _Recorder:
-    """Exclusive thread CPU seconds of nested compiles and passes, per thread."""
+    """Exclusive thread CPU seconds of nested compiles and passes, per thread, and of
+    the stages of compiling (:data:`_STAGES`) over all compiles."""
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
+        self.stages: dict[str, float] = defaultdict(float)
         self._local = threading.local()
+
+    def _timed(self) -> list[list[float]]:
+        # the open stages and compiles of this thread: [start, nested seconds]
+        timed: list[list[float]] | None = getattr(self._local, "timed", None)
+        if timed is None:
+            timed = self._local.timed = []
+        return timed
+
+    def enter(self) -> None:
+        """A stage (or a compile) starts in this thread."""
+        self._timed().append([time.thread_time(), 0.0])
+
+    def leave(self, stage: str | None) -> None:
+        """The innermost stage (its name) or compile (None) of this thread ends: a
+        stage's own seconds are counted, those of the stages and compiles inside it
+        are theirs."""
+        timed = self._timed()
+        start, nested = timed.pop()
+        total = time.thread_time() - start
+        if stage is not None:
+            self.stages[stage] += total - nested
+        if timed:
+            timed[-1][1] += total
 
     def _stack(self) -> list[list[Any]]:
         stack: list[list[Any]] | None = getattr(self._local, "stack", None)
@@ -51,19 +96,24 @@ class _Recorder:
             stack = self._local.stack = []
         return stack
 
-    def push(self, kind: str, name: str) -> None:
+    def push(self, kind: str, name: str, signature: str = "") -> None:
         # a frame: kind ("compile" or "pass"), name, start, nested compiles' seconds,
-        # seconds in the LLVM pass of this compile
-        self._stack().append([kind, name, time.thread_time(), 0.0, 0.0])
+        # seconds in the LLVM pass of this compile, the compiled argument types
+        self._stack().append([kind, name, time.thread_time(), 0.0, 0.0, signature])
+        if kind == "compile":
+            self.enter()
 
     def pop(self, keep: bool = True) -> None:
         stack = self._stack()
-        kind, name, start, nested, llvm = stack.pop()
+        kind, name, start, nested, llvm, signature = stack.pop()
         total = time.thread_time() - start
         parent = stack[-1] if stack else None
         if kind == "compile":
+            self.leave(None)
             if keep:
-                self.records.append({"function": name, "seconds": total - nested, "llvm": llvm})
+                record = {"function": name, "seconds": total - nested, "llvm": llvm}
+                record["signature"] = signature
+                self.records.append(record)
             if parent is not None:
                 parent[3] += total
             return
@@ -80,10 +130,35 @@ def _name(fn: Any) -> str:
     return f"{fn.__module__}.{fn.__qualname__}"
 
 
+def _types(args: Sequence[Any]) -> str:
+    # numba's own names: "(readonly array(uint8, 2d, C), int64)"
+    return "(" + ", ".join(str(a) for a in args) + ")"
+
+
+def _time_stage(recorder: _Recorder, module: str, cls_name: str, method: str, stage: str) -> Any:
+    """Wrap ``module.cls_name.method`` so that its calls count as ``stage``: (the class,
+    the method's name, the original) to put back."""
+    cls = getattr(importlib.import_module(module), cls_name)
+    original = cls.__dict__[method]
+
+    @functools.wraps(original)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        recorder.enter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            recorder.leave(stage)
+
+    setattr(cls, method, timed)
+    return cls, method, original
+
+
 @contextmanager
 def install() -> Iterator[_Recorder]:
     """Record every numba compile of this process inside the block: yields the recorder,
-    whose ``records`` (dicts: ``function``, ``seconds``, ``llvm``) grow as compiles end."""
+    whose ``records`` (dicts: ``function``, ``seconds``, ``llvm``, ``signature``: the
+    compiled argument types, which tell one function's compiles apart) grow as compiles
+    end."""
     from numba.core import ccallback
     from numba.core import event as ev
 
@@ -91,7 +166,8 @@ def install() -> Iterator[_Recorder]:
 
     class Compiles(ev.Listener):
         def on_start(self, event: Any) -> None:
-            recorder.push("compile", _name(event.data["dispatcher"].py_func))
+            data = event.data
+            recorder.push("compile", _name(data["dispatcher"].py_func), _types(data["args"]))
 
         def on_end(self, event: Any) -> None:
             recorder.pop()
@@ -111,16 +187,19 @@ def install() -> Iterator[_Recorder]:
     def compile_timed(self: Any) -> Any:
         # called on a cache hit too (it loads): only a miss is a compile
         hits = self._cache_hits
-        recorder.push("compile", "cfunc " + _name(self._pyfunc))
+        recorder.push("compile", "cfunc " + _name(self._pyfunc), _types(self._sig.args))
         try:
             return compile_cfunc(self)
         finally:
             recorder.pop(keep=self._cache_hits == hits)
 
     ccallback.CFunc.compile = compile_timed  # type: ignore[method-assign]
+    patched = [_time_stage(recorder, *where) for where in _STAGES]
     try:
         yield recorder
     finally:
+        for cls, method, original in reversed(patched):
+            setattr(cls, method, original)
         ccallback.CFunc.compile = compile_cfunc  # type: ignore[method-assign]
         for kind, listener in listeners:
             ev.unregister(kind, listener)  # type: ignore[no-untyped-call]
@@ -152,8 +231,38 @@ def table(runs: Sequence[Sequence[dict[str, Any]]], top: int) -> list[str]:
     return lines
 
 
+def stages(runs: Sequence[dict[str, float]]) -> str:
+    """One line: the seconds of each stage of compiling (the mean over ``runs``, each a
+    process's :attr:`_Recorder.stages`), largest first, and numba's Python part."""
+    n = max(1, len(runs))
+    mean: dict[str, float] = defaultdict(float)
+    for run in runs:
+        for stage, seconds in run.items():
+            mean[stage] += seconds / n
+    python = sum(mean[s] for s in ("type inference", "numba inlining", "numba lowering"))
+    parts = ", ".join(f"{s} {mean[s]:.1f}" for s in sorted(mean, key=lambda s: -mean[s]))
+    return f"by stage (s): {parts}; numba's own Python (typing, inlining, lowering) {python:.1f}"
+
+
+def repeats(records: Sequence[dict[str, Any]], width: int = 160) -> list[str]:
+    """Markdown lines: each function ``records`` (one process's) compiled more than once,
+    with the argument types of each compile (cut to ``width`` characters): a
+    read-only array beside a writable one, an ``int32`` beside an ``int64``, a literal
+    beside a plain int each cost one more compile of the same code."""
+    signatures: dict[str, list[str]] = defaultdict(list)
+    for r in records:
+        signatures[r["function"]].append(r["signature"])
+    lines = []
+    for name, sigs in sorted(signatures.items()):
+        if len(sigs) > 1:
+            lines.append(f"- {name.replace('meshnode.engine.', '')}, {len(sigs)} compiles:")
+            lines += [f"  - `{sig[:width]}`" for sig in sigs]
+    return lines
+
+
 def main() -> None:
-    """``compile_times.py OUT.json MESHNODE-ARGS...``: run meshnode, record, write."""
+    """``compile_times.py OUT.json MESHNODE-ARGS...``: run meshnode, record, write
+    ``{"records": [...], "stages": {stage: seconds}}``."""
     out, args = Path(sys.argv[1]), sys.argv[2:]
     from meshnode.cli import main as meshnode
 
@@ -162,7 +271,7 @@ def main() -> None:
         try:
             meshnode()
         finally:
-            out.write_text(json.dumps(recorder.records))
+            out.write_text(json.dumps({"records": recorder.records, "stages": recorder.stages}))
 
 
 if __name__ == "__main__":
