@@ -61,7 +61,7 @@ from meshnode.engine.cpu.attention_rows import (
     softmax,
     weighted_values,
 )
-from meshnode.engine.cpu.simd import inner, wfma, wload, wsum, wzero
+from meshnode.engine.cpu.simd import wfma, wload, wsum, wzero
 from meshnode.engine.cpu.simd_kv import kv_pointer, line_of, prefetch_kv, wstore_kv
 from meshnode.engine.kv_cache import KV_BLOCK
 
@@ -129,7 +129,7 @@ def kv_kind(dtype: Any) -> np.float32 | np.uint16:
     raise ValueError(f"the attention kernel keeps float32 or float16 caches, not {dtype}")
 
 
-@inner
+@njit(nogil=True, cache=True)
 def _norm_rope(src, s0, weight, eps, cos, sin, pos, tmp, dst, d0):  # type: ignore[no-untyped-def]
     # dst[d0 : d0 + D] = RoPE(rms_norm(src[s0 : s0 + D]) or src's values), rotate-half;
     # a table of no positions: no rotation (the caller's queries and keys come rotated)
@@ -156,7 +156,7 @@ def _norm_rope(src, s0, weight, eps, cos, sin, pos, tmp, dst, d0):  # type: igno
         dst[d0 + i + half] = b * cos[pos, i + half] + a * sin[pos, i + half]
 
 
-@inner
+@njit(nogil=True, cache=True)
 def _write_kv(flat, w, r0, n, start, kc, vc, blocks, kv_heads, q_size, k_norm, eps, cos, sin, tmp):  # type: ignore[no-untyped-def]
     # the segment's new keys (normed, rotated) and values into its cache at their
     # positions' rows (a float16 cache gets them rounded to nearest); tmp holds 2 D floats
@@ -175,7 +175,7 @@ def _write_kv(flat, w, r0, n, start, kc, vc, blocks, kv_heads, q_size, k_norm, e
                 wstore_kv(vc, at + c, wload(flat, src + c))
 
 
-@inner
+@njit(nogil=True, cache=True)
 def _cache_of(table, s, layer, kv_heads, d, kv):  # type: ignore[no-untyped-def]
     # segment s's K and V cache of one layer, flat [Hkv * Tmax * D] of kv's type (float32,
     # or uint16: float16 bit patterns), and its block table
@@ -194,7 +194,7 @@ def _scratch(d):  # type: ignore[no-untyped-def]
     return max(LANES * d, VALUES)
 
 
-@inner
+@njit(nogil=True, cache=True)
 def _sizes(table, last):  # type: ignore[no-untyped-def]
     # the query rows computed together (most a kernel segment has, up to ROW_BLOCK) and a
     # query's stride in the score buffer: the most positions a query of the table sees,
@@ -224,7 +224,7 @@ def write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin, kv):  # type: igno
             _write_kv(flat, w, table[s, ROW], n, start, kc, vc, blocks, *args)
 
 
-@inner
+@njit(nogil=True, cache=True)
 def _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_row):  # type: ignore[no-untyped-def]
     # segment s's query rows ``rows_of`` (a range of its new rows: all it queries, or some)
     # for the query heads of KV head g (its cache written) into oflat's rows from o_row
@@ -273,7 +273,7 @@ def _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_row)
         weighted_values(scores, group, vh, blocks, pos0, rows, window, *args)
 
 
-@inner
+@njit(nogil=True, cache=True)
 def _out_rows(table, last):  # type: ignore[no-untyped-def]
     # each segment's first row in ``out``
     rows = np.empty(table.shape[0], np.int64)
@@ -431,7 +431,7 @@ def task_args(  # type: ignore[no-untyped-def]
     return a, parts * kv_heads
 
 
-@inner
+@njit(nogil=True, cache=True)
 def _run_chunk(st_addr, who, ch, kv):  # type: ignore[no-untyped-def]
     # chunk ch of a posted queries() call (.pool's words at st_addr): the tasks whose rows
     # of the posted "a" part (CHUNK_ROWS each) start in its rows; caches of kv's kind

@@ -36,18 +36,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from meshnode.engine.cpu.simd import (
-    inner,
-    wadd,
-    wfma,
-    wload,
-    wmul,
-    wsplat,
-    wstore,
-    wsum,
-    wsums,
-    wzero,
-)
+from meshnode.engine.cpu.simd import wadd, wfma, wload, wmul, wsplat, wstore, wsum, wsums, wzero
 from meshnode.engine.cpu.simd_kv import line_of, prefetch_kv, wload_kv
 from meshnode.engine.cpu.vexp import wdiv, wexp, wmax, wmax_lane
 from meshnode.engine.kv_cache import KV_BLOCK
@@ -170,7 +159,7 @@ def staged_keys(kc, blocks, j, d, buf):  # type: ignore[no-untyped-def]
     return buf, 0
 
 
-@inner
+@njit(nogil=True, cache=True)
 def _row_scores(qbuf, group, kc, blocks, lo, t, d, scale, scores, stride, buf):  # type: ignore[no-untyped-def]
     # key_scores for one row: its t keys from position ``lo`` (its first key), the blocks
     # of sixteen counted from there (each score the same bits whatever block it is in); a
@@ -192,7 +181,7 @@ def _row_scores(qbuf, group, kc, blocks, lo, t, d, scale, scores, stride, buf): 
             scores[g * stride + PAD + j] = wsum(_dot(qbuf, g * d, kc, at, d)) * scale
 
 
-@inner
+@njit(nogil=True, cache=True)
 def key_scores(qbuf, group, kc, blocks, pos0, rows, window, d, scale, scores, stride, buf):  # type: ignore[no-untyped-def]
     """``scores[q stride + PAD + j - lo] = (query q . key j) * scale`` for the ``rows``
     query rows at positions ``pos0``, ``pos0 + 1``... (their group's queries: ``q = row G
@@ -231,7 +220,7 @@ def key_scores(qbuf, group, kc, blocks, pos0, rows, window, d, scale, scores, st
                 scores[g * stride + PAD + j - lo] = dot * scale
 
 
-@inner
+@njit(nogil=True, cache=True)
 def softmax(s, s0, t):  # type: ignore[no-untyped-def]
     """``s[s0 : s0 + t] = exp(s - max) / sum``, in place, sixteen lanes at a time: the
     lanes past ``t`` (up to a multiple of sixteen: ``s`` is that long) are set to -inf,
@@ -277,7 +266,7 @@ def block_softmax(s, stride, n, rows, q0, lo, keys, window):  # type: ignore[no-
             s[j] = 0.0
 
 
-@inner
+@njit(nogil=True, cache=True)
 def _accumulate2(p, s0, s1, vc, off, a, b, d, out, o0, o1):  # type: ignore[no-untyped-def]
     # out[o0 : o0 + D] += sum over the values of keys a .. b - 1 (vc[j D + off ...]) of
     # p[s0 + j] * value j, key by key in order, and with p[s1 + j] into out[o1 ...]: each
@@ -316,7 +305,7 @@ def _accumulate2(p, s0, s1, vc, off, a, b, d, out, o0, o1):  # type: ignore[no-u
         c += LANES
 
 
-@inner
+@njit(nogil=True, cache=True)
 def _accumulate(p, s0, vc, off, a, b, d, out, o0):  # type: ignore[no-untyped-def]
     # _accumulate2 for one query
     c = 0
@@ -349,7 +338,7 @@ def _run_end(j, b):  # type: ignore[no-untyped-def]
     return min(b, (j | (KV_BLOCK - 1)) + 1)
 
 
-@inner
+@njit(nogil=True, cache=True)
 def _one_query(p, s0, vc, blocks, a, b, d, out, o):  # type: ignore[no-untyped-def]
     # out[o : o + D] = the sum over keys a .. b - 1 of p[s0 + j] * value j, in one pass
     # with the accumulators in registers (a decode row's query: nothing to share); the
@@ -388,7 +377,7 @@ def _one_query(p, s0, vc, blocks, a, b, d, out, o):  # type: ignore[no-untyped-d
         c += LANES
 
 
-@inner
+@njit(nogil=True, cache=True)
 def _two_queries(p, s0, s1, vc, blocks, a, b, d, out, o0, o1):  # type: ignore[no-untyped-def]
     # _one_query for two queries at once: each value read (and widened) once for both,
     # eight accumulators in registers; each query's sums those of _one_query
@@ -436,7 +425,7 @@ def _two_queries(p, s0, s1, vc, blocks, a, b, d, out, o0, o1):  # type: ignore[n
         c += LANES
 
 
-@inner
+@njit(nogil=True, cache=True)
 def weighted_values(p, group, vc, blocks, pos0, rows, window, d, stride, out, o, q_size, buf, acc):  # type: ignore[no-untyped-def]
     """``out[o + r q_size + g D ...]`` = the sum over row ``r``'s keys ``lo .. pos`` of
     ``p[q stride + PAD + j - lo]`` times value ``j`` of ``vc`` (one KV head's values,

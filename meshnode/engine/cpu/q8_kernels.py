@@ -140,7 +140,7 @@ def buffer_bytes(k, n_in):  # type: ignore[no-untyped-def]
     return HEADER + k * n_in + 448 * ((k + 7) // 8) * (n_in // 32)
 
 
-@inner
+@entry()
 def _areas(n, blocks):  # type: ignore[no-untyped-def]
     # byte offsets of the transposed areas (see quantize): quants, d, sums, halves' sums
     xt = HEADER + n
@@ -355,7 +355,7 @@ def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-u
     return superblocks
 
 
-@inner
+@entry()
 def _rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
     # weight rows lo .. hi - 1 of one part into columns col + lo .. of out; q: quantize's
     # buffer. One activation row: eight weight rows at a time in the lanes. More: each
@@ -398,7 +398,7 @@ def _rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
                     out[8 * g + i, col + o] = lane8(v, i)
 
 
-@inner
+@entry()
 def _tiled_rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
     # as _rows, by .q8_tiles, for any number of rows: tiles of weight rows unpacked once
     # into the scratch s meet every activation row
