@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from meshnode.engine.cpu.atomics import call3, cas, fetch_add, load, pause, store
+from meshnode.engine.cpu.quota import cpu_quota_cores
 from meshnode.engine.cpu.simd import entry, inner
 
 __all__ = ["CHUNK_ROWS", "CoreGauge", "KernelPool", "usable_cpus"]
@@ -100,7 +101,9 @@ class CoreGauge:
     cpuset) plus this process's own CPU time, as a running average. The time of niced
     processes counts as free when this one is not niced (they yield to it: a nice-19
     build takes ~1.5 % of a core from a nice-0 thread). Without ``/proc`` every core
-    counts as free.
+    counts as free. A cgroup CPU quota caps it (:mod:`.quota`: a container limited to
+    1.5 cores has 1.5 however idle the machine's cores are), read again at every sample,
+    so a process moved into a group, or a quota changed, counts from the next one.
     """
 
     def __init__(
@@ -109,11 +112,13 @@ class CoreGauge:
         cpus: set[int] | None = None,
         clock: Callable[[], float] = time.monotonic,
         cpu_time: Callable[[], float] = time.process_time,
+        quota: Callable[[], float | None] = cpu_quota_cores,
     ) -> None:
         self._stat, self._clock, self._cpu_time = stat, clock, cpu_time
         self._cpus = cpus if cpus is not None else usable_cpus()
+        self._quota = quota
         self._tick = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
-        self._free = float(len(self._cpus))
+        self._free = self._cores()
         self._last: tuple[float, float, float] | None = None  # clock, idle s, own CPU s
         # /proc/stat's columns counted as free: idle and iowait, and nice unless we are
         self._columns = (3, 4) if _niced() else (1, 3, 4)
@@ -123,17 +128,26 @@ class CoreGauge:
         now = self._clock()
         if self._last is not None and now - self._last[0] < SAMPLE_SECONDS:
             return self._free
+        cores = self._cores()
         idle = self._idle_seconds()
-        if idle is None:
+        if idle is None:  # without /proc every core it may use counts as free
+            self._free = cores
             return self._free
         sample = (now, idle, self._cpu_time())
         if self._last is not None:
             span = now - self._last[0]
             have = (sample[1] - self._last[1] + sample[2] - self._last[2]) / span
-            have = min(float(len(self._cpus)), max(0.0, have))
+            have = min(cores, max(0.0, have))
             self._free += SAMPLE_WEIGHT * (have - self._free)
+        self._free = min(self._free, cores)
         self._last = sample
         return self._free
+
+    def _cores(self) -> float:
+        """The cores this process may use at most: its CPUs, capped by a cgroup quota."""
+        quota = self._quota()
+        cores = float(len(self._cpus))
+        return cores if quota is None else max(0.0, min(cores, quota))
 
     def _idle_seconds(self) -> float | None:
         """Time this process's cores were idle (or ran niced processes) since boot (None:
