@@ -53,6 +53,14 @@ from meshnode.node import heap
 from meshnode.node.claims import ClaimBook
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.planner import Plan, StagePlan
+from meshnode.node.prefix import StagePrefix
+from meshnode.node.prefix_keep import (
+    SeedStage,
+    backend_tag,
+    common_keys,
+    pipeline_seed,
+    stage_identity,
+)
 from meshnode.node.progress import DownloadProgress
 from meshnode.node.remote import RemotePipeline
 from meshnode.node.selfmeasure import measure_or_reason
@@ -115,7 +123,10 @@ class BringUp:
         speeds: SpeedBook | None = None,
         stage_weight_bytes: Sequence[int] = (),
         claims: ClaimBook | None = None,
+        kept: StagePrefix | None = None,
     ) -> None:
+        """``kept``: the host's stage pool of the run before, which stage 0 takes over
+        when it is the same stage of the same pipeline (:mod:`meshnode.node.prefix_keep`)."""
         self.mesh = mesh
         self.settings = settings
         self.run_id = run_id
@@ -134,6 +145,8 @@ class BringUp:
         self._download_log: dict[str, DownloadProgress] = {}
         self._replies: dict[str, trio.MemorySendChannel[Message]] = {}
         self._receivers: dict[str, trio.MemoryReceiveChannel[Message]] = {}
+        self._kept = kept
+        self.prefix_seed = self._seed(placed)  # hook (issue 30): keys outlive the run
 
     def deliver(self, peer: str, message: Message) -> None:
         """A reply of this run from ``peer``, for the request waiting on it."""
@@ -178,6 +191,7 @@ class BringUp:
             reasons = "; ".join(str(exc) for exc in _leaves(failed))
             raise RunError(reasons) from group
         prefix_blocks = []  # hook (issue 30): each stage's prefix-cache block size
+        prefix_held = []  # ... and the keys of what it kept of the run before
         for index in range(len(remote) - 1, -1, -1):  # downstream-first
             stage = remote[index]
             upstream = placed.stages[index]
@@ -190,7 +204,10 @@ class BringUp:
                 Ready,
                 timeout_s=LOAD_TIMEOUT_S,
             )
-            prefix_blocks.append(ready.prefix_block)
+            # a stage that keys with another seed (an older node's run id) shares nothing
+            echoed = ready.prefix_seed == self.prefix_seed
+            prefix_blocks.append(ready.prefix_block if echoed else 0)
+            prefix_held.append(ready.prefix_keys)
             self.stage_state[stage.node_id] = StageState.READY
         self.stage_state[local.node_id] = StageState.READY
         return RemotePipeline(
@@ -204,6 +221,24 @@ class BringUp:
             speeds=self._speeds,
             stage_weight_bytes=self._stage_weight_bytes,
             prefix_blocks=prefix_blocks,
+            prefix_seed=self.prefix_seed,
+            prefix_held=common_keys(runner_box[0].prefix, prefix_held),
+        )
+
+    def _seed(self, placed: Plan) -> str:
+        """The run's prefix seed (:func:`~meshnode.node.prefix_keep.pipeline_seed`): the
+        host's stage by its arithmetic, every other by its node's device kind."""
+        devices = {n.node_id: n.device for n in self.mesh.live_nodes()}
+        devices[self.mesh.node_id] = backend_tag(self._backend)
+        stages = [
+            SeedStage(s.node_id, devices.get(s.node_id, ""), s.start, s.end) for s in placed.stages
+        ]
+        settings = self.settings
+        return pipeline_seed(
+            model=(settings.model_ref, settings.pin),
+            coordinator=self.mesh.node_id,
+            dtypes=(settings.kv_dtype, settings.cpu_dtype, settings.wire_dtype),
+            stages=stages,
         )
 
     async def probe(self, placed: Plan) -> dict[str, int | None]:
@@ -256,8 +291,19 @@ class BringUp:
                 context_size=self.context_size,
                 max_sequences=MAX_SEQUENCES_PER_STAGE,
                 grammars=Grammars(lambda: source.tokenizer_json, vocab, eos),
-                prefix_salt=self.run_id,  # hook (issue 30): the chain keys are the run's
+                prefix_salt=self.prefix_seed,  # hook (issue 30): keys outlive the run
+                prefix_identity=stage_identity(
+                    self.prefix_seed,
+                    coordinator=self.mesh.node_id,
+                    model=(self.settings.model_ref, self.settings.pin),
+                    layers=(stage.start, stage.end, True, stage.head),
+                    kv_dtype=self.settings.kv_dtype,
+                    backend=self._backend,
+                    context_size=self.context_size,
+                ),
+                kept=self._kept,
             )
+            self._kept = None  # taken over, or freed: the run keeps one pool
             heap.release_free_memory()  # what loading the model and its tokenizer freed
             if self._claims is not None and self._claims.compute:  # as every node does
                 model_id = f"{self.settings.model_ref}@{self.settings.pin}"
@@ -446,4 +492,5 @@ def _load(run: BringUp, stage: StagePlan, upstream: str, downstream: StagePlan |
         kv_dtype=run.settings.kv_dtype,
         ring_slots=run.settings.ring_slots,
         cpu_dtype=run.settings.cpu_dtype,
+        prefix_seed=run.prefix_seed,
     )

@@ -42,6 +42,7 @@ from meshnode.node.pipeline import (
     StepResult,
     TokenLogprob,
 )
+from meshnode.node.prefix import StagePrefix, pool_blocks
 from meshnode.speculative.decide import Decision, decide
 
 T = TypeVar("T")
@@ -88,11 +89,15 @@ class StageRunner:
         grammars: Grammars | None = None,
         prefix_cache_bytes: int | None = None,
         prefix_salt: str = "",
+        prefix_identity: str = "",
+        kept: StagePrefix | None = None,
     ):
         """``grammars`` builds the constraints of sequences that carry a grammar (last
         stage; without it such a sequence is refused). ``prefix_cache_bytes`` bounds the
         pool of cached prefixes (None: ``DEFAULT_PREFIX_CONTEXTS`` contexts; 0: none),
-        whose keys ``prefix_salt`` (the run id) seeds (:mod:`meshnode.node.prefix`)."""
+        whose keys ``prefix_salt`` (the run's prefix seed) seeds (:mod:`meshnode.node.prefix`).
+        ``kept``: an earlier run's pool, taken over when it is ``prefix_identity``'s and
+        of the size this stage's would be (:mod:`meshnode.node.prefix_keep`)."""
         if context_size < 2 or max_sequences < 1:
             raise ValueError(f"bad limits: context {context_size}, sequences {max_sequences}")
         self.stage = stage
@@ -106,13 +111,22 @@ class StageRunner:
         # per request would churn hundreds of MiB per second under load.
         self._free_caches: list[Any] = []
         # Hook (issue 30): the pool of cached prefixes shared by this stage's sequences.
-        self.prefix = stage_prefix(
-            stage,
-            context_size,
-            budget_bytes=prefix_cache_bytes,
-            salt=prefix_salt,
-            sequences=max_sequences,
-        )
+        capacity = pool_blocks(context_size, max_sequences)
+        if (
+            kept is not None
+            and kept.salt == prefix_salt
+            and kept.reusable(prefix_identity, capacity)
+        ):
+            self.prefix: StagePrefix = kept
+        else:
+            self.prefix = stage_prefix(
+                stage,
+                context_size,
+                budget_bytes=prefix_cache_bytes,
+                salt=prefix_salt,
+                sequences=max_sequences,
+            )
+            self.prefix.identity = prefix_identity
 
     @property
     def batches(self) -> bool:
@@ -228,6 +242,11 @@ class StageRunner:
         self.prefix.release(request_id)  # hook (issue 30): its blocks stay cached
         self._free_caches.append(seq.cache)
         return True
+
+    def release_all(self) -> None:
+        """Free every sequence (a run that ended: its pool may serve the next one)."""
+        for request_id in list(self._sequences):
+            self.release(request_id)
 
     # -- sequences --------------------------------------------------------------------
 

@@ -22,6 +22,8 @@ from meshnode.errors import RunError
 from meshnode.node import heap
 from meshnode.node.footprint import check_load
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
+from meshnode.node.prefix import StagePrefix
+from meshnode.node.prefix_keep import stage_identity
 from meshnode.node.stage import StageRunner
 
 log = logging.getLogger("meshnode.worker")
@@ -50,6 +52,9 @@ def build_runner(
     end: int,
     load: Load,
     memory_bytes: int | None = None,
+    *,
+    owner: tuple[str, str, str] = ("", "", ""),
+    kept: StagePrefix | None = None,
 ) -> StageRunner:
     """The stage runner ``load`` asks for, over ``source`` (blocking: call off the loop).
 
@@ -59,6 +64,11 @@ def build_runner(
     cannot hold or whose KV alone exceeds
     ``memory_bytes`` (a peer may ask for
     anything; each slot and each token of context costs memory per layer and sequence).
+
+    ``owner`` is (the coordinator that claimed this node, the package ref and pin this
+    node prepared: what ``source`` is);
+    ``kept`` an earlier run's pool, which the stage takes over when it is the same stage
+    of the same pipeline (:func:`~meshnode.node.prefix_keep.stage_identity`).
     """
     if load.ring_slots > MAX_RING_SLOTS:
         raise RunError(
@@ -91,7 +101,18 @@ def build_runner(
         context_size=load.context_size,
         max_sequences=MAX_SEQUENCES_PER_STAGE,
         grammars=grammars if load.has_head else None,
-        prefix_salt=load.run_id,  # hook (issue 30): the host's chain keys are the run's
+        # hook (issue 30): the host's chain keys are seeded by its pipeline, not its run
+        prefix_salt=load.prefix_seed or load.run_id,
+        prefix_identity=stage_identity(
+            load.prefix_seed,
+            coordinator=owner[0],
+            model=owner[1:],
+            layers=(start, end, load.has_embed, load.has_head),
+            kv_dtype=load.kv_dtype,
+            backend=backend,
+            context_size=load.context_size,
+        ),
+        kept=kept,
     )
     heap.release_free_memory()  # what opening the model and loading the stage freed
     return runner
