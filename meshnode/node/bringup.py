@@ -54,13 +54,7 @@ from meshnode.node.claims import ClaimBook
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.planner import Plan, StagePlan
 from meshnode.node.prefix import StagePrefix
-from meshnode.node.prefix_keep import (
-    SeedStage,
-    backend_tag,
-    common_keys,
-    pipeline_seed,
-    stage_identity,
-)
+from meshnode.node.prefix_keep import common_keys, host_identity, host_seed, take_over
 from meshnode.node.progress import DownloadProgress
 from meshnode.node.remote import RemotePipeline
 from meshnode.node.selfmeasure import measure_or_reason
@@ -123,10 +117,8 @@ class BringUp:
         speeds: SpeedBook | None = None,
         stage_weight_bytes: Sequence[int] = (),
         claims: ClaimBook | None = None,
-        kept: StagePrefix | None = None,
+        kept: StagePrefix | None = None,  # stage 0's pool of the run before
     ) -> None:
-        """``kept``: the host's stage pool of the run before, which stage 0 takes over
-        when it is the same stage of the same pipeline (:mod:`meshnode.node.prefix_keep`)."""
         self.mesh = mesh
         self.settings = settings
         self.run_id = run_id
@@ -136,7 +128,7 @@ class BringUp:
         self.context_size = context_size
         self.stage_state = {s.node_id: StageState.CLAIMING for s in placed.stages}
         self.progress: dict[str, tuple[int, int]] = {}
-        self._backend = backend
+        self.backend = backend
         self._speeds, self._stage_weight_bytes = speeds, tuple(stage_weight_bytes)
         # what each node measured of itself as it prepared (its links alone by memory)
         self._claims = claims
@@ -146,7 +138,8 @@ class BringUp:
         self._replies: dict[str, trio.MemorySendChannel[Message]] = {}
         self._receivers: dict[str, trio.MemoryReceiveChannel[Message]] = {}
         self._kept = kept
-        self.prefix_seed = self._seed(placed)  # hook (issue 30): keys outlive the run
+        # hook (issue 30): the prefix-cache keys outlive the run (node/prefix_keep.py)
+        self.prefix_seed = host_seed(mesh, settings, backend, placed)
 
     def deliver(self, peer: str, message: Message) -> None:
         """A reply of this run from ``peer``, for the request waiting on it."""
@@ -225,22 +218,6 @@ class BringUp:
             prefix_held=common_keys(runner_box[0].prefix, prefix_held),
         )
 
-    def _seed(self, placed: Plan) -> str:
-        """The run's prefix seed (:func:`~meshnode.node.prefix_keep.pipeline_seed`): the
-        host's stage by its arithmetic, every other by its node's device kind."""
-        devices = {n.node_id: n.device for n in self.mesh.live_nodes()}
-        devices[self.mesh.node_id] = backend_tag(self._backend)
-        stages = [
-            SeedStage(s.node_id, devices.get(s.node_id, ""), s.start, s.end) for s in placed.stages
-        ]
-        settings = self.settings
-        return pipeline_seed(
-            model=(settings.model_ref, settings.pin),
-            coordinator=self.mesh.node_id,
-            dtypes=(settings.kv_dtype, settings.cpu_dtype, settings.wire_dtype),
-            stages=stages,
-        )
-
     async def probe(self, placed: Plan) -> dict[str, int | None]:
         """Ask every remote stage of ``placed`` how long its pass in progress has run:
         milliseconds by node (0: idle), ``None`` for a stage that did not answer within
@@ -272,8 +249,11 @@ class BringUp:
             self._record_progress(stage.node_id, done, total, time.monotonic())
 
         def build() -> StageRunner:
-            source = self._open_part(part, progress)
+            source = _open_part(self.settings, self.source, part, progress)
             vocab, eos = self.config.vocab_size, self.config.eos_token_ids
+            # hook (issue 30): the pool of the run before, or none (freed before the weights)
+            identity, seed = host_identity(self, stage), self.prefix_seed
+            kept, self._kept = take_over(self._kept, identity, seed, self.context_size), None
             engine_stage = Stage(
                 self.config,
                 source,
@@ -281,7 +261,7 @@ class BringUp:
                 stage.end,
                 embed=True,
                 head=stage.head,
-                backend=self._backend,
+                backend=self.backend,
                 ring_slots=self.settings.ring_slots,
                 kv_dtype=self.settings.kv_dtype,
             )
@@ -291,26 +271,17 @@ class BringUp:
                 context_size=self.context_size,
                 max_sequences=MAX_SEQUENCES_PER_STAGE,
                 grammars=Grammars(lambda: source.tokenizer_json, vocab, eos),
-                prefix_salt=self.prefix_seed,  # hook (issue 30): keys outlive the run
-                prefix_identity=stage_identity(
-                    self.prefix_seed,
-                    coordinator=self.mesh.node_id,
-                    model=(self.settings.model_ref, self.settings.pin),
-                    layers=(stage.start, stage.end, True, stage.head),
-                    kv_dtype=self.settings.kv_dtype,
-                    backend=self._backend,
-                    context_size=self.context_size,
-                ),
-                kept=self._kept,
+                prefix_salt=seed,
+                prefix_identity=identity,
+                prefix=kept,
             )
-            self._kept = None  # taken over, or freed: the run keeps one pool
             heap.release_free_memory()  # what loading the model and its tokenizer freed
             if self._claims is not None and self._claims.compute:  # as every node does
                 model_id = f"{self.settings.model_ref}@{self.settings.pin}"
                 measured = measure_or_reason(
                     source,
                     stage.start,
-                    self._backend,
+                    self.backend,
                     model_id=model_id,
                     cache_dir=self.settings.cache_dir,
                 )
@@ -322,28 +293,6 @@ class BringUp:
         except Exception as exc:
             raise RunError(f"loading stage 0 on this node failed: {exc}") from exc
         self.stage_state[stage.node_id] = StageState.LOADED
-
-    def _open_part(self, part: Part, progress: Callable[[int, int], None]) -> ModelSource:
-        """The host's part of the model (call off the event loop).
-
-        A local model (alias, file, folder) is opened whole and memory-mapped, so the source
-        the host already holds serves every plan (a local package's part is checked first);
-        only a remote package has parts to fetch.
-        """
-        target = resolve(self.settings.model_ref)
-        if isinstance(target, LocalPackage):
-            # Opened at start for its embedding only: the files of this part are checked
-            # now, so a damaged layer file fails the bring-up instead of serving garbage.
-            check_local_package(target.path, part)
-        if not isinstance(target, RemotePackage):
-            return self.source
-        return open_ref(
-            self.settings.model_ref,
-            part,
-            cache_dir=self.settings.cache_dir,
-            progress=progress,
-            pin=self.settings.pin,
-        )
 
     def _record_progress(self, node: str, done: int, total: int, now_s: float) -> None:
         """Keep a stage's download progress for status, and log it now and then."""
@@ -493,4 +442,33 @@ def _load(run: BringUp, stage: StagePlan, upstream: str, downstream: StagePlan |
         ring_slots=run.settings.ring_slots,
         cpu_dtype=run.settings.cpu_dtype,
         prefix_seed=run.prefix_seed,
+    )
+
+
+def _open_part(
+    settings: CoordinatorSettings,
+    source: ModelSource,
+    part: Part,
+    progress: Callable[[int, int], None],
+) -> ModelSource:
+    """The host's part of the model (call off the event loop); ``source``: the model as
+    the host opened it at start.
+
+    A local model (alias, file, folder) is opened whole and memory-mapped, so the source
+    the host already holds serves every plan (a local package's part is checked first);
+    only a remote package has parts to fetch.
+    """
+    target = resolve(settings.model_ref)
+    if isinstance(target, LocalPackage):
+        # Opened at start for its embedding only: the files of this part are checked
+        # now, so a damaged layer file fails the bring-up instead of serving garbage.
+        check_local_package(target.path, part)
+    if not isinstance(target, RemotePackage):
+        return source
+    return open_ref(
+        settings.model_ref,
+        part,
+        cache_dir=settings.cache_dir,
+        progress=progress,
+        pin=settings.pin,
     )

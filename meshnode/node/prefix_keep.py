@@ -41,11 +41,17 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from meshnode_protocol import MAX_READY_PREFIX_KEYS
 
 from meshnode.engine.backend import Backend
-from meshnode.node.prefix import StagePrefix
+from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
+from meshnode.node.planner import Plan, StagePlan
+from meshnode.node.prefix import StagePrefix, pool_blocks
+
+if TYPE_CHECKING:
+    from meshnode.node.mesh import CoordinatorSettings, MeshView
 
 __all__ = [
     "KEEP_POOL_S",
@@ -54,8 +60,11 @@ __all__ = [
     "backend_tag",
     "common_keys",
     "held_keys",
+    "host_identity",
+    "host_seed",
     "pipeline_seed",
     "stage_identity",
+    "take_over",
 ]
 
 #: How long a worker keeps a stopped run's pool for the next ``Load`` of the same stage:
@@ -119,6 +128,51 @@ def stage_identity(
     return _digest("stage", seed, *parts, context_size)
 
 
+def host_seed(mesh: MeshView, settings: CoordinatorSettings, backend: Backend, placed: Plan) -> str:
+    """The prefix seed of a run the host brings up on ``placed``: its own stage by its
+    ``backend``'s arithmetic, every other by its node's device kind (membership)."""
+    devices = {n.node_id: n.device for n in mesh.live_nodes()}
+    devices[mesh.node_id] = backend_tag(backend)
+    stages = [
+        SeedStage(s.node_id, devices.get(s.node_id, ""), s.start, s.end) for s in placed.stages
+    ]
+    return pipeline_seed(
+        model=(settings.model_ref, settings.pin),
+        coordinator=mesh.node_id,
+        dtypes=(settings.kv_dtype, settings.cpu_dtype, settings.wire_dtype),
+        stages=stages,
+    )
+
+
+def host_identity(run: HostRun, stage: StagePlan) -> str:
+    """The identity of the pool of ``run``'s stage 0 (``stage``), on the host."""
+    settings = run.settings
+    return stage_identity(
+        run.prefix_seed,
+        coordinator=run.mesh.node_id,
+        model=(settings.model_ref, settings.pin),
+        layers=(stage.start, stage.end, True, stage.head),
+        kv_dtype=settings.kv_dtype,
+        backend=run.backend,
+        context_size=run.context_size,
+    )
+
+
+def take_over(
+    kept: StagePrefix | None,
+    identity: str,
+    salt: str,
+    context_size: int,
+    sequences: int = MAX_SEQUENCES_PER_STAGE,
+) -> StagePrefix | None:
+    """``kept`` (an earlier run's pool) when the new stage, of ``identity`` and keyed by
+    ``salt``, may take it over: the same stage of the same pipeline, a pool of the size its
+    own would be (:func:`~meshnode.node.prefix.pool_blocks`), no sequence left in it."""
+    if kept is None or kept.salt != salt:
+        return None
+    return kept if kept.reusable(identity, pool_blocks(context_size, sequences)) else None
+
+
 def held_keys(prefix: StagePrefix) -> tuple[str, ...]:
     """What a stage reports in ``Ready.prefix_keys``: its cached blocks' keys, most
     recently used first, at most ``MAX_READY_PREFIX_KEYS``."""
@@ -136,6 +190,16 @@ def common_keys(own: StagePrefix, remote: Sequence[Sequence[str]]) -> list[bytes
     sets = [set(keys) for keys in remote]
     held = reversed(own.pool.held())
     return [key for key in held if all(key.hex() in s for s in sets)]
+
+
+class HostRun(Protocol):
+    """What :func:`host_identity` reads of a run being brought up (``BringUp``)."""
+
+    mesh: MeshView
+    settings: CoordinatorSettings
+    prefix_seed: str
+    backend: Backend
+    context_size: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from meshnode.node import heap
 from meshnode.node.footprint import check_load
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.prefix import StagePrefix
-from meshnode.node.prefix_keep import stage_identity
+from meshnode.node.prefix_keep import stage_identity, take_over
 from meshnode.node.stage import StageRunner
 
 log = logging.getLogger("meshnode.worker")
@@ -79,6 +79,18 @@ def build_runner(
         backend = run_backend(backend, load.cpu_dtype)
     except BackendError as exc:
         raise RunError(f"Load: {exc}") from exc
+    salt = load.prefix_seed or load.run_id  # hook (issue 30): keyed by the pipeline
+    identity = stage_identity(
+        load.prefix_seed,
+        coordinator=owner[0],
+        model=owner[1:],
+        layers=(start, end, load.has_embed, load.has_head),
+        kv_dtype=load.kv_dtype,
+        backend=backend,
+        context_size=load.context_size,
+    )
+    prefix = take_over(kept, identity, salt, load.context_size)
+    kept = None  # not taken over: freed before the weights are mapped (a GPU's memory)
     config = ModelConfig.from_hf(source.config)
     kv = check_load(config, start, end, load.context_size, memory_bytes, load.kv_dtype)
     stage = Stage(
@@ -101,18 +113,9 @@ def build_runner(
         context_size=load.context_size,
         max_sequences=MAX_SEQUENCES_PER_STAGE,
         grammars=grammars if load.has_head else None,
-        # hook (issue 30): the host's chain keys are seeded by its pipeline, not its run
-        prefix_salt=load.prefix_seed or load.run_id,
-        prefix_identity=stage_identity(
-            load.prefix_seed,
-            coordinator=owner[0],
-            model=owner[1:],
-            layers=(start, end, load.has_embed, load.has_head),
-            kv_dtype=load.kv_dtype,
-            backend=backend,
-            context_size=load.context_size,
-        ),
-        kept=kept,
+        prefix_salt=salt,
+        prefix_identity=identity,
+        prefix=prefix,
     )
     heap.release_free_memory()  # what opening the model and loading the stage freed
     return runner

@@ -294,14 +294,23 @@ class Worker:
             return
         source = prep.source
         start, end = load.layer_range
-        kept, self._kept = self._kept, None  # taken over, or its memory freed now
-        owner = (run.coordinator, prep.package_ref, prep.pin)  # what the pool's blocks are of
+        # what the blocks of a kept pool are of; the pool goes to the builder alone, which
+        # frees it before the weights unless the stage takes it over
+        owner = (run.coordinator, prep.package_ref, prep.pin)
+        kept = [] if self._kept is None else [self._kept.prefix]
+        self._kept = None
 
         def build() -> StageRunner:
-            pool = None if kept is None else kept.prefix
             memory = self._memory_bytes
             return build_runner(
-                self._backend, source, start, end, load, memory, owner=owner, kept=pool
+                self._backend,
+                source,
+                start,
+                end,
+                load,
+                memory,
+                owner=owner,
+                kept=kept.pop() if kept else None,  # no reference left here
             )
 
         try:

@@ -7,11 +7,13 @@ The model is the tiny random Llama of the prefix tests, run by the real stage bu
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
 import pytest
+import trio
 from meshnode_packaging.sources import ModelSource
-from meshnode_protocol import Load
+from meshnode_protocol import Claim, ClaimAccepted, ClaimRejected, Load, Message, PeerInfo
 
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.prefix_cache import PREFIX_BLOCK_TOKENS as B
@@ -20,6 +22,7 @@ from meshnode.engine.sampling import SamplingParams
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame
 from meshnode.node.prefix import PrefixIndex
 from meshnode.node.prefix_keep import (
+    KeptPool,
     SeedStage,
     common_keys,
     held_keys,
@@ -28,6 +31,7 @@ from meshnode.node.prefix_keep import (
 )
 from meshnode.node.stage import StageRunner
 from meshnode.node.stage_build import build_runner
+from meshnode.node.worker import Worker
 from tests.speculative.tinymodel import TinySource, tiny_config
 
 CONTEXT = 128
@@ -155,3 +159,32 @@ def test_the_host_believes_what_every_stage_kept(source: ModelSource) -> None:
     index = PrefixIndex(SEED)
     index.believe(common_keys(own, [[first, second]]))
     assert index.resume_point(RequestId("q"), PROMPT) == (2 * B, keys[1])
+
+
+async def test_another_host_never_finds_the_pool_kept(source: ModelSource) -> None:
+    """A worker keeps a stopped run's pool for its coordinator only: another host's claim
+    frees it (its requests could otherwise probe which prompts the first host's served)."""
+    old = _served(_build(source, _load()))
+    sent: list[Message] = []
+
+    async def send(peer: str, message: Message) -> None:
+        sent.append(message)
+
+    async def connect(info: PeerInfo) -> None:
+        raise AssertionError("no Load here")
+
+    async with trio.open_nursery() as nursery:
+        worker = Worker(
+            "w", send, connect=connect, backend=cpu_backend(), cache_dir=None, nursery=nursery
+        )
+        worker._kept = KeptPool(old.prefix, "host")
+        claim = Claim(run_id="run-9", term=9, coordinator_id="host", package_ref="hf://test/tiny")
+        await worker.handle("host", claim)
+        assert worker._kept is not None  # the same host: kept for its next Load
+        await worker.handle("other", dataclasses.replace(claim, coordinator_id="other"))
+        assert isinstance(sent[-1], ClaimRejected)  # "host" holds the node ...
+        worker.stop("test")  # ... until its run is gone
+        await worker.handle("other", dataclasses.replace(claim, coordinator_id="other"))
+        assert isinstance(sent[-1], ClaimAccepted)
+        assert worker._kept is None
+        nursery.cancel_scope.cancel()
