@@ -13,7 +13,16 @@ from typing import Any, cast
 import pytest
 import trio
 from meshnode_packaging.sources import ModelSource
-from meshnode_protocol import Claim, ClaimAccepted, ClaimRejected, Load, Message, PeerInfo
+from meshnode_protocol import (
+    MAX_READY_PREFIX_KEYS,
+    Claim,
+    ClaimAccepted,
+    ClaimRejected,
+    Load,
+    Message,
+    PeerInfo,
+    Ready,
+)
 
 from meshnode.engine.backend import cpu_backend
 from meshnode.engine.prefix_cache import PREFIX_BLOCK_TOKENS as B
@@ -188,3 +197,14 @@ async def test_another_host_never_finds_the_pool_kept(source: ModelSource) -> No
         assert isinstance(sent[-1], ClaimAccepted)
         assert worker._kept is None
         nursery.cancel_scope.cancel()
+
+
+def test_seeds_and_keys_are_checked_where_they_are_made() -> None:
+    with pytest.raises(ValueError, match="prefix_seed"):
+        _load(prefix_seed="not-a-seed")
+    ready: dict[str, Any] = dict(run_id="r", term=1, node_id="n", endpoint="e", layer_range=(0, 1))
+    with pytest.raises(ValueError, match="prefix_keys"):
+        Ready(**ready, prefix_keys=("g" * 32,))
+    with pytest.raises(ValueError, match="prefix_keys"):
+        Ready(**ready, prefix_keys=("0" * 32,) * (MAX_READY_PREFIX_KEYS + 1))
+    assert len(Ready(**ready, prefix_keys=("0" * 32,) * MAX_READY_PREFIX_KEYS).prefix_keys) == 1024
