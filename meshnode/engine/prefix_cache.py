@@ -11,8 +11,9 @@ Theory of operation:
   sequences' paged caches take their blocks from; this pool is its index. A *full* block of
   a sequence is keyed by a hash chain (:func:`chain_keys`): block ``i``'s key hashes block
   ``i - 1``'s key with the block's own token ids, and block 0's hashes a salt naming what
-  changes the math (model and run, KV dtype, layer range). So one key stands for the whole
-  token prefix up to the block's end, and a pool never mixes two stages' blocks. A block
+  changes the math (the pipeline's model, layer ranges, nodes and dtypes: the host's
+  prefix seed, :mod:`meshnode.node.prefix_keep`). So one key stands for the whole token
+  prefix up to the block's end, and a pool never mixes two pipelines' blocks. A block
   also keeps its token ids: a lookup compares them, so a hash collision is a miss.
 - Storing a block only names the sequence's own slot in the index (one more reference): no
   copy. A new sequence that begins with keyed blocks puts their slots in its block table
@@ -158,6 +159,11 @@ class PrefixPool:
     def keys(self, tokens: Sequence[int]) -> list[Key]:
         """The keys of ``tokens``' full blocks in this pool (:func:`chain_keys`)."""
         return chain_keys(self.salt, tokens, self.block)
+
+    def held(self) -> list[Key]:
+        """The keys of every block the pool holds, most recently used first (a chain's
+        first block before its descendants: :meth:`_refresh`)."""
+        return list(reversed(self._blocks))
 
     def cached_blocks(self, tokens: Sequence[int]) -> int:
         """How many leading full blocks of ``tokens`` the pool holds."""

@@ -112,6 +112,7 @@ class GenerationRun:
     refolds: int = 0  # frames that started behind a snapshot ring: history prefilled again
     replays: int = 0  # pipelines lost under this request and replaced (module docstring)
     cached_tokens: int = 0  # prompt tokens resumed from the stages' prefix cache
+    replay_cached_tokens: int = 0  # ... by its replays (the stages kept them, issue 30)
 
     @property
     def history(self) -> list[int]:

@@ -14,6 +14,11 @@ last stage draws the token at position ``p`` from a counter-based generator keye
 (seed, ``p``), and the driver fixes the seed once per request. After ``MAX_REPLAYS``
 replays, or when no pipeline comes in time, the error ends the stream as before.
 
+The prompt resumes from the prefix every stage of the new pipeline still holds: when the
+host re-plans the same pipeline (a lost pass, a dropped session), its stages keep their
+cached blocks across the new ``Load`` (:mod:`meshnode.node.prefix_keep`), and only the
+prompt's suffix is computed again (``GenerationRun.replay_cached_tokens``).
+
 A hybrid stage rolls its recurrent state back only as far as its snapshot ring reaches
 (:mod:`meshnode.engine.recurrent`); a frame that starts further back fails there with
 ``RollbackError``, and the driver folds the history before it into every stage again from
@@ -22,14 +27,18 @@ position 0 (:func:`refold`: non-final prefill chunks) and sends the frame once m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 
 import trio
 
+from meshnode.engine.prefix_cache import PrefixMissError
+from meshnode.generation.prefix import prefill_pieces
 from meshnode.generation.records import GenerationRun, frame_of
 from meshnode.generation.state import prefill_chunks
 from meshnode.node.pipeline import FrameKind, Pipeline, StageLostError
+from meshnode.node.prefix import PrefixCaching
 
 #: Longest wait of a request for the pipeline after a lost one. The coordinator replans in
 #: ~4 s on loopback (issue 16); stages that must load their new layer ranges from disk take
@@ -81,12 +90,7 @@ async def replay_history(pipeline: Pipeline, run: GenerationRun) -> None:
     """Put the request back on a new pipeline: the prompt as at the start (its final chunk
     returns the first committed token again), then the committed tokens but the last as
     non-final chunks, so the cache holds ``history[:-1]`` as the next step expects."""
-    chunks = prefill_chunks(run.prompt, run.chunk_tokens)
-    first = None
-    for i, (start, tokens) in enumerate(chunks):
-        final = i == len(chunks) - 1
-        result = await pipeline.run(frame_of(run, FrameKind.PREFILL, start, tokens, final=final))
-        first = result.tokens[0] if final and result.tokens else first
+    first = await _replay_prompt(pipeline, run)
     if first != run.state.tokens[0]:
         log.warning(
             "request %s: the replayed prompt gives token %s, not %d as before",
@@ -98,3 +102,43 @@ async def replay_history(pipeline: Pipeline, run: GenerationRun) -> None:
     for start, tokens in prefill_chunks(generated, run.chunk_tokens):
         at = len(run.prompt) + start
         await pipeline.run(frame_of(run, FrameKind.PREFILL, at, tokens, final=False))
+
+
+async def _replay_prompt(pipeline: Pipeline, run: GenerationRun) -> int | None:
+    """The prompt again, from the prefix every stage of the new pipeline still holds (the
+    blocks the stages kept of the run before, :mod:`meshnode.node.prefix_keep`), as the
+    first prefill resumes (:mod:`meshnode.generation.prefix`); the token its final chunk
+    returns. A stage that lacks the prefix makes it start over from 0."""
+    index = pipeline.prefix if isinstance(pipeline, PrefixCaching) else None
+    start, key = 0, None
+    if index is not None and run.params.cache_prompt:
+        start, key = index.resume_point(run.request_id, run.prompt)
+    try:
+        first = await _prompt_from(pipeline, run, start, key)
+    except PrefixMissError:
+        assert index is not None  # only a resumed frame is refused so
+        index.missed(run.prompt)
+        await pipeline.release(run.request_id)  # as generation.prefix does, first
+        start = 0
+        first = await _prompt_from(pipeline, run, 0, None)
+    run.replay_cached_tokens += start
+    if start:
+        log.info("request %s: the replay resumed %d prompt tokens", run.request_id, start)
+    return first
+
+
+async def _prompt_from(
+    pipeline: Pipeline, run: GenerationRun, start: int, key: bytes | None
+) -> int | None:
+    index = pipeline.prefix if isinstance(pipeline, PrefixCaching) else None
+    align = index.block if index is not None and index.snapshots else 0
+    chunks = prefill_pieces(run.prompt, start, run.chunk_tokens, align)
+    first = None
+    for i, (at, tokens) in enumerate(chunks):
+        final = i == len(chunks) - 1
+        frame = frame_of(run, FrameKind.PREFILL, at, tokens, final=final)
+        if i == 0 and key is not None:
+            frame = dataclasses.replace(frame, prefix_key=key)
+        result = await pipeline.run(frame)
+        first = result.tokens[0] if final and result.tokens else first
+    return first

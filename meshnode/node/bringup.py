@@ -53,6 +53,8 @@ from meshnode.node import heap
 from meshnode.node.claims import ClaimBook
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.planner import Plan, StagePlan
+from meshnode.node.prefix import StagePrefix
+from meshnode.node.prefix_keep import common_keys, host_identity, host_seed, take_over
 from meshnode.node.progress import DownloadProgress
 from meshnode.node.remote import RemotePipeline
 from meshnode.node.selfmeasure import measure_or_reason
@@ -115,6 +117,7 @@ class BringUp:
         speeds: SpeedBook | None = None,
         stage_weight_bytes: Sequence[int] = (),
         claims: ClaimBook | None = None,
+        kept: StagePrefix | None = None,  # stage 0's pool of the run before
     ) -> None:
         self.mesh = mesh
         self.settings = settings
@@ -125,7 +128,7 @@ class BringUp:
         self.context_size = context_size
         self.stage_state = {s.node_id: StageState.CLAIMING for s in placed.stages}
         self.progress: dict[str, tuple[int, int]] = {}
-        self._backend = backend
+        self.backend = backend
         self._speeds, self._stage_weight_bytes = speeds, tuple(stage_weight_bytes)
         # what each node measured of itself as it prepared (its links alone by memory)
         self._claims = claims
@@ -134,6 +137,9 @@ class BringUp:
         self._download_log: dict[str, DownloadProgress] = {}
         self._replies: dict[str, trio.MemorySendChannel[Message]] = {}
         self._receivers: dict[str, trio.MemoryReceiveChannel[Message]] = {}
+        self._kept = kept
+        # hook (issue 30): the prefix-cache keys outlive the run (node/prefix_keep.py)
+        self.prefix_seed = host_seed(mesh, settings, backend, placed)
 
     def deliver(self, peer: str, message: Message) -> None:
         """A reply of this run from ``peer``, for the request waiting on it."""
@@ -178,6 +184,7 @@ class BringUp:
             reasons = "; ".join(str(exc) for exc in _leaves(failed))
             raise RunError(reasons) from group
         prefix_blocks = []  # hook (issue 30): each stage's prefix-cache block size
+        prefix_held = []  # ... and the keys of what it kept of the run before
         for index in range(len(remote) - 1, -1, -1):  # downstream-first
             stage = remote[index]
             upstream = placed.stages[index]
@@ -190,7 +197,10 @@ class BringUp:
                 Ready,
                 timeout_s=LOAD_TIMEOUT_S,
             )
-            prefix_blocks.append(ready.prefix_block)
+            # a stage that keys with another seed (an older node's run id) shares nothing
+            echoed = ready.prefix_seed == self.prefix_seed
+            prefix_blocks.append(ready.prefix_block if echoed else 0)
+            prefix_held.append(ready.prefix_keys)
             self.stage_state[stage.node_id] = StageState.READY
         self.stage_state[local.node_id] = StageState.READY
         return RemotePipeline(
@@ -204,6 +214,8 @@ class BringUp:
             speeds=self._speeds,
             stage_weight_bytes=self._stage_weight_bytes,
             prefix_blocks=prefix_blocks,
+            prefix_seed=self.prefix_seed,
+            prefix_held=common_keys(runner_box[0].prefix, prefix_held),
         )
 
     async def probe(self, placed: Plan) -> dict[str, int | None]:
@@ -237,8 +249,11 @@ class BringUp:
             self._record_progress(stage.node_id, done, total, time.monotonic())
 
         def build() -> StageRunner:
-            source = self._open_part(part, progress)
+            source = _open_part(self.settings, self.source, part, progress)
             vocab, eos = self.config.vocab_size, self.config.eos_token_ids
+            # hook (issue 30): the pool of the run before, or none (freed before the weights)
+            identity, seed = host_identity(self, stage), self.prefix_seed
+            kept, self._kept = take_over(self._kept, identity, seed, self.context_size), None
             engine_stage = Stage(
                 self.config,
                 source,
@@ -246,7 +261,7 @@ class BringUp:
                 stage.end,
                 embed=True,
                 head=stage.head,
-                backend=self._backend,
+                backend=self.backend,
                 ring_slots=self.settings.ring_slots,
                 kv_dtype=self.settings.kv_dtype,
             )
@@ -256,7 +271,9 @@ class BringUp:
                 context_size=self.context_size,
                 max_sequences=MAX_SEQUENCES_PER_STAGE,
                 grammars=Grammars(lambda: source.tokenizer_json, vocab, eos),
-                prefix_salt=self.run_id,  # hook (issue 30): the chain keys are the run's
+                prefix_salt=seed,
+                prefix_identity=identity,
+                prefix=kept,
             )
             heap.release_free_memory()  # what loading the model and its tokenizer freed
             if self._claims is not None and self._claims.compute:  # as every node does
@@ -264,7 +281,7 @@ class BringUp:
                 measured = measure_or_reason(
                     source,
                     stage.start,
-                    self._backend,
+                    self.backend,
                     model_id=model_id,
                     cache_dir=self.settings.cache_dir,
                 )
@@ -276,28 +293,6 @@ class BringUp:
         except Exception as exc:
             raise RunError(f"loading stage 0 on this node failed: {exc}") from exc
         self.stage_state[stage.node_id] = StageState.LOADED
-
-    def _open_part(self, part: Part, progress: Callable[[int, int], None]) -> ModelSource:
-        """The host's part of the model (call off the event loop).
-
-        A local model (alias, file, folder) is opened whole and memory-mapped, so the source
-        the host already holds serves every plan (a local package's part is checked first);
-        only a remote package has parts to fetch.
-        """
-        target = resolve(self.settings.model_ref)
-        if isinstance(target, LocalPackage):
-            # Opened at start for its embedding only: the files of this part are checked
-            # now, so a damaged layer file fails the bring-up instead of serving garbage.
-            check_local_package(target.path, part)
-        if not isinstance(target, RemotePackage):
-            return self.source
-        return open_ref(
-            self.settings.model_ref,
-            part,
-            cache_dir=self.settings.cache_dir,
-            progress=progress,
-            pin=self.settings.pin,
-        )
 
     def _record_progress(self, node: str, done: int, total: int, now_s: float) -> None:
         """Keep a stage's download progress for status, and log it now and then."""
@@ -446,4 +441,34 @@ def _load(run: BringUp, stage: StagePlan, upstream: str, downstream: StagePlan |
         kv_dtype=run.settings.kv_dtype,
         ring_slots=run.settings.ring_slots,
         cpu_dtype=run.settings.cpu_dtype,
+        prefix_seed=run.prefix_seed,
+    )
+
+
+def _open_part(
+    settings: CoordinatorSettings,
+    source: ModelSource,
+    part: Part,
+    progress: Callable[[int, int], None],
+) -> ModelSource:
+    """The host's part of the model (call off the event loop); ``source``: the model as
+    the host opened it at start.
+
+    A local model (alias, file, folder) is opened whole and memory-mapped, so the source
+    the host already holds serves every plan (a local package's part is checked first);
+    only a remote package has parts to fetch.
+    """
+    target = resolve(settings.model_ref)
+    if isinstance(target, LocalPackage):
+        # Opened at start for its embedding only: the files of this part are checked
+        # now, so a damaged layer file fails the bring-up instead of serving garbage.
+        check_local_package(target.path, part)
+    if not isinstance(target, RemotePackage):
+        return source
+    return open_ref(
+        settings.model_ref,
+        part,
+        cache_dir=settings.cache_dir,
+        progress=progress,
+        pin=settings.pin,
     )

@@ -138,6 +138,7 @@ from meshnode.node.planner import (
     plan,
     stage_weight_bytes,
 )
+from meshnode.node.prefix import StagePrefix
 from meshnode.node.remote import RemotePipeline, idle_by, is_data_reply
 from meshnode.node.replacing import blame, watch
 from meshnode.node.speeds import SpeedBook
@@ -225,6 +226,8 @@ class Coordinator:
         self._pipeline: RemotePipeline | None = None
         self._retry_at: float | None = None  # trio time of the next try, while backing off
         self._hung: list[RemotePipeline] = []  # whose stage-0 compute hangs (stage0_hung)
+        # stage 0's prefix pool of the run before, for the next (node/prefix_keep.py)
+        self._kept: StagePrefix | None = None
         # Decode rates observed while serving (node/speeds.py): the next plan uses them.
         self.speeds = SpeedBook()
         # ... and what each node measured of itself (its links alone with memory placement)
@@ -300,7 +303,9 @@ class Coordinator:
                 speeds=self.speeds,
                 claims=self.claims,
                 stage_weight_bytes=[stage_weight_bytes(self.footprint, s) for s in placed.stages],
+                kept=self._kept,
             )
+            self._kept = None  # taken over by the run's stage 0, or dropped with it
             log.info("run %s term %d: %s", self.run_id, self._term, describe_plan(placed))
             self._state = MeshState.LOADING  # Claim, Prepare, Load: the stages say how far
             try:
@@ -331,6 +336,7 @@ class Coordinator:
             self._pipeline = None
             self._state = MeshState.REPLANNING
             await run.stop_all(placed, reason)
+            self._kept = await pipeline.keep_prefix()  # a replay resumes from its blocks
 
     async def _while_stage0_hangs(self) -> None:
         """Bring up nothing while ``MAX_HUNG_STAGE0`` stage-0 computes of earlier runs hang

@@ -183,7 +183,7 @@ class Node:
             self.host.stop()
         await self.sessions.say_goodbye()
         if self.worker is not None:
-            self.worker.stop("this node is stopping")
+            self.worker.stop("this node is stopping", keep=False)
 
     def _advertised_host(self) -> str:
         return advertised_addresses(self.config.listen.host, self.config.interface)[0]

@@ -153,6 +153,9 @@ class StagePrefix:
         self.pool = pool
         self.kv = pool.kv if pool is not None else kv
         self.salt = "" if pool is None else pool.salt
+        # which stage's blocks these are, across runs (meshnode.node.prefix_keep); empty:
+        # the pool is never kept for another run
+        self.identity = ""
         self._seqs: dict[RequestId, Tracked] = {}
 
     @classmethod
@@ -181,6 +184,12 @@ class StagePrefix:
         blocks = BlockPool(layers, c.num_kv_heads, c.head_dim, capacity, dtype, xp=stage.xp)
         pool = PrefixPool(blocks, salt, cached) if cached else None
         return cls(pool, blocks)
+
+    def reusable(self, identity: str, capacity: int) -> bool:
+        """Whether a stage of ``identity`` whose pool holds ``capacity`` blocks may take
+        this pool over (its old sequences all released): the same stage, same size."""
+        same = bool(identity) and identity == self.identity and not self._seqs
+        return same and self.pool is not None and self.pool.capacity == capacity
 
     def new_cache(self, max_tokens: int) -> PagedCache | None:
         """A paged cache of the stage's pool for a new sequence (None: no pool here)."""
@@ -276,7 +285,8 @@ class _Sent:
 class PrefixIndex:
     """The host side of the rule (module docstring): the keys of the blocks every stage of
     one pipeline should hold, least recently used first, at most ``limit``; ``salt`` is the
-    stages' (the run id: one run fixes the model, the KV dtype and the layer ranges)."""
+    stages' (the run's prefix seed: it names the model, the dtypes and the layer ranges,
+    :mod:`meshnode.node.prefix_keep`)."""
 
     def __init__(
         self,
@@ -345,6 +355,13 @@ class PrefixIndex:
             return []
         return [keys[end // self.block - 1]]
 
+    def believe(self, keys: Sequence[bytes]) -> None:
+        """Every stage holds the blocks of ``keys`` (least recently used first): what the
+        stages of a new run kept of an earlier one (:mod:`meshnode.node.prefix_keep`)."""
+        for key in keys[-self.limit :]:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+
     def missed(self, prompt: Sequence[int]) -> None:
         """A stage lacked ``prompt``'s prefix: believe none of its blocks any more."""
         for key in chain_keys(self.salt, prompt, self.block):
@@ -409,11 +426,14 @@ class HostStage(Protocol):
 
 
 def host_pools(
-    runner: HostStage, blocks: Sequence[int], salt: str
+    runner: HostStage, blocks: Sequence[int], salt: str, held: Sequence[bytes] = ()
 ) -> tuple[PrefixIndex | None, int | None]:
     """What a host keeps of its pipeline's pools: the index of the prefixes every stage
-    caches (:meth:`PrefixIndex.of_run`) and the KV blocks its requests may hold at once
-    (:func:`pipeline_blocks`). ``runner``: stage 0's; ``blocks``: each other stage's
-    ``Ready.prefix_block``; ``salt``: the run id."""
+    caches (:meth:`PrefixIndex.of_run`), believing ``held`` already, and the KV blocks its
+    requests may hold at once (:func:`pipeline_blocks`). ``runner``: stage 0's;
+    ``blocks``: each other stage's ``Ready.prefix_block``; ``salt``: the run's prefix
+    seed (:mod:`meshnode.node.prefix_keep`; the run id from an older host)."""
     index = PrefixIndex.of_run(runner.prefix, blocks, salt)
+    if index is not None:
+        index.believe(held)
     return index, pipeline_blocks(runner.prefix, runner.context_size, blocks)

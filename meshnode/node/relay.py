@@ -58,6 +58,14 @@ class Relay:
         self, run: WorkerRun, receive: trio.MemoryReceiveChannel[DataMessage]
     ) -> None:
         """Run the data messages of ``run`` one after another until the run is stopped."""
+        try:
+            await self._serve_all(run, receive)
+        finally:
+            run.idle.set()  # a forward it awaited has returned: trio waits for its thread
+
+    async def _serve_all(
+        self, run: WorkerRun, receive: trio.MemoryReceiveChannel[DataMessage]
+    ) -> None:
         with run.scope, receive:
             async for message in receive:
                 try:

@@ -69,7 +69,7 @@ from meshnode.node.pipeline import (
     StepFrame,
     StepResult,
 )
-from meshnode.node.prefix import host_pools, note_pass, note_release
+from meshnode.node.prefix import StagePrefix, host_pools, note_pass, note_release
 from meshnode.node.speeds import PassMeter, SpeedBook
 from meshnode.node.stage import StageRunner, step_activations, step_results
 from meshnode.node.stage_link import PassDeadline as PassDeadline  # callers import it here
@@ -235,6 +235,8 @@ class RemotePipeline(StageLink):
         speeds: SpeedBook | None = None,
         stage_weight_bytes: Sequence[int] = (),
         prefix_blocks: Sequence[int] = (),  # each other stage's Ready.prefix_block
+        prefix_seed: str = "",  # the run's Load.prefix_seed (empty: the run id)
+        prefix_held: Sequence[bytes] = (),  # blocks every stage kept of the run before
     ) -> None:
         super().__init__(
             run_id=run_id,
@@ -260,7 +262,9 @@ class RemotePipeline(StageLink):
         self._released = trio.Event()  # set by every release; wait_idle re-checks
         # Set when stage 0's compute missed its deadline: its thread's end (``_step``).
         self._hung: threading.Event | None = None
-        self.prefix, self.kv_blocks = host_pools(runner, prefix_blocks, run_id)  # issue 30
+        self.prefix, self.kv_blocks = host_pools(  # hook (issue 30)
+            runner, prefix_blocks, prefix_seed or run_id, prefix_held
+        )
 
     @property
     def context_size(self) -> int:
@@ -355,6 +359,16 @@ class RemotePipeline(StageLink):
         while self.runner.live_sequences:
             self._released = trio.Event()
             await self._released.wait()
+
+    async def keep_prefix(self) -> StagePrefix | None:
+        """Stage 0's prefix pool, its sequences released, for the next run to take over
+        (:mod:`meshnode.node.prefix_keep`); None when a stage-0 forward hangs (its thread
+        may still write to the pool). Call once the pipeline has ended."""
+        async with self.batcher.exclusive():
+            if self._hung is not None:
+                return None
+            self.runner.release_all()
+        return self.runner.prefix
 
     async def release(self, request_id: RequestId) -> None:
         # Between steps, so a release never races the worker thread's use of the cache;

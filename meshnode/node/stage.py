@@ -42,6 +42,7 @@ from meshnode.node.pipeline import (
     StepResult,
     TokenLogprob,
 )
+from meshnode.node.prefix import StagePrefix
 from meshnode.speculative.decide import Decision, decide
 
 T = TypeVar("T")
@@ -88,11 +89,15 @@ class StageRunner:
         grammars: Grammars | None = None,
         prefix_cache_bytes: int | None = None,
         prefix_salt: str = "",
+        prefix_identity: str = "",
+        prefix: StagePrefix | None = None,
     ):
         """``grammars`` builds the constraints of sequences that carry a grammar (last
         stage; without it such a sequence is refused). ``prefix_cache_bytes`` bounds the
         pool of cached prefixes (None: ``DEFAULT_PREFIX_CONTEXTS`` contexts; 0: none),
-        whose keys ``prefix_salt`` (the run id) seeds (:mod:`meshnode.node.prefix`)."""
+        whose keys ``prefix_salt`` (the run's prefix seed) seeds (:mod:`meshnode.node.prefix`);
+        ``prefix``: an earlier run's pool to take over, which ``prefix_identity`` names as
+        a pool of the same stage of the same pipeline (:mod:`meshnode.node.prefix_keep`)."""
         if context_size < 2 or max_sequences < 1:
             raise ValueError(f"bad limits: context {context_size}, sequences {max_sequences}")
         self.stage = stage
@@ -106,13 +111,14 @@ class StageRunner:
         # per request would churn hundreds of MiB per second under load.
         self._free_caches: list[Any] = []
         # Hook (issue 30): the pool of cached prefixes shared by this stage's sequences.
-        self.prefix = stage_prefix(
+        self.prefix = prefix or stage_prefix(
             stage,
             context_size,
             budget_bytes=prefix_cache_bytes,
             salt=prefix_salt,
             sequences=max_sequences,
         )
+        self.prefix.identity = prefix_identity
 
     @property
     def batches(self) -> bool:
@@ -187,7 +193,7 @@ class StageRunner:
     def admit(self, frame: StepFrame) -> None:
         """Check that ``frame`` fits the model, its sequence and the limits, creating the
         sequence for a frame at position 0. Raises StageError naming what does not fit."""
-        self._check_frame(frame)
+        _check_frame(self.stage.config, frame)
         self._check_positions(frame, self._sequence(frame))
         if not self.first and frame.hidden is None:
             raise StageError(f"frame of {frame.request_id} carries no hidden states")
@@ -229,6 +235,11 @@ class StageRunner:
         self._free_caches.append(seq.cache)
         return True
 
+    def release_all(self) -> None:
+        """Free every sequence (a run that ended: its pool may serve the next one)."""
+        for request_id in list(self._sequences):
+            self.release(request_id)
+
     # -- sequences --------------------------------------------------------------------
 
     def _sequence(self, frame: StepFrame) -> _Sequence:
@@ -261,32 +272,6 @@ class StageRunner:
                 seq.constraint = self._constraint(frame)
         self._sequences[frame.request_id] = seq
         return seq
-
-    def _check_frame(self, frame: StepFrame) -> None:
-        """Refuse a frame whose ids or shapes do not fit this model: frames come from other
-        nodes, and an id past the vocabulary would index past the embedding or the logits."""
-        vocab = self.stage.config.vocab_size
-        bad = next((t for t in frame.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise StageError(
-                f"frame of {frame.request_id}: token id {bad} is outside 0..{vocab - 1}"
-            )
-        top = frame.top_logprobs
-        if top is not None and not 0 <= top <= vocab:
-            raise StageError(f"frame of {frame.request_id}: top_logprobs {top} > {vocab} tokens")
-        probs = frame.draft_probs
-        if probs is not None and tuple(probs.shape) != (len(frame.tokens) - 1, vocab):
-            raise StageError(
-                f"frame of {frame.request_id}: draft_probs of shape {tuple(probs.shape)}, "
-                f"not {(len(frame.tokens) - 1, vocab)}"
-            )
-        hidden = frame.hidden
-        width = self.stage.config.hidden_size
-        if hidden is not None and tuple(hidden.shape) != (len(frame.tokens), width):
-            raise StageError(
-                f"frame of {frame.request_id}: activations of shape {tuple(hidden.shape)}, "
-                f"not {(len(frame.tokens), width)}"
-            )
 
     def _constraint(self, frame: StepFrame) -> Constraint:
         assert frame.grammar is not None
@@ -460,6 +445,31 @@ def _constrained(frame: StepFrame, seq: _Sequence, rows: Any) -> Any:
         return constraint.mask(rows, frame.drafts)
     except GrammarError as exc:
         raise StageError(f"sequence {frame.request_id}: {exc}") from exc
+
+
+def _check_frame(config: ModelConfig, frame: StepFrame) -> None:
+    """Refuse a frame whose ids or shapes do not fit this model: frames come from other
+    nodes, and an id past the vocabulary would index past the embedding or the logits."""
+    vocab = config.vocab_size
+    bad = next((t for t in frame.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise StageError(f"frame of {frame.request_id}: token id {bad} is outside 0..{vocab - 1}")
+    top = frame.top_logprobs
+    if top is not None and not 0 <= top <= vocab:
+        raise StageError(f"frame of {frame.request_id}: top_logprobs {top} > {vocab} tokens")
+    probs = frame.draft_probs
+    if probs is not None and tuple(probs.shape) != (len(frame.tokens) - 1, vocab):
+        raise StageError(
+            f"frame of {frame.request_id}: draft_probs of shape {tuple(probs.shape)}, "
+            f"not {(len(frame.tokens) - 1, vocab)}"
+        )
+    hidden = frame.hidden
+    width = config.hidden_size
+    if hidden is not None and tuple(hidden.shape) != (len(frame.tokens), width):
+        raise StageError(
+            f"frame of {frame.request_id}: activations of shape {tuple(hidden.shape)}, "
+            f"not {(len(frame.tokens), width)}"
+        )
 
 
 def _out_rows(frame: StepFrame) -> int:

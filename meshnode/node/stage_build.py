@@ -22,6 +22,8 @@ from meshnode.errors import RunError
 from meshnode.node import heap
 from meshnode.node.footprint import check_load
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
+from meshnode.node.prefix import StagePrefix
+from meshnode.node.prefix_keep import stage_identity, take_over
 from meshnode.node.stage import StageRunner
 
 log = logging.getLogger("meshnode.worker")
@@ -50,6 +52,9 @@ def build_runner(
     end: int,
     load: Load,
     memory_bytes: int | None = None,
+    *,
+    owner: tuple[str, str, str] = ("", "", ""),
+    kept: StagePrefix | None = None,
 ) -> StageRunner:
     """The stage runner ``load`` asks for, over ``source`` (blocking: call off the loop).
 
@@ -59,6 +64,11 @@ def build_runner(
     cannot hold or whose KV alone exceeds
     ``memory_bytes`` (a peer may ask for
     anything; each slot and each token of context costs memory per layer and sequence).
+
+    ``owner`` is (the coordinator that claimed this node, the package ref and pin this
+    node prepared: what ``source`` is);
+    ``kept`` an earlier run's pool, which the stage takes over when it is the same stage
+    of the same pipeline (:func:`~meshnode.node.prefix_keep.stage_identity`).
     """
     if load.ring_slots > MAX_RING_SLOTS:
         raise RunError(
@@ -69,6 +79,18 @@ def build_runner(
         backend = run_backend(backend, load.cpu_dtype)
     except BackendError as exc:
         raise RunError(f"Load: {exc}") from exc
+    salt = load.prefix_seed or load.run_id  # hook (issue 30): keyed by the pipeline
+    identity = stage_identity(
+        load.prefix_seed,
+        coordinator=owner[0],
+        model=owner[1:],
+        layers=(start, end, load.has_embed, load.has_head),
+        kv_dtype=load.kv_dtype,
+        backend=backend,
+        context_size=load.context_size,
+    )
+    prefix = take_over(kept, identity, salt, load.context_size)
+    kept = None  # not taken over: freed before the weights are mapped (a GPU's memory)
     config = ModelConfig.from_hf(source.config)
     kv = check_load(config, start, end, load.context_size, memory_bytes, load.kv_dtype)
     stage = Stage(
@@ -91,7 +113,9 @@ def build_runner(
         context_size=load.context_size,
         max_sequences=MAX_SEQUENCES_PER_STAGE,
         grammars=grammars if load.has_head else None,
-        prefix_salt=load.run_id,  # hook (issue 30): the host's chain keys are the run's
+        prefix_salt=salt,
+        prefix_identity=identity,
+        prefix=prefix,
     )
     heap.release_free_memory()  # what opening the model and loading the stage freed
     return runner

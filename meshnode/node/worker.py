@@ -87,8 +87,10 @@ from meshnode.node.fencing import (
 )
 from meshnode.node.fencing import may_send as may_send  # callers import it here
 from meshnode.node.peer_models import PeerModels
+from meshnode.node.prefix_keep import KEEP_POOL_S, KeptPool, held_keys
 from meshnode.node.relay import Relay
 from meshnode.node.selfmeasure import SelfMeasure, measure_or_reason, speed_report
+from meshnode.node.stage import StageRunner
 from meshnode.node.stage_build import build_runner as build_runner  # ditto
 from meshnode.node.worker_reports import inventory_report, run_status
 from meshnode.node.worker_run import (
@@ -140,6 +142,8 @@ class Worker:
         # This node's measured links to its peers, told in its reports (node/links.py).
         self._links = links
         self.run: WorkerRun | None = None
+        # A stopped run's prefix pool, for the next Load of the same stage (issue 30).
+        self._kept: KeptPool | None = None
 
     # -- status -----------------------------------------------------------------------
 
@@ -205,6 +209,8 @@ class Worker:
         if not superseded and run is not None:
             await self._send(peer, claim_rejection(self.node_id, run, peer, claim))
             return
+        if self._kept is not None and self._kept.coordinator != peer:
+            self._kept = None  # another host's blocks are never this one's
         if run is not None and run.run_id != claim.run_id:
             self.stop(f"superseded by run {claim.run_id}")
         if self.run is not None and self.run.run_id == claim.run_id:
@@ -288,10 +294,27 @@ class Worker:
             return
         source = prep.source
         start, end = load.layer_range
-        try:
-            runner = await trio.to_thread.run_sync(
-                lambda: build_runner(self._backend, source, start, end, load, self._memory_bytes)
+        # what the blocks of a kept pool are of; the pool goes to the builder alone, which
+        # frees it before the weights unless the stage takes it over
+        owner = (run.coordinator, prep.package_ref, prep.pin)
+        kept = [] if self._kept is None else [self._kept.prefix]
+        self._kept = None
+
+        def build() -> StageRunner:
+            memory = self._memory_bytes
+            return build_runner(
+                self._backend,
+                source,
+                start,
+                end,
+                load,
+                memory,
+                owner=owner,
+                kept=kept.pop() if kept else None,  # no reference left here
             )
+
+        try:
+            runner = await trio.to_thread.run_sync(build)
         except Exception as exc:  # reported to the coordinator
             await self._load_failed(peer, run, f"{type(exc).__name__}: {exc}")
             return
@@ -320,7 +343,9 @@ class Worker:
                 node_id=self.node_id,
                 endpoint=self.node_id,
                 layer_range=(start, end),
-                prefix_block=run.runner.prefix.block if run.runner else 0,  # hook (issue 30)
+                prefix_block=runner.prefix.block,  # hook (issue 30)
+                prefix_seed=load.prefix_seed,
+                prefix_keys=held_keys(runner.prefix),  # what it kept of an earlier run
             ),
         )
 
@@ -328,14 +353,34 @@ class Worker:
         run.state = RunState.FAILED
         await self._send(peer, run.error(ErrorCode.LOAD_FAILED, reason))
 
-    def stop(self, reason: str) -> None:
-        """Drop the run this node holds, if any, logging ``reason``."""
+    def stop(self, reason: str, *, keep: bool = True) -> None:
+        """Drop the run this node holds, if any, logging ``reason``; with ``keep``, its
+        prefix pool is kept for the next ``Load`` of the same stage (:meth:`_keep_pool`)."""
         if self.run is not None:
             log.info("run %s stopped: %s", self.run.run_id, reason)
             if self.run.preparation is not None:
                 self.run.preparation.cancel.set()  # a running fetch stops within a second
             self.run.scope.cancel()  # its inbox task, and a forward it awaits, end with it
+            if keep and self.run.runner is not None:
+                self._nursery.start_soon(self._keep_pool, self.run)
         self.run = None  # the runner, its caches and the mapped weights go with it
+
+    async def _keep_pool(self, run: WorkerRun) -> None:
+        """Keep the prefix pool of ``run`` (stopped) for ``KEEP_POOL_S``, once no forward of
+        its inbox can touch it (:mod:`meshnode.node.prefix_keep`)."""
+        with trio.move_on_after(KEEP_POOL_S):
+            await run.idle.wait()
+        runner, run.runner = run.runner, None  # the weights go now
+        if runner is None or not run.idle.is_set() or not runner.prefix.identity:
+            return  # a forward still runs (hung): the pool is not safe to reuse
+        if self.run is not None and self.run.runner is not None:
+            return  # a later run loaded meanwhile, with a pool of its own
+        runner.release_all()  # its sequences' committed blocks stay cached
+        kept = self._kept = KeptPool(runner.prefix, run.coordinator)
+        del runner
+        await trio.sleep(KEEP_POOL_S)
+        if self._kept is kept:
+            self._kept = None
 
     # -- data plane ---------------------------------------------------------------------
 

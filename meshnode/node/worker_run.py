@@ -103,6 +103,8 @@ class WorkerRun:
     # When the compute pass in progress began (trio clock; None: idle), for the
     # coordinator's probe after a missed pass deadline (InventoryReport.busy_ms).
     busy_since: float | None = None
+    # Set when the inbox task has ended: no forward of this run touches its runner any more.
+    idle: trio.Event = field(default_factory=trio.Event)
 
     def error(self, code: ErrorCode, reason: str, request_id: str = "") -> Error:
         """An ``Error`` about this run, for its coordinator (``request_id``: the request it

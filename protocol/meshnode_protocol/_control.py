@@ -16,8 +16,13 @@ from meshnode_protocol._records import (
     PeerLink,
     Range,
     check_range,
+    is_key,
 )
 from meshnode_protocol._tensor import DTYPE_SIZES, Tensor
+
+#: Keys a ``Ready`` reports: 33 bytes each in CBOR, so 1,024 take 34 KiB of the header's
+#: 64 KiB (``MAX_HEADER_BYTES``); a pool of four 4,096-token contexts in blocks of 16.
+MAX_READY_PREFIX_KEYS = 1024
 
 # -- membership ------------------------------------------------------------------------------
 
@@ -276,7 +281,11 @@ class Load(Message):
     verify pass the host will send: its largest window plus one); 0 leaves it to the stage.
     ``cpu_dtype`` is the arithmetic of the host's CPU stages, which a CPU stage that keeps
     GGUF blocks takes too: ``native`` (exact) or ``q8`` (8-bit activations); empty leaves
-    it to the stage's own ``--dtype``.
+    it to the stage's own ``--dtype``. ``prefix_seed`` (32 lowercase hex digits; empty: the
+    run id) seeds the hash chain that keys the stage's cached prefix blocks: the host
+    derives it from what changes the K/V of every stage (model and pin, layer ranges and
+    nodes, dtypes), not from the run, so that a stage re-loaded for the same pipeline keeps
+    its cached blocks and a replay resumes from them.
     """
 
     TYPE: ClassVar[int] = 17
@@ -295,9 +304,12 @@ class Load(Message):
     kv_dtype: str = "f16"
     ring_slots: UInt = 0
     cpu_dtype: str = ""
+    prefix_seed: str = ""
 
     def _validate(self) -> None:
         check_range("layer_range", self.layer_range)
+        if self.prefix_seed and not is_key(self.prefix_seed):
+            raise ValueError("prefix_seed is 32 lowercase hex digits")
         if self.wire_dtype not in DTYPE_SIZES:
             raise ValueError(f"wire_dtype must be one of {sorted(DTYPE_SIZES)}")
         if any(b <= 0 for b in self.batch_sizes):
@@ -309,7 +321,12 @@ class Ready(Message):
     """Node → coordinator: the stage is loaded and accepts activations at ``endpoint``.
     ``prefix_block`` is the block size of the stage's prefix cache (0: it keeps none, or
     the node predates the field); the host resumes requests from cached prefixes only
-    when every stage of the run announces its own block size."""
+    when every stage of the run announces its own block size. ``prefix_seed`` echoes the
+    ``Load``'s (the stage keys its blocks with it; empty: with the run id) and
+    ``prefix_keys`` are the keys (32 lowercase hex digits each) of the cached blocks the
+    stage kept from an earlier load of the same pipeline, most recently used first, at most
+    ``MAX_READY_PREFIX_KEYS``: the host resumes a replayed request from the prefix every
+    stage still holds."""
 
     TYPE: ClassVar[int] = 18
     run_id: str
@@ -318,9 +335,17 @@ class Ready(Message):
     endpoint: str
     layer_range: Range
     prefix_block: UInt = 0
+    prefix_seed: str = ""
+    prefix_keys: tuple[str, ...] = ()
 
     def _validate(self) -> None:
         check_range("layer_range", self.layer_range)
+        if self.prefix_seed and not is_key(self.prefix_seed):
+            raise ValueError("prefix_seed is 32 lowercase hex digits")
+        if len(self.prefix_keys) > MAX_READY_PREFIX_KEYS:
+            raise ValueError(f"more than {MAX_READY_PREFIX_KEYS} prefix_keys")
+        if not all(is_key(k) for k in self.prefix_keys):
+            raise ValueError("each of prefix_keys is 32 lowercase hex digits")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

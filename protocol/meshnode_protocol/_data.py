@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Final
 
 from meshnode_protocol._fields import UInt
-from meshnode_protocol._records import ACTIVATION_KINDS, Message, Record, Sampling
+from meshnode_protocol._records import ACTIVATION_KINDS, Message, Record, Sampling, is_key
 from meshnode_protocol._tensor import Tensor
 
 # -- data plane ------------------------------------------------------------------------------
@@ -74,7 +74,7 @@ class ActivationFrame(Message):
 
     def _validate(self) -> None:
         key = self.prefix_key
-        if key is not None and not (_is_key(key) and self.start_pos > 0):
+        if key is not None and not (is_key(key) and self.start_pos > 0):
             raise ValueError("prefix_key is 32 lowercase hex digits, at start_pos > 0")
         if self.kind not in ACTIVATION_KINDS:
             raise ValueError(f"kind must be one of {ACTIVATION_KINDS}, not {self.kind!r}")
@@ -105,10 +105,6 @@ class ActivationFrame(Message):
     def rows(self) -> int:
         """Number of positions in this frame: ``len(tokens) + len(draft_tokens)``."""
         return len(self.tokens) + len(self.draft_tokens)
-
-
-def _is_key(text: str) -> bool:
-    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Final
 
 from meshnode_protocol._control import (
+    MAX_READY_PREFIX_KEYS,
     Claim,
     ClaimAccepted,
     ClaimRejected,
@@ -62,6 +63,7 @@ __all__ = [
     "DEFAULT_FEATURES",
     "LINK_PROBE_FEATURE",
     "MAX_BATCH_FRAMES",
+    "MAX_READY_PREFIX_KEYS",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "SPEED_QUERY_FEATURE",

@@ -80,6 +80,11 @@ def check_range(name: str, value: Range | None) -> None:
         raise ValueError(f"{name} must be a range 0 <= start <= end, not {value}")
 
 
+def is_key(text: str) -> bool:
+    """Whether ``text`` is a prefix-cache key on the wire: 16 bytes as 32 lowercase hex."""
+    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
+
+
 # -- records nested in messages ---------------------------------------------------------------
 
 

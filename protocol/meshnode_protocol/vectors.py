@@ -224,6 +224,20 @@ EXAMPLES: Final[dict[str, Message]] = {
         context_size=4096,
         ring_slots=9,
     ),
+    # A Load whose prefix-cache keys are seeded by the pipeline, not the run (issue 30).
+    "load_prefix_seed": Load(
+        run_id=_RUN_ID,
+        term=_TERM,
+        package_ref="hf://org/smollm2@main",
+        manifest_sha256="",
+        layer_range=(10, 20),
+        has_embed=False,
+        has_head=False,
+        upstream=PeerInfo(node_id="node-a", address="10.0.0.1:7420"),
+        downstream=PeerInfo(node_id="node-c", address="10.0.0.3:7420"),
+        context_size=2048,
+        prefix_seed="5f0c" * 8,
+    ),
     # A Load from a host whose CPU stages compute exactly (--dtype native).
     "load_cpu_dtype": Load(
         run_id=_RUN_ID,
@@ -250,6 +264,18 @@ EXAMPLES: Final[dict[str, Message]] = {
         endpoint="10.0.0.3:7420",
         layer_range=(20, 30),
         prefix_block=32,
+    ),
+    # A re-loaded stage that kept two cached blocks of the same pipeline (its keys'
+    # chain seeded by the Load's prefix_seed), most recently used first.
+    "ready_prefix_keys": Ready(
+        run_id=_RUN_ID,
+        term=_TERM,
+        node_id="node-c",
+        endpoint="10.0.0.3:7420",
+        layer_range=(20, 30),
+        prefix_block=16,
+        prefix_seed="5f0c" * 8,
+        prefix_keys=("0123456789abcdef" * 2, "fedcba9876543210" * 2),
     ),
     "stop": Stop(run_id=_RUN_ID, term=_TERM, reason="node-b failed Load"),
     "status": Status(

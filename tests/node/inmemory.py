@@ -116,15 +116,18 @@ def add_worker(
     )
 
 
-def greedy_reference(package: Path) -> list[int]:
-    """Tokens a single whole-model stage decodes greedily from ``PROMPT``."""
+def greedy_reference(
+    package: Path, prompt: tuple[int, ...] = PROMPT, steps: int = STEPS, context: int = CONTEXT
+) -> list[int]:
+    """Tokens a single whole-model stage decodes greedily from ``prompt`` (``steps`` of
+    them, in a cache of ``context`` positions)."""
     source = open_ref(package)
     config = ModelConfig.from_hf(source.config)
     stage = Stage(config, source, 0, config.num_layers, embed=True, head=True)
-    cache = stage.new_cache(CONTEXT)
-    logits = stage.forward(np.asarray(PROMPT), 0, cache, out_rows=1)
+    cache = stage.new_cache(context)
+    logits = stage.forward(np.asarray(prompt), 0, cache, out_rows=1)
     tokens = [int(np.argmax(logits[-1]))]
-    for _ in range(STEPS - 1):
+    for _ in range(steps - 1):
         logits = stage.forward(np.asarray(tokens[-1:]), cache.length, cache, out_rows=1)
         tokens.append(int(np.argmax(logits[-1])))
     return tokens

@@ -76,6 +76,7 @@ class Host:
         split: int,
         speculation: Speculation | None = None,
         deadline: PassDeadline | None = None,
+        place_by_speed: bool = True,
     ) -> None:
         # The service's codec is never asked for anything here: runs are built by the test.
         self.service = ServeService(
@@ -93,6 +94,7 @@ class Host:
             split=split,
             wire_dtype="f32",
             pass_deadline=deadline or PassDeadline(),
+            place_by_speed=place_by_speed,
         )
         self.coordinator = Coordinator(
             mesh,
@@ -124,9 +126,14 @@ class Host:
         sampling: SamplingParams,
         on_tokens: Callable[[int], Awaitable[None]] | None = None,
         grammar: str | None = None,
+        *,
+        cache: bool = True,
     ) -> tuple[list[int], GenerationRun]:
-        """One request through the service's generation loop: its tokens and its run."""
-        params = GenerationParams(max_new_tokens=TOKENS, sampling=sampling, grammar=grammar)
+        """One request through the service's generation loop: its tokens and its run
+        (``cache``: its ``cache_prompt``)."""
+        params = GenerationParams(
+            max_new_tokens=TOKENS, sampling=sampling, grammar=grammar, cache_prompt=cache
+        )
         state = GenerationState(params, SilentDetokenizer())
         run = GenerationRun(RequestId(request), list(prompt), params, state)
         tokens: list[int] = []

@@ -14,6 +14,7 @@ from meshnode_protocol import (
     Message,
     Prediction,
     PredictionBatch,
+    Ready,
     Tensor,
 )
 from meshnode_protocol._fields import (
@@ -37,6 +38,8 @@ small = st.integers(min_value=0, max_value=8)
 # Within every float field's valid range (top_p, min_p are in (0, 1]).
 floats = st.floats(min_value=0.01, max_value=1.0)
 token_lists = st.lists(st.integers(0, 2**31), max_size=6).map(tuple)
+# prefix-cache keys and seeds: 16 bytes as 32 lowercase hex digits (empty: none)
+keys = st.binary(min_size=16, max_size=16).map(bytes.hex)
 
 
 @st.composite
@@ -156,6 +159,12 @@ SPECIAL: dict[type[Message], st.SearchStrategy[Any]] = {
         Load,
         wire_dtype=st.sampled_from(sorted(DTYPE_SIZES)),
         batch_sizes=st.lists(st.integers(1, 64), max_size=3).map(tuple),
+        prefix_seed=st.just("") | keys,
+    ),
+    Ready: records(
+        Ready,
+        prefix_seed=st.just("") | keys,
+        prefix_keys=st.lists(keys, max_size=4).map(tuple),
     ),
 }
 
