@@ -21,18 +21,27 @@ step, taken in turn (robust on a busy machine):
 - ``routed``: both in one compiled call, as the layer runs them
   (:func:`meshnode.engine.cpu.experts.route`: the same bits; compare with route + group);
 - ``experts``: the compiled call (gathers, each chosen expert's two products and its
-  activation, biases), without the sums;
+  activation, biases), without the sums, the same k experts every call: after the first,
+  their bytes (21 MB for Qwen3-30B-A3B) sit in the last-level cache;
+- ``cold``: the same call with other experts each time (every row of call i sent to experts
+  ``k i`` .. ``k i + k - 1``, modulo n): their bytes come from memory, as in a decode step,
+  where each layer's chosen experts were last read a whole step ago (the layer's n experts,
+  340 MB for Qwen3-30B-A3B, do not fit in the cache). Every set is called once before the
+  timing: the first touch of a memory-mapped page costs a page fault (for Qwen3-30B-A3B
+  about as much again as the products: 6.1 against 2.9 ms a layer, one row, load 6);
 - ``sums``: each row's weighted sum of its k experts;
 - ``layer``: the whole ``moe_mlp``, and ``other`` = layer - the steps it runs (router,
   routed, experts, sums);
 - ``dense``: the k experts' bytes of one row as one gate/up and one down product
   (what the products alone cost, one read of the same bytes);
-- ``experts c/w``, ``dense c/w``: their CPU cycles a weight read (at :data:`GHZ`).
+- ``experts c/w``, ``cold c/w``, ``dense c/w``: their CPU cycles a weight read (at
+  :data:`GHZ`).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -55,7 +64,7 @@ from meshnode.engine.moe import moe_mlp, route
 from meshnode.engine.moe_weights import ExpertWeights, MoeWeights, expert_slice, load_moe, matrix
 
 GHZ = 2.5  # this machine's clock (lscpu: Xeon @ 2.50GHz), for cycles a weight
-STEPS = ("router", "route", "group", "routed", "experts", "sums", "layer", "dense")
+STEPS = ("router", "route", "group", "routed", "experts", "cold", "sums", "layer", "dense")
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -117,6 +126,15 @@ def profile(shape: str, layers: int, mode: str, rows: int, repeats: int) -> dict
     out = np.empty_like(x)
 
     rule = (c.routing == "topk_softmax", c.norm_topk_prob)
+    base = np.arange(rows * c.top_k).reshape(rows, c.top_k)  # [r, k]
+    sets = [
+        experts.group((base + c.top_k * i) % c.num_experts) for i in range(c.num_experts // c.top_k)
+    ]
+    turn = itertools.count()
+
+    def cold() -> None:
+        ch, st, od = sets[next(turn) % len(sets)]
+        kernel(*gu.raws, *dn.raws, *act, x, ch, st, od, c.top_k, ys)
 
     def router() -> None:
         r = backend.linear(x, w.router, sizes)
@@ -137,14 +155,18 @@ def profile(shape: str, layers: int, mode: str, rows: int, repeats: int) -> dict
     }
     for fn in steps.values():
         fn()  # compiled and warm
+    for _ in sets:  # every set's pages mapped: a first touch costs a page fault
+        cold()
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(repeats):
         for name, fn in steps.items():
             times[name].append(_timed(fn))
+    times["cold"] = [_timed(cold) for _ in range(repeats)]  # apart: it evicts the others
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     med["other"] = med["layer"] - sum(med[k] for k in ("router", "routed", "experts", "sums"))
     per_expert = 3 * config.hidden_size * c.expert_size  # weights of gate, up and down
-    for k, held in (("experts", chosen.size), ("dense", c.top_k)):
+    cold_held = min(c.num_experts, rows * c.top_k)
+    for k, held in (("experts", chosen.size), ("cold", cold_held), ("dense", c.top_k)):
         med[f"{k} c/w"] = med[k] * 1e-3 * GHZ * 1e9 / (held * per_expert)
     return med
 
@@ -168,7 +190,7 @@ def main() -> None:
             moe_attention.run(shape, args.layers, args.context, args.repeats)
         moe_attention.gated(args.context, args.repeats)
         return
-    cols = (*STEPS[:-1], "other", "dense", "experts c/w", "dense c/w")
+    cols = (*STEPS[:-1], "other", "dense", "experts c/w", "cold c/w", "dense c/w")
     print(f"median thread CPU ms per call, {args.threads} kernel thread(s), layer 0; c/w:")
     print(f"cycles a weight the chosen experts hold, at {GHZ} GHz")
     print(f"{'shape':<14} {'mode':<6} {'rows':>4} " + " ".join(f"{k:>11}" for k in cols))

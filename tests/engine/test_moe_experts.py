@@ -111,6 +111,22 @@ def test_compiled_experts_give_the_expert_at_a_time_bits(
         assert np.array_equal(got, want), (mode, n, count)
 
 
+@pytest.mark.parametrize("copies", [2, 4, 5])  # 5: over ONE_ROW_EXPERTS, one product
+def test_q8_few_rows_an_expert_give_the_multi_row_bits(
+    layer: tuple[MoeConfig, MoeWeights], copies: int, threads: list[int]
+) -> None:
+    """An expert that few rows chose multiplies them one at a time in q8 (the 8-row lanes
+    would cost it more); the bits are the multi-row product's, as the expert-at-a-time
+    path computes it. Copies of one row choose the same experts: each gets them all."""
+    config, w = layer
+    backend = cpu_backend("q8")
+    x = np.repeat(_rows(1, seed=3), copies, axis=0)
+    want = _expert_at_a_time(backend, config, w, x)
+    got = moe.moe_mlp(backend, config, w, x)
+    assert np.array_equal(got, want)
+    assert np.array_equal(got[0], got[-1])
+
+
 def test_q8_mode_takes_a_prefill_in_one_call(layer: tuple[MoeConfig, MoeWeights]) -> None:
     """The 8-bit products take any rows the same way: a prefill's experts too."""
     config, w = layer

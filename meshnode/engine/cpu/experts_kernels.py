@@ -18,7 +18,20 @@ from meshnode.engine.cpu import kernels, q8_kernels
 from meshnode.engine.cpu.glu import SILU, clamped_glu, glu
 from meshnode.engine.cpu.simd import INNER, entry, inner
 
-__all__ = ["experts_kernel", "sums"]
+__all__ = ["ONE_ROW_EXPERTS", "experts_kernel", "sums"]
+
+# In --dtype q8, an expert chosen by at most this many rows multiplies them one row at a
+# time. The 8-bit product of 2-16 rows (.q8_kernels._group) computes eight rows' lanes
+# whatever the count, so a few rows cost it nearly what eight do. Measured on layer 0 of
+# the Qwen3-30B-A3B shape (Q4_K, one thread; this call's thread CPU time, 1 and this
+# value alternating in one process, load 6-9; the same output bits checked): every row
+# sent to the same 8 experts, 4 rows 13.4 -> 9.9 ms, 6
+# rows 22 -> 19 (noisy, about even); 8 random decode rows (~52 experts, ~12 of them
+# twice) 48 -> 30 ms, 16 rows 123 -> 62. The bits are the same: an 8-bit product computes
+# each row alone, whatever rows share it (.q8_kernels). The exact products keep their
+# multi-row tiles, which do better there (8 random rows 47 ms against 51 one row at a
+# time for experts of at most 4; 2 rows every expert 10.4 against 14.4).
+ONE_ROW_EXPERTS = 4
 
 
 def _product(fa: Any, fb: Any, fc: Any, q8: Any, a: Any, b: Any, c: Any, x: Any, out: Any) -> None:
@@ -51,6 +64,8 @@ def experts_kernel(gate_up: tuple[int, int, int, int], down: tuple[int, int, int
     of :func:`meshnode.engine.moe.expert_mlp` (float32 adds, the same activations)."""
     ga_f, gb_f, gc_f, g_q8 = gate_up
     da_f, db_f, dc_f, d_q8 = down
+    g_one = ONE_ROW_EXPERTS if g_q8 else 1  # rows a product goes one row at a time
+    d_one = ONE_ROW_EXPERTS if d_q8 else 1
 
     @entry(nogil=True)
     def experts(  # type: ignore[no-untyped-def]
@@ -66,7 +81,11 @@ def experts_kernel(gate_up: tuple[int, int, int, int], down: tuple[int, int, int
             for i in range(rows):
                 xe[i] = x[order[lo + i] // k]
             g = np.empty((rows, 2 * inter), np.float32)
-            _product(ga_f, gb_f, gc_f, g_q8, ga[e], gb[e], gc[e], xe.reshape(-1), g)
+            if rows <= g_one:
+                for i in range(rows):
+                    _product(ga_f, gb_f, gc_f, g_q8, ga[e], gb[e], gc[e], xe[i], g[i : i + 1])
+            else:
+                _product(ga_f, gb_f, gc_f, g_q8, ga[e], gb[e], gc[e], xe.reshape(-1), g)
             _add_rows(g, gbias, e)
             act = np.empty((rows, inter), np.float32)
             if kind == 0:
@@ -74,7 +93,11 @@ def experts_kernel(gate_up: tuple[int, int, int, int], down: tuple[int, int, int
             else:
                 clamped_glu(g, alpha, limit, act)
             y = np.empty((rows, width), np.float32)
-            _product(da_f, db_f, dc_f, d_q8, da[e], db[e], dc[e], act.reshape(-1), y)
+            if rows <= d_one:
+                for i in range(rows):
+                    _product(da_f, db_f, dc_f, d_q8, da[e], db[e], dc[e], act[i], y[i : i + 1])
+            else:
+                _product(da_f, db_f, dc_f, d_q8, da[e], db[e], dc[e], act.reshape(-1), y)
             _add_rows(y, dbias, e)
             for i in range(rows):
                 ys[order[lo + i]] = y[i]
