@@ -187,3 +187,22 @@ def test_a_product_gets_a_thread_per_parallel_min_bytes_of_matrix(
     _ = x @ m
     assert idle_pool.posted == before + 1
     assert idle_pool._st[pool.ACTIVE] == 2
+
+
+@pytest.mark.parametrize(
+    ("n_out", "n_in", "k", "rows"),
+    [
+        (16384, 2048, 1, 256),  # Llama-3.2-1B gate/up, decode: CHUNK_WORK weights
+        (16384, 2048, 8, 32),  # 8 streams: an eighth of those weights
+        (2048, 8192, 8, pool.LEAST_ROWS),  # its down projection: 8 rows of 8192 a chunk, raised
+        (576, 576, 1, 32),  # SmolLM2: about CHUNKS_PER_THREAD chunks a thread (36), whole 8s
+        (2048, 2048, 512, pool.LEAST_ROWS),  # a prefill's: whole q8 tiles of 16 rows
+    ],
+)
+def test_a_chunk_holds_about_chunk_work_weights_times_activation_rows(
+    n_out: int, n_in: int, k: int, rows: int
+) -> None:
+    assert pool.chunk_rows(n_out, n_in, k, 2) == rows
+    assert rows % 8 == 0
+    assert rows >= pool.LEAST_ROWS
+    assert rows == pool.LEAST_ROWS or rows * n_in * k <= pool.CHUNK_WORK

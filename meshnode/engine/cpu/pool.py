@@ -44,7 +44,7 @@ import numpy as np
 from meshnode.engine.cpu.atomics import call3, cas, fetch_add, load, pause, store
 from meshnode.engine.cpu.simd import entry, inner
 
-__all__ = ["CHUNK_ROWS", "CoreGauge", "KernelPool", "usable_cpus"]
+__all__ = ["CHUNK_ROWS", "CoreGauge", "KernelPool", "chunk_rows", "usable_cpus"]
 
 # The words of the shared array. Words written by different threads sit on their own
 # 64-byte lines (8 words), so a spinning helper's reads do not slow the writers.
@@ -58,29 +58,45 @@ BUSY = SLEEPING + 8 * ((MAX_HELPERS + 8) // 8)  # + who: 1 + (generation << 20 |
 JOB = BUSY + 8 * ((MAX_HELPERS + 8) // 8)  # the job's fields, written by the poster
 FN, A, NA, RBA, B, NB, RBB, C, NC, RBC = range(JOB, JOB + 10)
 X, K, N_IN, OUT, N_OUT, SCRATCH, STRIDE, CA, CB, ROWS = range(JOB + 10, JOB + 20)
+REDONE = JOB + 20  # chunks the caller computed that a helper held (written by the caller)
 WORDS = JOB + 24
 
 _FIELD = (1 << 20) - 1  # chunk count and next chunk: 20 bits each
 _MAX_GEN = (1 << 23) - 1  # generations: the claim word's other 23 bits
-# Output rows per chunk, at least (4-row tiles), about CHUNKS_PER_THREAD chunks per thread
-# (balance, few claims: a cache line passed between cores, ~0.1 µs each), and at most
-# about CHUNK_WORK weights times activation rows per chunk: 2-15 µs for the products of a
-# layer (SmolLM2: 32 rows of 576 Q4_1 one row ~2 µs, 224 rows ~13 µs), up to ~50 µs for
-# an output head (Gemma 3: 819 rows of 640 Q8_0), still below PATIENCE_MICROSECONDS.
-# Measured at 2 threads (Gemma 3 decode, in one process, a raised priority): CHUNK_WORK
-# 2**19 against 2**17 (~15 µs head chunks) 9.23 -> 8.87 ms for the 262k-row head; more,
-# smaller chunks (16 per thread, 8 or 16 rows at least) were slower.
-CHUNK_ROWS = 32
+# Output rows per chunk of a product: at least LEAST_ROWS (a whole number of the kernels'
+# groups of weight rows: the exact kernels' 4, the q8 one-row kernel's 8, the q8 tiles'
+# 16), about CHUNKS_PER_THREAD chunks per thread (balance, few claims: a cache line
+# passed between cores, ~0.1 µs each), and at most about CHUNK_WORK weights times
+# activation rows: 2-15 µs for the products of a layer of SmolLM2 (32 rows of 576 Q4_1
+# one row ~2 µs, 224 rows ~13 µs), up to ~50 µs for an output head (Gemma 3: 819 rows of
+# 640 Q8_0); on the Llama-3.2-1B shape (one thread's CPU time) ~35 µs for a q8 decode
+# product, 25-65 µs for its 8-row ones, ~80-110 µs for an exact decode product's (0.4-0.55
+# cycles a weight), all below PATIENCE_MICROSECONDS. Measured at 2 threads (Gemma 3
+# decode, in one process, a raised priority): CHUNK_WORK 2**19 against 2**17 (~15 µs head
+# chunks) 9.23 -> 8.87 ms for the 262k-row head; more, smaller chunks (16 per thread, 8 or
+# 16 rows at least) were slower. Each activation row counts fully: at real size k rows
+# cost about k times one row (Llama-3.2-1B, q8: 8 rows ~1.0 cycles a weight, one row
+# ~0.17). The rule before weighed k rows as 1 + k // 4 (and took 32 rows at least): that
+# shape's 8-row chunks were 70-130 µs, the longest (32 rows of 8192 down-projection
+# weights) past the patience, where the caller computes the helper's chunk again.
+LEAST_ROWS = 16
 CHUNK_WORK = 1 << 19
 CHUNKS_PER_THREAD = 8
+# Rows of a call that names its own chunks (the attention's query groups): one task per
+# chunk, as its compiled chunk function counts them.
+CHUNK_ROWS = 32
 # How long a helper spins for the next chunk before it sleeps: longer than the gaps
 # between the products of one forward (attention, norms: ~10-100 µs), short enough that a
 # busy machine loses little and an idle node sleeps between tokens.
 SPIN_MICROSECONDS = 300
-# How long the caller waits for the chunks helpers hold before computing them itself:
-# many times a chunk's few microseconds, far below a time slice (milliseconds) that a
-# descheduled helper would make it wait on a busy machine.
-PATIENCE_MICROSECONDS = 100
+# How long the caller waits for the chunks helpers hold before computing them itself: a
+# few times the longest chunk (~100 µs, above), far below a time slice (milliseconds)
+# that a descheduled helper would make it wait on a busy machine. At 100 µs, the 8-row
+# steps of the Llama-3.2-1B shape at 2 threads on a busy machine (load 8) had ~10 chunks
+# a step computed twice and ~5 products a step declined (a helper still held a chunk of
+# the last one), and took 1.07x one thread's CPU time; at 300 µs, 1.00x
+# (benchmarks/streams_step.py).
+PATIENCE_MICROSECONDS = 300
 
 
 # How often the pool looks at the cores' idle time (/proc/stat counts it in 10 ms ticks),
@@ -163,6 +179,15 @@ def usable_cpus() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
+def chunk_rows(n_out: int, n_in: int, k: int, threads: int) -> int:
+    """Output rows per chunk of a product of ``k`` activation rows of ``n_in`` into
+    ``n_out`` outputs on ``threads`` threads: about :data:`CHUNKS_PER_THREAD` chunks per
+    thread, of at most about :data:`CHUNK_WORK` weights times activation rows, at least
+    :data:`LEAST_ROWS`, a multiple of 8."""
+    rows = min(-(-n_out // (CHUNKS_PER_THREAD * threads)), CHUNK_WORK // (n_in * max(1, k)))
+    return max(LEAST_ROWS, rows - rows % 8)
+
+
 @inner
 def _claim_and_run(st, who):  # type: ignore[no-untyped-def]
     # claim chunks of the current job until none is left; how many this thread ran. A
@@ -231,6 +256,7 @@ def _work(st, patience):  # type: ignore[no-untyped-def]
                 held = load(st, BUSY + who) - 1
                 if held >= 0 and held >> 20 == gen:
                     call3(load(st, FN), st.ctypes.data, 0, held & _FIELD)
+                    store(st, REDONE, load(st, REDONE) + 1)
             return
 
 
@@ -295,6 +321,13 @@ class KernelPool:
         self._spins = self._patience = 0  # SPIN_ and PATIENCE_MICROSECONDS, in iterations
         self._last: tuple[Any, ...] = ()  # the last job's arrays, while a helper may use them
         self.posted = 0  # products shared so far
+        self.declined = 0  # products left to the caller: a helper still held a chunk
+
+    @property
+    def redone(self) -> int:
+        """Chunks the caller computed itself because a helper held them past the
+        patience (so far; the helper computed them too)."""
+        return int(self._st[REDONE])
 
     @property
     def gauge(self) -> CoreGauge:
@@ -310,11 +343,13 @@ class KernelPool:
         out: Any,
         threads: int,
         keep: object = None,
+        rows: int | None = None,
     ) -> bool:
         """Compute ``out`` (``[k, n_out]``) = ``x`` (``k`` rows of ``n_in``, flat) times
         the stacked ``parts`` ``(a, b, c)`` on up to ``threads`` threads, chunk by chunk
         with the cfunc at address ``fn`` (:func:`.kernels.chunk_kernel`). ``keep``: what
         else the chunks read or write by address, held as the job's arrays are (below).
+        ``rows``: the rows of ``parts`` per chunk (None: :func:`chunk_rows`).
 
         Returns False, having done nothing, when fewer than two threads would run (the
         cap, or the cores other processes leave free), when another thread is using the
@@ -327,7 +362,7 @@ class KernelPool:
         if threads < 2 or not self._lock.acquire(blocking=False):
             return False
         try:
-            return self._post(fn, parts, x, out, threads, keep)
+            return self._post(fn, parts, x, out, threads, keep, rows)
         finally:
             self._lock.release()
 
@@ -344,7 +379,14 @@ class KernelPool:
         return True
 
     def _post(
-        self, fn: int, parts: tuple[Any, Any, Any], x: Any, out: Any, threads: int, keep: object
+        self,
+        fn: int,
+        parts: tuple[Any, Any, Any],
+        x: Any,
+        out: Any,
+        threads: int,
+        keep: object,
+        rows: int | None,
     ) -> bool:
         """Post the job, wake the helpers that sleep, do the caller's share."""
         k, n_out = out.shape
@@ -352,10 +394,7 @@ class KernelPool:
         # scratch a thread: the exact kernels' 4 n_in decoded values, the q8 tiles' 26 n_in
         # bytes (.q8_tiles.scratch_bytes)
         self._start(threads, 7 * n_in)
-        # chunks of CHUNK_ROWS rows or more, about CHUNKS_PER_THREAD per thread, and of at most
-        # CHUNK_WORK weights times rows (a row's decode weighs as much as 4 rows' FMAs)
-        rows = min(-(-n_out // (CHUNKS_PER_THREAD * threads)), CHUNK_WORK // (n_in * (1 + k // 4)))
-        rows = max(CHUNK_ROWS, rows - rows % 4)
+        rows = chunk_rows(n_out, n_in, k, threads) if rows is None else rows
         self._gen = self._gen % _MAX_GEN + 1
         a, b, c = parts
         args = (self._st, fn, self._gen, a, b, c, x, out, self._scratch, rows, self._patience)
@@ -364,6 +403,7 @@ class KernelPool:
             # a helper descheduled mid-chunk of the last job (which the caller then
             # finished) still reads its fields and writes its output: no new job, and
             # the last one's arrays kept, until it is done
+            self.declined += 1
             return False
         self._last = (parts, x, out, self._scratch, keep)
         self.posted += 1
