@@ -3,7 +3,7 @@
 
 Run: ``OPENBLAS_NUM_THREADS=1 nice .venv/bin/python benchmarks/streams_step.py [--shape 1b]
 [--layers N] [--dtype q8|native] [--threads 1 2] [--rounds 5] [--steps 4]
-[--compare-old]``
+[--patience-us P ...]``
 
 One stage holds the whole random-weight GGUF of ``--shape`` (``benchmarks/realsize_gguf.py``,
 Q4_K_M mix; ``--layers`` cuts its depth). Eight sequences are prefilled with 16 tokens each
@@ -19,8 +19,9 @@ the one thread's (1.00: no work added by sharing; more: spinning, waiting, or co
 slowing each other). The pool's counts per step tell how many products were shared, how
 many it declined (a helper still held a chunk of the last one) and how many chunks the
 caller computed again (a helper held them past the pool's patience).
-``--compare-old`` also times, at each thread count above one, the pool's chunk sizes and
-patience as they were before issue 29's change (a setup of its own in the same rounds).
+``--patience-us`` times the pool's patience (how long the caller waits for a helper's
+chunk before computing it itself) at each of these values, each a setup of its own in the
+same rounds (at each thread count above one).
 
 The machine is shared: ``uptime`` is printed first and last; read ratios, and CPU times
 (less disturbed by other processes than walls).
@@ -49,25 +50,14 @@ PROMPT = 16
 
 
 class Setup(NamedTuple):
-    """A measured configuration: kernel threads, and the pool's chunk rule ("new": the
-    tree's; "old": main's before issue 29's change, :func:`old_chunk_rows`, with a
-    patience of 100 µs)."""
+    """A measured configuration: kernel threads, and the pool's patience in µs (None: the
+    pool's own, :data:`.pool.PATIENCE_MICROSECONDS`)."""
 
     threads: int
-    rule: str
+    patience: float | None
 
     def __str__(self) -> str:
-        return f"{self.threads}t" + (f" {self.rule} chunks" if self.threads > 1 else "")
-
-
-def old_chunk_rows(n_out: int, n_in: int, k: int, threads: int) -> int:
-    """The pool's chunk rows before issue 29's change: k rows weighed as 1 + k // 4, 32
-    rows at least."""
-    rows = min(-(-n_out // (8 * threads)), (1 << 19) // (n_in * (1 + k // 4)))
-    return max(32, rows - rows % 4)
-
-
-OLD_PATIENCE_US = 100
+        return f"{self.threads}t" + ("" if self.patience is None else f" {self.patience:g} us")
 
 
 PARTS = ("qkv", "out", "gate_up", "down", "head", "attention", "glu", "add+norm")
@@ -199,24 +189,21 @@ def run(args: argparse.Namespace) -> None:
         now = (pool.posted, pool.declined, pool.redone)
         return spent, tuple((b - a) / args.steps for a, b in zip(counts, now, strict=True))
 
-    setups = [Setup(t, "new") for t in args.threads if t == 1]
-    rules = ["new", "old"] if args.compare_old else ["new"]
-    setups += [Setup(t, rule) for t in args.threads if t > 1 for rule in rules]
-    new_rows, new_patience = pool_module.chunk_rows, 0
+    setups = [Setup(t, None) for t in args.threads if t == 1]
+    setups += [Setup(t, p) for t in args.threads if t > 1 for p in args.patience_us or [None]]
+    calibrated = 0  # the pool's patience in iterations, once it has started
 
     def use(setup: Setup) -> None:
         set_kernel_threads(setup.threads)
-        old = setup.rule == "old"
-        pool_module.chunk_rows = old_chunk_rows if old else new_rows
-        if new_patience:  # in iterations, from the pool's calibration
-            us = OLD_PATIENCE_US if old else pool_module.PATIENCE_MICROSECONDS
-            pool._patience = int(new_patience * us / pool_module.PATIENCE_MICROSECONDS)
+        if calibrated and setup.threads > 1:
+            us = pool_module.PATIENCE_MICROSECONDS if setup.patience is None else setup.patience
+            pool._patience = int(calibrated * us / pool_module.PATIENCE_MICROSECONDS)
 
     for setup in setups:  # warm-up: kernels compiled or loaded, helpers started
         use(setup)
         clocks.helpers = helper_clocks()
         steps()
-        new_patience = new_patience or pool._patience
+        calibrated = calibrated or pool._patience
     clocks.helpers = helper_clocks()
     results: dict[Setup, list[dict[str, list[float]]]] = defaultdict(list)
     posted: dict[Setup, tuple[float, ...]] = {}
@@ -281,7 +268,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4, help="decode steps per measurement")
     parser.add_argument(
-        "--compare-old", action="store_true", help="also main's chunk rule, at > 1 thread"
+        "--patience-us", type=float, nargs="+", help="the pool's patience to try (> 1 thread)"
     )
     args = parser.parse_args()
     print("uptime:", uptime(), flush=True)

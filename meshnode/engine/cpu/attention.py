@@ -542,9 +542,6 @@ def attend_shared(
     block, tasks = task_args(*args, threads)
     parts = (np.zeros((tasks * pool.CHUNK_ROWS, 1), np.uint8), _EMPTY, _EMPTY)
     chunk = _chunk(isinstance(kv, np.uint16))
-    shared = matrix._pool().run(
-        chunk, parts, block, _NO_OUT, threads, keep=keep, rows=pool.CHUNK_ROWS
-    )  # a task per chunk
-    if not shared:
+    if not matrix._pool().run(chunk, parts, block, _NO_OUT, threads, keep=keep):
         rest = (eps, cos, sin, scale, window, sinks, last, out, kv)
         queries(qkv, table, layer, heads, q_norm, k_norm, *rest, False)

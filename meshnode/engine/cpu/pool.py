@@ -63,39 +63,31 @@ WORDS = JOB + 24
 
 _FIELD = (1 << 20) - 1  # chunk count and next chunk: 20 bits each
 _MAX_GEN = (1 << 23) - 1  # generations: the claim word's other 23 bits
-# Output rows per chunk of a product: at least LEAST_ROWS (a whole number of the kernels'
-# groups of weight rows: the exact kernels' 4, the q8 one-row kernel's 8, the q8 tiles'
-# 16), about CHUNKS_PER_THREAD chunks per thread (balance, few claims: a cache line
-# passed between cores, ~0.1 µs each), and at most about CHUNK_WORK weights times
-# activation rows: 2-15 µs for the products of a layer of SmolLM2 (32 rows of 576 Q4_1
-# one row ~2 µs, 224 rows ~13 µs), up to ~50 µs for an output head (Gemma 3: 819 rows of
-# 640 Q8_0); on the Llama-3.2-1B shape (one thread's CPU time) ~35 µs for a q8 decode
-# product, 25-65 µs for its 8-row ones, ~80-110 µs for an exact decode product's (0.4-0.55
-# cycles a weight), all below PATIENCE_MICROSECONDS. Measured at 2 threads (Gemma 3
-# decode, in one process, a raised priority): CHUNK_WORK 2**19 against 2**17 (~15 µs head
-# chunks) 9.23 -> 8.87 ms for the 262k-row head; more, smaller chunks (16 per thread, 8 or
-# 16 rows at least) were slower. Each activation row counts fully: at real size k rows
-# cost about k times one row (Llama-3.2-1B, q8: 8 rows ~1.0 cycles a weight, one row
-# ~0.17). The rule before weighed k rows as 1 + k // 4 (and took 32 rows at least): that
-# shape's 8-row chunks were 70-130 µs, the longest (32 rows of 8192 down-projection
-# weights) past the patience, where the caller computes the helper's chunk again.
-LEAST_ROWS = 16
+# Output rows per chunk, at least (4-row tiles), about CHUNKS_PER_THREAD chunks per thread
+# (balance, few claims: a cache line passed between cores, ~0.1 µs each), and at most
+# about CHUNK_WORK weights times activation rows per chunk: 2-15 µs for the products of a
+# layer (SmolLM2: 32 rows of 576 Q4_1 one row ~2 µs, 224 rows ~13 µs), up to ~50 µs for
+# an output head (Gemma 3: 819 rows of 640 Q8_0). Measured at 2 threads (Gemma 3 decode,
+# in one process, a raised priority): CHUNK_WORK 2**19 against 2**17 (~15 µs head chunks)
+# 9.23 -> 8.87 ms for the 262k-row head; more, smaller chunks (16 per thread, 8 or 16 rows
+# at least) were slower. At real size chunks are longer: on the Llama-3.2-1B shape (one
+# thread's CPU time, busy machine) ~70 µs for the q8 8-row products, ~130 µs for the 8-row
+# down projection (32 rows of 8192), ~80-110 µs for an exact decode product. Weighing
+# each activation row fully (chunks a third as long for 8 rows, 16 rows at least) cost
+# 2-4 % more CPU at 2 threads there (each chunk starts with weights not yet asked for)
+# and saved less in the wait for the last chunk (benchmarks/streams_step.py).
+CHUNK_ROWS = 32
 CHUNK_WORK = 1 << 19
 CHUNKS_PER_THREAD = 8
-# Rows of a call that names its own chunks (the attention's query groups): one task per
-# chunk, as its compiled chunk function counts them.
-CHUNK_ROWS = 32
 # How long a helper spins for the next chunk before it sleeps: longer than the gaps
 # between the products of one forward (attention, norms: ~10-100 µs), short enough that a
 # busy machine loses little and an idle node sleeps between tokens.
 SPIN_MICROSECONDS = 300
 # How long the caller waits for the chunks helpers hold before computing them itself: a
-# few times the longest chunk (~100 µs, above), far below a time slice (milliseconds)
-# that a descheduled helper would make it wait on a busy machine. At 100 µs, the 8-row
-# steps of the Llama-3.2-1B shape at 2 threads on a busy machine (load 8) had ~10 chunks
-# a step computed twice and ~5 products a step declined (a helper still held a chunk of
-# the last one), and took 1.07x one thread's CPU time; at 300 µs, 1.00x
-# (benchmarks/streams_step.py).
+# few times the longest chunk (~130 µs at real size, above: with 100 µs the caller
+# computed a normal helper's down-projection chunk again about one time in four), far
+# below a time slice (milliseconds) that a descheduled helper would make it wait on a
+# busy machine.
 PATIENCE_MICROSECONDS = 300
 
 
@@ -182,10 +174,10 @@ def usable_cpus() -> set[int]:
 def chunk_rows(n_out: int, n_in: int, k: int, threads: int) -> int:
     """Output rows per chunk of a product of ``k`` activation rows of ``n_in`` into
     ``n_out`` outputs on ``threads`` threads: about :data:`CHUNKS_PER_THREAD` chunks per
-    thread, of at most about :data:`CHUNK_WORK` weights times activation rows, at least
-    :data:`LEAST_ROWS`, a multiple of 8."""
-    rows = min(-(-n_out // (CHUNKS_PER_THREAD * threads)), CHUNK_WORK // (n_in * max(1, k)))
-    return max(LEAST_ROWS, rows - rows % 8)
+    thread, of at most :data:`CHUNK_WORK` weights times rows (a row's decode weighs as
+    much as 4 rows' FMAs), at least :data:`CHUNK_ROWS`, a multiple of 4."""
+    rows = min(-(-n_out // (CHUNKS_PER_THREAD * threads)), CHUNK_WORK // (n_in * (1 + k // 4)))
+    return max(CHUNK_ROWS, rows - rows % 4)
 
 
 @inner
@@ -343,13 +335,11 @@ class KernelPool:
         out: Any,
         threads: int,
         keep: object = None,
-        rows: int | None = None,
     ) -> bool:
         """Compute ``out`` (``[k, n_out]``) = ``x`` (``k`` rows of ``n_in``, flat) times
         the stacked ``parts`` ``(a, b, c)`` on up to ``threads`` threads, chunk by chunk
         with the cfunc at address ``fn`` (:func:`.kernels.chunk_kernel`). ``keep``: what
         else the chunks read or write by address, held as the job's arrays are (below).
-        ``rows``: the rows of ``parts`` per chunk (None: :func:`chunk_rows`).
 
         Returns False, having done nothing, when fewer than two threads would run (the
         cap, or the cores other processes leave free), when another thread is using the
@@ -362,7 +352,7 @@ class KernelPool:
         if threads < 2 or not self._lock.acquire(blocking=False):
             return False
         try:
-            return self._post(fn, parts, x, out, threads, keep, rows)
+            return self._post(fn, parts, x, out, threads, keep)
         finally:
             self._lock.release()
 
@@ -379,14 +369,7 @@ class KernelPool:
         return True
 
     def _post(
-        self,
-        fn: int,
-        parts: tuple[Any, Any, Any],
-        x: Any,
-        out: Any,
-        threads: int,
-        keep: object,
-        rows: int | None,
+        self, fn: int, parts: tuple[Any, Any, Any], x: Any, out: Any, threads: int, keep: object
     ) -> bool:
         """Post the job, wake the helpers that sleep, do the caller's share."""
         k, n_out = out.shape
@@ -394,7 +377,7 @@ class KernelPool:
         # scratch a thread: the exact kernels' 4 n_in decoded values, the q8 tiles' 26 n_in
         # bytes (.q8_tiles.scratch_bytes)
         self._start(threads, 7 * n_in)
-        rows = chunk_rows(n_out, n_in, k, threads) if rows is None else rows
+        rows = chunk_rows(n_out, n_in, k, threads)
         self._gen = self._gen % _MAX_GEN + 1
         a, b, c = parts
         args = (self._st, fn, self._gen, a, b, c, x, out, self._scratch, rows, self._patience)
