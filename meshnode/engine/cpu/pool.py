@@ -73,9 +73,10 @@ _MAX_GEN = (1 << 23) - 1  # generations: the claim word's other 23 bits
 # at least) were slower. At real size chunks are longer: on the Llama-3.2-1B shape (one
 # thread's CPU time, busy machine) ~70 µs for the q8 8-row products, ~130 µs for the 8-row
 # down projection (32 rows of 8192), ~80-110 µs for an exact decode product. Weighing
-# each activation row fully (chunks a third as long for 8 rows, 16 rows at least) cost
-# 2-4 % more CPU at 2 threads there (each chunk starts with weights not yet asked for)
-# and saved less in the wait for the last chunk (benchmarks/streams_step.py).
+# each activation row fully (chunks a third as long for 8 rows, 16 rows at least) did no
+# better there at 2 threads (benchmarks/streams_step.py, load 7-10, both modes: one
+# thread's CPU time x 1.05 against 1.01 for q8, x 1.01 against 0.97 exact; each chunk
+# starts with weights not yet asked for).
 CHUNK_ROWS = 32
 CHUNK_WORK = 1 << 19
 CHUNKS_PER_THREAD = 8
@@ -83,12 +84,14 @@ CHUNKS_PER_THREAD = 8
 # between the products of one forward (attention, norms: ~10-100 µs), short enough that a
 # busy machine loses little and an idle node sleeps between tokens.
 SPIN_MICROSECONDS = 300
-# How long the caller waits for the chunks helpers hold before computing them itself: a
-# few times the longest chunk (~130 µs at real size, above: with 100 µs the caller
-# computed a normal helper's down-projection chunk again about one time in four), far
-# below a time slice (milliseconds) that a descheduled helper would make it wait on a
-# busy machine.
-PATIENCE_MICROSECONDS = 300
+# How long the caller waits for the chunks helpers hold before computing them itself:
+# many times a chunk's few microseconds, far below a time slice (milliseconds) that a
+# descheduled helper would make it wait on a busy machine. At real size a chunk can take
+# longer (~130 µs, above), so the caller sometimes computes a running helper's chunk
+# again; 300 µs did no better on a busy machine (two runs of benchmarks/streams_step.py
+# --patience-us 100 300 at load 5-9: one thread's CPU time x 1.00 vs 1.07, then x 1.27
+# vs 1.08: noise), so it stays until an idle run says otherwise.
+PATIENCE_MICROSECONDS = 100
 
 
 # How often the pool looks at the cores' idle time (/proc/stat counts it in 10 ms ticks),
