@@ -187,3 +187,20 @@ def test_a_product_gets_a_thread_per_parallel_min_bytes_of_matrix(
     _ = x @ m
     assert idle_pool.posted == before + 1
     assert idle_pool._st[pool.ACTIVE] == 2
+
+
+@pytest.mark.parametrize(
+    ("n_out", "n_in", "k", "rows"),
+    [
+        (16384, 2048, 1, 256),  # Llama-3.2-1B gate/up, decode: CHUNK_WORK weights
+        (16384, 2048, 8, 84),  # 8 streams: 8 rows weigh as 3 (a row's decode as 4 FMAs)
+        (2048, 8192, 8, pool.CHUNK_ROWS),  # its down projection: 20 rows, raised
+        (576, 576, 1, 36),  # SmolLM2: about CHUNKS_PER_THREAD chunks a thread
+    ],
+)
+def test_a_chunk_holds_about_chunk_work_weights_times_rows(
+    n_out: int, n_in: int, k: int, rows: int
+) -> None:
+    assert pool.chunk_rows(n_out, n_in, k, 2) == rows
+    assert rows % 4 == 0  # whole 4-row tiles
+    assert rows == pool.CHUNK_ROWS or rows * n_in * (1 + k // 4) <= pool.CHUNK_WORK

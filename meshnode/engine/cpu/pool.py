@@ -45,7 +45,7 @@ from meshnode.engine.cpu.atomics import call3, cas, fetch_add, load, pause, stor
 from meshnode.engine.cpu.quota import cpu_quota_cores
 from meshnode.engine.cpu.simd import entry, inner
 
-__all__ = ["CHUNK_ROWS", "CoreGauge", "KernelPool", "usable_cpus"]
+__all__ = ["CHUNK_ROWS", "CoreGauge", "KernelPool", "chunk_rows", "usable_cpus"]
 
 # The words of the shared array. Words written by different threads sit on their own
 # 64-byte lines (8 words), so a spinning helper's reads do not slow the writers.
@@ -59,6 +59,7 @@ BUSY = SLEEPING + 8 * ((MAX_HELPERS + 8) // 8)  # + who: 1 + (generation << 20 |
 JOB = BUSY + 8 * ((MAX_HELPERS + 8) // 8)  # the job's fields, written by the poster
 FN, A, NA, RBA, B, NB, RBB, C, NC, RBC = range(JOB, JOB + 10)
 X, K, N_IN, OUT, N_OUT, SCRATCH, STRIDE, CA, CB, ROWS = range(JOB + 10, JOB + 20)
+REDONE = JOB + 20  # chunks the caller computed that a helper held (written by the caller)
 WORDS = JOB + 24
 
 _FIELD = (1 << 20) - 1  # chunk count and next chunk: 20 bits each
@@ -67,10 +68,16 @@ _MAX_GEN = (1 << 23) - 1  # generations: the claim word's other 23 bits
 # (balance, few claims: a cache line passed between cores, ~0.1 µs each), and at most
 # about CHUNK_WORK weights times activation rows per chunk: 2-15 µs for the products of a
 # layer (SmolLM2: 32 rows of 576 Q4_1 one row ~2 µs, 224 rows ~13 µs), up to ~50 µs for
-# an output head (Gemma 3: 819 rows of 640 Q8_0), still below PATIENCE_MICROSECONDS.
-# Measured at 2 threads (Gemma 3 decode, in one process, a raised priority): CHUNK_WORK
-# 2**19 against 2**17 (~15 µs head chunks) 9.23 -> 8.87 ms for the 262k-row head; more,
-# smaller chunks (16 per thread, 8 or 16 rows at least) were slower.
+# an output head (Gemma 3: 819 rows of 640 Q8_0). Measured at 2 threads (Gemma 3 decode,
+# in one process, a raised priority): CHUNK_WORK 2**19 against 2**17 (~15 µs head chunks)
+# 9.23 -> 8.87 ms for the 262k-row head; more, smaller chunks (16 per thread, 8 or 16 rows
+# at least) were slower. At real size chunks are longer: on the Llama-3.2-1B shape (one
+# thread's CPU time, busy machine) ~70 µs for the q8 8-row products, ~130 µs for the 8-row
+# down projection (32 rows of 8192), ~80-110 µs for an exact decode product. Weighing
+# each activation row fully (chunks a third as long for 8 rows, 16 rows at least) did no
+# better there at 2 threads (benchmarks/streams_step.py, load 7-10, both modes: one
+# thread's CPU time x 1.05 against 1.01 for q8, x 1.01 against 0.97 exact; each chunk
+# starts with weights not yet asked for).
 CHUNK_ROWS = 32
 CHUNK_WORK = 1 << 19
 CHUNKS_PER_THREAD = 8
@@ -80,7 +87,11 @@ CHUNKS_PER_THREAD = 8
 SPIN_MICROSECONDS = 300
 # How long the caller waits for the chunks helpers hold before computing them itself:
 # many times a chunk's few microseconds, far below a time slice (milliseconds) that a
-# descheduled helper would make it wait on a busy machine.
+# descheduled helper would make it wait on a busy machine. At real size a chunk can take
+# longer (~130 µs, above), so the caller sometimes computes a running helper's chunk
+# again; 300 µs did no better on a busy machine (two runs of benchmarks/streams_step.py
+# --patience-us 100 300 at load 5-9: one thread's CPU time x 1.00 vs 1.07, then x 1.27
+# vs 1.08: noise), so it stays until an idle run says otherwise.
 PATIENCE_MICROSECONDS = 100
 
 
@@ -177,6 +188,15 @@ def usable_cpus() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
+def chunk_rows(n_out: int, n_in: int, k: int, threads: int) -> int:
+    """Output rows per chunk of a product of ``k`` activation rows of ``n_in`` into
+    ``n_out`` outputs on ``threads`` threads: about :data:`CHUNKS_PER_THREAD` chunks per
+    thread, of at most :data:`CHUNK_WORK` weights times rows (a row's decode weighs as
+    much as 4 rows' FMAs), at least :data:`CHUNK_ROWS`, a multiple of 4."""
+    rows = min(-(-n_out // (CHUNKS_PER_THREAD * threads)), CHUNK_WORK // (n_in * (1 + k // 4)))
+    return max(CHUNK_ROWS, rows - rows % 4)
+
+
 @inner
 def _claim_and_run(st, who):  # type: ignore[no-untyped-def]
     # claim chunks of the current job until none is left; how many this thread ran. A
@@ -245,6 +265,7 @@ def _work(st, patience):  # type: ignore[no-untyped-def]
                 held = load(st, BUSY + who) - 1
                 if held >= 0 and held >> 20 == gen:
                     call3(load(st, FN), st.ctypes.data, 0, held & _FIELD)
+                    store(st, REDONE, load(st, REDONE) + 1)
             return
 
 
@@ -309,6 +330,13 @@ class KernelPool:
         self._spins = self._patience = 0  # SPIN_ and PATIENCE_MICROSECONDS, in iterations
         self._last: tuple[Any, ...] = ()  # the last job's arrays, while a helper may use them
         self.posted = 0  # products shared so far
+        self.declined = 0  # products left to the caller: a helper still held a chunk
+
+    @property
+    def redone(self) -> int:
+        """Chunks the caller computed itself because a helper held them past the
+        patience (so far; the helper computed them too)."""
+        return int(self._st[REDONE])
 
     @property
     def gauge(self) -> CoreGauge:
@@ -366,10 +394,7 @@ class KernelPool:
         # scratch a thread: the exact kernels' 4 n_in decoded values, the q8 tiles' 26 n_in
         # bytes (.q8_tiles.scratch_bytes)
         self._start(threads, 7 * n_in)
-        # chunks of CHUNK_ROWS rows or more, about CHUNKS_PER_THREAD per thread, and of at most
-        # CHUNK_WORK weights times rows (a row's decode weighs as much as 4 rows' FMAs)
-        rows = min(-(-n_out // (CHUNKS_PER_THREAD * threads)), CHUNK_WORK // (n_in * (1 + k // 4)))
-        rows = max(CHUNK_ROWS, rows - rows % 4)
+        rows = chunk_rows(n_out, n_in, k, threads)
         self._gen = self._gen % _MAX_GEN + 1
         a, b, c = parts
         args = (self._st, fn, self._gen, a, b, c, x, out, self._scratch, rows, self._patience)
@@ -378,6 +403,7 @@ class KernelPool:
             # a helper descheduled mid-chunk of the last job (which the caller then
             # finished) still reads its fields and writes its output: no new job, and
             # the last one's arrays kept, until it is done
+            self.declined += 1
             return False
         self._last = (parts, x, out, self._scratch, keep)
         self.posted += 1

@@ -1,0 +1,280 @@
+"""Where an 8-stream decode step goes at 1 and 2 kernel threads, on a real-size shape
+(issue 29: 8 streams at 2 threads against ``llama-batched-bench``).
+
+Run: ``OPENBLAS_NUM_THREADS=1 nice .venv/bin/python benchmarks/streams_step.py [--shape 1b]
+[--layers N] [--dtype q8|native] [--threads 1 2] [--rounds 5] [--steps 4]
+[--patience-us P ...]``
+
+One stage holds the whole random-weight GGUF of ``--shape`` (``benchmarks/realsize_gguf.py``,
+Q4_K_M mix; ``--layers`` cuts its depth). Eight sequences are prefilled with 16 tokens each
+(as ``benchmarks/realsize.py``'s 8 streams), then ``--steps`` decode steps of the eight
+(one row each, one ``Stage.forward_batch``) run at each ``--threads`` count in turn, in
+alternating rounds, with every kernel thread taken (the pool's core gauge off, as
+``--every-core-free``). For every part of the step (each weight product by matrix: q/k/v,
+output, gate/up, down, the head; attention; the SwiGLU; the residual adds and norms; the
+rest: embedding, the batch's Python, argmax), medians over rounds of its wall time, the
+calling thread's CPU time and the kernel helper threads' CPU time, per step, in ms; and
+for 2 threads against 1 the wall's speed-up and the CPU time both threads spent against
+the one thread's (1.00: no work added by sharing; more: spinning, waiting, or cores
+slowing each other). The pool's counts per step tell how many products were shared, how
+many it declined (a helper still held a chunk of the last one) and how many chunks the
+caller computed again (a helper held them past the pool's patience).
+``--patience-us`` times the pool's patience (how long the caller waits for a helper's
+chunk before computing it itself) at each of these values, each a setup of its own in the
+same rounds (at each thread count above one).
+
+The machine is shared: ``uptime`` is printed first and last; read ratios, and CPU times
+(less disturbed by other processes than walls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.engine import uptime
+from benchmarks.realsize_gguf import SHAPES, cached_gguf
+
+STREAMS = 8
+PROMPT = 16
+
+
+class Setup(NamedTuple):
+    """A measured configuration: kernel threads, and the pool's patience in µs (None: the
+    pool's own, :data:`.pool.PATIENCE_MICROSECONDS`)."""
+
+    threads: int
+    patience: float | None
+
+    def __str__(self) -> str:
+        return f"{self.threads}t" + ("" if self.patience is None else f" {self.patience:g} us")
+
+
+PARTS = ("qkv", "out", "gate_up", "down", "head", "attention", "glu", "add+norm")
+
+
+def helper_clocks() -> list[int]:
+    """CPU-time clocks of the kernel pool's helper threads started so far."""
+    return [
+        time.pthread_getcpuclockid(t.ident)
+        for t in threading.enumerate()
+        if t.name.startswith("meshnode-kernel-") and t.ident is not None
+    ]
+
+
+class Clocks:
+    """Wall, this thread's CPU and the helpers' CPU time, read together."""
+
+    def __init__(self) -> None:
+        self.helpers: list[int] = []
+
+    def now(self) -> tuple[float, float, float]:
+        helpers = sum(time.clock_gettime(c) for c in self.helpers)
+        return time.perf_counter(), time.thread_time(), helpers
+
+
+class Parts:
+    """Each part's (wall, caller CPU, helpers' CPU) seconds, from timers set on the stage."""
+
+    def __init__(self, stage: Any, clocks: Clocks) -> None:
+        self.spent: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+        self.clocks = clocks
+        w = stage.weights
+        self.names: dict[int, str] = {}
+        for layer in w.layers:
+            for name, attr in (("qkv", "wqkv"), ("out", "wo"), ("gate_up", "w_gate_up")):
+                self.names[id(getattr(layer, attr))] = name
+            self.names[id(layer.w_down)] = "down"
+        self.names[id(w.head_t if w.head_t is not None else w.embed_t)] = "head"
+        inner, attention, parts = stage.backend, stage._mixer.attention, self
+
+        class TimedBackend:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(inner, name)
+
+            def linear(self, x: Any, m: Any, sizes: Any = None) -> Any:
+                with parts.part(parts.names.get(id(m), "other product")):
+                    return inner.linear(x, m, sizes)
+
+            def glu(self, gate_up: Any, activation: str) -> Any:
+                with parts.part("glu"):
+                    return inner.glu(gate_up, activation)
+
+            def add_rms_norm(self, *args: Any) -> Any:
+                with parts.part("add+norm"):
+                    return inner.add_rms_norm(*args)
+
+            def rms_norm(self, *args: Any) -> Any:
+                with parts.part("add+norm"):
+                    return inner.rms_norm(*args)
+
+        class TimedAttention:
+            def prepare(self, segs: Any) -> Any:
+                with parts.part("attention"):
+                    return attention.prepare(segs)
+
+            def keep_rows(self, *args: Any) -> Any:
+                return attention.keep_rows(*args)
+
+            def __call__(self, *args: Any) -> Any:
+                with parts.part("attention"):
+                    return attention(*args)
+
+        stage._mixer.attention = TimedAttention()
+        stage.backend = stage._mixer.backend = TimedBackend()
+
+    def part(self, name: str) -> _Timer:
+        return _Timer(self, name)
+
+
+class _Timer:
+    def __init__(self, parts: Parts, name: str) -> None:
+        self.parts, self.name = parts, name
+
+    def __enter__(self) -> None:
+        self.began = self.parts.clocks.now()
+
+    def __exit__(self, *exc: object) -> None:
+        end = self.parts.clocks.now()
+        spent = self.parts.spent[self.name]
+        for i in range(3):
+            spent[i] += end[i] - self.began[i]
+
+
+def run(args: argparse.Namespace) -> None:
+    from meshnode.engine.backend import cpu_backend, limit_cpu_threads
+    from meshnode.engine.cpu import matrix, set_kernel_threads
+    from meshnode.engine.cpu import pool as pool_module
+    from meshnode.engine.cpu.pool import CoreGauge
+    from meshnode.engine.loader import load_model
+    from meshnode.engine.model import BatchRow
+
+    model_path = cached_gguf(args.shape, "q4_k_m", args.layers)
+    limit = limit_cpu_threads(max(args.threads))
+    stage = load_model(str(model_path), cpu_backend(args.dtype)).stage
+    pool = matrix._pool()
+    pool._gauge = CoreGauge(Path("/nonexistent/stat"))  # every thread asked for
+    rng = np.random.default_rng(10)
+    caches = [stage.new_cache(PROMPT + args.steps + 1) for _ in range(STREAMS)]
+    for cache in caches:
+        stage.forward(rng.integers(100, 40000, PROMPT), 0, cache, out_rows=1)
+    clocks = Clocks()
+    parts = Parts(stage, clocks)
+
+    def steps() -> tuple[dict[str, list[float]], tuple[float, ...]]:
+        parts.spent.clear()
+        counts = (pool.posted, pool.declined, pool.redone)
+        last = [7 + i for i in range(STREAMS)]
+        began = clocks.now()
+        for step in range(args.steps):
+            pairs = zip(last, caches, strict=True)
+            rows = [BatchRow(np.array([t]), PROMPT + step, c, 1) for t, c in pairs]
+            outs = stage.forward_batch(rows)
+            last = [int(np.argmax(o[-1])) for o in outs]
+        end = clocks.now()
+        spent = {name: [t / args.steps * 1e3 for t in v] for name, v in parts.spent.items()}
+        total = [(end[i] - began[i]) / args.steps * 1e3 for i in range(3)]
+        spent["rest"] = [total[i] - sum(v[i] for v in spent.values()) for i in range(3)]
+        spent["step"] = total
+        now = (pool.posted, pool.declined, pool.redone)
+        return spent, tuple((b - a) / args.steps for a, b in zip(counts, now, strict=True))
+
+    setups = [Setup(t, None) for t in args.threads if t == 1]
+    setups += [Setup(t, p) for t in args.threads if t > 1 for p in args.patience_us or [None]]
+    calibrated = 0  # the pool's patience in iterations, once it has started
+
+    def use(setup: Setup) -> None:
+        set_kernel_threads(setup.threads)
+        if calibrated and setup.threads > 1:
+            us = pool_module.PATIENCE_MICROSECONDS if setup.patience is None else setup.patience
+            pool._patience = int(calibrated * us / pool_module.PATIENCE_MICROSECONDS)
+
+    for setup in setups:  # warm-up: kernels compiled or loaded, helpers started
+        use(setup)
+        clocks.helpers = helper_clocks()
+        steps()
+        calibrated = calibrated or pool._patience
+    clocks.helpers = helper_clocks()
+    results: dict[Setup, list[dict[str, list[float]]]] = defaultdict(list)
+    posted: dict[Setup, tuple[float, ...]] = {}
+    for r in range(args.rounds):
+        for setup in setups:
+            use(setup)
+            spent, posted[setup] = steps()
+            results[setup].append(spent)
+        print(f"round {r + 1}/{args.rounds} {uptime()}", file=sys.stderr, flush=True)
+    report(results, posted, args)
+    del limit
+
+
+def report(
+    results: dict[Setup, list[dict[str, list[float]]]],
+    posted: dict[Setup, tuple[float, ...]],
+    args: Any,
+) -> None:
+    """Medians per part: wall, caller CPU, helpers' CPU (ms a step); each setup against the
+    first (one thread)."""
+
+    def med(setup: Setup, part: str, i: int) -> float:
+        return statistics.median(r.get(part, [0.0] * 3)[i] for r in results[setup])
+
+    names = [*PARTS, "other product", "rest", "step"]
+    names = [n for n in names if any(n in r for rs in results.values() for r in rs)]
+    layers = args.layers or SHAPES[args.shape].layers
+    print(f"\n{args.shape} ({layers} layers), {args.dtype}, {STREAMS} streams, medians of")
+    print(f"{args.rounds} rounds of {args.steps} steps, ms a step")
+    for setup in results:
+        shared, declined, redone = posted[setup]
+        print(
+            f"{setup}, per step (last round): products and attention calls shared {shared:g}, "
+            f"declined (a helper late) {declined:g}; chunks redone by the caller {redone:g}"
+        )
+    one = next(iter(results))
+    head = ["part"] + [f"{s} wall / caller CPU / helpers' CPU" for s in results]
+    head += [f"{s}: speed-up, CPU / {one} CPU" for s in results if s != one]
+    print("| " + " | ".join(head) + " |")
+    print("|---|" + "---:|" * (len(head) - 1))
+    for name in names:
+        cells = [name]
+        for s in results:
+            cells.append(" / ".join(f"{med(s, name, i):.2f}" for i in range(3)))
+        for s in results:
+            if s == one:
+                continue
+            speed = med(one, name, 0) / max(1e-9, med(s, name, 0))
+            cpu = (med(s, name, 1) + med(s, name, 2)) / max(1e-9, med(one, name, 1))
+            cells.append(f"{speed:.2f}x, {cpu:.2f}")
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", default="1b", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, help="cut the model to its first N layers")
+    parser.add_argument("--dtype", default="q8", choices=["q8", "native"])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4, help="decode steps per measurement")
+    parser.add_argument(
+        "--patience-us", type=float, nargs="+", help="the pool's patience to try (> 1 thread)"
+    )
+    args = parser.parse_args()
+    print("uptime:", uptime(), flush=True)
+    run(args)
+    print("uptime:", uptime(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
