@@ -42,7 +42,7 @@ from meshnode.net.identity import JoinToken, NodeId, NodeIdentity
 from meshnode.node.config import Address, NodeConfig
 from meshnode.node.dialer import DIAL_TIMEOUT_S, Dialer
 from meshnode.node.host import MeshHost
-from meshnode.node.links import reported_links
+from meshnode.node.links import MAX_REPORTED_LINKS, reported_links
 from meshnode.node.membership import (
     ConnectionLost,
     Event,
@@ -126,7 +126,8 @@ class Node:
             self,
             interval_s=interval_s,
             server_context=identity.server_context(),
-            quiet=self._in_no_run,
+            quiet=self._quiet,
+            link_measured=self._link_measured,
         )
         self.dialer = Dialer(
             self.node_id,
@@ -160,6 +161,8 @@ class Node:
                 peer_models=PeerModels.of_config(self.config),
                 memory_bytes=self.usable_memory,
                 links=lambda: reported_links(_alive_rtts(self), self.sessions.links),
+                meet=self._meet,
+                measure_when_asked=True,
             )
             nursery.start_soon(trio.serve_listeners, self.sessions.handle_inbound, listeners)
             log.info("node %s of mesh %r on %s", self.node_id, self.token.name, self.listen)
@@ -291,11 +294,27 @@ class Node:
         if unexpected and node_id in self.table.peers:
             self.observe(ConnectionLost(node_id, trio.current_time()))
 
-    def _in_no_run(self) -> bool:
-        """Whether this node serves no run, as host or stage: its links may be probed
-        again (:mod:`meshnode.node.links`) without delaying a pipeline's activations."""
-        serving = self.host is not None and self.host.pipeline is not None
-        return not serving and (self.worker is None or self.worker.status() is None)
+    def _quiet(self) -> bool:
+        """Whether no request passes through this node now, as host or stage: its links
+        may be probed (:mod:`meshnode.node.links`) without slowing a request's tokens."""
+        pipeline = None if self.host is None else self.host.pipeline
+        if pipeline is not None and pipeline.runner.live_sequences:
+            return False
+        return self.worker is None or not self.worker.serving()
+
+    async def _link_measured(self, peer: str) -> None:
+        """A link to ``peer`` was measured: the host's coordinator weighs it, and the worker
+        tells the host that asked it of its links (:mod:`meshnode.node.links`)."""
+        if self.host is not None:
+            self.host.links_changed()
+        if self.worker is not None:
+            await self.worker.link_measured()
+
+    def _meet(self, peers: tuple[PeerInfo, ...]) -> None:
+        """Dial the peers a host's ``SpeedQuery`` names (as many as a report may tell the
+        links of), so that the links to them are measured."""
+        for info in peers[:MAX_REPORTED_LINKS]:
+            self.dialer.learn_text(info.address, NodeId(info.node_id))
 
     # -- the mesh as the coordinator sees it (``meshnode.node.coordinator.MeshView``) -------
 

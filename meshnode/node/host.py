@@ -36,6 +36,11 @@ class Frontend(Protocol):
         """Serve on ``pipeline`` from now on; ``None`` while the mesh (re)places the model."""
         ...
 
+    def links_changed(self) -> None:
+        """This node measured a link to a peer: the coordinator weighs the links again."""
+        if self.coordinator is not None:
+            self.coordinator.queries.links_changed()
+
     def status(self) -> dict[str, Any]:
         """The serving fields of the ``host`` part of the status body."""
         ...

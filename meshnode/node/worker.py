@@ -47,6 +47,7 @@ of its run (:mod:`meshnode.node.worker_reports`) and the stage a ``Load`` builds
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -125,6 +126,8 @@ class Worker:
         peer_models: PeerModels | None = None,
         memory_bytes: int | None = None,
         links: Callable[[], tuple[PeerLink, ...]] = tuple,
+        meet: Callable[[tuple[PeerInfo, ...]], None] = lambda _: None,
+        measure_when_asked: bool = False,
     ) -> None:
         self.node_id = node_id
         self._send = send
@@ -139,6 +142,18 @@ class Worker:
         self._memory_bytes = memory_bytes  # what this node offers: bounds a Load's KV
         # This node's measured links to its peers, told in its reports (node/links.py).
         self._links = links
+        # Connects to the peers a host's SpeedQuery names, so that their links get measured;
+        # the latest query and its host are answered again each time one is (node/links.py).
+        self._meet = meet
+        self._asked: tuple[str, SpeedQuery] | None = None
+        # A query for a model this node never measured starts its measurement (one layer,
+        # in the background; once per model), answered again when done: a spare node that no
+        # plan prepared is measured too. One measurement at a time (a Prepare's included):
+        # two at once would time each other.
+        self._measure_when_asked = measure_when_asked
+        self._measured_asked: set[str] = set()  # model ids measured (or tried) when asked
+        self._measuring: set[str] = set()
+        self._measure_lock = trio.Lock()
         self.run: WorkerRun | None = None
 
     # -- status -----------------------------------------------------------------------
@@ -146,6 +161,11 @@ class Worker:
     def status(self) -> dict[str, Any] | None:
         """This node's part in the run that claimed it, if any (:func:`run_status`)."""
         return None if self.run is None else run_status(self.run)
+
+    def serving(self) -> bool:
+        """Whether a request passes through this node's stage now (it holds a sequence)."""
+        runner = None if self.run is None else self.run.runner
+        return runner is not None and runner.live_sequences > 0
 
     # -- dispatch -----------------------------------------------------------------------
 
@@ -171,17 +191,57 @@ class Worker:
             else:
                 await self._queue(run, message)
         elif isinstance(message, SpeedQuery):  # answered without a claim (node/selfmeasure.py)
-            refused = bool(self._peer_models.refusal(message.package_ref))
-            cache_dir = None if refused else self._cache_dir  # None: an empty report
-            answer = partial(
-                speed_report, message, self.node_id, self._backend, cache_dir, self._links()
-            )
-            await self._send(peer, await trio.to_thread.run_sync(answer))
+            self._asked = (peer, message)
+            self._meet(message.peers)
+            await self._answer_speed(peer, message)
         elif isinstance(message, Error) and is_downstream_error(self.run, peer, message):
             await self._to_coordinator(message)
         else:
             return False
         return True
+
+    async def _answer_speed(self, peer: str, query: SpeedQuery) -> None:
+        refused = bool(self._peer_models.refusal(query.package_ref))
+        cache_dir = None if refused else self._cache_dir  # None: an empty report
+        model_id = f"{query.package_ref}@{query.pin}"
+        answer = partial(speed_report, query, self.node_id, self._backend, cache_dir,
+                         self._links(), model_id in self._measuring)  # fmt: skip
+        report = await trio.to_thread.run_sync(answer)
+        cold = report.decode_us == 0 and cache_dir is not None
+        if cold and self._measure_when_asked and model_id not in self._measured_asked:
+            self._measured_asked.add(model_id)
+            self._measuring.add(model_id)
+            self._nursery.start_soon(self._measure_asked, query, model_id)
+            report = dataclasses.replace(report, measuring=True)
+        await self._send(peer, report)
+
+    async def _measure_asked(self, query: SpeedQuery, model_id: str) -> None:
+        """Measure this node on the first layer of the model ``query`` names (fetched into
+        the cache like a Prepare's), then answer the latest query again."""
+        cache_dir, ref = self._cache_dir, query.package_ref
+        try:
+            source = await trio.to_thread.run_sync(
+                lambda: open_ref(ref, Part(0, 1), cache_dir=cache_dir, pin=query.pin)
+            )
+            async with self._measure_lock:
+                await trio.to_thread.run_sync(
+                    lambda: measure_or_reason(
+                        source, 0, self._backend, model_id=model_id, cache_dir=cache_dir
+                    )
+                )
+        except Exception as exc:  # planned by memory, as a node whose measurement failed
+            log.warning("measuring %s when asked failed: %s: %s", ref, type(exc).__name__, exc)
+        finally:
+            self._measuring.discard(model_id)
+        await self.link_measured()
+
+    async def link_measured(self) -> None:
+        """A link to a peer was measured (or this node itself): answer the latest
+        ``SpeedQuery`` again, so that its host learns it now (best effort: without a
+        session it asks again)."""
+        if self._asked is not None:
+            with contextlib.suppress(*SEND_ERRORS):
+                await self._answer_speed(*self._asked)
 
     async def _to_coordinator(self, error: Error) -> None:
         run = self.run
@@ -193,7 +253,9 @@ class Worker:
 
     def peer_lost(self, peer: str, *, left: bool = False) -> None:
         """The session with ``peer`` ended (``left``: it said goodbye): a coordinator gone
-        takes its claim with it."""
+        takes its claim with it, a host its query."""
+        if self._asked is not None and self._asked[0] == peer:
+            self._asked = None
         if self.run is not None and self.run.coordinator == peer:
             self.stop(f"coordinator {peer} {'left the mesh' if left else 'lost'}")
 
@@ -262,7 +324,8 @@ class Worker:
             if prep.bytes_total == 0:  # a local source: nothing was transferred
                 prep.bytes_done = prep.bytes_total = 1
             # measured before it reads as ready: the report that says so carries it
-            prep.measured = await measure_part(prep, source, self._backend, self._cache_dir)
+            async with self._measure_lock:  # not beside a measurement asked for
+                prep.measured = await measure_part(prep, source, self._backend, self._cache_dir)
             prep.source = source
             if run.state is RunState.PREPARING:
                 run.state = RunState.PREPARED
