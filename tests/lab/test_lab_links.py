@@ -23,7 +23,15 @@ from pathlib import Path
 import pytest
 
 from meshnode.node.planner import NodeLink, plan
-from tests.e2e.cluster import SINGLE_THREAD_ENV, Cluster, Node, init_token, wait_for, wait_started
+from tests.e2e.cluster import (
+    SINGLE_THREAD_ENV,
+    Cluster,
+    Node,
+    WaitTimeout,
+    init_token,
+    wait_for,
+    wait_started,
+)
 from tests.lab.netlab import LabHost, NetLab, unavailable_reason
 from tests.node.test_planner_links import CONTEXT, MODEL
 from tests.node.test_planner_neighbours import node
@@ -169,7 +177,10 @@ def test_a_live_mesh_keeps_the_ends_of_a_slow_link_apart(lab: NetLab, tmp_path: 
             placed[:] = _placed(host) or []
             return bool(placed)
 
-        wait_for(ready, READY_TIMEOUT_S, f"three stages placed and calibrated\n{cluster.logs()}")
+        try:
+            wait_for(ready, READY_TIMEOUT_S, "three stages placed and calibrated")
+        except WaitTimeout as exc:
+            pytest.fail(f"{exc}\n{cluster.logs()}")
         ids = {node.node_id(): name for name, node in {**workers, "lh": host}.items()}
         order = [ids[node] for node in placed]
         why = (host.status().get("host") or {}).get("placed_by")
