@@ -106,6 +106,11 @@ log = logging.getLogger("meshnode.worker")
 # 64 holds every sequence of a full stage; beyond it the session's receive loop waits for a
 # slot, which pushes back on the upstream stage.
 INBOX_FRAMES = 64
+# A cold node asked for its speed measures itself only if no plan claims it within this:
+# a claimed node's Prepare measures it (two measurements would cost its bring-up seconds),
+# and the host claims right after the plan its query preceded (it waits at most
+# warm.QUERY_TIMEOUT_S, 1 s, for the answers); 5 s leave room for a loaded machine.
+SPARE_AFTER_S = 5.0
 
 SendFn = Callable[[str, Message], Awaitable[None]]
 ConnectFn = Callable[[PeerInfo], Awaitable[None]]
@@ -154,6 +159,7 @@ class Worker:
         self._measured_asked: set[str] = set()  # model ids measured (or tried) when asked
         self._measuring: set[str] = set()
         self._measure_lock = trio.Lock()
+        self._claimed = trio.Event()  # set by each claim this node accepts
         self.run: WorkerRun | None = None
 
     # -- status -----------------------------------------------------------------------
@@ -216,9 +222,17 @@ class Worker:
         await self._send(peer, report)
 
     async def _measure_asked(self, query: SpeedQuery, model_id: str) -> None:
-        """Measure this node on the first layer of the model ``query`` names (fetched into
-        the cache like a Prepare's), then answer the latest query again."""
+        """Unless a plan claims this node within ``SPARE_AFTER_S`` (its Prepare measures
+        it), measure it on the first layer of the model ``query`` names (fetched into the
+        cache like a Prepare's); then answer the latest query again."""
         cache_dir, ref = self._cache_dir, query.package_ref
+        claimed = self._claimed
+        with trio.move_on_after(SPARE_AFTER_S):
+            if self.run is None:
+                await claimed.wait()
+            self._measuring.discard(model_id)
+            await self.link_measured()  # not measuring after all
+            return
         try:
             source = await trio.to_thread.run_sync(
                 lambda: open_ref(ref, Part(0, 1), cache_dir=cache_dir, pin=query.pin)
@@ -273,6 +287,8 @@ class Worker:
             self.run.term = claim.term
         else:
             self.run = WorkerRun(claim.run_id, claim.term, peer)
+        self._claimed.set()
+        self._claimed = trio.Event()
         await self._send(
             peer,
             ClaimAccepted(run_id=claim.run_id, term=claim.term, node_id=self.node_id),
