@@ -36,11 +36,6 @@ class Frontend(Protocol):
         """Serve on ``pipeline`` from now on; ``None`` while the mesh (re)places the model."""
         ...
 
-    def links_changed(self) -> None:
-        """This node measured a link to a peer: the coordinator weighs the links again."""
-        if self.coordinator is not None:
-            self.coordinator.queries.links_changed()
-
     def status(self) -> dict[str, Any]:
         """The serving fields of the ``host`` part of the status body."""
         ...
@@ -82,6 +77,11 @@ class MeshHost:
     def handle(self, peer: str, message: Message) -> bool:
         """Take a control reply of the host's runs; False if it is not one."""
         return self.coordinator is not None and self.coordinator.handle(peer, message)
+
+    def links_changed(self) -> None:
+        """This node measured a link to a peer: the coordinator weighs the links again."""
+        if self.coordinator is not None:
+            self.coordinator.queries.links_changed()
 
     def peer_lost(self, peer: str, *, left: bool = False) -> None:
         """The session with ``peer`` ended (``left``: it said goodbye)."""
