@@ -358,11 +358,14 @@ async def test_a_worker_answers_without_a_claim_and_only_for_a_model_it_would_op
 
 
 async def test_the_real_daemon_offers_and_answers_speed_queries(
-    nursery: trio.Nursery, tmp_path: Path
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The daemon on loopback and a member (mutual TLS) whose Hello offers ``speed-query``:
     the node's Hello offers it too, and a query is answered over the session, without a
-    claim (a cold cache: an empty answer with the query's nonce)."""
+    claim (a cold cache: an empty answer with the query's nonce, saying that the node
+    measures itself now)."""
+    # the measurement it starts fetches the model's first layer: from nowhere, in a test
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     token = JoinToken.generate("m")
     node = await start_node(nursery, token, tmp_path / "node", tmp_path / "cache")
     assert node.listen is not None
@@ -378,4 +381,5 @@ async def test_the_real_daemon_offers_and_answers_speed_queries(
     report = await member.receive(SpeedReport)
     assert isinstance(report, SpeedReport)
     assert (report.node_id, report.nonce, report.decode_us) == (node.node_id, 11, 0.0)
+    assert report.measuring
     await member.aclose()
