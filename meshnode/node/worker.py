@@ -213,7 +213,7 @@ class Worker:
         answer = partial(speed_report, query, self.node_id, self._backend, cache_dir,
                          self._links(), model_id in self._measuring)  # fmt: skip
         report = await trio.to_thread.run_sync(answer)
-        cold = report.decode_us == 0 and cache_dir is not None
+        cold = report.decode_us == 0 and cache_dir is not None and self.run is None
         if cold and self._measure_when_asked and model_id not in self._measured_asked:
             self._measured_asked.add(model_id)
             self._measuring.add(model_id)
@@ -226,12 +226,11 @@ class Worker:
         it), measure it on the first layer of the model ``query`` names (fetched into the
         cache like a Prepare's); then answer the latest query again."""
         cache_dir, ref = self._cache_dir, query.package_ref
-        claimed = self._claimed
-        with trio.move_on_after(SPARE_AFTER_S):
-            if self.run is None:
-                await claimed.wait()
+        with trio.move_on_after(SPARE_AFTER_S) as spare:
+            await self._claimed.wait()
+        if not spare.cancelled_caught:  # claimed: not measuring after all
             self._measuring.discard(model_id)
-            await self.link_measured()  # not measuring after all
+            await self.link_measured()
             return
         try:
             source = await trio.to_thread.run_sync(

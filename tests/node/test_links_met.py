@@ -260,7 +260,8 @@ async def test_a_link_measured_after_the_calibration_keeps_its_ends_apart(
     ref, package = hub_ref
     mesh = InMemoryMesh(host_memory=1 << 34)
     to_host = PeerLink(node_id=HOST, rtt_us=1000.0)
-    told = {"a": (to_host,), "b": (to_host,), "c": ()}  # c tells none: not awaited
+    told: dict[str, tuple[PeerLink, ...]] = {"a": (to_host,), "b": (to_host,), "c": ()}
+    # (c tells no links: none of its is awaited)
     deliver, released = mesh.deliver, trio.Event()
 
     async def measuring(sender: str, receiver: str, message: Message) -> None:
