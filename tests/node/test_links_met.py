@@ -13,9 +13,18 @@ from typing import Any
 import pytest
 import trio
 from meshnode_packaging.refs import open_ref
-from meshnode_protocol import Message, PeerInfo, PeerLink, Release, SpeedQuery, SpeedReport
+from meshnode_protocol import (
+    Claim,
+    Message,
+    PeerInfo,
+    PeerLink,
+    Release,
+    SpeedQuery,
+    SpeedReport,
+)
 
 from meshnode.engine.backend import cpu_backend
+from meshnode.node import worker as worker_module
 from meshnode.node.calibration import LINKS_TIMEOUT_S, measured_links
 from meshnode.node.claims import ClaimBook
 from meshnode.node.coordinator import Coordinator
@@ -130,6 +139,45 @@ async def test_a_query_introduces_the_peers_and_the_worker_answers_again(
     worker.peer_lost(HOST)
     await worker.link_measured()
     assert len(sent) == 2
+
+
+@pytest.mark.parametrize("claimed", [False, True])
+async def test_a_spare_cold_node_measures_itself_when_asked(
+    hub_ref: tuple[str, Path],
+    tmp_path: Path,
+    nursery: trio.Nursery,
+    monkeypatch: pytest.MonkeyPatch,
+    claimed: bool,
+) -> None:
+    """Cold, it answers that it measures itself and, unless a plan claims it (its Prepare
+    measures it then), answers again with its measurement, kept for the next query."""
+    if not claimed:
+        monkeypatch.setattr(worker_module, "SPARE_AFTER_S", 0.0)  # spare at once
+    ref, _ = hub_ref
+    reports, received = trio.open_memory_channel[SpeedReport](8)
+
+    async def send(peer: str, message: Message) -> None:
+        if isinstance(message, SpeedReport):
+            reports.send_nowait(message)
+
+    async def connect(info: PeerInfo) -> None:
+        raise AssertionError("no Load here")
+
+    worker = Worker("w1", send, connect=connect, backend=cpu_backend(),
+                    cache_dir=tmp_path / "cache", nursery=nursery,
+                    measure_when_asked=True)  # fmt: skip
+    await worker.handle(HOST, SpeedQuery(node_id=HOST, nonce=3, package_ref=ref))
+    if claimed:
+        await worker.handle(HOST, Claim(run_id="r", term=1, coordinator_id=HOST, package_ref=ref))
+    with trio.fail_after(BRING_UP_TIMEOUT_S):
+        first, second = await received.receive(), await received.receive()
+    assert (first.nonce, first.measuring, first.decode_us) == (3, True, 0.0)
+    assert (second.nonce, second.measuring) == (3, False)
+    assert (second.decode_us > 0) != claimed
+    if not claimed:
+        await worker.handle(HOST, SpeedQuery(node_id=HOST, nonce=4, package_ref=ref))
+        third = received.receive_nowait()  # from its cache, at once
+        assert (third.nonce, third.measuring, third.decode_us) == (4, False, second.decode_us)
 
 
 class _Mesh:
