@@ -111,6 +111,10 @@ INBOX_FRAMES = 64
 # and the host claims right after the plan its query preceded (it waits at most
 # warm.QUERY_TIMEOUT_S, 1 s, for the answers); 5 s leave room for a loaded machine.
 SPARE_AFTER_S = 5.0
+# Models a node measures itself for when asked, over its life, one at a time: a home mesh
+# serves a handful, and any member may send queries (each names a model to fetch a layer
+# of), so a member asking for many cannot keep the node fetching and timing.
+MAX_ASKED_MODELS = 4
 
 SendFn = Callable[[str, Message], Awaitable[None]]
 ConnectFn = Callable[[PeerInfo], Awaitable[None]]
@@ -214,12 +218,17 @@ class Worker:
                          self._links(), model_id in self._measuring)  # fmt: skip
         report = await trio.to_thread.run_sync(answer)
         cold = report.decode_us == 0 and cache_dir is not None and self.run is None
-        if cold and self._measure_when_asked and model_id not in self._measured_asked:
+        if cold and self._measure_when_asked and self._may_measure(model_id):
             self._measured_asked.add(model_id)
             self._measuring.add(model_id)
             self._nursery.start_soon(self._measure_asked, query, model_id)
             report = dataclasses.replace(report, measuring=True)
         await self._send(peer, report)
+
+    def _may_measure(self, model_id: str) -> bool:
+        """Whether a query may start a measurement of ``model_id`` (``MAX_ASKED_MODELS``)."""
+        asked = self._measured_asked
+        return not self._measuring and model_id not in asked and len(asked) < MAX_ASKED_MODELS
 
     async def _measure_asked(self, query: SpeedQuery, model_id: str) -> None:
         """Unless a plan claims this node within ``SPARE_AFTER_S`` (its Prepare measures
