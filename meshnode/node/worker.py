@@ -221,7 +221,7 @@ class Worker:
         if cold and self._measure_when_asked and self._may_measure(model_id):
             self._measured_asked.add(model_id)
             self._measuring.add(model_id)
-            self._nursery.start_soon(self._measure_asked, query, model_id)
+            self._nursery.start_soon(self._measure_asked, query, model_id, self._claimed)
             report = dataclasses.replace(report, measuring=True)
         await self._send(peer, report)
 
@@ -230,13 +230,13 @@ class Worker:
         asked = self._measured_asked
         return not self._measuring and model_id not in asked and len(asked) < MAX_ASKED_MODELS
 
-    async def _measure_asked(self, query: SpeedQuery, model_id: str) -> None:
-        """Unless a plan claims this node within ``SPARE_AFTER_S`` (its Prepare measures
-        it), measure it on the first layer of the model ``query`` names (fetched into the
-        cache like a Prepare's); then answer the latest query again."""
+    async def _measure_asked(self, query: SpeedQuery, model_id: str, claimed: trio.Event) -> None:
+        """Unless a plan claims this node within ``SPARE_AFTER_S`` of the query (``claimed``:
+        its Prepare measures it then), measure it on the first layer of the model ``query``
+        names (fetched into the cache like a Prepare's); then answer the latest query again."""
         cache_dir, ref = self._cache_dir, query.package_ref
         with trio.move_on_after(SPARE_AFTER_S) as spare:
-            await self._claimed.wait()
+            await claimed.wait()
         if not spare.cancelled_caught:  # claimed: not measuring after all
             self._measuring.discard(model_id)
             await self.link_measured()
