@@ -6,6 +6,7 @@ a re-placement, which then keeps the ends of a slow link apart."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from pathlib import Path
 from typing import Any
@@ -323,8 +324,9 @@ async def test_a_link_measured_after_the_calibration_keeps_its_ends_apart(
     send, pipelines = trio.open_memory_channel[RemotePipeline | None](4)
     async with trio.open_nursery() as nursery:
         for node in ("a", "b", "c"):
-            add_worker(mesh, node, tmp_path / f"{node}-cache", nursery,
-                       links=lambda node=node: told[node], measure_when_asked=True)  # fmt: skip
+            links = functools.partial(told.__getitem__, node)  # what it tells now
+            add_worker(mesh, node, tmp_path / f"{node}-cache", nursery, links=links,
+                       measure_when_asked=True)  # fmt: skip
         settings = CoordinatorSettings(model_ref=ref, context_size=CONTEXT, split=3,
                                        calibrate=True)  # fmt: skip
         coordinator = Coordinator(mesh, settings, source=open_ref(package),
