@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import psutil
@@ -42,7 +43,7 @@ from meshnode.net.identity import JoinToken, NodeId, NodeIdentity
 from meshnode.node.config import Address, NodeConfig
 from meshnode.node.dialer import DIAL_TIMEOUT_S, Dialer
 from meshnode.node.host import MeshHost
-from meshnode.node.links import MAX_REPORTED_LINKS, reported_links
+from meshnode.node.links import reported_links
 from meshnode.node.membership import (
     ConnectionLost,
     Event,
@@ -126,8 +127,8 @@ class Node:
             self,
             interval_s=interval_s,
             server_context=identity.server_context(),
-            quiet=self._quiet,
-            link_measured=self._link_measured,
+            quiet=lambda: _quiet(self),
+            link_measured=partial(_link_measured, self),
         )
         self.dialer = Dialer(
             self.node_id,
@@ -161,7 +162,7 @@ class Node:
                 peer_models=PeerModels.of_config(self.config),
                 memory_bytes=self.usable_memory,
                 links=lambda: reported_links(_alive_rtts(self), self.sessions.links),
-                meet=self._meet,
+                meet=self.dialer.meet,
                 measure_when_asked=True,
             )
             nursery.start_soon(trio.serve_listeners, self.sessions.handle_inbound, listeners)
@@ -294,28 +295,6 @@ class Node:
         if unexpected and node_id in self.table.peers:
             self.observe(ConnectionLost(node_id, trio.current_time()))
 
-    def _quiet(self) -> bool:
-        """Whether no request passes through this node now, as host or stage: its links
-        may be probed (:mod:`meshnode.node.links`) without slowing a request's tokens."""
-        pipeline = None if self.host is None else self.host.pipeline
-        if pipeline is not None and pipeline.runner.live_sequences:
-            return False
-        return self.worker is None or not self.worker.serving()
-
-    async def _link_measured(self, peer: str) -> None:
-        """A link to ``peer`` was measured: the host's coordinator weighs it, and the worker
-        tells the host that asked it of its links (:mod:`meshnode.node.links`)."""
-        if self.host is not None:
-            self.host.links_changed()
-        if self.worker is not None:
-            await self.worker.link_measured()
-
-    def _meet(self, peers: tuple[PeerInfo, ...]) -> None:
-        """Dial the peers a host's ``SpeedQuery`` names (as many as a report may tell the
-        links of), so that the links to them are measured."""
-        for info in peers[:MAX_REPORTED_LINKS]:
-            self.dialer.learn_text(info.address, NodeId(info.node_id))
-
     # -- the mesh as the coordinator sees it (``meshnode.node.coordinator.MeshView``) -------
 
     def live_nodes(self) -> list[NodeCapacity]:
@@ -404,6 +383,24 @@ class Node:
             "protocol_errors": self.sessions.protocol_errors,
             "internal_errors": self.sessions.internal_errors,
         }
+
+
+def _quiet(node: Node) -> bool:
+    """Whether no request passes through ``node`` now, as host or stage: its links may be
+    probed (:mod:`meshnode.node.links`) without slowing a request's tokens."""
+    pipeline = None if node.host is None else node.host.pipeline
+    if pipeline is not None and pipeline.runner.live_sequences:
+        return False
+    return node.worker is None or not node.worker.serving()
+
+
+async def _link_measured(node: Node, peer: str) -> None:
+    """``node`` measured its link to ``peer``: the host's coordinator weighs it, and the
+    worker tells the host that asked it of its links (:mod:`meshnode.node.links`)."""
+    if node.host is not None:
+        node.host.links_changed()
+    if node.worker is not None:
+        await node.worker.speed.link_measured()
 
 
 def _alive_rtts(node: Node) -> list[tuple[str, float | None]]:

@@ -118,10 +118,19 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 class LinkBook:
-    """This node's measured links to its peers, and the probes waiting for an answer."""
+    """This node's measured links to its peers, and the probes waiting for an answer;
+    ``quiet()``: whether no request passes through the node (a probe may start);
+    ``measured(peer)``: told after each measurement (the node tells its host)."""
 
-    def __init__(self, node_id: str) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        *,
+        quiet: Callable[[], bool] = lambda: True,
+        measured: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
         self.node_id = node_id
+        self._quiet, self._measured = quiet, measured
         self.rates: dict[str, LinkRate] = {}
         self._waiting: dict[tuple[str, int], trio.Event] = {}
         self._nonces = itertools.count(1)
@@ -166,26 +175,19 @@ class LinkBook:
         finally:
             del self._waiting[peer, nonce]
 
-    async def keep_measured(
-        self,
-        peer: str,
-        send: Send,
-        quiet: Callable[[], bool],
-        measured: Callable[[str], Awaitable[None]] | None = None,
-    ) -> None:
+    async def keep_measured(self, peer: str, send: Send) -> None:
         """Measure the link to ``peer`` now, then again whenever it is due, looking every
-        ``LINK_RECHECK_S``; a due link waits for ``quiet()`` (no request passes through
-        the node), looked at every ``QUIET_RECHECK_S``. ``measured(peer)`` after each
-        measurement (the node tells its host). Until cancelled."""
+        ``LINK_RECHECK_S``; a due link waits for the node to be quiet, looked at every
+        ``QUIET_RECHECK_S``; each measurement is told (``measured``). Until cancelled."""
         while True:
             if not self.due(peer, trio.current_time()):
                 await trio.sleep(LINK_RECHECK_S)
-            elif not quiet():
+            elif not self._quiet():
                 await trio.sleep(QUIET_RECHECK_S)
             elif await self.measure(peer, send) is None:
                 await trio.sleep(LINK_RECHECK_S)  # not answered: try again later
-            elif measured is not None:
-                await measured(peer)
+            elif self._measured is not None:
+                await self._measured(peer)
 
     def receive(
         self, peer: str, message: LinkProbe | LinkProbeReply, now: float

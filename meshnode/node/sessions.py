@@ -139,12 +139,9 @@ class Sessions:
         self._pending = PendingHandshakes(limits)
         self._refusals = RateLimitedLog(log)
         self._peer_lines = TokenBuckets()  # lines each member's frames may cause
-        # The measured rate of the link to each peer (meshnode.node.links); ``quiet``
-        # says when no request passes through the node, so that a link may be probed;
-        # ``link_measured(peer)`` follows each measurement (the node tells its host).
-        self.links = LinkBook(node_id)
-        self._quiet = quiet
-        self._link_measured = link_measured
+        # The measured rate of the link to each peer (meshnode.node.links); ``quiet`` says
+        # when no request passes through the node, so that a link may be probed.
+        self.links = LinkBook(node_id, quiet=quiet, measured=link_measured)
 
     def __contains__(self, node_id: object) -> bool:
         return node_id in self.live
@@ -322,10 +319,7 @@ class Sessions:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._send_heartbeats, session)
                 if LINK_PROBE_FEATURE in session.features:  # meshnode.node.links
-                    nursery.start_soon(
-                        self.links.keep_measured, session.node_id, session.peer.send,
-                        self._quiet, self._link_measured,
-                    )  # fmt: skip
+                    nursery.start_soon(self.links.keep_measured, session.node_id, session.peer.send)
                 await self._receive_loop(session)
                 nursery.cancel_scope.cancel()
         except* RemoteProtocolError as group:

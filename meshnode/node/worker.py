@@ -40,17 +40,16 @@ id, and an ``Error`` about a request of our run that comes back from our downstr
 instead of waiting for a ``Prediction`` that will never come.
 
 Beside it: the fencing decisions (:mod:`meshnode.node.fencing`), what the worker reports
-of its run (:mod:`meshnode.node.worker_reports`) and the stage a ``Load`` builds
-(:mod:`meshnode.node.stage_build`).
+of its run (:mod:`meshnode.node.worker_reports`), the stage a ``Load`` builds
+(:mod:`meshnode.node.stage_build`) and its answers to a host's ``SpeedQuery``
+(:mod:`meshnode.node.speed_answers`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +88,8 @@ from meshnode.node.fencing import (
 from meshnode.node.fencing import may_send as may_send  # callers import it here
 from meshnode.node.peer_models import PeerModels
 from meshnode.node.relay import Relay
-from meshnode.node.selfmeasure import SelfMeasure, measure_or_reason, speed_report
+from meshnode.node.selfmeasure import SelfMeasure, measure_or_reason
+from meshnode.node.speed_answers import SpeedAnswers
 from meshnode.node.stage_build import build_runner as build_runner  # ditto
 from meshnode.node.worker_reports import inventory_report, run_status
 from meshnode.node.worker_run import (
@@ -106,15 +106,6 @@ log = logging.getLogger("meshnode.worker")
 # 64 holds every sequence of a full stage; beyond it the session's receive loop waits for a
 # slot, which pushes back on the upstream stage.
 INBOX_FRAMES = 64
-# A cold node asked for its speed measures itself only if no plan claims it within this:
-# a claimed node's Prepare measures it (two measurements would cost its bring-up seconds),
-# and the host claims right after the plan its query preceded (it waits at most
-# warm.QUERY_TIMEOUT_S, 1 s, for the answers); 5 s leave room for a loaded machine.
-SPARE_AFTER_S = 5.0
-# Models a node measures itself for when asked, over its life, one at a time: a home mesh
-# serves a handful, and any member may send queries (each names a model to fetch a layer
-# of), so a member asking for many cannot keep the node fetching and timing.
-MAX_ASKED_MODELS = 4
 
 SendFn = Callable[[str, Message], Awaitable[None]]
 ConnectFn = Callable[[PeerInfo], Awaitable[None]]
@@ -151,19 +142,12 @@ class Worker:
         self._memory_bytes = memory_bytes  # what this node offers: bounds a Load's KV
         # This node's measured links to its peers, told in its reports (node/links.py).
         self._links = links
-        # Connects to the peers a host's SpeedQuery names, so that their links get measured;
-        # the latest query and its host are answered again each time one is (node/links.py).
-        self._meet = meet
-        self._asked: tuple[str, SpeedQuery] | None = None
-        # A query for a model this node never measured starts its measurement (one layer,
-        # in the background; once per model), answered again when done: a spare node that no
-        # plan prepared is measured too. One measurement at a time (a Prepare's included):
-        # two at once would time each other.
-        self._measure_when_asked = measure_when_asked
-        self._measured_asked: set[str] = set()  # model ids measured (or tried) when asked
-        self._measuring: set[str] = set()
-        self._measure_lock = trio.Lock()
-        self._claimed = trio.Event()  # set by each claim this node accepts
+        # The host's SpeedQuery, answered now and again as links (or this node) are measured.
+        self.speed = SpeedAnswers(
+            node_id, send, backend=backend, cache_dir=cache_dir, nursery=nursery,
+            peer_models=self._peer_models, links=links, meet=meet,
+            measure_when_asked=measure_when_asked, claimed=lambda: self.run is not None,
+        )  # fmt: skip
         self.run: WorkerRun | None = None
 
     # -- status -----------------------------------------------------------------------
@@ -200,70 +184,13 @@ class Worker:
                 self.stop(f"stopped by {peer}: {message.reason}")
             else:
                 await self._queue(run, message)
-        elif isinstance(message, SpeedQuery):  # answered without a claim (node/selfmeasure.py)
-            self._asked = (peer, message)
-            self._meet(message.peers)
-            await self._answer_speed(peer, message)
+        elif isinstance(message, SpeedQuery):  # answered without a claim (node/speed_answers.py)
+            await self.speed.answer(peer, message)
         elif isinstance(message, Error) and is_downstream_error(self.run, peer, message):
             await self._to_coordinator(message)
         else:
             return False
         return True
-
-    async def _answer_speed(self, peer: str, query: SpeedQuery) -> None:
-        refused = bool(self._peer_models.refusal(query.package_ref))
-        cache_dir = None if refused else self._cache_dir  # None: an empty report
-        model_id = f"{query.package_ref}@{query.pin}"
-        answer = partial(speed_report, query, self.node_id, self._backend, cache_dir,
-                         self._links(), model_id in self._measuring)  # fmt: skip
-        report = await trio.to_thread.run_sync(answer)
-        cold = report.decode_us == 0 and cache_dir is not None and self.run is None
-        if cold and self._measure_when_asked and self._may_measure(model_id):
-            self._measured_asked.add(model_id)
-            self._measuring.add(model_id)
-            self._nursery.start_soon(self._measure_asked, query, model_id, self._claimed)
-            report = dataclasses.replace(report, measuring=True)
-        await self._send(peer, report)
-
-    def _may_measure(self, model_id: str) -> bool:
-        """Whether a query may start a measurement of ``model_id`` (``MAX_ASKED_MODELS``)."""
-        asked = self._measured_asked
-        return not self._measuring and model_id not in asked and len(asked) < MAX_ASKED_MODELS
-
-    async def _measure_asked(self, query: SpeedQuery, model_id: str, claimed: trio.Event) -> None:
-        """Unless a plan claims this node within ``SPARE_AFTER_S`` of the query (``claimed``:
-        its Prepare measures it then), measure it on the first layer of the model ``query``
-        names (fetched into the cache like a Prepare's); then answer the latest query again."""
-        cache_dir, ref = self._cache_dir, query.package_ref
-        with trio.move_on_after(SPARE_AFTER_S) as spare:
-            await claimed.wait()
-        if not spare.cancelled_caught:  # claimed: not measuring after all
-            self._measuring.discard(model_id)
-            await self.link_measured()
-            return
-        try:
-            source = await trio.to_thread.run_sync(
-                lambda: open_ref(ref, Part(0, 1), cache_dir=cache_dir, pin=query.pin)
-            )
-            async with self._measure_lock:
-                await trio.to_thread.run_sync(
-                    lambda: measure_or_reason(
-                        source, 0, self._backend, model_id=model_id, cache_dir=cache_dir
-                    )
-                )
-        except Exception as exc:  # planned by memory, as a node whose measurement failed
-            log.warning("measuring %s when asked failed: %s: %s", ref, type(exc).__name__, exc)
-        finally:
-            self._measuring.discard(model_id)
-        await self.link_measured()
-
-    async def link_measured(self) -> None:
-        """A link to a peer was measured (or this node itself): answer the latest
-        ``SpeedQuery`` again, so that its host learns it now (best effort: without a
-        session it asks again)."""
-        if self._asked is not None:
-            with contextlib.suppress(*SEND_ERRORS):
-                await self._answer_speed(*self._asked)
 
     async def _to_coordinator(self, error: Error) -> None:
         run = self.run
@@ -276,8 +203,7 @@ class Worker:
     def peer_lost(self, peer: str, *, left: bool = False) -> None:
         """The session with ``peer`` ended (``left``: it said goodbye): a coordinator gone
         takes its claim with it, a host its query."""
-        if self._asked is not None and self._asked[0] == peer:
-            self._asked = None
+        self.speed.peer_lost(peer)
         if self.run is not None and self.run.coordinator == peer:
             self.stop(f"coordinator {peer} {'left the mesh' if left else 'lost'}")
 
@@ -295,8 +221,7 @@ class Worker:
             self.run.term = claim.term
         else:
             self.run = WorkerRun(claim.run_id, claim.term, peer)
-        self._claimed.set()
-        self._claimed = trio.Event()
+        self.speed.claimed_now()
         await self._send(
             peer,
             ClaimAccepted(run_id=claim.run_id, term=claim.term, node_id=self.node_id),
@@ -348,7 +273,7 @@ class Worker:
             if prep.bytes_total == 0:  # a local source: nothing was transferred
                 prep.bytes_done = prep.bytes_total = 1
             # measured before it reads as ready: the report that says so carries it
-            async with self._measure_lock:  # not beside a measurement asked for
+            async with self.speed.measure_lock:  # not beside a measurement asked for
                 prep.measured = await measure_part(prep, source, self._backend, self._cache_dir)
             prep.source = source
             if run.state is RunState.PREPARING:

@@ -25,7 +25,7 @@ from meshnode_protocol import (
 )
 
 from meshnode.engine.backend import cpu_backend
-from meshnode.node import worker as worker_module
+from meshnode.node import speed_answers
 from meshnode.node.calibration import LINKS_TIMEOUT_S, measured_links
 from meshnode.node.claims import ClaimBook
 from meshnode.node.coordinator import Coordinator
@@ -83,9 +83,6 @@ async def test_a_due_link_waits_for_a_quiet_node_and_each_measure_is_told(
     """While a request passes through the node its new link is not probed; in the first
     gap it is, the node tells it (``measured``), and it is not probed again before
     ``LINK_MAX_AGE_S``."""
-    book, peer = LinkBook("w1"), LinkBook("w2")
-    link = Link(book, peer, rtt_s=0.001, bytes_per_s=1e6)
-    link.nursery = nursery
     serving = True
     told: list[float] = []
     measured_once = trio.Event()
@@ -95,7 +92,10 @@ async def test_a_due_link_waits_for_a_quiet_node_and_each_measure_is_told(
         told.append(trio.current_time())
         measured_once.set()
 
-    nursery.start_soon(book.keep_measured, "w2", link.send, lambda: not serving, measured)
+    book = LinkBook("w1", quiet=lambda: not serving, measured=measured)
+    link = Link(book, LinkBook("w2"), rtt_s=0.001, bytes_per_s=1e6)
+    link.nursery = nursery
+    nursery.start_soon(book.keep_measured, "w2", link.send)
     await trio.sleep(20 * QUIET_RECHECK_S)  # mock clock: twenty looks, all while serving
     assert book.rate("w2") == 0.0
     assert told == []
@@ -131,14 +131,14 @@ async def test_a_query_introduces_the_peers_and_the_worker_answers_again(
     )
     assert met == [peers]
     links = (PeerLink(node_id="w2", rtt_us=500.0, bytes_per_s=SLOW),)
-    await worker.link_measured()
+    await worker.speed.link_measured()
     answers = [(peer, m) for peer, m in sent if isinstance(m, SpeedReport)]
     assert [(peer, m.nonce, m.links, m.measuring) for peer, m in answers] == [
         (HOST, 7, (), False),  # cold, and not asked to measure itself (the daemon is)
         (HOST, 7, links, False),
     ]
     worker.peer_lost(HOST)
-    await worker.link_measured()
+    await worker.speed.link_measured()
     assert len(sent) == 2
 
 
@@ -153,7 +153,7 @@ async def test_a_spare_cold_node_measures_itself_when_asked(
     """Cold, it answers that it measures itself and, unless a plan claims it (its Prepare
     measures it then), answers again with its measurement, kept for the next query."""
     if not claimed:
-        monkeypatch.setattr(worker_module, "SPARE_AFTER_S", 0.0)  # spare at once
+        monkeypatch.setattr(speed_answers, "SPARE_AFTER_S", 0.0)  # spare at once
     ref, _ = hub_ref
     reports, received = trio.open_memory_channel[SpeedReport](8)
 
@@ -318,7 +318,7 @@ async def test_a_link_measured_after_the_calibration_keeps_its_ends_apart(
         if isinstance(message, Release) and not released.is_set():  # the calibration's
             released.set()
             told["a"] = (to_host, PeerLink(node_id="b", rtt_us=1000.0, bytes_per_s=SLOW))
-            await mesh.workers["a"].link_measured()
+            await mesh.workers["a"].speed.link_measured()
 
     monkeypatch.setattr(mesh, "deliver", measuring)
     send, pipelines = trio.open_memory_channel[RemotePipeline | None](4)
