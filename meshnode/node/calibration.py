@@ -17,8 +17,9 @@ serving goes on (a stage that broke the pass fails the pipeline as any pass woul
 
 **Links.** A plan is weighed with the links between the nodes it may use, as well as their
 speeds: before it weighs, the host waits until every link between the candidates has been
-measured by one of its ends (:func:`~meshnode.node.links.unmeasured_links`) and every
-candidate that said it measures itself (a spare node no plan prepared) has answered,
+measured by one of its ends (:func:`~meshnode.node.links.unmeasured_links`), every
+candidate has answered its query (one just introduced tells its links with its answer),
+and every one that said it measures itself (a spare node no plan prepared) has answered,
 introducing nodes that joined since its plan to the others (:meth:`~meshnode.node.warm.
 SpeedQueries.introduce`), for at most :data:`LINKS_TIMEOUT_S`; a link still unmeasured
 then counts the host's link, and a node still unmeasured keeps the plan by memory, as
@@ -174,8 +175,8 @@ async def measured_links(
     coordinator: Placing, timeout_s: float = LINKS_TIMEOUT_S
 ) -> list[NodeCapacity]:
     """The candidates, once every link between them is measured by one of its ends and
-    none is measuring itself, or ``timeout_s`` has passed, each node introduced to the
-    others first (module docstring, Links)."""
+    every one has answered its query and none is measuring itself, or ``timeout_s`` has
+    passed, each node introduced to the others first (module docstring, Links)."""
     mesh, queries = coordinator.mesh, coordinator.queries
     with trio.move_on_after(timeout_s):
         while True:
@@ -183,10 +184,11 @@ async def measured_links(
             live = coordinator.candidates(mesh.live_nodes())
             await queries.introduce(mesh, live)
             missing = unmeasured_links(live, mesh.node_id)
-            measuring = sorted(queries.measuring & {node.node_id for node in live})
-            if not (missing or measuring):
+            ids = {node.node_id for node in live}
+            waiting = sorted((queries.measuring | queries.unanswered()) & ids)
+            if not (missing or waiting):
                 break
-            log.debug("waiting for links %s and nodes %s to be measured", missing, measuring)
+            log.debug("waiting for links %s and the answers of %s", missing, waiting)
             await _first(reported, changed)
     return coordinator.candidates(mesh.live_nodes())
 

@@ -37,7 +37,7 @@ from meshnode_protocol import Message, PeerInfo, PeerLink, SpeedQuery
 from meshnode.engine.backend import Backend
 from meshnode.net.stream import SEND_ERRORS
 from meshnode.node.peer_models import PeerModels
-from meshnode.node.selfmeasure import measure_or_reason, speed_report
+from meshnode.node.selfmeasure import SelfMeasure, measure_or_reason, speed_report
 
 log = logging.getLogger("meshnode.worker")
 
@@ -77,6 +77,8 @@ class SpeedAnswers:
         self._measure_when_asked, self._held = measure_when_asked, claimed
         self._asked: tuple[str, SpeedQuery] | None = None  # the latest query, and its host
         self._measured_asked: set[str] = set()  # model ids measured (or tried) when asked
+        # what those measured, by model id: a node without a cache folder keeps no file
+        self._known: dict[str, tuple[SelfMeasure, int]] = {}
         self._measuring: set[str] = set()
         self.measure_lock = trio.Lock()  # one measurement at a time, a Prepare's included
         self._claimed = trio.Event()  # set by the next claim this node accepts
@@ -110,10 +112,11 @@ class SpeedAnswers:
         refused = bool(self._peer_models.refusal(query.package_ref))
         cache_dir = None if refused else self._cache_dir  # None: an empty report
         model_id = f"{query.package_ref}@{query.pin}"
+        known = None if refused else self._known.get(model_id)
         answer = partial(speed_report, query, self.node_id, self._backend, cache_dir,
-                         self._links(), model_id in self._measuring)  # fmt: skip
+                         self._links(), model_id in self._measuring, known)  # fmt: skip
         report = await trio.to_thread.run_sync(answer)
-        cold = report.decode_us == 0 and cache_dir is not None and not self._held()
+        cold = report.decode_us == 0 and not refused and not self._held()
         if cold and self._measure_when_asked and self._may_measure(model_id):
             self._measured_asked.add(model_id)
             self._measuring.add(model_id)
@@ -141,11 +144,13 @@ class SpeedAnswers:
                 lambda: open_ref(ref, Part(0, 1), cache_dir=cache_dir, pin=query.pin)
             )
             async with self.measure_lock:
-                await trio.to_thread.run_sync(
+                measured = await trio.to_thread.run_sync(
                     lambda: measure_or_reason(
                         source, 0, self._backend, model_id=model_id, cache_dir=cache_dir
                     )
                 )
+            if isinstance(measured, SelfMeasure):  # else its reason is logged: by memory
+                self._known[model_id] = (measured, 0)
         except Exception as exc:  # planned by memory, as a node whose measurement failed
             log.warning("measuring %s when asked failed: %s: %s", ref, type(exc).__name__, exc)
         finally:

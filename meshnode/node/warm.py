@@ -103,6 +103,11 @@ class SpeedQueries:
         self.links_changed()
         return True
 
+    def unanswered(self) -> set[str]:
+        """The nodes asked that have not answered yet (an older peer, never asked, is
+        among them too: it does not take the query)."""
+        return set(self._asked) - self._answered
+
     def links_changed(self) -> None:
         """A node told its links, or the host measured one of its own: link news."""
         self.reports += 1

@@ -283,12 +283,13 @@ async def test_the_wait_for_links_ends_with_the_report_or_at_its_bound(
         placing.book.record_links(node, (to_host,))
     began = trio.current_time()
 
-    async def report_late() -> None:
+    async def report_late() -> None:  # both answer, a with its link to b measured
         await trio.sleep(3.0)
-        nonce = dict((node, q.nonce) for node, q in placing.mesh.sent)["a"]
+        nonces = {node: query.nonce for node, query in placing.mesh.sent}
         slow = (to_host, PeerLink(node_id="b", rtt_us=800.0, bytes_per_s=SLOW))
-        report = SpeedReport(node_id="a", nonce=nonce, package_ref=REF, links=slow)
-        placing.queries.deliver("a", report, placing.book)
+        for node, links in (("b", (to_host,)), ("a", slow)):
+            report = SpeedReport(node_id=node, nonce=nonces[node], package_ref=REF, links=links)
+            placing.queries.deliver(node, report, placing.book)
 
     if answered:
         nursery.start_soon(report_late)
