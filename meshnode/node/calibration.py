@@ -14,6 +14,17 @@ measured plan at once, and re-places before the first request when it is enough 
 Bounded: the whole request within :data:`TIMEOUT_S`. A calibration that fails or runs out
 of time leaves the mesh planned by memory, with the reason in the status (``calibration``);
 serving goes on (a stage that broke the pass fails the pipeline as any pass would).
+
+**Links.** A plan is weighed with the links between the nodes it may use, as well as their
+speeds: before it weighs, the host waits until every link between the candidates has been
+measured by one of its ends (:func:`~meshnode.node.links.unmeasured_links`), every
+candidate has answered its query (one just introduced tells its links with its answer),
+and every one that said it measures itself (a spare node no plan prepared) has answered,
+introducing nodes that joined since its plan to the others (:meth:`~meshnode.node.warm.
+SpeedQueries.introduce`), for at most :data:`LINKS_TIMEOUT_S`; a link still unmeasured
+then counts the host's link, and a node still unmeasured keeps the plan by memory, as
+before. The workers met at the plan, and measure their links and themselves while they
+prepare, so on a LAN the wait is short.
 """
 
 from __future__ import annotations
@@ -25,11 +36,13 @@ import trio
 
 from meshnode.engine.sampling import SamplingParams
 from meshnode.errors import MeshnodeError, PlanError
+from meshnode.node.links import PROBE_TIMEOUT_S, unmeasured_links
 from meshnode.node.mesh import CoordinatorSettings, MeshView
 from meshnode.node.pipeline import FrameKind, RequestId, StepFrame
 from meshnode.node.planner import ModelFootprint, NodeCapacity, Plan, plan
 from meshnode.node.remote import RemotePipeline
 from meshnode.node.speeds import MIN_SAMPLES, SpeedBook, should_replace
+from meshnode.node.warm import SpeedQueries
 
 log = logging.getLogger("meshnode.coordinator")
 
@@ -43,6 +56,10 @@ DECODE_PASSES = MIN_SAMPLES + 1
 TIMEOUT_S = 90.0
 #: Releasing the calibration's sequence after a timeout: a Release per stage.
 RELEASE_TIMEOUT_S = 5.0
+#: The longest wait for the links between the candidates (module docstring, Links): a
+#: probe is abandoned after links.PROBE_TIMEOUT_S; a dial to a peer just introduced and the
+#: report's way to the host take a few seconds more on a loaded machine.
+LINKS_TIMEOUT_S = PROBE_TIMEOUT_S + 5.0
 
 REQUEST = RequestId("meshnode-calibration")
 GREEDY = SamplingParams(temperature=0.0)
@@ -56,6 +73,7 @@ class Placing(Protocol):
     footprint: ModelFootprint
     context_size: int
     speeds: SpeedBook
+    queries: SpeedQueries
     calibration: str
     why_replace: str
 
@@ -139,8 +157,10 @@ async def calibrated_faster(coordinator: Placing, placed: Plan, pipeline: Remote
     needless = calibration_needed(pipeline, coordinator.speeds)
     coordinator.calibration = needless or await calibrate(pipeline)
     pipeline.measured.weighed = pipeline.measured.passes
-    live = coordinator.candidates(coordinator.mesh.live_nodes())
-    if needless is None and faster_by_measure(coordinator, placed, live):
+    if needless not in (None, "measured"):
+        return False  # one stage, or a context too short to calibrate
+    live = await measured_links(coordinator)
+    if faster_by_measure(coordinator, placed, live):
         measured = coordinator.calibration == "measured"
         coordinator.why_replace = (
             "calibration placed the layers faster"
@@ -149,6 +169,40 @@ async def calibrated_faster(coordinator: Placing, placed: Plan, pipeline: Remote
         )
         return True
     return False
+
+
+async def measured_links(
+    coordinator: Placing, timeout_s: float = LINKS_TIMEOUT_S
+) -> list[NodeCapacity]:
+    """The candidates, once every link between them is measured by one of its ends and
+    every one has answered its query and none is measuring itself, or ``timeout_s`` has
+    passed, each node introduced to the others first (module docstring, Links)."""
+    mesh, queries = coordinator.mesh, coordinator.queries
+    with trio.move_on_after(timeout_s):
+        while True:
+            reported, changed = queries.report_event(), mesh.membership_event()
+            live = coordinator.candidates(mesh.live_nodes())
+            await queries.introduce(mesh, live)
+            missing = unmeasured_links(live, mesh.node_id)
+            ids = {node.node_id for node in live}
+            waiting = sorted((queries.measuring | queries.unanswered()) & ids)
+            if not (missing or waiting):
+                break
+            log.debug("waiting for links %s and the answers of %s", missing, waiting)
+            await _first(reported, changed)
+    return coordinator.candidates(mesh.live_nodes())
+
+
+async def _first(*events: trio.Event) -> None:
+    """Return once any of ``events`` is set."""
+    async with trio.open_nursery() as nursery:
+
+        async def wait(event: trio.Event) -> None:
+            await event.wait()
+            nursery.cancel_scope.cancel()
+
+        for event in events:
+            nursery.start_soon(wait, event)
 
 
 def describe_plan(placed: Plan) -> str:

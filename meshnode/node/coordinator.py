@@ -388,13 +388,22 @@ class Coordinator:
                 regrow_now = False  # until the membership changes again
 
     async def wait_changed(
-        self, pipeline: RemotePipeline | None = None, measured: int = 0, until: float | None = None
+        self,
+        pipeline: RemotePipeline | None = None,
+        measured: int = 0,
+        until: float | None = None,
+        *,
+        links: bool = False,
     ) -> bool:
         """Wait for a membership change (True), or for ``pipeline`` to fail, to time every
         stage in ``measured`` more one-row passes (if above 0), a node left out to come
-        back by itself, or the trio time ``until`` (False)."""
+        back by itself, link news if ``links`` (:mod:`meshnode.node.warm`), or the trio
+        time ``until`` (False)."""
         until = earliest(until, self.decided.wake_at(trio.current_time()))
-        return await membership_changed(self.mesh, pipeline, until, measured=measured)
+        reported = self.queries.report_event() if links else None
+        return await membership_changed(
+            self.mesh, pipeline, until, measured=measured, reported=reported
+        )
 
     async def _plan_when_possible(self) -> Plan:
         self._state = MeshState.PLANNING

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import psutil
@@ -126,7 +127,8 @@ class Node:
             self,
             interval_s=interval_s,
             server_context=identity.server_context(),
-            quiet=self._in_no_run,
+            quiet=lambda: _quiet(self),
+            link_measured=partial(_link_measured, self),
         )
         self.dialer = Dialer(
             self.node_id,
@@ -160,6 +162,8 @@ class Node:
                 peer_models=PeerModels.of_config(self.config),
                 memory_bytes=self.usable_memory,
                 links=lambda: reported_links(_alive_rtts(self), self.sessions.links),
+                meet=self.dialer.meet,
+                measure_when_asked=True,
             )
             nursery.start_soon(trio.serve_listeners, self.sessions.handle_inbound, listeners)
             log.info("node %s of mesh %r on %s", self.node_id, self.token.name, self.listen)
@@ -291,12 +295,6 @@ class Node:
         if unexpected and node_id in self.table.peers:
             self.observe(ConnectionLost(node_id, trio.current_time()))
 
-    def _in_no_run(self) -> bool:
-        """Whether this node serves no run, as host or stage: its links may be probed
-        again (:mod:`meshnode.node.links`) without delaying a pipeline's activations."""
-        serving = self.host is not None and self.host.pipeline is not None
-        return not serving and (self.worker is None or self.worker.status() is None)
-
     # -- the mesh as the coordinator sees it (``meshnode.node.coordinator.MeshView``) -------
 
     def live_nodes(self) -> list[NodeCapacity]:
@@ -385,6 +383,24 @@ class Node:
             "protocol_errors": self.sessions.protocol_errors,
             "internal_errors": self.sessions.internal_errors,
         }
+
+
+def _quiet(node: Node) -> bool:
+    """Whether no request passes through ``node`` now, as host or stage: its links may be
+    probed (:mod:`meshnode.node.links`) without slowing a request's tokens."""
+    pipeline = None if node.host is None else node.host.pipeline
+    if pipeline is not None and pipeline.runner.live_sequences:
+        return False
+    return node.worker is None or not node.worker.serving()
+
+
+async def _link_measured(node: Node, peer: str) -> None:
+    """``node`` measured its link to ``peer``: the host's coordinator weighs it, and the
+    worker tells the host that asked it of its links (:mod:`meshnode.node.links`)."""
+    if node.host is not None:
+        node.host.links_changed()
+    if node.worker is not None:
+        await node.worker.speed.link_measured()
 
 
 def _alive_rtts(node: Node) -> list[tuple[str, float | None]]:

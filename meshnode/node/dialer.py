@@ -50,6 +50,9 @@ MAX_DIAL_BACKOFF_S = 5.0
 MAX_LEARNED_FAILURES = 5
 # How often ``connect`` looks again while it waits for a session to come up.
 CONNECT_POLL_S = 0.1
+# Peers of a host's SpeedQuery learned at most (links.MAX_REPORTED_LINKS: the links a
+# report may tell); the learned-target bounds apply to them as to a Hello's peer list.
+MAX_MET_PEERS = 64
 
 
 @dataclass(eq=False)
@@ -133,6 +136,12 @@ class Dialer:
         """:meth:`learn` an address a peer told us; an unparsable one is ignored."""
         with contextlib.suppress(ConfigError):
             self.learn(Address.parse(address), node_id)
+
+    def meet(self, peers: tuple[PeerInfo, ...]) -> None:
+        """:meth:`learn_text` the peers a host's ``SpeedQuery`` names (as many as a report
+        may tell the links of), so that the links to them are measured."""
+        for info in peers[:MAX_MET_PEERS]:
+            self.learn_text(info.address, NodeId(info.node_id))
 
     def forget(self, node_id: NodeId) -> None:
         """Drop the learned targets of a node that left (unless a dial is under way)."""

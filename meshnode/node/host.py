@@ -78,6 +78,11 @@ class MeshHost:
         """Take a control reply of the host's runs; False if it is not one."""
         return self.coordinator is not None and self.coordinator.handle(peer, message)
 
+    def links_changed(self) -> None:
+        """This node measured a link to a peer: the coordinator weighs the links again."""
+        if self.coordinator is not None:
+            self.coordinator.queries.links_changed()
+
     def peer_lost(self, peer: str, *, left: bool = False) -> None:
         """The session with ``peer`` ended (``left``: it said goodbye)."""
         if self.coordinator is not None:

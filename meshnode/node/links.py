@@ -9,13 +9,21 @@ Once a session is up, its node sends the peer an empty ``LinkProbe``, then one o
 ``PROBE_BYTES`` of padding, each answered at once by a ``LinkProbeReply``; the rate is the
 padding over the difference of the two answers' times (:func:`link_rate`), so the round
 trip cancels out. The result is kept for the session (:class:`LinkBook`) and measured
-again once it is ``LINK_MAX_AGE_S`` old, only while the node serves no run: a probe never
-shares the link with a pipeline's activations. The planner counts it in each hop
-(:func:`meshnode.node.planner.hop_seconds`).
+again once it is ``LINK_MAX_AGE_S`` old. A probe starts only while no request passes
+through the node (``quiet``: a node that prepares or holds an idle stage is quiet), so it
+never shares the link with a request's activations; a link that is due while the node
+serves waits for a gap between requests, looked for every ``QUIET_RECHECK_S``. The
+planner counts the rate in each hop (:func:`meshnode.node.planner.hop_seconds`).
 
 A worker tells the host what it measured of its own links (rates and the heartbeat's round
 trips, :func:`reported_links`) in its ``InventoryReport`` and ``SpeedReport``: the host
 times the hop between two workers' stages by them (claims: :mod:`meshnode.node.claims`).
+Two workers that joined through the host need not know each other: the host's
+``SpeedQuery`` names the other candidates (``peers``), the worker connects to them, and
+each link it then measures is told to the host at once, in a new ``SpeedReport``
+(``measured``: :mod:`meshnode.node.warm`), so that the host can place the workers by
+the links between them before its API opens (:func:`unmeasured_links`,
+:mod:`meshnode.node.calibration`).
 
 The peer is not trusted: it can answer late (its link then looks slow: it only loses
 layers), or answer before the padding arrived (its link looks fast, up to
@@ -29,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +79,10 @@ PROBE_ANSWER_EVERY_S = 30.0
 # How often a session looks whether its link is due to be measured again (a minute: a
 # measure's age limit, LINK_MAX_AGE_S, is ten).
 LINK_RECHECK_S = 60.0
+# How often a due link looks again for a moment when no request passes through the node:
+# a chat's request lasts seconds, and a probe that waits a second more for the gap after
+# it costs nothing, where one sent beside a request's activations would slow its tokens.
+QUIET_RECHECK_S = 1.0
 # The prefill chunk whose hop the status shows: the default ``[model] prefill_chunk_tokens``.
 STATUS_PREFILL_ROWS = 256
 # Links a node tells of itself in a report (InventoryReport/SpeedReport ``links``): a home
@@ -106,10 +118,19 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 class LinkBook:
-    """This node's measured links to its peers, and the probes waiting for an answer."""
+    """This node's measured links to its peers, and the probes waiting for an answer;
+    ``quiet()``: whether no request passes through the node (a probe may start);
+    ``measured(peer)``: told after each measurement (the node tells its host)."""
 
-    def __init__(self, node_id: str) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        *,
+        quiet: Callable[[], bool] = lambda: True,
+        measured: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
         self.node_id = node_id
+        self._quiet, self._measured = quiet, measured
         self.rates: dict[str, LinkRate] = {}
         self._waiting: dict[tuple[str, int], trio.Event] = {}
         self._nonces = itertools.count(1)
@@ -154,13 +175,19 @@ class LinkBook:
         finally:
             del self._waiting[peer, nonce]
 
-    async def keep_measured(self, peer: str, send: Send, quiet: Callable[[], bool]) -> None:
-        """Measure the link to ``peer`` now, then again whenever it is due and ``quiet()``
-        (the node serves no run), looking every ``LINK_RECHECK_S``; until cancelled."""
+    async def keep_measured(self, peer: str, send: Send) -> None:
+        """Measure the link to ``peer`` now, then again whenever it is due, looking every
+        ``LINK_RECHECK_S``; a due link waits for the node to be quiet, looked at every
+        ``QUIET_RECHECK_S``; each measurement is told (``measured``). Until cancelled."""
         while True:
-            if quiet() and self.due(peer, trio.current_time()):
-                await self.measure(peer, send)
-            await trio.sleep(LINK_RECHECK_S)
+            if not self.due(peer, trio.current_time()):
+                await trio.sleep(LINK_RECHECK_S)
+            elif not self._quiet():
+                await trio.sleep(QUIET_RECHECK_S)
+            elif await self.measure(peer, send) is None:
+                await trio.sleep(LINK_RECHECK_S)  # not answered: try again later
+            elif self._measured is not None:
+                await self._measured(peer)
 
     def receive(
         self, peer: str, message: LinkProbe | LinkProbeReply, now: float
@@ -197,6 +224,24 @@ def reported_links(
         if rtt_s or rate:
             links.append(PeerLink(node_id=node_id, rtt_us=(rtt_s or 0.0) * 1e6, bytes_per_s=rate))
     return tuple(links[:MAX_REPORTED_LINKS])
+
+
+def unmeasured_links(nodes: Sequence[NodeCapacity], host_id: str) -> list[tuple[str, str]]:
+    """The links between two workers of ``nodes`` that both tell their links (a node that
+    reported none does not probe) whose rate neither reported, as pairs of node ids in
+    the order of ``nodes``. The hop over such a link counts the host's link to the later
+    node (:func:`~meshnode.node.planner.hop_link`). The host's own links are not counted:
+    it measures them as its sessions start, before it plans."""
+    telling = [node for node in nodes if node.node_id != host_id and node.links]
+
+    def rate(node: NodeCapacity, peer: NodeCapacity) -> float:
+        return next((x.bytes_per_s for x in node.links if x.node_id == peer.node_id), 0.0)
+
+    return [
+        (a.node_id, b.node_id)
+        for a, b in itertools.combinations(telling, 2)
+        if not (rate(a, b) or rate(b, a))
+    ]
 
 
 def with_hop_bytes(model: ModelFootprint, config: ModelConfig, wire_dtype: str) -> ModelFootprint:

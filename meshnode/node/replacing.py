@@ -30,7 +30,8 @@ from meshnode.node.decisions import (
 )
 from meshnode.node.planner import NodeCapacity, Plan, should_regrow
 from meshnode.node.remote import RemotePipeline
-from meshnode.node.watch import watch_stages
+from meshnode.node.speeds import SERVE_BEFORE_REPLACING_S
+from meshnode.node.watch import earliest, watch_stages
 
 log = logging.getLogger("meshnode.coordinator")
 
@@ -44,7 +45,12 @@ class Watching(Placing, Protocol):
     def decide(self, event: Any) -> BackOff | Replan | None: ...
 
     async def wait_changed(
-        self, pipeline: RemotePipeline | None = None, measured: int = 0, until: float | None = None
+        self,
+        pipeline: RemotePipeline | None = None,
+        measured: int = 0,
+        until: float | None = None,
+        *,
+        links: bool = False,
     ) -> bool: ...
 
 
@@ -55,9 +61,14 @@ async def watch(
     naming it), or ``None`` once the plan should grow back
     (:func:`~meshnode.node.planner.should_regrow`); with ``regrow_now`` false, growing
     back waits for the next membership change or the end of a cool-off. ``None`` too
-    once the measured speeds call for re-placing (the coordinator's step 6)."""
+    once the measured speeds, or links measured since it began, call for re-placing (the
+    coordinator's step 6; a node that joined meanwhile is introduced to the others first,
+    :meth:`~meshnode.node.warm.SpeedQueries.introduce`)."""
     mesh, grace = coordinator.mesh, coordinator.settings.suspect_grace_s
+    queries = coordinator.queries
+    links_weighed = queries.reports  # the link news weighed already (at calibration)
     while True:
+        await queries.introduce(mesh, coordinator.candidates(mesh.live_nodes()))
         live = mesh.live_nodes()
         seen = watch_stages(placed, pipeline, mesh, live, grace)
         if seen.failed is not None:
@@ -68,11 +79,23 @@ async def watch(
         if not seen.spared and regrow_now and wants_regrow(coordinator, placed, live):
             coordinator.why_replace = "the planned nodes are back"
             return None
-        due = not seen.spared and pipeline.measured.due(trio.current_time())  # step 6
-        if due and faster_by_measure(coordinator, placed, coordinator.candidates(live)):
-            coordinator.why_replace = "the measured speeds place the layers faster"
+        now = trio.current_time()
+        due = not seen.spared and pipeline.measured.due(now)  # step 6
+        # While a stage is spared, its suspect's look_at wakes the watch instead.
+        links_at = None if seen.spared else links_due_at(pipeline, queries.reports != links_weighed)
+        links = links_at is not None and links_at <= now
+        if links:
+            links_weighed = queries.reports
+        if (due or links) and faster_by_measure(coordinator, placed, coordinator.candidates(live)):
+            coordinator.why_replace = (
+                "the measured speeds place the layers faster"
+                if due
+                else "the links measured since place the layers faster"
+            )
             return None
-        changed = await coordinator.wait_changed(pipeline, pipeline.measured.to_weigh, seen.look_at)
+        until = earliest(seen.look_at, None if links else links_at)
+        to_weigh = pipeline.measured.to_weigh
+        changed = await coordinator.wait_changed(pipeline, to_weigh, until, links=True)
         regrow_now = True
         if changed:
             coordinator.decide(MembershipChanged())  # give failed nodes another go
@@ -93,6 +116,12 @@ async def blame(
     loss = action.loss
     log.warning("run %s: %s; probe: %s; blamed: %s", coordinator.run_id, reason, answers, loss.node)
     return loss
+
+
+def links_due_at(pipeline: RemotePipeline, news: bool) -> float | None:
+    """When link ``news`` may re-place ``pipeline``: once it has served
+    ``SERVE_BEFORE_REPLACING_S``, as measured speeds may (None: no news)."""
+    return pipeline.measured.created + SERVE_BEFORE_REPLACING_S if news else None
 
 
 def wants_regrow(coordinator: Watching, placed: Plan, live: list[NodeCapacity]) -> bool:

@@ -258,16 +258,20 @@ def speed_report(
     backend: Backend,
     cache_dir: Path | None,
     links: tuple[PeerLink, ...] = (),
+    measuring: bool = False,
+    known: tuple[SelfMeasure, int] | None = None,
 ) -> SpeedReport:
     """The answer to ``query``: this node's latest measurement of the model it names, as
-    :func:`measure_or_reason` keeps it (the worker's model id: reference ``@`` pin), or an
-    empty report (``decode_us`` 0) when there is none; either with this node's measured
-    ``links`` to its peers. Blocking (one small file read)."""
-    found = latest(cache_dir, f"{query.package_ref}@{query.pin}", backend)
+    :func:`measure_or_reason` keeps it (the worker's model id: reference ``@`` pin), else
+    ``known`` (one it keeps in memory, and its layer), or an empty report (``decode_us``
+    0) when there is none, saying whether the node is ``measuring`` itself; either with
+    this node's measured ``links`` to its peers. Blocking (one small file read)."""
+    found = latest(cache_dir, f"{query.package_ref}@{query.pin}", backend) or known
     if found is None:
         return SpeedReport(
-            node_id=node_id, nonce=query.nonce, package_ref=query.package_ref, links=links
-        )
+            node_id=node_id, nonce=query.nonce, package_ref=query.package_ref, links=links,
+            measuring=measuring,
+        )  # fmt: skip
     measured, layer = found
     return SpeedReport(
         node_id=node_id,

@@ -18,7 +18,7 @@ import contextlib
 import itertools
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -121,6 +121,7 @@ class Sessions:
         server_context: ssl.SSLContext,
         limits: MeshLimits = DEFAULT_LIMITS,
         quiet: Callable[[], bool] = lambda: True,
+        link_measured: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.node_id = node_id
         self.limits = limits
@@ -138,10 +139,9 @@ class Sessions:
         self._pending = PendingHandshakes(limits)
         self._refusals = RateLimitedLog(log)
         self._peer_lines = TokenBuckets()  # lines each member's frames may cause
-        # The measured rate of the link to each peer (meshnode.node.links); ``quiet``
-        # says when the node serves no run, so that a link may be probed again.
-        self.links = LinkBook(node_id)
-        self._quiet = quiet
+        # The measured rate of the link to each peer (meshnode.node.links); ``quiet`` says
+        # when no request passes through the node, so that a link may be probed.
+        self.links = LinkBook(node_id, quiet=quiet, measured=link_measured)
 
     def __contains__(self, node_id: object) -> bool:
         return node_id in self.live
@@ -319,8 +319,7 @@ class Sessions:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._send_heartbeats, session)
                 if LINK_PROBE_FEATURE in session.features:  # meshnode.node.links
-                    measure = self.links.keep_measured
-                    nursery.start_soon(measure, session.node_id, session.peer.send, self._quiet)
+                    nursery.start_soon(self.links.keep_measured, session.node_id, session.peer.send)
                 await self._receive_loop(session)
                 nursery.cancel_scope.cancel()
         except* RemoteProtocolError as group:

@@ -46,11 +46,16 @@ async def settled(
 
 
 async def membership_changed(
-    mesh: MeshView, pipeline: RemotePipeline | None, until: float | None, *, measured: int = 0
+    mesh: MeshView,
+    pipeline: RemotePipeline | None,
+    until: float | None,
+    *,
+    measured: int = 0,
+    reported: trio.Event | None = None,
 ) -> bool:
     """Wait for a membership change (True), or for ``pipeline`` to fail, for ``measured``
-    more one-row passes of it to time every stage (if above 0), or the trio time ``until``
-    (False)."""
+    more one-row passes of it to time every stage (if above 0), for ``reported`` (link
+    news: :mod:`meshnode.node.warm`), or the trio time ``until`` (False)."""
     changed = False
     changed_event = mesh.membership_event()  # before any checkpoint
     with trio.move_on_at(math.inf if until is None else until):
@@ -71,6 +76,8 @@ async def membership_changed(
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(membership)
+            if reported is not None:
+                nursery.start_soon(failure, reported)  # not a failure: it ends the wait alike
             if pipeline is not None:
                 nursery.start_soon(failure, pipeline.failed)
                 if measured > 0:

@@ -40,8 +40,9 @@ id, and an ``Error`` about a request of our run that comes back from our downstr
 instead of waiting for a ``Prediction`` that will never come.
 
 Beside it: the fencing decisions (:mod:`meshnode.node.fencing`), what the worker reports
-of its run (:mod:`meshnode.node.worker_reports`) and the stage a ``Load`` builds
-(:mod:`meshnode.node.stage_build`).
+of its run (:mod:`meshnode.node.worker_reports`), the stage a ``Load`` builds
+(:mod:`meshnode.node.stage_build`) and its answers to a host's ``SpeedQuery``
+(:mod:`meshnode.node.speed_answers`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +89,8 @@ from meshnode.node.fencing import may_send as may_send  # callers import it here
 from meshnode.node.peer_models import PeerModels
 from meshnode.node.prefix_keep import KEEP_POOL_S, KeptPool, held_keys
 from meshnode.node.relay import Relay
-from meshnode.node.selfmeasure import SelfMeasure, measure_or_reason, speed_report
+from meshnode.node.selfmeasure import SelfMeasure, measure_or_reason
+from meshnode.node.speed_answers import SpeedAnswers
 from meshnode.node.stage import StageRunner
 from meshnode.node.stage_build import build_runner as build_runner  # ditto
 from meshnode.node.worker_reports import inventory_report, run_status
@@ -127,6 +128,8 @@ class Worker:
         peer_models: PeerModels | None = None,
         memory_bytes: int | None = None,
         links: Callable[[], tuple[PeerLink, ...]] = tuple,
+        meet: Callable[[tuple[PeerInfo, ...]], None] = lambda _: None,
+        measure_when_asked: bool = False,
     ) -> None:
         self.node_id = node_id
         self._send = send
@@ -141,6 +144,12 @@ class Worker:
         self._memory_bytes = memory_bytes  # what this node offers: bounds a Load's KV
         # This node's measured links to its peers, told in its reports (node/links.py).
         self._links = links
+        # The host's SpeedQuery, answered now and again as links (or this node) are measured.
+        self.speed = SpeedAnswers(
+            node_id, send, backend=backend, cache_dir=cache_dir, nursery=nursery,
+            peer_models=self._peer_models, links=links, meet=meet,
+            measure_when_asked=measure_when_asked, claimed=lambda: self.run is not None,
+        )  # fmt: skip
         self.run: WorkerRun | None = None
         # A stopped run's prefix pool, for the next Load of the same stage (issue 30).
         self._kept: KeptPool | None = None
@@ -150,6 +159,11 @@ class Worker:
     def status(self) -> dict[str, Any] | None:
         """This node's part in the run that claimed it, if any (:func:`run_status`)."""
         return None if self.run is None else run_status(self.run)
+
+    def serving(self) -> bool:
+        """Whether a request passes through this node's stage now (it holds a sequence)."""
+        runner = None if self.run is None else self.run.runner
+        return runner is not None and runner.live_sequences > 0
 
     # -- dispatch -----------------------------------------------------------------------
 
@@ -174,13 +188,8 @@ class Worker:
                 self.stop(f"stopped by {peer}: {message.reason}")
             else:
                 await self._queue(run, message)
-        elif isinstance(message, SpeedQuery):  # answered without a claim (node/selfmeasure.py)
-            refused = bool(self._peer_models.refusal(message.package_ref))
-            cache_dir = None if refused else self._cache_dir  # None: an empty report
-            answer = partial(
-                speed_report, message, self.node_id, self._backend, cache_dir, self._links()
-            )
-            await self._send(peer, await trio.to_thread.run_sync(answer))
+        elif isinstance(message, SpeedQuery):  # answered without a claim (node/speed_answers.py)
+            await self.speed.answer(peer, message)
         elif isinstance(message, Error) and is_downstream_error(self.run, peer, message):
             await self._to_coordinator(message)
         else:
@@ -197,7 +206,8 @@ class Worker:
 
     def peer_lost(self, peer: str, *, left: bool = False) -> None:
         """The session with ``peer`` ended (``left``: it said goodbye): a coordinator gone
-        takes its claim with it."""
+        takes its claim with it, a host its query."""
+        self.speed.peer_lost(peer)
         if self.run is not None and self.run.coordinator == peer:
             self.stop(f"coordinator {peer} {'left the mesh' if left else 'lost'}")
 
@@ -217,6 +227,7 @@ class Worker:
             self.run.term = claim.term
         else:
             self.run = WorkerRun(claim.run_id, claim.term, peer)
+        self.speed.claimed_now()
         await self._send(
             peer,
             ClaimAccepted(run_id=claim.run_id, term=claim.term, node_id=self.node_id),
@@ -268,7 +279,8 @@ class Worker:
             if prep.bytes_total == 0:  # a local source: nothing was transferred
                 prep.bytes_done = prep.bytes_total = 1
             # measured before it reads as ready: the report that says so carries it
-            prep.measured = await measure_part(prep, source, self._backend, self._cache_dir)
+            async with self.speed.measure_lock:  # not beside a measurement asked for
+                prep.measured = await measure_part(prep, source, self._backend, self._cache_dir)
             prep.source = source
             if run.state is RunState.PREPARING:
                 run.state = RunState.PREPARED

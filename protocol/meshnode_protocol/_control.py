@@ -240,13 +240,18 @@ class SpeedQuery(Message):
     ``SpeedReport`` with the same ``nonce``. No claim is needed; it carries no run.
 
     ``package_ref`` and ``pin`` are what the host would ``Prepare``: the reference and the
-    hub commit or manifest sha256 it resolved it to (empty: none)."""
+    hub commit or manifest sha256 it resolved it to (empty: none). ``peers``: the other
+    nodes the host may plan over; the node connects to those it has no session with and
+    measures its links to them, and sends a new ``SpeedReport`` (same ``nonce``) each
+    time it has measured one, so that the host can time the hops between workers' stages
+    before it places them. The host sends a node another query when the peers change."""
 
     TYPE: ClassVar[int] = 21
     node_id: str
     nonce: UInt
     package_ref: str
     pin: str = ""
+    peers: tuple[PeerInfo, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -254,8 +259,10 @@ class SpeedReport(Message):
     """Node → host: the answer to a ``SpeedQuery``; the fields of an ``InventoryReport``'s
     measurement, of the layer ``layer`` it timed. ``decode_us`` 0: nothing measured (the
     node's cache holds no measurement for this model on this machine). ``links`` as in an
-    ``InventoryReport``, measured or not. Claims: the host bounds them as it bounds an
-    ``InventoryReport``'s (the codec checks only types)."""
+    ``InventoryReport``, measured or not. ``measuring``: the node, holding no measurement,
+    measures itself for this model now and answers again (same ``nonce``) when done.
+    Claims: the host bounds them as it bounds an ``InventoryReport``'s (the codec checks
+    only types)."""
 
     TYPE: ClassVar[int] = 22
     node_id: str
@@ -268,6 +275,7 @@ class SpeedReport(Message):
     layer_bytes: UInt = 0
     disk_bytes_per_s: float = 0.0
     links: tuple[PeerLink, ...] = ()
+    measuring: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -96,6 +96,15 @@ EXAMPLES: Final[dict[str, Message]] = {
     "speed_query": SpeedQuery(
         node_id="node-a", nonce=3, package_ref="hf://org/smollm2@main", pin="c" * 40
     ),
+    "speed_query_peers": SpeedQuery(
+        node_id="node-a",
+        nonce=6,
+        package_ref="hf://org/smollm2@main",
+        peers=(
+            PeerInfo(node_id="node-c", address="10.0.0.3:7470", device_kind="cpu"),
+            PeerInfo(node_id="node-d", address="[fd00::4]:7470", usable_memory=1 << 31),
+        ),
+    ),
     "speed_report": SpeedReport(
         node_id="node-b",
         nonce=3,
@@ -109,6 +118,9 @@ EXAMPLES: Final[dict[str, Message]] = {
     ),
     "speed_report_none": SpeedReport(
         node_id="node-b", nonce=4, package_ref="hf://org/smollm2@main"
+    ),
+    "speed_report_measuring": SpeedReport(
+        node_id="node-c", nonce=6, package_ref="hf://org/smollm2@main", measuring=True
     ),
     "speed_report_links": SpeedReport(
         node_id="node-b",

@@ -94,10 +94,13 @@ def add_worker(
     node_id: str,
     cache_dir: Path,
     nursery: trio.Nursery,
-    links: tuple[PeerLink, ...] = (),
+    links: Callable[[], tuple[PeerLink, ...]] = tuple,
+    *,
+    measure_when_asked: bool = False,
 ) -> None:
     """A real worker ``node_id`` on ``mesh``; ``links``: what it reports of its links to its
-    peers (the daemon's are measured: node/links.py)."""
+    peers now (the daemon's are measured: node/links.py); ``measure_when_asked``: as the
+    daemon's, a cold worker measures itself when a ``SpeedQuery`` asks."""
 
     async def send(peer: str, message: Message) -> None:
         await mesh.deliver(node_id, peer, message)
@@ -112,7 +115,8 @@ def add_worker(
         backend=cpu_backend(),
         cache_dir=cache_dir,
         nursery=nursery,
-        links=lambda: links,
+        links=links,
+        measure_when_asked=measure_when_asked,
     )
 
 

@@ -107,8 +107,8 @@ async def test_a_workers_link_to_its_neighbour_reaches_the_host_plan_and_status(
     ref, package = hub_ref
     mesh = InMemoryMesh(host_memory=1 << 34)
     async with trio.open_nursery() as nursery:
-        add_worker(mesh, "a", tmp_path / "a-cache", nursery,
-                   links=(PeerLink(node_id="b", rtt_us=4000.0, bytes_per_s=SLOW),))  # fmt: skip
+        slow = (PeerLink(node_id="b", rtt_us=4000.0, bytes_per_s=SLOW),)
+        add_worker(mesh, "a", tmp_path / "a-cache", nursery, links=lambda: slow)
         add_worker(mesh, "b", tmp_path / "b-cache", nursery)
         by_speed = placement == "speed"
         pipeline = await serve(mesh, ref, package, 3, nursery, place_by_speed=by_speed)

@@ -17,6 +17,7 @@ from meshnode_protocol import (
     Hello,
     Load,
     Message,
+    PeerInfo,
     SpeedQuery,
     SpeedReport,
 )
@@ -195,6 +196,9 @@ class Mesh:
         self.queries: SpeedQueries | None = None
         self.book: ClaimBook | None = None
 
+    def peer_info(self, node_id: str) -> PeerInfo:
+        return PeerInfo(node_id=node_id, address=f"{node_id}.invalid:7470")
+
     async def send(self, node_id: str, message: Message) -> None:
         self.sent.append((node_id, message))
         decode_us = self.answers[node_id]
@@ -232,7 +236,7 @@ async def test_every_node_is_asked_once_and_its_answer_is_its_claim(
     assert mesh.book.speed("b") == NodeSpeed(4 * MIB / 3e-3, 2e9)
     await mesh.queries.ask(mesh, mesh.book, _nodes("a", "b"))  # type: ignore[arg-type]
     assert len(mesh.sent) == 2  # asked once
-    # a second answer, or one to no query, is dropped
+    # a second answer tells links only, and one to no query is dropped
     mesh.queries.deliver("b", answer("b", 2, decode_us=10.0), mesh.book)
     mesh.queries.deliver("c", answer("c", 1), mesh.book)
     assert mesh.book.speed("b") == NodeSpeed(4 * MIB / 3e-3, 2e9)
@@ -255,14 +259,22 @@ async def test_the_wait_is_bounded_and_a_cold_answer_ends_it(
 
 
 @pytest.mark.parametrize(("host_warm", "enabled"), [(False, True), (True, False)])
-async def test_a_cold_host_or_placement_by_memory_asks_nobody(
-    tmp_path: Path, host_warm: bool, enabled: bool
+async def test_a_cold_host_or_placement_by_memory_waits_for_no_claim(
+    tmp_path: Path, autojump_clock: Any, host_warm: bool, enabled: bool
 ) -> None:
-    mesh = Mesh({"a": 1000.0})
+    """Neither plans by speed: the nodes are asked all the same (the query introduces them
+    to each other, for their links: node/links.py), but the plan waits for no answer."""
+    mesh = Mesh({"a": None, "b": None})
     mesh.queries, mesh.book = _queries(tmp_path, host_warm=host_warm, enabled=enabled)
-    await mesh.queries.ask(mesh, mesh.book, _nodes("a"))  # type: ignore[arg-type]
-    assert mesh.sent == []
-    assert mesh.book.speed("a") is None
+    began = trio.current_time()
+    await mesh.queries.ask(mesh, mesh.book, _nodes("a", "b"))  # type: ignore[arg-type]
+    assert trio.current_time() == began
+    queries = [(node, m) for node, m in mesh.sent if isinstance(m, SpeedQuery)]
+    assert [(node, [p.node_id for p in m.peers]) for node, m in queries] == [
+        ("a", ["b"]),
+        ("b", ["a"]),
+    ]
+    assert len(mesh.sent) == 2
 
 
 # -- a warm mesh on real workers: placed by speed at once, loaded once ----------------------
@@ -346,11 +358,14 @@ async def test_a_worker_answers_without_a_claim_and_only_for_a_model_it_would_op
 
 
 async def test_the_real_daemon_offers_and_answers_speed_queries(
-    nursery: trio.Nursery, tmp_path: Path
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The daemon on loopback and a member (mutual TLS) whose Hello offers ``speed-query``:
     the node's Hello offers it too, and a query is answered over the session, without a
-    claim (a cold cache: an empty answer with the query's nonce)."""
+    claim (a cold cache: an empty answer with the query's nonce, saying that the node
+    measures itself now)."""
+    # the measurement it starts fetches the model's first layer: from nowhere, in a test
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     token = JoinToken.generate("m")
     node = await start_node(nursery, token, tmp_path / "node", tmp_path / "cache")
     assert node.listen is not None
@@ -366,4 +381,5 @@ async def test_the_real_daemon_offers_and_answers_speed_queries(
     report = await member.receive(SpeedReport)
     assert isinstance(report, SpeedReport)
     assert (report.node_id, report.nonce, report.decode_us) == (node.node_id, 11, 0.0)
+    assert report.measuring
     await member.aclose()
