@@ -97,6 +97,8 @@ def _step4(fmt, rows, g, s, scales, x, p, acc):  # type: ignore[no-untyped-def]
 def _dot4_blocks(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
     # weight rows o .. o + 3 of a 32-value format times one activation row, decoded in
     # registers a block at a time
+    for i in range(4):  # the next pass's rows, PREFETCH_BYTES further
+        _ahead(raw, o + 4 + i)
     rows = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
     acc = wzero(), wzero(), wzero(), wzero()
     none = wzero(), wzero(), wzero(), wzero()
@@ -107,9 +109,17 @@ def _dot4_blocks(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
 
 def _dot4_k(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
     # the same for a K-quant, a super-block at a time: its scales decoded once
+    # the next pass's four rows asked for a super-block's share at a time, between the
+    # dot products (a burst of them before the pass left the loads and the arithmetic
+    # taking turns)
+    flat, size = raw.reshape(-1), raw.shape[1]
+    share = 4 * (size // (n_in // 256))
+    ahead = min((o + 4) * size, max(0, flat.shape[0] - 4 * size))
     rows = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
     acc = wzero(), wzero(), wzero(), wzero()
     for g in range(n_in // 256):
+        for line in range(0, share, 64):
+            prefetch(flat, ahead + share * g + line)
         sc = (
             group_scales(fmt, rows[0], g),
             group_scales(fmt, rows[1], g),
@@ -258,9 +268,7 @@ def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
     k, n_in = out.shape[0], w.shape[0] // 4
     o = lo
     if k == 1:  # four weight rows at a time against the one activation row
-        while o + 4 <= hi:
-            for i in range(4):  # the next pass's rows, PREFETCH_BYTES further
-                _ahead(raw, o + 4 + i)
+        while o + 4 <= hi:  # each pass asks for the next pass's rows
             d = _dot4_any(fmt, raw, o, x, n_in, w)
             for j in range(4):
                 out[0, col + o + j] = d[j]
