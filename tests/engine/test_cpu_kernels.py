@@ -100,6 +100,31 @@ def test_products_equal_dequantize_then_multiply(
     assert idle_threads.posted - before == (parallel and k <= MAX_KERNEL_ROWS)
 
 
+@pytest.mark.parametrize("dtype", list(FORMATS))
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+def test_a_row_alone_is_the_same_bits_as_in_a_batch(
+    dtype: str,
+    parallel: bool,
+    rng: np.random.Generator,
+    monkeypatch: pytest.MonkeyPatch,
+    idle_threads: KernelPool,
+) -> None:
+    """One activation row takes its own loop (four weight rows decoded in registers), a
+    batch another (rows decoded into a buffer, then register tiles): both sum each output
+    in the one order of :mod:`.kernels`, so each row of a batch of eight is the same bits
+    as that row alone (issue 35), whatever the format."""
+    monkeypatch.setattr(matrix, "PARALLEL_MIN_BYTES", 0 if parallel else 1 << 62)
+    monkeypatch.setattr(matrix, "_threads", 2)
+    monkeypatch.setattr(matrix, "_pool", lambda: idle_threads)
+    m = BlockMatrix([random_tensor(dtype, 70, rng)])  # whole passes of four, then two rows
+    x = rng.standard_normal((8, N_IN)).astype(np.float32)
+    batch = x @ m
+    for r in range(len(x)):
+        alone = x[r : r + 1] @ m
+        differ = int(np.count_nonzero(alone[0] != batch[r]))
+        assert differ == 0, f"row {r} alone differs from the batch's in {differ} values"
+
+
 def test_gguf_quantized_weights_multiply_like_their_float32(rng: np.random.Generator) -> None:
     """Blocks written by gguf's own quantizer (the Q4_K_M mix's Q8_0 and Q5_0 among them)."""
     values = rng.standard_normal((48, N_IN)).astype(np.float32)

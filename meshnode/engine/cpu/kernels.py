@@ -10,13 +10,16 @@ over ``j = 0, 16, 32, ...`` in order, then the sixteen lanes summed as a tree
 or with up to :data:`.matrix.MAX_KERNEL_ROWS` - 1 others, in any position of the batch,
 by any thread (issue 35). The terms are those of "dequantize, then multiply"; their order
 differs from a plain loop's. Each weight row's bytes are asked for
-:data:`PREFETCH_BYTES` ahead.
+:data:`PREFETCH_BYTES` ahead; a K-quant's one-row passes ask for the next pass's four rows
+instead, a super-block's share at a time between the dot products.
 
 - one activation row (decode): four weight rows a pass, decoded in registers a group at
   a time (a K-quant's super-block with its scales decoded once, :mod:`.groups`; a block
   of the 32-value formats; 32 plain floats), each into its own chain: four independent
   chains hide the FMA latency, each activation vector loaded serves four FMAs, and
-  nothing is stored;
+  nothing is stored; the passes over a part (or a pool's chunk) loop inside one compiled
+  call per format (a call per pass cost ~0.05 cycles a weight: the arrays' reference
+  counts, a reshape, a division);
 - ``k`` rows (verify windows, batches): four weight rows are decoded once into a small
   float32 buffer (L1-resident), then multiplied with the activation rows four at a time
   as a 4 x 4 register tile of sixteen-lane vectors (each element its own chain, as
@@ -94,45 +97,73 @@ def _step4(fmt, rows, g, s, scales, x, p, acc):  # type: ignore[no-untyped-def]
     return a0, a1, a2, a3
 
 
-def _dot4_blocks(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
-    # weight rows o .. o + 3 of a 32-value format times one activation row, decoded in
-    # registers a block at a time
-    rows = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
-    acc = wzero(), wzero(), wzero(), wzero()
-    none = wzero(), wzero(), wzero(), wzero()
-    for c in range(n_in // 32):
-        acc = _step4(fmt, rows, c, 0, none, x, 32 * c, acc)
-    return wsum(acc[0]), wsum(acc[1]), wsum(acc[2]), wsum(acc[3])
+def _pass4_blocks(fmt, raw, x, out, o, hi, col, n_in):  # type: ignore[no-untyped-def]
+    # weight rows o .. hi - 1 of a 32-value format times the one activation row x, four
+    # a pass (decoded in registers a block at a time) while four are left, into columns
+    # col + o ..; returns the first row not done. The passes loop here, not in the
+    # caller: one call per part or chunk, not one per four rows
+    o, none = max(o, 0), (wzero(), wzero(), wzero(), wzero())  # o >= 0: as _rows' lo
+    while o + 4 <= hi:
+        for i in range(4):  # the next pass's rows, PREFETCH_BYTES further
+            _ahead(raw, o + 4 + i)
+        rows = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
+        acc = wzero(), wzero(), wzero(), wzero()
+        for c in range(n_in // 32):
+            acc = _step4(fmt, rows, c, 0, none, x, 32 * c, acc)
+        _put4(out, col + o, acc)
+        o += 4
+    return o
 
 
-def _dot4_k(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
-    # the same for a K-quant, a super-block at a time: its scales decoded once
-    rows = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
-    acc = wzero(), wzero(), wzero(), wzero()
-    for g in range(n_in // 256):
-        sc = (
-            group_scales(fmt, rows[0], g),
-            group_scales(fmt, rows[1], g),
-            group_scales(fmt, rows[2], g),
-            group_scales(fmt, rows[3], g),
-        )
-        for h in range(2):  # four sub-blocks a step: each one's place in its half constant
-            p, s = 256 * g + 128 * h, 4 * h
-            acc = _step4(fmt, rows, g, s, sc, x, p, acc)
-            acc = _step4(fmt, rows, g, s + 1, sc, x, p + 32, acc)
-            acc = _step4(fmt, rows, g, s + 2, sc, x, p + 64, acc)
-            acc = _step4(fmt, rows, g, s + 3, sc, x, p + 96, acc)
-    return wsum(acc[0]), wsum(acc[1]), wsum(acc[2]), wsum(acc[3])
+def _pass4_k(fmt, raw, x, out, o, hi, col, n_in):  # type: ignore[no-untyped-def]
+    # the same for a K-quant, a super-block at a time: its scales decoded once. The next
+    # pass's four rows are asked for a super-block's share at a time, between the dot
+    # products (a burst of them before the pass left the loads and the arithmetic
+    # taking turns)
+    o, flat, size = max(o, 0), raw.reshape(-1), raw.shape[1]  # o >= 0: as _rows' lo
+    share = 4 * (size // (n_in // 256))
+    last = max(0, flat.shape[0] - 4 * size)  # the last pass asks for its own rows again
+    while o + 4 <= hi:
+        ahead = min((o + 4) * size, last)
+        rows = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
+        acc = wzero(), wzero(), wzero(), wzero()
+        for g in range(n_in // 256):
+            for line in range(0, share, 64):
+                prefetch(flat, ahead + share * g + line)
+            sc = (
+                group_scales(fmt, rows[0], g),
+                group_scales(fmt, rows[1], g),
+                group_scales(fmt, rows[2], g),
+                group_scales(fmt, rows[3], g),
+            )
+            for h in range(2):  # four sub-blocks a step: each one's place in its half constant
+                p, s = 256 * g + 128 * h, 4 * h
+                acc = _step4(fmt, rows, g, s, sc, x, p, acc)
+                acc = _step4(fmt, rows, g, s + 1, sc, x, p + 32, acc)
+                acc = _step4(fmt, rows, g, s + 2, sc, x, p + 64, acc)
+                acc = _step4(fmt, rows, g, s + 3, sc, x, p + 96, acc)
+        _put4(out, col + o, acc)
+        o += 4
+    return o
 
 
-def _dot4_any(fmt: Any, raw: Any, o: Any, x: Any, n_in: Any, w: Any) -> Any:
+@njit(inline="always")
+def _put4(out, c, acc):  # type: ignore[no-untyped-def]
+    # the four chains' sums into out[0, c .. c + 3]
+    out[0, c] = wsum(acc[0])
+    out[0, c + 1] = wsum(acc[1])
+    out[0, c + 2] = wsum(acc[2])
+    out[0, c + 3] = wsum(acc[3])
+
+
+def _pass4_any(fmt: Any, raw: Any, x: Any, out: Any, o: Any, hi: Any, col: Any, n_in: Any) -> Any:
     raise TypeError("for compiled code")
 
 
-@overload(_dot4_any, prefer_literal=True, jit_options=INNER)
-def _dot4_typed(fmt, raw, o, x, n_in, w):  # type: ignore[no-untyped-def]
-    # the format's own product, chosen while compiling (.blocks.format_row)
-    return _dot4_k if format_row(fmt).block_size == 256 else _dot4_blocks
+@overload(_pass4_any, prefer_literal=True, jit_options=INNER)
+def _pass4_typed(fmt, raw, x, out, o, hi, col, n_in):  # type: ignore[no-untyped-def]
+    # the format's own passes, chosen while compiling (.blocks.format_row)
+    return _pass4_k if format_row(fmt).block_size == 256 else _pass4_blocks
 
 
 def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
@@ -258,13 +289,7 @@ def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
     k, n_in = out.shape[0], w.shape[0] // 4
     o = lo
     if k == 1:  # four weight rows at a time against the one activation row
-        while o + 4 <= hi:
-            for i in range(4):  # the next pass's rows, PREFETCH_BYTES further
-                _ahead(raw, o + 4 + i)
-            d = _dot4_any(fmt, raw, o, x, n_in, w)
-            for j in range(4):
-                out[0, col + o + j] = d[j]
-            o += 4
+        o = _pass4_any(fmt, raw, x, out, o, hi, col, n_in)
     while o + 4 <= hi:  # four weight rows decoded, then a register tile per four rows
         for i in range(4):
             _ahead(raw, o + i)
