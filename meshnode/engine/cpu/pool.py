@@ -32,6 +32,7 @@ once kept them in the output and a busy machine read half-summed values; issue 3
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -53,6 +54,7 @@ CLAIM = 0  # generation << 40 | chunks << 20 | next chunk: what a thread claims 
 DONE = 8  # chunks of the current job finished
 ACTIVE = 16  # how many threads may claim (the caller and helpers 1 .. ACTIVE - 1)
 HELPERS = 17  # helper threads started
+SPINS = 18  # idle iterations a helper spins for the next chunk before it sleeps
 SLEEPING = 24  # + who: 1 while helper ``who`` sleeps on its event
 MAX_HELPERS = 63
 BUSY = SLEEPING + 8 * ((MAX_HELPERS + 8) // 8)  # + who: 1 + (generation << 20 | chunk)
@@ -130,6 +132,7 @@ class CoreGauge:
         self._quota = quota
         self._tick = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
         self._free = self._cores()
+        self._sampled = -math.inf  # when free() last looked
         self._last: tuple[float, float, float] | None = None  # clock, idle s, own CPU s
         # /proc/stat's columns counted as free: idle and iowait, and nice unless we are
         self._columns = (3, 4) if _niced() else (1, 3, 4)
@@ -137,8 +140,9 @@ class CoreGauge:
     def free(self) -> float:
         """Cores this process can have now (a running average, 0 .. its cores)."""
         now = self._clock()
-        if self._last is not None and now - self._last[0] < SAMPLE_SECONDS:
+        if now - self._sampled < SAMPLE_SECONDS:
             return self._free
+        self._sampled = now
         cores = self._cores()
         idle = self._idle_seconds()
         if idle is None:  # without /proc every core it may use counts as free
@@ -220,8 +224,9 @@ def _claim_and_run(st, who):  # type: ignore[no-untyped-def]
 
 
 @entry(nogil=True)
-def _helper_spin(st, who, spins):  # type: ignore[no-untyped-def]
-    # run chunks as they are posted; return (to sleep) after ``spins`` idle iterations
+def _helper_spin(st, who):  # type: ignore[no-untyped-def]
+    # run chunks as they are posted; return (to sleep) after SPINS idle iterations
+    spins = load(st, SPINS)
     idle = 0
     while True:
         if who < load(st, ACTIVE) and _claim_and_run(st, who) > 0:
@@ -327,16 +332,30 @@ class KernelPool:
         self._scratch = np.zeros((1, 0), np.float32)  # [threads, 7 n_in]: decoded rows
         self._gen = 0
         self._pid = os.getpid()
-        self._spins = self._patience = 0  # SPIN_ and PATIENCE_MICROSECONDS, in iterations
+        self._per_us = 0.0  # idle-loop iterations a microsecond (calibrated at the first post)
+        self._waits = (PATIENCE_MICROSECONDS, SPIN_MICROSECONDS)
+        self._patience = 0  # the patience, in iterations
         self._last: tuple[Any, ...] = ()  # the last job's arrays, while a helper may use them
         self.posted = 0  # products shared so far
         self.declined = 0  # products left to the caller: a helper still held a chunk
+        self.woken = 0  # products posted while a helper that may claim slept
 
     @property
     def redone(self) -> int:
         """Chunks the caller computed itself because a helper held them past the
         patience (so far; the helper computed them too)."""
         return int(self._st[REDONE])
+
+    def set_waits(self, patience_us: float | None = None, spin_us: float | None = None) -> None:
+        """Set the caller's patience and the helpers' spin (:data:`PATIENCE_MICROSECONDS`,
+        :data:`SPIN_MICROSECONDS`; None: unchanged), from the next product (benchmarks)."""
+        patience, spin = self._waits
+        self._waits = (
+            patience if patience_us is None else patience_us,
+            spin if spin_us is None else spin_us,
+        )
+        if self._per_us:
+            self._set_iterations()
 
     @property
     def gauge(self) -> CoreGauge:
@@ -408,6 +427,7 @@ class KernelPool:
         self._last = (parts, x, out, self._scratch, keep)
         self.posted += 1
         if woken:
+            self.woken += 1
             for who in range(1, len(self._events) + 1):
                 if woken >> who & 1:
                     self._events[who - 1].set()
@@ -420,33 +440,37 @@ class KernelPool:
         rows, width = self._scratch.shape
         if rows < threads or width < scratch:
             self._scratch = np.zeros((max(rows, threads), max(width, scratch)), np.float32)
-        if not self._spins:
-            self._spins = _iterations(self._st, SPIN_MICROSECONDS)
-            self._patience = _iterations(self._st, PATIENCE_MICROSECONDS)
+        if not self._per_us:
+            self._per_us = _per_microsecond(self._st)
+            self._set_iterations()
         while len(self._events) < threads - 1:
             event = threading.Event()
             self._events.append(event)
             who = len(self._events)
-            args = (self._st, event, who, self._spins)
+            args = (self._st, event, who)
             name = f"meshnode-kernel-{who}"
             threading.Thread(target=_helper, args=args, name=name, daemon=True).start()
             self._st[HELPERS] = who
         self._st[ACTIVE] = threads
 
+    def _set_iterations(self) -> None:
+        """The patience and the spin in idle-loop iterations (at least 100)."""
+        patience, spin = (max(100, int(self._per_us * us)) for us in self._waits)
+        self._patience, self._st[SPINS] = patience, spin
 
-def _iterations(st: np.ndarray, microseconds: float) -> int:
-    """Idle-loop iterations that take about ``microseconds`` on this CPU."""
+
+def _per_microsecond(st: np.ndarray) -> float:
+    """Idle-loop iterations a microsecond on this CPU."""
     n = 20_000
     _calibrate(st, n)  # compiled or loaded first
     t = time.perf_counter()
     _calibrate(st, n)
-    per_us = n / max(1e-6, (time.perf_counter() - t) * 1e6)
-    return max(100, int(per_us * microseconds))
+    return n / max(1e-6, (time.perf_counter() - t) * 1e6)
 
 
-def _helper(st: np.ndarray, event: threading.Event, who: int, spins: int) -> None:
+def _helper(st: np.ndarray, event: threading.Event, who: int) -> None:
     """A helper thread: spin for chunks, sleep when idle, woken by the next post."""
     while True:
-        _helper_spin(st, who, spins)
+        _helper_spin(st, who)
         event.wait()
         event.clear()
