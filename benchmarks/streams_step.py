@@ -55,7 +55,7 @@ PROMPT = 16
 
 class Setup(NamedTuple):
     """A measured configuration: kernel threads, the pool's patience and its helpers' spin
-    in µs (None: the pool's own, :data:`.pool.PATIENCE_MICROSECONDS` and
+    in µs (None: the pool's own, a few of the job's chunk times, and
     :data:`.pool.SPIN_MICROSECONDS`)."""
 
     threads: int
@@ -181,7 +181,6 @@ class _Timer:
 def run(args: argparse.Namespace) -> None:
     from meshnode.engine.backend import cpu_backend, limit_cpu_threads
     from meshnode.engine.cpu import matrix, set_kernel_threads
-    from meshnode.engine.cpu import pool as pool_module
     from meshnode.engine.cpu.pool import CoreGauge
     from meshnode.engine.loader import load_model
     from meshnode.engine.model import BatchRow
@@ -242,10 +241,7 @@ def run(args: argparse.Namespace) -> None:
 
     def use(setup: Setup) -> None:
         set_kernel_threads(setup.threads)
-        pool.set_waits(
-            pool_module.PATIENCE_MICROSECONDS if setup.patience is None else setup.patience,
-            pool_module.SPIN_MICROSECONDS if setup.spin is None else setup.spin,
-        )
+        pool.set_waits(setup.patience, setup.spin)
 
     for setup in setups:  # warm-up: kernels compiled or loaded, helpers started
         use(setup)

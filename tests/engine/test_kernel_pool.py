@@ -129,6 +129,30 @@ def test_a_product_wakes_a_helper_that_slept(rng: np.random.Generator) -> None:
     np.testing.assert_array_equal(out[0], serial)
 
 
+def test_the_patience_is_a_few_of_the_jobs_chunk_times() -> None:
+    """The caller waits PATIENCE_CHUNKS of the job's chunk times (learned from its own
+    chunks, per chunk function and row count) for a chunk a helper holds, within the
+    bounds; PATIENCE_MICROSECONDS before anything is learned; a fixed one when set."""
+    p = KernelPool(idle_gauge(2))
+    p._per_us = 2.0  # idle-loop iterations a microsecond
+    key, units = (12345, 8), 1000
+    assert p._patience(key, units) == 2 * pool.PATIENCE_MICROSECONDS  # nothing learned
+    p._st[pool.RAN] = 4
+    p._learn(key, units, 4 * 100e-6)  # the caller ran 4 chunks of 100 µs
+    assert p._patience(key, units) == pytest.approx(2 * 100 * pool.PATIENCE_CHUNKS, abs=1)
+    assert p._patience(key, 100 * units) == 2 * pool.PATIENCE_MAX_MICROSECONDS
+    assert p._patience(key, units // 100) == 2 * pool.PATIENCE_MICROSECONDS
+    assert p._patience((12345, 1), units) == 2 * pool.PATIENCE_MICROSECONDS  # another key
+    p._learn(key, units, 4 * 300e-6)  # slower now: a running average moves towards it
+    chunk_us = 100 + pool.PATIENCE_WEIGHT * (300 - 100)
+    assert p._patience(key, units) == pytest.approx(2 * chunk_us * pool.PATIENCE_CHUNKS, abs=1)
+    p._st[pool.RAN] = 0  # the helpers ran every chunk: nothing to learn from
+    p._learn(key, units, 1.0)
+    assert p._patience(key, units) == pytest.approx(2 * chunk_us * pool.PATIENCE_CHUNKS, abs=1)
+    p.set_waits(patience_us=70.0)
+    assert p._patience(key, units) == 140
+
+
 class Clocks:
     """The wall clock and this process's CPU time, moved by hand."""
 
