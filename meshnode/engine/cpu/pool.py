@@ -342,7 +342,7 @@ class KernelPool:
         self._pid = os.getpid()
         self._per_us = 0.0  # idle-loop iterations a microsecond (calibrated at the first post)
         self._patience_us: float | None = None  # a fixed patience (set_waits), else learned
-        self._spin_us = SPIN_MICROSECONDS
+        self._spin_us: float = SPIN_MICROSECONDS
         # (chunk function, rows k) -> the caller's seconds a unit of chunk work
         self._unit_s: dict[tuple[int, int], float] = {}
         self._last: tuple[Any, ...] = ()  # the last job's arrays, while a helper may use them
