@@ -179,7 +179,7 @@ def test_the_gauge_counts_idle_time_and_our_own(tmp_path: Path) -> None:
 
 def test_a_gauge_without_proc_looks_once_a_sample(tmp_path: Path) -> None:
     """Without ``/proc/stat`` (benchmarks' ``--every-core-free``) the gauge read the
-    cgroup files at every product, ~100 µs of the caller's time each, while the helpers
+    cgroup files at every product, ~0.3 ms of the caller's CPU each, while the helpers
     waited: it reads them once every SAMPLE_SECONDS, as with ``/proc``."""
     clocks, reads = Clocks(), [0]
 
