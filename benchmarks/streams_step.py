@@ -1,13 +1,14 @@
-"""Where an 8-stream decode step goes at 1 and 2 kernel threads, on a real-size shape
-(issue 29: 8 streams at 2 threads against ``llama-batched-bench``).
+"""Where an 8-stream (or one-row) decode step goes at 1 and 2 kernel threads, on a
+real-size shape (issue 29: decode and 8 streams at 2 threads against llama.cpp).
 
 Run: ``OPENBLAS_NUM_THREADS=1 nice .venv/bin/python benchmarks/streams_step.py [--shape 1b]
-[--layers N] [--dtype q8|native] [--threads 1 2] [--rounds 5] [--steps 4]
-[--patience-us P ...]``
+[--layers N] [--dtype q8|native] [--streams 8] [--threads 1 2] [--rounds 5] [--steps 4]
+[--patience-us P ...] [--spin-us S ...]``
 
 One stage holds the whole random-weight GGUF of ``--shape`` (``benchmarks/realsize_gguf.py``,
-Q4_K_M mix; ``--layers`` cuts its depth). Eight sequences are prefilled with 16 tokens each
-(as ``benchmarks/realsize.py``'s 8 streams), then ``--steps`` decode steps of the eight
+Q4_K_M mix; ``--layers`` cuts its depth). ``--streams`` sequences (8: as
+``benchmarks/realsize.py``'s 8 streams; 1, alias ``--rows 1``: its one-row decode) are
+prefilled with 16 tokens each, then ``--steps`` decode steps of them
 (one row each, one ``Stage.forward_batch``) run at each ``--threads`` count in turn, in
 alternating rounds, with every kernel thread taken (the pool's core gauge off, as
 ``--every-core-free``). For every part of the step (each weight product by matrix: q/k/v,
@@ -17,11 +18,15 @@ calling thread's CPU time and the kernel helper threads' CPU time, per step, in 
 for 2 threads against 1 the wall's speed-up and the CPU time both threads spent against
 the one thread's (1.00: no work added by sharing; more: spinning, waiting, or cores
 slowing each other). The pool's counts per step tell how many products were shared, how
-many it declined (a helper still held a chunk of the last one) and how many chunks the
-caller computed again (a helper held them past the pool's patience).
+many it declined (a helper still held a chunk of the last one), how many chunks the
+caller computed again (a helper held them past the pool's patience) and how many it posted
+while a helper slept (waking it); and the threads' scheduling (``/proc``'s schedstat and
+context switches): the helpers' sleeps (voluntary switches), and the time the caller and
+the helpers waited runnable for a core (preempted: other processes).
 ``--patience-us`` times the pool's patience (how long the caller waits for a helper's
-chunk before computing it itself) at each of these values, each a setup of its own in the
-same rounds (at each thread count above one).
+chunk before computing it itself) and ``--spin-us`` the helpers' spin (how long a helper
+waits for the next product before it sleeps) at each of these values, each pair a setup of
+its own in the same rounds (at each thread count above one).
 
 The machine is shared: ``uptime`` is printed first and last; read ratios, and CPU times
 (less disturbed by other processes than walls).
@@ -45,31 +50,53 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine import uptime
 from benchmarks.realsize_gguf import SHAPES, cached_gguf
 
-STREAMS = 8
 PROMPT = 16
 
 
 class Setup(NamedTuple):
-    """A measured configuration: kernel threads, and the pool's patience in µs (None: the
-    pool's own, :data:`.pool.PATIENCE_MICROSECONDS`)."""
+    """A measured configuration: kernel threads, the pool's patience and its helpers' spin
+    in µs (None: the pool's own, a few of the job's chunk times, and
+    :data:`.pool.SPIN_MICROSECONDS`)."""
 
     threads: int
     patience: float | None
+    spin: float | None
 
     def __str__(self) -> str:
-        return f"{self.threads}t" + ("" if self.patience is None else f" {self.patience:g} us")
+        patience = "" if self.patience is None else f" {self.patience:g} us"
+        return f"{self.threads}t{patience}" + ("" if self.spin is None else f" spin {self.spin:g}")
 
 
 PARTS = ("qkv", "out", "gate_up", "down", "head", "attention", "glu", "add+norm")
 
 
+def helpers() -> list[threading.Thread]:
+    """The kernel pool's helper threads started so far."""
+    return [t for t in threading.enumerate() if t.name.startswith("meshnode-kernel-")]
+
+
 def helper_clocks() -> list[int]:
     """CPU-time clocks of the kernel pool's helper threads started so far."""
-    return [
-        time.pthread_getcpuclockid(t.ident)
-        for t in threading.enumerate()
-        if t.name.startswith("meshnode-kernel-") and t.ident is not None
-    ]
+    return [time.pthread_getcpuclockid(t.ident) for t in helpers() if t.ident is not None]
+
+
+def sched(tids: list[int]) -> tuple[float, float, float]:
+    """Summed over threads ``tids`` of this process: ms waited runnable for a core
+    (``schedstat``), voluntary context switches (sleeps, blocking) and involuntary ones
+    (preemptions); zeros without ``/proc``."""
+    waited = voluntary = involuntary = 0.0
+    for tid in tids:
+        task = Path(f"/proc/self/task/{tid}")
+        try:
+            waited += int((task / "schedstat").read_text().split()[1]) / 1e6
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    voluntary += int(line.split()[1])
+                elif line.startswith("nonvoluntary_ctxt_switches:"):
+                    involuntary += int(line.split()[1])
+        except OSError:
+            continue
+    return waited, voluntary, involuntary
 
 
 class Clocks:
@@ -154,7 +181,6 @@ class _Timer:
 def run(args: argparse.Namespace) -> None:
     from meshnode.engine.backend import cpu_backend, limit_cpu_threads
     from meshnode.engine.cpu import matrix, set_kernel_threads
-    from meshnode.engine.cpu import pool as pool_module
     from meshnode.engine.cpu.pool import CoreGauge
     from meshnode.engine.loader import load_model
     from meshnode.engine.model import BatchRow
@@ -165,16 +191,31 @@ def run(args: argparse.Namespace) -> None:
     pool = matrix._pool()
     pool._gauge = CoreGauge(Path("/nonexistent/stat"))  # every thread asked for
     rng = np.random.default_rng(10)
-    caches = [stage.new_cache(PROMPT + args.steps + 1) for _ in range(STREAMS)]
+    caches = [stage.new_cache(PROMPT + args.steps + 1) for _ in range(args.streams)]
     for cache in caches:
         stage.forward(rng.integers(100, 40000, PROMPT), 0, cache, out_rows=1)
     clocks = Clocks()
     parts = Parts(stage, clocks)
 
+    caller = [threading.get_native_id()]
+
+    def counts() -> tuple[float, ...]:
+        mine = [t.native_id for t in helpers() if t.native_id is not None]
+        waited, _, preempted = sched(caller)
+        return (
+            pool.posted,
+            pool.declined,
+            pool.redone,
+            pool.woken,
+            *sched(mine),
+            waited,
+            preempted,
+        )
+
     def steps() -> tuple[dict[str, list[float]], tuple[float, ...]]:
         parts.spent.clear()
-        counts = (pool.posted, pool.declined, pool.redone)
-        last = [7 + i for i in range(STREAMS)]
+        before = counts()
+        last = [7 + i for i in range(args.streams)]
         began = clocks.now()
         for step in range(args.steps):
             pairs = zip(last, caches, strict=True)
@@ -186,24 +227,26 @@ def run(args: argparse.Namespace) -> None:
         total = [(end[i] - began[i]) / args.steps * 1e3 for i in range(3)]
         spent["rest"] = [total[i] - sum(v[i] for v in spent.values()) for i in range(3)]
         spent["step"] = total
-        now = (pool.posted, pool.declined, pool.redone)
-        return spent, tuple((b - a) / args.steps for a, b in zip(counts, now, strict=True))
+        now = counts()
+        return spent, tuple((b - a) / args.steps for a, b in zip(before, now, strict=True))
 
-    setups = [Setup(t, None) for t in args.threads if t == 1]
-    setups += [Setup(t, p) for t in args.threads if t > 1 for p in args.patience_us or [None]]
-    calibrated = 0  # the pool's patience in iterations, once it has started
+    setups = [Setup(t, None, None) for t in args.threads if t == 1]
+    setups += [
+        Setup(t, p, s)
+        for t in args.threads
+        if t > 1
+        for p in args.patience_us or [None]
+        for s in args.spin_us or [None]
+    ]
 
     def use(setup: Setup) -> None:
         set_kernel_threads(setup.threads)
-        if calibrated and setup.threads > 1:
-            us = pool_module.PATIENCE_MICROSECONDS if setup.patience is None else setup.patience
-            pool._patience = int(calibrated * us / pool_module.PATIENCE_MICROSECONDS)
+        pool.set_waits(setup.patience, setup.spin)
 
     for setup in setups:  # warm-up: kernels compiled or loaded, helpers started
         use(setup)
         clocks.helpers = helper_clocks()
         steps()
-        calibrated = calibrated or pool._patience
     clocks.helpers = helper_clocks()
     results: dict[Setup, list[dict[str, list[float]]]] = defaultdict(list)
     posted: dict[Setup, tuple[float, ...]] = {}
@@ -231,13 +274,16 @@ def report(
     names = [*PARTS, "other product", "rest", "step"]
     names = [n for n in names if any(n in r for rs in results.values() for r in rs)]
     layers = args.layers or SHAPES[args.shape].layers
-    print(f"\n{args.shape} ({layers} layers), {args.dtype}, {STREAMS} streams, medians of")
+    print(f"\n{args.shape} ({layers} layers), {args.dtype}, {args.streams} streams, medians of")
     print(f"{args.rounds} rounds of {args.steps} steps, ms a step")
     for setup in results:
-        shared, declined, redone = posted[setup]
+        shared, declined, redone, woken, waited, sleeps, preempted, c_waited, c_pre = posted[setup]
         print(
             f"{setup}, per step (last round): products and attention calls shared {shared:g}, "
-            f"declined (a helper late) {declined:g}; chunks redone by the caller {redone:g}"
+            f"declined (a helper late) {declined:g}, posted to a sleeping helper {woken:g}; "
+            f"chunks redone by the caller {redone:g}; helpers: {sleeps:g} sleeps, "
+            f"{preempted:g} preempted, {waited:.2f} ms waiting for a core; caller: "
+            f"{c_pre:g} preempted, {c_waited:.2f} ms waiting for a core"
         )
     one = next(iter(results))
     head = ["part"] + [f"{s} wall / caller CPU / helpers' CPU" for s in results]
@@ -264,11 +310,17 @@ def main() -> None:
     parser.add_argument("--shape", default="1b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, help="cut the model to its first N layers")
     parser.add_argument("--dtype", default="q8", choices=["q8", "native"])
+    parser.add_argument(
+        "--streams", "--rows", type=int, default=8, help="sequences a step (1: one-row decode)"
+    )
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4, help="decode steps per measurement")
     parser.add_argument(
         "--patience-us", type=float, nargs="+", help="the pool's patience to try (> 1 thread)"
+    )
+    parser.add_argument(
+        "--spin-us", type=float, nargs="+", help="the helpers' spin to try (> 1 thread)"
     )
     args = parser.parse_args()
     print("uptime:", uptime(), flush=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshnode.engine.cpu.pool import CoreGauge, KernelPool
+from meshnode.engine.cpu.pool import SAMPLE_SECONDS, CoreGauge, KernelPool
 from meshnode.engine.cpu.quota import cpu_quota_cores
 
 
@@ -75,13 +75,15 @@ def test_nothing_readable_is_no_quota(tmp_path: Path, text: str) -> None:
 
 def test_the_gauge_counts_at_most_the_quota_and_follows_it(tmp_path: Path) -> None:
     quota: list[float | None] = [0.3]
+    now = [0.0]
     stat = tmp_path / "no-stat"  # no /proc/stat: every core counts as free
-    gauge = CoreGauge(stat, cpus={0, 1, 2, 3}, quota=lambda: quota[0])
+    gauge = CoreGauge(stat, cpus={0, 1, 2, 3}, clock=lambda: now[0], quota=lambda: quota[0])
     assert gauge.free() == pytest.approx(0.3)
     pool = KernelPool(gauge)
     ran = pool.run(0, (None, None, None), None, None, threads=4)  # declines before posting
     assert ran is False
     quota[0] = 2.0
+    now[0] += SAMPLE_SECONDS  # read again at the next sample
     assert gauge.free() == pytest.approx(2.0)
     quota[0] = None
     gauge_free = CoreGauge(stat, cpus={0, 1, 2, 3}, quota=lambda: quota[0])

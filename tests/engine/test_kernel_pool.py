@@ -5,6 +5,7 @@ machine gets serial products."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +107,52 @@ def test_the_caller_redoes_a_chunk_a_descheduled_helper_holds(rng: np.random.Gen
     np.testing.assert_array_equal(again[0], serial)
 
 
+def test_a_product_wakes_a_helper_that_slept(rng: np.random.Generator) -> None:
+    """A helper spins for the next product (``set_waits``' spin), then sleeps; the next
+    product wakes it (counted in ``woken``), and gets the serial kernel's bits."""
+    m = fused(rng, ("Q4_K", "Q6_K", "Q5_0"))
+    x = rng.standard_normal(N_IN).astype(np.float32)
+    serial = (x[None] @ m)[0]
+    fn = matrix.kernels().chunk_kernel(*m._fmts)
+    p = KernelPool(idle_gauge(2))
+    p.set_waits(spin_us=0.0)  # the least spin: it sleeps soon after each product
+    assert p.run(fn, m._raws, x, np.empty((1, m.n_out), np.float32), 2)
+    deadline = time.monotonic() + SETTLE_S
+    while p._st[pool.SLEEPING + 1] != 1:  # the helper has gone to sleep
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert p.settle(SETTLE_S)
+    out = np.full((1, m.n_out), np.nan, np.float32)
+    woken = p.woken
+    assert p.run(fn, m._raws, x, out, 2)
+    assert p.woken == woken + 1
+    np.testing.assert_array_equal(out[0], serial)
+
+
+def test_the_patience_is_a_few_of_the_jobs_chunk_times() -> None:
+    """The caller waits PATIENCE_CHUNKS of the job's chunk times (learned from its own
+    chunks, per chunk function and row count) for a chunk a helper holds, within the
+    bounds; PATIENCE_MICROSECONDS before anything is learned; a fixed one when set."""
+    p = KernelPool(idle_gauge(2))
+    p._per_us = 2.0  # idle-loop iterations a microsecond
+    key, units = (12345, 8), 1000
+    assert p._patience(key, units) == 2 * pool.PATIENCE_MICROSECONDS  # nothing learned
+    p._st[pool.RAN] = 4
+    p._learn(key, units, 4 * 100e-6)  # the caller ran 4 chunks of 100 µs
+    assert p._patience(key, units) == pytest.approx(2 * 100 * pool.PATIENCE_CHUNKS, abs=1)
+    assert p._patience(key, 100 * units) == 2 * pool.PATIENCE_MAX_MICROSECONDS
+    assert p._patience(key, units // 100) == 2 * pool.PATIENCE_MICROSECONDS
+    assert p._patience((12345, 1), units) == 2 * pool.PATIENCE_MICROSECONDS  # another key
+    p._learn(key, units, 4 * 300e-6)  # slower now: a running average moves towards it
+    chunk_us = 100 + pool.PATIENCE_WEIGHT * (300 - 100)
+    assert p._patience(key, units) == pytest.approx(2 * chunk_us * pool.PATIENCE_CHUNKS, abs=1)
+    p._st[pool.RAN] = 0  # the helpers ran every chunk: nothing to learn from
+    p._learn(key, units, 1.0)
+    assert p._patience(key, units) == pytest.approx(2 * chunk_us * pool.PATIENCE_CHUNKS, abs=1)
+    p.set_waits(patience_us=70.0)
+    assert p._patience(key, units) == 140
+
+
 class Clocks:
     """The wall clock and this process's CPU time, moved by hand."""
 
@@ -128,6 +175,27 @@ def test_the_gauge_counts_idle_time_and_our_own(tmp_path: Path) -> None:
     stat.write_text("garbage")
     assert gauge.free() == pytest.approx(1.5)
     assert CoreGauge(tmp_path / "missing", {0, 1, 2}).free() == 3.0
+
+
+def test_a_gauge_without_proc_looks_once_a_sample(tmp_path: Path) -> None:
+    """Without ``/proc/stat`` (benchmarks' ``--every-core-free``) the gauge read the
+    cgroup files at every product, ~0.3 ms of the caller's CPU each, while the helpers
+    waited: it reads them once every SAMPLE_SECONDS, as with ``/proc``."""
+    clocks, reads = Clocks(), [0]
+
+    def quota() -> float | None:
+        reads[0] += 1
+        return None
+
+    gauge = CoreGauge(tmp_path / "missing", {0, 1}, lambda: clocks.now, quota=quota)
+    reads[0] = 0  # the constructor's look
+    for _ in range(5):
+        assert gauge.free() == 2.0
+        clocks.now += pool.SAMPLE_SECONDS / 10
+    assert reads[0] == 1
+    clocks.now += pool.SAMPLE_SECONDS
+    assert gauge.free() == 2.0
+    assert reads[0] == 2
 
 
 def test_niced_processes_leave_their_cores_to_a_process_that_is_not(tmp_path: Path) -> None:

@@ -20,7 +20,6 @@ import pytest
 from meshnode.engine.attention import KernelAttention, Segment
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.cpu import matrix
-from meshnode.engine.cpu import pool as pool_module
 from meshnode.engine.cpu.pool import CoreGauge, KernelPool
 from meshnode.engine.kv_cache import KV_BLOCK, KVCache
 from meshnode.engine.kv_pages import BlockPool, PagedCache
@@ -233,17 +232,16 @@ def test_threaded_paged_attention_is_exact_when_the_pool_runs_a_task_twice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Issue 30's race, made to happen: the kernel pool's caller redoes a chunk that a
-    helper still holds after PATIENCE_MICROSECONDS (a helper descheduled on a busy
-    machine), and the helper may finish it after the caller has returned, so every task
-    may run twice at once and must write its output as final values only (an 8-row window
+    helper still holds after its patience (a helper descheduled on a busy machine), and
+    the helper may finish it after the caller has returned, so every task may run twice
+    at once and must write its output as final values only (an 8-row window
     summed into its output, zeroed by the other run, gave wrong values in CI). Patience
     of ~nothing makes the caller redo every chunk a helper holds; 2 and 3 threads; each
     iteration fresh pools of scrambled slots and NaN wherever nothing was written, random
     prompt lengths, then batches of decode rows and windows of up to 16 rows: the same
     bits as the contiguous caches, and finite. Bounded: 120 iterations or 40 s."""
-    monkeypatch.setattr(pool_module, "PATIENCE_MICROSECONDS", 0.0)
-    monkeypatch.setattr(pool_module, "SPIN_MICROSECONDS", 2000.0)  # helpers stay to claim
     kernel_pool = KernelPool(CoreGauge(Path("/nonexistent/stat"), cpus=set(range(4))))
+    kernel_pool.set_waits(patience_us=0.0, spin_us=2000.0)  # helpers stay to claim
     monkeypatch.setattr(matrix, "_pool", lambda: kernel_pool)
     rng = np.random.default_rng(30)
     deadline = None

@@ -22,16 +22,18 @@ results are bit-identical whatever the thread count. One product at a time uses 
 a second thread posting meanwhile (several stages in one process) computes serially.
 
 **The rule every chunk function must keep**: a chunk may run twice at once, and may finish
-after the caller has returned. When a helper holds a chunk past :data:`PATIENCE_MICROSECONDS`
-(descheduled mid-chunk on a busy machine) the caller computes that chunk itself and returns;
-the helper then completes it too. So a chunk writes only finished values to memory the
-caller reads, each value the same however often it is written: partial sums live in the
-chunk's own scratch (per task or per thread), never in the output (a window's attention
-once kept them in the output and a busy machine read half-summed values; issue 30).
+after the caller has returned. When a helper holds a chunk past the caller's patience (a
+few of the job's chunk times: a helper descheduled mid-chunk on a busy machine) the caller
+computes that chunk itself and returns; the helper then completes it too. So a chunk
+writes only finished values to memory the caller reads, each value the same however often
+it is written: partial sums live in the chunk's own scratch (per task or per thread),
+never in the output (a window's attention once kept them in the output and a busy machine
+read half-summed values; issue 30).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -53,6 +55,7 @@ CLAIM = 0  # generation << 40 | chunks << 20 | next chunk: what a thread claims 
 DONE = 8  # chunks of the current job finished
 ACTIVE = 16  # how many threads may claim (the caller and helpers 1 .. ACTIVE - 1)
 HELPERS = 17  # helper threads started
+SPINS = 18  # idle iterations a helper spins for the next chunk before it sleeps
 SLEEPING = 24  # + who: 1 while helper ``who`` sleeps on its event
 MAX_HELPERS = 63
 BUSY = SLEEPING + 8 * ((MAX_HELPERS + 8) // 8)  # + who: 1 + (generation << 20 | chunk)
@@ -60,6 +63,7 @@ JOB = BUSY + 8 * ((MAX_HELPERS + 8) // 8)  # the job's fields, written by the po
 FN, A, NA, RBA, B, NB, RBB, C, NC, RBC = range(JOB, JOB + 10)
 X, K, N_IN, OUT, N_OUT, SCRATCH, STRIDE, CA, CB, ROWS = range(JOB + 10, JOB + 20)
 REDONE = JOB + 20  # chunks the caller computed that a helper held (written by the caller)
+RAN = JOB + 21  # chunks the caller claimed and ran in the last job (written by the caller)
 WORDS = JOB + 24
 
 _FIELD = (1 << 20) - 1  # chunk count and next chunk: 20 bits each
@@ -86,13 +90,19 @@ CHUNKS_PER_THREAD = 8
 # busy machine loses little and an idle node sleeps between tokens.
 SPIN_MICROSECONDS = 300
 # How long the caller waits for the chunks helpers hold before computing them itself:
-# many times a chunk's few microseconds, far below a time slice (milliseconds) that a
-# descheduled helper would make it wait on a busy machine. At real size a chunk can take
-# longer (~130 µs, above), so the caller sometimes computes a running helper's chunk
-# again; 300 µs did no better on a busy machine (two runs of benchmarks/streams_step.py
-# --patience-us 100 300 at load 5-9: one thread's CPU time x 1.00 vs 1.07, then x 1.27
-# vs 1.08: noise), so it stays until an idle run says otherwise.
+# PATIENCE_CHUNKS times the job's chunk time (a helper computing its last chunk ends
+# within one; one descheduled mid-chunk on a busy machine holds it for a time slice,
+# milliseconds), within PATIENCE_MICROSECONDS .. PATIENCE_MAX_MICROSECONDS. The chunk time
+# is learned per chunk function and row count, from the caller's own chunks (time per
+# unit of chunk_rows()' work, a running average weighing each product PATIENCE_WEIGHT).
+# A fixed 100 µs was too short at real size, where an 8-row chunk takes 70-130 µs: idle,
+# an 8-stream step of the Llama-3.2-1B shape redid 6.5 chunks a step at 100 µs against
+# 0.5 at 300 µs and 1000 µs, in 412 ms against 363 and 382 (benchmarks/streams_step.py
+# --patience-us 100 300 1000, 2026-11-29); a one-row chunk takes ~10-30 µs.
 PATIENCE_MICROSECONDS = 100
+PATIENCE_MAX_MICROSECONDS = 1000
+PATIENCE_CHUNKS = 3
+PATIENCE_WEIGHT = 0.25
 
 
 # How often the pool looks at the cores' idle time (/proc/stat counts it in 10 ms ticks),
@@ -130,6 +140,7 @@ class CoreGauge:
         self._quota = quota
         self._tick = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
         self._free = self._cores()
+        self._sampled = -math.inf  # when free() last looked
         self._last: tuple[float, float, float] | None = None  # clock, idle s, own CPU s
         # /proc/stat's columns counted as free: idle and iowait, and nice unless we are
         self._columns = (3, 4) if _niced() else (1, 3, 4)
@@ -137,8 +148,9 @@ class CoreGauge:
     def free(self) -> float:
         """Cores this process can have now (a running average, 0 .. its cores)."""
         now = self._clock()
-        if self._last is not None and now - self._last[0] < SAMPLE_SECONDS:
+        if now - self._sampled < SAMPLE_SECONDS:
             return self._free
+        self._sampled = now
         cores = self._cores()
         idle = self._idle_seconds()
         if idle is None:  # without /proc every core it may use counts as free
@@ -220,8 +232,9 @@ def _claim_and_run(st, who):  # type: ignore[no-untyped-def]
 
 
 @entry(nogil=True)
-def _helper_spin(st, who, spins):  # type: ignore[no-untyped-def]
-    # run chunks as they are posted; return (to sleep) after ``spins`` idle iterations
+def _helper_spin(st, who):  # type: ignore[no-untyped-def]
+    # run chunks as they are posted; return (to sleep) after SPINS idle iterations
+    spins = load(st, SPINS)
     idle = 0
     while True:
         if who < load(st, ACTIVE) and _claim_and_run(st, who) > 0:
@@ -253,7 +266,7 @@ def _work(st, patience):  # type: ignore[no-untyped-def]
     # the caller's share, then wait for the chunks helpers still compute; after
     # ``patience`` idle iterations (a helper descheduled mid-chunk, on a busy machine)
     # compute the chunks helpers hold itself: they write the same values
-    _claim_and_run(st, np.int64(0))  # int64, as the helpers': one compiled function
+    store(st, RAN, _claim_and_run(st, np.int64(0)))  # int64, as the helpers': one function
     chunks = (load(st, CLAIM) >> 20) & _FIELD
     waited = 0
     while load(st, DONE) < chunks:
@@ -327,16 +340,30 @@ class KernelPool:
         self._scratch = np.zeros((1, 0), np.float32)  # [threads, 7 n_in]: decoded rows
         self._gen = 0
         self._pid = os.getpid()
-        self._spins = self._patience = 0  # SPIN_ and PATIENCE_MICROSECONDS, in iterations
+        self._per_us = 0.0  # idle-loop iterations a microsecond (calibrated at the first post)
+        self._patience_us: float | None = None  # a fixed patience (set_waits), else learned
+        self._spin_us: float = SPIN_MICROSECONDS
+        # (chunk function, rows k) -> the caller's seconds a unit of chunk work
+        self._unit_s: dict[tuple[int, int], float] = {}
         self._last: tuple[Any, ...] = ()  # the last job's arrays, while a helper may use them
         self.posted = 0  # products shared so far
         self.declined = 0  # products left to the caller: a helper still held a chunk
+        self.woken = 0  # products posted while a helper that may claim slept
 
     @property
     def redone(self) -> int:
         """Chunks the caller computed itself because a helper held them past the
         patience (so far; the helper computed them too)."""
         return int(self._st[REDONE])
+
+    def set_waits(self, patience_us: float | None = None, spin_us: float | None = None) -> None:
+        """Fix the caller's patience at ``patience_us`` (None: the pool's own, a few of
+        the job's chunk times: :data:`PATIENCE_CHUNKS`) and the helpers' spin at
+        ``spin_us`` (None: :data:`SPIN_MICROSECONDS`), from the next product (benchmarks)."""
+        self._patience_us = patience_us
+        self._spin_us = SPIN_MICROSECONDS if spin_us is None else spin_us
+        if self._per_us:
+            self._st[SPINS] = self._iterations(self._spin_us)
 
     @property
     def gauge(self) -> CoreGauge:
@@ -397,7 +424,10 @@ class KernelPool:
         rows = chunk_rows(n_out, n_in, k, threads)
         self._gen = self._gen % _MAX_GEN + 1
         a, b, c = parts
-        args = (self._st, fn, self._gen, a, b, c, x, out, self._scratch, rows, self._patience)
+        key, units = (fn, k), rows * n_in * (1 + k // 4)  # chunk_rows()' work of a chunk
+        patience = self._patience(key, units)
+        began = time.perf_counter()
+        args = (self._st, fn, self._gen, a, b, c, x, out, self._scratch, rows, patience)
         woken = _post(*args)
         if woken < 0:
             # a helper descheduled mid-chunk of the last job (which the caller then
@@ -408,11 +438,34 @@ class KernelPool:
         self._last = (parts, x, out, self._scratch, keep)
         self.posted += 1
         if woken:
+            self.woken += 1
             for who in range(1, len(self._events) + 1):
                 if woken >> who & 1:
                     self._events[who - 1].set()
-            _work(self._st, self._patience)
+            _work(self._st, patience)
+        self._learn(key, units, time.perf_counter() - began)
         return True
+
+    def _patience(self, key: tuple[int, int], units: int) -> int:
+        """The caller's patience for a job of chunks of ``units`` work, in iterations:
+        :data:`PATIENCE_CHUNKS` of its chunk times as learned for ``key`` (the first
+        time :data:`PATIENCE_MICROSECONDS`), within the bounds, unless one is fixed."""
+        us = self._patience_us
+        if us is None:
+            unit_s = self._unit_s.get(key)
+            us = PATIENCE_MICROSECONDS if unit_s is None else PATIENCE_CHUNKS * unit_s * units * 1e6
+            us = min(PATIENCE_MAX_MICROSECONDS, max(PATIENCE_MICROSECONDS, us))
+        return self._iterations(us)
+
+    def _learn(self, key: tuple[int, int], units: int, seconds: float) -> None:
+        """Fold a product's time into ``key``'s time a unit of chunk work: ``seconds``
+        from the post to the caller's return, over the chunks the caller ran (its wait
+        for the helpers' last ones counts too: at most a chunk)."""
+        ran = int(self._st[RAN])
+        if ran:
+            unit_s = seconds / (ran * units)
+            last = self._unit_s.get(key, unit_s)
+            self._unit_s[key] = last + PATIENCE_WEIGHT * (unit_s - last)
 
     def _start(self, threads: int, scratch: int) -> None:
         """Helpers up to ``threads - 1``, the others idle; scratch rows of ``scratch``."""
@@ -420,33 +473,36 @@ class KernelPool:
         rows, width = self._scratch.shape
         if rows < threads or width < scratch:
             self._scratch = np.zeros((max(rows, threads), max(width, scratch)), np.float32)
-        if not self._spins:
-            self._spins = _iterations(self._st, SPIN_MICROSECONDS)
-            self._patience = _iterations(self._st, PATIENCE_MICROSECONDS)
+        if not self._per_us:
+            self._per_us = _per_microsecond(self._st)
+            self._st[SPINS] = self._iterations(self._spin_us)
         while len(self._events) < threads - 1:
             event = threading.Event()
             self._events.append(event)
             who = len(self._events)
-            args = (self._st, event, who, self._spins)
+            args = (self._st, event, who)
             name = f"meshnode-kernel-{who}"
             threading.Thread(target=_helper, args=args, name=name, daemon=True).start()
             self._st[HELPERS] = who
         self._st[ACTIVE] = threads
 
+    def _iterations(self, microseconds: float) -> int:
+        """Idle-loop iterations that take about ``microseconds`` (at least 100)."""
+        return max(100, int(self._per_us * microseconds))
 
-def _iterations(st: np.ndarray, microseconds: float) -> int:
-    """Idle-loop iterations that take about ``microseconds`` on this CPU."""
+
+def _per_microsecond(st: np.ndarray) -> float:
+    """Idle-loop iterations a microsecond on this CPU."""
     n = 20_000
     _calibrate(st, n)  # compiled or loaded first
     t = time.perf_counter()
     _calibrate(st, n)
-    per_us = n / max(1e-6, (time.perf_counter() - t) * 1e6)
-    return max(100, int(per_us * microseconds))
+    return n / max(1e-6, (time.perf_counter() - t) * 1e6)
 
 
-def _helper(st: np.ndarray, event: threading.Event, who: int, spins: int) -> None:
+def _helper(st: np.ndarray, event: threading.Event, who: int) -> None:
     """A helper thread: spin for chunks, sleep when idle, woken by the next post."""
     while True:
-        _helper_spin(st, who, spins)
+        _helper_spin(st, who)
         event.wait()
         event.clear()
