@@ -117,7 +117,7 @@ print(json.dumps({
 
 @two_cores
 def test_workers_fill_the_cache_this_process_then_loads(tmp_path: Path) -> None:
-    env = os.environ | {"NUMBA_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO_ROOT)}
+    env = os.environ | {"NUMBA_CACHE_DIR": str(tmp_path)}  # empty: nothing cached
     env.pop(warmup.SWITCH, None)
     script = textwrap.dedent(_ON_AN_EMPTY_CACHE)
     done = subprocess.run(
