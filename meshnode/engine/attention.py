@@ -292,9 +292,10 @@ class KernelAttention(Attention):
         for layer, w in enumerate(layers):
             norms, (cos, sin), window, sink = self._layer_args(layer, (w.q_norm, w.k_norm), w.sinks)
             # as cpu.attention.attend calls it (write=True; attend_shared's fallback: False)
-            args = (qkv, plan, layer, self.config.num_heads, *norms, self._eps, cos, sin)
+            args: tuple[Any, ...] = (qkv, plan, layer, self.config.num_heads, *norms, self._eps)
+            args += (cos, sin)
             args += (self._scale, window, sink, True, out, kv, True)
-            sig = tuple(typeof(a) for a in args)
+            sig = tuple(typeof(a) for a in args)  # type: ignore[no-untyped-call]
             if sig not in found:
                 found.append(sig)
         return found

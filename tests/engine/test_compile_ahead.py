@@ -17,7 +17,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -42,7 +42,9 @@ two_cores = pytest.mark.skipif(len(usable_cpus()) < 2, reason="a worker needs a 
 
 @pytest.mark.parametrize("dtype", ["native", "q8"])
 def test_the_predicted_signatures_are_the_ones_a_forward_calls(
-    tiny_gguf: Callable[[str], Path], dtype: str, monkeypatch: pytest.MonkeyPatch
+    tiny_gguf: Callable[[str], Path],
+    dtype: Literal["native", "q8"],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     source = open_source(tiny_gguf("Q8_0"))
     config = ModelConfig.from_hf(source.config)
@@ -55,7 +57,7 @@ def test_the_predicted_signatures_are_the_ones_a_forward_calls(
     compiled = kernel.queries
 
     def spy(*args: Any) -> None:
-        called.append(tuple(typeof(a) for a in args))
+        called.append(tuple(typeof(a) for a in args))  # type: ignore[no-untyped-call]
         compiled(*args)
 
     monkeypatch.setattr(kernel, "queries", spy)

@@ -174,7 +174,8 @@ def lock_cache() -> None:
 
     if getattr(IndexDataCacheFile.save, "_locked", False):
         return
-    save, load = IndexDataCacheFile.save, IndexDataCacheFile.load
+    save: Any = IndexDataCacheFile.save
+    load: Any = IndexDataCacheFile.load
 
     def locked_save(self: Any, key: Any, data: Any) -> None:
         with _flock(self._cache_path, shared=False):
