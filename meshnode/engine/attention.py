@@ -239,13 +239,9 @@ class KernelAttention(Attention):
             return super().__call__(qkv, segs, plan, layer, norms, last, sinks)
         k = _kernels()
         qkv = np.ascontiguousarray(qkv, dtype=np.float32)
-        table = self.tables[self.rope_kind[layer]]
         kept = [seg.rows if last else seg.n for seg in segs]
         out = np.empty((sum(kept), self.config.q_size), np.float32)  # [R, H D]
-        q_norm, k_norm = (self._none if n is None else np.asarray(n, np.float32) for n in norms)
-        window = self.windows[layer] or 0
-        rope = (table.cos, table.sin)
-        sink = self._none if sinks is None else np.ascontiguousarray(sinks, np.float32)
+        (q_norm, k_norm), rope, window, sink = self._layer_args(layer, norms, sinks)
         keep = (qkv, out, plan, segs, q_norm, k_norm, rope, sink)  # what the kernel reads
         reads = self._reads[2 if last else 1] if self._reads[0] is plan else None
         if self._kv[0] is plan:
@@ -263,6 +259,46 @@ class KernelAttention(Attention):
                 out[row : row + rows] = self.attend(part, seg, layer, norms, rows, sinks)
             offset, row = offset + seg.n, row + rows
         return out
+
+    def _layer_args(
+        self, layer: int, norms: tuple[Any | None, Any | None], sinks: Any | None
+    ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray], int, np.ndarray]:
+        """The kernel's arguments of layer ``layer``: its QK-norm weights, RoPE table
+        (cos, sin), sliding window (0: none) and sink logits (empty: none)."""
+        q_norm, k_norm = (self._none if n is None else np.asarray(n, np.float32) for n in norms)
+        table = self.tables[self.rope_kind[layer]]
+        sink = self._none if sinks is None else np.ascontiguousarray(sinks, np.float32)
+        return (q_norm, k_norm), (table.cos, table.sin), self.windows[layer] or 0, sink
+
+    def compile_ahead(self, layers: Sequence[Any], kv_dtype: Any) -> bool:
+        """Start compiling the kernel for these layers' weights (``q_norm``, ``k_norm``,
+        ``sinks``) and caches of ``kv_dtype`` in a worker process (``cpu.warmup``); its
+        first call waits for it. Returns whether a worker started."""
+        if not self._usable or not layers:
+            return False
+        from meshnode.engine.cpu import warmup
+
+        k = _kernels()
+        return warmup.start("attention", k.queries, self.signatures(layers, kv_dtype))
+
+    def signatures(self, layers: Sequence[Any], kv_dtype: Any) -> list[tuple[Any, ...]]:
+        """The argument types of the compiled kernel (``cpu.attention.queries``) in the
+        calls :meth:`__call__` makes for these layers and caches of ``kv_dtype``."""
+        from numba import typeof
+
+        k, found = _kernels(), []
+        qkv = out = np.zeros((1, 1), np.float32)
+        plan, kv = np.zeros((1, k.COLUMNS), np.int64), k.kv_kind(kv_dtype)
+        for layer, w in enumerate(layers):
+            norms, (cos, sin), window, sink = self._layer_args(layer, (w.q_norm, w.k_norm), w.sinks)
+            # as cpu.attention.attend calls it (write=True; attend_shared's fallback: False)
+            args: tuple[Any, ...] = (qkv, plan, layer, self.config.num_heads, *norms, self._eps)
+            args += (cos, sin)
+            args += (self._scale, window, sink, True, out, kv, True)
+            sig = tuple(typeof(a) for a in args)  # type: ignore[no-untyped-call]
+            if sig not in found:
+                found.append(sig)
+        return found
 
     def _heads(self, q: Any, keys: Any, values: Any, window: int | None, sinks: Any | None) -> Any:
         """A long segment's heads: :func:`blocked_attention`, its blocks shared by the

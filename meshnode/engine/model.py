@@ -32,11 +32,11 @@ import numpy as np
 import numpy.typing as npt
 from meshnode_packaging.sources import ModelSource
 
-from meshnode.engine.attention import Attention, Segment
+from meshnode.engine.attention import Attention, KernelAttention, Segment
 from meshnode.engine.backend import Backend, cpu_backend
 from meshnode.engine.config import ModelConfig, ModelConfigError
 from meshnode.engine.hybrid import HybridMixer, load_hybrid_weights
-from meshnode.engine.kv_cache import KVCache, resolve_kv_dtype
+from meshnode.engine.kv_cache import KVCache, kv_numpy_dtype, resolve_kv_dtype
 from meshnode.engine.moe import moe_mlp
 from meshnode.engine.moe_config import MoeConfig
 from meshnode.engine.mtp import MtpHead, has_mtp, load_mtp_weights
@@ -206,6 +206,8 @@ class Stage:
                 )
             self.layers = self.weights.layers
             attention = self.backend.attention(config, start, end)
+            if isinstance(attention, KernelAttention):  # its kernel compiles meanwhile
+                attention.compile_ahead(self.layers, kv_numpy_dtype(self.kv_dtype))
             self._mixer = _AttentionMixer(self.backend, attention)
         moe = config.hybrid.moe if config.hybrid is not None else config.moe
         self._feed_forward = [feed_forward_of(w, moe) for w in self.layers]

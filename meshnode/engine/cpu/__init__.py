@@ -18,7 +18,8 @@ product). ``attention`` (one layer's attention for all short sequences of a batc
 call; used by ``meshnode.engine.attention``) on ``attention_rows`` (a block of query rows
 over one KV head: dot products, softmax, weighted sums; also the softmax of a long
 segment's block of scores), ``simd`` and ``atomics``;
-``norms`` (RMSNorm in one call, ``CpuBackend.rms_norm``) on ``simd``.
+``norms`` (RMSNorm in one call, ``CpuBackend.rms_norm``) on ``simd``; ``warmup``
+(compiling the attention ahead in a worker process at a first start) on ``pool``.
 """
 
 from meshnode.engine.cpu.matrix import (

@@ -49,7 +49,7 @@ import numpy as np
 from numba import cfunc, njit, types
 from numba.np.numpy_support import carray
 
-from meshnode.engine.cpu import matrix, pool
+from meshnode.engine.cpu import matrix, pool, warmup
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64
 from meshnode.engine.cpu.attention_rows import (
     LANES,
@@ -530,6 +530,7 @@ def attend_shared(
     call, if the caller knows it; ``kv``: :func:`kv_kind` of the caches; ``sinks``: the
     heads' sink logits (float32, C order; empty: none)."""
     (q_norm, k_norm), (cos, sin) = norms, rope
+    warmup.wait("attention")  # the first call: the worker compiling it ahead (.warmup)
     threads = matrix._threads_here()
     if threads < 2 or (reads(table, heads, last) if keys is None else keys) < SHARED_MIN_READS:
         attend(

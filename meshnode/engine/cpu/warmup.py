@@ -1,0 +1,217 @@
+"""Compiling a kernel in a second process while a first start goes on (issue 29).
+
+numba compiles a kernel at its first call and holds one compiler lock per process, so a
+first start (an empty cache: :func:`.matrix.numba_cache_dir`) compiles every kernel one
+after another on one core, and the decode attention alone is about half of it (SmolLM2:
+~20 of ~40 s of CPU). Its argument types are known when the stage is built, long before
+its first call: :func:`start` hands them to a worker process (``python -m
+meshnode.engine.cpu.warmup``) that compiles that signature into the same on-disk cache
+while this process loads the rest and compiles the products, norms and the prefill's
+kernels. :func:`wait`, at the kernel's first call, waits for the worker to end; the call
+then loads the compiled code from the cache (numba looks there before compiling). The
+code is the one this process would have compiled: the same source, types, flags and
+machine; a callee loaded from the cache is linked into its callers from its cached LLVM
+module, as a freshly compiled one is.
+
+Nothing depends on the worker: if it cannot start, fails or is killed, the kernel
+compiles here at its first call, as without it. :func:`start` does nothing when the
+signatures are in the cache already, with fewer than two usable cores, without ``fcntl``
+(the cache lock below), or with ``MESHNODE_COMPILE_AHEAD=0`` in the environment.
+
+numba's cache is safe for one process only: two processes saving different signatures
+of one function can both pick the same data file name, and the index of one may then
+name the other's code. :func:`lock_cache` makes every save (and load) of this process
+hold an ``flock`` on the cache folder; the worker holds the same.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from meshnode.engine.cpu.pool import usable_cpus
+
+__all__ = ["WAIT_LIMIT_S", "lock_cache", "pending", "start", "wait"]
+
+log = logging.getLogger(__name__)
+
+# The longest a kernel's first call waits for its worker before it kills it and compiles
+# the kernel itself: a whole first start took 40-75 s of CPU (docs/performance.md, "First
+# start"); a worker past ten minutes is stuck, not slow.
+WAIT_LIMIT_S = 600.0
+# The environment variable that turns compiling ahead off ("0"), read at each start.
+SWITCH = "MESHNODE_COMPILE_AHEAD"
+# The end of a failed worker's stderr logged with the warning.
+ERROR_TAIL_BYTES = 2000
+
+
+@dataclass
+class _Worker:
+    proc: subprocess.Popen[bytes]
+    err: IO[bytes]  # its stderr, read back if it fails
+
+
+_pending: dict[str, _Worker] = {}
+_lock = threading.Lock()
+
+
+def pending() -> list[str]:
+    """The keys of the workers started and not yet waited for."""
+    return list(_pending)
+
+
+def start(key: str, dispatcher: Any, signatures: Sequence[tuple[Any, ...]]) -> bool:
+    """Compile ``dispatcher`` (a ``numba`` ``@njit(cache=True)`` function at module level)
+    for each of ``signatures`` (tuples of numba types) in a worker process, unless there
+    is no use in it (see the module docstring); :func:`wait` with the same ``key`` before
+    its first call. Returns whether a worker started."""
+    if os.environ.get(SWITCH, "1") == "0" or len(usable_cpus()) < 2:
+        return False
+    try:
+        import fcntl  # noqa: F401  (POSIX only: the cache lock)
+    except ImportError:
+        return False
+    with _lock:  # two stages built at once start one worker
+        if key in _pending:
+            return False
+        missing = [sig for sig in signatures if not _cached(dispatcher, sig)]
+        return bool(missing) and _spawn(key, dispatcher, missing)
+
+
+def _spawn(key: str, dispatcher: Any, missing: list[tuple[Any, ...]]) -> bool:
+    lock_cache()
+    fn = dispatcher.py_func
+    job = pickle.dumps([(fn.__module__, fn.__name__, missing)])
+    err = tempfile.TemporaryFile()  # noqa: SIM115  (kept with the worker, closed in wait)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=err, env=_env(),
+        )  # fmt: skip
+        assert proc.stdin is not None
+        with proc.stdin:
+            proc.stdin.write(job)
+    except OSError as exc:  # no worker: the kernel compiles at its first call
+        log.warning("could not start a process to compile %s ahead: %s", key, exc)
+        err.close()
+        return False
+    _pending[key] = _Worker(proc, err)
+    return True
+
+
+def wait(key: str) -> None:
+    """Wait for ``key``'s worker, if one runs (at most :data:`WAIT_LIMIT_S`: then it is
+    killed); a failed one is logged, and the kernel compiles here."""
+    if key not in _pending:  # the common case, at every call
+        return
+    with _lock:
+        worker = _pending.pop(key, None)
+    if worker is None:
+        return
+    try:
+        code = worker.proc.wait(timeout=WAIT_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        worker.proc.kill()
+        code = worker.proc.wait()
+    if code != 0:
+        worker.err.seek(0)
+        tail = worker.err.read()[-ERROR_TAIL_BYTES:].decode(errors="replace")
+        log.warning("compiling %s ahead failed (exit %s), compiling it here:\n%s", key, code, tail)
+    worker.err.close()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """A stage that never ran its kernel: end its worker with the process."""
+    for key in list(_pending):
+        worker = _pending.pop(key)
+        worker.proc.kill()
+        worker.proc.wait()
+        worker.err.close()
+
+
+def _cached(dispatcher: Any, sig: tuple[Any, ...]) -> bool:
+    """Whether numba's cache holds ``dispatcher`` compiled for ``sig``: its index, read
+    as numba reads it on a call (any surprise: yes, so that nothing starts)."""
+    try:
+        cache = dispatcher._cache
+        key = cache._index_key(sig, dispatcher.targetctx.codegen())
+        return key in cache._cache_file._load_index()
+    except Exception:  # numba's internals changed: do as without workers
+        log.debug("numba cache index unreadable; not compiling ahead", exc_info=True)
+        return True
+
+
+def _env() -> dict[str, str]:
+    """The worker's environment: this one's (the same ``NUMBA_CACHE_DIR`` and numba
+    settings), with this ``meshnode`` first on its path."""
+    root = str(Path(__file__).resolve().parents[3])
+    path = os.environ.get("PYTHONPATH")
+    return os.environ | {"PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
+# -- numba's cache, one process at a time ----------------------------------------------
+
+
+def lock_cache() -> None:
+    """Make numba's cache saves (and loads) in this process hold an exclusive (shared)
+    ``flock`` on the cache's folder, so that another process's save of the same function
+    waits: numba picks a new entry's data file name from the index it read, and writes
+    the index before the data. Idempotent."""
+    from numba.core.caching import IndexDataCacheFile
+
+    if getattr(IndexDataCacheFile.save, "_locked", False):
+        return
+    save: Any = IndexDataCacheFile.save
+    load: Any = IndexDataCacheFile.load
+
+    def locked_save(self: Any, key: Any, data: Any) -> None:
+        with _flock(self._cache_path, shared=False):
+            save(self, key, data)
+
+    def locked_load(self: Any, key: Any) -> Any:
+        with _flock(self._cache_path, shared=True):
+            return load(self, key)
+
+    locked_save._locked = True  # type: ignore[attr-defined]
+    IndexDataCacheFile.save = locked_save  # type: ignore[method-assign]
+    IndexDataCacheFile.load = locked_load  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _flock(folder: str, *, shared: bool) -> Iterator[None]:
+    import fcntl
+
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def main() -> None:
+    """The worker: compile each ``(module, function, signatures)`` of the pickled list on
+    stdin (from :func:`start`, this package's own parent process) into numba's cache."""
+    jobs = pickle.loads(sys.stdin.buffer.read())
+    lock_cache()
+    for module, name, signatures in jobs:
+        dispatcher = getattr(importlib.import_module(module), name)
+        for sig in signatures:
+            dispatcher.compile(sig)
+
+
+if __name__ == "__main__":
+    main()
