@@ -14,6 +14,7 @@ the real :class:`~meshnode.engine.model.Stage`.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,8 +38,9 @@ def stage() -> Stage:
     return Stage(config, source, 0, config.num_layers, embed=True, head=True)
 
 
-def _prefill(stage: Stage, cache: PagedCache, start: int, cuts: list[int]) -> np.ndarray:
-    """``PROMPT[start:]`` in pieces ending at ``cuts`` (and at the prompt's end); the last
+def _prefill(stage: Stage, cache: Any, start: int, cuts: list[int]) -> np.ndarray:
+    """``PROMPT[start:]`` (``cache``: a paged cache, which ``Stage.forward`` takes as it
+    takes a ``KVCache``) in pieces ending at ``cuts`` (and at the prompt's end); the last
     row's logits."""
     bounds = [start, *(c for c in cuts if c > start), len(PROMPT)]
     logits = None
