@@ -45,8 +45,8 @@ __all__ = [
 
 _MAGIC = b"GGUF"
 # Linux's MADV_POPULATE_READ (5.14): fault a range's pages into this process's page tables
-# now, as reading each one would, without a trap per fault. Python's mmap names it from
-# 3.13 on; the kernel's value (include/uapi/asm-generic/mman-common.h) before that.
+# now, as reading each one would, without a trap per fault. Python's mmap has no name for
+# it (3.11-3.13): the kernel's value, include/uapi/asm-generic/mman-common.h.
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _VERSIONS = (2, 3)
 # Counts and sizes above these are not a model's: they would only make us allocate.
@@ -376,10 +376,10 @@ def populate(views: Iterable[np.ndarray[Any, Any]]) -> Paged:
     """
     done, advice = 0, _ADVICES[0]
     for held, start, length in _page_spans(views):
-        advice = _advise(held, start, length, advice)
-        if not advice:
+        taken = _advise(held, start, length, advice)
+        if not taken:
             break
-        done += length
+        done, advice = done + length, taken
     return Paged(done, advice if done else "")
 
 
