@@ -71,19 +71,21 @@ def _greedy(stage: Stage, steps: int = 4) -> list[int]:
     return tokens
 
 
-def _load(source: Any, memory_bytes: int | None) -> Stage:
-    """The worker's stage of layers [1, 3) (with the head) of the tiny model ``source``,
-    on a node offering ``memory_bytes``; 1: more than the KV, far less than the weights."""
+def _load(source: Any, memory_bytes: int | None, start: int = 1) -> Stage:
+    """The worker's stage of layers [``start``, 3) (with the head) of the tiny model
+    ``source`` on a node offering ``memory_bytes``; 1: more than the KV, far less than the
+    weights."""
     me = PeerInfo(node_id="me", address="127.0.0.1:1")
     load = Load(
-        run_id="r", term=1, package_ref="tiny", manifest_sha256="", layer_range=(1, 3),
-        has_embed=False, has_head=True, upstream=me, downstream=me, context_size=4,
+        run_id="r", term=1, package_ref="tiny", manifest_sha256="", layer_range=(start, 3),
+        has_embed=start == 0, has_head=True, upstream=me, downstream=me, context_size=32,
         kv_dtype="f16",
     )  # fmt: skip
     if memory_bytes == 1:
         config = ModelConfig.from_hf(source.config)
-        memory_bytes = check_load(config, 1, 3, 4, None, "f16") + 1024
-    return build_runner(CpuBackend(weights_dtype="native"), source, 1, 3, load, memory_bytes).stage
+        memory_bytes = check_load(config, start, 3, 32, None, "f16") + 1024
+    backend = CpuBackend(weights_dtype="native")
+    return build_runner(backend, source, start, 3, load, memory_bytes).stage
 
 
 def test_populate_maps_the_pages_under_views_of_a_file_once(tmp_path: Path) -> None:
@@ -189,14 +191,14 @@ def test_a_kernel_refusing_every_advice_still_loads_the_same_stage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     gguf = write_tiny_model(tmp_path, "Q8_0")
-    plain = _greedy(_load(open_source(gguf), None))
+    plain = _greedy(_load(open_source(gguf), None, start=0))
 
     def refuse(held: mmap.mmap, advice: int, start: int, length: int) -> None:
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(gguf_file, "_madvise", refuse)
     with caplog.at_level(logging.INFO, logger="meshnode.worker"):
-        stage = _load(open_source(gguf), None)  # a new map of the file
+        stage = _load(open_source(gguf), None, start=0)  # a new map of the file
     assert populate_weights(stage).advice == ""
     assert not [r for r in caplog.records if "at load" in r.getMessage()]
     assert _greedy(stage) == plain
