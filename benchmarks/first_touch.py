@@ -101,6 +101,7 @@ def _generate(stage: Any, prompt: np.ndarray, tokens: int) -> dict[str, Any]:
         out.append(int(np.argmax(logits[-1])))
 
     _, first_s, first_f = _timed(decode)
+
     def rest() -> None:
         for _ in range(tokens - 1):
             decode()
