@@ -28,12 +28,11 @@ from meshnode.node import stage_build
 from meshnode.node.footprint import check_load
 from meshnode.node.worker import build_runner
 from tests.engine.moe_models import write_gguf_twin
-from tests.engine.tiny import write_tiny_model
+from tests.engine.tiny import greedy, write_tiny_model
 
 PAGEMAP = Path("/proc/self/pagemap")
 PAGE = mmap.PAGESIZE
 TABLE = 2 << 20  # bytes one page table maps (x86-64, arm64 with 4 KiB pages)
-PROMPT = np.asarray([1, 5, 9, 14, 3])
 
 pytestmark = pytest.mark.skipif(
     not PAGEMAP.exists(), reason="reads which pages are mapped from Linux's /proc/self/pagemap"
@@ -59,16 +58,6 @@ def _mapped_pages(arrays: Iterable[np.ndarray[Any, Any]]) -> np.ndarray:
 def _needs_populate(advice: str) -> None:
     if advice == "willneed":
         pytest.skip("this kernel has no MADV_POPULATE_READ (Linux < 5.14)")
-
-
-def _greedy(stage: Stage, steps: int = 4) -> list[int]:
-    cache = stage.new_cache(32)
-    logits = stage.forward(PROMPT, 0, cache, out_rows=1)
-    tokens = [int(np.argmax(logits[-1]))]
-    for _ in range(steps):
-        logits = stage.forward(np.asarray(tokens[-1:]), cache.length, cache, out_rows=1)
-        tokens.append(int(np.argmax(logits[-1])))
-    return tokens
 
 
 def _load(source: Any, memory_bytes: int | None, start: int = 1) -> Stage:
@@ -191,7 +180,7 @@ def test_a_kernel_refusing_every_advice_still_loads_the_same_stage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     gguf = write_tiny_model(tmp_path, "Q8_0")
-    plain = _greedy(_load(open_source(gguf), None, start=0))
+    plain = greedy(_load(open_source(gguf), None, start=0))
 
     def refuse(held: mmap.mmap, advice: int, start: int, length: int) -> None:
         raise OSError(errno.EINVAL, "Invalid argument")
@@ -201,4 +190,4 @@ def test_a_kernel_refusing_every_advice_still_loads_the_same_stage(
         stage = _load(open_source(gguf), None, start=0)  # a new map of the file
     assert populate_weights(stage).advice == ""
     assert not [r for r in caplog.records if "at load" in r.getMessage()]
-    assert _greedy(stage) == plain
+    assert greedy(stage) == plain
