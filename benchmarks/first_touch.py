@@ -194,7 +194,7 @@ def worker(args: argparse.Namespace) -> None:
 # -- the driver ------------------------------------------------------------------------------
 
 
-def _median(rows: list[dict[str, Any]], *keys: str) -> float:
+def _median(rows: list[dict[str, Any]], *keys: str | int) -> float:
     values = []
     for row in rows:
         value: Any = row
@@ -220,7 +220,7 @@ def report(shape: str, mode: str, rows: list[dict[str, Any]]) -> None:
         ]
         for part in ("first", "warm"):
             for step in STEPS:
-                ms, faults = _median(mine, part, step, "0"), _median(mine, part, step, "1")
+                ms, faults = _median(mine, part, step, 0), _median(mine, part, step, 1)
                 cells.append(f"{ms:.1f} ({faults:.0f})")
         cells.append(f"{_median(mine, 'pmd MiB'):.0f}")
         print(" | ".join(cells))
@@ -255,6 +255,7 @@ def main() -> None:
             if done.returncode:
                 sys.exit(f"{shape} {mode} failed:\n{done.stderr}")
             rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+            print(f"# {shape} {mode} rows: {json.dumps(rows)}", flush=True)
             report(shape, mode, rows)
     print(f"\nafter: {uptime()}")
 
