@@ -46,7 +46,6 @@ from meshnode.engine.backend import Backend
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.constraint import Grammars
 from meshnode.engine.model import Stage
-from meshnode.engine.readahead import read_ahead
 from meshnode.errors import RunError
 from meshnode.net.stream import SEND_ERRORS
 from meshnode.node import heap
@@ -60,6 +59,7 @@ from meshnode.node.remote import RemotePipeline
 from meshnode.node.selfmeasure import measure_or_reason
 from meshnode.node.speeds import SpeedBook
 from meshnode.node.stage import StageRunner
+from meshnode.node.stage_build import place_weights
 
 if TYPE_CHECKING:
     from meshnode.node.mesh import CoordinatorSettings, MeshView
@@ -265,7 +265,7 @@ class BringUp:
                 ring_slots=self.settings.ring_slots,
                 kv_dtype=self.settings.kv_dtype,
             )
-            read_ahead(engine_stage, short=stage.offload_bytes > 0)  # layers from disk
+            place_weights(engine_stage, short=stage.offload_bytes > 0)  # from disk or not
             runner = StageRunner(
                 engine_stage,
                 context_size=self.context_size,

@@ -16,7 +16,7 @@ from meshnode.engine.backend import Backend, BackendError, WeightsDtype, cpu_bac
 from meshnode.engine.config import ModelConfig
 from meshnode.engine.constraint import Grammars
 from meshnode.engine.model import Stage
-from meshnode.engine.readahead import read_ahead
+from meshnode.engine.readahead import populate_weights, read_ahead
 from meshnode.engine.recurrent import DEFAULT_RING_SLOTS, MAX_RING_SLOTS
 from meshnode.errors import RunError
 from meshnode.node import heap
@@ -105,7 +105,8 @@ def build_runner(
         kv_dtype=load.kv_dtype,
     )
     # the mesh is short of memory: some of the layers come from disk (planner)
-    read_ahead(stage, short=memory_bytes is not None and stage.weights.nbytes() + kv > memory_bytes)
+    short = memory_bytes is not None and stage.weights.nbytes() + kv > memory_bytes
+    place_weights(stage, short=short)
     # Only a last stage enforces grammars; it reads the tokenizer at its first one.
     grammars = Grammars(lambda: source.tokenizer_json, config.vocab_size, config.eos_token_ids)
     runner = StageRunner(
@@ -119,3 +120,19 @@ def build_runner(
     )
     heap.release_free_memory()  # what opening the model and loading the stage freed
     return runner
+
+
+def place_weights(stage: Stage, *, short: bool) -> None:
+    """Bring ``stage``'s file-mapped weights into memory as its node can hold them: read
+    ahead a layer at a time when it is ``short`` of memory for them (the planner's disk
+    offload: populating would evict the pages that run), else every page faulted in now,
+    in the load's time rather than the first requests' (:mod:`meshnode.engine.readahead`),
+    and logged."""
+    if short:
+        read_ahead(stage)
+        return
+    done = populate_weights(stage)
+    if done.advice:
+        how = "faulted in" if done.advice == "populate" else "read ahead (no MADV_POPULATE_READ)"
+        log.info("layers [%d, %d): %.0f MiB of weights %s at load in %.2f s",
+                 stage.start, stage.end, done.nbytes / 2**20, how, done.seconds)  # fmt: skip

@@ -37,11 +37,17 @@ __all__ = [
     "GGUFTensor",
     "GGUFTensorInfo",
     "GGUFTruncatedError",
+    "Paged",
     "forget_pages",
+    "populate",
     "read_header",
 ]
 
 _MAGIC = b"GGUF"
+# Linux's MADV_POPULATE_READ (5.14): fault a range's pages into this process's page tables
+# now, as reading each one would, without a trap per fault. Python's mmap has no name for
+# it (3.11-3.13): the kernel's value, include/uapi/asm-generic/mman-common.h.
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _VERSIONS = (2, 3)
 # Counts and sizes above these are not a model's: they would only make us allocate.
 _MAX_TENSORS = 1 << 20
@@ -346,6 +352,83 @@ def will_need(view: np.ndarray[Any, Any]) -> bool:
     first = start // mmap.PAGESIZE * mmap.PAGESIZE  # madvise wants a page-aligned start
     held.madvise(mmap.MADV_WILLNEED, first, start + view.nbytes - first)
     return True
+
+
+@dataclass(frozen=True)
+class Paged:
+    """What :func:`populate` did: ``nbytes`` of whole pages advised, and with which advice
+    (``populate``: faulted in; ``willneed``: only read ahead into the page cache, where the
+    kernel refused the first; empty: nothing, no file map or no madvise)."""
+
+    nbytes: int
+    advice: str
+
+
+def populate(views: Iterable[np.ndarray[Any, Any]]) -> Paged:
+    """Fault the pages under ``views`` (views of files' maps; other arrays are skipped)
+    into this process now (``MADV_POPULATE_READ``, synchronous), so that no first use of
+    a page costs a fault later. Overlapping and touching views are advised once, a run
+    of whole pages at a time. Where the kernel refuses it (before Linux 5.14:
+    ``EINVAL``), the rest are only read ahead (``MADV_WILLNEED``); where that fails too,
+    or madvise is missing, nothing more happens: the pages then fault in on first use,
+    as without this call. Reads the file where its pages are not cached: call it only
+    for what fits in memory.
+    """
+    done, advice = 0, _ADVICES[0]
+    for held, start, length in _page_spans(views):
+        taken = _advise(held, start, length, advice)
+        if not taken:
+            break
+        done, advice = done + length, taken
+    return Paged(done, advice if done else "")
+
+
+# The advices populate tries, in order, by name; a refused one is not asked again.
+_ADVICES = ("populate", "willneed")
+_ADVICE_VALUES = {"populate": MADV_POPULATE_READ, "willneed": getattr(mmap, "MADV_WILLNEED", None)}
+
+
+def _advise(held: mmap.mmap, start: int, length: int, advice: str) -> str:
+    """Give pages ``[start, start + length)`` of ``held`` ``advice`` or, refused, the next
+    of :data:`_ADVICES`: the name of the one taken (empty: none)."""
+    for name in _ADVICES[_ADVICES.index(advice) :]:
+        value = _ADVICE_VALUES[name]
+        if value is None:
+            continue
+        try:
+            _madvise(held, value, start, length)
+        except (OSError, ValueError, AttributeError):  # refused; no madvise (not POSIX)
+            continue
+        return name
+    return ""
+
+
+def _madvise(held: mmap.mmap, advice: int, start: int, length: int) -> None:
+    held.madvise(advice, start, length)  # apart, for the tests to refuse
+
+
+def _page_spans(views: Iterable[np.ndarray[Any, Any]]) -> list[tuple[mmap.mmap, int, int]]:
+    """The maps under ``views`` and the runs of whole pages they cover there, merged where
+    they overlap or touch: (map, page-aligned start, length), in order of start."""
+    page = mmap.PAGESIZE
+    ranges: dict[int, tuple[mmap.mmap, list[tuple[int, int]]]] = {}
+    for view in views:
+        mapped = _mapped(view) if view.nbytes else None
+        if mapped is not None:
+            held, start = mapped
+            end = min(len(held), -(-(start + view.nbytes) // page) * page)  # the map's end
+            ranges.setdefault(id(held), (held, []))[1].append((start // page * page, end))
+    spans = []
+    for held, pairs in ranges.values():
+        pairs.sort()
+        lo, hi = pairs[0]
+        for start, end in pairs[1:]:
+            if start > hi:
+                spans.append((held, lo, hi - lo))
+                lo = start
+            hi = max(hi, end)
+        spans.append((held, lo, hi - lo))
+    return spans
 
 
 def _mapped(view: np.ndarray[Any, Any]) -> tuple[mmap.mmap, int] | None:

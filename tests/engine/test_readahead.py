@@ -18,9 +18,7 @@ from meshnode.engine.model import Stage
 from meshnode.engine.readahead import ReadAhead, read_ahead
 from meshnode.node.footprint import check_load
 from meshnode.node.worker import build_runner
-from tests.engine.tiny import write_tiny_model
-
-PROMPT = np.asarray([1, 5, 9, 14, 3])
+from tests.engine.tiny import greedy, write_tiny_model
 
 
 def _stage(gguf: Path, weights: str = "native") -> Stage:
@@ -28,16 +26,6 @@ def _stage(gguf: Path, weights: str = "native") -> Stage:
     config = ModelConfig.from_hf(source.config)
     backend = CpuBackend(weights_dtype=weights)  # type: ignore[arg-type]
     return Stage(config, source, 0, config.num_layers, embed=True, head=True, backend=backend)
-
-
-def _greedy(stage: Stage, steps: int = 4) -> list[int]:
-    cache = stage.new_cache(32)
-    logits = stage.forward(PROMPT, 0, cache, out_rows=1)
-    tokens = [int(np.argmax(logits[-1]))]
-    for _ in range(steps):
-        logits = stage.forward(np.asarray(tokens[-1:]), cache.length, cache, out_rows=1)
-        tokens.append(int(np.argmax(logits[-1])))
-    return tokens
 
 
 def test_will_need_asks_only_for_views_of_a_file_map(tmp_path: Path) -> None:
@@ -51,14 +39,14 @@ def test_will_need_asks_only_for_views_of_a_file_map(tmp_path: Path) -> None:
 
 def test_read_ahead_asks_for_each_layers_arrays_and_changes_no_token(tmp_path: Path) -> None:
     gguf = write_tiny_model(tmp_path, "Q8_0")
-    plain = _greedy(_stage(gguf))
+    plain = greedy(_stage(gguf))
     stage = _stage(gguf)
     assert read_ahead(stage)
     assert isinstance(stage.read_ahead, ReadAhead)
     asked: list[int] = []
     inner = stage.read_ahead
     stage.read_ahead = lambda index: asked.append(inner(index))
-    assert _greedy(stage) == plain
+    assert greedy(stage) == plain
     n_layers = stage.end - stage.start
     # once per layer of every pass (5 passes), each asking for that layer's mapped arrays
     assert len(asked) == 5 * n_layers

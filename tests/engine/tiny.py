@@ -253,3 +253,15 @@ def _write_hf_folder(folder: Path, tensors: dict[str, np.ndarray], c: dict[str, 
     (folder / "tokenizer.json").write_text(hf_tokenizer_json())
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     save_file(tensors, str(folder / "model.safetensors"))
+
+
+def greedy(stage: Any, prompt: Any = (1, 5, 9, 14, 3), steps: int = 4) -> list[int]:
+    """``stage``'s (a whole model's) greedy tokens after ``prompt``: the first of its
+    prefill, then ``steps`` decode steps."""
+    cache = stage.new_cache(32)
+    logits = stage.forward(np.asarray(prompt), 0, cache, out_rows=1)
+    tokens = [int(np.argmax(logits[-1]))]
+    for _ in range(steps):
+        logits = stage.forward(np.asarray(tokens[-1:]), cache.length, cache, out_rows=1)
+        tokens.append(int(np.argmax(logits[-1])))
+    return tokens
