@@ -116,7 +116,7 @@ class Timers:
             layer_bytes(layer, picks)
             return timed("experts", call, layer, x, picks, *rest)
 
-        experts.ExpertLayer.__call__ = experts_call  # type: ignore[method-assign]
+        experts.ExpertLayer.__call__ = experts_call  # type: ignore[method-assign,assignment]
         spent.clear()
 
     def _timed(self, part: str, fn: Callable[..., Any], *args: Any) -> Any:
