@@ -69,3 +69,97 @@ def test_products_equal_the_definition_then_multiply(k: int) -> None:
     exact = x.astype(np.float64) @ w.T
     scale = np.abs(x).astype(np.float64) @ np.abs(w).T  # float32 sums: ulps of this
     assert np.all(np.abs(got - exact) <= 1e-5 * scale)
+
+
+def _every_byte_block() -> np.ndarray:
+    """Sixteen blocks of 17 bytes whose code bytes are the 256 byte values (every pair of
+    codes), scale bytes 0, 1, 2, 100, 127, 128, 129, 200, 254 and 255 among them."""
+    blocks = np.zeros((16, 17), np.uint8)
+    blocks[:, 0] = [0, 1, 2, 3, 100, 120, 126, 127, 128, 129, 130, 140, 200, 253, 254, 255]
+    blocks[:, 1:] = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    return blocks.reshape(-1)
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["selects", "vpshufb"])
+def test_q8_codes_on_either_path(shuffle: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfp4 by one byte shuffle (where the CPU has it) and by the portable compares and
+    selects: both the unsigned bytes KVALUES[code] + 16 of the low, then high nibbles."""
+    from numba import njit
+
+    from meshnode.engine.cpu import fp4
+    from meshnode.engine.cpu.simd_q8 import bstore
+
+    if shuffle and not fp4.shuffles_bytes():
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setattr(fp4, "shuffles_bytes", lambda: shuffle)  # read when it compiles
+
+    @njit(cache=False)
+    def codes(raw, out):  # type: ignore[no-untyped-def]
+        for b in range(16):
+            bstore(out, 32 * b, fp4.bfp4(raw, 17 * b + 1))
+
+    raw = _every_byte_block()
+    out = np.zeros(16 * 32, np.uint8)
+    codes(raw, out)
+    qs = raw.reshape(16, 17)[:, 1:]
+    nibbles = np.concatenate([qs & 15, qs >> 4], axis=1)  # [block, 32]
+    want = np.asarray(fp4.KVALUES)[nibbles] + fp4.Q8_OFFSET
+    np.testing.assert_array_equal(out.reshape(16, 32), want)
+
+
+@pytest.mark.parametrize("how", ["_converted", "_looked_up"])
+def test_exact_values_either_way(how: str) -> None:
+    """A block's values by conversion and by table lookup (the decoder where the CPU
+    permutes sixteen lanes in one instruction; elsewhere sixteen picks): both the
+    definition's values, bit for bit, subnormal scales and infinities included."""
+    from numba import njit
+
+    from meshnode.engine.cpu import fp4
+    from meshnode.engine.cpu.simd import wstore
+
+    block_values = njit(getattr(fp4, how))
+
+    @njit(cache=False)
+    def values(raw, out):  # type: ignore[no-untyped-def]
+        for b in range(16):
+            low, high = block_values(raw, 17 * b)
+            wstore(out, 32 * b, low)
+            wstore(out, 32 * b + 16, high)
+
+    raw = _every_byte_block()
+    out = np.zeros(16 * 32, np.float32)
+    values(raw, out)
+    with np.errstate(over="ignore"):
+        want = reference(raw, 1, 512).astype(np.float32)  # e = 255: 12 * 2**127 is inf
+        blocks = raw.reshape(16, 17)
+        d = np.ldexp(np.float32(1), blocks[:, :1].astype(np.int32) - 128).astype(np.float32)
+        codes = np.concatenate([blocks[:, 1:] & 15, blocks[:, 1:] >> 4], axis=1)
+        products = d * np.asarray(fp4.KVALUES, np.float32)[codes]  # float32: d * KVALUES
+    np.testing.assert_array_equal(out, want.reshape(-1))  # code 8: +0 where the sign gives -0
+    np.testing.assert_array_equal(out.view(np.uint32), products.reshape(-1).view(np.uint32))
+
+
+def test_eight_rows_scale_bytes_at_once() -> None:
+    """e8m0_half8 (the one-row 8-bit kernel's eight scales) is e8m0_half lane by lane:
+    ``2**(e - 128)`` for every byte, the subnormal scales of 0 and 1 included."""
+    from numba import njit
+
+    from meshnode.engine.cpu import fp4
+    from meshnode.engine.cpu.simd import vstore
+
+    @njit(cache=False)
+    def scales(raw, out, one):  # type: ignore[no-untyped-def]
+        for g in range(32):
+            at = (g, 40 + g, 80 + g, 120 + g, 160 + g, 200 + g, 240 + g, 280 + g)
+            vstore(out, 8 * g, fp4.e8m0_half8(raw, at, 3))
+            for i in range(8):
+                one[8 * g + i] = fp4.e8m0_half(raw, at[i] + 3)
+
+    raw = np.zeros(320, np.uint8)
+    codes = np.arange(256).reshape(32, 8)  # [g, i]: the byte of lane i of group g
+    raw[(np.arange(8) * 40)[None, :] + np.arange(32)[:, None] + 3] = codes
+    out, one = np.zeros(256, np.float32), np.zeros(256, np.float32)
+    scales(raw, out, one)
+    want = np.ldexp(np.float32(1), codes.reshape(-1) - 128).astype(np.float32)
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(one.view(np.uint32), want.view(np.uint32))

@@ -369,6 +369,28 @@ def test_the_wide_integer_dot_product_on_either_path(
         np.testing.assert_array_equal(out, want)
 
 
+def test_eight_rows_float16_scales_at_once(rng: np.random.Generator) -> None:
+    """half8 (the one-row kernel's eight block scales of Q4_0 .. Q8_0) converts the
+    float16 at each row's offset exactly, whatever the offsets' alignment."""
+    from numba import njit
+
+    from meshnode.engine.cpu.simd import vstore
+    from meshnode.engine.cpu.simd_int import half8
+
+    @njit(cache=False)
+    def scales(raw, bases, off, out):  # type: ignore[no-untyped-def]
+        at = (bases[0], bases[1], bases[2], bases[3], bases[4], bases[5], bases[6], bases[7])
+        vstore(out, 0, half8(raw, at, off))
+
+    raw = rng.integers(0, 256, 400).astype(np.uint8)
+    raw[10:12] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
+    for bases, off in [(np.arange(8) * 34, 0), (np.array([7, 5, 3, 1, 0, 2, 4, 300]), 9)]:
+        out = np.zeros(8, np.float32)
+        scales(raw, bases.astype(np.int64), off, out)
+        want = [raw[b + off : b + off + 2].view(np.float16)[0] for b in bases]
+        np.testing.assert_array_equal(out, np.asarray(want, np.float32))
+
+
 @pytest.mark.parametrize("use_vnni", [False, True], ids=["generic", "vnni512"])
 def test_q6_k_scales_multiply_exactly_on_either_path(
     use_vnni: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch

@@ -35,9 +35,11 @@ ONE_ROW_EXPERTS = 4
 
 
 def _product(fa: Any, fb: Any, fc: Any, q8: Any, a: Any, b: Any, c: Any, x: Any, out: Any) -> None:
-    """In compiled code: ``out = x @ (a, b, c)`` by the product kernel of the literal
-    formats, the exact one (``q8`` 0, :func:`.kernels.product_kernel`) or the 8-bit one
-    (``q8`` 1, :func:`.q8_kernels.product_kernel`)."""
+    """In compiled code: ``out = x @ (a, b, c)`` for rows ``x`` ``[r, in]`` (C order) by
+    the product kernel of the literal formats, the exact one (``q8`` 0,
+    :func:`.kernels.product_kernel`) or the 8-bit one (``q8`` 1,
+    :func:`.q8_kernels.product_kernel`); in q8, at most :data:`ONE_ROW_EXPERTS` rows go
+    one row at a time (the same bits: an 8-bit product computes each row alone)."""
     raise TypeError("for compiled code")
 
 
@@ -45,9 +47,14 @@ def _product(fa: Any, fb: Any, fc: Any, q8: Any, a: Any, b: Any, c: Any, x: Any,
 def _product_typed(fa, fb, fc, q8, a, b, c, x, out):  # type: ignore[no-untyped-def]
     ids = (fa.literal_value, fb.literal_value, fc.literal_value)
     kernel = (q8_kernels if q8.literal_value else kernels).product_kernel(*ids)
+    one = ONE_ROW_EXPERTS if q8.literal_value else 1  # rows a product goes one at a time
 
     def impl(fa, fb, fc, q8, a, b, c, x, out):  # type: ignore[no-untyped-def]
-        kernel(a, b, c, x, out)
+        if x.shape[0] <= one:
+            for i in range(x.shape[0]):
+                kernel(a, b, c, x[i], out[i : i + 1])
+        else:
+            kernel(a, b, c, x.reshape(-1), out)
 
     return impl
 
@@ -64,8 +71,6 @@ def experts_kernel(gate_up: tuple[int, int, int, int], down: tuple[int, int, int
     of :func:`meshnode.engine.moe.expert_mlp` (float32 adds, the same activations)."""
     ga_f, gb_f, gc_f, g_q8 = gate_up
     da_f, db_f, dc_f, d_q8 = down
-    g_one = ONE_ROW_EXPERTS if g_q8 else 1  # rows a product goes one row at a time
-    d_one = ONE_ROW_EXPERTS if d_q8 else 1
 
     @entry(nogil=True)
     def experts(  # type: ignore[no-untyped-def]
@@ -81,11 +86,7 @@ def experts_kernel(gate_up: tuple[int, int, int, int], down: tuple[int, int, int
             for i in range(rows):
                 xe[i] = x[order[lo + i] // k]
             g = np.empty((rows, 2 * inter), np.float32)
-            if rows <= g_one:
-                for i in range(rows):
-                    _product(ga_f, gb_f, gc_f, g_q8, ga[e], gb[e], gc[e], xe[i], g[i : i + 1])
-            else:
-                _product(ga_f, gb_f, gc_f, g_q8, ga[e], gb[e], gc[e], xe.reshape(-1), g)
+            _product(ga_f, gb_f, gc_f, g_q8, ga[e], gb[e], gc[e], xe, g)
             _add_rows(g, gbias, e)
             act = np.empty((rows, inter), np.float32)
             if kind == 0:
@@ -93,11 +94,7 @@ def experts_kernel(gate_up: tuple[int, int, int, int], down: tuple[int, int, int
             else:
                 clamped_glu(g, alpha, limit, act)
             y = np.empty((rows, width), np.float32)
-            if rows <= d_one:
-                for i in range(rows):
-                    _product(da_f, db_f, dc_f, d_q8, da[e], db[e], dc[e], act[i], y[i : i + 1])
-            else:
-                _product(da_f, db_f, dc_f, d_q8, da[e], db[e], dc[e], act.reshape(-1), y)
+            _product(da_f, db_f, dc_f, d_q8, da[e], db[e], dc[e], act, y)
             _add_rows(y, dbias, e)
             for i in range(rows):
                 ys[order[lo + i]] = y[i]

@@ -43,6 +43,9 @@ class Q8:
     # a 32-value block per chunk, led by its float16 scale (and float16 minimum): the
     # kernels read the scales of two chunks with one load and one conversion
     f16_head: bool = False
+    # a block per chunk, led by its E8M0 scale byte (MXFP4): the one-row kernel reads the
+    # scales of eight rows at once
+    e8m0_head: bool = False
 
     def __post_init__(self) -> None:
         if self.offset & (self.offset - 1) or self.offset < 0:
@@ -103,7 +106,7 @@ FORMATS: dict[str, Format] = {
         _format("Q5_K", 11, "wide._q5_k", Q8("q8_blocks._q5_k", minimum=1)),
         _format("Q6_K", 12, "wide._q6_k", Q8("q8_blocks._q6_k", offset=32, per16=True)),
         # one E8M0 scale byte and 32 E2M1 codes; u = kvalue + 16 (gpt-oss's experts)
-        _format("MXFP4", 13, "fp4._mxfp4", Q8("fp4._mxfp4_q8", offset=16)),
+        _format("MXFP4", 13, "fp4._mxfp4", Q8("fp4._mxfp4_q8", offset=16, e8m0_head=True)),
     )
 }
 

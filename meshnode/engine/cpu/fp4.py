@@ -17,20 +17,33 @@ apart; :func:`meshnode_packaging.quants.mxfp4_from_hf` repacks them into these b
 the unpacker of the 8-bit-activation kernels (as :mod:`.q8_blocks`'): the codes as
 unsigned bytes ``KVALUES[code] + 16`` (offset 16: a weight ``d (u - 16)``, exact integer
 dot products) and ``dw = d``.
+
+Both pick the values by table where the CPU has the instruction, as ggml's
+``ggml_vec_dot_mxfp4_q8_0`` does: the 8-bit kernels' bytes by one ``vpshufb`` (AVX2) from
+the sixteen bytes ``KVALUES + 16``, the exact decoder's floats by ``vpermps`` (AVX-512,
+:mod:`.lookup`) from the block's sixteen values ``d * KVALUES[k]``; elsewhere compares and
+selects, then a conversion and a multiply. A table's entry is the value computed for its
+code (the same integer; the same float32 product of the same operands), so both ways give
+the same bits. The one-row 8-bit kernel reads eight rows' scale bytes at once
+(:func:`e8m0_half8`).
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
+from numba.extending import overload
 
-from meshnode.engine.cpu.simd import F32x16, inner, intrinsic, wmul, wsplat
-from meshnode.engine.cpu.simd_int import U8x32
+from meshnode.engine.cpu.lookup import permutes, wlookup
+from meshnode.engine.cpu.simd import INNER, F32x8, F32x16, inner, intrinsic, wmul, wsplat
+from meshnode.engine.cpu.simd_int import U8x32, gather8, is_bases8
 
-__all__ = ["KVALUES", "bfp4", "e8m0_half", "wfp4"]
+__all__ = ["KVALUES", "bfp4", "e8m0_half", "e8m0_half8", "shuffles_bytes", "wfp4", "wkvalues"]
 
 #: The E2M1 values doubled, by 4-bit code (ggml's kvalues_mxfp4).
 KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
@@ -89,6 +102,28 @@ def wfp4(typingctx: Any, row: Any, off: Any, shift: Any) -> Any:
     return F32x16(row, off, shift), codegen
 
 
+@cache
+def shuffles_bytes() -> bool:
+    """Whether this CPU picks 32 bytes from a table by a register of byte indices in one
+    instruction (``vpshufb`` on 256-bit registers: AVX2), what numba compiles for."""
+    from llvmlite import binding
+
+    return bool(binding.get_host_cpu_features().get("avx2"))
+
+
+def _pick_bytes(builder: Any, codes: Any) -> Any:
+    # KVALUES[code] + 16 for 32 codes (each below 16): one vpshufb, which picks within
+    # each 128-bit half, from a copy of the sixteen-byte table in each (ggml's
+    # ggml_vec_dot_mxfp4_q8_0 does the same); elsewhere compares and selects
+    if not shuffles_bytes():
+        return builder.add(_kvalues(builder, codes), ir.Constant(_VB32, [Q8_OFFSET] * 32))
+    table = ir.Constant(_VB32, [(k + Q8_OFFSET) & 255 for k in KVALUES] * 2)
+    fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, ir.FunctionType(_VB32, [_VB32, _VB32]), "llvm.x86.avx2.pshuf.b"
+    )
+    return builder.call(fn, [table, codes])
+
+
 @intrinsic
 def bfp4(typingctx: Any, row: Any, off: Any) -> Any:
     """The 16 bytes at ``off`` as 32 unsigned bytes ``KVALUES[code] + 16``: the low
@@ -98,14 +133,24 @@ def bfp4(typingctx: Any, row: Any, off: Any) -> Any:
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         v = _load16(context, builder, sig.args[0], args[0], args[1])
-        low = builder.and_(v, ir.Constant(_VB16, [15] * 16))
-        high = builder.lshr(v, ir.Constant(_VB16, [4] * 16))
-        codes = builder.shuffle_vector(
-            low, high, ir.Constant(ir.VectorType(_I32, 32), list(range(32)))
-        )
-        return builder.add(_kvalues(builder, codes), ir.Constant(_VB32, [Q8_OFFSET] * 32))
+        both = builder.shuffle_vector(
+            v,
+            builder.lshr(v, ir.Constant(_VB16, [4] * 16)),
+            ir.Constant(ir.VectorType(_I32, 32), list(range(32))),
+        )  # the low nibbles' bytes, then the high nibbles'
+        return _pick_bytes(builder, builder.and_(both, ir.Constant(_VB32, [15] * 32)))
 
     return U8x32(row, off), codegen
+
+
+@intrinsic
+def wkvalues(typingctx: Any) -> Any:
+    """Lane ``k`` is ``KVALUES[k]`` as float32 (exact)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return ir.Constant(ir.VectorType(ir.FloatType(), 16), [float(k) for k in KVALUES])
+
+    return F32x16(), codegen
 
 
 @intrinsic
@@ -127,8 +172,52 @@ def e8m0_half(row, off):  # type: ignore[no-untyped-def]
     return _bits_to_f32((e - np.uint32(1)) << np.uint32(23))
 
 
+@intrinsic
+def e8m0_half8(typingctx: Any, row: Any, bases: Any, off: Any) -> Any:
+    """Lane ``i`` is :func:`e8m0_half` of the byte at ``bases[i] + off`` of ``row`` (eight
+    rows' block scales at once, the same bits)."""
+    if not (_is_bytes(row) and is_bases8(bases)):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        vi = ir.VectorType(_I32, 8)
+
+        def const(value: int) -> Any:
+            return ir.Constant(vi, [value] * 8)
+
+        e = builder.zext(gather8(context, builder, sig, args, _I8), vi)
+        normal = builder.shl(builder.sub(e, const(1)), const(23))
+        subnormal = builder.shl(const(0x00200000), e)  # e 0 and 1 (poison above: unused)
+        bits = builder.select(builder.icmp_unsigned("<", e, const(2)), subnormal, normal)
+        return builder.bitcast(bits, ir.VectorType(ir.FloatType(), 8))
+
+    return F32x8(row, bases, off), codegen
+
+
 def _mxfp4(fmt, row, c):  # type: ignore[no-untyped-def]
-    b = 17 * c  # e | qs[16]: d * KVALUES[code], values 0-15 low nibbles, 16-31 high
+    # e | qs[16]: d * KVALUES[code], values 0-15 low nibbles, 16-31 high
+    return _block_values(row, 17 * c)
+
+
+def _block_values(row: Any, b: int) -> Any:
+    # the block at byte b of row as two sixteen-lane vectors (compiled code only)
+    raise TypeError("for compiled code")
+
+
+@overload(_block_values, jit_options=INNER)
+def _block_values_typed(row, b):  # type: ignore[no-untyped-def]
+    # where vpermps is one instruction (.lookup), the block's sixteen values d *
+    # KVALUES[k] computed once and picked by the codes: lane k of the table is the
+    # float32 product d * KVALUES[code] for code k, so the values are the same bits
+    return _looked_up if permutes() else _converted
+
+
+def _looked_up(row, b):  # type: ignore[no-untyped-def]
+    table = wmul(wsplat(e8m0_half(row, b)), wkvalues())
+    return wlookup(table, row, b + 1, False), wlookup(table, row, b + 1, True)
+
+
+def _converted(row, b):  # type: ignore[no-untyped-def]
     d = wsplat(e8m0_half(row, b))
     return wmul(d, wfp4(row, b + 1, 0)), wmul(d, wfp4(row, b + 1, 4))
 

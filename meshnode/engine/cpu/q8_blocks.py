@@ -41,6 +41,7 @@ __all__ = [
     "OFFSET_SHIFTS",
     "block_bytes",
     "chunk",
+    "e8m0_head",
     "f16_head",
     "minimum_kind",
     "offset_area",
@@ -104,6 +105,11 @@ f16_head = _constant(
     {f: q.f16_head for f, q in _Q8_ROWS.items()},
     "Whether each chunk of format ``fmt`` is a block led by its float16 scale (and "
     "minimum): Q4_0 .. Q8_0.",
+)
+e8m0_head = _constant(
+    "e8m0_head",
+    {f: q.e8m0_head for f, q in _Q8_ROWS.items()},
+    "Whether each chunk of format ``fmt`` is a block led by its E8M0 scale byte: MXFP4.",
 )
 
 

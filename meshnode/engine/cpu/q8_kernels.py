@@ -49,10 +49,12 @@ from numba.np.numpy_support import carray
 from meshnode.engine.cpu import pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
 from meshnode.engine.cpu.blocks import literal_format
+from meshnode.engine.cpu.fp4 import e8m0_half8
 from meshnode.engine.cpu.q8_blocks import (
     OFFSET_SHIFTS,
     block_bytes,
     chunk,
+    e8m0_head,
     f16_head,
     minimum_kind,
     offset_area,
@@ -80,7 +82,7 @@ from meshnode.engine.cpu.simd import (
     wmul,
     wzero,
 )
-from meshnode.engine.cpu.simd_int import bsplat, dot4, fload, imul, ivsub, lanes2, prefetch
+from meshnode.engine.cpu.simd_int import bsplat, dot4, fload, half8, imul, ivsub, lanes2, prefetch
 from meshnode.engine.cpu.simd_q8 import (
     absmax32,
     bstore,
@@ -311,7 +313,12 @@ def _eight(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
         d = isums((p0, p1, p2, p3, p4, p5, p6, p7))
         i = (r // 8) * nb + c
         at = 32 * i + 4 * (r % 8)
-        dw = vec8((d0, d1, d2, d3, d4, d5, d6, d7))
+        if f16_head(fmt):  # a block per chunk led by its scale: eight rows' at once
+            dw = half8(w, bases, block_bytes(fmt) * c)
+        elif e8m0_head(fmt):
+            dw = e8m0_half8(w, bases, block_bytes(fmt) * c)
+        else:
+            dw = vec8((d0, d1, d2, d3, d4, d5, d6, d7))
         acc = vfma(tofloat(d), vmul(dw, vsplat(fload(q, dxt + at))), acc)
         kind = minimum_kind(fmt)
         if kind == 1:

@@ -29,7 +29,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import models, register_model
 
-from meshnode.engine.cpu.simd import I32x8, intrinsic
+from meshnode.engine.cpu.simd import F32x8, I32x8, intrinsic
 
 __all__ = [
     "F32x2",
@@ -45,10 +45,13 @@ __all__ = [
     "dot4",
     "fload",
     "fload2",
+    "gather8",
     "half",
     "half2",
+    "half8",
     "iload",
     "imul",
+    "is_bases8",
     "ivsub",
     "lane",
     "lanes2",
@@ -185,6 +188,40 @@ def half(typingctx: Any, row: Any, off: Any) -> Any:
         return builder.fpext(builder.load(ptr, align=1), ir.FloatType())
 
     return types.float32(row, off), codegen
+
+
+def gather8(context: Any, builder: Any, sig: Any, args: Any, ty: Any) -> Any:
+    """In an intrinsic's codegen of ``(row, bases, off)`` (a ``uint8`` row, eight int
+    offsets, an int): the vector of eight ``ty`` whose lane ``i`` is the value at byte
+    ``bases[i] + off`` of the row (eight rows' block scales)."""
+    data = context.make_array(sig.args[0])(context, builder, args[0]).data
+    off = context.cast(builder, args[2], sig.args[2], types.int64)
+    v = ir.Constant(ir.VectorType(ty, 8), ir.Undefined)
+    bases = cgutils.unpack_tuple(builder, args[1])  # type: ignore[no-untyped-call]
+    for i, base in enumerate(bases):
+        at = builder.add(context.cast(builder, base, sig.args[1].dtype, types.int64), off)
+        ptr = builder.bitcast(builder.gep(data, [at]), ty.as_pointer())
+        v = builder.insert_element(v, builder.load(ptr, align=1), ir.Constant(_I32, i))
+    return v
+
+
+def is_bases8(ty: Any) -> bool:
+    """Whether ``ty`` is a tuple of eight integers (eight rows' byte offsets)."""
+    return isinstance(ty, types.UniTuple) and ty.count == 8 and isinstance(ty.dtype, types.Integer)
+
+
+@intrinsic
+def half8(typingctx: Any, row: Any, bases: Any, off: Any) -> Any:
+    """Lane ``i`` the float16 at byte ``bases[i] + off`` of a ``uint8`` row, as float32
+    (exact; eight rows' block scales, one conversion)."""
+    if not (_is_array(row, types.uint8) and is_bases8(bases)):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        halves = gather8(context, builder, sig, args, ir.HalfType())
+        return builder.fpext(halves, ir.VectorType(ir.FloatType(), 8))
+
+    return F32x8(row, bases, off), codegen
 
 
 @intrinsic
