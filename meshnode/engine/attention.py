@@ -6,10 +6,11 @@ back the rows ``wo`` multiplies. Per sequence (a :class:`Segment`): split q/k/v,
 RoPE, write K/V into the sequence's cache, causal (and sliding-window) grouped-query
 attention over it. :class:`Attention` does it with the functions of
 :mod:`meshnode.engine.ops`, a segment at a time; :class:`KernelAttention` (the CPU backend
-over GGUF blocks) does every short segment (decode, verify windows, short prompts: see
-:data:`KERNEL_MAX_ROWS`) in one compiled call per layer (:mod:`meshnode.engine.cpu.attention`)
-and longer ones (prefill) a block of query rows at a time through BLAS
-(:func:`blocked_attention`), or with gpt-oss's sinks through the reference. Qwen3.5's gated
+over GGUF blocks) does every segment (decode, verify windows, prompts of any length: see
+:func:`_for_kernel`) in one compiled call per layer (:mod:`meshnode.engine.cpu.attention`),
+so a row's bits do not depend on how its prompt was cut; where the kernel cannot run (a
+head dimension not a multiple of sixteen) a long segment goes a block of query rows at a
+time through BLAS (:func:`blocked_attention`). Qwen3.5's gated
 attention rotates its own queries and keys and hands its short passes to the same kernel
 (:func:`rotated_attention`).
 
@@ -48,13 +49,14 @@ __all__ = [
     "rotated_attention",
 ]
 
-# Which segments the compiled kernel takes: up to KERNEL_MAX_ROWS rows (decode, verify
-# windows, short prompts), at any length: it reads a segment's keys and values once for
-# all its rows. Longer segments (prefill) go to the reference's matrix products (BLAS).
-# ``benchmarks/attention.py --grid``, one thread, a forward's attention (kernel / BLAS,
-# ms): SmolLM2 (30 layers) 1 row at 512 positions 1.31 / 3.89, 8 rows at 128 2.14 / 3.50,
-# 8 at 512 6.98 / 8.59, 16 at 512 11.8 / 14.6; Gemma 3 (18 layers) 8 at 128 1.61 / 3.24,
-# 16 at 512 9.61 / 10.96.
+# The most rows of a segment the few-row paths take: Qwen3.5's gated attention's kernel
+# pass (:func:`rotated_attention`, the hybrid stage) and the reference's row-at-a-time
+# attention (:func:`reference_heads`). :class:`KernelAttention` takes every segment,
+# however long (:func:`_for_kernel`: it reads a segment's keys and values once for up to
+# its ROW_BLOCK rows at a time). ``benchmarks/attention.py --grid``, one thread, a forward's
+# attention (kernel / BLAS, ms): SmolLM2 (30 layers) 1 row at 512 positions 1.31 / 3.89,
+# 8 rows at 128 2.14 / 3.50, 8 at 512 6.98 / 8.59, 16 at 512 11.8 / 14.6; Gemma 3 (18
+# layers) 8 at 128 1.61 / 3.24, 16 at 512 9.61 / 10.96.
 KERNEL_MAX_ROWS = 16
 # Query rows per block of a long segment's attention (blocked_attention): a block's scores
 # stay in the L2 cache, and the blocks skip most of the masked half of a causal square.
@@ -187,7 +189,7 @@ class Attention:
 
 
 class KernelAttention(Attention):
-    """As :class:`Attention`, with every short segment (:data:`KERNEL_MAX_ROWS`) computed
+    """As :class:`Attention`, with every segment (:func:`_for_kernel`) computed
     by one compiled call per layer (NumPy arrays, float32 or float16 caches in C order;
     one kind per batch)."""
 
@@ -254,7 +256,7 @@ class KernelAttention(Attention):
         )  # fmt: skip
         offset = row = 0
         for i, (seg, rows) in enumerate(zip(segs, kept, strict=True)):
-            if not plan[i, k.KERNEL]:  # a long segment: the reference, through BLAS
+            if not plan[i, k.KERNEL]:  # where the kernel cannot run: through BLAS
                 part = qkv[offset : offset + seg.n]
                 out[row : row + rows] = self.attend(part, seg, layer, norms, rows, sinks)
             offset, row = offset + seg.n, row + rows
@@ -301,9 +303,9 @@ class KernelAttention(Attention):
         return found
 
     def _heads(self, q: Any, keys: Any, values: Any, window: int | None, sinks: Any | None) -> Any:
-        """A long segment's heads: :func:`blocked_attention`, its blocks shared by the
-        threads that may run (:func:`meshnode.engine.cpu.matrix.share`); with sinks the
-        reference."""
+        """A segment's heads where the kernel cannot run: :func:`blocked_attention`, its
+        blocks shared by the threads that may run (:func:`meshnode.engine.cpu.matrix.share`);
+        with sinks the reference."""
         if sinks is not None:
             return reference_heads(self.xp, q, keys, values, self.scale, window, sinks)
         threads = matrix.shared_threads()
@@ -436,8 +438,16 @@ def _kv_kind(caches: Sequence[Any]) -> Any:
 
 def _for_kernel(rows: int, end: int) -> bool:
     """Whether a segment of ``rows`` new rows ending at position ``end`` goes through the
-    kernel (it depends on the segment alone: a sequence's path is the same in any batch)."""
-    return rows <= KERNEL_MAX_ROWS
+    kernel: every one (issue 30). The kernel sums each query row in one order whatever
+    rows share its call, so a row's attention is the same bits however its prompt was cut
+    into pieces: prefilled whole, in chunks, resumed from cached prefix blocks, or decoded
+    a row at a time. Segments of more than :data:`KERNEL_MAX_ROWS` rows went to
+    :func:`blocked_attention`, whose blocks of query rows count from the piece's start and
+    whose BLAS products sum a row's keys in panels set by the block's width: a prompt
+    resumed at 1,440 of 1,630 tokens then gave SmolLM2's last logits up to 1.0 apart in q8
+    (2.3e-5 in the exact mode) from the same prompt prefilled in 256-token pieces, in about
+    the same CPU time as through the kernel (docs/api.md, "Prefix caching")."""
+    return True
 
 
 @cache

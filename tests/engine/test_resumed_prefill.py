@@ -10,11 +10,8 @@ otherwise), as the host's prefill pieces have.
 The model is a tiny random float32 Llama with heads of 16, run by the real
 :class:`~meshnode.engine.model.Stage`: float32 weights take the NumPy reference's attention
 (each piece's weighted sum is one product over the keys up to the piece's end). A stage over
-GGUF blocks cuts a long piece's attention into blocks of query rows counted from the piece's
-start (:func:`~meshnode.engine.attention.blocked_attention`), and a piece of up to
-``KERNEL_MAX_ROWS`` rows takes the compiled kernel, so its resumed prompts match uncached
-ones to float32 rounding, bit for bit only when both cut the prompt at the same places
-(docs/api.md, "Prefix caching").
+GGUF blocks takes the compiled attention kernel for every piece instead
+(``tests/engine/test_cut_bits.py``).
 """
 
 from __future__ import annotations
