@@ -205,8 +205,15 @@ def chunk_rows(n_out: int, n_in: int, k: int, threads: int) -> int:
     ``n_out`` outputs on ``threads`` threads: about :data:`CHUNKS_PER_THREAD` chunks per
     thread, of at most :data:`CHUNK_WORK` weights times rows (a row's decode weighs as
     much as 4 rows' FMAs), at least :data:`CHUNK_ROWS`, a multiple of 4."""
-    rows = min(-(-n_out // (CHUNKS_PER_THREAD * threads)), CHUNK_WORK // (n_in * (1 + k // 4)))
+    rows = min(-(-n_out // (CHUNKS_PER_THREAD * threads)), CHUNK_WORK // _row_work(n_in, k))
     return max(CHUNK_ROWS, rows - rows % 4)
+
+
+def _row_work(n_in: int, k: int) -> int:
+    """The work of one output row of a product of ``k`` activation rows of ``n_in``, in
+    weights times rows (a row's decode weighs as much as 4 rows' FMAs): what
+    :func:`chunk_rows` fills a chunk with and the caller's patience is learned by."""
+    return n_in * (1 + k // 4)
 
 
 @inner
@@ -424,7 +431,7 @@ class KernelPool:
         rows = chunk_rows(n_out, n_in, k, threads)
         self._gen = self._gen % _MAX_GEN + 1
         a, b, c = parts
-        key, units = (fn, k), rows * n_in * (1 + k // 4)  # chunk_rows()' work of a chunk
+        key, units = (fn, k), rows * _row_work(n_in, k)  # a chunk's work
         patience = self._patience(key, units)
         began = time.perf_counter()
         args = (self._st, fn, self._gen, a, b, c, x, out, self._scratch, rows, patience)
