@@ -27,18 +27,17 @@ position 0 (:func:`refold`: non-final prefill chunks) and sends the frame once m
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 
 import trio
 
 from meshnode.engine.prefix_cache import PrefixMissError
-from meshnode.generation.prefix import prefill_pieces
+from meshnode.generation.prefix import FROM_ZERO, prefill_pieces
 from meshnode.generation.records import GenerationRun, frame_of
 from meshnode.generation.state import prefill_chunks
 from meshnode.node.pipeline import FrameKind, Pipeline, StageLostError
-from meshnode.node.prefix import PrefixCaching
+from meshnode.node.prefix import PrefixCaching, ResumePoint
 
 #: Longest wait of a request for the pipeline after a lost one. The coordinator replans in
 #: ~4 s on loopback (issue 16); stages that must load their new layer ranges from disk take
@@ -110,35 +109,35 @@ async def _replay_prompt(pipeline: Pipeline, run: GenerationRun) -> int | None:
     first prefill resumes (:mod:`meshnode.generation.prefix`); the token its final chunk
     returns. A stage that lacks the prefix makes it start over from 0."""
     index = pipeline.prefix if isinstance(pipeline, PrefixCaching) else None
-    start, key = 0, None
+    point = FROM_ZERO
     if index is not None and run.params.cache_prompt:
-        start, key = index.resume_point(run.request_id, run.prompt)
+        point = index.resume_point(run.request_id, run.prompt)
     try:
-        first = await _prompt_from(pipeline, run, start, key)
+        first = await _prompt_from(pipeline, run, point)
     except PrefixMissError:
         assert index is not None  # only a resumed frame is refused so
         index.missed(run.prompt)
         await pipeline.release(run.request_id)  # as generation.prefix does, first
-        start = 0
-        first = await _prompt_from(pipeline, run, 0, None)
-    run.replay_cached_tokens += start
-    if start:
-        log.info("request %s: the replay resumed %d prompt tokens", run.request_id, start)
+        point = FROM_ZERO
+        first = await _prompt_from(pipeline, run, point)
+    run.replay_cached_tokens += point.start
+    if any(point.starts):
+        log.info(
+            "request %s: the replay resumed the prompt at %s (stage by stage)",
+            run.request_id,
+            list(point.starts),
+        )
     return first
 
 
-async def _prompt_from(
-    pipeline: Pipeline, run: GenerationRun, start: int, key: bytes | None
-) -> int | None:
+async def _prompt_from(pipeline: Pipeline, run: GenerationRun, point: ResumePoint) -> int | None:
     index = pipeline.prefix if isinstance(pipeline, PrefixCaching) else None
     align = index.block if index is not None and index.snapshots else 0
-    chunks = prefill_pieces(run.prompt, start, run.chunk_tokens, align)
+    chunks = prefill_pieces(run.prompt, point.start, run.chunk_tokens, align)
     first = None
     for i, (at, tokens) in enumerate(chunks):
         final = i == len(chunks) - 1
-        frame = frame_of(run, FrameKind.PREFILL, at, tokens, final=final)
-        if i == 0 and key is not None:
-            frame = dataclasses.replace(frame, prefix_key=key)
+        frame = point.frame(frame_of(run, FrameKind.PREFILL, at, tokens, final=final))
         result = await pipeline.run(frame)
         first = result.tokens[0] if final and result.tokens else first
     return first

@@ -216,6 +216,8 @@ def frame_to_wire(
         grammar=frame.grammar if first else None,
         grammar_start=frame.grammar_start if first and frame.grammar is not None else 0,
         prefix_key=None if frame.prefix_key is None else frame.prefix_key.hex(),
+        resume_starts=tuple(start for start, _ in frame.resume),
+        resume_keys=tuple("" if key is None else key.hex() for _, key in frame.resume),
     )
 
 
@@ -252,6 +254,10 @@ def frame_from_wire(
         grammar=message.grammar,
         grammar_start=message.grammar_start,
         prefix_key=None if message.prefix_key is None else bytes.fromhex(message.prefix_key),
+        resume=tuple(
+            (start, bytes.fromhex(key) if key else None)
+            for start, key in zip(message.resume_starts, message.resume_keys, strict=True)
+        ),
     )
 
 
