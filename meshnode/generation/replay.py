@@ -14,10 +14,13 @@ last stage draws the token at position ``p`` from a counter-based generator keye
 (seed, ``p``), and the driver fixes the seed once per request. After ``MAX_REPLAYS``
 replays, or when no pipeline comes in time, the error ends the stream as before.
 
-The prompt resumes from the prefix every stage of the new pipeline still holds: when the
-host re-plans the same pipeline (a lost pass, a dropped session), its stages keep their
-cached blocks across the new ``Load`` (:mod:`meshnode.node.prefix_keep`), and only the
-prompt's suffix is computed again (``GenerationRun.replay_cached_tokens``).
+The prompt resumes, stage by stage, from the prefix each stage of the new pipeline and
+the stages after it still hold: when the host re-plans the same pipeline (a lost pass, a
+dropped session), its stages keep their cached blocks across the new ``Load``
+(:mod:`meshnode.node.prefix_keep`), and only the prompt's suffix is computed again
+(``GenerationRun.replay_cached_tokens``: what stage 0 skipped); when a spare takes a
+killed stage's range, the stages after it keep theirs and resume there while the spare
+and the stages before it compute the prompt from 0.
 
 A hybrid stage rolls its recurrent state back only as far as its snapshot ring reaches
 (:mod:`meshnode.engine.recurrent`); a frame that starts further back fails there with

@@ -1,18 +1,24 @@
 """Prefix sharing across requests through a pipeline (issue 30): both ends of the rule.
 
 **The rule.** Every stage keeps a pool of KV blocks of the token prefixes it has computed
-(:mod:`meshnode.engine.prefix_cache`). The host keeps a :class:`PrefixIndex` of the blocks
-it believes *every* stage holds: those of the token positions its frames carried and whose
-passes came back (each stage stored them on the way, below the committed length). For a new
-request it resumes at the longest such prefix ``P`` (whole blocks, never the prompt's last
-token): the sequence's first frame starts at ``start_pos = P`` and carries ``prefix_key``,
-the hash-chain key of the prefix's last block. A stage that holds the whole chain puts its
+(:mod:`meshnode.engine.prefix_cache`), keyed by a chain its own seed salts. The host keeps
+a :class:`PrefixIndex` of the blocks it believes each stage holds: those of the token
+positions its frames carried and whose passes came back (each stage stored them on the
+way, below the committed length), and those a stage kept of an earlier run
+(:mod:`meshnode.node.prefix_keep`). For a new request it resumes stage ``k`` at the
+longest prefix ``P_k`` (whole blocks, never the prompt's last token) that stage ``k`` and
+every stage after it hold (a stage computes the rows the next one needs:
+:class:`ResumePoint`): the sequence's first frame starts at ``start_pos = P_0`` and
+carries ``prefix_key``, the hash-chain key of the prefix's last block, and ``resume``,
+each later stage's start and key; a stage sends the next one only the rows from its start
+on (:func:`~meshnode.node.pipeline.onward`). A stage that holds the whole chain puts its
 blocks in the sequence's block table (by reference: a CPU stage's sequences hold paged
 caches, :mod:`meshnode.engine.kv_pages`) and computes only the frame's tokens; a stage
 that lacks a block (evicted under its own budget, or it keeps no pool) refuses the frame with
 :class:`~meshnode.engine.prefix_cache.PrefixMissError` (``PREFIX_MISS`` on the wire) and
-keeps nothing of the sequence. The host then forgets that prompt's blocks and sends the
-prompt from position 0, which every stage accepts for a known or unknown sequence alike (a
+keeps nothing of the sequence (and refuses its later prompt pieces the same way, until it
+is released). The host then forgets that prompt's blocks and sends the prompt from
+position 0, which every stage accepts for a known or unknown sequence alike (a
 frame at 0 truncates everything). So a wrong belief costs one wasted partial pass, never a
 wrong token: the host needs no knowledge of the stages' budgets or eviction order.
 
@@ -320,25 +326,25 @@ class ResumePoint:
 
 class PrefixIndex:
     """The host side of the rule (module docstring): the keys of the blocks the stages of
-    one pipeline should hold, least recently used first, at most ``limit`` (by default
-    ``MAX_INDEX_BLOCKS`` a stage). ``salts`` are the stages' seeds, in order (each stage's
-    prefix seed names the model, the dtypes and the arithmetic up to its layers,
-    :mod:`meshnode.node.prefix_keep`, so the stages' keys differ); one salt: every stage
-    keys with it (the run id from an older host)."""
+    one pipeline should hold, least recently used first, at most ``limit`` of them, every
+    stage's together (still far more than the stages' pools hold). ``salts`` are the
+    stages' seeds, in order (each stage's prefix seed names the model, the dtypes and the
+    arithmetic up to its layers, :mod:`meshnode.node.prefix_keep`, so the stages' keys
+    differ); one salt: every stage keys with it (the run id from an older host)."""
 
     def __init__(
         self,
         salts: str | Sequence[str],
         *,
         block: int = PREFIX_BLOCK_TOKENS,
-        limit: int | None = None,
+        limit: int = MAX_INDEX_BLOCKS,
         snapshots: bool = False,
     ) -> None:
         self.salts = (salts,) if isinstance(salts, str) else tuple(salts)
         if not self.salts:
             raise ValueError("a prefix index needs a salt")
         self.block = block
-        self.limit = MAX_INDEX_BLOCKS * len(self.salts) if limit is None else limit
+        self.limit = limit
         # hybrid stages: the keys are of boundaries snapshotted (prefill passes ended
         # there), a prefix resumes at the last one of them, not after leading blocks
         self.snapshots = snapshots

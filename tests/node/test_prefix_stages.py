@@ -33,7 +33,7 @@ from meshnode.node.pipeline import FrameKind, RequestId, StepFrame, StepResult, 
 from meshnode.node.prefix import ResumePoint, host_pools, note_pass, note_release
 from meshnode.node.prefix_keep import held_keys, kept_keys
 from meshnode.node.stage import StageRunner
-from meshnode.node.wire import WireSequences, frame_from_wire, frame_to_wire
+from meshnode.node.wire import WireSequences, frame_from_wire, frame_to_wire, sampling_to_wire
 from tests.node.test_prefix import SilentDetokenizer
 from tests.speculative.tinymodel import TinySource, tiny_config
 
@@ -146,6 +146,7 @@ async def test_the_last_stage_resumes_alone_after_the_others_lost_their_pools(
     assert run.cached_tokens == 0  # stage 0 computed the whole prompt
     assert _hits(last) - before == 3 * B  # the last stage only the rows from 3 blocks on
     assert [_hits(r) for r in fresh] == [0, 0]
+
     def prompt_rows(stage: int) -> list[tuple[int, int]]:
         return [(at, rows) for at, rows in second.sent[stage] if at < len(PROMPT)]
 
@@ -249,3 +250,27 @@ def test_the_host_puts_each_stage_s_start_on_the_prompt_s_pieces() -> None:
     alone = ResumePoint((2 * B,), (k1,))  # one salt for every stage (an older host)
     first = alone.frame(StepFrame(RequestId("r"), FrameKind.PREFILL, 2 * B, (1,), GREEDY))
     assert (first.prefix_key, first.resume) == (k1, ())
+
+
+def test_the_grammar_reaches_a_stage_whose_first_frame_is_cut_from_a_later_piece() -> None:
+    """Stage 1 continues the request at 16 (not its first frame) and cuts the last stage's
+    first frame from it at 20: the grammar the last stage keeps must travel with it."""
+    key = bytes(range(16))
+    piece = StepFrame(
+        RequestId("r"), FrameKind.PREFILL, 16, tuple(range(8)), GREEDY, final=True,
+        grammar="g", grammar_start=24, resume=((20, key),),
+    )  # fmt: skip
+    hidden = np.zeros((8, 4), dtype=np.float32)
+    to_stage1 = frame_to_wire(piece, hidden, run_id="r", term=1, wire_dtype="f32")
+    assert (to_stage1.grammar, to_stage1.grammar_start) == ("g", 24)
+    known = WireSequences(1)  # stage 1 holds the request: it saw its sampling before
+    known.sampling_of(dataclasses.replace(to_stage1, sampling=sampling_to_wire(GREEDY)))
+    at_stage1 = frame_from_wire(to_stage1, known)
+    step = onward(at_stage1, hidden)
+    assert step is not None
+    to_last = frame_to_wire(*step, run_id="r", term=1, wire_dtype="f32")
+    assert (to_last.start_pos, to_last.prefix_key, to_last.grammar) == (20, key.hex(), "g")
+    plain = frame_to_wire(
+        dataclasses.replace(piece, resume=()), hidden, run_id="r", term=1, wire_dtype="f32"
+    )
+    assert plain.grammar is None  # a continuation alone: the grammar travelled already
