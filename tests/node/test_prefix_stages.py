@@ -237,7 +237,8 @@ def test_the_host_puts_each_stage_s_start_on_the_prompt_s_pieces() -> None:
     point = ResumePoint((0, B, 3 * B), (None, k1, k2))
 
     def piece(at: int, n: int) -> StepFrame:
-        return point.frame(StepFrame(RequestId("r"), FrameKind.PREFILL, at, (1,) * n, GREEDY))
+        frame = StepFrame(RequestId("r"), FrameKind.PREFILL, at, (1,) * n, GREEDY, final=False)
+        return point.frame(frame)
 
     assert piece(0, 20).resume == ((B, k1), (3 * B, k2))
     assert piece(0, 20).prefix_key is None
