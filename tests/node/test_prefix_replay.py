@@ -176,7 +176,6 @@ async def test_the_stages_after_a_replaced_one_resume_their_part(
             after = _hits([second.runner, last])
             assert [a - b for a, b in zip(after, before, strict=True)] == [2 * B, 4 * B]
             assert _hits([spare]) == [0]
-            assert spare.kv_usage()["prefix_miss_tokens"] == len(PROMPT)
             nursery.cancel_scope.cancel()
 
 
