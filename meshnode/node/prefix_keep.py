@@ -101,7 +101,7 @@ def backend_tag(backend: Backend) -> str:
 
 #: Wire dtypes a hidden state crosses a cut in unchanged: the engine's activations are
 #: float32, so a stage after the cut reads the bits the unsplit model's next layer would
-#: (``tests/engine/test_q8_same_bits.py``, ``tests/node/test_prefix_seeds.py``). f16 and bf16
+#: (``tests/engine/test_q8_same_bits.py``, ``tests/engine/test_wire_cuts.py``). f16 and bf16
 #: round them: where a lossy cut falls changes every later stage's bits.
 LOSSLESS_WIRE = frozenset({"f32"})
 
