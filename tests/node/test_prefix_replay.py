@@ -18,6 +18,7 @@ not move the layers between the two runs.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ import trio
 
 from meshnode.engine.prefix_cache import PREFIX_BLOCK_TOKENS as B
 from meshnode.engine.sampling import SamplingParams
+from meshnode.node.planner import NodeCapacity
 from meshnode.node.stage import StageRunner
 from meshnode.node.worker import Worker
 from tests.node.inmemory import HOST, InMemoryMesh, add_worker, greedy_reference
@@ -129,18 +131,37 @@ async def test_stages_whose_range_moved_serve_nothing_of_the_old_one(
             nursery.cancel_scope.cancel()
 
 
-@pytest.mark.parametrize("chunk", [256, 16], ids=["one-piece", "pieces"])
+class Devices(InMemoryMesh):
+    """The in-memory mesh with some nodes announcing another device kind (``devices``):
+    only the prefix seeds read it here (every stage computes on this CPU)."""
+
+    def __init__(self, devices: dict[str, str]) -> None:
+        super().__init__(host_memory=1 << 34)
+        self.devices = devices
+
+    def live_nodes(self) -> list[NodeCapacity]:
+        nodes = super().live_nodes()
+        return [dataclasses.replace(n, device=self.devices.get(n.node_id, n.device)) for n in nodes]
+
+
+@pytest.mark.parametrize(
+    ("chunk", "device"),
+    [(256, "cpu"), (16, "cpu"), (256, "cuda")],
+    ids=["one-piece", "pieces", "another-device"],
+)
 async def test_the_stages_after_a_replaced_one_resume_their_part(
-    tmp_path: Path, hub_ref: tuple[str, Path], chunk: int
+    tmp_path: Path, hub_ref: tuple[str, Path], chunk: int, device: str
 ) -> None:
     """The middle stage ("a") is killed and a spare ("b", which joined after the first
     plan) takes its very range; the last stage ("c") keeps its range and the arithmetic
     before it (the cuts too: float32 on the wire), so it keeps its blocks and resumes the
     replayed prompt at 2 blocks, while the spare and the host compute it from 0. In
     pieces of 16 tokens, those that end before the last stage's start go no further than
-    the spare. The tokens are the single stage's."""
+    the spare. A spare of another device kind changes the arithmetic before the last
+    stage: its seed changes, it keeps nothing and the replay resumes nowhere. The tokens
+    are the single stage's."""
     ref, package = hub_ref
-    mesh = InMemoryMesh(host_memory=1 << 34)
+    mesh = Devices({"b": device})
     host = Host(mesh, package, ref, split=3, place_by_speed=False)
     host.service.chunk_tokens = chunk
     single = greedy_reference(package, PROMPT, TOKENS, CONTEXT)
@@ -168,14 +189,19 @@ async def test_the_stages_after_a_replaced_one_resume_their_part(
             assert run.replay_cached_tokens == 0  # the host computed the replay from 0 ...
             second = await host.ready(2)
             assert second.stage_nodes == (HOST, "b", "c")
-            spare = _runner(mesh.workers["b"])
+            spare, now = _runner(mesh.workers["b"]), _runner(mesh.workers["c"])
             assert (spare.stage.start, spare.stage.end) == (middle.stage.start, middle.stage.end)
-            assert _runner(mesh.workers["c"]).prefix is last.prefix
+            assert (now.stage.start, now.stage.end) == (last.stage.start, last.stage.end)
             assert second.runner.prefix is first.runner.prefix
-            # ... and so did the spare; the last stage resumed both the prefill and the replay
-            after = _hits([second.runner, last])
-            assert [a - b for a, b in zip(after, before, strict=True)] == [2 * B, 4 * B]
-            assert _hits([spare]) == [0]
+            assert _hits([spare]) == [0]  # ... and so did the spare
+            if device == "cpu":  # the last stage resumed both the prefill and the replay
+                assert now.prefix is last.prefix
+                after = _hits([second.runner, last])
+                assert [a - b for a, b in zip(after, before, strict=True)] == [2 * B, 4 * B]
+            else:
+                assert now.prefix is not last.prefix
+                assert now.prefix.salt != last.prefix.salt
+                assert _hits([now]) == [0]
             nursery.cancel_scope.cancel()
 
 
