@@ -140,7 +140,8 @@ def test_a_late_helper_does_not_stop_the_next_product(rng: np.random.Generator) 
     assert p.posted == 2
     out = np.full((1, m.n_out), np.nan, np.float32)
     assert not p.run(fn, m._raws, x, out, 2)
-    assert p.declined == 1 and np.isnan(out).all()
+    assert p.declined == 1
+    assert np.isnan(out).all()
     p._st[pool.BUSY + 1] = 0  # the helper is back and done
     assert p.run(fn, m._raws, x, out, 2)
     np.testing.assert_array_equal(out[0], serial)
