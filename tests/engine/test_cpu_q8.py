@@ -305,67 +305,29 @@ def _teacher_forced(stage: Any, ids: list[int], want: list[int]) -> np.ndarray:
     return np.array(rows)
 
 
-# The ways the integer dot products compile: (VNNI, AVX2) as the CPU is taken to have them.
-DOT_PATHS = {"generic": (False, False), "avx2": (False, True), "vnni": (True, False)}
-
-# Q8_0's kernel id: the one format whose unpacked bytes reach 255 (AVX2 splits them).
-Q8_0_ID = 7
-
-
-def _byte_cases(rng: np.random.Generator, n: int, small: bool) -> list[tuple[Any, Any]]:
-    """Unsigned weight bytes and int8 activations for an n-byte dot product, random and at
-    the extremes (the largest bytes times -128 and 127: int16 pair sums at their limits)."""
-    top = 128 if small else 255
-    return [
-        (rng.integers(0, top + 1, n), rng.integers(-128, 128, n)),
-        ([top] * n, [-128] * n),
-        ([top] * n, [127] * n),
-        (rng.choice([0, 127, 128, top], n), rng.choice([-128, -127, 127], n)),
-    ]
-
-
-def _take_path(monkeypatch: pytest.MonkeyPatch, module: Any, vnni_name: str, path: str) -> None:
-    from meshnode.engine.cpu import simd_int
-
-    use_vnni, use_avx2 = DOT_PATHS[path]
-    if use_vnni and not getattr(module, vnni_name)():
-        pytest.skip("this CPU has no VNNI")
-    if use_avx2 and not simd_int.avx2():
-        pytest.skip("this CPU has no AVX2")
-    monkeypatch.setattr(module, vnni_name, lambda: use_vnni)  # read when it compiles
-    for owner in {simd_int, module}:
-        monkeypatch.setattr(owner, "avx2", lambda: use_avx2)
-
-
-@pytest.mark.parametrize("small", [True, False], ids=["small-bytes", "q8_0-bytes"])
-@pytest.mark.parametrize("path", list(DOT_PATHS))
-def test_the_integer_dot_product_on_every_path(
-    path: str, small: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("use_vnni", [False, True], ids=["generic", "vnni"])
+def test_the_integer_dot_product_on_either_path(
+    use_vnni: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """dot4 as ``vpdpbusd`` (where the CPU has VNNI), as AVX2's ``vpmaddubsw`` (bytes of at
-    most 128 in one, Q8_0's up to 255 split in two) and as the portable widening code that
-    other CPUs get: every one the exact sums of four unsigned-by-signed byte products, at
-    the int16 limits too."""
+    """dot4 as ``vpdpbusd`` (where the CPU has VNNI) and as the portable widening code
+    that other CPUs get: both the exact sums of four unsigned-by-signed byte products."""
     from numba import njit
 
     from meshnode.engine.cpu import simd_int
     from meshnode.engine.cpu.simd import tofloat, vstore
 
-    _take_path(monkeypatch, simd_int, "vnni", path)
+    if use_vnni and not simd_int.vnni():
+        pytest.skip("this CPU has no VNNI")
+    monkeypatch.setattr(simd_int, "vnni", lambda: use_vnni)  # read when it compiles
 
-    if small:
+    @njit(cache=False)
+    def dot(w, x, out):  # type: ignore[no-untyped-def]
+        vstore(out, 0, tofloat(simd_int.dot4(simd_int.bload(w, 0), x, 0)))
 
-        @njit(cache=False)
-        def dot(w, x, out):  # type: ignore[no-untyped-def]
-            vstore(out, 0, tofloat(simd_int.dot4(simd_int.bload(w, 0), x, 0, -1)))
-
-    else:
-
-        @njit(cache=False)
-        def dot(w, x, out):  # type: ignore[no-untyped-def]
-            vstore(out, 0, tofloat(simd_int.dot4(simd_int.bload(w, 0), x, 0, Q8_0_ID)))
-
-    for w, x in _byte_cases(rng, 32, small):
+    for w, x in [
+        (rng.integers(0, 256, 32), rng.integers(-128, 128, 32)),
+        ([255] * 32, [-128] * 32),
+    ]:
         w8, x8 = np.asarray(w, np.uint8), np.asarray(x, np.int8)
         out = np.zeros(8, np.float32)
         dot(w8, x8.view(np.uint8), out)
@@ -373,48 +335,31 @@ def test_the_integer_dot_product_on_every_path(
         np.testing.assert_array_equal(out, want)
 
 
-def test_only_q8_0_has_bytes_past_128() -> None:
-    """AVX2's one-``vpmaddubsw`` dot product is exact only for bytes of at most 128: every
-    format with an 8-bit-activation reading but Q8_0 says so, and Q8_0's id is the one the
-    tests above take for it."""
-    from meshnode.engine.cpu.formats import FORMATS
-
-    wide = {f.name: f.kernel_id for f in FORMATS.values() if f.q8 is not None and not f.q8.small}
-    assert wide == {"Q8_0": Q8_0_ID}
-
-
-@pytest.mark.parametrize("small", [True, False], ids=["small-bytes", "q8_0-bytes"])
-@pytest.mark.parametrize("path", list(DOT_PATHS))
-def test_the_wide_integer_dot_product_on_every_path(
-    path: str, small: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("use_vnni", [False, True], ids=["generic", "vnni512"])
+def test_the_wide_integer_dot_product_on_either_path(
+    use_vnni: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """dotw as a 512-bit ``vpdpbusd``, as AVX2's ``vpmaddubsw`` and as the portable code:
-    lane ``8 h + r`` adds the four bytes of lane ``j`` of chunk ``h`` times four int8 of
-    row ``r``, exactly."""
+    """dotw as a 512-bit ``vpdpbusd`` and as the portable code: lane ``8 h + r`` adds the
+    four bytes of lane ``j`` of chunk ``h`` times four int8 of row ``r``, exactly."""
     from numba import njit
 
     from meshnode.engine.cpu import simd_q8
     from meshnode.engine.cpu.simd_int import bload
 
-    _take_path(monkeypatch, simd_q8, "vnni512", path)
+    if use_vnni and not simd_q8.vnni512():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    monkeypatch.setattr(simd_q8, "vnni512", lambda: use_vnni)  # read when it compiles
 
-    if small:
+    @njit(cache=False)
+    def dot(w, x, out):  # type: ignore[no-untyped-def]
+        u = simd_q8.join64(bload(w, 0), bload(w, 32))
+        acc = simd_q8.dotw(simd_q8.iload16(out, 0), u, 5, x, 0)
+        simd_q8.store16(out, 0, acc)
 
-        @njit(cache=False)
-        def dot(w, x, out):  # type: ignore[no-untyped-def]
-            u = simd_q8.join64(bload(w, 0), bload(w, 32))
-            acc = simd_q8.dotw(simd_q8.iload16(out, 0), u, 5, x, 0, -1)
-            simd_q8.store16(out, 0, acc)
-
-    else:
-
-        @njit(cache=False)
-        def dot(w, x, out):  # type: ignore[no-untyped-def]
-            u = simd_q8.join64(bload(w, 0), bload(w, 32))
-            acc = simd_q8.dotw(simd_q8.iload16(out, 0), u, 5, x, 0, Q8_0_ID)
-            simd_q8.store16(out, 0, acc)
-
-    for w, x in _byte_cases(rng, 64, small):
+    for w, x in [
+        (rng.integers(0, 256, 64), rng.integers(-128, 128, 64)),
+        ([255] * 64, [-128] * 64),
+    ]:
         w8, x8 = np.asarray(w, np.uint8), np.asarray(x, np.int8)
         start = rng.integers(-1000, 1000, 16).astype(np.int32)
         out = start.copy()

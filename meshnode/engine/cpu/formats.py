@@ -47,14 +47,6 @@ class Q8:
     # scales of eight rows at once
     e8m0_head: bool = False
 
-    @property
-    def small(self) -> bool:
-        """Whether every unpacked byte ``u`` is at most 128 (every format but Q8_0, whose
-        ``u`` is ``w + 128``): then AVX2's ``vpmaddubsw`` sums two products in int16
-        exactly (:func:`.simd_int.dot_avx2`). Offsets are powers of two and ``u`` stays
-        below twice the offset, or below 32 for the formats with a minimum."""
-        return self.offset <= 64
-
     def __post_init__(self) -> None:
         if self.offset & (self.offset - 1) or self.offset < 0:
             raise ValueError(f"{self.unpack}: offset {self.offset} is not a power of two")

@@ -254,10 +254,10 @@ def _group(fmt, w, base, q, g, n, nb, blocks):  # type: ignore[no-untyped-def]
         if area >= 0:
             lo = ishl16(iload16(q, ot + 32 * i), shift)
             hi = ishl16(iload16(q, ot + 32 * blocks + 32 * i), shift)
-        lo = dotw(dotw(lo, u, 0, q, x, fmt), u, 1, q, x + 64, fmt)
-        lo = dotw(dotw(lo, u, 2, q, x + 128, fmt), u, 3, q, x + 192, fmt)
-        hi = dotw(dotw(hi, u, 4, q, x + 256, fmt), u, 5, q, x + 320, fmt)
-        hi = dotw(dotw(hi, u, 6, q, x + 384, fmt), u, 7, q, x + 448, fmt)
+        lo = dotw(dotw(lo, u, 0, q, x), u, 1, q, x + 64)
+        lo = dotw(dotw(lo, u, 2, q, x + 128), u, 3, q, x + 192)
+        hi = dotw(dotw(hi, u, 4, q, x + 256), u, 5, q, x + 320)
+        hi = dotw(dotw(hi, u, 6, q, x + 384), u, 7, q, x + 448)
         if per16(fmt):
             d = iadd16(imul16(lo, ipair(sa0, sa1)), imul16(hi, ipair(sb0, sb1)))
         else:
@@ -282,7 +282,7 @@ def _block_dot(fmt, w, base, c, q, xo, offs):  # type: ignore[no-untyped-def]
     # chunk c of one weight row . the activation block at byte xo: (int32 lanes whose sum
     # is D, dw, m, m2); offs: the block's offset term z sum(q), by four values
     u, dw, m, m2, sa, sb = chunk(fmt, w, base, c)
-    p = dot4(u, q, xo, fmt)
+    p = dot4(u, q, xo)
     if offset_area(fmt) >= 0:
         p = ivsub(p, offs)
     if per16(fmt):
@@ -301,8 +301,7 @@ def _eight(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
     for c in range(nb):
         acc, t, acc1, t1 = acc1, t1, acc, t  # chunk c's parity: acc, t even, acc1, t1 odd
         xo = HEADER + 32 * (r * nb + c)
-        offs = dot4(z, q, xo, -1)  # z times each four quants' sum: exact, shared by the rows
-        # (-1: no format; z is at most 128, small bytes)
+        offs = dot4(z, q, xo)  # z times each four quants' sum: exact, shared by the rows
         p0, d0, m0, n0 = _block_dot(fmt, w, b0, c, q, xo, offs)
         p1, d1, m1, n1 = _block_dot(fmt, w, b1, c, q, xo, offs)
         p2, d2, m2, n2 = _block_dot(fmt, w, b2, c, q, xo, offs)

@@ -48,7 +48,8 @@ from meshnode.engine.cpu.simd_int import fload, half, prefetch
 from meshnode.engine.cpu.simd_q8 import (
     I32x16,
     U8x64,
-    dot_acc,
+    _dot_generic,
+    _dot_vnni,
     fold,
     ipair,
     tofloat16,
@@ -301,7 +302,7 @@ def dot64(typingctx: Any, u: Any, xq: Any, off: Any) -> Any:
         ptr = builder.bitcast(builder.gep(data, [args[2]]), _VB64.as_pointer())
         x = builder.load(ptr, align=1)
         zero = ir.Constant(_VI16, [0] * 16)
-        return dot_acc(builder, zero, args[0], x, True)  # Q4_K's nibbles, Q6_K's 6 bits
+        return (_dot_vnni if vnni512() else _dot_generic)(builder, zero, args[0], x)
 
     return I32x16(u, xq, off), codegen
 
@@ -316,7 +317,7 @@ def dot64s(typingctx: Any, acc: Any, u: Any, xq: Any, off: Any) -> Any:
         data = context.make_array(sig.args[2])(context, builder, args[2]).data
         ptr = builder.bitcast(builder.gep(data, [args[3]]), _VB64.as_pointer())
         x = builder.load(ptr, align=1)
-        return dot_acc(builder, args[0], args[1], x, True)  # Q6_K's 6 bits
+        return (_dot_vnni if vnni512() else _dot_generic)(builder, args[0], args[1], x)
 
     return I32x16(acc, u, xq, off), codegen
 

@@ -7,14 +7,10 @@ so lanes 0-3 are the block's first 16 values and lanes 4-7 its last 16), the res
 :data:`.simd.I32x8` that the float lanes of :mod:`.simd` take from there.
 
 Where the CPU has VNNI (AVX512-VNNI with AVX512VL, or AVX-VNNI) :func:`dot4` is one
-``vpdpbusd``; where it has AVX2 only (AMD Zen 2 and 3, Intel before Ice Lake), one
-``vpmaddubsw`` and one ``vpmaddwd`` as llama.cpp's AVX2 kernels do (:func:`dot_avx2`:
-exact, since a format's bytes, Q8_0's aside, stay at most 128 and its int16 pair sums
-cannot saturate; Q8_0's are split in two); elsewhere the same sums are written generically
-(widen to int32, multiply, add neighbours), which LLVM lowers for the machine it compiles
-on (on AVX2, two widenings to int16, ``vpmaddwd`` and ``vphaddd``: about five times the
-instructions; ``smull``/``addp`` on ARM). Products are exact int32 every way: an unsigned
-byte times an int8 is at most 32,640 in magnitude and a lane sums four.
+``vpdpbusd``; elsewhere the same sums are written generically (widen to int32, multiply,
+add neighbours), which LLVM lowers for the machine it compiles on (``pmaddwd`` on x86,
+``smull``/``addp`` on ARM). Products are exact int32 either way: an unsigned byte times an
+int8 is at most 32,640 in magnitude and a lane sums four.
 
 ``F32x2`` (two float lanes) carries a Q4_1/Q5_1 block's scale and minimum through one
 load, one conversion and one multiply with the activation block's scale and sum.
@@ -31,7 +27,6 @@ from typing import Any
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.core.errors import TypingError
 from numba.extending import models, register_model
 
 from meshnode.engine.cpu.simd import F32x8, I32x8, intrinsic
@@ -39,7 +34,6 @@ from meshnode.engine.cpu.simd import F32x8, I32x8, intrinsic
 __all__ = [
     "F32x2",
     "U8x32",
-    "avx2",
     "band",
     "bits32",
     "bload",
@@ -49,8 +43,6 @@ __all__ = [
     "bsplat",
     "bxor",
     "dot4",
-    "dot_avx2",
-    "dot_bytes",
     "fload",
     "fload2",
     "gather8",
@@ -66,7 +58,6 @@ __all__ = [
     "mul2",
     "nibbles",
     "prefetch",
-    "small_bytes",
     "vnni",
 ]
 
@@ -103,26 +94,6 @@ def vnni() -> bool:
     features = binding.get_host_cpu_features()
     has = {name for name in ("avx512vnni", "avx512vl", "avxvnni") if features.get(name)}
     return "avxvnni" in has or {"avx512vnni", "avx512vl"} <= has
-
-
-@cache
-def avx2() -> bool:
-    """Whether this CPU has AVX2's ``vpmaddubsw`` / ``vpmaddwd`` (what numba compiles for)."""
-    from llvmlite import binding
-
-    return bool(binding.get_host_cpu_features().get("avx2"))
-
-
-def small_bytes(fmt: Any) -> bool:
-    """Whether every unpacked byte ``u`` of format ``fmt`` (a numba literal kernel id, see
-    :func:`.blocks.format_row`) is at most 128: all but Q8_0's ``w + 128``. A literal that
-    is no format (the offset terms' ``z``, at most 128) counts as small."""
-    from meshnode.engine.cpu.blocks import BY_KERNEL_ID
-
-    if not isinstance(fmt, types.IntegerLiteral):
-        raise TypingError(f"a block format must be a compile-time constant, got {fmt}")
-    row = BY_KERNEL_ID.get(fmt.literal_value)
-    return row is None or row.q8 is None or row.q8.small
 
 
 def _is_array(ty: Any, dtype: Any) -> bool:
@@ -346,47 +317,6 @@ def _dot_generic(builder: Any, w: Any, x: Any) -> Any:
     return v
 
 
-def _maddubs(builder: Any, u: Any, x: Any) -> Any:
-    # AVX2: per 32 bytes, vpmaddubsw (u unsigned times x signed, neighbours added to int16,
-    # saturating) then vpmaddwd with ones (neighbours added to int32): lane j of the result
-    # sums bytes 4j .. 4j + 3 of the whole vector, as _dot_generic's lanes
-    vb, vw = ir.VectorType(_I8, 32), ir.VectorType(ir.IntType(16), 16)
-    bytes_to_words = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(vw, [vb, vb]), "llvm.x86.avx2.pmadd.ub.sw"
-    )
-    words_to_ints = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(_VI, [vw, vw]), "llvm.x86.avx2.pmadd.wd"
-    )
-    ones = ir.Constant(vw, [1] * 16)
-    n = u.type.count
-    parts = []
-    for h in range(n // 32):
-        pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
-        a = builder.shuffle_vector(u, u, pick)
-        b = builder.shuffle_vector(x, x, pick)
-        parts.append(builder.call(words_to_ints, [builder.call(bytes_to_words, [a, b]), ones]))
-    while len(parts) > 1:  # concatenate: halves of 8 int32 lanes, in order
-        width = 2 * parts[0].type.count
-        join = ir.Constant(ir.VectorType(_I32, width), list(range(width)))
-        parts = [
-            builder.shuffle_vector(parts[i], parts[i + 1], join) for i in range(0, len(parts), 2)
-        ]
-    return parts[0]
-
-
-def dot_avx2(builder: Any, u: Any, x: Any, small: bool) -> Any:
-    """The sums of :func:`_dot_generic` (lane j: bytes 4j .. 4j + 3 of ``u`` unsigned times
-    ``x`` signed; any multiple of 32 bytes) with AVX2's ``vpmaddubsw``, exact: its int16
-    pair sums saturate only past 2 * 128 * 128 in magnitude, so bytes ``u`` of at most 128
-    (``small``) take one ``vpmaddubsw`` and one ``vpmaddwd`` per 32 bytes; larger ones are
-    split into their low seven bits and their top bit (0 or 128), each summed so."""
-    if small:
-        return _maddubs(builder, u, x)
-    low = builder.and_(u, ir.Constant(u.type, [127] * u.type.count))
-    top = builder.and_(u, ir.Constant(u.type, [128] * u.type.count))
-    return builder.add(_maddubs(builder, low, x), _maddubs(builder, top, x))
-
-
 def _dot_vnni(builder: Any, w: Any, x: Any) -> Any:
     fnty = ir.FunctionType(_VI, [_VI, _VI, _VI])
     fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
@@ -396,33 +326,20 @@ def _dot_vnni(builder: Any, w: Any, x: Any) -> Any:
     return builder.call(fn, [zero, builder.bitcast(w, _VI), builder.bitcast(x, _VI)])
 
 
-def dot_bytes(builder: Any, u: Any, x: Any, small: bool, vnni_dot: Any, has_vnni: bool) -> Any:
-    """The int32 lanes of ``u`` (unsigned bytes) times ``x`` (int8), each lane four
-    neighbours: ``vnni_dot`` where the CPU has VNNI (``has_vnni``), AVX2's
-    :func:`dot_avx2` where it has that, else the generic sums LLVM lowers as it can."""
-    if has_vnni:
-        return vnni_dot(builder, u, x)
-    if avx2():
-        return dot_avx2(builder, u, x, small)
-    return _dot_generic(builder, u, x)
-
-
 @intrinsic
-def dot4(typingctx: Any, w: Any, xq: Any, off: Any, fmt: Any) -> Any:
+def dot4(typingctx: Any, w: Any, xq: Any, off: Any) -> Any:
     """Lane ``j`` = the sum over ``i < 4`` of ``w[4j + i]`` (unsigned) times the int8 at
-    byte ``off + 4j + i`` of ``xq`` (a ``uint8`` buffer): eight exact int32 sums. ``fmt``:
-    the literal kernel id of the format ``w`` was unpacked from (:func:`small_bytes`)."""
+    byte ``off + 4j + i`` of ``xq`` (a ``uint8`` buffer): eight exact int32 sums."""
     if w != U8x32 or not _is_array(xq, types.uint8):
         return None
-    small = small_bytes(fmt)
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         x = builder.load(
             _byte_pointer(context, builder, sig.args[1], args[1], args[2], _VB), align=1
         )  # no alignment assumed: an aligned move on a 16-byte-aligned buffer faults
-        return dot_bytes(builder, args[0], x, small, _dot_vnni, vnni())
+        return (_dot_vnni if vnni() else _dot_generic)(builder, args[0], x)
 
-    return I32x8(w, xq, off, fmt), codegen
+    return I32x8(w, xq, off), codegen
 
 
 # -- int32 lanes -------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from numba.core.imputils import impl_ret_borrowed
 from numba.extending import models, register_model
 
 from meshnode.engine.cpu.simd import F32x8, F32x16, I32x8, intrinsic
-from meshnode.engine.cpu.simd_int import U8x32, avx2, dot_avx2, small_bytes
+from meshnode.engine.cpu.simd_int import U8x32
 
 __all__ = [
     "I32x16",
@@ -33,7 +33,6 @@ __all__ = [
     "absmax32",
     "bstore",
     "bsum16",
-    "dot_acc",
     "dotw",
     "fload8",
     "fload16",
@@ -268,29 +267,15 @@ def _dot_vnni(builder: Any, acc: Any, u: Any, x: Any) -> Any:
     return builder.call(fn, [acc, builder.bitcast(u, _VI16), builder.bitcast(x, _VI16)])
 
 
-def dot_acc(builder: Any, acc: Any, u: Any, x: Any, small: bool) -> Any:
-    """``acc`` plus the sixteen int32 lanes of ``u`` (64 unsigned bytes) times ``x`` (64
-    int8), each lane four neighbours: ``vpdpbusd`` where the CPU has AVX512-VNNI, else
-    :func:`.simd_int.dot_bytes` (AVX2's ``vpmaddubsw`` where it has that; ``small``: every
-    byte of ``u`` at most 128)."""
-    if vnni512():
-        return _dot_vnni(builder, acc, u, x)
-    if avx2():
-        return builder.add(acc, dot_avx2(builder, u, x, small))
-    return _dot_generic(builder, acc, u, x)
-
-
 @intrinsic
-def dotw(typingctx: Any, acc: Any, u: Any, j: Any, xq: Any, off: Any, fmt: Any) -> Any:
+def dotw(typingctx: Any, acc: Any, u: Any, j: Any, xq: Any, off: Any) -> Any:
     """``acc`` plus, in lane ``8 h + r`` (``h`` 0, 1), the sum over ``i < 4`` of
     ``u[32 h + 4 j + i]`` (unsigned; ``j`` a literal 0 .. 7) times the int8 at byte
-    ``off + 32 h + 4 r + i`` of ``xq`` (a ``uint8`` buffer): exact int32. ``fmt``: the
-    literal kernel id of the format ``u`` was unpacked from (:func:`.simd_int.small_bytes`)."""
+    ``off + 32 h + 4 r + i`` of ``xq`` (a ``uint8`` buffer): exact int32."""
     ok = acc == I32x16 and u == U8x64 and _is_bytes(xq)
     if not ok or not isinstance(j, types.IntegerLiteral):
         return None
     lane = j.literal_value
-    small = small_bytes(fmt)
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         words = builder.bitcast(args[1], _VI16)
@@ -298,9 +283,9 @@ def dotw(typingctx: Any, acc: Any, u: Any, j: Any, xq: Any, off: Any, fmt: Any) 
         w = builder.bitcast(builder.shuffle_vector(words, words, pick), _VB64)
         ptr = _pointer(context, builder, sig.args[3], args[3], args[4], _VB64)
         x = builder.load(ptr, align=1)
-        return dot_acc(builder, args[0], w, x, small)
+        return (_dot_vnni if vnni512() else _dot_generic)(builder, args[0], w, x)
 
-    return I32x16(acc, u, j, xq, off, fmt), codegen
+    return I32x16(acc, u, j, xq, off), codegen
 
 
 def _int16_binary(op: str, doc: str) -> Any:

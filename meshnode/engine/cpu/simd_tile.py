@@ -15,7 +15,7 @@ from llvmlite import ir
 from numba import types
 
 from meshnode.engine.cpu.simd import F32x16, intrinsic
-from meshnode.engine.cpu.simd_int import U8x32, small_bytes
+from meshnode.engine.cpu.simd_int import U8x32
 from meshnode.engine.cpu.simd_q8 import (  # the IR types and helpers of its 512-bit lanes
     _F,
     _I32,
@@ -25,10 +25,12 @@ from meshnode.engine.cpu.simd_q8 import (  # the IR types and helpers of its 512
     _VI16,
     I32x16,
     U8x64,
+    _dot_generic,
+    _dot_vnni,
     _is_bytes,
     _pointer,
     _vector_load,
-    dot_acc,
+    vnni512,
 )
 
 __all__ = ["dotb", "fsplat16", "isplat16", "lane16", "put4", "wload", "words8"]
@@ -43,21 +45,19 @@ wload = _vector_load(_VB64, U8x64, "The 64 bytes at byte ``off`` of a ``uint8`` 
 
 
 @intrinsic
-def dotb(typingctx: Any, acc: Any, u: Any, xq: Any, off: Any, fmt: Any) -> Any:
+def dotb(typingctx: Any, acc: Any, u: Any, xq: Any, off: Any) -> Any:
     """``acc`` plus, in each lane ``i``, the sum over ``b < 4`` of ``u[4 i + b]``
     (unsigned) times the int8 at byte ``off + b`` of ``xq`` (a ``uint8`` buffer): exact
-    int32. ``fmt``: the literal kernel id of the format ``u`` was unpacked from
-    (:func:`.simd_int.small_bytes`)."""
+    int32."""
     if acc != I32x16 or u != U8x64 or not _is_bytes(xq):
         return None
-    small = small_bytes(fmt)
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         ptr = _pointer(context, builder, sig.args[2], args[2], args[3], _I32)
         x = builder.bitcast(_splat(builder, builder.load(ptr, align=1), _VI16), _VB64)
-        return dot_acc(builder, args[0], args[1], x, small)
+        return (_dot_vnni if vnni512() else _dot_generic)(builder, args[0], args[1], x)
 
-    return I32x16(acc, u, xq, off, fmt), codegen
+    return I32x16(acc, u, xq, off), codegen
 
 
 def _splat_load(ty: Any, vty: Any, result: Any, doc: str) -> Any:
