@@ -59,6 +59,7 @@ from meshnode.engine.cpu.q8_blocks import (
     minimum_kind,
     offset_area,
     per16,
+    signed_bytes,
 )
 from meshnode.engine.cpu.q8_superblocks import (
     K_FORMATS,
@@ -82,7 +83,18 @@ from meshnode.engine.cpu.simd import (
     wmul,
     wzero,
 )
-from meshnode.engine.cpu.simd_int import bsplat, dot4, fload, half8, imul, ivsub, lanes2, prefetch
+from meshnode.engine.cpu.simd_int import (
+    bsplat,
+    bxor,
+    dot4s,
+    fload,
+    half8,
+    imul,
+    ivsub,
+    lanes2,
+    prefetch,
+    sdot4,
+)
 from meshnode.engine.cpu.simd_q8 import (
     absmax32,
     bstore,
@@ -280,11 +292,16 @@ def _group(fmt, w, base, q, g, n, nb, blocks):  # type: ignore[no-untyped-def]
 @inner
 def _block_dot(fmt, w, base, c, q, xo, offs):  # type: ignore[no-untyped-def]
     # chunk c of one weight row . the activation block at byte xo: (int32 lanes whose sum
-    # is D, dw, m, m2); offs: the block's offset term z sum(q), by four values
+    # is D, dw, m, m2); offs: the block's offset term z sum(q), by four values. Q8_0's
+    # int8 weights (u - 128) meet the quants as signed bytes (sdot4: the same D, no
+    # offset term), every other format's u (at most 128) by dot4s
     u, dw, m, m2, sa, sb = chunk(fmt, w, base, c)
-    p = dot4(u, q, xo)
-    if offset_area(fmt) >= 0:
-        p = ivsub(p, offs)
+    if signed_bytes(fmt):
+        p = sdot4(bxor(u, 128), q, xo)
+    else:
+        p = dot4s(u, q, xo)
+        if offset_area(fmt) >= 0:
+            p = ivsub(p, offs)
     if per16(fmt):
         p = imul(p, lanes2(sa, sb))
     return p, dw, m, m2
@@ -301,7 +318,7 @@ def _eight(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
     for c in range(nb):
         acc, t, acc1, t1 = acc1, t1, acc, t  # chunk c's parity: acc, t even, acc1, t1 odd
         xo = HEADER + 32 * (r * nb + c)
-        offs = dot4(z, q, xo)  # z times each four quants' sum: exact, shared by the rows
+        offs = dot4s(z, q, xo)  # z times each four quants' sum: exact, shared by the rows
         p0, d0, m0, n0 = _block_dot(fmt, w, b0, c, q, xo, offs)
         p1, d1, m1, n1 = _block_dot(fmt, w, b1, c, q, xo, offs)
         p2, d2, m2, n2 = _block_dot(fmt, w, b2, c, q, xo, offs)
