@@ -49,6 +49,7 @@ from numba.np.numpy_support import carray
 from meshnode.engine.cpu import pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
 from meshnode.engine.cpu.blocks import literal_format
+from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.fp4 import e8m0_half8
 from meshnode.engine.cpu.q8_blocks import (
     OFFSET_SHIFTS,
@@ -61,6 +62,7 @@ from meshnode.engine.cpu.q8_blocks import (
     per16,
     signed_bytes,
 )
+from meshnode.engine.cpu.q8_fp4 import eight_mxfp4
 from meshnode.engine.cpu.q8_superblocks import (
     K_FORMATS,
     Q4_K_ID,
@@ -125,6 +127,8 @@ from meshnode.engine.cpu.simd_q8 import (
 # left the kernels at about 0.8x the time of the exact ones; with this, about 0.55x
 # (SmolLM2's products in forward order, one thread; 2 and 8 KiB did no better).
 PREFETCH_BYTES = 4096
+# MXFP4's one-row products go two weight rows a register (.q8_fp4)
+MXFP4_ID = FORMATS["MXFP4"].kernel_id
 # Products of up to this many rows go one activation row at a time (lanes: weight rows)
 ONE_ROW_MAX = 1
 # Activation rows a weight row meets before the next weight row, in products of more rows
@@ -358,13 +362,23 @@ def _one_row(
     fmt: int, w: Any, bases: Any, q: Any, r: int, n: int, nb: int, blocks: int, pf: int
 ) -> Any:
     # eight weight rows times activation row r (lanes: the weight rows): the K-quants of
-    # .q8_superblocks a super-block at a time, the other formats by _eight
+    # .q8_superblocks a super-block at a time, MXFP4 two rows a register (.q8_fp4), the
+    # other formats by _eight
     raise TypeError("_one_row is for compiled code")
 
 
 @overload(_one_row, prefer_literal=True, jit_options=INNER)
 def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
     kind = literal_format(fmt)
+    if kind == MXFP4_ID:
+
+        def mxfp4(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
+            _, ot, dxt, _ = _areas(n, blocks)
+            at = 32 * (r // 8) * nb + 4 * (r % 8)
+            lo, hi = ot + at, ot + 32 * blocks + at
+            return eight_mxfp4(w, bases, q, HEADER + 32 * r * nb, dxt + at, lo, hi, nb)
+
+        return mxfp4
     if kind not in K_FORMATS:
         return lambda fmt, w, bases, q, r, n, nb, blocks, pf: _eight(
             fmt, w, bases, q, r, n, nb, blocks

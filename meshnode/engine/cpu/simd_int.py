@@ -365,12 +365,15 @@ def _x86(builder: Any, name: str, result: Any, *args: Any) -> Any:
     return builder.call(fn, list(args))
 
 
-def _dot_madd(builder: Any, w: Any, x: Any) -> Any:
+def _dot_madd(builder: Any, w: Any, x: Any, *more: Any) -> Any:
     # vpmaddubsw (w unsigned times x signed, each pair of products summed into an int16
     # lane, saturating) then vpmaddwd with ones (each pair of those into an int32 lane):
-    # exact where a pair's sum stays within int16, as for bytes w <= 128 and |x| <= 127
+    # exact where a pair's sum stays within int16, as for bytes w <= 128 and |x| <= 127;
+    # more: another (w, x) whose int16 pairs are added first (their sums too within int16)
     vh = ir.VectorType(ir.IntType(16), 16)
     pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", vh, w, x)
+    if more:
+        pairs = builder.add(pairs, _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", vh, *more))
     return _x86(builder, "llvm.x86.avx2.pmadd.wd", _VI, pairs, ir.Constant(vh, [1] * 16))
 
 
