@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> None:
             print(
                 f"{where.name:<14} {dtype:<6} {mode:<5} {args.n_in}x{args.out_rows}: "
                 f"median {1e3 * med:7.3f} ms  best {1e3 * best:7.3f} ms  "
-                f"{one.nbytes / best / 1e9:5.2f} GB/s (best)  {one.nbytes / med / 1e9:5.2f} (median)",
+                f"{one.nbytes / best / 1e9:5.2f} GB/s (best)  "
+                f"{one.nbytes / med / 1e9:5.2f} (median)",
                 flush=True,
             )
 
