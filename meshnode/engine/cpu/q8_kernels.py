@@ -101,7 +101,8 @@ from meshnode.engine.cpu.simd_q8 import (
     absmax32,
     bstore,
     bsum16,
-    dotw,
+    dotw_signed,
+    dotw_small,
     fload16,
     fold,
     hpairs,
@@ -267,13 +268,19 @@ def _group(fmt, w, base, q, g, n, nb, blocks):  # type: ignore[no-untyped-def]
         i = g * nb + 2 * p
         x = xt + 256 * i
         lo, hi = ipair(0, 0), ipair(0, 0)
-        if area >= 0:
-            lo = ishl16(iload16(q, ot + 32 * i), shift)
-            hi = ishl16(iload16(q, ot + 32 * blocks + 32 * i), shift)
-        lo = dotw(dotw(lo, u, 0, q, x), u, 1, q, x + 64)
-        lo = dotw(dotw(lo, u, 2, q, x + 128), u, 3, q, x + 192)
-        hi = dotw(dotw(hi, u, 4, q, x + 256), u, 5, q, x + 320)
-        hi = dotw(dotw(hi, u, 6, q, x + 384), u, 7, q, x + 448)
+        if signed_bytes(fmt):  # Q8_0's int8 weights as they are: no offset term
+            lo = dotw_signed(dotw_signed(lo, u, 0, q, x), u, 1, q, x + 64)
+            lo = dotw_signed(dotw_signed(lo, u, 2, q, x + 128), u, 3, q, x + 192)
+            hi = dotw_signed(dotw_signed(hi, u, 4, q, x + 256), u, 5, q, x + 320)
+            hi = dotw_signed(dotw_signed(hi, u, 6, q, x + 384), u, 7, q, x + 448)
+        else:
+            if area >= 0:
+                lo = ishl16(iload16(q, ot + 32 * i), shift)
+                hi = ishl16(iload16(q, ot + 32 * blocks + 32 * i), shift)
+            lo = dotw_small(dotw_small(lo, u, 0, q, x), u, 1, q, x + 64)
+            lo = dotw_small(dotw_small(lo, u, 2, q, x + 128), u, 3, q, x + 192)
+            hi = dotw_small(dotw_small(hi, u, 4, q, x + 256), u, 5, q, x + 320)
+            hi = dotw_small(dotw_small(hi, u, 6, q, x + 384), u, 7, q, x + 448)
         if per16(fmt):
             d = iadd16(imul16(lo, ipair(sa0, sa1)), imul16(hi, ipair(sb0, sb1)))
         else:
