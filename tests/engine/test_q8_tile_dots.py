@@ -75,6 +75,6 @@ def test_only_q8_0_unpacks_bytes_past_128() -> None:
     wide = [
         f.name
         for f in FORMATS.values()
-        if f.q8 is not None and not simd_tile._small_bytes(types.literal(f.kernel_id))
+        if f.q8 is not None and not simd_tile._small_bytes(types.literal(f.kernel_id))  # type: ignore[no-untyped-call]
     ]
     assert wide == ["Q8_0"]
