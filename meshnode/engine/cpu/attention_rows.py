@@ -44,6 +44,7 @@ from meshnode.engine.kv_cache import KV_BLOCK
 __all__ = [
     "LANES",
     "PAD",
+    "TILE_SUMS",
     "VALUES",
     "block_softmax",
     "first_key",
@@ -63,6 +64,9 @@ AHEAD = 1024
 # Floats of values read per block by the weighted sums (8 KiB: in L1 with the rows'
 # accumulators), at least sixteen keys.
 VALUES = 2048
+# Floats of scratch past a block of keys (LANES D) that key_scores takes for the
+# sixteen-lane sums of three queries with a block's sixteen keys (_tile3).
+TILE_SUMS = 3 * LANES * LANES
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -102,6 +106,55 @@ def _scores16(q, q0, kc, at, d):  # type: ignore[no-untyped-def]
         a12, a13 = wfma(x, wload_kv(kc, k + 12 * d), a12), wfma(x, wload_kv(kc, k + 13 * d), a13)
         a14, a15 = wfma(x, wload_kv(kc, k + 14 * d), a14), wfma(x, wload_kv(kc, k + 15 * d), a15)
     return wsums((a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _sums16(sums, at):  # type: ignore[no-untyped-def]
+    # wsums of the sixteen sixteen-lane vectors at sums[at], sums[at + 16]...
+    return wsums(
+        (
+            wload(sums, at), wload(sums, at + LANES), wload(sums, at + 2 * LANES),
+            wload(sums, at + 3 * LANES), wload(sums, at + 4 * LANES),
+            wload(sums, at + 5 * LANES), wload(sums, at + 6 * LANES),
+            wload(sums, at + 7 * LANES), wload(sums, at + 8 * LANES),
+            wload(sums, at + 9 * LANES), wload(sums, at + 10 * LANES),
+            wload(sums, at + 11 * LANES), wload(sums, at + 12 * LANES),
+            wload(sums, at + 13 * LANES), wload(sums, at + 14 * LANES),
+            wload(sums, at + 15 * LANES),
+        )
+    )  # fmt: skip
+
+
+@njit(nogil=True, cache=True)
+def _tile3(q, q0, keys, k0, d, sums):  # type: ignore[no-untyped-def]
+    # _dot(q, q0 + i D, keys, k0 + k D, d) for three queries i and the sixteen keys k of a
+    # block (float32: staged), into sums[(i 16 + k) 16 ...]: two keys at a time for the
+    # three queries, six accumulators in registers (the head dimension's steps in order,
+    # each the same product and sum as _dot's: the same bits), each key read once per
+    # query from L1, where _scores16's sixteen accumulators do not fit the registers
+    for k in range(0, LANES, 2):
+        a = k0 + k * d
+        b = a + d
+        x = wload(q, q0)
+        a0, b0 = wmul(x, wload(keys, a)), wmul(x, wload(keys, b))
+        x = wload(q, q0 + d)
+        a1, b1 = wmul(x, wload(keys, a)), wmul(x, wload(keys, b))
+        x = wload(q, q0 + 2 * d)
+        a2, b2 = wmul(x, wload(keys, a)), wmul(x, wload(keys, b))
+        for c in range(LANES, d, LANES):
+            x = wload(q, q0 + c)
+            a0, b0 = wfma(x, wload(keys, a + c), a0), wfma(x, wload(keys, b + c), b0)
+            x = wload(q, q0 + d + c)
+            a1, b1 = wfma(x, wload(keys, a + c), a1), wfma(x, wload(keys, b + c), b1)
+            x = wload(q, q0 + 2 * d + c)
+            a2, b2 = wfma(x, wload(keys, a + c), a2), wfma(x, wload(keys, b + c), b2)
+        at = k * LANES
+        wstore(sums, at, a0)
+        wstore(sums, at + LANES, b0)
+        wstore(sums, at + LANES * LANES, a1)
+        wstore(sums, at + LANES * LANES + LANES, b1)
+        wstore(sums, at + 2 * LANES * LANES, a2)
+        wstore(sums, at + 2 * LANES * LANES + LANES, b2)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -197,19 +250,30 @@ def key_scores(qbuf, group, kc, blocks, pos0, rows, window, d, scale, scores, st
         return
     full = end - (end - lo0) % LANES
     sc = wsplat(scale)
+    sums = buf[LANES * d : LANES * d + TILE_SUMS]
     for j in range(lo0, full, LANES):
         ahead = slot_row(blocks, min(j + LANES, end - 1)) * d
         for c in range(ahead, ahead + LANES * d, line_of(kc)):  # the next block's
             prefetch_kv(kc, c)
         keys, k0 = staged_keys(kc, blocks, j, d, buf)
-        for r in range(max(0, j - pos0), rows):  # the rows that see key j or a later one
-            lo = first_key(pos0 + r, window)
-            if lo >= j + LANES:
-                break
-            for g in range(r * group, (r + 1) * group):
-                q0 = g * d
-                sums = _scores16(qbuf, q0, keys, k0, d)
-                wstore(scores, g * stride + PAD + j - lo, wmul(sums, sc))
+        r0 = max(0, j - pos0)  # the rows that see key j or a later one: r0 .. r1 - 1
+        r1 = r0
+        while r1 < rows and first_key(pos0 + r1, window) < j + LANES:
+            r1 += 1
+        q = r0 * group
+        while q < r1 * group:
+            if q + 3 <= r1 * group:  # three queries at a time
+                _tile3(qbuf, q * d, keys, k0, d, sums)
+                for i in range(3):
+                    lo = first_key(pos0 + (q + i) // group, window)
+                    at = (q + i) * stride + PAD + j - lo
+                    wstore(scores, at, wmul(_sums16(sums, i * LANES * LANES), sc))
+                q += 3
+            else:
+                lo = first_key(pos0 + q // group, window)
+                s16 = _scores16(qbuf, q * d, keys, k0, d)
+                wstore(scores, q * stride + PAD + j - lo, wmul(s16, sc))
+                q += 1
     for j in range(full, end):
         for r in range(max(0, j - pos0), rows):
             lo = first_key(pos0 + r, window)
@@ -270,30 +334,25 @@ def block_softmax(s, stride, n, rows, q0, lo, keys, window):  # type: ignore[no-
 def _accumulate2(p, s0, s1, vc, off, a, b, d, out, o0, o1):  # type: ignore[no-untyped-def]
     # out[o0 : o0 + D] += sum over the values of keys a .. b - 1 (vc[j D + off ...]) of
     # p[s0 + j] * value j, key by key in order, and with p[s1 + j] into out[o1 ...]: each
-    # value read once for two queries, four sixteen-lane accumulators each in registers
-    # (``out``: a thread's own scratch, never the call's output; weighted_values)
+    # value read once for two queries, thirty-two lanes at a time (two sixteen-lane
+    # accumulators each, four in all: they and the values fit the registers, where sixty-
+    # four lanes' eight did not) (``out``: a thread's own scratch, never the call's output;
+    # weighted_values)
     c = 0
-    while c + 4 * LANES <= d:
+    while c + 2 * LANES <= d:
         x0, x1 = wload(out, o0 + c), wload(out, o0 + c + LANES)
-        x2, x3 = wload(out, o0 + c + 2 * LANES), wload(out, o0 + c + 3 * LANES)
         y0, y1 = wload(out, o1 + c), wload(out, o1 + c + LANES)
-        y2, y3 = wload(out, o1 + c + 2 * LANES), wload(out, o1 + c + 3 * LANES)
         for j in range(a, b):
             u, w = wsplat(p[s0 + j]), wsplat(p[s1 + j])
             at = j * d + c + off
             v0, v1 = wload_kv(vc, at), wload_kv(vc, at + LANES)
-            v2, v3 = wload_kv(vc, at + 2 * LANES), wload_kv(vc, at + 3 * LANES)
-            x0, x1, x2, x3 = wfma(u, v0, x0), wfma(u, v1, x1), wfma(u, v2, x2), wfma(u, v3, x3)
-            y0, y1, y2, y3 = wfma(w, v0, y0), wfma(w, v1, y1), wfma(w, v2, y2), wfma(w, v3, y3)
+            x0, x1 = wfma(u, v0, x0), wfma(u, v1, x1)
+            y0, y1 = wfma(w, v0, y0), wfma(w, v1, y1)
         wstore(out, o0 + c, x0)
         wstore(out, o0 + c + LANES, x1)
-        wstore(out, o0 + c + 2 * LANES, x2)
-        wstore(out, o0 + c + 3 * LANES, x3)
         wstore(out, o1 + c, y0)
         wstore(out, o1 + c + LANES, y1)
-        wstore(out, o1 + c + 2 * LANES, y2)
-        wstore(out, o1 + c + 3 * LANES, y3)
-        c += 4 * LANES
+        c += 2 * LANES
     while c < d:
         x0, y0 = wload(out, o0 + c), wload(out, o1 + c)
         for j in range(a, b):
