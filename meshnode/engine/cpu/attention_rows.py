@@ -485,6 +485,67 @@ def _two_queries(p, s0, s1, vc, blocks, a, b, d, out, o0, o1):  # type: ignore[n
 
 
 @njit(nogil=True, cache=True)
+def _accumulate6(p, ss, vc, off, a, b, d, out, oo):  # type: ignore[no-untyped-def]
+    # _accumulate for six queries at once (their p offsets ``ss``, out offsets ``oo``):
+    # sixteen lanes of the head dimension at a time, each value read once for the six,
+    # six accumulators in registers; each query's sums those of _accumulate
+    s0, s1, s2, s3, s4, s5 = ss
+    o0, o1, o2, o3, o4, o5 = oo
+    n = b - a
+    # each query's weights of these keys as its own view, indexed from 0 (no index that
+    # could be negative: numba's wrap-around of one per query and key spilled registers)
+    p0, p1, p2 = p[s0 + a : s0 + b], p[s1 + a : s1 + b], p[s2 + a : s2 + b]
+    p3, p4, p5 = p[s3 + a : s3 + b], p[s4 + a : s4 + b], p[s5 + a : s5 + b]
+    for c in range(0, d, LANES):
+        x0, x1, x2 = wload(out, o0 + c), wload(out, o1 + c), wload(out, o2 + c)
+        x3, x4, x5 = wload(out, o3 + c), wload(out, o4 + c), wload(out, o5 + c)
+        at = a * d + c + off
+        for j in range(n):
+            v = wload_kv(vc, at + j * d)
+            x0, x1 = wfma(wsplat(p0[j]), v, x0), wfma(wsplat(p1[j]), v, x1)
+            x2, x3 = wfma(wsplat(p2[j]), v, x2), wfma(wsplat(p3[j]), v, x3)
+            x4, x5 = wfma(wsplat(p4[j]), v, x4), wfma(wsplat(p5[j]), v, x5)
+        wstore(out, o0 + c, x0)
+        wstore(out, o1 + c, x1)
+        wstore(out, o2 + c, x2)
+        wstore(out, o3 + c, x3)
+        wstore(out, o4 + c, x4)
+        wstore(out, o5 + c, x5)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _offsets(q, group, pos0, window, stride, d):  # type: ignore[no-untyped-def]
+    # query q's first score (of its row's first key, less that key) and accumulators
+    return q * stride + PAD - first_key(pos0 + q // group, window), q * d
+
+
+@njit(nogil=True, cache=True)
+def _full_rows(p, group, vals, off, a, b, pos0, f0, f1, window, d, stride, acc):  # type: ignore[no-untyped-def]
+    # weighted_values' sums over keys a .. b - 1 for the queries of rows f0 .. f1 - 1,
+    # which all see every one of those keys: six queries at a time (across rows), then
+    # two, then one; each query's sums in the same order however it is grouped
+    q, end = f0 * group, f1 * group
+    while q + 6 <= end:
+        s0, o0 = _offsets(q, group, pos0, window, stride, d)
+        s1, o1 = _offsets(q + 1, group, pos0, window, stride, d)
+        s2, o2 = _offsets(q + 2, group, pos0, window, stride, d)
+        s3, o3 = _offsets(q + 3, group, pos0, window, stride, d)
+        s4, o4 = _offsets(q + 4, group, pos0, window, stride, d)
+        s5, o5 = _offsets(q + 5, group, pos0, window, stride, d)
+        ss, oo = (s0, s1, s2, s3, s4, s5), (o0, o1, o2, o3, o4, o5)
+        _accumulate6(p, ss, vals, off, a, b, d, acc, oo)
+        q += 6
+    while q + 2 <= end:
+        s0, o0 = _offsets(q, group, pos0, window, stride, d)
+        s1, o1 = _offsets(q + 1, group, pos0, window, stride, d)
+        _accumulate2(p, s0, s1, vals, off, a, b, d, acc, o0, o1)
+        q += 2
+    if q < end:
+        s0, o0 = _offsets(q, group, pos0, window, stride, d)
+        _accumulate(p, s0, vals, off, a, b, d, acc, o0)
+
+
+@njit(nogil=True, cache=True)
 def weighted_values(p, group, vc, blocks, pos0, rows, window, d, stride, out, o, q_size, buf, acc):  # type: ignore[no-untyped-def]
     """``out[o + r q_size + g D ...]`` = the sum over row ``r``'s keys ``lo .. pos`` of
     ``p[q stride + PAD + j - lo]`` times value ``j`` of ``vc`` (one KV head's values,
@@ -523,7 +584,17 @@ def weighted_values(p, group, vc, blocks, pos0, rows, window, d, stride, out, o,
             prefetch_kv(vc, c)
         vals, v0 = staged(vc, row * d, (je - jb) * d, buf)
         off = v0 - jb * d  # value j at vals[j D + off]
+        # the rows that see every key jb .. je - 1 (f0 .. f1 - 1): their queries six at a
+        # time, whatever row each is in; the other rows that see some, a row at a time
+        f0 = max(0, je - 1 - pos0)
+        f1 = f0
+        while f1 < rows and first_key(pos0 + f1, window) <= jb:
+            f1 += 1
+        if f1 > f0:
+            _full_rows(p, group, vals, off, jb, je, pos0, f0, f1, window, d, stride, acc)
         for r in range(max(0, jb - pos0), rows):
+            if f0 <= r < f1:
+                continue
             pos = pos0 + r
             lo = first_key(pos, window)
             if lo >= je:
