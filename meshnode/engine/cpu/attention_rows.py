@@ -8,7 +8,15 @@ one row) at consecutive positions, each with its group's G query heads; each row
 keys from its first (0, or the sliding window's start) to its own position. Each block of
 sixteen keys, and each block of values (:data:`VALUES` floats), is read once for every
 row that sees one of its keys, while it is in L1, rather than once per row: the KV cache
-of a window of 8 rows is read once, not 8 times.
+of a window of 8 rows is read once, not 8 times. Within a block the work is cut to fit the
+registers (sixteen 8-lane ones with AVX2, where a sixteen-lane vector takes two): the dot
+products three queries at a time against two keys (:func:`_tile3`: six accumulators),
+the weighted sums of the rows that see every key of a block of values six queries at a
+time across rows, sixteen lanes of the head dimension at a time (:func:`_accumulate6`),
+the other rows' two queries at a time over thirty-two lanes. Sixteen accumulators of
+sixteen lanes (64 lanes of a value row for two queries, or sixteen keys for one query)
+spilled to memory at every step; a resumed suffix of ~170 rows over a ~1,600-position
+cache (issue 30) spent about half its attention in those spills.
 
 What makes it exact is that each query's result is summed in one fixed order whatever
 rows it is computed with: a score is the query's dot product with a key over the head
@@ -213,10 +221,32 @@ def staged_keys(kc, blocks, j, d, buf):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
+def _block_scores(qbuf, q, end, group, keys, k0, d, pos0, window, j, sc, scores, stride, sums):  # type: ignore[no-untyped-def]
+    # the scores of queries q .. end - 1 (query q of row q // G, at position pos0 + q // G)
+    # with the sixteen keys from position j (keys[k0 ...], float32): three queries at a
+    # time (_tile3, its sums in ``sums``: TILE_SUMS floats), then one at a time
+    while q < end:
+        if q + 3 <= end:
+            _tile3(qbuf, q * d, keys, k0, d, sums)
+            for i in range(3):
+                lo = first_key(pos0 + (q + i) // group, window)
+                at = (q + i) * stride + PAD + j - lo
+                wstore(scores, at, wmul(_sums16(sums, i * LANES * LANES), sc))
+            q += 3
+        else:
+            lo = first_key(pos0 + q // group, window)
+            s16 = _scores16(qbuf, q * d, keys, k0, d)
+            wstore(scores, q * stride + PAD + j - lo, wmul(s16, sc))
+            q += 1
+
+
+@njit(nogil=True, cache=True)
 def _row_scores(qbuf, group, kc, blocks, lo, t, d, scale, scores, stride, buf):  # type: ignore[no-untyped-def]
     # key_scores for one row: its t keys from position ``lo`` (its first key), the blocks
     # of sixteen counted from there (each score the same bits whatever block it is in); a
     # float16 block widened into buf (LANES D floats) once for the group's queries
+    # (one query after another: _tile3 for a row's three, its sums through memory, was
+    # ~7% slower here, benchmarks/attention.py --grid --rows 1)
     full = t - t % LANES
     sc = wsplat(scale)
     for j in range(0, full, LANES):
@@ -243,7 +273,8 @@ def key_scores(qbuf, group, kc, blocks, pos0, rows, window, d, scale, scores, st
     sixteen keys at a time summed across lanes together (wsums),
     each sum as wsum makes it, each block of keys read once for every row that sees one
     of them (a block's lanes outside a row's keys land in its row's margins). ``buf``:
-    LANES D floats of scratch (a float16 block of keys widened once for all its rows)."""
+    LANES D + :data:`TILE_SUMS` floats of scratch (a float16 block of keys widened once for
+    all its rows, and three queries' sums with it)."""
     lo0, end = first_key(pos0, window), pos0 + rows
     if rows == 1:
         _row_scores(qbuf, group, kc, blocks, lo0, end - lo0, d, scale, scores, stride, buf)
@@ -260,20 +291,8 @@ def key_scores(qbuf, group, kc, blocks, pos0, rows, window, d, scale, scores, st
         r1 = r0
         while r1 < rows and first_key(pos0 + r1, window) < j + LANES:
             r1 += 1
-        q = r0 * group
-        while q < r1 * group:
-            if q + 3 <= r1 * group:  # three queries at a time
-                _tile3(qbuf, q * d, keys, k0, d, sums)
-                for i in range(3):
-                    lo = first_key(pos0 + (q + i) // group, window)
-                    at = (q + i) * stride + PAD + j - lo
-                    wstore(scores, at, wmul(_sums16(sums, i * LANES * LANES), sc))
-                q += 3
-            else:
-                lo = first_key(pos0 + q // group, window)
-                s16 = _scores16(qbuf, q * d, keys, k0, d)
-                wstore(scores, q * stride + PAD + j - lo, wmul(s16, sc))
-                q += 1
+        q, end_q = r0 * group, r1 * group
+        _block_scores(qbuf, q, end_q, group, keys, k0, d, pos0, window, j, sc, scores, stride, sums)
     for j in range(full, end):
         for r in range(max(0, j - pos0), rows):
             lo = first_key(pos0 + r, window)
