@@ -565,6 +565,19 @@ def _full_rows(p, group, vals, off, a, b, pos0, f0, f1, window, d, stride, acc):
 
 
 @njit(nogil=True, cache=True)
+def _row_values(p, group, vc, blocks, lo0, end, d, stride, out, o):  # type: ignore[no-untyped-def]
+    # weighted_values for one row (keys lo0 .. end - 1): each query, or pair of queries,
+    # in one pass (a function of its own: compiled into weighted_values beside the
+    # many-row loops, a one-row call's sums took ~2.5x as long)
+    for g in range(0, group - 1, 2):
+        s0, s1 = g * stride + PAD - lo0, (g + 1) * stride + PAD - lo0
+        _two_queries(p, s0, s1, vc, blocks, lo0, end, d, out, o + g * d, o + (g + 1) * d)
+    if group % 2:
+        g = group - 1
+        _one_query(p, g * stride + PAD - lo0, vc, blocks, lo0, end, d, out, o + g * d)
+
+
+@njit(nogil=True, cache=True)
 def weighted_values(p, group, vc, blocks, pos0, rows, window, d, stride, out, o, q_size, buf, acc):  # type: ignore[no-untyped-def]
     """``out[o + r q_size + g D ...]`` = the sum over row ``r``'s keys ``lo .. pos`` of
     ``p[q stride + PAD + j - lo]`` times value ``j`` of ``vc`` (one KV head's values,
@@ -583,12 +596,7 @@ def weighted_values(p, group, vc, blocks, pos0, rows, window, d, stride, out, o,
     window's output wrong on two kernel threads under load)."""
     lo0, end = first_key(pos0, window), pos0 + rows
     if rows == 1:  # one row: each query (or pair of queries) in one pass
-        for g in range(0, group - 1, 2):
-            s0, s1 = g * stride + PAD - lo0, (g + 1) * stride + PAD - lo0
-            _two_queries(p, s0, s1, vc, blocks, lo0, end, d, out, o + g * d, o + (g + 1) * d)
-        if group % 2:
-            g = group - 1
-            _one_query(p, g * stride + PAD - lo0, vc, blocks, lo0, end, d, out, o + g * d)
+        _row_values(p, group, vc, blocks, lo0, end, d, stride, out, o)
         return
     for c in range(0, rows * group * d, LANES):
         wstore(acc, c, wzero())
