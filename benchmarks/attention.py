@@ -19,11 +19,11 @@ reference's matrix products (BLAS, ``blocked_attention``): which of them a segme
 take (``engine.attention.KERNEL_MAX_ROWS``). ``--compare OLD.py`` adds another copy of
 ``meshnode/engine/cpu/attention.py`` (as ``benchmarks/step.py`` does), with
 ``--compare-rows OLD_ROWS.py`` over its own copy of ``attention_rows.py`` (a kernel before
-and after, e.g. from ``git show REV:meshnode/engine/cpu/attention_rows.py``; the grid's
-variants alternate within each round); ``--kv-dtype f32 f16`` times the kernel over
-caches of each KV dtype (columns "kernel f32", "kernel f16"). A grid's figures are the
-calling thread's CPU time (everything runs on it: one kernel thread, one BLAS thread),
-the least of ``--rounds``.
+and after, e.g. from ``git show REV:meshnode/engine/cpu/attention_rows.py``); ``--kv-dtype
+f32 f16`` times the kernel over caches of each KV dtype (columns "kernel f32", "kernel
+f16"). A grid's figures are the calling thread's CPU time (everything runs on it: one
+kernel thread, one BLAS thread), the least of ``--rounds``; each round runs the variants
+in turn, every other round in reverse order.
 """
 
 from __future__ import annotations
@@ -153,8 +153,11 @@ def grid_cell(
     }
     variants["blas"] = (None, kvs[0])
     best = {name: float("inf") for name in variants}
-    for _ in range(rounds + 1):  # the first round compiles and warms up
-        for name, (module, kv) in variants.items():
+    order = list(variants.items())
+    for i in range(rounds + 1):  # the first round compiles and warms up
+        # every other round in reverse: no variant always runs first (after BLAS's
+        # temporaries have pushed the caches out of L2)
+        for name, (module, kv) in order if i % 2 == 0 else order[::-1]:
             start = time.thread_time()
             run(module, kv)
             best[name] = min(best[name], (time.thread_time() - start) * 1e3)
