@@ -15,8 +15,8 @@ the weighted sums of the rows that see every key of a block of values six querie
 time across rows, sixteen lanes of the head dimension at a time (:func:`_accumulate6`),
 the other rows' two queries at a time over thirty-two lanes. Sixteen accumulators of
 sixteen lanes (64 lanes of a value row for two queries, or sixteen keys for one query)
-spilled to memory at every step; a resumed suffix of ~170 rows over a ~1,600-position
-cache (issue 30) spent about half its attention in those spills.
+spilled to memory at every step: a resumed suffix of 170 rows over a 1,630-position cache
+(issue 30) took 1.6x as long with them (docs/performance.md, "Prefix caching").
 
 What makes it exact is that each query's result is summed in one fixed order whatever
 rows it is computed with: a score is the query's dot product with a key over the head
@@ -245,8 +245,9 @@ def _row_scores(qbuf, group, kc, blocks, lo, t, d, scale, scores, stride, buf): 
     # key_scores for one row: its t keys from position ``lo`` (its first key), the blocks
     # of sixteen counted from there (each score the same bits whatever block it is in); a
     # float16 block widened into buf (LANES D floats) once for the group's queries
-    # (one query after another: _tile3 for a row's three, its sums through memory, was
-    # ~7% slower here, benchmarks/attention.py --grid --rows 1)
+    # (one query after another, as before the many-row path's _tile3: whether a row's
+    # three queries gain from it is not settled; a first try read ~7% slower, in a grid
+    # whose first variant ran with cold caches)
     full = t - t % LANES
     sc = wsplat(scale)
     for j in range(0, full, LANES):
@@ -568,7 +569,7 @@ def _full_rows(p, group, vals, off, a, b, pos0, f0, f1, window, d, stride, acc):
 def _row_values(p, group, vc, blocks, lo0, end, d, stride, out, o):  # type: ignore[no-untyped-def]
     # weighted_values for one row (keys lo0 .. end - 1): each query, or pair of queries,
     # in one pass (a function of its own: compiled into weighted_values beside the
-    # many-row loops, a one-row call's sums took ~2.5x as long)
+    # many-row loops, one KV head's row over 1,630 keys took 0.049 ms, here 0.019)
     for g in range(0, group - 1, 2):
         s0, s1 = g * stride + PAD - lo0, (g + 1) * stride + PAD - lo0
         _two_queries(p, s0, s1, vc, blocks, lo0, end, d, out, o + g * d, o + (g + 1) * d)
