@@ -107,16 +107,24 @@ def test_q8_codes_on_either_path(shuffle: bool, monkeypatch: pytest.MonkeyPatch)
     np.testing.assert_array_equal(out.reshape(16, 32), want)
 
 
-@pytest.mark.parametrize("how", ["_converted", "_looked_up"])
-def test_exact_values_either_way(how: str) -> None:
-    """A block's values by conversion and by table lookup (the decoder where the CPU
-    permutes sixteen lanes in one instruction; elsewhere sixteen picks): both the
+@pytest.mark.parametrize(
+    ("how", "shuffle"),
+    [("_converted", False), ("_converted", True), ("_looked_up", False)],
+    ids=["converted-selects", "converted-pshufb", "looked-up"],
+)
+def test_exact_values_either_way(how: str, shuffle: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block's values by conversion (the codes' values by compares and selects, or by
+    one byte shuffle where the CPU has it) and by table lookup (the decoder where the CPU
+    permutes sixteen lanes in one instruction; elsewhere sixteen picks): all the
     definition's values, bit for bit, subnormal scales and infinities included."""
     from numba import njit
 
     from meshnode.engine.cpu import fp4
     from meshnode.engine.cpu.simd import wstore
 
+    if shuffle and not fp4.shuffles_bytes():
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setattr(fp4, "shuffles_bytes", lambda: shuffle)  # read when it compiles
     block_values = njit(getattr(fp4, how))
 
     @njit(cache=False)

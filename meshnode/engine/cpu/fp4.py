@@ -21,8 +21,9 @@ dot products) and ``dw = d``.
 Both pick the values by table where the CPU has the instruction, as ggml's
 ``ggml_vec_dot_mxfp4_q8_0`` does: the 8-bit kernels' bytes by one ``vpshufb`` (AVX2) from
 the sixteen bytes ``KVALUES + 16``, the exact decoder's floats by ``vpermps`` (AVX-512,
-:mod:`.lookup`) from the block's sixteen values ``d * KVALUES[k]``; elsewhere compares and
-selects, then a conversion and a multiply. A table's entry is the value computed for its
+:mod:`.lookup`) from the block's sixteen values ``d * KVALUES[k]``; with AVX2 but not
+AVX-512, ``KVALUES[code]`` by a ``pshufb`` of sixteen codes, then a conversion and a
+multiply; elsewhere compares and selects for it. A table's entry is the value computed for its
 code (the same integer; the same float32 product of the same operands), so both ways give
 the same bits. The one-row 8-bit kernel reads eight rows' scale bytes at once
 (:func:`e8m0_half8`).
@@ -96,7 +97,7 @@ def wfp4(typingctx: Any, row: Any, off: Any, shift: Any) -> Any:
             ir.Constant(ir.VectorType(_I32, 16), [0] * 16),
         )
         codes = builder.and_(builder.lshr(v, splat), ir.Constant(_VB16, [15] * 16))
-        k = builder.sext(_kvalues(builder, codes), ir.VectorType(_I32, 16))
+        k = builder.sext(_pick16(builder, codes), ir.VectorType(_I32, 16))
         return builder.sitofp(k, ir.VectorType(ir.FloatType(), 16))
 
     return F32x16(row, off, shift), codegen
@@ -109,6 +110,18 @@ def shuffles_bytes() -> bool:
     from llvmlite import binding
 
     return bool(binding.get_host_cpu_features().get("avx2"))
+
+
+def _pick16(builder: Any, codes: Any) -> Any:
+    # KVALUES[code] for 16 codes (each below 16) as int8: one pshufb from the sixteen
+    # bytes KVALUES where the CPU has it (SSSE3, with AVX2), elsewhere compares and selects
+    if not shuffles_bytes():
+        return _kvalues(builder, codes)
+    table = ir.Constant(_VB16, [k & 255 for k in KVALUES])
+    fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, ir.FunctionType(_VB16, [_VB16, _VB16]), "llvm.x86.ssse3.pshuf.b.128"
+    )
+    return builder.call(fn, [table, codes])
 
 
 def _pick_bytes(builder: Any, codes: Any) -> Any:

@@ -46,6 +46,7 @@ __all__ = [
     "minimum_kind",
     "offset_area",
     "per16",
+    "signed_bytes",
 ]
 
 # Every table below is derived from the rows of .formats.FORMATS (their .q8), by kernel id.
@@ -105,6 +106,12 @@ f16_head = _constant(
     {f: q.f16_head for f, q in _Q8_ROWS.items()},
     "Whether each chunk of format ``fmt`` is a block led by its float16 scale (and "
     "minimum): Q4_0 .. Q8_0.",
+)
+signed_bytes = _constant(
+    "signed_bytes",
+    {f: q.offset == 128 for f, q in _Q8_ROWS.items()},
+    "Whether format ``fmt``'s bytes ``u`` are int8 weights plus 128 (Q8_0): the only "
+    "``u`` above 128, which :func:`.simd_int.dot4s` cannot take.",
 )
 e8m0_head = _constant(
     "e8m0_head",

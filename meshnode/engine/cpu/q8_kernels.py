@@ -49,6 +49,7 @@ from numba.np.numpy_support import carray
 from meshnode.engine.cpu import pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
 from meshnode.engine.cpu.blocks import literal_format
+from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.fp4 import e8m0_half8
 from meshnode.engine.cpu.q8_blocks import (
     OFFSET_SHIFTS,
@@ -59,7 +60,9 @@ from meshnode.engine.cpu.q8_blocks import (
     minimum_kind,
     offset_area,
     per16,
+    signed_bytes,
 )
+from meshnode.engine.cpu.q8_fp4 import eight_mxfp4
 from meshnode.engine.cpu.q8_superblocks import (
     K_FORMATS,
     Q4_K_ID,
@@ -82,12 +85,24 @@ from meshnode.engine.cpu.simd import (
     wmul,
     wzero,
 )
-from meshnode.engine.cpu.simd_int import bsplat, dot4, fload, half8, imul, ivsub, lanes2, prefetch
+from meshnode.engine.cpu.simd_int import (
+    bsplat,
+    bxor,
+    dot4s,
+    fload,
+    half8,
+    imul,
+    ivsub,
+    lanes2,
+    prefetch,
+    sdot4,
+)
 from meshnode.engine.cpu.simd_q8 import (
     absmax32,
     bstore,
     bsum16,
-    dotw,
+    dotw_signed,
+    dotw_small,
     fload16,
     fold,
     hpairs,
@@ -113,6 +128,8 @@ from meshnode.engine.cpu.simd_q8 import (
 # left the kernels at about 0.8x the time of the exact ones; with this, about 0.55x
 # (SmolLM2's products in forward order, one thread; 2 and 8 KiB did no better).
 PREFETCH_BYTES = 4096
+# MXFP4's one-row products go two weight rows a register (.q8_fp4)
+MXFP4_ID = FORMATS["MXFP4"].kernel_id
 # Products of up to this many rows go one activation row at a time (lanes: weight rows)
 ONE_ROW_MAX = 1
 # Activation rows a weight row meets before the next weight row, in products of more rows
@@ -251,13 +268,19 @@ def _group(fmt, w, base, q, g, n, nb, blocks):  # type: ignore[no-untyped-def]
         i = g * nb + 2 * p
         x = xt + 256 * i
         lo, hi = ipair(0, 0), ipair(0, 0)
-        if area >= 0:
-            lo = ishl16(iload16(q, ot + 32 * i), shift)
-            hi = ishl16(iload16(q, ot + 32 * blocks + 32 * i), shift)
-        lo = dotw(dotw(lo, u, 0, q, x), u, 1, q, x + 64)
-        lo = dotw(dotw(lo, u, 2, q, x + 128), u, 3, q, x + 192)
-        hi = dotw(dotw(hi, u, 4, q, x + 256), u, 5, q, x + 320)
-        hi = dotw(dotw(hi, u, 6, q, x + 384), u, 7, q, x + 448)
+        if signed_bytes(fmt):  # Q8_0's int8 weights as they are: no offset term
+            lo = dotw_signed(dotw_signed(lo, u, 0, q, x), u, 1, q, x + 64)
+            lo = dotw_signed(dotw_signed(lo, u, 2, q, x + 128), u, 3, q, x + 192)
+            hi = dotw_signed(dotw_signed(hi, u, 4, q, x + 256), u, 5, q, x + 320)
+            hi = dotw_signed(dotw_signed(hi, u, 6, q, x + 384), u, 7, q, x + 448)
+        else:
+            if area >= 0:
+                lo = ishl16(iload16(q, ot + 32 * i), shift)
+                hi = ishl16(iload16(q, ot + 32 * blocks + 32 * i), shift)
+            lo = dotw_small(dotw_small(lo, u, 0, q, x), u, 1, q, x + 64)
+            lo = dotw_small(dotw_small(lo, u, 2, q, x + 128), u, 3, q, x + 192)
+            hi = dotw_small(dotw_small(hi, u, 4, q, x + 256), u, 5, q, x + 320)
+            hi = dotw_small(dotw_small(hi, u, 6, q, x + 384), u, 7, q, x + 448)
         if per16(fmt):
             d = iadd16(imul16(lo, ipair(sa0, sa1)), imul16(hi, ipair(sb0, sb1)))
         else:
@@ -280,11 +303,16 @@ def _group(fmt, w, base, q, g, n, nb, blocks):  # type: ignore[no-untyped-def]
 @inner
 def _block_dot(fmt, w, base, c, q, xo, offs):  # type: ignore[no-untyped-def]
     # chunk c of one weight row . the activation block at byte xo: (int32 lanes whose sum
-    # is D, dw, m, m2); offs: the block's offset term z sum(q), by four values
+    # is D, dw, m, m2); offs: the block's offset term z sum(q), by four values. Q8_0's
+    # int8 weights (u - 128) meet the quants as signed bytes (sdot4: the same D, no
+    # offset term), every other format's u (at most 128) by dot4s
     u, dw, m, m2, sa, sb = chunk(fmt, w, base, c)
-    p = dot4(u, q, xo)
-    if offset_area(fmt) >= 0:
-        p = ivsub(p, offs)
+    if signed_bytes(fmt):
+        p = sdot4(bxor(u, 128), q, xo)
+    else:
+        p = dot4s(u, q, xo)
+        if offset_area(fmt) >= 0:
+            p = ivsub(p, offs)
     if per16(fmt):
         p = imul(p, lanes2(sa, sb))
     return p, dw, m, m2
@@ -301,7 +329,7 @@ def _eight(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
     for c in range(nb):
         acc, t, acc1, t1 = acc1, t1, acc, t  # chunk c's parity: acc, t even, acc1, t1 odd
         xo = HEADER + 32 * (r * nb + c)
-        offs = dot4(z, q, xo)  # z times each four quants' sum: exact, shared by the rows
+        offs = dot4s(z, q, xo)  # z times each four quants' sum: exact, shared by the rows
         p0, d0, m0, n0 = _block_dot(fmt, w, b0, c, q, xo, offs)
         p1, d1, m1, n1 = _block_dot(fmt, w, b1, c, q, xo, offs)
         p2, d2, m2, n2 = _block_dot(fmt, w, b2, c, q, xo, offs)
@@ -341,13 +369,23 @@ def _one_row(
     fmt: int, w: Any, bases: Any, q: Any, r: int, n: int, nb: int, blocks: int, pf: int
 ) -> Any:
     # eight weight rows times activation row r (lanes: the weight rows): the K-quants of
-    # .q8_superblocks a super-block at a time, the other formats by _eight
+    # .q8_superblocks a super-block at a time, MXFP4 two rows a register (.q8_fp4), the
+    # other formats by _eight
     raise TypeError("_one_row is for compiled code")
 
 
 @overload(_one_row, prefer_literal=True, jit_options=INNER)
 def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
     kind = literal_format(fmt)
+    if kind == MXFP4_ID:
+
+        def mxfp4(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
+            _, ot, dxt, _ = _areas(n, blocks)
+            at = 32 * (r // 8) * nb + 4 * (r % 8)
+            lo, hi = ot + at, ot + 32 * blocks + at
+            return eight_mxfp4(w, bases, q, HEADER + 32 * r * nb, dxt + at, lo, hi, nb)
+
+        return mxfp4
     if kind not in K_FORMATS:
         return lambda fmt, w, bases, q, r, n, nb, blocks, pf: _eight(
             fmt, w, bases, q, r, n, nb, blocks

@@ -44,7 +44,7 @@ from meshnode.engine.cpu.simd import (
     wmul,
     wzero,
 )
-from meshnode.engine.cpu.simd_int import fload, half, prefetch
+from meshnode.engine.cpu.simd_int import _dot_madd, fload, half, madd_bytes, prefetch
 from meshnode.engine.cpu.simd_q8 import (
     I32x16,
     U8x64,
@@ -293,7 +293,8 @@ def nibbles64(typingctx: Any, w: Any, off: Any) -> Any:
 def dot64(typingctx: Any, u: Any, xq: Any, off: Any) -> Any:
     """Lane ``j`` (of sixteen int32): the sum over ``i < 4`` of ``u[4 j + i]`` (unsigned)
     times the int8 at byte ``off + 4 j + i`` of ``xq`` (one ``vpdpbusd`` on a 512-bit
-    register: two 32-value chunks, as :func:`.simd_int.dot4` does one); exact."""
+    register: two 32-value chunks, as :func:`.simd_int.dot4` does one; by
+    :func:`_dot_small` elsewhere); exact for bytes ``u`` of at most 128."""
     if u != U8x64 or not _is_bytes(xq):
         return None
 
@@ -302,7 +303,7 @@ def dot64(typingctx: Any, u: Any, xq: Any, off: Any) -> Any:
         ptr = builder.bitcast(builder.gep(data, [args[2]]), _VB64.as_pointer())
         x = builder.load(ptr, align=1)
         zero = ir.Constant(_VI16, [0] * 16)
-        return (_dot_vnni if vnni512() else _dot_generic)(builder, zero, args[0], x)
+        return _dot_small(builder, zero, args[0], x)
 
     return I32x16(u, xq, off), codegen
 
@@ -317,9 +318,33 @@ def dot64s(typingctx: Any, acc: Any, u: Any, xq: Any, off: Any) -> Any:
         data = context.make_array(sig.args[2])(context, builder, args[2]).data
         ptr = builder.bitcast(builder.gep(data, [args[3]]), _VB64.as_pointer())
         x = builder.load(ptr, align=1)
-        return (_dot_vnni if vnni512() else _dot_generic)(builder, args[0], args[1], x)
+        return _dot_small(builder, args[0], args[1], x)
 
     return I32x16(acc, u, xq, off), codegen
+
+
+def _dot_small(builder: Any, acc: Any, u: Any, x: Any) -> Any:
+    # acc + dot64's lanes for bytes u of at most 128 (Q4_K's and Q6_K's, their offset 32):
+    # vpdpbusd where the CPU has AVX512-VNNI; else, with AVX2, each 256-bit half by
+    # vpmaddubsw and vpmaddwd (.simd_int.dot4s: no pair of products passes int16); else
+    # the portable code
+    if vnni512():
+        return _dot_vnni(builder, acc, u, x)
+    if not madd_bytes():
+        return _dot_generic(builder, acc, u, x)
+    halves = []
+    for h in range(2):
+        pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
+        undef = ir.Constant(_VB64, ir.Undefined)
+        halves.append(
+            _dot_madd(
+                builder,
+                builder.shuffle_vector(u, undef, pick),
+                builder.shuffle_vector(x, undef, pick),
+            )
+        )
+    both = builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VI16, list(range(16))))
+    return builder.add(acc, both)
 
 
 @inner

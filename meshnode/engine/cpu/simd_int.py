@@ -43,6 +43,7 @@ __all__ = [
     "bsplat",
     "bxor",
     "dot4",
+    "dot4s",
     "fload",
     "fload2",
     "gather8",
@@ -55,9 +56,11 @@ __all__ = [
     "ivsub",
     "lane",
     "lanes2",
+    "madd_bytes",
     "mul2",
     "nibbles",
     "prefetch",
+    "sdot4",
     "vnni",
 ]
 
@@ -307,6 +310,11 @@ def bor(typingctx: Any, a: Any, b: Any) -> Any:
 
 def _dot_generic(builder: Any, w: Any, x: Any) -> Any:
     wide = builder.mul(builder.zext(w, _VW), builder.sext(x, _VW))  # exact: |w x| < 2**15
+    return _add_fours(builder, wide)
+
+
+def _add_fours(builder: Any, wide: Any) -> Any:
+    # 32 int32 products to eight lanes, lane j the sum of products 4j .. 4j + 3
     v = wide
     for width in (16, 8):  # add neighbours twice: lane j sums bytes 4j .. 4j + 3
         half = ir.VectorType(_I32, width)
@@ -338,6 +346,80 @@ def dot4(typingctx: Any, w: Any, xq: Any, off: Any) -> Any:
             _byte_pointer(context, builder, sig.args[1], args[1], args[2], _VB), align=1
         )  # no alignment assumed: an aligned move on a 16-byte-aligned buffer faults
         return (_dot_vnni if vnni() else _dot_generic)(builder, args[0], x)
+
+    return I32x8(w, xq, off), codegen
+
+
+@cache
+def madd_bytes() -> bool:
+    """Whether this CPU multiplies unsigned by signed bytes and adds pairs of products
+    into int16 in one instruction on 256-bit registers (``vpmaddubsw``: AVX2)."""
+    from llvmlite import binding
+
+    return bool(binding.get_host_cpu_features().get("avx2"))
+
+
+def _x86(builder: Any, name: str, result: Any, *args: Any) -> Any:
+    fnty = ir.FunctionType(result, [a.type for a in args])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, name)  # type: ignore[no-untyped-call]
+    return builder.call(fn, list(args))
+
+
+def _dot_madd(builder: Any, w: Any, x: Any, *more: Any) -> Any:
+    # vpmaddubsw (w unsigned times x signed, each pair of products summed into an int16
+    # lane, saturating) then vpmaddwd with ones (each pair of those into an int32 lane):
+    # exact where a pair's sum stays within int16, as for bytes w <= 128 and |x| <= 127;
+    # more: another (w, x) whose int16 pairs are added first (their sums too within int16)
+    vh = ir.VectorType(ir.IntType(16), 16)
+    pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", vh, w, x)
+    if more:
+        pairs = builder.add(pairs, _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", vh, *more))
+    return _x86(builder, "llvm.x86.avx2.pmadd.wd", _VI, pairs, ir.Constant(vh, [1] * 16))
+
+
+@intrinsic
+def dot4s(typingctx: Any, w: Any, xq: Any, off: Any) -> Any:
+    """:func:`dot4` for small weight bytes (every byte of ``w`` at most 128, the
+    activation quants within +-127, as :func:`.q8_kernels.quantize` makes them): the same
+    sums, where the CPU has no VNNI by ``vpmaddubsw`` and ``vpmaddwd`` (AVX2; two
+    products' sum stays below 2**15, so nothing saturates), else as :func:`dot4`."""
+    if w != U8x32 or not _is_array(xq, types.uint8):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        x = builder.load(
+            _byte_pointer(context, builder, sig.args[1], args[1], args[2], _VB), align=1
+        )
+        if vnni():
+            return _dot_vnni(builder, args[0], x)
+        return (_dot_madd if madd_bytes() else _dot_generic)(builder, args[0], x)
+
+    return I32x8(w, xq, off), codegen
+
+
+@intrinsic
+def sdot4(typingctx: Any, w: Any, xq: Any, off: Any) -> Any:
+    """As :func:`dot4` with the bytes of ``w`` signed (int8, Q8_0's weights; the
+    activation quants within +-127): lane ``j`` the exact sum over ``i < 4`` of ``w[4j +
+    i]`` times the int8 at byte ``off + 4j + i`` of ``xq``. Where the CPU has
+    ``vpmaddubsw`` (AVX2), as llama.cpp does: ``|w|`` (unsigned: 128 for -128) times ``x``
+    given ``w``'s sign (``vpsignb``; a zero ``w`` zeroes it), then as :func:`dot4s`."""
+    if w != U8x32 or not _is_array(xq, types.uint8):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        x = builder.load(
+            _byte_pointer(context, builder, sig.args[1], args[1], args[2], _VB), align=1
+        )
+        w = args[0]
+        if not madd_bytes():
+            wide = builder.mul(builder.sext(w, _VW), builder.sext(x, _VW))
+            return _add_fours(builder, wide)
+        size = _x86(builder, "llvm.x86.avx2.psign.b", _VB, w, w)
+        signed = _x86(builder, "llvm.x86.avx2.psign.b", _VB, x, w)
+        if vnni():
+            return _dot_vnni(builder, size, signed)
+        return _dot_madd(builder, size, signed)
 
     return I32x8(w, xq, off), codegen
 

@@ -25,7 +25,7 @@ from numba.core.imputils import impl_ret_borrowed
 from numba.extending import models, register_model
 
 from meshnode.engine.cpu.simd import F32x8, F32x16, I32x8, intrinsic
-from meshnode.engine.cpu.simd_int import U8x32
+from meshnode.engine.cpu.simd_int import U8x32, _dot_madd, madd_bytes
 
 __all__ = [
     "I32x16",
@@ -34,6 +34,8 @@ __all__ = [
     "bstore",
     "bsum16",
     "dotw",
+    "dotw_signed",
+    "dotw_small",
     "fload8",
     "fload16",
     "fold",
@@ -247,8 +249,13 @@ def tofloat16(typingctx: Any, v: Any) -> Any:
     return F32x16(v), codegen
 
 
-def _dot_generic(builder: Any, acc: Any, u: Any, x: Any) -> Any:
-    wide = builder.mul(builder.zext(u, _VW64), builder.sext(x, _VW64))  # exact: |u x| < 2**15
+def _dot_generic(builder: Any, acc: Any, u: Any, x: Any, signed: bool = False) -> Any:
+    # signed: the int8 u - 128 (given as u) times x
+    if signed:
+        w = builder.sext(builder.xor(u, ir.Constant(_VB64, [128] * 64)), _VW64)
+    else:
+        w = builder.zext(u, _VW64)
+    wide = builder.mul(w, builder.sext(x, _VW64))  # exact: |u x| < 2**15
     v = wide
     for width in (32, 16):  # add neighbours twice: lane j sums bytes 4j .. 4j + 3
         half = ir.VectorType(_I32, width)
@@ -267,25 +274,78 @@ def _dot_vnni(builder: Any, acc: Any, u: Any, x: Any) -> Any:
     return builder.call(fn, [acc, builder.bitcast(u, _VI16), builder.bitcast(x, _VI16)])
 
 
-@intrinsic
-def dotw(typingctx: Any, acc: Any, u: Any, j: Any, xq: Any, off: Any) -> Any:
+def _dot_halves(builder: Any, acc: Any, u: Any, x: Any, signed: bool) -> Any:
+    # acc + the sums of _dot_generic for bytes u of at most 128 (signed: for the int8
+    # u - 128, given as u) where the CPU has AVX2 but not AVX512-VNNI: each 256-bit half
+    # by vpmaddubsw and vpmaddwd (.simd_int.dot4s; signed: |w| times x given w's sign,
+    # .simd_int.sdot4), exact
+    undef = ir.Constant(_VB64, ir.Undefined)
+    halves = []
+    for h in range(2):
+        pick = ir.Constant(_VW, list(range(32 * h, 32 * h + 32)))
+        w, xh = builder.shuffle_vector(u, undef, pick), builder.shuffle_vector(x, undef, pick)
+        if signed:
+            w = builder.xor(w, ir.Constant(_VB, [128] * 32))
+            w, xh = _psign(builder, w, w), _psign(builder, xh, w)
+        halves.append(_dot_madd(builder, w, xh))
+    return builder.add(
+        acc, builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VI16, list(range(16))))
+    )
+
+
+def _psign(builder: Any, v: Any, s: Any) -> Any:
+    fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, ir.FunctionType(_VB, [_VB, _VB]), "llvm.x86.avx2.psign.b"
+    )
+    return builder.call(fn, [v, s])
+
+
+def _dotw(kind: str, doc: str) -> Any:
+    def typer(typingctx: Any, acc: Any, u: Any, j: Any, xq: Any, off: Any) -> Any:
+        ok = acc == I32x16 and u == U8x64 and _is_bytes(xq)
+        if not ok or not isinstance(j, types.IntegerLiteral):
+            return None
+        lane = j.literal_value
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            words = builder.bitcast(args[1], _VI16)
+            pick = ir.Constant(_VI16, [lane] * 8 + [8 + lane] * 8)
+            w = builder.bitcast(builder.shuffle_vector(words, words, pick), _VB64)
+            ptr = _pointer(context, builder, sig.args[3], args[3], args[4], _VB64)
+            x = builder.load(ptr, align=1)
+            if kind == "any" or vnni512():
+                if kind == "signed" and vnni512():  # vpdpbusd of u, less 128 sum(x)
+                    ones = ir.Constant(_VB64, [128] * 64)
+                    minus = _dot_vnni(builder, ir.Constant(_VI16, [0] * 16), ones, x)
+                    return builder.sub(_dot_vnni(builder, args[0], w, x), minus)
+                return (_dot_vnni if vnni512() else _dot_generic)(builder, args[0], w, x)
+            if madd_bytes():
+                return _dot_halves(builder, args[0], w, x, kind == "signed")
+            return _dot_generic(builder, args[0], w, x, kind == "signed")
+
+        return I32x16(acc, u, j, xq, off), codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+dotw = _dotw(
+    "any",
     """``acc`` plus, in lane ``8 h + r`` (``h`` 0, 1), the sum over ``i < 4`` of
     ``u[32 h + 4 j + i]`` (unsigned; ``j`` a literal 0 .. 7) times the int8 at byte
-    ``off + 32 h + 4 r + i`` of ``xq`` (a ``uint8`` buffer): exact int32."""
-    ok = acc == I32x16 and u == U8x64 and _is_bytes(xq)
-    if not ok or not isinstance(j, types.IntegerLiteral):
-        return None
-    lane = j.literal_value
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        words = builder.bitcast(args[1], _VI16)
-        pick = ir.Constant(_VI16, [lane] * 8 + [8 + lane] * 8)
-        w = builder.bitcast(builder.shuffle_vector(words, words, pick), _VB64)
-        ptr = _pointer(context, builder, sig.args[3], args[3], args[4], _VB64)
-        x = builder.load(ptr, align=1)
-        return (_dot_vnni if vnni512() else _dot_generic)(builder, args[0], w, x)
-
-    return I32x16(acc, u, j, xq, off), codegen
+    ``off + 32 h + 4 r + i`` of ``xq`` (a ``uint8`` buffer): exact int32.""",
+)
+dotw_small = _dotw(
+    "small",
+    """:func:`dotw` for bytes ``u`` of at most 128 (every format's but Q8_0's): the same
+    sums, by ``vpmaddubsw`` where the CPU has AVX2 but not AVX512-VNNI.""",
+)
+dotw_signed = _dotw(
+    "signed",
+    """:func:`dotw` of the int8 weights ``u - 128`` (Q8_0's, given as its bytes ``u``):
+    the same sums less ``128`` times the activations' (so no offset term), by
+    ``vpsignb`` and ``vpmaddubsw`` where the CPU has AVX2 but not AVX512-VNNI.""",
+)
 
 
 def _int16_binary(op: str, doc: str) -> Any:
