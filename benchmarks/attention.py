@@ -17,8 +17,13 @@ step over the 1-sequence step. The machine is shared: ``uptime`` is printed firs
 model's shapes) at ``--rows`` x ``--contexts``, through the kernel and through the
 reference's matrix products (BLAS, ``blocked_attention``): which of them a segment should
 take (``engine.attention.KERNEL_MAX_ROWS``). ``--compare OLD.py`` adds another copy of
-``meshnode/engine/cpu/attention.py`` (as ``benchmarks/step.py`` does); ``--kv-dtype f32
-f16`` times the kernel over caches of each KV dtype (columns "kernel f32", "kernel f16").
+``meshnode/engine/cpu/attention.py`` (as ``benchmarks/step.py`` does), with
+``--compare-rows OLD_ROWS.py`` over its own copy of ``attention_rows.py`` (a kernel before
+and after, e.g. from ``git show REV:meshnode/engine/cpu/attention_rows.py``); ``--kv-dtype
+f32 f16`` times the kernel over caches of each KV dtype (columns "kernel f32", "kernel
+f16"). A grid's figures are the calling thread's CPU time (everything runs on it: one
+kernel thread, one BLAS thread), the least of ``--rounds``; each round runs the variants
+in turn, every other round in reverse order.
 """
 
 from __future__ import annotations
@@ -115,9 +120,9 @@ def measure(stage: Stage, context: int, k: int, rounds: int) -> dict[str, float]
 def grid_cell(
     stage: Stage, rows: int, context: int, rounds: int, kernels: dict[str, Any], kvs: list[str]
 ) -> str:
-    """ms of one segment's attention, every layer, ``rows`` rows after ``context``
-    positions: through each kernel module over caches of each of ``kvs`` and through BLAS
-    (over the first's); the fastest of ``rounds``."""
+    """ms (thread CPU) of one segment's attention, every layer, ``rows`` rows after
+    ``context`` positions: through each kernel module over caches of each of ``kvs`` and
+    through BLAS (over the first's); the fastest of ``rounds``."""
     c, layers = stage.config, stage.end - stage.start
     rng = np.random.default_rng(0)
     caches = {}
@@ -148,11 +153,14 @@ def grid_cell(
     }
     variants["blas"] = (None, kvs[0])
     best = {name: float("inf") for name in variants}
-    for _ in range(rounds + 1):  # the first round compiles and warms up
-        for name, (module, kv) in variants.items():
-            start = time.perf_counter()
+    order = list(variants.items())
+    for i in range(rounds + 1):  # the first round compiles and warms up
+        # every other round in reverse: no variant always runs first (after BLAS's
+        # temporaries have pushed the caches out of L2)
+        for name, (module, kv) in order if i % 2 == 0 else order[::-1]:
+            start = time.thread_time()
             run(module, kv)
-            best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+            best[name] = min(best[name], (time.thread_time() - start) * 1e3)
     engine_attention._kernels = lambda: kernels["kernel"]  # type: ignore[assignment]
     engine_attention._for_kernel = routing
     cells = " | ".join(f"{best[name]:.2f}" for name in variants)
@@ -164,9 +172,15 @@ def grid(args: Any) -> None:
     """The table of :func:`grid_cell` for each model, rows and context."""
     kernels = {"kernel": engine_attention._kernels()}
     if args.compare:  # compiled afresh: numba's cache cannot reload a module made this way
+        source = Path(args.compare).read_text().replace("cache=True", "cache=False")
+        if args.compare_rows:  # its rows module too, imported under another name
+            rows = ModuleType("old_cpu_attention_rows")
+            sys.modules[rows.__name__] = rows
+            text = Path(args.compare_rows).read_text().replace("cache=True", "cache=False")
+            exec(compile(text, args.compare_rows, "exec"), rows.__dict__)
+            source = source.replace("meshnode.engine.cpu.attention_rows", rows.__name__)
         old = ModuleType("old_cpu_attention")
         sys.modules[old.__name__] = old
-        source = Path(args.compare).read_text().replace("cache=True", "cache=False")
         exec(compile(source, args.compare, "exec"), old.__dict__)
         kernels["old kernel"] = old
     kvs = list(dict.fromkeys(args.kv_dtype))
@@ -192,6 +206,7 @@ def main() -> None:
     parser.add_argument("--grid", action="store_true")
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     parser.add_argument("--compare", metavar="OLD.py")
+    parser.add_argument("--compare-rows", metavar="OLD_ROWS.py")
     parser.add_argument("--kv-dtype", nargs="+", default=["f32"], choices=["f32", "f16"])
     args = parser.parse_args()
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())

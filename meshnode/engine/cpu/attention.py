@@ -54,6 +54,7 @@ from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64
 from meshnode.engine.cpu.attention_rows import (
     LANES,
     PAD,
+    TILE_SUMS,
     VALUES,
     first_key,
     key_scores,
@@ -190,8 +191,9 @@ def _cache_of(table, s, layer, kv_heads, d, kv):  # type: ignore[no-untyped-def]
 @njit(nogil=True, cache=True, inline="always")
 def _scratch(d):  # type: ignore[no-untyped-def]
     # floats of a call's scratch beside its queries and scores: a query's QK-norm and RoPE
-    # (D), a float16 block of keys (LANES D) or of values (VALUES) widened
-    return max(LANES * d, VALUES)
+    # (D), a float16 block of keys (LANES D) widened and three queries' sums with it
+    # (TILE_SUMS), or a block of values (VALUES) widened
+    return max(LANES * d + TILE_SUMS, VALUES)
 
 
 @njit(nogil=True, cache=True)

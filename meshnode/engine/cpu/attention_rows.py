@@ -8,7 +8,15 @@ one row) at consecutive positions, each with its group's G query heads; each row
 keys from its first (0, or the sliding window's start) to its own position. Each block of
 sixteen keys, and each block of values (:data:`VALUES` floats), is read once for every
 row that sees one of its keys, while it is in L1, rather than once per row: the KV cache
-of a window of 8 rows is read once, not 8 times.
+of a window of 8 rows is read once, not 8 times. Within a block the work is cut to fit the
+registers (sixteen 8-lane ones with AVX2, where a sixteen-lane vector takes two): the dot
+products three queries at a time against two keys (:func:`_tile3`: six accumulators),
+the weighted sums of the rows that see every key of a block of values six queries at a
+time across rows, sixteen lanes of the head dimension at a time (:func:`_accumulate6`),
+the other rows' two queries at a time over thirty-two lanes. Sixteen accumulators of
+sixteen lanes (64 lanes of a value row for two queries, or sixteen keys for one query)
+spilled to memory at every step: a resumed suffix of 170 rows over a 1,630-position cache
+(issue 30) took 1.6x as long with them (docs/performance.md, "Prefix caching").
 
 What makes it exact is that each query's result is summed in one fixed order whatever
 rows it is computed with: a score is the query's dot product with a key over the head
@@ -44,6 +52,7 @@ from meshnode.engine.kv_cache import KV_BLOCK
 __all__ = [
     "LANES",
     "PAD",
+    "TILE_SUMS",
     "VALUES",
     "block_softmax",
     "first_key",
@@ -63,6 +72,9 @@ AHEAD = 1024
 # Floats of values read per block by the weighted sums (8 KiB: in L1 with the rows'
 # accumulators), at least sixteen keys.
 VALUES = 2048
+# Floats of scratch past a block of keys (LANES D) that key_scores takes for the
+# sixteen-lane sums of three queries with a block's sixteen keys (_tile3).
+TILE_SUMS = 3 * LANES * LANES
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -102,6 +114,55 @@ def _scores16(q, q0, kc, at, d):  # type: ignore[no-untyped-def]
         a12, a13 = wfma(x, wload_kv(kc, k + 12 * d), a12), wfma(x, wload_kv(kc, k + 13 * d), a13)
         a14, a15 = wfma(x, wload_kv(kc, k + 14 * d), a14), wfma(x, wload_kv(kc, k + 15 * d), a15)
     return wsums((a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _sums16(sums, at):  # type: ignore[no-untyped-def]
+    # wsums of the sixteen sixteen-lane vectors at sums[at], sums[at + 16]...
+    return wsums(
+        (
+            wload(sums, at), wload(sums, at + LANES), wload(sums, at + 2 * LANES),
+            wload(sums, at + 3 * LANES), wload(sums, at + 4 * LANES),
+            wload(sums, at + 5 * LANES), wload(sums, at + 6 * LANES),
+            wload(sums, at + 7 * LANES), wload(sums, at + 8 * LANES),
+            wload(sums, at + 9 * LANES), wload(sums, at + 10 * LANES),
+            wload(sums, at + 11 * LANES), wload(sums, at + 12 * LANES),
+            wload(sums, at + 13 * LANES), wload(sums, at + 14 * LANES),
+            wload(sums, at + 15 * LANES),
+        )
+    )  # fmt: skip
+
+
+@njit(nogil=True, cache=True)
+def _tile3(q, q0, keys, k0, d, sums):  # type: ignore[no-untyped-def]
+    # _dot(q, q0 + i D, keys, k0 + k D, d) for three queries i and the sixteen keys k of a
+    # block (float32: staged), into sums[(i 16 + k) 16 ...]: two keys at a time for the
+    # three queries, six accumulators in registers (the head dimension's steps in order,
+    # each the same product and sum as _dot's: the same bits), each key read once per
+    # query from L1, where _scores16's sixteen accumulators do not fit the registers
+    for k in range(0, LANES, 2):
+        a = k0 + k * d
+        b = a + d
+        x = wload(q, q0)
+        a0, b0 = wmul(x, wload(keys, a)), wmul(x, wload(keys, b))
+        x = wload(q, q0 + d)
+        a1, b1 = wmul(x, wload(keys, a)), wmul(x, wload(keys, b))
+        x = wload(q, q0 + 2 * d)
+        a2, b2 = wmul(x, wload(keys, a)), wmul(x, wload(keys, b))
+        for c in range(LANES, d, LANES):
+            x = wload(q, q0 + c)
+            a0, b0 = wfma(x, wload(keys, a + c), a0), wfma(x, wload(keys, b + c), b0)
+            x = wload(q, q0 + d + c)
+            a1, b1 = wfma(x, wload(keys, a + c), a1), wfma(x, wload(keys, b + c), b1)
+            x = wload(q, q0 + 2 * d + c)
+            a2, b2 = wfma(x, wload(keys, a + c), a2), wfma(x, wload(keys, b + c), b2)
+        at = k * LANES
+        wstore(sums, at, a0)
+        wstore(sums, at + LANES, b0)
+        wstore(sums, at + LANES * LANES, a1)
+        wstore(sums, at + LANES * LANES + LANES, b1)
+        wstore(sums, at + 2 * LANES * LANES, a2)
+        wstore(sums, at + 2 * LANES * LANES + LANES, b2)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -160,10 +221,33 @@ def staged_keys(kc, blocks, j, d, buf):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
+def _block_scores(qbuf, q, end, group, keys, k0, d, pos0, window, j, sc, scores, stride, sums):  # type: ignore[no-untyped-def]
+    # the scores of queries q .. end - 1 (query q of row q // G, at position pos0 + q // G)
+    # with the sixteen keys from position j (keys[k0 ...], float32): three queries at a
+    # time (_tile3, its sums in ``sums``: TILE_SUMS floats), then one at a time
+    while q < end:
+        if q + 3 <= end:
+            _tile3(qbuf, q * d, keys, k0, d, sums)
+            for i in range(3):
+                lo = first_key(pos0 + (q + i) // group, window)
+                at = (q + i) * stride + PAD + j - lo
+                wstore(scores, at, wmul(_sums16(sums, i * LANES * LANES), sc))
+            q += 3
+        else:
+            lo = first_key(pos0 + q // group, window)
+            s16 = _scores16(qbuf, q * d, keys, k0, d)
+            wstore(scores, q * stride + PAD + j - lo, wmul(s16, sc))
+            q += 1
+
+
+@njit(nogil=True, cache=True)
 def _row_scores(qbuf, group, kc, blocks, lo, t, d, scale, scores, stride, buf):  # type: ignore[no-untyped-def]
     # key_scores for one row: its t keys from position ``lo`` (its first key), the blocks
     # of sixteen counted from there (each score the same bits whatever block it is in); a
     # float16 block widened into buf (LANES D floats) once for the group's queries
+    # (one query after another, as before the many-row path's _tile3: whether a row's
+    # three queries gain from it is not settled; a first try read ~7% slower, in a grid
+    # whose first variant ran with cold caches)
     full = t - t % LANES
     sc = wsplat(scale)
     for j in range(0, full, LANES):
@@ -190,26 +274,26 @@ def key_scores(qbuf, group, kc, blocks, pos0, rows, window, d, scale, scores, st
     sixteen keys at a time summed across lanes together (wsums),
     each sum as wsum makes it, each block of keys read once for every row that sees one
     of them (a block's lanes outside a row's keys land in its row's margins). ``buf``:
-    LANES D floats of scratch (a float16 block of keys widened once for all its rows)."""
+    LANES D + :data:`TILE_SUMS` floats of scratch (a float16 block of keys widened once for
+    all its rows, and three queries' sums with it)."""
     lo0, end = first_key(pos0, window), pos0 + rows
     if rows == 1:
         _row_scores(qbuf, group, kc, blocks, lo0, end - lo0, d, scale, scores, stride, buf)
         return
     full = end - (end - lo0) % LANES
     sc = wsplat(scale)
+    sums = buf[LANES * d : LANES * d + TILE_SUMS]
     for j in range(lo0, full, LANES):
         ahead = slot_row(blocks, min(j + LANES, end - 1)) * d
         for c in range(ahead, ahead + LANES * d, line_of(kc)):  # the next block's
             prefetch_kv(kc, c)
         keys, k0 = staged_keys(kc, blocks, j, d, buf)
-        for r in range(max(0, j - pos0), rows):  # the rows that see key j or a later one
-            lo = first_key(pos0 + r, window)
-            if lo >= j + LANES:
-                break
-            for g in range(r * group, (r + 1) * group):
-                q0 = g * d
-                sums = _scores16(qbuf, q0, keys, k0, d)
-                wstore(scores, g * stride + PAD + j - lo, wmul(sums, sc))
+        r0 = max(0, j - pos0)  # the rows that see key j or a later one: r0 .. r1 - 1
+        r1 = r0
+        while r1 < rows and first_key(pos0 + r1, window) < j + LANES:
+            r1 += 1
+        q, end_q = r0 * group, r1 * group
+        _block_scores(qbuf, q, end_q, group, keys, k0, d, pos0, window, j, sc, scores, stride, sums)
     for j in range(full, end):
         for r in range(max(0, j - pos0), rows):
             lo = first_key(pos0 + r, window)
@@ -270,30 +354,25 @@ def block_softmax(s, stride, n, rows, q0, lo, keys, window):  # type: ignore[no-
 def _accumulate2(p, s0, s1, vc, off, a, b, d, out, o0, o1):  # type: ignore[no-untyped-def]
     # out[o0 : o0 + D] += sum over the values of keys a .. b - 1 (vc[j D + off ...]) of
     # p[s0 + j] * value j, key by key in order, and with p[s1 + j] into out[o1 ...]: each
-    # value read once for two queries, four sixteen-lane accumulators each in registers
-    # (``out``: a thread's own scratch, never the call's output; weighted_values)
+    # value read once for two queries, thirty-two lanes at a time (two sixteen-lane
+    # accumulators each, four in all: they and the values fit the registers, where sixty-
+    # four lanes' eight did not) (``out``: a thread's own scratch, never the call's output;
+    # weighted_values)
     c = 0
-    while c + 4 * LANES <= d:
+    while c + 2 * LANES <= d:
         x0, x1 = wload(out, o0 + c), wload(out, o0 + c + LANES)
-        x2, x3 = wload(out, o0 + c + 2 * LANES), wload(out, o0 + c + 3 * LANES)
         y0, y1 = wload(out, o1 + c), wload(out, o1 + c + LANES)
-        y2, y3 = wload(out, o1 + c + 2 * LANES), wload(out, o1 + c + 3 * LANES)
         for j in range(a, b):
             u, w = wsplat(p[s0 + j]), wsplat(p[s1 + j])
             at = j * d + c + off
             v0, v1 = wload_kv(vc, at), wload_kv(vc, at + LANES)
-            v2, v3 = wload_kv(vc, at + 2 * LANES), wload_kv(vc, at + 3 * LANES)
-            x0, x1, x2, x3 = wfma(u, v0, x0), wfma(u, v1, x1), wfma(u, v2, x2), wfma(u, v3, x3)
-            y0, y1, y2, y3 = wfma(w, v0, y0), wfma(w, v1, y1), wfma(w, v2, y2), wfma(w, v3, y3)
+            x0, x1 = wfma(u, v0, x0), wfma(u, v1, x1)
+            y0, y1 = wfma(w, v0, y0), wfma(w, v1, y1)
         wstore(out, o0 + c, x0)
         wstore(out, o0 + c + LANES, x1)
-        wstore(out, o0 + c + 2 * LANES, x2)
-        wstore(out, o0 + c + 3 * LANES, x3)
         wstore(out, o1 + c, y0)
         wstore(out, o1 + c + LANES, y1)
-        wstore(out, o1 + c + 2 * LANES, y2)
-        wstore(out, o1 + c + 3 * LANES, y3)
-        c += 4 * LANES
+        c += 2 * LANES
     while c < d:
         x0, y0 = wload(out, o0 + c), wload(out, o1 + c)
         for j in range(a, b):
@@ -426,6 +505,80 @@ def _two_queries(p, s0, s1, vc, blocks, a, b, d, out, o0, o1):  # type: ignore[n
 
 
 @njit(nogil=True, cache=True)
+def _accumulate6(p, ss, vc, off, a, b, d, out, oo):  # type: ignore[no-untyped-def]
+    # _accumulate for six queries at once (their p offsets ``ss``, out offsets ``oo``):
+    # sixteen lanes of the head dimension at a time, each value read once for the six,
+    # six accumulators in registers; each query's sums those of _accumulate
+    s0, s1, s2, s3, s4, s5 = ss
+    o0, o1, o2, o3, o4, o5 = oo
+    n = b - a
+    # each query's weights of these keys as its own view, indexed from 0 (no index that
+    # could be negative: numba's wrap-around of one per query and key spilled registers)
+    p0, p1, p2 = p[s0 + a : s0 + b], p[s1 + a : s1 + b], p[s2 + a : s2 + b]
+    p3, p4, p5 = p[s3 + a : s3 + b], p[s4 + a : s4 + b], p[s5 + a : s5 + b]
+    for c in range(0, d, LANES):
+        x0, x1, x2 = wload(out, o0 + c), wload(out, o1 + c), wload(out, o2 + c)
+        x3, x4, x5 = wload(out, o3 + c), wload(out, o4 + c), wload(out, o5 + c)
+        at = a * d + c + off
+        for j in range(n):
+            v = wload_kv(vc, at + j * d)
+            x0, x1 = wfma(wsplat(p0[j]), v, x0), wfma(wsplat(p1[j]), v, x1)
+            x2, x3 = wfma(wsplat(p2[j]), v, x2), wfma(wsplat(p3[j]), v, x3)
+            x4, x5 = wfma(wsplat(p4[j]), v, x4), wfma(wsplat(p5[j]), v, x5)
+        wstore(out, o0 + c, x0)
+        wstore(out, o1 + c, x1)
+        wstore(out, o2 + c, x2)
+        wstore(out, o3 + c, x3)
+        wstore(out, o4 + c, x4)
+        wstore(out, o5 + c, x5)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _offsets(q, group, pos0, window, stride, d):  # type: ignore[no-untyped-def]
+    # query q's first score (of its row's first key, less that key) and accumulators
+    return q * stride + PAD - first_key(pos0 + q // group, window), q * d
+
+
+@njit(nogil=True, cache=True)
+def _full_rows(p, group, vals, off, a, b, pos0, f0, f1, window, d, stride, acc):  # type: ignore[no-untyped-def]
+    # weighted_values' sums over keys a .. b - 1 for the queries of rows f0 .. f1 - 1,
+    # which all see every one of those keys: six queries at a time (across rows), then
+    # two, then one; each query's sums in the same order however it is grouped
+    q, end = f0 * group, f1 * group
+    while q + 6 <= end:
+        s0, o0 = _offsets(q, group, pos0, window, stride, d)
+        s1, o1 = _offsets(q + 1, group, pos0, window, stride, d)
+        s2, o2 = _offsets(q + 2, group, pos0, window, stride, d)
+        s3, o3 = _offsets(q + 3, group, pos0, window, stride, d)
+        s4, o4 = _offsets(q + 4, group, pos0, window, stride, d)
+        s5, o5 = _offsets(q + 5, group, pos0, window, stride, d)
+        ss, oo = (s0, s1, s2, s3, s4, s5), (o0, o1, o2, o3, o4, o5)
+        _accumulate6(p, ss, vals, off, a, b, d, acc, oo)
+        q += 6
+    while q + 2 <= end:
+        s0, o0 = _offsets(q, group, pos0, window, stride, d)
+        s1, o1 = _offsets(q + 1, group, pos0, window, stride, d)
+        _accumulate2(p, s0, s1, vals, off, a, b, d, acc, o0, o1)
+        q += 2
+    if q < end:
+        s0, o0 = _offsets(q, group, pos0, window, stride, d)
+        _accumulate(p, s0, vals, off, a, b, d, acc, o0)
+
+
+@njit(nogil=True, cache=True)
+def _row_values(p, group, vc, blocks, lo0, end, d, stride, out, o):  # type: ignore[no-untyped-def]
+    # weighted_values for one row (keys lo0 .. end - 1): each query, or pair of queries,
+    # in one pass (a function of its own: compiled into weighted_values beside the
+    # many-row loops, one KV head's row over 1,630 keys took 0.049 ms, here 0.019)
+    for g in range(0, group - 1, 2):
+        s0, s1 = g * stride + PAD - lo0, (g + 1) * stride + PAD - lo0
+        _two_queries(p, s0, s1, vc, blocks, lo0, end, d, out, o + g * d, o + (g + 1) * d)
+    if group % 2:
+        g = group - 1
+        _one_query(p, g * stride + PAD - lo0, vc, blocks, lo0, end, d, out, o + g * d)
+
+
+@njit(nogil=True, cache=True)
 def weighted_values(p, group, vc, blocks, pos0, rows, window, d, stride, out, o, q_size, buf, acc):  # type: ignore[no-untyped-def]
     """``out[o + r q_size + g D ...]`` = the sum over row ``r``'s keys ``lo .. pos`` of
     ``p[q stride + PAD + j - lo]`` times value ``j`` of ``vc`` (one KV head's values,
@@ -444,12 +597,7 @@ def weighted_values(p, group, vc, blocks, pos0, rows, window, d, stride, out, o,
     window's output wrong on two kernel threads under load)."""
     lo0, end = first_key(pos0, window), pos0 + rows
     if rows == 1:  # one row: each query (or pair of queries) in one pass
-        for g in range(0, group - 1, 2):
-            s0, s1 = g * stride + PAD - lo0, (g + 1) * stride + PAD - lo0
-            _two_queries(p, s0, s1, vc, blocks, lo0, end, d, out, o + g * d, o + (g + 1) * d)
-        if group % 2:
-            g = group - 1
-            _one_query(p, g * stride + PAD - lo0, vc, blocks, lo0, end, d, out, o + g * d)
+        _row_values(p, group, vc, blocks, lo0, end, d, stride, out, o)
         return
     for c in range(0, rows * group * d, LANES):
         wstore(acc, c, wzero())
@@ -464,7 +612,17 @@ def weighted_values(p, group, vc, blocks, pos0, rows, window, d, stride, out, o,
             prefetch_kv(vc, c)
         vals, v0 = staged(vc, row * d, (je - jb) * d, buf)
         off = v0 - jb * d  # value j at vals[j D + off]
+        # the rows that see every key jb .. je - 1 (f0 .. f1 - 1): their queries six at a
+        # time, whatever row each is in; the other rows that see some, a row at a time
+        f0 = max(0, je - 1 - pos0)
+        f1 = f0
+        while f1 < rows and first_key(pos0 + f1, window) <= jb:
+            f1 += 1
+        if f1 > f0:
+            _full_rows(p, group, vals, off, jb, je, pos0, f0, f1, window, d, stride, acc)
         for r in range(max(0, jb - pos0), rows):
+            if f0 <= r < f1:
+                continue
             pos = pos0 + r
             lo = first_key(pos, window)
             if lo >= je:
