@@ -465,7 +465,8 @@ def chunk_cfunc(half: bool) -> Any:
     from numba.core.ccallback import CFunc
 
     body = _chunk_function(np.uint16(0) if half else np.float32(0))
-    sig = sigutils.normalize_signature(CHUNK_SIGNATURE)  # as numba.cfunc hands it
+    # (args, return type), as numba.cfunc hands it to CFunc
+    sig = sigutils.normalize_signature(CHUNK_SIGNATURE)  # type: ignore[no-untyped-call]
     compiled = CFunc(body, sig, locals={}, options={})
     compiled.enable_caching()
     return compiled
