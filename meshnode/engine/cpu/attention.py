@@ -23,7 +23,10 @@ read once for all of them, each query summed in the same order as alone: a windo
 is the same bits as that row decoded by itself. With more than one kernel thread each
 (sequence, KV head) is a task for the pool's threads (:func:`attend_shared`; a window's
 rows cut into parts where there would be fewer than two tasks per thread): the same code
-computes each head wherever it runs. The rotation is the reference's expression
+computes each head wherever it runs. That code is compiled once, in the chunk function the
+threads run (:func:`_chunk`); :func:`queries`, the one-thread call, runs all its tasks
+through that function too, by its address (a first start compiled it four times over
+before: issue 29). The rotation is the reference's expression
 (``x * cos - x' * sin``, not fused), with cos/sin from the caller's table.
 
 Two variants for mixture-of-experts families (issue 31): gpt-oss's learned per-head sink

@@ -4,24 +4,27 @@ numba compiles a kernel at its first call and holds one compiler lock per proces
 first start (an empty cache: :func:`.matrix.numba_cache_dir`) compiles every kernel one
 after another on one core, and the decode attention alone is about half of it (SmolLM2:
 ~20 of ~40 s of CPU). Its argument types are known when the stage is built, long before
-its first call: :func:`start` hands them to a worker process (``python -m
-meshnode.engine.cpu.warmup``) that compiles that signature into the same on-disk cache
-while this process loads the rest and compiles the products, norms and the prefill's
-kernels. :func:`wait`, at the kernel's first call, waits for the worker to end; the call
-then loads the compiled code from the cache (numba looks there before compiling). The
-code is the one this process would have compiled: the same source, types, flags and
-machine; a callee loaded from the cache is linked into its callers from its cached LLVM
-module, as a freshly compiled one is.
+its first call: :func:`start` (a dispatcher's signatures) or :func:`run` (any
+module-level function that compiles, such as the attention's chunk function and entry:
+``cpu.attention.compile_kernel``) hands them to a worker process (``python -m
+meshnode.engine.cpu.warmup``) that compiles them into the same on-disk cache while this
+process loads the rest and compiles the products, norms and the prefill's kernels.
+:func:`wait`, at the kernel's first call, waits for the worker to end; the call then
+loads the compiled code from the cache (numba looks there before compiling). The code is
+the one this process would have compiled: the same source, types, flags and machine; a
+callee loaded from the cache is linked into its callers from its cached LLVM module, as
+a freshly compiled one is.
 
 Nothing depends on the worker: if it cannot start, fails or is killed, the kernel
-compiles here at its first call, as without it. :func:`start` does nothing when the
-signatures are in the cache already, with fewer than two usable cores, without ``fcntl``
-(the cache lock below), or with ``MESHNODE_COMPILE_AHEAD=0`` in the environment.
+compiles here at its first call, as without it. No worker starts when what it would
+compile is in the cache already (:func:`cached`), with fewer than two usable cores,
+without ``fcntl`` (the cache lock below), or with ``MESHNODE_COMPILE_AHEAD=0`` in the
+environment.
 
-numba's cache is safe for one process only: two processes saving different signatures
-of one function can both pick the same data file name, and the index of one may then
-name the other's code. :func:`lock_cache` makes every save (and load) of this process
-hold an ``flock`` on the cache folder; the worker holds the same.
+numba's cache is safe for one process only: two processes saving different signatures of
+one function can both pick the same data file name, and the index of one may then name
+the other's code. :func:`lock_cache` makes every save (and load) of this process hold an
+``flock`` on the cache folder; the worker holds the same.
 """
 
 from __future__ import annotations
