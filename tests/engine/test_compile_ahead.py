@@ -22,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 import pytest
 from meshnode_packaging.sources import open_source
-from numba import typeof, types
+from numba import njit, typeof, types
 
 from meshnode.engine import ModelConfig, Stage
 from meshnode.engine.attention import KernelAttention
@@ -134,3 +134,25 @@ def test_workers_fill_the_cache_this_process_then_loads(tmp_path: Path) -> None:
     assert result["hits"] == 2
     assert result["pending"] == []
     assert not result["cached"]  # a later start finds both cached: no worker
+
+
+def test_the_kernels_code_is_compiled_in_its_chunk_function_alone(
+    tiny_gguf: Callable[[str], Path],
+) -> None:
+    """The serial entry ``queries`` calls the chunk function by its address, so its own
+    compile (numba optimizes and emits a function with every function it calls) does not
+    take the kernel's code again: a first start compiles the key scores and weighted
+    sums once, in the chunk function (docs/performance.md, "First start")."""
+    source = open_source(tiny_gguf("Q8_0"))
+    config = ModelConfig.from_hf(source.config)
+    stage = Stage(config, source, 0, config.num_layers, embed=True, head=True,
+                  backend=cpu_backend("q8"))  # fmt: skip
+    stage.forward(np.array(IDS), 0, stage.new_cache(32))
+    assert kernel.queries.signatures, "the forward never called the kernel"
+    fresh = njit(nogil=True)(kernel.queries.py_func)  # numba shows no code loaded from its cache
+    for sig in kernel.queries.signatures:
+        fresh.compile(sig)
+        code = fresh.inspect_llvm(sig)
+        assert "write_kv" in code  # its own callees are linked in
+        assert "key_scores" not in code
+        assert "weighted_values" not in code

@@ -23,7 +23,10 @@ read once for all of them, each query summed in the same order as alone: a windo
 is the same bits as that row decoded by itself. With more than one kernel thread each
 (sequence, KV head) is a task for the pool's threads (:func:`attend_shared`; a window's
 rows cut into parts where there would be fewer than two tasks per thread): the same code
-computes each head wherever it runs. The rotation is the reference's expression
+computes each head wherever it runs. That code is compiled once, in the chunk function the
+threads run (:func:`_chunk`); :func:`queries`, the one-thread call, runs all its tasks
+through that function too, by its address (a first start compiled it four times over
+before: issue 29). The rotation is the reference's expression
 (``x * cos - x' * sin``, not fused), with cos/sin from the caller's table.
 
 Two variants for mixture-of-experts families (issue 31): gpt-oss's learned per-head sink
@@ -42,15 +45,15 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from numba import cfunc, njit, types
+from numba import njit, types
 from numba.np.numpy_support import carray
 
 from meshnode.engine.cpu import matrix, pool, warmup
-from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64
+from meshnode.engine.cpu.atomics import call3, ptr_f32, ptr_i64
 from meshnode.engine.cpu.attention_rows import (
     LANES,
     PAD,
@@ -67,10 +70,13 @@ from meshnode.engine.cpu.simd_kv import kv_pointer, line_of, prefetch_kv, wstore
 from meshnode.engine.kv_cache import KV_BLOCK
 
 __all__ = [
+    "CHUNK_SIGNATURE",
     "COLUMNS",
     "LANES",
     "attend",
     "attend_shared",
+    "chunk_cfunc",
+    "compile_kernel",
     "kv_kind",
     "queries",
     "segment_table",
@@ -227,97 +233,36 @@ def write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin, kv):  # type: igno
 
 
 @njit(nogil=True, cache=True)
-def _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_row):  # type: ignore[no-untyped-def]
-    # segment s's query rows ``rows_of`` (a range of its new rows: all it queries, or some)
-    # for the query heads of KV head g (its cache written) into oflat's rows from o_row
-    # (the segment's first query row's), up to qbuf's rows at a time, each block of keys
-    # and values read once for those rows; ``how`` is (q_norm, eps, cos, sin, scale,
-    # window, sinks, last, kv)
-    q_norm, eps, cos, sin, scale, window, sinks, last, kv = how
-    qbuf, tmp, scores = bufs  # [B G D], [_scratch(D)], [B G stride]
-    d = cos.shape[1]
-    kv_heads = (w // d - heads) // 2
-    group = heads // kv_heads
-    q_size = heads * d
-    most = qbuf.shape[0] // (group * d)
-    stride = scores.shape[0] // (most * group)
-    n, start, tmax, r0 = table[s, NEW], table[s, START], table[s, TMAX], table[s, ROW]
-    first = n - (table[s, KEPT] if last else n)
-    lo, hi = rows_of
-    kc, vc, blocks = _cache_of(table, s, layer, kv_heads, d, kv)
-    head = g * tmax * d
-    kh, vh = kc[head : head + tmax * d], vc[head : head + tmax * d]
-    at = slot_row(blocks, first_key(start + lo, window)) * d
-    for c in range(at, at + LANES * d, line_of(kh)):  # the first keys and values, all at once
-        prefetch_kv(kh, c)
-    for c in range(at, at + VALUES, line_of(vh)):
-        prefetch_kv(vh, c)
-    for i0 in range(lo, hi, most):
-        rows = min(most, hi - i0)
-        for r in range(rows):  # the queries, QK-normed and rotated
-            pos = start + i0 + r
-            for k in range(group):
-                q0 = (r0 + i0 + r) * w + (g * group + k) * d
-                _norm_rope(flat, q0, q_norm, eps, cos, sin, pos, tmp, qbuf, (r * group + k) * d)
-        pos0 = start + i0
-        key_scores(qbuf, group, kh, blocks, pos0, rows, window, d, scale, scores, stride, tmp)
-        for r in range(rows):
-            t = pos0 + r + 1 - first_key(pos0 + r, window)
-            for k in range(r * group, (r + 1) * group):
-                s0 = k * stride + PAD
-                if sinks.shape[0] == 0:
-                    softmax(scores, s0, t)
-                else:  # the head's sink: one more score past the keys, whose weight no value takes
-                    scores[s0 + t] = sinks[g * group + k - r * group]
-                    softmax(scores, s0, t + 1)
-        o = (o_row + i0 - first) * q_size + g * group * d
-        args = (d, stride, oflat, o, q_size, tmp, qbuf)  # qbuf: the queries are spent
-        weighted_values(scores, group, vh, blocks, pos0, rows, window, *args)
-
-
-@njit(nogil=True, cache=True)
-def _out_rows(table, last):  # type: ignore[no-untyped-def]
-    # each segment's first row in ``out``
-    rows = np.empty(table.shape[0], np.int64)
-    o_row = 0
-    for s in range(table.shape[0]):
-        rows[s] = o_row
-        o_row += table[s, KEPT] if last else table[s, NEW]
-    return rows
-
-
-@njit(nogil=True, cache=True)
 def queries(  # type: ignore[no-untyped-def]
     qkv, table, layer, heads, q_norm, k_norm, eps, cos, sin, scale, window, sinks, last, out, kv,
-    write,
+    write, chunk,
 ):  # fmt: skip
     """The attention of every kernel segment's query rows into ``out``; their keys and
     values written into the caches first when ``write`` (:func:`write_kv`), else already
-    there; the other arguments as :func:`attend`'s. :func:`attend` and the shared calls'
-    fallback are this one compiled function: a compiled ``attend`` around it was one more
-    whole optimization of the kernel's code by LLVM at a first start (numba optimizes and
-    emits each compiled function with every function it calls; ~2.5 s of CPU)."""
+    there; the other arguments as :func:`attend`'s, ``chunk`` the address of the chunk
+    function of the caches' kind (:func:`_chunk`). The rows are computed by that chunk
+    function, the one the kernel threads run (:func:`attend_shared`), all its tasks in
+    one chunk on this thread: the kernel's code is compiled once, in the chunk function,
+    not again in this function (numba optimizes and emits each compiled function with
+    every function it calls, so a caller linking the kernel's code cost a first start
+    ~3 s of CPU more, and a compiled ``attend`` around it once ~2.5 s more)."""
     if write:
         write_kv(qkv, table, layer, heads, k_norm, eps, cos, sin, kv)
-    d = cos.shape[1]
-    w = qkv.shape[1]
-    kv_heads = (w // d - heads) // 2
-    flat, oflat = qkv.reshape(-1), out.reshape(-1)
-    group = heads // kv_heads
-    most, stride = _sizes(table, last)
-    bufs = (
-        np.empty(most * group * d, np.float32),
-        np.empty(_scratch(d), np.float32),
-        np.empty(most * group * stride, np.float32),
-    )
-    o_rows = _out_rows(table, last)
-    how = (q_norm, eps, cos, sin, scale, window, sinks, last, kv)
-    for s in range(table.shape[0]):
-        if table[s, KERNEL]:
-            n = table[s, NEW]
-            rows_of = (n - (table[s, KEPT] if last else n), n)
-            for g in range(kv_heads):
-                _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, o_rows[s])
+    args = (qkv, table, layer, heads, q_norm, eps, cos, sin, scale, window, sinks, last, out)
+    block, tasks = task_args(*args, 0)  # no threads: whole ROW_BLOCK parts
+    st = np.zeros(pool.WORDS, np.int64)
+    scratch = np.empty(4 * block.shape[0], np.float32)  # the buffers (task_args)
+    _run_tasks(chunk, st, block, scratch, tasks)
+
+
+@njit(nogil=True, cache=True)
+def _run_tasks(chunk, st, block, scratch, tasks):  # type: ignore[no-untyped-def]
+    # every task of the argument block as one chunk of the chunk function at address
+    # ``chunk``, on this thread (the pool's words it reads: st); the arrays are the
+    # caller's, alive until this returns
+    st[pool.X], st[pool.SCRATCH], st[pool.STRIDE] = block.ctypes.data, scratch.ctypes.data, 0
+    st[pool.ROWS] = tasks * pool.CHUNK_ROWS
+    call3(chunk, st.ctypes.data, 0, 0)
 
 
 def attend(
@@ -353,7 +298,7 @@ def attend(
     (written rounded to nearest, read widened; the arithmetic stays float32).
     """
     args = (q_norm, k_norm, eps, cos, sin, scale, window, sinks, last, out, kv)
-    queries(qkv, table, layer, heads, *args, True)
+    queries(qkv, table, layer, heads, *args, True, _chunk(isinstance(kv, np.uint16)))
 
 
 # -- the query groups shared with the kernel threads (.pool) ----------------------------
@@ -408,7 +353,7 @@ def task_args(  # type: ignore[no-untyped-def]
     floats = queries * d + _scratch(d) + queries * stride
     words = max(HEADER + segs + 3 * parts, (floats + 3) // 4)
     a = np.zeros(words, np.int64)
-    f = a.view(np.float32)
+    f = carray(ptr_f32(a.ctypes.data), (2 * HEADER,))  # not a.view(): its checks compile ~1 s
     a[QKV], a[N], a[W], a[TABLE], a[SEGS] = (
         qkv.ctypes.data,
         qkv.shape[0],
@@ -422,7 +367,10 @@ def task_args(  # type: ignore[no-untyped-def]
     a[SINKS], a[SINKS_LEN] = sinks.ctypes.data, sinks.shape[0]
     a[TASKS], a[KV_HEADS], a[MOST], a[STRIDE] = parts * kv_heads, kv_heads, most, stride
     f[2 * EPS], f[2 * SCALE] = eps, scale
-    a[HEADER : HEADER + segs] = _out_rows(table, last)
+    o_row = 0
+    for s in range(segs):  # each segment's first row in ``out``
+        a[HEADER + s] = o_row
+        o_row += table[s, KEPT] if last else table[s, NEW]
     at = HEADER + segs
     for s in range(segs):
         if table[s, KERNEL]:
@@ -433,61 +381,120 @@ def task_args(  # type: ignore[no-untyped-def]
     return a, parts * kv_heads
 
 
-@njit(nogil=True, cache=True)
-def _run_chunk(st_addr, who, ch, kv):  # type: ignore[no-untyped-def]
-    # chunk ch of a posted queries() call (.pool's words at st_addr): the tasks whose rows
-    # of the posted "a" part (CHUNK_ROWS each) start in its rows; caches of kv's kind
-    st = carray(ptr_i64(st_addr), (pool.WORDS,))
-    head = carray(ptr_i64(st[pool.X]), (HEADER,))
-    segs, tasks, kv_heads = head[SEGS], head[TASKS], head[KV_HEADS]
-    f = carray(ptr_f32(st[pool.X]), (2 * HEADER,))
-    eps, scale = f[2 * EPS], f[2 * SCALE]
-    heads, w = head[HEADS], head[W]
-    d = w // (heads + 2 * kv_heads)
-    flat = carray(ptr_f32(head[QKV]), (head[N] * w,))
-    table = carray(ptr_i64(head[TABLE]), (segs, COLUMNS))
-    q_norm = carray(ptr_f32(head[QN]), (head[QN_LEN],))
-    sinks = carray(ptr_f32(head[SINKS]), (head[SINKS_LEN],))
-    cos = carray(ptr_f32(head[COS]), (head[POSITIONS], d))
-    sin = carray(ptr_f32(head[SIN]), (head[POSITIONS], d))
-    oflat = carray(ptr_f32(head[OUT]), (head[OUT_ROWS] * heads * d,))
-    rest = carray(ptr_i64(st[pool.X] + 8 * HEADER), (segs + 3 * (tasks // kv_heads),))
-    scratch = st[pool.SCRATCH] + 4 * who * st[pool.STRIDE]
-    queries = head[MOST] * (heads // kv_heads)
-    bufs = (
-        carray(ptr_f32(scratch), (queries * d,)),
-        carray(ptr_f32(scratch + 4 * queries * d), (_scratch(d),)),
-        carray(ptr_f32(scratch + 4 * (queries * d + _scratch(d))), (queries * head[STRIDE],)),
-    )
-    rows = st[pool.ROWS]
-    first = (ch * rows + pool.CHUNK_ROWS - 1) // pool.CHUNK_ROWS
-    end = min(tasks, ((ch + 1) * rows + pool.CHUNK_ROWS - 1) // pool.CHUNK_ROWS)
-    layer, window, last = head[LAYER], head[WINDOW], head[LAST] != 0
-    how = (q_norm, eps, cos, sin, scale, window, sinks, last, kv)
-    for t in range(first, end):
-        at, g = segs + 3 * (t // kv_heads), t % kv_heads
-        s, rows_of = rest[at], (rest[at + 1], rest[at + 2])
-        _group(flat, w, table, s, g, rows_of, layer, heads, how, bufs, oflat, rest[s])
+def _chunk_function(kv: Any) -> Callable[[int, int, int], None]:
+    """The chunk function (for :func:`_chunk`) over caches of ``kv``'s kind (:func:`kv_kind`;
+    a constant in the compiled code)."""
+
+    def chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
+        # chunk ch of a posted queries() call (.pool's words at st_addr): the tasks whose
+        # rows of the posted "a" part (CHUNK_ROWS each) start in its rows. A task: the
+        # query rows lo .. hi - 1 of segment s (a range of its new rows: all it queries,
+        # or some) for the query heads of KV head g (its cache written), into oflat's rows
+        # from the segment's first query row's, up to MOST rows at a time, each block of
+        # keys and values read once for those rows
+        st = carray(ptr_i64(st_addr), (pool.WORDS,))
+        head = carray(ptr_i64(st[pool.X]), (HEADER,))
+        segs, tasks, kv_heads = head[SEGS], head[TASKS], head[KV_HEADS]
+        f = carray(ptr_f32(st[pool.X]), (2 * HEADER,))
+        eps, scale = f[2 * EPS], f[2 * SCALE]
+        heads, w = head[HEADS], head[W]
+        d = w // (heads + 2 * kv_heads)
+        group = heads // kv_heads
+        q_size = heads * d
+        flat = carray(ptr_f32(head[QKV]), (head[N] * w,))
+        table = carray(ptr_i64(head[TABLE]), (segs, COLUMNS))
+        q_norm = carray(ptr_f32(head[QN]), (head[QN_LEN],))
+        sinks = carray(ptr_f32(head[SINKS]), (head[SINKS_LEN],))
+        cos = carray(ptr_f32(head[COS]), (head[POSITIONS], d))
+        sin = carray(ptr_f32(head[SIN]), (head[POSITIONS], d))
+        oflat = carray(ptr_f32(head[OUT]), (head[OUT_ROWS] * heads * d,))
+        rest = carray(ptr_i64(st[pool.X] + 8 * HEADER), (segs + 3 * (tasks // kv_heads),))
+        scratch = st[pool.SCRATCH] + 4 * who * st[pool.STRIDE]
+        most, stride = head[MOST], head[STRIDE]
+        nq = most * group  # queries computed together
+        qbuf = carray(ptr_f32(scratch), (nq * d,))  # [B G D]
+        tmp = carray(ptr_f32(scratch + 4 * nq * d), (_scratch(d),))
+        scores = carray(ptr_f32(scratch + 4 * (nq * d + _scratch(d))), (nq * stride,))
+        rows = st[pool.ROWS]
+        t0 = (ch * rows + pool.CHUNK_ROWS - 1) // pool.CHUNK_ROWS
+        t1 = min(tasks, ((ch + 1) * rows + pool.CHUNK_ROWS - 1) // pool.CHUNK_ROWS)
+        layer, window, last = head[LAYER], head[WINDOW], head[LAST] != 0
+        for t in range(t0, t1):
+            at, g = segs + 3 * (t // kv_heads), t % kv_heads
+            s, lo, hi = rest[at], rest[at + 1], rest[at + 2]
+            n, start, tmax, r0 = table[s, NEW], table[s, START], table[s, TMAX], table[s, ROW]
+            first = n - (table[s, KEPT] if last else n)
+            kc, vc, blocks = _cache_of(table, s, layer, kv_heads, d, kv)
+            base = g * tmax * d
+            kh, vh = kc[base : base + tmax * d], vc[base : base + tmax * d]
+            k0 = slot_row(blocks, first_key(start + lo, window)) * d
+            for c in range(k0, k0 + LANES * d, line_of(kh)):  # the first keys and values
+                prefetch_kv(kh, c)
+            for c in range(k0, k0 + VALUES, line_of(vh)):
+                prefetch_kv(vh, c)
+            for i0 in range(lo, hi, most):
+                n_rows = min(most, hi - i0)
+                for r in range(n_rows):  # the queries, QK-normed and rotated
+                    pos = start + i0 + r
+                    for k in range(group):
+                        q0 = (r0 + i0 + r) * w + (g * group + k) * d
+                        d0 = (r * group + k) * d
+                        _norm_rope(flat, q0, q_norm, eps, cos, sin, pos, tmp, qbuf, d0)
+                pos0 = start + i0
+                sc = (window, d, scale, scores, stride, tmp)
+                key_scores(qbuf, group, kh, blocks, pos0, n_rows, *sc)
+                for r in range(n_rows):
+                    t_keys = pos0 + r + 1 - first_key(pos0 + r, window)
+                    for k in range(r * group, (r + 1) * group):
+                        s0 = k * stride + PAD
+                        if sinks.shape[0] == 0:
+                            softmax(scores, s0, t_keys)
+                        else:  # the head's sink: one more score past the keys (no value)
+                            scores[s0 + t_keys] = sinks[g * group + k - r * group]
+                            softmax(scores, s0, t_keys + 1)
+                o = (rest[s] + i0 - first) * q_size + g * group * d
+                wv = (d, stride, oflat, o, q_size, tmp, qbuf)  # qbuf: the queries are spent
+                weighted_values(scores, group, vh, blocks, pos0, n_rows, window, *wv)
+
+    return chunk
 
 
-def _chunk_f32(st_addr, who, ch):  # type: ignore[no-untyped-def]
-    # the pool's chunk function over float32 caches (compiled at its first use: _chunk)
-    _run_chunk(st_addr, who, ch, np.float32(0))
+# The chunk function's C signature: void f(int64 st_addr, int64 who, int64 chunk)
+CHUNK_SIGNATURE = types.void(types.int64, types.int64, types.int64)
 
 
-def _chunk_f16(st_addr, who, ch):  # type: ignore[no-untyped-def]
-    # the pool's chunk function over float16 caches (uint16 bit patterns)
-    _run_chunk(st_addr, who, ch, np.uint16(0))
+def chunk_cfunc(half: bool) -> Any:
+    """The chunk function over float16 (``half``) or float32 caches as numba's ``CFunc``,
+    cached on disk, not yet compiled (``compile()``: compiled, or loaded from the cache)."""
+    from numba.core import sigutils
+    from numba.core.ccallback import CFunc
+
+    body = _chunk_function(np.uint16(0) if half else np.float32(0))
+    # (args, return type), as numba.cfunc hands it to CFunc
+    sig = sigutils.normalize_signature(CHUNK_SIGNATURE)  # type: ignore[no-untyped-call]
+    compiled = CFunc(body, sig, locals={}, options={})
+    compiled.enable_caching()
+    return compiled
 
 
 @functools.cache
 def _chunk(half: bool) -> int:
-    """The address of the pool's chunk function for float16 (``half``) or float32 caches,
-    compiled (or loaded from numba's cache) the first time a shared call needs it: a stage
-    compiles only its own caches' kind."""
-    body = _chunk_f16 if half else _chunk_f32
-    compiled = cfunc(types.void(types.int64, types.int64, types.int64), cache=True)(body)
-    return int(compiled.address or 0)
+    """The address of the chunk function for float16 (``half``) or float32 caches: the
+    kernel's one compiled entry, which :func:`queries` and the kernel threads call.
+    Compiled (or loaded from numba's cache) at its first use: a stage compiles only its
+    own caches' kind."""
+    compiled = chunk_cfunc(half)
+    compiled.compile()
+    return int(compiled.address)
+
+
+def compile_kernel(signatures: Sequence[tuple[Any, ...]], half: bool) -> None:
+    """Compile (or load from numba's cache) the chunk function over float16 (``half``) or
+    float32 caches and :func:`queries` for each of ``signatures``: what a compile-ahead
+    worker runs (:mod:`.warmup`, ``KernelAttention.compile_ahead``)."""
+    _chunk(half)
+    for sig in signatures:
+        queries.compile(sig)
 
 
 # Below this many keys read (query heads times the positions they see) a call is not shared
@@ -547,4 +554,4 @@ def attend_shared(
     chunk = _chunk(isinstance(kv, np.uint16))
     if not matrix._pool().run(chunk, parts, block, _NO_OUT, threads, keep=keep):
         rest = (eps, cos, sin, scale, window, sinks, last, out, kv)
-        queries(qkv, table, layer, heads, q_norm, k_norm, *rest, False)
+        queries(qkv, table, layer, heads, q_norm, k_norm, *rest, False, chunk)

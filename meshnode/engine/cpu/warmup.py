@@ -4,24 +4,27 @@ numba compiles a kernel at its first call and holds one compiler lock per proces
 first start (an empty cache: :func:`.matrix.numba_cache_dir`) compiles every kernel one
 after another on one core, and the decode attention alone is about half of it (SmolLM2:
 ~20 of ~40 s of CPU). Its argument types are known when the stage is built, long before
-its first call: :func:`start` hands them to a worker process (``python -m
-meshnode.engine.cpu.warmup``) that compiles that signature into the same on-disk cache
-while this process loads the rest and compiles the products, norms and the prefill's
-kernels. :func:`wait`, at the kernel's first call, waits for the worker to end; the call
-then loads the compiled code from the cache (numba looks there before compiling). The
-code is the one this process would have compiled: the same source, types, flags and
-machine; a callee loaded from the cache is linked into its callers from its cached LLVM
-module, as a freshly compiled one is.
+its first call: :func:`start` (a dispatcher's signatures) or :func:`run` (any
+module-level function that compiles, such as the attention's chunk function and entry:
+``cpu.attention.compile_kernel``) hands them to a worker process (``python -m
+meshnode.engine.cpu.warmup``) that compiles them into the same on-disk cache while this
+process loads the rest and compiles the products, norms and the prefill's kernels.
+:func:`wait`, at the kernel's first call, waits for the worker to end; the call then
+loads the compiled code from the cache (numba looks there before compiling). The code is
+the one this process would have compiled: the same source, types, flags and machine; a
+callee loaded from the cache is linked into its callers from its cached LLVM module, as
+a freshly compiled one is.
 
 Nothing depends on the worker: if it cannot start, fails or is killed, the kernel
-compiles here at its first call, as without it. :func:`start` does nothing when the
-signatures are in the cache already, with fewer than two usable cores, without ``fcntl``
-(the cache lock below), or with ``MESHNODE_COMPILE_AHEAD=0`` in the environment.
+compiles here at its first call, as without it. No worker starts when what it would
+compile is in the cache already (:func:`cached`), with fewer than two usable cores,
+without ``fcntl`` (the cache lock below), or with ``MESHNODE_COMPILE_AHEAD=0`` in the
+environment.
 
-numba's cache is safe for one process only: two processes saving different signatures
-of one function can both pick the same data file name, and the index of one may then
-name the other's code. :func:`lock_cache` makes every save (and load) of this process
-hold an ``flock`` on the cache folder; the worker holds the same.
+numba's cache is safe for one process only: two processes saving different signatures of
+one function can both pick the same data file name, and the index of one may then name
+the other's code. :func:`lock_cache` makes every save (and load) of this process hold an
+``flock`` on the cache folder; the worker holds the same.
 """
 
 from __future__ import annotations
@@ -43,7 +46,18 @@ from typing import IO, Any
 
 from meshnode.engine.cpu.pool import usable_cpus
 
-__all__ = ["WAIT_LIMIT_S", "lock_cache", "pending", "start", "wait"]
+__all__ = [
+    "WAIT_LIMIT_S",
+    "Call",
+    "cached",
+    "compile",
+    "enabled",
+    "lock_cache",
+    "pending",
+    "run",
+    "start",
+    "wait",
+]
 
 log = logging.getLogger(__name__)
 
@@ -72,28 +86,63 @@ def pending() -> list[str]:
     return list(_pending)
 
 
+@dataclass(frozen=True)
+class Call:
+    """What a worker does: call ``module.name(*args)`` (a module-level function that
+    compiles numba functions into the cache; ``args`` pickled)."""
+
+    module: str
+    name: str
+    args: tuple[Any, ...]
+
+
 def start(key: str, dispatcher: Any, signatures: Sequence[tuple[Any, ...]]) -> bool:
     """Compile ``dispatcher`` (a ``numba`` ``@njit(cache=True)`` function at module level)
-    for each of ``signatures`` (tuples of numba types) in a worker process, unless there
-    is no use in it (see the module docstring); :func:`wait` with the same ``key`` before
-    its first call. Returns whether a worker started."""
+    for each of ``signatures`` (tuples of numba types) not in the cache yet in a worker
+    process (:func:`run`); :func:`wait` with the same ``key`` before its first call.
+    Returns whether a worker started."""
+    if not enabled():
+        return False
+    missing = [sig for sig in signatures if not cached(dispatcher, sig)]
+    fn = dispatcher.py_func
+    calls = [Call(__name__, "compile", (fn.__module__, fn.__name__, missing))]
+    return bool(missing) and run(key, calls)
+
+
+def enabled() -> bool:
+    """Whether a worker may start (see the module docstring): compiling ahead not switched
+    off, two usable cores, ``fcntl``."""
     if os.environ.get(SWITCH, "1") == "0" or len(usable_cpus()) < 2:
         return False
     try:
         import fcntl  # noqa: F401  (POSIX only: the cache lock)
     except ImportError:
         return False
+    return True
+
+
+def run(key: str, calls: Sequence[Call]) -> bool:
+    """Make ``calls`` in a worker process, unless compiling ahead is off
+    (:func:`enabled`) or ``key``'s worker runs already; :func:`wait` with the same
+    ``key`` before the first call of what they compile. Returns whether a worker
+    started."""
+    if not calls or not enabled():
+        return False
     with _lock:  # two stages built at once start one worker
-        if key in _pending:
-            return False
-        missing = [sig for sig in signatures if not _cached(dispatcher, sig)]
-        return bool(missing) and _spawn(key, dispatcher, missing)
+        return key not in _pending and _spawn(key, calls)
 
 
-def _spawn(key: str, dispatcher: Any, missing: list[tuple[Any, ...]]) -> bool:
+def compile(module: str, name: str, signatures: Sequence[tuple[Any, ...]]) -> None:
+    """Compile ``module.name`` (an ``@njit(cache=True)`` function) for each of
+    ``signatures``, into numba's cache (a worker's :class:`Call`)."""
+    dispatcher = getattr(importlib.import_module(module), name)
+    for sig in signatures:
+        dispatcher.compile(sig)
+
+
+def _spawn(key: str, calls: Sequence[Call]) -> bool:
     lock_cache()
-    fn = dispatcher.py_func
-    job = pickle.dumps([(fn.__module__, fn.__name__, missing)])
+    job = pickle.dumps([(c.module, c.name, c.args) for c in calls])
     err = tempfile.TemporaryFile()  # noqa: SIM115  (kept with the worker, closed in wait)
     try:
         proc = subprocess.Popen(
@@ -142,12 +191,15 @@ def _stop_all() -> None:
         worker.err.close()
 
 
-def _cached(dispatcher: Any, sig: tuple[Any, ...]) -> bool:
-    """Whether numba's cache holds ``dispatcher`` compiled for ``sig``: its index, read
-    as numba reads it on a call (any surprise: yes, so that nothing starts)."""
+def cached(compiled: Any, sig: Any) -> bool:
+    """Whether numba's cache holds ``compiled`` (a dispatcher or a ``CFunc``, caching on)
+    compiled for ``sig``: its index, read as numba reads it on a call (any surprise: yes,
+    so that nothing starts)."""
     try:
-        cache = dispatcher._cache
-        key = cache._index_key(sig, dispatcher.targetctx.codegen())
+        from numba.core.registry import cpu_target
+
+        cache = compiled._cache
+        key = cache._index_key(sig, cpu_target.target_context.codegen())
         return key in cache._cache_file._load_index()
     except Exception:  # numba's internals changed: do as without workers
         log.debug("numba cache index unreadable; not compiling ahead", exc_info=True)
@@ -203,14 +255,12 @@ def _flock(folder: str, *, shared: bool) -> Iterator[None]:
 
 
 def main() -> None:
-    """The worker: compile each ``(module, function, signatures)`` of the pickled list on
-    stdin (from :func:`start`, this package's own parent process) into numba's cache."""
-    jobs = pickle.loads(sys.stdin.buffer.read())
+    """The worker: make each call ``(module, function, args)`` of the pickled list on
+    stdin (from :func:`run`, this package's own parent process)."""
+    calls = pickle.loads(sys.stdin.buffer.read())
     lock_cache()
-    for module, name, signatures in jobs:
-        dispatcher = getattr(importlib.import_module(module), name)
-        for sig in signatures:
-            dispatcher.compile(sig)
+    for module, name, args in calls:
+        getattr(importlib.import_module(module), name)(*args)
 
 
 if __name__ == "__main__":
