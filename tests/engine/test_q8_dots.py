@@ -33,7 +33,8 @@ def _path(madd: bool, vnni: bool, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _want(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    return (w.astype(np.int64) * x.astype(np.int64)).reshape(8, 4).sum(1)
+    sums: np.ndarray = (w.astype(np.int64) * x.astype(np.int64)).reshape(8, 4).sum(1)
+    return sums
 
 
 @pytest.mark.parametrize(("madd", "vnni"), PATHS, ids=["generic", "madd", "vnni"])
