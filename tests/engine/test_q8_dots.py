@@ -104,9 +104,9 @@ def test_the_wide_dot_products_of_small_and_signed_bytes(
     from numba import njit
 
     from meshnode.engine.cpu import simd_q8
-    from meshnode.engine.cpu.simd_int import bload
+    from meshnode.engine.cpu.simd_int import bload, madd_bytes
 
-    if madd and not simd_q8.madd_bytes():
+    if madd and not madd_bytes():
         pytest.skip("this CPU has no AVX2")
     monkeypatch.setattr(simd_q8, "vnni512", lambda: False)  # read when it compiles
     monkeypatch.setattr(simd_q8, "madd_bytes", lambda: madd)
