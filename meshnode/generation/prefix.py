@@ -3,9 +3,11 @@
 
 :func:`prefill_prompt` is the generation loop's prefill: it asks the pipeline's
 :class:`~meshnode.node.prefix.PrefixIndex` where the prompt may resume, sends the rest in
-chunks (the first carrying the prefix's key) and, when a stage answers that it lacks the
+chunks (carrying where each stage starts and the keys of the prefixes it resumes from,
+:class:`~meshnode.node.prefix.ResumePoint`) and, when a stage answers that it lacks the
 prefix, releases the sequence, forgets the prompt's blocks and sends the whole prompt from
-position 0. The tokens it did not compute are the request's ``cached_tokens``.
+position 0. The tokens no stage computed (stage 0's start) are the request's
+``cached_tokens``.
 
 On hybrid stages (the index keeps ``snapshots``) the pieces are cut by
 :func:`prefill_pieces`: at multiples of the block and at the prompt's last block boundary,
@@ -14,14 +16,13 @@ where the stages keep the recurrent snapshot a later request resumes from.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from meshnode.engine.prefix_cache import PrefixMissError, resume_length
 from meshnode.node.pipeline import FrameKind, Pipeline, StepFrame, StepResult
-from meshnode.node.prefix import PrefixCaching
+from meshnode.node.prefix import PrefixCaching, ResumePoint
 
 if TYPE_CHECKING:
     from meshnode.generation.records import GenerationRun
@@ -33,6 +34,8 @@ Send = Callable[
 ]
 #: Builds a frame of a run (the loop's ``_frame``).
 MakeFrame = Callable[..., StepFrame]
+#: A prompt computed whole on every stage.
+FROM_ZERO = ResumePoint((0,), (None,))
 
 
 async def prefill_prompt(
@@ -42,20 +45,20 @@ async def prefill_prompt(
     ``run.cached_tokens``. Raises what a pass raises (a miss is handled here)."""
     index = pipeline.prefix if isinstance(pipeline, PrefixCaching) else None
     align = index.block if index is not None and index.snapshots else 0
-    start, key = 0, None
+    point = FROM_ZERO
     if index is not None and run.params.cache_prompt:
-        start, key = index.resume_point(run.request_id, run.prompt)
+        point = index.resume_point(run.request_id, run.prompt)
     try:
-        delta = await _chunks(pipeline, run, (chunk_tokens, align), start, key, send, make)
+        delta = await _chunks(pipeline, run, (chunk_tokens, align), point, send, make)
     except PrefixMissError:
         assert index is not None  # only a resumed frame is refused so
         index.missed(run.prompt)
         # Release first: on a remote pipeline the refusals of chunks already on their way
         # then answer a wire id no waiter listens on any more.
         await pipeline.release(run.request_id)
-        start = 0
-        delta = await _chunks(pipeline, run, (chunk_tokens, align), 0, None, send, make)
-    run.cached_tokens = start
+        point = FROM_ZERO
+        delta = await _chunks(pipeline, run, (chunk_tokens, align), point, send, make)
+    run.cached_tokens = point.start
     return delta
 
 
@@ -63,18 +66,15 @@ async def _chunks(
     pipeline: Pipeline,
     run: GenerationRun,
     cut: tuple[int, int],
-    start: int,
-    key: bytes | None,
+    point: ResumePoint,
     send: Send,
     make: MakeFrame,
 ) -> Delta:
-    chunks = prefill_pieces(run.prompt, start, *cut)
+    chunks = prefill_pieces(run.prompt, point.start, *cut)
     delta = None
     for i, (at, tokens) in enumerate(chunks):
         frame = make(run, FrameKind.PREFILL, at, tokens, final=i == len(chunks) - 1)
-        if i == 0 and key is not None:
-            frame = dataclasses.replace(frame, prefix_key=key)
-        _, delta = await send(pipeline, run, frame)
+        _, delta = await send(pipeline, run, point.frame(frame))
     if delta is None:
         raise RuntimeError("the final prefill pass returned no token")
     return delta

@@ -14,10 +14,13 @@ last stage draws the token at position ``p`` from a counter-based generator keye
 (seed, ``p``), and the driver fixes the seed once per request. After ``MAX_REPLAYS``
 replays, or when no pipeline comes in time, the error ends the stream as before.
 
-The prompt resumes from the prefix every stage of the new pipeline still holds: when the
-host re-plans the same pipeline (a lost pass, a dropped session), its stages keep their
-cached blocks across the new ``Load`` (:mod:`meshnode.node.prefix_keep`), and only the
-prompt's suffix is computed again (``GenerationRun.replay_cached_tokens``).
+The prompt resumes, stage by stage, from the prefix each stage of the new pipeline and
+the stages after it still hold: when the host re-plans the same pipeline (a lost pass, a
+dropped session), its stages keep their cached blocks across the new ``Load``
+(:mod:`meshnode.node.prefix_keep`), and only the prompt's suffix is computed again
+(``GenerationRun.replay_cached_tokens``: what stage 0 skipped); when a spare takes a
+killed stage's range, the stages after it keep theirs and resume there while the spare
+and the stages before it compute the prompt from 0.
 
 A hybrid stage rolls its recurrent state back only as far as its snapshot ring reaches
 (:mod:`meshnode.engine.recurrent`); a frame that starts further back fails there with
@@ -27,18 +30,17 @@ position 0 (:func:`refold`: non-final prefill chunks) and sends the frame once m
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 
 import trio
 
 from meshnode.engine.prefix_cache import PrefixMissError
-from meshnode.generation.prefix import prefill_pieces
+from meshnode.generation.prefix import FROM_ZERO, prefill_pieces
 from meshnode.generation.records import GenerationRun, frame_of
 from meshnode.generation.state import prefill_chunks
 from meshnode.node.pipeline import FrameKind, Pipeline, StageLostError
-from meshnode.node.prefix import PrefixCaching
+from meshnode.node.prefix import PrefixCaching, ResumePoint
 
 #: Longest wait of a request for the pipeline after a lost one. The coordinator replans in
 #: ~4 s on loopback (issue 16); stages that must load their new layer ranges from disk take
@@ -110,35 +112,35 @@ async def _replay_prompt(pipeline: Pipeline, run: GenerationRun) -> int | None:
     first prefill resumes (:mod:`meshnode.generation.prefix`); the token its final chunk
     returns. A stage that lacks the prefix makes it start over from 0."""
     index = pipeline.prefix if isinstance(pipeline, PrefixCaching) else None
-    start, key = 0, None
+    point = FROM_ZERO
     if index is not None and run.params.cache_prompt:
-        start, key = index.resume_point(run.request_id, run.prompt)
+        point = index.resume_point(run.request_id, run.prompt)
     try:
-        first = await _prompt_from(pipeline, run, start, key)
+        first = await _prompt_from(pipeline, run, point)
     except PrefixMissError:
         assert index is not None  # only a resumed frame is refused so
         index.missed(run.prompt)
         await pipeline.release(run.request_id)  # as generation.prefix does, first
-        start = 0
-        first = await _prompt_from(pipeline, run, 0, None)
-    run.replay_cached_tokens += start
-    if start:
-        log.info("request %s: the replay resumed %d prompt tokens", run.request_id, start)
+        point = FROM_ZERO
+        first = await _prompt_from(pipeline, run, point)
+    run.replay_cached_tokens += point.start
+    if any(point.starts):
+        log.info(
+            "request %s: the replay resumed the prompt at %s (stage by stage)",
+            run.request_id,
+            list(point.starts),
+        )
     return first
 
 
-async def _prompt_from(
-    pipeline: Pipeline, run: GenerationRun, start: int, key: bytes | None
-) -> int | None:
+async def _prompt_from(pipeline: Pipeline, run: GenerationRun, point: ResumePoint) -> int | None:
     index = pipeline.prefix if isinstance(pipeline, PrefixCaching) else None
     align = index.block if index is not None and index.snapshots else 0
-    chunks = prefill_pieces(run.prompt, start, run.chunk_tokens, align)
+    chunks = prefill_pieces(run.prompt, point.start, run.chunk_tokens, align)
     first = None
     for i, (at, tokens) in enumerate(chunks):
         final = i == len(chunks) - 1
-        frame = frame_of(run, FrameKind.PREFILL, at, tokens, final=final)
-        if i == 0 and key is not None:
-            frame = dataclasses.replace(frame, prefix_key=key)
+        frame = point.frame(frame_of(run, FrameKind.PREFILL, at, tokens, final=final))
         result = await pipeline.run(frame)
         first = result.tokens[0] if final and result.tokens else first
     return first

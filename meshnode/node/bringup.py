@@ -53,7 +53,7 @@ from meshnode.node.claims import ClaimBook
 from meshnode.node.pipeline import MAX_SEQUENCES_PER_STAGE
 from meshnode.node.planner import Plan, StagePlan
 from meshnode.node.prefix import StagePrefix
-from meshnode.node.prefix_keep import common_keys, host_identity, host_seed, take_over
+from meshnode.node.prefix_keep import host_identity, host_seeds, kept_keys, take_over
 from meshnode.node.progress import DownloadProgress
 from meshnode.node.remote import RemotePipeline
 from meshnode.node.selfmeasure import measure_or_reason
@@ -138,8 +138,9 @@ class BringUp:
         self._replies: dict[str, trio.MemorySendChannel[Message]] = {}
         self._receivers: dict[str, trio.MemoryReceiveChannel[Message]] = {}
         self._kept = kept
-        # hook (issue 30): the prefix-cache keys outlive the run (node/prefix_keep.py)
-        self.prefix_seed = host_seed(mesh, settings, backend, placed)
+        # hook (issue 30): the prefix-cache keys outlive the run (node/prefix_keep.py),
+        # each stage's by what changes its own K/V
+        self.prefix_seeds = host_seeds(mesh, settings, backend, placed)
 
     def deliver(self, peer: str, message: Message) -> None:
         """A reply of this run from ``peer``, for the request waiting on it."""
@@ -193,12 +194,12 @@ class BringUp:
             ready = await self._request(
                 stage.node_id,
                 receivers,
-                _load(self, stage, upstream.node_id, downstream),
+                _load(self, index + 1, stage, upstream.node_id, downstream),
                 Ready,
                 timeout_s=LOAD_TIMEOUT_S,
             )
             # a stage that keys with another seed (an older node's run id) shares nothing
-            echoed = ready.prefix_seed == self.prefix_seed
+            echoed = ready.prefix_seed == self.prefix_seeds[index + 1]
             prefix_blocks.append(ready.prefix_block if echoed else 0)
             prefix_held.append(ready.prefix_keys)
             self.stage_state[stage.node_id] = StageState.READY
@@ -213,9 +214,9 @@ class BringUp:
             deadline=self.settings.pass_deadline,
             speeds=self._speeds,
             stage_weight_bytes=self._stage_weight_bytes,
-            prefix_blocks=prefix_blocks,
-            prefix_seed=self.prefix_seed,
-            prefix_held=common_keys(runner_box[0].prefix, prefix_held),
+            prefix_blocks=prefix_blocks[::-1],
+            prefix_seeds=self.prefix_seeds,
+            prefix_held=kept_keys(runner_box[0].prefix, prefix_held),
         )
 
     async def probe(self, placed: Plan) -> dict[str, int | None]:
@@ -252,7 +253,7 @@ class BringUp:
             source = _open_part(self.settings, self.source, part, progress)
             vocab, eos = self.config.vocab_size, self.config.eos_token_ids
             # hook (issue 30): the pool of the run before, or none (freed before the weights)
-            identity, seed = host_identity(self, stage), self.prefix_seed
+            identity, seed = host_identity(self, stage), self.prefix_seeds[0]
             kept, self._kept = take_over(self._kept, identity, seed, self.context_size), None
             engine_stage = Stage(
                 self.config,
@@ -422,8 +423,11 @@ def _leaves(group: BaseExceptionGroup[RunError]) -> list[BaseException]:
     return out
 
 
-def _load(run: BringUp, stage: StagePlan, upstream: str, downstream: StagePlan | None) -> Load:
-    """The ``Load`` of ``stage`` in ``run``, between ``upstream`` and ``downstream``."""
+def _load(
+    run: BringUp, index: int, stage: StagePlan, upstream: str, downstream: StagePlan | None
+) -> Load:
+    """The ``Load`` of ``stage``, stage ``index`` of ``run``, between ``upstream`` and
+    ``downstream``."""
     return Load(
         run_id=run.run_id,
         term=run.term,
@@ -441,7 +445,7 @@ def _load(run: BringUp, stage: StagePlan, upstream: str, downstream: StagePlan |
         kv_dtype=run.settings.kv_dtype,
         ring_slots=run.settings.ring_slots,
         cpu_dtype=run.settings.cpu_dtype,
-        prefix_seed=run.prefix_seed,
+        prefix_seed=run.prefix_seeds[index],
     )
 
 

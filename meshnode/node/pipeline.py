@@ -22,7 +22,7 @@ Theory of operation, per sequence (DESIGN §2):
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Generic, NewType, Protocol, TypeVar, runtime_checkable
 
 from meshnode.errors import MeshnodeError
@@ -83,12 +83,18 @@ class StepFrame:
     # A new sequence's first frame resuming from the stages' cached prefix of
     # ``start_pos`` tokens: the hash-chain key of its last block (meshnode.node.prefix).
     prefix_key: bytes | None = None
+    # Where each later stage starts the sequence, and the key of the prefix it resumes
+    # from there (None: none), in order (a prompt's frames; :func:`onward`). Empty: every
+    # later stage starts where this one does, with ``prefix_key``.
+    resume: tuple[tuple[int, bytes | None], ...] = ()
 
     def __post_init__(self) -> None:
         if self.start_pos < 0:
             raise ValueError(f"start_pos must be >= 0, got {self.start_pos}")
         if self.prefix_key is not None and (self.start_pos == 0 or len(self.prefix_key) != 16):
             raise ValueError("a frame resumes from a 16-byte prefix key, at start_pos > 0")
+        if self.resume:
+            self._check_resume()
         if not self.tokens:
             raise ValueError("a frame carries at least one token")
         if self.kind is FrameKind.DECODE and len(self.tokens) != 1:
@@ -97,6 +103,18 @@ class StepFrame:
             raise ValueError("a verify frame carries the last token and at least one draft")
         if self.kind is not FrameKind.PREFILL and not self.final:
             raise ValueError(f"only prefill frames may be non-final, not {self.kind}")
+
+    def _check_resume(self) -> None:
+        """The rules of ``resume`` (the wire's ``resume_starts``, ``protocol/README.md``)."""
+        starts = [start for start, _ in self.resume]
+        if self.kind is not FrameKind.PREFILL:
+            raise ValueError("only a prompt's (prefill) frames say where later stages start")
+        if any(b < a for a, b in zip([self.start_pos, *starts], starts, strict=False)):
+            raise ValueError("later stages start in order, none before this frame")
+        if any(k is not None and (s == 0 or len(k) != 16) for s, k in self.resume):
+            raise ValueError("a later stage resumes from a 16-byte prefix key, at a start > 0")
+        if self.final and starts[-1] >= self.end_pos:
+            raise ValueError("a final frame reaches every stage: each starts before its end")
 
     @property
     def drafts(self) -> tuple[int, ...]:
@@ -107,6 +125,24 @@ class StepFrame:
     def end_pos(self) -> int:
         """The cache length after this frame: ``start_pos + len(tokens)``."""
         return self.start_pos + len(self.tokens)
+
+
+def onward(frame: StepFrame, hidden: Any) -> tuple[StepFrame, Any] | None:
+    """What the stage after ``frame``'s goes on with: its own frame and its rows of
+    ``hidden`` (this stage's output, rows first), or None when the frame ends before the
+    next stage starts (a non-final prompt piece that stage resumes past, issue 30). The
+    next stage starts at ``frame.resume``'s first entry, with its key, and keeps the rest;
+    without entries it starts where this one did (``hidden`` as it is)."""
+    if not frame.resume:
+        return frame, hidden
+    (start, key), rest = frame.resume[0], frame.resume[1:]
+    if start >= frame.end_pos:
+        return None
+    cut = start - frame.start_pos
+    next_frame = replace(
+        frame, start_pos=start, tokens=frame.tokens[cut:], prefix_key=key, resume=rest
+    )
+    return next_frame, hidden[cut:]
 
 
 @dataclass(frozen=True, slots=True)

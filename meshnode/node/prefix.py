@@ -1,18 +1,24 @@
 """Prefix sharing across requests through a pipeline (issue 30): both ends of the rule.
 
 **The rule.** Every stage keeps a pool of KV blocks of the token prefixes it has computed
-(:mod:`meshnode.engine.prefix_cache`). The host keeps a :class:`PrefixIndex` of the blocks
-it believes *every* stage holds: those of the token positions its frames carried and whose
-passes came back (each stage stored them on the way, below the committed length). For a new
-request it resumes at the longest such prefix ``P`` (whole blocks, never the prompt's last
-token): the sequence's first frame starts at ``start_pos = P`` and carries ``prefix_key``,
-the hash-chain key of the prefix's last block. A stage that holds the whole chain puts its
+(:mod:`meshnode.engine.prefix_cache`), keyed by a chain its own seed salts. The host keeps
+a :class:`PrefixIndex` of the blocks it believes each stage holds: those of the token
+positions its frames carried and whose passes came back (each stage stored them on the
+way, below the committed length), and those a stage kept of an earlier run
+(:mod:`meshnode.node.prefix_keep`). For a new request it resumes stage ``k`` at the
+longest prefix ``P_k`` (whole blocks, never the prompt's last token) that stage ``k`` and
+every stage after it hold (a stage computes the rows the next one needs:
+:class:`ResumePoint`): the sequence's first frame starts at ``start_pos = P_0`` and
+carries ``prefix_key``, the hash-chain key of the prefix's last block, and ``resume``,
+each later stage's start and key; a stage sends the next one only the rows from its start
+on (:func:`~meshnode.node.pipeline.onward`). A stage that holds the whole chain puts its
 blocks in the sequence's block table (by reference: a CPU stage's sequences hold paged
 caches, :mod:`meshnode.engine.kv_pages`) and computes only the frame's tokens; a stage
 that lacks a block (evicted under its own budget, or it keeps no pool) refuses the frame with
 :class:`~meshnode.engine.prefix_cache.PrefixMissError` (``PREFIX_MISS`` on the wire) and
-keeps nothing of the sequence. The host then forgets that prompt's blocks and sends the
-prompt from position 0, which every stage accepts for a known or unknown sequence alike (a
+keeps nothing of the sequence (and refuses its later prompt pieces the same way, until it
+is released). The host then forgets that prompt's blocks and sends the prompt from
+position 0, which every stage accepts for a known or unknown sequence alike (a
 frame at 0 truncates everything). So a wrong belief costs one wasted partial pass, never a
 wrong token: the host needs no knowledge of the stages' budgets or eviction order.
 
@@ -36,9 +42,10 @@ block), so the snapshot a later request needs exists and both paths compute the 
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from meshnode.engine.kv_cache import KV_BLOCK
@@ -68,6 +75,7 @@ __all__ = [
     "NotedPass",
     "PrefixCaching",
     "PrefixIndex",
+    "ResumePoint",
     "StagePrefix",
     "host_pools",
     "note_pass",
@@ -279,72 +287,127 @@ def _same_blocks(held: list[int], start: int, tokens: Sequence[int], block: int)
 @dataclass(slots=True)
 class _Sent:
     tokens: list[int]
-    keys: list[bytes]
+    keys: list[list[bytes]]  # each stage's chain keys of ``tokens``' full blocks
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """Where a new sequence starts on each stage (``starts``, whole blocks, never
+    decreasing) and the key of the prefix each resumes from (``keys``; None at 0). One
+    entry: every stage starts there with that key (one salt for every stage)."""
+
+    starts: tuple[int, ...]
+    keys: tuple[bytes | None, ...]
+
+    @property
+    def start(self) -> int:
+        """Stage 0's start: the prompt tokens no stage computes (``cached_tokens``)."""
+        return self.starts[0]
+
+    @property
+    def key(self) -> bytes | None:
+        """Stage 0's key."""
+        return self.keys[0]
+
+    def frame(self, frame: StepFrame) -> StepFrame:
+        """``frame``, a piece of the prompt from :attr:`start` on, with what the stages need
+        to resume it: stage 0's key on the piece at its start, and each later stage's
+        start and key (:attr:`StepFrame.resume`) while one of them starts at or after the
+        piece (a stage already past its start continues it from the piece's)."""
+        key = self.key if frame.start_pos == self.start else None
+        later = list(zip(self.starts[1:], self.keys[1:], strict=True))
+        ahead = bool(later) and later[-1][0] > 0 and frame.start_pos <= later[-1][0]
+        if not ahead:
+            return replace(frame, prefix_key=key) if key is not None else frame
+        at = frame.start_pos
+        resume = tuple((s, k) if s >= at else (at, None) for s, k in later)
+        return replace(frame, prefix_key=key, resume=resume)
 
 
 class PrefixIndex:
-    """The host side of the rule (module docstring): the keys of the blocks every stage of
-    one pipeline should hold, least recently used first, at most ``limit``; ``salt`` is the
-    stages' (the run's prefix seed: it names the model, the dtypes and the layer ranges,
-    :mod:`meshnode.node.prefix_keep`)."""
+    """The host side of the rule (module docstring): the keys of the blocks the stages of
+    one pipeline should hold, least recently used first, at most ``limit`` of them, every
+    stage's together (still far more than the stages' pools hold). ``salts`` are the
+    stages' seeds, in order (each stage's prefix seed names the model, the dtypes and the
+    arithmetic up to its layers, :mod:`meshnode.node.prefix_keep`, so the stages' keys
+    differ); one salt: every stage keys with it (the run id from an older host)."""
 
     def __init__(
         self,
-        salt: str,
+        salts: str | Sequence[str],
         *,
         block: int = PREFIX_BLOCK_TOKENS,
         limit: int = MAX_INDEX_BLOCKS,
         snapshots: bool = False,
     ) -> None:
-        self.salt, self.block, self.limit = salt, block, limit
+        self.salts = (salts,) if isinstance(salts, str) else tuple(salts)
+        if not self.salts:
+            raise ValueError("a prefix index needs a salt")
+        self.block = block
+        self.limit = limit
         # hybrid stages: the keys are of boundaries snapshotted (prefill passes ended
         # there), a prefix resumes at the last one of them, not after leading blocks
         self.snapshots = snapshots
+        # Every stage's keys in one order: a key names its stage (its salt differs).
         self._keys: OrderedDict[bytes, None] = OrderedDict()
         self._sent: dict[RequestId, _Sent] = {}
 
     @classmethod
-    def of_run(cls, stage0: StagePrefix, blocks: Sequence[int], salt: str) -> PrefixIndex | None:
+    def of_run(
+        cls, stage0: StagePrefix, blocks: Sequence[int], salts: str | Sequence[str]
+    ) -> PrefixIndex | None:
         """The index of a pipeline whose first stage is ``stage0`` and whose other stages
         announced ``blocks`` (``Ready.prefix_block``); None (requests never resume) unless
         every stage keeps a pool of stage 0's block size."""
         block = stage0.block
         agreed = block > 0 and all(b == block for b in blocks)
-        return cls(salt, block=block, snapshots=stage0.snapshots) if agreed else None
+        return cls(salts, block=block, snapshots=stage0.snapshots) if agreed else None
 
-    def resume_point(
-        self, request_id: RequestId, prompt: Sequence[int]
-    ) -> tuple[int, bytes | None]:
-        """Where the new sequence ``request_id`` of ``prompt`` may start, and the key of
-        the prefix it resumes from (``0, None``: from the beginning)."""
-        keys = chain_keys(self.salt, prompt, self.block)
-        if self.snapshots:  # the last believed boundary within reach
-            top = resume_length(len(prompt), len(keys), self.block) // self.block
-            known = next((i + 1 for i in reversed(range(top)) if keys[i] in self._keys), 0)
+    def resume_point(self, request_id: RequestId, prompt: Sequence[int]) -> ResumePoint:
+        """Where the new sequence ``request_id`` of ``prompt`` starts on each stage, and
+        the keys of the prefixes it resumes from (stage 0 at 0: from the beginning).
+
+        A stage computes the rows the next one needs, so stage ``k`` starts at the
+        smallest of what it and every later stage hold (whole blocks of the prompt, never
+        its last token): after a re-plan the stages downstream of a changed one resume
+        while the changed one, and those before it, compute from 0. On hybrid stages,
+        the last boundary every stage believes, on all of them."""
+        chains = [chain_keys(salt, prompt, self.block) for salt in self.salts]
+        top = resume_length(len(prompt), len(prompt), self.block) // self.block
+        if self.snapshots:  # the last boundary every stage believes, within reach
+            known = next(
+                (i + 1 for i in reversed(range(top)) if all(c[i] in self._keys for c in chains)),
+                0,
+            )
+            blocks = [known] * len(chains)
         else:
-            known = next((i for i, k in enumerate(keys) if k not in self._keys), len(keys))
-        start = resume_length(len(prompt), known, self.block)
-        held = keys[: start // self.block]
-        self._sent[request_id] = _Sent(list(prompt[:start]), held)
-        return (start, held[-1]) if held else (0, None)
+            held = [next((i for i in range(top) if c[i] not in self._keys), top) for c in chains]
+            blocks = list(itertools.accumulate(reversed(held), min))[::-1]
+        self._sent[request_id] = _Sent(
+            list(prompt[: blocks[0] * self.block]), [c[: blocks[0]] for c in chains]
+        )
+        starts = tuple(b * self.block for b in blocks)
+        keys = tuple(c[b - 1] if b else None for c, b in zip(chains, blocks, strict=True))
+        return ResumePoint(starts, keys)
 
     def passed(self, frame: StepFrame) -> None:
         """``frame``'s pass came back: every stage holds its committed positions."""
-        sent = self._sent.setdefault(frame.request_id, _Sent([], []))
+        sent = self._sent.setdefault(frame.request_id, _Sent([], [[] for _ in self.salts]))
         if frame.start_pos > len(sent.tokens):  # a pass this index did not see: stop here
             return
-        del sent.keys[frame.start_pos // self.block :]
         sent.tokens[frame.start_pos :] = frame.tokens
         committed = frame.end_pos - len(frame.drafts)
-        extend_chain(sent.keys, self.salt, sent.tokens[:committed], self.block)
-        for key in self._believed(frame, sent.keys):
-            self._keys[key] = None
-            self._keys.move_to_end(key)
+        for keys, salt in zip(sent.keys, self.salts, strict=True):
+            del keys[frame.start_pos // self.block :]
+            extend_chain(keys, salt, sent.tokens[:committed], self.block)
+            for key in self._believed(frame, keys):
+                self._keys[key] = None
+                self._keys.move_to_end(key)
         while len(self._keys) > self.limit:
             self._keys.popitem(last=False)
 
     def _believed(self, frame: StepFrame, keys: list[bytes]) -> list[bytes]:
-        """The keys every stage holds after ``frame``'s pass (``keys``: its sequence's
+        """The keys a stage holds after ``frame``'s pass (``keys``: its sequence's
         committed blocks'): all of them, or on hybrid stages the boundary a prefill pass
         ended at, where each stage kept a snapshot (``HybridPrefix.written``,
         :mod:`meshnode.node.hybrid_prefix`)."""
@@ -356,16 +419,18 @@ class PrefixIndex:
         return [keys[end // self.block - 1]]
 
     def believe(self, keys: Sequence[bytes]) -> None:
-        """Every stage holds the blocks of ``keys`` (least recently used first): what the
-        stages of a new run kept of an earlier one (:mod:`meshnode.node.prefix_keep`)."""
+        """The stages hold the blocks of ``keys`` (least recently used first; each key
+        names its stage): what the stages of a new run kept of an earlier one
+        (:mod:`meshnode.node.prefix_keep`)."""
         for key in keys[-self.limit :]:
             self._keys[key] = None
             self._keys.move_to_end(key)
 
     def missed(self, prompt: Sequence[int]) -> None:
-        """A stage lacked ``prompt``'s prefix: believe none of its blocks any more."""
-        for key in chain_keys(self.salt, prompt, self.block):
-            self._keys.pop(key, None)
+        """A stage lacked ``prompt``'s prefix: believe none of its blocks, on any stage."""
+        for salt in self.salts:
+            for key in chain_keys(salt, prompt, self.block):
+                self._keys.pop(key, None)
 
     def released(self, request_id: RequestId) -> None:
         """The sequence ended (its blocks stay in the index)."""
@@ -426,14 +491,17 @@ class HostStage(Protocol):
 
 
 def host_pools(
-    runner: HostStage, blocks: Sequence[int], salt: str, held: Sequence[bytes] = ()
+    runner: HostStage,
+    blocks: Sequence[int],
+    salts: str | Sequence[str],
+    held: Sequence[bytes] = (),
 ) -> tuple[PrefixIndex | None, int | None]:
-    """What a host keeps of its pipeline's pools: the index of the prefixes every stage
-    caches (:meth:`PrefixIndex.of_run`), believing ``held`` already, and the KV blocks its
+    """What a host keeps of its pipeline's pools: the index of the prefixes the stages
+    cache (:meth:`PrefixIndex.of_run`), believing ``held`` already, and the KV blocks its
     requests may hold at once (:func:`pipeline_blocks`). ``runner``: stage 0's;
-    ``blocks``: each other stage's ``Ready.prefix_block``; ``salt``: the run's prefix
-    seed (:mod:`meshnode.node.prefix_keep`; the run id from an older host)."""
-    index = PrefixIndex.of_run(runner.prefix, blocks, salt)
+    ``blocks``: each other stage's ``Ready.prefix_block``; ``salts``: each stage's prefix
+    seed (:mod:`meshnode.node.prefix_keep`; one for all: the run id from an older host)."""
+    index = PrefixIndex.of_run(runner.prefix, blocks, salts)
     if index is not None:
         index.believe(held)
     return index, pipeline_blocks(runner.prefix, runner.context_size, blocks)

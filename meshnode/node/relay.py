@@ -32,7 +32,7 @@ from meshnode_protocol import (
 from meshnode.engine.prefix_cache import PrefixMissError
 from meshnode.engine.recurrent import RollbackError
 from meshnode.net.stream import SEND_ERRORS
-from meshnode.node.pipeline import RequestId, Slot, StepResult
+from meshnode.node.pipeline import RequestId, Slot, StepResult, onward
 from meshnode.node.stage import step_activations, step_results
 from meshnode.node.wire import frame_from_wire, frame_to_wire, result_to_wire
 from meshnode.node.worker_run import DataMessage, WorkerRun
@@ -128,8 +128,11 @@ class Relay:
             elif runner.last:
                 if slot.output and slot.output.tokens:  # none after a non-final prefill chunk
                     outgoing.append(_prediction(run, slot, message))
-            elif run.downstream is not None:
-                outgoing.append(_onward(run, slot, message, compute_us))
+            elif run.downstream is not None and (
+                # None: the next stage resumes the sequence past this frame (issue 30)
+                sent := _onward(run, slot, message, compute_us)
+            ):
+                outgoing.append(sent)
         if outgoing:
             await self._send_on(run, outgoing, batched, messages)
 
@@ -177,10 +180,15 @@ def _prediction(run: WorkerRun, slot: Slot[StepResult], message: ActivationFrame
 
 def _onward(
     run: WorkerRun, slot: Slot[Any], message: ActivationFrame, compute_us: int
-) -> ActivationFrame:
+) -> ActivationFrame | None:
+    """The frame for the next stage: the rows from where it starts the sequence on
+    (:func:`~meshnode.node.pipeline.onward`); None when it needs none of them."""
+    if (next_step := onward(slot.frame, slot.output)) is None:
+        return None
+    frame, hidden = next_step
     return frame_to_wire(
-        slot.frame,
-        slot.output,
+        frame,
+        hidden,
         run_id=run.run_id,
         term=run.term,
         wire_dtype=run.wire_dtype,

@@ -235,8 +235,8 @@ class RemotePipeline(StageLink):
         speeds: SpeedBook | None = None,
         stage_weight_bytes: Sequence[int] = (),
         prefix_blocks: Sequence[int] = (),  # each other stage's Ready.prefix_block
-        prefix_seed: str = "",  # the run's Load.prefix_seed (empty: the run id)
-        prefix_held: Sequence[bytes] = (),  # blocks every stage kept of the run before
+        prefix_seeds: Sequence[str] = (),  # each stage's Load.prefix_seed (none: the run id)
+        prefix_held: Sequence[bytes] = (),  # blocks the stages kept of the run before
     ) -> None:
         super().__init__(
             run_id=run_id,
@@ -263,7 +263,7 @@ class RemotePipeline(StageLink):
         # Set when stage 0's compute missed its deadline: its thread's end (``_step``).
         self._hung: threading.Event | None = None
         self.prefix, self.kv_blocks = host_pools(  # hook (issue 30)
-            runner, prefix_blocks, prefix_seed or run_id, prefix_held
+            runner, prefix_blocks, prefix_seeds or run_id, prefix_held
         )
 
     @property
@@ -344,7 +344,8 @@ class RemotePipeline(StageLink):
             if done.output is not None:
                 slot.output, message = self._outgoing(slot.frame, done.output, local_s)
                 slot.output.rows = rows
-                messages.append(message)
+                if message is not None:  # None: stage 1 resumes past it (issue 30)
+                    messages.append(message)
         if messages:
             await self._forward_step(slots, messages, self._set_deadline(slots))
 

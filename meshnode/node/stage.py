@@ -20,6 +20,7 @@ pipeline holds a lock around both).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -110,6 +111,10 @@ class StageRunner:
         # Released caches are kept for the next sequence: allocating a context-sized cache
         # per request would churn hundreds of MiB per second under load.
         self._free_caches: list[Any] = []
+        # Sequences whose resume this stage refused (issue 30), until released: their later
+        # prompt pieces, already on their way, are refused as misses too, so the host hears
+        # a miss on the final piece it waits for, not an unknown sequence.
+        self._missed: OrderedDict[RequestId, None] = OrderedDict()
         # Hook (issue 30): the pool of cached prefixes shared by this stage's sequences.
         self.prefix = prefix or stage_prefix(
             stage,
@@ -227,6 +232,7 @@ class StageRunner:
 
     def release(self, request_id: RequestId) -> bool:
         """Free the sequence's cache; False if it was not live (release is idempotent)."""
+        self._missed.pop(request_id, None)
         seq = self._sequences.pop(request_id, None)
         if seq is None:
             return False
@@ -246,6 +252,8 @@ class StageRunner:
         seq = self._sequences.get(frame.request_id)
         if seq is not None:
             return seq
+        if frame.request_id in self._missed and frame.start_pos != 0:
+            raise PrefixMissError(f"sequence {frame.request_id} missed its cached prefix here")
         if frame.start_pos != 0 and frame.prefix_key is None:
             raise StageError(
                 f"sequence {frame.request_id} is unknown here and the frame starts at "
@@ -259,12 +267,16 @@ class StageRunner:
             # hook (issue 30): a paged cache of the stage's pool where it keeps one
             else self.prefix.new_cache(self.context_size) or self.stage.new_cache(self.context_size)
         )
+        self._missed.pop(frame.request_id, None)  # a frame at 0 starts it over
         seq = _Sequence(cache=cache, sampling=frame.sampling)
         if frame.prefix_key is not None:  # hook (issue 30): resume from the cached prefix
             try:
                 seq.history = self.prefix.resume(frame, cache)
             except PrefixMissError:
                 self._free_caches.append(cache)
+                self._missed[frame.request_id] = None
+                while len(self._missed) > 2 * self.max_sequences:
+                    self._missed.popitem(last=False)
                 raise
         if self.last:
             seq.sampler = Sampler(frame.sampling)

@@ -31,6 +31,7 @@ from meshnode.node.pipeline import (
     StageLostError,
     StepFrame,
     StepResult,
+    onward,
 )
 from meshnode.node.wire import WireSequences, frame_to_wire
 
@@ -140,10 +141,18 @@ class StageLink:
 
     def _outgoing(
         self, frame: StepFrame, hidden: Any, local_s: float
-    ) -> tuple[Waiter, ActivationFrame]:
+    ) -> tuple[Waiter, ActivationFrame | None]:
+        """The waiter of ``frame``, which stage 0 computed into ``hidden``, and the message
+        for stage 1: None when stage 1 resumes the sequence past the frame (a non-final
+        prompt piece only stage 0 needs, :func:`~meshnode.node.pipeline.onward`)."""
         wire_id = self._wire_id(frame.request_id)
+        if (next_step := onward(frame, hidden)) is None:
+            waiter = Waiter()
+            waiter.finish(StepResult(request_id=frame.request_id))
+            return waiter, None
+        sent, hidden = next_step
         message = frame_to_wire(
-            dataclasses.replace(frame, request_id=wire_id),
+            dataclasses.replace(sent, request_id=wire_id),
             hidden,
             run_id=self.run_id,
             term=self.term,
@@ -153,7 +162,7 @@ class StageLink:
         waiter = Waiter(local_s=local_s)
         if not self._unanswered:
             self._progress_s = trio.current_time()
-        self._unanswered[wire_id] = self._unanswered.get(wire_id, 0) + len(frame.tokens)
+        self._unanswered[wire_id] = self._unanswered.get(wire_id, 0) + len(sent.tokens)
         if frame.final:
             waiter.wire_id = wire_id
             self._waiters[wire_id] = waiter

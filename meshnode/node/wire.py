@@ -190,6 +190,7 @@ def frame_to_wire(
         draft_probs = tensor_from_array(frame.draft_probs, "f32")
     # A sequence's first frame: at 0, or resuming from a cached prefix (issue 30).
     first = frame.start_pos == 0 or frame.prefix_key is not None
+    once = first or bool(frame.resume)  # where the grammar travels (below)
     if sequences is None:
         payload = tensor_from_array(hidden, wire_dtype)
     else:
@@ -212,10 +213,14 @@ def frame_to_wire(
         top_logprobs=frame.top_logprobs or 0,
         stage_compute_us=stage_compute_us,
         mtp_drafts=frame.mtp_drafts,
-        # Like sampling, the grammar travels once: the last stage keeps it per sequence.
-        grammar=frame.grammar if first else None,
-        grammar_start=frame.grammar_start if first and frame.grammar is not None else 0,
+        # Like sampling, the grammar travels once: the last stage keeps it per sequence;
+        # and on a prompt piece that says where later stages start (issue 30): a later
+        # stage's first frame may be cut from a piece that is not this stage's first.
+        grammar=frame.grammar if once else None,
+        grammar_start=frame.grammar_start if once and frame.grammar is not None else 0,
         prefix_key=None if frame.prefix_key is None else frame.prefix_key.hex(),
+        resume_starts=tuple(start for start, _ in frame.resume),
+        resume_keys=tuple("" if key is None else key.hex() for _, key in frame.resume),
     )
 
 
@@ -252,6 +257,10 @@ def frame_from_wire(
         grammar=message.grammar,
         grammar_start=message.grammar_start,
         prefix_key=None if message.prefix_key is None else bytes.fromhex(message.prefix_key),
+        resume=tuple(
+            (start, bytes.fromhex(key) if key else None)
+            for start, key in zip(message.resume_starts, message.resume_keys, strict=True)
+        ),
     )
 
 

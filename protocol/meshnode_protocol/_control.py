@@ -291,9 +291,10 @@ class Load(Message):
     GGUF blocks takes too: ``native`` (exact) or ``q8`` (8-bit activations); empty leaves
     it to the stage's own ``--dtype``. ``prefix_seed`` (32 lowercase hex digits; empty: the
     run id) seeds the hash chain that keys the stage's cached prefix blocks: the host
-    derives it from what changes the K/V of every stage (model and pin, layer ranges and
-    nodes, dtypes), not from the run, so that a stage re-loaded for the same pipeline keeps
-    its cached blocks and a replay resumes from them.
+    derives it from what changes this stage's K/V (model and pin, dtypes, the device kind
+    of the layers before it and its own range; the cuts before it when the wire dtype
+    rounds), not from the run nor the nodes, so that a stage re-loaded with the same
+    arithmetic up to its layers keeps its cached blocks and a replay resumes from them.
     """
 
     TYPE: ClassVar[int] = 17
@@ -333,8 +334,8 @@ class Ready(Message):
     ``Load``'s (the stage keys its blocks with it; empty: with the run id) and
     ``prefix_keys`` are the keys (32 lowercase hex digits each) of the cached blocks the
     stage kept from an earlier load of the same pipeline, most recently used first, at most
-    ``MAX_READY_PREFIX_KEYS``: the host resumes a replayed request from the prefix every
-    stage still holds."""
+    ``MAX_READY_PREFIX_KEYS``: the host resumes a replayed request on each stage from the
+    prefix it and the stages after it still hold."""
 
     TYPE: ClassVar[int] = 18
     run_id: str

@@ -10,6 +10,10 @@ from meshnode_protocol._fields import UInt
 from meshnode_protocol._records import ACTIVATION_KINDS, Message, Record, Sampling, is_key
 from meshnode_protocol._tensor import Tensor
 
+#: Stages after this one a frame's ``resume_starts`` may name: more than any pipeline has
+#: (one a layer), few enough that the lists stay small in a header (~40 bytes a stage).
+MAX_RESUME_STAGES: Final = 255
+
 # -- data plane ------------------------------------------------------------------------------
 
 
@@ -49,6 +53,14 @@ class ActivationFrame(Message):
     prefix cache) asks each stage to resume the new request from its cached prefix of
     ``start_pos`` tokens, whose last block has this hash-chain key; a stage that lacks it
     answers ``PREFIX_MISS`` and the host sends the request again from 0.
+    ``resume_starts`` and ``resume_keys`` (parallel, one entry for each later stage, in
+    order; on a request's prompt frames only) say where each later stage starts the
+    request: a stage sends the next one only the rows from that entry's start on (none,
+    for a frame that ends before it: only a non-final one may), with ``start_pos`` that
+    start, ``prefix_key`` the entry's key ("" for none; a key only at a start > 0) and the
+    entries after it. Starts never decrease and none is below ``start_pos``; a final frame
+    reaches every stage (each start is below its end). Empty: every later stage starts
+    where this one does, with this frame's ``prefix_key``.
     """
 
     TYPE: ClassVar[int] = 30
@@ -71,11 +83,14 @@ class ActivationFrame(Message):
     grammar: str | None = None
     grammar_start: UInt = 0
     prefix_key: str | None = None
+    resume_starts: tuple[UInt, ...] = ()
+    resume_keys: tuple[str, ...] = ()
 
     def _validate(self) -> None:
         key = self.prefix_key
         if key is not None and not (is_key(key) and self.start_pos > 0):
             raise ValueError("prefix_key is 32 lowercase hex digits, at start_pos > 0")
+        self._validate_resume()
         if self.kind not in ACTIVATION_KINDS:
             raise ValueError(f"kind must be one of {ACTIVATION_KINDS}, not {self.kind!r}")
         rows = len(self.tokens) + len(self.draft_tokens)
@@ -86,6 +101,21 @@ class ActivationFrame(Message):
         if self.out_rows > rows:
             raise ValueError(f"out_rows={self.out_rows} exceeds the frame's {rows} rows")
         self._validate_draft_probs()
+
+    def _validate_resume(self) -> None:
+        starts, keys = self.resume_starts, self.resume_keys
+        if not starts and not keys:
+            return
+        if len(starts) != len(keys) or len(starts) > MAX_RESUME_STAGES:
+            raise ValueError(f"resume_starts and resume_keys: one each for <= {MAX_RESUME_STAGES}")
+        if self.kind != "prefill":
+            raise ValueError("resume_starts are sent with kind='prefill' only")
+        if any(b < a for a, b in zip((self.start_pos, *starts), starts, strict=False)):
+            raise ValueError("resume_starts never decrease and start at start_pos or later")
+        if any(k and not (is_key(k) and s > 0) for s, k in zip(starts, keys, strict=True)):
+            raise ValueError("each of resume_keys is empty or 32 hex digits, at a start > 0")
+        if self.final and starts[-1] >= self.start_pos + self.rows:
+            raise ValueError("a final frame's resume_starts are below its end")
 
     def _validate_draft_probs(self) -> None:
         probs = self.draft_probs

@@ -35,6 +35,7 @@ from meshnode_protocol._control import (
 )
 from meshnode_protocol._data import (
     MAX_BATCH_FRAMES,
+    MAX_RESUME_STAGES,
     ActivationBatch,
     ActivationFrame,
     Prediction,
@@ -64,6 +65,7 @@ __all__ = [
     "LINK_PROBE_FEATURE",
     "MAX_BATCH_FRAMES",
     "MAX_READY_PREFIX_KEYS",
+    "MAX_RESUME_STAGES",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "SPEED_QUERY_FEATURE",

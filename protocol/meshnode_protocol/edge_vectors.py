@@ -340,6 +340,11 @@ MALFORMED: Final[dict[str, Malformed]] = {
     "cross_field_rule": _after_hello(
         "out_rows 2 on a frame of 1 row", _act(("out_rows", 2)), _INVALID
     ),
+    "resume_on_a_decode_frame": _after_hello(
+        "resume_starts on a decode frame (a prompt's frames only say where later stages start)",
+        _act(("resume_starts", [9]), ("resume_keys", [""])),
+        _INVALID,
+    ),
     "bad_tensor_dtype": _after_hello(
         "a payload descriptor with dtype f64",
         _act(("payload", {"dtype": "f64", "shape": [1, 1], "nbytes": 8}), payload=bytes(8)),

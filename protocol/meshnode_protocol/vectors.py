@@ -332,6 +332,20 @@ EXAMPLES: Final[dict[str, Message]] = {
         sampling=Sampling(temperature=0.0),
         prefix_key=bytes(range(16)).hex(),
     ),
+    # A prompt's last piece on its way to stage 1, which holds no prefix and continues the
+    # request from 30; stage 2 resumes it at 32 from its cached blocks (its own key): stage
+    # 1 sends it the rows from 32 on.
+    "activation_prefill_resume_stages": ActivationFrame(
+        request_id="req-4",
+        run_id=_RUN_ID,
+        term=_TERM,
+        kind="prefill",
+        start_pos=30,
+        tokens=(5, 6, 7, 8),
+        payload=Tensor("f16", (4, 1), _f16(0.5, -1.0, 2.0, 0.25)),
+        resume_starts=(32,),
+        resume_keys=(bytes(range(16, 32)).hex(),),
+    ),
     "activation_verify": ActivationFrame(
         request_id="req-1",
         run_id=_RUN_ID,

@@ -173,9 +173,10 @@ def test_the_pool_cuts_q8_products_as_it_cuts_exact_ones(
         want = np.empty((k, m.n_out), np.float32)
         serial(*m._raws, x.reshape(-1), want)
         np.testing.assert_array_equal(q8.q8_product(m, x), want)
-        q8_rows = idle_threads._st[pool.ROWS]
+        q8_rows = idle_threads.job_word(pool.ROWS)
         x @ m
-        assert q8_rows == idle_threads._st[pool.ROWS]
+        assert q8_rows == idle_threads.job_word(pool.ROWS)
+        assert q8_rows == pool.chunk_rows(m.n_out, N_IN, k, 2)
 
 
 @pytest.mark.parametrize("dtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])

@@ -28,12 +28,18 @@ def team() -> TileThreads:
     return TileThreads()
 
 
-def product(m: BlockMatrix, x: np.ndarray, threads: int, team: TileThreads) -> np.ndarray:
-    """``x @ m`` with ``threads`` kernel threads on an idle machine of four cores."""
+def product(
+    m: BlockMatrix, x: np.ndarray, threads: int, team: TileThreads, *, tiled: bool = False
+) -> np.ndarray:
+    """``x @ m`` with ``threads`` kernel threads on an idle machine of four cores; with
+    ``tiled``, through the tiles whatever this machine's BLAS (:func:`.tiles.rows_independent`),
+    to test their sharing."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(matrix, "_threads", threads)
         mp.setattr(matrix, "_pool", lambda: KernelPool(idle_gauge(4)))
         mp.setattr(matrix, "_tile_threads", lambda: team)
+        if tiled:
+            mp.setattr(tiles, "rows_independent", lambda: True)
         out: np.ndarray = x @ m
     return out
 
@@ -48,9 +54,9 @@ def test_shared_tiles_are_bit_identical_to_serial_and_to_dequantize(
     m = BlockMatrix(parts)
     x = rng.standard_normal((MAX_KERNEL_ROWS + 24, N_IN)).astype(np.float32)
     before = team.posted
-    shared = product(m, x, threads, team)
+    shared = product(m, x, threads, team, tiled=True)
     assert team.posted == before + 1
-    serial = product(m, x, 1, team)
+    serial = product(m, x, 1, team, tiled=True)
     assert team.posted == before + 1
     np.testing.assert_array_equal(shared, serial)
     ref = np.concatenate([dequantize(p) for p in parts]).astype(np.float64)
@@ -96,10 +102,10 @@ def test_without_a_blas_set_to_one_thread_the_tiles_stay_serial(
 ) -> None:
     m = BlockMatrix([random_tensor("Q8_0", 520, rng)])
     x = rng.standard_normal((MAX_KERNEL_ROWS + 1, N_IN)).astype(np.float32)
-    want = product(m, x, 1, team)
+    want = product(m, x, 1, team, tiled=True)
     monkeypatch.setattr(tiles, "single_threaded_blas", lambda: False)
     before = team.posted
-    np.testing.assert_array_equal(product(m, x, 2, team), want)
+    np.testing.assert_array_equal(product(m, x, 2, team, tiled=True), want)
     assert team.posted == before
 
 
@@ -122,3 +128,19 @@ def test_a_long_segment_s_rows_are_the_same_bits_in_any_batch(
     got = m.product_by_segment(x, [1, len(seg), 2])
     np.testing.assert_array_equal(got[1 : 1 + len(seg)], want)
     np.testing.assert_array_equal(got[[0, -2, -1]], short @ m)  # several kernel rows
+
+
+def test_where_blas_rows_depend_on_their_batch_the_kernels_take_every_row(
+    team: TileThreads, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an sgemm whose rows round with their batch (OpenBLAS's Haswell kernels) is never
+    # called: every row of a long product is the same bits as the row multiplied alone
+    monkeypatch.setattr(tiles, "rows_independent", lambda: False)
+    m = BlockMatrix([random_tensor("Q4_K", 100, rng), random_tensor("Q8_0", 40, rng)])
+    x = rng.standard_normal((3 * MAX_KERNEL_ROWS + 5, N_IN)).astype(np.float32)
+    before = team.posted
+    got = product(m, x, 2, team)
+    assert team.posted == before  # no tiles
+    alone = np.stack([product(m, x[i : i + 1], 1, team)[0] for i in range(x.shape[0])])
+    np.testing.assert_array_equal(got, alone)
+    np.testing.assert_array_equal(m.product_by_segment(x, [1, 40, x.shape[0] - 41]), alone)

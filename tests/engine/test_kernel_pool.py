@@ -5,6 +5,7 @@ machine gets serial products."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -78,7 +79,9 @@ def test_shared_products_are_bit_identical_to_serial(
 
 def test_the_caller_redoes_a_chunk_a_descheduled_helper_holds(rng: np.random.Generator) -> None:
     """A helper that claimed a chunk and stopped (descheduled) does not hold the product
-    up: the caller computes that chunk too; no job is posted until the helper is back."""
+    up: the caller computes that chunk too. The next job still goes to the pool (in the
+    other area of fields, whose done count the late chunk does not touch); the one after
+    it, which would take the late chunk's area, is declined until the helper is back."""
     m = fused(rng, ("Q4_1", "Q8_0", "Q4_1"))
     x = rng.standard_normal(N_IN).astype(np.float32)
     serial = (x[None] @ m)[0]
@@ -97,14 +100,52 @@ def test_the_caller_redoes_a_chunk_a_descheduled_helper_holds(rng: np.random.Gen
     pool._work(st, 1000)
     np.testing.assert_array_equal(out[0], serial)
     assert pool._stale(st)
-    assert not p.run(fn, m._raws, x, np.empty((1, m.n_out), np.float32), 2)
-    assert p.posted == 0
+    # the next job is posted (the helper is not asleep: the caller computes it alone) and
+    # waits for its own chunks only, not for the late one
+    second = np.full((1, m.n_out), np.nan, np.float32)
+    assert pool._post(st, fn, 2, a, b, c, x, second, p._scratch, 32, 1000) == 0
+    np.testing.assert_array_equal(second[0], serial)
+    # the job after it would take the late chunk's fields: declined
+    third = np.full((1, m.n_out), np.nan, np.float32)
+    assert pool._post(st, fn, 3, a, b, c, x, third, p._scratch, 32, 1000) == -1
+    assert np.isnan(third).all()
     st[pool.BUSY + 1] = 0  # the helper is back and done
     assert not pool._stale(st)
+    assert pool._post(st, fn, 3, a, b, c, x, third, p._scratch, 32, 1000) == 0
+    np.testing.assert_array_equal(third[0], serial)
     again = np.empty((1, m.n_out), np.float32)
     assert p.run(fn, m._raws, x, again, 2)  # a real helper 1 now
     assert p.posted == 1
     np.testing.assert_array_equal(again[0], serial)
+
+
+def test_a_late_helper_does_not_stop_the_next_product(rng: np.random.Generator) -> None:
+    """Through ``run``: while a helper still holds a chunk of the last job, the next
+    product is shared (posted, the serial kernel's bits); the one after it is left to the
+    caller (declined, nothing written) until the helper is back."""
+    m = fused(rng, ("Q4_K", "Q6_K", "Q5_0"))
+    x = rng.standard_normal(N_IN).astype(np.float32)
+    serial = (x[None] @ m)[0]
+    fn = matrix.kernels().chunk_kernel(*m._fmts)
+    p = KernelPool(idle_gauge(2))
+    p._events.append(threading.Event())  # a helper 1 no thread runs: descheduled
+    p._st[pool.HELPERS] = 1
+    out = np.full((1, m.n_out), np.nan, np.float32)
+    assert p.run(fn, m._raws, x, out, 2)  # the caller computes every chunk
+    np.testing.assert_array_equal(out[0], serial)
+    p._st[pool.BUSY + 1] = 1 + (p._gen << 20 | 0)  # helper 1 holds chunk 0 of that job
+    out = np.full((1, m.n_out), np.nan, np.float32)
+    assert p.run(fn, m._raws, x, out, 2)
+    np.testing.assert_array_equal(out[0], serial)
+    assert p.posted == 2
+    out = np.full((1, m.n_out), np.nan, np.float32)
+    assert not p.run(fn, m._raws, x, out, 2)
+    assert p.declined == 1
+    assert np.isnan(out).all()
+    p._st[pool.BUSY + 1] = 0  # the helper is back and done
+    assert p.run(fn, m._raws, x, out, 2)
+    np.testing.assert_array_equal(out[0], serial)
+    assert p.posted == 3
 
 
 def test_a_product_wakes_a_helper_that_slept(rng: np.random.Generator) -> None:

@@ -35,6 +35,7 @@ from meshnode.node.local import LocalPipeline
 from meshnode.node.pipeline import FrameKind, Pipeline, RequestId, StepFrame, StepResult
 from meshnode.node.prefix import (
     PrefixIndex,
+    ResumePoint,
     host_pools,
     note_pass,
     note_release,
@@ -278,10 +279,14 @@ def _frame(kind: FrameKind, start: int, tokens: Sequence[int], final: bool = Tru
     return StepFrame(RequestId("x"), kind, start, tuple(tokens), GREEDY, final=final)
 
 
+def _point(point: ResumePoint) -> tuple[int, bytes | None]:
+    return point.start, point.key
+
+
 def test_the_host_believes_the_boundaries_prefill_passes_ended_at() -> None:
     index = PrefixIndex("r", block=B, snapshots=True)
     prompt = list(range(3, 3 + 3 * B + 7))
-    assert index.resume_point(RequestId("x"), prompt) == (0, None)
+    assert _point(index.resume_point(RequestId("x"), prompt)) == (0, None)
     index.passed(_frame(FrameKind.PREFILL, 0, prompt[: 2 * B], final=False))
     index.passed(_frame(FrameKind.PREFILL, 2 * B, prompt[2 * B : 3 * B], final=False))
     index.passed(_frame(FrameKind.PREFILL, 3 * B, prompt[3 * B :]))
@@ -290,11 +295,11 @@ def test_the_host_believes_the_boundaries_prefill_passes_ended_at() -> None:
     assert keys[0] not in index._keys  # inside a pass: no snapshot there
     assert keys[1] in index._keys
     assert keys[2] in index._keys
-    assert index.resume_point(RequestId("y"), [*prompt, 5, 6]) == (3 * B, keys[2])
+    assert _point(index.resume_point(RequestId("y"), [*prompt, 5, 6])) == (3 * B, keys[2])
     other = [*prompt[: 2 * B + 1], 99, 98]  # shares two blocks and a bit
-    assert index.resume_point(RequestId("z"), other) == (2 * B, keys[1])
+    assert _point(index.resume_point(RequestId("z"), other)) == (2 * B, keys[1])
     index.missed(prompt)
-    assert index.resume_point(RequestId("w"), prompt) == (0, None)
+    assert _point(index.resume_point(RequestId("w"), prompt)) == (0, None)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
-"""Cached blocks that outlive a run (node.prefix_keep): the seed and the identity a pool is
-kept by, a stage that takes over an earlier run's pool only when it is the same stage of the
-same pipeline, and the host's belief of what every stage kept.
+"""Cached blocks that outlive a run (node.prefix_keep): the seeds and the identity a pool is
+kept by, a stage that takes over an earlier run's pool only when it is the same stage with
+the same arithmetic upstream, and the host's belief of what each stage kept.
 
 The model is the tiny random Llama of the prefix tests, run by the real stage builder.
 """
@@ -33,10 +33,10 @@ from meshnode.node.prefix import PrefixIndex
 from meshnode.node.prefix_keep import (
     KeptPool,
     SeedStage,
-    common_keys,
     held_keys,
-    pipeline_seed,
+    kept_keys,
     stage_identity,
+    stage_seeds,
 )
 from meshnode.node.stage import StageRunner
 from meshnode.node.stage_build import build_runner
@@ -45,10 +45,10 @@ from tests.speculative.tinymodel import TinySource, tiny_config
 
 CONTEXT = 128
 PROMPT = [(5 * i + 2) % 45 + 3 for i in range(2 * B + 3)]
-LAYOUT = [SeedStage("host", "cpu:float32", 0, 2), SeedStage("a", "cpu", 2, 3)]
-SEED = pipeline_seed(
+LAYOUT = [SeedStage("cpu:float32", 0, 2), SeedStage("cpu", 2, 3)]
+SEED = stage_seeds(
     model=("hf://test/tiny", "c0ffee"), coordinator="host", dtypes=("f32", "", "f32"), stages=LAYOUT
-)
+)[1]
 OWNER = ("host", "hf://test/tiny", "c0ffee")
 
 
@@ -88,23 +88,52 @@ def _served(runner: StageRunner) -> StageRunner:
     return runner
 
 
-def test_the_seed_names_every_part_of_the_pipeline() -> None:
-    base: dict[str, Any] = dict(
-        model=("hf://test/tiny", "c0ffee"), coordinator="host", dtypes=("f32", "", "f32")
-    )
+BASE: dict[str, Any] = dict(
+    model=("hf://test/tiny", "c0ffee"), coordinator="host", dtypes=("f32", "", "f32")
+)
+
+
+def _seeds(stages: list[SeedStage], **changes: Any) -> tuple[str, ...]:
+    return stage_seeds(**(BASE | changes), stages=stages)
+
+
+def test_a_seed_names_what_changes_its_stage() -> None:
+    """The last stage's seed, of everything that changes its K/V bits."""
     seeds = {
-        pipeline_seed(**base, stages=LAYOUT),
-        pipeline_seed(**(base | {"model": ("hf://test/tiny", "beef")}), stages=LAYOUT),
-        pipeline_seed(**(base | {"coordinator": "other"}), stages=LAYOUT),
-        pipeline_seed(**(base | {"dtypes": ("f16", "", "f32")}), stages=LAYOUT),
-        pipeline_seed(**(base | {"dtypes": ("f32", "", "f16")}), stages=LAYOUT),
-        pipeline_seed(**base, stages=[LAYOUT[0], SeedStage("b", "cpu", 2, 3)]),  # a spare
-        pipeline_seed(**base, stages=[LAYOUT[0], SeedStage("a", "cuda", 2, 3)]),
-        pipeline_seed(**base, stages=[SeedStage("host", "cpu:float32", 0, 1), LAYOUT[1]]),
+        _seeds(LAYOUT)[1],
+        _seeds(LAYOUT, model=("hf://test/tiny", "beef"))[1],
+        _seeds(LAYOUT, coordinator="other")[1],
+        _seeds(LAYOUT, dtypes=("f16", "", "f32"))[1],
+        _seeds(LAYOUT, dtypes=("f32", "q8", "f32"))[1],
+        _seeds(LAYOUT, dtypes=("f32", "", "f16"))[1],
+        _seeds([LAYOUT[0], SeedStage("cuda", 2, 3)])[1],  # its own arithmetic
+        _seeds([SeedStage("cpu:q8", 0, 2), LAYOUT[1]])[1],  # the host's, upstream
+        _seeds([LAYOUT[0], SeedStage("cpu", 1, 3)])[1],  # its range
+        _seeds([SeedStage("cpu:float32", 0, 1), SeedStage("cpu", 1, 3)])[1],
     }
-    assert len(seeds) == 8
+    assert len(seeds) == 10
     assert all(len(s) == 32 and int(s, 16) >= 0 for s in seeds)
-    assert pipeline_seed(**base, stages=list(LAYOUT)) == SEED  # the same plan: the same seed
+    assert _seeds(list(LAYOUT))[1] == SEED  # the same plan: the same seed
+    assert len(set(_seeds(LAYOUT))) == 2  # each stage its own
+
+
+def test_a_seed_ignores_what_does_not_change_its_stage() -> None:
+    """Not the nodes, nor the stages after it; the cuts upstream only where the wire
+    dtype rounds the hidden state crossing them."""
+    three = [SeedStage("cpu:q8", 0, 4), SeedStage("cpu", 4, 8), SeedStage("cpu", 8, 12)]
+    moved = [SeedStage("cpu:q8", 0, 4), SeedStage("cpu", 4, 6), SeedStage("cpu", 6, 8),
+             SeedStage("cpu", 8, 12)]  # fmt: skip
+    first, *_ = _seeds(three)
+    assert _seeds([SeedStage("cpu:q8", 0, 4), SeedStage("cuda", 4, 12)])[0] == first
+    # float32 between the stages: the cut at 6 changes nothing after it
+    assert _seeds(moved)[3] == _seeds(three)[2]
+    assert _seeds(moved)[2] != _seeds(three)[1]  # its range changed
+    # f16 on the wire: a hidden state is rounded at every cut, so the cut counts
+    f16 = {"dtypes": ("f32", "", "f16")}
+    assert _seeds(moved, **f16)[3] != _seeds(three, **f16)[2]
+    # and so does a device upstream, float32 or not
+    other = [SeedStage("cpu:q8", 0, 4), SeedStage("cuda", 4, 8), SeedStage("cpu", 8, 12)]
+    assert _seeds(other)[2] != _seeds(three)[2]
 
 
 def test_an_older_host_gets_no_identity() -> None:
@@ -158,16 +187,25 @@ def test_a_pool_whose_sequences_live_on_is_not_taken(source: ModelSource) -> Non
     assert _build(source, _load(run_id="run-2"), kept=old.prefix).prefix is not old.prefix
 
 
-def test_the_host_believes_what_every_stage_kept(source: ModelSource) -> None:
+def test_the_host_believes_what_each_stage_kept(source: ModelSource) -> None:
+    """Each stage's keys are its own (its seed), and a stage resumes no later than any
+    stage after it: it computes the rows they need."""
     own = _served(_build(source, _load())).prefix
-    first, second = (k.hex() for k in chain_keys(SEED, PROMPT))
     keys = chain_keys(SEED, PROMPT)
-    assert common_keys(own, []) == keys[::-1]  # alone: all it holds, least recent first
-    assert common_keys(own, [[first, second], [first]]) == keys[:1]
-    assert common_keys(own, [[first, second], []]) == []  # a stage that kept nothing
-    index = PrefixIndex(SEED)
-    index.believe(common_keys(own, [[first, second]]))
-    assert index.resume_point(RequestId("q"), PROMPT) == (2 * B, keys[1])
+    assert kept_keys(own, []) == keys[::-1]  # alone: all it holds, least recent first
+    salts = [SEED, "1" * 32, "2" * 32]
+    mid, last = (chain_keys(salt, PROMPT) for salt in salts[1:])
+    index = PrefixIndex(salts)
+    index.believe(kept_keys(own, [[k.hex() for k in mid[:1]], [k.hex() for k in last[::-1]]]))
+    point = index.resume_point(RequestId("q"), PROMPT)
+    assert point.starts == (B, B, 2 * B)  # stage 1 holds one block: stage 0 starts there too
+    assert point.keys == (keys[0], mid[0], last[1])
+    index.missed(PROMPT)  # a stage lacked it: no stage is believed to hold it any more
+    assert index.resume_point(RequestId("q"), PROMPT).starts == (0, 0, 0)
+    index.believe(last)  # only the last stage holds it: only the last stage skips it
+    point = index.resume_point(RequestId("q"), PROMPT)
+    assert point.starts == (0, 0, 2 * B)
+    assert point.keys == (None, None, last[1])
 
 
 async def test_another_host_never_finds_the_pool_kept(source: ModelSource) -> None:

@@ -97,12 +97,17 @@ def activation_frames(draw: st.DrawFn) -> ActivationFrame:
         | tensors(rows=len(drafts)).filter(lambda t: len(t.shape) == 2)
     )
     generic = {f.name: for_kind(f.kind) for f in compile_fields(ActivationFrame)}
+    start_pos = draw(ints)
+    starts: tuple[int, ...] = ()  # where later stages start: within the frame's rows
+    if kind == "prefill" and rows and start_pos < 2**63:
+        offsets = draw(st.lists(st.integers(0, rows - 1), max_size=3))
+        starts = tuple(start_pos + offset for offset in sorted(offsets))
     return ActivationFrame(
         request_id=draw(texts),
         run_id=draw(texts),
         term=draw(ints),
         kind=kind,
-        start_pos=draw(ints),
+        start_pos=start_pos,
         tokens=tokens,
         payload=draw(st.none() | tensors(rows=rows)),
         sampling=draw(generic["sampling"]),
@@ -111,6 +116,8 @@ def activation_frames(draw: st.DrawFn) -> ActivationFrame:
         out_rows=draw(st.integers(0, rows)),
         final=draw(st.booleans()),
         logprobs=draw(st.booleans()),
+        resume_starts=starts,
+        resume_keys=tuple(draw(keys) if s > 0 and draw(st.booleans()) else "" for s in starts),
     )
 
 

@@ -174,6 +174,8 @@ def dense_product(x: Any, w: np.ndarray, sizes: Sequence[int] | None = None) -> 
     t.single_threaded_blas()
     out = np.empty((x.shape[0], w.shape[1]), np.float32)
     small = np.repeat([s <= MAX_KERNEL_ROWS for s in sizes], sizes)
+    if not t.rows_independent():  # every row one gemv: sgemm's rows depend on their batch
+        small[:] = True
     for i in np.flatnonzero(small):
         np.matmul(x[i], w, out=out[i])
     if not small.all():
@@ -278,7 +280,7 @@ class BlockMatrix:
         if x.shape[1] != self.n_in:
             raise ValueError(f"x has {x.shape[1]} columns, the matrix {self.n_in} rows")
         out = np.empty((x.shape[0], self.n_out), np.float32)
-        if x.shape[0] > MAX_KERNEL_ROWS:
+        if x.shape[0] > MAX_KERNEL_ROWS and _tiles().rows_independent():
             self._tiled_product(x, out)
             return out
         flat = np.ascontiguousarray(x).reshape(-1)

@@ -15,7 +15,11 @@ thread that starts late or is descheduled holds the product up. Here instead:
   wakes them: no CPU is burned between tokens;
 - the claim word packs the job's generation, its chunk count and the next chunk, so a
   helper can only claim a chunk of the job it read (compare-and-swap), and a job's fields
-  stay fixed while any of its chunks is unclaimed or in flight.
+  stay fixed while any of its chunks is unclaimed or in flight: consecutive jobs take
+  turns between two areas of fields (and of done counts), so that a job can be posted
+  while a helper still computes a chunk of the one before (descheduled mid-chunk, which
+  the caller then computed itself); only a helper still in the job before that one
+  makes the caller compute the next product alone.
 
 Every output element is computed by one chunk with the same code as the serial kernel:
 results are bit-identical whatever the thread count. One product at a time uses the pool;
@@ -49,10 +53,14 @@ from meshnode.engine.cpu.simd import entry, inner
 
 __all__ = ["CHUNK_ROWS", "CoreGauge", "KernelPool", "chunk_rows", "usable_cpus"]
 
-# The words of the shared array. Words written by different threads sit on their own
-# 64-byte lines (8 words), so a spinning helper's reads do not slow the writers.
+# The words of the shared array: a block of WORDS control words, then AREAS areas of as
+# many words, which a job's fields and done count take in turns (job generation g, area
+# g % AREAS: _area); a chunk function reads its job's fields from its area's address as
+# if it were the whole array (only the words from JOB are filled there). Words written by
+# different threads sit on their own 64-byte lines (8 words), so a spinning helper's
+# reads do not slow the writers.
 CLAIM = 0  # generation << 40 | chunks << 20 | next chunk: what a thread claims from
-DONE = 8  # chunks of the current job finished
+DONE = 8  # in an area: chunks of its job finished
 ACTIVE = 16  # how many threads may claim (the caller and helpers 1 .. ACTIVE - 1)
 HELPERS = 17  # helper threads started
 SPINS = 18  # idle iterations a helper spins for the next chunk before it sleeps
@@ -65,9 +73,12 @@ X, K, N_IN, OUT, N_OUT, SCRATCH, STRIDE, CA, CB, ROWS = range(JOB + 10, JOB + 20
 REDONE = JOB + 20  # chunks the caller computed that a helper held (written by the caller)
 RAN = JOB + 21  # chunks the caller claimed and ran in the last job (written by the caller)
 WORDS = JOB + 24
+AREAS = 2  # job areas after the control words: a job's and the one before's
 
 _FIELD = (1 << 20) - 1  # chunk count and next chunk: 20 bits each
-_MAX_GEN = (1 << 23) - 1  # generations: the claim word's other 23 bits
+# generations 1 .. _MAX_GEN in turn (the claim word's other 23 bits): an even count, so
+# that consecutive jobs take different areas across the wrap too
+_MAX_GEN = (1 << 23) - 2
 # Output rows per chunk, at least (4-row tiles), about CHUNKS_PER_THREAD chunks per thread
 # (balance, few claims: a cache line passed between cores, ~0.1 µs each), and at most
 # about CHUNK_WORK weights times activation rows per chunk: 2-15 µs for the products of a
@@ -217,11 +228,17 @@ def _row_work(n_in: int, k: int) -> int:
 
 
 @inner
+def _area(gen):  # type: ignore[no-untyped-def]
+    # the first word of the area of job generation ``gen``
+    return WORDS * (1 + gen % AREAS)
+
+
+@inner
 def _claim_and_run(st, who):  # type: ignore[no-untyped-def]
     # claim chunks of the current job until none is left; how many this thread ran. A
     # helper names the chunk in its BUSY word before it claims it and clears the word
-    # after counting it done, so the caller can see (and redo) a chunk a descheduled
-    # helper holds.
+    # after counting it done (in the job's area), so the caller can see (and redo) a
+    # chunk a descheduled helper holds, and knows when no helper uses an area.
     ran = 0
     while True:
         word = load(st, CLAIM)
@@ -231,8 +248,9 @@ def _claim_and_run(st, who):  # type: ignore[no-untyped-def]
         if who > 0:
             store(st, BUSY + who, 1 + ((word >> 40) << 20 | nxt))
         if cas(st, CLAIM, word, word + 1):
-            call3(load(st, FN), st.ctypes.data, who, nxt)
-            fetch_add(st, DONE, 1)
+            at = _area(word >> 40)
+            call3(load(st, at + FN), st.ctypes.data + 8 * at, who, nxt)
+            fetch_add(st, at + DONE, 1)
             ran += 1
         if who > 0:
             store(st, BUSY + who, 0)
@@ -268,51 +286,67 @@ def _stale(st):  # type: ignore[no-untyped-def]
     return held != 0
 
 
+@inner
+def _area_held(st, gen):  # type: ignore[no-untyped-def]
+    # whether a helper still holds a chunk of a job in the area job ``gen`` would take (a
+    # job before the last one: descheduled mid-chunk, which the caller finished)
+    for who in range(1, load(st, HELPERS) + 1):
+        held = load(st, BUSY + who) - 1
+        if held >= 0 and _area(held >> 20) == _area(gen):
+            return True
+    return False
+
+
 @entry(nogil=True)
 def _work(st, patience):  # type: ignore[no-untyped-def]
     # the caller's share, then wait for the chunks helpers still compute; after
     # ``patience`` idle iterations (a helper descheduled mid-chunk, on a busy machine)
     # compute the chunks helpers hold itself: they write the same values
     store(st, RAN, _claim_and_run(st, np.int64(0)))  # int64, as the helpers': one function
-    chunks = (load(st, CLAIM) >> 20) & _FIELD
+    word = load(st, CLAIM)
+    chunks, gen = (word >> 20) & _FIELD, word >> 40
+    at = _area(gen)
     waited = 0
-    while load(st, DONE) < chunks:
+    while load(st, at + DONE) < chunks:
         pause()
         waited += 1
         if waited >= patience:
-            gen = load(st, CLAIM) >> 40
             for who in range(1, load(st, HELPERS) + 1):
                 held = load(st, BUSY + who) - 1
                 if held >= 0 and held >> 20 == gen:
-                    call3(load(st, FN), st.ctypes.data, 0, held & _FIELD)
+                    call3(load(st, at + FN), st.ctypes.data + 8 * at, 0, held & _FIELD)
                     store(st, REDONE, load(st, REDONE) + 1)
             return
 
 
 @inner
-def _job(st, fn, a, b, c, x, out, scratch, rows):  # type: ignore[no-untyped-def]
-    # write a product's fields (chunks of ``rows`` output rows); its chunk count
+def _job(st, at, fn, a, b, c, x, out, scratch, rows):  # type: ignore[no-untyped-def]
+    # write a product's fields (chunks of ``rows`` output rows) in the area from word
+    # ``at``; its chunk count
     ca, cb = (a.shape[0] + rows - 1) // rows, (b.shape[0] + rows - 1) // rows
-    st[FN] = fn
-    st[A], st[NA], st[RBA] = a.ctypes.data, a.shape[0], a.shape[1]
-    st[B], st[NB], st[RBB] = b.ctypes.data, b.shape[0], b.shape[1]
-    st[C], st[NC], st[RBC] = c.ctypes.data, c.shape[0], c.shape[1]
-    st[K], st[N_OUT] = out.shape[0], out.shape[1]
-    st[X], st[N_IN], st[OUT] = x.ctypes.data, x.shape[0] // out.shape[0], out.ctypes.data
-    st[SCRATCH], st[STRIDE] = scratch.ctypes.data, scratch.shape[1]
-    st[CA], st[CB], st[ROWS] = ca, cb, rows
+    st[at + FN] = fn
+    st[at + A], st[at + NA], st[at + RBA] = a.ctypes.data, a.shape[0], a.shape[1]
+    st[at + B], st[at + NB], st[at + RBB] = b.ctypes.data, b.shape[0], b.shape[1]
+    st[at + C], st[at + NC], st[at + RBC] = c.ctypes.data, c.shape[0], c.shape[1]
+    st[at + K], st[at + N_OUT] = out.shape[0], out.shape[1]
+    st[at + X], st[at + N_IN] = x.ctypes.data, x.shape[0] // out.shape[0]
+    st[at + OUT] = out.ctypes.data
+    st[at + SCRATCH], st[at + STRIDE] = scratch.ctypes.data, scratch.shape[1]
+    st[at + CA], st[at + CB], st[at + ROWS] = ca, cb, rows
     return ca + cb + (c.shape[0] + rows - 1) // rows
 
 
 @entry(nogil=True)
 def _post(st, fn, gen, a, b, c, x, out, scratch, rows, patience):  # type: ignore[no-untyped-def]
-    # post the job (unless a helper still holds a chunk of the last one: -1) and, when no
-    # helper that may claim sleeps, do the caller's share (0); else clear their sleeping
-    # flags and return them (the caller sets their events, then calls _work)
-    if _stale(st):
+    # post job ``gen`` in its area (unless a helper still holds a chunk of the job before
+    # the last, which used that area: -1) and, when no helper that may claim sleeps, do
+    # the caller's share (0); else clear their sleeping flags and return them (the caller
+    # sets their events, then calls _work)
+    if _area_held(st, gen):
         return -1
-    chunks = _job(st, fn, a, b, c, x, out, scratch, rows)
-    store(st, DONE, 0)
+    at = _area(gen)
+    chunks = _job(st, at, fn, a, b, c, x, out, scratch, rows)
+    store(st, at + DONE, 0)
     store(st, CLAIM, (gen << 40) | (chunks << 20))
     woken = 0
     for who in range(1, load(st, ACTIVE)):
@@ -339,7 +373,7 @@ class KernelPool:
     needed, for one product at a time."""
 
     def __init__(self, gauge: CoreGauge | None = None) -> None:
-        self._st = np.zeros(WORDS, np.int64)
+        self._st = np.zeros((1 + AREAS) * WORDS, np.int64)
         self._st[ACTIVE] = 1
         self._gauge = gauge or CoreGauge()
         self._lock = threading.Lock()
@@ -352,10 +386,15 @@ class KernelPool:
         self._spin_us: float = SPIN_MICROSECONDS
         # (chunk function, rows k) -> the caller's seconds a unit of chunk work
         self._unit_s: dict[tuple[int, int], float] = {}
-        self._last: tuple[Any, ...] = ()  # the last job's arrays, while a helper may use them
+        # the arrays of the last AREAS jobs, while a helper may still use them
+        self._kept: tuple[Any, ...] = ((),) * AREAS
         self.posted = 0  # products shared so far
-        self.declined = 0  # products left to the caller: a helper still held a chunk
+        self.declined = 0  # products left to the caller: a helper still held an old chunk
         self.woken = 0  # products posted while a helper that may claim slept
+
+    def job_word(self, word: int) -> int:
+        """Word ``word`` (:data:`ROWS`, :data:`N_IN`, ...) of the last job posted (tests)."""
+        return int(self._st[WORDS * (1 + self._gen % AREAS) + word])
 
     @property
     def redone(self) -> int:
@@ -394,8 +433,8 @@ class KernelPool:
 
         Returns False, having done nothing, when fewer than two threads would run (the
         cap, or the cores other processes leave free), when another thread is using the
-        pool, or when a helper still holds a chunk of the last job: the caller then
-        computes serially.
+        pool, or when a helper still holds a chunk of the job before the last one: the
+        caller then computes serially.
         """
         if threads < 2 or os.getpid() != self._pid:  # helpers do not survive a fork
             return False
@@ -408,10 +447,11 @@ class KernelPool:
             self._lock.release()
 
     def settle(self, timeout_s: float) -> bool:
-        """Wait, at most ``timeout_s`` seconds, until no helper still holds a chunk of the
-        last job (one descheduled mid-chunk on a busy machine finishes it when it runs
-        again; until then :meth:`run` declines). True when settled: the next :meth:`run`
-        can post. For tests that check the pool took a product."""
+        """Wait, at most ``timeout_s`` seconds, until no helper still holds a chunk of a
+        finished job (one descheduled mid-chunk on a busy machine finishes it when it
+        runs again; until then the job after the next one cannot be posted). True when
+        settled: the next :meth:`run` can post. For tests that check the pool took a
+        product."""
         deadline = time.monotonic() + timeout_s
         while _stale(self._st):
             if time.monotonic() >= deadline:
@@ -429,20 +469,21 @@ class KernelPool:
         # bytes (.q8_tiles.scratch_bytes)
         self._start(threads, 7 * n_in)
         rows = chunk_rows(n_out, n_in, k, threads)
-        self._gen = self._gen % _MAX_GEN + 1
+        gen = self._gen % _MAX_GEN + 1
         a, b, c = parts
         key, units = (fn, k), rows * _row_work(n_in, k)  # a chunk's work
         patience = self._patience(key, units)
         began = time.perf_counter()
-        args = (self._st, fn, self._gen, a, b, c, x, out, self._scratch, rows, patience)
+        args = (self._st, fn, gen, a, b, c, x, out, self._scratch, rows, patience)
         woken = _post(*args)
         if woken < 0:
-            # a helper descheduled mid-chunk of the last job (which the caller then
-            # finished) still reads its fields and writes its output: no new job, and
-            # the last one's arrays kept, until it is done
+            # a helper descheduled mid-chunk of the job before the last (which the caller
+            # then finished) still reads its fields, in the area this job would take, and
+            # writes its output: no new job, and that job's arrays kept, until it is done
             self.declined += 1
             return False
-        self._last = (parts, x, out, self._scratch, keep)
+        self._gen = gen
+        self._kept = (*self._kept[1:], (parts, x, out, self._scratch, keep))
         self.posted += 1
         if woken:
             self.woken += 1

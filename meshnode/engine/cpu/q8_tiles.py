@@ -86,10 +86,10 @@ def _d(fmt, s, c, nb, q, x, o_lo, o_hi):  # type: ignore[no-untyped-def]
         lo, hi = ishl16(isplat16(q, o_lo), shift), ishl16(isplat16(q, o_hi), shift)
     else:
         lo, hi = ipair(0, 0), ipair(0, 0)
-    lo = dotb(dotb(lo, wload(s, p), q, x), wload(s, p + 64), q, x + 4)
-    lo = dotb(dotb(lo, wload(s, p + 128), q, x + 8), wload(s, p + 192), q, x + 12)
-    hi = dotb(dotb(hi, wload(s, p + 256), q, x + 16), wload(s, p + 320), q, x + 20)
-    hi = dotb(dotb(hi, wload(s, p + 384), q, x + 24), wload(s, p + 448), q, x + 28)
+    lo = dotb(dotb(lo, wload(s, p), q, x, fmt), wload(s, p + 64), q, x + 4, fmt)
+    lo = dotb(dotb(lo, wload(s, p + 128), q, x + 8, fmt), wload(s, p + 192), q, x + 12, fmt)
+    hi = dotb(dotb(hi, wload(s, p + 256), q, x + 16, fmt), wload(s, p + 320), q, x + 20, fmt)
+    hi = dotb(dotb(hi, wload(s, p + 384), q, x + 24, fmt), wload(s, p + 448), q, x + 28, fmt)
     if per16(fmt):
         at = 512 * nb + 64 * c
         sa, sb = iload16(s, at + 192 * nb), iload16(s, at + 256 * nb)

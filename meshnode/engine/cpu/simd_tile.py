@@ -2,17 +2,23 @@
 are sixteen weight rows: each weight row's four bytes ``j`` of a chunk sit in one int32
 lane (:data:`.simd_q8.U8x64`, loaded from the tile's unpacked scratch), and one activation
 row's four int8 ``j`` are copied to every lane (:func:`dotb`: one ``vpdpbusd`` with a
-broadcast memory operand where the CPU has AVX512-VNNI, the same sums generically
-elsewhere). Loads and stores take a ``uint8`` buffer and a byte offset and do no bounds
-checks.
+broadcast memory operand where the CPU has AVX512-VNNI; where it has AVX2 only, a
+``vpmaddubsw`` and a ``vpmaddwd`` per 32 bytes, as llama.cpp's AVX2 kernels, exact: every
+format's unpacked bytes but Q8_0's stay at most 128, so two products' int16 sum cannot
+saturate, and Q8_0's are split into their low seven bits and their top bit; the same sums
+generically elsewhere, which LLVM widened to 16 bits and summed with ``vphaddd``, about
+five times the instructions). Loads and stores take a ``uint8`` buffer and a byte offset
+and do no bounds checks.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 
 from meshnode.engine.cpu.simd import F32x16, intrinsic
 from meshnode.engine.cpu.simd_int import U8x32
@@ -36,6 +42,49 @@ from meshnode.engine.cpu.simd_q8 import (  # the IR types and helpers of its 512
 __all__ = ["dotb", "fsplat16", "isplat16", "lane16", "put4", "wload", "words8"]
 
 
+@cache
+def _avx2() -> bool:
+    """Whether this CPU has AVX2's ``vpmaddubsw`` (what numba compiles for)."""
+    from llvmlite import binding
+
+    return bool(binding.get_host_cpu_features().get("avx2"))
+
+
+def _small_bytes(fmt: Any) -> bool:
+    """Whether every unpacked byte of format ``fmt`` (a literal kernel id) is at most 128."""
+    from meshnode.engine.cpu.blocks import format_row
+
+    q8 = format_row(fmt).q8
+    return q8 is not None and q8.offset <= 64  # bytes below 2 offset, or 5-bit ones
+
+
+def _madd(builder: Any, u: Any, x: Any) -> Any:
+    # 64 bytes: per 32, vpmaddubsw (u unsigned times x signed, neighbours added to int16)
+    # then vpmaddwd with ones (neighbours to int32): lane j sums bytes 4j .. 4j + 3
+    vb, vh, vi = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), _VI
+    pairs = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, ir.FunctionType(vh, [vb, vb]), "llvm.x86.avx2.pmadd.ub.sw"
+    )
+    quads = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, ir.FunctionType(vi, [vh, vh]), "llvm.x86.avx2.pmadd.wd"
+    )
+    ones = ir.Constant(vh, [1] * 16)
+    halves = []
+    for h in (0, 1):
+        pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
+        a, b = builder.shuffle_vector(u, u, pick), builder.shuffle_vector(x, x, pick)
+        halves.append(builder.call(quads, [builder.call(pairs, [a, b]), ones]))
+    return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VI16, list(range(16))))
+
+
+def _dot_avx2(builder: Any, acc: Any, u: Any, x: Any, small: bool) -> Any:
+    if small:
+        return builder.add(acc, _madd(builder, u, x))
+    low = builder.and_(u, ir.Constant(_VB64, [127] * 64))
+    top = builder.and_(u, ir.Constant(_VB64, [128] * 64))
+    return builder.add(builder.add(acc, _madd(builder, low, x)), _madd(builder, top, x))
+
+
 def _splat(builder: Any, x: Any, vty: Any) -> Any:
     v = builder.insert_element(ir.Constant(vty, ir.Undefined), x, ir.Constant(_I32, 0))
     return builder.shuffle_vector(v, v, ir.Constant(_VI16, [0] * 16))
@@ -45,19 +94,24 @@ wload = _vector_load(_VB64, U8x64, "The 64 bytes at byte ``off`` of a ``uint8`` 
 
 
 @intrinsic
-def dotb(typingctx: Any, acc: Any, u: Any, xq: Any, off: Any) -> Any:
+def dotb(typingctx: Any, acc: Any, u: Any, xq: Any, off: Any, fmt: Any) -> Any:
     """``acc`` plus, in each lane ``i``, the sum over ``b < 4`` of ``u[4 i + b]``
     (unsigned) times the int8 at byte ``off + b`` of ``xq`` (a ``uint8`` buffer): exact
-    int32."""
+    int32. ``fmt``: the literal kernel id of the format ``u`` was unpacked from."""
     if acc != I32x16 or u != U8x64 or not _is_bytes(xq):
         return None
+    small = _small_bytes(fmt)
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         ptr = _pointer(context, builder, sig.args[2], args[2], args[3], _I32)
         x = builder.bitcast(_splat(builder, builder.load(ptr, align=1), _VI16), _VB64)
-        return (_dot_vnni if vnni512() else _dot_generic)(builder, args[0], args[1], x)
+        if vnni512():
+            return _dot_vnni(builder, args[0], args[1], x)
+        if _avx2():
+            return _dot_avx2(builder, args[0], args[1], x, small)
+        return _dot_generic(builder, args[0], args[1], x)
 
-    return I32x16(acc, u, xq, off), codegen
+    return I32x16(acc, u, xq, off, fmt), codegen
 
 
 def _splat_load(ty: Any, vty: Any, result: Any, doc: str) -> Any:

@@ -36,6 +36,17 @@ Then each output element is one sgemm dot product over the same inputs, by the s
 code, whichever tile holds its row and whichever thread computes it: results are
 bit-identical to the serial tiles under any load, and equal "dequantize, then multiply
 in float32" up to summation order.
+
+**Only where sgemm's rows are independent.** That last step holds for OpenBLAS's
+SkylakeX kernels, not for its Haswell ones (AVX2 CPUs: AMD Zen 2 and 3, Intel before
+Skylake-SP): there a row's sums round differently with the number of rows in the call
+and with the row's place among them (OpenBLAS 0.3.31 on a Zen 3, 2026-11-30: rows of
+17 .. 300-row products differed from the same rows of a 400-row one for 260 of the 283
+counts, and a row moved within a 16 .. 128-row product changed its bits), so a prompt's
+bits would depend on its batch and on where a cached prefix cut it. :func:`rows_independent`
+asks this process's BLAS once; where it fails, :mod:`.matrix` multiplies every row
+count with the compiled kernels, whose order is fixed (about 2.3x the CPU time of sgemm
+at 256 rows on that Zen 3), and nothing here runs.
 """
 
 from __future__ import annotations
@@ -59,6 +70,7 @@ __all__ = [
     "TileThreads",
     "decoder",
     "product_tile",
+    "rows_independent",
     "single_threaded_blas",
     "tiles",
 ]
@@ -146,6 +158,30 @@ def single_threaded_blas() -> bool:
         if lib.num_threads != 1:
             lib.set_num_threads(1)
     return bool(libs)
+
+
+@functools.cache
+def rows_independent() -> bool:
+    """Whether this process's single-threaded sgemm computes a row of ``x @ w.T`` to the
+    same bits whatever the other rows of ``x``: their count, and the row's place among
+    them (see the module docstring). Probed once: rows of products of 17 .. 300 rows, at
+    the tiles' least width and at the shapes of real matrices' tiles, each against the
+    same rows placed elsewhere in a product of another length. Evidence, not proof: an
+    sgemm that passes had every row independent in every product the probe tried."""
+    single_threaded_blas()
+    rng = np.random.default_rng(0)
+    for n_in, n_out in ((64, SGEMM_MIN_ROWS), (576, 256), (2048, SGEMM_MIN_ROWS)):
+        w = rng.standard_normal((n_out, n_in)).astype(np.float32)
+        x = rng.standard_normal((300, n_in)).astype(np.float32)
+        want = x @ w.T
+        for rows, shift in ((17, 0), (40, 5), (100, 37), (171, 129)):
+            got = x[shift : shift + rows] @ w.T
+            if not np.array_equal(got, want[shift : shift + rows]):
+                return False
+            moved = np.concatenate([x[:3], x[shift : shift + rows]])  # each row 3 later
+            if not np.array_equal((moved @ w.T)[3:], got):
+                return False
+    return True
 
 
 class _Job:
