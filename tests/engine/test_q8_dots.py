@@ -89,3 +89,46 @@ def test_signed_weight_bytes_dot_exactly(
         out = np.zeros(8, np.float32)
         dot(w8.view(np.uint8), x8.view(np.uint8), out)
         np.testing.assert_array_equal(out, _want(w8, x8))
+
+
+@pytest.mark.parametrize("madd", [False, True], ids=["generic", "madd"])
+@pytest.mark.parametrize("kind", ["small", "signed"])
+def test_the_wide_dot_products_of_small_and_signed_bytes(
+    madd: bool, kind: str, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dotw_small (bytes of at most 128) and dotw_signed (Q8_0's int8 weights, given as
+    ``w + 128``): lane ``8 h + r`` adds the four bytes of lane ``j`` of chunk ``h`` times
+    four int8 of row ``r``, exactly, without AVX512-VNNI (the multi-row kernel's paths on
+    this CPU and on CPUs without AVX2)."""
+    matrix.kernels()
+    from numba import njit
+
+    from meshnode.engine.cpu import simd_q8
+    from meshnode.engine.cpu.simd_int import bload, madd_bytes
+
+    if madd and not madd_bytes():
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setattr(simd_q8, "vnni512", lambda: False)  # read when it compiles
+    monkeypatch.setattr(simd_q8, "madd_bytes", lambda: madd)
+    dotw = simd_q8.dotw_signed if kind == "signed" else simd_q8.dotw_small
+
+    @njit(cache=False)
+    def dot(w, x, out):  # type: ignore[no-untyped-def]
+        u = simd_q8.join64(bload(w, 0), bload(w, 32))
+        acc = dotw(simd_q8.iload16(out, 0), u, 5, x, 0)
+        simd_q8.store16(out, 0, acc)
+
+    top = 256 if kind == "signed" else 129
+    for w, x in [
+        (rng.integers(0, top, 64), rng.integers(-127, 128, 64)),
+        ([top - 1] * 64, [-127] * 64),
+        ([0] * 64, [127] * 64),  # signed: every weight -128
+    ]:
+        w8, x8 = np.asarray(w, np.uint8), np.asarray(x, np.int8)
+        start = rng.integers(-1000, 1000, 16).astype(np.int32)
+        out = start.copy()
+        dot(w8, x8.view(np.uint8), out.view(np.uint8))
+        weights = w8.astype(np.int64) - (128 if kind == "signed" else 0)
+        lanes = weights.reshape(2, 8, 4)[:, 5]  # [h, 4]: lane 5 of each chunk
+        want = start + np.einsum("hi,hri->hr", lanes, x8.reshape(2, 8, 4)).reshape(16)
+        np.testing.assert_array_equal(out, want)

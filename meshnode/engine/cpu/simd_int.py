@@ -10,7 +10,12 @@ Where the CPU has VNNI (AVX512-VNNI with AVX512VL, or AVX-VNNI) :func:`dot4` is 
 ``vpdpbusd``; elsewhere the same sums are written generically (widen to int32, multiply,
 add neighbours), which LLVM lowers for the machine it compiles on (``pmaddwd`` on x86,
 ``smull``/``addp`` on ARM). Products are exact int32 either way: an unsigned byte times an
-int8 is at most 32,640 in magnitude and a lane sums four.
+int8 is at most 32,640 in magnitude and a lane sums four. On x86 without VNNI that
+widening costs some ten instructions a block; :func:`dot4s` (weight bytes of at most 128:
+every format's but Q8_0's) and :func:`sdot4` (Q8_0's int8 weights, signed) take
+``vpmaddubsw`` and ``vpmaddwd`` there instead (AVX2: two, and two ``vpsignb``), as
+llama.cpp does, exact because no pair of products passes int16 (the activation quants
+are within +-127): the one-row q8 products about 1.8x faster on an AMD EPYC (Zen 3).
 
 ``F32x2`` (two float lanes) carries a Q4_1/Q5_1 block's scale and minimum through one
 load, one conversion and one multiply with the activation block's scale and sum.

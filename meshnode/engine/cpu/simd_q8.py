@@ -6,11 +6,13 @@ both chunks' quants unpacked to bytes (:func:`join64`), and :func:`dotw` multipl
 four bytes of lane ``j`` of each chunk, copied to eight lanes each, with four int8
 activations of eight rows (sixteen int32 lanes: the eight rows for chunk ``2 p``, then for
 ``2 p + 1``), one ``vpdpbusd`` on a 512-bit register where the CPU has AVX512-VNNI (the
-same sums written generically elsewhere). The one-row kernel sums the eight int32 lanes
-of eight weight rows' :func:`.simd_int.dot4` into one lane each (:func:`isums`; integer
-sums are exact, so any order gives the same bits) and keeps eight weight rows in the
-lanes of :data:`.simd.F32x8`. Loads take a ``uint8`` buffer and a byte offset and do no
-bounds checks.
+same sums written generically elsewhere); :func:`dotw_small` (bytes of at most 128) and
+:func:`dotw_signed` (Q8_0's int8 weights) take ``vpmaddubsw`` on each 256-bit half where
+the CPU has AVX2 but not AVX512-VNNI, as :func:`.simd_int.dot4s` does. The one-row kernel
+sums the eight int32 lanes of eight weight rows' :func:`.simd_int.dot4` into one lane each
+(:func:`isums`; integer sums are exact, so any order gives the same bits) and keeps eight
+weight rows in the lanes of :data:`.simd.F32x8`. Loads take a ``uint8`` buffer and a byte
+offset and do no bounds checks.
 """
 
 from __future__ import annotations
