@@ -38,10 +38,10 @@ def test_the_tiles_dot_product_is_exact_on_every_path(
     use_vnni, use_avx2 = PATHS[path]
     if use_vnni and not simd_q8.vnni512():
         pytest.skip("this CPU has no AVX512-VNNI")
-    if use_avx2 and not simd_tile._avx2():
+    if use_avx2 and not simd_tile.madd_bytes():
         pytest.skip("this CPU has no AVX2")
     monkeypatch.setattr(simd_tile, "vnni512", lambda: use_vnni)  # read when it compiles
-    monkeypatch.setattr(simd_tile, "_avx2", lambda: use_avx2)
+    monkeypatch.setattr(simd_tile, "madd_bytes", lambda: use_avx2)
     rng = np.random.default_rng(5)
 
     if fmt == "Q4_K":

@@ -13,15 +13,13 @@ and do no bounds checks.
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 
 from meshnode.engine.cpu.simd import F32x16, intrinsic
-from meshnode.engine.cpu.simd_int import U8x32
+from meshnode.engine.cpu.simd_int import U8x32, madd_bytes
 from meshnode.engine.cpu.simd_q8 import (  # the IR types and helpers of its 512-bit lanes
     _F,
     _I32,
@@ -32,6 +30,7 @@ from meshnode.engine.cpu.simd_q8 import (  # the IR types and helpers of its 512
     I32x16,
     U8x64,
     _dot_generic,
+    _dot_halves,
     _dot_vnni,
     _is_bytes,
     _pointer,
@@ -42,14 +41,6 @@ from meshnode.engine.cpu.simd_q8 import (  # the IR types and helpers of its 512
 __all__ = ["dotb", "fsplat16", "isplat16", "lane16", "put4", "wload", "words8"]
 
 
-@cache
-def _avx2() -> bool:
-    """Whether this CPU has AVX2's ``vpmaddubsw`` (what numba compiles for)."""
-    from llvmlite import binding
-
-    return bool(binding.get_host_cpu_features().get("avx2"))
-
-
 def _small_bytes(fmt: Any) -> bool:
     """Whether every unpacked byte of format ``fmt`` (a literal kernel id) is at most 128."""
     from meshnode.engine.cpu.blocks import format_row
@@ -58,31 +49,14 @@ def _small_bytes(fmt: Any) -> bool:
     return q8 is not None and q8.offset <= 64  # bytes below 2 offset, or 5-bit ones
 
 
-def _madd(builder: Any, u: Any, x: Any) -> Any:
-    # 64 bytes: per 32, vpmaddubsw (u unsigned times x signed, neighbours added to int16)
-    # then vpmaddwd with ones (neighbours to int32): lane j sums bytes 4j .. 4j + 3
-    vb, vh, vi = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), _VI
-    pairs = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(vh, [vb, vb]), "llvm.x86.avx2.pmadd.ub.sw"
-    )
-    quads = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(vi, [vh, vh]), "llvm.x86.avx2.pmadd.wd"
-    )
-    ones = ir.Constant(vh, [1] * 16)
-    halves = []
-    for h in (0, 1):
-        pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
-        a, b = builder.shuffle_vector(u, u, pick), builder.shuffle_vector(x, x, pick)
-        halves.append(builder.call(quads, [builder.call(pairs, [a, b]), ones]))
-    return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VI16, list(range(16))))
-
-
 def _dot_avx2(builder: Any, acc: Any, u: Any, x: Any, small: bool) -> Any:
+    # acc + the exact sums by vpmaddubsw halves (.simd_q8): bytes of at most 128 in one
+    # pass; larger ones (Q8_0's) as their low seven bits and their top bit, a pass each
     if small:
-        return builder.add(acc, _madd(builder, u, x))
+        return _dot_halves(builder, acc, u, x, False)
     low = builder.and_(u, ir.Constant(_VB64, [127] * 64))
     top = builder.and_(u, ir.Constant(_VB64, [128] * 64))
-    return builder.add(builder.add(acc, _madd(builder, low, x)), _madd(builder, top, x))
+    return _dot_halves(builder, _dot_halves(builder, acc, low, x, False), top, x, False)
 
 
 def _splat(builder: Any, x: Any, vty: Any) -> Any:
@@ -107,7 +81,7 @@ def dotb(typingctx: Any, acc: Any, u: Any, xq: Any, off: Any, fmt: Any) -> Any:
         x = builder.bitcast(_splat(builder, builder.load(ptr, align=1), _VI16), _VB64)
         if vnni512():
             return _dot_vnni(builder, args[0], args[1], x)
-        if _avx2():
+        if madd_bytes():
             return _dot_avx2(builder, args[0], args[1], x, small)
         return _dot_generic(builder, args[0], args[1], x)
 
