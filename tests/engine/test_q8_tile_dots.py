@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from meshnode.engine.cpu import simd_q8, simd_tile
+from meshnode.engine.cpu import simd_int, simd_q8, simd_tile
 from meshnode.engine.cpu.formats import FORMATS
 
 # (VNNI, AVX2) as the CPU is taken to have them while a test compiles
@@ -38,7 +38,7 @@ def test_the_tiles_dot_product_is_exact_on_every_path(
     use_vnni, use_avx2 = PATHS[path]
     if use_vnni and not simd_q8.vnni512():
         pytest.skip("this CPU has no AVX512-VNNI")
-    if use_avx2 and not simd_tile.madd_bytes():
+    if use_avx2 and not simd_int.madd_bytes():
         pytest.skip("this CPU has no AVX2")
     monkeypatch.setattr(simd_tile, "vnni512", lambda: use_vnni)  # read when it compiles
     monkeypatch.setattr(simd_tile, "madd_bytes", lambda: use_avx2)
