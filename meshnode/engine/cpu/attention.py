@@ -63,8 +63,8 @@ from meshnode.engine.cpu.attention_rows import (
     key_scores,
     slot_row,
     softmax,
-    weighted_values,
 )
+from meshnode.engine.cpu.attention_values import weighted_values
 from meshnode.engine.cpu.simd import wfma, wload, wsum, wzero
 from meshnode.engine.cpu.simd_kv import kv_pointer, line_of, prefetch_kv, wstore_kv
 from meshnode.engine.kv_cache import KV_BLOCK
