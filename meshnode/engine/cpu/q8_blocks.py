@@ -39,6 +39,7 @@ from meshnode.engine.cpu.simd_int import band, bits32, bload, bor, bshl, bshr, b
 
 __all__ = [
     "OFFSET_SHIFTS",
+    "SIGNED_BYTES",
     "block_bytes",
     "chunk",
     "e8m0_head",
@@ -107,9 +108,12 @@ f16_head = _constant(
     "Whether each chunk of format ``fmt`` is a block led by its float16 scale (and "
     "minimum): Q4_0 .. Q8_0.",
 )
+# Q8_0's bytes: int8 weights plus 128, the only unpacked bytes above 128 (by kernel id;
+# the prefill tiles' dot product reads it while typing, .simd_tile)
+SIGNED_BYTES: dict[int, int | bool] = {f: q.offset == 128 for f, q in _Q8_ROWS.items()}
 signed_bytes = _constant(
     "signed_bytes",
-    {f: q.offset == 128 for f, q in _Q8_ROWS.items()},
+    SIGNED_BYTES,
     "Whether format ``fmt``'s bytes ``u`` are int8 weights plus 128 (Q8_0): the only "
     "``u`` above 128, which :func:`.simd_int.dot4s` cannot take.",
 )

@@ -42,11 +42,12 @@ __all__ = ["dotb", "fsplat16", "isplat16", "lane16", "put4", "wload", "words8"]
 
 
 def _small_bytes(fmt: Any) -> bool:
-    """Whether every unpacked byte of format ``fmt`` (a literal kernel id) is at most 128."""
-    from meshnode.engine.cpu.blocks import format_row
+    """Whether every unpacked byte of format ``fmt`` (a literal kernel id) is at most 128:
+    all but Q8_0's (:data:`.q8_blocks.SIGNED_BYTES`)."""
+    from meshnode.engine.cpu.blocks import literal_format
+    from meshnode.engine.cpu.q8_blocks import SIGNED_BYTES
 
-    q8 = format_row(fmt).q8
-    return q8 is not None and q8.offset <= 64  # bytes below 2 offset, or 5-bit ones
+    return not SIGNED_BYTES[literal_format(fmt)]
 
 
 def _dot_avx2(builder: Any, acc: Any, u: Any, x: Any, small: bool) -> Any:
