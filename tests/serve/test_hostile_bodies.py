@@ -146,7 +146,9 @@ async def test_a_stages_non_finite_logprobs_reach_the_client_finite(
         if path == "/v1/chat/completions"
         else {"prompt": "hi", "logprobs": 2}
     )
-    body = {"model": TINY_MODEL_ID, **prompt, "max_tokens": 3, "stream": stream}
+    # Greedy: a sampled first token may be the end of text, and a one-token reply would
+    # carry too few logprobs to show each kind (token, alternatives) made finite.
+    body = {"model": TINY_MODEL_ID, **prompt, "max_tokens": 3, "temperature": 0, "stream": stream}
     try:
         response = await _post(server, path, body)
     finally:
