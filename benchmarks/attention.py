@@ -18,8 +18,13 @@ model's shapes) at ``--rows`` x ``--contexts``, through the kernel and through t
 reference's matrix products (BLAS, ``blocked_attention``): which of them a segment should
 take (``engine.attention.KERNEL_MAX_ROWS``). ``--compare OLD.py`` adds another copy of
 ``meshnode/engine/cpu/attention.py`` (as ``benchmarks/step.py`` does), with
-``--compare-rows OLD_ROWS.py`` over its own copy of ``attention_rows.py`` (a kernel before
-and after, e.g. from ``git show REV:meshnode/engine/cpu/attention_rows.py``); ``--kv-dtype
+``--compare-rows OLD_ROWS.py`` over its own copy of ``attention_rows.py`` (the dot products
+and softmax) and ``--compare-values OLD_VALUES.py`` over its own copy of
+``attention_values.py`` (the weighted sums, which import the rows module: the copy's
+import is of OLD_ROWS.py where given) -- a kernel before and after, e.g. from ``git show
+REV:meshnode/engine/cpu/attention_rows.py``; a module not given is the current one (a
+copy from before the weighted sums moved to ``attention_values.py``, 3b29fea, needs only
+``--compare-rows``); ``--kv-dtype
 f32 f16`` times the kernel over caches of each KV dtype (columns "kernel f32", "kernel
 f16"). A grid's figures are the calling thread's CPU time (everything runs on it: one
 kernel thread, one BLAS thread), the least of ``--rounds``; each round runs the variants
@@ -168,21 +173,29 @@ def grid_cell(
     return f"| {rows} | {context} | {cells} | {best['blas'] / kernel:.2f} |"
 
 
+def _old_module(name: str, path: str, renames: dict[str, str]) -> str:
+    """Import the file ``path`` as module ``name``, compiled afresh (numba's cache cannot
+    reload a module made this way), its imports of the modules in ``renames`` made of
+    their old copies; returns ``name``."""
+    source = Path(path).read_text().replace("cache=True", "cache=False")
+    for module, old in renames.items():
+        source = source.replace(f"{module} import", f"{old} import")
+    made = ModuleType(name)
+    sys.modules[name] = made
+    exec(compile(source, path, "exec"), made.__dict__)
+    return name
+
+
 def grid(args: Any) -> None:
     """The table of :func:`grid_cell` for each model, rows and context."""
     kernels = {"kernel": engine_attention._kernels()}
-    if args.compare:  # compiled afresh: numba's cache cannot reload a module made this way
-        source = Path(args.compare).read_text().replace("cache=True", "cache=False")
-        if args.compare_rows:  # its rows module too, imported under another name
-            rows = ModuleType("old_cpu_attention_rows")
-            sys.modules[rows.__name__] = rows
-            text = Path(args.compare_rows).read_text().replace("cache=True", "cache=False")
-            exec(compile(text, args.compare_rows, "exec"), rows.__dict__)
-            source = source.replace("meshnode.engine.cpu.attention_rows", rows.__name__)
-        old = ModuleType("old_cpu_attention")
-        sys.modules[old.__name__] = old
-        exec(compile(source, args.compare, "exec"), old.__dict__)
-        kernels["old kernel"] = old
+    if args.compare:
+        renames: dict[str, str] = {}  # module -> the old copy's name
+        for name, path in (("rows", args.compare_rows), ("values", args.compare_values)):
+            if path:  # its rows (or values) module too, imported under another name
+                module = f"meshnode.engine.cpu.attention_{name}"
+                renames[module] = _old_module(f"old_cpu_attention_{name}", path, renames)
+        kernels["old kernel"] = sys.modules[_old_module("old_cpu_attention", args.compare, renames)]
     kvs = list(dict.fromkeys(args.kv_dtype))
     columns = [f"{k} {kv}" if len(kvs) > 1 else k for k in kernels for kv in kvs]
     names = " | ".join([*columns, "blas"])
@@ -206,7 +219,14 @@ def main() -> None:
     parser.add_argument("--grid", action="store_true")
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     parser.add_argument("--compare", metavar="OLD.py")
-    parser.add_argument("--compare-rows", metavar="OLD_ROWS.py")
+    parser.add_argument(
+        "--compare-rows", metavar="OLD_ROWS.py", help="with --compare: its attention_rows.py"
+    )
+    parser.add_argument(
+        "--compare-values",
+        metavar="OLD_VALUES.py",
+        help="with --compare: its attention_values.py (the weighted sums)",
+    )
     parser.add_argument("--kv-dtype", nargs="+", default=["f32"], choices=["f32", "f16"])
     args = parser.parse_args()
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())

@@ -16,10 +16,16 @@ the llama-cpp-python build under ``/work/llama``; left out when none is found.
 
 - **chat** (one node): a conversation of ``--turns`` turns with fixed user and assistant
   texts (each turn resends the whole conversation, ~170 tokens more per turn, ~1,630 at
-  turn 10): per turn meshnode on, meshnode off, llama-server. With ``--replies model``
-  the assistant's turns are instead what meshnode (cache on) answered, ``--reply-tokens``
-  long, as a chat client sends them back: a turn then resumes after the previous reply
-  (its blocks were keyed as it was decoded), not at the previous prompt's last block.
+  turn 10): per turn meshnode on, meshnode off, llama-server. Every server first serves a
+  warm-up chat of its own (:func:`warm_up`: :data:`WARM_TURNS` turns, cache on, another
+  system prompt, so no block of it is shared with the timed chat), as a server that has
+  answered a few chats has: every path a turn takes (a prompt of a few hundred rows, a
+  resumed one, the first decode steps) is compiled before turn 1, and no turn's figure
+  holds a first call's compiling (turn 2's once did, warmed by one short "Hi."). With
+  ``--replies model`` the assistant's turns are instead what meshnode (cache on) answered,
+  ``--reply-tokens`` long, as a chat client sends them back: a turn then resumes after the
+  previous reply (its blocks were keyed as it was decoded), not at the previous prompt's
+  last block.
 - **users** (one node): ``--users`` concurrent requests sharing a ``--system-tokens``
   system prompt, each with its own question: all off at once, then all on at once (the
   off round has left the system prompt in the pool: a served system prompt's steady state).
@@ -63,6 +69,10 @@ MAX_TOKENS = 8  # the reply's length does not matter here: time to first token d
 READY_TIMEOUT_S = 300.0
 LLAMA_BIN_GLOB = "work/llama/llama_cpp_python-*/vendor/llama.cpp/build/bin"
 SECTIONS = ("chat", "users", "rss", "split", "llama")
+# The warm-up chat before the timed one (warm_up): its turns, and its system prompt's seed
+# (the timed chat's is 1).
+WARM_TURNS = 3
+WARM_SYSTEM = 2
 WORDS = [
     "river",
     "mountain",
@@ -128,10 +138,13 @@ async def first_token(
     return (ttft if ttft is not None else time.perf_counter() - began), cached, "".join(text)
 
 
-def conversation(turns: int, replies: list[str] | None = None) -> Iterator[list[dict[str, str]]]:
+def conversation(
+    turns: int, replies: list[str] | None = None, system: int = 1
+) -> Iterator[list[dict[str, str]]]:
     """The chat's messages at each turn: the assistant's earlier replies fixed, or the last
-    of ``replies`` (the caller appends each turn's reply before asking for the next)."""
-    messages: list[dict[str, str]] = [{"role": "system", "content": _text(1, 20)}]
+    of ``replies`` (the caller appends each turn's reply before asking for the next); the
+    system prompt is the text of seed ``system``."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": _text(system, 20)}]
     for turn in range(1, turns + 1):
         messages.append({"role": "user", "content": _text(10 + turn, 70)})
         yield list(messages)
@@ -150,7 +163,7 @@ async def chat(
     print("turn | " + " | ".join(f"{label} (cached)" for label in targets), flush=True)
     async with httpx.AsyncClient(timeout=600) as http:
         for url, _ in dict.fromkeys(targets.values()):  # warm each server once
-            await first_token(http, url, [{"role": "user", "content": "Hi."}], False)
+            await warm_up(http, url)
         for turn, messages in enumerate(conversation(turns, replies), 1):
             cells = []
             for i, (label, (url, cache)) in enumerate(targets.items()):
@@ -163,6 +176,13 @@ async def chat(
                 cells.append(f"{ttft:6.2f} s ({cached:5})")
             print(f"{turn:4} | " + " | ".join(cells), flush=True)
     return out
+
+
+async def warm_up(http: httpx.AsyncClient, url: str) -> None:
+    """A chat of :data:`WARM_TURNS` turns of its own (cache on, :data:`WARM_SYSTEM`'s
+    system prompt): what a server that has answered a few chats has compiled."""
+    for messages in conversation(WARM_TURNS, system=WARM_SYSTEM):
+        await first_token(http, url, messages, True)
 
 
 def chat_ratios(times: dict[str, list[float]], on: str, llama: str | None) -> None:

@@ -10,7 +10,8 @@ one :class:`~meshnode.node.stage.StageRunner` (prefix cache on, a 4,096-token co
 behind a :class:`~meshnode.node.local.LocalPipeline`, the generation loop to its first
 token, the host's templating and tokenizing included. Each of ``--chats`` conversations
 begins with its own system prompt (no block shared between chats), so every turn of every
-chat resumes from what its previous turn left, as the benchmark's do; printed per turn:
+chat resumes from what its previous turn left, as the benchmark's do, after the same
+warm-up chat as ``benchmarks/prefix.py``'s (``warm_up``); printed per turn:
 the least wall-clock time over the chats and, of that run, the process CPU time, the
 forward, its attention (the compiled kernel's calls and the BLAS path's), the BLAS path's
 ``blocked_attention`` and the paged cache's writes and gathers for it, all wall-clock ms.
@@ -30,7 +31,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.prefix import conversation, uptime
+from benchmarks.prefix import WARM_SYSTEM, WARM_TURNS, conversation, uptime
 from meshnode.engine import attention
 from meshnode.engine.backend import cpu_backend, limit_cpu_threads
 from meshnode.engine.kv_cache import resolve_kv_dtype
@@ -109,7 +110,8 @@ async def main() -> None:
     kernel.__call__ = timed(kernel.__call__, "attention")  # type: ignore[method-assign]
     attention.blocked_attention = timed(attention.blocked_attention, "blas")
     PagedCache.write = timed(PagedCache.write, "kv")  # type: ignore[method-assign]
-    await first_token(pipe, codec, [{"role": "user", "content": "Hi."}], "warm")
+    for turn, messages in enumerate(conversation(WARM_TURNS, system=WARM_SYSTEM)):
+        await first_token(pipe, codec, messages, f"warm.{turn}")  # as prefix.warm_up
     best: dict[int, list[float]] = {}
     print(f"weights {args.dtype}, K/V {kv}, {args.threads} threads; wall-clock ms")
     print("turn | prompt | cached | first token | CPU | " + " | ".join(PARTS))

@@ -249,12 +249,12 @@ class CpuBackend(Backend):
         return table[:, ids].T
 
     def attention(self, config: ModelConfig, start: int, end: int) -> Attention:
-        """Over GGUF blocks, the short sequences of a batch (decode, verify) in one
-        compiled call per layer (:class:`KernelAttention`); with float32 weights (the
-        parity-debugging mode) the NumPy reference."""
-        if self.cpu_blocks:
-            return KernelAttention(self.xp, config, start, end)
-        return Attention(self.xp, config, start, end)
+        """Every sequence of a batch in one compiled call per layer
+        (:class:`KernelAttention`), over GGUF blocks and with float32 weights alike: a
+        row's attention is the same bits however its prompt was cut (resumed from cached
+        prefix blocks, chunked, decoded), where the NumPy reference's BLAS products round a
+        row by the rows beside it (OpenBLAS's Haswell kernels: issue 30)."""
+        return KernelAttention(self.xp, config, start, end)
 
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         """As :meth:`Backend.rms_norm`; over GGUF blocks in one compiled call

@@ -4,6 +4,7 @@ exactly the engine's math (the stage forward rebuilt from them gives the same bi
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 from meshnode_packaging.sources import open_source
 
 from meshnode.engine import ModelConfig, Stage, ops
-from meshnode.engine.backend import cpu_backend
+from meshnode.engine.attention import Attention
+from meshnode.engine.backend import CpuBackend
 from meshnode.engine.cpu import dense_product as mm
 
 RNG = np.random.default_rng(7)
@@ -80,13 +82,26 @@ def test_attention_matches_a_loop_over_heads_and_rows(
             np.testing.assert_allclose(got[h, i], want, rtol=1e-5, atol=1e-6)
 
 
+@dataclass(frozen=True)
+class _ReferenceAttention(CpuBackend):
+    """The float32 CPU backend with the NumPy reference's attention (:class:`Attention`)
+    where the backend takes the compiled kernel (``KernelAttention``, tested against the
+    reference in ``test_cpu_attention.py``)."""
+
+    def attention(self, config: ModelConfig, start: int, end: int) -> Attention:
+        return Attention(self.xp, config, start, end)
+
+
 def test_stage_forward_is_the_references_composed(tiny_gguf: Callable[[str], Path]) -> None:
     """The references are the engine's own expressions: rebuilt from them, bit for bit
     (with float32 weights, the matrices the references multiply, through the float32
-    backend's product, whose order is fixed by the segment's rows: ``dense_product``)."""
+    backend's product, whose order is fixed by the segment's rows: ``dense_product``;
+    the attention the reference's, :class:`Attention`, where the float32 backend's is the
+    compiled kernel)."""
     source = open_source(tiny_gguf("Q8_0"))
     c = ModelConfig.from_hf(source.config)
-    stage = Stage(c, source, 0, c.num_layers, embed=True, head=True, backend=cpu_backend("float32"))
+    backend = _ReferenceAttention("float32")
+    stage = Stage(c, source, 0, c.num_layers, embed=True, head=True, backend=backend)
     ids = np.array([1, 60, 61, 62, 259, 70])
     got = stage.forward(ids, 0, stage.new_cache(16))
 

@@ -8,10 +8,11 @@ few-row paths take (``KERNEL_MAX_ROWS``: a short piece's products and attention 
 otherwise), as the host's prefill pieces have.
 
 The model is a tiny random float32 Llama with heads of 16, run by the real
-:class:`~meshnode.engine.model.Stage`: float32 weights take the NumPy reference's attention
-(each piece's weighted sum is one product over the keys up to the piece's end). A stage over
-GGUF blocks takes the compiled attention kernel for every piece instead
-(``tests/engine/test_cut_bits.py``).
+:class:`~meshnode.engine.model.Stage`: float32 weights take the compiled attention kernel
+for every piece, as a stage over GGUF blocks does (``tests/engine/test_cut_bits.py``), and
+their products a path fixed by the piece's rows (``cpu.dense_product``). It holds on any
+BLAS: the NumPy reference's attention, which float32 stages took before, rounds a row by
+the rows beside it where OpenBLAS picks its Haswell kernels (AVX2 CPUs).
 """
 
 from __future__ import annotations
@@ -54,22 +55,6 @@ def _prefill(stage: Stage, cache: Any, start: int, cuts: list[int]) -> np.ndarra
     return np.asarray(logits)
 
 
-def _blas_rows_independent() -> bool:
-    from meshnode.engine.cpu import matrix
-
-    independent: bool = matrix._tiles().rows_independent()
-    return independent
-
-
-# The NumPy reference's attention is BLAS's: where this process's sgemm rounds a row by
-# the rows beside it (OpenBLAS's Haswell kernels on AVX2 CPUs), a piece's rows are not
-# the bits they have in another cut. Stages over GGUF blocks (the compiled kernels) stay
-# exact there: tests/engine/test_cut_bits.py.
-@pytest.mark.skipif(
-    not _blas_rows_independent(),
-    reason="this BLAS rounds a row by its batch: float32 weights' reference attention "
-    "is exact across cuts only where sgemm's rows are independent",
-)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize(
     ("cached", "cuts"),
