@@ -336,6 +336,62 @@ def test_the_integer_dot_product_on_either_path(
         np.testing.assert_array_equal(out, want)
 
 
+@pytest.mark.parametrize("use_vnni", [False, True], ids=["generic", "vnni512"])
+def test_the_wide_integer_dot_product_on_either_path(
+    use_vnni: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dotw as a 512-bit ``vpdpbusd`` and as the portable code: lane ``8 h + r`` adds the
+    four bytes of lane ``j`` of chunk ``h`` times four int8 of row ``r``, exactly."""
+    from numba import njit
+
+    from meshnode.engine.cpu import simd_q8
+    from meshnode.engine.cpu.simd_int import bload
+
+    if use_vnni and not simd_q8.vnni512():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    monkeypatch.setattr(simd_q8, "vnni512", lambda: use_vnni)  # read when it compiles
+
+    @njit(cache=False)
+    def dot(w, x, out):  # type: ignore[no-untyped-def]
+        u = simd_q8.join64(bload(w, 0), bload(w, 32))
+        acc = simd_q8.dotw(simd_q8.iload16(out, 0), u, 5, x, 0)
+        simd_q8.store16(out, 0, acc)
+
+    for w, x in [
+        (rng.integers(0, 256, 64), rng.integers(-128, 128, 64)),
+        ([255] * 64, [-128] * 64),
+    ]:
+        w8, x8 = np.asarray(w, np.uint8), np.asarray(x, np.int8)
+        start = rng.integers(-1000, 1000, 16).astype(np.int32)
+        out = start.copy()
+        dot(w8, x8.view(np.uint8), out.view(np.uint8))
+        lanes = w8.astype(np.int64).reshape(2, 8, 4)[:, 5]  # [h, 4]: lane 5 of each chunk
+        want = start + np.einsum("hi,hri->hr", lanes, x8.reshape(2, 8, 4)).reshape(16)
+        np.testing.assert_array_equal(out, want)
+
+
+def test_eight_rows_float16_scales_at_once(rng: np.random.Generator) -> None:
+    """half8 (the one-row kernel's eight block scales of Q4_0 .. Q8_0) converts the
+    float16 at each row's offset exactly, whatever the offsets' alignment."""
+    from numba import njit
+
+    from meshnode.engine.cpu.simd import vstore
+    from meshnode.engine.cpu.simd_int import half8
+
+    @njit(cache=False)
+    def scales(raw, bases, off, out):  # type: ignore[no-untyped-def]
+        at = (bases[0], bases[1], bases[2], bases[3], bases[4], bases[5], bases[6], bases[7])
+        vstore(out, 0, half8(raw, at, off))
+
+    raw = rng.integers(0, 256, 400).astype(np.uint8)
+    raw[10:12] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
+    for bases, off in [(np.arange(8) * 34, 0), (np.array([7, 5, 3, 1, 0, 2, 4, 300]), 9)]:
+        out = np.zeros(8, np.float32)
+        scales(raw, bases.astype(np.int64), off, out)
+        want = [raw[b + off : b + off + 2].view(np.float16)[0] for b in bases]
+        np.testing.assert_array_equal(out, np.asarray(want, np.float32))
+
+
 @pytest.mark.parametrize(
     ("madd", "use_vnni"),
     [(False, False), (True, False), (False, True)],
