@@ -392,40 +392,55 @@ def test_eight_rows_float16_scales_at_once(rng: np.random.Generator) -> None:
         np.testing.assert_array_equal(out, np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("use_vnni", [False, True], ids=["generic", "vnni512"])
-def test_q6_k_scales_multiply_exactly_on_either_path(
-    use_vnni: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("madd", "use_vnni"),
+    [(False, False), (True, False), (False, True)],
+    ids=["generic", "madd", "vnni512"],
+)
+def test_q6_k_dots_and_scales_are_exact_on_every_path(
+    madd: bool, use_vnni: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The one-row Q6_K kernel's scale step: :func:`.q8_superblocks.madd16` (``vpmaddwd``
-    on AVX-512, a multiply elsewhere) times :func:`.q6_k_scales8`'s lanes is ``p * s``
-    exactly for every ``p`` the kernel gives it (``|p| <= 4 * 32 * 127``) and every int8
-    scale, each lane's scale picked as the chunk pair asks."""
+    """The one-row Q6_K kernel's integer step, :func:`.q8_q6_k.q6_dot` with
+    :func:`.q8_q6_k.q6_k_scales8`'s lanes: lane ``j`` is ``s * sum((u - 32) x)`` over its
+    four values exactly, for every six-bit ``u``, activation quant and int8 scale, each
+    lane's scale picked as the chunk pair asks, on each path the CPU can compile: the
+    portable one (a multiply by the scale), AVX2's ``vpmaddwd`` of the ``vpmaddubsw`` pair
+    sums, AVX-512's ``vpdpbusd`` and ``vpmaddwd``."""
     from numba import njit
 
-    from meshnode.engine.cpu import q8_superblocks as sb
-    from meshnode.engine.cpu import simd_q8
+    from meshnode.engine.cpu import q8_q6_k, q8_superblocks, simd_q8
+    from meshnode.engine.cpu.simd_int import bload, madd_bytes
 
     if use_vnni and not simd_q8.vnni512():
         pytest.skip("this CPU has no AVX512-VNNI")
-    monkeypatch.setattr(sb, "vnni512", lambda: use_vnni)  # read when it compiles
+    if madd and not madd_bytes():
+        pytest.skip("this CPU has no AVX2")
+    # read when it compiles: the dots' path and the scales' layout
+    monkeypatch.setattr(q8_q6_k, "vnni512", lambda: use_vnni)
+    monkeypatch.setattr(q8_q6_k, "madd_bytes", lambda: madd)
+    monkeypatch.setattr(q8_superblocks, "vnni512", lambda: use_vnni)
+    monkeypatch.setattr(q8_superblocks, "madd_bytes", lambda: madd)
 
     @njit(cache=False)
-    def scaled(w, p, out):  # type: ignore[no-untyped-def]
+    def scaled(w, u, x, out):  # type: ignore[no-untyped-def]
         n = w.shape[0] // 8  # each row's sixteen scales
         bases = (n - n, n, 2 * n, 3 * n, 4 * n, 5 * n, 6 * n, 7 * n)
-        scales = sb.q6_k_scales8(w, bases, 0, 4)  # chunks 4, 5: scales 8 .. 11
-        simd_q8.store16(out, 0, sb.madd16(simd_q8.iload16(p, 0), scales[3]))
+        scales = q8_q6_k.q6_k_scales8(w, bases, 0, 4)  # chunks 4, 5: scales 8 .. 11
+        u64 = simd_q8.join64(bload(u, 0), bload(u, 32))
+        simd_q8.store16(out, 0, q8_q6_k.q6_dot(u64, x, 0, scales[3]))
 
-    limit = 4 * 32 * 127
-    for p32, scales in [
-        (rng.integers(-limit, limit + 1, 16), rng.integers(-128, 128, (8, 16))),
-        ([limit, -limit] * 8, np.tile([-128, 127], (8, 8))),
+    for u, x, scales in [
+        (rng.integers(0, 64, 64), rng.integers(-127, 128, 64), rng.integers(-128, 128, (8, 16))),
+        ([63, 0] * 32, [-127, 127] * 32, np.tile([-128, 127], (8, 8))),
+        ([0] * 64, [127] * 64, np.full((8, 16), -128)),
+        ([63] * 64, [-127] * 64, np.full((8, 16), -128)),
     ]:
-        p = np.asarray(p32, np.int32)
+        u8, x8 = np.asarray(u, np.uint8), np.asarray(x, np.int8)
         w = np.asarray(scales, np.int8).reshape(-1)
         out = np.zeros(16, np.int32)
-        scaled(w.view(np.uint8), p.view(np.uint8), out.view(np.uint8))
-        want = p.astype(np.int64) * w.reshape(8, 16)[3, 8 + np.arange(16) // 4]
+        scaled(w.view(np.uint8), u8, x8.view(np.uint8), out.view(np.uint8))
+        sums = ((u8.astype(np.int64) - 32) * x8).reshape(16, 4).sum(1)
+        want = sums * w.reshape(8, 16)[3, 8 + np.arange(16) // 4]
         np.testing.assert_array_equal(out, want)
 
 

@@ -63,13 +63,8 @@ from meshnode.engine.cpu.q8_blocks import (
     signed_bytes,
 )
 from meshnode.engine.cpu.q8_fp4 import eight_mxfp4
-from meshnode.engine.cpu.q8_superblocks import (
-    K_FORMATS,
-    Q4_K_ID,
-    eight_q4_k,
-    eight_q6_k,
-    superblocked,
-)
+from meshnode.engine.cpu.q8_q6_k import eight_q6_k
+from meshnode.engine.cpu.q8_superblocks import K_FORMATS, Q4_K_ID, eight_q4_k, superblocked
 from meshnode.engine.cpu.q8_tiles import scratch_bytes, tiles
 from meshnode.engine.cpu.simd import (
     INNER,

@@ -11,7 +11,8 @@ of scales and minimums as bytes in two 512-bit registers, a row per 128-bit lane
 so that a chunk pair's sixteen (eight rows, two chunks) sit in one 128-bit lane, widened
 and times the rows' ``d`` and ``-dmin`` (:func:`q4_k_scales8`: the same float32 products
 as the chunk decoder's); Q6_K's sixteen int8 scales widened to words beside zero words
-for ``vpmaddwd`` (:func:`q6_k_scales8`), its ``- 32 sum(q)`` the start of ``vpdpbusd``.
+for ``vpmaddwd`` (:func:`.q8_q6_k.q6_k_scales8`, the Q6_K kernel's module), its ``- 32
+sum(q)`` the start of ``vpdpbusd``.
 Then each chunk costs only its unpacking, its ``vpdpbusd`` and its share of the sums
 across rows. The compiled loop over eight rows' super-block went from 606 to 428
 instructions for Q4_K, from 622 to 550 for Q6_K (of which some 150 are register spills
@@ -34,7 +35,6 @@ from numba.core import cgutils
 from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.q8_blocks import _constant
 from meshnode.engine.cpu.simd import (
-    F32x8,
     F32x16,
     inner,
     intrinsic,
@@ -44,16 +44,14 @@ from meshnode.engine.cpu.simd import (
     wmul,
     wzero,
 )
-from meshnode.engine.cpu.simd_int import _dot_madd, fload, half, madd_bytes, prefetch
+from meshnode.engine.cpu.simd_int import _dot_madd, fload, madd_bytes, prefetch
 from meshnode.engine.cpu.simd_q8 import (
     I32x16,
     U8x64,
     _dot_generic,
     _dot_vnni,
     fold,
-    ipair,
     tofloat16,
-    vec8,
     vnni512,
     wpair,
 )
@@ -62,7 +60,6 @@ __all__ = [
     "K_FORMATS",
     "Q4_K_ID",
     "eight_q4_k",
-    "eight_q6_k",
     "q4_k_scales8",
     "superblocked",
 ]
@@ -72,7 +69,7 @@ __all__ = [
 _Q4_K, _Q6_K = FORMATS["Q4_K"], FORMATS["Q6_K"]
 K_FORMATS = (_Q4_K.kernel_id, _Q6_K.kernel_id)
 Q4_K_ID = _Q4_K.kernel_id
-_Q4_K_BYTES, _Q6_K_BYTES = _Q4_K.type_size, _Q6_K.type_size
+_Q4_K_BYTES = _Q4_K.type_size
 superblocked = _constant(
     "superblocked",
     {f.kernel_id: f.kernel_id in K_FORMATS for f in FORMATS.values() if f.q8 is not None},
@@ -397,157 +394,3 @@ def eight_q4_k(w, bases, q, xo, dx, sx, nb, pf):  # type: ignore[no-untyped-def]
         i += 64
         acc, t = _q4_k_pair(w, bases, o + 112, q, xo + i, dx + i, sx + i, d3, m3, acc, t)
     return vadd(fold(acc), fold(t))
-
-
-@intrinsic
-def q6_k_scales8(typingctx: Any, w: Any, bases: Any, off: Any, c: Any) -> Any:
-    """Of Q6_K's sixteen int8 scales at byte ``off`` past each of eight rows' ``bases``
-    (of a ``uint8`` array), those of chunks ``c``, ``c + 1`` (``c`` an even literal):
-    eight vectors of sixteen int32, lanes ``4 i .. 4 i + 3`` scale ``2 c + i`` (each half
-    of a 32-value chunk times its own, as :func:`.simd_int.lanes2`), as a signed 16-bit
-    word beside a zero word (what :func:`madd16` multiplies by)."""
-    ok = _is_bytes(w) and isinstance(bases, types.UniTuple) and bases.count == 8
-    if not ok or not isinstance(c, types.IntegerLiteral):
-        return None
-    # word 2 l: scale 2 c + l // 4 (of the sixteen), word 2 l + 1: a zero (word 16)
-    words = [x for lane in range(16) for x in (2 * c.literal_value + lane // 4, 16)]
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        offs = cgutils.unpack_tuple(builder, args[1])  # type: ignore[no-untyped-call]
-        off = context.cast(builder, args[2], sig.args[2], types.int64)
-        vb, vh = ir.VectorType(_I8, 16), ir.VectorType(ir.IntType(16), 16)
-        zero = ir.Constant(vh, [0] * 16)
-        mask = ir.Constant(ir.VectorType(_I32, 32), words)
-        out = []
-        for j in range(8):
-            at = builder.add(context.cast(builder, offs[j], sig.args[1].dtype, types.int64), off)
-            b = builder.load(builder.bitcast(builder.gep(data, [at]), vb.as_pointer()), align=1)
-            v = builder.shuffle_vector(builder.sext(b, vh), zero, mask)
-            out.append(builder.bitcast(v, _VI16))
-        return context.make_tuple(builder, sig.return_type, out)
-
-    return types.UniTuple(I32x16, 8)(w, bases, off, c), codegen  # type: ignore[no-untyped-call]
-
-
-@intrinsic
-def madd16(typingctx: Any, p: Any, s: Any) -> Any:
-    """``p * s`` lane by lane, exact, for ``p`` within int16 and ``s`` a :func:`q6_k_scales8`
-    lane (a signed word beside a zero word): one ``vpmaddwd`` where the CPU has AVX-512."""
-    if p != I32x16 or s != I32x16:
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        if vnni512():
-            vw = ir.VectorType(ir.IntType(16), 32)
-            fnty = ir.FunctionType(_VI16, [vw, vw])
-            fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-                builder.module, fnty, "llvm.x86.avx512.pmaddw.d.512"
-            )
-            return builder.call(fn, [builder.bitcast(a, vw) for a in args])
-        scale = builder.sext(builder.trunc(args[1], ir.VectorType(ir.IntType(16), 16)), _VI16)
-        return builder.mul(args[0], scale)
-
-    return I32x16(p, s), codegen
-
-
-@intrinsic
-def q6_k_pair(typingctx: Any, w: Any, low: Any, high: Any, m: Any) -> Any:
-    """Chunks ``c`` and ``c + 1`` (``c`` even, ``m = c % 4``) of a Q6_K super-block as 64
-    unsigned bytes: the low four bits from the 64 bytes at ``low`` (``ql``, shifted by
-    ``2 m``), the high two from the 32 bytes at ``high`` (``qh``, shifted by ``2 m`` for
-    chunk ``c``, ``2 m + 2`` for chunk ``c + 1``), as :func:`.q8_blocks._q6_k` each."""
-    if not _is_bytes(w):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        vw = ir.VectorType(ir.IntType(16), 32)
-
-        def load(off: Any, vty: Any) -> Any:
-            return builder.load(
-                builder.bitcast(builder.gep(data, [off]), vty.as_pointer()), align=1
-            )
-
-        def splat16(value: Any) -> Any:
-            one = builder.insert_element(ir.Constant(vw, ir.Undefined), value, ir.Constant(_I32, 0))
-            return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, 32), [0] * 32))
-
-        m = context.cast(builder, args[3], sig.args[3], types.uint16)
-        two_m = builder.shl(m, ir.Constant(ir.IntType(16), 1))
-        lo = builder.lshr(builder.bitcast(load(args[1], _VB64), vw), splat16(two_m))
-        lo = builder.and_(lo, ir.Constant(vw, [0x0F0F] * 32))
-        h = load(args[2], ir.VectorType(_I8, 32))
-        both = builder.shuffle_vector(
-            h, h, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2)
-        )
-        counts = builder.add(splat16(two_m), ir.Constant(vw, [0] * 16 + [2] * 16))
-        hi = builder.and_(
-            builder.lshr(builder.bitcast(both, vw), counts), ir.Constant(vw, [0x0303] * 32)
-        )
-        hi = builder.shl(hi, ir.Constant(vw, [4] * 32))
-        return builder.bitcast(builder.or_(lo, hi), _VB64)
-
-    return U8x64(w, low, high, m), codegen
-
-
-@intrinsic
-def wjoin(typingctx: Any, a: Any, b: Any) -> Any:
-    """Lanes 0-7 ``a``, lanes 8-15 ``b`` (float32)."""
-    if a != F32x8 or b != F32x8:
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.shuffle_vector(args[0], args[1], ir.Constant(_VI16, list(range(16))))
-
-    return F32x16(a, b), codegen
-
-
-@inner
-def _q6_k_pair(w, bases, o, c, q, xo, dx, ss, dws, acc):  # type: ignore[no-untyped-def]
-    # chunks c, c + 1 of a Q6_K super-block (at byte o of each row) of eight rows:
-    # each row's exact dots minus 32 sum(q) (the sum subtracted first, as vpdpbusd's
-    # start), each half of a chunk times its integer scale (ss: q6_k_scales8's), summed across
-    # the lanes as _q4_k_dots's, into acc
-    b0, b1, b2, b3, b4, b5, b6, b7 = bases
-    s0, s1, s2, s3, s4, s5, s6, s7 = ss
-    h, m = c // 4, c % 4
-    low, high = o + 64 * h, o + 128 + 32 * h
-    offs = isub16(ipair(0, 0), dot64(bsplat64(32), q, xo))
-    p0 = madd16(dot64s(offs, q6_k_pair(w, b0 + low, b0 + high, m), q, xo), s0)
-    p1 = madd16(dot64s(offs, q6_k_pair(w, b1 + low, b1 + high, m), q, xo), s1)
-    p2 = madd16(dot64s(offs, q6_k_pair(w, b2 + low, b2 + high, m), q, xo), s2)
-    p3 = madd16(dot64s(offs, q6_k_pair(w, b3 + low, b3 + high, m), q, xo), s3)
-    p4 = madd16(dot64s(offs, q6_k_pair(w, b4 + low, b4 + high, m), q, xo), s4)
-    p5 = madd16(dot64s(offs, q6_k_pair(w, b5 + low, b5 + high, m), q, xo), s5)
-    p6 = madd16(dot64s(offs, q6_k_pair(w, b6 + low, b6 + high, m), q, xo), s6)
-    p7 = madd16(dot64s(offs, q6_k_pair(w, b7 + low, b7 + high, m), q, xo), s7)
-    p = isums16((p0, p1, p2, p3, p4, p5, p6, p7))
-    dxs = wpair(fload(q, dx), fload(q, dx + 32))
-    return wfma(tofloat16(p), wmul(dws, dxs), acc)
-
-
-@inner
-def eight_q6_k(w, bases, q, xo, dx, sx, nb, pf):  # type: ignore[no-untyped-def]
-    """As :func:`eight_q4_k` for Q6_K rows (``sx`` unused: no minimums)."""
-    b0, b1, b2, b3, b4, b5, b6, b7 = bases
-    acc = wzero()  # lanes 0-7: the even chunks, 8-15: the odd ones
-    for s in range(nb // 8):
-        o = _Q6_K_BYTES * s
-        for line in range(0, 8 * _Q6_K_BYTES, 64):
-            prefetch(w, pf + 8 * o + line)
-        d = o + 208
-        dw = vec8((half(w, b0 + d), half(w, b1 + d), half(w, b2 + d), half(w, b3 + d),
-                   half(w, b4 + d), half(w, b5 + d), half(w, b6 + d), half(w, b7 + d)))  # fmt: skip
-        dws = wjoin(dw, dw)
-        i = 256 * s  # the super-block's first activation block, in bytes
-        # chunk pairs 0, 2, 4, 6 (c literal: their scales' lanes are compile-time shuffles)
-        ss = q6_k_scales8(w, bases, o + 192, 0)
-        acc = _q6_k_pair(w, bases, o, 0, q, xo + i, dx + i, ss, dws, acc)
-        ss, i = q6_k_scales8(w, bases, o + 192, 2), i + 64
-        acc = _q6_k_pair(w, bases, o, 2, q, xo + i, dx + i, ss, dws, acc)
-        ss, i = q6_k_scales8(w, bases, o + 192, 4), i + 64
-        acc = _q6_k_pair(w, bases, o, 4, q, xo + i, dx + i, ss, dws, acc)
-        ss, i = q6_k_scales8(w, bases, o + 192, 6), i + 64
-        acc = _q6_k_pair(w, bases, o, 6, q, xo + i, dx + i, ss, dws, acc)
-    return fold(acc)

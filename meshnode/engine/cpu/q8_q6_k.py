@@ -1,0 +1,262 @@
+"""The one-row 8-bit-activation product of Q6_K weights, a 256-value super-block at a time.
+
+Cut from :mod:`.q8_superblocks` (which has the design, and Q4_K's kernel): eight weight rows'
+super-block decoded together, each chunk pair's sixteen int8 scales as lanes
+(:func:`q6_k_scales8`), the chunks' exact integer dots with ``- 32 sum(q)`` and each half
+of a chunk times its scale (:func:`q6_dot`), then :mod:`.q8_kernels`'s float32 steps.
+
+:func:`q6_dot` takes one of three paths, each giving the same int32 lanes: on AVX-512 VNNI
+``vpdpbusd`` from ``- 32 sum(q)`` then ``vpmaddwd`` with the scale beside a zero word
+(:func:`madd16`); on AVX2 (no VNNI) as llama.cpp's ``ggml_vec_dot_q6_K_q8_K`` does, the
+int16 pair sums of ``vpmaddubsw`` less those of ``32 x`` (``(u - 32) x`` pairs, within
++-8128), then ``vpmaddwd`` with the scale in both words of each lane; elsewhere portable
+code. On AVX2 that is three instructions a 32-value chunk and row (``vpmaddubsw``,
+``vpsubw``, ``vpmaddwd``) where the other path took six (``vpmaddubsw``, ``vpmaddwd`` with
+ones, ``vpsubd``, a shift pair to sign-extend the scale, ``vpmulld``), beside the scale's
+shuffles both take: the loop over a super-block of eight rows went from 1432 to 1188
+instructions (numba 0.68, llvmlite 0.50, Zen 3), about 250 of them register spills and
+reloads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+
+from meshnode.engine.cpu.formats import FORMATS
+from meshnode.engine.cpu.q8_superblocks import _dot_small, _is_bytes, isums16
+from meshnode.engine.cpu.simd import F32x8, F32x16, inner, intrinsic, wfma, wmul, wzero
+from meshnode.engine.cpu.simd_int import _x86, fload, half, madd_bytes, prefetch
+from meshnode.engine.cpu.simd_q8 import I32x16, U8x64, fold, tofloat16, vec8, vnni512, wpair
+
+__all__ = ["eight_q6_k", "madd16", "q6_dot", "q6_k_pair", "q6_k_scales8", "scaled_pairs"]
+
+_Q6_K_BYTES = FORMATS["Q6_K"].type_size
+_I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_VI = ir.VectorType(_I32, 8)
+_VI16 = ir.VectorType(_I32, 16)
+_VB64 = ir.VectorType(_I8, 64)
+_VH = ir.VectorType(_I16, 16)
+
+
+def scaled_pairs() -> bool:
+    """Whether :func:`q6_dot` multiplies ``vpmaddubsw``'s int16 pair sums by the scales
+    (AVX2 without AVX512-VNNI; :func:`q6_k_scales8` then puts a scale in both words of a
+    lane), read while compiling."""
+    return madd_bytes() and not vnni512()
+
+
+@intrinsic
+def q6_k_scales8(typingctx: Any, w: Any, bases: Any, off: Any, c: Any) -> Any:
+    """Of Q6_K's sixteen int8 scales at byte ``off`` past each of eight rows' ``bases``
+    (of a ``uint8`` array), those of chunks ``c``, ``c + 1`` (``c`` an even literal):
+    eight vectors of sixteen int32, lanes ``4 i .. 4 i + 3`` scale ``2 c + i`` (each half
+    of a 32-value chunk times its own, as :func:`.simd_int.lanes2`), as a signed 16-bit
+    word beside a zero word (what :func:`madd16` multiplies by), or where
+    :func:`scaled_pairs` in both words of the lane (what ``vpmaddwd`` multiplies a lane's
+    two int16 pair sums by)."""
+    ok = _is_bytes(w) and isinstance(bases, types.UniTuple) and bases.count == 8
+    if not ok or not isinstance(c, types.IntegerLiteral):
+        return None
+    # word 2 l: scale 2 c + l // 4 (of the sixteen), word 2 l + 1: a zero (word 16), or
+    # the same scale again
+    pick = [2 * c.literal_value + lane // 4 for lane in range(16)]
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        offs = cgutils.unpack_tuple(builder, args[1])  # type: ignore[no-untyped-call]
+        off = context.cast(builder, args[2], sig.args[2], types.int64)
+        vb, vh = ir.VectorType(_I8, 16), ir.VectorType(ir.IntType(16), 16)
+        zero = ir.Constant(vh, [0] * 16)
+        both = scaled_pairs()
+        words = [x for s in pick for x in ((s, s) if both else (s, 16))]
+        mask = ir.Constant(ir.VectorType(_I32, 32), words)
+        out = []
+        for j in range(8):
+            at = builder.add(context.cast(builder, offs[j], sig.args[1].dtype, types.int64), off)
+            b = builder.load(builder.bitcast(builder.gep(data, [at]), vb.as_pointer()), align=1)
+            v = builder.shuffle_vector(builder.sext(b, vh), zero, mask)
+            out.append(builder.bitcast(v, _VI16))
+        return context.make_tuple(builder, sig.return_type, out)
+
+    return types.UniTuple(I32x16, 8)(w, bases, off, c), codegen  # type: ignore[no-untyped-call]
+
+
+@intrinsic
+def madd16(typingctx: Any, p: Any, s: Any) -> Any:
+    """``p * s`` lane by lane, exact, for ``p`` within int16 and ``s`` a :func:`q6_k_scales8`
+    lane (a signed word beside a zero word): one ``vpmaddwd`` where the CPU has AVX-512."""
+    if p != I32x16 or s != I32x16:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return _madd16(builder, args[0], args[1])
+
+    return I32x16(p, s), codegen
+
+
+def _madd16(builder: Any, p: Any, s: Any) -> Any:
+    # madd16's lanes: vpmaddwd on a 512-bit register where the CPU has AVX-512, else
+    # a multiply by the sign-extended low word
+    if vnni512():
+        vw = ir.VectorType(_I16, 32)
+        fnty = ir.FunctionType(_VI16, [vw, vw])
+        fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            builder.module, fnty, "llvm.x86.avx512.pmaddw.d.512"
+        )
+        return builder.call(fn, [builder.bitcast(a, vw) for a in (p, s)])
+    return builder.mul(p, builder.sext(builder.trunc(s, _VH), _VI16))
+
+
+@intrinsic
+def q6_dot(typingctx: Any, u: Any, xq: Any, off: Any, s: Any) -> Any:
+    """Lane ``j`` (of sixteen int32): ``s[j]`` times the sum over ``i < 4`` of ``(u[4 j +
+    i] - 32)`` times the int8 at byte ``off + 4 j + i`` of ``xq``, exactly, for Q6_K's
+    six-bit quants ``u`` (at most 63, :func:`q6_k_pair`), activation quants within +-127
+    and ``s`` a :func:`q6_k_scales8` lane (two 32-value chunks' four halves, each times
+    its int8 scale): by ``vpmaddubsw`` pair sums where :func:`scaled_pairs`, else
+    ``vpdpbusd`` (or portable code) and :func:`madd16`."""
+    if u != U8x64 or not _is_bytes(xq) or s != I32x16:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[1])(context, builder, args[1]).data
+        ptr = builder.bitcast(builder.gep(data, [args[2]]), _VB64.as_pointer())
+        x = builder.load(ptr, align=1)
+        thirty_two = ir.Constant(_VB64, [32] * 64)
+        if not scaled_pairs():
+            zero = ir.Constant(_VI16, [0] * 16)
+            offs = builder.sub(zero, _dot_small(builder, zero, thirty_two, x))
+            return _madd16(builder, _dot_small(builder, offs, args[0], x), args[3])
+        halves = []
+        undef = ir.Constant(_VB64, ir.Undefined)
+        for h in range(2):
+            pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
+            xh = builder.shuffle_vector(x, undef, pick)
+            uh = builder.shuffle_vector(args[0], undef, pick)
+            # (u - 32) x in pairs: |u - 32| <= 32, so each pair sum is within +-8128 and
+            # the int16 subtraction of the exact pair sums (<= 2 * 63 * 127) is exact
+            pairs = builder.sub(
+                _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _VH, uh, xh),
+                _x86(
+                    builder,
+                    "llvm.x86.avx2.pmadd.ub.sw",
+                    _VH,
+                    builder.shuffle_vector(thirty_two, undef, pick),
+                    xh,
+                ),
+            )
+            lanes = builder.shuffle_vector(
+                args[3], args[3], ir.Constant(_VI, list(range(8 * h, 8 * h + 8)))
+            )
+            halves.append(
+                _x86(builder, "llvm.x86.avx2.pmadd.wd", _VI, pairs, builder.bitcast(lanes, _VH))
+            )
+        return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VI16, list(range(16))))
+
+    return I32x16(u, xq, off, s), codegen
+
+
+@intrinsic
+def q6_k_pair(typingctx: Any, w: Any, low: Any, high: Any, m: Any) -> Any:
+    """Chunks ``c`` and ``c + 1`` (``c`` even, ``m = c % 4``) of a Q6_K super-block as 64
+    unsigned bytes: the low four bits from the 64 bytes at ``low`` (``ql``, shifted by
+    ``2 m``), the high two from the 32 bytes at ``high`` (``qh``, shifted by ``2 m`` for
+    chunk ``c``, ``2 m + 2`` for chunk ``c + 1``), as :func:`.q8_blocks._q6_k` each."""
+    if not _is_bytes(w):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        vw = ir.VectorType(ir.IntType(16), 32)
+
+        def load(off: Any, vty: Any) -> Any:
+            return builder.load(
+                builder.bitcast(builder.gep(data, [off]), vty.as_pointer()), align=1
+            )
+
+        def splat16(value: Any) -> Any:
+            one = builder.insert_element(ir.Constant(vw, ir.Undefined), value, ir.Constant(_I32, 0))
+            return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, 32), [0] * 32))
+
+        m = context.cast(builder, args[3], sig.args[3], types.uint16)
+        two_m = builder.shl(m, ir.Constant(ir.IntType(16), 1))
+        lo = builder.lshr(builder.bitcast(load(args[1], _VB64), vw), splat16(two_m))
+        lo = builder.and_(lo, ir.Constant(vw, [0x0F0F] * 32))
+        h = load(args[2], ir.VectorType(_I8, 32))
+        both = builder.shuffle_vector(
+            h, h, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2)
+        )
+        counts = builder.add(splat16(two_m), ir.Constant(vw, [0] * 16 + [2] * 16))
+        hi = builder.and_(
+            builder.lshr(builder.bitcast(both, vw), counts), ir.Constant(vw, [0x0303] * 32)
+        )
+        hi = builder.shl(hi, ir.Constant(vw, [4] * 32))
+        return builder.bitcast(builder.or_(lo, hi), _VB64)
+
+    return U8x64(w, low, high, m), codegen
+
+
+@intrinsic
+def wjoin(typingctx: Any, a: Any, b: Any) -> Any:
+    """Lanes 0-7 ``a``, lanes 8-15 ``b`` (float32)."""
+    if a != F32x8 or b != F32x8:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.shuffle_vector(args[0], args[1], ir.Constant(_VI16, list(range(16))))
+
+    return F32x16(a, b), codegen
+
+
+@inner
+def _q6_k_pair(w, bases, o, c, q, xo, dx, ss, dws, acc):  # type: ignore[no-untyped-def]
+    # chunks c, c + 1 of a Q6_K super-block (at byte o of each row) of eight rows:
+    # each row's exact dots of u - 32, each half of a chunk times its integer scale (ss:
+    # q6_k_scales8's; q6_dot), summed across the lanes as _q4_k_dots's, into acc
+    b0, b1, b2, b3, b4, b5, b6, b7 = bases
+    s0, s1, s2, s3, s4, s5, s6, s7 = ss
+    h, m = c // 4, c % 4
+    low, high = o + 64 * h, o + 128 + 32 * h
+    p0 = q6_dot(q6_k_pair(w, b0 + low, b0 + high, m), q, xo, s0)
+    p1 = q6_dot(q6_k_pair(w, b1 + low, b1 + high, m), q, xo, s1)
+    p2 = q6_dot(q6_k_pair(w, b2 + low, b2 + high, m), q, xo, s2)
+    p3 = q6_dot(q6_k_pair(w, b3 + low, b3 + high, m), q, xo, s3)
+    p4 = q6_dot(q6_k_pair(w, b4 + low, b4 + high, m), q, xo, s4)
+    p5 = q6_dot(q6_k_pair(w, b5 + low, b5 + high, m), q, xo, s5)
+    p6 = q6_dot(q6_k_pair(w, b6 + low, b6 + high, m), q, xo, s6)
+    p7 = q6_dot(q6_k_pair(w, b7 + low, b7 + high, m), q, xo, s7)
+    p = isums16((p0, p1, p2, p3, p4, p5, p6, p7))
+    dxs = wpair(fload(q, dx), fload(q, dx + 32))
+    return wfma(tofloat16(p), wmul(dws, dxs), acc)
+
+
+@inner
+def eight_q6_k(w, bases, q, xo, dx, sx, nb, pf):  # type: ignore[no-untyped-def]
+    """As :func:`.q8_superblocks.eight_q4_k` for Q6_K rows (``sx`` unused: no minimums)."""
+    b0, b1, b2, b3, b4, b5, b6, b7 = bases
+    acc = wzero()  # lanes 0-7: the even chunks, 8-15: the odd ones
+    for s in range(nb // 8):
+        o = _Q6_K_BYTES * s
+        for line in range(0, 8 * _Q6_K_BYTES, 64):
+            prefetch(w, pf + 8 * o + line)
+        d = o + 208
+        dw = vec8((half(w, b0 + d), half(w, b1 + d), half(w, b2 + d), half(w, b3 + d),
+                   half(w, b4 + d), half(w, b5 + d), half(w, b6 + d), half(w, b7 + d)))  # fmt: skip
+        dws = wjoin(dw, dw)
+        i = 256 * s  # the super-block's first activation block, in bytes
+        # chunk pairs 0, 2, 4, 6 (c literal: their scales' lanes are compile-time shuffles)
+        ss = q6_k_scales8(w, bases, o + 192, 0)
+        acc = _q6_k_pair(w, bases, o, 0, q, xo + i, dx + i, ss, dws, acc)
+        ss, i = q6_k_scales8(w, bases, o + 192, 2), i + 64
+        acc = _q6_k_pair(w, bases, o, 2, q, xo + i, dx + i, ss, dws, acc)
+        ss, i = q6_k_scales8(w, bases, o + 192, 4), i + 64
+        acc = _q6_k_pair(w, bases, o, 4, q, xo + i, dx + i, ss, dws, acc)
+        ss, i = q6_k_scales8(w, bases, o + 192, 6), i + 64
+        acc = _q6_k_pair(w, bases, o, 6, q, xo + i, dx + i, ss, dws, acc)
+    return fold(acc)
