@@ -218,9 +218,12 @@ def _pass4_any(
 def _pass4_typed(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-untyped-def]
     # the format's own passes, chosen while compiling (.blocks.format_row), and for a
     # K-quant the registers' (form: tile_form's)
-    if format_row(fmt).block_size != 256:
+    row = format_row(fmt)
+    if row.block_size != 256:
         return _pass4_blocks
-    return _pass4_k8 if _literal_form(form) == 8 else _pass4_k
+    # Q6_K only: Q4_K's one-row pass ran 0.62-0.67x as fast with its scales from the
+    # scratch (A/B, loaded), Q6_K's 1.45-1.69x as fast (benchmarks/exact_kernels.py)
+    return _pass4_k8 if _literal_form(form) == 8 and row.name == "Q6_K" else _pass4_k
 
 
 def _literal_form(form: Any) -> int:
