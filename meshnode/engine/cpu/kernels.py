@@ -29,7 +29,7 @@ instead, a super-block's share at a time between the dot products.
 The register tiles come in two forms (:func:`tile_form`, chosen while compiling), the
 same bits: the above where the CPU has 32 vector registers (AVX-512), and for sixteen
 (AVX2) :mod:`.narrow`'s tiles of two rows eight lanes wide over blocks of the decoded
-rows in the L1, and a K-quant's one-row passes reading the four rows' scales from the
+rows in the L1, and Q6_K's one-row passes reading the four rows' scales from the
 scratch (broadcast loads) instead of keeping them in registers that spill.
 
 Each product exists whole, for the calling thread alone, and as a C function computing one
