@@ -51,6 +51,7 @@ from meshnode.engine.cpu.wide import wchunk
 
 __all__ = [
     "group_chunk",
+    "group_chunk_at",
     "group_chunks",
     "group_scales",
     "wlane_splat",
@@ -286,3 +287,42 @@ def _group_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
     if name in _SHARED:
         return _SHARED[name][1]
     return _k_chunk if _chunks(fmt) == 8 else _whole_chunk
+
+
+def _q4_k_chunk_at(fmt, row, g, s, buf, at):  # type: ignore[no-untyped-def]
+    # _q4_k_chunk with the scales read from buf[at ..] (group_scales' lanes, stored)
+    qs = 144 * g + 16 + 32 * (s // 2)
+    ds, dm = wsplat(buf[at + s]), wsplat(buf[at + 8 + s])
+    if s % 2 == 0:
+        return wfma(ds, wlow_nibbles(row, qs), dm), wfma(ds, wlow_nibbles(row, qs + 16), dm)
+    return wfma(ds, whigh_nibbles(row, qs), dm), wfma(ds, whigh_nibbles(row, qs + 16), dm)
+
+
+def _q6_k_quarters_at(fmt, row, g, s, buf, at):  # type: ignore[no-untyped-def]
+    # _q6_k_quarters with the scales read from buf[at ..]
+    o, h = 210 * g, s // 4
+    qa, qb = wq6_quarter(row, o + 64 * h, o + 128 + 32 * h, s % 4)
+    return wmul(wsplat(buf[at + 2 * s]), qa), wmul(wsplat(buf[at + 2 * s + 1]), qb)
+
+
+def _chunk_no_buf(fmt, row, g, s, buf, at):  # type: ignore[no-untyped-def]
+    return group_chunk(fmt, row, g, s, wzero())
+
+
+def group_chunk_at(fmt: int, row: Any, g: int, s: int, buf: Any, at: int) -> Any:
+    """:func:`group_chunk` with the scales read from ``buf[at : at + 16]`` (a float32
+    array where a caller stored :func:`group_scales`' vector): the same values, bit for
+    bit (a stored float32 is read back as it was). Each scale is then one broadcast from
+    memory, a load, where picking a lane of a register takes a shuffle or two; and the
+    four rows' scales need no registers between the chunks (AVX2 has sixteen)."""
+    raise TypeError("for compiled code")
+
+
+@overload(group_chunk_at, prefer_literal=True, jit_options=INNER)
+def _group_chunk_at(fmt, row, g, s, buf, at):  # type: ignore[no-untyped-def]
+    name = format_row(fmt).name
+    if name == "Q4_K":
+        return _q4_k_chunk_at
+    if name == "Q6_K":
+        return _q6_k_quarters_at
+    return _chunk_no_buf

@@ -26,6 +26,12 @@ instead, a super-block's share at a time between the dot products.
   above), so ``k`` rows cost one pass over the weights, the decode is paid once, and
   every vector loaded feeds four FMAs.
 
+The register tiles come in two forms (:func:`tile_form`, chosen while compiling), the
+same bits: the above where the CPU has 32 vector registers (AVX-512), and for sixteen
+(AVX2) :mod:`.narrow`'s tiles of two rows eight lanes wide over blocks of the decoded
+rows in the L1, and Q6_K's one-row passes reading the four rows' scales from the
+scratch (broadcast loads) instead of keeping them in registers that spill.
+
 Each product exists whole, for the calling thread alone, and as a C function computing one
 chunk of output rows, for :mod:`.pool`'s threads (which claim chunks one at a time).
 Compiled with numba at first use and cached on disk (``cache=True`` in
@@ -37,10 +43,12 @@ formats use: the formats are compile-time constants, chosen while compiling
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import numpy as np
 from numba import cfunc, njit, types
+from numba.core.errors import TypingError
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import overload
 from numba.np.numpy_support import carray
@@ -48,7 +56,9 @@ from numba.np.numpy_support import carray
 from meshnode.engine.cpu import pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
 from meshnode.engine.cpu.blocks import chunk, format_row
-from meshnode.engine.cpu.groups import group_chunk, group_chunks, group_scales
+from meshnode.engine.cpu.groups import group_chunk, group_chunk_at, group_chunks, group_scales
+from meshnode.engine.cpu.lookup import permutes
+from meshnode.engine.cpu.narrow import fits, rows8
 from meshnode.engine.cpu.simd import (
     INNER,
     entry,
@@ -97,7 +107,22 @@ def _step4(fmt, rows, g, s, scales, x, p, acc):  # type: ignore[no-untyped-def]
     return a0, a1, a2, a3
 
 
-def _pass4_blocks(fmt, raw, x, out, o, hi, col, n_in):  # type: ignore[no-untyped-def]
+@inner
+def _step4_at(fmt, rows, g, s, buf, x, p, acc):  # type: ignore[no-untyped-def]
+    # _step4 with the four rows' scales read from buf (row i's at 16 i)
+    u, v = wload(x, p), wload(x, p + 16)
+    w0, w1 = group_chunk_at(fmt, rows[0], g, s, buf, 0)
+    a0 = wfma(w1, v, wfma(w0, u, acc[0]))
+    w0, w1 = group_chunk_at(fmt, rows[1], g, s, buf, 16)
+    a1 = wfma(w1, v, wfma(w0, u, acc[1]))
+    w0, w1 = group_chunk_at(fmt, rows[2], g, s, buf, 32)
+    a2 = wfma(w1, v, wfma(w0, u, acc[2]))
+    w0, w1 = group_chunk_at(fmt, rows[3], g, s, buf, 48)
+    a3 = wfma(w1, v, wfma(w0, u, acc[3]))
+    return a0, a1, a2, a3
+
+
+def _pass4_blocks(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-untyped-def]
     # weight rows o .. hi - 1 of a 32-value format times the one activation row x, four
     # a pass (decoded in registers a block at a time) while four are left, into columns
     # col + o ..; returns the first row not done. The passes loop here, not in the
@@ -115,7 +140,7 @@ def _pass4_blocks(fmt, raw, x, out, o, hi, col, n_in):  # type: ignore[no-untype
     return o
 
 
-def _pass4_k(fmt, raw, x, out, o, hi, col, n_in):  # type: ignore[no-untyped-def]
+def _pass4_k(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-untyped-def]
     # the same for a K-quant, a super-block at a time: its scales decoded once. The next
     # pass's four rows are asked for a super-block's share at a time, between the dot
     # products (a burst of them before the pass left the loads and the arithmetic
@@ -147,6 +172,33 @@ def _pass4_k(fmt, raw, x, out, o, hi, col, n_in):  # type: ignore[no-untyped-def
     return o
 
 
+def _pass4_k8(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-untyped-def]
+    # _pass4_k for sixteen registers (AVX2): the four rows' scales stored in buf (64
+    # float32) once a super-block and broadcast from there, not kept in eight registers
+    # (spilled) and picked lane by lane with shuffles; the same values, the same chains
+    o, flat, size = max(o, 0), raw.reshape(-1), raw.shape[1]  # o >= 0: as _rows' lo
+    share = 4 * (size // (n_in // 256))
+    last = max(0, flat.shape[0] - 4 * size)  # the last pass asks for its own rows again
+    while o + 4 <= hi:
+        ahead = min((o + 4) * size, last)
+        rows = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
+        acc = wzero(), wzero(), wzero(), wzero()
+        for g in range(n_in // 256):
+            for line in range(0, share, 64):
+                prefetch(flat, ahead + share * g + line)
+            for i in range(4):
+                wstore(buf, 16 * i, group_scales(fmt, rows[i], g))
+            for h in range(2):  # four sub-blocks a step: each one's place in its half constant
+                p, s = 256 * g + 128 * h, 4 * h
+                acc = _step4_at(fmt, rows, g, s, buf, x, p, acc)
+                acc = _step4_at(fmt, rows, g, s + 1, buf, x, p + 32, acc)
+                acc = _step4_at(fmt, rows, g, s + 2, buf, x, p + 64, acc)
+                acc = _step4_at(fmt, rows, g, s + 3, buf, x, p + 96, acc)
+        _put4(out, col + o, acc)
+        o += 4
+    return o
+
+
 @njit(inline="always")
 def _put4(out, c, acc):  # type: ignore[no-untyped-def]
     # the four chains' sums into out[0, c .. c + 3]
@@ -156,14 +208,29 @@ def _put4(out, c, acc):  # type: ignore[no-untyped-def]
     out[0, c + 3] = wsum(acc[3])
 
 
-def _pass4_any(fmt: Any, raw: Any, x: Any, out: Any, o: Any, hi: Any, col: Any, n_in: Any) -> Any:
+def _pass4_any(
+    fmt: Any, form: Any, raw: Any, x: Any, out: Any, o: Any, hi: Any, col: Any, n_in: Any, buf: Any
+) -> Any:
     raise TypeError("for compiled code")
 
 
 @overload(_pass4_any, prefer_literal=True, jit_options=INNER)
-def _pass4_typed(fmt, raw, x, out, o, hi, col, n_in):  # type: ignore[no-untyped-def]
-    # the format's own passes, chosen while compiling (.blocks.format_row)
-    return _pass4_k if format_row(fmt).block_size == 256 else _pass4_blocks
+def _pass4_typed(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-untyped-def]
+    # the format's own passes, chosen while compiling (.blocks.format_row), and for a
+    # K-quant the registers' (form: tile_form's)
+    row = format_row(fmt)
+    if row.block_size != 256:
+        return _pass4_blocks
+    # Q6_K only: Q4_K's one-row pass ran 0.62-0.67x as fast with its scales from the
+    # scratch (A/B, loaded), Q6_K's 1.45-1.69x as fast (benchmarks/exact_kernels.py)
+    return _pass4_k8 if _literal_form(form) == 8 and row.name == "Q6_K" else _pass4_k
+
+
+def _literal_form(form: Any) -> int:
+    if not isinstance(form, types.IntegerLiteral):
+        raise TypingError(f"a tile form must be a compile-time constant, got {form}")
+    value: int = form.literal_value
+    return value
 
 
 def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
@@ -278,40 +345,82 @@ def _ahead(raw, o):  # type: ignore[no-untyped-def]
             prefetch(flat, at + line)
 
 
+@njit(inline="always")
+def _tiles(w, x, out, c, n_in):  # type: ignore[no-untyped-def]
+    # the k activation rows times the four decoded weight rows of w into out[:, c .. c + 3]:
+    # 4 x 4 tiles of sixteen-lane vectors (32 registers: AVX-512), then two rows, then one
+    k = out.shape[0]
+    r: Any = np.int64(0)  # not a literal 0: one compiled _dot4x4
+    while r + 4 <= k:
+        d = _dot4x4(w, x, r, n_in)
+        for i in range(4):
+            for j in range(4):
+                out[r + i, c + j] = wlane(d, 4 * i + j)
+        r += 4
+    if r + 2 <= k:
+        d2 = _dot2x4(w, x, r, n_in)
+        for i in range(2):
+            for j in range(4):
+                out[r + i, c + j] = d2[4 * i + j]
+        r += 2
+    if r < k:
+        d4 = _dot1x4(w, x, r, n_in)
+        for j in range(4):
+            out[r, c + j] = d4[j]
+
+
+def _narrow_any(
+    fmt: Any, form: Any, raw: Any, x: Any, out: Any, o: Any, hi: Any, col: Any, w: Any, n_in: Any
+) -> Any:
+    raise TypeError("for compiled code")
+
+
+@overload(_narrow_any, prefer_literal=True, jit_options=INNER)
+def _narrow_typed(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    # form 8: .narrow's tiles (eight lanes, blocks in the L1) where the scratch holds
+    # them; returns the first row not done, which the sixteen-lane tiles take
+    if _literal_form(form) != 8:
+        return lambda fmt, form, raw, x, out, o, hi, col, w, n_in: o
+
+    def narrow(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+        if not fits(n_in, out.shape[0], w.shape[0]):
+            return o
+        return rows8(fmt, raw, x, out, o, hi, col, w, n_in)
+
+    return narrow
+
+
+def tile_form() -> int:
+    """The lanes of the register tiles the k-row products use on this CPU: 16 where it
+    has 32 vector registers (AVX-512), else 8 (AVX2's 16 registers would spill a 4 x 4
+    tile of sixteen-lane vectors). Both give every output the same bits; the choice is
+    only speed. ``MESHNODE_TILE_FORM`` (8 or 16) overrides it, for tests and benchmarks."""
+    forced = os.environ.get("MESHNODE_TILE_FORM")
+    if forced in ("8", "16"):
+        return int(forced)
+    return 16 if permutes() else 8
+
+
 @inner
-def _rows(fmt, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
+def _rows(fmt, form, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
     # rows lo .. hi - 1 of one part (format fmt, a compile-time constant: each compiled
-    # _rows holds its format's decoder only) into columns col + lo .. of out; w: float32
-    # [4 n_in] scratch. lo is never negative: said so, LLVM drops the wraparound of
-    # negative indices from the row loops (as for a literal 0: as fast, one compiled
-    # _rows per format for the serial products and the chunks alike)
+    # _rows holds its format's decoder only; form: the registers', tile_form's, another)
+    # into columns col + lo .. of out; w: float32 [4 n_in] scratch. lo is never negative:
+    # said so, LLVM drops the wraparound of negative indices from the row loops (as for a
+    # literal 0: as fast, one compiled _rows per format for the serial products and the
+    # chunks alike)
     lo = max(lo, 0)
     k, n_in = out.shape[0], w.shape[0] // 4
     o = lo
     if k == 1:  # four weight rows at a time against the one activation row
-        o = _pass4_any(fmt, raw, x, out, o, hi, col, n_in)
+        o = _pass4_any(fmt, form, raw, x, out, o, hi, col, n_in, w)  # w: the scales' buffer
+    else:  # sixteen registers: .narrow's tiles
+        o = _narrow_any(fmt, form, raw, x, out, o, hi, col, w, n_in)
     while o + 4 <= hi:  # four weight rows decoded, then a register tile per four rows
         for i in range(4):
             _ahead(raw, o + i)
             _decode_any(fmt, raw[o + i], w, i * n_in, n_in)
-        c = col + o
-        r: Any = np.int64(0)  # not a literal 0: one compiled _dot4x4
-        while r + 4 <= k:
-            d = _dot4x4(w, x, r, n_in)
-            for i in range(4):
-                for j in range(4):
-                    out[r + i, c + j] = wlane(d, 4 * i + j)
-            r += 4
-        if r + 2 <= k:
-            d2 = _dot2x4(w, x, r, n_in)
-            for i in range(2):
-                for j in range(4):
-                    out[r + i, c + j] = d2[4 * i + j]
-            r += 2
-        if r < k:
-            d4 = _dot1x4(w, x, r, n_in)
-            for j in range(4):
-                out[r, c + j] = d4[j]
+        _tiles(w, x, out, col + o, n_in)
         o += 4
     while o < hi:  # the last rows of a part whose length is not a multiple of four
         _decode_any(fmt, raw[o], w, np.int64(0), n_in)  # int64: one compiled decoder
@@ -333,7 +442,7 @@ def _read_only(typingctx: Any, ary: Any) -> Any:
     return ary.copy(readonly=True)(ary), codegen
 
 
-def _chunk_product(fa: int, fb: int, fc: int) -> Any:
+def _chunk_product(fa: int, fb: int, fc: int, form: int) -> Any:
     @cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
     def chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
         st = carray(ptr_i64(st_addr), (_WORDS,))
@@ -345,28 +454,28 @@ def _chunk_product(fa: int, fb: int, fc: int) -> Any:
         if ch < ca:
             a = _read_only(carray(ptr_u8(st[_A]), (na, st[_RBA])))
             lo = ch * rows
-            _rows(fa, a, x, out, lo, min(na, lo + rows), np.int64(0), w)
+            _rows(fa, form, a, x, out, lo, min(na, lo + rows), np.int64(0), w)
         elif ch < ca + cb:
             b = _read_only(carray(ptr_u8(st[_B]), (nb, st[_RBB])))
             lo = (ch - ca) * rows
-            _rows(fb, b, x, out, lo, min(nb, lo + rows), na, w)
+            _rows(fb, form, b, x, out, lo, min(nb, lo + rows), na, w)
         else:
             c = _read_only(carray(ptr_u8(st[_C]), (nc, st[_RBC])))
             lo = (ch - ca - cb) * rows
-            _rows(fc, c, x, out, lo, min(nc, lo + rows), na + nb, w)
+            _rows(fc, form, c, x, out, lo, min(nc, lo + rows), na + nb, w)
 
     return chunk
 
 
-def _serial_product(fa: int, fb: int, fc: int) -> Any:
+def _serial_product(fa: int, fb: int, fc: int, form: int) -> Any:
     @entry()
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
         zero, na, nab = np.int64(0), a.shape[0], a.shape[0] + b.shape[0]
         w = np.empty(4 * (x.shape[0] // out.shape[0]), np.float32)
         # int64 arguments, as the chunks': one compiled _rows per format
-        _rows(fa, a, x, out, zero, na, zero, w)
-        _rows(fb, b, x, out, zero, b.shape[0], na, w)
-        _rows(fc, c, x, out, zero, c.shape[0], nab, w)
+        _rows(fa, form, a, x, out, zero, na, zero, w)
+        _rows(fb, form, b, x, out, zero, b.shape[0], na, w)
+        _rows(fc, form, c, x, out, zero, c.shape[0], nab, w)
 
     return product
 
@@ -386,7 +495,7 @@ def product_kernel(fa: int, fb: int, fc: int) -> Any:
     it, so each part's decoder is inlined with no dispatch in the loops. numba's disk
     cache keys a closure by its captured values, so each mix compiles once per machine.
     """
-    return _serial_product(fa, fb, fc)
+    return _serial_product(fa, fb, fc, tile_form())
 
 
 @functools.cache
@@ -400,7 +509,7 @@ def chunk_kernel(fa: int, fb: int, fc: int) -> int:
     it, so each part's decoder is inlined with no dispatch in the loops. numba's disk
     cache keys a closure by its captured values, so each mix compiles once per machine.
     """
-    return int(_chunk_product(fa, fb, fc).address)
+    return int(_chunk_product(fa, fb, fc, tile_form()).address)
 
 
 def _decode_kernel(fmt: int) -> Any:

@@ -1,0 +1,146 @@
+"""The exact k-row products' register tiles for sixteen vector registers (AVX2), the same
+bits as :mod:`.kernels`' 4 x 4 tiles of sixteen-lane vectors (which need 32: AVX-512).
+
+Every output ``(r, o)`` of an exact product is sixteen FMA chains, lane ``l`` summing
+``w[o, j + l] x[r, j + l]`` for ``j = 0, 16, 32, ...`` in order, then the sixteen lanes
+summed as a tree (:func:`.simd.wsum`). A lane's chain does not depend on the other lanes,
+so it can be computed eight lanes at a time: lanes 0-7 and lanes 8-15 are two eight-lane
+chains, and ``wsum``'s first step adds lane ``l`` and lane ``8 + l``, the rest being
+:func:`.simd.vsum`'s tree: ``vsum(lo + hi)`` is the sixteen-lane sum, bit for bit.
+
+A tile here is two activation rows times the four weight rows a pass decodes, eight lanes
+wide: eight accumulators and the four weight vectors, twelve registers (a 4 x 4 tile of
+sixteen-lane vectors is 32 AVX2 registers of accumulators alone, which LLVM spills). The
+four weight rows are decoded a block of :data:`BLOCK` values at a time into the product's
+scratch (4 KiB), and every activation row's tiles run over that block before the next is
+decoded; the chains' lanes wait in the scratch between blocks (stored and loaded as they
+are). So the decoded block and the activations' block stay in the L1 cache, and each
+64-byte line of them serves both halves of its sixteen lanes while it is there: run over
+whole rows, two passes of half tiles read every line twice from the L2.
+"""
+
+from __future__ import annotations
+
+from numba import njit
+
+from meshnode.engine.cpu.groups import group_chunk, group_chunks, group_scales
+from meshnode.engine.cpu.simd import inner, vadd, vfma, vload, vstore, vsum, vzero, wstore
+from meshnode.engine.cpu.simd_int import prefetch
+
+__all__ = ["BLOCK", "fits", "rows8"]
+
+# values of the four weight rows decoded at a time (a K-quant super-block; eight blocks of
+# the 32-value formats): 4 KiB of float32
+BLOCK = 256
+# where the chains' lanes wait in the scratch, after the decoded block
+_ACC = 4 * BLOCK
+
+
+@njit(inline="always")
+def fits(n_in, k, scratch):  # type: ignore[no-untyped-def]
+    """Whether a scratch of ``scratch`` float32 holds a decoded block and the lanes of
+    ``k`` rows' chains (else the sixteen-lane tiles run, the same sums)."""
+    return n_in >= BLOCK and scratch >= _ACC + 64 * k
+
+
+@njit(inline="always")
+def _decode_block(fmt, raw, o, w, j0, m):  # type: ignore[no-untyped-def]
+    # values j0 .. j0 + m - 1 of weight rows o .. o + 3 into w[256 i ..] (row i), a group
+    # at a time (j0 and m whole groups: a K-quant's super-block, a 32-value block)
+    n = group_chunks(fmt)
+    size = 32 * n
+    for i in range(4):
+        row = raw[o + i]
+        for g in range(j0 // size, (j0 + m) // size):
+            sc = group_scales(fmt, row, g)
+            for s in range(n):
+                w0, w1 = group_chunk(fmt, row, g, s, sc)
+                at = BLOCK * i + 32 * (n * g + s) - j0
+                wstore(w, at, w0)
+                wstore(w, at + 16, w1)
+
+
+@njit(inline="always")
+def _block2x4(w, x, r, n_in, j0, m, h):  # type: ignore[no-untyped-def]
+    # lanes h .. h + 7 of activation rows r, r + 1 times the block's four weight rows,
+    # continuing the chains waiting at _ACC + 64 r + 16 i + h (row r, weight row i)
+    p0, p1, at = r * n_in + j0 + h, (r + 1) * n_in + j0 + h, _ACC + 64 * r + h
+    a00, a01 = vload(w, at), vload(w, at + 16)
+    a02, a03 = vload(w, at + 32), vload(w, at + 48)
+    a10, a11 = vload(w, at + 64), vload(w, at + 80)
+    a12, a13 = vload(w, at + 96), vload(w, at + 112)
+    for j in range(0, m, 16):
+        q = h + j
+        w0, w1 = vload(w, q), vload(w, BLOCK + q)
+        w2, w3 = vload(w, 2 * BLOCK + q), vload(w, 3 * BLOCK + q)
+        v = vload(x, p0 + j)
+        a00, a01, a02, a03 = vfma(w0, v, a00), vfma(w1, v, a01), vfma(w2, v, a02), vfma(w3, v, a03)
+        v = vload(x, p1 + j)
+        a10, a11, a12, a13 = vfma(w0, v, a10), vfma(w1, v, a11), vfma(w2, v, a12), vfma(w3, v, a13)
+    vstore(w, at, a00)
+    vstore(w, at + 16, a01)
+    vstore(w, at + 32, a02)
+    vstore(w, at + 48, a03)
+    vstore(w, at + 64, a10)
+    vstore(w, at + 80, a11)
+    vstore(w, at + 96, a12)
+    vstore(w, at + 112, a13)
+
+
+@njit(inline="always")
+def _block1x4(w, x, r, n_in, j0, m):  # type: ignore[no-untyped-def]
+    # activation row r times the block's four weight rows, both halves at once
+    p, at = r * n_in + j0, _ACC + 64 * r
+    a0, b0 = vload(w, at), vload(w, at + 8)
+    a1, b1 = vload(w, at + 16), vload(w, at + 24)
+    a2, b2 = vload(w, at + 32), vload(w, at + 40)
+    a3, b3 = vload(w, at + 48), vload(w, at + 56)
+    for j in range(0, m, 16):
+        u, v = vload(x, p + j), vload(x, p + j + 8)
+        a0, b0 = vfma(vload(w, j), u, a0), vfma(vload(w, j + 8), v, b0)
+        a1, b1 = vfma(vload(w, BLOCK + j), u, a1), vfma(vload(w, BLOCK + j + 8), v, b1)
+        a2, b2 = vfma(vload(w, 2 * BLOCK + j), u, a2), vfma(vload(w, 2 * BLOCK + j + 8), v, b2)
+        a3, b3 = vfma(vload(w, 3 * BLOCK + j), u, a3), vfma(vload(w, 3 * BLOCK + j + 8), v, b3)
+    vstore(w, at, a0)
+    vstore(w, at + 8, b0)
+    vstore(w, at + 16, a1)
+    vstore(w, at + 24, b1)
+    vstore(w, at + 32, a2)
+    vstore(w, at + 40, b2)
+    vstore(w, at + 48, a3)
+    vstore(w, at + 56, b3)
+
+
+@inner
+def rows8(fmt, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    """Weight rows ``o ..`` of ``raw`` (format ``fmt``) times the ``k`` activation rows
+    of ``x`` (flat) into columns ``col + o ..`` of ``out``, four weight rows at a time
+    while four are left, with the float32 scratch ``w`` (:func:`fits` it); returns the
+    first row not done."""
+    k = out.shape[0]
+    flat, size = raw.reshape(-1), raw.shape[1]
+    while o + 4 <= hi:
+        ahead = (o + 4) * size  # the next pass's rows, a block's share at a time
+        share = (4 * size * BLOCK) // n_in
+        for t in range(_ACC, _ACC + 64 * k, 8):
+            vstore(w, t, vzero())
+        for j0 in range(0, n_in, BLOCK):
+            m = min(BLOCK, n_in - j0)
+            first = ahead + (share * j0) // BLOCK
+            for line in range(0, share, 64):
+                if first + line < flat.shape[0]:
+                    prefetch(flat, first + line)
+            _decode_block(fmt, raw, o, w, j0, m)
+            r = 0
+            while r + 2 <= k:
+                _block2x4(w, x, r, n_in, j0, m, 0)
+                _block2x4(w, x, r, n_in, j0, m, 8)
+                r += 2
+            if r < k:
+                _block1x4(w, x, r, n_in, j0, m)
+        for r in range(k):
+            for i in range(4):
+                at = _ACC + 64 * r + 16 * i
+                out[r, col + o + i] = vsum(vadd(vload(w, at), vload(w, at + 8)))
+        o += 4
+    return o
