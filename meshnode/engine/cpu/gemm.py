@@ -145,12 +145,12 @@ def product(xp, rows, w, sn, sk, n_w, out, col):  # type: ignore[no-untyped-def]
     :func:`pack`'s panels of ``x`` (``rows`` rows) and weight row ``n``'s value ``k`` is
     ``w[n * sn + k * sk]`` (``w`` flat float32: a decoded tile ``[n_w, K]`` has ``sn = K,
     sk = 1``, a matrix ``[K, N]``'s columns ``sn = 1, sk = N``)."""
-    n_in = xp.shape[0] // (16 * (-(-rows // 16)))
     groups = -(-rows // 16)
+    n_in = xp.shape[0] // (16 * groups)
     full = n_w - n_w % 6
-    for n in range(0, full, 6):
-        for g in range(groups):
-            base = g * n_in * 16
+    for g in range(groups):  # a panel stays in the L2 while the tile's rows stream by
+        base = g * n_in * 16
+        for n in range(0, full, 6):
             a0, a1, a2, a3, a4, a5 = _block(xp, base, n_in, w, n * sn, sn, sk)
             _store(out, a0, g * 16, rows, col + n)
             _store(out, a1, g * 16, rows, col + n + 1)
@@ -158,6 +158,5 @@ def product(xp, rows, w, sn, sk, n_w, out, col):  # type: ignore[no-untyped-def]
             _store(out, a3, g * 16, rows, col + n + 3)
             _store(out, a4, g * 16, rows, col + n + 4)
             _store(out, a5, g * 16, rows, col + n + 5)
-    for n in range(full, n_w):
-        for g in range(groups):
-            _store(out, _one(xp, g * n_in * 16, n_in, w, n * sn, sk), g * 16, rows, col + n)
+        for n in range(full, n_w):
+            _store(out, _one(xp, base, n_in, w, n * sn, sk), g * 16, rows, col + n)
