@@ -24,7 +24,6 @@ kernels never promised.
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import numpy as np
@@ -42,25 +41,20 @@ from meshnode.engine.cpu.simd import (
     wzero,
 )
 
-__all__ = ["BLOCK_ROWS", "LANES", "pack", "packed", "panels", "product", "wide_registers"]
+__all__ = ["BLOCK_ROWS", "LANES", "pack", "packed", "panels", "product"]
 
 LANES = 16  # activation rows a panel holds: one F32x16 per k
 # Weight rows of the register block, for sixteen AVX2 registers: 6 x 2 accumulators,
-# two for the panel's sixteen lanes, one broadcast (AVX-512's 32 registers would take
-# more, but at 6 rows the loads are not the bound: 8 loads per 12 FMAs, 3 load ports)
+# two for the panel's sixteen lanes, one broadcast; 8 loads per 12 FMAs (Zen 3: 3 load
+# ports, 2 FMA). AVX-512 holds each accumulator in one of its 32 registers: six chains
+# hide less of the FMA latency there, and a block of twelve rows would suit it (the same
+# bits: each lane's chain does not change), not written while no AVX-512 machine runs it
+# (where sgemm's rows are independent, as on the Xeon, the tiles keep sgemm).
 BLOCK_ROWS = 6
 
 _VW = ir.VectorType(ir.FloatType(), LANES)
 _I32 = ir.IntType(32)
 _VI = ir.VectorType(_I32, LANES)
-
-
-@cache
-def wide_registers() -> bool:
-    """Whether a sixteen-lane float32 vector is one register here (AVX-512F)."""
-    from llvmlite import binding
-
-    return bool(binding.get_host_cpu_features().get("avx512f"))
 
 
 @intrinsic
@@ -147,10 +141,10 @@ def product(xp, rows, w, sn, sk, n_w, out, col):  # type: ignore[no-untyped-def]
     sk = 1``, a matrix ``[K, N]``'s columns ``sn = 1, sk = N``)."""
     groups = -(-rows // 16)
     n_in = xp.shape[0] // (16 * groups)
-    full = n_w - n_w % 6
+    full = n_w - n_w % BLOCK_ROWS
     for g in range(groups):  # a panel stays in the L2 while the tile's rows stream by
         base = g * n_in * 16
-        for n in range(0, full, 6):
+        for n in range(0, full, BLOCK_ROWS):
             a0, a1, a2, a3, a4, a5 = _block(xp, base, n_in, w, n * sn, sn, sk)
             _store(out, a0, g * 16, rows, col + n)
             _store(out, a1, g * 16, rows, col + n + 1)
