@@ -130,17 +130,27 @@ def test_a_long_segment_s_rows_are_the_same_bits_in_any_batch(
     np.testing.assert_array_equal(got[[0, -2, -1]], short @ m)  # several kernel rows
 
 
-def test_where_blas_rows_depend_on_their_batch_the_kernels_take_every_row(
+def test_where_blas_rows_depend_on_their_batch_the_gemm_takes_long_products(
     team: TileThreads, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # an sgemm whose rows round with their batch (OpenBLAS's Haswell kernels) is never
-    # called: every row of a long product is the same bits as the row multiplied alone
+    # called: a long product's rows are the compiled GEMM's (test_cpu_gemm.py), each the
+    # same bits in any long segment; short segments still take the kernel
     monkeypatch.setattr(tiles, "rows_independent", lambda: False)
-    m = BlockMatrix([random_tensor("Q4_K", 100, rng), random_tensor("Q8_0", 40, rng)])
+
+    def no_sgemm(*args: object) -> None:
+        raise AssertionError("sgemm called where its rows depend on their batch")
+
+    monkeypatch.setattr(tiles, "product_tile", no_sgemm)
+    m = BlockMatrix([random_tensor("Q4_K", 500, rng), random_tensor("Q8_0", 40, rng)])
     x = rng.standard_normal((3 * MAX_KERNEL_ROWS + 5, N_IN)).astype(np.float32)
     before = team.posted
     got = product(m, x, 2, team)
-    assert team.posted == before  # no tiles
-    alone = np.stack([product(m, x[i : i + 1], 1, team)[0] for i in range(x.shape[0])])
-    np.testing.assert_array_equal(got, alone)
-    np.testing.assert_array_equal(m.product_by_segment(x, [1, 40, x.shape[0] - 41]), alone)
+    assert team.posted == before + 1  # 540 rows: tiles shared
+    for lo in (0, 17, 36):
+        seg = x[lo : lo + MAX_KERNEL_ROWS + 1]
+        np.testing.assert_array_equal(product(m, seg, 1, team), got[lo : lo + len(seg)])
+    by_segment = m.product_by_segment(x, [1, 40, x.shape[0] - 41])
+    np.testing.assert_array_equal(by_segment[1:41], got[1:41])
+    np.testing.assert_array_equal(by_segment[0], product(m, x[:1], 1, team)[0])
+    np.testing.assert_array_equal(by_segment[41:], product(m, x[41:], 1, team))

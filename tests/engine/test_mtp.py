@@ -11,7 +11,6 @@ from meshnode_packaging.quants import dequantize
 from meshnode_packaging.sources import open_source
 
 from meshnode.engine.config import ModelConfig
-from meshnode.engine.cpu import matrix
 from meshnode.engine.deltanet import sigmoid
 from meshnode.engine.model import Stage
 from meshnode.engine.mtp import MtpHead
@@ -107,7 +106,7 @@ def test_drafts_are_the_chained_argmax(stage: Stage) -> None:
 def test_the_mtp_layers_mlp_takes_each_segments_path(stage: Stage) -> None:
     """The MTP layer's MLP (``HybridMixer.mlp``) takes the segments' sizes: rows of a
     short segment beside a long one's are the bits they have alone (a gemv each; all
-    23 rows as one segment would be one sgemm, whose sums round otherwise), as the
+    23 rows as one segment would be one long product, whose sums round otherwise), as the
     stage's own MLP layers give them. The MTP head passes its rows as one segment."""
     mtp = _mtp(stage)
     x = np.random.default_rng(5).standard_normal((23, stage.config.hidden_size))
@@ -115,8 +114,9 @@ def test_the_mtp_layers_mlp_takes_each_segments_path(stage: Stage) -> None:
     both = mtp.stage.mlp(mtp.weights.layer, x, [3, 20])
     alone = [mtp.stage.mlp(mtp.weights.layer, part) for part in (x[:3], x[3:])]
     assert np.array_equal(both, np.concatenate(alone))
-    if matrix._tiles().rows_independent():  # else every row is a gemv, one segment or not
-        assert not np.array_equal(both[:3], mtp.stage.mlp(mtp.weights.layer, x)[:3])
+    # one segment of 23 rows: a long product (sgemm, or the compiled GEMM where this
+    # BLAS rounds a row by its batch), whose sums round otherwise than a gemv's
+    assert not np.array_equal(both[:3], mtp.stage.mlp(mtp.weights.layer, x)[:3])
 
 
 def test_the_mtp_module_loads_from_a_gguf_as_llama_cpp_writes_it(

@@ -6,8 +6,10 @@ matrix: up to :data:`MAX_KERNEL_ROWS` activation rows go through one kernel pass
 blocks (decode, verify windows), shared chunk by chunk with the kernel threads of
 :mod:`.pool`, one thread per :data:`PARALLEL_MIN_BYTES` of it; more rows (prefill)
 decode the matrix a tile of at most :data:`DENSE_TILE_BYTES` at a time into a per-thread
-float32 scratch buffer and hand each tile to BLAS, where the decode is a small part of
-the work; with several threads each decodes and multiplies tiles of its own (:mod:`.tiles`).
+float32 scratch buffer and hand each tile to BLAS -- or, where this process's sgemm
+rounds a row by its batch (:func:`.tiles.rows_independent`), to the compiled GEMM
+(:mod:`.gemm`) -- where the decode is a small part of the work; with several threads each
+decodes and multiplies tiles of its own (:mod:`.tiles`).
 """
 
 from __future__ import annotations
@@ -130,6 +132,15 @@ def _tiles() -> ModuleType:
 
 
 @cache
+def _gemm() -> ModuleType:
+    """The compiled GEMM (:mod:`.gemm`), imported on first use."""
+    kernels()  # numba configured before it is imported
+    from meshnode.engine.cpu import gemm
+
+    return gemm
+
+
+@cache
 def _tile_threads() -> Any:
     """The process's tile threads (:class:`.tiles.TileThreads`), started at the first
     shared prefill product."""
@@ -163,9 +174,11 @@ def dense_product(x: Any, w: np.ndarray, sizes: Sequence[int] | None = None) -> 
     most :data:`MAX_KERNEL_ROWS` rows is one gemv, alone or batched; a longer segment's
     rows go through one sgemm with at least :data:`.tiles.SGEMM_MIN_ROWS` columns (zero
     columns added), above OpenBLAS's small-matrix kernel, whose sums round otherwise
-    (:mod:`.tiles`). BLAS runs single-threaded (:func:`.tiles.single_threaded_blas`).
-    ``x @ w`` itself chose gemv or an sgemm kernel by the batch's row count, so a row's
-    bits depended on its batch (issue 35)."""
+    (:mod:`.tiles`); or, where this BLAS rounds a row by its batch
+    (:func:`.tiles.rows_independent`), through the compiled GEMM (:mod:`.gemm`), a tile
+    of columns per tile thread. BLAS runs single-threaded
+    (:func:`.tiles.single_threaded_blas`). ``x @ w`` itself chose gemv or an sgemm
+    kernel by the batch's row count, so a row's bits depended on its batch (issue 35)."""
     x = np.asarray(x, dtype=np.float32)
     sizes = [x.shape[0]] if sizes is None else sizes
     if sum(sizes) != x.shape[0]:
@@ -174,14 +187,34 @@ def dense_product(x: Any, w: np.ndarray, sizes: Sequence[int] | None = None) -> 
     t.single_threaded_blas()
     out = np.empty((x.shape[0], w.shape[1]), np.float32)
     small = np.repeat([s <= MAX_KERNEL_ROWS for s in sizes], sizes)
-    if not t.rows_independent():  # every row one gemv: sgemm's rows depend on their batch
-        small[:] = True
     for i in np.flatnonzero(small):
         np.matmul(x[i], w, out=out[i])
-    if not small.all():
+    if not small.all() and not t.rows_independent():
+        out[~small] = _dense_gemm(x[~small], w)
+    elif not small.all():
         if w.shape[1] < t.SGEMM_MIN_ROWS:
             w = np.pad(w, ((0, 0), (0, t.SGEMM_MIN_ROWS - w.shape[1])))
         out[~small] = (x[~small] @ w)[:, : out.shape[1]]
+    return out
+
+
+def _dense_gemm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w`` (``w`` float32 ``[in, out]``) by :func:`.gemm.product`, a tile of
+    columns (the shape's tiles) per item shared by the tile threads: each element one
+    sum in the order of ``k``, whatever the rows, the tiles or the threads."""
+    gemm = _gemm()
+    w = np.ascontiguousarray(w)
+    rows, (n_in, n_out) = x.shape[0], w.shape
+    panels = gemm.packed(x)
+    out = np.empty((rows, n_out), np.float32)
+    flat = w.reshape(-1)
+    bounds = _tiles().tiles(n_out, n_in, DENSE_TILE_BYTES)
+
+    def tile(i: int) -> None:
+        lo, hi = bounds[i]
+        gemm.product(panels, rows, flat[lo:], 1, n_out, hi - lo, out, lo)
+
+    share(tile, len(bounds), shared_threads())
     return out
 
 
@@ -280,7 +313,7 @@ class BlockMatrix:
         if x.shape[1] != self.n_in:
             raise ValueError(f"x has {x.shape[1]} columns, the matrix {self.n_in} rows")
         out = np.empty((x.shape[0], self.n_out), np.float32)
-        if x.shape[0] > MAX_KERNEL_ROWS and _tiles().rows_independent():
+        if x.shape[0] > MAX_KERNEL_ROWS:
             self._tiled_product(x, out)
             return out
         flat = np.ascontiguousarray(x).reshape(-1)
@@ -299,9 +332,16 @@ class BlockMatrix:
         x = np.ascontiguousarray(x)
         parts = [(p.fmt.kernel_id, p.raw) for p in self.parts]
         bounds = t.tiles(self.n_out, self.n_in, DENSE_TILE_BYTES)  # the shape's, not the load's
+        if t.rows_independent():
 
-        def tile(i: int) -> None:
-            t.product_tile(parts, x, out, *bounds[i])
+            def tile(i: int) -> None:
+                t.product_tile(parts, x, out, *bounds[i])
+
+        else:  # this sgemm rounds a row by its batch: the compiled GEMM's one order
+            panels, rows = _gemm().packed(x), x.shape[0]
+
+            def tile(i: int) -> None:
+                t.gemm_tile(parts, panels, rows, out, *bounds[i])
 
         share(tile, len(bounds), shared_threads())
 

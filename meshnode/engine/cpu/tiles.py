@@ -1,5 +1,6 @@
 """Prefill's products: weight rows decoded a tile at a time into float32, each tile
-multiplied by BLAS, the tiles shared by threads.
+multiplied by BLAS (or, where BLAS rounds a row by its batch, by the compiled GEMM), the
+tiles shared by threads.
 
 A product of more than :data:`.matrix.MAX_KERNEL_ROWS` activation rows is sgemm's work:
 the matrix's output rows are cut into tiles (ranges of rows, across its parts), and a
@@ -44,9 +45,11 @@ and with the row's place among them (OpenBLAS 0.3.31 on a Zen 3, 2026-11-30: row
 17 .. 300-row products differed from the same rows of a 400-row one for 260 of the 283
 counts, and a row moved within a 16 .. 128-row product changed its bits), so a prompt's
 bits would depend on its batch and on where a cached prefix cut it. :func:`rows_independent`
-asks this process's BLAS once; where it fails, :mod:`.matrix` multiplies every row
-count with the compiled kernels, whose order is fixed (about 2.3x the CPU time of sgemm
-at 256 rows on that Zen 3), and nothing here runs.
+asks this process's BLAS once; where it fails, each tile is decoded the same way and
+multiplied by the compiled GEMM instead (:func:`gemm_tile`, :mod:`.gemm`): every output
+one FMA chain over ``k`` in order, whatever the rows, the tile or the thread, and the
+same bits on AVX2 and AVX-512 machines. The tiles, their sharing and the scratch are
+the same for both.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from typing import Any
 
 import numpy as np
 
+from meshnode.engine.cpu import gemm
 from meshnode.engine.cpu.kernels import _decode_any
 from meshnode.engine.cpu.simd import entry
 
@@ -69,6 +73,7 @@ __all__ = [
     "TILE_MIN_ROWS",
     "TileThreads",
     "decoder",
+    "gemm_tile",
     "product_tile",
     "rows_independent",
     "single_threaded_blas",
@@ -121,23 +126,52 @@ def product_tile(
     """``out[:, lo:hi] = x @ rows lo .. hi - 1`` of the stacked ``parts`` (format id,
     ``[rows, row bytes]``), decoded into this thread's scratch tile (padded with zero
     rows to :data:`SGEMM_MIN_ROWS`)."""
-    n_in = x.shape[1]
     rows = max(hi - lo, SGEMM_MIN_ROWS)
+    tile = _scratch_tile(rows, x.shape[1])  # [t, in]
+    _decode_tile(parts, tile, lo, hi)
+    if rows == hi - lo:
+        np.matmul(x, tile.T, out=out[:, lo:hi])  # [r, t]
+        return
+    tile[hi - lo :] = 0.0
+    out[:, lo:hi] = np.matmul(x, tile.T)[:, : hi - lo]  # [r, t]
+
+
+def _scratch_tile(rows: int, n_in: int) -> np.ndarray:
+    """This thread's float32 scratch tile ``[rows, n_in]``."""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.size < rows * n_in:
         buf = _scratch.buf = np.empty(rows * n_in, np.float32)
-    tile = buf[: rows * n_in].reshape(rows, n_in)  # [t, in]
+    tile: np.ndarray = buf[: rows * n_in].reshape(rows, n_in)
+    return tile
+
+
+def _decode_tile(
+    parts: Sequence[tuple[int, np.ndarray]], tile: np.ndarray, lo: int, hi: int
+) -> None:
+    """``tile[: hi - lo]`` = rows ``lo .. hi - 1`` of the stacked ``parts``, decoded."""
     start = 0
     for fmt, raw in parts:
         a, b = max(lo, start), min(hi, start + raw.shape[0])
         if a < b:
             decoder(fmt)(raw, a - start, tile[a - lo : b - lo])
         start += raw.shape[0]
-    if rows == hi - lo:
-        np.matmul(x, tile.T, out=out[:, lo:hi])  # [r, t]
-        return
-    tile[hi - lo :] = 0.0
-    out[:, lo:hi] = np.matmul(x, tile.T)[:, : hi - lo]  # [r, t]
+
+
+def gemm_tile(
+    parts: Sequence[tuple[int, np.ndarray]],
+    panels: np.ndarray,
+    rows: int,
+    out: np.ndarray,
+    lo: int,
+    hi: int,
+) -> None:
+    """``out[:, lo:hi] = x @ rows lo .. hi - 1`` of the stacked ``parts``, decoded into
+    this thread's scratch tile and multiplied by :func:`.gemm.product` (``panels``: the
+    ``rows`` rows of ``x`` packed by :func:`.gemm.pack`): no BLAS, one order per sum."""
+    tile = _scratch_tile(hi - lo, panels.size // (16 * gemm.panels(rows)))
+    _decode_tile(parts, tile, lo, hi)
+    n_in = tile.shape[1]
+    gemm.product(panels, rows, tile.reshape(-1), n_in, 1, hi - lo, out, lo)
 
 
 @functools.cache

@@ -1,0 +1,156 @@
+"""Long products without BLAS: a compiled float32 GEMM whose sums have one order.
+
+Prefill's products (more than :data:`.matrix.MAX_KERNEL_ROWS` activation rows) on a
+machine whose sgemm rounds a row by its batch (:func:`.tiles.rows_independent`) come
+here: the activations are packed once per product into panels of sixteen rows, K-major
+(:func:`pack`: ``panel[g, k, l] = x[16 g + l, k]``, zero past the last row), and
+:func:`product` multiplies weight rows -- a tile decoded to float32, or a float32 matrix
+-- into them with a register block of :data:`BLOCK_ROWS` weight rows x sixteen
+activation rows: per ``k`` one load of the panel, one broadcast of ``w[n, k]`` per
+weight row and one FMA per accumulator (the classic GEMM micro-kernel, with the
+activation rows as the vector lanes).
+
+**One order.** Output ``[m, n]`` is lane ``m % 16`` of one accumulator: ``0``, then
+``fmuladd(x[m, k], w[n, k], acc)`` for ``k = 0, 1, .., K - 1`` in turn, one rounding a
+step where the CPU fuses (every x86 with AVX2 does). Nothing else touches it: not the
+other rows of the batch (lanes are independent; the zero lanes past the last row are
+never read), not the row's place (every lane runs the same chain), not the tile, the
+thread or the block (the last weight rows of a range, fewer than a block, take the
+one-row loop, the same chain), so a row's bits depend on nothing but its own
+activations and its weights. The same order holds on AVX-512 (sixteen lanes are one
+register there, two on AVX2): a row is the same bits on both, which sgemm's blocked
+kernels never promised.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+
+from meshnode.engine.cpu.simd import (
+    F32x16,
+    entry,
+    inner,
+    intrinsic,
+    wfma,
+    wlane,
+    wload,
+    wzero,
+)
+
+__all__ = ["BLOCK_ROWS", "LANES", "pack", "packed", "panels", "product"]
+
+LANES = 16  # activation rows a panel holds: one F32x16 per k
+# Weight rows of the register block, for sixteen AVX2 registers: 6 x 2 accumulators,
+# two for the panel's sixteen lanes, one broadcast; 8 loads per 12 FMAs (Zen 3: 3 load
+# ports, 2 FMA). AVX-512 holds each accumulator in one of its 32 registers: six chains
+# hide less of the FMA latency there, and a block of twelve rows would suit it (the same
+# bits: each lane's chain does not change), not written while no AVX-512 machine runs it
+# (where sgemm's rows are independent, as on the Xeon, the tiles keep sgemm).
+BLOCK_ROWS = 6
+
+_VW = ir.VectorType(ir.FloatType(), LANES)
+_I32 = ir.IntType(32)
+_VI = ir.VectorType(_I32, LANES)
+
+
+@intrinsic
+def wbroadcast(typingctx: Any, ary: Any, i: Any) -> Any:
+    """``ary[i]`` of a C-contiguous float32 array in all sixteen lanes (one
+    ``vbroadcastss`` from memory; no bounds check, no wraparound)."""
+    if not (isinstance(ary, types.Array) and ary.dtype == types.float32 and ary.layout == "C"):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        value = builder.load(builder.gep(data, [args[1]]), align=4)
+        undef = ir.Constant(_VW, ir.Undefined)
+        one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
+        return builder.shuffle_vector(one, undef, ir.Constant(_VI, [0] * LANES))
+
+    return F32x16(ary, i), codegen
+
+
+def panels(rows: int) -> int:
+    """Panels of :data:`LANES` activation rows that ``rows`` rows fill."""
+    return -(-rows // LANES)
+
+
+def packed(x: np.ndarray) -> np.ndarray:
+    """``x`` ``[M, K]`` as :func:`pack`'s panels (a new flat float32 array)."""
+    out = np.empty(panels(x.shape[0]) * x.shape[1] * LANES, np.float32)
+    pack(np.ascontiguousarray(x, np.float32), out)
+    return out
+
+
+@entry(nogil=True)
+def pack(x, out):  # type: ignore[no-untyped-def]
+    """``out`` (flat, ``panels(M) * K * 16`` float32) = ``x`` ``[M, K]`` as K-major panels
+    of sixteen rows, zero past the last row."""
+    m, n_in = x.shape
+    for g in range(-(-m // 16)):
+        base = g * n_in * 16
+        for k in range(n_in):
+            for lane in range(16):
+                r = g * 16 + lane
+                out[base + k * 16 + lane] = x[r, k] if r < m else np.float32(0.0)
+
+
+@inner
+def _store(out, acc, r0, rows, col):  # type: ignore[no-untyped-def]
+    # lane l of acc is out[r0 + l, col], for the rows that exist
+    for lane in range(min(16, rows - r0)):
+        out[r0 + lane, col] = wlane(acc, lane)
+
+
+@inner
+def _block(xp, base, n_in, w, p, sn, sk):  # type: ignore[no-untyped-def]
+    # six weight rows (w[p + i * sn + k * sk]) x one panel (xp[base + 16 k ..]): six
+    # accumulators of sixteen lanes, k = 0 .. n_in - 1 in turn
+    a0, a1, a2, a3, a4, a5 = wzero(), wzero(), wzero(), wzero(), wzero(), wzero()
+    p1, p2, p3, p4, p5 = p + sn, p + 2 * sn, p + 3 * sn, p + 4 * sn, p + 5 * sn
+    for k in range(n_in):
+        v = wload(xp, base + 16 * k)
+        o = k * sk
+        a0 = wfma(v, wbroadcast(w, p + o), a0)
+        a1 = wfma(v, wbroadcast(w, p1 + o), a1)
+        a2 = wfma(v, wbroadcast(w, p2 + o), a2)
+        a3 = wfma(v, wbroadcast(w, p3 + o), a3)
+        a4 = wfma(v, wbroadcast(w, p4 + o), a4)
+        a5 = wfma(v, wbroadcast(w, p5 + o), a5)
+    return a0, a1, a2, a3, a4, a5
+
+
+@inner
+def _one(xp, base, n_in, w, p, sk):  # type: ignore[no-untyped-def]
+    # one weight row x one panel: the same chain as each of _block's accumulators
+    a = wzero()
+    for k in range(n_in):
+        a = wfma(wload(xp, base + 16 * k), wbroadcast(w, p + k * sk), a)
+    return a
+
+
+@entry(nogil=True)
+def product(xp, rows, w, sn, sk, n_w, out, col):  # type: ignore[no-untyped-def]
+    """``out[:rows, col + n] = x @ weight row n`` for ``n < n_w``, where ``xp`` is
+    :func:`pack`'s panels of ``x`` (``rows`` rows) and weight row ``n``'s value ``k`` is
+    ``w[n * sn + k * sk]`` (``w`` flat float32: a decoded tile ``[n_w, K]`` has ``sn = K,
+    sk = 1``, a matrix ``[K, N]``'s columns ``sn = 1, sk = N``)."""
+    groups = -(-rows // 16)
+    n_in = xp.shape[0] // (16 * groups)
+    full = n_w - n_w % BLOCK_ROWS
+    for g in range(groups):  # a panel stays in the L2 while the tile's rows stream by
+        base = g * n_in * 16
+        for n in range(0, full, BLOCK_ROWS):
+            a0, a1, a2, a3, a4, a5 = _block(xp, base, n_in, w, n * sn, sn, sk)
+            _store(out, a0, g * 16, rows, col + n)
+            _store(out, a1, g * 16, rows, col + n + 1)
+            _store(out, a2, g * 16, rows, col + n + 2)
+            _store(out, a3, g * 16, rows, col + n + 3)
+            _store(out, a4, g * 16, rows, col + n + 4)
+            _store(out, a5, g * 16, rows, col + n + 5)
+        for n in range(full, n_w):
+            _store(out, _one(xp, base, n_in, w, n * sn, sk), g * 16, rows, col + n)
