@@ -2,7 +2,7 @@
 
 Run: ``OPENBLAS_NUM_THREADS=1 .venv/bin/python benchmarks/moe_token.py [--shapes
 gpt-oss-20b] [--layers 4] [--modes q8 exact] [--repeats 20] [--context 16]
-[--llama-tok-s 12.3] [--tree DIR]``
+[--llama-tok-s 12.3] [--threads 1] [--all-cores] [--tree DIR]``
 
 The model is the real-size random GGUF of :mod:`benchmarks.realsize_moe_gguf` (cached in
 ``~/.cache/meshnode/realsize/``, ``--layers`` deep), loaded as ``realsize_moe.py`` loads
@@ -24,8 +24,17 @@ Beside each product: the bytes it reads a token (the experts: the chosen ones' b
 from the routes the token took) and the GB/s it reaches; and the whole token's GB/s
 against llama.cpp's at ``--llama-tok-s`` (its decode tok/s on the same file at one thread,
 from ``realsize_moe.py``; the lead's idle run of session 24 by default), which reads the
-same bytes a token. ``--tree DIR`` imports meshnode from another checkout (an older
-commit, ``git archive``), to time both side by side in alternating runs.
+same bytes a token.
+
+``--threads 2`` (or more) times the parts on that many kernel threads: each part's wall
+time (``time.perf_counter``, the caller's view) and the process's CPU time in it (every
+thread's, the helpers' spinning included), their ratio the cores a part kept busy; and
+the hand-offs a token makes: products the kernel pool (:mod:`.pool`) took (``posted``),
+of them posted to a sleeping helper (``woken``), left serial (``declined``), and the tile
+threads' jobs (:func:`.matrix.share`: the experts' split). A part whose wall time does
+not fall from one thread to two is where the second thread is lost. ``--tree DIR``
+imports meshnode from another checkout (an older commit, ``git archive``), to time both
+side by side in alternating runs.
 """
 
 from __future__ import annotations
@@ -50,7 +59,8 @@ sys.path.insert(0 if "--tree" not in sys.argv else 3, str(HERE))
 from benchmarks.engine import uptime  # noqa: E402
 from benchmarks.realsize_moe_gguf import cached_gguf  # noqa: E402
 
-CLOCK = time.thread_time
+CLOCK = time.thread_time  # one thread: this thread's CPU time (robust under load)
+WALL = time.perf_counter  # several: the caller's wall time per part
 PRODUCTS = ("qkv", "o", "router", "experts", "head")
 PARTS = (*PRODUCTS, "route", "attention", "bias", "norm", "embed")
 
@@ -64,6 +74,8 @@ class Timers:
         from meshnode.engine.cpu import experts
 
         self.spent: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)  # process CPU per part (threads > 1)
+        self.clock = CLOCK
         self.expert_bytes = 0
         names: dict[int, str] = {}
         for layer in stage.weights.layers:
@@ -120,9 +132,10 @@ class Timers:
         spent.clear()
 
     def _timed(self, part: str, fn: Callable[..., Any], *args: Any) -> Any:
-        began = CLOCK()
+        cpu, began = time.process_time(), self.clock()
         out = fn(*args)
-        self.spent[part] += CLOCK() - began
+        self.spent[part] += self.clock() - began
+        self.cpu[part] += time.process_time() - cpu
         return out
 
     def _chosen_bytes(self, layer: Any, picks: Any) -> None:
@@ -147,8 +160,9 @@ def product_bytes(stage: Any) -> dict[str, int]:
 def profile(shape: str, layers: int, mode: str, args: argparse.Namespace) -> None:
     import meshnode
     from benchmarks.engine import MeshnodeRunner
+    from meshnode.engine.cpu import matrix
 
-    runner = MeshnodeRunner(str(cached_gguf(shape, layers)), mode, 1)
+    runner = MeshnodeRunner(str(cached_gguf(shape, layers)), mode, args.threads)
     stage = runner.stage
     ids = np.random.default_rng(1).integers(100, 40000, args.context)
     cache = stage.new_cache(args.context + 2)
@@ -157,30 +171,55 @@ def profile(shape: str, layers: int, mode: str, args: argparse.Namespace) -> Non
     for _ in range(2):  # warm: compiled, pages touched
         stage.forward(token, args.context, cache)
     timers = Timers(stage)
-    totals, parts, moved = [], [], []
+    clock = timers.clock = CLOCK if args.threads == 1 else WALL
+    pool, tiles = matrix._pool(), matrix._tile_threads()
+    if args.all_cores:  # the gauge would leave products serial on a busy machine
+        pool.gauge.free = lambda: float(args.threads)
+    totals, parts, moved, cpus, handed = [], [], [], [], []
     for _ in range(args.repeats):
         timers.spent.clear()
+        timers.cpu.clear()
         timers.expert_bytes = 0
-        began = CLOCK()
+        counts = (pool.posted, pool.woken, pool.declined, tiles.posted)
+        cpu, began = time.process_time(), clock()
         stage.forward(token, args.context, cache)
-        totals.append(CLOCK() - began)
+        totals.append(clock() - began)
+        cpus.append((dict(timers.cpu), time.process_time() - cpu))
         parts.append(dict(timers.spent))
         moved.append(timers.expert_bytes)
+        after = (pool.posted, pool.woken, pool.declined, tiles.posted)
+        handed.append([b - a for a, b in zip(counts, after, strict=True)])
     med = {p: 1e3 * statistics.median(t.get(p, 0.0) for t in parts) for p in PARTS}
     total = 1e3 * statistics.median(totals)
     med["other"] = total - sum(med.values())
+    busy = {p: 1e3 * statistics.median(c[0].get(p, 0.0) for c in cpus) for p in PARTS}
+    busy["other"] = 1e3 * statistics.median(c[1] for c in cpus) - sum(busy.values())
     sizes = {**product_bytes(stage), "experts": int(statistics.median(moved))}
     every = sum(sizes.values())
-    print(f"\n{shape} {layers} layers, {mode}, meshnode {Path(meshnode.__file__).parent}")
+    where = Path(meshnode.__file__).parent
+    print(f"\n{shape} {layers} layers, {mode}, {args.threads} threads, meshnode {where}")
     print(f"token {total:.2f} ms ({1e3 / total:.2f} tok/s), {every / 1e6:.0f} MB read,")
     print(f"  {every / total / 1e6:.2f} GB/s; llama.cpp {args.llama_tok_s} tok/s: ", end="")
     print(f"{1e3 / args.llama_tok_s:.1f} ms, {every * args.llama_tok_s / 1e9:.2f} GB/s")
-    print(f"{'part':<10} {'ms':>8} {'share':>6} {'MB':>7} {'GB/s':>6}")
+    if args.threads > 1:
+        posted, woken, declined, shared = (
+            statistics.median(h[i] for h in handed) for i in range(4)
+        )
+        print(f"hand-offs a token: pool posted {posted:g} (woken {woken:g}, declined ", end="")
+        print(f"{declined:g}), tile-thread jobs {shared:g}")
+    wide = args.threads > 1
+    print(f"{'part':<10} {'ms':>8} {'share':>6} {'MB':>7} {'GB/s':>6}", end="")
+    print(f" {'CPU ms':>8} {'cores':>5}" if wide else "")
     for part in (*PARTS, "other"):
         cells = f"{part:<10} {med[part]:>8.2f} {med[part] / total:>6.1%}"
         if part in sizes:
             gbs = sizes[part] / med[part] / 1e6 if med[part] > 0 else float("nan")
             cells += f" {sizes[part] / 1e6:>7.1f} {gbs:>6.2f}"
+        elif wide:
+            cells += " " * 14
+        if wide:
+            cores = busy[part] / med[part] if med[part] > 0 else float("nan")
+            cells += f" {busy[part]:>8.2f} {cores:>5.2f}"
         print(cells, flush=True)
 
 
@@ -194,6 +233,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--context", type=int, default=16)
     parser.add_argument("--llama-tok-s", type=float, default=12.3)
+    parser.add_argument("--threads", type=int, default=1, help="kernel threads (wall time)")
+    parser.add_argument(
+        "--all-cores",
+        action="store_true",
+        help="the kernel threads take every product as on an idle machine (the gauge of "
+        "free cores overridden): where the parts' hand-offs go on a busy one",
+    )
     parser.add_argument("--tree", help="import meshnode from this checkout")
     args = parser.parse_args()
     print(uptime(), flush=True)

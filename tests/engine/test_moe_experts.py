@@ -23,11 +23,14 @@ from meshnode_packaging.sources import RawTensor, open_source
 
 from meshnode.engine import ModelConfig, moe, weights
 from meshnode.engine.backend import WeightsDtype, cpu_backend
-from meshnode.engine.cpu import MAX_KERNEL_ROWS, experts, matrix
+from meshnode.engine.cpu import MAX_KERNEL_ROWS, experts, experts_kernels, matrix
+from meshnode.engine.cpu import pool as pool_module
+from meshnode.engine.cpu.pool import KernelPool
 from meshnode.engine.loader import load_model
 from meshnode.engine.moe_config import MoeConfig
 from meshnode.engine.moe_weights import MoeWeights, load_moe
 from tests.engine.moe_models import MOE_DIR, golden, write_gguf_twin
+from tests.engine.test_kernel_pool import idle_gauge
 
 N, E, INTER, K = 6, 128, 64, 3  # experts, hidden, expert size, experts per row
 
@@ -75,11 +78,20 @@ def layer(request: pytest.FixtureRequest) -> tuple[MoeConfig, MoeWeights]:
     return _layer(request.param)
 
 
+@pytest.fixture(scope="module")
+def free_pool() -> KernelPool:
+    """Kernel threads on four free cores, whatever this machine runs (the real pool
+    leaves a product serial when other processes use the cores)."""
+    return KernelPool(idle_gauge(4))
+
+
 @pytest.fixture
-def threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The threads the experts are split between (the machine's free cores otherwise)."""
+def threads(monkeypatch: pytest.MonkeyPatch, free_pool: KernelPool) -> list[int]:
+    """The threads the experts are shared between (the machine's free cores otherwise),
+    on :func:`free_pool`'s threads."""
     chosen = [1]
     monkeypatch.setattr(matrix, "shared_threads", lambda: chosen[0])
+    monkeypatch.setattr(matrix, "_pool", lambda: free_pool)
     return chosen
 
 
@@ -109,6 +121,31 @@ def test_compiled_experts_give_the_expert_at_a_time_bits(
         threads[0] = count
         got = moe.moe_mlp(backend, config, w, x)
         assert np.array_equal(got, want), (mode, n, count)
+
+
+@pytest.mark.parametrize("mode", ["native", "q8"])
+def test_the_kernel_threads_take_the_experts_one_a_chunk(
+    layer: tuple[MoeConfig, MoeWeights], mode: WeightsDtype, threads: list[int]
+) -> None:
+    """On two threads the chosen experts are posted to the kernel threads, one expert a
+    chunk (the pool's chunks of a job are experts_kernels.TASK_ROWS "rows" of its dummy
+    part), and give the one-thread bits; one thread posts nothing."""
+    config, w = layer
+    backend = cpu_backend(mode)
+    x = _rows(5, seed=4)
+    pool = matrix._pool()
+    assert experts_kernels.TASK_ROWS == pool_module.CHUNK_ROWS
+    for t in (1, 2, 3, 8):
+        rows = pool_module.chunk_rows(1, experts_kernels.BLOCK_WORDS, 1, t)
+        assert rows == experts_kernels.TASK_ROWS, t  # else a chunk is not one expert
+    want = moe.moe_mlp(backend, config, w, x)
+    before = pool.posted
+    threads[0] = 2
+    assert pool.settle(5.0)  # no helper still holds a chunk of an earlier job
+    got = moe.moe_mlp(backend, config, w, x)
+    assert pool.posted == before + 1
+    assert pool.job_word(pool_module.CA) == np.unique(moe.route(np, x @ w.router, config)[0]).size
+    assert np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("copies", [2, 4, 5])  # 5: over ONE_ROW_EXPERTS, one product

@@ -14,9 +14,13 @@ experts from zero in ascending expert order as :func:`meshnode.engine.moe.moe_ml
 
 Experts come as stacks (:class:`ExpertStack`): a 3-D tensor of every expert's matrix as
 the GGUF stores it (``ffn_*_exps``), a view of the memory-mapped file, so that a step
-reads the chosen experts' bytes only. With several threads (the tile threads of
-:func:`.matrix.share`), each computes whole experts (the experts split by rows), and the
-sums are made after, in the same order: the bits do not depend on the thread count.
+reads the chosen experts' bytes only. With several threads (the kernel threads of
+:mod:`.pool`, one chosen expert a chunk, claimed as threads come free), each computes whole
+experts, and the sums are made after, in the same order: the bits do not depend on the
+thread count. (An earlier version split the experts into one run of about equal rows a
+thread on the tile threads of :func:`.matrix.share`; those sleep between jobs, so each
+layer woke one, and a late one held the layer up: see ``benchmarks/moe_token.py
+--threads 2``.)
 
 Layering: beside :mod:`.matrix` and :mod:`.q8`; the compiled functions are in
 :mod:`.experts_kernels`, imported (with numba) at the first call.
@@ -25,7 +29,6 @@ Layering: beside :mod:`.matrix` and :mod:`.q8`; the compiled functions are in
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -179,9 +182,9 @@ class ExpertLayer:
         grouping when :func:`route` made it (else :func:`group` makes it)."""
         gu, dn = self.gate_up, self.down
         compiled = _compiled()
-        experts = compiled.experts_kernel(
-            (*gu.fmts, int(q8 and gu.q8())), (*dn.fmts, int(q8 and dn.q8()))
-        )
+        gu_key = (*gu.fmts, int(q8 and gu.q8()))
+        dn_key = (*dn.fmts, int(q8 and dn.q8()))
+        experts = compiled.experts_kernel(gu_key, dn_key)
         x = np.ascontiguousarray(x, dtype=np.float32)
         picks = np.ascontiguousarray(picks, dtype=np.int64)
         rows, k = picks.shape
@@ -190,15 +193,11 @@ class ExpertLayer:
         else:
             chosen, starts, order = routes.chosen, routes.starts, routes.order
         ys = np.empty((rows * k, x.shape[1]), np.float32)
-        parts = _split(starts, matrix.shared_threads())
         act = (self.gate_up_bias, self.down_bias, self.kind, self.alpha, self.limit)
-
-        def part(i: int) -> None:
-            some = parts[i]
-            experts(*gu.raws, *dn.raws, *act, x, chosen[some],
-                    starts[some.start : some.stop + 1], order, k, ys)  # fmt: skip
-
-        matrix.share(part, len(parts), len(parts))
+        args = (*gu.raws, *dn.raws, *act, x, chosen, starts, order, k, ys)
+        threads = matrix.shared_threads() if chosen.size > 1 else 1
+        if threads < 2 or not _shared(compiled, gu_key, dn_key, args, threads):
+            experts(*args)
         out = np.empty_like(x)
         compiled.sums(ys, picks, np.ascontiguousarray(weights, dtype=np.float32), out)
         return out
@@ -214,13 +213,24 @@ def _bias(bias: np.ndarray | None, n: int, width: int, name: str) -> np.ndarray:
     return np.ascontiguousarray(bias, dtype=np.float32)
 
 
-def _split(starts: np.ndarray, threads: int) -> list[slice]:
-    """The chosen experts cut into at most ``threads`` runs of about equal rows."""
-    m = starts.size - 1
-    threads = max(1, min(threads, m))
-    if threads == 1:
-        return [slice(0, m)]
-    total = int(starts[-1])
-    cuts = np.searchsorted(starts, [total * i / threads for i in range(1, threads)])
-    bounds = sorted({0, m, *(int(c) for c in cuts)})
-    return [slice(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+_NO_OUT = np.zeros((1, 1), np.float32)  # a shared call's "output" (ys is its own)
+_EMPTY = np.zeros((0, 0), np.uint8)
+
+
+def _shared(
+    compiled: ModuleType,
+    gate_up: tuple[int, int, int, int],
+    down: tuple[int, int, int, int],
+    args: tuple[Any, ...],
+    threads: int,
+) -> bool:
+    """:func:`.experts_kernels.experts_kernel`'s call of ``args`` shared with the kernel
+    threads of :mod:`.pool`, one chosen expert a chunk; False, having done nothing, where
+    the pool does not take it (the caller then makes the call)."""
+    block = np.zeros(compiled.BLOCK_WORDS, np.int64)
+    compiled.fill_block(block, *args)
+    m = args[12].size  # chosen
+    tasks = np.zeros((m * compiled.TASK_ROWS, 1), np.uint8)  # m chunks (the pool's rows)
+    chunk = compiled.experts_chunk(gate_up, down)
+    pool = matrix._pool()
+    return bool(pool.run(chunk, (tasks, _EMPTY, _EMPTY), block, _NO_OUT, threads, keep=args))
