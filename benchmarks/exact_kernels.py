@@ -41,14 +41,15 @@ _F16_FIELDS = {
 }  # fmt: skip
 
 
-def random_raw(dtype: str, n_out: int, rng: np.random.Generator) -> np.ndarray:
-    """``[n_out, row bytes]`` of random blocks of ``dtype`` with finite scales."""
+def random_raw(dtype: str, n_out: int, rng: np.random.Generator, n_in: int = N_IN) -> np.ndarray:
+    """``[n_out, row bytes]`` of random blocks of ``dtype`` with finite scales, rows of
+    ``n_in`` values."""
     from meshnode.engine.cpu.formats import FORMATS as ALL
 
     if dtype == "F32":
-        return rng.standard_normal((n_out, N_IN)).astype(np.float32).view(np.uint8)
+        return rng.standard_normal((n_out, n_in)).astype(np.float32).view(np.uint8)
     fmt = ALL[dtype]
-    blocks = rng.integers(0, 256, (n_out * N_IN // fmt.block_size, fmt.type_size), np.uint8)
+    blocks = rng.integers(0, 256, (n_out * n_in // fmt.block_size, fmt.type_size), np.uint8)
     for off in _F16_FIELDS.get(dtype, ()):
         scale = rng.uniform(-0.05, 0.05, len(blocks)).astype(np.float16)
         blocks[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)

@@ -28,21 +28,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.exact_kernels import _F16_FIELDS
+from benchmarks.exact_kernels import random_raw
 
 PATHS = ("gemm", "sgemm", "kernels")
-
-
-def random_raw(dtype: str, n_out: int, n_in: int, rng: np.random.Generator) -> np.ndarray:
-    """``[n_out, row bytes]`` of random blocks of ``dtype`` with finite scales."""
-    from meshnode.engine.cpu.formats import FORMATS
-
-    fmt = FORMATS[dtype]
-    blocks = rng.integers(0, 256, (n_out * n_in // fmt.block_size, fmt.type_size), np.uint8)
-    for off in _F16_FIELDS.get(dtype, ()):
-        scale = rng.uniform(-0.05, 0.05, len(blocks)).astype(np.float16)
-        blocks[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(n_out, -1)
 
 
 def products(dtype: str, raw: np.ndarray, n_in: int) -> dict[str, Callable[..., None]]:
@@ -88,7 +76,7 @@ def main() -> None:
     for shape in args.shapes:
         dtype, dims = shape.split(":")
         n_in, n_out = map(int, dims.split("x"))
-        fns = products(dtype, random_raw(dtype, n_out, n_in, rng), n_in)
+        fns = products(dtype, random_raw(dtype, n_out, rng, n_in), n_in)
         for rows in args.rows:
             x = rng.standard_normal((rows, n_in)).astype(np.float32)
             out = np.empty((rows, n_out), np.float32)
