@@ -34,7 +34,9 @@ from numba.core import cgutils
 
 from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.q8_blocks import _constant
+from meshnode.engine.cpu.q8_rows4 import by_four, dots_by_four, lanes, pair, rows8
 from meshnode.engine.cpu.simd import (
+    F32x8,
     F32x16,
     inner,
     intrinsic,
@@ -50,10 +52,8 @@ from meshnode.engine.cpu.simd_q8 import (
     U8x64,
     _dot_generic,
     _dot_vnni,
-    fold,
     tofloat16,
     vnni512,
-    wpair,
 )
 
 __all__ = [
@@ -222,23 +222,27 @@ def isums16(typingctx: Any, vs: Any) -> Any:
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        level = list(cgutils.unpack_tuple(builder, args[0]))  # type: ignore[no-untyped-call]
-        width = 4
-        while len(level) > 1:
-            groups = range(0, 8, 2 * width)
-            lo = [g + i for g in groups for i in range(width)]
-            hi = [g + width + i for g in groups for i in range(width)]
-            nxt = []
-            for a, b in zip(level[0::2], level[1::2], strict=True):
-                pick_lo = [h + x for h in (0, 8) for x in lo + [16 + i for i in lo]]
-                pick_hi = [h + x for h in (0, 8) for x in hi + [16 + i for i in hi]]
-                left = builder.shuffle_vector(a, b, ir.Constant(_VI16, pick_lo))
-                right = builder.shuffle_vector(a, b, ir.Constant(_VI16, pick_hi))
-                nxt.append(builder.add(left, right))
-            level, width = nxt, width // 2
-        return level[0]
+        return _isums(builder, list(cgutils.unpack_tuple(builder, args[0])))  # type: ignore[no-untyped-call]
 
     return I32x16(vs), codegen
+
+
+def _isums(builder: Any, level: list[Any]) -> Any:
+    # isums16 of the eight <16 x i32> in level
+    width = 4
+    while len(level) > 1:
+        groups = range(0, 8, 2 * width)
+        lo = [g + i for g in groups for i in range(width)]
+        hi = [g + width + i for g in groups for i in range(width)]
+        nxt = []
+        for a, b in zip(level[0::2], level[1::2], strict=True):
+            pick_lo = [h + x for h in (0, 8) for x in lo + [16 + i for i in lo]]
+            pick_hi = [h + x for h in (0, 8) for x in hi + [16 + i for i in hi]]
+            left = builder.shuffle_vector(a, b, ir.Constant(_VI16, pick_lo))
+            right = builder.shuffle_vector(a, b, ir.Constant(_VI16, pick_hi))
+            nxt.append(builder.add(left, right))
+        level, width = nxt, width // 2
+    return level[0]
 
 
 @intrinsic
@@ -275,15 +279,18 @@ def nibbles64(typingctx: Any, w: Any, off: Any) -> Any:
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        vb = ir.VectorType(_I8, 32)
-        v = builder.load(builder.bitcast(builder.gep(data, [args[1]]), vb.as_pointer()), align=1)
-        both = builder.shuffle_vector(
-            v, v, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2)
-        )
-        shifts = ir.Constant(_VB64, [0] * 32 + [4] * 32)
-        return builder.and_(builder.lshr(both, shifts), ir.Constant(_VB64, [15] * 64))
+        return _nibbles(builder, builder.gep(data, [args[1]]))
 
     return U8x64(w, off), codegen
+
+
+def _nibbles(builder: Any, ptr: Any) -> Any:
+    # nibbles64 of the 32 bytes at ptr (i8*)
+    vb = ir.VectorType(_I8, 32)
+    v = builder.load(builder.bitcast(ptr, vb.as_pointer()), align=1)
+    both = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2))
+    shifts = ir.Constant(_VB64, [0] * 32 + [4] * 32)
+    return builder.and_(builder.lshr(both, shifts), ir.Constant(_VB64, [15] * 64))
 
 
 @intrinsic
@@ -344,31 +351,106 @@ def _dot_small(builder: Any, acc: Any, u: Any, x: Any) -> Any:
     return builder.add(acc, both)
 
 
-@inner
-def _q4_k_dots(w, bases, at, q, xo):  # type: ignore[no-untyped-def]
-    # chunks 2 k and 2 k + 1 of eight rows (their nibbles at byte at of each row's base)
-    # times the activation blocks at byte xo: the exact integer dot products (lanes 0-7:
-    # the rows for chunk 2 k, 8-15: for chunk 2 k + 1)
-    b0, b1, b2, b3, b4, b5, b6, b7 = bases
-    p0 = dot64(nibbles64(w, b0 + at), q, xo)
-    p1 = dot64(nibbles64(w, b1 + at), q, xo)
-    p2 = dot64(nibbles64(w, b2 + at), q, xo)
-    p3 = dot64(nibbles64(w, b3 + at), q, xo)
-    p4 = dot64(nibbles64(w, b4 + at), q, xo)
-    p5 = dot64(nibbles64(w, b5 + at), q, xo)
-    p6 = dot64(nibbles64(w, b6 + at), q, xo)
-    p7 = dot64(nibbles64(w, b7 + at), q, xo)
-    return isums16((p0, p1, p2, p3, p4, p5, p6, p7))
+@intrinsic
+def q4_k_dots8(typingctx: Any, w: Any, bases: Any, at: Any, xq: Any, xo: Any) -> Any:
+    """Chunks ``2 k`` and ``2 k + 1`` of eight Q4_K rows (their nibbles at byte ``at``
+    of each row's offset ``bases`` in ``w``) times the activation blocks at byte ``xo``
+    of ``xq``: the exact integer dot products, sixteen int32 in the step's order
+    (:func:`klanes`): by :func:`.q8_rows4.dots_by_four` on AVX2 without AVX512-VNNI,
+    else each row's :func:`dot64` of its :func:`nibbles64` summed by :func:`isums16`
+    (lanes 0-7: the rows for chunk ``2 k``, 8-15: for chunk ``2 k + 1``)."""
+    if not (_is_bytes(w) and _is_bytes(xq)):
+        return None
+    if not (isinstance(bases, types.UniTuple) and bases.count == 8):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        xdata = context.make_array(sig.args[3])(context, builder, args[3]).data
+        offs = cgutils.unpack_tuple(builder, args[1])  # type: ignore[no-untyped-call]
+        at = context.cast(builder, args[2], sig.args[2], types.int64)
+        ptrs = [
+            builder.gep(
+                data, [builder.add(context.cast(builder, b, sig.args[1].dtype, types.int64), at)]
+            )
+            for b in offs
+        ]
+        x = builder.gep(xdata, [context.cast(builder, args[4], sig.args[4], types.int64)])
+        if by_four():
+            return dots_by_four(builder, ptrs, x)
+        xv = builder.load(builder.bitcast(x, _VB64.as_pointer()), align=1)
+        zero = ir.Constant(_VI16, [0] * 16)
+        return _isums(builder, [_dot_small(builder, zero, _nibbles(builder, p), xv) for p in ptrs])
+
+    return I32x16(w, bases, at, xq, xo), codegen
+
+
+def _f16_op(doc: str, build: Any) -> Any:
+    def typer(typingctx: Any, v: Any) -> Any:
+        if v != F32x16:
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return build(builder, args[0]) if by_four() else args[0]
+
+        return F32x16(v), codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+klanes = _f16_op(
+    "Sixteen float32 (lanes 0-7: the rows for chunk ``2 k``, 8-15: for ``2 k + 1``) in "
+    "the order of :func:`q4_k_dots8` (:func:`.q8_rows4.lanes` on AVX2, else as they are).",
+    lanes,
+)
+
+
+@intrinsic
+def kpair(typingctx: Any, a: Any, b: Any) -> Any:
+    """``a`` in the lanes of chunk ``2 k``, ``b`` in those of ``2 k + 1``, in the order of
+    :func:`q4_k_dots8` (float32)."""
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        if by_four():
+            return pair(builder, args[0], args[1])
+        undef = ir.Constant(ir.VectorType(_F, 16), ir.Undefined)
+        v = builder.insert_element(undef, args[0], ir.Constant(_I32, 0))
+        v = builder.insert_element(v, args[1], ir.Constant(_I32, 1))
+        return builder.shuffle_vector(v, v, ir.Constant(_VI16, [0] * 8 + [1] * 8))
+
+    return F32x16(a, b), codegen
+
+
+@intrinsic
+def krows(typingctx: Any, v: Any) -> Any:
+    """Each row's chunk ``2 k`` plus its chunk ``2 k + 1`` (lane ``j``: row ``j``) of
+    sixteen float32 in the order of :func:`q4_k_dots8` (:func:`.simd_q8.fold`'s sums)."""
+    if v != F32x16:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        if by_four():
+            return rows8(builder, args[0])
+        undef = ir.Constant(ir.VectorType(_F, 16), ir.Undefined)
+        lo = builder.shuffle_vector(args[0], undef, ir.Constant(_VI, list(range(8))))
+        hi = builder.shuffle_vector(args[0], undef, ir.Constant(_VI, list(range(8, 16))))
+        return builder.fadd(lo, hi)
+
+    return F32x8(v), codegen
 
 
 @inner
 def _q4_k_pair(w, bases, at, q, xo, dx, sx, dws, ms, acc, t):  # type: ignore[no-untyped-def]
     # chunks c, c + 1 of a super-block (their nibbles at byte at of each row, their
-    # activation block at byte xo, their dx and dx sum(q) at dx, sx) into acc and t
-    d = _q4_k_dots(w, bases, at, q, xo)
-    dxs = wpair(fload(q, dx), fload(q, dx + 32))
+    # activation block at byte xo, their dx and dx sum(q) at dx, sx) into acc and t, all
+    # in q4_k_dots8's order
+    d = q4_k_dots8(w, bases, at, q, xo)
+    dxs = kpair(fload(q, dx), fload(q, dx + 32))
     acc = wfma(tofloat16(d), wmul(dws, dxs), acc)
-    sxs = wpair(fload(q, sx), fload(q, sx + 32))
+    sxs = kpair(fload(q, sx), fload(q, sx + 32))
     return acc, wadd(t, wmul(ms, sxs))
 
 
@@ -385,6 +467,8 @@ def eight_q4_k(w, bases, q, xo, dx, sx, nb, pf):  # type: ignore[no-untyped-def]
         for line in range(0, 8 * _Q4_K_BYTES, 64):
             prefetch(w, pf + 8 * o + line)
         d0, d1, d2, d3, m0, m1, m2, m3 = q4_k_scales8(w, bases, o)
+        d0, d1, d2, d3 = klanes(d0), klanes(d1), klanes(d2), klanes(d3)
+        m0, m1, m2, m3 = klanes(m0), klanes(m1), klanes(m2), klanes(m3)
         i = 256 * s  # the super-block's first activation block, in bytes
         acc, t = _q4_k_pair(w, bases, o + 16, q, xo + i, dx + i, sx + i, d0, m0, acc, t)
         i += 64
@@ -393,4 +477,4 @@ def eight_q4_k(w, bases, q, xo, dx, sx, nb, pf):  # type: ignore[no-untyped-def]
         acc, t = _q4_k_pair(w, bases, o + 80, q, xo + i, dx + i, sx + i, d2, m2, acc, t)
         i += 64
         acc, t = _q4_k_pair(w, bases, o + 112, q, xo + i, dx + i, sx + i, d3, m3, acc, t)
-    return vadd(fold(acc), fold(t))
+    return vadd(krows(acc), krows(t))
