@@ -27,10 +27,10 @@ from numba import types
 from numba.core import cgutils
 
 from meshnode.engine.cpu.formats import FORMATS
-from meshnode.engine.cpu.q8_superblocks import _dot_small, _is_bytes, isums16
+from meshnode.engine.cpu.q8_superblocks import _dot_small, _is_bytes, klanes, kpair, krows, ksum
 from meshnode.engine.cpu.simd import F32x8, F32x16, inner, intrinsic, wfma, wmul, wzero
 from meshnode.engine.cpu.simd_int import _x86, fload, half, madd_bytes, prefetch
-from meshnode.engine.cpu.simd_q8 import I32x16, U8x64, fold, tofloat16, vec8, vnni512, wpair
+from meshnode.engine.cpu.simd_q8 import I32x16, U8x64, tofloat16, vec8, vnni512
 
 __all__ = ["eight_q6_k", "madd16", "q6_dot", "q6_k_pair", "q6_k_scales8", "scaled_pairs"]
 
@@ -223,16 +223,20 @@ def _q6_k_pair(w, bases, o, c, q, xo, dx, ss, dws, acc):  # type: ignore[no-unty
     s0, s1, s2, s3, s4, s5, s6, s7 = ss
     h, m = c // 4, c % 4
     low, high = o + 64 * h, o + 128 + 32 * h
+    # summed a pair of rows at a time as they come (ksum), so that few are live at once
     p0 = q6_dot(q6_k_pair(w, b0 + low, b0 + high, m), q, xo, s0)
     p1 = q6_dot(q6_k_pair(w, b1 + low, b1 + high, m), q, xo, s1)
+    p01 = ksum(p0, p1, 1)
     p2 = q6_dot(q6_k_pair(w, b2 + low, b2 + high, m), q, xo, s2)
     p3 = q6_dot(q6_k_pair(w, b3 + low, b3 + high, m), q, xo, s3)
+    p03 = ksum(p01, ksum(p2, p3, 1), 2)
     p4 = q6_dot(q6_k_pair(w, b4 + low, b4 + high, m), q, xo, s4)
     p5 = q6_dot(q6_k_pair(w, b5 + low, b5 + high, m), q, xo, s5)
+    p45 = ksum(p4, p5, 1)
     p6 = q6_dot(q6_k_pair(w, b6 + low, b6 + high, m), q, xo, s6)
     p7 = q6_dot(q6_k_pair(w, b7 + low, b7 + high, m), q, xo, s7)
-    p = isums16((p0, p1, p2, p3, p4, p5, p6, p7))
-    dxs = wpair(fload(q, dx), fload(q, dx + 32))
+    p = ksum(p03, ksum(p45, ksum(p6, p7, 1), 2), 3)
+    dxs = kpair(fload(q, dx), fload(q, dx + 32))
     return wfma(tofloat16(p), wmul(dws, dxs), acc)
 
 
@@ -248,7 +252,7 @@ def eight_q6_k(w, bases, q, xo, dx, sx, nb, pf):  # type: ignore[no-untyped-def]
         d = o + 208
         dw = vec8((half(w, b0 + d), half(w, b1 + d), half(w, b2 + d), half(w, b3 + d),
                    half(w, b4 + d), half(w, b5 + d), half(w, b6 + d), half(w, b7 + d)))  # fmt: skip
-        dws = wjoin(dw, dw)
+        dws = klanes(wjoin(dw, dw))  # in the order of ksum's sums
         i = 256 * s  # the super-block's first activation block, in bytes
         # chunk pairs 0, 2, 4, 6 (c literal: their scales' lanes are compile-time shuffles)
         ss = q6_k_scales8(w, bases, o + 192, 0)
@@ -259,4 +263,4 @@ def eight_q6_k(w, bases, q, xo, dx, sx, nb, pf):  # type: ignore[no-untyped-def]
         acc = _q6_k_pair(w, bases, o, 4, q, xo + i, dx + i, ss, dws, acc)
         ss, i = q6_k_scales8(w, bases, o + 192, 6), i + 64
         acc = _q6_k_pair(w, bases, o, 6, q, xo + i, dx + i, ss, dws, acc)
-    return fold(acc)
+    return krows(acc)

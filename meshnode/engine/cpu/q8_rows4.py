@@ -30,7 +30,7 @@ from llvmlite import ir
 from meshnode.engine.cpu.simd_int import _x86, madd_bytes
 from meshnode.engine.cpu.simd_q8 import vnni512
 
-__all__ = ["by_four", "dots_by_four", "lanes", "pair", "rows8"]
+__all__ = ["by_four", "dots_by_four", "lanes", "pair", "rows8", "sums_by_four"]
 
 _I8 = ir.IntType(8)
 _I16 = ir.IntType(16)
@@ -128,6 +128,33 @@ def dots_by_four(builder: Any, ptrs: list[Any], x: Any) -> Any:
         for h in (False, True)
     ]
     return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VI16, list(range(16))))
+
+
+def sums_by_four(builder: Any, a: Any, b: Any, level: int) -> Any:
+    """One level of the sums across eight rows of sixteen int32 each (lanes 0-7: a
+    row's even chunk, 8-15: its odd one), in this module's order at the last: level 1
+    adds rows ``a``, ``b`` within each 128-bit lane (unpack of 32-bit elements), level 2
+    two such pairs (of 64-bit elements), then lane ``r`` of each 128-bit lane holds row
+    ``r`` (of four) of it; level 3 adds the two 128-bit lanes of each chunk, rows 0-3 from
+    ``a``, rows 4-7 from ``b``. Exact (int32)."""
+    if level == 3:
+        halves = []
+        for v in (a, b):
+            lo = builder.shuffle_vector(v, v, ir.Constant(_VD, [0, 1, 2, 3, 8, 9, 10, 11]))
+            hi = builder.shuffle_vector(v, v, ir.Constant(_VD, [4, 5, 6, 7, 12, 13, 14, 15]))
+            halves.append(builder.add(lo, hi))
+        return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VI16, list(range(16))))
+    size = 1 if level == 1 else 2  # int32 a unit
+    picks: list[list[int]] = [[], []]
+    for lane in range(4):  # 128-bit lanes: 0-1 the even chunk's, 2-3 the odd one's
+        for high in range(2):
+            start = 4 * lane + 2 * high
+            for i in range(2 // size):
+                for src in (0, 16):
+                    picks[high] += [src + start + size * i + k for k in range(size)]
+    lo = builder.shuffle_vector(a, b, ir.Constant(_VI16, picks[0]))
+    hi = builder.shuffle_vector(a, b, ir.Constant(_VI16, picks[1]))
+    return builder.add(lo, hi)
 
 
 def lanes(builder: Any, v: Any) -> Any:

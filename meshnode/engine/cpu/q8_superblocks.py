@@ -34,7 +34,7 @@ from numba.core import cgutils
 
 from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.q8_blocks import _constant
-from meshnode.engine.cpu.q8_rows4 import by_four, dots_by_four, lanes, pair, rows8
+from meshnode.engine.cpu.q8_rows4 import by_four, dots_by_four, lanes, pair, rows8, sums_by_four
 from meshnode.engine.cpu.simd import (
     F32x8,
     F32x16,
@@ -231,18 +231,41 @@ def _isums(builder: Any, level: list[Any]) -> Any:
     # isums16 of the eight <16 x i32> in level
     width = 4
     while len(level) > 1:
-        groups = range(0, 8, 2 * width)
-        lo = [g + i for g in groups for i in range(width)]
-        hi = [g + width + i for g in groups for i in range(width)]
-        nxt = []
-        for a, b in zip(level[0::2], level[1::2], strict=True):
-            pick_lo = [h + x for h in (0, 8) for x in lo + [16 + i for i in lo]]
-            pick_hi = [h + x for h in (0, 8) for x in hi + [16 + i for i in hi]]
-            left = builder.shuffle_vector(a, b, ir.Constant(_VI16, pick_lo))
-            right = builder.shuffle_vector(a, b, ir.Constant(_VI16, pick_hi))
-            nxt.append(builder.add(left, right))
-        level, width = nxt, width // 2
+        pairs = zip(level[0::2], level[1::2], strict=True)
+        level, width = [_isums_level(builder, a, b, width) for a, b in pairs], width // 2
     return level[0]
+
+
+def _isums_level(builder: Any, a: Any, b: Any, width: int) -> Any:
+    # one level of isums16: a's and b's groups of width lanes (of each half) side by side,
+    # the low ones plus the high ones
+    groups = range(0, 8, 2 * width)
+    lo = [g + i for g in groups for i in range(width)]
+    hi = [g + width + i for g in groups for i in range(width)]
+    pick_lo = [h + x for h in (0, 8) for x in lo + [16 + i for i in lo]]
+    pick_hi = [h + x for h in (0, 8) for x in hi + [16 + i for i in hi]]
+    left = builder.shuffle_vector(a, b, ir.Constant(_VI16, pick_lo))
+    right = builder.shuffle_vector(a, b, ir.Constant(_VI16, pick_hi))
+    return builder.add(left, right)
+
+
+@intrinsic
+def ksum(typingctx: Any, a: Any, b: Any, level: Any) -> Any:
+    """Level ``level`` (a literal, 1 .. 3) of the sums across eight rows' sixteen int32
+    (rows 0, 1 then 2, 3 ... at level 1; their sums at 2; at 3 those of rows 0-3 and 4-7),
+    whose last gives :func:`isums16`'s sums in the order of :func:`q4_k_dots8`: by
+    :func:`.q8_rows4.sums_by_four` on AVX2 without AVX512-VNNI, else a level of
+    :func:`isums16`. Exact: a row's sums can be summed up level by level as they come."""
+    if a != I32x16 or b != I32x16 or not isinstance(level, types.IntegerLiteral):
+        return None
+    n = level.literal_value
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        if by_four():
+            return sums_by_four(builder, args[0], args[1], n)
+        return _isums_level(builder, args[0], args[1], 4 >> (n - 1))
+
+    return I32x16(a, b, level), codegen
 
 
 @intrinsic
