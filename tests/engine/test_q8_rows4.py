@@ -1,0 +1,137 @@
+"""The one-row K-quant steps of ``--dtype q8`` in AVX2's four-row order (:mod:`.q8_rows4`)
+and in AVX-512's eight-row one: the same integer sums and the same float32 lanes, only
+moved. Each order is compiled here where the CPU can run it (the order is read while
+compiling: :func:`.q8_rows4.by_four`, patched)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from meshnode.engine.cpu import q8  # noqa: F401  (numba configured before it is imported)
+
+ORDERS = [False, True]
+# lane i of the four-row order holds lane ORDER[i] of the eight-row one
+ORDER = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
+
+
+@pytest.fixture(scope="module")
+def rng() -> np.random.Generator:
+    return np.random.default_rng(29)
+
+
+def order(four: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """q8_superblocks with its order patched to ``four`` (skips where the CPU cannot)."""
+    from meshnode.engine.cpu import q8_superblocks
+    from meshnode.engine.cpu.simd_int import madd_bytes
+
+    if four and not madd_bytes():
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setattr(q8_superblocks, "by_four", lambda: four)
+    return q8_superblocks
+
+
+def nibble_rows(rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Eight rows' 32 bytes of nibbles and 64 activation quants: random ones, and those
+    that take the int16 sums to their bounds (every nibble 15 against +-127)."""
+    cases = [(rng.integers(0, 256, (8, 32)), rng.integers(-127, 128, 64))]
+    cases.append((np.full((8, 32), 255), np.full(64, 127)))
+    cases.append((np.full((8, 32), 255), np.full(64, -127)))
+    mixed = np.full((8, 32), 255)
+    mixed[1::2] = 0x0F  # odd rows: only the even chunk's nibbles
+    cases.append((mixed, np.tile([127, -127], 32)))
+    return [(np.asarray(u, np.uint8), np.asarray(x, np.int8)) for u, x in cases]
+
+
+def reference(u: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Lanes 0-7: row j's low nibbles times x[:32], 8-15: its high nibbles times x[32:]."""
+    low, high = (u & 15).astype(np.int64), (u >> 4).astype(np.int64)
+    xs = x.astype(np.int64)
+    return np.concatenate([low @ xs[:32], high @ xs[32:]])
+
+
+@pytest.mark.parametrize("four", ORDERS, ids=["eight-row", "four-row"])
+def test_q4_k_chunk_pair_dots_are_exact_in_either_order(
+    four: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q4_k_dots8: each row's two chunks' exact integer dot products, in the lanes of
+    the order it was compiled for, at rows' offsets of any alignment."""
+    from numba import njit
+
+    from meshnode.engine.cpu.simd_q8 import store16
+
+    sb = order(four, monkeypatch)
+
+    @njit(cache=False)
+    def dots(w, bases, x, out):  # type: ignore[no-untyped-def]
+        at = (bases[0], bases[1], bases[2], bases[3], bases[4], bases[5], bases[6], bases[7])
+        store16(out, 0, sb.q4_k_dots8(w, at, 3, x, 0))
+
+    for u, x in nibble_rows(rng):
+        bases = np.array([0, 40, 77, 130, 171, 205, 250, 290], np.int64)  # + 3: at
+        w = np.zeros(330, np.uint8)
+        for j, b in enumerate(bases):
+            w[b + 3 : b + 35] = u[j]
+        out = np.zeros(16, np.int32)
+        dots(w, bases, x.view(np.uint8), out.view(np.uint8))
+        want = reference(u, x)
+        np.testing.assert_array_equal(out, want[ORDER] if four else want)
+
+
+@pytest.mark.parametrize("four", ORDERS, ids=["eight-row", "four-row"])
+def test_the_sums_across_rows_level_by_level_in_either_order(
+    four: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ksum's three levels over eight rows' sixteen int32 (Q6_K's step): each row's
+    sums of lanes 0-7 and 8-15, in the order compiled for, exactly, up to int32's
+    range."""
+    from numba import njit
+
+    from meshnode.engine.cpu.simd_q8 import iload16, store16
+
+    sb = order(four, monkeypatch)
+
+    @njit(cache=False)
+    def sums(v, out):  # type: ignore[no-untyped-def]
+        p01 = sb.ksum(iload16(v, 0), iload16(v, 64), 1)
+        p23 = sb.ksum(iload16(v, 128), iload16(v, 192), 1)
+        p45 = sb.ksum(iload16(v, 256), iload16(v, 320), 1)
+        p67 = sb.ksum(iload16(v, 384), iload16(v, 448), 1)
+        store16(out, 0, sb.ksum(sb.ksum(p01, p23, 2), sb.ksum(p45, p67, 2), 3))
+
+    for v in (rng.integers(-(2**27), 2**27, (8, 16)), np.full((8, 16), 2**28 - 1)):
+        v32 = np.asarray(v, np.int32)
+        out = np.zeros(16, np.int32)
+        sums(v32.view(np.uint8).reshape(-1), out.view(np.uint8))
+        want = np.concatenate([v32[:, :8].sum(1), v32[:, 8:].sum(1)]).astype(np.int32)
+        np.testing.assert_array_equal(out, want[ORDER] if four else want)
+
+
+@pytest.mark.parametrize("four", ORDERS, ids=["eight-row", "four-row"])
+def test_the_float_lanes_move_and_fold_back_to_rows(
+    four: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """klanes moves a scale vector as q4_k_dots8 orders its sums, kpair puts a chunk's
+    scale in its lanes, krows adds each row's two chunks back into lane ``row``: as
+    fold does in the eight-row order, bit for bit."""
+    from numba import njit
+
+    from meshnode.engine.cpu.simd import vstore, wload, wstore
+
+    sb = order(four, monkeypatch)
+
+    @njit(cache=False)
+    def moved(v, a, b, out, rows):  # type: ignore[no-untyped-def]
+        wstore(out, 0, sb.klanes(wload(v, 0)))
+        wstore(out, 16, sb.kpair(a, b))
+        vstore(rows, 0, sb.krows(sb.klanes(wload(v, 0))))
+
+    v = rng.standard_normal(16).astype(np.float32)
+    out, rows = np.zeros(32, np.float32), np.zeros(8, np.float32)
+    moved(v, np.float32(1.5), np.float32(-2.0), out, rows)
+    pair = np.repeat(np.float32([1.5, -2.0]), 8)
+    np.testing.assert_array_equal(out[:16], v[ORDER] if four else v)
+    np.testing.assert_array_equal(out[16:], pair[ORDER] if four else pair)
+    np.testing.assert_array_equal(rows, v[:8] + v[8:])
