@@ -135,3 +135,49 @@ def test_the_float_lanes_move_and_fold_back_to_rows(
     np.testing.assert_array_equal(out[:16], v[ORDER] if four else v)
     np.testing.assert_array_equal(out[16:], pair[ORDER] if four else pair)
     np.testing.assert_array_equal(rows, v[:8] + v[8:])
+
+
+def scale_min(q: np.ndarray, s: int) -> tuple[int, int]:
+    """GGML's get_scale_min_k4: scale and minimum s of a Q4_K super-block's 12 bytes."""
+    if s < 4:
+        return int(q[s] & 63), int(q[s + 4] & 63)
+    return int((q[s + 4] & 15) | ((q[s - 4] >> 6) << 4)), int((q[s + 4] >> 4) | ((q[s] >> 6) << 4))
+
+
+@pytest.mark.parametrize("four", ORDERS, ids=["eight-row", "four-row"])
+def test_q4_k_scales_of_eight_rows_in_either_order(
+    four: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q4_k_scales8: ``d sc`` and ``-dmin mn`` of each chunk pair, the float32 products of
+    every six-bit scale and minimum with the float16 factors, in the lanes of the order
+    it was compiled for."""
+    from numba import njit
+
+    from meshnode.engine.cpu.simd import wstore
+
+    sb = order(four, monkeypatch)
+
+    @njit(cache=False)
+    def scales(w, bases, o, out):  # type: ignore[no-untyped-def]
+        at = (bases[0], bases[1], bases[2], bases[3], bases[4], bases[5], bases[6], bases[7])
+        v = sb.q4_k_scales8(w, at, o)
+        for i in range(8):
+            wstore(out, 16 * i, v[i])
+
+    bases = np.array([0, 144, 300, 451, 600, 760, 900, 1050], np.int64)
+    w = rng.integers(0, 256, 1250).astype(np.uint8)
+    heads = rng.uniform(-2, 2, (8, 2)).astype(np.float16)
+    heads[0] = [np.inf, -0.0]  # converted as they are
+    for b, h in zip(bases, heads, strict=True):
+        w[b + 5 : b + 9] = h.view(np.uint8)
+    out = np.zeros(128, np.float32)
+    scales(w, bases, 5, out)
+    want = np.zeros((8, 16), np.float32)
+    for j, b in enumerate(bases):
+        d, dmin = np.float32(heads[j, 0]), -np.float32(heads[j, 1])
+        for c in range(8):
+            sc, mn = scale_min(w[b + 9 : b + 21], c)
+            want[c // 2, 8 * (c % 2) + j] = d * np.float32(sc)
+            want[4 + c // 2, 8 * (c % 2) + j] = dmin * np.float32(mn)
+    got = out.reshape(8, 16)
+    np.testing.assert_array_equal(got, want[:, ORDER] if four else want)

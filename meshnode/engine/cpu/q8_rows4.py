@@ -30,7 +30,16 @@ from llvmlite import ir
 from meshnode.engine.cpu.simd_int import _x86, madd_bytes
 from meshnode.engine.cpu.simd_q8 import vnni512
 
-__all__ = ["by_four", "dots_by_four", "lanes", "pair", "rows8", "sums_by_four"]
+__all__ = [
+    "by_four",
+    "bytes_by_four",
+    "dots_by_four",
+    "lanes",
+    "pair",
+    "rows8",
+    "scales_by_four",
+    "sums_by_four",
+]
 
 _I8 = ir.IntType(8)
 _I16 = ir.IntType(16)
@@ -155,6 +164,74 @@ def sums_by_four(builder: Any, a: Any, b: Any, level: int) -> Any:
     lo = builder.shuffle_vector(a, b, ir.Constant(_VI16, picks[0]))
     hi = builder.shuffle_vector(a, b, ir.Constant(_VI16, picks[1]))
     return builder.add(lo, hi)
+
+
+def _paired(builder: Any, rows: list[Any]) -> list[Any]:
+    # eight rows' sixteen bytes as four registers: rows j and j + 4 in register j
+    pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32)))
+    return [builder.shuffle_vector(rows[j], rows[j + 4], pick) for j in range(4)]
+
+
+def _transposed(builder: Any, paired: list[Any]) -> list[Any]:
+    # bytes of rows paired as _paired's: byte v of rows 4 g .. 4 g + 3 side by side in
+    # 128-bit lane g of register v // 4, at bytes 4 (v % 4) .. 4 (v % 4) + 3 (unpacks of
+    # bytes, then of their pairs)
+    bytes01 = [_unpack(builder, paired[0], paired[1], 32, h) for h in (False, True)]
+    bytes23 = [_unpack(builder, paired[2], paired[3], 32, h) for h in (False, True)]
+    return [
+        _unpack(builder, bytes01[i], bytes23[i], 16, h) for i in range(2) for h in (False, True)
+    ]
+
+
+def bytes_by_four(builder: Any, rows: list[Any]) -> list[Any]:
+    """Eight rows' sixteen bytes (``<16 x i8>`` each) moved so that byte ``v`` of rows
+    ``4 g`` .. ``4 g + 3`` sit side by side, at bytes ``4 (v % 4)`` .. of 128-bit lane ``g``
+    of register ``v // 4`` (four ``<16 x i16>``)."""
+    return _transposed(builder, _paired(builder, rows))
+
+
+def scales_by_four(builder: Any, rows: list[Any], layout: Any, d: Any, dmin: Any) -> list[Any]:
+    """:func:`.q8_superblocks.q4_k_scales8`'s eight vectors in this module's order, from
+    the eight rows' sixteen bytes at the scales (``rows``, ``<16 x i8>``), the source
+    bytes, masks and shifts of ``layout`` (``_k_scale_layout``) and ``d``, ``-dmin`` of
+    the rows (eight float32 each, a row a lane): each row's bytes decoded in a 128-bit
+    lane (rows ``j`` and ``j + 4`` in one register), then moved so that pair ``k``'s
+    bytes of four rows sit side by side (a transpose by unpacks), widened, times ``d`` or
+    ``-dmin``: the same float32 products."""
+    lo_src, hi_src, mask, shift = layout
+    zero = ir.Constant(_VB, [0] * 32)
+    pick = ir.VectorType(_I32, 32)
+    decoded = []
+    for r in _paired(builder, rows):
+        a = builder.shuffle_vector(
+            r, zero, ir.Constant(pick, [16 * ln + x for ln in range(2) for x in lo_src])
+        )
+        counts = ir.Constant(_VH, [shift[2 * i] for i in range(8)] * 2)
+        a = builder.and_(
+            builder.bitcast(builder.lshr(builder.bitcast(a, _VH), counts), _VB),
+            ir.Constant(_VB, mask * 2),
+        )
+        b = builder.shuffle_vector(
+            r,
+            zero,
+            ir.Constant(pick, [32 if x < 0 else 16 * ln + x for ln in range(2) for x in hi_src]),
+        )
+        b = builder.bitcast(builder.lshr(builder.bitcast(b, _VH), ir.Constant(_VH, [2] * 16)), _VB)
+        decoded.append(builder.or_(a, builder.and_(b, ir.Constant(_VB, [0x30] * 32))))
+    t = _transposed(builder, decoded)
+    heads = [
+        builder.shuffle_vector(f, f, ir.Constant(_VI16, [0, 1, 2, 3] * 2 + [4, 5, 6, 7] * 2))
+        for f in (d, dmin)
+    ]
+    out: list[Any] = [None] * 8
+    for k in range(4):  # pair k: sc in bytes 0-7 of each lane, mn in bytes 8-15
+        v = builder.bitcast(t[k], _VB)
+        for m in range(2):
+            idx = [8 * m + i for i in range(8)] + [16 + 8 * m + i for i in range(8)]
+            b = builder.shuffle_vector(v, v, ir.Constant(_VI16, idx))
+            f = builder.uitofp(builder.zext(b, _VI16), _VF16)
+            out[4 * m + k] = builder.fmul(heads[m], f)
+    return out
 
 
 def lanes(builder: Any, v: Any) -> Any:

@@ -34,7 +34,15 @@ from numba.core import cgutils
 
 from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.q8_blocks import _constant
-from meshnode.engine.cpu.q8_rows4 import by_four, dots_by_four, lanes, pair, rows8, sums_by_four
+from meshnode.engine.cpu.q8_rows4 import (
+    by_four,
+    dots_by_four,
+    lanes,
+    pair,
+    rows8,
+    scales_by_four,
+    sums_by_four,
+)
 from meshnode.engine.cpu.simd import (
     F32x8,
     F32x16,
@@ -120,8 +128,10 @@ def q4_k_scales8(typingctx: Any, w: Any, bases: Any, o: Any) -> Any:
     """The scales of the Q4_K super-blocks at byte ``o`` of eight rows (byte offsets
     ``bases`` of a ``uint8`` array), decoded together as bytes: eight float32 vectors,
     ``d sc`` of chunk pairs 0 .. 3 then ``-dmin mn`` of them, each with the eight rows'
-    chunk ``2 k`` in lanes 0-7 and chunk ``2 k + 1`` in lanes 8-15. The same float32
-    products as ``half(d) * float(sc)`` chunk by chunk (exact conversions, one rounding)."""
+    chunk ``2 k`` in lanes 0-7 and chunk ``2 k + 1`` in lanes 8-15, or in the order of
+    :func:`q4_k_dots8` where that is AVX2's (:func:`.q8_rows4.scales_by_four`). The same
+    float32 products as ``half(d) * float(sc)`` chunk by chunk (exact conversions, one
+    rounding)."""
     if not _is_bytes(w) or not (isinstance(bases, types.UniTuple) and bases.count == 8):
         return None
 
@@ -146,6 +156,24 @@ def q4_k_scales8(typingctx: Any, w: Any, bases: Any, o: Any) -> Any:
         rows = [
             builder.load(builder.bitcast(at(j, 4), v16.as_pointer()), align=1) for j in range(8)
         ]
+        # d and dmin of the eight rows (float16 at o, o + 2): [d, dmin] per row
+        heads = ir.Constant(ir.VectorType(i32, 8), ir.Undefined)
+        for j in range(8):
+            word = builder.load(builder.bitcast(at(j, 0), i32.as_pointer()), align=1)
+            heads = builder.insert_element(heads, word, ir.Constant(i32, j))
+        f = builder.fpext(
+            builder.bitcast(heads, ir.VectorType(ir.HalfType(), 16)), ir.VectorType(_F, 16)
+        )
+        if by_four():
+            dmin8 = builder.shuffle_vector(f, f, ir.Constant(_VI, [2 * j + 1 for j in range(8)]))
+            out = scales_by_four(
+                builder,
+                rows,
+                _k_scale_layout(),
+                builder.shuffle_vector(f, f, ir.Constant(_VI, [2 * j for j in range(8)])),
+                builder.fneg(dmin8),
+            )
+            return context.make_tuple(builder, sig.return_type, out)
         lo_src, hi_src, mask, shift = _k_scale_layout()
         zero = ir.Constant(_VB64, [0] * 64)
         decoded = []
@@ -194,14 +222,6 @@ def q4_k_scales8(typingctx: Any, w: Any, bases: Any, o: Any) -> Any:
                     t, t, ir.Constant(ir.VectorType(i32, 16), list(range(16 * p, 16 * p + 16)))
                 )
                 pieces.append(builder.uitofp(builder.zext(piece, _VI16), ir.VectorType(_F, 16)))
-        # d and dmin of the eight rows (float16 at o, o + 2): [d, dmin] per row
-        heads = ir.Constant(ir.VectorType(i32, 8), ir.Undefined)
-        for j in range(8):
-            word = builder.load(builder.bitcast(at(j, 0), i32.as_pointer()), align=1)
-            heads = builder.insert_element(heads, word, ir.Constant(i32, j))
-        f = builder.fpext(
-            builder.bitcast(heads, ir.VectorType(ir.HalfType(), 16)), ir.VectorType(_F, 16)
-        )
         d = builder.shuffle_vector(f, f, ir.Constant(_VI16, [2 * j for j in range(8)] * 2))
         dmin = builder.fneg(
             builder.shuffle_vector(f, f, ir.Constant(_VI16, [2 * j + 1 for j in range(8)] * 2))
@@ -490,8 +510,6 @@ def eight_q4_k(w, bases, q, xo, dx, sx, nb, pf):  # type: ignore[no-untyped-def]
         for line in range(0, 8 * _Q4_K_BYTES, 64):
             prefetch(w, pf + 8 * o + line)
         d0, d1, d2, d3, m0, m1, m2, m3 = q4_k_scales8(w, bases, o)
-        d0, d1, d2, d3 = klanes(d0), klanes(d1), klanes(d2), klanes(d3)
-        m0, m1, m2, m3 = klanes(m0), klanes(m1), klanes(m2), klanes(m3)
         i = 256 * s  # the super-block's first activation block, in bytes
         acc, t = _q4_k_pair(w, bases, o + 16, q, xo + i, dx + i, sx + i, d0, m0, acc, t)
         i += 64
