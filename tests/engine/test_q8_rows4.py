@@ -181,3 +181,58 @@ def test_q4_k_scales_of_eight_rows_in_either_order(
             want[4 + c // 2, 8 * (c % 2) + j] = dmin * np.float32(mn)
     got = out.reshape(8, 16)
     np.testing.assert_array_equal(got, want[:, ORDER] if four else want)
+
+
+@pytest.mark.parametrize("four", ORDERS, ids=["eight-row", "four-row"])
+def test_q6_k_chunk_pair_sums_are_exact_in_either_order(
+    four: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Q6_K chunk pair of eight rows through the step's integer path: each row's
+    ``(u - 32) x`` dots, its sixteen int8 scales (each half of a chunk times its own:
+    by q6_dot in the eight-row order, by kscale on four rows' sums in the four-row one),
+    summed across the rows by ksum: exact, in the lanes of the order compiled for."""
+    from numba import njit
+
+    from meshnode.engine.cpu import q8_q6_k as q6
+    from meshnode.engine.cpu.simd_int import bload
+    from meshnode.engine.cpu.simd_q8 import join64, store16
+
+    sb = order(four, monkeypatch)
+
+    @njit(cache=False)
+    def sums(w, bases, u, x, out):  # type: ignore[no-untyped-def]
+        at = (bases[0], bases[1], bases[2], bases[3], bases[4], bases[5], bases[6], bases[7])
+        ss = q6.q6_k_scales8(w, at, 1, 2)  # chunks 2, 3: scales 4 .. 7
+        t0, t1 = q6.q6_k_scales4(w, at, 1, 2)
+        p0 = q6.kq6(join64(bload(u, 0), bload(u, 32)), x, 0, ss[0])
+        p1 = q6.kq6(join64(bload(u, 64), bload(u, 96)), x, 0, ss[1])
+        p2 = q6.kq6(join64(bload(u, 128), bload(u, 160)), x, 0, ss[2])
+        p3 = q6.kq6(join64(bload(u, 192), bload(u, 224)), x, 0, ss[3])
+        p4 = q6.kq6(join64(bload(u, 256), bload(u, 288)), x, 0, ss[4])
+        p5 = q6.kq6(join64(bload(u, 320), bload(u, 352)), x, 0, ss[5])
+        p6 = q6.kq6(join64(bload(u, 384), bload(u, 416)), x, 0, ss[6])
+        p7 = q6.kq6(join64(bload(u, 448), bload(u, 480)), x, 0, ss[7])
+        p03 = q6.kscale(sb.ksum(sb.ksum(p0, p1, 1), sb.ksum(p2, p3, 1), 2), t0)
+        p47 = q6.kscale(sb.ksum(sb.ksum(p4, p5, 1), sb.ksum(p6, p7, 1), 2), t1)
+        store16(out, 0, sb.ksum(p03, p47, 3))
+
+    bases = np.array([0, 20, 41, 60, 83, 100, 124, 140], np.int64)
+    for u, x, scales in [
+        (
+            rng.integers(0, 64, (8, 64)),
+            rng.integers(-127, 128, 64),
+            rng.integers(-128, 128, (8, 16)),
+        ),
+        (np.zeros((8, 64)), np.full(64, 127), np.full((8, 16), -128)),
+        (np.full((8, 64), 63), np.full(64, -127), np.full((8, 16), 127)),
+    ]:
+        w = np.zeros(160, np.uint8)
+        for j, b in enumerate(bases):
+            w[b + 1 : b + 17] = np.asarray(scales[j], np.int8).view(np.uint8)
+        u8, x8 = np.asarray(u, np.uint8), np.asarray(x, np.int8)
+        out = np.zeros(16, np.int32)
+        sums(w, bases, u8.reshape(-1), x8.view(np.uint8), out.view(np.uint8))
+        halves = ((u8.astype(np.int64) - 32) * x8).reshape(8, 4, 16).sum(2)
+        scaled = halves * np.asarray(scales, np.int64)[:, 4:8]
+        want = np.concatenate([scaled[:, 0] + scaled[:, 1], scaled[:, 2] + scaled[:, 3]])
+        np.testing.assert_array_equal(out, want[ORDER] if four else want)
