@@ -3,7 +3,7 @@ integer dot products of eight weight rows' chunk pair summed in 16-bit lanes, fo
 to a 128-bit lane.
 
 On AVX-512 the step keeps two chunks of a row in a 512-bit register and sums each row's
-``vpdpbusd`` lanes across the rows in 32-bit lanes (:func:`.q8_superblocks.isums16`).
+``vpdpbusd`` lanes across the rows in 32-bit lanes (``.q8_superblocks._isums``).
 Lowered to AVX2's sixteen 256-bit registers that compiled to about 780 instructions per
 super-block of eight rows, 140 of them spills, with lane-crossing permutes at every level
 of the sums. Here each row's chunk pair is two ``vpmaddubsw`` (its sixteen int16 lanes:

@@ -18,10 +18,23 @@ across rows. The compiled loop over eight rows' super-block went from 606 to 428
 instructions for Q4_K, from 622 to 550 for Q6_K (of which some 150 are register spills
 and copies).
 
+That form was written for AVX-512's thirty-two 512-bit registers. On AVX2 (sixteen
+256-bit registers, no 512-bit ``vpdpbusd``) it compiled to about 780 instructions per
+super-block of eight Q4_K rows (140 of them spills) and 1188 for Q6_K (numba 0.68,
+llvmlite 0.50, Zen 3): there the step takes :mod:`.q8_rows4`'s order instead, the sums
+across the rows inside each 128-bit lane, four rows to a lane, each pair of rows summed
+as it comes (Q4_K's in 16-bit lanes), Q4_K's scales decoded straight into that order
+(:func:`q4_k_scales8`), Q6_K's multiplying the sums of four rows
+(:func:`.q8_q6_k.kscale`): 638 and 1007 instructions, 0.13 -> 0.10 and 0.19 -> 0.15
+cycles a weight (``docs/performance.md``). :func:`q4_k_dots8`, :func:`ksum`,
+:func:`klanes`, :func:`kpair` and :func:`krows` take either order as the CPU asks.
+
 The arithmetic is :mod:`.q8_kernels`'s, operation for operation (the same float32
 products, the same fused multiply-adds in the same order of chunks, even and odd apart),
 so a row's result is the same bits as the multi-row tiles give it: the parity rule of
-``--dtype q8`` (``tests/engine/test_cpu_q8.py``).
+``--dtype q8`` (``tests/engine/test_cpu_q8.py``); in either order (:mod:`.q8_rows4`
+moves lanes and sums exact integers in another order, nothing else:
+``tests/engine/test_q8_rows4.py``).
 """
 
 from __future__ import annotations
@@ -57,7 +70,6 @@ from meshnode.engine.cpu.simd import (
 from meshnode.engine.cpu.simd_int import _dot_madd, fload, madd_bytes, prefetch
 from meshnode.engine.cpu.simd_q8 import (
     I32x16,
-    U8x64,
     _dot_generic,
     _dot_vnni,
     tofloat16,
@@ -234,21 +246,9 @@ def q4_k_scales8(typingctx: Any, w: Any, bases: Any, o: Any) -> Any:
     return types.UniTuple(F32x16, 8)(w, bases, o), codegen  # type: ignore[no-untyped-call]
 
 
-@intrinsic
-def isums16(typingctx: Any, vs: Any) -> Any:
-    """Eight vectors of sixteen int32 to one: lane ``8 h + j`` is the sum of lanes ``8 h``
-    .. ``8 h + 7`` of ``vs[j]`` (:func:`.simd_q8.isums` on each half; exact)."""
-    if not (isinstance(vs, types.UniTuple) and vs.count == 8 and vs.dtype == I32x16):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return _isums(builder, list(cgutils.unpack_tuple(builder, args[0])))  # type: ignore[no-untyped-call]
-
-    return I32x16(vs), codegen
-
-
 def _isums(builder: Any, level: list[Any]) -> Any:
-    # isums16 of the eight <16 x i32> in level
+    # eight vectors (level) of sixteen int32 to one: lane 8 h + j is the sum of lanes 8 h
+    # .. 8 h + 7 of level[j] (.simd_q8.isums on each half; exact)
     width = 4
     while len(level) > 1:
         pairs = zip(level[0::2], level[1::2], strict=True)
@@ -257,7 +257,7 @@ def _isums(builder: Any, level: list[Any]) -> Any:
 
 
 def _isums_level(builder: Any, a: Any, b: Any, width: int) -> Any:
-    # one level of isums16: a's and b's groups of width lanes (of each half) side by side,
+    # one level of _isums: a's and b's groups of width lanes (of each half) side by side,
     # the low ones plus the high ones
     groups = range(0, 8, 2 * width)
     lo = [g + i for g in groups for i in range(width)]
@@ -273,9 +273,10 @@ def _isums_level(builder: Any, a: Any, b: Any, width: int) -> Any:
 def ksum(typingctx: Any, a: Any, b: Any, level: Any) -> Any:
     """Level ``level`` (a literal, 1 .. 3) of the sums across eight rows' sixteen int32
     (rows 0, 1 then 2, 3 ... at level 1; their sums at 2; at 3 those of rows 0-3 and 4-7),
-    whose last gives :func:`isums16`'s sums in the order of :func:`q4_k_dots8`: by
-    :func:`.q8_rows4.sums_by_four` on AVX2 without AVX512-VNNI, else a level of
-    :func:`isums16`. Exact: a row's sums can be summed up level by level as they come."""
+    whose last gives each row's sums of lanes 0-7 and of 8-15 in the order of
+    :func:`q4_k_dots8`: by :func:`.q8_rows4.sums_by_four` on AVX2 without AVX512-VNNI,
+    else in lanes ``j`` and ``8 + j`` for row ``j`` (``.simd_q8.isums`` on each half).
+    Exact: a row's sums can be summed up level by level as they come."""
     if a != I32x16 or b != I32x16 or not isinstance(level, types.IntegerLiteral):
         return None
     n = level.literal_value
@@ -288,47 +289,9 @@ def ksum(typingctx: Any, a: Any, b: Any, level: Any) -> Any:
     return I32x16(a, b, level), codegen
 
 
-@intrinsic
-def isub16(typingctx: Any, a: Any, b: Any) -> Any:
-    """``a - b`` lane by lane (sixteen int32)."""
-    if a != I32x16 or b != I32x16:
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.sub(args[0], args[1])
-
-    return I32x16(a, b), codegen
-
-
-@intrinsic
-def bsplat64(typingctx: Any, n: Any) -> Any:
-    """Sixty-four bytes ``n`` (a literal)."""
-    if not isinstance(n, types.IntegerLiteral):
-        return None
-    value = n.literal_value
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return ir.Constant(_VB64, [value] * 64)
-
-    return U8x64(n), codegen
-
-
-@intrinsic
-def nibbles64(typingctx: Any, w: Any, off: Any) -> Any:
-    """The 32 bytes at ``off`` of a ``uint8`` row as 64 values: their low nibbles, then
-    their high nibbles (a Q4_K super-block's two chunks ``2 k``, ``2 k + 1``)."""
-    if not _is_bytes(w):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        return _nibbles(builder, builder.gep(data, [args[1]]))
-
-    return U8x64(w, off), codegen
-
-
 def _nibbles(builder: Any, ptr: Any) -> Any:
-    # nibbles64 of the 32 bytes at ptr (i8*)
+    # the 32 bytes at ptr (i8*) as 64 values: their low nibbles, then their high nibbles
+    # (a Q4_K super-block's two chunks 2 k, 2 k + 1)
     vb = ir.VectorType(_I8, 32)
     v = builder.load(builder.bitcast(ptr, vb.as_pointer()), align=1)
     both = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2))
@@ -336,45 +299,12 @@ def _nibbles(builder: Any, ptr: Any) -> Any:
     return builder.and_(builder.lshr(both, shifts), ir.Constant(_VB64, [15] * 64))
 
 
-@intrinsic
-def dot64(typingctx: Any, u: Any, xq: Any, off: Any) -> Any:
-    """Lane ``j`` (of sixteen int32): the sum over ``i < 4`` of ``u[4 j + i]`` (unsigned)
-    times the int8 at byte ``off + 4 j + i`` of ``xq`` (one ``vpdpbusd`` on a 512-bit
-    register: two 32-value chunks, as :func:`.simd_int.dot4` does one; by
-    :func:`_dot_small` elsewhere); exact for bytes ``u`` of at most 128."""
-    if u != U8x64 or not _is_bytes(xq):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        data = context.make_array(sig.args[1])(context, builder, args[1]).data
-        ptr = builder.bitcast(builder.gep(data, [args[2]]), _VB64.as_pointer())
-        x = builder.load(ptr, align=1)
-        zero = ir.Constant(_VI16, [0] * 16)
-        return _dot_small(builder, zero, args[0], x)
-
-    return I32x16(u, xq, off), codegen
-
-
-@intrinsic
-def dot64s(typingctx: Any, acc: Any, u: Any, xq: Any, off: Any) -> Any:
-    """:func:`dot64` added to ``acc`` (sixteen int32; exact)."""
-    if acc != I32x16 or u != U8x64 or not _is_bytes(xq):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        data = context.make_array(sig.args[2])(context, builder, args[2]).data
-        ptr = builder.bitcast(builder.gep(data, [args[3]]), _VB64.as_pointer())
-        x = builder.load(ptr, align=1)
-        return _dot_small(builder, args[0], args[1], x)
-
-    return I32x16(acc, u, xq, off), codegen
-
-
 def _dot_small(builder: Any, acc: Any, u: Any, x: Any) -> Any:
-    # acc + dot64's lanes for bytes u of at most 128 (Q4_K's and Q6_K's, their offset 32):
-    # vpdpbusd where the CPU has AVX512-VNNI; else, with AVX2, each 256-bit half by
-    # vpmaddubsw and vpmaddwd (.simd_int.dot4s: no pair of products passes int16); else
-    # the portable code
+    # acc + lane j (of sixteen int32): the sum over i < 4 of u[4 j + i] (unsigned) times
+    # x[4 j + i] (int8), exact for bytes u of at most 128 (Q4_K's and Q6_K's, their offset
+    # 32), two 32-value chunks as .simd_int.dot4 does one: vpdpbusd where the CPU has
+    # AVX512-VNNI; else, with AVX2, each 256-bit half by vpmaddubsw and vpmaddwd
+    # (.simd_int.dot4s: no pair of products passes int16); else the portable code
     if vnni512():
         return _dot_vnni(builder, acc, u, x)
     if not madd_bytes():
@@ -400,8 +330,9 @@ def q4_k_dots8(typingctx: Any, w: Any, bases: Any, at: Any, xq: Any, xo: Any) ->
     of each row's offset ``bases`` in ``w``) times the activation blocks at byte ``xo``
     of ``xq``: the exact integer dot products, sixteen int32 in the step's order
     (:func:`klanes`): by :func:`.q8_rows4.dots_by_four` on AVX2 without AVX512-VNNI,
-    else each row's :func:`dot64` of its :func:`nibbles64` summed by :func:`isums16`
-    (lanes 0-7: the rows for chunk ``2 k``, 8-15: for chunk ``2 k + 1``)."""
+    else each row's two chunks by one ``vpdpbusd`` on a 512-bit register (``_dot_small``)
+    and the sums of each row's lanes across the rows (lanes 0-7: the rows for chunk
+    ``2 k``, 8-15: for chunk ``2 k + 1``)."""
     if not (_is_bytes(w) and _is_bytes(xq)):
         return None
     if not (isinstance(bases, types.UniTuple) and bases.count == 8):
