@@ -25,7 +25,7 @@ llvmlite 0.50, Zen 3): there the step takes :mod:`.q8_rows4`'s order instead, th
 across the rows inside each 128-bit lane, four rows to a lane, each pair of rows summed
 as it comes (Q4_K's in 16-bit lanes), Q4_K's scales decoded straight into that order
 (:func:`q4_k_scales8`), Q6_K's multiplying the sums of four rows
-(:func:`.q8_q6_k.kscale`): 638 and 1007 instructions, 0.13 -> 0.10 and 0.19 -> 0.15
+(:func:`.q8_q6_k.kscale`): 638 and 1007 instructions, 0.12 -> 0.10 and 0.17 -> 0.14
 cycles a weight (``docs/performance.md``). :func:`q4_k_dots8`, :func:`ksum`,
 :func:`klanes`, :func:`kpair` and :func:`krows` take either order as the CPU asks.
 
