@@ -131,7 +131,7 @@ def test_the_float_lanes_move_and_fold_back_to_rows(
     v = rng.standard_normal(16).astype(np.float32)
     out, rows = np.zeros(32, np.float32), np.zeros(8, np.float32)
     moved(v, np.float32(1.5), np.float32(-2.0), out, rows)
-    pair = np.repeat(np.float32([1.5, -2.0]), 8)
+    pair = np.repeat(np.array([1.5, -2.0], np.float32), 8)
     np.testing.assert_array_equal(out[:16], v[ORDER] if four else v)
     np.testing.assert_array_equal(out[16:], pair[ORDER] if four else pair)
     np.testing.assert_array_equal(rows, v[:8] + v[8:])

@@ -76,10 +76,18 @@ from meshnode.engine.cpu.simd_q8 import (
     vnni512,
 )
 
+# by_four (.q8_rows4's) is read through this module, here and in .q8_q6_k, while compiling:
+# one patch of q8_superblocks.by_four picks the order of both K-quant steps (the tests)
 __all__ = [
     "K_FORMATS",
     "Q4_K_ID",
+    "by_four",
     "eight_q4_k",
+    "klanes",
+    "kpair",
+    "krows",
+    "ksum",
+    "q4_k_dots8",
     "q4_k_scales8",
     "superblocked",
 ]
