@@ -15,7 +15,10 @@ code. On AVX2 that is three instructions a 32-value chunk and row (``vpmaddubsw`
 ones, ``vpsubd``, a shift pair to sign-extend the scale, ``vpmulld``), beside the scale's
 shuffles both take: the loop over a super-block of eight rows went from 1432 to 1188
 instructions (numba 0.68, llvmlite 0.50, Zen 3), about 250 of them register spills and
-reloads.
+reloads. In AVX2's four-row order (:mod:`.q8_rows4`) the ``vpmaddwd`` is with ones and
+the scales multiply the sums of four rows' half chunks instead (:func:`kq6`,
+:func:`q6_k_scales4`, :func:`kscale`: ``vpmulld`` on 16 lanes where each row took 128
+shuffles a super-block to spread its scales), the same integers: 1007 instructions.
 """
 
 from __future__ import annotations
@@ -26,13 +29,25 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 
+from meshnode.engine.cpu import q8_superblocks
 from meshnode.engine.cpu.formats import FORMATS
-from meshnode.engine.cpu.q8_superblocks import _dot_small, _is_bytes, isums16
+from meshnode.engine.cpu.q8_rows4 import bytes_by_four
+from meshnode.engine.cpu.q8_superblocks import _dot_small, _is_bytes, klanes, kpair, krows, ksum
 from meshnode.engine.cpu.simd import F32x8, F32x16, inner, intrinsic, wfma, wmul, wzero
 from meshnode.engine.cpu.simd_int import _x86, fload, half, madd_bytes, prefetch
-from meshnode.engine.cpu.simd_q8 import I32x16, U8x64, fold, tofloat16, vec8, vnni512, wpair
+from meshnode.engine.cpu.simd_q8 import I32x16, U8x64, tofloat16, vec8, vnni512
 
-__all__ = ["eight_q6_k", "madd16", "q6_dot", "q6_k_pair", "q6_k_scales8", "scaled_pairs"]
+__all__ = [
+    "eight_q6_k",
+    "kq6",
+    "kscale",
+    "madd16",
+    "q6_dot",
+    "q6_k_pair",
+    "q6_k_scales4",
+    "q6_k_scales8",
+    "scaled_pairs",
+]
 
 _Q6_K_BYTES = FORMATS["Q6_K"].type_size
 _I8 = ir.IntType(8)
@@ -124,42 +139,119 @@ def q6_dot(typingctx: Any, u: Any, xq: Any, off: Any, s: Any) -> Any:
     if u != U8x64 or not _is_bytes(xq) or s != I32x16:
         return None
 
+    return I32x16(u, xq, off, s), _q6_dot
+
+
+def _q6_dot(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+    # q6_dot's code
+    data = context.make_array(sig.args[1])(context, builder, args[1]).data
+    ptr = builder.bitcast(builder.gep(data, [args[2]]), _VB64.as_pointer())
+    x = builder.load(ptr, align=1)
+    if not scaled_pairs():
+        thirty_two = ir.Constant(_VB64, [32] * 64)
+        zero = ir.Constant(_VI16, [0] * 16)
+        offs = builder.sub(zero, _dot_small(builder, zero, thirty_two, x))
+        return _madd16(builder, _dot_small(builder, offs, args[0], x), args[3])
+    return _q6_pairs(builder, args[0], x, args[3])
+
+
+@intrinsic
+def kq6(typingctx: Any, u: Any, xq: Any, off: Any, s: Any) -> Any:
+    """:func:`q6_dot`, or in AVX2's four-row order (:func:`.q8_rows4.by_four`) its lanes
+    before the scales (``s`` unused): those are applied to the sums across the rows
+    (:func:`kscale`), four rows and a half chunk a lane, as the same integers."""
+    if u != U8x64 or not _is_bytes(xq) or s != I32x16:
+        return None
+
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        if not q8_superblocks.by_four():
+            return _q6_dot(context, builder, sig, args)
         data = context.make_array(sig.args[1])(context, builder, args[1]).data
         ptr = builder.bitcast(builder.gep(data, [args[2]]), _VB64.as_pointer())
-        x = builder.load(ptr, align=1)
-        thirty_two = ir.Constant(_VB64, [32] * 64)
-        if not scaled_pairs():
-            zero = ir.Constant(_VI16, [0] * 16)
-            offs = builder.sub(zero, _dot_small(builder, zero, thirty_two, x))
-            return _madd16(builder, _dot_small(builder, offs, args[0], x), args[3])
-        halves = []
-        undef = ir.Constant(_VB64, ir.Undefined)
-        for h in range(2):
-            pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
-            xh = builder.shuffle_vector(x, undef, pick)
-            uh = builder.shuffle_vector(args[0], undef, pick)
-            # (u - 32) x in pairs: |u - 32| <= 32, so each pair sum is within +-8128 and
-            # the int16 subtraction of the exact pair sums (<= 2 * 63 * 127) is exact
-            pairs = builder.sub(
-                _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _VH, uh, xh),
-                _x86(
-                    builder,
-                    "llvm.x86.avx2.pmadd.ub.sw",
-                    _VH,
-                    builder.shuffle_vector(thirty_two, undef, pick),
-                    xh,
-                ),
-            )
-            lanes = builder.shuffle_vector(
-                args[3], args[3], ir.Constant(_VI, list(range(8 * h, 8 * h + 8)))
-            )
-            halves.append(
-                _x86(builder, "llvm.x86.avx2.pmadd.wd", _VI, pairs, builder.bitcast(lanes, _VH))
-            )
-        return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VI16, list(range(16))))
+        return _q6_pairs(builder, args[0], builder.load(ptr, align=1), None)
 
     return I32x16(u, xq, off, s), codegen
+
+
+def _q6_pairs(builder: Any, u: Any, x: Any, s: Any) -> Any:
+    # q6_dot's lanes on AVX2: the int16 pair sums of (u - 32) x, vpmaddwd with the
+    # scales s (None: with ones, the sums before the scales)
+    thirty_two = ir.Constant(_VB64, [32] * 64)
+    halves = []
+    undef = ir.Constant(_VB64, ir.Undefined)
+    for h in range(2):
+        pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
+        xh = builder.shuffle_vector(x, undef, pick)
+        uh = builder.shuffle_vector(u, undef, pick)
+        # (u - 32) x in pairs: |u - 32| <= 32, so each pair sum is within +-8128 and
+        # the int16 subtraction of the exact pair sums (<= 2 * 63 * 127) is exact
+        pairs = builder.sub(
+            _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _VH, uh, xh),
+            _x86(
+                builder,
+                "llvm.x86.avx2.pmadd.ub.sw",
+                _VH,
+                builder.shuffle_vector(thirty_two, undef, pick),
+                xh,
+            ),
+        )
+        if s is None:
+            scale = ir.Constant(_VH, [1] * 16)
+        else:
+            lanes = builder.shuffle_vector(s, s, ir.Constant(_VI, list(range(8 * h, 8 * h + 8))))
+            scale = builder.bitcast(lanes, _VH)
+        halves.append(_x86(builder, "llvm.x86.avx2.pmadd.wd", _VI, pairs, scale))
+    return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VI16, list(range(16))))
+
+
+@intrinsic
+def q6_k_scales4(typingctx: Any, w: Any, bases: Any, off: Any, c: Any) -> Any:
+    """In AVX2's four-row order (:func:`.q8_rows4.by_four`), the int8 scales at byte
+    ``off`` past eight rows' ``bases`` that chunks ``c``, ``c + 1`` (``c`` an even
+    literal) take, as :func:`kscale` multiplies the sums of rows 0-3 and of rows 4-7 by
+    them: lane ``4 i + r`` scale ``2 c + i`` of row ``r`` (of the four), sign-extended to
+    int32 (by :func:`.q8_rows4.bytes_by_four`); zeros in the other order (unused there)."""
+    ok = _is_bytes(w) and isinstance(bases, types.UniTuple) and bases.count == 8
+    if not ok or not isinstance(c, types.IntegerLiteral):
+        return None
+    q = c.literal_value // 2  # scales 4 q .. 4 q + 3
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        if not q8_superblocks.by_four():
+            zero = ir.Constant(_VI16, [0] * 16)
+            return context.make_tuple(builder, sig.return_type, [zero, zero])
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        offs = cgutils.unpack_tuple(builder, args[1])  # type: ignore[no-untyped-call]
+        off = context.cast(builder, args[2], sig.args[2], types.int64)
+        vb = ir.VectorType(_I8, 16)
+        rows = []
+        for j in range(8):
+            at = builder.add(context.cast(builder, offs[j], sig.args[1].dtype, types.int64), off)
+            rows.append(
+                builder.load(builder.bitcast(builder.gep(data, [at]), vb.as_pointer()), align=1)
+            )
+        t = builder.bitcast(bytes_by_four(builder, rows)[q], ir.VectorType(_I8, 32))
+        out = []
+        for g in range(2):
+            pick = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * g, 16 * g + 16)))
+            out.append(builder.sext(builder.shuffle_vector(t, t, pick), _VI16))
+        return context.make_tuple(builder, sig.return_type, out)
+
+    return types.UniTuple(I32x16, 2)(w, bases, off, c), codegen  # type: ignore[no-untyped-call]
+
+
+@intrinsic
+def kscale(typingctx: Any, p: Any, s: Any) -> Any:
+    """``p * s`` lane by lane in AVX2's four-row order (:func:`q6_k_scales4`'s scales
+    on the sums of four rows; exact: at most ``16 * 32 * 127 * 128`` a lane), else ``p``
+    (:func:`q6_dot` took the scales)."""
+    if p != I32x16 or s != I32x16:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.mul(args[0], args[1]) if q8_superblocks.by_four() else args[0]
+
+    return I32x16(p, s), codegen
 
 
 @intrinsic
@@ -215,24 +307,30 @@ def wjoin(typingctx: Any, a: Any, b: Any) -> Any:
 
 
 @inner
-def _q6_k_pair(w, bases, o, c, q, xo, dx, ss, dws, acc):  # type: ignore[no-untyped-def]
+def _q6_k_pair(w, bases, o, c, q, xo, dx, ss, ts, dws, acc):  # type: ignore[no-untyped-def]
     # chunks c, c + 1 of a Q6_K super-block (at byte o of each row) of eight rows:
     # each row's exact dots of u - 32, each half of a chunk times its integer scale (ss:
-    # q6_k_scales8's; q6_dot), summed across the lanes as _q4_k_dots's, into acc
+    # q6_k_scales8's, by q6_dot; in AVX2's four-row order ts: q6_k_scales4's, on the
+    # sums of four rows), summed across the rows as q4_k_dots8's, into acc
     b0, b1, b2, b3, b4, b5, b6, b7 = bases
     s0, s1, s2, s3, s4, s5, s6, s7 = ss
+    t0, t1 = ts
     h, m = c // 4, c % 4
     low, high = o + 64 * h, o + 128 + 32 * h
-    p0 = q6_dot(q6_k_pair(w, b0 + low, b0 + high, m), q, xo, s0)
-    p1 = q6_dot(q6_k_pair(w, b1 + low, b1 + high, m), q, xo, s1)
-    p2 = q6_dot(q6_k_pair(w, b2 + low, b2 + high, m), q, xo, s2)
-    p3 = q6_dot(q6_k_pair(w, b3 + low, b3 + high, m), q, xo, s3)
-    p4 = q6_dot(q6_k_pair(w, b4 + low, b4 + high, m), q, xo, s4)
-    p5 = q6_dot(q6_k_pair(w, b5 + low, b5 + high, m), q, xo, s5)
-    p6 = q6_dot(q6_k_pair(w, b6 + low, b6 + high, m), q, xo, s6)
-    p7 = q6_dot(q6_k_pair(w, b7 + low, b7 + high, m), q, xo, s7)
-    p = isums16((p0, p1, p2, p3, p4, p5, p6, p7))
-    dxs = wpair(fload(q, dx), fload(q, dx + 32))
+    # summed a pair of rows at a time as they come (ksum), so that few are live at once
+    p0 = kq6(q6_k_pair(w, b0 + low, b0 + high, m), q, xo, s0)
+    p1 = kq6(q6_k_pair(w, b1 + low, b1 + high, m), q, xo, s1)
+    p01 = ksum(p0, p1, 1)
+    p2 = kq6(q6_k_pair(w, b2 + low, b2 + high, m), q, xo, s2)
+    p3 = kq6(q6_k_pair(w, b3 + low, b3 + high, m), q, xo, s3)
+    p03 = kscale(ksum(p01, ksum(p2, p3, 1), 2), t0)
+    p4 = kq6(q6_k_pair(w, b4 + low, b4 + high, m), q, xo, s4)
+    p5 = kq6(q6_k_pair(w, b5 + low, b5 + high, m), q, xo, s5)
+    p45 = ksum(p4, p5, 1)
+    p6 = kq6(q6_k_pair(w, b6 + low, b6 + high, m), q, xo, s6)
+    p7 = kq6(q6_k_pair(w, b7 + low, b7 + high, m), q, xo, s7)
+    p = ksum(p03, kscale(ksum(p45, ksum(p6, p7, 1), 2), t1), 3)
+    dxs = kpair(fload(q, dx), fload(q, dx + 32))
     return wfma(tofloat16(p), wmul(dws, dxs), acc)
 
 
@@ -248,15 +346,15 @@ def eight_q6_k(w, bases, q, xo, dx, sx, nb, pf):  # type: ignore[no-untyped-def]
         d = o + 208
         dw = vec8((half(w, b0 + d), half(w, b1 + d), half(w, b2 + d), half(w, b3 + d),
                    half(w, b4 + d), half(w, b5 + d), half(w, b6 + d), half(w, b7 + d)))  # fmt: skip
-        dws = wjoin(dw, dw)
+        dws = klanes(wjoin(dw, dw))  # in the order of ksum's sums
         i = 256 * s  # the super-block's first activation block, in bytes
         # chunk pairs 0, 2, 4, 6 (c literal: their scales' lanes are compile-time shuffles)
-        ss = q6_k_scales8(w, bases, o + 192, 0)
-        acc = _q6_k_pair(w, bases, o, 0, q, xo + i, dx + i, ss, dws, acc)
-        ss, i = q6_k_scales8(w, bases, o + 192, 2), i + 64
-        acc = _q6_k_pair(w, bases, o, 2, q, xo + i, dx + i, ss, dws, acc)
-        ss, i = q6_k_scales8(w, bases, o + 192, 4), i + 64
-        acc = _q6_k_pair(w, bases, o, 4, q, xo + i, dx + i, ss, dws, acc)
-        ss, i = q6_k_scales8(w, bases, o + 192, 6), i + 64
-        acc = _q6_k_pair(w, bases, o, 6, q, xo + i, dx + i, ss, dws, acc)
-    return fold(acc)
+        ss, ts = q6_k_scales8(w, bases, o + 192, 0), q6_k_scales4(w, bases, o + 192, 0)
+        acc = _q6_k_pair(w, bases, o, 0, q, xo + i, dx + i, ss, ts, dws, acc)
+        ss, ts, i = q6_k_scales8(w, bases, o + 192, 2), q6_k_scales4(w, bases, o + 192, 2), i + 64
+        acc = _q6_k_pair(w, bases, o, 2, q, xo + i, dx + i, ss, ts, dws, acc)
+        ss, ts, i = q6_k_scales8(w, bases, o + 192, 4), q6_k_scales4(w, bases, o + 192, 4), i + 64
+        acc = _q6_k_pair(w, bases, o, 4, q, xo + i, dx + i, ss, ts, dws, acc)
+        ss, ts, i = q6_k_scales8(w, bases, o + 192, 6), q6_k_scales4(w, bases, o + 192, 6), i + 64
+        acc = _q6_k_pair(w, bases, o, 6, q, xo + i, dx + i, ss, ts, dws, acc)
+    return krows(acc)

@@ -18,10 +18,23 @@ across rows. The compiled loop over eight rows' super-block went from 606 to 428
 instructions for Q4_K, from 622 to 550 for Q6_K (of which some 150 are register spills
 and copies).
 
+That form was written for AVX-512's thirty-two 512-bit registers. On AVX2 (sixteen
+256-bit registers, no 512-bit ``vpdpbusd``) it compiled to about 780 instructions per
+super-block of eight Q4_K rows (140 of them spills) and 1188 for Q6_K (numba 0.68,
+llvmlite 0.50, Zen 3): there the step takes :mod:`.q8_rows4`'s order instead, the sums
+across the rows inside each 128-bit lane, four rows to a lane, each pair of rows summed
+as it comes (Q4_K's in 16-bit lanes), Q4_K's scales decoded straight into that order
+(:func:`q4_k_scales8`), Q6_K's multiplying the sums of four rows
+(:func:`.q8_q6_k.kscale`): 638 and 1007 instructions, 0.12 -> 0.10 and 0.17 -> 0.14
+cycles a weight (``docs/performance.md``). :func:`q4_k_dots8`, :func:`ksum`,
+:func:`klanes`, :func:`kpair` and :func:`krows` take either order as the CPU asks.
+
 The arithmetic is :mod:`.q8_kernels`'s, operation for operation (the same float32
 products, the same fused multiply-adds in the same order of chunks, even and odd apart),
 so a row's result is the same bits as the multi-row tiles give it: the parity rule of
-``--dtype q8`` (``tests/engine/test_cpu_q8.py``).
+``--dtype q8`` (``tests/engine/test_cpu_q8.py``); in either order (:mod:`.q8_rows4`
+moves lanes and sums exact integers in another order, nothing else:
+``tests/engine/test_q8_rows4.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +47,17 @@ from numba.core import cgutils
 
 from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.q8_blocks import _constant
+from meshnode.engine.cpu.q8_rows4 import (
+    by_four,
+    dots_by_four,
+    lanes,
+    pair,
+    rows8,
+    scales_by_four,
+    sums_by_four,
+)
 from meshnode.engine.cpu.simd import (
+    F32x8,
     F32x16,
     inner,
     intrinsic,
@@ -47,19 +70,24 @@ from meshnode.engine.cpu.simd import (
 from meshnode.engine.cpu.simd_int import _dot_madd, fload, madd_bytes, prefetch
 from meshnode.engine.cpu.simd_q8 import (
     I32x16,
-    U8x64,
     _dot_generic,
     _dot_vnni,
-    fold,
     tofloat16,
     vnni512,
-    wpair,
 )
 
+# by_four (.q8_rows4's) is read through this module, here and in .q8_q6_k, while compiling:
+# one patch of q8_superblocks.by_four picks the order of both K-quant steps (the tests)
 __all__ = [
     "K_FORMATS",
     "Q4_K_ID",
+    "by_four",
     "eight_q4_k",
+    "klanes",
+    "kpair",
+    "krows",
+    "ksum",
+    "q4_k_dots8",
     "q4_k_scales8",
     "superblocked",
 ]
@@ -120,8 +148,10 @@ def q4_k_scales8(typingctx: Any, w: Any, bases: Any, o: Any) -> Any:
     """The scales of the Q4_K super-blocks at byte ``o`` of eight rows (byte offsets
     ``bases`` of a ``uint8`` array), decoded together as bytes: eight float32 vectors,
     ``d sc`` of chunk pairs 0 .. 3 then ``-dmin mn`` of them, each with the eight rows'
-    chunk ``2 k`` in lanes 0-7 and chunk ``2 k + 1`` in lanes 8-15. The same float32
-    products as ``half(d) * float(sc)`` chunk by chunk (exact conversions, one rounding)."""
+    chunk ``2 k`` in lanes 0-7 and chunk ``2 k + 1`` in lanes 8-15, or in the order of
+    :func:`q4_k_dots8` where that is AVX2's (:func:`.q8_rows4.scales_by_four`). The same
+    float32 products as ``half(d) * float(sc)`` chunk by chunk (exact conversions, one
+    rounding)."""
     if not _is_bytes(w) or not (isinstance(bases, types.UniTuple) and bases.count == 8):
         return None
 
@@ -146,6 +176,24 @@ def q4_k_scales8(typingctx: Any, w: Any, bases: Any, o: Any) -> Any:
         rows = [
             builder.load(builder.bitcast(at(j, 4), v16.as_pointer()), align=1) for j in range(8)
         ]
+        # d and dmin of the eight rows (float16 at o, o + 2): [d, dmin] per row
+        heads = ir.Constant(ir.VectorType(i32, 8), ir.Undefined)
+        for j in range(8):
+            word = builder.load(builder.bitcast(at(j, 0), i32.as_pointer()), align=1)
+            heads = builder.insert_element(heads, word, ir.Constant(i32, j))
+        f = builder.fpext(
+            builder.bitcast(heads, ir.VectorType(ir.HalfType(), 16)), ir.VectorType(_F, 16)
+        )
+        if by_four():
+            dmin8 = builder.shuffle_vector(f, f, ir.Constant(_VI, [2 * j + 1 for j in range(8)]))
+            out = scales_by_four(
+                builder,
+                rows,
+                _k_scale_layout(),
+                builder.shuffle_vector(f, f, ir.Constant(_VI, [2 * j for j in range(8)])),
+                builder.fneg(dmin8),
+            )
+            return context.make_tuple(builder, sig.return_type, out)
         lo_src, hi_src, mask, shift = _k_scale_layout()
         zero = ir.Constant(_VB64, [0] * 64)
         decoded = []
@@ -194,14 +242,6 @@ def q4_k_scales8(typingctx: Any, w: Any, bases: Any, o: Any) -> Any:
                     t, t, ir.Constant(ir.VectorType(i32, 16), list(range(16 * p, 16 * p + 16)))
                 )
                 pieces.append(builder.uitofp(builder.zext(piece, _VI16), ir.VectorType(_F, 16)))
-        # d and dmin of the eight rows (float16 at o, o + 2): [d, dmin] per row
-        heads = ir.Constant(ir.VectorType(i32, 8), ir.Undefined)
-        for j in range(8):
-            word = builder.load(builder.bitcast(at(j, 0), i32.as_pointer()), align=1)
-            heads = builder.insert_element(heads, word, ir.Constant(i32, j))
-        f = builder.fpext(
-            builder.bitcast(heads, ir.VectorType(ir.HalfType(), 16)), ir.VectorType(_F, 16)
-        )
         d = builder.shuffle_vector(f, f, ir.Constant(_VI16, [2 * j for j in range(8)] * 2))
         dmin = builder.fneg(
             builder.shuffle_vector(f, f, ir.Constant(_VI16, [2 * j + 1 for j in range(8)] * 2))
@@ -214,117 +254,65 @@ def q4_k_scales8(typingctx: Any, w: Any, bases: Any, o: Any) -> Any:
     return types.UniTuple(F32x16, 8)(w, bases, o), codegen  # type: ignore[no-untyped-call]
 
 
-@intrinsic
-def isums16(typingctx: Any, vs: Any) -> Any:
-    """Eight vectors of sixteen int32 to one: lane ``8 h + j`` is the sum of lanes ``8 h``
-    .. ``8 h + 7`` of ``vs[j]`` (:func:`.simd_q8.isums` on each half; exact)."""
-    if not (isinstance(vs, types.UniTuple) and vs.count == 8 and vs.dtype == I32x16):
-        return None
+def _isums(builder: Any, level: list[Any]) -> Any:
+    # eight vectors (level) of sixteen int32 to one: lane 8 h + j is the sum of lanes 8 h
+    # .. 8 h + 7 of level[j] (.simd_q8.isums on each half; exact)
+    width = 4
+    while len(level) > 1:
+        pairs = zip(level[0::2], level[1::2], strict=True)
+        level, width = [_isums_level(builder, a, b, width) for a, b in pairs], width // 2
+    return level[0]
 
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        level = list(cgutils.unpack_tuple(builder, args[0]))  # type: ignore[no-untyped-call]
-        width = 4
-        while len(level) > 1:
-            groups = range(0, 8, 2 * width)
-            lo = [g + i for g in groups for i in range(width)]
-            hi = [g + width + i for g in groups for i in range(width)]
-            nxt = []
-            for a, b in zip(level[0::2], level[1::2], strict=True):
-                pick_lo = [h + x for h in (0, 8) for x in lo + [16 + i for i in lo]]
-                pick_hi = [h + x for h in (0, 8) for x in hi + [16 + i for i in hi]]
-                left = builder.shuffle_vector(a, b, ir.Constant(_VI16, pick_lo))
-                right = builder.shuffle_vector(a, b, ir.Constant(_VI16, pick_hi))
-                nxt.append(builder.add(left, right))
-            level, width = nxt, width // 2
-        return level[0]
 
-    return I32x16(vs), codegen
+def _isums_level(builder: Any, a: Any, b: Any, width: int) -> Any:
+    # one level of _isums: a's and b's groups of width lanes (of each half) side by side,
+    # the low ones plus the high ones
+    groups = range(0, 8, 2 * width)
+    lo = [g + i for g in groups for i in range(width)]
+    hi = [g + width + i for g in groups for i in range(width)]
+    pick_lo = [h + x for h in (0, 8) for x in lo + [16 + i for i in lo]]
+    pick_hi = [h + x for h in (0, 8) for x in hi + [16 + i for i in hi]]
+    left = builder.shuffle_vector(a, b, ir.Constant(_VI16, pick_lo))
+    right = builder.shuffle_vector(a, b, ir.Constant(_VI16, pick_hi))
+    return builder.add(left, right)
 
 
 @intrinsic
-def isub16(typingctx: Any, a: Any, b: Any) -> Any:
-    """``a - b`` lane by lane (sixteen int32)."""
-    if a != I32x16 or b != I32x16:
+def ksum(typingctx: Any, a: Any, b: Any, level: Any) -> Any:
+    """Level ``level`` (a literal, 1 .. 3) of the sums across eight rows' sixteen int32
+    (rows 0, 1 then 2, 3 ... at level 1; their sums at 2; at 3 those of rows 0-3 and 4-7),
+    whose last gives each row's sums of lanes 0-7 and of 8-15 in the order of
+    :func:`q4_k_dots8`: by :func:`.q8_rows4.sums_by_four` on AVX2 without AVX512-VNNI,
+    else in lanes ``j`` and ``8 + j`` for row ``j`` (``.simd_q8.isums`` on each half).
+    Exact: a row's sums can be summed up level by level as they come."""
+    if a != I32x16 or b != I32x16 or not isinstance(level, types.IntegerLiteral):
         return None
+    n = level.literal_value
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.sub(args[0], args[1])
+        if by_four():
+            return sums_by_four(builder, args[0], args[1], n)
+        return _isums_level(builder, args[0], args[1], 4 >> (n - 1))
 
-    return I32x16(a, b), codegen
-
-
-@intrinsic
-def bsplat64(typingctx: Any, n: Any) -> Any:
-    """Sixty-four bytes ``n`` (a literal)."""
-    if not isinstance(n, types.IntegerLiteral):
-        return None
-    value = n.literal_value
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return ir.Constant(_VB64, [value] * 64)
-
-    return U8x64(n), codegen
+    return I32x16(a, b, level), codegen
 
 
-@intrinsic
-def nibbles64(typingctx: Any, w: Any, off: Any) -> Any:
-    """The 32 bytes at ``off`` of a ``uint8`` row as 64 values: their low nibbles, then
-    their high nibbles (a Q4_K super-block's two chunks ``2 k``, ``2 k + 1``)."""
-    if not _is_bytes(w):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        vb = ir.VectorType(_I8, 32)
-        v = builder.load(builder.bitcast(builder.gep(data, [args[1]]), vb.as_pointer()), align=1)
-        both = builder.shuffle_vector(
-            v, v, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2)
-        )
-        shifts = ir.Constant(_VB64, [0] * 32 + [4] * 32)
-        return builder.and_(builder.lshr(both, shifts), ir.Constant(_VB64, [15] * 64))
-
-    return U8x64(w, off), codegen
-
-
-@intrinsic
-def dot64(typingctx: Any, u: Any, xq: Any, off: Any) -> Any:
-    """Lane ``j`` (of sixteen int32): the sum over ``i < 4`` of ``u[4 j + i]`` (unsigned)
-    times the int8 at byte ``off + 4 j + i`` of ``xq`` (one ``vpdpbusd`` on a 512-bit
-    register: two 32-value chunks, as :func:`.simd_int.dot4` does one; by
-    :func:`_dot_small` elsewhere); exact for bytes ``u`` of at most 128."""
-    if u != U8x64 or not _is_bytes(xq):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        data = context.make_array(sig.args[1])(context, builder, args[1]).data
-        ptr = builder.bitcast(builder.gep(data, [args[2]]), _VB64.as_pointer())
-        x = builder.load(ptr, align=1)
-        zero = ir.Constant(_VI16, [0] * 16)
-        return _dot_small(builder, zero, args[0], x)
-
-    return I32x16(u, xq, off), codegen
-
-
-@intrinsic
-def dot64s(typingctx: Any, acc: Any, u: Any, xq: Any, off: Any) -> Any:
-    """:func:`dot64` added to ``acc`` (sixteen int32; exact)."""
-    if acc != I32x16 or u != U8x64 or not _is_bytes(xq):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        data = context.make_array(sig.args[2])(context, builder, args[2]).data
-        ptr = builder.bitcast(builder.gep(data, [args[3]]), _VB64.as_pointer())
-        x = builder.load(ptr, align=1)
-        return _dot_small(builder, args[0], args[1], x)
-
-    return I32x16(acc, u, xq, off), codegen
+def _nibbles(builder: Any, ptr: Any) -> Any:
+    # the 32 bytes at ptr (i8*) as 64 values: their low nibbles, then their high nibbles
+    # (a Q4_K super-block's two chunks 2 k, 2 k + 1)
+    vb = ir.VectorType(_I8, 32)
+    v = builder.load(builder.bitcast(ptr, vb.as_pointer()), align=1)
+    both = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2))
+    shifts = ir.Constant(_VB64, [0] * 32 + [4] * 32)
+    return builder.and_(builder.lshr(both, shifts), ir.Constant(_VB64, [15] * 64))
 
 
 def _dot_small(builder: Any, acc: Any, u: Any, x: Any) -> Any:
-    # acc + dot64's lanes for bytes u of at most 128 (Q4_K's and Q6_K's, their offset 32):
-    # vpdpbusd where the CPU has AVX512-VNNI; else, with AVX2, each 256-bit half by
-    # vpmaddubsw and vpmaddwd (.simd_int.dot4s: no pair of products passes int16); else
-    # the portable code
+    # acc + lane j (of sixteen int32): the sum over i < 4 of u[4 j + i] (unsigned) times
+    # x[4 j + i] (int8), exact for bytes u of at most 128 (Q4_K's and Q6_K's, their offset
+    # 32), two 32-value chunks as .simd_int.dot4 does one: vpdpbusd where the CPU has
+    # AVX512-VNNI; else, with AVX2, each 256-bit half by vpmaddubsw and vpmaddwd
+    # (.simd_int.dot4s: no pair of products passes int16); else the portable code
     if vnni512():
         return _dot_vnni(builder, acc, u, x)
     if not madd_bytes():
@@ -344,31 +332,107 @@ def _dot_small(builder: Any, acc: Any, u: Any, x: Any) -> Any:
     return builder.add(acc, both)
 
 
-@inner
-def _q4_k_dots(w, bases, at, q, xo):  # type: ignore[no-untyped-def]
-    # chunks 2 k and 2 k + 1 of eight rows (their nibbles at byte at of each row's base)
-    # times the activation blocks at byte xo: the exact integer dot products (lanes 0-7:
-    # the rows for chunk 2 k, 8-15: for chunk 2 k + 1)
-    b0, b1, b2, b3, b4, b5, b6, b7 = bases
-    p0 = dot64(nibbles64(w, b0 + at), q, xo)
-    p1 = dot64(nibbles64(w, b1 + at), q, xo)
-    p2 = dot64(nibbles64(w, b2 + at), q, xo)
-    p3 = dot64(nibbles64(w, b3 + at), q, xo)
-    p4 = dot64(nibbles64(w, b4 + at), q, xo)
-    p5 = dot64(nibbles64(w, b5 + at), q, xo)
-    p6 = dot64(nibbles64(w, b6 + at), q, xo)
-    p7 = dot64(nibbles64(w, b7 + at), q, xo)
-    return isums16((p0, p1, p2, p3, p4, p5, p6, p7))
+@intrinsic
+def q4_k_dots8(typingctx: Any, w: Any, bases: Any, at: Any, xq: Any, xo: Any) -> Any:
+    """Chunks ``2 k`` and ``2 k + 1`` of eight Q4_K rows (their nibbles at byte ``at``
+    of each row's offset ``bases`` in ``w``) times the activation blocks at byte ``xo``
+    of ``xq``: the exact integer dot products, sixteen int32 in the step's order
+    (:func:`klanes`): by :func:`.q8_rows4.dots_by_four` on AVX2 without AVX512-VNNI,
+    else each row's two chunks by one ``vpdpbusd`` on a 512-bit register (``_dot_small``)
+    and the sums of each row's lanes across the rows (lanes 0-7: the rows for chunk
+    ``2 k``, 8-15: for chunk ``2 k + 1``)."""
+    if not (_is_bytes(w) and _is_bytes(xq)):
+        return None
+    if not (isinstance(bases, types.UniTuple) and bases.count == 8):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        xdata = context.make_array(sig.args[3])(context, builder, args[3]).data
+        offs = cgutils.unpack_tuple(builder, args[1])  # type: ignore[no-untyped-call]
+        at = context.cast(builder, args[2], sig.args[2], types.int64)
+        ptrs = [
+            builder.gep(
+                data, [builder.add(context.cast(builder, b, sig.args[1].dtype, types.int64), at)]
+            )
+            for b in offs
+        ]
+        x = builder.gep(xdata, [context.cast(builder, args[4], sig.args[4], types.int64)])
+        if by_four():
+            return dots_by_four(builder, ptrs, x)
+        xv = builder.load(builder.bitcast(x, _VB64.as_pointer()), align=1)
+        zero = ir.Constant(_VI16, [0] * 16)
+        return _isums(builder, [_dot_small(builder, zero, _nibbles(builder, p), xv) for p in ptrs])
+
+    return I32x16(w, bases, at, xq, xo), codegen
+
+
+def _f16_op(doc: str, build: Any) -> Any:
+    def typer(typingctx: Any, v: Any) -> Any:
+        if v != F32x16:
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return build(builder, args[0]) if by_four() else args[0]
+
+        return F32x16(v), codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+klanes = _f16_op(
+    "Sixteen float32 (lanes 0-7: the rows for chunk ``2 k``, 8-15: for ``2 k + 1``) in "
+    "the order of :func:`q4_k_dots8` (:func:`.q8_rows4.lanes` on AVX2, else as they are).",
+    lanes,
+)
+
+
+@intrinsic
+def kpair(typingctx: Any, a: Any, b: Any) -> Any:
+    """``a`` in the lanes of chunk ``2 k``, ``b`` in those of ``2 k + 1``, in the order of
+    :func:`q4_k_dots8` (float32)."""
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        if by_four():
+            return pair(builder, args[0], args[1])
+        undef = ir.Constant(ir.VectorType(_F, 16), ir.Undefined)
+        v = builder.insert_element(undef, args[0], ir.Constant(_I32, 0))
+        v = builder.insert_element(v, args[1], ir.Constant(_I32, 1))
+        return builder.shuffle_vector(v, v, ir.Constant(_VI16, [0] * 8 + [1] * 8))
+
+    return F32x16(a, b), codegen
+
+
+@intrinsic
+def krows(typingctx: Any, v: Any) -> Any:
+    """Each row's chunk ``2 k`` plus its chunk ``2 k + 1`` (lane ``j``: row ``j``) of
+    sixteen float32 in the order of :func:`q4_k_dots8` (:func:`.simd_q8.fold`'s sums)."""
+    if v != F32x16:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        if by_four():
+            return rows8(builder, args[0])
+        undef = ir.Constant(ir.VectorType(_F, 16), ir.Undefined)
+        lo = builder.shuffle_vector(args[0], undef, ir.Constant(_VI, list(range(8))))
+        hi = builder.shuffle_vector(args[0], undef, ir.Constant(_VI, list(range(8, 16))))
+        return builder.fadd(lo, hi)
+
+    return F32x8(v), codegen
 
 
 @inner
 def _q4_k_pair(w, bases, at, q, xo, dx, sx, dws, ms, acc, t):  # type: ignore[no-untyped-def]
     # chunks c, c + 1 of a super-block (their nibbles at byte at of each row, their
-    # activation block at byte xo, their dx and dx sum(q) at dx, sx) into acc and t
-    d = _q4_k_dots(w, bases, at, q, xo)
-    dxs = wpair(fload(q, dx), fload(q, dx + 32))
+    # activation block at byte xo, their dx and dx sum(q) at dx, sx) into acc and t, all
+    # in q4_k_dots8's order
+    d = q4_k_dots8(w, bases, at, q, xo)
+    dxs = kpair(fload(q, dx), fload(q, dx + 32))
     acc = wfma(tofloat16(d), wmul(dws, dxs), acc)
-    sxs = wpair(fload(q, sx), fload(q, sx + 32))
+    sxs = kpair(fload(q, sx), fload(q, sx + 32))
     return acc, wadd(t, wmul(ms, sxs))
 
 
@@ -393,4 +457,4 @@ def eight_q4_k(w, bases, q, xo, dx, sx, nb, pf):  # type: ignore[no-untyped-def]
         acc, t = _q4_k_pair(w, bases, o + 80, q, xo + i, dx + i, sx + i, d2, m2, acc, t)
         i += 64
         acc, t = _q4_k_pair(w, bases, o + 112, q, xo + i, dx + i, sx + i, d3, m3, acc, t)
-    return vadd(fold(acc), fold(t))
+    return vadd(krows(acc), krows(t))
