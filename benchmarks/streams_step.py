@@ -67,6 +67,9 @@ class Setup(NamedTuple):
         return f"{self.threads}t{patience}" + ("" if self.spin is None else f" spin {self.spin:g}")
 
 
+# the pool's counts (KernelPool.counts) printed per step: the split and the hand-offs
+HAND_OFFS = ("chunks", "caller", "helpers", "waited_us", "start_us", "starts")
+HAND_OFFS += ("woken_start_us", "woken_starts")
 PARTS = ("qkv", "out", "gate_up", "down", "head", "attention", "glu", "add+norm")
 
 
@@ -202,6 +205,7 @@ def run(args: argparse.Namespace) -> None:
     def counts() -> tuple[float, ...]:
         mine = [t.native_id for t in helpers() if t.native_id is not None]
         waited, _, preempted = sched(caller)
+        c = pool.counts()
         return (
             pool.posted,
             pool.declined,
@@ -210,6 +214,7 @@ def run(args: argparse.Namespace) -> None:
             *sched(mine),
             waited,
             preempted,
+            *(c[k] for k in HAND_OFFS),
         )
 
     def steps() -> tuple[dict[str, list[float]], tuple[float, ...]]:
@@ -277,7 +282,10 @@ def report(
     print(f"\n{args.shape} ({layers} layers), {args.dtype}, {args.streams} streams, medians of")
     print(f"{args.rounds} rounds of {args.steps} steps, ms a step")
     for setup in results:
-        shared, declined, redone, woken, waited, sleeps, preempted, c_waited, c_pre = posted[setup]
+        shared, declined, redone, woken, waited, sleeps, preempted, c_waited, c_pre = posted[setup][
+            :9
+        ]
+        hand = dict(zip(HAND_OFFS, posted[setup][9:], strict=True))
         print(
             f"{setup}, per step (last round): products and attention calls shared {shared:g}, "
             f"declined (a helper late) {declined:g}, posted to a sleeping helper {woken:g}; "
@@ -285,6 +293,16 @@ def report(
             f"{preempted:g} preempted, {waited:.2f} ms waiting for a core; caller: "
             f"{c_pre:g} preempted, {c_waited:.2f} ms waiting for a core"
         )
+        if setup.threads > 1:
+            starts, woken_starts = hand["starts"], hand["woken_starts"]
+            print(
+                f"  hand-offs: {hand['chunks']:g} chunks a step, the caller ran "
+                f"{hand['caller']:g}, helpers {hand['helpers']:g}; the caller waited "
+                f"{hand['waited_us']:.0f} us a step for helpers' last chunks; "
+                f"post -> a spinning helper's first chunk "
+                f"{hand['start_us'] / max(1, starts):.1f} us ({starts:g} jobs), a woken one's "
+                f"{hand['woken_start_us'] / max(1, woken_starts):.1f} us ({woken_starts:g} jobs)"
+            )
     one = next(iter(results))
     head = ["part"] + [f"{s} wall / caller CPU / helpers' CPU" for s in results]
     head += [f"{s}: speed-up, CPU / {one} CPU" for s in results if s != one]
