@@ -1,4 +1,4 @@
-"""Kernel threads that share a product by claiming its chunks from one counter.
+"""Kernel threads that share a product by claiming its chunks, each from a range of its own.
 
 A decode step of a small model is a hundred-odd products of 100-300 µs each, a few tens
 of microseconds apart. numba's parallel regions (OpenMP) cost more than a second thread
@@ -13,8 +13,14 @@ thread that starts late or is descheduled holds the product up. Here instead:
 - helper threads spin for :data:`SPIN_MICROSECONDS` after their last chunk (so the
   products of one forward find them awake), then sleep on an event until the next post
   wakes them: no CPU is burned between tokens;
-- the claim word packs the job's generation, its chunk count and the next chunk, so a
-  helper can only claim a chunk of the job it read (compare-and-swap), and a job's fields
+- the chunks are dealt out in contiguous ranges, one a thread (the caller's first): each
+  thread claims the chunks of its own range in order, so it streams its weights as one
+  thread would (chunks taken in turns, a thread's next chunk is not where its last one
+  ended, and starts with weights not yet asked for: ~6-14 % more of one thread's time on
+  the Llama-3.2-1B shape's products, one row); a thread done with its range takes chunks
+  from the end of another's (a late helper's range is taken from its end by the caller);
+- a range word packs the job's generation and the range's first and end chunk, so a
+  thread can only claim a chunk of the job it read (compare-and-swap), and a job's fields
   stay fixed while any of its chunks is unclaimed or in flight: consecutive jobs take
   turns between two areas of fields (and of done counts), so that a job can be posted
   while a helper still computes a chunk of the one before (descheduled mid-chunk, which
@@ -64,7 +70,7 @@ __all__ = [
 # if it were the whole array (only the words from JOB are filled there). Words written by
 # different threads sit on their own 64-byte lines (8 words), so a spinning helper's
 # reads do not slow the writers.
-CLAIM = 0  # generation << 40 | chunks << 20 | next chunk: what a thread claims from
+CLAIM = 0  # generation << 40 | chunks << 20: the job posted last
 DONE = 8  # in an area: chunks of its job finished
 # the caller's counts (time stamp counter cycles: .atomics.cycles; KernelPool.counts)
 WAITED = 9  # cycles the caller waited for the chunks helpers computed, after its own
@@ -82,7 +88,10 @@ SEEN = 0  # the last job generation it claimed a chunk of
 STARTED, STARTS = 1, 2  # cycles from a post to its first chunk of the job, summed; jobs
 SLEPT_STARTED, SLEPT_STARTS = 3, 4  # the same for the first job after it slept
 HELPER_RAN = 5  # chunks it ran
-JOB = COUNTS + 8 * (MAX_HELPERS + 1)  # the job's fields, written by the poster
+# + 8 who: generation << 40 | end << 20 | first: the chunks of the job left in thread
+# ``who``'s range (the caller's: 0); its owner claims the first, others the last
+RANGES = COUNTS + 8 * (MAX_HELPERS + 1)
+JOB = RANGES + 8 * (MAX_HELPERS + 1)  # the job's fields, written by the poster
 FN, A, NA, RBA, B, NB, RBB, C, NC, RBC = range(JOB, JOB + 10)
 X, K, N_IN, OUT, N_OUT, SCRATCH, STRIDE, CA, CB, ROWS = range(JOB + 10, JOB + 20)
 REDONE = JOB + 20  # chunks the caller computed that a helper held (written by the caller)
@@ -155,28 +164,58 @@ def _area(gen):  # type: ignore[no-untyped-def]
 
 
 @inner
+def _take(st, who):  # type: ignore[no-untyped-def]
+    # claim a chunk: the first of this thread's range, else the last of another's (the
+    # next thread's first); generation << 20 | chunk, or -1 when none is left. A helper
+    # names the chunk in its BUSY word before it claims it (cleared if it lost the
+    # race), so the caller can see (and redo) a chunk a descheduled helper holds.
+    n = load(st, ACTIVE)
+    for i in range(n):
+        at = RANGES + 8 * ((who + i) % n)
+        while True:
+            word = load(st, at)
+            first, end = word & _FIELD, (word >> 20) & _FIELD
+            if first >= end:
+                break
+            held = (word >> 40) << 20 | (first if i == 0 else end - 1)
+            if who > 0:
+                store(st, BUSY + who, 1 + held)
+            if cas(st, at, word, word + 1 if i == 0 else word - (1 << 20)):
+                return held
+            if who > 0:
+                store(st, BUSY + who, 0)
+    return -1
+
+
+@inner
+def _open(st):  # type: ignore[no-untyped-def]
+    # whether a chunk of the job is left to claim
+    for who in range(load(st, ACTIVE)):
+        word = load(st, RANGES + 8 * who)
+        if word & _FIELD < (word >> 20) & _FIELD:
+            return True
+    return False
+
+
+@inner
 def _claim_and_run(st, who, slept):  # type: ignore[no-untyped-def]
     # claim chunks of the current job until none is left; how many this thread ran. A
-    # helper names the chunk in its BUSY word before it claims it and clears the word
-    # after counting it done (in the job's area), so the caller can see (and redo) a
-    # chunk a descheduled helper holds, and knows when no helper uses an area; it counts
-    # the time from a job's post to its first chunk of it (``slept``: the first job
-    # after it slept) in its COUNTS words.
+    # helper clears its BUSY word after counting its chunk done (in the job's area), so
+    # the caller knows when no helper uses an area; it counts the time from a job's post
+    # to its first chunk of it (``slept``: the first job after it slept) in its COUNTS
+    # words.
     ran = 0
     while True:
-        word = load(st, CLAIM)
-        nxt, chunks = word & _FIELD, (word >> 20) & _FIELD
-        if nxt >= chunks:
+        held = _take(st, who)
+        if held < 0:
             return ran
-        if who > 0:
-            store(st, BUSY + who, 1 + ((word >> 40) << 20 | nxt))
-        if cas(st, CLAIM, word, word + 1):
-            at = _area(word >> 40)
-            if who > 0 and st[COUNTS + 8 * who + SEEN] != word >> 40:
-                _count_start(st, who, at, word >> 40, slept and ran == 0)
-            call3(load(st, at + FN), st.ctypes.data + 8 * at, who, nxt)
-            fetch_add(st, at + DONE, 1)
-            ran += 1
+        gen = held >> 20
+        at = _area(gen)
+        if who > 0 and st[COUNTS + 8 * who + SEEN] != gen:
+            _count_start(st, who, at, gen, slept and ran == 0)
+        call3(load(st, at + FN), st.ctypes.data + 8 * at, who, held & _FIELD)
+        fetch_add(st, at + DONE, 1)
+        ran += 1
         if who > 0:
             store(st, BUSY + who, 0)
 
@@ -213,8 +252,7 @@ def _helper_spin(st, who):  # type: ignore[no-untyped-def]
         idle += 1
         if idle >= spins:
             store(st, SLEEPING + who, 1)
-            word = load(st, CLAIM)  # a post between the last look and the flag
-            if who < load(st, ACTIVE) and word & _FIELD < (word >> 20) & _FIELD:
+            if who < load(st, ACTIVE) and _open(st):  # a post between the last look and the flag
                 store(st, SLEEPING + who, 0)
                 idle = 0
                 continue
@@ -297,6 +335,10 @@ def _post(st, fn, gen, a, b, c, x, out, scratch, rows, patience):  # type: ignor
     chunks = _job(st, at, fn, a, b, c, x, out, scratch, rows)
     store(st, at + DONE, 0)
     st[at + POSTED] = cycles()
+    threads = load(st, ACTIVE)
+    for who in range(threads):  # contiguous ranges, the caller's first
+        first, end = who * chunks // threads, (who + 1) * chunks // threads
+        store(st, RANGES + 8 * who, (gen << 40) | (end << 20) | first)
     store(st, CLAIM, (gen << 40) | (chunks << 20))
     woken = 0
     for who in range(1, load(st, ACTIVE)):
