@@ -16,9 +16,10 @@ thread that starts late or is descheduled holds the product up. Here instead:
 - the chunks are dealt out in contiguous ranges, one a thread (the caller's first): each
   thread claims the chunks of its own range in order, so it streams its weights as one
   thread would (chunks taken in turns, a thread's next chunk is not where its last one
-  ended, and starts with weights not yet asked for: ~6-14 % more of one thread's time on
-  the Llama-3.2-1B shape's products, one row); a thread done with its range takes chunks
-  from the end of another's (a late helper's range is taken from its end by the caller);
+  ended, and starts with weights not yet asked for: 4-7 % more of one thread's CPU time
+  on the Llama-3.2-1B shape's one-row products, ``benchmarks/streams_step.py
+  --chunk-orders``); a thread done with its range takes chunks from the end of another's
+  (a late helper's range is taken from its end by the caller);
 - a range word packs the job's generation and the range's first and end chunk, so a
   thread can only claim a chunk of the job it read (compare-and-swap), and a job's fields
   stay fixed while any of its chunks is unclaimed or in flight: consecutive jobs take
