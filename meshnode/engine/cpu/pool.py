@@ -213,7 +213,7 @@ def _claim_and_run(st, who, slept):  # type: ignore[no-untyped-def]
         gen = held >> 20
         at = _area(gen)
         if who > 0 and st[COUNTS + 8 * who + SEEN] != gen:
-            _count_start(st, who, at, gen, slept and ran == 0)
+            _count_start(st, who, at, gen, slept != 0 and ran == 0)
         call3(load(st, at + FN), st.ctypes.data + 8 * at, who, held & _FIELD)
         fetch_add(st, at + DONE, 1)
         ran += 1
@@ -241,13 +241,13 @@ def _helper_spin(st, who):  # type: ignore[no-untyped-def]
     # run chunks as they are posted; return (to sleep) after SPINS idle iterations
     spins = load(st, SPINS)
     idle = 0
-    slept = True  # woken (or started) for the job it claims first
+    slept = np.int64(1)  # woken (or started) for the job it claims first (int64: below)
     while True:
         ran = _claim_and_run(st, who, slept) if who < load(st, ACTIVE) else 0
         if ran > 0:
             st[COUNTS + 8 * who + HELPER_RAN] += ran
             idle = 0
-            slept = False
+            slept = np.int64(0)
             continue
         pause()
         idle += 1
@@ -285,7 +285,8 @@ def _work(st, patience):  # type: ignore[no-untyped-def]
     # the caller's share, then wait for the chunks helpers still compute; after
     # ``patience`` idle iterations (a helper descheduled mid-chunk, on a busy machine)
     # compute the chunks helpers hold itself: they write the same values
-    ran = _claim_and_run(st, np.int64(0), False)  # int64, as the helpers': one function
+    # int64 arguments, as the helpers': one compiled function
+    ran = _claim_and_run(st, np.int64(0), np.int64(0))
     store(st, RAN, ran)
     word = load(st, CLAIM)
     chunks, gen = (word >> 20) & _FIELD, word >> 40
@@ -380,7 +381,7 @@ class KernelPool:
         self._gen = 0
         self._pid = os.getpid()
         self._per_us = 0.0  # idle-loop iterations a microsecond (calibrated at the first post)
-        self._cycles_per_us = 0.0  # of the time stamp counter (0: none, or not yet known)
+        self._cycles_per_us = 0.0  # of the time stamp counter (inf: none; 0: not known yet)
         self._patience_us: float | None = None  # a fixed patience (set_waits), else learned
         self._spin_us: float = SPIN_MICROSECONDS
         # (chunk function, rows k) -> the caller's seconds a unit of chunk work
@@ -404,7 +405,9 @@ class KernelPool:
         time from a post to a spinning helper's first chunk of the job, summed, and the
         jobs, and ``woken_start_us`` / ``woken_starts`` the same for the first job after
         a helper slept (microseconds; 0 without a time stamp counter)."""
-        st, per_us = self._st, self._cycles_per_us or math.inf
+        if not self._cycles_per_us:  # calibrated here: not on a serving node's first post
+            self._cycles_per_us = _cycles_per_microsecond() or math.inf
+        st, per_us = self._st, self._cycles_per_us
         helpers = [COUNTS + 8 * who for who in range(1, int(st[HELPERS]) + 1)]
         return {
             "posted": self.posted,
@@ -548,7 +551,6 @@ class KernelPool:
         if not self._per_us:
             self._per_us = _per_microsecond(self._st)
             self._st[SPINS] = self._iterations(self._spin_us)
-            self._cycles_per_us = _cycles_per_microsecond()
         while len(self._events) < threads - 1:
             event = threading.Event()
             self._events.append(event)
