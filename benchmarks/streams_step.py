@@ -3,7 +3,7 @@ real-size shape (issue 29: decode and 8 streams at 2 threads against llama.cpp).
 
 Run: ``OPENBLAS_NUM_THREADS=1 nice .venv/bin/python benchmarks/streams_step.py [--shape 1b]
 [--layers N] [--dtype q8|native] [--streams 8] [--threads 1 2] [--rounds 5] [--steps 4]
-[--patience-us P ...] [--spin-us S ...]``
+[--patience-us P ...] [--spin-us S ...] [--chunk-orders]``
 
 One stage holds the whole random-weight GGUF of ``--shape`` (``benchmarks/realsize_gguf.py``,
 Q4_K_M mix; ``--layers`` cuts its depth). ``--streams`` sequences (8: as
@@ -27,6 +27,14 @@ the helpers waited runnable for a core (preempted: other processes).
 chunk before computing it itself) and ``--spin-us`` the helpers' spin (how long a helper
 waits for the next product before it sleeps) at each of these values, each pair a setup of
 its own in the same rounds (at each thread count above one).
+
+``--chunk-orders`` times instead, on this thread alone (its CPU time, the best of
+``--rounds``), each product kind's one-row products over every layer three ways: whole (the
+serial kernel), by the pool's chunks for two threads in order, and those chunks in turns
+(the even ones, then the odd ones: one thread's share when two threads take chunks in
+turns, each of its chunks starting where its weights were not asked for yet). The chunks
+are called from Python here (~1-2 µs a call, which the pool's compiled calls do not
+pay): compare the two chunked columns with each other, not with the whole product.
 
 The machine is shared: ``uptime`` is printed first and last; read ratios, and CPU times
 (less disturbed by other processes than walls).
@@ -67,6 +75,9 @@ class Setup(NamedTuple):
         return f"{self.threads}t{patience}" + ("" if self.spin is None else f" spin {self.spin:g}")
 
 
+# the pool's counts (KernelPool.counts) printed per step: the split and the hand-offs
+HAND_OFFS: tuple[str, ...] = ("chunks", "caller", "helpers", "waited_us", "start_us", "starts")
+HAND_OFFS += ("woken_start_us", "woken_starts")
 PARTS = ("qkv", "out", "gate_up", "down", "head", "attention", "glu", "add+norm")
 
 
@@ -178,6 +189,63 @@ class _Timer:
             spent[i] += end[i] - self.began[i]
 
 
+def chunk_orders(stage: Any, rounds: int) -> None:
+    """One thread's CPU time for each product kind's one-row products over every layer:
+    whole, by the pool's two-thread chunks in order, and in turns (``--chunk-orders``)."""
+    import ctypes
+
+    from meshnode.engine.cpu import pool, q8
+
+    kernels = q8._kernels()
+    w = stage.weights
+    kinds = {"qkv": "wqkv", "out": "wo", "gate_up": "w_gate_up", "down": "w_down"}
+    chunk_fn = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
+    print("| product (all layers) | whole, ms CPU | chunks in order | in turns | turns / order |")
+    print("|---|---:|---:|---:|---:|")
+    for name, attr in kinds.items():
+        ms = [getattr(layer, attr) for layer in w.layers]
+        x = np.random.default_rng(0).standard_normal(ms[0].n_in).astype(np.float32)
+        q = kernels.quantized(x, 1)
+        scratch = np.zeros((1, 7 * ms[0].n_in), np.float32)
+        jobs = []
+        for m in ms:
+            out = np.empty((1, m.n_out), np.float32)
+            rows = pool.chunk_rows(m.n_out, m.n_in, 1, 2)
+            (a, b, c), st = m._raws, np.zeros(pool.WORDS, np.int64)
+            counts = [(p.shape[0] + rows - 1) // rows for p in (a, b, c)]
+            fields = {pool.A: a, pool.B: b, pool.C: c}
+            for at, part in fields.items():  # address, rows, row bytes
+                st[at : at + 3] = part.ctypes.data, part.shape[0], part.shape[1]
+            st[[pool.K, pool.N_OUT, pool.X, pool.N_IN, pool.OUT]] = (
+                *(1, m.n_out, q.ctypes.data, m.n_in, out.ctypes.data),
+            )
+            st[[pool.SCRATCH, pool.STRIDE, pool.CA, pool.CB, pool.ROWS]] = (
+                *(scratch.ctypes.data, scratch.shape[1], counts[0], counts[1], rows),
+            )
+            fn = chunk_fn(kernels.chunk_kernel(*m._fmts, False))
+            jobs.append((m, out, st, fn, sum(counts)))
+
+        best = [float("inf")] * 3
+        for _ in range(rounds):
+            for i, order in enumerate(("whole", "in order", "in turns")):
+                began = time.thread_time()
+                _run_in(order, jobs, kernels, x)
+                best[i] = min(best[i], (time.thread_time() - began) * 1e3)
+        cells = " | ".join(f"{b:.2f}" for b in best)
+        print(f"| {name} | {cells} | {best[2] / best[1]:.3f} |")
+
+
+def _run_in(order: str, jobs: list[Any], kernels: Any, x: np.ndarray) -> None:
+    """Every product of ``jobs`` (matrix, output, the pool's words, chunk function,
+    chunks) whole, or by its chunks ``in order`` or ``in turns``."""
+    for m, out, st, fn, n in jobs:
+        if order == "whole":
+            kernels.product_kernel(*m._fmts, False)(*m._raws, x, out)
+            continue
+        for ch in range(n) if order == "in order" else [*range(0, n, 2), *range(1, n, 2)]:
+            fn(st.ctypes.data, 0, ch)
+
+
 def run(args: argparse.Namespace) -> None:
     from meshnode.engine.backend import cpu_backend, limit_cpu_threads
     from meshnode.engine.cpu import matrix, set_kernel_threads
@@ -190,6 +258,9 @@ def run(args: argparse.Namespace) -> None:
     stage = load_model(str(model_path), cpu_backend(args.dtype)).stage
     pool = matrix._pool()
     pool._gauge = CoreGauge(Path("/nonexistent/stat"))  # every thread asked for
+    if args.chunk_orders:
+        chunk_orders(stage, args.rounds)
+        return
     rng = np.random.default_rng(10)
     caches = [stage.new_cache(PROMPT + args.steps + 1) for _ in range(args.streams)]
     for cache in caches:
@@ -202,6 +273,7 @@ def run(args: argparse.Namespace) -> None:
     def counts() -> tuple[float, ...]:
         mine = [t.native_id for t in helpers() if t.native_id is not None]
         waited, _, preempted = sched(caller)
+        c = pool.counts()
         return (
             pool.posted,
             pool.declined,
@@ -210,6 +282,7 @@ def run(args: argparse.Namespace) -> None:
             *sched(mine),
             waited,
             preempted,
+            *(c[k] for k in HAND_OFFS),
         )
 
     def steps() -> tuple[dict[str, list[float]], tuple[float, ...]]:
@@ -277,7 +350,10 @@ def report(
     print(f"\n{args.shape} ({layers} layers), {args.dtype}, {args.streams} streams, medians of")
     print(f"{args.rounds} rounds of {args.steps} steps, ms a step")
     for setup in results:
-        shared, declined, redone, woken, waited, sleeps, preempted, c_waited, c_pre = posted[setup]
+        shared, declined, redone, woken, waited, sleeps, preempted, c_waited, c_pre = posted[setup][
+            :9
+        ]
+        hand = dict(zip(HAND_OFFS, posted[setup][9:], strict=True))
         print(
             f"{setup}, per step (last round): products and attention calls shared {shared:g}, "
             f"declined (a helper late) {declined:g}, posted to a sleeping helper {woken:g}; "
@@ -285,6 +361,16 @@ def report(
             f"{preempted:g} preempted, {waited:.2f} ms waiting for a core; caller: "
             f"{c_pre:g} preempted, {c_waited:.2f} ms waiting for a core"
         )
+        if setup.threads > 1:
+            starts, woken_starts = hand["starts"], hand["woken_starts"]
+            print(
+                f"  hand-offs: {hand['chunks']:g} chunks a step, the caller ran "
+                f"{hand['caller']:g}, helpers {hand['helpers']:g}; the caller waited "
+                f"{hand['waited_us']:.0f} us a step for helpers' last chunks; "
+                f"post -> a spinning helper's first chunk "
+                f"{hand['start_us'] / max(1, starts):.1f} us ({starts:g} jobs), a woken one's "
+                f"{hand['woken_start_us'] / max(1, woken_starts):.1f} us ({woken_starts:g} jobs)"
+            )
     one = next(iter(results))
     head = ["part"] + [f"{s} wall / caller CPU / helpers' CPU" for s in results]
     head += [f"{s}: speed-up, CPU / {one} CPU" for s in results if s != one]
@@ -321,6 +407,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--spin-us", type=float, nargs="+", help="the helpers' spin to try (> 1 thread)"
+    )
+    parser.add_argument(
+        "--chunk-orders",
+        action="store_true",
+        help="one thread: the products whole, by two threads' chunks in order, in turns",
     )
     args = parser.parse_args()
     print("uptime:", uptime(), flush=True)

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from numba import cfunc, types
+from numba.np.numpy_support import carray
 
 from meshnode.engine.cpu import BlockMatrix, matrix, pool
+from meshnode.engine.cpu.atomics import fetch_add, ptr_i64
 from meshnode.engine.cpu.pool import CoreGauge, KernelPool
 from tests.engine.test_cpu_kernels import N_IN, random_tensor
 
@@ -93,10 +96,12 @@ def test_the_caller_redoes_a_chunk_a_descheduled_helper_holds(rng: np.random.Gen
     out = np.full((1, m.n_out), np.nan, np.float32)
     a, b, c = m._raws
     assert pool._post(st, fn, 1, a, b, c, x, out, p._scratch, 32, 1000) == 1 << 1  # wakes
-    word = int(st[pool.CLAIM])  # ... claims chunk 0 (rows 0-31) as helpers do ...
+    word = int(st[pool.CLAIM])
     assert word >> 20 & 0xFFFFF == 7 + 3 + 5  # 200, 70 and 131 rows in chunks of 32
-    st[pool.BUSY + 1] = 1 + ((word >> 40) << 20 | 0)
-    st[pool.CLAIM] = word + 1  # ... and is descheduled before computing it
+    mine = int(st[pool.RANGES + 8])  # ... claims the first chunk of its range, 7 (the
+    assert (mine & 0xFFFFF, mine >> 20 & 0xFFFFF) == (7, 15)  # second part's rows 0-31)
+    st[pool.BUSY + 1] = 1 + ((mine >> 40) << 20 | 7)  # as helpers do ...
+    st[pool.RANGES + 8] = mine + 1  # ... and is descheduled before computing it
     pool._work(st, 1000)
     np.testing.assert_array_equal(out[0], serial)
     assert pool._stale(st)
@@ -117,6 +122,31 @@ def test_the_caller_redoes_a_chunk_a_descheduled_helper_holds(rng: np.random.Gen
     assert p.run(fn, m._raws, x, again, 2)  # a real helper 1 now
     assert p.posted == 1
     np.testing.assert_array_equal(again[0], serial)
+
+
+@cfunc(types.void(types.int64, types.int64, types.int64))
+def _record(st_addr, who, ch):  # type: ignore[no-untyped-def]
+    # a chunk function that writes the order the chunks ran in: each chunk into the next
+    # word of the posted x (its word 0 counts them)
+    st = carray(ptr_i64(st_addr), (pool.WORDS,))
+    log = carray(ptr_i64(st[pool.X]), (64,))
+    log[1 + fetch_add(log, 0, 1)] = ch
+
+
+def test_each_thread_claims_its_own_range_in_order_then_the_end_of_another() -> None:
+    """The chunks are dealt out in contiguous ranges (each thread streams its weights in
+    order): the caller runs its range's chunks first to last, then takes a helper's that
+    has not come from the last chunk back."""
+    p = KernelPool(idle_gauge(4))
+    p._start(1, 16)
+    st = p._st
+    st[pool.HELPERS], st[pool.ACTIVE] = 1, 2  # a helper 1, awake but not running
+    parts = (np.zeros((15 * 32, 1), np.uint8), np.zeros((0, 1), np.uint8))
+    log, out = np.zeros(64, np.int64), np.zeros((1, 1), np.float32)
+    assert pool._post(st, _record.address, 1, *parts, parts[1], log, out, p._scratch, 32, 9) == 0
+    assert list(log[1 : 1 + log[0]]) == [*range(7), *range(14, 6, -1)]
+    counts = p.counts()
+    assert (counts["chunks"], counts["caller"], counts["helpers"]) == (15, 15, 0)
 
 
 def test_a_late_helper_does_not_stop_the_next_product(rng: np.random.Generator) -> None:

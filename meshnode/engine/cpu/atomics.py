@@ -5,7 +5,8 @@ its words atomically (``load``/``store`` sequentially consistent, ``cas`` a
 compare-and-swap, ``fetch_add``), ``pause`` is the CPU's spin-wait hint (x86's
 ``pause``; nothing elsewhere), ``ptr_*`` turn an address into a typed pointer for
 ``numba.carray``, and ``call3`` calls a C function ``void f(int64, int64, int64)`` by its
-address (a compiled ``cfunc``: one chunk of one product).
+address (a compiled ``cfunc``: one chunk of one product); ``cycles`` reads the x86 time
+stamp counter (the pool's hand-off counts).
 """
 
 from __future__ import annotations
@@ -19,7 +20,18 @@ from numba.core import cgutils
 
 from meshnode.engine.cpu.simd import intrinsic
 
-__all__ = ["call3", "cas", "fetch_add", "load", "pause", "ptr_f32", "ptr_i64", "ptr_u8", "store"]
+__all__ = [
+    "call3",
+    "cas",
+    "cycles",
+    "fetch_add",
+    "load",
+    "pause",
+    "ptr_f32",
+    "ptr_i64",
+    "ptr_u8",
+    "store",
+]
 
 _I64 = ir.IntType(64)
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
@@ -109,6 +121,24 @@ def pause(typingctx: Any) -> Any:
         return context.get_dummy_value()
 
     return types.none(), codegen
+
+
+@intrinsic
+def cycles(typingctx: Any) -> Any:
+    """The x86 time stamp counter (``rdtsc``: a constant rate on the CPUs that advertise
+    ``constant_tsc``, the same on every core), as an int64; 0 on other machines, whose
+    cycle counters may trap in user mode."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        if not _X86:
+            return ir.Constant(_I64, 0)
+        fnty = ir.FunctionType(_I64, [])
+        fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            builder.module, fnty, "llvm.readcyclecounter"
+        )
+        return builder.call(fn, [])
+
+    return types.int64(), codegen
 
 
 def _pointer_to(elem: Any) -> Any:

@@ -108,7 +108,7 @@ def _threads_here() -> int:
     """The kernel threads of a product: the ``--threads`` cap, else one per usable core."""
     if _threads is not None:
         return _threads
-    from meshnode.engine.cpu.pool import usable_cpus
+    from meshnode.engine.cpu.gauge import usable_cpus
 
     return len(usable_cpus())
 

@@ -1,4 +1,4 @@
-"""Kernel threads that share a product by claiming its chunks from one counter.
+"""Kernel threads that share a product by claiming its chunks, each from a range of its own.
 
 A decode step of a small model is a hundred-odd products of 100-300 µs each, a few tens
 of microseconds apart. numba's parallel regions (OpenMP) cost more than a second thread
@@ -13,8 +13,15 @@ thread that starts late or is descheduled holds the product up. Here instead:
 - helper threads spin for :data:`SPIN_MICROSECONDS` after their last chunk (so the
   products of one forward find them awake), then sleep on an event until the next post
   wakes them: no CPU is burned between tokens;
-- the claim word packs the job's generation, its chunk count and the next chunk, so a
-  helper can only claim a chunk of the job it read (compare-and-swap), and a job's fields
+- the chunks are dealt out in contiguous ranges, one a thread (the caller's first): each
+  thread claims the chunks of its own range in order, so it streams its weights as one
+  thread would (chunks taken in turns, a thread's next chunk is not where its last one
+  ended, and starts with weights not yet asked for: 4-7 % more of one thread's CPU time
+  on the Llama-3.2-1B shape's one-row products, ``benchmarks/streams_step.py
+  --chunk-orders``); a thread done with its range takes chunks from the end of another's
+  (a late helper's range is taken from its end by the caller);
+- a range word packs the job's generation and the range's first and end chunk, so a
+  thread can only claim a chunk of the job it read (compare-and-swap), and a job's fields
   stay fixed while any of its chunks is unclaimed or in flight: consecutive jobs take
   turns between two areas of fields (and of done counts), so that a job can be posted
   while a helper still computes a chunk of the one before (descheduled mid-chunk, which
@@ -41,17 +48,22 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from meshnode.engine.cpu.atomics import call3, cas, fetch_add, load, pause, store
-from meshnode.engine.cpu.quota import cpu_quota_cores
+from meshnode.engine.cpu.atomics import call3, cas, cycles, fetch_add, load, pause, store
+from meshnode.engine.cpu.gauge import SAMPLE_SECONDS, CoreGauge, usable_cpus
 from meshnode.engine.cpu.simd import entry, inner
 
-__all__ = ["CHUNK_ROWS", "CoreGauge", "KernelPool", "chunk_rows", "usable_cpus"]
+__all__ = [
+    "CHUNK_ROWS",
+    "SAMPLE_SECONDS",
+    "CoreGauge",
+    "KernelPool",
+    "chunk_rows",
+    "usable_cpus",
+]
 
 # The words of the shared array: a block of WORDS control words, then AREAS areas of as
 # many words, which a job's fields and done count take in turns (job generation g, area
@@ -59,19 +71,33 @@ __all__ = ["CHUNK_ROWS", "CoreGauge", "KernelPool", "chunk_rows", "usable_cpus"]
 # if it were the whole array (only the words from JOB are filled there). Words written by
 # different threads sit on their own 64-byte lines (8 words), so a spinning helper's
 # reads do not slow the writers.
-CLAIM = 0  # generation << 40 | chunks << 20 | next chunk: what a thread claims from
+CLAIM = 0  # generation << 40 | chunks << 20: the job posted last
 DONE = 8  # in an area: chunks of its job finished
+# the caller's counts (time stamp counter cycles: .atomics.cycles; KernelPool.counts)
+WAITED = 9  # cycles the caller waited for the chunks helpers computed, after its own
+CHUNKS = 10  # chunks posted
+CALLER_RAN = 11  # chunks the caller ran
 ACTIVE = 16  # how many threads may claim (the caller and helpers 1 .. ACTIVE - 1)
 HELPERS = 17  # helper threads started
 SPINS = 18  # idle iterations a helper spins for the next chunk before it sleeps
 SLEEPING = 24  # + who: 1 while helper ``who`` sleeps on its event
 MAX_HELPERS = 63
 BUSY = SLEEPING + 8 * ((MAX_HELPERS + 8) // 8)  # + who: 1 + (generation << 20 | chunk)
-JOB = BUSY + 8 * ((MAX_HELPERS + 8) // 8)  # the job's fields, written by the poster
+# + 8 who + SEEN .. SLEPT_STARTS: helper ``who``'s counts, on a line of its own
+COUNTS = BUSY + 8 * ((MAX_HELPERS + 8) // 8)
+SEEN = 0  # the last job generation it claimed a chunk of
+STARTED, STARTS = 1, 2  # cycles from a post to its first chunk of the job, summed; jobs
+SLEPT_STARTED, SLEPT_STARTS = 3, 4  # the same for the first job after it slept
+HELPER_RAN = 5  # chunks it ran
+# + 8 who: generation << 40 | end << 20 | first: the chunks of the job left in thread
+# ``who``'s range (the caller's: 0); its owner claims the first, others the last
+RANGES = COUNTS + 8 * (MAX_HELPERS + 1)
+JOB = RANGES + 8 * (MAX_HELPERS + 1)  # the job's fields, written by the poster
 FN, A, NA, RBA, B, NB, RBB, C, NC, RBC = range(JOB, JOB + 10)
 X, K, N_IN, OUT, N_OUT, SCRATCH, STRIDE, CA, CB, ROWS = range(JOB + 10, JOB + 20)
 REDONE = JOB + 20  # chunks the caller computed that a helper held (written by the caller)
 RAN = JOB + 21  # chunks the caller claimed and ran in the last job (written by the caller)
+POSTED = JOB + 22  # in an area: the time stamp counter when the job was posted
 WORDS = JOB + 24
 AREAS = 2  # job areas after the control words: a job's and the one before's
 
@@ -116,101 +142,6 @@ PATIENCE_CHUNKS = 3
 PATIENCE_WEIGHT = 0.25
 
 
-# How often the pool looks at the cores' idle time (/proc/stat counts it in 10 ms ticks),
-# and how much each look weighs in the running average it keeps.
-SAMPLE_SECONDS = 0.1
-SAMPLE_WEIGHT = 0.5
-
-
-class CoreGauge:
-    """How many of this process's cores other processes leave it.
-
-    A helper that spins or computes on a core other threads want takes its time from them
-    and, in the same scheduling group, from the thread it helps: on two busy cores, two
-    spinning threads made a forward several times slower than one. So the pool uses as
-    many threads as the cores it can have: over the last interval, the idle time of the
-    cores it may run on (``/proc/stat``, those of ``sched_getaffinity``: a container's
-    cpuset) plus this process's own CPU time, as a running average. The time of niced
-    processes counts as free when this one is not niced (they yield to it: a nice-19
-    build takes ~1.5 % of a core from a nice-0 thread). Without ``/proc`` every core
-    counts as free. A cgroup CPU quota caps it (:mod:`.quota`: a container limited to
-    1.5 cores has 1.5 however idle the machine's cores are), read again at every sample,
-    so a process moved into a group, or a quota changed, counts from the next one.
-    """
-
-    def __init__(
-        self,
-        stat: Path = Path("/proc/stat"),
-        cpus: set[int] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        cpu_time: Callable[[], float] = time.process_time,
-        quota: Callable[[], float | None] = cpu_quota_cores,
-    ) -> None:
-        self._stat, self._clock, self._cpu_time = stat, clock, cpu_time
-        self._cpus = cpus if cpus is not None else usable_cpus()
-        self._quota = quota
-        self._tick = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
-        self._free = self._cores()
-        self._sampled = -math.inf  # when free() last looked
-        self._last: tuple[float, float, float] | None = None  # clock, idle s, own CPU s
-        # /proc/stat's columns counted as free: idle and iowait, and nice unless we are
-        self._columns = (3, 4) if _niced() else (1, 3, 4)
-
-    def free(self) -> float:
-        """Cores this process can have now (a running average, 0 .. its cores)."""
-        now = self._clock()
-        if now - self._sampled < SAMPLE_SECONDS:
-            return self._free
-        self._sampled = now
-        cores = self._cores()
-        idle = self._idle_seconds()
-        if idle is None:  # without /proc every core it may use counts as free
-            self._free = cores
-            return self._free
-        sample = (now, idle, self._cpu_time())
-        if self._last is not None:
-            span = now - self._last[0]
-            have = (sample[1] - self._last[1] + sample[2] - self._last[2]) / span
-            have = min(cores, max(0.0, have))
-            self._free += SAMPLE_WEIGHT * (have - self._free)
-        self._free = min(self._free, cores)
-        self._last = sample
-        return self._free
-
-    def _cores(self) -> float:
-        """The cores this process may use at most: its CPUs, capped by a cgroup quota."""
-        quota = self._quota()
-        cores = float(len(self._cpus))
-        return cores if quota is None else max(0.0, min(cores, quota))
-
-    def _idle_seconds(self) -> float | None:
-        """Time this process's cores were idle (or ran niced processes) since boot (None:
-        no /proc)."""
-        try:
-            lines = self._stat.read_text().splitlines()
-        except OSError:
-            return None
-        ticks = 0
-        for line in lines:
-            name, _, rest = line.partition(" ")
-            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in self._cpus:
-                fields = rest.split()
-                ticks += sum(int(fields[i]) for i in self._columns)
-        return ticks * self._tick
-
-
-def _niced() -> bool:
-    """Whether this process runs at a lower priority than the default."""
-    return hasattr(os, "getpriority") and os.getpriority(os.PRIO_PROCESS, 0) > 0
-
-
-def usable_cpus() -> set[int]:
-    """The CPUs this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return set(os.sched_getaffinity(0))
-    return set(range(os.cpu_count() or 1))
-
-
 def chunk_rows(n_out: int, n_in: int, k: int, threads: int) -> int:
     """Output rows per chunk of a product of ``k`` activation rows of ``n_in`` into
     ``n_out`` outputs on ``threads`` threads: about :data:`CHUNKS_PER_THREAD` chunks per
@@ -234,26 +165,75 @@ def _area(gen):  # type: ignore[no-untyped-def]
 
 
 @inner
-def _claim_and_run(st, who):  # type: ignore[no-untyped-def]
+def _take(st, who):  # type: ignore[no-untyped-def]
+    # claim a chunk: the first of this thread's range, else the last of another's (the
+    # next thread's first); generation << 20 | chunk, or -1 when none is left. A helper
+    # names the chunk in its BUSY word before it claims it (cleared if it lost the
+    # race), so the caller can see (and redo) a chunk a descheduled helper holds.
+    n = load(st, ACTIVE)
+    for i in range(n):
+        at = RANGES + 8 * ((who + i) % n)
+        while True:
+            word = load(st, at)
+            first, end = word & _FIELD, (word >> 20) & _FIELD
+            if first >= end:
+                break
+            held = (word >> 40) << 20 | (first if i == 0 else end - 1)
+            if who > 0:
+                store(st, BUSY + who, 1 + held)
+            if cas(st, at, word, word + 1 if i == 0 else word - (1 << 20)):
+                return held
+            if who > 0:
+                store(st, BUSY + who, 0)
+    return -1
+
+
+@inner
+def _open(st):  # type: ignore[no-untyped-def]
+    # whether a chunk of the job is left to claim
+    for who in range(load(st, ACTIVE)):
+        word = load(st, RANGES + 8 * who)
+        if word & _FIELD < (word >> 20) & _FIELD:
+            return True
+    return False
+
+
+@inner
+def _claim_and_run(st, who, slept):  # type: ignore[no-untyped-def]
     # claim chunks of the current job until none is left; how many this thread ran. A
-    # helper names the chunk in its BUSY word before it claims it and clears the word
-    # after counting it done (in the job's area), so the caller can see (and redo) a
-    # chunk a descheduled helper holds, and knows when no helper uses an area.
+    # helper clears its BUSY word after counting its chunk done (in the job's area), so
+    # the caller knows when no helper uses an area; it counts the time from a job's post
+    # to its first chunk of it (``slept``: the first job after it slept) in its COUNTS
+    # words.
     ran = 0
     while True:
-        word = load(st, CLAIM)
-        nxt, chunks = word & _FIELD, (word >> 20) & _FIELD
-        if nxt >= chunks:
+        held = _take(st, who)
+        if held < 0:
             return ran
-        if who > 0:
-            store(st, BUSY + who, 1 + ((word >> 40) << 20 | nxt))
-        if cas(st, CLAIM, word, word + 1):
-            at = _area(word >> 40)
-            call3(load(st, at + FN), st.ctypes.data + 8 * at, who, nxt)
-            fetch_add(st, at + DONE, 1)
-            ran += 1
+        gen = held >> 20
+        at = _area(gen)
+        if who > 0 and st[COUNTS + 8 * who + SEEN] != gen:
+            _count_start(st, who, at, gen, slept != 0 and ran == 0)
+        call3(load(st, at + FN), st.ctypes.data + 8 * at, who, held & _FIELD)
+        fetch_add(st, at + DONE, 1)
+        ran += 1
         if who > 0:
             store(st, BUSY + who, 0)
+
+
+@inner
+def _count_start(st, who, at, gen, slept):  # type: ignore[no-untyped-def]
+    # helper ``who`` claimed its first chunk of job ``gen`` (area ``at``): count the time
+    # since its post, apart for the first job after a sleep
+    mine = COUNTS + 8 * who
+    st[mine + SEEN] = gen
+    late = cycles() - st[at + POSTED]
+    if slept:
+        st[mine + SLEPT_STARTED] += late
+        st[mine + SLEPT_STARTS] += 1
+    else:
+        st[mine + STARTED] += late
+        st[mine + STARTS] += 1
 
 
 @entry(nogil=True)
@@ -261,16 +241,19 @@ def _helper_spin(st, who):  # type: ignore[no-untyped-def]
     # run chunks as they are posted; return (to sleep) after SPINS idle iterations
     spins = load(st, SPINS)
     idle = 0
+    slept = np.int64(1)  # woken (or started) for the job it claims first (int64: below)
     while True:
-        if who < load(st, ACTIVE) and _claim_and_run(st, who) > 0:
+        ran = _claim_and_run(st, who, slept) if who < load(st, ACTIVE) else 0
+        if ran > 0:
+            st[COUNTS + 8 * who + HELPER_RAN] += ran
             idle = 0
+            slept = np.int64(0)
             continue
         pause()
         idle += 1
         if idle >= spins:
             store(st, SLEEPING + who, 1)
-            word = load(st, CLAIM)  # a post between the last look and the flag
-            if who < load(st, ACTIVE) and word & _FIELD < (word >> 20) & _FIELD:
+            if who < load(st, ACTIVE) and _open(st):  # a post between the last look and the flag
                 store(st, SLEEPING + who, 0)
                 idle = 0
                 continue
@@ -302,11 +285,16 @@ def _work(st, patience):  # type: ignore[no-untyped-def]
     # the caller's share, then wait for the chunks helpers still compute; after
     # ``patience`` idle iterations (a helper descheduled mid-chunk, on a busy machine)
     # compute the chunks helpers hold itself: they write the same values
-    store(st, RAN, _claim_and_run(st, np.int64(0)))  # int64, as the helpers': one function
+    # int64 arguments, as the helpers': one compiled function
+    ran = _claim_and_run(st, np.int64(0), np.int64(0))
+    store(st, RAN, ran)
     word = load(st, CLAIM)
     chunks, gen = (word >> 20) & _FIELD, word >> 40
+    st[CHUNKS] += chunks
+    st[CALLER_RAN] += ran
     at = _area(gen)
     waited = 0
+    began = cycles()
     while load(st, at + DONE) < chunks:
         pause()
         waited += 1
@@ -316,7 +304,8 @@ def _work(st, patience):  # type: ignore[no-untyped-def]
                 if held >= 0 and held >> 20 == gen:
                     call3(load(st, at + FN), st.ctypes.data + 8 * at, 0, held & _FIELD)
                     store(st, REDONE, load(st, REDONE) + 1)
-            return
+            break
+    st[WAITED] += cycles() - began
 
 
 @inner
@@ -347,6 +336,11 @@ def _post(st, fn, gen, a, b, c, x, out, scratch, rows, patience):  # type: ignor
     at = _area(gen)
     chunks = _job(st, at, fn, a, b, c, x, out, scratch, rows)
     store(st, at + DONE, 0)
+    st[at + POSTED] = cycles()
+    threads = load(st, ACTIVE)
+    for who in range(threads):  # contiguous ranges, the caller's first
+        first, end = who * chunks // threads, (who + 1) * chunks // threads
+        store(st, RANGES + 8 * who, (gen << 40) | (end << 20) | first)
     store(st, CLAIM, (gen << 40) | (chunks << 20))
     woken = 0
     for who in range(1, load(st, ACTIVE)):
@@ -356,6 +350,11 @@ def _post(st, fn, gen, a, b, c, x, out, scratch, rows, patience):  # type: ignor
     if woken == 0:
         _work(st, patience)
     return woken
+
+
+@entry(nogil=True)
+def _now():  # type: ignore[no-untyped-def]
+    return cycles()
 
 
 @entry(nogil=True)
@@ -382,6 +381,7 @@ class KernelPool:
         self._gen = 0
         self._pid = os.getpid()
         self._per_us = 0.0  # idle-loop iterations a microsecond (calibrated at the first post)
+        self._cycles_per_us = 0.0  # of the time stamp counter (inf: none; 0: not known yet)
         self._patience_us: float | None = None  # a fixed patience (set_waits), else learned
         self._spin_us: float = SPIN_MICROSECONDS
         # (chunk function, rows k) -> the caller's seconds a unit of chunk work
@@ -395,6 +395,33 @@ class KernelPool:
     def job_word(self, word: int) -> int:
         """Word ``word`` (:data:`ROWS`, :data:`N_IN`, ...) of the last job posted (tests)."""
         return int(self._st[WORDS * (1 + self._gen % AREAS) + word])
+
+    def counts(self) -> dict[str, float]:
+        """What the pool has done so far (benchmarks: differences over a run): products
+        ``posted``, ``declined`` (:meth:`run`) and posted while a helper slept
+        (``woken``); ``chunks`` posted, run by the ``caller`` and by the ``helpers``
+        (a chunk redone by the caller counts once for each); ``waited_us``: the caller's
+        wait for the chunks helpers held after its own; ``start_us`` / ``starts``: the
+        time from a post to a spinning helper's first chunk of the job, summed, and the
+        jobs, and ``woken_start_us`` / ``woken_starts`` the same for the first job after
+        a helper slept (microseconds; 0 without a time stamp counter)."""
+        if not self._cycles_per_us:  # calibrated here: not on a serving node's first post
+            self._cycles_per_us = _cycles_per_microsecond() or math.inf
+        st, per_us = self._st, self._cycles_per_us
+        helpers = [COUNTS + 8 * who for who in range(1, int(st[HELPERS]) + 1)]
+        return {
+            "posted": self.posted,
+            "declined": self.declined,
+            "woken": self.woken,
+            "chunks": int(st[CHUNKS]),
+            "caller": int(st[CALLER_RAN]) + self.redone,
+            "helpers": sum(int(st[h + HELPER_RAN]) for h in helpers),
+            "waited_us": int(st[WAITED]) / per_us,
+            "start_us": sum(int(st[h + STARTED]) for h in helpers) / per_us,
+            "starts": sum(int(st[h + STARTS]) for h in helpers),
+            "woken_start_us": sum(int(st[h + SLEPT_STARTED]) for h in helpers) / per_us,
+            "woken_starts": sum(int(st[h + SLEPT_STARTS]) for h in helpers),
+        }
 
     @property
     def redone(self) -> int:
@@ -546,6 +573,15 @@ def _per_microsecond(st: np.ndarray) -> float:
     t = time.perf_counter()
     _calibrate(st, n)
     return n / max(1e-6, (time.perf_counter() - t) * 1e6)
+
+
+def _cycles_per_microsecond() -> float:
+    """Time stamp counter cycles a microsecond (0 without one): both are wall clocks, so
+    a thread descheduled meanwhile does not change it."""
+    _now()  # compiled or loaded first
+    c, t = _now(), time.perf_counter()
+    time.sleep(0.002)
+    return float(_now() - c) / max(1e-6, (time.perf_counter() - t) * 1e6)
 
 
 def _helper(st: np.ndarray, event: threading.Event, who: int) -> None:

@@ -8,7 +8,7 @@ Kernel threads that outnumber the quota then spend it spinning and waiting on ea
 a node limited to 30 % of a core with two kernel threads got through its layers at about
 0.6× the rate of its 100 % neighbours in the placement lab, the second thread's spins
 and the product's split eating the share the first one needed. So the kernel pool's
-gauge (:class:`meshnode.engine.cpu.pool.CoreGauge`) counts at most this many cores as
+gauge (:class:`meshnode.engine.cpu.gauge.CoreGauge`) counts at most this many cores as
 the process's, as Go's ``automaxprocs`` and the JVM's container support do.
 
 Read from ``/proc/self/cgroup`` and the cgroup filesystem: cgroup v2's ``cpu.max``

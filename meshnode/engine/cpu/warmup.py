@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from meshnode.engine.cpu.pool import usable_cpus
+from meshnode.engine.cpu.gauge import usable_cpus
 
 __all__ = [
     "WAIT_LIMIT_S",
