@@ -394,16 +394,19 @@ def test_a_lone_window_is_cut_into_parts_for_the_threads() -> None:
     assert _part_rows(decode, True, 3, 2) == 16
 
 
-def _wexp(x: np.ndarray) -> np.ndarray:
+def _wexp(x: np.ndarray, nonpositive: bool = False) -> np.ndarray:
     from numba import njit
 
     from meshnode.engine.cpu.simd import wload, wstore
-    from meshnode.engine.cpu.vexp import wexp
+    from meshnode.engine.cpu.vexp import wexp, wexp_nonpositive
 
     @njit
     def run(x, out):  # type: ignore[no-untyped-def]
         for i in range(0, x.shape[0], 16):
-            wstore(out, i, wexp(wload(x, i)))
+            if nonpositive:
+                wstore(out, i, wexp_nonpositive(wload(x, i)))
+            else:
+                wstore(out, i, wexp(wload(x, i)))
 
     x = np.concatenate([x, np.zeros(-len(x) % 16, np.float32)])
     out = np.empty_like(x)
@@ -432,3 +435,18 @@ def test_vector_exp_is_within_two_ulps_of_the_exact_exponential() -> None:
     np.testing.assert_array_equal(got[:6], [1, 1, 0, 0, 0, np.inf])
     assert got[6] == np.inf
     assert np.isnan(got[7])
+
+
+def test_the_softmax_exponential_is_the_same_bits_at_or_below_zero() -> None:
+    """``wexp_nonpositive`` (the softmax's ``exp(s - max)``) leaves out only what ``wexp``
+    does above 0: the same bits for every argument at or below 0, and for NaN."""
+    rng = np.random.default_rng(23)
+    x = np.concatenate(
+        [
+            -rng.exponential(3.0, 100_000),
+            rng.uniform(-88, -86, 10_000),
+            [0, -0.0, -1e-30, -87.33654, -87.33655, -88, -1000, -np.inf, np.nan],
+        ]
+    ).astype(np.float32)
+    got, want = _wexp(x, nonpositive=True)[: len(x)], _wexp(x)[: len(x)]
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
