@@ -197,7 +197,7 @@ def _cache_of(table, s, layer, kv_heads, d, kv):  # type: ignore[no-untyped-def]
 @njit(nogil=True, cache=True, inline="always")
 def _scratch(d):  # type: ignore[no-untyped-def]
     # floats of a call's scratch beside its queries and scores: a query's QK-norm and RoPE
-    # (D), a float16 block of keys (LANES D) widened and three queries' sums with it
+    # (D), a float16 block of keys (LANES D) widened and two queries' sums with it
     # (TILE_SUMS), or a block of values (VALUES) widened
     return max(LANES * d + TILE_SUMS, VALUES)
 

@@ -11,9 +11,12 @@ sixteen keys, and each block of values (:data:`VALUES` floats), is read once for
 row that sees one of its keys, while it is in L1, rather than once per row: the KV cache
 of a window of 8 rows is read once, not 8 times. Within a block the work is cut to fit the
 registers (sixteen 8-lane ones with AVX2, where a sixteen-lane vector takes two): the dot
-products three queries at a time against two keys (:func:`_tile3`: six accumulators),
-the weighted sums of the rows that see every key of a block of values six queries at a
-time across rows, sixteen lanes of the head dimension at a time (:func:`_accumulate6`),
+products two queries at a time against two keys (:func:`_tile2`: four sixteen-lane
+accumulators, each key and query vector loaded once per step for two products), their
+sums across lanes begun in registers (:func:`.simd_sums.wpair`) and ended sixteen keys at
+a time (:func:`.simd_sums.wsums_pairs`); the weighted sums of the rows that see every key
+of a block of values six queries at a time across rows, sixteen lanes of the head
+dimension at a time (:func:`_accumulate6`),
 the other rows' two queries at a time over thirty-two lanes. Sixteen accumulators of
 sixteen lanes (64 lanes of a value row for two queries, or sixteen keys for one query)
 spilled to memory at every step: a resumed suffix of 170 rows over a 1,630-position cache
@@ -284,8 +287,8 @@ def _row_scores(qbuf, group, kc, blocks, lo, t, d, scale, scores, stride, buf): 
     # key_scores for one row: its t keys from position ``lo`` (its first key), the blocks
     # of sixteen counted from there (each score the same bits whatever block it is in); a
     # float16 block widened into buf (LANES D floats) once for the group's queries
-    # (one query after another, as before the many-row path's _tile3: whether a row's
-    # three queries gain from it is not settled; a first try read ~7% slower, in a grid
+    # (one query after another, as before the many-row path's tiles: whether a row's
+    # three queries gain from one is not settled; a first try read ~7% slower, in a grid
     # whose first variant ran with cold caches)
     full = t - t % LANES
     sc = wsplat(scale)
@@ -314,7 +317,7 @@ def key_scores(qbuf, group, kc, blocks, pos0, rows, window, d, scale, scores, st
     each sum as wsum makes it, each block of keys read once for every row that sees one
     of them (a block's lanes outside a row's keys land in its row's margins). ``buf``:
     LANES D + :data:`TILE_SUMS` floats of scratch (a float16 block of keys widened once for
-    all its rows, and three queries' sums with it)."""
+    all its rows, and two queries' first-level sums with it)."""
     lo0, end = first_key(pos0, window), pos0 + rows
     if rows == 1:
         _row_scores(qbuf, group, kc, blocks, lo0, end - lo0, d, scale, scores, stride, buf)
