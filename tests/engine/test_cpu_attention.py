@@ -450,3 +450,35 @@ def test_the_softmax_exponential_is_the_same_bits_at_or_below_zero() -> None:
     ).astype(np.float32)
     got, want = _wexp(x, nonpositive=True)[: len(x)], _wexp(x)[: len(x)]
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_lane_sums_from_their_first_level_are_wsums_bits() -> None:
+    """The score tiles' sums across lanes (``simd_sums``: the first level in registers,
+    the rest sixteen keys at a time) are ``simd.wsums``' bit for bit, on sums whose
+    order shows: magnitudes from 1e-8 to 1e8 of both signs."""
+    from numba import njit
+
+    from meshnode.engine.cpu.simd import wload, wstore, wsums
+    from meshnode.engine.cpu.simd_sums import wpair, wsums_pairs
+
+    @njit
+    def both(x, out):  # type: ignore[no-untyped-def]
+        v0, v1, v2, v3 = wload(x, 0), wload(x, 16), wload(x, 32), wload(x, 48)
+        v4, v5, v6, v7 = wload(x, 64), wload(x, 80), wload(x, 96), wload(x, 112)
+        v8, v9, v10, v11 = wload(x, 128), wload(x, 144), wload(x, 160), wload(x, 176)
+        v12, v13, v14, v15 = wload(x, 192), wload(x, 208), wload(x, 224), wload(x, 240)
+        whole = (v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
+        wstore(out, 0, wsums(whole))
+        pairs = (
+            wpair(v0, v1), wpair(v2, v3), wpair(v4, v5), wpair(v6, v7),
+            wpair(v8, v9), wpair(v10, v11), wpair(v12, v13), wpair(v14, v15),
+        )  # fmt: skip
+        wstore(out, 16, wsums_pairs(pairs))
+
+    rng = np.random.default_rng(29)
+    for _ in range(20):
+        scale = 10.0 ** rng.uniform(-8, 8, 256)
+        x = (rng.standard_normal(256) * scale).astype(np.float32)
+        out = np.empty(32, np.float32)
+        both(x, out)
+        np.testing.assert_array_equal(out[16:].view(np.uint32), out[:16].view(np.uint32))
