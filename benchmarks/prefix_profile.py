@@ -1,21 +1,23 @@
 """Where a resumed chat turn's time goes (issue 30: flat turns), in thread CPU time.
 
 Run: ``.venv/bin/python benchmarks/prefix_profile.py [--turns 2 10] [--repeat 5]
-[--dtype q8]``
+[--dtype q8] [--threads 1]``
 
 One stage holds SmolLM2-135M in its GGUF blocks (``--dtype native``, the default here;
 ``q8`` is what ``meshnode join`` runs on a CPU, with float16 K/V: ``--kv-dtype auto``),
-kernel and BLAS threads at one. For each turn of ``benchmarks/prefix.py``'s chat, the parts of its
+kernel and BLAS threads at ``--threads`` (one by default; ``meshnode join`` runs one per
+core). For each turn of ``benchmarks/prefix.py``'s chat, the parts of its
 first token with the cache on, each the least of ``--repeat`` runs (on a busy machine the
 least disturbed; medians swing by 20% at a load of 10): templating and
 tokenizing the whole conversation, the hash chain of its blocks, a hit on the cached
 prefix's blocks (those of the previous turn's prompt that this one repeats: a released
 paged cache takes them into its block table, by reference), and the suffix's prefill from
-the end of the cached prefix, with its attention (``blocked_attention``, over the
-sequence's keys and values gathered from its blocks) and the writes and reads of the
-sequence's K/V for it (``PagedCache.write``: the gather, float16 widened) apart.
-CPU time of this process (one kernel and BLAS thread), so the figures hold on a busy
-machine; ``uptime`` is printed first and last.
+the end of the cached prefix, with its attention (the compiled kernel's calls,
+``KernelAttention``, which read the keys and values through the block table; and the BLAS
+path's ``blocked_attention``, where the kernel cannot run) and the writes and reads of the
+sequence's K/V for the BLAS path (``PagedCache.write``: the gather, float16 widened) apart.
+CPU time of this process (all its threads), so the figures hold on a busy machine;
+``uptime`` is printed first and last.
 """
 
 from __future__ import annotations
@@ -90,11 +92,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dtype", choices=["native", "q8"], default="native")
     parser.add_argument("--kv-dtype", choices=["auto", "f32", "f16"], default="auto")
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     print("uptime:", uptime(), flush=True)
-    limit = limit_cpu_threads(1)
+    limit = limit_cpu_threads(args.threads)
     kv_dtype = resolve_kv_dtype(args.kv_dtype, args.dtype)
-    print(f"weights {args.dtype}, K/V {kv_dtype}", flush=True)
+    print(f"weights {args.dtype}, K/V {kv_dtype}, {args.threads} threads", flush=True)
     model = load_model(str(smollm2_gguf_path()), cpu_backend(args.dtype), kv_dtype)
     stage, c = model.stage, model.config
     codec = EngineCodec(model.tokenizer, model.chat_template, c.vocab_size)
@@ -104,8 +107,9 @@ def main() -> None:
     pool = PrefixPool(kv, "profile", blocks // 2)
     cache, seq = PagedCache(kv, CONTEXT), PagedCache(kv, CONTEXT)
     prefill(stage, cache, [1, 2, 3], 0)  # compile the kernels
-    spent = [0.0, 0.0]  # ms in blocked_attention, in PagedCache.write
-    attention.blocked_attention = _timed(attention.blocked_attention, spent, 0)
+    spent = [0.0, 0.0]  # ms in the attention (kernel and BLAS path), in PagedCache.write
+    kernel = attention.KernelAttention
+    kernel.__call__ = _timed(kernel.__call__, spent, 0)  # type: ignore[method-assign]
     PagedCache.write = _timed(PagedCache.write, spent, 1)  # type: ignore[method-assign]
     print("turn | prompt | cached | template+tokens | chain | hit | suffix (attention, K/V) ms")
     for turn in args.turns:

@@ -394,16 +394,19 @@ def test_a_lone_window_is_cut_into_parts_for_the_threads() -> None:
     assert _part_rows(decode, True, 3, 2) == 16
 
 
-def _wexp(x: np.ndarray) -> np.ndarray:
+def _wexp(x: np.ndarray, nonpositive: bool = False) -> np.ndarray:
     from numba import njit
 
     from meshnode.engine.cpu.simd import wload, wstore
-    from meshnode.engine.cpu.vexp import wexp
+    from meshnode.engine.cpu.vexp import wexp, wexp_nonpositive
 
     @njit
     def run(x, out):  # type: ignore[no-untyped-def]
         for i in range(0, x.shape[0], 16):
-            wstore(out, i, wexp(wload(x, i)))
+            if nonpositive:
+                wstore(out, i, wexp_nonpositive(wload(x, i)))
+            else:
+                wstore(out, i, wexp(wload(x, i)))
 
     x = np.concatenate([x, np.zeros(-len(x) % 16, np.float32)])
     out = np.empty_like(x)
@@ -432,3 +435,50 @@ def test_vector_exp_is_within_two_ulps_of_the_exact_exponential() -> None:
     np.testing.assert_array_equal(got[:6], [1, 1, 0, 0, 0, np.inf])
     assert got[6] == np.inf
     assert np.isnan(got[7])
+
+
+def test_the_softmax_exponential_is_the_same_bits_at_or_below_zero() -> None:
+    """``wexp_nonpositive`` (the softmax's ``exp(s - max)``) leaves out only what ``wexp``
+    does above 0: the same bits for every argument at or below 0, and for NaN."""
+    rng = np.random.default_rng(23)
+    x = np.concatenate(
+        [
+            -rng.exponential(3.0, 100_000),
+            rng.uniform(-88, -86, 10_000),
+            [0, -0.0, -1e-30, -87.33654, -87.33655, -88, -1000, -np.inf, np.nan],
+        ]
+    ).astype(np.float32)
+    got, want = _wexp(x, nonpositive=True)[: len(x)], _wexp(x)[: len(x)]
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_lane_sums_from_their_first_level_are_wsums_bits() -> None:
+    """The score tiles' sums across lanes (``simd_sums``: the first level in registers,
+    the rest sixteen keys at a time) are ``simd.wsums``' bit for bit, on sums whose
+    order shows: magnitudes from 1e-8 to 1e8 of both signs."""
+    from numba import njit
+
+    from meshnode.engine.cpu.simd import wload, wstore, wsums
+    from meshnode.engine.cpu.simd_sums import wpair, wsums_pairs
+
+    @njit
+    def both(x, out):  # type: ignore[no-untyped-def]
+        v0, v1, v2, v3 = wload(x, 0), wload(x, 16), wload(x, 32), wload(x, 48)
+        v4, v5, v6, v7 = wload(x, 64), wload(x, 80), wload(x, 96), wload(x, 112)
+        v8, v9, v10, v11 = wload(x, 128), wload(x, 144), wload(x, 160), wload(x, 176)
+        v12, v13, v14, v15 = wload(x, 192), wload(x, 208), wload(x, 224), wload(x, 240)
+        whole = (v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
+        wstore(out, 0, wsums(whole))
+        pairs = (
+            wpair(v0, v1), wpair(v2, v3), wpair(v4, v5), wpair(v6, v7),
+            wpair(v8, v9), wpair(v10, v11), wpair(v12, v13), wpair(v14, v15),
+        )  # fmt: skip
+        wstore(out, 16, wsums_pairs(pairs))
+
+    rng = np.random.default_rng(29)
+    for _ in range(20):
+        scale = 10.0 ** rng.uniform(-8, 8, 256)
+        x = (rng.standard_normal(256) * scale).astype(np.float32)
+        out = np.empty(32, np.float32)
+        both(x, out)
+        np.testing.assert_array_equal(out[16:].view(np.uint32), out[:16].view(np.uint32))

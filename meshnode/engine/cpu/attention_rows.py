@@ -11,9 +11,12 @@ sixteen keys, and each block of values (:data:`VALUES` floats), is read once for
 row that sees one of its keys, while it is in L1, rather than once per row: the KV cache
 of a window of 8 rows is read once, not 8 times. Within a block the work is cut to fit the
 registers (sixteen 8-lane ones with AVX2, where a sixteen-lane vector takes two): the dot
-products three queries at a time against two keys (:func:`_tile3`: six accumulators),
-the weighted sums of the rows that see every key of a block of values six queries at a
-time across rows, sixteen lanes of the head dimension at a time (:func:`_accumulate6`),
+products two queries at a time against two keys (:func:`_tile2`: four sixteen-lane
+accumulators, each key and query vector loaded once per step for two products), their
+sums across lanes begun in registers (:func:`.simd_sums.wpair`) and ended sixteen keys at
+a time (:func:`.simd_sums.wsums_pairs`); the weighted sums of the rows that see every key
+of a block of values six queries at a time across rows, sixteen lanes of the head
+dimension at a time (:func:`_accumulate6`),
 the other rows' two queries at a time over thirty-two lanes. Sixteen accumulators of
 sixteen lanes (64 lanes of a value row for two queries, or sixteen keys for one query)
 spilled to memory at every step: a resumed suffix of 170 rows over a 1,630-position cache
@@ -47,7 +50,8 @@ from numba.extending import overload
 
 from meshnode.engine.cpu.simd import wadd, wfma, wload, wmul, wsplat, wstore, wsum, wsums, wzero
 from meshnode.engine.cpu.simd_kv import line_of, prefetch_kv, wload_kv
-from meshnode.engine.cpu.vexp import wdiv, wexp, wmax, wmax_lane
+from meshnode.engine.cpu.simd_sums import wpair, wsums_pairs
+from meshnode.engine.cpu.vexp import wdiv, wexp_nonpositive, wmax, wmax_lane
 from meshnode.engine.kv_cache import KV_BLOCK
 
 __all__ = [
@@ -58,6 +62,7 @@ __all__ = [
     "block_softmax",
     "first_key",
     "key_scores",
+    "query_first_key",
     "slot_row",
     "softmax",
     "staged",
@@ -74,8 +79,8 @@ AHEAD = 1024
 # accumulators), at least sixteen keys.
 VALUES = 2048
 # Floats of scratch past a block of keys (LANES D) that key_scores takes for the
-# sixteen-lane sums of three queries with a block's sixteen keys (_tile3).
-TILE_SUMS = 3 * LANES * LANES
+# first-level sums of two queries with a block's sixteen keys (_tile2).
+TILE_SUMS = 2 * LANES * LANES // 2
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -118,52 +123,77 @@ def _scores16(q, q0, kc, at, d):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _sums16(sums, at):  # type: ignore[no-untyped-def]
-    # wsums of the sixteen sixteen-lane vectors at sums[at], sums[at + 16]...
-    return wsums(
+def _pairs8(sums, at):  # type: ignore[no-untyped-def]
+    # wsums of sixteen keys' dot products from their first level (_tile2's eight wpair
+    # vectors at sums[at], sums[at + 16]...)
+    return wsums_pairs(
         (
             wload(sums, at), wload(sums, at + LANES), wload(sums, at + 2 * LANES),
             wload(sums, at + 3 * LANES), wload(sums, at + 4 * LANES),
             wload(sums, at + 5 * LANES), wload(sums, at + 6 * LANES),
-            wload(sums, at + 7 * LANES), wload(sums, at + 8 * LANES),
-            wload(sums, at + 9 * LANES), wload(sums, at + 10 * LANES),
-            wload(sums, at + 11 * LANES), wload(sums, at + 12 * LANES),
-            wload(sums, at + 13 * LANES), wload(sums, at + 14 * LANES),
-            wload(sums, at + 15 * LANES),
+            wload(sums, at + 7 * LANES),
         )
     )  # fmt: skip
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _step2(q, q0, q1, keys, a, b, a0, b0, a1, b1):  # type: ignore[no-untyped-def]
+    # one sixteen-lane step of the head dimension of _tile2: queries at q0 and q1, keys at
+    # a and b (each loaded once for both queries)
+    ka, kb = wload(keys, a), wload(keys, b)
+    x = wload(q, q0)
+    a0, b0 = wfma(x, ka, a0), wfma(x, kb, b0)
+    x = wload(q, q1)
+    return a0, b0, wfma(x, ka, a1), wfma(x, kb, b1)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _begin2(q, q0, q1, keys, a, b):  # type: ignore[no-untyped-def]
+    # the first step of _tile2 (products, no sums yet)
+    ka, kb = wload(keys, a), wload(keys, b)
+    x = wload(q, q0)
+    a0, b0 = wmul(x, ka), wmul(x, kb)
+    x = wload(q, q1)
+    return a0, b0, wmul(x, ka), wmul(x, kb)
+
+
 @njit(nogil=True, cache=True)
-def _tile3(q, q0, keys, k0, d, sums):  # type: ignore[no-untyped-def]
-    # _dot(q, q0 + i D, keys, k0 + k D, d) for three queries i and the sixteen keys k of a
-    # block (float32: staged), into sums[(i 16 + k) 16 ...]: two keys at a time for the
-    # three queries, six accumulators in registers (the head dimension's steps in order,
-    # each the same product and sum as _dot's: the same bits), each key read once per
-    # query from L1, where _scores16's sixteen accumulators do not fit the registers
+def _tile2(q, q0, keys, k0, d, sums):  # type: ignore[no-untyped-def]
+    # _dot(q, q0 + i D, keys, k0 + k D, d) for two queries i and the sixteen keys k of a
+    # block (float32: staged), two keys at a time: eight accumulators, the two keys'
+    # vectors and a query's in registers, each loaded once per step of the head
+    # dimension (in order, each the same product and sum as _dot's: the same bits); the
+    # first level of their wsums taken at once (wpair), into sums[(i 8 + k / 2) 16 ...].
+    # D a multiple of 64 (else _tile2_any): four steps at a time, straight code (a loop
+    # of one step each, or a test of D inside the keys' loop, took ~1.2x as long)
+    q1 = q0 + d
     for k in range(0, LANES, 2):
         a = k0 + k * d
         b = a + d
-        x = wload(q, q0)
-        a0, b0 = wmul(x, wload(keys, a)), wmul(x, wload(keys, b))
-        x = wload(q, q0 + d)
-        a1, b1 = wmul(x, wload(keys, a)), wmul(x, wload(keys, b))
-        x = wload(q, q0 + 2 * d)
-        a2, b2 = wmul(x, wload(keys, a)), wmul(x, wload(keys, b))
+        a0, b0, a1, b1 = _begin2(q, q0, q1, keys, a, b)
+        for c in range(LANES, 4 * LANES, LANES):  # constant bounds: unrolled
+            a0, b0, a1, b1 = _step2(q, q0 + c, q1 + c, keys, a + c, b + c, a0, b0, a1, b1)
+        for c4 in range(4 * LANES, d, 4 * LANES):
+            for c in range(c4, c4 + 4 * LANES, LANES):
+                a0, b0, a1, b1 = _step2(q, q0 + c, q1 + c, keys, a + c, b + c, a0, b0, a1, b1)
+        at = k * LANES // 2
+        wstore(sums, at, wpair(a0, b0))
+        wstore(sums, at + LANES * LANES // 2, wpair(a1, b1))
+
+
+@njit(nogil=True, cache=True)
+def _tile2_any(q, q0, keys, k0, d, sums):  # type: ignore[no-untyped-def]
+    # _tile2 for any D (a multiple of sixteen), a step at a time
+    q1 = q0 + d
+    for k in range(0, LANES, 2):
+        a = k0 + k * d
+        b = a + d
+        a0, b0, a1, b1 = _begin2(q, q0, q1, keys, a, b)
         for c in range(LANES, d, LANES):
-            x = wload(q, q0 + c)
-            a0, b0 = wfma(x, wload(keys, a + c), a0), wfma(x, wload(keys, b + c), b0)
-            x = wload(q, q0 + d + c)
-            a1, b1 = wfma(x, wload(keys, a + c), a1), wfma(x, wload(keys, b + c), b1)
-            x = wload(q, q0 + 2 * d + c)
-            a2, b2 = wfma(x, wload(keys, a + c), a2), wfma(x, wload(keys, b + c), b2)
-        at = k * LANES
-        wstore(sums, at, a0)
-        wstore(sums, at + LANES, b0)
-        wstore(sums, at + LANES * LANES, a1)
-        wstore(sums, at + LANES * LANES + LANES, b1)
-        wstore(sums, at + 2 * LANES * LANES, a2)
-        wstore(sums, at + 2 * LANES * LANES + LANES, b2)
+            a0, b0, a1, b1 = _step2(q, q0 + c, q1 + c, keys, a + c, b + c, a0, b0, a1, b1)
+        at = k * LANES // 2
+        wstore(sums, at, wpair(a0, b0))
+        wstore(sums, at + LANES * LANES // 2, wpair(a1, b1))
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -171,6 +201,14 @@ def first_key(pos, window):  # type: ignore[no-untyped-def]
     """The first position a query at ``pos`` sees (``window``: the sliding window, 0 if
     none)."""
     return 0 if window == 0 else max(0, pos - window + 1)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def query_first_key(q, group, pos0, window):  # type: ignore[no-untyped-def]
+    """:func:`first_key` of query ``q`` of a block of rows from ``pos0`` (row ``q //
+    group``); without a window 0, and no division (one per query and block of keys cost
+    the many-row loops ~2 cycles per score)."""
+    return 0 if window == 0 else first_key(pos0 + q // group, window)
 
 
 # log2 of KV_BLOCK: a position's block is its high bits
@@ -224,18 +262,21 @@ def staged_keys(kc, blocks, j, d, buf):  # type: ignore[no-untyped-def]
 @njit(nogil=True, cache=True)
 def _block_scores(qbuf, q, end, group, keys, k0, d, pos0, window, j, sc, scores, stride, sums):  # type: ignore[no-untyped-def]
     # the scores of queries q .. end - 1 (query q of row q // G, at position pos0 + q // G)
-    # with the sixteen keys from position j (keys[k0 ...], float32): three queries at a
-    # time (_tile3, its sums in ``sums``: TILE_SUMS floats), then one at a time
+    # with the sixteen keys from position j (keys[k0 ...], float32): two queries at a
+    # time (_tile2, its sums in ``sums``: TILE_SUMS floats), then one
     while q < end:
-        if q + 3 <= end:
-            _tile3(qbuf, q * d, keys, k0, d, sums)
-            for i in range(3):
-                lo = first_key(pos0 + (q + i) // group, window)
+        if q + 2 <= end:
+            if d % (4 * LANES) == 0:
+                _tile2(qbuf, q * d, keys, k0, d, sums)
+            else:
+                _tile2_any(qbuf, q * d, keys, k0, d, sums)
+            for i in range(2):
+                lo = query_first_key(q + i, group, pos0, window)
                 at = (q + i) * stride + PAD + j - lo
-                wstore(scores, at, wmul(_sums16(sums, i * LANES * LANES), sc))
-            q += 3
+                wstore(scores, at, wmul(_pairs8(sums, i * LANES * LANES // 2), sc))
+            q += 2
         else:
-            lo = first_key(pos0 + q // group, window)
+            lo = query_first_key(q, group, pos0, window)
             s16 = _scores16(qbuf, q * d, keys, k0, d)
             wstore(scores, q * stride + PAD + j - lo, wmul(s16, sc))
             q += 1
@@ -246,8 +287,8 @@ def _row_scores(qbuf, group, kc, blocks, lo, t, d, scale, scores, stride, buf): 
     # key_scores for one row: its t keys from position ``lo`` (its first key), the blocks
     # of sixteen counted from there (each score the same bits whatever block it is in); a
     # float16 block widened into buf (LANES D floats) once for the group's queries
-    # (one query after another, as before the many-row path's _tile3: whether a row's
-    # three queries gain from it is not settled; a first try read ~7% slower, in a grid
+    # (one query after another, as before the many-row path's tiles: whether a row's
+    # three queries gain from one is not settled; a first try read ~7% slower, in a grid
     # whose first variant ran with cold caches)
     full = t - t % LANES
     sc = wsplat(scale)
@@ -276,7 +317,7 @@ def key_scores(qbuf, group, kc, blocks, pos0, rows, window, d, scale, scores, st
     each sum as wsum makes it, each block of keys read once for every row that sees one
     of them (a block's lanes outside a row's keys land in its row's margins). ``buf``:
     LANES D + :data:`TILE_SUMS` floats of scratch (a float16 block of keys widened once for
-    all its rows, and three queries' sums with it)."""
+    all its rows, and two queries' first-level sums with it)."""
     lo0, end = first_key(pos0, window), pos0 + rows
     if rows == 1:
         _row_scores(qbuf, group, kc, blocks, lo0, end - lo0, d, scale, scores, stride, buf)
@@ -319,7 +360,7 @@ def softmax(s, s0, t):  # type: ignore[no-untyped-def]
     shift = wsplat(-wmax_lane(top))
     acc = wzero()
     for j in range(s0, s0 + full, LANES):
-        e = wexp(wadd(wload(s, j), shift))
+        e = wexp_nonpositive(wadd(wload(s, j), shift))  # s - max <= 0
         wstore(s, j, e)
         acc = wadd(acc, e)
     total = wsplat(wsum(acc))

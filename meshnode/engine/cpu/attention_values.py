@@ -21,6 +21,7 @@ from meshnode.engine.cpu.attention_rows import (
     PAD,
     VALUES,
     first_key,
+    query_first_key,
     slot_row,
     staged,
 )
@@ -217,7 +218,7 @@ def _accumulate6(p, ss, vc, off, a, b, d, out, oo):  # type: ignore[no-untyped-d
 @njit(nogil=True, cache=True, inline="always")
 def _offsets(q, group, pos0, window, stride, d):  # type: ignore[no-untyped-def]
     # query q's first score (of its row's first key, less that key) and accumulators
-    return q * stride + PAD - first_key(pos0 + q // group, window), q * d
+    return q * stride + PAD - query_first_key(q, group, pos0, window), q * d
 
 
 @njit(nogil=True, cache=True)

@@ -29,7 +29,16 @@ from numba.core import cgutils
 
 from meshnode.engine.cpu.simd import F32x16, intrinsic
 
-__all__ = ["EXP_MAX", "EXP_MIN", "prefetch_f32", "wdiv", "wexp", "wmax", "wmax_lane"]
+__all__ = [
+    "EXP_MAX",
+    "EXP_MIN",
+    "prefetch_f32",
+    "wdiv",
+    "wexp",
+    "wexp_nonpositive",
+    "wmax",
+    "wmax_lane",
+]
 
 LANES = 16
 # Where e^x is a normal float32: below EXP_MIN wexp is 0, above EXP_MAX +inf.
@@ -65,13 +74,23 @@ def _fma(builder: Any, a: Any, b: Any, c: Any) -> Any:
     return builder.call(fn, [a, b, c])
 
 
-def _exp(builder: Any, x: Any) -> Any:
-    """The IR of :func:`wexp` on the ``<16 x float>`` value ``x``."""
+def _exp(builder: Any, x: Any, nonpositive: bool = False) -> Any:
+    """The IR of :func:`wexp` on the ``<16 x float>`` value ``x`` (``nonpositive``: of
+    :func:`wexp_nonpositive`, for ``x <= 0`` or NaN only)."""
     low = builder.fcmp_ordered("<", x, _const(EXP_MIN))
-    high = builder.fcmp_ordered(">", x, _const(EXP_MAX))
     # clamped so that n stays in -126 .. 128 (NaN passes through the selects and fmas)
     xc = builder.select(low, _const(EXP_MIN), x)
+    if nonpositive:  # x <= 0: never above EXP_MAX, n <= 0
+        return _scaled(builder, xc, low, None)
+    high = builder.fcmp_ordered(">", x, _const(EXP_MAX))
     xc = builder.select(high, _const(EXP_MAX), xc)
+    return _scaled(builder, xc, low, high)
+
+
+def _scaled(builder: Any, xc: Any, low: Any, high: Any) -> Any:
+    """:func:`_exp` from its clamped argument ``xc``, ``low`` and ``high`` its lanes below
+    EXP_MIN and above EXP_MAX (``high`` None: none above, and n <= 0: the steps for
+    n = 128 and the select of +inf left out, each a no-op there)."""
     n = builder.fsub(_fma(builder, xc, _const(_LOG2E), _const(_MAGIC)), _const(_MAGIC))
     r = _fma(builder, n, _const(-_LN2_HI), xc)
     r = _fma(builder, n, _const(-_LN2_LO), r)
@@ -79,16 +98,19 @@ def _exp(builder: Any, x: Any) -> Any:
     for c in _P[1:]:
         p = _fma(builder, p, r, _const(c))
     y = builder.fadd(_fma(builder, p, builder.fmul(r, r), r), _const(1.0))
-    # 2^n as bits: n = 128 (only at EXP_MAX) would be +inf's exponent; use 2^127 * 2
-    top = builder.fcmp_ordered(">", n, _const(127.0))
-    n = builder.select(top, _const(127.0), n)
-    y = builder.select(top, builder.fmul(y, _const(2.0)), y)
+    if high is not None:
+        # 2^n as bits: n = 128 (only at EXP_MAX) would be +inf's exponent; use 2^127 * 2
+        top = builder.fcmp_ordered(">", n, _const(127.0))
+        n = builder.select(top, _const(127.0), n)
+        y = builder.select(top, builder.fmul(y, _const(2.0)), y)
     bits = builder.shl(
         builder.add(builder.fptosi(n, _VIW), ir.Constant(_VIW, [127] * LANES)),
         ir.Constant(_VIW, [23] * LANES),
     )
     out = builder.fmul(y, builder.bitcast(bits, _VW))
     out = builder.select(low, _const(0.0), out)
+    if high is None:
+        return out
     return builder.select(high, _const(float("inf")), out)
 
 
@@ -100,6 +122,19 @@ def wexp(typingctx: Any, v: Any) -> Any:
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         return _exp(builder, args[0])
+
+    return F32x16(v), codegen
+
+
+@intrinsic
+def wexp_nonpositive(typingctx: Any, v: Any) -> Any:
+    """:func:`wexp` of lanes that are at most 0 (or NaN), the same bits, without its
+    handling of large arguments (a softmax's ``s - max``: ~a fifth fewer instructions)."""
+    if v != F32x16:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return _exp(builder, args[0], nonpositive=True)
 
     return F32x16(v), codegen
 
