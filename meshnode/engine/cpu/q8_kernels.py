@@ -378,7 +378,7 @@ def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-u
             _, ot, dxt, _ = _areas(n, blocks)
             at = 32 * (r // 8) * nb + 4 * (r % 8)
             lo, hi = ot + at, ot + 32 * blocks + at
-            return eight_mxfp4(w, bases, q, HEADER + 32 * r * nb, dxt + at, lo, hi, nb)
+            return eight_mxfp4(w, bases, q, HEADER + 32 * r * nb, dxt + at, lo, hi, nb, pf)
 
         return mxfp4
     if kind not in K_FORMATS:
@@ -409,10 +409,11 @@ def _rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
     if k <= ONE_ROW_MAX:
         for r in range(k):
             for o in range(lo, hi, 8):
-                # the K-quants' super-block loops ask for the eight rows' bytes
-                # PREFETCH_BYTES ahead a super-block at a time, between their dot products
+                # the K-quants' super-block loops and MXFP4's ask for the next eight
+                # rows' bytes a super-block or a block at a time, between their dot
+                # products
                 pf = min(o * size + 8 * size, max(0, end - 8 * size))
-                if not superblocked(fmt):
+                if not superblocked(fmt) and fmt != MXFP4_ID:
                     for i in range(8):
                         if (o + i) * size + PREFETCH_BYTES < end:
                             for line in range(0, size, 64):
