@@ -53,7 +53,7 @@ _SHIFT = Q8_OFFSET.bit_length() - 1  # the offset term is -(sum of the quants) <
 # one burst of 192 lines. Measured on gpt-oss-20b's shape (one thread, thread CPU time,
 # load 4-5, base and this alternating): the 48 expert matrices of four layers (212 MB,
 # the GGUF's memory map) 29-35 -> 16-20 ms (~7 -> ~13 GB/s; llama.cpp's repacked
-# ggml_gemv_mxfp4_8x8_q8_0 streams ~11.7 GB/s here); one layer's four chosen experts
+# ggml_gemv_mxfp4_8x8_q8_0 streams ~11.7 GB/s here); four layers of four chosen experts
 # 31 -> 17.5 ms.
 _AHEAD_LINES = 3
 
