@@ -38,7 +38,7 @@ from meshnode.engine.cpu.simd_int import (
 )
 from meshnode.engine.cpu.simd_q8 import vmul
 
-__all__ = ["eight_mxfp4", "fp4_pair", "pair_sums"]
+__all__ = ["eight_mxfp4", "fp4_pair", "fp4_pair2", "pair_sums", "two_mxfp4"]
 
 _I8, _I32 = ir.IntType(8), ir.IntType(32)
 _VB16, _VB = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
@@ -68,6 +68,38 @@ def _pointer(context: Any, builder: Any, aryty: Any, ary: Any, ty: Any, off: Any
     return builder.bitcast(builder.gep(data, [at]), to.as_pointer())
 
 
+def _pair_codegen(context: Any, builder: Any, sig: Any, args: Any) -> list[Any]:
+    # fp4_pair's lanes for (w, a, b, q, xo, xo2, ...): the two rows' codes unpacked
+    # once, then their dot products with each activation block at xo, xo2, ...
+    wty, aty, bty, qty = sig.args[:4]
+    w, a, b, q = args[:4]
+
+    def load(aryty: Any, ary: Any, ty: Any, off: Any) -> Any:
+        ptr = _pointer(context, builder, aryty, ary, ty, off, _VB16)
+        return builder.load(ptr, align=1)
+
+    both = builder.shuffle_vector(
+        load(wty, w, aty, a),
+        load(wty, w, bty, b),
+        ir.Constant(ir.VectorType(_I32, 32), list(range(32))),
+    )
+    u_low = _pick_bytes(builder, builder.and_(both, ir.Constant(_VB, [15] * 32)))
+    u_high = _pick_bytes(builder, builder.lshr(both, ir.Constant(_VB, [4] * 32)))
+    copies = ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2)
+    out = []
+    for xty, xo in zip(sig.args[4:], args[4:], strict=True):
+        x = load(qty, q, xty, xo)
+        x_low = builder.shuffle_vector(x, x, copies)  # quants 0-15 in both halves
+        x = load(qty, q, xty, builder.add(xo, ir.Constant(xo.type, 16)))
+        x_high = builder.shuffle_vector(x, x, copies)  # quants 16-31
+        if madd_bytes() and not vnni():
+            out.append(_dot_madd(builder, u_low, x_low, u_high, x_high))
+        else:
+            dot = _dot_vnni if vnni() else _dot_generic
+            out.append(builder.add(dot(builder, u_low, x_low), dot(builder, u_high, x_high)))
+    return out
+
+
 @intrinsic
 def fp4_pair(typingctx: Any, w: Any, a: Any, b: Any, q: Any, xo: Any) -> Any:
     """Eight int32 lanes: lanes 0-3 sum to ``u . x`` for the MXFP4 block codes at bytes
@@ -79,31 +111,25 @@ def fp4_pair(typingctx: Any, w: Any, a: Any, b: Any, q: Any, xo: Any) -> Any:
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        wty, aty, bty, qty, xty = sig.args
-        w, a, b, q, xo = args
-
-        def load(aryty: Any, ary: Any, ty: Any, off: Any) -> Any:
-            ptr = _pointer(context, builder, aryty, ary, ty, off, _VB16)
-            return builder.load(ptr, align=1)
-
-        both = builder.shuffle_vector(
-            load(wty, w, aty, a),
-            load(wty, w, bty, b),
-            ir.Constant(ir.VectorType(_I32, 32), list(range(32))),
-        )
-        u_low = _pick_bytes(builder, builder.and_(both, ir.Constant(_VB, [15] * 32)))
-        u_high = _pick_bytes(builder, builder.lshr(both, ir.Constant(_VB, [4] * 32)))
-        copies = ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2)
-        x = load(qty, q, xty, xo)
-        x_low = builder.shuffle_vector(x, x, copies)  # quants 0-15 in both halves
-        x = load(qty, q, xty, builder.add(xo, ir.Constant(xo.type, 16)))
-        x_high = builder.shuffle_vector(x, x, copies)  # quants 16-31
-        if madd_bytes() and not vnni():
-            return _dot_madd(builder, u_low, x_low, u_high, x_high)
-        dot = _dot_vnni if vnni() else _dot_generic
-        return builder.add(dot(builder, u_low, x_low), dot(builder, u_high, x_high))
+        return _pair_codegen(context, builder, sig, args)[0]
 
     return I32x8(w, a, b, q, xo), codegen
+
+
+@intrinsic
+def fp4_pair2(typingctx: Any, w: Any, a: Any, b: Any, q: Any, xo: Any, xo2: Any) -> Any:
+    """:func:`fp4_pair` of the same codes with two activation blocks, at ``xo`` and at
+    ``xo2`` (the codes unpacked once): the same two sets of lanes, exact."""
+    ok = _is_bytes(w) and _is_bytes(q)
+    if not ok or not all(isinstance(t, types.Integer) for t in (a, b, xo, xo2)):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        lanes = _pair_codegen(context, builder, sig, args)
+        return context.make_tuple(builder, sig.return_type, lanes)
+
+    pair = types.UniTuple(I32x8, 2)  # type: ignore[no-untyped-call]
+    return pair(w, a, b, q, xo, xo2), codegen
 
 
 @intrinsic
@@ -162,3 +188,33 @@ def eight_mxfp4(w, bases, q, xo, dx, lo, hi, nb, pf):  # type: ignore[no-untyped
     if nb % 2:
         acc, acc1 = acc1, acc
     return vadd(acc1, acc)  # the odd chunks' + the even chunks'
+
+
+@inner
+def two_mxfp4(w, bases, q, xo, dx, lo, hi, xo2, dx2, lo2, hi2, nb, pf):  # type: ignore[no-untyped-def]
+    """:func:`eight_mxfp4` of the same eight weight rows for two activation rows (the
+    second one's quants, scales and sums at ``xo2``, ``dx2``, ``lo2``, ``hi2``), the
+    weights read and unpacked once, their block scales converted once: each row's lanes
+    are the same bits as :func:`eight_mxfp4` gives it alone (the same integers, the same
+    float operations in the same order)."""
+    b0, b1, b2, b3, b4, b5, b6, b7 = bases
+    acc, acc1, bcc, bcc1 = vzero(), vzero(), vzero(), vzero()
+    for c in range(nb):
+        for line in range(_AHEAD_LINES):
+            prefetch(w, pf + 8 * _BLOCK * c + 64 * line)
+        acc, acc1 = acc1, acc  # chunk c's parity: acc, bcc even, acc1, bcc1 odd
+        bcc, bcc1 = bcc1, bcc
+        o, x, x2, i = _BLOCK * c + 1, xo + 32 * c, xo2 + 32 * c, 32 * c
+        p0, r0 = fp4_pair2(w, b0 + o, b4 + o, q, x, x2)
+        p1, r1 = fp4_pair2(w, b1 + o, b5 + o, q, x, x2)
+        p2, r2 = fp4_pair2(w, b2 + o, b6 + o, q, x, x2)
+        p3, r3 = fp4_pair2(w, b3 + o, b7 + o, q, x, x2)
+        dw = e8m0_half8(w, bases, _BLOCK * c)
+        d = pair_sums(p0, p1, p2, p3, q, lo + i, hi + i)
+        acc = vfma(tofloat(d), vmul(dw, vsplat(fload(q, dx + i))), acc)
+        d = pair_sums(r0, r1, r2, r3, q, lo2 + i, hi2 + i)
+        bcc = vfma(tofloat(d), vmul(dw, vsplat(fload(q, dx2 + i))), bcc)
+    if nb % 2:
+        acc, acc1 = acc1, acc
+        bcc, bcc1 = bcc1, bcc
+    return vadd(acc1, acc), vadd(bcc1, bcc)

@@ -62,7 +62,7 @@ from meshnode.engine.cpu.q8_blocks import (
     per16,
     signed_bytes,
 )
-from meshnode.engine.cpu.q8_fp4 import eight_mxfp4
+from meshnode.engine.cpu.q8_fp4 import eight_mxfp4, two_mxfp4
 from meshnode.engine.cpu.q8_q6_k import eight_q6_k
 from meshnode.engine.cpu.q8_superblocks import K_FORMATS, Q4_K_ID, eight_q4_k, superblocked
 from meshnode.engine.cpu.q8_tiles import scratch_bytes, tiles
@@ -134,6 +134,9 @@ PREFETCH_BYTES = 4096
 MXFP4_ID = FORMATS["MXFP4"].kernel_id
 # Products of up to this many rows go one activation row at a time (lanes: weight rows)
 ONE_ROW_MAX = 1
+# MXFP4 products of up to this many rows go two activation rows a pass of the weights
+# (.q8_fp4.two_mxfp4; an odd last one alone): the same bits as one at a time
+MXFP4_PAIRED_ROWS = 4
 # Activation rows a weight row meets before the next weight row, in products of more rows
 # (untiled)
 SLAB_ROWS = 16
@@ -408,6 +411,18 @@ def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-u
     return superblocks
 
 
+@inner
+def _two_mxfp4(w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
+    # eight MXFP4 weight rows times activation rows r and r + 1 (.q8_fp4.two_mxfp4)
+    _, ot, dxt, _ = _areas(n, blocks)
+    at = 32 * (r // 8) * nb + 4 * (r % 8)
+    at2 = 32 * ((r + 1) // 8) * nb + 4 * ((r + 1) % 8)
+    return two_mxfp4(
+        w, bases, q, HEADER + 32 * r * nb, dxt + at, ot + at, ot + 32 * blocks + at,
+        HEADER + 32 * (r + 1) * nb, dxt + at2, ot + at2, ot + 32 * blocks + at2, nb, pf,
+    )  # fmt: skip
+
+
 @entry()
 def _rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
     # weight rows lo .. hi - 1 of one part into columns col + lo .. of out; q: quantize's
@@ -419,23 +434,29 @@ def _rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
     _, k, n, nb, blocks = _layout(q)
     w, size = raw.reshape(-1), raw.shape[1]
     end = w.shape[0]
-    if k <= ONE_ROW_MAX:
-        for r in range(k):
-            for o in range(lo, hi, 8):
-                # the K-quants' super-block loops, MXFP4's and _eight's of a block per
-                # chunk (see PREFETCH_BYTES) ask for the next eight rows' bytes a
-                # super-block or a block at a time, between their dot products
-                pf = min(o * size + 8 * size, max(0, end - 8 * size))
-                if not (superblocked(fmt) or fmt == MXFP4_ID or f16_head(fmt)):
-                    for i in range(8):
-                        if (o + i) * size + PREFETCH_BYTES < end:
-                            for line in range(0, size, 64):
-                                prefetch(w, (o + i) * size + PREFETCH_BYTES + line)
-                last = hi - 1
-                bases = (o * size, min(o + 1, last) * size, min(o + 2, last) * size,
-                         min(o + 3, last) * size, min(o + 4, last) * size,
-                         min(o + 5, last) * size, min(o + 6, last) * size,
-                         min(o + 7, last) * size)  # fmt: skip
+    if k <= ONE_ROW_MAX or (fmt == MXFP4_ID and k <= MXFP4_PAIRED_ROWS):
+        for o in range(lo, hi, 8):  # each eight weight rows meet every row while cached
+            # the K-quants' super-block loops, MXFP4's and _eight's of a block per chunk
+            # (see PREFETCH_BYTES) ask for the next eight rows' bytes a super-block or a
+            # block at a time, between their dot products
+            pf = min(o * size + 8 * size, max(0, end - 8 * size))
+            if not (superblocked(fmt) or fmt == MXFP4_ID or f16_head(fmt)):
+                for i in range(8):
+                    if (o + i) * size + PREFETCH_BYTES < end:
+                        for line in range(0, size, 64):
+                            prefetch(w, (o + i) * size + PREFETCH_BYTES + line)
+            last = hi - 1
+            bases = (o * size, min(o + 1, last) * size, min(o + 2, last) * size,
+                     min(o + 3, last) * size, min(o + 4, last) * size,
+                     min(o + 5, last) * size, min(o + 6, last) * size,
+                     min(o + 7, last) * size)  # fmt: skip
+            for r in range(0, k, 2 if fmt == MXFP4_ID else 1):
+                if fmt == MXFP4_ID and r + 1 < k:  # two activation rows a pass
+                    v, v2 = _two_mxfp4(w, bases, q, r, n, nb, blocks, pf)
+                    for i in range(min(8, hi - o)):
+                        out[r, col + o + i] = lane8(v, i)
+                        out[r + 1, col + o + i] = lane8(v2, i)
+                    continue
                 v = _one_row(fmt, w, bases, q, r, n, nb, blocks, pf)
                 for i in range(min(8, hi - o)):
                     out[r, col + o + i] = lane8(v, i)
