@@ -171,3 +171,26 @@ def test_eight_rows_scale_bytes_at_once() -> None:
     want = np.ldexp(np.float32(1), codes.reshape(-1) - 128).astype(np.float32)
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
     np.testing.assert_array_equal(one.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5, 9])
+def test_q8_rows_are_the_same_bits_alone_and_together(k: int) -> None:
+    """A q8 product of k rows gives each row the bits it gets alone: two rows a pass of
+    the weights up to MXFP4_PAIRED_ROWS (.q8_fp4.two_mxfp4, an odd last one alone), the
+    few-row groups above. 50 weight rows: six passes of eight and a short last one;
+    every code byte under scales from the subnormal 0 and 1 up (finite products)."""
+    from meshnode.engine.cpu import q8_kernels
+
+    t = every_code_under_every_scale()
+    raws = t.data.reshape(256, -1)
+    raw = np.ascontiguousarray(np.concatenate([raws[:10], raws[120:160]]))  # [50, bytes]
+    kernel = q8_kernels.product_kernel(*(FORMATS["MXFP4"].kernel_id,) * 3)
+    empty = np.zeros((0, raw.shape[1]), np.uint8)
+    x = np.random.default_rng(k).standard_normal((k, 512)).astype(np.float32)
+    x[-1] *= 1e-3  # a row of other activation scales beside the first
+    together = np.empty((k, 50), np.float32)
+    kernel(raw, empty, empty, x.reshape(-1), together)
+    for i in range(k):
+        alone = np.empty((1, 50), np.float32)
+        kernel(raw, empty, empty, x[i], alone)
+        np.testing.assert_array_equal(together[i].view(np.uint32), alone[0].view(np.uint32))

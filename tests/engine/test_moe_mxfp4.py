@@ -127,6 +127,30 @@ def test_q8_mode_runs_mxfp4_experts(twins: dict[str, Path]) -> None:
     assert np.array_equal(np.argmax(got, axis=-1), np.argmax(want, axis=-1))
 
 
+def test_q8_decode_rows_are_their_bits_alone_in_a_batch(twins: dict[str, Path]) -> None:
+    """Five decode rows in one batched step, two of them twice (the same experts, so
+    every expert meets two to five rows: MXFP4's products two rows a pass of the weights,
+    .q8_fp4.two_mxfp4, or the few-row groups): each row's logits are the bits it gets
+    decoded alone."""
+    from meshnode.engine.model import BatchRow
+
+    stage = _stage(twins["gguf"], "q8")
+    prompts = [p["prompt_ids"][:5] for p in golden(MODEL)["prompts"]]
+    prompts = [prompts[0], prompts[1], prompts[0], prompts[1], prompts[2]]
+    caches = [stage.new_cache(8) for _ in prompts]
+    for ids, cache in zip(prompts, caches, strict=True):
+        stage.forward(np.asarray(ids), 0, cache, out_rows=1)
+    tokens = [5, 9, 5, 9, 11]
+    batched = stage.forward_batch(
+        [BatchRow(np.array([t]), 5, c, 1) for t, c in zip(tokens, caches, strict=True)]
+    )
+    for ids, token, got in zip(prompts, tokens, batched, strict=True):
+        cache = stage.new_cache(8)
+        stage.forward(np.asarray(ids), 0, cache, out_rows=1)
+        alone = stage.forward(np.array([token]), 5, cache)
+        assert np.array_equal(got.view(np.uint32), alone.view(np.uint32))
+
+
 def test_bad_mxfp4_tensors_are_refused() -> None:
     plan = mxfp4_plan(["l.mlp.experts.down_proj_blocks", "l.mlp.experts.down_proj_scales"])
     assert set(plan) == {"l.mlp.experts.down_proj.weight"}

@@ -68,6 +68,8 @@ def _product_typed(fa, fb, fc, q8, a, b, c, x, out):  # type: ignore[no-untyped-
     ids = (fa.literal_value, fb.literal_value, fc.literal_value)
     kernel = (q8_kernels if q8.literal_value else kernels).product_kernel(*ids)
     one = ONE_ROW_EXPERTS if q8.literal_value else 1  # rows a product goes one at a time
+    if q8.literal_value and all(f == q8_kernels.MXFP4_ID for f in ids):
+        one = 1  # MXFP4 takes up to MXFP4_PAIRED_ROWS two a pass (.q8_fp4.two_mxfp4)
 
     def impl(fa, fb, fc, q8, a, b, c, x, out):  # type: ignore[no-untyped-def]
         if x.shape[0] <= one:
