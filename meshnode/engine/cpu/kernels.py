@@ -29,8 +29,8 @@ instead, a super-block's share at a time between the dot products.
 The register tiles come in two forms (:func:`tile_form`, chosen while compiling), the
 same bits: the above where the CPU has 32 vector registers (AVX-512), and for sixteen
 (AVX2) :mod:`.narrow`'s tiles of two rows eight lanes wide over blocks of the decoded
-rows in the L1, and Q6_K's one-row passes reading the four rows' scales from the
-scratch (broadcast loads) instead of keeping them in registers that spill.
+rows in the L1, and the K-quants' one-row passes (Q4_K, Q6_K) reading the four rows'
+scales from the scratch (broadcast loads) instead of keeping them in registers that spill.
 
 Each product exists whole, for the calling thread alone, and as a C function computing one
 chunk of output rows, for :mod:`.pool`'s threads (which claim chunks one at a time).
@@ -107,9 +107,11 @@ def _step4(fmt, rows, g, s, scales, x, p, acc):  # type: ignore[no-untyped-def]
     return a0, a1, a2, a3
 
 
-@inner
+@njit(inline="always")
 def _step4_at(fmt, rows, g, s, buf, x, p, acc):  # type: ignore[no-untyped-def]
-    # _step4 with the four rows' scales read from buf (row i's at 16 i)
+    # _step4 with the four rows' scales read from buf (row i's at 16 i). Inlined by numba:
+    # LLVM inlined Q6_K's but called Q4_K's, eight calls a super-block, each passing the
+    # rows (reference counts) and the chains through memory (0.62-0.67x as fast)
     u, v = wload(x, p), wload(x, p + 16)
     w0, w1 = group_chunk_at(fmt, rows[0], g, s, buf, 0)
     a0 = wfma(w1, v, wfma(w0, u, acc[0]))
@@ -199,12 +201,12 @@ def _super4_any(fmt: Any, form: Any, rows: Any, g: Any, buf: Any, x: Any, acc: A
 
 @overload(_super4_any, prefer_literal=True, inline="always", jit_options=INNER)
 def _super4_typed(fmt, form, rows, g, buf, x, acc):  # type: ignore[no-untyped-def]
-    # the scales where the registers' form (tile_form's) runs faster: from buf for Q6_K
-    # on sixteen registers; Q4_K ran 0.62-0.67x as fast so (A/B, loaded), Q6_K 1.45-1.69x
-    # (benchmarks/exact_kernels.py). Inlined (numba's inline="always"): as a call, each
-    # super-block passed the chains through memory (Q6_K's one-row pass ~0.9x as fast);
-    # inlined, both passes compile to the instructions of the two loops this replaced
-    buffered = _literal_form(form) == 8 and format_row(fmt).name == "Q6_K"
+    # the scales from buf on sixteen registers (the formats whose scales group_scales
+    # decodes: Q4_K, Q6_K), in registers on 32. A/B on AVX2 (benchmarks/exact_kernels.py,
+    # loaded), one row against the registers: Q6_K 1.45-1.69x as fast, Q4_K 1.40-1.46x
+    # (once _step4_at was inlined). Inlined itself (numba's inline="always"): as a call,
+    # each super-block passed the chains through memory (Q6_K's pass ~0.9x as fast)
+    buffered = _literal_form(form) == 8 and format_row(fmt).name in ("Q4_K", "Q6_K")
     return _super4_buf if buffered else _super4_regs
 
 
