@@ -29,8 +29,8 @@ instead, a super-block's share at a time between the dot products.
 The register tiles come in two forms (:func:`tile_form`, chosen while compiling), the
 same bits: the above where the CPU has 32 vector registers (AVX-512), and for sixteen
 (AVX2) :mod:`.narrow`'s tiles of two rows eight lanes wide over blocks of the decoded
-rows in the L1, and Q6_K's one-row passes reading the four rows' scales from the
-scratch (broadcast loads) instead of keeping them in registers that spill.
+rows in the L1, and the K-quants' one-row passes (Q4_K, Q6_K) reading the four rows'
+scales from the scratch (broadcast loads) instead of keeping them in registers that spill.
 
 Each product exists whole, for the calling thread alone, and as a C function computing one
 chunk of output rows, for :mod:`.pool`'s threads (which claim chunks one at a time).
@@ -107,9 +107,11 @@ def _step4(fmt, rows, g, s, scales, x, p, acc):  # type: ignore[no-untyped-def]
     return a0, a1, a2, a3
 
 
-@inner
+@njit(inline="always")
 def _step4_at(fmt, rows, g, s, buf, x, p, acc):  # type: ignore[no-untyped-def]
-    # _step4 with the four rows' scales read from buf (row i's at 16 i)
+    # _step4 with the four rows' scales read from buf (row i's at 16 i). Inlined by numba:
+    # LLVM inlined Q6_K's but called Q4_K's, eight calls a super-block, each passing the
+    # rows (reference counts) and the chains through memory (0.62-0.67x as fast)
     u, v = wload(x, p), wload(x, p + 16)
     w0, w1 = group_chunk_at(fmt, rows[0], g, s, buf, 0)
     a0 = wfma(w1, v, wfma(w0, u, acc[0]))
@@ -141,10 +143,10 @@ def _pass4_blocks(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignor
 
 
 def _pass4_k(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-untyped-def]
-    # the same for a K-quant, a super-block at a time: its scales decoded once. The next
-    # pass's four rows are asked for a super-block's share at a time, between the dot
-    # products (a burst of them before the pass left the loads and the arithmetic
-    # taking turns)
+    # the same for a K-quant, a super-block at a time: its scales decoded once
+    # (:func:`_super4_any`). The next pass's four rows are asked for a super-block's share
+    # at a time, between the dot products (a burst of them before the pass left the loads
+    # and the arithmetic taking turns)
     o, flat, size = max(o, 0), raw.reshape(-1), raw.shape[1]  # o >= 0: as _rows' lo
     share = 4 * (size // (n_in // 256))
     last = max(0, flat.shape[0] - 4 * size)  # the last pass asks for its own rows again
@@ -155,48 +157,57 @@ def _pass4_k(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-
         for g in range(n_in // 256):
             for line in range(0, share, 64):
                 prefetch(flat, ahead + share * g + line)
-            sc = (
-                group_scales(fmt, rows[0], g),
-                group_scales(fmt, rows[1], g),
-                group_scales(fmt, rows[2], g),
-                group_scales(fmt, rows[3], g),
-            )
-            for h in range(2):  # four sub-blocks a step: each one's place in its half constant
-                p, s = 256 * g + 128 * h, 4 * h
-                acc = _step4(fmt, rows, g, s, sc, x, p, acc)
-                acc = _step4(fmt, rows, g, s + 1, sc, x, p + 32, acc)
-                acc = _step4(fmt, rows, g, s + 2, sc, x, p + 64, acc)
-                acc = _step4(fmt, rows, g, s + 3, sc, x, p + 96, acc)
+            acc = _super4_any(fmt, form, rows, g, buf, x, acc)
         _put4(out, col + o, acc)
         o += 4
     return o
 
 
-def _pass4_k8(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-untyped-def]
-    # _pass4_k for sixteen registers (AVX2): the four rows' scales stored in buf (64
+def _super4_regs(fmt, form, rows, g, buf, x, acc):  # type: ignore[no-untyped-def]
+    # super-block g of the four rows into their chains, the scales held in registers
+    sc = (
+        group_scales(fmt, rows[0], g),
+        group_scales(fmt, rows[1], g),
+        group_scales(fmt, rows[2], g),
+        group_scales(fmt, rows[3], g),
+    )
+    for h in range(2):  # four sub-blocks a step: each one's place in its half constant
+        p, s = 256 * g + 128 * h, 4 * h
+        acc = _step4(fmt, rows, g, s, sc, x, p, acc)
+        acc = _step4(fmt, rows, g, s + 1, sc, x, p + 32, acc)
+        acc = _step4(fmt, rows, g, s + 2, sc, x, p + 64, acc)
+        acc = _step4(fmt, rows, g, s + 3, sc, x, p + 96, acc)
+    return acc
+
+
+def _super4_buf(fmt, form, rows, g, buf, x, acc):  # type: ignore[no-untyped-def]
+    # the same for sixteen registers (AVX2): the four rows' scales stored in buf (64
     # float32) once a super-block and broadcast from there, not kept in eight registers
     # (spilled) and picked lane by lane with shuffles; the same values, the same chains
-    o, flat, size = max(o, 0), raw.reshape(-1), raw.shape[1]  # o >= 0: as _rows' lo
-    share = 4 * (size // (n_in // 256))
-    last = max(0, flat.shape[0] - 4 * size)  # the last pass asks for its own rows again
-    while o + 4 <= hi:
-        ahead = min((o + 4) * size, last)
-        rows = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
-        acc = wzero(), wzero(), wzero(), wzero()
-        for g in range(n_in // 256):
-            for line in range(0, share, 64):
-                prefetch(flat, ahead + share * g + line)
-            for i in range(4):
-                wstore(buf, 16 * i, group_scales(fmt, rows[i], g))
-            for h in range(2):  # four sub-blocks a step: each one's place in its half constant
-                p, s = 256 * g + 128 * h, 4 * h
-                acc = _step4_at(fmt, rows, g, s, buf, x, p, acc)
-                acc = _step4_at(fmt, rows, g, s + 1, buf, x, p + 32, acc)
-                acc = _step4_at(fmt, rows, g, s + 2, buf, x, p + 64, acc)
-                acc = _step4_at(fmt, rows, g, s + 3, buf, x, p + 96, acc)
-        _put4(out, col + o, acc)
-        o += 4
-    return o
+    for i in range(4):
+        wstore(buf, 16 * i, group_scales(fmt, rows[i], g))
+    for h in range(2):
+        p, s = 256 * g + 128 * h, 4 * h
+        acc = _step4_at(fmt, rows, g, s, buf, x, p, acc)
+        acc = _step4_at(fmt, rows, g, s + 1, buf, x, p + 32, acc)
+        acc = _step4_at(fmt, rows, g, s + 2, buf, x, p + 64, acc)
+        acc = _step4_at(fmt, rows, g, s + 3, buf, x, p + 96, acc)
+    return acc
+
+
+def _super4_any(fmt: Any, form: Any, rows: Any, g: Any, buf: Any, x: Any, acc: Any) -> Any:
+    raise TypeError("for compiled code")
+
+
+@overload(_super4_any, prefer_literal=True, inline="always", jit_options=INNER)
+def _super4_typed(fmt, form, rows, g, buf, x, acc):  # type: ignore[no-untyped-def]
+    # the scales from buf on sixteen registers (the formats whose scales group_scales
+    # decodes: Q4_K, Q6_K), in registers on 32. A/B on AVX2 (benchmarks/exact_kernels.py,
+    # loaded), one row against the registers: Q6_K 1.45-1.69x as fast, Q4_K 1.40-1.46x
+    # (once _step4_at was inlined). Inlined itself (numba's inline="always"): as a call,
+    # each super-block passed the chains through memory (Q6_K's pass ~0.9x as fast)
+    buffered = _literal_form(form) == 8 and format_row(fmt).name in ("Q4_K", "Q6_K")
+    return _super4_buf if buffered else _super4_regs
 
 
 @njit(inline="always")
@@ -216,14 +227,9 @@ def _pass4_any(
 
 @overload(_pass4_any, prefer_literal=True, jit_options=INNER)
 def _pass4_typed(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-untyped-def]
-    # the format's own passes, chosen while compiling (.blocks.format_row), and for a
-    # K-quant the registers' (form: tile_form's)
-    row = format_row(fmt)
-    if row.block_size != 256:
-        return _pass4_blocks
-    # Q6_K only: Q4_K's one-row pass ran 0.62-0.67x as fast with its scales from the
-    # scratch (A/B, loaded), Q6_K's 1.45-1.69x as fast (benchmarks/exact_kernels.py)
-    return _pass4_k8 if _literal_form(form) == 8 and row.name == "Q6_K" else _pass4_k
+    # the format's own passes, chosen while compiling (.blocks.format_row); a K-quant's
+    # take the registers' form (tile_form's) on to _super4_any
+    return _pass4_k if format_row(fmt).block_size == 256 else _pass4_blocks
 
 
 def _literal_form(form: Any) -> int:

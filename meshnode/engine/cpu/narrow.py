@@ -111,6 +111,18 @@ def _block1x4(w, x, r, n_in, j0, m):  # type: ignore[no-untyped-def]
     vstore(w, at + 56, b3)
 
 
+@njit(inline="always")
+def _tiles(w, x, k, n_in, j0, m):  # type: ignore[no-untyped-def]
+    # the k activation rows times the decoded block, two rows (both halves) at a time
+    r = 0
+    while r + 2 <= k:
+        _block2x4(w, x, r, n_in, j0, m, 0)
+        _block2x4(w, x, r, n_in, j0, m, 8)
+        r += 2
+    if r < k:
+        _block1x4(w, x, r, n_in, j0, m)
+
+
 @inner
 def rows8(fmt, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
     """Weight rows ``o ..`` of ``raw`` (format ``fmt``) times the ``k`` activation rows
@@ -131,13 +143,7 @@ def rows8(fmt, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def
                 if first + line < flat.shape[0]:
                     prefetch(flat, first + line)
             _decode_block(fmt, raw, o, w, j0, m)
-            r = 0
-            while r + 2 <= k:
-                _block2x4(w, x, r, n_in, j0, m, 0)
-                _block2x4(w, x, r, n_in, j0, m, 8)
-                r += 2
-            if r < k:
-                _block1x4(w, x, r, n_in, j0, m)
+            _tiles(w, x, k, n_in, j0, m)
         for r in range(k):
             for i in range(4):
                 at = _ACC + 64 * r + 16 * i

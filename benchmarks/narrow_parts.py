@@ -1,0 +1,96 @@
+"""Where an exact k-row product's time goes on AVX2 (issue 29): :mod:`.narrow`'s pass whole,
+its decode of the weight blocks alone, and its register tiles alone, per format.
+
+Run: ``nice .venv/bin/python benchmarks/narrow_parts.py [--formats Q4_K Q6_K] [--rows 8]
+[--rounds 7] [--ghz 2.45]``
+
+Each part runs in this thread over one matrix of 256 x 2048 weights (in the L2), alternating
+part by part each round; the figure is the least thread CPU time (``time.thread_time``) of
+the rounds, in cycles a weight at ``--ghz`` (the nominal clock: the core's own may differ),
+beside the FMA bound of the tiles (``k`` rows x one FMA a weight, eight lanes, two FMAs a
+cycle: ``k / 16``). "decode" is :func:`.narrow._decode_block` over every block of every
+pass; "tiles" the tiles over a decoded block, again and again, with no decode; "whole" is
+:func:`.narrow.rows8`, prefetches and sums included. The weights are random blocks: only
+the timings mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.exact_kernels import random_raw
+
+N_IN, N_OUT = 2048, 256
+
+
+def parts(fid: int) -> dict[str, Any]:
+    """The three parts of format ``fid``'s pass, compiled (``fid`` a compile-time constant)."""
+    from numba import njit
+
+    from meshnode.engine.cpu.narrow import BLOCK, _decode_block, _tiles, rows8
+
+    @njit
+    def whole(raw, x, out, w):  # type: ignore[no-untyped-def]
+        rows8(fid, raw, x, out, 0, raw.shape[0], 0, w, N_IN)
+
+    @njit
+    def decode(raw, x, out, w):  # type: ignore[no-untyped-def]
+        for o in range(0, raw.shape[0] - 3, 4):
+            for j0 in range(0, N_IN, BLOCK):
+                _decode_block(fid, raw, o, w, j0, BLOCK)
+
+    @njit
+    def tiles(raw, x, out, w):  # type: ignore[no-untyped-def]
+        for _ in range(0, raw.shape[0] - 3, 4):
+            for j0 in range(0, N_IN, BLOCK):
+                _tiles(w, x, out.shape[0], N_IN, j0, BLOCK)
+
+    return {"whole": whole, "decode": decode, "tiles": tiles}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--formats", nargs="+", default=["Q4_K", "Q6_K"])
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--calls", type=int, default=20, help="calls a part a round")
+    p.add_argument("--ghz", type=float, default=2.45)
+    args = p.parse_args()
+    from meshnode.engine.cpu.formats import FORMATS
+
+    print(f"load: {os.getloadavg()}", flush=True)
+    rng = np.random.default_rng(0)
+    k = args.rows
+    for name in args.formats:
+        raw = random_raw(name, N_OUT, rng)
+        x = rng.standard_normal(k * N_IN).astype(np.float32)
+        out = np.zeros((k, N_OUT), np.float32)
+        w = np.zeros(4 * N_IN, np.float32)
+        fns = parts(FORMATS[name].kernel_id)
+        for fn in fns.values():  # compiled; the scratch holds a decoded block for "tiles"
+            fn(raw, x, out, w)
+        best = dict.fromkeys(fns, float("inf"))
+        for _ in range(args.rounds):
+            for part, fn in fns.items():
+                t0 = time.thread_time()
+                for _ in range(args.calls):
+                    fn(raw, x, out, w)
+                best[part] = min(best[part], (time.thread_time() - t0) / args.calls)
+        cells = "  ".join(
+            f"{part} {s * args.ghz * 1e9 / (N_OUT * N_IN):.3f}" for part, s in best.items()
+        )
+        print(f"{name} {k} rows, cycles/weight: {cells}  (FMA bound {k / 16:.3f})", flush=True)
+    print(f"load: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
