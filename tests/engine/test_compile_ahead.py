@@ -156,3 +156,46 @@ def test_the_kernels_code_is_compiled_in_its_chunk_function_alone(
         assert "write_kv" in code  # its own callees are linked in
         assert "key_scores" not in code
         assert "weighted_values" not in code
+
+
+_FROM_ELSEWHERE = """
+import json
+import numpy as np
+from numba.core import event
+from meshnode.engine.cpu import warmup
+from tests.engine.ahead_kernels import scaled
+from tests.engine.test_compile_ahead import F64
+
+started = warmup.start("a", scaled, [F64])
+warmup.wait("a")
+with event.install_recorder("numba:compile") as rec:
+    scaled(np.ones(3), 2.0)
+print(json.dumps({"started": started, "compiles": len(rec.buffer)}))
+"""
+
+
+@two_cores
+def test_the_worker_compiles_this_process_code_from_any_working_directory(
+    tmp_path: Path,
+) -> None:
+    """A working directory that holds another ``meshnode`` (a source checkout) does not
+    shadow this process's in the worker (``python -m`` put it first on the worker's path:
+    it compiled the other tree's functions, and the first call compiled again)."""
+    work, runner = tmp_path / "checkout", tmp_path / "bin"
+    (work / "meshnode").mkdir(parents=True)
+    (work / "meshnode" / "__init__.py").write_text("raise ImportError('the wrong meshnode')\n")
+    # the script's folder is first on its path, as a console script's is; the working
+    # directory (the other meshnode) is not on it, and is the worker's to ignore too
+    runner.mkdir()
+    (runner / "run.py").write_text(textwrap.dedent(_FROM_ELSEWHERE))
+    path = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    env = os.environ | {"NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": path}
+    env.pop(warmup.SWITCH, None)
+    done = subprocess.run(
+        [sys.executable, str(runner / "run.py")], env=env, capture_output=True, text=True,
+        timeout=300, cwd=work,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "ahead failed" not in done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"started": True, "compiles": 0}  # loaded what the worker compiled

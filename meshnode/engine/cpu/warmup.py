@@ -6,8 +6,8 @@ after another on one core, and the decode attention alone is about half of it (S
 ~20 of ~40 s of CPU). Its argument types are known when the stage is built, long before
 its first call: :func:`start` (a dispatcher's signatures) or :func:`run` (any
 module-level function that compiles, such as the attention's chunk function and entry:
-``cpu.attention.compile_kernel``) hands them to a worker process (``python -m
-meshnode.engine.cpu.warmup``) that compiles them into the same on-disk cache while this
+``cpu.attention.compile_kernel``) hands them to a worker process (``python -c``
+:data:`_BOOT`, running :func:`work`) that compiles them into the same on-disk cache while this
 process loads the rest and compiles the products, norms and the prefill's kernels.
 :func:`wait`, at the kernel's first call, waits for the worker to end; the call then
 loads the compiled code from the cache (numba looks there before compiling). The code is
@@ -19,7 +19,8 @@ Nothing depends on the worker: if it cannot start, fails or is killed, the kerne
 compiles here at its first call, as without it. No worker starts when what it would
 compile is in the cache already (:func:`cached`), with fewer than two usable cores,
 without ``fcntl`` (the cache lock below), or with ``MESHNODE_COMPILE_AHEAD=0`` in the
-environment.
+environment. The worker imports this process's modules (its ``sys.path``, handed over), so
+it compiles the very functions this process then looks up, whatever its working directory.
 
 numba's cache is safe for one process only: two processes saving different signatures of
 one function can both pick the same data file name, and the index of one may then name
@@ -69,6 +70,15 @@ WAIT_LIMIT_S = 600.0
 SWITCH = "MESHNODE_COMPILE_AHEAD"
 # The end of a failed worker's stderr logged with the warning.
 ERROR_TAIL_BYTES = 2000
+# The worker's program (``python -c``): read the job, take its parent's ``sys.path``
+# before importing anything of meshnode, run :func:`main`'s calls.
+_BOOT = (
+    "import pickle, sys\n"
+    "path, calls = pickle.loads(sys.stdin.buffer.read())\n"
+    "sys.path[:] = path\n"
+    "from meshnode.engine.cpu.warmup import work\n"
+    "work(calls)\n"
+)
 
 
 @dataclass
@@ -142,11 +152,16 @@ def compile(module: str, name: str, signatures: Sequence[tuple[Any, ...]]) -> No
 
 def _spawn(key: str, calls: Sequence[Call]) -> bool:
     lock_cache()
-    job = pickle.dumps([(c.module, c.name, c.args) for c in calls])
+    # this process's import path with the job: the worker compiles the code this process
+    # runs (a ``python -m`` worker would put its working directory first, and a folder
+    # holding another ``meshnode``, a source checkout, would shadow this one: the worker
+    # then filled the cache with another file's functions and this process compiled its
+    # own kernel again)
+    job = pickle.dumps((list(sys.path), [(c.module, c.name, c.args) for c in calls]))
     err = tempfile.TemporaryFile()  # noqa: SIM115  (kept with the worker, closed in wait)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+            [sys.executable, "-c", _BOOT], stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL, stderr=err, env=_env(),
         )  # fmt: skip
         assert proc.stdin is not None
@@ -254,13 +269,19 @@ def _flock(folder: str, *, shared: bool) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def main() -> None:
-    """The worker: make each call ``(module, function, args)`` of the pickled list on
-    stdin (from :func:`run`, this package's own parent process)."""
-    calls = pickle.loads(sys.stdin.buffer.read())
+def work(calls: Sequence[tuple[str, str, tuple[Any, ...]]]) -> None:
+    """The worker: make each call ``(module, function, args)`` (from :func:`run`, this
+    package's own parent process), saving into numba's cache under :func:`lock_cache`."""
     lock_cache()
     for module, name, args in calls:
         getattr(importlib.import_module(module), name)(*args)
+
+
+def main() -> None:
+    """``python -m meshnode.engine.cpu.warmup``: :func:`work` on the pickled ``(import
+    path, calls)`` on stdin (the path is not applied: ``-m`` has imported this module)."""
+    _, calls = pickle.loads(sys.stdin.buffer.read())
+    work(calls)
 
 
 if __name__ == "__main__":
