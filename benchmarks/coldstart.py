@@ -90,6 +90,7 @@ class Start:
     stages: dict[str, float]  # the seconds of each stage of compiling
     ahead: list[dict[str, Any]]  # the compile-ahead workers' records, all together
     ahead_s: float  # their seconds
+    ahead_stages: dict[str, float]  # the seconds of each stage of their compiling
 
 
 def cache_size(folder: Path) -> tuple[float, int]:
@@ -143,7 +144,17 @@ def start(args: list[str], cache: Path, ahead: str, tree: Path = ROOT) -> Start:
         stages=recorded["stages"],
         ahead=[r for w in recorded.get("workers", []) for r in w["records"]],
         ahead_s=sum(r["seconds"] for w in recorded.get("workers", []) for r in w["records"]),
+        ahead_stages=_summed([w["stages"] for w in recorded.get("workers", [])]),
     )
+
+
+def _summed(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The seconds of each stage over ``parts`` (each a worker's stages)."""
+    total: dict[str, float] = {}
+    for part in parts:
+        for stage, seconds in part.items():
+            total[stage] = total.get(stage, 0.0) + seconds
+    return total
 
 
 def command(model: Path, dtype: str, args: argparse.Namespace) -> list[str]:
@@ -192,6 +203,7 @@ def report(label: str, cmd: list[str], rounds: list[tuple[Start, Start]], top: i
     if any(r[0].ahead for r in rounds):  # what its compile-ahead worker compiled
         lines = table([r[0].ahead for r in rounds], top)
         print("\n".join(["\nFirst start's compile-ahead worker, " + lines[0], *lines[1:]]))
+        print("\nIts compiling " + stages([r[0].ahead_stages for r in rounds]))
     print("\nFirst start, compiling " + stages([r[0].stages for r in rounds]))
     again = repeats(rounds[0][0].compiles)
     if again:  # one function's compiles for more than one set of argument types

@@ -264,7 +264,7 @@ def repeats(records: Sequence[dict[str, Any]], width: int = 160) -> list[str]:
 # records and stages go to the file named by the format's one argument
 _WORKER = """import json, pickle, sys
 path, calls = pickle.loads(sys.stdin.buffer.read())
-sys.path[:] = path
+sys.path[:] = [*path, {here!r}]
 from compile_times import install
 with install() as recorder:
     from meshnode.engine.cpu.warmup import work
@@ -291,7 +291,7 @@ def _record_workers(out: Path) -> list[Path]:
 
     def recorded(key: str, calls: Any) -> bool:
         files.append(out.with_name(f"{out.stem}.worker{len(files)}.json"))
-        warmup._BOOT = _WORKER.format(out=str(files[-1]))
+        warmup._BOOT = _WORKER.format(out=str(files[-1]), here=str(Path(__file__).parent))
         return bool(spawn(key, calls))
 
     warmup._spawn = recorded

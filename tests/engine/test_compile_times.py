@@ -3,10 +3,21 @@ apart, cfunc kernels included, and the listeners go when the block ends."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
+import pytest
 from numba import cfunc, njit, types
 
 from benchmarks.compile_times import install, repeats, stages, table
+from meshnode.engine.cpu import warmup
+from meshnode.engine.cpu.gauge import usable_cpus
+from tests.conftest import REPO_ROOT
 
 
 def test_records_each_compile_apart_from_its_callees() -> None:
@@ -66,3 +77,35 @@ def test_repeats_lists_the_argument_types_of_each_compile_of_a_function() -> Non
         {"function": "m.f", "seconds": 1.0, "llvm": 0.5, "signature": "(int32)"},
     ]
     assert repeats(records) == ["- m.f, 2 compiles:", "  - `(int64)`", "  - `(int32)`"]
+
+
+_A_WORKER = """
+import json, sys
+from pathlib import Path
+from numba import types
+from benchmarks.compile_times import _record_workers
+from meshnode.engine.cpu import warmup
+from tests.engine.ahead_kernels import scaled
+
+files = _record_workers(Path(sys.argv[1]))
+started = warmup.start("t", scaled, [(types.float64[::1], types.float64)])
+warmup.wait("t")
+print(json.dumps({"started": started, "workers": [json.loads(f.read_text()) for f in files]}))
+"""
+
+
+@pytest.mark.skipif(len(usable_cpus()) < 2, reason="a worker needs a second core")
+def test_a_compile_ahead_worker_records_its_compiles(tmp_path: Path) -> None:
+    env = os.environ | {"NUMBA_CACHE_DIR": str(tmp_path / "cache")}  # empty: it compiles
+    env.pop(warmup.SWITCH, None)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_A_WORKER), str(tmp_path / "out.json")],
+        env=env, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["started"]
+    [worker] = result["workers"]
+    signatures = {r["function"]: r["signature"] for r in worker["records"]}
+    assert signatures["tests.engine.ahead_kernels.scaled"] == "(array(float64, 1d, C), float64)"
+    assert worker["stages"]["type inference"] > 0.0
