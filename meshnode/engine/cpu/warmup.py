@@ -6,7 +6,7 @@ after another on one core, and the decode attention alone is about half of it (S
 ~20 of ~40 s of CPU). Its argument types are known when the stage is built, long before
 its first call: :func:`start` (a dispatcher's signatures) or :func:`run` (any
 module-level function that compiles, such as the attention's chunk function and entry:
-``cpu.attention.compile_kernel``) hands them to a worker process (``python -c``
+``cpu.attention.compile_kernel``) hands them to a worker process (``python -P -c``
 :data:`_BOOT`, running :func:`work`) that compiles them into the same on-disk cache while this
 process loads the rest and compiles the products, norms and the prefill's kernels.
 :func:`wait`, at the kernel's first call, waits for the worker to end; the call then
@@ -70,8 +70,8 @@ WAIT_LIMIT_S = 600.0
 SWITCH = "MESHNODE_COMPILE_AHEAD"
 # The end of a failed worker's stderr logged with the warning.
 ERROR_TAIL_BYTES = 2000
-# The worker's program (``python -c``): read the job, take its parent's ``sys.path``
-# before importing anything of meshnode, run :func:`main`'s calls.
+# The worker's program (``python -P -c``: no working directory on its path): read the job,
+# take its parent's ``sys.path`` before importing anything of meshnode, make its calls.
 _BOOT = (
     "import pickle, sys\n"
     "path, calls = pickle.loads(sys.stdin.buffer.read())\n"
@@ -161,7 +161,7 @@ def _spawn(key: str, calls: Sequence[Call]) -> bool:
     err = tempfile.TemporaryFile()  # noqa: SIM115  (kept with the worker, closed in wait)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOT], stdin=subprocess.PIPE,
+            [sys.executable, "-P", "-c", _BOOT], stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL, stderr=err, env=_env(),
         )  # fmt: skip
         assert proc.stdin is not None
