@@ -156,7 +156,7 @@ def fp4_block8(typingctx: Any, row: Any, b: Any, table: Any) -> Any:
             out += [builder.bitcast(even, _VF), builder.bitcast(odd, _VF)]
         return context.make_tuple(builder, sig.return_type, out)
 
-    return types.UniTuple(F32x8, 4)(row, b, table), codegen
+    return types.UniTuple(F32x8, 4)(row, b, table), codegen  # type: ignore[no-untyped-call]
 
 
 @intrinsic
@@ -176,7 +176,7 @@ def evens_odds(typingctx: Any, x: Any, i: Any) -> Any:
         odd = builder.shuffle_vector(v, undef, _mask(*range(1, 16, 2)))
         return context.make_tuple(builder, sig.return_type, [even, odd])
 
-    return types.UniTuple(F32x8, 2)(x, i), codegen
+    return types.UniTuple(F32x8, 2)(x, i), codegen  # type: ignore[no-untyped-call]
 
 
 @intrinsic
@@ -188,7 +188,7 @@ def _unzip(typingctx: Any, even: Any, odd: Any) -> Any:
         hi = builder.shuffle_vector(even, odd, _mask(4, 12, 5, 13, 6, 14, 7, 15))
         return context.make_tuple(builder, sig.return_type, [lo, hi])
 
-    return types.UniTuple(F32x8, 2)(even, odd), codegen
+    return types.UniTuple(F32x8, 2)(even, odd), codegen  # type: ignore[no-untyped-call]
 
 
 @njit(inline="always")
