@@ -1,14 +1,15 @@
 """Where one decode token of a real-size mixture-of-experts model goes, part by part.
 
 Run: ``OPENBLAS_NUM_THREADS=1 .venv/bin/python benchmarks/moe_token.py [--shapes
-gpt-oss-20b] [--layers 4] [--modes q8 exact] [--repeats 20] [--context 16]
+gpt-oss-20b] [--layers 4] [--modes q8 exact] [--repeats 20] [--context 16] [--streams 1]
 [--llama-tok-s 12.3] [--threads 1] [--all-cores] [--tree DIR]``
 
 The model is the real-size random GGUF of :mod:`benchmarks.realsize_moe_gguf` (cached in
 ``~/.cache/meshnode/realsize/``, ``--layers`` deep), loaded as ``realsize_moe.py`` loads
 it, on one kernel thread. After a ``--context``-token prompt, one token is decoded again
-and again at the same position (the cache rolled back to it by ``start_pos``), with a
-timer around each part of the forward, in this thread's CPU time (robust on a busy
+and again at the same position (the cache rolled back to it by ``start_pos``; ``--streams
+N``: N sequences, each its own prompt, one row each a step, as ``realsize_moe.py``'s 8
+streams), with a timer around each part of the forward, in this thread's CPU time (robust on a busy
 machine; one kernel thread, so every product runs in this thread). Medians over
 ``--repeats`` tokens, in ms per token, of:
 
@@ -161,15 +162,22 @@ def profile(shape: str, layers: int, mode: str, args: argparse.Namespace) -> Non
     import meshnode
     from benchmarks.engine import MeshnodeRunner
     from meshnode.engine.cpu import matrix
+    from meshnode.engine.model import BatchRow
 
     runner = MeshnodeRunner(str(cached_gguf(shape, layers)), mode, args.threads)
     stage = runner.stage
-    ids = np.random.default_rng(1).integers(100, 40000, args.context)
-    cache = stage.new_cache(args.context + 2)
-    stage.forward(ids, 0, cache, out_rows=1)
-    token = np.array([7])
+    rows = []  # --streams sequences, one new row each a step, at the same position
+    for i in range(args.streams):
+        ids = np.random.default_rng(1 + i).integers(100, 40000, args.context)
+        cache = stage.new_cache(args.context + 2)
+        stage.forward(ids, 0, cache, out_rows=1)
+        rows.append(BatchRow(np.array([7 + i]), args.context, cache, 1))
+
+    def step() -> None:
+        stage.forward_batch(rows)
+
     for _ in range(2):  # warm: compiled, pages touched
-        stage.forward(token, args.context, cache)
+        step()
     timers = Timers(stage)
     clock = timers.clock = CLOCK if args.threads == 1 else WALL
     pool, tiles = matrix._pool(), matrix._tile_threads()
@@ -182,7 +190,7 @@ def profile(shape: str, layers: int, mode: str, args: argparse.Namespace) -> Non
         timers.expert_bytes = 0
         counts = (pool.posted, pool.woken, pool.declined, tiles.posted)
         cpu, began = time.process_time(), clock()
-        stage.forward(token, args.context, cache)
+        step()
         totals.append(clock() - began)
         cpus.append((dict(timers.cpu), time.process_time() - cpu))
         parts.append(dict(timers.spent))
@@ -197,7 +205,8 @@ def profile(shape: str, layers: int, mode: str, args: argparse.Namespace) -> Non
     sizes = {**product_bytes(stage), "experts": int(statistics.median(moved))}
     every = sum(sizes.values())
     where = Path(meshnode.__file__).parent
-    print(f"\n{shape} {layers} layers, {mode}, {args.threads} threads, meshnode {where}")
+    print(f"\n{shape} {layers} layers, {mode}, {args.threads} threads, ", end="")
+    print(f"{args.streams} streams, meshnode {where}")
     print(f"token {total:.2f} ms ({1e3 / total:.2f} tok/s), {every / 1e6:.0f} MB read,")
     print(f"  {every / total / 1e6:.2f} GB/s; llama.cpp {args.llama_tok_s} tok/s: ", end="")
     print(f"{1e3 / args.llama_tok_s:.1f} ms, {every * args.llama_tok_s / 1e9:.2f} GB/s")
@@ -232,6 +241,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["q8", "exact"], choices=["q8", "exact"])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--context", type=int, default=16)
+    parser.add_argument(
+        "--streams", type=int, default=1, help="sequences a step, one row each (8: 8 streams)"
+    )
     parser.add_argument("--llama-tok-s", type=float, default=12.3)
     parser.add_argument("--threads", type=int, default=1, help="kernel threads (wall time)")
     parser.add_argument(

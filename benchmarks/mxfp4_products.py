@@ -3,7 +3,7 @@ experts and Q8_0 attention/head matrices, 8-bit activations (``--dtype q8``) and
 
 Run: ``OPENBLAS_NUM_THREADS=1 nice .venv/bin/python benchmarks/mxfp4_products.py
 [--formats MXFP4 Q8_0] [--modes q8 exact] [--n-in 2880] [--out-rows 2880]
-[--stream-mib 256] [--rounds 5] [--compare DIR] [--tree DIR]``
+[--rows 1] [--stream-mib 256] [--rounds 5] [--compare DIR] [--tree DIR]``
 
 Each product (one activation row, ``--n-in`` inputs, ``--out-rows`` outputs, the
 product kernel called in this thread: no pool) runs over copies of its matrix filling
@@ -56,8 +56,8 @@ def run(args: argparse.Namespace) -> None:
     from meshnode.engine.cpu.matrix import kernels
 
     rng = np.random.default_rng(0)
-    x = rng.standard_normal(args.n_in).astype(np.float32)
-    out = np.empty((1, args.out_rows), np.float32)
+    x = rng.standard_normal(args.rows * args.n_in).astype(np.float32)
+    out = np.empty((args.rows, args.out_rows), np.float32)
     where = Path(meshnode.__file__).parent.parent
     for dtype in args.formats:
         fmt = FORMATS[dtype].kernel_id
@@ -78,11 +78,15 @@ def run(args: argparse.Namespace) -> None:
                     product(c, empty, empty, x, out)
                     times.append(time.thread_time() - t0)
             best, med = min(times), statistics.median(times)
+            weights = args.n_in * args.out_rows
             print(
-                f"{where.name:<14} {dtype:<6} {mode:<5} {args.n_in}x{args.out_rows}: "
+                f"{where.name:<14} {dtype:<6} {mode:<5} {args.rows} rows "
+                f"{args.n_in}x{args.out_rows}: "
                 f"median {1e3 * med:7.3f} ms  best {1e3 * best:7.3f} ms  "
                 f"{one.nbytes / best / 1e9:5.2f} GB/s (best)  "
-                f"{one.nbytes / med / 1e9:5.2f} (median)",
+                f"{one.nbytes / med / 1e9:5.2f} (median)  "
+                f"{best * args.ghz * 1e9 / weights:5.3f} cycles a weight (best, "
+                f"{args.ghz} GHz)",
                 flush=True,
             )
 
@@ -114,6 +118,8 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["q8", "exact"], choices=["q8", "exact"])
     p.add_argument("--n-in", type=int, default=2880)
     p.add_argument("--out-rows", type=int, default=2880)
+    p.add_argument("--rows", type=int, default=1, help="activation rows a product")
+    p.add_argument("--ghz", type=float, default=2.45, help="the clock, for cycles a weight")
     p.add_argument("--stream-mib", type=int, default=256)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--compare", help="another checkout to alternate with, one round each")

@@ -53,9 +53,10 @@ from numba.core.imputils import impl_ret_borrowed
 from numba.extending import overload
 from numba.np.numpy_support import carray
 
-from meshnode.engine.cpu import pool
+from meshnode.engine.cpu import fp4_exact, pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
 from meshnode.engine.cpu.blocks import chunk, format_row
+from meshnode.engine.cpu.fp4 import shuffles_bytes
 from meshnode.engine.cpu.groups import group_chunk, group_chunk_at, group_chunks, group_scales
 from meshnode.engine.cpu.lookup import permutes
 from meshnode.engine.cpu.narrow import fits, rows8
@@ -228,8 +229,21 @@ def _pass4_any(
 @overload(_pass4_any, prefer_literal=True, jit_options=INNER)
 def _pass4_typed(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-untyped-def]
     # the format's own passes, chosen while compiling (.blocks.format_row); a K-quant's
-    # take the registers' form (tile_form's) on to _super4_any
+    # take the registers' form (tile_form's) on to _super4_any; MXFP4's on AVX2, .fp4_exact
+    if _fp4_shuffled(fmt, form):
+        return _pass4_fp4
     return _pass4_k if format_row(fmt).block_size == 256 else _pass4_blocks
+
+
+def _pass4_fp4(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-untyped-def]
+    # buf (4 n_in float32) holds the permuted activation row
+    return fp4_exact.pass4(raw, x, out, o, hi, col, n_in, buf)
+
+
+def _fp4_shuffled(fmt: Any, form: Any) -> bool:
+    # whether MXFP4's products take .fp4_exact's byte-shuffle decoder (the same bits):
+    # eight-lane tiles and 256-bit vpshufb (AVX2); AVX-512 keeps .lookup's vpermps
+    return format_row(fmt).name == "MXFP4" and _literal_form(form) == 8 and shuffles_bytes()
 
 
 def _literal_form(form: Any) -> int:
@@ -387,6 +401,8 @@ def _narrow_typed(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[
     # them; returns the first row not done, which the sixteen-lane tiles take
     if _literal_form(form) != 8:
         return lambda fmt, form, raw, x, out, o, hi, col, w, n_in: o
+    if _fp4_shuffled(fmt, form):
+        return _narrow_fp4
 
     def narrow(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
         if not fits(n_in, out.shape[0], w.shape[0]):
@@ -394,6 +410,16 @@ def _narrow_typed(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[
         return rows8(fmt, raw, x, out, o, hi, col, w, n_in)
 
     return narrow
+
+
+def _narrow_fp4(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    # MXFP4's k rows on AVX2 (.fp4_exact's decoder): two in registers, more by .narrow's
+    # tiles
+    if out.shape[0] == 2:
+        return fp4_exact.pass2(raw, x, out, o, hi, col, n_in, w)
+    if not fits(n_in, out.shape[0], w.shape[0]):
+        return o
+    return fp4_exact.rows8(raw, x, out, o, hi, col, w, n_in)
 
 
 def tile_form() -> int:
