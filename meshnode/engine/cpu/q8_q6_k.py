@@ -19,6 +19,16 @@ reloads. In AVX2's four-row order (:mod:`.q8_rows4`) the ``vpmaddwd`` is with on
 the scales multiply the sums of four rows' half chunks instead (:func:`kq6`,
 :func:`q6_k_scales4`, :func:`kscale`: ``vpmulld`` on 16 lanes where each row took 128
 shuffles a super-block to spread its scales), the same integers: 1007 instructions.
+Now the step takes a whole chunk pair of eight rows at once there (:func:`q6_k_rows4`,
+:func:`.q8_rows4.q6_dots_by_four`): the sums across four rows stay in int16 for two levels
+and one ``vpmaddwd`` a chunk and four rows applies the scales (no ``vpmaddwd`` with ones
+per row, no ``vpmulld``): 966 instructions, 10-15 % less time in cache, the same integers
+(``tests/engine/test_q8_rows4.py``); the other order keeps :func:`kq6` and :func:`kscale`
+(:func:`kpick` chooses while compiling). About 160 of the 966 are still spills and
+reloads: chunk pairs ``c`` and ``c + 2`` read the same weight bytes, which LLVM loads once
+and keeps (keeping them apart by a compiler barrier, or hiding the second offset behind
+an empty ``asm``, took 5-10 % off the time in cache but not streamed, where the early
+loads of the later pairs seem to help: not kept).
 """
 
 from __future__ import annotations
