@@ -101,14 +101,23 @@ def moe_mlp(
     if w.router_bias is not None:
         logits = logits + w.router_bias
     routes = None
-    if _compiled_experts(backend, w):  # softmax, top-k and grouping in one compiled call
+    compiled = _compiled_experts(backend, w)
+    q8 = backend.weights_dtype == "q8"
+    if compiled:  # softmax, top-k and grouping in one compiled call
         routes = experts.route(logits, config.top_k, *_rule(config))
         picks, weights = routes.picks, routes.weights  # [r, k], [r, k]
+        if q8 or max(sizes, default=0) <= MAX_KERNEL_ROWS:
+            # every row through the compiled experts (the 8-bit kernels take any rows,
+            # one row as many): the path below with no row long, without its Python
+            # (about 60 us a layer of a decode step, Qwen3-30B-A3B's shape)
+            assert w.stacked is not None
+            out = w.stacked(x, picks, weights, q8, routes)
+            return out if w.shared is None else _shared(backend, config, w, x, sizes, out)
     else:
         chosen, weights = route(xp, logits, config)  # [r, k], [r, k]
         picks = np.asarray(backend.to_numpy(chosen))
     long = np.repeat([s > MAX_KERNEL_ROWS for s in sizes], sizes)  # rows BLAS multiplies
-    if backend.weights_dtype == "q8" and _compiled_experts(backend, w):
+    if q8 and compiled:
         long[:] = False  # the 8-bit kernels take any rows, one row as many
     if not long.any():
         out = _kernel_rows(backend, config, w, x, picks, weights, routes)
@@ -119,10 +128,17 @@ def moe_mlp(
         few = ~long
         out[few] = _kernel_rows(backend, config, w, x[few], picks[few], weights[few])
         out[long] = _experts(backend, config, w, x[long], picks[long], weights[long], long=True)
-    if w.shared is not None:
-        shared = expert_mlp(backend, config, w.shared, x, sizes)  # [r, E]
-        out = out + _sigmoid(xp, backend.linear(x, w.shared_gate, sizes)) * shared
-    return out
+    return out if w.shared is None else _shared(backend, config, w, x, sizes, out)
+
+
+def _shared(
+    backend: Any, config: MoeConfig, w: MoeWeights, x: Any, sizes: Sequence[int], out: Any
+) -> Any:
+    """``out`` (the routed experts' sum ``[r, E]``) plus the shared expert of ``x`` times
+    ``sigmoid(x @ shared_gate)``."""
+    assert w.shared is not None
+    shared = expert_mlp(backend, config, w.shared, x, sizes)  # [r, E]
+    return out + _sigmoid(backend.xp, backend.linear(x, w.shared_gate, sizes)) * shared
 
 
 def _compiled_experts(backend: Any, w: MoeWeights) -> bool:

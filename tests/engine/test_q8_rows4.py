@@ -236,3 +236,55 @@ def test_q6_k_chunk_pair_sums_are_exact_in_either_order(
         scaled = halves * np.asarray(scales, np.int64)[:, 4:8]
         want = np.concatenate([scaled[:, 0] + scaled[:, 1], scaled[:, 2] + scaled[:, 3]])
         np.testing.assert_array_equal(out, want[ORDER] if four else want)
+
+
+@pytest.mark.parametrize("c", [2, 4])
+def test_q6_k_rows4_gives_the_four_row_sums_of_a_chunk_pair(
+    c: int, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q6_k_rows4, AVX2's whole chunk pair of eight Q6_K rows from their super-blocks'
+    bytes (its sums across four rows in int16, the scales by vpmaddwd): the same integers
+    as the test above, in the four-row order, at the bounds of its int16 sums too."""
+    from numba import njit
+
+    from meshnode.engine.cpu import q8_q6_k as q6
+    from meshnode.engine.cpu.simd_q8 import store16
+
+    order(True, monkeypatch)
+
+    @njit(cache=False)
+    def sums(w, bases, x, out, c):  # type: ignore[no-untyped-def]
+        at = (bases[0], bases[1], bases[2], bases[3], bases[4], bases[5], bases[6], bases[7])
+        if c == 2:
+            store16(out, 0, q6.q6_k_rows4(w, at, 0, 2, x, 64))
+        else:
+            store16(out, 0, q6.q6_k_rows4(w, at, 0, 4, x, 64))
+
+    h, m = c // 4, c % 4
+    bases = np.array([0, 210, 430, 640, 850, 1070, 1280, 1500], np.int64)
+    for u, x, scales in [
+        (
+            rng.integers(0, 64, (8, 64)),
+            rng.integers(-127, 128, 64),
+            rng.integers(-128, 128, (8, 16)),
+        ),
+        (np.zeros((8, 64)), np.full(64, 127), np.full((8, 16), -128)),
+        (np.full((8, 64), 63), np.full(64, -127), np.full((8, 16), 127)),
+        (np.zeros((8, 64)), np.full(64, -127), np.full((8, 16), -128)),
+    ]:
+        u8 = np.asarray(u, np.uint8)
+        w = np.zeros(1710, np.uint8)
+        for j, b in enumerate(bases):  # row j's super-block: chunks c, c + 1 are u8[j]
+            ql = (u8[j] & 15) << (2 * m)
+            w[b + 64 * h : b + 64 * h + 64] = ql
+            qh = ((u8[j, :32] >> 4) << (2 * m)) | ((u8[j, 32:] >> 4) << (2 * m + 2))
+            w[b + 128 + 32 * h : b + 160 + 32 * h] = qh
+            w[b + 192 : b + 208] = np.asarray(scales[j], np.int8).view(np.uint8)
+        x8 = np.zeros(128, np.int8)
+        x8[64:] = x
+        out = np.zeros(16, np.int32)
+        sums(w, bases, x8.view(np.uint8), out.view(np.uint8), c)
+        halves = ((u8.astype(np.int64) - 32) * x8[64:]).reshape(8, 4, 16).sum(2)
+        scaled = halves * np.asarray(scales, np.int64)[:, 2 * c : 2 * c + 4]
+        want = np.concatenate([scaled[:, 0] + scaled[:, 1], scaled[:, 2] + scaled[:, 3]])
+        np.testing.assert_array_equal(out, want[ORDER])

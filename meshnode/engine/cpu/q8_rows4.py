@@ -36,6 +36,7 @@ __all__ = [
     "dots_by_four",
     "lanes",
     "pair",
+    "q6_dots_by_four",
     "rows8",
     "scales_by_four",
     "sums_by_four",
@@ -255,3 +256,79 @@ def rows8(builder: Any, v: Any) -> Any:
     even = builder.shuffle_vector(v, undef, ir.Constant(_VD, [0, 1, 2, 3, 8, 9, 10, 11]))
     odd = builder.shuffle_vector(v, undef, ir.Constant(_VD, [4, 5, 6, 7, 12, 13, 14, 15]))
     return builder.fadd(even, odd)
+
+
+def q6_dots_by_four(builder: Any, row: Any, x: Any, scales: Any) -> Any:
+    """A Q6_K chunk pair of eight rows in this module's order: for each row ``j`` and
+    chunk, ``s_lo D_lo + s_hi D_hi``, ``D`` the exact sum of ``(u - 32) x`` over a half
+    chunk of 16 values and ``s`` its int8 scale, as sixteen int32 (:func:`dots_by_four`'s
+    lanes). ``row(j)``: row ``j``'s 64 six-bit quants (``<64 x i8>``, emitted as the sums
+    ask for them); ``x``: the 64 activation quants (``i8*``); ``scales``: ``<32 x i8>``,
+    bytes ``4 j`` .. ``4 j + 3`` row ``j``'s scales of the first chunk's halves, then of
+    the second's.
+
+    Each row's half chunk is eight int16 ``vpmaddubsw`` pair sums less those of ``32 x``
+    (within +-8128) in one 128-bit lane; two levels of sums across four rows stay in
+    int16 (unpacks of 32- then 64-bit elements: a row's lane is then four pair sums,
+    within +-32512, two of them side by side), then one ``vpmaddwd`` with the row's scale
+    in both words finishes the half and applies its scale in int32, and the halves are
+    added. The same integers as :func:`.q8_q6_k.kq6` with :func:`.q8_q6_k.kscale` (one
+    ``vpmaddwd`` with ones per row and chunk, and ``vpmulld`` on the sums, fewer)."""
+    xs = [
+        builder.load(
+            builder.bitcast(builder.gep(x, [ir.Constant(_I64, 32 * h)]), _VB.as_pointer()),
+            align=1,
+        )
+        for h in range(2)
+    ]
+    thirty_two = ir.Constant(_VB, [32] * 32)
+    offs = [_x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _VH, thirty_two, xh) for xh in xs]
+    pick = [ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32))) for h in (0, 1)]
+
+    def dots(j: int) -> tuple[Any, Any]:
+        # row j's two chunks: sixteen int16 pair sums of (u - 32) x each
+        u = row(j)
+        a, b = (
+            builder.sub(
+                _x86(
+                    builder, "llvm.x86.avx2.pmadd.ub.sw", _VH,
+                    builder.shuffle_vector(u, u, pick[h]), xs[h],
+                ),
+                offs[h],
+            )
+            for h in (0, 1)
+        )  # fmt: skip
+        return a, b
+
+    def rows(lo: int, hi: int) -> tuple[Any, Any]:
+        # rows lo .. hi - 1 (two or four) summed in int16: unpacks of 32-bit elements for
+        # two rows, of 64-bit ones for four
+        if hi - lo == 1:
+            return dots(lo)
+        mid = (lo + hi) // 2
+        a, b = rows(lo, mid), rows(mid, hi)
+        n = 8 if hi - lo == 2 else 4
+        return _sum_pair(builder, a[0], b[0], n), _sum_pair(builder, a[1], b[1], n)
+
+    out = []
+    for g in range(2):  # rows 0-3, rows 4-7
+        chunks = rows(4 * g, 4 * g + 4)
+        scaled = []
+        for k in range(2):
+            # words 2 i, 2 i + 1 of 128-bit lane L: row 4 g + i's scale of half L of chunk k
+            idx = [4 * (4 * g + i) + 2 * k + half for half in (0, 1) for i in range(4)]
+            idx = [at for at in idx for _ in (0, 1)]  # a scale in both words of a lane
+            pick16 = ir.Constant(ir.VectorType(_I32, 16), idx)
+            s = builder.sext(builder.shuffle_vector(scales, scales, pick16), _VH)
+            scaled.append(_x86(builder, "llvm.x86.avx2.pmadd.wd", _VD, chunks[k], s))
+        # each chunk's two halves added: rows 4 g .. 4 g + 3 of the first chunk, then of
+        # the second
+        first = ir.Constant(_VD, [0, 1, 2, 3, 8, 9, 10, 11])
+        second = ir.Constant(_VD, [4, 5, 6, 7, 12, 13, 14, 15])
+        out.append(
+            builder.add(
+                builder.shuffle_vector(scaled[0], scaled[1], first),
+                builder.shuffle_vector(scaled[0], scaled[1], second),
+            )
+        )
+    return builder.shuffle_vector(out[0], out[1], ir.Constant(_VI16, list(range(16))))
