@@ -87,8 +87,14 @@ def panels(rows: int) -> int:
 
 
 def packed(x: np.ndarray) -> np.ndarray:
-    """``x`` ``[M, K]`` as :func:`pack`'s panels (a new flat float32 array)."""
-    out = np.empty(panels(x.shape[0]) * x.shape[1] * LANES, np.float32)
+    """``x`` ``[M, K]`` as :func:`pack`'s panels (a new flat float32 array, from a 64-byte
+    line)."""
+    n = panels(x.shape[0]) * x.shape[1] * LANES
+    # from a 64-byte line: a panel's sixteen lanes are then one line, loaded as two 32-byte
+    # halves that never straddle two lines (NumPy's arrays are 16-byte aligned)
+    buf = np.empty(n + LANES, np.float32)
+    at = (-(buf.ctypes.data // 4)) % LANES
+    out = buf[at : at + n]
     pack(np.ascontiguousarray(x, np.float32), out)
     return out
 
