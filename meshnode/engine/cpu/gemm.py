@@ -22,11 +22,11 @@ register there, two on AVX2): a row is the same bits on both, which sgemm's bloc
 kernels never promised.
 
 **Where it stands** (one thread, ``benchmarks/gemm_products.py --tiles``): a float32
-tile runs at 85-90 % of this core's FMA peak, the tail blocks included. Blocking the loops over ``k`` as a BLIS GEMM does (a
-panel's 256 values of ``k`` kept in the L1, 96 weight rows' in the L2, the chains'
-lanes stored between blocks: the same bits) was 10-25 % *slower* on Zen 3 (every block's
-six weight rows start new short streams the prefetchers meet late, a likely cause):
-not kept.
+tile runs at 85-93 % of this core's FMA peak, the tail blocks included. Blocking the
+loops over ``k`` as a BLIS GEMM does (a panel's 256 values of ``k`` kept in the L1, 96
+weight rows' in the L2, the chains' lanes stored between blocks: the same bits) was
+10-25 % *slower* on Zen 3 (every block's six weight rows start new short streams the
+prefetchers meet late, a likely cause): not kept.
 """
 
 from __future__ import annotations

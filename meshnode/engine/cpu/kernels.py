@@ -446,8 +446,9 @@ def _lined(n):  # type: ignore[no-untyped-def]
     # n float32 of scratch beginning on a 64-byte line. The scratch of the k-row passes
     # (:mod:`.narrow`'s decoded block and chains) is read as 32-byte vectors: where it began
     # 16 bytes into a line (NumPy's and numba's arrays are 16-byte aligned), every other
-    # load straddled two lines, and an 8-row pass took ~1.1x as long (Q4_K, Q6_K; the
-    # activations' alignment is the caller's: ~1.03x more)
+    # load straddled two lines, and an 8-row pass took ~1.1-1.2x as long (Q4_K, Q6_K,
+    # benchmarks/narrow_parts.py --offsets 0 16; the activations' alignment is the
+    # caller's, .matrix._lined: ~1.05x more)
     buf = np.empty(n + 16, np.float32)
     at = (-(buf.ctypes.data // 4)) % 16
     return buf[at : at + n]
