@@ -94,12 +94,13 @@ def test_panels_hold_each_row_k_major_and_zeros_past_the_last(
     rows: int, n_in: int, rng: np.random.Generator
 ) -> None:
     x = rng.standard_normal((rows, n_in)).astype(np.float32)
-    want = np.zeros((gemm.panels(rows) * 16, n_in), np.float32)
-    want[:rows] = x
-    want = want.reshape(-1, 16, n_in).transpose(0, 2, 1).reshape(-1)  # [g, k, lane]
+    padded = np.zeros((gemm.panels(rows) * 16, n_in), np.float32)
+    padded[:rows] = x
+    want = padded.reshape(-1, 16, n_in).transpose(0, 2, 1).reshape(-1)  # [g, k, lane]
     out = np.full(want.size, np.nan, np.float32)  # every value written
     gemm.pack(x, out)
     np.testing.assert_array_equal(out, want)
+    assert gemm.packed(x).ctypes.data % 64 == 0  # panels begin on a cache line
 
 
 def test_a_matrix_s_columns_are_the_bits_of_its_rows(rng: np.random.Generator) -> None:
