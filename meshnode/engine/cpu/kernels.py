@@ -474,9 +474,12 @@ def _chunk_product(fa: int, fb: int, fc: int, form: int) -> Any:
         na, nb, nc, k, n_in, rows = st[_NA], st[_NB], st[_NC], st[_K], st[_N_IN], st[_ROWS]
         x = carray(ptr_f32(st[_X]), (k * n_in,))
         out = carray(ptr_f32(st[_OUT]), (k, st[_N_OUT]))
-        # the thread's scratch from its first 64-byte line (the pool's rows have 7 n_in
-        # floats, these kernels use 4 n_in: room to move up to 15 on)
-        w = carray(ptr_f32(_line(st[_SCRATCH] + 4 * who * st[_STRIDE])), (4 * n_in,))
+        # the thread's scratch from its first 64-byte line where its row has room to move
+        # up to 15 floats on (the pool's rows have 7 n_in floats, these kernels use 4 n_in)
+        w_at = st[_SCRATCH] + 4 * who * st[_STRIDE]
+        if st[_STRIDE] >= 4 * n_in + 16:
+            w_at = _line(w_at)
+        w = carray(ptr_f32(w_at), (4 * n_in,))
         ca, cb = st[_CA], st[_CB]
         if ch < ca:
             a = _read_only(carray(ptr_u8(st[_A]), (na, st[_RBA])))
