@@ -65,8 +65,12 @@ def test_the_form_follows_the_registers_unless_told(monkeypatch: pytest.MonkeyPa
         assert kernels.tile_form() == int(forced)
 
 
-def test_a_product_is_the_same_bits_wherever_its_activations_begin() -> None:
-    # the kernels read them from a 64-byte line (matrix._lined copies them there)
+def test_a_product_is_the_same_bits_wherever_its_activations_begin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the kernels read them from a 64-byte line (matrix._lined copies them there; every
+    # matrix here, not only those of LINED_MIN_BYTES)
+    monkeypatch.setattr(matrix, "LINED_MIN_BYTES", 0)
     rng = np.random.default_rng(31)
     m = matrix.BlockMatrix([random_tensor("Q4_K", 40, rng)])
     values = rng.standard_normal((8, N_IN)).astype(np.float32)
