@@ -5,7 +5,8 @@ sgemm (:func:`.tiles.product_tile`: exact only where this BLAS's rows are indepe
 fallback before the GEMM), issue 29.
 
 Run: ``nice .venv/bin/python benchmarks/gemm_products.py [--rows 64 256 512]
-[--shapes Q4_K:2048x2048 Q6_K:8192x2048] [--paths gemm sgemm kernels] [--rounds 3]``
+[--shapes Q4_K:2048x2048 Q6_K:8192x2048] [--paths gemm sgemm kernels] [--rounds 3]
+[--tiles 384x2048 64x14336]``
 
 A shape ``FMT:INxOUT`` is a matrix of ``OUT`` rows of ``IN`` weights. One thread, no
 pool: each product runs its tiles one after another in this thread, timed by its CPU
@@ -13,6 +14,13 @@ time (``time.thread_time``: another process on the core does not count); the pat
 alternate within each round, and the table shows the best round of each (the figure
 least disturbed by other load). FLOPs are ``2 x rows x IN x OUT``; the decode is part of
 every path's time. Random blocks (finite scales): only the timings mean anything.
+
+It prints first this core's FMA peak (:func:`peak`: twelve independent chains of
+sixteen-lane FMAs in registers, its CPU time), and ``--tiles ROWSxK`` times
+:func:`meshnode.engine.cpu.gemm.product` alone on float32 tiles of those shapes (what a
+decoded tile costs, no decode), as GFLOP/s and a share of that peak: the 1B shape's
+tiles are 384 x 2048 (q/k/v), 256 x 2048 (the output), 512 x 2048 (gate/up) and 128 x
+8192 (down); the 8B shape's 256 x 4096 and 64 x 14336 (down).
 """
 
 from __future__ import annotations
@@ -60,18 +68,72 @@ def products(dtype: str, raw: np.ndarray, n_in: int) -> dict[str, Callable[..., 
     return {"gemm": by_gemm, "sgemm": by_sgemm, "kernels": by_kernels}
 
 
+def peak(seconds: float = 0.3) -> float:
+    """GFLOP/s of this core's FMA pipes: six sixteen-lane accumulators (twelve AVX2
+    registers) in a loop, by this thread's CPU time."""
+    from numba import njit
+
+    from meshnode.engine.cpu.simd import wadd, wfma, wlane, wload, wzero
+
+    @njit(nogil=True)
+    def chains(n, x):  # type: ignore[no-untyped-def]
+        v, u = wload(x, 0), wload(x, 16)
+        a0, a1, a2, a3, a4, a5 = wzero(), wzero(), wzero(), wzero(), wzero(), wzero()
+        for _ in range(n):
+            a0, a1, a2 = wfma(v, u, a0), wfma(v, u, a1), wfma(v, u, a2)
+            a3, a4, a5 = wfma(v, u, a3), wfma(v, u, a4), wfma(v, u, a5)
+        a0, a1, a2 = wadd(a0, a3), wadd(a1, a4), wadd(a2, a5)
+        return wlane(a0, 0) + wlane(a1, 0) + wlane(a2, 0)
+
+    x = np.full(32, 1e-9, np.float32)
+    chains(10, x)
+    n, best = 1 << 20, 0.0
+    for _ in range(5):
+        began = time.thread_time()
+        chains(n, x)
+        spent = time.thread_time() - began
+        best = max(best, n * 6 * 16 * 2 / max(spent, 1e-9) / 1e9)
+        n = max(n, int(n * seconds / max(spent, 1e-9)))
+    return best
+
+
+def time_tiles(shapes: list[str], rows: int, rounds: int, top: float) -> None:
+    """:func:`.gemm.product` alone on float32 tiles ``NxK``, ``rows`` activation rows."""
+    from meshnode.engine.cpu import gemm
+
+    rng = np.random.default_rng(1)
+    for shape in shapes:
+        n_w, n_in = map(int, shape.split("x"))
+        xp = gemm.packed(rng.standard_normal((rows, n_in)).astype(np.float32))
+        w = rng.standard_normal(n_w * n_in).astype(np.float32)
+        out = np.empty((rows, n_w), np.float32)
+        gemm.product(xp, rows, w, n_in, 1, n_w, out, 0)
+        best = np.inf
+        for _ in range(rounds):
+            began = time.thread_time()
+            gemm.product(xp, rows, w, n_in, 1, n_w, out, 0)
+            best = min(best, time.thread_time() - began)
+        gflops = 2 * rows * n_in * n_w / best / 1e9
+        print(f"tile {shape:<12} {rows:>5} rows {gflops:9.1f} GFLOP/s, {gflops / top:.0%} of peak")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["Q4_K:2048x2048", "Q6_K:8192x2048"])
     p.add_argument("--rows", nargs="+", type=int, default=[64, 256, 512])
     p.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tiles", nargs="*", default=[], help="float32 tiles NxK, gemm.product alone")
     args = p.parse_args()
     from meshnode.engine.cpu import tiles
 
     tiles.single_threaded_blas()
     rng = np.random.default_rng(0)
     print(f"load: {os.getloadavg()}, rows independent: {tiles.rows_independent()}", flush=True)
+    top = peak()
+    print(f"FMA peak of this core: {top:.1f} GFLOP/s", flush=True)
+    for rows in args.rows if args.tiles else []:
+        time_tiles(args.tiles, rows, max(3, args.rounds), top)
     print(f"{'shape':<16} {'rows':>5} " + " ".join(f"{n:>9}" for n in args.paths) + "  GFLOP/s")
     for shape in args.shapes:
         dtype, dims = shape.split(":")

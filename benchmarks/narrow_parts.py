@@ -2,7 +2,7 @@
 its decode of the weight blocks alone, and its register tiles alone, per format.
 
 Run: ``nice .venv/bin/python benchmarks/narrow_parts.py [--formats Q4_K Q6_K] [--rows 8]
-[--rounds 7] [--ghz 2.45]``
+[--rounds 7] [--ghz 2.45] [--offsets 0 16]``
 
 Each part runs in this thread over one matrix of 256 x 2048 weights (in the L2), alternating
 part by part each round; the figure is the least thread CPU time (``time.thread_time``) of
@@ -12,6 +12,12 @@ cycle: ``k / 16``). "decode" is :func:`.narrow._decode_block` over every block o
 pass; "tiles" the tiles over a decoded block, again and again, with no decode; "whole" is
 :func:`.narrow.rows8`, prefetches and sums included. The weights are random blocks: only
 the timings mean anything.
+
+``--offsets`` times "whole" instead with the activations and the scratch each beginning
+that many bytes into a 64-byte line (every pair): at 16 or 48, every other 32-byte load
+of them straddles two lines (the cost :func:`.kernels._lined` and
+:func:`.matrix._lined` avoid: NumPy's arrays are 16-byte aligned). :func:`.narrow.rows8`
+is called directly here, with the scratch as given.
 """
 
 from __future__ import annotations
@@ -57,6 +63,46 @@ def parts(fid: int) -> dict[str, Any]:
     return {"whole": whole, "decode": decode, "tiles": tiles}
 
 
+def at_offset(n: int, offset: int) -> np.ndarray:
+    """``n`` float32 zeros beginning ``offset`` bytes (a multiple of 4) into a 64-byte line."""
+    buf = np.zeros(n + 32, np.float32)
+    start = ((-(buf.ctypes.data // 4)) % 16 + offset // 4) % 16
+    return buf[start : start + n]
+
+
+def offsets(args: Any) -> None:
+    """The whole pass at each pair of the activations' and the scratch's offsets."""
+    from meshnode.engine.cpu.formats import FORMATS
+
+    print(f"load: {os.getloadavg()}", flush=True)
+    rng = np.random.default_rng(0)
+    k = args.rows
+    for name in args.formats:
+        raw = random_raw(name, N_OUT, rng)
+        whole = parts(FORMATS[name].kernel_id)["whole"]
+        values = rng.standard_normal(k * N_IN).astype(np.float32)
+        setups = {}
+        for xo in args.offsets:
+            for wo in args.offsets:
+                x = at_offset(k * N_IN, xo)
+                x[:] = values
+                setups[f"x+{xo} scratch+{wo}"] = (x, at_offset(4 * N_IN, wo))
+        out = np.zeros((k, N_OUT), np.float32)
+        for x, w in setups.values():
+            whole(raw, x, out, w)
+        best = dict.fromkeys(setups, float("inf"))
+        for _ in range(args.rounds):
+            for key, (x, w) in setups.items():
+                t0 = time.thread_time()
+                for _ in range(args.calls):
+                    whole(raw, x, out, w)
+                best[key] = min(best[key], (time.thread_time() - t0) / args.calls)
+        per = args.ghz * 1e9 / (N_OUT * N_IN)
+        cells = "  ".join(f"{key} {s * per:.3f}" for key, s in best.items())
+        print(f"{name} {k} rows, whole, cycles/weight: {cells}", flush=True)
+    print(f"load: {os.getloadavg()}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--formats", nargs="+", default=["Q4_K", "Q6_K"])
@@ -64,7 +110,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=20, help="calls a part a round")
     p.add_argument("--ghz", type=float, default=2.45)
+    p.add_argument("--offsets", nargs="*", type=int, default=[], help="bytes into a line")
     args = p.parse_args()
+    if args.offsets:
+        offsets(args)
+        return
     from meshnode.engine.cpu.formats import FORMATS
 
     print(f"load: {os.getloadavg()}", flush=True)

@@ -55,7 +55,11 @@ def product(m: BlockMatrix, x: np.ndarray, threads: int, team: TileThreads) -> n
     not binding.get_host_cpu_features().get("fma"),
     reason="llvm.fmuladd fuses only where the CPU has FMA: the chain below is the fused one",
 )
-@pytest.mark.parametrize(("rows", "n_out", "n_in"), [(17, 7, 40), (33, 13, 3), (5, 6, 64)])
+@pytest.mark.parametrize(
+    ("rows", "n_out", "n_in"),
+    # blocks of six weight rows, then tails of four (10, 11), two (8, 3) and one row
+    [(17, 7, 40), (33, 13, 3), (5, 6, 64), (20, 11, 24), (16, 8, 9), (3, 3, 17), (18, 10, 5)],
+)
 def test_each_output_is_one_fused_chain_over_k_in_order(
     rows: int, n_out: int, n_in: int, rng: np.random.Generator
 ) -> None:
@@ -83,6 +87,20 @@ def test_odd_shapes_equal_a_float64_product(
     want = x.astype(np.float64) @ w.T.astype(np.float64)
     scale = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
     assert np.all(np.abs(got - want) <= 1e-6 * n_in * scale)
+
+
+@pytest.mark.parametrize(("rows", "n_in"), [(1, 1), (16, 16), (17, 33), (40, 100)])
+def test_panels_hold_each_row_k_major_and_zeros_past_the_last(
+    rows: int, n_in: int, rng: np.random.Generator
+) -> None:
+    x = rng.standard_normal((rows, n_in)).astype(np.float32)
+    padded = np.zeros((gemm.panels(rows) * 16, n_in), np.float32)
+    padded[:rows] = x
+    want = padded.reshape(-1, 16, n_in).transpose(0, 2, 1).reshape(-1)  # [g, k, lane]
+    out = np.full(want.size, np.nan, np.float32)  # every value written
+    gemm.pack(x, out)
+    np.testing.assert_array_equal(out, want)
+    assert gemm.packed(x).ctypes.data % 64 == 0  # panels begin on a cache line
 
 
 def test_a_matrix_s_columns_are_the_bits_of_its_rows(rng: np.random.Generator) -> None:

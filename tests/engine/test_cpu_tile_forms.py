@@ -63,3 +63,21 @@ def test_the_form_follows_the_registers_unless_told(monkeypatch: pytest.MonkeyPa
     for forced in ("8", "16"):
         monkeypatch.setenv("MESHNODE_TILE_FORM", forced)
         assert kernels.tile_form() == int(forced)
+
+
+def test_a_product_is_the_same_bits_wherever_its_activations_begin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the kernels read them from a 64-byte line (matrix._lined copies them there; every
+    # matrix here, not only those of LINED_MIN_BYTES)
+    monkeypatch.setattr(matrix, "LINED_MIN_BYTES", 0)
+    rng = np.random.default_rng(31)
+    m = matrix.BlockMatrix([random_tensor("Q4_K", 40, rng)])
+    values = rng.standard_normal((8, N_IN)).astype(np.float32)
+    want = values @ m
+    buf = np.zeros(values.size + 16, np.float32)
+    for skip in range(16):  # every 4-byte offset into a line, one of them its start
+        x = buf[skip : skip + values.size].reshape(values.shape)
+        x[:] = values
+        assert matrix._lined(x).ctypes.data % 64 == 0
+        np.testing.assert_array_equal((x @ m).view(np.uint32), want.view(np.uint32))

@@ -15,11 +15,18 @@ activation rows as the vector lanes).
 step where the CPU fuses (every x86 with AVX2 does). Nothing else touches it: not the
 other rows of the batch (lanes are independent; the zero lanes past the last row are
 never read), not the row's place (every lane runs the same chain), not the tile, the
-thread or the block (the last weight rows of a range, fewer than a block, take the
-one-row loop, the same chain), so a row's bits depend on nothing but its own
+thread or the block (the last weight rows of a range, fewer than a block, take blocks
+of four, two and one row, the same chains), so a row's bits depend on nothing but its own
 activations and its weights. The same order holds on AVX-512 (sixteen lanes are one
 register there, two on AVX2): a row is the same bits on both, which sgemm's blocked
 kernels never promised.
+
+**Where it stands** (one thread, ``benchmarks/gemm_products.py --tiles``): a float32
+tile runs at 85-93 % of this core's FMA peak, the tail blocks included. Blocking the
+loops over ``k`` as a BLIS GEMM does (a panel's 256 values of ``k`` kept in the L1, 96
+weight rows' in the L2, the chains' lanes stored between blocks: the same bits) was
+10-25 % *slower* on Zen 3 (every block's six weight rows start new short streams the
+prefetchers meet late, a likely cause): not kept.
 """
 
 from __future__ import annotations
@@ -80,8 +87,14 @@ def panels(rows: int) -> int:
 
 
 def packed(x: np.ndarray) -> np.ndarray:
-    """``x`` ``[M, K]`` as :func:`pack`'s panels (a new flat float32 array)."""
-    out = np.empty(panels(x.shape[0]) * x.shape[1] * LANES, np.float32)
+    """``x`` ``[M, K]`` as :func:`pack`'s panels (a new flat float32 array, from a 64-byte
+    line)."""
+    n = panels(x.shape[0]) * x.shape[1] * LANES
+    # from a 64-byte line: a panel's sixteen lanes are then one line, loaded as two 32-byte
+    # halves that never straddle two lines (NumPy's arrays are 16-byte aligned)
+    buf = np.empty(n + LANES, np.float32)
+    at = (-(buf.ctypes.data // 4)) % LANES
+    out = buf[at : at + n]
     pack(np.ascontiguousarray(x, np.float32), out)
     return out
 
@@ -93,10 +106,20 @@ def pack(x, out):  # type: ignore[no-untyped-def]
     m, n_in = x.shape
     for g in range(-(-m // 16)):
         base = g * n_in * 16
-        for k in range(n_in):
-            for lane in range(16):
+        live = min(16, m - g * 16)
+        # sixteen values of k at a time: the 1 KiB of panel they fill stays in the L1
+        # while each row's sixteen (one cache line) are read (row by row across the whole
+        # panel wrote each line sixteen times from the L2; k by k read sixteen rows'
+        # lines at once with a branch a value: ~1.8 ns a value, a few % of a prefill)
+        for k0 in range(0, n_in, 16):
+            k1 = min(n_in, k0 + 16)
+            for lane in range(live):
                 r = g * 16 + lane
-                out[base + k * 16 + lane] = x[r, k] if r < m else np.float32(0.0)
+                for k in range(k0, k1):
+                    out[base + k * 16 + lane] = x[r, k]
+            for lane in range(live, 16):
+                for k in range(k0, k1):
+                    out[base + k * 16 + lane] = np.float32(0.0)
 
 
 @inner
@@ -125,6 +148,33 @@ def _block(xp, base, n_in, w, p, sn, sk):  # type: ignore[no-untyped-def]
 
 
 @inner
+def _block4(xp, base, n_in, w, p, sn, sk):  # type: ignore[no-untyped-def]
+    # four weight rows, each chain as _block's: eight chains keep both FMA pipes busy
+    a0, a1, a2, a3 = wzero(), wzero(), wzero(), wzero()
+    p1, p2, p3 = p + sn, p + 2 * sn, p + 3 * sn
+    for k in range(n_in):
+        v = wload(xp, base + 16 * k)
+        o = k * sk
+        a0 = wfma(v, wbroadcast(w, p + o), a0)
+        a1 = wfma(v, wbroadcast(w, p1 + o), a1)
+        a2 = wfma(v, wbroadcast(w, p2 + o), a2)
+        a3 = wfma(v, wbroadcast(w, p3 + o), a3)
+    return a0, a1, a2, a3
+
+
+@inner
+def _block2(xp, base, n_in, w, p, sn, sk):  # type: ignore[no-untyped-def]
+    # two weight rows, each chain as _block's
+    a0, a1 = wzero(), wzero()
+    for k in range(n_in):
+        v = wload(xp, base + 16 * k)
+        o = k * sk
+        a0 = wfma(v, wbroadcast(w, p + o), a0)
+        a1 = wfma(v, wbroadcast(w, p + sn + o), a1)
+    return a0, a1
+
+
+@inner
 def _one(xp, base, n_in, w, p, sk):  # type: ignore[no-untyped-def]
     # one weight row x one panel: the same chain as each of _block's accumulators
     a = wzero()
@@ -143,14 +193,30 @@ def product(xp, rows, w, sn, sk, n_w, out, col):  # type: ignore[no-untyped-def]
     n_in = xp.shape[0] // (16 * groups)
     full = n_w - n_w % BLOCK_ROWS
     for g in range(groups):  # a panel stays in the L2 while the tile's rows stream by
-        base = g * n_in * 16
+        base, r0 = g * n_in * 16, g * 16
         for n in range(0, full, BLOCK_ROWS):
             a0, a1, a2, a3, a4, a5 = _block(xp, base, n_in, w, n * sn, sn, sk)
-            _store(out, a0, g * 16, rows, col + n)
-            _store(out, a1, g * 16, rows, col + n + 1)
-            _store(out, a2, g * 16, rows, col + n + 2)
-            _store(out, a3, g * 16, rows, col + n + 3)
-            _store(out, a4, g * 16, rows, col + n + 4)
-            _store(out, a5, g * 16, rows, col + n + 5)
-        for n in range(full, n_w):
-            _store(out, _one(xp, base, n_in, w, n * sn, sk), g * 16, rows, col + n)
+            _store(out, a0, r0, rows, col + n)
+            _store(out, a1, r0, rows, col + n + 1)
+            _store(out, a2, r0, rows, col + n + 2)
+            _store(out, a3, r0, rows, col + n + 3)
+            _store(out, a4, r0, rows, col + n + 4)
+            _store(out, a5, r0, rows, col + n + 5)
+        # the last rows, fewer than a block: four, two, then one at a time (one chain
+        # alone waits on each FMA's latency: a 64-row tile's four last rows, the 8B
+        # shape's down projection, cost ~19 % of the tile one at a time)
+        n = full
+        if n + 4 <= n_w:
+            a0, a1, a2, a3 = _block4(xp, base, n_in, w, n * sn, sn, sk)
+            _store(out, a0, r0, rows, col + n)
+            _store(out, a1, r0, rows, col + n + 1)
+            _store(out, a2, r0, rows, col + n + 2)
+            _store(out, a3, r0, rows, col + n + 3)
+            n += 4
+        if n + 2 <= n_w:
+            a0, a1 = _block2(xp, base, n_in, w, n * sn, sn, sk)
+            _store(out, a0, r0, rows, col + n)
+            _store(out, a1, r0, rows, col + n + 1)
+            n += 2
+        if n < n_w:
+            _store(out, _one(xp, base, n_in, w, n * sn, sk), r0, rows, col + n)

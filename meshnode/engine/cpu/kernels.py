@@ -461,6 +461,25 @@ def _rows(fmt, form, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-de
         o += 1
 
 
+@njit(inline="always")
+def _line(address):  # type: ignore[no-untyped-def]
+    # ``address`` rounded up to a 64-byte cache line (at most 15 floats on)
+    return (address + 63) & -64
+
+
+@njit(inline="always")
+def _lined(n):  # type: ignore[no-untyped-def]
+    # n float32 of scratch beginning on a 64-byte line. The scratch of the k-row passes
+    # (:mod:`.narrow`'s decoded block and chains) is read as 32-byte vectors: where it began
+    # 16 bytes into a line (NumPy's and numba's arrays are 16-byte aligned), every other
+    # load straddled two lines, and an 8-row pass took ~1.1-1.2x as long (Q4_K, Q6_K,
+    # benchmarks/narrow_parts.py --offsets 0 16; the activations' alignment is the
+    # caller's, .matrix._lined: ~1.05x more)
+    buf = np.empty(n + 16, np.float32)
+    at = (-(buf.ctypes.data // 4)) % 16
+    return buf[at : at + n]
+
+
 @intrinsic
 def _read_only(typingctx: Any, ary: Any) -> Any:
     # the same array typed read-only, as the memory-mapped weights are: the products
@@ -481,7 +500,12 @@ def _chunk_product(fa: int, fb: int, fc: int, form: int) -> Any:
         na, nb, nc, k, n_in, rows = st[_NA], st[_NB], st[_NC], st[_K], st[_N_IN], st[_ROWS]
         x = carray(ptr_f32(st[_X]), (k * n_in,))
         out = carray(ptr_f32(st[_OUT]), (k, st[_N_OUT]))
-        w = carray(ptr_f32(st[_SCRATCH] + 4 * who * st[_STRIDE]), (4 * n_in,))
+        # the thread's scratch from its first 64-byte line where its row has room to move
+        # up to 15 floats on (the pool's rows have 7 n_in floats, these kernels use 4 n_in)
+        w_at = st[_SCRATCH] + 4 * who * st[_STRIDE]
+        if st[_STRIDE] >= 4 * n_in + 16:
+            w_at = _line(w_at)
+        w = carray(ptr_f32(w_at), (4 * n_in,))
         ca, cb = st[_CA], st[_CB]
         if ch < ca:
             a = _read_only(carray(ptr_u8(st[_A]), (na, st[_RBA])))
@@ -503,7 +527,7 @@ def _serial_product(fa: int, fb: int, fc: int, form: int) -> Any:
     @entry()
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
         zero, na, nab = np.int64(0), a.shape[0], a.shape[0] + b.shape[0]
-        w = np.empty(4 * (x.shape[0] // out.shape[0]), np.float32)
+        w = _lined(4 * (x.shape[0] // out.shape[0]))
         # int64 arguments, as the chunks': one compiled _rows per format
         _rows(fa, form, a, x, out, zero, na, zero, w)
         _rows(fb, form, b, x, out, zero, b.shape[0], na, w)

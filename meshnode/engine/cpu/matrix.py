@@ -53,6 +53,10 @@ DENSE_TILE_BYTES = 4 << 20
 # share is a few microseconds, about what posting a product to the pool's threads costs
 # (and on many cores, small products would keep all of them spinning).
 PARALLEL_MIN_BYTES = 64 << 10
+# Bytes of a matrix (as stored) from which a product of several activation rows first
+# copies them onto a 64-byte line where they do not begin on one (:func:`_lined`): ~5 us
+# of Python, under 1 % of such a product (~1 ms and more), against ~5 % of its passes.
+LINED_MIN_BYTES = 1 << 20
 
 _threads: int | None = None  # the --threads cap
 
@@ -226,6 +230,21 @@ def supported(t: RawTensor) -> bool:
     return fmt is not None and n_in > 0 and n_in % fmt.block_size == 0 and n_in % 32 == 0
 
 
+def _lined(x: np.ndarray) -> np.ndarray:
+    """``x`` flat, from a 64-byte cache line (a copy where it does not begin on one): the
+    kernels load the activations as 32-byte vectors, and where they began 16 bytes into a
+    line (NumPy's arrays are 16-byte aligned) every other load straddled two lines, ~5 %
+    of an 8-row exact product (``benchmarks/narrow_parts.py --offsets``)."""
+    flat = np.ascontiguousarray(x).reshape(-1)
+    if flat.ctypes.data % 64 == 0:
+        return flat
+    buf = np.empty(flat.size + 16, np.float32)
+    at = (-(buf.ctypes.data // 4)) % 16
+    lined: np.ndarray = buf[at : at + flat.size]
+    lined[:] = flat
+    return lined
+
+
 @dataclass(frozen=True)
 class _Part:
     fmt: Format
@@ -316,7 +335,10 @@ class BlockMatrix:
         if x.shape[0] > MAX_KERNEL_ROWS:
             self._tiled_product(x, out)
             return out
-        flat = np.ascontiguousarray(x).reshape(-1)
+        if x.shape[0] > 1 and self._nbytes >= LINED_MIN_BYTES:
+            flat = _lined(x)  # the k-row passes read the activations again every block
+        else:  # ~5 us of Python: more than a line's worth of a small or one-row product
+            flat = np.ascontiguousarray(x).reshape(-1)
         threads = min(_threads_here(), self._nbytes // max(1, PARALLEL_MIN_BYTES))
         if threads > 1:
             chunk = kernels().chunk_kernel(*self._fmts)

@@ -140,7 +140,11 @@ def _scratch_tile(rows: int, n_in: int) -> np.ndarray:
     """This thread's float32 scratch tile ``[rows, n_in]``."""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.size < rows * n_in:
-        buf = _scratch.buf = np.empty(rows * n_in, np.float32)
+        # from a 64-byte line: the decoders store 32-byte vectors, which straddle two
+        # lines every other time from NumPy's 16-byte alignment
+        raw = np.empty(rows * n_in + 16, np.float32)
+        at = (-(raw.ctypes.data // 4)) % 16
+        buf = _scratch.buf = raw[at : at + rows * n_in]
     tile: np.ndarray = buf[: rows * n_in].reshape(rows, n_in)
     return tile
 
