@@ -60,6 +60,8 @@ from meshnode.engine.cpu.pool_words import *  # noqa: F403
 from meshnode.engine.cpu.pool_words import (
     _MAX_GEN,
     ACTIVE,
+    AHEAD,
+    AHEAD_END,
     AREAS,
     CALLER_RAN,
     CHUNKS,
@@ -114,6 +116,17 @@ CHUNKS_PER_THREAD = 8
 # between the products of one forward (attention, norms: ~10-100 µs), short enough that a
 # busy machine loses little and an idle node sleeps between tokens.
 SPIN_MICROSECONDS = 300
+# Bytes of its range in the next product that an idle helper asks for ahead (pool_words'
+# AHEAD): between two products the caller runs the serial parts of a step (attention,
+# norms, the SwiGLU, quantizing the activations, Python), the helper spins and the memory
+# rests, while a decode product at 2 threads streams its weights near the memory's rate.
+# The next product is the one that followed this one the last time (the same each step
+# of a decode); only products of at least AHEAD_MIN_BYTES a helper's range count (the
+# attention's and the experts' blocks do not break the chain).
+AHEAD_BYTES = 1 << 20
+AHEAD_MIN_BYTES = 64 << 10
+# Products remembered for it (each holds its parts: cleared when full)
+AHEAD_PRODUCTS = 1024
 # How long the caller waits for the chunks helpers hold before computing them itself:
 # PATIENCE_CHUNKS times the job's chunk time (a helper computing its last chunk ends
 # within one; one descheduled mid-chunk on a busy machine holds it for a time slice,
@@ -167,6 +180,13 @@ class KernelPool:
         self._unit_s: dict[tuple[int, int], float] = {}
         # the arrays of the last AREAS jobs, while a helper may still use them
         self._kept: tuple[Any, ...] = ((),) * AREAS
+        self._ahead_bytes = AHEAD_BYTES
+        # id(parts) -> (parts, (rows, threads), the helpers' (first, end) addresses ahead)
+        self._spans: dict[int, tuple[Any, tuple[int, int], tuple[tuple[int, int], ...]]] = {}
+        # id(parts) -> the helpers' spans of the product that came next (of at least
+        # AHEAD_MIN_BYTES), the last time
+        self._after: dict[int, tuple[tuple[int, int], ...]] = {}
+        self._last_parts = 0  # id(parts) of the last product of at least AHEAD_MIN_BYTES
         self.posted = 0  # products shared so far
         self.declined = 0  # products left to the caller: a helper still held an old chunk
         self.woken = 0  # products posted while a helper that may claim slept
@@ -207,6 +227,13 @@ class KernelPool:
         """Chunks the caller computed itself because a helper held them past the
         patience (so far; the helper computed them too)."""
         return int(self._st[REDONE])
+
+    def set_ahead(self, ahead_bytes: int = AHEAD_BYTES) -> None:
+        """The bytes of its range in the next product an idle helper asks for ahead (0:
+        none), from the next product (benchmarks)."""
+        self._ahead_bytes = ahead_bytes
+        self._spans.clear()
+        self._after.clear()
 
     def set_waits(self, patience_us: float | None = None, spin_us: float | None = None) -> None:
         """Fix the caller's patience at ``patience_us`` (None: the pool's own, a few of
@@ -280,6 +307,7 @@ class KernelPool:
         key, units = (fn, k), rows * _row_work(n_in, k)  # a chunk's work
         patience = self._patience(key, units)
         began = time.perf_counter()
+        spans = self._expect(parts, rows, threads)
         args = (self._st, fn, gen, a, b, c, x, out, self._scratch, rows, patience)
         woken = _post(*args)
         if woken < 0:
@@ -298,7 +326,38 @@ class KernelPool:
                     self._events[who - 1].set()
             _work(self._st, patience)
         self._learn(key, units, time.perf_counter() - began)
+        if spans is None:  # this product's spans ahead, for the one before it (after it)
+            spans = _spans(parts, rows, threads, self._ahead_bytes)
+            if len(self._spans) >= AHEAD_PRODUCTS:
+                self._spans.clear()
+                self._after.clear()
+            if spans:  # not for a small product (an attention's or experts' block)
+                self._spans[id(parts)] = (parts, (rows, threads), spans)
+        if self._counts(spans):
+            self._after[self._last_parts] = spans
+            self._last_parts = id(parts)
         return True
+
+    def _expect(self, parts: tuple[Any, Any, Any], rows: int, threads: int) -> Any:
+        """Tell the helpers which bytes to ask for once they have no chunk of this product
+        left: their ranges' first in the product that came after it the last time, if
+        this one counts (:data:`AHEAD_MIN_BYTES`; else they keep what they were told).
+        Returns this product's own spans if known (None: not yet, or of other rows or
+        threads)."""
+        known = self._spans.get(id(parts))
+        if known is None or known[0] is not parts or known[1] != (rows, threads):
+            return None
+        spans: tuple[tuple[int, int], ...] = known[2]
+        if self._counts(spans):
+            st, after = self._st, self._after.get(id(parts), ())
+            for who in range(1, threads):
+                first, end = after[who - 1] if who <= len(after) else (0, 0)
+                st[COUNTS + 8 * who + AHEAD], st[COUNTS + 8 * who + AHEAD_END] = first, end
+        return spans
+
+    def _counts(self, spans: tuple[tuple[int, int], ...]) -> bool:
+        """Whether a product of these spans ahead is one the helpers ask ahead for."""
+        return bool(spans) and spans[0][1] - spans[0][0] >= min(AHEAD_MIN_BYTES, self._ahead_bytes)
 
     def _patience(self, key: tuple[int, int], units: int) -> int:
         """The caller's patience for a job of chunks of ``units`` work, in iterations:
@@ -343,6 +402,34 @@ class KernelPool:
     def _iterations(self, microseconds: float) -> int:
         """Idle-loop iterations that take about ``microseconds`` (at least 100)."""
         return max(100, int(self._per_us * microseconds))
+
+
+def _spans(
+    parts: tuple[Any, Any, Any], rows: int, threads: int, most: int
+) -> tuple[tuple[int, int], ...]:
+    """For helpers 1 .. ``threads - 1``: the addresses of the first bytes of their ranges
+    of a product of ``parts`` in chunks of ``rows`` rows (as :func:`.pool_words._post`
+    deals them out, a chunk ``rows`` rows of a part), at most ``most`` bytes, within the
+    part their range starts in; none for a product smaller than :data:`AHEAD_MIN_BYTES`."""
+    if sum(p.nbytes for p in parts) < AHEAD_MIN_BYTES:
+        return ()
+    counts = [(p.shape[0] + rows - 1) // rows for p in parts]
+    chunks = sum(counts)
+    spans = []
+    for who in range(1, threads):
+        first, end = who * chunks // threads, (who + 1) * chunks // threads
+        ch, at = first, 0
+        while at < 2 and ch >= counts[at]:
+            ch, at = ch - counts[at], at + 1
+        part = parts[at]
+        if first >= end or ch >= counts[at] or part.ndim != 2:
+            spans.append((0, 0))
+            continue
+        size = part.shape[1] * part.itemsize
+        lo = part.ctypes.data + ch * rows * size
+        hi = part.ctypes.data + min(part.shape[0], (ch + end - first) * rows) * size
+        spans.append((lo, min(hi, lo + most)))
+    return tuple(spans)
 
 
 def _per_microsecond(st: np.ndarray) -> float:
