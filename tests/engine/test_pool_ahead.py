@@ -24,6 +24,7 @@ def _product(p: KernelPool, parts: tuple[np.ndarray, np.ndarray, np.ndarray]) ->
     """Post a product of ``parts`` (one activation row of ROW_BYTES) on two threads."""
     n_out = sum(part.shape[0] for part in parts)
     x, out = np.zeros(ROW_BYTES, np.float32), np.zeros((1, n_out), np.float32)
+    assert _nothing.address is not None
     assert p.run(_nothing.address, parts, x, out, 2)
 
 

@@ -12,7 +12,7 @@ attention's, the experts') read their job's fields from the words named here.
 from __future__ import annotations
 
 import numpy as np
-from numba import carray
+from numba.np.numpy_support import carray
 
 from meshnode.engine.cpu.atomics import call3, cas, cycles, fetch_add, load, pause, ptr_u8, store
 from meshnode.engine.cpu.simd import entry, inner
