@@ -125,8 +125,9 @@ SPIN_MICROSECONDS = 300
 # attention's and the experts' blocks do not break the chain).
 AHEAD_BYTES = 1 << 20
 AHEAD_MIN_BYTES = 64 << 10
-# Products remembered for it (each holds its parts: cleared when full)
-AHEAD_PRODUCTS = 1024
+# Products whose chunk size and spans ahead the pool keeps (each holds its parts: all
+# dropped when full)
+PLANS = 1024
 # How long the caller waits for the chunks helpers hold before computing them itself:
 # PATIENCE_CHUNKS times the job's chunk time (a helper computing its last chunk ends
 # within one; one descheduled mid-chunk on a busy machine holds it for a time slice,
@@ -159,6 +160,22 @@ def _row_work(n_in: int, k: int) -> int:
     return n_in * (1 + k // 4)
 
 
+class _Plan:
+    """What the posts of one product share: its parts (the same arrays), what it was
+    worked out for (chunk function, activation rows, ``n_in``, threads), rows a chunk,
+    the key and chunk work its patience is learned by, the helpers' spans ahead
+    (:func:`_spans`) and whether helpers ask ahead for it."""
+
+    __slots__ = ("counts", "key", "of", "parts", "rows", "spans", "units")
+
+    def __init__(
+        self, parts: Any, of: tuple[int, ...], rows: int, key: tuple[int, int], units: int
+    ) -> None:
+        self.parts, self.of, self.rows, self.key, self.units = parts, of, rows, key, units
+        self.spans: tuple[tuple[int, int], ...] = ()
+        self.counts = False
+
+
 class KernelPool:
     """The calling thread plus up to :data:`MAX_HELPERS` helper threads, started as
     needed, for one product at a time."""
@@ -181,8 +198,7 @@ class KernelPool:
         # the arrays of the last AREAS jobs, while a helper may still use them
         self._kept: tuple[Any, ...] = ((),) * AREAS
         self._ahead_bytes = AHEAD_BYTES
-        # id(parts) -> (parts, (rows, threads), the helpers' (first, end) addresses ahead)
-        self._spans: dict[int, tuple[Any, tuple[int, int], tuple[tuple[int, int], ...]]] = {}
+        self._plans: dict[int, _Plan] = {}  # id(parts) -> what its posts share
         # id(parts) -> the helpers' spans of the product that came next (of at least
         # AHEAD_MIN_BYTES), the last time
         self._after: dict[int, tuple[tuple[int, int], ...]] = {}
@@ -232,7 +248,7 @@ class KernelPool:
         """The bytes of its range in the next product an idle helper asks for ahead (0:
         none), from the next product (benchmarks)."""
         self._ahead_bytes = ahead_bytes
-        self._spans.clear()
+        self._plans.clear()
         self._after.clear()
 
     def set_waits(self, patience_us: float | None = None, spin_us: float | None = None) -> None:
@@ -296,19 +312,25 @@ class KernelPool:
         self, fn: int, parts: tuple[Any, Any, Any], x: Any, out: Any, threads: int, keep: object
     ) -> bool:
         """Post the job, wake the helpers that sleep, do the caller's share."""
-        k, n_out = out.shape
+        k = out.shape[0]
         n_in = x.shape[0] // k
         # scratch a thread: the exact kernels' 4 n_in decoded values, the q8 tiles' 26 n_in
         # bytes (.q8_tiles.scratch_bytes)
         self._start(threads, 7 * n_in)
-        rows = chunk_rows(n_out, n_in, k, threads)
+        plan = self._plans.get(id(parts))
+        if plan is None or plan.parts is not parts or plan.of != (fn, k, n_in, threads):
+            plan = self._plan(fn, parts, k, n_in, out.shape[1], threads)
         gen = self._gen % _MAX_GEN + 1
         a, b, c = parts
-        key, units = (fn, k), rows * _row_work(n_in, k)  # a chunk's work
-        patience = self._patience(key, units)
+        patience = self._patience(plan.key, plan.units)
         began = time.perf_counter()
-        spans = self._expect(parts, rows, threads)
-        args = (self._st, fn, gen, a, b, c, x, out, self._scratch, rows, patience)
+        if plan.counts:  # what the helpers ask for ahead once done with this one
+            after = self._after.get(id(parts), ())
+            st = self._st
+            for who in range(1, threads):
+                first, end = after[who - 1] if who <= len(after) else (0, 0)
+                st[COUNTS + 8 * who + AHEAD], st[COUNTS + 8 * who + AHEAD_END] = first, end
+        args = (self._st, fn, gen, a, b, c, x, out, self._scratch, plan.rows, patience)
         woken = _post(*args)
         if woken < 0:
             # a helper descheduled mid-chunk of the job before the last (which the caller
@@ -325,39 +347,28 @@ class KernelPool:
                 if woken >> who & 1:
                     self._events[who - 1].set()
             _work(self._st, patience)
-        self._learn(key, units, time.perf_counter() - began)
-        if spans is None:  # this product's spans ahead, for the one before it (after it)
-            spans = _spans(parts, rows, threads, self._ahead_bytes)
-            if len(self._spans) >= AHEAD_PRODUCTS:
-                self._spans.clear()
-                self._after.clear()
-            if spans:  # not for a small product (an attention's or experts' block)
-                self._spans[id(parts)] = (parts, (rows, threads), spans)
-        if self._counts(spans):
-            self._after[self._last_parts] = spans
+        self._learn(plan.key, plan.units, time.perf_counter() - began)
+        if plan.counts:  # this product's spans, for the one before it (learned after it)
+            self._after[self._last_parts] = plan.spans
             self._last_parts = id(parts)
         return True
 
-    def _expect(self, parts: tuple[Any, Any, Any], rows: int, threads: int) -> Any:
-        """Tell the helpers which bytes to ask for once they have no chunk of this product
-        left: their ranges' first in the product that came after it the last time, if
-        this one counts (:data:`AHEAD_MIN_BYTES`; else they keep what they were told).
-        Returns this product's own spans if known (None: not yet, or of other rows or
-        threads)."""
-        known = self._spans.get(id(parts))
-        if known is None or known[0] is not parts or known[1] != (rows, threads):
-            return None
-        spans: tuple[tuple[int, int], ...] = known[2]
-        if self._counts(spans):
-            st, after = self._st, self._after.get(id(parts), ())
-            for who in range(1, threads):
-                first, end = after[who - 1] if who <= len(after) else (0, 0)
-                st[COUNTS + 8 * who + AHEAD], st[COUNTS + 8 * who + AHEAD_END] = first, end
-        return spans
-
-    def _counts(self, spans: tuple[tuple[int, int], ...]) -> bool:
-        """Whether a product of these spans ahead is one the helpers ask ahead for."""
-        return bool(spans) and spans[0][1] - spans[0][0] >= min(AHEAD_MIN_BYTES, self._ahead_bytes)
+    def _plan(
+        self, fn: int, parts: tuple[Any, Any, Any], k: int, n_in: int, n_out: int, threads: int
+    ) -> _Plan:
+        """What a product's posts share, worked out once (kept while its parts are the
+        same arrays: a matrix's; an attention's or experts' blocks are new each time)."""
+        if len(self._plans) >= PLANS:
+            self._plans.clear()
+            self._after.clear()
+        rows = chunk_rows(n_out, n_in, k, threads)
+        spans = _spans(parts, rows, threads, self._ahead_bytes)
+        plan = _Plan(parts, (fn, k, n_in, threads), rows, (fn, k), rows * _row_work(n_in, k))
+        # whether helpers ask ahead for it (and after it): of at least AHEAD_MIN_BYTES
+        most = min(AHEAD_MIN_BYTES, self._ahead_bytes)
+        plan.spans, plan.counts = spans, bool(spans) and spans[0][1] - spans[0][0] >= most
+        self._plans[id(parts)] = plan
+        return plan
 
     def _patience(self, key: tuple[int, int], units: int) -> int:
         """The caller's patience for a job of chunks of ``units`` work, in iterations:

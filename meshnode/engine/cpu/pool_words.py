@@ -203,9 +203,9 @@ def _count_start(st, who, at, gen, slept):  # type: ignore[no-untyped-def]
 
 @entry(nogil=True)
 def _helper_spin(st, who):  # type: ignore[no-untyped-def]
-    # run chunks as they are posted; return (to sleep) after SPINS idle iterations
-    # when it has no chunk, it asks for the bytes its next range is expected to start
-    # with (AHEAD: the caller is busy between products, the memory is not)
+    # run chunks as they are posted; return (to sleep) after SPINS idle iterations. While
+    # it has no chunk, it asks for the bytes its next range is expected to start with
+    # (AHEAD: the caller runs the serial parts between products, the memory rests)
     spins = load(st, SPINS)
     idle = 0
     slept = np.int64(1)  # woken (or started) for the job it claims first (int64: below)
