@@ -73,3 +73,17 @@ def test_an_idle_helper_asks_for_its_bytes_ahead_and_still_sleeps() -> None:
     st[at + pool_words.AHEAD_END] = weights.ctypes.data + weights.nbytes
     pool_words._helper_spin(st, 1)
     assert st[pool.SLEEPING + 1] == 1
+
+
+def test_each_helpers_span_starts_its_range_within_its_part() -> None:
+    """Three threads, 11 chunks of 16 rows (7 of a part of 100 rows, 4 of one of 50):
+    helper 1 takes chunks 3-6 (a's rows 48-99), helper 2 chunks 7-10 (all of b)."""
+    wide = 1024  # bytes a row: 150 KiB in all, above AHEAD_MIN_BYTES
+    a = np.zeros((100, wide), np.uint8)
+    b = np.zeros((50, wide), np.uint8)
+    parts = (a, b, np.zeros((0, wide), np.uint8))
+    at_a, at_b = a.ctypes.data, b.ctypes.data
+    spans = pool._spans(parts, 16, 3, 1 << 30)
+    assert spans == ((at_a + 48 * wide, at_a + a.nbytes), (at_b, at_b + b.nbytes))
+    first = at_a + 48 * wide
+    assert pool._spans(parts, 16, 3, 1024) == ((first, first + 1024), (at_b, at_b + 1024))
