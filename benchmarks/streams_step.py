@@ -3,7 +3,7 @@ real-size shape (issue 29: decode and 8 streams at 2 threads against llama.cpp).
 
 Run: ``OPENBLAS_NUM_THREADS=1 nice .venv/bin/python benchmarks/streams_step.py [--shape 1b]
 [--layers N] [--dtype q8|native] [--streams 8] [--threads 1 2] [--rounds 5] [--steps 4]
-[--patience-us P ...] [--spin-us S ...] [--chunk-orders]``
+[--patience-us P ...] [--spin-us S ...] [--ahead-kib A ...] [--chunk-orders]``
 
 One stage holds the whole random-weight GGUF of ``--shape`` (``benchmarks/realsize_gguf.py``,
 Q4_K_M mix; ``--layers`` cuts its depth). ``--streams`` sequences (8: as
@@ -26,7 +26,9 @@ the helpers waited runnable for a core (preempted: other processes).
 ``--patience-us`` times the pool's patience (how long the caller waits for a helper's
 chunk before computing it itself) and ``--spin-us`` the helpers' spin (how long a helper
 waits for the next product before it sleeps) at each of these values, each pair a setup of
-its own in the same rounds (at each thread count above one).
+its own in the same rounds (at each thread count above one); ``--ahead-kib`` likewise the
+bytes an idle helper asks for ahead of the product expected next (:data:`.pool.AHEAD_BYTES`;
+0: none).
 
 ``--chunk-orders`` times instead, on this thread alone (its CPU time, the best of
 ``--rounds``), each product kind's one-row products over every layer three ways: whole (the
@@ -69,10 +71,13 @@ class Setup(NamedTuple):
     threads: int
     patience: float | None
     spin: float | None
+    ahead: int | None = None  # KiB a helper asks for ahead (None: .pool.AHEAD_BYTES)
 
     def __str__(self) -> str:
         patience = "" if self.patience is None else f" {self.patience:g} us"
-        return f"{self.threads}t{patience}" + ("" if self.spin is None else f" spin {self.spin:g}")
+        ahead = "" if self.ahead is None else f" ahead {self.ahead}K"
+        spin = "" if self.spin is None else f" spin {self.spin:g}"
+        return f"{self.threads}t{patience}{spin}{ahead}"
 
 
 # the pool's counts (KernelPool.counts) printed per step: the split and the hand-offs
@@ -249,7 +254,7 @@ def _run_in(order: str, jobs: list[Any], kernels: Any, x: np.ndarray) -> None:
 def run(args: argparse.Namespace) -> None:
     from meshnode.engine.backend import cpu_backend, limit_cpu_threads
     from meshnode.engine.cpu import matrix, set_kernel_threads
-    from meshnode.engine.cpu.pool import CoreGauge
+    from meshnode.engine.cpu.pool import AHEAD_BYTES, CoreGauge
     from meshnode.engine.loader import load_model
     from meshnode.engine.model import BatchRow
 
@@ -305,16 +310,18 @@ def run(args: argparse.Namespace) -> None:
 
     setups = [Setup(t, None, None) for t in args.threads if t == 1]
     setups += [
-        Setup(t, p, s)
+        Setup(t, p, s, a)
         for t in args.threads
         if t > 1
         for p in args.patience_us or [None]
         for s in args.spin_us or [None]
+        for a in args.ahead_kib or [None]
     ]
 
     def use(setup: Setup) -> None:
         set_kernel_threads(setup.threads)
         pool.set_waits(setup.patience, setup.spin)
+        pool.set_ahead(AHEAD_BYTES if setup.ahead is None else setup.ahead << 10)
 
     for setup in setups:  # warm-up: kernels compiled or loaded, helpers started
         use(setup)
@@ -407,6 +414,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--spin-us", type=float, nargs="+", help="the helpers' spin to try (> 1 thread)"
+    )
+    parser.add_argument(
+        "--ahead-kib",
+        type=int,
+        nargs="+",
+        help="the bytes an idle helper asks for ahead of the next product, KiB (> 1 thread)",
     )
     parser.add_argument(
         "--chunk-orders",

@@ -52,9 +52,39 @@ from typing import Any
 
 import numpy as np
 
-from meshnode.engine.cpu.atomics import call3, cas, cycles, fetch_add, load, pause, store
 from meshnode.engine.cpu.gauge import SAMPLE_SECONDS, CoreGauge, usable_cpus
-from meshnode.engine.cpu.simd import entry, inner
+
+# the shared words under their old names: the chunk functions read their job's fields as
+# pool.X, pool.ROWS, ... (pool_words.__all__)
+from meshnode.engine.cpu.pool_words import *  # noqa: F403
+from meshnode.engine.cpu.pool_words import (
+    _MAX_GEN,
+    ACTIVE,
+    AHEAD,
+    AHEAD_END,
+    AREAS,
+    CALLER_RAN,
+    CHUNKS,
+    COUNTS,
+    HELPER_RAN,
+    HELPERS,
+    MAX_HELPERS,
+    RAN,
+    REDONE,
+    SLEPT_STARTED,
+    SLEPT_STARTS,
+    SPINS,
+    STARTED,
+    STARTS,
+    WAITED,
+    WORDS,
+    _calibrate,
+    _helper_spin,
+    _now,
+    _post,
+    _stale,
+    _work,
+)
 
 __all__ = [
     "CHUNK_ROWS",
@@ -65,46 +95,6 @@ __all__ = [
     "usable_cpus",
 ]
 
-# The words of the shared array: a block of WORDS control words, then AREAS areas of as
-# many words, which a job's fields and done count take in turns (job generation g, area
-# g % AREAS: _area); a chunk function reads its job's fields from its area's address as
-# if it were the whole array (only the words from JOB are filled there). Words written by
-# different threads sit on their own 64-byte lines (8 words), so a spinning helper's
-# reads do not slow the writers.
-CLAIM = 0  # generation << 40 | chunks << 20: the job posted last
-DONE = 8  # in an area: chunks of its job finished
-# the caller's counts (time stamp counter cycles: .atomics.cycles; KernelPool.counts)
-WAITED = 9  # cycles the caller waited for the chunks helpers computed, after its own
-CHUNKS = 10  # chunks posted
-CALLER_RAN = 11  # chunks the caller ran
-ACTIVE = 16  # how many threads may claim (the caller and helpers 1 .. ACTIVE - 1)
-HELPERS = 17  # helper threads started
-SPINS = 18  # idle iterations a helper spins for the next chunk before it sleeps
-SLEEPING = 24  # + who: 1 while helper ``who`` sleeps on its event
-MAX_HELPERS = 63
-BUSY = SLEEPING + 8 * ((MAX_HELPERS + 8) // 8)  # + who: 1 + (generation << 20 | chunk)
-# + 8 who + SEEN .. SLEPT_STARTS: helper ``who``'s counts, on a line of its own
-COUNTS = BUSY + 8 * ((MAX_HELPERS + 8) // 8)
-SEEN = 0  # the last job generation it claimed a chunk of
-STARTED, STARTS = 1, 2  # cycles from a post to its first chunk of the job, summed; jobs
-SLEPT_STARTED, SLEPT_STARTS = 3, 4  # the same for the first job after it slept
-HELPER_RAN = 5  # chunks it ran
-# + 8 who: generation << 40 | end << 20 | first: the chunks of the job left in thread
-# ``who``'s range (the caller's: 0); its owner claims the first, others the last
-RANGES = COUNTS + 8 * (MAX_HELPERS + 1)
-JOB = RANGES + 8 * (MAX_HELPERS + 1)  # the job's fields, written by the poster
-FN, A, NA, RBA, B, NB, RBB, C, NC, RBC = range(JOB, JOB + 10)
-X, K, N_IN, OUT, N_OUT, SCRATCH, STRIDE, CA, CB, ROWS = range(JOB + 10, JOB + 20)
-REDONE = JOB + 20  # chunks the caller computed that a helper held (written by the caller)
-RAN = JOB + 21  # chunks the caller claimed and ran in the last job (written by the caller)
-POSTED = JOB + 22  # in an area: the time stamp counter when the job was posted
-WORDS = JOB + 24
-AREAS = 2  # job areas after the control words: a job's and the one before's
-
-_FIELD = (1 << 20) - 1  # chunk count and next chunk: 20 bits each
-# generations 1 .. _MAX_GEN in turn (the claim word's other 23 bits): an even count, so
-# that consecutive jobs take different areas across the wrap too
-_MAX_GEN = (1 << 23) - 2
 # Output rows per chunk, at least (4-row tiles), about CHUNKS_PER_THREAD chunks per thread
 # (balance, few claims: a cache line passed between cores, ~0.1 µs each), and at most
 # about CHUNK_WORK weights times activation rows per chunk: 2-15 µs for the products of a
@@ -126,6 +116,18 @@ CHUNKS_PER_THREAD = 8
 # between the products of one forward (attention, norms: ~10-100 µs), short enough that a
 # busy machine loses little and an idle node sleeps between tokens.
 SPIN_MICROSECONDS = 300
+# Bytes of its range in the next product that an idle helper asks for ahead (pool_words'
+# AHEAD): between two products the caller runs the serial parts of a step (attention,
+# norms, the SwiGLU, quantizing the activations, Python), the helper spins and the memory
+# rests, while a decode product at 2 threads streams its weights near the memory's rate.
+# The next product is the one that followed this one the last time (the same each step
+# of a decode); only products of at least AHEAD_MIN_BYTES a helper's range count (the
+# attention's and the experts' blocks do not break the chain).
+AHEAD_BYTES = 1 << 20
+AHEAD_MIN_BYTES = 64 << 10
+# Products whose chunk size and spans ahead the pool keeps (each holds its parts: all
+# dropped when full)
+PLANS = 1024
 # How long the caller waits for the chunks helpers hold before computing them itself:
 # PATIENCE_CHUNKS times the job's chunk time (a helper computing its last chunk ends
 # within one; one descheduled mid-chunk on a busy machine holds it for a time slice,
@@ -158,213 +160,20 @@ def _row_work(n_in: int, k: int) -> int:
     return n_in * (1 + k // 4)
 
 
-@inner
-def _area(gen):  # type: ignore[no-untyped-def]
-    # the first word of the area of job generation ``gen``
-    return WORDS * (1 + gen % AREAS)
+class _Plan:
+    """What the posts of one product share: its parts (the same arrays), what it was
+    worked out for (chunk function, activation rows, ``n_in``, threads), rows a chunk,
+    the key and chunk work its patience is learned by, the helpers' spans ahead
+    (:func:`_spans`) and whether helpers ask ahead for it."""
 
+    __slots__ = ("counts", "key", "of", "parts", "rows", "spans", "units")
 
-@inner
-def _take(st, who):  # type: ignore[no-untyped-def]
-    # claim a chunk: the first of this thread's range, else the last of another's (the
-    # next thread's first); generation << 20 | chunk, or -1 when none is left. A helper
-    # names the chunk in its BUSY word before it claims it (cleared if it lost the
-    # race), so the caller can see (and redo) a chunk a descheduled helper holds.
-    n = load(st, ACTIVE)
-    for i in range(n):
-        at = RANGES + 8 * ((who + i) % n)
-        while True:
-            word = load(st, at)
-            first, end = word & _FIELD, (word >> 20) & _FIELD
-            if first >= end:
-                break
-            held = (word >> 40) << 20 | (first if i == 0 else end - 1)
-            if who > 0:
-                store(st, BUSY + who, 1 + held)
-            if cas(st, at, word, word + 1 if i == 0 else word - (1 << 20)):
-                return held
-            if who > 0:
-                store(st, BUSY + who, 0)
-    return -1
-
-
-@inner
-def _open(st):  # type: ignore[no-untyped-def]
-    # whether a chunk of the job is left to claim
-    for who in range(load(st, ACTIVE)):
-        word = load(st, RANGES + 8 * who)
-        if word & _FIELD < (word >> 20) & _FIELD:
-            return True
-    return False
-
-
-@inner
-def _claim_and_run(st, who, slept):  # type: ignore[no-untyped-def]
-    # claim chunks of the current job until none is left; how many this thread ran. A
-    # helper clears its BUSY word after counting its chunk done (in the job's area), so
-    # the caller knows when no helper uses an area; it counts the time from a job's post
-    # to its first chunk of it (``slept``: the first job after it slept) in its COUNTS
-    # words.
-    ran = 0
-    while True:
-        held = _take(st, who)
-        if held < 0:
-            return ran
-        gen = held >> 20
-        at = _area(gen)
-        if who > 0 and st[COUNTS + 8 * who + SEEN] != gen:
-            _count_start(st, who, at, gen, slept != 0 and ran == 0)
-        call3(load(st, at + FN), st.ctypes.data + 8 * at, who, held & _FIELD)
-        fetch_add(st, at + DONE, 1)
-        ran += 1
-        if who > 0:
-            store(st, BUSY + who, 0)
-
-
-@inner
-def _count_start(st, who, at, gen, slept):  # type: ignore[no-untyped-def]
-    # helper ``who`` claimed its first chunk of job ``gen`` (area ``at``): count the time
-    # since its post, apart for the first job after a sleep
-    mine = COUNTS + 8 * who
-    st[mine + SEEN] = gen
-    late = cycles() - st[at + POSTED]
-    if slept:
-        st[mine + SLEPT_STARTED] += late
-        st[mine + SLEPT_STARTS] += 1
-    else:
-        st[mine + STARTED] += late
-        st[mine + STARTS] += 1
-
-
-@entry(nogil=True)
-def _helper_spin(st, who):  # type: ignore[no-untyped-def]
-    # run chunks as they are posted; return (to sleep) after SPINS idle iterations
-    spins = load(st, SPINS)
-    idle = 0
-    slept = np.int64(1)  # woken (or started) for the job it claims first (int64: below)
-    while True:
-        ran = _claim_and_run(st, who, slept) if who < load(st, ACTIVE) else 0
-        if ran > 0:
-            st[COUNTS + 8 * who + HELPER_RAN] += ran
-            idle = 0
-            slept = np.int64(0)
-            continue
-        pause()
-        idle += 1
-        if idle >= spins:
-            store(st, SLEEPING + who, 1)
-            if who < load(st, ACTIVE) and _open(st):  # a post between the last look and the flag
-                store(st, SLEEPING + who, 0)
-                idle = 0
-                continue
-            return
-
-
-@entry(nogil=True)
-def _stale(st):  # type: ignore[no-untyped-def]
-    # whether a helper still holds a chunk of a finished job (descheduled mid-chunk)
-    held = 0
-    for who in range(1, load(st, HELPERS) + 1):
-        held |= load(st, BUSY + who)
-    return held != 0
-
-
-@inner
-def _area_held(st, gen):  # type: ignore[no-untyped-def]
-    # whether a helper still holds a chunk of a job in the area job ``gen`` would take (a
-    # job before the last one: descheduled mid-chunk, which the caller finished)
-    for who in range(1, load(st, HELPERS) + 1):
-        held = load(st, BUSY + who) - 1
-        if held >= 0 and _area(held >> 20) == _area(gen):
-            return True
-    return False
-
-
-@entry(nogil=True)
-def _work(st, patience):  # type: ignore[no-untyped-def]
-    # the caller's share, then wait for the chunks helpers still compute; after
-    # ``patience`` idle iterations (a helper descheduled mid-chunk, on a busy machine)
-    # compute the chunks helpers hold itself: they write the same values
-    # int64 arguments, as the helpers': one compiled function
-    ran = _claim_and_run(st, np.int64(0), np.int64(0))
-    store(st, RAN, ran)
-    word = load(st, CLAIM)
-    chunks, gen = (word >> 20) & _FIELD, word >> 40
-    st[CHUNKS] += chunks
-    st[CALLER_RAN] += ran
-    at = _area(gen)
-    waited = 0
-    began = cycles()
-    while load(st, at + DONE) < chunks:
-        pause()
-        waited += 1
-        if waited >= patience:
-            for who in range(1, load(st, HELPERS) + 1):
-                held = load(st, BUSY + who) - 1
-                if held >= 0 and held >> 20 == gen:
-                    call3(load(st, at + FN), st.ctypes.data + 8 * at, 0, held & _FIELD)
-                    store(st, REDONE, load(st, REDONE) + 1)
-            break
-    st[WAITED] += cycles() - began
-
-
-@inner
-def _job(st, at, fn, a, b, c, x, out, scratch, rows):  # type: ignore[no-untyped-def]
-    # write a product's fields (chunks of ``rows`` output rows) in the area from word
-    # ``at``; its chunk count
-    ca, cb = (a.shape[0] + rows - 1) // rows, (b.shape[0] + rows - 1) // rows
-    st[at + FN] = fn
-    st[at + A], st[at + NA], st[at + RBA] = a.ctypes.data, a.shape[0], a.shape[1]
-    st[at + B], st[at + NB], st[at + RBB] = b.ctypes.data, b.shape[0], b.shape[1]
-    st[at + C], st[at + NC], st[at + RBC] = c.ctypes.data, c.shape[0], c.shape[1]
-    st[at + K], st[at + N_OUT] = out.shape[0], out.shape[1]
-    st[at + X], st[at + N_IN] = x.ctypes.data, x.shape[0] // out.shape[0]
-    st[at + OUT] = out.ctypes.data
-    st[at + SCRATCH], st[at + STRIDE] = scratch.ctypes.data, scratch.shape[1]
-    st[at + CA], st[at + CB], st[at + ROWS] = ca, cb, rows
-    return ca + cb + (c.shape[0] + rows - 1) // rows
-
-
-@entry(nogil=True)
-def _post(st, fn, gen, a, b, c, x, out, scratch, rows, patience):  # type: ignore[no-untyped-def]
-    # post job ``gen`` in its area (unless a helper still holds a chunk of the job before
-    # the last, which used that area: -1) and, when no helper that may claim sleeps, do
-    # the caller's share (0); else clear their sleeping flags and return them (the caller
-    # sets their events, then calls _work)
-    if _area_held(st, gen):
-        return -1
-    at = _area(gen)
-    chunks = _job(st, at, fn, a, b, c, x, out, scratch, rows)
-    store(st, at + DONE, 0)
-    st[at + POSTED] = cycles()
-    threads = load(st, ACTIVE)
-    for who in range(threads):  # contiguous ranges, the caller's first
-        first, end = who * chunks // threads, (who + 1) * chunks // threads
-        store(st, RANGES + 8 * who, (gen << 40) | (end << 20) | first)
-    store(st, CLAIM, (gen << 40) | (chunks << 20))
-    woken = 0
-    for who in range(1, load(st, ACTIVE)):
-        if load(st, SLEEPING + who) == 1:
-            store(st, SLEEPING + who, 0)
-            woken |= 1 << who
-    if woken == 0:
-        _work(st, patience)
-    return woken
-
-
-@entry(nogil=True)
-def _now():  # type: ignore[no-untyped-def]
-    return cycles()
-
-
-@entry(nogil=True)
-def _calibrate(st, n):  # type: ignore[no-untyped-def]
-    # n iterations of an idle helper's loop body (microseconds to iterations)
-    s = 0
-    for _ in range(n):
-        s += load(st, ACTIVE)
-        pause()
-    return s
+    def __init__(
+        self, parts: Any, of: tuple[int, ...], rows: int, key: tuple[int, int], units: int
+    ) -> None:
+        self.parts, self.of, self.rows, self.key, self.units = parts, of, rows, key, units
+        self.spans: tuple[tuple[int, int], ...] = ()
+        self.counts = False
 
 
 class KernelPool:
@@ -388,6 +197,12 @@ class KernelPool:
         self._unit_s: dict[tuple[int, int], float] = {}
         # the arrays of the last AREAS jobs, while a helper may still use them
         self._kept: tuple[Any, ...] = ((),) * AREAS
+        self._ahead_bytes = AHEAD_BYTES
+        self._plans: dict[int, _Plan] = {}  # id(parts) -> what its posts share
+        # id(parts) -> the helpers' spans of the product that came next (of at least
+        # AHEAD_MIN_BYTES), the last time
+        self._after: dict[int, tuple[tuple[int, int], ...]] = {}
+        self._last_parts = 0  # id(parts) of the last product of at least AHEAD_MIN_BYTES
         self.posted = 0  # products shared so far
         self.declined = 0  # products left to the caller: a helper still held an old chunk
         self.woken = 0  # products posted while a helper that may claim slept
@@ -428,6 +243,13 @@ class KernelPool:
         """Chunks the caller computed itself because a helper held them past the
         patience (so far; the helper computed them too)."""
         return int(self._st[REDONE])
+
+    def set_ahead(self, ahead_bytes: int = AHEAD_BYTES) -> None:
+        """The bytes of its range in the next product an idle helper asks for ahead (0:
+        none), from the next product (benchmarks)."""
+        self._ahead_bytes = ahead_bytes
+        self._plans.clear()
+        self._after.clear()
 
     def set_waits(self, patience_us: float | None = None, spin_us: float | None = None) -> None:
         """Fix the caller's patience at ``patience_us`` (None: the pool's own, a few of
@@ -490,18 +312,25 @@ class KernelPool:
         self, fn: int, parts: tuple[Any, Any, Any], x: Any, out: Any, threads: int, keep: object
     ) -> bool:
         """Post the job, wake the helpers that sleep, do the caller's share."""
-        k, n_out = out.shape
+        k = out.shape[0]
         n_in = x.shape[0] // k
         # scratch a thread: the exact kernels' 4 n_in decoded values, the q8 tiles' 26 n_in
         # bytes (.q8_tiles.scratch_bytes)
         self._start(threads, 7 * n_in)
-        rows = chunk_rows(n_out, n_in, k, threads)
+        plan = self._plans.get(id(parts))
+        if plan is None or plan.parts is not parts or plan.of != (fn, k, n_in, threads):
+            plan = self._plan(fn, parts, k, n_in, out.shape[1], threads)
         gen = self._gen % _MAX_GEN + 1
         a, b, c = parts
-        key, units = (fn, k), rows * _row_work(n_in, k)  # a chunk's work
-        patience = self._patience(key, units)
+        patience = self._patience(plan.key, plan.units)
         began = time.perf_counter()
-        args = (self._st, fn, gen, a, b, c, x, out, self._scratch, rows, patience)
+        if plan.counts:  # what the helpers ask for ahead once done with this one
+            after = self._after.get(id(parts), ())
+            st = self._st
+            for who in range(1, threads):
+                first, end = after[who - 1] if who <= len(after) else (0, 0)
+                st[COUNTS + 8 * who + AHEAD], st[COUNTS + 8 * who + AHEAD_END] = first, end
+        args = (self._st, fn, gen, a, b, c, x, out, self._scratch, plan.rows, patience)
         woken = _post(*args)
         if woken < 0:
             # a helper descheduled mid-chunk of the job before the last (which the caller
@@ -518,8 +347,28 @@ class KernelPool:
                 if woken >> who & 1:
                     self._events[who - 1].set()
             _work(self._st, patience)
-        self._learn(key, units, time.perf_counter() - began)
+        self._learn(plan.key, plan.units, time.perf_counter() - began)
+        if plan.counts:  # this product's spans, for the one before it (learned after it)
+            self._after[self._last_parts] = plan.spans
+            self._last_parts = id(parts)
         return True
+
+    def _plan(
+        self, fn: int, parts: tuple[Any, Any, Any], k: int, n_in: int, n_out: int, threads: int
+    ) -> _Plan:
+        """What a product's posts share, worked out once (kept while its parts are the
+        same arrays: a matrix's; an attention's or experts' blocks are new each time)."""
+        if len(self._plans) >= PLANS:
+            self._plans.clear()
+            self._after.clear()
+        rows = chunk_rows(n_out, n_in, k, threads)
+        spans = _spans(parts, rows, threads, self._ahead_bytes)
+        plan = _Plan(parts, (fn, k, n_in, threads), rows, (fn, k), rows * _row_work(n_in, k))
+        # whether helpers ask ahead for it (and after it): of at least AHEAD_MIN_BYTES
+        most = min(AHEAD_MIN_BYTES, self._ahead_bytes)
+        plan.spans, plan.counts = spans, bool(spans) and spans[0][1] - spans[0][0] >= most
+        self._plans[id(parts)] = plan
+        return plan
 
     def _patience(self, key: tuple[int, int], units: int) -> int:
         """The caller's patience for a job of chunks of ``units`` work, in iterations:
@@ -564,6 +413,34 @@ class KernelPool:
     def _iterations(self, microseconds: float) -> int:
         """Idle-loop iterations that take about ``microseconds`` (at least 100)."""
         return max(100, int(self._per_us * microseconds))
+
+
+def _spans(
+    parts: tuple[Any, Any, Any], rows: int, threads: int, most: int
+) -> tuple[tuple[int, int], ...]:
+    """For helpers 1 .. ``threads - 1``: the addresses of the first bytes of their ranges
+    of a product of ``parts`` in chunks of ``rows`` rows (as :func:`.pool_words._post`
+    deals them out, a chunk ``rows`` rows of a part), at most ``most`` bytes, within the
+    part their range starts in; none for a product smaller than :data:`AHEAD_MIN_BYTES`."""
+    if sum(p.nbytes for p in parts) < AHEAD_MIN_BYTES:
+        return ()
+    counts = [(p.shape[0] + rows - 1) // rows for p in parts]
+    chunks = sum(counts)
+    spans = []
+    for who in range(1, threads):
+        first, end = who * chunks // threads, (who + 1) * chunks // threads
+        ch, at = first, 0
+        while at < 2 and ch >= counts[at]:
+            ch, at = ch - counts[at], at + 1
+        part = parts[at]
+        if first >= end or ch >= counts[at] or part.ndim != 2:
+            spans.append((0, 0))
+            continue
+        size = part.shape[1] * part.itemsize
+        lo = part.ctypes.data + ch * rows * size
+        hi = part.ctypes.data + min(part.shape[0], (ch + end - first) * rows) * size
+        spans.append((lo, min(hi, lo + most)))
+    return tuple(spans)
 
 
 def _per_microsecond(st: np.ndarray) -> float:
