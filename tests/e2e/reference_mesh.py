@@ -23,6 +23,7 @@ from tests.e2e.cluster import (
     SINGLE_THREAD_ENV,
     Cluster,
     Node,
+    compile_kernels,
     init_token,
     start_split_mesh,
 )
@@ -52,6 +53,7 @@ def reference_mesh(
     the host's; every process opens the same folder."""
     token = init_token(root / "mesh.token")
     folder = str(token_id_folder(reference, root))
+    compile_kernels(reference.name, folder, "--dtype", "native")
     with Cluster(root, env={**HEARTBEAT_ENV, **SINGLE_THREAD_ENV}) as cluster:
         host = start_split_mesh(
             cluster,

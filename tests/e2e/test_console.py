@@ -23,6 +23,7 @@ from tests.e2e.cluster import (
     SINGLE_THREAD_ENV,
     Cluster,
     Node,
+    compile_kernels,
     init_token,
     ready_stages,
     wait_for,
@@ -60,6 +61,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]
     """The host and one worker, serving on two ready stages."""
     root = tmp_path_factory.mktemp("console")
     token = init_token(root / "mesh.token")
+    compile_kernels(MODEL, MODEL, "--dtype", "native")
     with Cluster(root, env={**SINGLE_THREAD_ENV, **PATIENT_HEARTBEATS}) as cluster:
         worker = cluster.spawn("worker", token, mdns=False)
         cluster.wait_started(worker, timeout_s=START_TIMEOUT_S)

@@ -39,6 +39,7 @@ from tests.e2e.cluster import (
     SINGLE_THREAD_ENV,
     Cluster,
     Node,
+    compile_kernels,
     init_token,
     ready_stages,
     start_split_mesh,
@@ -75,6 +76,7 @@ CROWD_MAX_TOKENS = 48
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Node]]:
     root = tmp_path_factory.mktemp("replay")
     token = init_token(root / "mesh.token")
+    compile_kernels(MODEL, MODEL, "--dtype", "native")
     with Cluster(root, env={**HEARTBEAT_ENV, **SINGLE_THREAD_ENV}) as cluster:
         host = start_split_mesh(
             cluster,

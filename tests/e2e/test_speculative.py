@@ -22,6 +22,7 @@ from tests.e2e.cluster import (
     Cluster,
     Node,
     cli,
+    compile_kernels,
     init_token,
     ready_stages,
     start_split_mesh,
@@ -48,6 +49,7 @@ def mesh(
     strategy, policy = request.param
     root = tmp_path_factory.mktemp(f"spec-{strategy}")
     token = init_token(root / "mesh.token")
+    compile_kernels(MODEL, MODEL, "--dtype", "native")
     with Cluster(root, env={**HEARTBEAT_ENV, **SINGLE_THREAD_ENV}) as cluster:
         host = start_split_mesh(
             cluster,

@@ -33,6 +33,7 @@ from tests.e2e.cluster import (
     Cluster,
     Node,
     cli,
+    compile_kernels,
     init_token,
     start_split_mesh,
     wait_for,
@@ -59,6 +60,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, No
     token = init_token(root / "mesh.token")
     # One BLAS thread per child: three processes on two cores were measured slower with
     # the default thread count (oversubscription), and stages run in turn anyway.
+    compile_kernels(MODEL, MODEL, "--dtype", "native")
     with Cluster(root, env={**HEARTBEAT_ENV, **SINGLE_THREAD_ENV}) as cluster:
         host = start_split_mesh(
             cluster,

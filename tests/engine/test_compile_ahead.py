@@ -199,3 +199,26 @@ def test_the_worker_compiles_this_process_code_from_any_working_directory(
     assert "ahead failed" not in done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"started": True, "compiles": 0}  # loaded what the worker compiled
+
+
+def test_every_process_that_compiles_locks_numba_cache(tmp_path: Path) -> None:
+    """Not only a process that starts a worker: with compiling ahead off (as on a loaded
+    machine, where no worker starts) the first product still makes numba's cache saves
+    and loads hold the folder's lock, so two nodes on one machine cannot both give one
+    data file to two different kernels."""
+    code = textwrap.dedent(
+        """
+        from numba.core.caching import IndexDataCacheFile
+        before = getattr(IndexDataCacheFile.save, "_locked", False)
+        from meshnode.engine.cpu import matrix
+        matrix.kernels()
+        print(before, getattr(IndexDataCacheFile.save, "_locked", False))
+        """
+    )
+    env = os.environ | {"XDG_CACHE_HOME": str(tmp_path), warmup.SWITCH: "0"}
+    env.pop("NUMBA_CACHE_DIR", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT,
+        timeout=240, check=True,
+    )  # fmt: skip
+    assert done.stdout.split() == ["False", "True"]

@@ -103,6 +103,12 @@ def configure_numba() -> None:
 def kernels() -> ModuleType:
     """The kernels module, imported (and numba configured) on first use."""
     configure_numba()
+    from meshnode.engine.cpu import warmup
+
+    # numba's cache is safe for one process at a time: every process takes the lock, not
+    # only one that starts a compile-ahead worker (several nodes on one machine, or a
+    # loaded machine where no worker starts, compile into the same folder at once)
+    warmup.lock_cache()
     from meshnode.engine.cpu import kernels as module
 
     return module

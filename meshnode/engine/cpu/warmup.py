@@ -25,7 +25,9 @@ it compiles the very functions this process then looks up, whatever its working 
 numba's cache is safe for one process only: two processes saving different signatures of
 one function can both pick the same data file name, and the index of one may then name
 the other's code. :func:`lock_cache` makes every save (and load) of this process hold an
-``flock`` on the cache folder; the worker holds the same.
+``flock`` on the cache folder; the worker holds the same, and so does every process that
+compiles through :func:`.matrix.kernels`, worker or not: two nodes on one machine, or
+stages on a loaded machine (where no worker starts), compile into one folder at once.
 """
 
 from __future__ import annotations
@@ -237,6 +239,10 @@ def lock_cache() -> None:
     ``flock`` on the cache's folder, so that another process's save of the same function
     waits: numba picks a new entry's data file name from the index it read, and writes
     the index before the data. Idempotent."""
+    try:
+        import fcntl  # noqa: F401  (POSIX only)
+    except ImportError:  # no flock: numba's cache as numba leaves it
+        return
     from numba.core.caching import IndexDataCacheFile
 
     if getattr(IndexDataCacheFile.save, "_locked", False):
