@@ -98,7 +98,7 @@ def test_a_model_compiles_its_own_formats_once_each(tmp_path: Path) -> None:
     calls = compiled["meshnode.engine.cpu.kernels._rows"]
     assert sorted(args.split(",")[0] for args in calls) == ["(Literal[int](4)", "(Literal[int](7)"]
     assert (
-        len(compiled["meshnode.engine.cpu.pool._claim_and_run"]) == 1
+        len(compiled["meshnode.engine.cpu.pool_words._claim_and_run"]) == 1
     )  # the caller's and the helpers' alike
 
 
