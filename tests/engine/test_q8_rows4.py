@@ -217,15 +217,7 @@ def test_q6_k_chunk_pair_sums_are_exact_in_either_order(
         store16(out, 0, sb.ksum(p03, p47, 3))
 
     bases = np.array([0, 20, 41, 60, 83, 100, 124, 140], np.int64)
-    for u, x, scales in [
-        (
-            rng.integers(0, 64, (8, 64)),
-            rng.integers(-127, 128, 64),
-            rng.integers(-128, 128, (8, 16)),
-        ),
-        (np.zeros((8, 64)), np.full(64, 127), np.full((8, 16), -128)),
-        (np.full((8, 64), 63), np.full(64, -127), np.full((8, 16), 127)),
-    ]:
+    for u, x, scales in _q6_cases(rng):
         w = np.zeros(160, np.uint8)
         for j, b in enumerate(bases):
             w[b + 1 : b + 17] = np.asarray(scales[j], np.int8).view(np.uint8)
@@ -263,13 +255,7 @@ def test_q6_k_rows4_gives_the_four_row_sums_of_a_chunk_pair(
     h, m = c // 4, c % 4
     bases = np.array([0, 210, 430, 640, 850, 1070, 1280, 1500], np.int64)
     for u, x, scales in [
-        (
-            rng.integers(0, 64, (8, 64)),
-            rng.integers(-127, 128, 64),
-            rng.integers(-128, 128, (8, 16)),
-        ),
-        (np.zeros((8, 64)), np.full(64, 127), np.full((8, 16), -128)),
-        (np.full((8, 64), 63), np.full(64, -127), np.full((8, 16), 127)),
+        *_q6_cases(rng),
         (np.zeros((8, 64)), np.full(64, -127), np.full((8, 16), -128)),
     ]:
         u8 = np.asarray(u, np.uint8)
@@ -288,3 +274,18 @@ def test_q6_k_rows4_gives_the_four_row_sums_of_a_chunk_pair(
         scaled = halves * np.asarray(scales, np.int64)[:, 2 * c : 2 * c + 4]
         want = np.concatenate([scaled[:, 0] + scaled[:, 1], scaled[:, 2] + scaled[:, 3]])
         np.testing.assert_array_equal(out, want[ORDER])
+
+
+def _q6_cases(rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Eight Q6_K rows' 6-bit values, 64 activation bytes and the rows' 16 scales: random,
+    then the extremes of the int16 sums (all zero against +127 and -128 scales, all 63
+    against -127 and +127)."""
+    return [
+        (
+            rng.integers(0, 64, (8, 64)),
+            rng.integers(-127, 128, 64),
+            rng.integers(-128, 128, (8, 16)),
+        ),
+        (np.zeros((8, 64)), np.full(64, 127), np.full((8, 16), -128)),
+        (np.full((8, 64), 63), np.full(64, -127), np.full((8, 16), 127)),
+    ]
