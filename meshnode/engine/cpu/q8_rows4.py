@@ -87,17 +87,22 @@ def _sum_pair(builder: Any, a: Any, b: Any, n: int) -> Any:
     return builder.add(_unpack(builder, a, b, n, False), _unpack(builder, a, b, n, True))
 
 
-def dots_by_four(builder: Any, ptrs: list[Any], x: Any) -> Any:
-    """The exact integer dot products of chunks ``2 k`` and ``2 k + 1`` of eight Q4_K
-    rows (their 32 bytes of nibbles at ``ptrs``, ``i8*``) with the activation blocks at
-    ``x`` (``i8*``, 64 bytes), sixteen int32 in this module's order."""
-    xs = [
+def _halves(builder: Any, x: Any) -> list[Any]:
+    """The two 32-byte halves of the 64 activation bytes at ``x`` (``i8*``)."""
+    return [
         builder.load(
             builder.bitcast(builder.gep(x, [ir.Constant(_I64, 32 * h)]), _VB.as_pointer()),
             align=1,
         )
         for h in range(2)
     ]
+
+
+def dots_by_four(builder: Any, ptrs: list[Any], x: Any) -> Any:
+    """The exact integer dot products of chunks ``2 k`` and ``2 k + 1`` of eight Q4_K
+    rows (their 32 bytes of nibbles at ``ptrs``, ``i8*``) with the activation blocks at
+    ``x`` (``i8*``, 64 bytes), sixteen int32 in this module's order."""
+    xs = _halves(builder, x)
     mask = ir.Constant(_VB, [15] * 32)
 
     def row(p: Any) -> tuple[Any, Any]:
@@ -274,13 +279,7 @@ def q6_dots_by_four(builder: Any, row: Any, x: Any, scales: Any) -> Any:
     in both words finishes the half and applies its scale in int32, and the halves are
     added. The same integers as :func:`.q8_q6_k.kq6` with :func:`.q8_q6_k.kscale` (one
     ``vpmaddwd`` with ones per row and chunk, and ``vpmulld`` on the sums, fewer)."""
-    xs = [
-        builder.load(
-            builder.bitcast(builder.gep(x, [ir.Constant(_I64, 32 * h)]), _VB.as_pointer()),
-            align=1,
-        )
-        for h in range(2)
-    ]
+    xs = _halves(builder, x)
     thirty_two = ir.Constant(_VB, [32] * 32)
     offs = [_x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _VH, thirty_two, xh) for xh in xs]
     pick = [ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32))) for h in (0, 1)]
