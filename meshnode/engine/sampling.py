@@ -338,9 +338,9 @@ _ONE = np.uint64(1)
 @functools.cache
 def _draws() -> ModuleType:
     """The compiled race (:mod:`.cpu.draws`), imported (numba configured) on first use."""
-    from meshnode.engine.cpu.matrix import kernels
+    from meshnode.engine.cpu.matrix import lock_numba_cache
 
-    kernels()  # numba configured, its cache locked
+    lock_numba_cache()
     from meshnode.engine.cpu import draws
 
     return draws

@@ -99,16 +99,22 @@ def configure_numba() -> None:
     os.environ.setdefault("NUMBA_CACHE_DIR", str(numba_cache_dir()))
 
 
-@cache
-def kernels() -> ModuleType:
-    """The kernels module, imported (and numba configured) on first use."""
+def lock_numba_cache() -> None:
+    """:func:`configure_numba`, and numba's cache saves and loads made to hold the folder's
+    lock (:func:`.warmup.lock_cache`), before this process compiles anything. numba's cache
+    is safe for one process at a time: every process takes the lock, not only one that
+    starts a compile-ahead worker (several nodes on one machine, or a loaded machine where
+    no worker starts, compile into the same folder at once)."""
     configure_numba()
     from meshnode.engine.cpu import warmup
 
-    # numba's cache is safe for one process at a time: every process takes the lock, not
-    # only one that starts a compile-ahead worker (several nodes on one machine, or a
-    # loaded machine where no worker starts, compile into the same folder at once)
     warmup.lock_cache()
+
+
+@cache
+def kernels() -> ModuleType:
+    """The kernels module, imported (and numba configured) on first use."""
+    lock_numba_cache()
     from meshnode.engine.cpu import kernels as module
 
     return module
