@@ -298,3 +298,34 @@ def start_split_mesh(
     except AssertionError as exc:
         pytest.fail(f"{exc}\n{cluster.logs()}")
     return host
+
+
+def start_exact_mesh(
+    cluster: Cluster,
+    token_file: Path,
+    model: str,
+    *host_args: str,
+    workers: int,
+    ready_timeout_s: float,
+    context: int = 512,
+    worker_args: tuple[str, ...] = (),
+    key: str | None = None,
+) -> Node:
+    """:func:`start_split_mesh` serving ``model`` over ``workers`` + 1 stages in the exact
+    mode (``--dtype native``: the golden references hold) with float32 on the wire,
+    ``host_args`` added to the host's; the kernels compiled first (:func:`compile_kernels`,
+    under ``key``, the model's name when its path is a temporary copy)."""
+    compile_kernels(key or model, model, "--dtype", "native")
+    return start_split_mesh(
+        cluster,
+        token_file,
+        "--model", model,
+        "--split", str(workers + 1),
+        "--context", str(context),
+        "--wire-dtype", "f32",
+        "--dtype", "native",
+        *host_args,
+        workers=workers,
+        ready_timeout_s=ready_timeout_s,
+        worker_args=worker_args,
+    )  # fmt: skip

@@ -23,9 +23,8 @@ from tests.e2e.cluster import (
     SINGLE_THREAD_ENV,
     Cluster,
     Node,
-    compile_kernels,
     init_token,
-    start_split_mesh,
+    start_exact_mesh,
 )
 
 VOCAB = 512  # the tiny references' vocabularies fit in it
@@ -53,21 +52,17 @@ def reference_mesh(
     the host's; every process opens the same folder."""
     token = init_token(root / "mesh.token")
     folder = str(token_id_folder(reference, root))
-    compile_kernels(reference.name, folder, "--dtype", "native")
     with Cluster(root, env={**HEARTBEAT_ENV, **SINGLE_THREAD_ENV}) as cluster:
-        host = start_split_mesh(
+        host = start_exact_mesh(
             cluster,
             token,
-            "--model", folder,
-            "--split", str(workers + 1),
-            "--context", "512",
-            "--wire-dtype", "f32",
-            "--dtype", "native",  # the exact mode: the golden references hold
+            folder,
             *host_args,
             workers=workers,
             ready_timeout_s=ready_timeout_s,
             worker_args=("--local-model", folder),  # the workers open the host's path
-        )  # fmt: skip
+            key=reference.name,
+        )
         yield cluster, host
 
 

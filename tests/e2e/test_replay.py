@@ -39,10 +39,9 @@ from tests.e2e.cluster import (
     SINGLE_THREAD_ENV,
     Cluster,
     Node,
-    compile_kernels,
     init_token,
     ready_stages,
-    start_split_mesh,
+    start_exact_mesh,
     wait_for,
     wait_started,
 )
@@ -76,21 +75,17 @@ CROWD_MAX_TOKENS = 48
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Node]]:
     root = tmp_path_factory.mktemp("replay")
     token = init_token(root / "mesh.token")
-    compile_kernels(MODEL, MODEL, "--dtype", "native")
     with Cluster(root, env={**HEARTBEAT_ENV, **SINGLE_THREAD_ENV}) as cluster:
-        host = start_split_mesh(
+        host = start_exact_mesh(
             cluster,
             token,
-            "--model", MODEL,
-            "--split", "3",
-            "--context", str(CONTEXT),
-            "--wire-dtype", "f32",
-            "--dtype", "native",  # the exact mode: the golden references hold
+            MODEL,
             "--speculative", "ngram",
             "--window-policy", "fixed",
             "--pass-deadline", str(PASS_DEADLINE_S),
             workers=2,
             ready_timeout_s=READY_TIMEOUT_S,
+            context=CONTEXT,
         )  # fmt: skip
         yield cluster, host
 

@@ -22,10 +22,9 @@ from tests.e2e.cluster import (
     Cluster,
     Node,
     cli,
-    compile_kernels,
     init_token,
     ready_stages,
-    start_split_mesh,
+    start_exact_mesh,
     wait_for,
 )
 
@@ -49,21 +48,17 @@ def mesh(
     strategy, policy = request.param
     root = tmp_path_factory.mktemp(f"spec-{strategy}")
     token = init_token(root / "mesh.token")
-    compile_kernels(MODEL, MODEL, "--dtype", "native")
     with Cluster(root, env={**HEARTBEAT_ENV, **SINGLE_THREAD_ENV}) as cluster:
-        host = start_split_mesh(
+        host = start_exact_mesh(
             cluster,
             token,
-            "--model", MODEL,
-            "--split", "3",
-            "--context", str(CONTEXT),
-            "--wire-dtype", "f32",
-            "--dtype", "native",  # the exact mode: the golden references hold
+            MODEL,
             "--speculative", strategy,
             "--window-policy", policy,
             "--initial-window", "3",
             workers=2,
             ready_timeout_s=READY_TIMEOUT_S,
+            context=CONTEXT,
         )  # fmt: skip
         if strategy == "layer-skip":
             # The host builds the drafter over its stage 0 after it starts serving; requests

@@ -33,9 +33,8 @@ from tests.e2e.cluster import (
     Cluster,
     Node,
     cli,
-    compile_kernels,
     init_token,
-    start_split_mesh,
+    start_exact_mesh,
     wait_for,
 )
 from tests.serve.conftest import start_server
@@ -60,19 +59,10 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, No
     token = init_token(root / "mesh.token")
     # One BLAS thread per child: three processes on two cores were measured slower with
     # the default thread count (oversubscription), and stages run in turn anyway.
-    compile_kernels(MODEL, MODEL, "--dtype", "native")
     with Cluster(root, env={**HEARTBEAT_ENV, **SINGLE_THREAD_ENV}) as cluster:
-        host = start_split_mesh(
-            cluster,
-            token,
-            "--model", MODEL,
-            "--split", "3",
-            "--context", str(CONTEXT),
-            "--wire-dtype", "f32",
-            "--dtype", "native",  # the exact mode: the golden references hold
-            workers=2,
-            ready_timeout_s=READY_TIMEOUT_S,
-        )  # fmt: skip
+        host = start_exact_mesh(
+            cluster, token, MODEL, workers=2, ready_timeout_s=READY_TIMEOUT_S, context=CONTEXT
+        )
         yield cluster, host
 
 
