@@ -396,7 +396,7 @@ class KernelPool:
         threads = min(threads, MAX_HELPERS + 1)
         rows, width = self._scratch.shape
         if rows < threads or width < scratch:
-            self._scratch = np.zeros((max(rows, threads), max(width, scratch)), np.float32)
+            self._scratch = _lined_rows(max(rows, threads), max(width, scratch))
         if not self._per_us:
             self._per_us = _per_microsecond(self._st)
             self._st[SPINS] = self._iterations(self._spin_us)
@@ -413,6 +413,21 @@ class KernelPool:
     def _iterations(self, microseconds: float) -> int:
         """Idle-loop iterations that take about ``microseconds`` (at least 100)."""
         return max(100, int(self._per_us * microseconds))
+
+
+def _lined_rows(rows: int, width: int) -> np.ndarray:
+    """Zeros ``[rows, width]`` float32 (``width`` rounded up to whole 64-byte lines), every
+    row beginning on a 64-byte cache line: the chunk functions' scratch. NumPy's large
+    arrays begin 16 bytes into a line, and a chunk's 32-byte loads from a scratch there
+    straddled two lines every other load (the exact k-row passes ~1.1-1.2x as long,
+    ``benchmarks/narrow_parts.py --offsets``; the q8 tiles' unpacked words likewise). The
+    exact chunks also round their own start up (:func:`.kernels._line`); the q8 tiles'
+    chunks (:mod:`.q8_tiles`, 64 activation rows and more) read the row where it begins."""
+    width = -(-width // 16) * 16
+    buf = np.zeros(rows * width + 16, np.float32)
+    at = (-(buf.ctypes.data // 4)) % 16
+    lined: np.ndarray = buf[at : at + rows * width].reshape(rows, width)
+    return lined
 
 
 def _spans(
