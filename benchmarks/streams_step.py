@@ -2,11 +2,14 @@
 real-size shape (issue 29: decode and 8 streams at 2 threads against llama.cpp).
 
 Run: ``OPENBLAS_NUM_THREADS=1 nice .venv/bin/python benchmarks/streams_step.py [--shape 1b]
-[--layers N] [--dtype q8|native] [--streams 8] [--threads 1 2] [--rounds 5] [--steps 4]
+[--layers N | --gguf PATH] [--dtype q8|native] [--streams 8] [--threads 1 2] [--rounds 5]
+[--steps 4]
 [--patience-us P ...] [--spin-us S ...] [--ahead-kib A ...] [--chunk-orders]``
 
 One stage holds the whole random-weight GGUF of ``--shape`` (``benchmarks/realsize_gguf.py``,
-Q4_K_M mix; ``--layers`` cuts its depth). ``--streams`` sequences (8: as
+Q4_K_M mix; ``--layers`` cuts its depth), or the GGUF at ``--gguf`` (e.g. a mixture of
+experts' written by ``benchmarks/realsize_moe.py``: its experts' products count as "other
+product"). ``--streams`` sequences (8: as
 ``benchmarks/realsize.py``'s 8 streams; 1, alias ``--rows 1``: its one-row decode) are
 prefilled with 16 tokens each, then ``--steps`` decode steps of them
 (one row each, one ``Stage.forward_batch``) run at each ``--threads`` count in turn, in
@@ -135,9 +138,10 @@ class Parts:
         w = stage.weights
         self.names: dict[int, str] = {}
         for layer in w.layers:
-            for name, attr in (("qkv", "wqkv"), ("out", "wo"), ("gate_up", "w_gate_up")):
-                self.names[id(getattr(layer, attr))] = name
-            self.names[id(layer.w_down)] = "down"
+            kinds = (("qkv", "wqkv"), ("out", "wo"), ("gate_up", "w_gate_up"), ("down", "w_down"))
+            for name, attr in kinds:
+                if getattr(layer, attr, None) is not None:  # experts' layers: no dense MLP
+                    self.names[id(getattr(layer, attr))] = name
         self.names[id(w.head_t if w.head_t is not None else w.embed_t)] = "head"
         inner, attention, parts = stage.backend, stage._mixer.attention, self
 
@@ -258,7 +262,7 @@ def run(args: argparse.Namespace) -> None:
     from meshnode.engine.loader import load_model
     from meshnode.engine.model import BatchRow
 
-    model_path = cached_gguf(args.shape, "q4_k_m", args.layers)
+    model_path = args.gguf or cached_gguf(args.shape, "q4_k_m", args.layers)
     limit = limit_cpu_threads(max(args.threads))
     stage = load_model(str(model_path), cpu_backend(args.dtype)).stage
     pool = matrix._pool()
@@ -282,6 +286,7 @@ def run(args: argparse.Namespace) -> None:
         return (
             pool.posted,
             pool.declined,
+            pool.crowded,
             pool.redone,
             pool.woken,
             *sched(mine),
@@ -354,16 +359,18 @@ def report(
     names = [*PARTS, "other product", "rest", "step"]
     names = [n for n in names if any(n in r for rs in results.values() for r in rs)]
     layers = args.layers or SHAPES[args.shape].layers
-    print(f"\n{args.shape} ({layers} layers), {args.dtype}, {args.streams} streams, medians of")
+    model = Path(args.gguf).name if args.gguf else f"{args.shape} ({layers} layers)"
+    print(f"\n{model}, {args.dtype}, {args.streams} streams, medians of")
     print(f"{args.rounds} rounds of {args.steps} steps, ms a step")
     for setup in results:
-        shared, declined, redone, woken, waited, sleeps, preempted, c_waited, c_pre = posted[setup][
-            :9
-        ]
-        hand = dict(zip(HAND_OFFS, posted[setup][9:], strict=True))
+        shared, declined, crowded, redone, woken, waited, sleeps, preempted, c_waited, c_pre = (
+            posted[setup][:10]
+        )
+        hand = dict(zip(HAND_OFFS, posted[setup][10:], strict=True))
         print(
             f"{setup}, per step (last round): products and attention calls shared {shared:g}, "
-            f"declined (a helper late) {declined:g}, posted to a sleeping helper {woken:g}; "
+            f"declined (a helper late) {declined:g}, left to the caller by the core gauge "
+            f"{crowded:g}, posted to a sleeping helper {woken:g}; "
             f"chunks redone by the caller {redone:g}; helpers: {sleeps:g} sleeps, "
             f"{preempted:g} preempted, {waited:.2f} ms waiting for a core; caller: "
             f"{c_pre:g} preempted, {c_waited:.2f} ms waiting for a core"
@@ -402,6 +409,7 @@ def main() -> None:
     )
     parser.add_argument("--shape", default="1b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, help="cut the model to its first N layers")
+    parser.add_argument("--gguf", help="this GGUF instead of --shape's (e.g. realsize_moe's)")
     parser.add_argument("--dtype", default="q8", choices=["q8", "native"])
     parser.add_argument(
         "--streams", "--rows", type=int, default=8, help="sequences a step (1: one-row decode)"

@@ -319,6 +319,7 @@ def test_a_busy_machine_gets_serial_products(tmp_path: Path, rng: np.random.Gene
         clocks.now, clocks.cpu = clocks.now + 1.0, clocks.cpu + 0.3
         assert not busy.run(fn, m._raws, x, out, 2)  # 2 -> 1.15 -> 0.73 -> 0.51
     assert busy.posted == 1
+    assert busy.counts()["crowded"] == 3  # left to the caller by the gauge, counted
     assert busy._gauge.free() < 1.5
 
 

@@ -205,6 +205,7 @@ class KernelPool:
         self._last_parts = 0  # id(parts) of the last product of at least AHEAD_MIN_BYTES
         self.posted = 0  # products shared so far
         self.declined = 0  # products left to the caller: a helper still held an old chunk
+        self.crowded = 0  # products left to the caller: the gauge found under 1.5 cores free
         self.woken = 0  # products posted while a helper that may claim slept
 
     def job_word(self, word: int) -> int:
@@ -213,7 +214,8 @@ class KernelPool:
 
     def counts(self) -> dict[str, float]:
         """What the pool has done so far (benchmarks: differences over a run): products
-        ``posted``, ``declined`` (:meth:`run`) and posted while a helper slept
+        ``posted``, ``declined`` (:meth:`run`), left to the caller because other
+        processes used the cores (``crowded``: the gauge) and posted while a helper slept
         (``woken``); ``chunks`` posted, run by the ``caller`` and by the ``helpers``
         (a chunk redone by the caller counts once for each); ``waited_us``: the caller's
         wait for the chunks helpers held after its own; ``start_us`` / ``starts``: the
@@ -227,6 +229,7 @@ class KernelPool:
         return {
             "posted": self.posted,
             "declined": self.declined,
+            "crowded": self.crowded,
             "woken": self.woken,
             "chunks": int(st[CHUNKS]),
             "caller": int(st[CALLER_RAN]) + self.redone,
@@ -288,7 +291,10 @@ class KernelPool:
         if threads < 2 or os.getpid() != self._pid:  # helpers do not survive a fork
             return False
         threads = min(threads, int(self._gauge.free() + 0.5))
-        if threads < 2 or not self._lock.acquire(blocking=False):
+        if threads < 2:
+            self.crowded += 1
+            return False
+        if not self._lock.acquire(blocking=False):
             return False
         try:
             return self._post(fn, parts, x, out, threads, keep)
