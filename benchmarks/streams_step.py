@@ -33,6 +33,10 @@ its own in the same rounds (at each thread count above one); ``--ahead-kib`` lik
 bytes an idle helper asks for ahead of the product expected next (:data:`.pool.AHEAD_BYTES`;
 0: none).
 
+``--serial`` times instead one thread's CPU a step, whole and with every weight product
+stubbed (a copy of its first output): what is left is the part of the step a second
+kernel thread does not share.
+
 ``--chunk-orders`` times instead, on this thread alone (its CPU time, the best of
 ``--rounds``), each product kind's one-row products over every layer three ways: whole (the
 serial kernel), by the pool's chunks for two threads in order, and those chunks in turns
@@ -244,6 +248,50 @@ def chunk_orders(stage: Any, rounds: int) -> None:
         print(f"| {name} | {cells} | {best[2] / best[1]:.3f} |")
 
 
+def serial(stage: Any, args: argparse.Namespace) -> None:
+    """One thread's CPU a decode step (``--streams`` rows), whole and with every weight
+    product stubbed (a copy of its first output returned: the step's attention, norms,
+    SwiGLU, embedding, argmax and Python, which a second kernel thread does not share),
+    alternating, medians of ``--rounds`` of ``--steps`` steps (``--serial``)."""
+    from meshnode.engine.backend import CpuBackend
+    from meshnode.engine.cpu import set_kernel_threads
+    from meshnode.engine.model import BatchRow
+
+    set_kernel_threads(1)
+    real = CpuBackend.linear
+    outs: dict[tuple[int, int], Any] = {}
+
+    def stub(self: Any, x: Any, w: Any, sizes: Any = None) -> Any:
+        key = (id(w), x.shape[0])
+        if key not in outs:
+            outs[key] = real(self, x, w, sizes)
+        return outs[key].copy()
+
+    rng = np.random.default_rng(10)
+    spent: dict[str, list[float]] = {"whole": [], "products stubbed": []}
+    for _ in range(args.rounds + 1):  # the first round warms up, not counted
+        for name in spent:
+            CpuBackend.linear = real if name == "whole" else stub  # type: ignore[method-assign]
+            caches = [stage.new_cache(PROMPT + args.steps + 1) for _ in range(args.streams)]
+            for cache in caches:
+                stage.forward(rng.integers(100, 40000, PROMPT), 0, cache, out_rows=1)
+            last = [7 + i for i in range(args.streams)]
+            began = time.thread_time()
+            for step in range(args.steps):
+                pairs = zip(last, caches, strict=True)
+                rows = [BatchRow(np.array([t]), PROMPT + step, c, 1) for t, c in pairs]
+                outs_ = stage.forward_batch(rows)
+                last = [int(np.argmax(o[-1])) for o in outs_]
+            spent[name].append((time.thread_time() - began) / args.steps * 1e3)
+    CpuBackend.linear = real  # type: ignore[method-assign]
+    for name, times in spent.items():
+        counted = times[1:]
+        print(
+            f"{name}: {statistics.median(counted):.2f} ms CPU a step (median of "
+            f"{len(counted)}; {', '.join(f'{t:.2f}' for t in counted)})"
+        )
+
+
 def _run_in(order: str, jobs: list[Any], kernels: Any, x: np.ndarray) -> None:
     """Every product of ``jobs`` (matrix, output, the pool's words, chunk function,
     chunks) whole, or by its chunks ``in order`` or ``in turns``."""
@@ -269,6 +317,9 @@ def run(args: argparse.Namespace) -> None:
     pool._gauge = CoreGauge(Path("/nonexistent/stat"))  # every thread asked for
     if args.chunk_orders:
         chunk_orders(stage, args.rounds)
+        return
+    if args.serial:
+        serial(stage, args)
         return
     rng = np.random.default_rng(10)
     caches = [stage.new_cache(PROMPT + args.steps + 1) for _ in range(args.streams)]
@@ -428,6 +479,11 @@ def main() -> None:
         type=int,
         nargs="+",
         help="the bytes an idle helper asks for ahead of the next product, KiB (> 1 thread)",
+    )
+    parser.add_argument(
+        "--serial",
+        action="store_true",
+        help="one thread's CPU a step, whole and with the weight products stubbed",
     )
     parser.add_argument(
         "--chunk-orders",
