@@ -111,11 +111,24 @@ def worker(args: argparse.Namespace) -> None:
     if args.prefill:
         _prefill(runner)
     print(json.dumps({"ready": True}), flush=True)
+    from meshnode.engine.cpu import matrix
+
+    pool = matrix._pool()
     for line in sys.stdin:
         if line.strip() != "round":
             break
+        crowded, shared = pool.crowded, pool.posted + pool.declined
         out = {"decode": _decode(runner, args.tokens), "streams": _streams(runner, args.tokens)}
         out["prefill"] = _prefill(runner) if args.prefill else float("nan")
+        if pool.crowded > crowded:  # the kernel threads' gauge (without --every-core-free)
+            alone, asked = pool.crowded - crowded, pool.posted + pool.declined - shared
+            print(
+                f"meshnode {args.worker}, {args.threads} threads: {alone} of "
+                f"{alone + asked} products this round on one thread (the core gauge: other "
+                "processes used the cores)",
+                file=sys.stderr,
+                flush=True,
+            )
         print(json.dumps(out), flush=True)
 
 

@@ -2,11 +2,14 @@
 real-size shape (issue 29: decode and 8 streams at 2 threads against llama.cpp).
 
 Run: ``OPENBLAS_NUM_THREADS=1 nice .venv/bin/python benchmarks/streams_step.py [--shape 1b]
-[--layers N] [--dtype q8|native] [--streams 8] [--threads 1 2] [--rounds 5] [--steps 4]
+[--layers N | --gguf PATH] [--dtype q8|native] [--streams 8] [--threads 1 2] [--rounds 5]
+[--steps 4]
 [--patience-us P ...] [--spin-us S ...] [--ahead-kib A ...] [--chunk-orders]``
 
 One stage holds the whole random-weight GGUF of ``--shape`` (``benchmarks/realsize_gguf.py``,
-Q4_K_M mix; ``--layers`` cuts its depth). ``--streams`` sequences (8: as
+Q4_K_M mix; ``--layers`` cuts its depth), or the GGUF at ``--gguf`` (e.g. a mixture of
+experts' written by ``benchmarks/realsize_moe.py``: its experts' products count as "other
+product"). ``--streams`` sequences (8: as
 ``benchmarks/realsize.py``'s 8 streams; 1, alias ``--rows 1``: its one-row decode) are
 prefilled with 16 tokens each, then ``--steps`` decode steps of them
 (one row each, one ``Stage.forward_batch``) run at each ``--threads`` count in turn, in
@@ -29,6 +32,10 @@ waits for the next product before it sleeps) at each of these values, each pair 
 its own in the same rounds (at each thread count above one); ``--ahead-kib`` likewise the
 bytes an idle helper asks for ahead of the product expected next (:data:`.pool.AHEAD_BYTES`;
 0: none).
+
+``--serial`` times instead one thread's CPU a step, whole and with every weight product
+stubbed (a copy of its first output): what is left is the part of the step a second
+kernel thread does not share.
 
 ``--chunk-orders`` times instead, on this thread alone (its CPU time, the best of
 ``--rounds``), each product kind's one-row products over every layer three ways: whole (the
@@ -135,9 +142,10 @@ class Parts:
         w = stage.weights
         self.names: dict[int, str] = {}
         for layer in w.layers:
-            for name, attr in (("qkv", "wqkv"), ("out", "wo"), ("gate_up", "w_gate_up")):
-                self.names[id(getattr(layer, attr))] = name
-            self.names[id(layer.w_down)] = "down"
+            kinds = (("qkv", "wqkv"), ("out", "wo"), ("gate_up", "w_gate_up"), ("down", "w_down"))
+            for name, attr in kinds:
+                if getattr(layer, attr, None) is not None:  # experts' layers: no dense MLP
+                    self.names[id(getattr(layer, attr))] = name
         self.names[id(w.head_t if w.head_t is not None else w.embed_t)] = "head"
         inner, attention, parts = stage.backend, stage._mixer.attention, self
 
@@ -240,6 +248,50 @@ def chunk_orders(stage: Any, rounds: int) -> None:
         print(f"| {name} | {cells} | {best[2] / best[1]:.3f} |")
 
 
+def serial(stage: Any, args: argparse.Namespace) -> None:
+    """One thread's CPU a decode step (``--streams`` rows), whole and with every weight
+    product stubbed (a copy of its first output returned: the step's attention, norms,
+    SwiGLU, embedding, argmax and Python, which a second kernel thread does not share),
+    alternating, medians of ``--rounds`` of ``--steps`` steps (``--serial``)."""
+    from meshnode.engine.backend import CpuBackend
+    from meshnode.engine.cpu import set_kernel_threads
+    from meshnode.engine.model import BatchRow
+
+    set_kernel_threads(1)
+    real = CpuBackend.linear
+    outs: dict[tuple[int, int], Any] = {}
+
+    def stub(self: Any, x: Any, w: Any, sizes: Any = None) -> Any:
+        key = (id(w), x.shape[0])
+        if key not in outs:
+            outs[key] = real(self, x, w, sizes)
+        return outs[key].copy()
+
+    rng = np.random.default_rng(10)
+    spent: dict[str, list[float]] = {"whole": [], "products stubbed": []}
+    for _ in range(args.rounds + 1):  # the first round warms up, not counted
+        for name in spent:
+            CpuBackend.linear = real if name == "whole" else stub  # type: ignore[method-assign]
+            caches = [stage.new_cache(PROMPT + args.steps + 1) for _ in range(args.streams)]
+            for cache in caches:
+                stage.forward(rng.integers(100, 40000, PROMPT), 0, cache, out_rows=1)
+            last = [7 + i for i in range(args.streams)]
+            began = time.thread_time()
+            for step in range(args.steps):
+                pairs = zip(last, caches, strict=True)
+                rows = [BatchRow(np.array([t]), PROMPT + step, c, 1) for t, c in pairs]
+                outs_ = stage.forward_batch(rows)
+                last = [int(np.argmax(o[-1])) for o in outs_]
+            spent[name].append((time.thread_time() - began) / args.steps * 1e3)
+    CpuBackend.linear = real  # type: ignore[method-assign]
+    for name, times in spent.items():
+        counted = times[1:]
+        print(
+            f"{name}: {statistics.median(counted):.2f} ms CPU a step (median of "
+            f"{len(counted)}; {', '.join(f'{t:.2f}' for t in counted)})"
+        )
+
+
 def _run_in(order: str, jobs: list[Any], kernels: Any, x: np.ndarray) -> None:
     """Every product of ``jobs`` (matrix, output, the pool's words, chunk function,
     chunks) whole, or by its chunks ``in order`` or ``in turns``."""
@@ -258,13 +310,16 @@ def run(args: argparse.Namespace) -> None:
     from meshnode.engine.loader import load_model
     from meshnode.engine.model import BatchRow
 
-    model_path = cached_gguf(args.shape, "q4_k_m", args.layers)
+    model_path = args.gguf or cached_gguf(args.shape, "q4_k_m", args.layers)
     limit = limit_cpu_threads(max(args.threads))
     stage = load_model(str(model_path), cpu_backend(args.dtype)).stage
     pool = matrix._pool()
     pool._gauge = CoreGauge(Path("/nonexistent/stat"))  # every thread asked for
     if args.chunk_orders:
         chunk_orders(stage, args.rounds)
+        return
+    if args.serial:
+        serial(stage, args)
         return
     rng = np.random.default_rng(10)
     caches = [stage.new_cache(PROMPT + args.steps + 1) for _ in range(args.streams)]
@@ -282,6 +337,7 @@ def run(args: argparse.Namespace) -> None:
         return (
             pool.posted,
             pool.declined,
+            pool.crowded,
             pool.redone,
             pool.woken,
             *sched(mine),
@@ -354,16 +410,18 @@ def report(
     names = [*PARTS, "other product", "rest", "step"]
     names = [n for n in names if any(n in r for rs in results.values() for r in rs)]
     layers = args.layers or SHAPES[args.shape].layers
-    print(f"\n{args.shape} ({layers} layers), {args.dtype}, {args.streams} streams, medians of")
+    model = Path(args.gguf).name if args.gguf else f"{args.shape} ({layers} layers)"
+    print(f"\n{model}, {args.dtype}, {args.streams} streams, medians of")
     print(f"{args.rounds} rounds of {args.steps} steps, ms a step")
     for setup in results:
-        shared, declined, redone, woken, waited, sleeps, preempted, c_waited, c_pre = posted[setup][
-            :9
-        ]
-        hand = dict(zip(HAND_OFFS, posted[setup][9:], strict=True))
+        shared, declined, crowded, redone, woken, waited, sleeps, preempted, c_waited, c_pre = (
+            posted[setup][:10]
+        )
+        hand = dict(zip(HAND_OFFS, posted[setup][10:], strict=True))
         print(
             f"{setup}, per step (last round): products and attention calls shared {shared:g}, "
-            f"declined (a helper late) {declined:g}, posted to a sleeping helper {woken:g}; "
+            f"declined (a helper late) {declined:g}, left to the caller by the core gauge "
+            f"{crowded:g}, posted to a sleeping helper {woken:g}; "
             f"chunks redone by the caller {redone:g}; helpers: {sleeps:g} sleeps, "
             f"{preempted:g} preempted, {waited:.2f} ms waiting for a core; caller: "
             f"{c_pre:g} preempted, {c_waited:.2f} ms waiting for a core"
@@ -402,6 +460,7 @@ def main() -> None:
     )
     parser.add_argument("--shape", default="1b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, help="cut the model to its first N layers")
+    parser.add_argument("--gguf", help="this GGUF instead of --shape's (e.g. realsize_moe's)")
     parser.add_argument("--dtype", default="q8", choices=["q8", "native"])
     parser.add_argument(
         "--streams", "--rows", type=int, default=8, help="sequences a step (1: one-row decode)"
@@ -420,6 +479,11 @@ def main() -> None:
         type=int,
         nargs="+",
         help="the bytes an idle helper asks for ahead of the next product, KiB (> 1 thread)",
+    )
+    parser.add_argument(
+        "--serial",
+        action="store_true",
+        help="one thread's CPU a step, whole and with the weight products stubbed",
     )
     parser.add_argument(
         "--chunk-orders",

@@ -179,6 +179,23 @@ def test_the_pool_cuts_q8_products_as_it_cuts_exact_ones(
         assert q8_rows == pool.chunk_rows(m.n_out, N_IN, k, 2)
 
 
+def test_the_quantized_activations_begin_on_a_cache_line(rng: np.random.Generator) -> None:
+    """numba's arrays are 32-byte aligned: the 8192-wide activations of a down projection
+    began 32 bytes into a line, and AVX-512's 64-byte loads of two blocks straddled two
+    lines. The buffer starts on a line, whatever its size."""
+    kernels = q8._kernels()
+    for k, n_in in ((1, 2048), (1, 8192), (3, 8192), (9, 576), (kernels.TILE_MIN_ROWS, 2048)):
+        x = rng.standard_normal(k * n_in).astype(np.float32)
+        for _ in range(4):
+            q = kernels.quantized(x, k)
+            assert q.ctypes.data % 64 == 0
+            assert q.shape == (kernels.buffer_bytes(k, n_in),)
+        want = np.zeros(kernels.buffer_bytes(k, n_in), np.uint8)
+        kernels.quantize(x, k, want)
+        np.testing.assert_array_equal(q[:16], want[:16])  # the header's words, then its pad
+        np.testing.assert_array_equal(q[kernels.HEADER :], want[kernels.HEADER :])
+
+
 @pytest.mark.parametrize("dtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])
 def test_a_quantizer_buffer_at_any_alignment(dtype: str, rng: np.random.Generator) -> None:
     """The kernels' loads and stores of the buffer and of the tiles' scratch assume no

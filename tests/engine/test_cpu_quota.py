@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from meshnode.engine.cpu.gauge import QUOTA_SECONDS
 from meshnode.engine.cpu.pool import SAMPLE_SECONDS, CoreGauge, KernelPool
 from meshnode.engine.cpu.quota import cpu_quota_cores
 
@@ -83,7 +84,9 @@ def test_the_gauge_counts_at_most_the_quota_and_follows_it(tmp_path: Path) -> No
     ran = pool.run(0, (None, None, None), None, None, threads=4)  # declines before posting
     assert ran is False
     quota[0] = 2.0
-    now[0] += SAMPLE_SECONDS  # read again at the next sample
+    now[0] += SAMPLE_SECONDS  # the next sample: the quota as read QUOTA_SECONDS ago
+    assert gauge.free() == pytest.approx(0.3)
+    now[0] += QUOTA_SECONDS  # read again at the first sample after QUOTA_SECONDS
     assert gauge.free() == pytest.approx(2.0)
     quota[0] = None
     gauge_free = CoreGauge(stat, cpus={0, 1, 2, 3}, quota=lambda: quota[0])

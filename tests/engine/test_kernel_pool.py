@@ -16,6 +16,7 @@ from numba.np.numpy_support import carray
 
 from meshnode.engine.cpu import BlockMatrix, matrix, pool
 from meshnode.engine.cpu.atomics import fetch_add, ptr_i64
+from meshnode.engine.cpu.gauge import QUOTA_SECONDS
 from meshnode.engine.cpu.pool import CoreGauge, KernelPool
 from tests.engine.test_cpu_kernels import N_IN, random_tensor
 
@@ -248,25 +249,49 @@ def test_the_gauge_counts_idle_time_and_our_own(tmp_path: Path) -> None:
     assert CoreGauge(tmp_path / "missing", {0, 1, 2}).free() == 3.0
 
 
-def test_a_gauge_without_proc_looks_once_a_sample(tmp_path: Path) -> None:
+def test_the_chunks_scratch_rows_begin_on_a_cache_line() -> None:
+    """NumPy's large arrays begin 16 bytes into a 64-byte line: a chunk's 32-byte loads
+    from its thread's scratch row straddled two lines every other load. Every row begins
+    on a line, as the scratch grows too, and the rows are whole lines apart."""
+    p = KernelPool(idle_gauge(4))
+    for threads, n_in in ((2, 576), (2, 8192), (3, 8192), (3, 100), (4, 2048)):
+        p._start(threads, 7 * n_in)
+        rows, width = p._scratch.shape
+        assert rows >= threads
+        assert width >= 7 * n_in
+        assert width % 16 == 0
+        assert p._scratch.flags.c_contiguous
+        assert all(p._scratch[r].ctypes.data % 64 == 0 for r in range(rows))
+        assert not p._scratch.any()
+
+
+def test_a_gauge_reads_the_quota_once_every_quota_seconds(tmp_path: Path) -> None:
     """Without ``/proc/stat`` (benchmarks' ``--every-core-free``) the gauge read the
     cgroup files at every product, ~0.3 ms of the caller's CPU each, while the helpers
-    waited: it reads them once every SAMPLE_SECONDS, as with ``/proc``."""
+    waited; then at every sample (every SAMPLE_SECONDS: ~0.2 % of a two-thread decode).
+    It reads them once every QUOTA_SECONDS, with ``/proc/stat`` or without."""
     clocks, reads = Clocks(), [0]
 
     def quota() -> float | None:
         reads[0] += 1
         return None
 
-    gauge = CoreGauge(tmp_path / "missing", {0, 1}, lambda: clocks.now, quota=quota)
-    reads[0] = 0  # the constructor's look
-    for _ in range(5):
-        assert gauge.free() == 2.0
-        clocks.now += pool.SAMPLE_SECONDS / 10
-    assert reads[0] == 1
-    clocks.now += pool.SAMPLE_SECONDS
-    assert gauge.free() == 2.0
-    assert reads[0] == 2
+    for stat in (tmp_path / "missing", proc_stat(tmp_path / "stat", [10.0, 10.0])):
+        reads[0] = 0
+        gauge = CoreGauge(stat, {0, 1}, lambda: clocks.now, quota=quota)
+        assert reads[0] == 1  # the constructor's look
+        reads[0] = 0
+        for _ in range(5):  # within a sample
+            assert 0.0 <= gauge.free() <= 2.0
+            clocks.now += pool.SAMPLE_SECONDS / 10
+        steps = int(QUOTA_SECONDS / pool.SAMPLE_SECONDS)
+        for _ in range(steps - 2):  # samples within QUOTA_SECONDS of the first
+            clocks.now += pool.SAMPLE_SECONDS
+            assert 0.0 <= gauge.free() <= 2.0
+        assert reads[0] == 0
+        clocks.now += 2 * pool.SAMPLE_SECONDS
+        assert 0.0 <= gauge.free() <= 2.0
+        assert reads[0] == 1
 
 
 def test_niced_processes_leave_their_cores_to_a_process_that_is_not(tmp_path: Path) -> None:
@@ -294,6 +319,7 @@ def test_a_busy_machine_gets_serial_products(tmp_path: Path, rng: np.random.Gene
         clocks.now, clocks.cpu = clocks.now + 1.0, clocks.cpu + 0.3
         assert not busy.run(fn, m._raws, x, out, 2)  # 2 -> 1.15 -> 0.73 -> 0.51
     assert busy.posted == 1
+    assert busy.counts()["crowded"] == 3  # left to the caller by the gauge, counted
     assert busy._gauge.free() < 1.5
 
 

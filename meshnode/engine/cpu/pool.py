@@ -205,6 +205,7 @@ class KernelPool:
         self._last_parts = 0  # id(parts) of the last product of at least AHEAD_MIN_BYTES
         self.posted = 0  # products shared so far
         self.declined = 0  # products left to the caller: a helper still held an old chunk
+        self.crowded = 0  # products left to the caller: the gauge found under 1.5 cores free
         self.woken = 0  # products posted while a helper that may claim slept
 
     def job_word(self, word: int) -> int:
@@ -213,7 +214,8 @@ class KernelPool:
 
     def counts(self) -> dict[str, float]:
         """What the pool has done so far (benchmarks: differences over a run): products
-        ``posted``, ``declined`` (:meth:`run`) and posted while a helper slept
+        ``posted``, ``declined`` (:meth:`run`), left to the caller because other
+        processes used the cores (``crowded``: the gauge) and posted while a helper slept
         (``woken``); ``chunks`` posted, run by the ``caller`` and by the ``helpers``
         (a chunk redone by the caller counts once for each); ``waited_us``: the caller's
         wait for the chunks helpers held after its own; ``start_us`` / ``starts``: the
@@ -227,6 +229,7 @@ class KernelPool:
         return {
             "posted": self.posted,
             "declined": self.declined,
+            "crowded": self.crowded,
             "woken": self.woken,
             "chunks": int(st[CHUNKS]),
             "caller": int(st[CALLER_RAN]) + self.redone,
@@ -288,7 +291,10 @@ class KernelPool:
         if threads < 2 or os.getpid() != self._pid:  # helpers do not survive a fork
             return False
         threads = min(threads, int(self._gauge.free() + 0.5))
-        if threads < 2 or not self._lock.acquire(blocking=False):
+        if threads < 2:
+            self.crowded += 1
+            return False
+        if not self._lock.acquire(blocking=False):
             return False
         try:
             return self._post(fn, parts, x, out, threads, keep)
@@ -396,7 +402,7 @@ class KernelPool:
         threads = min(threads, MAX_HELPERS + 1)
         rows, width = self._scratch.shape
         if rows < threads or width < scratch:
-            self._scratch = np.zeros((max(rows, threads), max(width, scratch)), np.float32)
+            self._scratch = _lined_rows(max(rows, threads), max(width, scratch))
         if not self._per_us:
             self._per_us = _per_microsecond(self._st)
             self._st[SPINS] = self._iterations(self._spin_us)
@@ -413,6 +419,21 @@ class KernelPool:
     def _iterations(self, microseconds: float) -> int:
         """Idle-loop iterations that take about ``microseconds`` (at least 100)."""
         return max(100, int(self._per_us * microseconds))
+
+
+def _lined_rows(rows: int, width: int) -> np.ndarray:
+    """Zeros ``[rows, width]`` float32 (``width`` rounded up to whole 64-byte lines), every
+    row beginning on a 64-byte cache line: the chunk functions' scratch. NumPy's large
+    arrays begin 16 bytes into a line, and a chunk's 32-byte loads from a scratch there
+    straddled two lines every other load (the exact k-row passes ~1.1-1.2x as long,
+    ``benchmarks/narrow_parts.py --offsets``; the q8 tiles' unpacked words likewise). The
+    exact chunks also round their own start up (:func:`.kernels._line`); the q8 tiles'
+    chunks (:mod:`.q8_tiles`, 64 activation rows and more) read the row where it begins."""
+    width = -(-width // 16) * 16
+    buf = np.zeros(rows * width + 16, np.float32)
+    at = (-(buf.ctypes.data // 4)) % 16
+    lined: np.ndarray = buf[at : at + rows * width].reshape(rows, width)
+    return lined
 
 
 def _spans(

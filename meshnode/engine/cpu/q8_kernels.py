@@ -231,8 +231,15 @@ def quantize(x, k, buf):  # type: ignore[no-untyped-def]
 
 @entry()
 def quantized(x, k):  # type: ignore[no-untyped-def]
-    """:func:`quantize`'s buffer for ``x`` (flat float32, ``k`` rows), new."""
-    q = np.empty(buffer_bytes(k, x.shape[0] // k), np.uint8)
+    """:func:`quantize`'s buffer for ``x`` (flat float32, ``k`` rows), new, from a 64-byte
+    cache line. numba's arrays are 32-byte aligned (the 8192-wide down projection's began
+    32 bytes into a line): every area of the buffer is whole 32-byte steps from its start,
+    so AVX2's loads never straddle two lines, and from a line neither do AVX-512's 64-byte
+    loads of two blocks."""
+    n = buffer_bytes(k, x.shape[0] // k)
+    buf = np.empty(n + 64, np.uint8)
+    at = (-buf.ctypes.data) % 64
+    q = buf[at : at + n]
     quantize(x, k, q)
     return q
 
