@@ -59,9 +59,9 @@ def build_shim(folder: Path | None, into: Path) -> ctypes.CDLL | None:
     if folder is None or not (folder / "libggml-cpu.so").exists():
         print("ggml: skipped (no libggml-cpu.so: --llama-bin DIR or $LLAMA_BIN; see --help)")
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
     if cc is None:
-        print("ggml: skipped (no C compiler: cc, gcc or $CC)")
+        print("ggml: skipped (no C compiler: $CC, cc or gcc)")
         return None
     lib = into / "ggml_shim.so"
     cmd = [cc, "-O2", "-shared", "-fPIC", str(SHIM), "-o", str(lib), f"-L{folder}",
