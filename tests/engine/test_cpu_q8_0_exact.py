@@ -1,8 +1,9 @@
 """The exact products' Q8_0 decoder by an integer add and a fused multiply-add
-(``engine/cpu/q8_0_exact.py``, :mod:`.narrow`'s passes) makes the float32 ``d * q`` of
-every int8 ``q`` under every finite float16 scale ``d``, and the products of several
-activation rows it serves equal, value for value, the sixteen-lane tiles' (which keep
-:func:`.wide._q8_0`'s conversion), whatever the rows' length."""
+(``engine/cpu/q8_0_exact.py``, :mod:`.narrow`'s passes on AVX2) makes the float32 ``d *
+q`` of every int8 ``q`` under every finite float16 scale ``d``, and the products of 1..16
+activation rows, in both tile forms, equal value for value the exact products' definition
+computed with :func:`.wide._q8_0`'s conversion (each output sixteen FMA chains in order,
+then the tree sum), whatever the rows' length."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from numba import njit
 from meshnode.engine.cpu import matrix
 from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.q8_0_exact import q8_0_block
-from meshnode.engine.cpu.simd import vstore
+from meshnode.engine.cpu.simd import vstore, wfma, wload, wsum, wzero
+from meshnode.engine.cpu.wide import wchunk
 
 Q8_0 = FORMATS["Q8_0"].kernel_id
 
@@ -48,12 +50,25 @@ def test_every_int8_under_every_finite_scale_decodes_to_its_float32() -> None:
     np.testing.assert_array_equal(got[~zero].view(np.uint32), want[~zero].view(np.uint32))
 
 
+@njit(cache=True)
+def _definition(raw, x, out):  # type: ignore[no-untyped-def]
+    # out[r, o]: sixteen chains over x[r] and row o decoded by wide._q8_0 (a conversion)
+    k, n_in = out.shape[0], x.shape[0] // out.shape[0]
+    for o in range(out.shape[1]):
+        for r in range(k):
+            acc = wzero()
+            for c in range(n_in // 32):
+                w0, w1 = wchunk(Q8_0, raw[o], c)
+                acc = wfma(w0, wload(x, r * n_in + 32 * c), acc)
+                acc = wfma(w1, wload(x, r * n_in + 32 * c + 16), acc)
+            out[r, o] = wsum(acc)
+
+
 @pytest.mark.parametrize("n_in", [320, 1024, 2880])
-def test_products_equal_the_sixteen_lane_tiles_at_any_row_length(n_in: int) -> None:
+def test_products_equal_the_definition_at_any_row_length(n_in: int) -> None:
     """Rows of whole 256-value blocks (1024) and with a short last one (320: the passes
-    up to four activation rows, the scratch's room; gpt-oss's 2880), 3..16 activation
-    rows: the eight-lane passes (this decoder) and the sixteen-lane tiles (the
-    conversion) give the same bits, and a row alone equals it in a batch."""
+    up to four activation rows, the scratch's room; gpt-oss's 2880), 1..16 activation
+    rows, both tile forms: the definition's bits, and a row alone equals it in a batch."""
     kernels = matrix.kernels()
     rng = np.random.default_rng(31)
     n_out = 37  # passes of four and a partial one
@@ -62,15 +77,16 @@ def test_products_equal_the_sixteen_lane_tiles_at_any_row_length(n_in: int) -> N
     blocks[:, :2] = d.view(np.uint8).reshape(-1, 2)
     raw = blocks.reshape(n_out, -1)
     none = np.zeros((0, 34), np.uint8)
-    eight = kernels._serial_product(Q8_0, Q8_0, Q8_0, 8)
-    sixteen = kernels._serial_product(Q8_0, Q8_0, Q8_0, 16)
-    for k in (3, 4, 8, 16):
+    forms = [kernels._serial_product(Q8_0, Q8_0, Q8_0, form) for form in (8, 16)]
+    for k in range(1, 17):
         x = rng.standard_normal(k * n_in).astype(np.float32)
         x[::97] *= 1e6  # lanes of very different sizes: an order change shows
-        want, got = np.empty((k, n_out), np.float32), np.empty((k, n_out), np.float32)
-        sixteen(raw, none, none, x, want)
-        eight(raw, none, none, x, got)
-        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
-        alone = np.empty((1, n_out), np.float32)
-        eight(raw, none, none, x[(k - 1) * n_in :], alone)
-        np.testing.assert_array_equal(alone[0].view(np.uint32), got[k - 1].view(np.uint32))
+        want = np.empty((k, n_out), np.float32)
+        _definition(raw, x, want)
+        for product in forms:
+            got = np.empty((k, n_out), np.float32)
+            product(raw, none, none, x, got)
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+            alone = np.empty((1, n_out), np.float32)
+            product(raw, none, none, x[(k - 1) * n_in :], alone)
+            np.testing.assert_array_equal(alone[0].view(np.uint32), got[k - 1].view(np.uint32))
