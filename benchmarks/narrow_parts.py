@@ -8,9 +8,11 @@ Each part runs in this thread over one matrix of 256 x 2048 weights (in the L2),
 part by part each round; the figure is the least thread CPU time (``time.thread_time``) of
 the rounds, in cycles a weight at ``--ghz`` (the nominal clock: the core's own may differ),
 beside the FMA bound of the tiles (``k`` rows x one FMA a weight, eight lanes, two FMAs a
-cycle: ``k / 16``). "decode" is :func:`.narrow._decode_block` over every block of every
-pass; "tiles" the tiles over a decoded block, again and again, with no decode; "whole" is
-:func:`.narrow.rows8`, prefetches and sums included. The weights are random blocks: only
+cycle: ``k / 16``). "decode" is :func:`.narrow._decode_block` (the format's decoder:
+Q8_0 :mod:`.q8_0_exact`'s, MXFP4 :mod:`.fp4_exact`'s where the CPU has the byte
+shuffles, the others :mod:`.groups`') over every block of every pass; "tiles" the tiles
+over a decoded block, again and again, with no decode; "whole" is :func:`.narrow.rows8`,
+prefetches and sums included. The weights are random blocks: only
 the timings mean anything.
 
 ``--offsets`` times "whole" instead with the activations and the scratch each beginning

@@ -27,9 +27,10 @@ results are the other kernels' bits (``tests/engine/test_cpu_fp4_exact.py``).
   eight-lane chains each (the even and the odd lanes);
 - two rows: :func:`pass2`, one weight row a pass decoded in registers, two chains for
   each activation row;
-- more rows: :func:`rows8`, :mod:`.narrow`'s tiles over blocks of four weight rows
-  decoded into the scratch in the permuted order (so the tiles' eight-lane halves are the
-  even and the odd chains).
+- more rows: :func:`.narrow.rows8`, its tiles over blocks of four weight rows decoded
+  into the scratch in the permuted order (:func:`decode_block`; so the tiles' eight-lane
+  halves are the even and the odd chains), with the activations permuted and the chains
+  unzipped (:func:`unzip_sum`).
 
 Chosen by :mod:`.kernels` for MXFP4 where its tiles are eight lanes wide (AVX2:
 :func:`.kernels.tile_form` 8) and the CPU has ``vpshufb`` on 256 bits
@@ -46,18 +47,17 @@ from numba import njit, types
 from numba.core import cgutils
 
 from meshnode.engine.cpu.fp4 import KVALUES
-from meshnode.engine.cpu.narrow import _ACC, BLOCK, _tiles
 from meshnode.engine.cpu.simd import F32x8, inner, intrinsic, vadd, vfma, vload, vstore, vsum, vzero
 from meshnode.engine.cpu.simd_int import prefetch
 
 __all__ = [
     "TABLES",
+    "decode_block",
     "evens_odds",
     "fp4_block8",
     "pass2",
     "pass4",
     "permute_rows",
-    "rows8",
     "tables",
     "unzip_sum",
 ]
@@ -292,49 +292,16 @@ def pass2(raw, x, out, o, hi, col, n_in, xp):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")
-def _decode_block(raw, o, w, j0, m):  # type: ignore[no-untyped-def]
-    # values j0 .. j0 + m - 1 of weight rows o .. o + 3 into w[BLOCK i ..] (row i), in
-    # the permuted order (each sixteen's even values, then its odd ones)
+def decode_block(raw, o, w, j0, m, stride):  # type: ignore[no-untyped-def]
+    """Values ``j0 .. j0 + m - 1`` (whole blocks) of the MXFP4 weight rows ``o .. o + 3``
+    of ``raw`` into ``w[stride i ..]`` (row ``i``), in the permuted order (each sixteen's
+    even values, then its odd ones): :mod:`.narrow`'s decoded block."""
     for i in range(4):
         row = raw[o + i]
         for c in range(j0 // 32, (j0 + m) // 32):
             w0, w1, w2, w3 = fp4_block8(row, _BLOCK_BYTES * c, _TABLE)
-            at = BLOCK * i + 32 * c - j0
+            at = stride * i + 32 * c - j0
             vstore(w, at, w0)
             vstore(w, at + 8, w1)
             vstore(w, at + 16, w2)
             vstore(w, at + 24, w3)
-
-
-@inner
-def rows8(raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-    """:func:`.narrow.rows8` for MXFP4 rows ``raw``: weight rows ``o ..`` times the ``k``
-    activation rows of ``x`` (flat) into columns ``col + o ..`` of ``out``, four weight
-    rows at a time while four are left, with the float32 scratch ``w``
-    (:func:`.narrow.fits` it); returns the first row not done."""
-    o = max(o, 0)
-    if o + 4 > hi:
-        return o
-    k = out.shape[0]
-    xp = np.empty(k * n_in, np.float32)
-    permute_rows(x, xp, k * n_in)
-    flat, size = raw.reshape(-1), raw.shape[1]
-    share = (4 * size * BLOCK) // n_in
-    while o + 4 <= hi:
-        ahead = (o + 4) * size  # the next pass's rows, a block's share at a time
-        for t in range(_ACC, _ACC + 64 * k, 8):
-            vstore(w, t, vzero())
-        for j0 in range(0, n_in, BLOCK):
-            m = min(BLOCK, n_in - j0)
-            first = ahead + (share * j0) // BLOCK
-            for line in range(0, share, 64):
-                if first + line < flat.shape[0]:
-                    prefetch(flat, first + line)
-            _decode_block(raw, o, w, j0, m)
-            _tiles(w, xp, k, n_in, j0, m)
-        for r in range(k):
-            for i in range(4):
-                at = _ACC + 64 * r + 16 * i
-                out[r, col + o + i] = unzip_sum(vload(w, at), vload(w, at + 8))
-        o += 4
-    return o

@@ -419,7 +419,7 @@ def _narrow_fp4(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no
         return fp4_exact.pass2(raw, x, out, o, hi, col, n_in, w)
     if not fits(n_in, out.shape[0], w.shape[0]):
         return o
-    return fp4_exact.rows8(raw, x, out, o, hi, col, w, n_in)
+    return rows8(fmt, raw, x, out, o, hi, col, w, n_in)
 
 
 def tile_form() -> int:

@@ -17,14 +17,30 @@ decoded; the chains' lanes wait in the scratch between blocks (stored and loaded
 are). So the decoded block and the activations' block stay in the L1 cache, and each
 64-byte line of them serves both halves of its sixteen lanes while it is there: run over
 whole rows, two passes of half tiles read every line twice from the L2.
+
+One pass for every format (:func:`rows8`); the format chooses, while compiling, its
+decoder of a block (:func:`_decode_block`): :mod:`.groups`' (a group's scales decoded
+once), Q8_0 :mod:`.q8_0_exact`'s (an integer add and a fused multiply-add, no
+conversion), MXFP4 :mod:`.fp4_exact`'s byte shuffles where the CPU has them. The last
+gives the weights in another order, so for it the activations are permuted once a call
+(:func:`_activations`) and the chains put back in their lanes before the sum
+(:func:`_lanes_sum`): every format the same FMA chains, the same bits.
 """
 
 from __future__ import annotations
 
-from numba import njit
+from typing import Any
 
+import numpy as np
+from numba import njit
+from numba.extending import overload
+
+from meshnode.engine.cpu import fp4_exact
+from meshnode.engine.cpu.blocks import format_row
+from meshnode.engine.cpu.fp4 import shuffles_bytes
 from meshnode.engine.cpu.groups import group_chunk, group_chunks, group_scales
-from meshnode.engine.cpu.simd import inner, vadd, vfma, vload, vstore, vsum, vzero, wstore
+from meshnode.engine.cpu.q8_0_exact import decode_block
+from meshnode.engine.cpu.simd import INNER, inner, vadd, vfma, vload, vstore, vsum, vzero, wstore
 from meshnode.engine.cpu.simd_int import prefetch
 
 __all__ = ["BLOCK", "fits", "rows8"]
@@ -43,8 +59,7 @@ def fits(n_in, k, scratch):  # type: ignore[no-untyped-def]
     return n_in >= BLOCK and scratch >= _ACC + 64 * k
 
 
-@njit(inline="always")
-def _decode_block(fmt, raw, o, w, j0, m):  # type: ignore[no-untyped-def]
+def _decode_groups(fmt, raw, o, w, j0, m):  # type: ignore[no-untyped-def]
     # values j0 .. j0 + m - 1 of weight rows o .. o + 3 into w[256 i ..] (row i), a group
     # at a time (j0 and m whole groups: a K-quant's super-block, a 32-value block)
     n = group_chunks(fmt)
@@ -58,6 +73,69 @@ def _decode_block(fmt, raw, o, w, j0, m):  # type: ignore[no-untyped-def]
                 at = BLOCK * i + 32 * (n * g + s) - j0
                 wstore(w, at, w0)
                 wstore(w, at + 16, w1)
+
+
+def _decode_q8_0(fmt, raw, o, w, j0, m):  # type: ignore[no-untyped-def]
+    # Q8_0 by .q8_0_exact's decoder: an integer add and a fused multiply-add a vector, no
+    # conversion (the same float32; ~0.79 -> ~0.66 cycles a weight at 8 rows)
+    decode_block(raw, o, w, j0, m, BLOCK)
+
+
+def _decode_fp4(fmt, raw, o, w, j0, m):  # type: ignore[no-untyped-def]
+    # MXFP4 by .fp4_exact's byte shuffles, in its permuted order (_shuffled)
+    fp4_exact.decode_block(raw, o, w, j0, m, BLOCK)
+
+
+def _shuffled(fmt: Any) -> bool:
+    # whether MXFP4's passes take .fp4_exact's decoder (256-bit vpshufb: AVX2): its
+    # weights come in another order, the activations are permuted to match, and the
+    # chains put back in their lanes before the sum (the same bits)
+    return format_row(fmt).name == "MXFP4" and shuffles_bytes()
+
+
+def _decode_block(fmt: Any, raw: Any, o: Any, w: Any, j0: Any, m: Any) -> None:
+    raise TypeError("for compiled code")
+
+
+@overload(_decode_block, prefer_literal=True, inline="always", jit_options=INNER)
+def _decode_block_typed(fmt, raw, o, w, j0, m):  # type: ignore[no-untyped-def]
+    # the format's decoder of a block of four rows, chosen while compiling
+    if _shuffled(fmt):
+        return _decode_fp4
+    return _decode_q8_0 if format_row(fmt).name == "Q8_0" else _decode_groups
+
+
+def _permuted(fmt, x, n):  # type: ignore[no-untyped-def]
+    # x[: n] permuted as .fp4_exact's decoder orders the weights, from a 64-byte line
+    buf = np.empty(n + 16, np.float32)
+    xp = buf[(-(buf.ctypes.data // 4)) % 16 :]
+    fp4_exact.permute_rows(x, xp, n)
+    return xp
+
+
+def _activations(fmt: Any, x: Any, n: Any) -> Any:
+    raise TypeError("for compiled code")
+
+
+@overload(_activations, prefer_literal=True, inline="always", jit_options=INNER)
+def _activations_typed(fmt, x, n):  # type: ignore[no-untyped-def]
+    # the activations in the order of the format's decoded weights
+    return _permuted if _shuffled(fmt) else (lambda fmt, x, n: x)
+
+
+def _unzipped(fmt, lo, hi):  # type: ignore[no-untyped-def]
+    return fp4_exact.unzip_sum(lo, hi)
+
+
+def _lanes_sum(fmt: Any, lo: Any, hi: Any) -> Any:
+    raise TypeError("for compiled code")
+
+
+@overload(_lanes_sum, prefer_literal=True, inline="always", jit_options=INNER)
+def _lanes_sum_typed(fmt, lo, hi):  # type: ignore[no-untyped-def]
+    # an output from its chains' two halves (lanes 0-7 and 8-15, or for the permuted
+    # weights the even and the odd lanes): the sixteen-lane tree sum
+    return _unzipped if _shuffled(fmt) else (lambda fmt, lo, hi: vsum(vadd(lo, hi)))
 
 
 @njit(inline="always")
@@ -128,8 +206,13 @@ def rows8(fmt, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def
     """Weight rows ``o ..`` of ``raw`` (format ``fmt``) times the ``k`` activation rows
     of ``x`` (flat) into columns ``col + o ..`` of ``out``, four weight rows at a time
     while four are left, with the float32 scratch ``w`` (:func:`fits` it); returns the
-    first row not done."""
+    first row not done. MXFP4 (on AVX2) takes :mod:`.fp4_exact`'s decoder, the
+    activations permuted to its order once a call."""
+    o = max(o, 0)
+    if o + 4 > hi:
+        return o
     k = out.shape[0]
+    xs = _activations(fmt, x, k * n_in)
     flat, size = raw.reshape(-1), raw.shape[1]
     while o + 4 <= hi:
         ahead = (o + 4) * size  # the next pass's rows, a block's share at a time
@@ -143,10 +226,10 @@ def rows8(fmt, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def
                 if first + line < flat.shape[0]:
                     prefetch(flat, first + line)
             _decode_block(fmt, raw, o, w, j0, m)
-            _tiles(w, x, k, n_in, j0, m)
+            _tiles(w, xs, k, n_in, j0, m)
         for r in range(k):
             for i in range(4):
                 at = _ACC + 64 * r + 16 * i
-                out[r, col + o + i] = vsum(vadd(vload(w, at), vload(w, at + 8)))
+                out[r, col + o + i] = _lanes_sum(fmt, vload(w, at), vload(w, at + 8))
         o += 4
     return o
