@@ -433,32 +433,74 @@ def tile_form() -> int:
     return 16 if permutes() else 8
 
 
+# which activation rows a compiled product serves, a compile-time constant of its _rows:
+# one row only (decode), two or more only (.narrow's tiles), or either (chosen at run time).
+# A product compiled for one row holds none of the k-row tiles' code, so a node that only
+# decodes one stream never compiles them (issue 29: ~3.5 s of a first start's CPU)
+ONE_ROW, K_ROWS, ANY_ROWS = 1, 2, 3
+
+
 @inner
-def _rows(fmt, form, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
+def _rows(fmt, form, many, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
     # rows lo .. hi - 1 of one part (format fmt, a compile-time constant: each compiled
-    # _rows holds its format's decoder only; form: the registers', tile_form's, another)
-    # into columns col + lo .. of out; w: float32 [4 n_in] scratch. lo is never negative:
-    # said so, LLVM drops the wraparound of negative indices from the row loops (as for a
-    # literal 0: as fast, one compiled _rows per format for the serial products and the
-    # chunks alike)
+    # _rows holds its format's decoder only; form: the registers', tile_form's, another;
+    # many: ONE_ROW, K_ROWS or ANY_ROWS, the activation rows it takes) into columns
+    # col + lo .. of out; w: float32 [4 n_in] scratch. lo is never negative: said so, LLVM
+    # drops the wraparound of negative indices from the row loops (as for a literal 0: as
+    # fast, one compiled _rows per format for the serial products and the chunks alike)
     lo = max(lo, 0)
     k, n_in = out.shape[0], w.shape[0] // 4
-    o = lo
-    if k == 1:  # four weight rows at a time against the one activation row
-        o = _pass4_any(fmt, form, raw, x, out, o, hi, col, n_in, w)  # w: the scales' buffer
-    else:  # sixteen registers: .narrow's tiles
-        o = _narrow_any(fmt, form, raw, x, out, o, hi, col, w, n_in)
-    while o + 4 <= hi:  # four weight rows decoded, then a register tile per four rows
-        for i in range(4):
-            _ahead(raw, o + i)
-            _decode_any(fmt, raw[o + i], w, i * n_in, n_in)
-        _tiles(w, x, out, col + o, n_in)
-        o += 4
+    o = _quads_any(fmt, form, many, raw, x, out, lo, hi, col, w, n_in)
     while o < hi:  # the last rows of a part whose length is not a multiple of four
         _decode_any(fmt, raw[o], w, np.int64(0), n_in)  # int64: one compiled decoder
         for r in range(k):
             out[r, col + o] = _dot_one(w, x, r, n_in)
         o += 1
+
+
+def _quads_any(
+    fmt: Any, form: Any, many: Any, raw: Any, x: Any, out: Any, o: Any, hi: Any, col: Any,
+    w: Any, n_in: Any,
+) -> Any:  # fmt: skip
+    raise TypeError("for compiled code")
+
+
+@overload(_quads_any, prefer_literal=True, inline="always", jit_options=INNER)
+def _quads_typed(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    # rows o .. of whole passes of four weight rows; returns the first row not done. The
+    # one-row passes (every one of them: each format's _pass4 takes four rows while four
+    # are left) or the k rows' tiles, as ``many`` says (numba compiles both for ANY_ROWS)
+    if not isinstance(many, types.IntegerLiteral):
+        raise TypingError(f"the rows a product takes must be a compile-time constant, got {many}")
+    if many.literal_value == ONE_ROW:
+        return lambda fmt, form, many, raw, x, out, o, hi, col, w, n_in: _pass4_any(
+            fmt, form, raw, x, out, o, hi, col, n_in, w  # w: the scales' buffer
+        )
+    if many.literal_value == K_ROWS:
+        return _quads_k
+
+    def either(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+        if out.shape[0] == 1:
+            return _pass4_any(fmt, form, raw, x, out, o, hi, col, n_in, w)
+        return _quads_k_jit(fmt, form, many, raw, x, out, o, hi, col, w, n_in)
+
+    return either
+
+
+def _quads_k(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    # k activation rows: sixteen registers take .narrow's tiles; then, or on 32, four
+    # weight rows decoded, then a register tile per four rows
+    o = _narrow_any(fmt, form, raw, x, out, o, hi, col, w, n_in)
+    while o + 4 <= hi:
+        for i in range(4):
+            _ahead(raw, o + i)
+            _decode_any(fmt, raw[o + i], w, i * n_in, n_in)
+        _tiles(w, x, out, col + o, n_in)
+        o += 4
+    return o
+
+
+_quads_k_jit = njit(inline="always")(_quads_k)
 
 
 @njit(inline="always")
@@ -493,7 +535,7 @@ def _read_only(typingctx: Any, ary: Any) -> Any:
     return ary.copy(readonly=True)(ary), codegen
 
 
-def _chunk_product(fa: int, fb: int, fc: int, form: int) -> Any:
+def _chunk_product(fa: int, fb: int, fc: int, form: int, many: int) -> Any:
     @cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
     def chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
         st = carray(ptr_i64(st_addr), (_WORDS,))
@@ -510,34 +552,34 @@ def _chunk_product(fa: int, fb: int, fc: int, form: int) -> Any:
         if ch < ca:
             a = _read_only(carray(ptr_u8(st[_A]), (na, st[_RBA])))
             lo = ch * rows
-            _rows(fa, form, a, x, out, lo, min(na, lo + rows), np.int64(0), w)
+            _rows(fa, form, many, a, x, out, lo, min(na, lo + rows), np.int64(0), w)
         elif ch < ca + cb:
             b = _read_only(carray(ptr_u8(st[_B]), (nb, st[_RBB])))
             lo = (ch - ca) * rows
-            _rows(fb, form, b, x, out, lo, min(nb, lo + rows), na, w)
+            _rows(fb, form, many, b, x, out, lo, min(nb, lo + rows), na, w)
         else:
             c = _read_only(carray(ptr_u8(st[_C]), (nc, st[_RBC])))
             lo = (ch - ca - cb) * rows
-            _rows(fc, form, c, x, out, lo, min(nc, lo + rows), na + nb, w)
+            _rows(fc, form, many, c, x, out, lo, min(nc, lo + rows), na + nb, w)
 
     return chunk
 
 
-def _serial_product(fa: int, fb: int, fc: int, form: int) -> Any:
+def _serial_product(fa: int, fb: int, fc: int, form: int, many: int) -> Any:
     @entry()
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
         zero, na, nab = np.int64(0), a.shape[0], a.shape[0] + b.shape[0]
         w = _lined(4 * (x.shape[0] // out.shape[0]))
         # int64 arguments, as the chunks': one compiled _rows per format
-        _rows(fa, form, a, x, out, zero, na, zero, w)
-        _rows(fb, form, b, x, out, zero, b.shape[0], na, w)
-        _rows(fc, form, c, x, out, zero, c.shape[0], nab, w)
+        _rows(fa, form, many, a, x, out, zero, na, zero, w)
+        _rows(fb, form, many, b, x, out, zero, b.shape[0], na, w)
+        _rows(fc, form, many, c, x, out, zero, c.shape[0], nab, w)
 
     return product
 
 
 @functools.cache
-def product_kernel(fa: int, fb: int, fc: int) -> Any:
+def product_kernel(fa: int, fb: int, fc: int, many: int = ANY_ROWS) -> Any:
     """``product(a, b, c, x, out)``: ``out[r, o] = x[r] . row o`` of the parts ``a``,
     ``b``, ``c`` (formats ``fa``, ``fb``, ``fc``) stacked along ``out``, in the calling
     thread.
@@ -550,12 +592,15 @@ def product_kernel(fa: int, fb: int, fc: int) -> Any:
     Each format mix is its own compiled function: the ids are compile-time constants in
     it, so each part's decoder is inlined with no dispatch in the loops. numba's disk
     cache keys a closure by its captured values, so each mix compiles once per machine.
+    ``many`` (:data:`ONE_ROW`, :data:`K_ROWS`, :data:`ANY_ROWS`): the activation rows it
+    takes, one, two or more, or either (the same sums for each row: the row count only
+    picks the code), so a node compiles the k-row tiles at its first k-row product only.
     """
-    return _serial_product(fa, fb, fc, tile_form())
+    return _serial_product(fa, fb, fc, tile_form(), many)
 
 
 @functools.cache
-def chunk_kernel(fa: int, fb: int, fc: int) -> int:
+def chunk_kernel(fa: int, fb: int, fc: int, many: int = ANY_ROWS) -> int:
     """The address of ``void chunk(st, who, ch)``: chunk ``ch`` (:data:`.pool.CHUNK_ROWS`
     output rows) of the product :func:`.pool.KernelPool.run` posted in the words at
     ``st``, with thread ``who``'s scratch; the same rows and sums as
@@ -564,8 +609,9 @@ def chunk_kernel(fa: int, fb: int, fc: int) -> int:
     Each format mix is its own compiled function: the ids are compile-time constants in
     it, so each part's decoder is inlined with no dispatch in the loops. numba's disk
     cache keys a closure by its captured values, so each mix compiles once per machine.
+    ``many`` as :func:`product_kernel`'s.
     """
-    return int(_chunk_product(fa, fb, fc, tile_form()).address)
+    return int(_chunk_product(fa, fb, fc, tile_form(), many).address)
 
 
 def _decode_kernel(fmt: int) -> Any:

@@ -352,11 +352,13 @@ class BlockMatrix:
         else:  # ~5 us of Python: more than a line's worth of a small or one-row product
             flat = np.ascontiguousarray(x).reshape(-1)
         threads = min(_threads_here(), self._nbytes // max(1, PARALLEL_MIN_BYTES))
+        k = kernels()
+        many = k.ONE_ROW if x.shape[0] == 1 else k.K_ROWS  # the k-row tiles at first use
         if threads > 1:
-            chunk = kernels().chunk_kernel(*self._fmts)
+            chunk = k.chunk_kernel(*self._fmts, many)
             if _pool().run(chunk, self._raws, flat, out, threads):
                 return out
-        kernels().product_kernel(*self._fmts)(*self._raws, flat, out)
+        k.product_kernel(*self._fmts, many)(*self._raws, flat, out)
         return out
 
     def _tiled_product(self, x: np.ndarray, out: np.ndarray) -> None:
