@@ -411,6 +411,27 @@ def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-u
     return superblocks
 
 
+def _two_rows(
+    fmt: int, w: Any, bases: Any, q: Any, r: int, n: int, nb: int, blocks: int, pf: int
+) -> Any:
+    # eight weight rows times activation rows r and r + 1: MXFP4's two a pass; for the
+    # other formats (whose _rows never takes this branch) two _one_row, so that their
+    # _rows compile no MXFP4 code (.q8_fp4.two_mxfp4: ~0.35 s of a first start's CPU)
+    raise TypeError("_two_rows is for compiled code")
+
+
+@overload(_two_rows, prefer_literal=True, jit_options=INNER)
+def _two_rows_typed(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
+    if literal_format(fmt) == MXFP4_ID:
+        return lambda fmt, w, bases, q, r, n, nb, blocks, pf: _two_mxfp4(
+            w, bases, q, r, n, nb, blocks, pf
+        )
+    return lambda fmt, w, bases, q, r, n, nb, blocks, pf: (
+        _one_row(fmt, w, bases, q, r, n, nb, blocks, pf),
+        _one_row(fmt, w, bases, q, r + 1, n, nb, blocks, pf),
+    )
+
+
 @inner
 def _two_mxfp4(w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
     # eight MXFP4 weight rows times activation rows r and r + 1 (.q8_fp4.two_mxfp4)
@@ -452,7 +473,7 @@ def _rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
                      min(o + 7, last) * size)  # fmt: skip
             for r in range(0, k, 2 if fmt == MXFP4_ID else 1):
                 if fmt == MXFP4_ID and r + 1 < k:  # two activation rows a pass
-                    v, v2 = _two_mxfp4(w, bases, q, r, n, nb, blocks, pf)
+                    v, v2 = _two_rows(fmt, w, bases, q, r, n, nb, blocks, pf)
                     for i in range(min(8, hi - o)):
                         out[r, col + o + i] = lane8(v, i)
                         out[r + 1, col + o + i] = lane8(v2, i)
