@@ -473,8 +473,9 @@ def _quads_typed(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ig
     if not isinstance(many, types.IntegerLiteral):
         raise TypingError(f"the rows a product takes must be a compile-time constant, got {many}")
     if many.literal_value == ONE_ROW:
+        # w: the scales' buffer
         return lambda fmt, form, many, raw, x, out, o, hi, col, w, n_in: _pass4_any(
-            fmt, form, raw, x, out, o, hi, col, n_in, w  # w: the scales' buffer
+            fmt, form, raw, x, out, o, hi, col, n_in, w
         )
     if many.literal_value == K_ROWS:
         return _quads_k

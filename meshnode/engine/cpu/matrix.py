@@ -18,7 +18,7 @@ import hashlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -354,8 +354,8 @@ class BlockMatrix:
         threads = min(_threads_here(), self._nbytes // max(1, PARALLEL_MIN_BYTES))
         k = kernels()
         many = k.ONE_ROW if x.shape[0] == 1 else k.K_ROWS  # the k-row tiles at first use
-        if threads > 1:
-            chunk = k.chunk_kernel(*self._fmts, many)
+        if threads > 1:  # the chunk function compiled once the pool will run it
+            chunk = partial(k.chunk_kernel, *self._fmts, many)
             if _pool().run(chunk, self._raws, flat, out, threads):
                 return out
         k.product_kernel(*self._fmts, many)(*self._raws, flat, out)

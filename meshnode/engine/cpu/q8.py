@@ -17,7 +17,7 @@ product, through :func:`.matrix.kernels`, which configures it.
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, partial
 from types import ModuleType
 
 import numpy as np
@@ -66,7 +66,7 @@ def q8_product(m: BlockMatrix, x: np.ndarray) -> np.ndarray:
     tiled = x.shape[0] >= kernels.TILE_MIN_ROWS
     threads = min(matrix._threads_here(), m.nbytes // max(1, matrix.PARALLEL_MIN_BYTES))
     if threads > 1:  # as BlockMatrix shares its products: a thread per PARALLEL_MIN_BYTES
-        chunk = kernels.chunk_kernel(*fmts, tiled)
+        chunk = partial(kernels.chunk_kernel, *fmts, tiled)  # compiled if run
         q = kernels.quantized(flat, x.shape[0])
         # posted as k rows of n_in bytes (the pool cuts the exact kernels' chunks); the
         # chunks read the whole buffer, which the pool keeps while they may
