@@ -139,6 +139,16 @@ def _pool() -> Any:
 
 
 @cache
+def _alone() -> Any:
+    """:func:`.pool.run_alone`: a product's chunk function over all of it in the calling
+    thread (the serial products), imported on first use."""
+    kernels()  # numba configured before it is imported
+    from meshnode.engine.cpu.pool import run_alone
+
+    return run_alone
+
+
+@cache
 def _tiles() -> ModuleType:
     """The tiled products' module (:mod:`.tiles`), imported on first use."""
     kernels()  # numba configured before it is imported
@@ -354,11 +364,10 @@ class BlockMatrix:
         threads = min(_threads_here(), self._nbytes // max(1, PARALLEL_MIN_BYTES))
         k = kernels()
         many = k.ONE_ROW if x.shape[0] == 1 else k.K_ROWS  # the k-row tiles at first use
-        if threads > 1:  # the chunk function compiled once the pool will run it
-            chunk = partial(k.chunk_kernel, *self._fmts, many)
-            if _pool().run(chunk, self._raws, flat, out, threads):
-                return out
-        k.product_kernel(*self._fmts, many)(*self._raws, flat, out)
+        chunk = partial(k.chunk_kernel, *self._fmts, many)  # compiled at its first run
+        if threads > 1 and _pool().run(chunk, self._raws, flat, out, threads):
+            return out
+        _alone()(chunk(), *self._raws, flat, out)  # the same chunk function, alone
         return out
 
     def _tiled_product(self, x: np.ndarray, out: np.ndarray) -> None:

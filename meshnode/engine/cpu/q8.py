@@ -65,12 +65,12 @@ def q8_product(m: BlockMatrix, x: np.ndarray) -> np.ndarray:
     fmts, raws = m._fmts, m._raws
     tiled = x.shape[0] >= kernels.TILE_MIN_ROWS
     threads = min(matrix._threads_here(), m.nbytes // max(1, matrix.PARALLEL_MIN_BYTES))
+    chunk = partial(kernels.chunk_kernel, *fmts, tiled)  # compiled at its first run
     if threads > 1:  # as BlockMatrix shares its products: a thread per PARALLEL_MIN_BYTES
-        chunk = partial(kernels.chunk_kernel, *fmts, tiled)  # compiled if run
         q = kernels.quantized(flat, x.shape[0])
         # posted as k rows of n_in bytes (the pool cuts the exact kernels' chunks); the
         # chunks read the whole buffer, which the pool keeps while they may
         if matrix._pool().run(chunk, raws, q[: flat.shape[0]], out, threads, keep=q):
             return out
-    kernels.product_kernel(*fmts, tiled)(*raws, flat, out)  # quantizes flat itself
+    kernels.alone(chunk(), *raws, flat, out)  # the same chunk function, alone
     return out
