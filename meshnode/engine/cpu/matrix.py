@@ -139,16 +139,6 @@ def _pool() -> Any:
 
 
 @cache
-def _alone() -> Any:
-    """:func:`.pool.run_alone`: a product's chunk function over all of it in the calling
-    thread (the serial products), imported on first use."""
-    kernels()  # numba configured before it is imported
-    from meshnode.engine.cpu.pool import run_alone
-
-    return run_alone
-
-
-@cache
 def _tiles() -> ModuleType:
     """The tiled products' module (:mod:`.tiles`), imported on first use."""
     kernels()  # numba configured before it is imported
@@ -367,7 +357,9 @@ class BlockMatrix:
         chunk = partial(k.chunk_kernel, *self._fmts, many)  # compiled at its first run
         if threads > 1 and _pool().run(chunk, self._raws, flat, out, threads):
             return out
-        _alone()(chunk(), *self._raws, flat, out)  # the same chunk function, alone
+        # its own serial function, not the chunk function alone (pool.run_alone), which
+        # was ~1.4x slower on one row of Q4_1 (same _rows, other code around it)
+        k.product_kernel(*self._fmts, many)(*self._raws, flat, out)
         return out
 
     def _tiled_product(self, x: np.ndarray, out: np.ndarray) -> None:
