@@ -129,6 +129,27 @@ def test_one_row_products_compile_no_k_row_tiles(tmp_path: Path) -> None:
     assert "meshnode.engine.cpu.kernels._pass4_blocks" in compiled
 
 
+def test_q8_products_compile_their_chunk_functions_only(tmp_path: Path) -> None:
+    """An 8-bit product in one thread runs the kernel threads' chunk function alone
+    (``q8_kernels.alone``): no serial product function compiles beside it, and a model
+    without MXFP4 weights compiles none of MXFP4's two-row code."""
+    got = compiled_in_fresh_process(
+        tmp_path,
+        """
+        m = BlockMatrix([q41, q80, q41])
+        for threads in (1, 2):
+            matrix.set_kernel_threads(threads)
+            for k in (1, 3):
+                q8.q8_product(m, rng.standard_normal((k, N_IN)).astype(np.float32))
+        """,
+    )
+    compiled = got["compiled"]
+    assert len(compiled["meshnode.engine.cpu.q8_kernels._rows"]) == 2  # Q4_1, Q8_0
+    assert len(compiled["meshnode.engine.cpu.q8_kernels.alone"]) == 1
+    assert "meshnode.engine.cpu.q8_kernels.product" not in compiled
+    assert not [name for name in compiled if "mxfp4" in name]
+
+
 def test_a_format_known_only_at_run_time_is_refused() -> None:
     """A format passed as a run-time integer would compile every decoder: refused while
     compiling, with the reason."""
