@@ -361,6 +361,6 @@ def run_alone(fn, a, b, c, x, out):  # type: ignore[no-untyped-def]
     # from their first 64-byte line, the q8 tiles' 26 n_in bytes)
     scratch = np.empty((1, 7 * (x.shape[0] // k) + 16), np.float32)
     rows = max(a.shape[0], b.shape[0], c.shape[0], 1)
-    chunks = _job(st, 0, fn, a, b, c, x, out, scratch, rows)
+    chunks = _job(st, np.int64(0), fn, a, b, c, x, out, scratch, rows)  # int64: one _job
     for ch in range(chunks):
         call3(fn, st.ctypes.data, 0, ch)

@@ -416,8 +416,9 @@ def _two_rows(
     fmt: int, w: Any, bases: Any, q: Any, r: int, n: int, nb: int, blocks: int, pf: int
 ) -> Any:
     # eight weight rows times activation rows r and r + 1: MXFP4's two a pass; for the
-    # other formats (whose _rows never takes this branch) two _one_row, so that their
-    # _rows compile no MXFP4 code (.q8_fp4.two_mxfp4: ~0.35 s of a first start's CPU)
+    # other formats, whose _rows never takes this branch, zeros of its type, so that
+    # their _rows compile no MXFP4 code (.q8_fp4.two_mxfp4: ~0.35 s of a first start's
+    # CPU; two _one_row calls there compiled _one_row's code twice more, as much)
     raise TypeError("_two_rows is for compiled code")
 
 
@@ -427,10 +428,7 @@ def _two_rows_typed(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-
         return lambda fmt, w, bases, q, r, n, nb, blocks, pf: _two_mxfp4(
             w, bases, q, r, n, nb, blocks, pf
         )
-    return lambda fmt, w, bases, q, r, n, nb, blocks, pf: (
-        _one_row(fmt, w, bases, q, r, n, nb, blocks, pf),
-        _one_row(fmt, w, bases, q, r + 1, n, nb, blocks, pf),
-    )
+    return lambda fmt, w, bases, q, r, n, nb, blocks, pf: (vzero(), vzero())
 
 
 @inner
