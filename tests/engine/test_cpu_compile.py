@@ -131,7 +131,7 @@ def test_one_row_products_compile_no_k_row_tiles(tmp_path: Path) -> None:
 
 def test_q8_products_compile_their_chunk_functions_only(tmp_path: Path) -> None:
     """An 8-bit product in one thread runs the kernel threads' chunk function alone
-    (``q8_kernels.alone``): no serial product function compiles beside it, and a model
+    (``q8_alone.alone``): no serial product function compiles beside it, and a model
     without MXFP4 weights compiles none of MXFP4's two-row code."""
     got = compiled_in_fresh_process(
         tmp_path,
@@ -145,7 +145,7 @@ def test_q8_products_compile_their_chunk_functions_only(tmp_path: Path) -> None:
     )
     compiled = got["compiled"]
     assert len(compiled["meshnode.engine.cpu.q8_kernels._rows"]) == 2  # Q4_1, Q8_0
-    assert len(compiled["meshnode.engine.cpu.q8_kernels.alone"]) == 1
+    assert len(compiled["meshnode.engine.cpu.q8_alone.alone"]) == 1
     assert "meshnode.engine.cpu.q8_kernels.product" not in compiled
     assert not [name for name in compiled if "mxfp4" in name]
 

@@ -49,7 +49,6 @@ from typing import Any
 import numpy as np
 from numba import cfunc, njit, types
 from numba.core.errors import TypingError
-from numba.core.imputils import impl_ret_borrowed
 from numba.extending import overload
 from numba.np.numpy_support import carray
 
@@ -64,7 +63,8 @@ from meshnode.engine.cpu.simd import (
     INNER,
     entry,
     inner,
-    intrinsic,
+    line_up,
+    lined,
     vstore,
     wfma,
     wlane,
@@ -75,6 +75,7 @@ from meshnode.engine.cpu.simd import (
     wzero,
 )
 from meshnode.engine.cpu.simd_int import prefetch
+from meshnode.engine.cpu.simd_q8 import read_only
 
 # How far ahead of the row it decodes a product asks for weight bytes (as the q8 kernels
 # do): the hardware prefetchers alone leave a decode product waiting on memory. Measured on
@@ -458,10 +459,7 @@ def _rows(fmt, form, many, raw, x, out, lo, hi, col, w):  # type: ignore[no-unty
         o += 1
 
 
-def _quads_any(
-    fmt: Any, form: Any, many: Any, raw: Any, x: Any, out: Any, o: Any, hi: Any, col: Any,
-    w: Any, n_in: Any,
-) -> Any:  # fmt: skip
+def _quads_any(*args: Any) -> Any:  # (fmt, form, many, raw, x, out, o, hi, col, w, n_in)
     raise TypeError("for compiled code")
 
 
@@ -504,38 +502,6 @@ def _quads_k(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore
 _quads_k_jit = njit(inline="always")(_quads_k)
 
 
-@njit(inline="always")
-def _line(address):  # type: ignore[no-untyped-def]
-    # ``address`` rounded up to a 64-byte cache line (at most 15 floats on)
-    return (address + 63) & -64
-
-
-@njit(inline="always")
-def _lined(n):  # type: ignore[no-untyped-def]
-    # n float32 of scratch beginning on a 64-byte line. The scratch of the k-row passes
-    # (:mod:`.narrow`'s decoded block and chains) is read as 32-byte vectors: where it began
-    # 16 bytes into a line (NumPy's and numba's arrays are 16-byte aligned), every other
-    # load straddled two lines, and an 8-row pass took ~1.1-1.2x as long (Q4_K, Q6_K,
-    # benchmarks/narrow_parts.py --offsets 0 16; the activations' alignment is the
-    # caller's, .matrix._lined: ~1.05x more)
-    buf = np.empty(n + 16, np.float32)
-    at = (-(buf.ctypes.data // 4)) % 16
-    return buf[at : at + n]
-
-
-@intrinsic
-def _read_only(typingctx: Any, ary: Any) -> Any:
-    # the same array typed read-only, as the memory-mapped weights are: the products
-    # and the pool's chunks then share one compiled _rows per format
-    if not isinstance(ary, types.Array):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return impl_ret_borrowed(context, builder, sig.return_type, args[0])  # type: ignore[no-untyped-call]
-
-    return ary.copy(readonly=True)(ary), codegen
-
-
 def _chunk_product(fa: int, fb: int, fc: int, form: int, many: int) -> Any:
     @cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
     def chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
@@ -547,19 +513,19 @@ def _chunk_product(fa: int, fb: int, fc: int, form: int, many: int) -> Any:
         # up to 15 floats on (the pool's rows have 7 n_in floats, these kernels use 4 n_in)
         w_at = st[_SCRATCH] + 4 * who * st[_STRIDE]
         if st[_STRIDE] >= 4 * n_in + 16:
-            w_at = _line(w_at)
+            w_at = line_up(w_at)
         w = carray(ptr_f32(w_at), (4 * n_in,))
         ca, cb = st[_CA], st[_CB]
         if ch < ca:
-            a = _read_only(carray(ptr_u8(st[_A]), (na, st[_RBA])))
+            a = read_only(carray(ptr_u8(st[_A]), (na, st[_RBA])))
             lo = ch * rows
             _rows(fa, form, many, a, x, out, lo, min(na, lo + rows), np.int64(0), w)
         elif ch < ca + cb:
-            b = _read_only(carray(ptr_u8(st[_B]), (nb, st[_RBB])))
+            b = read_only(carray(ptr_u8(st[_B]), (nb, st[_RBB])))
             lo = (ch - ca) * rows
             _rows(fb, form, many, b, x, out, lo, min(nb, lo + rows), na, w)
         else:
-            c = _read_only(carray(ptr_u8(st[_C]), (nc, st[_RBC])))
+            c = read_only(carray(ptr_u8(st[_C]), (nc, st[_RBC])))
             lo = (ch - ca - cb) * rows
             _rows(fc, form, many, c, x, out, lo, min(nc, lo + rows), na + nb, w)
 
@@ -570,7 +536,7 @@ def _serial_product(fa: int, fb: int, fc: int, form: int, many: int) -> Any:
     @entry()
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
         zero, na, nab = np.int64(0), a.shape[0], a.shape[0] + b.shape[0]
-        w = _lined(4 * (x.shape[0] // out.shape[0]))
+        w = lined(4 * (x.shape[0] // out.shape[0]))
         # int64 arguments, as the chunks': one compiled _rows per format
         _rows(fa, form, many, a, x, out, zero, na, zero, w)
         _rows(fb, form, many, b, x, out, zero, b.shape[0], na, w)

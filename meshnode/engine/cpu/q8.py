@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from functools import cache, partial
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +44,15 @@ def _kernels() -> ModuleType:
     from meshnode.engine.cpu import q8_kernels
 
     return q8_kernels
+
+
+@cache
+def _alone() -> Any:
+    """:func:`.q8_alone.alone`, imported (numba configured first) on first use."""
+    _kernels()
+    from meshnode.engine.cpu.q8_alone import alone
+
+    return alone
 
 
 def accepts(m: BlockMatrix, rows: int) -> bool:
@@ -72,5 +82,5 @@ def q8_product(m: BlockMatrix, x: np.ndarray) -> np.ndarray:
         # chunks read the whole buffer, which the pool keeps while they may
         if matrix._pool().run(chunk, raws, q[: flat.shape[0]], out, threads, keep=q):
             return out
-    kernels.alone(chunk(), *raws, flat, out)  # the same chunk function, alone
+    _alone()(chunk(), *raws, flat, out)  # the same chunk function, alone
     return out

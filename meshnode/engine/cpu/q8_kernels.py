@@ -51,7 +51,6 @@ from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
 from meshnode.engine.cpu.blocks import literal_format
 from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.fp4 import e8m0_half8
-from meshnode.engine.cpu.pool_words import run_alone
 from meshnode.engine.cpu.q8_blocks import (
     OFFSET_SHIFTS,
     block_bytes,
@@ -578,16 +577,6 @@ def _chunk_product(fa: int, fb: int, fc: int, tiled: bool) -> Any:
                 _rows(fc, c, q, out, lo, min(nc, lo + rows), na + nb, s)
 
     return chunk
-
-
-@entry()
-def alone(fn, a, b, c, x, out):  # type: ignore[no-untyped-def]
-    """``out`` = ``x`` (flat float32, ``out.shape[0]`` rows) times the parts ``a``, ``b``,
-    ``c`` by the chunk function at address ``fn`` (:func:`chunk_kernel`'s) in the calling
-    thread: ``x`` quantized, then :func:`.pool.run_alone` (one call from Python, as a
-    serial product's)."""
-    q = quantized(x, out.shape[0])
-    run_alone(fn, a, b, c, q[: x.shape[0]], out)
 
 
 @functools.cache
