@@ -22,6 +22,7 @@ import pytest
 from numba import njit
 from numba.core.errors import TypingError
 
+from meshnode.engine.cpu import kernels
 from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.wide import wchunk
 from tests.conftest import REPO_ROOT
@@ -96,10 +97,57 @@ def test_a_model_compiles_its_own_formats_once_each(tmp_path: Path) -> None:
     decoders = [name for name in compiled if name.rsplit(".", 1)[1] in _DECODERS]
     assert sorted(d.rsplit(".", 1)[1] for d in decoders) == ["_q4_1", "_q8_0"]
     calls = compiled["meshnode.engine.cpu.kernels._rows"]
-    assert sorted(args.split(",")[0] for args in calls) == ["(Literal[int](4)", "(Literal[int](7)"]
+    # once per format and row path: one activation row's passes, k rows' tiles
+    assert sorted(",".join(args.split(",")[0:3:2]) for args in calls) == [
+        f"(Literal[int]({fmt}), Literal[int]({many})"
+        for fmt in (4, 7)
+        for many in (kernels.ONE_ROW, kernels.K_ROWS)
+    ]
     assert (
         len(compiled["meshnode.engine.cpu.pool_words._claim_and_run"]) == 1
     )  # the caller's and the helpers' alike
+
+
+def test_one_row_products_compile_no_k_row_tiles(tmp_path: Path) -> None:
+    """A node that multiplies one activation row at a time (one stream's decode, a long
+    prompt's last row) compiles the one-row passes only: the k rows' tiles (.narrow's,
+    the sixteen-lane ones) wait for the first product of two to sixteen rows."""
+    got = compiled_in_fresh_process(
+        tmp_path,
+        """
+        for m in (BlockMatrix([q41]), BlockMatrix([q41, q80, q41])):
+            for threads in (1, 2):
+                matrix.set_kernel_threads(threads)
+                rng.standard_normal((1, N_IN)).astype(np.float32) @ m
+        """,
+    )
+    assert got["posted"] > 0
+    compiled = got["compiled"]
+    calls = compiled["meshnode.engine.cpu.kernels._rows"]
+    assert {args.split(",")[2].strip() for args in calls} == {f"Literal[int]({kernels.ONE_ROW})"}
+    assert "meshnode.engine.cpu.narrow.rows8" not in compiled
+    assert "meshnode.engine.cpu.kernels._pass4_blocks" in compiled
+
+
+def test_q8_products_compile_their_chunk_functions_only(tmp_path: Path) -> None:
+    """An 8-bit product in one thread runs the kernel threads' chunk function alone
+    (``q8_alone.alone``): no serial product function compiles beside it, and a model
+    without MXFP4 weights compiles none of MXFP4's two-row code."""
+    got = compiled_in_fresh_process(
+        tmp_path,
+        """
+        m = BlockMatrix([q41, q80, q41])
+        for threads in (1, 2):
+            matrix.set_kernel_threads(threads)
+            for k in (1, 3):
+                q8.q8_product(m, rng.standard_normal((k, N_IN)).astype(np.float32))
+        """,
+    )
+    compiled = got["compiled"]
+    assert len(compiled["meshnode.engine.cpu.q8_kernels._rows"]) == 2  # Q4_1, Q8_0
+    assert len(compiled["meshnode.engine.cpu.q8_alone.alone"]) == 1
+    assert "meshnode.engine.cpu.q8_kernels.product" not in compiled
+    assert not [name for name in compiled if "mxfp4" in name]
 
 
 def test_a_format_known_only_at_run_time_is_refused() -> None:

@@ -37,8 +37,8 @@ def test_both_tile_forms_give_the_same_bits(names: list[str]) -> None:
     kernels = matrix.kernels()
     rng = np.random.default_rng(29)
     ids, raws = _parts(names, rng)
-    sixteen = kernels._serial_product(*ids, 16)
-    eight = kernels._serial_product(*ids, 8)
+    sixteen = kernels._serial_product(*ids, 16, kernels.ANY_ROWS)  # 1 and k rows
+    eight = kernels._serial_product(*ids, 8, kernels.ANY_ROWS)
     n_out = sum(r.shape[0] for r in raws)
     for k in range(1, MAX_KERNEL_ROWS + 1):
         x = rng.standard_normal(k * N_IN).astype(np.float32)

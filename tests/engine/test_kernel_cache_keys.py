@@ -28,8 +28,8 @@ def _function(kernel: Any) -> Any:
         q8_kernels._serial_product(Q4_K, Q4_K, Q4_K, True),
         q8_kernels._chunk_product(Q4_K, Q8_0, Q4_K, False),
         q8_kernels._chunk_product(Q4_K, Q4_K, Q4_K, True),
-        kernels._serial_product(Q4_K, Q8_0, Q4_K, 8),
-        kernels._chunk_product(Q4_K, Q8_0, Q4_K, 16),
+        kernels._serial_product(Q4_K, Q8_0, Q4_K, 8, kernels.ONE_ROW),
+        kernels._chunk_product(Q4_K, Q8_0, Q4_K, 16, kernels.K_ROWS),
         kernels._decode_kernel(Q8_0),
         tiles.decoder.__wrapped__(Q8_0),
         experts_kernels.experts_kernel.__wrapped__(

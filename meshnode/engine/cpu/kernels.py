@@ -49,7 +49,6 @@ from typing import Any
 import numpy as np
 from numba import cfunc, njit, types
 from numba.core.errors import TypingError
-from numba.core.imputils import impl_ret_borrowed
 from numba.extending import overload
 from numba.np.numpy_support import carray
 
@@ -64,7 +63,8 @@ from meshnode.engine.cpu.simd import (
     INNER,
     entry,
     inner,
-    intrinsic,
+    line_up,
+    lined,
     vstore,
     wfma,
     wlane,
@@ -75,6 +75,7 @@ from meshnode.engine.cpu.simd import (
     wzero,
 )
 from meshnode.engine.cpu.simd_int import prefetch
+from meshnode.engine.cpu.simd_q8 import read_only
 
 # How far ahead of the row it decodes a product asks for weight bytes (as the q8 kernels
 # do): the hardware prefetchers alone leave a decode product waiting on memory. Measured on
@@ -433,27 +434,24 @@ def tile_form() -> int:
     return 16 if permutes() else 8
 
 
+# which activation rows a compiled product serves, a compile-time constant of its _rows:
+# one row only (decode), two or more only (.narrow's tiles), or either (chosen at run time).
+# A product compiled for one row holds none of the k-row tiles' code, so a node that only
+# decodes one stream never compiles them (issue 29: ~3.5 s of a first start's CPU)
+ONE_ROW, K_ROWS, ANY_ROWS = 1, 2, 3
+
+
 @inner
-def _rows(fmt, form, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
+def _rows(fmt, form, many, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-def]
     # rows lo .. hi - 1 of one part (format fmt, a compile-time constant: each compiled
-    # _rows holds its format's decoder only; form: the registers', tile_form's, another)
-    # into columns col + lo .. of out; w: float32 [4 n_in] scratch. lo is never negative:
-    # said so, LLVM drops the wraparound of negative indices from the row loops (as for a
-    # literal 0: as fast, one compiled _rows per format for the serial products and the
-    # chunks alike)
+    # _rows holds its format's decoder only; form: the registers', tile_form's, another;
+    # many: ONE_ROW, K_ROWS or ANY_ROWS, the activation rows it takes) into columns
+    # col + lo .. of out; w: float32 [4 n_in] scratch. lo is never negative: said so, LLVM
+    # drops the wraparound of negative indices from the row loops (as for a literal 0: as
+    # fast, one compiled _rows per format for the serial products and the chunks alike)
     lo = max(lo, 0)
     k, n_in = out.shape[0], w.shape[0] // 4
-    o = lo
-    if k == 1:  # four weight rows at a time against the one activation row
-        o = _pass4_any(fmt, form, raw, x, out, o, hi, col, n_in, w)  # w: the scales' buffer
-    else:  # sixteen registers: .narrow's tiles
-        o = _narrow_any(fmt, form, raw, x, out, o, hi, col, w, n_in)
-    while o + 4 <= hi:  # four weight rows decoded, then a register tile per four rows
-        for i in range(4):
-            _ahead(raw, o + i)
-            _decode_any(fmt, raw[o + i], w, i * n_in, n_in)
-        _tiles(w, x, out, col + o, n_in)
-        o += 4
+    o = _quads_any(fmt, form, many, raw, x, out, lo, hi, col, w, n_in)
     while o < hi:  # the last rows of a part whose length is not a multiple of four
         _decode_any(fmt, raw[o], w, np.int64(0), n_in)  # int64: one compiled decoder
         for r in range(k):
@@ -461,39 +459,50 @@ def _rows(fmt, form, raw, x, out, lo, hi, col, w):  # type: ignore[no-untyped-de
         o += 1
 
 
-@njit(inline="always")
-def _line(address):  # type: ignore[no-untyped-def]
-    # ``address`` rounded up to a 64-byte cache line (at most 15 floats on)
-    return (address + 63) & -64
+def _quads_any(*args: Any) -> Any:  # (fmt, form, many, raw, x, out, o, hi, col, w, n_in)
+    raise TypeError("for compiled code")
 
 
-@njit(inline="always")
-def _lined(n):  # type: ignore[no-untyped-def]
-    # n float32 of scratch beginning on a 64-byte line. The scratch of the k-row passes
-    # (:mod:`.narrow`'s decoded block and chains) is read as 32-byte vectors: where it began
-    # 16 bytes into a line (NumPy's and numba's arrays are 16-byte aligned), every other
-    # load straddled two lines, and an 8-row pass took ~1.1-1.2x as long (Q4_K, Q6_K,
-    # benchmarks/narrow_parts.py --offsets 0 16; the activations' alignment is the
-    # caller's, .matrix._lined: ~1.05x more)
-    buf = np.empty(n + 16, np.float32)
-    at = (-(buf.ctypes.data // 4)) % 16
-    return buf[at : at + n]
+@overload(_quads_any, prefer_literal=True, inline="always", jit_options=INNER)
+def _quads_typed(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    # rows o .. of whole passes of four weight rows; returns the first row not done. The
+    # one-row passes (every one of them: each format's _pass4 takes four rows while four
+    # are left) or the k rows' tiles, as ``many`` says (numba compiles both for ANY_ROWS)
+    if not isinstance(many, types.IntegerLiteral):
+        raise TypingError(f"the rows a product takes must be a compile-time constant, got {many}")
+    if many.literal_value == ONE_ROW:
+        # w: the scales' buffer
+        return lambda fmt, form, many, raw, x, out, o, hi, col, w, n_in: _pass4_any(
+            fmt, form, raw, x, out, o, hi, col, n_in, w
+        )
+    if many.literal_value == K_ROWS:
+        return _quads_k
+
+    def either(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+        if out.shape[0] == 1:
+            return _pass4_any(fmt, form, raw, x, out, o, hi, col, n_in, w)
+        return _quads_k_jit(fmt, form, many, raw, x, out, o, hi, col, w, n_in)
+
+    return either
 
 
-@intrinsic
-def _read_only(typingctx: Any, ary: Any) -> Any:
-    # the same array typed read-only, as the memory-mapped weights are: the products
-    # and the pool's chunks then share one compiled _rows per format
-    if not isinstance(ary, types.Array):
-        return None
+def _quads_k(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    # k activation rows: sixteen registers take .narrow's tiles; then, or on 32, four
+    # weight rows decoded, then a register tile per four rows
+    o = _narrow_any(fmt, form, raw, x, out, o, hi, col, w, n_in)
+    while o + 4 <= hi:
+        for i in range(4):
+            _ahead(raw, o + i)
+            _decode_any(fmt, raw[o + i], w, i * n_in, n_in)
+        _tiles(w, x, out, col + o, n_in)
+        o += 4
+    return o
 
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return impl_ret_borrowed(context, builder, sig.return_type, args[0])  # type: ignore[no-untyped-call]
 
-    return ary.copy(readonly=True)(ary), codegen
+_quads_k_jit = njit(inline="always")(_quads_k)
 
 
-def _chunk_product(fa: int, fb: int, fc: int, form: int) -> Any:
+def _chunk_product(fa: int, fb: int, fc: int, form: int, many: int) -> Any:
     @cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
     def chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
         st = carray(ptr_i64(st_addr), (_WORDS,))
@@ -504,40 +513,40 @@ def _chunk_product(fa: int, fb: int, fc: int, form: int) -> Any:
         # up to 15 floats on (the pool's rows have 7 n_in floats, these kernels use 4 n_in)
         w_at = st[_SCRATCH] + 4 * who * st[_STRIDE]
         if st[_STRIDE] >= 4 * n_in + 16:
-            w_at = _line(w_at)
+            w_at = line_up(w_at)
         w = carray(ptr_f32(w_at), (4 * n_in,))
         ca, cb = st[_CA], st[_CB]
         if ch < ca:
-            a = _read_only(carray(ptr_u8(st[_A]), (na, st[_RBA])))
+            a = read_only(carray(ptr_u8(st[_A]), (na, st[_RBA])))
             lo = ch * rows
-            _rows(fa, form, a, x, out, lo, min(na, lo + rows), np.int64(0), w)
+            _rows(fa, form, many, a, x, out, lo, min(na, lo + rows), np.int64(0), w)
         elif ch < ca + cb:
-            b = _read_only(carray(ptr_u8(st[_B]), (nb, st[_RBB])))
+            b = read_only(carray(ptr_u8(st[_B]), (nb, st[_RBB])))
             lo = (ch - ca) * rows
-            _rows(fb, form, b, x, out, lo, min(nb, lo + rows), na, w)
+            _rows(fb, form, many, b, x, out, lo, min(nb, lo + rows), na, w)
         else:
-            c = _read_only(carray(ptr_u8(st[_C]), (nc, st[_RBC])))
+            c = read_only(carray(ptr_u8(st[_C]), (nc, st[_RBC])))
             lo = (ch - ca - cb) * rows
-            _rows(fc, form, c, x, out, lo, min(nc, lo + rows), na + nb, w)
+            _rows(fc, form, many, c, x, out, lo, min(nc, lo + rows), na + nb, w)
 
     return chunk
 
 
-def _serial_product(fa: int, fb: int, fc: int, form: int) -> Any:
+def _serial_product(fa: int, fb: int, fc: int, form: int, many: int) -> Any:
     @entry()
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
         zero, na, nab = np.int64(0), a.shape[0], a.shape[0] + b.shape[0]
-        w = _lined(4 * (x.shape[0] // out.shape[0]))
+        w = lined(4 * (x.shape[0] // out.shape[0]))
         # int64 arguments, as the chunks': one compiled _rows per format
-        _rows(fa, form, a, x, out, zero, na, zero, w)
-        _rows(fb, form, b, x, out, zero, b.shape[0], na, w)
-        _rows(fc, form, c, x, out, zero, c.shape[0], nab, w)
+        _rows(fa, form, many, a, x, out, zero, na, zero, w)
+        _rows(fb, form, many, b, x, out, zero, b.shape[0], na, w)
+        _rows(fc, form, many, c, x, out, zero, c.shape[0], nab, w)
 
     return product
 
 
 @functools.cache
-def product_kernel(fa: int, fb: int, fc: int) -> Any:
+def product_kernel(fa: int, fb: int, fc: int, many: int = ANY_ROWS) -> Any:
     """``product(a, b, c, x, out)``: ``out[r, o] = x[r] . row o`` of the parts ``a``,
     ``b``, ``c`` (formats ``fa``, ``fb``, ``fc``) stacked along ``out``, in the calling
     thread.
@@ -550,12 +559,15 @@ def product_kernel(fa: int, fb: int, fc: int) -> Any:
     Each format mix is its own compiled function: the ids are compile-time constants in
     it, so each part's decoder is inlined with no dispatch in the loops. numba's disk
     cache keys a closure by its captured values, so each mix compiles once per machine.
+    ``many`` (:data:`ONE_ROW`, :data:`K_ROWS`, :data:`ANY_ROWS`): the activation rows it
+    takes, one, two or more, or either (the same sums for each row: the row count only
+    picks the code), so a node compiles the k-row tiles at its first k-row product only.
     """
-    return _serial_product(fa, fb, fc, tile_form())
+    return _serial_product(fa, fb, fc, tile_form(), many)
 
 
 @functools.cache
-def chunk_kernel(fa: int, fb: int, fc: int) -> int:
+def chunk_kernel(fa: int, fb: int, fc: int, many: int = ANY_ROWS) -> int:
     """The address of ``void chunk(st, who, ch)``: chunk ``ch`` (:data:`.pool.CHUNK_ROWS`
     output rows) of the product :func:`.pool.KernelPool.run` posted in the words at
     ``st``, with thread ``who``'s scratch; the same rows and sums as
@@ -564,8 +576,9 @@ def chunk_kernel(fa: int, fb: int, fc: int) -> int:
     Each format mix is its own compiled function: the ids are compile-time constants in
     it, so each part's decoder is inlined with no dispatch in the loops. numba's disk
     cache keys a closure by its captured values, so each mix compiles once per machine.
+    ``many`` as :func:`product_kernel`'s.
     """
-    return int(_chunk_product(fa, fb, fc, tile_form()).address)
+    return int(_chunk_product(fa, fb, fc, tile_form(), many).address)
 
 
 def _decode_kernel(fmt: int) -> Any:

@@ -18,7 +18,7 @@ import hashlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -352,11 +352,14 @@ class BlockMatrix:
         else:  # ~5 us of Python: more than a line's worth of a small or one-row product
             flat = np.ascontiguousarray(x).reshape(-1)
         threads = min(_threads_here(), self._nbytes // max(1, PARALLEL_MIN_BYTES))
-        if threads > 1:
-            chunk = kernels().chunk_kernel(*self._fmts)
-            if _pool().run(chunk, self._raws, flat, out, threads):
-                return out
-        kernels().product_kernel(*self._fmts)(*self._raws, flat, out)
+        k = kernels()
+        many = k.ONE_ROW if x.shape[0] == 1 else k.K_ROWS  # the k-row tiles at first use
+        chunk = partial(k.chunk_kernel, *self._fmts, many)  # compiled at its first run
+        if threads > 1 and _pool().run(chunk, self._raws, flat, out, threads):
+            return out
+        # its own serial function, not the chunk function alone (pool.run_alone), which
+        # was ~1.4x slower on one row of Q4_1 (same _rows, other code around it)
+        k.product_kernel(*self._fmts, many)(*self._raws, flat, out)
         return out
 
     def _tiled_product(self, x: np.ndarray, out: np.ndarray) -> None:

@@ -48,6 +48,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -271,7 +272,7 @@ class KernelPool:
 
     def run(
         self,
-        fn: int,
+        fn: int | Callable[[], int],
         parts: tuple[Any, Any, Any],
         x: Any,
         out: Any,
@@ -280,8 +281,11 @@ class KernelPool:
     ) -> bool:
         """Compute ``out`` (``[k, n_out]``) = ``x`` (``k`` rows of ``n_in``, flat) times
         the stacked ``parts`` ``(a, b, c)`` on up to ``threads`` threads, chunk by chunk
-        with the cfunc at address ``fn`` (:func:`.kernels.chunk_kernel`). ``keep``: what
-        else the chunks read or write by address, held as the job's arrays are (below).
+        with the cfunc at address ``fn`` (:func:`.kernels.chunk_kernel`), or at the
+        address ``fn()`` gives, asked for only once the job will be posted (so that a
+        chunk function compiles only where the pool runs it: on a busy machine a first
+        start's pool may never find a core free). ``keep``: what else the chunks read or
+        write by address, held as the job's arrays are (below).
 
         Returns False, having done nothing, when fewer than two threads would run (the
         cap, or the cores other processes leave free), when another thread is using the
@@ -297,7 +301,7 @@ class KernelPool:
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            return self._post(fn, parts, x, out, threads, keep)
+            return self._post(fn if isinstance(fn, int) else fn(), parts, x, out, threads, keep)
         finally:
             self._lock.release()
 

@@ -70,6 +70,7 @@ __all__ = [
     "_post",
     "_stale",
     "_work",
+    "run_alone",
 ]
 
 
@@ -340,3 +341,26 @@ def _calibrate(st, n):  # type: ignore[no-untyped-def]
         s += load(st, ACTIVE)
         pause()
     return s
+
+
+@entry(nogil=True)
+def run_alone(fn, a, b, c, x, out):  # type: ignore[no-untyped-def]
+    """Run the chunk function at address ``fn`` over the whole product ``out`` = ``x``
+    times the stacked parts ``a``, ``b``, ``c`` (as :meth:`.pool.KernelPool.run` posts
+    it) in the calling thread, one chunk a part: each part's rows by the one call the
+    pool's chunks make for a part of them (``rows`` past the longest part), in words and
+    scratch of its own (no helper reads them). The serial products' path: a format mix
+    then compiles its chunk function only, not a serial product beside it (each
+    re-optimizing the same row loop). ``x`` is the posted activations (float32, or the
+    q8 kernels' quantized bytes), ``k = out.shape[0]`` rows of ``n_in``."""
+    k = out.shape[0]
+    if k == 0:
+        return
+    st = np.empty(WORDS, np.int64)
+    # a thread's scratch as the pool's: 7 n_in float32 (the exact kernels' decoded rows
+    # from their first 64-byte line, the q8 tiles' 26 n_in bytes)
+    scratch = np.empty((1, 7 * (x.shape[0] // k) + 16), np.float32)
+    rows = max(a.shape[0], b.shape[0], c.shape[0], 1)
+    chunks = _job(st, np.int64(0), fn, a, b, c, x, out, scratch, rows)  # int64: one _job
+    for ch in range(chunks):
+        call3(fn, st.ctypes.data, 0, ch)

@@ -17,8 +17,9 @@ product, through :func:`.matrix.kernels`, which configures it.
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, partial
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +46,15 @@ def _kernels() -> ModuleType:
     return q8_kernels
 
 
+@cache
+def _alone() -> Any:
+    """:func:`.q8_alone.alone`, imported (numba configured first) on first use."""
+    _kernels()
+    from meshnode.engine.cpu.q8_alone import alone
+
+    return alone
+
+
 def accepts(m: BlockMatrix, rows: int) -> bool:
     """Whether ``rows`` activation rows times ``m`` go through the 8-bit kernels."""
     del rows  # any number: a row's result must not depend on the rows beside it
@@ -65,12 +75,12 @@ def q8_product(m: BlockMatrix, x: np.ndarray) -> np.ndarray:
     fmts, raws = m._fmts, m._raws
     tiled = x.shape[0] >= kernels.TILE_MIN_ROWS
     threads = min(matrix._threads_here(), m.nbytes // max(1, matrix.PARALLEL_MIN_BYTES))
+    chunk = partial(kernels.chunk_kernel, *fmts, tiled)  # compiled at its first run
     if threads > 1:  # as BlockMatrix shares its products: a thread per PARALLEL_MIN_BYTES
-        chunk = kernels.chunk_kernel(*fmts, tiled)
         q = kernels.quantized(flat, x.shape[0])
         # posted as k rows of n_in bytes (the pool cuts the exact kernels' chunks); the
         # chunks read the whole buffer, which the pool keeps while they may
         if matrix._pool().run(chunk, raws, q[: flat.shape[0]], out, threads, keep=q):
             return out
-    kernels.product_kernel(*fmts, tiled)(*raws, flat, out)  # quantizes flat itself
+    _alone()(chunk(), *raws, flat, out)  # the same chunk function, alone
     return out

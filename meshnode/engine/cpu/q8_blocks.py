@@ -17,7 +17,7 @@ Q3_K, Q6_K, MXFP4 as its value + 16) keeps ``z`` out of the bytes: the kernels a
 ``-(sum of the activation quants) << log2(z)`` to the integer dot product
 (:func:`offset_area` says which shift): the one-row kernel as ``z`` bytes dotted with the
 activation block, the multi-row one from the sums of each half that
-:func:`.q8_kernels.quantize` keeps.
+:func:`.q8_quant.quantize` keeps.
 
 Which unpacker, offset, minimum and scales a format has is its row's ``q8``
 (:data:`.formats.FORMATS`); the constants below are derived from the rows. An unpacker

@@ -11,7 +11,7 @@ last sixteen quants, each copied into both halves; the two ``vpmaddubsw`` result
 added as int16 (each at most 2 x 28 x 127 in magnitude, their sum within int16), then one
 ``vpmaddwd``. Four such registers hold the eight rows; :func:`pair_sums` sums each row's
 four lanes and adds the offset term ``-16 sum(q)``, the same for the eight rows (one
-activation row), from the sums :func:`.q8_kernels.quantize` keeps. Every step is integer
+activation row), from the sums :func:`.q8_quant.quantize` keeps. Every step is integer
 and exact, so ``D`` is the same integer as ``_eight``'s, and the float arithmetic after it
 is ``_eight``'s, operation for operation (the same ``dw * dx``, the same fused
 multiply-adds, even and odd chunks apart): a row's result is the same bits as the

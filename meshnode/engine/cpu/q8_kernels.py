@@ -2,7 +2,7 @@
 
 Each activation row is quantized in blocks of 32 values, as llama.cpp's Q8_0/Q8_1 do:
 ``q = round(x / d)`` with ``d = max|x| / 127``, stored as int8 beside what the kernels
-read per block (:func:`quantize`). For each 32-value chunk of a weight row
+read per block (:func:`.q8_quant.quantize`). For each 32-value chunk of a weight row
 (:func:`.q8_blocks.chunk`: its quants unpacked to unsigned bytes ``u``, its scale ``dw``,
 minimum ``m``, per-16 integer scales) and each activation row, in order of the chunks:
 
@@ -64,6 +64,7 @@ from meshnode.engine.cpu.q8_blocks import (
 )
 from meshnode.engine.cpu.q8_fp4 import eight_mxfp4, two_mxfp4
 from meshnode.engine.cpu.q8_q6_k import eight_q6_k
+from meshnode.engine.cpu.q8_quant import HEADER, ONE_ROW_MAX, buffer_bytes, byte_areas, quantized
 from meshnode.engine.cpu.q8_superblocks import K_FORMATS, Q4_K_ID, eight_q4_k, superblocked
 from meshnode.engine.cpu.q8_tiles import scratch_bytes, tiles
 from meshnode.engine.cpu.simd import (
@@ -93,9 +94,6 @@ from meshnode.engine.cpu.simd_int import (
     sdot4,
 )
 from meshnode.engine.cpu.simd_q8 import (
-    absmax32,
-    bstore,
-    bsum16,
     dotw_signed,
     dotw_small,
     fload16,
@@ -109,8 +107,6 @@ from meshnode.engine.cpu.simd_q8 import (
     isums,
     join64,
     lane8,
-    nonfinite32,
-    quant32,
     read_only,
     tofloat16,
     vec8,
@@ -132,8 +128,6 @@ PREFETCH_BYTES = 4096
 # GB/s (in the L2: 18 -> 21.5); MXFP4 .q8_fp4.
 # MXFP4's one-row products go two weight rows a register (.q8_fp4)
 MXFP4_ID = FORMATS["MXFP4"].kernel_id
-# Products of up to this many rows go one activation row at a time (lanes: weight rows)
-ONE_ROW_MAX = 1
 # MXFP4 products of up to this many rows go two activation rows a pass of the weights
 # (.q8_fp4.two_mxfp4; an odd last one alone): the same bits as one at a time
 MXFP4_PAIRED_ROWS = 4
@@ -148,100 +142,12 @@ SLAB_ROWS = 16
 # apart (~7 s of CPU per format mix at load 10), and prompts of 32-63 tokens (the golden
 # references') would pay it at a first start for little
 TILE_MIN_ROWS = 64
-# Bytes before the areas of quantize's buffer (n_in and k, int64, at bytes 0 and 8)
-HEADER = 64
 # the words of a posted product (:mod:`.pool`), as compile-time constants
 _WORDS = pool.WORDS
 _A, _NA, _RBA, _B, _NB, _RBB = pool.A, pool.NA, pool.RBA, pool.B, pool.NB, pool.RBB
 _C, _NC, _RBC, _X, _K, _N_IN = pool.C, pool.NC, pool.RBC, pool.X, pool.K, pool.N_IN
 _OUT, _N_OUT, _CA, _CB, _ROWS = pool.OUT, pool.N_OUT, pool.CA, pool.CB, pool.ROWS
 _SCRATCH, _STRIDE = pool.SCRATCH, pool.STRIDE
-
-
-@entry()
-def buffer_bytes(k, n_in):  # type: ignore[no-untyped-def]
-    """Bytes of :func:`quantize`'s buffer for ``k`` rows of ``n_in`` activations."""
-    return HEADER + k * n_in + 448 * ((k + 7) // 8) * (n_in // 32)
-
-
-@entry()
-def _areas(n, blocks):  # type: ignore[no-untyped-def]
-    # byte offsets of the transposed areas (see quantize): quants, d, sums, halves' sums
-    xt = HEADER + n
-    dxt = xt + 256 * blocks
-    sxt = dxt + 32 * blocks
-    ot = sxt + 96 * blocks
-    return xt, ot, dxt, sxt
-
-
-@entry()
-def quantize(x, k, buf):  # type: ignore[no-untyped-def]
-    """Quantize ``x`` (float32, flat: ``k`` rows of ``n_in``, whole 32-value blocks) into
-    ``buf`` (``uint8``, :func:`buffer_bytes` long).
-
-    Row by row (``n = k n_in`` bytes, from byte :data:`HEADER`; block ``b`` of row ``r``
-    at ``32 (r nb + b)``, ``nb = n_in / 32``): the int8 quants. Then by groups of eight
-    rows (lane ``r % 8``), for each block ``b`` of group ``g`` (``i = g nb + b``): the
-    quants as 32 bytes per four values, the four of each of the eight rows in turn (256
-    bytes at ``256 i``; only for more than :data:`ONE_ROW_MAX` rows); the eight rows'
-    scales ``d`` (float32 ``[8]`` at ``32 i``); ``d`` times the sum of their quants, of
-    the first 16, of the last 16 (three areas of ``[8]`` at ``32 i``); and the int32
-    ``-sum`` of the quants of the first and of the last 16 (two areas of ``[8]`` at ``32
-    i``), which the kernels shift by a format's offset. The lanes of missing rows in the
-    last group are zeros. A block with a value that is not finite gets ``d = nan`` and
-    zero quants, so that products with it are nan, as in float32."""
-    n = x.shape[0]
-    n_in = n // k
-    nb = n_in // 32
-    blocks = (k + 7) // 8 * nb
-    head = buf[:16].view(np.int64)
-    head[0], head[1] = n_in, k
-    xt, ot, dxt, _ = _areas(n, blocks)
-    wide = k > ONE_ROW_MAX
-    if k % 8:
-        buf[xt:].fill(0)
-    words = buf[HEADER : HEADER + n].view(np.int32)
-    tq = buf[xt:dxt].view(np.int32)
-    tf = buf[dxt:ot].view(np.float32)  # d, sum, first and last 16
-    ts = buf[ot : ot + 64 * blocks].view(np.int32)
-    nan, zero = np.float32(np.nan), np.float32(0.0)
-    for g in range(n // 32):
-        r, b = g // nb, g % nb
-        i, lane = (r // 8) * nb + b, r % 8
-        o = 32 * g
-        if nonfinite32(x, o):
-            d, v = nan, bsplat(0)
-        else:
-            amax = absmax32(x, o)
-            inv = np.float32(127.0) / amax if amax > 0 else zero
-            d, v = amax / np.float32(127.0), quant32(x, o, inv)
-        bstore(buf, HEADER + o, v)
-        if wide:
-            at = 128 * (i // 2) + 8 * (i % 2) + lane
-            for j in range(8):
-                tq[at + 16 * j] = words[8 * g + j]
-        low, high = bsum16(v, 0), bsum16(v, 1)
-        at = 8 * i + lane
-        tf[at] = d
-        tf[8 * blocks + at] = d * np.float32(low + high)
-        tf[16 * blocks + at] = d * np.float32(low)
-        tf[24 * blocks + at] = d * np.float32(high)
-        ts[at], ts[8 * blocks + at] = -low, -high
-
-
-@entry()
-def quantized(x, k):  # type: ignore[no-untyped-def]
-    """:func:`quantize`'s buffer for ``x`` (flat float32, ``k`` rows), new, from a 64-byte
-    cache line. numba's arrays are 32-byte aligned (the 8192-wide down projection's began
-    32 bytes into a line): every area of the buffer is whole 32-byte steps from its start,
-    so AVX2's loads never straddle two lines, and from a line neither do AVX-512's 64-byte
-    loads of two blocks."""
-    n = buffer_bytes(k, x.shape[0] // k)
-    buf = np.empty(n + 64, np.uint8)
-    at = (-buf.ctypes.data) % 64
-    q = buf[at : at + n]
-    quantize(x, k, q)
-    return q
 
 
 # The row kernel's helpers (_group, _eight, _block_dot) are functions of their own, not
@@ -268,7 +174,7 @@ def _layout(q):  # type: ignore[no-untyped-def]
 def _group(fmt, w, base, q, g, n, nb, blocks):  # type: ignore[no-untyped-def]
     # one weight row times the eight activation rows of group g: lanes 0-7 the rows for
     # the even chunks, 8-15 for the odd ones
-    xt, ot, dxt, sxt = _areas(n, blocks)
+    xt, ot, dxt, sxt = byte_areas(n, blocks)
     area = offset_area(fmt)
     shift = OFFSET_SHIFTS[max(area, 0)]
     kind = minimum_kind(fmt)
@@ -336,7 +242,7 @@ def _eight(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-d
     # weight rows), as _group computes each row; a block per chunk (Q4_0 .. Q8_0): asks
     # meanwhile for the next eight rows' blocks from pf on, a chunk's share at a time
     # (see PREFETCH_BYTES)
-    _, _, dxt, sxt = _areas(n, blocks)
+    _, _, dxt, sxt = byte_areas(n, blocks)
     group = 8 * block_bytes(fmt)  # the eight rows' bytes of a chunk (f16_head formats)
     z = bsplat(1 << OFFSET_SHIFTS[max(offset_area(fmt), 0)])
     b0, b1, b2, b3, b4, b5, b6, b7 = bases
@@ -398,7 +304,7 @@ def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-u
     if kind == MXFP4_ID:
 
         def mxfp4(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
-            _, ot, dxt, _ = _areas(n, blocks)
+            _, ot, dxt, _ = byte_areas(n, blocks)
             at = 32 * (r // 8) * nb + 4 * (r % 8)
             lo, hi = ot + at, ot + 32 * blocks + at
             return eight_mxfp4(w, bases, q, HEADER + 32 * r * nb, dxt + at, lo, hi, nb, pf)
@@ -411,17 +317,36 @@ def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-u
     eight = eight_q4_k if kind == Q4_K_ID else eight_q6_k
 
     def superblocks(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
-        _, _, dxt, sxt = _areas(n, blocks)
+        _, _, dxt, sxt = byte_areas(n, blocks)
         at = 32 * (r // 8) * nb + 4 * (r % 8)
         return eight(w, bases, q, HEADER + 32 * r * nb, dxt + at, sxt + at, nb, pf)
 
     return superblocks
 
 
+def _two_rows(
+    fmt: int, w: Any, bases: Any, q: Any, r: int, n: int, nb: int, blocks: int, pf: int
+) -> Any:
+    # eight weight rows times activation rows r and r + 1: MXFP4's two a pass; for the
+    # other formats, whose _rows never takes this branch, zeros of its type, so that
+    # their _rows compile no MXFP4 code (.q8_fp4.two_mxfp4: ~0.35 s of a first start's
+    # CPU; two _one_row calls there compiled _one_row's code twice more, as much)
+    raise TypeError("_two_rows is for compiled code")
+
+
+@overload(_two_rows, prefer_literal=True, jit_options=INNER)
+def _two_rows_typed(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
+    if literal_format(fmt) == MXFP4_ID:
+        return lambda fmt, w, bases, q, r, n, nb, blocks, pf: _two_mxfp4(
+            w, bases, q, r, n, nb, blocks, pf
+        )
+    return lambda fmt, w, bases, q, r, n, nb, blocks, pf: (vzero(), vzero())
+
+
 @inner
 def _two_mxfp4(w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
     # eight MXFP4 weight rows times activation rows r and r + 1 (.q8_fp4.two_mxfp4)
-    _, ot, dxt, _ = _areas(n, blocks)
+    _, ot, dxt, _ = byte_areas(n, blocks)
     at = 32 * (r // 8) * nb + 4 * (r % 8)
     at2 = 32 * ((r + 1) // 8) * nb + 4 * ((r + 1) % 8)
     return two_mxfp4(
@@ -459,7 +384,7 @@ def _rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
                      min(o + 7, last) * size)  # fmt: skip
             for r in range(0, k, 2 if fmt == MXFP4_ID else 1):
                 if fmt == MXFP4_ID and r + 1 < k:  # two activation rows a pass
-                    v, v2 = _two_mxfp4(w, bases, q, r, n, nb, blocks, pf)
+                    v, v2 = _two_rows(fmt, w, bases, q, r, n, nb, blocks, pf)
                     for i in range(min(8, hi - o)):
                         out[r, col + o + i] = lane8(v, i)
                         out[r + 1, col + o + i] = lane8(v2, i)
@@ -486,7 +411,7 @@ def _tiled_rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-de
     # into the scratch s meet every activation row
     literally(fmt)
     _, k, n, nb, blocks = _layout(q)
-    _, ot, dxt, sxt = _areas(n, blocks)
+    _, ot, dxt, sxt = byte_areas(n, blocks)
     areas = (HEADER + n - n, ot, dxt, sxt)
     tiles(
         fmt,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -34,6 +35,8 @@ __all__ = [
     "entry",
     "inner",
     "ishl",
+    "line_up",
+    "lined",
     "load_bf16",
     "load_f16",
     "load_f32",
@@ -546,3 +549,22 @@ def tofloat(typingctx: Any, v: Any) -> Any:
         return builder.sitofp(args[0], _VF)
 
     return F32x8(v), codegen
+
+
+@njit(inline="always")
+def line_up(address):  # type: ignore[no-untyped-def]
+    # ``address`` rounded up to a 64-byte cache line (at most 15 floats on)
+    return (address + 63) & -64
+
+
+@njit(inline="always")
+def lined(n):  # type: ignore[no-untyped-def]
+    # n float32 of scratch beginning on a 64-byte line. The scratch of the k-row passes
+    # (:mod:`.narrow`'s decoded block and chains) is read as 32-byte vectors: where it began
+    # 16 bytes into a line (NumPy's and numba's arrays are 16-byte aligned), every other
+    # load straddled two lines, and an 8-row pass took ~1.1-1.2x as long (Q4_K, Q6_K,
+    # benchmarks/narrow_parts.py --offsets 0 16; the activations' alignment is the
+    # caller's, .matrix._lined: ~1.05x more; .kernels' products)
+    buf = np.empty(n + 16, np.float32)
+    at = (-(buf.ctypes.data // 4)) % 16
+    return buf[at : at + n]

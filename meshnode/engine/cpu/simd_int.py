@@ -385,7 +385,7 @@ def _dot_madd(builder: Any, w: Any, x: Any, *more: Any) -> Any:
 @intrinsic
 def dot4s(typingctx: Any, w: Any, xq: Any, off: Any) -> Any:
     """:func:`dot4` for small weight bytes (every byte of ``w`` at most 128, the
-    activation quants within +-127, as :func:`.q8_kernels.quantize` makes them): the same
+    activation quants within +-127, as :func:`.q8_quant.quantize` makes them): the same
     sums, where the CPU has no VNNI by ``vpmaddubsw`` and ``vpmaddwd`` (AVX2; two
     products' sum stays below 2**15, so nothing saturates), else as :func:`dot4`."""
     if w != U8x32 or not _is_array(xq, types.uint8):
