@@ -77,7 +77,7 @@ def test_products_equal_the_definition_at_any_row_length(n_in: int) -> None:
     blocks[:, :2] = d.view(np.uint8).reshape(-1, 2)
     raw = blocks.reshape(n_out, -1)
     none = np.zeros((0, 34), np.uint8)
-    forms = [kernels._serial_product(Q8_0, Q8_0, Q8_0, form) for form in (8, 16)]
+    forms = [kernels._serial_product(Q8_0, Q8_0, Q8_0, form, kernels.ANY_ROWS) for form in (8, 16)]
     for k in range(1, 17):
         x = rng.standard_normal(k * n_in).astype(np.float32)
         x[::97] *= 1e6  # lanes of very different sizes: an order change shows
