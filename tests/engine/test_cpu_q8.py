@@ -18,7 +18,7 @@ import pytest
 from meshnode_packaging.sources import RawTensor, dequantize
 
 from meshnode.engine.backend import cpu_backend, select_backend
-from meshnode.engine.cpu import BlockMatrix, matrix, pool, q8
+from meshnode.engine.cpu import BlockMatrix, matrix, pool, q8, q8_quant
 from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.pool import CoreGauge, KernelPool
 from meshnode.engine.loader import load_model
@@ -54,13 +54,13 @@ def unpack(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     sums of each block's halves ``[k, blocks, 2]``, float32 block fields ``[k, blocks,
     4]`` (scale, d times the sum of the quants, of each half)."""
     k, n_in = x.shape
-    kernels = q8._kernels()
-    q = kernels.quantized(x.reshape(-1), k)
-    n, h = x.size, kernels.HEADER
-    assert q.shape == (kernels.buffer_bytes(k, n_in),)
+    q8._kernels()  # numba's cache locked, as the product path does
+    q = q8_quant.quantized(x.reshape(-1), k)
+    n, h = x.size, q8_quant.HEADER
+    assert q.shape == (q8_quant.buffer_bytes(k, n_in),)
     xq = q[h : h + n].view(np.int8).reshape(k, n_in)
     nb, groups = n_in // 32, (k + 7) // 8
-    _, ot, dxt, _ = kernels._areas(n, groups * nb)
+    _, ot, dxt, _ = q8_quant.byte_areas(n, groups * nb)
     tf = q[dxt : dxt + 4 * 32 * groups * nb].view(np.float32).reshape(4, groups, nb, 8)
     fields = tf.transpose(1, 3, 2, 0).reshape(groups * 8, nb, 4)[:k]  # [row, block, field]
     ts = -q[ot : ot + 2 * 32 * groups * nb].view(np.int32).reshape(2, groups, nb, 8)
@@ -187,13 +187,13 @@ def test_the_quantized_activations_begin_on_a_cache_line(rng: np.random.Generato
     for k, n_in in ((1, 2048), (1, 8192), (3, 8192), (9, 576), (kernels.TILE_MIN_ROWS, 2048)):
         x = rng.standard_normal(k * n_in).astype(np.float32)
         for _ in range(4):
-            q = kernels.quantized(x, k)
+            q = q8_quant.quantized(x, k)
             assert q.ctypes.data % 64 == 0
-            assert q.shape == (kernels.buffer_bytes(k, n_in),)
-        want = np.zeros(kernels.buffer_bytes(k, n_in), np.uint8)
-        kernels.quantize(x, k, want)
+            assert q.shape == (q8_quant.buffer_bytes(k, n_in),)
+        want = np.zeros(q8_quant.buffer_bytes(k, n_in), np.uint8)
+        q8_quant.quantize(x, k, want)
         np.testing.assert_array_equal(q[:16], want[:16])  # the header's words, then its pad
-        np.testing.assert_array_equal(q[kernels.HEADER :], want[kernels.HEADER :])
+        np.testing.assert_array_equal(q[q8_quant.HEADER :], want[q8_quant.HEADER :])
 
 
 @pytest.mark.parametrize("dtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])
@@ -208,12 +208,12 @@ def test_a_quantizer_buffer_at_any_alignment(dtype: str, rng: np.random.Generato
     for k in (1, 9, kernels.TILE_MIN_ROWS):
         x = rng.standard_normal((k, N_IN)).astype(np.float32)
         want = q8.q8_product(m, x)
-        size = kernels.buffer_bytes(k, N_IN)
+        size = q8_quant.buffer_bytes(k, N_IN)
         raw = np.zeros(size + 128, np.uint8)
         for shift in (4, 16):  # past a 64-byte boundary
             at = -raw.ctypes.data % 64 + shift
             buf = raw[at : at + size]
-            kernels.quantize(x.reshape(-1), k, buf)
+            q8_quant.quantize(x.reshape(-1), k, buf)
             at = -room.ctypes.data % 64 + shift
             s = room[at : at + spare]
             for rows in (kernels._rows, kernels._tiled_rows):
