@@ -255,7 +255,6 @@ def serial(stage: Any, args: argparse.Namespace) -> None:
     alternating, medians of ``--rounds`` of ``--steps`` steps (``--serial``)."""
     from meshnode.engine.backend import CpuBackend
     from meshnode.engine.cpu import set_kernel_threads
-    from meshnode.engine.model import BatchRow
 
     set_kernel_threads(1)
     real = CpuBackend.linear
@@ -275,13 +274,8 @@ def serial(stage: Any, args: argparse.Namespace) -> None:
             caches = [stage.new_cache(PROMPT + args.steps + 1) for _ in range(args.streams)]
             for cache in caches:
                 stage.forward(rng.integers(100, 40000, PROMPT), 0, cache, out_rows=1)
-            last = [7 + i for i in range(args.streams)]
             began = time.thread_time()
-            for step in range(args.steps):
-                pairs = zip(last, caches, strict=True)
-                rows = [BatchRow(np.array([t]), PROMPT + step, c, 1) for t, c in pairs]
-                outs_ = stage.forward_batch(rows)
-                last = [int(np.argmax(o[-1])) for o in outs_]
+            _decode(stage, caches, args.steps)
             spent[name].append((time.thread_time() - began) / args.steps * 1e3)
     CpuBackend.linear = real  # type: ignore[method-assign]
     for name, times in spent.items():
@@ -308,7 +302,6 @@ def run(args: argparse.Namespace) -> None:
     from meshnode.engine.cpu import matrix, set_kernel_threads
     from meshnode.engine.cpu.pool import AHEAD_BYTES, CoreGauge
     from meshnode.engine.loader import load_model
-    from meshnode.engine.model import BatchRow
 
     model_path = args.gguf or cached_gguf(args.shape, "q4_k_m", args.layers)
     limit = limit_cpu_threads(max(args.threads))
@@ -349,13 +342,8 @@ def run(args: argparse.Namespace) -> None:
     def steps() -> tuple[dict[str, list[float]], tuple[float, ...]]:
         parts.spent.clear()
         before = counts()
-        last = [7 + i for i in range(args.streams)]
         began = clocks.now()
-        for step in range(args.steps):
-            pairs = zip(last, caches, strict=True)
-            rows = [BatchRow(np.array([t]), PROMPT + step, c, 1) for t, c in pairs]
-            outs = stage.forward_batch(rows)
-            last = [int(np.argmax(o[-1])) for o in outs]
+        _decode(stage, caches, args.steps)
         end = clocks.now()
         spent = {name: [t / args.steps * 1e3 for t in v] for name, v in parts.spent.items()}
         total = [(end[i] - began[i]) / args.steps * 1e3 for i in range(3)]
@@ -452,6 +440,17 @@ def report(
             cpu = (med(s, name, 1) + med(s, name, 2)) / max(1e-9, med(one, name, 1))
             cells.append(f"{speed:.2f}x, {cpu:.2f}")
         print("| " + " | ".join(cells) + " |")
+
+
+def _decode(stage: Any, caches: list[Any], steps: int) -> None:
+    """``steps`` greedy decode steps of every cache's stream, one row each, in one batch."""
+    from meshnode.engine.model import BatchRow
+
+    last = [7 + i for i in range(len(caches))]
+    for step in range(steps):
+        pairs = zip(last, caches, strict=True)
+        rows = [BatchRow(np.array([t]), PROMPT + step, c, 1) for t, c in pairs]
+        last = [int(np.argmax(o[-1])) for o in stage.forward_batch(rows)]
 
 
 def main() -> None:
