@@ -67,6 +67,7 @@ from meshnode.engine.cpu.attention_rows import (
 from meshnode.engine.cpu.attention_values import weighted_values
 from meshnode.engine.cpu.simd import wfma, wload, wsum, wzero
 from meshnode.engine.cpu.simd_kv import kv_pointer, line_of, prefetch_kv, wstore_kv
+from meshnode.engine.cpu.variants import variant
 from meshnode.engine.kv_cache import KV_BLOCK
 
 __all__ = [
@@ -398,6 +399,7 @@ def _chunk_function(kv: Any) -> Callable[[int, int, int], None]:
     """The chunk function (for :func:`_chunk`) over caches of ``kv``'s kind (:func:`kv_kind`;
     a constant in the compiled code)."""
 
+    @variant(kv.dtype.itemsize)  # 2 or 4 bytes a value (.variants)
     def chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
         # chunk ch of a posted queries() call (.pool's words at st_addr): the tasks whose
         # rows of the posted "a" part (CHUNK_ROWS each) start in its rows. A task: the

@@ -29,6 +29,7 @@ from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
 from meshnode.engine.cpu.glu import SILU, clamped_glu, glu
 from meshnode.engine.cpu.simd import INNER, entry, inner
 from meshnode.engine.cpu.simd_q8 import read_only
+from meshnode.engine.cpu.variants import variant
 
 __all__ = [
     "BLOCK_WORDS",
@@ -143,6 +144,7 @@ def experts_kernel(gate_up: tuple[int, int, int, int], down: tuple[int, int, int
     da_f, db_f, dc_f, d_q8 = down
 
     @entry(nogil=True)
+    @variant(*gate_up, *down)
     def experts(  # type: ignore[no-untyped-def]
         ga, gb, gc, da, db, dc, gbias, dbias, kind, alpha, limit, x, chosen, starts, order, k, ys
     ):
@@ -205,6 +207,7 @@ def _experts_chunk(gate_up: tuple[int, int, int, int], down: tuple[int, int, int
     da_f, db_f, dc_f, d_q8 = down
 
     @cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
+    @variant(*gate_up, *down)
     def chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
         # chunk ch: expert chosen[ch] of the call whose block the job's "x" is
         st = carray(ptr_i64(st_addr), (_WORDS,))

@@ -1,4 +1,5 @@
-"""Compiled CPU kernels over GGUF blocks: k-row products, row gathers, whole-matrix decode.
+"""Compiled CPU kernels over GGUF blocks: k-row products (row gathers and whole-matrix
+decode: :func:`.tiles.decode_kernel`).
 
 The weights of one product come as up to three parts (Q/K/V or gate/up, each ``[out_i,
 row bytes]`` in its own format) so a fused projection is one call.
@@ -76,6 +77,7 @@ from meshnode.engine.cpu.simd import (
 )
 from meshnode.engine.cpu.simd_int import prefetch
 from meshnode.engine.cpu.simd_q8 import read_only
+from meshnode.engine.cpu.variants import variant
 
 # How far ahead of the row it decodes a product asks for weight bytes (as the q8 kernels
 # do): the hardware prefetchers alone leave a decode product waiting on memory. Measured on
@@ -504,6 +506,7 @@ _quads_k_jit = njit(inline="always")(_quads_k)
 
 def _chunk_product(fa: int, fb: int, fc: int, form: int, many: int) -> Any:
     @cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
+    @variant(fa, fb, fc, form, many)
     def chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
         st = carray(ptr_i64(st_addr), (_WORDS,))
         na, nb, nc, k, n_in, rows = st[_NA], st[_NB], st[_NC], st[_K], st[_N_IN], st[_ROWS]
@@ -534,6 +537,7 @@ def _chunk_product(fa: int, fb: int, fc: int, form: int, many: int) -> Any:
 
 def _serial_product(fa: int, fb: int, fc: int, form: int, many: int) -> Any:
     @entry()
+    @variant(fa, fb, fc, form, many)
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
         zero, na, nab = np.int64(0), a.shape[0], a.shape[0] + b.shape[0]
         w = lined(4 * (x.shape[0] // out.shape[0]))
@@ -579,22 +583,3 @@ def chunk_kernel(fa: int, fb: int, fc: int, many: int = ANY_ROWS) -> int:
     ``many`` as :func:`product_kernel`'s.
     """
     return int(_chunk_product(fa, fb, fc, tile_form(), many).address)
-
-
-def _decode_kernel(fmt: int) -> Any:
-    @entry()
-    def decode_rows(raw, ids, out):  # type: ignore[no-untyped-def]
-        for i in range(ids.shape[0]):
-            _decode_any(fmt, raw[ids[i]], out[i], np.int64(0), out.shape[1])
-
-    return decode_rows
-
-
-@functools.cache
-def decode_kernel(fmt: int) -> Any:
-    """``decode_rows(raw, ids, out)``: ``out[i]`` = row ``ids[i]`` of ``raw`` (format
-    ``fmt``) decoded, in the calling thread; the embedding lookup, and prefill's tiles
-    for BLAS (whose own threads then have the cores: a parallel decode between two
-    sgemm calls would compete with OpenBLAS's spinning threads, and decoding is about
-    2 % of a prefill's work)."""
-    return _decode_kernel(fmt)

@@ -389,7 +389,7 @@ class BlockMatrix:
         for p in self.parts:
             rows = p.raw.shape[0]
             every = np.arange(rows, dtype=np.int64)
-            kernels().decode_kernel(p.fmt.kernel_id)(p.raw, every, out[start : start + rows])
+            _tiles().decode_kernel(p.fmt.kernel_id)(p.raw, every, out[start : start + rows])
             start += rows
         return out
 
@@ -402,5 +402,5 @@ class BlockMatrix:
             raise IndexError(f"row index outside 0..{self.n_out - 1}")
         out = np.empty((idx.size, self.n_in), np.float32)
         p = self.parts[0]
-        kernels().decode_kernel(p.fmt.kernel_id)(p.raw, idx, out)
+        _tiles().decode_kernel(p.fmt.kernel_id)(p.raw, idx, out)
         return out

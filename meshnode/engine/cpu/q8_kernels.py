@@ -113,6 +113,7 @@ from meshnode.engine.cpu.simd_q8 import (
     vmul,
     wpair,
 )
+from meshnode.engine.cpu.variants import variant
 
 # How far ahead of the row it multiplies a product asks for weight bytes: a decode
 # product streams its weights from memory once, and one core's hardware prefetchers alone
@@ -437,6 +438,7 @@ def _serial_product(fa: int, fb: int, fc: int, tiled: bool) -> Any:
     # process, so such a kernel was compiled again at every start (5-10 s of CPU on a
     # warm q8 start); ``if tiled`` on the constant is pruned while compiling
     @entry()
+    @variant(fa, fb, fc, tiled)
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
         q = quantized(x, out.shape[0])  # here: a numba call costs microseconds
         ends = (a.shape[0], a.shape[0] + b.shape[0])  # int64, not literal: one _rows each
@@ -457,6 +459,7 @@ def _serial_product(fa: int, fb: int, fc: int, tiled: bool) -> Any:
 def _chunk_product(fa: int, fb: int, fc: int, tiled: bool) -> Any:
     # ints and a bool captured, no dispatcher: see _serial_product
     @cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
+    @variant(fa, fb, fc, tiled)
     def chunk(st_addr, who, ch):  # type: ignore[no-untyped-def]
         # as .kernels' chunks; the posted "x" is quantize's buffer (its first k n_in
         # bytes: the pool sizes chunks by n_in); its scratch (4 n_in float32 a thread)

@@ -66,6 +66,7 @@ import numpy as np
 from meshnode.engine.cpu import gemm
 from meshnode.engine.cpu.kernels import _decode_any
 from meshnode.engine.cpu.simd import entry
+from meshnode.engine.cpu.variants import variant
 
 __all__ = [
     "SGEMM_MIN_ROWS",
@@ -107,12 +108,33 @@ def tiles(n_out: int, n_in: int, max_bytes: int) -> list[tuple[int, int]]:
     return [(lo, min(n_out, lo + size)) for lo in range(0, n_out, size)]
 
 
+def _decode_kernel(fmt: int) -> Any:
+    @entry()
+    @variant(fmt)
+    def decode_rows(raw, ids, out):  # type: ignore[no-untyped-def]
+        for i in range(ids.shape[0]):
+            _decode_any(fmt, raw[ids[i]], out[i], np.int64(0), out.shape[1])
+
+    return decode_rows
+
+
+@functools.cache
+def decode_kernel(fmt: int) -> Any:
+    """``decode_rows(raw, ids, out)``: ``out[i]`` = row ``ids[i]`` of ``raw`` (format
+    ``fmt``) decoded, in the calling thread; the embedding lookup, and prefill's tiles
+    for BLAS (whose own threads then have the cores: a parallel decode between two
+    sgemm calls would compete with OpenBLAS's spinning threads, and decoding is about
+    2 % of a prefill's work)."""
+    return _decode_kernel(fmt)
+
+
 @functools.cache
 def decoder(fmt: int) -> Any:
     """``decode(raw, lo, out)``: ``out[i]`` = row ``lo + i`` of ``raw`` (format ``fmt``)
-    decoded, as :func:`.kernels.decode_kernel` does it, without holding the GIL."""
+    decoded, as :func:`decode_kernel` does it, without holding the GIL."""
 
     @entry(nogil=True)
+    @variant(fmt)
     def decode(raw, lo, out):  # type: ignore[no-untyped-def]
         for i in range(out.shape[0]):
             _decode_any(fmt, raw[lo + i], out[i], np.int64(0), out.shape[1])
