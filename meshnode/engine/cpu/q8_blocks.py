@@ -71,9 +71,11 @@ def _constant(name: str, table: dict[int, int | bool], doc: str) -> Any:
     @overload(stub, prefer_literal=True, jit_options=INNER)
     def _typed(fmt):  # type: ignore[no-untyped-def]
         value = table[literal_format(fmt)]
-        if isinstance(value, bool):
-            return lambda fmt: value
-        return lambda fmt: np.int64(value)
+        impl = (lambda fmt: value) if isinstance(value, bool) else (lambda fmt: np.int64(value))
+        # each function's own name: one qualified name for every table's constants could
+        # be one symbol in two processes (.variants)
+        impl.__name__ = impl.__qualname__ = f"{name}_of"
+        return impl
 
     return stub
 
