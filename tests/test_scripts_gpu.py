@@ -21,7 +21,7 @@ import pytest
 from meshnode.engine.config import ModelConfig
 from tests.conftest import REPO_ROOT
 
-STEPS = ["install", "pytest", "bench", "bench-8b", "split"]
+STEPS = ["install", "model", "pytest", "bench", "bench-8b", "split"]
 
 
 def _check(out: Path, seconds: int) -> subprocess.CompletedProcess[str]:
