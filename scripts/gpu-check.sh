@@ -75,8 +75,8 @@ export PYTHONPATH="$site:$root:$root/protocol:$root/packaging"
 export PYTHONUNBUFFERED=1
 [[ -z "$dry" ]] && nvidia-smi >"$out/nvidia-smi.log" 2>&1
 step pytest 150 "$python" -m pytest -m gpu -q -p no:cacheprovider -o addopts= tests/engine
-step bench 120 "$python" benchmarks/gpu.py --models default,1b --formats f16,q8_0
-step bench-8b 90 "$python" benchmarks/gpu.py --models 8b --formats q8_0 --streams 1 --tokens 64
+step bench 120 "$python" benchmarks/gpu.py --models default,1b --formats f16,q8_0 --tokens 64
+step bench-8b 90 "$python" benchmarks/gpu.py --models 8b --formats q8_0 --streams 1 --tokens 32
 step split 130 "$python" benchmarks/gpu_split.py
 echo "failed or not run: $failed; $(($SECONDS - started))s of ${budget}s" | tee -a "$out/summary.txt"
 exit "$failed"

@@ -21,16 +21,17 @@ dest=.whl
 wanted=(
     "gguf>=0.17" "trio>=0.30" "hypercorn[trio]>=0.17" "fastapi>=0.115" "pydantic>=2.9"
     "annotated-types>=0.6" "typer>=0.15" "zeroconf>=0.140" "cryptography>=44"
-    "llguidance>=1.9" "pytest-trio>=0.8" "jsonschema>=4.20"
+    "llguidance>=1.9" "pytest-trio>=0.8" "jsonschema>=4.20" "cbor2>=5.6"
+    "huggingface_hub>=2.4" "sniffio>=1.3"
 )
 # The image's packages (KINDS.md, read 2026-11-17) that matter here: their wheels are
 # dropped after the download.
 image_has=(
     numpy numba llvmlite tokenizers jinja2 markupsafe httpx httpcore h11 anyio idna
-    certifi sniffio typing_extensions click rich markdown_it_py mdurl pygments shellingham
+    certifi typing_extensions click rich markdown_it_py mdurl pygments shellingham
     safetensors psutil threadpoolctl attrs sortedcontainers pytest pluggy iniconfig
-    packaging pytest_timeout hypothesis pyyaml filelock fsspec huggingface_hub tqdm
-    requests urllib3 charset_normalizer typer
+    packaging pytest_timeout hypothesis pyyaml filelock fsspec tqdm
+    requests urllib3 charset_normalizer typer hf_xet
 )
 target=(--only-binary=:all: --python-version 3.12 --implementation cp
         --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64

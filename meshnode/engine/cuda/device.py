@@ -149,7 +149,7 @@ class Kernels:
         rows = x.shape[0]
         args = (w.data, x, y, np.int32(rows), np.int32(w.in_features), np.int32(w.out_features))
         fn = self._fn(f"gemv<{CPP_NAME[w.fmt]}>")
-        fn((w.out_features,), (kernels.GEMV_BLOCK,), args)
+        fn((kernels.gemv_grid(w.out_features),), (kernels.GEMV_BLOCK,), args)
 
     def embed(self, table: DeviceMatrix, ids: Any, x: Any) -> None:
         """``x [r, E]`` = rows ``ids`` (int32) of the embedding ``table [V, E]``."""

@@ -87,6 +87,14 @@ class GraphRunner:
         self, key: tuple[int, int, int], inputs: Sequence[Any], prepare: Prepare, forward: Forward
     ) -> Any:
         """One forward (``runner.Runner.run``); returns a new device array."""
+        # The stage's stream does not wait for the legacy default stream, where its
+        # weights, caches and fixed buffers were uploaded and zeroed (``cp.asarray``,
+        # ``cp.zeros`` outside any stream): work still queued there, such as the memset of
+        # the step table behind a gigabyte of weight uploads, would otherwise land in the
+        # middle of this forward (seen on an H200: rope_store read a zeroed block-table
+        # address). Nothing is queued there between steps, so this costs a few
+        # microseconds.
+        self.cp.cuda.Stream.null.synchronize()
         with self._lock, self.stream, self.cp.cuda.using_allocator(self.pool.malloc):
             if any(len(i) > MAX_ROWS for i in inputs):
                 x = stack_inputs(self.cp, inputs, self.embed, self.cp.int32)

@@ -1,11 +1,12 @@
 """CUDA C source of the stage kernels and the launch geometry of each.
 
-One thread block per row (norms, softmax, embedding), per output feature (matmul) or per
-(head, query row) (attention); reductions go through shared memory; every sum is float32.
-The source keeps to plain C++ with no headers and no warp intrinsics so that the same text
-compiles with NVRTC (through CuPy) and with a host C++ compiler for the CPU emulation in
-``tests/engine/test_ops_emulated.py``; half-precision conversions are the one device-only
-part (PTX ``cvt``), with host twins in the emulation.
+One thread block per row (norms, softmax, embedding) or per (head, query row)
+(attention), one warp per output feature (matmul); reductions go through shared memory,
+but the matmul's, which is a warp's; every sum is float32. The source keeps to plain C++
+with no headers so that the same text compiles with NVRTC (through CuPy) and with a host
+C++ compiler for the CPU emulation in ``tests/engine/test_ops_emulated.py``; the
+device-only parts are the half-precision conversions (PTX ``cvt``) and the warp sum
+(shuffles), each with a host twin in the emulation (the warp sum's adds in the same order).
 
 Positions and the KV cache are read from a device "step" table, ``int64 [rows, STEP]``,
 one row per new row of the forward: ``[position, rows T of a head's cache, K base address,
@@ -21,9 +22,10 @@ and any blocks they hold: only the step table, the inputs and (when they changed
 block tables are rewritten before a replay.
 
 Weights of a matmul decode in units of 32 values (``UNIT``): a Q8_0 block, one eighth of
-a Q4_K super-block, or 32 consecutive floats. ``F::unit(row, u, w)`` writes the 32 floats
-of unit ``u`` of a row; the matmul, the embedding gather and the dequantize kernel all
-use it, so each format's block math is written once (and mirrored in NumPy by
+a Q4_K super-block, or 32 consecutive floats, each read in four parts of 8 (``PART``).
+``F::part(row, u, k, w)`` writes the 8 floats of part ``k`` of unit ``u`` of a row, and
+``unit<F>`` the unit's 32; the matmul, the embedding gather and the dequantize kernel all
+use them, so each format's block math is written once (and mirrored in NumPy by
 :func:`meshnode.engine.cuda.formats.decode_units`).
 """
 
@@ -35,6 +37,7 @@ from meshnode.engine.kv_cache import KV_BLOCK
 __all__ = [
     "BLOCK",
     "GEMV_BLOCK",
+    "GEMV_WARPS",
     "KV_BLOCK",
     "MAX_BATCH_ROWS",
     "MAX_HEAD_DIM",
@@ -43,11 +46,14 @@ __all__ = [
     "STEP",
     "UNIT",
     "flat_grid",
+    "gemv_grid",
     "template_names",
 ]
 
 BLOCK = 256  # threads of the row/head kernels (a power of two: tree reductions)
-GEMV_BLOCK = 64  # threads per output feature: a 2048-wide row is 64 units of 32
+GEMV_WARPS = 4  # output features of a gemv block, a warp each
+GEMV_BLOCK = 32 * GEMV_WARPS  # threads of a gemv block
+PART = 8  # values of a unit one gemv lane decodes (four lanes read a unit side by side)
 # Rows a matvec pass holds in registers (its ``acc`` array), and the most new rows of one
 # sequence that take the fixed-buffer path (decode 1, verify windows and short prompt
 # chunks <= 16); a longer prompt is a prefill (cuBLAS matmul on expanded weights).
@@ -68,6 +74,8 @@ SOURCE = r"""
 #define MN_MAX_ROWS 16
 #define MN_MAX_HEAD_DIM 256
 #define MN_UNIT 32
+#define MN_PART 8
+#define MN_GEMV_WARPS 4
 #define MN_STEP 6
 #define MN_KV_BLOCK 32
 
@@ -95,21 +103,22 @@ __device__ __forceinline__ float f16_at(const u8* p) {  // GGML blocks: no align
     return f16_to_f32((u16)(p[0] | (p[1] << 8)));
 }
 
-// ---- weight formats: the 32 floats of unit u of one row ----------------------------
+// ---- weight formats: the 8 floats of part k of unit u of one row -------------------
+// (values u * 32 + k * 8 .. + 8; the gemv's lanes read a unit's four parts side by side)
 
 struct FmtF32 {
     static __device__ i64 row_bytes(int in) { return 4LL * in; }
-    static __device__ void unit(const u8* row, int u, float* w) {
-        const float* p = (const float*)row + (i64)u * MN_UNIT;
-        for (int j = 0; j < MN_UNIT; ++j) w[j] = p[j];
+    static __device__ void part(const u8* row, int u, int k, float* w) {
+        const float* p = (const float*)row + (i64)u * MN_UNIT + k * MN_PART;
+        for (int j = 0; j < MN_PART; ++j) w[j] = p[j];
     }
 };
 
 struct FmtF16 {
     static __device__ i64 row_bytes(int in) { return 2LL * in; }
-    static __device__ void unit(const u8* row, int u, float* w) {
-        const u16* p = (const u16*)row + (i64)u * MN_UNIT;
-        for (int j = 0; j < MN_UNIT; ++j) w[j] = f16_to_f32(p[j]);
+    static __device__ void part(const u8* row, int u, int k, float* w) {
+        const u16* p = (const u16*)row + (i64)u * MN_UNIT + k * MN_PART;
+        for (int j = 0; j < MN_PART; ++j) w[j] = f16_to_f32(p[j]);
     }
 };
 
@@ -117,20 +126,20 @@ struct FmtF16 {
 // the raw 16-bit patterns in a uint16 array.
 struct FmtBF16 {
     static __device__ i64 row_bytes(int in) { return 2LL * in; }
-    static __device__ void unit(const u8* row, int u, float* w) {
-        const u16* p = (const u16*)row + (i64)u * MN_UNIT;
-        for (int j = 0; j < MN_UNIT; ++j) w[j] = bits_to_f32((u32)p[j] << 16);
+    static __device__ void part(const u8* row, int u, int k, float* w) {
+        const u16* p = (const u16*)row + (i64)u * MN_UNIT + k * MN_PART;
+        for (int j = 0; j < MN_PART; ++j) w[j] = bits_to_f32((u32)p[j] << 16);
     }
 };
 
 // GGML block_q8_0: d (f16), qs[32] (int8); value = d * q.
 struct FmtQ8_0 {
     static __device__ i64 row_bytes(int in) { return (i64)(in / 32) * 34; }
-    static __device__ void unit(const u8* row, int u, float* w) {
+    static __device__ void part(const u8* row, int u, int k, float* w) {
         const u8* b = row + (i64)u * 34;
         const float d = f16_at(b);
-        const signed char* q = (const signed char*)(b + 2);
-        for (int j = 0; j < MN_UNIT; ++j) w[j] = d * (float)q[j];
+        const signed char* q = (const signed char*)(b + 2) + k * MN_PART;
+        for (int j = 0; j < MN_PART; ++j) w[j] = d * (float)q[j];
     }
 };
 
@@ -140,7 +149,7 @@ struct FmtQ8_0 {
 // qs[32 * (j / 2) ..]; value = d * sc * q - dmin * m (dequantize_row_q4_K).
 struct FmtQ4_K {
     static __device__ i64 row_bytes(int in) { return (i64)(in / 256) * 144; }
-    static __device__ void unit(const u8* row, int u, float* w) {
+    static __device__ void part(const u8* row, int u, int k, float* w) {
         const u8* b = row + (i64)(u / 8) * 144;
         const int j = u % 8;
         const u8* s = b + 4;
@@ -154,11 +163,17 @@ struct FmtQ4_K {
         }
         const float dl = f16_at(b) * (float)sc;
         const float ml = f16_at(b + 2) * (float)m;
-        const u8* q = b + 16 + (j / 2) * 32;
+        const u8* q = b + 16 + (j / 2) * 32 + k * MN_PART;
         const int shift = (j % 2) * 4;
-        for (int l = 0; l < MN_UNIT; ++l) w[l] = dl * (float)((q[l] >> shift) & 0xF) - ml;
+        for (int l = 0; l < MN_PART; ++l) w[l] = dl * (float)((q[l] >> shift) & 0xF) - ml;
     }
 };
+
+// The 32 floats of unit u of a row: its four parts.
+template <typename F>
+__device__ __forceinline__ void unit(const u8* row, int u, float* w) {
+    for (int k = 0; k < MN_UNIT / MN_PART; ++k) F::part(row, u, k, w + k * MN_PART);
+}
 
 // ---- KV cache element access: float32, or float16 bits ------------------------------
 
@@ -415,33 +430,63 @@ __global__ void attention(
     }
 }
 
+// The sum of v over each warp (32 consecutive threads), in every thread of it. On the
+// device, shuffles; in the emulation (tests/engine/test_ops_emulated.py), a tree in
+// red[blockDim.x] with barriers. Lane 0 adds in the same order in both (at each step,
+// lane 0's partner holds the sum of the tree's node), and lane 0's sum is the one used.
+// Every thread of the block must call it (the emulation's barriers).
+__device__ __forceinline__ float warp_sum(float v, float* red) {
+#ifdef __CUDA_ARCH__
+    for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
+    return v;
+#else
+    const int lane = threadIdx.x % 32;
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = 16; s > 0; s >>= 1) {
+        if (lane < s) red[threadIdx.x] += red[threadIdx.x + s];
+        __syncthreads();
+    }
+    const float total = red[threadIdx.x - lane];
+    __syncthreads();
+    return total;
+#endif
+}
+
 // y[r, o] = sum_k x[r, k] W[o, k] for decode, verify and batches of them: W [out, in] in
-// format F, one block per output feature o. Rows go in passes of MN_MAX_ROWS (the
-// registers of acc); in a pass each unit of W is decoded once and used for every row, and
-// a later pass reads the row of W again from cache (this block has just read it). A row's
+// format F. One warp per output feature o (MN_GEMV_WARPS of them per block); lane l
+// reads part l % 4 of units l / 4, l / 4 + 8, ..., so the four lanes of a unit read its
+// bytes side by side and a warp reads eight consecutive units at a time. Rows go in
+// passes of MN_MAX_ROWS (the registers of acc); in a pass each part of W is decoded once
+// and used for every row, and a later pass reads the row of W again from cache. A row's
 // sum is the same whatever the other rows are: batched rows equal rows run alone.
-// Grid: out; block: GEMV_BLOCK.
+// Grid: ceil(out / MN_GEMV_WARPS); block: MN_GEMV_WARPS * 32.
+// (Eight blocks an SM: at most 64 registers a thread, which it fits in without spilling.)
 template <typename F>
-__global__ void gemv(
+__global__ void __launch_bounds__(MN_GEMV_WARPS * 32, 8) gemv(
     const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,
     int rows, int in, int out) {
-    __shared__ float red[MN_BLOCK];
-    const i64 o = blockIdx.x;
-    const u8* row = w + o * F::row_bytes(in);
+    __shared__ float red[MN_GEMV_WARPS * 32];
+    const int lane = threadIdx.x % 32;
+    const i64 o = (i64)blockIdx.x * MN_GEMV_WARPS + threadIdx.x / 32;
+    const bool live = o < out;  // the last block's spare warps still join the sums
+    const u8* row = w + (live ? o : 0) * F::row_bytes(in);
+    const int k = lane % (MN_UNIT / MN_PART), units = in / MN_UNIT;
     for (int r0 = 0; r0 < rows; r0 += MN_MAX_ROWS) {
         const int group = rows - r0 < MN_MAX_ROWS ? rows - r0 : MN_MAX_ROWS;
-        const float* xg = x + (i64)r0 * in;
+        const float* xg = x + (i64)r0 * in + k * MN_PART;
         float acc[MN_MAX_ROWS];
         for (int r = 0; r < MN_MAX_ROWS; ++r) acc[r] = 0.0f;
-        for (int u = threadIdx.x; u < in / MN_UNIT; u += blockDim.x) {
-            float wu[MN_UNIT];
-            F::unit(row, u, wu);
+        for (int u = lane / (MN_UNIT / MN_PART); live && u < units; u += 32 / (MN_UNIT / MN_PART)) {
+            float wp[MN_PART];
+            F::part(row, u, k, wp);
 #pragma unroll
             for (int r = 0; r < MN_MAX_ROWS; ++r) {
                 if (r < group) {
                     const float* xr = xg + (i64)r * in + (i64)u * MN_UNIT;
                     float s = 0.0f;
-                    for (int j = 0; j < MN_UNIT; ++j) s += wu[j] * xr[j];
+#pragma unroll
+                    for (int j = 0; j < MN_PART; ++j) s += wp[j] * xr[j];
                     acc[r] += s;
                 }
             }
@@ -449,8 +494,8 @@ __global__ void gemv(
 #pragma unroll
         for (int r = 0; r < MN_MAX_ROWS; ++r) {
             if (r < group) {  // the same for every thread of the block: the barriers are safe
-                const float total = block_sum(acc[r], red);
-                if (threadIdx.x == 0) y[(i64)(r0 + r) * out + o] = total;
+                const float total = warp_sum(acc[r], red);
+                if (lane == 0 && live) y[(i64)(r0 + r) * out + o] = total;
             }
         }
     }
@@ -464,7 +509,7 @@ __global__ void embed(
     float* xr = x + (i64)blockIdx.x * dim;
     for (int u = threadIdx.x; u < dim / MN_UNIT; u += blockDim.x) {
         float wu[MN_UNIT];
-        F::unit(row, u, wu);
+        unit<F>(row, u, wu);
         for (int j = 0; j < MN_UNIT; ++j) xr[u * MN_UNIT + j] = wu[j];
     }
 }
@@ -480,7 +525,7 @@ __global__ void dequantize(const u8* __restrict__ w, O* __restrict__ dst, int in
         const i64 o = k / per_row;
         const int u = (int)(k % per_row);
         float wu[MN_UNIT];
-        F::unit(w + o * F::row_bytes(in), u, wu);
+        unit<F>(w + o * F::row_bytes(in), u, wu);
         for (int j = 0; j < MN_UNIT; ++j) out_store(dst, o * in + (i64)u * MN_UNIT + j, wu[j]);
     }
 }
@@ -504,6 +549,11 @@ def template_names() -> list[str]:
     names += [f"gemv<{f}>" for f in FORMATS] + [f"embed<{f}>" for f in FORMATS]
     names += [f"dequantize<{f}, {o}>" for f in FORMATS for o in ("float", "u16")]
     return names
+
+
+def gemv_grid(out: int) -> int:
+    """Blocks of a gemv of ``out`` output features (a warp each, GEMV_WARPS a block)."""
+    return -(-out // GEMV_WARPS)
 
 
 def flat_grid(total: int, block: int = BLOCK, max_blocks: int = 65535) -> int:
