@@ -4,17 +4,19 @@
 #   1. pytest -m gpu        the kernels against the NumPy references, golden parity in
 #                           float32, tolerances in float16/bfloat16, every family the
 #                           CUDA backend runs (tests/engine/test_gpu_*.py)
-#   2. benchmarks/gpu.py    decode tok/s, device ms per token with and without CUDA
+#   2. benchmarks/gpu_gemv.py  the matrix-vector kernel alone on the 8B shape's matrices,
+#                           each format, 1 and 8 rows, against a device copy's bandwidth
+#   3. benchmarks/gpu.py    decode tok/s, device ms per token with and without CUDA
 #                           graphs, bandwidth against a measured device copy, 1 and 8
 #                           streams: SmolLM2 and the Llama-3.2-1B shape; then the
 #                           Llama-3.1-8B shape in Q8_0, one stream (the 60 % goal)
-#   3. benchmarks/gpu_split.py  two processes, a CUDA stage and a CPU stage, against the
+#   4. benchmarks/gpu_split.py  two processes, a CUDA stage and a CPU stage, against the
 #                           golden greedy tokens
 # Before them, `model` gathers the test model's halves the calls carried (scripts/gpu-model.sh:
 # SmolLM2 does not fit in one call's 64 MiB beside the source and the wheels), so a lease
 # runs two calls back to back:
 #   GPU_CHECK_STEPS="install model" scripts/gpu-check.sh OUT 60     (carry .whl .gpu-model/a)
-#   GPU_CHECK_STEPS="model pytest bench bench-8b split" scripts/gpu-check.sh OUT
+#   GPU_CHECK_STEPS="model pytest gemv bench bench-8b split" scripts/gpu-check.sh OUT
 #                                                                   (carry .gpu-model/b)
 # GPU_CHECK_STEPS names the steps to run (default: all); the others are left out silently.
 # Each step's output goes to OUT/<step>.log, one line per step to OUT/summary.txt; a step
@@ -30,7 +32,7 @@ cd "$root"
 out="${1:?usage: scripts/gpu-check.sh OUT [SECONDS]}"
 budget="${2:-480}"
 dry="${GPU_CHECK_DRY:-}"
-steps="${GPU_CHECK_STEPS:-install model pytest bench bench-8b split}"
+steps="${GPU_CHECK_STEPS:-install model pytest gemv bench bench-8b split}"
 python="${PYTHON:-python3}"
 site="${GPU_CHECK_SITE:-/tmp/meshnode-site}"
 mkdir -p "$out"
@@ -75,6 +77,7 @@ export PYTHONPATH="$site:$root:$root/protocol:$root/packaging"
 export PYTHONUNBUFFERED=1
 [[ -z "$dry" ]] && nvidia-smi >"$out/nvidia-smi.log" 2>&1
 step pytest 150 "$python" -m pytest -m gpu -q -p no:cacheprovider -o addopts= tests/engine
+step gemv 60 "$python" benchmarks/gpu_gemv.py
 step bench 120 "$python" benchmarks/gpu.py --models default,1b --formats f16,q8_0 --tokens 64
 step bench-8b 90 "$python" benchmarks/gpu.py --models 8b --formats q8_0 --streams 1 --tokens 32
 step split 130 "$python" benchmarks/gpu_split.py

@@ -16,12 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from meshnode.engine.config import ModelConfig
 from tests.conftest import REPO_ROOT
 
-STEPS = ["install", "model", "pytest", "bench", "bench-8b", "split"]
+STEPS = ["install", "model", "pytest", "gemv", "bench", "bench-8b", "split"]
 
 
 def _check(out: Path, seconds: int) -> subprocess.CompletedProcess[str]:
@@ -89,6 +90,20 @@ def test_benchmark_arguments_and_shapes() -> None:
     assert config.layer_params(0) * 32 > 6.9e9  # ~7e9 in the layers, 0.5e9 more embedded
     with pytest.raises(SystemExit):
         gpu_split.main(["--host-device", "tpu"])
+
+
+def test_the_gemv_benchmark_builds_finite_weights_of_the_8b_shape() -> None:
+    """benchmarks/gpu_gemv.py's random rows decode to finite values in every format it
+    times (a NaN scale would time nothing real), at the 8B layer's matrix shapes."""
+    from meshnode.engine.cuda import formats
+
+    gemv = _benchmark("gpu_gemv")
+    assert dict((n, (o, i)) for n, o, i in gemv.SHAPES)["gate_up"] == (2 * 14336, 4096)
+    rng = np.random.default_rng(0)
+    for fmt in gemv.FORMATS:
+        raw = gemv.random_rows(fmt, 3, 512, rng)
+        assert raw.shape == (3, formats.row_bytes(fmt, 512))
+        assert np.isfinite(formats.decode_units(raw, fmt, 512)).all()
 
 
 def test_wheels_target_the_gpu_machines_python() -> None:

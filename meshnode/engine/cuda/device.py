@@ -147,6 +147,8 @@ class Kernels:
         """``y [r, out] = x [r, in] @ W.T``, decoding W as it reads (in passes of
         ``MAX_ROWS`` rows; meant for up to ``MAX_BATCH_ROWS``)."""
         rows = x.shape[0]
+        if x.data.ptr % 16:  # the kernel reads x as aligned float4s; a new array is on 256
+            x = x.copy()
         args = (w.data, x, y, np.int32(rows), np.int32(w.in_features), np.int32(w.out_features))
         fn = self._fn(f"gemv<{CPP_NAME[w.fmt]}>")
         fn((kernels.gemv_grid(w.out_features),), (kernels.GEMV_BLOCK,), args)

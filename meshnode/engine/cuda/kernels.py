@@ -83,6 +83,11 @@ typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
+// Aligned vector loads (one ld.global.v4 / v2 on the device): the gemv reads a part of a
+// weight row and of an activation row with one or two of these.
+struct alignas(16) u32x4 { u32 a, b, c, d; };
+struct alignas(8) u32x2 { u32 a, b; };
+struct alignas(16) f32x4 { float a, b, c, d; };
 
 #ifdef __CUDA_ARCH__
 __device__ __forceinline__ float f16_to_f32(u16 h) {
@@ -106,19 +111,33 @@ __device__ __forceinline__ float f16_at(const u8* p) {  // GGML blocks: no align
 // ---- weight formats: the 8 floats of part k of unit u of one row -------------------
 // (values u * 32 + k * 8 .. + 8; the gemv's lanes read a unit's four parts side by side)
 
+// (A part of F32/F16/BF16 weights starts 32/16/16 bytes into its row's 128/64/64-byte
+// unit, and rows start on 16 bytes: the vector loads are aligned.)
 struct FmtF32 {
     static __device__ i64 row_bytes(int in) { return 4LL * in; }
     static __device__ void part(const u8* row, int u, int k, float* w) {
-        const float* p = (const float*)row + (i64)u * MN_UNIT + k * MN_PART;
-        for (int j = 0; j < MN_PART; ++j) w[j] = p[j];
+        const f32x4* p = (const f32x4*)(row + ((i64)u * MN_UNIT + k * MN_PART) * 4);
+        const f32x4 a = p[0], b = p[1];
+        w[0] = a.a, w[1] = a.b, w[2] = a.c, w[3] = a.d;
+        w[4] = b.a, w[5] = b.b, w[6] = b.c, w[7] = b.d;
     }
 };
+
+// The eight 16-bit values of four words, low half first.
+__device__ __forceinline__ void halves(u32x4 v, u16* h) {
+    const u32 words[4] = {v.a, v.b, v.c, v.d};
+    for (int i = 0; i < 4; ++i) {
+        h[2 * i] = (u16)(words[i] & 0xFFFF);
+        h[2 * i + 1] = (u16)(words[i] >> 16);
+    }
+}
 
 struct FmtF16 {
     static __device__ i64 row_bytes(int in) { return 2LL * in; }
     static __device__ void part(const u8* row, int u, int k, float* w) {
-        const u16* p = (const u16*)row + (i64)u * MN_UNIT + k * MN_PART;
-        for (int j = 0; j < MN_PART; ++j) w[j] = f16_to_f32(p[j]);
+        u16 h[MN_PART];
+        halves(*(const u32x4*)(row + ((i64)u * MN_UNIT + k * MN_PART) * 2), h);
+        for (int j = 0; j < MN_PART; ++j) w[j] = f16_to_f32(h[j]);
     }
 };
 
@@ -127,19 +146,24 @@ struct FmtF16 {
 struct FmtBF16 {
     static __device__ i64 row_bytes(int in) { return 2LL * in; }
     static __device__ void part(const u8* row, int u, int k, float* w) {
-        const u16* p = (const u16*)row + (i64)u * MN_UNIT + k * MN_PART;
-        for (int j = 0; j < MN_PART; ++j) w[j] = bits_to_f32((u32)p[j] << 16);
+        u16 h[MN_PART];
+        halves(*(const u32x4*)(row + ((i64)u * MN_UNIT + k * MN_PART) * 2), h);
+        for (int j = 0; j < MN_PART; ++j) w[j] = bits_to_f32((u32)h[j] << 16);
     }
 };
 
-// GGML block_q8_0: d (f16), qs[32] (int8); value = d * q.
+// GGML block_q8_0: d (f16), qs[32] (int8); value = d * q. Blocks of 34 bytes sit on even
+// addresses only (rows start on 16 bytes): d and the quants are read as 16-bit words.
 struct FmtQ8_0 {
     static __device__ i64 row_bytes(int in) { return (i64)(in / 32) * 34; }
     static __device__ void part(const u8* row, int u, int k, float* w) {
-        const u8* b = row + (i64)u * 34;
-        const float d = f16_at(b);
-        const signed char* q = (const signed char*)(b + 2) + k * MN_PART;
-        for (int j = 0; j < MN_PART; ++j) w[j] = d * (float)q[j];
+        const u16* b = (const u16*)(row + (i64)u * 34);
+        const float d = f16_to_f32(b[0]);
+        for (int i = 0; i < MN_PART / 2; ++i) {
+            const u16 pair = b[1 + k * (MN_PART / 2) + i];
+            w[2 * i] = d * (float)(signed char)(pair & 0xFF);
+            w[2 * i + 1] = d * (float)(signed char)(pair >> 8);
+        }
     }
 };
 
@@ -163,9 +187,15 @@ struct FmtQ4_K {
         }
         const float dl = f16_at(b) * (float)sc;
         const float ml = f16_at(b + 2) * (float)m;
-        const u8* q = b + 16 + (j / 2) * 32 + k * MN_PART;
+        // the part's 8 bytes of nibbles, 8-byte aligned (super-blocks of 144 bytes from a
+        // row start on 16 bytes)
+        const u32x2 v = *(const u32x2*)(b + 16 + (j / 2) * 32 + k * MN_PART);
         const int shift = (j % 2) * 4;
-        for (int l = 0; l < MN_PART; ++l) w[l] = dl * (float)((q[l] >> shift) & 0xF) - ml;
+        for (int l = 0; l < MN_PART; ++l) {
+            const u32 word = l < 4 ? v.a : v.b;
+            const u32 q = (word >> (8 * (l % 4) + shift)) & 0xF;
+            w[l] = dl * (float)q - ml;
+        }
     }
 };
 
@@ -454,7 +484,7 @@ __device__ __forceinline__ float warp_sum(float v, float* red) {
 }
 
 // y[r, o] = sum_k x[r, k] W[o, k] for decode, verify and batches of them: W [out, in] in
-// format F. One warp per output feature o (MN_GEMV_WARPS of them per block); lane l
+// format F, x on 16 bytes (its parts are read as two aligned float4s). One warp per output feature o (MN_GEMV_WARPS of them per block); lane l
 // reads part l % 4 of units l / 4, l / 4 + 8, ..., so the four lanes of a unit read its
 // bytes side by side and a warp reads eight consecutive units at a time. Rows go in
 // passes of MN_MAX_ROWS (the registers of acc); in a pass each part of W is decoded once
@@ -483,10 +513,12 @@ __global__ void __launch_bounds__(MN_GEMV_WARPS * 32, 8) gemv(
 #pragma unroll
             for (int r = 0; r < MN_MAX_ROWS; ++r) {
                 if (r < group) {
-                    const float* xr = xg + (i64)r * in + (i64)u * MN_UNIT;
+                    const f32x4* xr = (const f32x4*)(xg + (i64)r * in + (i64)u * MN_UNIT);
+                    const f32x4 a = xr[0], b = xr[1];
+                    const float xs[MN_PART] = {a.a, a.b, a.c, a.d, b.a, b.b, b.c, b.d};
                     float s = 0.0f;
 #pragma unroll
-                    for (int j = 0; j < MN_PART; ++j) s += wp[j] * xr[j];
+                    for (int j = 0; j < MN_PART; ++j) s += wp[j] * xs[j];
                     acc[r] += s;
                 }
             }
