@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +105,32 @@ def test_the_gemv_benchmark_builds_finite_weights_of_the_8b_shape() -> None:
         raw = gemv.random_rows(fmt, 3, 512, rng)
         assert raw.shape == (3, formats.row_bytes(fmt, 512))
         assert np.isfinite(formats.decode_units(raw, fmt, 512)).all()
+
+
+def test_the_gemv_benchmarks_variants_compile_for_the_device(tmp_path: Path) -> None:
+    """The variants benchmarks/gpu_gemv.py compiles beside the engine's gemv (other block
+    widths, the first run's layout) compile to PTX, as the engine's kernels do in
+    tests/engine/test_ops_emulated.py."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc")
+    from meshnode.engine.cuda import kernels
+    from meshnode.engine.cuda.formats import CPP_NAME
+
+    gemv = _benchmark("gpu_gemv")
+    fmts = list(CPP_NAME.values())
+    cases = [(f"-DMN_GEMV_WARPS={w}", "", "gemv") for w in gemv.WIDTHS.values()]
+    cases.append(("-DMN_GEMV_WARPS=4", gemv.BLOCK64, "gemv_block64"))
+    for define, extra, name in cases:
+        refs = ", ".join(f"(void*)&{name}<{f}>" for f in fmts)
+        src = tmp_path / "v.cu"
+        src.write_text(kernels.SOURCE + extra + f"\nvoid* const mn_v[] = {{{refs}}};\n")
+        cmd = [nvcc, "-ptx", "-arch=compute_75", "-diag-suppress", "177", define, str(src)]
+        run = subprocess.run(
+            [*cmd, "-o", str(tmp_path / "v.ptx")], capture_output=True, timeout=120
+        )
+        assert run.returncode == 0, run.stderr.decode()
+        assert (tmp_path / "v.ptx").read_text().count(f".entry _Z{len(name)}{name}I") == len(fmts)
 
 
 def test_wheels_target_the_gpu_machines_python() -> None:

@@ -75,7 +75,9 @@ SOURCE = r"""
 #define MN_MAX_HEAD_DIM 256
 #define MN_UNIT 32
 #define MN_PART 8
+#ifndef MN_GEMV_WARPS  // (benchmarks/gpu_gemv.py compiles other widths beside this one)
 #define MN_GEMV_WARPS 4
+#endif
 #define MN_STEP 6
 #define MN_KV_BLOCK 32
 
@@ -484,16 +486,17 @@ __device__ __forceinline__ float warp_sum(float v, float* red) {
 }
 
 // y[r, o] = sum_k x[r, k] W[o, k] for decode, verify and batches of them: W [out, in] in
-// format F, x on 16 bytes (its parts are read as two aligned float4s). One warp per output feature o (MN_GEMV_WARPS of them per block); lane l
-// reads part l % 4 of units l / 4, l / 4 + 8, ..., so the four lanes of a unit read its
-// bytes side by side and a warp reads eight consecutive units at a time. Rows go in
+// format F, x on 16 bytes (its parts are read as two aligned float4s). One warp per
+// output feature o (MN_GEMV_WARPS of them per block); lane l reads part l % 4 of units
+// l / 4, l / 4 + 8, ..., so the four lanes of a unit read its bytes side by side and a
+// warp reads eight consecutive units at a time. Rows go in
 // passes of MN_MAX_ROWS (the registers of acc); in a pass each part of W is decoded once
 // and used for every row, and a later pass reads the row of W again from cache. A row's
 // sum is the same whatever the other rows are: batched rows equal rows run alone.
 // Grid: ceil(out / MN_GEMV_WARPS); block: MN_GEMV_WARPS * 32.
-// (Eight blocks an SM: at most 64 registers a thread, which it fits in without spilling.)
+// (1024 threads an SM: at most 64 registers a thread, which it fits in without spilling.)
 template <typename F>
-__global__ void __launch_bounds__(MN_GEMV_WARPS * 32, 8) gemv(
+__global__ void __launch_bounds__(MN_GEMV_WARPS * 32, 32 / MN_GEMV_WARPS) gemv(
     const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,
     int rows, int in, int out) {
     __shared__ float red[MN_GEMV_WARPS * 32];
