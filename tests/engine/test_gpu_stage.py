@@ -147,6 +147,31 @@ def test_split_stages_chain_on_the_device(tiny_gguf: Callable[[str], Path]) -> N
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_forward_waits_for_work_queued_on_the_default_stream(
+    tiny_gguf: Callable[[str], Path],
+) -> None:
+    """Rows written on the legacy default stream behind a backlog, as a load's uploads and
+    zeroed buffers are, are what the stage's forward reads: it waits for that stream first
+    (the first H200 run's first forward read a step table still being zeroed)."""
+    source = open_source(tiny_gguf("Q8_0"))
+    c = ModelConfig.from_hf(source.config)
+    gpu = cuda_backend("float32")
+    cp = gpu.xp
+    second = Stage(c, source, 1, c.num_layers, embed=False, head=True, backend=gpu)
+    hidden = np.random.default_rng(5).standard_normal((4, c.hidden_size)).astype(np.float32)
+    want = _host(second, second.forward(hidden, 0, second.new_cache(32)))
+    ready = cp.asarray(hidden)
+    rows = cp.zeros_like(ready)
+    busy = cp.empty(1 << 28, cp.uint8)
+    cp.cuda.Device().synchronize()
+    with cp.cuda.Stream.null:
+        for _ in range(100):  # milliseconds of memsets queued ahead of the rows' copy
+            busy.fill(1)
+        cp.copyto(rows, ready)
+    got = _host(second, second.forward(rows, 0, second.new_cache(32)))
+    np.testing.assert_array_equal(got, want)
+
+
 def test_backend_reports_device_and_memory() -> None:
     gpu = cuda_backend("float16")
     assert gpu.describe().startswith("cuda:")
