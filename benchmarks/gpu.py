@@ -17,8 +17,12 @@ graphs on/off and number of streams (``--streams``, default 1 and 8), one row:
   Python, launches and copies;
 - weights/token: bytes of weights one decode step reads (every layer and the head);
 - GB/s and % copy: weights/token x steps/s, against a device-to-device copy's bandwidth
-  (bytes read + written) measured in the same run. The goal on the 1B shape (one stream)
+  (bytes read + written) measured in the same run. The goal on the 8B shape (one stream)
   is >= 60 %.
+
+Then a second table: prefill, one prompt of ``--prefill`` tokens (512) per model and
+weight format, its wall time to the last row's logits on the host (a long prompt runs
+alone, each layer's weights expanded for cuBLAS).
 """
 
 from __future__ import annotations
@@ -268,6 +272,18 @@ def decode(
     return wall, device
 
 
+def prefill(stage: Stage, tokens: int = 512) -> float:
+    """Wall seconds of one prompt of ``tokens`` tokens (the last row's logits to the host),
+    after one such prompt to warm up (the cuBLAS handle, each layer's decode kernels)."""
+    host = stage.backend.to_numpy
+    prompt = np.arange(tokens) % 100 + 10
+    host(stage.forward(prompt, 0, stage.new_cache(tokens), out_rows=1))
+    cache = stage.new_cache(tokens)
+    t = time.perf_counter()
+    host(stage.forward(prompt, 0, cache, out_rows=1))
+    return time.perf_counter() - t
+
+
 def sources(models: list[str], formats: list[str], tiny: bool) -> list[tuple[str, str, Any]]:
     """(model label, weights label, source) of every combination asked for (``tiny``: the
     tiny random model in each format, whatever ``models`` says)."""
@@ -286,8 +302,8 @@ def sources(models: list[str], formats: list[str], tiny: bool) -> list[tuple[str
     return out
 
 
-def run(args: argparse.Namespace) -> tuple[str, list[Row]]:
-    """The device and every row of the table for ``args``.
+def run(args: argparse.Namespace) -> tuple[str, list[Row], list[str]]:
+    """The device, every row of the decode table and of the prefill table for ``args``.
 
     Raises :class:`BackendError` when ``--device cuda`` finds no device.
     """
@@ -295,6 +311,7 @@ def run(args: argparse.Namespace) -> tuple[str, list[Row]]:
     bw = copy_bandwidth(backend, nbytes=(64 << 20) if args.tiny else (1 << 30))
     graph_modes = [True, False] if backend.name == "cuda" else [False]
     rows = []
+    prompts: list[str] = []  # the prefill table's rows
     for model, fmt, source in sources(args.models.split(","), args.formats.split(","), args.tiny):
         config = ModelConfig.from_hf(source.config)
         for graphs in graph_modes:
@@ -305,12 +322,15 @@ def run(args: argparse.Namespace) -> tuple[str, list[Row]]:
             )
             label = ("on" if graphs else "off") if backend.name == "cuda" else "-"
             nbytes = stage.weights.nbytes()
+            if graphs == graph_modes[0] and args.prefill:  # graphs do not take prompts
+                seconds = prefill(stage, args.prefill)
+                prompts.append(f"{model} | {fmt} | {args.prefill} | {args.prefill / seconds:.0f}")
             for streams in (int(n) for n in args.streams.split(",")):
                 wall, device = decode(stage, args.tokens, streams)
                 tok_s, ms = streams / wall, wall * 1e3
                 rows.append(Row(model, fmt, label, streams, tok_s, ms, _ms(device), nbytes, bw))
             del stage
-    return backend.describe(), rows
+    return backend.describe(), rows, prompts
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -327,11 +347,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--streams", default="1,8", help="sequences decoded together, one row each: 1,4,16"
     )
+    parser.add_argument(
+        "--prefill", type=int, default=None, help="prompt tokens timed (0: none; 512)"
+    )
     args = parser.parse_args(argv)
     if args.tokens is None:
         args.tokens = 8 if args.tiny else 256
+    if args.prefill is None:
+        args.prefill = 32 if args.tiny else 512
     try:
-        device, rows = run(args)
+        device, rows, prompts = run(args)
     except BackendError as exc:
         print(f"benchmarks/gpu.py: needs a CUDA device ({exc}); try --device cpu --tiny")
         return 2
@@ -340,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     print("|" + "---|" * len(HEADER))
     for row in rows:
         print("| " + " | ".join(row.cells()) + " |")
+    if prompts:
+        print("\n| model | weights | prompt tokens | prefill tok/s |\n|---|---|---|---|")
+        for line in prompts:
+            print(f"| {line} |")
     return 0
 
 
