@@ -98,7 +98,7 @@ class Variants:
             name: cp.RawModule(
                 code=kernels.SOURCE,
                 options=(f"-DMN_GEMV_WARPS={warps}",),
-                name_expressions=[f"gemv<{f}>" for f in fmts],
+                name_expressions=[f"gemv<{f}, {r}>" for f in fmts for r in kernels.GEMV_ROWS],
             )
             for name, warps in WIDTHS.items()
         }
@@ -118,7 +118,7 @@ class Variants:
             fn((w.out_features,), (64,), args)
             return
         warps = WIDTHS[name]
-        fn = self._modules[name].get_function(f"gemv<{cpp}>")
+        fn = self._modules[name].get_function(f"gemv<{cpp}, {kernels.gemv_rows(rows)}>")
         fn((-(-w.out_features // warps),), (32 * warps,), args)
 
 

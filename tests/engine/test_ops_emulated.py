@@ -107,8 +107,14 @@ void emu_attention_{kv}(G, const float* qkv, float* out, const i64* step, int la
 """
 
 PER_FORMAT = r"""
-void emu_gemv_{f}(G, const u8* w, const float* x, float* y, int rows, int in, int out) {{
-    launch(gemv<{cpp}>, gx, gy, bx, w, x, y, rows, in, out);
+void emu_gemv_{f}_1(G, const u8* w, const float* x, float* y, int rows, int in, int out) {{
+    launch(gemv<{cpp}, 1>, gx, gy, bx, w, x, y, rows, in, out);
+}}
+void emu_gemv_{f}_4(G, const u8* w, const float* x, float* y, int rows, int in, int out) {{
+    launch(gemv<{cpp}, 4>, gx, gy, bx, w, x, y, rows, in, out);
+}}
+void emu_gemv_{f}_16(G, const u8* w, const float* x, float* y, int rows, int in, int out) {{
+    launch(gemv<{cpp}, 16>, gx, gy, bx, w, x, y, rows, in, out);
 }}
 void emu_embed_{f}(G, const u8* t, const int* ids, float* x, int dim) {{
     launch(embed<{cpp}>, gx, gy, bx, t, ids, x, dim);
@@ -342,7 +348,8 @@ def test_gemv_matches_decoded_weights_times_x(emu: Emulator, fmt: formats.Format
         x = _f32(rows, inp)
         flat = np.full(rows * out + 8, np.nan, np.float32)  # guard values past y
         y = flat[: rows * out].reshape(rows, out)
-        emu(f"gemv_{fmt}", grid, kernels.GEMV_BLOCK, raw, x, y, rows, inp, out)
+        kernel = f"gemv_{fmt}_{kernels.gemv_rows(rows)}"  # the instance the launch picks
+        emu(kernel, grid, kernels.GEMV_BLOCK, raw, x, y, rows, inp, out)
         np.testing.assert_allclose(y, x @ w.T, rtol=1e-4, atol=1e-4)
         assert np.isnan(flat[rows * out :]).all()
 
@@ -471,14 +478,27 @@ def test_gather_rows_takes_the_rows_the_step_table_keeps(emu: Emulator) -> None:
 
 
 def test_gemv_rows_are_the_same_alone_and_in_a_batch(emu: Emulator) -> None:
-    """A batch larger than one pass (MAX_ROWS) gives each row what it gets alone."""
+    """A batch larger than one pass (MAX_ROWS) gives each row what it gets alone, through
+    the one-row instance and the four-row one (the launch picks by rows)."""
     out, inp, rows = 24, 512, kernels.MAX_ROWS * 2 + 3
     raw = _weights("q4_k", out, inp)
     x = _f32(rows, inp)
     y = np.empty((rows, out), np.float32)
     grid = (kernels.gemv_grid(out), 1)
-    emu("gemv_q4_k", grid, kernels.GEMV_BLOCK, raw, x, y, rows, inp, out)
+    emu("gemv_q4_k_16", grid, kernels.GEMV_BLOCK, raw, x, y, rows, inp, out)
     for r in (0, kernels.MAX_ROWS, rows - 1):
-        alone = np.empty((1, out), np.float32)
-        emu("gemv_q4_k", grid, kernels.GEMV_BLOCK, raw, x[r : r + 1].copy(), alone, 1, inp, out)
-        np.testing.assert_array_equal(y[r], alone[0])
+        for instance in ("gemv_q4_k_1", "gemv_q4_k_4"):
+            alone = np.empty((1, out), np.float32)
+            one = x[r : r + 1].copy()
+            emu(instance, grid, kernels.GEMV_BLOCK, raw, one, alone, 1, inp, out)
+            np.testing.assert_array_equal(y[r], alone[0])
+    four = np.empty((4, out), np.float32)
+    emu("gemv_q4_k_4", grid, kernels.GEMV_BLOCK, raw, x[:4].copy(), four, 4, inp, out)
+    np.testing.assert_array_equal(y[:4], four)
+
+
+def test_gemv_instances_cover_every_batch() -> None:
+    """The launch's instance holds one, four or MAX_ROWS rows a pass."""
+    picks = [kernels.gemv_rows(n) for n in (1, 2, 4, 5, 16, 17, kernels.MAX_BATCH_ROWS)]
+    assert picks == [1, 4, 4, 16, 16, 16, 16]
+    assert kernels.GEMV_ROWS[-1] == kernels.MAX_ROWS

@@ -150,7 +150,7 @@ class Kernels:
         if x.data.ptr % 16:  # the kernel reads x as aligned float4s; a new array is on 256
             x = x.copy()
         args = (w.data, x, y, np.int32(rows), np.int32(w.in_features), np.int32(w.out_features))
-        fn = self._fn(f"gemv<{CPP_NAME[w.fmt]}>")
+        fn = self._fn(f"gemv<{CPP_NAME[w.fmt]}, {kernels.gemv_rows(rows)}>")
         fn((kernels.gemv_grid(w.out_features),), (kernels.GEMV_BLOCK,), args)
 
     def embed(self, table: DeviceMatrix, ids: Any, x: Any) -> None:

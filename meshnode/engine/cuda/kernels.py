@@ -47,6 +47,7 @@ __all__ = [
     "UNIT",
     "flat_grid",
     "gemv_grid",
+    "gemv_rows",
     "template_names",
 ]
 
@@ -58,6 +59,7 @@ PART = 8  # values of a unit one gemv lane decodes (four lanes read a unit side 
 # sequence that take the fixed-buffer path (decode 1, verify windows and short prompt
 # chunks <= 16); a longer prompt is a prefill (cuBLAS matmul on expanded weights).
 MAX_ROWS = 16
+GEMV_ROWS = (1, 4, MAX_ROWS)  # rows a gemv pass holds, by template instance
 # Rows of one fixed-buffer forward: every sequence of a batch together (16 sequences with a
 # 4-row verify window each). The matvec runs them in passes of MAX_ROWS over one read of
 # a weight row; a larger batch is cut into forwards of at most this many rows.
@@ -490,12 +492,15 @@ __device__ __forceinline__ float warp_sum(float v, float* red) {
 // output feature o (MN_GEMV_WARPS of them per block); lane l reads part l % 4 of units
 // l / 4, l / 4 + 8, ..., so the four lanes of a unit read its bytes side by side and a
 // warp reads eight consecutive units at a time. Rows go in
-// passes of MN_MAX_ROWS (the registers of acc); in a pass each part of W is decoded once
-// and used for every row, and a later pass reads the row of W again from cache. A row's
-// sum is the same whatever the other rows are: batched rows equal rows run alone.
+// passes of R rows (the registers of acc: R is 1, 4 or MN_MAX_ROWS, the launch picks the
+// least that holds the rows); in a pass each part of W is decoded once and used for every
+// row, and a later pass reads the row of W again from cache. A row's sum is the same
+// whatever the other rows are and whatever R is (each row adds its parts in the same
+// order): batched rows equal rows run alone. With one row a thread holds few registers,
+// and the loop over units is unrolled four times so that more of W's loads are in flight.
 // Grid: ceil(out / MN_GEMV_WARPS); block: MN_GEMV_WARPS * 32.
 // (1024 threads an SM: at most 64 registers a thread, which it fits in without spilling.)
-template <typename F>
+template <typename F, int R>
 __global__ void __launch_bounds__(MN_GEMV_WARPS * 32, 32 / MN_GEMV_WARPS) gemv(
     const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,
     int rows, int in, int out) {
@@ -505,16 +510,17 @@ __global__ void __launch_bounds__(MN_GEMV_WARPS * 32, 32 / MN_GEMV_WARPS) gemv(
     const bool live = o < out;  // the last block's spare warps still join the sums
     const u8* row = w + (live ? o : 0) * F::row_bytes(in);
     const int k = lane % (MN_UNIT / MN_PART), units = in / MN_UNIT;
-    for (int r0 = 0; r0 < rows; r0 += MN_MAX_ROWS) {
-        const int group = rows - r0 < MN_MAX_ROWS ? rows - r0 : MN_MAX_ROWS;
+    for (int r0 = 0; r0 < rows; r0 += R) {
+        const int group = rows - r0 < R ? rows - r0 : R;
         const float* xg = x + (i64)r0 * in + k * MN_PART;
-        float acc[MN_MAX_ROWS];
-        for (int r = 0; r < MN_MAX_ROWS; ++r) acc[r] = 0.0f;
+        float acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+#pragma unroll(R == 1 ? 4 : 1)
         for (int u = lane / (MN_UNIT / MN_PART); live && u < units; u += 32 / (MN_UNIT / MN_PART)) {
             float wp[MN_PART];
             F::part(row, u, k, wp);
 #pragma unroll
-            for (int r = 0; r < MN_MAX_ROWS; ++r) {
+            for (int r = 0; r < R; ++r) {
                 if (r < group) {
                     const f32x4* xr = (const f32x4*)(xg + (i64)r * in + (i64)u * MN_UNIT);
                     const f32x4 a = xr[0], b = xr[1];
@@ -527,7 +533,7 @@ __global__ void __launch_bounds__(MN_GEMV_WARPS * 32, 32 / MN_GEMV_WARPS) gemv(
             }
         }
 #pragma unroll
-        for (int r = 0; r < MN_MAX_ROWS; ++r) {
+        for (int r = 0; r < R; ++r) {
             if (r < group) {  // the same for every thread of the block: the barriers are safe
                 const float total = warp_sum(acc[r], red);
                 if (lane == 0 && live) y[(i64)(r0 + r) * out + o] = total;
@@ -581,9 +587,16 @@ PLAIN_KERNELS = (
 def template_names() -> list[str]:
     """Every template instance the module compiles (CuPy ``name_expressions``)."""
     names = [f"rope_store<{t}>" for t in KV_TYPES] + [f"attention<{t}>" for t in KV_TYPES]
-    names += [f"gemv<{f}>" for f in FORMATS] + [f"embed<{f}>" for f in FORMATS]
+    names += [f"gemv<{f}, {r}>" for f in FORMATS for r in GEMV_ROWS]
+    names += [f"embed<{f}>" for f in FORMATS]
     names += [f"dequantize<{f}, {o}>" for f in FORMATS for o in ("float", "u16")]
     return names
+
+
+def gemv_rows(rows: int) -> int:
+    """The rows a gemv pass holds (its template's ``R``): the least of GEMV_ROWS >= ``rows``,
+    else the most."""
+    return next((r for r in GEMV_ROWS if r >= rows), GEMV_ROWS[-1])
 
 
 def gemv_grid(out: int) -> int:
