@@ -15,7 +15,8 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
-cap=$((64 * 1024 * 1024 - 512 * 1024))  # what a call may carry, less a margin
+# what a call may carry, less a margin (GPU_LEASE_CAP: another cap in bytes, for the tests)
+cap="${GPU_LEASE_CAP:-$((64 * 1024 * 1024 - 512 * 1024))}"
 exclude="$(git rev-parse --git-path info/exclude)"
 begin="# gpu-lease: references out of the index (scripts/gpu-lease.sh restore)"
 end="# gpu-lease: end"

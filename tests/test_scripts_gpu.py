@@ -135,6 +135,57 @@ def test_the_gemv_benchmarks_variants_compile_for_the_device(tmp_path: Path) -> 
         assert (tmp_path / "v.ptx").read_text().count(f".entry _Z{len(name)}{name}I") == len(args)
 
 
+def test_the_lease_script_untracks_the_unread_references_and_restores_them(
+    tmp_path: Path,
+) -> None:
+    """scripts/gpu-lease.sh, in a clone of this repo with small stand-ins for the wheels and
+    the model's halves and a cap the tree alone is over: prepare takes the reference
+    safetensors out of the index (ignored, so they do not travel, and still on disk) and
+    the calls fit; restore leaves the clone as it was."""
+    clone = tmp_path / "repo"
+    subprocess.run(["git", "clone", "-q", str(REPO_ROOT), str(clone)], check=True, timeout=120)
+    for part, size in (
+        (".whl/x.whl", 1000),
+        (".gpu-model/a/part-a", 1000),
+        (".gpu-model/b/part-b", 1000),
+    ):
+        (clone / part).parent.mkdir(parents=True, exist_ok=True)
+        (clone / part).write_bytes(b"\0" * size)
+    refs = subprocess.run(
+        ["git", "ls-files", "tests/golden/moe/*.safetensors", "tests/golden/tiny/*.safetensors"],
+        cwd=clone, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    assert refs
+    tracked = sum((clone / f).stat().st_size for f in subprocess.run(
+        ["git", "ls-files"], cwd=clone, capture_output=True, text=True, check=True
+    ).stdout.split())  # fmt: skip
+    refs_bytes = sum((clone / f).stat().st_size for f in refs)
+    env = {**os.environ, "GPU_LEASE_CAP": str(tracked - refs_bytes + 100_000)}
+    script = ["bash", str(clone / "scripts" / "gpu-lease.sh")]
+
+    def git_status() -> str:
+        run = subprocess.run(
+            ["git", "status", "--short"], cwd=clone, capture_output=True, text=True
+        )
+        return run.stdout
+
+    prepare = subprocess.run(
+        [*script, "prepare"], cwd=clone, env=env, capture_output=True, text=True
+    )
+    assert prepare.returncode == 0, prepare.stdout + prepare.stderr
+    assert f"took {len(refs)} reference files out of the index" in prepare.stdout
+    status = git_status().splitlines()
+    assert sorted(status) == sorted(f"D  {f}" for f in refs)  # nothing untracked travels
+    assert all((clone / f).exists() for f in refs)
+    restore = subprocess.run(
+        [*script, "restore"], cwd=clone, env=env, capture_output=True, text=True
+    )
+    assert restore.returncode == 0, restore.stderr
+    assert git_status() == ""
+    exclude = (clone / ".git" / "info" / "exclude").read_text()
+    assert "gpu-lease" not in exclude
+
+
 def test_wheels_target_the_gpu_machines_python() -> None:
     run = subprocess.run(
         ["bash", str(REPO_ROOT / "scripts" / "gpu-wheels.sh"), "--dry"],
