@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -65,7 +65,10 @@ def _host(fn: Callable[..., np.ndarray]) -> Callable[..., HostArray]:
 
 
 class Stream:
-    """Runs everything at once; refuses capture (so the stage must fall back)."""
+    """Runs everything at once; refuses capture (so the stage must fall back). ``null``:
+    the legacy default stream."""
+
+    null: ClassVar[Stream]
 
     def __init__(self, non_blocking: bool = False) -> None:
         pass
@@ -81,6 +84,9 @@ class Stream:
 
     def begin_capture(self) -> None:
         raise RuntimeError("no graph capture on the host")
+
+
+Stream.null = Stream()
 
 
 class MemoryPool:
@@ -249,6 +255,35 @@ def _stages(
         first,
         Stage(c, source, split, c.num_layers, embed=False, head=True, backend=backend),
     ]
+
+
+def test_a_forward_first_waits_for_the_default_stream(tiny_gguf: Callable[[str], Path]) -> None:
+    """Each forward synchronizes the legacy default stream before it enters the stage's own
+    (non-blocking) stream: the weights' uploads and the fixed buffers' zeroing queued there
+    must be done (on an H200 the step table's memset landed in a first forward)."""
+    order: list[str] = []
+
+    class StageStream(Stream):
+        def __enter__(self) -> Stream:
+            order.append("stage stream")
+            return self
+
+    class DefaultStream(Stream):
+        def synchronize(self) -> None:
+            order.append("default stream synchronized")
+
+    StageStream.null = DefaultStream()
+    cuda = SimpleNamespace(**{**vars(FAKE_CP.cuda), "Stream": StageStream})
+    cp = SimpleNamespace(**{**vars(FAKE_CP), "cuda": cuda})
+    source = open_source(tiny_gguf("Q8_0"))
+    c = ModelConfig.from_hf(source.config)
+    backend = CudaBackend(cp, "float32")  # type: ignore[arg-type]
+    stage = Stage(c, source, 0, c.num_layers, embed=True, head=True, backend=backend)
+    cache = stage.new_cache(32)
+    for start, ids in ((0, IDS[:5]), (5, IDS[5:6])):  # a prompt, then a decode step
+        order.clear()
+        stage.forward(np.array(ids), start, cache)
+        assert order[:2] == ["default stream synchronized", "stage stream"]
 
 
 def _spread_error(got: Any, want: np.ndarray) -> float:
