@@ -13,7 +13,7 @@ from meshnode_packaging.sources import dequantize
 
 from meshnode.engine.cpu import MAX_KERNEL_ROWS, BlockMatrix, matrix, tiles
 from meshnode.engine.cpu.pool import KernelPool
-from meshnode.engine.cpu.tiles import TILE_MIN_ROWS, TILES_PER_MATRIX, TileThreads
+from meshnode.engine.cpu.tiles import SGEMM_MIN_ROWS, TILE_MIN_ROWS, TILES_PER_MATRIX, TileThreads
 from tests.engine.test_cpu_kernels import N_IN, random_tensor
 from tests.engine.test_kernel_pool import idle_gauge
 
@@ -79,6 +79,23 @@ def test_tiles_cover_the_rows_in_equal_cache_line_tiles(n_out: int) -> None:
     assert min(sizes[:-1] or sizes) >= min(n_out, TILE_MIN_ROWS)  # each sgemm large
     if 4 * n_out * n_in <= cap * TILES_PER_MATRIX:  # not cut smaller by the cap
         assert len(got) <= TILES_PER_MATRIX
+
+
+@pytest.mark.parametrize("n_in", [8192, 14_336, 28_672])
+def test_a_long_row_s_tiles_are_never_shorter_than_sgemm_s_padding(n_in: int) -> None:
+    # the down projections of 1B, 8B and 70B shapes: a 4 MiB tile of 14,336-value rows
+    # would be 64 rows, which product_tile pads to SGEMM_MIN_ROWS with zeros (half its
+    # multiply wasted); the floor costs no scratch that the padding did not already take
+    cap, n_out = 4 << 20, 4096
+    got = tiles.tiles(n_out, n_in, cap)
+    sizes = [hi - lo for lo, hi in got]
+    assert got[0][0] == 0
+    assert got[-1][1] == n_out
+    assert all(s >= SGEMM_MIN_ROWS for s in sizes[:-1])
+    scratch = [4 * max(s, SGEMM_MIN_ROWS) * n_in for s in sizes]  # what product_tile takes
+    assert max(scratch) <= max(cap, 4 * SGEMM_MIN_ROWS * n_in)
+    if 4 * SGEMM_MIN_ROWS * n_in <= cap:  # the cap binds as before where it can
+        assert all(4 * s * n_in <= cap for s in sizes)
 
 
 def test_an_error_in_any_thread_reaches_the_caller(team: TileThreads) -> None:

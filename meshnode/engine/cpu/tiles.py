@@ -100,9 +100,16 @@ _scratch = threading.local()  # a float32 tile, one per computing thread
 def tiles(n_out: int, n_in: int, max_bytes: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` output-row ranges covering ``n_out``, from the matrix's shape alone:
     up to :data:`TILES_PER_MATRIX` tiles of at least :data:`TILE_MIN_ROWS` rows, more
-    where a tile's float32 would pass ``max_bytes`` (unless it is 16 rows); of equal
-    length, multiples of 16 rows but the last (whole cache lines of output)."""
-    cap = max(16, max_bytes // (4 * n_in) // 16 * 16)
+    where a tile's float32 would pass ``max_bytes`` (unless it is :data:`SGEMM_MIN_ROWS`
+    rows: :func:`product_tile` pads a shorter tile to that many with zero rows, so a
+    shorter one would save no scratch and multiply zeros); of equal length, multiples of
+    16 rows but the last (whole cache lines of output).
+
+    The floor matters where a row is longer than 8,192 values: the down projections of
+    7-8B models (14,336) and of 70B ones (28,672), whose 4 MiB tiles were 64 and 32 rows,
+    half and three quarters of each padded sgemm zeros (Llama-3.1-8B's Q6_K down, 512
+    rows, one thread, this Xeon: 47 -> 92 GFLOP/s; ``docs/performance.md``)."""
+    cap = max(SGEMM_MIN_ROWS, max_bytes // (4 * n_in) // 16 * 16)
     size = max(TILE_MIN_ROWS, -(-n_out // (16 * TILES_PER_MATRIX)) * 16)
     size = min(n_out, size, cap)
     return [(lo, min(n_out, lo + size)) for lo in range(0, n_out, size)]
