@@ -188,14 +188,14 @@ def profile(shape: str, layers: int, mode: str, args: argparse.Namespace) -> Non
         timers.spent.clear()
         timers.cpu.clear()
         timers.expert_bytes = 0
-        counts = (pool.posted, pool.woken, pool.declined, tiles.posted)
+        counts = (pool.posted, pool.woken, pool.declined, tiles.posted, *_chunks(pool))
         cpu, began = time.process_time(), clock()
         step()
         totals.append(clock() - began)
         cpus.append((dict(timers.cpu), time.process_time() - cpu))
         parts.append(dict(timers.spent))
         moved.append(timers.expert_bytes)
-        after = (pool.posted, pool.woken, pool.declined, tiles.posted)
+        after = (pool.posted, pool.woken, pool.declined, tiles.posted, *_chunks(pool))
         handed.append([b - a for a, b in zip(counts, after, strict=True)])
     med = {p: 1e3 * statistics.median(t.get(p, 0.0) for t in parts) for p in PARTS}
     total = 1e3 * statistics.median(totals)
@@ -211,11 +211,19 @@ def profile(shape: str, layers: int, mode: str, args: argparse.Namespace) -> Non
     print(f"  {every / total / 1e6:.2f} GB/s; llama.cpp {args.llama_tok_s} tok/s: ", end="")
     print(f"{1e3 / args.llama_tok_s:.1f} ms, {every * args.llama_tok_s / 1e9:.2f} GB/s")
     if args.threads > 1:
-        posted, woken, declined, shared = (
-            statistics.median(h[i] for h in handed) for i in range(4)
+        posted, woken, declined, shared, caller, helpers, redone, waited = (
+            statistics.median(h[i] for h in handed) for i in range(8)
         )
         print(f"hand-offs a token: pool posted {posted:g} (woken {woken:g}, declined ", end="")
-        print(f"{declined:g}), tile-thread jobs {shared:g}")
+        print(
+            f"{declined:g}), tile-thread jobs {shared:g}; the pool's chunks run by the caller ",
+            end="",
+        )
+        print(
+            f"{caller:g}, by helpers {helpers:g}, redone by the caller {redone:g} (a helper ",
+            end="",
+        )
+        print(f"held them past its patience), the caller's wait for helpers {waited:.0f} us")
     wide = args.threads > 1
     print(f"{'part':<10} {'ms':>8} {'share':>6} {'MB':>7} {'GB/s':>6}", end="")
     print(f" {'CPU ms':>8} {'cores':>5}" if wide else "")
@@ -230,6 +238,13 @@ def profile(shape: str, layers: int, mode: str, args: argparse.Namespace) -> Non
             cores = busy[part] / med[part] if med[part] > 0 else float("nan")
             cells += f" {busy[part]:>8.2f} {cores:>5.2f}"
         print(cells, flush=True)
+
+
+def _chunks(pool: Any) -> tuple[float, float, float, float]:
+    """The pool's chunks so far run by the caller and by the helpers, those the caller
+    redid (a helper held them past the caller's patience) and its wait for helpers (µs)."""
+    c = pool.counts()
+    return c["caller"], c["helpers"], float(pool.redone), c["waited_us"]
 
 
 def main() -> None:
