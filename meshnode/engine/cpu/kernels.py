@@ -136,23 +136,22 @@ def _pass4_blocks(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignor
     # rows are asked for a block's share at a time, between the dot products, as
     # _pass4_k does a super-block's (a burst of the four rows' lines before each pass
     # left the loads and the arithmetic taking turns: one thread's CPU time beside other
-    # work, 2880-value rows, the burst against the share, cycles a weight streamed Q8_0
-    # 0.70 -> 0.47, Q4_0 0.57 -> 0.28, in cache 0.54 -> 0.47 and 0.49 -> 0.31;
-    # benchmarks/exact_kernels.py). The hints may name up to 128 bytes past the last row:
-    # a prefetch does not fault
+    # work, AVX-512, the burst against the share, cycles a weight streamed / in cache:
+    # Q8_0 0.70 -> 0.33 / 0.51 -> 0.28, F16 0.79 -> 0.53 / 0.27 -> 0.21, MXFP4 0.39 ->
+    # 0.35 / 0.26 -> 0.37 (the one loss, in cache only); benchmarks/exact_kernels.py).
+    # The hints may name bytes past the last row: a prefetch does not fault
     o, none = max(o, 0), (wzero(), wzero(), wzero(), wzero())  # o >= 0: as _rows' lo
     flat, size, blocks = raw.reshape(-1), raw.shape[1], n_in // 32
     last = max(0, flat.shape[0] - 4 * size)  # the last pass asks for its own rows again
-    share = 4 * size // blocks  # the four rows' bytes of a block: 72 (Q4_0) .. 136 (Q8_0)
+    share = 4 * size // blocks  # the four rows' bytes of a block: 68 (MXFP4) .. 512 (F32)
     while o + 4 <= hi:
         ahead = min((o + 4) * size, last)
         rows = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
         acc = wzero(), wzero(), wzero(), wzero()
         for c in range(blocks):
             at = ahead + share * c  # every line of [at, at + share)
-            prefetch(flat, at)
-            prefetch(flat, at + 64)
-            prefetch(flat, at + 128)
+            for line in range(0, share, 64):
+                prefetch(flat, at + line)
             prefetch(flat, at + share - 1)
             acc = _step4(fmt, rows, c, 0, none, x, 32 * c, acc)
         _put4(out, col + o, acc)
