@@ -45,10 +45,18 @@ __all__ = [
 MAX_KERNEL_ROWS = 16
 
 # float32 bytes of weight rows a prefill decodes at once for BLAS: the tile is still in
-# the L2/L3 cache when sgemm reads it, each sgemm call is still large (400 rows x 4 MiB is
-# ~0.8 GFLOP), and a thread's scratch stays small (Gemma 3's whole embedding, decoded,
-# would be 640 MiB).
-DENSE_TILE_BYTES = 4 << 20
+# the L3 cache when sgemm reads it, each sgemm call is large (512 rows x 16 MiB is ~4
+# GFLOP), and a thread's scratch stays bounded (Gemma 3's whole embedding, decoded, would
+# be 640 MiB). 16 MiB against 4: fewer, longer sgemm calls for the long matrices (the
+# 1B shape's gate/up: 8 tiles of 2,048 rows, not 32 of 512; its down projection 8 of 256,
+# not 16 of 128); the same bits. A 512-token exact prefill, tile sizes alternating in one
+# process (benchmarks/prefill_tiles.py --rounds 4-5, the Xeon, idle but drifting by up to
+# 25 % within minutes), median of the rounds' ratios, two runs each: the Llama-3.2-1B
+# shape 1.17x and 1.01x at one thread, 1.02x and 1.11x at two; the Llama-3.1-8B shape's
+# first 4 layers 1.09x and 1.06x at one, 1.06x and 0.96x at two (8 MiB: between the
+# two). Short matrices keep their tiles (TILES_PER_MATRIX's share is below either cap:
+# SmolLM2's and Gemma 3's tiles are the same either way).
+DENSE_TILE_BYTES = 16 << 20
 # Bytes of a matrix (as stored) per thread that shares its products: below it a thread's
 # share is a few microseconds, about what posting a product to the pool's threads costs
 # (and on many cores, small products would keep all of them spinning).
