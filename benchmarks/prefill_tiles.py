@@ -26,11 +26,10 @@ import statistics
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine import MeshnodeRunner, uptime
+from benchmarks.realsize import PREFILL, prompt_ids
 from benchmarks.realsize_gguf import SHAPES, cached_gguf
 
 
@@ -43,7 +42,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--mib", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--prompt", type=int, default=PREFILL)
     args = parser.parse_args()
 
     from meshnode.engine.cpu import matrix
@@ -51,7 +50,7 @@ def main() -> None:
     model = cached_gguf(args.shape, "q4_k_m", args.layers)
     print(f"{model.name}, {args.threads} thread(s), {args.prompt}-token prompt; {uptime()}")
     runner = MeshnodeRunner(str(model), "blocks", args.threads)
-    ids = [int(i) for i in np.random.default_rng(2).integers(100, 40000, args.prompt)]
+    ids = list(prompt_ids(args.prompt, 2))  # realsize.py's prefill prompt
     for mib in args.mib:  # kernels compiled, pages touched, every size's scratch made
         matrix.DENSE_TILE_BYTES = mib << 20
         runner.generate(ids, 1)

@@ -66,12 +66,13 @@ LLAMA_BIN_GLOB = "/work/llama/llama_cpp_python-*/vendor/llama.cpp/build/bin"
 # -- the worker: one meshnode mode at one thread count, one process ----------------------
 
 
-def _ids(n: int, seed: int) -> np.ndarray:
+def prompt_ids(n: int, seed: int) -> np.ndarray:
+    """``n`` random token ids (100 .. 39,999) from ``seed``: the prompts of these runs."""
     return np.random.default_rng(seed).integers(100, 40000, n)
 
 
 def _decode(runner: MeshnodeRunner, tokens: int) -> float:
-    prefill_s, decode_s, _ = runner.generate(list(_ids(PROMPT, 1)), tokens + 1)
+    prefill_s, decode_s, _ = runner.generate(list(prompt_ids(PROMPT, 1)), tokens + 1)
     del prefill_s
     return tokens / decode_s
 
@@ -82,7 +83,7 @@ def _streams(runner: MeshnodeRunner, tokens: int) -> float:
     stage = runner.stage
     caches = [stage.new_cache(PROMPT + tokens + 1) for _ in range(STREAMS)]
     for i, cache in enumerate(caches):
-        stage.forward(_ids(PROMPT, 10 + i), 0, cache, out_rows=1)
+        stage.forward(prompt_ids(PROMPT, 10 + i), 0, cache, out_rows=1)
     last = [7 + i for i in range(STREAMS)]
     began = time.perf_counter()
     for step in range(tokens):
@@ -94,7 +95,7 @@ def _streams(runner: MeshnodeRunner, tokens: int) -> float:
 
 
 def _prefill(runner: MeshnodeRunner) -> float:
-    prefill_s, _, _ = runner.generate(list(_ids(PREFILL, 2)), 1)
+    prefill_s, _, _ = runner.generate(list(prompt_ids(PREFILL, 2)), 1)
     return PREFILL / prefill_s
 
 
