@@ -1,0 +1,180 @@
+"""The serial Python between a decode step's weight products: in place against warm.
+
+Run: ``OPENBLAS_NUM_THREADS=1 .venv/bin/python benchmarks/glue.py [--shapes qwen3-30b-a3b
+1b] [--layers 4] [--modes q8 exact] [--threads 1 2] [--seconds 6]``
+
+Between two weight products a decode step runs Python and small compiled calls that no
+kernel thread shares: the residual add and the next norm (``add_rms_norm``), a mixture of
+experts' routing (``route``: softmax, top-k and grouping), each layer's attention over the
+cache (``attention``). Each is timed where the forward makes it ("in place": right after a
+product has streamed megabytes of weights through the caches), with a thin
+``perf_counter_ns`` wrapper; then ``add_rms_norm`` and ``route`` are called again with the
+arguments of their last call in place, in a loop ("warm": their code and data in the
+caches), in the same process. The ratio is what cold caches cost that serial time; the
+in-place time a token, against the token's, is the share a second kernel thread cannot
+halve (``attention`` is timed in place only: it writes the cache).
+
+The models are the real-size random GGUFs of :mod:`benchmarks.realsize_moe_gguf`
+(``qwen3-30b-a3b``, ``gpt-oss-20b``) and :mod:`benchmarks.realsize_gguf` (``1b``,
+``8b``, the Q4_K_M mix), ``--layers`` deep, cached in ``~/.cache/meshnode/realsize/``;
+after a 16-token prompt one token is decoded again and again at the same position (the
+cache rolled back to it), for ``--seconds`` a variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import realsize_gguf, realsize_moe_gguf
+from benchmarks.engine import MeshnodeRunner, uptime
+from benchmarks.realsize import prompt_ids
+
+CONTEXT = 16  # prompt tokens before the decoded one
+WARM_CALLS = 300  # calls a warm median is taken over
+MODES = {"q8": "q8", "exact": "blocks"}  # this driver's names -> MeshnodeRunner's
+WIDTHS = (7, 11, 8, 6, 10, 6)  # the table's columns after the call's name
+
+
+def model_path(shape: str, layers: int) -> Path:
+    """The cached real-size GGUF of ``shape``, ``layers`` deep."""
+    if shape in realsize_moe_gguf.SHAPES:
+        return realsize_moe_gguf.cached_gguf(shape, layers)
+    return realsize_gguf.cached_gguf(shape, "q4_k_m", layers)
+
+
+class Glue:
+    """Thin timers around a stage's serial calls, each keeping its in-place times (ns)
+    and the arguments of its last call."""
+
+    def __init__(self, stage: Any) -> None:
+        from meshnode.engine.cpu import experts
+
+        self.times: dict[str, list[int]] = defaultdict(list)
+        self.last: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
+        backend = stage.backend
+        norm = backend.add_rms_norm
+        self._restore: list[Callable[[], None]] = []
+
+        def add_rms_norm(*args: Any) -> Any:
+            return self._timed("add_rms_norm", norm, args)
+
+        # on the instance (a frozen dataclass), shadowing the class's method
+        object.__setattr__(backend, "add_rms_norm", add_rms_norm)
+        self._restore.append(lambda: object.__delattr__(backend, "add_rms_norm"))
+        route = experts.route  # engine.moe calls it through the module
+
+        def timed_route(*args: Any) -> Any:
+            return self._timed("route", route, args)
+
+        experts.route = timed_route  # type: ignore[assignment]
+        self._restore.append(lambda: setattr(experts, "route", route))
+        mixer = stage._mixer
+        attention = mixer.attention
+        timed = self._timed
+
+        class TimedAttention:
+            def prepare(self, segs: Any) -> Any:
+                return attention.prepare(segs)
+
+            def keep_rows(self, *args: Any) -> Any:
+                return attention.keep_rows(*args)
+
+            def __call__(self, *args: Any) -> Any:
+                return timed("attention", attention, args, keep=False)
+
+        mixer.attention = TimedAttention()
+        self._restore.append(lambda: setattr(mixer, "attention", attention))
+
+    def _timed(
+        self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], keep: bool = True
+    ) -> Any:
+        began = time.perf_counter_ns()
+        out = fn(*args)
+        self.times[name].append(time.perf_counter_ns() - began)
+        if keep:
+            self.last[name] = (fn, args)
+        return out
+
+    def warm(self, name: str) -> float:
+        """The median ns of ``name``'s last in-place call made again, :data:`WARM_CALLS`
+        times in a row."""
+        fn, args = self.last[name]
+        ns = []
+        for _ in range(WARM_CALLS):
+            began = time.perf_counter_ns()
+            fn(*args)
+            ns.append(time.perf_counter_ns() - began)
+        return statistics.median(ns)
+
+    def restore(self) -> None:
+        for undo in self._restore:
+            undo()
+
+
+def measure(shape: str, layers: int, mode: str, threads: int, seconds: float) -> None:
+    """One variant's decode loop, then its table."""
+    runner = MeshnodeRunner(str(model_path(shape, layers)), MODES[mode], threads)
+    stage = runner.stage
+    cache = stage.new_cache(CONTEXT + 2)
+    stage.forward(prompt_ids(CONTEXT, 1), 0, cache, out_rows=1)
+    token = np.array([7])
+    for _ in range(3):  # warm: compiled, pages touched, the pool's threads started
+        stage.forward(token, CONTEXT, cache)
+    glue = Glue(stage)
+    steps: list[float] = []
+    began = time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        t = time.perf_counter_ns()
+        stage.forward(token, CONTEXT, cache)
+        steps.append(time.perf_counter_ns() - t)
+    step_ns = statistics.median(steps)
+    print(f"\n{shape} {layers} layers, {mode}, {threads} threads: token {step_ns / 1e6:.2f} ms")
+    _row("call", ("a token", "in place us", "warm us", "ratio", "ms a token", "share"))
+    total = 0.0
+    for name, ns in sorted(glue.times.items()):
+        calls = len(ns) / len(steps)
+        place = statistics.median(ns)
+        warm = glue.warm(name) if name in glue.last else float("nan")
+        per_token = place * calls
+        total += per_token
+        ratio = f"{place / warm:.2f}"
+        cells = (f"{calls:.1f}", f"{place / 1e3:.1f}", f"{warm / 1e3:.1f}", ratio)
+        _row(name, (*cells, f"{per_token / 1e6:.3f}", f"{per_token / step_ns:.1%}"))
+    _row("these calls", ("", "", "", "", f"{total / 1e6:.3f}", f"{total / step_ns:.1%}"))
+    glue.restore()
+
+
+def _row(name: str, cells: tuple[str, ...]) -> None:
+    print(f"{name:<13} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, WIDTHS, strict=True)))
+
+
+def main() -> None:
+    shapes = sorted(realsize_moe_gguf.SHAPES) + sorted(realsize_gguf.SHAPES)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b"], choices=shapes)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--modes", nargs="+", default=["q8"], choices=list(MODES))
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--seconds", type=float, default=6.0, help="decode time a variant")
+    args = parser.parse_args()
+    print(uptime(), flush=True)
+    for shape in args.shapes:
+        for mode in args.modes:
+            for threads in args.threads:
+                measure(shape, args.layers, mode, threads, args.seconds)
+    print(uptime())
+
+
+if __name__ == "__main__":
+    main()
