@@ -12,7 +12,9 @@ product has streamed megabytes of weights through the caches), with a thin
 arguments of their last call in place, in a loop ("warm": their code and data in the
 caches), in the same process. The ratio is what cold caches cost that serial time; the
 in-place time a token, against the token's, is the share a second kernel thread cannot
-halve (``attention`` is timed in place only: it writes the cache).
+halve (``attention`` is timed in place only: it writes the cache). Also the token's mean
+time, the weight products' in it (every ``Backend.linear`` and the experts' calls, their
+Python included) and what runs between them.
 
 The models are the real-size random GGUFs of :mod:`benchmarks.realsize_moe_gguf`
 (``qwen3-30b-a3b``, ``gpt-oss-20b``) and :mod:`benchmarks.realsize_gguf` (``1b``,
@@ -72,6 +74,28 @@ class Glue:
         # on the instance (a frozen dataclass), shadowing the class's method
         object.__setattr__(backend, "add_rms_norm", add_rms_norm)
         self._restore.append(lambda: object.__delattr__(backend, "add_rms_norm"))
+        # every weight product (the experts' call with its Python): their time, summed
+        self.products_ns = 0
+        linear = backend.linear
+
+        def timed_linear(*args: Any) -> Any:
+            began = time.perf_counter_ns()
+            out = linear(*args)
+            self.products_ns += time.perf_counter_ns() - began
+            return out
+
+        object.__setattr__(backend, "linear", timed_linear)
+        self._restore.append(lambda: object.__delattr__(backend, "linear"))
+        layer_call = experts.ExpertLayer.__call__
+
+        def timed_experts(layer: Any, *args: Any) -> Any:
+            began = time.perf_counter_ns()
+            out = layer_call(layer, *args)
+            self.products_ns += time.perf_counter_ns() - began
+            return out
+
+        experts.ExpertLayer.__call__ = timed_experts  # type: ignore[method-assign,assignment]
+        self._restore.append(lambda: setattr(experts.ExpertLayer, "__call__", layer_call))
         route = experts.route  # engine.moe calls it through the module
 
         def timed_route(*args: Any) -> Any:
@@ -139,7 +163,11 @@ def measure(shape: str, layers: int, mode: str, threads: int, seconds: float) ->
         stage.forward(token, CONTEXT, cache)
         steps.append(time.perf_counter_ns() - t)
     step_ns = statistics.median(steps)
+    mean_ns, products_ns = statistics.fmean(steps), glue.products_ns / len(steps)
     print(f"\n{shape} {layers} layers, {mode}, {threads} threads: token {step_ns / 1e6:.2f} ms")
+    between = mean_ns - products_ns
+    print(f"means a token: {mean_ns / 1e6:.2f} ms, the weight products {products_ns / 1e6:.2f} ms, "
+          f"between them {between / 1e6:.2f} ms ({between / mean_ns:.1%})")  # fmt: skip
     _row("call", ("a token", "in place us", "warm us", "ratio", "ms a token", "share"))
     total = 0.0
     for name, ns in sorted(glue.times.items()):
