@@ -76,25 +76,11 @@ class Glue:
         self._restore.append(lambda: object.__delattr__(backend, "add_rms_norm"))
         # every weight product (the experts' call with its Python): their time, summed
         self.products_ns = 0
-        linear = backend.linear
-
-        def timed_linear(*args: Any) -> Any:
-            began = time.perf_counter_ns()
-            out = linear(*args)
-            self.products_ns += time.perf_counter_ns() - began
-            return out
-
-        object.__setattr__(backend, "linear", timed_linear)
+        object.__setattr__(backend, "linear", self._product(backend.linear))
         self._restore.append(lambda: object.__delattr__(backend, "linear"))
         layer_call = experts.ExpertLayer.__call__
-
-        def timed_experts(layer: Any, *args: Any) -> Any:
-            began = time.perf_counter_ns()
-            out = layer_call(layer, *args)
-            self.products_ns += time.perf_counter_ns() - began
-            return out
-
-        experts.ExpertLayer.__call__ = timed_experts  # type: ignore[method-assign,assignment]
+        timed_experts = self._product(layer_call)
+        experts.ExpertLayer.__call__ = timed_experts  # type: ignore[method-assign]
         self._restore.append(lambda: setattr(experts.ExpertLayer, "__call__", layer_call))
         route = experts.route  # engine.moe calls it through the module
 
@@ -119,6 +105,17 @@ class Glue:
 
         mixer.attention = TimedAttention()
         self._restore.append(lambda: setattr(mixer, "attention", attention))
+
+    def _product(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` with its time added to :attr:`products_ns` at each call."""
+
+        def timed(*args: Any) -> Any:
+            began = time.perf_counter_ns()
+            out = fn(*args)
+            self.products_ns += time.perf_counter_ns() - began
+            return out
+
+        return timed
 
     def _timed(
         self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], keep: bool = True

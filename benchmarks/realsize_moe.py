@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine import MeshnodeRunner, uptime
-from benchmarks.realsize import Worker, llama_bin, llama_round
+from benchmarks.realsize import Worker, llama_bin, llama_round, prompt_ids
 from benchmarks.realsize_moe_gguf import SHAPES, cached_gguf
 
 MODES = {"exact": "blocks", "q8": "q8"}  # benchmarks/engine.py's variants
@@ -52,12 +52,8 @@ KEYS = ("decode", "streams", "prefill")
 # -- the worker: one meshnode mode at one thread count, one process -------------------
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return [int(i) for i in np.random.default_rng(seed).integers(100, 40000, n)]
-
-
 def _decode(runner: MeshnodeRunner, tokens: int) -> float:
-    _, decode_s, _ = runner.generate(_ids(PROMPT, 1), tokens + 1)
+    _, decode_s, _ = runner.generate(list(prompt_ids(PROMPT, 1)), tokens + 1)
     return tokens / decode_s
 
 
@@ -67,7 +63,7 @@ def _streams(runner: MeshnodeRunner, tokens: int) -> float:
     stage = runner.stage
     caches = [stage.new_cache(PROMPT + tokens + 1) for _ in range(STREAMS)]
     for i, cache in enumerate(caches):
-        stage.forward(np.array(_ids(PROMPT, 10 + i)), 0, cache, out_rows=1)
+        stage.forward(prompt_ids(PROMPT, 10 + i), 0, cache, out_rows=1)
     last = [7 + i for i in range(STREAMS)]
     began = time.perf_counter()
     for step in range(tokens):
@@ -80,7 +76,7 @@ def _streams(runner: MeshnodeRunner, tokens: int) -> float:
 def _prefill(runner: MeshnodeRunner, n: int) -> float:
     if not n:
         return float("nan")
-    prefill_s, _, _ = runner.generate(_ids(n, 2), 1)
+    prefill_s, _, _ = runner.generate(list(prompt_ids(n, 2)), 1)
     return n / prefill_s
 
 
