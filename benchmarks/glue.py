@@ -26,6 +26,7 @@ cache rolled back to it), for ``--seconds`` a variant.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -60,7 +61,7 @@ class Glue:
     and the arguments of its last call."""
 
     def __init__(self, stage: Any) -> None:
-        from meshnode.engine.cpu import experts
+        from meshnode.engine.cpu import experts, pool
 
         self.times: dict[str, list[int]] = defaultdict(list)
         self.last: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
@@ -78,6 +79,13 @@ class Glue:
         self.products_ns = 0
         object.__setattr__(backend, "linear", self._product(backend.linear))
         self._restore.append(lambda: object.__delattr__(backend, "linear"))
+        # inside them, the kernel pool's compiled calls (the post, with the caller's chunks
+        # and its wait for the helpers'; the caller's chunks after waking a helper)
+        self.pool_ns = 0
+        for name in ("_post", "_work"):
+            compiled = getattr(pool, name)
+            setattr(pool, name, self._pooled(compiled))
+            self._restore.append(functools.partial(setattr, pool, name, compiled))
         layer_call = experts.ExpertLayer.__call__
         timed_experts = self._product(layer_call)
         experts.ExpertLayer.__call__ = timed_experts  # type: ignore[method-assign]
@@ -105,6 +113,17 @@ class Glue:
 
         mixer.attention = TimedAttention()
         self._restore.append(lambda: setattr(mixer, "attention", attention))
+
+    def _pooled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` with its time added to :attr:`pool_ns` at each call."""
+
+        def timed(*args: Any) -> Any:
+            began = time.perf_counter_ns()
+            out = fn(*args)
+            self.pool_ns += time.perf_counter_ns() - began
+            return out
+
+        return timed
 
     def _product(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` with its time added to :attr:`products_ns` at each call."""
@@ -161,10 +180,16 @@ def measure(shape: str, layers: int, mode: str, threads: int, seconds: float) ->
         steps.append(time.perf_counter_ns() - t)
     step_ns = statistics.median(steps)
     mean_ns, products_ns = statistics.fmean(steps), glue.products_ns / len(steps)
+    pool_ns = glue.pool_ns / len(steps)
     print(f"\n{shape} {layers} layers, {mode}, {threads} threads: token {step_ns / 1e6:.2f} ms")
     between = mean_ns - products_ns
     print(f"means a token: {mean_ns / 1e6:.2f} ms, the weight products {products_ns / 1e6:.2f} ms, "
           f"between them {between / 1e6:.2f} ms ({between / mean_ns:.1%})")  # fmt: skip
+    if pool_ns:  # the products shared with the kernel threads (none at one thread)
+        rest = products_ns - pool_ns
+        print(f"in the products: the pool's compiled calls {pool_ns / 1e6:.2f} ms, the rest "
+              f"{rest / 1e6:.2f} ms ({rest / mean_ns:.1%}: their Python, the activations' "
+              "quantizing, any product not shared)")  # fmt: skip
     _row("call", ("a token", "in place us", "warm us", "ratio", "ms a token", "share"))
     total = 0.0
     for name, ns in sorted(glue.times.items()):
