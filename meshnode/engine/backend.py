@@ -16,7 +16,7 @@ import functools
 import importlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import ModuleType
@@ -29,12 +29,14 @@ from meshnode.engine import ops
 from meshnode.engine.attention import Attention, KernelAttention
 from meshnode.engine.config import ModelConfig, ModelConfigError
 from meshnode.engine.cpu import BlockMatrix, dense_product, q8, set_kernel_threads
+from meshnode.engine.cpu import moe_step as cpu_moe_step
 from meshnode.engine.cuda.device import DeviceMatrix, PinnedStaging
 from meshnode.engine.cuda.graphs import GraphRunner
 from meshnode.engine.cuda.kernels import BLOCK, MAX_HEAD_DIM
 from meshnode.engine.cuda.ops import CudaAttention, CudaOps
 from meshnode.engine.cuda.weights import device_dtype, load_cuda_stage_weights
 from meshnode.engine.kv_cache import KVCache, kv_numpy_dtype
+from meshnode.engine.moe_config import MoeConfig
 from meshnode.engine.runner import EagerRunner, Runner
 from meshnode.engine.weights import HeldBytes, StageWeights, held_bytes, load_stage_weights
 from meshnode.errors import MeshnodeError
@@ -54,6 +56,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Device = Literal["auto", "cpu", "cuda"]
+# A layer's feed-forward half of a one-row step in one call (Backend.moe_step)
+MoeStep = Callable[[Any, Any, Any], "tuple[Any, Any] | None"]
 # Weights on the device: ``auto`` is bfloat16 where the model's config says it was trained
 # in bfloat16, else float16; float32 is the golden-parity mode. On the CPU, ``native``
 # keeps the file's GGUF blocks in memory, multiplied by compiled kernels in float32
@@ -185,6 +189,15 @@ class Backend(ABC):
         ``[r, I]``: :func:`meshnode.engine.ops.clamped_swiglu_mul`."""
         return ops.clamped_swiglu_mul(self.xp, gate_up, alpha, limit)
 
+    def moe_step(self, w: Any, moe: MoeConfig | None, eps: float) -> MoeStep | None:
+        """Layer ``w``'s feed-forward half of a one-row step as one call, where this
+        backend has one: ``step(x, h, then)`` gives what the stage's residual add, norm,
+        feed-forward and next add and norm give (``x``: the residual ``[1, E]``, ``h``:
+        the attention's output, ``then``: the next norm's weight or None), or None where
+        it does not take the call; None here: the stage's Python path."""
+        del w, moe, eps
+        return None
+
     def embed_rows(self, table: Any, ids: Any) -> Any:
         """The embedding rows ``[S, E]`` of token ``ids`` (an integer array on this
         backend's device) from ``table`` (``embed_t``, ``[E, V]`` as :meth:`load_weights`
@@ -241,6 +254,14 @@ class CpuBackend(Backend):
     def held_bytes(self, source: ModelSource, config: ModelConfig) -> HeldBytes | None:
         """As :func:`meshnode.engine.weights.held_bytes` lays out this backend's weights."""
         return held_bytes(source, config, blocks=self.cpu_blocks)
+
+    def moe_step(self, w: Any, moe: MoeConfig | None, eps: float) -> MoeStep | None:
+        """As :meth:`Backend.moe_step`, over GGUF blocks:
+        :func:`meshnode.engine.cpu.moe_step.step_for` (the same compiled calls as the
+        Python path, the same bits)."""
+        if not self.cpu_blocks:
+            return None
+        return cpu_moe_step.step_for(w, moe, eps, self.weights_dtype == "q8")
 
     def embed_rows(self, table: Any, ids: Any) -> Any:
         """The rows of ``ids``; a table in GGUF blocks decodes only those rows."""

@@ -211,6 +211,13 @@ class Stage:
             self._mixer = _AttentionMixer(self.backend, attention)
         moe = config.hybrid.moe if config.hybrid is not None else config.moe
         self._feed_forward = [feed_forward_of(w, moe) for w in self.layers]
+        # each layer's feed-forward half of a one-row step in one call, where the backend
+        # has one for it (Backend.moe_step; None: the Python path below)
+        eps = config.rms_norm_eps
+        self._steps = [
+            None if self._hybrid is not None else self.backend.moe_step(w, moe, eps)
+            for w in self.layers
+        ]
         # The backend runs the forward: on CUDA it replays decode steps as CUDA graphs.
         self._runner = self.backend.runner(config, embed=embed, graphs=self._hybrid is None)
 
@@ -349,6 +356,9 @@ class Stage:
         h = self._mixer(w, normed, segs, plan, layer, last)  # [R, E]
         if last:
             x = self._mixer.keep_rows(x, segs, plan)  # [R, E]
+        step = self._steps[layer]
+        if step is not None and (done := step(x, h, then)) is not None:
+            return done  # one row's feed-forward half in one call (Backend.moe_step)
         x, normed = self._add_norm(x, h, w.post_attn_norm, w.ffn_norm)
         sizes = [seg.rows if last else seg.n for seg in segs]  # each segment's rows
         ffn = self._feed_forward[layer](self.backend, w, normed, self.config.arch.activation, sizes)

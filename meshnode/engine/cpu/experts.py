@@ -168,6 +168,13 @@ class ExpertLayer:
         self.kind = 0 if clamp is None else 1  # experts_kernels: SwiGLU, or clamped
         self.alpha, self.limit = clamp or (0.0, 0.0)
 
+    def keys(self, q8: bool) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+        """The compiled experts' formats of gate/up and down (as
+        :func:`.experts_kernels.experts_chunk` takes them): each stack's formats and
+        whether its products are the 8-bit ones (``q8``, where the kernels take it)."""
+        gu, dn = self.gate_up, self.down
+        return (*gu.fmts, int(q8 and gu.q8())), (*dn.fmts, int(q8 and dn.q8()))
+
     def __call__(
         self,
         x: np.ndarray,
@@ -182,8 +189,7 @@ class ExpertLayer:
         grouping when :func:`route` made it (else :func:`group` makes it)."""
         gu, dn = self.gate_up, self.down
         compiled = _compiled()
-        gu_key = (*gu.fmts, int(q8 and gu.q8()))
-        dn_key = (*dn.fmts, int(q8 and dn.q8()))
+        gu_key, dn_key = self.keys(q8)
         experts = compiled.experts_kernel(gu_key, dn_key)
         x = np.ascontiguousarray(x, dtype=np.float32)
         picks = np.ascontiguousarray(picks, dtype=np.int64)

@@ -327,19 +327,12 @@ class KernelPool:
         # scratch a thread: the exact kernels' 4 n_in decoded values, the q8 tiles' 26 n_in
         # bytes (.q8_tiles.scratch_bytes)
         self._start(threads, 7 * n_in)
-        plan = self._plans.get(id(parts))
-        if plan is None or plan.parts is not parts or plan.of != (fn, k, n_in, threads):
-            plan = self._plan(fn, parts, k, n_in, out.shape[1], threads)
+        plan = self.plan_of(fn, parts, k, n_in, out.shape[1], threads)
         gen = self._gen % _MAX_GEN + 1
         a, b, c = parts
         patience = self._patience(plan.key, plan.units)
         began = time.perf_counter()
-        if plan.counts:  # what the helpers ask for ahead once done with this one
-            after = self._after.get(id(parts), ())
-            st = self._st
-            for who in range(1, threads):
-                first, end = after[who - 1] if who <= len(after) else (0, 0)
-                st[COUNTS + 8 * who + AHEAD], st[COUNTS + 8 * who + AHEAD_END] = first, end
+        self.ask_ahead(plan, threads)
         args = (self._st, fn, gen, a, b, c, x, out, self._scratch, plan.rows, patience)
         woken = _post(*args)
         if woken < 0:
@@ -353,15 +346,64 @@ class KernelPool:
         self.posted += 1
         if woken:
             self.woken += 1
-            for who in range(1, len(self._events) + 1):
-                if woken >> who & 1:
-                    self._events[who - 1].set()
+            self.wake(woken)
             _work(self._st, patience)
         self._learn(plan.key, plan.units, time.perf_counter() - began)
-        if plan.counts:  # this product's spans, for the one before it (learned after it)
-            self._after[self._last_parts] = plan.spans
-            self._last_parts = id(parts)
+        self._chain(plan)
         return True
+
+    def wake(self, woken: int) -> None:
+        """Set the events of the helpers ``woken`` names (bit ``who``: helper ``who``),
+        whose sleeping flags a post cleared."""
+        for who in range(1, len(self._events) + 1):
+            if woken >> who & 1:
+                self._events[who - 1].set()
+
+    def plan_of(
+        self, fn: int, parts: tuple[Any, Any, Any], k: int, n_in: int, n_out: int, threads: int
+    ) -> _Plan:
+        """The plan of a product of ``parts`` (kept while they are the same arrays)."""
+        plan = self._plans.get(id(parts))
+        if plan is None or plan.parts is not parts or plan.of != (fn, k, n_in, threads):
+            plan = self._plan(fn, parts, k, n_in, n_out, threads)
+        return plan
+
+    def patience(self, plan: _Plan) -> int:
+        """The caller's patience for a job of ``plan``'s product (:meth:`_patience`)."""
+        return self._patience(plan.key, plan.units)
+
+    def ask_ahead(self, plan: _Plan, threads: int) -> None:
+        """Tell the helpers what to ask for ahead once done with ``plan``'s product: the
+        spans of the product that followed it the last time (a product too small to count
+        leaves the words as they are)."""
+        if plan.counts:
+            after = self._after.get(id(plan.parts), ())
+            st = self._st
+            for who in range(1, threads):
+                first, end = after[who - 1] if who <= len(after) else (0, 0)
+                st[COUNTS + 8 * who + AHEAD], st[COUNTS + 8 * who + AHEAD_END] = first, end
+
+    def _chain(self, plan: _Plan) -> None:
+        """After ``plan``'s product: its spans, for the one before it (learned after it)."""
+        if plan.counts:
+            self._after[self._last_parts] = plan.spans
+            self._last_parts = id(plan.parts)
+
+    def posted_compiled(
+        self, plans: list[_Plan], jobs: int, woken: int, declined: int, keep: object
+    ) -> None:
+        """Count ``jobs`` that compiled code posted (:mod:`.moe_step`; ``plans``: those of
+        its products, in order; ``woken``: the posts that woke a helper; ``declined``: the
+        products it ran alone instead), and keep ``keep`` (every array they read or write)
+        as :meth:`run` keeps a job's arrays."""
+        for _ in range(jobs):
+            self._gen = self._gen % _MAX_GEN + 1
+            self._kept = (*self._kept[1:], (keep, self._scratch))
+        self.posted += jobs
+        self.woken += woken
+        self.declined += declined
+        for plan in plans:
+            self._chain(plan)
 
     def _plan(
         self, fn: int, parts: tuple[Any, Any, Any], k: int, n_in: int, n_out: int, threads: int
