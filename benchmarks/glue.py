@@ -14,7 +14,10 @@ caches), in the same process. The ratio is what cold caches cost that serial tim
 in-place time a token, against the token's, is the share a second kernel thread cannot
 halve (``attention`` is timed in place only: it writes the cache). Also the token's mean
 time, the weight products' in it (every ``Backend.linear`` and the experts' calls, their
-Python included) and what runs between them.
+Python included) and what runs between them. A mixture-of-experts layer whose feed-forward
+half of a one-row step is one compiled call (``cpu.moe_step``: its add and norm, router,
+routing, experts and sums inside) shows that call as ``moe_step``, counted with what runs
+between the products (its two products are not timed apart).
 
 The models are the real-size random GGUFs of :mod:`benchmarks.realsize_moe_gguf`
 (``qwen3-30b-a3b``, ``gpt-oss-20b``) and :mod:`benchmarks.realsize_gguf` (``1b``,
@@ -61,7 +64,7 @@ class Glue:
     and the arguments of its last call."""
 
     def __init__(self, stage: Any) -> None:
-        from meshnode.engine.cpu import experts, pool
+        from meshnode.engine.cpu import experts, moe_step, pool
 
         self.times: dict[str, list[int]] = defaultdict(list)
         self.last: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
@@ -97,6 +100,15 @@ class Glue:
 
         experts.route = timed_route  # type: ignore[assignment]
         self._restore.append(lambda: setattr(experts, "route", route))
+        # a MoE layer's feed-forward half of a one-row step in one call (Backend.moe_step:
+        # its add and norm, products, routing and sums inside): timed whole, in place
+        step_call = moe_step.MoeStep.__call__
+
+        def timed_step(*args: Any) -> Any:
+            return self._timed("moe_step", step_call, args, keep=False)
+
+        moe_step.MoeStep.__call__ = timed_step  # type: ignore[method-assign,assignment]
+        self._restore.append(lambda: setattr(moe_step.MoeStep, "__call__", step_call))
         mixer = stage._mixer
         attention = mixer.attention
         timed = self._timed
