@@ -19,7 +19,9 @@ call; used by ``meshnode.engine.attention``) on ``attention_rows`` (a block of q
 over one KV head: dot products, softmax, weighted sums; also the softmax of a long
 segment's block of scores), ``simd`` and ``atomics``;
 ``norms`` (RMSNorm in one call, ``CpuBackend.rms_norm``) on ``simd``; ``warmup``
-(compiling the attention ahead in a worker process at a first start) on ``pool``.
+(compiling the attention ahead in a worker process at a first start) on ``pool``;
+``moe_step`` (a mixture-of-experts layer's feed-forward half of a one-row step in one
+compiled call, ``CpuBackend.moe_step``) on ``experts``, ``norms`` and ``pool``.
 """
 
 from meshnode.engine.cpu.matrix import (
