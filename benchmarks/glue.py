@@ -80,17 +80,17 @@ class Glue:
         self._restore.append(lambda: object.__delattr__(backend, "add_rms_norm"))
         # every weight product (the experts' call with its Python): their time, summed
         self.products_ns = 0
-        object.__setattr__(backend, "linear", self._product(backend.linear))
+        object.__setattr__(backend, "linear", self._summed(backend.linear, "products_ns"))
         self._restore.append(lambda: object.__delattr__(backend, "linear"))
         # inside them, the kernel pool's compiled calls (the post, with the caller's chunks
         # and its wait for the helpers'; the caller's chunks after waking a helper)
         self.pool_ns = 0
         for name in ("_post", "_work"):
             compiled = getattr(pool, name)
-            setattr(pool, name, self._pooled(compiled))
+            setattr(pool, name, self._summed(compiled, "pool_ns"))
             self._restore.append(functools.partial(setattr, pool, name, compiled))
         layer_call = experts.ExpertLayer.__call__
-        timed_experts = self._product(layer_call)
+        timed_experts = self._summed(layer_call, "products_ns")
         experts.ExpertLayer.__call__ = timed_experts  # type: ignore[method-assign]
         self._restore.append(lambda: setattr(experts.ExpertLayer, "__call__", layer_call))
         route = experts.route  # engine.moe calls it through the module
@@ -126,24 +126,13 @@ class Glue:
         mixer.attention = TimedAttention()
         self._restore.append(lambda: setattr(mixer, "attention", attention))
 
-    def _pooled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` with its time added to :attr:`pool_ns` at each call."""
+    def _summed(self, fn: Callable[..., Any], total: str) -> Callable[..., Any]:
+        """``fn`` with its time added to the attribute ``total`` (ns) at each call."""
 
         def timed(*args: Any) -> Any:
             began = time.perf_counter_ns()
             out = fn(*args)
-            self.pool_ns += time.perf_counter_ns() - began
-            return out
-
-        return timed
-
-    def _product(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` with its time added to :attr:`products_ns` at each call."""
-
-        def timed(*args: Any) -> Any:
-            began = time.perf_counter_ns()
-            out = fn(*args)
-            self.products_ns += time.perf_counter_ns() - began
+            setattr(self, total, getattr(self, total) + time.perf_counter_ns() - began)
             return out
 
         return timed

@@ -41,7 +41,7 @@ from meshnode.engine.cpu import matrix
 from meshnode.engine.cpu.formats import format_of, row_bytes
 from meshnode.engine.cpu.q8 import Q8_FORMATS
 
-__all__ = ["ExpertLayer", "ExpertStack", "Routes", "group", "route", "stack"]
+__all__ = ["ExpertLayer", "ExpertStack", "Routes", "group", "job_parts", "route", "stack"]
 
 
 @dataclass(frozen=True)
@@ -235,8 +235,17 @@ def _shared(
     the pool does not take it (the caller then makes the call)."""
     block = np.zeros(compiled.BLOCK_WORDS, np.int64)
     compiled.fill_block(block, *args)
-    m = args[12].size  # chosen
-    tasks = np.zeros((m * compiled.TASK_ROWS, 1), np.uint8)  # m chunks (the pool's rows)
     chunk = compiled.experts_chunk(gate_up, down)
     pool = matrix._pool()
-    return bool(pool.run(chunk, (tasks, _EMPTY, _EMPTY), block, _NO_OUT, threads, keep=args))
+    return bool(pool.run(chunk, job_parts(args[12].size), block, _NO_OUT, threads, keep=args))
+
+
+@functools.cache
+def job_parts(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The parts a job of ``m`` chosen experts is posted with: a dummy first part of ``m
+    * TASK_ROWS`` rows (one expert a chunk, the pool's rows; read-only, no chunk reads it)
+    and two empty ones. The same arrays for every job of ``m`` experts, so that the pool
+    plans their posts once (it keeps a plan while a product's parts are the same arrays)."""
+    tasks = np.zeros((m * _compiled().TASK_ROWS, 1), np.uint8)
+    tasks.flags.writeable = False
+    return tasks, _EMPTY, _EMPTY

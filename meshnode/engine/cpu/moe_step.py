@@ -33,13 +33,12 @@ from typing import Any
 import numpy as np
 
 from meshnode.engine.cpu import matrix
-from meshnode.engine.cpu.experts import ExpertLayer
+from meshnode.engine.cpu.experts import ExpertLayer, job_parts
 from meshnode.engine.cpu.matrix import BlockMatrix
 
 __all__ = ["MoeStep", "step_for"]
 
 _NO_WEIGHT = np.zeros(0, np.float32)
-_EMPTY_PART = np.zeros((0, 0), np.uint8)
 _NO_OUT = np.zeros((1, 1), np.float32)  # the experts' job's "output" (ys is its own)
 
 
@@ -72,16 +71,6 @@ def step_for(
         return None
     routing = (moe.routing == "topk_softmax", moe.norm_topk_prob, moe.top_k)
     return MoeStep(f.router, bias, f.stacked, routing, q8, w.ffn_norm, eps)
-
-
-@functools.cache
-def _tasks(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The parts of the experts' job for at most ``m`` experts: a dummy first part, one
-    expert a chunk (:data:`.experts_kernels.TASK_ROWS` rows; read-only, no chunk reads it),
-    and two empty ones. The same arrays every step, so the pool plans the job once."""
-    tasks = np.zeros((m * _compiled().experts_kernels.TASK_ROWS, 1), np.uint8)
-    tasks.flags.writeable = False
-    return tasks, _EMPTY_PART, _EMPTY_PART
 
 
 class MoeStep:
@@ -119,7 +108,7 @@ class MoeStep:
             router_fn, self.router._raws, self.bias,
             (*layer.gate_up.raws, *layer.down.raws, layer.gate_up_bias, layer.down_bias,
              layer.kind, np.float32(layer.alpha), np.float32(layer.limit)),
-            experts_fn, _tasks(top_k), (topk_softmax, norm_topk, top_k),
+            experts_fn, job_parts(top_k), (topk_softmax, norm_topk, top_k),
             k.f32_words(width, n, top_k), k.i64_words(n, top_k),
         )  # fmt: skip
 
@@ -139,8 +128,6 @@ class MoeStep:
         shared = threads > 1 and os.getpid() == pool._pid and pool._lock.acquire(blocking=False)
         try:
             if shared:
-                if not k.waker:
-                    k.waker.append(pool.wake)
                 pool._start(threads, 7 * width)
                 n = self.router.n_out
                 r_plan = pool.plan_of(router_fn, router_parts, 1, width, n, threads)
@@ -157,7 +144,7 @@ class MoeStep:
                 x, h, self.ffn_norm, _NO_WEIGHT if then is None else then, self.eps,
                 pool._st, pool._gen, shared, pool._scratch,
                 router_fn, *router_parts, bias, r_rows, r_patience,
-                *experts, experts_fn, e_parts[0], _EMPTY_PART, e_rows, e_patience, _NO_OUT,
+                *experts, experts_fn, *e_parts[:2], e_rows, e_patience, _NO_OUT,
                 *rule, f32, i64,
             )  # fmt: skip
             if shared:

@@ -18,13 +18,10 @@ Imported (numba configured first) by :func:`.moe_step._compiled`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 from numba import objmode
 
-from meshnode.engine.cpu import experts_kernels, experts_route, norms, pool_words
-from meshnode.engine.cpu.atomics import call3
+from meshnode.engine.cpu import experts_kernels, experts_route, matrix, norms, pool_words
 from meshnode.engine.cpu.simd import entry
 
 __all__ = ["f32_words", "i64_words", "moe_step"]
@@ -32,25 +29,11 @@ __all__ = ["f32_words", "i64_words", "moe_step"]
 _MAX_GEN = pool_words._MAX_GEN
 _NO_WEIGHT = np.zeros(0, np.float32)
 
-# set by .moe_step: wakes the helpers whose bits are set (the pool's threading.Events)
-waker: list[Callable[[int], None]] = []
-
 
 def wake(woken: int) -> None:
-    """Wake the helpers ``woken`` names (bit ``who`` set: helper ``who``)."""
-    waker[0](woken)
-
-
-@entry(nogil=True)
-def _alone(fn, a, b, c, x, out, rows):  # type: ignore[no-untyped-def]
-    # the job's chunks (of ``rows`` rows, as the pool cuts it) one after another in this
-    # thread, in words and scratch of its own (.pool_words.run_alone, whose one chunk a
-    # part does not suit the experts' job: its chunk function computes one expert a chunk)
-    st = np.empty(pool_words.WORDS, np.int64)
-    scratch = np.empty((1, 7 * (x.shape[0] // out.shape[0]) + 16), np.float32)
-    chunks = pool_words._job(st, np.int64(0), fn, a, b, c, x, out, scratch, rows)
-    for ch in range(chunks):
-        call3(fn, st.ctypes.data, 0, ch)
+    """Wake the helpers ``woken`` names (bit ``who`` set: helper ``who``) of the process's
+    kernel pool, the one the call posted to (:meth:`.pool.KernelPool.wake`)."""
+    matrix._pool().wake(woken)
 
 
 @entry()
@@ -69,9 +52,9 @@ def _product(st, gen, shared, fn, a, b, c, x, out, scratch, rows, patience):  # 
                 pool_words._work(st, patience)
                 return 3
             return 1
-        _alone(fn, a, b, c, x, out, rows)
+        pool_words.run_chunks(fn, a, b, c, x, out, rows)
         return 4
-    _alone(fn, a, b, c, x, out, rows)
+    pool_words.run_chunks(fn, a, b, c, x, out, rows)
     return 0
 
 
@@ -134,7 +117,6 @@ def moe_step(  # type: ignore[no-untyped-def]
         st, gen, shared, router_fn, ra, rb, rc, flat, logits, scratch, router_rows, router_patience
     )
     posts[0], posts[1], posts[2] = got & 1, got >> 1 & 1, got >> 2
-    n = logits.shape[1]
     if router_bias.shape[0]:
         for i in range(n):
             logits[0, i] = logits[0, i] + router_bias[i]

@@ -71,6 +71,7 @@ __all__ = [
     "_stale",
     "_work",
     "run_alone",
+    "run_chunks",
 ]
 
 
@@ -353,6 +354,14 @@ def run_alone(fn, a, b, c, x, out):  # type: ignore[no-untyped-def]
     then compiles its chunk function only, not a serial product beside it (each
     re-optimizing the same row loop). ``x`` is the posted activations (float32, or the
     q8 kernels' quantized bytes), ``k = out.shape[0]`` rows of ``n_in``."""
+    run_chunks(fn, a, b, c, x, out, max(a.shape[0], b.shape[0], c.shape[0], 1))
+
+
+@entry(nogil=True)
+def run_chunks(fn, a, b, c, x, out, rows):  # type: ignore[no-untyped-def]
+    """As :func:`run_alone`, in chunks of ``rows`` rows as the pool cuts the job (a job
+    whose chunk function computes one chunk's task, e.g. one expert a chunk of
+    :func:`.experts_kernels.experts_chunk`, needs the pool's cuts)."""
     k = out.shape[0]
     if k == 0:
         return
@@ -360,7 +369,6 @@ def run_alone(fn, a, b, c, x, out):  # type: ignore[no-untyped-def]
     # a thread's scratch as the pool's: 7 n_in float32 (the exact kernels' decoded rows
     # from their first 64-byte line, the q8 tiles' 26 n_in bytes)
     scratch = np.empty((1, 7 * (x.shape[0] // k) + 16), np.float32)
-    rows = max(a.shape[0], b.shape[0], c.shape[0], 1)
     chunks = _job(st, np.int64(0), fn, a, b, c, x, out, scratch, rows)  # int64: one _job
     for ch in range(chunks):
         call3(fn, st.ctypes.data, 0, ch)
