@@ -113,6 +113,7 @@ _VI = ir.VectorType(_I32, 8)
 _VF = ir.VectorType(_F, 8)
 _VI16 = ir.VectorType(_I32, 16)
 _VB64 = ir.VectorType(_I8, 64)
+_VW32 = ir.VectorType(ir.IntType(16), 32)  # the same 512 bits as 16-bit words
 
 
 def _is_bytes(ty: Any) -> bool:
@@ -161,7 +162,7 @@ def q4_k_scales8(typingctx: Any, w: Any, bases: Any, o: Any) -> Any:
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         offs = cgutils.unpack_tuple(builder, args[1])  # type: ignore[no-untyped-call]
         o = context.cast(builder, args[2], sig.args[2], types.int64)
-        v16, vw = ir.VectorType(_I8, 16), ir.VectorType(ir.IntType(16), 32)
+        v16 = ir.VectorType(_I8, 16)
         i32 = ir.IntType(32)
 
         def at(j: int, extra: int) -> Any:
@@ -212,13 +213,13 @@ def q4_k_scales8(typingctx: Any, w: Any, bases: Any, o: Any) -> Any:
             )
             counts = [shift[2 * i] for i in range(8)] * 4
             a = builder.bitcast(
-                builder.lshr(builder.bitcast(a, vw), ir.Constant(vw, counts)), _VB64
+                builder.lshr(builder.bitcast(a, _VW32), ir.Constant(_VW32, counts)), _VB64
             )
             a = builder.and_(a, ir.Constant(_VB64, mask * 4))
             pick = [64 if x < 0 else 16 * ln + x for ln in range(4) for x in hi_src]
             b = builder.shuffle_vector(r, zero, ir.Constant(ir.VectorType(i32, 64), pick))
             b = builder.bitcast(
-                builder.lshr(builder.bitcast(b, vw), ir.Constant(vw, [2] * 32)), _VB64
+                builder.lshr(builder.bitcast(b, _VW32), ir.Constant(_VW32, [2] * 32)), _VB64
             )
             b = builder.and_(b, ir.Constant(_VB64, [0x30] * 64))
             decoded.append(builder.bitcast(builder.or_(a, b), _VI16))
@@ -310,9 +311,8 @@ def _nibbles(builder: Any, ptr: Any) -> Any:
     # and this kernel took 0.113 cycles a weight in cache instead of 0.071
     # (benchmarks/ggml_kernels.py, Q4_K 2048 x 1536, one thread)
     both = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2))
-    vw = ir.VectorType(ir.IntType(16), 32)
-    shifts = ir.Constant(vw, [0] * 16 + [4] * 16)
-    words = builder.bitcast(builder.lshr(builder.bitcast(both, vw), shifts), _VB64)
+    shifts = ir.Constant(_VW32, [0] * 16 + [4] * 16)
+    words = builder.bitcast(builder.lshr(builder.bitcast(both, _VW32), shifts), _VB64)
     return builder.and_(words, ir.Constant(_VB64, [15] * 64))
 
 
