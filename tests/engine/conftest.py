@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from meshnode.engine.backend import cpu_backend
+from meshnode.engine.cpu.pool import CoreGauge, KernelPool
 from meshnode.engine.loader import LoadedModel, load_model
 from tests.conftest import smollm2_gguf_path
 from tests.engine.tiny import write_tiny_model
@@ -31,3 +32,9 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
         return made[qtype]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def idle_threads(tmp_path_factory: pytest.TempPathFactory) -> KernelPool:
+    """Kernel threads as on an idle machine of four cores, whatever this one runs."""
+    return KernelPool(CoreGauge(tmp_path_factory.mktemp("idle") / "no-stat", cpus={0, 1, 2, 3}))

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from meshnode.engine.cpu import MAX_KERNEL_ROWS, matrix
+from meshnode.engine.cpu import MAX_KERNEL_ROWS, matrix, narrow
 from meshnode.engine.cpu.formats import FORMATS
 from tests.engine.test_cpu_fp4 import reference
 
@@ -94,8 +94,7 @@ def test_products_are_the_sixteen_lane_tiles_bits(n_in: int) -> None:
     """Parts of 70, 9 and 6 weight rows (passes of four, and short last ones), for 1 ..
     MAX_KERNEL_ROWS activation rows with lanes of very different sizes (an order
     change shows); n_in below a tile block (64), not a multiple of it (288, 2880)."""
-    kernels = matrix.kernels()
-    assert kernels._fp4_shuffled(*_literals(MXFP4, 8))  # the path under test runs
+    assert narrow.fp4_shuffled(*_literals(MXFP4, 8))  # the path under test runs
     rng = np.random.default_rng(n_in)
     parts = [_rows(n, n_in, rng) for n in (70, 9, 6)]
     sixteen, eight = _product(16), _product(8)
@@ -122,7 +121,6 @@ def _literals(*values: int) -> tuple[Any, ...]:
 
 
 def test_only_mxfp4_on_eight_lanes_takes_the_shuffles() -> None:
-    kernels = matrix.kernels()
-    assert kernels._fp4_shuffled(*_literals(MXFP4, 8))
-    assert not kernels._fp4_shuffled(*_literals(MXFP4, 16))
-    assert not kernels._fp4_shuffled(*_literals(FORMATS["Q4_0"].kernel_id, 8))
+    assert narrow.fp4_shuffled(*_literals(MXFP4, 8))
+    assert not narrow.fp4_shuffled(*_literals(MXFP4, 16))
+    assert not narrow.fp4_shuffled(*_literals(FORMATS["Q4_0"].kernel_id, 8))

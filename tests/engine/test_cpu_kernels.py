@@ -14,7 +14,7 @@ from meshnode_packaging.sources import RawTensor, dequantize
 
 from meshnode.engine.cpu import MAX_KERNEL_ROWS, BlockMatrix, matrix, supported
 from meshnode.engine.cpu.formats import FORMATS
-from meshnode.engine.cpu.pool import CoreGauge, KernelPool
+from meshnode.engine.cpu.pool import KernelPool
 
 N_IN = 512  # two K-quant blocks per row, sixteen of the 32-value formats
 
@@ -29,9 +29,11 @@ _F16_FIELDS = {
 _E8M0_FIELDS = {"MXFP4": (0,)}
 
 
-def random_tensor(dtype: str, n_out: int, rng: np.random.Generator, name: str = "w") -> RawTensor:
-    """A ``[n_out, N_IN]`` tensor of ``dtype``: every bit pattern of the quants is reachable."""
-    values = rng.standard_normal((n_out, N_IN)).astype(np.float32)
+def random_tensor(
+    dtype: str, n_out: int, rng: np.random.Generator, name: str = "w", n_in: int = N_IN
+) -> RawTensor:
+    """A ``[n_out, n_in]`` tensor of ``dtype``: every bit pattern of the quants is reachable."""
+    values = rng.standard_normal((n_out, n_in)).astype(np.float32)
     if dtype == "F32":
         data = values.view(np.uint8)
     elif dtype == "F16":
@@ -40,7 +42,7 @@ def random_tensor(dtype: str, n_out: int, rng: np.random.Generator, name: str = 
         data = (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     else:
         fmt = FORMATS[dtype]
-        shape = (n_out * N_IN // fmt.block_size, fmt.type_size)
+        shape = (n_out * n_in // fmt.block_size, fmt.type_size)
         blocks = rng.integers(0, 256, shape, dtype=np.uint8)
         for off in _F16_FIELDS.get(dtype, ()):
             scale = rng.uniform(-0.05, 0.05, len(blocks)).astype(np.float16)
@@ -48,18 +50,12 @@ def random_tensor(dtype: str, n_out: int, rng: np.random.Generator, name: str = 
         for off in _E8M0_FIELDS.get(dtype, ()):
             blocks[:, off] = rng.integers(118, 130, len(blocks), dtype=np.uint8)
         data = blocks
-    return RawTensor(name, dtype, (n_out, N_IN), np.ascontiguousarray(data).reshape(-1))
+    return RawTensor(name, dtype, (n_out, n_in), np.ascontiguousarray(data).reshape(-1))
 
 
 @pytest.fixture(scope="module")
 def rng() -> np.random.Generator:
     return np.random.default_rng(7)
-
-
-@pytest.fixture(scope="module")
-def idle_threads(tmp_path_factory: pytest.TempPathFactory) -> KernelPool:
-    """Kernel threads as on an idle machine of four cores, whatever this one runs."""
-    return KernelPool(CoreGauge(tmp_path_factory.mktemp("idle") / "no-stat", cpus={0, 1, 2, 3}))
 
 
 @pytest.mark.parametrize("dtype", list(FORMATS))

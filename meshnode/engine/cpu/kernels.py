@@ -21,17 +21,19 @@ instead, a super-block's share at a time between the dot products.
   nothing is stored; the passes over a part (or a pool's chunk) loop inside one compiled
   call per format (a call per pass cost ~0.05 cycles a weight: the arrays' reference
   counts, a reshape, a division);
-- ``k`` rows (verify windows, batches): four weight rows are decoded once into a small
-  float32 buffer (L1-resident), then multiplied with the activation rows four at a time
-  as a 4 x 4 register tile of sixteen-lane vectors (each element its own chain, as
-  above), so ``k`` rows cost one pass over the weights, the decode is paid once, and
-  every vector loaded feeds four FMAs.
+- ``k`` rows (verify windows, batches): weight rows are decoded once into a small
+  float32 buffer (L1-resident: :mod:`.panels`' eight rows a block of 256 values at a time,
+  or four rows whole), then multiplied with the activation rows four at a time as a 4 x 4
+  register tile of sixteen-lane vectors (each element its own chain, as above), so ``k``
+  rows cost one pass over the weights, the decode is paid once, and every vector loaded
+  feeds four FMAs.
 
 The register tiles come in two forms (:func:`tile_form`, chosen while compiling), the
-same bits: the above where the CPU has 32 vector registers (AVX-512), and for sixteen
-(AVX2) :mod:`.narrow`'s tiles of two rows eight lanes wide over blocks of the decoded
-rows in the L1, and the K-quants' one-row passes (Q4_K, Q6_K) reading the four rows'
-scales from the scratch (broadcast loads) instead of keeping them in registers that spill.
+same bits: the above where the CPU has 32 vector registers (AVX-512: :mod:`.panels`, the
+plain floats' four rows whole here), and for sixteen (AVX2) :mod:`.narrow`'s tiles of two
+rows eight lanes wide over blocks of the decoded rows in the L1, and the K-quants'
+one-row passes (Q4_K, Q6_K) reading the four rows' scales from the scratch (broadcast
+loads) instead of keeping them in registers that spill.
 
 Each product exists whole, for the calling thread alone, and as a C function computing one
 chunk of output rows, for :mod:`.pool`'s threads (which claim chunks one at a time).
@@ -56,10 +58,12 @@ from numba.np.numpy_support import carray
 from meshnode.engine.cpu import fp4_exact, pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
 from meshnode.engine.cpu.blocks import chunk, format_row
-from meshnode.engine.cpu.fp4 import shuffles_bytes
 from meshnode.engine.cpu.groups import group_chunk, group_chunk_at, group_chunks, group_scales
 from meshnode.engine.cpu.lookup import permutes
-from meshnode.engine.cpu.narrow import fits, rows8
+from meshnode.engine.cpu.narrow import fp4_shuffled, literal_form, narrow_rows
+from meshnode.engine.cpu.panels import panel_rows
+from meshnode.engine.cpu.panels import scratch as panel_scratch
+from meshnode.engine.cpu.panels import takes as panels_take
 from meshnode.engine.cpu.simd import (
     INNER,
     entry,
@@ -223,7 +227,7 @@ def _super4_typed(fmt, form, rows, g, buf, x, acc):  # type: ignore[no-untyped-d
     # loaded), one row against the registers: Q6_K 1.45-1.69x as fast, Q4_K 1.40-1.46x
     # (once _step4_at was inlined). Inlined itself (numba's inline="always"): as a call,
     # each super-block passed the chains through memory (Q6_K's pass ~0.9x as fast)
-    buffered = _literal_form(form) == 8 and format_row(fmt).name in ("Q4_K", "Q6_K")
+    buffered = literal_form(form) == 8 and format_row(fmt).name in ("Q4_K", "Q6_K")
     return _super4_buf if buffered else _super4_regs
 
 
@@ -246,7 +250,7 @@ def _pass4_any(
 def _pass4_typed(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-untyped-def]
     # the format's own passes, chosen while compiling (.blocks.format_row); a K-quant's
     # take the registers' form (tile_form's) on to _super4_any; MXFP4's on AVX2, .fp4_exact
-    if _fp4_shuffled(fmt, form):
+    if fp4_shuffled(fmt, form):
         return _pass4_fp4
     return _pass4_k if format_row(fmt).block_size == 256 else _pass4_blocks
 
@@ -254,19 +258,6 @@ def _pass4_typed(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore
 def _pass4_fp4(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-untyped-def]
     # buf (4 n_in float32) holds the permuted activation row
     return fp4_exact.pass4(raw, x, out, o, hi, col, n_in, buf)
-
-
-def _fp4_shuffled(fmt: Any, form: Any) -> bool:
-    # whether MXFP4's products take .fp4_exact's byte-shuffle decoder (the same bits):
-    # eight-lane tiles and 256-bit vpshufb (AVX2); AVX-512 keeps .lookup's vpermps
-    return format_row(fmt).name == "MXFP4" and _literal_form(form) == 8 and shuffles_bytes()
-
-
-def _literal_form(form: Any) -> int:
-    if not isinstance(form, types.IntegerLiteral):
-        raise TypingError(f"a tile form must be a compile-time constant, got {form}")
-    value: int = form.literal_value
-    return value
 
 
 def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
@@ -405,39 +396,6 @@ def _tiles(w, x, out, c, n_in):  # type: ignore[no-untyped-def]
             out[r, c + j] = d4[j]
 
 
-def _narrow_any(
-    fmt: Any, form: Any, raw: Any, x: Any, out: Any, o: Any, hi: Any, col: Any, w: Any, n_in: Any
-) -> Any:
-    raise TypeError("for compiled code")
-
-
-@overload(_narrow_any, prefer_literal=True, jit_options=INNER)
-def _narrow_typed(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-    # form 8: .narrow's tiles (eight lanes, blocks in the L1) where the scratch holds
-    # them; returns the first row not done, which the sixteen-lane tiles take
-    if _literal_form(form) != 8:
-        return lambda fmt, form, raw, x, out, o, hi, col, w, n_in: o
-    if _fp4_shuffled(fmt, form):
-        return _narrow_fp4
-
-    def narrow(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-        if not fits(n_in, out.shape[0], w.shape[0]):
-            return o
-        return rows8(fmt, raw, x, out, o, hi, col, w, n_in)
-
-    return narrow
-
-
-def _narrow_fp4(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-    # MXFP4's k rows on AVX2 (.fp4_exact's decoder): two in registers, more by .narrow's
-    # tiles
-    if out.shape[0] == 2:
-        return fp4_exact.pass2(raw, x, out, o, hi, col, n_in, w)
-    if not fits(n_in, out.shape[0], w.shape[0]):
-        return o
-    return rows8(fmt, raw, x, out, o, hi, col, w, n_in)
-
-
 def tile_form() -> int:
     """The lanes of the register tiles the k-row products use on this CPU: 16 where it
     has 32 vector registers (AVX-512), else 8 (AVX2's 16 registers would spill a 4 x 4
@@ -465,7 +423,8 @@ def _rows(fmt, form, many, raw, x, out, lo, hi, col, w):  # type: ignore[no-unty
     # drops the wraparound of negative indices from the row loops (as for a literal 0: as
     # fast, one compiled _rows per format for the serial products and the chunks alike)
     lo = max(lo, 0)
-    k, n_in = out.shape[0], w.shape[0] // 4
+    k = out.shape[0]
+    n_in = x.shape[0] // k
     o = _quads_any(fmt, form, many, raw, x, out, lo, hi, col, w, n_in)
     while o < hi:  # the last rows of a part whose length is not a multiple of four
         _decode_any(fmt, raw[o], w, np.int64(0), n_in)  # int64: one compiled decoder
@@ -502,9 +461,28 @@ def _quads_typed(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ig
 
 
 def _quads_k(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-    # k activation rows: sixteen registers take .narrow's tiles; then, or on 32, four
-    # weight rows decoded, then a register tile per four rows
-    o = _narrow_any(fmt, form, raw, x, out, o, hi, col, w, n_in)
+    # k activation rows: sixteen registers take .narrow's tiles, 32 .panels' (each where
+    # its scratch holds them); the plain floats and the rest, _fours
+    o = narrow_rows(fmt, form, raw, x, out, o, hi, col, w, n_in)
+    o = panel_rows(fmt, form, raw, x, out, o, hi, col, w, n_in)
+    return _fours_any(fmt, form, raw, x, out, o, hi, col, w, n_in)
+
+
+def _fours_any(*args: Any) -> Any:  # (fmt, form, raw, x, out, o, hi, col, w, n_in)
+    raise TypeError("for compiled code")
+
+
+@overload(_fours_any, prefer_literal=True, inline="always", jit_options=INNER)
+def _fours_typed(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    # not compiled where .panels take every pass of four (a k-row product's first compile
+    # the shorter by its 4 x 4 tiles, ~20 % of its time)
+    if panels_take(fmt, form):
+        return lambda fmt, form, raw, x, out, o, hi, col, w, n_in: o
+    return _fours
+
+
+def _fours(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    # four weight rows decoded, then a register tile per four activation rows
     while o + 4 <= hi:
         for i in range(4):
             _ahead(raw, o + i)
@@ -517,6 +495,13 @@ def _quads_k(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore
 _quads_k_jit = njit(inline="always")(_quads_k)
 
 
+@njit(inline="always")
+def _scratch(many, n_in):  # type: ignore[no-untyped-def]
+    # float32 of a product's scratch: a one-row pass's scales or permuted activations (4
+    # n_in), or four decoded rows and .panels' chains
+    return 4 * n_in if many == ONE_ROW else panel_scratch(n_in)
+
+
 def _chunk_product(fa: int, fb: int, fc: int, form: int, many: int) -> Any:
     @cfunc(types.void(types.int64, types.int64, types.int64), cache=True)
     @variant(fa, fb, fc, form, many)
@@ -526,11 +511,13 @@ def _chunk_product(fa: int, fb: int, fc: int, form: int, many: int) -> Any:
         x = carray(ptr_f32(st[_X]), (k * n_in,))
         out = carray(ptr_f32(st[_OUT]), (k, st[_N_OUT]))
         # the thread's scratch from its first 64-byte line where its row has room to move
-        # up to 15 floats on (the pool's rows have 7 n_in floats, these kernels use 4 n_in)
+        # up to 15 floats on (the pool's rows: 7 n_in floats, 4 n_in + pool.PANEL_CHAINS
+        # at least)
+        size = _scratch(many, n_in)
         w_at = st[_SCRATCH] + 4 * who * st[_STRIDE]
-        if st[_STRIDE] >= 4 * n_in + 16:
+        if st[_STRIDE] >= size + 16:
             w_at = line_up(w_at)
-        w = carray(ptr_f32(w_at), (4 * n_in,))
+        w = carray(ptr_f32(w_at), (size,))
         ca, cb = st[_CA], st[_CB]
         if ch < ca:
             a = read_only(carray(ptr_u8(st[_A]), (na, st[_RBA])))
@@ -553,7 +540,7 @@ def _serial_product(fa: int, fb: int, fc: int, form: int, many: int) -> Any:
     @variant(fa, fb, fc, form, many)
     def product(a, b, c, x, out):  # type: ignore[no-untyped-def]
         zero, na, nab = np.int64(0), a.shape[0], a.shape[0] + b.shape[0]
-        w = lined(4 * (x.shape[0] // out.shape[0]))
+        w = lined(_scratch(many, x.shape[0] // out.shape[0]))
         # int64 arguments, as the chunks': one compiled _rows per format
         _rows(fa, form, many, a, x, out, zero, na, zero, w)
         _rows(fb, form, many, b, x, out, zero, b.shape[0], na, w)

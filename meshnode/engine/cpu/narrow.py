@@ -32,7 +32,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.core.errors import TypingError
 from numba.extending import overload
 
 from meshnode.engine.cpu import fp4_exact
@@ -43,7 +44,7 @@ from meshnode.engine.cpu.q8_0_exact import decode_block
 from meshnode.engine.cpu.simd import INNER, inner, vadd, vfma, vload, vstore, vsum, vzero, wstore
 from meshnode.engine.cpu.simd_int import prefetch
 
-__all__ = ["BLOCK", "fits", "rows8"]
+__all__ = ["BLOCK", "fits", "fp4_shuffled", "literal_form", "narrow_rows", "rows8"]
 
 # values of the four weight rows decoded at a time (a K-quant super-block; eight blocks of
 # the 32-value formats): 4 KiB of float32
@@ -233,3 +234,48 @@ def rows8(fmt, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def
                 out[r, col + o + i] = _lanes_sum(fmt, vload(w, at), vload(w, at + 8))
         o += 4
     return o
+
+
+def literal_form(form: Any) -> int:
+    """A tile form's value (:func:`.kernels.tile_form`), a compile-time constant."""
+    if not isinstance(form, types.IntegerLiteral):
+        raise TypingError(f"a tile form must be a compile-time constant, got {form}")
+    value: int = form.literal_value
+    return value
+
+
+def fp4_shuffled(fmt: Any, form: Any) -> bool:
+    """Whether MXFP4's products take :mod:`.fp4_exact`'s byte-shuffle decoder (the same
+    bits): eight-lane tiles and 256-bit ``vpshufb`` (AVX2); AVX-512 keeps :mod:`.lookup`'s
+    ``vpermps``."""
+    return format_row(fmt).name == "MXFP4" and literal_form(form) == 8 and shuffles_bytes()
+
+
+def narrow_rows(*args: Any) -> Any:  # (fmt, form, raw, x, out, o, hi, col, w, n_in)
+    """Form 8 (:func:`.kernels.tile_form`): :func:`rows8` where the scratch holds its tiles
+    (:func:`fits`); returns the first row not done, which the next tiles take."""
+    raise TypeError("for compiled code")
+
+
+@overload(narrow_rows, prefer_literal=True, jit_options=INNER)
+def _narrow_rows(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    if literal_form(form) != 8:
+        return lambda fmt, form, raw, x, out, o, hi, col, w, n_in: o
+    if fp4_shuffled(fmt, form):
+        return _narrow_fp4
+
+    def narrow(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+        if not fits(n_in, out.shape[0], w.shape[0]):
+            return o
+        return rows8(fmt, raw, x, out, o, hi, col, w, n_in)
+
+    return narrow
+
+
+def _narrow_fp4(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    # MXFP4's k rows on AVX2 (.fp4_exact's decoder): two in registers, more by the tiles
+    if out.shape[0] == 2:
+        return fp4_exact.pass2(raw, x, out, o, hi, col, n_in, w)
+    if not fits(n_in, out.shape[0], w.shape[0]):
+        return o
+    return rows8(fmt, raw, x, out, o, hi, col, w, n_in)

@@ -89,6 +89,7 @@ from meshnode.engine.cpu.pool_words import (
 
 __all__ = [
     "CHUNK_ROWS",
+    "PANEL_CHAINS",
     "SAMPLE_SECONDS",
     "CoreGauge",
     "KernelPool",
@@ -111,6 +112,9 @@ __all__ = [
 # thread's CPU time x 1.05 against 1.01 for q8, x 1.01 against 0.97 exact; each chunk
 # starts with weights not yet asked for).
 CHUNK_ROWS = 32
+# float32 a thread's scratch holds beyond 4 n_in, at least: .panels.CHAINS and the 15
+# floats its start may move on to a 64-byte line
+PANEL_CHAINS = 2048 + 16
 CHUNK_WORK = 1 << 19
 CHUNKS_PER_THREAD = 8
 # How long a helper spins for the next chunk before it sleeps: longer than the gaps
@@ -324,9 +328,9 @@ class KernelPool:
         """Post the job, wake the helpers that sleep, do the caller's share."""
         k = out.shape[0]
         n_in = x.shape[0] // k
-        # scratch a thread: the exact kernels' 4 n_in decoded values, the q8 tiles' 26 n_in
-        # bytes (.q8_tiles.scratch_bytes)
-        self._start(threads, 7 * n_in)
+        # scratch a thread: the exact kernels' 4 n_in decoded values or .panels' blocks, the
+        # q8 tiles' 26 n_in bytes (.q8_tiles.scratch_bytes)
+        self._start(threads, max(7 * n_in, 4 * n_in + PANEL_CHAINS))
         plan = self.plan_of(fn, parts, k, n_in, out.shape[1], threads)
         gen = self._gen % _MAX_GEN + 1
         a, b, c = parts
