@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.extending import overload
 
 from meshnode.engine.cpu.blocks import f16, format_row
@@ -44,6 +44,7 @@ from meshnode.engine.cpu.simd import (
     wlow_nibbles,
     wmul,
     wsplat,
+    wstore,
     wzero,
 )
 from meshnode.engine.cpu.sixbit import wq6_quarter
@@ -53,6 +54,7 @@ __all__ = [
     "group_chunk",
     "group_chunk_at",
     "group_chunks",
+    "group_rows",
     "group_scales",
     "wlane_splat",
     "wq4k_scales",
@@ -326,3 +328,22 @@ def _group_chunk_at(fmt, row, g, s, buf, at):  # type: ignore[no-untyped-def]
     if name == "Q6_K":
         return _q6_k_quarters_at
     return _chunk_no_buf
+
+
+@njit(inline="always")
+def group_rows(fmt, raw, o, rows, w, j0, m, stride):  # type: ignore[no-untyped-def]
+    """Values ``j0 .. j0 + m - 1`` of weight rows ``o .. o + rows - 1`` of ``raw`` (format
+    ``fmt``) into ``w[stride i ..]`` (row ``i``), a group at a time (``j0`` and ``m`` whole
+    groups: a K-quant's super-block, a 32-value block): the k-row passes' decoded blocks
+    (:mod:`.narrow`, :mod:`.panels`)."""
+    n = group_chunks(fmt)
+    size = 32 * n
+    for i in range(rows):
+        row = raw[o + i]
+        for g in range(j0 // size, (j0 + m) // size):
+            sc = group_scales(fmt, row, g)
+            for s in range(n):
+                w0, w1 = group_chunk(fmt, row, g, s, sc)
+                at = stride * i + 32 * (n * g + s) - j0
+                wstore(w, at, w0)
+                wstore(w, at + 16, w1)

@@ -39,9 +39,9 @@ from numba.extending import overload
 from meshnode.engine.cpu import fp4_exact
 from meshnode.engine.cpu.blocks import format_row
 from meshnode.engine.cpu.fp4 import shuffles_bytes
-from meshnode.engine.cpu.groups import group_chunk, group_chunks, group_scales
+from meshnode.engine.cpu.groups import group_rows
 from meshnode.engine.cpu.q8_0_exact import decode_block
-from meshnode.engine.cpu.simd import INNER, inner, vadd, vfma, vload, vstore, vsum, vzero, wstore
+from meshnode.engine.cpu.simd import INNER, inner, vadd, vfma, vload, vstore, vsum, vzero
 from meshnode.engine.cpu.simd_int import prefetch
 
 __all__ = ["BLOCK", "fits", "fp4_shuffled", "literal_form", "narrow_rows", "rows8"]
@@ -61,19 +61,8 @@ def fits(n_in, k, scratch):  # type: ignore[no-untyped-def]
 
 
 def _decode_groups(fmt, raw, o, w, j0, m):  # type: ignore[no-untyped-def]
-    # values j0 .. j0 + m - 1 of weight rows o .. o + 3 into w[256 i ..] (row i), a group
-    # at a time (j0 and m whole groups: a K-quant's super-block, a 32-value block)
-    n = group_chunks(fmt)
-    size = 32 * n
-    for i in range(4):
-        row = raw[o + i]
-        for g in range(j0 // size, (j0 + m) // size):
-            sc = group_scales(fmt, row, g)
-            for s in range(n):
-                w0, w1 = group_chunk(fmt, row, g, s, sc)
-                at = BLOCK * i + 32 * (n * g + s) - j0
-                wstore(w, at, w0)
-                wstore(w, at + 16, w1)
+    # values j0 .. j0 + m - 1 of weight rows o .. o + 3 into w[256 i ..] (row i)
+    group_rows(fmt, raw, o, 4, w, j0, m, BLOCK)
 
 
 def _decode_q8_0(fmt, raw, o, w, j0, m):  # type: ignore[no-untyped-def]

@@ -30,7 +30,7 @@ from numba import njit
 from numba.extending import overload
 
 from meshnode.engine.cpu.blocks import format_row
-from meshnode.engine.cpu.groups import group_chunk, group_chunks, group_scales
+from meshnode.engine.cpu.groups import group_rows
 from meshnode.engine.cpu.narrow import literal_form
 from meshnode.engine.cpu.simd import INNER, inner, wfma, wlane, wload, wstore, wsum, wsums, wzero
 from meshnode.engine.cpu.simd_int import prefetch
@@ -84,23 +84,6 @@ def fits(n_in, k, size):  # type: ignore[no-untyped-def]
     activation rows of ``n_in`` (else the rows are left to the row-at-a-time loop, the
     same sums)."""
     return size >= _layout(n_in)[2] + 16 * ROWS * k
-
-
-@njit(inline="always")
-def _decode(fmt, raw, o, rows, w, j0, m, blk):  # type: ignore[no-untyped-def]
-    # values j0 .. j0 + m - 1 of weight rows o .. o + rows - 1 into w[blk i ..] (row i), a
-    # group at a time (j0 and m whole groups: a K-quant's super-block, a 32-value block)
-    n = group_chunks(fmt)
-    size = 32 * n
-    for i in range(rows):
-        row = raw[o + i]
-        for g in range(j0 // size, (j0 + m) // size):
-            sc = group_scales(fmt, row, g)
-            for s in range(n):
-                w0, w1 = group_chunk(fmt, row, g, s, sc)
-                at = blk * i + 32 * (n * g + s) - j0
-                wstore(w, at, w0)
-                wstore(w, at + 16, w1)
 
 
 @njit(inline="always")
@@ -237,7 +220,7 @@ def panels(fmt, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-de
             for line in range(0, share, 64):
                 if first + line < flat.shape[0]:
                     prefetch(flat, first + line)
-            _decode(fmt, raw, o, rows, w, j0, m, blk)
+            group_rows(fmt, raw, o, rows, w, j0, m, blk)
             for q in range(rows // 4):
                 r = 0
                 while r + 4 <= k:
