@@ -33,7 +33,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import overload
 
-from meshnode.engine.cpu.blocks import f16, format_row
+from meshnode.engine.cpu.blocks import format_row
 from meshnode.engine.cpu.lookup import permutes, wiota, wlookup
 from meshnode.engine.cpu.simd import (
     INNER,
@@ -76,26 +76,33 @@ def _bytes16(context: Any, builder: Any, aryty: Any, ary: Any, off: Any) -> Any:
     return builder.load(ptr, align=1)
 
 
-def _halves(context: Any, builder: Any, sig: Any, lo: Any, hi: Any) -> Any:
-    # lanes 0-7 the float32 lo, lanes 8-15 hi
-    undef = ir.Constant(_F16, ir.Undefined)
-    vec = builder.insert_element(undef, lo, ir.Constant(_I32, 0))
-    vec = builder.insert_element(vec, hi, ir.Constant(_I32, 1))
-    return builder.shuffle_vector(vec, undef, _ints([0] * 8 + [1] * 8))
+def _factors(context: Any, builder: Any, aryty: Any, ary: Any, off: Any, lanes: list[int]) -> Any:
+    # the two float16 at byte off (four bytes, one load) as float32, lane i of the result
+    # lanes[i] of them. A load that fills a whole register: a scalar float16 load is a
+    # vpinsrw into whichever register the allocator picks, keeping its old lanes, and
+    # where it picked one the loop wrote last every super-block waited on the one before
+    # (.simd.wsplat_f16)
+    data = context.make_array(aryty)(context, builder, ary).data
+    two = ir.VectorType(ir.HalfType(), 2)
+    halves = builder.load(builder.bitcast(builder.gep(data, [off]), two.as_pointer()), align=1)
+    floats = builder.fpext(halves, ir.VectorType(ir.FloatType(), 2))
+    return builder.shuffle_vector(floats, floats, _ints(lanes))
 
 
 @intrinsic
-def wq4k_scales(typingctx: Any, row: Any, off: Any, d: Any, neg_dmin: Any) -> Any:
-    """Q4_K's eight six-bit scales and mins (the 12 bytes at ``off``) times their factors:
-    lane ``s`` is ``d * sc[s]``, lane ``8 + s`` is ``-dmin * m[s]`` (``neg_dmin``), the
-    scalar :func:`.blocks.k_scale_min` of each sub-block ``s`` unpacked in integer lanes
-    at once. Each product is one float32 rounding of the same operands, so the same bits
-    as :func:`.wide._q4_k`'s ``d * sc`` and ``-(dmin * m)`` (rounding is symmetric)."""
+def wq4k_scales(typingctx: Any, row: Any, off: Any) -> Any:
+    """Q4_K's eight six-bit scales and mins times their factors, of the super-block at byte
+    ``off`` (``d`` f16, ``dmin`` f16, the 12 scale bytes): lane ``s`` is ``d * sc[s]``,
+    lane ``8 + s`` is ``-dmin * m[s]``, the scalar :func:`.blocks.k_scale_min` of each
+    sub-block ``s`` unpacked in integer lanes at once. Each product is one float32
+    rounding of the same operands, so the same bits as :func:`.wide._q4_k`'s ``d * sc``
+    and ``-(dmin * m)`` (rounding is symmetric, the negation exact)."""
     if not (isinstance(row, types.Array) and row.dtype == types.uint8 and row.layout == "C"):
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        q = builder.zext(_bytes16(context, builder, sig.args[0], args[0], args[1]), _V16)
+        at = builder.add(args[1], ir.Constant(args[1].type, 4))
+        q = builder.zext(_bytes16(context, builder, sig.args[0], args[0], at), _V16)
         undef = ir.Constant(_V16, ir.Undefined)
         # sc[s < 4] = q[s] & 63, m[s < 4] = q[s + 4] & 63; for s >= 4: sc = q[s + 4] & 15
         # | (q[s - 4] >> 6) << 4, m = q[s + 4] >> 4 | (q[s] >> 6) << 4
@@ -111,15 +118,18 @@ def wq4k_scales(typingctx: Any, row: Any, off: Any, d: Any, neg_dmin: Any) -> An
             _ints(([0] * 4 + [48] * 4) * 2),
         )
         ints = builder.sitofp(builder.or_(low, top), _F16)
-        return builder.fmul(ints, _halves(context, builder, sig, args[2], args[3]))
+        factors = _factors(context, builder, sig.args[0], args[0], args[1], [0] * 8 + [1] * 8)
+        signs = ir.Constant(_F16, [1.0] * 8 + [-1.0] * 8)
+        return builder.fmul(ints, builder.fmul(factors, signs))
 
-    return F32x16(row, off, types.float32, types.float32), codegen
+    return F32x16(row, off), codegen
 
 
 @intrinsic
-def wq6k_scales(typingctx: Any, row: Any, off: Any, d: Any) -> Any:
-    """Q6_K's sixteen int8 scales at ``off`` times ``d``: lane ``t`` is ``d * sc[t]``, as
-    :func:`.wide._q6_k` computes each (exact: at most 18 significant bits)."""
+def wq6k_scales(typingctx: Any, row: Any, off: Any) -> Any:
+    """Q6_K's sixteen int8 scales at byte ``off`` times the float16 ``d`` right after them
+    (a super-block's last 18 bytes): lane ``t`` is ``d * sc[t]``, as :func:`.wide._q6_k`
+    computes each (exact: at most 18 significant bits)."""
     if not (isinstance(row, types.Array) and row.dtype == types.uint8 and row.layout == "C"):
         return None
 
@@ -127,9 +137,11 @@ def wq6k_scales(typingctx: Any, row: Any, off: Any, d: Any) -> Any:
         sc = builder.sitofp(
             builder.sext(_bytes16(context, builder, sig.args[0], args[0], args[1]), _V16), _F16
         )
-        return builder.fmul(sc, _halves(context, builder, sig, args[2], args[2]))
+        # d with the last two scale bytes before it: a load within the super-block
+        at = builder.add(args[1], ir.Constant(args[1].type, 14))
+        return builder.fmul(sc, _factors(context, builder, sig.args[0], args[0], at, [1] * 16))
 
-    return F32x16(row, off, types.float32), codegen
+    return F32x16(row, off), codegen
 
 
 @intrinsic
@@ -149,7 +161,7 @@ def wlane_splat(typingctx: Any, v: Any, i: Any) -> Any:
 
 def _q4_k_scales(fmt, row, g):  # type: ignore[no-untyped-def]
     o = 144 * g  # d f16 | dmin f16 | scales[12] | qs[128]
-    return wq4k_scales(row, o + 4, f16(row, o), -f16(row, o + 2))
+    return wq4k_scales(row, o)
 
 
 def _q4_k_chunk(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
@@ -173,7 +185,7 @@ def _q4_k_looked_up(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]
 def _q6_k_quarter_scales(fmt, row, g):  # type: ignore[no-untyped-def]
     # d sc / 4 per sixteen values: sixbit's quants are 4 (q - 32) (exact, see there)
     o = 210 * g
-    return wmul(wq6k_scales(row, o + 192, f16(row, o + 208)), wsplat(np.float32(0.25)))
+    return wmul(wq6k_scales(row, o + 192), wsplat(np.float32(0.25)))
 
 
 def _q6_k_quarters(fmt, row, g, s, sc):  # type: ignore[no-untyped-def]

@@ -199,6 +199,40 @@ def _sums(w, out, r, q, col, c):  # type: ignore[no-untyped-def]
 
 
 @inner
+def _block(w, x, k, rows, n_in, j0, m, blk, c, first):  # type: ignore[no-untyped-def]
+    # the k activation rows times the decoded block (values j0 .. j0 + m - 1) of a panel's
+    # rows, every 4 x 4 tile (then the 2 x 4 and 1 x 4 of the last rows) continuing its
+    # chains. Its own compiled function, not inlined in each format's panels: it holds no
+    # format, so one compile serves them all (numba typed and lowered the tiles once per
+    # format, ~3 s of a first start each)
+    for q in range(rows // 4):
+        r = 0
+        while r + 4 <= k:
+            _tile4(w, x, q, r, n_in, j0, m, blk, c, first)
+            r += 4
+        if r + 2 <= k:
+            _tile2(w, x, q, r, n_in, j0, m, blk, c, first)
+            r += 2
+        if r < k:
+            _tile1(w, x, q, r, n_in, j0, m, blk, c, first)
+
+
+@inner
+def _panel_sums(w, out, k, rows, col, c):  # type: ignore[no-untyped-def]
+    # a panel's chains into out[.., col ..] (col: its first weight row's column), one
+    # compile for every format as _block's
+    r = 0
+    while r + 4 <= k:
+        for q in range(rows // 4):
+            _sums(w, out, r, q, col, c)
+        r += 4
+    while r < k:
+        for i in range(rows):
+            out[r, col + i] = wsum(wload(w, c + 16 * (r * ROWS + i)))
+        r += 1
+
+
+@inner
 def panels(fmt, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
     """Weight rows ``o ..`` of ``raw`` (format ``fmt``) times the ``k`` activation rows of
     ``x`` (flat) into columns ``col + o ..`` of ``out``: panels of :data:`ROWS` weight rows
@@ -221,25 +255,8 @@ def panels(fmt, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-de
                 if first + line < flat.shape[0]:
                     prefetch(flat, first + line)
             group_rows(fmt, raw, o, rows, w, j0, m, blk)
-            for q in range(rows // 4):
-                r = 0
-                while r + 4 <= k:
-                    _tile4(w, x, q, r, n_in, j0, m, blk, c, j0 == 0)
-                    r += 4
-                if r + 2 <= k:
-                    _tile2(w, x, q, r, n_in, j0, m, blk, c, j0 == 0)
-                    r += 2
-                if r < k:
-                    _tile1(w, x, q, r, n_in, j0, m, blk, c, j0 == 0)
-        r = 0
-        while r + 4 <= k:
-            for q in range(rows // 4):
-                _sums(w, out, r, q, col + o, c)
-            r += 4
-        while r < k:
-            for i in range(rows):
-                out[r, col + o + i] = wsum(wload(w, c + 16 * (r * ROWS + i)))
-            r += 1
+            _block(w, x, k, rows, n_in, j0, m, blk, c, j0 == 0)
+        _panel_sums(w, out, k, rows, col + o, c)
         o += rows
     return o
 

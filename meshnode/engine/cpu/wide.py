@@ -51,6 +51,7 @@ from meshnode.engine.cpu.simd import (
     wq5c_high,
     wq5c_low,
     wsplat,
+    wsplat_f16,
 )
 
 __all__ = ["I32x16", "wbits", "wchunk", "wior", "wishl", "wisub", "wq6", "wtof"]
@@ -194,7 +195,7 @@ def wq6(typingctx: Any, row: Any, ql: Any, qh: Any, shift: Any, hshift: Any) -> 
 
 def _q4_0(fmt, row, c):  # type: ignore[no-untyped-def]
     b = 18 * c  # d f16 | qs[16]: d * (nibble - 8)
-    d, minus8 = wsplat(f16(row, b)), wsplat(np.float32(-8.0))
+    d, minus8 = wsplat_f16(row, b), wsplat(np.float32(-8.0))
     return (
         wmul(d, wadd(wlow_nibbles(row, b + 2), minus8)),
         wmul(d, wadd(whigh_nibbles(row, b + 2), minus8)),
@@ -203,26 +204,26 @@ def _q4_0(fmt, row, c):  # type: ignore[no-untyped-def]
 
 def _q4_1(fmt, row, c):  # type: ignore[no-untyped-def]
     b = 20 * c  # d f16 | m f16 | qs[16]: d * nibble + m
-    d, m = wsplat(f16(row, b)), wsplat(f16(row, b + 2))
+    d, m = wsplat_f16(row, b), wsplat_f16(row, b + 2)
     return wfma(d, wlow_nibbles(row, b + 4), m), wfma(d, whigh_nibbles(row, b + 4), m)
 
 
 def _q5_0(fmt, row, c):  # type: ignore[no-untyped-def]
     b = 22 * c  # d f16 | qh u32 | qs[16]: d * (q - 16), gguf's Q5_0
-    d, qh = wsplat(f16(row, b)), u32(row, b + 2)
+    d, qh = wsplat_f16(row, b), u32(row, b + 2)
     return wmul(d, wq5c_low(row, b + 6, qh)), wmul(d, wq5c_high(row, b + 6, qh))
 
 
 def _q5_1(fmt, row, c):  # type: ignore[no-untyped-def]
     b = 24 * c  # d f16 | m f16 | qh u32 | qs[16]: d * q + m, gguf's Q5_1
-    d, m = wsplat(f16(row, b)), wsplat(f16(row, b + 2))
+    d, m = wsplat_f16(row, b), wsplat_f16(row, b + 2)
     qh = u32(row, b + 4)
     return wfma(d, wq5_low(row, b + 8, qh), m), wfma(d, wq5_high(row, b + 8, qh), m)
 
 
 def _q8_0(fmt, row, c):  # type: ignore[no-untyped-def]
     b = 34 * c  # d f16 | qs int8[32]: q * d
-    d = wsplat(f16(row, b))
+    d = wsplat_f16(row, b)
     return wmul(wload_i8(row, b + 2), d), wmul(wload_i8(row, b + 18), d)
 
 
