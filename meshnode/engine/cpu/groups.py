@@ -81,7 +81,7 @@ def _factors(context: Any, builder: Any, aryty: Any, ary: Any, off: Any, lanes: 
     # lanes[i] of them. A load that fills a whole register: a scalar float16 load is a
     # vpinsrw into whichever register the allocator picks, keeping its old lanes, and
     # where it picked one the loop wrote last every super-block waited on the one before
-    # (.simd.wsplat_f16)
+    # (.wide.wsplat_f16)
     data = context.make_array(aryty)(context, builder, ary).data
     two = ir.VectorType(ir.HalfType(), 2)
     halves = builder.load(builder.bitcast(builder.gep(data, [off]), two.as_pointer()), align=1)

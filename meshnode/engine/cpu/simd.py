@@ -61,7 +61,6 @@ __all__ = [
     "wq5c_high",
     "wq5c_low",
     "wsplat",
-    "wsplat_f16",
     "wstore",
     "wsum",
     "wsums",
@@ -517,30 +516,6 @@ def _byte_load(elem: Any, convert: str, out: Any, doc: str) -> Any:
 load_f16 = _byte_load(ir.IntType(16), "half", F32x8, "Eight float16 at ``off``, as float32.")
 load_bf16 = _byte_load(ir.IntType(16), "bf16", F32x8, "Eight bfloat16 at ``off``, as float32.")
 load_f32 = _byte_load(_F, "none", F32x8, "Eight float32 at byte ``off``.")
-
-
-@intrinsic
-def wsplat_f16(typingctx: Any, row: Any, off: Any) -> Any:
-    """All sixteen lanes the float16 at byte ``off`` of a ``uint8`` row, as float32 (a
-    block's scale): one ``vpbroadcastw`` from memory and a sixteen-lane ``vcvtph2ps``. A
-    scalar float16 load is a ``vpinsrw`` into whatever register the allocator picks, and
-    keeps that register's old lanes: where it picked the register the loop's last multiply
-    wrote, every block's scale waited on the block before (Q8_0's k-row decode 0.65-0.77x
-    as fast in one build, the same code otherwise). A broadcast writes all of it."""
-    if not _is_array(row, types.uint8):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        i16 = ir.IntType(16)
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), i16.as_pointer())
-        bits = builder.load(ptr, align=1)
-        undef = ir.Constant(ir.VectorType(i16, 2 * LANES), ir.Undefined)
-        one = builder.insert_element(undef, bits, ir.Constant(_I32, 0))
-        splat = builder.shuffle_vector(one, undef, ir.Constant(_VIW, [0] * 2 * LANES))
-        return builder.fpext(builder.bitcast(splat, ir.VectorType(ir.HalfType(), 2 * LANES)), _VW)
-
-    return F32x16(row, off), codegen
 
 
 # -- integer lanes -----------------------------------------------------------------------
