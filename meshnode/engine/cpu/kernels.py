@@ -372,10 +372,12 @@ def _ahead(raw, o):  # type: ignore[no-untyped-def]
             prefetch(flat, at + line)
 
 
-@njit(inline="always")
+@inner
 def _tiles(w, x, out, c, n_in):  # type: ignore[no-untyped-def]
     # the k activation rows times the four decoded weight rows of w into out[:, c .. c + 3]:
-    # 4 x 4 tiles of sixteen-lane vectors (32 registers: AVX-512), then two rows, then one
+    # 4 x 4 tiles of sixteen-lane vectors (32 registers: AVX-512), then two rows, then one.
+    # Its own compiled function, holding no format: one compile serves every format's
+    # _fours (inlined by numba, each format's compile copied and typed it again: issue 29)
     k = out.shape[0]
     r: Any = np.int64(0)  # not a literal 0: one compiled _dot4x4
     while r + 4 <= k:
@@ -450,19 +452,26 @@ def _quads_typed(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ig
             fmt, form, raw, x, out, o, hi, col, n_in, w
         )
     if many.literal_value == K_ROWS:
-        return _quads_k
+        return lambda fmt, form, many, raw, x, out, o, hi, col, w, n_in: _quads_k(
+            fmt, form, raw, x, out, o, hi, col, w, n_in
+        )
 
     def either(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
         if out.shape[0] == 1:
             return _pass4_any(fmt, form, raw, x, out, o, hi, col, n_in, w)
-        return _quads_k_jit(fmt, form, many, raw, x, out, o, hi, col, w, n_in)
+        return _quads_k(fmt, form, raw, x, out, o, hi, col, w, n_in)
 
     return either
 
 
-def _quads_k(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+@inner
+def _quads_k(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
     # k activation rows: sixteen registers take .narrow's tiles, 32 .panels' (each where
-    # its scratch holds them); the plain floats and the rest, _fours
+    # its scratch holds them); the plain floats and the rest, _fours. Its own compiled
+    # function per format (and form), called by _rows: an overload inlined by numba
+    # (inline="always") is compiled whole once only to type it, then copied into its
+    # caller and typed again (numba's InlineOverloads), which made a k-row _rows' first
+    # compile about 3x as long on AVX2 (issue 29)
     o = narrow_rows(fmt, form, raw, x, out, o, hi, col, w, n_in)
     o = panel_rows(fmt, form, raw, x, out, o, hi, col, w, n_in)
     return _fours_any(fmt, form, raw, x, out, o, hi, col, w, n_in)
@@ -478,11 +487,15 @@ def _fours_typed(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[n
     # the shorter by its 4 x 4 tiles, ~20 % of its time)
     if panels_take(fmt, form):
         return lambda fmt, form, raw, x, out, o, hi, col, w, n_in: o
-    return _fours
+    return lambda fmt, form, raw, x, out, o, hi, col, w, n_in: _fours(
+        fmt, raw, x, out, o, hi, col, w, n_in
+    )
 
 
-def _fours(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-    # four weight rows decoded, then a register tile per four activation rows
+@inner
+def _fours(fmt, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    # four weight rows decoded, then a register tile per four activation rows (its own
+    # compiled function per format, as _quads_k)
     while o + 4 <= hi:
         for i in range(4):
             _ahead(raw, o + i)
@@ -490,9 +503,6 @@ def _fours(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-unty
         _tiles(w, x, out, col + o, n_in)
         o += 4
     return o
-
-
-_quads_k_jit = njit(inline="always")(_quads_k)
 
 
 @njit(inline="always")
