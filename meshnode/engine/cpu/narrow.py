@@ -184,8 +184,8 @@ def _tiles(w, x, k, n_in, j0, m):  # type: ignore[no-untyped-def]
     # the k activation rows times the decoded block, two rows (both halves) at a time
     r = 0
     while r + 2 <= k:
-        for h in range(0, 16, 8):  # a loop, not two calls: numba inlines _block2x4 once
-            _block2x4(w, x, r, n_in, j0, m, h)
+        _block2x4(w, x, r, n_in, j0, m, 0)
+        _block2x4(w, x, r, n_in, j0, m, 8)
         r += 2
     if r < k:
         _block1x4(w, x, r, n_in, j0, m)
