@@ -60,7 +60,7 @@ def parts(fid: int) -> dict[str, Any]:
     def tiles(raw, x, out, w):  # type: ignore[no-untyped-def]
         for _ in range(0, raw.shape[0] - 3, 4):
             for j0 in range(0, N_IN, BLOCK):
-                _tiles(w, x, out.shape[0], N_IN, j0, BLOCK)
+                _tiles(w.ctypes.data, x.ctypes.data, out.shape[0], N_IN, j0, BLOCK)
 
     return {"whole": whole, "decode": decode, "tiles": tiles}
 

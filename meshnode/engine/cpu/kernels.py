@@ -55,15 +55,13 @@ from numba.core.errors import TypingError
 from numba.extending import overload
 from numba.np.numpy_support import carray
 
-from meshnode.engine.cpu import fp4_exact, pool
+from meshnode.engine.cpu import fp4_exact, narrow, panels, pool
 from meshnode.engine.cpu.atomics import ptr_f32, ptr_i64, ptr_u8
 from meshnode.engine.cpu.blocks import chunk, format_row
 from meshnode.engine.cpu.groups import group_chunk, group_chunk_at, group_chunks, group_scales
 from meshnode.engine.cpu.lookup import permutes
-from meshnode.engine.cpu.narrow import fp4_shuffled, literal_form, narrow_rows
-from meshnode.engine.cpu.panels import panel_rows
+from meshnode.engine.cpu.narrow import fp4_shuffled, literal_form
 from meshnode.engine.cpu.panels import scratch as panel_scratch
-from meshnode.engine.cpu.panels import takes as panels_take
 from meshnode.engine.cpu.simd import (
     INNER,
     entry,
@@ -132,7 +130,7 @@ def _step4_at(fmt, rows, g, s, buf, x, p, acc):  # type: ignore[no-untyped-def]
     return a0, a1, a2, a3
 
 
-def _pass4_blocks(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-untyped-def]
+def _pass4_blocks(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
     # weight rows o .. hi - 1 of a 32-value format times the one activation row x, four
     # a pass (decoded in registers a block at a time) while four are left, into columns
     # col + o ..; returns the first row not done. The passes loop here, not in the
@@ -163,7 +161,7 @@ def _pass4_blocks(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignor
     return o
 
 
-def _pass4_k(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-untyped-def]
+def _pass4_k(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
     # the same for a K-quant, a super-block at a time: its scales decoded once
     # (:func:`_super4_any`). The next pass's four rows are asked for a super-block's share
     # at a time, between the dot products (a burst of them before the pass left the loads
@@ -178,7 +176,7 @@ def _pass4_k(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-
         for g in range(n_in // 256):
             for line in range(0, share, 64):
                 prefetch(flat, ahead + share * g + line)
-            acc = _super4_any(fmt, form, rows, g, buf, x, acc)
+            acc = _super4_any(fmt, form, rows, g, w, x, acc)  # w: the scales' buffer
         _put4(out, col + o, acc)
         o += 4
     return o
@@ -240,24 +238,9 @@ def _put4(out, c, acc):  # type: ignore[no-untyped-def]
     out[0, c + 3] = wsum(acc[3])
 
 
-def _pass4_any(
-    fmt: Any, form: Any, raw: Any, x: Any, out: Any, o: Any, hi: Any, col: Any, n_in: Any, buf: Any
-) -> Any:
-    raise TypeError("for compiled code")
-
-
-@overload(_pass4_any, prefer_literal=True, jit_options=INNER)
-def _pass4_typed(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-untyped-def]
-    # the format's own passes, chosen while compiling (.blocks.format_row); a K-quant's
-    # take the registers' form (tile_form's) on to _super4_any; MXFP4's on AVX2, .fp4_exact
-    if fp4_shuffled(fmt, form):
-        return _pass4_fp4
-    return _pass4_k if format_row(fmt).block_size == 256 else _pass4_blocks
-
-
-def _pass4_fp4(fmt, form, raw, x, out, o, hi, col, n_in, buf):  # type: ignore[no-untyped-def]
-    # buf (4 n_in float32) holds the permuted activation row
-    return fp4_exact.pass4(raw, x, out, o, hi, col, n_in, buf)
+def _pass4_fp4(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    # w (4 n_in float32) holds the permuted activation row
+    return fp4_exact.pass4(raw, x, out, o, hi, col, n_in, w)
 
 
 def _decode_wide(fmt, row, w, base, n_in):  # type: ignore[no-untyped-def]
@@ -439,63 +422,43 @@ def _quads_any(*args: Any) -> Any:  # (fmt, form, many, raw, x, out, o, hi, col,
     raise TypeError("for compiled code")
 
 
-@overload(_quads_any, prefer_literal=True, inline="always", jit_options=INNER)
+@overload(_quads_any, prefer_literal=True, jit_options=INNER)
 def _quads_typed(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
     # rows o .. of whole passes of four weight rows; returns the first row not done. The
     # one-row passes (every one of them: each format's _pass4 takes four rows while four
-    # are left) or the k rows' tiles, as ``many`` says (numba compiles both for ANY_ROWS)
+    # are left) or the k rows' tiles, as ``many`` says (both for ANY_ROWS, by the row
+    # count), chosen while compiling: the format's own passes (.blocks.format_row; a
+    # K-quant's take the registers' form on to _super4_any; MXFP4's on AVX2, .fp4_exact),
+    # and for k rows sixteen registers' .narrow tiles, 32's .panels (each where its scratch
+    # holds them, else the rows are left to _rows' row-at-a-time loop, the same sums), the
+    # plain floats on 32 _fours. The implementation is the passes' function itself, called
+    # by _rows: each layer between them (an overload's lambda, a function that only picks)
+    # compiled again, LLVM included, the code it calls (issue 29: ~12 s of a Gemma 3 first
+    # start on AVX2), and numba compiles an inline="always" overload whole only to type it
     if not isinstance(many, types.IntegerLiteral):
         raise TypingError(f"the rows a product takes must be a compile-time constant, got {many}")
     if many.literal_value == ONE_ROW:
-        # w: the scales' buffer
-        return lambda fmt, form, many, raw, x, out, o, hi, col, w, n_in: _pass4_any(
-            fmt, form, raw, x, out, o, hi, col, n_in, w
-        )
+        if fp4_shuffled(fmt, form):
+            return _pass4_fp4
+        return _pass4_k if format_row(fmt).block_size == 256 else _pass4_blocks
     if many.literal_value == K_ROWS:
-        return lambda fmt, form, many, raw, x, out, o, hi, col, w, n_in: _quads_k(
-            fmt, form, raw, x, out, o, hi, col, w, n_in
-        )
-
-    def either(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-        if out.shape[0] == 1:
-            return _pass4_any(fmt, form, raw, x, out, o, hi, col, n_in, w)
-        return _quads_k(fmt, form, raw, x, out, o, hi, col, w, n_in)
-
-    return either
+        if literal_form(form) == 8:
+            return narrow.k_rows_fp4 if fp4_shuffled(fmt, form) else narrow.k_rows
+        return panels.k_rows if panels.takes(fmt, form) else _fours
+    return _either
 
 
-@inner
-def _quads_k(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-    # k activation rows: sixteen registers take .narrow's tiles, 32 .panels' (each where
-    # its scratch holds them); the plain floats and the rest, _fours. Its own compiled
-    # function per format (and form), called by _rows: an overload inlined by numba
-    # (inline="always") is compiled whole once only to type it, then copied into its
-    # caller and typed again (numba's InlineOverloads), which made a k-row _rows' first
-    # compile about 3x as long on AVX2 (issue 29)
-    o = narrow_rows(fmt, form, raw, x, out, o, hi, col, w, n_in)
-    o = panel_rows(fmt, form, raw, x, out, o, hi, col, w, n_in)
-    return _fours_any(fmt, form, raw, x, out, o, hi, col, w, n_in)
+def _either(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    # ANY_ROWS: the one-row passes or the k rows' tiles, by the rows at run time
+    if out.shape[0] == 1:
+        return _quads_any(fmt, form, ONE_ROW, raw, x, out, o, hi, col, w, n_in)
+    return _quads_any(fmt, form, K_ROWS, raw, x, out, o, hi, col, w, n_in)
 
 
-def _fours_any(*args: Any) -> Any:  # (fmt, form, raw, x, out, o, hi, col, w, n_in)
-    raise TypeError("for compiled code")
-
-
-@overload(_fours_any, prefer_literal=True, inline="always", jit_options=INNER)
-def _fours_typed(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-    # not compiled where .panels take every pass of four (a k-row product's first compile
-    # the shorter by its 4 x 4 tiles, ~20 % of its time)
-    if panels_take(fmt, form):
-        return lambda fmt, form, raw, x, out, o, hi, col, w, n_in: o
-    return lambda fmt, form, raw, x, out, o, hi, col, w, n_in: _fours(
-        fmt, raw, x, out, o, hi, col, w, n_in
-    )
-
-
-@inner
-def _fours(fmt, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-    # four weight rows decoded, then a register tile per four activation rows (its own
-    # compiled function per format, as _quads_k)
+def _fours(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    # k rows of a plain float format on 32 registers: four weight rows decoded, then a
+    # register tile per four activation rows
+    o = max(o, 0)  # as _rows' lo
     while o + 4 <= hi:
         for i in range(4):
             _ahead(raw, o + i)

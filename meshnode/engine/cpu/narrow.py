@@ -35,8 +35,10 @@ import numpy as np
 from numba import njit, types
 from numba.core.errors import TypingError
 from numba.extending import overload
+from numba.np.numpy_support import carray
 
 from meshnode.engine.cpu import fp4_exact
+from meshnode.engine.cpu.atomics import ptr_f32
 from meshnode.engine.cpu.blocks import format_row
 from meshnode.engine.cpu.fp4 import shuffles_bytes
 from meshnode.engine.cpu.groups import group_rows
@@ -44,7 +46,7 @@ from meshnode.engine.cpu.q8_0_exact import decode_block
 from meshnode.engine.cpu.simd import INNER, inner, vadd, vfma, vload, vstore, vsum, vzero
 from meshnode.engine.cpu.simd_int import prefetch
 
-__all__ = ["BLOCK", "fits", "fp4_shuffled", "literal_form", "narrow_rows", "rows8"]
+__all__ = ["BLOCK", "fits", "fp4_shuffled", "k_rows", "k_rows_fp4", "literal_form", "rows8"]
 
 # values of the four weight rows decoded at a time (a K-quant super-block; eight blocks of
 # the 32-value formats): 4 KiB of float32
@@ -179,9 +181,16 @@ def _block1x4(w, x, r, n_in, j0, m):  # type: ignore[no-untyped-def]
     vstore(w, at + 56, b3)
 
 
-@njit(inline="always")
-def _tiles(w, x, k, n_in, j0, m):  # type: ignore[no-untyped-def]
-    # the k activation rows times the decoded block, two rows (both halves) at a time
+@inner
+def _tiles(w_at, x_at, k, n_in, j0, m):  # type: ignore[no-untyped-def]
+    # the k activation rows (flat at x_at) times the decoded block (in the scratch at
+    # w_at), two rows (both halves) at a time. Its own compiled function, holding no
+    # format: one compile serves every format's rows8 (inlined, each format's compile
+    # typed and lowered the tiles again: ~4 s a format on AVX2, issue 29). Its arrays come
+    # as addresses, rebuilt here: as array arguments (a reference count each, and ~20
+    # words pushed a call) a call a block made the 2- and 8-row passes 5-10 % slower
+    w = carray(ptr_f32(w_at), (_ACC + 64 * k,))
+    x = carray(ptr_f32(x_at), (k * n_in,))
     r = 0
     while r + 2 <= k:
         _block2x4(w, x, r, n_in, j0, m, 0)
@@ -216,7 +225,9 @@ def rows8(fmt, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def
                 if first + line < flat.shape[0]:
                     prefetch(flat, first + line)
             _decode_block(fmt, raw, o, w, j0, m)
-            _tiles(w, xs, k, n_in, j0, m)
+            # by address (both contiguous, as vload reads them), taken here in the loop:
+            # so xs (MXFP4's permuted copy) stays alive while the tiles read it
+            _tiles(w.ctypes.data, xs.ctypes.data, k, n_in, j0, m)
         for r in range(k):
             for i in range(4):
                 at = _ACC + 64 * r + 16 * i
@@ -240,29 +251,19 @@ def fp4_shuffled(fmt: Any, form: Any) -> bool:
     return format_row(fmt).name == "MXFP4" and literal_form(form) == 8 and shuffles_bytes()
 
 
-def narrow_rows(*args: Any) -> Any:  # (fmt, form, raw, x, out, o, hi, col, w, n_in)
-    """Form 8 (:func:`.kernels.tile_form`): :func:`rows8` where the scratch holds its tiles
-    (:func:`fits`); returns the first row not done, which the next tiles take."""
-    raise TypeError("for compiled code")
+def k_rows(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    """Form 8's k-row product of weight rows ``o ..`` (:func:`.kernels.tile_form`; the
+    arguments :func:`.kernels._rows`' passes take): :func:`rows8` where the scratch holds
+    its tiles (:func:`fits`), else ``o`` (the rows left to the row-at-a-time loop, the same
+    sums); returns the first row not done."""
+    if not fits(n_in, out.shape[0], w.shape[0]):
+        return o
+    return rows8(fmt, raw, x, out, o, hi, col, w, n_in)
 
 
-@overload(narrow_rows, prefer_literal=True, jit_options=INNER)
-def _narrow_rows(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-    if literal_form(form) != 8:
-        return lambda fmt, form, raw, x, out, o, hi, col, w, n_in: o
-    if fp4_shuffled(fmt, form):
-        return _narrow_fp4
-
-    def narrow(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-        if not fits(n_in, out.shape[0], w.shape[0]):
-            return o
-        return rows8(fmt, raw, x, out, o, hi, col, w, n_in)
-
-    return narrow
-
-
-def _narrow_fp4(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-    # MXFP4's k rows on AVX2 (.fp4_exact's decoder): two in registers, more by the tiles
+def k_rows_fp4(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    """:func:`k_rows` of MXFP4 on AVX2 (:mod:`.fp4_exact`'s decoder): two rows in
+    registers, more by the tiles."""
     if out.shape[0] == 2:
         return fp4_exact.pass2(raw, x, out, o, hi, col, n_in, w)
     if not fits(n_in, out.shape[0], w.shape[0]):

@@ -27,12 +27,11 @@ from __future__ import annotations
 from typing import Any
 
 from numba import njit
-from numba.extending import overload
 
 from meshnode.engine.cpu.blocks import format_row
 from meshnode.engine.cpu.groups import group_rows
 from meshnode.engine.cpu.narrow import literal_form
-from meshnode.engine.cpu.simd import INNER, inner, wfma, wlane, wload, wstore, wsum, wsums, wzero
+from meshnode.engine.cpu.simd import inner, wfma, wlane, wload, wstore, wsum, wsums, wzero
 from meshnode.engine.cpu.simd_int import prefetch
 
 __all__ = [
@@ -41,7 +40,7 @@ __all__ = [
     "MIN_N_IN",
     "ROWS",
     "fits",
-    "panel_rows",
+    "k_rows",
     "panels",
     "scratch",
     "takes",
@@ -269,20 +268,11 @@ def takes(fmt: Any, form: Any) -> bool:
     return literal_form(form) == 16 and format_row(fmt).lanes == 16
 
 
-def panel_rows(*args: Any) -> Any:  # (fmt, form, raw, x, out, o, hi, col, w, n_in)
-    """:func:`panels` where they :func:`takes` the rows and the scratch :func:`fits`; else
-    ``o`` (no rows done)."""
-    raise TypeError("for compiled code")
-
-
-@overload(panel_rows, prefer_literal=True, inline="always", jit_options=INNER)
-def _panel_rows(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-    if not takes(fmt, form):
-        return lambda fmt, form, raw, x, out, o, hi, col, w, n_in: o
-
-    def rows(fmt, form, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-        if not fits(n_in, out.shape[0], w.shape[0]):
-            return o
-        return panels(fmt, raw, x, out, o, hi, col, w, n_in)
-
-    return rows
+def k_rows(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+    """Form 16's k-row product of weight rows ``o ..`` of a format panels :func:`takes`
+    (the arguments :func:`.kernels._rows`' passes take): :func:`panels` where the scratch
+    :func:`fits`, else ``o`` (the rows left to the row-at-a-time loop, the same sums);
+    returns the first row not done."""
+    if not fits(n_in, out.shape[0], w.shape[0]):
+        return o
+    return panels(fmt, raw, x, out, o, hi, col, w, n_in)
