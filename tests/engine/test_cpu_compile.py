@@ -86,23 +86,26 @@ def compiled_in_fresh_process(tmp_path: Path, work: str) -> dict[str, Any]:
     return result
 
 
+# the k-row passes of a 32-value format, by the tile form (kernels.tile_form)
+_K_ROWS = {8: "meshnode.engine.cpu.narrow.k_rows", 16: "meshnode.engine.cpu.panels.k_rows"}
+
+
 def test_a_model_compiles_its_own_formats_once_each(tmp_path: Path) -> None:
-    """Only the Q4_1 and Q8_0 decoders are compiled, none of the other formats';
-    ``_rows`` (the tiles) once per format, not per format mix, array type or caller (the
-    serial products pass it the model's read-only memory, the kernel threads' chunks an
-    address); the pool's claim loop once."""
+    """Only the Q4_1 and Q8_0 decoders are compiled, none of the other formats'; the
+    one-row passes and the k-row tiles once per format, not per format mix, array type or
+    caller (the serial products pass them the model's read-only memory, the kernel
+    threads' chunks an address); the pool's claim loop once."""
     got = compiled_in_fresh_process(tmp_path, _PRODUCTS)
     assert got["posted"] > 0  # the kernel threads' chunks were compiled and ran
     compiled = got["compiled"]
     decoders = [name for name in compiled if name.rsplit(".", 1)[1] in _DECODERS]
     assert sorted(d.rsplit(".", 1)[1] for d in decoders) == ["_q4_1", "_q8_0"]
-    calls = compiled["meshnode.engine.cpu.kernels._rows"]
-    # once per format and row path: one activation row's passes, k rows' tiles
-    assert sorted(",".join(args.split(",")[0:3:2]) for args in calls) == [
-        f"(Literal[int]({fmt}), Literal[int]({many})"
-        for fmt in (4, 7)
-        for many in (kernels.ONE_ROW, kernels.K_ROWS)
-    ]
+    for passes in ("meshnode.engine.cpu.kernels._pass4_blocks", _K_ROWS[kernels.tile_form()]):
+        # (fmt, form, many, ...): once per format, for its row kind
+        calls = compiled[passes]
+        assert sorted(args.split(",")[0] for args in calls) == [
+            f"(Literal[int]({fmt})" for fmt in (4, 7)
+        ], passes
     assert (
         len(compiled["meshnode.engine.cpu.pool_words._claim_and_run"]) == 1
     )  # the caller's and the helpers' alike
@@ -123,9 +126,7 @@ def test_one_row_products_compile_no_k_row_tiles(tmp_path: Path) -> None:
     )
     assert got["posted"] > 0
     compiled = got["compiled"]
-    calls = compiled["meshnode.engine.cpu.kernels._rows"]
-    assert {args.split(",")[2].strip() for args in calls} == {f"Literal[int]({kernels.ONE_ROW})"}
-    assert "meshnode.engine.cpu.narrow.rows8" not in compiled
+    assert not {"meshnode.engine.cpu.narrow.rows8", *_K_ROWS.values()} & set(compiled)
     assert "meshnode.engine.cpu.kernels._pass4_blocks" in compiled
 
 

@@ -406,7 +406,10 @@ def _rows(fmt, form, many, raw, x, out, lo, hi, col, w):  # type: ignore[no-unty
     # many: ONE_ROW, K_ROWS or ANY_ROWS, the activation rows it takes) into columns
     # col + lo .. of out; w: float32 [4 n_in] scratch. lo is never negative: said so, LLVM
     # drops the wraparound of negative indices from the row loops (as for a literal 0: as
-    # fast, one compiled _rows per format for the serial products and the chunks alike)
+    # fast, one compiled _rows per format for the serial products and the chunks alike).
+    # Its own compiled function, not inlined: numba compiles an overload's implementation
+    # (_quads_any's passes) once per caller's compile flags, so inlined into the serial
+    # products (an entry point) and the chunks (a cfunc) each pass compiled twice
     lo = max(lo, 0)
     k = out.shape[0]
     n_in = x.shape[0] // k
