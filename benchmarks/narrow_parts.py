@@ -8,17 +8,17 @@ Each part runs in this thread over one matrix of 256 x 2048 weights (in the L2),
 part by part each round; the figure is the least thread CPU time (``time.thread_time``) of
 the rounds, in cycles a weight at ``--ghz`` (the nominal clock: the core's own may differ),
 beside the FMA bound of the tiles (``k`` rows x one FMA a weight, eight lanes, two FMAs a
-cycle: ``k / 16``). "decode" is :func:`.narrow._decode_block` (the format's decoder:
+cycle: ``k / 16``). "decode" is :func:`.narrow.block_decoder`'s (the format's decoder:
 Q8_0 :mod:`.q8_0_exact`'s, MXFP4 :mod:`.fp4_exact`'s where the CPU has the byte
 shuffles, the others :mod:`.groups`') over every block of every pass; "tiles" the tiles
-over a decoded block, again and again, with no decode; "whole" is :func:`.narrow.rows8`,
+over a decoded block, again and again, with no decode; "whole" is :func:`.narrow.k_rows`,
 prefetches and sums included. The weights are random blocks: only
 the timings mean anything.
 
 ``--offsets`` times "whole" instead with the activations and the scratch each beginning
 that many bytes into a 64-byte line (every pair): at 16 or 48, every other 32-byte load
 of them straddles two lines (the cost :func:`.kernels._lined` and
-:func:`.matrix._lined` avoid: NumPy's arrays are 16-byte aligned). :func:`.narrow.rows8`
+:func:`.matrix._lined` avoid: NumPy's arrays are 16-byte aligned). :func:`.narrow.k_rows`
 is called directly here, with the scratch as given.
 """
 
@@ -42,19 +42,22 @@ N_IN, N_OUT = 2048, 256
 
 def parts(fid: int) -> dict[str, Any]:
     """The three parts of format ``fid``'s pass, compiled (``fid`` a compile-time constant)."""
-    from numba import njit
+    from numba import njit, types
 
-    from meshnode.engine.cpu.narrow import BLOCK, _decode_block, _tiles, rows8
+    from meshnode.engine.cpu.kernels import K_ROWS, _quads_any
+    from meshnode.engine.cpu.narrow import BLOCK, _tiles, block_decoder
+
+    decode_block = block_decoder(types.literal(fid))  # type: ignore[no-untyped-call]
 
     @njit
     def whole(raw, x, out, w):  # type: ignore[no-untyped-def]
-        rows8(fid, raw, x, out, 0, raw.shape[0], 0, w, N_IN)
+        _quads_any(fid, 8, K_ROWS, raw, x, out, 0, raw.shape[0], 0, w, N_IN)
 
     @njit
     def decode(raw, x, out, w):  # type: ignore[no-untyped-def]
         for o in range(0, raw.shape[0] - 3, 4):
             for j0 in range(0, N_IN, BLOCK):
-                _decode_block(fid, raw, o, w, j0, BLOCK)
+                decode_block(fid, raw, o, w, j0, BLOCK)
 
     @njit
     def tiles(raw, x, out, w):  # type: ignore[no-untyped-def]

@@ -27,7 +27,7 @@ results are the other kernels' bits (``tests/engine/test_cpu_fp4_exact.py``).
   eight-lane chains each (the even and the odd lanes);
 - two rows: :func:`pass2`, one weight row a pass decoded in registers, two chains for
   each activation row;
-- more rows: :func:`.narrow.rows8`, its tiles over blocks of four weight rows decoded
+- more rows: :func:`.narrow.k_rows`, its tiles over blocks of four weight rows decoded
   into the scratch in the permuted order (:func:`decode_block`; so the tiles' eight-lane
   halves are the even and the odd chains), with the activations permuted and the chains
   unzipped (:func:`unzip_sum`).

@@ -323,7 +323,7 @@ def _chunk_no_buf(fmt, row, g, s, buf, at):  # type: ignore[no-untyped-def]
     return group_chunk(fmt, row, g, s, wzero())
 
 
-def group_chunk_at(fmt: int, row: Any, g: int, s: int, buf: Any, at: int) -> Any:
+def group_chunk_at(fmt: int, row: Any, g: int, s: int, buf: Any, at: Any) -> Any:
     """:func:`group_chunk` with the scales read from ``buf[at : at + 16]`` (a float32
     array where a caller stored :func:`group_scales`' vector): the same values, bit for
     bit (a stored float32 is read back as it was). Each scale is then one broadcast from

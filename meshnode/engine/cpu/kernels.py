@@ -117,15 +117,17 @@ def _step4(fmt, rows, g, s, scales, x, p, acc):  # type: ignore[no-untyped-def]
 def _step4_at(fmt, rows, g, s, buf, x, p, acc):  # type: ignore[no-untyped-def]
     # _step4 with the four rows' scales read from buf (row i's at 16 i). Inlined by numba:
     # LLVM inlined Q6_K's but called Q4_K's, eight calls a super-block, each passing the
-    # rows (reference counts) and the chains through memory (0.62-0.67x as fast)
-    u, v = wload(x, p), wload(x, p + 16)
-    w0, w1 = group_chunk_at(fmt, rows[0], g, s, buf, 0)
+    # rows (reference counts) and the chains through memory (0.62-0.67x as fast). The
+    # scales' places are int64, not literals: one compiled group_chunk_at a format, not
+    # four (LLVM inlines it, and the places are constants again)
+    u, v, i64 = wload(x, p), wload(x, p + 16), np.int64
+    w0, w1 = group_chunk_at(fmt, rows[0], g, s, buf, i64(0))
     a0 = wfma(w1, v, wfma(w0, u, acc[0]))
-    w0, w1 = group_chunk_at(fmt, rows[1], g, s, buf, 16)
+    w0, w1 = group_chunk_at(fmt, rows[1], g, s, buf, i64(16))
     a1 = wfma(w1, v, wfma(w0, u, acc[1]))
-    w0, w1 = group_chunk_at(fmt, rows[2], g, s, buf, 32)
+    w0, w1 = group_chunk_at(fmt, rows[2], g, s, buf, i64(32))
     a2 = wfma(w1, v, wfma(w0, u, acc[2]))
-    w0, w1 = group_chunk_at(fmt, rows[3], g, s, buf, 48)
+    w0, w1 = group_chunk_at(fmt, rows[3], g, s, buf, i64(48))
     a3 = wfma(w1, v, wfma(w0, u, acc[3]))
     return a0, a1, a2, a3
 
@@ -161,28 +163,37 @@ def _pass4_blocks(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: i
     return o
 
 
-def _pass4_k(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-    # the same for a K-quant, a super-block at a time: its scales decoded once
-    # (:func:`_super4_any`). The next pass's four rows are asked for a super-block's share
-    # at a time, between the dot products (a burst of them before the pass left the loads
-    # and the arithmetic taking turns)
-    o, flat, size = max(o, 0), raw.reshape(-1), raw.shape[1]  # o >= 0: as _rows' lo
-    share = 4 * (size // (n_in // 256))
-    last = max(0, flat.shape[0] - 4 * size)  # the last pass asks for its own rows again
-    while o + 4 <= hi:
-        ahead = min((o + 4) * size, last)
-        rows = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
-        acc = wzero(), wzero(), wzero(), wzero()
-        for g in range(n_in // 256):
-            for line in range(0, share, 64):
-                prefetch(flat, ahead + share * g + line)
-            acc = _super4_any(fmt, form, rows, g, w, x, acc)  # w: the scales' buffer
-        _put4(out, col + o, acc)
-        o += 4
-    return o
+def _pass4_k_with(super4: Any, name: str) -> Any:
+    # the one-row passes of a K-quant, a super-block at a time: its scales decoded once
+    # (super4: _super4_regs or _super4_buf, inlined by numba), one pass function for each
+    # (_quads_any chooses, while compiling): an inline="always" overload choosing inside
+    # one pass was compiled whole by numba only to type it (1.7 s of a Gemma 3 first start
+    # on AVX2, issue 29)
+    def pass4(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+        # as _pass4_blocks. The next pass's four rows are asked for a super-block's share
+        # at a time, between the dot products (a burst of them before the pass left the
+        # loads and the arithmetic taking turns)
+        o, flat, size = max(o, 0), raw.reshape(-1), raw.shape[1]  # o >= 0: as _rows' lo
+        share = 4 * (size // (n_in // 256))
+        last = max(0, flat.shape[0] - 4 * size)  # the last pass asks for its own rows again
+        while o + 4 <= hi:
+            ahead = min((o + 4) * size, last)
+            rows = raw[o], raw[o + 1], raw[o + 2], raw[o + 3]
+            acc = wzero(), wzero(), wzero(), wzero()
+            for g in range(n_in // 256):
+                for line in range(0, share, 64):
+                    prefetch(flat, ahead + share * g + line)
+                acc = super4(fmt, rows, g, w, x, acc)  # w: the scales' buffer
+            _put4(out, col + o, acc)
+            o += 4
+        return o
+
+    pass4.__name__ = pass4.__qualname__ = name
+    return pass4
 
 
-def _super4_regs(fmt, form, rows, g, buf, x, acc):  # type: ignore[no-untyped-def]
+@njit(inline="always")
+def _super4_regs(fmt, rows, g, buf, x, acc):  # type: ignore[no-untyped-def]
     # super-block g of the four rows into their chains, the scales held in registers
     sc = (
         group_scales(fmt, rows[0], g),
@@ -199,7 +210,8 @@ def _super4_regs(fmt, form, rows, g, buf, x, acc):  # type: ignore[no-untyped-de
     return acc
 
 
-def _super4_buf(fmt, form, rows, g, buf, x, acc):  # type: ignore[no-untyped-def]
+@njit(inline="always")
+def _super4_buf(fmt, rows, g, buf, x, acc):  # type: ignore[no-untyped-def]
     # the same for sixteen registers (AVX2): the four rows' scales stored in buf (64
     # float32) once a super-block and broadcast from there, not kept in eight registers
     # (spilled) and picked lane by lane with shuffles; the same values, the same chains
@@ -214,19 +226,13 @@ def _super4_buf(fmt, form, rows, g, buf, x, acc):  # type: ignore[no-untyped-def
     return acc
 
 
-def _super4_any(fmt: Any, form: Any, rows: Any, g: Any, buf: Any, x: Any, acc: Any) -> Any:
-    raise TypeError("for compiled code")
-
-
-@overload(_super4_any, prefer_literal=True, inline="always", jit_options=INNER)
-def _super4_typed(fmt, form, rows, g, buf, x, acc):  # type: ignore[no-untyped-def]
-    # the scales from buf on sixteen registers (the formats whose scales group_scales
-    # decodes: Q4_K, Q6_K), in registers on 32. A/B on AVX2 (benchmarks/exact_kernels.py,
-    # loaded), one row against the registers: Q6_K 1.45-1.69x as fast, Q4_K 1.40-1.46x
-    # (once _step4_at was inlined). Inlined itself (numba's inline="always"): as a call,
-    # each super-block passed the chains through memory (Q6_K's pass ~0.9x as fast)
-    buffered = literal_form(form) == 8 and format_row(fmt).name in ("Q4_K", "Q6_K")
-    return _super4_buf if buffered else _super4_regs
+# The scales from buf on sixteen registers (the formats whose scales group_scales decodes:
+# Q4_K, Q6_K), in registers on 32. A/B on AVX2 (benchmarks/exact_kernels.py, loaded), one
+# row against the registers: Q6_K 1.45-1.69x as fast, Q4_K 1.40-1.46x (once _step4_at was
+# inlined). Each inlined (numba's inline="always"): as a call, each super-block passed the
+# chains through memory (Q6_K's pass ~0.9x as fast)
+_pass4_k = _pass4_k_with(_super4_regs, "_pass4_k")
+_pass4_k_buf = _pass4_k_with(_super4_buf, "_pass4_k_buf")
 
 
 @njit(inline="always")
@@ -431,7 +437,7 @@ def _quads_typed(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ig
     # one-row passes (every one of them: each format's _pass4 takes four rows while four
     # are left) or the k rows' tiles, as ``many`` says (both for ANY_ROWS, by the row
     # count), chosen while compiling: the format's own passes (.blocks.format_row; a
-    # K-quant's take the registers' form on to _super4_any; MXFP4's on AVX2, .fp4_exact),
+    # K-quant's by where it keeps its scales, _pass4_k_with; MXFP4's on AVX2, .fp4_exact),
     # and for k rows sixteen registers' .narrow tiles, 32's .panels (each where its scratch
     # holds them, else the rows are left to _rows' row-at-a-time loop, the same sums), the
     # plain floats on 32 _fours. The implementation is the passes' function itself, called
@@ -443,10 +449,13 @@ def _quads_typed(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ig
     if many.literal_value == ONE_ROW:
         if fp4_shuffled(fmt, form):
             return _pass4_fp4
-        return _pass4_k if format_row(fmt).block_size == 256 else _pass4_blocks
+        if format_row(fmt).block_size != 256:
+            return _pass4_blocks
+        buffered = literal_form(form) == 8 and format_row(fmt).name in ("Q4_K", "Q6_K")
+        return _pass4_k_buf if buffered else _pass4_k
     if many.literal_value == K_ROWS:
         if literal_form(form) == 8:
-            return narrow.k_rows_fp4 if fp4_shuffled(fmt, form) else narrow.k_rows
+            return narrow.k_rows_of(fmt, form)
         return panels.k_rows if panels.takes(fmt, form) else _fours
     return _either
 

@@ -18,13 +18,13 @@ are). So the decoded block and the activations' block stay in the L1 cache, and 
 64-byte line of them serves both halves of its sixteen lanes while it is there: run over
 whole rows, two passes of half tiles read every line twice from the L2.
 
-One pass for every format (:func:`rows8`); the format chooses, while compiling, its
-decoder of a block (:func:`_decode_block`): :mod:`.groups`' (a group's scales decoded
+One pass for every format (:func:`k_rows`); the format chooses, while compiling, its
+decoder of a block (:func:`block_decoder`): :mod:`.groups`' (a group's scales decoded
 once), Q8_0 :mod:`.q8_0_exact`'s (an integer add and a fused multiply-add, no
 conversion), MXFP4 :mod:`.fp4_exact`'s byte shuffles where the CPU has them. The last
 gives the weights in another order, so for it the activations are permuted once a call
-(:func:`_activations`) and the chains put back in their lanes before the sum
-(:func:`_lanes_sum`): every format the same FMA chains, the same bits.
+(:func:`_permuted`) and the chains put back in their lanes before the sum
+(:func:`_unzipped`): every format the same FMA chains, the same bits.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 from numba import njit, types
 from numba.core.errors import TypingError
-from numba.extending import overload
 from numba.np.numpy_support import carray
 
 from meshnode.engine.cpu import fp4_exact
@@ -43,10 +42,19 @@ from meshnode.engine.cpu.blocks import format_row
 from meshnode.engine.cpu.fp4 import shuffles_bytes
 from meshnode.engine.cpu.groups import group_rows
 from meshnode.engine.cpu.q8_0_exact import decode_block
-from meshnode.engine.cpu.simd import INNER, inner, vadd, vfma, vload, vstore, vsum, vzero
+from meshnode.engine.cpu.simd import inner, vadd, vfma, vload, vstore, vsum, vzero
 from meshnode.engine.cpu.simd_int import prefetch
 
-__all__ = ["BLOCK", "fits", "fp4_shuffled", "k_rows", "k_rows_fp4", "literal_form", "rows8"]
+__all__ = [
+    "BLOCK",
+    "block_decoder",
+    "fits",
+    "fp4_shuffled",
+    "k_rows",
+    "k_rows_fp4",
+    "k_rows_of",
+    "literal_form",
+]
 
 # values of the four weight rows decoded at a time (a K-quant super-block; eight blocks of
 # the 32-value formats): 4 KiB of float32
@@ -62,17 +70,20 @@ def fits(n_in, k, scratch):  # type: ignore[no-untyped-def]
     return n_in >= BLOCK and scratch >= _ACC + 64 * k
 
 
+@njit(inline="always")
 def _decode_groups(fmt, raw, o, w, j0, m):  # type: ignore[no-untyped-def]
     # values j0 .. j0 + m - 1 of weight rows o .. o + 3 into w[256 i ..] (row i)
     group_rows(fmt, raw, o, 4, w, j0, m, BLOCK)
 
 
+@njit(inline="always")
 def _decode_q8_0(fmt, raw, o, w, j0, m):  # type: ignore[no-untyped-def]
     # Q8_0 by .q8_0_exact's decoder: an integer add and a fused multiply-add a vector, no
     # conversion (the same float32; ~0.79 -> ~0.66 cycles a weight at 8 rows)
     decode_block(raw, o, w, j0, m, BLOCK)
 
 
+@njit(inline="always")
 def _decode_fp4(fmt, raw, o, w, j0, m):  # type: ignore[no-untyped-def]
     # MXFP4 by .fp4_exact's byte shuffles, in its permuted order (_shuffled)
     fp4_exact.decode_block(raw, o, w, j0, m, BLOCK)
@@ -85,18 +96,15 @@ def _shuffled(fmt: Any) -> bool:
     return format_row(fmt).name == "MXFP4" and shuffles_bytes()
 
 
-def _decode_block(fmt: Any, raw: Any, o: Any, w: Any, j0: Any, m: Any) -> None:
-    raise TypeError("for compiled code")
-
-
-@overload(_decode_block, prefer_literal=True, inline="always", jit_options=INNER)
-def _decode_block_typed(fmt, raw, o, w, j0, m):  # type: ignore[no-untyped-def]
-    # the format's decoder of a block of four rows, chosen while compiling
+def block_decoder(fmt: Any) -> Any:
+    """The format's decoder of a block of four rows (compiled code inlines it; ``fmt`` a
+    numba type holding the format id as a compile-time constant)."""
     if _shuffled(fmt):
         return _decode_fp4
     return _decode_q8_0 if format_row(fmt).name == "Q8_0" else _decode_groups
 
 
+@njit(inline="always")
 def _permuted(fmt, x, n):  # type: ignore[no-untyped-def]
     # x[: n] permuted as .fp4_exact's decoder orders the weights, from a 64-byte line
     buf = np.empty(n + 16, np.float32)
@@ -105,29 +113,21 @@ def _permuted(fmt, x, n):  # type: ignore[no-untyped-def]
     return xp
 
 
-def _activations(fmt: Any, x: Any, n: Any) -> Any:
-    raise TypeError("for compiled code")
+@njit(inline="always")
+def _as_they_are(fmt, x, n):  # type: ignore[no-untyped-def]
+    return x
 
 
-@overload(_activations, prefer_literal=True, inline="always", jit_options=INNER)
-def _activations_typed(fmt, x, n):  # type: ignore[no-untyped-def]
-    # the activations in the order of the format's decoded weights
-    return _permuted if _shuffled(fmt) else (lambda fmt, x, n: x)
-
-
+@njit(inline="always")
 def _unzipped(fmt, lo, hi):  # type: ignore[no-untyped-def]
+    # the permuted weights' chains: the even and the odd lanes
     return fp4_exact.unzip_sum(lo, hi)
 
 
-def _lanes_sum(fmt: Any, lo: Any, hi: Any) -> Any:
-    raise TypeError("for compiled code")
-
-
-@overload(_lanes_sum, prefer_literal=True, inline="always", jit_options=INNER)
-def _lanes_sum_typed(fmt, lo, hi):  # type: ignore[no-untyped-def]
-    # an output from its chains' two halves (lanes 0-7 and 8-15, or for the permuted
-    # weights the even and the odd lanes): the sixteen-lane tree sum
-    return _unzipped if _shuffled(fmt) else (lambda fmt, lo, hi: vsum(vadd(lo, hi)))
+@njit(inline="always")
+def _halves_sum(fmt, lo, hi):  # type: ignore[no-untyped-def]
+    # lanes 0-7 and 8-15: the sixteen-lane tree sum
+    return vsum(vadd(lo, hi))
 
 
 @njit(inline="always")
@@ -185,7 +185,7 @@ def _block1x4(w, x, r, n_in, j0, m):  # type: ignore[no-untyped-def]
 def _tiles(w_at, x_at, k, n_in, j0, m):  # type: ignore[no-untyped-def]
     # the k activation rows (flat at x_at) times the decoded block (in the scratch at
     # w_at), two rows (both halves) at a time. Its own compiled function, holding no
-    # format: one compile serves every format's rows8 (inlined, each format's compile
+    # format: one compile serves every format's k_rows (inlined, each format's compile
     # typed and lowered the tiles again: ~4 s a format on AVX2, issue 29). Its arrays come
     # as addresses, rebuilt here: as array arguments (a reference count each, and ~20
     # words pushed a call) a call a block made the 2- and 8-row passes 5-10 % slower
@@ -200,40 +200,58 @@ def _tiles(w_at, x_at, k, n_in, j0, m):  # type: ignore[no-untyped-def]
         _block1x4(w, x, r, n_in, j0, m)
 
 
-@inner
-def rows8(fmt, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-    """Weight rows ``o ..`` of ``raw`` (format ``fmt``) times the ``k`` activation rows
-    of ``x`` (flat) into columns ``col + o ..`` of ``out``, four weight rows at a time
-    while four are left, with the float32 scratch ``w`` (:func:`fits` it); returns the
-    first row not done. MXFP4 (on AVX2) takes :mod:`.fp4_exact`'s decoder, the
-    activations permuted to its order once a call."""
-    o = max(o, 0)
-    if o + 4 > hi:
+def _k_rows_with(decode: Any, activations: Any, lanes_sum: Any, name: str) -> Any:
+    # k_rows with the format's decoder, its activations' order and its chains' sum, each
+    # inlined by numba: one function for each (k_rows_of chooses, while compiling), where
+    # inline="always" overloads choosing inside one were compiled whole only to be typed
+    # (~2 s of a Gemma 3 first start on AVX2, issue 29)
+    def k_rows(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
+        """Form 8's k-row product (:func:`.kernels.tile_form`; the arguments
+        :func:`.kernels._rows`' passes take): weight rows ``o ..`` of ``raw`` (format
+        ``fmt``) times the ``k`` activation rows of ``x`` (flat) into columns ``col + o ..``
+        of ``out``, four weight rows at a time while four are left, with the float32
+        scratch ``w``; returns the first row not done. Where ``w`` does not hold the tiles
+        (:func:`fits`), none: the rows are left to the row-at-a-time loop (the same sums).
+
+        The passes' own implementation (``.kernels._quads_any``'s, compiled once a format,
+        :func:`k_rows_of`): a function in between, choosing, linked this in and compiled
+        it again, LLVM included (issue 29)."""
+        o = max(o, 0)
+        k = out.shape[0]
+        if o + 4 > hi or not fits(n_in, k, w.shape[0]):
+            return o
+        xs = activations(fmt, x, k * n_in)
+        flat, size = raw.reshape(-1), raw.shape[1]
+        while o + 4 <= hi:
+            ahead = (o + 4) * size  # the next pass's rows, a block's share at a time
+            share = (4 * size * BLOCK) // n_in
+            for t in range(_ACC, _ACC + 64 * k, 8):
+                vstore(w, t, vzero())
+            for j0 in range(0, n_in, BLOCK):
+                m = min(BLOCK, n_in - j0)
+                first = ahead + (share * j0) // BLOCK
+                for line in range(0, share, 64):
+                    if first + line < flat.shape[0]:
+                        prefetch(flat, first + line)
+                decode(fmt, raw, o, w, j0, m)
+                # by address (both contiguous, as vload reads them), taken here in the loop:
+                # so xs (MXFP4's permuted copy) stays alive while the tiles read it
+                _tiles(w.ctypes.data, xs.ctypes.data, k, n_in, j0, m)
+            for r in range(k):
+                for i in range(4):
+                    at = _ACC + 64 * r + 16 * i
+                    out[r, col + o + i] = lanes_sum(fmt, vload(w, at), vload(w, at + 8))
+            o += 4
         return o
-    k = out.shape[0]
-    xs = _activations(fmt, x, k * n_in)
-    flat, size = raw.reshape(-1), raw.shape[1]
-    while o + 4 <= hi:
-        ahead = (o + 4) * size  # the next pass's rows, a block's share at a time
-        share = (4 * size * BLOCK) // n_in
-        for t in range(_ACC, _ACC + 64 * k, 8):
-            vstore(w, t, vzero())
-        for j0 in range(0, n_in, BLOCK):
-            m = min(BLOCK, n_in - j0)
-            first = ahead + (share * j0) // BLOCK
-            for line in range(0, share, 64):
-                if first + line < flat.shape[0]:
-                    prefetch(flat, first + line)
-            _decode_block(fmt, raw, o, w, j0, m)
-            # by address (both contiguous, as vload reads them), taken here in the loop:
-            # so xs (MXFP4's permuted copy) stays alive while the tiles read it
-            _tiles(w.ctypes.data, xs.ctypes.data, k, n_in, j0, m)
-        for r in range(k):
-            for i in range(4):
-                at = _ACC + 64 * r + 16 * i
-                out[r, col + o + i] = _lanes_sum(fmt, vload(w, at), vload(w, at + 8))
-        o += 4
-    return o
+
+    k_rows.__name__ = k_rows.__qualname__ = name
+    return k_rows
+
+
+k_rows = _k_rows_with(_decode_groups, _as_they_are, _halves_sum, "k_rows")
+_k_rows_q8_0 = _k_rows_with(_decode_q8_0, _as_they_are, _halves_sum, "k_rows_q8_0")
+# MXFP4's, compiled on its own: after its two-row pass (k_rows_fp4)
+_rows8_fp4 = inner(_k_rows_with(_decode_fp4, _permuted, _unzipped, "k_rows_shuffled"))
 
 
 def literal_form(form: Any) -> int:
@@ -251,21 +269,18 @@ def fp4_shuffled(fmt: Any, form: Any) -> bool:
     return format_row(fmt).name == "MXFP4" and literal_form(form) == 8 and shuffles_bytes()
 
 
-def k_rows(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
-    """Form 8's k-row product of weight rows ``o ..`` (:func:`.kernels.tile_form`; the
-    arguments :func:`.kernels._rows`' passes take): :func:`rows8` where the scratch holds
-    its tiles (:func:`fits`), else ``o`` (the rows left to the row-at-a-time loop, the same
-    sums); returns the first row not done."""
-    if not fits(n_in, out.shape[0], w.shape[0]):
-        return o
-    return rows8(fmt, raw, x, out, o, hi, col, w, n_in)
-
-
 def k_rows_fp4(fmt, form, many, raw, x, out, o, hi, col, w, n_in):  # type: ignore[no-untyped-def]
     """:func:`k_rows` of MXFP4 on AVX2 (:mod:`.fp4_exact`'s decoder): two rows in
     registers, more by the tiles."""
     if out.shape[0] == 2:
         return fp4_exact.pass2(raw, x, out, o, hi, col, n_in, w)
-    if not fits(n_in, out.shape[0], w.shape[0]):
-        return o
-    return rows8(fmt, raw, x, out, o, hi, col, w, n_in)
+    return _rows8_fp4(fmt, form, many, raw, x, out, o, hi, col, w, n_in)
+
+
+def k_rows_of(fmt: Any, form: Any) -> Any:
+    """Form 8's k-row passes of a format (compile-time constants, as ``.kernels._quads_any``
+    chooses them): :func:`k_rows` with the format's decoder (:func:`block_decoder`), or
+    :func:`k_rows_fp4`."""
+    if fp4_shuffled(fmt, form):
+        return k_rows_fp4
+    return _k_rows_q8_0 if format_row(fmt).name == "Q8_0" else k_rows
