@@ -66,7 +66,8 @@ _ACC = 4 * BLOCK
 @njit(inline="always")
 def fits(n_in, k, scratch):  # type: ignore[no-untyped-def]
     """Whether a scratch of ``scratch`` float32 holds a decoded block and the lanes of
-    ``k`` rows' chains (else the sixteen-lane tiles run, the same sums)."""
+    ``k`` rows' chains (else the rows are left to the row-at-a-time loop, the same
+    sums)."""
     return n_in >= BLOCK and scratch >= _ACC + 64 * k
 
 
