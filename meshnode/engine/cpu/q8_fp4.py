@@ -33,7 +33,6 @@ from meshnode.engine.cpu.simd_int import (
     _dot_vnni,
     fload,
     madd_bytes,
-    prefetch,
     vnni,
 )
 from meshnode.engine.cpu.simd_q8 import vmul
@@ -45,17 +44,6 @@ _VB16, _VB = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
 _VI = ir.VectorType(_I32, 8)
 _BLOCK = 17  # bytes of an MXFP4 block: the scale byte, then sixteen code bytes
 _SHIFT = Q8_OFFSET.bit_length() - 1  # the offset term is -(sum of the quants) << _SHIFT
-# Lines eight_mxfp4 asks for a chunk: its share of the next eight rows' bytes (8 x 17 =
-# 136, touching at most three lines; two left a line out now and then). The eight rows
-# stream side by side, each 1,530 bytes for gpt-oss (90 blocks): too short for the
-# hardware prefetchers to learn, and asking for each row's bytes 4 KiB ahead at the
-# start of a group (.q8_kernels' prefetch for the other formats) came too late and in
-# one burst of 192 lines. Measured on gpt-oss-20b's shape (one thread, thread CPU time,
-# load 4-5, base and this alternating): the 48 expert matrices of four layers (212 MB,
-# the GGUF's memory map) 29-35 -> 16-20 ms (~7 -> ~13 GB/s; llama.cpp's repacked
-# ggml_gemv_mxfp4_8x8_q8_0 streams ~11.7 GB/s here); four layers of four chosen experts
-# 31 -> 17.5 ms.
-_AHEAD_LINES = 3
 
 
 def _is_bytes(ty: Any) -> bool:
@@ -163,19 +151,15 @@ def pair_sums(typingctx: Any, p0: Any, p1: Any, p2: Any, p3: Any, q: Any, lo: An
 
 
 @inner
-def eight_mxfp4(w, bases, q, xo, dx, lo, hi, nb, pf):  # type: ignore[no-untyped-def]
+def eight_mxfp4(w, bases, q, xo, dx, lo, hi, nb):  # type: ignore[no-untyped-def]
     """Eight MXFP4 weight rows (at the byte offsets ``bases`` of ``w``) times one
     activation row (its quants at byte ``xo`` of quantize's buffer ``q``; its blocks'
     scale ``d`` at byte ``dx``, the ``-sum`` of their first and last sixteen quants at
     ``lo`` and ``hi``, each 32 bytes apart from one block to the next): as
-    :func:`.q8_kernels._eight` computes each row (lanes: the weight rows). Meanwhile it
-    asks for the ``8 nb`` blocks' bytes from ``pf`` on (the next eight rows), in order,
-    a chunk's share (:data:`_AHEAD_LINES` lines) at a time."""
+    :func:`.q8_kernels._eight` computes each row (lanes: the weight rows)."""
     b0, b1, b2, b3, b4, b5, b6, b7 = bases
     acc, acc1 = vzero(), vzero()
     for c in range(nb):
-        for line in range(_AHEAD_LINES):
-            prefetch(w, pf + 8 * _BLOCK * c + 64 * line)
         acc, acc1 = acc1, acc  # chunk c's parity: acc even, acc1 odd
         o, x, i = _BLOCK * c + 1, xo + 32 * c, 32 * c
         p0 = fp4_pair(w, b0 + o, b4 + o, q, x)
@@ -191,7 +175,7 @@ def eight_mxfp4(w, bases, q, xo, dx, lo, hi, nb, pf):  # type: ignore[no-untyped
 
 
 @inner
-def two_mxfp4(w, bases, q, xo, dx, lo, hi, xo2, dx2, lo2, hi2, nb, pf):  # type: ignore[no-untyped-def]
+def two_mxfp4(w, bases, q, xo, dx, lo, hi, xo2, dx2, lo2, hi2, nb):  # type: ignore[no-untyped-def]
     """:func:`eight_mxfp4` of the same eight weight rows for two activation rows (the
     second one's quants, scales and sums at ``xo2``, ``dx2``, ``lo2``, ``hi2``), the
     weights read and unpacked once, their block scales converted once: each row's lanes
@@ -200,8 +184,6 @@ def two_mxfp4(w, bases, q, xo, dx, lo, hi, xo2, dx2, lo2, hi2, nb, pf):  # type:
     b0, b1, b2, b3, b4, b5, b6, b7 = bases
     acc, acc1, bcc, bcc1 = vzero(), vzero(), vzero(), vzero()
     for c in range(nb):
-        for line in range(_AHEAD_LINES):
-            prefetch(w, pf + 8 * _BLOCK * c + 64 * line)
         acc, acc1 = acc1, acc  # chunk c's parity: acc, bcc even, acc1, bcc1 odd
         bcc, bcc1 = bcc1, bcc
         o, x, x2, i = _BLOCK * c + 1, xo + 32 * c, xo2 + 32 * c, 32 * c

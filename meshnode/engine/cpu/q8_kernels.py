@@ -65,7 +65,7 @@ from meshnode.engine.cpu.q8_blocks import (
 from meshnode.engine.cpu.q8_fp4 import eight_mxfp4, two_mxfp4
 from meshnode.engine.cpu.q8_q6_k import eight_q6_k
 from meshnode.engine.cpu.q8_quant import HEADER, ONE_ROW_MAX, buffer_bytes, byte_areas, quantized
-from meshnode.engine.cpu.q8_superblocks import K_FORMATS, Q4_K_ID, eight_q4_k, superblocked
+from meshnode.engine.cpu.q8_superblocks import K_FORMATS, Q4_K_ID, eight_q4_k
 from meshnode.engine.cpu.q8_tiles import scratch_bytes, tiles
 from meshnode.engine.cpu.simd import (
     INNER,
@@ -120,13 +120,6 @@ from meshnode.engine.cpu.variants import variant
 # left the kernels at about 0.8x the time of the exact ones; with this, about 0.55x
 # (SmolLM2's products in forward order, one thread; 2 and 8 KiB did no better).
 PREFETCH_BYTES = 4096
-# The one-row products of a block per chunk (Q4_0 .. Q8_0, MXFP4) ask
-# instead, in their chunk loop, for the next eight rows' bytes of that chunk: the eight
-# rows stream side by side, each a row long (~3 KiB for Q8_0 of 2,880), too short for the
-# hardware prefetchers to learn, and the bytes PREFETCH_BYTES ahead of each row, asked
-# for in one burst at the start of eight rows, came too late. Q8_0, 23,040 rows of 2,880
-# streamed at one thread (thread CPU time, load ~7, alternating): 12.4-13.3 -> 19.9-20.6
-# GB/s (in the L2: 18 -> 21.5); MXFP4 .q8_fp4.
 # MXFP4's one-row products go two weight rows a register (.q8_fp4)
 MXFP4_ID = FORMATS["MXFP4"].kernel_id
 # MXFP4 products of up to this many rows go two activation rows a pass of the weights
@@ -238,20 +231,14 @@ def _block_dot(fmt, w, base, c, q, xo, offs):  # type: ignore[no-untyped-def]
 
 
 @inner
-def _eight(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
+def _eight(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
     # eight weight rows (at the byte offsets bases) times activation row r (lanes: the
-    # weight rows), as _group computes each row; a block per chunk (Q4_0 .. Q8_0): asks
-    # meanwhile for the next eight rows' blocks from pf on, a chunk's share at a time
-    # (see PREFETCH_BYTES)
+    # weight rows), as _group computes each row; a block per chunk (Q4_0 .. Q8_0)
     _, _, dxt, sxt = byte_areas(n, blocks)
-    group = 8 * block_bytes(fmt)  # the eight rows' bytes of a chunk (f16_head formats)
     z = bsplat(1 << OFFSET_SHIFTS[max(offset_area(fmt), 0)])
     b0, b1, b2, b3, b4, b5, b6, b7 = bases
     acc, t, acc1, t1 = vzero(), vzero(), vzero(), vzero()
     for c in range(nb):
-        if f16_head(fmt):
-            for line in range(0, group + 64, 64):  # every line the chunk's bytes touch
-                prefetch(w, pf + group * c + line)
         acc, t, acc1, t1 = acc1, t1, acc, t  # chunk c's parity: acc, t even, acc1, t1 odd
         xo = HEADER + 32 * (r * nb + c)
         offs = dot4s(z, q, xo)  # z times each four quants' sum: exact, shared by the rows
@@ -290,9 +277,7 @@ def _eight(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-d
     return acc
 
 
-def _one_row(
-    fmt: int, w: Any, bases: Any, q: Any, r: int, n: int, nb: int, blocks: int, pf: int
-) -> Any:
+def _one_row(fmt: int, w: Any, bases: Any, q: Any, r: int, n: int, nb: int, blocks: int) -> Any:
     # eight weight rows times activation row r (lanes: the weight rows): the K-quants of
     # .q8_superblocks a super-block at a time, MXFP4 two rows a register (.q8_fp4), the
     # other formats by _eight
@@ -300,34 +285,30 @@ def _one_row(
 
 
 @overload(_one_row, prefer_literal=True, jit_options=INNER)
-def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
+def _one_row_typed(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
     kind = literal_format(fmt)
     if kind == MXFP4_ID:
 
-        def mxfp4(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
+        def mxfp4(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
             _, ot, dxt, _ = byte_areas(n, blocks)
             at = 32 * (r // 8) * nb + 4 * (r % 8)
             lo, hi = ot + at, ot + 32 * blocks + at
-            return eight_mxfp4(w, bases, q, HEADER + 32 * r * nb, dxt + at, lo, hi, nb, pf)
+            return eight_mxfp4(w, bases, q, HEADER + 32 * r * nb, dxt + at, lo, hi, nb)
 
         return mxfp4
     if kind not in K_FORMATS:
-        return lambda fmt, w, bases, q, r, n, nb, blocks, pf: _eight(
-            fmt, w, bases, q, r, n, nb, blocks, pf
-        )
+        return lambda fmt, w, bases, q, r, n, nb, blocks: _eight(fmt, w, bases, q, r, n, nb, blocks)
     eight = eight_q4_k if kind == Q4_K_ID else eight_q6_k
 
-    def superblocks(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
+    def superblocks(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
         _, _, dxt, sxt = byte_areas(n, blocks)
         at = 32 * (r // 8) * nb + 4 * (r % 8)
-        return eight(w, bases, q, HEADER + 32 * r * nb, dxt + at, sxt + at, nb, pf)
+        return eight(w, bases, q, HEADER + 32 * r * nb, dxt + at, sxt + at, nb)
 
     return superblocks
 
 
-def _two_rows(
-    fmt: int, w: Any, bases: Any, q: Any, r: int, n: int, nb: int, blocks: int, pf: int
-) -> Any:
+def _two_rows(fmt: int, w: Any, bases: Any, q: Any, r: int, n: int, nb: int, blocks: int) -> Any:
     # eight weight rows times activation rows r and r + 1: MXFP4's two a pass; for the
     # other formats, whose _rows never takes this branch, zeros of its type, so that
     # their _rows compile no MXFP4 code (.q8_fp4.two_mxfp4: ~0.35 s of a first start's
@@ -336,23 +317,21 @@ def _two_rows(
 
 
 @overload(_two_rows, prefer_literal=True, jit_options=INNER)
-def _two_rows_typed(fmt, w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
+def _two_rows_typed(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
     if literal_format(fmt) == MXFP4_ID:
-        return lambda fmt, w, bases, q, r, n, nb, blocks, pf: _two_mxfp4(
-            w, bases, q, r, n, nb, blocks, pf
-        )
-    return lambda fmt, w, bases, q, r, n, nb, blocks, pf: (vzero(), vzero())
+        return lambda fmt, w, bases, q, r, n, nb, blocks: _two_mxfp4(w, bases, q, r, n, nb, blocks)
+    return lambda fmt, w, bases, q, r, n, nb, blocks: (vzero(), vzero())
 
 
 @inner
-def _two_mxfp4(w, bases, q, r, n, nb, blocks, pf):  # type: ignore[no-untyped-def]
+def _two_mxfp4(w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
     # eight MXFP4 weight rows times activation rows r and r + 1 (.q8_fp4.two_mxfp4)
     _, ot, dxt, _ = byte_areas(n, blocks)
     at = 32 * (r // 8) * nb + 4 * (r % 8)
     at2 = 32 * ((r + 1) // 8) * nb + 4 * ((r + 1) % 8)
     return two_mxfp4(
         w, bases, q, HEADER + 32 * r * nb, dxt + at, ot + at, ot + 32 * blocks + at,
-        HEADER + 32 * (r + 1) * nb, dxt + at2, ot + at2, ot + 32 * blocks + at2, nb, pf,
+        HEADER + 32 * (r + 1) * nb, dxt + at2, ot + at2, ot + 32 * blocks + at2, nb,
     )  # fmt: skip
 
 
@@ -368,31 +347,38 @@ def _rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
     w, size = raw.reshape(-1), raw.shape[1]
     end = w.shape[0]
     if k <= ONE_ROW_MAX or (fmt == MXFP4_ID and k <= MXFP4_PAIRED_ROWS):
-        for o in range(lo, hi, 8):  # each eight weight rows meet every row while cached
-            # the K-quants' super-block loops, MXFP4's and _eight's of a block per chunk
-            # (see PREFETCH_BYTES) ask for the next eight rows' bytes a super-block or a
-            # block at a time, between their dot products
-            pf = min(o * size + 8 * size, max(0, end - 8 * size))
-            if not (superblocked(fmt) or fmt == MXFP4_ID or f16_head(fmt)):
-                for i in range(8):
-                    if (o + i) * size + PREFETCH_BYTES < end:
-                        for line in range(0, size, 64):
-                            prefetch(w, (o + i) * size + PREFETCH_BYTES + line)
-            last = hi - 1
-            bases = (o * size, min(o + 1, last) * size, min(o + 2, last) * size,
-                     min(o + 3, last) * size, min(o + 4, last) * size,
-                     min(o + 5, last) * size, min(o + 6, last) * size,
-                     min(o + 7, last) * size)  # fmt: skip
+        # lane i takes rows lo + i span, lo + i span + 1, ..: each lane streams a long
+        # run of contiguous bytes, which the hardware prefetchers learn (no software
+        # prefetch). Eight neighbouring rows in the lanes read eight short streams side
+        # by side (a row: 1,152 bytes of Q4_K at 2,048 inputs, too short for the
+        # prefetchers to learn), so their kernels asked for the next eight rows' bytes a
+        # chunk or super-block at a time; on the Llama-3.2-1B shape, whose products are
+        # mostly of 2,048 inputs, that left the Q6_K ones at ~1.3x the time of ggml's
+        # vec_dot streamed (benchmarks/ggml_kernels.py; 2.2-2.4x without the prefetch),
+        # ~0.85x in these lanes. A lane is one row's arithmetic, whatever the others: the
+        # same bits in either order. Then the last (hi - lo) % 8 rows side by side, the
+        # lanes past them repeating the last.
+        span = (hi - lo) // 8
+        tail = hi - lo - 8 * span
+        for j in range(span + min(tail, 1)):
+            o, step, count = lo + j, span, 8
+            if j == span:
+                o, step, count = lo + 8 * span, 1, tail
+            last = o + step * (count - 1)
+            bases = (o * size, min(o + step, last) * size, min(o + 2 * step, last) * size,
+                     min(o + 3 * step, last) * size, min(o + 4 * step, last) * size,
+                     min(o + 5 * step, last) * size, min(o + 6 * step, last) * size,
+                     last * size)  # fmt: skip
             for r in range(0, k, 2 if fmt == MXFP4_ID else 1):
                 if fmt == MXFP4_ID and r + 1 < k:  # two activation rows a pass
-                    v, v2 = _two_rows(fmt, w, bases, q, r, n, nb, blocks, pf)
-                    for i in range(min(8, hi - o)):
-                        out[r, col + o + i] = lane8(v, i)
-                        out[r + 1, col + o + i] = lane8(v2, i)
+                    v, v2 = _two_rows(fmt, w, bases, q, r, n, nb, blocks)
+                    for i in range(count):
+                        out[r, col + o + i * step] = lane8(v, i)
+                        out[r + 1, col + o + i * step] = lane8(v2, i)
                     continue
-                v = _one_row(fmt, w, bases, q, r, n, nb, blocks, pf)
-                for i in range(min(8, hi - o)):
-                    out[r, col + o + i] = lane8(v, i)
+                v = _one_row(fmt, w, bases, q, r, n, nb, blocks)
+                for i in range(count):
+                    out[r, col + o + i * step] = lane8(v, i)
         return
     for first in range(0, k, SLAB_ROWS):
         for o in range(lo, hi):

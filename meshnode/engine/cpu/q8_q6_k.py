@@ -44,7 +44,7 @@ from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.q8_rows4 import bytes_by_four, q6_dots_by_four
 from meshnode.engine.cpu.q8_superblocks import _dot_small, _is_bytes, klanes, kpair, krows, ksum
 from meshnode.engine.cpu.simd import F32x8, F32x16, inner, intrinsic, wfma, wmul, wzero
-from meshnode.engine.cpu.simd_int import _x86, fload, half, madd_bytes, prefetch
+from meshnode.engine.cpu.simd_int import _x86, fload, half, madd_bytes
 from meshnode.engine.cpu.simd_q8 import I32x16, U8x64, tofloat16, vec8, vnni512
 
 __all__ = [
@@ -405,14 +405,12 @@ def _q6_k_pair(w, bases, o, c, q, xo, dx, ss, ts, dws, acc, four):  # type: igno
 
 
 @inner
-def eight_q6_k(w, bases, q, xo, dx, sx, nb, pf):  # type: ignore[no-untyped-def]
+def eight_q6_k(w, bases, q, xo, dx, sx, nb):  # type: ignore[no-untyped-def]
     """As :func:`.q8_superblocks.eight_q4_k` for Q6_K rows (``sx`` unused: no minimums)."""
     b0, b1, b2, b3, b4, b5, b6, b7 = bases
     acc = wzero()  # lanes 0-7: the even chunks, 8-15: the odd ones
     for s in range(nb // 8):
         o = _Q6_K_BYTES * s
-        for line in range(0, 8 * _Q6_K_BYTES, 64):
-            prefetch(w, pf + 8 * o + line)
         d = o + 208
         dw = vec8((half(w, b0 + d), half(w, b1 + d), half(w, b2 + d), half(w, b3 + d),
                    half(w, b4 + d), half(w, b5 + d), half(w, b6 + d), half(w, b7 + d)))  # fmt: skip

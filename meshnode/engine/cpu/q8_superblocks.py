@@ -69,7 +69,7 @@ from meshnode.engine.cpu.simd import (
     wmul,
     wzero,
 )
-from meshnode.engine.cpu.simd_int import _dot_madd, fload, madd_bytes, prefetch
+from meshnode.engine.cpu.simd_int import _dot_madd, fload, madd_bytes
 from meshnode.engine.cpu.simd_q8 import (
     I32x16,
     _dot_generic,
@@ -446,7 +446,7 @@ def _q4_k_pair(w, bases, at, q, xo, dx, sx, dws, ms, acc, t):  # type: ignore[no
 
 
 @inner
-def eight_q4_k(w, bases, q, xo, dx, sx, nb, pf):  # type: ignore[no-untyped-def]
+def eight_q4_k(w, bases, q, xo, dx, sx, nb):  # type: ignore[no-untyped-def]
     """Eight Q4_K weight rows (at the byte offsets ``bases`` of ``w``) times one
     activation row (its quants at byte ``xo`` of quantize's buffer ``q``, its blocks'
     scale ``d`` and ``d sum(q)`` at bytes ``dx`` and ``sx``, 32 bytes apart from one
@@ -455,8 +455,6 @@ def eight_q4_k(w, bases, q, xo, dx, sx, nb, pf):  # type: ignore[no-untyped-def]
     acc, t = wzero(), wzero()
     for s in range(nb // 8):
         o = _Q4_K_BYTES * s
-        for line in range(0, 8 * _Q4_K_BYTES, 64):
-            prefetch(w, pf + 8 * o + line)
         d0, d1, d2, d3, m0, m1, m2, m3 = q4_k_scales8(w, bases, o)
         i = 256 * s  # the super-block's first activation block, in bytes
         acc, t = _q4_k_pair(w, bases, o + 16, q, xo + i, dx + i, sx + i, d0, m0, acc, t)
