@@ -272,6 +272,33 @@ def test_a_row_is_the_same_bits_in_any_product(
             assert idle_threads.posted == before + 1  # the pool did take it
 
 
+@pytest.mark.parametrize("dtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "MXFP4"])
+def test_a_weight_row_is_the_same_bits_in_a_matrix_of_any_length(
+    dtype: str, rng: np.random.Generator
+) -> None:
+    """The one-row products put weight rows a span apart in the eight lanes (lane i: rows
+    i span .. of span = rows // 8), the last rows % 8 side by side: every row of matrices of
+    1 .. 26 rows lands in its own column with the bits it gets in a matrix of its own (MXFP4
+    also two and three activation rows, its two-row pass)."""
+    t = random_tensor(dtype, 26, rng)
+    by_row = t.data.reshape(26, -1)
+
+    def first(n: int) -> BlockMatrix:
+        return BlockMatrix([RawTensor("w", dtype, (n, N_IN), by_row[:n].reshape(-1).copy())])
+
+    def one(i: int) -> BlockMatrix:
+        return BlockMatrix([RawTensor("w", dtype, (1, N_IN), by_row[i].copy())])
+
+    for k in (1, 2, 3) if dtype == "MXFP4" else (1,):
+        x = np.concatenate([rows(kind, rng) for kind in ("normal", "garbage", "large")[:k]])
+        alone = np.concatenate([q8.q8_product(one(i), x) for i in range(26)], axis=1)
+        assert np.isfinite(alone).all()
+        assert np.unique(alone[0]).size == 26  # rows told apart: a lane in the wrong column shows
+        for n in range(1, 27):
+            got = q8.q8_product(first(n), x)
+            np.testing.assert_array_equal(got, alone[:, :n], err_msg=f"{k} x {n} rows")
+
+
 def test_a_bad_shape_is_refused(rng: np.random.Generator) -> None:
     m = BlockMatrix([random_tensor("Q8_0", 4, rng)])
     with pytest.raises(ValueError, match="does not multiply"):
