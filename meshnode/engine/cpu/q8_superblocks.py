@@ -48,7 +48,6 @@ from numba import types
 from numba.core import cgutils
 
 from meshnode.engine.cpu.formats import FORMATS
-from meshnode.engine.cpu.q8_blocks import _constant
 from meshnode.engine.cpu.q8_rows4 import (
     by_four,
     dots_by_four,
@@ -91,7 +90,6 @@ __all__ = [
     "ksum",
     "q4_k_dots8",
     "q4_k_scales8",
-    "superblocked",
 ]
 
 # The formats taken here, by their rows in .formats: Q4_K, Q6_K (kernel ids, and the bytes
@@ -100,11 +98,6 @@ _Q4_K, _Q6_K = FORMATS["Q4_K"], FORMATS["Q6_K"]
 K_FORMATS = (_Q4_K.kernel_id, _Q6_K.kernel_id)
 Q4_K_ID = _Q4_K.kernel_id
 _Q4_K_BYTES = _Q4_K.type_size
-superblocked = _constant(
-    "superblocked",
-    {f.kernel_id: f.kernel_id in K_FORMATS for f in FORMATS.values() if f.q8 is not None},
-    "Whether format ``fmt``'s one-row product goes a super-block at a time (here).",
-)
 
 _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
