@@ -104,7 +104,7 @@ def test_a_model_compiles_its_own_formats_once_each(tmp_path: Path) -> None:
     compiled = got["compiled"]
     decoders = [name for name in compiled if name.rsplit(".", 1)[1] in _DECODERS]
     assert sorted(d.rsplit(".", 1)[1] for d in decoders) == ["_q4_1", "_q8_0"]
-    for passes in (("meshnode.engine.cpu.kernels._pass4_blocks",), _K_ROWS[kernels.tile_form()]):
+    for passes in (("meshnode.engine.cpu.passes.pass4_blocks",), _K_ROWS[kernels.tile_form()]):
         # (fmt, form, many, ...): once per format, for its row kind
         calls = [args for name in passes for args in compiled.get(name, [])]
         assert sorted(args.split(",")[0] for args in calls) == [
@@ -131,7 +131,7 @@ def test_one_row_products_compile_no_k_row_tiles(tmp_path: Path) -> None:
     assert got["posted"] > 0
     compiled = got["compiled"]
     assert not {name for names in _K_ROWS.values() for name in names} & set(compiled)
-    assert "meshnode.engine.cpu.kernels._pass4_blocks" in compiled
+    assert "meshnode.engine.cpu.passes.pass4_blocks" in compiled
 
 
 def test_q8_products_compile_their_chunk_functions_only(tmp_path: Path) -> None:

@@ -55,3 +55,33 @@ def test_quarters_are_four_times_the_centred_quants(
         out = np.zeros(128, np.float32)
         quarters(row, out)
         np.testing.assert_array_equal(out, _want(row))
+
+
+def test_a_half_joined_into_a_scratch_reads_back_as_its_quarters() -> None:
+    """``wq6_join`` stores a half's four quarters as 128 bytes at a float32 place of a
+    scratch, touching nothing around them, and ``wq6_stored`` reads each back as
+    ``wq6_quarter`` gives it (the AVX2 one-row passes keep a half there between its
+    quarters)."""
+
+    @njit
+    def joined(row, buf, at, out):  # type: ignore[no-untyped-def]
+        sixbit.wq6_join(row, 0, 64, buf, at)
+        for m in range(4):  # a runtime m
+            a, b = sixbit.wq6_stored(buf, at, m)
+            wstore(out, 32 * m, a)
+            wstore(out, 32 * m + 16, b)
+
+    rng = np.random.default_rng(6)
+    rows = [rng.integers(0, 256, 96, dtype=np.uint8) for _ in range(3)]
+    rows += [np.full(96, fill, np.uint8) for fill in (0x00, 0xFF, 0x55, 0xAA)]
+    for at in (0, 7, 160):  # any float32 place, aligned to 4 bytes only
+        for row in rows:
+            buf = rng.standard_normal(at + 64).astype(np.float32)
+            before = buf.copy()
+            out = np.zeros(128, np.float32)
+            joined(row, buf, at, out)
+            np.testing.assert_array_equal(out, _want(row))
+            kept = np.r_[0:at, at + 32 : at + 64]
+            np.testing.assert_array_equal(buf[kept], before[kept])
+            stored = buf[at : at + 32].view(np.int8).astype(np.float32)
+            np.testing.assert_array_equal(stored, _want(row))

@@ -40,14 +40,13 @@ from meshnode.engine.cpu.simd import (
     F32x16,
     intrinsic,
     wfma,
-    whigh_nibbles,
-    wlow_nibbles,
     wmul,
     wsplat,
     wstore,
     wzero,
 )
-from meshnode.engine.cpu.sixbit import wq6_quarter
+from meshnode.engine.cpu.simd_bytes import whigh_nibbles, wlow_nibbles
+from meshnode.engine.cpu.sixbit import wq6_join, wq6_quarter, wq6_stored
 from meshnode.engine.cpu.wide import wchunk
 
 __all__ = [
@@ -313,9 +312,13 @@ def _q4_k_chunk_at(fmt, row, g, s, buf, at):  # type: ignore[no-untyped-def]
 
 
 def _q6_k_quarters_at(fmt, row, g, s, buf, at):  # type: ignore[no-untyped-def]
-    # _q6_k_quarters with the scales read from buf[at ..]
-    o, h = 210 * g, s // 4
-    qa, qb = wq6_quarter(row, o + 64 * h, o + 128 + 32 * h, s % 4)
+    # _q6_k_quarters with the scales read from buf[at ..], and the half's quarters joined
+    # once, at its first, into buf[64 + 2 at ..] (32 float32 a row: 128 bytes, past the
+    # four rows' scales) and read back from there by the rest (.sixbit.wq6_join)
+    o, h, joined = 210 * g, s // 4, 64 + 2 * at
+    if s % 4 == 0:
+        wq6_join(row, o + 64 * h, o + 128 + 32 * h, buf, joined)
+    qa, qb = wq6_stored(buf, joined, s % 4)
     return wmul(wsplat(buf[at + 2 * s]), qa), wmul(wsplat(buf[at + 2 * s + 1]), qb)
 
 
@@ -328,7 +331,10 @@ def group_chunk_at(fmt: int, row: Any, g: int, s: int, buf: Any, at: Any) -> Any
     array where a caller stored :func:`group_scales`' vector): the same values, bit for
     bit (a stored float32 is read back as it was). Each scale is then one broadcast from
     memory, a load, where picking a lane of a register takes a shuffle or two; and the
-    four rows' scales need no registers between the chunks (AVX2 has sixteen)."""
+    four rows' scales need no registers between the chunks (AVX2 has sixteen). Q6_K
+    also keeps its quants there: ``buf`` holds at least ``64 + 2 at + 32`` float32, and
+    the chunks of a half come in order from its first (``s % 4 == 0``), which stores
+    them."""
     raise TypeError("for compiled code")
 
 

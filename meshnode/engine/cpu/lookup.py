@@ -29,7 +29,6 @@ where :func:`permutes` holds, and keep their conversions elsewhere.
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 from llvmlite import ir
@@ -37,6 +36,7 @@ from numba import types
 from numba.core import cgutils
 
 from meshnode.engine.cpu.simd import F32x16, intrinsic
+from meshnode.engine.cpu.simd_bytes import permutes
 
 __all__ = ["permutes", "wiota", "wlookup"]
 
@@ -45,15 +45,6 @@ _LANES = 16
 _VI = ir.VectorType(_I32, _LANES)
 _VF = ir.VectorType(ir.FloatType(), _LANES)
 _BYTES = ir.VectorType(ir.IntType(8), _LANES)
-
-
-@cache
-def permutes() -> bool:
-    """Whether this CPU permutes sixteen float32 lanes by a register of indices in one
-    instruction (``vpermps`` on 512-bit registers: AVX-512F), what numba compiles for."""
-    from llvmlite import binding
-
-    return bool(binding.get_host_cpu_features().get("avx512f"))
 
 
 @intrinsic

@@ -21,6 +21,15 @@ A word shift moves bits across a byte boundary only into the bits the masks drop
 each byte keeps its own fields. The joined bytes are stored once and widened sixteen at a
 time by the load (``vpmovsxbd`` from memory), not extracted lane by lane.
 
+:func:`wq6_join` stores a whole half's joined bytes (all four quarters, 128 bytes) into a
+caller's scratch at once, and :func:`wq6_stored` reads a quarter back: the AVX2 one-row
+passes (:mod:`.passes`), whose sixteen registers cannot hold four rows' halves between
+their quarters. With :func:`wq6_quarter` there, each quarter stored its pair's 64 bytes
+again and the rows' loaded bytes were spilled to the stack and read back for the next
+pair (654 instructions a loop of 512 weights, 121 of them stores); joined once a half,
+534 and 0.37 -> 0.28 cycles a weight in cache, 0.37 -> 0.31 streamed
+(``benchmarks/exact_kernels.py --formats Q6_K --rows 1``).
+
 Measured (issue 29): the one-row loop over four rows' half super-blocks is 272
 instructions (282 before), 80 cycles by a static port count with port 1 closed to
 512-bit uops (106 before); eight rows 1.2-1.3x main's speed, one row within the noise
@@ -46,7 +55,7 @@ from numba.core import cgutils
 from meshnode.engine.cpu.lookup import permutes
 from meshnode.engine.cpu.simd import F32x16, intrinsic
 
-__all__ = ["wq6_quarter"]
+__all__ = ["wq6_join", "wq6_quarter", "wq6_stored"]
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _B64 = ir.VectorType(_I8, 64)
@@ -120,45 +129,109 @@ def _launder(builder: Any, ptr: Any) -> Any:
     return builder.call(ir.InlineAsm(fnty, "", "=r,0"), [ptr])
 
 
+def _joined(builder: Any, data: Any, ql: Any, qh: Any, first: Any) -> Any:
+    # the 64 joined bytes of quarters 0 and 1 (first, an i1) or 2 and 3 of a half
+    low = _load(builder, data, ql, _B64)
+    fields = _load(builder, data, qh, _B32)
+    both = builder.shuffle_vector(fields, fields, ir.Constant(_VI64, list(range(32)) * 2))
+    # m = 2, 3: the fields at bits 4-5 and 6-7 of qh, to 6-7 (qh << 2 and qh);
+    # m = 0, 1: bits 0-1 and 2-3, to 2-3 (the same shifts), then four more
+    upper = _words(builder, both, "shl", [2, 0])
+    nibbles = builder.select(
+        first, _words(builder, low, "shl", [2, 2]), _words(builder, low, "lshr", [2, 2])
+    )
+    fields = builder.select(
+        first,
+        _words(builder, _field(builder, upper, 0x0C, 0x08), "shl", [4, 4]),
+        _field(builder, upper, 0xC0, 0x80),
+    )
+    return _join(builder, nibbles, fields)
+
+
+def _widened(builder: Any, start: Any) -> Any:
+    # the 32 signed bytes at start, as two sixteen-lane float32 vectors (vpmovsxbd from
+    # memory, eight a load)
+    halves = []
+    for first_byte in (0, 16):
+        ptr = builder.gep(start, [ir.Constant(_I64, first_byte)])
+        part = builder.load(builder.bitcast(ptr, _B16.as_pointer()), align=1)
+        halves.append(builder.sitofp(builder.sext(part, _VI), _VF))
+    return halves
+
+
+def _is_row(row: Any) -> bool:
+    return isinstance(row, types.Array) and row.dtype == types.uint8 and row.layout == "C"
+
+
+def _is_floats(buf: Any) -> bool:
+    return isinstance(buf, types.Array) and buf.dtype == types.float32 and buf.layout == "C"
+
+
 @intrinsic
 def wq6_quarter(typingctx: Any, row: Any, ql: Any, qh: Any, m: Any) -> Any:
     """Values ``32 m .. 32 m + 31`` (``m`` 0-3) of the Q6_K half super-block whose 64
     low-nibble bytes are at byte ``ql`` of ``row`` and 32 two-bit-field bytes at ``qh``, as
     ``4 (q - 32)``: two float32 vectors, exact. The four quarters of a half share their
     loads and byte operations once inlined (``m`` constant there: the choices fold)."""
-    ok = isinstance(row, types.Array) and row.dtype == types.uint8 and row.layout == "C"
-    if not (ok and isinstance(m, types.Integer)):
+    if not (_is_row(row) and isinstance(m, types.Integer)):
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        low = _load(builder, data, args[1], _B64)
-        fields = _load(builder, data, args[2], _B32)
-        both = builder.shuffle_vector(fields, fields, ir.Constant(_VI64, list(range(32)) * 2))
-        # m = 2, 3: the fields at bits 4-5 and 6-7 of qh, to 6-7 (qh << 2 and qh);
-        # m = 0, 1: bits 0-1 and 2-3, to 2-3 (the same shifts), then four more
-        upper = _words(builder, both, "shl", [2, 0])
         quarter = context.cast(builder, args[3], sig.args[3], types.int64)
         first = builder.icmp_signed("<", quarter, ir.Constant(_I64, 2))
-        nibbles = builder.select(
-            first, _words(builder, low, "shl", [2, 2]), _words(builder, low, "lshr", [2, 2])
-        )
-        fields = builder.select(
-            first,
-            _words(builder, _field(builder, upper, 0x0C, 0x08), "shl", [4, 4]),
-            _field(builder, upper, 0xC0, 0x80),
-        )
         slot = cgutils.alloca_once(builder, _B64)  # type: ignore[no-untyped-call]
         slot.align = 64
-        builder.store(_join(builder, nibbles, fields), slot)
+        builder.store(_joined(builder, data, args[1], args[2], first), slot)
         at = builder.mul(builder.and_(quarter, ir.Constant(_I64, 1)), ir.Constant(_I64, 32))
         start = builder.gep(_launder(builder, builder.bitcast(slot, _I8.as_pointer())), [at])
-        halves = []
-        for first_byte in (0, 16):
-            ptr = builder.gep(start, [ir.Constant(_I64, first_byte)])
-            part = builder.load(builder.bitcast(ptr, _B16.as_pointer()), align=16)
-            halves.append(builder.sitofp(builder.sext(part, _VI), _VF))
-        return context.make_tuple(builder, sig.return_type, halves)
+        return context.make_tuple(builder, sig.return_type, _widened(builder, start))
 
     pair = types.UniTuple(F32x16, 2)  # type: ignore[no-untyped-call]
     return pair(row, ql, qh, m), codegen
+
+
+def _bytes_of(context: Any, builder: Any, aryty: Any, ary: Any, at: Any, atty: Any) -> Any:
+    # the address of float32 element `at` of a float32 array, as bytes
+    data = context.make_array(aryty)(context, builder, ary).data
+    at = context.cast(builder, at, atty, types.int64)
+    return builder.bitcast(builder.gep(data, [at]), _I8.as_pointer())
+
+
+@intrinsic
+def wq6_join(typingctx: Any, row: Any, ql: Any, qh: Any, buf: Any, at: Any) -> Any:
+    """A whole Q6_K half super-block (``ql``, ``qh`` as :func:`wq6_quarter`'s), joined as
+    there and stored as 128 signed bytes ``4 (q - 32)`` from float32 element ``at`` of
+    ``buf`` on: quarter ``m`` at bytes ``32 m ..``, for :func:`wq6_stored` to read."""
+    if not (_is_row(row) and _is_floats(buf) and isinstance(at, types.Integer)):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        dest = _bytes_of(context, builder, sig.args[3], args[3], args[4], sig.args[4])
+        for i, first in enumerate((True, False)):
+            ptr = builder.gep(dest, [ir.Constant(_I64, 64 * i)])
+            joined = _joined(builder, data, args[1], args[2], ir.Constant(ir.IntType(1), first))
+            builder.store(joined, builder.bitcast(ptr, _B64.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.none(row, ql, qh, buf, at), codegen
+
+
+@intrinsic
+def wq6_stored(typingctx: Any, buf: Any, at: Any, m: Any) -> Any:
+    """Quarter ``m`` (0-3) of the half :func:`wq6_join` stored at ``buf[at]``: the values
+    :func:`wq6_quarter` returns, read back sixteen at a time by the loads that widen them."""
+    if not (_is_floats(buf) and isinstance(at, types.Integer) and isinstance(m, types.Integer)):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        start = _launder(
+            builder, _bytes_of(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        )
+        quarter = context.cast(builder, args[2], sig.args[2], types.int64)
+        start = builder.gep(start, [builder.mul(quarter, ir.Constant(_I64, 32))])
+        return context.make_tuple(builder, sig.return_type, _widened(builder, start))
+
+    pair = types.UniTuple(F32x16, 2)  # type: ignore[no-untyped-call]
+    return pair(buf, at, m), codegen

@@ -35,22 +35,15 @@ from numba.core.errors import TypingError
 from numba.extending import models, overload, register_model
 
 from meshnode.engine.cpu.blocks import decoder, f16, format_row, k_scale_min, q3_k_scale, u32
-from meshnode.engine.cpu.simd import (
-    INNER,
-    F32x16,
-    inner,
-    intrinsic,
-    wadd,
-    wfma,
+from meshnode.engine.cpu.simd import INNER, F32x16, inner, intrinsic, wadd, wfma, wmul, wsplat
+from meshnode.engine.cpu.simd_bytes import (
     whigh_nibbles,
     wload_i8,
     wlow_nibbles,
-    wmul,
     wq5_high,
     wq5_low,
     wq5c_high,
     wq5c_low,
-    wsplat,
 )
 
 __all__ = [
