@@ -36,7 +36,7 @@ from numba import types
 from numba.core import cgutils
 
 from meshnode.engine.cpu.simd import F32x16, intrinsic
-from meshnode.engine.cpu.simd_bytes import permutes
+from meshnode.engine.cpu.simd_bytes import opaque, permutes
 
 __all__ = ["permutes", "wiota", "wlookup"]
 
@@ -76,14 +76,6 @@ def _permute(builder: Any, table: Any, index: Any) -> Any:
     return out
 
 
-def _opaque(builder: Any, v: Any) -> Any:
-    # v, which the compiler cannot see through (an empty asm): it would otherwise shift
-    # and mask the bytes before widening them, one widening for each nibble
-    if not permutes():
-        return v
-    return builder.call(ir.InlineAsm(ir.FunctionType(v.type, [v.type]), "", "=v,0"), [v])
-
-
 @intrinsic
 def wlookup(typingctx: Any, table: Any, row: Any, off: Any, high: Any) -> Any:
     """Lane ``i`` is ``table[n]`` for ``n`` the low nibble (``high`` a literal False) or
@@ -101,7 +93,9 @@ def wlookup(typingctx: Any, table: Any, row: Any, off: Any, high: Any) -> Any:
         # same bytes share one load and one widening (a shuffle), the high one shifting
         # the widened lanes (no mask: a byte's top nibble is below 16)
         load.set_metadata("invariant.load", builder.module.add_metadata([]))
-        wide = _opaque(builder, builder.zext(load, _VI))
+        wide = builder.zext(load, _VI)
+        if permutes():  # the lookups' code (elsewhere they are scalar picks, unused)
+            wide = opaque(builder, wide)
         if shift:
             return _permute(builder, args[0], builder.lshr(wide, ir.Constant(_VI, [4] * _LANES)))
         return _permute(builder, args[0], builder.and_(wide, ir.Constant(_VI, [15] * _LANES)))

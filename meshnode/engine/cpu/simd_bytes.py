@@ -5,7 +5,7 @@ checks, offsets in bytes).
 
 Where sixteen lanes are two registers (AVX2: :func:`permutes` false), the widened bytes of
 the nibble reads pass through an empty asm, so that LLVM keeps one ``vpmovzxbd`` from
-memory for each eight bytes, shared by their low and high nibbles (see ``_widened``).
+memory for each eight bytes, shared by their low and high nibbles (:func:`opaque`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from numba import types
 from meshnode.engine.cpu.simd import LANES, F32x16, _i32, _is_array, intrinsic
 
 __all__ = [
+    "opaque",
     "permutes",
     "whigh_nibbles",
     "wload_i8",
@@ -45,17 +46,17 @@ def permutes() -> bool:
     return bool(binding.get_host_cpu_features().get("avx512f"))
 
 
-def _widened(builder: Any, v: Any) -> Any:
-    # sixteen widened bytes, which the compiler cannot see through where they are two
-    # registers (an empty asm on each eight lanes). Seen through, LLVM masks or shifts the
-    # sixteen bytes first and widens each nibble's bytes on their own: a vpshufd and two
-    # vpmovzxbd from a register for every sixteen values, and a low and a high nibble of
-    # the same bytes widened twice; opaque, each eight bytes are one vpmovzxbd from memory
-    # that both nibbles share (AVX2, the Q4_K one-row pass: 0.30 -> 0.25 cycles a weight
-    # with the rows' order below, benchmarks/exact_kernels.py)
-    if permutes():
-        return v
-    asm = ir.InlineAsm(ir.FunctionType(_VI, [_VI]), "", "=x,0")
+def opaque(builder: Any, v: Any) -> Any:
+    """``v`` (sixteen int32 lanes), which the compiler cannot see through: an empty asm on
+    each register's worth of lanes (all sixteen on AVX-512, eight elsewhere). Widened
+    bytes seen through, LLVM masks or shifts the bytes first and widens each nibble's on
+    their own; opaque, the low and the high nibbles of the same bytes share one widening
+    (the callers say what each gains)."""
+    lanes = 2 * LANES if permutes() else LANES
+    vty = ir.VectorType(_I32, lanes)
+    asm = ir.InlineAsm(ir.FunctionType(vty, [vty]), "", "=v,0")
+    if lanes == 2 * LANES:
+        return builder.call(asm, [v], attrs=("readnone", "nounwind"))
     halves = []
     for first in (0, LANES):
         half = builder.shuffle_vector(v, v, ir.Constant(_VI, list(range(first, first + LANES))))
@@ -78,9 +79,16 @@ def _wide_bytes(part: str, doc: str) -> Any:
             if part == "int8":
                 return builder.sitofp(builder.sext(v, _VIW), _VW)
             # the weights never change while a product runs: a low and a high read of the
-            # same bytes share one load and one widening (invariant.load)
+            # same bytes share one load and one widening (invariant.load), kept as one
+            # where sixteen lanes are two registers (opaque). Seen through, a vpshufd and
+            # two vpmovzxbd from a register every sixteen values, each nibble's bytes
+            # widened on their own; opaque, each eight bytes one vpmovzxbd from memory
+            # (AVX2, the Q4_K one-row pass: 0.30 -> 0.25 cycles a weight with the rows'
+            # order of .passes, benchmarks/exact_kernels.py)
             v.set_metadata("invariant.load", builder.module.add_metadata([]))
-            wide = _widened(builder, builder.zext(v, _VIW))
+            wide = builder.zext(v, _VIW)
+            if not permutes():
+                wide = opaque(builder, wide)
             if part == "low":
                 wide = builder.and_(wide, ir.Constant(_VIW, [15] * 2 * LANES))
             else:

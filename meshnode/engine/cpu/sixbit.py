@@ -148,7 +148,7 @@ def _joined(builder: Any, data: Any, ql: Any, qh: Any, first: Any) -> Any:
     return _join(builder, nibbles, fields)
 
 
-def _widened(builder: Any, start: Any) -> Any:
+def _signed_floats(builder: Any, start: Any) -> Any:
     # the 32 signed bytes at start, as two sixteen-lane float32 vectors (vpmovsxbd from
     # memory, eight a load)
     halves = []
@@ -185,7 +185,7 @@ def wq6_quarter(typingctx: Any, row: Any, ql: Any, qh: Any, m: Any) -> Any:
         builder.store(_joined(builder, data, args[1], args[2], first), slot)
         at = builder.mul(builder.and_(quarter, ir.Constant(_I64, 1)), ir.Constant(_I64, 32))
         start = builder.gep(_launder(builder, builder.bitcast(slot, _I8.as_pointer())), [at])
-        return context.make_tuple(builder, sig.return_type, _widened(builder, start))
+        return context.make_tuple(builder, sig.return_type, _signed_floats(builder, start))
 
     pair = types.UniTuple(F32x16, 2)  # type: ignore[no-untyped-call]
     return pair(row, ql, qh, m), codegen
@@ -231,7 +231,7 @@ def wq6_stored(typingctx: Any, buf: Any, at: Any, m: Any) -> Any:
         )
         quarter = context.cast(builder, args[2], sig.args[2], types.int64)
         start = builder.gep(start, [builder.mul(quarter, ir.Constant(_I64, 32))])
-        return context.make_tuple(builder, sig.return_type, _widened(builder, start))
+        return context.make_tuple(builder, sig.return_type, _signed_floats(builder, start))
 
     pair = types.UniTuple(F32x16, 2)  # type: ignore[no-untyped-call]
     return pair(buf, at, m), codegen
