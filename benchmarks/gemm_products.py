@@ -15,8 +15,8 @@ alternate within each round, and the table shows the best round of each (the fig
 least disturbed by other load). FLOPs are ``2 x rows x IN x OUT``; the decode is part of
 every path's time. Random blocks (finite scales): only the timings mean anything.
 
-It prints first this core's FMA peak (:func:`peak`: twelve independent chains of
-sixteen-lane FMAs in registers, its CPU time), and ``--tiles ROWSxK`` times
+It prints first this core's FMA peak (:func:`peak`: independent chains of sixteen-lane
+FMAs in registers, the best of five runs' wall time), and ``--tiles ROWSxK`` times
 :func:`meshnode.engine.cpu.gemm.product` alone on float32 tiles of those shapes (what a
 decoded tile costs, no decode), as GFLOP/s and a share of that peak: the 1B shape's
 tiles are 384 x 2048 (q/k/v), 256 x 2048 (the output), 512 x 2048 (gate/up) and 128 x
@@ -45,17 +45,18 @@ def products(dtype: str, raw: np.ndarray, n_in: int) -> dict[str, Callable[..., 
     """Each path's ``fn(x, out)``: ``out = x @ raw's rows``, serially in this thread."""
     from meshnode.engine.cpu import gemm, tiles
     from meshnode.engine.cpu.formats import FORMATS
-    from meshnode.engine.cpu.matrix import DENSE_TILE_BYTES, kernels
+    from meshnode.engine.cpu.matrix import DENSE_TILE_BYTES, GEMM_TILE_BYTES, kernels
 
     fid = FORMATS[dtype].kernel_id
     parts = [(fid, raw)]
     bounds = tiles.tiles(raw.shape[0], n_in, DENSE_TILE_BYTES)
+    gemm_bounds = tiles.tiles(raw.shape[0], n_in, GEMM_TILE_BYTES)
     empty = np.empty((0, 0), np.uint8)
     product = kernels().product_kernel(fid, fid, fid)
 
     def by_gemm(x: np.ndarray, out: np.ndarray) -> None:
         panels = gemm.packed(x)
-        for lo, hi in bounds:
+        for lo, hi in gemm_bounds:
             tiles.gemm_tile(parts, panels, x.shape[0], out, lo, hi)
 
     def by_sgemm(x: np.ndarray, out: np.ndarray) -> None:
@@ -68,33 +69,12 @@ def products(dtype: str, raw: np.ndarray, n_in: int) -> dict[str, Callable[..., 
     return {"gemm": by_gemm, "sgemm": by_sgemm, "kernels": by_kernels}
 
 
-def peak(seconds: float = 0.3) -> float:
-    """GFLOP/s of this core's FMA pipes: six sixteen-lane accumulators (twelve AVX2
-    registers) in a loop, by this thread's CPU time."""
-    from numba import njit
+def peak() -> float:
+    """GFLOP/s of this core's FMA pipes (two a multiply-add): :func:`.realsize.fma_peak`
+    at one thread."""
+    from benchmarks.realsize import fma_peak
 
-    from meshnode.engine.cpu.simd import wadd, wfma, wlane, wload, wzero
-
-    @njit(nogil=True)
-    def chains(n, x):  # type: ignore[no-untyped-def]
-        v, u = wload(x, 0), wload(x, 16)
-        a0, a1, a2, a3, a4, a5 = wzero(), wzero(), wzero(), wzero(), wzero(), wzero()
-        for _ in range(n):
-            a0, a1, a2 = wfma(v, u, a0), wfma(v, u, a1), wfma(v, u, a2)
-            a3, a4, a5 = wfma(v, u, a3), wfma(v, u, a4), wfma(v, u, a5)
-        a0, a1, a2 = wadd(a0, a3), wadd(a1, a4), wadd(a2, a5)
-        return wlane(a0, 0) + wlane(a1, 0) + wlane(a2, 0)
-
-    x = np.full(32, 1e-9, np.float32)
-    chains(10, x)
-    n, best = 1 << 20, 0.0
-    for _ in range(5):
-        began = time.thread_time()
-        chains(n, x)
-        spent = time.thread_time() - began
-        best = max(best, n * 6 * 16 * 2 / max(spent, 1e-9) / 1e9)
-        n = max(n, int(n * seconds / max(spent, 1e-9)))
-    return best
+    return 2 * fma_peak(1)
 
 
 def time_tiles(shapes: list[str], rows: int, rounds: int, top: float) -> None:

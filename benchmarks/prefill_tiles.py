@@ -6,11 +6,12 @@ Run: ``OPENBLAS_NUM_THREADS=1 .venv/bin/python benchmarks/prefill_tiles.py [--sh
 
 The exact mode (``--dtype native``) multiplies a prompt's rows by decoding a weight matrix
 a tile of output rows at a time into float32 (at most :data:`.matrix.DENSE_TILE_BYTES`)
-and handing each tile to sgemm (or the compiled GEMM where this BLAS rounds a row by its
-batch): :func:`.tiles.tiles`. Each round prefills the same ``--prompt`` tokens once with
-each ``--mib`` as the tile cap (the module's constant, which the products read at each
-call), in turn, so that every size meets the same load; a tile's size does not change a
-bit of the output (each output value is the same sum, :func:`.tiles.rows_independent`).
+and handing each tile to sgemm (or, at most :data:`.matrix.GEMM_TILE_BYTES`, to the
+compiled GEMM where this BLAS rounds a row by its batch): :func:`.tiles.tiles`. Each round
+prefills the same ``--prompt`` tokens once with each ``--mib`` as the tile cap (both
+constants of the module, which the products read at each call), in turn, so that every
+size meets the same load; a tile's size does not change a bit of the output (each
+output value is the same sum, :func:`.tiles.rows_independent`).
 Printed: each round's tok/s, then per size the median and best, and the median of the
 per-round ratios to the first size.
 
@@ -52,12 +53,12 @@ def main() -> None:
     runner = MeshnodeRunner(str(model), "blocks", args.threads)
     ids = list(prompt_ids(args.prompt, 2))  # realsize.py's prefill prompt
     for mib in args.mib:  # kernels compiled, pages touched, every size's scratch made
-        matrix.DENSE_TILE_BYTES = mib << 20
+        matrix.DENSE_TILE_BYTES = matrix.GEMM_TILE_BYTES = mib << 20
         runner.generate(ids, 1)
     rates: dict[int, list[float]] = {mib: [] for mib in args.mib}
     for r in range(args.rounds):
         for mib in args.mib:
-            matrix.DENSE_TILE_BYTES = mib << 20
+            matrix.DENSE_TILE_BYTES = matrix.GEMM_TILE_BYTES = mib << 20
             prefill_s, _, _ = runner.generate(ids, 1)
             rates[mib].append(args.prompt / prefill_s)
         print(f"round {r + 1}: " + ", ".join(f"{m} MiB {v[-1]:.1f}" for m, v in rates.items()))

@@ -252,6 +252,68 @@ def read_floor(threads: int, rounds: int = 5) -> float:
     return FLOOR_BYTES / best / 1e9
 
 
+# -- the compute wall ---------------------------------------------------------------------
+
+
+def fma_peak(threads: int, rounds: int = 5) -> float:
+    """Billions of float32 multiply-adds a second (one a lane) of ``threads`` threads, each
+    running independent FMA chains held in registers (the best of ``rounds``): what exact
+    arithmetic can reach at most on this machine, as the streaming read is for the bytes.
+    Twelve chains of sixteen lanes where those are one register (AVX-512), six elsewhere
+    (twelve AVX2 registers, of sixteen): enough to cover the FMA latency on both ports."""
+    from numba import njit
+
+    from meshnode.engine.cpu.simd import wfma, wload, wsum, wzero
+    from meshnode.engine.cpu.simd_bytes import permutes
+
+    @njit(nogil=True, cache=True)
+    def six(n, x):  # type: ignore[no-untyped-def]
+        m, c = wload(x, 0), wload(x, 16)
+        a0 = a1 = a2 = a3 = a4 = a5 = wzero()
+        for _ in range(n):
+            a0, a1, a2 = wfma(a0, m, c), wfma(a1, m, c), wfma(a2, m, c)
+            a3, a4, a5 = wfma(a3, m, c), wfma(a4, m, c), wfma(a5, m, c)
+        return wsum(a0) + wsum(a1) + wsum(a2) + wsum(a3) + wsum(a4) + wsum(a5)
+
+    @njit(nogil=True, cache=True)
+    def twelve(n, x):  # type: ignore[no-untyped-def]
+        m, c = wload(x, 0), wload(x, 16)
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = wzero()
+        for _ in range(n):
+            a0, a1, a2 = wfma(a0, m, c), wfma(a1, m, c), wfma(a2, m, c)
+            a3, a4, a5 = wfma(a3, m, c), wfma(a4, m, c), wfma(a5, m, c)
+            a6, a7, a8 = wfma(a6, m, c), wfma(a7, m, c), wfma(a8, m, c)
+            a9, a10, a11 = wfma(a9, m, c), wfma(a10, m, c), wfma(a11, m, c)
+        s = wsum(a0) + wsum(a1) + wsum(a2) + wsum(a3) + wsum(a4) + wsum(a5)
+        return s + wsum(a6) + wsum(a7) + wsum(a8) + wsum(a9) + wsum(a10) + wsum(a11)
+
+    chains, kernel = (12, twelve) if permutes() else (6, six)
+    x = np.full(32, 0.5, np.float32)  # a fixed point of a * 0.5 + 0.5: no overflow
+    kernel(1, x)
+    steps = 50_000_000  # ~0.1-0.4 s a thread
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as ex:
+        for _ in range(rounds + 1):
+            began = time.perf_counter()
+            list(ex.map(lambda _: kernel(steps, x), range(threads)))
+            best = min(best, time.perf_counter() - began)
+    return threads * steps * chains * 16 / best / 1e9
+
+
+def weight_values(model: Path) -> tuple[int, int]:
+    """The weights one decode step multiplies (each one multiply-add a row), as
+    :func:`weight_bytes`, and of them the head's (a prefill runs it for the last row only)."""
+    import gguf
+
+    reader = gguf.GGUFReader(model)
+    names = {t.name for t in reader.tensors}
+    head = "output.weight" if "output.weight" in names else "token_embd.weight"
+    total = sum(int(t.n_elements) for t in reader.tensors if t.name != "token_embd.weight")
+    if head == "token_embd.weight":
+        total += next(int(t.n_elements) for t in reader.tensors if t.name == head)
+    return total, next(int(t.n_elements) for t in reader.tensors if t.name == head)
+
+
 # -- the driver ---------------------------------------------------------------------------
 
 
@@ -287,6 +349,7 @@ def run_model(model: Path, args: argparse.Namespace, folder: Path | None) -> Non
         w.close()
     floors = {t: read_floor(t) for t in args.threads}
     report(model, results, floors, weight_bytes(model))
+    report_compute(results, {t: fma_peak(t) for t in args.threads}, weight_values(model))
     if folder is None:
         print("\nllama.cpp: skipped (no binaries: --llama-bin DIR or $LLAMA_BIN; see --help)")
     elif skipped:
@@ -321,6 +384,38 @@ def report(
         print("| " + " | ".join(cells) + " |")
     floor = ", ".join(f"{t} thread(s) {gbs:.1f} GB/s" for t, gbs in floors.items())
     print(f"\nstreaming read of {FLOOR_BYTES / 2**30:.0f} GiB (the memory wall): {floor}")
+
+
+def report_compute(
+    results: dict[tuple[str, int], list[dict[str, float]]],
+    peaks: dict[int, float],
+    values: tuple[int, int],
+) -> None:
+    """The exact mode's weight products against the compute wall: each weight one float32
+    multiply-add a row, so tokens/s times the weights multiplied per token (a prefill's
+    head only for its last row) is a rate of multiply-adds, beside :func:`fma_peak` at
+    the same threads. llama.cpp's rows are its tokens/s at that rate: what float32
+    arithmetic would have to reach to keep up (its own is 8-bit integer). The exact
+    one-row decode spends a second multiply-add a weight on decoding it (scale and
+    minimum); the 8 streams share that among their rows, and a prefill among 512."""
+    total, head = values
+    per_token = {"decode": total, "streams": total, "prefill": total - head + head / PREFILL}
+    print(
+        "\nweight multiply-adds, billions a second (of the float32 FMA peak: "
+        + ", ".join(f"{t} thread(s) {g:.1f}" for t, g in peaks.items())
+        + "), exact arithmetic and llama.cpp's rate:"
+    )
+    head_row = ["engine", "threads", "decode", "8 streams", "prefill"]
+    print("| " + " | ".join(head_row) + " |")
+    print("|---|" + "---:|" * (len(head_row) - 1))
+    for (engine, t), rounds in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if engine not in ("llama.cpp", "meshnode exact"):
+            continue
+        cells = [engine, str(t)]
+        for key in ("decode", "streams", "prefill"):
+            rate = statistics.median(r[key] for r in rounds) * per_token[key] / 1e9
+            cells.append(f"{rate:.1f} ({rate / peaks[t]:.0%})")
+        print("| " + " | ".join(cells) + " |")
 
 
 def main() -> None:

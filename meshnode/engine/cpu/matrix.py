@@ -7,9 +7,10 @@ blocks (decode, verify windows), shared chunk by chunk with the kernel threads o
 :mod:`.pool`, one thread per :data:`PARALLEL_MIN_BYTES` of it; more rows (prefill)
 decode the matrix a tile of at most :data:`DENSE_TILE_BYTES` at a time into a per-thread
 float32 scratch buffer and hand each tile to BLAS -- or, where this process's sgemm
-rounds a row by its batch (:func:`.tiles.rows_independent`), to the compiled GEMM
-(:mod:`.gemm`) -- where the decode is a small part of the work; with several threads each
-decodes and multiplies tiles of its own (:mod:`.tiles`).
+rounds a row by its batch (:func:`.tiles.rows_independent`), a tile of at most
+:data:`GEMM_TILE_BYTES` to the compiled GEMM (:mod:`.gemm`) -- where the decode is a
+small part of the work; with several threads each decodes and multiplies tiles of its
+own (:mod:`.tiles`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,15 @@ MAX_KERNEL_ROWS = 16
 # two). Short matrices keep their tiles (TILES_PER_MATRIX's share is below either cap:
 # SmolLM2's and Gemma 3's tiles are the same either way).
 DENSE_TILE_BYTES = 16 << 20
+# The same cap for the compiled GEMM's tiles (where sgemm rounds a row by its batch). Its
+# loops read the whole tile once for every panel of sixteen activation rows (32 times in
+# a 512-token prefill, :func:`.gemm.product`), so every thread's tile should stay in the
+# L3 cache between panels: two threads' 16 MiB tiles are the whole L3 of a Zen 3 CCX
+# (32 MiB), and its GEMM ran ~25 % below its one-thread rate beside the other thread's.
+# 4 MiB against 16, a 512-token exact prefill of the Llama-3.2-1B shape at two threads
+# (AMD EPYC Zen 3, AVX2; benchmarks/prefill_tiles.py, alternating in one process):
+# see docs/performance.md. The same bits: each sum's order is the GEMM's alone.
+GEMM_TILE_BYTES = 4 << 20
 # Bytes of a matrix (as stored) per thread that shares its products: below it a thread's
 # share is a few microseconds, about what posting a product to the pool's threads costs
 # (and on many cores, small products would keep all of them spinning).
@@ -232,7 +242,7 @@ def _dense_gemm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     panels = gemm.packed(x)
     out = np.empty((rows, n_out), np.float32)
     flat = w.reshape(-1)
-    bounds = _tiles().tiles(n_out, n_in, DENSE_TILE_BYTES)
+    bounds = _tiles().tiles(n_out, n_in, GEMM_TILE_BYTES)
 
     def tile(i: int) -> None:
         lo, hi = bounds[i]
@@ -376,13 +386,14 @@ class BlockMatrix:
         t = _tiles()
         x = np.ascontiguousarray(x)
         parts = [(p.fmt.kernel_id, p.raw) for p in self.parts]
-        bounds = t.tiles(self.n_out, self.n_in, DENSE_TILE_BYTES)  # the shape's, not the load's
         if t.rows_independent():
+            bounds = t.tiles(self.n_out, self.n_in, DENSE_TILE_BYTES)  # the shape's alone
 
             def tile(i: int) -> None:
                 t.product_tile(parts, x, out, *bounds[i])
 
         else:  # this sgemm rounds a row by its batch: the compiled GEMM's one order
+            bounds = t.tiles(self.n_out, self.n_in, GEMM_TILE_BYTES)
             panels, rows = _gemm().packed(x), x.shape[0]
 
             def tile(i: int) -> None:
