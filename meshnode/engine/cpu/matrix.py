@@ -61,11 +61,12 @@ DENSE_TILE_BYTES = 16 << 20
 # The same cap for the compiled GEMM's tiles (where sgemm rounds a row by its batch). Its
 # loops read the whole tile once for every panel of sixteen activation rows (32 times in
 # a 512-token prefill, :func:`.gemm.product`), so every thread's tile should stay in the
-# L3 cache between panels: two threads' 16 MiB tiles are the whole L3 of a Zen 3 CCX
-# (32 MiB), and its GEMM ran ~25 % below its one-thread rate beside the other thread's.
-# 4 MiB against 16, a 512-token exact prefill of the Llama-3.2-1B shape at two threads
-# (AMD EPYC Zen 3, AVX2; benchmarks/prefill_tiles.py, alternating in one process):
-# see docs/performance.md. The same bits: each sum's order is the GEMM's alone.
+# L3 cache between panels, where two threads' 16 MiB tiles are the whole L3 of a Zen 3
+# CCX (32 MiB), with the activations' panels and the other layers' work beside them.
+# 4 MiB against 16, a 512-token exact prefill of the Llama-3.2-1B shape (AMD EPYC Zen 3,
+# AVX2; benchmarks/prefill_tiles.py --layers 16, alternating in one process, median of
+# the rounds' ratios): 1.14x and 1.06x at two threads (2 MiB: 1.12x both times), 1.05x
+# at one. The same bits: each sum's order is the GEMM's alone, whatever the tile.
 GEMM_TILE_BYTES = 4 << 20
 # Bytes of a matrix (as stored) per thread that shares its products: below it a thread's
 # share is a few microseconds, about what posting a product to the pool's threads costs
