@@ -66,7 +66,8 @@ DENSE_TILE_BYTES = 16 << 20
 # 4 MiB against 16, a 512-token exact prefill of the Llama-3.2-1B shape (AMD EPYC Zen 3,
 # AVX2; benchmarks/prefill_tiles.py --layers 16, alternating in one process, median of
 # the rounds' ratios): 1.14x and 1.06x at two threads (2 MiB: 1.12x both times), 1.05x
-# at one. The same bits: each sum's order is the GEMM's alone, whatever the tile.
+# at one; the Llama-3.1-8B shape's first 4 layers 1.13x at two, 0.99x at one. The same
+# bits: each sum's order is the GEMM's alone, whatever the tile.
 GEMM_TILE_BYTES = 4 << 20
 # Bytes of a matrix (as stored) per thread that shares its products: below it a thread's
 # share is a few microseconds, about what posting a product to the pool's threads costs
