@@ -21,6 +21,8 @@ that the load of this shared machine hits all alike. Measured, medians over roun
 
 with ratios to llama.cpp at the same threads, the weight bytes a decode step reads times
 its tokens/s (GB/s), and a streaming read of 1 GiB at the same threads: the memory wall.
+Then the compute wall: the float32 FMA peak at each thread count (:func:`fma_peak`), and
+the exact mode's and llama.cpp's tokens/s as multiply-adds a second (:func:`report_compute`).
 
 llama.cpp's binaries come from ``--llama-bin`` or ``$LLAMA_BIN`` (a folder with
 ``llama-bench`` and ``llama-batched-bench``); without them its columns are skipped. To build
