@@ -48,7 +48,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -302,32 +302,31 @@ def fma_peak(threads: int, rounds: int = 5) -> float:
     return threads * steps * chains * 16 / best / 1e9
 
 
-def weight_values(model: Path) -> tuple[int, int]:
-    """The weights one decode step multiplies (each one multiply-add a row), as
-    :func:`weight_bytes`, and of them the head's (a prefill runs it for the last row only)."""
+# -- the driver ---------------------------------------------------------------------------
+
+
+class Weights(NamedTuple):
+    """The weights one decode step reads: every matrix, the head, not the embedding rows
+    (unless the embedding is the head)."""
+
+    nbytes: int  # as stored
+    values: int  # each one multiply-add a row
+    head: int  # the head's values (a prefill runs it for its last row only)
+
+
+def weights(model: Path) -> Weights:
+    """:class:`Weights` of the GGUF at ``model``."""
     import gguf
 
     reader = gguf.GGUFReader(model)
     names = {t.name for t in reader.tensors}
     head = "output.weight" if "output.weight" in names else "token_embd.weight"
-    total = sum(int(t.n_elements) for t in reader.tensors if t.name != "token_embd.weight")
-    if head == "token_embd.weight":
-        total += next(int(t.n_elements) for t in reader.tensors if t.name == head)
-    return total, next(int(t.n_elements) for t in reader.tensors if t.name == head)
-
-
-# -- the driver ---------------------------------------------------------------------------
-
-
-def weight_bytes(model: Path) -> int:
-    """Bytes of the weights one decode step reads: every matrix, the head, not the
-    embedding rows (unless the embedding is the head)."""
-    import gguf
-
-    reader = gguf.GGUFReader(model)
-    names = {t.name for t in reader.tensors}
-    tied = "output.weight" not in names
-    return sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight" or tied)
+    read = [t for t in reader.tensors if t.name != "token_embd.weight" or t.name == head]
+    return Weights(
+        sum(int(t.n_bytes) for t in read),
+        sum(int(t.n_elements) for t in read),
+        next(int(t.n_elements) for t in read if t.name == head),
+    )
 
 
 def run_model(model: Path, args: argparse.Namespace, folder: Path | None) -> None:
@@ -350,8 +349,9 @@ def run_model(model: Path, args: argparse.Namespace, folder: Path | None) -> Non
     for w in workers:
         w.close()
     floors = {t: read_floor(t) for t in args.threads}
-    report(model, results, floors, weight_bytes(model))
-    report_compute(results, {t: fma_peak(t) for t in args.threads}, weight_values(model))
+    read = weights(model)
+    report(model, results, floors, read.nbytes)
+    report_compute(results, {t: fma_peak(t) for t in args.threads}, read)
     if folder is None:
         print("\nllama.cpp: skipped (no binaries: --llama-bin DIR or $LLAMA_BIN; see --help)")
     elif skipped:
@@ -391,7 +391,7 @@ def report(
 def report_compute(
     results: dict[tuple[str, int], list[dict[str, float]]],
     peaks: dict[int, float],
-    values: tuple[int, int],
+    read: Weights,
 ) -> None:
     """The exact mode's weight products against the compute wall: each weight one float32
     multiply-add a row, so tokens/s times the weights multiplied per token (a prefill's
@@ -400,7 +400,7 @@ def report_compute(
     arithmetic would have to reach to keep up (its own is 8-bit integer). The exact
     one-row decode spends a second multiply-add a weight on decoding it (scale and
     minimum); the 8 streams share that among their rows, and a prefill among 512."""
-    total, head = values
+    total, head = read.values, read.head
     per_token = {"decode": total, "streams": total, "prefill": total - head + head / PREFILL}
     print(
         "\nweight multiply-adds, billions a second (of the float32 FMA peak: "
