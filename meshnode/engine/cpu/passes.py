@@ -13,8 +13,9 @@ as the k-row tiles give it.
 :func:`one_row` picks a format's pass while compiling: the 32-value formats'
 (:func:`pass4_blocks`), a K-quant's by where it keeps its scales (in registers on 32,
 :func:`pass4_k`; on sixteen, AVX2, from a small scratch: :func:`pass4_k_buf`, and for
-Q4_K :func:`pass4_k_rows`, a row at a time through each pair of sub-blocks), MXFP4's on
-AVX2 (:mod:`.fp4_exact`). Every pass takes ``(fmt, form, many, raw, x, out, o, hi, col, w,
+Q4_K :func:`pass4_k_rows`, a row at a time through each pair of sub-blocks; where the CPU
+has AVX2 and FMA, Q4_K's and Q6_K's steps in assembly, :mod:`.k_asm`: :func:`pass4_k_asm`
+and :func:`pass4_k_asm6`), MXFP4's on AVX2 (:mod:`.fp4_exact`). Every pass takes ``(fmt, form, many, raw, x, out, o, hi, col, w,
 n_in)``: weight rows ``o .. hi - 1`` of one part, four a pass while four are left, into
 columns ``col + o ..`` of ``out``, with ``w`` a float32 scratch of ``4 n_in``; it returns
 the first row not done.
@@ -30,11 +31,22 @@ from numba import njit
 from meshnode.engine.cpu import fp4_exact
 from meshnode.engine.cpu.blocks import format_row
 from meshnode.engine.cpu.groups import group_chunk, group_chunk_at, group_scales
+from meshnode.engine.cpu.k_asm import assembles, wq4k_pair, wq6k_steps
 from meshnode.engine.cpu.narrow import fp4_shuffled, literal_form
 from meshnode.engine.cpu.simd import inner, wfma, wload, wstore, wsum, wzero
 from meshnode.engine.cpu.simd_int import prefetch
+from meshnode.engine.cpu.sixbit import wq6_join
 
-__all__ = ["one_row", "pass4_blocks", "pass4_fp4", "pass4_k", "pass4_k_buf", "pass4_k_rows"]
+__all__ = [
+    "one_row",
+    "pass4_blocks",
+    "pass4_fp4",
+    "pass4_k",
+    "pass4_k_asm",
+    "pass4_k_asm6",
+    "pass4_k_buf",
+    "pass4_k_rows",
+]
 
 
 def one_row(fmt: Any, form: Any) -> Any:
@@ -47,7 +59,9 @@ def one_row(fmt: Any, form: Any) -> Any:
         return pass4_blocks
     if literal_form(form) != 8 or name not in ("Q4_K", "Q6_K"):
         return pass4_k
-    return pass4_k_rows if name == "Q4_K" else pass4_k_buf
+    if not assembles():
+        return pass4_k_rows if name == "Q4_K" else pass4_k_buf
+    return pass4_k_asm if name == "Q4_K" else pass4_k_asm6
 
 
 @inner
@@ -199,6 +213,46 @@ def _super4_rows(fmt, rows, g, buf, x, acc):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")
+def _super4_asm(fmt, rows, g, buf, x, acc):  # type: ignore[no-untyped-def]
+    # _super4_rows with each row's pair of sub-blocks one block of assembly (.k_asm:
+    # the same operations in the same order, no spills)
+    for i in range(4):
+        wstore(buf, 16 * i, group_scales(fmt, rows[i], g))
+    p, qs = 256 * g, 144 * g + 16
+    for k in range(4):
+        s = 2 * k
+        acc = (
+            wq4k_pair(rows[0], qs + 32 * k, buf, s, x, p + 64 * k, acc[0]),
+            wq4k_pair(rows[1], qs + 32 * k, buf, 16 + s, x, p + 64 * k, acc[1]),
+            wq4k_pair(rows[2], qs + 32 * k, buf, 32 + s, x, p + 64 * k, acc[2]),
+            wq4k_pair(rows[3], qs + 32 * k, buf, 48 + s, x, p + 64 * k, acc[3]),
+        )
+    return acc
+
+
+@njit(inline="always")
+def _super4_asm6(fmt, rows, g, buf, x, acc):  # type: ignore[no-untyped-def]
+    # Q6_K's on AVX2: the super-block's bytes joined for the four rows first
+    # (.sixbit.wq6_join, into buf past their scales, 64 float32 a row), then 64 values of
+    # each row at a time one block of assembly (.k_asm: the same operations in the same
+    # order as _super4_buf's)
+    for i in range(4):
+        wstore(buf, 16 * i, group_scales(fmt, rows[i], g))
+    for i in range(4):
+        for h in range(2):
+            wq6_join(rows[i], 210 * g + 64 * h, 210 * g + 128 + 32 * h, buf, 64 + 64 * i + 32 * h)
+    for k in range(4):
+        p = 256 * g + 64 * k
+        acc = (
+            wq6k_steps(buf, 64 + 16 * k, 4 * k, x, p, acc[0]),
+            wq6k_steps(buf, 128 + 16 * k, 16 + 4 * k, x, p, acc[1]),
+            wq6k_steps(buf, 192 + 16 * k, 32 + 4 * k, x, p, acc[2]),
+            wq6k_steps(buf, 256 + 16 * k, 48 + 4 * k, x, p, acc[3]),
+        )
+    return acc
+
+
+@njit(inline="always")
 def _pairs4_at(fmt, rows, g, s, buf, x, p, acc):  # type: ignore[no-untyped-def]
     # sub-blocks s and s + 1 (values p .. p + 63) of the four rows, a row at a time
     i64 = np.int64
@@ -228,6 +282,8 @@ def _pair_at(fmt, row, g, s, buf, at, x, p, a):  # type: ignore[no-untyped-def]
 pass4_k = _pass4_k_with(_super4_regs, "pass4_k")
 pass4_k_buf = _pass4_k_with(_super4_buf, "pass4_k_buf")
 pass4_k_rows = _pass4_k_with(_super4_rows, "pass4_k_rows")
+pass4_k_asm = _pass4_k_with(_super4_asm, "pass4_k_asm")
+pass4_k_asm6 = _pass4_k_with(_super4_asm6, "pass4_k_asm6")
 
 
 @njit(inline="always")
