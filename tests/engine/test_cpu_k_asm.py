@@ -41,7 +41,7 @@ def _runner(dtype: str, one_pass: Any) -> Any:
 
     @njit
     def run(raw, x, out, w):  # type: ignore[no-untyped-def]
-        return call(fmt, 8, 1, raw, x, out, 0, raw.shape[0], 0, w, x.shape[0])
+        return call(fmt, 8, 1, raw, x, out, 0, raw.shape[0], 0, w, x.shape[0])  # type: ignore[no-untyped-call]
 
     return run
 
