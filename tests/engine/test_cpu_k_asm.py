@@ -6,6 +6,9 @@ this machine; the assembly's only where the CPU runs it (AVX2 and FMA)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -75,3 +78,23 @@ def test_assembly_passes_are_the_bits_of_the_vector_ir(dtype: str, special: bool
     ir, asm = outs
     assert not np.isnan(ir).any()  # every output written
     assert ir.view(np.uint32).tolist() == asm.view(np.uint32).tolist()
+
+
+def test_a_portable_build_keeps_the_vector_ir() -> None:
+    """Where numba compiles for another CPU than this one (``NUMBA_CPU_NAME=generic``: a
+    cache meant for other machines), the assembly, which that CPU may lack, is not used."""
+    code = "from meshnode.engine.cpu.k_asm import assembles; print(assembles())"
+    for env, want in (({}, "True"), ({"NUMBA_CPU_NAME": "generic"}, "False")):
+        run = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**_base_env(), **env},
+        )
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == want, env
+
+
+def _base_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}

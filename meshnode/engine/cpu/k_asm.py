@@ -61,8 +61,14 @@ binding.initialize_native_asmparser()
 
 @cache
 def assembles() -> bool:
-    """Whether this module's instructions run here: an x86-64 CPU with AVX2 and FMA (what
-    numba compiles for)."""
+    """Whether this module's instructions run here: numba compiles for this CPU (not a
+    CPU named by ``NUMBA_CPU_NAME`` or ``NUMBA_CPU_FEATURES``, e.g. a portable ``generic``
+    build, whose assembler would refuse AVX2), an x86-64 one with AVX2 and FMA."""
+    from numba.core import config
+
+    named = getattr(config, "CPU_NAME", None), getattr(config, "CPU_FEATURES", None)
+    if named[0] not in (None, "host") or named[1] is not None:
+        return False
     features = binding.get_host_cpu_features()
     return binding.get_process_triple().startswith("x86_64") and all(
         features.get(name) for name in ("avx2", "fma")
