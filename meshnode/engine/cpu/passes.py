@@ -15,10 +15,10 @@ as the k-row tiles give it.
 :func:`pass4_k`; on sixteen, AVX2, from a small scratch: :func:`pass4_k_buf`, and for
 Q4_K :func:`pass4_k_rows`, a row at a time through each pair of sub-blocks; where the CPU
 has AVX2 and FMA, Q4_K's and Q6_K's steps in assembly, :mod:`.k_asm`: :func:`pass4_k_asm`
-and :func:`pass4_k_asm6`), MXFP4's on AVX2 (:mod:`.fp4_exact`). Every pass takes ``(fmt, form, many, raw, x, out, o, hi, col, w,
-n_in)``: weight rows ``o .. hi - 1`` of one part, four a pass while four are left, into
-columns ``col + o ..`` of ``out``, with ``w`` a float32 scratch of ``4 n_in``; it returns
-the first row not done.
+and :func:`pass4_k_asm6`), MXFP4's on AVX2 (:mod:`.fp4_exact`). Every pass takes ``(fmt,
+form, many, raw, x, out, o, hi, col, w, n_in)``: weight rows ``o .. hi - 1`` of one part,
+four a pass while four are left, into columns ``col + o ..`` of ``out``, with ``w`` a
+float32 scratch of ``4 n_in``; it returns the first row not done.
 """
 
 from __future__ import annotations
