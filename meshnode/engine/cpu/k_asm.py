@@ -42,7 +42,7 @@ from typing import Any
 from llvmlite import binding, ir
 from numba import types
 
-from meshnode.engine.cpu.simd import F32x16, intrinsic
+from meshnode.engine.cpu.simd import F32x16, _is_array, intrinsic
 
 __all__ = ["assembles", "wq4k_pair", "wq6k_steps"]
 
@@ -133,10 +133,6 @@ def _data(context: Any, builder: Any, aryty: Any, ary: Any, index: Any) -> Any:
     return builder.gep(data, [index])
 
 
-def _is(ty: Any, dtype: Any) -> bool:
-    return isinstance(ty, types.Array) and ty.dtype == dtype and ty.layout == "C"
-
-
 def _halves(builder: Any, acc: Any) -> list[Any]:
     undef = ir.Constant(_V16, ir.Undefined)
     return [
@@ -157,7 +153,11 @@ def wq4k_pair(
     ``qs`` of ``row`` (their low nibbles sub-block ``s``, their high ones ``s + 1``), the
     scales at ``buf[at]`` (:func:`.groups.group_scales`' lanes ``s ..``, stored), the
     activations ``x[p : p + 64]``: :func:`.passes._pair_at`'s chain, the same bits."""
-    if not (_is(row, types.uint8) and _is(buf, types.float32) and _is(x, types.float32)):
+    if not (
+        _is_array(row, types.uint8)
+        and _is_array(buf, types.float32)
+        and _is_array(x, types.float32)
+    ):
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
@@ -180,7 +180,7 @@ def wq6k_steps(typingctx: Any, buf: Any, join: Any, at: Any, x: Any, p: Any, acc
     """``acc`` through 64 values of a Q6_K row whose joined bytes
     (:func:`.sixbit.wq6_join`'s) are at ``buf[join]``, their four quarter scales at
     ``buf[at]``, the activations ``x[p : p + 64]``."""
-    if not (_is(buf, types.float32) and _is(x, types.float32)):
+    if not (_is_array(buf, types.float32) and _is_array(x, types.float32)):
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
