@@ -65,7 +65,7 @@ from meshnode.engine.cpu.q8_blocks import (
 from meshnode.engine.cpu.q8_fp4 import eight_mxfp4, two_mxfp4
 from meshnode.engine.cpu.q8_q6_k import eight_q6_k
 from meshnode.engine.cpu.q8_quant import HEADER, ONE_ROW_MAX, buffer_bytes, byte_areas, quantized
-from meshnode.engine.cpu.q8_superblocks import K_FORMATS, Q4_K_ID, eight_q4_k
+from meshnode.engine.cpu.q8_superblocks import K_FORMATS, Q4_K_ID, ahead8, eight_q4_k
 from meshnode.engine.cpu.q8_tiles import scratch_bytes, tiles
 from meshnode.engine.cpu.simd import (
     INNER,
@@ -240,6 +240,7 @@ def _eight(fmt, w, bases, q, r, n, nb, blocks):  # type: ignore[no-untyped-def]
     acc, t, acc1, t1 = vzero(), vzero(), vzero(), vzero()
     for c in range(nb):
         acc, t, acc1, t1 = acc1, t1, acc, t  # chunk c's parity: acc, t even, acc1, t1 odd
+        ahead8(w, bases, block_bytes(fmt) * c)  # a block: 18 (Q4_0) .. 34 bytes (Q8_0)
         xo = HEADER + 32 * (r * nb + c)
         offs = dot4s(z, q, xo)  # z times each four quants' sum: exact, shared by the rows
         p0, d0, m0, n0 = _block_dot(fmt, w, b0, c, q, xo, offs)
@@ -348,8 +349,9 @@ def _rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
     end = w.shape[0]
     if k <= ONE_ROW_MAX or (fmt == MXFP4_ID and k <= MXFP4_PAIRED_ROWS):
         # lane i takes rows lo + i span, lo + i span + 1, ..: each lane streams a long
-        # run of contiguous bytes, which the hardware prefetchers learn (no software
-        # prefetch). Eight neighbouring rows in the lanes read eight short streams side
+        # run of contiguous bytes, and asks for its bytes LANE_AHEAD on
+        # (.q8_superblocks.ahead8: eight streams are more than some cores' hardware
+        # prefetchers follow). Eight neighbouring rows in the lanes read eight short streams side
         # by side (a row: 1,152 bytes of Q4_K at 2,048 inputs, too short for the
         # prefetchers to learn), so their kernels asked for the next eight rows' bytes a
         # chunk or super-block at a time; on the Llama-3.2-1B shape, whose products are

@@ -42,7 +42,15 @@ from numba.core import cgutils
 from meshnode.engine.cpu import q8_superblocks
 from meshnode.engine.cpu.formats import FORMATS
 from meshnode.engine.cpu.q8_rows4 import bytes_by_four, q6_dots_by_four
-from meshnode.engine.cpu.q8_superblocks import _dot_small, _is_bytes, klanes, kpair, krows, ksum
+from meshnode.engine.cpu.q8_superblocks import (
+    _dot_small,
+    _is_bytes,
+    ahead8,
+    klanes,
+    kpair,
+    krows,
+    ksum,
+)
 from meshnode.engine.cpu.simd import F32x8, F32x16, inner, intrinsic, wfma, wmul, wzero
 from meshnode.engine.cpu.simd_int import _x86, fload, half, madd_bytes
 from meshnode.engine.cpu.simd_q8 import I32x16, U8x64, tofloat16, vec8, vnni512
@@ -412,6 +420,10 @@ def eight_q6_k(w, bases, q, xo, dx, sx, nb):  # type: ignore[no-untyped-def]
     for s in range(nb // 8):
         o = _Q6_K_BYTES * s
         d = o + 208
+        ahead8(w, bases, o)  # the super-block's 210 bytes (q8_superblocks.LANE_AHEAD)
+        ahead8(w, bases, o + 64)
+        ahead8(w, bases, o + 128)
+        ahead8(w, bases, o + 192)
         dw = vec8((half(w, b0 + d), half(w, b1 + d), half(w, b2 + d), half(w, b3 + d),
                    half(w, b4 + d), half(w, b5 + d), half(w, b6 + d), half(w, b7 + d)))  # fmt: skip
         dws = klanes(wjoin(dw, dw))  # in the order of ksum's sums
