@@ -57,8 +57,18 @@ def product(m: BlockMatrix, x: np.ndarray, threads: int, team: TileThreads) -> n
 )
 @pytest.mark.parametrize(
     ("rows", "n_out", "n_in"),
-    # blocks of six weight rows, then tails of four (10, 11), two (8, 3) and one row
-    [(17, 7, 40), (33, 13, 3), (5, 6, 64), (20, 11, 24), (16, 8, 9), (3, 3, 17), (18, 10, 5)],
+    # blocks of twelve weight rows (AVX-512: 13, 37), of six, then tails of four (10, 11,
+    # 37), two (8, 3, 37) and one row
+    [
+        (17, 7, 40),
+        (33, 13, 3),
+        (5, 6, 64),
+        (20, 11, 24),
+        (16, 8, 9),
+        (3, 3, 17),
+        (18, 10, 5),
+        (19, 37, 33),
+    ],
 )
 def test_each_output_is_one_fused_chain_over_k_in_order(
     rows: int, n_out: int, n_in: int, rng: np.random.Generator
