@@ -57,8 +57,9 @@ def product(m: BlockMatrix, x: np.ndarray, threads: int, team: TileThreads) -> n
 )
 @pytest.mark.parametrize(
     ("rows", "n_out", "n_in"),
-    # blocks of twelve weight rows (AVX-512: 13, 37), of six, then tails of four (10, 11,
-    # 37), two (8, 3, 37) and one row
+    # blocks of twelve weight rows (AVX-512, one panel: 13), of six, then tails of four
+    # (10, 11, 37), two (8, 3, 37) and one row; on AVX-512 two panels at a time (17 rows
+    # and more; 33, 40: a last odd panel)
     [
         (17, 7, 40),
         (33, 13, 3),
@@ -68,6 +69,7 @@ def product(m: BlockMatrix, x: np.ndarray, threads: int, team: TileThreads) -> n
         (3, 3, 17),
         (18, 10, 5),
         (19, 37, 33),
+        (40, 8, 7),
     ],
 )
 def test_each_output_is_one_fused_chain_over_k_in_order(

@@ -36,7 +36,8 @@ loss there). The rows' offsets now pass through :func:`apart`, which LLVM cannot
 through, each row keeps its own register, and a tile's unit stride ``sk = 1`` is
 compiled in (unrolled steps then differ by a displacement, not by more registers).
 With blocks of twelve rows there (:data:`WIDE_ROWS`): 113-118 -> 150-168 GFLOP/s,
-of a peak of ~240 (``benchmarks/gemm_products.py --tiles 512x2048 128x8192``).
+of a peak of ~240 (``benchmarks/gemm_products.py --tiles 512x2048 128x8192``); with two
+panels past six rows (:func:`_pair6`), 155-171 -> 179-213 GFLOP/s (75-89 %).
 """
 
 from __future__ import annotations
@@ -67,9 +68,10 @@ LANES = 16  # activation rows a panel holds: one F32x16 per k
 # ports, 2 FMA). (Where sgemm's rows are independent, as on the Xeon, the tiles keep
 # sgemm.)
 BLOCK_ROWS = 6
-# Where F32x16 is one register (AVX-512: 32 of them), blocks of twelve weight rows come
-# first, then of six: twelve chains hide the FMA latency of two pipes (4 cycles each),
-# six do not; each lane's chain is the same, so are the bits
+# Where F32x16 is one register (AVX-512: 32 of them), the panels go two at a time past
+# blocks of six weight rows (_pair6), and a last odd panel past blocks of twelve
+# (_block12) first, then of six: twelve chains hide the FMA latency of two pipes (4
+# cycles each), six do not; each lane's chain is the same, so are the bits
 WIDE_ROWS = 12 if permutes() else 0
 
 _VW = ir.VectorType(ir.FloatType(), LANES)
@@ -205,6 +207,41 @@ def _block12(xp, base, n_in, w, p, sn, sk):  # type: ignore[no-untyped-def]
 
 
 @inner
+def _pair6(xp, base, base2, n_in, w, p, sn, sk):  # type: ignore[no-untyped-def]
+    # six weight rows x two panels (xp[base ..], xp[base2 ..]; AVX-512): twelve chains,
+    # each as _block's, and each weight value broadcast once for both panels: per k two
+    # loads of the panels and six broadcasts for twelve FMAs, where _block12 has thirteen
+    # loads, twelve of them weights from a tile that streams from the L3 once per panel
+    a0, a1, a2, a3, a4, a5 = wzero(), wzero(), wzero(), wzero(), wzero(), wzero()
+    b0, b1, b2, b3, b4, b5 = wzero(), wzero(), wzero(), wzero(), wzero(), wzero()
+    p1, p2, p3 = apart(p + sn), apart(p + 2 * sn), apart(p + 3 * sn)
+    p4, p5 = apart(p + 4 * sn), apart(p + 5 * sn)
+    for k in range(n_in):
+        v = wload(xp, base + 16 * k)
+        u = wload(xp, base2 + 16 * k)
+        o = k * sk
+        c = wbroadcast(w, p + o)
+        a0 = wfma(v, c, a0)
+        b0 = wfma(u, c, b0)
+        c = wbroadcast(w, p1 + o)
+        a1 = wfma(v, c, a1)
+        b1 = wfma(u, c, b1)
+        c = wbroadcast(w, p2 + o)
+        a2 = wfma(v, c, a2)
+        b2 = wfma(u, c, b2)
+        c = wbroadcast(w, p3 + o)
+        a3 = wfma(v, c, a3)
+        b3 = wfma(u, c, b3)
+        c = wbroadcast(w, p4 + o)
+        a4 = wfma(v, c, a4)
+        b4 = wfma(u, c, b4)
+        c = wbroadcast(w, p5 + o)
+        a5 = wfma(v, c, a5)
+        b5 = wfma(u, c, b5)
+    return a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5
+
+
+@inner
 def _block4(xp, base, n_in, w, p, sn, sk):  # type: ignore[no-untyped-def]
     # four weight rows, each chain as _block's: eight chains keep both FMA pipes busy
     a0, a1, a2, a3 = wzero(), wzero(), wzero(), wzero()
@@ -258,7 +295,21 @@ def _product(xp, rows, w, sn, sk, n_w, out, col):  # type: ignore[no-untyped-def
     n_in = xp.shape[0] // (16 * groups)
     wide = n_w - n_w % WIDE_ROWS if WIDE_ROWS else 0
     full = wide + (n_w - wide) // BLOCK_ROWS * BLOCK_ROWS
-    for g in range(groups):  # a panel stays in the L2 while the tile's rows stream by
+    first = 0  # the first panel that goes alone
+    if WIDE_ROWS:  # AVX-512: two panels at a time, then the last one alone
+        six = n_w - n_w % 6
+        for h in range(groups // 2):
+            base, r0 = 2 * h * n_in * 16, 2 * h * 16
+            base2, r2 = base + n_in * 16, r0 + 16
+            for n in range(0, six, 6):
+                acc = _pair6(xp, base, base2, n_in, w, n * sn, sn, sk)
+                for i in range(6):
+                    _store(out, acc[i], r0, rows, col + n + i)
+                    _store(out, acc[6 + i], r2, rows, col + n + i)
+            _tails(xp, base, n_in, w, sn, sk, six, n_w, out, r0, rows, col)
+            _tails(xp, base2, n_in, w, sn, sk, six, n_w, out, r2, rows, col)
+        first = groups - groups % 2
+    for g in range(first, groups):  # a panel stays in the L2 while the tile's rows stream by
         base, r0 = g * n_in * 16, g * 16
         for n in range(0, wide, 12):  # AVX-512 only (WIDE_ROWS)
             acc = _block12(xp, base, n_in, w, n * sn, sn, sk)
@@ -272,21 +323,26 @@ def _product(xp, rows, w, sn, sk, n_w, out, col):  # type: ignore[no-untyped-def
             _store(out, a3, r0, rows, col + n + 3)
             _store(out, a4, r0, rows, col + n + 4)
             _store(out, a5, r0, rows, col + n + 5)
-        # the last rows, fewer than a block: four, two, then one at a time (one chain
-        # alone waits on each FMA's latency: a 64-row tile's four last rows, the 8B
-        # shape's down projection, cost ~19 % of the tile one at a time)
-        n = full
-        if n + 4 <= n_w:
-            a0, a1, a2, a3 = _block4(xp, base, n_in, w, n * sn, sn, sk)
-            _store(out, a0, r0, rows, col + n)
-            _store(out, a1, r0, rows, col + n + 1)
-            _store(out, a2, r0, rows, col + n + 2)
-            _store(out, a3, r0, rows, col + n + 3)
-            n += 4
-        if n + 2 <= n_w:
-            a0, a1 = _block2(xp, base, n_in, w, n * sn, sn, sk)
-            _store(out, a0, r0, rows, col + n)
-            _store(out, a1, r0, rows, col + n + 1)
-            n += 2
-        if n < n_w:
-            _store(out, _one(xp, base, n_in, w, n * sn, sk), r0, rows, col + n)
+        _tails(xp, base, n_in, w, sn, sk, full, n_w, out, r0, rows, col)
+
+
+@njit(inline="always")
+def _tails(xp, base, n_in, w, sn, sk, n, n_w, out, r0, rows, col):  # type: ignore[no-untyped-def]
+    # weight rows n .. n_w - 1 (fewer than a block) x the panel at base, into rows r0 ..
+    # of out. The last rows, fewer than a block: four, two, then one at a time (one chain
+    # alone waits on each FMA's latency: a 64-row tile's four last rows, the 8B
+    # shape's down projection, cost ~19 % of the tile one at a time)
+    if n + 4 <= n_w:
+        a0, a1, a2, a3 = _block4(xp, base, n_in, w, n * sn, sn, sk)
+        _store(out, a0, r0, rows, col + n)
+        _store(out, a1, r0, rows, col + n + 1)
+        _store(out, a2, r0, rows, col + n + 2)
+        _store(out, a3, r0, rows, col + n + 3)
+        n += 4
+    if n + 2 <= n_w:
+        a0, a1 = _block2(xp, base, n_in, w, n * sn, sn, sk)
+        _store(out, a0, r0, rows, col + n)
+        _store(out, a1, r0, rows, col + n + 1)
+        n += 2
+    if n < n_w:
+        _store(out, _one(xp, base, n_in, w, n * sn, sk), r0, rows, col + n)
