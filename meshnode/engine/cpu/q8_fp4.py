@@ -26,6 +26,7 @@ from llvmlite import ir
 from numba import types
 
 from meshnode.engine.cpu.fp4 import Q8_OFFSET, _pick_bytes, e8m0_half8
+from meshnode.engine.cpu.q8_superblocks import ahead8
 from meshnode.engine.cpu.simd import I32x8, inner, intrinsic, tofloat, vadd, vfma, vsplat, vzero
 from meshnode.engine.cpu.simd_int import (
     _dot_generic,
@@ -161,6 +162,7 @@ def eight_mxfp4(w, bases, q, xo, dx, lo, hi, nb):  # type: ignore[no-untyped-def
     acc, acc1 = vzero(), vzero()
     for c in range(nb):
         acc, acc1 = acc1, acc  # chunk c's parity: acc even, acc1 odd
+        ahead8(w, bases, _BLOCK * c)  # 17 bytes a block (.q8_superblocks.LANE_AHEAD)
         o, x, i = _BLOCK * c + 1, xo + 32 * c, 32 * c
         p0 = fp4_pair(w, b0 + o, b4 + o, q, x)
         p1 = fp4_pair(w, b1 + o, b5 + o, q, x)
@@ -186,6 +188,7 @@ def two_mxfp4(w, bases, q, xo, dx, lo, hi, xo2, dx2, lo2, hi2, nb):  # type: ign
     for c in range(nb):
         acc, acc1 = acc1, acc  # chunk c's parity: acc, bcc even, acc1, bcc1 odd
         bcc, bcc1 = bcc1, bcc
+        ahead8(w, bases, _BLOCK * c)
         o, x, x2, i = _BLOCK * c + 1, xo + 32 * c, xo2 + 32 * c, 32 * c
         p0, r0 = fp4_pair2(w, b0 + o, b4 + o, q, x, x2)
         p1, r1 = fp4_pair2(w, b1 + o, b5 + o, q, x, x2)
