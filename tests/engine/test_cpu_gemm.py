@@ -57,9 +57,8 @@ def product(m: BlockMatrix, x: np.ndarray, threads: int, team: TileThreads) -> n
 )
 @pytest.mark.parametrize(
     ("rows", "n_out", "n_in"),
-    # blocks of twelve weight rows (AVX-512, one panel: 13), of six, then tails of four
-    # (10, 11, 37), two (8, 3, 37) and one row; on AVX-512 two panels at a time (17 rows
-    # and more; 33, 40: a last odd panel)
+    # blocks of six weight rows, then tails of four (10, 11, 37), two (8, 3, 37) and one
+    # row; on AVX-512 two panels at a time (17 rows and more; 33, 40: a last odd panel)
     [
         (17, 7, 40),
         (33, 13, 3),

@@ -35,9 +35,11 @@ one row's FMA and the next's, a chain of one-cycle adds that let one FMA start a
 loss there). The rows' offsets now pass through :func:`apart`, which LLVM cannot see
 through, each row keeps its own register, and a tile's unit stride ``sk = 1`` is
 compiled in (unrolled steps then differ by a displacement, not by more registers).
-With blocks of twelve rows there (:data:`WIDE_ROWS`): 113-118 -> 150-168 GFLOP/s,
-of a peak of ~240 (``benchmarks/gemm_products.py --tiles 512x2048 128x8192``); with two
-panels past six rows (:func:`_pair6`), 155-171 -> 179-213 GFLOP/s (75-89 %).
+With blocks of twelve rows there: 113-118 -> 150-168 GFLOP/s, of a peak of ~240
+(``benchmarks/gemm_products.py --tiles 512x2048 128x8192``); with two panels past six
+rows instead (:func:`_pair6`, :data:`PAIRED`), 155-171 -> 179-213 GFLOP/s (75-89 %). A
+panel left alone (an odd count: 33-48 prompt rows, 65-80, ..) goes past blocks of six:
+twelve rows were 4-7 % faster there (``--rows 16``), not worth a second block kernel.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from meshnode.engine.cpu.simd import (
 )
 from meshnode.engine.cpu.simd_bytes import permutes
 
-__all__ = ["BLOCK_ROWS", "LANES", "WIDE_ROWS", "apart", "pack", "packed", "panels", "product"]
+__all__ = ["BLOCK_ROWS", "LANES", "PAIRED", "apart", "pack", "packed", "panels", "product"]
 
 LANES = 16  # activation rows a panel holds: one F32x16 per k
 # Weight rows of the register block, for sixteen AVX2 registers: 6 x 2 accumulators,
@@ -69,10 +71,9 @@ LANES = 16  # activation rows a panel holds: one F32x16 per k
 # sgemm.)
 BLOCK_ROWS = 6
 # Where F32x16 is one register (AVX-512: 32 of them), the panels go two at a time past
-# blocks of six weight rows (_pair6), and a last odd panel past blocks of twelve
-# (_block12) first, then of six: twelve chains hide the FMA latency of two pipes (4
+# blocks of six weight rows (_pair6): twelve chains hide the FMA latency of two pipes (4
 # cycles each), six do not; each lane's chain is the same, so are the bits
-WIDE_ROWS = 12 if permutes() else 0
+PAIRED = permutes()
 
 _VW = ir.VectorType(ir.FloatType(), LANES)
 _I32 = ir.IntType(32)
@@ -179,39 +180,11 @@ def _block(xp, base, n_in, w, p, sn, sk):  # type: ignore[no-untyped-def]
 
 
 @inner
-def _block12(xp, base, n_in, w, p, sn, sk):  # type: ignore[no-untyped-def]
-    # twelve weight rows, each chain as _block's (AVX-512: WIDE_ROWS): per k one load of
-    # the panel and twelve FMAs, each with its broadcast folded in
-    a0, a1, a2, a3, a4, a5 = wzero(), wzero(), wzero(), wzero(), wzero(), wzero()
-    a6, a7, a8, a9, a10, a11 = wzero(), wzero(), wzero(), wzero(), wzero(), wzero()
-    p1, p2, p3 = apart(p + sn), apart(p + 2 * sn), apart(p + 3 * sn)
-    p4, p5, p6 = apart(p + 4 * sn), apart(p + 5 * sn), apart(p + 6 * sn)
-    p7, p8, p9 = apart(p + 7 * sn), apart(p + 8 * sn), apart(p + 9 * sn)
-    p10, p11 = apart(p + 10 * sn), apart(p + 11 * sn)
-    for k in range(n_in):
-        v = wload(xp, base + 16 * k)
-        o = k * sk
-        a0 = wfma(v, wbroadcast(w, p + o), a0)
-        a1 = wfma(v, wbroadcast(w, p1 + o), a1)
-        a2 = wfma(v, wbroadcast(w, p2 + o), a2)
-        a3 = wfma(v, wbroadcast(w, p3 + o), a3)
-        a4 = wfma(v, wbroadcast(w, p4 + o), a4)
-        a5 = wfma(v, wbroadcast(w, p5 + o), a5)
-        a6 = wfma(v, wbroadcast(w, p6 + o), a6)
-        a7 = wfma(v, wbroadcast(w, p7 + o), a7)
-        a8 = wfma(v, wbroadcast(w, p8 + o), a8)
-        a9 = wfma(v, wbroadcast(w, p9 + o), a9)
-        a10 = wfma(v, wbroadcast(w, p10 + o), a10)
-        a11 = wfma(v, wbroadcast(w, p11 + o), a11)
-    return a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11
-
-
-@inner
 def _pair6(xp, base, base2, n_in, w, p, sn, sk):  # type: ignore[no-untyped-def]
     # six weight rows x two panels (xp[base ..], xp[base2 ..]; AVX-512): twelve chains,
     # each as _block's, and each weight value broadcast once for both panels: per k two
-    # loads of the panels and six broadcasts for twelve FMAs, where _block12 has thirteen
-    # loads, twelve of them weights from a tile that streams from the L3 once per panel
+    # loads of the panels and six broadcasts for twelve FMAs, the weights read from a tile
+    # that streams from the L3 once per two panels
     a0, a1, a2, a3, a4, a5 = wzero(), wzero(), wzero(), wzero(), wzero(), wzero()
     b0, b1, b2, b3, b4, b5 = wzero(), wzero(), wzero(), wzero(), wzero(), wzero()
     p1, p2, p3 = apart(p + sn), apart(p + 2 * sn), apart(p + 3 * sn)
@@ -293,29 +266,23 @@ def product(xp, rows, w, sn, sk, n_w, out, col):  # type: ignore[no-untyped-def]
 def _product(xp, rows, w, sn, sk, n_w, out, col):  # type: ignore[no-untyped-def]
     groups = -(-rows // 16)
     n_in = xp.shape[0] // (16 * groups)
-    wide = n_w - n_w % WIDE_ROWS if WIDE_ROWS else 0
-    full = wide + (n_w - wide) // BLOCK_ROWS * BLOCK_ROWS
+    full = n_w - n_w % BLOCK_ROWS
     first = 0  # the first panel that goes alone
-    if WIDE_ROWS:  # AVX-512: two panels at a time, then the last one alone
-        six = n_w - n_w % 6
+    if PAIRED:  # AVX-512: two panels at a time, then an odd last one alone
         for h in range(groups // 2):
             base, r0 = 2 * h * n_in * 16, 2 * h * 16
             base2, r2 = base + n_in * 16, r0 + 16
-            for n in range(0, six, 6):
+            for n in range(0, full, BLOCK_ROWS):
                 acc = _pair6(xp, base, base2, n_in, w, n * sn, sn, sk)
-                for i in range(6):
+                for i in range(BLOCK_ROWS):  # a tuple of one type: indexed by a run-time i
                     _store(out, acc[i], r0, rows, col + n + i)
-                    _store(out, acc[6 + i], r2, rows, col + n + i)
-            _tails(xp, base, n_in, w, sn, sk, six, n_w, out, r0, rows, col)
-            _tails(xp, base2, n_in, w, sn, sk, six, n_w, out, r2, rows, col)
+                    _store(out, acc[BLOCK_ROWS + i], r2, rows, col + n + i)
+            _tails(xp, base, n_in, w, sn, sk, full, n_w, out, r0, rows, col)
+            _tails(xp, base2, n_in, w, sn, sk, full, n_w, out, r2, rows, col)
         first = groups - groups % 2
     for g in range(first, groups):  # a panel stays in the L2 while the tile's rows stream by
         base, r0 = g * n_in * 16, g * 16
-        for n in range(0, wide, 12):  # AVX-512 only (WIDE_ROWS)
-            acc = _block12(xp, base, n_in, w, n * sn, sn, sk)
-            for i in range(12):  # a tuple of one type: indexed by a run-time i
-                _store(out, acc[i], r0, rows, col + n + i)
-        for n in range(wide, full, BLOCK_ROWS):
+        for n in range(0, full, BLOCK_ROWS):
             a0, a1, a2, a3, a4, a5 = _block(xp, base, n_in, w, n * sn, sn, sk)
             _store(out, a0, r0, rows, col + n)
             _store(out, a1, r0, rows, col + n + 1)
