@@ -351,8 +351,8 @@ def _rows(fmt, raw, q, out, lo, hi, col, s):  # type: ignore[no-untyped-def]
         # lane i takes rows lo + i span, lo + i span + 1, ..: each lane streams a long
         # run of contiguous bytes, and asks for its bytes LANE_AHEAD on
         # (.q8_superblocks.ahead8: eight streams are more than some cores' hardware
-        # prefetchers follow). Eight neighbouring rows in the lanes read eight short streams side
-        # by side (a row: 1,152 bytes of Q4_K at 2,048 inputs, too short for the
+        # prefetchers follow). Eight neighbouring rows in the lanes read eight short
+        # streams side by side (a row: 1,152 bytes of Q4_K at 2,048 inputs, too short for the
         # prefetchers to learn), so their kernels asked for the next eight rows' bytes a
         # chunk or super-block at a time; on the Llama-3.2-1B shape, whose products are
         # mostly of 2,048 inputs, that left the Q6_K ones at ~1.3x the time of ggml's
