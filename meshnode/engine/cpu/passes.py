@@ -12,13 +12,14 @@ as the k-row tiles give it.
 
 :func:`one_row` picks a format's pass while compiling: the 32-value formats'
 (:func:`pass4_blocks`), a K-quant's by where it keeps its scales (in registers on 32,
-:func:`pass4_k`; on sixteen, AVX2, from a small scratch: :func:`pass4_k_buf`, and for
-Q4_K :func:`pass4_k_rows`, a row at a time through each pair of sub-blocks; where the CPU
-has AVX2 and FMA, Q4_K's and Q6_K's steps in assembly, :mod:`.k_asm`: :func:`pass4_k_asm`
-and :func:`pass4_k_asm6`), MXFP4's on AVX2 (:mod:`.fp4_exact`). Every pass takes ``(fmt,
-form, many, raw, x, out, o, hi, col, w, n_in)``: weight rows ``o .. hi - 1`` of one part,
-four a pass while four are left, into columns ``col + o ..`` of ``out``, with ``w`` a
-float32 scratch of ``4 n_in``; it returns the first row not done.
+:func:`pass4_k`, but Q6_K's; on sixteen, AVX2, and Q6_K's on 32, from a small scratch:
+:func:`pass4_k_buf`, and for Q4_K :func:`pass4_k_rows`, a row at a time through each pair
+of sub-blocks; where the CPU has AVX2 and FMA, Q4_K's and Q6_K's steps in assembly,
+:mod:`.k_asm`: :func:`pass4_k_asm` and :func:`pass4_k_asm6`), MXFP4's on AVX2
+(:mod:`.fp4_exact`). Every pass takes ``(fmt, form, many, raw, x, out, o, hi, col, w,
+n_in)``: weight rows ``o .. hi - 1`` of one part, four a pass while four are left, into
+columns ``col + o ..`` of ``out``, with ``w`` a float32 scratch of ``4 n_in``; it returns
+the first row not done.
 """
 
 from __future__ import annotations
@@ -58,9 +59,15 @@ def one_row(fmt: Any, form: Any) -> Any:
     if format_row(fmt).block_size != 256:
         return pass4_blocks
     if literal_form(form) != 8 or name not in ("Q4_K", "Q6_K"):
-        return pass4_k
+        # Q6_K's scales from the scratch on 32 registers too: each broadcast from memory
+        # folds into its multiply, where a lane picked from a register is a shuffle per
+        # sixteen values (Q6_K has a scale per sixteen) on the port the sign-extending
+        # loads use. AVX-512 (Zen 5), benchmarks/exact_kernels.py --formats Q6_K --rows 1
+        # --stat min: 0.107 -> 0.087 cycles a weight in cache, 0.108 -> 0.084 streamed;
+        # Q4_K read that way was no faster (0.076 both: its lookup table stays)
+        return pass4_k_buf if name == "Q6_K" else pass4_k
     if not assembles():
-        return pass4_k_rows if name == "Q4_K" else pass4_k_buf
+        return pass4_k_buf if name == "Q6_K" else pass4_k
     return pass4_k_asm if name == "Q4_K" else pass4_k_asm6
 
 
