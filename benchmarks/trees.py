@@ -2,7 +2,7 @@
 
 Run: ``OPENBLAS_NUM_THREADS=1 .venv/bin/python benchmarks/trees.py BASE NEW [...]
 [--model qwen3-30b-a3b] [--layers 4] [--threads 2] [--mode q8] [--rounds 40] [--tokens 32]
-[--streams]``
+[--streams | --prefill N]``
 
 Each tree (a folder holding a ``meshnode`` package: a ``git worktree`` of the commit to
 compare, this checkout) gets its own worker process, which imports ``meshnode`` from that
@@ -15,7 +15,9 @@ round) sees little of the drift; its quartiles say how far to trust it. A run of
 against itself shows the method's own spread. Every tree must decode the same tokens
 (checked: a change that moves them is not a speed change). ``--streams``: each round is
 :mod:`benchmarks.realsize`'s eight streams decoded together (``--tokens`` steps; the rate
-is their aggregate tok/s, the tokens compared are each stream's last).
+is their aggregate tok/s, the tokens compared are each stream's last). ``--prefill N``:
+each round is one prefill of an ``N``-token prompt (:mod:`benchmarks.realsize`'s, 512 there),
+its rate ``N`` over the prefill's seconds, the token compared the one it predicts.
 
 ``--model``: ``smollm2`` (SmolLM2-135M from its wheel, overhead-bound: the Python between
 products weighs most there) or a real-size shape of :mod:`benchmarks.realsize_gguf` /
@@ -38,9 +40,12 @@ PROMPT = 16  # tokens before decode
 MODES = {"exact": "blocks", "q8": "q8"}  # benchmarks/engine.py's variants
 
 
-def worker(tree: str, model: str, layers: int, threads: int, mode: str, many: bool) -> None:
+def worker(
+    tree: str, model: str, layers: int, threads: int, mode: str, many: bool, prefill: int
+) -> None:
     """Import ``meshnode`` from ``tree``, load the model, answer each line on stdin (a
-    token count) with ``rate tokens...`` of one decode."""
+    token count) with ``rate tokens...`` of one decode (or of eight streams, or of one
+    ``prefill``-token prefill)."""
     sys.path.insert(0, tree)
     import meshnode  # from the tree: the helpers below import it from sys.modules
 
@@ -62,11 +67,17 @@ def worker(tree: str, model: str, layers: int, threads: int, mode: str, many: bo
     runner.generate(ids, 4)  # warm-up: kernels compiled or loaded, the pool started
     if many:
         streams(runner, 2)
+    long = [int(i) for i in prompt_ids(prefill, 2)]
+    if prefill:
+        runner.generate(long, 1)
     print("ready", flush=True)
     for line in sys.stdin:
         n = int(line)
         if many:
             rate, out = streams(runner, n)
+        elif prefill:
+            prefill_s, _, out = runner.generate(long, 1)
+            rate = prefill / prefill_s
         else:
             _, decode_s, out = runner.generate(ids, n + 1)
             rate = n / decode_s
@@ -83,10 +94,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--tokens", type=int, default=32, help="decode steps a round")
     parser.add_argument("--streams", action="store_true", help="eight streams decoded together")
+    parser.add_argument("--prefill", type=int, default=0, help="time a prefill of N tokens")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:  # before anything imports meshnode
-        worker(args.trees[0], args.model, args.layers, args.threads, args.mode, args.streams)
+        worker(
+            args.trees[0],
+            args.model,
+            args.layers,
+            args.threads,
+            args.mode,
+            args.streams,
+            args.prefill,
+        )
         return
     sys.path.insert(0, str(ROOT))
     from benchmarks.realsize_gguf import SHAPES
@@ -98,6 +118,7 @@ def main() -> None:
     own = [args.model, str(args.layers), str(args.threads), args.mode]
     flags = ["--model", own[0], "--layers", own[1], "--threads", own[2], "--mode", own[3]]
     flags += ["--streams"] if args.streams else []
+    flags += ["--prefill", str(args.prefill)]
     workers = [
         subprocess.Popen(
             [sys.executable, __file__, tree, *flags, "--worker"],
@@ -112,7 +133,13 @@ def main() -> None:
         assert w.stdout is not None
         if w.stdout.readline().strip() != "ready":
             raise SystemExit("a worker did not start (its error is above)")
-    what = "8 streams" if args.streams else "decode"
+    what = (
+        "8 streams"
+        if args.streams
+        else f"{args.prefill}-token prefill"
+        if args.prefill
+        else "decode"
+    )
     print(f"{args.model}, {args.mode}, {what}, {args.threads} threads, {time.strftime('%H:%M:%S')}")
     rates: list[list[float]] = [[] for _ in workers]
     tokens: set[str] = set()

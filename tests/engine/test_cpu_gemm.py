@@ -58,7 +58,9 @@ def product(m: BlockMatrix, x: np.ndarray, threads: int, team: TileThreads) -> n
 @pytest.mark.parametrize(
     ("rows", "n_out", "n_in"),
     # blocks of six weight rows, then tails of four (10, 11, 37), two (8, 3, 37) and one
-    # row; on AVX-512 two panels at a time (17 rows and more; 33, 40: a last odd panel)
+    # row; on AVX-512 two panels at a time (17 rows and more; 33, 40: a last odd panel),
+    # over at most K_PASS values of k a pass (the last case: three passes, the chains
+    # kept between them)
     [
         (17, 7, 40),
         (33, 13, 3),
@@ -69,6 +71,7 @@ def product(m: BlockMatrix, x: np.ndarray, threads: int, team: TileThreads) -> n
         (18, 10, 5),
         (19, 37, 33),
         (40, 8, 7),
+        (34, 13, 2 * gemm.K_PASS + 37),
     ],
 )
 def test_each_output_is_one_fused_chain_over_k_in_order(

@@ -40,6 +40,18 @@ With blocks of twelve rows there: 113-118 -> 150-168 GFLOP/s, of a peak of ~240
 rows instead (:func:`_pair6`, :data:`PAIRED`), 155-171 -> 179-213 GFLOP/s (75-89 %). A
 panel left alone (an odd count: 33-48 prompt rows, 65-80, ..) goes past blocks of six:
 twelve rows were 4-7 % faster there (``--rows 16``), not worth a second block kernel.
+
+There, too, a pair of panels over a long ``k`` is more than the L2 holds (1 MiB on Zen 5:
+two panels of the 1B shape's down projection, ``k = 8192``, are 1 MiB, the 8B shape's
+1.8 MiB), so each block of six weight rows read them from the L3. The paired blocks
+now go over at most :data:`K_PASS` values of ``k`` at a time (256 KiB of the two
+panels), every block of the tile through one pass before the next, their twelve chains
+stored between passes and loaded again as they were (the same chains, the same bits;
+only the AVX-512 path: on AVX2 the BLIS blocking above lost). The tile 128 x 8192:
+203 -> 227 GFLOP/s (75 -> 85 % of the peak); a 512-token exact prefill, the commit
+before against this one (``benchmarks/trees.py BASE . --model 1b --layers 16 --mode
+exact --threads T --rounds 5 --prefill 512``): 1.07x at one thread, 1.05x at two; the
+8B shape's first 4 layers 1.07x at one.
 """
 
 from __future__ import annotations
@@ -58,6 +70,7 @@ from meshnode.engine.cpu.simd import (
     wfma,
     wlane,
     wload,
+    wstore,
     wzero,
 )
 from meshnode.engine.cpu.simd_bytes import permutes
@@ -74,6 +87,10 @@ BLOCK_ROWS = 6
 # blocks of six weight rows (_pair6): twelve chains hide the FMA latency of two pipes (4
 # cycles each), six do not; each lane's chain is the same, so are the bits
 PAIRED = permutes()
+# Values of k a pass of the paired blocks takes (two panels' 256 KiB: they stay in the L2
+# while the tile's blocks go by). 1024 measured the same as 2048, 512 lost 5 % of a
+# prefill (the chains' stores and loads, a pass's start)
+K_PASS = 2048
 
 _VW = ir.VectorType(ir.FloatType(), LANES)
 _I32 = ir.IntType(32)
@@ -180,16 +197,16 @@ def _block(xp, base, n_in, w, p, sn, sk):  # type: ignore[no-untyped-def]
 
 
 @inner
-def _pair6(xp, base, base2, n_in, w, p, sn, sk):  # type: ignore[no-untyped-def]
+def _pair6(xp, base, base2, k0, k1, w, p, sn, sk, acc):  # type: ignore[no-untyped-def]
     # six weight rows x two panels (xp[base ..], xp[base2 ..]; AVX-512): twelve chains,
-    # each as _block's, and each weight value broadcast once for both panels: per k two
-    # loads of the panels and six broadcasts for twelve FMAs, the weights read from a tile
-    # that streams from the L3 once per two panels
-    a0, a1, a2, a3, a4, a5 = wzero(), wzero(), wzero(), wzero(), wzero(), wzero()
-    b0, b1, b2, b3, b4, b5 = wzero(), wzero(), wzero(), wzero(), wzero(), wzero()
+    # each as _block's, from acc (zeros, or the chains as a pass over the k before k0
+    # left them) on through k = k0 .. k1 - 1, and each weight value broadcast once for
+    # both panels: per k two loads of the panels and six broadcasts for twelve FMAs, the
+    # weights read from a tile that streams from the L3 once per two panels
+    a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5 = acc
     p1, p2, p3 = apart(p + sn), apart(p + 2 * sn), apart(p + 3 * sn)
     p4, p5 = apart(p + 4 * sn), apart(p + 5 * sn)
-    for k in range(n_in):
+    for k in range(k0, k1):
         v = wload(xp, base + 16 * k)
         u = wload(xp, base2 + 16 * k)
         o = k * sk
@@ -212,6 +229,36 @@ def _pair6(xp, base, base2, n_in, w, p, sn, sk):  # type: ignore[no-untyped-def]
         a5 = wfma(v, c, a5)
         b5 = wfma(u, c, b5)
     return a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5
+
+
+@njit(inline="always")
+def _twelve(kept, at, k0):  # type: ignore[no-untyped-def]
+    # the twelve chains of a pair: zeros where k0 is 0, else as kept[at ..] holds them
+    if k0 == 0:
+        z = wzero()
+        return z, z, z, z, z, z, z, z, z, z, z, z
+    return (
+        wload(kept, at),
+        wload(kept, at + 16),
+        wload(kept, at + 32),
+        wload(kept, at + 48),
+        wload(kept, at + 64),
+        wload(kept, at + 80),
+        wload(kept, at + 96),
+        wload(kept, at + 112),
+        wload(kept, at + 128),
+        wload(kept, at + 144),
+        wload(kept, at + 160),
+        wload(kept, at + 176),
+    )
+
+
+@njit(inline="always")
+def _keep(kept, at, acc):  # type: ignore[no-untyped-def]
+    # the twelve chains into kept[at .. at + 191], for the next pass over k: stored and
+    # loaded as they are, so each chain goes on as if it had never stopped
+    for j in range(12):
+        wstore(kept, at + 16 * j, acc[j])
 
 
 @inner
@@ -269,14 +316,23 @@ def _product(xp, rows, w, sn, sk, n_w, out, col):  # type: ignore[no-untyped-def
     full = n_w - n_w % BLOCK_ROWS
     first = 0  # the first panel that goes alone
     if PAIRED:  # AVX-512: two panels at a time, then an odd last one alone
+        # at most K_PASS values of k a pass over the tile's blocks (the module docstring)
+        kept = np.empty(12 * 16 * (full // BLOCK_ROWS) if n_in > K_PASS else 0, np.float32)
         for h in range(groups // 2):
             base, r0 = 2 * h * n_in * 16, 2 * h * 16
             base2, r2 = base + n_in * 16, r0 + 16
-            for n in range(0, full, BLOCK_ROWS):
-                acc = _pair6(xp, base, base2, n_in, w, n * sn, sn, sk)
-                for i in range(BLOCK_ROWS):  # a tuple of one type: indexed by a run-time i
-                    _store(out, acc[i], r0, rows, col + n + i)
-                    _store(out, acc[BLOCK_ROWS + i], r2, rows, col + n + i)
+            for k0 in range(0, n_in, K_PASS):
+                k1 = min(n_in, k0 + K_PASS)
+                for n in range(0, full, BLOCK_ROWS):
+                    at = 32 * n  # 12 x 16 float32 a block of six rows
+                    acc = _twelve(kept, at, k0)
+                    acc = _pair6(xp, base, base2, k0, k1, w, n * sn, sn, sk, acc)
+                    if k1 < n_in:
+                        _keep(kept, at, acc)
+                        continue
+                    for i in range(BLOCK_ROWS):  # a tuple of one type: indexed by a run-time i
+                        _store(out, acc[i], r0, rows, col + n + i)
+                        _store(out, acc[BLOCK_ROWS + i], r2, rows, col + n + i)
             _tails(xp, base, n_in, w, sn, sk, full, n_w, out, r0, rows, col)
             _tails(xp, base2, n_in, w, sn, sk, full, n_w, out, r2, rows, col)
         first = groups - groups % 2
