@@ -103,7 +103,9 @@ def test_odd_shapes_equal_a_float64_product(
     assert np.all(np.abs(got - want) <= 1e-6 * n_in * scale)
 
 
-@pytest.mark.parametrize(("rows", "n_in"), [(1, 1), (16, 16), (17, 33), (40, 100)])
+@pytest.mark.parametrize(
+    ("rows", "n_in"), [(1, 1), (16, 16), (17, 33), (40, 100), (3, 64), (35, 2048)]
+)
 def test_panels_hold_each_row_k_major_and_zeros_past_the_last(
     rows: int, n_in: int, rng: np.random.Generator
 ) -> None:
