@@ -30,6 +30,7 @@ from meshnode.engine.attention import Attention, KernelAttention
 from meshnode.engine.config import ModelConfig, ModelConfigError
 from meshnode.engine.cpu import BlockMatrix, dense_product, q8, set_kernel_threads
 from meshnode.engine.cpu import moe_step as cpu_moe_step
+from meshnode.engine.cpu.matrix import by_rows
 from meshnode.engine.cuda.device import DeviceMatrix, PinnedStaging
 from meshnode.engine.cuda.graphs import GraphRunner
 from meshnode.engine.cuda.kernels import BLOCK, MAX_HEAD_DIM
@@ -283,8 +284,8 @@ class CpuBackend(Backend):
         so a sequence's rows are the same alone and batched)."""
         if not self._compiled_norm(x):
             return ops.rms_norm(np, x, weight, eps)
-        out = np.empty_like(x)
-        _norms().rms_norm(np.ascontiguousarray(x), weight, np.float32(eps), out)
+        x, out, eps32 = np.ascontiguousarray(x), np.empty_like(x), np.float32(eps)
+        by_rows(lambda lo, hi: _norms().rms_norm(x[lo:hi], weight, eps32, out[lo:hi]), len(x))
         return out
 
     def add_rms_norm(
@@ -298,8 +299,12 @@ class CpuBackend(Backend):
         total = np.empty_like(x)
         out = np.empty_like(x) if weight is not None else _NOTHING
         ws = tuple(_NO_WEIGHT if w is None else w for w in (h_weight, weight))
-        args = (np.ascontiguousarray(x), np.ascontiguousarray(h), *ws, np.float32(eps))
-        _norms().add_rms_norm(*args, total, out)
+        x, h, eps32 = np.ascontiguousarray(x), np.ascontiguousarray(h), np.float32(eps)
+
+        def part(lo: int, hi: int) -> None:
+            _norms().add_rms_norm(x[lo:hi], h[lo:hi], *ws, eps32, total[lo:hi], out[lo:hi])
+
+        by_rows(part, len(x))
         return total, None if weight is None else out
 
     def _compiled_norm(self, x: Any) -> bool:
@@ -317,8 +322,8 @@ class CpuBackend(Backend):
             return super().glu(x, activation)
         glu = _glu()
         kind = glu.GELU_TANH if activation == "gelu_tanh" else glu.SILU
-        out = np.empty((x.shape[0], x.shape[1] // 2), np.float32)
-        glu.glu(np.ascontiguousarray(x), kind, out)
+        x, out = np.ascontiguousarray(x), np.empty((x.shape[0], x.shape[1] // 2), np.float32)
+        by_rows(lambda lo, hi: glu.glu(x[lo:hi], kind, out[lo:hi]), len(x))
         return out
 
     def clamped_glu(self, gate_up: Any, alpha: float, limit: float) -> Any:

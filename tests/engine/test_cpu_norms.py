@@ -70,3 +70,33 @@ def test_residual_add_and_norm_in_one_call_equal_the_separate_calls_bit_for_bit(
         assert normed is None
     reference = cpu_backend("float32").add_rms_norm(x, h, h_weight, weight, 1e-6)
     np.testing.assert_allclose(total, reference[0], rtol=RTOL, atol=ATOL)
+
+
+def test_a_prefill_s_rows_cut_between_two_threads_are_the_bits_of_one_row_at_a_time() -> None:
+    # 150 rows (past matrix.SHARED_ROWS): the norm, the add and norm and the SwiGLU each
+    # run as two parts on the tile threads; every row equals that row computed alone
+    from meshnode.engine.cpu import matrix
+    from meshnode.engine.cpu.pool import KernelPool
+    from meshnode.engine.cpu.tiles import TileThreads
+    from tests.engine.test_kernel_pool import idle_gauge
+
+    rng = np.random.default_rng(7)
+    x, h = rng.standard_normal((2, 150, 576)).astype(np.float32)
+    gate_up = rng.standard_normal((150, 2 * 576)).astype(np.float32)
+    w1, w2 = rng.standard_normal((2, 576)).astype(np.float32)
+    backend, team = cpu_backend("native"), TileThreads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(matrix, "_threads", 2)
+        mp.setattr(matrix, "_pool", lambda: KernelPool(idle_gauge(4)))
+        mp.setattr(matrix, "_tile_threads", lambda: team)
+        normed = backend.rms_norm(x, w1, 1e-5)
+        total, both = backend.add_rms_norm(x, h, w1, w2, 1e-5)
+        act = backend.glu(gate_up, "silu")
+    assert team.posted == 3  # each call shared
+    for i in range(0, 150, 7):
+        one = slice(i, i + 1)
+        np.testing.assert_array_equal(backend.rms_norm(x[one], w1, 1e-5), normed[one])
+        alone = backend.add_rms_norm(x[one], h[one], w1, w2, 1e-5)
+        np.testing.assert_array_equal(alone[0], total[one])
+        np.testing.assert_array_equal(alone[1], both[one])
+        np.testing.assert_array_equal(backend.glu(gate_up[one], "silu"), act[one])

@@ -190,7 +190,11 @@ def packed(x: np.ndarray) -> np.ndarray:
     buf = np.empty(n + LANES, np.float32)
     at = (-(buf.ctypes.data // 4)) % LANES
     out = buf[at : at + n]
-    pack(np.ascontiguousarray(x, np.float32), out)
+    x = np.ascontiguousarray(x, np.float32)
+    from meshnode.engine.cpu.matrix import by_rows  # (matrix imports this module)
+
+    # a part's panels are whole: its first row a multiple of sixteen
+    by_rows(lambda lo, hi: pack(x[lo:hi], out[lo * x.shape[1] :]), x.shape[0], LANES)
     return out
 
 
