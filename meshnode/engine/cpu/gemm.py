@@ -56,6 +56,7 @@ exact --threads T --rounds 5 --prefill 512``): 1.07x at one thread, 1.05x at two
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -91,6 +92,9 @@ PAIRED = permutes()
 # while the tile's blocks go by). 1024 measured the same as 2048, 512 lost 5 % of a
 # prefill (the chains' stores and loads, a pass's start)
 K_PASS = 2048
+
+# how packed() may cut its rows into parts: run(fn, rows, align) (.matrix.by_rows)
+Parts = Callable[[Callable[[int, int], None], int, int], None]
 
 _VW = ir.VectorType(ir.FloatType(), LANES)
 _I32 = ir.IntType(32)
@@ -181,9 +185,11 @@ def panels(rows: int) -> int:
     return -(-rows // LANES)
 
 
-def packed(x: np.ndarray) -> np.ndarray:
+def packed(x: np.ndarray, run: Parts | None = None) -> np.ndarray:
     """``x`` ``[M, K]`` as :func:`pack`'s panels (a new flat float32 array, from a 64-byte
-    line)."""
+    line). ``run(fn, M, 16)``, where given, calls ``fn(lo, hi)`` for parts of the rows
+    that cover them, each part's first row a multiple of sixteen, perhaps on other threads
+    (:func:`.matrix.by_rows`); else all of them here."""
     n = panels(x.shape[0]) * x.shape[1] * LANES
     # from a 64-byte line: a panel's sixteen lanes are then one line, loaded as two 32-byte
     # halves that never straddle two lines (NumPy's arrays are 16-byte aligned)
@@ -191,10 +197,14 @@ def packed(x: np.ndarray) -> np.ndarray:
     at = (-(buf.ctypes.data // 4)) % LANES
     out = buf[at : at + n]
     x = np.ascontiguousarray(x, np.float32)
-    from meshnode.engine.cpu.matrix import by_rows  # (matrix imports this module)
 
-    # a part's panels are whole: its first row a multiple of sixteen
-    by_rows(lambda lo, hi: pack(x[lo:hi], out[lo * x.shape[1] :]), x.shape[0], LANES)
+    def part(lo: int, hi: int) -> None:  # whole panels: lo is a multiple of sixteen
+        pack(x[lo:hi], out[lo * x.shape[1] :])
+
+    if run is None:
+        part(0, x.shape[0])
+    else:
+        run(part, x.shape[0], LANES)
     return out
 
 

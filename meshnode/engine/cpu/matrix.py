@@ -265,7 +265,7 @@ def _dense_gemm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     gemm = _gemm()
     w = np.ascontiguousarray(w)
     rows, (n_in, n_out) = x.shape[0], w.shape
-    panels = gemm.packed(x)
+    panels = gemm.packed(x, by_rows)
     out = np.empty((rows, n_out), np.float32)
     flat = w.reshape(-1)
     bounds = _tiles().tiles(n_out, n_in, GEMM_TILE_BYTES)
@@ -420,7 +420,7 @@ class BlockMatrix:
 
         else:  # this sgemm rounds a row by its batch: the compiled GEMM's one order
             bounds = t.tiles(self.n_out, self.n_in, GEMM_TILE_BYTES)
-            panels, rows = _gemm().packed(x), x.shape[0]
+            panels, rows = _gemm().packed(x, by_rows), x.shape[0]
 
             def tile(i: int) -> None:
                 t.gemm_tile(parts, panels, rows, out, *bounds[i])
