@@ -97,7 +97,8 @@ def test_a_prefill_s_rows_cut_between_two_threads_are_the_bits_of_one_row_at_a_t
         one = slice(i, i + 1)
         np.testing.assert_array_equal(backend.rms_norm(x[one], w1, 1e-5), normed[one])
         alone = backend.add_rms_norm(x[one], h[one], w1, w2, 1e-5)
-        assert alone[1] is not None and both is not None
+        assert alone[1] is not None
+        assert both is not None
         np.testing.assert_array_equal(alone[0], total[one])
         np.testing.assert_array_equal(alone[1], both[one])
         np.testing.assert_array_equal(backend.glu(gate_up[one], "silu"), act[one])
