@@ -67,9 +67,9 @@ def worker(
     runner.generate(ids, 4)  # warm-up: kernels compiled or loaded, the pool started
     if many:
         streams(runner, 2)
-    long = [int(i) for i in prompt_ids(prefill, 2)]
-    if prefill:
-        runner.generate(long, 1)
+    long = [int(i) for i in prompt_ids(prefill, 2)] if prefill else []
+    if long:
+        runner.generate(long, 1)  # warm-up of the prefill's tiles
     print("ready", flush=True)
     for line in sys.stdin:
         n = int(line)

@@ -98,3 +98,21 @@ def test_a_portable_build_keeps_the_vector_ir() -> None:
 
 def _base_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
+
+
+@pytest.mark.parametrize("asm", [True, False])
+def test_one_row_picks_each_k_quant_s_pass_by_registers_and_assembly(
+    asm: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the table of passes.one_row, whatever this CPU: eight-lane tiles (AVX2) take the
+    # assembly where it runs, else Q4_K a row at a time and Q6_K from the scratch; sixteen
+    # (AVX-512) Q4_K's scales in registers, Q6_K's from the scratch
+    from numba import types
+
+    monkeypatch.setattr(passes, "assembles", lambda: asm)
+    q4, q6 = (types.IntegerLiteral(FORMATS[n].kernel_id) for n in ("Q4_K", "Q6_K"))
+    eight, sixteen = types.IntegerLiteral(8), types.IntegerLiteral(16)
+    want = (passes.pass4_k_asm, passes.pass4_k_asm6) if asm else _IR.values()
+    assert (passes.one_row(q4, eight), passes.one_row(q6, eight)) == tuple(want)
+    assert passes.one_row(q4, sixteen) is passes.pass4_k
+    assert passes.one_row(q6, sixteen) is passes.pass4_k_buf

@@ -213,6 +213,7 @@ def pack(x, out):  # type: ignore[no-untyped-def]
     """``out`` (flat, ``panels(M) * K * 16`` float32) = ``x`` ``[M, K]`` as K-major panels
     of sixteen rows, zero past the last row."""
     m, n_in = x.shape
+    flat, whole = x.reshape(-1), n_in - n_in % 16
     for g in range(-(-m // 16)):
         base = g * n_in * 16
         live = min(16, m - g * 16)
@@ -221,8 +222,6 @@ def pack(x, out):  # type: ignore[no-untyped-def]
         # 512-token prefill of the 1B shape, 2 % at one thread; row by row across the
         # whole panel wrote each line sixteen times from the L2); the last values of k,
         # fewer than sixteen, one at a time
-        flat = x.reshape(-1)
-        whole = n_in - n_in % 16
         for k0 in range(0, whole, 16):  # a 16 x 16 block at a time, in registers
             wtranspose16(flat, g * 16 * n_in + k0, n_in, live, out, base + k0 * 16)
         for k0 in range(whole, n_in, 16):
@@ -391,7 +390,7 @@ def _product(xp, rows, w, sn, sk, n_w, out, col):  # type: ignore[no-untyped-def
             for k0 in range(0, n_in, K_PASS):
                 k1 = min(n_in, k0 + K_PASS)
                 for n in range(0, full, BLOCK_ROWS):
-                    at = 32 * n  # 12 x 16 float32 a block of six rows
+                    at = 192 * (n // BLOCK_ROWS)  # 12 x 16 float32 a block
                     acc = _twelve(kept, at, k0)
                     acc = _pair6(xp, base, base2, k0, k1, w, n * sn, sn, sk, acc)
                     if k1 < n_in:

@@ -67,7 +67,7 @@ def one_row(fmt: Any, form: Any) -> Any:
         # Q4_K read that way was no faster (0.076 both: its lookup table stays)
         return pass4_k_buf if name == "Q6_K" else pass4_k
     if not assembles():
-        return pass4_k_buf if name == "Q6_K" else pass4_k
+        return pass4_k_rows if name == "Q4_K" else pass4_k_buf
     return pass4_k_asm if name == "Q4_K" else pass4_k_asm6
 
 
