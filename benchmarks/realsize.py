@@ -10,8 +10,11 @@ so a 49,152-token head; cached in ``~/.cache/meshnode/realsize/``); ``--layers``
 their depth. Random weights time things only: parity is checked on the real models
 (``tests/engine/test_golden.py``). For each model, each meshnode mode (``exact``:
 ``--dtype native``; ``q8``: 8-bit activations, the CPU's default) at each thread count runs
-in its own process; every round runs each of them once, then llama.cpp at each thread count, so
-that the load of this shared machine hits all alike. Measured, medians over rounds:
+in its own process; every round, at each thread count in turn, runs each of them once and
+llama.cpp once (llama.cpp first every other round), so that a round's measurements at one
+thread count run seconds apart and the drift of this shared machine's speed (10-25 % from
+one minute to the next: other tenants' memory traffic) hits both engines alike. Measured,
+medians over rounds:
 
 - decode: one sequence, ``--tokens`` new tokens after a 16-token prompt (llama.cpp:
   ``llama-bench -n TOKENS``, tg);
@@ -19,8 +22,10 @@ that the load of this shared machine hits all alike. Measured, medians over roun
   ``Stage.forward_batch``; llama.cpp: ``llama-batched-bench -npl 8``), aggregate tok/s;
 - prefill: a 512-token prompt (``llama-bench -p 512``, pp512);
 
-with ratios to llama.cpp at the same threads, the weight bytes a decode step reads times
-its tokens/s (GB/s), and a streaming read of 1 GiB at the same threads: the memory wall.
+with ratios to llama.cpp at the same threads (the median of each round's ratio, the
+lowest and highest beside it from three rounds on: :func:`ratio_cell`), the weight bytes a
+decode step reads times its tokens/s (GB/s), and a streaming read of 1 GiB at the same
+threads: the memory wall.
 Then the compute wall: the float32 FMA peak at each thread count (:func:`fma_peak`), and
 the exact mode's and llama.cpp's tokens/s as multiply-adds a second (:func:`report_compute`).
 
@@ -45,7 +50,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -331,21 +336,20 @@ def weights(model: Path) -> Weights:
 
 def run_model(model: Path, args: argparse.Namespace, folder: Path | None) -> None:
     workers = [Worker(m, t, model, args) for t in args.threads for m in args.modes]
-    results: dict[tuple[str, int], list[dict[str, float]]] = {w.key: [] for w in workers}
     skipped = None
+
+    def llama(t: int) -> dict[str, float] | None:
+        nonlocal skipped
+        if folder is None or skipped:
+            return None
+        try:
+            return llama_round(folder, model, t, args)
+        except (RuntimeError, OSError) as exc:
+            skipped = str(exc)
+            return None
+
     print(f"\n## {model.name}: start {uptime()}", flush=True)
-    for r in range(args.rounds):
-        for w in workers:
-            results[w.key].append(w.round())
-        for t in args.threads:
-            if folder is None or skipped:
-                continue
-            try:
-                results.setdefault(("llama.cpp", t), []).append(llama_round(folder, model, t, args))
-            except (RuntimeError, OSError) as exc:
-                skipped = str(exc)
-        print(f"round {r + 1}/{args.rounds} done, {uptime()}", flush=True)
-    print(f"end {uptime()}", flush=True)
+    results = paired_rounds(workers, args.threads, args.rounds, llama)
     for w in workers:
         w.close()
     floors = {t: read_floor(t) for t in args.threads}
@@ -358,13 +362,54 @@ def run_model(model: Path, args: argparse.Namespace, folder: Path | None) -> Non
         print(f"\nllama.cpp: skipped ({skipped})")
 
 
+def paired_rounds(
+    workers: Sequence[Worker],
+    threads: Sequence[int],
+    rounds: int,
+    llama: Callable[[int], dict[str, float] | None],
+) -> dict[tuple[str, int], list[dict[str, float]]]:
+    """Each worker's measurement every round, with llama.cpp's at each thread count
+    (``llama(t)``; None: skipped) beside them: at each thread count in turn, its workers
+    then llama.cpp, or llama.cpp first every other round. Keyed by (engine, threads)."""
+    results: dict[tuple[str, int], list[dict[str, float]]] = {w.key: [] for w in workers}
+    for r in range(rounds):
+        for t in threads:
+            ours = [w for w in workers if w.key[1] == t]
+            ref = None if r % 2 == 0 else llama(t)
+            for w in ours:
+                results[w.key].append(w.round())
+            if r % 2 == 0:
+                ref = llama(t)
+            if ref is not None:
+                results.setdefault(("llama.cpp", t), []).append(ref)
+        print(f"round {r + 1}/{rounds} done, {uptime()}", flush=True)
+    print(f"end {uptime()}", flush=True)
+    return results
+
+
+def ratio_cell(
+    rounds: Sequence[dict[str, float]], ref: Sequence[dict[str, float]], key: str
+) -> str:
+    """The median over rounds of each round's ``key`` over llama.cpp's in the same round (at
+    the same threads, seconds apart: :func:`paired_rounds`), and from three rounds on the
+    lowest and highest of them: how far the machine's drift moved the ratio."""
+    ratios = [a[key] / b[key] for a, b in zip(rounds, ref, strict=False)]
+    if not ratios or all(r != r for r in ratios):  # none, or not measured (nan)
+        return "-"
+    med = statistics.median(ratios)
+    if len(ratios) < 3:
+        return f"{med:.2f}x"
+    return f"{med:.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def report(
     model: Path,
     results: dict[tuple[str, int], list[dict[str, float]]],
     floors: dict[int, float],
     nbytes: int,
 ) -> None:
-    """One table: medians, ratios to llama.cpp at the same threads, decode GB/s."""
+    """One table: medians, ratios to llama.cpp at the same threads (:func:`ratio_cell`),
+    decode GB/s."""
     print(f"\n{model.name}: {nbytes / 1e9:.3f} GB of weights read per decode step")
     head = ["engine", "threads", "decode tok/s", "vs llama.cpp", "GB/s (of floor)"]
     head += ["8 streams tok/s", "vs llama.cpp", "prefill tok/s", "vs llama.cpp"]
@@ -379,7 +424,7 @@ def report(
             if ref is None or engine == "llama.cpp":
                 cells.append("-")
             else:
-                cells.append(f"{med[key] / statistics.median(r[key] for r in ref):.2f}x")
+                cells.append(ratio_cell(rounds, ref, key))
             if key == "decode":
                 gbs = med[key] * nbytes / 1e9
                 cells.append(f"{gbs:.1f} ({gbs / floors[t]:.0%})")

@@ -11,8 +11,9 @@ tokenizer; cached in ``~/.cache/meshnode/realsize/``); ``--layers`` cuts their d
 decode step's time is about linear in it). Random routers spread the tokens over the
 experts about as trained ones do; the numbers time things only. Each meshnode mode
 (``exact``: ``--dtype native``; ``q8``: 8-bit activations) at each thread count runs in its
-own process; every round runs each once, then llama.cpp at each thread count, so that the
-load of this shared machine hits all alike. Medians over rounds of:
+own process; every round, at each thread count in turn, runs each once and llama.cpp once
+(llama.cpp first every other round: :func:`benchmarks.realsize.paired_rounds`), so that the
+drift of this shared machine's speed hits both engines alike. Medians over rounds of:
 
 - decode: one sequence, ``--tokens`` new tokens after a 16-token prompt
   (``llama-bench -n``, tg);
@@ -40,7 +41,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine import MeshnodeRunner, uptime
-from benchmarks.realsize import Worker, llama_bin, llama_round, prompt_ids
+from benchmarks.realsize import (
+    Worker,
+    llama_bin,
+    llama_round,
+    paired_rounds,
+    prompt_ids,
+    ratio_cell,
+)
 from benchmarks.realsize_moe_gguf import SHAPES, cached_gguf
 
 MODES = {"exact": "blocks", "q8": "q8"}  # benchmarks/engine.py's variants
@@ -104,19 +112,12 @@ def run_model(model: Path, args: argparse.Namespace, folder: Path | None) -> Non
         for t in args.threads
         for m in args.modes
     ]
-    results: dict[tuple[str, int], list[dict[str, float]]] = {w.key: [] for w in workers}
+
+    def llama(t: int) -> dict[str, float] | None:
+        return None if folder is None else llama_round(folder, model, t, args, args.prefill)
+
     print(f"\n## {model.name}: start {uptime()}", flush=True)
-    for r in range(args.rounds):
-        for w in workers:
-            results[w.key].append(w.round())
-        for t in args.threads:
-            if folder is None:
-                break
-            results.setdefault(("llama.cpp", t), []).append(
-                llama_round(folder, model, t, args, args.prefill)
-            )
-        print(f"round {r + 1}/{args.rounds} done, {uptime()}", flush=True)
-    print(f"end {uptime()}", flush=True)
+    results = paired_rounds(workers, args.threads, args.rounds, llama)
     for w in workers:
         w.close()
     report(model, results)
@@ -125,7 +126,8 @@ def run_model(model: Path, args: argparse.Namespace, folder: Path | None) -> Non
 
 
 def report(model: Path, results: dict[tuple[str, int], list[dict[str, float]]]) -> None:
-    """One table: medians, ratios to llama.cpp at the same threads."""
+    """One table: medians, ratios to llama.cpp at the same threads
+    (:func:`benchmarks.realsize.ratio_cell`)."""
     print(f"\n{model.name}")
     head = ["engine", "threads", "decode tok/s", "vs llama.cpp", "8 streams tok/s"]
     head += ["vs llama.cpp", "prefill tok/s", "vs llama.cpp"]
@@ -140,7 +142,7 @@ def report(model: Path, results: dict[tuple[str, int], list[dict[str, float]]]) 
             if ref is None or engine == "llama.cpp":
                 cells.append("-")
             else:
-                cells.append(f"{med / statistics.median(r[key] for r in ref):.2f}x")
+                cells.append(ratio_cell(rounds, ref, key))
         print("| " + " | ".join(cells) + " |")
 
 
